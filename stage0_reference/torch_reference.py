@@ -1,0 +1,82 @@
+"""The stage 0 oracle in PyTorch, and FA4's tolerance rule for GPU tests.
+
+GPU kernels are judged the way the official FlashAttention judges itself: against an fp32
+reference, a kernel may be at most twice as wrong as a plain PyTorch implementation run in
+the input precision (bf16/fp16), plus a tiny absolute term. The rule scales itself to the
+problem, so no test carries a hand-picked tolerance.
+
+The math is the same as `reference.py` (tested against it on CPU); this copy exists because
+GPU tests need the reference on the GPU, in fp32 and in low precision.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["attention_ref", "attention_varlen_ref", "assert_fa4_close", "fa4_error_bound"]
+
+
+def attention_ref(q, k, v, *, softmax_scale=None, causal=False, upcast=True):
+    """q (B,Sq,Hq,D), k/v (B,Sk,Hkv,*) -> out (B,Sq,Hq,Dv) in q's dtype, lse (B,Hq,Sq) fp32.
+
+    upcast=True computes in fp32 (the reference; float64 input stays float64); upcast=False stays in the input precision,
+    rounding where a plain PyTorch implementation would (the baseline of the tolerance rule).
+    """
+    dtype_in = q.dtype
+    if upcast and q.dtype in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(hq // hkv, dim=2)
+    v = v.repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)  # (B, H, Sq, Sk)
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
+    s_hi = s.float() if s.dtype in (torch.float16, torch.bfloat16) else s
+    lse = torch.logsumexp(s_hi, dim=-1)  # (B, H, Sq), -inf where nothing is visible
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows: NaN -> 0
+    out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
+    return out.to(dtype_in), lse
+
+
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False, upcast=True):
+    """Packed q (Tq,Hq,D), k/v (Tk,Hkv,*) -> out (Tq,Hq,Dv), lse (Hq,Tq)."""
+    out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
+        if q1 == q0:
+            continue
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                             softmax_scale=softmax_scale, causal=causal, upcast=upcast)
+        out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, lse
+
+
+def _max_abs_diff(a, b):
+    a, b = a.float(), b.float()
+    both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+    diff = torch.where(both_inf, torch.zeros_like(a), (a - b).abs())
+    return diff.nan_to_num(float("inf")).max().item() if diff.numel() else 0.0
+
+
+def fa4_error_bound(ref_fp32, baseline, atol=1e-5):
+    """2 x (error of the low-precision PyTorch baseline) + atol."""
+    return 2.0 * _max_abs_diff(baseline, ref_fp32) + atol
+
+
+def assert_fa4_close(name, actual, ref_fp32, baseline, atol=1e-5):
+    """FA4's rule: max|actual - ref| <= 2 max|baseline - ref| + atol (infinities must match)."""
+    if actual.shape != ref_fp32.shape:
+        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != reference {tuple(ref_fp32.shape)}")
+    err = _max_abs_diff(actual, ref_fp32)
+    bound = fa4_error_bound(ref_fp32, baseline, atol)
+    if not err <= bound:
+        raise AssertionError(
+            f"{name}: max abs error {err:.3e} exceeds FA4 bound {bound:.3e} "
+            f"(2 x PyTorch {baseline.dtype} error {(bound - atol) / 2:.3e} + atol {atol:.0e})")
+    return err, bound

@@ -1,0 +1,52 @@
+"""Test tiers and stage markers.
+
+Every test carries exactly one tier marker (cpu, compile, gpu) and at least one lesson
+marker (stage0..stage5, fa4, tutorials), so `pytest -m stage1` runs one lesson and a failing
+run names the lesson that broke. A test without them is a collection error, not a silent gap.
+"""
+import functools
+import os
+
+import pytest
+
+TIERS = ("cpu", "compile", "gpu")
+LESSONS = ("stage0", "stage1", "stage2", "stage3", "stage4", "stage5", "fa4", "tutorials")
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_device_reason() -> str | None:
+    """None when a CUDA device is usable, else why not (shown as the skip reason)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device on this machine (gpu tier runs on the device tool's H100/H200)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    errors = []
+    for item in items:
+        names = {m.name for m in item.iter_markers()}
+        tiers = [t for t in TIERS if t in names]
+        if len(tiers) != 1:
+            errors.append(f"{item.nodeid}: needs exactly one tier marker of {TIERS}, has {tiers}")
+        if not any(lesson in names for lesson in LESSONS):
+            errors.append(f"{item.nodeid}: needs a lesson marker of {LESSONS}")
+        if "gpu" in names:
+            reason = cuda_device_reason()
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+    if errors:
+        raise pytest.UsageError("tests with missing markers:\n  " + "\n  ".join(errors))
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh, reproducible generator per test (seeded from the test's name)."""
+    import numpy as np
+    import zlib
+
+    seed = zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("FA4_TEST_SEED", "0"))
+    return np.random.default_rng(seed)
