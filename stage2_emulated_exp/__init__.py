@@ -1,1 +1,11 @@
-"""(placeholder)"""
+"""Stage 2: exp2 on the FMA units (Cody-Waite range reduction + minimax polynomial).
+
+CPU half: minimax (Remez in mpmath), host_model (bit-exact float32 model of the PTX sequence),
+exact_model (the same with Fractions), accuracy (the paper's table).
+GPU half: gpu_kernel (CuTe-DSL kernels), gpu_bench (throughput), device_main (check + time).
+See README.md in this folder.
+"""
+from .host_model import exp2_emulated
+from .minimax import minimax_coefficients
+
+__all__ = ["exp2_emulated", "minimax_coefficients"]

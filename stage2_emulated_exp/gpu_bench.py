@@ -308,14 +308,24 @@ def run_bench(n_iter: int = 8192, reps: int = 5, names=None, log=print) -> dict:
             "results": results}
 
 
+def git_commit() -> str:
+    """The commit the measured code came from. The device machine gets a copy of the working
+    tree without usable git history, so the caller passes it in FA4_GIT_COMMIT."""
+    commit = os.environ.get("FA4_GIT_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__), timeout=10).stdout.strip()
+        except Exception:
+            commit = ""
+    is_hash = len(commit) >= 7 and all(c in "0123456789abcdef" for c in commit.lower())
+    return commit if is_hash else ""
+
+
 def environment() -> dict:
     import torch
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(__file__), timeout=10).stdout.strip()
-    except Exception:
-        commit = ""
+    commit = git_commit()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return {
         "device": props.name,
