@@ -1,0 +1,230 @@
+"""Forward attention TFLOP/s: every stage 3 ladder step and its peers, measured in one run.
+
+    python benchmarks/bench_fwd.py --out benchmarks/results/fwd_h100.json [--plot fwd_h100.png] [--quick]
+
+Setup as in DESIGN.md: bf16, 32k tokens per batch (batch = 32768 / seqlen), hidden 2048
+(heads = 2048 / head_dim), seqlen 1k..16k. FLOPs = 4 * b * h * s^2 * d (2 * b * h * s^2 *
+(d_qk + d_v) when they differ), halved for causal. Each number is the median of
+triton.testing.do_bench (CUDA events), peers measured in the same process right after ours.
+Every implementation's output is compared with the official FA4's on the first config, so a
+fast wrong kernel cannot enter the table.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import torch
+
+LADDER = {
+    "step1_wgmma": "stage3_fwd_kernel.hopper_step1_wgmma",
+    "step2_tma": "stage3_fwd_kernel.hopper_step2_tma",
+    "step3_warpspec": "stage3_fwd_kernel.hopper_step3_warpspec",
+    "step4_fa4_softmax": "stage3_fwd_kernel.hopper_step4_fa4_softmax",
+}
+HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
+SEQLENS = [1024, 2048, 4096, 8192, 16384]
+
+
+def flops(batch, heads, seqlen, d, dv, causal):
+    f = 2.0 * batch * heads * seqlen * seqlen * (d + dv)
+    return f / 2 if causal else f
+
+
+def timer():
+    try:
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=150, return_mode="median"), "triton.testing.do_bench median"
+    except ImportError:
+        def events(fn, iters=30):
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(iters):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record(); fn(); e.record(); torch.cuda.synchronize()
+                ts.append(s.elapsed_time(e))
+            return sorted(ts)[len(ts) // 2]
+
+        return events, "CUDA events median of 30"
+
+
+def implementations(steps):
+    """name -> callable(q, k, v, causal) -> out, for everything importable here."""
+    impls = {}
+    try:
+        from flash_attn.cute.interface import flash_attn_func as fa4_func
+
+        def fa4(q, k, v, c):
+            out = fa4_func(q, k, v, causal=c)
+            return out[0] if isinstance(out, tuple) else out
+
+        impls["flash-attn-4 (official)"] = fa4
+    except Exception as exc:  # not installed, or no sm90 path
+        print(f"  skip official flash-attn-4: {exc}")
+    for step in steps:
+        try:
+            mod = importlib.import_module(LADDER[step])
+            impls[f"ours:{step}"] = lambda q, k, v, c, m=mod: m.attention_forward(q, k, v, causal=c)[0]
+        except ImportError as exc:
+            print(f"  skip {step}: {exc}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def fn(q, k, v, c):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=c).transpose(1, 2)
+        return fn
+
+    impls["cuDNN (SDPA)"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    impls["FA2 (SDPA)"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    return impls
+
+
+def versions():
+    v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+         "cudnn": torch.backends.cudnn.version()}
+    for pkg in ("nvidia-cutlass-dsl", "flash-attn-4", "triton"):
+        try:
+            from importlib.metadata import version
+
+            v[pkg] = version(pkg)
+        except Exception:
+            v[pkg] = None
+    return v
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--quick", action="store_true", help="seqlens 4k, 16k only")
+    ap.add_argument("--steps", default=",".join(LADDER), help="ladder steps to include")
+    ap.add_argument("--ladder-dims", default="128", help="head dims on which every ladder step runs")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fwd needs a CUDA GPU; committed results are in benchmarks/results/")
+        return 2
+    steps = [s for s in args.steps.split(",") if s]
+    ladder_dims = {int(x) for x in args.ladder_dims.split(",")}
+    seqlens = [4096, 16384] if args.quick else SEQLENS
+    bench, timing_method = timer()
+    impls = implementations(steps)
+    ours_present = [n[5:] for n in impls if n.startswith("ours:")]
+    production = ours_present[-1] if ours_present else "none"
+    print(f"device {torch.cuda.get_device_name()}  impls: {', '.join(impls)}")
+    results, checked = [], set()
+    t_start = time.time()
+    for d, dv in HEAD_DIMS:
+        for causal in (False, True):
+            for s in seqlens:
+                b, h = 32768 // s, 2048 // d
+                q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+                ref = None
+                for name, fn in impls.items():
+                    if name.startswith("ours:") and name[5:] != production and d not in ladder_dims:
+                        continue  # the early ladder steps are measured at the ladder dims only
+                    row = {"impl": name, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s,
+                           "batch": b, "heads": h}
+                    try:
+                        out = fn(q, k, v, causal)
+                        torch.cuda.synchronize()
+                        key = (name, d, dv, causal)
+                        if name == "flash-attn-4 (official)":
+                            ref = out
+                        if key not in checked and ref is not None and name != "flash-attn-4 (official)":
+                            row["max_abs_diff_vs_fa4"] = (out.float() - ref.float()).abs().max().item()
+                            checked.add(key)
+                        ms = bench(lambda: fn(q, k, v, causal))
+                        row.update(ms=ms, tflops=flops(b, h, s, d, dv, causal) / ms / 1e9)
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                        if os.environ.get("BENCH_TRACEBACK"):
+                            traceback.print_exc()
+                    results.append(row)
+                    shown = f"{row['tflops']:7.1f} TFLOP/s" if "tflops" in row else f"ERROR {row['error'][:80]}"
+                    print(f"  d={d}/{dv} causal={causal!s:5} s={s:5}  {name:26} {shown}", flush=True)
+                del q, k, v, ref
+    doc = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+           "versions": versions(), "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"),
+           "timing": timing_method, "dtype": "bf16", "tokens_per_batch": 32768, "hidden": 2048,
+           "production_step": production, "elapsed_s": round(time.time() - t_start, 1), "results": results}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {args.out}")
+    print(summary_table(doc))
+    if args.plot:
+        plot(doc, args.plot)
+    return 0
+
+
+def _lookup(doc):
+    return {(r["impl"], r["head_dim"], r["head_dim_v"], r["causal"], r["seqlen"]): r.get("tflops")
+            for r in doc["results"]}
+
+
+def summary_table(doc) -> str:
+    """Ratio of our production step to the official FA4, per config (markdown)."""
+    t = _lookup(doc)
+    ours = f"ours:{doc['production_step']}"
+    lines = ["| head dim | causal | seqlen | ours TFLOP/s | FA4 TFLOP/s | cuDNN | FA2 | ours / FA4 |",
+             "|---|---|---|---|---|---|---|---|"]
+    seqlens = sorted({r["seqlen"] for r in doc["results"]})
+    for d, dv in HEAD_DIMS:
+        for causal in (False, True):
+            for s in seqlens:
+                vals = [t.get((n, d, dv, causal, s)) for n in (ours, "flash-attn-4 (official)", "cuDNN (SDPA)", "FA2 (SDPA)")]
+                if vals[0] is None and vals[1] is None:
+                    continue
+                fmt = [f"{x:.0f}" if x else "-" for x in vals]
+                ratio = f"{vals[0] / vals[1]:.2f}x" if vals[0] and vals[1] else "-"
+                dim = f"{d}" if d == dv else f"{d}/{dv}"
+                lines.append(f"| {dim} | {causal} | {s // 1024}k | " + " | ".join(fmt) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def plot(doc, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = _lookup(doc)
+    impls = list(dict.fromkeys(r["impl"] for r in doc["results"]))
+    seqlens = sorted({r["seqlen"] for r in doc["results"]})
+    fig, axes = plt.subplots(2, len(HEAD_DIMS), figsize=(4 * len(HEAD_DIMS), 7), sharey=True)
+    for col, (d, dv) in enumerate(HEAD_DIMS):
+        for row, causal in enumerate((False, True)):
+            ax = axes[row][col]
+            for name in impls:
+                ys = [t.get((name, d, dv, causal, s)) for s in seqlens]
+                if any(ys):
+                    ax.plot([s // 1024 for s in seqlens], [y or float("nan") for y in ys], "o-", label=name, ms=3)
+            ax.set_title(f"d={d}{'' if d == dv else f'/{dv}'} {'causal' if causal else 'non-causal'}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("seqlen (k)")
+            ax.grid(alpha=0.3)
+            if col == 0:
+                ax.set_ylabel("TFLOP/s")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"forward, bf16, 32k tokens, hidden 2048 - {doc['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

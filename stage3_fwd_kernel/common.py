@@ -1,0 +1,432 @@
+"""Host-side plumbing shared by the stage-3 Hopper steps, so that each step file holds only its kernel.
+
+What lives here (and why it is not in the step files):
+
+* arch setup: CuTe-DSL reads ``CUTE_DSL_ARCH`` once, when ``cutlass`` is first imported, so this
+  module must be imported before ``cutlass`` by every step (``import stage3_fwd_kernel.common``
+  first). Without a GPU we compile for ``sm_90a`` (the ``a`` enables ``wgmma``/``setmaxnreg``).
+* the tile-scheduler interface (``StaticTileScheduler``): a kernel asks it for its work tile and the
+  host asks it for the grid. Stage 5 supplies an LPT scheduler with the same two methods.
+* fake-tensor builders and the torch -> CuTe conversion, with one compile cache keyed by the
+  kernel's configuration (shapes and strides stay dynamic, so one compile serves every size).
+* the resource report: registers / spills / stack from ptxas, the SASS (nvdisasm) and what it holds
+  (HGMMA, MUFU.EX2, local-memory traffic), and the shared memory the kernel asked for.
+* ``run_step``: the body of every step's ``run()`` -- on a Hopper GPU it checks against the stage-0
+  reference (FA4's tolerance rule) and times; without one it compiles and prints the report.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import warnings
+from typing import Any, Callable, NamedTuple, Optional
+
+# --------------------------------------------------------------------------------------------
+# 0. arch: must happen before the first `import cutlass`
+# --------------------------------------------------------------------------------------------
+if "cutlass" in sys.modules and os.environ.get("CUTE_DSL_ARCH") is None:
+    warnings.warn("cutlass was imported before stage3_fwd_kernel.common; CUTE_DSL_ARCH was not set "
+                  "and the DSL may target the wrong architecture", stacklevel=2)
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32  # noqa: E402
+
+ARCH = os.environ["CUTE_DSL_ARCH"]
+LOG2_E = math.log2(math.e)
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# --------------------------------------------------------------------------------------------
+# 1. tile scheduler interface
+# --------------------------------------------------------------------------------------------
+class WorkTile(NamedTuple):
+    m_block: Any  # Int32: which tile of `tile_m` query rows
+    head: Any     # Int32: query head
+    batch: Any    # Int32
+    is_valid: Any  # Boolean / bool: False when a persistent scheduler has run out of work
+
+
+class StaticTileScheduler:
+    """One CTA per (m_block, head, batch) tile: grid = (ceil(seqlen_q / tile_m), heads, batch).
+
+    The interface every scheduler implements (stage 5 adds LPT / varlen ones):
+      * ``grid_shape(num_m_blocks, num_heads, batch)`` -- host side, inside the ``@cute.jit``
+        launcher (arguments may be dynamic ``Int32``);
+      * ``initial_work()`` -- device side, the first ``WorkTile`` of this CTA;
+      * ``next_work(work)`` -- device side, the following one (``is_valid`` False when done).
+    A static scheduler hands each CTA exactly one tile, so ``next_work`` always ends the loop;
+    a kernel written as ``work = initial_work(); while work.is_valid: ...; work = next_work(work)``
+    therefore runs unchanged under a persistent scheduler.
+    """
+
+    persistent = False  # compile-time: kernels may unroll the work loop to a single `if`
+
+    @staticmethod
+    def grid_shape(num_m_blocks, num_heads, batch):
+        return (num_m_blocks, num_heads, batch)
+
+    @staticmethod
+    def initial_work() -> WorkTile:
+        bx, by, bz = cute.arch.block_idx()
+        return WorkTile(Int32(bx), Int32(by), Int32(bz), True)
+
+    @staticmethod
+    def next_work(work: WorkTile) -> WorkTile:
+        return WorkTile(work.m_block, work.head, work.batch, False)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. tensors: fake ones for compile-only, real ones from torch
+# --------------------------------------------------------------------------------------------
+def cutlass_dtype(name_or_torch_dtype):
+    """'bf16' / 'fp16' / torch.bfloat16 / torch.float16 / cutlass type -> cutlass numeric type."""
+    key = str(name_or_torch_dtype).replace("torch.", "")
+    table = {"bf16": cutlass.BFloat16, "bfloat16": cutlass.BFloat16, "BFloat16": cutlass.BFloat16,
+             "fp16": cutlass.Float16, "float16": cutlass.Float16, "Float16": cutlass.Float16,
+             "half": cutlass.Float16}
+    for k, v in table.items():
+        if key == k or key.endswith("." + k):
+            return v
+    raise TypeError(f"dtype: expected bf16 or fp16, got {name_or_torch_dtype!r}")
+
+
+def torch_dtype(dtype):
+    import torch
+
+    return {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16}[cutlass_dtype(dtype)]
+
+
+def fake_bshd(dtype, head_dim: int):
+    """A (batch, seqlen, heads, head_dim) tensor for cute.compile: every extent but head_dim and
+    every stride but the last is a runtime value (so one compile serves all sizes and strides)."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+    stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
+def fake_lse():
+    """(batch, heads, seqlen_q) fp32, last mode contiguous."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    stride = (cute.sym_int64(), cute.sym_int64(), 1)
+    return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
+
+
+def to_cute(t, assumed_align=16):
+    """A torch CUDA tensor -> a CuTe tensor with dynamic shape and strides (last mode stride 1)."""
+    from cutlass.cute.runtime import from_dlpack
+
+    return from_dlpack(t.detach(), assumed_align=assumed_align).mark_layout_dynamic(leading_dim=t.ndim - 1)
+
+
+def assume_strides_16B(t: cute.Tensor, head_dim: int) -> cute.Tensor:
+    """Trace-side: promise the compiler that every stride but the last is a multiple of 16 bytes
+    (the host checks it), so 128-bit copies and TMA descriptors are legal; and make the head_dim
+    extent the compile-time constant it is (torch tensors arrive with every extent dynamic)."""
+    divby = 128 // t.element_type.width
+    strides = tuple(s if isinstance(s, int) else cute.assume(s, divby=divby) for s in t.stride[:-1])
+    return cute.make_tensor(t.iterator, cute.make_layout((*t.shape[:-1], head_dim), stride=(*strides, t.stride[-1])))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. compile + resource report
+# --------------------------------------------------------------------------------------------
+_DUMP_DIR = None
+
+
+def _dump_dir() -> str:
+    global _DUMP_DIR
+    if _DUMP_DIR is None:
+        _DUMP_DIR = tempfile.mkdtemp(prefix="fa4_stage3_cute_")
+    return _DUMP_DIR
+
+
+class Compiled(NamedTuple):
+    fn: Any           # the callable returned by cute.compile
+    report: dict      # registers, spills, smem, SASS instruction counts
+    sass: str         # full SASS text ("" if nvdisasm is unavailable)
+    ptx: str
+
+
+_CACHE: dict = {}
+
+
+def compile_cached(key, build: Callable[[], tuple]) -> Compiled:
+    """Compile once per key. `build()` returns (kernel_object, args_tuple); the kernel object's
+    `smem_bytes` attribute (set while tracing) goes into the report."""
+    if key in _CACHE:
+        return _CACHE[key]
+    kernel, args = build()
+    opts = f"--keep-ptx --keep-cubin --dump-dir {_dump_dir()} remarks{{ptx}}"
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
+        fn = cute.compile(kernel, *args, options=opts)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
+    ptx = fn.__ptx__ or ""
+    cubin = fn.__cubin__
+    sass = disassemble(cubin) if cubin else ""
+    report = parse_resources(log, sass, cubin)
+    report["smem_bytes"] = getattr(kernel, "smem_bytes", None)
+    report["threads"] = getattr(kernel, "num_threads", None)
+    out = Compiled(fn, report, sass, ptx)
+    _CACHE[key] = out
+    return out
+
+
+def _nvdisasm() -> Optional[str]:
+    exe = shutil.which("nvdisasm")
+    if exe:
+        return exe
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for sub in ("cu13", "cu12", "cuda_nvdisasm"):
+                cand = os.path.join(root, sub, "bin", "nvdisasm")
+                if os.path.exists(cand):
+                    return cand
+    except ImportError:
+        pass
+    return None
+
+
+def disassemble(cubin: bytes) -> str:
+    exe = _nvdisasm()
+    if exe is None:
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+        path = f.name
+    try:
+        res = subprocess.run([exe, "-c", path], capture_output=True, text=True, timeout=120)
+        return res.stdout
+    finally:
+        os.unlink(path)
+
+
+def _elf_register_count(cubin: bytes) -> Optional[int]:
+    """Registers per thread from the cubin: the top byte of the kernel's .text section sh_info."""
+    try:
+        if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+            return None
+        shoff, = struct.unpack_from("<Q", cubin, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+        strtab_off = sections[shstrndx][4]
+        for sh in sections:
+            name_end = cubin.index(b"\0", strtab_off + sh[0])
+            name = cubin[strtab_off + sh[0]:name_end].decode()
+            if name.startswith(".text.kernel"):
+                return sh[7] >> 24
+    except Exception:  # a report helper must never break a compile
+        return None
+    return None
+
+
+def parse_resources(ptxas_log: str, sass: str, cubin: Optional[bytes]) -> dict:
+    rep: dict = {}
+    m = re.search(r"Used (\d+) registers", ptxas_log)
+    rep["registers"] = int(m.group(1)) if m else (_elf_register_count(cubin) if cubin else None)
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
+    if m:
+        rep["stack_frame"], rep["spill_stores"], rep["spill_loads"] = map(int, m.groups())
+    else:
+        rep["stack_frame"] = rep["spill_stores"] = rep["spill_loads"] = None
+    # SASS instruction counts (static, i.e. in the code, not executed)
+    def count(pat):
+        return len(re.findall(pat, sass)) if sass else None
+    rep["HGMMA"] = count(r"\bHGMMA\.")
+    rep["MUFU.EX2"] = count(r"\bMUFU\.EX2\b")
+    rep["LDL/STL"] = count(r"\b(?:LDL|STL)(?:\.|\s)")
+    rep["UTMALDG"] = count(r"\bUTMALDG\b")
+    rep["LDGSTS"] = count(r"\bLDGSTS\b")
+    rep["ptxas_log"] = ptxas_log
+    return rep
+
+
+def format_report(name: str, rep: dict) -> str:
+    keys = ["threads", "registers", "smem_bytes", "stack_frame", "spill_stores", "spill_loads",
+            "HGMMA", "MUFU.EX2", "LDGSTS", "UTMALDG", "LDL/STL"]
+    return f"{name}: " + ", ".join(f"{k}={rep.get(k)}" for k in keys)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. the host entry point shared by the steps
+# --------------------------------------------------------------------------------------------
+def hopper_gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal) -> float:
+    """4*b*h*sq*sk*d (2 for QK^T, 2 for PV, with d the mean of the two head dims), halved when
+    causal (the usual convention, also for seqlen_q != seqlen_k)."""
+    f = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v)
+    return f / 2 if causal else f
+
+
+def prepare_inputs(q, k, v):
+    """Check the (B,S,H,D) contract and make strides 16-byte aligned (copying only if not)."""
+    import torch
+
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v: expected rank 4 (batch, seqlen, heads, head_dim), got {q.shape}, {k.shape}, {v.shape}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q, k, v: expected one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    b, sq, hq, d = q.shape
+    bk, sk, hkv, dk = k.shape
+    if bk != b or v.shape[0] != b or v.shape[1] != sk or v.shape[2] != hkv or dk != d:
+        raise ValueError(f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if hq % hkv != 0:
+        raise ValueError(f"heads: heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        raise ValueError("q, k, v: expected CUDA tensors")
+
+    def aligned(t):
+        # 16-byte aligned base and strides (cp.async / TMA), no broadcast (stride 0) modes: TMA
+        # tensor maps need positive strides
+        ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+        ok = ok and all(s % 8 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+        return t if ok else t.contiguous()
+    return aligned(q), aligned(k), aligned(v)
+
+
+def launch(compiled: Compiled, q, k, v, out, lse, softmax_scale: float):
+    import torch
+    from cuda.bindings import driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    compiled.fn(to_cute(q), to_cute(k), to_cute(v), to_cute(out), to_cute(lse, assumed_align=4),
+                Float32(softmax_scale * LOG2_E), Float32(softmax_scale), stream)
+
+
+def real_args(q, k, v, out, lse, softmax_scale):
+    """The arguments a GPU compile traces with (real tensors, so the compiled signature matches
+    exactly what `launch` passes)."""
+    import torch
+    from cuda.bindings import driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    return (to_cute(q), to_cute(k), to_cute(v), to_cute(out), to_cute(lse, assumed_align=4),
+            Float32(softmax_scale * LOG2_E), Float32(softmax_scale), stream)
+
+
+def fake_args(dtype, head_dim, head_dim_v):
+    dt = cutlass_dtype(dtype)
+    return (fake_bshd(dt, head_dim), fake_bshd(dt, head_dim), fake_bshd(dt, head_dim_v),
+            fake_bshd(dt, head_dim_v), fake_lse(), Float32(1.0), Float32(1.0),
+            cute.runtime.make_fake_stream())
+
+
+def compile_fake(step_name: str, make_kernel: Callable, *, dtype, head_dim, head_dim_v, causal) -> Compiled:
+    """Compile a step's kernel for (dtype, head dims, causal) with fake tensors (no GPU needed)."""
+    dt = cutlass_dtype(dtype)
+    key = (step_name, "fake", str(dt), head_dim, head_dim_v, bool(causal))
+    return compile_cached(key, lambda: (make_kernel(dt, head_dim, head_dim_v, causal),
+                                         fake_args(dt, head_dim, head_dim_v)))
+
+
+def attention_forward_impl(step_name: str, make_kernel: Callable, q, k, v, *, softmax_scale=None,
+                           causal=False, out=None, lse=None):
+    """(B,S,H,D) CUDA tensors -> (out (B,Sq,Hq,Dv) in q's dtype, lse (B,Hq,Sq) fp32)."""
+    import torch
+
+    q, k, v = prepare_inputs(q, k, v)
+    b, sq, hq, d = q.shape
+    dv = v.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    if out is None:
+        out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    if b == 0 or sq == 0 or hq == 0:
+        return out, lse
+    if k.shape[1] == 0:  # nothing visible anywhere
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    dt = cutlass_dtype(q.dtype)
+    key = (step_name, "gpu", str(dt), d, dv, bool(causal))
+    compiled = compile_cached(key, lambda: (make_kernel(dt, d, dv, causal),
+                                             real_args(q, k, v, out, lse, softmax_scale)))
+    launch(compiled, q, k, v, out, lse, softmax_scale)
+    return out, lse
+
+
+def benchmark_ms(fn, warmup=5, iters=20) -> float:
+    """Median milliseconds of fn() timed with CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def run_step(step_name: str, make_kernel: Callable, attention_forward: Callable, *, batch, seqlen_q,
+             seqlen_k, heads, heads_kv, head_dim, head_dim_v, causal, dtype, check, verbose=True) -> dict:
+    """The body of every step's run(): GPU -> check + time; no GPU -> compile + resource report."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    heads_kv = heads if heads_kv is None else heads_kv
+    result: dict = {"step": step_name}
+    if not hopper_gpu_available():
+        comp = compile_fake(step_name, make_kernel, dtype=dtype, head_dim=head_dim,
+                            head_dim_v=head_dim_v, causal=causal)
+        result.update(mode="compile-only", report=comp.report)
+        if verbose:
+            print(format_report(f"{step_name} [{ARCH}, {dtype}, d={head_dim}/{head_dim_v}, "
+                                f"causal={causal}] (no Hopper GPU: compiled only)", comp.report))
+        return result
+
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+    tdt = torch_dtype(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=tdt, generator=gen)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=tdt, generator=gen)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v, device="cuda", dtype=tdt, generator=gen)
+    out = torch.full((batch, seqlen_q, heads, head_dim_v), float("nan"), device="cuda", dtype=tdt)
+    lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda", dtype=torch.float32)
+    attention_forward(q, k, v, causal=causal, out=out, lse=lse)
+    torch.cuda.synchronize()
+    if check:
+        ref_o, ref_lse = attention_ref(q, k, v, causal=causal, upcast=True)
+        base_o, base_lse = attention_ref(q, k, v, causal=causal, upcast=False)
+        assert_fa4_close(f"{step_name} out", out, ref_o, base_o)
+        assert_fa4_close(f"{step_name} lse", lse, ref_lse, base_lse)
+    ms = benchmark_ms(lambda: attention_forward(q, k, v, causal=causal, out=out, lse=lse))
+    tflops = attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal) / (ms * 1e-3) / 1e12
+    rep = _CACHE[(step_name, "gpu", str(cutlass_dtype(dtype)), head_dim, head_dim_v, bool(causal))].report
+    result.update(mode="gpu", ms=ms, tflops=tflops, report=rep)
+    if verbose:
+        status = "PASS" if check else "(unchecked)"
+        print(f"{status} {step_name} b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} "
+              f"d={head_dim}/{head_dim_v} causal={causal} {dtype}: {ms:.3f} ms, {tflops:.1f} TFLOP/s")
+        print(format_report("  resources", rep))
+    return result

@@ -1,0 +1,533 @@
+"""Stage 3, Hopper step 3: warp specialization -- a producer warp and two ping-ponging consumer
+warpgroups (the FlashAttention-3 structure).
+
+Compared with the previous step, this adds **a dedicated producer warpgroup (one warp issues all
+TMA loads) and two consumer warpgroups that share each K/V tile, take turns on the tensor cores
+and do their softmax while the other one's GEMMs run** because in step 2 a single warpgroup
+alternated between MMA (tensor cores busy, MUFU idle) and softmax (MUFU busy, tensor cores idle),
+so at best one unit worked at a time, and it also had to stop its math to issue loads.
+
+* Roles (384 threads): warpgroup 0 = producer; only its warp 0 works, issuing Q once and then
+  K/V blocks as fast as stages free up. Warpgroups 1 and 2 = consumers, each owning 64 of the
+  CTA's 128 query rows (tile_m = 128), running step 2's per-tile math unchanged.
+* Registers: ``setmaxnreg`` moves them to where they are needed. The launch caps the kernel at
+  65536 / 384 = 170 (168) per thread; the producer drops to 40 and the consumers rise to 232:
+  128 * 40 + 256 * 232 = 64512 <= 65536. A consumer needs S (tile_n/2) + O (dv/2) + P (tile_n/4)
+  registers plus softmax state: 64 + 64 + 32 + ~40 at d = 128, tile_n = 128.
+* Ping-pong: two named barriers (ids 1, 2) pass a "tensor-core turn" between the consumers. A
+  consumer waits for its turn, *issues* its GEMM, hands the turn over, and only then waits for the
+  GEMM's result; so consumer A's softmax runs while consumer B's QK^T / PV occupy the tensor
+  cores, and vice versa (FA3, section 3.1). Each consumer takes two turns per key block (QK^T and
+  PV) and gives two; consumer 1 pre-gives one so consumer 0 starts, and consumer 0 takes one extra
+  after its loop so no arrival is left dangling.
+* K/V tiles are shared: the "empty" barriers wait for 8 consumer warps instead of 4, and each
+  tile's bytes now feed 128 query rows instead of 64 (half the K/V traffic per FLOP of step 2).
+
+Arithmetic (H100, bf16, d = dv = 128, tile_n = 128): per key block the CTA does
+4 * 128 * 128 * 128 = 8.4 MFLOP (~2048 tensor-core clk) and 128 * 128 = 16384 exp2 (~1024 MUFU
+clk). Serialised (step 2) that is ~3000+ clk per block; with the two consumers ping-ponging, one
+consumer's exp2 hides under the other's MMAs, towards max(2048, 1024 + other FP32 work) clk.
+One CTA per SM now (384 threads and most of the register file), so it gets all the shared memory:
+
+  Shared memory = Q (128 x d) + stages * tile_n * (d + dv) * 2 bytes (O reuses Q), <= 227 KB:
+    d=64,      tile_n=128: 16 + 4 * 32 = 144 KB (4 stages)
+    d=96,      tile_n=128: 24 + 4 * 48 = 216 KB (4 stages)
+    d=128,     tile_n=128: 32 + 3 * 64 = 224 KB (3 stages)
+    d=192/128, tile_n=128: 48 + 2 * 80 = 208 KB (2 stages)
+    d=256,     tile_n=64:  64 + 2 * 64 = 192 KB (2 stages)
+
+Everything the previous steps support is still supported (fp16/bf16, head dims 64/96/128/
+(192,128)/256, causal bottom-right, GQA/MQA, any seqlens, 16-byte aligned strides).
+"""
+from __future__ import annotations
+
+import math
+
+from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
+from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.memory.smem import SmemAllocator  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+STEP = "hopper_step3_warpspec"
+
+
+SMEM_BUDGET = 227 * 1024  # opt-in shared memory per CTA on sm_90
+
+
+def default_tile_n(head_dim: int, head_dim_v: int) -> int:
+    """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S."""
+    return 64 if max(head_dim, head_dim_v) > 192 else 128
+
+
+def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128) -> int:
+    """As many K/V stages as fit next to Q (2 bytes/element), between 2 and 4 (table above)."""
+    q_bytes = tile_m * head_dim * 2
+    stage_bytes = tile_n * (head_dim + head_dim_v) * 2
+    return max(2, min(4, (SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
+
+
+# ------------------------------------------------------------------------------------------------
+# Register-layout helpers for the Hopper accumulator (see the module docstring for the picture)
+# ------------------------------------------------------------------------------------------------
+def acc_rowcol(acc: cute.Tensor) -> cute.Tensor:
+    """View a wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols) of this thread:
+    rows = (the 2 rows 8 apart, MMA_M), cols = (2 adjacent columns, N/8 groups, MMA_N)."""
+    shp, std = acc.layout.shape, acc.layout.stride
+    rows = ((shp[0][1], shp[1]), (std[0][1], std[1]))
+    cols = ((shp[0][0], shp[0][2], shp[2]), (std[0][0], std[0][2], std[2]))
+    return cute.make_tensor(acc.iterator, cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1])))
+
+
+@cute.jit
+def quad_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
+    """Reduce over the 4 lanes of a quad (the 4 threads that share an accumulator row)."""
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return x
+
+
+@cute.jit
+def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+               zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[bool] = True):
+    """acc (+)= A B over all k-blocks, issued by the whole warpgroup; waited for unless wait=False
+    (then the caller does `warpgroup.wait_group(0)` before touching acc).
+
+    wgmma.fence orders our earlier register writes (the P fragment, the rescaled O) before the
+    asynchronous MMA reads them; commit + wait(0) makes the result visible before we touch acc.
+    """
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: we flip its ACCUMULATE field
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait):
+        warpgroup.wait_group(0)
+
+
+class FlashAttentionForwardSm90Step3:
+    """Producer warp + 2 consumer warpgroups (64 rows each, tile_m = 128), ping-pong on the tensor
+    cores, TMA loads into a `num_stages` K/V ring shared by both consumers."""
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *, tile_m: int = 128,
+                 tile_n: int | None = None, num_stages: int | None = None, pingpong: bool = True,
+                 scheduler=common.StaticTileScheduler):
+        if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
+            raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
+        assert tile_m == 128, "step 3: two consumer warpgroups x one wgmma M=64 row block"
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.tile_m = tile_m
+        self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
+        self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m)
+        self.pingpong = pingpong
+        self.scheduler = scheduler
+        self.num_consumers = 2               # consumer warpgroups
+        self.wg_m = tile_m // self.num_consumers  # 64 query rows per consumer
+        self.num_threads = 128 * (1 + self.num_consumers)
+        self.regs_producer, self.regs_consumer = 40, 232
+        self.smem_bytes = None
+
+    # -------------------------------------------------------------- host side (traced once)
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
+        """Row-major (contiguous along `cols`) tile with the widest swizzle wgmma accepts,
+        optionally with a trailing stage mode."""
+        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols)
+        atom = warpgroup.make_smem_layout_atom(atom_kind, self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _gmem_copy_O(self, cols: int):
+        """128 threads, 16 bytes each, a row of the swizzle atom per group of threads."""
+        elems = 128 // self.dtype.width
+        atom_cols = 64 if cols % 64 == 0 else (32 if cols % 32 == 0 else 16)
+        threads_per_row = atom_cols // elems
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr = cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0))  # one warpgroup
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32, stream):
+        # mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv), mLSE (B, Hq, Sq)
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
+            raise TypeError("q, k, v, out must share the kernel's dtype")
+        tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        nc = self.num_consumers
+        mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
+        mV, mO = common.assume_strides_16B(mV, dv), common.assume_strides_16B(mO, dv)
+
+        # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size 2)
+        sQ_layout = self._smem_layout(tm, d, nc)
+        sK_layout = self._smem_layout(tn, d, stages)
+        sV_layout = self._smem_layout(tn, dv, stages)
+        sO_layout = self._smem_layout(tm, dv, nc)
+
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S (tm x tn) = Q (tm x d) . K (tn x d)^T : A and B both K-major, both from smem
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (tm, tn))
+        # O (tm x dv) = P (tm x tn) . V : A = P from registers, B = V^T (dv x tn) is MN-major
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (tm, dv),
+            a_source=warpgroup.OperandSource.RMEM)
+
+        # TMA: the tensor map sees (seqlen, head_dim, heads, batch) so that a (rows, head_dim) box
+        # tiles the first two modes; head and batch are fixed per CTA by slicing the TMA tensor.
+        def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), (tm, d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mK), cute.slice_(sK_layout, (None, None, 0)), (tn, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mV), cute.slice_(sV_layout, (None, None, 0)), (tn, dv))
+        # bytes each stage's "full" barrier waits for (the whole box, zero-filled rows included)
+        self.tma_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)  # both slabs, one barrier
+        self.tma_bytes_K = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        self.tma_bytes_V = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
+
+        # O is written once, after the last QK^T: each consumer puts its O slab at the start of its
+        # own Q slab (never over the other consumer's slab, which may still be in use)
+        self.o_in_q = cute.cosize(cute.slice_(sO_layout, (None, None, 0))) <= cute.cosize(
+            cute.slice_(sQ_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]               # full + empty, 1 stage
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[
+                self.dtype, 0 if self.o_in_q else cute.cosize(sO_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+
+        num_m_blocks = (mQ.shape[1] + self.tile_m - 1) // self.tile_m
+        grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], mQ.shape[0])
+        self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, softmax_scale,
+                    mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+                    tma_atom_Q, tma_atom_K, tma_atom_V,
+                    tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
+                    self._gmem_copy_O(dv),
+                    # min_blocks_per_mp=1 caps registers at entry (65536/384), which setmaxnreg needs
+                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # -------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
+               seqlen_q: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               gmem_copy_O: cute.TiledCopy):
+        tn, d, dv, stages = self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        # 0. which tile, which sequence lengths (varlen would plug in here)
+        work = self.scheduler.initial_work()
+        m_block, head, batch = work.m_block, work.head, work.batch
+        head_kv = head // qhead_per_kvhead  # GQA: q head h reads kv head h // ratio
+
+        if warp_idx == 0:  # fetch the tensor maps (they live in kernel params) into the TMA unit
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # mbarrier pipelines: producer = 1 arrival (an elected lane of the producer warp, which also
+        # posts the expected byte count), consumers = the 8 warps of both consumer warpgroups
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
+        pipe_Q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer_group,
+            consumer_group=consumer_group, tx_count=self.tma_bytes_Q, defer_sync=True)
+        pipe_K = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_K.data_ptr(), num_stages=stages, producer_group=producer_group,
+            consumer_group=consumer_group, tx_count=self.tma_bytes_K, defer_sync=True)
+        pipe_V = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_V.data_ptr(), num_stages=stages, producer_group=producer_group,
+            consumer_group=consumer_group, tx_count=self.tma_bytes_V, defer_sync=True)
+        cute.arch.mbarrier_init_fence()  # make the barrier inits visible to the async proxy (TMA)
+        cute.arch.sync_threads()         # ... and to every thread; the last CTA-wide barrier
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, 2)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (tn, dv, stages)
+
+        # key blocks this 128-row query tile can see: all of them, or (causal) up to the diagonal
+        # of its last row (query i sees key j iff j <= i + seqlen_k - seqlen_q). Both consumers
+        # walk the same blocks: they share every K/V stage.
+        n_block_max = (seqlen_k + tn - 1) // tn
+        if const_expr(self.causal):
+            last_visible = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive bound on keys
+            n_block_max = cutlass.min(n_block_max, cutlass.max((last_visible + tn - 1) // tn, 0))
+
+        if warp_group_idx == 0:
+            # ---------------------------------------------------------------- producer warpgroup
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:  # one warp issues (elect.sync inside needs the whole warp converged)
+                gQ = cute.local_tile(tma_Q[None, None, head, batch], (self.wg_m, d), (None, 0))   # (64, d, m64)
+                gK = cute.local_tile(tma_K[None, None, head_kv, batch], (tn, d), (None, 0))       # (tn, d, n_blocks)
+                gV = cute.local_tile(tma_V[None, None, head_kv, batch], (tn, dv), (None, 0))      # (tn, dv, n_blocks)
+                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                                   cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+                                                   cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+                                                   cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+                # 1. Q: both 64-row slabs on one barrier (it expects both slabs' bytes)
+                q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
+                pipe_Q.producer_acquire(q_state)
+                for wg in cutlass.range_constexpr(self.num_consumers):
+                    cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_consumers + wg], tQsQ[None, wg],
+                              tma_bar_ptr=pipe_Q.producer_get_barrier(q_state))
+                # 2. every visible K/V block, each as soon as its stage has been released
+                for n_block in cutlass.range(n_block_max, unroll=1):
+                    self.load_kv(n_block, pipe_K, pipe_V, tma_atom_K, tma_atom_V, tKgK, tKsK, tVgV, tVsV)
+        else:
+            # ---------------------------------------------------------------- consumer warpgroups
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            self.consume(warp_group_idx - 1, tidx % 128, m_block, head, batch, n_block_max, seqlen_q, seqlen_k,
+                         softmax_scale_log2, mO, mLSE, sQ, sK, sV, storage, pipe_Q, pipe_K, pipe_V,
+                         tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
+
+    @cute.jit
+    def consume(self, wg: Int32, ctidx: Int32, m_block: Int32, head: Int32, batch: Int32, n_block_max: Int32,
+                seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, mO: cute.Tensor, mLSE: cute.Tensor,
+                sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, storage, pipe_Q, pipe_K, pipe_V,
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sO_layout: cute.ComposedLayout,
+                gmem_copy_O: cute.TiledCopy):
+        """One consumer warpgroup: step 2's per-tile math on its own 64 query rows."""
+        tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        row0 = m_block * self.tile_m + wg * tm  # first query row of this warpgroup
+        # named barriers (0 is sync_threads): 1 + w = "consumer w may use the tensor cores",
+        # 3 + w = this warpgroup's own 128-thread barrier
+        my_turn, other_turn = 1 + wg, 2 - wg
+        turn_threads = 2 * 128
+
+        sQ_wg = sQ[None, None, wg]                                              # (64, d)
+        if const_expr(self.o_in_q):  # (64, dv) at the base of our Q slab (same 128B swizzle phase)
+            sO_slab = cute.slice_(sO_layout, (None, None, 0))
+            sO_wg = cute.make_tensor(cute.recast_ptr(sQ_wg.iterator, sO_slab.inner, self.dtype), sO_slab.outer)
+        else:
+            sO_wg = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, wg]
+        # the same V bytes seen as (dv, tn, stages): the MN-major B operand of O = P V
+        sVt = cute.composition(sV, cute.make_ordered_layout((dv, tn, stages), order=(1, 0, 2)))
+        gO = cute.local_tile(mO[batch, None, head, None], (tm, dv), (m_block * self.num_consumers + wg, 0))
+
+        # MMA partitions: smem operands become wgmma descriptors, accumulators registers
+        thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))     # (..., stages)
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))   # (..., stages)
+        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((tm, dv)), Float32)
+        acc_O.fill(0.0)
+        acc_O_rc = acc_rowcol(acc_O)
+        # (row, col) of each S accumulator element inside the (tm, tn) tile, for masking
+        tScS_rc = acc_rowcol(thr_mma_qk.partition_C(cute.make_identity_tensor((tm, tn))))
+        num_rows = cute.size(tScS_rc, mode=[0])  # 2 rows per thread
+        row_max = cute.make_rmem_tensor((num_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        if const_expr(self.pingpong):
+            if wg == 1:  # consumer 0 takes the first turn
+                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+        pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+
+        # 2. mainloop over key tiles
+        for n_block in cutlass.range(n_block_max, unroll=1):
+            st = self.kv_state(n_block, producer=False)
+            # 2b. S = Q K_j^T as soon as K_j has landed, on our turn; hand the turn over right after
+            #     issuing, so the other consumer's GEMMs queue behind ours while we do softmax
+            pipe_K.consumer_wait(st)
+            acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+            wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+            warpgroup.wait_group(0)
+            acc_S_rc = acc_rowcol(acc_S)
+
+            # 2c. mask keys >= seqlen_k, and (causal) keys past each row's diagonal
+            needs_mask = (n_block + 1) * tn > seqlen_k
+            if const_expr(self.causal):
+                needs_mask = needs_mask or (n_block + 1) * tn > row0 + 1 + seqlen_k - seqlen_q
+            if needs_mask:
+                for r in cutlass.range_constexpr(num_rows):
+                    col_limit = seqlen_k - n_block * tn  # in this tile's column coordinates
+                    if const_expr(self.causal):
+                        row = row0 + tScS_rc[r, 0][0]
+                        col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
+                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                        if tScS_rc[r, c][1] >= col_limit:
+                            acc_S_rc[r, c] = -Float32.inf
+
+            # 2d. online softmax, log2 domain, one row pair per thread
+            for r in cutlass.range_constexpr(num_rows):
+                m_tile = acc_S_rc[r, 0]
+                for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
+                    m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
+                m_tile = quad_allreduce(m_tile, cute.arch.fmax)
+                m_new = cute.arch.fmax(row_max[r], m_tile)
+                # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
+                m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+                m_scaled = m_safe * softmax_scale_log2
+                rescale = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
+                row_max[r] = m_new
+                s = Float32(0.0)
+                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                    p = cute.math.exp2(acc_S_rc[r, c] * softmax_scale_log2 - m_scaled, fastmath=True)
+                    acc_S_rc[r, c] = p
+                    s += p
+                row_sum[r] = row_sum[r] * rescale + s  # per-thread partial; quad-reduced at the end
+                for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                    acc_O_rc[r, c] = acc_O_rc[r, c] * rescale
+
+            # 2e. P -> bf16/fp16 in the A-operand register fragment, then O += P V_j (on our turn)
+            tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), self.dtype)
+            # same registers in accumulator order (see module docstring): convert in place
+            tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
+            tOrP_as_acc.store(acc_S.load().to(self.dtype))
+            pipe_V.consumer_wait(st)
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st.index], zero_init=False, wait=False)
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+            warpgroup.wait_group(0)
+
+            # 2f. both wgmmas have completed: hand the stage back to the producer warp
+            pipe_K.consumer_release(st)
+            pipe_V.consumer_release(st)
+
+        if const_expr(self.pingpong):
+            if wg == 0:  # consume consumer 1's last hand-over: no arrival outlives the loop
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+
+        # 3. epilogue: O /= l, lse = m*scale + ln(l); empty rows -> O = 0, lse = -inf
+        lse = cute.make_rmem_tensor((num_rows,), Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            l = quad_allreduce(row_sum[r], lambda a, b: a + b)
+            inv = Float32(0.0) if l == 0.0 else cute.arch.rcp_approx(l)
+            lse[r] = (-Float32.inf if l == 0.0 else
+                      (row_max[r] * softmax_scale_log2 + cute.math.log2(l, fastmath=True)) * math.log(2.0))
+            for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                acc_O_rc[r, c] = acc_O_rc[r, c] * inv
+
+        # 3a. lse: the thread holding column 0 of a row writes it
+        if tScS_rc[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(num_rows):
+                row = row0 + tScS_rc[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[batch, head, row] = lse[r]
+
+        # 3b. O: registers -> smem (accumulator layout) -> 16-byte coalesced, row-guarded stores.
+        #     Only this warpgroup touches its slab, so a 128-thread named barrier replaces
+        #     sync_threads (the producer warpgroup may have exited already).
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        if const_expr(self.o_in_q):
+            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)  # our last QK^T has read sQ_wg
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_pv)
+        thr_smem_copy_O = smem_copy_O.get_slice(ctidx)
+        cute.copy(smem_copy_O, thr_smem_copy_O.retile(rO), thr_smem_copy_O.partition_D(sO_wg))
+        cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+        thr_copy_O = gmem_copy_O.get_slice(ctidx)
+        tOsO, tOgO = thr_copy_O.partition_S(sO_wg), thr_copy_O.partition_D(gO)
+        tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((tm, dv)))
+        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        q_rows_left = seqlen_q - row0
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if tOcO[0, m, 0][0] < q_rows_left:
+                cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
+
+    # -------------------------------------------------------------- pipeline bookkeeping
+    def kv_state(self, n_block: Int32, producer: bool) -> pipeline.PipelineState:
+        """Pipeline slot of key block n: stage n % stages; the phase flips every lap round the ring.
+        A producer starts one phase ahead: its first lap must not wait for "empty"."""
+        phase = (n_block // self.num_stages) % 2
+        if const_expr(producer):
+            phase = phase ^ 1
+        return pipeline.PipelineState(self.num_stages, n_block, n_block % self.num_stages, phase)
+
+    @cute.jit
+    def load_kv(self, n_block: Int32, pipe_K, pipe_V, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+                tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor, tVsV: cute.Tensor):
+        """(producer warp) wait until the slot is free, post the byte count, issue K then V."""
+        st = self.kv_state(n_block, producer=True)
+        pipe_K.producer_acquire(st)
+        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=pipe_K.producer_get_barrier(st))
+        pipe_V.producer_acquire(st)
+        cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, st.index], tma_bar_ptr=pipe_V.producer_get_barrier(st))
+
+
+# ------------------------------------------------------------------------------------------------
+# Host API
+# ------------------------------------------------------------------------------------------------
+def make_kernel(dtype, head_dim, head_dim_v, causal):
+    return FlashAttentionForwardSm90Step3(dtype, head_dim, head_dim_v, causal)
+
+
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None):
+    """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32)."""
+    return common.attention_forward_impl(STEP, make_kernel, q, k, v, softmax_scale=softmax_scale,
+                                         causal=causal, out=out, lse=lse)
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False) -> common.Compiled:
+    """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report."""
+    return common.compile_fake(STEP, make_kernel, dtype=dtype, head_dim=head_dim,
+                               head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal)
+
+
+def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
+        causal=False, dtype="bf16", check=True):
+    """On a Hopper GPU: check against the stage-0 reference (FA4 rule) and time. Otherwise:
+    compile for sm_90a and print the resource report."""
+    return common.run_step(STEP, make_kernel, attention_forward, batch=batch, seqlen_q=seqlen_q,
+                           seqlen_k=seqlen_k, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
+                           head_dim_v=head_dim_v, causal=causal, dtype=dtype, check=check)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seqlen_q", type=int, default=1024)
+    ap.add_argument("--seqlen_k", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--heads_kv", type=int, default=None)
+    ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--head_dim_v", type=int, default=None)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    a = ap.parse_args()
+    run(batch=a.batch, seqlen_q=a.seqlen_q, seqlen_k=a.seqlen_k or a.seqlen_q, heads=a.heads,
+        heads_kv=a.heads_kv, head_dim=a.head_dim, head_dim_v=a.head_dim_v, causal=a.causal, dtype=a.dtype)
