@@ -1,0 +1,28 @@
+"""Committed benchmark results: the README tables are generated from them and stay in sync."""
+import json
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ladder  # noqa: E402
+
+pytestmark = [pytest.mark.cpu, pytest.mark.stage3]
+
+
+def test_stage3_readme_ladder_is_generated_from_the_json():
+    readme = ladder.README.read_text()
+    current = readme.split(ladder.START, 1)[1].split(ladder.END, 1)[0].strip()
+    assert current == ladder.render().strip(), "run: python benchmarks/ladder.py --write"
+
+
+def test_forward_results_record_device_versions_commit_and_agree_with_the_official_kernel():
+    for path in sorted(ladder.RESULTS.glob("fwd_h100*.json")):
+        doc = json.loads(path.read_text())
+        assert doc["device"].startswith("NVIDIA H100") and doc["git_commit"] not in ("", "unknown")
+        assert doc["versions"]["nvidia-cutlass-dsl"] == "4.8.1" and doc["versions"]["flash-attn-4"]
+        diffs = [r["max_abs_diff_vs_fa4"] for r in doc["results"] if "max_abs_diff_vs_fa4" in r]
+        assert diffs and max(diffs) < 0.02, f"{path.name}: an implementation disagrees with the official FA4"
