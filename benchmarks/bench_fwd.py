@@ -58,8 +58,12 @@ def timer():
         return events, "CUDA events median of 30"
 
 
-def implementations(steps):
-    """name -> callable(q, k, v, causal) -> out, for everything importable here."""
+def implementations(steps, variants=()):
+    """name -> callable(q, k, v, causal) -> out, for everything importable here.
+
+    variants: (tau, fraction) pairs of the production step's softmax policy, timed as extra rows
+    (e.g. fraction 0 = all exponentials on MUFU) to show what each FA4 technique buys.
+    """
     impls = {}
     try:
         from flash_attn.cute.interface import flash_attn_func as fa4_func
@@ -77,6 +81,12 @@ def implementations(steps):
             impls[f"ours:{step}"] = lambda q, k, v, c, m=mod: m.attention_forward(q, k, v, causal=c)[0]
         except ImportError as exc:
             print(f"  skip {step}: {exc}")
+            continue
+        if step == "step4_fa4_softmax":
+            for tau, frac in variants:
+                impls[f"variant:tau={tau:g},emu={frac:g}"] = (
+                    lambda q, k, v, c, m=mod, t=tau, f=frac:
+                    m.attention_forward(q, k, v, causal=c, rescale_threshold=t, emulation_fraction=f)[0])
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(backend):
@@ -111,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="seqlens 4k, 16k only")
     ap.add_argument("--steps", default=",".join(LADDER), help="ladder steps to include")
     ap.add_argument("--ladder-dims", default="128", help="head dims on which every ladder step runs")
+    ap.add_argument("--variants", default="", help="step-4 softmax variants 'tau:fraction,...', e.g. '0:0,8:0,8:0.375'")
+    ap.add_argument("--variant-dims", default="64,128", help="head dims on which the variants run")
+    ap.add_argument("--dims", default="", help="restrict to these QK head dims, e.g. '64,128'")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_fwd needs a CUDA GPU; committed results are in benchmarks/results/")
@@ -119,13 +132,16 @@ def main(argv=None) -> int:
     ladder_dims = {int(x) for x in args.ladder_dims.split(",")}
     seqlens = [4096, 16384] if args.quick else SEQLENS
     bench, timing_method = timer()
-    impls = implementations(steps)
+    variants = [tuple(float(x) for x in v.split(":")) for v in args.variants.split(",") if v]
+    variant_dims = {int(x) for x in args.variant_dims.split(",") if x}
+    dims = [hd for hd in HEAD_DIMS if not args.dims or str(hd[0]) in args.dims.split(",")]
+    impls = implementations(steps, variants)
     ours_present = [n[5:] for n in impls if n.startswith("ours:")]
     production = ours_present[-1] if ours_present else "none"
     print(f"device {torch.cuda.get_device_name()}  impls: {', '.join(impls)}")
     results, checked = [], set()
     t_start = time.time()
-    for d, dv in HEAD_DIMS:
+    for d, dv in dims:
         for causal in (False, True):
             for s in seqlens:
                 b, h = 32768 // s, 2048 // d
@@ -136,6 +152,8 @@ def main(argv=None) -> int:
                 for name, fn in impls.items():
                     if name.startswith("ours:") and name[5:] != production and d not in ladder_dims:
                         continue  # the early ladder steps are measured at the ladder dims only
+                    if name.startswith("variant:") and d not in variant_dims:
+                        continue
                     row = {"impl": name, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s,
                            "batch": b, "heads": h}
                     try:
@@ -183,7 +201,7 @@ def summary_table(doc) -> str:
     lines = ["| head dim | causal | seqlen | ours TFLOP/s | FA4 TFLOP/s | cuDNN | FA2 | ours / FA4 |",
              "|---|---|---|---|---|---|---|---|"]
     seqlens = sorted({r["seqlen"] for r in doc["results"]})
-    for d, dv in HEAD_DIMS:
+    for d, dv in dims:
         for causal in (False, True):
             for s in seqlens:
                 vals = [t.get((n, d, dv, causal, s)) for n in (ours, "flash-attn-4 (official)", "cuDNN (SDPA)", "FA2 (SDPA)")]

@@ -124,6 +124,11 @@ def fake_lse():
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
 
 
+def fake_i32_vector():
+    """A 1-D int32 tensor of runtime length (cu_seqlens, seqused_k, batch_map), contiguous."""
+    return cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+
+
 def to_cute(t, assumed_align=16):
     """A torch CUDA tensor -> a CuTe tensor with dynamic shape and strides (last mode stride 1)."""
     from cutlass.cute.runtime import from_dlpack
@@ -304,6 +309,128 @@ def prepare_inputs(q, k, v):
         ok = ok and all(s % 8 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1]))
         return t if ok else t.contiguous()
     return aligned(q), aligned(k), aligned(v)
+
+
+def align_16B(t):
+    """`t` if its base and every stride but the last (which must be 1) are 16-byte aligned and no
+    mode is broadcast (TMA needs positive strides), else a contiguous copy."""
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+    ok = ok and all(s % (16 // t.element_size()) == 0 and (s > 0 or n == 1)
+                    for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+    return t if ok else t.contiguous()
+
+
+def _check_i32_vector(name, t, length=None):
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch int32 tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype int32, got {t.dtype}")
+    if t.dim() != 1 or (length is not None and t.shape[0] != length):
+        want = "(n,)" if length is None else f"({length},)"
+        raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+
+
+def _check_count(name, x):
+    import numbers
+
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if x < 0:
+        raise ValueError(f"{name}: expected >= 0, got {x}")
+
+
+def prepare_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                          seqused_k=None, batch_map=None):
+    """Check the packed varlen contract, cheaply (no device sync), and align strides.
+
+    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv); cu_seqlens_q / cu_seqlens_k
+    int32 (batch + 1,); seqused_k, batch_map int32 (batch,) or None. Shapes and dtypes are checked
+    before devices, so a wrong call fails the same way on a CPU-only machine. Values (monotone
+    cu_seqlens, seqused_k <= lengths) are the caller's contract: `check_varlen_values` verifies
+    them at the price of a device-to-host copy.
+    Returns (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map), aligned / contiguous.
+    """
+    import torch
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v: expected rank 3 (total_tokens, heads, head_dim), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q, k, v: expected one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    tk, hkv, d = k.shape
+    if d != q.shape[2] or v.shape[0] != tk or v.shape[1] != hkv:
+        raise ValueError(f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if hkv == 0 or q.shape[1] % hkv != 0:
+        raise ValueError(f"heads: heads_q ({q.shape[1]}) must be a multiple of heads_kv ({hkv})")
+    _check_i32_vector("cu_seqlens_q", cu_seqlens_q)
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q: expected batch + 1 >= 1 entries, got 0")
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_i32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1)
+    if seqused_k is not None:
+        _check_i32_vector("seqused_k", seqused_k, batch)
+    if batch_map is not None:
+        _check_i32_vector("batch_map", batch_map, batch)
+    _check_count("max_seqlen_q", max_seqlen_q)
+    _check_count("max_seqlen_k", max_seqlen_k)
+    if batch > 65535 or q.shape[1] > 65535:
+        raise ValueError(f"batch ({batch}) and heads ({q.shape[1]}) must be <= 65535 (grid y / z limit)")
+    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+               "seqused_k": seqused_k, "batch_map": batch_map}
+    for name, t in tensors.items():
+        if t is not None and (not t.is_cuda or t.device != q.device):
+            raise ValueError(f"{name}: expected a CUDA tensor on {q.device}, got {t.device}")
+    return (align_16B(q), align_16B(k), align_16B(v), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+            None if seqused_k is None else seqused_k.contiguous(),
+            None if batch_map is None else batch_map.contiguous())
+
+
+def check_varlen_values(total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, seqused_k=None,
+                        batch_map=None):
+    """The value half of the varlen contract (copies the small index tensors to the host)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for name, cu, total in (("cu_seqlens_q", cq, total_q), ("cu_seqlens_k", ck, total_k)):
+        if cu[0] < 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
+            raise ValueError(f"{name}: expected non-decreasing offsets in [0, {total}], got {cu}")
+    lens_q = [b - a for a, b in zip(cq, cq[1:])]
+    if lens_q and max(lens_q) > max_seqlen_q:
+        raise ValueError(f"max_seqlen_q: {max_seqlen_q} is smaller than the longest query sequence "
+                         f"({max(lens_q)})")
+    if seqused_k is not None:
+        lens_k = [b - a for a, b in zip(ck, ck[1:])]
+        used = seqused_k.tolist()
+        if any(u < 0 or u > n for u, n in zip(used, lens_k)):
+            raise ValueError(f"seqused_k: expected 0 <= seqused_k[b] <= cu_seqlens_k[b+1] - cu_seqlens_k[b], "
+                             f"got {used} for lengths {lens_k}")
+    if batch_map is not None:
+        n = len(cq) - 1
+        if any(not 0 <= b < n for b in batch_map.tolist()):
+            raise ValueError(f"batch_map: expected entries in [0, {n})")
+
+
+def check_out_tensor(name, t, shape, dtype, device, *, align_bytes):
+    """A caller-supplied output: exact shape and dtype, on q's device, last stride 1, every other
+    stride a multiple of `align_bytes` (the kernel stores 16-byte vectors to out, 4 bytes to lse)."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+    elem = align_bytes // t.element_size()
+    if t.numel() and (t.stride(-1) != 1 or t.data_ptr() % align_bytes
+                      or any(s % elem for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)):
+        raise ValueError(f"{name}: needs last stride 1 and {align_bytes}-byte aligned base and strides, "
+                         f"got strides {t.stride()}")
 
 
 def launch(compiled: Compiled, q, k, v, out, lse, softmax_scale: float):

@@ -1,0 +1,46 @@
+"""The production Hopper (sm_90) forward: a stable name for the last rung of the ladder.
+
+`fa4` imports only this module, so the ladder's files can be renamed or extended without
+touching the package. Today every name points at step 4 (hopper_step4_fa4_softmax): step 3's
+warp-specialized ping-pong kernel with FA4's softmax (conditional rescaling with a warp vote,
+partial exp2 emulation) and varlen.
+
+    from stage3_fwd_kernel.hopper import attention_forward, attention_varlen_forward
+    out, lse = attention_forward(q, k, v, causal=True)                 # (B, S, H, D)
+    out, lse = attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k)   # packed (T, H, D)
+"""
+from __future__ import annotations
+
+from stage3_fwd_kernel.hopper_step4_fa4_softmax import (
+    DEFAULT_POLICY,
+    STEP,
+    SUPPORTED_HEAD_DIMS,
+    FlashAttentionForwardSm90Step4 as FlashAttentionForwardSm90,
+    attention_forward,
+    attention_varlen_forward,
+    compile_only,
+    make_kernel,
+    run,
+)
+from stage3_fwd_kernel.softmax_policy import (
+    DEFAULT_EMULATION_FRACTION,
+    DEFAULT_POLY_DEGREE,
+    DEFAULT_RESCALE_THRESHOLD,
+    SoftmaxPolicy,
+)
+
+__all__ = [
+    "DEFAULT_EMULATION_FRACTION",
+    "DEFAULT_POLICY",
+    "DEFAULT_POLY_DEGREE",
+    "DEFAULT_RESCALE_THRESHOLD",
+    "FlashAttentionForwardSm90",
+    "STEP",
+    "SUPPORTED_HEAD_DIMS",
+    "SoftmaxPolicy",
+    "attention_forward",
+    "attention_varlen_forward",
+    "compile_only",
+    "make_kernel",
+    "run",
+]

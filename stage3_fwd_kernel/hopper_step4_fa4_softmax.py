@@ -1,0 +1,916 @@
+"""Stage 3, Hopper step 4: FA4's softmax (conditional rescaling + partial exp2 emulation) and
+varlen -- the production Hopper forward (``stage3_fwd_kernel.hopper`` re-exports it).
+
+Compared with the previous step, this adds **a per-warp vote that skips the O/l rescale unless
+some row's max grew by more than tau = 8 (log2 units), and a compile-time share (25%) of the
+exponentials computed by stage 2's polynomial on the FMA pipe instead of MUFU.EX2** because on
+Hopper the forward is co-bound by the exponential unit: per 128 x 128 tile the CTA does
+16384 exp2 = 16384 / 16 = 1024 MUFU clk, against 4 * 128 * 128 * d / 4096 = d * 16 tensor-core
+clk (dense bf16, ~4096 FLOP/clk/SM) -- a tie at d = 64 (exp/MMA = 64/d), and at d = 128 the exp
+still fills half the tile time that the other consumer's MMAs must hide. Step 3's ping-pong
+overlaps the two units but cannot make MUFU faster. This step also adds **variable-length
+batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
+
+* Partial emulation (softmax_policy.exp2_row): each consumer thread holds 2 rows x tile_n/4 = 64
+  scores (tile_n = 128); 4 of every 16 consecutive fragment values (25%) use the degree-3
+  sequence -- FMNMX, FADD.RM, 2 FADD, 3 FFMA, LEA: 6 FMA-pipe + 2 ALU ops -- and 12 use
+  MUFU.EX2. Per tile the CTA's MUFU load drops from 1024 to 768 clk, paid by 4096 x 6 / 128 =
+  192 clk on the FMA pipe (which already carries 128 clk of score FFMAs plus max/sum). At d = 64
+  that moves the bound from MUFU (1024) back to the tensor cores (1024 -> MMA-bound), at d = 128
+  it frees a quarter of the MUFU time the other consumer has to cover. The instructions are
+  stage 2's inline-PTX helpers (verified bit-exact against its host model on an H100), imported,
+  not copied.
+* Conditional rescaling (softmax_policy.rescale_vote): a Hopper warp holds 16 query rows (2 per
+  thread, 4 threads per row). After the tile's row max, each thread asks "did one of my rows grow
+  by > tau?" and `vote.sync.any` makes it a warp decision: yes -> every row of the warp moves to
+  its new max and O, l are rescaled (as in step 3); no -> the whole warp keeps its stale maxima,
+  P = 2^(s - m) <= 2^tau, and the dv/2 FMULs of the O rescale (64 per thread at d = 128, as
+  many as its exp2s) are skipped. Uniform per warp, so the branch never diverges. The epilogue is
+  unchanged and still exact: O / l cancels whatever m was used, lse = m * scale + log2(l) with
+  the (possibly stale) m. tau = 0 rescales whenever any row grew: classic FlashAttention, the
+  same bits as rescaling after every tile (a skipped rescale would multiply by exactly 1).
+  Headroom: P <= 2^tau in the input dtype (fp16 overflows past 2^15, so tau <= 15 there), l <=
+  Sk * 2^tau in fp32.
+* Varlen: q (total_q, Hq, D), k/v (total_k, Hkv, D*) packed, int32 cu_seqlens_q/k (batch + 1),
+  optional seqused_k (keys actually used per sequence). The host views every packed tensor as a
+  batch of one, (1, total, H, D), so the TMA tensor maps are the dense ones; a CTA reads its
+  sequence's (offset, length) from cu_seqlens and shifts the TMA coordinates by the row offset
+  (`cute.domain_offset`). Rows past the sequence belong to the next one (or are zero-filled past
+  the packed end): extra Q rows are never stored (O and lse stores are row-predicated on the
+  sequence length, so nothing lands in the next sequence), extra K columns are masked to -inf
+  before the max, and the V rows of a partial last block are zeroed in shared memory by each
+  consumer before its P V (P = 0 there, but 0 * NaN = NaN: unused KV-cache slots past
+  seqused_k may hold anything). Grid = (ceil(max_seqlen_q / 128), heads, batch); a CTA whose
+  m_block starts past its sequence's end exits at once. A sequence with queries but no keys gets
+  O = 0, lse = -inf (no key block, l = 0).
+* Scheduling stays a parameter (`scheduler`, StaticTileScheduler by default) and an optional
+  int32 ``batch_map`` maps the scheduler's (virtual) batch index to the sequence it computes, so
+  stage 5 can reorder sequences (longest first) without this file knowing how.
+
+Cost in registers: none to speak of. The polynomial's coefficients are immediates and the vote
+is one predicate; the consumer path's highest register (SASS, bf16) is 178 / 194 / 206 / 200 / 198
+at d = 64 / 96 / 128 / (192,128) / 256 without causal (step 3: 178 / 194 / 204 / 203 / 198),
+198 - 216 with it (the varlen kernel, which also zeroes V tails: up to 218), below the 232
+that setmaxnreg grants; no spills, no local memory.
+
+Everything else is step 3 (producer warp + two ping-pong consumer warpgroups, TMA K/V ring,
+setmaxnreg 40/232, same tile sizes and shared memory), and everything it supports is still
+supported: fp16/bf16, head dims 64/96/128/(192,128)/256, causal (bottom-right), GQA/MQA, any
+seqlens, softmax_scale (> 0), lse.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
+from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.memory.smem import SmemAllocator  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from stage2_emulated_exp.gpu_kernel import ex2_approx_f32  # noqa: E402
+from stage3_fwd_kernel import softmax_policy  # noqa: E402
+from stage3_fwd_kernel.softmax_policy import (  # noqa: E402
+    DEFAULT_EMULATION_FRACTION, DEFAULT_RESCALE_THRESHOLD, SoftmaxPolicy)
+
+STEP = "hopper_step4_fa4_softmax"
+DEFAULT_POLICY = SoftmaxPolicy(DEFAULT_RESCALE_THRESHOLD, DEFAULT_EMULATION_FRACTION)
+
+
+SMEM_BUDGET = 227 * 1024  # opt-in shared memory per CTA on sm_90
+
+
+def default_tile_n(head_dim: int, head_dim_v: int) -> int:
+    """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S."""
+    return 64 if max(head_dim, head_dim_v) > 192 else 128
+
+
+def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128) -> int:
+    """As many K/V stages as fit next to Q (2 bytes/element), between 2 and 4 (step 3's table)."""
+    q_bytes = tile_m * head_dim * 2
+    stage_bytes = tile_n * (head_dim + head_dim_v) * 2
+    return max(2, min(4, (SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
+
+
+# ------------------------------------------------------------------------------------------------
+# Register-layout helpers for the Hopper accumulator (step 1's docstring has the picture)
+# ------------------------------------------------------------------------------------------------
+def acc_rowcol(acc: cute.Tensor) -> cute.Tensor:
+    """View a wgmma accumulator ((2, 2, N/8), MMA_M, MMA_N) as (rows, cols) of this thread:
+    rows = (the 2 rows 8 apart, MMA_M), cols = (2 adjacent columns, N/8 groups, MMA_N)."""
+    shp, std = acc.layout.shape, acc.layout.stride
+    rows = ((shp[0][1], shp[1]), (std[0][1], std[1]))
+    cols = ((shp[0][0], shp[0][2], shp[2]), (std[0][0], std[0][2], std[2]))
+    return cute.make_tensor(acc.iterator, cute.make_layout((rows[0], cols[0]), stride=(rows[1], cols[1])))
+
+
+@cute.jit
+def quad_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
+    """Reduce over the 4 lanes of a quad (the 4 threads that share an accumulator row)."""
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+    x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return x
+
+
+@cute.jit
+def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+               zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[bool] = True):
+    """acc (+)= A B over all k-blocks, issued by the whole warpgroup; waited for unless wait=False
+    (then the caller does `warpgroup.wait_group(0)` before touching acc).
+
+    wgmma.fence orders our earlier register writes (the P fragment, the rescaled O) before the
+    asynchronous MMA reads them; commit + wait(0) makes the result visible before we touch acc.
+    """
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: we flip its ACCUMULATE field
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait):
+        warpgroup.wait_group(0)
+
+
+class FlashAttentionForwardSm90Step4:
+    """Step 3's kernel with FA4's softmax (`policy`) and varlen: producer warp + 2 consumer
+    warpgroups (64 rows each, tile_m = 128), ping-pong on the tensor cores, TMA K/V ring."""
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
+                 policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
+                 num_stages: int | None = None, pingpong: bool = True, scheduler=common.StaticTileScheduler):
+        if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
+            raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
+        if not isinstance(policy, SoftmaxPolicy):
+            raise TypeError(f"policy: expected a SoftmaxPolicy, got {type(policy).__name__}")
+        policy.check_dtype(dtype)
+        if getattr(scheduler, "persistent", False):
+            # one tile per CTA here; a persistent scheduler needs a tile loop carrying pipeline state
+            raise ValueError("scheduler: persistent schedulers are not supported by this kernel yet")
+        assert tile_m == 128, "two consumer warpgroups x one wgmma M=64 row block"
+        self.policy = policy
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.tile_m = tile_m
+        self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
+        self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m)
+        self.pingpong = pingpong
+        self.scheduler = scheduler
+        self.num_consumers = 2               # consumer warpgroups
+        self.wg_m = tile_m // self.num_consumers  # 64 query rows per consumer
+        self.num_threads = 128 * (1 + self.num_consumers)
+        self.regs_producer, self.regs_consumer = 40, 232
+        self.smem_bytes = None
+
+    # -------------------------------------------------------------- host side (traced once)
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
+        """Row-major (contiguous along `cols`) tile with the widest swizzle wgmma accepts,
+        optionally with a trailing stage mode."""
+        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols)
+        atom = warpgroup.make_smem_layout_atom(atom_kind, self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _gmem_copy_O(self, cols: int):
+        """128 threads, 16 bytes each, a row of the swizzle atom per group of threads."""
+        elems = 128 // self.dtype.width
+        atom_cols = 64 if cols % 64 == 0 else (32 if cols % 32 == 0 else 16)
+        threads_per_row = atom_cols // elems
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr = cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0))  # one warpgroup
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
+                 max_seqlen_q: Int32, stream):
+        # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
+        #         mLSE (B, Hq, Sq); the four optional tensors are None.
+        # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
+        #         mCuSeqlensQ / mCuSeqlensK (batch + 1,), mSeqUsedK / mBatchMap (batch,) or None.
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
+            raise TypeError("q, k, v, out must share the kernel's dtype")
+        if const_expr((mCuSeqlensQ is None) != (mCuSeqlensK is None)):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k: pass both or neither")
+        if const_expr(mSeqUsedK is not None and mCuSeqlensK is None):
+            raise ValueError("seqused_k: needs cu_seqlens_k")
+        self.varlen = mCuSeqlensQ is not None
+        tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        nc = self.num_consumers
+        mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
+        mV, mO = common.assume_strides_16B(mV, dv), common.assume_strides_16B(mO, dv)
+
+        # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size 2)
+        sQ_layout = self._smem_layout(tm, d, nc)
+        sK_layout = self._smem_layout(tn, d, stages)
+        sV_layout = self._smem_layout(tn, dv, stages)
+        sO_layout = self._smem_layout(tm, dv, nc)
+
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S (tm x tn) = Q (tm x d) . K (tn x d)^T : A and B both K-major, both from smem
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (tm, tn))
+        # O (tm x dv) = P (tm x tn) . V : A = P from registers, B = V^T (dv x tn) is MN-major
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (tm, dv),
+            a_source=warpgroup.OperandSource.RMEM)
+
+        # TMA: the tensor map sees (seqlen, head_dim, heads, batch) so that a (rows, head_dim) box
+        # tiles the first two modes; head and batch are fixed per CTA by slicing the TMA tensor.
+        def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), (tm, d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mK), cute.slice_(sK_layout, (None, None, 0)), (tn, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mV), cute.slice_(sV_layout, (None, None, 0)), (tn, dv))
+        # bytes each stage's "full" barrier waits for (the whole box, zero-filled rows included)
+        self.tma_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)  # both slabs, one barrier
+        self.tma_bytes_K = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        self.tma_bytes_V = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
+
+        # O is written once, after the last QK^T: each consumer puts its O slab at the start of its
+        # own Q slab (never over the other consumer's slab, which may still be in use)
+        self.o_in_q = cute.cosize(cute.slice_(sO_layout, (None, None, 0))) <= cute.cosize(
+            cute.slice_(sQ_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]               # full + empty, 1 stage
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[
+                self.dtype, 0 if self.o_in_q else cute.cosize(sO_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+
+        # dense: max_seqlen_q = Sq; varlen: the longest sequence (CTAs past a shorter one exit)
+        num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        batch = mQ.shape[0]
+        if const_expr(self.varlen):
+            batch = mCuSeqlensQ.shape[0] - 1
+        grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
+        self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, softmax_scale,
+                    mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
+                    tma_atom_Q, tma_atom_K, tma_atom_V,
+                    tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
+                    self._gmem_copy_O(dv),
+                    # min_blocks_per_mp=1 caps registers at entry (65536/384), which setmaxnreg needs
+                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # -------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
+               seqlen_q: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               gmem_copy_O: cute.TiledCopy):
+        # 0. which tile: the scheduler's (m_block, head, virtual batch); batch_map (stage 5's
+        #    reordering) says which sequence that virtual batch index computes
+        work = self.scheduler.initial_work()
+        m_block, head, batch = work.m_block, work.head, work.batch
+        if const_expr(mBatchMap is not None):
+            batch = mBatchMap[batch]
+        # 0b. where its sequence lives. Dense: the tensors' extents, batch index `batch`. Varlen: the
+        #     packed tensors are a batch of one, the sequence starts at row offset_q / offset_k.
+        offset_q, offset_k, batch_t = 0, 0, batch
+        if const_expr(self.varlen):
+            offset_q, offset_k, batch_t = mCuSeqlensQ[batch], mCuSeqlensK[batch], 0
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            if const_expr(mSeqUsedK is not None):
+                seqlen_k = mSeqUsedK[batch]
+            else:
+                seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        # 0c. a CTA past the end of its (shorter than max_seqlen_q) sequence has nothing to do; the
+        #     whole CTA leaves before any barrier exists
+        if m_block * self.tile_m < seqlen_q:
+            self.attend(m_block, head, head // qhead_per_kvhead, batch_t, offset_q, offset_k, seqlen_q, seqlen_k,
+                        tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, gmem_copy_O)
+
+    @cute.jit
+    def attend(self, m_block: Int32, head: Int32, head_kv: Int32, batch: Int32, offset_q: Int32, offset_k: Int32,
+               seqlen_q: Int32, seqlen_k: Int32, tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor,
+               mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, gmem_copy_O: cute.TiledCopy):
+        """One (m_block, head, sequence) tile: step 3's kernel body, with sequence-relative views.
+        `batch` indexes the tensors' batch mode (0 for varlen); head_kv = head // (Hq / Hkv)."""
+        tn, d, dv, stages = self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        if warp_idx == 0:  # fetch the tensor maps (they live in kernel params) into the TMA unit
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        # mbarrier pipelines: producer = 1 arrival (an elected lane of the producer warp, which also
+        # posts the expected byte count), consumers = the 8 warps of both consumer warpgroups
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
+        pipe_Q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer_group,
+            consumer_group=consumer_group, tx_count=self.tma_bytes_Q, defer_sync=True)
+        pipe_K = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_K.data_ptr(), num_stages=stages, producer_group=producer_group,
+            consumer_group=consumer_group, tx_count=self.tma_bytes_K, defer_sync=True)
+        pipe_V = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_V.data_ptr(), num_stages=stages, producer_group=producer_group,
+            consumer_group=consumer_group, tx_count=self.tma_bytes_V, defer_sync=True)
+        cute.arch.mbarrier_init_fence()  # make the barrier inits visible to the async proxy (TMA)
+        cute.arch.sync_threads()         # ... and to every thread; the last CTA-wide barrier
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, 2)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (tn, dv, stages)
+
+        # key blocks this 128-row query tile can see: all of them, or (causal) up to the diagonal
+        # of its last row (query i sees key j iff j <= i + seqlen_k - seqlen_q). Both consumers
+        # walk the same blocks: they share every K/V stage.
+        n_block_max = (seqlen_k + tn - 1) // tn
+        if const_expr(self.causal):
+            last_visible = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive bound on keys
+            n_block_max = cutlass.min(n_block_max, cutlass.max((last_visible + tn - 1) // tn, 0))
+
+        if warp_group_idx == 0:
+            # ---------------------------------------------------------------- producer warpgroup
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:  # one warp issues (elect.sync inside needs the whole warp converged)
+                # TMA coordinates of this sequence: rows start at its offset in the packed tensor
+                mQ_s = self.seq_view(tma_Q[None, None, head, batch], offset_q)
+                mK_s = self.seq_view(tma_K[None, None, head_kv, batch], offset_k)
+                mV_s = self.seq_view(tma_V[None, None, head_kv, batch], offset_k)
+                gQ = cute.local_tile(mQ_s, (self.wg_m, d), (None, 0))   # (64, d, m64)
+                gK = cute.local_tile(mK_s, (tn, d), (None, 0))          # (tn, d, n_blocks)
+                gV = cute.local_tile(mV_s, (tn, dv), (None, 0))         # (tn, dv, n_blocks)
+                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                                   cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+                                                   cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+                                                   cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+                # 1. Q: both 64-row slabs on one barrier (it expects both slabs' bytes)
+                q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
+                pipe_Q.producer_acquire(q_state)
+                for wg in cutlass.range_constexpr(self.num_consumers):
+                    cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_consumers + wg], tQsQ[None, wg],
+                              tma_bar_ptr=pipe_Q.producer_get_barrier(q_state))
+                # 2. every visible K/V block, each as soon as its stage has been released
+                for n_block in cutlass.range(n_block_max, unroll=1):
+                    self.load_kv(n_block, pipe_K, pipe_V, tma_atom_K, tma_atom_V, tKgK, tKsK, tVgV, tVsV)
+        else:
+            # ---------------------------------------------------------------- consumer warpgroups
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            self.consume(warp_group_idx - 1, tidx % 128, m_block, head, batch, offset_q, n_block_max, seqlen_q,
+                         seqlen_k, softmax_scale_log2, mO, mLSE, sQ, sK, sV, storage, pipe_Q, pipe_K, pipe_V,
+                         tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
+
+    def seq_view(self, t: cute.Tensor, offset) -> cute.Tensor:
+        """(rows, cols) view of one head starting at this sequence's first row (varlen only)."""
+        if const_expr(self.varlen):
+            return cute.domain_offset((offset, 0), t)
+        return t
+
+    @cute.jit
+    def consume(self, wg: Int32, ctidx: Int32, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32,
+                n_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
+                mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, storage,
+                pipe_Q, pipe_K, pipe_V, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                sO_layout: cute.ComposedLayout, gmem_copy_O: cute.TiledCopy):
+        """One consumer warpgroup: step 3's per-tile math on its own 64 query rows, with FA4's
+        softmax (vote + partial emulation) and sequence-relative output rows."""
+        tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        row0 = m_block * self.tile_m + wg * tm  # first query row of this warpgroup
+        # named barriers (0 is sync_threads): 1 + w = "consumer w may use the tensor cores",
+        # 3 + w = this warpgroup's own 128-thread barrier
+        my_turn, other_turn = 1 + wg, 2 - wg
+        turn_threads = 2 * 128
+
+        sQ_wg = sQ[None, None, wg]                                              # (64, d)
+        if const_expr(self.o_in_q):  # (64, dv) at the base of our Q slab (same 128B swizzle phase)
+            sO_slab = cute.slice_(sO_layout, (None, None, 0))
+            sO_wg = cute.make_tensor(cute.recast_ptr(sQ_wg.iterator, sO_slab.inner, self.dtype), sO_slab.outer)
+        else:
+            sO_wg = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, wg]
+        # the same V bytes seen as (dv, tn, stages): the MN-major B operand of O = P V
+        sVt = cute.composition(sV, cute.make_ordered_layout((dv, tn, stages), order=(1, 0, 2)))
+        gO = cute.local_tile(self.seq_view(mO[batch, None, head, None], offset_q), (tm, dv),
+                             (m_block * self.num_consumers + wg, 0))
+
+        # MMA partitions: smem operands become wgmma descriptors, accumulators registers
+        thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))     # (..., stages)
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))   # (..., stages)
+        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((tm, dv)), Float32)
+        acc_O.fill(0.0)
+        acc_O_rc = acc_rowcol(acc_O)
+        # (row, col) of each S accumulator element inside the (tm, tn) tile, for masking
+        tScS_rc = acc_rowcol(thr_mma_qk.partition_C(cute.make_identity_tensor((tm, tn))))
+        num_rows = cute.size(tScS_rc, mode=[0])  # 2 rows per thread
+        row_max = cute.make_rmem_tensor((num_rows,), Float32)      # m: running (possibly stale) max
+        row_max_new = cute.make_rmem_tensor((num_rows,), Float32)  # max(m, this tile's row max)
+        row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        if const_expr(self.pingpong):
+            if wg == 1:  # consumer 0 takes the first turn
+                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+        pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+
+        # 2. mainloop over key tiles
+        for n_block in cutlass.range(n_block_max, unroll=1):
+            st = self.kv_state(n_block, producer=False)
+            # 2b. S = Q K_j^T as soon as K_j has landed, on our turn; hand the turn over right after
+            #     issuing, so the other consumer's GEMMs queue behind ours while we do softmax
+            pipe_K.consumer_wait(st)
+            acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+            wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+            warpgroup.wait_group(0)
+            acc_S_rc = acc_rowcol(acc_S)
+
+            # 2c. mask keys >= seqlen_k, and (causal) keys past each row's diagonal
+            needs_mask = (n_block + 1) * tn > seqlen_k
+            if const_expr(self.causal):
+                needs_mask = needs_mask or (n_block + 1) * tn > row0 + 1 + seqlen_k - seqlen_q
+            if needs_mask:
+                for r in cutlass.range_constexpr(num_rows):
+                    col_limit = seqlen_k - n_block * tn  # in this tile's column coordinates
+                    if const_expr(self.causal):
+                        row = row0 + tScS_rc[r, 0][0]
+                        col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
+                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                        if tScS_rc[r, c][1] >= col_limit:
+                            acc_S_rc[r, c] = -Float32.inf
+
+            # 2d. this tile's row maxima, one row pair per thread (quad-reduced)
+            for r in cutlass.range_constexpr(num_rows):
+                m_tile = acc_S_rc[r, 0]
+                for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
+                    m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
+                m_tile = quad_allreduce(m_tile, cute.arch.fmax)
+                row_max_new[r] = cute.arch.fmax(row_max[r], m_tile)
+            # 2e. conditional rescaling: one warp-uniform vote (16 rows) -- only when some row's max
+            #     grew by more than tau do the warp's rows move to their new max and O, l get rescaled
+            if softmax_policy.rescale_vote(row_max, row_max_new, softmax_scale_log2, self.policy.rescale_threshold):
+                for r in cutlass.range_constexpr(num_rows):
+                    # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
+                    m_safe = Float32(0.0) if row_max_new[r] == -Float32.inf else row_max_new[r]
+                    rescale = ex2_approx_f32((row_max[r] - m_safe) * softmax_scale_log2)
+                    row_max[r] = row_max_new[r]
+                    row_sum[r] = row_sum[r] * rescale
+                    for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                        acc_O_rc[r, c] = acc_O_rc[r, c] * rescale
+            # 2f. P = 2^(S*scale - m*scale) <= 2^tau, a compile-time share of it on the FMA pipe
+            for r in cutlass.range_constexpr(num_rows):
+                m_safe = Float32(0.0) if row_max[r] == -Float32.inf else row_max[r]
+                row_sum[r] += softmax_policy.exp2_row(acc_S_rc[r, None], softmax_scale_log2,
+                                                      m_safe * softmax_scale_log2, self.policy)
+                # (row_sum is a per-thread partial; quad-reduced in the epilogue)
+
+            # 2g. P -> bf16/fp16 in the A-operand register fragment, then O += P V_j (on our turn)
+            tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), self.dtype)
+            # same registers in accumulator order (see step 1's docstring): convert in place
+            tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
+            tOrP_as_acc.store(acc_S.load().to(self.dtype))
+            pipe_V.consumer_wait(st)
+            if const_expr(self.varlen):
+                # V rows past the sequence are the next sequence's, or unused cache slots (seqused_k)
+                # that may hold NaN; P is 0 there but 0 * NaN is not. Zero them (both consumers write
+                # the same zeros, before either reads), then make the writes visible to wgmma.
+                if (n_block + 1) * tn > seqlen_k:
+                    self.zero_rows(sV[None, None, st.index], seqlen_k - n_block * tn, ctidx, gmem_copy_O)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+            if const_expr(self.pingpong):
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st.index], zero_init=False, wait=False)
+            if const_expr(self.pingpong):
+                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+            warpgroup.wait_group(0)
+
+            # 2h. both wgmmas have completed: hand the stage back to the producer warp
+            pipe_K.consumer_release(st)
+            pipe_V.consumer_release(st)
+
+        if const_expr(self.pingpong):
+            if wg == 0:  # consume consumer 1's last hand-over: no arrival outlives the loop
+                cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+
+        # 3. epilogue: O /= l, lse = m*scale + ln(l); empty rows -> O = 0, lse = -inf
+        lse = cute.make_rmem_tensor((num_rows,), Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            l = quad_allreduce(row_sum[r], lambda a, b: a + b)
+            inv = Float32(0.0) if l == 0.0 else cute.arch.rcp_approx(l)
+            lse[r] = (-Float32.inf if l == 0.0 else
+                      (row_max[r] * softmax_scale_log2 + cute.math.log2(l, fastmath=True)) * math.log(2.0))
+            for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                acc_O_rc[r, c] = acc_O_rc[r, c] * inv
+
+        # 3a. lse: the thread holding column 0 of a row writes it
+        if tScS_rc[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(num_rows):
+                row = row0 + tScS_rc[r, 0][0]
+                if row < seqlen_q:  # rows past the sequence belong to the next one: never written
+                    mLSE[batch, head, offset_q + row] = lse[r]
+
+        # 3b. O: registers -> smem (accumulator layout) -> 16-byte coalesced, row-guarded stores.
+        #     Only this warpgroup touches its slab, so a 128-thread named barrier replaces
+        #     sync_threads (the producer warpgroup may have exited already).
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        if const_expr(self.o_in_q):
+            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)  # our last QK^T has read sQ_wg
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_pv)
+        thr_smem_copy_O = smem_copy_O.get_slice(ctidx)
+        cute.copy(smem_copy_O, thr_smem_copy_O.retile(rO), thr_smem_copy_O.partition_D(sO_wg))
+        cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+        thr_copy_O = gmem_copy_O.get_slice(ctidx)
+        tOsO, tOgO = thr_copy_O.partition_S(sO_wg), thr_copy_O.partition_D(gO)
+        tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((tm, dv)))
+        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        q_rows_left = seqlen_q - row0
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if tOcO[0, m, 0][0] < q_rows_left:
+                cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def zero_rows(self, sV_stage: cute.Tensor, first_row: Int32, ctidx: Int32, copy_16B: cute.TiledCopy):
+        """sV_stage[first_row:, :] = 0: the epilogue's 128-thread, 16-byte tiled copy (it tiles any
+        (rows, dv) tile) writes a zero fragment, row-predicated; tile_n * dv / 1024 stores a thread."""
+        thr = copy_16B.get_slice(ctidx)
+        tZsV = thr.partition_D(sV_stage)
+        tZcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.head_dim_v)))
+        tZrZ = cute.make_rmem_tensor_like(tZsV, self.dtype)
+        tZrZ.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
+            if tZcV[0, m, 0][0] >= first_row:
+                cute.copy(copy_16B, tZrZ[None, m, None], tZsV[None, m, None])
+
+    # -------------------------------------------------------------- pipeline bookkeeping
+    def kv_state(self, n_block: Int32, producer: bool) -> pipeline.PipelineState:
+        """Pipeline slot of key block n: stage n % stages; the phase flips every lap round the ring.
+        A producer starts one phase ahead: its first lap must not wait for "empty"."""
+        phase = (n_block // self.num_stages) % 2
+        if const_expr(producer):
+            phase = phase ^ 1
+        return pipeline.PipelineState(self.num_stages, n_block, n_block % self.num_stages, phase)
+
+    @cute.jit
+    def load_kv(self, n_block: Int32, pipe_K, pipe_V, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+                tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor, tVsV: cute.Tensor):
+        """(producer warp) wait until the slot is free, post the byte count, issue K then V."""
+        st = self.kv_state(n_block, producer=True)
+        pipe_K.producer_acquire(st)
+        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=pipe_K.producer_get_barrier(st))
+        pipe_V.producer_acquire(st)
+        cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, st.index], tma_bar_ptr=pipe_V.producer_get_barrier(st))
+
+
+# ------------------------------------------------------------------------------------------------
+# Host API
+# ------------------------------------------------------------------------------------------------
+def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
+                policy: SoftmaxPolicy | None = None) -> SoftmaxPolicy:
+    """The SoftmaxPolicy of a call: `policy` when given, else built (and validated) from the two knobs."""
+    if policy is not None:
+        if not isinstance(policy, SoftmaxPolicy):
+            raise TypeError(f"policy: expected a SoftmaxPolicy, got {type(policy).__name__}")
+        return policy
+    return SoftmaxPolicy(rescale_threshold=rescale_threshold, emulation_fraction=emulation_fraction)
+
+
+def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
+                scheduler=common.StaticTileScheduler):
+    return FlashAttentionForwardSm90Step4(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler)
+
+
+def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False)):
+    """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
+    (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel."""
+    return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags))
+
+
+def _cute_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
+               seqused_k=None, batch_map=None):
+    """The kernel's argument tuple from torch tensors (dense (B, S, H, D) or packed viewed as (1, T, H, D))."""
+    import torch
+    from cuda.bindings import driver as cuda
+
+    def i32(t):
+        return None if t is None else common.to_cute(t, assumed_align=4)
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    return (common.to_cute(q4), common.to_cute(k4), common.to_cute(v4), common.to_cute(out4),
+            common.to_cute(lse3, assumed_align=4), Float32(softmax_scale * common.LOG2_E), Float32(softmax_scale),
+            i32(cu_seqlens_q), i32(cu_seqlens_k), i32(seqused_k), i32(batch_map), Int32(max_seqlen_q), stream)
+
+
+def _fake_args(dtype, d, dv, varlen_flags):
+    varlen, has_used, has_map = varlen_flags
+    i32 = common.fake_i32_vector
+    return (common.fake_bshd(dtype, d), common.fake_bshd(dtype, d), common.fake_bshd(dtype, dv),
+            common.fake_bshd(dtype, dv), common.fake_lse(), Float32(1.0), Float32(1.0),
+            i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
+            i32() if has_map else None, Int32(1), cute.runtime.make_fake_stream())
+
+
+def _check_scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        # the kernel takes row maxima of the raw scores: a negative scale would flip max and min
+        raise ValueError(f"softmax_scale: expected a finite value > 0, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_head_dims(d, dv):
+    if (d, dv) not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim: expected (qk, v) head dims in {SUPPORTED_HEAD_DIMS}, got ({d}, {dv})")
+
+
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+
+
+def _compile_and_launch(key, dt, d, dv, causal, policy, scheduler, args):
+    compiled = common.compile_cached(key, lambda: (make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler),
+                                                   args))
+    compiled.fn(*args)
+    return compiled
+
+
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
+                      rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
+                      policy: SoftmaxPolicy | None = None, scheduler=None):
+    """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32).
+
+    rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
+    each distinct pair is its own kernel); `policy` overrides both. `scheduler` (default
+    StaticTileScheduler) is a class with the common.StaticTileScheduler interface.
+    """
+    import torch
+
+    policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    q, k, v = common.prepare_inputs(q, k, v)
+    b, sq, hq, d = q.shape
+    dv = v.shape[-1]
+    _check_head_dims(d, dv)
+    dt = common.cutlass_dtype(q.dtype)
+    policy.check_dtype(dt)
+    softmax_scale = _check_scale(softmax_scale, d)
+    if b > 65535 or hq > 65535:
+        raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
+    if out is None:
+        out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
+    common.check_out_tensor("out", out, (b, sq, hq, dv), q.dtype, q.device, align_bytes=16)
+    if lse is None:
+        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    common.check_out_tensor("lse", lse, (b, hq, sq), torch.float32, q.device, align_bytes=4)
+    if b == 0 or sq == 0 or hq == 0:
+        return out, lse
+    if k.shape[1] == 0:  # nothing visible anywhere (and a TMA map cannot have a 0 extent)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    scheduler = scheduler or common.StaticTileScheduler
+    args = _cute_args(q, k, v, out, lse, softmax_scale, sq)
+    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler), dt, d, dv, causal, policy, scheduler, args)
+    return out, lse
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                             softmax_scale=None, causal=False, out=None, lse=None,
+                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
+                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
+                             batch_map=None, scheduler=None, check_values=False):
+    """Packed q (Tq,Hq,D), k (Tk,Hkv,D), v (Tk,Hkv,Dv) with int32 cu_seqlens_q / cu_seqlens_k (batch+1,)
+    -> (out (Tq,Hq,Dv), lse (Hq,Tq) fp32).
+
+    Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] against the first seqused_k[b] (default: all)
+    keys of k[cu_seqlens_k[b]:cu_seqlens_k[b+1]]; causal is bottom-right aligned per sequence. Empty
+    sequences are fine; a sequence with queries but no keys gets out 0 and lse -inf. Rows of out/lse
+    outside every sequence are not written. max_seqlen_q must be >= every query length (it sizes
+    the grid); max_seqlen_k is accepted for API compatibility. batch_map (int32 (batch,)): the
+    sequence each virtual batch index computes (stage 5's reordering; identity when None).
+    check_values=True verifies the index tensors' values on the host (costs a device sync).
+    (When k has no rows at all nothing is launched and out / lse are filled with 0 / -inf entirely.)
+    """
+    import torch
+
+    policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map = common.prepare_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, batch_map=batch_map)
+    tq, hq, d = q.shape
+    dv = v.shape[-1]
+    _check_head_dims(d, dv)
+    dt = common.cutlass_dtype(q.dtype)
+    policy.check_dtype(dt)
+    softmax_scale = _check_scale(softmax_scale, d)
+    if out is None:
+        out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
+    common.check_out_tensor("out", out, (tq, hq, dv), q.dtype, q.device, align_bytes=16)
+    if lse is None:
+        lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
+    common.check_out_tensor("lse", lse, (hq, tq), torch.float32, q.device, align_bytes=4)
+    if check_values:
+        common.check_varlen_values(tq, k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   seqused_k=seqused_k, batch_map=batch_map)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch == 0 or tq == 0 or hq == 0 or max_seqlen_q == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no sequence has a key (and a TMA map cannot have a 0 extent)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    scheduler = scheduler or common.StaticTileScheduler
+    # a batch of one: the dense kernel's tensor maps and (B, ...) indexing serve the packed tensors
+    args = _cute_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
+                      softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map)
+    flags = (True, seqused_k is not None, batch_map is not None)
+    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, flags), dt, d, dv, causal, policy,
+                        scheduler, args)
+    return out, lse
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False, seqused_k=False,
+                 batch_map=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
+                 emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
+                 scheduler=None) -> common.Compiled:
+    """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
+    varlen / seqused_k / batch_map select which optional tensors the kernel is built for."""
+    policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    _check_head_dims(head_dim, head_dim_v)
+    if (seqused_k or batch_map) and not varlen:
+        raise ValueError("seqused_k / batch_map: only with varlen=True")
+    dt = common.cutlass_dtype(dtype)
+    policy.check_dtype(dt)
+    scheduler = scheduler or common.StaticTileScheduler
+    flags = (bool(varlen), bool(seqused_k), bool(batch_map))
+    key = _key("fake", dt, head_dim, head_dim_v, causal, policy, scheduler, flags)
+    comp = common.compile_cached(key, lambda: (
+        make_kernel(dt, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler),
+        _fake_args(dt, head_dim, head_dim_v, flags)))
+    comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
+    comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
+    return comp
+
+
+def _format(name, rep):
+    return common.format_report(name, rep) + f", FADD.RM={rep.get('FADD.RM')}, VOTE.ANY={rep.get('VOTE.ANY')}"
+
+
+def _random_varlen(batch, max_seqlen_q, max_seqlen_k, heads, heads_kv, d, dv, dtype, gen):
+    """A random packed batch with lengths in [0, max], both kinds of empty sequence included."""
+    import torch
+
+    lq = torch.randint(0, max_seqlen_q + 1, (batch,), generator=gen, device="cuda")
+    lk = torch.randint(0, max_seqlen_k + 1, (batch,), generator=gen, device="cuda")
+    if batch >= 3:
+        lq[0], lk[1], lq[2], lk[2] = 0, 0, max_seqlen_q, max_seqlen_k  # q-empty, k-empty, longest
+    cu_q = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    cu_k = torch.zeros(batch + 1, dtype=torch.int32, device="cuda")
+    cu_q[1:], cu_k[1:] = lq.cumsum(0), lk.cumsum(0)
+    tq, tk = int(cu_q[-1]), int(cu_k[-1])
+    q = torch.randn(tq, heads, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(tk, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(tk, heads_kv, dv, device="cuda", dtype=dtype, generator=gen)
+    return q, k, v, cu_q, cu_k
+
+
+def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
+        causal=False, dtype="bf16", check=True, *, varlen=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
+        emulation_fraction=DEFAULT_EMULATION_FRACTION, verbose=True) -> dict:
+    """On a Hopper GPU: check against the stage-0 reference (FA4 rule) and time. Otherwise: compile
+    for sm_90a and print the resource report. varlen=True runs a random packed batch of `batch`
+    sequences with lengths up to seqlen_q / seqlen_k (empty ones included)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    heads_kv = heads if heads_kv is None else heads_kv
+    policy = make_policy(rescale_threshold, emulation_fraction)
+    tag = (f"{STEP} [{common.ARCH}, {dtype}, d={head_dim}/{head_dim_v}, causal={causal}, varlen={varlen}, "
+           f"{policy.describe()}]")
+    result: dict = {"step": STEP, "policy": policy}
+    if not common.hopper_gpu_available():
+        comp = compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, policy=policy)
+        result.update(mode="compile-only", report=comp.report)
+        if verbose:
+            print(_format(tag + " (no Hopper GPU: compiled only)", comp.report))
+        return result
+
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, attention_varlen_ref
+
+    tdt = common.torch_dtype(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if varlen:
+        q, k, v, cu_q, cu_k = _random_varlen(batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, head_dim_v,
+                                             tdt, gen)
+        out = torch.full((q.shape[0], heads, head_dim_v), float("nan"), device="cuda", dtype=tdt)
+        lse = torch.full((heads, q.shape[0]), float("nan"), device="cuda", dtype=torch.float32)
+
+        def fwd():
+            return attention_varlen_forward(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal=causal, out=out,
+                                            lse=lse, policy=policy)
+
+        def ref(upcast):
+            return attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=upcast)
+        lens_q = (cu_q[1:] - cu_q[:-1]).double()
+        lens_k = (cu_k[1:] - cu_k[:-1]).double()
+        flops = float(sum(common.attention_flops(1, a, b_, heads, head_dim, head_dim_v, causal)
+                          for a, b_ in zip(lens_q.tolist(), lens_k.tolist())))
+        flags = (True, False, False)
+    else:
+        q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=tdt, generator=gen)
+        k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=tdt, generator=gen)
+        v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v, device="cuda", dtype=tdt, generator=gen)
+        out = torch.full((batch, seqlen_q, heads, head_dim_v), float("nan"), device="cuda", dtype=tdt)
+        lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda", dtype=torch.float32)
+
+        def fwd():
+            return attention_forward(q, k, v, causal=causal, out=out, lse=lse, policy=policy)
+
+        def ref(upcast):
+            return attention_ref(q, k, v, causal=causal, upcast=upcast)
+        flops = common.attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal)
+        flags = (False, False, False)
+    fwd()
+    torch.cuda.synchronize()
+    if check:
+        (ref_o, ref_lse), (base_o, base_lse) = ref(True), ref(False)
+        assert_fa4_close(f"{STEP} out", out, ref_o, base_o)
+        assert_fa4_close(f"{STEP} lse", lse, ref_lse, base_lse)
+    ms = common.benchmark_ms(fwd)
+    tflops = flops / (ms * 1e-3) / 1e12
+    rep = common._CACHE[_key("gpu", common.cutlass_dtype(dtype), head_dim, head_dim_v, causal, policy,
+                             common.StaticTileScheduler, flags)].report
+    result.update(mode="gpu", ms=ms, tflops=tflops, report=rep)
+    if verbose:
+        status = "PASS" if check else "(unchecked)"
+        print(f"{status} {STEP} b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={head_dim}/{head_dim_v} "
+              f"causal={causal} varlen={varlen} {dtype} {policy.describe()}: {ms:.3f} ms, {tflops:.1f} TFLOP/s")
+        print(common.format_report("  resources", rep))
+    return result
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seqlen_q", type=int, default=1024)
+    ap.add_argument("--seqlen_k", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--heads_kv", type=int, default=None)
+    ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--head_dim_v", type=int, default=None)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--varlen", action="store_true", help="a random packed batch of --batch sequences")
+    ap.add_argument("--rescale_threshold", type=float, default=DEFAULT_RESCALE_THRESHOLD)
+    ap.add_argument("--emulation_fraction", type=float, default=DEFAULT_EMULATION_FRACTION)
+    a = ap.parse_args()
+    run(batch=a.batch, seqlen_q=a.seqlen_q, seqlen_k=a.seqlen_k or a.seqlen_q, heads=a.heads,
+        heads_kv=a.heads_kv, head_dim=a.head_dim, head_dim_v=a.head_dim_v, causal=a.causal, dtype=a.dtype,
+        varlen=a.varlen, rescale_threshold=a.rescale_threshold, emulation_fraction=a.emulation_fraction)

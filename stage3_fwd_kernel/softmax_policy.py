@@ -1,0 +1,210 @@
+"""FA4's softmax policy as reusable pieces: a host-side description (`SoftmaxPolicy`) and two
+device functions that any forward kernel calls on its own register layout.
+
+The paper changes two things in the online softmax (section "Skipping online softmax
+rescaling" and "Emulation of the exponential function"); stage 1 modelled the first in NumPy,
+stage 2 built and verified the second on the GPU. This module is where they meet a kernel:
+
+1. `rescale_vote(row_max_old, row_max_new, scale_log2, threshold)` -- conditional rescaling.
+   A warp only moves its running maxima (and rescales O and l) when some row's max grew by
+   more than `threshold` (tau, log2 units; 8.0 = a factor 256). The decision is one
+   `vote.sync.any` over the warp, so it is warp-uniform and the rescale branch never diverges.
+   Rows that do not move keep a stale max m; every term 2^(s - m) then stays <= 2^tau, and the
+   final O / l and lse = m + log2(l) are still exact (stage 1's docstring has the argument).
+   tau = 0 is classic FlashAttention: the warp rescales whenever any row's max grew, and the
+   multiplies it skips are multiplies by exactly 1.
+
+2. `exp2_row(row, scale_log2, bias, policy)` -- partial exp2 emulation. Each value of a
+   thread's row fragment becomes 2^(row[c] * scale_log2 - bias); the values whose position
+   matches the policy's compile-time pattern use stage 2's degree-3 polynomial on the FMA pipe
+   (FMNMX, FADD.RM, 2 FADD, 3 FFMA, LEA), the others one MUFU.EX2.
+
+   The pattern: `k` emulated out of every `PATTERN_PERIOD` = 16 consecutive fragment values,
+   spread evenly (position i of a period is emulated iff floor((i+1)k/16) > floor(ik/16)), so
+   the FMA-pipe and MUFU work interleave in program order. k = round(fraction * 16):
+   fraction 0.25 -> k = 4 -> positions 3, 7, 11, 15 of each period. Sixteen divides every row
+   fragment we have: Hopper holds tile_n / 4 values of a row per thread (32 at tile_n = 128,
+   16 at tile_n = 64), Blackwell's softmax warpgroups hold a 128-column row per thread. The
+   pattern is over the fragment index, not the column: which columns those are does not
+   matter, only that the same fraction of each thread's work moves to the FMA pipe.
+
+Why 0.25 by default: stage 2 measured on an H100 (benchmarks/results/
+stage2_exp2_throughput_h100.json) that a 30-35% mix maximises exp2 throughput of a pure-exp
+loop (1.26x of MUFU alone), but in the attention kernel the FMA pipe also carries the score
+scaling, the row max/sum and the O rescale, which moves the optimum lower; the paper reports
+10-25% on Blackwell.
+
+Both device functions are `@cute.jit` helpers with no layout knowledge: they take rmem tensors
+(a thread's per-row maxima; one row of its score fragment) and loop over `cute.size(...)`. A
+Hopper consumer passes 2 rows of 32 values (16 rows per warp vote); the Blackwell softmax
+warpgroups pass 1 row of 128 values (32 rows per warp vote). Importing this module imports
+cutlass, so it goes through `stage3_fwd_kernel.common` first (arch selection).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from dataclasses import dataclass
+
+from stage3_fwd_kernel import common  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass)
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Boolean, Float32  # noqa: E402
+
+from stage2_emulated_exp.gpu_kernel import ex2_approx_f32, exp2_emulated_f32, fma_rn_f32  # noqa: E402
+
+__all__ = [
+    "DEFAULT_EMULATION_FRACTION",
+    "DEFAULT_POLY_DEGREE",
+    "DEFAULT_RESCALE_THRESHOLD",
+    "MAX_RESCALE_THRESHOLD",
+    "MAX_RESCALE_THRESHOLD_FP16",
+    "PATTERN_PERIOD",
+    "SoftmaxPolicy",
+    "emulation_pattern",
+    "exp2_row",
+    "rescale_vote",
+]
+
+DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
+DEFAULT_EMULATION_FRACTION = 0.25  # of each thread's exp2s on the FMA pipe
+DEFAULT_POLY_DEGREE = 3           # the paper's choice: within 1 bf16 ulp of MUFU on 99% of inputs
+PATTERN_PERIOD = 16
+# Headroom: a stale max lets P reach 2^tau (stored in the input dtype) and l reach Sk * 2^tau
+# (fp32). fp16 overflows at 65504 < 2^16, so tau <= 15 there; for bf16 / fp32 we stop at 64,
+# where Sk * 2^64 * max|V| is still far below the fp32 limit for any realistic Sk.
+MAX_RESCALE_THRESHOLD = 64.0
+MAX_RESCALE_THRESHOLD_FP16 = 15.0
+SUPPORTED_DEGREES = (3, 4, 5)  # below 3 the polynomial error shows up at bf16 precision (paper table)
+
+
+def emulation_pattern(k: int, period: int = PATTERN_PERIOD) -> tuple:
+    """`period` booleans with exactly `k` True, spread evenly (Bresenham)."""
+    if not (isinstance(k, int) and 0 <= k <= period):
+        raise ValueError(f"k: expected an int in [0, {period}], got {k!r}")
+    return tuple((i + 1) * k // period > i * k // period for i in range(period))
+
+
+@functools.lru_cache(maxsize=None)
+def _coefficients(degree: int) -> tuple:
+    from stage2_emulated_exp.minimax import resolve_coefficients
+
+    return tuple(float(c) for c in resolve_coefficients(degree))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SoftmaxPolicy:
+    """What a forward kernel's softmax does, fixed at compile time (part of the compile key).
+
+    rescale_threshold: tau in log2 units, 0 <= tau <= 64 (<= 15 for fp16, checked by the kernel);
+        0 = classic FlashAttention.
+    emulation_fraction: share of exp2s computed by the polynomial, in [0, 1]; rounded to the
+        nearest multiple of 1/16 (the pattern period), so 0.3 becomes 0.3125. 0 = all MUFU.
+    degree: polynomial degree of the emulation, 3 (default), 4 or 5.
+    """
+
+    rescale_threshold: float = DEFAULT_RESCALE_THRESHOLD
+    emulation_fraction: float = DEFAULT_EMULATION_FRACTION
+    degree: int = DEFAULT_POLY_DEGREE
+
+    def __post_init__(self):
+        tau, frac, deg = self.rescale_threshold, self.emulation_fraction, self.degree
+        if not _is_real(tau):
+            raise TypeError(f"rescale_threshold: expected a real number (log2 units), got {tau!r}")
+        if not (math.isfinite(tau) and 0.0 <= tau <= MAX_RESCALE_THRESHOLD):
+            raise ValueError(f"rescale_threshold: expected 0 <= tau <= {MAX_RESCALE_THRESHOLD} "
+                             f"(log2 units), got {tau!r}")
+        if not _is_real(frac):
+            raise TypeError(f"emulation_fraction: expected a real number, got {frac!r}")
+        if not (0.0 <= frac <= 1.0):
+            raise ValueError(f"emulation_fraction: expected a value in [0, 1], got {frac!r}")
+        if not (isinstance(deg, numbers.Integral) and not isinstance(deg, bool)):
+            raise TypeError(f"degree: expected an int, got {deg!r}")
+        if deg not in SUPPORTED_DEGREES:
+            raise ValueError(f"degree: expected one of {SUPPORTED_DEGREES}, got {deg!r}")
+        # normalise, so equal kernels have equal (hashable) policies
+        k = int(round(float(frac) * PATTERN_PERIOD))
+        object.__setattr__(self, "rescale_threshold", float(tau))
+        object.__setattr__(self, "emulation_fraction", k / PATTERN_PERIOD)
+        object.__setattr__(self, "degree", int(deg))
+
+    @property
+    def emulated_per_period(self) -> int:
+        return int(round(self.emulation_fraction * PATTERN_PERIOD))
+
+    @property
+    def pattern(self) -> tuple:
+        """PATTERN_PERIOD booleans: True = that fragment position is emulated."""
+        return emulation_pattern(self.emulated_per_period)
+
+    @property
+    def emulates(self) -> bool:
+        return self.emulated_per_period > 0
+
+    @property
+    def coefficients(self) -> tuple:
+        """(1.0, p_1, ..., p_degree), float32 values: stage 2's minimax set."""
+        return _coefficients(self.degree)
+
+    def check_dtype(self, dtype) -> None:
+        """fp16 P overflows past 65504 and a stale max lets P reach 2^tau: tau <= 15 there.
+        `dtype`: a cutlass numeric type (cutlass.Float16 / cutlass.BFloat16)."""
+        if dtype == cutlass.Float16 and self.rescale_threshold > MAX_RESCALE_THRESHOLD_FP16:
+            raise ValueError(f"rescale_threshold: fp16 holds P <= 2^tau only for tau <= "
+                             f"{MAX_RESCALE_THRESHOLD_FP16:g}, got {self.rescale_threshold:g}")
+
+    def describe(self) -> str:
+        return (f"tau={self.rescale_threshold:g}, emulated {self.emulated_per_period}/{PATTERN_PERIOD} "
+                f"(degree {self.degree})")
+
+
+# ------------------------------------------------------------------------------------------------
+# Device functions (called while tracing a kernel; `policy` / `threshold` are compile-time)
+# ------------------------------------------------------------------------------------------------
+@cute.jit
+def rescale_vote(row_max_old: cute.Tensor, row_max_new: cute.Tensor, scale_log2: Float32,
+                 threshold: cutlass.Constexpr[float]) -> Boolean:
+    """True for the whole warp when any of its rows' max grew by more than `threshold`.
+
+    row_max_old / row_max_new: this thread's running max before and after the current tile
+    (raw scores, one entry per row it holds; new >= old). Growth is measured in log2 units
+    (times scale_log2 > 0). A row seeing its first key has old = -inf: growth +inf, so it always
+    votes yes; a row with nothing visible yet has -inf - -inf = NaN, which votes no.
+    """
+    need = Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_max_old)):
+        growth = (row_max_new[r] - row_max_old[r]) * scale_log2
+        need = need | (growth > Float32(threshold))
+    return cute.arch.vote_any_sync(need)
+
+
+@cute.jit
+def exp2_row(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy: cutlass.Constexpr) -> Float32:
+    """row[c] <- 2^(row[c] * scale_log2 - bias) in place; returns this thread's sum of the row.
+
+    Position c uses the polynomial when policy.pattern[c % 16], else MUFU.EX2. The argument is
+    one FFMA (fma.rn, so the scaling is rounded once whichever unit finishes the job). The sum
+    runs in 4 independent chains (shorter dependency chain than one running sum).
+    """
+    pattern, coeffs = policy.pattern, policy.coefficients
+    n = cute.size(row)
+    chains = 4 if n % 4 == 0 else 1
+    sums = [Float32(0.0)] * chains
+    for c in cutlass.range_constexpr(n):
+        x = fma_rn_f32(row[c], scale_log2, -bias)
+        if cutlass.const_expr(pattern[c % PATTERN_PERIOD]):
+            p = exp2_emulated_f32(x, coeffs, True)
+        else:
+            p = ex2_approx_f32(x)
+        row[c] = p
+        sums[c % chains] = sums[c % chains] + p
+    total = sums[0]
+    for i in cutlass.range_constexpr(1, chains):
+        total = total + sums[i]
+    return total

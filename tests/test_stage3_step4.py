@@ -1,0 +1,646 @@
+"""Stage 3, Hopper step 4: FA4's softmax (conditional rescaling, partial exp2 emulation) and varlen,
+the production Hopper forward (`stage3_fwd_kernel.hopper`).
+
+cpu tier: SoftmaxPolicy validation and its emulation pattern; bad arguments raise ValueError /
+TypeError naming the argument before anything is compiled or launched.
+
+compile tier (no GPU): every head-dim config (bf16; fp16 once), causal on/off, the varlen kernel
+(with seqused_k and batch_map), emulation fraction 0 / 0.25, tau 0 / 8. ptxas: no spills, no local
+memory, setmaxnreg honoured; SASS: HGMMA, UTMALDG, exactly one warp vote (VOTE.ANY) per tile, and
+the emulation chain (FADD.RM, one per emulated value) exactly when the fraction is > 0.
+
+gpu tier (H100/H200): out and lse follow FA4's rule (2x the error of a PyTorch bf16/fp16
+implementation against fp32) over the seqlen / head-dim / causal / GQA matrix, fp16, both
+policies' knobs, adversarial rising scores; varlen batches with q-empty and k-empty sequences and
+NaN-filled unused KV-cache slots past seqused_k; rows outside every sequence are never written;
+fully masked rows are exactly 0 / -inf; outputs are NaN-poisoned before every run; two runs are
+bitwise identical. Compiles dominate the time, so configs are reused across tests.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+
+
+def _mod():
+    from stage3_fwd_kernel import hopper_step4_fa4_softmax
+
+    return hopper_step4_fa4_softmax
+
+
+# ============================================================================================ cpu
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_policy_defaults_and_pattern():
+    from stage3_fwd_kernel.softmax_policy import PATTERN_PERIOD, SoftmaxPolicy, emulation_pattern
+
+    p = SoftmaxPolicy()
+    assert (p.rescale_threshold, p.emulation_fraction, p.degree) == (8.0, 0.25, 3)
+    assert p.pattern == emulation_pattern(4) and sum(p.pattern) == 4
+    assert [i for i, e in enumerate(p.pattern) if e] == [3, 7, 11, 15]  # spread evenly
+    assert not any(SoftmaxPolicy(emulation_fraction=0.0).pattern)
+    assert all(SoftmaxPolicy(emulation_fraction=1.0).pattern)
+    for k in range(PATTERN_PERIOD + 1):
+        pat = emulation_pattern(k)
+        assert len(pat) == PATTERN_PERIOD and sum(pat) == k
+    # fractions snap to sixteenths, so equal kernels have equal (hashable) policies
+    assert SoftmaxPolicy(emulation_fraction=0.3).emulation_fraction == 5 / 16
+    assert SoftmaxPolicy(8, 0.26) == SoftmaxPolicy(8.0, 0.25) and len({SoftmaxPolicy(8, 0.26), p}) == 1
+    assert len(p.coefficients) == 4 and p.coefficients[0] == 1.0
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("kwargs,exc,word", [
+    (dict(rescale_threshold=-1.0), ValueError, "rescale_threshold"),
+    (dict(rescale_threshold=float("inf")), ValueError, "rescale_threshold"),
+    (dict(rescale_threshold=100.0), ValueError, "rescale_threshold"),
+    (dict(rescale_threshold="8"), TypeError, "rescale_threshold"),
+    (dict(emulation_fraction=1.5), ValueError, "emulation_fraction"),
+    (dict(emulation_fraction=-0.1), ValueError, "emulation_fraction"),
+    (dict(emulation_fraction=None), TypeError, "emulation_fraction"),
+    (dict(degree=2), ValueError, "degree"),
+    (dict(degree=3.0), TypeError, "degree"),
+])
+def test_policy_validation(kwargs, exc, word):
+    from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
+
+    with pytest.raises(exc, match=word):
+        SoftmaxPolicy(**kwargs)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_fp16_threshold_headroom():
+    import cutlass
+
+    from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
+
+    SoftmaxPolicy(15.0).check_dtype(cutlass.Float16)
+    SoftmaxPolicy(40.0).check_dtype(cutlass.BFloat16)
+    with pytest.raises(ValueError, match="rescale_threshold"):
+        SoftmaxPolicy(16.0).check_dtype(cutlass.Float16)
+    with pytest.raises(ValueError, match="rescale_threshold"):
+        _mod().compile_only("fp16", 128, rescale_threshold=20.0)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_hopper_alias_exports():
+    from stage3_fwd_kernel import hopper
+
+    mod = _mod()
+    assert hopper.attention_forward is mod.attention_forward
+    assert hopper.attention_varlen_forward is mod.attention_varlen_forward
+    assert hopper.compile_only is mod.compile_only
+    assert hopper.DEFAULT_RESCALE_THRESHOLD == 8.0 and hopper.DEFAULT_EMULATION_FRACTION == 0.25
+    assert hopper.DEFAULT_POLICY == hopper.SoftmaxPolicy()
+
+
+def _cpu_varlen(total_q=10, total_k=12, heads=4, heads_kv=2, d=64):
+    import torch
+
+    q = torch.zeros(total_q, heads, d, dtype=torch.bfloat16)
+    k = torch.zeros(total_k, heads_kv, d, dtype=torch.bfloat16)
+    v = torch.zeros(total_k, heads_kv, d, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 4, total_q], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, total_k], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("case,exc,word", [
+    ("cu_q_dtype", TypeError, "cu_seqlens_q"),
+    ("cu_k_len", ValueError, "cu_seqlens_k"),
+    ("seqused_shape", ValueError, "seqused_k"),
+    ("batch_map_dtype", TypeError, "batch_map"),
+    ("max_seqlen_neg", ValueError, "max_seqlen_q"),
+    ("max_seqlen_float", TypeError, "max_seqlen_k"),
+    ("rank", ValueError, "rank 3"),
+    ("gqa", ValueError, "heads"),
+    ("dtype", TypeError, "fp16/bf16"),
+    ("fraction", ValueError, "emulation_fraction"),
+    ("cpu", ValueError, "CUDA"),
+])
+def test_varlen_bad_arguments(case, exc, word):
+    import torch
+
+    q, k, v, cu_q, cu_k = _cpu_varlen()
+    kw: dict = {}
+    args = [q, k, v, cu_q, cu_k, 6, 7]
+    if case == "cu_q_dtype":
+        args[3] = cu_q.long()
+    elif case == "cu_k_len":
+        args[4] = cu_k[:2]
+    elif case == "seqused_shape":
+        kw["seqused_k"] = torch.zeros(3, dtype=torch.int32)
+    elif case == "batch_map_dtype":
+        kw["batch_map"] = torch.zeros(2, dtype=torch.int64)
+    elif case == "max_seqlen_neg":
+        args[5] = -1
+    elif case == "max_seqlen_float":
+        args[6] = 7.0
+    elif case == "rank":
+        args[0] = q[None]
+    elif case == "gqa":
+        args[1], args[2] = k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1)
+    elif case == "dtype":
+        args[0] = q.float()
+    elif case == "fraction":
+        kw["emulation_fraction"] = 2.0
+    with pytest.raises(exc, match=word):
+        _mod().attention_varlen_forward(*args, **kw)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_scale_and_head_dim_checks():
+    """(checked after the device check in the entry points, so tested directly here)"""
+    mod = _mod()
+    assert mod._check_scale(None, 64) == 0.125
+    for bad, exc in ((-0.1, ValueError), (0.0, ValueError), (float("nan"), ValueError), ("0.1", TypeError)):
+        with pytest.raises(exc, match="softmax_scale"):
+            mod._check_scale(bad, 64)
+    for d, dv in ((48, 48), (64, 128), (320, 320)):
+        with pytest.raises(ValueError, match="head_dim"):
+            mod._check_head_dims(d, dv)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_dense_bad_arguments():
+    import torch
+
+    mod = _mod()
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="q"):
+        mod.attention_forward("q", q, q)
+    with pytest.raises(ValueError, match="rescale_threshold"):
+        mod.attention_forward(q, q, q, rescale_threshold=-2.0)
+    with pytest.raises(ValueError, match="CUDA"):
+        mod.attention_forward(q, q, q)
+    with pytest.raises(ValueError, match="seqused_k"):
+        mod.compile_only(seqused_k=True)
+    with pytest.raises(ValueError, match="head_dim"):
+        mod.compile_only(head_dim=80)
+
+
+# ======================================================================================= compile
+# (dtype, d, dv, causal, varlen flags, tau, fraction): every head dim for bf16, causal both ways,
+# fp16 once, the varlen kernel (full flags and plain), and the policy corners at d = 128.
+COMPILE_CASES = [
+    ("bf16", 64, 64, False, (), 8.0, 0.25),
+    ("bf16", 96, 96, True, (), 8.0, 0.25),
+    ("bf16", 128, 128, False, (), 8.0, 0.25),
+    ("bf16", 128, 128, True, (), 8.0, 0.25),
+    ("bf16", 192, 128, True, (), 8.0, 0.25),
+    ("bf16", 256, 256, False, (), 8.0, 0.25),
+    ("fp16", 128, 128, True, (), 8.0, 0.25),
+    ("bf16", 128, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.25),
+    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.25),
+    ("bf16", 128, 128, False, (), 8.0, 0.0),
+    ("bf16", 128, 128, False, (), 0.0, 0.25),
+]
+
+
+def _case_id(c):
+    dt, d, dv, causal, flags, tau, frac = c
+    return f"{dt}-d{d}x{dv}-{'causal' if causal else 'full'}{''.join('-' + f for f in flags)}-tau{tau:g}-f{frac:g}"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Compile each case once per module (the compile cache is per process anyway)."""
+    mod = _mod()
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            dt, d, dv, causal, flags, tau, frac = case
+            cache[case] = mod.compile_only(dt, d, dv, causal, varlen="varlen" in flags,
+                                           seqused_k="seqused_k" in flags, batch_map="batch_map" in flags,
+                                           rescale_threshold=tau, emulation_fraction=frac)
+        return cache[case]
+    return get
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+def test_compiles_sm90a(compiled, case):
+    dt, d, dv, causal, flags, tau, frac = case
+    comp = compiled(case)
+    rep = comp.report
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, f"spills: {rep}"
+    assert rep["stack_frame"] == 0, f"stack frame: {rep}"
+    assert rep["LDL/STL"] == 0, "local-memory traffic in SASS"
+    assert rep["registers"] is not None and rep["registers"] <= 168  # the 384-thread launch cap
+    assert rep["threads"] == 384
+    assert rep["smem_bytes"] is not None and rep["smem_bytes"] <= 227 * 1024
+    assert rep["HGMMA"] and rep["UTMALDG"], "not on the wgmma + TMA path"
+    assert "setmaxnreg.dec" in comp.ptx and "setmaxnreg.inc" in comp.ptx
+    assert "C7508" not in rep["ptxas_log"], "ptxas ignored setmaxnreg"
+    # the consumer path stays within its setmaxnreg budget (highest register index + 1 <= 232)
+    import re
+
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 232
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+def test_softmax_policy_in_sass(compiled, case):
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+
+    dt, d, dv, causal, flags, tau, frac = case
+    rep = compiled(case).report
+    per_thread = 2 * default_tile_n(d, dv) // 4  # 2 rows x tile_n / 4 scores per consumer thread
+    emulated = int(per_thread * frac)
+    # one FADD.RM per emulated value (the floor step of stage 2's sequence), none when fraction = 0
+    assert rep["FADD.RM"] == emulated, rep
+    # the rest on MUFU, plus one rescale factor per row
+    assert rep["MUFU.EX2"] >= per_thread - emulated + 2
+    # conditional rescaling: exactly one warp vote per tile, whatever tau (tau = 0 votes on "grew at all")
+    assert rep["VOTE.ANY"] == 1, rep
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_varlen_zeroes_tail_of_V(compiled):
+    """Only the varlen kernel writes shared memory before P V (zeroing V rows past seqused_k)
+    and therefore needs the generic -> async proxy fence."""
+    assert "fence.proxy.async" in compiled(COMPILE_CASES[7]).ptx
+    assert "fence.proxy.async" not in compiled(COMPILE_CASES[3]).ptx
+
+
+# =========================================================================================== gpu
+SEQLENS = [(1, 1), (1, 3), (113, 203), (239, 1), (799, 3), (1024, 1024), (4224, 4224)]
+
+
+def _tdt(dtype):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+def _check(name, out, lse, ref, base):
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    assert not torch.isnan(out).any(), f"{name}: NaN in out (unwritten or poisoned rows)"
+    assert not torch.isnan(lse).any(), f"{name}: NaN in lse (unwritten or poisoned rows)"
+    assert_fa4_close(f"{name} out", out, ref[0], base[0])
+    assert_fa4_close(f"{name} lse", lse, ref[1], base[1])
+
+
+def _dense(q, k, v, *, causal, softmax_scale=None, **policy):
+    """Run on NaN-poisoned outputs, check against the fp32 reference with FA4's rule."""
+    import torch
+    from stage0_reference.torch_reference import attention_ref
+
+    out = torch.full(q.shape[:3] + (v.shape[3],), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda", dtype=torch.float32)
+    _mod().attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out, lse=lse, **policy)
+    torch.cuda.synchronize()
+    ref = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, upcast=True)
+    base = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, upcast=False)
+    _check(f"dense {tuple(q.shape)}x{tuple(k.shape)} causal={causal} {policy}", out, lse, ref, base)
+    return out, lse
+
+
+def _randn_qkv(b, sq, sk, hq, hkv, d, dv, dtype="bf16", seed=0):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = _tdt(dtype)
+    return (torch.randn(b, sq, hq, d, device="cuda", dtype=t, generator=g),
+            torch.randn(b, sk, hkv, d, device="cuda", dtype=t, generator=g),
+            torch.randn(b, sk, hkv, dv, device="cuda", dtype=t, generator=g))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv", HEAD_DIMS, ids=[f"d{d}x{dv}" for d, dv in HEAD_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+def test_forward_matches_reference(d, dv, causal, sq, sk):
+    big = sq * sk > 2_000_000
+    heads = 2 if big else 8
+    ratio = [1, 2][(sq + d) % 2] if big else [1, 2, 8][(sq + sk + d) % 3]  # GQA 1 / 2 / 8 over the cases
+    q, k, v = _randn_qkv(1 if big else 2, sq, sk, heads, heads // ratio, d, dv, seed=sq + sk + d)
+    _dense(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("ratio", [1, 2, 8])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_ratios(ratio, causal):
+    _dense(*_randn_qkv(2, 300, 517, 8, 8 // ratio, 128, 128, seed=ratio), causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv,causal", [(64, 64, False), (128, 128, True), (256, 256, True)],
+                         ids=["d64-full", "d128-causal", "d256-causal"])
+def test_fp16(d, dv, causal):
+    _dense(*_randn_qkv(2, 333, 1000, 4, 2, d, dv, dtype="fp16", seed=d), causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+def test_softmax_scale_and_strides():
+    """A non-default scale; q/k/v as strided views of a packed qkv buffer and of (b, h, s, d)."""
+    import torch
+
+    b, s, h, d = 2, 257, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    _dense(q, k, v, causal=True, softmax_scale=0.3)
+    kt = torch.randn(b, h, 400, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    vt = torch.randn(b, h, 400, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    _dense(q, kt, vt, causal=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128)], ids=["d64", "d128"])
+def test_fully_masked_rows(d, dv):
+    """causal, seqlen_q > seqlen_k: rows i < sq - sk see no key -> out exactly 0, lse -inf."""
+    import torch
+
+    sq, sk = 300, 70
+    out, lse = _dense(*_randn_qkv(2, sq, sk, 4, 4, d, dv), causal=True)
+    assert torch.all(out[:, :sq - sk] == 0)
+    assert torch.all(torch.isneginf(lse[:, :, :sq - sk]))
+    assert torch.all(torch.isfinite(lse[:, :, sq - sk:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+def test_deterministic():
+    import torch
+
+    q, k, v = _randn_qkv(2, 1000, 1200, 8, 2, 128, 128, seed=1)
+    o1, l1 = _mod().attention_forward(q, k, v, causal=True)
+    o2, l2 = _mod().attention_forward(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert math.isfinite(l1.max().item())
+
+
+# ---- the softmax policy -------------------------------------------------------------------------
+POLICIES = [(8.0, 0.25), (8.0, 0.0), (0.0, 0.25), (0.0, 0.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("tau,frac", POLICIES, ids=[f"tau{t:g}-f{f:g}" for t, f in POLICIES])
+def test_policy_knobs_within_tolerance(tau, frac):
+    """Every corner of (tau, emulation fraction) on random data, at d = 64 (the exp-bound case)."""
+    _dense(*_randn_qkv(2, 1000, 1500, 4, 2, 64, 64, seed=3), causal=False,
+           rescale_threshold=tau, emulation_fraction=frac)
+
+
+def _rising(sk, slopes, d=64, dtype="bf16"):
+    """Scores s_ij = slope_i * j (log2 units with softmax_scale = ln 2): each row's max moves at
+    every key (stage 1's rising_scores). q_i = slope_i e0, k_j = j e0; v random."""
+    import torch
+
+    sq = len(slopes)
+    q = torch.zeros(1, sq, 1, d, device="cuda")
+    q[0, :, 0, 0] = torch.tensor(slopes, device="cuda")
+    k = torch.zeros(1, sk, 1, d, device="cuda")
+    k[0, :, 0, 0] = torch.arange(sk, device="cuda", dtype=torch.float32)
+    v = torch.randn(1, sk, 1, d, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    t = _tdt(dtype)
+    return q.to(t), k.to(t), v.to(t), math.log(2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("tau", [0.0, 8.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("profile", ["steep", "gentle", "mixed"])
+def test_adversarial_rising_scores(tau, causal, profile):
+    """steep: +38 log2 units per 128-key tile, every tile rescales (tau = 8 and 0 alike);
+    gentle: +6.4 per tile, so with tau = 8 every other tile keeps a stale max (growth against it:
+    6.4, then 12.8), P reaches 2^6.4 and the last tile's stale max feeds lse; mixed: rows of one
+    warp disagree (slopes 0 / 0.05 / 0.3), so the vote rescales rows that alone would not have."""
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+    slopes = {"steep": [0.3] * 256, "gentle": [0.05] * 256,
+              "mixed": [[0.0, 0.05, 0.3][i % 3] for i in range(256)]}[profile]
+    q, k, v, scale = _rising(2048, slopes)
+    out, _ = _dense(q, k, v, causal=causal, softmax_scale=scale, rescale_threshold=tau)
+    # Scores this large make the bf16 PyTorch baseline coarse, so also hold FA4's changes to the
+    # same rule against our own classic kernel (tau = 0, all MUFU): at most twice its error.
+    classic, _ = _dense(q, k, v, causal=causal, softmax_scale=scale, rescale_threshold=0.0, emulation_fraction=0.0)
+    ref = attention_ref(q, k, v, softmax_scale=scale, causal=causal)[0]
+    assert_fa4_close("out vs classic kernel", out, ref, classic)
+
+
+# ---- varlen -------------------------------------------------------------------------------------
+def _varlen_batch(lens_q, lens_k, used, hq, hkv, d, dv, dtype="bf16", seed=0, pad_q=0):
+    """Packed q/k/v for the given lengths; KV rows past seqused_k (unused cache slots) are NaN."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = _tdt(dtype)
+    cu_q = torch.tensor([0] + list(_cumsum(lens_q)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(_cumsum(lens_k)), dtype=torch.int32, device="cuda")
+    tq, tk = int(cu_q[-1]) + pad_q, int(cu_k[-1])
+    q = torch.randn(tq, hq, d, device="cuda", dtype=t, generator=g)
+    k = torch.randn(tk, hkv, d, device="cuda", dtype=t, generator=g)
+    v = torch.randn(tk, hkv, dv, device="cuda", dtype=t, generator=g)
+    seqused = None
+    if used is not None:
+        seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+        for b, u in enumerate(used):
+            k0, k1 = int(cu_k[b]), int(cu_k[b + 1])
+            k[k0 + u:k1] = float("nan")
+            v[k0 + u:k1] = float("nan")
+    return q, k, v, cu_q, cu_k, seqused
+
+
+def _cumsum(xs):
+    s = 0
+    for x in xs:
+        s += x
+        yield s
+
+
+def _varlen_ref(q, k, v, cu_q, cu_k, seqused, *, causal, upcast):
+    """attention_varlen_ref, with each sequence's keys cut to its seqused_k."""
+    import torch
+    from stage0_reference.torch_reference import attention_ref
+
+    out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    used = None if seqused is None else seqused.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1, k0 = cq[b], cq[b + 1], ck[b]
+        k1 = ck[b + 1] if used is None else k0 + used[b]
+        if q1 == q0:
+            continue
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal=causal, upcast=upcast)
+        out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+    return out, lse
+
+
+def _varlen(q, k, v, cu_q, cu_k, seqused, *, causal, max_seqlen_q=None, batch_map=None, check=True, **policy):
+    import torch
+
+    lens_q = (cu_q[1:] - cu_q[:-1]).tolist()
+    lens_k = (cu_k[1:] - cu_k[:-1]).tolist()
+    max_q = max(lens_q + [0]) if max_seqlen_q is None else max_seqlen_q
+    out = torch.full((q.shape[0], q.shape[1], v.shape[2]), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda", dtype=torch.float32)
+    _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max(lens_k + [0]), seqused_k=seqused,
+                                    causal=causal, out=out, lse=lse, batch_map=batch_map, check_values=True,
+                                    **policy)
+    torch.cuda.synchronize()
+    if check:
+        ref = _varlen_ref(q, k, v, cu_q, cu_k, seqused, causal=causal, upcast=True)
+        base = _varlen_ref(q, k, v, cu_q, cu_k, seqused, causal=causal, upcast=False)
+        _check(f"varlen causal={causal} {policy}", out, lse, ref, base)
+    return out, lse
+
+
+# lengths: a q-empty sequence (0 queries), a k-empty one (queries, no keys), tiles that straddle
+# 128-row and 64-row boundaries, one longer than several key tiles, len_q > len_k (masked rows)
+LENS_Q = [0, 37, 1, 300, 128, 65, 513, 200]
+LENS_K = [50, 0, 7, 300, 129, 1000, 517, 64]
+USED_K = [50, 0, 3, 211, 129, 1, 400, 64]  # <= LENS_K; the rest of each sequence's keys are NaN
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,dv,ratio,seqused", [(128, 128, 2, True), (64, 64, 1, False), (64, 64, 8, False)],
+                         ids=["d128-gqa2-seqused", "d64-mha", "d64-gqa8"])
+def test_varlen_matches_reference(causal, d, dv, ratio, seqused):
+    import torch
+
+    used = USED_K if seqused else None
+    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, d, dv, seed=d + ratio)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal)
+    # the k-empty sequence (b = 1): exactly 0 / -inf; everything else finite despite the NaN slots
+    q0, q1 = int(cu_q[1]), int(cu_q[2])
+    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
+    assert torch.all(torch.isfinite(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+def test_varlen_fully_masked_rows_and_nan_cache():
+    """causal, len_q > used_k: the first len_q - used rows of each sequence see nothing."""
+    import torch
+
+    lens_q, lens_k, used = [300, 90, 5], [400, 70, 64], [70, 70, 1]
+    q, k, v, cu_q, cu_k, su = _varlen_batch(lens_q, lens_k, used, 4, 4, 128, 128, seed=7)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=True)
+    for b in range(3):
+        q0, n_empty = int(cu_q[b]), lens_q[b] - used[b]
+        assert torch.all(out[q0:q0 + n_empty] == 0)
+        assert torch.all(torch.isneginf(lse[:, q0:q0 + n_empty]))
+        assert torch.all(torch.isfinite(lse[:, q0 + n_empty:q0 + lens_q[b]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+def test_varlen_never_writes_outside_its_sequences():
+    """One sequence in the middle of larger buffers (cu_seqlens_q = [37, 137]): rows 0..36 and
+    137.. of out / lse must keep their NaN poison (the tail predicate at an arbitrary offset)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(400, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu_q = torch.tensor([37, 137], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([10, 260], dtype=torch.int32, device="cuda")
+    for causal in (False, True):
+        out = torch.full((400, 4, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse = torch.full((4, 400), float("nan"), device="cuda")
+        _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, 100, 250, causal=causal, out=out, lse=lse)
+        torch.cuda.synchronize()
+        assert torch.isnan(out[:37]).all() and torch.isnan(out[137:]).all()
+        assert torch.isnan(lse[:, :37]).all() and torch.isnan(lse[:, 137:]).all()
+        from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+        ref = attention_ref(q[None, 37:137], k[None, 10:260], v[None, 10:260], causal=causal)
+        base = attention_ref(q[None, 37:137], k[None, 10:260], v[None, 10:260], causal=causal, upcast=False)
+        assert_fa4_close("out", out[None, 37:137], ref[0], base[0])
+        assert_fa4_close("lse", lse[None, :, 37:137], ref[1], base[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+def test_varlen_batch_map_and_oversized_grid():
+    """A permuted batch_map computes the same tiles in another CTA order: bitwise the same result.
+    A max_seqlen_q larger than any sequence only adds CTAs that exit at once."""
+    import torch
+
+    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, USED_K, 8, 4, 128, 128, seed=3)
+    o1, l1 = _varlen(q, k, v, cu_q, cu_k, su, causal=True)
+    perm = torch.arange(len(LENS_Q) - 1, -1, -1, dtype=torch.int32, device="cuda")
+    o2, l2 = _varlen(q, k, v, cu_q, cu_k, su, causal=True, batch_map=perm, check=False)
+    o3, l3 = _varlen(q, k, v, cu_q, cu_k, su, causal=True, max_seqlen_q=2000, check=False)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert torch.equal(o1, o3) and torch.equal(l1, l3)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+def test_varlen_random_batches():
+    """Random lengths (empty ones included) with tau = 0 and the default policy; deterministic."""
+    import torch
+
+    gen = torch.Generator().manual_seed(2024)
+    lens_q = torch.randint(0, 700, (12,), generator=gen).tolist()
+    lens_k = torch.randint(0, 900, (12,), generator=gen).tolist()
+    lens_q[3], lens_k[5] = 0, 0
+    used = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in lens_k]
+    q, k, v, cu_q, cu_k, su = _varlen_batch(lens_q, lens_k, used, 8, 2, 128, 128, seed=9)
+    o1, l1 = _varlen(q, k, v, cu_q, cu_k, su, causal=True)
+    o2, l2 = _varlen(q, k, v, cu_q, cu_k, su, causal=True)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    _varlen(q, k, v, cu_q, cu_k, su, causal=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+def test_varlen_edge_batches():
+    """No keys anywhere (host path), no queries anywhere, and check_values catching a bad index."""
+    import torch
+
+    q, k, v, cu_q, cu_k, _ = _varlen_batch([5, 0, 9], [0, 0, 0], None, 4, 4, 64, 64)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, None, causal=False)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    q, k, v, cu_q, cu_k, _ = _varlen_batch([0, 0], [10, 3], None, 4, 4, 64, 64)
+    _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, 0, 10)  # nothing to do, nothing launched
+    q, k, v, cu_q, cu_k, _ = _varlen_batch([5, 9], [10, 3], None, 4, 4, 64, 64)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, 5, 10, check_values=True)
+    with pytest.raises(ValueError, match="seqused_k"):
+        _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, 9, 10, check_values=True,
+                                        seqused_k=torch.tensor([11, 0], dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="out"):
+        _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, 9, 10,
+                                        out=torch.empty(3, 4, 64, device="cuda", dtype=torch.bfloat16))
+
+
+# ---- entry points -------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_run_entry_point(varlen):
+    res = _mod().run(batch=3, seqlen_q=512, seqlen_k=512, heads=4, head_dim=128, causal=True, check=True,
+                     varlen=varlen, verbose=False)
+    assert res["mode"] == "gpu" and res["tflops"] > 0
