@@ -201,7 +201,7 @@ def summary_table(doc) -> str:
     lines = ["| head dim | causal | seqlen | ours TFLOP/s | FA4 TFLOP/s | cuDNN | FA2 | ours / FA4 |",
              "|---|---|---|---|---|---|---|---|"]
     seqlens = sorted({r["seqlen"] for r in doc["results"]})
-    for d, dv in dims:
+    for d, dv in HEAD_DIMS:
         for causal in (False, True):
             for s in seqlens:
                 vals = [t.get((n, d, dv, causal, s)) for n in (ours, "flash-attn-4 (official)", "cuDNN (SDPA)", "FA2 (SDPA)")]

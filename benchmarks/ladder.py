@@ -4,7 +4,8 @@
     python benchmarks/ladder.py --write       # rewrite the table in stage3_fwd_kernel/README.md
     python benchmarks/ladder.py               # print it
 
-Inputs: the newest forward benchmark JSON (bench_fwd.py) in benchmarks/results/ and
+Inputs: every forward benchmark JSON (bench_fwd.py) in benchmarks/results/ (a step's row comes
+from the newest run that measured it, ratioed against the official FA4 of that same run) and
 benchmarks/results/stage3_resources_sm90a.json. The README holds the table between
 <!-- ladder:start --> and <!-- ladder:end -->; tests/test_benchmarks.py checks it is current.
 """
@@ -30,38 +31,72 @@ STEPS = {
 FA4 = "flash-attn-4 (official)"
 
 
-def latest_bench() -> Path:
-    """The forward benchmark with the most ladder steps measured (ties: newest name)."""
-    cands = sorted(RESULTS.glob("fwd_h100*.json"))
-    if not cands:
+VARIANTS = {  # step-4 softmax policies timed as extra rows: (label, technique)
+    "variant:tau=0,emu=0": ("step 4, tau=0, no emulation", "step 3 + varlen plumbing, classic rescaling: the baseline for the two FA4 techniques"),
+    "variant:tau=8,emu=0": ("step 4, tau=8, no emulation (production default)", "+ conditional rescaling: one warp vote per tile, rescale only when the max grows by > 8"),
+    "variant:tau=8,emu=0.25": ("step 4, tau=8, 25% emulated", "+ 25% of exp2 on the FMA pipe (degree-3 polynomial)"),
+}
+
+
+def bench_files() -> list[Path]:
+    files = sorted(RESULTS.glob("fwd_h100*.json"))
+    if not files:
         raise FileNotFoundError("no benchmarks/results/fwd_h100*.json: run benchmarks/bench_fwd.py on a GPU")
-
-    def n_steps(p):
-        return len({r["impl"] for r in json.loads(p.read_text())["results"] if r["impl"].startswith("ours:")})
-
-    return max(cands, key=lambda p: (n_steps(p), p.name))
+    return files
 
 
-def table(bench: dict, resources: dict) -> str:
-    t = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r.get("tflops") for r in bench["results"]}
-    seqlens = sorted({r["seqlen"] for r in bench["results"] if r["head_dim"] == 128})
-    cols = [(c, s) for c in (False, True) for s in seqlens]
+def _rows(files):
+    """impl -> (tflops per (causal, seqlen), FA4 of the same run, run name); later runs win."""
+    rows = {}
+    for path in files:
+        doc = json.loads(path.read_text())
+        t = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r.get("tflops") for r in doc["results"]}
+        for impl in {r["impl"] for r in doc["results"]}:
+            vals = {(c, s): v for (i, d, c, s), v in t.items() if i == impl and d == 128 and v}
+            if vals:
+                fa4 = {(c, s): t.get((FA4, 128, c, s)) for (c, s) in vals}
+                rows[impl] = (vals, fa4, path.stem, doc)
+    return rows
+
+
+def table(files, resources: dict) -> str:
+    rows = _rows(files)
+    cols = sorted({k for impl, (vals, _, _, _) in rows.items() for k in vals})
     head = " | ".join(f"{'causal' if c else 'non-causal'} {s // 1024}k" for c, s in cols)
-    lines = [f"d = 128, bf16, TFLOP/s on {bench['device']} (commit {bench.get('git_commit', '?')}; "
-             f"ratio to the official flash-attn-4 {bench['versions'].get('flash-attn-4')} measured in the same run)",
-             "", f"| step | technique | {head} | registers | SMEM |", "|---|---|" + "---|" * len(cols) + "---|---|"]
+    docs = {stem: doc for _, _, stem, doc in rows.values()}
+    runs = "; ".join(f"{stem}: commit {doc.get('git_commit', '?')}" for stem, doc in sorted(docs.items()))
+    any_doc = next(iter(docs.values()))
+    lines = [f"d = 128, bf16, TFLOP/s on {any_doc['device']}; in parentheses the ratio to the official "
+             f"flash-attn-4 {any_doc['versions'].get('flash-attn-4')} measured in the same run ({runs})",
+             "", f"| step | technique | {head} | registers | SMEM | run |",
+             "|---|---|" + "---|" * len(cols) + "---|---|---|"]
+
+    def cells(impl):
+        vals, fa4, stem, _ = rows[impl]
+        out = []
+        for col in cols:
+            v, f = vals.get(col), fa4.get(col)
+            out.append(f"{v:.0f} ({v / f:.2f}x)" if v and f else (f"{v:.0f}" if v else "-"))
+        return out
+
     for key, (module, technique) in STEPS.items():
-        vals = [t.get((f"ours:{key}", 128, c, s)) for c, s in cols]
-        if not any(vals):
+        impl = f"ours:{key}"
+        if impl not in rows or key == "step4_fa4_softmax":
             continue
-        fa4 = [t.get((FA4, 128, c, s)) for c, s in cols]
-        cells = [f"{v:.0f} ({v / f:.2f}x)" if v and f else (f"{v:.0f}" if v else "-") for v, f in zip(vals, fa4)]
         res = resources.get(module, {})
-        regs = res.get("registers", "-")
         smem = f"{res['smem_bytes'] // 1024} KB" if res.get("smem_bytes") else "-"
-        lines.append(f"| {module} | {technique} | " + " | ".join(cells) + f" | {regs} | {smem} |")
-    fa4_cells = [f"{t[(FA4, 128, c, s)]:.0f}" if t.get((FA4, 128, c, s)) else "-" for c, s in cols]
-    lines.append(f"| official flash-attn-4 | (peer) | " + " | ".join(fa4_cells) + " | | |")
+        lines.append(f"| {module} | {technique} | " + " | ".join(cells(impl))
+                     + f" | {res.get('registers', '-')} | {smem} | {rows[impl][2]} |")
+    res4 = resources.get(STEPS["step4_fa4_softmax"][0], {})
+    for impl, (label, technique) in VARIANTS.items():
+        if impl in rows:
+            smem = f"{res4['smem_bytes'] // 1024} KB" if res4.get("smem_bytes") else "-"
+            lines.append(f"| {label} | {technique} | " + " | ".join(cells(impl))
+                         + f" | {res4.get('registers', '-')} | {smem} | {rows[impl][2]} |")
+    if FA4 in rows:
+        vals = rows[FA4][0]
+        lines.append("| official flash-attn-4 | (peer, newest run) | "
+                     + " | ".join(f"{vals[c]:.0f}" if vals.get(c) else "-" for c in cols) + " | | | |")
     return "\n".join(lines)
 
 
@@ -82,9 +117,8 @@ def measure_resources() -> dict:
 
 
 def render() -> str:
-    bench = json.loads(latest_bench().read_text())
     resources = json.loads(RESOURCES.read_text()) if RESOURCES.is_file() else {}
-    return table(bench, resources)
+    return table(bench_files(), resources)
 
 
 def main(argv=None) -> int:

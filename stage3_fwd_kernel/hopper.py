@@ -17,13 +17,13 @@ from stage3_fwd_kernel.hopper_step4_fa4_softmax import (
     SUPPORTED_HEAD_DIMS,
     FlashAttentionForwardSm90Step4 as FlashAttentionForwardSm90,
     attention_forward,
+    DEFAULT_EMULATION_FRACTION,
     attention_varlen_forward,
     compile_only,
     make_kernel,
     run,
 )
 from stage3_fwd_kernel.softmax_policy import (
-    DEFAULT_EMULATION_FRACTION,
     DEFAULT_POLY_DEGREE,
     DEFAULT_RESCALE_THRESHOLD,
     SoftmaxPolicy,

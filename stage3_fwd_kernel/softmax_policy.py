@@ -59,6 +59,7 @@ __all__ = [
     "DEFAULT_EMULATION_FRACTION",
     "DEFAULT_POLY_DEGREE",
     "DEFAULT_RESCALE_THRESHOLD",
+    "HOPPER_EMULATION_FRACTION",
     "MAX_RESCALE_THRESHOLD",
     "MAX_RESCALE_THRESHOLD_FP16",
     "PATTERN_PERIOD",
@@ -69,7 +70,12 @@ __all__ = [
 ]
 
 DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
-DEFAULT_EMULATION_FRACTION = 0.25  # of each thread's exp2s on the FMA pipe
+DEFAULT_EMULATION_FRACTION = 0.25  # of each thread's exp2s on the FMA pipe (the paper's 10-25%)
+# Measured inside the Hopper step-4 kernel on an H100 (benchmarks/results/fwd_h100_run2_steps3-4_quick.json):
+# tau=8 with no emulation is the fastest policy at d=64 and d=128; 25% emulation costs 4-10% at 16k.
+# The kernel runs at ~0.8x of the official FA4, limited by issue slots and registers rather than
+# MUFU, so moving exponentials onto the FMA pipe only adds instructions. Hopper defaults to 0.
+HOPPER_EMULATION_FRACTION = 0.0
 DEFAULT_POLY_DEGREE = 3           # the paper's choice: within 1 bf16 ulp of MUFU on 99% of inputs
 PATTERN_PERIOD = 16
 # Headroom: a stale max lets P reach 2^tau (stored in the input dtype) and l reach Sk * 2^tau
