@@ -1,42 +1,159 @@
-"""Command line: python -m fa4 {demo,info}."""
+"""Command line: python -m fa4 {demo, info, bench, precompile, cache}.
+
+    demo        run every stage available here and print a report (GPU: fa4 vs reference + timing)
+    info        versions, devices, the support matrix, the compile cache
+                --markdown prints the README support-matrix block; --update-readme rewrites it
+    bench       benchmarks/bench_fwd.py with the remaining arguments (GPU)
+    precompile  build the common kernel configs ahead of time (see fa4/precompile.py)
+    cache       cache info | clear [--stale]
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import platform
+import subprocess
 import sys
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = pathlib.Path(__file__).resolve().parent / "README.md"
 
-def _info() -> int:
+
+def _version(pkg):
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:
+        return None
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _info(args) -> int:
+    from . import _cache
+    from ._dispatch import supported, support_markdown
+
+    if args.markdown or args.update_readme:
+        block = support_markdown()
+        if args.update_readme:
+            return _update_readme(block)
+        print(block)
+        return 0
+    if args.json:
+        print(json.dumps(supported(), indent=1))
+        return 0
     import numpy
 
     print(f"python {platform.python_version()}  numpy {numpy.__version__}")
     try:
         import torch
 
-        cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-        print(f"torch {torch.__version__}  CUDA device: {cuda}")
+        print(f"torch {torch.__version__}  CUDA runtime {torch.version.cuda}")
+        if torch.cuda.is_available():
+            from ._dispatch import UnsupportedDeviceError, arch_for_capability
+
+            for i in range(torch.cuda.device_count()):
+                cap = torch.cuda.get_device_capability(i)
+                try:
+                    a = arch_for_capability(cap)
+                    status = "verified" if a.hardware_status == "verified" else "UNVERIFIED on hardware"
+                    served = f"fa4 {a.key} kernels ({status})"
+                except UnsupportedDeviceError:
+                    served = "no fa4 kernel for this capability"
+                print(f"CUDA device {i}: {torch.cuda.get_device_name(i)} "
+                      f"(compute capability {cap[0]}.{cap[1]}): {served}")
+        else:
+            print("CUDA device: none (fa4 kernels need a GPU; compile-only builds still work)")
     except ImportError:
         print("torch: not installed")
-    try:
-        from importlib.metadata import version
+    print(f"nvidia-cutlass-dsl {_version('nvidia-cutlass-dsl') or 'not installed'}")
+    tf = _version("transformers")
+    print(f"transformers {tf or 'not installed (fa4.integrations.transformers needs it)'}")
+    print()
+    print(support_markdown())
+    print()
+    ci = _cache.info()
+    state = "enabled" if ci["enabled"] else "disabled (FA4_CACHE=0)"
+    print(f"compile cache ({state}): {ci['root']}")
+    print(f"  this build's generation: {ci['current']} "
+          f"({ci['current_entries']} kernels, {_human(ci['current_bytes'])})")
+    print(f"  all generations: {len(ci['generations'])} ({ci['entries']} kernels, {_human(ci['bytes'])}); "
+          "`python -m fa4 cache clear --stale` drops the old ones")
+    return 0
 
-        print(f"nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}")
-    except Exception:
-        print("nvidia-cutlass-dsl: not installed")
+
+def _update_readme(block: str) -> int:
+    from ._dispatch import README_BEGIN, README_END
+
+    text = README.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        print(f"{README}: markers not found; add {README_BEGIN!r} ... {README_END!r}", file=sys.stderr)
+        return 1
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    README.write_text(head + block + tail)
+    print(f"updated the support matrix in {README}")
+    return 0
+
+
+def _bench(argv) -> int:
+    script = ROOT / "benchmarks" / "bench_fwd.py"
+    if not script.is_file():
+        print(f"bench: {script} is not present (it lives in the repository checkout, not in the installed package)",
+              file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *argv], cwd=ROOT)
+
+
+def _cache_cmd(args) -> int:
+    from . import _cache
+
+    if args.action == "clear":
+        n = _cache.clear(stale_only=args.stale)
+        print(f"removed {n} cache generation(s) under {_cache.root_dir() / _cache.FORMAT}")
+        return 0
+    print(json.dumps(_cache.info(), indent=1))
     return 0
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark script
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fa4", description="FlashAttention-4 from scratch")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="run every stage available here and print a report")
-    sub.add_parser("info", help="versions and devices")
+    p_info = sub.add_parser("info", help="versions, devices, support matrix, compile cache")
+    p_info.add_argument("--markdown", action="store_true", help="print the README support-matrix block only")
+    p_info.add_argument("--update-readme", action="store_true", help="rewrite that block in fa4/README.md")
+    p_info.add_argument("--json", action="store_true", help="fa4.supported() as JSON")
+    sub.add_parser("bench", help="run benchmarks/bench_fwd.py (arguments are passed through)")
+    from .precompile import add_arguments
+
+    add_arguments(sub.add_parser("precompile", help="build the common kernel configs ahead of time"))
+    p_cache = sub.add_parser("cache", help="show or clear the on-disk compile cache")
+    p_cache.add_argument("action", choices=["info", "clear"])
+    p_cache.add_argument("--stale", action="store_true", help="clear only generations other than this build's")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         from .demo import run_demo
 
         return run_demo()
-    return _info()
+    if args.cmd == "precompile":
+        from .precompile import main as precompile_main
+
+        return precompile_main(args)
+    if args.cmd == "cache":
+        return _cache_cmd(args)
+    return _info(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,463 @@
+"""The compile cache: CuTe-DSL kernels compiled once per configuration, in memory and on disk.
+
+Why: a CuTe-DSL kernel is traced and compiled (MLIR -> PTX -> ptxas) the first time a
+configuration (dtype, head dims, causal, ...) is used: seconds per kernel, paid again by every
+new process -- every training job, every test run, every rank of a multi-GPU job.
+
+What CuTe-DSL 4.8.1 offers (researched in nvidia-cutlass-dsl 4.8.1 and the official FA4's
+cache_utils.py, which uses the TVM-FFI flavour of the same mechanism):
+  * ``compiled.dump_to_object(prefix)`` returns a relocatable ELF object holding the host launch
+    code *and* the cubin; ``compiled.export_to_c(dir, name)`` writes it plus a C header. The header
+    generator needs every kernel argument annotated, and the stage-3 kernels take an unannotated
+    stream, so fa4 calls ``dump_to_object`` (the object is all a reload needs).
+  * ``cutlass.cute.runtime.load_module(path)`` JIT-links such an object (milliseconds) and
+    ``module[prefix]`` returns a callable ``JitCompiledFunction`` with the original signature.
+So an on-disk cache is feasible with this DSL version; this module implements it.
+
+Layout: ``$FA4_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fa4`` or ``~/.cache/fa4``) /
+``kernels-v1/<fingerprint>/<key hash>-<content hash>.o``. The fingerprint hashes everything that
+changes generated code: the kernel sources (stage 2-5 packages), the DSL version, the Python
+minor version and CUTE_DSL_ARCH; editing a kernel therefore starts a fresh directory instead of
+loading stale code. The key hash is the stage module's own in-memory cache key (step name,
+dtype, head dims, causal, ...).
+
+Concurrency and corruption: an entry is written to a temporary file in the same directory and
+renamed into place (atomic on POSIX), so readers see a complete file or none; two processes
+compiling the same key both write a valid file. Writers never delete; a reader uses the newest
+verified entry and prunes the older ones, so a race always leaves at least one complete file
+(no lock files needed). The content hash in the file name is checked before loading, so a
+truncated or edited file is detected, removed and rebuilt, never fatal. A file that passes the
+hash but fails to load or to run on its first call is also removed and the kernel recompiled.
+
+What is cached: only compiles a stage module marks as runnable (keys containing "gpu", compiled
+with real device tensors). Fake-tensor compiles (compile-only / CI, key "fake") stay in memory:
+their value is the resource report (registers, SASS), which a reloaded object does not carry.
+
+Hooking in: stage modules compile through ``common.compile_cached(key, build)`` and keep the
+result in ``common._CACHE``. ``install_for(module)`` wraps that function (once) so a miss in
+memory consults the disk before compiling, and a fresh compile is written back. The stage
+modules stay unaware of fa4 (the layering rule: fa4 composes the stages, never the reverse).
+
+Environment: FA4_CACHE=0 disables the disk (memory only); FA4_CACHE_DIR moves it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import threading
+import warnings
+from typing import Any, Callable, Optional
+
+FORMAT = "kernels-v1"  # bump when the file layout or the object format changes
+KERNEL_PACKAGES = ("stage2_emulated_exp", "stage3_fwd_kernel", "stage4_bwd_kernel", "stage5_scheduling")
+
+_STATS = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "store_errors": 0}
+_LOCK = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get("FA4_CACHE", "1") not in ("0", "false", "False", "off")
+
+
+def root_dir() -> pathlib.Path:
+    """The cache root (FA4_CACHE_DIR, else the XDG cache dir); nothing is created here."""
+    env = os.environ.get("FA4_CACHE_DIR")
+    if env:
+        return pathlib.Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "fa4"
+
+
+@functools.lru_cache(maxsize=None)
+def _dsl_version() -> str:
+    """The CuTe-DSL version, without importing cutlass (which would fix the arch). Where the
+    distribution metadata is missing (a DSL unpacked straight into site-packages, as on the GPU
+    machine), the bytes of cutlass/__init__.py stand in for it."""
+    try:
+        from importlib.metadata import version
+
+        return version("nvidia-cutlass-dsl")
+    except Exception:
+        pass
+    try:
+        spec = importlib.util.find_spec("cutlass")
+        if spec is not None and spec.origin:
+            return "src-" + hashlib.sha256(pathlib.Path(spec.origin).read_bytes()).hexdigest()[:12]
+    except (ImportError, ValueError, OSError):
+        pass
+    return "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def _sources_digest() -> str:
+    """sha256 over every .py file of the kernel packages (path + bytes), found without importing
+    them (importing would import cutlass and fix the arch)."""
+    h = hashlib.sha256()
+    for pkg in KERNEL_PACKAGES:
+        try:
+            spec = importlib.util.find_spec(pkg)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            h.update(f"{pkg}:absent".encode())
+            continue
+        for loc in spec.submodule_search_locations:
+            for path in sorted(pathlib.Path(loc).rglob("*.py")):
+                h.update(f"{pkg}/{path.relative_to(loc).as_posix()}".encode())
+                data = path.read_bytes()
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+    return h.hexdigest()
+
+
+def fingerprint(arch: Optional[str] = None) -> str:
+    """16 hex digits naming one generation of compiled code (see module docstring)."""
+    arch = arch or os.environ.get("CUTE_DSL_ARCH", "auto")
+    parts = [FORMAT, f"dsl={_dsl_version()}", f"py={sys.version_info[0]}.{sys.version_info[1]}",
+             f"arch={arch}", f"src={_sources_digest()}"]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def cache_dir(arch: Optional[str] = None) -> pathlib.Path:
+    return root_dir() / FORMAT / fingerprint(arch)
+
+
+def key_hash(key) -> Optional[str]:
+    """A stable name for a stage cache key, or None if the key cannot be named stably (its repr
+    holds an object address, which would differ in the next process)."""
+    text = repr(key)
+    if " at 0x" in text:
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def persistable(key) -> bool:
+    """Only runnable compiles go to disk (see module docstring)."""
+    return isinstance(key, tuple) and "gpu" in key and key_hash(key) is not None
+
+
+class DiskCache:
+    """Content-verified object files in one directory. All methods swallow I/O and load errors
+    (a cache must never make a working program fail); they count them in `stats()` instead."""
+
+    def __init__(self, directory: pathlib.Path):
+        self.dir = pathlib.Path(directory)
+
+    @staticmethod
+    def symbol(khash: str) -> str:
+        return f"fa4_{khash[:24]}"  # a C identifier: the object's function prefix
+
+    def entries(self, khash: str):
+        if not self.dir.is_dir():
+            return []
+        def mtime(p):
+            try:
+                return p.stat().st_mtime
+            except OSError:  # removed by another process meanwhile
+                return 0.0
+        return sorted(self.dir.glob(f"{khash}-*.o"), key=mtime, reverse=True)
+
+    def read_verified(self, khash: str) -> Optional[pathlib.Path]:
+        """The newest entry whose bytes match the hash in its name. Mismatching entries are
+        removed (with a warning), and so are entries older than the one returned: only readers
+        prune, never writers, so the newest complete file of a key always survives a race."""
+        entries = self.entries(khash)
+        for i, path in enumerate(entries):
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue  # removed by another process in between: try the next
+            want = path.stem.split("-", 1)[1]
+            if hashlib.sha256(data).hexdigest()[:16] != want:
+                self._discard(path, "content hash mismatch (truncated or modified file)")
+                continue
+            for older in entries[i + 1:]:
+                try:
+                    older.unlink()
+                except OSError:
+                    pass
+            return path
+        return None
+
+    def _discard(self, path: pathlib.Path, why: str):
+        with _LOCK:
+            _STATS["corrupt"] += 1
+        warnings.warn(f"fa4 cache: discarding {path.name}: {why}; the kernel will be recompiled", RuntimeWarning,
+                      stacklevel=3)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+    def write(self, khash: str, data: bytes) -> Optional[pathlib.Path]:
+        """Atomically add an entry: a temporary file in the same directory, fsync'ed, renamed into
+        place. Older entries of the key are left for `read_verified` to prune (see there)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            final = self.dir / f"{khash}-{hashlib.sha256(data).hexdigest()[:16]}.o"
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{khash}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, final)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            return final
+        except OSError as exc:
+            with _LOCK:
+                _STATS["store_errors"] += 1
+            warnings.warn(f"fa4 cache: could not write to {self.dir}: {exc}", RuntimeWarning, stacklevel=3)
+            return None
+
+    # -- CuTe-DSL objects -------------------------------------------------------------------------
+    def load(self, key) -> Optional[tuple[Any, pathlib.Path]]:
+        khash = key_hash(key)
+        path = self.read_verified(khash) if khash else None
+        if path is None:
+            return None
+        try:
+            fn = load_object(path, self.symbol(khash))
+        except Exception as exc:  # e.g. an object from another DSL build: rebuild it
+            self._discard(path, f"load failed: {type(exc).__name__}: {str(exc)[:200]}")
+            return None
+        return fn, path
+
+    def write_report(self, khash: str, report: Optional[dict]):
+        """Keep the compile's resource report (registers, smem, SASS counts) next to the object,
+        so a kernel loaded from disk still reports them. Best effort: JSON-able values only."""
+        if not report:
+            return
+        clean = {k: v for k, v in report.items()
+                 if k != "ptxas_log" and isinstance(v, (int, float, str, bool, type(None)))}
+        tmp = None
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{khash}.", suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(clean, f)
+            os.replace(tmp, self.dir / f"{khash}.report.json")
+        except OSError:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def read_report(self, khash: str) -> dict:
+        try:
+            with open(self.dir / f"{khash}.report.json") as f:
+                rep = json.load(f)
+            return rep if isinstance(rep, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def store(self, key, compiled_fn, report: Optional[dict] = None) -> Optional[pathlib.Path]:
+        khash = key_hash(key)
+        if khash is None:
+            return None
+        self.write_report(khash, report)
+        try:
+            data = compiled_fn.dump_to_object(self.symbol(khash))
+        except Exception as exc:
+            with _LOCK:
+                _STATS["store_errors"] += 1
+            warnings.warn(f"fa4 cache: could not export a compiled kernel ({type(exc).__name__}: {str(exc)[:200]}); "
+                          "it stays cached in memory only", RuntimeWarning, stacklevel=3)
+            return None
+        path = self.write(khash, data)
+        if path is not None:
+            with _LOCK:
+                _STATS["stores"] += 1
+        return path
+
+
+_RUNTIME_PRELOADED = False
+
+
+def load_object(path: pathlib.Path, symbol: str):
+    """JIT-link an object written by `dump_to_object` and return its function."""
+    global _RUNTIME_PRELOADED
+    import cutlass.cute as cute
+
+    if not _RUNTIME_PRELOADED:
+        # The DSL's runtime libraries are opened without RTLD_GLOBAL by load_module; a reloaded
+        # object resolves its CUDA-library symbols against the global namespace, so make them
+        # visible there first (the official FA4 cache does the same).
+        for lib in cute.runtime.find_runtime_libraries(enable_tvm_ffi=False):
+            if os.path.exists(lib):
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+        _RUNTIME_PRELOADED = True
+    module = cute.runtime.load_module(str(path))
+    return module[symbol]
+
+
+def disk() -> Optional[DiskCache]:
+    return DiskCache(cache_dir()) if enabled() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# the hook into the stage modules' compile_cached
+# ---------------------------------------------------------------------------------------------
+class _FirstCallGuard:
+    """The function loaded from disk, until its first call succeeds. If that call raises (an
+    object that loads but does not run here), the entry is dropped, the kernel recompiled and the
+    call retried -- once. After a success the raw function replaces this wrapper in the cache."""
+
+    def __init__(self, fn, path, on_success: Callable, recompile: Callable):
+        self.fn, self.path, self._on_success, self._recompile = fn, path, on_success, recompile
+
+    def __call__(self, *args, **kwargs):
+        try:
+            res = self.fn(*args, **kwargs)
+        except Exception as exc:
+            warnings.warn(f"fa4 cache: {self.path.name} loaded but failed on first call ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); recompiling", RuntimeWarning, stacklevel=2)
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            fn = self._recompile()
+            return fn(*args, **kwargs)
+        self._on_success(self.fn)
+        return res
+
+
+_WRAPPERS: dict = {}  # original compile_cached function -> its disk-backed wrapper
+
+
+def _stage_modules() -> list:
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and name.split(".")[0] in KERNEL_PACKAGES]
+
+
+def install_for(module=None) -> int:
+    """Route the compiles of the stage modules through the disk cache. Idempotent; call it after
+    importing a kernel module (`module` is accepted for clarity, every loaded stage module is
+    scanned). Returns how many bindings were replaced.
+
+    1. An *owner* defines `compile_cached` and holds the memory cache `_CACHE` (today
+       stage3_fwd_kernel.common, which the backward shares): its function is wrapped once.
+    2. Modules that re-export the owner's function under the same name (stage4_bwd_kernel.common
+       does `from stage3_fwd_kernel.common import compile_cached`) have their binding pointed at
+       the wrapper too, since `common.compile_cached(...)` looks the name up in *their* namespace.
+    Kernels that compile through anything else (the Blackwell module's compile_config) keep
+    their own in-memory cache only.
+    """
+    n = 0
+    mods = _stage_modules()
+    for m in mods:
+        fn = getattr(m, "compile_cached", None)
+        if (callable(fn) and isinstance(getattr(m, "_CACHE", None), dict) and fn not in _WRAPPERS
+                and not getattr(fn, "_fa4_disk_cache", False) and getattr(fn, "__module__", None) == m.__name__):
+            _WRAPPERS[fn] = _wrap(m, fn)
+    for m in mods:
+        fn = getattr(m, "compile_cached", None)
+        if fn is not None and fn in _WRAPPERS:
+            m.compile_cached = _WRAPPERS[fn]
+            n += 1
+    return n
+
+
+def _wrap(mod, original: Callable) -> Callable:
+    memory = mod._CACHE
+    make = getattr(mod, "Compiled", None)
+
+    def entry(fn, report):
+        if make is not None and hasattr(make, "_fields"):
+            fields = {f: "" for f in make._fields}
+            fields.update(fn=fn, report=report)
+            return make(**fields)
+        return fn
+
+    @functools.wraps(original)
+    def compile_cached(key, build):
+        if key in memory:
+            with _LOCK:
+                _STATS["memory_hits"] += 1
+            return memory[key]
+        store = disk() if persistable(key) else None
+        if store is not None:
+            hit = store.load(key)
+            if hit is not None:
+                fn, path = hit
+                report = dict(store.read_report(key_hash(key)), loaded_from=str(path))
+
+                def on_success(raw):
+                    memory[key] = entry(raw, report)
+
+                def recompile():
+                    memory.pop(key, None)
+                    comp = original(key, build)
+                    store.store(key, comp.fn if hasattr(comp, "fn") else comp, getattr(comp, "report", None))
+                    return comp.fn if hasattr(comp, "fn") else comp
+
+                with _LOCK:
+                    _STATS["disk_hits"] += 1
+                memory[key] = entry(_FirstCallGuard(fn, path, on_success, recompile), report)
+                return memory[key]
+        with _LOCK:
+            _STATS["misses"] += 1
+        comp = original(key, build)
+        if store is not None:
+            store.store(key, comp.fn if hasattr(comp, "fn") else comp, getattr(comp, "report", None))
+        return comp
+
+    compile_cached._fa4_disk_cache = True
+    return compile_cached
+
+
+# ---------------------------------------------------------------------------------------------
+# reporting / housekeeping
+# ---------------------------------------------------------------------------------------------
+def stats() -> dict:
+    with _LOCK:
+        return dict(_STATS)
+
+
+def _tree_size(path: pathlib.Path) -> tuple[int, int]:
+    files = size = 0
+    if path.is_dir():
+        for p in path.rglob("*.o"):
+            try:
+                size += p.stat().st_size
+                files += 1
+            except OSError:
+                pass
+    return files, size
+
+
+def info() -> dict:
+    """Where the cache is and what it holds (for `python -m fa4 info`)."""
+    root = root_dir() / FORMAT
+    current = cache_dir()
+    files, size = _tree_size(root)
+    cur_files, cur_size = _tree_size(current)
+    gens = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return {"enabled": enabled(), "root": str(root), "current": str(current), "entries": files, "bytes": size,
+            "current_entries": cur_files, "current_bytes": cur_size, "generations": gens, "stats": stats()}
+
+
+def clear(stale_only: bool = False) -> int:
+    """Delete cached kernels (only other generations than the current one if stale_only).
+    Returns the number of directories removed."""
+    root = root_dir() / FORMAT
+    if not root.is_dir():
+        return 0
+    keep = cache_dir().name if stale_only else None
+    n = 0
+    for p in root.iterdir():
+        if p.is_dir() and p.name != keep:
+            shutil.rmtree(p, ignore_errors=True)
+            n += 1
+    return n

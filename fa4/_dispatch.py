@@ -1,0 +1,432 @@
+"""Which kernel runs where: the support tables, `supported()`, and dispatch by device capability.
+
+Everything fa4 claims to support is written down once, here, as data (`ARCHS`, `DTYPES`,
+`FEATURES`): validation reads the head-dim tables, dispatch reads the module names, and
+`supported()` turns the same tables into the report that `python -m fa4 info` prints and that
+generates the support matrix in fa4/README.md (`python -m fa4 info --markdown`). A README line
+can therefore not claim more than the code does.
+
+Kernels come from the stage packages. fa4 never imports them at module import time:
+  * importing a CuTe-DSL module imports `cutlass`, which fixes the target arch for the whole
+    process (CUTE_DSL_ARCH is read once), so we must know the device before the first import;
+  * a machine without a GPU must still be able to `import fa4`, print `supported()` and trace
+    models with fake tensors.
+
+Nothing here falls back to a slow reference implementation. A missing kernel is an error that
+names the module that has not landed, because a silent 50x slowdown in training is worse than
+a crash.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# ---------------------------------------------------------------------------------------------
+# 1. the support tables
+# ---------------------------------------------------------------------------------------------
+DTYPES = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ArchInfo:
+    key: str                      # "sm_90"
+    gpus: str                     # marketing names, for humans
+    capabilities: tuple           # torch.cuda.get_device_capability() values served by this entry
+    cute_arch: str                # what CUTE_DSL_ARCH must be when cutlass is imported
+    hardware_status: str          # "verified" or "unverified"
+    head_dims: tuple              # supported (head_dim_qk, head_dim_v) pairs
+    fwd_modules: tuple            # candidates, best first: the first that exists is used
+    varlen_fwd_modules: tuple     # modules that must export attention_varlen_forward
+    bwd_modules: tuple
+    note: str = ""
+
+
+# The head-dim lists are the kernels' own (SUPPORTED_HEAD_DIMS of stage3_fwd_kernel.hopper,
+# stage4_bwd_kernel.common and stage3_fwd_kernel.blackwell_config), copied so that this table can
+# be read without importing cutlass; tests/test_fa4_api.py fails when they drift apart.
+ARCHS: dict[str, ArchInfo] = {
+    "sm_90": ArchInfo(
+        key="sm_90", gpus="Hopper: H100, H200, H20", capabilities=((9, 0),), cute_arch="sm_90a",
+        hardware_status="verified",
+        head_dims=((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
+        # hopper.py is the stable alias of the production step; until it lands the best ladder
+        # step runs the forward (same kernel family, fixed-length only).
+        fwd_modules=("stage3_fwd_kernel.hopper", "stage3_fwd_kernel.hopper_step3_warpspec"),
+        varlen_fwd_modules=("stage3_fwd_kernel.hopper",),
+        bwd_modules=("stage4_bwd_kernel.hopper",),
+        note="run and tested on H100 through the device tool",
+    ),
+    "sm_100": ArchInfo(
+        key="sm_100", gpus="Blackwell: B200, GB200", capabilities=((10, 0),), cute_arch="sm_100a",
+        hardware_status="unverified",
+        head_dims=((64, 64), (128, 128), (192, 128)),
+        fwd_modules=("stage3_fwd_kernel.blackwell", "stage3_fwd_kernel.blackwell_fwd"),
+        varlen_fwd_modules=("stage3_fwd_kernel.blackwell", "stage3_fwd_kernel.blackwell_fwd"),
+        bwd_modules=("stage4_bwd_kernel.blackwell",),
+        # sm_100a code uses arch-specific instructions (tcgen05, TMEM): it runs on compute
+        # capability 10.0 only, not on 10.3 (B300) or 12.x (RTX 50xx), hence no wider match.
+        note="compiled for sm_100a in CI and checked structurally; no Blackwell GPU is reachable here",
+    ),
+}
+
+# Features: name -> (supported?, how). Unsupported ones are listed so that users get the answer
+# from `fa4.supported()` instead of from a wrong result.
+FEATURES: dict[str, tuple[bool, str]] = {
+    "causal": (True, "bottom-right aligned when seqlen_q != seqlen_k (FlashAttention convention); "
+                     "fa4.scaled_dot_product_attention keeps SDPA's top-left convention"),
+    "gqa_mqa": (True, "heads_q % heads_kv == 0"),
+    "varlen": (True, "flash_attn_varlen_func: packed (total_tokens, heads, head_dim), int32 cu_seqlens"),
+    "seqused_k": (True, "varlen only: use the first seqused_k[b] keys of each sequence"),
+    "return_lse": (True, "natural-log logsumexp of the scaled scores, fp32, (B, H, Sq) / (H, total_q)"),
+    "lse_gradient": (True, "dlse enters the backward as a D-term correction: dS += P * dlse"),
+    "deterministic_backward": (True, "deterministic=True, forwarded to the backward kernel"),
+    "torch_compile": (True, "torch.library custom ops fa4::fwd / fa4::bwd (+ varlen): fullgraph, no graph break"),
+    "cuda_graphs": (True, "capture after one warm-up call (kernels compile on first use)"),
+    "disk_compile_cache": (True, "compiled kernels persisted per config (FA4_CACHE_DIR); see fa4/README.md"),
+    "attn_mask": (False, "arbitrary masks are not supported: use causal or varlen (padding)"),
+    "dropout": (False, "attention dropout is not supported"),
+    "sliding_window": (False, "not supported"),
+    "softcap": (False, "not supported"),
+    "paged_kv_cache": (False, "not supported"),
+    "fp8": (False, "not supported"),
+}
+
+
+def all_head_dims() -> tuple:
+    """Head-dim pairs supported on at least one arch (what validation accepts before dispatch)."""
+    seen: list = []
+    for a in ARCHS.values():
+        for hd in a.head_dims:
+            if hd not in seen:
+                seen.append(hd)
+    return tuple(sorted(seen))
+
+
+def module_exists(name: str) -> bool:
+    """True if `name` can be imported, decided without importing it (so no cutlass import)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _first_existing(names) -> Optional[str]:
+    return next((n for n in names if module_exists(n)), None)
+
+
+def supported() -> dict:
+    """What runs where, as data: archs, dtypes, head dims, features, and which kernel modules of
+    the stage packages exist in this checkout (checked without importing them).
+
+    This dict is the single source of the support matrix in fa4/README.md (regenerate it with
+    ``python -m fa4 info --markdown --update-readme``)."""
+    archs = {}
+    for a in ARCHS.values():
+        fwd = _first_existing(a.fwd_modules)
+        varlen = _first_existing(a.varlen_fwd_modules)
+        bwd = _first_existing(a.bwd_modules)
+        archs[a.key] = {
+            "gpus": a.gpus,
+            "compute_capabilities": [f"{m}.{n}" for m, n in a.capabilities],
+            "cute_arch": a.cute_arch,
+            "hardware": a.hardware_status,
+            "note": a.note,
+            "head_dims": [list(hd) for hd in a.head_dims],
+            "forward": fwd,
+            "varlen_forward": varlen,
+            "backward": bwd,
+            "forward_candidates": list(a.fwd_modules),
+            "backward_candidates": list(a.bwd_modules),
+        }
+    return {
+        "archs": archs,
+        "dtypes": list(DTYPES),
+        "features": {k: {"supported": ok, "how": how} for k, (ok, how) in FEATURES.items()},
+        "devices_refused": "CPU tensors and any GPU whose compute capability is not listed above",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. the support matrix as markdown (README block) -- generated, never typed
+# ---------------------------------------------------------------------------------------------
+README_BEGIN = "<!-- fa4-support-matrix:begin (generated by `python -m fa4 info --markdown`; do not edit) -->"
+README_END = "<!-- fa4-support-matrix:end -->"
+
+
+def _hd(pairs) -> str:
+    return ", ".join(f"{d}" if d == dv else f"{d}/{dv}" for d, dv in pairs)
+
+
+def support_markdown(info: Optional[dict] = None) -> str:
+    """The README's support matrix, rendered from `supported()`."""
+    info = supported() if info is None else info
+    lines = [README_BEGIN, "", "| | " + " | ".join(f"{k} ({v['gpus']})" for k, v in info["archs"].items()) + " |",
+             "|---|" + "---|" * len(info["archs"])]
+
+    def row(label, fn):
+        lines.append(f"| {label} | " + " | ".join(fn(v) for v in info["archs"].values()) + " |")
+
+    def mod(name, missing):
+        return f"`{name}`" if name else missing
+
+    row("hardware", lambda v: "verified on hardware" if v["hardware"] == "verified"
+        else "**unverified on hardware** (compile-only)")
+    row("compute capability", lambda v: ", ".join(v["compute_capabilities"]) + f" (built for `{v['cute_arch']}`)")
+    row("head dims (qk/v)", lambda v: _hd(tuple(h) for h in v["head_dims"]))
+    row("dtypes", lambda v: ", ".join(info["dtypes"]))
+    row("forward kernel", lambda v: mod(v["forward"], "not landed: `" + v["forward_candidates"][0] + "`"))
+    row("varlen forward", lambda v: mod(v["varlen_forward"], "not landed"))
+    row("backward kernel", lambda v: mod(v["backward"], "not landed: `" + v["backward_candidates"][0]
+                                         + "` (backward raises NotImplementedError)"))
+    lines += ["", "| feature | supported | how |", "|---|---|---|"]
+    for name, f in info["features"].items():
+        lines.append(f"| {name} | {'yes' if f['supported'] else 'no'} | {f['how']} |")
+    lines += ["", f"Refused with an error: {info['devices_refused']}.", "", README_END]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. dispatch
+# ---------------------------------------------------------------------------------------------
+class UnsupportedDeviceError(ValueError):
+    """The tensors live on a device fa4 has no kernel for (CPU, or an unlisted GPU)."""
+
+
+def supported_devices_text() -> str:
+    return "; ".join(f"{a.key} ({a.gpus}; compute capability "
+                     + ", ".join(f"{m}.{n}" for m, n in a.capabilities)
+                     + ("" if a.hardware_status == "verified" else "; unverified on hardware") + ")"
+                     for a in ARCHS.values())
+
+
+def arch_for_capability(cap) -> ArchInfo:
+    for a in ARCHS.values():
+        if tuple(cap) in a.capabilities:
+            return a
+    raise UnsupportedDeviceError(
+        f"q: fa4 has no kernel for compute capability {cap[0]}.{cap[1]}. Supported: {supported_devices_text()}.")
+
+
+_BLACKWELL_WARNED = False
+_LOCK = threading.Lock()
+
+
+def _ensure_cute_arch(arch: ArchInfo):
+    """CuTe-DSL reads CUTE_DSL_ARCH once, when `cutlass` is first imported. Set it for this
+    device before any stage module imports cutlass; if cutlass is already in and targets a
+    different arch, say so (compiling sm_90a code for a B200 would fail at launch)."""
+    current = os.environ.get("CUTE_DSL_ARCH")
+    if "cutlass" not in sys.modules:
+        if current is None:
+            os.environ["CUTE_DSL_ARCH"] = arch.cute_arch
+        current = os.environ["CUTE_DSL_ARCH"]
+    if current is not None and current != arch.cute_arch:
+        raise RuntimeError(
+            f"fa4: this device is {arch.key} but CuTe-DSL targets CUTE_DSL_ARCH={current}. Unset "
+            f"CUTE_DSL_ARCH (or set it to {arch.cute_arch}) before anything imports cutlass.")
+
+
+def _import_first(names, role: str, arch: ArchInfo):
+    """Import the first module of `names` that exists. A module that exists but fails to import
+    is a bug to report, not a reason to silently use an older kernel."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name or (exc.name and name.startswith(exc.name + ".")):
+                continue  # not landed yet: try the next candidate
+            raise RuntimeError(f"fa4: importing {name} ({role} on {arch.key}) failed: {exc}") from exc
+    return None
+
+
+@dataclass
+class Backend:
+    """The kernels of one arch, imported on first use. All methods take CUDA tensors that
+    `fa4._validate` has already checked; they raise before launching if a kernel is missing."""
+    arch: ArchInfo
+    _mods: dict = field(default_factory=dict)
+
+    def _module(self, role: str, names) -> Any:
+        if role not in self._mods:
+            with _LOCK:
+                if role not in self._mods:
+                    _ensure_cute_arch(self.arch)
+                    mod = _import_first(names, role, self.arch)
+                    if mod is not None:
+                        from . import _cache
+
+                        _cache.install_for(mod)  # route its compiles through the disk cache
+                    self._mods[role] = mod
+        return self._mods[role]
+
+    # -- forward ------------------------------------------------------------------------------
+    def check_head_dims(self, d: int, dv: int, names=("q", "v")):
+        if (d, dv) not in self.arch.head_dims:
+            raise ValueError(
+                f"{names[0]}: head dims (qk={d}, v={dv}) are not supported on {self.arch.key}; supported: "
+                f"{_hd(self.arch.head_dims)}")
+
+    def _warn_unverified(self):
+        global _BLACKWELL_WARNED
+        if self.arch.hardware_status != "verified" and not _BLACKWELL_WARNED:
+            _BLACKWELL_WARNED = True
+            warnings.warn(
+                f"fa4: running the {self.arch.key} ({self.arch.gpus}) kernels, which are compiled and checked "
+                "structurally in CI but have never run on hardware in this project (unverified). "
+                "Compare against torch SDPA before trusting results.", RuntimeWarning, stacklevel=4)
+
+    def forward_module(self):
+        mod = self._module("fwd", self.arch.fwd_modules)
+        if mod is None:
+            raise NotImplementedError(
+                f"fa4: the {self.arch.key} forward kernel has not landed (none of "
+                f"{', '.join(self.arch.fwd_modules)} exists in this checkout)")
+        return mod
+
+    def forward(self, q, k, v, softmax_scale: float, causal: bool):
+        mod = self.forward_module()
+        self._warn_unverified()
+        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+    def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                       softmax_scale: float, causal: bool):
+        mod = self._module("varlen_fwd", self.arch.varlen_fwd_modules)
+        if mod is None or not hasattr(mod, "attention_varlen_forward"):
+            raise NotImplementedError(
+                f"fa4: the {self.arch.key} varlen forward kernel has not landed ({self.arch.varlen_fwd_modules[0]}"
+                f" with attention_varlen_forward); the fixed-length flash_attn_func works")
+        fn = mod.attention_varlen_forward
+        params = _params(fn)
+        kw = dict(softmax_scale=softmax_scale, causal=causal)
+        if seqused_k is not None:
+            if "seqused_k" not in params:
+                raise NotImplementedError(f"seqused_k: the {self.arch.key} varlen forward ({mod.__name__}) does not "
+                                          "support it yet")
+            kw["seqused_k"] = seqused_k
+        # the Blackwell module sizes its grid from max_seqlen_q only and takes no max_seqlen_k
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) + \
+            ((max_seqlen_k,) if "max_seqlen_k" in params else ())
+        self._warn_unverified()
+        return fn(*args, **kw)
+
+    # -- backward -----------------------------------------------------------------------------
+    def backward_module(self):
+        mod = self._module("bwd", self.arch.bwd_modules)
+        if mod is None:
+            name = "Hopper" if self.arch.key == "sm_90" else "Blackwell"
+            raise NotImplementedError(
+                f"fa4: the {name} backward kernel has not landed yet ({self.arch.bwd_modules[0]} does not exist "
+                f"in this checkout), so fa4 attention is forward-only on {self.arch.key} for now. fa4 does not "
+                "fall back to a slow reference backward; run the forward under torch.no_grad(), or train "
+                "with torch SDPA until the stage-4 kernel lands.")
+        return mod
+
+    @staticmethod
+    def native_dlse(fn) -> bool:
+        """True if the backward kernel takes `dlse` itself (subtracts it from D in its preprocess)."""
+        return "dlse" in _params(fn)
+
+    def backward(self, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse=None):
+        mod = self.backward_module()
+        self._warn_unverified()
+        fn = mod.attention_backward
+        kw = dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+        if dlse is not None and self.native_dlse(fn):
+            return fn(q, k, v, out, dout, lse, dlse=dlse, **kw)
+        dq, dk, dv = fn(q, k, v, out, dout, lse, **kw)
+        if dlse is not None:
+            dq, dk = add_lse_grad(lambda *a: fn(*a, **kw), q, k, v, out, lse, dlse, dq, dk, varlen=False)
+        return dq, dk, dv
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                        max_seqlen_k, softmax_scale, causal, deterministic, dlse=None):
+        mod = self.backward_module()
+        if not hasattr(mod, "attention_varlen_backward"):
+            raise NotImplementedError(
+                f"fa4: {mod.__name__} has no attention_varlen_backward yet: varlen is forward-only on {self.arch.key}")
+        self._warn_unverified()
+        fn = mod.attention_varlen_backward
+        kw = dict(seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+
+        def call(q_, k_, v_, out_, dout_, lse_, **extra):
+            return fn(q_, k_, v_, out_, dout_, lse_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      **kw, **extra)
+
+        if dlse is not None and self.native_dlse(fn):
+            return call(q, k, v, out, dout, lse, dlse=dlse)
+        dq, dk, dv = call(q, k, v, out, dout, lse)
+        if dlse is not None:
+            dq, dk = add_lse_grad(call, q, k, v, out, lse, dlse, dq, dk, varlen=True)
+        return dq, dk, dv
+
+
+def _params(fn) -> set:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def add_lse_grad(bwd, q, k, v, out, lse, dlse, dq, dk, *, varlen: bool):
+    """Add the gradient that flows in through `lse`, using only a standard backward kernel.
+
+    Derivation. With s_ij the scaled scores of row i, lse_i = log sum_j exp(s_ij), so
+    d lse_i / d s_ij = exp(s_ij - lse_i) = P_ij. A loss L(O, lse) therefore has
+
+        dS_ij = P_ij (dP_ij - D_i) + P_ij dlse_i = P_ij (dP_ij - (D_i - dlse_i)),
+
+    with dP = dO V^T and D_i = rowsum(dO_i * O_i): the lse gradient is a correction of the
+    D term only (dV = P^T dO is unchanged). A kernel that accepts `dlse` subtracts it from D
+    in its preprocess (`Backend.native_dlse`). For a kernel that does not, the extra term
+    P * dlse is linear, so one more call with inputs chosen to make everything else vanish
+    computes exactly that term:
+
+        v' = 0            ->  dP' = dO' v'^T = 0
+        out', dout'       ->  D'_i = rowsum(dout'_i * out'_i) = -dlse_i
+        dS'_ij = P_ij (0 - D'_i) = P_ij dlse_i,   dq' = scale dS' K,   dk' = scale dS'^T Q
+
+    (P is recomputed from q, k and the saved lse, so it is the same P.) -dlse is written into
+    out' as a hi + lo pair of the input dtype (columns 0 and 1, with dout' = 1 there), so the
+    fp32 D the kernel forms carries dlse to ~2^-16 relative error instead of bf16's 2^-8.
+    The extra call costs one backward pass, paid only when the lse really receives a gradient.
+
+    `lse` is (B, H, Sq) fixed-length or (H, total_q) varlen; q/out are (B, Sq, H, *) or (total_q, H, *).
+    """
+    import torch
+
+    neg = -dlse.to(torch.promote_types(dlse.dtype, torch.float32))  # fp32 (fp64 in the CPU tests)
+    neg = neg.permute(0, 2, 1) if not varlen else neg.transpose(0, 1)   # -> (B, Sq, H) / (Tq, H)
+    hi = neg.to(out.dtype)
+    lo = (neg - hi.to(neg.dtype)).to(out.dtype)
+    out_c = torch.zeros_like(out)
+    dout_c = torch.zeros_like(out)
+    out_c[..., 0] = hi
+    out_c[..., 1] = lo
+    dout_c[..., :2] = 1
+    dq_c, dk_c, _ = bwd(q, k, torch.zeros_like(v), out_c, dout_c, lse)
+    return dq + dq_c, dk + dk_c
+
+
+_BACKENDS: dict = {}
+
+
+def backend_for(device) -> Backend:
+    """The Backend serving `device` (a torch.device). CPU and unlisted GPUs raise
+    UnsupportedDeviceError (a ValueError) naming what is supported."""
+    import torch
+
+    if device.type != "cuda":
+        raise UnsupportedDeviceError(
+            f"q: fa4 runs on CUDA GPUs only, got {device.type} tensors. Supported: {supported_devices_text()}.")
+    cap = torch.cuda.get_device_capability(device)
+    arch = arch_for_capability(cap)
+    if arch.key not in _BACKENDS:
+        _BACKENDS[arch.key] = Backend(arch)
+    return _BACKENDS[arch.key]

@@ -1,0 +1,214 @@
+"""Input checks that run before anything is launched.
+
+Every failure is a TypeError (wrong kind of thing: not a tensor, wrong dtype) or a ValueError
+(right kind, wrong value: shape, device, head dim), and its message starts with the name of the
+argument at fault, so a user of a 30-layer model can tell which tensor of which call is wrong.
+
+Cheap checks (metadata only: dtype, device, rank, shape, strides) always run; they cost
+microseconds of Python and no GPU work, and they run at trace time under torch.compile.
+
+Checks of *values* inside cu_seqlens / seqused_k need the numbers on the host, i.e. a device to
+host copy, which synchronises the stream (tens of microseconds plus draining all queued work),
+is illegal during CUDA-graph capture, and breaks a torch.compile graph. So they are opt-in:
+set FA4_VALIDATE=1 while debugging (they are skipped during compile tracing and graph capture
+even then). Without them a malformed cu_seqlens gives wrong output or an illegal memory access,
+exactly as in FlashAttention.
+
+Layout decision: a last dimension with stride != 1 is made contiguous (one copy) rather than
+refused -- it is always correct, it is what FlashAttention does, and it is differentiable. The
+kernels need 16-byte aligned strides for TMA; the stage-3 host code copies misaligned inputs.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch
+
+from ._dispatch import all_head_dims, supported_devices_text
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def values_check_enabled() -> bool:
+    """FA4_VALIDATE=1 turns on the checks that read cu_seqlens / seqused_k values (one sync)."""
+    if torch.compiler.is_compiling():
+        return False  # .tolist() would break the graph; the eager run validates instead
+    if os.environ.get("FA4_VALIDATE", "0") in ("", "0", "false", "False"):
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False  # a sync inside CUDA-graph capture is an error
+    return True
+
+
+def _is_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_flag(name, x):
+    if not isinstance(x, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
+
+
+def check_softmax_scale(name, scale, head_dim) -> float:
+    """None -> 1/sqrt(head_dim); otherwise a finite real number (bool is refused: it is an int
+    in Python, and `scale=True` is certainly a bug)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise TypeError(f"{name}: expected a float or None, got {type(scale).__name__}")
+    if isinstance(scale, numbers.Real) and not (math.isfinite(float(scale)) and scale > 0):
+        # the kernels track the row maximum of the raw scores: a negative scale would turn it
+        # into the minimum, so only finite positive scales are meaningful
+        raise ValueError(f"{name}: must be finite and > 0, got {scale}")
+    return float(scale)
+
+
+def _check_dtypes_devices(names, tensors):
+    for n, t in zip(names, tensors):
+        _is_tensor(n, t)
+    q = tensors[0]
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"{names[0]}: dtype {q.dtype} is not supported; fa4 takes torch.float16 or torch.bfloat16")
+    for n, t in zip(names[1:], tensors[1:]):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{n}: dtype {t.dtype} differs from {names[0]}'s {q.dtype}; all three must match")
+    # meta tensors are accepted: they trace shapes (torch.compile, FakeTensor, model surgery)
+    # through the fake kernels and never reach a launch.
+    if q.device.type not in ("cuda", "meta"):
+        raise ValueError(f"{names[0]}: fa4 runs on CUDA GPUs only, got a {q.device.type} tensor. "
+                         f"Supported: {supported_devices_text()}.")
+    for n, t in zip(names[1:], tensors[1:]):
+        if t.device != q.device:
+            raise ValueError(f"{n}: is on {t.device} but {names[0]} is on {q.device}; "
+                             "all tensors must share one device")
+
+
+def _check_head_dims(names, d, dv):
+    if (d, dv) not in all_head_dims():
+        ok = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in all_head_dims())
+        # blame q when its head_dim is never supported, v when only the pairing is wrong
+        name = names[0] if d not in {a for a, _ in all_head_dims()} else names[2]
+        raise ValueError(f"{name}: head dims (qk={d}, v={dv}) are not supported; supported (qk/v): {ok}")
+
+
+def _check_heads(names, hq, hkv):
+    if hkv == 0 and hq != 0:
+        raise ValueError(f"{names[1]}: has 0 heads but {names[0]} has {hq}")
+    if hkv and hq % hkv != 0:
+        raise ValueError(f"{names[1]}: heads_kv ({hkv}) must divide {names[0]}'s heads ({hq}) (GQA/MQA)")
+
+
+def _last_dim_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_fixed(q, k, v, softmax_scale, causal, deterministic=False, return_lse=False,
+                names=("q", "k", "v"), scale_name="softmax_scale"):
+    """(B, S, H, D) inputs of flash_attn_func. Returns (q, k, v, scale) ready for the op."""
+    _check_dtypes_devices(names, (q, k, v))
+    for n, t in zip(names, (q, k, v)):
+        if t.dim() != 4:
+            raise ValueError(f"{n}: expected rank 4 (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+    b, sq, hq, d = q.shape
+    bk, sk, hkv, dk = k.shape
+    if bk != b:
+        raise ValueError(f"{names[1]}: batch {bk} differs from {names[0]}'s batch {b}")
+    if dk != d:
+        raise ValueError(f"{names[1]}: head_dim {dk} differs from {names[0]}'s head_dim {d}")
+    if tuple(v.shape[:3]) != (bk, sk, hkv):
+        raise ValueError(f"{names[2]}: shape {tuple(v.shape)} must match {names[1]} {tuple(k.shape)} "
+                         "in (batch, seqlen, heads)")
+    _check_heads(names, hq, hkv)
+    _check_head_dims(names, d, v.shape[3])
+    _check_flag("causal", causal)
+    _check_flag("deterministic", deterministic)
+    _check_flag("return_lse", return_lse)
+    scale = check_softmax_scale(scale_name, softmax_scale, d)
+    return _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), scale
+
+
+def _check_int(name, x, *, minimum=0):
+    if isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__} {x!r}")
+    if isinstance(x, int) and x < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {x}")
+
+
+def _check_index_tensor(name, t, q, length=None, what="batch + 1"):
+    _is_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: dtype must be torch.int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: must be 1-D, got shape {tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"{name}: is on {t.device} but q is on {q.device}; keep it on q's device")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name}: length {t.shape[0]} != {what} = {length}")
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                 deterministic=False, return_lse=False, seqused_k=None):
+    """Packed (total_tokens, H, D) inputs of flash_attn_varlen_func. Returns
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, scale)."""
+    names = ("q", "k", "v")
+    _check_dtypes_devices(names, (q, k, v))
+    for n, t in zip(names, (q, k, v)):
+        if t.dim() != 3:
+            raise ValueError(f"{n}: expected rank 3 (total_tokens, heads, head_dim) for varlen, got shape "
+                             f"{tuple(t.shape)}")
+    tq, hq, d = q.shape
+    tk, hkv, dk = k.shape
+    if dk != d:
+        raise ValueError(f"k: head_dim {dk} differs from q's head_dim {d}")
+    if tuple(v.shape[:2]) != (tk, hkv):
+        raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (total_tokens, heads)")
+    _check_heads(names, hq, hkv)
+    _check_head_dims(names, d, v.shape[2])
+    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, q)
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q: needs at least one entry (batch + 1 >= 1)")
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, q, batch + 1, "len(cu_seqlens_q)")
+    if seqused_k is not None:
+        _check_index_tensor("seqused_k", seqused_k, q, batch, "batch")
+    _check_int("max_seqlen_q", max_seqlen_q)
+    _check_int("max_seqlen_k", max_seqlen_k)
+    _check_flag("causal", causal)
+    _check_flag("deterministic", deterministic)
+    _check_flag("return_lse", return_lse)
+    scale = check_softmax_scale("softmax_scale", softmax_scale, d)
+    if q.device.type == "cuda" and values_check_enabled():
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, tq, tk, max_seqlen_q, max_seqlen_k, seqused_k)
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    used = None if seqused_k is None else seqused_k.contiguous()
+    return (_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), cu_q, cu_k, used, scale)
+
+
+def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+    """The value checks (one device->host copy). Public so tests and users can call them directly."""
+    for name, cu, total, mx in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+        vals = cu.tolist()
+        if vals[0] != 0:
+            raise ValueError(f"{name}: must start at 0, got {vals[0]}")
+        lens = [b - a for a, b in zip(vals[:-1], vals[1:])]
+        if any(n < 0 for n in lens):
+            i = next(i for i, n in enumerate(lens) if n < 0)
+            raise ValueError(f"{name}: must be non-decreasing, but entry {i + 1} ({vals[i + 1]}) "
+                             f"< entry {i} ({vals[i]})")
+        if vals[-1] != total:
+            raise ValueError(f"{name}: last value {vals[-1]} must equal the total number of tokens {total}")
+        longest = max(lens, default=0)
+        if longest > mx:
+            raise ValueError(f"max_seqlen_{name[-1]}: {mx} is smaller than the longest sequence ({longest}); "
+                             "the kernel would skip the rows beyond it")
+    if seqused_k is not None:
+        used = seqused_k.tolist()
+        ck = cu_seqlens_k.tolist()
+        for b, u in enumerate(used):
+            if not 0 <= u <= ck[b + 1] - ck[b]:
+                raise ValueError(f"seqused_k: entry {b} = {u} is outside [0, seqlen_k of sequence {b} = "
+                                 f"{ck[b + 1] - ck[b]}]")

@@ -1,0 +1,232 @@
+"""`python -m fa4 precompile`: build the kernels of the common configurations ahead of time.
+
+On a GPU (sm_90 / sm_100) every configuration is built the way a model builds it -- by calling
+fa4 on tiny tensors -- so the compiled kernels land in this process's memory cache *and* in the
+on-disk cache (fa4/_cache.py), and the next process loads them in milliseconds instead of
+compiling for seconds. Each line says whether the kernel was compiled or loaded from disk.
+
+Without a GPU it compiles the same kernels for sm_90a (or --arch sm_100a) with fake tensors
+through the stage modules' `compile_only`, and prints the time and resource report of each
+(registers, shared memory, spills). Fake-tensor compiles are not runnable artifacts, so nothing
+is written to the disk cache on a CPU machine: this mode checks that every configuration
+builds, and how long a cold start costs.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from typing import Iterable, Optional
+
+DTYPES = ("bf16", "fp16")
+# What most models use: bf16, head dim 64 or 128, causal and not. --all builds every
+# supported (dtype, head dims, causal) combination of the arch.
+COMMON = [("bf16", 64, 64, False), ("bf16", 64, 64, True), ("bf16", 128, 128, False), ("bf16", 128, 128, True)]
+
+
+def configs(all_configs=False, dtypes=None, head_dims=None, causal=None, arch="sm_90") -> list[tuple]:
+    """(dtype, d, dv, causal) tuples. head_dims: iterable of ints or (d, dv) pairs."""
+    from ._dispatch import ARCHS
+
+    table = ARCHS[arch].head_dims
+    if not (all_configs or dtypes or head_dims or causal is not None):
+        return [c for c in COMMON if (c[1], c[2]) in table]
+    dts = list(dtypes or (DTYPES if all_configs else ("bf16",)))
+    if head_dims:
+        hds = [(h, h) if isinstance(h, int) else tuple(h) for h in head_dims]
+        bad = [h for h in hds if h not in table]
+        if bad:
+            raise ValueError(f"head_dims: {bad} not supported on {arch}; supported: {list(table)}")
+    else:
+        hds = list(table) if all_configs else [(64, 64), (128, 128)]
+    cs = [False, True] if causal is None else [bool(causal)]
+    return [(dt, d, dv, c) for dt in dts for d, dv in hds for c in cs]
+
+
+class Progress:
+    """A plain-text progress bar, one line per finished item (readable in CI logs too)."""
+
+    def __init__(self, total: int, out=None, width: int = 20):
+        self.total, self.done, self.width, self.out = total, 0, width, out or sys.stdout
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str, detail: str):
+        self.done += 1
+        filled = round(self.width * self.done / max(self.total, 1))
+        bar = "#" * filled + "-" * (self.width - filled)
+        n = len(str(self.total))
+        print(f"[{bar}] {self.done:>{n}}/{self.total} {label:<34} {detail}", file=self.out, flush=True)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def _label(kind, dt, d, dv, c):
+    return f"{kind} {dt} d={d}" + (f"/{dv}" if dv != d else "") + (" causal" if c else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: compile-only through the stage modules
+# ---------------------------------------------------------------------------------------------
+def _ensure_arch(arch: str):
+    cur = os.environ.get("CUTE_DSL_ARCH")
+    if "cutlass" in sys.modules and cur not in (None, arch):
+        raise RuntimeError(f"--arch {arch}: cutlass is already imported for {cur} in this process; "
+                           "run precompile in a fresh process")
+    os.environ["CUTE_DSL_ARCH"] = arch
+
+
+def _resources(rep: dict) -> str:
+    return (f"regs={rep.get('registers')} smem={rep.get('smem_bytes')} "
+            f"spills={rep.get('spill_stores')}/{rep.get('spill_loads')}")
+
+
+def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, out=None) -> list[dict]:
+    from ._dispatch import ARCHS, _first_existing
+
+    out = out or sys.stdout
+    info = next(a for a in ARCHS.values() if a.cute_arch == arch)
+    _ensure_arch(arch)
+    jobs = []
+    fwd_name = _first_existing(info.fwd_modules)
+    if fwd_name is None:
+        raise NotImplementedError(f"no {info.key} forward module in this checkout ({', '.join(info.fwd_modules)})")
+    jobs.append(("fwd", fwd_name))
+    bwd_name = _first_existing(info.bwd_modules) if backward else None
+    if bwd_name is not None:
+        jobs.append(("bwd", bwd_name))
+    elif backward:
+        print(f"backward: {info.bwd_modules[0]} has not landed; forward only", file=out)
+    cfgs = list(cfgs)
+    prog = Progress(len(cfgs) * len(jobs), out)
+    print(f"compile-only for {arch} (no GPU): {len(cfgs)} configs x {', '.join(f'{k} ({m})' for k, m in jobs)}",
+          file=out, flush=True)
+    results = []
+    for kind, name in jobs:
+        mod = importlib.import_module(name)
+        if not hasattr(mod, "compile_only"):
+            print(f"{name} has no compile_only(); skipped", file=out)
+            continue
+        for dt, d, dv, c in cfgs:
+            t0 = time.perf_counter()
+            row = {"kind": kind, "module": name, "dtype": dt, "head_dim": d, "head_dim_v": dv, "causal": c}
+            try:
+                comp = mod.compile_only(dtype=dt, head_dim=d, head_dim_v=dv, causal=c)
+                row.update(seconds=time.perf_counter() - t0, report={k: v for k, v in comp.report.items()
+                                                                      if k != "ptxas_log"})
+                detail = f"compiled in {row['seconds']:.1f} s  {_resources(comp.report)}"
+            except Exception as exc:  # report and continue: the point is the whole table
+                row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+                detail = f"FAILED {row['error'][:100]}"
+            results.append(row)
+            prog.step(_label(kind, dt, d, dv, c), detail)
+    print(f"done: {len(results)} kernels in {prog.elapsed():.1f} s (compile-only: nothing written to the disk cache)",
+          file=out)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: build through the public API, which fills the memory and disk caches
+# ---------------------------------------------------------------------------------------------
+def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None) -> list[dict]:
+    import torch
+
+    from . import _cache
+    from ._api import flash_attn_func, flash_attn_varlen_func
+    from ._dispatch import _first_existing, backend_for
+
+    out = out or sys.stdout
+    dev = torch.device("cuda", torch.cuda.current_device())
+    backend = backend_for(dev)
+    arch = backend.arch
+    has_bwd = backward and _first_existing(arch.bwd_modules) is not None
+    has_varlen = varlen and _first_existing(arch.varlen_fwd_modules) is not None
+    cfgs = [c for c in cfgs if (c[1], c[2]) in arch.head_dims]
+    kinds = ["fwd"] + (["bwd"] if has_bwd else []) + (["varlen"] if has_varlen else [])
+    print(f"precompile on {torch.cuda.get_device_name(dev)} ({arch.key}): {len(cfgs)} configs x {', '.join(kinds)}; "
+          f"disk cache: {_cache.cache_dir() if _cache.enabled() else 'disabled (FA4_CACHE=0)'}", file=out, flush=True)
+    if backward and not has_bwd:
+        print(f"backward: {arch.bwd_modules[0]} has not landed; forward only", file=out)
+    prog = Progress(len(cfgs) * len(kinds), out)
+    results = []
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    for dt, d, dv, c in cfgs:
+        # tiny tensors: compiles are keyed by (dtype, head dims, causal), not by sizes
+        q = torch.randn(1, 128, 2, d, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
+        k = torch.randn(1, 128, 2, d, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
+        v = torch.randn(1, 128, 2, dv, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
+        steps = [("fwd", lambda: flash_attn_func(q, k, v, causal=c))]
+        if has_bwd:
+            steps.append(("bwd", lambda: flash_attn_func(q, k, v, causal=c).sum().backward()))
+        if has_varlen:
+            cu = torch.tensor([0, 64, 128], dtype=torch.int32, device=dev)
+            steps.append(("varlen", lambda: flash_attn_varlen_func(q.detach()[0], k.detach()[0], v.detach()[0],
+                                                                   cu, cu, 64, 64, causal=c)))
+        for kind, fn in steps:
+            before = _cache.stats()
+            t0 = time.perf_counter()
+            row = {"kind": kind, "dtype": dt, "head_dim": d, "head_dim_v": dv, "causal": c}
+            try:
+                fn()
+                torch.cuda.synchronize()
+                row["seconds"] = time.perf_counter() - t0
+                after = _cache.stats()
+                src = ("loaded from disk" if after["disk_hits"] > before["disk_hits"] else
+                       "compiled" if after["misses"] > before["misses"] else "already in memory")
+                row["source"] = src
+                detail = f"{src} in {row['seconds']:.2f} s"
+            except Exception as exc:
+                row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+                detail = f"FAILED {row['error'][:100]}"
+            results.append(row)
+            prog.step(_label(kind, dt, d, dv, c), detail)
+    st = _cache.stats()
+    print(f"done in {prog.elapsed():.1f} s: {st['misses']} compiled, {st['disk_hits']} loaded from disk, "
+          f"{st['stores']} written to {_cache.cache_dir()}", file=out)
+    return results
+
+
+def main(args) -> int:
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    arch_key = {"sm_90a": "sm_90", "sm_100a": "sm_100"}[args.arch] if args.arch else None
+    if gpu and not args.arch:
+        from ._dispatch import arch_for_capability
+
+        arch_key = arch_for_capability(torch.cuda.get_device_capability()).key
+    arch_key = arch_key or "sm_90"
+    causal = {"both": None, "yes": True, "no": False}[args.causal]
+    hds = [int(x) if "/" not in x else tuple(int(y) for y in x.split("/")) for x in args.head_dims.split(",")] \
+        if args.head_dims else None
+    dts = args.dtype.split(",") if args.dtype else None
+    cfgs = configs(args.all, dts, hds, causal, arch=arch_key)
+    if gpu and not args.arch:
+        rows = on_gpu(cfgs, backward=not args.no_backward)
+    else:
+        from ._dispatch import ARCHS
+
+        rows = compile_only(cfgs, arch=ARCHS[arch_key].cute_arch, backward=not args.no_backward)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def add_arguments(p):
+    p.add_argument("--all", action="store_true", help="every supported dtype x head dims x causal of the arch")
+    p.add_argument("--dtype", default=None, help="comma list of bf16,fp16 (default bf16)")
+    p.add_argument("--head-dims", default=None, help="comma list, e.g. 64,128,192/128 (default 64,128)")
+    p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    p.add_argument("--arch", default=None, choices=["sm_90a", "sm_100a"],
+                   help="compile-only for this arch with fake tensors (the default without a GPU: sm_90a)")
+    p.add_argument("--no-backward", action="store_true", help="forward kernels only")
+
+
+def run(argv: Optional[list] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m fa4 precompile", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return main(p.parse_args(argv))

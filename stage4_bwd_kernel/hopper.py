@@ -1,0 +1,57 @@
+"""The stable public entry points of the Hopper backward (the only module ``fa4`` imports).
+
+Whichever ladder step is currently the best lives behind these two functions; callers never
+import a step module directly, so a new step can replace the old one without touching ``fa4``.
+
+    dq, dk, dv = attention_backward(q, k, v, out, dout, lse, causal=True)
+    dq, dk, dv = attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k,
+                                           max_seqlen_q, max_seqlen_k)
+
+Inputs follow the project conventions (DESIGN.md): q (B, Sq, Hq, D), k (B, Sk, Hkv, D),
+v (B, Sk, Hkv, Dv), out / dout (B, Sq, Hq, Dv) in fp16/bf16 on a CUDA device, lse (B, Hq, Sq)
+fp32 natural-log as the stage-3 forward returns it (rows with no visible key: -inf); varlen packs
+(total, H, D) with int32 cu_seqlens and lse (Hq, total_q). GQA/MQA: Hq % Hkv == 0. Supported head
+dims (D, Dv): (64, 64), (96, 96), (128, 128), (192, 128), (256, 256).
+
+``deterministic=True`` makes dq bitwise reproducible run to run (dk/dv always are): the dQ
+additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed order.
+"""
+from __future__ import annotations
+
+from stage4_bwd_kernel import hopper_step1 as _best
+
+BEST_STEP = _best.STEP
+
+
+def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
+                       dq=None, dk=None, dv=None):
+    """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv), each like its input.
+
+    dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v)."""
+    return _best.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+                                    deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+
+
+def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False):
+    """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)).
+
+    seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
+    attended to (causal alignment uses that length); the others get zero gradient."""
+    return _best.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
+                                           causal=causal, deterministic=deterministic)
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):
+    """Compile the current best step for sm_90a without a GPU (CI / resource reports)."""
+    return _best.compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
+                              deterministic=deterministic, varlen=varlen)
+
+
+def run(**kwargs):
+    """The best step's run(): GPU check + timing (+ deterministic vs default), else compile report."""
+    return _best.run(**kwargs)
+
+
+__all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "run", "BEST_STEP"]

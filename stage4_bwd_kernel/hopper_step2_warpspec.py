@@ -1,0 +1,564 @@
+"""Stage 4, Hopper step 2: TMA loads into a multi-stage Q/dO pipeline, fed by a producer warp.
+
+Compared with the previous step, this adds **a producer warpgroup whose one warp streams Q_i and
+dO_i with TMA into a 2-stage ring guarded by mbarriers, and two consumer warpgroups that only
+compute**, because in step 1 every Q tile was loaded *and waited for* by all 256 threads before
+its five GEMMs could start: the tensor cores idled for a full load per tile and the threads spent
+issue slots on cp.async addresses and predicates. The math of a tile is step 1's, unchanged.
+
+What changes:
+
+* Roles (384 threads). Warpgroup 0 = producer: its warp 0 loads K_j, V_j once (one barrier for
+  both) and then, for every tile of the walk, waits for a free stage and issues Q_i and dO_i
+  (``cp.async.bulk.tensor``, SASS ``UTMALDG``). Warpgroups 1-2 = step 1's 256 MMA threads.
+  ``setmaxnreg``: the launch caps every thread at 65536 / 384 = 168 registers; the producer drops
+  to 24 and the consumers rise to 240 (128 * 24 + 256 * 240 = 64512 <= 65536). Step 1 used
+  226-241 registers without a cap, so the tiles stay step 1's except d = 64, whose 128 x 128 tile
+  (S^T + dP^T alone = 128 registers) spilled under 240 and drops to 64 x 128.
+* Stage and phase of tile t of the walk are computed, not carried: stage = t % stages, phase =
+  (t // stages) & 1; the producer starts one phase ahead (all slots begin empty). The walk is
+  (query head of the group) x (Q tile from m_block_min), so t = head_in_group * (m_block_max -
+  m_block_min) + (m_block - m_block_min), identical on both sides.
+* TMA zero-fills rows past the end of the tensor, but with varlen the rows past a sequence are the
+  next sequence's: the S^T mask now also masks query columns >= seqlen_q (P = dS = 0 there), so
+  those rows contribute nothing. lse2 and D still go through a small shared array as in step 1
+  (keeping them in registers per column cost the 16 registers that made the consumers spill).
+* Barriers between the 256 consumer threads are named barrier 1 (the producer never joins them);
+  the deterministic protocol uses it too.
+
+Arithmetic (H100, bf16, d = 128, tile 64 x 128): a Q_i + dO_i stage is 2 * 64 * 128 * 2 = 32 KB.
+The five GEMMs take >= 2560 tensor-core clk (SMEM-bound at ~3328, roofline.py), ~1.8 us at
+1.83 GHz; a 32 KB stage arrives in ~1-2 us from L2/DRAM. In step 1 they add up (plus ~1 us of
+latency per tile); with 2 stages the load of tile t+1 runs under the GEMMs of tile t.
+Shared memory = K + V + stages * (Q + dO) + P^T + dS^T:
+  d=64   (64 x 128):  16 + 16 + 2 * 16 + 32      =  96 KB     d=96  (64 x 128): 24 + 24 + 2 * 24 + 32 = 128 KB
+  d=128  (64 x 128):  32 + 32 + 2 * 32 + 32      = 160 KB     (192,128) (64 x 64): 24 + 16 + 2 * 40 + 16 = 136 KB
+  d=256  (64 x 64):   32 + 32 + 2 * 64 + 16      = 208 KB
+"""
+from __future__ import annotations
+
+from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
+from stage4_bwd_kernel import schedule
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
+from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.memory.smem import SmemAllocator  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from stage3_fwd_kernel.hopper_step1_wgmma import acc_rowcol  # noqa: E402
+from stage4_bwd_kernel.hopper_step1 import gemm_issue  # noqa: E402
+
+STEP = "hopper_bwd_step2_warpspec"
+NUM_WG_MMA = 2
+NUM_THREADS = 128 * (1 + NUM_WG_MMA)
+CONSUMER_BARRIER = 1  # named barrier of the 256 consumer threads (0 is __syncthreads)
+
+
+def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """(tile_m, tile_n): step 1's, except d = 64 drops from 128 x 128 to 64 x 128: under the 240
+    registers setmaxnreg leaves a consumer, S^T + dP^T at 128 x 128 (128 registers) spilled."""
+    return (64, 128) if max(head_dim, head_dim_v) <= 128 else (64, 64)
+
+
+class FlashAttentionBackwardSm90Step2:
+    """Producer warp (TMA) + 2 consumer warpgroups (step 1's five SS wgmmas), Q/dO ring of `stages`."""
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
+                 varlen: bool = False, has_seqused_k: bool = False, tile_m: int | None = None,
+                 tile_n: int | None = None, num_stages: int = 2, dq_order=None):
+        common.check_head_dims(head_dim, head_dim_v)
+        dm, dn = default_tiles(head_dim, head_dim_v)
+        self.tile_m = tile_m or dm
+        self.tile_n = tile_n or dn
+        if self.tile_n % 64 or self.tile_m % 16:
+            raise ValueError(f"tile_n: must be a multiple of 64 and tile_m of 16, got {self.tile_n}, {self.tile_m}")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.deterministic = deterministic
+        self.varlen = varlen
+        self.has_seqused_k = has_seqused_k
+        self.num_stages = num_stages
+        self.dq_order = dq_order or common.default_dq_order(causal, deterministic)
+        self.num_threads = NUM_THREADS
+        self.regs_producer, self.regs_consumer = 24, 240
+        self.smem_bytes = None
+
+    # -------------------------------------------------------------- host side (traced once)
+    def _smem_layout(self, rows: int, cols: int, major_mode_size: int, stages: int | None = None):
+        """Row-major (rows, cols) tile, swizzle atom sized for `major_mode_size` (step 1), with an
+        optional trailing stage mode."""
+        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, major_mode_size)
+        atom = warpgroup.make_smem_layout_atom(atom_kind, self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _gmem_store(self, cols: int):
+        """256 consumer threads, 16-byte stores, a 128/64/32-byte row chunk per thread group."""
+        elems = 128 // self.dtype.width
+        atom_cols = 64 if cols % 64 == 0 else (32 if cols % 32 == 0 else 16)
+        threads_per_row = atom_cols // elems
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr = cute.make_ordered_layout((128 * NUM_WG_MMA // threads_per_row, threads_per_row), order=(1, 0))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor,
+                 mSemaphore: cute.Tensor, num_n_blocks: Int32, softmax_scale_log2: Float32,
+                 softmax_scale: Float32, stream):
+        # same arguments as step 1 (see there for shapes)
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
+                           == mdK.element_type == mdV.element_type == self.dtype)):
+            raise TypeError("q, k, v, dout, dk, dv must share the kernel's dtype")
+        tm, tn, d, dv, stages = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        mQ, mK, mdK = (common.assume_aligned(t, d) for t in (mQ, mK, mdK))
+        mV, mdO, mdV = (common.assume_aligned(t, dv) for t in (mV, mdO, mdV))
+        mdQacc = common.assume_aligned(mdQacc, d)
+
+        sQ_layout = self._smem_layout(tm, d, d // NUM_WG_MMA, stages)
+        sdO_layout = self._smem_layout(tm, dv, dv // NUM_WG_MMA, stages)
+        sK_layout = self._smem_layout(tn, d, d // NUM_WG_MMA)
+        sV_layout = self._smem_layout(tn, dv, dv // NUM_WG_MMA)
+        sPdS_layout = self._smem_layout(tn, tm, tm)
+
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        wg_n = (1, NUM_WG_MMA, 1)
+        tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
+                                                          wg_n, (64, tm // NUM_WG_MMA))
+        tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
+                                                         wg_n, (64, dv // NUM_WG_MMA))
+        tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
+                                                         wg_n, (64, d // NUM_WG_MMA))
+        tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
+                                                         wg_n, (64, d // NUM_WG_MMA))
+
+        # TMA: (B, S, H, D) seen as (S, D, H, B) so a (rows, head_dim) box tiles the first two modes
+        def seq_dim_first(t):
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), (tm, d))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mdO), cute.slice_(sdO_layout, (None, None, 0)), (tm, dv))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mK), sK_layout, (tn, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mV), sV_layout, (tn, dv))
+        self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
+        self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
+        self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_KV: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, tm], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, tm], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sPt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+
+        batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mQ.shape[0]
+        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mQ.shape[1], mK.shape[1], mLSE2, mD, mdQacc, mdK, mdV,
+                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, num_n_blocks, mQ.shape[2] // mK.shape[2],
+                    softmax_scale_log2, softmax_scale,
+                    tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V,
+                    tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ,
+                    sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
+                    self._gmem_store(d), self._gmem_store(dv),
+                    # min_blocks_per_mp=1 caps registers at entry (65536/384), which setmaxnreg needs
+                    ).launch(grid=(num_n_blocks, mK.shape[2], batch), block=[self.num_threads, 1, 1],
+                             stream=stream, min_blocks_per_mp=1)
+
+    # -------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_Q: cute.Tensor, tma_dO: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor,
+               total_q: Int32, total_k: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+               mSeqUsedK: cute.Tensor, mSemaphore: cute.Tensor, num_n_blocks: Int32, qhead_per_kvhead: Int32,
+               softmax_scale_log2: Float32, softmax_scale: Float32,
+               tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+               tma_atom_V: cute.CopyAtom,
+               tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
+               tiled_mma_dQ: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
+               gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy):
+        tm, tn, stages = self.tile_m, self.tile_n, self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if const_expr(hasattr(self.dq_order, "tile_for_launch")):
+            # an order that also swizzles heads (stage 5's SPT) maps the whole launch index
+            n_block, head_kv, batch = self.dq_order.tile_for_launch()
+        else:
+            bx, head_kv, batch = cute.arch.block_idx()
+            n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
+
+        # 0. sequence bounds (as step 1)
+        bidx = batch
+        offset_q = Int32(0)
+        offset_k = Int32(0)
+        seqlen_q = total_q
+        seqlen_k_rows = total_k
+        if const_expr(self.varlen):
+            bidx = 0
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k_rows = mCuSeqlensK[batch + 1] - offset_k
+        seqlen_k = seqlen_k_rows
+        if const_expr(self.has_seqused_k):
+            seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
+
+        if n_block * tn < seqlen_k_rows:
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_atom_Q)
+                cpasync.prefetch_descriptor(tma_atom_dO)
+                cpasync.prefetch_descriptor(tma_atom_K)
+                cpasync.prefetch_descriptor(tma_atom_V)
+            smem = SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            # producer = 1 arrival (elected lane of warp 0, which posts the byte count);
+            # consumers = the 8 warps of the two MMA warpgroups (lane 0 of each arrives on "empty")
+            producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_WG_MMA * 4)
+            pipe_KV = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_KV.data_ptr(), num_stages=1, producer_group=producer_group,
+                consumer_group=consumer_group, tx_count=self.tma_bytes_KV, defer_sync=True)
+            pipe_Q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_Q.data_ptr(), num_stages=stages, producer_group=producer_group,
+                consumer_group=consumer_group, tx_count=self.tma_bytes_Q, defer_sync=True)
+            pipe_dO = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_dO.data_ptr(), num_stages=stages, producer_group=producer_group,
+                consumer_group=consumer_group, tx_count=self.tma_bytes_dO, defer_sync=True)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()  # barrier inits visible to all; the last CTA-wide barrier
+
+            m_block_min, m_block_max = schedule.m_block_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal,
+                                                              imax=cutlass.max)
+            m_block_min = Int32(m_block_min)
+            if n_block * tn >= seqlen_k:
+                m_block_max = m_block_min
+            walk = (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
+                    m_block_min, m_block_max, qhead_per_kvhead)
+
+            if warp_group_idx == 0:
+                # ---------------------------------------------------------------- producer
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if warp_idx == 0:
+                    self.produce(walk, storage, tma_Q, tma_dO, tma_K, tma_V, tma_atom_Q, tma_atom_dO,
+                                 tma_atom_K, tma_atom_V, sQ_layout, sdO_layout, sK_layout, sV_layout,
+                                 pipe_KV, pipe_Q, pipe_dO)
+            else:
+                # ---------------------------------------------------------------- consumers
+                cute.arch.setmaxregister_increase(self.regs_consumer)
+                self.consume(walk, tidx - 128, storage, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore,
+                             softmax_scale_log2, softmax_scale, tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK,
+                             tiled_mma_dQ, sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
+                             gmem_store_dK, gmem_store_dV, pipe_KV, pipe_Q, pipe_dO)
+
+    # -------------------------------------------------------------- producer warp
+    @cute.jit
+    def produce(self, walk, storage, tma_Q: cute.Tensor, tma_dO: cute.Tensor, tma_K: cute.Tensor,
+                tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
+                tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
+                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+                pipe_KV, pipe_Q, pipe_dO):
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
+         m_block_min, m_block_max, qhead_per_kvhead) = walk
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+
+        # 1. K_j and V_j on one barrier
+        gK = cute.local_tile(cute.domain_offset((offset_k, 0), tma_K[None, None, head_kv, bidx]), (tn, d), (n_block, 0))
+        gV = cute.local_tile(cute.domain_offset((offset_k, 0), tma_V[None, None, head_kv, bidx]), (tn, dv), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
+        pipe_KV.producer_acquire(kv_state)
+        cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
+        cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
+
+        # 2. Q_i, dO_i for every tile of the walk, each as soon as its stage is free
+        n_m = m_block_max - m_block_min
+        for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
+            head = head_kv * qhead_per_kvhead + head_in_group
+            gQ = cute.local_tile(cute.domain_offset((offset_q, 0), tma_Q[None, None, head, bidx]), (tm, d), (None, 0))
+            gdO = cute.local_tile(cute.domain_offset((offset_q, 0), tma_dO[None, None, head, bidx]), (tm, dv), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
+                                                   cute.group_modes(gdO, 0, 2))
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                st = self.tile_state(head_in_group * n_m + m_block - m_block_min, producer=True)
+                pipe_Q.producer_acquire(st)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, st.index],
+                          tma_bar_ptr=pipe_Q.producer_get_barrier(st))
+                pipe_dO.producer_acquire(st)
+                cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, st.index],
+                          tma_bar_ptr=pipe_dO.producer_get_barrier(st))
+
+    # -------------------------------------------------------------- consumer warpgroups
+    @cute.jit
+    def consume(self, walk, ctidx: Int32, storage, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
+                mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor, softmax_scale_log2: Float32,
+                softmax_scale: Float32, tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma,
+                tiled_mma_dK: cute.TiledMma, tiled_mma_dQ: cute.TiledMma, sQ_layout: cute.ComposedLayout,
+                sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+                sPdS_layout: cute.ComposedLayout, gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy,
+                pipe_KV, pipe_Q, pipe_dO):
+        """Step 1's per-tile math on the 256 consumer threads (ctidx 0..255)."""
+        tm, tn, d, dv, stages = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
+         m_block_min, m_block_max, qhead_per_kvhead) = walk
+        nthr = 128 * NUM_WG_MMA
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)          # (tm, d, stages)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)      # (tm, dv, stages)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (tn, d)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)          # (tn, dv)
+        sPt = storage.sPt.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)    # (tn, tm)
+        sdSt = storage.sdSt.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)  # (tn, tm)
+        sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm, stages), order=(1, 0, 2)))
+        sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm, stages), order=(1, 0, 2)))
+        sKt = cute.composition(sK, cute.make_ordered_layout((d, tn), order=(1, 0)))
+        sdS = cute.composition(sdSt, cute.make_ordered_layout((tm, tn), order=(1, 0)))
+
+        thr_SdP = tiled_mma_SdP.get_slice(ctidx)
+        thr_dV = tiled_mma_dV.get_slice(ctidx)
+        thr_dK = tiled_mma_dK.get_slice(ctidx)
+        thr_dQ = tiled_mma_dQ.get_slice(ctidx)
+        tSrK = thr_SdP.make_fragment_A(thr_SdP.partition_A(sK))
+        tSrQ = thr_SdP.make_fragment_B(thr_SdP.partition_B(sQ))        # (..., stages)
+        tPrV = thr_SdP.make_fragment_A(thr_SdP.partition_A(sV))
+        tPrdO = thr_SdP.make_fragment_B(thr_SdP.partition_B(sdO))      # (..., stages)
+        tdVrPt = thr_dV.make_fragment_A(thr_dV.partition_A(sPt))
+        tdVrdOt = thr_dV.make_fragment_B(thr_dV.partition_B(sdOt))     # (..., stages)
+        tdKrdSt = thr_dK.make_fragment_A(thr_dK.partition_A(sdSt))
+        tdKrQt = thr_dK.make_fragment_B(thr_dK.partition_B(sQt))       # (..., stages)
+        tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(sdS))
+        tdQrKt = thr_dQ.make_fragment_B(thr_dQ.partition_B(sKt))
+        acc_dV = cute.make_rmem_tensor(thr_dV.partition_shape_C((tn, dv)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        tScS_rc = acc_rowcol(thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))
+        tdQcdQ = thr_dQ.partition_C(cute.make_identity_tensor((tm, d)))
+        smem_copy_PdS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_SdP)
+        thr_smem_PdS = smem_copy_PdS.get_slice(ctidx)
+        tPsPt = thr_smem_PdS.partition_D(sPt)
+        tPsdSt = thr_smem_PdS.partition_D(sdSt)
+        num_cols = cute.size(tScS_rc, mode=[1])
+        sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
+        sD = storage.sD.get_tensor(cute.make_layout(tm))
+
+        # 1. K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA)
+        pipe_KV.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+
+        # 2. the walk: (query head of the group) x (Q tile)
+        n_m = m_block_max - m_block_min
+        for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
+            head = head_kv * qhead_per_kvhead + head_in_group
+            gdQ_all = cute.domain_offset((offset_q, 0), mdQacc[bidx, None, head, None])
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                st = self.tile_state(head_in_group * n_m + m_block - m_block_min, producer=False)
+                q_rows_left = seqlen_q - m_block * tm
+                # 2a. row statistics into smem (rows past the sequence: lse2 = +inf, D = 0). The
+                #     barrier also tells us both warpgroups' previous dV/dK/dQ GEMMs -- the readers
+                #     of sPt / sdSt -- have completed, and that the previous tile's statistics
+                #     have been read.
+                if ctidx < tm:
+                    sLSE2[ctidx] = Float32.inf
+                    sD[ctidx] = Float32(0.0)
+                    if ctidx < q_rows_left:
+                        sLSE2[ctidx] = mLSE2[bidx, head, offset_q + m_block * tm + ctidx]
+                        sD[ctidx] = mD[bidx, head, offset_q + m_block * tm + ctidx]
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+
+                # 2b. S^T = K Q_i^T as soon as Q_i has landed, dP^T = V dO_i^T when dO_i has
+                acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+                acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+                pipe_Q.consumer_wait(st)
+                warpgroup.fence()
+                gemm_issue(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, st.index], zero_init=True)
+                pipe_dO.consumer_wait(st)
+                gemm_issue(tiled_mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, st.index], zero_init=True)
+                warpgroup.wait_group(1)
+
+                # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked (keys, causal, and queries past
+                #     the sequence: with TMA those rows may hold the next sequence's data)
+                acc_S_rc = acc_rowcol(acc_S)
+                key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
+                needs_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal) | (q_rows_left < tm)
+                for c in cutlass.range_constexpr(num_cols):
+                    col = tScS_rc[0, c][1]
+                    lse2 = sLSE2[col]
+                    for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                        s = acc_S_rc[r, c]
+                        if needs_mask:
+                            if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
+                                    col >= q_rows_left):
+                                s = -Float32.inf
+                        acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
+                tPrP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                tPrP.store(acc_S.load().to(self.dtype))
+                cute.copy(smem_copy_PdS, thr_smem_PdS.retile(tPrP), tPsPt)
+
+                # 2d. dS^T = P^T * (dP^T - D)
+                warpgroup.wait_group(0)
+                acc_dP_rc = acc_rowcol(acc_dP)
+                for c in cutlass.range_constexpr(num_cols):
+                    dpsum = sD[tScS_rc[0, c][1]]
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
+                        acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+                tdSrdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+                tdSrdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(smem_copy_PdS, thr_smem_PdS.retile(tdSrdS), tPsdSt)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+
+                # 2e. dV += P^T dO, dK += dS^T Q, dQ = dS K; then the Q/dO stage goes back
+                acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
+                warpgroup.fence()
+                gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt[None, None, None, st.index], zero_init=False)
+                gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt[None, None, None, st.index], zero_init=False)
+                gemm_issue(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                warpgroup.wait_group(0)
+                pipe_Q.consumer_release(st)
+                pipe_dO.consumer_release(st)
+
+                # 2f. dQaccum_i += dQ_i (deterministic: in the order's turn)
+                tdQgdQ = thr_dQ.partition_C(cute.local_tile(gdQ_all, (tm, d), (m_block, 0)))
+                if const_expr(self.deterministic):
+                    n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
+                                                         imin=cutlass.min)
+                    sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
+                    common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), n_block_last), ctidx)
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+                for i in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+                    if tdQcdQ[2 * i][0] < q_rows_left:
+                        common.red_add_f32x2(common.elem_pointer(tdQgdQ, 2 * i), acc_dQ[2 * i], acc_dQ[2 * i + 1])
+                if const_expr(self.deterministic):
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+                    common.semaphore_signal(sem, ctidx)
+
+        # 3. epilogue: dK *= scale; registers -> smem (over sK / sV) -> 16-byte row-guarded stores
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        k_rows_left = seqlen_k_rows - n_block * tn
+        self.store_tile(acc_dK, tiled_mma_dK, sK, gmem_store_dK, ctidx,
+                        cute.local_tile(cute.domain_offset((offset_k, 0), mdK[bidx, None, head_kv, None]),
+                                        (tn, d), (n_block, 0)), (tn, d), k_rows_left)
+        self.store_tile(acc_dV, tiled_mma_dV, sV, gmem_store_dV, ctidx,
+                        cute.local_tile(cute.domain_offset((offset_k, 0), mdV[bidx, None, head_kv, None]),
+                                        (tn, dv), (n_block, 0)), (tn, dv), k_rows_left)
+
+    # -------------------------------------------------------------- helpers
+    def tile_state(self, t: Int32, producer: bool) -> pipeline.PipelineState:
+        """Pipeline slot of tile t of the walk: stage t % stages, phase flips every lap; the
+        producer starts one phase ahead (its first lap must not wait for "empty")."""
+        phase = (t // self.num_stages) % 2
+        if const_expr(producer):
+            phase = phase ^ 1
+        return pipeline.PipelineState(self.num_stages, t, t % self.num_stages, phase)
+
+    @cute.jit
+    def store_tile(self, acc: cute.Tensor, tiled_mma: cute.TiledMma, sX: cute.Tensor, gmem_copy: cute.TiledCopy,
+                   ctidx: Int32, gX: cute.Tensor, shape: cutlass.Constexpr, rows_left: Int32):
+        """fp32 accumulator -> dtype -> smem -> row-guarded 16-byte stores (consumer threads only)."""
+        rX = cute.make_rmem_tensor_like(acc, self.dtype)
+        rX.store(acc.load().to(self.dtype))
+        smem_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma)
+        thr_smem = smem_copy.get_slice(ctidx)
+        cute.copy(smem_copy, thr_smem.retile(rX), thr_smem.partition_D(sX))
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=128 * NUM_WG_MMA)
+        thr_copy = gmem_copy.get_slice(ctidx)
+        tXsX, tXgX = thr_copy.partition_S(sX), thr_copy.partition_D(gX)
+        tXcX = thr_copy.partition_S(cute.make_identity_tensor(shape))
+        tXrX = cute.make_rmem_tensor_like(tXsX, self.dtype)
+        cute.autovec_copy(tXsX, tXrX)
+        for m in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
+            if tXcX[0, m, 0][0] < rows_left:
+                cute.copy(gmem_copy, tXrX[None, m, None], tXgX[None, m, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# Host API (shared with step 1 through host.py)
+# ------------------------------------------------------------------------------------------------
+def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
+                dq_order=None, tiles=None):
+    tm, tn = tiles if tiles is not None else (None, None)
+    return FlashAttentionBackwardSm90Step2(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
+                                           has_seqused_k=has_seqused_k, tile_m=tm, tile_n=tn, dq_order=dq_order)
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
+                 has_seqused_k=False, dq_order=None, tiles=None) -> common.Compiled:
+    """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report."""
+    from stage4_bwd_kernel import host
+
+    return host.compile_fake(STEP, make_kernel, dtype=dtype, head_dim=head_dim,
+                             head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal,
+                             deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                             dq_order=dq_order, tiles=tiles)
+
+
+def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
+                       dq=None, dk=None, dv=None, dq_order=None, tiles=None):
+    """(B,S,H,D) CUDA fp16/bf16 q, k, v, out, dout and lse (B,Hq,Sq) fp32 -> (dq, dk, dv)."""
+    from stage4_bwd_kernel import host
+
+    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, tiles=tiles)
+
+
+def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
+                              dq_order=None, tiles=None):
+    """Packed (T,H,D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens -> (dq, dk, dv)."""
+    from stage4_bwd_kernel import host
+
+    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
+                         deterministic=deterministic, dq_order=dq_order, tiles=tiles)
+
+
+def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
+        causal=False, deterministic=False, dtype="bf16", check=True, compare_deterministic=True, verbose=True):
+    """On a Hopper GPU: check against autograd (FA4 rule), time, and time deterministic vs default.
+    Otherwise: compile for sm_90a and print the resource report."""
+    from stage4_bwd_kernel import host
+
+    return host.run_step(STEP, compile_only, attention_backward, batch=batch, seqlen_q=seqlen_q,
+                         seqlen_k=seqlen_q if seqlen_k is None else seqlen_k, heads=heads,
+                         heads_kv=heads if heads_kv is None else heads_kv, head_dim=head_dim,
+                         head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal,
+                         deterministic=deterministic, dtype=dtype, check=check,
+                         compare_deterministic=compare_deterministic, verbose=verbose)
+
+
+if __name__ == "__main__":
+    from stage4_bwd_kernel import host
+
+    host.cli(run, __doc__)

@@ -1,0 +1,283 @@
+"""Host side of the backward: checks, buffers, and the three launches (preprocess -> main -> postprocess).
+
+Every main-kernel step (hopper_step1, ...) plugs in through ``make_kernel(dtype, d, dv, causal,
+deterministic, varlen, has_seqused_k, dq_order) -> kernel object``; everything else is shared:
+
+    lse2, D, dQaccum = preprocess(out, dout, lse)        D = rowsum(dO * O), lse * log2(e), dQaccum = 0
+    semaphores       = zeros(B, Hq, m_blocks) int32      deterministic only
+    main kernel                                          dK, dV written; dQaccum += dS K (atomics)
+    dq               = postprocess(dQaccum)              softmax_scale * dQaccum -> q.dtype
+
+Scratch per call: dQaccum (4 bytes x q's elements) + 2 fp32 (B, Hq, Sq) + the semaphores.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Callable
+
+from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
+
+from cutlass import Float32, Int32  # noqa: E402
+
+from stage4_bwd_kernel import postprocess as post  # noqa: E402
+from stage4_bwd_kernel import preprocess as pre  # noqa: E402
+
+
+def compile_key(step, dtype, d, dv, causal, deterministic, varlen, has_seqused_k, dq_order, tiles):
+    return (step, str(dtype), d, dv, bool(causal), bool(deterministic), bool(varlen), bool(has_seqused_k),
+            getattr(dq_order, "name", repr(dq_order)), tiles)
+
+
+def fake_main_args(dt, d, dv):
+    """Arguments a compile-only trace uses for a main kernel (same order as ``main_args``)."""
+    F = common.fake_tensor
+    return (F(dt, 4, d), F(dt, 4, d), F(dt, 4, dv), F(dt, 4, dv),
+            F(Float32, 3, align=4), F(Float32, 3, align=4), F(Float32, 4, d), F(dt, 4, d), F(dt, 4, dv),
+            F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 3, align=4),
+            Int32(1), Float32(1.0), Float32(1.0), common.fake_stream())
+
+
+def main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, *, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k,
+              semaphores, num_n_blocks, softmax_scale, stream):
+    """The main kernel's arguments from torch tensors, in ``__call__`` order. Varlen tensors are
+    packed (T, H, D) / (H, T) and become a batch of one; the int32 tensors a launch does not read
+    are 1-element stand-ins. (Works on CPU tensors too: the compile tier traces this path.)"""
+    tensors = (q, k, v, dout, lse2, dpsum, dq_accum, dk, dv)
+    if varlen:
+        tensors = tuple(t.unsqueeze(0) for t in tensors)
+    tq, tk, tv, tdo, tl, tdp, tacc, tdk, tdv = tensors
+    return (common.to_cute(tq), common.to_cute(tk), common.to_cute(tv), common.to_cute(tdo),
+            common.to_cute(tl, 4), common.to_cute(tdp, 4), common.to_cute(tacc), common.to_cute(tdk),
+            common.to_cute(tdv), common.to_cute(cu_seqlens_q, 4), common.to_cute(cu_seqlens_k, 4),
+            common.to_cute(seqused_k, 4), common.to_cute(semaphores, 4), Int32(num_n_blocks),
+            Float32(softmax_scale * common.LOG2_E), Float32(softmax_scale), stream)
+
+
+def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_v, causal, deterministic,
+                 varlen=False, has_seqused_k=False, dq_order=None, tiles=None) -> common.Compiled:
+    dt = common.cutlass_dtype(dtype)
+    dq_order = dq_order or common.default_dq_order(causal, deterministic)
+    key = ("fake",) + compile_key(step, dt, head_dim, head_dim_v, causal, deterministic, varlen, has_seqused_k,
+                                  dq_order, tiles)
+    return common.compile_cached(key, lambda: (
+        make_kernel(dt, head_dim, head_dim_v, causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                    dq_order=dq_order, tiles=tiles),
+        fake_main_args(dt, head_dim, head_dim_v)))
+
+
+def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, softmax_scale=None, causal=False,
+             deterministic=False, dq=None, dk=None, dv=None, dq_order=None, tiles=None):
+    """Dense: (B, S, H, D) tensors, lse (B, Hq, Sq). Varlen: packed (T, H, D), lse (Hq, Tq), int32
+    cu_seqlens_q / cu_seqlens_k (batch + 1,), max_seqlen_q / max_seqlen_k, optional seqused_k (batch,).
+    Returns (dq, dk, dv) in q's dtype."""
+    import torch
+
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+    q, k, v, out, dout, lse = common.check_backward_inputs(q, k, v, out, dout, lse, varlen=varlen)
+    softmax_scale = common.default_scale(softmax_scale, q.shape[-1])
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: varlen needs both")
+        cu_q, host_q = common.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        cu_k, host_k = common.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+        if len(host_q) != len(host_k):
+            raise ValueError(f"cu_seqlens_k: expected length {len(host_q)} like cu_seqlens_q, got {len(host_k)}")
+        lens_q = [b - a for a, b in zip(host_q, host_q[1:])]
+        lens_k = [b - a for a, b in zip(host_k, host_k[1:])]
+        for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+            if not isinstance(given, numbers.Integral) or isinstance(given, bool):
+                raise TypeError(f"{name}: expected an int, got {type(given).__name__}")
+            if given < max(lens):
+                raise ValueError(f"{name}: expected an int >= the longest sequence ({max(lens)}), got {given!r}")
+        max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+        batch = len(lens_q)
+        if seqused_k is not None:
+            if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32:
+                raise TypeError("seqused_k: expected an int32 torch.Tensor")
+            if tuple(seqused_k.shape) != (batch,) or not seqused_k.is_cuda:
+                raise ValueError(f"seqused_k: expected a CUDA tensor of shape ({batch},), got {tuple(seqused_k.shape)}")
+            used = seqused_k.tolist()
+            if any(u < 0 or u > n for u, n in zip(used, lens_k)):
+                raise ValueError(f"seqused_k: expected 0 <= seqused_k[b] <= seqlen_k[b], got {used} for {lens_k}")
+            seqused_k = seqused_k.contiguous()
+    else:
+        if seqused_k is not None:
+            raise ValueError("seqused_k: only supported with varlen (cu_seqlens_q / cu_seqlens_k)")
+        batch = q.shape[0]
+        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    dq = common.check_grad_out("dq", dq, q)
+    dk = common.check_grad_out("dk", dk, k)
+    dv = common.check_grad_out("dv", dv, v)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+
+    hq = q.shape[-2]
+    d, d_v = q.shape[-1], v.shape[-1]
+    # degenerate sizes: nothing to launch, but every output is defined
+    if batch == 0 or hq == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return dq, dk, dv
+
+    # 1. preprocess: lse2, D, zeroed dQ accumulator
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum, cu_seqlens_q=cu_q if varlen else None,
+                                 max_seqlen_q=max_seqlen_q)
+
+    # 2. main kernel
+    dt = common.cutlass_dtype(q.dtype)
+    dq_order = dq_order or common.default_dq_order(causal, deterministic)
+    kernel = make_kernel(dt, d, d_v, causal, deterministic, varlen=varlen, has_seqused_k=seqused_k is not None,
+                         dq_order=dq_order, tiles=tiles)
+    tm, tn = kernel.tile_m, kernel.tile_n
+    num_m_blocks = common.cdiv(max_seqlen_q, tm)
+    num_n_blocks = common.cdiv(max_seqlen_k, tn)
+    if deterministic:
+        semaphores = torch.zeros((batch, hq, num_m_blocks), dtype=torch.int32, device=q.device)
+    else:
+        semaphores = pre._dummy_int32(q.device).view(1, 1, 1)
+    dummy = pre._dummy_int32(q.device)
+    args = lambda: main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, varlen=varlen,
+                             cu_seqlens_q=cu_q if varlen else dummy, cu_seqlens_k=cu_k if varlen else dummy,
+                             seqused_k=seqused_k if seqused_k is not None else dummy, semaphores=semaphores,
+                             num_n_blocks=num_n_blocks, softmax_scale=softmax_scale, stream=common.current_stream())
+
+    key = ("gpu",) + compile_key(step, dt, d, d_v, causal, deterministic, varlen, seqused_k is not None,
+                                 dq_order, tiles)
+    comp = common.compile_cached(key, lambda: (kernel, args()))
+    comp.fn(*args())
+
+    # 3. postprocess: dq = scale * dQaccum in q's dtype
+    post.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU check helpers shared by run() and the tests
+# ------------------------------------------------------------------------------------------------
+def reference_grads(q, k, v, dout, *, causal=False, softmax_scale=None):
+    """(fp32 reference grads, low-precision baseline grads) by torch autograd through the stage-0
+    attention_ref: the two sides of FA4's tolerance rule."""
+    import torch
+    from stage0_reference.torch_reference import attention_ref
+
+    def grads(dtype, upcast):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        o, _ = attention_ref(*leaves, softmax_scale=softmax_scale, causal=causal, upcast=upcast)
+        o.backward(dout.to(dtype))
+        return tuple(t.grad for t in leaves)
+
+    ref = grads(torch.float32, True)
+    base = grads(q.dtype, False)
+    return ref, base
+
+
+def reference_varlen_grads(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, causal=False,
+                           softmax_scale=None):
+    """Varlen version: per-sequence autograd (keys past seqused_k get zero gradient)."""
+    import torch
+
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used = seqused_k.tolist() if seqused_k is not None else [b - a for a, b in zip(ck, ck[1:])]
+    outs = []
+    for dtype in (torch.float32, q.dtype):
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+        dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
+        outs.append((dq, dk, dv))
+    for b, (q0, q1, k0) in enumerate(zip(cq[:-1], cq[1:], ck[:-1])):
+        k1 = k0 + used[b]
+        if q1 == q0 or k1 == k0:
+            continue
+        ref, base = reference_grads(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1],
+                                    causal=causal, softmax_scale=softmax_scale)
+        for (dq, dk, dv), g in zip(outs, (ref, base)):
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+    return outs[0], outs[1]
+
+
+def forward_for_test(q, k, v, *, causal=False, softmax_scale=None):
+    """out, lse from the stage-3 Hopper forward (step 2, verified on an H100)."""
+    from stage3_fwd_kernel import hopper_step2_tma
+
+    return hopper_step2_tma.attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def run_step(step: str, compile_only: Callable, attention_backward: Callable, *, batch, seqlen_q, seqlen_k, heads,
+             heads_kv, head_dim, head_dim_v, causal, deterministic, dtype, check, compare_deterministic=True,
+             verbose=True) -> dict:
+    """The body of every main step's run(): GPU -> check + time (+ deterministic vs default);
+    no GPU -> compile + resource report."""
+    result: dict = {"step": step}
+    if not common.hopper_gpu_available():
+        comp = compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
+                            deterministic=deterministic)
+        result.update(mode="compile-only", report=comp.report)
+        if verbose:
+            print(common.format_report(f"{step} [{common.ARCH}, {dtype}, d={head_dim}/{head_dim_v}, causal={causal}, "
+                                       f"deterministic={deterministic}] (no Hopper GPU: compiled only)", comp.report))
+        return result
+
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    tdt = common.torch_dtype(dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=tdt, generator=g)
+    k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=tdt, generator=g)
+    v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v, device="cuda", dtype=tdt, generator=g)
+    dout = torch.randn(batch, seqlen_q, heads, head_dim_v, device="cuda", dtype=tdt, generator=g)
+    out, lse = forward_for_test(q, k, v, causal=causal)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    run = lambda det: attention_backward(q, k, v, out, dout, lse, causal=causal, deterministic=det,
+                                         dq=grads[0], dk=grads[1], dv=grads[2])
+    run(deterministic)
+    torch.cuda.synchronize()
+    if check:
+        ref, base = reference_grads(q, k, v, dout, causal=causal)
+        for name, a, r, b in zip(("dq", "dk", "dv"), grads, ref, base):
+            assert_fa4_close(f"{step} {name}", a, r, b)
+    flops = common.backward_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal)
+    ms = common.benchmark_ms(lambda: run(deterministic))
+    result.update(mode="gpu", ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+    if compare_deterministic:
+        ms_other = common.benchmark_ms(lambda: run(not deterministic))
+        ms_det, ms_def = (ms, ms_other) if deterministic else (ms_other, ms)
+        result.update(ms_deterministic=ms_det, ms_default=ms_def, deterministic_slowdown=ms_det / ms_def)
+    if verbose:
+        print(f"{'PASS' if check else '(unchecked)'} {step} b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} "
+              f"d={head_dim}/{head_dim_v} causal={causal} deterministic={deterministic} {dtype}: "
+              f"{ms:.3f} ms, {result['tflops']:.1f} TFLOP/s")
+        if compare_deterministic:
+            print(f"  deterministic {result['ms_deterministic']:.3f} ms vs default {result['ms_default']:.3f} ms "
+                  f"({result['deterministic_slowdown']:.2f}x)")
+    return result
+
+
+def cli(run: Callable, doc: str, argv=None):
+    """The command line of every main step: `python -m stage4_bwd_kernel.<step> [--causal] ...`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seqlen_q", type=int, default=1024)
+    ap.add_argument("--seqlen_k", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--heads_kv", type=int, default=None)
+    ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--head_dim_v", type=int, default=None)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--no-check", dest="check", action="store_false")
+    a = ap.parse_args(argv)
+    return run(batch=a.batch, seqlen_q=a.seqlen_q, seqlen_k=a.seqlen_k, heads=a.heads, heads_kv=a.heads_kv,
+               head_dim=a.head_dim, head_dim_v=a.head_dim_v, causal=a.causal, deterministic=a.deterministic,
+               dtype=a.dtype, check=a.check)

@@ -1,0 +1,180 @@
+"""The backward kernel's tile walk, replayed in NumPy (float64), and its semaphores, simulated.
+
+``backward_model`` does exactly what one CTA of ``hopper_step1`` does -- same grid, same walk
+bounds, same masks in the same local (key row, query column) coordinates, same -inf / +inf
+conventions, same dQ reduction order -- using the functions of ``schedule.py`` that the kernel
+traces. Compared with stage 0's oracle it checks the *bookkeeping* of the kernel on the CPU
+(causal bounds with Sq != Sk, varlen offsets, seqused_k, GQA grouping), which is where a kernel
+that compiles can still be wrong.
+
+``simulate_semaphores`` plays the deterministic mode: CTAs are dispatched in blockIdx order onto a
+limited number of SM slots, each walks its dQ tiles and may add into tile m only when the tile's
+counter equals its rank. It reports a deadlock (an order that waits on a CTA not yet dispatched),
+checks that every tile's adds happen in the order's sequence, and measures how long CTAs stall
+(the cost the paper's SPT order minimises).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stage4_bwd_kernel import schedule
+
+LOG2E = math.log2(math.e)
+
+
+def _seqs(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k):
+    """Per batch: (offset_q, seqlen_q, offset_k, rows_k, seqlen_k used)."""
+    if cu_seqlens_q is None:
+        return [(0, seqlen_q, 0, seqlen_k, seqlen_k)] * batch
+    cq, ck = list(map(int, cu_seqlens_q)), list(map(int, cu_seqlens_k))
+    out = []
+    for b in range(len(cq) - 1):
+        rows_k = ck[b + 1] - ck[b]
+        used = rows_k if seqused_k is None else min(int(seqused_k[b]), rows_k)
+        out.append((cq[b], cq[b + 1] - cq[b], ck[b], rows_k, used))
+    return out
+
+
+def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None, tile_m=64, tile_n=128,
+                   order=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
+    """Dense (B,S,H,D) or packed varlen (T,H,D) NumPy inputs -> (dq, dk, dv) float64, computed the
+    way the kernel computes them (lse (B,Hq,Sq) dense or (Hq,Tq) varlen, natural log)."""
+    varlen = cu_seqlens_q is not None
+    q, k, v, out, dout, lse = (np.asarray(a, dtype=np.float64) for a in (q, k, v, out, dout, lse))
+    if varlen:  # the kernel views packed tensors as a batch of one
+        q, k, v, out, dout, lse = q[None], k[None], v[None], out[None], dout[None], lse[None]
+    nb, sq_all, hq, d = q.shape
+    sk_all, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    scale_log2 = scale * LOG2E
+    order = order or schedule.default_dq_order(causal, True)
+    tm, tn = tile_m, tile_n
+
+    # preprocess
+    with np.errstate(invalid="ignore"):
+        lse2 = np.where(np.isneginf(lse), np.inf, lse * LOG2E)          # (B, H, S)
+    dpsum = np.einsum("bshd,bshd->bhs", dout, out)
+
+    dq_acc = np.zeros(q.shape)
+    dk = np.zeros(k.shape)
+    dv = np.zeros(v.shape)
+    seqs = _seqs(nb, sq_all, sk_all, cu_seqlens_q, cu_seqlens_k, seqused_k)
+    num_n_blocks = max(-(-rows_k // tn) for (_, _, _, rows_k, _) in seqs) if seqs else 0
+    for batch, (off_q, sq, off_k, rows_k, sk) in enumerate(seqs):
+        bidx = 0 if varlen else batch
+        for head_kv in range(hkv):
+            for bx in range(num_n_blocks):
+                n_block = order.n_block_for_launch(bx, num_n_blocks)
+                if not n_block * tn < rows_k:
+                    continue
+                kr = off_k + n_block * tn + np.arange(tn)
+                kvalid = kr < off_k + rows_k
+                K = np.where(kvalid[:, None], k[bidx, np.minimum(kr, sk_all - 1), head_kv], 0.0)  # zero-filled
+                V = np.where(kvalid[:, None], v[bidx, np.minimum(kr, sk_all - 1), head_kv], 0.0)
+                acc_dK = np.zeros((tn, d))
+                acc_dV = np.zeros((tn, v.shape[-1]))
+                m_min, m_max = schedule.m_block_range(n_block, tm, tn, sq, sk, causal)
+                if n_block * tn >= sk:
+                    m_max = m_min
+                for hi in range(group):
+                    head = head_kv * group + hi
+                    for m_block in range(m_min, m_max):
+                        qr = m_block * tm + np.arange(tm)
+                        qvalid = qr < sq
+                        rows = off_q + np.minimum(qr, max(sq - 1, 0))
+                        Q = np.where(qvalid[:, None], q[bidx, rows, head], 0.0)
+                        dO = np.where(qvalid[:, None], dout[bidx, rows, head], 0.0)
+                        L2 = np.where(qvalid, lse2[bidx, head, rows], np.inf)
+                        Dv = np.where(qvalid, dpsum[bidx, head, rows], 0.0)
+                        St = K @ Q.T                                   # (tn, tm) = S^T
+                        key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, sq, sk)
+                        if schedule.tile_needs_mask(key_limit, diag, tn, causal):
+                            r, c = np.arange(tn)[:, None], np.arange(tm)[None, :]
+                            St = np.where(schedule.is_masked(r, c, key_limit, diag, causal), -np.inf, St)
+                        with np.errstate(invalid="ignore", over="ignore"):
+                            Pt = np.exp2(St * scale_log2 - L2[None, :])
+                        dPt = V @ dO.T
+                        dSt = Pt * (dPt - Dv[None, :])
+                        acc_dV += Pt @ dO
+                        acc_dK += dSt @ Q
+                        dQ = dSt.T @ K                                 # (tm, d) = dS K
+                        dq_acc[bidx, rows[qvalid], head] += dQ[qvalid]
+                kw = kvalid & (kr < off_k + rows_k)
+                dk[bidx, kr[kw], head_kv] = scale * acc_dK[kw]
+                dv[bidx, kr[kw], head_kv] = acc_dV[kw]
+    dq = scale * dq_acc
+    if varlen:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# Deterministic mode: a discrete-time simulation of the semaphores
+# --------------------------------------------------------------------------------------------
+@dataclass
+class SemaphoreSim:
+    finished: bool
+    steps: int                       # time steps until the last CTA finished
+    stall_steps: int                 # CTA-steps spent waiting on a semaphore
+    first_write_stalls: int          # CTA-steps spent waiting before a CTA's first dQ add
+    add_sequence: dict = field(default_factory=dict)  # (b, h, m) -> [n_block, ...] in add order
+
+
+def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, batch=1, heads_kv=1, group=1,
+                        resident=132, seqlens=None):
+    """CTAs (grid (n, kv head, batch), x fastest) are dispatched in linear blockIdx order whenever
+    one of `resident` slots is free. Each step a CTA either adds into its next dQ tile (if that
+    tile's counter equals its rank; the counter then increments) or stalls. `seqlens`: optional
+    per-batch (seqlen_q, seqlen_k) for varlen."""
+    seqlens = seqlens or [(seqlen_q, seqlen_k)] * batch
+    num_n_blocks = max(-(-sk // tile_n) for _, sk in seqlens)
+    ctas = []  # (work list of (b, h, m, rank))
+    for b, (sq, sk) in enumerate(seqlens):
+        for hk in range(heads_kv):
+            for bx in range(num_n_blocks):
+                n = order.n_block_for_launch(bx, num_n_blocks)
+                work = []
+                if n * tile_n < sk:
+                    m_min, m_max = schedule.m_block_range(n, tile_m, tile_n, sq, sk, causal)
+                    for hi in range(group):
+                        h = hk * group + hi
+                        for m in range(m_min, m_max):
+                            last = schedule.n_block_last(m, tile_m, tile_n, sq, sk, causal)
+                            work.append((b, h, m, order.rank(n, 0, last), n))
+                ctas.append(work)
+    sem: dict = {}
+    seq: dict = {}
+    pos = [0] * len(ctas)
+    started = [False] * len(ctas)
+    running: list = []
+    next_cta = 0
+    t = stall = first_stall = 0
+    while next_cta < len(ctas) or running:
+        while len(running) < resident and next_cta < len(ctas):
+            running.append(next_cta)
+            next_cta += 1
+        progressed = False
+        for i in list(running):
+            if pos[i] == len(ctas[i]):
+                running.remove(i)
+                progressed = True
+                continue
+            b, h, m, rank, n = ctas[i][pos[i]]
+            if sem.get((b, h, m), 0) == rank:
+                sem[(b, h, m)] = rank + 1
+                seq.setdefault((b, h, m), []).append(n)
+                pos[i] += 1
+                started[i] = True
+                progressed = True
+            else:
+                stall += 1
+                if not started[i]:
+                    first_stall += 1
+        t += 1
+        if not progressed:
+            return SemaphoreSim(False, t, stall, first_stall, seq)
+    return SemaphoreSim(True, t, stall, first_stall, seq)

@@ -1,0 +1,245 @@
+"""Stage 4, preprocess: the per-row quantities the backward main loop needs, computed once.
+
+The backward recomputes P = exp(S - lse) tile by tile and needs, per query row i,
+
+    D_i      = rowsum(dO_i * O_i)            (= rowsum(P_i * dP_i): the softmax-gradient shift)
+    lse2_i   = lse_i * log2(e)               (so P = exp2(S * scale*log2(e) - lse2) is one FFMA + ex2)
+
+and a zeroed fp32 buffer into which every K/V tile adds its share of dQ. One CTA of 128 threads
+handles 64 rows of one (batch, head): it reads 64 * dv elements of O and of dO with 16-byte loads
+(2 * 64 * 128 * 2 B = 32 KB at dv = 128), so the kernel is a pure bandwidth pass -- at 3.35 TB/s
+the whole of (B, S, H, dv) = (2, 8k, 16, 128) bf16 costs ~40 us, ~2% of the main kernel.
+
+Rows with lse = -inf (no visible key: out = 0) get lse2 = +inf, so that
+exp2(S*scale_log2 - (+inf)) = 0 and their P, dS and gradient contributions vanish without a branch
+(-inf would give exp2(+inf) = inf instead; the stage-1 NumPy model does the same).
+
+Varlen: q/out/dout are packed (total, H, d); the kernel views them as (1, total, H, d) and takes the
+row offset and length of batch b from cu_seqlens_q.
+"""
+from __future__ import annotations
+
+import math
+
+from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32, const_expr  # noqa: E402
+
+STEP = "bwd_preprocess"
+TILE_M = 64
+NUM_THREADS = 128
+
+
+def gmem_tiled_copy(dtype, cols: int, num_threads: int, elems_per_thread: int | None = None, bits: int = 128):
+    """A (rows, cols) tile copied by `num_threads` threads, each moving `bits` at a time; a row's
+    threads are consecutive lanes (rows of 128 / 64 / 32 bytes per thread group)."""
+    elems = elems_per_thread or bits // dtype.width
+    row_bytes = cols * dtype.width // 8
+    chunk = 128 if row_bytes % 128 == 0 else (64 if row_bytes % 64 == 0 else 32)
+    threads_per_row = chunk // (elems * dtype.width // 8)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+    thr = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
+    return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems))), threads_per_row
+
+
+class BackwardPreprocess:
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, varlen: bool):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.varlen = varlen
+        self.num_threads = NUM_THREADS
+        self.smem_bytes = 0
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
+                 mD: cute.Tensor, mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor, num_m_blocks: Int32,
+                 stream):
+        # mO, mdO (B, Sq, H, dv); mLSE, mLSE2, mD (B, H, Sq) fp32; mdQacc (B, Sq, H, d) fp32;
+        # varlen: B = 1, Sq = total_q, and mCuSeqlensQ (batch + 1,) int32 gives the sequences
+        if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
+            raise TypeError("out, dout must share the kernel's dtype")
+        mO = common.assume_aligned(mO, self.head_dim_v)
+        mdO = common.assume_aligned(mdO, self.head_dim_v)
+        mdQacc = common.assume_aligned(mdQacc, self.head_dim)
+        copy_O, tpr_O = gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads)
+        copy_dQ, _ = gmem_tiled_copy(Float32, self.head_dim, self.num_threads)
+        self.tpr_O = tpr_O
+        batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mO.shape[0]
+        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQacc, mCuSeqlensQ, copy_O, copy_dQ).launch(
+            grid=(num_m_blocks, mO.shape[2], batch), block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
+               mD: cute.Tensor, mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+               copy_O: cute.TiledCopy, copy_dQ: cute.TiledCopy):
+        tm, d, dv = TILE_M, self.head_dim, self.head_dim_v
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+
+        # 0. which rows: dense (batch b, rows [0, Sq)) or varlen (batch 0, rows [cu[b], cu[b+1]))
+        bidx = batch
+        offset = Int32(0)
+        seqlen = mO.shape[1]
+        if const_expr(self.varlen):
+            bidx = 0
+            offset = mCuSeqlensQ[batch]
+            seqlen = mCuSeqlensQ[batch + 1] - offset
+        rows_left = seqlen - m_block * tm
+
+        if rows_left > 0:
+            gO = cute.local_tile(cute.domain_offset((offset, 0), mO[bidx, None, head, None]), (tm, dv), (m_block, 0))
+            gdO = cute.local_tile(cute.domain_offset((offset, 0), mdO[bidx, None, head, None]), (tm, dv), (m_block, 0))
+            gdQ = cute.local_tile(cute.domain_offset((offset, 0), mdQacc[bidx, None, head, None]), (tm, d), (m_block, 0))
+
+            # 1. D = rowsum(dO * O) in fp32: 16-byte loads, a row's threads are adjacent lanes
+            thr_O = copy_O.get_slice(tidx)
+            tOgO, tOgdO = thr_O.partition_S(gO), thr_O.partition_S(gdO)
+            tOcO = thr_O.partition_S(cute.make_identity_tensor((tm, dv)))
+            tOrO = cute.make_rmem_tensor_like(tOgO, self.dtype)
+            tOrdO = cute.make_rmem_tensor_like(tOgdO, self.dtype)
+            tOrO.fill(0)
+            tOrdO.fill(0)
+            for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+                if tOcO[0, m, 0][0] < rows_left:
+                    cute.copy(copy_O, tOgO[None, m, None], tOrO[None, m, None])
+                    cute.copy(copy_O, tOgdO[None, m, None], tOrdO[None, m, None])
+            rO = cute.make_rmem_tensor_like(tOrO, Float32)
+            rdO = cute.make_rmem_tensor_like(tOrdO, Float32)
+            rO.store(tOrO.load().to(Float32))
+            rdO.store(tOrdO.load().to(Float32))
+            for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+                acc = Float32(0.0)
+                for v in cutlass.range_constexpr(cute.size(tOgO.shape[0])):
+                    for c in cutlass.range_constexpr(cute.size(tOgO.shape[2])):
+                        acc += rO[v, m, c] * rdO[v, m, c]
+                offset_lane = self.tpr_O // 2
+                while const_expr(offset_lane >= 1):  # butterfly over the row's lanes
+                    acc += cute.arch.shuffle_sync_bfly(acc, offset=offset_lane)
+                    offset_lane //= 2
+                row = tOcO[0, m, 0][0]
+                if tOcO[0, m, 0][1] == 0 and row < rows_left:
+                    mD[bidx, head, offset + m_block * tm + row] = acc
+
+            # 2. lse in log2 units; an empty row (-inf) becomes +inf so that P = exp2(.. - inf) = 0
+            if tidx < tm:
+                if tidx < rows_left:
+                    lse = mLSE[bidx, head, offset + m_block * tm + tidx]
+                    mLSE2[bidx, head, offset + m_block * tm + tidx] = (
+                        Float32.inf if lse == -Float32.inf else lse * math.log2(math.e))
+
+            # 3. zero this tile of the fp32 dQ accumulator
+            thr_dQ = copy_dQ.get_slice(tidx)
+            tQgdQ = thr_dQ.partition_D(gdQ)
+            tQcdQ = thr_dQ.partition_D(cute.make_identity_tensor((tm, d)))
+            zeros = cute.make_rmem_tensor_like(tQgdQ, Float32)
+            zeros.fill(0.0)
+            for m in cutlass.range_constexpr(cute.size(tQgdQ.shape[1])):
+                if tQcdQ[0, m, 0][0] < rows_left:
+                    cute.copy(copy_dQ, zeros[None, m, None], tQgdQ[None, m, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------------
+def _fake_args(dt, head_dim, head_dim_v):
+    F = common.fake_tensor
+    return (F(dt, 4, head_dim_v), F(dt, 4, head_dim_v), F(Float32, 3, align=4), F(Float32, 3, align=4),
+            F(Float32, 3, align=4), F(Float32, 4, head_dim), F(Int32, 1, align=4), Int32(1), common.fake_stream())
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, varlen=False) -> common.Compiled:
+    dt = common.cutlass_dtype(dtype)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    key = (STEP, "fake", str(dt), head_dim, dv, bool(varlen))
+    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, head_dim, dv, varlen), _fake_args(dt, head_dim, dv)))
+
+
+def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks, stream):
+    """Kernel arguments from (batch-of-one views of) torch tensors, in ``__call__`` order."""
+    return (common.to_cute(out4), common.to_cute(dout4), common.to_cute(lse3, 4), common.to_cute(lse2_3, 4),
+            common.to_cute(dpsum3, 4), common.to_cute(dq_accum4), common.to_cute(cu_seqlens_q, 4),
+            Int32(num_m_blocks), stream)
+
+
+def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None):
+    """(GPU) -> (lse_log2, dpsum) fp32 shaped like lse; zeroes dq_accum (shaped like q, fp32).
+    Dense: out/dout (B, Sq, H, dv), lse (B, H, Sq). Varlen: (T, H, dv), lse (H, T), int32 cu_seqlens_q."""
+    import torch
+
+    varlen = cu_seqlens_q is not None
+    lse2 = torch.empty_like(lse)
+    dpsum = torch.empty_like(lse)
+    if varlen:
+        o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), dq_accum.unsqueeze(0)
+        l3, l23, d3 = lse.unsqueeze(0), lse2.unsqueeze(0), dpsum.unsqueeze(0)
+        cu = cu_seqlens_q
+        rows = max_seqlen_q
+        batch = cu.shape[0] - 1
+    else:
+        o4, do4, acc4, l3, l23, d3 = out, dout, dq_accum, lse, lse2, dpsum
+        cu = _dummy_int32(out.device)
+        rows = out.shape[1]
+        batch = out.shape[0]
+    if batch == 0 or rows == 0 or out.shape[-2] == 0:
+        return lse2, dpsum
+    dt = common.cutlass_dtype(out.dtype)
+    d, dv = dq_accum.shape[-1], out.shape[-1]
+    num_m = common.cdiv(rows, TILE_M)
+    args = lambda: preprocess_args(o4, do4, l3, l23, d3, acc4, cu, num_m, common.current_stream())
+    key = (STEP, "gpu", str(dt), d, dv, varlen)
+    comp = common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen), args()))
+    comp.fn(*args())
+    return lse2, dpsum
+
+
+_DUMMY = {}
+
+
+def _dummy_int32(device):
+    """A 1-element int32 stand-in for cu_seqlens / seqused arguments a dense launch does not read."""
+    import torch
+
+    key = str(device)
+    if key not in _DUMMY:
+        _DUMMY[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _DUMMY[key]
+
+
+def run(batch=2, seqlen=1024, heads=8, head_dim=128, head_dim_v=None, dtype="bf16", check=True, verbose=True):
+    """GPU: check D / lse2 / zeroed dQ accumulator against torch and time; else compile + report."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if not common.hopper_gpu_available():
+        comp = compile_only(dtype, head_dim, dv)
+        if verbose:
+            print(common.format_report(f"{STEP} [{common.ARCH}, {dtype}, d={head_dim}/{dv}] (compiled only)", comp.report))
+        return {"step": STEP, "mode": "compile-only", "report": comp.report}
+    import torch
+
+    tdt = common.torch_dtype(dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = torch.randn(batch, seqlen, heads, dv, device="cuda", dtype=tdt, generator=g)
+    dout = torch.randn(batch, seqlen, heads, dv, device="cuda", dtype=tdt, generator=g)
+    lse = torch.randn(batch, heads, seqlen, device="cuda", generator=g)
+    lse[:, :, ::7] = float("-inf")
+    acc = torch.full((batch, seqlen, heads, head_dim), float("nan"), device="cuda")
+    lse2, dpsum = preprocess(out, dout, lse, acc)
+    torch.cuda.synchronize()
+    if check:
+        ref_d = (out.float() * dout.float()).sum(-1).transpose(1, 2)
+        torch.testing.assert_close(dpsum, ref_d, rtol=1e-5, atol=1e-4)
+        ref_l2 = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse * math.log2(math.e))
+        torch.testing.assert_close(lse2, ref_l2)
+        assert torch.all(acc == 0)
+    ms = common.benchmark_ms(lambda: preprocess(out, dout, lse, acc))
+    gbs = (2 * out.numel() * out.element_size() + acc.numel() * 4 + 3 * lse.numel() * 4) / (ms * 1e-3) / 1e9
+    if verbose:
+        print(f"{'PASS' if check else '(unchecked)'} {STEP} b={batch} s={seqlen} h={heads} dv={dv} {dtype}: "
+              f"{ms * 1e3:.1f} us, {gbs:.0f} GB/s")
+    return {"step": STEP, "mode": "gpu", "ms": ms, "GB/s": gbs}
+
+
+if __name__ == "__main__":
+    run()

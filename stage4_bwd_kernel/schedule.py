@@ -1,0 +1,119 @@
+"""The index arithmetic of the backward kernels, written once for two callers.
+
+The CuTe kernels call these functions while tracing (arguments are DSL ``Int32`` values and
+``imin``/``imax`` are ``cutlass.min``/``cutlass.max``); ``model.py`` calls the very same functions
+with Python ints to replay a kernel's tile walk in NumPy and to simulate its semaphores on the CPU.
+So the CPU tests check the bounds, masks and reduction orders that the GPU code actually uses.
+Pure Python: nothing here imports cutlass.
+
+Coordinates: a CTA owns K/V tile ``n_block`` (keys [n_block*tile_n, (n_block+1)*tile_n)) and
+visits Q tiles ``m_block`` (queries [m_block*tile_m, ...)). Causal is bottom-right aligned: query i
+sees key j iff j <= i + seqlen_k - seqlen_q. A Q tile counts as visible when any of its tile_m rows
+(padding rows included) sees a key of the tile, which is what both the walk bounds and the
+deterministic ranks use -- the two must agree exactly, or a semaphore waits forever.
+"""
+from __future__ import annotations
+
+
+def m_block_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imax=max):
+    """[m_block_min, m_block_max): the Q tiles K/V tile n_block adds into.
+
+    Causal: key n*tn is first visible from query n*tn + Sq - Sk, so the walk starts at that row's
+    tile; max(., 0) // tile_m is a floor division for every sign of the difference. A K/V tile
+    past the keys in use (n*tn >= seqlen_k, possible with seqused_k) adds into nothing."""
+    m_block_max = (seqlen_q + tile_m - 1) // tile_m
+    m_block_min = 0
+    if causal:
+        m_block_min = imax(n_block * tile_n + seqlen_q - seqlen_k, 0) // tile_m
+    return m_block_min, m_block_max
+
+
+def n_block_last(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imin=min):
+    """The last K/V tile that adds into Q tile m_block (the first is always 0). Only meaningful
+    for a Q tile that some K/V tile visits (then the causal numerator is >= 0)."""
+    last = (seqlen_k + tile_n - 1) // tile_n - 1
+    if causal:
+        last = imin(last, ((m_block + 1) * tile_m - 1 + seqlen_k - seqlen_q) // tile_n)
+    return last
+
+
+def mask_bounds(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k):
+    """(key_limit, diag) in the local coordinates of the (tile_n x tile_m) S^T tile: local key row
+    r is masked iff r >= key_limit (past the keys) or, causal, r > c + diag (c: local query col)."""
+    key_limit = seqlen_k - n_block * tile_n
+    diag = m_block * tile_m + seqlen_k - seqlen_q - n_block * tile_n
+    return key_limit, diag
+
+
+def tile_needs_mask(key_limit, diag, tile_n, causal: bool):
+    """Whether any element of the tile is masked (so unmasked tiles skip the per-element test)."""
+    needs = key_limit < tile_n
+    if causal:
+        needs = needs | (tile_n - 1 > diag)  # `|`, not `or`: works on DSL booleans too
+    return needs
+
+
+def is_masked(r, c, key_limit, diag, causal: bool):
+    masked = r >= key_limit
+    if causal:
+        masked = masked | (r > c + diag)
+    return masked
+
+
+# --------------------------------------------------------------------------------------------
+# The order in which the K/V-tile CTAs add into one dQ tile (deterministic mode)
+# --------------------------------------------------------------------------------------------
+class KVAscendingOrder:
+    """dQ tile m receives its K/V tiles' contributions in increasing n_block; blockIdx.x = n_block.
+
+    Interface (stage 5 supplies other orders with the same two functions; an order may also define
+    ``tile_for_launch() -> (n_block, kv_head, batch)`` to map the whole launch index itself, e.g.
+    to swizzle heads, and the kernels then use it instead of blockIdx.y / blockIdx.z):
+      * ``n_block_for_launch(bx, num_n_blocks)``: which K/V tile CTA ``bx`` owns. CTAs are
+        dispatched in increasing blockIdx, so a CTA may only wait on CTAs with a smaller ``bx``
+        of the same (kv head, batch), or the grid could deadlock when not all CTAs fit at once;
+      * ``rank(n_block, n_block_first, n_block_last)``: the position of ``n_block`` among the
+        K/V tiles ``[n_block_first, n_block_last]`` that add into a dQ tile; the tile's semaphore
+        counts up from 0 and the CTA with rank r adds when it reads r.
+    Non-causal: CTA n waits for n-1, which started one dQ tile earlier -- a one-tile wavefront.
+    """
+
+    name = "kv_ascending"
+
+    @staticmethod
+    def n_block_for_launch(bx, num_n_blocks):
+        return bx
+
+    @staticmethod
+    def rank(n_block, n_block_first, n_block_last):
+        return n_block - n_block_first
+
+
+class KVDescendingOrder:
+    """dQ tile m receives contributions in *decreasing* n_block, and CTAs launch in decreasing
+    n_block (blockIdx.x = num_n_blocks - 1 - n_block).
+
+    Causal: K/V tile n first meets the Q tile on its diagonal, where it is the *last* K/V tile
+    visible to that Q tile, i.e. rank 0 in this order, so a CTA's first dQ write does not wait
+    (tile_m == tile_n; with tile_m < tile_n it waits only for the CTA launched just before it).
+    In ascending order CTA n would instead wait until CTA 0 had walked n * tile_n / tile_m Q
+    tiles down to its diagonal. This is the order of the paper's SPT schedule (the shortest K/V
+    tiles, at the end of the sequence, launch first); stage 5 adds head swizzling on top.
+    """
+
+    name = "kv_descending"
+
+    @staticmethod
+    def n_block_for_launch(bx, num_n_blocks):
+        return num_n_blocks - 1 - bx
+
+    @staticmethod
+    def rank(n_block, n_block_first, n_block_last):
+        return n_block_last - n_block
+
+
+def default_dq_order(causal: bool, deterministic: bool):
+    """Descending (SPT-like) for causal deterministic runs; otherwise ascending, which for causal
+    launches the longest K/V tiles (n = 0 sees every Q tile) first: LPT, the better balance when
+    no CTA ever waits for another."""
+    return KVDescendingOrder if (causal and deterministic) else KVAscendingOrder

@@ -1,0 +1,986 @@
+"""fa4, the production package: everything that can be checked without a GPU.
+
+cpu tier: every validation error names its argument; supported() and the README matrix agree;
+dispatch by capability and its errors (CPU, unknown GPUs, a backward that has not landed); the
+lse-gradient algebra against the float64 oracle; the custom ops' fake (meta) implementations,
+opcheck, and torch.compile(fullgraph=True) tracing with no graph break; the autograd wiring with a
+reference kernel registered for CPU; the SDPA helper's top-left causal decomposition against torch
+SDPA; the compile cache (keys, directory, atomic writes, corruption, concurrency, the hook into the
+stage modules); the CLI in subprocesses; the transformers registration when transformers is here.
+
+compile tier: a real CuTe-DSL object written to and reloaded from the disk cache; the CLI
+`precompile` and `demo` compile the production forward for sm_90a.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import fa4
+from fa4 import _cache, _dispatch, _ops, _validate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BF16 = torch.bfloat16
+
+
+def meta(*shape, dtype=BF16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+def qkv_meta(b=2, sq=64, sk=80, hq=8, hkv=2, d=128, dv=None, dtype=BF16):
+    return meta(b, sq, hq, d, dtype=dtype), meta(b, sk, hkv, d, dtype=dtype), meta(b, sk, hkv, dv or d, dtype=dtype)
+
+
+def run_cli(*args, env=None, timeout=300):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "fa4", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=e)
+
+
+# ================================================================================ validation
+def _fixed_cases():
+    q, k, v = qkv_meta()
+    cpu = torch.zeros(2, 64, 8, 128, dtype=BF16)
+    return [
+        ("not-a-tensor", dict(q=np.zeros((2, 64, 8, 128))), TypeError, r"^q: expected a torch.Tensor"),
+        ("q-float32", dict(q=meta(2, 64, 8, 128, dtype=torch.float32)), TypeError, r"^q: dtype torch.float32"),
+        ("k-dtype", dict(k=meta(2, 80, 2, 128, dtype=torch.float16)), TypeError, r"^k: dtype torch.float16 differs"),
+        ("cpu", dict(q=cpu, k=cpu, v=cpu), ValueError, r"^q: fa4 runs on CUDA GPUs only.*sm_90"),
+        ("k-device", dict(k=torch.zeros(2, 80, 2, 128, dtype=BF16)), ValueError, r"^k: is on cpu but q is on meta"),
+        ("q-rank", dict(q=meta(64, 8, 128)), ValueError, r"^q: expected rank 4"),
+        ("v-rank", dict(v=meta(2, 80, 256)), ValueError, r"^v: expected rank 4"),
+        ("k-batch", dict(k=meta(3, 80, 2, 128), v=meta(3, 80, 2, 128)), ValueError, r"^k: batch 3"),
+        ("k-head-dim", dict(k=meta(2, 80, 2, 64)), ValueError, r"^k: head_dim 64 differs"),
+        ("v-shape", dict(v=meta(2, 81, 2, 128)), ValueError, r"^v: shape"),
+        ("k-heads", dict(k=meta(2, 80, 3, 128), v=meta(2, 80, 3, 128)), ValueError, r"^k: heads_kv \(3\) must divide"),
+        ("q-head-dim", dict(q=meta(2, 64, 8, 80), k=meta(2, 80, 2, 80), v=meta(2, 80, 2, 80)), ValueError,
+         r"^q: head dims \(qk=80, v=80\) are not supported"),
+        ("v-head-dim", dict(v=meta(2, 80, 2, 64)), ValueError, r"^v: head dims \(qk=128, v=64\)"),
+        ("scale-type", dict(softmax_scale="0.1"), TypeError, r"^softmax_scale: expected a float"),
+        ("scale-bool", dict(softmax_scale=True), TypeError, r"^softmax_scale:"),
+        ("scale-inf", dict(softmax_scale=math.inf), ValueError, r"^softmax_scale: must be finite"),
+        ("scale-zero", dict(softmax_scale=0.0), ValueError, r"^softmax_scale: must be finite and > 0"),
+        ("causal", dict(causal=1), TypeError, r"^causal: expected a bool"),
+        ("deterministic", dict(deterministic="no"), TypeError, r"^deterministic: expected a bool"),
+        ("return_lse", dict(return_lse=None), TypeError, r"^return_lse: expected a bool"),
+    ]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("case", _fixed_cases(), ids=lambda c: c[0])
+def test_flash_attn_func_validation(case):
+    _, override, exc, pattern = case
+    q, k, v = qkv_meta()
+    kw = dict(q=q, k=k, v=v)
+    kw.update(override)
+    with pytest.raises(exc, match=pattern):
+        fa4.flash_attn_func(**kw)
+
+
+def _varlen_kwargs(**override):
+    kw = dict(q=meta(100, 8, 128), k=meta(120, 2, 128), v=meta(120, 2, 128),
+              cu_seqlens_q=torch.zeros(4, dtype=torch.int32, device="meta"),
+              cu_seqlens_k=torch.zeros(4, dtype=torch.int32, device="meta"), max_seqlen_q=50, max_seqlen_k=60)
+    kw.update(override)
+    return kw
+
+
+def _i32(*shape, device="meta", dtype=torch.int32):
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+VARLEN_CASES = [
+    ("q-rank", dict(q=meta(1, 100, 8, 128)), ValueError, r"^q: expected rank 3"),
+    ("k-head-dim", dict(k=meta(120, 2, 64)), ValueError, r"^k: head_dim 64 differs"),
+    ("v-shape", dict(v=meta(121, 2, 128)), ValueError, r"^v: shape"),
+    ("cu-q-type", dict(cu_seqlens_q=[0, 10]), TypeError, r"^cu_seqlens_q: expected a torch.Tensor"),
+    ("cu-q-dtype", dict(cu_seqlens_q=_i32(4, dtype=torch.int64)), TypeError,
+     r"^cu_seqlens_q: dtype must be torch.int32"),
+    ("cu-q-rank", dict(cu_seqlens_q=_i32(2, 2)), ValueError, r"^cu_seqlens_q: must be 1-D"),
+    ("cu-q-empty", dict(cu_seqlens_q=_i32(0), cu_seqlens_k=_i32(0)), ValueError, r"^cu_seqlens_q: needs at least one"),
+    ("cu-k-length", dict(cu_seqlens_k=_i32(5)), ValueError, r"^cu_seqlens_k: length 5 != len\(cu_seqlens_q\) = 4"),
+    ("cu-k-device", dict(cu_seqlens_k=_i32(4, device="cpu")), ValueError, r"^cu_seqlens_k: is on cpu but q is on meta"),
+    ("seqused-length", dict(seqused_k=_i32(4)), ValueError, r"^seqused_k: length 4 != batch = 3"),
+    ("seqused-dtype", dict(seqused_k=_i32(3, dtype=torch.int64)), TypeError, r"^seqused_k: dtype"),
+    ("max-q-type", dict(max_seqlen_q=50.0), TypeError, r"^max_seqlen_q: expected an int"),
+    ("max-k-negative", dict(max_seqlen_k=-1), ValueError, r"^max_seqlen_k: must be >= 0"),
+    ("causal", dict(causal="yes"), TypeError, r"^causal: expected a bool"),
+]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: c[0])
+def test_flash_attn_varlen_func_validation(case):
+    _, override, exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        fa4.flash_attn_varlen_func(**_varlen_kwargs(**override))
+
+
+VALUE_CASES = [
+    ("start", [1, 5, 10], [0, 5, 10], 10, 10, 5, 5, None, r"^cu_seqlens_q: must start at 0"),
+    ("monotonic", [0, 6, 5, 10], [0, 3, 6, 10], 10, 10, 6, 4, None, r"^cu_seqlens_q: must be non-decreasing"),
+    ("total", [0, 5, 10], [0, 5, 9], 10, 10, 5, 5, None, r"^cu_seqlens_k: last value 9 must equal .* 10"),
+    ("max-q", [0, 2, 10], [0, 5, 10], 10, 10, 5, 5, None,
+     r"^max_seqlen_q: 5 is smaller than the longest sequence \(8\)"),
+    ("seqused", [0, 5, 10], [0, 5, 10], 10, 10, 5, 5, [5, 6], r"^seqused_k: entry 1 = 6 is outside"),
+]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("case", VALUE_CASES, ids=lambda c: c[0])
+def test_varlen_value_checks(case):
+    _, cq, ck, tq, tk, mq, mk, used, pattern = case
+    t = lambda x: None if x is None else torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match=pattern):
+        _validate.check_varlen_values(t(cq), t(ck), tq, tk, mq, mk, t(used))
+    # consistent values pass
+    _validate.check_varlen_values(t([0, 5, 10]), t([0, 5, 10]), 10, 10, 5, 5, t([5, 0]))
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_value_checks_are_opt_in(monkeypatch):
+    """FA4_VALIDATE gates the checks that sync (see fa4/_validate.py for the trade-off)."""
+    monkeypatch.delenv("FA4_VALIDATE", raising=False)
+    assert not _validate.values_check_enabled()
+    monkeypatch.setenv("FA4_VALIDATE", "0")
+    assert not _validate.values_check_enabled()
+    monkeypatch.setenv("FA4_VALIDATE", "1")
+    assert _validate.values_check_enabled()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_last_dim_made_contiguous_not_refused():
+    q, k, v = qkv_meta()
+    qt = meta(2, 64, 128, 8).transpose(-1, -2)  # (2, 64, 8, 128) with stride(-1) = 8
+    assert qt.stride(-1) != 1
+    q2, _, _, scale = _validate.check_fixed(qt, k, v, None, False)
+    assert q2.stride(-1) == 1 and q2.shape == qt.shape and scale == pytest.approx(1 / math.sqrt(128))
+    assert fa4.flash_attn_func(qt, k, v).shape == (2, 64, 8, 128)
+
+
+# ================================================================================ SDPA helper
+SDPA_CASES = [
+    ("attn_mask", dict(attn_mask=meta(64, 64, dtype=torch.bool)), ValueError, r"^attn_mask: fa4 does not support"),
+    ("dropout", dict(dropout_p=0.1), ValueError, r"^dropout_p: fa4 does not support attention dropout"),
+    ("is_causal", dict(is_causal=1), TypeError, r"^is_causal: expected a bool"),
+    ("enable_gqa", dict(key=meta(2, 2, 64, 128), value=meta(2, 2, 64, 128)), ValueError,
+     r"^enable_gqa: query has 8 heads"),
+    ("query-rank", dict(query=meta(8, 64, 128)), ValueError, r"^query: expected rank 4 \(batch, heads, seqlen"),
+    ("query-dtype", dict(query=meta(2, 8, 64, 128, dtype=torch.float32)), TypeError, r"^query: dtype torch.float32"),
+    ("key-head-dim", dict(key=meta(2, 8, 64, 64)), ValueError, r"^key: head_dim 64 differs"),
+    ("scale", dict(scale="x"), TypeError, r"^scale: expected a float"),
+    ("scale-negative", dict(scale=-0.1), ValueError, r"^scale: must be finite and > 0"),
+]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("case", SDPA_CASES, ids=lambda c: c[0])
+def test_sdpa_helper_argument_checks(case):
+    _, override, exc, pattern = case
+    kw = dict(query=meta(2, 8, 64, 128), key=meta(2, 8, 64, 128), value=meta(2, 8, 64, 128))
+    kw.update(override)
+    with pytest.raises(exc, match=pattern):
+        fa4.scaled_dot_product_attention(**kw)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("sq,sk", [(64, 64), (40, 100), (100, 40)])
+def test_sdpa_helper_shapes(sq, sk):
+    out = fa4.scaled_dot_product_attention(meta(2, 8, sq, 192), meta(2, 2, sk, 192), meta(2, 2, sk, 128),
+                                           is_causal=True, enable_gqa=True)
+    assert out.shape == (2, 8, sq, 128) and out.dtype == BF16
+
+
+def _bottom_right_reference(q, k, v, softmax_scale=None, causal=False):
+    """A float64 stand-in for the kernel: bottom-right causal, (B, S, H, D)."""
+    from stage0_reference.torch_reference import attention_ref
+
+    return attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal)[0]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("sq,sk", [(37, 37), (20, 53), (53, 20), (1, 9), (9, 1)])
+def test_sdpa_helper_is_top_left_like_torch_sdpa(monkeypatch, sq, sk):
+    """With a bottom-right kernel underneath, fa4.scaled_dot_product_attention must reproduce
+    torch SDPA's top-left is_causal exactly, for Sq < Sk and Sq > Sk alike."""
+    import fa4._api as api
+
+    def no_checks(q, k, v, scale, causal, names=None, scale_name=None):  # float64 CPU tensors pass through
+        return q, k, v, scale or 1 / math.sqrt(q.shape[-1])
+
+    monkeypatch.setattr(api, "check_fixed", no_checks)
+    monkeypatch.setattr(api, "flash_attn_func", _bottom_right_reference)
+    g = torch.Generator().manual_seed(sq * 100 + sk)
+    q = torch.randn(2, 4, sq, 16, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 2, sk, 16, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 2, sk, 16, dtype=torch.float64, generator=g)
+    ours = fa4.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+
+
+# ================================================================================ supported() / dispatch
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_supported_report():
+    rep = fa4.supported()
+    json.dumps(rep)  # plain data
+    assert set(rep["archs"]) == {"sm_90", "sm_100"}
+    assert rep["dtypes"] == ["float16", "bfloat16"]
+    h = rep["archs"]["sm_90"]
+    assert [64, 64] in h["head_dims"] and [192, 128] in h["head_dims"] and [256, 256] in h["head_dims"]
+    assert h["hardware"] == "verified" and rep["archs"]["sm_100"]["hardware"] == "unverified"
+    assert h["forward"] in _dispatch.ARCHS["sm_90"].fwd_modules  # a Hopper forward exists in this repo
+    assert h["backward"] in (None, "stage4_bwd_kernel.hopper")
+    assert rep["features"]["attn_mask"]["supported"] is False and rep["features"]["varlen"]["supported"] is True
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_head_dim_tables_match_the_kernels():
+    """fa4 copies the kernels' head-dim lists (to read them without importing cutlass): keep them equal."""
+    import importlib
+
+    pairs = [("stage3_fwd_kernel.blackwell_config", "sm_100"), ("stage3_fwd_kernel.hopper", "sm_90"),
+             ("stage4_bwd_kernel.common", "sm_90")]
+    checked = 0
+    for mod_name, arch in pairs:
+        if not _dispatch.module_exists(mod_name):
+            continue
+        mod = importlib.import_module(mod_name)
+        assert tuple(map(tuple, mod.SUPPORTED_HEAD_DIMS)) == _dispatch.ARCHS[arch].head_dims, mod_name
+        checked += 1
+    assert checked >= 1
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_dispatch_by_capability():
+    assert _dispatch.arch_for_capability((9, 0)).key == "sm_90"
+    assert _dispatch.arch_for_capability((10, 0)).key == "sm_100"
+    for cap in ((8, 0), (8, 9), (10, 3), (12, 0)):
+        pattern = rf"^q: fa4 has no kernel for compute capability {cap[0]}\.{cap[1]}.*sm_90"
+        with pytest.raises(ValueError, match=pattern):
+            _dispatch.arch_for_capability(cap)
+    with pytest.raises(_dispatch.UnsupportedDeviceError, match=r"^q: fa4 runs on CUDA GPUs only, got cpu.*sm_100"):
+        _dispatch.backend_for(torch.device("cpu"))
+
+
+def _fake_arch(**kw):
+    base = _dispatch.ARCHS["sm_90"]
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    fields.update(cute_arch=os.environ.get("CUTE_DSL_ARCH", "sm_90a"), **kw)
+    return _dispatch.ArchInfo(**fields)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_backward_not_landed_is_a_clear_error():
+    """No silent fallback to a slow reference: a missing backward kernel raises NotImplementedError."""
+    be = _dispatch.Backend(_fake_arch(bwd_modules=("stage4_bwd_kernel._fa4_test_absent",)))
+    with pytest.raises(NotImplementedError, match=r"the Hopper backward kernel has not landed yet"):
+        be.backward_module()
+    if not _dispatch.module_exists("stage4_bwd_kernel.hopper"):  # the real table, today
+        with pytest.raises(NotImplementedError, match=r"Hopper backward kernel has not landed"):
+            _dispatch.Backend(_fake_arch()).backward_module()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_broken_kernel_module_is_not_skipped(tmp_path, monkeypatch):
+    """A module that exists but fails to import must not make dispatch fall back to an older kernel."""
+    (tmp_path / "fa4_test_broken_kernel.py").write_text("import fa4_test_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    arch = _fake_arch()
+    with pytest.raises(RuntimeError, match=r"importing fa4_test_broken_kernel .* failed"):
+        _dispatch._import_first(("fa4_test_broken_kernel", "stage3_fwd_kernel.hopper_step3_warpspec"), "fwd", arch)
+    assert _dispatch._import_first(("fa4_test_absent_kernel",), "fwd", arch) is None
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_unverified_arch_warns_once(monkeypatch):
+    monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", False)
+    be = _dispatch.Backend(_dispatch.ARCHS["sm_100"])
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        be._warn_unverified()
+        be._warn_unverified()
+    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "unverified" in msgs[0]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _dispatch.Backend(_dispatch.ARCHS["sm_90"])._warn_unverified()
+    assert not rec
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cute_arch_mismatch_is_reported(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setitem(sys.modules, "cutlass", types.ModuleType("cutlass"))
+    with pytest.raises(RuntimeError, match=r"device is sm_100 but CuTe-DSL targets CUTE_DSL_ARCH=sm_90a"):
+        _dispatch._ensure_cute_arch(_dispatch.ARCHS["sm_100"])
+
+
+# ================================================================================ lse gradient algebra
+def _np_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False):
+    """The stage-0 float64 backward as a stand-in kernel: like a kernel, it forms D from the `out`
+    it is given (D = rowsum(dO * O)), which is what the dlse emulation relies on."""
+    from stage0_reference import attention_backward
+
+    grads = attention_backward(*(t.numpy() for t in (q, k, v, out, dout, lse)), softmax_scale=softmax_scale,
+                               causal=causal)
+    return tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grads)
+
+
+def _np_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, *, seqused_k=None, softmax_scale=None,
+                        causal=False, deterministic=False):
+    from stage0_reference import attention_varlen_backward
+
+    grads = attention_varlen_backward(*(t.numpy() for t in (q, k, v, out, dout, lse)), cu_q.numpy(), cu_k.numpy(),
+                                      softmax_scale=softmax_scale, causal=causal)
+    return tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grads)
+
+
+def _fixed_problem(seed, b=2, sq=13, sk=17, hq=4, hkv=2, d=8):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g)  # noqa: E731
+    return mk(b, sq, hq, d), mk(b, sk, hkv, d), mk(b, sk, hkv, d), mk(b, sq, hq, d), mk(b, hq, sq)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient_is_a_d_term_correction(causal):
+    """dS += P * dlse, computed with one extra standard backward (v = 0, D' = -dlse), equals torch
+    autograd of the reference with a loss that uses both out and lse (float64)."""
+    from stage0_reference.torch_reference import attention_ref
+
+    q, k, v, dout, dlse = _fixed_problem(1)
+    sq, sk = q.shape[1], k.shape[1]
+    if causal:
+        dlse[:, :, : max(sq - sk, 0)] = 0  # rows with no key have lse = -inf: no gradient flows there
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = attention_ref(qr, kr, vr, causal=causal)
+    ref = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (qr, kr, vr))
+    out, lse = out.detach(), lse.detach()
+    dq, dk, dv = _np_backward(q, k, v, out, dout, lse, causal=causal)
+    dq2, dk2 = _dispatch.add_lse_grad(lambda *a: _np_backward(*a, causal=causal), q, k, v, out, lse, dlse, dq, dk,
+                                      varlen=False)
+    for got, want in zip((dq2, dk2, dv), ref):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # without dlse the correction would be missing: the test can tell the difference
+    assert (dq - ref[0]).abs().max() > 1e-3
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_lse_gradient_varlen():
+    from stage0_reference.torch_reference import attention_ref
+
+    g = torch.Generator().manual_seed(2)
+    cu_q = torch.tensor([0, 5, 5, 16], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 12, 20], dtype=torch.int32)
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64, generator=g)  # noqa: E731
+    q, k, v, dout, dlse = mk(16, 4, 8), mk(20, 2, 8), mk(20, 2, 8), mk(16, 4, 8), mk(4, 16)
+    dlse[:, 5:8] = 0  # sequence 2 has 11 queries, 8 keys: its first 3 rows (causal) see no key
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    outs, lses = [], []  # the float64 reference, one sequence at a time
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(cq[:-1], cq[1:]), zip(ck[:-1], ck[1:])):
+        o, l = attention_ref(qr[None, q0:q1], kr[None, k0:k1], vr[None, k0:k1], causal=True)
+        outs.append(o[0])
+        lses.append(l[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    finite = torch.isfinite(lse)
+    ref = torch.autograd.grad((out * dout).sum() + (torch.where(finite, lse, 0) * dlse).sum(), (qr, kr, vr))
+    out, lse = out.detach(), lse.detach()
+    call = lambda *a: _np_varlen_backward(*a, cu_q, cu_k, 11, 9, causal=True)  # noqa: E731
+    dq, dk, dv = call(q, k, v, out, dout, lse)
+    dq2, dk2 = _dispatch.add_lse_grad(call, q, k, v, out, lse, dlse, dq, dk, varlen=True)
+    for got, want in zip((dq2, dk2, dv), ref):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_backend_prefers_a_kernel_that_takes_dlse():
+    """Backend.backward passes dlse to a kernel whose signature has it, else emulates it."""
+    calls = []
+
+    def emulated(q, k, v, out, dout, lse, *, softmax_scale, causal, deterministic):
+        calls.append("plain")
+        return _np_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
+
+    def native(q, k, v, out, dout, lse, *, softmax_scale, causal, deterministic, dlse=None):
+        calls.append("native")
+        return tuple(torch.full_like(t, 7.0) for t in (q, k, v))
+
+    q, k, v, dout, dlse = _fixed_problem(3)
+    out, lse = torch.zeros_like(dout), torch.zeros(dlse.shape, dtype=torch.float64)
+    for fn, expect in ((emulated, ["plain", "plain"]), (native, ["native"])):
+        calls.clear()
+        be = _dispatch.Backend(_fake_arch())
+        be._mods["bwd"] = types.SimpleNamespace(attention_backward=fn, __name__="fake_bwd")
+        be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=dlse)
+        assert calls == expect
+        calls.clear()
+        be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=None)
+        assert calls == expect[:1]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_varlen_plumbing_adapts_to_each_kernel_module():
+    """The Hopper module takes (max_seqlen_q, max_seqlen_k, seqused_k=); the Blackwell one takes
+    max_seqlen_q only and no seqused_k: fa4 passes what each accepts and refuses what it cannot."""
+    calls = []
+
+    def hopper_like(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None, softmax_scale=None,
+                    causal=False):
+        calls.append(("hopper", max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal))
+        return "out", "lse"
+
+    def blackwell_like(q, k, v, cu_q, cu_k, max_seqlen_q, *, softmax_scale=None, causal=False, out=None, lse=None):
+        calls.append(("blackwell", max_seqlen_q, softmax_scale, causal))
+        return "out", "lse"
+
+    t = torch.zeros(1)
+    be = _dispatch.Backend(_fake_arch())
+    be._mods["varlen_fwd"] = types.SimpleNamespace(attention_varlen_forward=hopper_like, __name__="hopper_like")
+    be.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, True)
+    be._mods["varlen_fwd"] = types.SimpleNamespace(attention_varlen_forward=blackwell_like, __name__="bw_like")
+    be.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False)
+    assert calls == [("hopper", 7, 9, "used", 0.5, True), ("blackwell", 7, 0.5, False)]
+    with pytest.raises(NotImplementedError, match=r"^seqused_k: the sm_90 varlen forward \(bw_like\)"):
+        be.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, False)
+    be._mods["varlen_fwd"] = None
+    with pytest.raises(NotImplementedError, match=r"varlen forward kernel has not landed"):
+        be.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False)
+    seen = []
+
+    def varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, *, seqused_k, softmax_scale, causal,
+                   deterministic):
+        seen.append((max_q, max_k, seqused_k, deterministic))
+        return q, k, v
+
+    be._mods["bwd"] = types.SimpleNamespace(attention_varlen_backward=varlen_bwd, __name__="bwd_like")
+    assert be.varlen_backward(t, t, t, t, t, t, t, t, None, 7, 9, 0.5, True, True) == (t, t, t)
+    assert seen == [(7, 9, None, True)]
+
+
+# ================================================================================ custom ops: fake / meta
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("d,dv", [(64, 64), (192, 128)])
+def test_fake_shapes_fixed(d, dv):
+    q, k, v = qkv_meta(d=d, dv=dv)
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    out, lse = fa4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 64, 8, dv) and out.dtype == BF16 and out.is_contiguous()
+    assert lse.shape == (2, 8, 64) and lse.dtype == torch.float32
+    (out.float().sum() + lse.sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape and v.grad.dtype == BF16
+    assert fa4.flash_attn_func(q, k, v).shape == (2, 64, 8, dv)  # out only when return_lse=False
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_fake_shapes_varlen_and_fake_tensor_mode():
+    kw = _varlen_kwargs()
+    out, lse = fa4.flash_attn_varlen_func(**kw, causal=True, return_lse=True)
+    assert out.shape == (100, 8, 128) and lse.shape == (8, 100) and lse.dtype == torch.float32
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # fake CUDA tensors work on a machine without CUDA
+        q = torch.empty(3, 50, 4, 64, device="cuda", dtype=torch.float16)
+        out = fa4.flash_attn_func(q, q, q, causal=True)
+        assert out.device.type == "cuda" and out.shape == (3, 50, 4, 64) and out.dtype == torch.float16
+
+
+def _op_samples():
+    q, k, v = qkv_meta(b=1, sq=16, sk=24, hq=4, hkv=2, d=64)
+    out, lse = meta(1, 16, 4, 64), meta(1, 4, 16, dtype=torch.float32)
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    qv, kv, vv, ov = meta(16, 4, 64), meta(24, 2, 64), meta(24, 2, 64), meta(16, 4, 64)
+    lv = meta(4, 16, dtype=torch.float32)
+    return [
+        ("fwd", torch.ops.fa4.fwd.default, (q, k, v, 0.125, True, False, True)),
+        ("bwd", torch.ops.fa4.bwd.default, (out, q, k, v, out, lse, lse, 0.125, True, False)),
+        ("bwd-no-dlse", torch.ops.fa4.bwd.default, (out, q, k, v, out, lse, None, 0.125, False, True)),
+        ("varlen_fwd", torch.ops.fa4.varlen_fwd.default, (qv, kv, vv, cu, cu, None, 8, 12, 0.125, True, False, True)),
+        ("varlen_bwd", torch.ops.fa4.varlen_bwd.default,
+         (ov, qv, kv, vv, ov, lv, lv, cu, cu, cu[:2], 8, 12, 0.125, False, False)),
+    ]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("sample", _op_samples(), ids=lambda s: s[0])
+def test_opcheck(sample):
+    """torch.library.opcheck on meta inputs: schema, fake implementation, autograd registration
+    (the real kernels need a GPU; the gpu tier runs them)."""
+    _, op, args = sample
+    res = torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def _graph_breaks(fn, *args):
+    torch._dynamo.reset()
+    return torch._dynamo.explain(fn)(*args)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_torch_compile_fullgraph_traces_fwd_and_bwd():
+    def step(q, k, v):
+        out, lse = fa4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return out.float().square().mean() + lse.mean()
+
+    q, k, v = (t.requires_grad_() for t in qkv_meta(sq=128, sk=128))
+    torch._dynamo.reset()
+    loss = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)  # fullgraph: a break raises
+    loss.backward()
+    assert loss.shape == () and q.grad.shape == q.shape
+    ex = _graph_breaks(step, q, k, v)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_torch_compile_fullgraph_varlen_and_sdpa_helper():
+    def varlen(q, k, v, cu_q, cu_k):
+        return fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 50, 60, causal=True).sum()
+
+    def sdpa(q, k, v):  # Sq > Sk: the top-left decomposition (two calls + cat) stays in one graph
+        return fa4.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum()
+
+    kw = _varlen_kwargs()
+    ex = _graph_breaks(varlen, kw["q"], kw["k"], kw["v"], kw["cu_seqlens_q"], kw["cu_seqlens_k"])
+    assert ex.graph_break_count == 0
+    ex = _graph_breaks(sdpa, meta(2, 8, 96, 64), meta(2, 2, 40, 64), meta(2, 2, 40, 64))
+    assert ex.graph_break_count == 0
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------- autograd wiring, numerically
+@pytest.fixture
+def cpu_reference_kernels():
+    """Register float64 stage-0 kernels for fa4::fwd / fa4::bwd on CPU, for this test only, so the
+    registered autograd formula (setup_context, return_lse gating, the dlse path) runs end to end."""
+    from stage0_reference import attention_forward
+
+    lib = torch.library.Library("fa4", "FRAGMENT")
+
+    def fwd_cpu(q, k, v, softmax_scale, causal, deterministic, return_lse):
+        o, l = attention_forward(q.numpy(), k.numpy(), v.numpy(), softmax_scale=softmax_scale, causal=causal)
+        return torch.from_numpy(np.ascontiguousarray(o)), torch.from_numpy(np.ascontiguousarray(l))
+
+    seen = []
+
+    def bwd_cpu(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic):
+        seen.append(dlse is not None)
+        kw = dict(softmax_scale=softmax_scale, causal=causal)
+        dq, dk, dv = _np_backward(q, k, v, out, dout, lse, **kw)
+        if dlse is not None:
+            dq, dk = _dispatch.add_lse_grad(lambda *a: _np_backward(*a, **kw), q, k, v, out, lse, dlse, dq, dk,
+                                            varlen=False)
+        return dq, dk, dv
+
+    torch.library.register_kernel("fa4::fwd", "cpu", fwd_cpu, lib=lib)
+    torch.library.register_kernel("fa4::bwd", "cpu", bwd_cpu, lib=lib)
+    yield seen
+    lib._destroy()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_autograd_through_the_ops_matches_reference(cpu_reference_kernels):
+    from stage0_reference.torch_reference import attention_ref
+
+    q, k, v, dout, dlse = _fixed_problem(4, sq=11, sk=17)
+    for return_lse in (False, True):
+        cpu_reference_kernels.clear()
+        qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = _ops.fwd(qa, ka, va, 0.3, True, False, return_lse)
+        loss = (out * dout).sum() + ((lse * dlse).sum() if return_lse else 0)
+        got = torch.autograd.grad(loss, (qa, ka, va))
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        o_r, l_r = attention_ref(qr, kr, vr, softmax_scale=0.3, causal=True)
+        loss_r = (o_r * dout).sum() + ((l_r * dlse).sum() if return_lse else 0)
+        want = torch.autograd.grad(loss_r, (qr, kr, vr))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+        assert cpu_reference_kernels == [return_lse]  # dlse reaches the kernel only if lse was exposed
+    # lse used, out unused: dout is materialised as zeros, still one backward call
+    cpu_reference_kernels.clear()
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    _, lse = _ops.fwd(qa, ka, va, 0.3, True, False, True)
+    (lse * dlse).sum().backward()
+    assert cpu_reference_kernels == [True] and torch.isfinite(qa.grad).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_empty_inputs_never_launch(monkeypatch):
+    """Empty problems return empty / zero outputs (lse -inf) before any kernel is touched."""
+    class NoLaunch:
+        arch = _dispatch.ARCHS["sm_90"]
+
+        def check_head_dims(self, d, dv):
+            pass
+
+        def __getattr__(self, name):
+            raise AssertionError(f"{name} called: an empty problem must not launch")
+
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: NoLaunch())
+    real_fwd, real_bwd = _ops.fwd._init_fn, _ops.bwd._init_fn
+    z = lambda *s: torch.zeros(*s, dtype=BF16)  # noqa: E731
+    out, lse = real_fwd(z(0, 5, 4, 64), z(0, 7, 2, 64), z(0, 7, 2, 64), 0.1, True, False, True)
+    assert out.shape == (0, 5, 4, 64) and lse.shape == (0, 4, 5)
+    out, lse = real_fwd(z(2, 5, 4, 64), z(2, 0, 2, 64), z(2, 0, 2, 64), 0.1, True, False, True)
+    assert out.shape == (2, 5, 4, 64) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    dq, dk, dv = real_bwd(z(2, 5, 4, 64), z(2, 5, 4, 64), z(2, 0, 2, 64), z(2, 0, 2, 64), out, lse, None, 0.1, False,
+                          False)
+    assert dq.shape == (2, 5, 4, 64) and torch.all(dq == 0) and dk.shape == (2, 0, 2, 64)
+    cu = torch.tensor([0], dtype=torch.int32)
+    out, lse = _ops.varlen_fwd._init_fn(z(0, 4, 64), z(0, 2, 64), z(0, 2, 64), cu, cu, None, 0, 0, 0.1, False, False,
+                                        False)
+    assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
+
+
+# ================================================================================ compile cache
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FA4_CACHE", raising=False)
+    return tmp_path / "cache"
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cache_dir_and_keys(cache_dir, monkeypatch):
+    assert _cache.root_dir() == cache_dir
+    d = _cache.cache_dir()
+    assert d.parent == cache_dir / _cache.FORMAT and len(d.name) == 16
+    assert _cache.fingerprint("sm_90a") != _cache.fingerprint("sm_100a")  # per-arch generations
+    monkeypatch.delenv("FA4_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert _cache.root_dir() == pathlib.Path("/xdg/fa4")
+    key = ("step", "gpu", "BFloat16", 128, 128, True, ("policy", 8.0))
+    assert _cache.key_hash(key) == _cache.key_hash(tuple(key)) and len(_cache.key_hash(key)) == 32
+    assert _cache.persistable(key)
+    assert not _cache.persistable(("step", "fake", "BFloat16", 128, 128, True))  # compile-only: memory only
+    assert not _cache.persistable(("step", "gpu", object()))  # repr holds an address: unstable across processes
+    monkeypatch.setenv("FA4_CACHE", "0")
+    assert not _cache.enabled() and _cache.disk() is None
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_disk_cache_atomic_write_and_corruption(cache_dir):
+    dc = _cache.DiskCache(cache_dir / "gen")
+    p1 = dc.write("k" * 32, b"first")
+    os.utime(p1, (1e9, 1e9))  # make it unambiguously the older entry
+    p2 = dc.write("k" * 32, b"second")
+    assert p1 != p2 and p1.exists() and p2.exists()  # writers never delete (see read_verified)
+    assert dc.read_verified("k" * 32) == p2 and not p1.exists()  # the reader keeps the newest, prunes the rest
+    assert not list((cache_dir / "gen").glob("*.tmp"))  # no temporary files left behind
+    p2.write_bytes(b"secomd")  # a corrupted (e.g. truncated or edited) file
+    with pytest.warns(RuntimeWarning, match="content hash mismatch"):
+        assert dc.read_verified("k" * 32) is None
+    assert not p2.exists()  # removed, so the next run rebuilds it
+
+
+_WRITER = """
+import sys
+from fa4._cache import DiskCache
+DiskCache(sys.argv[1]).write("c" * 32, sys.argv[2].encode() * 100000)
+"""
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_disk_cache_concurrent_writers(cache_dir):
+    """Processes racing on one key each leave a complete, verified file or none: never a torn one."""
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(cache_dir), f"writer{i}"], cwd=ROOT)
+             for i in range(6)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    dc = _cache.DiskCache(cache_dir)
+    path = dc.read_verified("c" * 32)
+    assert path is not None
+    assert path.read_bytes() in {f"writer{i}".encode() * 100000 for i in range(6)}
+    assert not list(cache_dir.glob("*.tmp"))
+
+
+class _FakeCompiled:
+    """Stands in for a CuTe JitCompiledFunction: callable, exportable."""
+
+    def __init__(self, tag, fail=False):
+        self.tag, self.fail = tag, fail
+
+    def __call__(self, *args):
+        if self.fail:
+            raise RuntimeError("bad object")
+        return self.tag
+
+    def dump_to_object(self, prefix):
+        return f"OBJ:{self.tag}:{prefix}".encode()
+
+
+def _fake_owner(monkeypatch, name="stage3_fwd_kernel._fa4_test_owner"):
+    from collections import namedtuple
+
+    mod = types.ModuleType(name)
+    mod._CACHE = {}
+    mod.Compiled = namedtuple("Compiled", "fn report sass ptx")
+    mod.builds = []
+
+    def compile_cached(key, build):
+        if key in mod._CACHE:
+            return mod._CACHE[key]
+        mod.builds.append(key)
+        mod._CACHE[key] = mod.Compiled(build(), {"registers": 1}, "sass", "ptx")
+        return mod._CACHE[key]
+
+    compile_cached.__module__ = name
+    mod.compile_cached = compile_cached
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cache_hook_memory_disk_and_rebuild(cache_dir, monkeypatch):
+    loads = []
+
+    def fake_load(path, symbol):
+        data = path.read_bytes().decode()
+        assert data.endswith(symbol)
+        loads.append(path)
+        return _FakeCompiled("from-disk:" + data.split(":")[1], fail="poison" in data)
+
+    monkeypatch.setattr(_cache, "load_object", fake_load)
+    owner = _fake_owner(monkeypatch)
+    reexport = types.ModuleType("stage4_bwd_kernel._fa4_test_reexport")
+    reexport.compile_cached = owner.compile_cached  # like stage4_bwd_kernel.common
+    monkeypatch.setitem(sys.modules, reexport.__name__, reexport)
+    assert _cache.install_for() >= 2 and owner.compile_cached is reexport.compile_cached
+    assert _cache.install_for() == 0 or owner.compile_cached._fa4_disk_cache  # idempotent
+    key = ("stepX", "gpu", "BFloat16", 64, 64, False)
+
+    # process 1: compiled, used, written to disk
+    comp = reexport.compile_cached(key, lambda: _FakeCompiled("compiled"))
+    assert comp.fn() == "compiled" and owner.builds == [key]
+    assert len(list(_cache.cache_dir().glob("*.o"))) == 1
+    assert owner.compile_cached(key, lambda: 1 / 0).fn() == "compiled"  # memory hit, no build
+    # process 2 (empty memory): loaded from disk, no compile; the first call is guarded
+    owner._CACHE.clear()
+    comp = owner.compile_cached(key, lambda: 1 / 0)
+    assert comp.report["loaded_from"] and comp.fn() == "from-disk:compiled" and owner.builds == [key]
+    assert comp.report["registers"] == 1  # the compile's report travels with the object
+    assert owner._CACHE[key].fn.tag == "from-disk:compiled"  # the guard stepped aside after success
+    # a fake-tensor compile is never written
+    owner.compile_cached(("stepX", "fake", "BFloat16", 64, 64, False), lambda: _FakeCompiled("fake"))
+    assert len(list(_cache.cache_dir().glob("*.o"))) == 1
+    # an object that loads but fails on its first call: dropped, recompiled, the call retried
+    owner._CACHE.clear()
+    key2 = ("stepX", "gpu", "BFloat16", 128, 128, True)
+    owner.compile_cached(key2, lambda: _FakeCompiled("poison"))
+    owner._CACHE.clear()
+    with pytest.warns(RuntimeWarning, match="failed on first call"):
+        assert owner.compile_cached(key2, lambda: _FakeCompiled("good")).fn() == "good"
+    assert owner.builds[-1] == key2
+    # a corrupt file on disk: discarded and rebuilt, not fatal
+    owner._CACHE.clear()
+    for p in _cache.cache_dir().glob("*.o"):
+        p.write_bytes(b"garbage")
+    with pytest.warns(RuntimeWarning, match="content hash mismatch"):
+        assert owner.compile_cached(key, lambda: _FakeCompiled("rebuilt")).fn() == "rebuilt"
+    # FA4_CACHE=0: memory only
+    monkeypatch.setenv("FA4_CACHE", "0")
+    owner._CACHE.clear()
+    n_loads = len(loads)
+    assert owner.compile_cached(key, lambda: _FakeCompiled("memory-only")).fn() == "memory-only"
+    assert len(loads) == n_loads
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cache_info_and_clear(cache_dir):
+    _cache.DiskCache(_cache.cache_dir()).write("a" * 32, b"x" * 10)
+    _cache.DiskCache(cache_dir / _cache.FORMAT / "0123456789abcdef").write("b" * 32, b"y" * 5)
+    info = _cache.info()
+    assert info["entries"] == 2 and info["bytes"] == 15 and info["current_entries"] == 1
+    assert _cache.clear(stale_only=True) == 1 and _cache.info()["entries"] == 1
+    assert _cache.clear() == 1 and _cache.info()["entries"] == 0
+
+
+@pytest.mark.compile
+@pytest.mark.fa4
+def test_disk_cache_roundtrip_real_cute_object(cache_dir):
+    """A real CuTe-DSL compile (sm_90a, fake tensors) exported with dump_to_object and reloaded
+    with cute.runtime.load_module: the mechanism the cache relies on works in DSL 4.8.1."""
+    import stage3_fwd_kernel.common  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass)
+    import cutlass
+    import cutlass.cute as cute
+
+    # (no annotations: this file uses postponed annotations, which the DSL would evaluate in the
+    # module namespace, where `cute` is not imported)
+    @cute.kernel
+    def scale_kernel(x, y):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * 128 + tidx
+        if i < cute.size(x):
+            y[i] = x[i] * cutlass.Float32(2.0)
+
+    @cute.jit
+    def scale(x, y):
+        scale_kernel(x, y).launch(grid=((cute.size(x) + 127) // 128, 1, 1), block=(128, 1, 1))
+
+    fake = lambda: cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),))  # noqa: E731
+    compiled = cute.compile(scale, fake(), fake())
+    dc = _cache.DiskCache(_cache.cache_dir())
+    key = ("fa4_test_scale", "gpu", "Float32")
+    path = dc.store(key, compiled)
+    assert path is not None and path.stat().st_size > 1000
+    fn, loaded_path = dc.load(key)
+    assert loaded_path == path and callable(fn) and type(fn).__name__ == type(compiled).__name__
+
+
+# ================================================================================ CLI + README
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cli_info(tmp_path):
+    res = run_cli("info", env={"FA4_CACHE_DIR": str(tmp_path)}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "torch" in out and "nvidia-cutlass-dsl" in out and "sm_90" in out and "sm_100" in out
+    assert _dispatch.README_BEGIN in out and f"compile cache (enabled): {tmp_path}" in out
+    md = run_cli("info", "--markdown", timeout=120)
+    assert md.returncode == 0 and md.stdout.strip() == _dispatch.support_markdown().strip()
+    js = run_cli("info", "--json", timeout=120)
+    assert json.loads(js.stdout) == json.loads(json.dumps(fa4.supported()))
+    cache = run_cli("cache", "info", env={"FA4_CACHE_DIR": str(tmp_path)}, timeout=120)
+    assert json.loads(cache.stdout)["root"] == str(tmp_path / _cache.FORMAT)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cli_bench_passes_arguments_through():
+    res = run_cli("bench", "--out", "/tmp/fa4_bench_test.json", "--quick", timeout=120)
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU this would run the benchmark")
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stdout
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_readme_support_matrix_is_generated():
+    """fa4/README.md's matrix is the output of `python -m fa4 info --markdown`, never typed by hand."""
+    text = (ROOT / "fa4" / "README.md").read_text()
+    assert _dispatch.support_markdown() in text, (
+        "fa4/README.md's support matrix is stale: run `python -m fa4 info --markdown --update-readme`")
+
+
+@pytest.mark.compile
+@pytest.mark.fa4
+def test_cli_precompile_compile_only(tmp_path):
+    res = run_cli("precompile", "--head-dims", "64", "--causal", "yes", "--no-backward",
+                  env={"FA4_CACHE_DIR": str(tmp_path)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "compile-only for sm_90a" in res.stdout and "[####################] 1/1" in res.stdout
+    assert "compiled in" in res.stdout and "spills=0/0" in res.stdout
+    assert not list(tmp_path.rglob("*.o"))  # fake-tensor builds are not runnable: nothing persisted
+
+
+@pytest.mark.compile
+@pytest.mark.fa4
+def test_cli_demo_compiles_the_production_forward():
+    res = run_cli("demo")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "compiled for sm_90a with fake tensors" in res.stdout
+    assert "builds for sm_90a, no spills" in res.stdout and "FAIL" not in res.stdout
+
+
+# ================================================================================ transformers
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_register_without_transformers_is_a_clear_import_error(monkeypatch):
+    from fa4.integrations import transformers as integ
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"transformers is not installed.*pip install"):
+        integ.register_fa4_attention()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_transformers_registration_and_model_on_meta(monkeypatch):
+    pytest.importorskip("transformers", reason="transformers is not installed here")
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    from fa4.integrations import transformers as integ
+
+    assert integ.register_fa4_attention() == "fa4"
+    assert "fa4" in AttentionInterface() and AttentionInterface()["fa4"] is integ.fa4_attention_forward
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        assert ALL_MASK_ATTENTION_FUNCTIONS["fa4"] is integ.fa4_mask
+    except ImportError:
+        pass
+    calls = []
+    real = integ.flash_attn_func
+    monkeypatch.setattr(integ, "flash_attn_func", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      intermediate_size=512, num_hidden_layers=2, vocab_size=128, attn_implementation="fa4")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(BF16)
+    logits = model(input_ids=torch.zeros(2, 16, dtype=torch.long, device="meta")).logits
+    assert logits.shape == (2, 16, 128)
+    assert len(calls) == 2 and all(c["causal"] is True for c in calls)  # one fa4 call per layer
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_transformers_attention_function_contract():
+    from fa4.integrations.transformers import fa4_attention_forward, fa4_mask
+
+    mod = types.SimpleNamespace(is_causal=True)
+    q, k, v = meta(2, 8, 16, 128), meta(2, 2, 16, 128), meta(2, 2, 16, 128)
+    out, weights = fa4_attention_forward(mod, q, k, v, None, scaling=0.1)
+    assert out.shape == (2, 16, 8, 128) and weights is None  # (B, S, H, D), as transformers expects
+    for kw, pattern in ((dict(dropout=0.1), r"^dropout:"), (dict(sliding_window=128), r"^sliding_window:"),
+                        (dict(softcap=30.0), r"^softcap:")):
+        with pytest.raises(ValueError, match=pattern):
+            fa4_attention_forward(mod, q, k, v, None, **kw)
+    with pytest.raises(ValueError, match=r"^attention_mask: fa4 takes None or a 2-D"):
+        fa4_attention_forward(mod, q, k, v, meta(2, 1, 16, 16, dtype=torch.bool))
+    ones = torch.ones(2, 20, dtype=torch.long)
+    assert fa4_mask(2, 16, 16, attention_mask=None) is None
+    assert fa4_mask(2, 16, 16, attention_mask=ones) is None  # nothing padded: the kernels do causal
+    padded = ones.clone()
+    padded[0, :6] = 0
+    m = fa4_mask(2, 16, 16, attention_mask=padded)
+    assert m.dtype == torch.bool and m.shape == (2, 16) and not m[0, 0] and m[1].all()

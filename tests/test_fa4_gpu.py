@@ -1,0 +1,428 @@
+"""fa4 on a real GPU (the device tool's H100): the public API against the fp32 reference.
+
+Every numeric check uses FA4's rule (stage0_reference.torch_reference.assert_fa4_close): the
+error against the fp32 reference is at most 2x that of a plain PyTorch implementation in the
+input precision, plus 1e-5.
+
+* forward: head dims, GQA, causal (incl. rows with no key), fp16/bf16, strided inputs, empty inputs;
+* backward and the lse gradient when stage4_bwd_kernel.hopper exists, otherwise the clear
+  NotImplementedError that says it has not landed;
+* torch.compile(fullgraph=True) with inductor, and CUDA-graph capture + replay after a warm-up;
+* varlen (skipped, with the reason, when no varlen forward is importable), FA4_VALIDATE;
+* the SDPA helper against torch SDPA (top-left causal);
+* the compile cache across processes: a second process loads instead of compiling (cold and warm
+  first-call latencies are printed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fa4
+from fa4 import _dispatch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.fa4]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOT_LANDED = r"Hopper backward kernel has not landed"
+DT = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def has_backward() -> bool:
+    return _dispatch.module_exists("stage4_bwd_kernel.hopper")
+
+
+def has_varlen() -> bool:
+    return fa4.supported()["archs"]["sm_90"]["varlen_forward"] is not None
+
+
+def rand(*shape, dtype=torch.bfloat16, g=None, grad=False):
+    return torch.randn(*shape, device="cuda", dtype=dtype, generator=g).requires_grad_(grad)
+
+
+def ref_and_base(q, k, v, *, causal, softmax_scale=None):
+    from stage0_reference.torch_reference import attention_ref
+
+    ref = attention_ref(q.detach(), k.detach(), v.detach(), causal=causal, softmax_scale=softmax_scale, upcast=True)
+    base = attention_ref(q.detach(), k.detach(), v.detach(), causal=causal, softmax_scale=softmax_scale, upcast=False)
+    return ref, base
+
+
+def ref_grads(q, k, v, dout, dlse=None, *, causal, upcast):
+    """Gradients of sum(out * dout) (+ sum(lse * dlse)) through the reference, fp32 or input precision."""
+    from stage0_reference.torch_reference import attention_ref
+
+    qs, ks, vs = (t.detach().clone().float().requires_grad_() if upcast else t.detach().clone().requires_grad_()
+                  for t in (q, k, v))
+    out, lse = attention_ref(qs, ks, vs, causal=causal, upcast=upcast)
+    loss = (out.float() * dout.float()).sum()
+    if dlse is not None:
+        loss = loss + (torch.where(torch.isfinite(lse), lse, 0) * dlse).sum()
+    return torch.autograd.grad(loss, (qs, ks, vs))
+
+
+# ------------------------------------------------------------------------------------------- dispatch
+def test_dispatch_on_this_gpu():
+    be = _dispatch.backend_for(torch.device("cuda"))
+    assert be.arch.key == "sm_90", f"this suite expects the device tool's Hopper GPU, got {be.arch.key}"
+    assert be.forward_module().__name__ == fa4.supported()["archs"]["sm_90"]["forward"]
+
+
+# -------------------------------------------------------------------------------------------- forward
+FWD_CASES = [  # b, sq, sk, hq, hkv, d, dv, causal, dtype
+    (2, 256, 256, 8, 8, 128, 128, False, "bf16"),
+    (2, 333, 517, 8, 2, 128, 128, True, "bf16"),
+    (1, 517, 333, 4, 1, 64, 64, True, "fp16"),     # causal with sq > sk: rows with no key
+    (2, 200, 300, 4, 4, 96, 96, False, "bf16"),
+    (1, 300, 300, 4, 2, 192, 128, True, "bf16"),
+    (1, 128, 400, 4, 4, 256, 256, False, "fp16"),
+    (3, 1, 1, 2, 1, 128, 128, True, "bf16"),
+    (1, 1024, 1024, 16, 16, 128, 128, True, "bf16"),
+]
+
+
+@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: "b{}-{}x{}-h{}/{}-d{}x{}-{}-{}".format(
+    *c[:7], "causal" if c[7] else "full", c[8]))
+def test_forward_matches_reference(case):
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    b, sq, sk, hq, hkv, d, dv, causal, dt = case
+    g = torch.Generator(device="cuda").manual_seed(sum(case[:7]))
+    q = rand(b, sq, hq, d, dtype=DT[dt], g=g)
+    k, v = rand(b, sk, hkv, d, dtype=DT[dt], g=g), rand(b, sk, hkv, dv, dtype=DT[dt], g=g)
+    out, lse = fa4.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (b, sq, hq, dv) and out.dtype == DT[dt]
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    (ref_o, ref_l), (base_o, base_l) = ref_and_base(q, k, v, causal=causal)
+    assert_fa4_close("out", out, ref_o, base_o)
+    assert_fa4_close("lse", lse, ref_l, base_l)
+    assert torch.equal(fa4.flash_attn_func(q, k, v, causal=causal), out)  # return_lse=False: same out
+
+
+def test_forward_strided_inputs_and_scale():
+    """q/k/v as views of a packed qkv buffer and of (B, H, S, D) tensors, a non-default scale."""
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = rand(2, 257, 3, 4, 128, g=g)
+    q, k, v = qkv.unbind(2)
+    out = fa4.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True)
+    (ref_o, _), (base_o, _) = ref_and_base(q, k, v, causal=True, softmax_scale=0.3)
+    assert_fa4_close("out (packed qkv)", out, ref_o, base_o)
+    kt = rand(2, 4, 400, 128, g=g).transpose(1, 2)
+    vt = rand(2, 4, 400, 128, g=g).transpose(1, 2)
+    out = fa4.flash_attn_func(q, kt, vt)
+    (ref_o, _), (base_o, _) = ref_and_base(q, kt, vt, causal=False)
+    assert_fa4_close("out (transposed k, v)", out, ref_o, base_o)
+
+
+def test_empty_inputs():
+    z = lambda *s: torch.zeros(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    out, lse = fa4.flash_attn_func(z(0, 5, 4, 64), z(0, 7, 2, 64), z(0, 7, 2, 64), return_lse=True)
+    assert out.shape == (0, 5, 4, 64) and lse.shape == (0, 4, 5)
+    out, lse = fa4.flash_attn_func(z(2, 0, 4, 64), z(2, 7, 2, 64), z(2, 7, 2, 64), return_lse=True)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    for causal in (False, True):
+        out, lse = fa4.flash_attn_func(z(2, 5, 4, 64), z(2, 0, 2, 64), z(2, 0, 2, 64), causal=causal, return_lse=True)
+        assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+# ------------------------------------------------------------------------------------------- backward
+BWD_CASES = [(2, 300, 300, 8, 2, 128, 128, True), (1, 257, 513, 4, 4, 64, 64, False),
+             (1, 200, 200, 4, 1, 192, 128, True)]
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "{}x{}-h{}/{}-d{}x{}-{}".format(*c[1:7], c[7]))
+def test_backward(case):
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    b, sq, sk, hq, hkv, d, dv, causal = case
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = rand(b, sq, hq, d, g=g, grad=True)
+    k, v = rand(b, sk, hkv, d, g=g, grad=True), rand(b, sk, hkv, dv, g=g, grad=True)
+    out = fa4.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    if not has_backward():
+        with pytest.raises(NotImplementedError, match=NOT_LANDED):
+            out.backward(dout)
+        return
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref = ref_grads(q, k, v, dout, causal=causal, upcast=True)
+    base = ref_grads(q, k, v, dout, causal=causal, upcast=False)
+    for name, a, r, bl in zip(("dq", "dk", "dv"), got, ref, base):
+        assert a.shape == r.shape and a.dtype == q.dtype
+        assert_fa4_close(name, a, r, bl)
+
+
+def test_lse_gradient():
+    """loss = sum(out * dout) + sum(lse * dlse): the dlse D-term correction, on hardware."""
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q = rand(2, 250, 8, 128, g=g, grad=True)
+    k, v = rand(2, 380, 2, 128, g=g, grad=True), rand(2, 380, 2, 128, g=g, grad=True)
+    out, lse = fa4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    loss = (out.float() * dout.float()).sum() + (lse * dlse).sum()
+    if not has_backward():
+        with pytest.raises(NotImplementedError, match=NOT_LANDED):
+            loss.backward()
+        return
+    got = torch.autograd.grad(loss, (q, k, v))
+    ref = ref_grads(q, k, v, dout, dlse, causal=True, upcast=True)
+    base = ref_grads(q, k, v, dout, dlse, causal=True, upcast=False)
+    for name, a, r, bl in zip(("dq", "dk", "dv"), got, ref, base):
+        assert_fa4_close(name + " (with dlse)", a, r, bl)
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    if not has_backward():
+        pytest.skip("stage4_bwd_kernel.hopper has not landed (test_backward asserts the error)")
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q = rand(2, 1000, 8, 128, g=g, grad=True)
+    k, v = rand(2, 1200, 2, 128, g=g, grad=True), rand(2, 1200, 2, 128, g=g, grad=True)
+    dout = rand(2, 1000, 8, 128, g=g)
+    runs = [torch.autograd.grad(fa4.flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v), dout)
+            for _ in range(3)]
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+# ----------------------------------------------------------------------- torch.compile and CUDA graphs
+def test_torch_compile_fullgraph_on_gpu():
+    def f(q, k, v):
+        out, lse = fa4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        return out * 2, lse + 1
+
+    g = torch.Generator(device="cuda").manual_seed(14)
+    q, k, v = rand(2, 384, 8, 128, g=g), rand(2, 384, 2, 128, g=g), rand(2, 384, 2, 128, g=g)
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)  # inductor: the fa4 op stays one opaque node
+    o1, l1 = cf(q, k, v)
+    o2, l2 = f(q, k, v)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)  # same kernel, exact elementwise ops
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    w = rand(2, 384, 8, 128, g=g).float()
+
+    def train(q, k, v):  # linear in out: dout = w in bf16 exactly, whoever computes it
+        return (fa4.flash_attn_func(q, k, v, causal=True, deterministic=True).float() * w).sum()
+
+    ct = torch.compile(train, fullgraph=True)
+    if not has_backward():
+        with pytest.raises(NotImplementedError, match=NOT_LANDED):
+            ct(qg, kg, vg).backward()
+    else:
+        ct(qg, kg, vg).backward()
+        q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
+        train(q2, k2, v2).backward()  # eager, deterministic: the compiled gradients must be identical
+        for a, b in ((qg.grad, q2.grad), (kg.grad, k2.grad), (vg.grad, v2.grad)):
+            assert torch.equal(a, b)
+    torch._dynamo.reset()
+
+
+def test_cuda_graph_capture_and_replay():
+    g = torch.Generator(device="cuda").manual_seed(15)
+    sq, sk = 300, 500
+    static = [rand(2, sq, 8, 128, g=g), rand(2, sk, 2, 128, g=g), rand(2, sk, 2, 128, g=g)]
+    # warm-up on a side stream (compiles the kernel; compilation is not capturable)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fa4.flash_attn_func(*static, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out, static_lse = fa4.flash_attn_func(*static, causal=True, return_lse=True)
+    for trial in range(3):
+        fresh = [rand(*t.shape, g=g) for t in static]
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        out, lse = fa4.flash_attn_func(*fresh, causal=True, return_lse=True)
+        assert torch.equal(static_out, out) and torch.equal(static_lse, lse), f"replay {trial} differs from eager"
+
+
+# --------------------------------------------------------------------------------------------- varlen
+def _varlen_problem(lens_q, lens_k, hq=8, hkv=2, d=128, seed=16, grad=False):
+    def cu(lens):
+        return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = rand(sum(lens_q), hq, d, g=g, grad=grad)
+    k, v = rand(sum(lens_k), hkv, d, g=g, grad=grad), rand(sum(lens_k), hkv, d, g=g, grad=grad)
+    return q, k, v, cu(lens_q), cu(lens_k)
+
+
+def _need_varlen():
+    if not has_varlen():
+        pytest.skip("no varlen forward is importable (stage3_fwd_kernel.hopper with attention_varlen_forward "
+                    "has not landed)")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_matches_reference(causal):
+    from stage0_reference.torch_reference import assert_fa4_close, attention_varlen_ref
+
+    _need_varlen()
+    lens_q, lens_k = [1, 0, 130, 513, 77], [5, 9, 130, 300, 0]  # empty sequences on both sides
+    q, k, v, cu_q, cu_k = _varlen_problem(lens_q, lens_k)
+    out, lse = fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                          return_lse=True)
+    assert out.shape == q.shape and lse.shape == (8, q.shape[0])
+    ref_o, ref_l = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=True)
+    base_o, base_l = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=False)
+    assert_fa4_close("varlen out", out, ref_o, base_o)
+    assert_fa4_close("varlen lse", lse, ref_l, base_l)
+
+
+def test_varlen_seqused_k():
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+    _need_varlen()
+    lens_q, lens_k, used = [64, 200, 33], [100, 256, 40], [100, 17, 0]
+    q, k, v, cu_q, cu_k = _varlen_problem(lens_q, lens_k, seed=17)
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out = fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 256, causal=True, seqused_k=seqused)
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(3):  # reference: each sequence against its first `used[b]` keys
+        qs, ks, vs = q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b] + used[b]], v[None, ck[b]:ck[b] + used[b]]
+        ref = attention_ref(qs, ks, vs, causal=True)[0][0]
+        base = attention_ref(qs, ks, vs, causal=True, upcast=False)[0][0]
+        assert_fa4_close(f"seqused_k seq {b}", out[cq[b]:cq[b + 1]], ref, base)
+
+
+def test_varlen_backward_or_clear_error():
+    from stage0_reference.torch_reference import assert_fa4_close, attention_varlen_ref
+
+    _need_varlen()
+    q, k, v, cu_q, cu_k = _varlen_problem([100, 37, 250], [120, 37, 200], grad=True, seed=18)
+    out = fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 250, 200, causal=True)
+    dout = torch.randn_like(out)
+    if not has_backward():
+        with pytest.raises(NotImplementedError, match=NOT_LANDED):
+            out.backward(dout)
+        return
+    got = torch.autograd.grad(out, (q, k, v), dout)
+
+    def grads(upcast):
+        qs, ks, vs = (t.detach().clone().float().requires_grad_() if upcast else t.detach().clone().requires_grad_()
+                      for t in (q, k, v))
+        o, _ = attention_varlen_ref(qs, ks, vs, cu_q, cu_k, causal=True, upcast=upcast)
+        return torch.autograd.grad((o.float() * dout.float()).sum(), (qs, ks, vs))
+
+    for name, a, r, bl in zip(("dq", "dk", "dv"), got, grads(True), grads(False)):
+        assert_fa4_close("varlen " + name, a, r, bl)
+
+
+def test_fa4_validate_catches_bad_cu_seqlens(monkeypatch):
+    q, k, v, cu_q, cu_k = _varlen_problem([10, 20], [10, 20])
+    bad = torch.tensor([0, 25, 30], dtype=torch.int32, device="cuda")  # first sequence 25 > max_seqlen_q
+    monkeypatch.setenv("FA4_VALIDATE", "1")
+    with pytest.raises(ValueError, match=r"^max_seqlen_q: 20 is smaller than the longest sequence \(25\)"):
+        fa4.flash_attn_varlen_func(q, k, v, bad, cu_k, 20, 20)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: must be non-decreasing"):
+        fa4.flash_attn_varlen_func(q, k, v, cu_q, torch.tensor([0, 20, 10], dtype=torch.int32, device="cuda"), 20, 20)
+
+
+def test_varlen_empty_batch():
+    z = lambda *s: torch.zeros(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    cu = torch.zeros(1, dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_varlen_func(z(0, 4, 64), z(0, 2, 64), z(0, 2, 64), cu, cu, 0, 0, return_lse=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
+
+
+# ----------------------------------------------------------------------------------------- SDPA helper
+def plain_sdpa(q, k, v):
+    """A plain PyTorch top-left-causal GQA attention in the input precision (the rule's baseline)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)                      # (B, H, Sq, Sk) in q's dtype
+    visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1).to(v.dtype) @ v
+
+
+@pytest.mark.parametrize("sq,sk", [(300, 300), (200, 450), (450, 200)])
+def test_sdpa_helper_matches_torch_sdpa(sq, sk):
+    """Top-left causal (SDPA's meaning) for Sq != Sk, GQA via enable_gqa; FA4 rule against fp32 torch
+    SDPA, relative to a plain bf16 implementation."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    g = torch.Generator(device="cuda").manual_seed(sq + sk)
+    q, k, v = rand(2, 8, sq, 128, g=g), rand(2, 2, sk, 128, g=g), rand(2, 2, sk, 128, g=g)
+    out = fa4.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref = sdpa(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    assert out.shape == (2, 8, sq, 128)
+    assert_fa4_close("sdpa helper", out, ref, plain_sdpa(q, k, v))
+
+
+# -------------------------------------------------------------------------------------- compile cache
+_FIRST_CALL = r"""
+import json, time, torch
+import fa4
+from fa4 import _cache
+from stage0_reference.torch_reference import attention_ref
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+torch.cuda.synchronize()
+
+def step():
+    t0 = time.perf_counter()
+    out = fa4.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    out.float().sum().backward()
+    torch.cuda.synchronize()
+    return out, t1 - t0, time.perf_counter() - t1
+
+out, fwd_s, bwd_s = step()
+dq = q.grad.clone()
+_, fwd2_s, bwd2_s = step()
+err = (out.float() - attention_ref(q.detach(), k.detach(), v.detach(), causal=True)[0].float()).abs().max().item()
+print("RESULT " + json.dumps({"first_fwd_s": fwd_s, "first_bwd_s": bwd_s, "second_fwd_s": fwd2_s,
+                              "second_bwd_s": bwd2_s, "max_err": err, "dq_sum": dq.float().sum().item(),
+                              "stats": _cache.stats(), "files": len(list(_cache.cache_dir().glob("*.o")))}))
+"""
+
+
+def _first_call(env):
+    res = subprocess.run([sys.executable, "-c", _FIRST_CALL], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_compile_cache_second_process_reuses(tmp_path):
+    """Two fresh processes run one training step (bf16 d128 causal, deterministic): the first
+    compiles and writes the forward and backward kernels, the second loads them from disk."""
+    env = dict(os.environ, FA4_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("FA4_CACHE", None)
+    cold = _first_call(env)
+    warm = _first_call(env)
+    print(f"\nfirst-call latency, bf16 d128 causal: forward cold {cold['first_fwd_s']:.2f} s -> warm "
+          f"{warm['first_fwd_s']:.3f} s; backward cold {cold['first_bwd_s']:.2f} s -> warm {warm['first_bwd_s']:.3f} s"
+          f"\n(steady state: forward {warm['second_fwd_s'] * 1e3:.2f} ms, "
+          f"backward {warm['second_bwd_s'] * 1e3:.2f} ms; "
+          f"{cold['files']} kernels cached in {tmp_path})")
+    assert cold["stats"]["misses"] >= 1 and cold["stats"]["stores"] >= 1 and cold["files"] >= 1, cold
+    assert warm["stats"]["disk_hits"] >= 1 and warm["stats"]["misses"] == 0, warm
+    assert warm["max_err"] == cold["max_err"] and warm["dq_sum"] == cold["dq_sum"], \
+        "the reloaded kernels compute something else"
+    assert warm["first_fwd_s"] + warm["first_bwd_s"] < cold["first_fwd_s"] + cold["first_bwd_s"], (cold, warm)
+    # corrupted entries: rebuilt, not fatal
+    for p in tmp_path.rglob("*.o"):
+        p.write_bytes(p.read_bytes()[:100])
+    again = _first_call(env)
+    assert again["stats"]["corrupt"] >= 1 and again["stats"]["misses"] >= 1
+    assert again["max_err"] == cold["max_err"] and again["dq_sum"] == cold["dq_sum"]
