@@ -1,0 +1,119 @@
+"""Backward attention TFLOP/s: our Hopper backward steps (default and deterministic) and peers, one run.
+
+    python benchmarks/bench_bwd.py --out benchmarks/results/bwd_h100.json [--seqlens 8192] [--dims 64,128]
+
+Setup as the forward benchmark (bf16, 32k tokens per batch, hidden 2048). FLOPs = 2.5 x the
+forward's (5 GEMMs instead of 2), halved for causal. Ours is timed on the backward kernels alone
+(preprocess + main + postprocess) from a fixed (out, lse); peers are timed on their autograd
+backward (retain_graph), which runs their own preprocess/main/postprocess the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+from bench_fwd import flops, timer, versions
+
+STEPS = {"step1": "stage4_bwd_kernel.hopper_step1", "step2_warpspec": "stage4_bwd_kernel.hopper_step2_warpspec"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seqlens", default="8192")
+    ap.add_argument("--dims", default="64,128")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_bwd needs a CUDA GPU; committed results are in benchmarks/results/")
+        return 2
+    bench, timing = timer()
+    from stage3_fwd_kernel.hopper import attention_forward
+
+    mods = {}
+    for name, path in STEPS.items():
+        try:
+            mods[name] = importlib.import_module(path)
+        except ImportError as exc:
+            print(f"skip {name}: {exc}")
+    try:
+        from flash_attn.cute.interface import flash_attn_func as fa4_func
+    except Exception as exc:
+        fa4_func = None
+        print(f"skip official flash-attn-4: {exc}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    results = []
+    t0 = time.time()
+    for d in (int(x) for x in args.dims.split(",")):
+        for causal in (False, True):
+            for s in (int(x) for x in args.seqlens.split(",")):
+                b, h = 32768 // s, 2048 // d
+                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                out, lse = attention_forward(q, k, v, causal=causal)
+                fl = 2.5 * flops(b, h, s, d, d, causal)
+                cases = {}
+                for name, mod in mods.items():
+                    for det in (False, True):
+                        cases[f"ours:{name}" + (" deterministic" if det else "")] = (
+                            lambda m=mod, dt=det: m.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=dt))
+                if fa4_func is not None:
+                    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                    o = fa4_func(qg, kg, vg, causal=causal)
+                    o = o[0] if isinstance(o, tuple) else o
+                    cases["flash-attn-4 (official)"] = lambda o=o: o.backward(do, retain_graph=True)
+                qc, kc, vc = (t.detach().clone().transpose(1, 2).requires_grad_() for t in (q, k, v))
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    oc = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=causal)
+                cases["cuDNN (SDPA)"] = lambda oc=oc: oc.backward(do.transpose(1, 2), retain_graph=True)
+                ref = None
+                for name, fn in cases.items():
+                    row = {"impl": name, "head_dim": d, "causal": causal, "seqlen": s, "batch": b, "heads": h}
+                    try:
+                        res = fn()
+                        torch.cuda.synchronize()
+                        if name == "ours:step1":
+                            ref = res
+                        elif name.startswith("ours:") and ref is not None:
+                            row["max_abs_diff_vs_step1"] = max((a.float() - r.float()).abs().max().item()
+                                                              for a, r in zip(res, ref))
+                        ms = bench(fn)
+                        row.update(ms=ms, tflops=fl / ms / 1e9)
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                    results.append(row)
+                    shown = f"{row['tflops']:7.1f} TFLOP/s" if "tflops" in row else f"ERROR {row['error'][:80]}"
+                    print(f"  d={d} causal={causal!s:5} s={s:5} {name:34} {shown}", flush=True)
+                del q, k, v, do, out, lse
+    doc = {"device": torch.cuda.get_device_name(), "versions": versions(), "timing": timing,
+           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "dtype": "bf16", "tokens_per_batch": 32768,
+           "hidden": 2048, "flops": "2.5 x forward, halved for causal", "elapsed_s": round(time.time() - t0, 1),
+           "results": results}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(summary(doc))
+    return 0
+
+
+def summary(doc) -> str:
+    t = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r.get("tflops") for r in doc["results"]}
+    impls = list(dict.fromkeys(r["impl"] for r in doc["results"]))
+    keys = sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in doc["results"]})
+    lines = ["| config | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
+    for d, c, s in keys:
+        fa4 = t.get(("flash-attn-4 (official)", d, c, s))
+        cells = []
+        for i in impls:
+            v = t.get((i, d, c, s))
+            cells.append("-" if not v else (f"{v:.0f} ({v / fa4:.2f}x)" if fa4 else f"{v:.0f}"))
+        lines.append(f"| d={d} {'causal' if c else 'full'} {s // 1024}k | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
