@@ -1,0 +1,378 @@
+"""Stage 3, Blackwell: the host-side plan of the FA4 forward kernel -- tiles, TMEM, SMEM, registers.
+
+Compared with the Hopper steps, the Blackwell kernel has a third memory to budget: **tensor memory
+(TMEM)**, 512 columns x 128 lanes x 32 bits = 256 KB per SM, where tcgen05 MMAs keep their
+accumulators (Hopper kept them in registers). Getting the plan to fit *before* compiling is most of
+the design, so it lives here, in plain Python (no cutlass import), and is tested on CPU.
+
+Everything is per CTA (one CTA per SM). ``q_tiles_per_cta`` = 2 query tiles of ``tile_m`` = 128
+rows ("high" and "low" in the paper), one softmax warpgroup each; ``tile_n`` = 128 keys per step.
+
+TMEM (columns are 32-bit; lane r of every column belongs to query row r of a tile):
+
+    S_i = Q_i K^T     tile_n columns (fp32)          one per Q tile, written by the MMA warp
+    P_i (16-bit)      tile_n / 2 columns, aliased over the upper half of S_i (2 values per column):
+                      the softmax warpgroup has read all of S_i into registers before it writes P_i
+    scale_i           1 column inside S_i (column 0): the per-step rescale factor for the
+                      correction warpgroup (the paper: "some tensor memory to communicate
+                      rescale statistics")
+    final_i           2 columns inside S_i (columns 2, 3): the final row sum and row max
+    O_i += P_i V      head_dim_v columns (fp32)      one per Q tile, never leaves TMEM until the end
+
+    d = 128:        S 2 x 128 + O 2 x 128 = 512 columns  (all of TMEM: the paper's plan)
+    d = 64:         S 2 x 128 + O 2 x  64 = 384 -> allocated 512 (allocations are powers of 2, >= 32)
+    d = (192, 128): S 2 x 128 + O 2 x 128 = 512 (the QK head dim never touches TMEM)
+    d = 256:        S 2 x 128 + O 2 x 256 = 768 > 512: does not fit with two Q tiles
+
+SMEM (bytes, 2 per element; 227 KB = 232448 bytes is the opt-in maximum per CTA on sm_100):
+
+    header      mbarriers + the TMEM address slot, padded to 1024 (the tiles below are
+                1024-byte aligned for the 128B swizzle)
+    sQ          q_tiles x tile_m x d x 2                  loaded once per CTA
+    sKV ring    kv_stages x max(tile_n x d, tile_n x dv) x 2. K_j and V_j take turns in ONE ring
+                (K0, V0, K1, V1, ...), in the order the MMA warp consumes them; a slot holds either.
+    sO          q_tiles x tile_m x dv x 2   O staging for the epilogue (TMA store). When a separate
+                sO would leave fewer than 2 ring slots (head dim 192), it is placed over sQ: by the
+                time the last P V has completed, every Q K^T that read sQ has completed too.
+
+    d = 64:        1 + 32 + 4 x 16 + 32 = 129 KB   (4 slots; we stop at 4)
+    d = 128:       1 + 64 + 3 x 32 + 64 = 225 KB   (3 slots)
+    d = (192,128): 1 + 96 + 2 x 48 + (0: over sQ) = 193 KB (2 slots; 3 would need 241 KB)
+
+Registers: 16 warps = 512 threads, so the launch caps a thread at 65536 / 512 = 128 registers;
+``setmaxnreg`` then moves them per warpgroup to where they are needed:
+
+    softmax WGs 0, 1     192   one 128-column row of S in registers (128) + a quarter of P packed
+    correction WG 2       72   O rescaled / normalised 32 columns at a time
+    WG 3                  56   MMA warp, TMA load warp, epilogue warp, one idle warp
+    total  2 x 128 x 192 + 128 x 72 + 128 x 56 = 65536 = the register file
+
+    The split was found by compiling: at 64 the correction warpgroup spills, at 48 the MMA warp
+    spills for head dim 192 (12 K-steps of SMEM descriptors per tile); 72 / 56 compile clean.
+
+P is written to TMEM in two parts (the paper, "stage out storing P"): the first 3/4 of the row
+(4 stores of tile_n / 8 columns: the first 3) lets the MMA warp start O += P V on 3/4 of the K
+dimension, then the last 1/4 follows; the softmax thread never holds a whole packed row at once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = [
+    "SMEM_CAPACITY",
+    "TMEM_COLUMNS",
+    "REGISTERS_PER_SM",
+    "SUPPORTED_HEAD_DIMS",
+    "WarpRoles",
+    "TmemPlan",
+    "SmemPlan",
+    "RegisterPlan",
+    "BlackwellFwdConfig",
+    "blackwell_fwd_config",
+]
+
+SMEM_CAPACITY = 232448     # 227 KB: the opt-in maximum dynamic shared memory per CTA on sm_100
+TMEM_COLUMNS = 512         # 128 lanes x 512 columns x 32 bit per SM
+TMEM_MIN_ALLOC = 32        # tcgen05.alloc: a power of two >= 32 columns
+REGISTERS_PER_SM = 65536
+MAX_KV_STAGES = 4          # more ring slots stop paying once the loads are ahead of the MMAs
+SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+DTYPES = ("bf16", "fp16")
+HEADER_ALIGN = 1024        # 128B-swizzled tiles start on 1024-byte boundaries
+FP16_MAX_THRESHOLD = 15.0  # a stale max lets P reach 2^tau; fp16 stops at 65504 < 2^16
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _dtype_name(dtype) -> str:
+    key = str(dtype).replace("torch.", "").split(".")[-1].lower()
+    table = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+    if key not in table:
+        raise ValueError(f"dtype: the Blackwell forward supports {DTYPES}, got {dtype!r}")
+    return table[key]
+
+
+@dataclass(frozen=True)
+class WarpRoles:
+    """Which warps do what (16 warps, 4 warpgroups; setmaxnreg acts per warpgroup)."""
+
+    softmax: tuple = ((0, 1, 2, 3), (4, 5, 6, 7))  # one warpgroup per Q tile
+    correction: tuple = (8, 9, 10, 11)
+    mma: int = 12
+    load: int = 13
+    epilogue: int = 14
+    idle: int = 15
+
+    @property
+    def num_warps(self) -> int:
+        return 16
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    def describe(self) -> list:
+        return [
+            ("softmax WG 0", "warps 0-3", "rows of Q tile 0: S -> P (TMEM), row max / sum"),
+            ("softmax WG 1", "warps 4-7", "rows of Q tile 1: same, alternating with WG 0"),
+            ("correction WG", "warps 8-11", "rescales O in TMEM, final O / l, lse, O -> SMEM"),
+            ("MMA", f"warp {self.mma}", "tcgen05.mma: S_i = Q_i K^T (SS), O_i += P_i V (TS)"),
+            ("load", f"warp {self.load}", "TMA: Q tiles, then K / V into the SMEM ring"),
+            ("epilogue", f"warp {self.epilogue}", "O: SMEM -> global (TMA store, or row-guarded "
+                                                    "16-byte stores for varlen)"),
+            ("idle", f"warp {self.idle}", "fills the 4th warpgroup (setmaxnreg is per warpgroup)"),
+        ]
+
+
+@dataclass(frozen=True)
+class TmemPlan:
+    """Column offsets (32-bit columns) of every TMEM buffer, per Q tile."""
+
+    s: tuple              # S_i = Q_i K^T, tile_n columns each
+    o: tuple              # O_i, head_dim_v columns each
+    p: tuple              # P_i (16-bit, 2 per column), tile_n / 2 columns inside S_i
+    scale: tuple          # per-step rescale factor, 1 column inside S_i
+    final: tuple          # final (row_sum, row_max), 2 columns inside S_i
+    s_cols: int
+    o_cols: int
+    p_cols: int
+    used: int             # columns actually addressed
+    alloc: int            # what tcgen05.alloc asks for (power of two >= 32)
+
+    def rows(self) -> list:
+        """(buffer, columns, width) rows for a table, in column order."""
+        out = []
+        for i, off in enumerate(self.s):
+            out.append((f"S_{i} = Q_{i} K^T (fp32)", f"[{off}, {off + self.s_cols})", self.s_cols))
+            out.append((f"  scale_{i} (aliases S_{i})", f"[{self.scale[i]}, {self.scale[i] + 1})", 1))
+            out.append((f"  row_sum_{i}, row_max_{i} (aliases S_{i})", f"[{self.final[i]}, {self.final[i] + 2})", 2))
+            out.append((f"  P_{i} (16-bit x 2, aliases S_{i})", f"[{self.p[i]}, {self.p[i] + self.p_cols})", self.p_cols))
+        for i, off in enumerate(self.o):
+            out.append((f"O_{i} (fp32)", f"[{off}, {off + self.o_cols})", self.o_cols))
+        return out
+
+    def table(self) -> str:
+        lines = ["| buffer | columns | width |", "|---|---|---|"]
+        lines += [f"| {name} | {cols} | {w} |" for name, cols, w in self.rows()]
+        lines.append(f"| **total used / allocated** | | **{self.used} / {self.alloc}** of {TMEM_COLUMNS} |")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SmemPlan:
+    header: int           # mbarriers + TMEM address slot, padded to 1024
+    num_barriers: int
+    q: int                # all Q tiles
+    kv_slot: int          # one ring slot (the larger of a K and a V tile)
+    kv_stages: int
+    kv: int
+    o: int                # O staging (0 when it overlaps sQ)
+    o_overlaps_q: bool
+
+    @property
+    def total(self) -> int:
+        return self.header + self.q + self.kv + self.o
+
+    def describe(self) -> str:
+        o = "over sQ" if self.o_overlaps_q else f"{self.o}"
+        return (f"header {self.header} + sQ {self.q} + sKV {self.kv_stages} x {self.kv_slot} + sO {o} "
+                f"= {self.total} bytes of {SMEM_CAPACITY}")
+
+
+@dataclass(frozen=True)
+class RegisterPlan:
+    softmax: int = 192
+    correction: int = 72
+    other: int = 56       # MMA / load / epilogue / idle warpgroup
+    launch_cap: int = REGISTERS_PER_SM // 512
+
+    @property
+    def total(self) -> int:
+        return 128 * (2 * self.softmax + self.correction + self.other)
+
+
+@dataclass(frozen=True)
+class BlackwellFwdConfig:
+    head_dim: int
+    head_dim_v: int
+    dtype: str                      # "bf16" | "fp16"
+    causal: bool
+    q_tiles_per_cta: int
+    tile_m: int
+    tile_n: int
+    kv_stages: int
+    emulation_fraction: float
+    rescale_threshold: float
+    tmem: TmemPlan
+    smem: SmemPlan
+    regs: RegisterPlan
+    roles: WarpRoles = field(default_factory=WarpRoles)
+
+    # P goes to TMEM in `p_store_chunks` stores; the MMA warp starts after `p_first_chunks`
+    p_store_chunks: int = 4
+    p_first_chunks: int = 3
+
+    @property
+    def cta_tile_m(self) -> int:
+        return self.q_tiles_per_cta * self.tile_m
+
+    @property
+    def num_threads(self) -> int:
+        return self.roles.num_threads
+
+    @property
+    def pv_k_blocks(self) -> int:
+        """tcgen05 f16 MMAs have K = 16: O += P V is tile_n / 16 instructions per Q tile."""
+        return self.tile_n // 16
+
+    @property
+    def pv_k_blocks_first(self) -> int:
+        return self.pv_k_blocks * self.p_first_chunks // self.p_store_chunks
+
+    def key(self) -> tuple:
+        """Everything that changes the compiled code (the compile-cache key)."""
+        return (self.head_dim, self.head_dim_v, self.dtype, self.causal, self.q_tiles_per_cta,
+                self.tile_m, self.tile_n, self.kv_stages, self.emulation_fraction, self.rescale_threshold)
+
+    def summary(self) -> str:
+        return (f"Blackwell fwd {self.dtype} d={self.head_dim}/{self.head_dim_v} causal={self.causal}: "
+                f"CTA {self.cta_tile_m} x {self.tile_n} ({self.q_tiles_per_cta} Q tiles), "
+                f"TMEM {self.tmem.used}/{self.tmem.alloc} cols, SMEM {self.smem.total} B "
+                f"({self.kv_stages} K/V slots{', sO over sQ' if self.smem.o_overlaps_q else ''}), "
+                f"regs softmax/correction/other = {self.regs.softmax}/{self.regs.correction}/{self.regs.other}, "
+                f"exp2 emulated {self.emulation_fraction:g}, tau {self.rescale_threshold:g}")
+
+
+def _num_barriers(q_tiles: int, kv_stages: int) -> int:
+    # q_full per Q tile; full + empty per ring slot; per Q tile: s_full, p_full (3/4 of P + O
+    # rescaled), p_full_2 (last 1/4), scale_full, final_full, o_full, epi_full; one tmem_dealloc.
+    return q_tiles + 2 * kv_stages + 7 * q_tiles + 1
+
+
+def _smem_plan(q_tiles, tile_m, tile_n, d, dv, kv_stages, o_overlaps_q, elem=2) -> SmemPlan:
+    nbar = _num_barriers(q_tiles, kv_stages)
+    header = _round_up(8 * nbar + 4, HEADER_ALIGN)  # Int64 barriers + Int32 TMEM address
+    q = q_tiles * tile_m * d * elem
+    slot = tile_n * max(d, dv) * elem
+    o = 0 if o_overlaps_q else q_tiles * tile_m * dv * elem
+    return SmemPlan(header=header, num_barriers=nbar, q=q, kv_slot=slot, kv_stages=kv_stages,
+                    kv=kv_stages * slot, o=o, o_overlaps_q=o_overlaps_q)
+
+
+def _tmem_plan(q_tiles, tile_n, dv) -> TmemPlan:
+    p_cols = tile_n * 16 // 32
+    s = tuple(i * tile_n for i in range(q_tiles))
+    o = tuple(q_tiles * tile_n + i * dv for i in range(q_tiles))
+    used = q_tiles * (tile_n + dv)
+    return TmemPlan(s=s, o=o, p=tuple(x + tile_n - p_cols for x in s), scale=s,
+                    final=tuple(x + 2 for x in s), s_cols=tile_n, o_cols=dv, p_cols=p_cols,
+                    used=used, alloc=max(TMEM_MIN_ALLOC, _pow2_at_least(used)))
+
+
+def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal: bool,
+                         q_tiles_per_cta: int = 2, tile_m: int = 128, tile_n: int = 128,
+                         kv_stages: int | None = None, emulation_fraction: float = 0.125,
+                         rescale_threshold: float = 8.0,
+                         check_kernel_support: bool = True) -> BlackwellFwdConfig:
+    """Plan one Blackwell forward configuration; raise ValueError naming the budget that fails.
+
+    Checks run in this order: arguments, TMEM, SMEM, registers, and then (unless
+    ``check_kernel_support=False``, for budget exploration) whether ``blackwell_fwd.py``
+    implements the configuration.
+    """
+    # 1. arguments
+    dv = head_dim if head_dim_v is None else head_dim_v
+    dt = _dtype_name(dtype)
+    for name, v in (("head_dim", head_dim), ("head_dim_v", dv)):
+        if not (isinstance(v, int) and 16 <= v <= 256 and v % 16 == 0):
+            raise ValueError(f"{name}: expected a multiple of 16 in [16, 256], got {v!r}")
+    if q_tiles_per_cta not in (1, 2):
+        raise ValueError(f"q_tiles_per_cta: 1 or 2 (one softmax warpgroup per tile), got {q_tiles_per_cta!r}")
+    if tile_m not in (64, 128):
+        raise ValueError(f"tile_m: a 1-CTA tcgen05 MMA has M = 64 or 128, got {tile_m!r}")
+    if not (isinstance(tile_n, int) and 64 <= tile_n <= 256 and tile_n % 64 == 0):
+        raise ValueError(f"tile_n: expected 64, 128, 192 or 256 (P is stored in quarters of whole "
+                         f"16-column MMA K-blocks), got {tile_n!r}")
+    if not (isinstance(emulation_fraction, (int, float)) and 0.0 <= emulation_fraction <= 1.0):
+        raise ValueError(f"emulation_fraction: expected a value in [0, 1], got {emulation_fraction!r}")
+    if not (isinstance(rescale_threshold, (int, float)) and math.isfinite(rescale_threshold)
+            and rescale_threshold >= 0.0):
+        raise ValueError(f"rescale_threshold: expected a finite tau >= 0 (log2 units), got {rescale_threshold!r}")
+    if dt == "fp16" and rescale_threshold > FP16_MAX_THRESHOLD:
+        raise ValueError(f"rescale_threshold: P can reach 2^tau and fp16 overflows past 65504, so "
+                         f"tau <= {FP16_MAX_THRESHOLD:g} for fp16, got {rescale_threshold!r}")
+
+    # 2. TMEM: S and O of every Q tile side by side (P, scale and final stats live inside S)
+    tmem = _tmem_plan(q_tiles_per_cta, tile_n, dv)
+    if tmem.used > TMEM_COLUMNS:
+        raise ValueError(
+            f"TMEM does not fit: {q_tiles_per_cta} Q tiles x (S {tile_n} + O {dv}) = {tmem.used} "
+            f"columns > {TMEM_COLUMNS} (head_dim_v={dv}, tile_n={tile_n}); use fewer Q tiles per CTA, "
+            f"a smaller tile_n, or split head_dim_v")
+
+    # 3. SMEM: sO separate unless that leaves fewer than 2 ring slots (then it goes over sQ)
+    def stages_that_fit(plan_for):
+        n = 0
+        while n < 64 and plan_for(n + 1).total <= SMEM_CAPACITY:
+            n += 1
+        return n
+
+    separate = stages_that_fit(lambda s: _smem_plan(q_tiles_per_cta, tile_m, tile_n, head_dim, dv, s, False))
+    o_over_q = separate < 2 and dv <= head_dim  # sO_i must fit inside the sQ footprint
+    if kv_stages is None:
+        fit = separate if not o_over_q else stages_that_fit(
+            lambda s: _smem_plan(q_tiles_per_cta, tile_m, tile_n, head_dim, dv, s, True))
+        kv_stages = max(2, min(MAX_KV_STAGES, fit))
+    if not (isinstance(kv_stages, int) and kv_stages >= 2):
+        raise ValueError(f"kv_stages: at least 2 ring slots (K_j and V_j-1 are in use together), got {kv_stages!r}")
+    smem = _smem_plan(q_tiles_per_cta, tile_m, tile_n, head_dim, dv, kv_stages, o_over_q)
+    if smem.total > SMEM_CAPACITY:
+        raise ValueError(f"SMEM does not fit: {smem.describe()}; "
+                         f"use fewer kv_stages (<= {stages_that_fit(lambda s: _smem_plan(q_tiles_per_cta, tile_m, tile_n, head_dim, dv, s, o_over_q))} "
+                         f"fit here) or smaller tiles")
+
+    # 4. registers (fixed per-role plan; setmaxnreg wants multiples of 8 in [24, 256])
+    regs = RegisterPlan()
+    for name in ("softmax", "correction", "other"):
+        r = getattr(regs, name)
+        if r % 8 or not 24 <= r <= 256:
+            raise ValueError(f"registers: {name} = {r} is not a setmaxnreg value (multiple of 8 in [24, 256])")
+    if regs.total > REGISTERS_PER_SM:
+        raise ValueError(f"registers do not fit: {regs.total} > {REGISTERS_PER_SM}")
+
+    cfg = BlackwellFwdConfig(head_dim=head_dim, head_dim_v=dv, dtype=dt, causal=bool(causal),
+                             q_tiles_per_cta=q_tiles_per_cta, tile_m=tile_m, tile_n=tile_n,
+                             kv_stages=kv_stages, emulation_fraction=float(emulation_fraction),
+                             rescale_threshold=float(rescale_threshold), tmem=tmem, smem=smem, regs=regs)
+
+    # 5. what blackwell_fwd.py implements
+    if check_kernel_support:
+        problems = []
+        if (head_dim, dv) not in SUPPORTED_HEAD_DIMS:
+            problems.append(f"head dims {SUPPORTED_HEAD_DIMS}, got ({head_dim}, {dv})")
+        if q_tiles_per_cta != 2:
+            problems.append(f"q_tiles_per_cta=2 (two softmax warpgroups), got {q_tiles_per_cta}")
+        if tile_m != 128 or tile_n != 128:
+            problems.append(f"tile_m = tile_n = 128 (one 128-column row per softmax thread), got {tile_m}x{tile_n}")
+        if problems:
+            raise ValueError("the configuration fits TMEM/SMEM/registers, but blackwell_fwd.py supports only "
+                             + "; ".join(problems))
+    return cfg
+
+
+if __name__ == "__main__":
+    for d, dv in SUPPORTED_HEAD_DIMS:
+        c = blackwell_fwd_config(d, dv, "bf16", causal=False)
+        print(c.summary())
+        print("  SMEM:", c.smem.describe())

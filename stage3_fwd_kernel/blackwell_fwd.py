@@ -1,0 +1,1121 @@
+"""Stage 3, Blackwell (sm_100a): the FA4 forward pipeline -- tcgen05 MMAs, tensor memory, two
+softmax warpgroups and a correction warpgroup. COMPILED AND INSPECTED ONLY: no Blackwell GPU is
+reachable from this project, so this kernel has never run on hardware (see blackwell.md).
+
+Compared with Hopper step 3, this moves the accumulators out of the register file, because
+Blackwell's tcgen05 MMA writes them to tensor memory (TMEM) and a 128 x 128 tile is one
+instruction issued by one thread. That changes who does what (the paper, section 3.1):
+
+* **MMA warp** (1 warp, one elected thread issues): S_i = Q_i K_j^T with both operands in SMEM
+  (the "SS" form) and O_i += P_i V_j with P read from TMEM (the "TS" form), for the two 128-row
+  query tiles i = 0, 1 of the CTA. Each tcgen05.commit arrives on an mbarrier when the MMAs issued
+  before it have completed.
+* **load warp**: TMA loads Q_0, K_0, Q_1, V_0, K_1, V_1, ... K and V share one ring of
+  ``kv_stages`` slots in SMEM, in exactly the order the MMA warp consumes them.
+* **softmax warpgroups 0 and 1** (128 threads each): thread r owns row r of its tile -- the whole
+  row of S (tile_n = 128 fp32 values) arrives in its registers with tcgen05.ld, so the row max and
+  row sum need no shuffles. The exponentials of the two warpgroups never overlap: a named-barrier
+  ping-pong hands the "exp turn" back and forth (the MUFU is the bottleneck we share).
+* **correction warpgroup**: rescales O_i in TMEM when a row max moved (off the softmax critical
+  path), and at the end computes O / l and lse and writes O to SMEM.
+* **epilogue warp**: O from SMEM to global memory (TMA store; row-guarded 16-byte stores when
+  sequences are packed, so a tile never writes into the next sequence).
+
+The shared softmax policy (stage3_fwd_kernel/softmax_policy.py, verified on Hopper hardware) is
+used unchanged: ``rescale_vote`` (conditional rescaling, tau = 8, one warp vote) and ``exp2_row``
+(partial exp2 emulation with a compile-time pattern from stage 2's polynomial).
+
+Per key block j the MMA warp issues, for a CTA with tiles 0 and 1 (the paper's pipeline):
+
+    S_0(0) = Q_0 K_0^T,  S_1(0) = Q_1 K_0^T
+    for j = 1 .. n-1:   O_0 += P_0(j-1) V_(j-1),  S_0(j) = Q_0 K_j^T,
+                        O_1 += P_1(j-1) V_(j-1),  S_1(j) = Q_1 K_j^T
+    O_0 += P_0(n-1) V_(n-1),  O_1 += P_1(n-1) V_(n-1)
+
+so while softmax warpgroup 0 exponentiates S_0(j), the tensor core runs O_1 += P_1 V and
+S_1(j + 1)... and vice versa. tcgen05 MMAs from one thread execute in order, which is what lets
+P_i live in the columns of S_i: O_i += P_i V reads them before S_i(j + 1) = Q_i K^T overwrites them.
+
+P goes to TMEM in two parts (the paper: "stage out storing P"): the softmax thread converts its
+row a quarter at a time; after three quarters are stored it signals the MMA warp, which issues
+O += P V on the first 3/4 of the K dimension (6 of 8 K = 16 instructions) and waits for the last
+quarter before the other 2. No thread ever holds the fp32 row and the packed row together.
+
+Arithmetic (B200, per key block, M = 2 x 128, N = 128, d = 128; roofline.py): the two tiles cost
+2 x 1024 MMA clk and 2 x 1024 MUFU clk, so the kernel only reaches the roofline if the exp2 of
+one tile runs entirely under the MMAs of the other -- hence the ping-pong, the correction
+warpgroup (the O rescale does not delay P), and moving emulation_fraction of the exp2s onto the
+FMA pipe.
+
+Synchronisation (all mbarriers in SMEM; "count" = arrivals per phase):
+
+    q_full[i]     TMA -> MMA                     1 (+ tx bytes)
+    kv_full[s]    TMA -> MMA                     1 (+ tx bytes of the K or V tile in slot s)
+    kv_empty[s]   MMA (tcgen05.commit) -> TMA    1
+    s_full[i]     MMA (commit) -> softmax i      1
+    p_full[i]     softmax i (3/4 of P stored) + correction (O_i rescaled) -> MMA   256
+    p_full_2[i]   softmax i (last 1/4 of P) -> MMA                                 128
+    scale_full[i] softmax i (rescale factor in TMEM) -> correction                 128
+    final_full[i] softmax i (row sum, row max in TMEM) -> correction               128
+    o_full[i]     MMA (commit after the last O_i += P V) -> correction             1
+    epi_full[i]   correction (O_i in SMEM) -> epilogue warp                        128
+    tmem_dealloc  softmax x 2 + correction done with TMEM -> MMA warp frees it     384
+
+Supported: fp16/bf16, head dims 64, 128, (192, 128); causal (bottom-right aligned); GQA/MQA;
+varlen (cu_seqlens_q/k, packed (total, heads, dim)); lse output; the StaticTileScheduler interface
+(one (m_block, head, batch) tile per CTA; persistent schedulers are refused: the barrier phases
+would have to carry across tiles).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+
+
+
+def _blackwell_device_present() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+    except Exception:  # no torch / broken CUDA: compile-only use still works
+        return False
+
+
+# CUTE_DSL_ARCH is read once, when cutlass is first imported. Compiles below always pass
+# `--gpu-arch sm_100a` explicitly, so they target Blackwell whatever the process default is (on
+# this project's machines: sm_90a, set by common.py, which the Hopper steps in the same process
+# rely on -- so we never change it there). Only on a Blackwell GPU, where no Hopper kernel can
+# run anyway, do we make sm_100a the process default so the JIT engine can launch what we build.
+if "cutlass" not in sys.modules and "CUTE_DSL_ARCH" not in os.environ and _blackwell_device_present():
+    os.environ["CUTE_DSL_ARCH"] = "sm_100a"
+
+from stage3_fwd_kernel import common  # noqa: E402  (arch selection before cutlass)
+from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config  # noqa: E402
+from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy, exp2_row, rescale_vote  # noqa: E402
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.blackwell_helpers as sm100_utils  # noqa: E402
+from cutlass import Boolean, Float32, Int32, const_expr  # noqa: E402
+from cutlass._mlir.dialects import nvvm  # noqa: E402
+from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, tcgen05  # noqa: E402
+from cutlass.memory import SmemAllocator, TmemAllocator  # noqa: E402
+from cutlass.pipeline import NamedBarrier  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from stage2_emulated_exp.gpu_kernel import ex2_approx_f32  # noqa: E402
+
+STEP = "blackwell_fwd"
+TARGET_ARCH = "sm_100a"
+LN2 = math.log(2.0)
+
+# named barriers (id 0 is __syncthreads)
+BAR_TMEM_ALLOC = 1   # MMA warp + softmax x 2 + correction: the TMEM address is in SMEM
+BAR_EXP_TURN = 2     # + i: "softmax warpgroup i may exponentiate now" (ids 2, 3)
+
+
+@dsl_user_op
+def tcgen05_fence_before_sync(*, loc=None, ip=None):
+    """Order this thread's earlier tcgen05 ld/st/mma before a following barrier arrive."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tcgen05_fence_after_sync(*, loc=None, ip=None):
+    """Order a preceding barrier wait before this thread's later tcgen05 ld/st/mma."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
+
+
+class FlashAttentionForwardSm100:
+    """The FA4 forward pipeline for one BlackwellFwdConfig (2 Q tiles x 128 rows, tile_n = 128)."""
+
+    def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
+                 scheduler=common.StaticTileScheduler):
+        if getattr(scheduler, "persistent", False):
+            raise ValueError("scheduler: the Blackwell kernel runs one tile per CTA (StaticTileScheduler "
+                             "interface); a persistent scheduler would need the barrier phases carried "
+                             "across tiles, which is not implemented")
+        self.cfg = config
+        self.varlen = varlen
+        self.scheduler = scheduler
+        self.dtype = common.cutlass_dtype(config.dtype)
+        self.d, self.dv = config.head_dim, config.head_dim_v
+        self.tm, self.tn = config.tile_m, config.tile_n
+        self.num_q = config.q_tiles_per_cta
+        self.stages = config.kv_stages
+        self.causal = config.causal
+        self.policy = SoftmaxPolicy(rescale_threshold=config.rescale_threshold,
+                                    emulation_fraction=config.emulation_fraction)
+        self.policy.check_dtype(self.dtype)
+        self.roles = config.roles
+        self.num_threads = config.num_threads
+        self.tmem = config.tmem
+        self.p_chunk_cols = self.tmem.p_cols // config.p_store_chunks  # fp32 columns per P store
+        self.s_chunk = self.tn // config.p_store_chunks                 # S values per P store
+        self.smem_bytes = None
+
+    # ------------------------------------------------------------------ host side (traced once)
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale_log2: Float32,
+                 mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                 max_seqlen_q: Int32 | None, stream):
+        """Dense: mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
+        mLSE (B, Hq, Sq). Varlen: mQ (Tq, Hq, d), mK / mV (Tk, Hkv, *), mO (Tq, Hq, dv),
+        mLSE (Hq, Tq), cu_seqlens int32 (B + 1,), max_seqlen_q a runtime int."""
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
+            raise TypeError("q, k, v, out must share the kernel's dtype")
+        if const_expr(self.varlen != (mCuSeqlensQ is not None)):
+            raise TypeError("varlen kernels take cu_seqlens_q / cu_seqlens_k, dense ones None")
+        d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
+        mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
+        mV, mO = common.assume_strides_16B(mV, dv), common.assume_strides_16B(mO, dv)
+
+        # 1. views the TMA and MMA want: (seq, dim, head[, batch]) for Q / K / O, (dim, seq, ...)
+        #    for V (the B operand of O += P V is V^T: N = dv is its contiguous, "MN-major", mode)
+        if const_expr(not self.varlen):
+            qko_modes, v_modes = [1, 3, 2, 0], [3, 1, 2, 0]
+        else:
+            qko_modes, v_modes = [0, 2, 1], [2, 0, 1]
+        mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=qko_modes)) for t in (mQ, mK, mO)]
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=v_modes))
+
+        # 2. the two MMAs: S = Q K^T (A, B from SMEM, both K-major); O = P V (A = P from TMEM)
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        cta_group = tcgen05.CtaGroup.ONE
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, cta_group, (tm, tn))
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, cta_group, (tm, dv),
+            tcgen05.OperandSource.TMEM)
+        mma_tiler_qk = (tm, tn, d)
+        mma_tiler_pv = (tm, dv, tn)
+
+        # 3. SMEM layouts (128B swizzle atoms chosen by the helpers). K and V share the ring: each
+        #    gets a stage stride of one slot = the larger tile, so slot s is the same bytes for both.
+        sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.num_q)
+        sK_layout = self._restage(sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, 1))
+        sV_layout = self._restage(sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, 1))
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
+        sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (tm, dv), self.num_q)
+
+        # 4. TMA atoms; the byte counts the "full" barriers expect
+        cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma_qk.thr_id.shape,)).shape
+        tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
+            tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster_vmnk)
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster_vmnk)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+            tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv, cluster_vmnk)
+        self.bytes_Q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
+        self.bytes_K = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
+        self.bytes_V = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
+        tma_atom_O, tma_O = None, None
+        if const_expr(not self.varlen):  # packed sequences cannot use a box store (next sequence)
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (tm, dv))
+
+        # 5. shared storage: barriers first, then 1024-byte aligned tiles (blackwell_config.py)
+        st = self.stages
+        slot_elems = self.cfg.smem.kv_slot // 2
+        o_elems = 0 if self.cfg.smem.o_overlaps_q else cute.cosize(sO_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.cfg.smem.num_barriers]
+            tmem_addr: Int32
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[cute.struct.MemRange[self.dtype, st * slot_elems], 1024]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+
+        # 6. grid: one CTA per (256 query rows, head, batch)
+        if const_expr(not self.varlen):
+            seqlen_q_static, batch = mQ.shape[0], mQ.shape[3]
+        else:
+            seqlen_q_static, batch = max_seqlen_q, mCuSeqlensQ.shape[0] - 1
+        num_m_blocks = (seqlen_q_static + self.cfg.cta_tile_m - 1) // self.cfg.cta_tile_m
+        grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
+        self.kernel(tma_Q, tma_K, tma_V, tma_O, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale_log2,
+                    mQ.shape[0], mK.shape[0], mQ.shape[2] // mK.shape[2],
+                    tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
+                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout,
+                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def _restage(self, layout_one_stage):
+        """Replace the stage mode of a 1-stage (swizzled) tile layout with `kv_stages` slots spaced
+        by one ring slot (cfg.smem.kv_slot bytes)."""
+        outer = cute.select(layout_one_stage.outer, mode=[0, 1, 2])
+        slot_elems = self.cfg.smem.kv_slot // 2
+        staged = cute.make_layout((*outer.shape, self.stages), stride=(*outer.stride, slot_elems))
+        return cute.make_composed_layout(layout_one_stage.inner, 0, staged)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_O: cute.Tensor | None,
+               mO: cute.Tensor, mLSE: cute.Tensor, mCuSeqlensQ: cute.Tensor | None,
+               mCuSeqlensK: cute.Tensor | None, softmax_scale_log2: Float32,
+               seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32,
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tma_atom_O: cute.CopyAtom | None, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               tP_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout):
+        roles, nq = self.roles, self.num_q
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(warp_idx // 4)
+
+        # 0. shared memory, barriers, tensors
+        storage = SmemAllocator().allocate(self.shared_storage)
+        mbar = storage.mbar.data_ptr()
+        if warp_idx == roles.load:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+            if const_expr(not self.varlen):
+                cpasync.prefetch_descriptor(tma_atom_O)
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(nq):
+                    cute.arch.mbarrier_init(self._bar(mbar, "q_full", i), 1)
+                    cute.arch.mbarrier_init(self._bar(mbar, "s_full", i), 1)
+                    cute.arch.mbarrier_init(self._bar(mbar, "p_full", i), 2 * 128)
+                    cute.arch.mbarrier_init(self._bar(mbar, "p_full_2", i), 128)
+                    cute.arch.mbarrier_init(self._bar(mbar, "scale_full", i), 128)
+                    cute.arch.mbarrier_init(self._bar(mbar, "final_full", i), 128)
+                    cute.arch.mbarrier_init(self._bar(mbar, "o_full", i), 1)
+                    cute.arch.mbarrier_init(self._bar(mbar, "epi_full", i), 128)
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(self._bar(mbar, "kv_full", s), 1)
+                    cute.arch.mbarrier_init(self._bar(mbar, "kv_empty", s), 1)
+                cute.arch.mbarrier_init(self._bar(mbar, "tmem_dealloc", 0), 3 * 128)
+        cute.arch.mbarrier_init_fence()  # inits visible to the async proxy (TMA, tcgen05.commit)
+        cute.arch.sync_threads()         # ... and to every thread
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)      # (MMA, M, K, q tile)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)     # (MMA, N, K, slot)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        if const_expr(self.cfg.smem.o_overlaps_q):
+            sO = cute.make_tensor(cute.recast_ptr(sQ.iterator, sO_layout.inner), sO_layout.outer)
+        else:
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # (tm, dv, q tile)
+
+        tmem = TmemAllocator(storage.tmem_addr.ptr, allocator_warp_id=roles.mma,
+                             barrier_for_retrieve=NamedBarrier(barrier_id=BAR_TMEM_ALLOC, num_threads=32 * 13),
+                             arch="sm_100")
+        thr_mma_qk = tiled_mma_qk.get_slice(0)
+        thr_mma_pv = tiled_mma_pv.get_slice(0)
+        # which tile / sequence: every role computes it after its setmaxnreg (values computed
+        # before it would have to fit the smallest register budget, cfg.regs.other)
+        tile = functools.partial(self._tile_info, mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static,
+                                 qhead_per_kvhead)
+
+        if wg_idx == 3:
+            # ---------------------------------------------------------------- MMA / load / epilogue
+            cute.arch.setmaxregister_decrease(self.cfg.regs.other)
+            m_block, head, head_kv, batch, seqlen_q, seqlen_k, offset_q, offset_k, n_blocks, tile_valid = tile()
+            if warp_idx == roles.load:
+                if tile_valid:
+                    self.load(m_block, head, head_kv, batch, offset_q, offset_k, n_blocks, mbar,
+                              tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV,
+                              thr_mma_qk, thr_mma_pv)
+            if warp_idx == roles.mma:
+                tmem.allocate(self.tmem.alloc)
+                tmem.relinquish_alloc_permit()
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                if tile_valid:
+                    self.mma(n_blocks, mbar, tmem_ptr, sQ, sK, sV, tP_layout, tiled_mma_qk, tiled_mma_pv)
+                # every TMEM reader has finished: give the columns back
+                cute.arch.mbarrier_wait(self._bar(mbar, "tmem_dealloc", 0), 0)
+                tcgen05_fence_after_sync()
+                tmem.free(tmem_ptr)
+            if warp_idx == roles.epilogue:
+                if tile_valid:
+                    self.epilogue(m_block, head, batch, offset_q, seqlen_q, mbar, sO, tma_O, tma_atom_O, mO)
+        elif wg_idx == 2:
+            # ---------------------------------------------------------------- correction warpgroup
+            cute.arch.setmaxregister_decrease(self.cfg.regs.correction)
+            m_block, head, head_kv, batch, seqlen_q, seqlen_k, offset_q, offset_k, n_blocks, tile_valid = tile()
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            if tile_valid:
+                self.correction(m_block, head, batch, offset_q, seqlen_q, n_blocks, softmax_scale_log2,
+                                mbar, tmem_ptr, sO, mLSE, thr_mma_qk, thr_mma_pv)
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
+        else:
+            # ---------------------------------------------------------------- softmax warpgroups
+            cute.arch.setmaxregister_increase(self.cfg.regs.softmax)
+            m_block, head, head_kv, batch, seqlen_q, seqlen_k, offset_q, offset_k, n_blocks, tile_valid = tile()
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            if tile_valid:
+                self.softmax(m_block, seqlen_q, seqlen_k, n_blocks, softmax_scale_log2,
+                             mbar, tmem_ptr, thr_mma_qk)
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _bar(self, mbar, name: str, i):
+        """Pointer to barrier `name`[i]; the order matches blackwell_config._num_barriers."""
+        nq, st = self.num_q, self.stages
+        per_q = ("q_full", "s_full", "p_full", "p_full_2", "scale_full", "final_full", "o_full", "epi_full")
+        if name in per_q:
+            return mbar + per_q.index(name) * nq + i
+        base = len(per_q) * nq
+        if name == "kv_full":
+            return mbar + base + i
+        if name == "kv_empty":
+            return mbar + base + st + i
+        assert name == "tmem_dealloc"
+        return mbar + base + 2 * st
+
+    @cute.jit
+    def _tile_info(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                   seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32):
+        """This CTA's tile and sequence: the same arithmetic in every role (they must agree on the
+        loop counts, or a barrier phase goes out of step)."""
+        work = self.scheduler.initial_work()
+        m_block, head, batch = work.m_block, work.head, work.batch
+        head_kv = head // qhead_per_kvhead  # GQA: query head h reads kv head h // ratio
+        seqlen_q, seqlen_k, offset_q, offset_k = seqlen_q_static, seqlen_k_static, Int32(0), Int32(0)
+        if const_expr(self.varlen):  # packed: this sequence's rows start at its cu_seqlens entry
+            offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        tile_valid = m_block * self.cfg.cta_tile_m < seqlen_q  # varlen: this sequence may be shorter
+        n_blocks = self._num_n_blocks(m_block, seqlen_q, seqlen_k)
+        return m_block, head, head_kv, batch, seqlen_q, seqlen_k, offset_q, offset_k, n_blocks, tile_valid
+
+    @cute.jit
+    def _num_n_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        """Key blocks the CTA's 256 query rows visit (both tiles visit the same ones, so every role
+        runs the same loop count). Causal, bottom-right: row r sees keys < r + 1 + sk - sq. At
+        least 1, so that rows seeing nothing still run the pipeline once (P = 0, O = 0, lse = -inf)."""
+        n = (seqlen_k + self.tn - 1) // self.tn
+        if const_expr(self.causal):
+            last_key = (m_block + 1) * self.cfg.cta_tile_m + seqlen_k - seqlen_q  # exclusive
+            n = cutlass.min(n, (last_key + self.tn - 1) // self.tn)
+        return cutlass.max(n, 1)
+
+    def _ring(self, load_idx):
+        """K_j is the (2j)-th load of the ring, V_j the (2j+1)-th: slot and phase parity."""
+        return load_idx % self.stages, (load_idx // self.stages) % 2
+
+    def _tmem_tensors(self, tmem_ptr, thr_mma_qk, thr_mma_pv, tP_layout):
+        """S_i, O_i accumulators and P_i (the TS operand) at the columns of cfg.tmem."""
+        tStS_layout = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tm, self.tn))).layout
+        tOtO_layout = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((self.tm, self.dv))).layout
+        tStS = [cute.make_tensor(tmem_ptr + self.tmem.s[i], tStS_layout) for i in range(self.num_q)]
+        tOtO = [cute.make_tensor(tmem_ptr + self.tmem.o[i], tOtO_layout) for i in range(self.num_q)]
+        tOrP = None
+        if const_expr(tP_layout is not None):
+            # make_fragment_A gives the TS operand's layout (16-bit elements, two per column); its
+            # iterator is not anchored on our allocation, so re-anchor it at P_i's first column
+            tOrP_layout = thr_mma_pv.make_fragment_A(cute.make_tensor(tmem_ptr, tP_layout.outer))[None, None, None, 0].layout
+            tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem.p[i], dtype=self.dtype), tOrP_layout)
+                    for i in range(self.num_q)]
+        return tStS, tOtO, tOrP
+
+    # ------------------------------------------------------------------ load warp
+    @cute.jit
+    def load(self, m_block: Int32, head: Int32, head_kv: Int32, batch: Int32, offset_q: Int32,
+             offset_k: Int32, n_blocks: Int32, mbar: cute.Pointer, tma_Q: cute.Tensor, tma_K: cute.Tensor,
+             tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+             tma_atom_V: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+             thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma):
+        if const_expr(not self.varlen):
+            mQ_cur = tma_Q[None, None, head, batch]      # (sq, d)
+            mK_cur = tma_K[None, None, head_kv, batch]   # (sk, d)
+            mV_cur = tma_V[None, None, head_kv, batch]   # (dv, sk)
+        else:  # this sequence's rows start at its cu_seqlens offset
+            mQ_cur = cute.domain_offset((offset_q, 0), tma_Q[None, None, head])
+            mK_cur = cute.domain_offset((offset_k, 0), tma_K[None, None, head_kv])
+            mV_cur = cute.domain_offset((0, offset_k), tma_V[None, None, head_kv])
+        gQ = cute.local_tile(mQ_cur, (self.tm, self.d), (None, 0))     # (tm, d, q tiles)
+        gK = cute.local_tile(mK_cur, (self.tn, self.d), (None, 0))     # (tn, d, n blocks)
+        gV = cute.local_tile(mV_cur, (self.dv, self.tn), (0, None))    # (dv, tn, n blocks)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
+                                           cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
+                                           cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
+                                           cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
+        # 1. Q_0, K_0, Q_1, V_0: S_0(0) can start as soon as Q_0 and K_0 are in
+        for i in cutlass.range_constexpr(self.num_q):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "q_full", i), self.bytes_Q)
+            cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_q + i], tQsQ[None, i],
+                      tma_bar_ptr=self._bar(mbar, "q_full", i))
+            if const_expr(i == 0):
+                self.load_kv(0, 0, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
+        self.load_kv(1, 0, mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
+        # 2. K_j, V_j as ring slots free up
+        for j in cutlass.range(1, n_blocks, unroll=1):
+            self.load_kv(2 * j, j, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
+            self.load_kv(2 * j + 1, j, mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
+
+    @cute.jit
+    def load_kv(self, load_idx: Int32, n_block: Int32, mbar: cute.Pointer, tma_atom: cute.CopyAtom,
+                tXgX: cute.Tensor, tXsX: cute.Tensor, num_bytes: cutlass.Constexpr[int]):
+        slot, phase = self._ring(load_idx)
+        cute.arch.mbarrier_wait(self._bar(mbar, "kv_empty", slot), phase ^ 1)  # first lap: passes
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "kv_full", slot), num_bytes)
+        cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, slot], tma_bar_ptr=self._bar(mbar, "kv_full", slot))
+
+    # ------------------------------------------------------------------ MMA warp
+    @cute.jit
+    def mma(self, n_blocks: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, sQ: cute.Tensor,
+            sK: cute.Tensor, sV: cute.Tensor, tP_layout: cute.ComposedLayout,
+            tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+        thr_mma_qk = tiled_mma_qk.get_slice(0)
+        thr_mma_pv = tiled_mma_pv.get_slice(0)
+        tSrQ = thr_mma_qk.make_fragment_A(sQ)   # SMEM descriptors (MMA, M, K, q tile)
+        tSrK = thr_mma_qk.make_fragment_B(sK)   # (MMA, N, K, slot)
+        tOrV = thr_mma_pv.make_fragment_B(sV)   # (MMA, N, K, slot)
+        tStS, tOtO, tOrP = self._tmem_tensors(tmem_ptr, thr_mma_qk, thr_mma_pv, tP_layout)
+
+        # 1. S_i(0) = Q_i K_0^T for both tiles, then K_0's slot goes back to the load warp
+        k_slot, k_phase = self._ring(0)
+        cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", k_slot), k_phase)
+        for i in cutlass.range_constexpr(self.num_q):
+            cute.arch.mbarrier_wait(self._bar(mbar, "q_full", i), 0)
+            self.gemm_qk(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i], tSrK[None, None, None, k_slot])
+            with cute.arch.elect_one():
+                tcgen05.commit(self._bar(mbar, "s_full", i))
+        with cute.arch.elect_one():
+            tcgen05.commit(self._bar(mbar, "kv_empty", k_slot))
+
+        # 2. steady state: O_i += P_i(j-1) V_(j-1), then S_i(j) = Q_i K_j^T, tile 0 then tile 1
+        for j in cutlass.range(1, n_blocks, unroll=1):
+            v_slot, v_phase = self._ring(2 * j - 1)
+            k_slot, k_phase = self._ring(2 * j)
+            cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", v_slot), v_phase)
+            for i in cutlass.range_constexpr(self.num_q):
+                self.gemm_pv(tiled_mma_pv, mbar, i, j - 1, tOtO[i], tOrP[i], tOrV[None, None, None, v_slot],
+                             accumulate=j > 1)
+                if const_expr(i == 0):
+                    cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", k_slot), k_phase)
+                self.gemm_qk(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i], tSrK[None, None, None, k_slot])
+                with cute.arch.elect_one():
+                    tcgen05.commit(self._bar(mbar, "s_full", i))
+            with cute.arch.elect_one():
+                tcgen05.commit(self._bar(mbar, "kv_empty", v_slot))
+                tcgen05.commit(self._bar(mbar, "kv_empty", k_slot))
+
+        # 3. the last O_i += P_i V; each commit tells the correction warpgroup O_i is final
+        v_slot, v_phase = self._ring(2 * n_blocks - 1)
+        cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", v_slot), v_phase)
+        for i in cutlass.range_constexpr(self.num_q):
+            self.gemm_pv(tiled_mma_pv, mbar, i, n_blocks - 1, tOtO[i], tOrP[i], tOrV[None, None, None, v_slot],
+                         accumulate=n_blocks > 1)
+            with cute.arch.elect_one():
+                tcgen05.commit(self._bar(mbar, "o_full", i))
+        with cute.arch.elect_one():
+            tcgen05.commit(self._bar(mbar, "kv_empty", v_slot))
+
+    @cute.jit
+    def gemm_qk(self, tiled_mma: cute.TiledMma, tStS: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor):
+        """S = Q K^T: d / 16 tcgen05.mma (SS), the first one overwriting S. A fresh MMA object per
+        call: we flip its ACCUMULATE field, and a field rebound inside a loop must not escape it."""
+        tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(tiled_mma.op))
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            tiled_mma.set(tcgen05.Field.ACCUMULATE, k != 0)
+            cute.gemm(tiled_mma, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
+
+    @cute.jit
+    def gemm_pv(self, tiled_mma: cute.TiledMma, mbar: cute.Pointer, i: cutlass.Constexpr[int], n_block: Int32,
+                tOtO: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, accumulate: Boolean):
+        """O += P V (TS: P from TMEM): wait for 3/4 of P (and for the correction warpgroup's O
+        rescale), issue 3/4 of the K = 16 steps, wait for the last quarter of P, issue the rest."""
+        tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(tiled_mma.op))  # see gemm_qk
+        phase = n_block % 2
+        num_k = cute.size(tOrP, mode=[2])
+        first = self.cfg.pv_k_blocks_first
+        cute.arch.mbarrier_wait(self._bar(mbar, "p_full", i), phase)
+        tcgen05_fence_after_sync()
+        for k in cutlass.range_constexpr(num_k):
+            if const_expr(k == first):
+                cute.arch.mbarrier_wait(self._bar(mbar, "p_full_2", i), phase)
+                tcgen05_fence_after_sync()
+            if const_expr(k == 0):
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
+            else:
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(tiled_mma, tOtO, tOrP[None, None, k], tOrV[None, None, k], tOtO)
+
+    # ------------------------------------------------------------------ softmax warpgroups
+    @cute.jit
+    def softmax(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, n_blocks: Int32,
+                softmax_scale_log2: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
+                thr_mma_qk: cute.ThrMma):
+        """One warpgroup, one Q tile: thread r owns row r. Per key block: S row -> registers, mask,
+        row max + warp vote (conditional rescaling), rescale factor -> TMEM for the correction
+        warpgroup, exp2 (partial emulation) on our exp turn, P -> TMEM in 3/4 + 1/4."""
+        tidx = cute.arch.thread_idx()[0] % 128
+        # which Q tile: re-derived here rather than carried from the kernel prologue, where every
+        # live value must also fit the small register budget of the fourth warpgroup
+        stage = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
+        tStS_layout = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tm, self.tn))).layout
+        tStS = cute.make_tensor(tmem_ptr + self.tmem.s[0] + stage * self.tn, tStS_layout)  # S_stage
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tm, self.tn)))
+
+        # S: 32 columns per tcgen05.ld (32x32b: lane = row = thread, one column per register)
+        tiled_t2r = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32), tStS)
+        thr_t2r = tiled_t2r.get_slice(tidx)
+        tStS_t2r = thr_t2r.partition_S(tStS)
+        tScS_t2r = thr_t2r.partition_D(tScS)
+        # P: 16-bit values packed in pairs; stored p_chunk_cols fp32 columns at a time
+        p_off = self.tmem.p[0] - self.tmem.s[0]
+        tStP = cute.make_tensor(tStS.iterator + p_off,
+                                cute.composition(tStS.layout, cute.make_layout((self.tm, self.tmem.p_cols))))
+        tScP = cute.composition(tScS.layout, cute.make_layout((self.tm, self.tmem.p_cols)))
+        tiled_r2t = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(self.p_chunk_cols)), Float32), tStP)
+        thr_r2t = tiled_r2t.get_slice(tidx)
+        tStP_r2t = thr_r2t.partition_D(tStP)
+        tSrP_shape = thr_r2t.partition_S(cute.make_tensor(tScS.iterator, tScP)).shape
+        # rescale factor (1 column) and final row sum / row max (2 columns)
+        tStScale = cute.make_tensor(tStS.iterator + (self.tmem.scale[0] - self.tmem.s[0]),
+                                    cute.composition(tStS.layout, cute.make_layout((self.tm, 1))))
+        tStFinal = cute.make_tensor(tStS.iterator + (self.tmem.final[0] - self.tmem.s[0]),
+                                    cute.composition(tStS.layout, cute.make_layout((self.tm, 2))))
+        tiled_r2t_1 = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(1)), Float32), tStScale)
+        tiled_r2t_2 = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(2)), Float32), tStFinal)
+        tStScale_r2t = tiled_r2t_1.get_slice(tidx).partition_D(tStScale)
+        tStFinal_r2t = tiled_r2t_2.get_slice(tidx).partition_D(tStFinal)
+        # register fragments take their shapes from a coordinate tensor (TMEM partitions are per warp)
+        rScale = cute.make_rmem_tensor(tiled_r2t_1.get_slice(tidx).partition_S(
+            cute.make_identity_tensor((self.tm, 1))).shape, Float32)
+        rFinal = cute.make_rmem_tensor(tiled_r2t_2.get_slice(tidx).partition_S(
+            cute.make_identity_tensor((self.tm, 2))).shape, Float32)
+
+        row0 = m_block * self.cfg.cta_tile_m + stage * self.tm         # first row of the tile
+        row = row0 + tScS_t2r[0][0]                                     # this thread's row (= tidx)
+        row_max = cute.make_rmem_tensor((1,), Float32)
+        row_max[0] = -Float32.inf
+        row_sum = Float32(0.0)
+
+        # key blocks every row of this tile sees in full need no mask; the rest (the last block
+        # when seqlen_k % 128 != 0, and for causal the blocks crossing the diagonal) are masked.
+        # Two loops, so the unmasked one -- almost all of them -- carries no masking code at all.
+        n_unmasked = cutlass.min(n_blocks, seqlen_k // self.tn)
+        if const_expr(self.causal):
+            n_unmasked = cutlass.min(n_unmasked, cutlass.max(row0 + 1 + seqlen_k - seqlen_q, 0) // self.tn)
+        step = functools.partial(
+            self.softmax_step, stage=stage, row=row, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            softmax_scale_log2=softmax_scale_log2, mbar=mbar, row_max=row_max, tiled_t2r=tiled_t2r,
+            tStS_t2r=tStS_t2r, tScS_t2r=tScS_t2r, tiled_r2t=tiled_r2t, tStP_r2t=tStP_r2t, tSrP_shape=tSrP_shape,
+            tiled_r2t_1=tiled_r2t_1, tStScale_r2t=tStScale_r2t, rScale=rScale)
+
+        if stage == 1:  # tile 0 exponentiates first
+            cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN, number_of_threads=256)
+        for n_block in cutlass.range(n_unmasked, unroll=1):
+            row_sum = step(n_block=n_block, row_sum=row_sum, masked=False)
+        for n_block in cutlass.range(n_unmasked, n_blocks, unroll=1):
+            row_sum = step(n_block=n_block, row_sum=row_sum, masked=True)
+
+        if stage == 0:  # take tile 1's last hand-over, so no barrier arrival outlives the loop
+            cute.arch.barrier(barrier_id=BAR_EXP_TURN, number_of_threads=256)
+        # after the last block: the final statistics for the correction warpgroup, in their own
+        # TMEM columns (it may not have read the last scale yet)
+        rFinal[0] = row_sum
+        rFinal[1] = row_max[0]
+        cute.copy(tiled_r2t_2, rFinal, tStFinal_r2t)
+        cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence_before_sync()
+        cute.arch.mbarrier_arrive(self._bar(mbar, "final_full", 0) + stage)
+
+    @cute.jit
+    def softmax_step(self, n_block: Int32, row_sum: Float32, masked: cutlass.Constexpr[bool], stage: Int32,
+                     row: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
+                     mbar: cute.Pointer, row_max: cute.Tensor, tiled_t2r: cute.TiledCopy, tStS_t2r: cute.Tensor,
+                     tScS_t2r: cute.Tensor, tiled_r2t: cute.TiledCopy, tStP_r2t: cute.Tensor,
+                     tSrP_shape: cutlass.Constexpr, tiled_r2t_1: cute.TiledCopy, tStScale_r2t: cute.Tensor,
+                     rScale: cute.Tensor) -> Float32:
+        """One key block of one softmax warpgroup; returns the running row sum."""
+        # 1. S row -> registers (4 x tcgen05.ld 32x32b.x32: lane = row = thread, a column per register)
+        cute.arch.mbarrier_wait(self._bar(mbar, "s_full", 0) + stage, n_block % 2)
+        tcgen05_fence_after_sync()
+        tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
+        cute.copy(tiled_t2r, tStS_t2r, tSrS)
+        cute.arch.fence_view_async_tmem_load()
+        # 2. mask keys >= seqlen_k and (causal, bottom-right) keys right of this row's diagonal
+        if const_expr(masked):
+            col_limit = seqlen_k - n_block * self.tn
+            if const_expr(self.causal):
+                col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tn)
+            for c in cutlass.range_constexpr(cute.size(tSrS)):  # one select per value
+                tSrS[c] = Float32(cutlass.select_(tScS_t2r[c][1] >= col_limit, -Float32.inf, tSrS[c]))
+        # 3. row max; the warp moves its maxima only if some row grew by more than tau
+        row_max_new = cute.make_rmem_tensor((1,), Float32)
+        m_old = row_max[0]
+        row_max_new[0] = cute.arch.fmax(m_old, tSrS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+        if rescale_vote(row_max, row_max_new, softmax_scale_log2, self.policy.rescale_threshold):
+            row_max[0] = row_max_new[0]
+        m_new = row_max[0]
+        m_safe = Float32(0.0) if m_new == -Float32.inf else m_new  # nothing visible yet: P = 0
+        acc_scale = Float32(1.0)
+        if m_new != m_old:
+            acc_scale = ex2_approx_f32((m_old - m_safe) * softmax_scale_log2)
+        row_sum = row_sum * acc_scale
+        # 4. the factor O_i must be multiplied by before P(j) V(j) -> correction warpgroup
+        if n_block > 0:
+            rScale[0] = acc_scale
+            cute.copy(tiled_r2t_1, rScale, tStScale_r2t)
+            cute.arch.fence_view_async_tmem_store()
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "scale_full", 0) + stage)
+        # 5. exp2 on our turn (the two warpgroups' exponentials never overlap); P packed to 16 bits
+        #    and stored a quarter at a time; after 3/4 the MMA warp may start O += P V
+        bias = m_safe * softmax_scale_log2
+        tSrP = cute.make_rmem_tensor(tSrP_shape, Float32)
+        tSrP_16 = cute.make_tensor(cute.recast_ptr(tSrP.iterator, dtype=self.dtype), cute.make_layout(self.tn))
+        tSrS_flat = cute.make_tensor(tSrS.iterator, cute.make_layout(self.tn))
+        cute.arch.barrier(barrier_id=BAR_EXP_TURN + stage, number_of_threads=256)
+        for q in cutlass.range_constexpr(self.cfg.p_store_chunks):
+            chunk = cute.make_tensor(tSrS_flat.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
+            row_sum += exp2_row(chunk, softmax_scale_log2, bias, self.policy)
+            chunk_16 = cute.make_tensor(tSrP_16.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
+            chunk_16.store(chunk.load().to(self.dtype))
+            cute.copy(tiled_r2t, tSrP[None, None, q], tStP_r2t[None, None, q])
+            if const_expr(q == self.cfg.p_first_chunks - 1):
+                cute.arch.fence_view_async_tmem_store()
+                tcgen05_fence_before_sync()
+                cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", 0) + stage)
+        cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN + 1 - stage, number_of_threads=256)
+        cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence_before_sync()
+        cute.arch.mbarrier_arrive(self._bar(mbar, "p_full_2", 0) + stage)
+        return row_sum
+
+    # ------------------------------------------------------------------ correction warpgroup
+    @cute.jit
+    def correction(self, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32,
+                   n_blocks: Int32, softmax_scale_log2: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
+                   sO: cute.Tensor, mLSE: cute.Tensor, thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma):
+        """Rescale O_i in TMEM when the softmax moved a row max (warp-uniform skip otherwise), then
+        O_i / l_i -> SMEM (16-bit) and lse -> global memory."""
+        tidx = cute.arch.thread_idx()[0] % 128
+        tStS, tOtO, _ = self._tmem_tensors(tmem_ptr, thr_mma_qk, thr_mma_pv, None)
+        # the per-step scale (1 column) and the final (row_sum, row_max) of each tile
+        ld1 = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(1)), Float32)
+        ld2 = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(2)), Float32)
+        tStScale = [cute.make_tensor(tStS[i].iterator + (self.tmem.scale[i] - self.tmem.s[i]),
+                                     cute.composition(tStS[i].layout, cute.make_layout((self.tm, 1))))
+                    for i in range(self.num_q)]
+        tStFinal = [cute.make_tensor(tStS[i].iterator + (self.tmem.final[i] - self.tmem.s[i]),
+                                     cute.composition(tStS[i].layout, cute.make_layout((self.tm, 2))))
+                    for i in range(self.num_q)]
+        tiled_t2r_1 = tcgen05.make_tmem_copy(ld1, tStScale[0])
+        tiled_t2r_2 = tcgen05.make_tmem_copy(ld2, tStFinal[0])
+        tStScale_t2r = [tiled_t2r_1.get_slice(tidx).partition_S(t) for t in tStScale]
+        tStFinal_t2r = [tiled_t2r_2.get_slice(tidx).partition_S(t) for t in tStFinal]
+        # register fragments take their shapes from a coordinate tensor (TMEM partitions are per warp)
+        rScale = cute.make_rmem_tensor(tiled_t2r_1.get_slice(tidx).partition_D(
+            cute.make_identity_tensor((self.tm, 1))).shape, Float32)
+        rFinal = cute.make_rmem_tensor(tiled_t2r_2.get_slice(tidx).partition_D(
+            cute.make_identity_tensor((self.tm, 2))).shape, Float32)
+        # O in chunks of 32 columns
+        oc = 32
+        tOtO_c = [cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout((self.tm, oc))))
+                  for t in tOtO]
+        tiled_ld_o = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(oc)), Float32), tOtO_c[0])
+        tiled_st_o = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(oc)), Float32), tOtO_c[0])
+        thr_ld_o, thr_st_o = tiled_ld_o.get_slice(tidx), tiled_st_o.get_slice(tidx)
+        tOcO_t2r = thr_ld_o.partition_D(cute.make_identity_tensor((self.tm, oc)))
+        rO_shape = tOcO_t2r.shape
+        tOcO_row = tOcO_t2r[0][0]  # the row this thread's TMEM lane holds (= tidx)
+        n_oc = self.dv // oc
+
+        # 1. key block 0: O_i has nothing to rescale (its first P V overwrites it)
+        for i in cutlass.range_constexpr(self.num_q):
+            cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", i))
+        # 2. key blocks 1 .. n-1: O_i *= scale when any row of the warp moved its max
+        for n_block in cutlass.range(1, n_blocks, unroll=1):
+            for i in cutlass.range_constexpr(self.num_q):
+                cute.arch.mbarrier_wait(self._bar(mbar, "scale_full", i), (n_block - 1) % 2)
+                tcgen05_fence_after_sync()
+                cute.copy(tiled_t2r_1, tStScale_t2r[i], rScale)
+                cute.arch.fence_view_async_tmem_load()
+                scale = rScale[0]
+                if cute.arch.vote_any_sync(scale != 1.0):
+                    for c in cutlass.range_constexpr(n_oc):
+                        tO = cute.make_tensor(tOtO_c[i].iterator + c * oc, tOtO_c[i].layout)
+                        tOtO_t2r = thr_ld_o.partition_S(tO)
+                        rO = cute.make_rmem_tensor(rO_shape, Float32)
+                        cute.copy(tiled_ld_o, tOtO_t2r, rO)
+                        cute.arch.fence_view_async_tmem_load()
+                        for e in cutlass.range_constexpr(0, cute.size(rO), 2):
+                            rO[e], rO[e + 1] = cute.arch.mul_packed_f32x2((rO[e], rO[e + 1]), (scale, scale))
+                        cute.copy(tiled_st_o, rO, thr_st_o.partition_D(tO))
+                    cute.arch.fence_view_async_tmem_store()
+                tcgen05_fence_before_sync()
+                cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", i))
+
+        # 3. epilogue: O_i / l_i -> sO_i (16-bit), lse -> global; empty rows: O = 0, lse = -inf
+        for i in cutlass.range_constexpr(self.num_q):
+            cute.arch.mbarrier_wait(self._bar(mbar, "final_full", i), 0)
+            cute.arch.mbarrier_wait(self._bar(mbar, "o_full", i), 0)
+            tcgen05_fence_after_sync()
+            cute.copy(tiled_t2r_2, tStFinal_t2r[i], rFinal)
+            cute.arch.fence_view_async_tmem_load()
+            row_sum, row_max = rFinal[0], rFinal[1]
+            empty = row_sum == 0.0 or row_sum != row_sum
+            inv = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
+            row = m_block * self.cfg.cta_tile_m + i * self.tm + tOcO_row
+            if row < seqlen_q:
+                lse = -Float32.inf
+                if not empty:
+                    lse = (row_max * softmax_scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
+                if const_expr(not self.varlen):
+                    mLSE[batch, head, row] = lse
+                else:
+                    mLSE[head, offset_q + row] = lse
+            sO_i = sO[None, None, i]
+            for c in cutlass.range_constexpr(n_oc):
+                tO = cute.make_tensor(tOtO_c[i].iterator + c * oc, tOtO_c[i].layout)
+                tOtO_t2r = thr_ld_o.partition_S(tO)
+                rO = cute.make_rmem_tensor(rO_shape, Float32)
+                cute.copy(tiled_ld_o, tOtO_t2r, rO)
+                cute.arch.fence_view_async_tmem_load()
+                for e in cutlass.range_constexpr(0, cute.size(rO), 2):
+                    rO[e], rO[e + 1] = cute.arch.mul_packed_f32x2((rO[e], rO[e + 1]), (inv, inv))
+                rO16 = cute.make_rmem_tensor(rO.shape, self.dtype)
+                rO16.store(rO.load().to(self.dtype))
+                if empty:  # 0 * (garbage or NaN) is not 0
+                    rO16.fill(0.0)
+                sO_c = cute.local_tile(sO_i, (self.tm, oc), (0, c))
+                cute.autovec_copy(rO16, thr_ld_o.partition_D(sO_c))
+            cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA store
+            cute.arch.mbarrier_arrive(self._bar(mbar, "epi_full", i))
+
+    # ------------------------------------------------------------------ epilogue warp
+    @cute.jit
+    def epilogue(self, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32,
+                 mbar: cute.Pointer, sO: cute.Tensor, tma_O: cute.Tensor | None,
+                 tma_atom_O: cute.CopyAtom | None, mO: cute.Tensor):
+        if const_expr(not self.varlen):
+            # TMA store: out-of-range rows of the last tile are clipped by the tensor map
+            gO = cute.local_tile(tma_O[None, None, head, batch], (self.tm, self.dv), (None, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            for i in cutlass.range_constexpr(self.num_q):
+                cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), 0)
+                cute.copy(tma_atom_O, tOsO[None, i], tOgO[None, m_block * self.num_q + i])
+                cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO must outlive the reads
+        else:
+            # packed sequences: 16-byte stores, rows past this sequence's end skipped
+            elems = 128 // self.dtype.width
+            tpr = self.dv // elems                      # threads per row
+            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+            thr_layout = cute.make_ordered_layout((32 // tpr, tpr), order=(1, 0))
+            tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, elems)))
+            thr_copy = tiled_copy.get_slice(cute.arch.lane_idx())
+            mO_cur = cute.domain_offset((offset_q, 0), mO[None, None, head])
+            for i in cutlass.range_constexpr(self.num_q):
+                cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), 0)
+                row0 = m_block * self.cfg.cta_tile_m + i * self.tm
+                gO = cute.local_tile(mO_cur, (self.tm, self.dv), (m_block * self.num_q + i, 0))
+                tOsO = thr_copy.partition_S(sO[None, None, i])
+                tOgO = thr_copy.partition_D(gO)
+                tOcO = thr_copy.partition_S(cute.make_identity_tensor((self.tm, self.dv)))
+                for m in cutlass.range_constexpr(cute.size(tOsO, mode=[1])):
+                    if row0 + tOcO[0, m, 0][0] < seqlen_q:
+                        r = cute.make_rmem_tensor_like(tOsO[None, m, None])
+                        cute.autovec_copy(tOsO[None, m, None], r)
+                        cute.copy(tiled_copy, r, tOgO[None, m, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# Host API
+# ------------------------------------------------------------------------------------------------
+def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, **kw) -> BlackwellFwdConfig:
+    return blackwell_fwd_config(head_dim, head_dim_v, dtype, causal=causal, **kw)
+
+
+def _fake_varlen(dtype, dim):
+    shape = (cute.sym_int32(), cute.sym_int32(), dim)
+    stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+
+def fake_args(cfg: BlackwellFwdConfig, varlen: bool):
+    dt = common.cutlass_dtype(cfg.dtype)
+    d, dv = cfg.head_dim, cfg.head_dim_v
+    stream = cute.runtime.make_fake_stream()
+    if not varlen:
+        return (common.fake_bshd(dt, d), common.fake_bshd(dt, d), common.fake_bshd(dt, dv),
+                common.fake_bshd(dt, dv), common.fake_lse(), Float32(1.0), None, None, None, stream)
+    cu = lambda: cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)  # noqa: E731
+    lse = cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()),
+                                        stride=(cute.sym_int64(), 1), assumed_align=4)
+    return (_fake_varlen(dt, d), _fake_varlen(dt, d), _fake_varlen(dt, dv), _fake_varlen(dt, dv), lse,
+            Float32(1.0), cu(), cu(), Int32(1), stream)
+
+
+_CACHE: dict = {}
+
+
+def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None) -> common.Compiled:
+    """Compile for sm_100a, explicitly (``--gpu-arch``), whatever CUTE_DSL_ARCH this process has;
+    fake tensors unless `args` are given. Returns common.Compiled (fn, report, sass, ptx)."""
+    import contextlib
+    import io
+    import re
+    import warnings
+
+    key = (cfg.key(), varlen, "fake" if args is None else "real")
+    if key in _CACHE:
+        return _CACHE[key]
+    kernel = FlashAttentionForwardSm100(cfg, varlen=varlen)
+    args = fake_args(cfg, varlen) if args is None else args
+    opts = f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {common._dump_dir()} remarks{{ptx}}"
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), warnings.catch_warnings():
+        # the 128-value row loops are unrolled on purpose: a thread's row lives in registers, so
+        # every index must be a compile-time constant (the DSL suggests a runtime loop instead)
+        warnings.filterwarnings("ignore", message=r".*static loop has \d+ iterations")
+        fn = cute.compile(kernel, *args, options=opts)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
+    ptx, cubin = fn.__ptx__ or "", fn.__cubin__
+    sass = common.disassemble(cubin) if cubin else ""
+    report = resource_report(log, sass, ptx, cubin)
+    report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
+                  tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
+                  regs_softmax=cfg.regs.softmax, regs_correction=cfg.regs.correction, regs_other=cfg.regs.other)
+    out = common.Compiled(fn, report, sass, ptx)
+    _CACHE[key] = out
+    return out
+
+
+def resource_report(ptxas_log: str, sass: str, ptx: str, cubin) -> dict:
+    """common.parse_resources plus what is Blackwell-specific in the PTX and the SASS.
+
+    SASS names (this ptxas, sm_100a): tcgen05.mma kind::f16 -> UTCHMMA (first operand gdesc[..]
+    = A from SMEM, "SS"; tmem[..] = A from TMEM, "TS"); tcgen05.commit -> UTCBAR;
+    tcgen05.ld / st -> LDTM / STTM; tcgen05.alloc / dealloc / relinquish -> UTCATOMSWS;
+    setmaxnreg -> USETMAXREG; TMA load / store -> UTMALDG / UTMASTG."""
+    import re
+
+    rep = common.parse_resources(ptxas_log, sass, cubin)
+
+    def count(pat, text):
+        return len(re.findall(pat, text)) if text else None
+    rep["UTCHMMA"] = count(r"\bUTCHMMA\b", sass)
+    rep["UTCHMMA.SS"] = count(r"\bUTCHMMA\s+gdesc\[", sass)
+    rep["UTCHMMA.TS"] = count(r"\bUTCHMMA\s+tmem\[", sass)
+    rep["UTCBAR"] = count(r"\bUTCBAR\b", sass)
+    rep["UTCATOMSWS"] = count(r"\bUTCATOMSWS\b", sass)
+    rep["LDTM"] = count(r"\bLDTM\b", sass)
+    rep["STTM"] = count(r"\bSTTM\b", sass)
+    rep["USETMAXREG"] = count(r"\bUSETMAXREG\b", sass)
+    rep["UTMASTG"] = count(r"\bUTMASTG\b", sass)
+    for op in ("mma", "alloc", "dealloc", "relinquish_alloc_permit", "commit", "ld", "st"):
+        rep[f"ptx_tcgen05.{op}"] = count(rf"\btcgen05\.{op}\.", ptx)
+    rep["ptx_st_32x32b.x16"] = count(r"tcgen05\.st\.sync\.aligned\.32x32b\.x16\b", ptx)  # P quarters
+    rep["ptx_setmaxnreg"] = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx) if ptx else None
+    m = re.search(r"^\.target\s+(\S+)", ptx or "", re.M)
+    rep["ptx_target"] = m.group(1) if m else None
+    return rep
+
+
+REPORT_KEYS = ["threads", "registers", "regs_softmax", "regs_correction", "regs_other", "smem_bytes",
+               "tmem_cols_used", "tmem_cols_alloc", "stack_frame", "spill_stores", "spill_loads",
+               "UTCHMMA.SS", "UTCHMMA.TS", "LDTM", "STTM", "UTMALDG", "UTMASTG", "MUFU.EX2", "LDL/STL"]
+
+
+def format_report(name: str, rep: dict) -> str:
+    return f"{name}: " + ", ".join(f"{k}={rep.get(k)}" for k in REPORT_KEYS)
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, varlen=False, **kw) -> common.Compiled:
+    """Compile for sm_100a with fake tensors (no GPU needed)."""
+    return compile_config(make_config(dtype, head_dim, head_dim_v, causal, **kw), varlen)
+
+
+def blackwell_gpu_available() -> bool:
+    return _blackwell_device_present()
+
+
+def _launch_args(q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seqlen_q=None):
+    import torch
+    from cuda.bindings import driver as cuda
+
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    varlen = cu_q is not None
+    return (common.to_cute(q), common.to_cute(k), common.to_cute(v), common.to_cute(out),
+            common.to_cute(lse, assumed_align=4), Float32(softmax_scale * common.LOG2_E),
+            common.to_cute(cu_q, assumed_align=4) if varlen else None,
+            common.to_cute(cu_k, assumed_align=4) if varlen else None,
+            Int32(max_seqlen_q) if varlen else None, stream)
+
+
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None, **cfg_kw):
+    """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 on a Blackwell GPU ->
+    (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32). UNVERIFIED: never run on hardware here."""
+    import torch
+
+    if not blackwell_gpu_available():
+        raise RuntimeError("attention_forward needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
+    q, k, v = common.prepare_inputs(q, k, v)
+    b, sq, hq, d = q.shape
+    dv = v.shape[-1]
+    cfg = make_config(str(q.dtype), d, dv, causal, **cfg_kw)  # ValueError before any compile
+    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
+    if b == 0 or sq == 0 or hq == 0:
+        return out, lse
+    if k.shape[1] == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    args = _launch_args(q, k, v, out, lse, softmax_scale)
+    compile_config(cfg, False, args).fn(*args)
+    return out, lse
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, softmax_scale=None,
+                             causal=False, out=None, lse=None, **cfg_kw):
+    """Packed q (Tq,Hq,D), k/v (Tk,Hkv,*), int32 cu_seqlens (B+1,) -> (out (Tq,Hq,Dv), lse (Hq,Tq)).
+    UNVERIFIED: never run on hardware here."""
+    import torch
+
+    if not blackwell_gpu_available():
+        raise RuntimeError("attention_varlen_forward needs a Blackwell (sm_100) GPU")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("varlen: q, k, v must be packed (total, heads, dim)")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"heads: heads_q ({q.shape[1]}) must be a multiple of heads_kv ({k.shape[1]})")
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
+        raise ValueError("cu_seqlens must be int32")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries")
+    d, dv = q.shape[-1], v.shape[-1]
+    cfg = make_config(str(q.dtype), d, dv, causal, **cfg_kw)
+    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    out = torch.empty((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device) if lse is None else lse
+    if q.shape[0] == 0 or max_seqlen_q == 0:
+        return out, lse
+    args = _launch_args(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale,
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+    compile_config(cfg, True, args).fn(*args)
+    return out, lse
+
+
+def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
+        causal=False, dtype="bf16", varlen=False, check=True, verbose=True) -> dict:
+    """On a Blackwell GPU (capability 10.x): check against the stage-0 reference (FA4 rule) and time.
+    Anywhere else: compile for sm_100a and print the resource report (the only mode ever exercised
+    in this project: there is no Blackwell GPU here)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    heads_kv = heads if heads_kv is None else heads_kv
+    cfg = make_config(dtype, head_dim, head_dim_v, causal)
+    if not blackwell_gpu_available():
+        comp = compile_config(cfg, varlen)
+        if verbose:
+            print(format_report(f"{STEP} [{TARGET_ARCH}, {dtype}, d={head_dim}/{head_dim_v}, causal={causal}, "
+                                f"varlen={varlen}] (no Blackwell GPU: compiled only, never run)", comp.report))
+        return {"step": STEP, "mode": "compile-only", "report": comp.report, "config": cfg}
+
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, attention_varlen_ref
+
+    tdt = common.torch_dtype(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    if not varlen:
+        q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=tdt, generator=gen)
+        k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=tdt, generator=gen)
+        v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v, device="cuda", dtype=tdt, generator=gen)
+        fwd = lambda: attention_forward(q, k, v, causal=causal)  # noqa: E731
+        ref = lambda up: attention_ref(q, k, v, causal=causal, upcast=up)  # noqa: E731
+    else:  # `batch` sequences of lengths up to seqlen_q / seqlen_k
+        lq = torch.randint(1, seqlen_q + 1, (batch,), generator=torch.Generator().manual_seed(1))
+        lk = torch.randint(1, seqlen_k + 1, (batch,), generator=torch.Generator().manual_seed(2))
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.int32), lq.cumsum(0).int()]).cuda()
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lk.cumsum(0).int()]).cuda()
+        total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
+        q = torch.randn(total_q, heads, head_dim, device="cuda", dtype=tdt, generator=gen)
+        k = torch.randn(total_k, heads_kv, head_dim, device="cuda", dtype=tdt, generator=gen)
+        v = torch.randn(total_k, heads_kv, head_dim_v, device="cuda", dtype=tdt, generator=gen)
+        fwd = lambda: attention_varlen_forward(q, k, v, cu_q, cu_k, int(lq.max()), causal=causal)  # noqa: E731
+        ref = lambda up: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=up)  # noqa: E731
+    out, lse = fwd()
+    torch.cuda.synchronize()
+    if check:
+        (ref_o, ref_lse), (base_o, base_lse) = ref(True), ref(False)
+        assert_fa4_close(f"{STEP} out", out, ref_o, base_o)
+        assert_fa4_close(f"{STEP} lse", lse, ref_lse, base_lse)
+    ms = common.benchmark_ms(fwd)
+    if not varlen:
+        flops = common.attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal)
+    else:  # the same convention, summed over the packed sequences
+        flops = sum(common.attention_flops(1, int(a), int(b), heads, head_dim, head_dim_v, causal)
+                    for a, b in zip(lq, lk))
+    tflops = flops / (ms * 1e-3) / 1e12
+    if verbose:
+        print(f"{'PASS' if check else '(unchecked)'} {STEP} b={batch} sq={seqlen_q} sk={seqlen_k} varlen={varlen} "
+              f"h={heads}/{heads_kv} d={head_dim}/{head_dim_v} causal={causal} {dtype}: {ms:.3f} ms, "
+              f"~{tflops:.1f} TFLOP/s")
+    return {"step": STEP, "mode": "gpu", "ms": ms, "tflops": tflops}
+
+
+MATRIX = [(dt, d, dv, causal, varlen) for varlen in (False, True) for dt in ("bf16", "fp16")
+          for d, dv in ((64, 64), (128, 128), (192, 128)) for causal in (False, True)]
+
+
+def resource_table(cases=MATRIX) -> str:
+    """Markdown: one row per compiled configuration (what blackwell.md shows)."""
+    lines = ["| dtype | d / dv | causal | varlen | SMEM B | TMEM cols | K/V slots | spills (st/ld) | "
+             "LDL/STL | UTCHMMA SS / TS | LDTM / STTM | MUFU.EX2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for dt, d, dv, causal, varlen in cases:
+        cfg = make_config(dt, d, dv, causal)
+        r = compile_config(cfg, varlen).report
+        lines.append(f"| {dt} | {d} / {dv} | {causal} | {varlen} | {r['smem_bytes']} | "
+                     f"{cfg.tmem.used} / {cfg.tmem.alloc} | {cfg.kv_stages} | {r['spill_stores']} / {r['spill_loads']} | "
+                     f"{r['LDL/STL']} | {r['UTCHMMA.SS']} / {r['UTCHMMA.TS']} | {r['LDTM']} / {r['STTM']} | "
+                     f"{r['MUFU.EX2']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seqlen_q", type=int, default=1024)
+    ap.add_argument("--seqlen_k", type=int, default=None)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--heads_kv", type=int, default=None)
+    ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--head_dim_v", type=int, default=None)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--varlen", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    ap.add_argument("--all", action="store_true", help="compile every supported configuration for sm_100a "
+                    "and print the resource table (markdown)")
+    a = ap.parse_args()
+    if a.all:
+        print(resource_table())
+    else:
+        run(batch=a.batch, seqlen_q=a.seqlen_q, seqlen_k=a.seqlen_k or a.seqlen_q, heads=a.heads,
+            heads_kv=a.heads_kv, head_dim=a.head_dim, head_dim_v=a.head_dim_v, causal=a.causal,
+            dtype=a.dtype, varlen=a.varlen)

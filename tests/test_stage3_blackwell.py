@@ -1,0 +1,285 @@
+"""Stage 3, Blackwell (sm_100a): the FA4 forward pipeline, checked without hardware.
+
+No Blackwell GPU exists anywhere in this project, so these tests are the whole verification:
+
+cpu tier: the TMEM / SMEM / register plan of blackwell_config.py, against budgets computed by
+hand here (the paper's plan at d = 128 uses all 512 TMEM columns), and refusals that name the
+budget that does not fit.
+
+compile tier (CI, no GPU): supported configurations compile for sm_100a with fake tensors, in this
+process whatever CUTE_DSL_ARCH it has (the kernel passes --gpu-arch sm_100a). The PTX holds
+tcgen05.alloc / dealloc / mma; the SASS holds the instructions this ptxas actually emits for them
+(UTCHMMA -- with SMEM A for S = Q K^T and TMEM A for O += P V --, UTCATOMSWS, UTCBAR, LDTM/STTM,
+UTMALDG), the MMA warp issues P V as 6 + 2 K-steps with a barrier wait between (P stored 3/4 +
+1/4), the exp2 count shows the emulated fraction, and there is no local memory (no STL/LDL, ptxas
+spill stores 0). The CI subset is 8 compiles (~1 min on 2 cores); FA4_BLACKWELL_FULL=1 compiles
+all 24 (also: python -m stage3_fwd_kernel.blackwell_fwd --all).
+
+gpu tier: only on a device of compute capability 10.x (skipped everywhere else, i.e. here).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from stage3_fwd_kernel.blackwell_config import (
+    SMEM_CAPACITY,
+    SUPPORTED_HEAD_DIMS,
+    TMEM_COLUMNS,
+    blackwell_fwd_config,
+)
+
+KB = 1024
+
+
+# ---------------------------------------------------------------------------------------- cpu tier
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_paper_plan_d128_fills_tmem():
+    cfg = blackwell_fwd_config(128, 128, "bf16", causal=False)
+    t = cfg.tmem
+    # O 2 x 128 + S 2 x 128 = 512 columns: all of TMEM (paper, section 3.1)
+    assert (t.s, t.o) == ((0, 128), (256, 384))
+    assert t.used == 2 * 128 + 2 * 128 == TMEM_COLUMNS and t.alloc == 512
+    # P (16-bit, 2 per column) = 64 columns in the upper half of its S; scale and stats below it
+    assert t.p_cols == 64 and t.p == (64, 192)
+    assert t.scale == (0, 128) and t.final == (2, 130)
+    # SMEM by hand: header 1 KB + Q 2x128x128x2 + ring 3 x (128x128x2) + O 2x128x128x2
+    assert cfg.kv_stages == 3 and not cfg.smem.o_overlaps_q
+    assert cfg.smem.total == 1 * KB + 64 * KB + 3 * 32 * KB + 64 * KB == 230400 <= SMEM_CAPACITY
+    assert cfg.smem.num_barriers == 2 + 2 * 3 + 7 * 2 + 1
+    # registers: 2 softmax WGs x 192 + correction 72 + MMA/load/epilogue 56 = the whole file
+    assert 128 * (2 * 192 + 72 + 56) == cfg.regs.total == 65536
+    assert cfg.num_threads == 512 and cfg.cta_tile_m == 256
+    # O += P V: 8 K = 16 steps; the MMA warp starts on the first 6 (3/4 of P)
+    assert (cfg.pv_k_blocks, cfg.pv_k_blocks_first) == (8, 6)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv,used,stages,overlap,total", [
+    (64, 64, 2 * 128 + 2 * 64, 4, False, 1 * KB + 32 * KB + 4 * 16 * KB + 32 * KB),
+    (192, 128, 2 * 128 + 2 * 128, 2, True, 1 * KB + 96 * KB + 2 * 48 * KB),  # sO over sQ
+])
+def test_plans_other_head_dims(d, dv, used, stages, overlap, total):
+    cfg = blackwell_fwd_config(d, dv, "fp16", causal=True)
+    assert cfg.tmem.used == used and cfg.tmem.alloc == 512  # power of two >= used
+    assert cfg.kv_stages == stages and cfg.smem.o_overlaps_q == overlap
+    assert cfg.smem.total == total <= SMEM_CAPACITY
+    # a ring slot holds the larger of a K and a V tile
+    assert cfg.smem.kv_slot == 128 * max(d, dv) * 2
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_refuses_tmem_overflow():
+    # d = 256, two Q tiles: S 2 x 128 + O 2 x 256 = 768 columns > 512
+    with pytest.raises(ValueError, match=r"TMEM does not fit.*768 columns > 512"):
+        blackwell_fwd_config(256, 256, "bf16", causal=False)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_refuses_smem_overflow():
+    # d = 128 with 4 ring slots: 1 + 64 + 4 x 32 + 64 KB = 263168 > 232448
+    with pytest.raises(ValueError, match=r"SMEM does not fit.*263168 bytes of 232448.*<= 3 fit"):
+        blackwell_fwd_config(128, 128, "bf16", causal=False, kv_stages=4)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(head_dim=128, head_dim_v=128, dtype="fp32"), "dtype"),
+    (dict(head_dim=100, head_dim_v=100, dtype="bf16"), "head_dim"),
+    (dict(head_dim=128, head_dim_v=128, dtype="bf16", kv_stages=1), "kv_stages"),
+    (dict(head_dim=128, head_dim_v=128, dtype="bf16", tile_n=96), "tile_n"),
+    (dict(head_dim=128, head_dim_v=128, dtype="bf16", emulation_fraction=1.5), "emulation_fraction"),
+    (dict(head_dim=128, head_dim_v=128, dtype="fp16", rescale_threshold=16.0), "fp16"),
+    (dict(head_dim=96, head_dim_v=96, dtype="bf16"), "supports only head dims"),
+    (dict(head_dim=128, head_dim_v=128, dtype="bf16", q_tiles_per_cta=1), "q_tiles_per_cta=2"),
+])
+def test_refuses_bad_configs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        blackwell_fwd_config(causal=False, **kwargs)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_budget_exploration_without_kernel_support():
+    # one Q tile at d = 256 fits the budgets (S 128 + O 256 = 384 columns), the kernel says no
+    cfg = blackwell_fwd_config(256, 256, "bf16", causal=False, q_tiles_per_cta=1, check_kernel_support=False)
+    assert cfg.tmem.used == 384 and cfg.tmem.alloc == 512
+    assert cfg.smem.total <= SMEM_CAPACITY
+    with pytest.raises(ValueError, match="supports only"):
+        blackwell_fwd_config(256, 256, "bf16", causal=False, q_tiles_per_cta=1)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_tmem_table_lists_every_buffer():
+    table = blackwell_fwd_config(128, 128, "bf16", causal=False).tmem.table()
+    for name in ("S_0", "S_1", "P_0", "P_1", "O_0", "O_1", "scale_0", "row_sum_1"):
+        assert name in table
+    assert "512 / 512" in table
+
+
+# ------------------------------------------------------------------------------------ compile tier
+CI_CASES = [  # (dtype, d, dv, causal, varlen): every head dim in both dtypes, both causal modes, varlen
+    ("bf16", 64, 64, False, False),
+    ("fp16", 64, 64, True, False),
+    ("bf16", 128, 128, True, False),
+    ("fp16", 128, 128, False, False),
+    ("bf16", 192, 128, False, False),
+    ("fp16", 192, 128, True, False),
+    ("bf16", 128, 128, True, True),
+    ("fp16", 64, 64, False, True),
+]
+
+
+def _cases():
+    if os.environ.get("FA4_BLACKWELL_FULL"):
+        from stage3_fwd_kernel.blackwell_fwd import MATRIX
+
+        return MATRIX
+    return CI_CASES
+
+
+def _id(case):
+    dt, d, dv, causal, varlen = case
+    return f"{dt}-d{d}x{dv}-{'causal' if causal else 'full'}{'-varlen' if varlen else ''}"
+
+
+def _compile(dt, d, dv, causal, varlen):
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    cfg = bw.make_config(dt, d, dv, causal)
+    return cfg, bw.compile_config(cfg, varlen)
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", _cases(), ids=[_id(c) for c in _cases()])
+def test_compiles_sm100a(case):
+    dt, d, dv, causal, varlen = case
+    cfg, comp = _compile(*case)
+    rep, sass = comp.report, comp.sass
+    assert rep["ptx_target"] == "sm_100a"
+    # no local memory at all
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, f"spills: {rep['ptxas_log'][-600:]}"
+    assert rep["stack_frame"] == 0
+    assert sass, "nvdisasm produced no SASS"
+    assert rep["LDL/STL"] == 0, "local-memory traffic in SASS"
+    # TMEM allocated and freed, by the DSL's allocator; tcgen05 MMAs issued
+    assert rep["ptx_tcgen05.alloc"] == 1 and rep["ptx_tcgen05.dealloc"] == 1
+    assert rep["ptx_tcgen05.mma"] and rep["ptx_tcgen05.mma"] > 0
+    assert rep["UTCATOMSWS"] and rep["UTCATOMSWS"] >= 2, "TMEM alloc/dealloc (UTCATOMSWS) missing in SASS"
+    # this ptxas names tcgen05.mma kind::f16 UTCHMMA; per CTA and key block: 2 tiles x d/16 K-steps
+    # of S = Q K^T (A from SMEM), 2 tiles x 128/16 of O += P V (A = P from TMEM); the kernel has
+    # them twice (prologue S + loop, loop + tail O)
+    assert rep["UTCHMMA"] == rep["ptx_tcgen05.mma"] == 4 * (d // 16) + 4 * (cfg.tile_n // 16)
+    assert rep["UTCHMMA.SS"] == 4 * (d // 16) and rep["UTCHMMA.TS"] == 4 * (cfg.tile_n // 16)
+    assert rep["UTCBAR"] == 10  # tcgen05.commit: s_full x 4, kv_empty x 4, o_full x 2
+    assert rep["LDTM"] > 0 and rep["STTM"] > 0 and rep["UTMALDG"] > 0
+    assert rep["UTMASTG"] == (0 if varlen else 2 * (dv // 64))  # varlen: row-guarded stores
+    # SMEM the kernel asked for is exactly the plan
+    assert rep["smem_bytes"] == cfg.smem.total <= SMEM_CAPACITY
+    # register moves per warpgroup: 56 (MMA/load/epilogue), 72 (correction), 192 (softmax)
+    regs = cfg.regs
+    assert sorted(rep["ptx_setmaxnreg"]) == sorted([("dec", str(regs.other)), ("dec", str(regs.correction)),
+                                                    ("inc", str(regs.softmax))])
+    assert (regs.softmax, regs.correction, regs.other) == (192, 72, 56)
+    assert rep["USETMAXREG"] == 3 and "C7508" not in rep["ptxas_log"]
+    # partial emulation: per key block and row, 128 x (1 - 2/16) MUFU.EX2 + 1 for the rescale
+    # factor; the softmax step exists twice (unmasked and masked key blocks)
+    emulated = round(cfg.emulation_fraction * 16) * cfg.tile_n // 16
+    assert rep["MUFU.EX2"] == 2 * (cfg.tile_n - emulated + 1)
+    # P leaves the softmax registers a quarter at a time (tcgen05.st 32x32b.x16), twice
+    assert rep["ptx_st_32x32b.x16"] == 2 * 4
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_pv_issued_three_quarters_then_one_quarter():
+    """In the MMA warp's instruction stream, every O += P V is 6 TS-MMAs, a barrier wait (the
+    last quarter of P), then 2 more; S = Q K^T MMAs are SS."""
+    _, comp = _compile("bf16", 128, 128, False, False)
+    tokens = []
+    for line in comp.sass.splitlines():
+        m = re.search(r"\b(UTCHMMA)\s+(gdesc|tmem)\[|\b(SYNCS\.PHASECHK)\b|\b(UTCBAR)\b", line)
+        if m:
+            tokens.append("T" if m.group(2) == "tmem" else "S" if m.group(1) else "W" if m.group(3) else "C")
+    stream = "".join(tokens)
+    assert stream.count("TTTTTTWTT") == 4, stream  # 2 tiles x (main loop + tail)
+    assert "T" * 7 not in stream
+    assert stream.count("S" * 8) == 4  # S_i = Q_i K^T: 128 / 16 = 8 K-steps, 2 tiles x 2 places
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_refused_before_compiling():
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    with pytest.raises(ValueError, match="TMEM"):
+        bw.compile_only(dtype="bf16", head_dim=256)
+    with pytest.raises(ValueError, match="SMEM"):
+        bw.compile_only(dtype="bf16", head_dim=128, kv_stages=4)
+
+    class Persistent:
+        persistent = True
+
+    with pytest.raises(ValueError, match="persistent"):
+        bw.FlashAttentionForwardSm100(bw.make_config(), scheduler=Persistent)
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_process_arch_left_alone():
+    """Importing the Blackwell module must not switch a process to sm_100a (Hopper steps compiled
+    in the same process rely on common.py's sm_90a default); its own compiles pass the arch."""
+    import subprocess
+    import sys
+
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    if not bw.blackwell_gpu_available():
+        env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+        code = "import os, stage3_fwd_kernel.blackwell_fwd; print(os.environ['CUTE_DSL_ARCH'])"
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.strip().splitlines()[-1] == "sm_90a"
+    _, comp = _compile("fp16", 64, 64, True, False)
+    assert comp.report["ptx_target"] == "sm_100a"
+
+
+# ---------------------------------------------------------------------------------------- gpu tier
+def _skip_unless_blackwell():
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10):
+        pytest.skip("needs a Blackwell GPU (compute capability 10.x); none exists in this project")
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_reference_on_blackwell(d, dv, causal):
+    _skip_unless_blackwell()
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    for sq, sk, h, hkv in ((1, 1, 2, 1), (113, 203, 4, 2), (799, 3, 2, 2), (1024, 1024, 4, 1)):
+        bw.run(batch=2, seqlen_q=sq, seqlen_k=sk, heads=h, heads_kv=hkv, head_dim=d, head_dim_v=dv,
+               causal=causal, check=True, verbose=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_reference_on_blackwell(causal):
+    _skip_unless_blackwell()
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    bw.run(batch=5, seqlen_q=300, seqlen_k=500, heads=4, heads_kv=2, head_dim=128, causal=causal,
+           varlen=True, check=True, verbose=False)
