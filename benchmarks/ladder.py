@@ -1,7 +1,7 @@
 """The stage 3 performance ladder, generated from committed results (never typed by hand).
 
     python benchmarks/ladder.py --resources   # compile each step (sm_90a, no GPU) and store registers/SMEM
-    python benchmarks/ladder.py --write       # rewrite the table in stage3_fwd_kernel/README.md
+    python benchmarks/ladder.py --write       # rewrite every generated table (stage 3, 4, 5 READMEs)
     python benchmarks/ladder.py               # print it
 
 Inputs: every forward benchmark JSON (bench_fwd.py) in benchmarks/results/ (a step's row comes
@@ -22,6 +22,10 @@ RESOURCES = RESULTS / "stage3_resources_sm90a.json"
 README = ROOT / "stage3_fwd_kernel" / "README.md"
 START, END = "<!-- ladder:start -->", "<!-- ladder:end -->"
 PROD_START, PROD_END = "<!-- production:start -->", "<!-- production:end -->"
+BWD_README = ROOT / "stage4_bwd_kernel" / "README.md"
+SCHED_README = ROOT / "stage5_scheduling" / "README.md"
+BWD_START, BWD_END = "<!-- bwd-results:start -->", "<!-- bwd-results:end -->"
+SCHED_START, SCHED_END = "<!-- sched-results:start -->", "<!-- sched-results:end -->"
 
 STEPS = {
     "step1_wgmma": ("hopper_step1_wgmma", "one warpgroup, wgmma (SS for QK^T, RS for PV), online softmax in registers"),
@@ -135,6 +139,48 @@ def render_production() -> str:
             + summary_table(doc))
 
 
+def _newest(pattern) -> tuple[Path, dict]:
+    files = sorted(RESULTS.glob(pattern))
+    if not files:
+        raise FileNotFoundError(f"no benchmarks/results/{pattern}")
+    return files[-1], json.loads(files[-1].read_text())
+
+
+def render_bwd() -> str:
+    """Backward TFLOP/s vs peers, plus the deterministic / default ratio of each step."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_bwd import summary
+
+    path, doc = _newest("bwd_h100*.json")
+    t = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r.get("tflops") for r in doc["results"]}
+    ratios = []
+    for (impl, d, c, sl), v in sorted(t.items()):
+        if impl.endswith(" deterministic") and v and t.get((impl[:-len(" deterministic")], d, c, sl)):
+            ratios.append(f"{impl[5:-len(' deterministic')]} d={d} {'causal' if c else 'full'}: "
+                          f"{v / t[(impl[:-len(' deterministic')], d, c, sl)]:.2f}")
+    return (f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}; TFLOP/s, in parentheses "
+            f"the ratio to the official flash-attn-4 {doc['versions'].get('flash-attn-4')} of the same run)\n\n"
+            + summary(doc) + "\n\nDeterministic / default speed: " + "; ".join(ratios) + ".")
+
+
+def render_sched() -> str:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_sched import summary_table as sched_table
+
+    path, doc = _newest("sched_h100*.json")
+    return (f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}; speedup relative to "
+            f"the first row of each config; 'simulated' is the simulator's prediction; 'bits' compares the "
+            f"output with the static order's)\n\n" + sched_table(doc))
+
+
+BLOCKS = [  # (README, start marker, end marker, renderer): every generated table in the repository
+    (README, START, END, lambda: render()),
+    (README, PROD_START, PROD_END, lambda: render_production()),
+    (BWD_README, BWD_START, BWD_END, lambda: render_bwd()),
+    (SCHED_README, SCHED_START, SCHED_END, lambda: render_sched()),
+]
+
+
 def _replace(text, start, end, body):
     if start not in text:
         raise SystemExit(f"{README} has no {start} marker")
@@ -151,9 +197,9 @@ def main(argv=None) -> int:
         RESOURCES.write_text(json.dumps(measure_resources(), indent=1))
     text = render()
     if args.write:
-        readme = _replace(README.read_text(), START, END, text)
-        README.write_text(_replace(readme, PROD_START, PROD_END, render_production()))
-        print(f"updated {README}")
+        for path, start, end, fn in BLOCKS:
+            path.write_text(_replace(path.read_text(), start, end, fn()))
+            print(f"updated {path.relative_to(ROOT)} ({start})")
     print(text)
     return 0
 
