@@ -37,11 +37,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import struct
-import subprocess
 import tempfile
-from pathlib import Path
 
 
 def _select_arch() -> str:
@@ -75,6 +72,8 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
+
+from .sass import disassemble  # noqa: E402
 
 __all__ = [
     "ARCH",
@@ -355,31 +354,9 @@ def exp2_gpu(x, method: str = "emulated", degree: int = 3, coefficients=None,
 # ----------------------------------------------------------------------------------------
 # 5. Looking at the machine code without a GPU.
 # ----------------------------------------------------------------------------------------
-def _nvdisasm() -> str | None:
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    try:
-        import nvidia
-
-        for base in nvidia.__path__:
-            for cand in sorted(Path(base).glob("*/bin/nvdisasm")):
-                return str(cand)
-    except ImportError:
-        pass
-    return None
-
-
 def sass_from_cubin(cubin: bytes) -> str:
     """Disassemble a cubin with nvdisasm (from PATH or the nvidia-cuda-nvdisasm wheel)."""
-    tool = _nvdisasm()
-    if tool is None:
-        raise RuntimeError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True)
-    return out.stdout
+    return disassemble(cubin, required=True)
 
 
 def sass_opcodes(sass: str) -> list:

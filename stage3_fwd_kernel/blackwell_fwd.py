@@ -1097,25 +1097,12 @@ def resource_table(cases=MATRIX) -> str:
 
 
 if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seqlen_q", type=int, default=1024)
-    ap.add_argument("--seqlen_k", type=int, default=None)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--heads_kv", type=int, default=None)
-    ap.add_argument("--head_dim", type=int, default=128)
-    ap.add_argument("--head_dim_v", type=int, default=None)
-    ap.add_argument("--causal", action="store_true")
+    ap = common.shape_parser(__doc__)
     ap.add_argument("--varlen", action="store_true")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--all", action="store_true", help="compile every supported configuration for sm_100a "
                     "and print the resource table (markdown)")
     a = ap.parse_args()
     if a.all:
         print(resource_table())
     else:
-        run(batch=a.batch, seqlen_q=a.seqlen_q, seqlen_k=a.seqlen_k or a.seqlen_q, heads=a.heads,
-            heads_kv=a.heads_kv, head_dim=a.head_dim, head_dim_v=a.head_dim_v, causal=a.causal,
-            dtype=a.dtype, varlen=a.varlen)
+        run(**common.shape_kwargs(a), varlen=a.varlen)

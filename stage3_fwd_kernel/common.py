@@ -21,13 +21,13 @@ import io
 import math
 import os
 import re
-import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 import warnings
 from typing import Any, Callable, NamedTuple, Optional
+
+from stage2_emulated_exp.sass import disassemble as _disassemble
 
 # --------------------------------------------------------------------------------------------
 # 0. arch: must happen before the first `import cutlass`
@@ -190,35 +190,9 @@ def compile_cached(key, build: Callable[[], tuple]) -> Compiled:
     return out
 
 
-def _nvdisasm() -> Optional[str]:
-    exe = shutil.which("nvdisasm")
-    if exe:
-        return exe
-    try:
-        import nvidia
-
-        for root in nvidia.__path__:
-            for sub in ("cu13", "cu12", "cuda_nvdisasm"):
-                cand = os.path.join(root, sub, "bin", "nvdisasm")
-                if os.path.exists(cand):
-                    return cand
-    except ImportError:
-        pass
-    return None
-
-
 def disassemble(cubin: bytes) -> str:
-    exe = _nvdisasm()
-    if exe is None:
-        return ""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-        path = f.name
-    try:
-        res = subprocess.run([exe, "-c", path], capture_output=True, text=True, timeout=120)
-        return res.stdout
-    finally:
-        os.unlink(path)
+    """SASS text, or "" when nvdisasm is missing (the resource report then omits SASS counts)."""
+    return _disassemble(cubin, required=False)
 
 
 def _elf_register_count(cubin: bytes) -> Optional[int]:
@@ -557,3 +531,30 @@ def run_step(step_name: str, make_kernel: Callable, attention_forward: Callable,
               f"d={head_dim}/{head_dim_v} causal={causal} {dtype}: {ms:.3f} ms, {tflops:.1f} TFLOP/s")
         print(format_report("  resources", rep))
     return result
+
+
+# --------------------------------------------------------------------------------------------
+# command line shared by every kernel module's __main__ (and stage 4's)
+# --------------------------------------------------------------------------------------------
+def shape_parser(doc: str):
+    """argparse parser with the problem-shape options every `python -m <kernel module>` takes."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seqlen_q", type=int, default=1024)
+    ap.add_argument("--seqlen_k", type=int, default=None, help="default: seqlen_q")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--heads_kv", type=int, default=None)
+    ap.add_argument("--head_dim", type=int, default=128)
+    ap.add_argument("--head_dim_v", type=int, default=None)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    return ap
+
+
+def shape_kwargs(a) -> dict:
+    """The run(...) keyword arguments of shape_parser's options."""
+    return dict(batch=a.batch, seqlen_q=a.seqlen_q, seqlen_k=a.seqlen_k or a.seqlen_q, heads=a.heads,
+                heads_kv=a.heads_kv, head_dim=a.head_dim, head_dim_v=a.head_dim_v, causal=a.causal,
+                dtype=a.dtype)

@@ -466,18 +466,4 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
 
 
 if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seqlen_q", type=int, default=1024)
-    ap.add_argument("--seqlen_k", type=int, default=None)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--heads_kv", type=int, default=None)
-    ap.add_argument("--head_dim", type=int, default=128)
-    ap.add_argument("--head_dim_v", type=int, default=None)
-    ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
-    a = ap.parse_args()
-    run(batch=a.batch, seqlen_q=a.seqlen_q, seqlen_k=a.seqlen_k or a.seqlen_q, heads=a.heads,
-        heads_kv=a.heads_kv, head_dim=a.head_dim, head_dim_v=a.head_dim_v, causal=a.causal, dtype=a.dtype)
+    run(**common.shape_kwargs(common.shape_parser(__doc__).parse_args()))

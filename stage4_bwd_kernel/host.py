@@ -263,21 +263,10 @@ def run_step(step: str, compile_only: Callable, attention_backward: Callable, *,
 
 def cli(run: Callable, doc: str, argv=None):
     """The command line of every main step: `python -m stage4_bwd_kernel.<step> [--causal] ...`."""
-    import argparse
+    from stage3_fwd_kernel.common import shape_kwargs, shape_parser
 
-    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seqlen_q", type=int, default=1024)
-    ap.add_argument("--seqlen_k", type=int, default=None)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--heads_kv", type=int, default=None)
-    ap.add_argument("--head_dim", type=int, default=128)
-    ap.add_argument("--head_dim_v", type=int, default=None)
-    ap.add_argument("--causal", action="store_true")
+    ap = shape_parser(doc)
     ap.add_argument("--deterministic", action="store_true")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--no-check", dest="check", action="store_false")
     a = ap.parse_args(argv)
-    return run(batch=a.batch, seqlen_q=a.seqlen_q, seqlen_k=a.seqlen_k, heads=a.heads, heads_kv=a.heads_kv,
-               head_dim=a.head_dim, head_dim_v=a.head_dim_v, causal=a.causal, deterministic=a.deterministic,
-               dtype=a.dtype, check=a.check)
+    return run(**shape_kwargs(a), deterministic=a.deterministic, check=a.check)
