@@ -72,9 +72,10 @@ __all__ = [
 DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
 DEFAULT_EMULATION_FRACTION = 0.25  # of each thread's exp2s on the FMA pipe (the paper's 10-25%)
 # Measured inside the Hopper step-4 kernel on an H100 (benchmarks/results/fwd_h100_run2_steps3-4_quick.json):
-# tau=8 with no emulation is the fastest policy at d=64 and d=128; 25% emulation costs 4-10% at 16k.
-# The kernel runs at ~0.8x of the official FA4, limited by issue slots and registers rather than
-# MUFU, so moving exponentials onto the FMA pipe only adds instructions. Hopper defaults to 0.
+# at d=128, 25% emulation is slower at every point (-1% to -10%); at d=64 it is mixed (-8% non-causal
+# 16k, +5% causal 16k). The kernel runs at ~0.85x of the official FA4, limited by instruction issue
+# and registers rather than MUFU, so the polynomial mostly adds work. With no consistent win,
+# Hopper defaults to 0 (all MUFU); pass emulation_fraction to opt in.
 HOPPER_EMULATION_FRACTION = 0.0
 DEFAULT_POLY_DEGREE = 3           # the paper's choice: within 1 bf16 ulp of MUFU on 99% of inputs
 PATTERN_PERIOD = 16

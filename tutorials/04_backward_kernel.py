@@ -1,0 +1,484 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · The backward kernel: five MMAs, and shared memory as the bound
+#
+# **What you will learn**
+# - the five matrix multiplies of the attention backward and why P is *recomputed* from `lse`
+#   instead of stored;
+# - the paper's backward roofline: why shared memory, not the tensor cores, bounds it, and how
+#   the 2-CTA mode (two SMs sharing one MMA) relieves it by exchanging half of dS;
+# - how the Blackwell backward fits its accumulators into 512 columns of tensor memory;
+# - how the deterministic mode orders the dQ reduction, and why that order is shortest-first.
+#
+# **The idea, in the paper's words** (§3.2, *Attention backward pass*): "The backward pass
+# performs five matrix multiply-accumulate (MMA) operations per iteration ... The shared memory
+# traffic time of 3328 cycles exceeds both the MMA compute time (2560 cycles) and the exponential
+# unit time (1024 cycles), indicating that shared memory bandwidth is the primary bottleneck."
+# And (§3.2.3): "we use distributed shared memory (DSMEM) to exchange half of the dS between the
+# two CTAs since they are in the same cluster."
+#
+# **Code path**: `stage0_reference/reference.py` (`attention_backward`, the oracle),
+# `stage1_online_softmax/flash.py` (`flash_backward`, tiled), `stage4_bwd_kernel/` (`roofline.py`,
+# `schedule.py` + `model.py` (the kernel's walk and semaphores, replayed on the CPU),
+# `hopper_step1.py`, `hopper_step2_warpspec.py`, `hopper.py`), `stage5_scheduling/orders.py`
+# (`spt_bwd`, `dq_rank`).
+#
+# **Status**: the Hopper backward (steps 1 and 2) passes its GPU tests on the device tool's H100,
+# the deterministic mode included (`stage4_bwd_kernel/README.md`); its speed against the official
+# FA4 and cuDNN is read below from the committed benchmark. On this machine the notebook compiles
+# it for `sm_90a`. A Blackwell
+# backward is not built: its TMEM plan and the 2-CTA exchange below are **schematics drawn from
+# the paper's text**.
+
+# %%
+import importlib
+import re
+from collections import Counter
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from stage0_reference import attention_backward, attention_forward
+from stage1_online_softmax import flash_backward
+
+
+def optional(name):
+    """Import a stage-4 module if it exists yet (stage 4 is being written); say so if not."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        print(f"{name}: not available in this checkout ({exc}); the cells that need it are skipped")
+        return None
+
+
+s4_roofline = optional("stage4_bwd_kernel.roofline")
+s4_schedule = optional("stage4_bwd_kernel.schedule")
+s4_model = optional("stage4_bwd_kernel.model")
+
+# %% [markdown]
+# ## Five MMAs, one tile by hand
+# The forward kept only `O` and `lse = m + log(l)`. The backward recomputes `P = exp(S - lse)`
+# tile by tile, then (with `D = rowsum(dO * O)`, computed once up front):
+#
+# | # | MMA | shape (M queries, N keys, head dim d) | Blackwell operands |
+# |---|---|---|---|
+# | 1 | `S = Q K^T` (then `P = exp(scale S - lse)`) | (M x d)(d x N) | SS |
+# | 2 | `dP = dO V^T` | (M x d)(d x N) | SS |
+# | 3 | `dV += P^T dO` | (N x M)(M x d) | TS: P from TMEM |
+# | 4 | `dS = P * (dP - D)`, `dK += dS^T Q` | (N x M)(M x d) | TS: dS from TMEM |
+# | 5 | `dQ += dS K` | (M x N)(N x d) | SS, then a reduction over K/V tiles |
+#
+# With one 128 x 128 tile the tile *is* the whole problem, so the five MMAs written out below must
+# give stage 0's gradients exactly (float64).
+
+# %%
+rng = np.random.default_rng(0)
+M = N = 128
+d = 64
+q, k, v, dout = (rng.standard_normal((1, n, 1, d)) for n in (M, N, N, M))
+out, lse = attention_forward(q, k, v)
+dq_ref, dk_ref, dv_ref = attention_backward(q, k, v, out, dout, lse)
+
+Q, K, V, dO, O = (x[0, :, 0] for x in (q, k, v, dout, out))  # (rows, d)
+scale = 1 / np.sqrt(d)
+S = Q @ K.T                                       # MMA 1   (M, N)
+P = np.exp(scale * S - lse[0, 0][:, None])        # recomputed from lse: no max, no sum
+dP = dO @ V.T                                     # MMA 2   (M, N)
+dV = P.T @ dO                                     # MMA 3   (N, d)
+D = (dO * O).sum(axis=1, keepdims=True)           # preprocess: rowsum(dO * O)
+dS = P * (dP - D)                                 # the softmax Jacobian, elementwise
+dK = scale * dS.T @ Q                             # MMA 4   (N, d)
+dQ = scale * dS @ K                               # MMA 5   (M, d)
+for name, mine, ref in (("dq", dQ, dq_ref), ("dk", dK, dk_ref), ("dv", dV, dv_ref)):
+    err = np.abs(mine - ref[0, :, 0]).max()
+    print(f"{name}: max |five MMAs - stage 0| = {err:.1e}")
+    assert err < 1e-12
+flops = [2 * M * N * d] * 5
+print(f"FLOPs per tile: 5 x 2MNd = {sum(flops)} = 10 M N d (the forward: 4 M N d)")
+
+# %% [markdown]
+# ### The same, tiled, and as the kernel walks it
+# On a real sequence the loops are the FlashAttention-2 backward: K/V tiles outside (a CTA owns
+# one and accumulates its dK, dV), Q tiles inside, and dQ revisited by every K/V tile — which on
+# the GPU becomes a reduction across CTAs. Stage 1's `flash_backward` is that loop in NumPy;
+# `stage4_bwd_kernel.model.backward_model` replays the *kernel's* walk (transposed scores `S^T`,
+# the causal bounds of `schedule.py`, the dQ order). Both against stage 0, causal, GQA:
+
+# %%
+q, k, v = (rng.standard_normal((2, 700, h, 64)) for h in (4, 2, 2))
+dout = rng.standard_normal((2, 700, 4, 64))
+out, lse = attention_forward(q, k, v, causal=True)
+ref = attention_backward(q, k, v, out, dout, lse, causal=True)
+impls = {"stage1 flash_backward": lambda: flash_backward(q, k, v, out, dout, lse, causal=True)}
+if s4_model is not None:
+    impls["stage4 model (kernel walk)"] = lambda: s4_model.backward_model(q, k, v, out, dout, lse, causal=True)
+for name, fn in impls.items():
+    errs = [np.abs(a - b).max() for a, b in zip(fn(), ref)]
+    print(f"{name:<28} max error dq / dk / dv: " + " / ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) < 1e-10
+
+# %% [markdown]
+# ## The backward roofline
+# `stage4_bwd_kernel/roofline.py` prices one `M x N` iteration (paper §3.2.1): MMA
+# `10MNd / 8192`; shared memory = the operands the five MMAs read (three SS, two TS) + dS written
+# once + dQ in fp32 written and read back for the TMA reduction; exp `MN / 16`. In the 2-CTA mode
+# the pair shares one 256-row MMA, each CTA stages half of every B operand, and dQ runs with
+# `M/2` rows and a doubled reduction `2N` after the dS exchange (drawn further down).
+
+# %%
+if s4_roofline is not None:
+    from stage3_fwd_kernel.roofline import B200
+
+    one = s4_roofline.backward_tile_cycles(128, 128, 128, B200)
+    two = s4_roofline.backward_tile_cycles(128, 128, 128, B200, two_cta=True)
+    print(s4_roofline.paper_table())
+    # the paper's Table: MMA 2560 / 2560, SMEM 3328 / 2688, exp 1024 / 1024
+    assert (one.mma, one.smem, one.exp) == (2560, 3328, 1024) and (two.mma, two.smem, two.exp) == (2560, 2688, 1024)
+    print(f"\n1-CTA: SMEM / MMA = {one.smem / one.mma:.2f};  2-CTA: {two.smem / two.mma:.2f}")
+    print("\nHopper (wgmma, 2 warpgroups):")
+    hopper_cfgs = [("step1_ss", 64, 128, 128, 128), ("fa3_rs", 64, 128, 128, 128)]
+    print(s4_roofline.hopper_table(hopper_cfgs))
+
+# %%
+if s4_roofline is not None:
+    bars = {"B200 1-CTA\nM=N=d=128": one, "B200 2-CTA\nM=256, N=d=128": two}
+    for design, m, n, dd, dv in hopper_cfgs:
+        bars[f"H100 {design}\n{m}x{n}, d={dd}"] = s4_roofline.hopper_tile_cycles(m, n, dd, design, dv)
+    parts = [("SMEM operands", "smem_operands", "C2"), ("dS write", "smem_ds_write", "C8"),
+             ("dS via DSMEM", "smem_ds_exchange", "C4"), ("dQ fp32 write+read", "smem_dq", "C6")]
+    x = np.arange(len(bars))
+    fig, ax = plt.subplots(figsize=(10, 4.4))
+    ax.bar(x - 0.28, [c.mma for c in bars.values()], 0.28, color="C0", label="MMA")
+    bottom = np.zeros(len(bars))
+    for label, attr, color in parts:
+        vals = np.array([getattr(c, attr) for c in bars.values()])
+        ax.bar(x, vals, 0.28, bottom=bottom, color=color, label=label)
+        bottom += vals
+    ax.bar(x + 0.28, [c.exp for c in bars.values()], 0.28, color="C3", label="exp")
+    for xi, c in zip(x, bars.values()):
+        ax.text(xi, c.smem + 40, f"{c.smem:.0f}\n→ {c.bound}", ha="center", fontsize=8)
+    ax.set_xticks(x, list(bars), fontsize=8)
+    ax.set_ylabel("cycles per tile (one SM)")
+    ax.set_ylim(0, max(c.smem for c in bars.values()) * 1.25)
+    ax.legend(fontsize=8, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.17))
+    ax.set_title("backward roofline: shared memory (stacked) against MMA and exp")
+    plt.tight_layout()
+    plt.show()
+
+# %% [markdown]
+# On B200 the 1-CTA backward is shared-memory bound by about 30%; 2-CTA cuts the operand reads
+# and the dQ traffic and pays a little for the exchange, leaving it about 5% over the MMA time.
+# On an H100 (half the tensor-core rate, the same 128 B/clk of SMEM) this stage's step 1 keeps
+# every operand in shared memory and is SMEM-bound the same way; keeping `P^T` and `dS^T` in
+# registers (FA3's layout, `fa3_rs`) would make it MMA-bound, at the price of the accumulator
+# registers a warp-specialized kernel has to find.
+#
+# ## Blackwell: the backward's tensor memory (schematic)
+# The paper (§3.2.2): "we do not have sufficient tensor memory to fit five accumulator tiles. At
+# most, four tiles of 128 by 128 elements can fit and dV and dK accumulate, and thus cannot share
+# their space. In our implementation, we have S and P share one of the tmem blocks (at offset 0)
+# and we have dP, dS and dQ share the other one." In the 2-CTA mode, "the dQ tile is small enough
+# to fit in TMEM alongside P, reusing the same TMEM region as S, so we no longer reuse the same
+# TMEM region for dP and dQ". **This is a drawing of that text, not a kernel of this project**:
+# no Blackwell backward exists here, and the exact column split of the 2-CTA row is not given in
+# the paper.
+
+# %%
+TMEM = 512
+plans = {
+    "1-CTA": [(0, 128, "S → P (P overwrites S)", "C0"), (128, 128, "dP → dS → dQ (in turn)", "C4"),
+              (256, 128, "dV (accumulates)", "C2"), (384, 128, "dK (accumulates)", "C1")],
+    "2-CTA": [(0, 64, "S → P", "C0"), (64, 64, "dQ (M/2 rows)", "C6"), (128, 128, "dP → dS", "C4"),
+              (256, 128, "dV (accumulates)", "C2"), (384, 128, "dK (accumulates)", "C1")],
+}
+fig, ax = plt.subplots(figsize=(11, 2.6))
+for yi, (name, regions) in enumerate(plans.items()):
+    for start, width, label, color in regions:
+        ax.broken_barh([(start, width)], (yi - 0.35, 0.7), color=color, alpha=0.6, edgecolor="k")
+        ax.text(start + width / 2, yi, label, ha="center", va="center", fontsize=8)
+    assert sum(w for _, w, _, _ in regions) == TMEM  # four 128 x 128 fp32 tiles fill the 512 columns
+ax.set_yticks(range(len(plans)), list(plans))
+ax.invert_yaxis()
+ax.set_xlim(0, TMEM)
+ax.set_xticks(range(0, TMEM + 1, 64))
+ax.set_xlabel("TMEM column (128 lanes x 32 bit each)")
+ax.set_title("Blackwell backward, d = 128: TMEM plan — SCHEMATIC from the paper's text (2-CTA split: our "
+             "reading)", fontsize=9)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Note the contrast with the forward of notebook 03: there S and O of *two* query tiles fill TMEM
+# and the softmax ping-pongs between them. Here a single (K/V tile, Q tile) pair already needs
+# five accumulators, two of which (dV, dK) live for the whole K/V tile, so the other three must
+# take turns in two regions.
+#
+# ## 2-CTA: exchanging half of dS (schematic)
+# In the 2-CTA mode two CTAs of a cluster hold K/V tiles `N0` and `N1` and meet the same `M`
+# queries. Each has computed its own `dS[:, N_i]` (M x N). But `dQ = dS K` reduces over the keys,
+# and a 2-CTA MMA splits only its output rows between the CTAs. So they swap the off-diagonal
+# quarters through distributed shared memory: afterwards CTA 0 owns the top `M/2` rows of dS
+# over *both* key tiles, CTA 1 the bottom `M/2`, and each runs a `(M/2 x 2N)(2N x d)` MMA. The
+# cell draws it and then checks the algebra with NumPy.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
+colors = {0: "C0", 1: "C1"}
+for ax, stage in zip(axes, ("before: each CTA computed dS for its own keys", "after the DSMEM exchange")):
+    for r, rows in enumerate(("top", "bottom")):
+        for c, keys in enumerate(("N0", "N1")):
+            owner = c if stage.startswith("before") else r
+            moved = stage.startswith("after") and owner != c
+            ax.add_patch(plt.Rectangle((c, 1 - r), 1, 1, facecolor=colors[owner], alpha=0.3 if moved else 0.6,
+                                       edgecolor="k", hatch="//" if moved else None))
+            ax.text(c + 0.5, 1.55 - r, f"dS[{rows} M/2, {keys}]\nheld by CTA {owner}", ha="center", va="center",
+                    fontsize=8)
+    ax.set_xlim(-0.05, 2.05)
+    ax.set_ylim(-0.35, 2.3)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(stage, fontsize=9)
+    ax.text(0.5, 2.08, "keys of CTA 0 (N0)", ha="center", fontsize=8)
+    ax.text(1.5, 2.08, "keys of CTA 1 (N1)", ha="center", fontsize=8)
+# the two quarters that travel: bottom-left to CTA 1, top-right to CTA 0 (arrows below the labels)
+axes[0].annotate("", xy=(1.75, 0.2), xytext=(0.25, 0.2), arrowprops=dict(arrowstyle="->", lw=2, color="C0"))
+axes[0].annotate("", xy=(0.25, 1.2), xytext=(1.75, 1.2), arrowprops=dict(arrowstyle="->", lw=2, color="C1"))
+axes[0].text(1.0, -0.2, "arrows: the quarters sent through DSMEM", ha="center", fontsize=8)
+axes[1].text(1.0, -0.2, "CTA 0: dQ[top] = dS[top, N0+N1] K[N0+N1]\nCTA 1: the same for the bottom rows",
+             ha="center", va="center", fontsize=8)
+fig.suptitle("2-CTA backward, dQ step — SCHEMATIC from the paper's text (hatched: received from the peer CTA)",
+             fontsize=10)
+plt.tight_layout()
+plt.show()
+
+# the algebra: the two half-row MMAs with the doubled reduction give the full dQ. Sizes as in
+# roofline.backward_tile_cycles(two_cta=True): the pair shares a Q tile of M = 128 queries, each
+# CTA owns N = 128 keys, d = 128
+Mq, Nk, dh = 128, 128, 128
+dS_full = rng.standard_normal((Mq, 2 * Nk))             # queries x (keys of CTA 0 | keys of CTA 1)
+K_full = rng.standard_normal((2 * Nk, dh))
+cta = [dS_full[:, :Nk], dS_full[:, Nk:]]                 # what each CTA computed: (M, N)
+top = np.hstack([cta[0][: Mq // 2], cta[1][: Mq // 2]])  # CTA 0 after receiving dS[top, N1]
+bottom = np.hstack([cta[0][Mq // 2:], cta[1][Mq // 2:]])  # CTA 1 after receiving dS[bottom, N0]
+assert np.allclose(np.vstack([top @ K_full, bottom @ K_full]), dS_full @ K_full)
+sent = (Mq // 2) * Nk * 2                                # bf16 bytes each CTA sends
+print(f"each CTA sends {sent // 1024} KiB of dS and receives as much; per CTA dQ MMA: "
+      f"({Mq // 2} x {2 * Nk}) x ({2 * Nk} x {dh})")
+print(f"dQ rows each CTA adds to global memory per iteration: {Mq // 2} instead of {Mq} -> half the atomics")
+if s4_roofline is not None:  # the roofline charges the exchange as three passes over these bytes
+    assert sent * 3 / B200.smem_bytes_per_clock == two.smem_ds_exchange
+
+# %% [markdown]
+# ## Deterministic dQ: a fixed reduction order, shortest first
+# Every K/V tile `n` adds a partial dQ into each Q tile `m` it sees. With atomics the adds land in
+# whatever order the SMs reach L2, so dQ's last bits change run to run. The deterministic mode
+# gives each dQ tile a semaphore and a fixed order: the CTA with rank `r` waits until the
+# semaphore reads `r`. The pictures show, for one head of a 1k causal sequence with 128 x 128
+# tiles, the **rank of each add** (cell `(m, n)`: K/V tile `n` adding into dQ tile `m`), computed
+# by `stage5_scheduling.orders.dq_rank`. Masked pairs are blank, each CTA's first add is framed in
+# red, and the order the K/V tiles launch is printed above each grid.
+
+# %%
+from stage5_scheduling import orders
+
+seqlen, tile = 1024, 128
+nb = seqlen // tile
+m_idx, n_idx = np.meshgrid(np.arange(nb), np.arange(nb), indexing="ij")
+visible = n_idx < orders.kv_blocks_visited(m_idx, seqlen, seqlen, tile, tile, causal=True)
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+for ax, descending, title, launch in [
+        (axes[0], False, "ascending (naive): rank = n", "launch order of K/V tiles: n = 0, 1, ..., 7"),
+        (axes[1], True, "descending (SPT): rank = last(m) - n", "launch order of K/V tiles: n = 7, 6, ..., 0")]:
+    rank = orders.dq_rank(n_idx, m_idx, seqlen, seqlen, tile, tile, causal=True, descending=descending)
+    grid = np.where(visible, rank, np.nan)
+    ax.imshow(grid, cmap="viridis", vmin=0, vmax=nb - 1)
+    for (mi, ni), r in np.ndenumerate(grid):
+        if not np.isnan(r):
+            first = mi == orders.first_q_block(ni, seqlen, seqlen, tile, tile, True)  # the CTA's first add
+            ax.text(ni, mi, int(r), ha="center", va="center", fontsize=9, color="w" if r < nb / 2 else "k",
+                    fontweight="bold" if first else "normal")
+            if first:
+                ax.add_patch(plt.Rectangle((ni - 0.5, mi - 0.5), 1, 1, fill=False, ec="r", lw=1.5))
+    ax.set_xlabel("K/V tile n (one CTA each)")
+    ax.set_ylabel("dQ tile m")
+    ax.set_title(f"{title}\n{launch}", fontsize=9)
+    ax.set_xticks(range(nb))
+    ax.set_yticks(range(nb))
+plt.tight_layout()
+plt.show()
+# each CTA's first add is on its diagonal (m == n here): rank 0 under SPT, rank n under the naive order
+diag_rank = orders.dq_rank(np.arange(nb), np.arange(nb), seqlen, seqlen, tile, tile, True, descending=True)
+assert (diag_rank == 0).all()
+
+# %% [markdown]
+# A CTA walks its Q tiles from its diagonal downwards, so its first add is into the dQ tile on the
+# diagonal. In the ascending order that add has rank `n`: CTA `n` must wait for CTAs `0 .. n-1`,
+# which are still walking down from their own diagonals. In the descending order it has rank 0,
+# and the CTAs launched first (high `n`) are the shortest (few Q tiles see the last keys): the
+# paper's "shortest-processing-time-first". The kernel and the stage-5 order must agree on these
+# ranks exactly, or a semaphore waits forever; stage 4's `schedule.py` owns the kernel's copy. A
+# simulation of the semaphores with few SM slots shows the stalls:
+
+# %%
+if s4_schedule is not None and s4_model is not None:
+    # stage 4's rank function (what the kernel traces) equals stage 5's dq_rank on every visible pair
+    for (mi, ni) in zip(*np.nonzero(visible)):
+        last = s4_schedule.n_block_last(mi, tile, tile, seqlen, seqlen, True)
+        assert s4_schedule.KVDescendingOrder.rank(ni, 0, last) == orders.dq_rank(ni, mi, seqlen, seqlen, tile, tile,
+                                                                                  True, descending=True)
+    for order in (s4_schedule.KVAscendingOrder, s4_schedule.KVDescendingOrder):
+        sim = s4_model.simulate_semaphores(seqlen_q=seqlen, seqlen_k=seqlen, tile_m=tile, tile_n=tile, causal=True,
+                                           order=order, heads_kv=4, resident=8)
+        assert sim.finished
+        print(f"{order.name:<13} 4 heads x {nb} K/V tiles on 8 SM slots: {sim.steps:>3} steps, "
+              f"{sim.stall_steps:>3} CTA-steps stalled, {sim.first_write_stalls:>3} of them before a first dQ add")
+    print("(notebook 05 simulates the same on 132 SMs, with Gantt charts)")
+
+# %% [markdown]
+# ## The Hopper backward, compiled here (and run, on a GPU)
+# `stage4_bwd_kernel.hopper` is the stable entry point (today: step 1). Compiled for `sm_90a`
+# with fake tensors, with and without the deterministic mode; the SASS shows the fp32 dQ atomics
+# (`REDG.E.ADD.F32x2`) in both, and only in the deterministic kernel the semaphore: an acquire
+# load to spin on (`LDG.E.STRONG.GPU`), a GPU-wide fence (`MEMBAR.ALL.GPU`) and the release add
+# (`REDG.E.ADD.S32`). On a Hopper GPU the cell also checks the gradients against fp32 autograd
+# with FA4's rule.
+
+# %%
+s4_hopper = optional("stage4_bwd_kernel.hopper")
+if s4_hopper is not None:
+    from stage3_fwd_kernel import common
+
+    def sass_counts(sass):
+        ops = Counter(m.group(1) for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", sass))
+        pick = {"dQ atomics (REDG.F32x2)": "REDG.E.ADD.F32x2", "semaphore spin (LDG.STRONG.GPU)": "LDG.E.STRONG.GPU",
+                "fence (MEMBAR.ALL.GPU)": "MEMBAR.ALL.GPU", "release (REDG.S32)": "REDG.E.ADD.S32"}
+        return {label: sum(n for op, n in ops.items() if op.startswith(prefix)) for label, prefix in pick.items()}
+
+    print(f"{s4_hopper.BEST_STEP}, bf16, d = 128, causal, {common.ARCH}")
+    for det in (False, True):
+        comp = s4_hopper.compile_only("bf16", 128, causal=True, deterministic=det)
+        rep = comp.report
+        print(f"  deterministic={det!s:<5}: threads {rep['threads']}, registers {rep['registers']}, spills "
+              f"{rep['spill_stores']}, SMEM {rep['smem_bytes']} B, HGMMA {rep['HGMMA']}, MUFU.EX2 {rep['MUFU.EX2']}")
+        print("      " + ", ".join(f"{k} {v}" for k, v in sass_counts(comp.sass).items()))
+        assert rep["spill_stores"] == 0
+
+    if common.hopper_gpu_available():
+        import torch
+
+        from stage0_reference.torch_reference import assert_fa4_close
+        from stage4_bwd_kernel.host import forward_for_test, reference_grads
+
+        g = torch.Generator(device="cuda").manual_seed(0)
+        qg, kg, vg, dog = (torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+                           for _ in range(4))
+        og, lseg = forward_for_test(qg, kg, vg, causal=True)
+        grads = s4_hopper.attention_backward(qg, kg, vg, og, dog, lseg, causal=True, deterministic=True)
+        again = s4_hopper.attention_backward(qg, kg, vg, og, dog, lseg, causal=True, deterministic=True)
+        ref_g, base_g = reference_grads(qg, kg, vg, dog, causal=True)
+        for name, a, r, b in zip(("dq", "dk", "dv"), grads, ref_g, base_g):
+            print(f"{name}: max error %.2e <= bound %.2e" % assert_fa4_close(name, a, r, b))
+        print("deterministic: bitwise equal across two runs:", all(torch.equal(a, b) for a, b in zip(grads, again)))
+    else:
+        print("no Hopper GPU here: compiled only; the H100 measurements are the committed JSON below.")
+
+# %% [markdown]
+# ## Measured on an H100?
+# `benchmarks/bench_bwd.py` times the stage-4 steps (default and deterministic) against the
+# official FA4 and cuDNN in one run and writes `benchmarks/results/bwd_h100*.json`. If such a file
+# is committed, the cell plots it; otherwise it says so.
+
+# %%
+import json
+import pathlib
+
+import stage0_reference
+
+bwd_runs = sorted((pathlib.Path(stage0_reference.__file__).resolve().parents[1] / "benchmarks" / "results")
+                  .glob("bwd_h100*.json"))
+if not bwd_runs:
+    print("No backward measurement committed yet (benchmarks/results/bwd_h100*.json is absent): the Hopper")
+    print("backward's speed is PENDING, and so is its deterministic-vs-default cost on hardware.")
+else:
+    doc = json.loads(bwd_runs[-1].read_text())
+    print(f"{bwd_runs[-1].name}: {doc['device']}, commit {doc.get('git_commit')}, FLOPs: {doc.get('flops')}")
+    rows = [r for r in doc["results"] if r.get("tflops")]
+    for r in doc["results"]:
+        if "error" in r:
+            print(f"  {r['impl']} d={r['head_dim']} causal={r['causal']}: {r['error'][:90]}")
+    configs = sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in rows})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    tf = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in rows}
+    fig, ax = plt.subplots(figsize=(10, 4.4))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        ax.bar(np.arange(len(configs)) + (i - (len(impls) - 1) / 2) * width,
+               [tf.get((impl, *c), 0) for c in configs], width, label=impl)
+    ax.set_xticks(range(len(configs)), [f"d={d}, {'causal' if c else 'non-causal'}, {s // 1024}k"
+                                        for d, c, s in configs], fontsize=8)
+    ax.set_ylabel("TFLOP/s (backward)")
+    ax.set_title(f"backward, bf16, {doc['device']} (committed results)")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    plt.tight_layout()
+    plt.show()
+    fa4_name = "flash-attn-4 (official)"
+    short = {i: i.replace("ours:", "").replace(" deterministic", " det.").replace(" (SDPA)", "") for i in impls}
+    print("TFLOP/s / official FA4 of the same run:")
+    print(f"{'config':<24}" + "".join(f"{short[i]:>21}" for i in impls if i != fa4_name))
+    for c in configs:
+        ref = tf.get((fa4_name, *c))
+        cells = [f"{tf[(i, *c)] / ref:>21.2f}" if ref and tf.get((i, *c)) else f"{'-':>21}" for i in impls
+                 if i != fa4_name]
+        print(f"{f'd={c[0]} causal={c[1]} {c[2] // 1024}k':<24}" + "".join(cells))
+    for impl in impls:
+        if impl.startswith("ours:") and not impl.endswith("deterministic"):
+            det = [tf[(impl + " deterministic", *c)] / tf[(impl, *c)] for c in configs
+                   if tf.get((impl, *c)) and tf.get((impl + " deterministic", *c))]
+            if det:
+                print(f"{impl}: deterministic mode at {min(det):.0%} .. {max(det):.0%} of the default speed")
+
+# %% [markdown]
+# Reading the measurement: the backward is correct (its GPU tests pass) but well behind the
+# official FA4. The roofline above says why: this stage keeps every GEMM operand in shared memory,
+# which makes it SMEM-bound, and warp specialization alone (step 2) does not change that bound.
+# Keeping `P^T` and `dS^T` in registers (`fa3_rs`) is the next rung. The deterministic mode costs
+# what the semaphores cost; for comparison the paper reports that its deterministic backward
+# reaches "up to 75% the speed of the nondeterministic backward" on B200, with the swizzling and
+# SPT order of notebook 05.
+
+# %% [markdown]
+# ## Exercise
+# Use the paper's 1-CTA model at head dim `d = 64` (M = N = 128): predict the MMA cycles, the four
+# shared-memory terms and their total, and whether the backward is more or less SMEM-bound than at
+# `d = 128` (where SMEM / MMA = 3328 / 2560 = 1.3).
+#
+# <details><summary>Answer</summary>
+#
+# MMA `10 * 128 * 128 * 64 / 8192 = 1280`. SMEM operands `(4Md + 3Nd + MN) * 2 / 128 =
+# (32768 + 24576 + 16384) * 2 / 128 = 1152`; dS write `MN * 2 / 128 = 256` (independent of d);
+# dQ `8Md / 128 = 512`; total `1920`. SMEM / MMA = 1.5: *more* SMEM-bound, because the `MN` terms
+# (dS, and the dS operand of the dQ MMA) do not shrink with d while the MMA work does.
+# </details>
+
+# %%
+if s4_roofline is not None:
+    c64 = s4_roofline.backward_tile_cycles(128, 128, 64, B200)
+    print(c64, "->", c64.bound, f", SMEM / MMA = {c64.smem / c64.mma:.2f}")
+    assert (c64.mma, c64.smem_operands, c64.smem_ds_write, c64.smem_dq, c64.smem) == (1280, 1152, 256, 512, 1920)
+    assert c64.smem / c64.mma > one.smem / one.mma
+
+# %% [markdown]
+# **Next**: [05 · scheduling](05_scheduling.ipynb): the order in which tiles go to SMs, and the
+# shortest-first order of the deterministic backward on a whole GPU.
