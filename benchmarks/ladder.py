@@ -173,7 +173,31 @@ def render_sched() -> str:
             f"output with the static order's)\n\n" + sched_table(doc))
 
 
+ROOT_README = ROOT / "README.md"
+ROOT_START, ROOT_END = "<!-- root-ladder:start -->", "<!-- root-ladder:end -->"
+
+
+def render_root() -> str:
+    """The compact ladder for the root README: d = 128 at 16k, each step's newest run."""
+    rows = _rows(bench_files())
+    cols = [(False, 16384), (True, 16384)]
+    lines = ["| step (d = 128, bf16, seqlen 16k, H100) | non-causal TFLOP/s | causal TFLOP/s |",
+             "|---|---|---|"]
+    named = [(f"ours:{k}", f"{k.split('_', 1)[0]}: {m}") for k, (m, _) in STEPS.items()] + [(FA4, "official flash-attn-4")]
+    for impl, label in named:
+        if impl not in rows:
+            continue
+        vals, fa4, _, _ = rows[impl]
+        cells = []
+        for col in cols:
+            v, f = vals.get(col), fa4.get(col)
+            cells.append("-" if not v else (f"{v:.0f}" if impl == FA4 else f"{v:.0f} ({v / f:.2f}x FA4)"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 BLOCKS = [  # (README, start marker, end marker, renderer): every generated table in the repository
+    (ROOT_README, ROOT_START, ROOT_END, lambda: render_root()),
     (README, START, END, lambda: render()),
     (README, PROD_START, PROD_END, lambda: render_production()),
     (BWD_README, BWD_START, BWD_END, lambda: render_bwd()),
