@@ -1,0 +1,68 @@
+"""The stable public entry points of the Blackwell (sm_100a) backward: the module ``fa4`` imports
+for capability-10.x GPUs (fa4/_dispatch.py, ``bwd_modules`` of "sm_100").
+
+    dq, dk, dv = attention_backward(q, k, v, out, dout, lse, causal=True)
+
+Same conventions as ``stage4_bwd_kernel.hopper`` (DESIGN.md). UNVERIFIED: no Blackwell GPU is
+reachable from this project, so the kernel behind these functions (``blackwell_bwd``, the 1-CTA
+backward) has only been compiled for sm_100a and inspected (tests/test_stage4_blackwell.py).
+Supported there: dense (B, S, H, D) inputs, head dims (64, 64) and (128, 128), causal, GQA/MQA,
+deterministic=True. Varlen is not implemented yet (attention_varlen_backward says so).
+
+Both functions raise RuntimeError on anything but a capability-10.x GPU, before importing
+cutlass: sm_100a code (tcgen05, TMEM) cannot run on Hopper or on consumer Blackwell (12.x).
+"""
+from __future__ import annotations
+
+BEST_STEP = "blackwell_bwd"
+
+
+def _capability():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_capability()
+    except Exception:  # no torch / broken CUDA
+        pass
+    return None
+
+
+def _require_blackwell(what: str):
+    cap = _capability()
+    if cap is None or cap[0] != 10:
+        where = "no CUDA device" if cap is None else f"a capability-{cap[0]}.{cap[1]} GPU"
+        raise RuntimeError(f"stage4_bwd_kernel.blackwell.{what} needs a Blackwell data-center GPU (compute "
+                           f"capability 10.x, sm_100a); this process has {where}. Use "
+                           "stage4_bwd_kernel.hopper on sm_90, or compile_only() to build for sm_100a without one.")
+
+
+def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
+                       dq=None, dk=None, dv=None):
+    """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv) (dense inputs, as in hopper.py)."""
+    _require_blackwell("attention_backward")
+    from stage4_bwd_kernel import blackwell_bwd
+
+    return blackwell_bwd.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+                                            deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+
+
+def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False):
+    """Packed variable-length backward: not implemented on Blackwell yet (NotImplementedError on a
+    capability-10.x GPU, RuntimeError elsewhere)."""
+    _require_blackwell("attention_varlen_backward")
+    raise NotImplementedError("varlen backward on Blackwell is not implemented yet (stage4_bwd_kernel/blackwell.md)")
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):
+    """Compile the 1-CTA backward for sm_100a without a GPU (resource report in .report)."""
+    if varlen:
+        raise ValueError("varlen: not implemented in the Blackwell backward yet")
+    from stage4_bwd_kernel import blackwell_bwd
+
+    return blackwell_bwd.compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
+                                      deterministic=deterministic)
+
+
+__all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "BEST_STEP"]

@@ -1,0 +1,625 @@
+"""Stage 4, Blackwell (sm_100a): the 1-CTA FA4 backward -- five tcgen05 MMAs, TMEM accumulators,
+dQ by atomics (or, deterministic, by semaphore-ordered atomics). COMPILED AND INSPECTED ONLY: no
+Blackwell GPU is reachable from this project; this kernel has never run (see blackwell.md).
+
+One CTA = one K/V tile (128 keys) of one KV head; it walks every (query head of the GQA group,
+Q tile) that sees the tile. Warps (blackwell_config.py has the TMEM / SMEM plan):
+
+* WG 0, elementwise (128 threads, thread r = key r = TMEM lane r): S^T row -> registers,
+  P = exp2(S * scale_log2 - lse2) (masked -> 0), P^T (16-bit) -> TMEM; then dP^T in 32-column
+  chunks, dS = P (dP - D), dS^T (16-bit) -> TMEM and dS -> SMEM (column r of the dQ MMA's A).
+  At the end: dV and scale * dK from TMEM -> global memory.
+* warp 4, MMA (one elected thread): S^T = K Q^T, dP^T = V dO^T (SS); dV += P^T dO,
+  dK += dS^T Q (TS: A from TMEM); dQ = dS K (SS) into the columns of dP^T.
+* warp 5, load: TMA K, V once; Q, dO into a 2-stage ring. lse2 / D are read by WG 0 itself.
+* WG 2, dQ drain (thread r = query r): dQ from TMEM 32 columns at a time -> red.global.add.v2.f32
+  into the fp32 dQ accumulator; deterministic: the stage-4 semaphore protocol (schedule.py ranks
+  and orders, common.semaphore_wait / semaphore_signal) around each tile's adds.
+
+Barriers (mbarriers; "count" = arrivals per phase):
+    kv_full         TMA -> MMA                          1 (+ K and V bytes)
+    qdo_full[s]     TMA -> MMA                          1 (+ Q and dO bytes)
+    qdo_empty[s]    MMA commit -> TMA                   1
+    s_full, dp_full MMA commit -> WG 0                  1
+    p_full, ds_full WG 0 -> MMA                         128
+    dq_full         MMA commit -> WG 2 (and WG 0: sdS is free again)   1
+    dq_empty        WG 2 -> MMA (dP^T may overwrite dQ)                128
+    dkv_full        MMA commit after the last dK -> WG 0               1
+    tmem_dealloc    WG 0 + WG 2 -> MMA warp                            256
+
+Not implemented here (see blackwell.md): varlen / seqused_k, head dims other than 64 and 128,
+the overlap of dS with the previous tile's dK / dQ MMAs, and the 2-CTA kernel.
+"""
+from __future__ import annotations
+
+
+from stage3_fwd_kernel import blackwell_fwd as _fwd  # noqa: F401  (arch selection before cutlass)
+from stage3_fwd_kernel import common as fwd_common
+from stage4_bwd_kernel import common, schedule
+from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_config, mask_col_min
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.blackwell_helpers as sm100_utils  # noqa: E402
+from cutlass import Float32, Int32, const_expr  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, tcgen05  # noqa: E402
+from cutlass.memory import SmemAllocator, TmemAllocator  # noqa: E402
+from cutlass.pipeline import NamedBarrier  # noqa: E402
+
+from stage3_fwd_kernel.blackwell_fwd import tcgen05_fence_after_sync, tcgen05_fence_before_sync  # noqa: E402
+
+STEP = "blackwell_bwd"
+TARGET_ARCH = "sm_100a"
+BAR_TMEM_ALLOC = 1   # MMA warp + WG 0 + WG 2
+BAR_STATS = 2        # WG 0: sLSE / sD written / consumed
+BAR_DQ = 3           # WG 2: deterministic hand-over
+MMA_WARP, LOAD_WARP = 4, 5
+BARRIERS = ("kv_full", "s_full", "dp_full", "p_full", "ds_full", "dq_full", "dq_empty", "dkv_full", "tmem_dealloc")
+
+
+class FlashAttentionBackwardSm100:
+    def __init__(self, config: BlackwellBwdConfig, dq_order=None):
+        self.cfg = config
+        self.dtype = common.cutlass_dtype(config.dtype)
+        self.d, self.dv = config.head_dim, config.head_dim_v
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.tm, self.tn = config.tile_m, config.tile_n
+        self.causal, self.deterministic = config.causal, config.deterministic
+        self.stages = config.qdo_stages
+        self.tmem = config.tmem
+        self.num_threads = config.num_threads
+        self.dq_order = dq_order or common.default_dq_order(config.causal, config.deterministic)
+        self.smem_bytes = None
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor,
+                 mSemaphore: cute.Tensor, num_n_blocks: Int32, softmax_scale_log2: Float32,
+                 softmax_scale: Float32, stream):
+        """Dense only: q/k/v/dout (B, S, H, D); lse2, D (B, Hq, Sq) fp32; dQaccum (B, Sq, Hq, d) fp32;
+        semaphores (B, Hq, m_blocks) int32 (deterministic). cu_seqlens / seqused_k are ignored."""
+        d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
+        mQ, mK = common.assume_aligned(mQ, d), common.assume_aligned(mK, d)
+        mV, mdO = common.assume_aligned(mV, dv), common.assume_aligned(mdO, dv)
+        mdQacc = common.assume_aligned(mdQacc, d)
+        mdK, mdV = common.assume_aligned(mdK, d), common.assume_aligned(mdV, dv)
+        # (seq, dim, head, batch) views for TMA
+        modes = [1, 3, 2, 0]
+        tQ, tK, tV, tdO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes)) for t in (mQ, mK, mV, mdO)]
+
+        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        one = tcgen05.CtaGroup.ONE
+        dt = self.dtype
+        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
+        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
+        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, dv), tcgen05.OperandSource.TMEM)
+        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, d), tcgen05.OperandSource.TMEM)
+        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, one, (tm, d))
+        tiler_s, tiler_dp = (tn, tm, d), (tn, tm, dv)
+        tiler_dv, tiler_dk, tiler_dq = (tn, dv, tm), (tn, d, tm), (tm, d, tn)
+
+        st = self.stages
+        sK_layout = sm100_utils.make_smem_layout_a(mma_s, tiler_s, dt, 1)
+        sV_layout = sm100_utils.make_smem_layout_a(mma_dp, tiler_dp, dt, 1)
+        sQ_layout = sm100_utils.make_smem_layout_b(mma_s, tiler_s, dt, st)
+        sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, tiler_dp, dt, st)
+        # the same bytes read transposed (K-major and MN-major 128B-swizzled tiles coincide)
+        sQt_layout = sm100_utils.make_smem_layout_b(mma_dk, tiler_dk, dt, st)
+        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, dt, st)
+        sKt_layout = sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, dt, 1)
+        sdS_layout = sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, dt, 1)
+        tP_layout = sm100_utils.make_smem_layout_a(mma_dv, tiler_dv, dt, 1)
+        tdS_layout = sm100_utils.make_smem_layout_a(mma_dk, tiler_dk, dt, 1)
+        for a, b in ((sQ_layout, sQt_layout), (sdO_layout, sdOt_layout), (sK_layout, sKt_layout)):
+            if const_expr(cute.cosize(a) != cute.cosize(b)):
+                raise ValueError("transposed SMEM views must cover the same bytes")
+
+        cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma_s.thr_id.shape,)).shape
+        g2s = cpasync.CopyBulkTensorTileG2SOp(one)
+        sel = lambda L: cute.select(L, mode=[0, 1, 2])  # noqa: E731
+        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(g2s, tK, sel(sK_layout), tiler_s, mma_s, cluster)
+        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(g2s, tV, sel(sV_layout), tiler_dp, mma_dp, cluster)
+        tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(g2s, tQ, sel(sQ_layout), tiler_s, mma_s, cluster)
+        tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(g2s, tdO, sel(sdO_layout), tiler_dp, mma_dp, cluster)
+        self.bytes_kv = cute.size_in_bytes(dt, sel(sK_layout)) + cute.size_in_bytes(dt, sel(sV_layout))
+        self.bytes_qdo = cute.size_in_bytes(dt, sel(sQ_layout)) + cute.size_in_bytes(dt, sel(sdO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.cfg.smem.num_barriers]
+            tmem_addr: Int32
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm], 16]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, tm], 16]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+        grid = (num_n_blocks, mK.shape[2], mK.shape[0])
+        self.kernel(tma_K, tma_V, tma_Q, tma_dO, tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO,
+                    mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, num_n_blocks, mQ.shape[1], mK.shape[1],
+                    mQ.shape[2] // mK.shape[2], softmax_scale_log2, softmax_scale,
+                    mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
+                    sK_layout, sV_layout, sQ_layout, sdO_layout, sQt_layout, sdOt_layout, sKt_layout,
+                    sdS_layout, tP_layout, tdS_layout,
+                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    def _bar(self, mbar, name, i=0):
+        if name == "qdo_full":
+            return mbar + len(BARRIERS) + i
+        if name == "qdo_empty":
+            return mbar + len(BARRIERS) + self.stages + i
+        return mbar + BARRIERS.index(name)
+
+    @cute.kernel
+    def kernel(self, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_Q: cute.Tensor, tma_dO: cute.Tensor,
+               tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_Q: cute.CopyAtom,
+               tma_atom_dO: cute.CopyAtom, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mSemaphore: cute.Tensor, num_n_blocks: Int32,
+               seqlen_q: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32, softmax_scale_log2: Float32,
+               softmax_scale: Float32, mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma,
+               mma_dk: cute.TiledMma, mma_dq: cute.TiledMma,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
+               sdO_layout: cute.ComposedLayout, sQt_layout: cute.ComposedLayout, sdOt_layout: cute.ComposedLayout,
+               sKt_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
+               tdS_layout: cute.ComposedLayout):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(warp_idx // 4)
+        storage = SmemAllocator().allocate(self.shared_storage)
+        mbar = storage.mbar.data_ptr()
+        if warp_idx == LOAD_WARP:
+            for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO):
+                cpasync.prefetch_descriptor(atom)
+        if warp_idx == 0:
+            with cute.arch.elect_one():
+                for name, count in (("kv_full", 1), ("s_full", 1), ("dp_full", 1), ("p_full", 128),
+                                    ("ds_full", 128), ("dq_full", 1), ("dq_empty", 128), ("dkv_full", 1),
+                                    ("tmem_dealloc", 256)):
+                    cute.arch.mbarrier_init(self._bar(mbar, name), count)
+                for s in cutlass.range_constexpr(self.stages):
+                    cute.arch.mbarrier_init(self._bar(mbar, "qdo_full", s), 1)
+                    cute.arch.mbarrier_init(self._bar(mbar, "qdo_empty", s), 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        view = lambda t, L: cute.make_tensor(cute.recast_ptr(t.iterator, L.inner), L.outer)  # noqa: E731
+        sQt, sdOt, sKt = view(sQ, sQt_layout), view(sdO, sdOt_layout), view(sK, sKt_layout)
+        sLSE = storage.sLSE.get_tensor(cute.make_layout(self.tm))
+        sD = storage.sD.get_tensor(cute.make_layout(self.tm))
+
+        tmem = TmemAllocator(storage.tmem_addr.ptr, allocator_warp_id=MMA_WARP,
+                             barrier_for_retrieve=NamedBarrier(barrier_id=BAR_TMEM_ALLOC, num_threads=32 * 9),
+                             arch="sm_100")
+
+        if wg_idx == 1:
+            cute.arch.setmaxregister_decrease(self.cfg.regs.other)
+            n_block, head_kv, batch, m_min, n_m, n_iter = self._work(num_n_blocks, seqlen_q, seqlen_k, qhead_per_kvhead)
+            if warp_idx == LOAD_WARP:
+                self.load(n_block, head_kv, batch, m_min, n_m, n_iter, qhead_per_kvhead, mbar,
+                          tma_K, tma_V, tma_Q, tma_dO, tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO,
+                          sK, sV, sQ, sdO, mma_s, mma_dp)
+            if warp_idx == MMA_WARP:
+                tmem.allocate(self.tmem.alloc)
+                tmem.relinquish_alloc_permit()
+                tmem.wait_for_alloc()
+                tmem_ptr = tmem.retrieve_ptr(Float32)
+                self.mma(n_iter, mbar, tmem_ptr, sK, sV, sQ, sdO, sQt, sdOt, sKt, sdS, tP_layout, tdS_layout,
+                         mma_s, mma_dp, mma_dv, mma_dk, mma_dq)
+                cute.arch.mbarrier_wait(self._bar(mbar, "tmem_dealloc"), 0)
+                tcgen05_fence_after_sync()
+                tmem.free(tmem_ptr)
+        elif wg_idx == 2:
+            cute.arch.setmaxregister_decrease(self.cfg.regs.dq)
+            n_block, head_kv, batch, m_min, n_m, n_iter = self._work(num_n_blocks, seqlen_q, seqlen_k, qhead_per_kvhead)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.dq_drain(n_block, batch, head_kv, m_min, n_m, n_iter, qhead_per_kvhead, seqlen_q, seqlen_k,
+                          mbar, tmem_ptr, mdQacc, mSemaphore, mma_dq)
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc"))
+        else:
+            cute.arch.setmaxregister_increase(self.cfg.regs.elementwise)
+            n_block, head_kv, batch, m_min, n_m, n_iter = self._work(num_n_blocks, seqlen_q, seqlen_k, qhead_per_kvhead)
+            tmem.wait_for_alloc()
+            tmem_ptr = tmem.retrieve_ptr(Float32)
+            self.elementwise(n_block, batch, head_kv, m_min, n_m, n_iter, qhead_per_kvhead, seqlen_q, seqlen_k,
+                             softmax_scale_log2, softmax_scale, mbar, tmem_ptr, sdS, sLSE, sD, mLSE2, mD, mdK, mdV,
+                             mma_s)
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc"))
+
+    @cute.jit
+    def _work(self, num_n_blocks: Int32, seqlen_q: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32):
+        """This CTA's K/V tile (the dQ order maps the launch index to n_block) and the Q tiles that
+        see it. Every role computes it after its setmaxnreg: a value live across setmaxnreg is spilled."""
+        bx, head_kv, batch = cute.arch.block_idx()
+        n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
+        m_min, m_max = schedule.m_block_range(n_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal,
+                                              imax=cutlass.max)
+        n_m = cutlass.max(m_max - m_min, 0)
+        return n_block, head_kv, batch, m_min, n_m, n_m * qhead_per_kvhead
+
+    # ------------------------------------------------------------------ load warp
+    @cute.jit
+    def load(self, n_block: Int32, head_kv: Int32, batch: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
+             group: Int32, mbar: cute.Pointer, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_Q: cute.Tensor,
+             tma_dO: cute.Tensor, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_Q: cute.CopyAtom,
+             tma_atom_dO: cute.CopyAtom, sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
+             mma_s: cute.TiledMma, mma_dp: cute.TiledMma):
+        thr_s, thr_dp = mma_s.get_slice(0), mma_dp.get_slice(0)
+        gK = cute.local_tile(tma_K[None, None, head_kv, batch], (self.tn, self.d), (None, 0))
+        gV = cute.local_tile(tma_V[None, None, head_kv, batch], (self.tn, self.dv), (None, 0))
+        one = cute.make_layout(1)
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
+                                           cute.group_modes(thr_s.partition_A(gK), 0, 3))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, one, cute.group_modes(sV, 0, 3),
+                                           cute.group_modes(thr_dp.partition_A(gV), 0, 3))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "kv_full"), self.bytes_kv)
+        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, 0], tma_bar_ptr=self._bar(mbar, "kv_full"))
+        cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, 0], tma_bar_ptr=self._bar(mbar, "kv_full"))
+        for it in cutlass.range(n_iter, unroll=1):
+            head = head_kv * group + it // n_m
+            m_block = m_min + it % n_m
+            slot, phase = it % self.stages, (it // self.stages) % 2
+            gQ = cute.local_tile(tma_Q[None, None, head, batch], (self.tm, self.d), (None, 0))
+            gdO = cute.local_tile(tma_dO[None, None, head, batch], (self.tm, self.dv), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
+                                               cute.group_modes(thr_s.partition_B(gQ), 0, 3))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 3),
+                                               cute.group_modes(thr_dp.partition_B(gdO), 0, 3))
+            cute.arch.mbarrier_wait(self._bar(mbar, "qdo_empty", slot), phase ^ 1)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "qdo_full", slot), self.bytes_qdo)
+            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, slot], tma_bar_ptr=self._bar(mbar, "qdo_full", slot))
+            cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, slot], tma_bar_ptr=self._bar(mbar, "qdo_full", slot))
+
+    # ------------------------------------------------------------------ MMA warp
+    def _tmem_acc(self, tmem_ptr, mma, shape, col):
+        thr = mma.get_slice(0)
+        return cute.make_tensor(tmem_ptr + col, thr.make_fragment_C(thr.partition_shape_C(shape)).layout)
+
+    def _tmem_a(self, tmem_ptr, mma, layout, col):
+        """A 16-bit TS operand in TMEM at column `col` (re-anchored fragment, as in the forward)."""
+        thr = mma.get_slice(0)
+        lay = thr.make_fragment_A(cute.make_tensor(tmem_ptr, layout.outer))[None, None, None, 0].layout
+        return cute.make_tensor(cute.recast_ptr(tmem_ptr + col, dtype=self.dtype), lay)
+
+    @cute.jit
+    def gemm(self, mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, accumulate):
+        """acc (+)= A B over the K-blocks; a fresh MMA object so the ACCUMULATE field stays local."""
+        tiled = cute.make_tiled_mma(cute.make_mma_atom(mma.op))
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            if const_expr(k == 0):
+                tiled.set(tcgen05.Field.ACCUMULATE, accumulate)
+            else:
+                tiled.set(tcgen05.Field.ACCUMULATE, True)
+            cute.gemm(tiled, acc, tA[None, None, k], tB[None, None, k], acc)
+
+    @cute.jit
+    def mma(self, n_iter: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, sK: cute.Tensor, sV: cute.Tensor,
+            sQ: cute.Tensor, sdO: cute.Tensor, sQt: cute.Tensor, sdOt: cute.Tensor, sKt: cute.Tensor,
+            sdS: cute.Tensor, tP_layout: cute.ComposedLayout, tdS_layout: cute.ComposedLayout,
+            mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
+            mma_dq: cute.TiledMma):
+        tm, tn, T = self.tm, self.tn, self.tmem
+        s_, dp_, dv_, dk_, dq_ = (m.get_slice(0) for m in (mma_s, mma_dp, mma_dv, mma_dk, mma_dq))
+        tK, tQ = s_.make_fragment_A(sK), s_.make_fragment_B(sQ)
+        tV, tdO = dp_.make_fragment_A(sV), dp_.make_fragment_B(sdO)
+        tdOt, tQt = dv_.make_fragment_B(sdOt), dk_.make_fragment_B(sQt)
+        tdS, tKt = dq_.make_fragment_A(sdS), dq_.make_fragment_B(sKt)
+        accS = self._tmem_acc(tmem_ptr, mma_s, (tn, tm), T.s)
+        accdP = self._tmem_acc(tmem_ptr, mma_dp, (tn, tm), T.dp)
+        accdV = self._tmem_acc(tmem_ptr, mma_dv, (tn, self.dv), T.dv)
+        accdK = self._tmem_acc(tmem_ptr, mma_dk, (tn, self.d), T.dk)
+        accdQ = self._tmem_acc(tmem_ptr, mma_dq, (tm, self.d), T.dq)
+        tP = self._tmem_a(tmem_ptr, mma_dv, tP_layout, T.p)
+        tdSt = self._tmem_a(tmem_ptr, mma_dk, tdS_layout, T.ds)
+
+        cute.arch.mbarrier_wait(self._bar(mbar, "kv_full"), 0)
+        for it in cutlass.range(n_iter, unroll=1):
+            slot, phase = it % self.stages, (it // self.stages) % 2
+            cute.arch.mbarrier_wait(self._bar(mbar, "qdo_full", slot), phase)
+            # S^T = K Q^T  (the previous tile's dK MMA, which read dS^T from these columns, was issued first)
+            self.gemm(mma_s, accS, tK[None, None, None, 0], tQ[None, None, None, slot], False)
+            with cute.arch.elect_one():
+                tcgen05.commit(self._bar(mbar, "s_full"))
+            # dP^T = V dO^T, over the previous dQ: wait until WG 2 has drained it
+            if it > 0:
+                cute.arch.mbarrier_wait(self._bar(mbar, "dq_empty"), (it - 1) % 2)
+                tcgen05_fence_after_sync()
+            self.gemm(mma_dp, accdP, tV[None, None, None, 0], tdO[None, None, None, slot], False)
+            with cute.arch.elect_one():
+                tcgen05.commit(self._bar(mbar, "dp_full"))
+            # dV += P^T dO  (TS)
+            cute.arch.mbarrier_wait(self._bar(mbar, "p_full"), it % 2)
+            tcgen05_fence_after_sync()
+            self.gemm(mma_dv, accdV, tP, tdOt[None, None, None, slot], it > 0)
+            # dK += dS^T Q  (TS), dQ = dS K  (SS)
+            cute.arch.mbarrier_wait(self._bar(mbar, "ds_full"), it % 2)
+            tcgen05_fence_after_sync()
+            self.gemm(mma_dk, accdK, tdSt, tQt[None, None, None, slot], it > 0)
+            self.gemm(mma_dq, accdQ, tdS[None, None, None, 0], tKt[None, None, None, 0], False)
+            with cute.arch.elect_one():
+                tcgen05.commit(self._bar(mbar, "dq_full"))
+                tcgen05.commit(self._bar(mbar, "qdo_empty", slot))
+        with cute.arch.elect_one():
+            tcgen05.commit(self._bar(mbar, "dkv_full"))
+
+    # ------------------------------------------------------------------ elementwise warpgroup
+    @cute.jit
+    def elementwise(self, n_block: Int32, batch: Int32, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
+                    group: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
+                    softmax_scale: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, sdS: cute.Tensor,
+                    sLSE: cute.Tensor, sD: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor, mdK: cute.Tensor,
+                    mdV: cute.Tensor, mma_s: cute.TiledMma):
+        tidx = cute.arch.thread_idx()[0] % 128
+        tm, tn, T = self.tm, self.tn, self.tmem
+        ch = 32                                    # fp32 columns per TMEM load
+        accS = self._tmem_acc(tmem_ptr, mma_s, (tn, tm), T.s)
+        sub = lambda t, off, w: cute.make_tensor(t.iterator + off, cute.composition(t.layout, cute.make_layout((tn, w))))  # noqa: E731
+        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ch)), Float32),
+                                    sub(accS, 0, ch))
+        st16 = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(ch // 2)),
+                                                          Float32), sub(accS, 0, ch // 2))
+        thr_ld, thr_st = ld.get_slice(tidx), st16.get_slice(tidx)
+        r_shape = thr_ld.partition_D(cute.make_identity_tensor((tn, ch))).shape
+        r16_shape = thr_st.partition_S(cute.make_identity_tensor((tn, ch // 2))).shape
+        key = tidx                                  # TMEM lane = key row of the tile
+        n_chunks = tm // ch
+
+        for it in cutlass.range(n_iter, unroll=1):
+            head = head_kv * group + it // n_m
+            m_block = m_min + it % n_m
+            # 1. lse2 / D of this Q tile -> SMEM (rows past the sequence: lse2 = +inf -> P = 0, D = 0)
+            cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+            row = m_block * tm + tidx
+            lse2, dsum = Float32.inf, Float32(0.0)
+            if row < seqlen_q:
+                lse2, dsum = mLSE2[batch, head, row], mD[batch, head, row]
+            sLSE[tidx], sD[tidx] = lse2, dsum
+            cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+            # 2. P^T row = exp2(S^T * scale_log2 - lse2), masked -> 0; P^T (16-bit) -> TMEM
+            key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
+            need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
+            cute.arch.mbarrier_wait(self._bar(mbar, "s_full"), it % 2)
+            tcgen05_fence_after_sync()
+            rP = cute.make_rmem_tensor((tm,), Float32)
+            for c in cutlass.range_constexpr(n_chunks):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(accS, c * ch, ch)), r)
+                for j in cutlass.range_constexpr(ch):
+                    rP[c * ch + j] = r[j]
+            cute.arch.fence_view_async_tmem_load()
+            # schedule.is_masked hoisted to one threshold column per thread (blackwell_config.mask_col_min)
+            col_min = Int32(0)
+            if need_mask:
+                col_min = mask_col_min(Int32(key), key_limit, diag, tm, self.causal, imax=cutlass.max,
+                                       select=lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
+            for c in cutlass.range_constexpr(tm):
+                s = rP[c] * softmax_scale_log2 - sLSE[c]
+                s = Float32(cutlass.select_(col_min > c, -Float32.inf, s))
+                rP[c] = cute.math.exp2(s, fastmath=True)
+            for c in cutlass.range_constexpr(n_chunks):
+                self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.p - T.s + c * ch // 2, ch // 2), r16_shape)
+            cute.arch.fence_view_async_tmem_store()
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "p_full"))
+            # 3. dS = P (dP - D) in 32-column chunks; dS^T -> TMEM (for dK), dS -> SMEM (for dQ)
+            cute.arch.mbarrier_wait(self._bar(mbar, "dp_full"), it % 2)
+            if it > 0:  # sdS is free once the previous dQ = dS K has completed
+                cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), (it - 1) % 2)
+            tcgen05_fence_after_sync()
+            accdP = cute.make_tensor(tmem_ptr + T.dp, accS.layout)
+            sdS_col = sdS[((None, None), key % 16), 0, key // 16, 0]       # dS[:, key]: (64, 2) of 16-bit
+            for c in cutlass.range_constexpr(n_chunks):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(accdP, c * ch, ch)), r)
+                cute.arch.fence_view_async_tmem_load()
+                for j in cutlass.range_constexpr(ch):
+                    rP[c * ch + j] = rP[c * ch + j] * (r[j] - sD[c * ch + j])
+                r16 = self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.ds - T.s + c * ch // 2, ch // 2), r16_shape)
+                dst = cute.local_tile(sdS_col[None, (c * ch) // 64], (ch,), ((c * ch % 64) // ch,))
+                cute.autovec_copy(cute.make_tensor(cute.recast_ptr(r16.iterator, dtype=self.dtype),
+                                                   cute.make_layout(ch)), dst)
+            cute.arch.fence_view_async_tmem_store()
+            cute.arch.fence_view_async_shared()  # generic-proxy dS stores -> visible to the MMA
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "ds_full"))
+
+        # 4. epilogue: dV, scale * dK (fp32 TMEM) -> 16-bit global rows (keys past seqlen_k skipped)
+        key_g = n_block * tn + key
+        if n_iter > 0:
+            cute.arch.mbarrier_wait(self._bar(mbar, "dkv_full"), 0)
+            tcgen05_fence_after_sync()
+        for which in cutlass.range_constexpr(2):
+            width = self.dv if const_expr(which == 0) else self.d
+            col0 = T.dv if const_expr(which == 0) else T.dk
+            scale = Float32(1.0) if const_expr(which == 0) else softmax_scale
+            mOut = mdV if const_expr(which == 0) else mdK
+            acc = cute.make_tensor(tmem_ptr + col0, accS.layout)
+            for c in cutlass.range_constexpr(width // ch):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(acc, c * ch, ch)), r)
+                cute.arch.fence_view_async_tmem_load()
+                out = cute.make_rmem_tensor((ch,), self.dtype)
+                for j in cutlass.range_constexpr(ch):
+                    v = r[j] * scale
+                    if n_iter == 0:
+                        v = Float32(0.0)
+                    out[j] = v.to(self.dtype)
+                if key_g < seqlen_k:
+                    g = cute.local_tile(mOut[batch, key_g, head_kv, None], (ch,), (c,))
+                    cute.autovec_copy(out, g)
+
+    @cute.jit
+    def _store16(self, rP: cute.Tensor, off: cutlass.Constexpr[int], n: cutlass.Constexpr[int],
+                 st16: cute.TiledCopy, thr_st, tmem_dst: cute.Tensor, r16_shape: cutlass.Constexpr):
+        """rP[off : off + n] -> 16-bit, packed two per 32-bit TMEM column, stored at tmem_dst."""
+        r16 = cute.make_rmem_tensor(r16_shape, Float32)
+        v16 = cute.make_tensor(cute.recast_ptr(r16.iterator, dtype=self.dtype), cute.make_layout(n))
+        src = cute.make_tensor(rP.iterator + off, cute.make_layout(n))
+        v16.store(src.load().to(self.dtype))
+        cute.copy(st16, r16, thr_st.partition_D(tmem_dst))
+        return r16
+
+    # ------------------------------------------------------------------ dQ warpgroup
+    @cute.jit
+    def dq_drain(self, n_block: Int32, batch: Int32, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
+                 group: Int32, seqlen_q: Int32, seqlen_k: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
+                 mdQacc: cute.Tensor, mSemaphore: cute.Tensor, mma_dq: cute.TiledMma):
+        tidx = cute.arch.thread_idx()[0] % 128
+        tm, ch = self.tm, 32
+        accdQ = self._tmem_acc(tmem_ptr, mma_dq, (tm, self.d), self.tmem.dq)
+        sub = lambda t, off: cute.make_tensor(t.iterator + off, cute.composition(t.layout, cute.make_layout((tm, ch))))  # noqa: E731
+        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ch)), Float32),
+                                    sub(accdQ, 0))
+        thr_ld = ld.get_slice(tidx)
+        r_shape = thr_ld.partition_D(cute.make_identity_tensor((tm, ch))).shape
+        for it in cutlass.range(n_iter, unroll=1):
+            head = head_kv * group + it // n_m
+            m_block = m_min + it % n_m
+            row = m_block * tm + tidx
+            cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), it % 2)
+            tcgen05_fence_after_sync()
+            if const_expr(self.deterministic):
+                sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
+                last = schedule.n_block_last(m_block, tm, self.tn, seqlen_q, seqlen_k, self.causal, imin=cutlass.min)
+                common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), last), tidx)
+                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
+            for c in cutlass.range_constexpr(self.d // ch):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(accdQ, c * ch)), r)
+                cute.arch.fence_view_async_tmem_load()
+                if row < seqlen_q:
+                    g = mdQacc[batch, row, head, None]
+                    for j in cutlass.range_constexpr(ch // 2):
+                        common.red_add_f32x2(common.elem_pointer(g, c * ch + 2 * j), r[2 * j], r[2 * j + 1])
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "dq_empty"))
+            if const_expr(self.deterministic):
+                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
+                common.semaphore_signal(sem, tidx)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------------
+def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, **kw):
+    return blackwell_bwd_config(head_dim, head_dim_v, dtype, causal=causal, deterministic=deterministic, **kw)
+
+
+def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
+                dq_order=None, tiles=None):
+    """host.py's make_kernel interface (dense only)."""
+    if varlen or has_seqused_k:
+        raise ValueError("varlen / seqused_k: not implemented in the Blackwell backward yet (blackwell.md)")
+    if tiles not in (None, (128, 128)):
+        raise ValueError(f"tiles: the 1-CTA Blackwell backward uses (128, 128), got {tiles!r}")
+    cfg = make_config(str(dtype).lower().replace("bfloat16", "bf16").replace("float16", "fp16"),
+                      head_dim, head_dim_v, causal, deterministic)
+    return FlashAttentionBackwardSm100(cfg, dq_order=dq_order)
+
+
+_CACHE: dict = {}
+
+
+def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> fwd_common.Compiled:
+    """Compile for sm_100a (``--gpu-arch``) with fake tensors; the report adds the tcgen05 counts."""
+    import contextlib
+    import io
+    import re
+    import warnings
+
+    from stage4_bwd_kernel import host
+
+    dq_order = dq_order or common.default_dq_order(cfg.causal, cfg.deterministic)
+    key = (cfg.key(), dq_order.name)
+    if key in _CACHE:
+        return _CACHE[key]
+    kernel = FlashAttentionBackwardSm100(cfg, dq_order=dq_order)
+    args = host.fake_main_args(common.cutlass_dtype(cfg.dtype), cfg.head_dim, cfg.head_dim_v)
+    opts = f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {fwd_common._dump_dir()} remarks{{ptx}}"
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*static loop has \d+ iterations")
+        fn = cute.compile(kernel, *args, options=opts)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
+    ptx, cubin = fn.__ptx__ or "", fn.__cubin__
+    sass = fwd_common.disassemble(cubin) if cubin else ""
+    rep = _fwd.resource_report(log, sass, ptx, cubin)
+    rep.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads, tmem_cols_used=cfg.tmem.used,
+               tmem_cols_alloc=cfg.tmem.alloc)
+    rep["RED"] = len(re.findall(r"\bREDG?\b[^\n]*\.ADD", sass)) if sass else None
+    rep["ptx_red_v2"] = len(re.findall(r"red\.global\.add\.v2\.f32", ptx))
+    rep["ptx_ld_acquire"] = len(re.findall(r"ld\.global\.acquire\.gpu", ptx))
+    out = fwd_common.Compiled(fn, rep, sass, ptx)
+    _CACHE[key] = out
+    return out
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, **kw):
+    return compile_config(make_config(dtype, head_dim, head_dim_v, causal, deterministic, **kw))
+
+
+REPORT_KEYS = ["threads", "registers", "smem_bytes", "tmem_cols_used", "tmem_cols_alloc", "spill_stores",
+               "spill_loads", "LDL/STL", "UTCHMMA.SS", "UTCHMMA.TS", "LDTM", "STTM", "UTMALDG", "RED"]
+
+
+def format_report(name, rep):
+    return f"{name}: " + ", ".join(f"{k}={rep.get(k)}" for k in REPORT_KEYS)
+
+
+def compile_pre_post_sm100(dtype="bf16", head_dim=128):
+    """The arch-neutral preprocess / postprocess kernels (plain SIMT loads, stores, shuffles),
+    compiled unchanged for sm_100a. Returns the two compiled functions."""
+    from stage4_bwd_kernel import postprocess as post
+    from stage4_bwd_kernel import preprocess as pre
+
+    dt = common.cutlass_dtype(dtype)
+    opts = f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {fwd_common._dump_dir()}"
+    f1 = cute.compile(pre.BackwardPreprocess(dt, head_dim, head_dim, False), *pre._fake_args(dt, head_dim, head_dim),
+                      options=opts)
+    f2 = cute.compile(post.BackwardPostprocess(dt, head_dim, False), *post._fake_args(dt, head_dim), options=opts)
+    return f1, f2
+
+
+def blackwell_gpu_available() -> bool:
+    return _fwd.blackwell_gpu_available()
+
+
+def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
+                       dq=None, dk=None, dv=None, dq_order=None):
+    """Gradients on a Blackwell (capability 10.x) GPU. UNVERIFIED: never run on hardware here."""
+    if not blackwell_gpu_available():
+        raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU; use compile_only() "
+                           "elsewhere, or stage4_bwd_kernel.hopper on an H100")
+    from stage4_bwd_kernel import host
+
+    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order)
+
+
+def attention_varlen_backward(*args, **kwargs):
+    if not blackwell_gpu_available():
+        raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU")
+    raise NotImplementedError("varlen: not implemented in the Blackwell backward yet (see blackwell.md)")
+
+
+if __name__ == "__main__":
+    for d in (64, 128):
+        for causal in (False, True):
+            for det in (False, True):
+                print(format_report(f"{STEP} d={d} causal={causal} det={det}",
+                                    compile_only("bf16", d, causal=causal, deterministic=det).report))

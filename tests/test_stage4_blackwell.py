@@ -1,0 +1,198 @@
+"""Stage 4, Blackwell (sm_100a): the 1-CTA backward, checked without hardware.
+
+No Blackwell GPU exists in this project; these tests are the whole verification.
+
+cpu tier: the TMEM / SMEM plan of stage4_bwd_kernel/blackwell_config.py against budgets computed
+by hand here (d = 128 fills all 512 TMEM columns; SMEM 231424 of 232448 bytes), refusals that
+name TMEM or SMEM, and the public alias stage4_bwd_kernel.blackwell refusing to run without a
+capability-10.x GPU.
+
+compile tier: the kernel compiles for sm_100a with fake tensors (in an sm_90a process: the kernel
+passes --gpu-arch sm_100a). The SASS holds the five MMAs as UTCHMMA -- S^T, dP^T, dQ with both
+operands in SMEM (gdesc), dV and dK with A from TMEM (tmem[...]) --, the PTX tcgen05.alloc /
+dealloc, the dQ atomics (REDG.E.ADD.F32x2), in deterministic mode the semaphore spin loop
+(an ld.acquire.gpu = LDG.E.STRONG.GPU with a branch back to it), and no local memory. Three main
+compiles + preprocess/postprocess for sm_100a, ~40 s on 2 cores.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from stage4_bwd_kernel.blackwell_config import SMEM_CAPACITY, TMEM_COLUMNS, blackwell_bwd_config
+
+KB = 1024
+
+
+# ---------------------------------------------------------------------------------------- cpu tier
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_d128_plan_fills_tmem_and_fits_smem():
+    c = blackwell_bwd_config(128, 128, "bf16", causal=True)
+    t = c.tmem
+    # S/P 128 + dV 128 + dP/dS/dQ 128 + dK 128 = 512: all of TMEM
+    assert (t.s, t.dv, t.dp, t.dk) == (0, 128, 256, 384)
+    assert t.used == t.alloc == TMEM_COLUMNS == 512
+    assert t.dq == t.dp                      # dQ is written over dP^T
+    assert (t.ds, t.p, t.p_cols) == (0, 64, 64)  # dS^T and P^T (16-bit) share the S^T columns
+    # 1 KB header + K 32 KB + V 32 KB + 2 x (Q 32 KB + dO 32 KB) + dS 32 KB + lse2/D 1 KB
+    assert c.qdo_stages == 2
+    assert c.smem.total == 1 * KB + 32 * KB + 32 * KB + 2 * 64 * KB + 32 * KB + 1 * KB == 231424
+    assert c.smem.total <= SMEM_CAPACITY == 232448
+    assert c.regs.total == 128 * (240 + 96 + 96) <= 65536
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_d64_plan():
+    c = blackwell_bwd_config(64, 64, "fp16", causal=False, deterministic=True)
+    assert c.tmem.used == 128 + 64 + 128 + 64 == 384 and c.tmem.alloc == 512
+    assert (c.tmem.dv, c.tmem.dp, c.tmem.dk) == (128, 192, 320)
+    assert c.smem.total == KB + 16 * KB + 16 * KB + 2 * 32 * KB + 32 * KB + KB == 133120
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_d256_refused_by_tmem():
+    with pytest.raises(ValueError, match=r"TMEM does not fit"):
+        blackwell_bwd_config(256, 256, "bf16", causal=False)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_smem_refusal_names_smem():
+    # 3 Q/dO stages at d = 128: 231424 + 64 KB > 232448
+    with pytest.raises(ValueError, match=r"SMEM does not fit"):
+        blackwell_bwd_config(128, 128, "bf16", causal=False, qdo_stages=3)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_other_refusals():
+    with pytest.raises(ValueError, match=r"cta_group"):
+        blackwell_bwd_config(128, 128, "bf16", causal=False, cta_group=2)
+    with pytest.raises(ValueError, match=r"supports only head dims"):
+        blackwell_bwd_config(96, 96, "bf16", causal=False)
+    with pytest.raises(ValueError, match=r"dtype"):
+        blackwell_bwd_config(128, 128, "fp8", causal=False)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_public_alias_refuses_without_blackwell():
+    import torch
+
+    from stage4_bwd_kernel import blackwell
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("a Blackwell GPU is present")
+    with pytest.raises(RuntimeError, match=r"capability 10\.x"):
+        blackwell.attention_backward(None, None, None, None, None, None)
+    with pytest.raises(RuntimeError, match=r"capability 10\.x"):
+        blackwell.attention_varlen_backward(*([None] * 10))
+
+
+# ------------------------------------------------------------------------------------ compile tier
+def _compile(dtype, d, causal, deterministic):
+    from stage4_bwd_kernel import blackwell_bwd
+
+    return blackwell_bwd.compile_only(dtype, d, causal=causal, deterministic=deterministic)
+
+
+CASES = [("bf16", 128, False, False), ("bf16", 128, True, True), ("fp16", 64, True, False)]
+
+
+@pytest.mark.compile
+@pytest.mark.stage4
+@pytest.mark.parametrize("dtype,d,causal,deterministic", CASES)
+def test_compiles_for_sm100a(dtype, d, causal, deterministic):
+    comp = _compile(dtype, d, causal, deterministic)
+    r = comp.report
+    assert r["ptx_target"] == "sm_100a"
+    # five MMAs per Q tile: S^T, dP^T (K = d / 16 steps each), dQ (K = tile_n / 16) in SMEM-SMEM
+    # form; dV and dK (K = tile_m / 16 each) with A from TMEM
+    assert r["UTCHMMA.SS"] == 2 * (d // 16) + 128 // 16
+    assert r["UTCHMMA.TS"] == 2 * (128 // 16)
+    assert r["ptx_tcgen05.alloc"] == 1 and r["ptx_tcgen05.dealloc"] == 1
+    assert r["UTCATOMSWS"] and r["UTCBAR"]
+    # dQ: d / 2 vector atomics per thread per Q tile (8-byte red.global.add.v2.f32)
+    assert r["ptx_red_v2"] == d // 2
+    assert len(re.findall(r"\bREDG\.E\.ADD\.F32x2\b", comp.sass)) == d // 2
+    # TMEM traffic: S^T, dP^T, dQ, dV, dK loads; P^T and dS^T stores
+    assert r["LDTM"] == 4 + 4 + d // 32 + 2 * (d // 32)
+    assert r["STTM"] == 8
+    # no local memory anywhere
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+    assert r["LDL/STL"] == 0 and not re.search(r"\b(STL|LDL)\b", comp.sass)
+    assert r["smem_bytes"] <= SMEM_CAPACITY
+    assert sorted(r["ptx_setmaxnreg"]) == [("dec", "96"), ("dec", "96"), ("inc", "240")]
+
+
+def _has_spin_loop(sass: str) -> bool:
+    """A label, an acquire load (LDG.E.STRONG.GPU) within a few lines, and a branch back to it."""
+    lines = sass.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^\s*(\.L_x_\d+):", line)
+        if not m:
+            continue
+        body = lines[i + 1:i + 8]
+        if any("LDG.E.STRONG.GPU" in b for b in body) and any(f"BRA `({m.group(1)})" in b for b in body):
+            return True
+    return False
+
+
+@pytest.mark.compile
+@pytest.mark.stage4
+def test_deterministic_semaphore_loop():
+    det = _compile("bf16", 128, True, True)
+    assert det.report["ptx_ld_acquire"] >= 1
+    assert _has_spin_loop(det.sass)
+    assert "red.relaxed.gpu.global.add.s32" in det.ptx      # the release of the next rank
+    plain = _compile("bf16", 128, False, False)
+    assert plain.report["ptx_ld_acquire"] == 0 and not _has_spin_loop(plain.sass)
+
+
+@pytest.mark.compile
+@pytest.mark.stage4
+def test_preprocess_postprocess_compile_for_sm100a():
+    from stage4_bwd_kernel import blackwell_bwd
+
+    pre, post = blackwell_bwd.compile_pre_post_sm100("bf16", 128)
+    for fn in (pre, post):
+        assert re.search(r"^\.target\s+sm_100a", fn.__ptx__, re.M)
+        assert fn.__cubin__
+
+
+@pytest.mark.compile
+@pytest.mark.stage4
+def test_make_kernel_refuses_varlen():
+    import cutlass
+
+    from stage4_bwd_kernel import blackwell_bwd
+
+    with pytest.raises(ValueError, match=r"varlen"):
+        blackwell_bwd.make_kernel(cutlass.BFloat16, 128, 128, False, False, varlen=True)
+    k = blackwell_bwd.make_kernel(cutlass.BFloat16, 128, 128, True, False)
+    assert (k.tile_m, k.tile_n, k.cfg.dtype) == (128, 128, "bf16")
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+@pytest.mark.parametrize("causal", [False, True])
+def test_hoisted_mask_equals_schedule(causal):
+    """The kernel's per-thread threshold masks exactly what schedule.is_masked masks."""
+    from stage4_bwd_kernel import schedule
+    from stage4_bwd_kernel.blackwell_config import mask_col_min
+
+    tm = tn = 16  # small tiles, every (seqlen_q, seqlen_k, m_block, n_block) combination
+    for sq in range(1, 40, 3):
+        for sk in range(1, 40, 5):
+            for n_block in range(-(-sk // tn)):
+                lo, hi = schedule.m_block_range(n_block, tm, tn, sq, sk, causal)
+                for m_block in range(lo, hi):
+                    kl, diag = schedule.mask_bounds(m_block, n_block, tm, tn, sq, sk)
+                    for key in range(tn):
+                        col_min = mask_col_min(key, kl, diag, tm, causal)
+                        for c in range(tm):
+                            assert (c < col_min) == bool(schedule.is_masked(key, c, kl, diag, causal))
