@@ -95,11 +95,11 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _dtype_name(dtype) -> str:
+def _dtype_name(dtype, kernel: str = "the Blackwell forward") -> str:
     key = str(dtype).replace("torch.", "").split(".")[-1].lower()
     table = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
     if key not in table:
-        raise ValueError(f"dtype: the Blackwell forward supports {DTYPES}, got {dtype!r}")
+        raise ValueError(f"dtype: {kernel} supports {DTYPES}, got {dtype!r}")
     return table[key]
 
 

@@ -872,19 +872,15 @@ def fake_args(cfg: BlackwellFwdConfig, varlen: bool):
 _CACHE: dict = {}
 
 
-def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None) -> common.Compiled:
-    """Compile for sm_100a, explicitly (``--gpu-arch``), whatever CUTE_DSL_ARCH this process has;
-    fake tensors unless `args` are given. Returns common.Compiled (fn, report, sass, ptx)."""
+def compile_sm100(kernel, args) -> tuple:
+    """cute.compile for sm_100a, explicitly (``--gpu-arch``), whatever CUTE_DSL_ARCH this process
+    has; returns (fn, report, sass, ptx) with the ptxas log parsed by resource_report. Shared by
+    the Blackwell forward and stage 4's Blackwell backward."""
     import contextlib
     import io
     import re
     import warnings
 
-    key = (cfg.key(), varlen, "fake" if args is None else "real")
-    if key in _CACHE:
-        return _CACHE[key]
-    kernel = FlashAttentionForwardSm100(cfg, varlen=varlen)
-    args = fake_args(cfg, varlen) if args is None else args
     opts = f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {common._dump_dir()} remarks{{ptx}}"
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), warnings.catch_warnings():
@@ -895,7 +891,17 @@ def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None) -> 
     log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
     ptx, cubin = fn.__ptx__ or "", fn.__cubin__
     sass = common.disassemble(cubin) if cubin else ""
-    report = resource_report(log, sass, ptx, cubin)
+    return fn, resource_report(log, sass, ptx, cubin), sass, ptx
+
+
+def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None) -> common.Compiled:
+    """Compile for sm_100a with fake tensors unless `args` are given.
+    Returns common.Compiled (fn, report, sass, ptx)."""
+    key = (cfg.key(), varlen, "fake" if args is None else "real")
+    if key in _CACHE:
+        return _CACHE[key]
+    kernel = FlashAttentionForwardSm100(cfg, varlen=varlen)
+    fn, report, sass, ptx = compile_sm100(kernel, fake_args(cfg, varlen) if args is None else args)
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
                   regs_softmax=cfg.regs.softmax, regs_correction=cfg.regs.correction, regs_other=cfg.regs.other)

@@ -33,7 +33,7 @@ the overlap of dS with the previous tile's dK / dQ MMAs, and the 2-CTA kernel.
 from __future__ import annotations
 
 
-from stage3_fwd_kernel import blackwell_fwd as _fwd  # noqa: F401  (arch selection before cutlass)
+from stage3_fwd_kernel import blackwell_fwd as _fwd  # arch selection before cutlass; compile_sm100
 from stage3_fwd_kernel import common as fwd_common
 from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_config, mask_col_min
@@ -49,7 +49,6 @@ from cutlass.pipeline import NamedBarrier  # noqa: E402
 from stage3_fwd_kernel.blackwell_fwd import tcgen05_fence_after_sync, tcgen05_fence_before_sync  # noqa: E402
 
 STEP = "blackwell_bwd"
-TARGET_ARCH = "sm_100a"
 BAR_TMEM_ALLOC = 1   # MMA warp + WG 0 + WG 2
 BAR_STATS = 2        # WG 0: sLSE / sD written / consumed
 BAR_DQ = 3           # WG 2: deterministic hand-over
@@ -537,10 +536,7 @@ _CACHE: dict = {}
 
 def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> fwd_common.Compiled:
     """Compile for sm_100a (``--gpu-arch``) with fake tensors; the report adds the tcgen05 counts."""
-    import contextlib
-    import io
     import re
-    import warnings
 
     from stage4_bwd_kernel import host
 
@@ -550,15 +546,7 @@ def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> fwd_common.Compile
         return _CACHE[key]
     kernel = FlashAttentionBackwardSm100(cfg, dq_order=dq_order)
     args = host.fake_main_args(common.cutlass_dtype(cfg.dtype), cfg.head_dim, cfg.head_dim_v)
-    opts = f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {fwd_common._dump_dir()} remarks{{ptx}}"
-    buf = io.StringIO()
-    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*static loop has \d+ iterations")
-        fn = cute.compile(kernel, *args, options=opts)
-    log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
-    ptx, cubin = fn.__ptx__ or "", fn.__cubin__
-    sass = fwd_common.disassemble(cubin) if cubin else ""
-    rep = _fwd.resource_report(log, sass, ptx, cubin)
+    fn, rep, sass, ptx = _fwd.compile_sm100(kernel, args)
     rep.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads, tmem_cols_used=cfg.tmem.used,
                tmem_cols_alloc=cfg.tmem.alloc)
     rep["RED"] = len(re.findall(r"\bREDG?\b[^\n]*\.ADD", sass)) if sass else None
@@ -588,10 +576,9 @@ def compile_pre_post_sm100(dtype="bf16", head_dim=128):
     from stage4_bwd_kernel import preprocess as pre
 
     dt = common.cutlass_dtype(dtype)
-    opts = f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {fwd_common._dump_dir()}"
-    f1 = cute.compile(pre.BackwardPreprocess(dt, head_dim, head_dim, False), *pre._fake_args(dt, head_dim, head_dim),
-                      options=opts)
-    f2 = cute.compile(post.BackwardPostprocess(dt, head_dim, False), *post._fake_args(dt, head_dim), options=opts)
+    f1 = _fwd.compile_sm100(pre.BackwardPreprocess(dt, head_dim, head_dim, False),
+                            pre._fake_args(dt, head_dim, head_dim))[0]
+    f2 = _fwd.compile_sm100(post.BackwardPostprocess(dt, head_dim, False), post._fake_args(dt, head_dim))[0]
     return f1, f2
 
 

@@ -46,6 +46,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the forward's plan helpers (plain Python, no cutlass import)
+from stage3_fwd_kernel.blackwell_config import _dtype_name as _fwd_dtype_name
+from stage3_fwd_kernel.blackwell_config import _pow2_at_least, _round_up
+
 __all__ = ["SMEM_CAPACITY", "TMEM_COLUMNS", "SUPPORTED_HEAD_DIMS", "mask_col_min", "BwdTmemPlan", "BwdSmemPlan",
            "BwdRegisterPlan", "BlackwellBwdConfig", "blackwell_bwd_config"]
 
@@ -60,20 +64,8 @@ DTYPES = ("bf16", "fp16")
 NUM_WARPS = 12            # WG0 elementwise, WG1 = MMA warp + load warp + 2 idle, WG2 dQ drain
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
-
-
 def _dtype_name(dtype) -> str:
-    key = str(dtype).replace("torch.", "").split(".")[-1].lower()
-    table = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
-    if key not in table:
-        raise ValueError(f"dtype: the Blackwell backward supports {DTYPES}, got {dtype!r}")
-    return table[key]
+    return _fwd_dtype_name(dtype, "the Blackwell backward")
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, const_expr  # noqa: E402
 
 from stage3_fwd_kernel.common import WorkTile  # noqa: E402
+from stage4_bwd_kernel.schedule import KVDescendingOrder  # noqa: E402
 from stage5_scheduling import orders  # noqa: E402
 
 __all__ = [
@@ -344,9 +345,9 @@ class VarlenLPTScheduler:
 # 4. the deterministic backward: SPT in stage 4's dQ-order interface
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class SPTBackwardOrder:
-    """The paper's SPT schedule for the deterministic backward, in the interface of
-    ``stage4_bwd_kernel.schedule`` (``name``, ``n_block_for_launch``, ``rank``).
+class SPTBackwardOrder(KVDescendingOrder):
+    """The paper's SPT schedule for the deterministic backward: stage 4's KVDescendingOrder
+    (``n_block_for_launch``, ``rank``, inherited unchanged) plus head swizzling.
 
     * launch: K/V blocks descending (``n_block_for_launch(bx, N) = N - 1 - bx``), which under a
       causal mask runs the *shortest* K/V tiles first;
@@ -374,14 +375,6 @@ class SPTBackwardOrder:
     @property
     def name(self) -> str:  # stage 4's compile key
         return f"spt_s{self.heads_per_section}"
-
-    @staticmethod
-    def n_block_for_launch(bx, num_n_blocks):
-        return num_n_blocks - 1 - bx
-
-    @staticmethod
-    def rank(n_block, n_block_first, n_block_last):
-        return n_block_last - n_block
 
     def tile_for_launch(self):
         """(n_block, kv_head, batch) of this CTA on the grid (N, H_kv, B) -- device side."""
