@@ -198,3 +198,21 @@ def test_bad_cu_seqlens_name_the_argument(cu_q, exc, match):
     cu_k = np.array([0, 5], np.int32) if len(cu_q) != 3 else np.array([0, 2, 5], np.int32)
     with pytest.raises(exc, match=match):
         attention_varlen_forward(q, k, v, cu_q, cu_k)
+
+
+def test_grad_atol_scales_with_the_gradients_and_keeps_a_floor():
+    from stage0_reference.torch_reference import grad_atol
+
+    assert grad_atol([torch.zeros(3)]) == 1e-5  # nothing to scale by: the rule's floor
+    big = [torch.zeros(2), torch.full((4,), -16.0)]
+    assert grad_atol(big) == 16.0 * 2.0 ** -16  # 2.4e-4: still 1/256 of a bf16 ulp at that scale
+    # the degenerate case it exists for: the bf16 baseline is exact (error 0), the kernel carries
+    # fp32 rounding ~1e-6 relative to gradients of size ~16: the fixed floor rejects it, the scaled
+    # atol accepts it, and a bf16-sized error is still rejected
+    ref = torch.full((8,), 16.0)
+    noisy = ref + 16.0 * 1e-6
+    with pytest.raises(AssertionError):
+        assert_fa4_close("dk", noisy, ref, ref)
+    assert_fa4_close("dk", noisy, ref, ref, atol=grad_atol([ref]))
+    with pytest.raises(AssertionError):
+        assert_fa4_close("dk", ref + 16.0 * 2.0 ** -9, ref, ref, atol=grad_atol([ref]))
