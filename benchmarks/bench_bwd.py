@@ -20,7 +20,8 @@ import torch
 
 from bench_fwd import flops, timer, versions
 
-STEPS = {"step1": "stage4_bwd_kernel.hopper_step1", "step2_warpspec": "stage4_bwd_kernel.hopper_step2_warpspec"}
+STEPS = {"step1": "stage4_bwd_kernel.hopper_step1", "step2_warpspec": "stage4_bwd_kernel.hopper_step2_warpspec",
+         "step3_rs": "stage4_bwd_kernel.hopper_step3_rs"}
 
 
 def main(argv=None) -> int:

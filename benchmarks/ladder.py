@@ -30,7 +30,7 @@ SCHED_START, SCHED_END = "<!-- sched-results:start -->", "<!-- sched-results:end
 STEPS = {
     "step1_wgmma": ("hopper_step1_wgmma", "one warpgroup, wgmma (SS for QK^T, RS for PV), online softmax in registers"),
     "step2_tma": ("hopper_step2_tma", "+ TMA loads into a multi-stage SMEM pipeline with mbarriers"),
-    "step3_warpspec": ("hopper_step3_warpspec", "+ warp specialization: producer warp, 2 consumer warpgroups in ping-pong"),
+    "step3_warpspec": ("hopper_step3_warpspec", "+ warp specialization: producer warp, 2 consumer warpgroups in ping-pong, intra-warpgroup overlap (S_i with P_{i-1} V), masked blocks first"),
     "step4_fa4_softmax": ("hopper_step4_fa4_softmax", "+ FA4 softmax: conditional rescaling (tau=8, warp vote), varlen; exp2 emulation off by default on Hopper (see ablation)"),
 }
 FA4 = "flash-attn-4 (official)"

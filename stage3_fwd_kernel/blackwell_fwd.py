@@ -1,6 +1,6 @@
 """Stage 3, Blackwell (sm_100a): the FA4 forward pipeline -- tcgen05 MMAs, tensor memory, two
 softmax warpgroups and a correction warpgroup. COMPILED AND INSPECTED ONLY: no Blackwell GPU is
-reachable from this project, so this kernel has never run on hardware (see blackwell.md).
+reachable from this project, so this kernel has never run on hardware (see the Blackwell section of README.md).
 
 Compared with Hopper step 3, this moves the accumulators out of the register file, because
 Blackwell's tcgen05 MMA writes them to tensor memory (TMEM) and a 128 x 128 tile is one
@@ -1088,7 +1088,7 @@ MATRIX = [(dt, d, dv, causal, varlen) for varlen in (False, True) for dt in ("bf
 
 
 def resource_table(cases=MATRIX) -> str:
-    """Markdown: one row per compiled configuration (what blackwell.md shows)."""
+    """Markdown: one row per compiled configuration (what the Blackwell section of README.md shows)."""
     lines = ["| dtype | d / dv | causal | varlen | SMEM B | TMEM cols | K/V slots | spills (st/ld) | "
              "LDL/STL | UTCHMMA SS / TS | LDTM / STTM | MUFU.EX2 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

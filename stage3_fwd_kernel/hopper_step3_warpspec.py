@@ -1,32 +1,44 @@
 """Stage 3, Hopper step 3: warp specialization -- a producer warp and two ping-ponging consumer
-warpgroups (the FlashAttention-3 structure).
+warpgroups, plus intra-warpgroup overlap of softmax with the GEMMs (the FlashAttention-3 structure).
 
 Compared with the previous step, this adds **a dedicated producer warpgroup (one warp issues all
-TMA loads) and two consumer warpgroups that share each K/V tile, take turns on the tensor cores
-and do their softmax while the other one's GEMMs run** because in step 2 a single warpgroup
-alternated between MMA (tensor cores busy, MUFU idle) and softmax (MUFU busy, tensor cores idle),
-so at best one unit worked at a time, and it also had to stop its math to issue loads.
+TMA loads), two consumer warpgroups that share each K/V tile, take turns on the tensor cores
+and do their softmax while the other one's GEMMs run, and inside each consumer a software
+pipeline that issues S_i = Q K_i^T together with O += P_{i-1} V_{i-1}** because in step 2 a single
+warpgroup alternated between MMA (tensor cores busy, MUFU idle) and softmax (MUFU busy, tensor
+cores idle), so at best one unit worked at a time, and it also had to stop its math to issue loads.
 
 * Roles (384 threads): warpgroup 0 = producer; only its warp 0 works, issuing Q once and then
   K/V blocks as fast as stages free up. Warpgroups 1 and 2 = consumers, each owning 64 of the
   CTA's 128 query rows (tile_m = 128), running step 2's per-tile math unchanged.
 * Registers: ``setmaxnreg`` moves them to where they are needed. The launch caps the kernel at
-  65536 / 384 = 170 (168) per thread; the producer drops to 40 and the consumers rise to 232:
-  128 * 40 + 256 * 232 = 64512 <= 65536. A consumer needs S (tile_n/2) + O (dv/2) + P (tile_n/4)
+  65536 / 384 = 170 (168) per thread; the producer drops to 24 and the consumers rise to 240:
+  128 * 24 + 256 * 240 = 64512 <= 65536 (FA3's split for two consumer warpgroups). A consumer
+  holds S_i (tile_n/2) + O (dv/2) + P_{i-1} (tile_n/4, kept across the turn by the overlap)
   registers plus softmax state: 64 + 64 + 32 + ~40 at d = 128, tile_n = 128.
 * Ping-pong: two named barriers (ids 1, 2) pass a "tensor-core turn" between the consumers. A
-  consumer waits for its turn, *issues* its GEMM, hands the turn over, and only then waits for the
-  GEMM's result; so consumer A's softmax runs while consumer B's QK^T / PV occupy the tensor
-  cores, and vice versa (FA3, section 3.1). Each consumer takes two turns per key block (QK^T and
-  PV) and gives two; consumer 1 pre-gives one so consumer 0 starts, and consumer 0 takes one extra
-  after its loop so no arrival is left dangling.
+  consumer waits for its turn, *issues* its GEMMs, hands the turn over, and only then waits for
+  the results; so consumer A's softmax runs while consumer B's GEMMs occupy the tensor cores, and
+  vice versa (FA3, section 3.1). Consumer 1 pre-gives one turn so consumer 0 starts, and consumer
+  0 takes one extra after its loop so no arrival is left dangling.
+* Intra-warpgroup overlap (FA3, section 3.2): turn i issues S_i = Q K_i^T and then
+  O += P_{i-1} V_{i-1} (P_{i-1} kept in registers), waits only for S_i (`wait_group(1)`), runs the
+  softmax of S_i while its own P V still runs, then waits for it (`wait_group(0)`), rescales O
+  and converts P_i. One turn per key block (n + 1 in all: S_0 alone first, the last P V alone at
+  the end) instead of two, and the softmax hides under this consumer's own P V as well as under
+  the other consumer's GEMMs.
+* Walk order: key blocks are visited last first, so the blocks that need a mask (the partial last
+  block, the causal diagonal) come first and the remaining blocks run a loop compiled with no
+  mask code at all. The K/V ring slot is the walk index i, not the block index.
 * K/V tiles are shared: the "empty" barriers wait for 8 consumer warps instead of 4, and each
   tile's bytes now feed 128 query rows instead of 64 (half the K/V traffic per FLOP of step 2).
 
 Arithmetic (H100, bf16, d = dv = 128, tile_n = 128): per key block the CTA does
 4 * 128 * 128 * 128 = 8.4 MFLOP (~2048 tensor-core clk) and 128 * 128 = 16384 exp2 (~1024 MUFU
 clk). Serialised (step 2) that is ~3000+ clk per block; with the two consumers ping-ponging, one
-consumer's exp2 hides under the other's MMAs, towards max(2048, 1024 + other FP32 work) clk.
+consumer's exp2 hides under the other's MMAs, towards max(2048, 1024 + other FP32 work) clk. A
+consumer's softmax (512 MUFU clk + ~300 clk of FP32 work for its 64 x 128 scores) must then fit
+under the other's 1024 clk of GEMMs; the overlap adds its own P V (512 clk) to the cover.
 One CTA per SM now (384 threads and most of the register file), so it gets all the shared memory:
 
   Shared memory = Q (128 x d) + stages * tile_n * (d + dv) * 2 bytes (O reuses Q), <= 227 KB:
@@ -133,7 +145,7 @@ class FlashAttentionForwardSm90Step3:
         self.num_consumers = 2               # consumer warpgroups
         self.wg_m = tile_m // self.num_consumers  # 64 query rows per consumer
         self.num_threads = 128 * (1 + self.num_consumers)
-        self.regs_producer, self.regs_consumer = 40, 232
+        self.regs_producer, self.regs_consumer = 24, 240
         self.smem_bytes = None
 
     # -------------------------------------------------------------- host side (traced once)
@@ -302,8 +314,10 @@ class FlashAttentionForwardSm90Step3:
                     cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_consumers + wg], tQsQ[None, wg],
                               tma_bar_ptr=pipe_Q.producer_get_barrier(q_state))
                 # 2. every visible K/V block, each as soon as its stage has been released
-                for n_block in cutlass.range(n_block_max, unroll=1):
-                    self.load_kv(n_block, pipe_K, pipe_V, tma_atom_K, tma_atom_V, tKgK, tKsK, tVgV, tVsV)
+                #    (last block first: the order the consumers walk them in)
+                for i in cutlass.range(n_block_max, unroll=1):
+                    self.load_kv(i, n_block_max - 1 - i, pipe_K, pipe_V, tma_atom_K, tma_atom_V,
+                                 tKgK, tKsK, tVgV, tVsV)
         else:
             # ---------------------------------------------------------------- consumer warpgroups
             cute.arch.setmaxregister_increase(self.regs_consumer)
@@ -357,72 +371,60 @@ class FlashAttentionForwardSm90Step3:
                 cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
         pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
 
-        # 2. mainloop over key tiles
-        for n_block in cutlass.range(n_block_max, unroll=1):
-            st = self.kv_state(n_block, producer=False)
-            # 2b. S = Q K_j^T as soon as K_j has landed, on our turn; hand the turn over right after
-            #     issuing, so the other consumer's GEMMs queue behind ours while we do softmax
-            pipe_K.consumer_wait(st)
-            acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
+        # 2. mainloop over key tiles, software-pipelined inside the warpgroup (FA3's intra-warpgroup
+        #    overlap): one tensor-core turn issues S_i = Q K^T *and* O += P_{i-1} V, so the softmax
+        #    of S_i runs while our own P V (and then the other consumer's GEMMs) occupy the tensor
+        #    cores. P_{i-1} stays in registers (tOrP) across the turn; O is rescaled for tile i only
+        #    after P_{i-1} V has landed in it. Blocks are walked last first: the blocks that need a
+        #    mask (the partial last one, the causal diagonal) come first, then a hot loop with no
+        #    mask code at all.
+        tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), self.dtype)
+        row_scale = cute.make_rmem_tensor((num_rows,), Float32)
+        # blocks [0, n_unmasked) need no mask for any row of the CTA: full, and (causal) left of the
+        # diagonal of the CTA's first row (key j visible to row i iff j <= i + seqlen_k - seqlen_q)
+        n_unmasked = seqlen_k // tn
+        if const_expr(self.causal):
+            diag = m_block * self.tile_m + 1 + seqlen_k - seqlen_q
+            n_unmasked = cutlass.min(n_unmasked, cutlass.max(diag, 0) // tn)
+        n_masked = n_block_max - cutlass.min(n_unmasked, n_block_max)  # walked first (i < n_masked)
+        if n_block_max > 0:
+            # 2a. prologue: S_0 alone (O is still 0: nothing to rescale)
+            st0 = self.kv_state(Int32(0), producer=False)
+            pipe_K.consumer_wait(st0)
+            acc_S0 = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
             if const_expr(self.pingpong):
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
-            wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
+            wgmma_gemm(tiled_mma_qk, acc_S0, tSrQ, tSrK[None, None, None, st0.index], zero_init=True, wait=False)
             if const_expr(self.pingpong):
                 cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
             warpgroup.wait_group(0)
-            acc_S_rc = acc_rowcol(acc_S)
+            pipe_K.consumer_release(st0)
+            self.online_softmax(acc_S0, n_block_max - 1, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                                tScS_rc, row_max, row_sum, row_scale)
+            self.store_P(acc_S0, tOrP)
 
-            # 2c. mask keys >= seqlen_k, and (causal) keys past each row's diagonal
-            needs_mask = (n_block + 1) * tn > seqlen_k
-            if const_expr(self.causal):
-                needs_mask = needs_mask or (n_block + 1) * tn > row0 + 1 + seqlen_k - seqlen_q
-            if needs_mask:
-                for r in cutlass.range_constexpr(num_rows):
-                    col_limit = seqlen_k - n_block * tn  # in this tile's column coordinates
-                    if const_expr(self.causal):
-                        row = row0 + tScS_rc[r, 0][0]
-                        col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
-                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                        if tScS_rc[r, c][1] >= col_limit:
-                            acc_S_rc[r, c] = -Float32.inf
+            # 2b. steady state, masked blocks first, then the hot loop
+            for i in cutlass.range(1, n_masked, unroll=1):
+                self.overlapped_step(i, n_block_max - 1 - i, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                                     tScS_rc, row_max, row_sum, row_scale, acc_O, tOrP,
+                                     tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
+                                     my_turn, other_turn)
+            for i in cutlass.range(cutlass.max(n_masked, 1), n_block_max, unroll=1):
+                self.overlapped_step(i, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                                     tScS_rc, row_max, row_sum, row_scale, acc_O, tOrP,
+                                     tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
+                                     my_turn, other_turn)
 
-            # 2d. online softmax, log2 domain, one row pair per thread
-            for r in cutlass.range_constexpr(num_rows):
-                m_tile = acc_S_rc[r, 0]
-                for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
-                    m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
-                m_tile = quad_allreduce(m_tile, cute.arch.fmax)
-                m_new = cute.arch.fmax(row_max[r], m_tile)
-                # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
-                m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-                m_scaled = m_safe * softmax_scale_log2
-                rescale = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
-                row_max[r] = m_new
-                s = Float32(0.0)
-                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                    p = cute.math.exp2(acc_S_rc[r, c] * softmax_scale_log2 - m_scaled, fastmath=True)
-                    acc_S_rc[r, c] = p
-                    s += p
-                row_sum[r] = row_sum[r] * rescale + s  # per-thread partial; quad-reduced at the end
-                for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
-                    acc_O_rc[r, c] = acc_O_rc[r, c] * rescale
-
-            # 2e. P -> bf16/fp16 in the A-operand register fragment, then O += P V_j (on our turn)
-            tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), self.dtype)
-            # same registers in accumulator order (see module docstring): convert in place
-            tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
-            tOrP_as_acc.store(acc_S.load().to(self.dtype))
-            pipe_V.consumer_wait(st)
+            # 2c. drain: the last P V
+            st_last = self.kv_state(n_block_max - 1, producer=False)
+            pipe_V.consumer_wait(st_last)
             if const_expr(self.pingpong):
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
-            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st.index], zero_init=False, wait=False)
+            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_last.index], zero_init=False, wait=False)
             if const_expr(self.pingpong):
                 cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
             warpgroup.wait_group(0)
-
-            # 2f. both wgmmas have completed: hand the stage back to the producer warp
-            pipe_K.consumer_release(st)
-            pipe_V.consumer_release(st)
+            pipe_V.consumer_release(st_last)
 
         if const_expr(self.pingpong):
             if wg == 0:  # consume consumer 1's last hand-over: no arrival outlives the loop
@@ -467,20 +469,101 @@ class FlashAttentionForwardSm90Step3:
             if tOcO[0, m, 0][0] < q_rows_left:
                 cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
 
-    # -------------------------------------------------------------- pipeline bookkeeping
-    def kv_state(self, n_block: Int32, producer: bool) -> pipeline.PipelineState:
-        """Pipeline slot of key block n: stage n % stages; the phase flips every lap round the ring.
-        A producer starts one phase ahead: its first lap must not wait for "empty"."""
-        phase = (n_block // self.num_stages) % 2
-        if const_expr(producer):
-            phase = phase ^ 1
-        return pipeline.PipelineState(self.num_stages, n_block, n_block % self.num_stages, phase)
+    @cute.jit
+    def overlapped_step(self, i: Int32, n_block: Int32, mask: cutlass.Constexpr[bool], row0: Int32,
+                        seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, tScS_rc: cute.Tensor,
+                        row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
+                        acc_O: cute.Tensor, tOrP: cute.Tensor, tSrQ: cute.Tensor,
+                        tSrK: cute.Tensor, tOrVt: cute.Tensor, thr_mma_qk, tiled_mma_qk: cute.TiledMma,
+                        tiled_mma_pv: cute.TiledMma, pipe_K, pipe_V, my_turn: Int32, other_turn: Int32):
+        """The i-th key block walked (block n_block): one turn issues S_i and O += P_{i-1} V_{i-1}."""
+        tm, tn = self.wg_m, self.tile_n
+        turn_threads = 2 * 128
+        st = self.kv_state(i, producer=False)
+        st_prev = self.kv_state(i - 1, producer=False)
+        pipe_K.consumer_wait(st)
+        pipe_V.consumer_wait(st_prev)
+        acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+        wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
+        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev.index], zero_init=False, wait=False)
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+        warpgroup.wait_group(1)  # S_i has landed (P_{i-1} V_{i-1} may still run)
+        pipe_K.consumer_release(st)
+        self.online_softmax(acc_S, n_block, mask, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                                         tScS_rc, row_max, row_sum, row_scale)
+        warpgroup.wait_group(0)  # P_{i-1} V_{i-1} has landed: O and tOrP are ours again
+        pipe_V.consumer_release(st_prev)
+        acc_O_rc = acc_rowcol(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                acc_O_rc[r, c] = acc_O_rc[r, c] * row_scale[r]
+        self.store_P(acc_S, tOrP)
 
     @cute.jit
-    def load_kv(self, n_block: Int32, pipe_K, pipe_V, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-                tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor, tVsV: cute.Tensor):
-        """(producer warp) wait until the slot is free, post the byte count, issue K then V."""
-        st = self.kv_state(n_block, producer=True)
+    def online_softmax(self, acc_S: cute.Tensor, n_block: Int32, mask: cutlass.Constexpr[bool], row0: Int32,
+                       seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, tScS_rc: cute.Tensor,
+                       row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor):
+        """S_j (accumulator) -> P_j = 2^(S*scale - m*scale) in place, with the mask, the running max
+        and sum (log2 domain, one row pair per thread); row_scale = the factor O must be multiplied
+        by, which the caller applies once the in-flight P V that writes O has landed. mask=False: a
+        block the caller knows to be fully visible to every row (no mask code is generated)."""
+        tn = self.tile_n
+        acc_S_rc = acc_rowcol(acc_S)
+        num_rows = cute.size(row_max)
+        # mask keys >= seqlen_k, and (causal) keys past each row's diagonal
+        if const_expr(mask):
+            for r in cutlass.range_constexpr(num_rows):
+                col_limit = seqlen_k - n_block * tn  # in this tile's column coordinates
+                if const_expr(self.causal):
+                    row = row0 + tScS_rc[r, 0][0]
+                    col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
+                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                    if tScS_rc[r, c][1] >= col_limit:
+                        acc_S_rc[r, c] = -Float32.inf
+        for r in cutlass.range_constexpr(num_rows):
+            m_tile = acc_S_rc[r, 0]
+            for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
+                m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
+            m_tile = quad_allreduce(m_tile, cute.arch.fmax)
+            m_new = cute.arch.fmax(row_max[r], m_tile)
+            # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
+            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+            m_scaled = m_safe * softmax_scale_log2
+            row_scale[r] = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
+            row_max[r] = m_new
+            s = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                p = cute.math.exp2(acc_S_rc[r, c] * softmax_scale_log2 - m_scaled, fastmath=True)
+                acc_S_rc[r, c] = p
+                s += p
+            row_sum[r] = row_sum[r] * row_scale[r] + s  # per-thread partial; quad-reduced at the end
+
+    @cute.jit
+    def store_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """P (fp32 accumulator) -> the 16-bit A-operand fragment of O += P V: the same registers in
+        accumulator order (step 1's docstring), converted in place."""
+        tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
+        tOrP_as_acc.store(acc_S.load().to(self.dtype))
+
+    # -------------------------------------------------------------- pipeline bookkeeping
+    def kv_state(self, i: Int32, producer: bool) -> pipeline.PipelineState:
+        """Pipeline slot of the i-th key block walked: stage i % stages; the phase flips every lap
+        round the ring. A producer starts one phase ahead: its first lap must not wait for "empty"."""
+        phase = (i // self.num_stages) % 2
+        if const_expr(producer):
+            phase = phase ^ 1
+        return pipeline.PipelineState(self.num_stages, i, i % self.num_stages, phase)
+
+    @cute.jit
+    def load_kv(self, i: Int32, n_block: Int32, pipe_K, pipe_V, tma_atom_K: cute.CopyAtom,
+                tma_atom_V: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor,
+                tVsV: cute.Tensor):
+        """(producer warp) the i-th load, key block n_block: wait until ring slot i is free, post the
+        byte count, issue K then V."""
+        st = self.kv_state(i, producer=True)
         pipe_K.producer_acquire(st)
         cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=pipe_K.producer_get_barrier(st))
         pipe_V.producer_acquire(st)

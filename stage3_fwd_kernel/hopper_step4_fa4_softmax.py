@@ -40,7 +40,8 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   sequence length, so nothing lands in the next sequence), extra K columns are masked to -inf
   before the max, and the V rows of a partial last block are zeroed in shared memory by each
   consumer before its P V (P = 0 there, but 0 * NaN = NaN: unused KV-cache slots past
-  seqused_k may hold anything). Grid = (ceil(max_seqlen_q / 128), heads, batch); a CTA whose
+  seqused_k may hold anything; that block is walked first, so its tail is zeroed before the
+  first P V). Grid = (ceil(max_seqlen_q / 128), heads, batch); a CTA whose
   m_block starts past its sequence's end exits at once. A sequence with queries but no keys gets
   O = 0, lse = -inf (no key block, l = 0).
 * Scheduling stays a parameter (`scheduler`, StaticTileScheduler by default) and an optional
@@ -48,15 +49,19 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   stage 5 can reorder sequences (longest first) without this file knowing how.
 
 Cost in registers: none to speak of. The polynomial's coefficients are immediates and the vote
-is one predicate; the consumer path's highest register (SASS, bf16) is 178 / 194 / 206 / 200 / 198
-at d = 64 / 96 / 128 / (192,128) / 256 without causal (step 3: 178 / 194 / 204 / 203 / 198),
-198 - 216 with it (the varlen kernel, which also zeroes V tails: up to 218), below the 232
-that setmaxnreg grants; no spills, no local memory.
+is one predicate; the consumer path's highest register (SASS, bf16) is 212 / 214 / 226 / 230 / 219
+at d = 64 / 96 / 128 / (192,128) / 256 without causal, 225 - 238 with it (varlen: 238), within
+the 240 that setmaxnreg grants; no spills, no local memory. The vote sits in the softmax, which
+the walk instantiates three times (first block, masked blocks, hot loop): three VOTE.ANY in SASS.
+With the overlap, the O rescale a "yes" vote asks for waits until P_{i-1} V_{i-1} has landed.
 
-Everything else is step 3 (producer warp + two ping-pong consumer warpgroups, TMA K/V ring,
-setmaxnreg 40/232, same tile sizes and shared memory), and everything it supports is still
-supported: fp16/bf16, head dims 64/96/128/(192,128)/256, causal (bottom-right), GQA/MQA, any
-seqlens, softmax_scale (> 0), lse.
+Everything else is step 3 (producer warp + two ping-pong consumer warpgroups with the
+intra-warpgroup overlap, last-block-first walk, TMA K/V ring, setmaxnreg 24/240, same tile sizes
+and shared memory), and everything it supports is still supported: fp16/bf16, head dims
+64/96/128/(192,128)/256, causal (bottom-right), GQA/MQA, any seqlens, softmax_scale (> 0), lse.
+Tiles were swept on the H100 (benchmarks/tune_fwd.py, benchmarks/results/tune_fwd_h100_run1.json):
+the defaults beat tile_n = 160 / 176 at d = 128, 192 at d = 64, 80 at d = 256 (the official
+FA4's sm90 choice there) and 112 at (192, 128), causal and not.
 """
 from __future__ import annotations
 
@@ -171,7 +176,7 @@ class FlashAttentionForwardSm90Step4:
         self.num_consumers = 2               # consumer warpgroups
         self.wg_m = tile_m // self.num_consumers  # 64 query rows per consumer
         self.num_threads = 128 * (1 + self.num_consumers)
-        self.regs_producer, self.regs_consumer = 40, 232
+        self.regs_producer, self.regs_consumer = 24, 240
         self.smem_bytes = None
 
     # -------------------------------------------------------------- host side (traced once)
@@ -390,8 +395,10 @@ class FlashAttentionForwardSm90Step4:
                     cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_consumers + wg], tQsQ[None, wg],
                               tma_bar_ptr=pipe_Q.producer_get_barrier(q_state))
                 # 2. every visible K/V block, each as soon as its stage has been released
-                for n_block in cutlass.range(n_block_max, unroll=1):
-                    self.load_kv(n_block, pipe_K, pipe_V, tma_atom_K, tma_atom_V, tKgK, tKsK, tVgV, tVsV)
+                #    (last block first: the order the consumers walk them in)
+                for i in cutlass.range(n_block_max, unroll=1):
+                    self.load_kv(i, n_block_max - 1 - i, pipe_K, pipe_V, tma_atom_K, tma_atom_V,
+                                 tKgK, tKsK, tVgV, tVsV)
         else:
             # ---------------------------------------------------------------- consumer warpgroups
             cute.arch.setmaxregister_increase(self.regs_consumer)
@@ -454,84 +461,70 @@ class FlashAttentionForwardSm90Step4:
                 cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
         pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
 
-        # 2. mainloop over key tiles
-        for n_block in cutlass.range(n_block_max, unroll=1):
-            st = self.kv_state(n_block, producer=False)
-            # 2b. S = Q K_j^T as soon as K_j has landed, on our turn; hand the turn over right after
-            #     issuing, so the other consumer's GEMMs queue behind ours while we do softmax
-            pipe_K.consumer_wait(st)
-            acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
+        # 2. mainloop over key tiles, software-pipelined inside the warpgroup (FA3's intra-warpgroup
+        #    overlap): one tensor-core turn issues S_i = Q K^T *and* O += P_{i-1} V, so the softmax
+        #    of S_i runs while our own P V (and then the other consumer's GEMMs) occupy the tensor
+        #    cores. P_{i-1} stays in registers (tOrP) across the turn; O is rescaled for tile i only
+        #    after P_{i-1} V has landed in it. Blocks are walked last first: the blocks that need a
+        #    mask (the partial last one, the causal diagonal) come first, then a hot loop with no
+        #    mask code at all.
+        tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), self.dtype)
+        row_scale = cute.make_rmem_tensor((num_rows,), Float32)
+        # blocks [0, n_unmasked) need no mask for any row of the CTA: full, and (causal) left of the
+        # diagonal of the CTA's first row (key j visible to row i iff j <= i + seqlen_k - seqlen_q)
+        n_unmasked = seqlen_k // tn
+        if const_expr(self.causal):
+            diag = m_block * self.tile_m + 1 + seqlen_k - seqlen_q
+            n_unmasked = cutlass.min(n_unmasked, cutlass.max(diag, 0) // tn)
+        n_masked = n_block_max - cutlass.min(n_unmasked, n_block_max)  # walked first (i < n_masked)
+        if n_block_max > 0:
+            # 2a. prologue: S_0 alone (O is still 0: nothing to rescale)
+            st0 = self.kv_state(Int32(0), producer=False)
+            pipe_K.consumer_wait(st0)
+            acc_S0 = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
             if const_expr(self.pingpong):
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
-            wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
+            wgmma_gemm(tiled_mma_qk, acc_S0, tSrQ, tSrK[None, None, None, st0.index], zero_init=True, wait=False)
             if const_expr(self.pingpong):
                 cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
-            warpgroup.wait_group(0)
-            acc_S_rc = acc_rowcol(acc_S)
-
-            # 2c. mask keys >= seqlen_k, and (causal) keys past each row's diagonal
-            needs_mask = (n_block + 1) * tn > seqlen_k
-            if const_expr(self.causal):
-                needs_mask = needs_mask or (n_block + 1) * tn > row0 + 1 + seqlen_k - seqlen_q
-            if needs_mask:
-                for r in cutlass.range_constexpr(num_rows):
-                    col_limit = seqlen_k - n_block * tn  # in this tile's column coordinates
-                    if const_expr(self.causal):
-                        row = row0 + tScS_rc[r, 0][0]
-                        col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
-                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                        if tScS_rc[r, c][1] >= col_limit:
-                            acc_S_rc[r, c] = -Float32.inf
-
-            # 2d. this tile's row maxima, one row pair per thread (quad-reduced)
-            for r in cutlass.range_constexpr(num_rows):
-                m_tile = acc_S_rc[r, 0]
-                for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
-                    m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
-                m_tile = quad_allreduce(m_tile, cute.arch.fmax)
-                row_max_new[r] = cute.arch.fmax(row_max[r], m_tile)
-            # 2e. conditional rescaling: one warp-uniform vote (16 rows) -- only when some row's max
-            #     grew by more than tau do the warp's rows move to their new max and O, l get rescaled
-            if softmax_policy.rescale_vote(row_max, row_max_new, softmax_scale_log2, self.policy.rescale_threshold):
-                for r in cutlass.range_constexpr(num_rows):
-                    # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
-                    m_safe = Float32(0.0) if row_max_new[r] == -Float32.inf else row_max_new[r]
-                    rescale = ex2_approx_f32((row_max[r] - m_safe) * softmax_scale_log2)
-                    row_max[r] = row_max_new[r]
-                    row_sum[r] = row_sum[r] * rescale
-                    for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
-                        acc_O_rc[r, c] = acc_O_rc[r, c] * rescale
-            # 2f. P = 2^(S*scale - m*scale) <= 2^tau, a compile-time share of it on the FMA pipe
-            for r in cutlass.range_constexpr(num_rows):
-                m_safe = Float32(0.0) if row_max[r] == -Float32.inf else row_max[r]
-                row_sum[r] += softmax_policy.exp2_row(acc_S_rc[r, None], softmax_scale_log2,
-                                                      m_safe * softmax_scale_log2, self.policy)
-                # (row_sum is a per-thread partial; quad-reduced in the epilogue)
-
-            # 2g. P -> bf16/fp16 in the A-operand register fragment, then O += P V_j (on our turn)
-            tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), self.dtype)
-            # same registers in accumulator order (see step 1's docstring): convert in place
-            tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
-            tOrP_as_acc.store(acc_S.load().to(self.dtype))
-            pipe_V.consumer_wait(st)
             if const_expr(self.varlen):
-                # V rows past the sequence are the next sequence's, or unused cache slots (seqused_k)
-                # that may hold NaN; P is 0 there but 0 * NaN is not. Zero them (both consumers write
+                # V rows past the sequence belong to the next one, or are unused cache slots
+                # (seqused_k) that may hold NaN; P is 0 there but 0 * NaN is not. Only the first
+                # block walked (the last one) can be partial: zero its tail (both consumers write
                 # the same zeros, before either reads), then make the writes visible to wgmma.
-                if (n_block + 1) * tn > seqlen_k:
-                    self.zero_rows(sV[None, None, st.index], seqlen_k - n_block * tn, ctidx, gmem_copy_O)
+                if n_block_max * tn > seqlen_k:
+                    pipe_V.consumer_wait(st0)
+                    self.zero_rows(sV[None, None, st0.index], seqlen_k - (n_block_max - 1) * tn, ctidx, gmem_copy_O)
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+            warpgroup.wait_group(0)
+            pipe_K.consumer_release(st0)
+            self.online_softmax(acc_S0, n_block_max - 1, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                                tScS_rc, row_max, row_max_new, row_sum, row_scale)
+            self.store_P(acc_S0, tOrP)
+
+            # 2b. steady state, masked blocks first, then the hot loop
+            for i in cutlass.range(1, n_masked, unroll=1):
+                self.overlapped_step(i, n_block_max - 1 - i, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                                     tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
+                                     tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
+                                     my_turn, other_turn)
+            for i in cutlass.range(cutlass.max(n_masked, 1), n_block_max, unroll=1):
+                self.overlapped_step(i, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                                     tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
+                                     tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
+                                     my_turn, other_turn)
+
+            # 2c. drain: the last P V
+            st_last = self.kv_state(n_block_max - 1, producer=False)
+            pipe_V.consumer_wait(st_last)
             if const_expr(self.pingpong):
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
-            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st.index], zero_init=False, wait=False)
+            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_last.index], zero_init=False, wait=False)
             if const_expr(self.pingpong):
                 cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
             warpgroup.wait_group(0)
-
-            # 2h. both wgmmas have completed: hand the stage back to the producer warp
-            pipe_K.consumer_release(st)
-            pipe_V.consumer_release(st)
+            pipe_V.consumer_release(st_last)
 
         if const_expr(self.pingpong):
             if wg == 0:  # consume consumer 1's last hand-over: no arrival outlives the loop
@@ -577,6 +570,94 @@ class FlashAttentionForwardSm90Step4:
                 cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit
+    def overlapped_step(self, i: Int32, n_block: Int32, mask: cutlass.Constexpr[bool], row0: Int32,
+                        seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, tScS_rc: cute.Tensor,
+                        row_max: cute.Tensor, row_max_new: cute.Tensor, row_sum: cute.Tensor,
+                        row_scale: cute.Tensor, acc_O: cute.Tensor, tOrP: cute.Tensor, tSrQ: cute.Tensor,
+                        tSrK: cute.Tensor, tOrVt: cute.Tensor, thr_mma_qk, tiled_mma_qk: cute.TiledMma,
+                        tiled_mma_pv: cute.TiledMma, pipe_K, pipe_V, my_turn: Int32, other_turn: Int32):
+        """The i-th key block walked (block n_block): one turn issues S_i and O += P_{i-1} V_{i-1}."""
+        tm, tn = self.wg_m, self.tile_n
+        turn_threads = 2 * 128
+        st = self.kv_state(i, producer=False)
+        st_prev = self.kv_state(i - 1, producer=False)
+        pipe_K.consumer_wait(st)
+        pipe_V.consumer_wait(st_prev)
+        acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+        wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
+        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev.index], zero_init=False, wait=False)
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+        warpgroup.wait_group(1)  # S_i has landed (P_{i-1} V_{i-1} may still run)
+        pipe_K.consumer_release(st)
+        rescale_O = self.online_softmax(acc_S, n_block, mask, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                                         tScS_rc, row_max, row_max_new, row_sum, row_scale)
+        warpgroup.wait_group(0)  # P_{i-1} V_{i-1} has landed: O and tOrP are ours again
+        pipe_V.consumer_release(st_prev)
+        if rescale_O:
+            acc_O_rc = acc_rowcol(acc_O)
+            for r in cutlass.range_constexpr(cute.size(row_scale)):
+                for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                    acc_O_rc[r, c] = acc_O_rc[r, c] * row_scale[r]
+        self.store_P(acc_S, tOrP)
+
+    @cute.jit
+    def online_softmax(self, acc_S: cute.Tensor, n_block: Int32, mask: cutlass.Constexpr[bool], row0: Int32,
+                       seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, tScS_rc: cute.Tensor,
+                       row_max: cute.Tensor, row_max_new: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor):
+        """S_j (accumulator) -> P_j = 2^(S*scale - m*scale) in place, with the mask, the running max
+        and sum. Returns the warp's vote: True when O must be multiplied by row_scale (the caller
+        does it once the in-flight P V that writes O has landed). mask=False: a block the caller
+        knows to be fully visible to every row (no mask code is generated)."""
+        tn = self.tile_n
+        acc_S_rc = acc_rowcol(acc_S)
+        num_rows = cute.size(row_max)
+        # mask keys >= seqlen_k, and (causal) keys past each row's diagonal
+        if const_expr(mask):
+            for r in cutlass.range_constexpr(num_rows):
+                col_limit = seqlen_k - n_block * tn  # in this tile's column coordinates
+                if const_expr(self.causal):
+                    row = row0 + tScS_rc[r, 0][0]
+                    col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
+                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                    if tScS_rc[r, c][1] >= col_limit:
+                        acc_S_rc[r, c] = -Float32.inf
+        # this tile's row maxima, one row pair per thread (quad-reduced)
+        for r in cutlass.range_constexpr(num_rows):
+            m_tile = acc_S_rc[r, 0]
+            for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
+                m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
+            m_tile = quad_allreduce(m_tile, cute.arch.fmax)
+            row_max_new[r] = cute.arch.fmax(row_max[r], m_tile)
+        # conditional rescaling: one warp-uniform vote (16 rows) -- only when some row's max grew by
+        # more than tau do the warp's rows move to their new max (l now, O by the caller)
+        rescale = softmax_policy.rescale_vote(row_max, row_max_new, softmax_scale_log2,
+                                              self.policy.rescale_threshold)
+        if rescale:
+            for r in cutlass.range_constexpr(num_rows):
+                # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
+                m_safe = Float32(0.0) if row_max_new[r] == -Float32.inf else row_max_new[r]
+                row_scale[r] = ex2_approx_f32((row_max[r] - m_safe) * softmax_scale_log2)
+                row_max[r] = row_max_new[r]
+                row_sum[r] = row_sum[r] * row_scale[r]
+        # P = 2^(S*scale - m*scale) <= 2^tau, a compile-time share of it on the FMA pipe
+        for r in cutlass.range_constexpr(num_rows):
+            m_safe = Float32(0.0) if row_max[r] == -Float32.inf else row_max[r]
+            row_sum[r] += softmax_policy.exp2_row(acc_S_rc[r, None], softmax_scale_log2,
+                                                  m_safe * softmax_scale_log2, self.policy)
+            # (row_sum is a per-thread partial; quad-reduced in the epilogue)
+        return rescale
+
+    @cute.jit
+    def store_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
+        """P (fp32 accumulator) -> the 16-bit A-operand fragment of O += P V: the same registers in
+        accumulator order (step 1's docstring), converted in place."""
+        tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
+        tOrP_as_acc.store(acc_S.load().to(self.dtype))
+
+    @cute.jit
     def zero_rows(self, sV_stage: cute.Tensor, first_row: Int32, ctidx: Int32, copy_16B: cute.TiledCopy):
         """sV_stage[first_row:, :] = 0: the epilogue's 128-thread, 16-byte tiled copy (it tiles any
         (rows, dv) tile) writes a zero fragment, row-predicated; tile_n * dv / 1024 stores a thread."""
@@ -590,19 +671,21 @@ class FlashAttentionForwardSm90Step4:
                 cute.copy(copy_16B, tZrZ[None, m, None], tZsV[None, m, None])
 
     # -------------------------------------------------------------- pipeline bookkeeping
-    def kv_state(self, n_block: Int32, producer: bool) -> pipeline.PipelineState:
-        """Pipeline slot of key block n: stage n % stages; the phase flips every lap round the ring.
-        A producer starts one phase ahead: its first lap must not wait for "empty"."""
-        phase = (n_block // self.num_stages) % 2
+    def kv_state(self, i: Int32, producer: bool) -> pipeline.PipelineState:
+        """Pipeline slot of the i-th key block walked: stage i % stages; the phase flips every lap
+        round the ring. A producer starts one phase ahead: its first lap must not wait for "empty"."""
+        phase = (i // self.num_stages) % 2
         if const_expr(producer):
             phase = phase ^ 1
-        return pipeline.PipelineState(self.num_stages, n_block, n_block % self.num_stages, phase)
+        return pipeline.PipelineState(self.num_stages, i, i % self.num_stages, phase)
 
     @cute.jit
-    def load_kv(self, n_block: Int32, pipe_K, pipe_V, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
-                tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor, tVsV: cute.Tensor):
-        """(producer warp) wait until the slot is free, post the byte count, issue K then V."""
-        st = self.kv_state(n_block, producer=True)
+    def load_kv(self, i: Int32, n_block: Int32, pipe_K, pipe_V, tma_atom_K: cute.CopyAtom,
+                tma_atom_V: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor,
+                tVsV: cute.Tensor):
+        """(producer warp) the i-th load, key block n_block: wait until ring slot i is free, post the
+        byte count, issue K then V."""
+        st = self.kv_state(i, producer=True)
         pipe_K.producer_acquire(st)
         cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=pipe_K.producer_get_barrier(st))
         pipe_V.producer_acquire(st)

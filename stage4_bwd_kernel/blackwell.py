@@ -52,7 +52,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     """Packed variable-length backward: not implemented on Blackwell yet (NotImplementedError on a
     capability-10.x GPU, RuntimeError elsewhere)."""
     _require_blackwell("attention_varlen_backward")
-    raise NotImplementedError("varlen backward on Blackwell is not implemented yet (stage4_bwd_kernel/blackwell.md)")
+    raise NotImplementedError("varlen backward on Blackwell is not implemented yet (stage4_bwd_kernel/README.md, Blackwell section)")
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):

@@ -1,6 +1,6 @@
 """Stage 4, Blackwell (sm_100a): the 1-CTA FA4 backward -- five tcgen05 MMAs, TMEM accumulators,
 dQ by atomics (or, deterministic, by semaphore-ordered atomics). COMPILED AND INSPECTED ONLY: no
-Blackwell GPU is reachable from this project; this kernel has never run (see blackwell.md).
+Blackwell GPU is reachable from this project; this kernel has never run (see the Blackwell section of README.md).
 
 One CTA = one K/V tile (128 keys) of one KV head; it walks every (query head of the GQA group,
 Q tile) that sees the tile. Warps (blackwell_config.py has the TMEM / SMEM plan):
@@ -27,8 +27,10 @@ Barriers (mbarriers; "count" = arrivals per phase):
     dkv_full        MMA commit after the last dK -> WG 0               1
     tmem_dealloc    WG 0 + WG 2 -> MMA warp                            256
 
-Not implemented here (see blackwell.md): varlen / seqused_k, head dims other than 64 and 128,
-the overlap of dS with the previous tile's dK / dQ MMAs, and the 2-CTA kernel.
+Not implemented here (see the Blackwell section of README.md): varlen / seqused_k, head dims other than 64 and 128,
+the overlap of dS with the previous tile's dK / dQ MMAs. The 2-CTA kernel (blackwell_bwd_2cta.py)
+subclasses this one and reuses its elementwise helpers (_row_copies, _stage_stats, _exp_row,
+_store16, _store_dkdv) and gemm.
 """
 from __future__ import annotations
 
@@ -357,6 +359,81 @@ class FlashAttentionBackwardSm100:
             tcgen05.commit(self._bar(mbar, "dkv_full"))
 
     # ------------------------------------------------------------------ elementwise warpgroup
+    def _row_copies(self, accS: cute.Tensor, tidx):
+        """TMEM <-> register copies of one 128-lane fp32 accumulator (thread r = lane r): 32-column
+        loads, and stores of 32 16-bit values packed into 16 columns. Shared with the 2-CTA kernel."""
+        tn, ch = self.tn, 32
+        sub = lambda t, off, w: cute.make_tensor(t.iterator + off, cute.composition(t.layout, cute.make_layout((tn, w))))  # noqa: E731
+        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ch)), Float32),
+                                    sub(accS, 0, ch))
+        st16 = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(ch // 2)),
+                                                          Float32), sub(accS, 0, ch // 2))
+        thr_ld, thr_st = ld.get_slice(tidx), st16.get_slice(tidx)
+        r_shape = thr_ld.partition_D(cute.make_identity_tensor((tn, ch))).shape
+        r16_shape = thr_st.partition_S(cute.make_identity_tensor((tn, ch // 2))).shape
+        return sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape
+
+    @cute.jit
+    def _stage_stats(self, tidx: Int32, batch: Int32, head: Int32, m_block: Int32, seqlen_q: Int32,
+                     mLSE2: cute.Tensor, mD: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor):
+        """lse2 / D of this Q tile -> SMEM (rows past the sequence: lse2 = +inf -> P = 0, D = 0)."""
+        cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+        row = m_block * self.tm + tidx
+        lse2, dsum = Float32.inf, Float32(0.0)
+        if row < seqlen_q:
+            lse2, dsum = mLSE2[batch, head, row], mD[batch, head, row]
+        sLSE[tidx], sD[tidx] = lse2, dsum
+        cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+
+    @cute.jit
+    def _exp_row(self, rP: cute.Tensor, accS: cute.Tensor, sub, ld: cute.TiledCopy, thr_ld, r_shape: cutlass.Constexpr,
+                 key: Int32, key_limit: Int32, diag: Int32, need_mask, softmax_scale_log2: Float32, sLSE: cute.Tensor):
+        """rP = P^T row of key `key`: exp2(S^T * scale_log2 - lse2), masked -> 0 (S^T read from TMEM)."""
+        tm, ch = self.tm, 32
+        for c in cutlass.range_constexpr(tm // ch):
+            r = cute.make_rmem_tensor(r_shape, Float32)
+            cute.copy(ld, thr_ld.partition_S(sub(accS, c * ch, ch)), r)
+            for j in cutlass.range_constexpr(ch):
+                rP[c * ch + j] = r[j]
+        cute.arch.fence_view_async_tmem_load()
+        # schedule.is_masked hoisted to one threshold column per thread (blackwell_config.mask_col_min)
+        col_min = Int32(0)
+        if need_mask:
+            col_min = mask_col_min(key, key_limit, diag, tm, self.causal, imax=cutlass.max,
+                                   select=lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
+        for c in cutlass.range_constexpr(tm):
+            s = rP[c] * softmax_scale_log2 - sLSE[c]
+            s = Float32(cutlass.select_(col_min > c, -Float32.inf, s))
+            rP[c] = cute.math.exp2(s, fastmath=True)
+
+    @cute.jit
+    def _store_dkdv(self, key: Int32, n_block: Int32, batch: Int32, head_kv: Int32, n_iter: Int32, seqlen_k: Int32,
+                    softmax_scale: Float32, tmem_ptr: cute.Pointer, accS: cute.Tensor, sub, ld: cute.TiledCopy,
+                    thr_ld, r_shape: cutlass.Constexpr, mdK: cute.Tensor, mdV: cute.Tensor):
+        """Epilogue: dV, scale * dK (fp32 TMEM, lane = key) -> 16-bit global rows (keys past seqlen_k skipped;
+        a K/V tile that no Q tile sees writes zeros)."""
+        T, ch = self.tmem, 32
+        key_g = n_block * self.tn + key
+        for which in cutlass.range_constexpr(2):
+            width = self.dv if const_expr(which == 0) else self.d
+            col0 = T.dv if const_expr(which == 0) else T.dk
+            scale = Float32(1.0) if const_expr(which == 0) else softmax_scale
+            mOut = mdV if const_expr(which == 0) else mdK
+            acc = cute.make_tensor(tmem_ptr + col0, accS.layout)
+            for c in cutlass.range_constexpr(width // ch):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(acc, c * ch, ch)), r)
+                cute.arch.fence_view_async_tmem_load()
+                out = cute.make_rmem_tensor((ch,), self.dtype)
+                for j in cutlass.range_constexpr(ch):
+                    v = r[j] * scale
+                    if n_iter == 0:
+                        v = Float32(0.0)
+                    out[j] = v.to(self.dtype)
+                if key_g < seqlen_k:
+                    g = cute.local_tile(mOut[batch, key_g, head_kv, None], (ch,), (c,))
+                    cute.autovec_copy(out, g)
+
     @cute.jit
     def elementwise(self, n_block: Int32, batch: Int32, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
                     group: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
@@ -367,49 +444,23 @@ class FlashAttentionBackwardSm100:
         tm, tn, T = self.tm, self.tn, self.tmem
         ch = 32                                    # fp32 columns per TMEM load
         accS = self._tmem_acc(tmem_ptr, mma_s, (tn, tm), T.s)
-        sub = lambda t, off, w: cute.make_tensor(t.iterator + off, cute.composition(t.layout, cute.make_layout((tn, w))))  # noqa: E731
-        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ch)), Float32),
-                                    sub(accS, 0, ch))
-        st16 = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(ch // 2)),
-                                                          Float32), sub(accS, 0, ch // 2))
-        thr_ld, thr_st = ld.get_slice(tidx), st16.get_slice(tidx)
-        r_shape = thr_ld.partition_D(cute.make_identity_tensor((tn, ch))).shape
-        r16_shape = thr_st.partition_S(cute.make_identity_tensor((tn, ch // 2))).shape
+        sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape = self._row_copies(accS, tidx)
         key = tidx                                  # TMEM lane = key row of the tile
         n_chunks = tm // ch
 
         for it in cutlass.range(n_iter, unroll=1):
             head = head_kv * group + it // n_m
             m_block = m_min + it % n_m
-            # 1. lse2 / D of this Q tile -> SMEM (rows past the sequence: lse2 = +inf -> P = 0, D = 0)
-            cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
-            row = m_block * tm + tidx
-            lse2, dsum = Float32.inf, Float32(0.0)
-            if row < seqlen_q:
-                lse2, dsum = mLSE2[batch, head, row], mD[batch, head, row]
-            sLSE[tidx], sD[tidx] = lse2, dsum
-            cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+            # 1. lse2 / D of this Q tile -> SMEM
+            self._stage_stats(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD)
             # 2. P^T row = exp2(S^T * scale_log2 - lse2), masked -> 0; P^T (16-bit) -> TMEM
             key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
             need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
             cute.arch.mbarrier_wait(self._bar(mbar, "s_full"), it % 2)
             tcgen05_fence_after_sync()
             rP = cute.make_rmem_tensor((tm,), Float32)
-            for c in cutlass.range_constexpr(n_chunks):
-                r = cute.make_rmem_tensor(r_shape, Float32)
-                cute.copy(ld, thr_ld.partition_S(sub(accS, c * ch, ch)), r)
-                for j in cutlass.range_constexpr(ch):
-                    rP[c * ch + j] = r[j]
-            cute.arch.fence_view_async_tmem_load()
-            # schedule.is_masked hoisted to one threshold column per thread (blackwell_config.mask_col_min)
-            col_min = Int32(0)
-            if need_mask:
-                col_min = mask_col_min(Int32(key), key_limit, diag, tm, self.causal, imax=cutlass.max,
-                                       select=lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
-            for c in cutlass.range_constexpr(tm):
-                s = rP[c] * softmax_scale_log2 - sLSE[c]
-                s = Float32(cutlass.select_(col_min > c, -Float32.inf, s))
-                rP[c] = cute.math.exp2(s, fastmath=True)
+            self._exp_row(rP, accS, sub, ld, thr_ld, r_shape, Int32(key), key_limit, diag, need_mask,
+                          softmax_scale_log2, sLSE)
             for c in cutlass.range_constexpr(n_chunks):
                 self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.p - T.s + c * ch // 2, ch // 2), r16_shape)
             cute.arch.fence_view_async_tmem_store()
@@ -437,30 +488,12 @@ class FlashAttentionBackwardSm100:
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "ds_full"))
 
-        # 4. epilogue: dV, scale * dK (fp32 TMEM) -> 16-bit global rows (keys past seqlen_k skipped)
-        key_g = n_block * tn + key
+        # 4. epilogue: dV, scale * dK -> global
         if n_iter > 0:
             cute.arch.mbarrier_wait(self._bar(mbar, "dkv_full"), 0)
             tcgen05_fence_after_sync()
-        for which in cutlass.range_constexpr(2):
-            width = self.dv if const_expr(which == 0) else self.d
-            col0 = T.dv if const_expr(which == 0) else T.dk
-            scale = Float32(1.0) if const_expr(which == 0) else softmax_scale
-            mOut = mdV if const_expr(which == 0) else mdK
-            acc = cute.make_tensor(tmem_ptr + col0, accS.layout)
-            for c in cutlass.range_constexpr(width // ch):
-                r = cute.make_rmem_tensor(r_shape, Float32)
-                cute.copy(ld, thr_ld.partition_S(sub(acc, c * ch, ch)), r)
-                cute.arch.fence_view_async_tmem_load()
-                out = cute.make_rmem_tensor((ch,), self.dtype)
-                for j in cutlass.range_constexpr(ch):
-                    v = r[j] * scale
-                    if n_iter == 0:
-                        v = Float32(0.0)
-                    out[j] = v.to(self.dtype)
-                if key_g < seqlen_k:
-                    g = cute.local_tile(mOut[batch, key_g, head_kv, None], (ch,), (c,))
-                    cute.autovec_copy(out, g)
+        self._store_dkdv(Int32(key), n_block, batch, head_kv, n_iter, seqlen_k, softmax_scale, tmem_ptr, accS, sub, ld,
+                         thr_ld, r_shape, mdK, mdV)
 
     @cute.jit
     def _store16(self, rP: cute.Tensor, off: cutlass.Constexpr[int], n: cutlass.Constexpr[int],
@@ -523,7 +556,7 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
                 dq_order=None, tiles=None):
     """host.py's make_kernel interface (dense only)."""
     if varlen or has_seqused_k:
-        raise ValueError("varlen / seqused_k: not implemented in the Blackwell backward yet (blackwell.md)")
+        raise ValueError("varlen / seqused_k: not implemented in the Blackwell backward yet (stage4_bwd_kernel/README.md, Blackwell section)")
     if tiles not in (None, (128, 128)):
         raise ValueError(f"tiles: the 1-CTA Blackwell backward uses (128, 128), got {tiles!r}")
     cfg = make_config(str(dtype).lower().replace("bfloat16", "bf16").replace("float16", "fp16"),
@@ -601,7 +634,7 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
 def attention_varlen_backward(*args, **kwargs):
     if not blackwell_gpu_available():
         raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU")
-    raise NotImplementedError("varlen: not implemented in the Blackwell backward yet (see blackwell.md)")
+    raise NotImplementedError("varlen: not implemented in the Blackwell backward yet (see the Blackwell section of README.md)")
 
 
 if __name__ == "__main__":

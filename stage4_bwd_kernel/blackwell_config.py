@@ -1,4 +1,4 @@
-"""Stage 4, Blackwell: the host-side plan of the 1-CTA backward kernel -- tiles, TMEM, SMEM, registers.
+"""Stage 4, Blackwell: the host-side plans of the 1-CTA and 2-CTA backward kernels -- tiles, TMEM, SMEM, registers.
 
 Plain Python (no cutlass import), tested on CPU, like stage3_fwd_kernel/blackwell_config.py.
 
@@ -51,7 +51,8 @@ from stage3_fwd_kernel.blackwell_config import _dtype_name as _fwd_dtype_name
 from stage3_fwd_kernel.blackwell_config import _pow2_at_least, _round_up
 
 __all__ = ["SMEM_CAPACITY", "TMEM_COLUMNS", "SUPPORTED_HEAD_DIMS", "mask_col_min", "BwdTmemPlan", "BwdSmemPlan",
-           "BwdRegisterPlan", "BlackwellBwdConfig", "blackwell_bwd_config"]
+           "BwdRegisterPlan", "BlackwellBwdConfig", "blackwell_bwd_config", "Bwd2CtaTmemPlan", "Bwd2CtaSmemPlan",
+           "blackwell_bwd_2cta_config"]
 
 SMEM_CAPACITY = 232448
 TMEM_COLUMNS = 512
@@ -205,8 +206,8 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
         if not (isinstance(v, int) and 16 <= v <= 256 and v % 16 == 0):
             raise ValueError(f"{name}: expected a multiple of 16 in [16, 256], got {v!r}")
     if cta_group != 1:
-        raise ValueError(f"cta_group: only the 1-CTA backward is implemented (the 2-CTA plan is in blackwell.md), "
-                         f"got {cta_group!r}")
+        raise ValueError(f"cta_group: this is the 1-CTA plan; the 2-CTA kernel (cluster of 2) is planned by "
+                         f"blackwell_bwd_2cta_config(), got cta_group={cta_group!r}")
     if tile_m != 128 or tile_n != 128:
         raise ValueError(f"tile_m, tile_n: the 1-CTA backward uses 128 x 128 tiles (M = 128 tcgen05 MMAs, "
                          f"one TMEM lane per row), got {tile_m} x {tile_n}")
@@ -249,9 +250,177 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
     return cfg
 
 
+
+# ------------------------------------------------------------------------------------------------
+# The 2-CTA kernel (blackwell_bwd_2cta.py): a cluster of 2 CTAs, M = 256 tcgen05 MMAs
+# ------------------------------------------------------------------------------------------------
+# Per CTA of the pair (rank c = 0, 1; the pair owns 2 x tile_n = 256 keys, CTA c keys [128c, 128c+128)):
+#
+# TMEM, 32-bit columns. The pair MMAs keep each CTA's accumulator slice in its own TMEM (lane r = its
+# key r), so S/P, dV, dP/dS and dK are as wide as in the 1-CTA plan. What moves is dQ: its MMA has
+# M = 128 query rows over the pair (64 per CTA) and lands in 128 lanes x d/2 columns (lane l: query
+# row l % 64, head-dim half l // 64 -- the DSL's C layout for cta_group::2, M = 128, checked at trace
+# time). Because dP of tile j is issued before dQ of tile j-1 (the paper's reordering), dQ cannot sit
+# over dP^T as in the 1-CTA plan; it shares the S/P region with P^T instead:
+#
+#     S/P/dQ   [0, 128)            S^T (fp32); P^T (16-bit) in [0, 64); dQ (fp32) in [64, 64 + d/2)
+#     dV       [128, 128 + dv)
+#     dP/dS    tile_m columns      dP^T (fp32); dS^T (16-bit) written in place over its first half
+#     dK       d columns
+#     d = 64: 384 -> 512 allocated;  d = 128: 512 (all of TMEM)
+#
+# SMEM, bytes. Every MMA splits its B operand by N across the pair, and N is a different dimension
+# for different MMAs (queries for S^T and dP^T, head dim for dK, dV and dQ), so each CTA stages four
+# B halves per Q tile -- sQ (64 queries x d), sdO (64 x dv), sQt (128 queries x d/2), sdOt (128 x dv/2)
+# -- and a second copy of K, sKt (256 keys x d/2), for dQ. The 1-CTA trick of reading one tile
+# transposed no longer applies, but each MMA now reads only half of its B operand from SMEM.
+#
+#     header + sK + sV + sKt + stages x (sQ + sdO + sQt + sdOt) + sdS + sXchg + sLSE/sD
+#     sdS     64 query rows x 256 keys x 2 = 32768 (A operand of dQ: the pair's full 2N reduction)
+#     sXchg   64 x 128 x 2 = 16384 (the peer's half of this CTA's dS, staged for the DSMEM bulk copy)
+#     d = 64:   1024 + 3 x 16384 + 1 x 32768 + 32768 + 16384 + 1024 = 133120   (2 stages: 165888)
+#     d = 128:  1024 + 3 x 32768 + 1 x 65536 + 32768 + 16384 + 1024 = 215040   (2 stages do not fit)
+NUM_BARRIERS_2CTA_FIXED = 13   # kv_full s_full dp_full p_full dst_full ds_full dq_full dq_empty dkv_full
+#                                xchg_full xchg_peer tmem_dealloc + the allocator's 2-CTA dealloc barrier
+SUPPORTED_HEAD_DIMS_2CTA = ((64, 64), (128, 128))
+P_COLS_2CTA = 64               # P^T (16-bit) of a 128-query tile: 128 / 2 columns
+# WG 1 (MMA + load warps): ptxas keeps the SMEM descriptors of all 48 pair-MMA K-steps in registers
+# across the tile loop; at 96 registers the causal builds spilled. 128 x (240 + 96 + 128) = 59392.
+REGS_MMA_LOAD_2CTA = 128
+
+
+@dataclass(frozen=True)
+class Bwd2CtaTmemPlan:
+    s: int        # S^T (fp32, tile_m cols)
+    p: int        # P^T (16-bit) at the start of the S region
+    dq: int       # dQ (fp32, 128 lanes x d/2) after P^T, inside the S region
+    dv: int
+    dp: int       # dP^T (fp32); dS^T (16-bit) in place over its first half
+    ds: int
+    dk: int
+    s_cols: int
+    p_cols: int
+    dq_cols: int
+    dv_cols: int
+    dp_cols: int
+    dk_cols: int
+    used: int
+    alloc: int
+
+    def table(self) -> str:
+        rows = [("S^T (fp32)", self.s, self.s_cols), ("  P^T (16-bit, over S^T)", self.p, self.p_cols),
+                ("  dQ (fp32, 64 rows as 128 lanes x d/2, over S^T)", self.dq, self.dq_cols),
+                ("dV (fp32 acc)", self.dv, self.dv_cols), ("dP^T (fp32)", self.dp, self.dp_cols),
+                ("  dS^T (16-bit, over dP^T)", self.ds, self.p_cols), ("dK (fp32 acc)", self.dk, self.dk_cols)]
+        lines = ["| buffer | columns | width |", "|---|---|---|"]
+        lines += [f"| {n} | [{o}, {o + w}) | {w} |" for n, o, w in rows]
+        lines.append(f"| **total used / allocated per CTA** | | **{self.used} / {self.alloc}** of {TMEM_COLUMNS} |")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Bwd2CtaSmemPlan:
+    header: int
+    num_barriers: int
+    k: int        # this CTA's 128 keys x d (A of S^T)
+    v: int
+    kt: int       # the pair's 256 keys x d/2 (B of dQ)
+    qdo_stages: int
+    q: int        # 64 queries x d (B half of S^T), one stage
+    do: int       # 64 x dv (B half of dP^T)
+    qt: int       # 128 queries x d/2 (B half of dK)
+    dot: int      # 128 x dv/2 (B half of dV)
+    ds: int       # 64 queries x 256 keys (A of dQ)
+    xchg: int     # 64 x 128: the peer's rows of this CTA's dS, staged for the bulk copy
+    stats: int
+
+    @property
+    def total(self) -> int:
+        return (self.header + self.k + self.v + self.kt + self.qdo_stages * (self.q + self.do + self.qt + self.dot)
+                + self.ds + self.xchg + self.stats)
+
+    def describe(self) -> str:
+        return (f"header {self.header} + sK {self.k} + sV {self.v} + sKt {self.kt} + {self.qdo_stages} x (sQ {self.q} "
+                f"+ sdO {self.do} + sQt {self.qt} + sdOt {self.dot}) + sdS {self.ds} + sXchg {self.xchg} "
+                f"+ sLSE/sD {self.stats} = {self.total} bytes of {SMEM_CAPACITY} per CTA")
+
+
+def num_barriers_2cta(stages: int) -> int:
+    # fixed ones + full / empty for each of the four B halves per stage
+    return NUM_BARRIERS_2CTA_FIXED + 8 * stages
+
+
+def _tmem_plan_2cta(tile_m, tile_n, d, dv) -> Bwd2CtaTmemPlan:
+    s, p = 0, 0
+    dq = P_COLS_2CTA
+    dv_off = tile_n
+    dp = dv_off + dv
+    dk = dp + tile_m
+    used = dk + d
+    return Bwd2CtaTmemPlan(s=s, p=p, dq=dq, dv=dv_off, dp=dp, ds=dp, dk=dk, s_cols=tile_m, p_cols=tile_m // 2,
+                           dq_cols=d // 2, dv_cols=dv, dp_cols=tile_m, dk_cols=d, used=used,
+                           alloc=max(TMEM_MIN_ALLOC, _pow2_at_least(used)))
+
+
+def _smem_plan_2cta(tile_m, tile_n, d, dv, stages, elem=2) -> Bwd2CtaSmemPlan:
+    nbar = num_barriers_2cta(stages)
+    half_m = tile_m // 2
+    return Bwd2CtaSmemPlan(header=_round_up(8 * nbar + 4, HEADER_ALIGN), num_barriers=nbar, k=tile_n * d * elem,
+                           v=tile_n * dv * elem, kt=2 * tile_n * (d // 2) * elem, qdo_stages=stages,
+                           q=half_m * d * elem, do=half_m * dv * elem, qt=tile_m * (d // 2) * elem,
+                           dot=tile_m * (dv // 2) * elem, ds=half_m * 2 * tile_n * elem, xchg=half_m * tile_n * elem,
+                           stats=2 * tile_m * 4)
+
+
+def blackwell_bwd_2cta_config(head_dim: int, head_dim_v: int | None, dtype, *, causal: bool,
+                              deterministic: bool = False, qdo_stages: int | None = None,
+                              check_kernel_support: bool = True) -> BlackwellBwdConfig:
+    """Plan one 2-CTA backward configuration (per CTA of the pair; tiles 128 x 128 per CTA, M = 256
+    MMAs over the pair). ValueError names the budget that fails (TMEM, SMEM, registers)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    dt = _dtype_name(dtype)
+    tile_m = tile_n = 128
+    for name, v in (("head_dim", head_dim), ("head_dim_v", dv)):
+        if not (isinstance(v, int) and 16 <= v <= 256 and v % 16 == 0):
+            raise ValueError(f"{name}: expected a multiple of 16 in [16, 256], got {v!r}")
+    tmem = _tmem_plan_2cta(tile_m, tile_n, head_dim, dv)
+    if tmem.used > TMEM_COLUMNS:
+        raise ValueError(f"TMEM does not fit: S/P/dQ {tile_m} + dV {dv} + dP/dS {tile_m} + dK {head_dim} = "
+                         f"{tmem.used} columns > {TMEM_COLUMNS} per CTA (head_dim={head_dim}, head_dim_v={dv}); "
+                         f"the pair splits M, not the dK/dV accumulators")
+    if P_COLS_2CTA + head_dim // 2 > tile_m:
+        raise ValueError(f"TMEM does not fit: dQ ({head_dim // 2} columns) after P^T ({P_COLS_2CTA}) overflows the "
+                         f"{tile_m}-column S region")
+
+    def fits(st):
+        return _smem_plan_2cta(tile_m, tile_n, head_dim, dv, st).total <= SMEM_CAPACITY
+    if qdo_stages is None:
+        qdo_stages = 2 if fits(2) else 1
+    if not (isinstance(qdo_stages, int) and qdo_stages >= 1):
+        raise ValueError(f"qdo_stages: expected an int >= 1, got {qdo_stages!r}")
+    smem = _smem_plan_2cta(tile_m, tile_n, head_dim, dv, qdo_stages)
+    if smem.total > SMEM_CAPACITY:
+        raise ValueError(f"SMEM does not fit: {smem.describe()}")
+    regs = BwdRegisterPlan(other=REGS_MMA_LOAD_2CTA)
+    if regs.total > REGISTERS_PER_SM:
+        raise ValueError(f"registers do not fit: {regs.total} > {REGISTERS_PER_SM}")
+    cfg = BlackwellBwdConfig(head_dim=head_dim, head_dim_v=dv, dtype=dt, causal=bool(causal),
+                             deterministic=bool(deterministic), tile_m=tile_m, tile_n=tile_n, qdo_stages=qdo_stages,
+                             tmem=tmem, smem=smem, regs=regs, cta_group=2)
+    if check_kernel_support and (head_dim, dv) not in SUPPORTED_HEAD_DIMS_2CTA:
+        raise ValueError(f"the configuration fits TMEM/SMEM/registers, but blackwell_bwd_2cta.py supports only head "
+                         f"dims {SUPPORTED_HEAD_DIMS_2CTA}, got ({head_dim}, {dv})")
+    if check_kernel_support and qdo_stages > MAX_QDO_STAGES:
+        raise ValueError(f"qdo_stages: blackwell_bwd_2cta.py uses at most {MAX_QDO_STAGES}, got {qdo_stages}")
+    return cfg
+
 if __name__ == "__main__":
     for d, dv in SUPPORTED_HEAD_DIMS:
         c = blackwell_bwd_config(d, dv, "bf16", causal=False)
         print(c.summary())
         print("  SMEM:", c.smem.describe())
         print(c.tmem.table())
+        c2 = blackwell_bwd_2cta_config(d, dv, "bf16", causal=False)
+        print(c2.summary())
+        print("  SMEM:", c2.smem.describe())
+        print(c2.tmem.table())

@@ -8,7 +8,9 @@ What lives here, and why it is not in the kernel files:
 * device helpers for the global-memory reductions: ``red_add_f32x2`` (``red.global.add.v2.f32``,
   one 8-byte atomic add, an sm_90 PTX feature), and the semaphore pair ``semaphore_wait`` /
   ``semaphore_signal`` (``ld.acquire.gpu`` spin, ``fence.acq_rel.gpu`` + ``red.gpu.add``) that
-  the deterministic mode uses to serialise the dQ reductions.
+  the deterministic mode uses to serialise the dQ reductions; ``semaphore_wait_at_least`` for the
+  2-CTA kernel (two CTAs of a pair add disjoint rows under one rank), and ``bulk_copy_to_peer``
+  (mapa + ``cp.async.bulk.shared::cluster``), its DSMEM exchange of dS.
 * (re-exported from ``schedule.py``) the dQ reduction **orders**: a small interface
   (``n_block_for_launch``, ``rank``) so that stage 5 can plug in another order (SPT with head
   swizzling) without stage 4 importing stage 5.
@@ -94,6 +96,36 @@ def semaphore_signal(sem_ptr: cute.Pointer, tidx: Int32):
     incrementing the counter: the next CTA in the order may go."""
     if tidx == 0:
         release_add_gpu(sem_ptr, 1)
+
+
+@cute.jit
+def semaphore_wait_at_least(sem_ptr: cute.Pointer, value: Int32, tidx: Int32):
+    """Like semaphore_wait, but proceeds once *sem_ptr >= value. The 2-CTA backward uses it: the two
+    CTAs of a pair add disjoint rows of a dQ tile, so both wait for 2 x (pair rank) and each adds 1;
+    the counter only grows, and the next pair needs both increments."""
+    if tidx == 0:
+        seen = ld_acquire_gpu(sem_ptr)
+        while seen < value:
+            seen = ld_acquire_gpu(sem_ptr)
+
+
+@dsl_user_op
+def bulk_copy_to_peer(dst: cute.Pointer, src: cute.Pointer, mbar: cute.Pointer, nbytes: cutlass.Constexpr[int],
+                      peer: Int32, *, loc=None, ip=None) -> None:
+    """One ``cp.async.bulk.shared::cluster.shared::cta``: `nbytes` from this CTA's SMEM at `src` to
+    the SMEM of cluster CTA `peer` at the offset of `dst`, completing `nbytes` of tx on the peer's
+    mbarrier at the offset of `mbar` (both translated with ``mapa``). The copy runs in the async
+    proxy (like TMA), so an MMA of the peer may read the bytes once that mbarrier phase completes.
+    Issued by one thread; `src` must have been written and fenced (fence.proxy.async) before."""
+    args = [dst.toint(loc=loc, ip=ip).ir_value(), src.toint(loc=loc, ip=ip).ir_value(),
+            mbar.toint(loc=loc, ip=ip).ir_value(), Int32(peer).ir_value(loc=loc, ip=ip),
+            Int32(nbytes).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, args,
+                    "{\n\t.reg .b32 dst_c, bar_c;\n\t"
+                    "mapa.shared::cluster.u32 dst_c, $0, $3;\n\t"
+                    "mapa.shared::cluster.u32 bar_c, $2, $3;\n\t"
+                    "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [dst_c], [$1], $4, [bar_c];\n\t}",
+                    "r,r,r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def elem_pointer(t: cute.Tensor, coord) -> cute.Pointer:

@@ -15,12 +15,28 @@ dims (D, Dv): (64, 64), (96, 96), (128, 128), (192, 128), (256, 256).
 
 ``deterministic=True`` makes dq bitwise reproducible run to run (dk/dv always are): the dQ
 additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed order.
+
+Which step serves a call is measured, per configuration (bwd_h100_run2.json, H100, 8k): step 3
+(register-sourced dV/dK, dQ by a writer warp with TMA bulk reduce) at d = 128 (0.80x / 0.65x of
+the official FA4, non-causal / causal, vs step 1's 0.55x / 0.60x) and at d = 64 non-causal (0.71x
+vs 0.58x); step 1 everywhere else: d = 64 causal (step 3: 0.43x, step 1: 0.60x), d = 96, 192, 256
+(unmeasured / unsupported by step 3), and deterministic mode (step 3's serialised bulk reduces
+keep only 0.35-0.66x of its default speed; step 1 keeps 0.82-0.85x).
 """
 from __future__ import annotations
 
-from stage4_bwd_kernel import hopper_step1 as _best
+from stage4_bwd_kernel import hopper_step1 as _step1
+from stage4_bwd_kernel import hopper_step3_rs as _step3
 
-BEST_STEP = _best.STEP
+_best = _step1  # compile_only / run default (every head dim, deterministic mode)
+BEST_STEP = _step1.STEP
+
+
+def step_for(head_dim: int, causal: bool, deterministic: bool):
+    """The ladder step module that serves this configuration (see the module docstring)."""
+    if not deterministic and (head_dim == 128 or (head_dim == 64 and not causal)):
+        return _step3
+    return _step1
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
@@ -28,8 +44,9 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv), each like its input.
 
     dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v)."""
-    return _best.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
-                                    deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
+    return step.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+                                   deterministic=deterministic, dq=dq, dk=dk, dv=dv)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -38,9 +55,10 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
 
     seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
     attended to (causal alignment uses that length); the others get zero gradient."""
-    return _best.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
-                                           causal=causal, deterministic=deterministic)
+    step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
+    return step.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
+                                          causal=causal, deterministic=deterministic)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):
@@ -54,4 +72,4 @@ def run(**kwargs):
     return _best.run(**kwargs)
 
 
-__all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "run", "BEST_STEP"]
+__all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "run", "step_for", "BEST_STEP"]

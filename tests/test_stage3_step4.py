@@ -6,7 +6,7 @@ TypeError naming the argument before anything is compiled or launched.
 
 compile tier (no GPU): every head-dim config (bf16; fp16 once), causal on/off, the varlen kernel
 (with seqused_k and batch_map), emulation fraction 0 / 0.25, tau 0 / 8. ptxas: no spills, no local
-memory, setmaxnreg honoured; SASS: HGMMA, UTMALDG, exactly one warp vote (VOTE.ANY) per tile, and
+memory, setmaxnreg honoured; SASS: HGMMA, UTMALDG, exactly one warp vote (VOTE.ANY) per softmax site (prologue, masked loop, hot loop), and
 the emulation chain (FADD.RM, one per emulated value) exactly when the fraction is > 0.
 
 gpu tier (H100/H200): out and lse follow FA4's rule (2x the error of a PyTorch bf16/fp16
@@ -244,10 +244,10 @@ def test_compiles_sm90a(compiled, case):
     assert rep["HGMMA"] and rep["UTMALDG"], "not on the wgmma + TMA path"
     assert "setmaxnreg.dec" in comp.ptx and "setmaxnreg.inc" in comp.ptx
     assert "C7508" not in rep["ptxas_log"], "ptxas ignored setmaxnreg"
-    # the consumer path stays within its setmaxnreg budget (highest register index + 1 <= 232)
+    # the consumer path stays within its setmaxnreg budget (highest register index + 1 <= 240)
     import re
 
-    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 232
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 240
 
 
 @pytest.mark.compile
@@ -264,8 +264,9 @@ def test_softmax_policy_in_sass(compiled, case):
     assert rep["FADD.RM"] == emulated, rep
     # the rest on MUFU, plus one rescale factor per row
     assert rep["MUFU.EX2"] >= per_thread - emulated + 2
-    # conditional rescaling: exactly one warp vote per tile, whatever tau (tau = 0 votes on "grew at all")
-    assert rep["VOTE.ANY"] == 1, rep
+    # conditional rescaling: one warp vote per tile, whatever tau (tau = 0 votes on "grew at all"); the
+    # softmax is instantiated three times (first block, masked blocks, unmasked hot loop)
+    assert rep["VOTE.ANY"] == 3, rep
 
 
 @pytest.mark.compile

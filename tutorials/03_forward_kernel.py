@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -34,7 +36,7 @@
 # **Code path**: `stage3_fwd_kernel/` — `hopper_step1_wgmma.py` → `hopper_step2_tma.py` →
 # `hopper_step3_warpspec.py` → `hopper_step4_fa4_softmax.py` (re-exported as `hopper.py`),
 # `softmax_policy.py` (the FA4 softmax, shared with Blackwell), `roofline.py`,
-# `blackwell_config.py` + `blackwell_fwd.py` (and `blackwell.md`); measurements in `benchmarks/results/fwd_h100_*.json`.
+# `blackwell_config.py` + `blackwell_fwd.py` (and the Blackwell section of `stage3_fwd_kernel/README.md`); measurements in `benchmarks/results/fwd_h100_*.json`.
 #
 # **Status**: all four steps pass their GPU tests on the device tool's H100
 # (`stage3_fwd_kernel/README.md`) and were timed there against the peers, each output compared
@@ -520,7 +522,7 @@ assert all(tflops("variant:tau=0,emu=0", 64, c, s) < tflops("ours:step3_warpspec
 # printed above, so compare a step with another step *of the same run* (the ratio bars do that).
 # Second, at `d = 64` step 4's `tau = 0` baseline sits below step 3, which was only measured there
 # in an earlier run; the varlen plumbing step 4 adds has not been profiled yet.
-
+#
 # ## The Blackwell pipeline
 # On Blackwell (sm_100a) the MMA accumulators leave the register file for **tensor memory**
 # (TMEM: 128 lanes x 512 columns of 32 bits per SM), a 128 x 128 MMA is one instruction issued by

@@ -1,0 +1,93 @@
+"""Tile sweep for the production Hopper forward (stage 3 step 4): TFLOP/s per (tile_n, stages),
+next to the official FA4 in the same process, and each variant's max |diff| to FA4's output.
+
+    python benchmarks/tune_fwd.py --out tune.json [--configs 128:176:2,128:128:3] [--seqlens 4096,16384]
+
+A config is head_dim:tile_n:num_stages (dv = head_dim, except 192 -> dv 128). The defaults a
+user gets are `default_tile_n` / `default_num_stages` in the step module; this script is how
+they were chosen (the results JSON is committed next to the benchmark runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_fwd import flops, timer, versions  # noqa: E402
+
+
+def variant_fn(d, dv, causal, tile_n, stages):
+    from cutlass import BFloat16
+
+    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import hopper_step4_fa4_softmax as step4
+
+    def fn(q, k, v):
+        out = torch.empty(q.shape[:3] + (dv,), device=q.device, dtype=q.dtype)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
+        args = step4._cute_args(q, k, v, out, lse, d ** -0.5, q.shape[1])
+        comp = common.compile_cached(
+            ("tune", d, dv, causal, tile_n, stages),
+            lambda: (step4.FlashAttentionForwardSm90Step4(BFloat16, d, dv, causal, tile_n=tile_n,
+                                                          num_stages=stages), args))
+        comp.fn(*args)
+        return out
+    return fn
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="128:128:3,128:176:2,128:160:2")
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--causal", default="0,1", help="causal settings to sweep, e.g. '0' or '0,1'")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune_fwd needs a CUDA GPU")
+        return 2
+    from flash_attn.cute.interface import flash_attn_func
+
+    bench, method = timer()
+    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
+    rows = []
+    for d in sorted({c[0] for c in configs}):
+        dv = 128 if d == 192 else d
+        for causal in (bool(int(c)) for c in args.causal.split(",")):
+            for s in (int(x) for x in args.seqlens.split(",")):
+                b, h = 32768 // s, 2048 // d
+                q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+                ref = flash_attn_func(q, k, v, causal=causal)
+                ref = ref[0] if isinstance(ref, tuple) else ref
+                impls = {"flash-attn-4 (official)": lambda: flash_attn_func(q, k, v, causal=causal)}
+                for (cd, tn, st) in configs:
+                    if cd == d:
+                        impls[f"step4 tile_n={tn} stages={st}"] = (lambda f: lambda: f(q, k, v))(
+                            variant_fn(d, dv, causal, tn, st))
+                for name, fn in impls.items():
+                    row = {"impl": name, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s}
+                    try:
+                        out = fn()
+                        out = out[0] if isinstance(out, tuple) else out
+                        row["max_abs_diff_vs_fa4"] = (out.float() - ref.float()).abs().max().item()
+                        ms = bench(fn)
+                        row.update(ms=ms, tflops=flops(b, h, s, d, dv, causal) / ms / 1e9)
+                    except Exception as exc:  # a config that does not fit is reported, not fatal
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    rows.append(row)
+                    shown = f"{row['tflops']:7.1f}" if "tflops" in row else row["error"][:70]
+                    print(f"d={d} causal={causal!s:5} s={s:5} {name:32} {shown}  "
+                          f"diff={row.get('max_abs_diff_vs_fa4', float('nan')):.2e}", flush=True)
+    doc = {"device": torch.cuda.get_device_name(), "versions": versions(), "timing": method,
+           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "results": rows}
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,615 @@
+"""Stage 4, Hopper step 3: P^T and dS^T stay in registers (RS wgmma); a dQ writer warp does the reduction.
+
+Compared with the previous step, this adds **register-sourced dV/dK GEMMs with the keys split
+across the two consumer warpgroups**, and **a dQ writer warp that reduces each dQ tile into
+global memory with the TMA unit (``cp.reduce.async.bulk ... add.f32``) from a double-buffered
+shared-memory tile**, because step 2 is shared-memory bound (every operand of all five GEMMs is
+read from SMEM, and P^T goes through SMEM too) and its math warpgroups stall on 4096 fp32 atomics
+-- and, in deterministic mode, on the semaphore -- after every Q tile.
+
+(a) RS operands. S^T = K Q^T and dP^T = V dO^T now split M (keys) between the warpgroups: consumer
+    w owns keys [64 w, 64 w + 64) of the 128-key tile, so its S^T / dP^T accumulator rows are its
+    own keys. dV += P^T dO and dK += dS^T Q have those same keys as M, so each warpgroup converts
+    its P^T and dS^T accumulators in place into 16-bit A-operand fragments (the accumulator and
+    the A fragment of a 64 x N wgmma hold the same (row, column) pairs in the same register order,
+    as in the forward's P V, stage3 ``hopper_step4_fa4_softmax``) and issues wgmma with A from
+    registers (``warpgroup.OperandSource.RMEM``). Only dS goes to SMEM (dS^T rows, read MN-major
+    as the A of dQ = dS K, whose N = d the warpgroups still split).
+
+    SMEM cycles per 64 x 128 tile at d = 128 on an H100 (``roofline.hopper_tile_cycles``: 128 B/clk,
+    every 64-row wgmma block re-reads its B slice, A from SMEM read once per warpgroup that needs it):
+
+        step 2 (all SS, N split)             operands 3072 + P^T, dS^T writes 256     = 3328 clk
+        step 3 (S^T, dP^T M split; dV, dK RS) operands 2048 + dS^T write 128           = 2176 clk
+                + dQ through SMEM: 64 x 128 fp32 written (256) and read by the TMA (256) = 2688 clk
+        tensor cores: 10 * 64 * 128 * 128 / 4096                                     = 2560 clk
+
+    so the tile goes from SMEM-bound (3328 vs 2560, 1.30x) to balanced (2688 vs 2560, 1.05x).
+    d = 64: 2176 -> 1280 + 256 = 1536 (MMA 1280); d = 96: 2752 -> 1728 + 384 = 2112 (MMA 1920).
+
+    Registers per consumer thread (fp32 accumulators; 128 threads x 64 keys per warpgroup):
+    dK 64 d / 128 = d/2, dV dv/2, S^T and dP^T 64 * 64 / 128 = 32 each, the 16-bit P^T fragment 16
+    (live while dV reads it), dQ 64 * (d/2) / 128 = d/4. Peak while dS^T is formed, d = 128:
+    64 + 64 + 32 + 32 + 16 = 208 of the 240 that ``setmaxnreg`` gives a consumer (FA3 runs the same
+    64 x 128 tile, 2 math warpgroups, S^T "swapAB" and RS dK/dV for its causal d = 128 backward, and
+    64 x 128 for d = 96 -- note from flash-attention's ``hopper/flash_bwd_launch_template.h``;
+    nothing of its code is used here). d = 96: 48 + 48 + 32 + 32 + 16 = 176; d = 64: 144.
+    **(192, 128) and (256, 256) do not fit**: (192,128) needs 96 + 64 + 32 + 32 + 16 = 240 for the
+    data alone (no room for addresses, masks, loop state), and a smaller tile_m cannot help because
+    dQ = dS K needs tile_m >= 64 (wgmma M); (256,256) needs dK + dV = 128 + 128 = 256 > 240 before
+    anything else. They raise ValueError here (step 1 serves them).
+
+(b) dQ off the math warps. After its dQ wgmma a consumer thread stores its dQ fragment (fp32, 8-byte
+    stores) into sdQ[t % 2] -- rows padded to d + 8 floats, so the 8 rows of one warp store land
+    8 banks apart (2 wavefronts per 256 bytes, conflict-free) while every row stays a 16-byte
+    aligned, contiguous run -- fences the generic->async proxy and *arrives* on the named barrier
+    "dQ full[b]"; it does not wait. Warp 1 of the producer warpgroup (the dQ writer) waits on
+    "dQ full[b]", and its lane 0 issues one ``cp.reduce.async.bulk.global.shared::cta.bulk_group
+    .add.f32`` per valid query row (d * 4 bytes, rows past seqlen_q skipped: exact for varlen), a
+    commit, and ``cp.async.bulk.wait_group.read 0``; then the warp *arrives* on "dQ empty[b]",
+    which the consumers wait on before they overwrite sdQ[b] two tiles later. So the math
+    warpgroups run up to one tile ahead of the reduction. Deterministic mode moves the semaphore
+    protocol of ``common.py`` to the writer: lane 0 spins until the tile's counter equals this
+    CTA's rank (``schedule.py``'s orders, unchanged), issues the rows, waits for their *completion*
+    (``cp.async.bulk.wait_group 0``), fences the async proxy, and releases.
+
+Barriers (named, hardware ids; 0 is __syncthreads, used only before the role split):
+    1        the 256 consumer threads: B1 per tile (lse2/D rows in SMEM, and both warpgroups are past
+             the previous tile's dQ wgmma, so sdS may be overwritten), B2 per tile (both halves of
+             dS^T in SMEM before the dQ wgmma), and the epilogue's
+    2, 3     dQ full[0/1]: 256 consumer arrivals + the writer warp's sync = 288
+    4, 5     dQ empty[0/1]: the writer warp's arrival + 256 consumer syncs = 288. Tile t waits
+             "empty" only when t >= 2 and the writer arrives only when t + 2 < tiles, so every
+             barrier generation completes and none is left half-arrived at exit.
+Q/dO/K/V: step 2's TMA producer warp and mbarrier ring, unchanged (inherited).
+
+Per tile (t) of a consumer warpgroup, wgmma groups committed in this order:
+    S^T (SS) ; dP^T (SS) ; [lse2/D -> SMEM, B1] ; wait S^T ; P^T ; dV += P^T dO (RS)
+    wait dP^T ; dS^T ; dS^T -> SMEM ; dK += dS^T Q (RS) ; [B2] ; dQ = dS K (SS) ; wait all
+    release the Q/dO stage ; [t >= 2: wait dQ empty[t%2]] ; dQ -> sdQ[t%2] ; arrive dQ full[t%2]
+
+Shared memory (bf16, tile 64 x 128, 2 Q/dO stages, 2 dQ buffers):
+    K + V + 2 (Q + dO) + dS^T + 2 dQ (fp32, padded rows)
+    d = 64:   16 + 16 + 2 * 16 + 16 + 2 * 18 = 116 KB
+    d = 96:   24 + 24 + 2 * 24 + 16 + 2 * 26 = 164 KB
+    d = 128:  32 + 32 + 2 * 32 + 16 + 2 * 34 = 212 KB   (of 227)
+
+Compiled (sm_90a, bf16/fp16, causal and deterministic on/off, this ptxas): 0 spills, no local
+memory, 6 named barriers; shared memory 119808 / 168960 / 218112 bytes at d = 64 / 96 / 128; the
+consumer code touches registers up to R187 / R221 / R231 of its 240; HGMMA per tile 24 / 28 / 32
+(8 of them register-sourced); one UBLKRED in the writer's row loop; no fp32 REDG left.
+Tiles: 64 x 128 for every head dim (step 2's). At d = 64, ``tiles=(128, 128)`` also compiles
+without spills (registers up to R235) and has the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs
+1536 / 1280 = 1.20), but is untested and 4 registers from the cap: a benchmark candidate only.
+"""
+from __future__ import annotations
+
+from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
+from stage4_bwd_kernel import schedule
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
+from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
+from cutlass.memory.smem import SmemAllocator  # noqa: E402
+
+from stage3_fwd_kernel.hopper_step1_wgmma import acc_rowcol  # noqa: E402
+from stage4_bwd_kernel.hopper_step1 import gemm_issue  # noqa: E402
+from stage4_bwd_kernel.hopper_step2_warpspec import FlashAttentionBackwardSm90Step2  # noqa: E402
+
+STEP = "hopper_bwd_step3_rs"
+NUM_WG_MMA = 2
+NUM_THREADS = 128 * (1 + NUM_WG_MMA)
+NUM_CONSUMER_THREADS = 128 * NUM_WG_MMA
+CONSUMER_BARRIER = 1
+DQ_FULL_BARRIER = 2    # + buffer index
+DQ_EMPTY_BARRIER = 4   # + buffer index
+DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
+DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
+DQ_BUFFERS = 2
+DQ_ROW_PAD = 8         # fp32 elements of padding per sdQ row (bank spread, see docstring)
+RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+REGS_PRODUCER, REGS_CONSUMER = 24, 240
+
+
+def check_rs_head_dims(head_dim: int, head_dim_v: int):
+    """ValueError for the head dims whose RS accumulators do not fit 240 registers (docstring)."""
+    if (head_dim, head_dim_v) not in RS_HEAD_DIMS:
+        need = (64 * head_dim + 64 * head_dim_v) // 128 + 2 * 32 + 16
+        raise ValueError(f"head_dim: {STEP} supports (q/k, v) head dims {RS_HEAD_DIMS}, got {(head_dim, head_dim_v)}: "
+                         f"its dK + dV + S^T + dP^T + P^T accumulators would take {need} registers per consumer "
+                         f"thread of the {REGS_CONSUMER} available (use hopper_step1)")
+
+
+def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """(tile_m, tile_n) = (64, 128): 64 keys per consumer warpgroup (wgmma M), 64 queries."""
+    check_rs_head_dims(head_dim, head_dim_v)
+    return 64, 128
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: cutlass.Constexpr[int], *,
+                        loc=None, ip=None) -> None:
+    """*gmem[0:n] += smem[0:n] (fp32, n = num_bytes / 4), done by the TMA unit in L2 (SASS UBLKRED):
+    ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``. Both addresses 16-byte
+    aligned, num_bytes a multiple of 16. Completion: ``cp.async.bulk.commit_group`` then
+    ``cp.async.bulk.wait_group[.read]`` by the issuing thread."""
+    g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+    s = smem_ptr.toint(loc=loc, ip=ip).ir_value()
+    llvm.inline_asm(None, [g, s],
+                    f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], {num_bytes};", "l,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
+    """Step 2's producer warp + 2 consumer warpgroups, with keys split across the consumers, RS dV/dK,
+    and a dQ writer warp (TMA bulk reduce-add from a double-buffered SMEM tile)."""
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
+                 varlen: bool = False, has_seqused_k: bool = False, tile_m: int | None = None,
+                 tile_n: int | None = None, num_stages: int = 2, dq_order=None):
+        dm, dn = default_tiles(head_dim, head_dim_v)
+        super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
+                         has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
+                         num_stages=num_stages, dq_order=dq_order)
+        if self.tile_n != 64 * NUM_WG_MMA or self.tile_m % 64:
+            raise ValueError(f"tiles: {STEP} needs tile_n = {64 * NUM_WG_MMA} (64 keys per consumer warpgroup) and "
+                             f"tile_m a multiple of 64 (the M of dQ = dS K), got ({self.tile_m}, {self.tile_n})")
+        self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
+        self.dq_row = head_dim + DQ_ROW_PAD  # fp32 elements between sdQ rows
+
+    # -------------------------------------------------------------- host side (traced once)
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+                 mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor,
+                 mSemaphore: cute.Tensor, num_n_blocks: Int32, softmax_scale_log2: Float32,
+                 softmax_scale: Float32, stream):
+        # same arguments as step 1 (see there for shapes)
+        if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
+                           == mdK.element_type == mdV.element_type == self.dtype)):
+            raise TypeError("q, k, v, dout, dk, dv must share the kernel's dtype")
+        tm, tn, d, dv, stages = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        mQ, mK, mdK = (common.assume_aligned(t, d) for t in (mQ, mK, mdK))
+        mV, mdO, mdV = (common.assume_aligned(t, dv) for t in (mV, mdO, mdV))
+        mdQacc = common.assume_aligned(mdQacc, d)
+
+        # Swizzles: Q / dO are the MN-major B of dK / dV with N = d / dv whole (one warpgroup), K the
+        # MN-major B of dQ with N split (d/2); each also serves as a K-major operand of S^T / dP^T.
+        sQ_layout = self._smem_layout(tm, d, d, stages)
+        sdO_layout = self._smem_layout(tm, dv, dv, stages)
+        sK_layout = self._smem_layout(tn, d, d // NUM_WG_MMA)
+        sV_layout = self._smem_layout(tn, dv, dv // NUM_WG_MMA)
+        sdSt_layout = self._smem_layout(tn, tm, tm)                        # dS^T: (keys, queries)
+        sdQ_layout = cute.make_layout((tm, d, DQ_BUFFERS), stride=(self.dq_row, 1, tm * self.dq_row))
+
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        wg_m, wg_n = (NUM_WG_MMA, 1, 1), (1, NUM_WG_MMA, 1)
+        # S^T, dP^T (tn x tm): the warpgroups split the keys (M)
+        tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
+                                                          wg_m, (64, tm))
+        # dV (tn x dv) += P^T dO, dK (tn x d) += dS^T Q: same key split, A from registers
+        tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
+                                                         wg_m, (64, dv), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
+                                                         wg_m, (64, d), a_source=warpgroup.OperandSource.RMEM)
+        # dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); N split
+        tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
+                                                         wg_n, (64, d // NUM_WG_MMA))
+
+        def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), (tm, d))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mdO), cute.slice_(sdO_layout, (None, None, 0)), (tm, dv))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mK), sK_layout, (tn, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mV), sV_layout, (tn, dv))
+        self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
+        self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
+        self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+
+        @cute.struct
+        class SharedStorage:
+            mbar_KV: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, tm], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, tm], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdSt_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
+
+        self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
+
+        batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mQ.shape[0]
+        self.kernel(tma_Q, tma_dO, tma_K, tma_V, mQ.shape[1], mK.shape[1], mLSE2, mD, mdQacc, mdK, mdV,
+                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, num_n_blocks, mQ.shape[2] // mK.shape[2],
+                    softmax_scale_log2, softmax_scale,
+                    tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V,
+                    tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ,
+                    sQ_layout, sdO_layout, sK_layout, sV_layout, sdSt_layout, sdQ_layout,
+                    self._gmem_store(d), self._gmem_store(dv),
+                    # min_blocks_per_mp=1 caps registers at entry (65536/384), which setmaxnreg needs
+                    ).launch(grid=(num_n_blocks, mK.shape[2], batch), block=[self.num_threads, 1, 1],
+                             stream=stream, min_blocks_per_mp=1)
+
+    # -------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_Q: cute.Tensor, tma_dO: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor,
+               total_q: Int32, total_k: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+               mSeqUsedK: cute.Tensor, mSemaphore: cute.Tensor, num_n_blocks: Int32, qhead_per_kvhead: Int32,
+               softmax_scale_log2: Float32, softmax_scale: Float32,
+               tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+               tma_atom_V: cute.CopyAtom,
+               tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
+               tiled_mma_dQ: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
+               gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy):
+        tm, tn, stages = self.tile_m, self.tile_n, self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if const_expr(hasattr(self.dq_order, "tile_for_launch")):
+            n_block, head_kv, batch = self.dq_order.tile_for_launch()
+        else:
+            bx, head_kv, batch = cute.arch.block_idx()
+            n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
+
+        # 0. sequence bounds (step 1's convention: varlen = a batch of one, rows from cu_seqlens)
+        bidx = batch
+        offset_q = Int32(0)
+        offset_k = Int32(0)
+        seqlen_q = total_q
+        seqlen_k_rows = total_k
+        if const_expr(self.varlen):
+            bidx = 0
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k_rows = mCuSeqlensK[batch + 1] - offset_k
+        seqlen_k = seqlen_k_rows
+        if const_expr(self.has_seqused_k):
+            seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
+
+        if n_block * tn < seqlen_k_rows:
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_atom_Q)
+                cpasync.prefetch_descriptor(tma_atom_dO)
+                cpasync.prefetch_descriptor(tma_atom_K)
+                cpasync.prefetch_descriptor(tma_atom_V)
+            smem = SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            # producer = 1 arrival (the elected lane of warp 0 posts the byte count);
+            # consumers = the 8 warps of the two MMA warpgroups
+            producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_WG_MMA * 4)
+            pipe_KV = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_KV.data_ptr(), num_stages=1, producer_group=producer_group,
+                consumer_group=consumer_group, tx_count=self.tma_bytes_KV, defer_sync=True)
+            pipe_Q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_Q.data_ptr(), num_stages=stages, producer_group=producer_group,
+                consumer_group=consumer_group, tx_count=self.tma_bytes_Q, defer_sync=True)
+            pipe_dO = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_dO.data_ptr(), num_stages=stages, producer_group=producer_group,
+                consumer_group=consumer_group, tx_count=self.tma_bytes_dO, defer_sync=True)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()  # barrier inits visible to all; the last CTA-wide barrier
+
+            m_block_min, m_block_max = schedule.m_block_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal,
+                                                              imax=cutlass.max)
+            m_block_min = Int32(m_block_min)
+            if n_block * tn >= seqlen_k:
+                m_block_max = m_block_min
+            walk = (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
+                    m_block_min, m_block_max, qhead_per_kvhead)
+
+            if warp_group_idx == 0:
+                # ---------------------------------------------------------------- producer warpgroup
+                cute.arch.setmaxregister_decrease(self.regs_producer)
+                if warp_idx == 0:    # TMA loads: step 2's producer
+                    self.produce(walk, storage, tma_Q, tma_dO, tma_K, tma_V, tma_atom_Q, tma_atom_dO,
+                                 tma_atom_K, tma_atom_V, sQ_layout, sdO_layout, sK_layout, sV_layout,
+                                 pipe_KV, pipe_Q, pipe_dO)
+                if warp_idx == DQ_WRITER_WARP:
+                    self.write_dq(walk, storage, mdQacc, mSemaphore, sdQ_layout)
+            else:
+                # ---------------------------------------------------------------- consumers
+                cute.arch.setmaxregister_increase(self.regs_consumer)
+                self.consume(walk, tidx - 128, storage, mLSE2, mD, mdK, mdV, softmax_scale_log2, softmax_scale,
+                             tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, sQ_layout, sdO_layout,
+                             sK_layout, sV_layout, sdSt_layout, sdQ_layout, gmem_store_dK, gmem_store_dV,
+                             pipe_KV, pipe_Q, pipe_dO)
+
+    # -------------------------------------------------------------- dQ writer warp
+    @cute.jit
+    def write_dq(self, walk, storage, mdQacc: cute.Tensor, mSemaphore: cute.Tensor, sdQ_layout: cute.Layout):
+        """sdQ[t % 2] -> dQaccum rows with TMA bulk reduce-adds (lane 0 issues, the warp syncs)."""
+        tm, tn, d = self.tile_m, self.tile_n, self.head_dim
+        (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
+         m_block_min, m_block_max, qhead_per_kvhead) = walk
+        lane = cute.arch.lane_idx()
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (tm, d, buffers), rows padded
+        n_m = m_block_max - m_block_min
+        n_tiles = qhead_per_kvhead * n_m
+        for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
+            head = head_kv * qhead_per_kvhead + head_in_group
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                t = head_in_group * n_m + m_block - m_block_min
+                buf = t % DQ_BUFFERS
+                rows = cutlass.min(seqlen_q - m_block * tm, tm)
+                # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced)
+                self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=False)
+                if const_expr(self.deterministic):
+                    n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
+                                                         imin=cutlass.min)
+                    sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
+                    common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
+                # 2. one bulk reduce-add per valid row (d * 4 bytes, 16-byte aligned at both ends)
+                if lane == 0:
+                    if const_expr(self.deterministic):
+                        cute.arch.fence_proxy("async.global")  # the acquire above precedes our adds
+                    for r in cutlass.range(rows, unroll=1):
+                        bulk_reduce_add_f32(
+                            common.elem_pointer(mdQacc, (bidx, offset_q + m_block * tm + r, head, 0)),
+                            common.elem_pointer(sdQ, (r, 0, buf)), d * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(self.deterministic):
+                        # the adds must have *landed* before the next CTA in the order may add
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_proxy("async.global")
+                        common.semaphore_signal(sem, lane)
+                    else:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ[buf] has been read
+                cute.arch.sync_warp()
+                # 3. sdQ[buf] may be refilled (only if a tile t + 2 will wait for it)
+                if t + DQ_BUFFERS < n_tiles:
+                    self.dq_barrier(DQ_EMPTY_BARRIER, buf, arrive=True)
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def dq_barrier(self, base: cutlass.Constexpr[int], buf: Int32, arrive: cutlass.Constexpr[bool]):
+        """bar.arrive / bar.sync on named barrier base + buf, with a compile-time id per buffer."""
+        for b in cutlass.range_constexpr(DQ_BUFFERS):
+            if buf == b:
+                if const_expr(arrive):
+                    cute.arch.barrier_arrive(barrier_id=base + b, number_of_threads=DQ_SYNC_THREADS)
+                else:
+                    cute.arch.barrier(barrier_id=base + b, number_of_threads=DQ_SYNC_THREADS)
+
+    # -------------------------------------------------------------- consumer warpgroups
+    @cute.jit
+    def consume(self, walk, ctidx: Int32, storage, mLSE2: cute.Tensor, mD: cute.Tensor, mdK: cute.Tensor,
+                mdV: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
+                tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
+                tiled_mma_dQ: cute.TiledMma, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
+                sdQ_layout: cute.Layout, gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy,
+                pipe_KV, pipe_Q, pipe_dO):
+        """The 256 consumer threads (ctidx 0..255); warpgroup w = ctidx // 128 owns keys [64 w, 64 w + 64)."""
+        tm, tn, d, dv, stages = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
+         m_block_min, m_block_max, qhead_per_kvhead) = walk
+        nthr = NUM_CONSUMER_THREADS
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)          # (tm, d, stages)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)      # (tm, dv, stages)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (tn, d)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)          # (tn, dv)
+        sdSt = storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tn, tm)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)                                      # (tm, d, 2) fp32
+        sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm, stages), order=(1, 0, 2)))
+        sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm, stages), order=(1, 0, 2)))
+        sKt = cute.composition(sK, cute.make_ordered_layout((d, tn), order=(1, 0)))
+        sdS = cute.composition(sdSt, cute.make_ordered_layout((tm, tn), order=(1, 0)))
+
+        thr_SdP = tiled_mma_SdP.get_slice(ctidx)
+        thr_dV = tiled_mma_dV.get_slice(ctidx)
+        thr_dK = tiled_mma_dK.get_slice(ctidx)
+        thr_dQ = tiled_mma_dQ.get_slice(ctidx)
+        tSrK = thr_SdP.make_fragment_A(thr_SdP.partition_A(sK))       # this warpgroup's 64 keys
+        tSrQ = thr_SdP.make_fragment_B(thr_SdP.partition_B(sQ))       # (..., stages)
+        tPrV = thr_SdP.make_fragment_A(thr_SdP.partition_A(sV))
+        tPrdO = thr_SdP.make_fragment_B(thr_SdP.partition_B(sdO))     # (..., stages)
+        tdVrdOt = thr_dV.make_fragment_B(thr_dV.partition_B(sdOt))    # (..., stages)
+        tdKrQt = thr_dK.make_fragment_B(thr_dK.partition_B(sQt))      # (..., stages)
+        tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(sdS))
+        tdQrKt = thr_dQ.make_fragment_B(thr_dQ.partition_B(sKt))
+        acc_dV = cute.make_rmem_tensor(thr_dV.partition_shape_C((tn, dv)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        tScS_rc = acc_rowcol(thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))  # (key, query)
+        # dS^T (16-bit, accumulator order) -> sdSt: 2 adjacent queries per 4-byte store
+        smem_copy_dS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_SdP)
+        thr_smem_dS = smem_copy_dS.get_slice(ctidx)
+        tdSsdSt = thr_smem_dS.partition_D(sdSt)
+        # dQ (fp32) -> sdQ[buf]: 2 adjacent columns per 8-byte store
+        smem_copy_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ)
+        thr_smem_dQ = smem_copy_dQ.get_slice(ctidx)
+        num_cols = cute.size(tScS_rc, mode=[1])
+        sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
+        sD = storage.sD.get_tensor(cute.make_layout(tm))
+
+        # 1. K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA)
+        pipe_KV.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+
+        # 2. the walk: (query head of the group) x (Q tile)
+        n_m = m_block_max - m_block_min
+        for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
+            head = head_kv * qhead_per_kvhead + head_in_group
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                t = head_in_group * n_m + m_block - m_block_min
+                st = self.tile_state(t, producer=False)
+                q_rows_left = seqlen_q - m_block * tm
+
+                # 2a. S^T = K_w Q_i^T as soon as Q_i has landed, dP^T = V_w dO_i^T when dO_i has
+                acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+                acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+                pipe_Q.consumer_wait(st)
+                warpgroup.fence()
+                gemm_issue(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, st.index], zero_init=True)
+                pipe_dO.consumer_wait(st)
+                gemm_issue(tiled_mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, st.index], zero_init=True)
+
+                # 2b. row statistics into smem while the GEMMs run (rows past the sequence: lse2 =
+                #     +inf, D = 0). B1: the statistics are visible, and both warpgroups have finished
+                #     the previous tile (its dQ wgmma read sdSt; its P / dS read sLSE2 / sD).
+                if ctidx < tm:
+                    sLSE2[ctidx] = Float32.inf
+                    sD[ctidx] = Float32(0.0)
+                    if ctidx < q_rows_left:
+                        sLSE2[ctidx] = mLSE2[bidx, head, offset_q + m_block * tm + ctidx]
+                        sD[ctidx] = mD[bidx, head, offset_q + m_block * tm + ctidx]
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+
+                # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked (keys, causal, queries past the
+                #     sequence: with TMA those rows may hold the next sequence's data)
+                warpgroup.wait_group(1)
+                acc_S_rc = acc_rowcol(acc_S)
+                key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
+                needs_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal) | (q_rows_left < tm)
+                for c in cutlass.range_constexpr(num_cols):
+                    col = tScS_rc[0, c][1]
+                    lse2 = sLSE2[col]
+                    for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                        s = acc_S_rc[r, c]
+                        if needs_mask:
+                            if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
+                                    col >= q_rows_left):
+                                s = -Float32.inf
+                        acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
+                # P^T -> 16-bit A fragment of dV (same registers order as the accumulator), dV += P^T dO
+                tdVrPt = cute.make_rmem_tensor(thr_dV.partition_shape_A((tn, tm)), self.dtype)
+                cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape)).store(acc_S.load().to(self.dtype))
+                warpgroup.fence()
+                gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt[None, None, None, st.index], zero_init=False)
+
+                # 2d. dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and dS^T -> smem for dQ
+                warpgroup.wait_group(1)  # dP^T (dV may still run)
+                acc_dP_rc = acc_rowcol(acc_dP)
+                for c in cutlass.range_constexpr(num_cols):
+                    dpsum = sD[tScS_rc[0, c][1]]
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
+                        acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+                tdKrdSt = cute.make_rmem_tensor(thr_dK.partition_shape_A((tn, tm)), self.dtype)
+                tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
+                tdSrdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(smem_copy_dS, thr_smem_dS.retile(tdSrdS), tdSsdSt)
+                warpgroup.fence()
+                gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt[None, None, None, st.index], zero_init=False)
+                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
+                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)  # B2
+
+                # 2e. dQ_i = dS K_j (this warpgroup's d/2 columns); then the Q/dO stage goes back
+                acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
+                warpgroup.fence()
+                gemm_issue(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                warpgroup.wait_group(0)
+                pipe_Q.consumer_release(st)
+                pipe_dO.consumer_release(st)
+
+                # 2f. hand dQ_i to the writer warp: sdQ[buf] free (t >= 2) -> store -> proxy fence -> arrive
+                buf = t % DQ_BUFFERS
+                if t >= DQ_BUFFERS:
+                    self.dq_barrier(DQ_EMPTY_BARRIER, buf, arrive=False)
+                cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
+                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
+                self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=True)
+
+        # 3. epilogue: dK *= scale; registers -> smem (over sK / sV) -> 16-byte row-guarded stores.
+        #    The barrier: both warpgroups' last wgmmas (readers of sK, sV) have completed.
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        k_rows_left = seqlen_k_rows - n_block * tn
+        self.store_tile(acc_dK, tiled_mma_dK, sK, gmem_store_dK, ctidx,
+                        cute.local_tile(cute.domain_offset((offset_k, 0), mdK[bidx, None, head_kv, None]),
+                                        (tn, d), (n_block, 0)), (tn, d), k_rows_left)
+        self.store_tile(acc_dV, tiled_mma_dV, sV, gmem_store_dV, ctidx,
+                        cute.local_tile(cute.domain_offset((offset_k, 0), mdV[bidx, None, head_kv, None]),
+                                        (tn, dv), (n_block, 0)), (tn, dv), k_rows_left)
+
+
+# ------------------------------------------------------------------------------------------------
+# Host API (shared with steps 1 and 2 through host.py)
+# ------------------------------------------------------------------------------------------------
+def _check_dims_of(q, v):
+    """Refuse unsupported head dims before host.backward launches the preprocess."""
+    if hasattr(q, "shape") and hasattr(v, "shape") and len(q.shape) >= 3 and len(v.shape) >= 3:
+        common.check_head_dims(q.shape[-1], v.shape[-1])
+        check_rs_head_dims(q.shape[-1], v.shape[-1])
+
+
+def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
+                dq_order=None, tiles=None):
+    tm, tn = tiles if tiles is not None else (None, None)
+    return FlashAttentionBackwardSm90Step3(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
+                                           has_seqused_k=has_seqused_k, tile_m=tm, tile_n=tn, dq_order=dq_order)
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
+                 has_seqused_k=False, dq_order=None, tiles=None) -> common.Compiled:
+    """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report."""
+    from stage4_bwd_kernel import host
+
+    return host.compile_fake(STEP, make_kernel, dtype=dtype, head_dim=head_dim,
+                             head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal,
+                             deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                             dq_order=dq_order, tiles=tiles)
+
+
+def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
+                       dq=None, dk=None, dv=None, dq_order=None, tiles=None):
+    """(B,S,H,D) CUDA fp16/bf16 q, k, v, out, dout and lse (B,Hq,Sq) fp32 -> (dq, dk, dv)."""
+    from stage4_bwd_kernel import host
+
+    _check_dims_of(q, v)
+    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, tiles=tiles)
+
+
+def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
+                              dq_order=None, tiles=None):
+    """Packed (T,H,D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens -> (dq, dk, dv)."""
+    from stage4_bwd_kernel import host
+
+    _check_dims_of(q, v)
+    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
+                         deterministic=deterministic, dq_order=dq_order, tiles=tiles)
+
+
+def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
+        causal=False, deterministic=False, dtype="bf16", check=True, compare_deterministic=True, verbose=True):
+    """On a Hopper GPU: check against autograd (FA4 rule), time, and time deterministic vs default.
+    Otherwise: compile for sm_90a and print the resource report."""
+    from stage4_bwd_kernel import host
+
+    return host.run_step(STEP, compile_only, attention_backward, batch=batch, seqlen_q=seqlen_q,
+                         seqlen_k=seqlen_q if seqlen_k is None else seqlen_k, heads=heads,
+                         heads_kv=heads if heads_kv is None else heads_kv, head_dim=head_dim,
+                         head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal,
+                         deterministic=deterministic, dtype=dtype, check=check,
+                         compare_deterministic=compare_deterministic, verbose=verbose)
+
+
+if __name__ == "__main__":
+    from stage4_bwd_kernel import host
+
+    host.cli(run, __doc__)

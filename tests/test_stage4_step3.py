@@ -1,0 +1,218 @@
+"""Stage 4, Hopper backward step 3 (``hopper_step3_rs``): RS dV/dK, keys split across the consumer
+warpgroups, a dQ writer warp reducing with TMA bulk reduce-adds.
+
+cpu tier: the head dims whose RS accumulators do not fit (192/128, 256/256) are refused with a
+ValueError that names them, before anything is launched.
+
+compile tier (sm_90a, fake tensors, no GPU): every supported head dim, both dtypes, causal and
+deterministic on/off, varlen + seqused_k: no spills, no local memory, the wgmma count of the five
+GEMMs with dV / dK taking A from registers, the bulk reduce (PTX ``cp.reduce.async.bulk ...
+add.f32``, SASS ``UBLKRED``) and *no* fp32 atomics (REDG ... F32) left in the math warps, the six
+named barriers, TMA + setmaxnreg, and the semaphore protocol exactly in deterministic mode.
+
+gpu tier (H100/H200; skipped here): dq/dk/dv follow FA4's rule against fp32 autograd over odd
+seqlens, causal, GQA 1/2/8, all supported head dims, fp16, varlen with empty sequences and
+seqused_k; outputs NaN-poisoned; walks of 1-4 Q tiles (the dQ double buffer's edge cases);
+deterministic mode bitwise reproducible (GQA, causal); run() entry point.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import test_stage4_hopper as s4  # noqa: E402  (the step-1/2 test helpers: one checking rule)
+
+pytestmark = pytest.mark.stage4
+
+STEP = "hopper_step3_rs"
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128)]
+UNSUPPORTED = [(192, 128), (256, 256)]
+
+
+def _mod():
+    return s4._step(STEP)
+
+
+# ================================================================================== cpu tier
+@pytest.mark.cpu
+@pytest.mark.parametrize("d,dv", UNSUPPORTED, ids=[f"d{d}x{dv}" for d, dv in UNSUPPORTED])
+def test_head_dims_that_do_not_fit_registers_are_refused(d, dv):
+    torch = pytest.importorskip("torch")
+    mod = _mod()
+    with pytest.raises(ValueError, match=r"head_dim: .*registers"):
+        mod.default_tiles(d, dv)
+    with pytest.raises(ValueError, match=r"head_dim: .*registers"):
+        mod.make_kernel(None, d, dv, False, False)
+    # the public API refuses before any check that needs a GPU (CPU tensors here)
+    q = torch.zeros(1, 8, 2, d, dtype=torch.bfloat16)
+    v = torch.zeros(1, 8, 2, dv, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"head_dim: .*registers"):
+        mod.attention_backward(q, q.clone(), v, v.clone(), v.clone(), torch.zeros(1, 2, 8))
+
+
+@pytest.mark.cpu
+def test_tiles_must_split_keys_across_the_two_warpgroups():
+    mod = _mod()
+    assert mod.default_tiles(128, 128) == (64, 128)
+    with pytest.raises(ValueError, match="tile_n"):
+        mod.make_kernel(None, 128, 128, False, False, tiles=(64, 64))
+
+
+# ============================================================================== compile tier
+def _expected_hgmma(d, dv, tm, tn):
+    """Static wgmma instructions per Q tile (per warpgroup's code): S^T and dP^T, one 64-key M block
+    and K = d / dv; dV and dK, K = tm (A from registers); dQ, M = tm, K = tn, N split."""
+    return d // 16 + dv // 16 + 2 * (tm // 16) + (tm // 64) * (tn // 16)
+
+
+# (dtype, d, dv, causal, deterministic, varlen, seqused_k): 7 compiles, ~2-4 s each on 2 cores
+COMPILE_CASES = [("bf16", 64, 64, False, False, False, False), ("fp16", 64, 64, True, True, False, False),
+                 ("bf16", 96, 96, True, False, False, False), ("fp16", 96, 96, False, True, False, False),
+                 ("bf16", 128, 128, False, False, False, False), ("bf16", 128, 128, True, True, False, False),
+                 ("fp16", 128, 128, True, True, True, True)]
+COMPILE_IDS = [f"{dt}-d{d}x{dv}-{'causal' if c else 'full'}-{'det' if det else 'atomic'}"
+               f"{'-varlen' if vl else ''}{'-seqused' if su else ''}" for dt, d, dv, c, det, vl, su in COMPILE_CASES]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,dv,causal,det,varlen,seqused", COMPILE_CASES, ids=COMPILE_IDS)
+def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
+    mod = _mod()
+    comp = mod.compile_only(dtype=dtype, head_dim=d, head_dim_v=dv, causal=causal, deterministic=det,
+                            varlen=varlen, has_seqused_k=seqused)
+    rep, sass, ptx = comp.report, comp.sass, comp.ptx
+    log = rep["ptxas_log"]
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, f"spills: {rep}"
+    assert rep["stack_frame"] == 0 and rep["LDL/STL"] == 0, f"local memory: {rep}"
+    assert rep["registers"] is not None and rep["registers"] <= 168  # launch cap 65536 / 384
+    assert rep["smem_bytes"] is not None and rep["smem_bytes"] <= 227 * 1024
+    assert "C7508" not in log and "C7510" not in log, log  # no wgmma serialization
+    assert rep["threads"] == 384 and rep["UTMALDG"] and rep["LDGSTS"] == 0
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    assert re.search(r"used 6 barriers", log), "named barriers: __syncthreads, consumers, dQ full x2, dQ empty x2"
+
+    # (a) five GEMMs on wgmma; dV and dK with A from registers (HGMMA ... Rd, Ra, gdesc[..])
+    tm, tn = mod.default_tiles(d, dv)
+    assert rep["HGMMA"] == _expected_hgmma(d, dv, tm, tn)
+    rs = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass)
+    assert len(rs) == 2 * (tm // 16), f"RS wgmmas: {len(rs)}"
+
+    # (b) dQ: TMA bulk reduce-add from shared memory, no fp32 atomics from the math warps
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert re.search(r"\bUBLKRED\.G\.S\.ADD\.F32\b", sass), "no bulk reduce in SASS"
+    assert not re.search(r"\bREDG?\.E\.ADD\.F32", sass), "fp32 atomics left in the kernel"
+    assert "bar.arrive 2, 288" in ptx and "bar.arrive 4, 288" in ptx
+
+    # deterministic: the semaphore protocol (in the writer warp), nothing of it otherwise
+    has_sem = ("ld.global.acquire.gpu.b32" in ptx, "fence.acq_rel.gpu" in ptx,
+               "red.relaxed.gpu.global.add.s32" in ptx)
+    assert has_sem == (det, det, det)
+    if det:
+        assert re.search(r"\bREDG?\.E\.ADD\.S32\.STRONG\.GPU\b", sass), "no semaphore increment in SASS"
+        assert s4._has_spin_loop(sass), "no spin loop around the acquire load"
+        # the adds must have landed (full wait, not .read) before the release
+        assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+
+
+# ================================================================================== gpu tier
+SEQLENS = [(1, 1), (1, 3), (113, 203), (239, 1), (799, 3), (1024, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dv", HEAD_DIMS, ids=[f"d{d}x{dv}" for d, dv in HEAD_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", SEQLENS, ids=[f"{a}x{b}" for a, b in SEQLENS])
+def test_backward_matches_reference(d, dv, causal, sq, sk):
+    b, hq, hkv = s4._heads(sq, sk, d)  # GQA 1 / 2 / 8 cycled over the cases
+    s4._check_dense(STEP, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2, 8])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa_ratios(ratio, causal):
+    s4._check_dense(STEP, b=2, sq=300, sk=517, hq=8, hkv=8 // ratio, d=128, dv=128, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq", [64, 128, 192, 256, 320])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dq_double_buffer_walk_lengths(sq, causal):
+    """One CTA walks 1..5 Q tiles (one head, one K/V tile): the dQ buffers' first uses, the
+    "empty" waits from tile 2 on, and the writer's last arrivals all get exercised."""
+    s4._check_dense(STEP, b=1, sq=sq, sk=128, hq=1, hkv=1, d=128, dv=128, causal=causal)
+    s4._check_dense(STEP, b=1, sq=sq, sk=128, hq=1, hkv=1, d=64, dv=64, causal=causal, deterministic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp16(causal):
+    s4._check_dense(STEP, b=2, sq=333, sk=1000, hq=4, hkv=2, d=128, dv=128, causal=causal, dtype="fp16")
+
+
+@pytest.mark.gpu
+def test_fully_masked_rows_and_scale_and_strides():
+    """causal with Sq > Sk (rows without a visible key: zero dq), a non-default scale, q/k/v as
+    strided views of a packed qkv buffer."""
+    import torch
+
+    b, s, h, d = 2, 300, 4, 64
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    do = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    s4._check_dense(STEP, b=b, sq=s, sk=s, hq=h, hkv=h, d=d, dv=d, causal=True, softmax_scale=0.3,
+                    inputs=(q, k, v, do))
+    q2, k2, v2, do2 = s4._inputs(2, 300, 70, 4, 4, 96, 96)
+    dq, _, _ = s4._check_dense(STEP, b=2, sq=300, sk=70, hq=4, hkv=4, d=96, dv=96, causal=True,
+                               inputs=(q2, k2, v2, do2))
+    assert torch.all(dq[:, : 300 - 70] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seqused,deterministic", s4.VARLEN_CASES, ids=["all-keys", "seqused_k", "deterministic"])
+def test_varlen_with_empty_sequences(causal, seqused, deterministic):
+    # step 2's varlen test body, run on this step (packed inputs, seqused_k, keys past it get zero grads)
+    s4.test_varlen_with_empty_sequences(STEP, causal, seqused, deterministic)
+
+
+DET_CASES = [(False, 1), (True, 1), (True, 4), (False, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,ratio", DET_CASES, ids=[f"{'causal' if c else 'full'}-gqa{r}" for c, r in DET_CASES])
+def test_deterministic_is_bitwise_reproducible(causal, ratio):
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+    from stage4_bwd_kernel import host
+
+    mod = _mod()
+    q, k, v, do = s4._inputs(2, 1000, 1200, 8, 8 // ratio, 128, 128, seed=3)
+    out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
+    first = [t.clone() for t in mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=True)]
+    ref, base = host.reference_grads(q, k, v, do, causal=causal)
+    for name, a, r, bl in zip(("dq", "dk", "dv"), first, ref, base):
+        assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
+    dq, dk, dv = s4._poisoned(q, k, v)
+    for _ in range(50):
+        mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=True, dq=dq, dk=dk, dv=dv)
+        assert torch.equal(dq, first[0]) and torch.equal(dk, first[1]) and torch.equal(dv, first[2])
+    # the default mode: dq within the tolerance; dk / dv bitwise equal (no cross-CTA sums there)
+    nd = mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=False)
+    assert_fa4_close("dq (default)", nd[0], ref[0], base[0], atol=grad_atol(ref))
+    assert torch.equal(nd[1], first[1]) and torch.equal(nd[2], first[2])
+
+
+@pytest.mark.gpu
+def test_chain_with_stage3_forward():
+    s4._check_dense(STEP, b=2, sq=517, sk=300, hq=8, hkv=2, d=128, dv=128, causal=True, forward="stage3")
+
+
+@pytest.mark.gpu
+def test_run_entry_point_times_both_modes():
+    res = _mod().run(batch=1, seqlen_q=1024, heads=4, head_dim=128, causal=True, check=True)
+    assert res["mode"] == "gpu" and res["tflops"] > 0 and res["ms_deterministic"] > 0
