@@ -177,7 +177,7 @@ def main(argv=None) -> int:
                 del q, k, v, ref
     doc = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
            "versions": versions(), "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"),
-           "timing": timing_method, "dtype": "bf16", "tokens_per_batch": 32768, "hidden": 2048,
+           "timing": timing_method, "command": "python " + " ".join(sys.argv), "dtype": "bf16", "tokens_per_batch": 32768, "hidden": 2048,
            "production_step": production, "elapsed_s": round(time.time() - t_start, 1), "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
