@@ -555,13 +555,21 @@ def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deter
 def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
                 dq_order=None, tiles=None):
     """host.py's make_kernel interface (dense only)."""
+    return make_dense_kernel(FlashAttentionBackwardSm100, make_config, "1-CTA", dtype, head_dim, head_dim_v, causal,
+                             deterministic, varlen=varlen, has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles)
+
+
+def make_dense_kernel(kernel_cls, make_config_fn, label, dtype, head_dim, head_dim_v, causal, deterministic, *,
+                      varlen, has_seqused_k, dq_order, tiles):
+    """The make_kernel of a Blackwell backward variant (1-CTA, 2-CTA): refuse what it lacks, build its plan."""
     if varlen or has_seqused_k:
-        raise ValueError("varlen / seqused_k: not implemented in the Blackwell backward yet (stage4_bwd_kernel/README.md, Blackwell section)")
+        raise ValueError(f"varlen / seqused_k: not implemented in the {label} Blackwell backward yet "
+                         "(stage4_bwd_kernel/README.md, Blackwell section)")
     if tiles not in (None, (128, 128)):
-        raise ValueError(f"tiles: the 1-CTA Blackwell backward uses (128, 128), got {tiles!r}")
-    cfg = make_config(str(dtype).lower().replace("bfloat16", "bf16").replace("float16", "fp16"),
-                      head_dim, head_dim_v, causal, deterministic)
-    return FlashAttentionBackwardSm100(cfg, dq_order=dq_order)
+        raise ValueError(f"tiles: the {label} Blackwell backward uses (128, 128) per CTA, got {tiles!r}")
+    cfg = make_config_fn(str(dtype).lower().replace("bfloat16", "bf16").replace("float16", "fp16"),
+                         head_dim, head_dim_v, causal, deterministic)
+    return kernel_cls(cfg, dq_order=dq_order)
 
 
 _CACHE: dict = {}
@@ -571,22 +579,29 @@ def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> fwd_common.Compile
     """Compile for sm_100a (``--gpu-arch``) with fake tensors; the report adds the tcgen05 counts."""
     import re
 
+    def atomics(sass, ptx):
+        return {"RED": len(re.findall(r"\bREDG?\b[^\n]*\.ADD", sass)) if sass else None,
+                "ptx_red_v2": len(re.findall(r"red\.global\.add\.v2\.f32", ptx)),
+                "ptx_ld_acquire": len(re.findall(r"ld\.global\.acquire\.gpu", ptx))}
+    return compile_cached(FlashAttentionBackwardSm100, cfg, dq_order, _CACHE, atomics)
+
+
+def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, extra_report) -> fwd_common.Compiled:
+    """Compile kernel_cls(cfg) for sm_100a once per (plan, dQ order); extra_report(sass, ptx) -> more counts."""
     from stage4_bwd_kernel import host
 
     dq_order = dq_order or common.default_dq_order(cfg.causal, cfg.deterministic)
     key = (cfg.key(), dq_order.name)
-    if key in _CACHE:
-        return _CACHE[key]
-    kernel = FlashAttentionBackwardSm100(cfg, dq_order=dq_order)
+    if key in cache:
+        return cache[key]
+    kernel = kernel_cls(cfg, dq_order=dq_order)
     args = host.fake_main_args(common.cutlass_dtype(cfg.dtype), cfg.head_dim, cfg.head_dim_v)
     fn, rep, sass, ptx = _fwd.compile_sm100(kernel, args)
     rep.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads, tmem_cols_used=cfg.tmem.used,
                tmem_cols_alloc=cfg.tmem.alloc)
-    rep["RED"] = len(re.findall(r"\bREDG?\b[^\n]*\.ADD", sass)) if sass else None
-    rep["ptx_red_v2"] = len(re.findall(r"red\.global\.add\.v2\.f32", ptx))
-    rep["ptx_ld_acquire"] = len(re.findall(r"ld\.global\.acquire\.gpu", ptx))
+    rep.update(extra_report(sass, ptx))
     out = fwd_common.Compiled(fn, rep, sass, ptx)
-    _CACHE[key] = out
+    cache[key] = out
     return out
 
 

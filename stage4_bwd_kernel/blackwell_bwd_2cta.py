@@ -77,6 +77,7 @@ from stage3_fwd_kernel import blackwell_fwd as _fwd  # arch selection before cut
 from stage3_fwd_kernel import common as fwd_common
 from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_bwd import BAR_DQ, BAR_TMEM_ALLOC, LOAD_WARP, MMA_WARP, FlashAttentionBackwardSm100
+from stage4_bwd_kernel import blackwell_bwd as _one
 from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_2cta_config
 
 import cutlass  # noqa: E402
@@ -618,13 +619,9 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
                 dq_order=None, tiles=None):
     """host.py's make_kernel interface (dense only). The semaphores host.py allocates (one int32
     per (batch, head, 128-row dQ tile)) are what this kernel uses."""
-    if varlen or has_seqused_k:
-        raise ValueError("varlen / seqused_k: not implemented in the 2-CTA Blackwell backward")
-    if tiles not in (None, (128, 128)):
-        raise ValueError(f"tiles: the 2-CTA Blackwell backward uses (128, 128) per CTA, got {tiles!r}")
-    cfg = make_config(str(dtype).lower().replace("bfloat16", "bf16").replace("float16", "fp16"),
-                      head_dim, head_dim_v, causal, deterministic)
-    return FlashAttentionBackwardSm100TwoCta(cfg, dq_order=dq_order)
+    return _one.make_dense_kernel(FlashAttentionBackwardSm100TwoCta, make_config, "2-CTA", dtype, head_dim,
+                                  head_dim_v, causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                                  dq_order=dq_order, tiles=tiles)
 
 
 _CACHE: dict = {}
@@ -632,21 +629,8 @@ _CACHE: dict = {}
 
 def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> fwd_common.Compiled:
     """Compile for sm_100a (cluster launch) with fake tensors; the report adds the 2-CTA counts."""
-    from stage4_bwd_kernel import host
-
-    dq_order = dq_order or common.default_dq_order(cfg.causal, cfg.deterministic)
-    key = (cfg.key(), dq_order.name)
-    if key in _CACHE:
-        return _CACHE[key]
-    kernel = FlashAttentionBackwardSm100TwoCta(cfg, dq_order=dq_order)
-    args = host.fake_main_args(common.cutlass_dtype(cfg.dtype), cfg.head_dim, cfg.head_dim_v)
-    fn, rep, sass, ptx = _fwd.compile_sm100(kernel, args)
-    rep.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads, tmem_cols_used=cfg.tmem.used,
-               tmem_cols_alloc=cfg.tmem.alloc, qdo_stages=cfg.qdo_stages)
-    rep.update(pair_report(sass, ptx))
-    out = fwd_common.Compiled(fn, rep, sass, ptx)
-    _CACHE[key] = out
-    return out
+    return _one.compile_cached(FlashAttentionBackwardSm100TwoCta, cfg, dq_order, _CACHE,
+                               lambda sass, ptx: dict(qdo_stages=cfg.qdo_stages, **pair_report(sass, ptx)))
 
 
 def pair_report(sass: str, ptx: str) -> dict:
