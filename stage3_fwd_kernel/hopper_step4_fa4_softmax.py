@@ -100,6 +100,19 @@ def default_tile_n(head_dim: int, head_dim_v: int) -> int:
     return 64 if max(head_dim, head_dim_v) > 192 else 128
 
 
+TILE_MS = (128, 192)  # two or three consumer warpgroups of 64 query rows
+
+
+def default_tile_m(head_dim: int, head_dim_v: int) -> int:
+    """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128.
+
+    At d = 64 a tile's MMAs are half of d = 128's, so the per-tile softmax and issue overheads
+    weigh twice as much; 192 rows amortize every K/V load over 1.5x the rows and give the tensor
+    cores three warpgroups to rotate. It costs registers: 160 per consumer thread instead of 240,
+    which fits d = 64 without spills and nothing larger (the official FA4 makes the same choice)."""
+    return 192 if max(head_dim, head_dim_v) <= 64 else 128
+
+
 def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128) -> int:
     """As many K/V stages as fit next to Q (2 bytes/element), between 2 and 4 (step 3's table)."""
     q_bytes = tile_m * head_dim * 2
@@ -148,8 +161,8 @@ def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: 
 
 
 class FlashAttentionForwardSm90Step4:
-    """Step 3's kernel with FA4's softmax (`policy`) and varlen: producer warp + 2 consumer
-    warpgroups (64 rows each, tile_m = 128), ping-pong on the tensor cores, TMA K/V ring."""
+    """Step 3's kernel with FA4's softmax (`policy`) and varlen: producer warp + tile_m / 64 consumer
+    warpgroups (64 rows each; tile_m = 128 or 192) taking turns on the tensor cores, TMA K/V ring."""
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
@@ -162,7 +175,8 @@ class FlashAttentionForwardSm90Step4:
         if getattr(scheduler, "persistent", False):
             # one tile per CTA here; a persistent scheduler needs a tile loop carrying pipeline state
             raise ValueError("scheduler: persistent schedulers are not supported by this kernel yet")
-        assert tile_m == 128, "two consumer warpgroups x one wgmma M=64 row block"
+        if tile_m not in TILE_MS:
+            raise ValueError(f"tile_m: expected one of {TILE_MS} (64 query rows per consumer warpgroup), got {tile_m}")
         self.policy = policy
         self.dtype = dtype
         self.head_dim = head_dim
@@ -173,10 +187,13 @@ class FlashAttentionForwardSm90Step4:
         self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m)
         self.pingpong = pingpong
         self.scheduler = scheduler
-        self.num_consumers = 2               # consumer warpgroups
+        self.num_consumers = tile_m // 64    # consumer warpgroups, one wgmma M = 64 row block each
         self.wg_m = tile_m // self.num_consumers  # 64 query rows per consumer
         self.num_threads = 128 * (1 + self.num_consumers)
-        self.regs_producer, self.regs_consumer = 24, 240
+        # setmaxnreg moves registers from the producer to the consumers inside the CTA's pool: the
+        # launch grants 65536 / threads each (168 at 384 threads, 128 at 512), and the producer must
+        # free exactly what the consumers take, 128 * (p + n * c) = 65536 (FA3's split for 3 WGs)
+        self.regs_producer, self.regs_consumer = {2: (24, 240), 3: (32, 160)}[self.num_consumers]
         self.smem_bytes = None
 
     # -------------------------------------------------------------- host side (traced once)
@@ -220,7 +237,7 @@ class FlashAttentionForwardSm90Step4:
         mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
         mV, mO = common.assume_strides_16B(mV, dv), common.assume_strides_16B(mO, dv)
 
-        # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size 2)
+        # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size nc)
         sQ_layout = self._smem_layout(tm, d, nc)
         sK_layout = self._smem_layout(tn, d, stages)
         sV_layout = self._smem_layout(tn, dv, stages)
@@ -247,7 +264,7 @@ class FlashAttentionForwardSm90Step4:
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             tma_load, seq_dim_first(mV), cute.slice_(sV_layout, (None, None, 0)), (tn, dv))
         # bytes each stage's "full" barrier waits for (the whole box, zero-filled rows included)
-        self.tma_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)  # both slabs, one barrier
+        self.tma_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)  # all nc slabs, one barrier
         self.tma_bytes_K = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.tma_bytes_V = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
 
@@ -282,7 +299,7 @@ class FlashAttentionForwardSm90Step4:
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
                     self._gmem_copy_O(dv),
-                    # min_blocks_per_mp=1 caps registers at entry (65536/384), which setmaxnreg needs
+                    # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # -------------------------------------------------------------- device side
@@ -344,7 +361,7 @@ class FlashAttentionForwardSm90Step4:
         storage = smem.allocate(self.shared_storage)
 
         # mbarrier pipelines: producer = 1 arrival (an elected lane of the producer warp, which also
-        # posts the expected byte count), consumers = the 8 warps of both consumer warpgroups
+        # posts the expected byte count), consumers = the 4 * nc warps of all consumer warpgroups
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
         pipe_Q = pipeline.PipelineTmaAsync.create(
@@ -359,13 +376,13 @@ class FlashAttentionForwardSm90Step4:
         cute.arch.mbarrier_init_fence()  # make the barrier inits visible to the async proxy (TMA)
         cute.arch.sync_threads()         # ... and to every thread; the last CTA-wide barrier
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, 2)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, nc)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (tn, dv, stages)
 
-        # key blocks this 128-row query tile can see: all of them, or (causal) up to the diagonal
-        # of its last row (query i sees key j iff j <= i + seqlen_k - seqlen_q). Both consumers
-        # walk the same blocks: they share every K/V stage.
+        # key blocks this tile_m-row query tile can see: all of them, or (causal) up to the diagonal
+        # of its last row (query i sees key j iff j <= i + seqlen_k - seqlen_q). All consumers
+        # walk the same blocks: they share every K/V stage (and take the same number of turns).
         n_block_max = (seqlen_k + tn - 1) // tn
         if const_expr(self.causal):
             last_visible = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive bound on keys
@@ -388,7 +405,7 @@ class FlashAttentionForwardSm90Step4:
                                                    cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
                 tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
                                                    cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-                # 1. Q: both 64-row slabs on one barrier (it expects both slabs' bytes)
+                # 1. Q: the nc 64-row slabs on one barrier (it expects all slabs' bytes)
                 q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
                 pipe_Q.producer_acquire(q_state)
                 for wg in cutlass.range_constexpr(self.num_consumers):
@@ -421,10 +438,18 @@ class FlashAttentionForwardSm90Step4:
         """One consumer warpgroup: step 3's per-tile math on its own 64 query rows, with FA4's
         softmax (vote + partial emulation) and sequence-relative output rows."""
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        nc = self.num_consumers
         row0 = m_block * self.tile_m + wg * tm  # first query row of this warpgroup
-        # named barriers (0 is sync_threads): 1 + w = "consumer w may use the tensor cores",
-        # 3 + w = this warpgroup's own 128-thread barrier
-        my_turn, other_turn = 1 + wg, 2 - wg
+        # named barriers (0 is sync_threads, 16 in all): 1 + w = "consumer w may use the tensor
+        # cores", 1 + nc + w = warpgroup w's own 128-thread barrier (ids 1..2 nc <= 6). The turn goes
+        # round robin 0 -> 1 -> .. -> nc-1 -> 0: w waits on its own turn barrier, issues, and arrives
+        # on its successor's, so each turn barrier joins exactly two warpgroups (256 threads).
+        my_turn = 1 + wg
+        if const_expr(nc == 2):
+            next_turn = 2 - wg  # step 3's form of the same
+        else:
+            next_turn = 1 + (wg + 1) % nc
+        own_bar = 1 + nc + wg
         turn_threads = 2 * 128
 
         sQ_wg = sQ[None, None, wg]                                              # (64, d)
@@ -449,6 +474,13 @@ class FlashAttentionForwardSm90Step4:
         acc_O_rc = acc_rowcol(acc_O)
         # (row, col) of each S accumulator element inside the (tm, tn) tile, for masking
         tScS_rc = acc_rowcol(thr_mma_qk.partition_C(cute.make_identity_tensor((tm, tn))))
+        # thread 0's (row, col) of each element: compile-time constants. Any thread's columns are
+        # these shifted by its first one, so the mask can compare immediates against one shifted
+        # limit per row instead of holding tn / 4 column indices in registers -- which 160
+        # registers (three consumers) cannot afford. tile_m = 128 keeps its measured code.
+        tScS0_rc = None
+        if const_expr(self.num_consumers > 2):
+            tScS0_rc = acc_rowcol(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((tm, tn))))
         num_rows = cute.size(tScS_rc, mode=[0])  # 2 rows per thread
         row_max = cute.make_rmem_tensor((num_rows,), Float32)      # m: running (possibly stale) max
         row_max_new = cute.make_rmem_tensor((num_rows,), Float32)  # max(m, this tile's row max)
@@ -457,13 +489,13 @@ class FlashAttentionForwardSm90Step4:
         row_sum.fill(0.0)
 
         if const_expr(self.pingpong):
-            if wg == 1:  # consumer 0 takes the first turn
-                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+            if wg == nc - 1:  # consumer 0 takes the first turn, as if the last one had just handed over
+                cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
         pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
 
         # 2. mainloop over key tiles, software-pipelined inside the warpgroup (FA3's intra-warpgroup
         #    overlap): one tensor-core turn issues S_i = Q K^T *and* O += P_{i-1} V, so the softmax
-        #    of S_i runs while our own P V (and then the other consumer's GEMMs) occupy the tensor
+        #    of S_i runs while our own P V (and then the other consumers' GEMMs) occupy the tensor
         #    cores. P_{i-1} stays in registers (tOrP) across the turn; O is rescaled for tile i only
         #    after P_{i-1} V has landed in it. Blocks are walked last first: the blocks that need a
         #    mask (the partial last one, the causal diagonal) come first, then a hot loop with no
@@ -486,21 +518,22 @@ class FlashAttentionForwardSm90Step4:
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
             wgmma_gemm(tiled_mma_qk, acc_S0, tSrQ, tSrK[None, None, None, st0.index], zero_init=True, wait=False)
             if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+                cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
             if const_expr(self.varlen):
                 # V rows past the sequence belong to the next one, or are unused cache slots
                 # (seqused_k) that may hold NaN; P is 0 there but 0 * NaN is not. Only the first
-                # block walked (the last one) can be partial: zero its tail (both consumers write
-                # the same zeros, before either reads), then make the writes visible to wgmma.
+                # block walked (the last one) can be partial: zero its tail (every consumer zeroes
+                # the whole tail itself, so what it reads is its own zeros; the others only ever
+                # write the same zeros there), then make the writes visible to wgmma.
                 if n_block_max * tn > seqlen_k:
                     pipe_V.consumer_wait(st0)
                     self.zero_rows(sV[None, None, st0.index], seqlen_k - (n_block_max - 1) * tn, ctidx, gmem_copy_O)
                     cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+                    cute.arch.barrier(barrier_id=own_bar, number_of_threads=128)
             warpgroup.wait_group(0)
             pipe_K.consumer_release(st0)
             self.online_softmax(acc_S0, n_block_max - 1, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
-                                tScS_rc, row_max, row_max_new, row_sum, row_scale)
+                                tScS_rc, row_max, row_max_new, row_sum, row_scale, tScS0_rc)
             self.store_P(acc_S0, tOrP)
 
             # 2b. steady state, masked blocks first, then the hot loop
@@ -508,12 +541,12 @@ class FlashAttentionForwardSm90Step4:
                 self.overlapped_step(i, n_block_max - 1 - i, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
                                      tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
-                                     my_turn, other_turn)
+                                     my_turn, next_turn, tScS0_rc)
             for i in cutlass.range(cutlass.max(n_masked, 1), n_block_max, unroll=1):
                 self.overlapped_step(i, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
                                      tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
-                                     my_turn, other_turn)
+                                     my_turn, next_turn, tScS0_rc)
 
             # 2c. drain: the last P V
             st_last = self.kv_state(n_block_max - 1, producer=False)
@@ -522,12 +555,12 @@ class FlashAttentionForwardSm90Step4:
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
             wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_last.index], zero_init=False, wait=False)
             if const_expr(self.pingpong):
-                cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+                cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
             warpgroup.wait_group(0)
             pipe_V.consumer_release(st_last)
 
         if const_expr(self.pingpong):
-            if wg == 0:  # consume consumer 1's last hand-over: no arrival outlives the loop
+            if wg == 0:  # consume the last consumer's last hand-over: no arrival outlives the loop
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
 
         # 3. epilogue: O /= l, lse = m*scale + ln(l); empty rows -> O = 0, lse = -inf
@@ -553,12 +586,12 @@ class FlashAttentionForwardSm90Step4:
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         if const_expr(self.o_in_q):
-            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)  # our last QK^T has read sQ_wg
+            cute.arch.barrier(barrier_id=own_bar, number_of_threads=128)  # our last QK^T has read sQ_wg
         smem_copy_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_pv)
         thr_smem_copy_O = smem_copy_O.get_slice(ctidx)
         cute.copy(smem_copy_O, thr_smem_copy_O.retile(rO), thr_smem_copy_O.partition_D(sO_wg))
-        cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+        cute.arch.barrier(barrier_id=own_bar, number_of_threads=128)
         thr_copy_O = gmem_copy_O.get_slice(ctidx)
         tOsO, tOgO = thr_copy_O.partition_S(sO_wg), thr_copy_O.partition_D(gO)
         tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((tm, dv)))
@@ -575,7 +608,8 @@ class FlashAttentionForwardSm90Step4:
                         row_max: cute.Tensor, row_max_new: cute.Tensor, row_sum: cute.Tensor,
                         row_scale: cute.Tensor, acc_O: cute.Tensor, tOrP: cute.Tensor, tSrQ: cute.Tensor,
                         tSrK: cute.Tensor, tOrVt: cute.Tensor, thr_mma_qk, tiled_mma_qk: cute.TiledMma,
-                        tiled_mma_pv: cute.TiledMma, pipe_K, pipe_V, my_turn: Int32, other_turn: Int32):
+                        tiled_mma_pv: cute.TiledMma, pipe_K, pipe_V, my_turn: Int32, next_turn: Int32,
+                        tScS0_rc: Optional[cute.Tensor]):
         """The i-th key block walked (block n_block): one turn issues S_i and O += P_{i-1} V_{i-1}."""
         tm, tn = self.wg_m, self.tile_n
         turn_threads = 2 * 128
@@ -589,11 +623,11 @@ class FlashAttentionForwardSm90Step4:
         wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
         wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev.index], zero_init=False, wait=False)
         if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=other_turn, number_of_threads=turn_threads)
+            cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
         warpgroup.wait_group(1)  # S_i has landed (P_{i-1} V_{i-1} may still run)
         pipe_K.consumer_release(st)
         rescale_O = self.online_softmax(acc_S, n_block, mask, row0, seqlen_q, seqlen_k, softmax_scale_log2,
-                                         tScS_rc, row_max, row_max_new, row_sum, row_scale)
+                                         tScS_rc, row_max, row_max_new, row_sum, row_scale, tScS0_rc)
         warpgroup.wait_group(0)  # P_{i-1} V_{i-1} has landed: O and tOrP are ours again
         pipe_V.consumer_release(st_prev)
         if rescale_O:
@@ -606,11 +640,13 @@ class FlashAttentionForwardSm90Step4:
     @cute.jit
     def online_softmax(self, acc_S: cute.Tensor, n_block: Int32, mask: cutlass.Constexpr[bool], row0: Int32,
                        seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, tScS_rc: cute.Tensor,
-                       row_max: cute.Tensor, row_max_new: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor):
+                       row_max: cute.Tensor, row_max_new: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
+                       tScS0_rc: Optional[cute.Tensor] = None):
         """S_j (accumulator) -> P_j = 2^(S*scale - m*scale) in place, with the mask, the running max
         and sum. Returns the warp's vote: True when O must be multiplied by row_scale (the caller
         does it once the in-flight P V that writes O has landed). mask=False: a block the caller
-        knows to be fully visible to every row (no mask code is generated)."""
+        knows to be fully visible to every row (no mask code is generated). tScS0_rc: thread 0's
+        coordinates (compile-time), when given the mask compares against them (see consume)."""
         tn = self.tile_n
         acc_S_rc = acc_rowcol(acc_S)
         num_rows = cute.size(row_max)
@@ -621,9 +657,15 @@ class FlashAttentionForwardSm90Step4:
                 if const_expr(self.causal):
                     row = row0 + tScS_rc[r, 0][0]
                     col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
-                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                    if tScS_rc[r, c][1] >= col_limit:
-                        acc_S_rc[r, c] = -Float32.inf
+                if const_expr(tScS0_rc is None):
+                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                        if tScS_rc[r, c][1] >= col_limit:
+                            acc_S_rc[r, c] = -Float32.inf
+                else:
+                    col_limit -= tScS_rc[0, 0][1]  # into thread 0's column coordinates
+                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                        if tScS0_rc[r, c][1] >= col_limit:
+                            acc_S_rc[r, c] = -Float32.inf
         # this tile's row maxima, one row pair per thread (quad-reduced)
         for r in cutlass.range_constexpr(num_rows):
             m_tile = acc_S_rc[r, 0]
@@ -706,14 +748,27 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
-                scheduler=common.StaticTileScheduler):
-    return FlashAttentionForwardSm90Step4(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler)
+                scheduler=common.StaticTileScheduler, tile_m: int | None = None):
+    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v)."""
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
+    return FlashAttentionForwardSm90Step4(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
+                                          tile_m=tile_m)
 
 
-def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False)):
+def _check_tile_m(tile_m, d, dv) -> int:
+    """tile_m of a call: the head dims' default when None, else one of TILE_MS."""
+    if tile_m is None:
+        return default_tile_m(d, dv)
+    if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
+        raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
+    return tile_m
+
+
+def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel."""
-    return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags))
+    tile_m = _check_tile_m(tile_m, d, dv)
+    return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m)
 
 
 def _cute_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -758,21 +813,22 @@ def _check_head_dims(d, dv):
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 
 
-def _compile_and_launch(key, dt, d, dv, causal, policy, scheduler, args):
-    compiled = common.compile_cached(key, lambda: (make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler),
-                                                   args))
+def _compile_and_launch(key, dt, d, dv, causal, policy, scheduler, args, tile_m):
+    compiled = common.compile_cached(key, lambda: (make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler,
+                                                               tile_m=tile_m), args))
     compiled.fn(*args)
     return compiled
 
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
                       rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
-                      policy: SoftmaxPolicy | None = None, scheduler=None):
+                      policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32).
 
     rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
     each distinct pair is its own kernel); `policy` overrides both. `scheduler` (default
-    StaticTileScheduler) is a class with the common.StaticTileScheduler interface.
+    StaticTileScheduler) is a class with the common.StaticTileScheduler interface. tile_m: query
+    rows per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv).
     """
     import torch
 
@@ -784,6 +840,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
     _check_head_dims(d, dv)
+    tile_m = _check_tile_m(tile_m, d, dv)
     dt = common.cutlass_dtype(q.dtype)
     policy.check_dtype(dt)
     softmax_scale = _check_scale(softmax_scale, d)
@@ -803,7 +860,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         return out, lse
     scheduler = scheduler or common.StaticTileScheduler
     args = _cute_args(q, k, v, out, lse, softmax_scale, sq)
-    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler), dt, d, dv, causal, policy, scheduler, args)
+    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, tile_m=tile_m), dt, d, dv, causal, policy,
+                        scheduler, args, tile_m)
     return out, lse
 
 
@@ -811,7 +869,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                              softmax_scale=None, causal=False, out=None, lse=None,
                              rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                              emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
-                             batch_map=None, scheduler=None, check_values=False):
+                             batch_map=None, scheduler=None, check_values=False, tile_m: int | None = None):
     """Packed q (Tq,Hq,D), k (Tk,Hkv,D), v (Tk,Hkv,Dv) with int32 cu_seqlens_q / cu_seqlens_k (batch+1,)
     -> (out (Tq,Hq,Dv), lse (Hq,Tq) fp32).
 
@@ -822,6 +880,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     the grid); max_seqlen_k is accepted for API compatibility. batch_map (int32 (batch,)): the
     sequence each virtual batch index computes (stage 5's reordering; identity when None).
     check_values=True verifies the index tensors' values on the host (costs a device sync).
+    tile_m: as in attention_forward.
     (When k has no rows at all nothing is launched and out / lse are filled with 0 / -inf entirely.)
     """
     import torch
@@ -832,6 +891,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     tq, hq, d = q.shape
     dv = v.shape[-1]
     _check_head_dims(d, dv)
+    tile_m = _check_tile_m(tile_m, d, dv)
     dt = common.cutlass_dtype(q.dtype)
     policy.check_dtype(dt)
     softmax_scale = _check_scale(softmax_scale, d)
@@ -856,29 +916,31 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     args = _cute_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                       softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map)
     flags = (True, seqused_k is not None, batch_map is not None)
-    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, flags), dt, d, dv, causal, policy,
-                        scheduler, args)
+    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, flags, tile_m), dt, d, dv, causal, policy,
+                        scheduler, args, tile_m)
     return out, lse
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False, seqused_k=False,
                  batch_map=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
-                 scheduler=None) -> common.Compiled:
+                 scheduler=None, tile_m: int | None = None) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
-    varlen / seqused_k / batch_map select which optional tensors the kernel is built for."""
+    varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
+    as in attention_forward (None = default_tile_m)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
     if (seqused_k or batch_map) and not varlen:
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     dt = common.cutlass_dtype(dtype)
     policy.check_dtype(dt)
     scheduler = scheduler or common.StaticTileScheduler
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
-    key = _key("fake", dt, head_dim, head_dim_v, causal, policy, scheduler, flags)
+    key = _key("fake", dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m)
     comp = common.compile_cached(key, lambda: (
-        make_kernel(dt, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler),
+        make_kernel(dt, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler, tile_m=tile_m),
         _fake_args(dt, head_dim, head_dim_v, flags)))
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
@@ -909,18 +971,19 @@ def _random_varlen(batch, max_seqlen_q, max_seqlen_k, heads, heads_kv, d, dv, dt
 
 def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
         causal=False, dtype="bf16", check=True, *, varlen=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
-        emulation_fraction=DEFAULT_EMULATION_FRACTION, verbose=True) -> dict:
+        emulation_fraction=DEFAULT_EMULATION_FRACTION, tile_m=None, verbose=True) -> dict:
     """On a Hopper GPU: check against the stage-0 reference (FA4 rule) and time. Otherwise: compile
     for sm_90a and print the resource report. varlen=True runs a random packed batch of `batch`
     sequences with lengths up to seqlen_q / seqlen_k (empty ones included)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
     heads_kv = heads if heads_kv is None else heads_kv
     policy = make_policy(rescale_threshold, emulation_fraction)
     tag = (f"{STEP} [{common.ARCH}, {dtype}, d={head_dim}/{head_dim_v}, causal={causal}, varlen={varlen}, "
-           f"{policy.describe()}]")
+           f"tile_m={tile_m}, {policy.describe()}]")
     result: dict = {"step": STEP, "policy": policy}
     if not common.hopper_gpu_available():
-        comp = compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, policy=policy)
+        comp = compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, policy=policy, tile_m=tile_m)
         result.update(mode="compile-only", report=comp.report)
         if verbose:
             print(_format(tag + " (no Hopper GPU: compiled only)", comp.report))
@@ -939,7 +1002,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
 
         def fwd():
             return attention_varlen_forward(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal=causal, out=out,
-                                            lse=lse, policy=policy)
+                                            lse=lse, policy=policy, tile_m=tile_m)
 
         def ref(upcast):
             return attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=upcast)
@@ -956,7 +1019,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
         lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda", dtype=torch.float32)
 
         def fwd():
-            return attention_forward(q, k, v, causal=causal, out=out, lse=lse, policy=policy)
+            return attention_forward(q, k, v, causal=causal, out=out, lse=lse, policy=policy, tile_m=tile_m)
 
         def ref(upcast):
             return attention_ref(q, k, v, causal=causal, upcast=upcast)
@@ -971,12 +1034,13 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
     ms = common.benchmark_ms(fwd)
     tflops = flops / (ms * 1e-3) / 1e12
     rep = common._CACHE[_key("gpu", common.cutlass_dtype(dtype), head_dim, head_dim_v, causal, policy,
-                             common.StaticTileScheduler, flags)].report
+                             common.StaticTileScheduler, flags, tile_m)].report
     result.update(mode="gpu", ms=ms, tflops=tflops, report=rep)
     if verbose:
         status = "PASS" if check else "(unchecked)"
         print(f"{status} {STEP} b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={head_dim}/{head_dim_v} "
-              f"causal={causal} varlen={varlen} {dtype} {policy.describe()}: {ms:.3f} ms, {tflops:.1f} TFLOP/s")
+              f"causal={causal} varlen={varlen} tile_m={tile_m} {dtype} {policy.describe()}: {ms:.3f} ms, "
+              f"{tflops:.1f} TFLOP/s")
         print(common.format_report("  resources", rep))
     return result
 
@@ -986,6 +1050,7 @@ if __name__ == "__main__":
     ap.add_argument("--varlen", action="store_true", help="a random packed batch of --batch sequences")
     ap.add_argument("--rescale_threshold", type=float, default=DEFAULT_RESCALE_THRESHOLD)
     ap.add_argument("--emulation_fraction", type=float, default=DEFAULT_EMULATION_FRACTION)
+    ap.add_argument("--tile_m", type=int, default=None, choices=TILE_MS, help="default: default_tile_m(d, dv)")
     a = ap.parse_args()
     run(**common.shape_kwargs(a), varlen=a.varlen, rescale_threshold=a.rescale_threshold,
-        emulation_fraction=a.emulation_fraction)
+        emulation_fraction=a.emulation_fraction, tile_m=a.tile_m)

@@ -6,11 +6,14 @@ One CTA = one K/V tile (128 keys) of one KV head; it walks every (query head of 
 Q tile) that sees the tile. Warps (blackwell_config.py has the TMEM / SMEM plan):
 
 * WG 0, elementwise (128 threads, thread r = key r = TMEM lane r): S^T row -> registers,
-  P = exp2(S * scale_log2 - lse2) (masked -> 0), P^T (16-bit) -> TMEM; then dP^T in 32-column
-  chunks, dS = P (dP - D), dS^T (16-bit) -> TMEM and dS -> SMEM (column r of the dQ MMA's A).
+  P = exp2(S * scale_log2 - lse2) (masked -> 0), P^T (16-bit) -> TMEM over S^T; then dP^T in
+  32-column chunks, dS = P (dP - D), dS^T (16-bit) -> TMEM over dP^T and dS -> SMEM (column r of
+  the dQ MMA's A).
   At the end: dV and scale * dK from TMEM -> global memory.
 * warp 4, MMA (one elected thread): S^T = K Q^T, dP^T = V dO^T (SS); dV += P^T dO,
-  dK += dS^T Q (TS: A from TMEM); dQ = dS K (SS) into the columns of dP^T.
+  dK += dS^T Q (TS: A from TMEM); dQ = dS K (SS) into the columns of dP^T. Issue order per
+  Q tile j (the paper's 1-CTA pipeline): S(j), dK(j-1), dQ(j-1), dP(j), dV(j) -- the exp of
+  P(j) overlaps the previous tile's dK and dQ MMAs.
 * warp 5, load: TMA K, V once; Q, dO into a 2-stage ring. lse2 / D are read by WG 0 itself.
 * WG 2, dQ drain (thread r = query r): dQ from TMEM 32 columns at a time -> red.global.add.v2.f32
   into the fp32 dQ accumulator; deterministic: the stage-4 semaphore protocol (schedule.py ranks
@@ -27,8 +30,7 @@ Barriers (mbarriers; "count" = arrivals per phase):
     dkv_full        MMA commit after the last dK -> WG 0               1
     tmem_dealloc    WG 0 + WG 2 -> MMA warp                            256
 
-Not implemented here (see the Blackwell section of README.md): varlen / seqused_k, head dims other than 64 and 128,
-the overlap of dS with the previous tile's dK / dQ MMAs. The 2-CTA kernel (blackwell_bwd_2cta.py)
+Not implemented here (see the Blackwell section of README.md): varlen / seqused_k, head dims other than 64 and 128. The 2-CTA kernel (blackwell_bwd_2cta.py)
 subclasses this one and reuses its elementwise helpers (_row_copies, _stage_stats, _exp_row,
 _store16, _store_dkdv) and gemm.
 """
@@ -328,33 +330,43 @@ class FlashAttentionBackwardSm100:
         tP = self._tmem_a(tmem_ptr, mma_dv, tP_layout, T.p)
         tdSt = self._tmem_a(tmem_ptr, mma_dk, tdS_layout, T.ds)
 
+        # The paper's 1-CTA pipeline: iteration j issues S(j), then the previous tile's dK(j-1) and
+        # dQ(j-1), then dP(j) and dV(j). The elementwise warpgroup computes P(j) = exp2(...) from S(j)
+        # while the tensor cores run dK(j-1) and dQ(j-1), instead of idling between dS(j-1) and S(j).
+        # One loop of n_iter + 1 turns with uniform branches keeps each MMA in the code once.
+        # TMEM reuse relies on MMAs issued by this thread executing in issue order: S(j) overwrites
+        # the P^T(j-1) that dV(j-1) reads, dQ(j-1) overwrites the dS^T(j-1) that dK(j-1) reads.
         cute.arch.mbarrier_wait(self._bar(mbar, "kv_full"), 0)
-        for it in cutlass.range(n_iter, unroll=1):
-            slot, phase = it % self.stages, (it // self.stages) % 2
-            cute.arch.mbarrier_wait(self._bar(mbar, "qdo_full", slot), phase)
-            # S^T = K Q^T  (the previous tile's dK MMA, which read dS^T from these columns, was issued first)
-            self.gemm(mma_s, accS, tK[None, None, None, 0], tQ[None, None, None, slot], False)
-            with cute.arch.elect_one():
-                tcgen05.commit(self._bar(mbar, "s_full"))
-            # dP^T = V dO^T, over the previous dQ: wait until WG 2 has drained it
-            if it > 0:
-                cute.arch.mbarrier_wait(self._bar(mbar, "dq_empty"), (it - 1) % 2)
+        for j in cutlass.range(n_iter + 1, unroll=1):
+            slot, phase = j % self.stages, (j // self.stages) % 2
+            prev_slot = (j + self.stages - 1) % self.stages
+            if j < n_iter:
+                # S^T(j) = K Q(j)^T  over the S/P region (P^T(j-1) was consumed by dV(j-1), issued before)
+                cute.arch.mbarrier_wait(self._bar(mbar, "qdo_full", slot), phase)
+                self.gemm(mma_s, accS, tK[None, None, None, 0], tQ[None, None, None, slot], False)
+                with cute.arch.elect_one():
+                    tcgen05.commit(self._bar(mbar, "s_full"))
+            if j > 0:
+                # dK += dS^T(j-1) Q(j-1)  (TS, dS^T over dP^T), then dQ(j-1) = dS K  (SS) over both
+                cute.arch.mbarrier_wait(self._bar(mbar, "ds_full"), (j - 1) % 2)
                 tcgen05_fence_after_sync()
-            self.gemm(mma_dp, accdP, tV[None, None, None, 0], tdO[None, None, None, slot], False)
-            with cute.arch.elect_one():
-                tcgen05.commit(self._bar(mbar, "dp_full"))
-            # dV += P^T dO  (TS)
-            cute.arch.mbarrier_wait(self._bar(mbar, "p_full"), it % 2)
-            tcgen05_fence_after_sync()
-            self.gemm(mma_dv, accdV, tP, tdOt[None, None, None, slot], it > 0)
-            # dK += dS^T Q  (TS), dQ = dS K  (SS)
-            cute.arch.mbarrier_wait(self._bar(mbar, "ds_full"), it % 2)
-            tcgen05_fence_after_sync()
-            self.gemm(mma_dk, accdK, tdSt, tQt[None, None, None, slot], it > 0)
-            self.gemm(mma_dq, accdQ, tdS[None, None, None, 0], tKt[None, None, None, 0], False)
-            with cute.arch.elect_one():
-                tcgen05.commit(self._bar(mbar, "dq_full"))
-                tcgen05.commit(self._bar(mbar, "qdo_empty", slot))
+                self.gemm(mma_dk, accdK, tdSt, tQt[None, None, None, prev_slot], j > 1)
+                self.gemm(mma_dq, accdQ, tdS[None, None, None, 0], tKt[None, None, None, 0], False)
+                with cute.arch.elect_one():
+                    tcgen05.commit(self._bar(mbar, "dq_full"))
+                    tcgen05.commit(self._bar(mbar, "qdo_empty", prev_slot))
+            if j < n_iter:
+                # dP^T(j) = V dO(j)^T, over dQ(j-1): wait until WG 2 has drained it
+                if j > 0:
+                    cute.arch.mbarrier_wait(self._bar(mbar, "dq_empty"), (j - 1) % 2)
+                    tcgen05_fence_after_sync()
+                self.gemm(mma_dp, accdP, tV[None, None, None, 0], tdO[None, None, None, slot], False)
+                with cute.arch.elect_one():
+                    tcgen05.commit(self._bar(mbar, "dp_full"))
+                # dV += P^T(j) dO(j)  (TS)
+                cute.arch.mbarrier_wait(self._bar(mbar, "p_full"), j % 2)
+                tcgen05_fence_after_sync()
+                self.gemm(mma_dv, accdV, tP, tdOt[None, None, None, slot], j > 0)
         with cute.arch.elect_one():
             tcgen05.commit(self._bar(mbar, "dkv_full"))
 
@@ -466,9 +478,10 @@ class FlashAttentionBackwardSm100:
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "p_full"))
-            # 3. dS = P (dP - D) in 32-column chunks; dS^T -> TMEM (for dK), dS -> SMEM (for dQ)
+            # 3. dS = P (dP - D) in 32-column chunks; dS^T -> TMEM over the dP^T chunks already read
+            #    (for dK), dS -> SMEM (for dQ). S^T(it + 1) may already be running meanwhile.
             cute.arch.mbarrier_wait(self._bar(mbar, "dp_full"), it % 2)
-            if it > 0:  # sdS is free once the previous dQ = dS K has completed
+            if it > 0:  # sdS is free once the previous dQ = dS K has completed (implied by dp_full: kept explicit)
                 cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), (it - 1) % 2)
             tcgen05_fence_after_sync()
             accdP = cute.make_tensor(tmem_ptr + T.dp, accS.layout)

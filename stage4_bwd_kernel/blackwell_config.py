@@ -15,11 +15,17 @@ warp issues five tcgen05 MMAs (the paper, section 3.3):
 TMEM (32-bit columns; lane r = key r of the tile for S^T, dP^T, dV, dK; = query r for dQ):
 
     S/P region     tile_n columns: S^T (fp32); after the elementwise warpgroup has read it, P^T
-                   (16-bit, 2 per column) goes to its upper half and dS^T (16-bit) to its lower half
+                   (16-bit, 2 per column) goes to its upper half
     dV             dv columns (fp32 accumulator, for the whole walk)
-    dP/dS/dQ       tile_n columns: dP^T (fp32); once dS is computed from it, dQ = dS K (d <= tile_n
-                   columns) is written over it. The next dP^T waits until dQ has been drained.
+    dP/dS/dQ       tile_n columns: dP^T (fp32); dS^T (16-bit) is written over the chunks of dP^T
+                   already read, then dQ = dS K (d <= tile_n columns) over both (the dK MMA that
+                   reads dS^T is issued before it). The next dP^T waits until dQ has been drained.
     dK             d columns (fp32 accumulator)
+
+    dS^T sits with dP^T (the paper's "dP, dS and dQ share" a region), not with S^T, so that the
+    next tile's S^T can be issued before this tile's dK: the pipeline (blackwell_bwd.py) is
+    S(j+1), dK(j), dQ(j), dP(j+1), dV(j+1) -- the elementwise P(j+1) = exp2(...) runs while the
+    tensor cores do dK(j) and dQ(j).
 
     d = 64:   128 + 64 + 128 + 64   = 384 -> allocated 512
     d = 128:  128 + 128 + 128 + 128 = 512 (all of TMEM)
@@ -71,11 +77,11 @@ def _dtype_name(dtype) -> str:
 
 @dataclass(frozen=True)
 class BwdTmemPlan:
-    s: int        # S^T (fp32, tile_n cols); P^T in its upper half, dS^T in its lower half
+    s: int        # S^T (fp32, tile_n cols); P^T (16-bit) in its upper half
     p: int
     ds: int
     dv: int
-    dp: int       # dP^T (fp32, tile_n cols); dQ is written over it
+    dp: int       # dP^T (fp32, tile_n cols); dS^T (16-bit) over its lower half, then dQ over both
     dq: int
     dk: int
     s_cols: int
@@ -87,10 +93,10 @@ class BwdTmemPlan:
     alloc: int
 
     def table(self) -> str:
-        rows = [("S^T (fp32)", self.s, self.s_cols), ("  dS^T (16-bit, over S^T)", self.ds, self.p_cols),
-                ("  P^T (16-bit, over S^T)", self.p, self.p_cols), ("dV (fp32 acc)", self.dv, self.dv_cols),
-                ("dP^T (fp32)", self.dp, self.dp_cols), ("  dQ (fp32, over dP^T)", self.dq, self.dk_cols),
-                ("dK (fp32 acc)", self.dk, self.dk_cols)]
+        rows = [("S^T (fp32)", self.s, self.s_cols), ("  P^T (16-bit, over S^T)", self.p, self.p_cols),
+                ("dV (fp32 acc)", self.dv, self.dv_cols), ("dP^T (fp32)", self.dp, self.dp_cols),
+                ("  dS^T (16-bit, over dP^T)", self.ds, self.p_cols),
+                ("  dQ (fp32, over dP^T and dS^T)", self.dq, self.dk_cols), ("dK (fp32 acc)", self.dk, self.dk_cols)]
         lines = ["| buffer | columns | width |", "|---|---|---|"]
         lines += [f"| {n} | [{o}, {o + w}) | {w} |" for n, o, w in rows]
         lines.append(f"| **total used / allocated** | | **{self.used} / {self.alloc}** of {TMEM_COLUMNS} |")
@@ -183,7 +189,7 @@ def _tmem_plan(tile_m, tile_n, d, dv) -> BwdTmemPlan:
     dp = dv_off + dv
     dk = dp + tile_n
     used = dk + d
-    return BwdTmemPlan(s=s, p=s + tile_n - p_cols, ds=s, dv=dv_off, dp=dp, dq=dp, dk=dk, s_cols=tile_m,
+    return BwdTmemPlan(s=s, p=s + tile_n - p_cols, ds=dp, dv=dv_off, dp=dp, dq=dp, dk=dk, s_cols=tile_m,
                        p_cols=p_cols, dv_cols=dv, dp_cols=tile_m, dk_cols=d, used=used,
                        alloc=max(TMEM_MIN_ALLOC, _pow2_at_least(used)))
 

@@ -16,6 +16,7 @@ compiles + preprocess/postprocess for sm_100a, ~40 s on 2 cores.
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -35,7 +36,9 @@ def test_d128_plan_fills_tmem_and_fits_smem():
     assert (t.s, t.dv, t.dp, t.dk) == (0, 128, 256, 384)
     assert t.used == t.alloc == TMEM_COLUMNS == 512
     assert t.dq == t.dp                      # dQ is written over dP^T
-    assert (t.ds, t.p, t.p_cols) == (0, 64, 64)  # dS^T and P^T (16-bit) share the S^T columns
+    assert (t.p, t.p_cols) == (64, 64)       # P^T (16-bit) over the upper half of S^T
+    # dS^T (16-bit) over dP^T, not S^T: the next S^T is issued before this tile's dK reads dS^T
+    assert t.ds == t.dp and t.ds + t.p_cols <= t.dk
     # 1 KB header + K 32 KB + V 32 KB + 2 x (Q 32 KB + dO 32 KB) + dS 32 KB + lse2/D 1 KB
     assert c.qdo_stages == 2
     assert c.smem.total == 1 * KB + 32 * KB + 32 * KB + 2 * 64 * KB + 32 * KB + 1 * KB == 231424
@@ -127,6 +130,24 @@ def test_compiles_for_sm100a(dtype, d, causal, deterministic):
     assert r["LDL/STL"] == 0 and not re.search(r"\b(STL|LDL)\b", comp.sass)
     assert r["smem_bytes"] <= SMEM_CAPACITY
     assert sorted(r["ptx_setmaxnreg"]) == [("dec", "96"), ("dec", "96"), ("inc", "240")]
+
+
+@pytest.mark.compile
+@pytest.mark.stage4
+@pytest.mark.parametrize("dtype,d,causal,deterministic", CASES)
+def test_mma_issue_order_is_the_papers_pipeline(dtype, d, causal, deterministic):
+    """The MMA warp's loop issues S(j), dK(j-1), dQ(j-1), dP(j), dV(j): read back from the SASS as the
+    runs of SMEM-SMEM (gdesc A) and TMEM-A UTCHMMAs. The previous order, S, dP, dV, dK, dQ, gives
+    runs SS, TS, SS and fails this."""
+    sass = _compile(dtype, d, causal, deterministic).sass
+    kinds = ["TS" if re.search(r"\bUTCHMMA\s+tmem\[", line) else "SS"
+             for line in sass.splitlines() if re.search(r"\bUTCHMMA\b", line)]
+    runs = [(k, len(list(g))) for k, g in itertools.groupby(kinds)]
+    tm = tn = 128
+    assert runs == [("SS", d // 16),             # S^T(j) = K Q^T, K = d
+                    ("TS", tm // 16),            # dK += dS^T(j-1) Q, K = tile_m
+                    ("SS", tn // 16 + d // 16),  # dQ(j-1) = dS K (K = tile_n), then dP^T(j) = V dO^T (K = dv)
+                    ("TS", tm // 16)]            # dV += P^T(j) dO
 
 
 def _has_spin_loop(sass: str) -> bool:
