@@ -15,9 +15,10 @@ Q tile) that sees the tile. Warps (blackwell_config.py has the TMEM / SMEM plan)
   Q tile j (the paper's 1-CTA pipeline): S(j), dK(j-1), dQ(j-1), dP(j), dV(j) -- the exp of
   P(j) overlaps the previous tile's dK and dQ MMAs.
 * warp 5, load: TMA K, V once; Q, dO into a 2-stage ring. lse2 / D are read by WG 0 itself.
-* WG 2, dQ drain (thread r = query r): dQ from TMEM 32 columns at a time -> red.global.add.v2.f32
-  into the fp32 dQ accumulator; deterministic: the stage-4 semaphore protocol (schedule.py ranks
-  and orders, common.semaphore_wait / semaphore_signal) around each tile's adds.
+* WG 2, dQ drain (thread r = query r): the dQ row from TMEM into registers, dq_empty (the MMA warp
+  may write dP^T over it), then red.global.add.v2.f32 into the fp32 dQ accumulator; deterministic:
+  the stage-4 semaphore protocol (schedule.py ranks and orders, common.semaphore_wait /
+  semaphore_signal) around each tile's adds, after dq_empty so a stall does not hold the MMAs.
 
 Barriers (mbarriers; "count" = arrivals per phase):
     kv_full         TMA -> MMA                          1 (+ K and V bytes)
@@ -26,7 +27,7 @@ Barriers (mbarriers; "count" = arrivals per phase):
     s_full, dp_full MMA commit -> WG 0                  1
     p_full, ds_full WG 0 -> MMA                         128
     dq_full         MMA commit -> WG 2 (and WG 0: sdS is free again)   1
-    dq_empty        WG 2 -> MMA (dP^T may overwrite dQ)                128
+    dq_empty        WG 2 -> MMA (dQ is in registers: dP^T may overwrite it)   128
     dkv_full        MMA commit after the last dK -> WG 0               1
     tmem_dealloc    WG 0 + WG 2 -> MMA warp                            256
 
@@ -538,21 +539,26 @@ class FlashAttentionBackwardSm100:
             row = m_block * tm + tidx
             cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), it % 2)
             tcgen05_fence_after_sync()
+            # the whole dQ row -> registers, then hand the columns back at once: dP^T(it + 1) waits
+            # on dq_empty, and the atomics (and, deterministic, the semaphore) are then off its path
+            rdq = cute.make_rmem_tensor((self.d,), Float32)
+            for c in cutlass.range_constexpr(self.d // ch):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(accdQ, c * ch)), r)
+                for j in cutlass.range_constexpr(ch):
+                    rdq[c * ch + j] = r[j]
+            cute.arch.fence_view_async_tmem_load()
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "dq_empty"))
             if const_expr(self.deterministic):
                 sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
                 last = schedule.n_block_last(m_block, tm, self.tn, seqlen_q, seqlen_k, self.causal, imin=cutlass.min)
                 common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), last), tidx)
                 cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
-            for c in cutlass.range_constexpr(self.d // ch):
-                r = cute.make_rmem_tensor(r_shape, Float32)
-                cute.copy(ld, thr_ld.partition_S(sub(accdQ, c * ch)), r)
-                cute.arch.fence_view_async_tmem_load()
-                if row < seqlen_q:
-                    g = mdQacc[batch, row, head, None]
-                    for j in cutlass.range_constexpr(ch // 2):
-                        common.red_add_f32x2(common.elem_pointer(g, c * ch + 2 * j), r[2 * j], r[2 * j + 1])
-            tcgen05_fence_before_sync()
-            cute.arch.mbarrier_arrive(self._bar(mbar, "dq_empty"))
+            if row < seqlen_q:
+                g = mdQacc[batch, row, head, None]
+                for j in cutlass.range_constexpr(self.d // 2):
+                    common.red_add_f32x2(common.elem_pointer(g, 2 * j), rdq[2 * j], rdq[2 * j + 1])
             if const_expr(self.deterministic):
                 cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
                 common.semaphore_signal(sem, tidx)

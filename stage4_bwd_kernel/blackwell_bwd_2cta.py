@@ -37,7 +37,7 @@ dP of tile j runs before dQ of tile j-1, so the elementwise dS of tile j overlap
 j-1 and the DSMEM exchange has a tile to land. dQ therefore cannot live over dP^T (the 1-CTA plan);
 it shares the S/P region with P^T (blackwell_config, Bwd2CtaTmemPlan).
 
-Roles per CTA (12 warps, as in the 1-CTA kernel; setmaxnreg 240 / 96 / 96):
+Roles per CTA (12 warps, as in the 1-CTA kernel; setmaxnreg 240 / 96 / 128):
 * WG 0, elementwise (thread r = key r): as in the 1-CTA kernel (shared helpers), plus the dS split:
   its own 64 query rows -> sdS, the peer's 64 -> sXchg, one thread bulk-copies sXchg to the peer.
   All its signals to the MMA go to the even CTA's barriers (remote ``mbarrier.arrive`` from CTA 1).

@@ -46,7 +46,8 @@ SMEM (bytes; 227 KB = 232448 is the opt-in maximum per CTA on sm_100):
 
 Registers: 12 warps = 384 threads (launch cap 65536 / 384 = 170 -> 168); setmaxnreg gives the
 elementwise warpgroup 240 (a whole 128-value row of P stays in registers while dP^T is read in
-32-column chunks), the dQ warpgroup and the MMA/load warpgroup 96 each: 128 x (240 + 96 + 96) = 55296.
+32-column chunks), the dQ warpgroup 160 (a whole dQ row, so it releases the TMEM columns before its
+atomics) and the MMA/load warpgroup 96: 128 x (240 + 160 + 96) = 63488. (The 2-CTA plan: 240 / 96 / 128.)
 """
 from __future__ import annotations
 
@@ -122,6 +123,11 @@ class BwdSmemPlan:
     def describe(self) -> str:
         return (f"header {self.header} + sK {self.k} + sV {self.v} + {self.qdo_stages} x (sQ {self.q} + sdO {self.do}) "
                 f"+ sdS {self.ds} + sLSE/sD {self.stats} = {self.total} bytes of {SMEM_CAPACITY}")
+
+
+# WG 2 (dQ drain) of the 1-CTA kernel holds a whole dQ row (d fp32) in registers, so it can hand the
+# TMEM columns back to the MMA warp before it issues the atomics: 128 x (240 + 160 + 96) = 63488.
+REGS_DQ_1CTA = 160
 
 
 @dataclass(frozen=True)
@@ -238,7 +244,7 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
     if smem.total > SMEM_CAPACITY:
         raise ValueError(f"SMEM does not fit: {smem.describe()}")
 
-    regs = BwdRegisterPlan()
+    regs = BwdRegisterPlan(dq=REGS_DQ_1CTA)
     for name in ("elementwise", "dq", "other"):
         r = getattr(regs, name)
         if r % 8 or not 24 <= r <= 256:

@@ -43,7 +43,7 @@ def test_d128_plan_fills_tmem_and_fits_smem():
     assert c.qdo_stages == 2
     assert c.smem.total == 1 * KB + 32 * KB + 32 * KB + 2 * 64 * KB + 32 * KB + 1 * KB == 231424
     assert c.smem.total <= SMEM_CAPACITY == 232448
-    assert c.regs.total == 128 * (240 + 96 + 96) <= 65536
+    assert c.regs.total == 128 * (240 + 160 + 96) <= 65536   # the dQ drain holds a whole dQ row
 
 
 @pytest.mark.cpu
@@ -129,25 +129,95 @@ def test_compiles_for_sm100a(dtype, d, causal, deterministic):
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0
     assert r["LDL/STL"] == 0 and not re.search(r"\b(STL|LDL)\b", comp.sass)
     assert r["smem_bytes"] <= SMEM_CAPACITY
-    assert sorted(r["ptx_setmaxnreg"]) == [("dec", "96"), ("dec", "96"), ("inc", "240")]
+    assert sorted(r["ptx_setmaxnreg"]) == [("dec", "160"), ("dec", "96"), ("inc", "240")]
+
+
+def _model_mma_runs(d: int) -> list:
+    """The MMA issue order of the protocol model (blackwell_pipeline, "paper"), as the runs of
+    SMEM-A (SS) and TMEM-A (TS) UTCHMMAs the kernel's loop body should compile to, with K-steps."""
+    from stage4_bwd_kernel import blackwell_pipeline as bp
+
+    names = [op.name for op in bp.mma_program(1, "paper", d, d) if isinstance(op, bp.Mma)]
+    kind = {"S": "SS", "dP": "SS", "dQ": "SS", "dV": "TS", "dK": "TS"}
+    ksteps = {"S": d // 16, "dP": d // 16, "dQ": 128 // 16, "dV": 128 // 16, "dK": 128 // 16}
+    # walk of one tile: S(0), dP(0), dV(0) in turn 0, then dK(0), dQ(0) in turn 1 -> reorder to the loop body
+    body = [names[0]] + names[3:] + names[1:3]
+    assert body == ["S", "dK", "dQ", "dP", "dV"]
+    runs = []
+    for n in body:
+        if runs and runs[-1][0] == kind[n]:
+            runs[-1] = (kind[n], runs[-1][1] + ksteps[n])
+        else:
+            runs.append((kind[n], ksteps[n]))
+    return runs
 
 
 @pytest.mark.compile
 @pytest.mark.stage4
 @pytest.mark.parametrize("dtype,d,causal,deterministic", CASES)
 def test_mma_issue_order_is_the_papers_pipeline(dtype, d, causal, deterministic):
-    """The MMA warp's loop issues S(j), dK(j-1), dQ(j-1), dP(j), dV(j): read back from the SASS as the
-    runs of SMEM-SMEM (gdesc A) and TMEM-A UTCHMMAs. The previous order, S, dP, dV, dK, dQ, gives
-    runs SS, TS, SS and fails this."""
+    """The MMA warp's loop issues S(j), dK(j-1), dQ(j-1), dP(j), dV(j) -- the order the protocol
+    model checks -- read back from the SASS as runs of SMEM-SMEM (gdesc A) and TMEM-A UTCHMMAs.
+    The previous order, S, dP, dV, dK, dQ, gives runs SS, TS, SS and fails this."""
     sass = _compile(dtype, d, causal, deterministic).sass
     kinds = ["TS" if re.search(r"\bUTCHMMA\s+tmem\[", line) else "SS"
              for line in sass.splitlines() if re.search(r"\bUTCHMMA\b", line)]
     runs = [(k, len(list(g))) for k, g in itertools.groupby(kinds)]
-    tm = tn = 128
-    assert runs == [("SS", d // 16),             # S^T(j) = K Q^T, K = d
-                    ("TS", tm // 16),            # dK += dS^T(j-1) Q, K = tile_m
-                    ("SS", tn // 16 + d // 16),  # dQ(j-1) = dS K (K = tile_n), then dP^T(j) = V dO^T (K = dv)
-                    ("TS", tm // 16)]            # dV += P^T(j) dO
+    assert runs == _model_mma_runs(d) == [("SS", d // 16), ("TS", 8), ("SS", 8 + d // 16), ("TS", 8)]
+
+
+# ------------------------------------------------------------------ the protocol model (cpu tier)
+@pytest.mark.cpu
+@pytest.mark.stage4
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("order,early", [("paper", True), ("paper", False), ("serial", False)])
+def test_protocol_model_is_deadlock_and_hazard_free(d, order, early):
+    """Random interleavings of the five roles, walks of 0..6 Q tiles: no deadlock, no parity alias,
+    every TMEM column / SMEM buffer read holds the tile the reader expects, five MMAs per tile."""
+    from stage4_bwd_kernel import blackwell_pipeline as bp
+
+    for n in range(7):
+        for seed in range(40):
+            assert bp.check(n, order, d, seed=seed, early_release=early) == 5 * n
+
+
+DROPS = ["s_full", "p_full", "dp_full", "ds_full", "dq_full", "dq_empty", ("qdo_empty", 0)]
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+@pytest.mark.parametrize("bar", DROPS, ids=[str(b) for b in DROPS])
+def test_protocol_model_catches_a_missing_wait(bar):
+    """Removing the waits on any one barrier breaks the protocol, and the model says how."""
+    from stage4_bwd_kernel import blackwell_pipeline as bp
+
+    failures = 0
+    for seed in range(60):
+        try:
+            bp.check(4, "paper", 128, seed=seed, drop=(bar,))
+        except bp.ProtocolError:
+            failures += 1
+    assert failures > 0
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_protocol_model_timeline_shows_the_overlap():
+    """With the roofline's costs the current version keeps the tensor cores busier than the
+    versions before it (the numbers the README quotes)."""
+    from stage4_bwd_kernel import blackwell_pipeline as bp
+
+    for d in (64, 128):
+        (c0, u0), (c1, u1), (c2, u2) = bp.per_tile_clocks(d).values()
+        assert c2 < c1 < c0 and u2 > u1 > u0
+    busy, _ = bp.timeline(4, "paper", 128)
+    tc = [(s, e, lbl) for r, s, e, lbl in busy if r == "tc"]
+    ew = [(s, e, lbl) for r, s, e, lbl in busy if r == "ew" and lbl.startswith("P(")]
+    # P(1) = exp2(...) runs while dK(0) and dQ(0) occupy the tensor cores
+    p1 = next((s, e) for s, e, lbl in ew if lbl == "P(1)")
+    for name in ("dK(0)", "dQ(0)"):
+        s, e = next((s, e) for s, e, lbl in tc if lbl == name)
+        assert s < p1[1] and e > p1[0], name
 
 
 def _has_spin_loop(sass: str) -> bool:

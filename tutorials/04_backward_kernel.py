@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -191,9 +193,9 @@ if s4_roofline is not None:
 # their space. In our implementation, we have S and P share one of the tmem blocks (at offset 0)
 # and we have dP, dS and dQ share the other one." In the 2-CTA mode, "the dQ tile is small enough
 # to fit in TMEM alongside P, reusing the same TMEM region as S, so we no longer reuse the same
-# TMEM region for dP and dQ". **This is a drawing of that text, not a kernel of this project**:
-# no Blackwell backward exists here, and the exact column split of the 2-CTA row is not given in
-# the paper.
+# TMEM region for dP and dQ". **This is a drawing of that text.** The stage-4 Blackwell kernels
+# (`blackwell_bwd.py`, `blackwell_bwd_2cta.py`: compiled for sm_100a, never run here) follow it;
+# their exact columns are the tables of `blackwell_config.py` (printed further down).
 
 # %%
 TMEM = 512
@@ -225,6 +227,47 @@ plt.show()
 # five accumulators, two of which (dV, dK) live for the whole K/V tile, so the other three must
 # take turns in two regions.
 #
+# ## Blackwell 1-CTA: the pipeline, replayed
+# Those shared regions dictate the order of the MMAs. With S/P in one region and dP/dS/dQ in the
+# other, the MMA warp can issue the next tile's `S` as soon as `dV` has read `P`, and the previous
+# tile's `dK` and `dQ` right after it: turn `j` issues `S(j), dK(j-1), dQ(j-1), dP(j), dV(j)`, so
+# the exponentials of tile `j` (the elementwise warpgroup's longest step) run while the tensor
+# cores work on tile `j-1` -- the paper's "we achieve this by using the dQ and dK MMAs of the
+# previous iteration". `stage4_bwd_kernel/blackwell_pipeline.py` replays the kernel's roles and
+# mbarriers on the CPU (the tests run it under random interleavings and check every TMEM read);
+# with the roofline's costs it also draws who is busy when. Below, three versions of the kernel:
+# the serial order it started with, the paper's order, and the current one, where the dQ drain
+# hands its TMEM columns back before issuing its atomics. (Model clocks, not measurements.)
+
+# %%
+from stage4_bwd_kernel import blackwell_config as bw_cfg
+from stage4_bwd_kernel import blackwell_pipeline as bp
+
+print(bw_cfg.blackwell_bwd_config(128, 128, "bf16", causal=False).tmem.table())
+fig, axes = plt.subplots(len(bp.VERSIONS), 1, figsize=(11, 1.6 * len(bp.VERSIONS) + 0.6), sharex=True)
+rows = {"tc": ("tensor cores", 0), "ew": ("elementwise WG", 1), "dq": ("dQ drain WG", 2)}
+for ax, (label, order, early) in zip(axes, bp.VERSIONS):
+    busy, end = bp.timeline(4, order, 128, early_release=early)
+    for role, start, stop, what in busy:
+        if role not in rows:
+            continue
+        name = what.split("(")[0] if what else ""
+        color = {"S": "C0", "dP": "C4", "dV": "C2", "dK": "C1", "dQ": "C6", "P": "C3"}.get(name, "C7")
+        ax.broken_barh([(start, stop - start)], (rows[role][1] - 0.4, 0.8), color=color, alpha=0.7, edgecolor="k",
+                       lw=0.4)
+        if role == "tc" or what.startswith("P("):
+            ax.text((start + stop) / 2, rows[role][1], what, ha="center", va="center", fontsize=6)
+    ax.set_yticks([r[1] for r in rows.values()], [r[0] for r in rows.values()], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_title(f"{label}: {end / 4:.0f} clk per Q tile (4 tiles)", fontsize=8)
+axes[-1].set_xlabel("B200 clocks (model: 512 per 128x128x128 MMA, 1152 for P's exponentials)")
+plt.tight_layout()
+plt.show()
+for d in (64, 128):
+    for label, (clk, tc) in bp.per_tile_clocks(d).items():
+        print(f"d={d:3}  {label:42} {clk:5.0f} clk / Q tile, tensor cores busy {tc:.0%}")
+
+# %% [markdown]
 # ## 2-CTA: exchanging half of dS (schematic)
 # In the 2-CTA mode two CTAs of a cluster hold K/V tiles `N0` and `N1` and meet the same `M`
 # queries. Each has computed its own `dS[:, N_i]` (M x N). But `dQ = dS K` reduces over the keys,
