@@ -1,6 +1,10 @@
 """Backward attention TFLOP/s: our Hopper backward steps (default and deterministic) and peers, one run.
 
     python benchmarks/bench_bwd.py --out benchmarks/results/bwd_h100.json [--seqlens 8192] [--dims 64,128]
+        [--steps step1,step3_rs,step3_rs@128x128] [--no-deterministic]
+
+A step may carry a tile override, name@MxN (tile_m x tile_n), to time a candidate tile next to the
+default one; a variant that does not support the head dim records the error instead of a time.
 
 Setup as the forward benchmark (bf16, 32k tokens per batch, hidden 2048). FLOPs = 2.5 x the
 forward's (5 GEMMs instead of 2), halved for causal. Ours is timed on the backward kernels alone
@@ -29,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seqlens", default="8192")
     ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--steps", default=",".join(STEPS), help="steps to time, each name or name@MxN")
+    ap.add_argument("--no-deterministic", action="store_true", help="skip the deterministic rows")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_bwd needs a CUDA GPU; committed results are in benchmarks/results/")
@@ -36,12 +42,17 @@ def main(argv=None) -> int:
     bench, timing = timer()
     from stage3_fwd_kernel.hopper import attention_forward
 
-    mods = {}
-    for name, path in STEPS.items():
+    mods = {}  # label -> (module, tiles)
+    for label in (x for x in args.steps.split(",") if x):
+        name, _, tiles = label.partition("@")
+        if name not in STEPS:
+            ap.error(f"--steps: unknown step {name!r}; expected one of {', '.join(STEPS)}")
         try:
-            mods[name] = importlib.import_module(path)
+            mods[label] = (importlib.import_module(STEPS[name]),
+                           tuple(int(x) for x in tiles.split("x")) if tiles else None)
         except ImportError as exc:
-            print(f"skip {name}: {exc}")
+            print(f"skip {label}: {exc}")
+    dets = (False,) if args.no_deterministic else (False, True)
     try:
         from flash_attn.cute.interface import flash_attn_func as fa4_func
     except Exception as exc:
@@ -59,10 +70,11 @@ def main(argv=None) -> int:
                 out, lse = attention_forward(q, k, v, causal=causal)
                 fl = 2.5 * flops(b, h, s, d, d, causal)
                 cases = {}
-                for name, mod in mods.items():
-                    for det in (False, True):
+                for name, (mod, tiles) in mods.items():
+                    for det in dets:
                         cases[f"ours:{name}" + (" deterministic" if det else "")] = (
-                            lambda m=mod, dt=det: m.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=dt))
+                            lambda m=mod, dt=det, tl=tiles: m.attention_backward(q, k, v, out, do, lse, causal=causal,
+                                                                                deterministic=dt, tiles=tl))
                 if fa4_func is not None:
                     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                     o = fa4_func(qg, kg, vg, causal=causal)
@@ -94,6 +106,7 @@ def main(argv=None) -> int:
     doc = {"device": torch.cuda.get_device_name(), "versions": versions(), "timing": timing,
            "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "dtype": "bf16", "tokens_per_batch": 32768,
            "hidden": 2048, "flops": "2.5 x forward, halved for causal", "elapsed_s": round(time.time() - t0, 1),
+           "command": "python benchmarks/bench_bwd.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "results": results}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

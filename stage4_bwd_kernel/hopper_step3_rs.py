@@ -79,8 +79,9 @@ memory, 6 named barriers; shared memory 119808 / 168960 / 218112 bytes at d = 64
 consumer code touches registers up to R187 / R221 / R231 of its 240; HGMMA per tile 24 / 28 / 32
 (8 of them register-sourced); one UBLKRED in the writer's row loop; no fp32 REDG left.
 Tiles: 64 x 128 for every head dim (step 2's). At d = 64, ``tiles=(128, 128)`` also compiles
-without spills (registers up to R235) and has the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs
-1536 / 1280 = 1.20), but is untested and 4 registers from the cap: a benchmark candidate only.
+without spills (registers up to R235), has the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs
+1536 / 1280 = 1.20) and passes the gpu tier, but measured no faster on the H100 (within -4..+5%:
+``benchmarks/results/tune_bwd_h100_run1_d64_tiles.json``), so it stays an option.
 """
 from __future__ import annotations
 

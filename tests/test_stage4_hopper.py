@@ -392,7 +392,7 @@ def _poisoned(*likes):
 
 
 def _check_dense(step, *, b, sq, sk, hq, hkv, d, dv, causal, dtype="bf16", deterministic=False,
-                 softmax_scale=None, inputs=None, forward="ref"):
+                 softmax_scale=None, inputs=None, forward="ref", tiles=None):
     import torch
     from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
     from stage4_bwd_kernel import host
@@ -405,7 +405,7 @@ def _check_dense(step, *, b, sq, sk, hq, hkv, d, dv, causal, dtype="bf16", deter
         out, lse = host.forward_for_test(q, k, v, causal=causal, softmax_scale=softmax_scale)
     dq, dk, dv_ = _poisoned(q, k, v)
     mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=deterministic,
-                           softmax_scale=softmax_scale, dq=dq, dk=dk, dv=dv_)
+                           softmax_scale=softmax_scale, dq=dq, dk=dk, dv=dv_, **({"tiles": tiles} if tiles else {}))
     torch.cuda.synchronize()
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv_)):
         assert not torch.isnan(t).any(), f"NaN in {name}: unwritten rows or NaN math"

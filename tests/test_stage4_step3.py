@@ -132,6 +132,17 @@ def test_backward_matches_reference(d, dv, causal, sq, sk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("sq,sk", SEQLENS + [(300, 517)], ids=[f"{a}x{b}" for a, b in SEQLENS + [(300, 517)]])
+def test_d64_tiles_128x128(causal, deterministic, sq, sk):
+    """The d = 64 candidate tile (128 queries per Q tile, registers up to R235 of 240): same rule."""
+    b, hq, hkv = s4._heads(sq, sk, 64)
+    s4._check_dense(STEP, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=64, dv=64, causal=causal,
+                    deterministic=deterministic, tiles=(128, 128))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ratio", [1, 2, 8])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa_ratios(ratio, causal):
