@@ -228,10 +228,11 @@ def section_varlen(bench, quick: bool) -> list:
         k = torch.randn(int(cu_k[-1]), H, d, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(int(cu_k[-1]), H, d, device="cuda", dtype=torch.bfloat16, generator=g)
         flops = 4.0 * d * H * sum(causal_pairs(a, c) for a, c in zip(lens_q, lens_k))
-        # step 4's grid is padded: (ceil(max_q / 128), H, B) CTAs, of which only the real tiles work
-        grid_ctas = math.ceil(max_q / 128) * H * len(lens_q)
-        real_tiles = H * sum(math.ceil(a / 128) for a in lens_q)
-        sched = md.VarlenSchedule(cu_q, cu_k, H, max_seqlen_k=max_k, tile_n=step4.default_tile_n(d, d))
+        # step 4's grid is padded: (ceil(max_q / tile_m), H, B) CTAs, of which only the real tiles work
+        tm = step4.default_tile_m(d, d)
+        grid_ctas = math.ceil(max_q / tm) * H * len(lens_q)
+        real_tiles = H * sum(math.ceil(a / tm) for a in lens_q)
+        sched = md.VarlenSchedule(cu_q, cu_k, H, max_seqlen_k=max_k, tile_m=tm, tile_n=step4.default_tile_n(d, d))
         S = sched.heads_per_section
         lpt = dev.LPTCausalScheduler(S)
         variants_args = {

@@ -1,10 +1,11 @@
-"""Tile sweep for the production Hopper forward (stage 3 step 4): TFLOP/s per (tile_n, stages),
-next to the official FA4 in the same process, and each variant's max |diff| to FA4's output.
+"""Tile sweep for the production Hopper forward (stage 3 step 4): TFLOP/s per (tile_n, stages,
+tile_m), next to the official FA4 in the same process, and each variant's max |diff| to FA4's output.
 
-    python benchmarks/tune_fwd.py --out tune.json [--configs 128:176:2,128:128:3] [--seqlens 4096,16384]
+    python benchmarks/tune_fwd.py --out tune.json [--configs 128:176:2,128:128:3,64:128:4:192] [--seqlens 4096,16384]
 
-A config is head_dim:tile_n:num_stages (dv = head_dim, except 192 -> dv 128). The defaults a
-user gets are `default_tile_n` / `default_num_stages` in the step module; this script is how
+A config is head_dim:tile_n:num_stages[:tile_m] (dv = head_dim, except 192 -> dv 128; tile_m 128
+or 192, default 128 -- 192 = three consumer warpgroups, d = 64 only). The defaults a user gets are
+`default_tile_n` / `default_num_stages` / `default_tile_m` in the step module; this script is how
 they were chosen (the results JSON is committed next to the benchmark runs).
 """
 from __future__ import annotations
@@ -20,7 +21,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fwd import flops, timer, versions  # noqa: E402
 
 
-def variant_fn(d, dv, causal, tile_n, stages):
+def parse_configs(text: str) -> list[tuple[int, int, int, int]]:
+    """'64:128:4:192,128:176:2' -> [(64, 128, 4, 192), (128, 176, 2, 128)]: tile_m defaults to 128."""
+    configs = []
+    for c in (c for c in text.split(",") if c):
+        fields = [int(x) for x in c.split(":")]
+        if len(fields) not in (3, 4):
+            raise ValueError(f"--configs: expected head_dim:tile_n:num_stages[:tile_m], got {c!r}")
+        configs.append(tuple(fields) if len(fields) == 4 else (*fields, 128))
+    return configs
+
+
+def variant_fn(d, dv, causal, tile_n, stages, tile_m=128):
     from cutlass import BFloat16
 
     from stage3_fwd_kernel import common
@@ -31,9 +43,9 @@ def variant_fn(d, dv, causal, tile_n, stages):
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
         args = step4._cute_args(q, k, v, out, lse, d ** -0.5, q.shape[1])
         comp = common.compile_cached(
-            ("tune", d, dv, causal, tile_n, stages),
+            ("tune", d, dv, causal, tile_n, stages, tile_m),
             lambda: (step4.FlashAttentionForwardSm90Step4(BFloat16, d, dv, causal, tile_n=tile_n,
-                                                          num_stages=stages), args))
+                                                          num_stages=stages, tile_m=tile_m), args))
         comp.fn(*args)
         return out
     return fn
@@ -46,13 +58,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--causal", default="0,1", help="causal settings to sweep, e.g. '0' or '0,1'")
     args = ap.parse_args(argv)
+    configs = parse_configs(args.configs)
     if not torch.cuda.is_available():
         print("tune_fwd needs a CUDA GPU")
         return 2
     from flash_attn.cute.interface import flash_attn_func
 
     bench, method = timer()
-    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",") if c]
     rows = []
     for d in sorted({c[0] for c in configs}):
         dv = 128 if d == 192 else d
@@ -64,10 +76,10 @@ def main(argv=None) -> int:
                 ref = flash_attn_func(q, k, v, causal=causal)
                 ref = ref[0] if isinstance(ref, tuple) else ref
                 impls = {"flash-attn-4 (official)": lambda: flash_attn_func(q, k, v, causal=causal)}
-                for (cd, tn, st) in configs:
+                for (cd, tn, st, tm) in configs:
                     if cd == d:
-                        impls[f"step4 tile_n={tn} stages={st}"] = (lambda f: lambda: f(q, k, v))(
-                            variant_fn(d, dv, causal, tn, st))
+                        name = f"step4 tile_n={tn} stages={st}" + ("" if tm == 128 else f" tile_m={tm}")
+                        impls[name] = (lambda f: lambda: f(q, k, v))(variant_fn(d, dv, causal, tn, st, tm))
                 for name, fn in impls.items():
                     row = {"impl": name, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s}
                     try:
@@ -83,7 +95,8 @@ def main(argv=None) -> int:
                     print(f"d={d} causal={causal!s:5} s={s:5} {name:32} {shown}  "
                           f"diff={row.get('max_abs_diff_vs_fa4', float('nan')):.2e}", flush=True)
     doc = {"device": torch.cuda.get_device_name(), "versions": versions(), "timing": method,
-           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "results": rows}
+           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"),
+           "command": "python benchmarks/tune_fwd.py " + " ".join(argv if argv is not None else sys.argv[1:]), "results": rows}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     return 0

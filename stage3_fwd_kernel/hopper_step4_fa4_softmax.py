@@ -41,7 +41,7 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   before the max, and the V rows of a partial last block are zeroed in shared memory by each
   consumer before its P V (P = 0 there, but 0 * NaN = NaN: unused KV-cache slots past
   seqused_k may hold anything; that block is walked first, so its tail is zeroed before the
-  first P V). Grid = (ceil(max_seqlen_q / 128), heads, batch); a CTA whose
+  first P V). Grid = (ceil(max_seqlen_q / tile_m), heads, batch); a CTA whose
   m_block starts past its sequence's end exits at once. A sequence with queries but no keys gets
   O = 0, lse = -inf (no key block, l = 0).
 * Scheduling stays a parameter (`scheduler`, StaticTileScheduler by default) and an optional
@@ -62,6 +62,14 @@ and shared memory), and everything it supports is still supported: fp16/bf16, he
 Tiles were swept on the H100 (benchmarks/tune_fwd.py, benchmarks/results/tune_fwd_h100_run1.json):
 the defaults beat tile_n = 160 / 176 at d = 128, 192 at d = 64, 80 at d = 256 (the official
 FA4's sm90 choice there) and 112 at (192, 128), causal and not.
+
+tile_m = 192 (the default at d = 64, `default_tile_m`): three consumer warpgroups instead of two,
+512 threads, setmaxnreg 32/160 (128 x (32 + 3 x 160) = 65536, the whole register file, exactly what
+the 128 registers a 512-thread launch grants at entry add up to). The turn passes round robin
+(named barrier 1 + w is consumer w's turn, 1 + nc + w its private barrier), Q arrives as one 64-row
+slab per consumer (all on one mbarrier), each consumer stages its O in its own slab, and the mask
+is written for 160 registers (see consume). The sweep above predates it: 192 rows at d = 64 are
+not measured yet.
 """
 from __future__ import annotations
 
@@ -109,7 +117,8 @@ def default_tile_m(head_dim: int, head_dim_v: int) -> int:
     At d = 64 a tile's MMAs are half of d = 128's, so the per-tile softmax and issue overheads
     weigh twice as much; 192 rows amortize every K/V load over 1.5x the rows and give the tensor
     cores three warpgroups to rotate. It costs registers: 160 per consumer thread instead of 240,
-    which fits d = 64 without spills and nothing larger (the official FA4 makes the same choice)."""
+    which fits d = 64 without spills (S 64 + P 32 + O 32 + softmax state) and nothing larger, so the
+    kernel refuses 192 above d = 64. The official FA4 picks 192 rows at d = 64 on sm90 too."""
     return 192 if max(head_dim, head_dim_v) <= 64 else 128
 
 
@@ -177,6 +186,10 @@ class FlashAttentionForwardSm90Step4:
             raise ValueError("scheduler: persistent schedulers are not supported by this kernel yet")
         if tile_m not in TILE_MS:
             raise ValueError(f"tile_m: expected one of {TILE_MS} (64 query rows per consumer warpgroup), got {tile_m}")
+        if tile_m == 192 and max(head_dim, head_dim_v) > 64:
+            # S (64) + P (32) + O (dv / 2) registers per thread no longer fit 160: ptxas spills
+            raise ValueError(f"tile_m: 192 needs head dims <= 64 (160 registers per consumer thread), "
+                             f"got ({head_dim}, {head_dim_v})")
         self.policy = policy
         self.dtype = dtype
         self.head_dim = head_dim
@@ -449,7 +462,6 @@ class FlashAttentionForwardSm90Step4:
             next_turn = 2 - wg  # step 3's form of the same
         else:
             next_turn = 1 + (wg + 1) % nc
-        own_bar = 1 + nc + wg
         turn_threads = 2 * 128
 
         sQ_wg = sQ[None, None, wg]                                              # (64, d)
@@ -474,10 +486,12 @@ class FlashAttentionForwardSm90Step4:
         acc_O_rc = acc_rowcol(acc_O)
         # (row, col) of each S accumulator element inside the (tm, tn) tile, for masking
         tScS_rc = acc_rowcol(thr_mma_qk.partition_C(cute.make_identity_tensor((tm, tn))))
-        # thread 0's (row, col) of each element: compile-time constants. Any thread's columns are
-        # these shifted by its first one, so the mask can compare immediates against one shifted
-        # limit per row instead of holding tn / 4 column indices in registers -- which 160
-        # registers (three consumers) cannot afford. tile_m = 128 keeps its measured code.
+        # Three consumers (160 registers) get a leaner mask. Thread 0's (row, col) of each element
+        # are compile-time constants and any thread's columns are them shifted by its first one,
+        # so each compare takes an immediate against one shifted limit per row instead of tn / 4
+        # column indices held in registers; and it is a select, not an `if` per element (whose
+        # lowering re-selects fragment values at every branch, ~2100 FSEL in the bf16 kernels, and
+        # spills 48-252 bytes at 160 registers). tile_m = 128 keeps its measured code.
         tScS0_rc = None
         if const_expr(self.num_consumers > 2):
             tScS0_rc = acc_rowcol(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((tm, tn))))
@@ -529,7 +543,7 @@ class FlashAttentionForwardSm90Step4:
                     pipe_V.consumer_wait(st0)
                     self.zero_rows(sV[None, None, st0.index], seqlen_k - (n_block_max - 1) * tn, ctidx, gmem_copy_O)
                     cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=own_bar, number_of_threads=128)
+                    cute.arch.barrier(barrier_id=1 + nc + wg, number_of_threads=128)
             warpgroup.wait_group(0)
             pipe_K.consumer_release(st0)
             self.online_softmax(acc_S0, n_block_max - 1, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
@@ -586,12 +600,12 @@ class FlashAttentionForwardSm90Step4:
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         if const_expr(self.o_in_q):
-            cute.arch.barrier(barrier_id=own_bar, number_of_threads=128)  # our last QK^T has read sQ_wg
+            cute.arch.barrier(barrier_id=1 + nc + wg, number_of_threads=128)  # our last QK^T has read sQ_wg
         smem_copy_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_pv)
         thr_smem_copy_O = smem_copy_O.get_slice(ctidx)
         cute.copy(smem_copy_O, thr_smem_copy_O.retile(rO), thr_smem_copy_O.partition_D(sO_wg))
-        cute.arch.barrier(barrier_id=own_bar, number_of_threads=128)
+        cute.arch.barrier(barrier_id=1 + nc + wg, number_of_threads=128)
         thr_copy_O = gmem_copy_O.get_slice(ctidx)
         tOsO, tOgO = thr_copy_O.partition_S(sO_wg), thr_copy_O.partition_D(gO)
         tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((tm, dv)))
@@ -662,10 +676,9 @@ class FlashAttentionForwardSm90Step4:
                         if tScS_rc[r, c][1] >= col_limit:
                             acc_S_rc[r, c] = -Float32.inf
                 else:
-                    col_limit -= tScS_rc[0, 0][1]  # into thread 0's column coordinates
+                    col_limit -= tScS_rc[0, 0][1]  # into thread 0's column coordinates (a select each)
                     for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                        if tScS0_rc[r, c][1] >= col_limit:
-                            acc_S_rc[r, c] = -Float32.inf
+                        acc_S_rc[r, c] = -Float32.inf if tScS0_rc[r, c][1] >= col_limit else acc_S_rc[r, c]
         # this tile's row maxima, one row pair per thread (quad-reduced)
         for r in cutlass.range_constexpr(num_rows):
             m_tile = acc_S_rc[r, 0]
@@ -756,11 +769,13 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = 
 
 
 def _check_tile_m(tile_m, d, dv) -> int:
-    """tile_m of a call: the head dims' default when None, else one of TILE_MS."""
+    """tile_m of a call: the head dims' default when None, else one of TILE_MS (192: d, dv <= 64)."""
     if tile_m is None:
         return default_tile_m(d, dv)
     if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
         raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
+    if tile_m == 192 and max(d, dv) > 64:
+        raise ValueError(f"tile_m: 192 needs head dims <= 64, got ({d}, {dv})")
     return tile_m
 
 

@@ -41,7 +41,7 @@ The schedulers
                            interface (``n_block_for_launch``, ``rank``) plus ``tile_for_launch``
                            for the head swizzle.
 
-Varlen today: step 4 launches the padded grid ``(ceil(max_seqlen_q / 128), H, B)``, reads an
+Varlen today: step 4 launches the padded grid ``(ceil(max_seqlen_q / tile_m), H, B)``, reads an
 optional ``batch_map`` and lets CTAs past their sequence's end exit at once. ``LPTCausalScheduler``
 on that grid, with ``batch_map`` from ``metadata.VarlenSchedule``, visits the real tiles in
 exactly the ``orders.lpt_varlen`` order: inside a section the blocks run from ``M_max - 1`` down,

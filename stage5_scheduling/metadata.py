@@ -226,7 +226,9 @@ class VarlenSchedule:
                                                   **sched.step4_kwargs())
 
     ``step4_kwargs()`` = ``batch_map`` + an ``LPTCausalScheduler`` for step 4's padded grid (the
-    real tiles then run in ``orders.lpt_varlen`` order). ``varlen_scheduler`` is the compact-grid
+    real tiles then run in ``orders.lpt_varlen`` order). ``tile_m`` should be the kernel's
+    (``step4.default_tile_m(d, dv)``: 192 at d = 64); another value still gives correct results,
+    only a sort by the wrong tile sizes. ``varlen_scheduler`` is the compact-grid
     ``VarlenLPTScheduler`` for a kernel that passes ``cu_tiles`` to its scheduler.
     ``heads_per_section`` defaults to ``orders.heads_per_section`` (power of two, whole KV
     groups) at ``max_seqlen_k`` when that is given, else 1.

@@ -5,16 +5,19 @@ cpu tier: SoftmaxPolicy validation and its emulation pattern; bad arguments rais
 TypeError naming the argument before anything is compiled or launched.
 
 compile tier (no GPU): every head-dim config (bf16; fp16 once), causal on/off, the varlen kernel
-(with seqused_k and batch_map), emulation fraction 0 / 0.25, tau 0 / 8. ptxas: no spills, no local
-memory, setmaxnreg honoured; SASS: HGMMA, UTMALDG, exactly one warp vote (VOTE.ANY) per softmax site (prologue, masked loop, hot loop), and
-the emulation chain (FADD.RM, one per emulated value) exactly when the fraction is > 0.
+(with seqused_k and batch_map), emulation fraction 0 / 0.25, tau 0 / 8, and at d = 64 both CTA
+heights (tile_m 192 = three consumer warpgroups, the default there, and 128). ptxas: no spills, no
+local memory, setmaxnreg honoured and its register pool balanced; SASS: HGMMA, UTMALDG, exactly one
+warp vote (VOTE.ANY) per softmax site (prologue, masked loop, hot loop), and the emulation chain
+(FADD.RM, one per emulated value) exactly when the fraction is > 0.
 
 gpu tier (H100/H200): out and lse follow FA4's rule (2x the error of a PyTorch bf16/fp16
 implementation against fp32) over the seqlen / head-dim / causal / GQA matrix, fp16, both
 policies' knobs, adversarial rising scores; varlen batches with q-empty and k-empty sequences and
 NaN-filled unused KV-cache slots past seqused_k; rows outside every sequence are never written;
 fully masked rows are exactly 0 / -inf; outputs are NaN-poisoned before every run; two runs are
-bitwise identical. Compiles dominate the time, so configs are reused across tests.
+bitwise identical; at d = 64 all of it with tile_m 128 and 192. Compiles dominate the time, so
+configs are reused across tests.
 """
 from __future__ import annotations
 
@@ -172,6 +175,55 @@ def test_scale_and_head_dim_checks():
 
 @pytest.mark.cpu
 @pytest.mark.stage3
+def test_tile_m_defaults_and_validation():
+    """192 rows (three consumer warpgroups) at d = 64, 128 elsewhere; 192 refused above d = 64."""
+    import cutlass
+
+    mod = _mod()
+    assert [mod.default_tile_m(d, dv) for d, dv in HEAD_DIMS] == [192, 128, 128, 128, 128]
+    assert mod._check_tile_m(None, 64, 64) == 192 and mod._check_tile_m(128, 64, 64) == 128
+    for bad in (64, 256, True, 192.0, "192"):
+        with pytest.raises(ValueError, match="tile_m"):
+            mod._check_tile_m(bad, 64, 64)
+    with pytest.raises(ValueError, match="tile_m"):
+        mod._check_tile_m(192, 128, 128)
+    with pytest.raises(ValueError, match="tile_m"):
+        mod.compile_only("bf16", 96, tile_m=192)  # refused before anything is traced
+    with pytest.raises(ValueError, match="tile_m"):
+        mod.FlashAttentionForwardSm90Step4(cutlass.BFloat16, 64, 64, False, tile_m=256)
+    for tm, nc, regs in ((128, 2, (24, 240)), (192, 3, (32, 160))):
+        k = mod.make_kernel(cutlass.BFloat16, 64, 64, True, tile_m=tm)
+        assert (k.tile_m, k.num_consumers, k.wg_m, k.num_threads) == (tm, nc, 64, 128 * (1 + nc))
+        assert (k.regs_producer, k.regs_consumer) == regs
+        # setmaxnreg: multiples of 8, and the consumers take no more than the producer frees from the
+        # 65536 / threads registers (rounded down to 8) each thread gets at launch
+        entry = 65536 // k.num_threads // 8 * 8
+        assert k.regs_producer % 8 == 0 and k.regs_consumer % 8 == 0
+        assert 128 * (k.regs_producer + nc * k.regs_consumer) <= k.num_threads * entry <= 65536
+    assert mod.make_kernel(cutlass.BFloat16, 64, 64, False).tile_m == 192
+    assert mod.make_kernel(cutlass.BFloat16, 128, 128, False).tile_m == 128
+    assert mod._key("gpu", cutlass.BFloat16, 64, 64, False, mod.DEFAULT_POLICY, None) != \
+        mod._key("gpu", cutlass.BFloat16, 64, 64, False, mod.DEFAULT_POLICY, None, tile_m=128)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_tune_fwd_config_syntax():
+    """benchmarks/tune_fwd.py: head_dim:tile_n:num_stages[:tile_m], the 3-field form unchanged."""
+    import importlib
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    tune = importlib.import_module("tune_fwd")
+    assert tune.parse_configs("128:128:3,128:176:2") == [(128, 128, 3, 128), (128, 176, 2, 128)]
+    assert tune.parse_configs("64:128:4:192,64:128:4") == [(64, 128, 4, 192), (64, 128, 4, 128)]
+    with pytest.raises(ValueError, match="configs"):
+        tune.parse_configs("64:128")
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
 def test_dense_bad_arguments():
     import torch
 
@@ -190,26 +242,37 @@ def test_dense_bad_arguments():
 
 
 # ======================================================================================= compile
-# (dtype, d, dv, causal, varlen flags, tau, fraction): every head dim for bf16, causal both ways,
-# fp16 once, the varlen kernel (full flags and plain), and the policy corners at d = 128.
+# (dtype, d, dv, causal, varlen flags, tau, fraction, tile_m): every head dim for bf16, causal both
+# ways, fp16 once, the varlen kernel (full flags and plain), the policy corners at d = 128, and at
+# d = 64 both CTA heights (tile_m None = default_tile_m: 192 there, 128 elsewhere).
 COMPILE_CASES = [
-    ("bf16", 64, 64, False, (), 8.0, 0.25),
-    ("bf16", 96, 96, True, (), 8.0, 0.25),
-    ("bf16", 128, 128, False, (), 8.0, 0.25),
-    ("bf16", 128, 128, True, (), 8.0, 0.25),
-    ("bf16", 192, 128, True, (), 8.0, 0.25),
-    ("bf16", 256, 256, False, (), 8.0, 0.25),
-    ("fp16", 128, 128, True, (), 8.0, 0.25),
-    ("bf16", 128, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.25),
-    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.25),
-    ("bf16", 128, 128, False, (), 8.0, 0.0),
-    ("bf16", 128, 128, False, (), 0.0, 0.25),
+    ("bf16", 64, 64, False, (), 8.0, 0.25, None),
+    ("bf16", 96, 96, True, (), 8.0, 0.25, None),
+    ("bf16", 128, 128, False, (), 8.0, 0.25, None),
+    ("bf16", 128, 128, True, (), 8.0, 0.25, None),
+    ("bf16", 192, 128, True, (), 8.0, 0.25, None),
+    ("bf16", 256, 256, False, (), 8.0, 0.25, None),
+    ("fp16", 128, 128, True, (), 8.0, 0.25, None),
+    ("bf16", 128, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.25, None),
+    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.25, None),
+    ("bf16", 128, 128, False, (), 8.0, 0.0, None),
+    ("bf16", 128, 128, False, (), 0.0, 0.25, None),
+    # three consumer warpgroups (tile_m = 192) with the production policy, causal, fp16, full varlen
+    ("bf16", 64, 64, False, (), 8.0, 0.0, 192),
+    ("bf16", 64, 64, True, (), 8.0, 0.0, 192),
+    ("fp16", 64, 64, True, (), 8.0, 0.25, 192),
+    ("bf16", 64, 64, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, 192),
+    # ... and the two-consumer kernel at d = 64, no longer the default there
+    ("bf16", 64, 64, True, (), 8.0, 0.25, 128),
+    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.0, 128),
 ]
+THREE_CONSUMER_CASES = [c for c in COMPILE_CASES if c[-1] == 192]
 
 
 def _case_id(c):
-    dt, d, dv, causal, flags, tau, frac = c
-    return f"{dt}-d{d}x{dv}-{'causal' if causal else 'full'}{''.join('-' + f for f in flags)}-tau{tau:g}-f{frac:g}"
+    dt, d, dv, causal, flags, tau, frac, tile_m = c
+    return (f"{dt}-d{d}x{dv}-{'causal' if causal else 'full'}{''.join('-' + f for f in flags)}-tau{tau:g}"
+            f"-f{frac:g}" + ("" if tile_m is None else f"-m{tile_m}"))
 
 
 @pytest.fixture(scope="module")
@@ -220,10 +283,10 @@ def compiled():
 
     def get(case):
         if case not in cache:
-            dt, d, dv, causal, flags, tau, frac = case
+            dt, d, dv, causal, flags, tau, frac, tile_m = case
             cache[case] = mod.compile_only(dt, d, dv, causal, varlen="varlen" in flags,
                                            seqused_k="seqused_k" in flags, batch_map="batch_map" in flags,
-                                           rescale_threshold=tau, emulation_fraction=frac)
+                                           rescale_threshold=tau, emulation_fraction=frac, tile_m=tile_m)
         return cache[case]
     return get
 
@@ -232,22 +295,51 @@ def compiled():
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_compiles_sm90a(compiled, case):
-    dt, d, dv, causal, flags, tau, frac = case
+    import re
+
+    from stage3_fwd_kernel import common
+
+    dt, d, dv, causal, flags, tau, frac, tile_m = case
     comp = compiled(case)
     rep = comp.report
+    kernel = _mod().make_kernel(common.cutlass_dtype(dt), d, dv, causal, tile_m=tile_m)  # its constants only
+    nc = kernel.num_consumers
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, f"spills: {rep}"
     assert rep["stack_frame"] == 0, f"stack frame: {rep}"
     assert rep["LDL/STL"] == 0, "local-memory traffic in SASS"
-    assert rep["registers"] is not None and rep["registers"] <= 168  # the 384-thread launch cap
-    assert rep["threads"] == 384
+    assert rep["threads"] == kernel.num_threads == 128 * (1 + nc)  # 384 or 512
+    # the launch cap (168 at 384 threads, 128 at 512) is the whole CTA register pool that setmaxnreg
+    # redistributes: a consumer's .inc waits until the producer's .dec has freed enough, so the
+    # entry count must cover producer + consumers, or the kernel would hang
+    assert rep["registers"] == 65536 // rep["threads"] // 8 * 8
+    assert rep["threads"] * rep["registers"] >= 128 * (kernel.regs_producer + nc * kernel.regs_consumer)
     assert rep["smem_bytes"] is not None and rep["smem_bytes"] <= 227 * 1024
     assert rep["HGMMA"] and rep["UTMALDG"], "not on the wgmma + TMA path"
-    assert "setmaxnreg.dec" in comp.ptx and "setmaxnreg.inc" in comp.ptx
+    assert re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+)", comp.ptx) == [str(kernel.regs_producer)]
+    assert re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", comp.ptx) == [str(kernel.regs_consumer)]
     assert "C7508" not in rep["ptxas_log"], "ptxas ignored setmaxnreg"
-    # the consumer path stays within its setmaxnreg budget (highest register index + 1 <= 240)
+    # the consumer path stays within its setmaxnreg budget (highest register index + 1 <= 240 / 160)
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= kernel.regs_consumer
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", THREE_CONSUMER_CASES, ids=[_case_id(c) for c in THREE_CONSUMER_CASES])
+def test_three_consumer_kernel_sm90a(compiled, case):
+    """tile_m = 192 at d = 64: 512 threads, setmaxnreg 32/160 without spills, one Q slab load per
+    consumer, and the select-based mask (the per-element `if` lowers to ~2100 FSEL and spills here)."""
     import re
 
-    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 240
+    comp = compiled(case)
+    rep = comp.report
+    assert rep["threads"] == 512 and rep["registers"] == 128
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
+    assert rep["HGMMA"] and rep["HGMMA"] > 0
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
+    assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+)", comp.ptx) == [("dec", "32"), ("inc", "160")]
+    assert rep["UTMALDG"] == 3 + 2  # three 64-row Q slabs, K, V
+    # 2 masked softmax sites (first block, masked loop) x 64 scores per thread = 128 selects, + a few
+    assert len(re.findall(r"\bFSEL\b", comp.sass)) < 2 * 64 + 64
 
 
 
@@ -259,7 +351,7 @@ SOFTMAX_SITES = 3  # the walk traces the softmax for the first block, the masked
 def test_softmax_policy_in_sass(compiled, case):
     from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
 
-    dt, d, dv, causal, flags, tau, frac = case
+    dt, d, dv, causal, flags, tau, frac, tile_m = case
     rep = compiled(case).report
     per_thread = 2 * default_tile_n(d, dv) // 4  # 2 rows x tile_n / 4 scores per consumer thread
     emulated = int(per_thread * frac)
@@ -337,6 +429,37 @@ def test_forward_matches_reference(d, dv, causal, sq, sk):
     ratio = [1, 2][(sq + d) % 2] if big else [1, 2, 8][(sq + sk + d) % 3]  # GQA 1 / 2 / 8 over the cases
     q, k, v = _randn_qkv(1 if big else 2, sq, sk, heads, heads // ratio, d, dv, seed=sq + sk + d)
     _dense(q, k, v, causal=causal)
+
+
+# d = 64 with both CTA heights: 192 rows (three consumers taking round-robin turns, the default) and
+# 128 (two). The lengths leave the second / third consumer with partial rows or none at all (1,
+# 113, 239 queries), put every row of a CTA past its diagonal (300 x 70, causal), span several
+# 192-row tiles and key tiles (799 x 3, 1024, 4224), and mix GQA ratios 1 / 2 / 8.
+TILE_M_SEQLENS = [(1, 1), (1, 3), (113, 203), (239, 1), (799, 3), (300, 70), (1024, 1024), (4224, 4224)]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("tile_m", [128, 192])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", TILE_M_SEQLENS, ids=[f"{a}x{b}" for a, b in TILE_M_SEQLENS])
+def test_d64_tile_m_matches_reference(tile_m, causal, sq, sk):
+    big = sq * sk > 2_000_000
+    heads = 2 if big else 8
+    ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
+    q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, 64, 64, seed=sq + sk + tile_m)
+    _dense(q, k, v, causal=causal, tile_m=tile_m)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_d64_three_consumers_fp16_and_policies(causal):
+    """tile_m = 192 in fp16, and with every corner of the softmax policy (emulation on / off, tau)."""
+    _dense(*_randn_qkv(2, 333, 1000, 4, 2, 64, 64, dtype="fp16", seed=64), causal=causal, tile_m=192)
+    for tau, frac in POLICIES:
+        _dense(*_randn_qkv(2, 517, 700, 4, 1, 64, 64, seed=int(tau) + 4), causal=causal, tile_m=192,
+               rescale_threshold=tau, emulation_fraction=frac)
 
 
 @pytest.mark.gpu
@@ -542,6 +665,25 @@ def test_varlen_matches_reference(causal, d, dv, ratio, seqused):
 
 @pytest.mark.gpu
 @pytest.mark.stage3
+@pytest.mark.parametrize("tile_m", [128, 192])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("ratio,seqused", [(1, False), (8, True)], ids=["mha", "gqa8-seqused"])
+def test_varlen_d64_tile_m(tile_m, causal, ratio, seqused):
+    """d = 64 varlen with both CTA heights: q-empty and k-empty sequences, sequences that end inside
+    the second or third consumer's rows (37, 65, 200, 300, 513), NaN cache slots past seqused_k (the
+    V tail every consumer zeroes)."""
+    import torch
+
+    used = USED_K if seqused else None
+    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, 64, 64, seed=tile_m + ratio)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, tile_m=tile_m)
+    q0, q1 = int(cu_q[1]), int(cu_q[2])
+    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
+    assert torch.all(torch.isfinite(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
 def test_varlen_fully_masked_rows_and_nan_cache():
     """causal, len_q > used_k: the first len_q - used rows of each sequence see nothing."""
     import torch
@@ -558,21 +700,24 @@ def test_varlen_fully_masked_rows_and_nan_cache():
 
 @pytest.mark.gpu
 @pytest.mark.stage3
-def test_varlen_never_writes_outside_its_sequences():
+@pytest.mark.parametrize("d,tile_m", [(128, None), (64, 128), (64, 192)], ids=["d128", "d64-m128", "d64-m192"])
+def test_varlen_never_writes_outside_its_sequences(d, tile_m):
     """One sequence in the middle of larger buffers (cu_seqlens_q = [37, 137]): rows 0..36 and
-    137.. of out / lse must keep their NaN poison (the tail predicate at an arbitrary offset)."""
+    137.. of out / lse must keep their NaN poison (the tail predicate at an arbitrary offset; with
+    tile_m = 192 the third consumer's rows all lie past the sequence)."""
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(11)
-    q = torch.randn(400, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(400, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(300, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(300, 4, d, device="cuda", dtype=torch.bfloat16, generator=g)
     cu_q = torch.tensor([37, 137], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([10, 260], dtype=torch.int32, device="cuda")
     for causal in (False, True):
-        out = torch.full((400, 4, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full((400, 4, d), float("nan"), device="cuda", dtype=torch.bfloat16)
         lse = torch.full((4, 400), float("nan"), device="cuda")
-        _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, 100, 250, causal=causal, out=out, lse=lse)
+        _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, 100, 250, causal=causal, out=out, lse=lse,
+                                        tile_m=tile_m)
         torch.cuda.synchronize()
         assert torch.isnan(out[:37]).all() and torch.isnan(out[137:]).all()
         assert torch.isnan(lse[:, :37]).all() and torch.isnan(lse[:, 137:]).all()
@@ -586,16 +731,17 @@ def test_varlen_never_writes_outside_its_sequences():
 
 @pytest.mark.gpu
 @pytest.mark.stage3
-def test_varlen_batch_map_and_oversized_grid():
+@pytest.mark.parametrize("d,tile_m", [(128, None), (64, 192)], ids=["d128", "d64-m192"])
+def test_varlen_batch_map_and_oversized_grid(d, tile_m):
     """A permuted batch_map computes the same tiles in another CTA order: bitwise the same result.
     A max_seqlen_q larger than any sequence only adds CTAs that exit at once."""
     import torch
 
-    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, USED_K, 8, 4, 128, 128, seed=3)
-    o1, l1 = _varlen(q, k, v, cu_q, cu_k, su, causal=True)
+    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, USED_K, 8, 4, d, d, seed=3)
+    o1, l1 = _varlen(q, k, v, cu_q, cu_k, su, causal=True, tile_m=tile_m)
     perm = torch.arange(len(LENS_Q) - 1, -1, -1, dtype=torch.int32, device="cuda")
-    o2, l2 = _varlen(q, k, v, cu_q, cu_k, su, causal=True, batch_map=perm, check=False)
-    o3, l3 = _varlen(q, k, v, cu_q, cu_k, su, causal=True, max_seqlen_q=2000, check=False)
+    o2, l2 = _varlen(q, k, v, cu_q, cu_k, su, causal=True, batch_map=perm, check=False, tile_m=tile_m)
+    o3, l3 = _varlen(q, k, v, cu_q, cu_k, su, causal=True, max_seqlen_q=2000, check=False, tile_m=tile_m)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     assert torch.equal(o1, o3) and torch.equal(l1, l3)
 
