@@ -16,12 +16,11 @@ dims (D, Dv): (64, 64), (96, 96), (128, 128), (192, 128), (256, 256).
 ``deterministic=True`` makes dq bitwise reproducible run to run (dk/dv always are): the dQ
 additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed order.
 
-Which step serves a call is measured, per configuration (bwd_h100_run2.json, H100, 8k): step 3
-(register-sourced dV/dK, dQ by a writer warp with TMA bulk reduce) at d = 128 (0.80x / 0.65x of
-the official FA4, non-causal / causal, vs step 1's 0.55x / 0.60x) and at d = 64 non-causal (0.71x
-vs 0.58x); step 1 everywhere else: d = 64 causal (step 3: 0.43x, step 1: 0.60x), d = 96, 192, 256
-(unmeasured / unsupported by step 3), and deterministic mode (step 3's serialised bulk reduces
-keep only 0.35-0.66x of its default speed; step 1 keeps 0.82-0.85x).
+Which step serves a call is measured, per configuration (bwd_h100_run3.json, H100, 8k): step 3
+(register-sourced dV/dK, dQ by a writer warp with one TMA tensor reduce-add per tile) for head
+dims 64, 96 and 128 in every mode -- 0.70-0.83x of the official FA4 against step 1's 0.54-0.60x,
+and its deterministic mode keeps 0.95-1.04x of its default speed (step 1: 0.82-0.85x); step 1 for
+(192, 128) and 256, whose register-sourced accumulators do not fit step 3.
 """
 from __future__ import annotations
 
@@ -33,8 +32,9 @@ BEST_STEP = _step1.STEP
 
 
 def step_for(head_dim: int, causal: bool, deterministic: bool):
-    """The ladder step module that serves this configuration (see the module docstring)."""
-    if not deterministic and (head_dim == 128 or (head_dim == 64 and not causal)):
+    """The ladder step module that serves this configuration (see the module docstring); causal and
+    deterministic no longer change the answer, and stay in the signature for the callers."""
+    if head_dim in (64, 96, 128):
         return _step3
     return _step1
 

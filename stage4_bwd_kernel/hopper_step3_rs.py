@@ -40,18 +40,27 @@ read from SMEM, and P^T goes through SMEM too) and its math warpgroups stall on 
     anything else. They raise ValueError here (step 1 serves them).
 
 (b) dQ off the math warps. After its dQ wgmma a consumer thread stores its dQ fragment (fp32, 8-byte
-    stores) into sdQ[t % 2] -- rows padded to d + 8 floats, so the 8 rows of one warp store land
-    8 banks apart (2 wavefronts per 256 bytes, conflict-free) while every row stays a 16-byte
-    aligned, contiguous run -- fences the generic->async proxy and *arrives* on the named barrier
-    "dQ full[b]"; it does not wait. Warp 1 of the producer warpgroup (the dQ writer) waits on
-    "dQ full[b]", and its lane 0 issues one ``cp.reduce.async.bulk.global.shared::cta.bulk_group
-    .add.f32`` per valid query row (d * 4 bytes, rows past seqlen_q skipped: exact for varlen), a
-    commit, and ``cp.async.bulk.wait_group.read 0``; then the warp *arrives* on "dQ empty[b]",
-    which the consumers wait on before they overwrite sdQ[b] two tiles later. So the math
-    warpgroups run up to one tile ahead of the reduction. Deterministic mode moves the semaphore
-    protocol of ``common.py`` to the writer: lane 0 spins until the tile's counter equals this
-    CTA's rank (``schedule.py``'s orders, unchanged), issues the rows, waits for their *completion*
-    (``cp.async.bulk.wait_group 0``), fences the async proxy, and releases.
+    stores) into sdQ[t % 2] -- a 128-byte-swizzled (tm, d) tile (64-byte spans at d = 96), so the 8
+    rows of one warp store land in 8 different bank groups (conflict-free) and the TMA unit can read
+    it -- fences the generic->async proxy and *arrives* on the named barrier "dQ full[b]"; it does
+    not wait. Warp 1 of the producer warpgroup (the dQ writer) waits on "dQ full[b]", and one of its
+    lanes (elected inside the TMA copy) issues one TMA tensor reduce-add of the whole tile (``cp.reduce.async.bulk.tensor ... add``,
+    SASS ``UTMAREDG``, one per swizzle span; rows past seqlen_q lie outside the tensor and are
+    skipped), a commit, and ``cp.async.bulk.wait_group.read 0``; then the warp *arrives* on "dQ
+    empty[b]", which the consumers wait on before they overwrite sdQ[b] two tiles later. So the
+    math warpgroups run up to one tile ahead of the reduction. Varlen: the last tile of a sequence
+    also adds into the next sequence's first rows -- exactly +-0 (those queries' P, dS and dQ are
+    0), which leaves every value, and deterministic mode's bits, unchanged (a sum of signed zeros
+    has the same sign in any order). Deterministic mode moves the semaphore protocol of
+    ``common.py`` to the writer: lane 0 spins until the tile's counter equals this CTA's rank
+    (``schedule.py``'s orders, unchanged), issues the reduce, waits for its *completion*
+    (``cp.async.bulk.wait_group 0``), fences the async proxy, and releases. (The +-0 argument
+    assumes finite inputs: an inf in the next sequence's dO would turn those zeros into NaN.)
+
+    (An earlier version issued one row-wise ``cp.reduce.async.bulk`` of d * 4 bytes per query row:
+    64 per tile. On the H100 the writer then fell behind whenever the CTAs added into different dQ
+    tiles -- every causal run: 32% of the consumers' stall samples sat on "dQ empty" and a causal
+    tile step cost 1.75x a non-causal one; ``benchmarks/probe_bwd_walk.py``, stage 4 README.)
 
 Barriers (named, hardware ids; 0 is __syncthreads, used only before the role split):
     1        the 256 consumer threads: B1 per tile (lse2/D rows in SMEM, and both warpgroups are past
@@ -69,19 +78,21 @@ Per tile (t) of a consumer warpgroup, wgmma groups committed in this order:
     release the Q/dO stage ; [t >= 2: wait dQ empty[t%2]] ; dQ -> sdQ[t%2] ; arrive dQ full[t%2]
 
 Shared memory (bf16, tile 64 x 128, 2 Q/dO stages, 2 dQ buffers):
-    K + V + 2 (Q + dO) + dS^T + 2 dQ (fp32, padded rows)
-    d = 64:   16 + 16 + 2 * 16 + 16 + 2 * 18 = 116 KB
-    d = 96:   24 + 24 + 2 * 24 + 16 + 2 * 26 = 164 KB
-    d = 128:  32 + 32 + 2 * 32 + 16 + 2 * 34 = 212 KB   (of 227)
+    K + V + 2 (Q + dO) + dS^T + 2 dQ (fp32, swizzled, no padding)
+    d = 64:   16 + 16 + 2 * 16 + 16 + 2 * 16 = 112 KB
+    d = 96:   24 + 24 + 2 * 24 + 16 + 2 * 24 = 160 KB
+    d = 128:  32 + 32 + 2 * 32 + 16 + 2 * 32 = 208 KB   (of 227)
 
-Compiled (sm_90a, bf16/fp16, causal and deterministic on/off, this ptxas): 0 spills, no local
-memory, 6 named barriers; shared memory 119808 / 168960 / 218112 bytes at d = 64 / 96 / 128; the
-consumer code touches registers up to R187 / R221 / R231 of its 240; HGMMA per tile 24 / 28 / 32
-(8 of them register-sourced); one UBLKRED in the writer's row loop; no fp32 REDG left.
-Tiles: 64 x 128 for every head dim (step 2's). At d = 64, ``tiles=(128, 128)`` also compiles
-without spills (registers up to R235), has the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs
-1536 / 1280 = 1.20) and passes the gpu tier, but measured no faster on the H100 (within -4..+5%:
-``benchmarks/results/tune_bwd_h100_run1_d64_tiles.json``), so it stays an option.
+Compiled (sm_90a, bf16/fp16, causal and deterministic on/off, varlen, this ptxas): 0 spills, no
+local memory, 6 named barriers; shared memory 115712 / 164864 / 214016 bytes at d = 64 / 96 / 128;
+HGMMA per tile 24 / 28 / 32 (8 of them register-sourced); UTMAREDG 2 / 6 / 4; no fp32 REDG.
+``setmaxnreg`` 24 / 240 / 240: the three must sum to 3 x 168, the registers the CTA was launched
+with -- ``setmaxnreg.inc`` only takes what ``.dec`` released in the same CTA, so 32 / 240 / 240
+(65536 > 64512), tried for a writer-side varlen tail loop, hung on the H100.
+Tiles: 64 x 128 for every head dim (step 2's). At d = 64, ``tiles=(128, 128)`` compiled without
+spills with the row-wise writer (64 bytes spill with the swizzled dQ tile), has the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs 1536 / 1280 = 1.20) and
+passes the gpu tier, but measured no faster on the H100 (within -4..+5%, with the row-wise dQ
+writer: ``benchmarks/results/tune_bwd_h100_run1_d64_tiles.json``), so it stays an option.
 """
 from __future__ import annotations
 
@@ -94,6 +105,7 @@ import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 from cutlass.memory.smem import SmemAllocator  # noqa: E402
 
@@ -111,13 +123,12 @@ DQ_EMPTY_BARRIER = 4   # + buffer index
 DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
 DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
 DQ_BUFFERS = 2
-DQ_ROW_PAD = 8         # fp32 elements of padding per sdQ row (bank spread, see docstring)
 RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
-REGS_PRODUCER, REGS_CONSUMER = 24, 240
+REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the CTA's launch registers
 
 
 def check_rs_head_dims(head_dim: int, head_dim_v: int):
-    """ValueError for the head dims whose RS accumulators do not fit 240 registers (docstring)."""
+    """ValueError for the head dims whose RS accumulators do not fit the consumers' registers (docstring)."""
     if (head_dim, head_dim_v) not in RS_HEAD_DIMS:
         need = (64 * head_dim + 64 * head_dim_v) // 128 + 2 * 32 + 16
         raise ValueError(f"head_dim: {STEP} supports (q/k, v) head dims {RS_HEAD_DIMS}, got {(head_dim, head_dim_v)}: "
@@ -160,7 +171,14 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             raise ValueError(f"tiles: {STEP} needs tile_n = {64 * NUM_WG_MMA} (64 keys per consumer warpgroup) and "
                              f"tile_m a multiple of 64 (the M of dQ = dS K), got ({self.tile_m}, {self.tile_n})")
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
-        self.dq_row = head_dim + DQ_ROW_PAD  # fp32 elements between sdQ rows
+
+    def _sdq_layout(self):
+        """(tm, d, buffers) fp32 in 128-byte swizzled rows: the layout a TMA tensor copy understands,
+        and the consumers' 8-byte stores of 8 rows land in 8 different bank groups."""
+        # swizzle span sized for one consumer's d / 2 columns (the dQ wgmma splits N)
+        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.head_dim // NUM_WG_MMA)
+        atom = warpgroup.make_smem_layout_atom(atom_kind, Float32)
+        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim, DQ_BUFFERS), (0, 1, 2))
 
     # -------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -185,7 +203,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         sK_layout = self._smem_layout(tn, d, d // NUM_WG_MMA)
         sV_layout = self._smem_layout(tn, dv, dv // NUM_WG_MMA)
         sdSt_layout = self._smem_layout(tn, tm, tm)                        # dS^T: (keys, queries)
-        sdQ_layout = cute.make_layout((tm, d, DQ_BUFFERS), stride=(self.dq_row, 1, tm * self.dq_row))
+        sdQ_layout = self._sdq_layout()
 
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         wg_m, wg_n = (NUM_WG_MMA, 1, 1), (1, NUM_WG_MMA, 1)
@@ -210,6 +228,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             tma_load, seq_dim_first(mdO), cute.slice_(sdO_layout, (None, None, 0)), (tm, dv))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mK), sK_layout, (tn, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mV), sV_layout, (tn, dv))
+        # dQ: one TMA reduce-add of the whole (tm, d) fp32 tile from sdQ[b] into dQaccum
+        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_dim_first(mdQacc), cute.slice_(sdQ_layout, (None, None, 0)),
+            (tm, d))
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
         self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
         self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
@@ -226,7 +248,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdSt_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -235,7 +257,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.kernel(tma_Q, tma_dO, tma_K, tma_V, mQ.shape[1], mK.shape[1], mLSE2, mD, mdQacc, mdK, mdV,
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, num_n_blocks, mQ.shape[2] // mK.shape[2],
                     softmax_scale_log2, softmax_scale,
-                    tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V,
+                    tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_dQ, tma_atom_dQ,
                     tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdSt_layout, sdQ_layout,
                     self._gmem_store(d), self._gmem_store(dv),
@@ -251,11 +273,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                mSeqUsedK: cute.Tensor, mSemaphore: cute.Tensor, num_n_blocks: Int32, qhead_per_kvhead: Int32,
                softmax_scale_log2: Float32, softmax_scale: Float32,
                tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
-               tma_atom_V: cute.CopyAtom,
+               tma_atom_V: cute.CopyAtom, tma_dQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom,
                tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
                tiled_mma_dQ: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout, sdQ_layout: cute.Layout,
+               sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy):
         tm, tn, stages = self.tile_m, self.tile_n, self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
@@ -289,6 +311,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 cpasync.prefetch_descriptor(tma_atom_dO)
                 cpasync.prefetch_descriptor(tma_atom_K)
                 cpasync.prefetch_descriptor(tma_atom_V)
+            if warp_idx == DQ_WRITER_WARP:
+                cpasync.prefetch_descriptor(tma_atom_dQ)
             smem = SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             # producer = 1 arrival (the elected lane of warp 0 posts the byte count);
@@ -323,7 +347,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                  tma_atom_K, tma_atom_V, sQ_layout, sdO_layout, sK_layout, sV_layout,
                                  pipe_KV, pipe_Q, pipe_dO)
                 if warp_idx == DQ_WRITER_WARP:
-                    self.write_dq(walk, storage, mdQacc, mSemaphore, sdQ_layout)
+                    self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout)
             else:
                 # ---------------------------------------------------------------- consumers
                 cute.arch.setmaxregister_increase(self.regs_consumer)
@@ -334,21 +358,25 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
 
     # -------------------------------------------------------------- dQ writer warp
     @cute.jit
-    def write_dq(self, walk, storage, mdQacc: cute.Tensor, mSemaphore: cute.Tensor, sdQ_layout: cute.Layout):
-        """sdQ[t % 2] -> dQaccum rows with TMA bulk reduce-adds (lane 0 issues, the warp syncs)."""
+    def write_dq(self, walk, storage, mdQacc: cute.Tensor, tma_dQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom,
+                 mSemaphore: cute.Tensor, sdQ_layout: cute.ComposedLayout):
+        """sdQ[t % 2] -> dQaccum with one TMA tensor reduce-add per tile (lane 0 issues, the warp syncs)."""
         tm, tn, d = self.tile_m, self.tile_n, self.head_dim
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
         lane = cute.arch.lane_idx()
-        sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (tm, d, buffers), rows padded
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (tm, d, buffers)
         n_m = m_block_max - m_block_min
         n_tiles = qhead_per_kvhead * n_m
         for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + head_in_group
+            gdQ = cute.local_tile(cute.domain_offset((offset_q, 0), tma_dQ[None, None, head, bidx]), (tm, d),
+                                  (None, 0))                                     # (tm, d, m_blocks)
+            tDsD, tDgD = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                                               cute.group_modes(gdQ, 0, 2))
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 t = head_in_group * n_m + m_block - m_block_min
                 buf = t % DQ_BUFFERS
-                rows = cutlass.min(seqlen_q - m_block * tm, tm)
                 # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced)
                 self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=False)
                 if const_expr(self.deterministic):
@@ -356,28 +384,32 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                                          imin=cutlass.min)
                     sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
                     common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
-                # 2. one bulk reduce-add per valid row (d * 4 bytes, 16-byte aligned at both ends)
-                if lane == 0:
-                    if const_expr(self.deterministic):
-                        cute.arch.fence_proxy("async.global")  # the acquire above precedes our adds
-                    for r in cutlass.range(rows, unroll=1):
-                        bulk_reduce_add_f32(
-                            common.elem_pointer(mdQacc, (bidx, offset_q + m_block * tm + r, head, 0)),
-                            common.elem_pointer(sdQ, (r, 0, buf)), d * 4)
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(self.deterministic):
-                        # the adds must have *landed* before the next CTA in the order may add
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_proxy("async.global")
-                        common.semaphore_signal(sem, lane)
-                    else:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ[buf] has been read
+                # 2. the whole tile in one TMA reduce-add. Rows past the sequence: dense, they lie outside
+                #    the tensor and the TMA unit skips them; varlen, they are the next sequence's first
+                #    rows, and what lands there is exactly +-0 (those queries' P, hence dS and dQ, are
+                #    0), which changes no value -- and the sign of a sum of zeros does not depend on
+                #    the order of the adds, so deterministic mode stays bitwise reproducible.
+                #    The whole warp calls the TMA copy (it elects one lane with elect.sync, which needs
+                #    the warp converged); every lane commits and waits on its own (possibly empty)
+                #    bulk group, so the issuing lane, whichever it is, waits for its reduce.
+                if const_expr(self.deterministic):
+                    cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
+                    cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
+                cute.copy(tma_atom_dQ, tDsD[None, buf], tDgD[None, m_block])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.deterministic):
+                    # the adds must have *landed* before the next CTA in the order may add
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.sync_warp()
+                    common.semaphore_signal(sem, lane)
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ[buf] has been read
                 cute.arch.sync_warp()
                 # 3. sdQ[buf] may be refilled (only if a tile t + 2 will wait for it)
                 if t + DQ_BUFFERS < n_tiles:
                     self.dq_barrier(DQ_EMPTY_BARRIER, buf, arrive=True)
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
 
     @cute.jit
@@ -397,7 +429,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
                 tiled_mma_dQ: cute.TiledMma, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                 sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
-                sdQ_layout: cute.Layout, gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy,
+                sdQ_layout: cute.ComposedLayout, gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy,
                 pipe_KV, pipe_Q, pipe_dO):
         """The 256 consumer threads (ctidx 0..255); warpgroup w = ctidx // 128 owns keys [64 w, 64 w + 64)."""
         tm, tn, d, dv, stages = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
@@ -410,7 +442,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (tn, d)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)          # (tn, dv)
         sdSt = storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tn, tm)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout)                                      # (tm, d, 2) fp32
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)      # (tm, d, 2) fp32
         sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm, stages), order=(1, 0, 2)))
         sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm, stages), order=(1, 0, 2)))
         sKt = cute.composition(sK, cute.make_ordered_layout((d, tn), order=(1, 0)))
