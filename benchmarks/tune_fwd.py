@@ -3,8 +3,10 @@ tile_m), next to the official FA4 in the same process, and each variant's max |d
 
     python benchmarks/tune_fwd.py --out tune.json [--configs 128:176:2,128:128:3,64:128:4:192] [--seqlens 4096,16384]
 
-A config is head_dim:tile_n:num_stages[:tile_m] (dv = head_dim, except 192 -> dv 128; tile_m 128
-or 192, default 128 -- 192 = three consumer warpgroups, d = 64 only). The defaults a user gets are
+A config is head_dim:tile_n:num_stages[:tile_m[:lean_mask]] (dv = head_dim, except 192 -> dv 128;
+tile_m 128 or 192, default 128 -- 192 = three consumer warpgroups, d = 64 only; lean_mask 1 / 0 =
+the lean / old mask of the masked key blocks, absent = the kernel's default for that tile_m, so
+128:128:3:128:0,128:128:3:128:1 times both masks side by side). The defaults a user gets are
 `default_tile_n` / `default_num_stages` / `default_tile_m` in the step module; this script is how
 they were chosen (the results JSON is committed next to the benchmark runs).
 """
@@ -21,18 +23,26 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_fwd import flops, timer, versions  # noqa: E402
 
 
-def parse_configs(text: str) -> list[tuple[int, int, int, int]]:
-    """'64:128:4:192,128:176:2' -> [(64, 128, 4, 192), (128, 176, 2, 128)]: tile_m defaults to 128."""
+def parse_configs(text: str) -> list[tuple[int, int, int, int, bool | None]]:
+    """'64:128:4:192,128:176:2:128:1' -> [(64, 128, 4, 192, None), (128, 176, 2, 128, True)]: tile_m
+    defaults to 128, lean_mask to None (the kernel's default)."""
     configs = []
     for c in (c for c in text.split(",") if c):
         fields = [int(x) for x in c.split(":")]
-        if len(fields) not in (3, 4):
-            raise ValueError(f"--configs: expected head_dim:tile_n:num_stages[:tile_m], got {c!r}")
-        configs.append(tuple(fields) if len(fields) == 4 else (*fields, 128))
+        if len(fields) not in (3, 4, 5) or (len(fields) == 5 and fields[4] not in (0, 1)):
+            raise ValueError(f"--configs: expected head_dim:tile_n:num_stages[:tile_m[:lean_mask 0|1]], got {c!r}")
+        d, tn, st, tm = (fields + [128])[:4]
+        configs.append((d, tn, st, tm, bool(fields[4]) if len(fields) == 5 else None))
     return configs
 
 
-def variant_fn(d, dv, causal, tile_n, stages, tile_m=128):
+def variant_name(tile_n, stages, tile_m=128, lean_mask=None) -> str:
+    """The result row's impl name; configs without the new fields keep their old names."""
+    return (f"step4 tile_n={tile_n} stages={stages}" + ("" if tile_m == 128 else f" tile_m={tile_m}")
+            + ("" if lean_mask is None else f" lean_mask={int(lean_mask)}"))
+
+
+def variant_fn(d, dv, causal, tile_n, stages, tile_m=128, lean_mask=None):
     from cutlass import BFloat16
 
     from stage3_fwd_kernel import common
@@ -42,10 +52,11 @@ def variant_fn(d, dv, causal, tile_n, stages, tile_m=128):
         out = torch.empty(q.shape[:3] + (dv,), device=q.device, dtype=q.dtype)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
         args = step4._cute_args(q, k, v, out, lse, d ** -0.5, q.shape[1])
+        lean = step4._check_lean_mask(lean_mask, tile_m)  # resolved: a default shares its kernel
         comp = common.compile_cached(
-            ("tune", d, dv, causal, tile_n, stages, tile_m),
+            ("tune", d, dv, causal, tile_n, stages, tile_m, lean),
             lambda: (step4.FlashAttentionForwardSm90Step4(BFloat16, d, dv, causal, tile_n=tile_n,
-                                                          num_stages=stages, tile_m=tile_m), args))
+                                                          num_stages=stages, tile_m=tile_m, lean_mask=lean), args))
         comp.fn(*args)
         return out
     return fn
@@ -76,10 +87,10 @@ def main(argv=None) -> int:
                 ref = flash_attn_func(q, k, v, causal=causal)
                 ref = ref[0] if isinstance(ref, tuple) else ref
                 impls = {"flash-attn-4 (official)": lambda: flash_attn_func(q, k, v, causal=causal)}
-                for (cd, tn, st, tm) in configs:
+                for (cd, tn, st, tm, lean) in configs:
                     if cd == d:
-                        name = f"step4 tile_n={tn} stages={st}" + ("" if tm == 128 else f" tile_m={tm}")
-                        impls[name] = (lambda f: lambda: f(q, k, v))(variant_fn(d, dv, causal, tn, st, tm))
+                        impls[variant_name(tn, st, tm, lean)] = (lambda f: lambda: f(q, k, v))(
+                            variant_fn(d, dv, causal, tn, st, tm, lean))
                 for name, fn in impls.items():
                     row = {"impl": name, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s}
                     try:
@@ -92,7 +103,7 @@ def main(argv=None) -> int:
                         row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                     rows.append(row)
                     shown = f"{row['tflops']:7.1f}" if "tflops" in row else row["error"][:70]
-                    print(f"d={d} causal={causal!s:5} s={s:5} {name:32} {shown}  "
+                    print(f"d={d} causal={causal!s:5} s={s:5} {name:44} {shown}  "
                           f"diff={row.get('max_abs_diff_vs_fa4', float('nan')):.2e}", flush=True)
     doc = {"device": torch.cuda.get_device_name(), "versions": versions(), "timing": method,
            "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"),

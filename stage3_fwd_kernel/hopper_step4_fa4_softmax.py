@@ -68,8 +68,13 @@ tile_m = 192 (the default at d = 64, `default_tile_m`): three consumer warpgroup
 the 128 registers a 512-thread launch grants at entry add up to). The turn passes round robin
 (named barrier 1 + w is consumer w's turn, 1 + nc + w its private barrier), Q arrives as one 64-row
 slab per consumer (all on one mbarrier), each consumer stages its O in its own slab, and the mask
-is written for 160 registers (see consume). The sweep above predates it: 192 rows at d = 64 are
-not measured yet.
+is written for 160 registers (see consume). Measured: +8..+21% over 128 rows at d = 64 (README).
+
+tile_m = 128 uses that same mask by default since it was timed against the old per-element `if`
+(lean_mask=False; benchmarks/tune_fwd.py's fifth config field): +1..+14% at d = 128 on the H100,
+non-causal and causal, 1k-16k. It compiles to the same float operations in the same order with ~2000
+fewer selects (bf16 FSEL 2126 -> 142, fp16 integer SEL ~2100 -> 0; ~480 fewer at d = 256), about
+half the SASS, and a highest register of 151 - 208 instead of 209 - 237, no spills.
 """
 from __future__ import annotations
 
@@ -175,7 +180,8 @@ class FlashAttentionForwardSm90Step4:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
-                 num_stages: int | None = None, pingpong: bool = True, scheduler=common.StaticTileScheduler):
+                 num_stages: int | None = None, pingpong: bool = True, scheduler=common.StaticTileScheduler,
+                 lean_mask: bool | None = None):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -191,6 +197,7 @@ class FlashAttentionForwardSm90Step4:
             raise ValueError(f"tile_m: 192 needs head dims <= 64 (160 registers per consumer thread), "
                              f"got ({head_dim}, {head_dim_v})")
         self.policy = policy
+        self.lean_mask = _check_lean_mask(lean_mask, tile_m)
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
@@ -210,6 +217,12 @@ class FlashAttentionForwardSm90Step4:
         self.smem_bytes = None
 
     # -------------------------------------------------------------- host side (traced once)
+    def _tiled_mma_qk(self) -> cute.TiledMma:
+        """S (64 x tn) = Q (64 x d) . K (tn x d)^T: one wgmma atom, A and B K-major from smem."""
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (self.wg_m, self.tile_n))
+
     def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
         """Row-major (contiguous along `cols`) tile with the widest swizzle wgmma accepts,
         optionally with a trailing stage mode."""
@@ -257,9 +270,7 @@ class FlashAttentionForwardSm90Step4:
         sO_layout = self._smem_layout(tm, dv, nc)
 
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        # S (tm x tn) = Q (tm x d) . K (tn x d)^T : A and B both K-major, both from smem
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (tm, tn))
+        tiled_mma_qk = self._tiled_mma_qk()
         # O (tm x dv) = P (tm x tn) . V : A = P from registers, B = V^T (dv x tn) is MN-major
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (tm, dv),
@@ -486,14 +497,15 @@ class FlashAttentionForwardSm90Step4:
         acc_O_rc = acc_rowcol(acc_O)
         # (row, col) of each S accumulator element inside the (tm, tn) tile, for masking
         tScS_rc = acc_rowcol(thr_mma_qk.partition_C(cute.make_identity_tensor((tm, tn))))
-        # Three consumers (160 registers) get a leaner mask. Thread 0's (row, col) of each element
-        # are compile-time constants and any thread's columns are them shifted by its first one,
-        # so each compare takes an immediate against one shifted limit per row instead of tn / 4
+        # The lean mask (self.lean_mask: three consumers' default, opt-in at two). Thread 0's (row,
+        # col) of each element are compile-time constants and any thread's columns are them shifted
+        # by its first one (2 * (lane % 4) in the wgmma accumulator; mask_shift_holds checks it), so
+        # each compare takes an immediate against one shifted limit per row instead of tn / 4
         # column indices held in registers; and it is a select, not an `if` per element (whose
         # lowering re-selects fragment values at every branch, ~2100 FSEL in the bf16 kernels, and
-        # spills 48-252 bytes at 160 registers). tile_m = 128 keeps its measured code.
+        # spills 48-252 bytes at 160 registers). tile_m = 128 keeps its measured code by default.
         tScS0_rc = None
-        if const_expr(self.num_consumers > 2):
+        if const_expr(self.lean_mask):
             tScS0_rc = acc_rowcol(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((tm, tn))))
         num_rows = cute.size(tScS_rc, mode=[0])  # 2 rows per thread
         row_max = cute.make_rmem_tensor((num_rows,), Float32)      # m: running (possibly stale) max
@@ -761,11 +773,55 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
-                scheduler=common.StaticTileScheduler, tile_m: int | None = None):
-    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v)."""
+                scheduler=common.StaticTileScheduler, tile_m: int | None = None, lean_mask: bool | None = None):
+    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v), lean_mask None =
+    default_lean_mask(tile_m)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
     return FlashAttentionForwardSm90Step4(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
-                                          tile_m=tile_m)
+                                          tile_m=tile_m, lean_mask=lean_mask)
+
+
+def default_lean_mask(tile_m: int) -> bool:
+    """The mask of the masked key blocks: lean (compile-time columns + one select per score) at every
+    tile_m -- at three consumers the per-element `if` spills at 160 registers, at two the lean one
+    was +1..+14% at d = 128 on the H100 (tune_fwd_h100_run3_lean_mask.json) with bitwise-equal
+    outputs. lean_mask=False keeps the old mask buildable for that comparison."""
+    return True
+
+
+def _check_lean_mask(lean_mask, tile_m) -> bool:
+    """lean_mask of a call: None = default_lean_mask(tile_m), else a bool (False at tile_m = 192 builds
+    the old mask there too, which spills: for comparison only)."""
+    if lean_mask is None:
+        return default_lean_mask(tile_m)
+    if not isinstance(lean_mask, bool):
+        raise TypeError(f"lean_mask: expected None or a bool, got {type(lean_mask).__name__}")
+    return lean_mask
+
+
+def mask_shift_holds(kernel: FlashAttentionForwardSm90Step4) -> bool:
+    """Host-side check of the lean mask's premise on the kernel's own S MMA: for every thread of a
+    consumer warpgroup, each accumulator element's (row, col) is (its own row, thread 0's col + the
+    thread's first col), and the 128 threads cover the 64 x tile_n tile exactly once. Traced, not run
+    (the coordinates of a constant thread index are compile-time), so it needs no GPU."""
+    tm, tn = kernel.wg_m, kernel.tile_n
+    coords = []
+
+    def collect():  # plain Python (not AST-rewritten): 128 x 2 x tn / 4 static coordinates
+        mma, ident = kernel._tiled_mma_qk(), cute.make_identity_tensor((tm, tn))
+        for t in range(128):
+            rc = acc_rowcol(mma.get_slice(t).partition_C(ident))
+            coords.append([[tuple(rc[r, c]) for c in range(cute.size(rc, mode=[1]))]
+                           for r in range(cute.size(rc, mode=[0]))])
+
+    @cute.jit
+    def trace():
+        collect()
+    cute.compile(trace)
+    shifted = all(x == (rows[0][0], coords[0][r][c][1] + coords[t][0][0][1])
+                  for t in range(128) for r, rows in enumerate(coords[t]) for c, x in enumerate(rows))
+    cover = sorted(x for thr in coords for rows in thr for x in rows) == [(i, j) for i in range(tm) for j in range(tn)]
+    return shifted and cover and coords[0][0][0] == (0, 0)
 
 
 def _check_tile_m(tile_m, d, dv) -> int:
@@ -779,11 +835,14 @@ def _check_tile_m(tile_m, d, dv) -> int:
     return tile_m
 
 
-def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None):
+def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
+         lean_mask=None):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
-    (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel."""
+    (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
+    tile_m and lean_mask enter resolved, so a default and its explicit value share one kernel."""
     tile_m = _check_tile_m(tile_m, d, dv)
-    return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m)
+    lean_mask = _check_lean_mask(lean_mask, tile_m)
+    return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m, lean_mask)
 
 
 def _cute_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -828,22 +887,24 @@ def _check_head_dims(d, dv):
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 
 
-def _compile_and_launch(key, dt, d, dv, causal, policy, scheduler, args, tile_m):
+def _compile_and_launch(key, dt, d, dv, causal, policy, scheduler, args, tile_m, lean_mask=None):
     compiled = common.compile_cached(key, lambda: (make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler,
-                                                               tile_m=tile_m), args))
+                                                               tile_m=tile_m, lean_mask=lean_mask), args))
     compiled.fn(*args)
     return compiled
 
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
                       rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
-                      policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None):
+                      policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None,
+                      lean_mask: bool | None = None):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32).
 
     rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
     each distinct pair is its own kernel); `policy` overrides both. `scheduler` (default
     StaticTileScheduler) is a class with the common.StaticTileScheduler interface. tile_m: query
-    rows per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv).
+    rows per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv). lean_mask:
+    the masked blocks' mask (see consume), None = default_lean_mask(tile_m) (lean at 192 rows only).
     """
     import torch
 
@@ -856,6 +917,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     dv = v.shape[-1]
     _check_head_dims(d, dv)
     tile_m = _check_tile_m(tile_m, d, dv)
+    lean_mask = _check_lean_mask(lean_mask, tile_m)
     dt = common.cutlass_dtype(q.dtype)
     policy.check_dtype(dt)
     softmax_scale = _check_scale(softmax_scale, d)
@@ -875,8 +937,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         return out, lse
     scheduler = scheduler or common.StaticTileScheduler
     args = _cute_args(q, k, v, out, lse, softmax_scale, sq)
-    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, tile_m=tile_m), dt, d, dv, causal, policy,
-                        scheduler, args, tile_m)
+    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, tile_m=tile_m, lean_mask=lean_mask),
+                        dt, d, dv, causal, policy, scheduler, args, tile_m, lean_mask)
     return out, lse
 
 
@@ -884,7 +946,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                              softmax_scale=None, causal=False, out=None, lse=None,
                              rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                              emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
-                             batch_map=None, scheduler=None, check_values=False, tile_m: int | None = None):
+                             batch_map=None, scheduler=None, check_values=False, tile_m: int | None = None,
+                             lean_mask: bool | None = None):
     """Packed q (Tq,Hq,D), k (Tk,Hkv,D), v (Tk,Hkv,Dv) with int32 cu_seqlens_q / cu_seqlens_k (batch+1,)
     -> (out (Tq,Hq,Dv), lse (Hq,Tq) fp32).
 
@@ -895,7 +958,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     the grid); max_seqlen_k is accepted for API compatibility. batch_map (int32 (batch,)): the
     sequence each virtual batch index computes (stage 5's reordering; identity when None).
     check_values=True verifies the index tensors' values on the host (costs a device sync).
-    tile_m: as in attention_forward.
+    tile_m, lean_mask: as in attention_forward.
     (When k has no rows at all nothing is launched and out / lse are filled with 0 / -inf entirely.)
     """
     import torch
@@ -907,6 +970,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dv = v.shape[-1]
     _check_head_dims(d, dv)
     tile_m = _check_tile_m(tile_m, d, dv)
+    lean_mask = _check_lean_mask(lean_mask, tile_m)
     dt = common.cutlass_dtype(q.dtype)
     policy.check_dtype(dt)
     softmax_scale = _check_scale(softmax_scale, d)
@@ -931,34 +995,39 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     args = _cute_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                       softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map)
     flags = (True, seqused_k is not None, batch_map is not None)
-    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, flags, tile_m), dt, d, dv, causal, policy,
-                        scheduler, args, tile_m)
+    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, flags, tile_m, lean_mask), dt, d, dv,
+                        causal, policy, scheduler, args, tile_m, lean_mask)
     return out, lse
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False, seqused_k=False,
                  batch_map=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
-                 scheduler=None, tile_m: int | None = None) -> common.Compiled:
+                 scheduler=None, tile_m: int | None = None, lean_mask: bool | None = None) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
-    as in attention_forward (None = default_tile_m)."""
+    and lean_mask as in attention_forward (None = default_tile_m / default_lean_mask)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
+    lean_mask = _check_lean_mask(lean_mask, tile_m)
     if (seqused_k or batch_map) and not varlen:
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     dt = common.cutlass_dtype(dtype)
     policy.check_dtype(dt)
     scheduler = scheduler or common.StaticTileScheduler
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
-    key = _key("fake", dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m)
+    key = _key("fake", dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask)
     comp = common.compile_cached(key, lambda: (
-        make_kernel(dt, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler, tile_m=tile_m),
+        make_kernel(dt, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler, tile_m=tile_m,
+                    lean_mask=lean_mask),
         _fake_args(dt, head_dim, head_dim_v, flags)))
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
+    # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones
+    comp.report.setdefault("FSEL", len(re.findall(r"\bFSEL\b", comp.sass)) if comp.sass else None)
+    comp.report.setdefault("SEL", len(re.findall(r"\bSEL\b", comp.sass)) if comp.sass else None)
     return comp
 
 
@@ -986,19 +1055,21 @@ def _random_varlen(batch, max_seqlen_q, max_seqlen_k, heads, heads_kv, d, dv, dt
 
 def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
         causal=False, dtype="bf16", check=True, *, varlen=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
-        emulation_fraction=DEFAULT_EMULATION_FRACTION, tile_m=None, verbose=True) -> dict:
+        emulation_fraction=DEFAULT_EMULATION_FRACTION, tile_m=None, lean_mask=None, verbose=True) -> dict:
     """On a Hopper GPU: check against the stage-0 reference (FA4 rule) and time. Otherwise: compile
     for sm_90a and print the resource report. varlen=True runs a random packed batch of `batch`
     sequences with lengths up to seqlen_q / seqlen_k (empty ones included)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
+    lean_mask = _check_lean_mask(lean_mask, tile_m)
     heads_kv = heads if heads_kv is None else heads_kv
     policy = make_policy(rescale_threshold, emulation_fraction)
     tag = (f"{STEP} [{common.ARCH}, {dtype}, d={head_dim}/{head_dim_v}, causal={causal}, varlen={varlen}, "
-           f"tile_m={tile_m}, {policy.describe()}]")
+           f"tile_m={tile_m}, lean_mask={lean_mask}, {policy.describe()}]")
     result: dict = {"step": STEP, "policy": policy}
     if not common.hopper_gpu_available():
-        comp = compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, policy=policy, tile_m=tile_m)
+        comp = compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, policy=policy, tile_m=tile_m,
+                            lean_mask=lean_mask)
         result.update(mode="compile-only", report=comp.report)
         if verbose:
             print(_format(tag + " (no Hopper GPU: compiled only)", comp.report))
@@ -1017,7 +1088,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
 
         def fwd():
             return attention_varlen_forward(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal=causal, out=out,
-                                            lse=lse, policy=policy, tile_m=tile_m)
+                                            lse=lse, policy=policy, tile_m=tile_m, lean_mask=lean_mask)
 
         def ref(upcast):
             return attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=upcast)
@@ -1034,7 +1105,8 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
         lse = torch.full((batch, heads, seqlen_q), float("nan"), device="cuda", dtype=torch.float32)
 
         def fwd():
-            return attention_forward(q, k, v, causal=causal, out=out, lse=lse, policy=policy, tile_m=tile_m)
+            return attention_forward(q, k, v, causal=causal, out=out, lse=lse, policy=policy, tile_m=tile_m,
+                                     lean_mask=lean_mask)
 
         def ref(upcast):
             return attention_ref(q, k, v, causal=causal, upcast=upcast)
@@ -1049,12 +1121,13 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
     ms = common.benchmark_ms(fwd)
     tflops = flops / (ms * 1e-3) / 1e12
     rep = common._CACHE[_key("gpu", common.cutlass_dtype(dtype), head_dim, head_dim_v, causal, policy,
-                             common.StaticTileScheduler, flags, tile_m)].report
+                             common.StaticTileScheduler, flags, tile_m, lean_mask)].report
     result.update(mode="gpu", ms=ms, tflops=tflops, report=rep)
     if verbose:
         status = "PASS" if check else "(unchecked)"
         print(f"{status} {STEP} b={batch} sq={seqlen_q} sk={seqlen_k} h={heads}/{heads_kv} d={head_dim}/{head_dim_v} "
-              f"causal={causal} varlen={varlen} tile_m={tile_m} {dtype} {policy.describe()}: {ms:.3f} ms, "
+              f"causal={causal} varlen={varlen} tile_m={tile_m} lean_mask={lean_mask} {dtype} {policy.describe()}: "
+              f"{ms:.3f} ms, "
               f"{tflops:.1f} TFLOP/s")
         print(common.format_report("  resources", rep))
     return result
@@ -1066,6 +1139,8 @@ if __name__ == "__main__":
     ap.add_argument("--rescale_threshold", type=float, default=DEFAULT_RESCALE_THRESHOLD)
     ap.add_argument("--emulation_fraction", type=float, default=DEFAULT_EMULATION_FRACTION)
     ap.add_argument("--tile_m", type=int, default=None, choices=TILE_MS, help="default: default_tile_m(d, dv)")
+    ap.add_argument("--lean_mask", type=int, default=None, choices=(0, 1), help="default: default_lean_mask(tile_m)")
     a = ap.parse_args()
     run(**common.shape_kwargs(a), varlen=a.varlen, rescale_threshold=a.rescale_threshold,
-        emulation_fraction=a.emulation_fraction, tile_m=a.tile_m)
+        emulation_fraction=a.emulation_fraction, tile_m=a.tile_m,
+        lean_mask=None if a.lean_mask is None else bool(a.lean_mask))

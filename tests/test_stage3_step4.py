@@ -9,15 +9,18 @@ compile tier (no GPU): every head-dim config (bf16; fp16 once), causal on/off, t
 heights (tile_m 192 = three consumer warpgroups, the default there, and 128). ptxas: no spills, no
 local memory, setmaxnreg honoured and its register pool balanced; SASS: HGMMA, UTMALDG, exactly one
 warp vote (VOTE.ANY) per softmax site (prologue, masked loop, hot loop), and the emulation chain
-(FADD.RM, one per emulated value) exactly when the fraction is > 0.
+(FADD.RM, one per emulated value) exactly when the fraction is > 0. The lean mask (lean_mask=True,
+opt-in at tile_m 128): its premise (per-thread column shift) traced on the kernel's own MMA, fewer
+selects than the old mask, no spills, and the same float-op sequence in PTX as the old mask.
 
 gpu tier (H100/H200): out and lse follow FA4's rule (2x the error of a PyTorch bf16/fp16
 implementation against fp32) over the seqlen / head-dim / causal / GQA matrix, fp16, both
 policies' knobs, adversarial rising scores; varlen batches with q-empty and k-empty sequences and
 NaN-filled unused KV-cache slots past seqused_k; rows outside every sequence are never written;
 fully masked rows are exactly 0 / -inf; outputs are NaN-poisoned before every run; two runs are
-bitwise identical; at d = 64 all of it with tile_m 128 and 192. Compiles dominate the time, so
-configs are reused across tests.
+bitwise identical; at d = 64 all of it with tile_m 128 and 192; tile_m 128 with lean_mask=True
+(d 64 / 128 / (192, 128), odd lengths, GQA, varlen), bitwise equal to the old mask. Compiles
+dominate the time, so configs are reused across tests.
 """
 from __future__ import annotations
 
@@ -208,18 +211,53 @@ def test_tile_m_defaults_and_validation():
 
 @pytest.mark.cpu
 @pytest.mark.stage3
+def test_lean_mask_defaults_and_validation():
+    """lean_mask None = lean at both heights (timed faster at 128 rows, needed at 192); either mask can
+    be asked for at either height; the compile key holds the resolved value, so a default and its
+    explicit spelling share one kernel."""
+    mod = _mod()  # before cutlass: the step module's import sets the target arch
+    import cutlass
+
+    bf16 = cutlass.BFloat16
+    assert mod.default_lean_mask(128) is True and mod.default_lean_mask(192) is True
+    for tm, lean, want in ((128, None, True), (192, None, True), (128, True, True), (128, False, False),
+                           (192, False, False)):
+        assert mod.make_kernel(bf16, 64, 64, True, tile_m=tm, lean_mask=lean).lean_mask is want
+    assert mod.make_kernel(bf16, 128, 128, True).lean_mask is True
+    assert mod.make_kernel(bf16, 64, 64, True).lean_mask is True  # tile_m 192 there
+    for bad in (1, "1", 0.0):
+        with pytest.raises(TypeError, match="lean_mask"):
+            mod.FlashAttentionForwardSm90Step4(bf16, 128, 128, False, lean_mask=bad)
+        with pytest.raises(TypeError, match="lean_mask"):
+            mod.compile_only("bf16", 128, lean_mask=bad)  # refused before anything is traced
+
+    def key(tm, lean):
+        return mod._key("gpu", bf16, 64, 64, True, mod.DEFAULT_POLICY, None, tile_m=tm, lean_mask=lean)
+    assert key(128, None) == key(128, True) != key(128, False)
+    assert key(192, None) == key(192, True) != key(192, False)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
 def test_tune_fwd_config_syntax():
-    """benchmarks/tune_fwd.py: head_dim:tile_n:num_stages[:tile_m], the 3-field form unchanged."""
+    """benchmarks/tune_fwd.py: head_dim:tile_n:num_stages[:tile_m[:lean_mask]], the 3- and 4-field
+    forms and their result names unchanged."""
     import importlib
     import pathlib
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     tune = importlib.import_module("tune_fwd")
-    assert tune.parse_configs("128:128:3,128:176:2") == [(128, 128, 3, 128), (128, 176, 2, 128)]
-    assert tune.parse_configs("64:128:4:192,64:128:4") == [(64, 128, 4, 192), (64, 128, 4, 128)]
-    with pytest.raises(ValueError, match="configs"):
-        tune.parse_configs("64:128")
+    assert tune.parse_configs("128:128:3,128:176:2") == [(128, 128, 3, 128, None), (128, 176, 2, 128, None)]
+    assert tune.parse_configs("64:128:4:192,64:128:4") == [(64, 128, 4, 192, None), (64, 128, 4, 128, None)]
+    assert tune.parse_configs("128:128:3:128:0,128:128:3:128:1") == [(128, 128, 3, 128, False),
+                                                                     (128, 128, 3, 128, True)]
+    assert tune.variant_name(128, 3) == "step4 tile_n=128 stages=3"
+    assert tune.variant_name(128, 4, 192) == "step4 tile_n=128 stages=4 tile_m=192"
+    assert tune.variant_name(128, 3, 128, True) == "step4 tile_n=128 stages=3 lean_mask=1"
+    for bad in ("64:128", "128:128:3:128:2", "128:128:3:128:1:0"):
+        with pytest.raises(ValueError, match="configs"):
+            tune.parse_configs(bad)
 
 
 @pytest.mark.cpu
@@ -242,37 +280,44 @@ def test_dense_bad_arguments():
 
 
 # ======================================================================================= compile
-# (dtype, d, dv, causal, varlen flags, tau, fraction, tile_m): every head dim for bf16, causal both
-# ways, fp16 once, the varlen kernel (full flags and plain), the policy corners at d = 128, and at
-# d = 64 both CTA heights (tile_m None = default_tile_m: 192 there, 128 elsewhere).
+# (dtype, d, dv, causal, varlen flags, tau, fraction, tile_m, lean_mask): every head dim for bf16,
+# causal both ways, fp16 once, the varlen kernel (full flags and plain), the policy corners at
+# d = 128, at d = 64 both CTA heights (tile_m None = default_tile_m: 192 there, 128 elsewhere), and
+# the lean mask at tile_m 128 (lean_mask None = default_lean_mask: lean everywhere).
 COMPILE_CASES = [
-    ("bf16", 64, 64, False, (), 8.0, 0.25, None),
-    ("bf16", 96, 96, True, (), 8.0, 0.25, None),
-    ("bf16", 128, 128, False, (), 8.0, 0.25, None),
-    ("bf16", 128, 128, True, (), 8.0, 0.25, None),
-    ("bf16", 192, 128, True, (), 8.0, 0.25, None),
-    ("bf16", 256, 256, False, (), 8.0, 0.25, None),
-    ("fp16", 128, 128, True, (), 8.0, 0.25, None),
-    ("bf16", 128, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.25, None),
-    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.25, None),
-    ("bf16", 128, 128, False, (), 8.0, 0.0, None),
-    ("bf16", 128, 128, False, (), 0.0, 0.25, None),
+    ("bf16", 64, 64, False, (), 8.0, 0.25, None, None),
+    ("bf16", 96, 96, True, (), 8.0, 0.25, None, None),
+    ("bf16", 128, 128, False, (), 8.0, 0.25, None, None),
+    ("bf16", 128, 128, True, (), 8.0, 0.25, None, None),
+    ("bf16", 192, 128, True, (), 8.0, 0.25, None, None),
+    ("bf16", 256, 256, False, (), 8.0, 0.25, None, None),
+    ("fp16", 128, 128, True, (), 8.0, 0.25, None, None),
+    ("bf16", 128, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.25, None, None),
+    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.25, None, None),
+    ("bf16", 128, 128, False, (), 8.0, 0.0, None, None),
+    ("bf16", 128, 128, False, (), 0.0, 0.25, None, None),
     # three consumer warpgroups (tile_m = 192) with the production policy, causal, fp16, full varlen
-    ("bf16", 64, 64, False, (), 8.0, 0.0, 192),
-    ("bf16", 64, 64, True, (), 8.0, 0.0, 192),
-    ("fp16", 64, 64, True, (), 8.0, 0.25, 192),
-    ("bf16", 64, 64, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, 192),
+    ("bf16", 64, 64, False, (), 8.0, 0.0, 192, None),
+    ("bf16", 64, 64, True, (), 8.0, 0.0, 192, None),
+    ("fp16", 64, 64, True, (), 8.0, 0.25, 192, None),
+    ("bf16", 64, 64, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, 192, None),
     # ... and the two-consumer kernel at d = 64, no longer the default there
-    ("bf16", 64, 64, True, (), 8.0, 0.25, 128),
-    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.0, 128),
+    ("bf16", 64, 64, True, (), 8.0, 0.25, 128, None),
+    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.0, 128, None),
+    # ... and the two-consumer kernel with the lean mask (opt-in), production policy
+    ("bf16", 128, 128, True, (), 8.0, 0.0, None, True),
+    ("fp16", 128, 128, True, (), 8.0, 0.0, None, True),
+    ("bf16", 64, 64, True, (), 8.0, 0.0, 128, True),
+    ("bf16", 256, 256, False, (), 8.0, 0.0, None, True),
+    ("bf16", 192, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, None, True),
 ]
-THREE_CONSUMER_CASES = [c for c in COMPILE_CASES if c[-1] == 192]
+THREE_CONSUMER_CASES = [c for c in COMPILE_CASES if c[7] == 192]
 
 
 def _case_id(c):
-    dt, d, dv, causal, flags, tau, frac, tile_m = c
+    dt, d, dv, causal, flags, tau, frac, tile_m, lean = c
     return (f"{dt}-d{d}x{dv}-{'causal' if causal else 'full'}{''.join('-' + f for f in flags)}-tau{tau:g}"
-            f"-f{frac:g}" + ("" if tile_m is None else f"-m{tile_m}"))
+            f"-f{frac:g}" + ("" if tile_m is None else f"-m{tile_m}") + ("" if lean is None else f"-lean{int(lean)}"))
 
 
 @pytest.fixture(scope="module")
@@ -283,10 +328,11 @@ def compiled():
 
     def get(case):
         if case not in cache:
-            dt, d, dv, causal, flags, tau, frac, tile_m = case
+            dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
             cache[case] = mod.compile_only(dt, d, dv, causal, varlen="varlen" in flags,
                                            seqused_k="seqused_k" in flags, batch_map="batch_map" in flags,
-                                           rescale_threshold=tau, emulation_fraction=frac, tile_m=tile_m)
+                                           rescale_threshold=tau, emulation_fraction=frac, tile_m=tile_m,
+                                           lean_mask=lean)
         return cache[case]
     return get
 
@@ -299,10 +345,10 @@ def test_compiles_sm90a(compiled, case):
 
     from stage3_fwd_kernel import common
 
-    dt, d, dv, causal, flags, tau, frac, tile_m = case
+    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
     comp = compiled(case)
     rep = comp.report
-    kernel = _mod().make_kernel(common.cutlass_dtype(dt), d, dv, causal, tile_m=tile_m)  # its constants only
+    kernel = _mod().make_kernel(common.cutlass_dtype(dt), d, dv, causal, tile_m=tile_m, lean_mask=lean)  # constants
     nc = kernel.num_consumers
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, f"spills: {rep}"
     assert rep["stack_frame"] == 0, f"stack frame: {rep}"
@@ -342,6 +388,68 @@ def test_three_consumer_kernel_sm90a(compiled, case):
     assert len(re.findall(r"\bFSEL\b", comp.sass)) < 2 * 64 + 64
 
 
+LEAN_CASES = [c for c in COMPILE_CASES if c[8]]
+
+
+def _old_mask_twin(case):
+    """The same kernel with the old per-element mask (lean_mask=False)."""
+    return case[:8] + (False,)
+
+
+def _float_ops(ptx):
+    """The PTX float arithmetic / conversion / compare opcodes, in program order (operands dropped)."""
+    import re
+
+    return re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:add|sub|mul|fma|max|min|neg|abs|ex2|rcp|lg2|cvt|setp)"
+                      r"\.[\w.]*f(?:16|32)\w*)", ptx, re.M)
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", LEAN_CASES, ids=[_case_id(c) for c in LEAN_CASES])
+def test_lean_mask_two_consumers_sm90a(compiled, case):
+    """tile_m = 128 with lean_mask=True (the default) against the old mask: no spills within the
+    240 registers, far fewer selects (one per score in each of the 2 masked softmax sites, + a few,
+    instead of ~2100: FSEL in bf16, integer SEL in fp16), and the very same sequence of float
+    operations in PTX -- only compares and selects differ, so the gpu tier can ask for bitwise equal
+    results."""
+    import re
+
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+
+    dt, d, dv = case[:3]
+    comp, old = compiled(case), compiled(_old_mask_twin(case))
+    rep, old_rep = comp.report, old.report
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 240
+    assert rep["threads"] == 384
+    per_thread = 2 * default_tile_n(d, dv) // 4  # scores per consumer thread
+    selects, old_selects = rep["FSEL"] + rep["SEL"], old_rep["FSEL"] + old_rep["SEL"]
+    assert selects < 2 * per_thread + 32 < old_selects, (selects, old_selects)
+    if dt == "bf16":
+        assert rep["FSEL"] < old_rep["FSEL"]
+    ops = _float_ops(comp.ptx)
+    assert len(ops) > 500 and ops == _float_ops(old.ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,tile_m,tile_n", [(128, 128, None), (256, 128, None), (64, 192, None), (128, 128, 176),
+                                             (256, 128, 80)], ids=["d128", "d256-n64", "d64-m192", "n176", "n80"])
+def test_lean_mask_column_shift_premise(d, tile_m, tile_n):
+    """The lean mask compares thread 0's compile-time columns against a limit shifted by the thread's
+    first column. Traced on the kernel's own S MMA (the accumulator layout is the same for fp16 and
+    bf16), for all 128 threads of a consumer warpgroup: every element's column is thread 0's plus
+    that shift (2 * (lane % 4)), its row the thread's row for that r, and the threads tile 64 x tile_n
+    exactly once -- at the default tile_n (128; 64 at d = 256) and at two the tuner sweeps."""
+    mod = _mod()  # before cutlass: the step module's import sets the target arch
+    import cutlass
+
+    kernel = mod.FlashAttentionForwardSm90Step4(cutlass.BFloat16, d, d, True, tile_m=tile_m, tile_n=tile_n,
+                                                lean_mask=True)
+    assert mod.mask_shift_holds(kernel)
+
+
 
 SOFTMAX_SITES = 3  # the walk traces the softmax for the first block, the masked blocks and the hot loop
 
@@ -351,7 +459,7 @@ SOFTMAX_SITES = 3  # the walk traces the softmax for the first block, the masked
 def test_softmax_policy_in_sass(compiled, case):
     from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
 
-    dt, d, dv, causal, flags, tau, frac, tile_m = case
+    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
     rep = compiled(case).report
     per_thread = 2 * default_tile_n(d, dv) // 4  # 2 rows x tile_n / 4 scores per consumer thread
     emulated = int(per_thread * frac)
@@ -460,6 +568,44 @@ def test_d64_three_consumers_fp16_and_policies(causal):
     for tau, frac in POLICIES:
         _dense(*_randn_qkv(2, 517, 700, 4, 1, 64, 64, seed=int(tau) + 4), causal=causal, tile_m=192,
                rescale_threshold=tau, emulation_fraction=frac)
+
+
+# tile_m = 128 with the lean mask (opt-in there): lengths that leave the second consumer partial rows
+# or none (1, 113, 239), a partial last key block (203, 3, 1), rows past their diagonal with nothing
+# visible (300 x 70, causal), several masked and unmasked key blocks (1024); GQA 1 / 2 / 8 over them.
+LEAN_SEQLENS = [(1, 1), (113, 203), (799, 3), (239, 1), (300, 70), (1024, 1024)]
+LEAN_HEAD_DIMS = [(64, 64), (128, 128), (192, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv", LEAN_HEAD_DIMS, ids=[f"d{d}x{dv}" for d, dv in LEAN_HEAD_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", LEAN_SEQLENS, ids=[f"{a}x{b}" for a, b in LEAN_SEQLENS])
+def test_lean_mask_two_consumers_matches_reference(d, dv, causal, sq, sk):
+    """FA4's rule against the fp32 reference, and bitwise the old mask's result: both kernels run
+    the same float operations in the same order (test_lean_mask_two_consumers_sm90a checks the
+    PTX), and a masked score is -inf either way."""
+    import torch
+
+    ratio = [1, 2, 8][(sq + sk + d) % 3]
+    q, k, v = _randn_qkv(2, sq, sk, 8, 8 // ratio, d, dv, seed=sq + sk + d + 1)
+    out, lse = _dense(q, k, v, causal=causal, tile_m=128, lean_mask=True)
+    old_out, old_lse = _dense(q, k, v, causal=causal, tile_m=128, lean_mask=False)
+    assert torch.equal(out, old_out) and torch.equal(lse, old_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lean_mask_two_consumers_fp16(causal):
+    """fp16 at tile_m = 128 (where the old mask's selects are integer SELs): the rule, bitwise the old mask."""
+    import torch
+
+    q, k, v = _randn_qkv(2, 333, 1000, 4, 2, 128, 128, dtype="fp16", seed=129)
+    out, lse = _dense(q, k, v, causal=causal, tile_m=128, lean_mask=True)
+    old_out, old_lse = _dense(q, k, v, causal=causal, tile_m=128, lean_mask=False)
+    assert torch.equal(out, old_out) and torch.equal(lse, old_lse)
 
 
 @pytest.mark.gpu
@@ -680,6 +826,27 @@ def test_varlen_d64_tile_m(tile_m, causal, ratio, seqused):
     q0, q1 = int(cu_q[1]), int(cu_q[2])
     assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
     assert torch.all(torch.isfinite(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,dv,ratio,seqused", [(128, 128, 2, True), (64, 64, 1, False), (192, 128, 8, True)],
+                         ids=["d128-gqa2-seqused", "d64-mha", "d192x128-gqa8-seqused"])
+def test_lean_mask_two_consumers_varlen(causal, d, dv, ratio, seqused):
+    """tile_m = 128 with the lean mask on a packed batch: q-empty and k-empty sequences, NaN cache
+    slots past seqused_k (masked to -inf before the max), sequences ending inside either consumer's
+    rows; bitwise the old mask's result."""
+    import torch
+
+    used = USED_K if seqused else None
+    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, d, dv, seed=d + ratio + 1)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, tile_m=128, lean_mask=True)
+    q0, q1 = int(cu_q[1]), int(cu_q[2])  # the k-empty sequence: exactly 0 / -inf
+    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
+    assert torch.all(torch.isfinite(out))
+    old_out, old_lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, tile_m=128, lean_mask=False, check=False)
+    assert torch.equal(out, old_out) and torch.equal(lse, old_lse)
 
 
 @pytest.mark.gpu
