@@ -37,7 +37,7 @@ dP of tile j runs before dQ of tile j-1, so the elementwise dS of tile j overlap
 j-1 and the DSMEM exchange has a tile to land. dQ therefore cannot live over dP^T (the 1-CTA plan);
 it shares the S/P region with P^T (blackwell_config, Bwd2CtaTmemPlan).
 
-Roles per CTA (12 warps, as in the 1-CTA kernel; setmaxnreg 240 / 96 / 128):
+Roles per CTA (12 warps, as in the 1-CTA kernel; setmaxnreg 240 / 136 / 128):
 * WG 0, elementwise (thread r = key r): as in the 1-CTA kernel (shared helpers), plus the dS split:
   its own 64 query rows -> sdS, the peer's 64 -> sXchg, one thread bulk-copies sXchg to the peer.
   All its signals to the MMA go to the even CTA's barriers (remote ``mbarrier.arrive`` from CTA 1).
@@ -46,7 +46,7 @@ Roles per CTA (12 warps, as in the 1-CTA kernel; setmaxnreg 240 / 96 / 128):
 * warp 5, load: K, V, Kt once; Q, dO, dOt, Qt per Q tile with 2-SM TMA (``cta_group::2``): each CTA
   loads its halves, the transfer completes on CTA 0's barrier (CTA 0 expects the bytes of both).
 * WG 2, dQ drain: 128 lanes x d/2 columns (lane l: query row 64c + l % 64, columns of head-dim half
-  l // 64) -> ``red.global.add.v2.f32``; deterministic: the stage-4 semaphores, one counter per dQ
+  l // 64) -> registers, dq_empty, then ``red.global.add.v2.f32``; deterministic: the stage-4 semaphores, one counter per dQ
   tile, rank per pair (``schedule`` orders over 256-key pairs; both CTAs wait for 2 x rank).
 
 Barriers (count per phase; "leader" = CTA 0, the only one whose copy is waited on):
@@ -587,6 +587,17 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             row = m_block * tm + rank * (tm // 2) + tidx % (tm // 2)
             cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), it % 2)
             tcgen05_fence_after_sync()
+            # this thread's d/2 dQ values -> registers, then the columns go back to the MMA warp at
+            # once (as in the 1-CTA kernel): the atomics and the semaphore are off its path
+            rdq = cute.make_rmem_tensor((half_d,), Float32)
+            for c in cutlass.range_constexpr(half_d // ch):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(accQ, c * ch, ch)), r)
+                for j in cutlass.range_constexpr(ch):
+                    rdq[c * ch + j] = r[j]
+            cute.arch.fence_view_async_tmem_load()
+            tcgen05_fence_before_sync()
+            self._signal_leader(self._bar(mbar, "dq_empty"), tidx, BAR_DQ)
             if const_expr(self.deterministic):
                 # one counter per dQ tile; the pair's CTAs add disjoint rows, so both go at 2 x pair rank
                 sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
@@ -594,18 +605,13 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                                              imin=cutlass.min)
                 common.semaphore_wait_at_least(sem, PAIR * self.dq_order.rank(pair, Int32(0), last), tidx)
                 cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
-            for c in cutlass.range_constexpr(half_d // ch):
-                r = cute.make_rmem_tensor(r_shape, Float32)
-                cute.copy(ld, thr_ld.partition_S(sub(accQ, c * ch, ch)), r)
-                cute.arch.fence_view_async_tmem_load()
-                if row < seqlen_q:
-                    g = mdQacc[batch, row, head, None]
-                    for j in cutlass.range_constexpr(ch // 2):
-                        common.red_add_f32x2(common.elem_pointer(g, col0 + c * ch + 2 * j), r[2 * j], r[2 * j + 1])
-            tcgen05_fence_before_sync()
-            self._signal_leader(self._bar(mbar, "dq_empty"), tidx, BAR_DQ)
+            if row < seqlen_q:
+                g = mdQacc[batch, row, head, None]
+                for j in cutlass.range_constexpr(half_d // 2):
+                    common.red_add_f32x2(common.elem_pointer(g, col0 + 2 * j), rdq[2 * j], rdq[2 * j + 1])
             if const_expr(self.deterministic):
-                common.semaphore_signal(sem, tidx)   # the barrier in _signal_leader ordered every add before it
+                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)  # every add precedes the release
+                common.semaphore_signal(sem, tidx)
 
 
 # ------------------------------------------------------------------------------------------------

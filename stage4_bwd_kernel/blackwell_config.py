@@ -47,7 +47,7 @@ SMEM (bytes; 227 KB = 232448 is the opt-in maximum per CTA on sm_100):
 Registers: 12 warps = 384 threads (launch cap 65536 / 384 = 170 -> 168); setmaxnreg gives the
 elementwise warpgroup 240 (a whole 128-value row of P stays in registers while dP^T is read in
 32-column chunks), the dQ warpgroup 160 (a whole dQ row, so it releases the TMEM columns before its
-atomics) and the MMA/load warpgroup 96: 128 x (240 + 160 + 96) = 63488. (The 2-CTA plan: 240 / 96 / 128.)
+atomics) and the MMA/load warpgroup 96: 128 x (240 + 160 + 96) = 63488. (The 2-CTA plan: 240 / 136 / 128.)
 """
 from __future__ import annotations
 
@@ -297,8 +297,10 @@ NUM_BARRIERS_2CTA_FIXED = 13   # kv_full s_full dp_full p_full dst_full ds_full 
 SUPPORTED_HEAD_DIMS_2CTA = ((64, 64), (128, 128))
 P_COLS_2CTA = 64               # P^T (16-bit) of a 128-query tile: 128 / 2 columns
 # WG 1 (MMA + load warps): ptxas keeps the SMEM descriptors of all 48 pair-MMA K-steps in registers
-# across the tile loop; at 96 registers the causal builds spilled. 128 x (240 + 96 + 128) = 59392.
+# across the tile loop; at 96 registers the causal builds spilled.
 REGS_MMA_LOAD_2CTA = 128
+# WG 2 holds its d/2 dQ values to release the TMEM columns before the atomics: 240 + 136 + 128 = 3 x 168.
+REGS_DQ_2CTA = 136
 
 
 @dataclass(frozen=True)
@@ -413,7 +415,7 @@ def blackwell_bwd_2cta_config(head_dim: int, head_dim_v: int | None, dtype, *, c
     smem = _smem_plan_2cta(tile_m, tile_n, head_dim, dv, qdo_stages)
     if smem.total > SMEM_CAPACITY:
         raise ValueError(f"SMEM does not fit: {smem.describe()}")
-    regs = BwdRegisterPlan(other=REGS_MMA_LOAD_2CTA)
+    regs = BwdRegisterPlan(dq=REGS_DQ_2CTA, other=REGS_MMA_LOAD_2CTA)
     if regs.total > REGISTERS_PER_SM:
         raise ValueError(f"registers do not fit: {regs.total} > {REGISTERS_PER_SM}")
     cfg = BlackwellBwdConfig(head_dim=head_dim, head_dim_v=dv, dtype=dt, causal=bool(causal),

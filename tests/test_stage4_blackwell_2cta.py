@@ -55,7 +55,7 @@ def test_d128_plan_per_cta():
     # MMA reads only half of its B operand from each CTA's SMEM
     one = blackwell_bwd_config(128, 128, "bf16", causal=True)
     assert s.q + s.do + s.qt + s.dot == one.smem.q + one.smem.do == 64 * KB
-    assert c.regs.total == 128 * (240 + 96 + 128) <= 65536
+    assert c.regs.total == 128 * (240 + 136 + 128) <= 65536  # = 3 x 168 x 128: the launch allocation
 
 
 @pytest.mark.cpu
@@ -189,7 +189,7 @@ def test_compiles_cta_pair_mmas(d, causal, deterministic):
     assert r["LDL/STL"] == 0 and not re.search(r"\b(STL|LDL)\b", sass)
     plan = blackwell_bwd_2cta_config(d, d, "bf16", causal=causal, deterministic=deterministic)
     assert r["smem_bytes"] == plan.smem.total <= SMEM_CAPACITY
-    assert sorted(r["ptx_setmaxnreg"]) == [("dec", "128"), ("dec", "96"), ("inc", "240")]
+    assert sorted(r["ptx_setmaxnreg"]) == [("dec", "128"), ("dec", "136"), ("inc", "240")]
 
 
 @pytest.mark.compile
