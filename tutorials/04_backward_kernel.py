@@ -493,13 +493,65 @@ else:
                 print(f"{impl}: deterministic mode at {min(det):.0%} .. {max(det):.0%} of the default speed")
 
 # %% [markdown]
-# Reading the measurement: the backward is correct (its GPU tests pass) but well behind the
-# official FA4. The roofline above says why: this stage keeps every GEMM operand in shared memory,
-# which makes it SMEM-bound, and warp specialization alone (step 2) does not change that bound.
-# Keeping `P^T` and `dS^T` in registers (`fa3_rs`) is the next rung. The deterministic mode costs
-# what the semaphores cost; for comparison the paper reports that its deterministic backward
-# reaches "up to 75% the speed of the nondeterministic backward" on B200, with the swizzling and
-# SPT order of notebook 05.
+# Reading the measurement: every step is correct (its GPU tests pass). Steps 1 and 2 keep every
+# GEMM operand in shared memory, which the roofline above says is SMEM-bound, and warp
+# specialization alone (step 2) does not change that bound. Step 3 keeps `P^T` and `dS^T` in
+# registers (`fa3_rs`) and moves the dQ reduction to a writer warp: it is the production step for
+# d = 64 / 96 / 128, still short of the official FA4. Its deterministic mode costs almost nothing,
+# because the writer serialises one TMA reduce per tile; for comparison the paper reports that its
+# deterministic backward reaches "up to 75% the speed of the nondeterministic backward" on B200,
+# with the swizzling and SPT order of notebook 05.
+#
+# ## Finding a bottleneck: step 3 was slow only when causal
+# The first step 3 issued dQ as 64 row-wise bulk reduce-adds per tile. It ran causal d = 64 at
+# 0.43x of the official FA4, *slower than step 1*, while non-causal it was ahead. Causal does half
+# the tile steps, so the first question is whether each step got more expensive or the steps were
+# badly spread over the SMs. `benchmarks/probe_bwd_walk.py` divides the kernel time by the steps per
+# SM, on grids of different sizes and with two launch orders:
+
+# %%
+results = pathlib.Path(stage0_reference.__file__).resolve().parents[1] / "benchmarks" / "results"
+probe = json.loads((results / "probe_bwd_h100_d64_8k.json").read_text())
+grids = [g for g in dict.fromkeys(r["grid"] for r in probe["results"]) if g != "one wave"]  # one wave: host-bound
+fig, ax = plt.subplots(figsize=(9, 3.4))
+for j, (order, causal) in enumerate([("default", False), ("default", True), ("kv_descending", True)]):
+    us = [next(r["us_per_step"] for r in probe["results"] if r["grid"] == g and r["order"] == order
+               and r["causal"] == causal) for g in grids]
+    bars = ax.bar(np.arange(len(grids)) + (j - 1) * 0.27, us, 0.27,
+                  label=f"{'causal' if causal else 'non-causal'}, {order} order")
+    ax.bar_label(bars, fmt="%.1f", fontsize=7)
+ax.set_xticks(range(len(grids)), [f"grid {g} (batch x heads)" if "x" in g else f"grid: {g} (4 x 32)" for g in grids])
+ax.set_ylabel("us per (K/V tile, Q tile) step, per SM")
+ax.set_title("step 3 (row-wise dQ reduces), d = 64, 8k, H100: a causal step costs ~1.75x", fontsize=9)
+ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+per_step = {(r["grid"], r["order"], r["causal"]): r["us_per_step"] for r in probe["results"]}
+assert all(per_step[(g, "default", True)] > 1.5 * per_step[(g, "default", False)] for g in grids)
+
+# %% [markdown]
+# Every grid and both orders agree: the *step* is dearer, so balance and launch order are not the
+# cause. Nsight Compute (`benchmarks/profile_bwd_once.py` under `ncu`) then showed the same L2 hit
+# rate (96%) and DRAM traffic in both modes, fewer instructions issued per cycle causal (0.27
+# against 0.40 warps per scheduler), and 32% of the causal stall samples on one barrier: the
+# consumers waiting for "dQ empty", i.e. for the writer warp. Its row-wise reduces kept up when all
+# CTAs added into the same dQ tile at once (non-causal CTAs walk the Q tiles in lockstep) and fell
+# behind when each CTA added into its own tile (causal CTAs start at their own diagonals). The fix
+# is one TMA *tensor* reduce-add per tile from a swizzled SMEM tile. Before and after, same
+# benchmark, each against the official FA4 of its own run:
+
+# %%
+def step3_ratios(name):
+    doc = json.loads((results / name).read_text())
+    tf = {(r["impl"], r["head_dim"], r["causal"]): r.get("tflops") for r in doc["results"]}
+    return {(d, c): tf[("ours:step3_rs", d, c)] / tf[("flash-attn-4 (official)", d, c)]
+            for d in (64, 128) for c in (False, True)}
+
+
+before, after = step3_ratios("bwd_h100_run2.json"), step3_ratios("bwd_h100_run3.json")
+for (d, c), r in before.items():
+    print(f"d={d:3} {'causal' if c else 'non-causal':10}  row-wise reduces {r:.2f}x  ->  tensor reduce {after[(d, c)]:.2f}x")
+assert after[(64, True)] > before[(64, True)] + 0.15  # the causal case the diagnosis was about
 
 # %% [markdown]
 # ## Exercise
