@@ -183,31 +183,18 @@ class FlashAttentionBackwardSm90Step2:
                              stream=stream, min_blocks_per_mp=1)
 
     # -------------------------------------------------------------- device side
-    @cute.kernel
-    def kernel(self, tma_Q: cute.Tensor, tma_dO: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor,
-               total_q: Int32, total_k: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
-               mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
-               mSeqUsedK: cute.Tensor, mSemaphore: cute.Tensor, num_n_blocks: Int32, qhead_per_kvhead: Int32,
-               softmax_scale_log2: Float32, softmax_scale: Float32,
-               tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
-               tma_atom_V: cute.CopyAtom,
-               tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
-               tiled_mma_dQ: cute.TiledMma,
-               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
-               gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy):
-        tm, tn, stages = self.tile_m, self.tile_n, self.num_stages
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+    # The kernel's prologue, shared with step 3 (which only adds roles after it).
+    @cute.jit
+    def tile_bounds(self, num_n_blocks: Int32, total_q: Int32, total_k: Int32, mCuSeqlensQ: cute.Tensor,
+                    mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor):
+        """This CTA's (n_block, kv head, batch) and its sequence bounds (step 1's convention: varlen
+        is a batch of one, rows from cu_seqlens)."""
         if const_expr(hasattr(self.dq_order, "tile_for_launch")):
             # an order that also swizzles heads (stage 5's SPT) maps the whole launch index
             n_block, head_kv, batch = self.dq_order.tile_for_launch()
         else:
             bx, head_kv, batch = cute.arch.block_idx()
             n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
-
-        # 0. sequence bounds (as step 1)
         bidx = batch
         offset_q = Int32(0)
         offset_k = Int32(0)
@@ -222,6 +209,56 @@ class FlashAttentionBackwardSm90Step2:
         seqlen_k = seqlen_k_rows
         if const_expr(self.has_seqused_k):
             seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
+        return n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k
+
+    def make_pipelines(self, storage):
+        """K/V (one stage) and the Q / dO rings. Producer = 1 arrival (the elected lane of warp 0
+        posts the byte count); consumers = the 8 warps of the two MMA warpgroups. Ends with the last
+        CTA-wide barrier: the inits are visible to every thread and to the TMA unit."""
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_WG_MMA * 4)
+        pipes = [pipeline.PipelineTmaAsync.create(barrier_storage=bar.data_ptr(), num_stages=n,
+                                                  producer_group=producer_group, consumer_group=consumer_group,
+                                                  tx_count=tx, defer_sync=True)
+                 for bar, n, tx in ((storage.mbar_KV, 1, self.tma_bytes_KV),
+                                    (storage.mbar_Q, self.num_stages, self.tma_bytes_Q),
+                                    (storage.mbar_dO, self.num_stages, self.tma_bytes_dO))]
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        return pipes
+
+    @cute.jit
+    def make_walk(self, n_block: Int32, head_kv: Int32, batch: Int32, bidx: Int32, offset_q: Int32,
+                  offset_k: Int32, seqlen_q: Int32, seqlen_k_rows: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32):
+        """The tuple every role unpacks: bounds + the Q tiles [m_block_min, m_block_max) this K/V tile
+        adds into (empty for a tile past seqused_k)."""
+        m_block_min, m_block_max = schedule.m_block_range(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                                          self.causal, imax=cutlass.max)
+        m_block_min = Int32(m_block_min)
+        if n_block * self.tile_n >= seqlen_k:
+            m_block_max = m_block_min
+        return (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
+                m_block_min, m_block_max, qhead_per_kvhead)
+
+    @cute.kernel
+    def kernel(self, tma_Q: cute.Tensor, tma_dO: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor,
+               total_q: Int32, total_k: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
+               mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
+               mSeqUsedK: cute.Tensor, mSemaphore: cute.Tensor, num_n_blocks: Int32, qhead_per_kvhead: Int32,
+               softmax_scale_log2: Float32, softmax_scale: Float32,
+               tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+               tma_atom_V: cute.CopyAtom,
+               tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
+               tiled_mma_dQ: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
+               gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy):
+        tn = self.tile_n
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k = self.tile_bounds(
+            num_n_blocks, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
 
         if n_block * tn < seqlen_k_rows:
             if warp_idx == 0:
@@ -231,29 +268,9 @@ class FlashAttentionBackwardSm90Step2:
                 cpasync.prefetch_descriptor(tma_atom_V)
             smem = SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            # producer = 1 arrival (elected lane of warp 0, which posts the byte count);
-            # consumers = the 8 warps of the two MMA warpgroups (lane 0 of each arrives on "empty")
-            producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_WG_MMA * 4)
-            pipe_KV = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_KV.data_ptr(), num_stages=1, producer_group=producer_group,
-                consumer_group=consumer_group, tx_count=self.tma_bytes_KV, defer_sync=True)
-            pipe_Q = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_Q.data_ptr(), num_stages=stages, producer_group=producer_group,
-                consumer_group=consumer_group, tx_count=self.tma_bytes_Q, defer_sync=True)
-            pipe_dO = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_dO.data_ptr(), num_stages=stages, producer_group=producer_group,
-                consumer_group=consumer_group, tx_count=self.tma_bytes_dO, defer_sync=True)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()  # barrier inits visible to all; the last CTA-wide barrier
-
-            m_block_min, m_block_max = schedule.m_block_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal,
-                                                              imax=cutlass.max)
-            m_block_min = Int32(m_block_min)
-            if n_block * tn >= seqlen_k:
-                m_block_max = m_block_min
-            walk = (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
-                    m_block_min, m_block_max, qhead_per_kvhead)
+            pipe_KV, pipe_Q, pipe_dO = self.make_pipelines(storage)
+            walk = self.make_walk(n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows,
+                                  seqlen_k, qhead_per_kvhead)
 
             if warp_group_idx == 0:
                 # ---------------------------------------------------------------- producer

@@ -279,31 +279,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy):
-        tm, tn, stages = self.tile_m, self.tile_n, self.num_stages
+        tn = self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-        if const_expr(hasattr(self.dq_order, "tile_for_launch")):
-            n_block, head_kv, batch = self.dq_order.tile_for_launch()
-        else:
-            bx, head_kv, batch = cute.arch.block_idx()
-            n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
-
-        # 0. sequence bounds (step 1's convention: varlen = a batch of one, rows from cu_seqlens)
-        bidx = batch
-        offset_q = Int32(0)
-        offset_k = Int32(0)
-        seqlen_q = total_q
-        seqlen_k_rows = total_k
-        if const_expr(self.varlen):
-            bidx = 0
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            offset_k = mCuSeqlensK[batch]
-            seqlen_k_rows = mCuSeqlensK[batch + 1] - offset_k
-        seqlen_k = seqlen_k_rows
-        if const_expr(self.has_seqused_k):
-            seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
+        n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k = self.tile_bounds(
+            num_n_blocks, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
 
         if n_block * tn < seqlen_k_rows:
             if warp_idx == 0:
@@ -315,29 +296,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 cpasync.prefetch_descriptor(tma_atom_dQ)
             smem = SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            # producer = 1 arrival (the elected lane of warp 0 posts the byte count);
-            # consumers = the 8 warps of the two MMA warpgroups
-            producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_WG_MMA * 4)
-            pipe_KV = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_KV.data_ptr(), num_stages=1, producer_group=producer_group,
-                consumer_group=consumer_group, tx_count=self.tma_bytes_KV, defer_sync=True)
-            pipe_Q = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_Q.data_ptr(), num_stages=stages, producer_group=producer_group,
-                consumer_group=consumer_group, tx_count=self.tma_bytes_Q, defer_sync=True)
-            pipe_dO = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_dO.data_ptr(), num_stages=stages, producer_group=producer_group,
-                consumer_group=consumer_group, tx_count=self.tma_bytes_dO, defer_sync=True)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()  # barrier inits visible to all; the last CTA-wide barrier
-
-            m_block_min, m_block_max = schedule.m_block_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal,
-                                                              imax=cutlass.max)
-            m_block_min = Int32(m_block_min)
-            if n_block * tn >= seqlen_k:
-                m_block_max = m_block_min
-            walk = (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
-                    m_block_min, m_block_max, qhead_per_kvhead)
+            pipe_KV, pipe_Q, pipe_dO = self.make_pipelines(storage)   # step 2's prologue
+            walk = self.make_walk(n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows,
+                                  seqlen_k, qhead_per_kvhead)
 
             if warp_group_idx == 0:
                 # ---------------------------------------------------------------- producer warpgroup
