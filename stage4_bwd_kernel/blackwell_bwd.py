@@ -32,7 +32,7 @@ Barriers (mbarriers; "count" = arrivals per phase):
     tmem_dealloc    WG 0 + WG 2 -> MMA warp                            256
 
 Not implemented here (see the Blackwell section of README.md): varlen / seqused_k, head dims other than 64 and 128. The 2-CTA kernel (blackwell_bwd_2cta.py)
-subclasses this one and reuses its elementwise helpers (_row_copies, _stage_stats, _exp_row,
+subclasses this one and reuses its elementwise helpers (_row_copies, _p_phase, _stage_stats, _exp_row,
 _store16, _store_dkdv) and gemm.
 """
 from __future__ import annotations
@@ -420,6 +420,30 @@ class FlashAttentionBackwardSm100:
             rP[c] = cute.math.exp2(s, fastmath=True)
 
     @cute.jit
+    def _p_phase(self, it: Int32, tidx: Int32, batch: Int32, head: Int32, m_block: Int32, n_block: Int32,
+                 seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, mbar: cute.Pointer,
+                 accS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+                 sub, ld: cute.TiledCopy, st16: cute.TiledCopy, thr_ld, thr_st, r_shape: cutlass.Constexpr,
+                 r16_shape: cutlass.Constexpr) -> cute.Tensor:
+        """The elementwise warpgroup's first half of a Q tile (both kernels): lse2 / D -> SMEM, wait for
+        S^T, P^T row (thread = key) = exp2(S^T * scale_log2 - lse2), masked -> 0, in registers (returned)
+        and as 16-bit P^T in TMEM, fenced for the MMA; the caller signals p_full its own way."""
+        tm, tn, T, ch = self.tm, self.tn, self.tmem, 32
+        self._stage_stats(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD)
+        key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
+        need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
+        cute.arch.mbarrier_wait(self._bar(mbar, "s_full"), it % 2)
+        tcgen05_fence_after_sync()
+        rP = cute.make_rmem_tensor((tm,), Float32)
+        self._exp_row(rP, accS, sub, ld, thr_ld, r_shape, Int32(tidx), key_limit, diag, need_mask,
+                      softmax_scale_log2, sLSE)
+        for c in cutlass.range_constexpr(tm // ch):
+            self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.p - T.s + c * ch // 2, ch // 2), r16_shape)
+        cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence_before_sync()
+        return rP
+
+    @cute.jit
     def _store_dkdv(self, key: Int32, n_block: Int32, batch: Int32, head_kv: Int32, n_iter: Int32, seqlen_k: Int32,
                     softmax_scale: Float32, tmem_ptr: cute.Pointer, accS: cute.Tensor, sub, ld: cute.TiledCopy,
                     thr_ld, r_shape: cutlass.Constexpr, mdK: cute.Tensor, mdV: cute.Tensor):
@@ -464,20 +488,9 @@ class FlashAttentionBackwardSm100:
         for it in cutlass.range(n_iter, unroll=1):
             head = head_kv * group + it // n_m
             m_block = m_min + it % n_m
-            # 1. lse2 / D of this Q tile -> SMEM
-            self._stage_stats(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD)
-            # 2. P^T row = exp2(S^T * scale_log2 - lse2), masked -> 0; P^T (16-bit) -> TMEM
-            key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-            need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
-            cute.arch.mbarrier_wait(self._bar(mbar, "s_full"), it % 2)
-            tcgen05_fence_after_sync()
-            rP = cute.make_rmem_tensor((tm,), Float32)
-            self._exp_row(rP, accS, sub, ld, thr_ld, r_shape, Int32(key), key_limit, diag, need_mask,
-                          softmax_scale_log2, sLSE)
-            for c in cutlass.range_constexpr(n_chunks):
-                self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.p - T.s + c * ch // 2, ch // 2), r16_shape)
-            cute.arch.fence_view_async_tmem_store()
-            tcgen05_fence_before_sync()
+            # 1.-2. lse2 / D -> SMEM; P^T row -> registers and (16-bit) -> TMEM
+            rP = self._p_phase(it, tidx, batch, head, m_block, n_block, seqlen_q, seqlen_k, softmax_scale_log2,
+                               mbar, accS, sLSE, sD, mLSE2, mD, sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape)
             cute.arch.mbarrier_arrive(self._bar(mbar, "p_full"))
             # 3. dS = P (dP - D) in 32-column chunks; dS^T -> TMEM over the dP^T chunks already read
             #    (for dK), dS -> SMEM (for dQ). S^T(it + 1) may already be running meanwhile.

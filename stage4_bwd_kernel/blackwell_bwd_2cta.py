@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import re
 
-from stage3_fwd_kernel import blackwell_fwd as _fwd  # arch selection before cutlass; compile_sm100
+from stage3_fwd_kernel import blackwell_fwd  # noqa: F401  (arch selection before cutlass)
 from stage3_fwd_kernel import common as fwd_common
 from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_bwd import BAR_DQ, BAR_TMEM_ALLOC, LOAD_WARP, MMA_WARP, FlashAttentionBackwardSm100
@@ -361,7 +361,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
              mma_dv: cute.TiledMma, mma_dk: cute.TiledMma, mma_dq: cute.TiledMma):
         # this CTA's slice of each pair MMA picks its half of every operand
         thr_s, thr_dp, thr_dv, thr_dk, thr_dq = (m.get_slice(rank) for m in (mma_s, mma_dp, mma_dv, mma_dk, mma_dq))
-        tm, tn, d, dv, m2 = self.tm, self.tn, self.d, self.dv, PAIR * self.tn
+        tm, d, dv, m2 = self.tm, self.d, self.dv, PAIR * self.tn
         one = cute.make_layout(1)
         part = lambda atom, s, g: cpasync.tma_partition(atom, 0, one, cute.group_modes(s, 0, 3),  # noqa: E731
                                                         cute.group_modes(g, 0, 3))
@@ -409,7 +409,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             sdS: cute.Tensor, tP_layout: cute.ComposedLayout, tdS_layout: cute.ComposedLayout,
             mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
             mma_dq: cute.TiledMma):
-        tm, tn, T, m2 = self.tm, self.tn, self.tmem, PAIR * self.tn
+        tm, T, m2 = self.tm, self.tmem, PAIR * self.tn
         s_, dp_, dv_, dk_, dq_ = (m.get_slice(0) for m in (mma_s, mma_dp, mma_dv, mma_dk, mma_dq))
         tK, tQ = s_.make_fragment_A(sK), s_.make_fragment_B(sQ)
         tV, tdO = dp_.make_fragment_A(sV), dp_.make_fragment_B(sdO)
@@ -511,19 +511,9 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         for it in cutlass.range(n_iter, unroll=1):
             head = head_kv * group + it // n_m
             m_block = m_min + it % n_m
-            # 1. lse2 / D -> SMEM; 2. P^T row -> registers -> 16-bit P^T in [0, 64)
-            self._stage_stats(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD)
-            key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-            need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
-            cute.arch.mbarrier_wait(self._bar(mbar, "s_full"), it % 2)
-            tcgen05_fence_after_sync()
-            rP = cute.make_rmem_tensor((tm,), Float32)
-            self._exp_row(rP, accS, sub, ld, thr_ld, r_shape, Int32(key), key_limit, diag, need_mask,
-                          softmax_scale_log2, sLSE)
-            for c in cutlass.range_constexpr(n_chunks):
-                self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.p - T.s + c * ch // 2, ch // 2), r16_shape)
-            cute.arch.fence_view_async_tmem_store()
-            tcgen05_fence_before_sync()
+            # 1. lse2 / D -> SMEM; 2. P^T row -> registers -> 16-bit P^T in [0, 64) (the 1-CTA kernel's)
+            rP = self._p_phase(it, tidx, batch, head, m_block, n_block, seqlen_q, seqlen_k, softmax_scale_log2,
+                               mbar, accS, sLSE, sD, mLSE2, mD, sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape)
             self._signal_leader(self._bar(mbar, "p_full"), tidx, BAR_EW)   # S^T(j) read: dQ(j-1) may take [64, ...)
             # 3. dS = P (dP - D); dS^T (16-bit) in place over dP^T for dK; the row kept in rdS
             cute.arch.mbarrier_wait(self._bar(mbar, "dp_full"), it % 2)
