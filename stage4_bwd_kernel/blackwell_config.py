@@ -76,6 +76,14 @@ def _dtype_name(dtype) -> str:
     return _fwd_dtype_name(dtype, "the Blackwell backward")
 
 
+def _tmem_table(rows, used: int, alloc: int, scope: str) -> str:
+    """Markdown table of TMEM column ranges: rows of (buffer, first column, width)."""
+    lines = ["| buffer | columns | width |", "|---|---|---|"]
+    lines += [f"| {n} | [{o}, {o + w}) | {w} |" for n, o, w in rows]
+    lines.append(f"| **total used / allocated{scope}** | | **{used} / {alloc}** of {TMEM_COLUMNS} |")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class BwdTmemPlan:
     s: int        # S^T (fp32, tile_n cols); P^T (16-bit) in its upper half
@@ -98,10 +106,7 @@ class BwdTmemPlan:
                 ("dV (fp32 acc)", self.dv, self.dv_cols), ("dP^T (fp32)", self.dp, self.dp_cols),
                 ("  dS^T (16-bit, over dP^T)", self.ds, self.p_cols),
                 ("  dQ (fp32, over dP^T and dS^T)", self.dq, self.dk_cols), ("dK (fp32 acc)", self.dk, self.dk_cols)]
-        lines = ["| buffer | columns | width |", "|---|---|---|"]
-        lines += [f"| {n} | [{o}, {o + w}) | {w} |" for n, o, w in rows]
-        lines.append(f"| **total used / allocated** | | **{self.used} / {self.alloc}** of {TMEM_COLUMNS} |")
-        return "\n".join(lines)
+        return _tmem_table(rows, self.used, self.alloc, "")
 
 
 @dataclass(frozen=True)
@@ -326,10 +331,7 @@ class Bwd2CtaTmemPlan:
                 ("  dQ (fp32, 64 rows as 128 lanes x d/2, over S^T)", self.dq, self.dq_cols),
                 ("dV (fp32 acc)", self.dv, self.dv_cols), ("dP^T (fp32)", self.dp, self.dp_cols),
                 ("  dS^T (16-bit, over dP^T)", self.ds, self.p_cols), ("dK (fp32 acc)", self.dk, self.dk_cols)]
-        lines = ["| buffer | columns | width |", "|---|---|---|"]
-        lines += [f"| {n} | [{o}, {o + w}) | {w} |" for n, o, w in rows]
-        lines.append(f"| **total used / allocated per CTA** | | **{self.used} / {self.alloc}** of {TMEM_COLUMNS} |")
-        return "\n".join(lines)
+        return _tmem_table(rows, self.used, self.alloc, " per CTA")
 
 
 @dataclass(frozen=True)
