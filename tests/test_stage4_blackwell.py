@@ -17,9 +17,14 @@ compiles + preprocess/postprocess for sm_100a, ~40 s on 2 cores.
 from __future__ import annotations
 
 import itertools
+import pathlib
 import re
+import sys
 
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import test_stage4_hopper as s4  # noqa: E402  (shared SASS helpers)
 
 from stage4_bwd_kernel.blackwell_config import SMEM_CAPACITY, TMEM_COLUMNS, blackwell_bwd_config
 
@@ -220,17 +225,7 @@ def test_protocol_model_timeline_shows_the_overlap():
         assert s < p1[1] and e > p1[0], name
 
 
-def _has_spin_loop(sass: str) -> bool:
-    """A label, an acquire load (LDG.E.STRONG.GPU) within a few lines, and a branch back to it."""
-    lines = sass.splitlines()
-    for i, line in enumerate(lines):
-        m = re.match(r"^\s*(\.L_x_\d+):", line)
-        if not m:
-            continue
-        body = lines[i + 1:i + 8]
-        if any("LDG.E.STRONG.GPU" in b for b in body) and any(f"BRA `({m.group(1)})" in b for b in body):
-            return True
-    return False
+_has_spin_loop = s4._has_spin_loop  # the Hopper tests' SASS check: the same semaphore code
 
 
 @pytest.mark.compile

@@ -20,9 +20,14 @@ SYNCS.ARRIVE.TRANS64.RED), the cluster barrier before exit (UCGABAR), half the d
 """
 from __future__ import annotations
 
+import pathlib
 import re
+import sys
 
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import test_stage4_hopper as s4  # noqa: E402  (shared SASS helpers)
 
 from stage4_bwd_kernel.blackwell_config import (SMEM_CAPACITY, TMEM_COLUMNS, blackwell_bwd_2cta_config,
                                                 blackwell_bwd_config)
@@ -215,17 +220,7 @@ def test_dsmem_exchange_and_cluster(d):
     assert _n(r"\bREDG\.E\.ADD\.F32x2\b", sass) == d // 4
 
 
-def _has_spin_loop(sass: str) -> bool:
-    """A label, an acquire load (LDG.E.STRONG.GPU) within a few lines, and a branch back to it."""
-    lines = sass.splitlines()
-    for i, line in enumerate(lines):
-        m = re.match(r"^\s*(\.L_x_\d+):", line)
-        if not m:
-            continue
-        body = lines[i + 1:i + 8]
-        if any("LDG.E.STRONG.GPU" in b for b in body) and any(f"BRA `({m.group(1)})" in b for b in body):
-            return True
-    return False
+_has_spin_loop = s4._has_spin_loop  # the Hopper tests' SASS check: the same semaphore code
 
 
 @pytest.mark.compile
