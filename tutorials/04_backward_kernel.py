@@ -531,7 +531,7 @@ assert all(per_step[(g, "default", True)] > 1.5 * per_step[(g, "default", False)
 
 # %% [markdown]
 # Every grid and both orders agree: the *step* is dearer, so balance and launch order are not the
-# cause. Nsight Compute (`benchmarks/profile_bwd_once.py` under `ncu`) then showed the same L2 hit
+# cause. Nsight Compute (`benchmarks/profile_once.py` under `ncu`) then showed the same L2 hit
 # rate (96%) and DRAM traffic in both modes, fewer instructions issued per cycle causal (0.27
 # against 0.40 warps per scheduler), and 32% of the causal stall samples on one barrier: the
 # consumers waiting for "dQ empty", i.e. for the writer warp. Its row-wise reduces kept up when all

@@ -1,0 +1,68 @@
+"""Run one forward or backward once on a fixed grid, ours or the official FA4's (for Nsight Compute).
+
+    ncu --section SpeedOfLight --section WarpStateStats python benchmarks/profile_once.py --pass bwd --causal
+    ncu -k regex:Sm90 ... python benchmarks/profile_once.py --pass fwd --impl official --dim 128 --seqlen 4096
+
+The first two calls (compile, warm-up) are made before the profiled one; ncu's --launch-skip can skip them.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_bwd import STEPS  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="bwd")
+    ap.add_argument("--impl", default="ours", help="'ours' or 'official'")
+    ap.add_argument("--step", default="step3_rs", help="our backward step (--pass bwd --impl ours)")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--calls", type=int, default=3, help="calls in all (the last ones are the ones to profile)")
+    args = ap.parse_args(argv)
+    if args.impl not in ("ours", "official"):
+        ap.error(f"--impl: expected 'ours' or 'official', got {args.impl!r}")
+    from stage3_fwd_kernel.hopper import attention_forward
+
+    b, s, h, d = args.batch, args.seqlen, args.heads, args.dim
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    if args.impl == "official":
+        from flash_attn.cute.interface import flash_attn_func
+
+        if args.which == "fwd":
+            def call():
+                flash_attn_func(q, k, v, causal=args.causal)
+        else:
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            o = flash_attn_func(qg, kg, vg, causal=args.causal)
+            o = o[0] if isinstance(o, tuple) else o
+
+            def call():
+                torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+    elif args.which == "fwd":
+        def call():
+            attention_forward(q, k, v, causal=args.causal)
+    else:
+        mod = importlib.import_module(STEPS[args.step])
+        out, lse = attention_forward(q, k, v, causal=args.causal)
+
+        def call():
+            mod.attention_backward(q, k, v, out, do, lse, causal=args.causal)
+    for _ in range(args.calls):
+        call()
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
