@@ -525,7 +525,7 @@ assert max(d64) < 0  # d = 64 too (run 7, the 192-row three-consumer kernel)
 #
 # Two cautions when reading the plots. First, the peers moved between runs by up to the spread
 # printed above, so compare a step with another step *of the same run* (the ratio bars do that).
-# Second, at `d = 64` the step-4 rows come from the 192-row, three-consumer kernel (run 6/7),
+# Second, at `d = 64` the step-4 rows come from the 192-row, three-consumer kernel (runs 6-8),
 # while steps 1-3 were measured with 128-row tiles in earlier runs: the gap between them there is
 # mostly the tile, not the softmax.
 #
