@@ -399,16 +399,24 @@ class FlashAttentionBackwardSm100:
         cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
 
     @cute.jit
+    def _tmem_load_row(self, dst: cute.Tensor, chunk, ld: cute.TiledCopy, thr_ld, r_shape: cutlass.Constexpr,
+                       n_chunks: cutlass.Constexpr[int]):
+        """dst[0 : 32 n_chunks] <- this thread's TMEM lane, 32 fp32 columns per load (chunk(c): the
+        TMEM view of chunk c), then the fence that makes the loaded registers readable."""
+        ch = 32
+        for c in cutlass.range_constexpr(n_chunks):
+            r = cute.make_rmem_tensor(r_shape, Float32)
+            cute.copy(ld, thr_ld.partition_S(chunk(c)), r)
+            for j in cutlass.range_constexpr(ch):
+                dst[c * ch + j] = r[j]
+        cute.arch.fence_view_async_tmem_load()
+
+    @cute.jit
     def _exp_row(self, rP: cute.Tensor, accS: cute.Tensor, sub, ld: cute.TiledCopy, thr_ld, r_shape: cutlass.Constexpr,
                  key: Int32, key_limit: Int32, diag: Int32, need_mask, softmax_scale_log2: Float32, sLSE: cute.Tensor):
         """rP = P^T row of key `key`: exp2(S^T * scale_log2 - lse2), masked -> 0 (S^T read from TMEM)."""
         tm, ch = self.tm, 32
-        for c in cutlass.range_constexpr(tm // ch):
-            r = cute.make_rmem_tensor(r_shape, Float32)
-            cute.copy(ld, thr_ld.partition_S(sub(accS, c * ch, ch)), r)
-            for j in cutlass.range_constexpr(ch):
-                rP[c * ch + j] = r[j]
-        cute.arch.fence_view_async_tmem_load()
+        self._tmem_load_row(rP, lambda c: sub(accS, c * ch, ch), ld, thr_ld, r_shape, tm // ch)
         # schedule.is_masked hoisted to one threshold column per thread (blackwell_config.mask_col_min)
         col_min = Int32(0)
         if need_mask:
@@ -555,12 +563,7 @@ class FlashAttentionBackwardSm100:
             # the whole dQ row -> registers, then hand the columns back at once: dP^T(it + 1) waits
             # on dq_empty, and the atomics (and, deterministic, the semaphore) are then off its path
             rdq = cute.make_rmem_tensor((self.d,), Float32)
-            for c in cutlass.range_constexpr(self.d // ch):
-                r = cute.make_rmem_tensor(r_shape, Float32)
-                cute.copy(ld, thr_ld.partition_S(sub(accdQ, c * ch)), r)
-                for j in cutlass.range_constexpr(ch):
-                    rdq[c * ch + j] = r[j]
-            cute.arch.fence_view_async_tmem_load()
+            self._tmem_load_row(rdq, lambda c: sub(accdQ, c * ch), ld, thr_ld, r_shape, self.d // ch)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "dq_empty"))
             if const_expr(self.deterministic):

@@ -580,12 +580,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
             # this thread's d/2 dQ values -> registers, then the columns go back to the MMA warp at
             # once (as in the 1-CTA kernel): the atomics and the semaphore are off its path
             rdq = cute.make_rmem_tensor((half_d,), Float32)
-            for c in cutlass.range_constexpr(half_d // ch):
-                r = cute.make_rmem_tensor(r_shape, Float32)
-                cute.copy(ld, thr_ld.partition_S(sub(accQ, c * ch, ch)), r)
-                for j in cutlass.range_constexpr(ch):
-                    rdq[c * ch + j] = r[j]
-            cute.arch.fence_view_async_tmem_load()
+            self._tmem_load_row(rdq, lambda c: sub(accQ, c * ch, ch), ld, thr_ld, r_shape, half_d // ch)
             tcgen05_fence_before_sync()
             self._signal_leader(self._bar(mbar, "dq_empty"), tidx, BAR_DQ)
             if const_expr(self.deterministic):
