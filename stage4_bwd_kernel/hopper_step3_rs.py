@@ -385,6 +385,24 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
 
     # -------------------------------------------------------------- consumer warpgroups
     @cute.jit
+    def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, softmax_scale_log2: Float32,
+                   key_limit: Int32, diag: Int32, q_rows_left: Int32, masked: cutlass.Constexpr[bool]):
+        """P^T = exp2(S^T * scale_log2 - lse2) in place; masked=True also sends masked scores to -inf.
+        The walk compiles both versions (its segments): with one body and the test behind a runtime
+        `if`, the compiler turned the test into selects that every tile paid (~100 FSEL / ISETP /
+        VIADD per tile and warp at d = 128)."""
+        for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+            col = tScS_rc[0, c][1]
+            lse2 = sLSE2[col]
+            for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                s = acc_S_rc[r, c]
+                if const_expr(masked):
+                    if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
+                            col >= q_rows_left):
+                        s = -Float32.inf
+                acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
+
+    @cute.jit
     def consume(self, walk, ctidx: Int32, storage, mLSE2: cute.Tensor, mD: cute.Tensor, mdK: cute.Tensor,
                 mdV: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
                 tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
@@ -413,14 +431,21 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         thr_dV = tiled_mma_dV.get_slice(ctidx)
         thr_dK = tiled_mma_dK.get_slice(ctidx)
         thr_dQ = tiled_mma_dQ.get_slice(ctidx)
-        tSrK = thr_SdP.make_fragment_A(thr_SdP.partition_A(sK))       # this warpgroup's 64 keys
-        tSrQ = thr_SdP.make_fragment_B(thr_SdP.partition_B(sQ))       # (..., stages)
-        tPrV = thr_SdP.make_fragment_A(thr_SdP.partition_A(sV))
-        tPrdO = thr_SdP.make_fragment_B(thr_SdP.partition_B(sdO))     # (..., stages)
-        tdVrdOt = thr_dV.make_fragment_B(thr_dV.partition_B(sdOt))    # (..., stages)
-        tdKrQt = thr_dK.make_fragment_B(thr_dK.partition_B(sQt))      # (..., stages)
-        tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(sdS))
-        tdQrKt = thr_dQ.make_fragment_B(thr_dQ.partition_B(sKt))
+        # Shared-memory operands become wgmma descriptors that depend only on the warpgroup: slicing
+        # by its first thread, marked warp-uniform, keeps the descriptor arithmetic in uniform
+        # registers (sliced by ctidx, every descriptor was rebuilt per thread: ~130 IMAD.MOV / IADD3 /
+        # R2UR per tile and warp at d = 128). Accumulators and copies stay sliced by ctidx.
+        wg_first = cute.arch.make_warp_uniform(ctidx // 128) * 128
+        wg_SdP, wg_dV = tiled_mma_SdP.get_slice(wg_first), tiled_mma_dV.get_slice(wg_first)
+        wg_dK, wg_dQ = tiled_mma_dK.get_slice(wg_first), tiled_mma_dQ.get_slice(wg_first)
+        tSrK = wg_SdP.make_fragment_A(wg_SdP.partition_A(sK))         # this warpgroup's 64 keys
+        tSrQ = wg_SdP.make_fragment_B(wg_SdP.partition_B(sQ))         # (..., stages)
+        tPrV = wg_SdP.make_fragment_A(wg_SdP.partition_A(sV))
+        tPrdO = wg_SdP.make_fragment_B(wg_SdP.partition_B(sdO))       # (..., stages)
+        tdVrdOt = wg_dV.make_fragment_B(wg_dV.partition_B(sdOt))      # (..., stages)
+        tdKrQt = wg_dK.make_fragment_B(wg_dK.partition_B(sQt))        # (..., stages)
+        tdQrdS = wg_dQ.make_fragment_A(wg_dQ.partition_A(sdS))
+        tdQrKt = wg_dQ.make_fragment_B(wg_dQ.partition_B(sKt))
         acc_dV = cute.make_rmem_tensor(thr_dV.partition_shape_C((tn, dv)), Float32)
         acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
         acc_dV.fill(0.0)
@@ -444,86 +469,86 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
 
         # 2. the walk: (query head of the group) x (Q tile)
         n_m = m_block_max - m_block_min
+        hot_lo, hot_hi = schedule.unmasked_m_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal, m_block_min,
+                                                   m_block_max, imin=cutlass.min, imax=cutlass.max)
+        segments = ((m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, m_block_max, True))
         for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + head_in_group
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                t = head_in_group * n_m + m_block - m_block_min
-                st = self.tile_state(t, producer=False)
-                q_rows_left = seqlen_q - m_block * tm
+            # Three segments of the same ascending walk: the Q tiles that need a mask (causal
+            # diagonal, a partial last Q tile, a partial K/V tile) run a body compiled with the
+            # per-element test, the others a body compiled without it -- no branch inside a body
+            # (a uniform `if` there made ptxas serialize every wgmma at d = 64: C7520).
+            for seg in cutlass.range_constexpr(3):
+                seg_lo, seg_hi, masked = segments[seg]
+                for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
+                    t = head_in_group * n_m + m_block - m_block_min
+                    st = self.tile_state(t, producer=False)
+                    q_rows_left = seqlen_q - m_block * tm
 
-                # 2a. S^T = K_w Q_i^T as soon as Q_i has landed, dP^T = V_w dO_i^T when dO_i has
-                acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
-                acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
-                pipe_Q.consumer_wait(st)
-                warpgroup.fence()
-                gemm_issue(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, st.index], zero_init=True)
-                pipe_dO.consumer_wait(st)
-                gemm_issue(tiled_mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, st.index], zero_init=True)
+                    # 2a. S^T = K_w Q_i^T as soon as Q_i has landed, dP^T = V_w dO_i^T when dO_i has
+                    acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+                    acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+                    pipe_Q.consumer_wait(st)
+                    warpgroup.fence()
+                    gemm_issue(tiled_mma_SdP, acc_S, tSrK, tSrQ[None, None, None, st.index], zero_init=True)
+                    pipe_dO.consumer_wait(st)
+                    gemm_issue(tiled_mma_SdP, acc_dP, tPrV, tPrdO[None, None, None, st.index], zero_init=True)
 
-                # 2b. row statistics into smem while the GEMMs run (rows past the sequence: lse2 =
-                #     +inf, D = 0). B1: the statistics are visible, and both warpgroups have finished
-                #     the previous tile (its dQ wgmma read sdSt; its P / dS read sLSE2 / sD).
-                if ctidx < tm:
-                    sLSE2[ctidx] = Float32.inf
-                    sD[ctidx] = Float32(0.0)
-                    if ctidx < q_rows_left:
-                        sLSE2[ctidx] = mLSE2[bidx, head, offset_q + m_block * tm + ctidx]
-                        sD[ctidx] = mD[bidx, head, offset_q + m_block * tm + ctidx]
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+                    # 2b. row statistics into smem while the GEMMs run (rows past the sequence: lse2 =
+                    #     +inf, D = 0). B1: the statistics are visible, and both warpgroups have finished
+                    #     the previous tile (its dQ wgmma read sdSt; its P / dS read sLSE2 / sD).
+                    if ctidx < tm:
+                        sLSE2[ctidx] = Float32.inf
+                        sD[ctidx] = Float32(0.0)
+                        if ctidx < q_rows_left:
+                            sLSE2[ctidx] = mLSE2[bidx, head, offset_q + m_block * tm + ctidx]
+                            sD[ctidx] = mD[bidx, head, offset_q + m_block * tm + ctidx]
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
 
-                # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked (keys, causal, queries past the
-                #     sequence: with TMA those rows may hold the next sequence's data)
-                warpgroup.wait_group(1)
-                acc_S_rc = acc_rowcol(acc_S)
-                key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-                needs_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal) | (q_rows_left < tm)
-                for c in cutlass.range_constexpr(num_cols):
-                    col = tScS_rc[0, c][1]
-                    lse2 = sLSE2[col]
-                    for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-                        s = acc_S_rc[r, c]
-                        if needs_mask:
-                            if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
-                                    col >= q_rows_left):
-                                s = -Float32.inf
-                        acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
-                # P^T -> 16-bit A fragment of dV (same registers order as the accumulator), dV += P^T dO
-                tdVrPt = cute.make_rmem_tensor(thr_dV.partition_shape_A((tn, tm)), self.dtype)
-                cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape)).store(acc_S.load().to(self.dtype))
-                warpgroup.fence()
-                gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt[None, None, None, st.index], zero_init=False)
+                    # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked (keys, causal, queries past the
+                    #     sequence: with TMA those rows may hold the next sequence's data)
+                    warpgroup.wait_group(1)
+                    acc_S_rc = acc_rowcol(acc_S)
+                    key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
+                    self.exp_scores(acc_S_rc, tScS_rc, sLSE2, softmax_scale_log2, key_limit, diag, q_rows_left,
+                                    masked=masked)
+                    # P^T -> 16-bit A fragment of dV (same registers order as the accumulator), dV += P^T dO
+                    tdVrPt = cute.make_rmem_tensor(thr_dV.partition_shape_A((tn, tm)), self.dtype)
+                    cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape)).store(acc_S.load().to(self.dtype))
+                    warpgroup.fence()
+                    gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt[None, None, None, st.index], zero_init=False)
 
-                # 2d. dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and dS^T -> smem for dQ
-                warpgroup.wait_group(1)  # dP^T (dV may still run)
-                acc_dP_rc = acc_rowcol(acc_dP)
-                for c in cutlass.range_constexpr(num_cols):
-                    dpsum = sD[tScS_rc[0, c][1]]
-                    for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
-                        acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
-                tdKrdSt = cute.make_rmem_tensor(thr_dK.partition_shape_A((tn, tm)), self.dtype)
-                tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
-                tdSrdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(smem_copy_dS, thr_smem_dS.retile(tdSrdS), tdSsdSt)
-                warpgroup.fence()
-                gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt[None, None, None, st.index], zero_init=False)
-                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
-                cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)  # B2
+                    # 2d. dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and dS^T -> smem for dQ
+                    warpgroup.wait_group(1)  # dP^T (dV may still run)
+                    acc_dP_rc = acc_rowcol(acc_dP)
+                    for c in cutlass.range_constexpr(num_cols):
+                        dpsum = sD[tScS_rc[0, c][1]]
+                        for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
+                            acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+                    tdKrdSt = cute.make_rmem_tensor(thr_dK.partition_shape_A((tn, tm)), self.dtype)
+                    tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
+                    tdSrdS.store(acc_dP.load().to(self.dtype))
+                    cute.copy(smem_copy_dS, thr_smem_dS.retile(tdSrdS), tdSsdSt)
+                    warpgroup.fence()
+                    gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt[None, None, None, st.index], zero_init=False)
+                    cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
+                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)  # B2
 
-                # 2e. dQ_i = dS K_j (this warpgroup's d/2 columns); then the Q/dO stage goes back
-                acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
-                warpgroup.fence()
-                gemm_issue(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
-                warpgroup.wait_group(0)
-                pipe_Q.consumer_release(st)
-                pipe_dO.consumer_release(st)
+                    # 2e. dQ_i = dS K_j (this warpgroup's d/2 columns); then the Q/dO stage goes back
+                    acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
+                    warpgroup.fence()
+                    gemm_issue(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                    warpgroup.wait_group(0)
+                    pipe_Q.consumer_release(st)
+                    pipe_dO.consumer_release(st)
 
-                # 2f. hand dQ_i to the writer warp: sdQ[buf] free (t >= 2) -> store -> proxy fence -> arrive
-                buf = t % DQ_BUFFERS
-                if t >= DQ_BUFFERS:
-                    self.dq_barrier(DQ_EMPTY_BARRIER, buf, arrive=False)
-                cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
-                cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
-                self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=True)
+                    # 2f. hand dQ_i to the writer warp: sdQ[buf] free (t >= 2) -> store -> proxy fence -> arrive
+                    buf = t % DQ_BUFFERS
+                    if t >= DQ_BUFFERS:
+                        self.dq_barrier(DQ_EMPTY_BARRIER, buf, arrive=False)
+                    cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
+                    cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
+                    self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=True)
 
         # 3. epilogue: dK *= scale; registers -> smem (over sK / sV) -> 16-byte row-guarded stores.
         #    The barrier: both warpgroups' last wgmmas (readers of sK, sV) have completed.

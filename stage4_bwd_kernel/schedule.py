@@ -53,6 +53,22 @@ def tile_needs_mask(key_limit, diag, tile_n, causal: bool):
     return needs
 
 
+def unmasked_m_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, m_block_min, m_block_max,
+                     imin=min, imax=max):
+    """[lo, hi), inside [m_block_min, m_block_max): the Q tiles of K/V tile n_block with nothing to
+    mask -- full keys, full queries, and (causal) every key visible to the tile's first query.
+    The tiles before lo and from hi on need the per-element mask; lo <= hi always. Integer
+    arithmetic only (min / max for the conditions), so DSL values trace without branches."""
+    lo = m_block_min
+    if causal:
+        # diag(m) >= tile_n - 1  <=>  m * tile_m >= tile_n - 1 + n_block * tile_n + seqlen_q - seqlen_k
+        lo = imax(lo, (imax(tile_n - 1 + n_block * tile_n + seqlen_q - seqlen_k, 0) + tile_m - 1) // tile_m)
+    keys_cut = imin(imax(tile_n - (seqlen_k - n_block * tile_n), 0), 1)  # 1: this K/V tile is partial
+    lo = imin(imax(lo, keys_cut * m_block_max), m_block_max)
+    hi = imax(m_block_max - imin(seqlen_q % tile_m, 1), lo)              # a partial last Q tile is masked
+    return lo, hi
+
+
 def is_masked(r, c, key_limit, diag, causal: bool):
     masked = r >= key_limit
     if causal:

@@ -150,6 +150,27 @@ def test_schedule_bounds_agree_with_visibility():
                         assert n <= schedule.n_block_last(m, tm, tn, sq, sk, True)
 
 
+@pytest.mark.cpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_unmasked_m_range_is_exactly_the_tiles_without_a_masked_element(causal):
+    """Step 3 compiles its tile body without the mask for [lo, hi): every tile there must be free
+    of masked elements (else wrong gradients), and every tile outside must have one (else the hot
+    loop is shorter than it could be); the segments must cover the walk in order."""
+    from stage4_bwd_kernel import schedule
+
+    for tm, tn in ((64, 128), (128, 128), (64, 64)):
+        for sq, sk in ((1, 1), (64, 128), (128, 64), (113, 203), (1000, 100), (100, 1000), (513, 513), (640, 768)):
+            for n in range(-(-sk // tn)):
+                m_min, m_max = schedule.m_block_range(n, tm, tn, sq, sk, causal)
+                lo, hi = schedule.unmasked_m_range(n, tm, tn, sq, sk, causal, m_min, m_max)
+                assert m_min <= lo <= hi <= m_max, (tm, tn, sq, sk, n, lo, hi)
+                for m in range(m_min, m_max):
+                    key_limit, diag = schedule.mask_bounds(m, n, tm, tn, sq, sk)
+                    any_masked = any(schedule.is_masked(r, c, key_limit, diag, causal) or c >= sq - m * tm
+                                     for r in range(tn) for c in range(tm))
+                    assert (lo <= m < hi) == (not any_masked), (tm, tn, sq, sk, n, m, lo, hi)
+
+
 def _cpu_tensors(torch, b=1, s=8, h=2, d=64, dtype=None):
     dtype = dtype or torch.bfloat16
     q = torch.zeros(b, s, h, d, dtype=dtype)
@@ -249,6 +270,7 @@ def test_main_kernel_compiles_sm90a(step, dtype, d, dv, causal, det, varlen, seq
     assert rep["registers"] is not None and rep["registers"] <= 255
     assert rep["smem_bytes"] is not None and rep["smem_bytes"] <= 227 * 1024
     assert "C7508" not in rep["ptxas_log"] and "C7510" not in rep["ptxas_log"], rep["ptxas_log"]
+    assert "instructions are serialized" not in rep["ptxas_log"], rep["ptxas_log"]
     tm, tn = mod.default_tiles(d, dv)
     assert rep["HGMMA"] == _expected_hgmma(d, dv, tm, tn), "not the five GEMMs on the wgmma path"
     if step == "hopper_step1":
