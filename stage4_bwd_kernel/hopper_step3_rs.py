@@ -73,9 +73,17 @@ Barriers (named, hardware ids; 0 is __syncthreads, used only before the role spl
 Q/dO/K/V: step 2's TMA producer warp and mbarrier ring, unchanged (inherited).
 
 Per tile (t) of a consumer warpgroup, wgmma groups committed in this order:
-    S^T (SS) ; dP^T (SS) ; [lse2/D -> SMEM, B1] ; wait S^T ; P^T ; dV += P^T dO (RS)
-    wait dP^T ; dS^T ; dS^T -> SMEM ; dK += dS^T Q (RS) ; [B2] ; dQ = dS K (SS) ; wait all
-    release the Q/dO stage ; [t >= 2: wait dQ empty[t%2]] ; dQ -> sdQ[t%2] ; arrive dQ full[t%2]
+    S^T (SS) ; dP^T (SS) ; [lse2/D registers -> SMEM, B1] ; lse2/D of tile t + 1 -> registers
+    wait S^T ; P^T ; dV += P^T dO (RS) ; wait dP^T ; dS^T ; dS^T -> SMEM ; [B2]
+    dQ = dS K (SS) ; dK += dS^T Q (RS) ; wait all but dK ; [t >= 2: wait dQ empty[t%2]]
+    dQ -> sdQ[t%2] ; arrive dQ full[t%2] ; wait dK ; release the Q/dO stage
+The row statistics are loaded one tile ahead (the global load of 2 x 64 floats used to sit between
+the S^T issue and B1, with all 256 consumers waiting at B1: 18% of the kernel's stall samples at
+d = 128), and dQ goes before dK so its hand-off to the writer runs under dK.
+Tiles that need no mask (most of them) run a copy of this body compiled without the mask test:
+the walk is cut into three segments, masked / mask-free / masked (``schedule.unmasked_m_range``).
+Measured on the H100 at d = 128 (stage 4 README): 0.79-0.83x of the official FA4 before these
+changes and the warp-uniform descriptors below, 0.94-1.01x after.
 
 Shared memory (bf16, tile 64 x 128, 2 Q/dO stages, 2 dQ buffers):
     K + V + 2 (Q + dO) + dS^T + 2 dQ (fp32, swizzled, no padding)
@@ -85,14 +93,22 @@ Shared memory (bf16, tile 64 x 128, 2 Q/dO stages, 2 dQ buffers):
 
 Compiled (sm_90a, bf16/fp16, causal and deterministic on/off, varlen, this ptxas): 0 spills, no
 local memory, 6 named barriers; shared memory 115712 / 164864 / 214016 bytes at d = 64 / 96 / 128;
-HGMMA per tile 24 / 28 / 32 (8 of them register-sourced); UTMAREDG 2 / 6 / 4; no fp32 REDG.
+HGMMA per tile 24 / 28 / 32 (8 of them register-sourced), in each of the three copies of the tile body;
+UTMAREDG 2 / 6 / 4; no fp32 REDG. The consumers' wgmma descriptors live in uniform registers (their
+shared-memory operands are sliced by the warpgroup's first thread, marked warp-uniform): 535 SASS
+instructions per mask-free tile and warp at d = 128, against 698 with per-thread descriptors and the
+mask test in every tile. ptxas must not serialize any wgmma (the compile tier checks its log): a
+runtime ``if`` around the mask inside the body did that at d = 64 (C7520), and so did issuing the
+next tile's S^T before this tile's dQ wait (C7514: the in-flight accumulator crosses the loop's
+back edge) -- the official kernel also drains its wgmmas inside each iteration.
 ``setmaxnreg`` 24 / 240 / 240: the three must sum to 3 x 168, the registers the CTA was launched
 with -- ``setmaxnreg.inc`` only takes what ``.dec`` released in the same CTA, so 32 / 240 / 240
 (65536 > 64512), tried for a writer-side varlen tail loop, hung on the H100.
-Tiles: 64 x 128 for every head dim (step 2's). At d = 64, ``tiles=(128, 128)`` compiled without
-spills with the row-wise writer (64 bytes spill with the swizzled dQ tile), has the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs 1536 / 1280 = 1.20) and
-passes the gpu tier, but measured no faster on the H100 (within -4..+5%, with the row-wise dQ
-writer: ``benchmarks/results/tune_bwd_h100_run1_d64_tiles.json``), so it stays an option.
+Tiles: 64 x 128 for every head dim (step 2's). At d = 64, ``tiles=(128, 128)`` has the better
+SMEM/MMA ratio (2816 / 2560 = 1.10 vs 1536 / 1280 = 1.20) and passes the gpu tier, but measured no
+faster on the H100 with the row-wise dQ writer (within -4..+5%:
+``benchmarks/results/tune_bwd_h100_run1_d64_tiles.json``), and with today's three body copies it
+spills 172 bytes and ptxas serializes its wgmmas (C7512): it stays an option, not a default.
 """
 from __future__ import annotations
 

@@ -554,6 +554,30 @@ for (d, c), r in before.items():
 assert after[(64, True)] > before[(64, True)] + 0.15  # the causal case the diagnosis was about
 
 # %% [markdown]
+# ## Reading stall samples: the next bottleneck was a barrier
+# With the writer fixed, Nsight Compute's per-instruction stall sampling (`ncu --section
+# SourceCounters`, then `ncu -i report --page source --csv --print-source sass`) put 18% of all
+# samples of the d = 128 kernel on the consumers' *first* barrier of a tile: 192 threads waiting
+# for the 64 that load the rows' `lse2` and `D` from global memory right after issuing S^T. The fix
+# costs two registers: load the *next* tile's statistics one tile ahead, so the load's latency hides
+# under a whole tile. Together with two smaller changes (warp-uniform wgmma descriptors and a
+# mask-free copy of the tile body, 698 -> 535 instructions per tile and warp; dQ issued before dK so
+# its hand-off runs under dK's wgmma), 8k, each against the official FA4 of its own run:
+
+# %%
+def step3_ratios_at(name, seqlen=8192):
+    doc = json.loads((results / name).read_text())
+    tf = {(r["impl"], r["head_dim"], r["causal"]): r.get("tflops") for r in doc["results"] if r["seqlen"] == seqlen}
+    return {(d, c): tf[("ours:step3_rs", d, c)] / tf[("flash-attn-4 (official)", d, c)]
+            for d in (64, 128) for c in (False, True)}
+
+
+before, after = step3_ratios_at("bwd_h100_run3.json"), step3_ratios_at("bwd_h100_run4.json")
+for (d, c), r in before.items():
+    print(f"d={d:3} {'causal' if c else 'non-causal':10}  run 3 {r:.2f}x  ->  run 4 {after[(d, c)]:.2f}x")
+assert all(after[k] > before[k] + 0.05 for k in before)
+
+# %% [markdown]
 # ## Exercise
 # Use the paper's 1-CTA model at head dim `d = 64` (M = N = 128): predict the MMA cycles, the four
 # shared-memory terms and their total, and whether the backward is more or less SMEM-bound than at
