@@ -4,6 +4,8 @@
     ncu -k regex:Sm90 ... python benchmarks/profile_once.py --pass fwd --impl official --dim 128 --seqlen 4096
 
 The first two calls (compile, warm-up) are made before the profiled one; ncu's --launch-skip can skip them.
+With --section SourceCounters, `ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv` then
+`python benchmarks/ncu_stalls.py rep.csv` shows where the warps wait, instruction by instruction.
 """
 from __future__ import annotations
 

@@ -45,3 +45,34 @@ def test_backward_ablations_each_cut_exactly_one_piece_of_step3(tmp_path):
         text = (tmp_path / f"{module}.py").read_text()
         ast.parse(text)
         assert f'STEP = "{step}"' in text and text != original
+
+
+def test_ncu_stalls_summarises_a_source_page_export(tmp_path, capsys):
+    """benchmarks/ncu_stalls.py on a small export of the shape `ncu --page source --csv` writes:
+    shares of stall reasons, the most-sampled instruction, and hot-loop phases that merge a run of
+    wgmmas and ignore a spin loop executed more often than any wgmma."""
+    import ncu_stalls
+
+    header = ["Address", "Source", ncu_stalls.SAMPLES, ncu_stalls.EXECUTED, "stall_barrier", "stall_long_sb",
+              "stall_barrier (Not Issued)"]
+    body = [("0x10", "HGMMA.64x64x16.F32.BF16 R0, gdesc[UR4], RZ", 10, 100, 0, 10, 99),
+            ("0x20", "HGMMA.64x64x16.F32.BF16 R0, gdesc[UR4], R0, gsb0", 10, 100, 0, 10, 99),
+            ("0x30", "BAR.SYNC.DEFER_BLOCKING 0x1, 0x100", 0, 100, 0, 0, 0),
+            ("0x40", "UMOV UR4, URZ", 60, 100, 60, 0, 0),
+            ("0x50", "WARPGROUP.DEPBAR.LE gsb0, 0x0", 20, 100, 20, 0, 0),
+            ("0x60", "SYNCS.PHASECHK.TRANS64 P0, [R4], R3", 0, 5000, 0, 0, 0)]
+    path = tmp_path / "rep_sass.csv"
+    path.write_text('"Kernel Name","k"\n' + "\n".join(",".join(f'"{x}"' for x in row) for row in [header, *body]))
+    head, rows = ncu_stalls.load(str(path))
+    shares = ncu_stalls.reason_shares(head, rows)
+    assert list(shares) == ["barrier", "long_sb"] and abs(shares["barrier"] - 0.8) < 1e-9  # Not Issued ignored
+    top = ncu_stalls.top_instructions(head, rows, 1)
+    assert top[0][1] == "0x40" and abs(top[0][0] - 0.6) < 1e-9 and top[0][3] == [("barrier", 60)]
+    phases = ncu_stalls.hot_loop_phases(rows, 0.8)
+    assert [p[2] for p in phases] == ["0x20", "0x30", "0x50"]  # the spin loop (0x60) is not hot
+    assert "wgmma x 2" in phases[0][3] and abs(phases[0][1] - 0.2) < 1e-9 and abs(phases[2][1] - 0.8) < 1e-9
+    assert ncu_stalls.main([str(path), "--top", "2"]) == 0 and "hot loop" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="Address"):
+        bad = tmp_path / "bad.csv"
+        bad.write_text("a,b\n1,2\n")
+        ncu_stalls.load(str(bad))

@@ -556,7 +556,8 @@ assert after[(64, True)] > before[(64, True)] + 0.15  # the causal case the diag
 # %% [markdown]
 # ## Reading stall samples: the next bottleneck was a barrier
 # With the writer fixed, Nsight Compute's per-instruction stall sampling (`ncu --section
-# SourceCounters`, then `ncu -i report --page source --csv --print-source sass`) put 18% of all
+# SourceCounters`, then `ncu -i report --page source --csv --print-source sass`, summarised by
+# `python benchmarks/ncu_stalls.py`) put 18% of all
 # samples of the d = 128 kernel on the consumers' *first* barrier of a tile: 192 threads waiting
 # for the 64 that load the rows' `lse2` and `D` from global memory right after issuing S^T. The fix
 # costs two registers: load the *next* tile's statistics one tile ahead, so the load's latency hides
