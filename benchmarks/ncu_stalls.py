@@ -78,19 +78,20 @@ def hot_loop_phases(rows: list[dict], hot: float) -> list[tuple[float, float, st
     # the reference count is the most-executed wgmma's: spin-wait loops execute far more often
     mma = [_int(r, EXECUTED) for r in rows if "HGMMA" in r["Source"]]
     most = max(mma) if mma else max((_int(r, EXECUTED) for r in rows), default=0)
-    out, cumulative, previous = [], 0, 0
+    marks, cumulative = [], 0  # [cumulative samples, samples since the previous mark, address, SASS, wgmmas]
     for row in rows:
         cumulative += _int(row, SAMPLES)
         source = row["Source"].strip()
-        if most and hot * most <= _int(row, EXECUTED) <= most / hot and any(m in source for m in MARKERS):
-            if "HGMMA" in source and out and "HGMMA" in out[-1][3]:
-                runs = int(out[-1][3].split(" x ")[-1].rstrip(")")) + 1 if " x " in out[-1][3] else 2
-                out[-1] = (cumulative / total, out[-1][1] + (cumulative - previous) / total, row["Address"],
-                           f"{source.split(' ')[0]} ... (wgmma x {runs})")
-            else:
-                out.append((cumulative / total, (cumulative - previous) / total, row["Address"], source))
-            previous = cumulative
-    return out
+        if not (most and hot * most <= _int(row, EXECUTED) <= most / hot and any(m in source for m in MARKERS)):
+            continue
+        since = cumulative - (marks[-1][0] if marks else 0)
+        if "HGMMA" in source and marks and marks[-1][4]:  # extend the run of wgmmas
+            marks[-1][:3] = [cumulative, marks[-1][1] + since, row["Address"]]
+            marks[-1][4] += 1
+        else:
+            marks.append([cumulative, since, row["Address"], source, int("HGMMA" in source)])
+    return [(c / total, s / total, addr, f"{sass} ... (wgmma x {n})" if n > 1 else sass)
+            for c, s, addr, sass, n in marks]
 
 
 def main(argv=None) -> int:
