@@ -55,6 +55,16 @@ the 240 that setmaxnreg grants; no spills, no local memory. The vote sits in the
 the walk instantiates three times (first block, masked blocks, hot loop): three VOTE.ANY in SASS.
 With the overlap, the O rescale a "yes" vote asks for waits until P_{i-1} V_{i-1} has landed.
 
+Two instruction-level details of the steady state. ptxas puts a `wgmma.wait_group` at the top of
+its basic block: written after the softmax, the wait for P_{i-1} V_{i-1} was hoisted above all 64
+exp2s, so each consumer first idled on its own P V and only then started its exponentials. The
+wait now sits in both arms of the rescale branch, below them (tests/test_stage3_step4.py checks
+the order in SASS): +2-3% at d = 128 on the H100 in paired, interleaved rounds
+(benchmarks/ab_fwd.py), nothing measurable at d = 64. The row max runs in 4 chains
+(softmax_policy.row_max), a 10-deep FMNMX chain instead of 31: no measurable change. Both kernels
+run at the H100's 700 W cap (~1.5 GHz, not 1.98), and the official one is faster at a *lower*
+clock, so what separates them is tensor-core cycles lost per tile, not energy.
+
 Everything else is step 3 (producer warp + two ping-pong consumer warpgroups with the
 intra-warpgroup overlap, last-block-first walk, TMA K/V ring, setmaxnreg 24/240, same tile sizes
 and shared memory), and everything it supports is still supported: fp16/bf16, head dims
@@ -74,7 +84,7 @@ tile_m = 128 uses that same mask by default since it was timed against the old p
 (lean_mask=False; benchmarks/tune_fwd.py's fifth config field): +1..+14% at d = 128 on the H100,
 non-causal and causal, 1k-16k. It compiles to the same float operations in the same order with ~2000
 fewer selects (bf16 FSEL 2126 -> 142, fp16 integer SEL ~2100 -> 0; ~480 fewer at d = 256), about
-half the SASS, and a highest register of 151 - 208 instead of 209 - 237, no spills.
+half the SASS, and a highest register of 151 - 210 instead of 209 - 237, no spills.
 """
 from __future__ import annotations
 
@@ -654,13 +664,18 @@ class FlashAttentionForwardSm90Step4:
         pipe_K.consumer_release(st)
         rescale_O = self.online_softmax(acc_S, n_block, mask, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                          tScS_rc, row_max, row_max_new, row_sum, row_scale, tScS0_rc)
-        warpgroup.wait_group(0)  # P_{i-1} V_{i-1} has landed: O and tOrP are ours again
-        pipe_V.consumer_release(st_prev)
+        # Wait for P_{i-1} V_{i-1} (then O and tOrP are ours again) in both arms of the branch, not
+        # before it: ptxas hoists a wait to the top of its basic block, and in the softmax's block
+        # it landed above every exp2, idling the warpgroup while its own P V ran (d = 128: 2-3%).
         if rescale_O:
+            warpgroup.wait_group(0)
             acc_O_rc = acc_rowcol(acc_O)
             for r in cutlass.range_constexpr(cute.size(row_scale)):
                 for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
                     acc_O_rc[r, c] = acc_O_rc[r, c] * row_scale[r]
+        else:
+            warpgroup.wait_group(0)
+        pipe_V.consumer_release(st_prev)
         self.store_P(acc_S, tOrP)
 
     @cute.jit
@@ -693,10 +708,7 @@ class FlashAttentionForwardSm90Step4:
                         acc_S_rc[r, c] = -Float32.inf if tScS0_rc[r, c][1] >= col_limit else acc_S_rc[r, c]
         # this tile's row maxima, one row pair per thread (quad-reduced)
         for r in cutlass.range_constexpr(num_rows):
-            m_tile = acc_S_rc[r, 0]
-            for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
-                m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
-            m_tile = quad_allreduce(m_tile, cute.arch.fmax)
+            m_tile = quad_allreduce(softmax_policy.row_max(acc_S_rc[r, None]), cute.arch.fmax)
             row_max_new[r] = cute.arch.fmax(row_max[r], m_tile)
         # conditional rescaling: one warp-uniform vote (16 rows) -- only when some row's max grew by
         # more than tau do the warp's rows move to their new max (l now, O by the caller)

@@ -472,6 +472,38 @@ def test_softmax_policy_in_sass(compiled, case):
     assert rep["VOTE.ANY"] == SOFTMAX_SITES, rep
 
 
+def _exps_before_pv_wait(sass: str) -> list:
+    """For each steady-state step (a wait for S, `DEPBAR.LE gsb0, 0x1`), the exponentials issued
+    before the following wait for P V (`DEPBAR.LE gsb0, 0x0`): MUFU.EX2 plus emulated ones."""
+    counts, open_count = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            open_count = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and open_count is not None:
+            counts.append(open_count)
+            open_count = None
+        elif open_count is not None and ("MUFU.EX2" in line or ".RM " in line and "FADD" in line):
+            open_count += 1
+    return counts
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+def test_pv_wait_after_exponentials(compiled, case):
+    """ptxas schedules a `wgmma.wait_group 0` at the top of its basic block; placed after the softmax
+    in the same block, it was hoisted above every exp2, so each consumer sat idle until its own
+    P_{i-1} V_{i-1} finished before starting them. The wait now sits in the arms of the rescale
+    branch, which keeps it below the exponentials (measured +2-3% at d = 128 on the H100)."""
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+
+    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+    per_thread = 2 * default_tile_n(d, dv) // 4
+    counts = _exps_before_pv_wait(compiled(case).sass)
+    assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
+    assert min(counts) >= per_thread, counts
+
+
 @pytest.mark.compile
 @pytest.mark.stage3
 def test_varlen_zeroes_tail_of_V(compiled):

@@ -1,0 +1,112 @@
+"""Paired A/B of forward kernels: interleaved rounds, each timed against the official FA4 in the same round.
+
+    python benchmarks/ab_fwd.py --impls stage3_fwd_kernel.hopper_step4_fa4_softmax,my_variant \\
+        [--dims 64,128] [--seqlens 4096,16384] [--rounds 9] [--out ab.json]
+
+Why not bench_fwd.py: it times each implementation once, one after the other, and on the H100 the
+same kernel moved by 5-10% between two such passes (clock and temperature drift, and an effect of
+the position in the sequence). Here every round times every implementation once, in a fresh
+random order, for ~40 ms each, and divides by the official kernel's time *of the same round*; the
+table reports the median of those per-round ratios and their spread (min-max), so a difference is
+real only when it is wider than the spread.
+
+An implementation is a module path with `attention_forward(q, k, v, causal=...)` returning
+(out, lse) (any ladder step, or an untracked copy at the repo root with its own STEP name), or
+`official`. Each implementation's output is checked against the official one before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import random
+import statistics
+import sys
+
+import torch
+
+from bench_fwd import flops, versions
+
+
+def make_impl(spec: str):
+    if spec == "official":
+        from flash_attn.cute.interface import flash_attn_func
+
+        def official(q, k, v, c):
+            out = flash_attn_func(q, k, v, causal=c)
+            return out[0] if isinstance(out, tuple) else out
+        return official
+    mod = importlib.import_module(spec)
+    return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c)[0]
+
+
+def time_ms(fn, target_ms: float = 40.0) -> float:
+    """Mean time of back-to-back calls between two events, enough calls for ~target_ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(); fn(); end.record(); torch.cuda.synchronize()
+    calls = max(3, int(target_ms / max(start.elapsed_time(end), 1e-3)))
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record(); torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--impls", required=True, help="comma-separated module paths (official is always added)")
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to run")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ab_fwd needs a CUDA GPU")
+        return 2
+    names = ["official"] + [s for s in args.impls.split(",") if s and s != "official"]
+    impls = {n: make_impl(n) for n in names}
+    rng = random.Random(args.seed)
+    rows = []
+    for d in (int(x) for x in args.dims.split(",")):
+        for causal in (bool(int(x)) for x in args.causal.split(",")):
+            for s in (int(x) for x in args.seqlens.split(",")):
+                b, h = 32768 // s, 2048 // d
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                ref = impls["official"](q, k, v, causal).float()
+                for n, fn in impls.items():
+                    err = (fn(q, k, v, causal).float() - ref).abs().max().item()
+                    if not err < 0.05:
+                        raise SystemExit(f"{n}: max |out - official| = {err} at d={d} s={s} causal={causal}")
+                times = {n: [] for n in names}
+                for _ in range(args.rounds):
+                    order = names[:]
+                    rng.shuffle(order)
+                    for n in order:
+                        times[n].append(time_ms(lambda: impls[n](q, k, v, causal)))
+                f = flops(b, h, s, d, d, causal)
+                for n in names:
+                    ratios = [t_off / t for t_off, t in zip(times["official"], times[n])]
+                    row = {"impl": n, "head_dim": d, "causal": causal, "seqlen": s,
+                           "ms_median": statistics.median(times[n]),
+                           "tflops_median": f / statistics.median(times[n]) / 1e9,
+                           "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                           "ratio_max": max(ratios), "ms_rounds": times[n]}
+                    rows.append(row)
+                    print(f"d={d} causal={causal!s:5} s={s:5} {n[-40:]:40} {row['tflops_median']:6.1f} TFLOP/s  "
+                          f"x{row['ratio_median']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+                del q, k, v, ref
+    if args.out:
+        doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
+               "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "command": "python " + " ".join(sys.argv),
+               "method": f"{args.rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
+                         "ratio = official time / this time, same round", "results": rows}
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
