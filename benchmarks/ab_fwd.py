@@ -56,7 +56,7 @@ def time_ms(fn, target_ms: float = 40.0) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", required=True, help="comma-separated module paths (official is always added)")
-    ap.add_argument("--dims", default="128")
+    ap.add_argument("--dims", default="128", help="head dims, d or dxdv (e.g. 128,192x128)")
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to run")
     ap.add_argument("--rounds", type=int, default=9)
@@ -70,11 +70,12 @@ def main(argv=None) -> int:
     impls = {n: make_impl(n) for n in names}
     rng = random.Random(args.seed)
     rows = []
-    for d in (int(x) for x in args.dims.split(",")):
+    for d, dv in ((int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
                 b, h = 32768 // s, 2048 // d
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+                v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
                 ref = impls["official"](q, k, v, causal).float()
                 for n, fn in impls.items():
                     err = (fn(q, k, v, causal).float() - ref).abs().max().item()
@@ -86,16 +87,16 @@ def main(argv=None) -> int:
                     rng.shuffle(order)
                     for n in order:
                         times[n].append(time_ms(lambda: impls[n](q, k, v, causal)))
-                f = flops(b, h, s, d, d, causal)
+                f = flops(b, h, s, d, dv, causal)
                 for n in names:
                     ratios = [t_off / t for t_off, t in zip(times["official"], times[n])]
-                    row = {"impl": n, "head_dim": d, "causal": causal, "seqlen": s,
+                    row = {"impl": n, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s,
                            "ms_median": statistics.median(times[n]),
                            "tflops_median": f / statistics.median(times[n]) / 1e9,
                            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                            "ratio_max": max(ratios), "ms_rounds": times[n]}
                     rows.append(row)
-                    print(f"d={d} causal={causal!s:5} s={s:5} {n[-40:]:40} {row['tflops_median']:6.1f} TFLOP/s  "
+                    print(f"d={d}/{dv} causal={causal!s:5} s={s:5} {n[-40:]:40} {row['tflops_median']:6.1f} TFLOP/s  "
                           f"x{row['ratio_median']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
                 del q, k, v, ref
     if args.out:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -43,8 +44,14 @@ VARIANTS = {  # step-4 softmax policies timed as extra rows: (label, technique)
 }
 
 
+def _by_run(path: Path):
+    """Sort key: the number after "run" (run10 after run9), then the name."""
+    m = re.search(r"run(\d+)", path.name)
+    return (int(m.group(1)) if m else -1, path.name)
+
+
 def bench_files() -> list[Path]:
-    files = sorted(RESULTS.glob("fwd_h100*.json"))
+    files = sorted(RESULTS.glob("fwd_h100*.json"), key=_by_run)
     if not files:
         raise FileNotFoundError("no benchmarks/results/fwd_h100*.json: run benchmarks/bench_fwd.py on a GPU")
     return files
@@ -140,7 +147,7 @@ def render_production() -> str:
 
 
 def _newest(pattern) -> tuple[Path, dict]:
-    files = sorted(RESULTS.glob(pattern))
+    files = sorted(RESULTS.glob(pattern), key=_by_run)
     if not files:
         raise FileNotFoundError(f"no benchmarks/results/{pattern}")
     return files[-1], json.loads(files[-1].read_text())

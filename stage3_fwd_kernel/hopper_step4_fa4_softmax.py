@@ -60,10 +60,13 @@ its basic block: written after the softmax, the wait for P_{i-1} V_{i-1} was hoi
 exp2s, so each consumer first idled on its own P V and only then started its exponentials. The
 wait now sits in both arms of the rescale branch, below them (tests/test_stage3_step4.py checks
 the order in SASS): +2-3% at d = 128 on the H100 in paired, interleaved rounds
-(benchmarks/ab_fwd.py), nothing measurable at d = 64. The row max runs in 4 chains
-(softmax_policy.row_max), a 10-deep FMNMX chain instead of 31: no measurable change. Both kernels
-run at the H100's 700 W cap (~1.5 GHz, not 1.98), and the official one is faster at a *lower*
-clock, so what separates them is tensor-core cycles lost per tile, not energy.
+(benchmarks/ab_fwd.py), nothing measurable at d = 64. Only at tile_n = 128: at d = 256 (tile_n =
+64, 32 exp2 per thread against a 64 x 256 x 64 P V) the same move measured 8% slower causal at
+16k, so that kernel keeps the wait where ptxas puts it. A row max in 4 independent FMNMX chains
+instead of one 31-deep chain was tried too and not kept: no measurable change at d = 128, 2-10%
+slower at d = 256. Both kernels run at the H100's 700 W power cap (~1.5 GHz, not 1.98), and the
+official one is faster at a *lower* clock, so what separates them is tensor-core cycles lost per
+tile, not energy.
 
 Everything else is step 3 (producer warp + two ping-pong consumer warpgroups with the
 intra-warpgroup overlap, last-block-first walk, TMA K/V ring, setmaxnreg 24/240, same tile sizes
@@ -84,7 +87,7 @@ tile_m = 128 uses that same mask by default since it was timed against the old p
 (lean_mask=False; benchmarks/tune_fwd.py's fifth config field): +1..+14% at d = 128 on the H100,
 non-causal and causal, 1k-16k. It compiles to the same float operations in the same order with ~2000
 fewer selects (bf16 FSEL 2126 -> 142, fp16 integer SEL ~2100 -> 0; ~480 fewer at d = 256), about
-half the SASS, and a highest register of 151 - 210 instead of 209 - 237, no spills.
+half the SASS, and a highest register of 151 - 208 instead of 209 - 237, no spills.
 """
 from __future__ import annotations
 
@@ -214,6 +217,7 @@ class FlashAttentionForwardSm90Step4:
         self.causal = causal
         self.tile_m = tile_m
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
+        self.pv_wait_below_softmax = self.tile_n >= 128  # see overlapped_step
         self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m)
         self.pingpong = pingpong
         self.scheduler = scheduler
@@ -664,19 +668,30 @@ class FlashAttentionForwardSm90Step4:
         pipe_K.consumer_release(st)
         rescale_O = self.online_softmax(acc_S, n_block, mask, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                          tScS_rc, row_max, row_max_new, row_sum, row_scale, tScS0_rc)
-        # Wait for P_{i-1} V_{i-1} (then O and tOrP are ours again) in both arms of the branch, not
-        # before it: ptxas hoists a wait to the top of its basic block, and in the softmax's block
-        # it landed above every exp2, idling the warpgroup while its own P V ran (d = 128: 2-3%).
-        if rescale_O:
-            warpgroup.wait_group(0)
-            acc_O_rc = acc_rowcol(acc_O)
-            for r in cutlass.range_constexpr(cute.size(row_scale)):
-                for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
-                    acc_O_rc[r, c] = acc_O_rc[r, c] * row_scale[r]
+        # Wait for P_{i-1} V_{i-1} (then O and tOrP are ours again). ptxas hoists a wait to the top
+        # of its basic block: written here, it lands above every exp2 and the warpgroup idles on its
+        # own P V first. At tile_n = 128 the wait goes into both arms of the rescale branch, below
+        # them (d <= 192: +2-3% at d = 128); at tile_n = 64 (d = 256) that measured 8% slower.
+        if const_expr(self.pv_wait_below_softmax):
+            if rescale_O:
+                warpgroup.wait_group(0)
+                self.scale_O_rows(acc_O, row_scale)
+            else:
+                warpgroup.wait_group(0)
+            pipe_V.consumer_release(st_prev)
         else:
             warpgroup.wait_group(0)
-        pipe_V.consumer_release(st_prev)
+            pipe_V.consumer_release(st_prev)
+            if rescale_O:
+                self.scale_O_rows(acc_O, row_scale)
         self.store_P(acc_S, tOrP)
+
+    @cute.jit
+    def scale_O_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
+        acc_O_rc = acc_rowcol(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                acc_O_rc[r, c] = acc_O_rc[r, c] * row_scale[r]
 
     @cute.jit
     def online_softmax(self, acc_S: cute.Tensor, n_block: Int32, mask: cutlass.Constexpr[bool], row0: Int32,
@@ -708,7 +723,10 @@ class FlashAttentionForwardSm90Step4:
                         acc_S_rc[r, c] = -Float32.inf if tScS0_rc[r, c][1] >= col_limit else acc_S_rc[r, c]
         # this tile's row maxima, one row pair per thread (quad-reduced)
         for r in cutlass.range_constexpr(num_rows):
-            m_tile = quad_allreduce(softmax_policy.row_max(acc_S_rc[r, None]), cute.arch.fmax)
+            m_tile = acc_S_rc[r, 0]
+            for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
+                m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
+            m_tile = quad_allreduce(m_tile, cute.arch.fmax)
             row_max_new[r] = cute.arch.fmax(row_max[r], m_tile)
         # conditional rescaling: one warp-uniform vote (16 rows) -- only when some row's max grew by
         # more than tau do the warp's rows move to their new max (l now, O by the caller)

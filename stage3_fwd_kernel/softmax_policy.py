@@ -34,9 +34,7 @@ loop (1.26x of MUFU alone), but in the attention kernel the FMA pipe also carrie
 scaling, the row max/sum and the O rescale, which moves the optimum lower; the paper reports
 10-25% on Blackwell.
 
-(A third helper, `row_max(row)`, is plain FlashAttention: a row fragment's max in 4 chains.)
-
-All three device functions are `@cute.jit` helpers with no layout knowledge: they take rmem tensors
+Both device functions are `@cute.jit` helpers with no layout knowledge: they take rmem tensors
 (a thread's per-row maxima; one row of its score fragment) and loop over `cute.size(...)`. A
 Hopper consumer passes 2 rows of 32 values (16 rows per warp vote); the Blackwell softmax
 warpgroups pass 1 row of 128 values (32 rows per warp vote). Importing this module imports
@@ -69,7 +67,6 @@ __all__ = [
     "emulation_pattern",
     "exp2_row",
     "rescale_vote",
-    "row_max",
 ]
 
 DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
@@ -192,26 +189,6 @@ def rescale_vote(row_max_old: cute.Tensor, row_max_new: cute.Tensor, scale_log2:
         growth = (row_max_new[r] - row_max_old[r]) * scale_log2
         need = need | (growth > Float32(threshold))
     return cute.arch.vote_any_sync(need)
-
-
-@cute.jit
-def row_max(row: cute.Tensor) -> Float32:
-    """This thread's max of one row fragment, in 4 independent chains joined by a 2-level tree.
-
-    One running max is a dependent chain of n - 1 FMNMX (31 at tile_n = 128) on the path from "S
-    landed" to the first exp2; four chains cut it to n / 4 + 1. Not a measurable speed-up on the
-    H100 (the step 4 docstring says why), kept because it is never slower and the chain is gone.
-    """
-    n = cute.size(row)
-    if cutlass.const_expr(n % 4 != 0):
-        m = row[0]
-        for c in cutlass.range_constexpr(1, n):
-            m = cute.arch.fmax(m, row[c])
-        return m
-    maxes = [row[0], row[1], row[2], row[3]]
-    for c in cutlass.range_constexpr(4, n):
-        maxes[c % 4] = cute.arch.fmax(maxes[c % 4], row[c])
-    return cute.arch.fmax(cute.arch.fmax(maxes[0], maxes[1]), cute.arch.fmax(maxes[2], maxes[3]))
 
 
 @cute.jit

@@ -487,14 +487,24 @@ def _exps_before_pv_wait(sass: str) -> list:
     return counts
 
 
+def _wide_key_tile(case) -> bool:
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+
+    return default_tile_n(case[1], case[2]) >= 128
+
+
+WIDE_TILE_CASES = [c for c in COMPILE_CASES if _wide_key_tile(c)]
+
+
 @pytest.mark.compile
 @pytest.mark.stage3
-@pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+@pytest.mark.parametrize("case", WIDE_TILE_CASES, ids=[_case_id(c) for c in WIDE_TILE_CASES])
 def test_pv_wait_after_exponentials(compiled, case):
     """ptxas schedules a `wgmma.wait_group 0` at the top of its basic block; placed after the softmax
     in the same block, it was hoisted above every exp2, so each consumer sat idle until its own
-    P_{i-1} V_{i-1} finished before starting them. The wait now sits in the arms of the rescale
-    branch, which keeps it below the exponentials (measured +2-3% at d = 128 on the H100)."""
+    P_{i-1} V_{i-1} finished before starting them. At tile_n = 128 the wait sits in the arms of the
+    rescale branch, which keeps it below the exponentials (measured +2-3% at d = 128 on the H100;
+    the d = 256 kernel, tile_n = 64, keeps ptxas' placement: moving it measured slower there)."""
     from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
