@@ -350,7 +350,11 @@ else:
 # and every ratio to the official FA4 uses the FA4 of the *same* run.
 
 # %%
-runs = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("fwd_h100*.json"))}
+def run_number(path):  # "run10" sorts after "run9"
+    return int(re.search(r"run(\d+)", path.stem).group(1))
+
+
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("fwd_h100*.json"), key=run_number)}
 for stem, doc in runs.items():
     print(f"{stem}: {doc['device']}, commit {doc['git_commit']}, flash-attn-4 {doc['versions']['flash-attn-4']}, "
           f"cuDNN {doc['versions']['cudnn']}\n    {doc['command']}")
