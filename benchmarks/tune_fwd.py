@@ -51,12 +51,13 @@ def variant_fn(d, dv, causal, tile_n, stages, tile_m=128, lean_mask=None):
     def fn(q, k, v):
         out = torch.empty(q.shape[:3] + (dv,), device=q.device, dtype=q.dtype)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device=q.device, dtype=torch.float32)
-        args = step4._cute_args(q, k, v, out, lse, d ** -0.5, q.shape[1])
+        args = step4._call_args(q, k, v, out, lse, d ** -0.5, q.shape[1])
         lean = step4._check_lean_mask(lean_mask, tile_m)  # resolved: a default shares its kernel
         comp = common.compile_cached(
             ("tune", d, dv, causal, tile_n, stages, tile_m, lean),
             lambda: (step4.FlashAttentionForwardSm90Step4(BFloat16, d, dv, causal, tile_n=tile_n,
-                                                          num_stages=stages, tile_m=tile_m, lean_mask=lean), args))
+                                                          num_stages=stages, tile_m=tile_m, lean_mask=lean),
+                     step4._fake_args(BFloat16, d, dv, (False, False, False), launchable=True)))
         comp.fn(*args)
         return out
     return fn

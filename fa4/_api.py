@@ -1,5 +1,6 @@
 """The public attention functions: FlashAttention-compatible signatures, validation first,
-then one custom op (fa4._ops) per call.
+then one custom op (fa4._ops) per call -- or, in eager mode on plain CUDA tensors, the same
+implementation without the op's dispatcher round trip (fa4._ops.eager_ok).
 
 Conventions (the project's, see DESIGN.md): tensors are (batch, seqlen, heads, head_dim);
 varlen packs them as (total_tokens, heads, head_dim) with int32 cu_seqlens; GQA/MQA when
@@ -27,7 +28,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=Fal
     fa4._dispatch.add_lse_grad for the derivation).
     """
     q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
-    out, lse = _ops.fwd(q, k, v, scale, causal, deterministic, return_lse)
+    out, lse = _ops.attention(q, k, v, scale, causal, deterministic, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -46,8 +47,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     q, k, v, cu_q, cu_k, used, scale = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                     softmax_scale, causal, deterministic, return_lse, seqused_k)
-    out, lse = _ops.varlen_fwd(q, k, v, cu_q, cu_k, used, max_seqlen_q, max_seqlen_k, scale, causal,
-                               deterministic, return_lse)
+    out, lse = _ops.varlen_attention(q, k, v, cu_q, cu_k, used, max_seqlen_q, max_seqlen_k, scale, causal,
+                                     deterministic, return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -5,19 +5,18 @@ configuration (dtype, head dims, causal, ...) is used: seconds per kernel, paid 
 new process -- every training job, every test run, every rank of a multi-GPU job.
 
 What CuTe-DSL 4.8.1 offers (researched in nvidia-cutlass-dsl 4.8.1 and the official FA4's
-cache_utils.py, which uses the TVM-FFI flavour of the same mechanism):
-  * ``compiled.dump_to_object(prefix)`` returns a relocatable ELF object holding the host launch
-    code *and* the cubin; ``compiled.export_to_c(dir, name)`` writes it plus a C header. The header
-    generator needs every kernel argument annotated, and the stage-3 kernels take an unannotated
-    stream, so fa4 calls ``dump_to_object`` (the object is all a reload needs).
-  * ``cutlass.cute.runtime.load_module(path)`` JIT-links such an object (milliseconds) and
-    ``module[prefix]`` returns a callable ``JitCompiledFunction`` with the original signature.
-So an on-disk cache is feasible with this DSL version; this module implements it.
+cache_utils.py, which uses the same mechanism): the stage kernels fa4 runs are compiled with
+TVM-FFI (``--enable-tvm-ffi``, see stage3_fwd_kernel.common.launch_stream), and such a compiled
+function's ``export_to_c(object_file_path, function_name)`` writes a relocatable ELF object holding
+the host launch code *and* the cubin; ``cutlass.cute.runtime.load_module(path, enable_tvm_ffi=True)``
+JIT-links it back (milliseconds) and ``getattr(module, function_name)`` is a callable
+``tvm_ffi.Function`` with the original signature. So an on-disk cache is feasible with this DSL
+version; this module implements it.
 
 Layout: ``$FA4_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fa4`` or ``~/.cache/fa4``) /
-``kernels-v1/<fingerprint>/<key hash>-<content hash>.o``. The fingerprint hashes everything that
-changes generated code: the kernel sources (stage 2-5 packages), the DSL version, the Python
-minor version and CUTE_DSL_ARCH; editing a kernel therefore starts a fresh directory instead of
+``kernels-v2/<fingerprint>/<key hash>-<content hash>.o``. The fingerprint hashes everything that
+changes generated code: the kernel sources (stage 2-5 packages), the DSL and TVM-FFI versions,
+the Python minor version and CUTE_DSL_ARCH; editing a kernel therefore starts a fresh directory instead of
 loading stale code. The key hash is the stage module's own in-memory cache key (step name,
 dtype, head dims, causal, ...).
 
@@ -56,7 +55,7 @@ import threading
 import warnings
 from typing import Any, Callable, Optional
 
-FORMAT = "kernels-v1"  # bump when the file layout or the object format changes
+FORMAT = "kernels-v2"  # bump when the file layout or the object format changes (v2: TVM-FFI objects)
 KERNEL_PACKAGES = ("stage2_emulated_exp", "stage3_fwd_kernel", "stage4_bwd_kernel", "stage5_scheduling")
 
 _STATS = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "store_errors": 0}
@@ -118,10 +117,21 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=None)
+def _tvm_ffi_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("apache-tvm-ffi")
+    except Exception:
+        return "unknown"
+
+
 def fingerprint(arch: Optional[str] = None) -> str:
     """16 hex digits naming one generation of compiled code (see module docstring)."""
     arch = arch or os.environ.get("CUTE_DSL_ARCH", "auto")
-    parts = [FORMAT, f"dsl={_dsl_version()}", f"py={sys.version_info[0]}.{sys.version_info[1]}",
+    parts = [FORMAT, f"dsl={_dsl_version()}", f"tvm_ffi={_tvm_ffi_version()}",
+             f"py={sys.version_info[0]}.{sys.version_info[1]}",
              f"arch={arch}", f"src={_sources_digest()}"]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
@@ -268,7 +278,7 @@ class DiskCache:
             return None
         self.write_report(khash, report)
         try:
-            data = compiled_fn.dump_to_object(self.symbol(khash))
+            data = export_object(compiled_fn, self.symbol(khash))
         except Exception as exc:
             with _LOCK:
                 _STATS["store_errors"] += 1
@@ -285,8 +295,20 @@ class DiskCache:
 _RUNTIME_PRELOADED = False
 
 
+def export_object(compiled_fn, symbol: str) -> bytes:
+    """The ELF object of a TVM-FFI compiled function, its entry point named `symbol`."""
+    with tempfile.TemporaryDirectory(prefix="fa4_export_") as tmp:
+        path = os.path.join(tmp, f"{symbol}.o")
+        compiled_fn.export_to_c(object_file_path=path, function_name=symbol)
+        with open(path, "rb") as f:
+            data = f.read()
+    if not data:
+        raise OSError("export_to_c wrote an empty object")
+    return data
+
+
 def load_object(path: pathlib.Path, symbol: str):
-    """JIT-link an object written by `dump_to_object` and return its function."""
+    """JIT-link an object written by `export_object` and return its function."""
     global _RUNTIME_PRELOADED
     import cutlass.cute as cute
 
@@ -298,8 +320,8 @@ def load_object(path: pathlib.Path, symbol: str):
             if os.path.exists(lib):
                 ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
         _RUNTIME_PRELOADED = True
-    module = cute.runtime.load_module(str(path))
-    return module[symbol]
+    module = cute.runtime.load_module(str(path), enable_tvm_ffi=True)
+    return getattr(module, symbol)
 
 
 def disk() -> Optional[DiskCache]:

@@ -18,6 +18,11 @@ would plan for the wrong strides): every output is freshly allocated and contigu
 out is (B, Sq, Hq, Dv) / (Tq, Hq, Dv) in q's dtype, lse is fp32 (B, Hq, Sq) / (Hq, Tq), dq/dk/dv
 have the shapes of q/k/v.
 
+In eager mode on plain CUDA tensors the public functions skip the op and run the same
+implementations under a plain autograd.Function (`attention` / `varlen_attention`, see
+`eager_ok` at the end): the op's dispatcher round trip cost more host time than the kernels of
+a short call.
+
 `deterministic` and `return_lse` ride along in fwd only so that the backward can see them:
 return_lse=False means the caller never saw lse, so its gradient is known to be zero and the
 backward skips the dlse correction (which would otherwise cost an extra kernel call whenever
@@ -29,6 +34,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _dispatch
 
@@ -46,9 +52,7 @@ def _last_dim_unit(t):
 # ---------------------------------------------------------------------------------------------
 # fixed-length
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("fa4::fwd", mutates_args=(), device_types="cuda")
-def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, deterministic: bool,
-        return_lse: bool) -> tuple[Tensor, Tensor]:
+def _fwd_impl(q, k, v, softmax_scale, causal, deterministic, return_lse):
     backend = _dispatch.backend_for(q.device)
     b, sq, hq, d = q.shape
     sk, dv = k.shape[1], v.shape[-1]
@@ -61,15 +65,19 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, det
     return _contig(out, lse)
 
 
+@torch.library.custom_op("fa4::fwd", mutates_args=(), device_types="cuda")
+def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, deterministic: bool,
+        return_lse: bool) -> tuple[Tensor, Tensor]:
+    return _fwd_impl(q, k, v, softmax_scale, causal, deterministic, return_lse)
+
+
 @fwd.register_fake
 def _(q, k, v, softmax_scale, causal, deterministic, return_lse):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("fa4::bwd", mutates_args=(), device_types="cuda")
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-        softmax_scale: float, causal: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_impl(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic):
     backend = _dispatch.backend_for(q.device)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
@@ -81,6 +89,12 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     dq, dk, dv = backend.backward(_last_dim_unit(dout), q, k, v, out, lse, softmax_scale, causal, deterministic,
                                   dlse=None if dlse is None else dlse.contiguous())
     return _contig(dq, dk, dv)
+
+
+@torch.library.custom_op("fa4::bwd", mutates_args=(), device_types="cuda")
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+        softmax_scale: float, causal: bool, deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _bwd_impl(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic)
 
 
 @bwd.register_fake
@@ -98,7 +112,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _fwd_backward(ctx, dout, dlse):
+def _fwd_backward(ctx, dout, dlse, bwd_fn=None):
     q, k, v, out, lse = ctx.saved_tensors
     if not ctx.return_lse:
         dlse = None
@@ -106,7 +120,7 @@ def _fwd_backward(ctx, dout, dlse):
         return None, None, None, None, None, None, None
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
+    dq, dk, dv = (bwd_fn or bwd)(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal, ctx.deterministic)
     return dq, dk, dv, None, None, None, None
 
 
@@ -116,10 +130,8 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 # ---------------------------------------------------------------------------------------------
 # varlen (packed)
 # ---------------------------------------------------------------------------------------------
-@torch.library.custom_op("fa4::varlen_fwd", mutates_args=(), device_types="cuda")
-def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-               seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-               causal: bool, deterministic: bool, return_lse: bool) -> tuple[Tensor, Tensor]:
+def _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, deterministic, return_lse):
     backend = _dispatch.backend_for(q.device)
     tq, hq, d = q.shape
     tk, dv = k.shape[0], v.shape[-1]
@@ -131,6 +143,14 @@ def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens
     return _contig(out, lse)
 
 
+@torch.library.custom_op("fa4::varlen_fwd", mutates_args=(), device_types="cuda")
+def varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+               seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+               causal: bool, deterministic: bool, return_lse: bool) -> tuple[Tensor, Tensor]:
+    return _varlen_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                            softmax_scale, causal, deterministic, return_lse)
+
+
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
       deterministic, return_lse):
@@ -138,11 +158,8 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
     return q.new_empty((tq, hq, v.shape[-1])), q.new_empty((hq, tq), dtype=torch.float32)
 
 
-@torch.library.custom_op("fa4::varlen_bwd", mutates_args=(), device_types="cuda")
-def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
-               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor], max_seqlen_q: int,
-               max_seqlen_k: int, softmax_scale: float, causal: bool,
-               deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _varlen_bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                     max_seqlen_k, softmax_scale, causal, deterministic):
     backend = _dispatch.backend_for(q.device)
     tq, hq, d = q.shape
     backend.check_head_dims(d, v.shape[-1])
@@ -154,6 +171,15 @@ def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
                                          seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
                                          dlse=None if dlse is None else dlse.contiguous())
     return _contig(dq, dk, dv)
+
+
+@torch.library.custom_op("fa4::varlen_bwd", mutates_args=(), device_types="cuda")
+def varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_k: Optional[Tensor], max_seqlen_q: int,
+               max_seqlen_k: int, softmax_scale: float, causal: bool,
+               deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _varlen_bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                            max_seqlen_k, softmax_scale, causal, deterministic)
 
 
 @varlen_bwd.register_fake
@@ -172,7 +198,7 @@ def _varlen_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _varlen_backward(ctx, dout, dlse):
+def _varlen_backward(ctx, dout, dlse, bwd_fn=None):
     q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
     nones = (None,) * 9
     if not ctx.return_lse:
@@ -181,9 +207,64 @@ def _varlen_backward(ctx, dout, dlse):
         return (None, None, None) + nones
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, seqused_k, ctx.max_q, ctx.max_k,
+    dq, dk, dv = (bwd_fn or varlen_bwd)(dout, q, k, v, out, lse, dlse, cu_q, cu_k, seqused_k, ctx.max_q, ctx.max_k,
                             ctx.softmax_scale, ctx.causal, ctx.deterministic)
     return (dq, dk, dv) + nones
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# the eager fast path
+# ---------------------------------------------------------------------------------------------
+# A custom op's round trip through the dispatcher (autograd wrapper, redispatch, the aliasing
+# check of the outputs) measured ~0.1-0.2 ms per op in eager mode on the H100 host (torch 2.11,
+# benchmarks/profile_host.py), as much as the kernels of a short call. Outside torch.compile, on
+# plain CUDA tensors and with no dispatch mode active, the same implementations run under a plain
+# autograd.Function instead; everything else (dynamo tracing, FakeTensorMode, meta tensors,
+# tensor subclasses, functorch transforms) keeps the op, which those need to see.
+def eager_ok(*tensors) -> bool:
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(t is None or (type(t) is Tensor and t.is_cuda) for t in tensors))
+
+
+class _EagerFwd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, return_lse):
+        output = _fwd_impl(q, k, v, softmax_scale, causal, deterministic, return_lse)
+        _fwd_setup_context(ctx, (q, k, v, softmax_scale, causal, deterministic, return_lse), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _fwd_backward(ctx, dout, dlse, bwd_fn=_bwd_impl)
+
+
+class _EagerVarlenFwd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _varlen_fwd_impl(*inputs)
+        _varlen_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _varlen_backward(ctx, dout, dlse, bwd_fn=_varlen_bwd_impl)
+
+
+def attention(q, k, v, softmax_scale, causal, deterministic, return_lse):
+    """fa4::fwd with autograd: the op, or its eager fast path (see eager_ok)."""
+    if eager_ok(q, k, v):
+        return _EagerFwd.apply(q, k, v, softmax_scale, causal, deterministic, return_lse)
+    return fwd(q, k, v, softmax_scale, causal, deterministic, return_lse)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                     causal, deterministic, return_lse):
+    """fa4::varlen_fwd with autograd: the op, or its eager fast path (see eager_ok)."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            deterministic, return_lse)
+    if eager_ok(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        return _EagerVarlenFwd.apply(*args)
+    return varlen_fwd(*args)

@@ -875,27 +875,26 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m, lean_mask)
 
 
-def _cute_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
+def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
                seqused_k=None, batch_map=None):
-    """The kernel's argument tuple from torch tensors (dense (B, S, H, D) or packed viewed as (1, T, H, D))."""
-    import torch
-    from cuda.bindings import driver as cuda
-
-    def i32(t):
-        return None if t is None else common.to_cute(t, assumed_align=4)
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    return (common.to_cute(q4), common.to_cute(k4), common.to_cute(v4), common.to_cute(out4),
-            common.to_cute(lse3, assumed_align=4), Float32(softmax_scale * common.LOG2_E), Float32(softmax_scale),
-            i32(cu_seqlens_q), i32(cu_seqlens_k), i32(seqused_k), i32(batch_map), Int32(max_seqlen_q), stream)
+    """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
+    (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
+    common.launch_stream)."""
+    def opt(t):
+        return None if t is None else t.detach()
+    return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), softmax_scale * common.LOG2_E,
+            softmax_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), max_seqlen_q)
 
 
-def _fake_args(dtype, d, dv, varlen_flags):
+def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False):
+    """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs."""
     varlen, has_used, has_map = varlen_flags
     i32 = common.fake_i32_vector
     return (common.fake_bshd(dtype, d), common.fake_bshd(dtype, d), common.fake_bshd(dtype, dv),
             common.fake_bshd(dtype, dv), common.fake_lse(), Float32(1.0), Float32(1.0),
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
-            i32() if has_map else None, Int32(1), cute.runtime.make_fake_stream())
+            i32() if has_map else None, Int32(1),
+            common.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
 def _check_scale(softmax_scale, head_dim):
@@ -917,9 +916,11 @@ def _check_head_dims(d, dv):
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 
 
-def _compile_and_launch(key, dt, d, dv, causal, policy, scheduler, args, tile_m, lean_mask=None):
+def _compile_and_launch(key, dt, d, dv, causal, policy, scheduler, args, tile_m, lean_mask=None,
+                        varlen_flags=(False, False, False)):
     compiled = common.compile_cached(key, lambda: (make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler,
-                                                               tile_m=tile_m, lean_mask=lean_mask), args))
+                                                               tile_m=tile_m, lean_mask=lean_mask),
+                                                   _fake_args(dt, d, dv, varlen_flags, launchable=True)))
     compiled.fn(*args)
     return compiled
 
@@ -966,7 +967,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         lse.fill_(float("-inf"))
         return out, lse
     scheduler = scheduler or common.StaticTileScheduler
-    args = _cute_args(q, k, v, out, lse, softmax_scale, sq)
+    args = _call_args(q, k, v, out, lse, softmax_scale, sq)
     _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, tile_m=tile_m, lean_mask=lean_mask),
                         dt, d, dv, causal, policy, scheduler, args, tile_m, lean_mask)
     return out, lse
@@ -1022,11 +1023,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return out, lse
     scheduler = scheduler or common.StaticTileScheduler
     # a batch of one: the dense kernel's tensor maps and (B, ...) indexing serve the packed tensors
-    args = _cute_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
+    args = _call_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                       softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map)
     flags = (True, seqused_k is not None, batch_map is not None)
     _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, flags, tile_m, lean_mask), dt, d, dv,
-                        causal, policy, scheduler, args, tile_m, lean_mask)
+                        causal, policy, scheduler, args, tile_m, lean_mask, flags)
     return out, lse
 
 

@@ -14,7 +14,7 @@ What lives here, and why it is not in the kernel files:
 * (re-exported from ``schedule.py``) the dQ reduction **orders**: a small interface
   (``n_block_for_launch``, ``rank``) so that stage 5 can plug in another order (SPT with head
   swizzling) without stage 4 importing stage 5.
-* fake tensors for compile-only runs, torch -> CuTe conversion, the host input checks.
+* fake tensors for compiles (launches pass torch tensors through TVM-FFI), the host input checks.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from stage3_fwd_kernel.common import (  # noqa: E402,F401  (re-exported for the 
     cutlass_dtype,
     format_report,
     hopper_gpu_available,
+    launch_stream,
     torch_dtype,
 )
 
@@ -152,20 +153,9 @@ def fake_tensor(dtype, rank: int, last_extent: Optional[int] = None, *, align: i
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def to_cute(t, assumed_align: int = 16):
-    """A torch CUDA tensor -> a CuTe tensor with dynamic shape and strides (last mode stride 1)."""
-    return fwd_common.to_cute(t, assumed_align=assumed_align)
-
-
 def fake_stream():
+    """The stream argument of a compile-only trace (no launch)."""
     return cute.runtime.make_fake_stream()
-
-
-def current_stream():
-    import torch
-    from cuda.bindings import driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
 def assume_aligned(t: cute.Tensor, last_extent: Optional[int] = None) -> cute.Tensor:

@@ -28,29 +28,26 @@ def compile_key(step, dtype, d, dv, causal, deterministic, varlen, has_seqused_k
             getattr(dq_order, "name", repr(dq_order)), tiles)
 
 
-def fake_main_args(dt, d, dv):
-    """Arguments a compile-only trace uses for a main kernel (same order as ``main_args``)."""
+def fake_main_args(dt, d, dv, *, launchable: bool = False):
+    """Arguments a compile traces a main kernel with (same order as ``main_args``, plus the
+    stream); launchable=True for a kernel ``main_args`` runs (TVM-FFI, see common.launch_stream)."""
     F = common.fake_tensor
     return (F(dt, 4, d), F(dt, 4, d), F(dt, 4, dv), F(dt, 4, dv),
             F(Float32, 3, align=4), F(Float32, 3, align=4), F(Float32, 4, d), F(dt, 4, d), F(dt, 4, dv),
             F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 3, align=4),
-            Int32(1), Float32(1.0), Float32(1.0), common.fake_stream())
+            Int32(1), Float32(1.0), Float32(1.0), common.launch_stream() if launchable else common.fake_stream())
 
 
 def main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, *, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k,
-              semaphores, num_n_blocks, softmax_scale, stream):
-    """The main kernel's arguments from torch tensors, in ``__call__`` order. Varlen tensors are
-    packed (T, H, D) / (H, T) and become a batch of one; the int32 tensors a launch does not read
-    are 1-element stand-ins. (Works on CPU tensors too: the compile tier traces this path.)"""
+              semaphores, num_n_blocks, softmax_scale):
+    """The main kernel's launch arguments from torch tensors, in ``__call__`` order without the
+    stream. Varlen tensors are packed (T, H, D) / (H, T) and become a batch of one; the int32
+    tensors a launch does not read are 1-element stand-ins."""
     tensors = (q, k, v, dout, lse2, dpsum, dq_accum, dk, dv)
     if varlen:
         tensors = tuple(t.unsqueeze(0) for t in tensors)
-    tq, tk, tv, tdo, tl, tdp, tacc, tdk, tdv = tensors
-    return (common.to_cute(tq), common.to_cute(tk), common.to_cute(tv), common.to_cute(tdo),
-            common.to_cute(tl, 4), common.to_cute(tdp, 4), common.to_cute(tacc), common.to_cute(tdk),
-            common.to_cute(tdv), common.to_cute(cu_seqlens_q, 4), common.to_cute(cu_seqlens_k, 4),
-            common.to_cute(seqused_k, 4), common.to_cute(semaphores, 4), Int32(num_n_blocks),
-            Float32(softmax_scale * common.LOG2_E), Float32(softmax_scale), stream)
+    return (*(t.detach() for t in tensors), cu_seqlens_q, cu_seqlens_k, seqused_k, semaphores, num_n_blocks,
+            softmax_scale * common.LOG2_E, softmax_scale)
 
 
 def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_v, causal, deterministic,
@@ -144,15 +141,13 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     else:
         semaphores = pre._dummy_int32(q.device).view(1, 1, 1)
     dummy = pre._dummy_int32(q.device)
-    args = lambda: main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, varlen=varlen,
-                             cu_seqlens_q=cu_q if varlen else dummy, cu_seqlens_k=cu_k if varlen else dummy,
-                             seqused_k=seqused_k if seqused_k is not None else dummy, semaphores=semaphores,
-                             num_n_blocks=num_n_blocks, softmax_scale=softmax_scale, stream=common.current_stream())
-
     key = ("gpu",) + compile_key(step, dt, d, d_v, causal, deterministic, varlen, seqused_k is not None,
                                  dq_order, tiles)
-    comp = common.compile_cached(key, lambda: (kernel, args()))
-    comp.fn(*args())
+    comp = common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, d_v, launchable=True)))
+    comp.fn(*main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, varlen=varlen,
+                       cu_seqlens_q=cu_q if varlen else dummy, cu_seqlens_k=cu_k if varlen else dummy,
+                       seqused_k=seqused_k if seqused_k is not None else dummy, semaphores=semaphores,
+                       num_n_blocks=num_n_blocks, softmax_scale=softmax_scale))
 
     # 3. postprocess: dq = scale * dQaccum in q's dtype
     post.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q)

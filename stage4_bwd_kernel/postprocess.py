@@ -91,10 +91,10 @@ class BackwardPostprocess:
                     cute.copy(store, rdQ[None, m, None], tAgdQ[None, m, None])
 
 
-def _fake_args(dt, head_dim):
+def _fake_args(dt, head_dim, *, launchable: bool = False):
     F = common.fake_tensor
     return (F(Float32, 4, head_dim), F(dt, 4, head_dim), F(Int32, 1, align=4), Float32(1.0), Int32(1),
-            common.fake_stream())
+            common.launch_stream() if launchable else common.fake_stream())
 
 
 def compile_only(dtype="bf16", head_dim=128, varlen=False) -> common.Compiled:
@@ -103,10 +103,10 @@ def compile_only(dtype="bf16", head_dim=128, varlen=False) -> common.Compiled:
     return common.compile_cached(key, lambda: (BackwardPostprocess(dt, head_dim, varlen), _fake_args(dt, head_dim)))
 
 
-def postprocess_args(dq_accum4, dq4, cu_seqlens_q, softmax_scale, num_m_blocks, stream):
-    """Kernel arguments from (batch-of-one views of) torch tensors, in ``__call__`` order."""
-    return (common.to_cute(dq_accum4), common.to_cute(dq4), common.to_cute(cu_seqlens_q, 4),
-            Float32(softmax_scale), Int32(num_m_blocks), stream)
+def postprocess_args(dq_accum4, dq4, cu_seqlens_q, softmax_scale, num_m_blocks):
+    """Launch arguments from (batch-of-one views of) torch tensors, in ``__call__`` order without
+    the stream (TVM-FFI, see common.launch_stream)."""
+    return (dq_accum4, dq4.detach(), cu_seqlens_q, softmax_scale, num_m_blocks)
 
 
 def postprocess(dq_accum, dq, softmax_scale: float, *, cu_seqlens_q=None, max_seqlen_q=None):
@@ -121,10 +121,9 @@ def postprocess(dq_accum, dq, softmax_scale: float, *, cu_seqlens_q=None, max_se
     dt = common.cutlass_dtype(dq.dtype)
     d = dq.shape[-1]
     num_m = common.cdiv(rows, TILE_M)
-    args = lambda: postprocess_args(acc4, dq4, cu, softmax_scale, num_m, common.current_stream())
     key = (STEP, "gpu", str(dt), d, varlen)
-    comp = common.compile_cached(key, lambda: (BackwardPostprocess(dt, d, varlen), args()))
-    comp.fn(*args())
+    comp = common.compile_cached(key, lambda: (BackwardPostprocess(dt, d, varlen), _fake_args(dt, d, launchable=True)))
+    comp.fn(*postprocess_args(acc4, dq4, cu, softmax_scale, num_m))
     return dq
 
 

@@ -144,10 +144,11 @@ class BackwardPreprocess:
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
-def _fake_args(dt, head_dim, head_dim_v):
+def _fake_args(dt, head_dim, head_dim_v, *, launchable: bool = False):
     F = common.fake_tensor
     return (F(dt, 4, head_dim_v), F(dt, 4, head_dim_v), F(Float32, 3, align=4), F(Float32, 3, align=4),
-            F(Float32, 3, align=4), F(Float32, 4, head_dim), F(Int32, 1, align=4), Int32(1), common.fake_stream())
+            F(Float32, 3, align=4), F(Float32, 4, head_dim), F(Int32, 1, align=4), Int32(1),
+            common.launch_stream() if launchable else common.fake_stream())
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, varlen=False) -> common.Compiled:
@@ -157,11 +158,10 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, varlen=False) -> c
     return common.compile_cached(key, lambda: (BackwardPreprocess(dt, head_dim, dv, varlen), _fake_args(dt, head_dim, dv)))
 
 
-def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks, stream):
-    """Kernel arguments from (batch-of-one views of) torch tensors, in ``__call__`` order."""
-    return (common.to_cute(out4), common.to_cute(dout4), common.to_cute(lse3, 4), common.to_cute(lse2_3, 4),
-            common.to_cute(dpsum3, 4), common.to_cute(dq_accum4), common.to_cute(cu_seqlens_q, 4),
-            Int32(num_m_blocks), stream)
+def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks):
+    """Launch arguments from (batch-of-one views of) torch tensors, in ``__call__`` order without
+    the stream (TVM-FFI, see common.launch_stream)."""
+    return (out4.detach(), dout4.detach(), lse3.detach(), lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks)
 
 
 def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None):
@@ -188,10 +188,10 @@ def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None
     dt = common.cutlass_dtype(out.dtype)
     d, dv = dq_accum.shape[-1], out.shape[-1]
     num_m = common.cdiv(rows, TILE_M)
-    args = lambda: preprocess_args(o4, do4, l3, l23, d3, acc4, cu, num_m, common.current_stream())
     key = (STEP, "gpu", str(dt), d, dv, varlen)
-    comp = common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen), args()))
-    comp.fn(*args())
+    comp = common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen),
+                                               _fake_args(dt, d, dv, launchable=True)))
+    comp.fn(*preprocess_args(o4, do4, l3, l23, d3, acc4, cu, num_m))
     return lse2, dpsum
 
 

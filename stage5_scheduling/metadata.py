@@ -147,19 +147,20 @@ class VarlenMetadataKernel:
 # --------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------
-def _fake_args(has_seqused_k: bool):
+def _fake_args(has_seqused_k: bool, *, launchable: bool = False):
     i32 = common.fake_i32_vector
     return (i32(), i32(), i32() if has_seqused_k else None, i32(), i32(), i32(), i32(), Int32(1),
-            cute.runtime.make_fake_stream())
+            common.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
 def compile_metadata(tile_m: int = 128, tile_n: int = 128, causal: bool = True, sort: bool = True,
-                     has_seqused_k: bool = False, args=None) -> common.Compiled:
-    """Compile the preprocessing kernel (fake tensors when ``args`` is None: no GPU needed)."""
-    mode = "fake" if args is None else "gpu"
+                     has_seqused_k: bool = False, launchable: bool = False) -> common.Compiled:
+    """Compile the preprocessing kernel for sm_90a (no GPU needed); launchable=True compiles the
+    one `varlen_metadata_device` runs (TVM-FFI: it takes the torch tensors as they are)."""
+    mode = "gpu" if launchable else "fake"
     key = ("stage5_varlen_metadata", mode, tile_m, tile_n, bool(causal), bool(sort), bool(has_seqused_k))
     kernel = VarlenMetadataKernel(tile_m, tile_n, causal, sort)
-    return common.compile_cached(key, lambda: (kernel, _fake_args(has_seqused_k) if args is None else args))
+    return common.compile_cached(key, lambda: (kernel, _fake_args(has_seqused_k, launchable=launchable)))
 
 
 def _check_inputs(cu_seqlens_q, cu_seqlens_k, seqused_k, num_heads):
@@ -203,18 +204,14 @@ def varlen_metadata_device(cu_seqlens_q, cu_seqlens_k, num_heads: int, *, tile_m
            "num_m_blocks": torch.empty(B, dtype=torch.int32, device=dev),
            "cu_tiles": torch.empty(B + 1, dtype=torch.int32, device=dev),
            "max_tile_work": torch.empty(B, dtype=torch.int32, device=dev)}
-    from cuda.bindings import driver as cuda
-
-    def c(t):
-        return common.to_cute(t.contiguous(), assumed_align=4)
     # a zero-length tensor cannot be handed over through dlpack everywhere: B = 0 is answered here
     if B == 0:
         out["cu_tiles"].zero_()
         return out
-    args = (c(cu_seqlens_q), c(cu_seqlens_k), None if seqused_k is None else c(seqused_k),
-            c(out["num_m_blocks"]), c(out["max_tile_work"]), c(out["batch_map"]), c(out["cu_tiles"]),
-            Int32(num_heads), cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    compile_metadata(tile_m, tile_n, causal, sort, seqused_k is not None, args=args).fn(*args)
+    used = None if seqused_k is None else seqused_k.contiguous()
+    compile_metadata(tile_m, tile_n, causal, sort, seqused_k is not None, launchable=True).fn(
+        cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), used, out["num_m_blocks"], out["max_tile_work"],
+        out["batch_map"], out["cu_tiles"], num_heads)
     return out
 
 

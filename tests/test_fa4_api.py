@@ -517,6 +517,27 @@ def test_fake_shapes_varlen_and_fake_tensor_mode():
         assert out.device.type == "cuda" and out.shape == (3, 50, 4, 64) and out.dtype == torch.float16
 
 
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_eager_fast_path_only_for_plain_cuda_tensors_outside_compile_and_modes():
+    """fa4._ops.eager_ok: the op is skipped only where nothing needs to see it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa4 import _ops
+
+    assert not _ops.eager_ok(meta(1, 8, 2, 64))
+    assert not _ops.eager_ok(torch.zeros(1, 8, 2, 64))  # CPU: the op raises the clear device error
+    with FakeTensorMode():
+        fake = torch.empty(1, 8, 2, 64, device="cuda")
+        assert fake.is_cuda and not _ops.eager_ok(fake)
+    if torch.cuda.is_available():
+        real = torch.zeros(1, 8, 2, 64, device="cuda")
+        assert _ops.eager_ok(real, None)
+        with FakeTensorMode():  # a dispatch mode is active: it must see the op
+            assert not _ops.eager_ok(real)
+        assert not _ops.eager_ok(torch.nn.Parameter(real))  # a subclass keeps the op
+
+
 def _op_samples():
     q, k, v = qkv_meta(b=1, sq=16, sk=24, hq=4, hkv=2, d=64)
     out, lse = meta(1, 16, 4, 64), meta(1, 4, 16, dtype=torch.float32)
@@ -743,8 +764,9 @@ class _FakeCompiled:
             raise RuntimeError("bad object")
         return self.tag
 
-    def dump_to_object(self, prefix):
-        return f"OBJ:{self.tag}:{prefix}".encode()
+    def export_to_c(self, object_file_path, function_name):
+        with open(object_file_path, "wb") as f:
+            f.write(f"OBJ:{self.tag}:{function_name}".encode())
 
 
 def _fake_owner(monkeypatch, name="stage3_fwd_kernel._fa4_test_owner"):
@@ -838,9 +860,9 @@ def test_cache_info_and_clear(cache_dir):
 @pytest.mark.compile
 @pytest.mark.fa4
 def test_disk_cache_roundtrip_real_cute_object(cache_dir):
-    """A real CuTe-DSL compile (sm_90a, fake tensors) exported with dump_to_object and reloaded
-    with cute.runtime.load_module: the mechanism the cache relies on works in DSL 4.8.1."""
-    import stage3_fwd_kernel.common  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass)
+    """A real CuTe-DSL TVM-FFI compile (sm_90a, fake tensors) exported with export_to_c and
+    reloaded with cute.runtime.load_module: the mechanism the cache relies on works in DSL 4.8.1."""
+    import stage3_fwd_kernel.common  # sets CUTE_DSL_ARCH before cutlass
     import cutlass
     import cutlass.cute as cute
 
@@ -855,17 +877,18 @@ def test_disk_cache_roundtrip_real_cute_object(cache_dir):
             y[i] = x[i] * cutlass.Float32(2.0)
 
     @cute.jit
-    def scale(x, y):
-        scale_kernel(x, y).launch(grid=((cute.size(x) + 127) // 128, 1, 1), block=(128, 1, 1))
+    def scale(x, y, stream):
+        scale_kernel(x, y).launch(grid=((cute.size(x) + 127) // 128, 1, 1), block=(128, 1, 1), stream=stream)
 
     fake = lambda: cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),))  # noqa: E731
-    compiled = cute.compile(scale, fake(), fake())
+    compiled = cute.compile(scale, fake(), fake(), stage3_fwd_kernel.common.launch_stream(),
+                            options="--enable-tvm-ffi")
     dc = _cache.DiskCache(_cache.cache_dir())
     key = ("fa4_test_scale", "gpu", "Float32")
     path = dc.store(key, compiled)
     assert path is not None and path.stat().st_size > 1000
     fn, loaded_path = dc.load(key)
-    assert loaded_path == path and callable(fn) and type(fn).__name__ == type(compiled).__name__
+    assert loaded_path == path and callable(fn) and type(fn).__name__ == "Function"  # a tvm_ffi.Function
 
 
 # ================================================================================ CLI + README
@@ -888,9 +911,9 @@ def test_cli_info(tmp_path):
 @pytest.mark.cpu
 @pytest.mark.fa4
 def test_cli_bench_passes_arguments_through():
-    res = run_cli("bench", "--out", "/tmp/fa4_bench_test.json", "--quick", timeout=120)
     if torch.cuda.is_available():
-        pytest.skip("on a GPU this would run the benchmark")
+        pytest.skip("on a GPU this would run the whole benchmark (minutes), not just parse its arguments")
+    res = run_cli("bench", "--out", "/tmp/fa4_bench_test.json", "--quick", timeout=120)
     assert res.returncode == 2 and "needs a CUDA GPU" in res.stdout
 
 

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -267,11 +269,11 @@ with FakeTensorMode():
 # used, and every new process pays again. `fa4/_cache.py` keeps kernels at two levels: in memory
 # (the stage modules' `common._CACHE`, one compile per configuration and process; shapes and
 # strides stay dynamic, so one compile serves every size) and on disk, under
-# `$FA4_CACHE_DIR/kernels-v1/<fingerprint>/<key hash>-<content hash>.o`:
+# `$FA4_CACHE_DIR/kernels-v2/<fingerprint>/<key hash>-<content hash>.o`:
 # - the **key** is the stage module's own compile key: everything that is a compile-time constant
 #   of the kernel (step, dtype, head dims, causal, softmax policy, scheduler, varlen flags);
-# - the **fingerprint** hashes the kernel sources (stages 2-5), the DSL version, the Python
-#   version and `CUTE_DSL_ARCH`: editing a kernel starts a fresh generation, never loads stale code;
+# - the **fingerprint** hashes the kernel sources (stages 2-5), the DSL and TVM-FFI versions, the
+#   Python version and `CUTE_DSL_ARCH`: editing a kernel starts a fresh generation, never loads stale code;
 # - the **content hash** is checked before loading; a corrupt entry is deleted and rebuilt.
 #
 # Only runnable compiles (`"gpu"` keys, traced with real device tensors) are persisted by the

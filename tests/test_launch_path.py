@@ -1,0 +1,192 @@
+"""The launch path of the kernels fa4 runs: TVM-FFI compiles that take torch tensors directly.
+
+Compile tier (CI, no GPU): every kernel of the Hopper forward and backward compiles the way the
+GPU path compiles it (fake tensors + ``common.launch_stream()`` + ``--enable-tvm-ffi``), is the
+same machine code as the compile-only build (same registers, no spills), and exports to an
+object the disk cache can load back. GPU tier: a launch follows torch's current stream.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = [pytest.mark.fa4]
+
+
+def _launchable_and_plain(key, make_kernel, fake_args):
+    """(launchable compile, compile-only build) of one kernel, through the shared compile cache."""
+    from stage3_fwd_kernel import common
+
+    launch = common.compile_cached(("test-launchable",) + key, lambda: (make_kernel(), fake_args(True)))
+    plain = common.compile_cached(("test-plain",) + key, lambda: (make_kernel(), fake_args(False)))
+    return launch, plain
+
+
+def _fwd(d):
+    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import hopper_step4_fa4_softmax as s4
+
+    dt = common.cutlass_dtype("bf16")
+    flags = (True, True, False)  # varlen with seqused_k: the most optional arguments present
+    return _launchable_and_plain(
+        ("fwd", d), lambda: s4.make_kernel(dt, d, d, True, policy=s4.DEFAULT_POLICY,
+                                           scheduler=common.StaticTileScheduler),
+        lambda launchable: s4._fake_args(dt, d, d, flags, launchable=launchable))
+
+
+def _bwd_main(d):
+    from stage4_bwd_kernel import common, host
+    from stage4_bwd_kernel import hopper as bwd
+
+    dt = common.cutlass_dtype("bf16")
+    step = bwd.step_for(d, True, True)
+    return _launchable_and_plain(
+        ("bwd", d), lambda: step.make_kernel(dt, d, d, True, True, varlen=False, has_seqused_k=False,
+                                             dq_order=common.default_dq_order(True, True), tiles=None),
+        lambda launchable: host.fake_main_args(dt, d, d, launchable=launchable))
+
+
+def _bwd_pre(d):
+    from stage4_bwd_kernel import common
+    from stage4_bwd_kernel import preprocess as pre
+
+    dt = common.cutlass_dtype("bf16")
+    return _launchable_and_plain(("pre", d), lambda: pre.BackwardPreprocess(dt, d, d, True),
+                                 lambda launchable: pre._fake_args(dt, d, d, launchable=launchable))
+
+
+def _bwd_post(d):
+    from stage4_bwd_kernel import common
+    from stage4_bwd_kernel import postprocess as post
+
+    dt = common.cutlass_dtype("bf16")
+    return _launchable_and_plain(("post", d), lambda: post.BackwardPostprocess(dt, d, True),
+                                 lambda launchable: post._fake_args(dt, d, launchable=launchable))
+
+
+KERNELS = {"forward": _fwd, "backward-main": _bwd_main, "backward-pre": _bwd_pre, "backward-post": _bwd_post}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_launchable_compile_is_the_compile_only_kernel(name):
+    launch, plain = KERNELS[name](64)
+    assert "TVMFFI" in type(launch.fn).__name__, type(launch.fn).__name__
+    assert "TVMFFI" not in type(plain.fn).__name__
+    # same machine code: same registers, no spills, same SASS length
+    assert launch.report["registers"] == plain.report["registers"] is not None
+    assert launch.report["spill_stores"] == 0 and launch.report["spill_loads"] == 0
+    assert launch.sass and len(launch.sass.splitlines()) == len(plain.sass.splitlines())
+
+
+@pytest.mark.compile
+def test_launchable_compile_exports_and_reloads(tmp_path):
+    from fa4 import _cache
+
+    launch, _ = _bwd_post(64)
+    data = _cache.export_object(launch.fn, "fa4_test_post")
+    assert data[:4] == b"\x7fELF"
+    path = tmp_path / "post.o"
+    path.write_bytes(data)
+    fn = _cache.load_object(path, "fa4_test_post")
+    assert callable(fn) and type(fn).__name__ == "Function"
+
+
+def _same_kinds(real, fake):
+    """Launch arguments (torch tensors, Python numbers or None; no stream) agree position by
+    position with the compiled signature (fake tensors, Float32 / Int32 or None, then the stream):
+    tensor vs scalar, element type, rank, contiguous last mode."""
+    import torch
+    from cutlass import BFloat16, Float16, Float32, Int32
+
+    elem = {torch.bfloat16: BFloat16, torch.float16: Float16, torch.float32: Float32, torch.int32: Int32}
+    assert len(real) == len(fake) - 1, (len(real), len(fake))
+    assert hasattr(fake[-1], "use_tvm_ffi_env_stream")  # the stream comes last and is not passed
+    for i, (a, f) in enumerate(zip(real, fake)):
+        if a is None or f is None:  # an absent optional tensor is absent on both sides
+            assert a is None and f is None, (i, a, f)
+        elif isinstance(a, torch.Tensor):
+            assert hasattr(f, "element_type"), (i, type(f).__name__)
+            assert elem[a.dtype] == f.element_type, (i, a.dtype, f.element_type)
+            assert a.dim() == len(f.shape), (i, a.shape, f.shape)
+            assert a.stride(-1) == 1, (i, a.stride())
+        else:
+            want = {float: Float32, int: Int32}[type(a)]
+            assert isinstance(f, want), (i, a, type(f).__name__)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_backward_launch_arguments_match_the_compiled_signature(varlen):
+    """The GPU path launches with torch tensors (host.main_args and friends) a kernel compiled
+    against fake tensors; the two lists must line up position by position. Built here from CPU
+    tensors (kinds, dtypes and ranks are what is compared)."""
+    torch = pytest.importorskip("torch")
+    from stage4_bwd_kernel import common, host, postprocess, preprocess
+
+    B, S, H, HK, D = 2, 100, 4, 2, 128
+    if varlen:
+        q = torch.zeros(S, H, D, dtype=torch.bfloat16)
+        k = torch.zeros(S + 7, HK, D, dtype=torch.bfloat16)
+        lse = torch.zeros(H, S)
+        cu_q = torch.tensor([0, 40, S], dtype=torch.int32)
+        cu_k = torch.tensor([0, 50, S + 7], dtype=torch.int32)
+        used = torch.tensor([50, 3], dtype=torch.int32)
+        sem = torch.zeros(1, dtype=torch.int32).view(1, 1, 1)
+    else:
+        q = torch.zeros(B, S, H, D, dtype=torch.bfloat16)
+        k = torch.zeros(B, S + 7, HK, D, dtype=torch.bfloat16)
+        lse = torch.zeros(B, H, S)
+        cu_q = cu_k = used = torch.zeros(1, dtype=torch.int32)
+        sem = torch.zeros(B, H, 2, dtype=torch.int32)
+    acc = torch.zeros(q.shape)
+    real = host.main_args(q, k, k.clone(), q.clone(), lse, lse.clone(), acc, k.clone(), k.clone(), varlen=varlen,
+                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, semaphores=sem, num_n_blocks=2,
+                          softmax_scale=0.1)
+    dt = common.cutlass_dtype("bf16")
+    _same_kinds(real, host.fake_main_args(dt, D, D, launchable=True))
+    up = (lambda t: t.unsqueeze(0)) if varlen else (lambda t: t)
+    _same_kinds(preprocess.preprocess_args(up(q), up(q), up(lse), up(lse), up(lse), up(acc), cu_q, 2),
+                preprocess._fake_args(dt, D, D, launchable=True))
+    _same_kinds(postprocess.postprocess_args(up(acc), up(q), cu_q, 0.1, 2), postprocess._fake_args(dt, D, launchable=True))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_forward_launch_arguments_match_the_compiled_signature(varlen):
+    torch = pytest.importorskip("torch")
+    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import hopper_step4_fa4_softmax as s4
+
+    q = torch.zeros(1 if varlen else 2, 100, 4, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(q.shape[0], 4, 100)
+    cu = torch.tensor([0, 40, 100], dtype=torch.int32) if varlen else None
+    real = s4._call_args(q, q, q, q.clone(), lse, 0.1, 100, cu, cu, cu[1:] if varlen else None)
+    _same_kinds(real, s4._fake_args(common.cutlass_dtype("bf16"), 128, 128, (varlen, varlen, False), launchable=True))
+
+
+@pytest.mark.gpu
+def test_launch_follows_torchs_current_stream():
+    """fa4 forward + backward issued on a side stream that is still busy writing q: a launch on any
+    other stream would read the NaN poison in q before the copy lands."""
+    import torch
+
+    import fa4
+    from stage0_reference.torch_reference import attention_ref
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    src = [torch.randn(2, 333, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+    dout = torch.randn(2, 333, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    fa4.flash_attn_func(*src, causal=True)  # compile outside the timed window
+    side = torch.cuda.Stream()
+    q = torch.full_like(src[0], float("nan")).requires_grad_(True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # ~30 ms of GPU time ahead of the copy
+        with torch.no_grad():
+            q.copy_(src[0])
+        out = fa4.flash_attn_func(q, src[1], src[2], causal=True)
+        out.backward(dout)
+    side.synchronize()
+    ref = attention_ref(src[0], src[1], src[2], causal=True, upcast=True)[0]
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert (out.float() - ref.float()).abs().max().item() < 0.05
