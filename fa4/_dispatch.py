@@ -415,6 +415,7 @@ def add_lse_grad(bwd, q, k, v, out, lse, dlse, dq, dk, *, varlen: bool):
 
 
 _BACKENDS: dict = {}
+_BACKEND_OF_DEVICE: dict = {}  # CUDA device index -> its Backend
 
 
 def backend_for(device) -> Backend:
@@ -425,8 +426,11 @@ def backend_for(device) -> Backend:
     if device.type != "cuda":
         raise UnsupportedDeviceError(
             f"q: fa4 runs on CUDA GPUs only, got {device.type} tensors. Supported: {supported_devices_text()}.")
-    cap = torch.cuda.get_device_capability(device)
-    arch = arch_for_capability(cap)
-    if arch.key not in _BACKENDS:
-        _BACKENDS[arch.key] = Backend(arch)
-    return _BACKENDS[arch.key]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    backend = _BACKEND_OF_DEVICE.get(index)
+    if backend is None:  # first call on this GPU: asking the driver costs ~10 us, so once per device
+        arch = arch_for_capability(torch.cuda.get_device_capability(index))
+        if arch.key not in _BACKENDS:
+            _BACKENDS[arch.key] = Backend(arch)
+        backend = _BACKEND_OF_DEVICE[index] = _BACKENDS[arch.key]
+    return backend

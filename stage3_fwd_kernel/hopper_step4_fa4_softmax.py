@@ -799,6 +799,9 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
         if not isinstance(policy, SoftmaxPolicy):
             raise TypeError(f"policy: expected a SoftmaxPolicy, got {type(policy).__name__}")
         return policy
+    if (rescale_threshold, emulation_fraction) == (DEFAULT_RESCALE_THRESHOLD, DEFAULT_EMULATION_FRACTION) and \
+            type(rescale_threshold) is type(emulation_fraction) is float:
+        return DEFAULT_POLICY  # the common call: skip re-validating the defaults (host time per call)
     return SoftmaxPolicy(rescale_threshold=rescale_threshold, emulation_fraction=emulation_fraction)
 
 
