@@ -163,7 +163,7 @@ def render_bwd() -> str:
     ratios = []
     for (impl, d, c, sl), v in sorted(t.items()):
         if impl.endswith(" deterministic") and v and t.get((impl[:-len(" deterministic")], d, c, sl)):
-            ratios.append(f"{impl[5:-len(' deterministic')]} d={d} {'causal' if c else 'full'}: "
+            ratios.append(f"{impl[5:-len(' deterministic')]} d={d} {'causal' if c else 'full'} {sl // 1024}k: "
                           f"{v / t[(impl[:-len(' deterministic')], d, c, sl)]:.2f}")
     return (f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}; TFLOP/s, in parentheses "
             f"the ratio to the official flash-attn-4 {doc['versions'].get('flash-attn-4')} of the same run)\n\n"

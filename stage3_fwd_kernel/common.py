@@ -7,8 +7,9 @@ What lives here (and why it is not in the step files):
   first). Without a GPU we compile for ``sm_90a`` (the ``a`` enables ``wgmma``/``setmaxnreg``).
 * the tile-scheduler interface (``StaticTileScheduler``): a kernel asks it for its work tile and the
   host asks it for the grid. Stage 5 supplies an LPT scheduler with the same two methods.
-* fake-tensor builders and the torch -> CuTe conversion, with one compile cache keyed by the
-  kernel's configuration (shapes and strides stay dynamic, so one compile serves every size).
+* fake-tensor builders and one compile cache keyed by the kernel's configuration (shapes and
+  strides stay dynamic, so one compile serves every size). Kernels that run are compiled against
+  fake tensors with TVM-FFI (``launch_stream``) and called with the torch tensors themselves.
 * the resource report: registers / spills / stack from ptxas, the SASS (nvdisasm) and what it holds
   (HGMMA, MUFU.EX2, local-memory traffic), and the shared memory the kernel asked for.
 * ``run_step``: the body of every step's ``run()`` -- on a Hopper GPU it checks against the stage-0
