@@ -28,9 +28,9 @@ verified entry and prunes the older ones, so a race always leaves at least one c
 truncated or edited file is detected, removed and rebuilt, never fatal. A file that passes the
 hash but fails to load or to run on its first call is also removed and the kernel recompiled.
 
-What is cached: only compiles a stage module marks as runnable (keys containing "gpu", compiled
-with real device tensors). Fake-tensor compiles (compile-only / CI, key "fake") stay in memory:
-their value is the resource report (registers, SASS), which a reloaded object does not carry.
+What is cached: only compiles a stage module marks as launchable (keys containing "gpu": TVM-FFI
+builds, the ones a launch calls). Compile-only builds (CI, key "fake") stay in memory: their
+value is the resource report (registers, SASS), which a reloaded object does not carry.
 
 Hooking in: stage modules compile through ``common.compile_cached(key, build)`` and keep the
 result in ``common._CACHE``. ``install_for(module)`` wraps that function (once) so a miss in

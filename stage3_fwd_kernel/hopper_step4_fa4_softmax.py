@@ -1037,10 +1037,12 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False, seqused_k=False,
                  batch_map=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
-                 scheduler=None, tile_m: int | None = None, lean_mask: bool | None = None) -> common.Compiled:
+                 scheduler=None, tile_m: int | None = None, lean_mask: bool | None = None,
+                 launchable: bool = False) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
-    and lean_mask as in attention_forward (None = default_tile_m / default_lean_mask)."""
+    and lean_mask as in attention_forward (None = default_tile_m / default_lean_mask).
+    launchable=True builds what attention_forward launches (TVM-FFI, the same cache key)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
@@ -1052,11 +1054,12 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     policy.check_dtype(dt)
     scheduler = scheduler or common.StaticTileScheduler
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
-    key = _key("fake", dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask)
+    key = _key("gpu" if launchable else "fake", dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m,
+               lean_mask)
     comp = common.compile_cached(key, lambda: (
         make_kernel(dt, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler, tile_m=tile_m,
                     lean_mask=lean_mask),
-        _fake_args(dt, head_dim, head_dim_v, flags)))
+        _fake_args(dt, head_dim, head_dim_v, flags, launchable=launchable)))
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones

@@ -276,9 +276,10 @@ with FakeTensorMode():
 #   Python version and `CUTE_DSL_ARCH`: editing a kernel starts a fresh generation, never loads stale code;
 # - the **content hash** is checked before loading; a corrupt entry is deleted and rebuilt.
 #
-# Only runnable compiles (`"gpu"` keys, traced with real device tensors) are persisted by the
-# hook; fake-tensor compiles stay in memory. To show the mechanism here, the cell compiles step 4
-# for `sm_90a` and stores and reloads it by hand, in a temporary `FA4_CACHE_DIR`.
+# Only launchable compiles (`"gpu"` keys: TVM-FFI builds that take torch tensors, what a launch
+# uses) are persisted by the hook; compile-only builds (kept for their resource report) stay in
+# memory. A launchable build needs no GPU either, so the cell builds step 4's for `sm_90a` and
+# stores and reloads it by hand, in a temporary `FA4_CACHE_DIR`.
 
 # %%
 from fa4 import _cache
@@ -296,7 +297,7 @@ print("key hash    :", _cache.key_hash(gpu_key), "| persisted:", _cache.persista
 print("fingerprint :", _cache.fingerprint(), f"(arch {os.environ['CUTE_DSL_ARCH']})")
 
 t0 = time.time()
-comp = step4.compile_only("bf16", 128, 128, causal=True)
+comp = step4.compile_only("bf16", 128, 128, causal=True, launchable=True)  # the compile under gpu_key
 t_compile = time.time() - t0
 store = _cache.DiskCache(_cache.cache_dir())
 path = store.store(gpu_key, comp.fn, comp.report)
