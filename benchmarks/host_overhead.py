@@ -23,6 +23,17 @@ import sys
 import time
 
 
+SHAPE = (1, 128, 4, 128)  # batch, seqlen, heads, head_dim: a few us of GPU work per call
+
+
+def tiny_problem():
+    """q, k, v (requiring grad) and an output gradient of shape SHAPE, bf16 on the GPU."""
+    import torch
+
+    q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    return q, k, v, torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16)
+
+
 def gpu_time_us(fn, replays: int = 200):
     """The GPU time of one call, without its host work: the call captured once in a CUDA graph and
     replayed back to back. None where capture fails. (A host loop of many calls can be GPU-bound
@@ -87,9 +98,8 @@ def main(argv=None) -> int:
     from flash_attn.cute.interface import flash_attn_func as official
     from stage3_fwd_kernel import hopper as stage3
 
-    b, s, h, d = 1, 128, 4, 128
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    b, s, h, d = SHAPE
+    q, k, v, g = tiny_problem()
     out, lse = torch.empty_like(g), torch.empty(b, h, s, device="cuda", dtype=torch.float32)
     classic = classic_stage3_forward()
 

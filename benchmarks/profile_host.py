@@ -2,7 +2,7 @@
 
     python benchmarks/profile_host.py [--calls 300] [--top 30]
 
-The 1 x 128 x 4 x 128 causal bf16 problem of host_overhead.py (kernel time negligible); prints the
+The 1 x 128 x 4 x 128 causal bf16 problem of host_overhead.py (its tiny_problem) (kernel time negligible); prints the
 functions with the largest cumulative time, so a change to the launch path can be aimed.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ def main(argv=None) -> int:
         print("profile_host needs a CUDA GPU")
         return 2
     import fa4
+    from host_overhead import tiny_problem
 
-    q, k, v = (torch.randn(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.randn(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v, g = tiny_problem()
 
     def fwd():
         fa4.flash_attn_func(q, k, v, causal=True)

@@ -219,38 +219,36 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 # the eager fast path
 # ---------------------------------------------------------------------------------------------
 # A custom op's round trip through the dispatcher (autograd wrapper, redispatch, the aliasing
-# check of the outputs) measured ~0.1-0.2 ms per op in eager mode on the H100 host (torch 2.11,
-# benchmarks/profile_host.py), as much as the kernels of a short call. Outside torch.compile, on
-# plain CUDA tensors and with no dispatch mode active, the same implementations run under a plain
-# autograd.Function instead; everything else (dynamo tracing, FakeTensorMode, meta tensors,
-# tensor subclasses, functorch transforms) keeps the op, which those need to see.
+# check of the outputs) was most of fa4's own host time per call in eager mode on the H100 host
+# (torch 2.11, benchmarks/profile_host.py: forward 252 us per call against 84 us for the stage-3
+# entry point it wraps). Outside torch.compile, on plain CUDA tensors and with no dispatch mode
+# active, the same implementations run under a plain autograd.Function instead; everything else
+# (dynamo tracing, FakeTensorMode, meta tensors, tensor subclasses, functorch transforms) keeps the
+# op, which those need to see.
 def eager_ok(*tensors) -> bool:
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and all(t is None or (type(t) is Tensor and t.is_cuda) for t in tensors))
 
 
-class _EagerFwd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, deterministic, return_lse):
-        output = _fwd_impl(q, k, v, softmax_scale, causal, deterministic, return_lse)
-        _fwd_setup_context(ctx, (q, k, v, softmax_scale, causal, deterministic, return_lse), output)
-        return output
+def _eager_function(impl, setup_context, backward, bwd_impl):
+    """An autograd.Function running `impl` with the op's own autograd pieces (setup_context,
+    backward), the backward calling `bwd_impl` directly instead of the backward op."""
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = impl(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _fwd_backward(ctx, dout, dlse, bwd_fn=_bwd_impl)
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            return backward(ctx, dout, dlse, bwd_fn=bwd_impl)
+
+    return Eager
 
 
-class _EagerVarlenFwd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _varlen_fwd_impl(*inputs)
-        _varlen_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        return _varlen_backward(ctx, dout, dlse, bwd_fn=_varlen_bwd_impl)
+_EagerFwd = _eager_function(_fwd_impl, _fwd_setup_context, _fwd_backward, _bwd_impl)
+_EagerVarlenFwd = _eager_function(_varlen_fwd_impl, _varlen_setup_context, _varlen_backward, _varlen_bwd_impl)
 
 
 def attention(q, k, v, softmax_scale, causal, deterministic, return_lse):

@@ -919,13 +919,13 @@ def _check_head_dims(d, dv):
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 
 
-def _compile_and_launch(key, dt, d, dv, causal, policy, scheduler, args, tile_m, lean_mask=None,
-                        varlen_flags=(False, False, False)):
-    compiled = common.compile_cached(key, lambda: (make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler,
-                                                               tile_m=tile_m, lean_mask=lean_mask),
-                                                   _fake_args(dt, d, dv, varlen_flags, launchable=True)))
-    compiled.fn(*args)
-    return compiled
+def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask):
+    """The one place a step-4 kernel is compiled (against fake tensors): launchable=True builds
+    what attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
+    key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask)
+    return common.compile_cached(key, lambda: (
+        make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, lean_mask=lean_mask),
+        _fake_args(dt, d, dv, varlen_flags, launchable=launchable)))
 
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
@@ -971,8 +971,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         return out, lse
     scheduler = scheduler or common.StaticTileScheduler
     args = _call_args(q, k, v, out, lse, softmax_scale, sq)
-    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, tile_m=tile_m, lean_mask=lean_mask),
-                        dt, d, dv, causal, policy, scheduler, args, tile_m, lean_mask)
+    _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, lean_mask).fn(*args)
     return out, lse
 
 
@@ -1029,8 +1028,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     args = _call_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                       softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map)
     flags = (True, seqused_k is not None, batch_map is not None)
-    _compile_and_launch(_key("gpu", dt, d, dv, causal, policy, scheduler, flags, tile_m, lean_mask), dt, d, dv,
-                        causal, policy, scheduler, args, tile_m, lean_mask, flags)
+    _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m, lean_mask).fn(*args)
     return out, lse
 
 
@@ -1054,12 +1052,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     policy.check_dtype(dt)
     scheduler = scheduler or common.StaticTileScheduler
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
-    key = _key("gpu" if launchable else "fake", dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m,
-               lean_mask)
-    comp = common.compile_cached(key, lambda: (
-        make_kernel(dt, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler, tile_m=tile_m,
-                    lean_mask=lean_mask),
-        _fake_args(dt, head_dim, head_dim_v, flags, launchable=launchable)))
+    comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones
