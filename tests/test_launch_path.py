@@ -164,6 +164,40 @@ def test_forward_launch_arguments_match_the_compiled_signature(varlen):
     _same_kinds(real, s4._fake_args(common.cutlass_dtype("bf16"), 128, 128, (varlen, varlen, False), launchable=True))
 
 
+BLACKWELL_LAUNCHABLE = """
+import json
+from stage4_bwd_kernel import blackwell_bwd as bb, common, host
+dt = common.cutlass_dtype("bf16")
+kernel = bb.make_kernel(dt, 128, 128, True, False, varlen=False, has_seqused_k=False,
+                        dq_order=common.default_dq_order(True, False), tiles=None)
+comp = common.compile_cached(("test", "gpu"), lambda: (kernel, host.fake_main_args(dt, 128, 128, launchable=True)))
+print(json.dumps({"type": type(comp.fn).__name__, "arch": common.ARCH, "registers": comp.report["registers"],
+                  "spills": comp.report["spill_stores"], "utchmma": comp.sass.count("UTCHMMA")}))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.slow
+def test_blackwell_backward_launchable_compile_for_sm100a():
+    """fa4 on a B200 runs the Blackwell 1-CTA backward through stage 4's host.backward, i.e. as a
+    launchable (TVM-FFI) compile in a process whose CUTE_DSL_ARCH is sm_100a: that build must
+    compile (unverified on hardware; this checks it builds, without spills, with its MMAs)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", PYTHONPATH=str(root))
+    res = subprocess.run([sys.executable, "-c", BLACKWELL_LAUNCHABLE], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert rep["arch"] == "sm_100a" and "TVMFFI" in rep["type"], rep
+    assert rep["registers"] and rep["spills"] == 0 and rep["utchmma"] > 0, rep
+
+
 @pytest.mark.gpu
 def test_launch_follows_torchs_current_stream():
     """fa4 forward + backward issued on a side stream that is still busy writing q: a launch on any
