@@ -27,7 +27,8 @@ read from SMEM, and P^T goes through SMEM too) and its math warpgroups stall on 
     so the tile goes from SMEM-bound (3328 vs 2560, 1.30x) to balanced (2688 vs 2560, 1.05x).
     d = 64: 2176 -> 1280 + 256 = 1536 (MMA 1280); d = 96: 2752 -> 1728 + 384 = 2112 (MMA 1920).
 
-    Registers per consumer thread (fp32 accumulators; 128 threads x 64 keys per warpgroup):
+    Registers per consumer thread (fp32 accumulators; 128 threads x 64 keys per warpgroup; the 64 x 128
+    tile -- d = 64 runs 128 x 128, see "Tiles" at the end):
     dK 64 d / 128 = d/2, dV dv/2, S^T and dP^T 64 * 64 / 128 = 32 each, the 16-bit P^T fragment 16
     (live while dV reads it), dQ 64 * (d/2) / 128 = d/4. Peak while dS^T is formed, d = 128:
     64 + 64 + 32 + 32 + 16 = 208 of the 240 that ``setmaxnreg`` gives a consumer (FA3 runs the same
@@ -85,15 +86,15 @@ the walk is cut into three segments, masked / mask-free / masked (``schedule.unm
 Measured on the H100 at d = 128 (stage 4 README): 0.79-0.83x of the official FA4 before these
 changes and the warp-uniform descriptors below, 0.94-1.01x after.
 
-Shared memory (bf16, tile 64 x 128, 2 Q/dO stages, 2 dQ buffers):
+Shared memory (bf16, 2 Q/dO stages, 2 dQ buffers; tile 64 x 128, at d = 64 128 x 128):
     K + V + 2 (Q + dO) + dS^T + 2 dQ (fp32, swizzled, no padding)
-    d = 64:   16 + 16 + 2 * 16 + 16 + 2 * 16 = 112 KB
+    d = 64:   16 + 16 + 2 * 16 + 32 + 2 * 32 = 192 KB   (the 64 x 128 tile: 112 KB)
     d = 96:   24 + 24 + 2 * 24 + 16 + 2 * 24 = 160 KB
     d = 128:  32 + 32 + 2 * 32 + 16 + 2 * 32 = 208 KB   (of 227)
 
 Compiled (sm_90a, bf16/fp16, causal and deterministic on/off, varlen, this ptxas): 0 spills, no
-local memory, 6 named barriers; shared memory 115712 / 164864 / 214016 bytes at d = 64 / 96 / 128;
-HGMMA per tile 24 / 28 / 32 (8 of them register-sourced), in each of the three copies of the tile body;
+local memory, 6 named barriers; shared memory 198656 / 164864 / 214016 bytes at d = 64 / 96 / 128;
+HGMMA per tile 32 / 28 / 32 (16 / 8 / 8 of them register-sourced), in each of the three copies of the tile body;
 UTMAREDG 2 / 6 / 4; no fp32 REDG. The consumers' wgmma descriptors live in uniform registers (their
 shared-memory operands are sliced by the warpgroup's first thread, marked warp-uniform): 535 SASS
 instructions per mask-free tile and warp at d = 128, against 698 with per-thread descriptors and the
@@ -104,11 +105,26 @@ back edge) -- the official kernel also drains its wgmmas inside each iteration.
 ``setmaxnreg`` 24 / 240 / 240: the three must sum to 3 x 168, the registers the CTA was launched
 with -- ``setmaxnreg.inc`` only takes what ``.dec`` released in the same CTA, so 32 / 240 / 240
 (65536 > 64512), tried for a writer-side varlen tail loop, hung on the H100.
-Tiles: 64 x 128 for every head dim (step 2's). At d = 64, ``tiles=(128, 128)`` has the better
-SMEM/MMA ratio (2816 / 2560 = 1.10 vs 1536 / 1280 = 1.20) and passes the gpu tier, but measured no
-faster on the H100 with the row-wise dQ writer (within -4..+5%:
-``benchmarks/results/tune_bwd_h100_run1_d64_tiles.json``), and with today's three body copies it
-spills 172 bytes and ptxas serializes its wgmmas (C7512): it stays an option, not a default.
+Tiles: 64 x 128 at d = 96 and 128 (step 2's); **128 x 128 at d = 64** (FA3's and the official FA4's
+d = 64 tile): the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs 1536 / 1280 = 1.20) and half the
+per-tile overheads (barriers, hand-offs, row statistics) per unit of work. Its S^T and dP^T take
+64 registers each, and in the 64 x 128 order (dV issued before dS, dQ split by columns) the tile
+spilled 172 bytes and ptxas serialized its wgmmas (C7512). Three changes fit it under 240, each
+a constructor option that defaults on for tile_m = 128:
+
+* ``late_dv``: dS^T is formed right after the dP^T wait, P^T is packed to 16 bits only after
+  that, and dV is issued after the dS^T stores (the official kernel's order), so the fp32 P^T, its
+  16-bit copy and dP^T are never all live: peak 64 + 64 + 32 + 32 (+ 32 while packing) instead of
+  64 + 64 + 32 + 32 + 32 with an in-flight dV holding its A registers. The row statistics of the
+  next tile are loaded after the dQ wait instead of after B1 (their 2 registers then skip the peak).
+* ``dq_split_m``: the dQ wgmma splits its 128 query rows between the warpgroups (64 rows, all d
+  columns each) instead of its d columns: each warpgroup reads half of dS once instead of all of it.
+* the epilogue's key offset / row count and the statistics' query offset live in SMEM (3 words)
+  instead of registers live across the walk (varlen spilled 4-8 bytes without it).
+
+Compiled: 0 spills, no serialization, every dtype / causal / deterministic / varlen combination.
+On the H100 (``bwd_h100_run6.json`` vs run 5, and ``bench_bwd.py --steps step3_rs,step3_rs@64x128``
+in one process) it is 5-18% faster than the 64 x 128 tile at d = 64, 2k-16k, causal or not.
 """
 from __future__ import annotations
 
@@ -153,9 +169,10 @@ def check_rs_head_dims(head_dim: int, head_dim_v: int):
 
 
 def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
-    """(tile_m, tile_n) = (64, 128): 64 keys per consumer warpgroup (wgmma M), 64 queries."""
+    """(tile_m, tile_n): 64 keys per consumer warpgroup (wgmma M) and 64 queries; 128 queries at d = 64,
+    where dV issued after dS and dQ split by query rows keep the 128 x 128 tile in 240 registers."""
     check_rs_head_dims(head_dim, head_dim_v)
-    return 64, 128
+    return (128, 128) if (head_dim, head_dim_v) == (64, 64) else (64, 128)
 
 
 @dsl_user_op
@@ -178,7 +195,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
                  varlen: bool = False, has_seqused_k: bool = False, tile_m: int | None = None,
-                 tile_n: int | None = None, num_stages: int = 2, dq_order=None):
+                 tile_n: int | None = None, num_stages: int = 2, dq_order=None, late_dv: bool | None = None,
+                 dq_split_m: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -187,6 +205,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             raise ValueError(f"tiles: {STEP} needs tile_n = {64 * NUM_WG_MMA} (64 keys per consumer warpgroup) and "
                              f"tile_m a multiple of 64 (the M of dQ = dS K), got ({self.tile_m}, {self.tile_n})")
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
+        self.late_dv = self.tile_m == 128 if late_dv is None else late_dv
+        self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA if dq_split_m is None else dq_split_m
 
     def _sdq_layout(self):
         """(tm, d, buffers) fp32 in 128-byte swizzled rows: the layout a TMA tensor copy understands,
@@ -232,8 +252,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
                                                          wg_m, (64, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); N split
-        tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
-                                                         wg_n, (64, d // NUM_WG_MMA))
+        if const_expr(self.dq_split_m):
+            tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
+                                                             wg_m, (64, d))
+        else:
+            tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
+                                                             wg_n, (64, d // NUM_WG_MMA))
 
         def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
             return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -259,6 +283,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, tm], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, tm], 128]
+            sOffsets: cute.struct.MemRange[Int32, 3]  # (offset_k, key rows left, offset_q), see consume
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -413,6 +438,19 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         return lse2, dpsum
 
     @cute.jit
+    def next_row_stats(self, walk, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head_in_group: Int32,
+                       ctidx: Int32, offset_q: Int32):
+        """load_row_stats for the tile after m_block in the walk (the next query head's first tile at
+        the end of a head; nothing after the last)."""
+        (seqlen_q, seqlen_k, seqlen_k_rows, _, offset_k, bidx, batch, head_kv, n_block,
+         m_block_min, m_block_max, qhead_per_kvhead) = walk
+        next_m, next_head = m_block + 1, head_in_group
+        if next_m == m_block_max:
+            next_m, next_head = m_block_min, head_in_group + 1
+        return self.load_row_stats(mLSE2, mD, bidx, head_kv * qhead_per_kvhead + next_head, offset_q, next_m,
+                                   seqlen_q, ctidx, next_head < qhead_per_kvhead)
+
+    @cute.jit
     def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, softmax_scale_log2: Float32,
                    key_limit: Int32, diag: Int32, q_rows_left: Int32, masked: cutlass.Constexpr[bool]):
         """P^T = exp2(S^T * scale_log2 - lse2) in place; masked=True also sends masked scores to -inf.
@@ -492,6 +530,15 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
         sD = storage.sD.get_tensor(cute.make_layout(tm))
 
+        # The epilogue's key offset and row count, and the query offset of the row statistics, wait in
+        # SMEM rather than in registers live across the walk: with them there, the d = 64 varlen
+        # kernel (128 x 128 tile) spilled. Read back after the first consumer barrier only.
+        sOffsets = storage.sOffsets.get_tensor(cute.make_layout(3))
+        if ctidx == 0:
+            sOffsets[0] = offset_k
+            sOffsets[1] = seqlen_k_rows - n_block * tn
+            sOffsets[2] = offset_q
+
         # 1. K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA)
         pipe_KV.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
 
@@ -533,13 +580,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
                     # ... and those of the next tile of the walk: the global load's latency hides
                     # under this tile instead of stalling all 256 threads at B1 (18% of their stall
-                    # samples at d = 128 when it was loaded here for this tile)
-                    next_m, next_head = m_block + 1, head_in_group
-                    if next_m == m_block_max:
-                        next_m, next_head = m_block_min, head_in_group + 1
-                    lse2_row, dpsum_row = self.load_row_stats(
-                        mLSE2, mD, bidx, head_kv * qhead_per_kvhead + next_head, offset_q, next_m, seqlen_q, ctidx,
-                        next_head < qhead_per_kvhead)
+                    # samples at d = 128 when it was loaded here for this tile). The 128-query tile
+                    # (late_dv) loads them after the dQ wait instead, so the two registers are not live
+                    # while P^T, dP^T and both accumulators are (its peak; loaded here, it spilled).
+                    if const_expr(not self.late_dv):
+                        lse2_row, dpsum_row = self.next_row_stats(walk, mLSE2, mD, m_block, head_in_group, ctidx,
+                                                                  sOffsets[2])
 
                     # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked (keys, causal, queries past the
                     #     sequence: with TMA those rows may hold the next sequence's data)
@@ -550,31 +596,43 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                     masked=masked)
                     # P^T -> 16-bit A fragment of dV (same registers order as the accumulator), dV += P^T dO
                     tdVrPt = cute.make_rmem_tensor(thr_dV.partition_shape_A((tn, tm)), self.dtype)
-                    cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape)).store(acc_S.load().to(self.dtype))
-                    warpgroup.fence()
-                    gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt[None, None, None, st.index], zero_init=False)
+                    tdVrPt_acc = cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape))
+                    if const_expr(not self.late_dv):
+                        tdVrPt_acc.store(acc_S.load().to(self.dtype))
+                        warpgroup.fence()
+                        gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt[None, None, None, st.index], zero_init=False)
 
                     # 2d. dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and dS^T -> smem for dQ
-                    warpgroup.wait_group(1)  # dP^T (dV may still run)
+                    warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
                     acc_dP_rc = acc_rowcol(acc_dP)
                     for c in cutlass.range_constexpr(num_cols):
                         dpsum = sD[tScS_rc[0, c][1]]
                         for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                             acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+                    if const_expr(self.late_dv):
+                        # P^T packed only now: the fp32 P^T, the 16-bit copy and dP^T are never all live
+                        tdVrPt_acc.store(acc_S.load().to(self.dtype))
                     tdKrdSt = cute.make_rmem_tensor(thr_dK.partition_shape_A((tn, tm)), self.dtype)
                     tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
                     tdSrdS.store(acc_dP.load().to(self.dtype))
                     cute.copy(smem_copy_dS, thr_smem_dS.retile(tdSrdS), tdSsdSt)
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
+                    if const_expr(self.late_dv):
+                        warpgroup.fence()
+                        gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt[None, None, None, st.index], zero_init=False)
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)  # B2
 
-                    # 2e. dQ_i = dS K_j (this warpgroup's d/2 columns), then dK += dS^T Q_i: dQ goes
+                    # 2e. dQ_i = dS K_j (this warpgroup's d/2 columns, or its 64 query rows when
+                    #     dq_split_m), then dK += dS^T Q_i: dQ goes
                     #     first so that its registers -> smem hand-off below runs under dK's wgmma.
                     acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
                     warpgroup.fence()
                     gemm_issue(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
                     gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt[None, None, None, st.index], zero_init=False)
                     warpgroup.wait_group(1)  # dV and dQ done, dK may run
+                    if const_expr(self.late_dv):
+                        lse2_row, dpsum_row = self.next_row_stats(walk, mLSE2, mD, m_block, head_in_group, ctidx,
+                                                                  sOffsets[2])
 
                     # 2f. hand dQ_i to the writer warp: sdQ[buf] free (t >= 2) -> store -> proxy fence -> arrive
                     buf = t % DQ_BUFFERS
@@ -591,7 +649,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         #    The barrier: both warpgroups' last wgmmas (readers of sK, sV) have completed.
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
         acc_dK.store(acc_dK.load() * softmax_scale)
-        k_rows_left = seqlen_k_rows - n_block * tn
+        offset_k, k_rows_left = sOffsets[0], sOffsets[1]
         self.store_tile(acc_dK, tiled_mma_dK, sK, gmem_store_dK, ctidx,
                         cute.local_tile(cute.domain_offset((offset_k, 0), mdK[bidx, None, head_kv, None]),
                                         (tn, d), (n_block, 0)), (tn, d), k_rows_left)

@@ -58,6 +58,10 @@ def test_head_dims_that_do_not_fit_registers_are_refused(d, dv):
 def test_tiles_must_split_keys_across_the_two_warpgroups():
     mod = _mod()
     assert mod.default_tiles(128, 128) == (64, 128)
+    assert mod.default_tiles(64, 64) == (128, 128)
+    wide, narrow = mod.make_kernel(None, 64, 64, False, False), mod.make_kernel(None, 64, 64, False, False,
+                                                                              tiles=(64, 128))
+    assert (wide.late_dv, wide.dq_split_m) == (True, True) and (narrow.late_dv, narrow.dq_split_m) == (False, False)
     with pytest.raises(ValueError, match="tile_n"):
         mod.make_kernel(None, 128, 128, False, False, tiles=(64, 64))
 
@@ -70,6 +74,11 @@ def _expected_hgmma(d, dv, tm, tn):
     """Static wgmma instructions per Q tile (per warpgroup's code): S^T and dP^T, one 64-key M block
     and K = d / dv; dV and dK, K = tm (A from registers); dQ, M = tm, K = tn, N split."""
     return d // 16 + dv // 16 + 2 * (tm // 16) + (tm // 64) * (tn // 16)
+
+
+def _expected_hgmma_split_m(d, dv, tm, tn):
+    """As above with dQ split by query rows (the 128 x 128 tile): each warpgroup's dQ is M = tm / 2, N = d."""
+    return d // 16 + dv // 16 + 2 * (tm // 16) + (tm // 128) * (tn // 16)
 
 
 # (dtype, d, dv, causal, deterministic, varlen, seqused_k): 7 compiles, ~2-4 s each on 2 cores
@@ -95,7 +104,10 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert rep["smem_bytes"] is not None and rep["smem_bytes"] <= 227 * 1024
     assert "C7508" not in log and "C7510" not in log, log
     assert "instructions are serialized" not in log, log  # any wgmma serialization (C7510, C7520, ...)
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= BODY_COPIES, "a wgmma waited right after issue"
+    kernel = mod.make_kernel(None, d, dv, causal, det)
+    # one full wait per body (dK, at the end); with dV issued after dS (late_dv) also the wait for dP^T
+    full_waits = BODY_COPIES * (2 if kernel.late_dv else 1)
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= full_waits, "a wgmma waited right after issue"
     assert rep["threads"] == 384 and rep["UTMALDG"] and rep["LDGSTS"] == 0
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
     # setmaxnreg only redistributes the CTA's launch registers (168 x 384): a budget that sums to
@@ -107,7 +119,8 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
 
     # (a) five GEMMs on wgmma; dV and dK with A from registers (HGMMA ... Rd, Ra, gdesc[..])
     tm, tn = mod.default_tiles(d, dv)
-    assert rep["HGMMA"] == BODY_COPIES * _expected_hgmma(d, dv, tm, tn)
+    expected = _expected_hgmma_split_m if kernel.dq_split_m else _expected_hgmma
+    assert rep["HGMMA"] == BODY_COPIES * expected(d, dv, tm, tn)
     rs = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass)
     assert len(rs) == BODY_COPIES * 2 * (tm // 16), f"RS wgmmas: {len(rs)}"
 
@@ -151,11 +164,12 @@ def test_backward_matches_reference(d, dv, causal, sq, sk):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
 @pytest.mark.parametrize("sq,sk", SEQLENS + [(300, 517)], ids=[f"{a}x{b}" for a, b in SEQLENS + [(300, 517)]])
-def test_d64_tiles_128x128(causal, deterministic, sq, sk):
-    """The d = 64 candidate tile (128 queries per Q tile, registers up to R235 of 240): same rule."""
+def test_d64_tiles_64x128(causal, deterministic, sq, sk):
+    """d = 64 runs 128 x 128 by default; the 64 x 128 tile of the other head dims stays an option
+    (N-split dQ, dV issued before dS): same rule."""
     b, hq, hkv = s4._heads(sq, sk, 64)
     s4._check_dense(STEP, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=64, dv=64, causal=causal,
-                    deterministic=deterministic, tiles=(128, 128))
+                    deterministic=deterministic, tiles=(64, 128))
 
 
 @pytest.mark.gpu

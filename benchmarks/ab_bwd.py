@@ -1,0 +1,125 @@
+"""Paired A/B of backward variants: interleaved rounds, each timed against the official FA4 in the same round.
+
+    python benchmarks/ab_bwd.py --variants step3_rs,step3_rs@64x128,step3_rs:kv_ascending_rotated \\
+        [--dims 64] [--seqlens 8192,16384] [--causal 0,1] [--rounds 7] [--out ab.json]
+
+The method of ab_fwd.py (why: see there), for the backward kernels alone (preprocess + main +
+postprocess from a fixed forward) against the official kernel's autograd backward.
+
+A variant is ``step[@MxN][:order][+det]``: a ladder step of bench_bwd.STEPS, an optional tile
+override, an optional dQ order of ``stage4_bwd_kernel.schedule`` by its ``name`` (which may also
+reorder the walk, e.g. ``kv_ascending_rotated``), and ``+det`` for deterministic mode. Every
+variant's dq/dk/dv are checked against the first variant's before timing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import random
+import statistics
+import sys
+
+import torch
+
+from ab_fwd import time_ms
+from bench_bwd import STEPS
+from bench_fwd import flops, versions
+
+
+def dq_orders() -> dict:
+    from stage4_bwd_kernel import schedule
+
+    return {c.name: c for c in vars(schedule).values()
+            if inspect.isclass(c) and isinstance(getattr(c, "name", None), str)}
+
+
+def make_variant(spec: str):
+    """spec -> fn(q, k, v, out, dout, lse, causal) -> (dq, dk, dv)."""
+    rest, det = (spec[:-4], True) if spec.endswith("+det") else (spec, False)
+    rest, _, order_name = rest.partition(":")
+    step, _, tiles = rest.partition("@")
+    if step not in STEPS:
+        raise SystemExit(f"--variants: unknown step {step!r} in {spec!r}; expected one of {', '.join(STEPS)}")
+    orders = dq_orders()
+    if order_name and order_name not in orders:
+        raise SystemExit(f"--variants: unknown dQ order {order_name!r} in {spec!r}; expected one of {', '.join(orders)}")
+    mod = importlib.import_module(STEPS[step])
+    tl = tuple(int(x) for x in tiles.split("x")) if tiles else None
+    order = orders.get(order_name)
+    return lambda q, k, v, o, do, lse, c: mod.attention_backward(q, k, v, o, do, lse, causal=c, deterministic=det,
+                                                                 tiles=tl, dq_order=order)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", required=True, help="comma-separated step[@MxN][:order][+det]")
+    ap.add_argument("--dims", default="64")
+    ap.add_argument("--seqlens", default="8192,16384")
+    ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to run")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("ab_bwd needs a CUDA GPU")
+        return 2
+    from flash_attn.cute.interface import flash_attn_func
+    from stage3_fwd_kernel.hopper import attention_forward
+
+    specs = [s for s in args.variants.split(",") if s]
+    variants = {s: make_variant(s) for s in specs}
+    names = ["official"] + specs
+    rng = random.Random(args.seed)
+    rows = []
+    for d in (int(x) for x in args.dims.split(",")):
+        for causal in (bool(int(x)) for x in args.causal.split(",")):
+            for s in (int(x) for x in args.seqlens.split(",")):
+                b, h = 32768 // s, 2048 // d
+                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+                out, lse = attention_forward(q, k, v, causal=causal)
+                qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+                o = flash_attn_func(qg, kg, vg, causal=causal)
+                o = o[0] if isinstance(o, tuple) else o
+                fns = {"official": lambda: o.backward(do, retain_graph=True)}
+                ref = None
+                for n in specs:
+                    fns[n] = lambda n=n: variants[n](q, k, v, out, do, lse, causal)
+                    got = [g.float() for g in fns[n]()]
+                    if ref is None:
+                        ref = got
+                    err = max((a - r).abs().max().item() for a, r in zip(got, ref))
+                    if not err < 0.05:
+                        raise SystemExit(f"{n}: max |grad - {specs[0]}'s| = {err} at d={d} s={s} causal={causal}")
+                times = {n: [] for n in names}
+                for _ in range(args.rounds):
+                    order = names[:]
+                    rng.shuffle(order)
+                    for n in order:
+                        times[n].append(time_ms(fns[n]))
+                f = 2.5 * flops(b, h, s, d, d, causal)
+                for n in names:
+                    ratios = [t_off / t for t_off, t in zip(times["official"], times[n])]
+                    row = {"impl": n, "head_dim": d, "causal": causal, "seqlen": s,
+                           "ms_median": statistics.median(times[n]),
+                           "tflops_median": f / statistics.median(times[n]) / 1e9,
+                           "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+                           "ratio_max": max(ratios), "ms_rounds": times[n]}
+                    rows.append(row)
+                    print(f"d={d} causal={causal!s:5} s={s:5} {n[-40:]:40} {row['tflops_median']:6.1f} TFLOP/s  "
+                          f"x{row['ratio_median']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+                del q, k, v, do, out, lse, o, qg, kg, vg, fns
+    if args.out:
+        doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
+               "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "command": "python " + " ".join(sys.argv),
+               "method": f"{args.rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
+                         "ratio = official time / this time, same round", "results": rows}
+        with open(args.out, "w") as fh:
+            json.dump(doc, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
