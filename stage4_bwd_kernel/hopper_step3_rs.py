@@ -123,8 +123,9 @@ a constructor option that defaults on for tile_m = 128:
   instead of registers live across the walk (varlen spilled 4-8 bytes without it).
 
 Compiled: 0 spills, no serialization, every dtype / causal / deterministic / varlen combination.
-On the H100 (``bwd_h100_run6.json`` vs run 5, and ``bench_bwd.py --steps step3_rs,step3_rs@64x128``
-in one process) it is 5-18% faster than the 64 x 128 tile at d = 64, 2k-16k, causal or not.
+On the H100 (both tiles in one process, ``tune_bwd_h100_run2_d64_128x128.json``) it is 4-18% faster
+than the 64 x 128 tile at d = 64, 2k-16k, causal or not; run 6 (``bwd_h100_run6.json``) puts it at
+0.93-1.02x of the official FA4, 4k-16k, against run 5's 0.86-0.90x with the 64 x 128 tile.
 """
 from __future__ import annotations
 

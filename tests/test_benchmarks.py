@@ -76,3 +76,14 @@ def test_ncu_stalls_summarises_a_source_page_export(tmp_path, capsys):
         bad = tmp_path / "bad.csv"
         bad.write_text("a,b\n1,2\n")
         ncu_stalls.load(str(bad))
+
+
+def test_ab_bwd_variant_specs_parse_and_bad_ones_name_what_is_expected():
+    import ab_bwd
+
+    assert callable(ab_bwd.make_variant("step3_rs@128x128:kv_descending+det"))
+    assert {"kv_ascending", "kv_descending"} <= set(ab_bwd.dq_orders())
+    with pytest.raises(SystemExit, match="unknown step 'step9'.*expected one of"):
+        ab_bwd.make_variant("step9")
+    with pytest.raises(SystemExit, match="unknown dQ order 'sideways'.*kv_ascending"):
+        ab_bwd.make_variant("step3_rs:sideways")
