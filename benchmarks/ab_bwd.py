@@ -6,14 +6,16 @@
 The method of ab_fwd.py (why: see there), for the backward kernels alone (preprocess + main +
 postprocess from a fixed forward) against the official kernel's autograd backward.
 
-A variant is ``step[@MxN][:order][+det]``: a ladder step of bench_bwd.STEPS, an optional tile
-override, an optional dQ order of ``stage4_bwd_kernel.schedule`` by its ``name`` (which may also
-reorder the walk, e.g. ``kv_ascending_rotated``), and ``+det`` for deterministic mode. Every
-variant's dq/dk/dv are checked against the first variant's before timing.
+A variant is ``step[@MxN][:order][~option=int...][+det]``: a ladder step of bench_bwd.STEPS, an
+optional tile override, an optional dQ order of ``stage4_bwd_kernel.schedule`` by its ``name``,
+optional kernel constructor options (e.g. ``step3_rs~late_dv=1``: step 3 built with late_dv=True,
+compiled under its own cache key), and ``+det`` for deterministic mode. Every variant's dq/dk/dv
+are checked against the first variant's before timing.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import json
@@ -39,6 +41,11 @@ def dq_orders() -> dict:
 def make_variant(spec: str):
     """spec -> fn(q, k, v, out, dout, lse, causal) -> (dq, dk, dv)."""
     rest, det = (spec[:-4], True) if spec.endswith("+det") else (spec, False)
+    rest, *option_specs = rest.split("~")
+    try:
+        options = {k: int(v) for k, v in (o.split("=") for o in option_specs)}
+    except ValueError:
+        raise SystemExit(f"--variants: options in {spec!r} must read ~name=int, e.g. ~late_dv=1") from None
     rest, _, order_name = rest.partition(":")
     step, _, tiles = rest.partition("@")
     if step not in STEPS:
@@ -49,9 +56,17 @@ def make_variant(spec: str):
     mod = importlib.import_module(STEPS[step])
     tl = tuple(int(x) for x in tiles.split("x")) if tiles else None
     order = orders.get(order_name)
-    return lambda q, k, v, o, do, lse, c: mod.attention_backward(q, k, v, o, do, lse, causal=c, deterministic=det,
-                                                                 tiles=tl, dq_order=order)
+    if not options:
+        return lambda q, k, v, o, do, lse, c: mod.attention_backward(q, k, v, o, do, lse, causal=c,
+                                                                     deterministic=det, tiles=tl, dq_order=order)
+    from stage4_bwd_kernel import host
 
+    if "options" not in inspect.signature(mod.make_kernel).parameters:
+        raise SystemExit(f"--variants: {step}'s make_kernel takes no constructor options ({spec!r})")
+    make_kernel = functools.partial(mod.make_kernel, **options)
+    name = mod.STEP + "".join(f"~{k}={v}" for k, v in sorted(options.items()))  # its own compile-cache key
+    return lambda q, k, v, o, do, lse, c: host.backward(name, make_kernel, q, k, v, o, do, lse, causal=c,
+                                                        deterministic=det, tiles=tl, dq_order=order)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -670,10 +670,12 @@ def _check_dims_of(q, v):
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
-                dq_order=None, tiles=None):
+                dq_order=None, tiles=None, **options):
+    """options: late_dv / dq_split_m overrides (experiments; the callers of this module pass none)."""
     tm, tn = tiles if tiles is not None else (None, None)
     return FlashAttentionBackwardSm90Step3(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
-                                           has_seqused_k=has_seqused_k, tile_m=tm, tile_n=tn, dq_order=dq_order)
+                                           has_seqused_k=has_seqused_k, tile_m=tm, tile_n=tn, dq_order=dq_order,
+                                           **options)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,

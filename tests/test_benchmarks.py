@@ -87,3 +87,8 @@ def test_ab_bwd_variant_specs_parse_and_bad_ones_name_what_is_expected():
         ab_bwd.make_variant("step9")
     with pytest.raises(SystemExit, match="unknown dQ order 'sideways'.*kv_ascending"):
         ab_bwd.make_variant("step3_rs:sideways")
+    assert callable(ab_bwd.make_variant("step3_rs@64x128~late_dv=1~dq_split_m=0+det"))
+    with pytest.raises(SystemExit, match="must read ~name=int"):
+        ab_bwd.make_variant("step3_rs~late_dv")
+    with pytest.raises(SystemExit, match="step1's make_kernel takes no constructor options"):
+        ab_bwd.make_variant("step1~late_dv=1")
