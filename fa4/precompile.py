@@ -5,11 +5,13 @@ fa4 on tiny tensors -- so the compiled kernels land in this process's memory cac
 on-disk cache (fa4/_cache.py), and the next process loads them in milliseconds instead of
 compiling for seconds. Each line says whether the kernel was compiled or loaded from disk.
 
-Without a GPU it compiles the same kernels for sm_90a (or --arch sm_100a) with fake tensors
-through the stage modules' `compile_only`, and prints the time and resource report of each
-(registers, shared memory, spills). Fake-tensor compiles are not runnable artifacts, so nothing
-is written to the disk cache on a CPU machine: this mode checks that every configuration
-builds, and how long a cold start costs.
+Without a GPU it compiles the same kernels for sm_90a (or --arch sm_100a) with fake tensors and
+prints the time and resource report of each (registers, shared memory, spills). Modules with a
+`compile_launchable` (the Hopper forward and backward) build exactly what their GPU path launches
+-- TVM-FFI functions under the GPU path's cache keys -- so these land in the disk cache too: a CPU
+build machine can fill a cache that GPU machines then load, provided both run the same CuTe-DSL,
+apache-tvm-ffi and Python minor version (the cache fingerprint). Modules without one (the
+Blackwell forward) get their compile-only build: a resource check, nothing written.
 """
 from __future__ import annotations
 
@@ -82,47 +84,78 @@ def _resources(rep: dict) -> str:
             f"spills={rep.get('spill_stores')}/{rep.get('spill_loads')}")
 
 
-def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, out=None) -> list[dict]:
+def _builder(mod, varlen: bool = False):
+    """(dtype, d, dv, causal) -> list of Compiled: the module's launchable builds (the GPU path's
+    kernels and cache keys) where it has them, else its compile-only build (not runnable)."""
+    if hasattr(mod, "compile_launchable"):
+        return lambda dt, d, dv, c: mod.compile_launchable(dtype=dt, head_dim=d, head_dim_v=dv, causal=c,
+                                                           varlen=varlen), True
+    if varlen:
+        return None, False
+    return lambda dt, d, dv, c: [mod.compile_only(dtype=dt, head_dim=d, head_dim_v=dv, causal=c)], False
+
+
+def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, varlen=True, out=None) -> list[dict]:
+    from . import _cache
     from ._dispatch import ARCHS, _first_existing
 
     out = out or sys.stdout
     info = next(a for a in ARCHS.values() if a.cute_arch == arch)
     _ensure_arch(arch)
-    jobs = []
     fwd_name = _first_existing(info.fwd_modules)
     if fwd_name is None:
         raise NotImplementedError(f"no {info.key} forward module in this checkout ({', '.join(info.fwd_modules)})")
-    jobs.append(("fwd", fwd_name))
+    names = [("fwd", fwd_name, False)]
     bwd_name = _first_existing(info.bwd_modules) if backward else None
     if bwd_name is not None:
-        jobs.append(("bwd", bwd_name))
+        names.append(("bwd", bwd_name, False))
     elif backward:
         print(f"backward: {info.bwd_modules[0]} has not landed; forward only", file=out)
+    varlen_name = _first_existing(info.varlen_fwd_modules) if varlen else None
+    if varlen_name is not None:
+        names.append(("varlen", varlen_name, True))
+    jobs = []
+    for kind, name, vl in names:
+        build, launchable = _builder(importlib.import_module(name), varlen=vl)
+        if build is not None:
+            jobs.append((kind, name, build, launchable))
+    persist = _cache.enabled() and any(launchable for *_, launchable in jobs)
+    if persist:
+        _cache.install_for()  # launchable builds carry the GPU path's keys: they go to the disk cache
     cfgs = list(cfgs)
     prog = Progress(len(cfgs) * len(jobs), out)
-    print(f"compile-only for {arch} (no GPU): {len(cfgs)} configs x {', '.join(f'{k} ({m})' for k, m in jobs)}",
-          file=out, flush=True)
+    where = f"disk cache: {_cache.cache_dir(arch)}" if persist else "nothing written to the disk cache"
+    print(f"no GPU: compiling for {arch} with fake tensors, {len(cfgs)} configs x "
+          f"{', '.join(f'{k} ({m})' for k, m, *_ in jobs)}; {where}", file=out, flush=True)
     results = []
-    for kind, name in jobs:
-        mod = importlib.import_module(name)
-        if not hasattr(mod, "compile_only"):
-            print(f"{name} has no compile_only(); skipped", file=out)
-            continue
+    for kind, name, build, launchable in jobs:
         for dt, d, dv, c in cfgs:
             t0 = time.perf_counter()
-            row = {"kind": kind, "module": name, "dtype": dt, "head_dim": d, "head_dim_v": dv, "causal": c}
+            before = _cache.stats()
+            row = {"kind": kind, "module": name, "dtype": dt, "head_dim": d, "head_dim_v": dv, "causal": c,
+                   "launchable": launchable}
             try:
-                comp = mod.compile_only(dtype=dt, head_dim=d, head_dim_v=dv, causal=c)
-                row.update(seconds=time.perf_counter() - t0, report={k: v for k, v in comp.report.items()
-                                                                      if k != "ptxas_log"})
-                detail = f"compiled in {row['seconds']:.1f} s  {_resources(comp.report)}"
+                comps = build(dt, d, dv, c)
+                after = _cache.stats()
+                row.update(seconds=time.perf_counter() - t0, kernels=len(comps),
+                           stored=after["stores"] - before["stores"],
+                           reports=[{k: v for k, v in comp.report.items() if k != "ptxas_log"} for comp in comps])
+                state = ("written to disk" if row["stored"] else
+                         "already on disk" if after["disk_hits"] > before["disk_hits"] else
+                         "compile-only, not runnable" if not launchable else "not written (cache off?)")
+                main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
+                detail = f"{len(comps)} kernel(s) in {row['seconds']:.1f} s, {state}  {_resources(main.report)}"
             except Exception as exc:  # report and continue: the point is the whole table
                 row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
                 detail = f"FAILED {row['error'][:100]}"
             results.append(row)
             prog.step(_label(kind, dt, d, dv, c), detail)
-    print(f"done: {len(results)} kernels in {prog.elapsed():.1f} s (compile-only: nothing written to the disk cache)",
-          file=out)
+    st = _cache.stats()
+    print(f"done: {len(results)} configs in {prog.elapsed():.1f} s, {st['stores']} kernels written to "
+          f"{_cache.cache_dir(arch) if persist else 'no disk cache'}", file=out)
+    if persist:
+        print("a GPU machine loads them when it runs the same CuTe-DSL, apache-tvm-ffi and Python minor version "
+              "and these kernel sources (the cache fingerprint; FA4_CACHE_DIR points it at a copied cache)", file=out)
     return results
 
 

@@ -29,7 +29,16 @@ from stage3_fwd_kernel.softmax_policy import (
     SoftmaxPolicy,
 )
 
+def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False,
+                       seqused_k=False) -> list:
+    """What attention_forward (varlen=True: attention_varlen_forward) launches with its defaults,
+    compiled without a GPU under the GPU path's cache key (TVM-FFI, fake tensors): a list of one
+    Compiled record. With fa4's disk cache installed this fills it on a CPU machine."""
+    return [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k, launchable=True)]
+
+
 __all__ = [
+    "compile_launchable",
     "DEFAULT_EMULATION_FRACTION",
     "DEFAULT_POLICY",
     "DEFAULT_POLY_DEGREE",

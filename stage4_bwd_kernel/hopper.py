@@ -69,9 +69,32 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
                               deterministic=deterministic, varlen=varlen)
 
 
+def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
+                       has_seqused_k=False) -> list:
+    """What ``attention_backward`` (varlen=True: ``attention_varlen_backward``) launches for this
+    configuration -- the preprocess, the main kernel of ``step_for``, the postprocess -- compiled
+    without a GPU under the GPU path's cache keys (TVM-FFI, fake tensors). Returns their Compiled
+    records. With fa4's disk cache installed this fills it on a CPU machine (python -m fa4 precompile)."""
+    from stage4_bwd_kernel import common, host
+    from stage4_bwd_kernel import postprocess as post
+    from stage4_bwd_kernel import preprocess as pre
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    common.check_head_dims(head_dim, head_dim_v)
+    step = step_for(head_dim, causal, deterministic)
+    if step is _step3:
+        _step3.check_rs_head_dims(head_dim, head_dim_v)
+    dt = common.cutlass_dtype(dtype)
+    _, main = host.compile_main(step.STEP, step.make_kernel, dt, head_dim, head_dim_v, causal, deterministic,
+                                varlen=varlen, has_seqused_k=has_seqused_k)
+    return [pre.compile_launchable(dt, head_dim, head_dim_v, varlen), main,
+            post.compile_launchable(dt, head_dim, varlen)]
+
+
 def run(**kwargs):
     """The best step's run(): GPU check + timing (+ deterministic vs default), else compile report."""
     return _best.run(**kwargs)
 
 
-__all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "run", "step_for", "BEST_STEP"]
+__all__ = ["attention_backward", "attention_varlen_backward", "compile_launchable", "compile_only", "run", "step_for",
+           "BEST_STEP"]

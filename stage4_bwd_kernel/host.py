@@ -50,6 +50,18 @@ def main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, *, varlen, cu_seqlen
             softmax_scale * common.LOG2_E, softmax_scale)
 
 
+def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, deterministic, *, varlen=False,
+                 has_seqused_k=False, dq_order=None, tiles=None):
+    """The main kernel ``backward`` launches (TVM-FFI, cache key "gpu") -> (kernel object, Compiled).
+    Compiled against fake tensors, so it needs no GPU: ``hopper.compile_launchable`` uses it to fill
+    fa4's disk cache on a CPU machine."""
+    dq_order = dq_order or common.default_dq_order(causal, deterministic)
+    kernel = make_kernel(dt, d, dv, causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                         dq_order=dq_order, tiles=tiles)
+    key = ("gpu",) + compile_key(step, dt, d, dv, causal, deterministic, varlen, has_seqused_k, dq_order, tiles)
+    return kernel, common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, dv, launchable=True)))
+
+
 def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_v, causal, deterministic,
                  varlen=False, has_seqused_k=False, dq_order=None, tiles=None) -> common.Compiled:
     dt = common.cutlass_dtype(dtype)
@@ -130,9 +142,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
 
     # 2. main kernel
     dt = common.cutlass_dtype(q.dtype)
-    dq_order = dq_order or common.default_dq_order(causal, deterministic)
-    kernel = make_kernel(dt, d, d_v, causal, deterministic, varlen=varlen, has_seqused_k=seqused_k is not None,
-                         dq_order=dq_order, tiles=tiles)
+    kernel, comp = compile_main(step, make_kernel, dt, d, d_v, causal, deterministic, varlen=varlen,
+                                has_seqused_k=seqused_k is not None, dq_order=dq_order, tiles=tiles)
     tm, tn = kernel.tile_m, kernel.tile_n
     num_m_blocks = common.cdiv(max_seqlen_q, tm)
     num_n_blocks = common.cdiv(max_seqlen_k, tn)
@@ -141,9 +152,6 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     else:
         semaphores = pre._dummy_int32(q.device).view(1, 1, 1)
     dummy = pre._dummy_int32(q.device)
-    key = ("gpu",) + compile_key(step, dt, d, d_v, causal, deterministic, varlen, seqused_k is not None,
-                                 dq_order, tiles)
-    comp = common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, d_v, launchable=True)))
     comp.fn(*main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, varlen=varlen,
                        cu_seqlens_q=cu_q if varlen else dummy, cu_seqlens_k=cu_k if varlen else dummy,
                        seqused_k=seqused_k if seqused_k is not None else dummy, semaphores=semaphores,

@@ -118,13 +118,15 @@ def postprocess(dq_accum, dq, softmax_scale: float, *, cu_seqlens_q=None, max_se
         acc4, dq4, cu, rows, batch = dq_accum, dq, _dummy_int32(dq.device), dq.shape[1], dq.shape[0]
     if batch == 0 or rows == 0 or dq.shape[-2] == 0:
         return dq
-    dt = common.cutlass_dtype(dq.dtype)
-    d = dq.shape[-1]
-    num_m = common.cdiv(rows, TILE_M)
-    key = (STEP, "gpu", str(dt), d, varlen)
-    comp = common.compile_cached(key, lambda: (BackwardPostprocess(dt, d, varlen), _fake_args(dt, d, launchable=True)))
-    comp.fn(*postprocess_args(acc4, dq4, cu, softmax_scale, num_m))
+    comp = compile_launchable(common.cutlass_dtype(dq.dtype), dq.shape[-1], varlen)
+    comp.fn(*postprocess_args(acc4, dq4, cu, softmax_scale, common.cdiv(rows, TILE_M)))
     return dq
+
+
+def compile_launchable(dt, d: int, varlen: bool) -> common.Compiled:
+    """The kernel ``postprocess`` launches (TVM-FFI, cache key "gpu"), compiled without a GPU."""
+    key = (STEP, "gpu", str(dt), d, varlen)
+    return common.compile_cached(key, lambda: (BackwardPostprocess(dt, d, varlen), _fake_args(dt, d, launchable=True)))
 
 
 def run(batch=2, seqlen=1024, heads=8, head_dim=128, dtype="bf16", check=True, verbose=True):

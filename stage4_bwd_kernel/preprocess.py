@@ -185,14 +185,17 @@ def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None
         batch = out.shape[0]
     if batch == 0 or rows == 0 or out.shape[-2] == 0:
         return lse2, dpsum
-    dt = common.cutlass_dtype(out.dtype)
-    d, dv = dq_accum.shape[-1], out.shape[-1]
+    comp = compile_launchable(common.cutlass_dtype(out.dtype), dq_accum.shape[-1], out.shape[-1], varlen)
     num_m = common.cdiv(rows, TILE_M)
-    key = (STEP, "gpu", str(dt), d, dv, varlen)
-    comp = common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen),
-                                               _fake_args(dt, d, dv, launchable=True)))
     comp.fn(*preprocess_args(o4, do4, l3, l23, d3, acc4, cu, num_m))
     return lse2, dpsum
+
+
+def compile_launchable(dt, d: int, dv: int, varlen: bool) -> common.Compiled:
+    """The kernel ``preprocess`` launches (TVM-FFI, cache key "gpu"), compiled without a GPU."""
+    key = (STEP, "gpu", str(dt), d, dv, varlen)
+    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen),
+                                               _fake_args(dt, d, dv, launchable=True)))
 
 
 _DUMMY = {}

@@ -928,13 +928,18 @@ def test_readme_support_matrix_is_generated():
 
 @pytest.mark.compile
 @pytest.mark.fa4
-def test_cli_precompile_compile_only(tmp_path):
-    res = run_cli("precompile", "--head-dims", "64", "--causal", "yes", "--no-backward",
-                  env={"FA4_CACHE_DIR": str(tmp_path)})
+def test_cli_precompile_without_a_gpu_fills_the_disk_cache(tmp_path):
+    """No GPU: the Hopper forward, backward (preprocess, main, postprocess) and varlen forward are
+    built as the GPU path launches them and written to the disk cache; a second run loads them."""
+    env = {"FA4_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    res = run_cli("precompile", "--head-dims", "64", "--causal", "yes", env=env)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "compile-only for sm_90a" in res.stdout and "[####################] 1/1" in res.stdout
-    assert "compiled in" in res.stdout and "spills=0/0" in res.stdout
-    assert not list(tmp_path.rglob("*.o"))  # fake-tensor builds are not runnable: nothing persisted
+    assert "no GPU: compiling for sm_90a" in res.stdout and "[####################] 3/3" in res.stdout
+    assert res.stdout.count("written to disk") == 3 and "spills=0/0" in res.stdout
+    assert "5 kernels written" in res.stdout and len(list(tmp_path.rglob("*.o"))) == 5
+    again = run_cli("precompile", "--head-dims", "64", "--causal", "yes", env=env)
+    assert again.returncode == 0 and again.stdout.count("already on disk") == 3, again.stdout + again.stderr
+    assert "0 kernels written" in again.stdout
 
 
 @pytest.mark.compile
