@@ -18,17 +18,14 @@ import argparse
 import functools
 import importlib
 import inspect
-import json
-import os
 import random
-import statistics
 import sys
 
 import torch
 
-from ab_fwd import time_ms
+from ab_fwd import paired_rounds, ratio_rows, write_results
 from bench_bwd import STEPS
-from bench_fwd import flops, versions
+from bench_fwd import flops
 
 
 def dq_orders() -> dict:
@@ -86,7 +83,6 @@ def main(argv=None) -> int:
 
     specs = [s for s in args.variants.split(",") if s]
     variants = {s: make_variant(s) for s in specs}
-    names = ["official"] + specs
     rng = random.Random(args.seed)
     rows = []
     for d in (int(x) for x in args.dims.split(",")):
@@ -108,31 +104,12 @@ def main(argv=None) -> int:
                     err = max((a - r).abs().max().item() for a, r in zip(got, ref))
                     if not err < 0.05:
                         raise SystemExit(f"{n}: max |grad - {specs[0]}'s| = {err} at d={d} s={s} causal={causal}")
-                times = {n: [] for n in names}
-                for _ in range(args.rounds):
-                    order = names[:]
-                    rng.shuffle(order)
-                    for n in order:
-                        times[n].append(time_ms(fns[n]))
-                f = 2.5 * flops(b, h, s, d, d, causal)
-                for n in names:
-                    ratios = [t_off / t for t_off, t in zip(times["official"], times[n])]
-                    row = {"impl": n, "head_dim": d, "causal": causal, "seqlen": s,
-                           "ms_median": statistics.median(times[n]),
-                           "tflops_median": f / statistics.median(times[n]) / 1e9,
-                           "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-                           "ratio_max": max(ratios), "ms_rounds": times[n]}
-                    rows.append(row)
-                    print(f"d={d} causal={causal!s:5} s={s:5} {n[-40:]:40} {row['tflops_median']:6.1f} TFLOP/s  "
-                          f"x{row['ratio_median']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+                times = paired_rounds(fns, args.rounds, rng)
+                rows += ratio_rows(times, 2.5 * flops(b, h, s, d, d, causal),
+                                   {"head_dim": d, "causal": causal, "seqlen": s}, f"d={d} causal={causal!s:5} s={s:5}")
                 del q, k, v, do, out, lse, o, qg, kg, vg, fns
     if args.out:
-        doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
-               "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "command": "python " + " ".join(sys.argv),
-               "method": f"{args.rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
-                         "ratio = official time / this time, same round", "results": rows}
-        with open(args.out, "w") as fh:
-            json.dump(doc, fh, indent=1)
+        write_results(args.out, rows, args.rounds)
     return 0
 
 

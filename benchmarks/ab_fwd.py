@@ -53,6 +53,40 @@ def time_ms(fn, target_ms: float = 40.0) -> float:
     return start.elapsed_time(end) / calls
 
 
+def paired_rounds(fns: dict, rounds: int, rng: random.Random) -> dict:
+    """name -> per-round times (ms): every round times every fn once, in a fresh random order."""
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        order = list(fns)
+        rng.shuffle(order)
+        for n in order:
+            times[n].append(time_ms(fns[n]))
+    return times
+
+
+def ratio_rows(times: dict, flop: float, config: dict, label: str) -> list[dict]:
+    """One result row per implementation (medians, and the per-round ratio to "official"), printed."""
+    rows = []
+    for n, ts in times.items():
+        ratios = [t_off / t for t_off, t in zip(times["official"], ts)]
+        row = {"impl": n, **config, "ms_median": statistics.median(ts), "tflops_median": flop / statistics.median(ts) / 1e9,
+               "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+               "ms_rounds": ts}
+        rows.append(row)
+        print(f"{label} {n[-40:]:40} {row['tflops_median']:6.1f} TFLOP/s  "
+              f"x{row['ratio_median']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+    return rows
+
+
+def write_results(path: str, rows: list, rounds: int):
+    doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
+           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "command": "python " + " ".join(sys.argv),
+           "method": f"{rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
+                     "ratio = official time / this time, same round", "results": rows}
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", required=True, help="comma-separated module paths (official is always added)")
@@ -81,31 +115,13 @@ def main(argv=None) -> int:
                     err = (fn(q, k, v, causal).float() - ref).abs().max().item()
                     if not err < 0.05:
                         raise SystemExit(f"{n}: max |out - official| = {err} at d={d} s={s} causal={causal}")
-                times = {n: [] for n in names}
-                for _ in range(args.rounds):
-                    order = names[:]
-                    rng.shuffle(order)
-                    for n in order:
-                        times[n].append(time_ms(lambda: impls[n](q, k, v, causal)))
-                f = flops(b, h, s, d, dv, causal)
-                for n in names:
-                    ratios = [t_off / t for t_off, t in zip(times["official"], times[n])]
-                    row = {"impl": n, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s,
-                           "ms_median": statistics.median(times[n]),
-                           "tflops_median": f / statistics.median(times[n]) / 1e9,
-                           "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-                           "ratio_max": max(ratios), "ms_rounds": times[n]}
-                    rows.append(row)
-                    print(f"d={d}/{dv} causal={causal!s:5} s={s:5} {n[-40:]:40} {row['tflops_median']:6.1f} TFLOP/s  "
-                          f"x{row['ratio_median']:.3f} [{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+                times = paired_rounds({n: (lambda n=n: impls[n](q, k, v, causal)) for n in names}, args.rounds, rng)
+                rows += ratio_rows(times, flops(b, h, s, d, dv, causal),
+                                   {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s},
+                                   f"d={d}/{dv} causal={causal!s:5} s={s:5}")
                 del q, k, v, ref
     if args.out:
-        doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
-               "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "command": "python " + " ".join(sys.argv),
-               "method": f"{args.rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
-                         "ratio = official time / this time, same round", "results": rows}
-        with open(args.out, "w") as fh:
-            json.dump(doc, fh, indent=1)
+        write_results(args.out, rows, args.rounds)
     return 0
 
 

@@ -85,8 +85,9 @@ def _resources(rep: dict) -> str:
 
 
 def _builder(mod, varlen: bool = False):
-    """(dtype, d, dv, causal) -> list of Compiled: the module's launchable builds (the GPU path's
-    kernels and cache keys) where it has them, else its compile-only build (not runnable)."""
+    """(build, launchable): build(dtype, d, dv, causal) -> list of Compiled, the module's launchable
+    builds (the GPU path's kernels and cache keys) where it has them, else its compile-only build
+    (not runnable); (None, False) for varlen without a launchable build."""
     if hasattr(mod, "compile_launchable"):
         return lambda dt, d, dv, c: mod.compile_launchable(dtype=dt, head_dim=d, head_dim_v=dv, causal=c,
                                                            varlen=varlen), True

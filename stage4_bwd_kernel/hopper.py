@@ -80,15 +80,12 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     from stage4_bwd_kernel import preprocess as pre
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    common.check_head_dims(head_dim, head_dim_v)
     step = step_for(head_dim, causal, deterministic)
-    if step is _step3:
-        _step3.check_rs_head_dims(head_dim, head_dim_v)
-    dt = common.cutlass_dtype(dtype)
-    _, main = host.compile_main(step.STEP, step.make_kernel, dt, head_dim, head_dim_v, causal, deterministic,
-                                varlen=varlen, has_seqused_k=has_seqused_k)
-    return [pre.compile_launchable(dt, head_dim, head_dim_v, varlen), main,
-            post.compile_launchable(dt, head_dim, varlen)]
+    # the kernel's constructor checks the head dims (ValueError) before anything compiles
+    _, main = host.compile_main(step.STEP, step.make_kernel, common.cutlass_dtype(dtype), head_dim, head_dim_v,
+                                causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k)
+    return [pre.compile_only(dtype, head_dim, head_dim_v, varlen, launchable=True), main,
+            post.compile_only(dtype, head_dim, varlen, launchable=True)]
 
 
 def run(**kwargs):

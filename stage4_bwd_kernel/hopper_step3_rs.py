@@ -252,13 +252,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                                          wg_m, (64, dv), a_source=warpgroup.OperandSource.RMEM)
         tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
                                                          wg_m, (64, d), a_source=warpgroup.OperandSource.RMEM)
-        # dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); N split
-        if const_expr(self.dq_split_m):
-            tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
-                                                             wg_m, (64, d))
-        else:
-            tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
-                                                             wg_n, (64, d // NUM_WG_MMA))
+        # dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); the warpgroups split
+        # the query rows (dq_split_m) or the d columns
+        dq_split, dq_tile = (wg_m, (64, d)) if self.dq_split_m else (wg_n, (64, d // NUM_WG_MMA))
+        tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
+                                                         dq_split, dq_tile)
 
         def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
             return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -442,7 +440,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     def next_row_stats(self, walk, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head_in_group: Int32,
                        ctidx: Int32, offset_q: Int32):
         """load_row_stats for the tile after m_block in the walk (the next query head's first tile at
-        the end of a head; nothing after the last)."""
+        the end of a head; nothing after the last). offset_q is passed in (read from SMEM by the
+        caller) rather than taken from the walk, whose copy would stay live in a register."""
         (seqlen_q, seqlen_k, seqlen_k_rows, _, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
         next_m, next_head = m_block + 1, head_in_group

@@ -51,27 +51,25 @@ def main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, *, varlen, cu_seqlen
 
 
 def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, deterministic, *, varlen=False,
-                 has_seqused_k=False, dq_order=None, tiles=None):
-    """The main kernel ``backward`` launches (TVM-FFI, cache key "gpu") -> (kernel object, Compiled).
-    Compiled against fake tensors, so it needs no GPU: ``hopper.compile_launchable`` uses it to fill
-    fa4's disk cache on a CPU machine."""
+                 has_seqused_k=False, dq_order=None, tiles=None, launchable=True):
+    """The one place a main kernel is compiled (against fake tensors, so no GPU is needed) ->
+    (kernel object, Compiled). launchable=True builds what ``backward`` launches (TVM-FFI, cache key
+    "gpu"; ``hopper.compile_launchable`` uses it to fill fa4's disk cache on a CPU machine), False a
+    compile-only build (key "fake")."""
     dq_order = dq_order or common.default_dq_order(causal, deterministic)
     kernel = make_kernel(dt, d, dv, causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
                          dq_order=dq_order, tiles=tiles)
-    key = ("gpu",) + compile_key(step, dt, d, dv, causal, deterministic, varlen, has_seqused_k, dq_order, tiles)
-    return kernel, common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, dv, launchable=True)))
+    key = ("gpu" if launchable else "fake",) + compile_key(step, dt, d, dv, causal, deterministic, varlen,
+                                                           has_seqused_k, dq_order, tiles)
+    return kernel, common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, dv, launchable=launchable)))
 
 
 def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_v, causal, deterministic,
                  varlen=False, has_seqused_k=False, dq_order=None, tiles=None) -> common.Compiled:
-    dt = common.cutlass_dtype(dtype)
-    dq_order = dq_order or common.default_dq_order(causal, deterministic)
-    key = ("fake",) + compile_key(step, dt, head_dim, head_dim_v, causal, deterministic, varlen, has_seqused_k,
-                                  dq_order, tiles)
-    return common.compile_cached(key, lambda: (
-        make_kernel(dt, head_dim, head_dim_v, causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
-                    dq_order=dq_order, tiles=tiles),
-        fake_main_args(dt, head_dim, head_dim_v)))
+    """A step's compile_only: compile_main's compile-only build, from a dtype name."""
+    return compile_main(step, make_kernel, common.cutlass_dtype(dtype), head_dim, head_dim_v, causal, deterministic,
+                        varlen=varlen, has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles,
+                        launchable=False)[1]
 
 
 def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_seqlens_q=None, cu_seqlens_k=None,

@@ -97,10 +97,16 @@ def _fake_args(dt, head_dim, *, launchable: bool = False):
             common.launch_stream() if launchable else common.fake_stream())
 
 
-def compile_only(dtype="bf16", head_dim=128, varlen=False) -> common.Compiled:
-    dt = common.cutlass_dtype(dtype)
-    key = (STEP, "fake", str(dt), head_dim, bool(varlen))
-    return common.compile_cached(key, lambda: (BackwardPostprocess(dt, head_dim, varlen), _fake_args(dt, head_dim)))
+def compile_only(dtype="bf16", head_dim=128, varlen=False, *, launchable=False) -> common.Compiled:
+    """Compile for sm_90a with fake tensors (no GPU needed); launchable=True builds what
+    ``postprocess`` launches (TVM-FFI, the same cache key)."""
+    return _compile(launchable, common.cutlass_dtype(dtype), head_dim, bool(varlen))
+
+
+def _compile(launchable: bool, dt, d: int, varlen: bool) -> common.Compiled:
+    key = (STEP, "gpu" if launchable else "fake", str(dt), d, varlen)
+    return common.compile_cached(key, lambda: (BackwardPostprocess(dt, d, varlen),
+                                               _fake_args(dt, d, launchable=launchable)))
 
 
 def postprocess_args(dq_accum4, dq4, cu_seqlens_q, softmax_scale, num_m_blocks):
@@ -118,15 +124,9 @@ def postprocess(dq_accum, dq, softmax_scale: float, *, cu_seqlens_q=None, max_se
         acc4, dq4, cu, rows, batch = dq_accum, dq, _dummy_int32(dq.device), dq.shape[1], dq.shape[0]
     if batch == 0 or rows == 0 or dq.shape[-2] == 0:
         return dq
-    comp = compile_launchable(common.cutlass_dtype(dq.dtype), dq.shape[-1], varlen)
+    comp = _compile(True, common.cutlass_dtype(dq.dtype), dq.shape[-1], varlen)
     comp.fn(*postprocess_args(acc4, dq4, cu, softmax_scale, common.cdiv(rows, TILE_M)))
     return dq
-
-
-def compile_launchable(dt, d: int, varlen: bool) -> common.Compiled:
-    """The kernel ``postprocess`` launches (TVM-FFI, cache key "gpu"), compiled without a GPU."""
-    key = (STEP, "gpu", str(dt), d, varlen)
-    return common.compile_cached(key, lambda: (BackwardPostprocess(dt, d, varlen), _fake_args(dt, d, launchable=True)))
 
 
 def run(batch=2, seqlen=1024, heads=8, head_dim=128, dtype="bf16", check=True, verbose=True):

@@ -151,11 +151,17 @@ def _fake_args(dt, head_dim, head_dim_v, *, launchable: bool = False):
             common.launch_stream() if launchable else common.fake_stream())
 
 
-def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, varlen=False) -> common.Compiled:
-    dt = common.cutlass_dtype(dtype)
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, varlen=False, *, launchable=False) -> common.Compiled:
+    """Compile for sm_90a with fake tensors (no GPU needed); launchable=True builds what
+    ``preprocess`` launches (TVM-FFI, the same cache key)."""
     dv = head_dim if head_dim_v is None else head_dim_v
-    key = (STEP, "fake", str(dt), head_dim, dv, bool(varlen))
-    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, head_dim, dv, varlen), _fake_args(dt, head_dim, dv)))
+    return _compile(launchable, common.cutlass_dtype(dtype), head_dim, dv, bool(varlen))
+
+
+def _compile(launchable: bool, dt, d: int, dv: int, varlen: bool) -> common.Compiled:
+    key = (STEP, "gpu" if launchable else "fake", str(dt), d, dv, varlen)
+    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen),
+                                               _fake_args(dt, d, dv, launchable=launchable)))
 
 
 def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks):
@@ -185,17 +191,10 @@ def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None
         batch = out.shape[0]
     if batch == 0 or rows == 0 or out.shape[-2] == 0:
         return lse2, dpsum
-    comp = compile_launchable(common.cutlass_dtype(out.dtype), dq_accum.shape[-1], out.shape[-1], varlen)
+    comp = _compile(True, common.cutlass_dtype(out.dtype), dq_accum.shape[-1], out.shape[-1], varlen)
     num_m = common.cdiv(rows, TILE_M)
     comp.fn(*preprocess_args(o4, do4, l3, l23, d3, acc4, cu, num_m))
     return lse2, dpsum
-
-
-def compile_launchable(dt, d: int, dv: int, varlen: bool) -> common.Compiled:
-    """The kernel ``preprocess`` launches (TVM-FFI, cache key "gpu"), compiled without a GPU."""
-    key = (STEP, "gpu", str(dt), d, dv, varlen)
-    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen),
-                                               _fake_args(dt, d, dv, launchable=True)))
 
 
 _DUMMY = {}

@@ -70,15 +70,12 @@ def test_tiles_must_split_keys_across_the_two_warpgroups():
 BODY_COPIES = 3  # the walk's masked / unmasked / masked segments each compile the tile body
 
 
-def _expected_hgmma(d, dv, tm, tn):
+def _expected_hgmma(d, dv, tm, tn, dq_split_m=False):
     """Static wgmma instructions per Q tile (per warpgroup's code): S^T and dP^T, one 64-key M block
-    and K = d / dv; dV and dK, K = tm (A from registers); dQ, M = tm, K = tn, N split."""
-    return d // 16 + dv // 16 + 2 * (tm // 16) + (tm // 64) * (tn // 16)
-
-
-def _expected_hgmma_split_m(d, dv, tm, tn):
-    """As above with dQ split by query rows (the 128 x 128 tile): each warpgroup's dQ is M = tm / 2, N = d."""
-    return d // 16 + dv // 16 + 2 * (tm // 16) + (tm // 128) * (tn // 16)
+    and K = d / dv; dV and dK, K = tm (A from registers); dQ, K = tn, with M = tm and N split, or
+    (dq_split_m, the 128 x 128 tile) M = tm / 2 and N = d."""
+    dq_rows = tm // 2 if dq_split_m else tm
+    return d // 16 + dv // 16 + 2 * (tm // 16) + (dq_rows // 64) * (tn // 16)
 
 
 # (dtype, d, dv, causal, deterministic, varlen, seqused_k): 7 compiles, ~2-4 s each on 2 cores
@@ -119,8 +116,7 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
 
     # (a) five GEMMs on wgmma; dV and dK with A from registers (HGMMA ... Rd, Ra, gdesc[..])
     tm, tn = mod.default_tiles(d, dv)
-    expected = _expected_hgmma_split_m if kernel.dq_split_m else _expected_hgmma
-    assert rep["HGMMA"] == BODY_COPIES * expected(d, dv, tm, tn)
+    assert rep["HGMMA"] == BODY_COPIES * _expected_hgmma(d, dv, tm, tn, kernel.dq_split_m)
     rs = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass)
     assert len(rs) == BODY_COPIES * 2 * (tm // 16), f"RS wgmmas: {len(rs)}"
 
