@@ -151,11 +151,11 @@ NUM_WG_MMA = 2
 NUM_THREADS = 128 * (1 + NUM_WG_MMA)
 NUM_CONSUMER_THREADS = 128 * NUM_WG_MMA
 CONSUMER_BARRIER = 1
-DQ_FULL_BARRIER = 2    # + buffer index
-DQ_EMPTY_BARRIER = 4   # + buffer index
+DQ_FULL_BARRIER = 2    # + buffer index; "dQ empty" follows the full ones (self.dq_empty_barrier)
 DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
 DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
-DQ_BUFFERS = 2
+DQ_BUFFERS = 2        # one when two do not fit in SMEM (the 80 x 128 tile)
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
 REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the CTA's launch registers
 
@@ -170,10 +170,11 @@ def check_rs_head_dims(head_dim: int, head_dim_v: int):
 
 
 def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
-    """(tile_m, tile_n): 64 keys per consumer warpgroup (wgmma M) and 64 queries; 128 queries at d = 64,
-    where dV issued after dS and dQ split by query rows keep the 128 x 128 tile in 240 registers."""
+    """(tile_m, tile_n): 64 keys per consumer warpgroup (wgmma M) and 64 queries at d = 96; 128 queries
+    at d = 64, where dV issued after dS and dQ split by query rows keep the 128 x 128 tile in 240
+    registers; 80 queries at d = 128, with dQ^T = K^T dS^T (80 is no wgmma M) and one dQ buffer."""
     check_rs_head_dims(head_dim, head_dim_v)
-    return (128, 128) if (head_dim, head_dim_v) == (64, 64) else (64, 128)
+    return {(64, 64): (128, 128), (128, 128): (80, 128)}.get((head_dim, head_dim_v), (64, 128))
 
 
 @dsl_user_op
@@ -190,6 +191,13 @@ def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_byte
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+@dsl_user_op
+def thread_idx_fresh(*, loc=None, ip=None) -> Int32:
+    """%tid.x read again where it is used (volatile asm: not merged with earlier reads)."""
+    return Int32(llvm.inline_asm(cutlass.Int32.mlir_type, [], "mov.u32 $0, %tid.x;", "=r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
 class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     """Step 2's producer warp + 2 consumer warpgroups, with keys split across the consumers, RS dV/dK,
     and a dQ writer warp (TMA bulk reduce-add from a double-buffered SMEM tile)."""
@@ -197,25 +205,45 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
                  varlen: bool = False, has_seqused_k: bool = False, tile_m: int | None = None,
                  tile_n: int | None = None, num_stages: int = 2, dq_order=None, late_dv: bool | None = None,
-                 dq_split_m: bool | None = None):
+                 dq_split_m: bool | None = None, dq_swap_ab: bool | None = None,
+                 dq_buffers: int | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
                          num_stages=num_stages, dq_order=dq_order)
-        if self.tile_n != 64 * NUM_WG_MMA or self.tile_m % 64:
+        self.dq_swap_ab = self.tile_m % 64 != 0 if dq_swap_ab is None else dq_swap_ab
+        if self.tile_n != 64 * NUM_WG_MMA or (self.tile_m % 64 and not self.dq_swap_ab):
             raise ValueError(f"tiles: {STEP} needs tile_n = {64 * NUM_WG_MMA} (64 keys per consumer warpgroup) and "
-                             f"tile_m a multiple of 64 (the M of dQ = dS K), got ({self.tile_m}, {self.tile_n})")
+                             f"tile_m a multiple of 64 (the M of dQ = dS K) unless dQ^T = K^T dS^T is formed "
+                             f"instead (dq_swap_ab), got ({self.tile_m}, {self.tile_n})")
+        if self.dq_swap_ab and (self.head_dim != 64 * NUM_WG_MMA or self.tile_m % 16 or self.tile_m > 128):
+            raise ValueError(f"tiles: dq_swap_ab puts d on the M of the dQ wgmma (64 per warpgroup), so it needs "
+                             f"head_dim = {64 * NUM_WG_MMA} and tile_m a multiple of 16 up to 128, got head_dim "
+                             f"{self.head_dim}, tile_m {self.tile_m}")
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
-        self.late_dv = self.tile_m == 128 if late_dv is None else late_dv
+        self.dq_buffers = self._default_dq_buffers() if dq_buffers is None else dq_buffers
+        self.dq_empty_barrier = DQ_FULL_BARRIER + self.dq_buffers
+        self.late_dv = self.tile_m != 64 if late_dv is None else late_dv
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA if dq_split_m is None else dq_split_m
 
-    def _sdq_layout(self):
+    def _default_dq_buffers(self) -> int:
+        """Two dQ buffers when K, V, the Q/dO stages, dS^T and both fp32 dQ tiles fit the 227 KB of
+        SMEM (+ 1 KB for barriers and row statistics), else one (80 x 128 at d = 128: 244 KB)."""
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        operands = (tn * (d + dv) + self.num_stages * tm * (d + dv) + tn * tm) * 2  # fp16 / bf16
+        return DQ_BUFFERS if operands + DQ_BUFFERS * tm * d * 4 + 1024 <= SMEM_BYTES else 1
+
+    def _sdq_layout(self, buffers: bool = True):
         """(tm, d, buffers) fp32 in 128-byte swizzled rows: the layout a TMA tensor copy understands,
-        and the consumers' 8-byte stores of 8 rows land in 8 different bank groups."""
+        and the consumers' 8-byte stores of 8 rows land in 8 different bank groups. buffers=False:
+        one buffer's (tm, d) -- built, not sliced: this CuTe-DSL aborts slicing the buffer mode of
+        the swizzled layout when tm / 8 is not a power of two or 12 (tm = 80)."""
         # swizzle span sized for one consumer's d / 2 columns (the dQ wgmma splits N)
         atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.head_dim // NUM_WG_MMA)
         atom = warpgroup.make_smem_layout_atom(atom_kind, Float32)
-        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim, DQ_BUFFERS), (0, 1, 2))
+        if not buffers:
+            return cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))
+        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim, self.dq_buffers), (0, 1, 2))
 
     # -------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -254,7 +282,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                                          wg_m, (64, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); the warpgroups split
         # the query rows (dq_split_m) or the d columns
+        # the query rows (dq_split_m) or the d columns; dq_swap_ab: dQ^T (d x tm) = K^T dS^T, the
+        # warpgroups split d (M) and tm is the N, so tm need not be a multiple of 64
         dq_split, dq_tile = (wg_m, (64, d)) if self.dq_split_m else (wg_n, (64, d // NUM_WG_MMA))
+        if const_expr(self.dq_swap_ab):
+            dq_split, dq_tile = wg_m, (64, tm)
         tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
                                                          dq_split, dq_tile)
 
@@ -269,8 +301,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mV), sV_layout, (tn, dv))
         # dQ: one TMA reduce-add of the whole (tm, d) fp32 tile from sdQ[b] into dQaccum
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_dim_first(mdQacc), cute.slice_(sdQ_layout, (None, None, 0)),
-            (tm, d))
+            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_dim_first(mdQacc), self._sdq_layout(buffers=False), (tm, d))
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
         self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
         self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
@@ -377,7 +408,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                                cute.group_modes(gdQ, 0, 2))
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 t = head_in_group * n_m + m_block - m_block_min
-                buf = t % DQ_BUFFERS
+                buf = t % self.dq_buffers
                 # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced)
                 self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=False)
                 if const_expr(self.deterministic):
@@ -408,15 +439,15 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ[buf] has been read
                 cute.arch.sync_warp()
                 # 3. sdQ[buf] may be refilled (only if a tile t + 2 will wait for it)
-                if t + DQ_BUFFERS < n_tiles:
-                    self.dq_barrier(DQ_EMPTY_BARRIER, buf, arrive=True)
+                if t + self.dq_buffers < n_tiles:
+                    self.dq_barrier(self.dq_empty_barrier, buf, arrive=True)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
 
     @cute.jit
     def dq_barrier(self, base: cutlass.Constexpr[int], buf: Int32, arrive: cutlass.Constexpr[bool]):
         """bar.arrive / bar.sync on named barrier base + buf, with a compile-time id per buffer."""
-        for b in cutlass.range_constexpr(DQ_BUFFERS):
+        for b in cutlass.range_constexpr(self.dq_buffers):
             if buf == b:
                 if const_expr(arrive):
                     cute.arch.barrier_arrive(barrier_id=base + b, number_of_threads=DQ_SYNC_THREADS)
@@ -426,10 +457,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     # -------------------------------------------------------------- consumer warpgroups
     @cute.jit
     def load_row_stats(self, mLSE2: cute.Tensor, mD: cute.Tensor, bidx: Int32, head: Int32, offset_q: Int32,
-                       m_block: Int32, seqlen_q: Int32, ctidx: Int32, valid):
-        """(lse2, D) of query row m_block * tile_m + ctidx for the threads ctidx < tile_m; +inf and 0
-        for rows past the sequence, for the other threads, and when not valid (no such tile)."""
+                       m_block: Int32, seqlen_q: Int32, valid):
+        """(lse2, D) of query row m_block * tile_m + ctidx for the consumer threads ctidx < tile_m; +inf
+        and 0 for rows past the sequence, for the other threads, and when not valid (no such tile).
+        ctidx is read from %tid.x here, not passed in: kept live across the walk, it spilled (80 x 128)."""
         lse2, dpsum = Float32.inf, Float32(0.0)
+        ctidx = thread_idx_fresh() - 128
         row = m_block * self.tile_m + ctidx
         if valid & (ctidx < self.tile_m) & (row < seqlen_q):
             lse2 = mLSE2[bidx, head, offset_q + row]
@@ -438,7 +471,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
 
     @cute.jit
     def next_row_stats(self, walk, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head_in_group: Int32,
-                       ctidx: Int32, offset_q: Int32):
+                       offset_q: Int32):
         """load_row_stats for the tile after m_block in the walk (the next query head's first tile at
         the end of a head; nothing after the last). offset_q is passed in (read from SMEM by the
         caller) rather than taken from the walk, whose copy would stay live in a register."""
@@ -448,7 +481,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         if next_m == m_block_max:
             next_m, next_head = m_block_min, head_in_group + 1
         return self.load_row_stats(mLSE2, mD, bidx, head_kv * qhead_per_kvhead + next_head, offset_q, next_m,
-                                   seqlen_q, ctidx, next_head < qhead_per_kvhead)
+                                   seqlen_q, next_head < qhead_per_kvhead)
 
     @cute.jit
     def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, softmax_scale_log2: Float32,
@@ -510,8 +543,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         tPrdO = wg_SdP.make_fragment_B(wg_SdP.partition_B(sdO))       # (..., stages)
         tdVrdOt = wg_dV.make_fragment_B(wg_dV.partition_B(sdOt))      # (..., stages)
         tdKrQt = wg_dK.make_fragment_B(wg_dK.partition_B(sQt))        # (..., stages)
-        tdQrdS = wg_dQ.make_fragment_A(wg_dQ.partition_A(sdS))
-        tdQrKt = wg_dQ.make_fragment_B(wg_dQ.partition_B(sKt))
+        if const_expr(self.dq_swap_ab):  # dQ^T = K^T dS^T: A = K^T (d, tn), B = dS (tm, tn), both MN-major
+            tdQrA = wg_dQ.make_fragment_A(wg_dQ.partition_A(sKt))
+            tdQrB = wg_dQ.make_fragment_B(wg_dQ.partition_B(sdS))
+        else:
+            tdQrA = wg_dQ.make_fragment_A(wg_dQ.partition_A(sdS))
+            tdQrB = wg_dQ.make_fragment_B(wg_dQ.partition_B(sKt))
         acc_dV = cute.make_rmem_tensor(thr_dV.partition_shape_C((tn, dv)), Float32)
         acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
         acc_dV.fill(0.0)
@@ -522,10 +559,15 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_SdP)
         thr_smem_dS = smem_copy_dS.get_slice(ctidx)
         tdSsdSt = thr_smem_dS.partition_D(sdSt)
-        # dQ (fp32) -> sdQ[buf]: 2 adjacent columns per 8-byte store
+        # dQ (fp32) -> sdQ[buf]: 2 adjacent columns per 8-byte store; dq_swap_ab holds dQ^T, whose
+        # adjacent pair is 2 query rows of sdQ: 4-byte stores into the transposed view
         smem_copy_dQ = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64), tiled_mma_dQ)
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                num_bits_per_copy=32 if const_expr(self.dq_swap_ab) else 64), tiled_mma_dQ)
         thr_smem_dQ = smem_copy_dQ.get_slice(ctidx)
+        if const_expr(self.dq_swap_ab):
+            sdQ = cute.composition(sdQ, cute.make_ordered_layout((d, tm, self.dq_buffers), order=(1, 0, 2)))
+        dq_shape = (d, tm) if const_expr(self.dq_swap_ab) else (tm, d)
         num_cols = cute.size(tScS_rc, mode=[1])
         sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
         sD = storage.sD.get_tensor(cute.make_layout(tm))
@@ -548,7 +590,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                                    m_block_max, imin=cutlass.min, imax=cutlass.max)
         segments = ((m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, m_block_max, True))
         lse2_row, dpsum_row = self.load_row_stats(mLSE2, mD, bidx, head_kv * qhead_per_kvhead, offset_q, m_block_min,
-                                                  seqlen_q, ctidx, n_m > 0)
+                                                  seqlen_q, n_m > 0)
         for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + head_in_group
             # Three segments of the same ascending walk: the Q tiles that need a mask (causal
@@ -584,7 +626,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # (late_dv) loads them after the dQ wait instead, so the two registers are not live
                     # while P^T, dP^T and both accumulators are (its peak; loaded here, it spilled).
                     if const_expr(not self.late_dv):
-                        lse2_row, dpsum_row = self.next_row_stats(walk, mLSE2, mD, m_block, head_in_group, ctidx,
+                        lse2_row, dpsum_row = self.next_row_stats(walk, mLSE2, mD, m_block, head_in_group,
                                                                   sOffsets[2])
 
                     # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked (keys, causal, queries past the
@@ -625,22 +667,22 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 2e. dQ_i = dS K_j (this warpgroup's d/2 columns, or its 64 query rows when
                     #     dq_split_m), then dK += dS^T Q_i: dQ goes
                     #     first so that its registers -> smem hand-off below runs under dK's wgmma.
-                    acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
+                    acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C(dq_shape), Float32)
                     warpgroup.fence()
-                    gemm_issue(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                    gemm_issue(tiled_mma_dQ, acc_dQ, tdQrA, tdQrB, zero_init=True)
                     gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt[None, None, None, st.index], zero_init=False)
                     warpgroup.wait_group(1)  # dV and dQ done, dK may run
                     # dP^T and dV have read dO_i: its stage goes back now, not after dK (the official
                     # kernel's order; +2.5..+3.8% at d = 128, ab_bwd_h100_run3_early_do_release.json)
                     pipe_dO.consumer_release(st)
                     if const_expr(self.late_dv):
-                        lse2_row, dpsum_row = self.next_row_stats(walk, mLSE2, mD, m_block, head_in_group, ctidx,
+                        lse2_row, dpsum_row = self.next_row_stats(walk, mLSE2, mD, m_block, head_in_group,
                                                                   sOffsets[2])
 
                     # 2f. hand dQ_i to the writer warp: sdQ[buf] free (t >= 2) -> store -> proxy fence -> arrive
-                    buf = t % DQ_BUFFERS
-                    if t >= DQ_BUFFERS:
-                        self.dq_barrier(DQ_EMPTY_BARRIER, buf, arrive=False)
+                    buf = t % self.dq_buffers
+                    if t >= self.dq_buffers:
+                        self.dq_barrier(self.dq_empty_barrier, buf, arrive=False)
                     cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
                     self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=True)

@@ -57,24 +57,35 @@ def test_head_dims_that_do_not_fit_registers_are_refused(d, dv):
 @pytest.mark.cpu
 def test_tiles_must_split_keys_across_the_two_warpgroups():
     mod = _mod()
-    assert mod.default_tiles(128, 128) == (64, 128)
+    assert mod.default_tiles(128, 128) == (80, 128)
+    assert mod.default_tiles(96, 96) == (64, 128)
     assert mod.default_tiles(64, 64) == (128, 128)
     wide, narrow = mod.make_kernel(None, 64, 64, False, False), mod.make_kernel(None, 64, 64, False, False,
                                                                               tiles=(64, 128))
     assert (wide.late_dv, wide.dq_split_m) == (True, True) and (narrow.late_dv, narrow.dq_split_m) == (False, False)
+    # 80 x 128 (d = 128): dQ^T = K^T dS^T, dV after dS, one dQ buffer (two would need 244 KB of SMEM)
+    k80, k64 = mod.make_kernel(None, 128, 128, False, False), mod.make_kernel(None, 128, 128, False, False,
+                                                                             tiles=(64, 128))
+    assert (k80.tile_m, k80.dq_swap_ab, k80.late_dv, k80.dq_buffers) == (80, True, True, 1)
+    assert (k64.dq_swap_ab, k64.late_dv, k64.dq_buffers) == (False, False, 2)
     with pytest.raises(ValueError, match="tile_n"):
         mod.make_kernel(None, 128, 128, False, False, tiles=(64, 64))
+    with pytest.raises(ValueError, match="dq_swap_ab"):  # d on the dQ wgmma's M: 2 x 64 only
+        mod.make_kernel(None, 96, 96, False, False, tiles=(80, 128))
+    with pytest.raises(ValueError, match="tile_m a multiple of 64"):
+        mod.make_kernel(None, 128, 128, False, False, tiles=(80, 128), dq_swap_ab=False)
 
 
 # ============================================================================== compile tier
 BODY_COPIES = 3  # the walk's masked / unmasked / masked segments each compile the tile body
 
 
-def _expected_hgmma(d, dv, tm, tn, dq_split_m=False):
+def _expected_hgmma(d, dv, tm, tn, dq_split_m=False, dq_swap_ab=False):
     """Static wgmma instructions per Q tile (per warpgroup's code): S^T and dP^T, one 64-key M block
     and K = d / dv; dV and dK, K = tm (A from registers); dQ, K = tn, with M = tm and N split, or
-    (dq_split_m, the 128 x 128 tile) M = tm / 2 and N = d."""
-    dq_rows = tm // 2 if dq_split_m else tm
+    (dq_split_m, the 128 x 128 tile) M = tm / 2 and N = d, or (dq_swap_ab, 80 x 128) dQ^T with
+    M = d / 2 and N = tm."""
+    dq_rows = d // 2 if dq_swap_ab else (tm // 2 if dq_split_m else tm)
     return d // 16 + dv // 16 + 2 * (tm // 16) + (dq_rows // 64) * (tn // 16)
 
 
@@ -112,11 +123,12 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     dec = {int(x) for x in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx)}
     inc = {int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)}
     assert len(dec) == len(inc) == 1 and dec.pop() + 2 * inc.pop() <= 3 * rep["registers"]
-    assert re.search(r"used 6 barriers", log), "named barriers: __syncthreads, consumers, dQ full x2, dQ empty x2"
+    nbar = 2 + 2 * kernel.dq_buffers
+    assert re.search(rf"used {nbar} barriers", log), "named barriers: __syncthreads, consumers, dQ full / empty per buffer"
 
     # (a) five GEMMs on wgmma; dV and dK with A from registers (HGMMA ... Rd, Ra, gdesc[..])
     tm, tn = mod.default_tiles(d, dv)
-    assert rep["HGMMA"] == BODY_COPIES * _expected_hgmma(d, dv, tm, tn, kernel.dq_split_m)
+    assert rep["HGMMA"] == BODY_COPIES * _expected_hgmma(d, dv, tm, tn, kernel.dq_split_m, kernel.dq_swap_ab)
     rs = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass)
     assert len(rs) == BODY_COPIES * 2 * (tm // 16), f"RS wgmmas: {len(rs)}"
 
@@ -130,7 +142,7 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert n_red and n_red % spans == 0, f"{n_red} UTMAREDG for {spans} spans"  # ptxas may duplicate the block
     assert not re.search(r"\bUBLKRED\b", sass), "row-wise bulk reduces left"
     assert not re.search(r"\bREDG?\.E\.ADD\.F32", sass), "fp32 atomics left in the kernel"
-    assert "bar.arrive 2, 288" in ptx and "bar.arrive 4, 288" in ptx
+    assert "bar.arrive 2, 288" in ptx and f"bar.arrive {kernel.dq_empty_barrier}, 288" in ptx
 
     # deterministic: the semaphore protocol (in the writer warp), nothing of it otherwise
     has_sem = ("ld.global.acquire.gpu.b32" in ptx, "fence.acq_rel.gpu" in ptx,
@@ -169,6 +181,18 @@ def test_d64_tiles_64x128(causal, deterministic, sq, sk):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
+@pytest.mark.parametrize("sq,sk", SEQLENS + [(300, 517)], ids=[f"{a}x{b}" for a, b in SEQLENS + [(300, 517)]])
+def test_d128_tiles_64x128(causal, deterministic, sq, sk):
+    """d = 128 runs 80 x 128 by default (dQ^T = K^T dS^T, one dQ buffer); the 64 x 128 tile (dQ = dS K
+    split by columns, two dQ buffers) stays an option: same rule, walks ending on partial tiles."""
+    b, hq, hkv = s4._heads(sq, sk, 128)
+    s4._check_dense(STEP, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=128, dv=128, causal=causal,
+                    deterministic=deterministic, tiles=(64, 128))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ratio", [1, 2, 8])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gqa_ratios(ratio, causal):
@@ -176,11 +200,12 @@ def test_gqa_ratios(ratio, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sq", [64, 128, 192, 256, 320])
+@pytest.mark.parametrize("sq", [64, 80, 128, 192, 256, 320, 400])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dq_double_buffer_walk_lengths(sq, causal):
     """One CTA walks 1..5 Q tiles (one head, one K/V tile): the dQ buffers' first uses, the
-    "empty" waits from tile 2 on, and the writer's last arrivals all get exercised."""
+    "empty" waits from the second (d = 128, one buffer) or third tile on, and the writer's last
+    arrivals all get exercised."""
     s4._check_dense(STEP, b=1, sq=sq, sk=128, hq=1, hkv=1, d=128, dv=128, causal=causal)
     s4._check_dense(STEP, b=1, sq=sq, sk=128, hq=1, hkv=1, d=64, dv=64, causal=causal, deterministic=True)
 
