@@ -86,15 +86,17 @@ the walk is cut into three segments, masked / mask-free / masked (``schedule.unm
 Measured on the H100 at d = 128 (stage 4 README): 0.79-0.83x of the official FA4 before these
 changes and the warp-uniform descriptors below, 0.94-1.01x after.
 
-Shared memory (bf16, 2 Q/dO stages, 2 dQ buffers; tile 64 x 128, at d = 64 128 x 128):
-    K + V + 2 (Q + dO) + dS^T + 2 dQ (fp32, swizzled, no padding)
-    d = 64:   16 + 16 + 2 * 16 + 32 + 2 * 32 = 192 KB   (the 64 x 128 tile: 112 KB)
-    d = 96:   24 + 24 + 2 * 24 + 16 + 2 * 24 = 160 KB
-    d = 128:  32 + 32 + 2 * 32 + 16 + 2 * 32 = 208 KB   (of 227)
+Shared memory (bf16, 2 Q/dO stages, 2 dQ buffers where they fit; default tiles, see "Tiles"):
+    K + V + 2 (Q + dO) + dS^T + buffers x dQ (fp32, swizzled, no padding)
+    d = 64  (128 x 128):  16 + 16 + 2 * 32 + 32 + 2 * 32 = 192 KB   (the 64 x 128 tile: 112 KB)
+    d = 96  (64 x 128):   24 + 24 + 2 * 24 + 16 + 2 * 24 = 160 KB
+    d = 128 (80 x 128):   32 + 32 + 2 * 40 + 20 + 1 * 40 = 204 KB   (of 227; two dQ buffers: 244;
+                          the 64 x 128 tile: 32 + 32 + 2 * 32 + 16 + 2 * 32 = 208 KB)
 
 Compiled (sm_90a, bf16/fp16, causal and deterministic on/off, varlen, this ptxas): 0 spills, no
-local memory, 6 named barriers; shared memory 198656 / 164864 / 214016 bytes at d = 64 / 96 / 128;
-HGMMA per tile 32 / 28 / 32 (16 / 8 / 8 of them register-sourced), in each of the three copies of the tile body;
+local memory, named barriers 0-5 (0-3 with one dQ buffer); shared memory 198656 / 164864 / 209920
+bytes at d = 64 / 96 / 128; HGMMA per tile 32 / 28 / 34 (16 / 8 / 10 of them register-sourced), in
+each of the three copies of the tile body;
 UTMAREDG 2 / 6 / 4; no fp32 REDG. The consumers' wgmma descriptors live in uniform registers (their
 shared-memory operands are sliced by the warpgroup's first thread, marked warp-uniform): 535 SASS
 instructions per mask-free tile and warp at d = 128, against 698 with per-thread descriptors and the
@@ -105,7 +107,7 @@ back edge) -- the official kernel also drains its wgmmas inside each iteration.
 ``setmaxnreg`` 24 / 240 / 240: the three must sum to 3 x 168, the registers the CTA was launched
 with -- ``setmaxnreg.inc`` only takes what ``.dec`` released in the same CTA, so 32 / 240 / 240
 (65536 > 64512), tried for a writer-side varlen tail loop, hung on the H100.
-Tiles: 64 x 128 at d = 96 and 128 (step 2's); **128 x 128 at d = 64** (FA3's and the official FA4's
+Tiles: 64 x 128 at d = 96 (step 2's); **80 x 128 at d = 128** (below); **128 x 128 at d = 64** (FA3's and the official FA4's
 d = 64 tile): the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs 1536 / 1280 = 1.20) and half the
 per-tile overheads (barriers, hand-offs, row statistics) per unit of work. Its S^T and dP^T take
 64 registers each, and in the 64 x 128 order (dV issued before dS, dQ split by columns) the tile
@@ -126,6 +128,19 @@ Compiled: 0 spills, no serialization, every dtype / causal / deterministic / var
 On the H100 (both tiles in one process, ``tune_bwd_h100_run2_d64_128x128.json``) it is 4-18% faster
 than the 64 x 128 tile at d = 64, 2k-16k, causal or not; run 6 (``bwd_h100_run6.json``) puts it at
 0.93-1.02x of the official FA4, 4k-16k, against run 5's 0.86-0.90x with the 64 x 128 tile.
+
+**80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
+work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
+wgmma M, so the dQ GEMM is turned around, ``dq_swap_ab`` (default on when tile_m % 64 != 0):
+dQ^T (d x tm) = K^T dS^T, A = K^T and B = dS as MN-major views of sK and sdSt, the warpgroups split
+d (64 each, so d = 128 only). Its accumulator pairs are two adjacent *queries*, i.e. two rows of
+sdQ: 4-byte stores into a transposed view, conflict-free under the 128-byte swizzle (the 4 query
+rows of one store instruction XOR the 8 columns' 16-byte chunks apart). Registers: late_dv's order
+again, peak 64 + 64 + 40 + 40 (+ 20 while packing). SMEM fits one dQ buffer (``dq_buffers``, chosen
+from the budget): the writer has a whole tile's MMAs to read sdQ out before the next store. Paired
+rounds on the H100 (``ab_bwd_h100_run4_tile_80x128.json``) against the 64 x 128 tile: +3..+12%
+(causal included, so it is the default in every mode); run 8 (``bwd_h100_run8.json``): 0.96-1.08x of
+the official FA4 at 4k-16k.
 """
 from __future__ import annotations
 
