@@ -70,7 +70,9 @@ Barriers (named, hardware ids; 0 is __syncthreads, used only before the role spl
     2, 3     dQ full[0/1]: 256 consumer arrivals + the writer warp's sync = 288
     4, 5     dQ empty[0/1]: the writer warp's arrival + 256 consumer syncs = 288. Tile t waits
              "empty" only when t >= 2 and the writer arrives only when t + 2 < tiles, so every
-             barrier generation completes and none is left half-arrived at exit.
+             barrier generation completes and none is left half-arrived at exit. With one dQ
+             buffer (80 x 128) "full" is 2 and "empty" 3, tile t waits when t >= 1 and the writer
+             arrives when t + 1 < tiles.
 Q/dO/K/V: step 2's TMA producer warp and mbarrier ring, unchanged (inherited).
 
 Per tile (t) of a consumer warpgroup, wgmma groups committed in this order:
@@ -112,7 +114,7 @@ d = 64 tile): the better SMEM/MMA ratio (2816 / 2560 = 1.10 vs 1536 / 1280 = 1.2
 per-tile overheads (barriers, hand-offs, row statistics) per unit of work. Its S^T and dP^T take
 64 registers each, and in the 64 x 128 order (dV issued before dS, dQ split by columns) the tile
 spilled 172 bytes and ptxas serialized its wgmmas (C7512). Three changes fit it under 240, each
-a constructor option that defaults on for tile_m = 128:
+a constructor option that defaults on for tile_m = 128 (late_dv also for 80, below):
 
 * ``late_dv``: dS^T is formed right after the dP^T wait, P^T is packed to 16 bits only after
   that, and dV is issued after the dS^T stores (the official kernel's order), so the fp32 P^T, its
@@ -251,8 +253,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     def _sdq_layout(self, buffers: bool = True):
         """(tm, d, buffers) fp32 in 128-byte swizzled rows: the layout a TMA tensor copy understands,
         and the consumers' 8-byte stores of 8 rows land in 8 different bank groups. buffers=False:
-        one buffer's (tm, d) -- built, not sliced: this CuTe-DSL aborts slicing the buffer mode of
-        the swizzled layout when tm / 8 is not a power of two or 12 (tm = 80)."""
+        one buffer's (tm, d) -- built, not sliced: this CuTe-DSL aborts (SIGABRT, no message) slicing
+        the buffer mode of the swizzled layout for some row counts (seen at tm = 48, 72, 80, 112;
+        64, 96, 128 and 192 slice fine)."""
         # swizzle span sized for one consumer's d / 2 columns (the dQ wgmma splits N)
         atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.head_dim // NUM_WG_MMA)
         atom = warpgroup.make_smem_layout_atom(atom_kind, Float32)
