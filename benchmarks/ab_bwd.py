@@ -94,7 +94,8 @@ def main(argv=None) -> int:
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 o = flash_attn_func(qg, kg, vg, causal=causal)
                 o = o[0] if isinstance(o, tuple) else o
-                fns = {"official": lambda: o.backward(do, retain_graph=True)}
+                # autograd.grad: .backward would also add into .grad on every call (see bench_bwd.py)
+                fns = {"official": lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)}
                 ref = None
                 for n in specs:
                     fns[n] = lambda n=n: variants[n](q, k, v, out, do, lse, causal)
