@@ -129,7 +129,9 @@ a constructor option that defaults on for tile_m = 128 (late_dv also for 80, bel
 Compiled: 0 spills, no serialization, every dtype / causal / deterministic / varlen combination.
 On the H100 (both tiles in one process, ``tune_bwd_h100_run2_d64_128x128.json``) it is 4-18% faster
 than the 64 x 128 tile at d = 64, 2k-16k, causal or not; run 6 (``bwd_h100_run6.json``) puts it at
-0.93-1.02x of the official FA4, 4k-16k, against run 5's 0.86-0.90x with the 64 x 128 tile.
+0.93-1.02x of the official FA4, 4k-16k, against run 5's 0.86-0.90x with the 64 x 128 tile. (Runs
+1-8 timed the official backward through ``.backward()``, which also accumulated ``.grad``: their
+ratios read ~4-20% high; run 9 on is fair -- stage 4 README, "A correction".)
 
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
@@ -141,7 +143,7 @@ rows of one store instruction XOR the 8 columns' 16-byte chunks apart). Register
 again, peak 64 + 64 + 40 + 40 (+ 20 while packing). SMEM fits one dQ buffer (``dq_buffers``, chosen
 from the budget): the writer has a whole tile's MMAs to read sdQ out before the next store. Paired
 rounds on the H100 (``ab_bwd_h100_run4_tile_80x128.json``) against the 64 x 128 tile: +3..+12%
-(causal included, so it is the default in every mode); run 8 (``bwd_h100_run8.json``): 0.96-1.08x of
+(causal included, so it is the default in every mode); run 9 (``bwd_h100_run9.json``): 0.90-1.02x of
 the official FA4 at 4k-16k.
 """
 from __future__ import annotations
