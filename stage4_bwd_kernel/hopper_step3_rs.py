@@ -99,7 +99,7 @@ Compiled (sm_90a, bf16/fp16, causal and deterministic on/off, varlen, this ptxas
 local memory, named barriers 0-5 (0-3 with one dQ buffer); shared memory 198656 / 164864 / 209920
 bytes at d = 64 / 96 / 128; HGMMA per tile 32 / 28 / 34 (16 / 8 / 10 of them register-sourced), in
 each of the three copies of the tile body;
-UTMAREDG 2 / 6 / 4; no fp32 REDG. The consumers' wgmma descriptors live in uniform registers (their
+UTMAREDG 8 / 6 / 4 (32-byte spans at d = 64, see below); no fp32 REDG. The consumers' wgmma descriptors live in uniform registers (their
 shared-memory operands are sliced by the warpgroup's first thread, marked warp-uniform): 535 SASS
 instructions per mask-free tile and warp at d = 128, against 698 with per-thread descriptors and the
 mask test in every tile. ptxas must not serialize any wgmma (the compile tier checks its log): a
@@ -125,6 +125,15 @@ a constructor option that defaults on for tile_m = 128 (late_dv also for 80, bel
   columns each) instead of its d columns: each warpgroup reads half of dS once instead of all of it.
 * the epilogue's key offset / row count and the statistics' query offset live in SMEM (3 words)
   instead of registers live across the walk (varlen spilled 4-8 bytes without it).
+
+A fourth option, ``dq_swizzle32`` (on with dq_split_m): sdQ in 32-byte swizzle spans. A warpgroup
+now stores all 64 columns of its rows, and in a 128-byte span the XOR pattern puts rows r and r ^ 1
+of one 8-byte store on the same banks: Nsight Compute counted 2 extra wavefronts per dQ store (34 M
+of 406 M shared wavefronts). With 32-byte spans the 8 rows of a store are 8 consecutive 32-byte
+rows, conflict-free; the writer issues 8 TMA boxes per tile instead of 2, off the critical path.
+Paired rounds (``ab_bwd_h100_run10_dq_sw32.json``): +1..+8% at d = 64, 8k / 16k, causal or not; at
+d = 128 (80 x 128, 4-byte transposed stores that were conflict-free already) it lost 4-9%, so only
+the d = 64 tile uses it.
 
 Compiled: 0 spills, no serialization, every dtype / causal / deterministic / varlen combination.
 On the H100 (both tiles in one process, ``tune_bwd_h100_run2_d64_128x128.json``) it is 4-18% faster
@@ -225,7 +234,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  varlen: bool = False, has_seqused_k: bool = False, tile_m: int | None = None,
                  tile_n: int | None = None, num_stages: int = 2, dq_order=None, late_dv: bool | None = None,
                  dq_split_m: bool | None = None, dq_swap_ab: bool | None = None,
-                 dq_buffers: int | None = None):
+                 dq_buffers: int | None = None, dq_swizzle32: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -244,6 +253,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.dq_empty_barrier = DQ_FULL_BARRIER + self.dq_buffers
         self.late_dv = self.tile_m != 64 if late_dv is None else late_dv
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA if dq_split_m is None else dq_split_m
+        self.dq_swizzle32 = self.dq_split_m if dq_swizzle32 is None else dq_swizzle32
 
     def _default_dq_buffers(self) -> int:
         """Two dQ buffers when K, V, the Q/dO stages, dS^T and both fp32 dQ tiles fit the 227 KB of
@@ -253,13 +263,16 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         return DQ_BUFFERS if operands + DQ_BUFFERS * tm * d * 4 + 1024 <= SMEM_BYTES else 1
 
     def _sdq_layout(self, buffers: bool = True):
-        """(tm, d, buffers) fp32 in 128-byte swizzled rows: the layout a TMA tensor copy understands,
-        and the consumers' 8-byte stores of 8 rows land in 8 different bank groups. buffers=False:
+        """(tm, d, buffers) fp32 in swizzled rows: the layout a TMA tensor copy understands. The span
+        is sized for one consumer's d / 2 columns (128 bytes at d = 128, 64 at d = 96), or 32 bytes
+        with dq_swizzle32 (the d = 64 tile, whose warpgroups store all d columns of their rows: in a
+        128-byte span rows r and r ^ 1 of one 8-byte store share banks). buffers=False:
         one buffer's (tm, d) -- built, not sliced: this CuTe-DSL aborts (SIGABRT, no message) slicing
         the buffer mode of the swizzled layout for some row counts (seen at tm = 48, 72, 80, 112;
         64, 96, 128 and 192 slice fine)."""
         # swizzle span sized for one consumer's d / 2 columns (the dQ wgmma splits N)
-        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.head_dim // NUM_WG_MMA)
+        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32,
+                                                    8 if self.dq_swizzle32 else self.head_dim // NUM_WG_MMA)
         atom = warpgroup.make_smem_layout_atom(atom_kind, Float32)
         if not buffers:
             return cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))
@@ -714,6 +727,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
         acc_dK.store(acc_dK.load() * softmax_scale)
         offset_k, k_rows_left = sOffsets[0], sOffsets[1]
+        ctidx = thread_idx_fresh() - 128  # re-read: values derived from it, kept across the walk, spilled
         self.store_tile(acc_dK, tiled_mma_dK, sK, gmem_store_dK, ctidx,
                         cute.local_tile(cute.domain_offset((offset_k, 0), mdK[bidx, None, head_kv, None]),
                                         (tn, d), (n_block, 0)), (tn, d), k_rows_left)

@@ -133,11 +133,11 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert len(rs) == BODY_COPIES * 2 * (tm // 16), f"RS wgmmas: {len(rs)}"
 
     # (b) dQ: one TMA tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte
-    #     swizzle span of the d / 2 columns a consumer owns: 2 at d = 64, 6 at 96, 4 at 128), no
+    #     swizzle span of the d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64), no
     #     fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles)
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add\.tile\.bulk_group", ptx), \
         "no TMA tensor reduce in PTX"
-    spans = d // (32 if (d // 2) % 32 == 0 else 16)
+    spans = d // 8 if kernel.dq_swizzle32 else d // (32 if (d // 2) % 32 == 0 else 16)  # 32-byte spans at d = 64
     n_red = len(re.findall(r"\bUTMAREDG\b", sass))
     assert n_red and n_red % spans == 0, f"{n_red} UTMAREDG for {spans} spans"  # ptxas may duplicate the block
     assert not re.search(r"\bUBLKRED\b", sass), "row-wise bulk reduces left"
