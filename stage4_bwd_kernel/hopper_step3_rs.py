@@ -131,7 +131,8 @@ now stores all 64 columns of its rows, and in a 128-byte span the XOR pattern pu
 of one 8-byte store on the same banks: Nsight Compute counted 2 extra wavefronts per dQ store (34 M
 of 406 M shared wavefronts). With 32-byte spans the 8 rows of a store are 8 consecutive 32-byte
 rows, conflict-free; the writer issues 8 TMA boxes per tile instead of 2, off the critical path.
-Paired rounds (``ab_bwd_h100_run10_dq_sw32.json``): +1..+8% at d = 64, 8k / 16k, causal or not; at
+Paired rounds (``ab_bwd_h100_run10_dq_sw32.json``, ``..._run11_d64_swizzle32_default.json``): +1..+8%
+and +3..+8% at d = 64, 8k / 16k, causal or not; at
 d = 128 (80 x 128, 4-byte transposed stores that were conflict-free already) it lost 4-9%, so only
 the d = 64 tile uses it.
 
