@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from ab_fwd import paired_rounds, ratio_rows, write_results
+from ab_fwd import add_grid_args, paired_rounds, ratio_rows, write_results
 from bench_bwd import STEPS
 from bench_fwd import flops
 
@@ -67,13 +67,8 @@ def make_variant(spec: str):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", required=True, help="comma-separated step[@MxN][:order][+det]")
-    ap.add_argument("--dims", default="64")
-    ap.add_argument("--seqlens", default="8192,16384")
-    ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to run")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", required=True, help="comma-separated step[@MxN][:order][~option=int][+det]")
+    add_grid_args(ap, dims="64", dims_help="head dims", seqlens="8192,16384", rounds=7)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ab_bwd needs a CUDA GPU")

@@ -87,15 +87,20 @@ def write_results(path: str, rows: list, rounds: int):
         json.dump(doc, fh, indent=1)
 
 
+def add_grid_args(ap, *, dims: str, dims_help: str, seqlens: str, rounds: int):
+    """The problem grid and the rounds, shared by ab_fwd.py and ab_bwd.py."""
+    ap.add_argument("--dims", default=dims, help=dims_help)
+    ap.add_argument("--seqlens", default=seqlens)
+    ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to run")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", required=True, help="comma-separated module paths (official is always added)")
-    ap.add_argument("--dims", default="128", help="head dims, d or dxdv (e.g. 128,192x128)")
-    ap.add_argument("--seqlens", default="4096,16384")
-    ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to run")
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
+    add_grid_args(ap, dims="128", dims_help="head dims, d or dxdv (e.g. 128,192x128)", seqlens="4096,16384", rounds=9)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ab_fwd needs a CUDA GPU")

@@ -68,9 +68,6 @@ from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 STEP = "hopper_step3_warpspec"
 
 
-SMEM_BUDGET = 227 * 1024  # opt-in shared memory per CTA on sm_90
-
-
 def default_tile_n(head_dim: int, head_dim_v: int) -> int:
     """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S."""
     return 64 if max(head_dim, head_dim_v) > 192 else 128
@@ -80,7 +77,7 @@ def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int 
     """As many K/V stages as fit next to Q (2 bytes/element), between 2 and 4 (table above)."""
     q_bytes = tile_m * head_dim * 2
     stage_bytes = tile_n * (head_dim + head_dim_v) * 2
-    return max(2, min(4, (SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
+    return max(2, min(4, (common.SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -118,9 +118,6 @@ STEP = "hopper_step4_fa4_softmax"
 DEFAULT_POLICY = SoftmaxPolicy(DEFAULT_RESCALE_THRESHOLD, DEFAULT_EMULATION_FRACTION)
 
 
-SMEM_BUDGET = 227 * 1024  # opt-in shared memory per CTA on sm_90
-
-
 def default_tile_n(head_dim: int, head_dim_v: int) -> int:
     """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S."""
     return 64 if max(head_dim, head_dim_v) > 192 else 128
@@ -144,7 +141,7 @@ def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int 
     """As many K/V stages as fit next to Q (2 bytes/element), between 2 and 4 (step 3's table)."""
     q_bytes = tile_m * head_dim * 2
     stage_bytes = tile_n * (head_dim + head_dim_v) * 2
-    return max(2, min(4, (SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
+    return max(2, min(4, (common.SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -168,9 +168,10 @@ from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
-from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 from cutlass.memory.smem import SmemAllocator  # noqa: E402
 
+from stage3_fwd_kernel import common as fwd_common  # noqa: E402
 from stage3_fwd_kernel.hopper_step1_wgmma import acc_rowcol  # noqa: E402
 from stage4_bwd_kernel.hopper_step1 import gemm_issue  # noqa: E402
 from stage4_bwd_kernel.hopper_step2_warpspec import FlashAttentionBackwardSm90Step2  # noqa: E402
@@ -184,7 +185,6 @@ DQ_FULL_BARRIER = 2    # + buffer index; "dQ empty" follows the full ones (self.
 DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
 DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
 DQ_BUFFERS = 2        # one when two do not fit in SMEM (the 80 x 128 tile)
-SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
 REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the CTA's launch registers
 
@@ -207,23 +207,9 @@ def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 
 
 @dsl_user_op
-def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: cutlass.Constexpr[int], *,
-                        loc=None, ip=None) -> None:
-    """*gmem[0:n] += smem[0:n] (fp32, n = num_bytes / 4), done by the TMA unit in L2 (SASS UBLKRED):
-    ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``. Both addresses 16-byte
-    aligned, num_bytes a multiple of 16. Completion: ``cp.async.bulk.commit_group`` then
-    ``cp.async.bulk.wait_group[.read]`` by the issuing thread."""
-    g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
-    s = smem_ptr.toint(loc=loc, ip=ip).ir_value()
-    llvm.inline_asm(None, [g, s],
-                    f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], {num_bytes};", "l,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
 def thread_idx_fresh(*, loc=None, ip=None) -> Int32:
     """%tid.x read again where it is used (volatile asm: not merged with earlier reads)."""
-    return Int32(llvm.inline_asm(cutlass.Int32.mlir_type, [], "mov.u32 $0, %tid.x;", "=r",
+    return Int32(llvm.inline_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r",
                                  has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
@@ -261,7 +247,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         SMEM (+ 1 KB for barriers and row statistics), else one (80 x 128 at d = 128: 244 KB)."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         operands = (tn * (d + dv) + self.num_stages * tm * (d + dv) + tn * tm) * 2  # fp16 / bf16
-        return DQ_BUFFERS if operands + DQ_BUFFERS * tm * d * 4 + 1024 <= SMEM_BYTES else 1
+        return DQ_BUFFERS if operands + DQ_BUFFERS * tm * d * 4 + 1024 <= fwd_common.SMEM_BUDGET else 1
 
     def _sdq_layout(self, buffers: bool = True):
         """(tm, d, buffers) fp32 in swizzled rows: the layout a TMA tensor copy understands. The span
@@ -626,7 +612,6 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         lse2_row, dpsum_row = self.load_row_stats(mLSE2, mD, bidx, head_kv * qhead_per_kvhead, offset_q, m_block_min,
                                                   seqlen_q, n_m > 0)
         for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
-            head = head_kv * qhead_per_kvhead + head_in_group
             # Three segments of the same ascending walk: the Q tiles that need a mask (causal
             # diagonal, a partial last Q tile, a partial K/V tile) run a body compiled with the
             # per-element test, the others a body compiled without it -- no branch inside a body

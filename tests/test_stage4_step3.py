@@ -6,9 +6,10 @@ ValueError that names them, before anything is launched.
 
 compile tier (sm_90a, fake tensors, no GPU): every supported head dim, both dtypes, causal and
 deterministic on/off, varlen + seqused_k: no spills, no local memory, the wgmma count of the five
-GEMMs with dV / dK taking A from registers, the bulk reduce (PTX ``cp.reduce.async.bulk ...
-add.f32``, SASS ``UBLKRED``) and *no* fp32 atomics (REDG ... F32) left in the math warps, the six
-named barriers, TMA + setmaxnreg, and the semaphore protocol exactly in deterministic mode.
+GEMMs with dV / dK taking A from registers, the dQ TMA tensor reduce (PTX ``cp.reduce.async.bulk.tensor
+... add``, SASS ``UTMAREDG``, one per swizzle span) with neither row-wise bulk reduces (``UBLKRED``) nor
+fp32 atomics (REDG ... F32) left, the named barriers (six; four with one dQ buffer), TMA +
+setmaxnreg, and the semaphore protocol exactly in deterministic mode.
 
 gpu tier (H100/H200; skipped here): dq/dk/dv follow FA4's rule against fp32 autograd over odd
 seqlens, causal, GQA 1/2/8, all supported head dims, fp16, varlen with empty sequences and
