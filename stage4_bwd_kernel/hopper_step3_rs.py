@@ -136,6 +136,18 @@ and +3..+8% at d = 64, 8k / 16k, causal or not; at
 d = 128 (80 x 128, 4-byte transposed stores that were conflict-free already) it lost 4-9%, so only
 the d = 64 tile uses it.
 
+A fifth, ``stats_shuffle`` (default on for tile_m = 128, i.e. d = 64; the official kernel's way for
+its d = 64 tile): the row statistics lse2 / D of a Q tile are needed per *column* of S^T / dP^T, tm / 4
+different ones per thread (32 at d = 64: 16 LDS.64 each for lse2 and D per tile). Each lane now keeps 4
+of them in registers (one LDS.128 from a permuted sLSE2 / sD, ``stats_slot``) and fetches each one it
+needs with a shfl.idx from the lane that holds it (``stats_shuffle_source``). Why it pays: with the
+exp2 of the tile removed altogether (a diagnostic build, lse2 loads included) d = 64 ran 15-20% faster,
+as fast as the official kernel; with the exp2 kept and only the lse2 loads removed, 3-6% faster
+(``probe_bwd_h100_d64_phase_ablation.json``, ``..._exp_phase.json``): likely because LDS and MUFU
+share the MIO instruction queue. Paired rounds: +0.4..+3.0% and, in an earlier build, +1..+5% at 8k / 16k
+(``ab_bwd_h100_run12_stats_shuffle.json``). At d = 128 (tm = 80) ptxas serialized the wgmmas with it,
+so that tile keeps the LDS.
+
 Compiled: 0 spills, no serialization, every dtype / causal / deterministic / varlen combination.
 On the H100 (both tiles in one process, ``tune_bwd_h100_run2_d64_128x128.json``) it is 4-18% faster
 than the 64 x 128 tile at d = 64, 2k-16k, causal or not; run 6 (``bwd_h100_run6.json``) puts it at
@@ -154,7 +166,7 @@ again, peak 64 + 64 + 40 + 40 (+ 20 while packing). SMEM fits one dQ buffer (``d
 from the budget): the writer has a whole tile's MMAs to read sdQ out before the next store. Paired
 rounds on the H100 (``ab_bwd_h100_run4_tile_80x128.json``) against the 64 x 128 tile: +3..+12%
 (causal included, so it is the default in every mode); run 9 (``bwd_h100_run9.json``): 0.90-1.02x of
-the official FA4 at 4k-16k.
+the official FA4 at 4k-16k, run 10 (``bwd_h100_run10.json``, same d = 128 kernel) 0.90-1.03x.
 """
 from __future__ import annotations
 
@@ -186,6 +198,7 @@ DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
 DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
 DQ_BUFFERS = 2        # one when two do not fit in SMEM (the 80 x 128 tile)
 RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+STATS_SHUFFLE_ROWS = 128  # 32 lanes x 4 statistics (stats_shuffle)
 REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the CTA's launch registers
 
 
@@ -206,6 +219,23 @@ def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     return {(64, 64): (128, 128), (128, 128): (80, 128)}.get((head_dim, head_dim_v), (64, 128))
 
 
+# Row statistics by shuffle (stats_shuffle, the official kernel's technique for its d = 64 tile, read in
+# its flash_bwd_sm90.py; no code used). Column c of a thread's S^T / dP^T accumulator (row-col view of a
+# 64 x tm wgmma C fragment) is query 8 (c // 2) + 2 (lane % 4) + c % 2: tm / 4 different statistics per
+# thread and tile, read from SMEM as tm / 8 LDS.64 each for lse2 and D. Instead lane l keeps the 4 queries
+# 16 (l // 4) + 8 h + 2 (l % 4) + e (h, e in {0, 1}) in registers (one LDS.128 per tile) and each use is
+# a shfl.idx from the lane that holds it, with the same register index in every lane (as shfl needs).
+def stats_slot(q):
+    """SMEM position of query row q's statistic, so that lane l's 4 values are slots 4 l .. 4 l + 3."""
+    return q // 16 * 16 + (q % 8) // 2 * 4 + (q % 16) // 8 * 2 + q % 2
+
+
+def stats_shuffle_source(c: int, lane):
+    """(source lane, register index) holding the statistic of accumulator column c of this lane."""
+    j = c // 2
+    return (j // 2) * 4 + lane % 4, (j % 2) * 2 + c % 2
+
+
 @dsl_user_op
 def thread_idx_fresh(*, loc=None, ip=None) -> Int32:
     """%tid.x read again where it is used (volatile asm: not merged with earlier reads)."""
@@ -221,7 +251,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  varlen: bool = False, has_seqused_k: bool = False, tile_m: int | None = None,
                  tile_n: int | None = None, num_stages: int = 2, dq_order=None, late_dv: bool | None = None,
                  dq_split_m: bool | None = None, dq_swap_ab: bool | None = None,
-                 dq_buffers: int | None = None, dq_swizzle32: bool | None = None):
+                 dq_buffers: int | None = None, dq_swizzle32: bool | None = None,
+                 stats_shuffle: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -241,6 +272,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.late_dv = self.tile_m != 64 if late_dv is None else late_dv
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA if dq_split_m is None else dq_split_m
         self.dq_swizzle32 = self.dq_split_m if dq_swizzle32 is None else dq_swizzle32
+        self.stats_shuffle = self.tile_m == 128 if stats_shuffle is None else stats_shuffle
+        if self.stats_shuffle and (self.tile_m > STATS_SHUFFLE_ROWS or self.tile_m % 16):
+            raise ValueError(f"tiles: stats_shuffle spreads the row statistics of a Q tile over the "
+                             f"{STATS_SHUFFLE_ROWS // 4} lanes of a warp, 4 each, so it needs tile_m a multiple of 16 "
+                             f"up to {STATS_SHUFFLE_ROWS}, got {self.tile_m}")
 
     def _default_dq_buffers(self) -> int:
         """Two dQ buffers when K, V, the Q/dO stages, dS^T and both fp32 dQ tiles fit the 227 KB of
@@ -326,13 +362,15 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
         self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
+        stats_len = STATS_SHUFFLE_ROWS if self.stats_shuffle else tm
+
         @cute.struct
         class SharedStorage:
             mbar_KV: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, tm], 128]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, tm], 128]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
             sOffsets: cute.struct.MemRange[Int32, 3]  # (offset_k, key rows left, offset_q), see consume
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
@@ -504,15 +542,31 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                    seqlen_q, next_head < qhead_per_kvhead)
 
     @cute.jit
+    def load_quad_stats(self, sStat: cute.Tensor) -> cute.Tensor:
+        """This lane's 4 statistics (slots 4 lane .. 4 lane + 3: one LDS.128)."""
+        per_lane = cute.make_tensor(sStat.iterator, cute.make_layout((4, STATS_SHUFFLE_ROWS // 4), stride=(1, 4)))
+        quad = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+        cute.autovec_copy(per_lane[None, cute.arch.lane_idx()], quad)
+        return quad
+
+    @cute.jit
+    def shuffled_stat(self, quad: cute.Tensor, c: cutlass.Constexpr[int]) -> Float32:
+        """The statistic of this thread's accumulator column c, fetched from the lane that holds it."""
+        src_lane, reg = stats_shuffle_source(c, cute.arch.lane_idx())
+        return cute.arch.shuffle_sync(quad[reg], src_lane)
+
+    @cute.jit
     def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, softmax_scale_log2: Float32,
                    key_limit: Int32, diag: Int32, q_rows_left: Int32, masked: cutlass.Constexpr[bool]):
         """P^T = exp2(S^T * scale_log2 - lse2) in place; masked=True also sends masked scores to -inf.
         The walk compiles both versions (its segments): with one body and the test behind a runtime
         `if`, the compiler turned the test into selects that every tile paid (~100 FSEL / ISETP /
         VIADD per tile and warp at d = 128)."""
+        if const_expr(self.stats_shuffle):
+            lse2_quad = self.load_quad_stats(sLSE2)
         for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
             col = tScS_rc[0, c][1]
-            lse2 = sLSE2[col]
+            lse2 = self.shuffled_stat(lse2_quad, c) if const_expr(self.stats_shuffle) else sLSE2[col]
             for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
                 s = acc_S_rc[r, c]
                 if const_expr(masked):
@@ -636,8 +690,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     #     GEMMs run. B1: the statistics are visible, and both warpgroups have finished
                     #     the previous tile (its dQ wgmma read sdSt; its P / dS read sLSE2 / sD).
                     if ctidx < tm:
-                        sLSE2[ctidx] = lse2_row
-                        sD[ctidx] = dpsum_row
+                        slot = stats_slot(ctidx) if const_expr(self.stats_shuffle) else ctidx
+                        sLSE2[slot] = lse2_row
+                        sD[slot] = dpsum_row
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
                     # ... and those of the next tile of the walk: the global load's latency hides
                     # under this tile instead of stalling all 256 threads at B1 (18% of their stall
@@ -666,8 +721,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 2d. dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and dS^T -> smem for dQ
                     warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
                     acc_dP_rc = acc_rowcol(acc_dP)
+                    if const_expr(self.stats_shuffle):
+                        dpsum_quad = self.load_quad_stats(sD)
                     for c in cutlass.range_constexpr(num_cols):
-                        dpsum = sD[tScS_rc[0, c][1]]
+                        if const_expr(self.stats_shuffle):
+                            dpsum = self.shuffled_stat(dpsum_quad, c)
+                        else:
+                            dpsum = sD[tScS_rc[0, c][1]]
                         for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                             acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
                     if const_expr(self.late_dv):

@@ -77,6 +77,25 @@ def test_tiles_must_split_keys_across_the_two_warpgroups():
         mod.make_kernel(None, 128, 128, False, False, tiles=(80, 128), dq_swap_ab=False)
 
 
+@pytest.mark.cpu
+def test_stats_shuffle_finds_every_column_statistic():
+    """stats_shuffle: lane l keeps slots 4 l .. 4 l + 3 of sLSE2 / sD; the shuffle source of each of a
+    lane's accumulator columns (query 8 (c // 2) + 2 (l % 4) + c % 2) must be the slot of that query."""
+    mod = _mod()
+    assert sorted(mod.stats_slot(q) for q in range(mod.STATS_SHUFFLE_ROWS)) == list(range(mod.STATS_SHUFFLE_ROWS))
+    for tm in (64, 80, 128):
+        for lane in range(32):
+            for c in range(tm // 4):
+                src, reg = mod.stats_shuffle_source(c, lane)
+                query = 8 * (c // 2) + 2 * (lane % 4) + c % 2
+                assert 0 <= reg < 4 and mod.stats_slot(query) == 4 * src + reg, (tm, lane, c)
+    assert mod.make_kernel(None, 64, 64, False, False).stats_shuffle
+    assert not mod.make_kernel(None, 128, 128, False, False).stats_shuffle
+    assert not mod.make_kernel(None, 64, 64, False, False, tiles=(64, 128)).stats_shuffle
+    with pytest.raises(ValueError, match="stats_shuffle"):
+        mod.make_kernel(None, 64, 64, False, False, tiles=(192, 128), stats_shuffle=True)
+
+
 # ============================================================================== compile tier
 BODY_COPIES = 3  # the walk's masked / unmasked / masked segments each compile the tile body
 
@@ -132,6 +151,10 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert rep["HGMMA"] == BODY_COPIES * _expected_hgmma(d, dv, tm, tn, kernel.dq_split_m, kernel.dq_swap_ab)
     rs = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass)
     assert len(rs) == BODY_COPIES * 2 * (tm // 16), f"RS wgmmas: {len(rs)}"
+
+    # row statistics: 2 x tm / 4 shuffles per body with stats_shuffle (d = 64), none in the body otherwise
+    n_shfl = sass.count("SHFL.IDX")
+    assert (n_shfl >= BODY_COPIES * tm // 2) == kernel.stats_shuffle, f"{n_shfl} SHFL.IDX"
 
     # (b) dQ: one TMA tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte
     #     swizzle span of the d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64), no
