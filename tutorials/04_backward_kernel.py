@@ -446,11 +446,16 @@ if s4_hopper is not None:
 # %%
 import json
 import pathlib
+import re
 
 import stage0_reference
 
+def run_number(path):  # "run10" sorts after "run9"
+    return int(re.search(r"_run(\d+)", path.name).group(1))
+
+
 bwd_runs = sorted((pathlib.Path(stage0_reference.__file__).resolve().parents[1] / "benchmarks" / "results")
-                  .glob("bwd_h100*.json"))
+                  .glob("bwd_h100*.json"), key=run_number)
 if not bwd_runs:
     print("No backward measurement committed yet (benchmarks/results/bwd_h100*.json is absent): the Hopper")
     print("backward's speed is PENDING, and so is its deterministic-vs-default cost on hardware.")
