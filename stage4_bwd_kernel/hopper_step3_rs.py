@@ -556,14 +556,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         return cute.arch.shuffle_sync(quad[reg], src_lane)
 
     @cute.jit
-    def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, softmax_scale_log2: Float32,
-                   key_limit: Int32, diag: Int32, q_rows_left: Int32, masked: cutlass.Constexpr[bool]):
+    def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, lse2_quad,
+                   softmax_scale_log2: Float32, key_limit: Int32, diag: Int32, q_rows_left: Int32,
+                   masked: cutlass.Constexpr[bool]):
         """P^T = exp2(S^T * scale_log2 - lse2) in place; masked=True also sends masked scores to -inf.
         The walk compiles both versions (its segments): with one body and the test behind a runtime
         `if`, the compiler turned the test into selects that every tile paid (~100 FSEL / ISETP /
         VIADD per tile and warp at d = 128)."""
-        if const_expr(self.stats_shuffle):
-            lse2_quad = self.load_quad_stats(sLSE2)
         for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
             col = tScS_rc[0, c][1]
             lse2 = self.shuffled_stat(lse2_quad, c) if const_expr(self.stats_shuffle) else sLSE2[col]
@@ -694,6 +693,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                         sLSE2[slot] = lse2_row
                         sD[slot] = dpsum_row
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+                    # stats_shuffle: this lane's 4 lse2 now, so the LDS runs under the S^T wait (ptxas keeps
+                    # loads below a wgmma wait): +0..+3% at d = 64, ab_bwd_h100_run13_lse2_quad_early.json
+                    lse2_quad = self.load_quad_stats(sLSE2) if const_expr(self.stats_shuffle) else None
                     # ... and those of the next tile of the walk: the global load's latency hides
                     # under this tile instead of stalling all 256 threads at B1 (18% of their stall
                     # samples at d = 128 when it was loaded here for this tile). The 128-query tile
@@ -708,8 +710,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     warpgroup.wait_group(1)
                     acc_S_rc = acc_rowcol(acc_S)
                     key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-                    self.exp_scores(acc_S_rc, tScS_rc, sLSE2, softmax_scale_log2, key_limit, diag, q_rows_left,
-                                    masked=masked)
+                    self.exp_scores(acc_S_rc, tScS_rc, sLSE2, lse2_quad, softmax_scale_log2, key_limit, diag,
+                                    q_rows_left, masked=masked)
                     # P^T -> 16-bit A fragment of dV (same registers order as the accumulator), dV += P^T dO
                     tdVrPt = cute.make_rmem_tensor(thr_dV.partition_shape_A((tn, tm)), self.dtype)
                     tdVrPt_acc = cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape))
