@@ -542,16 +542,21 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                    seqlen_q, next_head < qhead_per_kvhead)
 
     @cute.jit
-    def load_quad_stats(self, sStat: cute.Tensor) -> cute.Tensor:
-        """This lane's 4 statistics (slots 4 lane .. 4 lane + 3: one LDS.128)."""
+    def load_quad_stats(self, sStat: cute.Tensor):
+        """With stats_shuffle, this lane's 4 statistics (slots 4 lane .. 4 lane + 3: one LDS.128); else None."""
+        if const_expr(not self.stats_shuffle):
+            return None
         per_lane = cute.make_tensor(sStat.iterator, cute.make_layout((4, STATS_SHUFFLE_ROWS // 4), stride=(1, 4)))
         quad = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         cute.autovec_copy(per_lane[None, cute.arch.lane_idx()], quad)
         return quad
 
     @cute.jit
-    def shuffled_stat(self, quad: cute.Tensor, c: cutlass.Constexpr[int]) -> Float32:
-        """The statistic of this thread's accumulator column c, fetched from the lane that holds it."""
+    def column_stat(self, sStat: cute.Tensor, quad, c: cutlass.Constexpr[int], col: Int32) -> Float32:
+        """The statistic of this thread's accumulator column c (query col): shuffled from the lane that
+        holds it (stats_shuffle), else read from SMEM."""
+        if const_expr(not self.stats_shuffle):
+            return sStat[col]
         src_lane, reg = stats_shuffle_source(c, cute.arch.lane_idx())
         return cute.arch.shuffle_sync(quad[reg], src_lane)
 
@@ -565,7 +570,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         VIADD per tile and warp at d = 128)."""
         for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
             col = tScS_rc[0, c][1]
-            lse2 = self.shuffled_stat(lse2_quad, c) if const_expr(self.stats_shuffle) else sLSE2[col]
+            lse2 = self.column_stat(sLSE2, lse2_quad, c, col)
             for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
                 s = acc_S_rc[r, c]
                 if const_expr(masked):
@@ -695,7 +700,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
                     # stats_shuffle: this lane's 4 lse2 now, so the LDS runs under the S^T wait (ptxas keeps
                     # loads below a wgmma wait): +0..+3% at d = 64, ab_bwd_h100_run13_lse2_quad_early.json
-                    lse2_quad = self.load_quad_stats(sLSE2) if const_expr(self.stats_shuffle) else None
+                    lse2_quad = self.load_quad_stats(sLSE2)
                     # ... and those of the next tile of the walk: the global load's latency hides
                     # under this tile instead of stalling all 256 threads at B1 (18% of their stall
                     # samples at d = 128 when it was loaded here for this tile). The 128-query tile
@@ -723,13 +728,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 2d. dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and dS^T -> smem for dQ
                     warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
                     acc_dP_rc = acc_rowcol(acc_dP)
-                    if const_expr(self.stats_shuffle):
-                        dpsum_quad = self.load_quad_stats(sD)
+                    dpsum_quad = self.load_quad_stats(sD)
                     for c in cutlass.range_constexpr(num_cols):
-                        if const_expr(self.stats_shuffle):
-                            dpsum = self.shuffled_stat(dpsum_quad, c)
-                        else:
-                            dpsum = sD[tScS_rc[0, c][1]]
+                        dpsum = self.column_stat(sD, dpsum_quad, c, tScS_rc[0, c][1])
                         for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                             acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
                     if const_expr(self.late_dv):
