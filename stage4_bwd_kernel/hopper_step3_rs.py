@@ -45,10 +45,10 @@ read from SMEM, and P^T goes through SMEM too) and its math warpgroups stall on 
     rows of one warp store land in 8 different bank groups (conflict-free) and the TMA unit can read
     it -- fences the generic->async proxy and *arrives* on the named barrier "dQ full[b]"; it does
     not wait. Warp 1 of the producer warpgroup (the dQ writer) waits on "dQ full[b]", and one of its
-    lanes (elected inside the TMA copy) issues one TMA tensor reduce-add of the whole tile (``cp.reduce.async.bulk.tensor ... add``,
-    SASS ``UTMAREDG``, one per swizzle span; rows past seqlen_q lie outside the tensor and are
-    skipped), a commit, and ``cp.async.bulk.wait_group.read 0``; then the warp *arrives* on "dQ
-    empty[b]", which the consumers wait on before they overwrite sdQ[b] two tiles later. So the
+    lanes (elected inside the TMA copy) issues one TMA tensor reduce-add per warpgroup's share of the
+    tile (``cp.reduce.async.bulk.tensor ... add``, SASS ``UTMAREDG``, one per swizzle span; rows past
+    seqlen_q lie outside the tensor and are skipped), a commit, and ``cp.async.bulk.wait_group.read
+    0``; then the warp *arrives* on "dQ empty[b]", which the consumers wait on before they overwrite sdQ[b] two tiles later. So the
     math warpgroups run up to one tile ahead of the reduction. Varlen: the last tile of a sequence
     also adds into the next sequence's first rows -- exactly +-0 (those queries' P, dS and dQ are
     0), which leaves every value, and deterministic mode's bits, unchanged (a sum of signed zeros
@@ -73,6 +73,9 @@ Barriers (named, hardware ids; 0 is __syncthreads, used only before the role spl
              barrier generation completes and none is left half-arrived at exit. With one dQ
              buffer (80 x 128) "full" is 2 and "empty" 3, tile t waits when t >= 1 and the writer
              arrives when t + 1 < tiles.
+    Decoupled warpgroups (``decoupled``, the d = 64 tile; see the end): B1 becomes each warpgroup's
+    own (2 + w, 128 threads), "sdSt free" barriers (4 + w) take over its guard of sdSt, and dQ full /
+    empty are per buffer and warpgroup (6 + 2 b + w, then 10 + 2 b + w; 160 threads each).
 Q/dO/K/V: step 2's TMA producer warp and mbarrier ring, unchanged (inherited).
 
 Per tile (t) of a consumer warpgroup, wgmma groups committed in this order:
@@ -155,6 +158,27 @@ than the 64 x 128 tile at d = 64, 2k-16k, causal or not; run 6 (``bwd_h100_run6.
 1-8 timed the official backward through ``.backward()``, which also accumulated ``.grad``: their
 ratios read ~4-20% high; run 9 on is fair -- stage 4 README, "A correction".)
 
+A sixth, ``decoupled`` (default on for tile_m = 128, i.e. d = 64; the official kernel's warpgroups work
+this way, read in its flash_bwd_sm90.py, no code used): the warpgroups meet once per tile, at B2, instead
+of three times. Nsight Compute (``ncu_bwd_h100_d64_main_kernel.md``, "Phases") had both warpgroups
+waiting for S^T together after B1, and the 288-thread "dQ empty" barrier locking them to each other
+and to the writer. So:
+* each warpgroup stages all tm rows of the statistics in its own copy of sLSE2 / sD and syncs only its
+  own 128 threads (B1 per warpgroup); every read of the previous tile's copy precedes B2, which every
+  writer of the next tile has passed;
+* B1 also kept a warpgroup from storing the next tile's dS^T while the other's dQ wgmma still reads
+  sdSt: now warpgroup w bar.syncs "sdSt free[w]" right before those stores (from its second tile on),
+  and the other warpgroup bar.arrives on it as soon as its dQ wgmma has completed -- a tile earlier, so
+  the sync almost never waits;
+* sdQ holds each warpgroup's share of a tile (its 64 query rows) as a tile of its own, the writer
+  reduce-adds each share as soon as its warpgroup has arrived on "dQ full[b][w]" (160 threads: one
+  warpgroup + the writer), and frees share 0 as soon as it has been read.
+Every barrier id is then computed at run time (``bar.sync`` takes it in a register), so ptxas
+reserves all 16. Paired rounds at d = 64 (``ab_bwd_h100_run14_decoupled_d64.json``,
+``..._run15_decoupled_early_empty.json``): +5..+7% non-causal, +1..+5% causal, 8k / 16k. At d = 128
+(80 x 128, one dQ buffer) it lost 10-12% (``ab_bwd_h100_run14_decoupled_d128_not_kept.json``; not
+analysed), so that tile stays coupled. In deterministic mode both give the same bits (gpu tier).
+
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
 wgmma M, so the dQ GEMM is turned around, ``dq_swap_ab`` (default on when tile_m % 64 != 0):
@@ -195,6 +219,11 @@ NUM_CONSUMER_THREADS = 128 * NUM_WG_MMA
 CONSUMER_BARRIER = 1
 DQ_FULL_BARRIER = 2    # + buffer index; "dQ empty" follows the full ones (self.dq_empty_barrier)
 DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
+# decoupled warpgroups: per-warpgroup row statistics and "sdSt free" barriers, then the per-warpgroup dQ
+# full / empty barriers of one consumer warpgroup + the writer warp
+STATS_BARRIER, SDST_FREE_BARRIER, DQ_FULL_BARRIER_WG = 2, 2 + NUM_WG_MMA, 2 + 2 * NUM_WG_MMA
+DQ_SYNC_THREADS_WG = 128 + 32
+NUM_NAMED_BARRIERS = 16
 DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
 DQ_BUFFERS = 2        # one when two do not fit in SMEM (the 80 x 128 tile)
 RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
@@ -252,7 +281,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  tile_n: int | None = None, num_stages: int = 2, dq_order=None, late_dv: bool | None = None,
                  dq_split_m: bool | None = None, dq_swap_ab: bool | None = None,
                  dq_buffers: int | None = None, dq_swizzle32: bool | None = None,
-                 stats_shuffle: bool | None = None):
+                 stats_shuffle: bool | None = None, decoupled: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -268,7 +297,16 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                              f"{self.head_dim}, tile_m {self.tile_m}")
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
         self.dq_buffers = self._default_dq_buffers() if dq_buffers is None else dq_buffers
-        self.dq_empty_barrier = DQ_FULL_BARRIER + self.dq_buffers
+        self.decoupled = self.tile_m == 128 if decoupled is None else decoupled
+        # named barrier ids: "dQ full" per buffer (x warpgroup when decoupled), then "dQ empty" alike
+        dq_slots = self.dq_buffers * (NUM_WG_MMA if self.decoupled else 1)
+        self.dq_full_barrier = DQ_FULL_BARRIER_WG if self.decoupled else DQ_FULL_BARRIER
+        self.dq_empty_barrier = self.dq_full_barrier + dq_slots
+        self.dq_sync_threads = DQ_SYNC_THREADS_WG if self.decoupled else DQ_SYNC_THREADS
+        self.num_barriers = self.dq_empty_barrier + dq_slots   # ids 0 .. num_barriers - 1
+        if self.num_barriers > NUM_NAMED_BARRIERS:
+            raise ValueError(f"dq_buffers: {self.dq_buffers} dQ buffers{' with decoupled warpgroups' * self.decoupled} "
+                             f"need {self.num_barriers} named barriers; a CTA has {NUM_NAMED_BARRIERS}")
         self.late_dv = self.tile_m != 64 if late_dv is None else late_dv
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA if dq_split_m is None else dq_split_m
         self.dq_swizzle32 = self.dq_split_m if dq_swizzle32 is None else dq_swizzle32
@@ -285,21 +323,40 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         operands = (tn * (d + dv) + self.num_stages * tm * (d + dv) + tn * tm) * 2  # fp16 / bf16
         return DQ_BUFFERS if operands + DQ_BUFFERS * tm * d * 4 + 1024 <= fwd_common.SMEM_BUDGET else 1
 
-    def _sdq_layout(self, buffers: bool = True):
-        """(tm, d, buffers) fp32 in swizzled rows: the layout a TMA tensor copy understands. The span
-        is sized for one consumer's d / 2 columns (128 bytes at d = 128, 64 at d = 96), or 32 bytes
-        with dq_swizzle32 (the d = 64 tile, whose warpgroups store all d columns of their rows: in a
-        128-byte span rows r and r ^ 1 of one 8-byte store share banks). buffers=False:
-        one buffer's (tm, d) -- built, not sliced: this CuTe-DSL aborts (SIGABRT, no message) slicing
-        the buffer mode of the swizzled layout for some row counts (seen at tm = 48, 72, 80, 112;
-        64, 96, 128 and 192 slice fine)."""
-        # swizzle span sized for one consumer's d / 2 columns (the dQ wgmma splits N)
+    def _dq_share(self) -> tuple[int, int]:
+        """(rows, columns) of one consumer warpgroup's share of a dQ tile: its 64 query rows (dq_split_m)
+        or its d / 2 columns (the dQ wgmma splits N, or with dq_swap_ab the M of dQ^T)."""
+        if self.dq_split_m:
+            return self.tile_m // NUM_WG_MMA, self.head_dim
+        return self.tile_m, self.head_dim // NUM_WG_MMA
+
+    def _sdq_layout(self, shares: bool = True):
+        """(rows, cols, warpgroups x buffers) fp32: each consumer's share of a dQ tile (_dq_share) is a
+        tile of its own, swizzled rows that one TMA tensor copy reads (share s = buffer * 2 + warpgroup),
+        so the writer can reduce each warpgroup's share as soon as that warpgroup has stored it. The
+        span is sized for d / 2 columns (128 bytes at d = 128, 64 at d = 96), or 32 bytes with
+        dq_swizzle32 (the d = 64 tile, whose warpgroups store all d columns of their rows: in a
+        128-byte span rows r and r ^ 1 of one 8-byte store share banks). shares=False: one share --
+        built, not sliced: this CuTe-DSL aborts (SIGABRT, no message) slicing the last mode of a
+        swizzled layout for some row counts (seen at 48, 72, 80, 112)."""
         atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32,
                                                     8 if self.dq_swizzle32 else self.head_dim // NUM_WG_MMA)
         atom = warpgroup.make_smem_layout_atom(atom_kind, Float32)
-        if not buffers:
-            return cute.tile_to_shape(atom, (self.tile_m, self.head_dim), (0, 1))
-        return cute.tile_to_shape(atom, (self.tile_m, self.head_dim, self.dq_buffers), (0, 1, 2))
+        rows, cols = self._dq_share()
+        if not shares:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, NUM_WG_MMA * self.dq_buffers), (0, 1, 2))
+
+    def _sdq_tile_view(self) -> cute.Layout:
+        """(tm, d, buffers) -> index into the shares of _sdq_layout: the dQ tiles as the consumers' MMA
+        partitions see them (warpgroup w's rows or columns land in share buffer * 2 + w)."""
+        rows, cols = self._dq_share()
+        share = rows * cols
+        if self.dq_split_m:
+            return cute.make_layout(((rows, NUM_WG_MMA), cols, self.dq_buffers),
+                                    stride=((1, share), rows, NUM_WG_MMA * share))
+        return cute.make_layout((rows, (cols, NUM_WG_MMA), self.dq_buffers),
+                                stride=(1, (rows, share), NUM_WG_MMA * share))
 
     # -------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -355,14 +412,16 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             tma_load, seq_dim_first(mdO), cute.slice_(sdO_layout, (None, None, 0)), (tm, dv))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mK), sK_layout, (tn, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mV), sV_layout, (tn, dv))
-        # dQ: one TMA reduce-add of the whole (tm, d) fp32 tile from sdQ[b] into dQaccum
+        # dQ: one TMA reduce-add per warpgroup share of a tile (_dq_share) from sdQ into dQaccum
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_dim_first(mdQacc), self._sdq_layout(buffers=False), (tm, d))
+            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_dim_first(mdQacc), self._sdq_layout(shares=False),
+            self._dq_share())
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
         self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
         self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
 
-        stats_len = STATS_SHUFFLE_ROWS if self.stats_shuffle else tm
+        # decoupled: one copy of the row statistics per consumer warpgroup
+        stats_len = (STATS_SHUFFLE_ROWS if self.stats_shuffle else tm) * (NUM_WG_MMA if self.decoupled else 1)
 
         @cute.struct
         class SharedStorage:
@@ -450,82 +509,108 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     @cute.jit
     def write_dq(self, walk, storage, mdQacc: cute.Tensor, tma_dQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom,
                  mSemaphore: cute.Tensor, sdQ_layout: cute.ComposedLayout):
-        """sdQ[t % 2] -> dQaccum with one TMA tensor reduce-add per tile (lane 0 issues, the warp syncs)."""
-        tm, tn, d = self.tile_m, self.tile_n, self.head_dim
+        """Each dQ tile's two warpgroup shares -> dQaccum, one TMA tensor reduce-add each (one lane
+        issues, the warp syncs): decoupled, each share as soon as its warpgroup has stored it."""
+        tm, tn = self.tile_m, self.tile_n
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
         lane = cute.arch.lane_idx()
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (tm, d, buffers)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (rows, cols, shares)
+        share = self._dq_share()
         n_m = m_block_max - m_block_min
         n_tiles = qhead_per_kvhead * n_m
         for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + head_in_group
-            gdQ = cute.local_tile(cute.domain_offset((offset_q, 0), tma_dQ[None, None, head, bidx]), (tm, d),
-                                  (None, 0))                                     # (tm, d, m_blocks)
+            gdQ = cute.local_tile(cute.domain_offset((offset_q, 0), tma_dQ[None, None, head, bidx]), share,
+                                  (None, None))                                  # (rows, cols, m, n)
             tDsD, tDgD = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
                                                cute.group_modes(gdQ, 0, 2))
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 t = head_in_group * n_m + m_block - m_block_min
                 buf = t % self.dq_buffers
-                # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced)
-                self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=False)
-                if const_expr(self.deterministic):
-                    n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
-                                                         imin=cutlass.min)
-                    sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
-                    common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
-                # 2. the whole tile in one TMA reduce-add. Rows past the sequence: dense, they lie outside
-                #    the tensor and the TMA unit skips them; varlen, they are the next sequence's first
-                #    rows, and what lands there is exactly +-0 (those queries' P, hence dS and dQ, are
-                #    0), which changes no value -- and the sign of a sum of zeros does not depend on
-                #    the order of the adds, so deterministic mode stays bitwise reproducible.
-                #    The whole warp calls the TMA copy (it elects one lane with elect.sync, which needs
-                #    the warp converged); every lane commits and waits on its own (possibly empty)
-                #    bulk group, so the issuing lane, whichever it is, waits for its reduce.
-                if const_expr(self.deterministic):
-                    cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
-                    cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
-                cute.copy(tma_atom_dQ, tDsD[None, buf], tDgD[None, m_block])
-                cute.arch.cp_async_bulk_commit_group()
+                # a loop, not unrolled: each TMA copy expands to one elected issue per swizzle span,
+                # and two copies' worth of them spilled the writer's 24 registers
+                for w in cutlass.range(NUM_WG_MMA, unroll=1):
+                    # 1. the consumers' share w of the tile is in sdQ (their stores were proxy-fenced);
+                    #    coupled, one barrier covers both shares
+                    if self.decoupled or w == 0:
+                        self.dq_barrier(self.dq_full_barrier, buf, w, wait=True)
+                    if self.deterministic and w == 0:
+                        n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
+                                                             imin=cutlass.min)
+                        common.semaphore_wait(common.elem_pointer(mSemaphore, (batch, head, m_block)),
+                                              self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
+                        cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
+                        cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
+                    # 2. one TMA reduce-add per share. Rows past the sequence: dense, they lie outside
+                    #    the tensor and the TMA unit skips them; varlen, they are the next sequence's
+                    #    first rows, and what lands there is exactly +-0 (those queries' P, hence dS and
+                    #    dQ, are 0), which changes no value -- and the sign of a sum of zeros does not
+                    #    depend on the order of the adds, so deterministic mode stays bitwise reproducible.
+                    #    The whole warp calls the TMA copy (it elects one lane with elect.sync, which
+                    #    needs the warp converged); every lane commits and waits on its own (possibly
+                    #    empty) bulk group, so the issuing lane, whichever it is, waits for its reduce.
+                    g_m, g_n = m_block, w
+                    if const_expr(self.dq_split_m):
+                        g_m, g_n = m_block * NUM_WG_MMA + w, 0
+                    cute.copy(tma_atom_dQ, tDsD[None, buf * NUM_WG_MMA + w], tDgD[None, g_m, g_n])
+                    cute.arch.cp_async_bulk_commit_group()
+                refill = t + self.dq_buffers < n_tiles  # a tile t + buffers will wait for this buffer
                 if const_expr(self.deterministic):
                     # the adds must have *landed* before the next CTA in the order may add
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
                     cute.arch.fence_proxy("async.global")
                     cute.arch.sync_warp()
-                    common.semaphore_signal(sem, lane)
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # sdQ[buf] has been read
+                    # (the pointer is formed again: kept from the acquire, it spilled in the writer's 24 registers)
+                    common.semaphore_signal(common.elem_pointer(mSemaphore, (batch, head, m_block)), lane)
+                elif const_expr(self.decoupled):
+                    # 3. share 0 may be refilled once it has been read, whatever share 1 is doing
+                    cute.arch.cp_async_bulk_wait_group(1, read=True)
+                    cute.arch.sync_warp()
+                    if refill:
+                        self.dq_barrier(self.dq_empty_barrier, buf, 0, wait=False)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the shares have been read
                 cute.arch.sync_warp()
-                # 3. sdQ[buf] may be refilled (only if a tile t + 2 will wait for it)
-                if t + self.dq_buffers < n_tiles:
-                    self.dq_barrier(self.dq_empty_barrier, buf, arrive=True)
+                # 3. the buffer (its last share, decoupled) may be refilled
+                if refill:
+                    for w in cutlass.range_constexpr(NUM_WG_MMA if self.decoupled else 1):
+                        if const_expr(not self.decoupled or self.deterministic or w > 0):
+                            self.dq_barrier(self.dq_empty_barrier, buf, w, wait=False)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
 
     @cute.jit
-    def dq_barrier(self, base: cutlass.Constexpr[int], buf: Int32, arrive: cutlass.Constexpr[bool]):
-        """bar.arrive / bar.sync on named barrier base + buf, with a compile-time id per buffer."""
-        for b in cutlass.range_constexpr(self.dq_buffers):
-            if buf == b:
-                if const_expr(arrive):
-                    cute.arch.barrier_arrive(barrier_id=base + b, number_of_threads=DQ_SYNC_THREADS)
-                else:
-                    cute.arch.barrier(barrier_id=base + b, number_of_threads=DQ_SYNC_THREADS)
+    def dq_barrier(self, base: cutlass.Constexpr[int], buf: Int32, w, wait: cutlass.Constexpr[bool]):
+        """bar.sync (wait) or bar.arrive on the dQ hand-off's named barrier of buffer buf (and,
+        decoupled, warpgroup w); the id is computed at run time (bar.sync takes it in a register)."""
+        bar_id = base + buf
+        if const_expr(self.decoupled):
+            bar_id = base + buf * NUM_WG_MMA + w
+        if const_expr(wait):
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=self.dq_sync_threads)
+        else:
+            cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=self.dq_sync_threads)
 
     # -------------------------------------------------------------- consumer warpgroups
     @cute.jit
     def load_row_stats(self, mLSE2: cute.Tensor, mD: cute.Tensor, bidx: Int32, head: Int32, offset_q: Int32,
                        m_block: Int32, seqlen_q: Int32, valid):
-        """(lse2, D) of query row m_block * tile_m + ctidx for the consumer threads ctidx < tile_m; +inf
-        and 0 for rows past the sequence, for the other threads, and when not valid (no such tile).
-        ctidx is read from %tid.x here, not passed in: kept live across the walk, it spilled (80 x 128)."""
+        """(lse2, D) of query row m_block * tile_m + r for the consumer threads whose r = stats_row(ctidx)
+        < tile_m; +inf and 0 for rows past the sequence, for the other threads, and when not valid (no
+        such tile). ctidx is read from %tid.x here, not passed in: kept live across the walk, it
+        spilled (80 x 128)."""
         lse2, dpsum = Float32.inf, Float32(0.0)
-        ctidx = thread_idx_fresh() - 128
-        row = m_block * self.tile_m + ctidx
-        if valid & (ctidx < self.tile_m) & (row < seqlen_q):
+        r = self.stats_row(thread_idx_fresh() - 128)
+        row = m_block * self.tile_m + r
+        if valid & (r < self.tile_m) & (row < seqlen_q):
             lse2 = mLSE2[bidx, head, offset_q + row]
             dpsum = mD[bidx, head, offset_q + row]
         return lse2, dpsum
+
+    def stats_row(self, ctidx):
+        """The query row (of the tile) whose statistics consumer thread ctidx stages: decoupled, every
+        warpgroup stages all rows in its own copy; else the first tile_m consumer threads do."""
+        return ctidx % 128 if const_expr(self.decoupled) else ctidx
 
     @cute.jit
     def next_row_stats(self, walk, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head_in_group: Int32,
@@ -598,7 +683,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (tn, d)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)          # (tn, dv)
         sdSt = storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tn, tm)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)      # (tm, d, 2) fp32
+        sdQ = cute.composition(storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),
+                               self._sdq_tile_view())                             # (tm, d, buffers) fp32
         sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm, stages), order=(1, 0, 2)))
         sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm, stages), order=(1, 0, 2)))
         sKt = cute.composition(sK, cute.make_ordered_layout((d, tn), order=(1, 0)))
@@ -612,7 +698,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         # by its first thread, marked warp-uniform, keeps the descriptor arithmetic in uniform
         # registers (sliced by ctidx, every descriptor was rebuilt per thread: ~130 IMAD.MOV / IADD3 /
         # R2UR per tile and warp at d = 128). Accumulators and copies stay sliced by ctidx.
-        wg_first = cute.arch.make_warp_uniform(ctidx // 128) * 128
+        wg = cute.arch.make_warp_uniform(ctidx // 128)
+        wg_first = wg * 128
         wg_SdP, wg_dV = tiled_mma_SdP.get_slice(wg_first), tiled_mma_dV.get_slice(wg_first)
         wg_dK, wg_dQ = tiled_mma_dK.get_slice(wg_first), tiled_mma_dQ.get_slice(wg_first)
         tSrK = wg_SdP.make_fragment_A(wg_SdP.partition_A(sK))         # this warpgroup's 64 keys
@@ -647,8 +734,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             sdQ = cute.composition(sdQ, cute.make_ordered_layout((d, tm, self.dq_buffers), order=(1, 0, 2)))
         dq_shape = (d, tm) if const_expr(self.dq_swap_ab) else (tm, d)
         num_cols = cute.size(tScS_rc, mode=[1])
-        sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
-        sD = storage.sD.get_tensor(cute.make_layout(tm))
+        stats_len = STATS_SHUFFLE_ROWS if const_expr(self.stats_shuffle) else tm
+        copies = NUM_WG_MMA if const_expr(self.decoupled) else 1
+        stats_copy = wg if const_expr(self.decoupled) else 0
+        sLSE2 = storage.sLSE2.get_tensor(cute.make_layout((stats_len, copies)))[None, stats_copy]
+        sD = storage.sD.get_tensor(cute.make_layout((stats_len, copies)))[None, stats_copy]
 
         # The epilogue's key offset and row count, and the query offset of the row statistics, wait in
         # SMEM rather than in registers live across the walk: with them there, the d = 64 varlen
@@ -664,6 +754,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
 
         # 2. the walk: (query head of the group) x (Q tile)
         n_m = m_block_max - m_block_min
+        n_tiles = qhead_per_kvhead * n_m
         hot_lo, hot_hi = schedule.unmasked_m_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal, m_block_min,
                                                    m_block_max, imin=cutlass.min, imax=cutlass.max)
         segments = ((m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, m_block_max, True))
@@ -693,11 +784,17 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 2b. row statistics (loaded into registers one tile ahead) into smem while the
                     #     GEMMs run. B1: the statistics are visible, and both warpgroups have finished
                     #     the previous tile (its dQ wgmma read sdSt; its P / dS read sLSE2 / sD).
-                    if ctidx < tm:
-                        slot = stats_slot(ctidx) if const_expr(self.stats_shuffle) else ctidx
+                    #     Decoupled, B1 is the warpgroup's own (its copy of the statistics; every
+                    #     read of the previous tile's precedes B2), and sdSt is guarded apart (2d).
+                    stats_r = self.stats_row(ctidx)
+                    if stats_r < tm:
+                        slot = stats_slot(stats_r) if const_expr(self.stats_shuffle) else stats_r
                         sLSE2[slot] = lse2_row
                         sD[slot] = dpsum_row
-                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+                    if const_expr(self.decoupled):
+                        cute.arch.barrier(barrier_id=STATS_BARRIER + wg, number_of_threads=128)
+                    else:
+                        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
                     # stats_shuffle: this lane's 4 lse2 now, so the LDS runs under the S^T wait (ptxas keeps
                     # loads below a wgmma wait): +0..+3% at d = 64, ab_bwd_h100_run13_lse2_quad_early.json
                     lse2_quad = self.load_quad_stats(sLSE2)
@@ -739,6 +836,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     tdKrdSt = cute.make_rmem_tensor(thr_dK.partition_shape_A((tn, tm)), self.dtype)
                     tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
                     tdSrdS.store(acc_dP.load().to(self.dtype))
+                    if const_expr(self.decoupled):
+                        # the other warpgroup's dQ wgmma of the previous tile has read sdSt
+                        if t > 0:
+                            cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + wg, number_of_threads=nthr)
                     cute.copy(smem_copy_dS, thr_smem_dS.retile(tdSrdS), tdSsdSt)
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
                     if const_expr(self.late_dv):
@@ -754,6 +855,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     gemm_issue(tiled_mma_dQ, acc_dQ, tdQrA, tdQrB, zero_init=True)
                     gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt[None, None, None, st.index], zero_init=False)
                     warpgroup.wait_group(1)  # dV and dQ done, dK may run
+                    if const_expr(self.decoupled):
+                        if t + 1 < n_tiles:  # this warpgroup's dQ has read sdSt: the other may overwrite it
+                            cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - wg,
+                                                     number_of_threads=nthr)
                     # dP^T and dV have read dO_i: its stage goes back now, not after dK (the official
                     # kernel's order; +2.5..+3.8% at d = 128, ab_bwd_h100_run3_early_do_release.json)
                     pipe_dO.consumer_release(st)
@@ -764,10 +869,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 2f. hand dQ_i to the writer warp: sdQ[buf] free (t >= 2) -> store -> proxy fence -> arrive
                     buf = t % self.dq_buffers
                     if t >= self.dq_buffers:
-                        self.dq_barrier(self.dq_empty_barrier, buf, arrive=False)
+                        self.dq_barrier(self.dq_empty_barrier, buf, wg, wait=True)
                     cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
-                    self.dq_barrier(DQ_FULL_BARRIER, buf, arrive=True)
+                    self.dq_barrier(self.dq_full_barrier, buf, wg, wait=False)
                     warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
                     pipe_Q.consumer_release(st)
 
