@@ -177,7 +177,8 @@ Every barrier id is then computed at run time (``bar.sync`` takes it in a regist
 reserves all 16. Paired rounds at d = 64 (``ab_bwd_h100_run14_decoupled_d64.json``,
 ``..._run15_decoupled_early_empty.json``): +5..+7% non-causal, +1..+5% causal, 8k / 16k. At d = 128
 (80 x 128, one dQ buffer) it lost 10-12% (``ab_bwd_h100_run14_decoupled_d128_not_kept.json``; not
-analysed), so that tile stays coupled. In deterministic mode both give the same bits (gpu tier).
+analysed), so that tile stays coupled. In deterministic mode both give the same bits (gpu tier) and
+the same speed within -2..0% (``ab_bwd_h100_run17_decoupled_deterministic.json``), so one default serves both.
 
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
