@@ -74,8 +74,9 @@ Barriers (named, hardware ids; 0 is __syncthreads, used only before the role spl
              buffer (80 x 128) "full" is 2 and "empty" 3, tile t waits when t >= 1 and the writer
              arrives when t + 1 < tiles.
     Decoupled warpgroups (``decoupled``, the d = 64 tile; see the end): B1 becomes each warpgroup's
-    own (2 + w, 128 threads), "sdSt free" barriers (4 + w) take over its guard of sdSt, and dQ full /
-    empty are per buffer and warpgroup (6 + 2 b + w, then 10 + 2 b + w; 160 threads each).
+    own (2 + w, 128 threads), "sdSt free" barriers (4 + w) take over its guard of sdSt, "dQ full[b]"
+    is 6 + b (288, as above), and "dQ empty" is per buffer and warpgroup (6 + buffers + 2 b + w, 160
+    threads: the writer's arrival + one warpgroup's sync).
 Q/dO/K/V: step 2's TMA producer warp and mbarrier ring, unchanged (inherited).
 
 Per tile (t) of a consumer warpgroup, wgmma groups committed in this order:
@@ -171,11 +172,16 @@ and to the writer. So:
   and the other warpgroup bar.arrives on it as soon as its dQ wgmma has completed -- a tile earlier, so
   the sync almost never waits;
 * sdQ holds each warpgroup's share of a tile (its 64 query rows) as a tile of its own, the writer
-  reduce-adds each share as soon as its warpgroup has arrived on "dQ full[b][w]" (160 threads: one
-  warpgroup + the writer), and frees share 0 as soon as it has been read.
+  reduce-adds the shares one TMA copy each, frees share 0 as soon as it has been read, and each
+  warpgroup waits only for its own share to be free ("dQ empty[b][w]", 160 threads). "dQ full" stays
+  one barrier per buffer: the consumers only arrive on it, and a warpgroup that is ahead cannot be a
+  whole buffer ahead of the writer's wait anyway (B2). Per-warpgroup "full" barriers measured the
+  same (runs 14 / 15 against run 18) and took 2 more ids.
 Every barrier id is then computed at run time (``bar.sync`` takes it in a register), so ptxas
 reserves all 16. Paired rounds at d = 64 (``ab_bwd_h100_run14_decoupled_d64.json``,
-``..._run15_decoupled_early_empty.json``): +5..+7% non-causal, +1..+5% causal, 8k / 16k. At d = 128
+``..._run15_decoupled_early_empty.json``, ``..._run18_decoupled_shared_full_dq_buffers3.json``): +5..+7%
+non-causal, +1..+5% causal, 8k / 16k. Three dQ buffers (232448 bytes of SMEM, exactly the 227 KB)
+measured -1..+2% against two in run 18: not the default. At d = 128
 (80 x 128, one dQ buffer) it lost 10-12% (``ab_bwd_h100_run14_decoupled_d128_not_kept.json``; not
 analysed), so that tile stays coupled. In deterministic mode both give the same bits (gpu tier) and
 the same speed within -2..0% (``ab_bwd_h100_run17_decoupled_deterministic.json``), so one default serves both.
@@ -223,7 +229,7 @@ DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
 # decoupled warpgroups: per-warpgroup row statistics and "sdSt free" barriers, then the per-warpgroup dQ
 # full / empty barriers of one consumer warpgroup + the writer warp
 STATS_BARRIER, SDST_FREE_BARRIER, DQ_FULL_BARRIER_WG = 2, 2 + NUM_WG_MMA, 2 + 2 * NUM_WG_MMA
-DQ_SYNC_THREADS_WG = 128 + 32
+DQ_EMPTY_SYNC_THREADS_WG = 128 + 32
 NUM_NAMED_BARRIERS = 16
 DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
 DQ_BUFFERS = 2        # one when two do not fit in SMEM (the 80 x 128 tile)
@@ -300,11 +306,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.dq_buffers = self._default_dq_buffers() if dq_buffers is None else dq_buffers
         self.decoupled = self.tile_m == 128 if decoupled is None else decoupled
         # named barrier ids: "dQ full" per buffer (x warpgroup when decoupled), then "dQ empty" alike
-        dq_slots = self.dq_buffers * (NUM_WG_MMA if self.decoupled else 1)
+        # "dQ full" per buffer: both consumer warpgroups arrive (never wait) and the writer syncs; "dQ empty"
+        # per buffer, and per warpgroup when decoupled (only the warpgroup that refills a share waits for it)
         self.dq_full_barrier = DQ_FULL_BARRIER_WG if self.decoupled else DQ_FULL_BARRIER
-        self.dq_empty_barrier = self.dq_full_barrier + dq_slots
-        self.dq_sync_threads = DQ_SYNC_THREADS_WG if self.decoupled else DQ_SYNC_THREADS
-        self.num_barriers = self.dq_empty_barrier + dq_slots   # ids 0 .. num_barriers - 1
+        self.dq_empty_barrier = self.dq_full_barrier + self.dq_buffers
+        self.dq_empty_threads = DQ_EMPTY_SYNC_THREADS_WG if self.decoupled else DQ_SYNC_THREADS
+        self.num_barriers = self.dq_empty_barrier + self.dq_buffers * (NUM_WG_MMA if self.decoupled else 1)
         if self.num_barriers > NUM_NAMED_BARRIERS:
             raise ValueError(f"dq_buffers: {self.dq_buffers} dQ buffers{' with decoupled warpgroups' * self.decoupled} "
                              f"need {self.num_barriers} named barriers; a CTA has {NUM_NAMED_BARRIERS}")
@@ -529,20 +536,18 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 t = head_in_group * n_m + m_block - m_block_min
                 buf = t % self.dq_buffers
+                # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced)
+                cute.arch.barrier(barrier_id=self.dq_full_barrier + buf, number_of_threads=DQ_SYNC_THREADS)
+                if const_expr(self.deterministic):
+                    n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
+                                                         imin=cutlass.min)
+                    common.semaphore_wait(common.elem_pointer(mSemaphore, (batch, head, m_block)),
+                                          self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
+                    cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
+                    cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
                 # a loop, not unrolled: each TMA copy expands to one elected issue per swizzle span,
                 # and two copies' worth of them spilled the writer's 24 registers
                 for w in cutlass.range(NUM_WG_MMA, unroll=1):
-                    # 1. the consumers' share w of the tile is in sdQ (their stores were proxy-fenced);
-                    #    coupled, one barrier covers both shares
-                    if self.decoupled or w == 0:
-                        self.dq_barrier(self.dq_full_barrier, buf, w, wait=True)
-                    if self.deterministic and w == 0:
-                        n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
-                                                             imin=cutlass.min)
-                        common.semaphore_wait(common.elem_pointer(mSemaphore, (batch, head, m_block)),
-                                              self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
-                        cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
-                        cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
                     # 2. one TMA reduce-add per share. Rows past the sequence: dense, they lie outside
                     #    the tensor and the TMA unit skips them; varlen, they are the next sequence's
                     #    first rows, and what lands there is exactly +-0 (those queries' P, hence dS and
@@ -569,28 +574,29 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     cute.arch.cp_async_bulk_wait_group(1, read=True)
                     cute.arch.sync_warp()
                     if refill:
-                        self.dq_barrier(self.dq_empty_barrier, buf, 0, wait=False)
+                        self.dq_empty(buf, 0, wait=False)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the shares have been read
                 cute.arch.sync_warp()
                 # 3. the buffer (its last share, decoupled) may be refilled
                 if refill:
                     for w in cutlass.range_constexpr(NUM_WG_MMA if self.decoupled else 1):
                         if const_expr(not self.decoupled or self.deterministic or w > 0):
-                            self.dq_barrier(self.dq_empty_barrier, buf, w, wait=False)
+                            self.dq_empty(buf, w, wait=False)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
 
     @cute.jit
-    def dq_barrier(self, base: cutlass.Constexpr[int], buf: Int32, w, wait: cutlass.Constexpr[bool]):
-        """bar.sync (wait) or bar.arrive on the dQ hand-off's named barrier of buffer buf (and,
-        decoupled, warpgroup w); the id is computed at run time (bar.sync takes it in a register)."""
-        bar_id = base + buf
+    def dq_empty(self, buf: Int32, w, wait: cutlass.Constexpr[bool]):
+        """bar.sync (a consumer warpgroup, wait) or bar.arrive (the writer) on "dQ empty" of buffer buf --
+        and, decoupled, of warpgroup w's share; the id is computed at run time (bar.sync takes it in a
+        register)."""
+        bar_id = self.dq_empty_barrier + buf
         if const_expr(self.decoupled):
-            bar_id = base + buf * NUM_WG_MMA + w
+            bar_id = self.dq_empty_barrier + buf * NUM_WG_MMA + w
         if const_expr(wait):
-            cute.arch.barrier(barrier_id=bar_id, number_of_threads=self.dq_sync_threads)
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=self.dq_empty_threads)
         else:
-            cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=self.dq_sync_threads)
+            cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=self.dq_empty_threads)
 
     # -------------------------------------------------------------- consumer warpgroups
     @cute.jit
@@ -870,10 +876,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 2f. hand dQ_i to the writer warp: sdQ[buf] free (t >= 2) -> store -> proxy fence -> arrive
                     buf = t % self.dq_buffers
                     if t >= self.dq_buffers:
-                        self.dq_barrier(self.dq_empty_barrier, buf, wg, wait=True)
+                        self.dq_empty(buf, wg, wait=True)
                     cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
-                    self.dq_barrier(self.dq_full_barrier, buf, wg, wait=False)
+                    cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier + buf, number_of_threads=DQ_SYNC_THREADS)
                     warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
                     pipe_Q.consumer_release(st)
 

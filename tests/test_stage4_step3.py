@@ -171,10 +171,12 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert n_red >= spans, f"{n_red} UTMAREDG for {spans} spans"  # ptxas may peel or duplicate the loop
     assert not re.search(r"\bUBLKRED\b", sass), "row-wise bulk reduces left"
     assert not re.search(r"\bREDG?\.E\.ADD\.F32", sass), "fp32 atomics left in the kernel"
-    # dQ hand-off: consumers arrive on "full", the writer on "empty" -- with both consumer warpgroups (288
-    # threads), or decoupled with one (160), and then each warpgroup also syncs its own statistics (128)
-    assert len(re.findall(rf"bar\.arrive\s+\S+, {kernel.dq_sync_threads};", ptx)) >= 2
-    assert kernel.dq_sync_threads == (160 if kernel.decoupled else 288)
+    # dQ hand-off: both consumer warpgroups arrive on "full" (288 threads with the writer); the writer
+    # arrives on "empty", per warpgroup when decoupled (160 threads), and then each warpgroup also syncs
+    # its own statistics (128)
+    assert re.search(r"bar\.arrive\s+\S+, 288;", ptx)
+    assert len(re.findall(rf"bar\.arrive\s+\S+, {kernel.dq_empty_threads};", ptx)) >= 2
+    assert kernel.dq_empty_threads == (160 if kernel.decoupled else 288)
     assert bool(re.search(r"bar\.sync\s+%r\d+, 128;", ptx)) == kernel.decoupled
 
     # deterministic: the semaphore protocol (in the writer warp), nothing of it otherwise
