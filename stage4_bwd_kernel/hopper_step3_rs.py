@@ -183,7 +183,9 @@ reserves all 16. Paired rounds at d = 64 (``ab_bwd_h100_run14_decoupled_d64.json
 non-causal, +1..+5% causal, 8k / 16k. Three dQ buffers (232448 bytes of SMEM, exactly the 227 KB)
 measured -1..+2% against two in run 18: not the default. At d = 128
 (80 x 128, one dQ buffer) it lost 10-12% (``ab_bwd_h100_run14_decoupled_d128_not_kept.json``; not
-analysed), so that tile stays coupled. In deterministic mode both give the same bits (gpu tier) and
+analysed), so that tile stays coupled; at d = 96 (64 x 128, two dQ buffers) one paired point each
+measured +5% non-causal and a tie causal at 8k (``ab_bwd_h100_run19_d96_decoupled.json``): too little to
+move that default without more rounds. In deterministic mode both give the same bits (gpu tier) and
 the same speed within -2..0% (``ab_bwd_h100_run17_decoupled_deterministic.json``), so one default serves both.
 
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
