@@ -48,7 +48,8 @@ read from SMEM, and P^T goes through SMEM too) and its math warpgroups stall on 
     lanes (elected inside the TMA copy) issues one TMA tensor reduce-add per warpgroup's share of the
     tile (``cp.reduce.async.bulk.tensor ... add``, SASS ``UTMAREDG``, one per swizzle span; rows past
     seqlen_q lie outside the tensor and are skipped), a commit, and ``cp.async.bulk.wait_group.read
-    0``; then the warp *arrives* on "dQ empty[b]", which the consumers wait on before they overwrite sdQ[b] two tiles later. So the
+    0``; then the warp *arrives* on "dQ empty[b]", which the consumers wait on before they overwrite
+    sdQ[b] two tiles later. So the
     math warpgroups run up to one tile ahead of the reduction. Varlen: the last tile of a sequence
     also adds into the next sequence's first rows -- exactly +-0 (those queries' P, dS and dQ are
     0), which leaves every value, and deterministic mode's bits, unchanged (a sum of signed zeros
@@ -228,9 +229,9 @@ NUM_CONSUMER_THREADS = 128 * NUM_WG_MMA
 CONSUMER_BARRIER = 1
 DQ_FULL_BARRIER = 2    # + buffer index; "dQ empty" follows the full ones (self.dq_empty_barrier)
 DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
-# decoupled warpgroups: per-warpgroup row statistics and "sdSt free" barriers, then the per-warpgroup dQ
-# full / empty barriers of one consumer warpgroup + the writer warp
-STATS_BARRIER, SDST_FREE_BARRIER, DQ_FULL_BARRIER_WG = 2, 2 + NUM_WG_MMA, 2 + 2 * NUM_WG_MMA
+# decoupled warpgroups: per-warpgroup row statistics and "sdSt free" barriers, then "dQ full" per buffer
+# and "dQ empty" per buffer and warpgroup (one consumer warpgroup + the writer warp)
+STATS_BARRIER, SDST_FREE_BARRIER, DQ_FULL_BARRIER_DECOUPLED = 2, 2 + NUM_WG_MMA, 2 + 2 * NUM_WG_MMA
 DQ_EMPTY_SYNC_THREADS_WG = 128 + 32
 NUM_NAMED_BARRIERS = 16
 DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
@@ -307,10 +308,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
         self.dq_buffers = self._default_dq_buffers() if dq_buffers is None else dq_buffers
         self.decoupled = self.tile_m == 128 if decoupled is None else decoupled
-        # named barrier ids: "dQ full" per buffer (x warpgroup when decoupled), then "dQ empty" alike
         # "dQ full" per buffer: both consumer warpgroups arrive (never wait) and the writer syncs; "dQ empty"
         # per buffer, and per warpgroup when decoupled (only the warpgroup that refills a share waits for it)
-        self.dq_full_barrier = DQ_FULL_BARRIER_WG if self.decoupled else DQ_FULL_BARRIER
+        self.dq_full_barrier = DQ_FULL_BARRIER_DECOUPLED if self.decoupled else DQ_FULL_BARRIER
         self.dq_empty_barrier = self.dq_full_barrier + self.dq_buffers
         self.dq_empty_threads = DQ_EMPTY_SYNC_THREADS_WG if self.decoupled else DQ_SYNC_THREADS
         self.num_barriers = self.dq_empty_barrier + self.dq_buffers * (NUM_WG_MMA if self.decoupled else 1)
@@ -572,14 +572,14 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # (the pointer is formed again: kept from the acquire, it spilled in the writer's 24 registers)
                     common.semaphore_signal(common.elem_pointer(mSemaphore, (batch, head, m_block)), lane)
                 elif const_expr(self.decoupled):
-                    # 3. share 0 may be refilled once it has been read, whatever share 1 is doing
+                    # 3a. share 0 may be refilled once it has been read, whatever share 1 is doing
                     cute.arch.cp_async_bulk_wait_group(1, read=True)
                     cute.arch.sync_warp()
                     if refill:
                         self.dq_empty(buf, 0, wait=False)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the shares have been read
                 cute.arch.sync_warp()
-                # 3. the buffer (its last share, decoupled) may be refilled
+                # 3b. the buffer (its last share, decoupled) may be refilled
                 if refill:
                     for w in cutlass.range_constexpr(NUM_WG_MMA if self.decoupled else 1):
                         if const_expr(not self.decoupled or self.deterministic or w > 0):
