@@ -24,7 +24,8 @@ SOURCE = os.path.join(ROOT, "stage4_bwd_kernel", "hopper_step3_rs.py")
 # name -> (what is cut, regex, replacement); each regex must match exactly once
 ABLATIONS = {
     "no_dq_reduce": ("the writer warp's TMA reduce-add of dQ (it still waits and hands buffers back)",
-                     r"^(\s*)cute\.copy\(tma_atom_dQ, tDsD\[None, buf\], tDgD\[None, m_block\]\)$", r"\1pass"),
+                     r"^(\s*)cute\.copy\(tma_atom_dQ, tDsD\[None, buf \* NUM_WG_MMA \+ w\], tDgD\[None, g_m, g_n\]\)$",
+                     r"\1pass"),
     "no_exp": ("exp2 of the scores (P^T = S^T * scale - lse2, one FFMA)",
                r"cute\.math\.exp2\(s \* softmax_scale_log2 - lse2, fastmath=True\)", "s * softmax_scale_log2 - lse2"),
     "no_dq_gemm": ("the dQ = dS K wgmma (zeros are stored and reduced instead)",
