@@ -12,7 +12,10 @@ real only when it is wider than the spread.
 
 An implementation is a module path with `attention_forward(q, k, v, causal=...)` returning
 (out, lse) (any ladder step, or an untracked copy at the repo root with its own STEP name), or
-`official`. Each implementation's output is checked against the official one before timing.
+`official`, optionally followed by keyword arguments of that `attention_forward`:
+`stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~tile_m=128` (numbers only;
+each distinct set is its own compiled kernel). Each implementation's output is checked against
+the official one before timing.
 """
 from __future__ import annotations
 
@@ -29,16 +32,37 @@ import torch
 from bench_fwd import flops, versions
 
 
+def parse_impl(spec: str) -> tuple[str, dict]:
+    """'module~name=number~...' -> (module, {name: int or float}); a clear SystemExit otherwise."""
+    module, *kw_specs = spec.split("~")
+    kwargs = {}
+    for kw in kw_specs:
+        name, eq, value = kw.partition("=")
+        if not (eq and name.isidentifier()):
+            raise SystemExit(f"--impls: {spec!r}: keyword arguments must read ~name=number, got {kw!r}")
+        try:
+            kwargs[name] = int(value)
+        except ValueError:
+            try:
+                kwargs[name] = float(value)
+            except ValueError:
+                raise SystemExit(f"--impls: {spec!r}: {name}={value!r} is not a number") from None
+    if module == "official" and kwargs:
+        raise SystemExit(f"--impls: the official kernel takes no keyword arguments here ({spec!r})")
+    return module, kwargs
+
+
 def make_impl(spec: str):
-    if spec == "official":
+    module, kwargs = parse_impl(spec)
+    if module == "official":
         from flash_attn.cute.interface import flash_attn_func
 
         def official(q, k, v, c):
             out = flash_attn_func(q, k, v, causal=c)
             return out[0] if isinstance(out, tuple) else out
         return official
-    mod = importlib.import_module(spec)
-    return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c)[0]
+    mod = importlib.import_module(module)
+    return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c, **kwargs)[0]
 
 
 def time_ms(fn, target_ms: float = 40.0) -> float:

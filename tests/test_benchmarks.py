@@ -94,6 +94,21 @@ def test_ab_bwd_variant_specs_parse_and_bad_ones_name_what_is_expected():
         ab_bwd.make_variant("step1~late_dv=1")
 
 
+def test_ab_fwd_impl_specs_parse_keyword_arguments_and_bad_ones_name_what_is_expected():
+    import ab_fwd
+
+    assert ab_fwd.parse_impl("official") == ("official", {})
+    module, kwargs = ab_fwd.parse_impl("stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~tile_m=128")
+    assert module == "stage3_fwd_kernel.hopper_step4_fa4_softmax"
+    assert kwargs == {"emulation_fraction": 0.125, "tile_m": 128} and type(kwargs["tile_m"]) is int
+    with pytest.raises(SystemExit, match="must read ~name=number"):
+        ab_fwd.parse_impl("stage3_fwd_kernel.hopper~tile_m")
+    with pytest.raises(SystemExit, match="'x' is not a number"):
+        ab_fwd.parse_impl("stage3_fwd_kernel.hopper~tile_m=x")
+    with pytest.raises(SystemExit, match="official kernel takes no keyword"):
+        ab_fwd.parse_impl("official~tile_m=128")
+
+
 def test_backward_benchmarks_time_peers_without_grad_accumulation():
     """The peers' backward is timed through torch.autograd.grad: `out.backward(dout)` also adds the
     new gradients into .grad on every call (three elementwise kernels the measured kernel does not
