@@ -13,8 +13,8 @@ real only when it is wider than the spread.
 An implementation is a module path with `attention_forward(q, k, v, causal=...)` returning
 (out, lse) (any ladder step, or an untracked copy at the repo root with its own STEP name), or
 `official`, optionally followed by keyword arguments of that `attention_forward`:
-`stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~tile_m=128` (numbers only;
-each distinct set is its own compiled kernel). Each implementation's output is checked against
+`stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~pv_wait=split_rows` (numbers
+or words; each distinct set is its own compiled kernel). Each implementation's output is checked against
 the official one before timing.
 """
 from __future__ import annotations
@@ -33,20 +33,22 @@ from bench_fwd import flops, versions
 
 
 def parse_impl(spec: str) -> tuple[str, dict]:
-    """'module~name=number~...' -> (module, {name: int or float}); a clear SystemExit otherwise."""
+    """'module~name=value~...' -> (module, {name: int, float or str}); a clear SystemExit otherwise."""
     module, *kw_specs = spec.split("~")
     kwargs = {}
     for kw in kw_specs:
         name, eq, value = kw.partition("=")
         if not (eq and name.isidentifier()):
-            raise SystemExit(f"--impls: {spec!r}: keyword arguments must read ~name=number, got {kw!r}")
+            raise SystemExit(f"--impls: {spec!r}: keyword arguments must read ~name=value, got {kw!r}")
         try:
             kwargs[name] = int(value)
         except ValueError:
             try:
                 kwargs[name] = float(value)
             except ValueError:
-                raise SystemExit(f"--impls: {spec!r}: {name}={value!r} is not a number") from None
+                if not value.isidentifier():
+                    raise SystemExit(f"--impls: {spec!r}: {name}={value!r} is neither a number nor a word") from None
+                kwargs[name] = value
     if module == "official" and kwargs:
         raise SystemExit(f"--impls: the official kernel takes no keyword arguments here ({spec!r})")
     return module, kwargs

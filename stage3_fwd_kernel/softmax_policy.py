@@ -71,11 +71,12 @@ __all__ = [
 
 DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
 DEFAULT_EMULATION_FRACTION = 0.25  # of each thread's exp2s on the FMA pipe (the paper's 10-25%)
-# Measured inside the Hopper step-4 kernel on an H100 (benchmarks/results/fwd_h100_run2_steps3-4_quick.json):
-# at d=128, 25% emulation is slower at every point (-1% to -10%); at d=64 it is mixed (-8% non-causal
-# 16k, +5% causal 16k). The kernel runs at ~0.85x of the official FA4, limited by instruction issue
-# and registers rather than MUFU, so the polynomial mostly adds work. With no consistent win,
-# Hopper defaults to 0 (all MUFU); pass emulation_fraction to opt in.
+# Measured inside the Hopper step-4 kernel on an H100, paired rounds against the official FA4
+# (benchmarks/results/ab_fwd_h100_emu_sweep_d64.json, ..._d128.json): 1, 2 and 3 of every 16 exp2
+# emulated cost about -2%, -4..-5% and -6..-9% at d=64 (the 192-row kernel), up to -4% at d=128
+# (1/16 ties at one point); 25% earlier (fwd_h100_run5/run7): -3..-10%. MUFU is not what this
+# kernel waits for (ncu_fwd_h100_d64.md), so the polynomial only adds instructions. Hopper
+# defaults to 0 (all MUFU); pass emulation_fraction to opt in.
 HOPPER_EMULATION_FRACTION = 0.0
 DEFAULT_POLY_DEGREE = 3           # the paper's choice: within 1 bf16 ulp of MUFU on 99% of inputs
 PATTERN_PERIOD = 16

@@ -101,10 +101,11 @@ def test_ab_fwd_impl_specs_parse_keyword_arguments_and_bad_ones_name_what_is_exp
     module, kwargs = ab_fwd.parse_impl("stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~tile_m=128")
     assert module == "stage3_fwd_kernel.hopper_step4_fa4_softmax"
     assert kwargs == {"emulation_fraction": 0.125, "tile_m": 128} and type(kwargs["tile_m"]) is int
-    with pytest.raises(SystemExit, match="must read ~name=number"):
+    assert ab_fwd.parse_impl("m~pv_wait=split_rows") == ("m", {"pv_wait": "split_rows"})
+    with pytest.raises(SystemExit, match="must read ~name=value"):
         ab_fwd.parse_impl("stage3_fwd_kernel.hopper~tile_m")
-    with pytest.raises(SystemExit, match="'x' is not a number"):
-        ab_fwd.parse_impl("stage3_fwd_kernel.hopper~tile_m=x")
+    with pytest.raises(SystemExit, match="'1x' is neither a number nor a word"):
+        ab_fwd.parse_impl("stage3_fwd_kernel.hopper~tile_m=1x")
     with pytest.raises(SystemExit, match="official kernel takes no keyword"):
         ab_fwd.parse_impl("official~tile_m=128")
 

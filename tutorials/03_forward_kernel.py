@@ -527,6 +527,54 @@ assert max(d64) < 0  # d = 64 too (run 7, the 192-row three-consumer kernel)
 # `emulation_fraction = 0` (`softmax_policy.HOPPER_EMULATION_FRACTION`); the technique stays
 # available and tested, and Blackwell, where the tie is at `d = 128`, uses it.
 #
+# A quarter may simply be too much. The paper uses 10-25% on Blackwell, and every emulated value
+# costs about 8 FMA-pipe and ALU instructions, so a smaller share could still come out ahead. A
+# later paired run (`benchmarks/ab_fwd.py`: 7 interleaved rounds, each kernel divided by the
+# official FA4 of the same round) swept 1, 2 and 3 of every 16 exponentials against none, on the
+# production kernel:
+
+# %%
+sweep = []
+for d in (64, 128):
+    doc = json.loads((RESULTS / f"ab_fwd_h100_emu_sweep_d{d}.json").read_text())
+    for row in doc["results"]:
+        if row["impl"] == "official":
+            continue
+        frac = float(row["impl"].split("emulation_fraction=")[1]) if "~" in row["impl"] else 0.0
+        sweep.append((d, row["causal"], row["seqlen"], frac, row["ratio_median"]))
+fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+for ax, d in zip(axes, (64, 128)):
+    for causal in (False, True):
+        for s, marker in ((4096, "o"), (16384, "s")):
+            pts = sorted((f, r) for dd, c, ss, f, r in sweep if (dd, c, ss) == (d, causal, s))
+            ax.plot([f * 16 for f, _ in pts], [r for _, r in pts], marker=marker, ls="-" if causal else "--",
+                    label=f"{'causal' if causal else 'non-causal'} {s // 1024}k")
+    ax.set_title(f"d = {d}, H100 (paired rounds)")
+    ax.set_xlabel("exponentials emulated, of every 16")
+    ax.set_xticks([0, 1, 2, 3])
+axes[0].set_ylabel("speed vs official FA4 (median)")
+axes[0].legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+# what the text below says: at d = 64 every share is slower than none, and more is slower still;
+# at d = 128 two in 16 is slower everywhere and one in 16 at best ties
+for causal in (False, True):
+    for s in (4096, 16384):
+        d64 = [r for f, r in sorted((f, r) for dd, c, ss, f, r in sweep if (dd, c, ss) == (64, causal, s))]
+        assert d64 == sorted(d64, reverse=True), d64
+        d128 = dict((f, r) for dd, c, ss, f, r in sweep if (dd, c, ss) == (128, causal, s))
+        assert d128[0.125] < d128[0.0] and d128[0.0625] < 1.01 * d128[0.0], d128
+
+# %% [markdown]
+# At `d = 64` every share loses, and the loss grows with the share: about -2% for one in 16, -4..-5%
+# for two, -6..-9% for three. At `d = 128` two in 16 loses everywhere (-3..-4%) and one in 16 ties at
+# one point and loses 1-3% at the others. So on this kernel the
+# exponential unit is not the binding constraint even at `d = 64`, and any instruction added to
+# the softmax costs time. Nsight Compute agrees (`benchmarks/results/ncu_fwd_h100_d64.md`): against
+# the official kernel, ours spends its extra time after the last exponential, packing P to 16 bits
+# in a block of 32 conversions that must wait for the previous `P V` to finish reading the
+# registers, while the official kernel's conversions are spread between its exponentials.
+#
 # Two cautions when reading the plots. First, the peers moved between runs by up to the spread
 # printed above, so compare a step with another step *of the same run* (the ratio bars do that).
 # Second, at `d = 64` the step-4 rows come from the 192-row, three-consumer kernel (runs 6-8),
