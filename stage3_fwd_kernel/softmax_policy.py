@@ -75,7 +75,7 @@ DEFAULT_EMULATION_FRACTION = 0.25  # of each thread's exp2s on the FMA pipe (the
 # (benchmarks/results/ab_fwd_h100_emu_sweep_d64.json, ..._d128.json): 1, 2 and 3 of every 16 exp2
 # emulated cost about -2%, -4..-5% and -6..-9% at d=64 (the 192-row kernel), up to -4% at d=128
 # (1/16 ties at one point); 25% earlier (fwd_h100_run5/run7): -3..-10%. MUFU is not what this
-# kernel waits for (ncu_fwd_h100_d64.md), so the polynomial only adds instructions. Hopper
+# kernel waits for (ncu_fwd_h100_d64_d128.md), so the polynomial only adds instructions. Hopper
 # defaults to 0 (all MUFU); pass emulation_fraction to opt in.
 HOPPER_EMULATION_FRACTION = 0.0
 DEFAULT_POLY_DEGREE = 3           # the paper's choice: within 1 bf16 ulp of MUFU on 99% of inputs

@@ -570,7 +570,7 @@ for causal in (False, True):
 # for two, -6..-9% for three. At `d = 128` two in 16 loses everywhere (-3..-4%) and one in 16 ties at
 # one point and loses 1-3% at the others. So on this kernel the
 # exponential unit is not the binding constraint even at `d = 64`, and any instruction added to
-# the softmax costs time. Nsight Compute agrees (`benchmarks/results/ncu_fwd_h100_d64.md`): against
+# the softmax costs time. Nsight Compute agrees (`benchmarks/results/ncu_fwd_h100_d64_d128.md`): against
 # the official kernel, ours spends its extra time after the last exponential, packing P to 16 bits
 # in a block of 32 conversions that must wait for the previous `P V` to finish reading the
 # registers, while the official kernel's conversions are spread between its exponentials.
