@@ -55,7 +55,8 @@ the 240 that setmaxnreg grants; no spills, no local memory. The vote sits in the
 the walk instantiates three times (first block, masked blocks, hot loop): three VOTE.ANY in SASS.
 With the overlap, the O rescale a "yes" vote asks for waits until P_{i-1} V_{i-1} has landed.
 
-Two instruction-level details of the steady state. ptxas puts a `wgmma.wait_group` at the top of
+Three instruction-level details of the steady state. A consumer waits for V_{i-1} after issuing
+S_i, right before its P V (the official kernel's order; +1..+3% at d = 64 in paired rounds). ptxas puts a `wgmma.wait_group` at the top of
 its basic block: written after the softmax, the wait for P_{i-1} V_{i-1} was hoisted above all 64
 exp2s, so each consumer first idled on its own P V and only then started its exponentials. The
 wait now sits in both arms of the rescale branch, below them (tests/test_stage3_step4.py checks
@@ -653,11 +654,13 @@ class FlashAttentionForwardSm90Step4:
         st = self.kv_state(i, producer=False)
         st_prev = self.kv_state(i - 1, producer=False)
         pipe_K.consumer_wait(st)
-        pipe_V.consumer_wait(st_prev)
         acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
         wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
+        # V_{i-1} is waited for only now, with S_i already issued: its wait no longer delays S_i
+        # (d = 64: +1..+3% at all 8 points of two paired runs; d = 96 +0..+3%; d >= 128 a tie)
+        pipe_V.consumer_wait(st_prev)
         wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev.index], zero_init=False, wait=False)
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
