@@ -18,6 +18,7 @@ a crash.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -246,6 +247,36 @@ def _import_first(names, role: str, arch: ArchInfo):
     return None
 
 
+# Causal dense forwards with at least this many keys launch stage 5's LPT tile order on Hopper
+# instead of the kernel's static grid. Paired rounds on the H100 (production step 4, d = 64 / 128,
+# benchmarks/results/ab_fwd_h100_run14_causal_lpt.json): +1..+4% from 4k keys up, -2% at 2k.
+LPT_MIN_SEQLEN_K = 4096
+
+
+@functools.lru_cache(maxsize=256)
+def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_dim: int, head_dim_v: int,
+                             heads_q: int, heads_kv: int):
+    """The tile scheduler of a dense forward: None (the kernel's static grid) or stage 5's
+    `LPTCausalScheduler.from_problem` (sections of heads whose K/V fit in L2, longest tiles first).
+    Its section size is a compile-time constant, so each size class is its own kernel (compiled on
+    first use, then served by the disk cache). Only on sm_90, the arch where it was measured."""
+    if arch_key != "sm_90" or not causal or seqlen_k < LPT_MIN_SEQLEN_K:
+        return None
+    from stage5_scheduling.device import LPTCausalScheduler  # imports cutlass: after the arch is set
+
+    return LPTCausalScheduler.from_problem(seqlen_k, head_dim, heads_q, heads_kv, head_dim_v=head_dim_v)
+
+
+_TAKES_SCHEDULER: dict = {}
+
+
+def _takes_scheduler(mod) -> bool:
+    """Whether a forward module's attention_forward accepts `scheduler` (the ladder fallback may not)."""
+    if mod.__name__ not in _TAKES_SCHEDULER:
+        _TAKES_SCHEDULER[mod.__name__] = "scheduler" in inspect.signature(mod.attention_forward).parameters
+    return _TAKES_SCHEDULER[mod.__name__]
+
+
 @dataclass
 class Backend:
     """The kernels of one arch, imported on first use. All methods take CUDA tensors that
@@ -293,6 +324,10 @@ class Backend:
     def forward(self, q, k, v, softmax_scale: float, causal: bool):
         mod = self.forward_module()
         self._warn_unverified()
+        sched = causal_forward_scheduler(self.arch.key, causal, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
+                                         k.shape[2])
+        if sched is not None and _takes_scheduler(mod):
+            return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, scheduler=sched)
         return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,

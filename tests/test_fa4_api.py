@@ -317,6 +317,43 @@ def test_broken_kernel_module_is_not_skipped(tmp_path, monkeypatch):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
+def test_long_causal_forward_launches_stage5_lpt_order(monkeypatch):
+    """Causal dense forwards with >= LPT_MIN_SEQLEN_K keys get stage 5's LPT scheduler on sm_90 (sections
+    of whole KV groups sized by the L2 model); shorter, non-causal, other arches: the static grid."""
+    from stage5_scheduling.device import GQALPTCausalScheduler, LPTCausalScheduler
+
+    pick = _dispatch.causal_forward_scheduler
+    long = _dispatch.LPT_MIN_SEQLEN_K
+    assert pick("sm_90", True, long - 1, 128, 128, 16, 16) is None
+    assert pick("sm_90", False, 16384, 128, 128, 16, 16) is None
+    assert pick("sm_100", True, 16384, 128, 128, 16, 16) is None
+    assert pick("sm_90", True, 8192, 128, 128, 16, 16) == LPTCausalScheduler(4)  # 8k x 256 x 2 B = 4 MiB a head
+    gqa = pick("sm_90", True, 4096, 64, 64, 12, 4)
+    assert isinstance(gqa, GQALPTCausalScheduler) and gqa.heads_per_section % 3 == 0
+    gqa.check_problem(12, 4)  # whole groups of 3: no ValueError
+
+    class FakeKernel:  # records what the backend launches
+        def __init__(self, with_scheduler: bool):
+            self.__name__ = f"fake_forward_{with_scheduler}"
+            self.calls = []
+            if with_scheduler:
+                self.attention_forward = lambda q, k, v, softmax_scale, causal, scheduler=None: \
+                    self.calls.append(scheduler)
+            else:
+                self.attention_forward = lambda q, k, v, softmax_scale, causal: self.calls.append("static")
+
+    q, k = torch.empty(1, long, 16, 128, device="meta"), torch.empty(1, long, 16, 128, device="meta")
+    for with_scheduler, expect in ((True, LPTCausalScheduler), (False, str)):
+        mod = FakeKernel(with_scheduler)
+        be = _dispatch.Backend(_dispatch.ARCHS["sm_90"])
+        monkeypatch.setattr(be, "forward_module", lambda mod=mod: mod)
+        be.forward(q, k, k, 1.0, causal=True)
+        be.forward(q, k, k, 1.0, causal=False)
+        assert isinstance(mod.calls[0], expect) and mod.calls[1] in (None, "static"), mod.calls
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
 def test_unverified_arch_warns_once(monkeypatch):
     monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", False)
     be = _dispatch.Backend(_dispatch.ARCHS["sm_100"])

@@ -105,6 +105,29 @@ def test_forward_matches_reference(case):
     assert torch.equal(fa4.flash_attn_func(q, k, v, causal=causal), out)  # return_lse=False: same out
 
 
+@pytest.mark.parametrize("case", [(1, 4096, 4096, 12, 4, 64, 64, "bf16"), (1, 4224, 4224, 8, 8, 128, 128, "fp16"),
+                                  (2, 4000, 4500, 6, 6, 128, 128, "bf16")],
+                         ids=lambda c: "b{}-{}x{}-h{}/{}-d{}x{}-{}".format(*c))
+def test_long_causal_forward_in_lpt_order(case):
+    """Causal with >= LPT_MIN_SEQLEN_K keys runs stage 5's LPT tile order (GQA sections of whole groups,
+    a partial last section, sq != sk): FA4's rule against the reference, and bitwise the static grid's
+    result (the order moves whole tiles between CTAs, never an operation inside one)."""
+    from stage0_reference.torch_reference import assert_fa4_close
+    from stage3_fwd_kernel import hopper
+
+    b, sq, sk, hq, hkv, d, dv, dt = case
+    assert _dispatch.causal_forward_scheduler("sm_90", True, sk, d, dv, hq, hkv) is not None
+    g = torch.Generator(device="cuda").manual_seed(sq + sk + hq)
+    q = rand(b, sq, hq, d, dtype=DT[dt], g=g)
+    k, v = rand(b, sk, hkv, d, dtype=DT[dt], g=g), rand(b, sk, hkv, dv, dtype=DT[dt], g=g)
+    out, lse = fa4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    static_out, static_lse = hopper.attention_forward(q, k, v, causal=True, softmax_scale=d ** -0.5)
+    assert torch.equal(out, static_out) and torch.equal(lse, static_lse)
+    (ref_o, ref_l), (base_o, base_l) = ref_and_base(q, k, v, causal=True)
+    assert_fa4_close("out", out, ref_o, base_o)
+    assert_fa4_close("lse", lse, ref_l, base_l)
+
+
 def test_forward_strided_inputs_and_scale():
     """q/k/v as views of a packed qkv buffer and of (B, H, S, D) tensors, a non-default scale."""
     from stage0_reference.torch_reference import assert_fa4_close
