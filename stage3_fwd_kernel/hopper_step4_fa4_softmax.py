@@ -61,11 +61,11 @@ puts a `wgmma.wait_group` at the top of its basic block: written after the softm
 P_{i-1} V_{i-1} was hoisted above all 64 exp2s, so each consumer first idled on its own P V and
 only then started its exponentials. The wait now sits in both arms of the rescale branch, below
 them (tests/test_stage3_step4.py checks the order in SASS): +2-3% at d = 128 on the H100 in paired,
-interleaved rounds (benchmarks/ab_fwd.py), nothing measurable at d = 64. Only at tile_n = 128: at d
-= 256 (tile_n = 64, 32 exp2 per thread against a 64 x 256 x 64 P V) the same move measured 8%
+interleaved rounds (benchmarks/ab_fwd.py), nothing measurable at d = 64. Only at tile_n = 128:
+at d = 256 (tile_n = 64, 32 exp2 per thread against a 64 x 256 x 64 P V) the same move measured 8%
 slower causal at 16k, so that kernel keeps the wait where ptxas puts it. A row max in 4 independent
-FMNMX chains instead of one 31-deep chain was tried too and not kept: no measurable change at d =
-128, 2-10% slower at d = 256. Both kernels run at the H100's 700 W power cap (~1.5 GHz, not 1.98),
+FMNMX chains instead of one 31-deep chain was tried too and not kept: no measurable change at
+d = 128, 2-10% slower at d = 256. Both kernels run at the H100's 700 W power cap (~1.5 GHz, not 1.98),
 and the official one is faster at a *lower* clock, so what separates them is tensor-core cycles
 lost per tile, not energy.
 
