@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="bwd")
     ap.add_argument("--impl", default="ours", help="'ours' or 'official'")
     ap.add_argument("--step", default="step3_rs", help="our backward step (--pass bwd --impl ours)")
+    ap.add_argument("--variant", default=None,
+                    help="instead of --step: an ab_bwd.py variant, e.g. step3_rs~decoupled=1 (--pass bwd --impl ours)")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1)
@@ -55,11 +57,19 @@ def main(argv=None) -> int:
         def call():
             attention_forward(q, k, v, causal=args.causal)
     else:
-        mod = importlib.import_module(STEPS[args.step])
         out, lse = attention_forward(q, k, v, causal=args.causal)
+        if args.variant:
+            from ab_bwd import make_variant
 
-        def call():
-            mod.attention_backward(q, k, v, out, do, lse, causal=args.causal)
+            variant = make_variant(args.variant)
+
+            def call():
+                variant(q, k, v, out, do, lse, args.causal)
+        else:
+            mod = importlib.import_module(STEPS[args.step])
+
+            def call():
+                mod.attention_backward(q, k, v, out, do, lse, causal=args.causal)
     for _ in range(args.calls):
         call()
     torch.cuda.synchronize()

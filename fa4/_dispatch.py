@@ -267,6 +267,32 @@ def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_di
     return LPTCausalScheduler.from_problem(seqlen_k, head_dim, heads_q, heads_kv, head_dim_v=head_dim_v)
 
 
+def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int,
+                           max_seqlen_k: int) -> list:
+    """Every scheduler `causal_forward_scheduler` picks for a causal call of these heads with
+    LPT_MIN_SEQLEN_K..max_seqlen_k keys, as (first_seqlen_k, last_seqlen_k, scheduler), shortest
+    first: the LPT kernels `python -m fa4 precompile --heads` builds. The section size falls
+    monotonically with the key count, so each scheduler owns one contiguous range; bisection finds
+    its end (about 17 picks per range instead of one per length)."""
+    pick = causal_forward_scheduler.__wrapped__  # uncached: the probes below would flood the cache
+    ranges = []
+    first = LPT_MIN_SEQLEN_K
+    while first <= max_seqlen_k:
+        sched = pick(arch_key, True, first, head_dim, head_dim_v, heads_q, heads_kv)
+        if sched is None:
+            break
+        lo, hi = first, max_seqlen_k  # invariant: pick(lo) == sched
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if pick(arch_key, True, mid, head_dim, head_dim_v, heads_q, heads_kv) == sched:
+                lo = mid
+            else:
+                hi = mid - 1
+        ranges.append((first, lo, sched))
+        first = lo + 1
+    return ranges
+
+
 _TAKES_SCHEDULER: dict = {}
 
 

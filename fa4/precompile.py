@@ -12,9 +12,14 @@ prints the time and resource report of each (registers, shared memory, spills). 
 build machine can fill a cache that GPU machines then load, provided both run the same CuTe-DSL,
 apache-tvm-ffi and Python minor version (the cache fingerprint). Modules without one (the
 Blackwell forward) get their compile-only build: a resource check, nothing written.
+
+Causal Hopper forwards with >= 4096 keys launch stage 5's LPT tile order, whose section size (a
+compile-time constant) depends on the head counts and the key length. `--heads HQ[/HKV]` adds
+those kernels for every length up to `--max-seqlen` (one kernel per section size, usually 2-6).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -44,6 +49,64 @@ def configs(all_configs=False, dtypes=None, head_dims=None, causal=None, arch="s
         hds = list(table) if all_configs else [(64, 64), (128, 128)]
     cs = [False, True] if causal is None else [bool(causal)]
     return [(dt, d, dv, c) for dt in dts for d, dv in hds for c in cs]
+
+
+DEFAULT_MAX_SEQLEN = 131072
+
+
+def parse_heads(text: str) -> list[tuple[int, int]]:
+    """'32/8,16' -> [(32, 8), (16, 16)]: query heads / KV heads (MHA when the KV count is left out)."""
+    import argparse
+
+    pairs = []
+    for item in (x.strip() for x in str(text).split(",")):
+        try:
+            hq, hkv = (int(y) for y in item.split("/")) if "/" in item else (int(item), int(item))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected HQ or HQ/HKV (e.g. 32/8,16), got {item!r}") from None
+        if hq < 1 or hkv < 1 or hq % hkv:
+            raise argparse.ArgumentTypeError(f"{item!r}: heads must be >= 1 and HQ a multiple of HKV")
+        pairs.append((hq, hkv))
+    return pairs
+
+
+def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seqlen: int, arch_key: str) -> list[dict]:
+    """The LPT-ordered forward kernels that causal calls of these head counts with up to max_seqlen
+    keys launch (fa4._dispatch.causal_forward_scheduler), one per distinct (dtype, head dims,
+    scheduler): head counts that share a section size share the kernel."""
+    from ._dispatch import lpt_forward_schedulers
+
+    builds, seen = [], set()
+    for dt, d, dv, causal in cfgs:
+        if not causal:
+            continue
+        for hq, hkv in heads:
+            for first, last, sched in lpt_forward_schedulers(arch_key, d, dv, hq, hkv, max_seqlen):
+                if (dt, d, dv, sched) not in seen:
+                    seen.add((dt, d, dv, sched))
+                    builds.append({"dtype": dt, "head_dim": d, "head_dim_v": dv, "heads": f"{hq}/{hkv}",
+                                   "seqlen_k": (first, last), "scheduler": sched})
+    return builds
+
+
+def _lpt_hint(cfgs, arch_key: str) -> Optional[str]:
+    """A line for runs without --heads whose causal configs would also launch LPT kernels."""
+    from ._dispatch import LPT_MIN_SEQLEN_K, causal_forward_scheduler
+
+    if not any(c[3] for c in cfgs) or causal_forward_scheduler(arch_key, True, LPT_MIN_SEQLEN_K, 128, 128, 1, 1) is None:
+        return None
+    return (f"note: causal calls with >= {LPT_MIN_SEQLEN_K} keys launch LPT-ordered kernels that depend on the head "
+            "counts and the length; add --heads HQ[/HKV] (and --max-seqlen) to build those too")
+
+
+def _lpt_detail(build: dict) -> str:
+    first, last = build["seqlen_k"]
+    return f"{build['scheduler'].heads_per_section} heads/section, keys {first}-{last}, heads {build['heads']}"
+
+
+def _compile_lpt(mod, build: dict) -> list:
+    return mod.compile_launchable(dtype=build["dtype"], head_dim=build["head_dim"], head_dim_v=build["head_dim_v"],
+                                  causal=True, scheduler=build["scheduler"])
 
 
 class Progress:
@@ -96,7 +159,16 @@ def _builder(mod, varlen: bool = False):
     return lambda dt, d, dv, c: [mod.compile_only(dtype=dt, head_dim=d, head_dim_v=dv, causal=c)], False
 
 
-def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, varlen=True, out=None) -> list[dict]:
+def _scheduled_builder(mod) -> bool:
+    """Whether a forward module can build its kernels for a given tile scheduler ahead of time."""
+    import inspect
+
+    fn = getattr(mod, "compile_launchable", None)
+    return fn is not None and "scheduler" in inspect.signature(fn).parameters
+
+
+def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, varlen=True, out=None,
+                 heads: Optional[list] = None, max_seqlen: int = DEFAULT_MAX_SEQLEN) -> list[dict]:
     from . import _cache
     from ._dispatch import ARCHS, _first_existing
 
@@ -120,39 +192,54 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
         build, launchable = _builder(importlib.import_module(name), varlen=vl)
         if build is not None:
             jobs.append((kind, name, build, launchable))
-    persist = _cache.enabled() and any(launchable for *_, launchable in jobs)
+    cfgs = list(cfgs)
+    # (kind, module, config, what to build, launchable, label detail, extra row fields)
+    tasks = [(kind, name, cfg, functools.partial(build, *cfg), launchable, "", {})
+             for kind, name, build, launchable in jobs for cfg in cfgs]
+    fwd_mod = importlib.import_module(fwd_name)
+    if heads and _scheduled_builder(fwd_mod):
+        for b in lpt_builds(cfgs, heads, max_seqlen, info.key):
+            cfg = (b["dtype"], b["head_dim"], b["head_dim_v"], True)
+            tasks.append(("fwd lpt", fwd_name, cfg, functools.partial(_compile_lpt, fwd_mod, b), True,
+                          _lpt_detail(b) + ": ", {"heads": b["heads"], "seqlen_k": list(b["seqlen_k"]),
+                                                  "heads_per_section": b["scheduler"].heads_per_section}))
+    elif heads:
+        print(f"--heads: {fwd_name} builds no scheduled kernels; LPT kernels skipped", file=out)
+    elif hint := _lpt_hint(cfgs, info.key):
+        print(hint, file=out)
+    persist = _cache.enabled() and any(t[4] for t in tasks)
     if persist:
         _cache.install_for()  # launchable builds carry the GPU path's keys: they go to the disk cache
-    cfgs = list(cfgs)
-    prog = Progress(len(cfgs) * len(jobs), out)
+    prog = Progress(len(tasks), out)
     where = f"disk cache: {_cache.cache_dir(arch)}" if persist else "nothing written to the disk cache"
     print(f"no GPU: compiling for {arch} with fake tensors, {len(cfgs)} configs x "
-          f"{', '.join(f'{k} ({m})' for k, m, *_ in jobs)}; {where}", file=out, flush=True)
+          f"{', '.join(f'{k} ({m})' for k, m, *_ in jobs)}"
+          + (f" + {len(tasks) - len(jobs) * len(cfgs)} LPT forward kernel(s)" if heads else "")
+          + f"; {where}", file=out, flush=True)
     results = []
-    for kind, name, build, launchable in jobs:
-        for dt, d, dv, c in cfgs:
-            t0 = time.perf_counter()
-            before = _cache.stats()
-            row = {"kind": kind, "module": name, "dtype": dt, "head_dim": d, "head_dim_v": dv, "causal": c,
-                   "launchable": launchable}
-            try:
-                comps = build(dt, d, dv, c)
-                after = _cache.stats()
-                row.update(seconds=time.perf_counter() - t0, kernels=len(comps),
-                           stored=after["stores"] - before["stores"],
-                           reports=[{k: v for k, v in comp.report.items() if k != "ptxas_log"} for comp in comps])
-                state = ("written to disk" if row["stored"] else
-                         "already on disk" if after["disk_hits"] > before["disk_hits"] else
-                         "compile-only, not runnable" if not launchable else "not written (cache off?)")
-                main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
-                detail = f"{len(comps)} kernel(s) in {row['seconds']:.1f} s, {state}  {_resources(main.report)}"
-            except Exception as exc:  # report and continue: the point is the whole table
-                row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
-                detail = f"FAILED {row['error'][:100]}"
-            results.append(row)
-            prog.step(_label(kind, dt, d, dv, c), detail)
+    for kind, name, (dt, d, dv, c), build, launchable, prefix, extra in tasks:
+        t0 = time.perf_counter()
+        before = _cache.stats()
+        row = {"kind": kind, "module": name, "dtype": dt, "head_dim": d, "head_dim_v": dv, "causal": c,
+               "launchable": launchable, **extra}
+        try:
+            comps = build()
+            after = _cache.stats()
+            row.update(seconds=time.perf_counter() - t0, kernels=len(comps),
+                       stored=after["stores"] - before["stores"],
+                       reports=[{k: v for k, v in comp.report.items() if k != "ptxas_log"} for comp in comps])
+            state = ("written to disk" if row["stored"] else
+                     "already on disk" if after["disk_hits"] > before["disk_hits"] else
+                     "compile-only, not runnable" if not launchable else "not written (cache off?)")
+            main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
+            detail = f"{prefix}{len(comps)} kernel(s) in {row['seconds']:.1f} s, {state}  {_resources(main.report)}"
+        except Exception as exc:  # report and continue: the point is the whole table
+            row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+            detail = f"{prefix}FAILED {row['error'][:100]}"
+        results.append(row)
+        prog.step(_label(kind, dt, d, dv, c), detail)
     st = _cache.stats()
-    print(f"done: {len(results)} configs in {prog.elapsed():.1f} s, {st['stores']} kernels written to "
+    print(f"done: {len(results)} builds in {prog.elapsed():.1f} s, {st['stores']} kernels written to "
           f"{_cache.cache_dir(arch) if persist else 'no disk cache'}", file=out)
     if persist:
         print("a GPU machine loads them when it runs the same CuTe-DSL, apache-tvm-ffi and Python minor version "
@@ -163,7 +250,8 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
 # ---------------------------------------------------------------------------------------------
 # GPU: build through the public API, which fills the memory and disk caches
 # ---------------------------------------------------------------------------------------------
-def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None) -> list[dict]:
+def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads: Optional[list] = None,
+           max_seqlen: int = DEFAULT_MAX_SEQLEN) -> list[dict]:
     import torch
 
     from . import _cache
@@ -178,43 +266,58 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None) -> li
     has_varlen = varlen and _first_existing(arch.varlen_fwd_modules) is not None
     cfgs = [c for c in cfgs if (c[1], c[2]) in arch.head_dims]
     kinds = ["fwd"] + (["bwd"] if has_bwd else []) + (["varlen"] if has_varlen else [])
-    print(f"precompile on {torch.cuda.get_device_name(dev)} ({arch.key}): {len(cfgs)} configs x {', '.join(kinds)}; "
-          f"disk cache: {_cache.cache_dir() if _cache.enabled() else 'disabled (FA4_CACHE=0)'}", file=out, flush=True)
+    fwd_mod = backend.forward_module()  # imported with the disk cache installed
+    lpt = lpt_builds(cfgs, heads, max_seqlen, arch.key) if heads and _scheduled_builder(fwd_mod) else []
+    print(f"precompile on {torch.cuda.get_device_name(dev)} ({arch.key}): {len(cfgs)} configs x {', '.join(kinds)}"
+          + (f" + {len(lpt)} LPT forward kernel(s)" if heads else "")
+          + f"; disk cache: {_cache.cache_dir() if _cache.enabled() else 'disabled (FA4_CACHE=0)'}", file=out, flush=True)
     if backward and not has_bwd:
         print(f"backward: {arch.bwd_modules[0]} has not landed; forward only", file=out)
-    prog = Progress(len(cfgs) * len(kinds), out)
-    results = []
+    if heads and not _scheduled_builder(fwd_mod):
+        print(f"--heads: {fwd_mod.__name__} builds no scheduled kernels; LPT kernels skipped", file=out)
+    elif not heads and (hint := _lpt_hint(cfgs, arch.key)):
+        print(hint, file=out)
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    tasks = []  # (kind, config, call, label detail, extra row fields)
     for dt, d, dv, c in cfgs:
         # tiny tensors: compiles are keyed by (dtype, head dims, causal), not by sizes
         q = torch.randn(1, 128, 2, d, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
         k = torch.randn(1, 128, 2, d, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
         v = torch.randn(1, 128, 2, dv, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
-        steps = [("fwd", lambda: flash_attn_func(q, k, v, causal=c))]
+        cfg = (dt, d, dv, c)
+        tasks.append(("fwd", cfg, lambda q=q, k=k, v=v, c=c: flash_attn_func(q, k, v, causal=c), "", {}))
         if has_bwd:
-            steps.append(("bwd", lambda: flash_attn_func(q, k, v, causal=c).sum().backward()))
+            tasks.append(("bwd", cfg, lambda q=q, k=k, v=v, c=c: flash_attn_func(q, k, v, causal=c).sum().backward(),
+                          "", {}))
         if has_varlen:
             cu = torch.tensor([0, 64, 128], dtype=torch.int32, device=dev)
-            steps.append(("varlen", lambda: flash_attn_varlen_func(q.detach()[0], k.detach()[0], v.detach()[0],
-                                                                   cu, cu, 64, 64, causal=c)))
-        for kind, fn in steps:
-            before = _cache.stats()
-            t0 = time.perf_counter()
-            row = {"kind": kind, "dtype": dt, "head_dim": d, "head_dim_v": dv, "causal": c}
-            try:
-                fn()
-                torch.cuda.synchronize()
-                row["seconds"] = time.perf_counter() - t0
-                after = _cache.stats()
-                src = ("loaded from disk" if after["disk_hits"] > before["disk_hits"] else
-                       "compiled" if after["misses"] > before["misses"] else "already in memory")
-                row["source"] = src
-                detail = f"{src} in {row['seconds']:.2f} s"
-            except Exception as exc:
-                row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
-                detail = f"FAILED {row['error'][:100]}"
-            results.append(row)
-            prog.step(_label(kind, dt, d, dv, c), detail)
+            tasks.append(("varlen", cfg, lambda q=q, k=k, v=v, c=c, cu=cu: flash_attn_varlen_func(
+                q.detach()[0], k.detach()[0], v.detach()[0], cu, cu, 64, 64, causal=c), "", {}))
+    for b in lpt:  # built, not run: the kernels a long causal call of these heads would compile
+        tasks.append(("fwd lpt", (b["dtype"], b["head_dim"], b["head_dim_v"], True),
+                      functools.partial(_compile_lpt, fwd_mod, b), _lpt_detail(b) + ": ",
+                      {"heads": b["heads"], "seqlen_k": list(b["seqlen_k"]),
+                       "heads_per_section": b["scheduler"].heads_per_section}))
+    prog = Progress(len(tasks), out)
+    results = []
+    for kind, (dt, d, dv, c), fn, prefix, extra in tasks:
+        before = _cache.stats()
+        t0 = time.perf_counter()
+        row = {"kind": kind, "dtype": dt, "head_dim": d, "head_dim_v": dv, "causal": c, **extra}
+        try:
+            fn()
+            torch.cuda.synchronize()
+            row["seconds"] = time.perf_counter() - t0
+            after = _cache.stats()
+            src = ("loaded from disk" if after["disk_hits"] > before["disk_hits"] else
+                   "compiled" if after["misses"] > before["misses"] else "already in memory")
+            row["source"] = src
+            detail = f"{prefix}{src} in {row['seconds']:.2f} s"
+        except Exception as exc:
+            row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+            detail = f"{prefix}FAILED {row['error'][:100]}"
+        results.append(row)
+        prog.step(_label(kind, dt, d, dv, c), detail)
     st = _cache.stats()
     print(f"done in {prog.elapsed():.1f} s: {st['misses']} compiled, {st['disk_hits']} loaded from disk, "
           f"{st['stores']} written to {_cache.cache_dir()}", file=out)
@@ -239,12 +342,19 @@ def main(args) -> int:
         if args.head_dims else None
     dts = args.dtype.split(",") if args.dtype else None
     cfgs = configs(args.all, dts, hds, causal, arch=arch_key)
+    heads = getattr(args, "heads", None)
+    max_seqlen = getattr(args, "max_seqlen", None)
+    if max_seqlen is not None and not heads:
+        print("--max-seqlen: only meaningful with --heads (it bounds the LPT kernels' key lengths)", file=sys.stderr)
+        return 2
+    max_seqlen = DEFAULT_MAX_SEQLEN if max_seqlen is None else max_seqlen
     if gpu and not args.arch:
-        rows = on_gpu(cfgs, backward=not args.no_backward)
+        rows = on_gpu(cfgs, backward=not args.no_backward, heads=heads, max_seqlen=max_seqlen)
     else:
         from ._dispatch import ARCHS
 
-        rows = compile_only(cfgs, arch=ARCHS[arch_key].cute_arch, backward=not args.no_backward)
+        rows = compile_only(cfgs, arch=ARCHS[arch_key].cute_arch, backward=not args.no_backward, heads=heads,
+                            max_seqlen=max_seqlen)
     return 1 if any("error" in r for r in rows) else 0
 
 
@@ -256,6 +366,23 @@ def add_arguments(p):
     p.add_argument("--arch", default=None, choices=["sm_90a", "sm_100a"],
                    help="compile-only for this arch with fake tensors (the default without a GPU: sm_90a)")
     p.add_argument("--no-backward", action="store_true", help="forward kernels only")
+    p.add_argument("--heads", type=parse_heads, default=None, metavar="HQ[/HKV],...",
+                   help="also build the LPT-ordered causal forwards these head counts launch with >= 4096 keys, "
+                        "e.g. 32/8,16")
+    p.add_argument("--max-seqlen", type=_positive_int, default=None,
+                   help=f"longest key length the LPT kernels cover (with --heads; default {DEFAULT_MAX_SEQLEN})")
+
+
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def run(argv: Optional[list] = None) -> int:

@@ -317,6 +317,47 @@ def test_broken_kernel_module_is_not_skipped(tmp_path, monkeypatch):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
+def test_lpt_forward_schedulers_cover_every_length_with_the_dispatch_choice():
+    """`lpt_forward_schedulers` (what `precompile --heads` builds) returns contiguous key ranges from
+    LPT_MIN_SEQLEN_K to max_seqlen_k, each with the scheduler the dispatch picks at every length inside
+    it, and a new scheduler at each range boundary."""
+    long = _dispatch.LPT_MIN_SEQLEN_K
+    pick = _dispatch.causal_forward_scheduler
+    for d, dv, hq, hkv, top in ((128, 128, 32, 32, 70001), (64, 64, 12, 4, 40000), (192, 128, 16, 2, 20000)):
+        ranges = _dispatch.lpt_forward_schedulers("sm_90", d, dv, hq, hkv, top)
+        assert ranges[0][0] == long and ranges[-1][1] == top, ranges
+        for (_, last, sched), (first, _, nxt) in zip(ranges, ranges[1:]):
+            assert first == last + 1 and nxt != sched, ranges
+        for first, last, sched in ranges:
+            for n in range(first, last + 1, 97):
+                assert pick("sm_90", True, n, d, dv, hq, hkv) == sched, (n, ranges)
+            assert pick("sm_90", True, last, d, dv, hq, hkv) == sched
+    assert len(_dispatch.lpt_forward_schedulers("sm_90", 128, 128, 32, 32, 70001)) >= 3  # 8 -> 4 -> 2 -> 1 heads
+    assert _dispatch.lpt_forward_schedulers("sm_90", 128, 128, 32, 32, long - 1) == []
+    assert _dispatch.lpt_forward_schedulers("sm_100", 128, 128, 32, 32, 70001) == []
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_precompile_heads_argument_parses_and_rejects():
+    import argparse
+
+    from fa4 import precompile
+
+    assert precompile.parse_heads("32/8, 16") == [(32, 8), (16, 16)]
+    for bad in ("32/5", "0", "x", "8/0", "4/8"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad.strip())):
+            precompile.parse_heads(bad)
+    res = run_cli("precompile", "--heads", "32/5")
+    assert res.returncode == 2 and "argument --heads" in res.stderr and "multiple of HKV" in res.stderr, res.stderr
+    res = run_cli("precompile", "--max-seqlen", "8192")
+    assert res.returncode == 2 and "--max-seqlen: only meaningful with --heads" in res.stderr, res.stderr
+    res = run_cli("precompile", "--heads", "8", "--max-seqlen", "0")
+    assert res.returncode == 2 and "argument --max-seqlen" in res.stderr, res.stderr
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
 def test_long_causal_forward_launches_stage5_lpt_order(monkeypatch):
     """Causal dense forwards with >= LPT_MIN_SEQLEN_K keys get stage 5's LPT scheduler on sm_90 (sections
     of whole KV groups sized by the L2 model); shorter, non-causal, other arches: the static grid."""
@@ -977,6 +1018,27 @@ def test_cli_precompile_without_a_gpu_fills_the_disk_cache(tmp_path):
     again = run_cli("precompile", "--head-dims", "64", "--causal", "yes", env=env)
     assert again.returncode == 0 and again.stdout.count("already on disk") == 3, again.stdout + again.stderr
     assert "0 kernels written" in again.stdout
+
+
+@pytest.mark.compile
+@pytest.mark.fa4
+def test_cli_precompile_heads_builds_the_lpt_forwards(tmp_path):
+    """--heads adds the LPT-ordered causal forwards (one per section size up to --max-seqlen) under the
+    GPU path's cache keys; without --heads a note says they exist."""
+    env = {"FA4_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    res = run_cli("precompile", "--head-dims", "64", "--causal", "yes", "--no-backward", "--heads", "16,12/4",
+                  "--max-seqlen", "16384", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    expect = _dispatch.lpt_forward_schedulers("sm_90", 64, 64, 16, 16, 16384)
+    expect_gqa = _dispatch.lpt_forward_schedulers("sm_90", 64, 64, 12, 4, 16384)
+    lines = [ln for ln in res.stdout.splitlines() if "fwd lpt bf16 d=64 causal" in ln]
+    assert len(lines) == len(expect) + len(expect_gqa) >= 3, res.stdout
+    for (first, last, sched), line in zip(expect, lines):
+        assert f"{sched.heads_per_section} heads/section, keys {first}-{last}, heads 16/16" in line, line
+    assert all("written to disk" in ln and "spills=0/0" in ln for ln in lines), res.stdout
+    assert len(list(tmp_path.rglob("*.o"))) == 2 + len(lines)  # fwd + varlen + the LPT kernels
+    plain = run_cli("precompile", "--head-dims", "64", "--causal", "yes", "--no-backward", env=env)
+    assert plain.returncode == 0 and "add --heads HQ[/HKV]" in plain.stdout, plain.stdout + plain.stderr
 
 
 @pytest.mark.compile

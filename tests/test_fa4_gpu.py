@@ -488,6 +488,40 @@ def test_compile_cache_second_process_reuses(tmp_path):
     assert again["max_err"] == cold["max_err"] and again["dq_sum"] == cold["dq_sum"]
 
 
+_LONG_CAUSAL_CALL = r"""
+import json, torch
+import fa4
+from fa4 import _cache, _dispatch
+from stage0_reference.torch_reference import attention_ref
+g = torch.Generator(device="cuda").manual_seed(11)
+q = torch.randn(1, 4224, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+k, v = (torch.randn(1, 4224, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+out = fa4.flash_attn_func(q, k, v, causal=True)
+torch.cuda.synchronize()
+err = (out.float() - attention_ref(q, k, v, causal=True)[0].float()).abs().max().item()
+lpt = _dispatch.causal_forward_scheduler("sm_90", True, 4224, 64, 64, 4, 2) is not None
+print("RESULT " + json.dumps({"max_err": err, "lpt": lpt, "stats": _cache.stats()}))
+"""
+
+
+def test_precompile_heads_serves_a_long_causal_forward(tmp_path):
+    """`precompile --heads 4/2` without a GPU builds the LPT-ordered kernel that a causal call with 4224
+    keys and GQA 4/2 launches: a GPU process then runs that call without compiling anything."""
+    env = dict(os.environ, FA4_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("FA4_CACHE", None)
+    cpu = subprocess.run([sys.executable, "-m", "fa4", "precompile", "--head-dims", "64", "--causal", "yes",
+                          "--no-backward", "--heads", "4/2", "--max-seqlen", "8192"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(env, CUDA_VISIBLE_DEVICES=""))
+    assert cpu.returncode == 0 and "fwd lpt bf16 d=64 causal" in cpu.stdout, cpu.stdout + cpu.stderr
+    res = subprocess.run([sys.executable, "-c", _LONG_CAUSAL_CALL], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    got = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))[len("RESULT "):])
+    assert got["lpt"] and got["stats"]["misses"] == 0 and got["stats"]["disk_hits"] >= 1, got
+    assert got["max_err"] < 0.05, got  # bf16 out, d = 64; FA4's rule on this path: test_long_causal_forward_in_lpt_order
+
+
 def test_cache_filled_without_a_gpu_serves_the_gpu(tmp_path):
     """`python -m fa4 precompile` in a process that sees no GPU builds the launchable kernels with fake
     tensors into the disk cache; a GPU process then loads every kernel of a training step (bf16 d128
