@@ -29,7 +29,8 @@ ABLATIONS = {
     "no_exp": ("exp2 of the scores (P^T = S^T * scale - lse2, one FFMA)",
                r"cute\.math\.exp2\(s \* softmax_scale_log2 - lse2, fastmath=True\)", "s * softmax_scale_log2 - lse2"),
     "no_dq_gemm": ("the dQ = dS K wgmma (zeros are stored and reduced instead)",
-                   r"^(\s*)gemm_issue\(tiled_mma_dQ, acc_dQ, .*$", r"\1acc_dQ.fill(0.0)"),
+                   r"^(\s*)if const_expr\(self\.dq_swap_ab\):\n\s*gemm_issue\(tiled_mma_dQ, acc_dQ, .*\n"
+                   r"\s*else:\n\s*gemm_issue\(tiled_mma_dQ, acc_dQ, .*$", r"\1acc_dQ.fill(0.0)"),
     "no_dq_store": ("the dQ registers -> sdQ stores (the dQ wgmma then partly dead-code eliminated)",
                     r"^(\s*)cute\.copy\(smem_copy_dQ, thr_smem_dQ\.retile\(acc_dQ\).*$", r"\1pass"),
 }

@@ -74,8 +74,9 @@ Barriers (named, hardware ids; 0 is __syncthreads, used only before the role spl
              barrier generation completes and none is left half-arrived at exit. With one dQ
              buffer (80 x 128) "full" is 2 and "empty" 3, tile t waits when t >= 1 and the writer
              arrives when t + 1 < tiles.
-    Decoupled warpgroups (``decoupled``, the d = 64 tile; see the end): B1 becomes each warpgroup's
-    own (2 + w, 128 threads), "sdSt free" barriers (4 + w) take over its guard of sdSt, "dQ full[b]"
+    Decoupled warpgroups (``decoupled``, the default on every tile; see the end): B1 becomes each
+    warpgroup's own (2 + w, 128 threads), "sdSt free" barriers (4 + w) take over its guard of sdSt
+    where dS^T has one buffer (d = 64; with two, B2 suffices: "Double-buffered dS^T"), "dQ full[b]"
     is 6 + b (288, as above), and "dQ empty" is per buffer and warpgroup (6 + buffers + 2 b + w, 160
     threads: the writer's arrival + one warpgroup's sync).
 Q/dO/K/V: step 2's TMA producer warp and mbarrier ring, unchanged (inherited).
@@ -93,17 +94,17 @@ the walk is cut into three segments, masked / mask-free / masked (``schedule.unm
 Measured on the H100 at d = 128 (stage 4 README): 0.79-0.83x of the official FA4 before these
 changes and the warp-uniform descriptors below, 0.94-1.01x after.
 
-Shared memory (bf16, 2 Q/dO stages, 2 dQ buffers where they fit; default tiles, see "Tiles"):
-    K + V + 2 (Q + dO) + dS^T + buffers x dQ (fp32, swizzled, no padding)
-    d = 64  (128 x 128):  16 + 16 + 2 * 32 + 32 + 2 * 32 = 192 KB   (the 64 x 128 tile: 112 KB)
-    d = 96  (64 x 128):   24 + 24 + 2 * 24 + 16 + 2 * 24 = 160 KB
-    d = 128 (80 x 128):   32 + 32 + 2 * 40 + 20 + 1 * 40 = 204 KB   (of 227; two dQ buffers: 244;
-                          the 64 x 128 tile: 32 + 32 + 2 * 32 + 16 + 2 * 32 = 208 KB)
+Shared memory (bf16, 2 Q/dO stages, 2 dS^T buffers below 128 queries and 2 dQ buffers where they
+fit; default tiles, see "Tiles"):
+    K + V + 2 (Q + dO) + dS^T buffers + dQ buffers (fp32, swizzled, no padding)
+    d = 64  (128 x 128):  16 + 16 + 2 * 32 + 1 * 32 + 2 * 32 = 192 KB   (the 64 x 128 tile: 112 KB)
+    d = 96  (64 x 128):   24 + 24 + 2 * 24 + 2 * 16 + 2 * 24 = 176 KB
+    d = 128 (80 x 128):   32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB   (of 227; two dQ buffers: 264)
 
 Compiled (sm_90a, bf16/fp16, causal and deterministic on/off, varlen, this ptxas): 0 spills, no
-local memory, named barriers 0-5 (0-3 with one dQ buffer); shared memory 198656 / 164864 / 209920
-bytes at d = 64 / 96 / 128; HGMMA per tile 32 / 28 / 34 (16 / 8 / 10 of them register-sourced), in
-each of the three copies of the tile body;
+local memory, all 16 named barriers reserved (ids computed at run time, see "decoupled"); shared
+memory 199680 / 182272 / 231424 bytes at d = 64 / 96 / 128; HGMMA per tile 32 / 28 / 34 (16 / 8 / 10 of
+them register-sourced), in each of the three copies of the tile body;
 UTMAREDG 8 / 6 / 4 (32-byte spans at d = 64, see below); no fp32 REDG. The consumers' wgmma descriptors live in uniform registers (their
 shared-memory operands are sliced by the warpgroup's first thread, marked warp-uniform): 535 SASS
 instructions per mask-free tile and warp at d = 128, against 698 with per-thread descriptors and the
@@ -182,12 +183,27 @@ Every barrier id is then computed at run time (``bar.sync`` takes it in a regist
 reserves all 16. Paired rounds at d = 64 (``ab_bwd_h100_run14_decoupled_d64.json``,
 ``..._run15_decoupled_early_empty.json``, ``..._run18_decoupled_shared_full_dq_buffers3.json``): +5..+7%
 non-causal, +1..+5% causal, 8k / 16k. Three dQ buffers (232448 bytes of SMEM, exactly the 227 KB)
-measured -1..+2% against two in run 18: not the default. At d = 128
-(80 x 128, one dQ buffer) it lost 10-12% (``ab_bwd_h100_run14_decoupled_d128_not_kept.json``; not
-analysed), so that tile stays coupled; at d = 96 (64 x 128, two dQ buffers) one paired point each
-measured +5% non-causal and a tie causal at 8k (``ab_bwd_h100_run19_d96_decoupled.json``): too little to
-move that default without more rounds. In deterministic mode both give the same bits (gpu tier) and
-the same speed within -2..0% (``ab_bwd_h100_run17_decoupled_deterministic.json``), so one default serves both.
+measured -1..+2% against two in run 18: not the default. At d = 128 (80 x 128, one dQ buffer) it first
+lost 10-12% (``ab_bwd_h100_run14_decoupled_d128_not_kept.json``): Nsight Compute later showed why -- every
+HGMMA of that build followed by a WARPGROUP.DEPBAR (``ncu_bwd_h100_d128_decoupled.md``), and its ptxas log
+says C7512, "wgmma serialized due to insufficient register resources". The "sdSt free" barriers and
+their conditions had pushed the 80-query tile, already at 228 of 240 registers, over the edge. With two
+dS^T buffers those barriers go (next paragraph), the wgmmas run asynchronously again, and decoupling
+pays there too. In deterministic mode both give the same bits (gpu tier) and the same speed within
+-2..0% (``ab_bwd_h100_run17_decoupled_deterministic.json``), so one default serves both.
+
+A seventh, ``ds_buffers`` (2 by default below the 128-query tile, i.e. d = 96 and 128; the official kernel
+double-buffers dS at d = 128 too, which is where its last 20 KB of SMEM go -- read in its
+flash_bwd_sm90.py, no code used): dS^T of tile t goes to buffer t % 2. A warpgroup stores tile t's dS^T
+after passing B2 of tile t - 1, which the other warpgroup reaches only after its dQ wgmma of tile t - 2
+(the last reader of that buffer) has completed, so the "sdSt free" barriers are not needed and B2 is the
+only point where the warpgroups meet. Paired rounds, decoupled + two dS^T buffers against the coupled
+default of the time, 8k / 16k (``ab_bwd_h100_run20_ds_buffers2.json``, ``..._run21_d96_ds_buffers2.json``,
+``..._run21_d128_dq_full_per_wg.json``): d = 128 +4..+7%, causal or not, in both runs; d = 96 non-causal +6..+7%, causal +2%. At d = 64 (decoupled
+already) two buffers measured -1..+4%, a tie, and would fill the 227 KB exactly, so that tile keeps one.
+Not kept: "dQ full" per warpgroup as well (``dq_full_per_wg``, 160-thread barriers, so the writer
+reduces one warpgroup's share while the other still computes): -1..+1% at d = 128 against decoupled +
+two dS^T buffers (run 21).
 
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
@@ -291,7 +307,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  tile_n: int | None = None, num_stages: int = 2, dq_order=None, late_dv: bool | None = None,
                  dq_split_m: bool | None = None, dq_swap_ab: bool | None = None,
                  dq_buffers: int | None = None, dq_swizzle32: bool | None = None,
-                 stats_shuffle: bool | None = None, decoupled: bool | None = None):
+                 stats_shuffle: bool | None = None, decoupled: bool | None = None, ds_buffers: int | None = None,
+                 dq_full_per_wg: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -306,12 +323,23 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                              f"head_dim = {64 * NUM_WG_MMA} and tile_m a multiple of 16 up to 128, got head_dim "
                              f"{self.head_dim}, tile_m {self.tile_m}")
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
+        self.decoupled = True if decoupled is None else decoupled
+        # dS^T double-buffered (tile t in buffer t % 2): B2 of tile t - 1 then already orders the other
+        # warpgroup's dQ read of tile t - 2 before this warpgroup's stores, so decoupled warpgroups need
+        # no "sdSt free" barriers (see "Double-buffered dS^T" at the end of the docstring)
+        self.ds_buffers = self._default_ds_buffers() if ds_buffers is None else ds_buffers
+        if self.ds_buffers not in (1, 2):
+            raise ValueError(f"ds_buffers: expected 1 or 2, got {ds_buffers!r}")
         self.dq_buffers = self._default_dq_buffers() if dq_buffers is None else dq_buffers
-        self.decoupled = self.tile_m == 128 if decoupled is None else decoupled
         # "dQ full" per buffer: both consumer warpgroups arrive (never wait) and the writer syncs; "dQ empty"
         # per buffer, and per warpgroup when decoupled (only the warpgroup that refills a share waits for it)
         self.dq_full_barrier = DQ_FULL_BARRIER_DECOUPLED if self.decoupled else DQ_FULL_BARRIER
-        self.dq_empty_barrier = self.dq_full_barrier + self.dq_buffers
+        # "dQ full" per buffer and warpgroup too (160 threads): the writer reduces a warpgroup's share as
+        # soon as that warpgroup has stored it, not when both have
+        self.dq_full_per_wg = False if dq_full_per_wg is None else bool(dq_full_per_wg)
+        if self.dq_full_per_wg and not self.decoupled:
+            raise ValueError("dq_full_per_wg: needs decoupled warpgroups (coupled ones store their shares together)")
+        self.dq_empty_barrier = self.dq_full_barrier + self.dq_buffers * (NUM_WG_MMA if self.dq_full_per_wg else 1)
         self.dq_empty_threads = DQ_EMPTY_SYNC_THREADS_WG if self.decoupled else DQ_SYNC_THREADS
         self.num_barriers = self.dq_empty_barrier + self.dq_buffers * (NUM_WG_MMA if self.decoupled else 1)
         if self.num_barriers > NUM_NAMED_BARRIERS:
@@ -326,12 +354,25 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                              f"{STATS_SHUFFLE_ROWS // 4} lanes of a warp, 4 each, so it needs tile_m a multiple of 16 "
                              f"up to {STATS_SHUFFLE_ROWS}, got {self.tile_m}")
 
-    def _default_dq_buffers(self) -> int:
-        """Two dQ buffers when K, V, the Q/dO stages, dS^T and both fp32 dQ tiles fit the 227 KB of
-        SMEM (+ 1 KB for barriers and row statistics), else one (80 x 128 at d = 128: 244 KB)."""
+    def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
+        """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
+        barriers and the row statistics (two copies when decoupled)."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        operands = (tn * (d + dv) + self.num_stages * tm * (d + dv) + tn * tm) * 2  # fp16 / bf16
-        return DQ_BUFFERS if operands + DQ_BUFFERS * tm * d * 4 + 1024 <= fwd_common.SMEM_BUDGET else 1
+        operands = (tn * (d + dv) + self.num_stages * tm * (d + dv) + ds_buffers * tn * tm) * 2  # fp16 / bf16
+        return operands + dq_buffers * tm * d * 4 + 2048
+
+    def _default_ds_buffers(self) -> int:
+        """Two dS^T buffers below the 128-query tile when they fit beside one dQ buffer (d = 96 and 128:
+        +2..+7% with decoupled warpgroups, ab_bwd_h100_run20_ds_buffers2.json, ..._run21_d96_ds_buffers2.json); the
+        128 x 128 tile (d = 64) measured a tie and keeps one (two fill the 227 KB exactly)."""
+        if self.tile_m >= 128:
+            return 1
+        return 2 if self._smem_need(2, 1) <= fwd_common.SMEM_BUDGET else 1
+
+    def _default_dq_buffers(self) -> int:
+        """Two dQ buffers when they fit the 227 KB of SMEM with everything else, else one (80 x 128
+        at d = 128: 264 KB with two)."""
+        return DQ_BUFFERS if self._smem_need(self.ds_buffers, DQ_BUFFERS) <= fwd_common.SMEM_BUDGET else 1
 
     def _dq_share(self) -> tuple[int, int]:
         """(rows, columns) of one consumer warpgroup's share of a dQ tile: its 64 query rows (dq_split_m)
@@ -390,7 +431,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         sdO_layout = self._smem_layout(tm, dv, dv, stages)
         sK_layout = self._smem_layout(tn, d, d // NUM_WG_MMA)
         sV_layout = self._smem_layout(tn, dv, dv // NUM_WG_MMA)
-        sdSt_layout = self._smem_layout(tn, tm, tm)                        # dS^T: (keys, queries)
+        sdSt_layout = self._smem_layout(tn, tm, tm, self.ds_buffers)       # dS^T: (keys, queries, buffers)
         sdQ_layout = self._sdq_layout()
 
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -538,8 +579,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 t = head_in_group * n_m + m_block - m_block_min
                 buf = t % self.dq_buffers
-                # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced)
-                cute.arch.barrier(barrier_id=self.dq_full_barrier + buf, number_of_threads=DQ_SYNC_THREADS)
+                # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced); per
+                #    warpgroup: waited for share by share in the loop below
+                if const_expr(not self.dq_full_per_wg):
+                    self.dq_full(buf, 0, wait=True)
                 if const_expr(self.deterministic):
                     n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
                                                          imin=cutlass.min)
@@ -558,6 +601,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     #    The whole warp calls the TMA copy (it elects one lane with elect.sync, which
                     #    needs the warp converged); every lane commits and waits on its own (possibly
                     #    empty) bulk group, so the issuing lane, whichever it is, waits for its reduce.
+                    if const_expr(self.dq_full_per_wg):
+                        self.dq_full(buf, w, wait=True)
                     g_m, g_n = m_block, w
                     if const_expr(self.dq_split_m):
                         g_m, g_n = m_block * NUM_WG_MMA + w, 0
@@ -586,6 +631,19 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                             self.dq_empty(buf, w, wait=False)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
+
+    @cute.jit
+    def dq_full(self, buf: Int32, w, wait: cutlass.Constexpr[bool]):
+        """bar.sync (the writer, wait) or bar.arrive (a consumer warpgroup) on "dQ full" of buffer buf --
+        with dq_full_per_wg, of warpgroup w's share (160 threads), else of both (288)."""
+        if const_expr(self.dq_full_per_wg):
+            bar_id, threads = self.dq_full_barrier + buf * NUM_WG_MMA + w, DQ_EMPTY_SYNC_THREADS_WG
+        else:
+            bar_id, threads = self.dq_full_barrier + buf, DQ_SYNC_THREADS
+        if const_expr(wait):
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=threads)
+        else:
+            cute.arch.barrier_arrive(barrier_id=bar_id, number_of_threads=threads)
 
     @cute.jit
     def dq_empty(self, buf: Int32, w, wait: cutlass.Constexpr[bool]):
@@ -691,13 +749,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)      # (tm, dv, stages)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)          # (tn, d)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)          # (tn, dv)
-        sdSt = storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tn, tm)
+        sdSt = storage.sdSt.get_tensor(sdSt_layout.outer, swizzle=sdSt_layout.inner)  # (tn, tm, ds_buffers)
         sdQ = cute.composition(storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner),
                                self._sdq_tile_view())                             # (tm, d, buffers) fp32
         sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm, stages), order=(1, 0, 2)))
         sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm, stages), order=(1, 0, 2)))
         sKt = cute.composition(sK, cute.make_ordered_layout((d, tn), order=(1, 0)))
-        sdS = cute.composition(sdSt, cute.make_ordered_layout((tm, tn), order=(1, 0)))
+        sdS = cute.composition(sdSt, cute.make_ordered_layout((tm, tn, self.ds_buffers), order=(1, 0, 2)))
 
         thr_SdP = tiled_mma_SdP.get_slice(ctidx)
         thr_dV = tiled_mma_dV.get_slice(ctidx)
@@ -719,9 +777,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         tdKrQt = wg_dK.make_fragment_B(wg_dK.partition_B(sQt))        # (..., stages)
         if const_expr(self.dq_swap_ab):  # dQ^T = K^T dS^T: A = K^T (d, tn), B = dS (tm, tn), both MN-major
             tdQrA = wg_dQ.make_fragment_A(wg_dQ.partition_A(sKt))
-            tdQrB = wg_dQ.make_fragment_B(wg_dQ.partition_B(sdS))
+            tdQrB = wg_dQ.make_fragment_B(wg_dQ.partition_B(sdS))     # (..., ds_buffers)
         else:
-            tdQrA = wg_dQ.make_fragment_A(wg_dQ.partition_A(sdS))
+            tdQrA = wg_dQ.make_fragment_A(wg_dQ.partition_A(sdS))     # (..., ds_buffers)
             tdQrB = wg_dQ.make_fragment_B(wg_dQ.partition_B(sKt))
         acc_dV = cute.make_rmem_tensor(thr_dV.partition_shape_C((tn, dv)), Float32)
         acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
@@ -732,7 +790,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         smem_copy_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_SdP)
         thr_smem_dS = smem_copy_dS.get_slice(ctidx)
-        tdSsdSt = thr_smem_dS.partition_D(sdSt)
+        tdSsdSt = thr_smem_dS.partition_D(sdSt)                       # (..., ds_buffers)
         # dQ (fp32) -> sdQ[buf]: 2 adjacent columns per 8-byte store; dq_swap_ab holds dQ^T, whose
         # adjacent pair is 2 query rows of sdQ: 4-byte stores into the transposed view
         smem_copy_dQ = cute.make_tiled_copy_C(
@@ -845,11 +903,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     tdKrdSt = cute.make_rmem_tensor(thr_dK.partition_shape_A((tn, tm)), self.dtype)
                     tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
                     tdSrdS.store(acc_dP.load().to(self.dtype))
-                    if const_expr(self.decoupled):
+                    ds_buf = t % self.ds_buffers
+                    if const_expr(self.decoupled and self.ds_buffers == 1):
                         # the other warpgroup's dQ wgmma of the previous tile has read sdSt
                         if t > 0:
                             cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + wg, number_of_threads=nthr)
-                    cute.copy(smem_copy_dS, thr_smem_dS.retile(tdSrdS), tdSsdSt)
+                    cute.copy(smem_copy_dS, thr_smem_dS.retile(tdSrdS), tdSsdSt[None, None, None, ds_buf])
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
                     if const_expr(self.late_dv):
                         warpgroup.fence()
@@ -861,10 +920,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     #     first so that its registers -> smem hand-off below runs under dK's wgmma.
                     acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C(dq_shape), Float32)
                     warpgroup.fence()
-                    gemm_issue(tiled_mma_dQ, acc_dQ, tdQrA, tdQrB, zero_init=True)
+                    if const_expr(self.dq_swap_ab):
+                        gemm_issue(tiled_mma_dQ, acc_dQ, tdQrA, tdQrB[None, None, None, ds_buf], zero_init=True)
+                    else:
+                        gemm_issue(tiled_mma_dQ, acc_dQ, tdQrA[None, None, None, ds_buf], tdQrB, zero_init=True)
                     gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt[None, None, None, st.index], zero_init=False)
                     warpgroup.wait_group(1)  # dV and dQ done, dK may run
-                    if const_expr(self.decoupled):
+                    if const_expr(self.decoupled and self.ds_buffers == 1):
                         if t + 1 < n_tiles:  # this warpgroup's dQ has read sdSt: the other may overwrite it
                             cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - wg,
                                                      number_of_threads=nthr)
@@ -881,7 +943,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                         self.dq_empty(buf, wg, wait=True)
                     cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
-                    cute.arch.barrier_arrive(barrier_id=self.dq_full_barrier + buf, number_of_threads=DQ_SYNC_THREADS)
+                    self.dq_full(buf, wg, wait=False)
                     warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
                     pipe_Q.consumer_release(st)
 

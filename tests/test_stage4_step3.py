@@ -79,6 +79,23 @@ def test_tiles_must_split_keys_across_the_two_warpgroups():
 
 
 @pytest.mark.cpu
+def test_buffer_defaults_fit_shared_memory():
+    """Decoupled everywhere; two dS^T buffers below the 128-query tile (then the "sdSt free" barriers go),
+    dQ buffers from what is left of the 227 KB; options that cannot work are refused."""
+    mod = _mod()
+    expect = {(64, 64): (1, 2), (96, 96): (2, 2), (128, 128): (2, 1)}  # (dS^T buffers, dQ buffers)
+    for (d, dv), (ds, dq) in expect.items():
+        kernel = mod.make_kernel(None, d, dv, False, False)
+        assert kernel.decoupled and (kernel.ds_buffers, kernel.dq_buffers) == (ds, dq), (d, kernel.ds_buffers)
+        assert kernel._smem_need(kernel.ds_buffers, kernel.dq_buffers) <= 227 * 1024
+    assert mod.make_kernel(None, 128, 128, False, False, ds_buffers=1).dq_buffers == 1
+    with pytest.raises(ValueError, match="ds_buffers: expected 1 or 2"):
+        mod.make_kernel(None, 128, 128, False, False, ds_buffers=3)
+    with pytest.raises(ValueError, match="dq_full_per_wg: needs decoupled"):
+        mod.make_kernel(None, 128, 128, False, False, decoupled=False, dq_full_per_wg=True)
+
+
+@pytest.mark.cpu
 def test_stats_shuffle_finds_every_column_statistic():
     """stats_shuffle: lane l keeps slots 4 l .. 4 l + 3 of sLSE2 / sD; the shuffle source of each of a
     lane's accumulator columns (query 8 (c // 2) + 2 (l % 4) + c % 2) must be the slot of that query."""
@@ -309,9 +326,10 @@ def test_deterministic_is_bitwise_reproducible(causal, ratio):
                          ids=["d64", "d128", "d64-one-tile"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
-    """Decoupled warpgroups (own statistics barrier, per-warpgroup dQ hand-off, "sdSt free" barriers)
-    only reorder synchronization: in deterministic mode they must give the coupled kernel's bits, and
-    both must pass the rule (the d = 128 tile runs coupled by default, so this is its decoupled test)."""
+    """Decoupled warpgroups (own statistics barrier, per-warpgroup dQ hand-off, "sdSt free" barriers or
+    two dS^T buffers) only reorder synchronization: in deterministic mode the default kernel must give
+    the bits of a coupled one with a single dS^T buffer (the structure before both), and both must pass
+    the rule."""
     import functools
 
     import torch
@@ -322,16 +340,18 @@ def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
     q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, d, d, seed=5)
     out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
     grads = {}
-    for decoupled in (False, True):
-        make_kernel = functools.partial(mod.make_kernel, decoupled=decoupled)
+    for name, options in (("coupled", {"decoupled": False, "ds_buffers": 1}), ("default", {})):
+        make_kernel = functools.partial(mod.make_kernel, **options)
+        key = mod.STEP + "".join(f"~{o}={int(v)}" for o, v in sorted(options.items()))
         dq, dk, dv = s4._poisoned(q, k, v)
-        host.backward(f"{mod.STEP}~decoupled={int(decoupled)}", make_kernel, q, k, v, out, do, lse, causal=causal,
-                      deterministic=True, dq=dq, dk=dk, dv=dv)
-        grads[decoupled] = (dq, dk, dv)
+        host.backward(key, make_kernel, q, k, v, out, do, lse, causal=causal, deterministic=True, dq=dq, dk=dk, dv=dv)
+        grads[name] = (dq, dk, dv)
+    assert mod.make_kernel(None, d, d, causal, True).decoupled
     ref, base = host.reference_grads(q, k, v, do, causal=causal)
-    for name, a, r, bl in zip(("dq", "dk", "dv"), grads[True], ref, base):
-        assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
-    for a, b in zip(grads[False], grads[True]):
+    for grads_of in grads.values():
+        for name, a, r, bl in zip(("dq", "dk", "dv"), grads_of, ref, base):
+            assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
+    for a, b in zip(grads["coupled"], grads["default"]):
         assert torch.equal(a, b)
 
 
