@@ -93,7 +93,8 @@ def _lpt_hint(cfgs, arch_key: str) -> Optional[str]:
     """A line for runs without --heads whose causal configs would also launch LPT kernels."""
     from ._dispatch import LPT_MIN_SEQLEN_K, causal_forward_scheduler
 
-    if not any(c[3] for c in cfgs) or causal_forward_scheduler(arch_key, True, LPT_MIN_SEQLEN_K, 128, 128, 1, 1) is None:
+    lpt_here = causal_forward_scheduler(arch_key, True, LPT_MIN_SEQLEN_K, 128, 128, 1, 1) is not None
+    if not any(c[3] for c in cfgs) or not lpt_here:
         return None
     return (f"note: causal calls with >= {LPT_MIN_SEQLEN_K} keys launch LPT-ordered kernels that depend on the head "
             "counts and the length; add --heads HQ[/HKV] (and --max-seqlen) to build those too")
@@ -270,7 +271,8 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
     lpt = lpt_builds(cfgs, heads, max_seqlen, arch.key) if heads and _scheduled_builder(fwd_mod) else []
     print(f"precompile on {torch.cuda.get_device_name(dev)} ({arch.key}): {len(cfgs)} configs x {', '.join(kinds)}"
           + (f" + {len(lpt)} LPT forward kernel(s)" if heads else "")
-          + f"; disk cache: {_cache.cache_dir() if _cache.enabled() else 'disabled (FA4_CACHE=0)'}", file=out, flush=True)
+          + f"; disk cache: {_cache.cache_dir() if _cache.enabled() else 'disabled (FA4_CACHE=0)'}",
+          file=out, flush=True)
     if backward and not has_bwd:
         print(f"backward: {arch.bwd_modules[0]} has not landed; forward only", file=out)
     if heads and not _scheduled_builder(fwd_mod):
