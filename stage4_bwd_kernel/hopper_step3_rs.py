@@ -203,7 +203,8 @@ default of the time, 8k / 16k (``ab_bwd_h100_run20_ds_buffers2.json``, ``..._run
 already) two buffers measured -1..+4%, a tie, and would fill the 227 KB exactly, so that tile keeps one.
 Not kept: "dQ full" per warpgroup as well (``dq_full_per_wg``, 160-thread barriers, so the writer
 reduces one warpgroup's share while the other still computes): -1..+1% at d = 128 against decoupled +
-two dS^T buffers (run 21).
+two dS^T buffers (run 21). Nor, on top of it at d = 96 (``ab_bwd_h100_run22_d96_options_not_kept.json``):
+``stats_shuffle`` (-1..-9%) and ``late_dv`` (-2..-6% non-causal, +2..+7% causal; mixed, one run).
 
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
