@@ -189,6 +189,21 @@ class Compiled(NamedTuple):
 _CACHE: dict = {}
 
 
+class WgmmaSerializedWarning(UserWarning):
+    """ptxas serialized a kernel's wgmma instructions (each waits for the one before): the kernel is
+    correct but far slower than its design. A stage 4 experiment once measured such a build (-10-12%)
+    and took the loss for the technique's (benchmarks/results/ncu_bwd_h100_d128_decoupled.md)."""
+
+
+_WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\)[^\n]*serializ", re.IGNORECASE)
+
+
+def wgmma_serialization(ptxas_log: str) -> list[str]:
+    """The codes of ptxas's "wgmma ... serialized" remarks in a compile log (C7510, C7512, C7520, ...),
+    in order, each once; [] when every wgmma stays asynchronous."""
+    return list(dict.fromkeys(_WGMMA_SERIALIZED.findall(ptxas_log or "")))
+
+
 def compile_cached(key, build: Callable[[], tuple]) -> Compiled:
     """Compile once per key. `build()` returns (kernel_object, args_tuple); the kernel object's
     `smem_bytes` attribute (set while tracing) goes into the report."""
@@ -208,6 +223,11 @@ def compile_cached(key, build: Callable[[], tuple]) -> Compiled:
     report = parse_resources(log, sass, cubin)
     report["smem_bytes"] = getattr(kernel, "smem_bytes", None)
     report["threads"] = getattr(kernel, "num_threads", None)
+    report["wgmma_serialized"] = wgmma_serialization(log)
+    if report["wgmma_serialized"]:
+        warnings.warn(f"{str(key)[:240]}: ptxas serialized its wgmma instructions "
+                      f"({', '.join(report['wgmma_serialized'])}); the kernel is correct but runs far below its "
+                      "design speed (time it only knowingly)", WgmmaSerializedWarning, stacklevel=2)
     out = Compiled(fn, report, sass, ptx)
     _CACHE[key] = out
     return out

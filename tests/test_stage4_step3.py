@@ -79,6 +79,45 @@ def test_tiles_must_split_keys_across_the_two_warpgroups():
 
 
 @pytest.mark.cpu
+def test_wgmma_serialization_remarks_are_recognised():
+    from stage3_fwd_kernel.common import wgmma_serialization
+
+    log = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line 940 by compiler to allow use of "
+           "registers in GMMA in function 'k'\n"
+           "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "insufficient register resources for the function 'k'\n"
+           "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "non wgmma instructions defining accumulator registers\n"
+           "(C7512) ... serialized ... again\n")
+    assert wgmma_serialization(log) == ["C7512", "C7520"]
+    assert wgmma_serialization(log.splitlines()[0]) == [] and wgmma_serialization("") == []
+
+
+@pytest.mark.compile
+def test_a_build_with_serialized_wgmmas_warns():
+    """Decoupled warpgroups with one dS^T buffer at d = 128 (the "sdSt free" barriers) run out of registers
+    and ptxas serializes the wgmmas (C7512): every compile says so with a WgmmaSerializedWarning; the
+    default build, two dS^T buffers, stays asynchronous."""
+    import functools
+    import warnings
+
+    from stage3_fwd_kernel.common import WgmmaSerializedWarning
+    from stage4_bwd_kernel import host
+
+    mod = _mod()
+    args = dict(dtype="bf16", head_dim=128, head_dim_v=128, causal=False, deterministic=False, varlen=False,
+                has_seqused_k=False, dq_order=None, tiles=None)
+    with pytest.warns(WgmmaSerializedWarning, match="C7512"):
+        comp = host.compile_fake(mod.STEP + "~test_serialized", functools.partial(mod.make_kernel, ds_buffers=1),
+                                 **args)
+    assert comp.report["wgmma_serialized"] == ["C7512"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WgmmaSerializedWarning)
+        comp = host.compile_fake(mod.STEP + "~test_not_serialized", mod.make_kernel, **args)
+    assert comp.report["wgmma_serialized"] == []
+
+
+@pytest.mark.cpu
 def test_buffer_defaults_fit_shared_memory():
     """Decoupled everywhere; two dS^T buffers below the 128-query tile (then the "sdSt free" barriers go),
     dQ buffers from what is left of the 227 KB; options that cannot work are refused."""
