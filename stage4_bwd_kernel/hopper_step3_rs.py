@@ -127,6 +127,10 @@ a constructor option that defaults on for tile_m = 128 (late_dv also for 80, bel
   16-bit copy and dP^T are never all live: peak 64 + 64 + 32 + 32 (+ 32 while packing) instead of
   64 + 64 + 32 + 32 + 32 with an in-flight dV holding its A registers. The row statistics of the
   next tile are loaded after the dQ wait instead of after B1 (their 2 registers then skip the peak).
+  At 64 queries (d = 96), where the registers fit either way, it is the causal default only: on
+  decoupled warpgroups with two dS^T buffers it measured +1..+7% causal and -2..-6% non-causal at
+  4k-16k in two paired runs (``ab_bwd_h100_run22_d96_options_not_kept.json``,
+  ``ab_bwd_h100_run23_d96_late_dv_causal.json``).
 * ``dq_split_m``: the dQ wgmma splits its 128 query rows between the warpgroups (64 rows, all d
   columns each) instead of its d columns: each warpgroup reads half of dS once instead of all of it.
 * the epilogue's key offset / row count and the statistics' query offset live in SMEM (3 words)
@@ -204,7 +208,8 @@ already) two buffers measured -1..+4%, a tie, and would fill the 227 KB exactly,
 Not kept: "dQ full" per warpgroup as well (``dq_full_per_wg``, 160-thread barriers, so the writer
 reduces one warpgroup's share while the other still computes): -1..+1% at d = 128 against decoupled +
 two dS^T buffers (run 21). Nor, on top of it at d = 96 (``ab_bwd_h100_run22_d96_options_not_kept.json``):
-``stats_shuffle`` (-1..-9%) and ``late_dv`` (-2..-6% non-causal, +2..+7% causal; mixed, one run).
+``stats_shuffle`` (-1..-9%); ``late_dv`` measured -2..-6% non-causal and +2..+7% causal, and with run 23
+became the causal default there (see ``late_dv`` above).
 
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
@@ -346,7 +351,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         if self.num_barriers > NUM_NAMED_BARRIERS:
             raise ValueError(f"dq_buffers: {self.dq_buffers} dQ buffers{' with decoupled warpgroups' * self.decoupled} "
                              f"need {self.num_barriers} named barriers; a CTA has {NUM_NAMED_BARRIERS}")
-        self.late_dv = self.tile_m != 64 if late_dv is None else late_dv
+        # the 64-query tile (d = 96) issues dV early except causal, where late measured +1..+7%
+        self.late_dv = (self.tile_m != 64 or self.causal) if late_dv is None else late_dv
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA if dq_split_m is None else dq_split_m
         self.dq_swizzle32 = self.dq_split_m if dq_swizzle32 is None else dq_swizzle32
         self.stats_shuffle = self.tile_m == 128 if stats_shuffle is None else stats_shuffle

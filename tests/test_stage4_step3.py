@@ -128,6 +128,9 @@ def test_buffer_defaults_fit_shared_memory():
         assert kernel.decoupled and (kernel.ds_buffers, kernel.dq_buffers) == (ds, dq), (d, kernel.ds_buffers)
         assert kernel._smem_need(kernel.ds_buffers, kernel.dq_buffers) <= 227 * 1024
     assert mod.make_kernel(None, 128, 128, False, False, ds_buffers=1).dq_buffers == 1
+    # dV issued after dS^T: always on the 80- and 128-query tiles (registers), causal only at 64 (measured)
+    assert [mod.make_kernel(None, 96, 96, c, False).late_dv for c in (False, True)] == [False, True]
+    assert mod.make_kernel(None, 128, 128, False, False).late_dv and mod.make_kernel(None, 64, 64, False, False).late_dv
     with pytest.raises(ValueError, match="ds_buffers: expected 1 or 2"):
         mod.make_kernel(None, 128, 128, False, False, ds_buffers=3)
     with pytest.raises(ValueError, match="dq_full_per_wg: needs decoupled"):
