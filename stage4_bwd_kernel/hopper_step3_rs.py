@@ -76,7 +76,7 @@ Barriers (named, hardware ids; 0 is __syncthreads, used only before the role spl
              arrives when t + 1 < tiles.
     Decoupled warpgroups (``decoupled``, the default on every tile; see the end): B1 becomes each
     warpgroup's own (2 + w, 128 threads), "sdSt free" barriers (4 + w) take over its guard of sdSt
-    where dS^T has one buffer (d = 64; with two, B2 suffices: "Double-buffered dS^T"), "dQ full[b]"
+    where dS^T has one buffer (d = 64; with two, B2 suffices: ``ds_buffers``), "dQ full[b]"
     is 6 + b (288, as above), and "dQ empty" is per buffer and warpgroup (6 + buffers + 2 b + w, 160
     threads: the writer's arrival + one warpgroup's sync).
 Q/dO/K/V: step 2's TMA producer warp and mbarrier ring, unchanged (inherited).
@@ -165,9 +165,9 @@ than the 64 x 128 tile at d = 64, 2k-16k, causal or not; run 6 (``bwd_h100_run6.
 1-8 timed the official backward through ``.backward()``, which also accumulated ``.grad``: their
 ratios read ~4-20% high; run 9 on is fair -- stage 4 README, "A correction".)
 
-A sixth, ``decoupled`` (default on for tile_m = 128, i.e. d = 64; the official kernel's warpgroups work
-this way, read in its flash_bwd_sm90.py, no code used): the warpgroups meet once per tile, at B2, instead
-of three times. Nsight Compute (``ncu_bwd_h100_d64_main_kernel.md``, "Phases") had both warpgroups
+A sixth, ``decoupled`` (default on every tile, at d = 96 / 128 with ``ds_buffers``; the official kernel's
+warpgroups work this way, read in its flash_bwd_sm90.py, no code used): the warpgroups meet once per
+tile, at B2, instead of three times. Nsight Compute (``ncu_bwd_h100_d64_main_kernel.md``, "Phases") had both warpgroups
 waiting for S^T together after B1, and the 288-thread "dQ empty" barrier locking them to each other
 and to the writer. So:
 * each warpgroup stages all tm rows of the statistics in its own copy of sLSE2 / sD and syncs only its
@@ -203,8 +203,9 @@ after passing B2 of tile t - 1, which the other warpgroup reaches only after its
 (the last reader of that buffer) has completed, so the "sdSt free" barriers are not needed and B2 is the
 only point where the warpgroups meet. Paired rounds, decoupled + two dS^T buffers against the coupled
 default of the time, 8k / 16k (``ab_bwd_h100_run20_ds_buffers2.json``, ``..._run21_d96_ds_buffers2.json``,
-``..._run21_d128_dq_full_per_wg.json``): d = 128 +4..+7%, causal or not, in both runs; d = 96 non-causal +6..+7%, causal +2%. At d = 64 (decoupled
-already) two buffers measured -1..+4%, a tie, and would fill the 227 KB exactly, so that tile keeps one.
+``..._run21_d128_dq_full_per_wg.json``): d = 128 +4..+7%, causal or not, in both runs; d = 96 non-causal
++6..+7%, causal +2%. At d = 64 (decoupled already) two buffers measured -1..+4%, a tie, and would fill
+the 227 KB exactly, so that tile keeps one.
 Not kept: "dQ full" per warpgroup as well (``dq_full_per_wg``, 160-thread barriers, so the writer
 reduces one warpgroup's share while the other still computes): -1..+1% at d = 128 against decoupled +
 two dS^T buffers (run 21). Nor, on top of it at d = 96 (``ab_bwd_h100_run22_d96_options_not_kept.json``):
@@ -332,7 +333,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.decoupled = True if decoupled is None else decoupled
         # dS^T double-buffered (tile t in buffer t % 2): B2 of tile t - 1 then already orders the other
         # warpgroup's dQ read of tile t - 2 before this warpgroup's stores, so decoupled warpgroups need
-        # no "sdSt free" barriers (see "Double-buffered dS^T" at the end of the docstring)
+        # no "sdSt free" barriers (the docstring's seventh option)
         self.ds_buffers = self._default_ds_buffers() if ds_buffers is None else ds_buffers
         if self.ds_buffers not in (1, 2):
             raise ValueError(f"ds_buffers: expected 1 or 2, got {ds_buffers!r}")
