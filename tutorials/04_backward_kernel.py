@@ -22,7 +22,8 @@
 # - the paper's backward roofline: why shared memory, not the tensor cores, bounds it, and how
 #   the 2-CTA mode (two SMs sharing one MMA) relieves it by exchanging half of dS;
 # - how the Blackwell backward fits its accumulators into 512 columns of tensor memory;
-# - how the deterministic mode orders the dQ reduction, and why that order is shortest-first.
+# - how the deterministic mode orders the dQ reduction, and why that order is shortest-first;
+# - how to see, before timing anything, that ptxas has serialized a kernel's wgmmas.
 #
 # **The idea, in the paper's words** (§3.2, *Attention backward pass*): "The backward pass
 # performs five matrix multiply-accumulate (MMA) operations per iteration ... The shared memory
@@ -588,6 +589,57 @@ before, after = step3_ratios_at("bwd_h100_run3.json"), step3_ratios_at("bwd_h100
 for (d, c), r in before.items():
     print(f"d={d:3} {'causal' if c else 'non-causal':10}  run 3 {r:.2f}x  ->  run 4 {after[(d, c)]:.2f}x")
 assert all(after[k] > before[k] + 0.05 for k in before)
+
+# %% [markdown]
+# ## When ptxas quietly serializes the wgmmas
+# A wgmma is asynchronous: a warpgroup issues it and goes on with other work until it waits for the
+# result. If the accumulators, the operands and everything else live at the same time do not fit the
+# registers, ptxas still compiles the kernel, but makes each wgmma wait for the one before it, and
+# only says so in a compile remark (`C7512 ... wgmma.mma_async instructions are serialized due to
+# insufficient register resources`). The kernel stays correct; it just loses the overlap.
+#
+# That happened in this project. Step 3's "decoupled warpgroups" (each consumer warpgroup with its own
+# barriers, so they stop waiting for each other) gained 5-7% at d = 64 but *lost* 10-12% at d = 128,
+# and the loss was put down to the technique. Nsight Compute later found a `WARPGROUP.DEPBAR` (a wait)
+# right after every `HGMMA` of that build: the extra "sdSt free" barriers of the 80-query tile had
+# pushed it over its 240 registers. A second dS^T buffer makes those barriers unnecessary. The build
+# then fits, and decoupling gains 4-7% there too (`benchmarks/results/ncu_bwd_h100_d128_decoupled.md`).
+# Every compile now raises a `WgmmaSerializedWarning` when it happens. Both builds, compiled here: in
+# the SASS a serialized build waits for all wgmmas (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) once per HGMMA,
+# the default twice per copy of the tile body (after dP^T and after dK).
+
+# %%
+s4_step3 = optional("stage4_bwd_kernel.hopper_step3_rs")
+if s4_step3 is not None:
+    import functools
+    import warnings
+
+    from stage3_fwd_kernel.common import WgmmaSerializedWarning
+    from stage4_bwd_kernel import host
+
+    def build(label, **options):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", WgmmaSerializedWarning)
+            kernel = functools.partial(s4_step3.make_kernel, **options)
+            comp = host.compile_fake(f"{s4_step3.STEP}~tutorial~{label}", kernel,
+                                     dtype="bf16", head_dim=128, head_dim_v=128, causal=False, deterministic=False,
+                                     varlen=False, has_seqused_k=False, dq_order=None, tiles=None)
+        full_waits = comp.sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")  # "wait until no wgmma is in flight"
+        print(f"{label:38} SMEM {comp.report['smem_bytes']:6} B, HGMMA {comp.report['HGMMA']}, "
+              f"full wgmma waits {full_waits:3}, "
+              f"ptxas: {comp.report['wgmma_serialized'] or 'asynchronous'}{', warned' if caught else ''}")
+        return comp
+
+    one_buffer = build("decoupled, one dS^T buffer", ds_buffers=1)
+    two_buffers = build("decoupled, two dS^T buffers (default)")
+    assert one_buffer.report["wgmma_serialized"] and not two_buffers.report["wgmma_serialized"]
+
+    doc = json.loads((results / "ab_bwd_h100_run20_ds_buffers2.json").read_text())
+    for r in doc["results"]:
+        if r["head_dim"] == 128 and r["impl"] != "official":
+            name = "coupled (the default then)" if r["impl"] == "step3_rs" else r["impl"]
+            print(f"H100, d = 128, {'causal' if r['causal'] else 'non-causal':10} {r['seqlen']:5}: {name:42} "
+                  f"{r['ratio_median']:.2f}x of the official FA4")
 
 # %% [markdown]
 # ## Exercise
