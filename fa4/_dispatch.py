@@ -293,14 +293,10 @@ def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_
     return ranges
 
 
-_TAKES_SCHEDULER: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _takes_scheduler(mod) -> bool:
     """Whether a forward module's attention_forward accepts `scheduler` (the ladder fallback may not)."""
-    if mod.__name__ not in _TAKES_SCHEDULER:
-        _TAKES_SCHEDULER[mod.__name__] = "scheduler" in inspect.signature(mod.attention_forward).parameters
-    return _TAKES_SCHEDULER[mod.__name__]
+    return "scheduler" in inspect.signature(mod.attention_forward).parameters
 
 
 @dataclass

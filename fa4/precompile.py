@@ -100,14 +100,15 @@ def _lpt_hint(cfgs, arch_key: str) -> Optional[str]:
             "counts and the length; add --heads HQ[/HKV] (and --max-seqlen) to build those too")
 
 
-def _lpt_detail(build: dict) -> str:
+def _lpt_task(mod, build: dict) -> tuple:
+    """(config, what to build, label detail, extra row fields) of one LPT kernel, for either path."""
     first, last = build["seqlen_k"]
-    return f"{build['scheduler'].heads_per_section} heads/section, keys {first}-{last}, heads {build['heads']}"
-
-
-def _compile_lpt(mod, build: dict) -> list:
-    return mod.compile_launchable(dtype=build["dtype"], head_dim=build["head_dim"], head_dim_v=build["head_dim_v"],
-                                  causal=True, scheduler=build["scheduler"])
+    sections = build["scheduler"].heads_per_section
+    compile_it = functools.partial(mod.compile_launchable, dtype=build["dtype"], head_dim=build["head_dim"],
+                                   head_dim_v=build["head_dim_v"], causal=True, scheduler=build["scheduler"])
+    return ((build["dtype"], build["head_dim"], build["head_dim_v"], True), compile_it,
+            f"{sections} heads/section, keys {first}-{last}, heads {build['heads']}: ",
+            {"heads": build["heads"], "seqlen_k": [first, last], "heads_per_section": sections})
 
 
 class Progress:
@@ -200,10 +201,8 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
     fwd_mod = importlib.import_module(fwd_name)
     if heads and _scheduled_builder(fwd_mod):
         for b in lpt_builds(cfgs, heads, max_seqlen, info.key):
-            cfg = (b["dtype"], b["head_dim"], b["head_dim_v"], True)
-            tasks.append(("fwd lpt", fwd_name, cfg, functools.partial(_compile_lpt, fwd_mod, b), True,
-                          _lpt_detail(b) + ": ", {"heads": b["heads"], "seqlen_k": list(b["seqlen_k"]),
-                                                  "heads_per_section": b["scheduler"].heads_per_section}))
+            cfg, compile_it, prefix, extra = _lpt_task(fwd_mod, b)
+            tasks.append(("fwd lpt", fwd_name, cfg, compile_it, True, prefix, extra))
     elif heads:
         print(f"--heads: {fwd_name} builds no scheduled kernels; LPT kernels skipped", file=out)
     elif hint := _lpt_hint(cfgs, info.key):
@@ -296,10 +295,7 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
             tasks.append(("varlen", cfg, lambda q=q, k=k, v=v, c=c, cu=cu: flash_attn_varlen_func(
                 q.detach()[0], k.detach()[0], v.detach()[0], cu, cu, 64, 64, causal=c), "", {}))
     for b in lpt:  # built, not run: the kernels a long causal call of these heads would compile
-        tasks.append(("fwd lpt", (b["dtype"], b["head_dim"], b["head_dim_v"], True),
-                      functools.partial(_compile_lpt, fwd_mod, b), _lpt_detail(b) + ": ",
-                      {"heads": b["heads"], "seqlen_k": list(b["seqlen_k"]),
-                       "heads_per_section": b["scheduler"].heads_per_section}))
+        tasks.append(("fwd lpt", *_lpt_task(fwd_mod, b)))
     prog = Progress(len(tasks), out)
     results = []
     for kind, (dt, d, dv, c), fn, prefix, extra in tasks:

@@ -223,7 +223,6 @@ def compile_cached(key, build: Callable[[], tuple]) -> Compiled:
     report = parse_resources(log, sass, cubin)
     report["smem_bytes"] = getattr(kernel, "smem_bytes", None)
     report["threads"] = getattr(kernel, "num_threads", None)
-    report["wgmma_serialized"] = wgmma_serialization(log)
     if report["wgmma_serialized"]:
         warnings.warn(f"{str(key)[:240]}: ptxas serialized its wgmma instructions "
                       f"({', '.join(report['wgmma_serialized'])}); the kernel is correct but runs far below its "
@@ -270,6 +269,7 @@ def parse_resources(ptxas_log: str, sass: str, cubin: Optional[bytes]) -> dict:
     rep: dict = {}
     m = re.search(r"Used (\d+) registers", ptxas_log)
     rep["registers"] = int(m.group(1)) if m else (_elf_register_count(cubin) if cubin else None)
+    rep["wgmma_serialized"] = wgmma_serialization(ptxas_log)
     m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_log)
     if m:
         rep["stack_frame"], rep["spill_stores"], rep["spill_loads"] = map(int, m.groups())

@@ -453,6 +453,14 @@ print("RESULT " + json.dumps({"first_fwd_s": fwd_s, "first_bwd_s": bwd_s, "secon
 """
 
 
+def _cache_env(cache_dir):
+    """A subprocess environment with the disk cache on, in cache_dir, and this checkout importable."""
+    env = dict(os.environ, FA4_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("FA4_CACHE", None)
+    return env
+
+
 def _first_call(env, deterministic=True):
     script = _FIRST_CALL if deterministic else _FIRST_CALL.replace("deterministic=True", "deterministic=False")
     res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -465,9 +473,7 @@ def _first_call(env, deterministic=True):
 def test_compile_cache_second_process_reuses(tmp_path):
     """Two fresh processes run one training step (bf16 d128 causal, deterministic): the first
     compiles and writes the forward and backward kernels, the second loads them from disk."""
-    env = dict(os.environ, FA4_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("FA4_CACHE", None)
+    env = _cache_env(tmp_path)
     cold = _first_call(env)
     warm = _first_call(env)
     print(f"\nfirst-call latency, bf16 d128 causal: forward cold {cold['first_fwd_s']:.2f} s -> warm "
@@ -507,9 +513,7 @@ print("RESULT " + json.dumps({"max_err": err, "lpt": lpt, "stats": _cache.stats(
 def test_precompile_heads_serves_a_long_causal_forward(tmp_path):
     """`precompile --heads 4/2` without a GPU builds the LPT-ordered kernel that a causal call with 4224
     keys and GQA 4/2 launches: a GPU process then runs that call without compiling anything."""
-    env = dict(os.environ, FA4_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("FA4_CACHE", None)
+    env = _cache_env(tmp_path)
     cpu = subprocess.run([sys.executable, "-m", "fa4", "precompile", "--head-dims", "64", "--causal", "yes",
                           "--no-backward", "--heads", "4/2", "--max-seqlen", "8192"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(env, CUDA_VISIBLE_DEVICES=""))
@@ -526,9 +530,7 @@ def test_cache_filled_without_a_gpu_serves_the_gpu(tmp_path):
     """`python -m fa4 precompile` in a process that sees no GPU builds the launchable kernels with fake
     tensors into the disk cache; a GPU process then loads every kernel of a training step (bf16 d128
     causal) without compiling, and computes what a compiling process computes."""
-    env = dict(os.environ, FA4_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("FA4_CACHE", None)
+    env = _cache_env(tmp_path)
     cpu = subprocess.run([sys.executable, "-m", "fa4", "precompile", "--head-dims", "128", "--causal", "yes"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(env, CUDA_VISIBLE_DEVICES=""))
     assert cpu.returncode == 0 and "no GPU: compiling for sm_90a" in cpu.stdout, cpu.stdout + cpu.stderr
