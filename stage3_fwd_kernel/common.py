@@ -195,7 +195,8 @@ class WgmmaSerializedWarning(UserWarning):
     and took the loss for the technique's (benchmarks/results/ncu_bwd_h100_d128_decoupled.md)."""
 
 
-_WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\)[^\n]*serializ", re.IGNORECASE)
+# the remark may wrap onto the next line; "(" starts the next remark
+_WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\)[^(]{0,300}?serializ", re.IGNORECASE)
 
 
 def wgmma_serialization(ptxas_log: str) -> list[str]:

@@ -129,6 +129,20 @@ def bulk_copy_to_peer(dst: cute.Pointer, src: cute.Pointer, mbar: cute.Pointer, 
                     "r,r,r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+def stats_offset(offset_q, batch):
+    """Varlen: where sequence `batch` (first query row offset_q = cu_seqlens_q[batch]) starts in the
+    preprocess's lse2 / D rows: offset_q + 3 batch rounded up to a multiple of 4, so every sequence
+    starts 16-byte aligned (step 3's producer loads them with TMA, whose innermost start coordinate
+    faulted -- illegal instruction -- when it was not) and none overlaps the next (start b + 1 >=
+    start b + length b). Plain integer arithmetic: works on Python ints and traced Int32."""
+    return (offset_q + 3 * batch + 3) // 4 * 4
+
+
+def stats_rows(total_q: int, batch: int) -> int:
+    """Length of the varlen lse2 / D rows: room for stats_offset's padding of `batch` sequences."""
+    return (total_q + 3 * batch + 3) // 4 * 4
+
+
 def elem_pointer(t: cute.Tensor, coord) -> cute.Pointer:
     """Address of t[coord] (coord: an int index or a coordinate tuple)."""
     return t.iterator + cute.crd2idx(coord, t.layout)

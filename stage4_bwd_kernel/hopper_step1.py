@@ -240,6 +240,7 @@ class FlashAttentionBackwardSm90Step1:
         # 0. sequence bounds of this batch (varlen: packed rows [offset, offset + seqlen))
         bidx = batch
         offset_q = Int32(0)
+        stats_q = offset_q
         offset_k = Int32(0)
         seqlen_q = mQ.shape[1]
         seqlen_k_rows = mK.shape[1]  # rows that exist (dK/dV are written for all of them)
@@ -247,6 +248,7 @@ class FlashAttentionBackwardSm90Step1:
             bidx = 0
             offset_q = mCuSeqlensQ[batch]
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            stats_q = common.stats_offset(offset_q, batch)  # the preprocess's (aligned) rows of lse2 / D
             offset_k = mCuSeqlensK[batch]
             seqlen_k_rows = mCuSeqlensK[batch + 1] - offset_k
         seqlen_k = seqlen_k_rows  # keys that are attended to (seqused_k may cut the tail)
@@ -338,8 +340,8 @@ class FlashAttentionBackwardSm90Step1:
                         sLSE2[tidx] = Float32.inf
                         sD[tidx] = Float32(0.0)
                         if row < seqlen_q:
-                            sLSE2[tidx] = mLSE2[bidx, head, offset_q + row]
-                            sD[tidx] = mD[bidx, head, offset_q + row]
+                            sLSE2[tidx] = mLSE2[bidx, head, stats_q + row]
+                            sD[tidx] = mD[bidx, head, stats_q + row]
                     cute.arch.cp_async_wait_group(0)
                     # cp.async / st.shared are generic-proxy writes that wgmma reads through the
                     # async proxy: fence in every writer, then the barrier publishes the tile

@@ -293,7 +293,9 @@ class FlashAttentionBackwardSm90Step2:
                 tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
                 tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
                 sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-                pipe_KV, pipe_Q, pipe_dO):
+                pipe_KV, pipe_Q, pipe_dO, stats=None):
+        """stats: None, or step 3's ((tma_atom, tma tensor, smem ring) of lse2, of D): each Q tile's
+        row statistics then ride on its Q (lse2) and dO (D) barriers as one TMA copy each."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
@@ -324,14 +326,26 @@ class FlashAttentionBackwardSm90Step2:
                                                cute.group_modes(gQ, 0, 2))
             tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
                                                    cute.group_modes(gdO, 0, 2))
+            if const_expr(stats is not None):
+                stat_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sStat, 0, 1),
+                                                    cute.group_modes(cute.local_tile(cute.domain_offset(
+                                                        (self.stats_offset(offset_q, batch),), tma_stat[None, head, bidx]),
+                                                        (tm,), (None,)), 0, 1))
+                              for atom, tma_stat, sStat in stats]               # (lse2, D): (smem, gmem)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 st = self.tile_state(head_in_group * n_m + m_block - m_block_min, producer=True)
                 pipe_Q.producer_acquire(st)
                 cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, st.index],
                           tma_bar_ptr=pipe_Q.producer_get_barrier(st))
+                if const_expr(stats is not None):
+                    cute.copy(stats[0][0], stat_parts[0][1][None, m_block], stat_parts[0][0][None, st.index],
+                              tma_bar_ptr=pipe_Q.producer_get_barrier(st))
                 pipe_dO.producer_acquire(st)
                 cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, st.index],
                           tma_bar_ptr=pipe_dO.producer_get_barrier(st))
+                if const_expr(stats is not None):
+                    cute.copy(stats[1][0], stat_parts[1][1][None, m_block], stat_parts[1][0][None, st.index],
+                              tma_bar_ptr=pipe_dO.producer_get_barrier(st))
 
     # -------------------------------------------------------------- consumer warpgroups
     @cute.jit
@@ -387,6 +401,7 @@ class FlashAttentionBackwardSm90Step2:
         num_cols = cute.size(tScS_rc, mode=[1])
         sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
         sD = storage.sD.get_tensor(cute.make_layout(tm))
+        stats_q = self.stats_offset(offset_q, batch)
 
         # 1. K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA)
         pipe_KV.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
@@ -407,8 +422,8 @@ class FlashAttentionBackwardSm90Step2:
                     sLSE2[ctidx] = Float32.inf
                     sD[ctidx] = Float32(0.0)
                     if ctidx < q_rows_left:
-                        sLSE2[ctidx] = mLSE2[bidx, head, offset_q + m_block * tm + ctidx]
-                        sD[ctidx] = mD[bidx, head, offset_q + m_block * tm + ctidx]
+                        sLSE2[ctidx] = mLSE2[bidx, head, stats_q + m_block * tm + ctidx]
+                        sD[ctidx] = mD[bidx, head, stats_q + m_block * tm + ctidx]
                 cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
 
                 # 2b. S^T = K Q_i^T as soon as Q_i has landed, dP^T = V dO_i^T when dO_i has
@@ -490,6 +505,11 @@ class FlashAttentionBackwardSm90Step2:
                                         (tn, dv), (n_block, 0)), (tn, dv), k_rows_left)
 
     # -------------------------------------------------------------- helpers
+    def stats_offset(self, offset_q, batch):
+        """First row of this sequence's lse2 / D: varlen sequences start 16-byte aligned there
+        (common.stats_offset), dense ones at offset_q (0)."""
+        return common.stats_offset(offset_q, batch) if const_expr(self.varlen) else offset_q
+
     def tile_state(self, t: Int32, producer: bool) -> pipeline.PipelineState:
         """Pipeline slot of tile t of the walk: stage t % stages, phase flips every lap; the
         producer starts one phase ahead (its first lap must not wait for "empty")."""

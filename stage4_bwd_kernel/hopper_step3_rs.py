@@ -315,7 +315,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  dq_split_m: bool | None = None, dq_swap_ab: bool | None = None,
                  dq_buffers: int | None = None, dq_swizzle32: bool | None = None,
                  stats_shuffle: bool | None = None, decoupled: bool | None = None, ds_buffers: int | None = None,
-                 dq_full_per_wg: bool | None = None):
+                 dq_full_per_wg: bool | None = None, stats_tma: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -361,10 +361,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             raise ValueError(f"tiles: stats_shuffle spreads the row statistics of a Q tile over the "
                              f"{STATS_SHUFFLE_ROWS // 4} lanes of a warp, 4 each, so it needs tile_m a multiple of 16 "
                              f"up to {STATS_SHUFFLE_ROWS}, got {self.tile_m}")
+        # the producer loads each Q tile's lse2 / D with TMA on its Q / dO barriers (the eighth option)
+        self.stats_tma = True if stats_tma is None else bool(stats_tma)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
-        barriers and the row statistics (two copies when decoupled)."""
+        barriers and the row statistics (two copies when decoupled, or a ring of stages with stats_tma)."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         operands = (tn * (d + dv) + self.num_stages * tm * (d + dv) + ds_buffers * tn * tm) * 2  # fp16 / bf16
         return operands + dq_buffers * tm * d * 4 + 2048
@@ -432,6 +434,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         mQ, mK, mdK = (common.assume_aligned(t, d) for t in (mQ, mK, mdK))
         mV, mdO, mdV = (common.assume_aligned(t, dv) for t in (mV, mdO, mdV))
         mdQacc = common.assume_aligned(mdQacc, d)
+        mLSE2, mD = common.assume_aligned(mLSE2), common.assume_aligned(mD)  # (B, H, Sq): rows of 16-byte multiples
 
         # Swizzles: Q / dO are the MN-major B of dK / dV with N = d / dv whole (one warpgroup), K the
         # MN-major B of dQ with N split (d/2); each also serves as a K-major operand of S^T / dP^T.
@@ -478,9 +481,23 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
         self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
         self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+        # lse2 / D of a Q tile: tm fp32 in a (tm, stages) ring whose stages start on 128-byte boundaries
+        # (a TMA destination); rows past the tensor arrive as 0, masked like the rows of Q / dO past it
+        sStat_layout = cute.make_layout((tm, stages), stride=(1, (tm + 31) // 32 * 32))
+        tma_atom_LSE2, tma_LSE2 = cpasync.make_tiled_tma_atom(
+            tma_load, cute.make_tensor(mLSE2.iterator, cute.select(mLSE2.layout, mode=[2, 1, 0])),
+            cute.slice_(sStat_layout, (None, 0)), (tm,))                  # (Sq, H, B) view
+        tma_atom_D, tma_D = cpasync.make_tiled_tma_atom(
+            tma_load, cute.make_tensor(mD.iterator, cute.select(mD.layout, mode=[2, 1, 0])),
+            cute.slice_(sStat_layout, (None, 0)), (tm,))
+        if const_expr(self.stats_tma):
+            self.tma_bytes_Q += tm * 4
+            self.tma_bytes_dO += tm * 4
 
-        # decoupled: one copy of the row statistics per consumer warpgroup
+        # stats_tma: a ring of stages; else one copy of the row statistics (per consumer warpgroup, decoupled)
         stats_len = (STATS_SHUFFLE_ROWS if self.stats_shuffle else tm) * (NUM_WG_MMA if self.decoupled else 1)
+        if const_expr(self.stats_tma):
+            stats_len = cute.cosize(sStat_layout)
 
         @cute.struct
         class SharedStorage:
@@ -489,7 +506,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
-            sOffsets: cute.struct.MemRange[Int32, 3]  # (offset_k, key rows left, offset_q), see consume
+            sOffsets: cute.struct.MemRange[Int32, 3]  # (offset_k, key rows left, first row of its lse2 / D), see consume
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -507,7 +524,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_dQ, tma_atom_dQ,
                     tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdSt_layout, sdQ_layout,
-                    self._gmem_store(d), self._gmem_store(dv),
+                    self._gmem_store(d), self._gmem_store(dv), tma_LSE2, tma_D, tma_atom_LSE2, tma_atom_D,
+                    sStat_layout,
                     # min_blocks_per_mp=1 caps registers at entry (65536/384), which setmaxnreg needs
                     ).launch(grid=(num_n_blocks, mK.shape[2], batch), block=[self.num_threads, 1, 1],
                              stream=stream, min_blocks_per_mp=1)
@@ -525,7 +543,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                tiled_mma_dQ: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
-               gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy):
+               gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy, tma_LSE2: cute.Tensor,
+               tma_D: cute.Tensor, tma_atom_LSE2: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
+               sStat_layout: cute.Layout):
         tn = self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -539,6 +559,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 cpasync.prefetch_descriptor(tma_atom_dO)
                 cpasync.prefetch_descriptor(tma_atom_K)
                 cpasync.prefetch_descriptor(tma_atom_V)
+                if const_expr(self.stats_tma):
+                    cpasync.prefetch_descriptor(tma_atom_LSE2)
+                    cpasync.prefetch_descriptor(tma_atom_D)
             if warp_idx == DQ_WRITER_WARP:
                 cpasync.prefetch_descriptor(tma_atom_dQ)
             smem = SmemAllocator()
@@ -550,10 +573,14 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             if warp_group_idx == 0:
                 # ---------------------------------------------------------------- producer warpgroup
                 cute.arch.setmaxregister_decrease(self.regs_producer)
-                if warp_idx == 0:    # TMA loads: step 2's producer
+                if warp_idx == 0:    # TMA loads: step 2's producer (+ the row statistics with stats_tma)
+                    stats = None
+                    if const_expr(self.stats_tma):
+                        stats = ((tma_atom_LSE2, tma_LSE2, storage.sLSE2.get_tensor(sStat_layout)),
+                                 (tma_atom_D, tma_D, storage.sD.get_tensor(sStat_layout)))
                     self.produce(walk, storage, tma_Q, tma_dO, tma_K, tma_V, tma_atom_Q, tma_atom_dO,
                                  tma_atom_K, tma_atom_V, sQ_layout, sdO_layout, sK_layout, sV_layout,
-                                 pipe_KV, pipe_Q, pipe_dO)
+                                 pipe_KV, pipe_Q, pipe_dO, stats=stats)
                 if warp_idx == DQ_WRITER_WARP:
                     self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout)
             else:
@@ -562,7 +589,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 self.consume(walk, tidx - 128, storage, mLSE2, mD, mdK, mdV, softmax_scale_log2, softmax_scale,
                              tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, sQ_layout, sdO_layout,
                              sK_layout, sV_layout, sdSt_layout, sdQ_layout, gmem_store_dK, gmem_store_dV,
-                             pipe_KV, pipe_Q, pipe_dO)
+                             pipe_KV, pipe_Q, pipe_dO, sStat_layout)
 
     # -------------------------------------------------------------- dQ writer warp
     @cute.jit
@@ -668,7 +695,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
 
     # -------------------------------------------------------------- consumer warpgroups
     @cute.jit
-    def load_row_stats(self, mLSE2: cute.Tensor, mD: cute.Tensor, bidx: Int32, head: Int32, offset_q: Int32,
+    def load_row_stats(self, mLSE2: cute.Tensor, mD: cute.Tensor, bidx: Int32, head: Int32, stats_q: Int32,
                        m_block: Int32, seqlen_q: Int32, valid):
         """(lse2, D) of query row m_block * tile_m + r for the consumer threads whose r = stats_row(ctidx)
         < tile_m; +inf and 0 for rows past the sequence, for the other threads, and when not valid (no
@@ -678,8 +705,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         r = self.stats_row(thread_idx_fresh() - 128)
         row = m_block * self.tile_m + r
         if valid & (r < self.tile_m) & (row < seqlen_q):
-            lse2 = mLSE2[bidx, head, offset_q + row]
-            dpsum = mD[bidx, head, offset_q + row]
+            lse2 = mLSE2[bidx, head, stats_q + row]
+            dpsum = mD[bidx, head, stats_q + row]
         return lse2, dpsum
 
     def stats_row(self, ctidx):
@@ -689,26 +716,40 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
 
     @cute.jit
     def next_row_stats(self, walk, mLSE2: cute.Tensor, mD: cute.Tensor, m_block: Int32, head_in_group: Int32,
-                       offset_q: Int32):
+                       stats_q: Int32):
         """load_row_stats for the tile after m_block in the walk (the next query head's first tile at
-        the end of a head; nothing after the last). offset_q is passed in (read from SMEM by the
+        the end of a head; nothing after the last). stats_q is passed in (read from SMEM by the
         caller) rather than taken from the walk, whose copy would stay live in a register."""
         (seqlen_q, seqlen_k, seqlen_k_rows, _, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
         next_m, next_head = m_block + 1, head_in_group
         if next_m == m_block_max:
             next_m, next_head = m_block_min, head_in_group + 1
-        return self.load_row_stats(mLSE2, mD, bidx, head_kv * qhead_per_kvhead + next_head, offset_q, next_m,
+        return self.load_row_stats(mLSE2, mD, bidx, head_kv * qhead_per_kvhead + next_head, stats_q, next_m,
                                    seqlen_q, next_head < qhead_per_kvhead)
+
+    def stat_tile(self, sStat: cute.Tensor, st) -> cute.Tensor:
+        """The row statistics of the tile in pipeline slot st: its stage of the ring with stats_tma, else
+        the one copy the consumers staged."""
+        return sStat[None, st.index] if const_expr(self.stats_tma) else sStat
 
     @cute.jit
     def load_quad_stats(self, sStat: cute.Tensor):
-        """With stats_shuffle, this lane's 4 statistics (slots 4 lane .. 4 lane + 3: one LDS.128); else None."""
+        """With stats_shuffle, this lane's 4 statistics (slots 4 lane .. 4 lane + 3: one LDS.128; with
+        stats_tma, which keeps the rows in order, queries q0, q0 + 1, q0 + 8, q0 + 9: two LDS.64); else None."""
         if const_expr(not self.stats_shuffle):
             return None
-        per_lane = cute.make_tensor(sStat.iterator, cute.make_layout((4, STATS_SHUFFLE_ROWS // 4), stride=(1, 4)))
+        lane = cute.arch.lane_idx()
         quad = cute.make_rmem_tensor(cute.make_layout(4), Float32)
-        cute.autovec_copy(per_lane[None, cute.arch.lane_idx()], quad)
+        if const_expr(self.stats_tma):
+            # the lane from %tid.x again: an address kept live across the walk spilled the d = 64 tile
+            lane = thread_idx_fresh() % 32
+            q0 = lane // 4 * 16 + lane % 4 * 2
+            pairs = cute.make_tensor(sStat.iterator + q0, cute.make_layout((2, 2), stride=(1, 8)))
+            cute.autovec_copy(pairs, cute.make_tensor(quad.iterator, cute.make_layout((2, 2), stride=(1, 2))))
+        else:
+            per_lane = cute.make_tensor(sStat.iterator, cute.make_layout((4, STATS_SHUFFLE_ROWS // 4), stride=(1, 4)))
+            cute.autovec_copy(per_lane[None, lane], quad)
         return quad
 
     @cute.jit
@@ -746,7 +787,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 tiled_mma_dQ: cute.TiledMma, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
                 sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout,
                 sdQ_layout: cute.ComposedLayout, gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy,
-                pipe_KV, pipe_Q, pipe_dO):
+                pipe_KV, pipe_Q, pipe_dO, sStat_layout: cute.Layout):
         """The 256 consumer threads (ctidx 0..255); warpgroup w = ctidx // 128 owns keys [64 w, 64 w + 64)."""
         tm, tn, d, dv, stages = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
@@ -812,8 +853,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         stats_len = STATS_SHUFFLE_ROWS if const_expr(self.stats_shuffle) else tm
         copies = NUM_WG_MMA if const_expr(self.decoupled) else 1
         stats_copy = wg if const_expr(self.decoupled) else 0
-        sLSE2 = storage.sLSE2.get_tensor(cute.make_layout((stats_len, copies)))[None, stats_copy]
-        sD = storage.sD.get_tensor(cute.make_layout((stats_len, copies)))[None, stats_copy]
+        if const_expr(self.stats_tma):
+            sLSE2 = storage.sLSE2.get_tensor(sStat_layout)                      # (tm, stages), TMA-filled
+            sD = storage.sD.get_tensor(sStat_layout)
+        else:
+            sLSE2 = storage.sLSE2.get_tensor(cute.make_layout((stats_len, copies)))[None, stats_copy]
+            sD = storage.sD.get_tensor(cute.make_layout((stats_len, copies)))[None, stats_copy]
 
         # The epilogue's key offset and row count, and the query offset of the row statistics, wait in
         # SMEM rather than in registers live across the walk: with them there, the d = 64 varlen
@@ -822,7 +867,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         if ctidx == 0:
             sOffsets[0] = offset_k
             sOffsets[1] = seqlen_k_rows - n_block * tn
-            sOffsets[2] = offset_q
+            sOffsets[2] = self.stats_offset(offset_q, batch)
 
         # 1. K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA)
         pipe_KV.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
@@ -833,8 +878,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         hot_lo, hot_hi = schedule.unmasked_m_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal, m_block_min,
                                                    m_block_max, imin=cutlass.min, imax=cutlass.max)
         segments = ((m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, m_block_max, True))
-        lse2_row, dpsum_row = self.load_row_stats(mLSE2, mD, bidx, head_kv * qhead_per_kvhead, offset_q, m_block_min,
-                                                  seqlen_q, n_m > 0)
+        if const_expr(not self.stats_tma):
+            lse2_row, dpsum_row = self.load_row_stats(mLSE2, mD, bidx, head_kv * qhead_per_kvhead,
+                                                      self.stats_offset(offset_q, batch), m_block_min, seqlen_q,
+                                                      n_m > 0)
         for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
             # Three segments of the same ascending walk: the Q tiles that need a mask (causal
             # diagonal, a partial last Q tile, a partial K/V tile) run a body compiled with the
@@ -861,24 +908,28 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     #     the previous tile (its dQ wgmma read sdSt; its P / dS read sLSE2 / sD).
                     #     Decoupled, B1 is the warpgroup's own (its copy of the statistics; every
                     #     read of the previous tile's precedes B2), and sdSt is guarded apart (2d).
-                    stats_r = self.stats_row(ctidx)
-                    if stats_r < tm:
-                        slot = stats_slot(stats_r) if const_expr(self.stats_shuffle) else stats_r
-                        sLSE2[slot] = lse2_row
-                        sD[slot] = dpsum_row
+                    #     stats_tma: the producer's TMA brought them with Q_i / dO_i; coupled warpgroups
+                    #     still meet at B1 for sdSt.
+                    if const_expr(not self.stats_tma):
+                        stats_r = self.stats_row(ctidx)
+                        if stats_r < tm:
+                            slot = stats_slot(stats_r) if const_expr(self.stats_shuffle) else stats_r
+                            sLSE2[slot] = lse2_row
+                            sD[slot] = dpsum_row
                     if const_expr(self.decoupled):
-                        cute.arch.barrier(barrier_id=STATS_BARRIER + wg, number_of_threads=128)
+                        if const_expr(not self.stats_tma):
+                            cute.arch.barrier(barrier_id=STATS_BARRIER + wg, number_of_threads=128)
                     else:
                         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
                     # stats_shuffle: this lane's 4 lse2 now, so the LDS runs under the S^T wait (ptxas keeps
                     # loads below a wgmma wait): +0..+3% at d = 64, ab_bwd_h100_run13_lse2_quad_early.json
-                    lse2_quad = self.load_quad_stats(sLSE2)
+                    lse2_quad = self.load_quad_stats(self.stat_tile(sLSE2, st))
                     # ... and those of the next tile of the walk: the global load's latency hides
                     # under this tile instead of stalling all 256 threads at B1 (18% of their stall
                     # samples at d = 128 when it was loaded here for this tile). The 128-query tile
                     # (late_dv) loads them after the dQ wait instead, so the two registers are not live
                     # while P^T, dP^T and both accumulators are (its peak; loaded here, it spilled).
-                    if const_expr(not self.late_dv):
+                    if const_expr(not self.late_dv and not self.stats_tma):
                         lse2_row, dpsum_row = self.next_row_stats(walk, mLSE2, mD, m_block, head_in_group,
                                                                   sOffsets[2])
 
@@ -887,7 +938,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     warpgroup.wait_group(1)
                     acc_S_rc = acc_rowcol(acc_S)
                     key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-                    self.exp_scores(acc_S_rc, tScS_rc, sLSE2, lse2_quad, softmax_scale_log2, key_limit, diag,
+                    self.exp_scores(acc_S_rc, tScS_rc, self.stat_tile(sLSE2, st), lse2_quad, softmax_scale_log2, key_limit, diag,
                                     q_rows_left, masked=masked)
                     # P^T -> 16-bit A fragment of dV (same registers order as the accumulator), dV += P^T dO
                     tdVrPt = cute.make_rmem_tensor(thr_dV.partition_shape_A((tn, tm)), self.dtype)
@@ -900,9 +951,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 2d. dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and dS^T -> smem for dQ
                     warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
                     acc_dP_rc = acc_rowcol(acc_dP)
-                    dpsum_quad = self.load_quad_stats(sD)
+                    dpsum_quad = self.load_quad_stats(self.stat_tile(sD, st))
                     for c in cutlass.range_constexpr(num_cols):
-                        dpsum = self.column_stat(sD, dpsum_quad, c, tScS_rc[0, c][1])
+                        dpsum = self.column_stat(self.stat_tile(sD, st), dpsum_quad, c, tScS_rc[0, c][1])
                         for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                             acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
                     if const_expr(self.late_dv):
@@ -941,7 +992,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # dP^T and dV have read dO_i: its stage goes back now, not after dK (the official
                     # kernel's order; +2.5..+3.8% at d = 128, ab_bwd_h100_run3_early_do_release.json)
                     pipe_dO.consumer_release(st)
-                    if const_expr(self.late_dv):
+                    if const_expr(self.late_dv and not self.stats_tma):
                         lse2_row, dpsum_row = self.next_row_stats(walk, mLSE2, mD, m_block, head_in_group,
                                                                   sOffsets[2])
 

@@ -33,7 +33,7 @@ def fake_main_args(dt, d, dv, *, launchable: bool = False):
     stream); launchable=True for a kernel ``main_args`` runs (TVM-FFI, see common.launch_stream)."""
     F = common.fake_tensor
     return (F(dt, 4, d), F(dt, 4, d), F(dt, 4, dv), F(dt, 4, dv),
-            F(Float32, 3, align=4), F(Float32, 3, align=4), F(Float32, 4, d), F(dt, 4, d), F(dt, 4, dv),
+            F(Float32, 3), F(Float32, 3), F(Float32, 4, d), F(dt, 4, d), F(dt, 4, dv),
             F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 3, align=4),
             Int32(1), Float32(1.0), Float32(1.0), common.launch_stream() if launchable else common.fake_stream())
 

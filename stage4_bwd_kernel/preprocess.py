@@ -15,7 +15,8 @@ exp2(S*scale_log2 - (+inf)) = 0 and their P, dS and gradient contributions vanis
 (-inf would give exp2(+inf) = inf instead; the stage-1 NumPy model does the same).
 
 Varlen: q/out/dout are packed (total, H, d); the kernel views them as (1, total, H, d) and takes the
-row offset and length of batch b from cu_seqlens_q.
+row offset and length of batch b from cu_seqlens_q. lse2 / D of sequence b start at
+common.stats_offset(cu_seqlens_q[b], b), 16-byte aligned, for step 3's TMA loads.
 """
 from __future__ import annotations
 
@@ -83,10 +84,12 @@ class BackwardPreprocess:
         bidx = batch
         offset = Int32(0)
         seqlen = mO.shape[1]
+        stats_offset = offset
         if const_expr(self.varlen):
             bidx = 0
             offset = mCuSeqlensQ[batch]
             seqlen = mCuSeqlensQ[batch + 1] - offset
+            stats_offset = common.stats_offset(offset, batch)
         rows_left = seqlen - m_block * tm
 
         if rows_left > 0:
@@ -121,13 +124,13 @@ class BackwardPreprocess:
                     offset_lane //= 2
                 row = tOcO[0, m, 0][0]
                 if tOcO[0, m, 0][1] == 0 and row < rows_left:
-                    mD[bidx, head, offset + m_block * tm + row] = acc
+                    mD[bidx, head, stats_offset + m_block * tm + row] = acc
 
             # 2. lse in log2 units; an empty row (-inf) becomes +inf so that P = exp2(.. - inf) = 0
             if tidx < tm:
                 if tidx < rows_left:
                     lse = mLSE[bidx, head, offset + m_block * tm + tidx]
-                    mLSE2[bidx, head, offset + m_block * tm + tidx] = (
+                    mLSE2[bidx, head, stats_offset + m_block * tm + tidx] = (
                         Float32.inf if lse == -Float32.inf else lse * math.log2(math.e))
 
             # 3. zero this tile of the fp32 dQ accumulator
@@ -171,13 +174,24 @@ def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, 
 
 
 def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None):
-    """(GPU) -> (lse_log2, dpsum) fp32 shaped like lse; zeroes dq_accum (shaped like q, fp32).
-    Dense: out/dout (B, Sq, H, dv), lse (B, H, Sq). Varlen: (T, H, dv), lse (H, T), int32 cu_seqlens_q."""
+    """(GPU) -> (lse_log2, dpsum) fp32; zeroes dq_accum (shaped like q, fp32). Dense: out/dout
+    (B, Sq, H, dv), lse (B, H, Sq), and lse_log2 / dpsum shaped like lse. Varlen: (T, H, dv), lse
+    (H, T), int32 cu_seqlens_q; lse_log2 / dpsum (H, common.stats_rows(T, batch)), sequence b's rows
+    from common.stats_offset(cu_seqlens_q[b], b)."""
     import torch
 
     varlen = cu_seqlens_q is not None
-    lse2 = torch.empty_like(lse)
-    dpsum = torch.empty_like(lse)
+    # Rows of 16-byte multiples (step 3's producer loads them with TMA). Varlen: each sequence starts
+    # at common.stats_offset; the gaps are zeroed, since a tile that runs past its sequence loads them
+    # (masked there, but a NaN would survive the mask)
+    if varlen:
+        lse2 = torch.zeros(lse.shape[0], common.stats_rows(lse.shape[1], cu_seqlens_q.shape[0] - 1),
+                           dtype=torch.float32, device=lse.device)
+        dpsum = torch.zeros_like(lse2)
+    else:
+        padded = (*lse.shape[:-1], (lse.shape[-1] + 3) // 4 * 4)
+        lse2 = torch.empty(padded, dtype=torch.float32, device=lse.device)[..., :lse.shape[-1]]
+        dpsum = torch.empty(padded, dtype=torch.float32, device=lse.device)[..., :lse.shape[-1]]
     if varlen:
         o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), dq_accum.unsqueeze(0)
         l3, l23, d3 = lse.unsqueeze(0), lse2.unsqueeze(0), dpsum.unsqueeze(0)

@@ -270,7 +270,7 @@ def test_main_kernel_compiles_sm90a(step, dtype, d, dv, causal, det, varlen, seq
     assert rep["registers"] is not None and rep["registers"] <= 255
     assert rep["smem_bytes"] is not None and rep["smem_bytes"] <= 227 * 1024
     assert "C7508" not in rep["ptxas_log"] and "C7510" not in rep["ptxas_log"], rep["ptxas_log"]
-    assert "instructions are serialized" not in rep["ptxas_log"], rep["ptxas_log"]
+    assert rep["wgmma_serialized"] == [], rep["ptxas_log"]
     tm, tn = mod.default_tiles(d, dv)
     assert rep["HGMMA"] == _expected_hgmma(d, dv, tm, tn), "not the five GEMMs on the wgmma path"
     if step == "hopper_step1":
@@ -547,6 +547,48 @@ def test_public_api_runs_the_best_step():
 def test_run_entry_point_times_both_modes(step):
     res = _step(step).run(batch=1, seqlen_q=1024, heads=4, head_dim=128, causal=True, check=True)
     assert res["mode"] == "gpu" and res["tflops"] > 0 and res["ms_deterministic"] > 0
+
+
+@pytest.mark.cpu
+def test_varlen_stats_rows_start_aligned_and_never_overlap(rng):
+    from stage4_bwd_kernel.common import stats_offset, stats_rows
+
+    for trial in range(200):
+        lens = rng.integers(0, 9 if trial % 2 else 300, size=rng.integers(1, 12)).tolist()
+        cu = np.cumsum([0] + lens)
+        starts = [stats_offset(int(cu[b]), b) for b in range(len(lens))]
+        assert all(s % 4 == 0 for s in starts), starts  # 16-byte aligned fp32 rows (TMA)
+        ends = [s + n for s, n in zip(starts, lens)]
+        assert all(e <= s for e, s in zip(ends, starts[1:])), (lens, starts)
+        assert ends[-1] <= stats_rows(int(cu[-1]), len(lens)) and stats_rows(int(cu[-1]), len(lens)) % 4 == 0
+
+
+@pytest.mark.gpu
+def test_preprocess_varlen_rows_at_their_aligned_offsets():
+    """Varlen lse2 / D: sequence b's rows at common.stats_offset, every other row 0 (the tiles that
+    run past a sequence load them)."""
+    import math
+
+    import torch
+    from stage4_bwd_kernel import preprocess
+    from stage4_bwd_kernel.common import stats_offset
+
+    lens = [0, 5, 130, 1, 0, 70]
+    cu = torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device="cuda")
+    out, dout = (torch.randn(sum(lens), 3, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.randn(3, sum(lens), device="cuda")
+    lse[:, ::7] = float("-inf")
+    lse2, dpsum = preprocess.preprocess(out, dout, lse, torch.empty(sum(lens), 3, 64, device="cuda"),
+                                        cu_seqlens_q=cu, max_seqlen_q=max(lens))
+    ref_d = (out.float() * dout.float()).sum(-1).t()                         # (H, T)
+    ref_l2 = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse * math.log2(math.e))
+    seen = torch.zeros(lse2.shape[1], dtype=torch.bool, device="cuda")
+    for b, n in enumerate(lens):
+        a, s = int(cu[b]), stats_offset(int(cu[b]), b)
+        torch.testing.assert_close(lse2[:, s:s + n], ref_l2[:, a:a + n])
+        torch.testing.assert_close(dpsum[:, s:s + n], ref_d[:, a:a + n], rtol=1e-5, atol=1e-4)
+        seen[s:s + n] = True
+    assert torch.all(lse2[:, ~seen] == 0) and torch.all(dpsum[:, ~seen] == 0)
 
 
 @pytest.mark.gpu
