@@ -21,8 +21,8 @@ Which step serves a call is measured, per configuration (bwd_h100_run3.json, H10
 dims 64, 96 and 128 in every mode -- 0.70-0.83x of the official FA4 against step 1's 0.54-0.60x,
 and its deterministic mode keeps 0.95-1.04x of its default speed (step 1: 0.82-0.85x); step 1 for
 (192, 128) and 256, whose register-sourced accumulators do not fit step 3. Step 3 has since gained
-speed (bwd_h100_run12.json: 0.92-1.00x of the official FA4 at d = 128 with its 80 x 128 tile,
-0.88-1.00x at d = 64 with its 128 x 128 tile, 4k-16k; runs before 9 timed the official kernel with
+speed (bwd_h100_run13.json: 0.95-1.08x of the official FA4 at d = 128 with its 80 x 128 tile,
+0.94-1.06x at d = 64 with its 128 x 128 tile, 4k-16k; runs before 9 timed the official kernel with
 .backward(), which also accumulated .grad, and read a few to ~20% higher -- stage 4 README).
 """
 from __future__ import annotations

@@ -81,7 +81,8 @@ Barriers (named, hardware ids; 0 is __syncthreads, used only before the role spl
     threads: the writer's arrival + one warpgroup's sync).
 Q/dO/K/V: step 2's TMA producer warp and mbarrier ring, unchanged (inherited).
 
-Per tile (t) of a consumer warpgroup, wgmma groups committed in this order:
+Per tile (t) of a consumer warpgroup, wgmma groups committed in this order (with ``stats_tma``, the
+default since, the bracketed statistics steps are gone: lse2 / D arrive with Q_i / dO_i):
     S^T (SS) ; dP^T (SS) ; [lse2/D registers -> SMEM, B1] ; lse2/D of tile t + 1 -> registers
     wait S^T ; P^T ; dV += P^T dO (RS) ; wait dP^T ; dS^T ; dS^T -> SMEM ; [B2]
     dQ = dS K (SS) ; dK += dS^T Q (RS) ; wait all but dK ; release dO_i ; [t >= 2: wait dQ empty[t%2]]
@@ -211,6 +212,19 @@ reduces one warpgroup's share while the other still computes): -1..+1% at d = 12
 two dS^T buffers (run 21). Nor, on top of it at d = 96 (``ab_bwd_h100_run22_d96_options_not_kept.json``):
 ``stats_shuffle`` (-1..-9%); ``late_dv`` measured -2..-6% non-causal and +2..+7% causal, and with run 23
 became the causal default there (see ``late_dv`` above).
+
+An eighth, ``stats_tma`` (default on every tile; the official kernel loads its row statistics with the
+producer too, read in its flash_bwd_sm90.py, no code used): the producer warp loads each Q tile's lse2 and
+D with one 1-D TMA box each, on the Q and dO mbarriers, into a (tm, stages) ring; the consumers lose the
+global loads a tile ahead, the SMEM staging stores and, decoupled, the per-warpgroup statistics barrier
+(B1). Needs: rows of 16-byte multiples (the preprocess pads them) and, varlen, each sequence's statistics
+starting 16-byte aligned (``common.stats_offset``: a box at an unaligned innermost start coordinate
+faulted, illegal instruction, on the H100). Rows past the tensor land as 0 and are masked like the Q / dO
+rows past a sequence. With stats_shuffle the lane's 4 values are queries q0, q0 + 1, q0 + 8, q0 + 9 of the
+ordered ring (two LDS.64), q0 from a fresh %tid.x (kept live, the lane spilled the d = 64 tile). Paired
+rounds against the consumer-loaded statistics, 8k / 16k (``ab_bwd_h100_run24_*_stats_tma.json``,
+``ab_bwd_h100_run25_d64_stats_tma.json``): d = 128 +3..+6%, d = 64 +4..+11%, d = 96 causal +3% and
+non-causal a tie.
 
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
