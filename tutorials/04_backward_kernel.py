@@ -24,6 +24,7 @@
 # - how the Blackwell backward fits its accumulators into 512 columns of tensor memory;
 # - how the deterministic mode orders the dQ reduction, and why that order is shortest-first;
 # - how to see, before timing anything, that ptxas has serialized a kernel's wgmmas.
+# - why the producer warp, not the math warps, should load each tile's row statistics.
 #
 # **The idea, in the paper's words** (§3.2, *Attention backward pass*): "The backward pass
 # performs five matrix multiply-accumulate (MMA) operations per iteration ... The shared memory
@@ -641,6 +642,32 @@ if s4_step3 is not None:
             name = "coupled (the default then)" if r["impl"] == "step3_rs" else r["impl"]
             print(f"H100, d = 128, {'causal' if r['causal'] else 'non-causal':10} {r['seqlen']:5}: {name:42} "
                   f"{r['ratio_median']:.2f}x of the official FA4")
+
+# %% [markdown]
+# ## Letting the producer load the row statistics
+# Every Q tile needs its rows' `lse2` and `D` (one fp32 each per query). Step 3 first had the
+# consumer threads fetch them from global memory a tile ahead, store them to shared memory and
+# synchronize before reading them back per column: per tile, two global loads and two shared stores
+# per thread and a barrier, all on the warps that also run the softmax and the five MMAs. The
+# official kernel leaves this to its producer warp, and so does step 3 now (`stats_tma`): each Q tile's
+# statistics are two more 1-D TMA boxes, on the same mbarriers as Q and dO, into a ring with one slot
+# per Q stage. Two details came out on the H100. A TMA row stride must be a multiple of 16 bytes (the
+# preprocess pads the rows), and a box whose innermost *start* coordinate was not 16-byte aligned
+# faulted with an illegal instruction. So each varlen sequence's statistics start at an aligned
+# offset (`common.stats_offset`). The paired rounds against the consumer-loaded build, read from the
+# committed results:
+
+# %%
+for name in ("ab_bwd_h100_run24_d128_stats_tma.json", "ab_bwd_h100_run24_d96_stats_tma.json",
+             "ab_bwd_h100_run25_d64_stats_tma.json"):
+    doc = json.loads((results / name).read_text())
+    ratio = {(r["impl"], r["causal"], r["seqlen"]): r["ratio_median"] for r in doc["results"]}
+    for (impl, causal, seqlen), new in sorted(ratio.items()):
+        if impl == "step3_rs":
+            old = ratio[("step3_rs~stats_tma=0", causal, seqlen)]
+            print(f"H100, d = {doc['results'][0]['head_dim']:3}, {'causal' if causal else 'non-causal':10} "
+                  f"{seqlen:5}: statistics by the consumers {old:.3f}x -> by the producer's TMA {new:.3f}x "
+                  f"of the official FA4 ({new / old - 1:+.1%})")
 
 # %% [markdown]
 # ## Exercise
