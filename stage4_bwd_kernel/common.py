@@ -138,11 +138,6 @@ def stats_offset(offset_q, batch):
     return (offset_q + 3 * batch + 3) // 4 * 4
 
 
-def stats_rows(total_q: int, batch: int) -> int:
-    """Length of the varlen lse2 / D rows: room for stats_offset's padding of `batch` sequences."""
-    return (total_q + 3 * batch + 3) // 4 * 4
-
-
 def elem_pointer(t: cute.Tensor, coord) -> cute.Pointer:
     """Address of t[coord] (coord: an int index or a coordinate tuple)."""
     return t.iterator + cute.crd2idx(coord, t.layout)

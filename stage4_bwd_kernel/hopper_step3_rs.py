@@ -753,7 +753,6 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         stats_tma, which keeps the rows in order, queries q0, q0 + 1, q0 + 8, q0 + 9: two LDS.64); else None."""
         if const_expr(not self.stats_shuffle):
             return None
-        lane = cute.arch.lane_idx()
         quad = cute.make_rmem_tensor(cute.make_layout(4), Float32)
         if const_expr(self.stats_tma):
             # the lane from %tid.x again: an address kept live across the walk spilled the d = 64 tile
@@ -763,7 +762,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             cute.autovec_copy(pairs, cute.make_tensor(quad.iterator, cute.make_layout((2, 2), stride=(1, 2))))
         else:
             per_lane = cute.make_tensor(sStat.iterator, cute.make_layout((4, STATS_SHUFFLE_ROWS // 4), stride=(1, 4)))
-            cute.autovec_copy(per_lane[None, lane], quad)
+            cute.autovec_copy(per_lane[None, cute.arch.lane_idx()], quad)
         return quad
 
     @cute.jit
@@ -937,7 +936,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
                     # stats_shuffle: this lane's 4 lse2 now, so the LDS runs under the S^T wait (ptxas keeps
                     # loads below a wgmma wait): +0..+3% at d = 64, ab_bwd_h100_run13_lse2_quad_early.json
-                    lse2_quad = self.load_quad_stats(self.stat_tile(sLSE2, st))
+                    sLSE2_t, sD_t = self.stat_tile(sLSE2, st), self.stat_tile(sD, st)  # this tile's statistics
+                    lse2_quad = self.load_quad_stats(sLSE2_t)
                     # ... and those of the next tile of the walk: the global load's latency hides
                     # under this tile instead of stalling all 256 threads at B1 (18% of their stall
                     # samples at d = 128 when it was loaded here for this tile). The 128-query tile
@@ -952,7 +952,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     warpgroup.wait_group(1)
                     acc_S_rc = acc_rowcol(acc_S)
                     key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-                    self.exp_scores(acc_S_rc, tScS_rc, self.stat_tile(sLSE2, st), lse2_quad, softmax_scale_log2, key_limit, diag,
+                    self.exp_scores(acc_S_rc, tScS_rc, sLSE2_t, lse2_quad, softmax_scale_log2, key_limit, diag,
                                     q_rows_left, masked=masked)
                     # P^T -> 16-bit A fragment of dV (same registers order as the accumulator), dV += P^T dO
                     tdVrPt = cute.make_rmem_tensor(thr_dV.partition_shape_A((tn, tm)), self.dtype)
@@ -965,9 +965,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 2d. dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and dS^T -> smem for dQ
                     warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
                     acc_dP_rc = acc_rowcol(acc_dP)
-                    dpsum_quad = self.load_quad_stats(self.stat_tile(sD, st))
+                    dpsum_quad = self.load_quad_stats(sD_t)
                     for c in cutlass.range_constexpr(num_cols):
-                        dpsum = self.column_stat(self.stat_tile(sD, st), dpsum_quad, c, tScS_rc[0, c][1])
+                        dpsum = self.column_stat(sD_t, dpsum_quad, c, tScS_rc[0, c][1])
                         for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                             acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
                     if const_expr(self.late_dv):

@@ -176,22 +176,21 @@ def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, 
 def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None):
     """(GPU) -> (lse_log2, dpsum) fp32; zeroes dq_accum (shaped like q, fp32). Dense: out/dout
     (B, Sq, H, dv), lse (B, H, Sq), and lse_log2 / dpsum shaped like lse. Varlen: (T, H, dv), lse
-    (H, T), int32 cu_seqlens_q; lse_log2 / dpsum (H, common.stats_rows(T, batch)), sequence b's rows
-    from common.stats_offset(cu_seqlens_q[b], b)."""
+    (H, T), int32 cu_seqlens_q; lse_log2 / dpsum (H, common.stats_offset(T, batch)), sequence b's
+    rows from common.stats_offset(cu_seqlens_q[b], b)."""
     import torch
 
     varlen = cu_seqlens_q is not None
-    # Rows of 16-byte multiples (step 3's producer loads them with TMA). Varlen: each sequence starts
-    # at common.stats_offset; the gaps are zeroed, since a tile that runs past its sequence loads them
-    # (masked there, but a NaN would survive the mask)
-    if varlen:
-        lse2 = torch.zeros(lse.shape[0], common.stats_rows(lse.shape[1], cu_seqlens_q.shape[0] - 1),
-                           dtype=torch.float32, device=lse.device)
-        dpsum = torch.zeros_like(lse2)
-    else:
-        padded = (*lse.shape[:-1], (lse.shape[-1] + 3) // 4 * 4)
-        lse2 = torch.empty(padded, dtype=torch.float32, device=lse.device)[..., :lse.shape[-1]]
-        dpsum = torch.empty(padded, dtype=torch.float32, device=lse.device)[..., :lse.shape[-1]]
+    # Rows of 16-byte multiples (step 3's producer loads them with TMA): the stats_offset of one more
+    # sequence (dense: of sequence 0 past the end), which also bounds the varlen rows' padding. Varlen
+    # gaps are zeroed, since a tile that runs past its sequence loads them (masked there, but a NaN
+    # would survive the mask).
+    num_seqs = cu_seqlens_q.shape[0] - 1 if varlen else 0
+    rows = common.stats_offset(lse.shape[-1], num_seqs)
+    alloc = torch.zeros if varlen else torch.empty
+    lse2, dpsum = (alloc(*lse.shape[:-1], rows, dtype=torch.float32, device=lse.device) for _ in range(2))
+    if not varlen:
+        lse2, dpsum = lse2[..., :lse.shape[-1]], dpsum[..., :lse.shape[-1]]
     if varlen:
         o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), dq_accum.unsqueeze(0)
         l3, l23, d3 = lse.unsqueeze(0), lse2.unsqueeze(0), dpsum.unsqueeze(0)
