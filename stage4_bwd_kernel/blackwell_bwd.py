@@ -72,7 +72,7 @@ class FlashAttentionBackwardSm100:
         self.stages = config.qdo_stages
         self.tmem = config.tmem
         self.num_threads = config.num_threads
-        self.dq_order = dq_order or common.default_dq_order(config.causal, config.deterministic)
+        self.dq_order = dq_order or common.default_dq_order(config.causal, config.deterministic, sections=False)
         self.smem_bytes = None
 
     # ------------------------------------------------------------------ host side
@@ -625,7 +625,7 @@ def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, e
     """Compile kernel_cls(cfg) for sm_100a once per (plan, dQ order); extra_report(sass, ptx) -> more counts."""
     from stage4_bwd_kernel import host
 
-    dq_order = dq_order or common.default_dq_order(cfg.causal, cfg.deterministic)
+    dq_order = dq_order or common.default_dq_order(cfg.causal, cfg.deterministic, sections=False)
     key = (cfg.key(), dq_order.name)
     if key in cache:
         return cache[key]

@@ -226,6 +226,32 @@ rounds against the consumer-loaded statistics, 8k / 16k (``ab_bwd_h100_run24_*_s
 ``ab_bwd_h100_run25_d64_stats_tma.json``): d = 128 +3..+6%, d = 64 +4..+11%, d = 96 causal +3% and
 non-causal a tie.
 
+Deterministic mode, three more (default on; they change no bit: the order of the adds is the order's).
+Its cost was a chain: the CTAs of one (kv head, batch) add into each dQ tile one after another, and each
+hop -- the writer's acquire, the TMA reduce, the wait for it to *land*, the release -- takes microseconds.
+* ``sem_early`` (the ninth): the writer acquires tile t's semaphore before it waits for the consumers'
+  tile, so the spin overlaps their math, and frees the buffer once the TMA has read it, before waiting for
+  the adds to land. d = 64 non-causal, 1k-4k: 0.69-0.71x -> 0.69-0.75x of the default's speed.
+* ``dq_writers`` (the tenth; default one writer warp per dQ buffer in deterministic mode, so 2 at d = 64 /
+  96 and 1 at d = 128): warps 1 + w of the producer warpgroup take the tiles of buffer w, so two tiles'
+  hops overlap. Each buffer's barriers still see one writer warp. d = 64 non-causal: +2..+10% on top.
+* launch order (``schedule.KVAscendingSectionsOrder`` / ``KVDescendingSectionsOrder``, the deterministic
+  defaults, see ``schedule._LaunchSections``): the chain's CTAs were launched side by side, so the k-th
+  waited k hops before its first add, and every wave started side by side again. Launched in sections of
+  about a wave, consecutive K/V tiles of a chain start G CTAs apart and the stagger carries over.
+Time ratios to the default kernel in the same interleaved rounds (``ab_bwd_h100_run26_d64_sem_early.json``,
+``..._run27_d64_det_writers.json``, ``..._run28_d64_det_sections.json``, ``..._run29_*_det.json``):
+
+    d = 64 non-causal  1k / 2k / 4k / 8k   0.71 / 0.70 / 0.71 / 0.75 -> 0.92 / 0.91 / 0.92 / 0.89
+    d = 64 causal      2k / 8k             0.83 / 0.84 -> 0.94 / 1.03
+    d = 128 non-causal 2k / 8k             0.80 / 0.95 -> 0.93 / 1.01
+    d = 128 causal     2k / 8k             0.92 / 0.95 -> 0.93 / 1.02
+
+Sections for the *non*-deterministic kernel measured -3..+4% (``..._run28_...``, ``..._run30_causal_sections.json``),
+so it keeps blockIdx order. (A deferred release that acquires tile t + 1 before releasing tile t would
+hide one more round trip, but then a CTA's release waits on its predecessor's next tile and the chain's
+lag grows by a tile per CTA: not tried.)
+
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
 wgmma M, so the dQ GEMM is turned around, ``dq_swap_ab`` (default on when tile_m % 64 != 0):
@@ -271,7 +297,7 @@ DQ_SYNC_THREADS = NUM_CONSUMER_THREADS + 32  # consumers + the writer warp
 STATS_BARRIER, SDST_FREE_BARRIER, DQ_FULL_BARRIER_DECOUPLED = 2, 2 + NUM_WG_MMA, 2 + 2 * NUM_WG_MMA
 DQ_EMPTY_SYNC_THREADS_WG = 128 + 32
 NUM_NAMED_BARRIERS = 16
-DQ_WRITER_WARP = 1     # warp of the producer warpgroup (warp 0 issues the TMA loads)
+DQ_WRITER_WARP = 1     # first dQ writer warp of the producer warpgroup (warp 0 issues the TMA loads)
 DQ_BUFFERS = 2        # one when two do not fit in SMEM (the 80 x 128 tile)
 RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
 STATS_SHUFFLE_ROWS = 128  # 32 lanes x 4 statistics (stats_shuffle)
@@ -329,7 +355,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  dq_split_m: bool | None = None, dq_swap_ab: bool | None = None,
                  dq_buffers: int | None = None, dq_swizzle32: bool | None = None,
                  stats_shuffle: bool | None = None, decoupled: bool | None = None, ds_buffers: int | None = None,
-                 dq_full_per_wg: bool | None = None, stats_tma: bool | None = None):
+                 dq_full_per_wg: bool | None = None, stats_tma: bool | None = None,
+                 sem_early: bool | None = None, dq_writers: int | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -377,6 +404,14 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                              f"up to {STATS_SHUFFLE_ROWS}, got {self.tile_m}")
         # the producer loads each Q tile's lse2 / D with TMA on its Q / dO barriers (the eighth option)
         self.stats_tma = True if stats_tma is None else bool(stats_tma)
+        # deterministic: the writer acquires a tile's semaphore before it waits for the tile, and frees
+        # the buffer once the TMA has read it, before waiting for the adds to land (the ninth option)
+        self.sem_early = True if sem_early is None else bool(sem_early)
+        # writer warps (1 + w of the producer warpgroup) taking turns by tile: warp w owns the dQ buffers
+        # b with b % dq_writers == w, so each buffer's barriers still see one writer warp (the tenth option)
+        self.dq_writers = (self.dq_buffers if deterministic else 1) if dq_writers is None else int(dq_writers)
+        if self.dq_writers not in (1, 2, 3) or self.dq_buffers % self.dq_writers:
+            raise ValueError(f"dq_writers: expected 1, 2 or 3 dividing dq_buffers ({self.dq_buffers}), got {dq_writers!r}")
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
@@ -470,7 +505,6 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
                                                          wg_m, (64, d), a_source=warpgroup.OperandSource.RMEM)
         # dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); the warpgroups split
-        # the query rows (dq_split_m) or the d columns
         # the query rows (dq_split_m) or the d columns; dq_swap_ab: dQ^T (d x tm) = K^T dS^T, the
         # warpgroups split d (M) and tm is the N, so tm need not be a multiple of 64
         dq_split, dq_tile = (wg_m, (64, d)) if self.dq_split_m else (wg_n, (64, d // NUM_WG_MMA))
@@ -595,8 +629,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     self.produce(walk, storage, tma_Q, tma_dO, tma_K, tma_V, tma_atom_Q, tma_atom_dO,
                                  tma_atom_K, tma_atom_V, sQ_layout, sdO_layout, sK_layout, sV_layout,
                                  pipe_KV, pipe_Q, pipe_dO, stats=stats)
-                if warp_idx == DQ_WRITER_WARP:
-                    self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout)
+                if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + self.dq_writers:
+                    self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout,
+                                  warp_idx - DQ_WRITER_WARP)
             else:
                 # ---------------------------------------------------------------- consumers
                 cute.arch.setmaxregister_increase(self.regs_consumer)
@@ -608,9 +643,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     # -------------------------------------------------------------- dQ writer warp
     @cute.jit
     def write_dq(self, walk, storage, mdQacc: cute.Tensor, tma_dQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom,
-                 mSemaphore: cute.Tensor, sdQ_layout: cute.ComposedLayout):
+                 mSemaphore: cute.Tensor, sdQ_layout: cute.ComposedLayout, writer: Int32):
         """Each dQ tile's two warpgroup shares -> dQaccum, one TMA tensor reduce-add each (one lane
-        issues, the warp syncs): decoupled, each share as soon as its warpgroup has stored it."""
+        issues, the warp syncs): decoupled, each share as soon as its warpgroup has stored it. With
+        dq_writers > 1, writer warp `writer` takes only the tiles of its own buffers."""
         tm, tn = self.tile_m, self.tile_n
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
@@ -628,58 +664,78 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 t = head_in_group * n_m + m_block - m_block_min
                 buf = t % self.dq_buffers
-                # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced); per
-                #    warpgroup: waited for share by share in the loop below
-                if const_expr(not self.dq_full_per_wg):
-                    self.dq_full(buf, 0, wait=True)
-                if const_expr(self.deterministic):
-                    n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
-                                                         imin=cutlass.min)
-                    common.semaphore_wait(common.elem_pointer(mSemaphore, (batch, head, m_block)),
-                                          self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
-                    cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
-                    cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
-                # a loop, not unrolled: each TMA copy expands to one elected issue per swizzle span,
-                # and two copies' worth of them spilled the writer's 24 registers
-                for w in cutlass.range(NUM_WG_MMA, unroll=1):
-                    # 2. one TMA reduce-add per share. Rows past the sequence: dense, they lie outside
-                    #    the tensor and the TMA unit skips them; varlen, they are the next sequence's
-                    #    first rows, and what lands there is exactly +-0 (those queries' P, hence dS and
-                    #    dQ, are 0), which changes no value -- and the sign of a sum of zeros does not
-                    #    depend on the order of the adds, so deterministic mode stays bitwise reproducible.
-                    #    The whole warp calls the TMA copy (it elects one lane with elect.sync, which
-                    #    needs the warp converged); every lane commits and waits on its own (possibly
-                    #    empty) bulk group, so the issuing lane, whichever it is, waits for its reduce.
-                    if const_expr(self.dq_full_per_wg):
-                        self.dq_full(buf, w, wait=True)
-                    g_m, g_n = m_block, w
-                    if const_expr(self.dq_split_m):
-                        g_m, g_n = m_block * NUM_WG_MMA + w, 0
-                    cute.copy(tma_atom_dQ, tDsD[None, buf * NUM_WG_MMA + w], tDgD[None, g_m, g_n])
-                    cute.arch.cp_async_bulk_commit_group()
-                refill = t + self.dq_buffers < n_tiles  # a tile t + buffers will wait for this buffer
-                if const_expr(self.deterministic):
-                    # the adds must have *landed* before the next CTA in the order may add
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.fence_proxy("async.global")
+                mine = True
+                if const_expr(self.dq_writers > 1):
+                    mine = t % self.dq_writers == writer   # writer w: the tiles of its buffers
+                if mine:
+                    # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced); per
+                    #    warpgroup: waited for share by share in the loop below
+                    if const_expr(self.deterministic and self.sem_early):
+                        self.acquire_dq_tile(walk, mSemaphore, head, m_block, lane)
+                    if const_expr(not self.dq_full_per_wg):
+                        self.dq_full(buf, 0, wait=True)
+                    if const_expr(self.deterministic and not self.sem_early):
+                        self.acquire_dq_tile(walk, mSemaphore, head, m_block, lane)
+                    # a loop, not unrolled: each TMA copy expands to one elected issue per swizzle span,
+                    # and two copies' worth of them spilled the writer's 24 registers
+                    for w in cutlass.range(NUM_WG_MMA, unroll=1):
+                        # 2. one TMA reduce-add per share. Rows past the sequence: dense, they lie outside
+                        #    the tensor and the TMA unit skips them; varlen, they are the next sequence's
+                        #    first rows, and what lands there is exactly +-0 (those queries' P, hence dS and
+                        #    dQ, are 0), which changes no value -- and the sign of a sum of zeros does not
+                        #    depend on the order of the adds, so deterministic mode stays bitwise reproducible.
+                        #    The whole warp calls the TMA copy (it elects one lane with elect.sync, which
+                        #    needs the warp converged); every lane commits and waits on its own (possibly
+                        #    empty) bulk group, so the issuing lane, whichever it is, waits for its reduce.
+                        if const_expr(self.dq_full_per_wg):
+                            self.dq_full(buf, w, wait=True)
+                        g_m, g_n = m_block, w
+                        if const_expr(self.dq_split_m):
+                            g_m, g_n = m_block * NUM_WG_MMA + w, 0
+                        cute.copy(tma_atom_dQ, tDsD[None, buf * NUM_WG_MMA + w], tDgD[None, g_m, g_n])
+                        cute.arch.cp_async_bulk_commit_group()
+                    refill = t + self.dq_buffers < n_tiles  # a tile t + buffers will wait for this buffer
+                    if const_expr(self.deterministic and not self.sem_early):
+                        self.release_dq_tile(mSemaphore, batch, head, m_block, lane)
+                    elif const_expr(self.decoupled and not self.deterministic):
+                        # 3a. share 0 may be refilled once it has been read, whatever share 1 is doing
+                        cute.arch.cp_async_bulk_wait_group(1, read=True)
+                        cute.arch.sync_warp()
+                        if refill:
+                            self.dq_empty(buf, 0, wait=False)
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)  # the shares have been read
                     cute.arch.sync_warp()
-                    # (the pointer is formed again: kept from the acquire, it spilled in the writer's 24 registers)
-                    common.semaphore_signal(common.elem_pointer(mSemaphore, (batch, head, m_block)), lane)
-                elif const_expr(self.decoupled):
-                    # 3a. share 0 may be refilled once it has been read, whatever share 1 is doing
-                    cute.arch.cp_async_bulk_wait_group(1, read=True)
-                    cute.arch.sync_warp()
+                    # 3b. the buffer (its last share, decoupled) may be refilled
                     if refill:
-                        self.dq_empty(buf, 0, wait=False)
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the shares have been read
-                cute.arch.sync_warp()
-                # 3b. the buffer (its last share, decoupled) may be refilled
-                if refill:
-                    for w in cutlass.range_constexpr(NUM_WG_MMA if self.decoupled else 1):
-                        if const_expr(not self.decoupled or self.deterministic or w > 0):
-                            self.dq_empty(buf, w, wait=False)
+                        for w in cutlass.range_constexpr(NUM_WG_MMA if self.decoupled else 1):
+                            if const_expr(not self.decoupled or self.deterministic or w > 0):
+                                self.dq_empty(buf, w, wait=False)
+                    if const_expr(self.deterministic and self.sem_early):
+                        self.release_dq_tile(mSemaphore, batch, head, m_block, lane)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
+
+    @cute.jit
+    def acquire_dq_tile(self, walk, mSemaphore: cute.Tensor, head: Int32, m_block: Int32, lane: Int32):
+        """Deterministic mode: lane 0 spins until dQ tile (batch, head, m_block)'s counter reaches this
+        CTA's rank in the dQ order; the warp, and its async-proxy adds, follow."""
+        seqlen_q, seqlen_k, batch, n_block = walk[0], walk[1], walk[6], walk[8]
+        n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
+                                             imin=cutlass.min)
+        common.semaphore_wait(common.elem_pointer(mSemaphore, (batch, head, m_block)),
+                              self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
+        cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
+        cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
+
+    @cute.jit
+    def release_dq_tile(self, mSemaphore: cute.Tensor, batch: Int32, head: Int32, m_block: Int32, lane: Int32):
+        """Deterministic mode: once this CTA's adds into dQ tile (batch, head, m_block) have *landed*,
+        lane 0 lets the next CTA in the order add (the pointer is formed here again: kept from the
+        acquire, it spilled in the writer's 24 registers)."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_proxy("async.global")
+        cute.arch.sync_warp()
+        common.semaphore_signal(common.elem_pointer(mSemaphore, (batch, head, m_block)), lane)
 
     @cute.jit
     def dq_full(self, buf: Int32, w, wait: cutlass.Constexpr[bool]):

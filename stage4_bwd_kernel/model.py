@@ -124,48 +124,64 @@ class SemaphoreSim:
     add_sequence: dict = field(default_factory=dict)  # (b, h, m) -> [n_block, ...] in add order
 
 
+def launch_tiles(order, num_n_blocks, heads_kv, batch):
+    """(n_block, kv head, batch) of every CTA of the grid (N, H_kv, B) in dispatch order: the
+    order's ``host_tile`` when it maps the launch index itself, else blockIdx order (x fastest)."""
+    if hasattr(order, "host_tile"):
+        return [order.host_tile(i, num_n_blocks, heads_kv, batch) for i in range(num_n_blocks * heads_kv * batch)]
+    return [(order.n_block_for_launch(bx, num_n_blocks), hk, b)
+            for b in range(batch) for hk in range(heads_kv) for bx in range(num_n_blocks)]
+
+
 def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, batch=1, heads_kv=1, group=1,
-                        resident=132, seqlens=None):
-    """CTAs (grid (n, kv head, batch), x fastest) are dispatched in linear blockIdx order whenever
+                        resident=132, seqlens=None, hop=0):
+    """CTAs (grid (n, kv head, batch)) are dispatched in launch order (``launch_tiles``) whenever
     one of `resident` slots is free. Each step a CTA either adds into its next dQ tile (if that
-    tile's counter equals its rank; the counter then increments) or stalls. `seqlens`: optional
-    per-batch (seqlen_q, seqlen_k) for varlen."""
+    tile's counter equals its rank; the counter then increments) or stalls. `hop`: steps before an
+    increment is seen (0: at once, even by a CTA later in the same step; on the GPU a hop -- the
+    writer's completion wait, release and the next acquire -- is roughly a tile's time).
+    `seqlens`: optional per-batch (seqlen_q, seqlen_k) for varlen."""
     seqlens = seqlens or [(seqlen_q, seqlen_k)] * batch
     num_n_blocks = max(-(-sk // tile_n) for _, sk in seqlens)
     ctas = []  # (work list of (b, h, m, rank))
-    for b, (sq, sk) in enumerate(seqlens):
-        for hk in range(heads_kv):
-            for bx in range(num_n_blocks):
-                n = order.n_block_for_launch(bx, num_n_blocks)
-                work = []
-                if n * tile_n < sk:
-                    m_min, m_max = schedule.m_block_range(n, tile_m, tile_n, sq, sk, causal)
-                    for hi in range(group):
-                        h = hk * group + hi
-                        for m in range(m_min, m_max):
-                            last = schedule.n_block_last(m, tile_m, tile_n, sq, sk, causal)
-                            work.append((b, h, m, order.rank(n, 0, last), n))
-                ctas.append(work)
+    for n, hk, b in launch_tiles(order, num_n_blocks, heads_kv, len(seqlens)):
+        sq, sk = seqlens[b]
+        work = []
+        if n * tile_n < sk:
+            m_min, m_max = schedule.m_block_range(n, tile_m, tile_n, sq, sk, causal)
+            for hi in range(group):
+                h = hk * group + hi
+                for m in range(m_min, m_max):
+                    last = schedule.n_block_last(m, tile_m, tile_n, sq, sk, causal)
+                    work.append((b, h, m, order.rank(n, 0, last), n))
+        ctas.append(work)
     sem: dict = {}
     seq: dict = {}
     pos = [0] * len(ctas)
     started = [False] * len(ctas)
     running: list = []
+    in_flight: list = []  # (step the increment is seen, tile) with hop > 0
     next_cta = 0
     t = stall = first_stall = 0
     while next_cta < len(ctas) or running:
         while len(running) < resident and next_cta < len(ctas):
             running.append(next_cta)
             next_cta += 1
-        progressed = False
+        for key in [key for when, key in in_flight if when <= t]:
+            sem[key] = sem.get(key, 0) + 1
+        in_flight = [(when, key) for when, key in in_flight if when > t]
+        progressed = bool(in_flight)
         for i in list(running):
             if pos[i] == len(ctas[i]):
                 running.remove(i)
                 progressed = True
                 continue
             b, h, m, rank, n = ctas[i][pos[i]]
-            if sem.get((b, h, m), 0) == rank:
-                sem[(b, h, m)] = rank + 1
+            if sem.get((b, h, m), 0) == rank and not any(key == (b, h, m) for _, key in in_flight):
+                if hop:
+                    in_flight.append((t + hop, (b, h, m)))
+                else:
+                    sem[(b, h, m)] = rank + 1
                 seq.setdefault((b, h, m), []).append(n)
                 pos[i] += 1
                 started[i] = True

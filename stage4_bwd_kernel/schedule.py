@@ -128,8 +128,84 @@ class KVDescendingOrder:
         return n_block_last - n_block
 
 
-def default_dq_order(causal: bool, deterministic: bool):
+SECTION_CTAS = 128  # about one wave of the H100's 132 SMs (one CTA per SM)
+
+
+def chain_section_tile(linear, num_n_blocks, num_chains, imin=min):
+    """Launch index -> (n_block, chain) for ``KVAscendingSectionsOrder``: the chains (kv head, batch)
+    in sections of G = ceil(SECTION_CTAS / num_n_blocks), n_block outer inside a section and the
+    section's chains inner (the last section may be narrower), so a section is about one wave."""
+    group = (SECTION_CTAS + num_n_blocks - 1) // num_n_blocks
+    per_section = num_n_blocks * group
+    section = linear // per_section
+    chain0 = section * group
+    width = imin(group, num_chains - chain0)
+    r = linear - section * per_section
+    n_block = r // width
+    return n_block, chain0 + r - n_block * width
+
+
+class _LaunchSections:
+    """Launch in sections of chains (``chain_section_tile``): mixed into an order, whose ``rank``
+    it keeps; ``reverse_blocks`` launches each chain's K/V tiles descending, as KVDescendingOrder.
+
+    Why: CTA n adds into each dQ tile one hop (the writer's acquire, reduce, completion wait and
+    release, a few microseconds) after the CTA before it in the order. Launched side by side, the
+    k-th CTA of a chain starts k hops behind the first, and once its dQ buffers are full its math
+    waits. With blockIdx.x = n_block, the CTAs that finish together (the first of every chain in
+    flight) hand their SMs to consecutive K/V tiles of the next chain, so that chain starts side
+    by side again and the wait recurs every wave. In sections, those SMs go to the first tile of G
+    other chains, the second tiles follow as the second CTAs finish a hop later, and the stagger
+    carries over from wave to wave. A CTA still launches after every CTA it waits for (deadlock-
+    free as before), and G * num_n_blocks is about a wave, so about as many heads are in flight
+    (their Q, dO and dQaccum in L2) as with blockIdx.x = n_block.
+    """
+
+    reverse_blocks = False
+
+    @classmethod
+    def host_tile(cls, linear, num_n_blocks, num_heads_kv, num_batch):
+        """(n_block, kv head, batch) of launch index `linear` on the grid (N, H_kv, B)."""
+        n_block, chain = chain_section_tile(linear, num_n_blocks, num_heads_kv * num_batch)
+        if cls.reverse_blocks:
+            n_block = num_n_blocks - 1 - n_block
+        return n_block, chain % num_heads_kv, chain // num_heads_kv
+
+    @classmethod
+    def tile_for_launch(cls):
+        """Device side: this CTA's (n_block, kv head, batch)."""
+        import cutlass
+        import cutlass.cute as cute
+
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, gz = cute.arch.grid_dim()
+        n_block, chain = chain_section_tile(bx + gx * (by + gy * bz), gx, gy * gz, imin=cutlass.min)
+        if cls.reverse_blocks:
+            n_block = gx - 1 - n_block
+        return n_block, chain % gy, chain // gy
+
+
+class KVAscendingSectionsOrder(_LaunchSections, KVAscendingOrder):
+    """KVAscendingOrder's ranks, launched in sections of chains (``_LaunchSections``)."""
+
+    name = "kv_ascending_sections"
+
+
+class KVDescendingSectionsOrder(_LaunchSections, KVDescendingOrder):
+    """KVDescendingOrder's ranks, launched in sections of chains, K/V tiles descending."""
+
+    name = "kv_descending_sections"
+    reverse_blocks = True
+
+
+def default_dq_order(causal: bool, deterministic: bool, sections: bool = True):
     """Descending (SPT-like) for causal deterministic runs; otherwise ascending, which for causal
     launches the longest K/V tiles (n = 0 sees every Q tile) first: LPT, the better balance when
-    no CTA ever waits for another."""
-    return KVDescendingOrder if (causal and deterministic) else KVAscendingOrder
+    no CTA ever waits for another. Deterministic runs launch in sections of chains
+    (``_LaunchSections``; the Hopper kernels map the launch index with ``tile_for_launch``):
+    sections=False gives the plain orders (the Blackwell kernels, which read blockIdx directly)."""
+    if not deterministic:
+        return KVAscendingOrder
+    if causal:
+        return KVDescendingSectionsOrder if sections else KVDescendingOrder
+    return KVAscendingSectionsOrder if sections else KVAscendingOrder

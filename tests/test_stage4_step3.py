@@ -256,6 +256,10 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
         assert s4._has_spin_loop(sass), "no spin loop around the acquire load"
         # the adds must have landed (full wait, not .read) before the release
         assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+    # deterministic: one writer warp per dQ buffer, and the launch index mapped in sections of chains
+    # (the grid's extent is read only for that)
+    assert kernel.dq_writers == (kernel.dq_buffers if det else 1) and kernel.sem_early
+    assert ("%nctaid.x" in ptx) == det
 
 
 # ================================================================================== gpu tier
@@ -379,25 +383,29 @@ def test_deterministic_is_bitwise_reproducible(causal, ratio):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
     """Decoupled warpgroups (own statistics barrier, per-warpgroup dQ hand-off, "sdSt free" barriers or
-    two dS^T buffers) and row statistics loaded by the producer's TMA (stats_tma) only move data and
-    reorder synchronization: in deterministic mode the default kernel must give the bits of a coupled
-    one with a single dS^T buffer and consumer-loaded statistics (the structure before all three), and
-    both must pass the rule."""
+    two dS^T buffers), row statistics loaded by the producer's TMA (stats_tma), the writer's early
+    acquire (sem_early), one writer warp per dQ buffer (dq_writers) and the launch in sections of
+    chains only move data and reorder synchronization: in deterministic mode the default kernel must
+    give the bits of a coupled one with a single dS^T buffer, consumer-loaded statistics, one writer
+    and blockIdx launch order (the structure before all of them), and both must pass the rule."""
     import functools
 
     import torch
     from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
-    from stage4_bwd_kernel import host
+    from stage4_bwd_kernel import host, schedule
 
     mod = _mod()
     q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, d, d, seed=5)
     out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
     grads = {}
-    for name, options in (("coupled", {"decoupled": False, "ds_buffers": 1, "stats_tma": False}), ("default", {})):
+    coupled = {"decoupled": False, "ds_buffers": 1, "stats_tma": False, "sem_early": False, "dq_writers": 1}
+    plain_order = schedule.default_dq_order(causal, True, sections=False)
+    for name, options, order in (("coupled", coupled, plain_order), ("default", {}, None)):
         make_kernel = functools.partial(mod.make_kernel, **options)
         key = mod.STEP + "".join(f"~{o}={int(v)}" for o, v in sorted(options.items()))
         dq, dk, dv = s4._poisoned(q, k, v)
-        host.backward(key, make_kernel, q, k, v, out, do, lse, causal=causal, deterministic=True, dq=dq, dk=dk, dv=dv)
+        host.backward(key, make_kernel, q, k, v, out, do, lse, causal=causal, deterministic=True, dq=dq, dk=dk, dv=dv,
+                      dq_order=order)
         grads[name] = (dq, dk, dv)
     assert mod.make_kernel(None, d, d, causal, True).decoupled
     ref, base = host.reference_grads(q, k, v, do, causal=causal)
