@@ -234,7 +234,7 @@ hop -- the writer's acquire, the TMA reduce, the wait for it to *land*, the rele
   the adds to land. d = 64 non-causal, 1k-4k: 0.69-0.71x -> 0.69-0.75x of the default's speed.
 * ``dq_writers`` (the tenth; default one writer warp per dQ buffer in deterministic mode, so 2 at d = 64 /
   96 and 1 at d = 128): warps 1 + w of the producer warpgroup take the tiles of buffer w, so two tiles'
-  hops overlap. Each buffer's barriers still see one writer warp. d = 64 non-causal: +2..+10% on top.
+  hops overlap. Each buffer's barriers still see one writer warp. d = 64 non-causal: +3..+11% on top.
 * launch order (``schedule.KVAscendingSectionsOrder`` / ``KVDescendingSectionsOrder``, the deterministic
   defaults, see ``schedule._LaunchSections``): the chain's CTAs were launched side by side, so the k-th
   waited k hops before its first add, and every wave started side by side again. Launched in sections of

@@ -7,11 +7,12 @@ traces. Compared with stage 0's oracle it checks the *bookkeeping* of the kernel
 (causal bounds with Sq != Sk, varlen offsets, seqused_k, GQA grouping), which is where a kernel
 that compiles can still be wrong.
 
-``simulate_semaphores`` plays the deterministic mode: CTAs are dispatched in blockIdx order onto a
+``simulate_semaphores`` plays the deterministic mode: CTAs are dispatched in launch order onto a
 limited number of SM slots, each walks its dQ tiles and may add into tile m only when the tile's
-counter equals its rank. It reports a deadlock (an order that waits on a CTA not yet dispatched),
-checks that every tile's adds happen in the order's sequence, and measures how long CTAs stall
-(the cost the paper's SPT order minimises).
+counter equals its rank (optionally seeing increments a `hop` late, as the GPU does). It reports a
+deadlock (an order that waits on a CTA not yet dispatched), checks that every tile's adds happen in
+the order's sequence, and measures how long CTAs stall (the cost the paper's SPT order, and the
+launch in sections of chains, minimise).
 """
 from __future__ import annotations
 

@@ -392,6 +392,40 @@ if s4_schedule is not None and s4_model is not None:
     print("(notebook 05 simulates the same on 132 SMs, with Gantt charts)")
 
 # %% [markdown]
+# ### A hop per add, and why the launch order matters
+#
+# The simulation above counts an add as seen the moment it happens. On the H100 it is not: the
+# writer warp acquires the semaphore, issues the TMA reduce-add, waits for it to *land* in L2,
+# fences and releases, and only then can the next CTA's spin see its turn -- a few microseconds,
+# about a tile's worth of math at d = 64. Give every add that delay (`hop=1`) and a cost appears
+# that no reduction order removes: the CTAs of one (kv head, batch) -- a *chain* -- launched side by
+# side with `blockIdx.x = n`, reach every dQ tile together, and the k-th of them waits k hops before
+# its first add. Worse, the first CTAs of all chains in flight finish together and hand their SMs
+# to the consecutive K/V tiles of the *next* chain, so each wave starts side by side again.
+#
+# `schedule.KVAscendingSectionsOrder` keeps the ranks and changes only which CTA a launch index
+# gets: sections of G chains with the K/V tile outer, G = ceil(128 / num_n_blocks), so a section is
+# about one wave. Tile n of a chain then launches G CTAs after tile n - 1 (still after it: no
+# deadlock), and the stagger carries over from wave to wave. On the H100 this took the deterministic
+# d = 64 non-causal backward from 0.71-0.75x to 0.89-0.92x of the default's speed
+# (`ab_bwd_h100_run27_*`, `..._run28_*`), without changing a bit. The simulation, non-causal 1k,
+# 8 batches x 32 heads on 132 SM slots:
+#
+
+# %%
+if s4_schedule is not None and s4_model is not None:
+    kw = dict(seqlen_q=1024, seqlen_k=1024, tile_m=128, tile_n=128, causal=False, batch=8, heads_kv=32)
+    ideal = s4_model.simulate_semaphores(order=s4_schedule.KVAscendingOrder, hop=0, **kw).steps
+    for order in (s4_schedule.KVAscendingOrder, s4_schedule.KVAscendingSectionsOrder):
+        sim = s4_model.simulate_semaphores(order=order, hop=1, **kw)
+        assert sim.finished
+        print(f"{order.name:<22} hop 1: {sim.steps:>4} steps ({ideal / sim.steps:.2f}x of the {ideal} with no hop), "
+              f"{sim.stall_steps:>5} CTA-steps stalled")
+    # which CTA each of the first launch indices gets: (n_block, kv head, batch)
+    print("sections, first 6 launches:", [s4_schedule.KVAscendingSectionsOrder.host_tile(i, 8, 32, 8) for i in range(6)])
+
+
+# %% [markdown]
 # ## The Hopper backward, compiled here (and run, on a GPU)
 # `stage4_bwd_kernel.hopper` is the stable entry point (today: step 1). Compiled for `sm_90a`
 # with fake tensors, with and without the deterministic mode; the SASS shows the fp32 dQ atomics
@@ -510,10 +544,11 @@ else:
 # GEMM operand in shared memory, which the roofline above says is SMEM-bound, and warp
 # specialization alone (step 2) does not change that bound. Step 3 keeps `P^T` and `dS^T` in
 # registers (`fa3_rs`) and moves the dQ reduction to a writer warp: it is the production step for
-# d = 64 / 96 / 128, still short of the official FA4. Its deterministic mode costs almost nothing,
-# because the writer serialises one TMA reduce per tile; for comparison the paper reports that its
-# deterministic backward reaches "up to 75% the speed of the nondeterministic backward" on B200,
-# with the swizzling and SPT order of notebook 05.
+# d = 64 / 96 / 128, close to the official FA4. Its deterministic mode, after the writer's changes and
+# the launch in sections above, runs at 0.82-1.03x of its default speed (the cell prints the range of
+# the newest run); for comparison the paper reports that its deterministic backward reaches "up to
+# 75% the speed of the nondeterministic backward" on B200, with the swizzling and SPT order of
+# notebook 05.
 #
 # ## Finding a bottleneck: step 3 was slow only when causal
 # The first step 3 issued dQ as 64 row-wise bulk reduce-adds per tile. It ran causal d = 64 at
