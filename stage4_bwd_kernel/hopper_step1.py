@@ -130,7 +130,7 @@ class FlashAttentionBackwardSm90Step1:
         self.deterministic = deterministic
         self.varlen = varlen
         self.has_seqused_k = has_seqused_k
-        self.dq_order = dq_order or common.default_dq_order(causal, deterministic)
+        self.dq_order = dq_order or common.default_dq_order(causal, deterministic, head_dim=head_dim)
         self.num_threads = NUM_THREADS
         self.smem_bytes = None
 

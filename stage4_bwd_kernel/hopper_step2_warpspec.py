@@ -83,7 +83,7 @@ class FlashAttentionBackwardSm90Step2:
         self.varlen = varlen
         self.has_seqused_k = has_seqused_k
         self.num_stages = num_stages
-        self.dq_order = dq_order or common.default_dq_order(causal, deterministic)
+        self.dq_order = dq_order or common.default_dq_order(causal, deterministic, head_dim=head_dim)
         self.num_threads = NUM_THREADS
         self.regs_producer, self.regs_consumer = 24, 240
         self.smem_bytes = None

@@ -238,11 +238,14 @@ hop -- the writer's acquire, the TMA reduce, the wait for it to *land*, the rele
 * launch order (``schedule.KVAscendingSectionsOrder`` / ``KVDescendingSectionsOrder``, the deterministic
   defaults, see ``schedule._LaunchSections``): the chain's CTAs were launched side by side, so the k-th
   waited k hops before its first add, and every wave started side by side again. Launched in sections of
-  about a wave, consecutive K/V tiles of a chain start G CTAs apart and the stagger carries over.
+  about a wave, consecutive K/V tiles of a chain start G CTAs apart and the stagger carries over. At d = 64
+  non-causal the sections hold two waves (``KVAscendingWideSectionsOrder``): the short tiles need the wider
+  stagger, 0.86-0.94x -> 0.95-1.04x of the default at 1k-16k (runs 31-33); d = 128 lost 7-15% with it
+  at 1k-4k (run 32: twice the bytes per head in L2), so it keeps one wave.
 Time ratios to the default kernel in the same interleaved rounds (``ab_bwd_h100_run26_d64_sem_early.json``,
 ``..._run27_d64_det_writers.json``, ``..._run28_d64_det_sections.json``, ``..._run29_*_det.json``):
 
-    d = 64 non-causal  1k / 2k / 4k / 8k   0.71 / 0.70 / 0.71 / 0.75 -> 0.92 / 0.91 / 0.92 / 0.89
+    d = 64 non-causal  1k / 2k / 4k / 8k   0.71 / 0.70 / 0.71 / 0.75 -> 0.92 / 0.91 / 0.92 / 0.89 (one-wave sections)
     d = 64 causal      2k / 8k             0.83 / 0.84 -> 0.94 / 1.03
     d = 128 non-causal 2k / 8k             0.80 / 0.95 -> 0.93 / 1.01
     d = 128 causal     2k / 8k             0.92 / 0.95 -> 0.93 / 1.02

@@ -56,7 +56,7 @@ def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, determinis
     (kernel object, Compiled). launchable=True builds what ``backward`` launches (TVM-FFI, cache key
     "gpu"; ``hopper.compile_launchable`` uses it to fill fa4's disk cache on a CPU machine), False a
     compile-only build (key "fake")."""
-    dq_order = dq_order or common.default_dq_order(causal, deterministic)
+    dq_order = dq_order or common.default_dq_order(causal, deterministic, head_dim=d)
     kernel = make_kernel(dt, d, dv, causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
                          dq_order=dq_order, tiles=tiles)
     key = ("gpu" if launchable else "fake",) + compile_key(step, dt, d, dv, causal, deterministic, varlen,

@@ -131,11 +131,11 @@ class KVDescendingOrder:
 SECTION_CTAS = 128  # about one wave of the H100's 132 SMs (one CTA per SM)
 
 
-def chain_section_tile(linear, num_n_blocks, num_chains, imin=min):
+def chain_section_tile(linear, num_n_blocks, num_chains, imin=min, section_ctas=SECTION_CTAS):
     """Launch index -> (n_block, chain) for ``KVAscendingSectionsOrder``: the chains (kv head, batch)
-    in sections of G = ceil(SECTION_CTAS / num_n_blocks), n_block outer inside a section and the
+    in sections of G = ceil(section_ctas / num_n_blocks), n_block outer inside a section and the
     section's chains inner (the last section may be narrower), so a section is about one wave."""
-    group = (SECTION_CTAS + num_n_blocks - 1) // num_n_blocks
+    group = (section_ctas + num_n_blocks - 1) // num_n_blocks
     per_section = num_n_blocks * group
     section = linear // per_section
     chain0 = section * group
@@ -162,11 +162,13 @@ class _LaunchSections:
     """
 
     reverse_blocks = False
+    section_ctas = SECTION_CTAS
 
     @classmethod
     def host_tile(cls, linear, num_n_blocks, num_heads_kv, num_batch):
         """(n_block, kv head, batch) of launch index `linear` on the grid (N, H_kv, B)."""
-        n_block, chain = chain_section_tile(linear, num_n_blocks, num_heads_kv * num_batch)
+        n_block, chain = chain_section_tile(linear, num_n_blocks, num_heads_kv * num_batch,
+                                            section_ctas=cls.section_ctas)
         if cls.reverse_blocks:
             n_block = num_n_blocks - 1 - n_block
         return n_block, chain % num_heads_kv, chain // num_heads_kv
@@ -179,7 +181,8 @@ class _LaunchSections:
 
         bx, by, bz = cute.arch.block_idx()
         gx, gy, gz = cute.arch.grid_dim()
-        n_block, chain = chain_section_tile(bx + gx * (by + gy * bz), gx, gy * gz, imin=cutlass.min)
+        n_block, chain = chain_section_tile(bx + gx * (by + gy * bz), gx, gy * gz, imin=cutlass.min,
+                                            section_ctas=cls.section_ctas)
         if cls.reverse_blocks:
             n_block = gx - 1 - n_block
         return n_block, chain % gy, chain // gy
@@ -191,6 +194,15 @@ class KVAscendingSectionsOrder(_LaunchSections, KVAscendingOrder):
     name = "kv_ascending_sections"
 
 
+class KVAscendingWideSectionsOrder(KVAscendingSectionsOrder):
+    """Sections of about two waves (256 CTAs): the d = 64 non-causal default. Its chains of short
+    tiles ran +2..+13% faster with the wider stagger at 1k-16k, where d = 128 (twice the bytes of
+    Q, dO and dQaccum per head in L2) lost 7-15% at 1k-4k (``ab_bwd_h100_run31_*``, ``..._run32_*``)."""
+
+    name = "kv_ascending_sections256"
+    section_ctas = 2 * SECTION_CTAS
+
+
 class KVDescendingSectionsOrder(_LaunchSections, KVDescendingOrder):
     """KVDescendingOrder's ranks, launched in sections of chains, K/V tiles descending."""
 
@@ -198,14 +210,17 @@ class KVDescendingSectionsOrder(_LaunchSections, KVDescendingOrder):
     reverse_blocks = True
 
 
-def default_dq_order(causal: bool, deterministic: bool, sections: bool = True):
+def default_dq_order(causal: bool, deterministic: bool, sections: bool = True, head_dim: int | None = None):
     """Descending (SPT-like) for causal deterministic runs; otherwise ascending, which for causal
     launches the longest K/V tiles (n = 0 sees every Q tile) first: LPT, the better balance when
     no CTA ever waits for another. Deterministic runs launch in sections of chains
     (``_LaunchSections``; the Hopper kernels map the launch index with ``tile_for_launch``):
-    sections=False gives the plain orders (the Blackwell kernels, which read blockIdx directly)."""
+    sections=False gives the plain orders (the Blackwell kernels, which read blockIdx directly);
+    head_dim <= 64 widens the non-causal sections (``KVAscendingWideSectionsOrder``)."""
     if not deterministic:
         return KVAscendingOrder
     if causal:
         return KVDescendingSectionsOrder if sections else KVDescendingOrder
-    return KVAscendingSectionsOrder if sections else KVAscendingOrder
+    if not sections:
+        return KVAscendingOrder
+    return KVAscendingWideSectionsOrder if head_dim is not None and head_dim <= 64 else KVAscendingSectionsOrder

@@ -100,7 +100,7 @@ def test_tile_walk_model_varlen_and_seqused(rng, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("tiles", [(64, 128), (128, 128), (64, 64)], ids=["64x128", "128x128", "64x64"])
 @pytest.mark.parametrize("order_name", ["kv_ascending", "kv_descending", "kv_ascending_sections",
-                                        "kv_descending_sections"])
+                                        "kv_ascending_sections256", "kv_descending_sections"])
 def test_semaphore_orders_never_deadlock_and_serialize(causal, tiles, order_name):
     """Every dQ tile receives each visiting K/V tile exactly once, in the order's sequence, and
     the grid finishes even when only a few CTAs are resident (CTAs wait only on earlier ones),
@@ -108,8 +108,8 @@ def test_semaphore_orders_never_deadlock_and_serialize(causal, tiles, order_name
     from stage4_bwd_kernel import schedule
     from stage4_bwd_kernel.model import simulate_semaphores
 
-    order = {o.name: o for o in (schedule.KVAscendingOrder, schedule.KVDescendingOrder,
-                                 schedule.KVAscendingSectionsOrder, schedule.KVDescendingSectionsOrder)}[order_name]
+    order = {o.name: o for o in (schedule.KVAscendingOrder, schedule.KVDescendingOrder, schedule.KVAscendingSectionsOrder,
+                                 schedule.KVAscendingWideSectionsOrder, schedule.KVDescendingSectionsOrder)}[order_name]
     tm, tn = tiles
     for sq, sk, resident, hop in ((1000, 1000, 3, 0), (300, 1000, 5, 1), (1000, 300, 2, 0), (64, 64, 1, 1),
                                   (1000, 1000, 7, 1)):
@@ -128,17 +128,18 @@ def test_semaphore_orders_never_deadlock_and_serialize(causal, tiles, order_name
 def test_launch_sections_cover_the_grid_and_keep_predecessors_first(num_n_blocks, heads_kv, batch):
     """host_tile is a bijection onto the grid (N, H_kv, B), and every CTA launches after the CTAs it
     waits for (smaller n ascending, larger n descending); consecutive K/V tiles of a chain launch
-    G = ceil(SECTION_CTAS / N) apart inside a full section."""
+    G = ceil(section_ctas / N) apart inside a full section."""
     from stage4_bwd_kernel import schedule
 
-    for order, step in ((schedule.KVAscendingSectionsOrder, -1), (schedule.KVDescendingSectionsOrder, 1)):
+    for order, step in ((schedule.KVAscendingSectionsOrder, -1), (schedule.KVAscendingWideSectionsOrder, -1),
+                        (schedule.KVDescendingSectionsOrder, 1)):
         tiles = [order.host_tile(i, num_n_blocks, heads_kv, batch) for i in range(num_n_blocks * heads_kv * batch)]
         assert sorted(tiles) == [(n, h, b) for n in range(num_n_blocks) for h in range(heads_kv) for b in range(batch)]
         where = {t: i for i, t in enumerate(tiles)}
         for (n, h, b), i in where.items():
             if 0 <= n + step < num_n_blocks:
                 assert where[(n + step, h, b)] < i, (order.name, n, h, b)
-        group = -(-schedule.SECTION_CTAS // num_n_blocks)
+        group = -(-order.section_ctas // num_n_blocks)
         if num_n_blocks > 1 and heads_kv * batch >= group:
             first = 0 if step < 0 else num_n_blocks - 1
             assert where[(first - step, 0, 0)] - where[(first, 0, 0)] == group
@@ -175,6 +176,9 @@ def test_descending_order_removes_causal_first_write_stalls():
     assert schedule.default_dq_order(True, True) is schedule.KVDescendingSectionsOrder
     assert schedule.default_dq_order(True, True, sections=False) is schedule.KVDescendingOrder
     assert schedule.default_dq_order(False, True) is schedule.KVAscendingSectionsOrder
+    assert schedule.default_dq_order(False, True, head_dim=128) is schedule.KVAscendingSectionsOrder
+    assert schedule.default_dq_order(False, True, head_dim=64) is schedule.KVAscendingWideSectionsOrder
+    assert schedule.default_dq_order(True, True, head_dim=64) is schedule.KVDescendingSectionsOrder
     assert schedule.default_dq_order(False, True, sections=False) is schedule.KVAscendingOrder
     assert schedule.default_dq_order(True, False) is schedule.KVAscendingOrder
 

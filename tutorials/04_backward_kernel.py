@@ -408,8 +408,10 @@ if s4_schedule is not None and s4_model is not None:
 # about one wave. Tile n of a chain then launches G CTAs after tile n - 1 (still after it: no
 # deadlock), and the stagger carries over from wave to wave. On the H100 this took the deterministic
 # d = 64 non-causal backward from 0.71-0.75x to 0.89-0.92x of the default's speed
-# (`ab_bwd_h100_run27_*`, `..._run28_*`), without changing a bit. The simulation, non-causal 1k,
-# 8 batches x 32 heads on 132 SM slots:
+# (`ab_bwd_h100_run27_*`, `..._run28_*`), without changing a bit, and sections of two waves
+# (`KVAscendingWideSectionsOrder`, the d = 64 non-causal default) to 0.95-1.04x (runs 31-33; at d = 128,
+# whose heads hold twice the bytes in L2, two waves lost). The simulation, non-causal 1k, 8 batches x
+# 32 heads on 132 SM slots:
 #
 
 # %%
