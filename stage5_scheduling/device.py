@@ -359,11 +359,9 @@ class SPTBackwardOrder(KVDescendingOrder):
       ``orders.spt_bwd``'s formula, sections of ``heads_per_section`` KV heads.
 
     ``rank`` and ``n_block_for_launch`` equal stage 4's ``KVDescendingOrder``; what this class adds
-    is the head swizzle. Stage 4's kernel reads ``(bx, head_kv, batch) = block_idx`` and asks the
-    order only for ``n_block``, so until it calls ``tile_for_launch`` (a one-line change, see the
-    README) the swizzle is inert and the order runs as ``spt_bwd`` with sections of one head.
-    Deadlock-free either way: a CTA waits only for larger n of its own (head, batch), and those
-    come earlier in the launch order.
+    is the head swizzle, which stage 4's Hopper kernels apply (they call ``tile_for_launch`` when
+    an order has it). Deadlock-free: a CTA waits only for larger n of its own (head, batch), and
+    those come earlier in the launch order.
     """
 
     heads_per_section: int = 1
