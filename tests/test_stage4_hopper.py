@@ -148,8 +148,8 @@ def test_launch_sections_cover_the_grid_and_keep_predecessors_first(num_n_blocks
 @pytest.mark.cpu
 def test_launch_sections_remove_the_chain_stall():
     """With increments seen a step late (a writer hop), CTAs launched side by side along one chain
-    stall behind each other; in sections they do not (the GPU measured 0.69-0.78x -> 0.88-0.91x of
-    the default's speed at d = 64, stage 4 README)."""
+    stall behind each other; in sections they do not (on the H100, d = 64 non-causal: 0.70-0.75x ->
+    0.89-0.92x of the default's speed with one-wave sections, stage 4 README)."""
     from stage4_bwd_kernel import schedule
     from stage4_bwd_kernel.model import simulate_semaphores
 
