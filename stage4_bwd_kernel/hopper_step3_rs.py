@@ -650,7 +650,6 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         """Each dQ tile's two warpgroup shares -> dQaccum, one TMA tensor reduce-add each (one lane
         issues, the warp syncs): decoupled, each share as soon as its warpgroup has stored it. With
         dq_writers > 1, writer warp `writer` takes only the tiles of its own buffers."""
-        tm, tn = self.tile_m, self.tile_n
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
         lane = cute.arch.lane_idx()
@@ -674,11 +673,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # 1. the consumers' dQ tile is in sdQ[buf] (their stores were proxy-fenced); per
                     #    warpgroup: waited for share by share in the loop below
                     if const_expr(self.deterministic and self.sem_early):
-                        self.acquire_dq_tile(walk, mSemaphore, head, m_block, lane)
+                        self.acquire_dq_tile(mSemaphore, seqlen_q, seqlen_k, batch, head, n_block, m_block, lane)
                     if const_expr(not self.dq_full_per_wg):
                         self.dq_full(buf, 0, wait=True)
                     if const_expr(self.deterministic and not self.sem_early):
-                        self.acquire_dq_tile(walk, mSemaphore, head, m_block, lane)
+                        self.acquire_dq_tile(mSemaphore, seqlen_q, seqlen_k, batch, head, n_block, m_block, lane)
                     # a loop, not unrolled: each TMA copy expands to one elected issue per swizzle span,
                     # and two copies' worth of them spilled the writer's 24 registers
                     for w in cutlass.range(NUM_WG_MMA, unroll=1):
@@ -719,10 +718,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         cute.arch.sync_warp()
 
     @cute.jit
-    def acquire_dq_tile(self, walk, mSemaphore: cute.Tensor, head: Int32, m_block: Int32, lane: Int32):
+    def acquire_dq_tile(self, mSemaphore: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, batch: Int32, head: Int32,
+                        n_block: Int32, m_block: Int32, lane: Int32):
         """Deterministic mode: lane 0 spins until dQ tile (batch, head, m_block)'s counter reaches this
-        CTA's rank in the dQ order; the warp, and its async-proxy adds, follow."""
-        seqlen_q, seqlen_k, batch, n_block = walk[0], walk[1], walk[6], walk[8]
+        CTA's rank (K/V tile n_block's) in the dQ order; the warp, and its async-proxy adds, follow."""
         n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
                                              imin=cutlass.min)
         common.semaphore_wait(common.elem_pointer(mSemaphore, (batch, head, m_block)),

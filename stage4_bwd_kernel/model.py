@@ -178,7 +178,7 @@ def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, ba
                 progressed = True
                 continue
             b, h, m, rank, n = ctas[i][pos[i]]
-            if sem.get((b, h, m), 0) == rank and not any(key == (b, h, m) for _, key in in_flight):
+            if sem.get((b, h, m), 0) == rank:  # ranks are unique per tile: an add in flight matches no one
                 if hop:
                     in_flight.append((t + hop, (b, h, m)))
                 else:

@@ -131,22 +131,26 @@ class KVDescendingOrder:
 SECTION_CTAS = 128  # about one wave of the H100's 132 SMs (one CTA per SM)
 
 
-def chain_section_tile(linear, num_n_blocks, num_chains, imin=min, section_ctas=SECTION_CTAS):
-    """Launch index -> (n_block, chain) for ``KVAscendingSectionsOrder``: the chains (kv head, batch)
-    in sections of G = ceil(section_ctas / num_n_blocks), n_block outer inside a section and the
-    section's chains inner (the last section may be narrower), so a section is about one wave."""
-    group = (section_ctas + num_n_blocks - 1) // num_n_blocks
-    per_section = num_n_blocks * group
-    section = linear // per_section
-    chain0 = section * group
-    width = imin(group, num_chains - chain0)
-    r = linear - section * per_section
-    n_block = r // width
-    return n_block, chain0 + r - n_block * width
+def section_tile(r, num_blocks, num_units, section, reverse=False, imin=min):
+    """Index r -> (block, unit): the units (heads, or (kv head, batch) chains) in sections of
+    `section`, the block index outer inside a section (reversed when `reverse`), the section's
+    units inner. Earlier sections are full, so plain division finds r's; the last may be narrower,
+    and a section wider than num_units needs no clamp (then every r falls in section 0, of width
+    num_units). Python ints, NumPy arrays (imin=np.minimum; stage 5's orders) or traced Int32
+    (imin=cutlass.min; the kernels)."""
+    per_section = num_blocks * section
+    s = r // per_section
+    unit0 = s * section
+    width = imin(section, num_units - unit0)
+    r = r - s * per_section
+    block = r // width
+    if reverse:
+        return num_blocks - 1 - block, unit0 + (r - block * width)
+    return block, unit0 + (r - block * width)
 
 
 class _LaunchSections:
-    """Launch in sections of chains (``chain_section_tile``): mixed into an order, whose ``rank``
+    """Launch in sections of chains (``section_tile``): mixed into an order, whose ``rank``
     it keeps; ``reverse_blocks`` launches each chain's K/V tiles descending, as KVDescendingOrder.
 
     Why: CTA n adds into each dQ tile one hop (the writer's acquire, reduce, completion wait and
@@ -165,12 +169,12 @@ class _LaunchSections:
     section_ctas = SECTION_CTAS
 
     @classmethod
-    def host_tile(cls, linear, num_n_blocks, num_heads_kv, num_batch):
-        """(n_block, kv head, batch) of launch index `linear` on the grid (N, H_kv, B)."""
-        n_block, chain = chain_section_tile(linear, num_n_blocks, num_heads_kv * num_batch,
-                                            section_ctas=cls.section_ctas)
-        if cls.reverse_blocks:
-            n_block = num_n_blocks - 1 - n_block
+    def host_tile(cls, linear, num_n_blocks, num_heads_kv, num_batch, imin=min):
+        """(n_block, kv head, batch) of launch index `linear` on the grid (N, H_kv, B): sections of
+        ceil(section_ctas / N) chains. Traced by ``tile_for_launch`` too (imin=cutlass.min)."""
+        chains_per_section = (cls.section_ctas + num_n_blocks - 1) // num_n_blocks
+        n_block, chain = section_tile(linear, num_n_blocks, num_heads_kv * num_batch, chains_per_section,
+                                      cls.reverse_blocks, imin)
         return n_block, chain % num_heads_kv, chain // num_heads_kv
 
     @classmethod
@@ -181,11 +185,7 @@ class _LaunchSections:
 
         bx, by, bz = cute.arch.block_idx()
         gx, gy, gz = cute.arch.grid_dim()
-        n_block, chain = chain_section_tile(bx + gx * (by + gy * bz), gx, gy * gz, imin=cutlass.min,
-                                            section_ctas=cls.section_ctas)
-        if cls.reverse_blocks:
-            n_block = gx - 1 - n_block
-        return n_block, chain % gy, chain // gy
+        return cls.host_tile(bx + gx * (by + gy * bz), gx, gy, gz, imin=cutlass.min)
 
 
 class KVAscendingSectionsOrder(_LaunchSections, KVAscendingOrder):

@@ -61,7 +61,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, const_expr  # noqa: E402
 
 from stage3_fwd_kernel.common import WorkTile  # noqa: E402
-from stage4_bwd_kernel.schedule import KVDescendingOrder  # noqa: E402
+from stage4_bwd_kernel.schedule import KVDescendingOrder, section_tile  # noqa: E402
 from stage5_scheduling import orders  # noqa: E402
 
 __all__ = [
@@ -75,25 +75,9 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # 1. the index maps, for Python ints (tests) and DSL Int32 (kernels)
 # --------------------------------------------------------------------------------------------
-def in_batch_tile(r, num_blocks, num_heads, section: int, reverse: bool, imin=min):
-    """Tile ``r`` of one batch -> (block, head): sections of ``section`` heads, the block index
-    outer inside a section (reversed when ``reverse``), the section's heads inner.
-
-    Identical to ``orders._in_batch``. ``section`` is a compile-time int >= 1; a section wider
-    than the head count needs no clamp: then ``r < M*H <= M*section`` puts every tile in
-    section 0, whose width is ``min(section, H) = H``, exactly as ``orders.sectioned`` computes
-    with ``section = min(section, H)``.
-    """
-    per_section = num_blocks * section
-    s = r // per_section                      # earlier sections are full
-    head0 = s * section
-    width = imin(section, num_heads - head0)  # the last section may be narrower
-    r = r - s * per_section
-    block = r // width
-    head = head0 + (r - block * width)
-    if reverse:
-        block = num_blocks - 1 - block
-    return block, head
+# Tile r of one batch -> (block, head): heads in sections of `section`, the block index outer inside
+# a section (reversed when `reverse`); stage 4's launch sections use the same map over chains.
+in_batch_tile = section_tile
 
 
 def sectioned_tile(linear, num_blocks, num_heads, section: int, reverse: bool, imin=min):

@@ -61,6 +61,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from stage4_bwd_kernel.schedule import section_tile  # heads in sections, blocks outer (shared with the kernels)
+
 __all__ = [
     "H100_L2_BYTES", "Tiles", "cdiv", "kv_blocks_visited", "first_q_block", "dq_rank",
     "heads_per_section", "naive", "sectioned", "lpt_causal", "lpt_no_sections",
@@ -188,21 +190,6 @@ def naive(linear, num_blocks: int, num_heads: int, num_batch: int):
     return block, head, batch
 
 
-def _in_batch(r, num_blocks, num_heads: int, section: int, reverse_blocks: bool):
-    """Tile ``r`` of one batch: heads in sections of ``section``, the block index outer
-    inside a section, the section's heads inner. ``num_blocks`` may be an array (varlen)."""
-    per_section = num_blocks * section  # tiles in every full section
-    s = r // per_section  # earlier sections are all full, so plain division finds ours
-    head0 = s * section
-    width = np.minimum(section, num_heads - head0)  # the last section may be narrower
-    r = r - s * per_section
-    block = r // width
-    head = head0 + r % width
-    if reverse_blocks:
-        block = num_blocks - 1 - block
-    return block, head
-
-
 def sectioned(linear, num_blocks: int, num_heads: int, num_batch: int, heads_per_section: int,
               reverse_blocks: bool):
     """Batches outermost, then head sections, then blocks (optionally reversed), then the
@@ -213,7 +200,7 @@ def sectioned(linear, num_blocks: int, num_heads: int, num_batch: int, heads_per
     per_batch = num_blocks * num_heads
     batch = linear // per_batch
     section = max(1, min(heads_per_section, num_heads))
-    block, head = _in_batch(linear % per_batch, num_blocks, num_heads, section, reverse_blocks)
+    block, head = section_tile(linear % per_batch, num_blocks, num_heads, section, reverse_blocks, np.minimum)
     return block, head, batch
 
 
@@ -338,8 +325,8 @@ def lpt_varlen(linear, meta: VarlenMeta):
     b = meta.batch_map[v].astype(np.int64)
     r = linear - meta.cu_tiles[v]
     m_blocks = meta.num_m_blocks[b].astype(np.int64)
-    block, head = _in_batch(r, m_blocks, meta.num_heads, meta.heads_per_section,
-                            meta.reverse_blocks)
+    block, head = section_tile(r, m_blocks, meta.num_heads, meta.heads_per_section, meta.reverse_blocks,
+                               np.minimum)
     return block, head, b
 
 
