@@ -65,6 +65,23 @@ def make_variant(spec: str):
     return lambda q, k, v, o, do, lse, c: host.backward(name, make_kernel, q, k, v, o, do, lse, causal=c,
                                                         deterministic=det, tiles=tl, dq_order=order)
 
+def backward_case(d: int, s: int, causal: bool):
+    """One grid point of the benchmarks (bf16, 32k tokens per batch, hidden 2048) -> (batch, heads,
+    (q, k, v, out, dout, lse) from our forward, the official FA4's backward as a no-argument call).
+    The official one runs through ``autograd.grad``: ``.backward`` would also add into ``.grad`` on
+    every call (see bench_bwd.py)."""
+    from flash_attn.cute.interface import flash_attn_func
+    from stage3_fwd_kernel.hopper import attention_forward
+
+    b, h = 32768 // s, 2048 // d
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = attention_forward(q, k, v, causal=causal)
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = flash_attn_func(qg, kg, vg, causal=causal)
+    o = o[0] if isinstance(o, tuple) else o
+    return b, h, (q, k, v, out, do, lse), lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", required=True, help="comma-separated step[@MxN][:order][~option=int][+det]")
@@ -73,9 +90,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("ab_bwd needs a CUDA GPU")
         return 2
-    from flash_attn.cute.interface import flash_attn_func
-    from stage3_fwd_kernel.hopper import attention_forward
-
     specs = [s for s in args.variants.split(",") if s]
     variants = {s: make_variant(s) for s in specs}
     rng = random.Random(args.seed)
@@ -83,17 +97,11 @@ def main(argv=None) -> int:
     for d in (int(x) for x in args.dims.split(",")):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
-                b, h = 32768 // s, 2048 // d
-                q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-                out, lse = attention_forward(q, k, v, causal=causal)
-                qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-                o = flash_attn_func(qg, kg, vg, causal=causal)
-                o = o[0] if isinstance(o, tuple) else o
-                # autograd.grad: .backward would also add into .grad on every call (see bench_bwd.py)
-                fns = {"official": lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)}
+                b, h, inputs, official = backward_case(d, s, causal)
+                fns = {"official": official}
                 ref = None
                 for n in specs:
-                    fns[n] = lambda n=n: variants[n](q, k, v, out, do, lse, causal)
+                    fns[n] = lambda n=n: variants[n](*inputs, causal)
                     got = [g.float() for g in fns[n]()]
                     if ref is None:
                         ref = got
@@ -103,7 +111,7 @@ def main(argv=None) -> int:
                 times = paired_rounds(fns, args.rounds, rng)
                 rows += ratio_rows(times, 2.5 * flops(b, h, s, d, d, causal),
                                    {"head_dim": d, "causal": causal, "seqlen": s}, f"d={d} causal={causal!s:5} s={s:5}")
-                del q, k, v, do, out, lse, o, qg, kg, vg, fns
+                del inputs, official, fns
     if args.out:
         write_results(args.out, rows, args.rounds)
     return 0

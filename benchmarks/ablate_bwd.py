@@ -23,16 +23,18 @@ SOURCE = os.path.join(ROOT, "stage4_bwd_kernel", "hopper_step3_rs.py")
 
 # name -> (what is cut, regex, replacement); each regex must match exactly once
 ABLATIONS = {
-    "no_dq_reduce": ("the writer warp's TMA reduce-add of dQ (it still waits and hands buffers back)",
-                     r"^(\s*)cute\.copy\(tma_atom_dQ, tDsD\[None, buf \* NUM_WG_MMA \+ w\], tDgD\[None, g_m, g_n\]\)$",
+    "no_dq_reduce": ("the writer warp's reduce-add of dQ, bulk or TMA tensor (it still waits and hands buffers back)",
+                     r"^(\s*)if const_expr\(self\.dq_frag\):\n(?:.*\n)*?\s*else:\n"
+                     r"\s*cute\.copy\(tma_atom_dQ, tDsD\[None, buf \* NUM_WG_MMA \+ w\], tDgD\[None, g_m, g_n\]\)$",
                      r"\1pass"),
     "no_exp": ("exp2 of the scores (P^T = S^T * scale - lse2, one FFMA)",
                r"cute\.math\.exp2\(s \* softmax_scale_log2 - lse2, fastmath=True\)", "s * softmax_scale_log2 - lse2"),
     "no_dq_gemm": ("the dQ = dS K wgmma (zeros are stored and reduced instead)",
                    r"^(\s*)if const_expr\(self\.dq_swap_ab\):\n\s*gemm_issue\(tiled_mma_dQ, acc_dQ, .*\n"
                    r"\s*else:\n\s*gemm_issue\(tiled_mma_dQ, acc_dQ, .*$", r"\1acc_dQ.fill(0.0)"),
-    "no_dq_store": ("the dQ registers -> sdQ stores (the dQ wgmma then partly dead-code eliminated)",
-                    r"^(\s*)cute\.copy\(smem_copy_dQ, thr_smem_dQ\.retile\(acc_dQ\).*$", r"\1pass"),
+    "no_dq_store": ("the dQ registers -> sdQ stores, either layout (the dQ wgmma then partly dead-code eliminated)",
+                    r"^(\s*)if const_expr\(self\.dq_frag\):\n\s*dst = tQsQ_frag.*\n.*\n\s*else:\n"
+                    r"\s*cute\.copy\(smem_copy_dQ, thr_smem_dQ\.retile\(acc_dQ\).*$", r"\1pass"),
 }
 
 

@@ -114,6 +114,18 @@ def versions():
     return v
 
 
+def write_doc(path: str, script: str, argv, results: list, **fields) -> dict:
+    """A results JSON as every benchmark here writes it: device, versions, commit ($FA4_GIT_COMMIT),
+    the command line, extra fields, then the rows."""
+    doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
+           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), **fields,
+           "command": f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "results": results}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return doc
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import sys
 
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_bwd import STEPS  # noqa: E402
-from bench_fwd import timer, versions  # noqa: E402
+from bench_fwd import timer, write_doc  # noqa: E402
 
 
 def tile_steps(mod, d, causal, s, heads):
@@ -81,12 +80,7 @@ def main(argv=None) -> int:
                     print(f"{name:10} {grid:8} {oname:13} causal={causal!s:5} {ms:8.3f} ms  longest walk {longest:4}  "
                           f"all steps {total:7}  -> {per_step_us:6.2f} us per step", flush=True)
                 del q, k, v, do, out, lse
-    doc = {"device": torch.cuda.get_device_name(), "sms": sms, "versions": versions(), "timing": timing,
-           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "head_dim": d, "seqlen": s,
-           "command": "python benchmarks/probe_bwd_walk.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "results": rows}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_doc(args.out, "probe_bwd_walk.py", argv, rows, sms=sms, timing=timing, head_dim=d, seqlen=s)
     return 0
 
 

@@ -40,7 +40,7 @@ read from SMEM, and P^T goes through SMEM too) and its math warpgroups stall on 
     dQ = dS K needs tile_m >= 64 (wgmma M); (256,256) needs dK + dV = 128 + 128 = 256 > 240 before
     anything else. They raise ValueError here (step 1 serves them).
 
-(b) dQ off the math warps. After its dQ wgmma a consumer thread stores its dQ fragment (fp32, 8-byte
+(b) dQ off the math warps (``dq_frag``, at the end, hands dQ off in fragment order instead). After its dQ wgmma a consumer thread stores its dQ fragment (fp32, 8-byte
     stores) into sdQ[t % 2] -- a 128-byte-swizzled (tm, d) tile (64-byte spans at d = 96), so the 8
     rows of one warp store land in 8 different bank groups (conflict-free) and the TMA unit can read
     it -- fences the generic->async proxy and *arrives* on the named barrier "dQ full[b]"; it does
@@ -255,6 +255,26 @@ so it keeps blockIdx order. (A deferred release that acquires tile t + 1 before 
 hide one more round trip, but then a CTA's release waits on its predecessor's next tile and the chain's
 lag grows by a tile per CTA: not tried.)
 
+The eleventh, ``dq_frag`` (an option, off by default for now: see the end of this paragraph; the official kernel's
+dQ hand-off, read in its flash_bwd_sm90.py, no code used): dQaccum in *fragment order*. Each consumer
+thread stores its dQ registers as they are -- register i of thread t at float (i // 4) * 512 + t * 4 + i % 4
+of its warpgroup's share, 16-byte STS, a warp's 512 bytes contiguous -- and the writer adds the whole share
+(tm * d / 2 floats) into an equally ordered, contiguous chunk of a (B, H, rows, d) dQaccum with one 1-D
+bulk reduce (``cp.reduce.async.bulk ... add.f32``, SASS UBLKRED); ``postprocess_frag`` asks this kernel's
+dQ tiled MMA where each register belongs and writes dq. (Not the row-wise bulk reduces of the earlier
+version above: 2 requests of 16 KB per tile at d = 64, not 64 of 256 bytes.) Why: in a single-wave grid,
+where the CTAs of a head walk the Q tiles in lockstep and all add into the same dQ tile at once, step 3
+at d = 64 spent 17% more per Q tile than the official kernel, and a build whose writer skipped the reduce
+ran as fast as the official one (``walk_scan_h100_d64_dq_reduce.json``): the TMA tensor reduce of 32-byte
+spans was the bottleneck. A new allocation is zeroed with torch (a memset) and the preprocess leaves it
+alone. Paired rounds (``ab_bwd_h100_run35_d64_dq_frag.json``, ``..._run36_*``, ``..._run37_*``), speed
+relative to the TMA tensor reduce: d = 64 non-causal +0..+6% at 1k-16k (deterministic +3%), d = 128
+non-causal -0..+4%; **causal lost 9-16%** at d = 64 (1k / 4k; a row of padding between tiles, so that
+their stride is no power of two, did not help), for a reason not found here -- the official kernel uses this layout for causal too. Deterministic
+mode gives the same bits either way (the same adds in the same order). The intended default is non-causal
+d = 64 / 128; it stays off until the whole gpu tier has run with it (its first full run found a
+postprocess bug at the 80-row tile, since fixed, and the device time ran out before a second).
+
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no
 wgmma M, so the dQ GEMM is turned around, ``dq_swap_ab`` (default on when tile_m % 64 != 0):
@@ -341,6 +361,24 @@ def stats_shuffle_source(c: int, lane):
     return (j // 2) * 4 + lane % 4, (j % 2) * 2 + c % 2
 
 
+def dq_frag_tiled_copy() -> cute.TiledCopy:
+    """dq_frag: a warpgroup's 128 threads x 4 consecutive fp32 (16 bytes) per copy over a flat share."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout(128), cute.make_layout(4))
+
+
+@dsl_user_op
+def bulk_reduce_add_f32(gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, num_bytes: cutlass.Constexpr[int], *,
+                        loc=None, ip=None) -> None:
+    """gmem[0:n] += smem[0:n] (fp32, n = num_bytes / 4) by the TMA unit (SASS UBLKRED):
+    ``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32``; 16-byte aligned addresses, num_bytes
+    a multiple of 16. Completion: ``cp.async.bulk.commit_group``, then ``wait_group[.read]``."""
+    g = gmem_ptr.toint(loc=loc, ip=ip).ir_value()
+    s = smem_ptr.toint(loc=loc, ip=ip).ir_value()
+    llvm.inline_asm(None, [g, s], f"cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], {num_bytes};",
+                    "l,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @dsl_user_op
 def thread_idx_fresh(*, loc=None, ip=None) -> Int32:
     """%tid.x read again where it is used (volatile asm: not merged with earlier reads)."""
@@ -359,7 +397,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  dq_buffers: int | None = None, dq_swizzle32: bool | None = None,
                  stats_shuffle: bool | None = None, decoupled: bool | None = None, ds_buffers: int | None = None,
                  dq_full_per_wg: bool | None = None, stats_tma: bool | None = None,
-                 sem_early: bool | None = None, dq_writers: int | None = None):
+                 sem_early: bool | None = None, dq_writers: int | None = None, dq_frag: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -415,6 +453,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.dq_writers = (self.dq_buffers if deterministic else 1) if dq_writers is None else int(dq_writers)
         if self.dq_writers not in (1, 2, 3) or self.dq_buffers % self.dq_writers:
             raise ValueError(f"dq_writers: expected 1, 2 or 3 dividing dq_buffers ({self.dq_buffers}), got {dq_writers!r}")
+        # dQaccum in fragment order (the twelfth option): each warpgroup's share of a dQ tile is one
+        # contiguous chunk, in the order its threads hold the accumulator, in sdQ and in global memory
+        # (B, H, padded rows, d); the writer adds a share with one 1-D bulk reduce, and
+        # postprocess_frag puts the elements back in place
+        self.dq_frag = False if dq_frag is None else bool(dq_frag)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
@@ -460,6 +503,41 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             return cute.tile_to_shape(atom, (rows, cols), (0, 1))
         return cute.tile_to_shape(atom, (rows, cols, NUM_WG_MMA * self.dq_buffers), (0, 1, 2))
 
+    def dq_frag_share_elems(self) -> int:
+        """fp32 elements of one warpgroup's share of a dQ tile (dq_frag: one contiguous chunk)."""
+        return self.tile_m * self.head_dim // NUM_WG_MMA
+
+    def _sdq_frag_layout(self) -> cute.ComposedLayout:
+        """dq_frag: (share elements, warpgroups x buffers), unswizzled (an identity swizzle keeps the
+        ComposedLayout interface of _sdq_layout); a warp's 16-byte stores cover 512 contiguous bytes."""
+        return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, cute.make_layout(
+            (self.dq_frag_share_elems(), NUM_WG_MMA * self.dq_buffers)))
+
+    def dq_frag_tile_row(self, offset_q, batch, m_block):
+        """dq_frag: first row of dQ tile m_block of sequence `batch` in the (B, H, rows, d) dQaccum.
+        Tiles are tile_m rows apart; a varlen sequence's first tile is
+        (offset_q + batch * tile_m) // tile_m, so each sequence owns whole tiles and none overlaps the
+        next (dense: tile m_block)."""
+        first = (offset_q + batch * self.tile_m) // self.tile_m if const_expr(self.varlen) else 0
+        return (first + m_block) * self.tile_m
+
+    def dq_frag_accum_rows(self, rows_q: int, batch: int) -> int:
+        """Host: rows of the (B, H, rows, d) dQaccum for seqlen_q (dense) or total_q (varlen) rows."""
+        extra = (batch + 1) * self.tile_m if self.varlen else 0
+        return common.cdiv(rows_q + extra, self.tile_m) * self.tile_m
+
+    def make_tiled_mma_dQ(self) -> cute.TiledMma:
+        """dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); the warpgroups split
+        the query rows (dq_split_m) or the d columns; dq_swap_ab: dQ^T (d x tm) = K^T dS^T, the
+        warpgroups split d (M) and tm is the N, so tm need not be a multiple of 64. (postprocess_frag
+        builds it too: its partition says where each register of the fragment order belongs.)"""
+        mn = cute.nvgpu.OperandMajorMode.MN
+        wg_m, wg_n = (NUM_WG_MMA, 1, 1), (1, NUM_WG_MMA, 1)
+        dq_split, dq_tile = (wg_m, (64, self.head_dim)) if self.dq_split_m else (wg_n, (64, self.head_dim // NUM_WG_MMA))
+        if const_expr(self.dq_swap_ab):
+            dq_split, dq_tile = wg_m, (64, self.tile_m)
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, mn, mn, Float32, dq_split, dq_tile)
+
     def _sdq_tile_view(self) -> cute.Layout:
         """(tm, d, buffers) -> index into the shares of _sdq_layout: the dQ tiles as the consumers' MMA
         partitions see them (warpgroup w's rows or columns land in share buffer * 2 + w)."""
@@ -495,7 +573,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         sK_layout = self._smem_layout(tn, d, d // NUM_WG_MMA)
         sV_layout = self._smem_layout(tn, dv, dv // NUM_WG_MMA)
         sdSt_layout = self._smem_layout(tn, tm, tm, self.ds_buffers)       # dS^T: (keys, queries, buffers)
-        sdQ_layout = self._sdq_layout()
+        sdQ_layout = self._sdq_frag_layout() if const_expr(self.dq_frag) else self._sdq_layout()
 
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         wg_m, wg_n = (NUM_WG_MMA, 1, 1), (1, NUM_WG_MMA, 1)
@@ -507,14 +585,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                                                          wg_m, (64, dv), a_source=warpgroup.OperandSource.RMEM)
         tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
                                                          wg_m, (64, d), a_source=warpgroup.OperandSource.RMEM)
-        # dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); the warpgroups split
-        # the query rows (dq_split_m) or the d columns; dq_swap_ab: dQ^T (d x tm) = K^T dS^T, the
-        # warpgroups split d (M) and tm is the N, so tm need not be a multiple of 64
-        dq_split, dq_tile = (wg_m, (64, d)) if self.dq_split_m else (wg_n, (64, d // NUM_WG_MMA))
-        if const_expr(self.dq_swap_ab):
-            dq_split, dq_tile = wg_m, (64, tm)
-        tiled_mma_dQ = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, MN_MAJOR, MN_MAJOR, Float32,
-                                                         dq_split, dq_tile)
+        tiled_mma_dQ = self.make_tiled_mma_dQ()
 
         def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
             return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -526,9 +597,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mK), sK_layout, (tn, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mV), sV_layout, (tn, dv))
         # dQ: one TMA reduce-add per warpgroup share of a tile (_dq_share) from sdQ into dQaccum
+        # (dq_frag: unused, built over the (rows, d, H, B) view of its (B, H, rows, d) buffer)
+        dq_view = (cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
+                   if const_expr(self.dq_frag) else seq_dim_first(mdQacc))
         tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), seq_dim_first(mdQacc), self._sdq_layout(shares=False),
-            self._dq_share())
+            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_view, self._sdq_layout(shares=False), self._dq_share())
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
         self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
         self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
@@ -657,12 +730,15 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         share = self._dq_share()
         n_m = m_block_max - m_block_min
         n_tiles = qhead_per_kvhead * n_m
+        share_elems = self.dq_frag_share_elems()
         for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + head_in_group
-            gdQ = cute.local_tile(cute.domain_offset((offset_q, 0), tma_dQ[None, None, head, bidx]), share,
-                                  (None, None))                                  # (rows, cols, m, n)
-            tDsD, tDgD = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                                               cute.group_modes(gdQ, 0, 2))
+            tDsD, tDgD = None, None
+            if const_expr(not self.dq_frag):
+                gdQ = cute.local_tile(cute.domain_offset((offset_q, 0), tma_dQ[None, None, head, bidx]), share,
+                                      (None, None))                              # (rows, cols, m, n)
+                tDsD, tDgD = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1),
+                                                   cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 t = head_in_group * n_m + m_block - m_block_min
                 buf = t % self.dq_buffers
@@ -694,7 +770,15 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                         g_m, g_n = m_block, w
                         if const_expr(self.dq_split_m):
                             g_m, g_n = m_block * NUM_WG_MMA + w, 0
-                        cute.copy(tma_atom_dQ, tDsD[None, buf * NUM_WG_MMA + w], tDgD[None, g_m, g_n])
+                        if const_expr(self.dq_frag):
+                            # the share is share_elems contiguous floats in sdQ and in dQaccum
+                            if lane == 0:
+                                bulk_reduce_add_f32(
+                                    common.elem_pointer(mdQacc, (bidx, head, self.dq_frag_tile_row(offset_q, batch, m_block), 0))
+                                    + w * share_elems,
+                                    common.elem_pointer(sdQ, (0, buf * NUM_WG_MMA + w)), share_elems * 4)
+                        else:
+                            cute.copy(tma_atom_dQ, tDsD[None, buf * NUM_WG_MMA + w], tDgD[None, g_m, g_n])
                         cute.arch.cp_async_bulk_commit_group()
                     refill = t + self.dq_buffers < n_tiles  # a tile t + buffers will wait for this buffer
                     if const_expr(self.deterministic and not self.sem_early):
@@ -920,6 +1004,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         if const_expr(self.dq_swap_ab):
             sdQ = cute.composition(sdQ, cute.make_ordered_layout((d, tm, self.dq_buffers), order=(1, 0, 2)))
         dq_shape = (d, tm) if const_expr(self.dq_swap_ab) else (tm, d)
+        if const_expr(self.dq_frag):
+            # register i of the dQ fragment -> element (i // 4) * 512 + (thread in warpgroup) * 4 + i % 4
+            # of the warpgroup's share: 16-byte stores, a warp's 512 bytes contiguous (no conflicts)
+            sdQ_frag = storage.sdQ.get_tensor(sdQ_layout.outer)                # (share elems, shares)
+            frag_copy = dq_frag_tiled_copy()
+            thr_frag = frag_copy.get_slice(ctidx % 128)
+            tQsQ_frag = thr_frag.partition_D(sdQ_frag)                          # (4, chunks, shares)
         num_cols = cute.size(tScS_rc, mode=[1])
         stats_len = STATS_SHUFFLE_ROWS if const_expr(self.stats_shuffle) else tm
         copies = NUM_WG_MMA if const_expr(self.decoupled) else 1
@@ -1072,7 +1163,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     buf = t % self.dq_buffers
                     if t >= self.dq_buffers:
                         self.dq_empty(buf, wg, wait=True)
-                    cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
+                    if const_expr(self.dq_frag):
+                        dst = tQsQ_frag[None, None, buf * NUM_WG_MMA + wg]
+                        cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, dst.layout.shape), dst)
+                    else:
+                        cute.copy(smem_copy_dQ, thr_smem_dQ.retile(acc_dQ), thr_smem_dQ.partition_D(sdQ[None, None, buf]))
                     cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
                     self.dq_full(buf, wg, wait=False)
                     warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back

@@ -133,15 +133,23 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         dv.zero_()
         return dq, dk, dv
 
-    # 1. preprocess: lse2, D, zeroed dQ accumulator
-    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum, cu_seqlens_q=cu_q if varlen else None,
-                                 max_seqlen_q=max_seqlen_q)
-
-    # 2. main kernel
     dt = common.cutlass_dtype(q.dtype)
     kernel, comp = compile_main(step, make_kernel, dt, d, d_v, causal, deterministic, varlen=varlen,
                                 has_seqused_k=seqused_k is not None, dq_order=dq_order, tiles=tiles)
+    dq_frag = getattr(kernel, "dq_frag", False)
+
+    # 1. preprocess: lse2, D, zeroed dQ accumulator (in fragment order, see postprocess_frag: zeroed here)
+    if dq_frag:
+        from stage4_bwd_kernel import postprocess_frag as post_frag
+
+        rows = kernel.dq_frag_accum_rows(q.shape[0] if varlen else max_seqlen_q, batch)
+        dq_accum = torch.zeros((*q.shape[:-3], hq, rows, d), dtype=torch.float32, device=q.device)
+    else:
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse2, dpsum = pre.preprocess(out, dout, lse, None if dq_frag else dq_accum, head_dim=d,
+                                 cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q)
+
+    # 2. main kernel
     tm, tn = kernel.tile_m, kernel.tile_n
     num_m_blocks = common.cdiv(max_seqlen_q, tm)
     num_n_blocks = common.cdiv(max_seqlen_k, tn)
@@ -156,7 +164,12 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
                        num_n_blocks=num_n_blocks, softmax_scale=softmax_scale))
 
     # 3. postprocess: dq = scale * dQaccum in q's dtype
-    post.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q)
+    if dq_frag:
+        post_frag.postprocess(kernel, dq_accum.unsqueeze(0) if varlen else dq_accum, dq, softmax_scale,
+                              cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q)
+    else:
+        post.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q=cu_q if varlen else None,
+                         max_seqlen_q=max_seqlen_q)
     return dq, dk, dv
 
 

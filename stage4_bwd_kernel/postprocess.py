@@ -34,6 +34,22 @@ def _tiled_copy(dtype, cols: int, elems: int, num_threads: int):
     return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
 
 
+@cute.jit
+def block_rows(mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, tile_m: cutlass.Constexpr[int], varlen: cutlass.Constexpr[bool]):
+    """This CTA's tile -> (m_block, head, batch index into mdQ, batch, first row of the sequence,
+    rows of the sequence from the tile's first on): dense (batch b, rows [0, Sq)), varlen (batch
+    0, rows [cu[b], cu[b+1]))."""
+    m_block, head, batch = cute.arch.block_idx()
+    bidx = batch
+    offset = Int32(0)
+    seqlen = mdQ.shape[1]
+    if const_expr(varlen):
+        bidx = 0
+        offset = mCuSeqlensQ[batch]
+        seqlen = mCuSeqlensQ[batch + 1] - offset
+    return m_block, head, bidx, batch, offset, seqlen - m_block * tile_m
+
+
 class BackwardPostprocess:
     def __init__(self, dtype, head_dim: int, varlen: bool):
         self.dtype = dtype
@@ -61,15 +77,7 @@ class BackwardPostprocess:
                softmax_scale: Float32, load: cute.TiledCopy, store: cute.TiledCopy):
         tm, d = TILE_M, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
-        bidx = batch
-        offset = Int32(0)
-        seqlen = mdQ.shape[1]
-        if const_expr(self.varlen):
-            bidx = 0
-            offset = mCuSeqlensQ[batch]
-            seqlen = mCuSeqlensQ[batch + 1] - offset
-        rows_left = seqlen - m_block * tm
+        m_block, head, bidx, _, offset, rows_left = block_rows(mdQ, mCuSeqlensQ, tm, self.varlen)
         if rows_left > 0:
             gAcc = cute.local_tile(cute.domain_offset((offset, 0), mdQacc[bidx, None, head, None]), (tm, d), (m_block, 0))
             gdQ = cute.local_tile(cute.domain_offset((offset, 0), mdQ[bidx, None, head, None]), (tm, d), (m_block, 0))

@@ -46,8 +46,9 @@ def gmem_tiled_copy(dtype, cols: int, num_threads: int, elems_per_thread: int | 
 
 
 class BackwardPreprocess:
-    def __init__(self, dtype, head_dim: int, head_dim_v: int, varlen: bool):
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, varlen: bool, zero_dq: bool = True):
         self.dtype = dtype
+        self.zero_dq = zero_dq  # False: the caller zeroes its own dQ accumulator (step 3's dq_frag)
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.varlen = varlen
@@ -134,14 +135,15 @@ class BackwardPreprocess:
                         Float32.inf if lse == -Float32.inf else lse * math.log2(math.e))
 
             # 3. zero this tile of the fp32 dQ accumulator
-            thr_dQ = copy_dQ.get_slice(tidx)
-            tQgdQ = thr_dQ.partition_D(gdQ)
-            tQcdQ = thr_dQ.partition_D(cute.make_identity_tensor((tm, d)))
-            zeros = cute.make_rmem_tensor_like(tQgdQ, Float32)
-            zeros.fill(0.0)
-            for m in cutlass.range_constexpr(cute.size(tQgdQ.shape[1])):
-                if tQcdQ[0, m, 0][0] < rows_left:
-                    cute.copy(copy_dQ, zeros[None, m, None], tQgdQ[None, m, None])
+            if const_expr(self.zero_dq):
+                thr_dQ = copy_dQ.get_slice(tidx)
+                tQgdQ = thr_dQ.partition_D(gdQ)
+                tQcdQ = thr_dQ.partition_D(cute.make_identity_tensor((tm, d)))
+                zeros = cute.make_rmem_tensor_like(tQgdQ, Float32)
+                zeros.fill(0.0)
+                for m in cutlass.range_constexpr(cute.size(tQgdQ.shape[1])):
+                    if tQcdQ[0, m, 0][0] < rows_left:
+                        cute.copy(copy_dQ, zeros[None, m, None], tQgdQ[None, m, None])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,16 +156,18 @@ def _fake_args(dt, head_dim, head_dim_v, *, launchable: bool = False):
             common.launch_stream() if launchable else common.fake_stream())
 
 
-def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, varlen=False, *, launchable=False) -> common.Compiled:
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, varlen=False, *, launchable=False,
+                 zero_dq=True) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); launchable=True builds what
-    ``preprocess`` launches (TVM-FFI, the same cache key)."""
+    ``preprocess`` launches (TVM-FFI, the same cache key); zero_dq=False the build that leaves the
+    dQ accumulator alone (``preprocess(..., dq_accum=None)``)."""
     dv = head_dim if head_dim_v is None else head_dim_v
-    return _compile(launchable, common.cutlass_dtype(dtype), head_dim, dv, bool(varlen))
+    return _compile(launchable, common.cutlass_dtype(dtype), head_dim, dv, bool(varlen), bool(zero_dq))
 
 
-def _compile(launchable: bool, dt, d: int, dv: int, varlen: bool) -> common.Compiled:
-    key = (STEP, "gpu" if launchable else "fake", str(dt), d, dv, varlen)
-    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen),
+def _compile(launchable: bool, dt, d: int, dv: int, varlen: bool, zero_dq: bool = True) -> common.Compiled:
+    key = (STEP, "gpu" if launchable else "fake", str(dt), d, dv, varlen) + (() if zero_dq else ("no-dq",))
+    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen, zero_dq),
                                                _fake_args(dt, d, dv, launchable=launchable)))
 
 
@@ -173,8 +177,9 @@ def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, 
     return (out4.detach(), dout4.detach(), lse3.detach(), lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks)
 
 
-def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None):
-    """(GPU) -> (lse_log2, dpsum) fp32; zeroes dq_accum (shaped like q, fp32). Dense: out/dout
+def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, max_seqlen_q=None):
+    """(GPU) -> (lse_log2, dpsum) fp32; zeroes dq_accum (shaped like q, fp32) unless it is None
+    (then head_dim, q's, is required). Dense: out/dout
     (B, Sq, H, dv), lse (B, H, Sq), and lse_log2 / dpsum shaped like lse. Varlen: (T, H, dv), lse
     (H, T), int32 cu_seqlens_q; lse_log2 / dpsum (H, common.stats_offset(T, batch)), sequence b's
     rows from common.stats_offset(cu_seqlens_q[b], b)."""
@@ -187,12 +192,15 @@ def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None
     # would survive the mask).
     num_seqs = cu_seqlens_q.shape[0] - 1 if varlen else 0
     rows = common.stats_offset(lse.shape[-1], num_seqs)
+    zero_dq = dq_accum is not None
+    if not zero_dq:
+        dq_accum = _dummy_f32(out.device, head_dim)
     alloc = torch.zeros if varlen else torch.empty
     lse2, dpsum = (alloc(*lse.shape[:-1], rows, dtype=torch.float32, device=lse.device) for _ in range(2))
     if not varlen:
         lse2, dpsum = lse2[..., :lse.shape[-1]], dpsum[..., :lse.shape[-1]]
     if varlen:
-        o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), dq_accum.unsqueeze(0)
+        o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), dq_accum.unsqueeze(0) if zero_dq else dq_accum
         l3, l23, d3 = lse.unsqueeze(0), lse2.unsqueeze(0), dpsum.unsqueeze(0)
         cu = cu_seqlens_q
         rows = max_seqlen_q
@@ -204,13 +212,23 @@ def preprocess(out, dout, lse, dq_accum, *, cu_seqlens_q=None, max_seqlen_q=None
         batch = out.shape[0]
     if batch == 0 or rows == 0 or out.shape[-2] == 0:
         return lse2, dpsum
-    comp = _compile(True, common.cutlass_dtype(out.dtype), dq_accum.shape[-1], out.shape[-1], varlen)
+    comp = _compile(True, common.cutlass_dtype(out.dtype), dq_accum.shape[-1], out.shape[-1], varlen, zero_dq)
     num_m = common.cdiv(rows, TILE_M)
     comp.fn(*preprocess_args(o4, do4, l3, l23, d3, acc4, cu, num_m))
     return lse2, dpsum
 
 
 _DUMMY = {}
+
+
+def _dummy_f32(device, head_dim: int):
+    """A (1, 1, 1, head_dim) fp32 stand-in for the dQ accumulator of a launch that does not zero it."""
+    import torch
+
+    key = (str(device), head_dim)
+    if key not in _DUMMY:
+        _DUMMY[key] = torch.zeros(1, 1, 1, head_dim, dtype=torch.float32, device=device)
+    return _DUMMY[key]
 
 
 def _dummy_int32(device):

@@ -224,9 +224,12 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     n_shfl = sass.count("SHFL.IDX")
     assert (n_shfl >= BODY_COPIES * tm // 2) == kernel.stats_shuffle, f"{n_shfl} SHFL.IDX"
 
-    # (b) dQ: one TMA tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte
-    #     swizzle span of the d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64), no
-    #     fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles)
+    # (b) dQ, no fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles): one TMA
+    #     tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte swizzle span of the
+    #     d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64); dq_frag (an option,
+    #     test_dq_frag_compiles) reduces with UBLKRED instead
+    assert not kernel.dq_frag
+    assert not re.search(r"\bREDG?\.E\.ADD\.F32", sass), "fp32 atomics left in the kernel"
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add\.tile\.bulk_group", ptx), \
         "no TMA tensor reduce in PTX"
     # one copy per warpgroup share of the tile (its rows at d = 64, its d / 2 columns otherwise), in a loop
@@ -235,7 +238,6 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     n_red = len(re.findall(r"\bUTMAREDG\b", sass))
     assert n_red >= spans, f"{n_red} UTMAREDG for {spans} spans"  # ptxas may peel or duplicate the loop
     assert not re.search(r"\bUBLKRED\b", sass), "row-wise bulk reduces left"
-    assert not re.search(r"\bREDG?\.E\.ADD\.F32", sass), "fp32 atomics left in the kernel"
     # dQ hand-off: both consumer warpgroups arrive on "full" (288 threads with the writer); the writer
     # arrives on "empty", per warpgroup when decoupled (160 threads), and then each warpgroup also syncs
     # its own statistics (128) unless the producer loads them (stats_tma: one 1-D TMA box each for lse2
@@ -384,10 +386,11 @@ def test_deterministic_is_bitwise_reproducible(causal, ratio):
 def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
     """Decoupled warpgroups (own statistics barrier, per-warpgroup dQ hand-off, "sdSt free" barriers or
     two dS^T buffers), row statistics loaded by the producer's TMA (stats_tma), the writer's early
-    acquire (sem_early), one writer warp per dQ buffer (dq_writers) and the launch in sections of
-    chains only move data and reorder synchronization: in deterministic mode the default kernel must
-    give the bits of a coupled one with a single dS^T buffer, consumer-loaded statistics, one writer
-    and blockIdx launch order (the structure before all of them), and both must pass the rule."""
+    acquire (sem_early), one writer warp per dQ buffer (dq_writers), the launch in sections of chains
+    and the fragment-order dQ accumulator (dq_frag, non-causal d = 64 / 128) only move data and reorder
+    synchronization: in deterministic mode the default kernel must give the bits of a coupled one with
+    a single dS^T buffer, consumer-loaded statistics, one writer, blockIdx launch order and the TMA
+    tensor reduce (the structure before all of them), and both must pass the rule."""
     import functools
 
     import torch
@@ -398,7 +401,8 @@ def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
     q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, d, d, seed=5)
     out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
     grads = {}
-    coupled = {"decoupled": False, "ds_buffers": 1, "stats_tma": False, "sem_early": False, "dq_writers": 1}
+    coupled = {"decoupled": False, "ds_buffers": 1, "stats_tma": False, "sem_early": False, "dq_writers": 1,
+               "dq_frag": False}
     plain_order = schedule.default_dq_order(causal, True, sections=False)
     for name, options, order in (("coupled", coupled, plain_order), ("default", {}, None)):
         make_kernel = functools.partial(mod.make_kernel, **options)
@@ -414,6 +418,91 @@ def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
             assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
     for a, b in zip(grads["coupled"], grads["default"]):
         assert torch.equal(a, b)
+
+
+FRAG_CASES = [(128, False, 113, 203, 1), (96, False, 251, 389, 2), (64, True, 700, 517, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,sq,sk,ratio", FRAG_CASES,
+                         ids=[f"d{d}-{'causal' if c else 'full'}-{a}x{b}" for d, c, a, b, _ in FRAG_CASES])
+def test_dq_frag_either_way(d, causal, sq, sk, ratio):
+    """The fragment-order dQ accumulator (dq_frag, postprocess_frag; 80-, 64- and 128-row tiles, a partial
+    last Q tile) passes the rule in both modes, and in deterministic mode gives the bits of the TMA tensor
+    reduce (the same fp32 adds in the same order, only the layout of dQaccum differs)."""
+    import functools
+
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+    from stage4_bwd_kernel import host
+
+    mod = _mod()
+    q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, d, d, seed=11)
+    out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
+    ref, base = host.reference_grads(q, k, v, do, causal=causal)
+    det_grads = []
+    for frag in (True, False):
+        make_kernel = functools.partial(mod.make_kernel, dq_frag=frag)
+        for det in ((False, True) if frag else (True,)):
+            dq, dk, dv = s4._poisoned(q, k, v)
+            host.backward(f"{mod.STEP}~dq_frag={int(frag)}", make_kernel, q, k, v, out, do, lse, causal=causal,
+                          deterministic=det, dq=dq, dk=dk, dv=dv)
+            for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
+                assert_fa4_close(f"{name} (dq_frag={frag}, deterministic={det})", a, r, bl, atol=grad_atol(ref))
+            if det:
+                det_grads.append((dq, dk, dv))
+    for a, b in zip(*det_grads):
+        assert torch.equal(a, b)
+
+
+FRAG_COMPILE_CASES = [(64, False, False, False), (64, False, True, True), (128, False, False, False),
+                      (96, True, True, False)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,causal,det,varlen", FRAG_COMPILE_CASES,
+                         ids=[f"d{d}-{'causal' if c else 'full'}-{'det' if t else 'atomic'}{'-varlen' if v else ''}"
+                              for d, c, t, v in FRAG_COMPILE_CASES])
+def test_dq_frag_compiles(d, causal, det, varlen):
+    """dq_frag: each warpgroup's share leaves as one 1-D bulk reduce (UBLKRED) of a contiguous
+    fragment-order chunk, stored with 16-byte STS (conflict-free); no TMA tensor reduce, no spills,
+    no serialized wgmma."""
+    import functools
+
+    from stage4_bwd_kernel import host
+
+    mod = _mod()
+    make_kernel = functools.partial(mod.make_kernel, dq_frag=True)
+    comp = host.compile_fake(mod.STEP + "~dq_frag=1", make_kernel, dtype="bf16", head_dim=d, head_dim_v=d,
+                             causal=causal, deterministic=det, varlen=varlen)
+    rep, sass, ptx = comp.report, comp.sass, comp.ptx
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["wgmma_serialized"] == []
+    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert re.search(r"\bUBLKRED\b", sass) and not re.search(r"\bUTMAREDG\b", sass)
+    kernel = make_kernel(None, d, d, causal, det, varlen=varlen)
+    assert len(re.findall(r"\bSTS\.128\b", sass)) >= BODY_COPIES * (kernel.dq_frag_share_elems() // 512)
+    if det:  # the adds must have landed before the release
+        assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d,varlen", [(64, False), (96, True), (128, False)], ids=["d64", "d96-varlen", "d128"])
+def test_postprocess_frag_compiles(d, varlen):
+    """The fragment-order postprocess: 16-byte loads of the fragment order, 16-byte row stores of dq,
+    no spills, one thread per consumer thread of the main kernel."""
+    from stage4_bwd_kernel import common, postprocess_frag
+
+    kernel = _mod().make_kernel(common.cutlass_dtype("bf16"), d, d, False, False, varlen=varlen, dq_frag=True)
+    comp = postprocess_frag.compile_only(kernel, varlen=varlen)
+    rep, sass = comp.report, comp.sass
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["threads"] == postprocess_frag.NUM_THREADS
+    chunks = kernel.dq_frag_share_elems() // 512
+    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == chunks, "fragment loads not 16 bytes wide"
+    assert re.search(r"\bSTG\.E\.128\b", sass) and not re.search(r"\bSTG\.E(\.64)?\s", sass)
+    # the 16-byte row stores cover the tile exactly: a pass never reads SMEM rows past it (an 80-row tile
+    # once read 16 rows past its end, an illegal address on the H100)
+    tpr = postprocess_frag.store_threads_per_row(kernel.tile_m, d, 8)
+    assert kernel.tile_m % (postprocess_frag.NUM_THREADS // tpr) == 0 and d % (tpr * 8) == 0
 
 
 @pytest.mark.gpu
