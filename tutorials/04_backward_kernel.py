@@ -25,6 +25,7 @@
 # - how the deterministic mode orders the dQ reduction, and why that order is shortest-first;
 # - how to see, before timing anything, that ptxas has serialized a kernel's wgmmas.
 # - why the producer warp, not the math warps, should load each tile's row statistics.
+# - how timing a kernel against its walk length separates the cost per CTA from the cost per tile.
 #
 # **The idea, in the paper's words** (§3.2, *Attention backward pass*): "The backward pass
 # performs five matrix multiply-accumulate (MMA) operations per iteration ... The shared memory
@@ -705,6 +706,59 @@ for name in ("ab_bwd_h100_run24_d128_stats_tma.json", "ab_bwd_h100_run24_d96_sta
             print(f"H100, d = {doc['results'][0]['head_dim']:3}, {'causal' if causal else 'non-causal':10} "
                   f"{seqlen:5}: statistics by the consumers {old:.3f}x -> by the producer's TMA {new:.3f}x "
                   f"of the official FA4 ({new / old - 1:+.1%})")
+
+# %% [markdown]
+# ## When every CTA adds into the same tile: timing the walk, not the grid
+# A benchmark grid mixes two costs: what a CTA pays once (launch, the first loads, the epilogue) and
+# what it pays per Q tile. `benchmarks/walk_scan.py` separates them. It runs one batch with 32 K/V tiles
+# per head and lengthens the walk (seqlen_q) while keeping the grid fixed. With 4 heads the grid is a
+# single wave of 128 CTAs, started together, so the 32 CTAs of a head walk the same Q tiles in
+# lockstep and add into the same dQ tile at the same time. The slope of each line below is the cost
+# per tile. At d = 64 step 3's slope was steeper than the official kernel's. A diagnostic build whose
+# dQ writer issued no reduce (wrong gradients; timing only) drew the official kernel's line. That
+# points at the dQ reduce, made of 32-byte TMA boxes at d = 64, as the cost.
+
+# %%
+scan = json.loads((results / "walk_scan_h100_d64_d128.json").read_text())["results"]
+diag = json.loads((results / "walk_scan_h100_d64_dq_reduce.json").read_text())["results"]
+fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+for ax, d in zip(axes, (64, 128)):
+    one_wave = [r for r in scan if r["head_dim"] == d and r["heads"] == 4]
+    tiles = [r["seqlen_q"] // 128 for r in one_wave]
+    for impl, style in (("official", "k-o"), ("step3_rs", "C0-s")):
+        ax.plot(tiles, [r["main_kernel_us"][impl] for r in one_wave], style, label=impl)
+    if d == 64:
+        lone = [r for r in diag if r["heads"] == 4]
+        ax.plot([r["seqlen_q"] // 128 for r in lone], [r["main_kernel_us"]["step3_rs~diag_skip_dq=1"] for r in lone],
+                "C3--^", label="step3_rs, no dQ reduce (diagnostic)")
+    ax.set(title=f"d = {d}: one wave of 128 CTAs (H100)", xlabel="seqlen_q / 128", ylabel="main kernel, us")
+    ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+for d in (64, 128):
+    one_wave = {r["seqlen_q"]: r["main_kernel_us"] for r in scan if r["head_dim"] == d and r["heads"] == 4}
+    slope = {impl: (one_wave[4096][impl] - one_wave[128][impl]) / ((4096 - 128) / 128) for impl in ("official", "step3_rs")}
+    print(f"d = {d:3}: per 128 queries of the walk, in lockstep: step 3 {slope['step3_rs']:.2f} us, official {slope['official']:.2f} us")
+
+# %% [markdown]
+# The official kernel hands dQ off differently. Each thread stores its accumulator registers exactly
+# as it holds them, which gives conflict-free 16-byte stores. The writer then adds a warpgroup's whole
+# share to a dQaccum laid out in that same *fragment order*, with one 1-D bulk reduce. A postprocess
+# puts every element back in its place, using the partition of the kernel's own MMA. Step 3 has this as
+# the option `dq_frag` (`stage4_bwd_kernel/postprocess_frag.py`). In paired rounds it gained on
+# non-causal runs and lost on causal ones, for a reason not yet found. It is not the default yet
+# (stage 4 README, "Where the short walks lose").
+
+# %%
+for name in ("ab_bwd_h100_run35_d64_dq_frag.json", "ab_bwd_h100_run36_d64_dq_frag_nc_det.json"):
+    doc = json.loads((results / name).read_text())
+    ratio = {(r["impl"], r["causal"], r["seqlen"]): r["ratio_median"] for r in doc["results"]}
+    for (impl, causal, seqlen), new in sorted(ratio.items()):
+        if impl.startswith("step3_rs~dq_frag=1"):
+            old = ratio[(impl.replace("~dq_frag=1", ""), causal, seqlen)]
+            mode = " deterministic" if impl.endswith("+det") else ""
+            print(f"H100, d = 64, {'causal' if causal else 'non-causal':10} {seqlen:5}{mode:14}: tensor reduce "
+                  f"{old:.3f}x -> fragment order {new:.3f}x of the official FA4 ({new / old - 1:+.1%})")
 
 # %% [markdown]
 # ## Exercise
