@@ -269,8 +269,10 @@ ran as fast as the official one (``walk_scan_h100_d64_dq_reduce.json``): the TMA
 spans was the bottleneck. A new allocation is zeroed with torch (a memset) and the preprocess leaves it
 alone. Paired rounds (``ab_bwd_h100_run35_d64_dq_frag.json``, ``..._run36_*``, ``..._run37_*``), speed
 relative to the TMA tensor reduce: d = 64 non-causal +0..+6% at 1k-16k (deterministic +3%), d = 128
-non-causal -0..+4%; **causal lost 9-16%** at d = 64 (1k / 4k; a row of padding between tiles, so that
-their stride is no power of two, did not help), for a reason not found here -- the official kernel uses this layout for causal too. Deterministic
+non-causal -0..+4%; **causal lost 9-16%** at d = 64 (1k / 4k; a row of padding between tiles did not
+help). Found afterwards, at compile time: ptxas serializes the wgmmas of exactly that build, d = 64 causal
+default mode (C7512, registers; its deterministic build and d = 96 / 128 causal are clean), and 8-byte
+stores or an address recomputed at the store did not clear it -- reason enough for the loss. Deterministic
 mode gives the same bits either way (the same adds in the same order). The intended default is non-causal
 d = 64 / 128; it stays off until the whole gpu tier has run with it (its first full run found a
 postprocess bug at the 80-row tile, since fixed, and the device time ran out before a second).

@@ -746,8 +746,9 @@ for d in (64, 128):
 # share to a dQaccum laid out in that same *fragment order*, with one 1-D bulk reduce. A postprocess
 # puts every element back in its place, using the partition of the kernel's own MMA. Step 3 has this as
 # the option `dq_frag` (`stage4_bwd_kernel/postprocess_frag.py`). In paired rounds it gained on
-# non-causal runs and lost on causal ones, for a reason not yet found. It is not the default yet
-# (stage 4 README, "Where the short walks lose").
+# non-causal runs and lost on causal ones. The causal d = 64 build turned out to be one that ptxas
+# serializes (the section above shows how to see that). It is not the default yet (stage 4 README,
+# "Where the short walks lose").
 
 # %%
 for name in ("ab_bwd_h100_run35_d64_dq_frag.json", "ab_bwd_h100_run36_d64_dq_frag_nc_det.json"):
