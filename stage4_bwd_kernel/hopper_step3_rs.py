@@ -272,7 +272,8 @@ relative to the TMA tensor reduce: d = 64 non-causal +0..+6% at 1k-16k (determin
 non-causal -0..+4%; **causal lost 9-16%** at d = 64 (1k / 4k; a row of padding between tiles did not
 help). Found afterwards, at compile time: ptxas serializes the wgmmas of exactly that build, d = 64 causal
 default mode (C7512, registers; its deterministic build and d = 96 / 128 causal are clean), and 8-byte
-stores or an address recomputed at the store did not clear it -- reason enough for the loss. Deterministic
+stores or an address recomputed at the store did not clear it -- reason enough for the loss; with
+``stats_shuffle`` off the build compiles clean (not timed yet). Deterministic
 mode gives the same bits either way (the same adds in the same order). The intended default is non-causal
 d = 64 / 128; it stays off until the whole gpu tier has run with it (its first full run found a
 postprocess bug at the 80-row tile, since fixed, and the device time ran out before a second).
