@@ -79,20 +79,14 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     without a GPU under the GPU path's cache keys (TVM-FFI, fake tensors). Returns their Compiled
     records. With fa4's disk cache installed this fills it on a CPU machine (python -m fa4 precompile)."""
     from stage4_bwd_kernel import common, host
-    from stage4_bwd_kernel import postprocess as post
-    from stage4_bwd_kernel import postprocess_frag as post_frag
-    from stage4_bwd_kernel import preprocess as pre
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     step = step_for(head_dim, causal, deterministic)
     # the kernel's constructor checks the head dims (ValueError) before anything compiles
     kernel, main = host.compile_main(step.STEP, step.make_kernel, common.cutlass_dtype(dtype), head_dim, head_dim_v,
                                      causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k)
-    if getattr(kernel, "dq_frag", False):  # step 3's fragment-order dQ accumulator: its own pre / post
-        return [pre.compile_only(dtype, head_dim, head_dim_v, varlen, launchable=True, zero_dq=False), main,
-                post_frag.compile_launchable(kernel, varlen)]
-    return [pre.compile_only(dtype, head_dim, head_dim_v, varlen, launchable=True), main,
-            post.compile_only(dtype, head_dim, varlen, launchable=True)]
+    pre, post = host.compile_pre_post(kernel, dtype, head_dim, head_dim_v, varlen)
+    return [pre, main, post]
 
 
 def run(**kwargs):

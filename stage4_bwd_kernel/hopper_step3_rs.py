@@ -579,7 +579,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         sdQ_layout = self._sdq_frag_layout() if const_expr(self.dq_frag) else self._sdq_layout()
 
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        wg_m, wg_n = (NUM_WG_MMA, 1, 1), (1, NUM_WG_MMA, 1)
+        wg_m = (NUM_WG_MMA, 1, 1)
         # S^T, dP^T (tn x tm): the warpgroups split the keys (M)
         tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
                                                           wg_m, (64, tm))
@@ -599,12 +599,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             tma_load, seq_dim_first(mdO), cute.slice_(sdO_layout, (None, None, 0)), (tm, dv))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mK), sK_layout, (tn, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(tma_load, seq_dim_first(mV), sV_layout, (tn, dv))
-        # dQ: one TMA reduce-add per warpgroup share of a tile (_dq_share) from sdQ into dQaccum
-        # (dq_frag: unused, built over the (rows, d, H, B) view of its (B, H, rows, d) buffer)
-        dq_view = (cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[2, 3, 1, 0]))
-                   if const_expr(self.dq_frag) else seq_dim_first(mdQacc))
-        tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_view, self._sdq_layout(shares=False), self._dq_share())
+        # dQ: one TMA reduce-add per warpgroup share of a tile (_dq_share) from sdQ into dQaccum (dq_frag
+        # reduces with bulk copies instead and has no TMA descriptor to build)
+        tma_atom_dQ, tma_dQ = None, None
+        if const_expr(not self.dq_frag):
+            tma_atom_dQ, tma_dQ = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), seq_dim_first(mdQacc), self._sdq_layout(shares=False),
+                self._dq_share())
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
         self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
         self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
@@ -689,8 +690,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 if const_expr(self.stats_tma):
                     cpasync.prefetch_descriptor(tma_atom_LSE2)
                     cpasync.prefetch_descriptor(tma_atom_D)
-            if warp_idx == DQ_WRITER_WARP:
-                cpasync.prefetch_descriptor(tma_atom_dQ)
+            if const_expr(not self.dq_frag):
+                if warp_idx == DQ_WRITER_WARP:
+                    cpasync.prefetch_descriptor(tma_atom_dQ)
             smem = SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             pipe_KV, pipe_Q, pipe_dO = self.make_pipelines(storage)   # step 2's prologue

@@ -64,6 +64,22 @@ def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, determinis
     return kernel, common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, dv, launchable=launchable)))
 
 
+def uses_dq_frag(kernel) -> bool:
+    """Step 3's fragment-order dQ accumulator (``dq_frag``): zeroed by a memset instead of the
+    preprocess, and turned into dq by ``postprocess_frag`` instead of ``postprocess``."""
+    return getattr(kernel, "dq_frag", False)
+
+
+def compile_pre_post(kernel, dtype: str, d: int, dv: int, varlen: bool) -> tuple:
+    """The launchable (preprocess, postprocess) that ``backward`` runs around `kernel`."""
+    from stage4_bwd_kernel import postprocess_frag as post_frag
+
+    if uses_dq_frag(kernel):
+        return (pre.compile_only(dtype, d, dv, varlen, launchable=True, zero_dq=False),
+                post_frag.compile_launchable(kernel, varlen))
+    return pre.compile_only(dtype, d, dv, varlen, launchable=True), post.compile_only(dtype, d, varlen, launchable=True)
+
+
 def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_v, causal, deterministic,
                  varlen=False, has_seqused_k=False, dq_order=None, tiles=None) -> common.Compiled:
     """A step's compile_only: compile_main's compile-only build, from a dtype name."""
@@ -136,7 +152,7 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     dt = common.cutlass_dtype(q.dtype)
     kernel, comp = compile_main(step, make_kernel, dt, d, d_v, causal, deterministic, varlen=varlen,
                                 has_seqused_k=seqused_k is not None, dq_order=dq_order, tiles=tiles)
-    dq_frag = getattr(kernel, "dq_frag", False)
+    dq_frag = uses_dq_frag(kernel)
 
     # 1. preprocess: lse2, D, zeroed dQ accumulator (in fragment order, see postprocess_frag: zeroed here)
     if dq_frag:

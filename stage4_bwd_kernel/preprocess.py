@@ -221,24 +221,24 @@ def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, ma
 _DUMMY = {}
 
 
-def _dummy_f32(device, head_dim: int):
-    """A (1, 1, 1, head_dim) fp32 stand-in for the dQ accumulator of a launch that does not zero it."""
+def _dummy(device, shape: tuple, dtype_name: str):
+    """A zero tensor, made once per (device, shape, dtype), for arguments a launch does not read."""
     import torch
 
-    key = (str(device), head_dim)
+    key = (str(device), shape, dtype_name)
     if key not in _DUMMY:
-        _DUMMY[key] = torch.zeros(1, 1, 1, head_dim, dtype=torch.float32, device=device)
+        _DUMMY[key] = torch.zeros(shape, dtype=getattr(torch, dtype_name), device=device)
     return _DUMMY[key]
+
+
+def _dummy_f32(device, head_dim: int):
+    """A (1, 1, 1, head_dim) fp32 stand-in for the dQ accumulator of a launch that does not zero it."""
+    return _dummy(device, (1, 1, 1, head_dim), "float32")
 
 
 def _dummy_int32(device):
     """A 1-element int32 stand-in for cu_seqlens / seqused arguments a dense launch does not read."""
-    import torch
-
-    key = str(device)
-    if key not in _DUMMY:
-        _DUMMY[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _DUMMY[key]
+    return _dummy(device, (1,), "int32")
 
 
 def run(batch=2, seqlen=1024, heads=8, head_dim=128, head_dim_v=None, dtype="bf16", check=True, verbose=True):
