@@ -460,7 +460,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         # contiguous chunk, in the order its threads hold the accumulator, in sdQ and in global memory
         # (B, H, padded rows, d); the writer adds a share with one 1-D bulk reduce, and
         # postprocess_frag puts the elements back in place
-        self.dq_frag = False if dq_frag is None else bool(dq_frag)
+        # on by default where it measured faster: non-causal at d = 64 and 128 (+0..+6%, ab_bwd_h100_run35..37);
+        # causal d = 64 lost 9-16% (ptxas serializes its wgmmas, C7512), the 64-row tile (d = 96) is untimed
+        self.dq_frag = (not causal and self.tile_m != 64) if dq_frag is None else bool(dq_frag)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the

@@ -227,17 +227,20 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     # (b) dQ, no fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles): one TMA
     #     tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte swizzle span of the
     #     d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64); dq_frag (an option,
-    #     test_dq_frag_compiles) reduces with UBLKRED instead
-    assert not kernel.dq_frag
+    #     test_dq_frag_compiles) reduces with UBLKRED instead; it is the default for non-causal d = 64 / 128
+    assert kernel.dq_frag == (not causal and tm != 64)
     assert not re.search(r"\bREDG?\.E\.ADD\.F32", sass), "fp32 atomics left in the kernel"
-    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add\.tile\.bulk_group", ptx), \
-        "no TMA tensor reduce in PTX"
-    # one copy per warpgroup share of the tile (its rows at d = 64, its d / 2 columns otherwise), in a loop
-    share_cols = d if kernel.dq_split_m else d // 2
-    spans = share_cols // 8 if kernel.dq_swizzle32 else share_cols // (32 if share_cols % 32 == 0 else 16)
-    n_red = len(re.findall(r"\bUTMAREDG\b", sass))
-    assert n_red >= spans, f"{n_red} UTMAREDG for {spans} spans"  # ptxas may peel or duplicate the loop
-    assert not re.search(r"\bUBLKRED\b", sass), "row-wise bulk reduces left"
+    if kernel.dq_frag:
+        assert re.search(r"\bUBLKRED\b", sass) and not re.search(r"\bUTMAREDG\b", sass)
+    else:
+        assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.\dd\.global\.shared::cta\.add\.tile\.bulk_group", ptx), \
+            "no TMA tensor reduce in PTX"
+        # one copy per warpgroup share of the tile (its rows at d = 64, its d / 2 columns otherwise), in a loop
+        share_cols = d if kernel.dq_split_m else d // 2
+        spans = share_cols // 8 if kernel.dq_swizzle32 else share_cols // (32 if share_cols % 32 == 0 else 16)
+        n_red = len(re.findall(r"\bUTMAREDG\b", sass))
+        assert n_red >= spans, f"{n_red} UTMAREDG for {spans} spans"  # ptxas may peel or duplicate the loop
+        assert not re.search(r"\bUBLKRED\b", sass), "row-wise bulk reduces left"
     # dQ hand-off: both consumer warpgroups arrive on "full" (288 threads with the writer); the writer
     # arrives on "empty", per warpgroup when decoupled (160 threads), and then each warpgroup also syncs
     # its own statistics (128) unless the producer loads them (stats_tma: one 1-D TMA box each for lse2
