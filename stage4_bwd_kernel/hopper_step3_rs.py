@@ -441,7 +441,18 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.late_dv = (self.tile_m != 64 or self.causal) if late_dv is None else late_dv
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA if dq_split_m is None else dq_split_m
         self.dq_swizzle32 = self.dq_split_m if dq_swizzle32 is None else dq_swizzle32
-        self.stats_shuffle = self.tile_m == 128 if stats_shuffle is None else stats_shuffle
+        # dQaccum in fragment order (the eleventh option): each warpgroup's share of a dQ tile is one
+        # contiguous chunk, in the order its threads hold the accumulator, in sdQ and in global memory
+        # (B, H, padded rows, d); the writer adds a share with one 1-D bulk reduce, and
+        # postprocess_frag puts the elements back in place
+        # on by default where it measured faster: non-causal d = 64 and 128 (+0..+6%, ab_bwd_h100_run35..37) and
+        # causal d = 64 without stats_shuffle (+4..+5%, run38); the 64-row tile (d = 96) is untimed
+        if dq_frag is None:
+            dq_frag = self.tile_m != 64 and (not causal or (self.tile_m == 128 and not deterministic))
+        self.dq_frag = bool(dq_frag)
+        # off where ptxas would serialize the wgmmas (C7512): d = 64 causal default mode with dq_frag
+        self.stats_shuffle = ((self.tile_m == 128 and not (self.dq_frag and causal and not deterministic))
+                              if stats_shuffle is None else stats_shuffle)
         if self.stats_shuffle and (self.tile_m > STATS_SHUFFLE_ROWS or self.tile_m % 16):
             raise ValueError(f"tiles: stats_shuffle spreads the row statistics of a Q tile over the "
                              f"{STATS_SHUFFLE_ROWS // 4} lanes of a warp, 4 each, so it needs tile_m a multiple of 16 "
@@ -456,13 +467,6 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.dq_writers = (self.dq_buffers if deterministic else 1) if dq_writers is None else int(dq_writers)
         if self.dq_writers not in (1, 2, 3) or self.dq_buffers % self.dq_writers:
             raise ValueError(f"dq_writers: expected 1, 2 or 3 dividing dq_buffers ({self.dq_buffers}), got {dq_writers!r}")
-        # dQaccum in fragment order (the twelfth option): each warpgroup's share of a dQ tile is one
-        # contiguous chunk, in the order its threads hold the accumulator, in sdQ and in global memory
-        # (B, H, padded rows, d); the writer adds a share with one 1-D bulk reduce, and
-        # postprocess_frag puts the elements back in place
-        # on by default where it measured faster: non-causal at d = 64 and 128 (+0..+6%, ab_bwd_h100_run35..37);
-        # causal d = 64 lost 9-16% (ptxas serializes its wgmmas, C7512), the 64-row tile (d = 96) is untimed
-        self.dq_frag = (not causal and self.tile_m != 64) if dq_frag is None else bool(dq_frag)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the

@@ -156,6 +156,9 @@ def test_stats_shuffle_finds_every_column_statistic():
                 query = 8 * (c // 2) + 2 * (lane % 4) + c % 2
                 assert 0 <= reg < 4 and mod.stats_slot(query) == 4 * src + reg, (tm, lane, c)
     assert mod.make_kernel(None, 64, 64, False, False).stats_shuffle
+    assert mod.make_kernel(None, 64, 64, True, True).stats_shuffle
+    # d = 64 causal default mode takes dq_frag, where the shuffle would serialize the wgmmas (C7512)
+    assert not mod.make_kernel(None, 64, 64, True, False).stats_shuffle
     assert not mod.make_kernel(None, 128, 128, False, False).stats_shuffle
     assert not mod.make_kernel(None, 64, 64, False, False, tiles=(64, 128)).stats_shuffle
     with pytest.raises(ValueError, match="stats_shuffle"):
@@ -175,8 +178,9 @@ def _expected_hgmma(d, dv, tm, tn, dq_split_m=False, dq_swap_ab=False):
     return d // 16 + dv // 16 + 2 * (tm // 16) + (dq_rows // 64) * (tn // 16)
 
 
-# (dtype, d, dv, causal, deterministic, varlen, seqused_k): 7 compiles, ~2-4 s each on 2 cores
-COMPILE_CASES = [("bf16", 64, 64, False, False, False, False), ("fp16", 64, 64, True, True, False, False),
+# (dtype, d, dv, causal, deterministic, varlen, seqused_k): 8 compiles, ~2-4 s each on 2 cores
+COMPILE_CASES = [("bf16", 64, 64, False, False, False, False), ("bf16", 64, 64, True, False, False, False),
+                 ("fp16", 64, 64, True, True, False, False),
                  ("bf16", 96, 96, True, False, False, False), ("fp16", 96, 96, False, True, False, False),
                  ("bf16", 128, 128, False, False, False, False), ("bf16", 128, 128, True, True, False, False),
                  ("fp16", 128, 128, True, True, True, True)]
@@ -227,8 +231,9 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     # (b) dQ, no fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles): one TMA
     #     tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte swizzle span of the
     #     d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64); dq_frag (an option,
-    #     test_dq_frag_compiles) reduces with UBLKRED instead; it is the default for non-causal d = 64 / 128
-    assert kernel.dq_frag == (not causal and tm != 64)
+    #     test_dq_frag_compiles) reduces with UBLKRED instead; the default for non-causal d = 64 / 128 and
+    #     d = 64 causal default mode
+    assert kernel.dq_frag == (tm != 64 and (not causal or (tm == 128 and not det)))
     assert not re.search(r"\bREDG?\.E\.ADD\.F32", sass), "fp32 atomics left in the kernel"
     if kernel.dq_frag:
         assert re.search(r"\bUBLKRED\b", sass) and not re.search(r"\bUTMAREDG\b", sass)
