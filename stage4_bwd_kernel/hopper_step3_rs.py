@@ -447,9 +447,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         # postprocess_frag puts the elements back in place
         # on by default where it measured faster: non-causal d = 64 and 128 (+0..+6%, ab_bwd_h100_run35..37),
         # causal d = 64 without stats_shuffle (+4..+5%, run38), causal d = 128 (+3..+5%, run39) and d = 96
-        # (+11% / +6% at 4k, run40); causal deterministic is untimed and keeps the TMA tensor reduce
+        # (+11% / +6% at 4k, run40) and causal deterministic d = 64 (+6% at 4k, run41); causal deterministic
+        # d = 128 measured -1% (run41) and d = 96 is untimed, so those keep the TMA tensor reduce
         if dq_frag is None:
-            dq_frag = not (causal and deterministic)
+            dq_frag = not (causal and deterministic) or self.tile_m == 128
         self.dq_frag = bool(dq_frag)
         # off where ptxas would serialize the wgmmas (C7512): d = 64 causal default mode with dq_frag
         self.stats_shuffle = ((self.tile_m == 128 and not (self.dq_frag and causal and not deterministic))
