@@ -1,6 +1,6 @@
 """Main-kernel time against walk length: a backward's fixed cost per CTA and its cost per Q tile.
 
-    python benchmarks/walk_scan.py --variants step3_rs,step3_rs~dq_frag=1 --dim 64 --out $OUT/walk.json
+    python benchmarks/walk_scan.py --variants step3_rs~dq_frag=0,step3_rs --dim 64 --out $OUT/walk.json
 
 One batch, seqlen_k = 4096 (32 K/V tiles of 128 keys per head), seqlen_q from 128 up: every CTA walks
 seqlen_q / tile_m Q tiles. With 4 heads the grid is 128 CTAs, one wave, started together, so the CTAs

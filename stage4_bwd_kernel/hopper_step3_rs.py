@@ -255,7 +255,7 @@ so it keeps blockIdx order. (A deferred release that acquires tile t + 1 before 
 hide one more round trip, but then a CTA's release waits on its predecessor's next tile and the chain's
 lag grows by a tile per CTA: not tried.)
 
-The eleventh, ``dq_frag`` (an option, off by default for now: see the end of this paragraph; the official kernel's
+The eleventh, ``dq_frag`` (the default except causal deterministic d = 96 / 128; the official kernel's
 dQ hand-off, read in its flash_bwd_sm90.py, no code used): dQaccum in *fragment order*. Each consumer
 thread stores its dQ registers as they are -- register i of thread t at float (i // 4) * 512 + t * 4 + i % 4
 of its warpgroup's share, 16-byte STS, a warp's 512 bytes contiguous -- and the writer adds the whole share
@@ -267,16 +267,15 @@ where the CTAs of a head walk the Q tiles in lockstep and all add into the same 
 at d = 64 spent 17% more per Q tile than the official kernel, and a build whose writer skipped the reduce
 ran as fast as the official one (``walk_scan_h100_d64_dq_reduce.json``): the TMA tensor reduce of 32-byte
 spans was the bottleneck. A new allocation is zeroed with torch (a memset) and the preprocess leaves it
-alone. Paired rounds (``ab_bwd_h100_run35_d64_dq_frag.json``, ``..._run36_*``, ``..._run37_*``), speed
-relative to the TMA tensor reduce: d = 64 non-causal +0..+6% at 1k-16k (deterministic +3%), d = 128
-non-causal -0..+4%; **causal lost 9-16%** at d = 64 (1k / 4k; a row of padding between tiles did not
-help). Found afterwards, at compile time: ptxas serializes the wgmmas of exactly that build, d = 64 causal
-default mode (C7512, registers; its deterministic build and d = 96 / 128 causal are clean), and 8-byte
-stores or an address recomputed at the store did not clear it -- reason enough for the loss; with
-``stats_shuffle`` off the build compiles clean (not timed yet). Deterministic
-mode gives the same bits either way (the same adds in the same order). The intended default is non-causal
-d = 64 / 128; it stays off until the whole gpu tier has run with it (its first full run found a
-postprocess bug at the 80-row tile, since fixed, and the device time ran out before a second).
+alone. Paired rounds (``ab_bwd_h100_run35_d64_dq_frag.json`` .. ``..._run41_*``), speed relative to the
+TMA tensor reduce: d = 64 non-causal +0..+6% at 1k-16k (deterministic +3%), d = 128 non-causal -0..+4%,
+d = 96 at 4k +11% non-causal and +6% causal, d = 128 causal +3..+5%, d = 64 causal deterministic +6%,
+d = 128 causal deterministic -1% (so it keeps the tensor reduce, as does the untimed d = 96 causal
+deterministic build). d = 64 causal in the default mode first *lost* 9-16%: ptxas serialized the wgmmas
+of exactly that build (C7512, registers), and 8-byte stores, an address recomputed at the store or a
+row of padding between tiles did not help; with ``stats_shuffle`` off it compiles clean and measured
++4..+5% (off alone: -0..-4%), so that build turns the shuffle off. Deterministic mode gives the same
+bits either way (the same adds in the same order); ``test_dq_frag_either_way`` runs both.
 
 **80 x 128 at d = 128** (the official kernel's non-causal d = 128 tile; FA3's before it): 25% more
 work per tile for the same per-tile overheads, and N = 80 instead of 64 for S^T / dP^T. 80 is no

@@ -744,21 +744,27 @@ for d in (64, 128):
 # The official kernel hands dQ off differently. Each thread stores its accumulator registers exactly
 # as it holds them, which gives conflict-free 16-byte stores. The writer then adds a warpgroup's whole
 # share to a dQaccum laid out in that same *fragment order*, with one 1-D bulk reduce. A postprocess
-# puts every element back in its place, using the partition of the kernel's own MMA. Step 3 has this as
-# the option `dq_frag` (`stage4_bwd_kernel/postprocess_frag.py`). In paired rounds it gained on
-# non-causal runs and lost on causal ones. The causal d = 64 build turned out to be one that ptxas
-# serializes (the section above shows how to see that). It is not the default yet (stage 4 README,
-# "Where the short walks lose").
+# puts every element back in its place, using the partition of the kernel's own MMA
+# (`stage4_bwd_kernel/postprocess_frag.py`). Step 3 has it as `dq_frag`. Its first causal d = 64 build
+# lost, because ptxas serialized its wgmmas (the section above shows how to see that); with the row
+# statistics shuffle off that build compiles clean and wins. `dq_frag` is now step 3's default in every
+# mode but causal deterministic at d = 96 / 128. In each file below, plain `step3_rs` was the TMA tensor
+# reduce, the default when it was measured.
 
 # %%
-for name in ("ab_bwd_h100_run35_d64_dq_frag.json", "ab_bwd_h100_run36_d64_dq_frag_nc_det.json"):
+FRAG_RUNS = ("ab_bwd_h100_run35_d64_dq_frag.json", "ab_bwd_h100_run36_d64_dq_frag_nc_det.json",
+             "ab_bwd_h100_run36_d128_dq_frag_nc.json",
+             "ab_bwd_h100_run38_d64_causal_frag_noshuffle.json", "ab_bwd_h100_run39_d128_causal_frag.json",
+             "ab_bwd_h100_run40_d96_frag.json", "ab_bwd_h100_run41_causal_det_frag.json")
+for name in FRAG_RUNS:
     doc = json.loads((results / name).read_text())
-    ratio = {(r["impl"], r["causal"], r["seqlen"]): r["ratio_median"] for r in doc["results"]}
-    for (impl, causal, seqlen), new in sorted(ratio.items()):
+    ratio = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["ratio_median"] for r in doc["results"]}
+    for (impl, d, causal, seqlen), new in sorted(ratio.items()):
         if impl.startswith("step3_rs~dq_frag=1"):
-            old = ratio[(impl.replace("~dq_frag=1", ""), causal, seqlen)]
-            mode = " deterministic" if impl.endswith("+det") else ""
-            print(f"H100, d = 64, {'causal' if causal else 'non-causal':10} {seqlen:5}{mode:14}: tensor reduce "
+            det = impl.endswith("+det")
+            old = ratio[("step3_rs+det" if det else "step3_rs", d, causal, seqlen)]
+            mode = (" deterministic" if det else "") + (" no shuffle" if "stats_shuffle=0" in impl else "")
+            print(f"H100, d = {d:3}, {'causal' if causal else 'non-causal':10} {seqlen:5}{mode:14}: tensor reduce "
                   f"{old:.3f}x -> fragment order {new:.3f}x of the official FA4 ({new / old - 1:+.1%})")
 
 # %% [markdown]
