@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import random
 import statistics
@@ -29,7 +28,7 @@ import sys
 
 import torch
 
-from bench_fwd import flops, versions
+from bench_fwd import flops, write_doc
 
 
 def parse_impl(spec: str) -> tuple[str, dict]:
@@ -105,12 +104,9 @@ def ratio_rows(times: dict, flop: float, config: dict, label: str) -> list[dict]
 
 
 def write_results(path: str, rows: list, rounds: int):
-    doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
-           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "command": "python " + " ".join(sys.argv),
-           "method": f"{rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
-                     "ratio = official time / this time, same round", "results": rows}
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
+    write_doc(path, os.path.basename(sys.argv[0]), None, rows,
+              method=f"{rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
+                     "ratio = official time / this time, same round")
 
 
 def add_grid_args(ap, *, dims: str, dims_help: str, seqlens: str, rounds: int):

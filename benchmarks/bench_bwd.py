@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import os
 import sys
 import time
 
 import torch
 
-from bench_fwd import flops, timer, versions
+from bench_fwd import flops, timer, write_doc
 
 STEPS = {"step1": "stage4_bwd_kernel.hopper_step1", "step2_warpspec": "stage4_bwd_kernel.hopper_step2_warpspec",
          "step3_rs": "stage4_bwd_kernel.hopper_step3_rs"}
@@ -109,13 +107,8 @@ def main(argv=None) -> int:
                     shown = f"{row['tflops']:7.1f} TFLOP/s" if "tflops" in row else f"ERROR {row['error'][:80]}"
                     print(f"  d={d} causal={causal!s:5} s={s:5} {name:34} {shown}", flush=True)
                 del q, k, v, do, out, lse
-    doc = {"device": torch.cuda.get_device_name(), "versions": versions(), "timing": timing,
-           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "dtype": "bf16", "tokens_per_batch": 32768,
-           "hidden": 2048, "flops": "2.5 x forward, halved for causal", "elapsed_s": round(time.time() - t0, 1),
-           "command": "python benchmarks/bench_bwd.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "results": results}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    doc = write_doc(args.out, "bench_bwd.py", argv, results, timing=timing, dtype="bf16", tokens_per_batch=32768,
+                    hidden=2048, flops="2.5 x forward, halved for causal", elapsed_s=round(time.time() - t0, 1))
     print(summary(doc))
     return 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import platform
 import sys
@@ -121,6 +120,7 @@ def write_doc(path: str, script: str, argv, results: list, **fields) -> dict:
            "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), **fields,
            "command": f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
            "results": results}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     return doc
@@ -187,13 +187,10 @@ def main(argv=None) -> int:
                     shown = f"{row['tflops']:7.1f} TFLOP/s" if "tflops" in row else f"ERROR {row['error'][:80]}"
                     print(f"  d={d}/{dv} causal={causal!s:5} s={s:5}  {name:26} {shown}", flush=True)
                 del q, k, v, ref
-    doc = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-           "versions": versions(), "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"),
-           "timing": timing_method, "command": "python " + " ".join(sys.argv), "dtype": "bf16", "tokens_per_batch": 32768, "hidden": 2048,
-           "production_step": production, "elapsed_s": round(time.time() - t_start, 1), "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    doc = write_doc(args.out, "bench_fwd.py", argv, results,
+                    sms=torch.cuda.get_device_properties(0).multi_processor_count, timing=timing_method,
+                    dtype="bf16", tokens_per_batch=32768, hidden=2048, production_step=production,
+                    elapsed_s=round(time.time() - t_start, 1))
     print(f"wrote {args.out}")
     print(summary_table(doc))
     if args.plot:

@@ -13,14 +13,13 @@ they were chosen (the results JSON is committed next to the benchmark runs).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fwd import flops, timer, versions  # noqa: E402
+from bench_fwd import flops, timer, write_doc  # noqa: E402
 
 
 def parse_configs(text: str) -> list[tuple[int, int, int, int, bool | None]]:
@@ -106,11 +105,7 @@ def main(argv=None) -> int:
                     shown = f"{row['tflops']:7.1f}" if "tflops" in row else row["error"][:70]
                     print(f"d={d} causal={causal!s:5} s={s:5} {name:44} {shown}  "
                           f"diff={row.get('max_abs_diff_vs_fa4', float('nan')):.2e}", flush=True)
-    doc = {"device": torch.cuda.get_device_name(), "versions": versions(), "timing": method,
-           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"),
-           "command": "python benchmarks/tune_fwd.py " + " ".join(argv if argv is not None else sys.argv[1:]), "results": rows}
-    with open(args.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_doc(args.out, "tune_fwd.py", argv, rows, timing=method)
     return 0
 
 
