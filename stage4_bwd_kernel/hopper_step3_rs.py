@@ -40,8 +40,10 @@ read from SMEM, and P^T goes through SMEM too) and its math warpgroups stall on 
     dQ = dS K needs tile_m >= 64 (wgmma M); (256,256) needs dK + dV = 128 + 128 = 256 > 240 before
     anything else. They raise ValueError here (step 1 serves them).
 
-(b) dQ off the math warps (``dq_frag``, at the end, hands dQ off in fragment order instead). After its dQ wgmma a consumer thread stores its dQ fragment (fp32, 8-byte
-    stores) into sdQ[t % 2] -- a 128-byte-swizzled (tm, d) tile (64-byte spans at d = 96), so the 8
+(b) dQ off the math warps (as first built; ``dq_frag``, the eleventh option below and the default in all
+    but causal deterministic d = 96 / 128, hands dQ off in fragment order). After its dQ wgmma a consumer
+    thread stores its dQ fragment (fp32, 8-byte stores) into sdQ[t % 2] -- a 128-byte-swizzled (tm, d)
+    tile (64-byte spans at d = 96), so the 8
     rows of one warp store land in 8 different bank groups (conflict-free) and the TMA unit can read
     it -- fences the generic->async proxy and *arrives* on the named barrier "dQ full[b]"; it does
     not wait. Warp 1 of the producer warpgroup (the dQ writer) waits on "dQ full[b]", and one of its
@@ -732,8 +734,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     @cute.jit
     def write_dq(self, walk, storage, mdQacc: cute.Tensor, tma_dQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom,
                  mSemaphore: cute.Tensor, sdQ_layout: cute.ComposedLayout, writer: Int32):
-        """Each dQ tile's two warpgroup shares -> dQaccum, one TMA tensor reduce-add each (one lane
-        issues, the warp syncs): decoupled, each share as soon as its warpgroup has stored it. With
+        """Each dQ tile's two warpgroup shares -> dQaccum, one bulk reduce (dq_frag) or TMA tensor
+        reduce-add each (one lane issues, the warp syncs): decoupled, each share as soon as its warpgroup has stored it. With
         dq_writers > 1, writer warp `writer` takes only the tiles of its own buffers."""
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk

@@ -229,11 +229,10 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     n_shfl = sass.count("SHFL.IDX")
     assert (n_shfl >= BODY_COPIES * tm // 2) == kernel.stats_shuffle, f"{n_shfl} SHFL.IDX"
 
-    # (b) dQ, no fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles): one TMA
-    #     tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte swizzle span of the
-    #     d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64); dq_frag (an option,
-    #     test_dq_frag_compiles) reduces with UBLKRED instead; the default except causal deterministic at
-    #     d = 96 / 128
+    # (b) dQ, no fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles). By default
+    #     (dq_frag, all but causal deterministic d = 96 / 128) one bulk reduce (UBLKRED) per warpgroup share;
+    #     otherwise one TMA tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte
+    #     swizzle span of the d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64)
     assert kernel.dq_frag == (not (causal and det) or tm == 128)
     assert not re.search(r"\bREDG?\.E\.ADD\.F32", sass), "fp32 atomics left in the kernel"
     if kernel.dq_frag:
@@ -396,7 +395,7 @@ def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
     """Decoupled warpgroups (own statistics barrier, per-warpgroup dQ hand-off, "sdSt free" barriers or
     two dS^T buffers), row statistics loaded by the producer's TMA (stats_tma), the writer's early
     acquire (sem_early), one writer warp per dQ buffer (dq_writers), the launch in sections of chains
-    and the fragment-order dQ accumulator (dq_frag, non-causal d = 64 / 128) only move data and reorder
+    and the fragment-order dQ accumulator (dq_frag, where it is the default) only move data and reorder
     synchronization: in deterministic mode the default kernel must give the bits of a coupled one with
     a single dS^T buffer, consumer-loaded statistics, one writer, blockIdx launch order and the TMA
     tensor reduce (the structure before all of them), and both must pass the rule."""
