@@ -10,9 +10,10 @@ random order, for ~40 ms each, and divides by the official kernel's time *of the
 table reports the median of those per-round ratios and their spread (min-max), so a difference is
 real only when it is wider than the spread.
 
-An implementation is a module path with `attention_forward(q, k, v, causal=...)` returning
-(out, lse) (any ladder step, or an untracked copy at the repo root with its own STEP name), or
-`official`, optionally followed by keyword arguments of that `attention_forward`:
+An implementation is `official`, `fa4` (the package's `flash_attn_func`: what a model gets, LPT tile
+order included), or a module path with `attention_forward(q, k, v, causal=...)` returning (out, lse)
+(any ladder step, or an untracked copy at the repo root with its own STEP name), the module optionally
+followed by keyword arguments of its `attention_forward`:
 `stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~pv_wait=split_rows` (numbers
 or words; each distinct set is its own compiled kernel). Each implementation's output is checked against
 the official one before timing.
@@ -48,8 +49,8 @@ def parse_impl(spec: str) -> tuple[str, dict]:
                 if not value.isidentifier():
                     raise SystemExit(f"--impls: {spec!r}: {name}={value!r} is neither a number nor a word") from None
                 kwargs[name] = value
-    if module == "official" and kwargs:
-        raise SystemExit(f"--impls: the official kernel takes no keyword arguments here ({spec!r})")
+    if module in ("official", "fa4") and kwargs:
+        raise SystemExit(f"--impls: {module} takes no keyword arguments here ({spec!r})")
     return module, kwargs
 
 
@@ -62,6 +63,10 @@ def make_impl(spec: str):
             out = flash_attn_func(q, k, v, causal=c)
             return out[0] if isinstance(out, tuple) else out
         return official
+    if module == "fa4":
+        import fa4  # the production route: its tile order (LPT for long causal calls) and launch path
+
+        return lambda q, k, v, c: fa4.flash_attn_func(q, k, v, causal=c)
     mod = importlib.import_module(module)
     return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c, **kwargs)[0]
 

@@ -106,8 +106,11 @@ def test_ab_fwd_impl_specs_parse_keyword_arguments_and_bad_ones_name_what_is_exp
         ab_fwd.parse_impl("stage3_fwd_kernel.hopper~tile_m")
     with pytest.raises(SystemExit, match="'1x' is neither a number nor a word"):
         ab_fwd.parse_impl("stage3_fwd_kernel.hopper~tile_m=1x")
-    with pytest.raises(SystemExit, match="official kernel takes no keyword"):
+    with pytest.raises(SystemExit, match="official takes no keyword"):
         ab_fwd.parse_impl("official~tile_m=128")
+    assert ab_fwd.parse_impl("fa4") == ("fa4", {})
+    with pytest.raises(SystemExit, match="fa4 takes no keyword"):
+        ab_fwd.parse_impl("fa4~tile_m=128")
 
 
 def test_backward_benchmarks_time_peers_without_grad_accumulation():
