@@ -429,6 +429,43 @@ if s4_schedule is not None and s4_model is not None:
 
 
 # %% [markdown]
+# The same sections help the *default* mode too, under a causal mask, for a different reason: the
+# grid's tail. Nothing waits there, but the walks are unequal (K/V tile n visits the Q tiles from
+# its diagonal down, so n = 0 walks all of them and the last tile one or two). With
+# `blockIdx.x = n` the last head's longest walk is launched only N CTAs before the grid's end and
+# finishes alone; in sections of G heads the long walks of the last G heads start about a wave
+# earlier. A greedy list schedule (each CTA to the first free SM, in launch order) of the walks on
+# 132 SMs, d = 128's 80 x 128 tile, 32k tokens of 16 heads:
+
+# %%
+if s4_schedule is not None:
+    import heapq
+
+    def makespan(walks, sms=132):
+        free = [0] * sms
+        for w in walks:
+            heapq.heappush(free, heapq.heappop(free) + w)
+        return max(free)
+
+    tm, tn, heads = 80, 128, 16
+    for seqlen in (2048, 4096, 8192, 16384):
+        n_blocks, batch = seqlen // tn, 32768 // seqlen
+        walk = lambda n: (lambda lo, hi: hi - lo)(*s4_schedule.m_block_range(n, tm, tn, seqlen, seqlen, True))
+        grid = n_blocks * heads * batch
+        plain = makespan(walk(i % n_blocks) for i in range(grid))
+        tiles = (s4_schedule.KVAscendingSectionsOrder.host_tile(i, n_blocks, heads, batch) for i in range(grid))
+        sections = makespan(walk(n) for n, _, _ in tiles)
+        print(f"causal {seqlen:>5}: blockIdx order {plain:>5} tile-steps, sections of "
+              f"{-(-128 // n_blocks):>2} heads {sections:>5} ({1 - sections / plain:.1%} shorter)")
+
+# %% [markdown]
+# At 16k a section is one head, the blockIdx order itself. On the H100 the sectioned launch, now
+# the causal default, gained 0.2-7.4% at 4k and 0.7-5.5% at 8k in paired rounds, and tied or lost
+# up to 3% at 1k-2k, where sections of 8-16 heads put more bytes in flight than the model counts
+# (`benchmarks/results/ab_bwd_h100_run43_*` .. `_run45_*`; stage 4 README).
+
+
+# %% [markdown]
 # ## The Hopper backward, compiled here (and run, on a GPU)
 # `stage4_bwd_kernel.hopper` is the stable entry point (today: step 1). Compiled for `sm_90a`
 # with fake tensors, with and without the deterministic mode; the SASS shows the fp32 dQ atomics
