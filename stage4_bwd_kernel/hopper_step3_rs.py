@@ -41,7 +41,7 @@ read from SMEM, and P^T goes through SMEM too) and its math warpgroups stall on 
     anything else. They raise ValueError here (step 1 serves them).
 
 (b) dQ off the math warps (as first built; ``dq_frag``, the eleventh option below and the default in all
-    but causal deterministic d = 96 / 128, hands dQ off in fragment order). After its dQ wgmma a consumer
+    but causal deterministic d = 128, hands dQ off in fragment order). After its dQ wgmma a consumer
     thread stores its dQ fragment (fp32, 8-byte stores) into sdQ[t % 2] -- a 128-byte-swizzled (tm, d)
     tile (64-byte spans at d = 96), so the 8
     rows of one warp store land in 8 different bank groups (conflict-free) and the TMA unit can read
@@ -257,7 +257,7 @@ so it keeps blockIdx order. (A deferred release that acquires tile t + 1 before 
 hide one more round trip, but then a CTA's release waits on its predecessor's next tile and the chain's
 lag grows by a tile per CTA: not tried.)
 
-The eleventh, ``dq_frag`` (the default except causal deterministic d = 96 / 128; the official kernel's
+The eleventh, ``dq_frag`` (the default except causal deterministic d = 128; the official kernel's
 dQ hand-off, read in its flash_bwd_sm90.py, no code used): dQaccum in *fragment order*. Each consumer
 thread stores its dQ registers as they are -- register i of thread t at float (i // 4) * 512 + t * 4 + i % 4
 of its warpgroup's share, 16-byte STS, a warp's 512 bytes contiguous -- and the writer adds the whole share
@@ -272,8 +272,8 @@ spans was the bottleneck. A new allocation is zeroed with torch (a memset) and t
 alone. Paired rounds (``ab_bwd_h100_run35_d64_dq_frag.json`` .. ``..._run41_*``), speed relative to the
 TMA tensor reduce: d = 64 non-causal +0..+6% at 1k-16k (deterministic +3%), d = 128 non-causal -0..+4%,
 d = 96 at 4k +11% non-causal and +6% causal, d = 128 causal +3..+5%, d = 64 causal deterministic +6%,
-d = 128 causal deterministic -1% (so it keeps the tensor reduce, as does the untimed d = 96 causal
-deterministic build). d = 64 causal in the default mode first *lost* 9-16%: ptxas serialized the wgmmas
+d = 96 causal deterministic +2..+3% (``..._run46_*``), d = 128 causal deterministic -1..-2.5% (runs 41, 46;
+so it keeps the tensor reduce). d = 64 causal in the default mode first *lost* 9-16%: ptxas serialized the wgmmas
 of exactly that build (C7512, registers), and 8-byte stores, an address recomputed at the store or a
 row of padding between tiles did not help; with ``stats_shuffle`` off it compiles clean and measured
 +4..+5% (off alone: -0..-4%), so that build turns the shuffle off. Deterministic mode gives the same
@@ -448,10 +448,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         # postprocess_frag puts the elements back in place
         # on by default where it measured faster: non-causal d = 64 and 128 (+0..+6%, ab_bwd_h100_run35..37),
         # causal d = 64 without stats_shuffle (+4..+5%, run38), causal d = 128 (+3..+5%, run39) and d = 96
-        # (+11% / +6% at 4k, run40) and causal deterministic d = 64 (+6% at 4k, run41); causal deterministic
-        # d = 128 measured -1% (run41) and d = 96 is untimed, so those keep the TMA tensor reduce
+        # (+11% / +6% at 4k, run40), causal deterministic d = 64 (+6% at 4k, run41) and d = 96 (+2..+3% at
+        # 4k / 8k, run46); causal deterministic d = 128 (the 80-query tile) measured -1..-2.5% (runs 41, 46),
+        # so it alone keeps the TMA tensor reduce
         if dq_frag is None:
-            dq_frag = not (causal and deterministic) or self.tile_m == 128
+            dq_frag = not (causal and deterministic and self.tile_m == 80)
         self.dq_frag = bool(dq_frag)
         # off where ptxas would serialize the wgmmas (C7512): d = 64 causal default mode with dq_frag
         self.stats_shuffle = ((self.tile_m == 128 and not (self.dq_frag and causal and not deterministic))
