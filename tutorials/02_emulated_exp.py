@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -34,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from stage2_emulated_exp.host_model import exp2_emulated, exp2_emulated_steps
-from stage2_emulated_exp.minimax import coefficient_table, minimax_coefficients
+from stage2_emulated_exp.minimax import coefficient_table
 
 # %% [markdown]
 # ## The sequence, one value at a time

@@ -522,7 +522,6 @@ if s4_hopper is not None:
 # %%
 import json
 import pathlib
-import re
 
 import stage0_reference
 
