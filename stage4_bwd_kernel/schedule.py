@@ -167,12 +167,16 @@ class _LaunchSections:
 
     reverse_blocks = False
     section_ctas = SECTION_CTAS
+    min_blocks = 1  # chains of fewer K/V tiles launch one chain per section: blockIdx order
 
     @classmethod
     def host_tile(cls, linear, num_n_blocks, num_heads_kv, num_batch, imin=min):
         """(n_block, kv head, batch) of launch index `linear` on the grid (N, H_kv, B): sections of
-        ceil(section_ctas / N) chains. Traced by ``tile_for_launch`` too (imin=cutlass.min)."""
+        ceil(section_ctas / N) chains, or of one chain when N < min_blocks. Traced by
+        ``tile_for_launch`` too (imin=cutlass.min), so integer arithmetic only."""
         chains_per_section = (cls.section_ctas + num_n_blocks - 1) // num_n_blocks
+        if cls.min_blocks > 1:
+            chains_per_section = 1 + (chains_per_section - 1) * imin(num_n_blocks // cls.min_blocks, 1)
         n_block, chain = section_tile(linear, num_n_blocks, num_heads_kv * num_batch, chains_per_section,
                                       cls.reverse_blocks, imin)
         return n_block, chain % num_heads_kv, chain // num_heads_kv
@@ -192,6 +196,14 @@ class KVAscendingSectionsOrder(_LaunchSections, KVAscendingOrder):
     """KVAscendingOrder's ranks, launched in sections of chains (``_LaunchSections``)."""
 
     name = "kv_ascending_sections"
+
+
+class KVAscendingLongSectionsOrder(KVAscendingSectionsOrder):
+    """Sections only for chains of at least 32 K/V tiles (4k keys at tile_n = 128), blockIdx order
+    below: the causal default-mode order (``default_dq_order``), one kernel for every length."""
+
+    name = "kv_ascending_sections_from32"
+    min_blocks = 32
 
 
 class KVAscendingWideSectionsOrder(KVAscendingSectionsOrder):
@@ -218,14 +230,16 @@ def default_dq_order(causal: bool, deterministic: bool, sections: bool = True, h
     sections=False gives the plain orders (the Blackwell kernels, which read blockIdx directly);
     head_dim <= 64 widens the non-causal sections (``KVAscendingWideSectionsOrder``).
 
-    Causal runs in the default mode launch in sections too, for the tail, not for any wait: with
-    blockIdx.x = n_block the last head's longest K/V tile starts only N CTAs before the grid ends,
-    while in sections of G = ceil(128 / N) heads the long tiles of the last G heads start about a
-    wave earlier. Stage 5's simulator puts that at 2-3% of the makespan at 2k-8k (none at 16k, where
-    G = 1 is the blockIdx order). Paired H100 rounds, step 3 (``ab_bwd_h100_run43_*`` ..
-    ``..._run45_*``): +0.7..+5.5% at 8k, +0.2..+7.4% at 4k, -2.9..+0.8% at 1k-2k."""
+    Causal runs in the default mode launch in sections too, from 32 K/V tiles a chain on, for the
+    tail, not for any wait: with blockIdx.x = n_block the last head's longest K/V tile starts only
+    N CTAs before the grid ends, while in sections of G = ceil(128 / N) heads the long tiles of the
+    last G heads start about a wave earlier. Stage 5's simulator puts that at 2-3% of the makespan
+    at 2k-8k (none at 16k, where G = 1 is the blockIdx order). Paired H100 rounds, step 3
+    (``ab_bwd_h100_run43_*`` .. ``..._run45_*``): +0.7..+5.5% at 8k, +0.2..+7.4% at 4k, but
+    -2.9..+0.8% at 1k-2k, so shorter chains keep blockIdx order (``KVAscendingLongSectionsOrder``;
+    the forward's LPT order starts at 4k keys as well, for the same kind of result)."""
     if not deterministic:
-        return KVAscendingSectionsOrder if causal and sections else KVAscendingOrder
+        return KVAscendingLongSectionsOrder if causal and sections else KVAscendingOrder
     if causal:
         return KVDescendingSectionsOrder if sections else KVDescendingOrder
     if not sections:

@@ -180,8 +180,8 @@ def test_descending_order_removes_causal_first_write_stalls():
     assert schedule.default_dq_order(False, True, head_dim=64) is schedule.KVAscendingWideSectionsOrder
     assert schedule.default_dq_order(True, True, head_dim=64) is schedule.KVDescendingSectionsOrder
     assert schedule.default_dq_order(False, True, sections=False) is schedule.KVAscendingOrder
-    # default mode: causal launches in sections (the tail), non-causal keeps blockIdx order
-    assert schedule.default_dq_order(True, False) is schedule.KVAscendingSectionsOrder
+    # default mode: causal launches in sections (the tail) from 32 K/V tiles on, non-causal keeps blockIdx order
+    assert schedule.default_dq_order(True, False) is schedule.KVAscendingLongSectionsOrder
     assert schedule.default_dq_order(True, False, sections=False) is schedule.KVAscendingOrder
     assert schedule.default_dq_order(False, False) is schedule.KVAscendingOrder
     assert schedule.default_dq_order(False, False, head_dim=64) is schedule.KVAscendingOrder
@@ -200,9 +200,9 @@ def _list_schedule_makespan(walks, sms=132):
 @pytest.mark.cpu
 @pytest.mark.parametrize("seqlen", [2048, 4096, 8192, 16384])
 def test_causal_sections_launch_long_walks_earlier(seqlen):
-    """The default-mode causal order launches every K/V tile once (a bijection on the grid) and,
-    from 4k on (at 16k it is the blockIdx order itself), finishes a list schedule of the walks no
-    later than blockIdx order -- strictly earlier at 4k and 8k, the tail it was chosen for."""
+    """The default-mode causal order launches every K/V tile once (a bijection on the grid), is the
+    blockIdx order itself below 32 K/V tiles (2k) and at 16k (sections of one head), and finishes a
+    list schedule of the walks strictly earlier at 4k and 8k, the tail it was chosen for."""
     from stage4_bwd_kernel import schedule
 
     order = schedule.default_dq_order(True, False)
@@ -213,7 +213,7 @@ def test_causal_sections_launch_long_walks_earlier(seqlen):
     assert sorted(tiles) == [(n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batch)]
     plain = [walk(i % n_blocks) for i in range(n_blocks * heads * batch)]
     sectioned = [walk(n) for n, _, _ in tiles]
-    if seqlen == 16384:
+    if seqlen in (2048, 16384):
         assert sectioned == plain
     else:
         assert _list_schedule_makespan(sectioned) <= _list_schedule_makespan(plain)

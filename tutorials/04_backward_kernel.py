@@ -459,10 +459,11 @@ if s4_schedule is not None:
               f"{-(-128 // n_blocks):>2} heads {sections:>5} ({1 - sections / plain:.1%} shorter)")
 
 # %% [markdown]
-# At 16k a section is one head, the blockIdx order itself. On the H100 the sectioned launch, now
-# the causal default, gained 0.2-7.4% at 4k and 0.7-5.5% at 8k in paired rounds, and tied or lost
-# up to 3% at 1k-2k, where sections of 8-16 heads put more bytes in flight than the model counts
-# (`benchmarks/results/ab_bwd_h100_run43_*` .. `_run45_*`; stage 4 README).
+# At 16k a section is one head, the blockIdx order itself. On the H100 the sectioned launch gained
+# 0.2-7.4% at 4k and 0.7-5.5% at 8k in paired rounds, but tied or lost up to 3% at 1k-2k, which this
+# model does not explain (`benchmarks/results/ab_bwd_h100_run43_*` .. `_run45_*`; stage 4 README).
+# So the causal default, `KVAscendingLongSectionsOrder`, uses sections from 32 K/V tiles (4k keys)
+# on and blockIdx order below.
 
 
 # %% [markdown]
