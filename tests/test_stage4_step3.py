@@ -230,7 +230,7 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert (n_shfl >= BODY_COPIES * tm // 2) == kernel.stats_shuffle, f"{n_shfl} SHFL.IDX"
 
     # (b) dQ, no fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles). By default
-    #     (dq_frag, all but causal deterministic d = 96 / 128) one bulk reduce (UBLKRED) per warpgroup share;
+    #     (dq_frag, all but causal deterministic d = 128) one bulk reduce (UBLKRED) per warpgroup share;
     #     otherwise one TMA tensor reduce-add per tile from the swizzled sdQ (one instruction per 128-byte
     #     swizzle span of the d / 2 columns a consumer owns: 6 at 96, 4 at 128; 8 32-byte spans at d = 64)
     assert kernel.dq_frag == (not (causal and det and tm == 80))
