@@ -16,6 +16,7 @@ launch in sections of chains, minimise).
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -132,6 +133,17 @@ def launch_tiles(order, num_n_blocks, heads_kv, batch):
         return [order.host_tile(i, num_n_blocks, heads_kv, batch) for i in range(num_n_blocks * heads_kv * batch)]
     return [(order.n_block_for_launch(bx, num_n_blocks), hk, b)
             for b in range(batch) for hk in range(heads_kv) for bx in range(num_n_blocks)]
+
+
+def default_mode_steps(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, batch=1, heads_kv=1, resident=132):
+    """The default mode, where nothing waits: each CTA of the grid takes its walk's length in
+    steps and goes, in launch order (``launch_tiles``), to the first of `resident` slots to free --
+    a greedy list schedule. Returns the last finish time: what a launch order does to the tail."""
+    free = [0] * resident
+    for n, _, _ in launch_tiles(order, -(-seqlen_k // tile_n), heads_kv, batch):
+        lo, hi = schedule.m_block_range(n, tile_m, tile_n, seqlen_q, seqlen_k, causal)
+        heapq.heappush(free, heapq.heappop(free) + hi - lo)
+    return max(free)
 
 
 def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, batch=1, heads_kv=1, group=1,

@@ -187,16 +187,6 @@ def test_descending_order_removes_causal_first_write_stalls():
     assert schedule.default_dq_order(False, False, head_dim=64) is schedule.KVAscendingOrder
 
 
-def _list_schedule_makespan(walks, sms=132):
-    """Greedy dispatch in launch order onto the first free SM; walks: each CTA's Q tiles, in order."""
-    import heapq
-
-    free = [0] * sms
-    for w in walks:
-        heapq.heappush(free, heapq.heappop(free) + w)
-    return max(free)
-
-
 @pytest.mark.cpu
 @pytest.mark.parametrize("seqlen", [2048, 4096, 8192, 16384])
 def test_causal_sections_launch_long_walks_earlier(seqlen):
@@ -204,21 +194,23 @@ def test_causal_sections_launch_long_walks_earlier(seqlen):
     blockIdx order itself below 32 K/V tiles (2k) and at 16k (sections of one head), and finishes a
     list schedule of the walks strictly earlier at 4k and 8k, the tail it was chosen for."""
     from stage4_bwd_kernel import schedule
+    from stage4_bwd_kernel.model import default_mode_steps, launch_tiles
 
     order = schedule.default_dq_order(True, False)
     heads, batch, tm, tn = 16, 32768 // seqlen, 80, 128
     n_blocks = seqlen // tn
-    walk = lambda n: (lambda lo, hi: hi - lo)(*schedule.m_block_range(n, tm, tn, seqlen, seqlen, True))
-    tiles = [order.host_tile(i, n_blocks, heads, batch) for i in range(n_blocks * heads * batch)]
+    tiles = launch_tiles(order, n_blocks, heads, batch)
     assert sorted(tiles) == [(n, h, b) for n in range(n_blocks) for h in range(heads) for b in range(batch)]
-    plain = [walk(i % n_blocks) for i in range(n_blocks * heads * batch)]
-    sectioned = [walk(n) for n, _, _ in tiles]
+    plain_tiles = launch_tiles(schedule.KVAscendingOrder, n_blocks, heads, batch)
+    steps = {o: default_mode_steps(seqlen_q=seqlen, seqlen_k=seqlen, tile_m=tm, tile_n=tn, causal=True, order=o,
+                                   batch=batch, heads_kv=heads) for o in (order, schedule.KVAscendingOrder)}
+    sectioned, plain = steps[order], steps[schedule.KVAscendingOrder]
     if seqlen in (2048, 16384):
-        assert sectioned == plain
+        assert [n for n, _, _ in tiles] == [n for n, _, _ in plain_tiles] and sectioned == plain
     else:
-        assert _list_schedule_makespan(sectioned) <= _list_schedule_makespan(plain)
+        assert sectioned <= plain
     if seqlen in (4096, 8192):
-        assert _list_schedule_makespan(sectioned) < _list_schedule_makespan(plain)
+        assert sectioned < plain
 
 
 @pytest.mark.cpu

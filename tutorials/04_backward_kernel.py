@@ -438,25 +438,14 @@ if s4_schedule is not None and s4_model is not None:
 # 132 SMs, d = 128's 80 x 128 tile, 32k tokens of 16 heads:
 
 # %%
-if s4_schedule is not None:
-    import heapq
-
-    def makespan(walks, sms=132):
-        free = [0] * sms
-        for w in walks:
-            heapq.heappush(free, heapq.heappop(free) + w)
-        return max(free)
-
-    tm, tn, heads = 80, 128, 16
+if s4_schedule is not None and s4_model is not None:
     for seqlen in (2048, 4096, 8192, 16384):
-        n_blocks, batch = seqlen // tn, 32768 // seqlen
-        walk = lambda n: (lambda lo, hi: hi - lo)(*s4_schedule.m_block_range(n, tm, tn, seqlen, seqlen, True))
-        grid = n_blocks * heads * batch
-        plain = makespan(walk(i % n_blocks) for i in range(grid))
-        tiles = (s4_schedule.KVAscendingSectionsOrder.host_tile(i, n_blocks, heads, batch) for i in range(grid))
-        sections = makespan(walk(n) for n, _, _ in tiles)
+        kw = dict(seqlen_q=seqlen, seqlen_k=seqlen, tile_m=80, tile_n=128, causal=True, batch=32768 // seqlen,
+                  heads_kv=16)
+        plain = s4_model.default_mode_steps(order=s4_schedule.KVAscendingOrder, **kw)
+        sections = s4_model.default_mode_steps(order=s4_schedule.KVAscendingSectionsOrder, **kw)
         print(f"causal {seqlen:>5}: blockIdx order {plain:>5} tile-steps, sections of "
-              f"{-(-128 // n_blocks):>2} heads {sections:>5} ({1 - sections / plain:.1%} shorter)")
+              f"{-(-128 // (seqlen // 128)):>2} heads {sections:>5} ({1 - sections / plain:.1%} shorter)")
 
 # %% [markdown]
 # At 16k a section is one head, the blockIdx order itself. On the H100 the sectioned launch gained
@@ -785,14 +774,15 @@ for d in (64, 128):
 # (`stage4_bwd_kernel/postprocess_frag.py`). Step 3 has it as `dq_frag`. Its first causal d = 64 build
 # lost, because ptxas serialized its wgmmas (the section above shows how to see that); with the row
 # statistics shuffle off that build compiles clean and wins. `dq_frag` is now step 3's default in every
-# mode but causal deterministic at d = 96 / 128. In each file below, plain `step3_rs` was the TMA tensor
+# mode but causal deterministic at d = 128. In each file below, plain `step3_rs` was the TMA tensor
 # reduce, the default when it was measured.
 
 # %%
 FRAG_RUNS = ("ab_bwd_h100_run35_d64_dq_frag.json", "ab_bwd_h100_run36_d64_dq_frag_nc_det.json",
              "ab_bwd_h100_run36_d128_dq_frag_nc.json",
              "ab_bwd_h100_run38_d64_causal_frag_noshuffle.json", "ab_bwd_h100_run39_d128_causal_frag.json",
-             "ab_bwd_h100_run40_d96_frag.json", "ab_bwd_h100_run41_causal_det_frag.json")
+             "ab_bwd_h100_run40_d96_frag.json", "ab_bwd_h100_run41_causal_det_frag.json",
+             "ab_bwd_h100_run46_causal_det_frag_d96_d128.json")
 for name in FRAG_RUNS:
     doc = json.loads((results / name).read_text())
     ratio = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["ratio_median"] for r in doc["results"]}
