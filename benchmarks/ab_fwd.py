@@ -15,7 +15,7 @@ order included), or a module path with `attention_forward(q, k, v, causal=...)` 
 (any ladder step, or an untracked copy at the repo root with its own STEP name), the module optionally
 followed by keyword arguments of its `attention_forward`:
 `stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~pv_wait=split_rows` (numbers
-or words; each distinct set is its own compiled kernel). Each implementation's output is checked against
+or words, True / False as bools: `~persistent=True`; each distinct set is its own compiled kernel). Each implementation's output is checked against
 the official one before timing.
 """
 from __future__ import annotations
@@ -48,9 +48,10 @@ def parse_impl(spec: str) -> tuple[str, dict]:
             except ValueError:
                 if not value.isidentifier():
                     raise SystemExit(f"--impls: {spec!r}: {name}={value!r} is neither a number nor a word") from None
-                kwargs[name] = value
-    if module in ("official", "fa4") and kwargs:
-        raise SystemExit(f"--impls: {module} takes no keyword arguments here ({spec!r})")
+                kwargs[name] = {"True": True, "False": False}.get(value, value)
+    if module == "official" and kwargs or module == "fa4" and set(kwargs) - {"persistent"}:
+        raise SystemExit(f"--impls: {module} takes no keyword arguments here but fa4's ~persistent=True/False "
+                         f"({spec!r})")
     return module, kwargs
 
 
@@ -65,8 +66,16 @@ def make_impl(spec: str):
         return official
     if module == "fa4":
         import fa4  # the production route: its tile order (LPT for long causal calls) and launch path
+        from fa4 import _dispatch
 
-        return lambda q, k, v, c: fa4.flash_attn_func(q, k, v, causal=c)
+        def route(q, k, v, c):
+            saved = _dispatch.FORWARD_PERSISTENT
+            _dispatch.FORWARD_PERSISTENT = kwargs.get("persistent", saved)
+            try:
+                return fa4.flash_attn_func(q, k, v, causal=c)
+            finally:
+                _dispatch.FORWARD_PERSISTENT = saved
+        return route
     mod = importlib.import_module(module)
     return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c, **kwargs)[0]
 

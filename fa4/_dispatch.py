@@ -252,6 +252,12 @@ def _import_first(names, role: str, arch: ArchInfo):
 # benchmarks/results/ab_fwd_h100_run14_causal_lpt.json): +1..+4% from 4k keys up, -2% at 2k.
 LPT_MIN_SEQLEN_K = 4096
 
+# Persistent CTAs for the forward: None = the forward module's own default (Hopper step 4: one CTA
+# per SM walking the tile order wherever Q, O and two K/V stages fit, head dims <= 128); True /
+# False force it where the module takes `persistent` (benchmarks/ab_fwd.py `fa4~persistent=False`
+# compares the two routes).
+FORWARD_PERSISTENT = None
+
 
 @functools.lru_cache(maxsize=256)
 def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_dim: int, head_dim_v: int,
@@ -348,9 +354,12 @@ class Backend:
         self._warn_unverified()
         sched = causal_forward_scheduler(self.arch.key, causal, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
                                          k.shape[2])
+        kw = {}
+        if FORWARD_PERSISTENT is not None and "persistent" in _params(mod.attention_forward):
+            kw["persistent"] = FORWARD_PERSISTENT
         if sched is not None and _takes_scheduler(mod):
-            return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, scheduler=sched)
-        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
+            return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, scheduler=sched, **kw)
+        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                        softmax_scale: float, causal: bool):
@@ -367,6 +376,8 @@ class Backend:
                 raise NotImplementedError(f"seqused_k: the {self.arch.key} varlen forward ({mod.__name__}) does not "
                                           "support it yet")
             kw["seqused_k"] = seqused_k
+        if FORWARD_PERSISTENT is not None and "persistent" in params:
+            kw["persistent"] = FORWARD_PERSISTENT
         # the Blackwell module sizes its grid from max_seqlen_q only and takes no max_seqlen_k
         args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) + \
             ((max_seqlen_k,) if "max_seqlen_k" in params else ())

@@ -18,6 +18,7 @@ What lives here (and why it is not in the step files):
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import os
@@ -88,6 +89,75 @@ class StaticTileScheduler:
     @staticmethod
     def next_work(work: WorkTile) -> WorkTile:
         return WorkTile(work.m_block, work.head, work.batch, False)
+
+    @staticmethod
+    def tile_at(linear, num_m_blocks, num_heads, batch):
+        """(m_block, head, batch) of the linear-th tile in this grid's dispatch order (x fastest),
+        for a persistent loop that walks the same order (`PersistentScheduler`)."""
+        m_block = linear % num_m_blocks
+        rest = linear // num_m_blocks
+        return m_block, rest % num_heads, rest // num_heads
+
+
+class PersistentScheduler:
+    """A persistent grid over any tile order that has ``tile_at(linear, M, H, B)``: ``num_ctas``
+    CTAs (None: one per SM of the launching device, passed at launch, so one compiled kernel serves
+    every GPU), CTA c computes the tiles c, c + num_ctas, c + 2 num_ctas, ... of the order.
+
+    Compared with one CTA per tile it saves what every CTA pays once -- launch, barrier set-up,
+    the first Q and K loads before any MMA, the last P V and the O store after the last one --
+    because the producer loads tile t+1's Q and K/V while the consumers finish tile t. The
+    kernel carries the pipeline state across tiles (``persistent`` is what it checks).
+    """
+
+    persistent = True
+
+    def __init__(self, order=StaticTileScheduler, num_ctas: Optional[int] = None):
+        if not callable(getattr(order, "tile_at", None)):
+            raise TypeError(f"order: expected a tile order with tile_at(linear, M, H, B), got {order!r}")
+        if getattr(order, "persistent", False):
+            raise TypeError("order: expected a one-tile-per-CTA order, got a persistent scheduler")
+        if num_ctas is not None and (isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas < 1):
+            raise ValueError(f"num_ctas: expected None or an int >= 1, got {num_ctas!r}")
+        self.order = order
+        self.num_ctas = num_ctas
+
+    def _fields(self):
+        return (self.order, self.num_ctas)
+
+    def __eq__(self, other):  # compile caches key on the scheduler: equal configs share a kernel
+        return type(other) is type(self) and other._fields() == self._fields()
+
+    def __hash__(self):
+        return hash((type(self).__name__,) + self._fields())
+
+    def __repr__(self):
+        return f"PersistentScheduler(order={self.order!r}, num_ctas={self.num_ctas})"
+
+    def grid_shape(self, num_m_blocks, num_heads, batch, max_ctas):
+        """max_ctas: the launch's CTA count (num_ctas, or the device's SMs when num_ctas is None)."""
+        return (cutlass.min(num_m_blocks * num_heads * batch, max_ctas), 1, 1)
+
+    def launch_ctas(self, device) -> int:
+        return self.num_ctas if self.num_ctas is not None else sm_count(device)
+
+    def tile_at(self, linear, num_m_blocks, num_heads, batch):
+        return self.order.tile_at(linear, num_m_blocks, num_heads, batch)
+
+
+def sm_count(device=None) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent grid's width)."""
+    import torch
+
+    index = torch.device(device).index if device is not None else None
+    return _sm_count(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # --------------------------------------------------------------------------------------------

@@ -138,9 +138,11 @@ def default_tile_m(head_dim: int, head_dim_v: int) -> int:
     return 192 if max(head_dim, head_dim_v) <= 64 else 128
 
 
-def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128) -> int:
-    """As many K/V stages as fit next to Q (2 bytes/element), between 2 and 4 (step 3's table)."""
-    q_bytes = tile_m * head_dim * 2
+def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128,
+                       separate_o: bool = False) -> int:
+    """As many K/V stages as fit next to Q (and O when it has its own buffer; 2 bytes/element),
+    between 2 and 4 (step 3's table)."""
+    q_bytes = tile_m * head_dim * 2 + (tile_m * head_dim_v * 2 if separate_o else 0)
     stage_bytes = tile_n * (head_dim + head_dim_v) * 2
     return max(2, min(4, (common.SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
 
@@ -198,9 +200,10 @@ class FlashAttentionForwardSm90Step4:
         if not isinstance(policy, SoftmaxPolicy):
             raise TypeError(f"policy: expected a SoftmaxPolicy, got {type(policy).__name__}")
         policy.check_dtype(dtype)
-        if getattr(scheduler, "persistent", False):
-            # one tile per CTA here; a persistent scheduler needs a tile loop carrying pipeline state
-            raise ValueError("scheduler: persistent schedulers are not supported by this kernel yet")
+        # persistent (common.PersistentScheduler): a tile loop that carries the pipeline state
+        self.persistent = bool(getattr(scheduler, "persistent", False))
+        if self.persistent and not callable(getattr(scheduler, "tile_at", None)):
+            raise TypeError("scheduler: a persistent scheduler needs tile_at(linear, M, H, B)")
         if tile_m not in TILE_MS:
             raise ValueError(f"tile_m: expected one of {TILE_MS} (64 query rows per consumer warpgroup), got {tile_m}")
         if tile_m == 192 and max(head_dim, head_dim_v) > 64:
@@ -216,7 +219,9 @@ class FlashAttentionForwardSm90Step4:
         self.tile_m = tile_m
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
         self.pv_wait_below_softmax = self.tile_n >= 128  # see overlapped_step
-        self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m)
+        # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue)
+        self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m,
+                                                           separate_o=self.persistent)
         self.pingpong = pingpong
         self.scheduler = scheduler
         self.num_consumers = tile_m // 64    # consumer warpgroups, one wgmma M = 64 row block each
@@ -226,6 +231,12 @@ class FlashAttentionForwardSm90Step4:
         # launch grants 65536 / threads each (168 at 384 threads, 128 at 512), and the producer must
         # free exactly what the consumers take, 128 * (p + n * c) = 65536 (FA3's split for 3 WGs)
         self.regs_producer, self.regs_consumer = {2: (24, 240), 3: (32, 160)}[self.num_consumers]
+        if self.persistent:
+            need = 2 * (tile_m * (head_dim + head_dim_v) + self.num_stages * self.tile_n * (head_dim + head_dim_v))
+            if need + 2048 > common.SMEM_BUDGET:
+                raise ValueError(f"scheduler: a persistent CTA keeps O apart from Q, and Q + O + {self.num_stages} "
+                                 f"K/V stages at head dims ({head_dim}, {head_dim_v}) need {need} bytes of shared "
+                                 f"memory (> {common.SMEM_BUDGET - 2048}); use a one-tile-per-CTA scheduler")
         self.smem_bytes = None
 
     # -------------------------------------------------------------- host side (traced once)
@@ -258,11 +269,12 @@ class FlashAttentionForwardSm90Step4:
                  mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
-                 max_seqlen_q: Int32, stream):
+                 max_seqlen_q: Int32, max_ctas: Int32, stream):
         # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         #         mLSE (B, Hq, Sq); the four optional tensors are None.
         # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
         #         mCuSeqlensQ / mCuSeqlensK (batch + 1,), mSeqUsedK / mBatchMap (batch,) or None.
+        # max_ctas: a persistent grid's width (the device's SMs); unused by one-tile-per-CTA grids.
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must share the kernel's dtype")
         if const_expr((mCuSeqlensQ is None) != (mCuSeqlensK is None)):
@@ -306,7 +318,7 @@ class FlashAttentionForwardSm90Step4:
 
         # O is written once, after the last QK^T: each consumer puts its O slab at the start of its
         # own Q slab (never over the other consumer's slab, which may still be in use)
-        self.o_in_q = cute.cosize(cute.slice_(sO_layout, (None, None, 0))) <= cute.cosize(
+        self.o_in_q = not self.persistent and cute.cosize(cute.slice_(sO_layout, (None, None, 0))) <= cute.cosize(
             cute.slice_(sQ_layout, (None, None, 0)))
 
         @cute.struct
@@ -328,13 +340,16 @@ class FlashAttentionForwardSm90Step4:
         batch = mQ.shape[0]
         if const_expr(self.varlen):
             batch = mCuSeqlensQ.shape[0] - 1
-        grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
+        if const_expr(self.persistent):
+            grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch, max_ctas)
+        else:
+            grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, softmax_scale,
                     mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
-                    self._gmem_copy_O(dv),
+                    self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -349,41 +364,65 @@ class FlashAttentionForwardSm90Step4:
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
-               gmem_copy_O: cute.TiledCopy):
-        # 0. which tile: the scheduler's (m_block, head, virtual batch); batch_map (stage 5's
-        #    reordering) says which sequence that virtual batch index computes
-        work = self.scheduler.initial_work()
-        m_block, head, batch = work.m_block, work.head, work.batch
+               gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32):
+        seq = (seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
+        if const_expr(self.persistent):
+            # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
+            self.attend(None, seq, (num_m_blocks, num_heads, num_batch),
+                        tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V,
+                        tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, gmem_copy_O)
+        else:
+            work = self.scheduler.initial_work()
+            tile = self.tile_info(work.m_block, work.head, work.batch, seq)
+            # a CTA past the end of its (shorter than max_seqlen_q) sequence has nothing to do; the
+            # whole CTA leaves before any barrier exists
+            if tile[0] * self.tile_m < tile[6]:
+                self.attend(tile, seq, None, tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, tma_atom_Q,
+                            tma_atom_K, tma_atom_V, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
+                            sO_layout, gmem_copy_O)
+
+    def tile_info(self, m_block: Int32, head: Int32, batch: Int32, seq) -> tuple:
+        """The scheduler's (m_block, head, virtual batch) -> (m_block, head, head_kv, batch index of
+        the tensors, offset_q, offset_k, seqlen_q, seqlen_k). batch_map (stage 5's reordering) says
+        which sequence a virtual batch index computes. Dense: the tensors' extents, batch index
+        `batch`. Varlen: the packed tensors are a batch of one, the sequence starts at row
+        offset_q / offset_k."""
+        seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap = seq
         if const_expr(mBatchMap is not None):
             batch = mBatchMap[batch]
-        # 0b. where its sequence lives. Dense: the tensors' extents, batch index `batch`. Varlen: the
-        #     packed tensors are a batch of one, the sequence starts at row offset_q / offset_k.
-        offset_q, offset_k, batch_t = 0, 0, batch
+        offset_q, offset_k, batch_t = Int32(0), Int32(0), batch
         if const_expr(self.varlen):
-            offset_q, offset_k, batch_t = mCuSeqlensQ[batch], mCuSeqlensK[batch], 0
+            offset_q, offset_k, batch_t = mCuSeqlensQ[batch], mCuSeqlensK[batch], Int32(0)
             seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
             if const_expr(mSeqUsedK is not None):
                 seqlen_k = mSeqUsedK[batch]
             else:
                 seqlen_k = mCuSeqlensK[batch + 1] - offset_k
-        # 0c. a CTA past the end of its (shorter than max_seqlen_q) sequence has nothing to do; the
-        #     whole CTA leaves before any barrier exists
-        if m_block * self.tile_m < seqlen_q:
-            self.attend(m_block, head, head // qhead_per_kvhead, batch_t, offset_q, offset_k, seqlen_q, seqlen_k,
-                        tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V,
-                        tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, gmem_copy_O)
+        return (m_block, head, head // qhead_per_kvhead, batch_t, offset_q, offset_k, seqlen_q, seqlen_k)
+
+    def num_key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        """Key blocks a tile_m-row query tile can see: all of them, or (causal) up to the diagonal of
+        its last row (query i sees key j iff j <= i + seqlen_k - seqlen_q). All consumers walk the
+        same blocks: they share every K/V stage (and take the same number of turns)."""
+        tn = self.tile_n
+        n_block_max = (seqlen_k + tn - 1) // tn
+        if const_expr(self.causal):
+            last_visible = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive bound on keys
+            n_block_max = cutlass.min(n_block_max, cutlass.max((last_visible + tn - 1) // tn, 0))
+        return n_block_max
 
     @cute.jit
-    def attend(self, m_block: Int32, head: Int32, head_kv: Int32, batch: Int32, offset_q: Int32, offset_k: Int32,
-               seqlen_q: Int32, seqlen_k: Int32, tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor,
+    def attend(self, tile, seq, extents, tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor,
                mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32,
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, gmem_copy_O: cute.TiledCopy):
-        """One (m_block, head, sequence) tile: step 3's kernel body, with sequence-relative views.
-        `batch` indexes the tensors' batch mode (0 for varlen); head_kv = head // (Hq / Hkv)."""
-        tn, d, dv, stages = self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        """The CTA: barriers and shared memory once, then the producer warp and the consumer
+        warpgroups on one tile (`tile`, from tile_info), or -- persistent -- on every tile
+        `self.scheduler.tile_at` gives this CTA (extents = (M, H, B) of the tile order). `batch` of
+        a tile indexes the tensors' batch mode (0 for varlen)."""
+        stages = self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -415,49 +454,109 @@ class FlashAttentionForwardSm90Step4:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, nc)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (tn, dv, stages)
-
-        # key blocks this tile_m-row query tile can see: all of them, or (causal) up to the diagonal
-        # of its last row (query i sees key j iff j <= i + seqlen_k - seqlen_q). All consumers
-        # walk the same blocks: they share every K/V stage (and take the same number of turns).
-        n_block_max = (seqlen_k + tn - 1) // tn
-        if const_expr(self.causal):
-            last_visible = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive bound on keys
-            n_block_max = cutlass.min(n_block_max, cutlass.max((last_visible + tn - 1) // tn, 0))
+        smem_tensors = (storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
 
         if warp_group_idx == 0:
             # ---------------------------------------------------------------- producer warpgroup
             cute.arch.setmaxregister_decrease(self.regs_producer)
             if warp_idx == 0:  # one warp issues (elect.sync inside needs the whole warp converged)
-                # TMA coordinates of this sequence: rows start at its offset in the packed tensor
-                mQ_s = self.seq_view(tma_Q[None, None, head, batch], offset_q)
-                mK_s = self.seq_view(tma_K[None, None, head_kv, batch], offset_k)
-                mV_s = self.seq_view(tma_V[None, None, head_kv, batch], offset_k)
-                gQ = cute.local_tile(mQ_s, (self.wg_m, d), (None, 0))   # (64, d, m64)
-                gK = cute.local_tile(mK_s, (tn, d), (None, 0))          # (tn, d, n_blocks)
-                gV = cute.local_tile(mV_s, (tn, dv), (None, 0))         # (tn, dv, n_blocks)
-                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
-                                                   cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
-                                                   cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
-                                                   cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-                # 1. Q: the nc 64-row slabs on one barrier (it expects all slabs' bytes)
-                q_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
-                pipe_Q.producer_acquire(q_state)
-                for wg in cutlass.range_constexpr(self.num_consumers):
-                    cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_consumers + wg], tQsQ[None, wg],
-                              tma_bar_ptr=pipe_Q.producer_get_barrier(q_state))
-                # 2. every visible K/V block, each as soon as its stage has been released
-                #    (last block first: the order the consumers walk them in)
-                for i in cutlass.range(n_block_max, unroll=1):
-                    self.load_kv(i, n_block_max - 1 - i, pipe_K, pipe_V, tma_atom_K, tma_atom_V,
-                                 tKgK, tKsK, tVgV, tVsV)
+                if const_expr(self.persistent):
+                    kv_base, q_phase = Int32(0), Int32(0)  # loads so far, Q's phase
+                    linear = Int32(cute.arch.block_idx()[0])
+                    total = extents[0] * extents[1] * extents[2]
+                    while linear < total:
+                        m_block, head, batch = self.scheduler.tile_at(linear, *extents)
+                        t = self.tile_info(m_block, head, batch, seq)
+                        if t[0] * self.tile_m < t[6]:
+                            n_block_max = self.num_key_blocks(t[0], t[6], t[7])
+                            self.produce(t, n_block_max, kv_base, q_phase, tma_Q, tma_K, tma_V,
+                                         tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
+                            kv_base += n_block_max
+                            q_phase ^= 1
+                        linear += cute.arch.grid_dim()[0]
+                else:
+                    self.produce(tile, self.num_key_blocks(tile[0], tile[6], tile[7]), Int32(0), Int32(0),
+                                 tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV,
+                                 pipe_Q, pipe_K, pipe_V)
         else:
             # ---------------------------------------------------------------- consumer warpgroups
             cute.arch.setmaxregister_increase(self.regs_consumer)
-            self.consume(warp_group_idx - 1, tidx % 128, m_block, head, batch, offset_q, n_block_max, seqlen_q,
-                         seqlen_k, softmax_scale_log2, mO, mLSE, sQ, sK, sV, storage, pipe_Q, pipe_K, pipe_V,
-                         tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
+            wg = warp_group_idx - 1
+            self.pass_turn(wg, first=True)
+            if const_expr(self.persistent):
+                kv_base, q_phase = Int32(0), Int32(0)
+                linear = Int32(cute.arch.block_idx()[0])
+                total = extents[0] * extents[1] * extents[2]
+                while linear < total:
+                    m_block, head, batch = self.scheduler.tile_at(linear, *extents)
+                    t = self.tile_info(m_block, head, batch, seq)
+                    if t[0] * self.tile_m < t[6]:
+                        n_block_max = self.num_key_blocks(t[0], t[6], t[7])
+                        self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
+                                     mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
+                        kv_base += n_block_max
+                        q_phase ^= 1
+                    linear += cute.arch.grid_dim()[0]
+            else:
+                self.consume(wg, tidx % 128, tile, self.num_key_blocks(tile[0], tile[6], tile[7]), Int32(0),
+                             Int32(0), softmax_scale_log2, mO, mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv,
+                             sO_layout, gmem_copy_O)
+            self.pass_turn(wg, first=False)
+
+    @cute.jit
+    def produce(self, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma_Q: cute.Tensor,
+                tma_K: cute.Tensor, tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
+                tma_atom_V: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
+                pipe_Q, pipe_K, pipe_V):
+        """(producer warp) one tile's loads: Q's nc slabs, then every visible K/V block, each as soon
+        as its ring slot is free (last block first: the order the consumers walk them in). kv_base:
+        loads issued for earlier tiles (the ring position), q_phase: Q's phase for this tile."""
+        m_block, head, head_kv, batch, offset_q, offset_k = tile[0], tile[1], tile[2], tile[3], tile[4], tile[5]
+        tn, d, dv = self.tile_n, self.head_dim, self.head_dim_v
+        # TMA coordinates of this sequence: rows start at its offset in the packed tensor
+        mQ_s = self.seq_view(tma_Q[None, None, head, batch], offset_q)
+        mK_s = self.seq_view(tma_K[None, None, head_kv, batch], offset_k)
+        mV_s = self.seq_view(tma_V[None, None, head_kv, batch], offset_k)
+        gQ = cute.local_tile(mQ_s, (self.wg_m, d), (None, 0))   # (64, d, m64)
+        gK = cute.local_tile(mK_s, (tn, d), (None, 0))          # (tn, d, n_blocks)
+        gV = cute.local_tile(mV_s, (tn, dv), (None, 0))         # (tn, dv, n_blocks)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        first_kv = 0
+        if const_expr(self.persistent):
+            # the first K/V block before Q: its ring slot frees while the consumers still use the
+            # previous tile's Q (released after their last S = Q K^T)
+            if n_block_max > 0:
+                self.load_kv(kv_base, n_block_max - 1, pipe_K, pipe_V, tma_atom_K, tma_atom_V,
+                             tKgK, tKsK, tVgV, tVsV)
+            first_kv = 1
+        # Q: the nc 64-row slabs on one barrier (it expects all slabs' bytes)
+        q_state = pipeline.PipelineState(1, Int32(0), Int32(0), q_phase ^ 1)
+        pipe_Q.producer_acquire(q_state)
+        for wg in cutlass.range_constexpr(self.num_consumers):
+            cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_consumers + wg], tQsQ[None, wg],
+                      tma_bar_ptr=pipe_Q.producer_get_barrier(q_state))
+        for i in cutlass.range(first_kv, n_block_max, unroll=1):
+            self.load_kv(kv_base + i, n_block_max - 1 - i, pipe_K, pipe_V, tma_atom_K, tma_atom_V,
+                         tKgK, tKsK, tVgV, tVsV)
+
+    @cute.jit
+    def pass_turn(self, wg: Int32, first: cutlass.Constexpr[bool]):
+        """The tensor-core turn around the CTA's whole life: before the first tile the last consumer
+        hands consumer 0 the first turn; after the last, consumer 0 takes the last hand-over so
+        that no arrival outlives the CTA. Named barrier 1 + w is consumer w's turn."""
+        nc = self.num_consumers
+        if const_expr(self.pingpong):
+            if const_expr(first):
+                if wg == nc - 1:
+                    cute.arch.barrier_arrive(barrier_id=1, number_of_threads=2 * 128)
+            else:
+                if wg == 0:
+                    cute.arch.barrier(barrier_id=1, number_of_threads=2 * 128)
 
     def seq_view(self, t: cute.Tensor, offset) -> cute.Tensor:
         """(rows, cols) view of one head starting at this sequence's first row (varlen only)."""
@@ -466,13 +565,15 @@ class FlashAttentionForwardSm90Step4:
         return t
 
     @cute.jit
-    def consume(self, wg: Int32, ctidx: Int32, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32,
-                n_block_max: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
-                mO: cute.Tensor, mLSE: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, storage,
-                pipe_Q, pipe_K, pipe_V, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-                sO_layout: cute.ComposedLayout, gmem_copy_O: cute.TiledCopy):
-        """One consumer warpgroup: step 3's per-tile math on its own 64 query rows, with FA4's
-        softmax (vote + partial emulation) and sequence-relative output rows."""
+    def consume(self, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32,
+                softmax_scale_log2: Float32, mO: cute.Tensor, mLSE: cute.Tensor, smem_tensors,
+                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sO_layout: cute.ComposedLayout,
+                gmem_copy_O: cute.TiledCopy):
+        """One consumer warpgroup on one tile: step 3's per-tile math on its own 64 query rows, with
+        FA4's softmax (vote + partial emulation) and sequence-relative output rows. kv_base: K/V
+        blocks consumed for earlier tiles (the ring position), q_phase: Q's phase for this tile."""
+        m_block, head, batch, offset_q, seqlen_q, seqlen_k = tile[0], tile[1], tile[3], tile[4], tile[6], tile[7]
+        storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V = smem_tensors
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
         nc = self.num_consumers
         row0 = m_block * self.tile_m + wg * tm  # first query row of this warpgroup
@@ -526,10 +627,8 @@ class FlashAttentionForwardSm90Step4:
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
 
-        if const_expr(self.pingpong):
-            if wg == nc - 1:  # consumer 0 takes the first turn, as if the last one had just handed over
-                cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
-        pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+        q_state = pipeline.PipelineState(1, Int32(0), Int32(0), q_phase)
+        pipe_Q.consumer_wait(q_state)
 
         # 2. mainloop over key tiles, software-pipelined inside the warpgroup (FA3's intra-warpgroup
         #    overlap): one tensor-core turn issues S_i = Q K^T *and* O += P_{i-1} V, so the softmax
@@ -549,7 +648,7 @@ class FlashAttentionForwardSm90Step4:
         n_masked = n_block_max - cutlass.min(n_unmasked, n_block_max)  # walked first (i < n_masked)
         if n_block_max > 0:
             # 2a. prologue: S_0 alone (O is still 0: nothing to rescale)
-            st0 = self.kv_state(Int32(0), producer=False)
+            st0 = self.kv_state(kv_base, producer=False)
             pipe_K.consumer_wait(st0)
             acc_S0 = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
             if const_expr(self.pingpong):
@@ -576,18 +675,20 @@ class FlashAttentionForwardSm90Step4:
 
             # 2b. steady state, masked blocks first, then the hot loop
             for i in cutlass.range(1, n_masked, unroll=1):
-                self.overlapped_step(i, n_block_max - 1 - i, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                self.overlapped_step(kv_base + i, n_block_max - 1 - i, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
                                      tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
                                      my_turn, next_turn, tScS0_rc)
             for i in cutlass.range(cutlass.max(n_masked, 1), n_block_max, unroll=1):
-                self.overlapped_step(i, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                self.overlapped_step(kv_base + i, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
                                      tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
                                      my_turn, next_turn, tScS0_rc)
 
+            if const_expr(self.persistent):
+                pipe_Q.consumer_release(q_state)  # every S of the tile has landed: next tile's Q may load
             # 2c. drain: the last P V
-            st_last = self.kv_state(n_block_max - 1, producer=False)
+            st_last = self.kv_state(kv_base + n_block_max - 1, producer=False)
             pipe_V.consumer_wait(st_last)
             if const_expr(self.pingpong):
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
@@ -597,9 +698,9 @@ class FlashAttentionForwardSm90Step4:
             warpgroup.wait_group(0)
             pipe_V.consumer_release(st_last)
 
-        if const_expr(self.pingpong):
-            if wg == 0:  # consume the last consumer's last hand-over: no arrival outlives the loop
-                cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+        if const_expr(self.persistent):
+            if n_block_max == 0:
+                pipe_Q.consumer_release(q_state)
 
         # 3. epilogue: O /= l, lse = m*scale + ln(l); empty rows -> O = 0, lse = -inf
         lse = cute.make_rmem_tensor((num_rows,), Float32)
@@ -623,8 +724,9 @@ class FlashAttentionForwardSm90Step4:
         #     sync_threads (the producer warpgroup may have exited already).
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        if const_expr(self.o_in_q):
-            cute.arch.barrier(barrier_id=1 + nc + wg, number_of_threads=128)  # our last QK^T has read sQ_wg
+        if const_expr(self.o_in_q or self.persistent):
+            # o_in_q: our last QK^T has read sQ_wg; persistent: every thread has read the last tile's O
+            cute.arch.barrier(barrier_id=1 + nc + wg, number_of_threads=128)
         smem_copy_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_pv)
         thr_smem_copy_O = smem_copy_O.get_slice(ctidx)
@@ -879,14 +981,15 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_k=None, batch_map=None):
+               seqused_k=None, batch_map=None, max_ctas=1):
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     common.launch_stream)."""
     def opt(t):
         return None if t is None else t.detach()
     return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), softmax_scale * common.LOG2_E,
-            softmax_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), max_seqlen_q)
+            softmax_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), max_seqlen_q,
+            max_ctas)
 
 
 def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False):
@@ -896,7 +999,7 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False):
     return (common.fake_bshd(dtype, d), common.fake_bshd(dtype, d), common.fake_bshd(dtype, dv),
             common.fake_bshd(dtype, dv), common.fake_lse(), Float32(1.0), Float32(1.0),
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
-            i32() if has_map else None, Int32(1),
+            i32() if has_map else None, Int32(1), Int32(1),
             common.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
@@ -928,10 +1031,51 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable)))
 
 
+# Persistent CTAs need Q, O and two K/V stages in shared memory: head dims up to 128.
+PERSISTENT_MAX_HEAD_DIM = 128
+
+
+def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: bool = False) -> bool:
+    """Whether a call walks its tiles with persistent CTAs by default: dense non-causal calls, wherever
+    they fit (every tile there walks the same key blocks).
+
+    H100, paired rounds against one CTA per tile (ab_fwd_h100_run16_persistent_nc.json /
+    ..._run17_persistent_causal.json): non-causal +2..+11% at d = 64 and 128, 1k-16k. Causal lost
+    3..30%: each CTA takes every num_ctas-th tile of a fixed order, and causal tiles differ in
+    length, so CTAs that drew long tiles finish late (the hardware hands a one-tile-per-CTA grid's
+    next tile to whichever SM frees first, which balances them; a persistent kernel would need an
+    atomic tile counter to do the same). Varlen batches mix sequence lengths the same way, so they
+    stay one CTA per tile unless asked (persistent=True: correct, not measured)."""
+    return not causal and not varlen and max(head_dim, head_dim_v) <= PERSISTENT_MAX_HEAD_DIM
+
+
+def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varlen=False):
+    """The call's scheduler: `scheduler` (default StaticTileScheduler), walked by one CTA per SM when
+    persistent (None: default_persistent(head_dim, head_dim_v, causal, varlen)). A scheduler that is
+    persistent itself (common.PersistentScheduler) is used as it is."""
+    if persistent is not None and not isinstance(persistent, bool):
+        raise TypeError(f"persistent: expected None or a bool, got {type(persistent).__name__}")
+    scheduler = scheduler or common.StaticTileScheduler
+    if getattr(scheduler, "persistent", False):
+        return scheduler
+    if persistent is None:
+        persistent = default_persistent(head_dim, head_dim_v, causal, varlen)
+    if persistent:
+        if max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM:
+            raise ValueError(f"persistent: needs head dims <= {PERSISTENT_MAX_HEAD_DIM} (Q, O and two K/V stages "
+                             f"in shared memory), got ({head_dim}, {head_dim_v})")
+        scheduler = common.PersistentScheduler(scheduler)
+    return scheduler
+
+
+def _launch_ctas(scheduler, device) -> int:
+    return scheduler.launch_ctas(device) if getattr(scheduler, "persistent", False) else 1
+
+
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
                       rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
                       policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None,
-                      lean_mask: bool | None = None):
+                      lean_mask: bool | None = None, persistent: bool | None = None):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32).
 
     rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
@@ -939,6 +1083,9 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     StaticTileScheduler) is a class with the common.StaticTileScheduler interface. tile_m: query
     rows per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv). lean_mask:
     the masked blocks' mask (see consume), None = default_lean_mask(tile_m) (lean at 192 rows only).
+    persistent: one CTA per SM walks the scheduler's tile order (common.PersistentScheduler; head dims
+    up to 128, where Q, O and two K/V stages fit in shared memory); None = default_persistent(D, Dv,
+    causal): non-causal calls.
     """
     import torch
 
@@ -969,8 +1116,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    scheduler = scheduler or common.StaticTileScheduler
-    args = _call_args(q, k, v, out, lse, softmax_scale, sq)
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal)
+    args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=_launch_ctas(scheduler, q.device))
     _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, lean_mask).fn(*args)
     return out, lse
 
@@ -980,7 +1127,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                              rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                              emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                              batch_map=None, scheduler=None, check_values=False, tile_m: int | None = None,
-                             lean_mask: bool | None = None):
+                             lean_mask: bool | None = None, persistent: bool | None = None):
     """Packed q (Tq,Hq,D), k (Tk,Hkv,D), v (Tk,Hkv,Dv) with int32 cu_seqlens_q / cu_seqlens_k (batch+1,)
     -> (out (Tq,Hq,Dv), lse (Hq,Tq) fp32).
 
@@ -991,7 +1138,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     the grid); max_seqlen_k is accepted for API compatibility. batch_map (int32 (batch,)): the
     sequence each virtual batch index computes (stage 5's reordering; identity when None).
     check_values=True verifies the index tensors' values on the host (costs a device sync).
-    tile_m, lean_mask: as in attention_forward.
+    tile_m, lean_mask, persistent: as in attention_forward.
     (When k has no rows at all nothing is launched and out / lse are filled with 0 / -inf entirely.)
     """
     import torch
@@ -1023,10 +1170,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    scheduler = scheduler or common.StaticTileScheduler
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True)
     # a batch of one: the dense kernel's tensor maps and (B, ...) indexing serve the packed tensors
     args = _call_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
-                      softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map)
+                      softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map,
+                      max_ctas=_launch_ctas(scheduler, q.device))
     flags = (True, seqused_k is not None, batch_map is not None)
     _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m, lean_mask).fn(*args)
     return out, lse
@@ -1036,10 +1184,11 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  batch_map=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                  scheduler=None, tile_m: int | None = None, lean_mask: bool | None = None,
-                 launchable: bool = False) -> common.Compiled:
+                 launchable: bool = False, persistent: bool | None = None) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
-    and lean_mask as in attention_forward (None = default_tile_m / default_lean_mask).
+    lean_mask and persistent as in attention_forward (None = default_tile_m / default_lean_mask /
+    default_persistent).
     launchable=True builds what attention_forward launches (TVM-FFI, the same cache key)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -1050,7 +1199,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     dt = common.cutlass_dtype(dtype)
     policy.check_dtype(dt)
-    scheduler = scheduler or common.StaticTileScheduler
+    scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen))
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
@@ -1151,7 +1300,8 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
     ms = common.benchmark_ms(fwd)
     tflops = flops / (ms * 1e-3) / 1e12
     rep = common._CACHE[_key("gpu", common.cutlass_dtype(dtype), head_dim, head_dim_v, causal, policy,
-                             common.StaticTileScheduler, flags, tile_m, lean_mask)].report
+                             _resolve_scheduler(None, None, head_dim, head_dim_v, causal, varlen), flags, tile_m,
+                             lean_mask)].report
     result.update(mode="gpu", ms=ms, tflops=tflops, report=rep)
     if verbose:
         status = "PASS" if check else "(unchecked)"

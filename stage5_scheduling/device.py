@@ -152,6 +152,11 @@ class SectionedScheduler:
                                             self.reverse_blocks, imin=cutlass.min)
         return WorkTile(block, head, batch, True)
 
+    def tile_at(self, linear, num_blocks, num_heads, num_batch):
+        """The same map for a persistent loop (``common.PersistentScheduler``), extents given."""
+        return sectioned_tile(linear, num_blocks, num_heads, self.heads_per_section, self.reverse_blocks,
+                              imin=cutlass.min)
+
     def next_work(self, work: WorkTile) -> WorkTile:
         return WorkTile(work.m_block, work.head, work.batch, False)
 
@@ -235,6 +240,9 @@ class LPTNoSectionsScheduler:
         gx, gy, gz = cute.arch.grid_dim()
         block, head, batch = no_sections_tile(launch_index(), gx, gy, gz)
         return WorkTile(block, head, batch, True)
+
+    def tile_at(self, linear, num_blocks, num_heads, num_batch):
+        return no_sections_tile(linear, num_blocks, num_heads, num_batch)
 
     def next_work(self, work: WorkTile) -> WorkTile:
         return WorkTile(work.m_block, work.head, work.batch, False)

@@ -111,6 +111,9 @@ def test_ab_fwd_impl_specs_parse_keyword_arguments_and_bad_ones_name_what_is_exp
     assert ab_fwd.parse_impl("fa4") == ("fa4", {})
     with pytest.raises(SystemExit, match="fa4 takes no keyword"):
         ab_fwd.parse_impl("fa4~tile_m=128")
+    # True / False are bools (fa4 takes persistent only: the route with and without persistent CTAs)
+    assert ab_fwd.parse_impl("fa4~persistent=False") == ("fa4", {"persistent": False})
+    assert ab_fwd.parse_impl("m~persistent=True")[1]["persistent"] is True
 
 
 def test_backward_benchmarks_time_peers_without_grad_accumulation():

@@ -383,7 +383,10 @@ def test_three_consumer_kernel_sm90a(compiled, case):
     assert rep["HGMMA"] and rep["HGMMA"] > 0
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+)", comp.ptx) == [("dec", "32"), ("inc", "160")]
-    assert rep["UTMALDG"] == 3 + 2  # three 64-row Q slabs, K, V
+    # three 64-row Q slabs, K, V; the persistent build (the non-causal default) issues a tile's
+    # first K/V block before its Q, a second copy of those two loads
+    persistent = _mod().default_persistent(64, 64, case[3])
+    assert rep["UTMALDG"] == 3 + 2 * (2 if persistent else 1)
     # 2 masked softmax sites (first block, masked loop) x 64 scores per thread = 128 selects, + a few
     assert len(re.findall(r"\bFSEL\b", comp.sass)) < 2 * 64 + 64
 
@@ -1003,3 +1006,141 @@ def test_run_entry_point(varlen):
     res = _mod().run(batch=3, seqlen_q=512, seqlen_k=512, heads=4, head_dim=128, causal=True, check=True,
                      varlen=varlen, verbose=False)
     assert res["mode"] == "gpu" and res["tflops"] > 0
+
+
+# ---- persistent CTAs (common.PersistentScheduler) -------------------------------------------------
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_persistent_scheduler_validation_and_order():
+    from stage3_fwd_kernel import common
+
+    P = common.PersistentScheduler
+    assert P() == P(common.StaticTileScheduler, None) and hash(P()) == hash(P(common.StaticTileScheduler))
+    assert P(num_ctas=7) != P(num_ctas=8) and P(num_ctas=7) != P()
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_ctas"):
+            P(num_ctas=bad)
+    with pytest.raises(TypeError, match="tile_at"):
+        P(order=object())
+    with pytest.raises(TypeError, match="persistent"):
+        P(order=P())
+    # the static order's tile_at is the hardware's dispatch order of the (M, H, B) grid, x fastest
+    M, H, B = 3, 4, 2
+    tiles = [common.StaticTileScheduler.tile_at(i, M, H, B) for i in range(M * H * B)]
+    assert tiles == [(m, h, b) for b in range(B) for h in range(H) for m in range(M)]
+    mod = _mod()
+    with pytest.raises(ValueError, match="shared memory"):  # Q + O + 2 K/V stages exceed 227 KB
+        mod.make_kernel(common.cutlass_dtype("bf16"), 256, 256, False, scheduler=P())
+    with pytest.raises(TypeError, match="persistent"):
+        mod._resolve_scheduler(None, 1, 128, 128, False)
+    with pytest.raises(ValueError, match="persistent"):
+        mod._resolve_scheduler(None, True, 256, 256, False)
+    # the default: non-causal calls, wherever Q, O and two K/V stages fit (head dims <= 128)
+    assert mod._resolve_scheduler(None, None, 128, 128, False) == P()
+    assert mod._resolve_scheduler(None, None, 128, 128, True) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(None, None, 128, 128, False, varlen=True) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(None, True, 128, 128, True) == P()
+    assert mod._resolve_scheduler(None, None, 192, 128, False) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(None, False, 64, 64, False) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(P(num_ctas=3), False, 64, 64, False) == P(num_ctas=3)  # already persistent
+    assert mod._launch_ctas(P(num_ctas=3), None) == 3 and mod._launch_ctas(common.StaticTileScheduler, None) == 1
+
+
+PERSISTENT_COMPILE = [(64, 64, False, False), (64, 64, True, True), (96, 96, True, False), (128, 128, False, False),
+                      (128, 128, True, True)]
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv,causal,varlen", PERSISTENT_COMPILE,
+                         ids=[f"d{d}-{'causal' if c else 'full'}{'-varlen' if v else ''}" for d, _, c, v in
+                              PERSISTENT_COMPILE])
+def test_persistent_compiles_sm90a(d, dv, causal, varlen):
+    """The tile loop fits the consumers' setmaxnreg budget without spills, O has its own buffer and
+    the grid is one CTA per SM at most (the launcher's min)."""
+    import re
+
+    from stage3_fwd_kernel import common
+
+    sched = common.PersistentScheduler()
+    comp = _mod().compile_only("bf16", d, dv, causal, varlen=varlen, seqused_k=varlen, scheduler=sched)
+    rep = comp.report
+    kernel = _mod().make_kernel(common.cutlass_dtype("bf16"), d, dv, causal, scheduler=sched)
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
+    assert not rep["wgmma_serialized"]
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= kernel.regs_consumer
+    q_o = 2 * kernel.tile_m * (d + dv)
+    assert q_o + 2 * kernel.num_stages * kernel.tile_n * (d + dv) <= rep["smem_bytes"] <= 227 * 1024
+    assert kernel.num_stages >= 2
+
+
+PERSISTENT_SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (300, 70), (1024, 1024), (4224, 4224)]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", PERSISTENT_SEQLENS, ids=[f"{a}x{b}" for a, b in PERSISTENT_SEQLENS])
+def test_persistent_matches_static(d, causal, sq, sk):
+    """Persistent CTAs compute each tile with the same operations as one CTA per tile: FA4's rule
+    and bitwise the static kernel's result, with 5 CTAs (each walks many tiles: the ring position
+    and Q's phase carry across tiles, including tiles without a visible key, 300 x 70 causal) and
+    with one CTA per SM."""
+    import torch
+
+    from stage3_fwd_kernel import common
+
+    big = sq * sk > 2_000_000
+    heads = 2 if big else 8
+    ratio = 2 if big else [1, 2, 8][(sq + sk + d) % 3]
+    q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, d, d, seed=sq + sk + d + 5)
+    static = _dense(q, k, v, causal=causal, persistent=False)
+    for sched in (common.PersistentScheduler(num_ctas=5), None):
+        out, lse = _dense(q, k, v, causal=causal, scheduler=sched, persistent=True)
+        assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d", [64, 128])
+def test_persistent_lpt_order_and_repeats(d):
+    """Stage 5's causal LPT order walked by persistent CTAs: the same bits as the static grid, run
+    after run."""
+    import torch
+
+    from stage3_fwd_kernel import common
+    from stage5_scheduling.device import LPTCausalScheduler
+
+    q, k, v = _randn_qkv(2, 1500, 1500, 8, 2, d, d, seed=d)
+    static = _dense(q, k, v, causal=True, persistent=False)
+    sched = common.PersistentScheduler(LPTCausalScheduler(4), 11)
+    first = _dense(q, k, v, causal=True, scheduler=sched)
+    assert torch.equal(first[0], static[0]) and torch.equal(first[1], static[1])
+    for _ in range(3):
+        again = _mod().attention_forward(q, k, v, causal=True, scheduler=sched)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,ratio,seqused", [(128, 2, True), (64, 8, True), (96, 1, False)],
+                         ids=["d128-gqa2-seqused", "d64-gqa8-seqused", "d96-mha"])
+def test_persistent_varlen(causal, d, ratio, seqused):
+    """Packed batches with q-empty and k-empty sequences, NaN cache slots past seqused_k and a
+    reversed batch_map, walked by 3 persistent CTAs (the tiles past a sequence's end are skipped
+    inside the loop): FA4's rule and bitwise the static kernel."""
+    import torch
+
+    from stage3_fwd_kernel import common
+
+    used = USED_K if seqused else None
+    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, d, d, seed=d + ratio + 9)
+    perm = torch.arange(len(LENS_Q) - 1, -1, -1, dtype=torch.int32, device="cuda")
+    static = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm,
+                       scheduler=common.PersistentScheduler(num_ctas=3))
+    assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+    q0, q1 = int(cu_q[1]), int(cu_q[2])  # the k-empty sequence: exactly 0 / -inf
+    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
