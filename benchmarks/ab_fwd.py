@@ -15,7 +15,9 @@ order included), or a module path with `attention_forward(q, k, v, causal=...)` 
 (any ladder step, or an untracked copy at the repo root with its own STEP name), the module optionally
 followed by keyword arguments of its `attention_forward`:
 `stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~pv_wait=split_rows` (numbers
-or words, True / False as bools: `~persistent=True`; each distinct set is its own compiled kernel). Each implementation's output is checked against
+or words, True / False as bools: `~persistent=True`; each distinct set is its own compiled kernel).
+`fa4` takes two route switches: `fa4~persistent=False` and `fa4~lpt_min=0` (LPT tile order from
+that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K). Each implementation's output is checked against
 the official one before timing.
 """
 from __future__ import annotations
@@ -49,9 +51,9 @@ def parse_impl(spec: str) -> tuple[str, dict]:
                 if not value.isidentifier():
                     raise SystemExit(f"--impls: {spec!r}: {name}={value!r} is neither a number nor a word") from None
                 kwargs[name] = {"True": True, "False": False}.get(value, value)
-    if module == "official" and kwargs or module == "fa4" and set(kwargs) - {"persistent"}:
+    if module == "official" and kwargs or module == "fa4" and set(kwargs) - {"persistent", "lpt_min"}:
         raise SystemExit(f"--impls: {module} takes no keyword arguments here but fa4's ~persistent=True/False "
-                         f"({spec!r})")
+                         f"and ~lpt_min=N ({spec!r})")
     return module, kwargs
 
 
@@ -68,13 +70,18 @@ def make_impl(spec: str):
         import fa4  # the production route: its tile order (LPT for long causal calls) and launch path
         from fa4 import _dispatch
 
-        def route(q, k, v, c):
-            saved = _dispatch.FORWARD_PERSISTENT
-            _dispatch.FORWARD_PERSISTENT = kwargs.get("persistent", saved)
+        def route(q, k, v, c):  # persistent / lpt_min: the route's switches, for this call only
+            saved = _dispatch.FORWARD_PERSISTENT, _dispatch.LPT_MIN_SEQLEN_K
+            _dispatch.FORWARD_PERSISTENT = kwargs.get("persistent", saved[0])
+            _dispatch.LPT_MIN_SEQLEN_K = kwargs.get("lpt_min", saved[1])
+            if _dispatch.LPT_MIN_SEQLEN_K != saved[1]:
+                _dispatch.causal_forward_scheduler.cache_clear()
             try:
                 return fa4.flash_attn_func(q, k, v, causal=c)
             finally:
-                _dispatch.FORWARD_PERSISTENT = saved
+                if _dispatch.LPT_MIN_SEQLEN_K != saved[1]:
+                    _dispatch.causal_forward_scheduler.cache_clear()
+                _dispatch.FORWARD_PERSISTENT, _dispatch.LPT_MIN_SEQLEN_K = saved
         return route
     mod = importlib.import_module(module)
     return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c, **kwargs)[0]

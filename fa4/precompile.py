@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import sys
 import time
@@ -104,8 +105,11 @@ def _lpt_task(mod, build: dict) -> tuple:
     """(config, what to build, label detail, extra row fields) of one LPT kernel, for either path."""
     first, last = build["seqlen_k"]
     sections = build["scheduler"].heads_per_section
+    kw = {}
+    if "seqlen_k" in inspect.signature(mod.compile_launchable).parameters:
+        kw["seqlen_k"] = first  # the key count picks persistent CTAs or not (Hopper step 4)
     compile_it = functools.partial(mod.compile_launchable, dtype=build["dtype"], head_dim=build["head_dim"],
-                                   head_dim_v=build["head_dim_v"], causal=True, scheduler=build["scheduler"])
+                                   head_dim_v=build["head_dim_v"], causal=True, scheduler=build["scheduler"], **kw)
     return ((build["dtype"], build["head_dim"], build["head_dim_v"], True), compile_it,
             f"{sections} heads/section, keys {first}-{last}, heads {build['heads']}: ",
             {"heads": build["heads"], "seqlen_k": [first, last], "heads_per_section": sections})

@@ -108,22 +108,31 @@ class PersistentScheduler:
     the first Q and K loads before any MMA, the last P V and the O store after the last one --
     because the producer loads tile t+1's Q and K/V while the consumers finish tile t. The
     kernel carries the pipeline state across tiles (``persistent`` is what it checks).
+
+    dynamic=True: CTA c starts with tile c, and each next tile is num_ctas + the value a global
+    counter held before the CTA's producer added 1 to it (one int32, zeroed per launch), so
+    whichever CTA frees first takes the next tile of the order, as the hardware does for a grid of
+    one CTA per tile. Needed when tiles differ in length (causal, varlen): with the fixed striding
+    a CTA that drew long tiles finishes late.
     """
 
     persistent = True
 
-    def __init__(self, order=StaticTileScheduler, num_ctas: Optional[int] = None):
+    def __init__(self, order=StaticTileScheduler, num_ctas: Optional[int] = None, dynamic: bool = False):
         if not callable(getattr(order, "tile_at", None)):
             raise TypeError(f"order: expected a tile order with tile_at(linear, M, H, B), got {order!r}")
         if getattr(order, "persistent", False):
             raise TypeError("order: expected a one-tile-per-CTA order, got a persistent scheduler")
         if num_ctas is not None and (isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas < 1):
             raise ValueError(f"num_ctas: expected None or an int >= 1, got {num_ctas!r}")
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"dynamic: expected a bool, got {type(dynamic).__name__}")
         self.order = order
         self.num_ctas = num_ctas
+        self.dynamic = dynamic
 
     def _fields(self):
-        return (self.order, self.num_ctas)
+        return (self.order, self.num_ctas, self.dynamic)
 
     def __eq__(self, other):  # compile caches key on the scheduler: equal configs share a kernel
         return type(other) is type(self) and other._fields() == self._fields()
@@ -132,7 +141,7 @@ class PersistentScheduler:
         return hash((type(self).__name__,) + self._fields())
 
     def __repr__(self):
-        return f"PersistentScheduler(order={self.order!r}, num_ctas={self.num_ctas})"
+        return f"PersistentScheduler(order={self.order!r}, num_ctas={self.num_ctas}, dynamic={self.dynamic})"
 
     def grid_shape(self, num_m_blocks, num_heads, batch, max_ctas):
         """max_ctas: the launch's CTA count (num_ctas, or the device's SMs when num_ctas is None)."""

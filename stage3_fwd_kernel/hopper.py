@@ -30,14 +30,14 @@ from stage3_fwd_kernel.softmax_policy import (
 )
 
 def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False,
-                       seqused_k=False, scheduler=None) -> list:
+                       seqused_k=False, scheduler=None, seqlen_k=None) -> list:
     """What attention_forward (varlen=True: attention_varlen_forward) launches with its defaults and
-    `scheduler` (None: the static tile order; persistent CTAs where default_persistent says so, as
-    in the launch), compiled without a GPU under the GPU path's cache key
+    `scheduler` (None: the static tile order; persistent CTAs where default_persistent says so for
+    calls with `seqlen_k` keys, None = short ones, as in the launch), compiled without a GPU under the GPU path's cache key
     (TVM-FFI, fake tensors): a list of one Compiled record. With fa4's disk cache installed this
     fills it on a CPU machine."""
     return [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
-                         scheduler=scheduler, launchable=True)]
+                         scheduler=scheduler, launchable=True, seqlen_k=seqlen_k)]
 
 
 __all__ = [

@@ -202,6 +202,7 @@ class FlashAttentionForwardSm90Step4:
         policy.check_dtype(dtype)
         # persistent (common.PersistentScheduler): a tile loop that carries the pipeline state
         self.persistent = bool(getattr(scheduler, "persistent", False))
+        self.dynamic = self.persistent and bool(getattr(scheduler, "dynamic", False))
         if self.persistent and not callable(getattr(scheduler, "tile_at", None)):
             raise TypeError("scheduler: a persistent scheduler needs tile_at(linear, M, H, B)")
         if tile_m not in TILE_MS:
@@ -269,12 +270,15 @@ class FlashAttentionForwardSm90Step4:
                  mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
-                 max_seqlen_q: Int32, max_ctas: Int32, stream):
+                 mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32, stream):
         # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         #         mLSE (B, Hq, Sq); the four optional tensors are None.
         # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
         #         mCuSeqlensQ / mCuSeqlensK (batch + 1,), mSeqUsedK / mBatchMap (batch,) or None.
         # max_ctas: a persistent grid's width (the device's SMs); unused by one-tile-per-CTA grids.
+        # mTileCounter: int32 (1,), zeroed, for a dynamic persistent scheduler; None otherwise.
+        if const_expr((mTileCounter is not None) != self.dynamic):
+            raise ValueError("tile_counter: pass one exactly when the scheduler is dynamic")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must share the kernel's dtype")
         if const_expr((mCuSeqlensQ is None) != (mCuSeqlensK is None)):
@@ -326,6 +330,7 @@ class FlashAttentionForwardSm90Step4:
             mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]               # full + empty, 1 stage
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            tile_ids: cute.struct.MemRange[Int32, 2]  # dynamic: the tile of each Q phase, from the producer
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -346,7 +351,7 @@ class FlashAttentionForwardSm90Step4:
             grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, softmax_scale,
                     mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
-                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
+                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
                     self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch,
@@ -360,6 +365,7 @@ class FlashAttentionForwardSm90Step4:
                seqlen_q: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32,
                mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
+               mTileCounter: Optional[cute.Tensor],
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -368,7 +374,7 @@ class FlashAttentionForwardSm90Step4:
         seq = (seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
         if const_expr(self.persistent):
             # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
-            self.attend(None, seq, (num_m_blocks, num_heads, num_batch),
+            self.attend(None, seq, (num_m_blocks, num_heads, num_batch, mTileCounter),
                         tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V,
                         tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, gmem_copy_O)
         else:
@@ -455,6 +461,7 @@ class FlashAttentionForwardSm90Step4:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (tn, dv, stages)
         smem_tensors = (storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
+        tile_ids = storage.tile_ids.get_tensor(cute.make_layout(2))  # (2,) int32, by Q phase
 
         if warp_group_idx == 0:
             # ---------------------------------------------------------------- producer warpgroup
@@ -465,15 +472,25 @@ class FlashAttentionForwardSm90Step4:
                     linear = Int32(cute.arch.block_idx()[0])
                     total = extents[0] * extents[1] * extents[2]
                     while linear < total:
-                        m_block, head, batch = self.scheduler.tile_at(linear, *extents)
+                        m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
                         t = self.tile_info(m_block, head, batch, seq)
                         if t[0] * self.tile_m < t[6]:
                             n_block_max = self.num_key_blocks(t[0], t[6], t[7])
+                            if const_expr(self.dynamic):
+                                # published before Q's full barrier is armed: its arrival releases it
+                                tile_ids[q_phase] = linear
                             self.produce(t, n_block_max, kv_base, q_phase, tma_Q, tma_K, tma_V,
                                          tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
                             kv_base += n_block_max
                             q_phase ^= 1
-                        linear += cute.arch.grid_dim()[0]
+                        linear = self.next_linear(linear, extents)
+                    if const_expr(self.dynamic):
+                        # tell the consumers there is no more work: an out-of-range tile id, on a Q
+                        # phase completed by a real load (the first Q slabs of the tensors)
+                        tile_ids[q_phase] = total
+                        t0 = (Int32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+                        self.produce(t0, Int32(0), kv_base, q_phase, tma_Q, tma_K, tma_V,
+                                     tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
                 else:
                     self.produce(tile, self.num_key_blocks(tile[0], tile[6], tile[7]), Int32(0), Int32(0),
                                  tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV,
@@ -483,12 +500,28 @@ class FlashAttentionForwardSm90Step4:
             cute.arch.setmaxregister_increase(self.regs_consumer)
             wg = warp_group_idx - 1
             self.pass_turn(wg, first=True)
-            if const_expr(self.persistent):
+            if const_expr(self.dynamic):
+                # the producer publishes each tile id with that tile's Q (total: no more work)
+                kv_base, q_phase = Int32(0), Int32(0)
+                total = extents[0] * extents[1] * extents[2]
+                pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), q_phase))
+                linear = tile_ids[q_phase]
+                while linear < total:
+                    m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
+                    t = self.tile_info(m_block, head, batch, seq)
+                    n_block_max = self.num_key_blocks(t[0], t[6], t[7])
+                    self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
+                                 mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
+                    kv_base += n_block_max
+                    q_phase ^= 1
+                    pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), q_phase))
+                    linear = tile_ids[q_phase]
+            elif const_expr(self.persistent):
                 kv_base, q_phase = Int32(0), Int32(0)
                 linear = Int32(cute.arch.block_idx()[0])
                 total = extents[0] * extents[1] * extents[2]
                 while linear < total:
-                    m_block, head, batch = self.scheduler.tile_at(linear, *extents)
+                    m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
                     t = self.tile_info(m_block, head, batch, seq)
                     if t[0] * self.tile_m < t[6]:
                         n_block_max = self.num_key_blocks(t[0], t[6], t[7])
@@ -502,6 +535,18 @@ class FlashAttentionForwardSm90Step4:
                              Int32(0), softmax_scale_log2, mO, mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv,
                              sO_layout, gmem_copy_O)
             self.pass_turn(wg, first=False)
+
+    @cute.jit
+    def next_linear(self, linear: Int32, extents) -> Int32:
+        """(producer warp) the tile after `linear`: num_ctas further (static), or -- dynamic -- num_ctas
+        + the count of tiles other CTAs have taken beyond their first (one atomic by lane 0, broadcast)."""
+        nxt = linear + cute.arch.grid_dim()[0]
+        if const_expr(self.dynamic):
+            taken = Int32(0)
+            if cute.arch.lane_idx() == 0:
+                taken = cute.arch.atomic_add(extents[3].iterator, Int32(1), sem="relaxed", scope="gpu")
+            nxt = cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(taken, 0)
+        return nxt
 
     @cute.jit
     def produce(self, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma_Q: cute.Tensor,
@@ -981,25 +1026,26 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_k=None, batch_map=None, max_ctas=1):
+               seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None):
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     common.launch_stream)."""
     def opt(t):
         return None if t is None else t.detach()
     return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), softmax_scale * common.LOG2_E,
-            softmax_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), max_seqlen_q,
-            max_ctas)
+            softmax_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
+            max_seqlen_q, max_ctas)
 
 
-def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False):
-    """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs."""
+def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False):
+    """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs;
+    dynamic: the scheduler takes a tile counter."""
     varlen, has_used, has_map = varlen_flags
     i32 = common.fake_i32_vector
     return (common.fake_bshd(dtype, d), common.fake_bshd(dtype, d), common.fake_bshd(dtype, dv),
             common.fake_bshd(dtype, dv), common.fake_lse(), Float32(1.0), Float32(1.0),
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
-            i32() if has_map else None, Int32(1), Int32(1),
+            i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
             common.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
@@ -1028,48 +1074,72 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
     key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask)
     return common.compile_cached(key, lambda: (
         make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, lean_mask=lean_mask),
-        _fake_args(dt, d, dv, varlen_flags, launchable=launchable)))
+        _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False))))
 
 
 # Persistent CTAs need Q, O and two K/V stages in shared memory: head dims up to 128.
 PERSISTENT_MAX_HEAD_DIM = 128
 
 
-def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: bool = False) -> bool:
-    """Whether a call walks its tiles with persistent CTAs by default: dense non-causal calls, wherever
-    they fit (every tile there walks the same key blocks).
-
-    H100, paired rounds against one CTA per tile (ab_fwd_h100_run16_persistent_nc.json /
-    ..._run17_persistent_causal.json): non-causal +2..+11% at d = 64 and 128, 1k-16k. Causal lost
-    3..30%: each CTA takes every num_ctas-th tile of a fixed order, and causal tiles differ in
-    length, so CTAs that drew long tiles finish late (the hardware hands a one-tile-per-CTA grid's
-    next tile to whichever SM frees first, which balances them; a persistent kernel would need an
-    atomic tile counter to do the same). Varlen batches mix sequence lengths the same way, so they
-    stay one CTA per tile unless asked (persistent=True: correct, not measured)."""
-    return not causal and not varlen and max(head_dim, head_dim_v) <= PERSISTENT_MAX_HEAD_DIM
+# Causal calls with three consumer warpgroups (d = 64) stay one CTA per tile from this many keys on,
+# where persistent CTAs tied or lost (run 18, below).
+PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K = 4096
 
 
-def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varlen=False):
+def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: bool = False,
+                       seqlen_k: int | None = None, tile_m: int | None = None) -> bool:
+    """Whether a call walks its tiles with persistent CTAs by default: dense calls wherever Q, O and
+    two K/V stages fit (head dims <= 128), except long causal calls at d = 64. seqlen_k None:
+    the short-call choice (what a build without a length compiles).
+
+    H100, paired rounds against the official kernel through fa4 (benchmarks/results/):
+    * non-causal, fixed striding (run 16, one CTA per tile -> persistent): d = 64 0.950-0.956 ->
+      0.970-1.028, d = 128 0.935-0.954 -> 0.966-1.055 (1k-16k): every CTA pays its launch, barrier
+      set-up, first Q and K loads and O store once instead of once per tile.
+    * causal needs the dynamic hand-out (an atomic tile counter): with fixed striding it lost
+      3..30% (run 17), since causal tiles differ in length and CTAs that drew long ones finish
+      late. Dynamic (run 18): d = 128 1.01 / 0.96 / 1.00 / 0.98 / 0.98 -> 1.23 / 1.09 / 1.06 / 1.01 /
+      1.00 at 1k / 2k / 4k / 8k / 16k; d = 64 0.97 / 0.96 -> 1.06 / 1.01 at 1k / 2k, and at 4k-16k
+      0.945-0.963 -> 0.941-0.955, a tie or a loss, hence PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K.
+    * varlen batches stay one CTA per tile unless asked (persistent=True, dynamic: correct, not
+      measured)."""
+    if varlen or max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM:
+        return False
+    if causal and (tile_m or default_tile_m(head_dim, head_dim_v)) == 192:
+        return seqlen_k is None or seqlen_k < PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K
+    return True
+
+
+def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varlen=False, seqlen_k=None,
+                       tile_m=None):
     """The call's scheduler: `scheduler` (default StaticTileScheduler), walked by one CTA per SM when
-    persistent (None: default_persistent(head_dim, head_dim_v, causal, varlen)). A scheduler that is
-    persistent itself (common.PersistentScheduler) is used as it is."""
+    persistent (None: default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m)). A
+    scheduler that is persistent itself (common.PersistentScheduler) is used as it is."""
     if persistent is not None and not isinstance(persistent, bool):
         raise TypeError(f"persistent: expected None or a bool, got {type(persistent).__name__}")
     scheduler = scheduler or common.StaticTileScheduler
     if getattr(scheduler, "persistent", False):
         return scheduler
     if persistent is None:
-        persistent = default_persistent(head_dim, head_dim_v, causal, varlen)
+        persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m)
     if persistent:
         if max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM:
             raise ValueError(f"persistent: needs head dims <= {PERSISTENT_MAX_HEAD_DIM} (Q, O and two K/V stages "
                              f"in shared memory), got ({head_dim}, {head_dim_v})")
-        scheduler = common.PersistentScheduler(scheduler)
+        # tiles of different lengths need the dynamic hand-out (see default_persistent)
+        scheduler = common.PersistentScheduler(scheduler, dynamic=causal or varlen)
     return scheduler
 
 
 def _launch_ctas(scheduler, device) -> int:
     return scheduler.launch_ctas(device) if getattr(scheduler, "persistent", False) else 1
+
+
+def _tile_counter(scheduler, device):
+    """A dynamic persistent scheduler's tile counter: one zeroed int32 per launch."""
+    import torch
+
+    return torch.zeros(1, dtype=torch.int32, device=device) if getattr(scheduler, "dynamic", False) else None
 
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
@@ -1084,8 +1154,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     rows per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv). lean_mask:
     the masked blocks' mask (see consume), None = default_lean_mask(tile_m) (lean at 192 rows only).
     persistent: one CTA per SM walks the scheduler's tile order (common.PersistentScheduler; head dims
-    up to 128, where Q, O and two K/V stages fit in shared memory); None = default_persistent(D, Dv,
-    causal): non-causal calls.
+    up to 128, where Q, O and two K/V stages fit in shared memory; causal calls take their tiles from
+    an atomic counter); None = default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m).
     """
     import torch
 
@@ -1116,8 +1186,9 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal)
-    args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=_launch_ctas(scheduler, q.device))
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
+    args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=_launch_ctas(scheduler, q.device),
+                      tile_counter=_tile_counter(scheduler, q.device))
     _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, lean_mask).fn(*args)
     return out, lse
 
@@ -1170,11 +1241,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True)
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
     # a batch of one: the dense kernel's tensor maps and (B, ...) indexing serve the packed tensors
     args = _call_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                       softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map,
-                      max_ctas=_launch_ctas(scheduler, q.device))
+                      max_ctas=_launch_ctas(scheduler, q.device), tile_counter=_tile_counter(scheduler, q.device))
     flags = (True, seqused_k is not None, batch_map is not None)
     _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m, lean_mask).fn(*args)
     return out, lse
@@ -1184,11 +1255,12 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  batch_map=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                  scheduler=None, tile_m: int | None = None, lean_mask: bool | None = None,
-                 launchable: bool = False, persistent: bool | None = None) -> common.Compiled:
+                 launchable: bool = False, persistent: bool | None = None,
+                 seqlen_k: int | None = None) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     lean_mask and persistent as in attention_forward (None = default_tile_m / default_lean_mask /
-    default_persistent).
+    default_persistent, which takes seqlen_k: the key count of the calls the build is for, None = short).
     launchable=True builds what attention_forward launches (TVM-FFI, the same cache key)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -1199,7 +1271,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     dt = common.cutlass_dtype(dtype)
     policy.check_dtype(dt)
-    scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen))
+    scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
@@ -1300,7 +1372,8 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
     ms = common.benchmark_ms(fwd)
     tflops = flops / (ms * 1e-3) / 1e12
     rep = common._CACHE[_key("gpu", common.cutlass_dtype(dtype), head_dim, head_dim_v, causal, policy,
-                             _resolve_scheduler(None, None, head_dim, head_dim_v, causal, varlen), flags, tile_m,
+                             _resolve_scheduler(None, None, head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m),
+                             flags, tile_m,
                              lean_mask)].report
     result.update(mode="gpu", ms=ms, tflops=tflops, report=rep)
     if verbose:

@@ -383,10 +383,12 @@ def test_three_consumer_kernel_sm90a(compiled, case):
     assert rep["HGMMA"] and rep["HGMMA"] > 0
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
     assert re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+)", comp.ptx) == [("dec", "32"), ("inc", "160")]
-    # three 64-row Q slabs, K, V; the persistent build (the non-causal default) issues a tile's
-    # first K/V block before its Q, a second copy of those two loads
-    persistent = _mod().default_persistent(64, 64, case[3])
-    assert rep["UTMALDG"] == 3 + 2 * (2 if persistent else 1)
+    # three 64-row Q slabs, K, V; the persistent build (the default without a key count) issues a
+    # tile's first K/V block before its Q, a second copy of those two loads, and (causal: dynamic)
+    # a last Q load that carries the "no more tiles" id, a second copy of the three Q slabs
+    persistent = _mod().default_persistent(64, 64, case[3], varlen="varlen" in case[4])
+    dynamic = persistent and case[3]
+    assert rep["UTMALDG"] == 3 * (2 if dynamic else 1) + 2 * (2 if persistent else 1)
     # 2 masked softmax sites (first block, masked loop) x 64 scores per thread = 128 selects, + a few
     assert len(re.findall(r"\bFSEL\b", comp.sass)) < 2 * 64 + 64
 
@@ -1016,7 +1018,9 @@ def test_persistent_scheduler_validation_and_order():
 
     P = common.PersistentScheduler
     assert P() == P(common.StaticTileScheduler, None) and hash(P()) == hash(P(common.StaticTileScheduler))
-    assert P(num_ctas=7) != P(num_ctas=8) and P(num_ctas=7) != P()
+    assert P(num_ctas=7) != P(num_ctas=8) and P(num_ctas=7) != P() and P(dynamic=True) != P()
+    with pytest.raises(TypeError, match="dynamic"):
+        P(dynamic=1)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="num_ctas"):
             P(num_ctas=bad)
@@ -1035,11 +1039,18 @@ def test_persistent_scheduler_validation_and_order():
         mod._resolve_scheduler(None, 1, 128, 128, False)
     with pytest.raises(ValueError, match="persistent"):
         mod._resolve_scheduler(None, True, 256, 256, False)
-    # the default: non-causal calls, wherever Q, O and two K/V stages fit (head dims <= 128)
+    # the default: dense calls wherever Q, O and two K/V stages fit (head dims <= 128), the dynamic
+    # hand-out for causal ones, except causal at d = 64 (192-row tiles) from 4096 keys on
     assert mod._resolve_scheduler(None, None, 128, 128, False) == P()
-    assert mod._resolve_scheduler(None, None, 128, 128, True) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(None, None, 128, 128, True, seqlen_k=16384) == P(dynamic=True)
+    assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4095) == P(dynamic=True)
+    assert mod._resolve_scheduler(None, None, 64, 64, True) == P(dynamic=True)  # no length: the short choice
+    assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4096) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4096, tile_m=128) == P(dynamic=True)
+    assert mod._resolve_scheduler(None, None, 64, 64, False, seqlen_k=16384) == P()
     assert mod._resolve_scheduler(None, None, 128, 128, False, varlen=True) is common.StaticTileScheduler
-    assert mod._resolve_scheduler(None, True, 128, 128, True) == P()
+    assert mod._resolve_scheduler(None, True, 128, 128, True) == P(dynamic=True)  # causal: dynamic hand-out
+    assert mod._resolve_scheduler(None, True, 64, 64, False, varlen=True) == P(dynamic=True)
     assert mod._resolve_scheduler(None, None, 192, 128, False) is common.StaticTileScheduler
     assert mod._resolve_scheduler(None, False, 64, 64, False) is common.StaticTileScheduler
     assert mod._resolve_scheduler(P(num_ctas=3), False, 64, 64, False) == P(num_ctas=3)  # already persistent
@@ -1096,7 +1107,9 @@ def test_persistent_matches_static(d, causal, sq, sk):
     ratio = 2 if big else [1, 2, 8][(sq + sk + d) % 3]
     q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, d, d, seed=sq + sk + d + 5)
     static = _dense(q, k, v, causal=causal, persistent=False)
-    for sched in (common.PersistentScheduler(num_ctas=5), None):
+    P = common.PersistentScheduler
+    # persistent=True alone: one CTA per SM, the dynamic hand-out for causal calls
+    for sched in (P(num_ctas=5), P(num_ctas=5, dynamic=True), None):
         out, lse = _dense(q, k, v, causal=causal, scheduler=sched, persistent=True)
         assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
 
@@ -1114,12 +1127,13 @@ def test_persistent_lpt_order_and_repeats(d):
 
     q, k, v = _randn_qkv(2, 1500, 1500, 8, 2, d, d, seed=d)
     static = _dense(q, k, v, causal=True, persistent=False)
-    sched = common.PersistentScheduler(LPTCausalScheduler(4), 11)
-    first = _dense(q, k, v, causal=True, scheduler=sched)
-    assert torch.equal(first[0], static[0]) and torch.equal(first[1], static[1])
-    for _ in range(3):
-        again = _mod().attention_forward(q, k, v, causal=True, scheduler=sched)
-        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    for sched in (common.PersistentScheduler(LPTCausalScheduler(4), 11),
+                  common.PersistentScheduler(LPTCausalScheduler(4), 11, dynamic=True)):
+        first = _dense(q, k, v, causal=True, scheduler=sched)
+        assert torch.equal(first[0], static[0]) and torch.equal(first[1], static[1])
+        for _ in range(3):  # the dynamic hand-out differs run to run; every tile's bits do not
+            again = _mod().attention_forward(q, k, v, causal=True, scheduler=sched)
+            assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
 
 
 @pytest.mark.gpu
@@ -1129,8 +1143,8 @@ def test_persistent_lpt_order_and_repeats(d):
                          ids=["d128-gqa2-seqused", "d64-gqa8-seqused", "d96-mha"])
 def test_persistent_varlen(causal, d, ratio, seqused):
     """Packed batches with q-empty and k-empty sequences, NaN cache slots past seqused_k and a
-    reversed batch_map, walked by 3 persistent CTAs (the tiles past a sequence's end are skipped
-    inside the loop): FA4's rule and bitwise the static kernel."""
+    reversed batch_map, walked by 3 persistent CTAs, striding and dynamic (the tiles past a
+    sequence's end are skipped inside the loop): FA4's rule and bitwise the static kernel."""
     import torch
 
     from stage3_fwd_kernel import common
@@ -1139,8 +1153,8 @@ def test_persistent_varlen(causal, d, ratio, seqused):
     q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, d, d, seed=d + ratio + 9)
     perm = torch.arange(len(LENS_Q) - 1, -1, -1, dtype=torch.int32, device="cuda")
     static = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm)
-    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm,
-                       scheduler=common.PersistentScheduler(num_ctas=3))
-    assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+    for sched in (common.PersistentScheduler(num_ctas=3), common.PersistentScheduler(num_ctas=3, dynamic=True)):
+        out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm, scheduler=sched)
+        assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
     q0, q1 = int(cu_q[1]), int(cu_q[2])  # the k-empty sequence: exactly 0 / -inf
     assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
