@@ -47,6 +47,14 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
 * Scheduling stays a parameter (`scheduler`, StaticTileScheduler by default) and an optional
   int32 ``batch_map`` maps the scheduler's (virtual) batch index to the sequence it computes, so
   stage 5 can reorder sequences (longest first) without this file knowing how.
+* Persistent CTAs (`common.PersistentScheduler`, the default for dense calls at head dims <= 128,
+  see `default_persistent`): one CTA per SM walks the tiles, so the per-CTA fixed cost (launch,
+  barrier set-up, the first Q and K loads, the O store: ~2-3 key-block steps per tile, fitted to
+  the H100 ladder) is paid once per SM. The producer carries the K/V ring position (`kv_base`) and
+  Q's phase across tiles and loads a tile's first K/V block before its Q; consumers release Q
+  after their last S, and O gets its own buffer. Causal calls take the next tile from an atomic
+  counter (`dynamic=True`): the producer publishes each tile id in shared memory before arming
+  that tile's Q barrier. Bitwise the results of one CTA per tile.
 
 Cost in registers: none to speak of. The polynomial's coefficients are immediates and the vote
 is one predicate; the consumer path's highest register (SASS, bf16) is 212 / 214 / 226 / 230 / 219

@@ -35,6 +35,7 @@ from .simulator import (
     run_backward,
     run_forward,
     simulate,
+    simulate_striding,
     simulate_bwd,
     tile_costs,
 )
@@ -44,5 +45,5 @@ __all__ = [
     "Schedule", "dq_rank", "first_q_block", "heads_per_section", "kv_blocks_visited",
     "list_order", "naive", "sectioned", "lpt_causal", "lpt_no_sections", "lpt_varlen",
     "varlen_metadata", "naive_bwd", "lpt_bwd", "spt_bwd", "tile_costs", "lower_bound",
-    "simulate", "simulate_bwd", "run_forward", "run_backward", "compare", "gantt",
+    "simulate", "simulate_striding", "simulate_bwd", "run_forward", "run_backward", "compare", "gantt",
 ]

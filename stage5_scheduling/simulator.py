@@ -48,7 +48,7 @@ from . import orders as O
 from .orders import Tiles, cdiv
 
 __all__ = [
-    "H100_SMS", "L2Model", "Schedule", "Problem", "tile_costs", "simulate", "simulate_bwd",
+    "H100_SMS", "L2Model", "Schedule", "Problem", "tile_costs", "simulate", "simulate_striding", "simulate_bwd",
     "run_forward", "run_backward", "lower_bound", "compare", "gantt",
 ]
 
@@ -212,6 +212,22 @@ def simulate(order_tiles: Tiles, costs, num_sms: int, l2: L2Model | None = None,
         sched.dram_bytes = dram_blocks * l2.block_bytes
         sched.compulsory_bytes = sum(need_max.values()) * l2.block_bytes
     return sched
+
+
+def simulate_striding(order_tiles: Tiles, costs, num_sms: int) -> Schedule:
+    """A persistent kernel with a fixed hand-out: CTA c runs tiles c, c + num_sms, c + 2 num_sms, ...
+    of the order back to back (``common.PersistentScheduler(dynamic=False)``), whoever is free.
+    With equal costs it places every tile exactly as ``simulate`` does; with unequal ones (causal,
+    varlen) a CTA that drew long tiles keeps drawing them and finishes last."""
+    costs = np.asarray(costs, dtype=float)
+    n = len(costs)
+    sm = np.arange(n, dtype=np.int64) % num_sms
+    start, end = np.zeros(n), np.zeros(n)
+    clock = np.zeros(num_sms)
+    for i in range(n):
+        start[i] = clock[sm[i]]
+        end[i] = clock[sm[i]] = start[i] + costs[i]
+    return Schedule(order_tiles, costs, sm, start, end, num_sms)
 
 
 # --------------------------------------------------------------------------------------------

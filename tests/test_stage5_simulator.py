@@ -31,6 +31,7 @@ from stage5_scheduling import (
     run_forward,
     simulate,
     simulate_bwd,
+    simulate_striding,
     spt_bwd,
     tile_costs,
     varlen_metadata,
@@ -254,6 +255,24 @@ def test_lpt_strictly_better_on_the_standard_causal_case():
     assert lpt_s.lower_bound == 66560 / 132
     assert lpt_s.makespan < naive_s.makespan
     assert lpt_s.makespan / lpt_s.lower_bound < 1.01 < 1.05 < naive_s.makespan / naive_s.lower_bound
+
+
+def test_persistent_striding_needs_equal_tiles():
+    """The forward's persistent CTAs: a fixed hand-out (CTA c takes every 132nd tile) places equal
+    tiles exactly like the greedy one (non-causal: persistent=True keeps it), but with causal tiles
+    the CTAs that drew long ones finish last, which is why causal calls take tiles from an atomic
+    counter (dynamic=True, the greedy hand-out of `simulate`)."""
+    for causal in (False, True):
+        p = Problem.fixed(32, 16, 1024, causal=causal)  # fa4's order below 4k keys: the static grid
+        tiles = p.forward_tiles("naive")
+        greedy, fixed = simulate(tiles, p.costs(tiles), 132), simulate_striding(tiles, p.costs(tiles), 132)
+        assert np.bincount(fixed.sm).tolist() == [len(tiles.block) // 132 + (s < len(tiles.block) % 132)
+                                                  for s in range(132)]  # every 132nd tile each
+        if not causal:
+            assert np.array_equal(fixed.sm, greedy.sm) and fixed.makespan == greedy.makespan
+        else:
+            assert fixed.makespan > 1.3 * greedy.makespan  # 192 vs 145 steps: run 17 measured 1.30x
+            assert fixed.makespan >= fixed.lower_bound and greedy.makespan >= greedy.lower_bound
 
 
 def test_lpt_never_worse_than_naive_fixed_length(rng):
