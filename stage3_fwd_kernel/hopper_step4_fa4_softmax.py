@@ -480,9 +480,8 @@ class FlashAttentionForwardSm90Step4:
                     linear = Int32(cute.arch.block_idx()[0])
                     total = extents[0] * extents[1] * extents[2]
                     while linear < total:
-                        m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
-                        t = self.tile_info(m_block, head, batch, seq)
-                        if t[0] * self.tile_m < t[6]:
+                        t = self.work_at(linear, extents, seq)
+                        if t[0] * self.tile_m < t[6]:  # else: past its sequence's end (varlen)
                             n_block_max = self.num_key_blocks(t[0], t[6], t[7])
                             if const_expr(self.dynamic):
                                 # published before Q's full barrier is armed: its arrival releases it
@@ -515,8 +514,7 @@ class FlashAttentionForwardSm90Step4:
                 pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), q_phase))
                 linear = tile_ids[q_phase]
                 while linear < total:
-                    m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
-                    t = self.tile_info(m_block, head, batch, seq)
+                    t = self.work_at(linear, extents, seq)
                     n_block_max = self.num_key_blocks(t[0], t[6], t[7])
                     self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
                                  mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
@@ -529,8 +527,7 @@ class FlashAttentionForwardSm90Step4:
                 linear = Int32(cute.arch.block_idx()[0])
                 total = extents[0] * extents[1] * extents[2]
                 while linear < total:
-                    m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
-                    t = self.tile_info(m_block, head, batch, seq)
+                    t = self.work_at(linear, extents, seq)
                     if t[0] * self.tile_m < t[6]:
                         n_block_max = self.num_key_blocks(t[0], t[6], t[7])
                         self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
@@ -543,6 +540,11 @@ class FlashAttentionForwardSm90Step4:
                              Int32(0), softmax_scale_log2, mO, mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv,
                              sO_layout, gmem_copy_O)
             self.pass_turn(wg, first=False)
+
+    def work_at(self, linear: Int32, extents, seq) -> tuple:
+        """tile_info of the persistent order's tile `linear` (extents: (M, H, B, tile counter))."""
+        m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
+        return self.tile_info(m_block, head, batch, seq)
 
     @cute.jit
     def next_linear(self, linear: Int32, extents) -> Int32:
