@@ -154,7 +154,10 @@ def section_fixed(bench, quick: bool) -> list:
         v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
         steps = {"step3": lambda sch: dev.step3_forward(q, k, v, causal=True, scheduler=sch)}
         if step4 is not None:
-            steps["step4"] = lambda sch: step4.attention_forward(q, k, v, causal=True, scheduler=sch)
+            # one CTA per tile: the orders as the hardware's dispatcher walks them (the simulated
+            # greedy schedule), not through step 4's persistent CTAs
+            kw4 = {"persistent": False} if "persistent" in inspect.signature(step4.attention_forward).parameters else {}
+            steps["step4"] = lambda sch: step4.attention_forward(q, k, v, causal=True, scheduler=sch, **kw4)
         for step, run in steps.items():
             variants, meta = {}, {}
             ref = None

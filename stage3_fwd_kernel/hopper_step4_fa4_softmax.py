@@ -1107,7 +1107,7 @@ def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: boo
       0.970-1.028, d = 128 0.935-0.954 -> 0.966-1.055 (1k-16k): every CTA pays its launch, barrier
       set-up, first Q and K loads and O store once instead of once per tile.
     * causal needs the dynamic hand-out (an atomic tile counter): with fixed striding it lost
-      3..30% (run 17), since causal tiles differ in length and CTAs that drew long ones finish
+      3..32% (run 17), since causal tiles differ in length and CTAs that drew long ones finish
       late. Dynamic (run 18): d = 128 1.01 / 0.96 / 1.00 / 0.98 / 0.98 -> 1.23 / 1.09 / 1.06 / 1.01 /
       1.00 at 1k / 2k / 4k / 8k / 16k; d = 64 0.97 / 0.96 -> 1.06 / 1.01 at 1k / 2k, and at 4k-16k
       0.945-0.963 -> 0.941-0.955, a tie or a loss, hence PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K.
