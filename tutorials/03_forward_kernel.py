@@ -581,6 +581,29 @@ for causal in (False, True):
 # while steps 1-3 were measured with 128-row tiles in earlier runs: the gap between them there is
 # mostly the tile, not the softmax.
 #
+# ## Persistent CTAs: paying the per-CTA cost once per SM
+# What finally moved the Hopper forward against the official kernel was not inside the tile loop.
+# Fitting `time per CTA = a + b x key blocks` to the one-CTA-per-tile runs gives a fixed `a` of
+# ~2 key-block steps per CTA at `d = 128` and ~3 at `d = 64` (launch, barrier set-up, the first Q
+# and K loads, the last P V and the O store), 6-9% of the time at 4k keys. Step 4 therefore runs
+# one CTA per SM that walks the tiles (`common.PersistentScheduler`; the producer carries the K/V
+# ring position and Q's phase from tile to tile), with the next tile taken from an atomic counter
+# in causal calls, whose tiles differ in length (tutorial 05 shows why a fixed hand-out fails
+# there). The committed paired runs, in ratios to the official kernel:
+
+# %%
+path = RESULTS / "ab_fwd_h100_run19_fa4_route_persistent.json"
+if path.exists():
+    res = json.loads(path.read_text())
+    print(f"fa4.flash_attn_func with persistent CTAs, {res['device']}, commit {res['git_commit']}:")
+    for r in res["results"]:
+        if r["impl"] == "fa4":
+            print(f"  d={r['head_dim']:>3} causal={r['causal']!s:5} {r['seqlen']:>5} keys: "
+                  f"x{r['ratio_median']:.3f} (rounds {r['ratio_min']:.3f}-{r['ratio_max']:.3f})")
+else:
+    print(f"{path.name}: not committed in this checkout")
+
+# %% [markdown]
 # ## The Blackwell pipeline
 # On Blackwell (sm_100a) the MMA accumulators leave the register file for **tensor memory**
 # (TMEM: 128 lanes x 512 columns of 32 bits per SM), a 128 x 128 MMA is one instruction issued by
