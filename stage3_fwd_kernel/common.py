@@ -27,7 +27,8 @@ import struct
 import sys
 import tempfile
 import warnings
-from typing import Any, Callable, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, NamedTuple, Optional
 
 from stage2_emulated_exp.sass import disassemble as _disassemble
 
@@ -99,6 +100,7 @@ class StaticTileScheduler:
         return m_block, rest % num_heads, rest // num_heads
 
 
+@dataclass(frozen=True)
 class PersistentScheduler:
     """A persistent grid over any tile order that has ``tile_at(linear, M, H, B)``: ``num_ctas``
     CTAs (None: one per SM of the launching device, passed at launch, so one compiled kernel serves
@@ -116,32 +118,24 @@ class PersistentScheduler:
     a CTA that drew long tiles finishes late.
     """
 
-    persistent = True
+    # frozen dataclass, as stage 5's schedulers: equal configurations compare and hash equal, so
+    # the compile caches keyed on the scheduler build one kernel per configuration
+    order: Any = StaticTileScheduler
+    num_ctas: Optional[int] = None
+    dynamic: bool = False
 
-    def __init__(self, order=StaticTileScheduler, num_ctas: Optional[int] = None, dynamic: bool = False):
+    persistent: ClassVar[bool] = True
+
+    def __post_init__(self):
+        order, num_ctas = self.order, self.num_ctas
         if not callable(getattr(order, "tile_at", None)):
             raise TypeError(f"order: expected a tile order with tile_at(linear, M, H, B), got {order!r}")
         if getattr(order, "persistent", False):
             raise TypeError("order: expected a one-tile-per-CTA order, got a persistent scheduler")
         if num_ctas is not None and (isinstance(num_ctas, bool) or not isinstance(num_ctas, int) or num_ctas < 1):
             raise ValueError(f"num_ctas: expected None or an int >= 1, got {num_ctas!r}")
-        if not isinstance(dynamic, bool):
-            raise TypeError(f"dynamic: expected a bool, got {type(dynamic).__name__}")
-        self.order = order
-        self.num_ctas = num_ctas
-        self.dynamic = dynamic
-
-    def _fields(self):
-        return (self.order, self.num_ctas, self.dynamic)
-
-    def __eq__(self, other):  # compile caches key on the scheduler: equal configs share a kernel
-        return type(other) is type(self) and other._fields() == self._fields()
-
-    def __hash__(self):
-        return hash((type(self).__name__,) + self._fields())
-
-    def __repr__(self):
-        return f"PersistentScheduler(order={self.order!r}, num_ctas={self.num_ctas}, dynamic={self.dynamic})"
+        if not isinstance(self.dynamic, bool):
+            raise TypeError(f"dynamic: expected a bool, got {type(self.dynamic).__name__}")
 
     def grid_shape(self, num_m_blocks, num_heads, batch, max_ctas):
         """max_ctas: the launch's CTA count (num_ctas, or the device's SMs when num_ctas is None)."""

@@ -100,6 +100,7 @@ half the SASS, and a highest register of 151 - 208 instead of 209 - 237, no spil
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Optional
@@ -146,13 +147,19 @@ def default_tile_m(head_dim: int, head_dim_v: int) -> int:
     return 192 if max(head_dim, head_dim_v) <= 64 else 128
 
 
+def _smem_plan(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int, separate_o: bool) -> tuple[int, int]:
+    """(bytes outside the K/V ring: Q, O when it has its own buffer, 2 KB for barriers and
+    alignment; bytes per K/V stage), 2 bytes/element."""
+    fixed = tile_m * head_dim * 2 + (tile_m * head_dim_v * 2 if separate_o else 0) + 2048
+    return fixed, tile_n * (head_dim + head_dim_v) * 2
+
+
 def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128,
                        separate_o: bool = False) -> int:
-    """As many K/V stages as fit next to Q (and O when it has its own buffer; 2 bytes/element),
-    between 2 and 4 (step 3's table)."""
-    q_bytes = tile_m * head_dim * 2 + (tile_m * head_dim_v * 2 if separate_o else 0)
-    stage_bytes = tile_n * (head_dim + head_dim_v) * 2
-    return max(2, min(4, (common.SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
+    """As many K/V stages as fit next to Q (and O when it has its own buffer), between 2 and 4
+    (step 3's table)."""
+    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o)
+    return max(2, min(4, (common.SMEM_BUDGET - fixed) // stage_bytes))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,7 +248,8 @@ class FlashAttentionForwardSm90Step4:
         # free exactly what the consumers take, 128 * (p + n * c) = 65536 (FA3's split for 3 WGs)
         self.regs_producer, self.regs_consumer = {2: (24, 240), 3: (32, 160)}[self.num_consumers]
         if self.persistent:
-            need = 2 * (tile_m * (head_dim + head_dim_v) + self.num_stages * self.tile_n * (head_dim + head_dim_v))
+            fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, self.tile_n, tile_m, separate_o=True)
+            need = fixed - 2048 + self.num_stages * stage_bytes
             if need + 2048 > common.SMEM_BUDGET:
                 raise ValueError(f"scheduler: a persistent CTA keeps O apart from Q, and Q + O + {self.num_stages} "
                                  f"K/V stages at head dims ({head_dim}, {head_dim_v}) need {need} bytes of shared "
@@ -1137,8 +1145,14 @@ def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varl
             raise ValueError(f"persistent: needs head dims <= {PERSISTENT_MAX_HEAD_DIM} (Q, O and two K/V stages "
                              f"in shared memory), got ({head_dim}, {head_dim_v})")
         # tiles of different lengths need the dynamic hand-out (see default_persistent)
-        scheduler = common.PersistentScheduler(scheduler, dynamic=causal or varlen)
+        scheduler = _persistent_over(scheduler, causal or varlen)
     return scheduler
+
+
+@functools.lru_cache(maxsize=64)
+def _persistent_over(order, dynamic: bool) -> common.PersistentScheduler:
+    """The per-call wrapper, built (and validated) once per order: the launch path is host-bound."""
+    return common.PersistentScheduler(order, dynamic=dynamic)
 
 
 def _launch_ctas(scheduler, device) -> int:
