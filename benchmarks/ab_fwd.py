@@ -16,8 +16,9 @@ order included), or a module path with `attention_forward(q, k, v, causal=...)` 
 followed by keyword arguments of its `attention_forward`:
 `stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~pv_wait=split_rows` (numbers
 or words, True / False as bools: `~persistent=True`; each distinct set is its own compiled kernel).
-`fa4` takes two route switches: `fa4~persistent=False` and `fa4~lpt_min=0` (LPT tile order from
-that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K). Each implementation's output is checked against
+`fa4` takes three route switches: `fa4~persistent=False`, `fa4~lpt_min=0` (LPT tile order from
+that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K) and `fa4~kv_multicast=True` (non-causal calls: K/V
+shared by clusters of two CTAs, fa4._dispatch.FORWARD_KV_MULTICAST). Each implementation's output is checked against
 the official one before timing.
 """
 from __future__ import annotations
@@ -32,6 +33,11 @@ import sys
 import torch
 
 from bench_fwd import flops, write_doc
+
+
+# fa4's route switches: ab_fwd's keyword -> the fa4._dispatch attribute it sets for the call
+FA4_SWITCHES = {"persistent": "FORWARD_PERSISTENT", "lpt_min": "LPT_MIN_SEQLEN_K",
+                "kv_multicast": "FORWARD_KV_MULTICAST"}
 
 
 def parse_impl(spec: str) -> tuple[str, dict]:
@@ -51,9 +57,9 @@ def parse_impl(spec: str) -> tuple[str, dict]:
                 if not value.isidentifier():
                     raise SystemExit(f"--impls: {spec!r}: {name}={value!r} is neither a number nor a word") from None
                 kwargs[name] = {"True": True, "False": False}.get(value, value)
-    if module == "official" and kwargs or module == "fa4" and set(kwargs) - {"persistent", "lpt_min"}:
-        raise SystemExit(f"--impls: {module} takes no keyword arguments here but fa4's ~persistent=True/False "
-                         f"and ~lpt_min=N ({spec!r})")
+    if module == "official" and kwargs or module == "fa4" and set(kwargs) - set(FA4_SWITCHES):
+        raise SystemExit(f"--impls: {module} takes no keyword arguments here but fa4's ~persistent=True/False, "
+                         f"~lpt_min=N and ~kv_multicast=True/False ({spec!r})")
     return module, kwargs
 
 
@@ -70,18 +76,20 @@ def make_impl(spec: str):
         import fa4  # the production route: its tile order (LPT for long causal calls) and launch path
         from fa4 import _dispatch
 
-        def route(q, k, v, c):  # persistent / lpt_min: the route's switches, for this call only
-            saved = _dispatch.FORWARD_PERSISTENT, _dispatch.LPT_MIN_SEQLEN_K
-            _dispatch.FORWARD_PERSISTENT = kwargs.get("persistent", saved[0])
-            _dispatch.LPT_MIN_SEQLEN_K = kwargs.get("lpt_min", saved[1])
-            if _dispatch.LPT_MIN_SEQLEN_K != saved[1]:
+        def route(q, k, v, c):  # the route's switches (FA4_SWITCHES), for this call only
+            saved = {attr: getattr(_dispatch, attr) for attr in FA4_SWITCHES.values()}
+            for name, value in kwargs.items():
+                setattr(_dispatch, FA4_SWITCHES[name], value)
+            lpt_changed = _dispatch.LPT_MIN_SEQLEN_K != saved["LPT_MIN_SEQLEN_K"]
+            if lpt_changed:
                 _dispatch.causal_forward_scheduler.cache_clear()
             try:
                 return fa4.flash_attn_func(q, k, v, causal=c)
             finally:
-                if _dispatch.LPT_MIN_SEQLEN_K != saved[1]:
+                for attr, value in saved.items():
+                    setattr(_dispatch, attr, value)
+                if lpt_changed:
                     _dispatch.causal_forward_scheduler.cache_clear()
-                _dispatch.FORWARD_PERSISTENT, _dispatch.LPT_MIN_SEQLEN_K = saved
         return route
     mod = importlib.import_module(module)
     return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c, **kwargs)[0]

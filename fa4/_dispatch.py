@@ -258,6 +258,11 @@ LPT_MIN_SEQLEN_K = 4096
 # compares the two routes).
 FORWARD_PERSISTENT = None
 
+# K/V multicast for non-causal forwards (Hopper step 4's kv_multicast: clusters of two CTAs share each
+# K/V block through TMA multicast). Off: compiled and checked in CI, not yet run on a GPU;
+# benchmarks/ab_fwd.py `fa4~kv_multicast=True` times the route with it.
+FORWARD_KV_MULTICAST = False
+
 
 @functools.lru_cache(maxsize=256)
 def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_dim: int, head_dim_v: int,
@@ -357,6 +362,8 @@ class Backend:
         kw = {}
         if FORWARD_PERSISTENT is not None and "persistent" in _params(mod.attention_forward):
             kw["persistent"] = FORWARD_PERSISTENT
+        if FORWARD_KV_MULTICAST and not causal and "kv_multicast" in _params(mod.attention_forward):
+            kw["kv_multicast"] = True
         if sched is not None and _takes_scheduler(mod):
             return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, scheduler=sched, **kw)
         return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)

@@ -55,6 +55,11 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   after their last S, and O gets its own buffer. Causal calls take the next tile from an atomic
   counter (`dynamic=True`): the producer publishes each tile id in shared memory before arming
   that tile's Q barrier. Bitwise the results of one CTA per tile.
+* K/V multicast (`kv_multicast=True`, off by default: compiled and checked in PTX, not yet run on a
+  GPU): clusters of two CTAs on neighbouring query tiles of a head; each loads half of every K/V
+  block and TMA multicasts it into both, so L2 serves each block once per pair (a step reads one
+  byte of K/V per tile_m FLOP: ~5 TB/s at d = 128 and 650 TFLOP/s). A K/V slot is free once both
+  CTAs' consumers released it. Non-causal dense calls only (stage 3 README, "K/V multicast").
 
 Cost in registers: none to speak of. The polynomial's coefficients are immediates and the vote
 is one predicate; the consumer path's highest register (SASS, bf16) is 212 / 214 / 226 / 230 / 219
@@ -209,7 +214,7 @@ class FlashAttentionForwardSm90Step4:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
                  num_stages: int | None = None, pingpong: bool = True, scheduler=common.StaticTileScheduler,
-                 lean_mask: bool | None = None):
+                 lean_mask: bool | None = None, kv_multicast: bool = False):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -222,6 +227,11 @@ class FlashAttentionForwardSm90Step4:
             raise TypeError("scheduler: a persistent scheduler needs tile_at(linear, M, H, B)")
         if tile_m not in TILE_MS:
             raise ValueError(f"tile_m: expected one of {TILE_MS} (64 query rows per consumer warpgroup), got {tile_m}")
+        _check_kv_multicast(kv_multicast, causal, scheduler)
+        # a cluster of two CTAs on neighbouring query tiles of one head: each loads half of every
+        # K/V block and TMA multicasts it into both CTAs' shared memory (see consume_pairs)
+        self.kv_multicast = kv_multicast
+        self.cluster_m = 2 if kv_multicast else 1
         if tile_m == 192 and max(head_dim, head_dim_v) > 64:
             # S (64) + P (32) + O (dv / 2) registers per thread no longer fit 160: ptxas spills
             raise ValueError(f"tile_m: 192 needs head dims <= 64 (160 registers per consumer thread), "
@@ -302,6 +312,8 @@ class FlashAttentionForwardSm90Step4:
         if const_expr(mSeqUsedK is not None and mCuSeqlensK is None):
             raise ValueError("seqused_k: needs cu_seqlens_k")
         self.varlen = mCuSeqlensQ is not None
+        if const_expr(self.varlen and self.kv_multicast):
+            raise ValueError("kv_multicast: dense calls only (the two CTAs of a pair must share one sequence)")
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
         nc = self.num_consumers
         mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
@@ -325,12 +337,16 @@ class FlashAttentionForwardSm90Step4:
         def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
             return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        # kv_multicast: each CTA of the pair loads 1/cluster_m of a K/V box into both CTAs
+        tma_load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.kv_multicast) else tma_load
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             tma_load, seq_dim_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), (tm, d))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_load, seq_dim_first(mK), cute.slice_(sK_layout, (None, None, 0)), (tn, d))
+            tma_load_kv, seq_dim_first(mK), cute.slice_(sK_layout, (None, None, 0)), (tn, d),
+            num_multicast=self.cluster_m)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_load, seq_dim_first(mV), cute.slice_(sV_layout, (None, None, 0)), (tn, dv))
+            tma_load_kv, seq_dim_first(mV), cute.slice_(sV_layout, (None, None, 0)), (tn, dv),
+            num_multicast=self.cluster_m)
         # bytes each stage's "full" barrier waits for (the whole box, zero-filled rows included)
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)  # all nc slabs, one barrier
         self.tma_bytes_K = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
@@ -361,18 +377,25 @@ class FlashAttentionForwardSm90Step4:
         batch = mQ.shape[0]
         if const_expr(self.varlen):
             batch = mCuSeqlensQ.shape[0] - 1
+        # kv_multicast: the tile order runs over pairs of query tiles (cluster_m CTAs each); the
+        # second tile of a pair past the last one (odd count) is a shadow: it loads and multicasts
+        # its half of every K/V block for its partner and stores nothing (its rows are >= seqlen_q)
+        num_m_units = (num_m_blocks + self.cluster_m - 1) // self.cluster_m
         if const_expr(self.persistent):
-            grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch, max_ctas)
+            grid = self.scheduler.grid_shape(num_m_units, mQ.shape[2], batch,
+                                             cutlass.max(max_ctas // self.cluster_m, 1))
+            grid = (grid[0] * self.cluster_m, grid[1], grid[2])
         else:
-            grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
+            grid = self.scheduler.grid_shape(num_m_units * self.cluster_m, mQ.shape[2], batch)
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, softmax_scale,
                     mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
-                    self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch,
+                    self._gmem_copy_O(dv), num_m_units, mQ.shape[2], batch,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
-                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+                             **({"cluster": (self.cluster_m, 1, 1)} if self.kv_multicast else {}))
 
     # -------------------------------------------------------------- device side
     @cute.kernel
@@ -386,11 +409,12 @@ class FlashAttentionForwardSm90Step4:
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
-               gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32):
+               gmem_copy_O: cute.TiledCopy, num_m_units: Int32, num_heads: Int32, num_batch: Int32):
+        # num_m_units: query tiles per head, or pairs of them (kv_multicast)
         seq = (seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
         if const_expr(self.persistent):
             # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
-            self.attend(None, seq, (num_m_blocks, num_heads, num_batch, mTileCounter),
+            self.attend(None, seq, (num_m_units, num_heads, num_batch, mTileCounter),
                         tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V,
                         tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, gmem_copy_O)
         else:
@@ -398,7 +422,7 @@ class FlashAttentionForwardSm90Step4:
             tile = self.tile_info(work.m_block, work.head, work.batch, seq)
             # a CTA past the end of its (shorter than max_seqlen_q) sequence has nothing to do; the
             # whole CTA leaves before any barrier exists
-            if tile[0] * self.tile_m < tile[6]:
+            if self.tile_live(tile):
                 self.attend(tile, seq, None, tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, tma_atom_Q,
                             tma_atom_K, tma_atom_V, tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout,
                             sO_layout, gmem_copy_O)
@@ -421,6 +445,15 @@ class FlashAttentionForwardSm90Step4:
             else:
                 seqlen_k = mCuSeqlensK[batch + 1] - offset_k
         return (m_block, head, head // qhead_per_kvhead, batch_t, offset_q, offset_k, seqlen_q, seqlen_k)
+
+    def tile_live(self, tile):
+        """Whether this CTA works on `tile`: it starts before its sequence's end (varlen tiles past it
+        are skipped) or, with kv_multicast, it is the shadow just past the last one, which computes
+        rows it never stores but must load its half of every K/V block for its partner."""
+        end = tile[6]
+        if const_expr(self.kv_multicast):
+            end = end + self.tile_m
+        return tile[0] * self.tile_m < end
 
     def num_key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
         """Key blocks a tile_m-row query tile can see: all of them, or (causal) up to the diagonal of
@@ -461,17 +494,28 @@ class FlashAttentionForwardSm90Step4:
         # posts the expected byte count), consumers = the 4 * nc warps of all consumer warpgroups
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
+        # kv_multicast: a K/V slot is free only once the consumer warps of both CTAs released it (lanes
+        # 0 and 1 of every consumer warp arrive on CTA 0's and CTA 1's empty barrier), since the next
+        # load into it, by either CTA, writes both CTAs' copies
+        kv_consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                      self.num_consumers * 4 * self.cluster_m)
+        kv_cluster = cute.make_layout((1, self.cluster_m, 1, 1))
         pipe_Q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer_group,
             consumer_group=consumer_group, tx_count=self.tma_bytes_Q, defer_sync=True)
         pipe_K = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_K.data_ptr(), num_stages=stages, producer_group=producer_group,
-            consumer_group=consumer_group, tx_count=self.tma_bytes_K, defer_sync=True)
+            consumer_group=kv_consumer_group, tx_count=self.tma_bytes_K, cta_layout_vmnk=kv_cluster, defer_sync=True)
         pipe_V = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_V.data_ptr(), num_stages=stages, producer_group=producer_group,
-            consumer_group=consumer_group, tx_count=self.tma_bytes_V, defer_sync=True)
+            consumer_group=kv_consumer_group, tx_count=self.tma_bytes_V, cta_layout_vmnk=kv_cluster, defer_sync=True)
         cute.arch.mbarrier_init_fence()  # make the barrier inits visible to the async proxy (TMA)
-        cute.arch.sync_threads()         # ... and to every thread; the last CTA-wide barrier
+        if const_expr(self.kv_multicast):
+            # ... and to both CTAs before either multicasts into the other or arrives on its barriers
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()     # ... and to every thread; the last CTA-wide barrier
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, nc)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
@@ -485,11 +529,11 @@ class FlashAttentionForwardSm90Step4:
             if warp_idx == 0:  # one warp issues (elect.sync inside needs the whole warp converged)
                 if const_expr(self.persistent):
                     kv_base, q_phase = Int32(0), Int32(0)  # loads so far, Q's phase
-                    linear = Int32(cute.arch.block_idx()[0])
+                    linear = self.first_linear()
                     total = extents[0] * extents[1] * extents[2]
                     while linear < total:
                         t = self.work_at(linear, extents, seq)
-                        if t[0] * self.tile_m < t[6]:  # else: past its sequence's end (varlen)
+                        if self.tile_live(t):  # else: past its sequence's end (varlen)
                             n_block_max = self.num_key_blocks(t[0], t[6], t[7])
                             if const_expr(self.dynamic):
                                 # published before Q's full barrier is armed: its arrival releases it
@@ -532,33 +576,53 @@ class FlashAttentionForwardSm90Step4:
                     linear = tile_ids[q_phase]
             elif const_expr(self.persistent):
                 kv_base, q_phase = Int32(0), Int32(0)
-                linear = Int32(cute.arch.block_idx()[0])
+                linear = self.first_linear()
                 total = extents[0] * extents[1] * extents[2]
                 while linear < total:
                     t = self.work_at(linear, extents, seq)
-                    if t[0] * self.tile_m < t[6]:
+                    if self.tile_live(t):
                         n_block_max = self.num_key_blocks(t[0], t[6], t[7])
                         self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
                                      mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
                         kv_base += n_block_max
                         q_phase ^= 1
-                    linear += cute.arch.grid_dim()[0]
+                    linear += self.num_walkers()
             else:
                 self.consume(wg, tidx % 128, tile, self.num_key_blocks(tile[0], tile[6], tile[7]), Int32(0),
                              Int32(0), softmax_scale_log2, mO, mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv,
                              sO_layout, gmem_copy_O)
             self.pass_turn(wg, first=False)
+        if const_expr(self.kv_multicast):
+            # no CTA leaves while its partner may still arrive on its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    def first_linear(self) -> Int32:
+        """A persistent walker's first unit of the order: its CTA, or (kv_multicast) its cluster."""
+        if const_expr(self.kv_multicast):
+            return Int32(cute.arch.block_idx()[0]) // self.cluster_m
+        return Int32(cute.arch.block_idx()[0])
+
+    def num_walkers(self) -> Int32:
+        """The static striding: CTAs, or (kv_multicast) clusters, of the persistent grid."""
+        if const_expr(self.kv_multicast):
+            return cute.arch.grid_dim()[0] // self.cluster_m
+        return cute.arch.grid_dim()[0]
 
     def work_at(self, linear: Int32, extents, seq) -> tuple:
-        """tile_info of the persistent order's tile `linear` (extents: (M, H, B, tile counter))."""
+        """tile_info of the persistent order's tile `linear` (extents: (M, H, B, tile counter)); with
+        kv_multicast the order runs over pairs of query tiles and CTA r of the cluster takes tile
+        2 m + r of pair m."""
         m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
+        if const_expr(self.kv_multicast):
+            m_block = m_block * self.cluster_m + cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         return self.tile_info(m_block, head, batch, seq)
 
     @cute.jit
     def next_linear(self, linear: Int32, extents) -> Int32:
         """(producer warp) the tile after `linear`: num_ctas further (static), or -- dynamic -- num_ctas
         + the count of tiles other CTAs have taken beyond their first (one atomic by lane 0, broadcast)."""
-        nxt = linear + cute.arch.grid_dim()[0]
+        nxt = linear + self.num_walkers()
         if const_expr(self.dynamic):
             taken = Int32(0)
             if cute.arch.lane_idx() == 0:
@@ -585,9 +649,13 @@ class FlashAttentionForwardSm90Step4:
         gV = cute.local_tile(mV_s, (tn, dv), (None, 0))         # (tn, dv, n_blocks)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
                                            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+        # kv_multicast: CTA r of the pair loads box slice r (tile_n / 2 rows) into both CTAs
+        kv_rank = 0
+        if const_expr(self.kv_multicast):
+            kv_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, kv_rank, cute.make_layout(self.cluster_m),
                                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, kv_rank, cute.make_layout(self.cluster_m),
                                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         first_kv = 0
         if const_expr(self.persistent):
@@ -941,6 +1009,10 @@ class FlashAttentionForwardSm90Step4:
             phase = phase ^ 1
         return pipeline.PipelineState(self.num_stages, i, i % self.num_stages, phase)
 
+    def kv_copy_kwargs(self) -> dict:
+        """cute.copy's extra arguments for a K/V load: kv_multicast delivers it to both CTAs of the pair."""
+        return {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if self.kv_multicast else {}
+
     @cute.jit
     def load_kv(self, i: Int32, n_block: Int32, pipe_K, pipe_V, tma_atom_K: cute.CopyAtom,
                 tma_atom_V: cute.CopyAtom, tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor,
@@ -948,10 +1020,13 @@ class FlashAttentionForwardSm90Step4:
         """(producer warp) the i-th load, key block n_block: wait until ring slot i is free, post the
         byte count, issue K then V."""
         st = self.kv_state(i, producer=True)
+        mcast = self.kv_copy_kwargs()
         pipe_K.producer_acquire(st)
-        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=pipe_K.producer_get_barrier(st))
+        cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=pipe_K.producer_get_barrier(st),
+                  **mcast)
         pipe_V.producer_acquire(st)
-        cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, st.index], tma_bar_ptr=pipe_V.producer_get_barrier(st))
+        cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, st.index], tma_bar_ptr=pipe_V.producer_get_barrier(st),
+                  **mcast)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -971,12 +1046,30 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
-                scheduler=common.StaticTileScheduler, tile_m: int | None = None, lean_mask: bool | None = None):
+                scheduler=common.StaticTileScheduler, tile_m: int | None = None, lean_mask: bool | None = None,
+                kv_multicast: bool = False):
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v), lean_mask None =
     default_lean_mask(tile_m)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
     return FlashAttentionForwardSm90Step4(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
-                                          tile_m=tile_m, lean_mask=lean_mask)
+                                          tile_m=tile_m, lean_mask=lean_mask, kv_multicast=kv_multicast)
+
+
+def _check_kv_multicast(kv_multicast, causal, scheduler) -> bool:
+    """kv_multicast of a kernel: a bool; True needs a non-causal call (both CTAs of a pair walk the same
+    key blocks) and a fixed tile order (the pair is one unit of the order; the atomic hand-out of
+    dynamic persistent CTAs is per CTA). Varlen is refused at trace time (__call__)."""
+    if not isinstance(kv_multicast, bool):
+        raise TypeError(f"kv_multicast: expected a bool, got {type(kv_multicast).__name__}")
+    if kv_multicast and causal:
+        raise ValueError("kv_multicast: needs causal=False (the two query tiles of a pair must see the same key "
+                         "blocks)")
+    if kv_multicast and getattr(scheduler, "dynamic", False):
+        raise ValueError("kv_multicast: needs a fixed tile order, not a dynamic persistent scheduler")
+    if kv_multicast and not getattr(scheduler, "persistent", False) and scheduler is not common.StaticTileScheduler:
+        raise ValueError("kv_multicast: one CTA per tile pairs blockIdx.x 2m and 2m + 1, which only the static grid "
+                         f"orders that way; got scheduler {scheduler!r} (wrap it in a PersistentScheduler)")
+    return kv_multicast
 
 
 def default_lean_mask(tile_m: int) -> bool:
@@ -1034,13 +1127,15 @@ def _check_tile_m(tile_m, d, dv) -> int:
 
 
 def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
-         lean_mask=None):
+         lean_mask=None, kv_multicast=False):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
-    tile_m and lean_mask enter resolved, so a default and its explicit value share one kernel."""
+    tile_m and lean_mask enter resolved, so a default and its explicit value share one kernel;
+    kv_multicast only when on (the keys, and disk caches, of every other kernel stay as they were)."""
     tile_m = _check_tile_m(tile_m, d, dv)
     lean_mask = _check_lean_mask(lean_mask, tile_m)
-    return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m, lean_mask)
+    return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m,
+            lean_mask) + (("kv_multicast",) if kv_multicast else ())
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -1086,12 +1181,15 @@ def _check_head_dims(d, dv):
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 
 
-def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask):
+def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask,
+             kv_multicast=False):
     """The one place a step-4 kernel is compiled (against fake tensors): launchable=True builds
     what attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
-    key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask)
+    key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask,
+               kv_multicast)
     return common.compile_cached(key, lambda: (
-        make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, lean_mask=lean_mask),
+        make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, lean_mask=lean_mask,
+                    kv_multicast=kv_multicast),
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False))))
 
 
@@ -1169,7 +1267,7 @@ def _tile_counter(scheduler, device):
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
                       rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
                       policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None,
-                      lean_mask: bool | None = None, persistent: bool | None = None):
+                      lean_mask: bool | None = None, persistent: bool | None = None, kv_multicast: bool = False):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32).
 
     rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
@@ -1180,6 +1278,9 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     persistent: one CTA per SM walks the scheduler's tile order (common.PersistentScheduler; head dims
     up to 128, where Q, O and two K/V stages fit in shared memory; causal calls take their tiles from
     an atomic counter); None = default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m).
+    kv_multicast: clusters of two CTAs on neighbouring query tiles of a head share every K/V block
+    (each loads half and TMA multicasts it to both): half the K/V traffic from L2. Non-causal only;
+    compiled and checked structurally, **not yet run on a GPU** (off by default).
     """
     import torch
 
@@ -1211,9 +1312,11 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         lse.fill_(float("-inf"))
         return out, lse
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
+    _check_kv_multicast(kv_multicast, causal, scheduler)
     args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=_launch_ctas(scheduler, q.device),
                       tile_counter=_tile_counter(scheduler, q.device))
-    _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, lean_mask).fn(*args)
+    _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, lean_mask,
+             kv_multicast).fn(*args)
     return out, lse
 
 
@@ -1280,7 +1383,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                  scheduler=None, tile_m: int | None = None, lean_mask: bool | None = None,
                  launchable: bool = False, persistent: bool | None = None,
-                 seqlen_k: int | None = None) -> common.Compiled:
+                 seqlen_k: int | None = None, kv_multicast: bool = False) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     lean_mask and persistent as in attention_forward (None = default_tile_m / default_lean_mask /
@@ -1296,8 +1399,12 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     dt = common.cutlass_dtype(dtype)
     policy.check_dtype(dt)
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m)
+    _check_kv_multicast(kv_multicast, causal, scheduler)
+    if kv_multicast and varlen:
+        raise ValueError("kv_multicast: dense calls only, not varlen")
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
-    comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask)
+    comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask,
+                    kv_multicast)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones

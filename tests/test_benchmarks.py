@@ -114,6 +114,32 @@ def test_ab_fwd_impl_specs_parse_keyword_arguments_and_bad_ones_name_what_is_exp
     # True / False are bools (fa4 takes persistent only: the route with and without persistent CTAs)
     assert ab_fwd.parse_impl("fa4~persistent=False") == ("fa4", {"persistent": False})
     assert ab_fwd.parse_impl("m~persistent=True")[1]["persistent"] is True
+    assert ab_fwd.parse_impl("fa4~kv_multicast=True~lpt_min=0") == ("fa4", {"kv_multicast": True, "lpt_min": 0})
+
+
+def test_ab_fwd_fa4_route_switches_hold_for_the_call_only(monkeypatch):
+    """`fa4~name=value` sets fa4._dispatch's switch while the timed call runs and restores it after,
+    even when the call raises (the next implementation of the round must see the defaults)."""
+    import ab_fwd
+    import fa4
+    from fa4 import _dispatch
+
+    seen = []
+
+    def fake_call(q, k, v, causal):
+        seen.append({attr: getattr(_dispatch, attr) for attr in ab_fwd.FA4_SWITCHES.values()})
+        if causal:
+            raise RuntimeError("boom")
+        return "out"
+
+    monkeypatch.setattr(fa4, "flash_attn_func", fake_call)
+    before = {attr: getattr(_dispatch, attr) for attr in ab_fwd.FA4_SWITCHES.values()}
+    route = ab_fwd.make_impl("fa4~kv_multicast=True~persistent=False~lpt_min=0")
+    assert route(None, None, None, False) == "out"
+    with pytest.raises(RuntimeError, match="boom"):
+        route(None, None, None, True)
+    assert seen[0] == seen[1] == {"FORWARD_PERSISTENT": False, "LPT_MIN_SEQLEN_K": 0, "FORWARD_KV_MULTICAST": True}
+    assert {attr: getattr(_dispatch, attr) for attr in ab_fwd.FA4_SWITCHES.values()} == before
 
 
 def test_backward_benchmarks_time_peers_without_grad_accumulation():

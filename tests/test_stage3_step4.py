@@ -1158,3 +1158,105 @@ def test_persistent_varlen(causal, d, ratio, seqused):
         assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
     q0, q1 = int(cu_q[1]), int(cu_q[2])  # the k-empty sequence: exactly 0 / -inf
     assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
+
+
+# ---- K/V multicast: clusters of two CTAs share every K/V block (kv_multicast=True) ---------------
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_kv_multicast_validation():
+    """kv_multicast is refused, naming itself, where the two CTAs of a pair would not walk the same key
+    blocks in the same order: causal calls, the dynamic hand-out, a non-static one-CTA-per-tile order,
+    varlen; and it must be a bool. Off, nothing about the kernel or its cache key changes."""
+    from stage3_fwd_kernel import common
+    from stage5_scheduling.device import LPTCausalScheduler
+
+    mod, bf16, P = _mod(), common.cutlass_dtype("bf16"), common.PersistentScheduler
+    with pytest.raises(ValueError, match="kv_multicast.*causal"):
+        mod.make_kernel(bf16, 128, 128, True, kv_multicast=True)
+    with pytest.raises(ValueError, match="kv_multicast.*dynamic"):
+        mod.make_kernel(bf16, 128, 128, False, scheduler=P(dynamic=True), kv_multicast=True)
+    with pytest.raises(ValueError, match="kv_multicast.*static grid"):
+        mod.make_kernel(bf16, 128, 128, False, scheduler=LPTCausalScheduler(4), kv_multicast=True)
+    with pytest.raises(TypeError, match="kv_multicast"):
+        mod.make_kernel(bf16, 128, 128, False, kv_multicast=1)
+    with pytest.raises(ValueError, match="kv_multicast.*varlen"):
+        mod.compile_only("bf16", 128, varlen=True, kv_multicast=True)
+    on = mod.make_kernel(bf16, 128, 128, False, scheduler=P(), kv_multicast=True)
+    off = mod.make_kernel(bf16, 128, 128, False, scheduler=P())
+    assert (on.cluster_m, off.cluster_m) == (2, 1) and on.num_stages == off.num_stages
+    key = mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P())
+    assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast=False) == key
+    assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast=True) == key + ("kv_multicast",)
+
+
+KV_MULTICAST_COMPILE = [(64, True), (96, True), (128, True), (128, False), (256, False)]
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,persistent", KV_MULTICAST_COMPILE,
+                         ids=[f"d{d}-{'persistent' if p else 'per-tile'}" for d, p in KV_MULTICAST_COMPILE])
+def test_kv_multicast_compiles_sm90a(d, persistent):
+    """The pair's protocol is in the PTX: every K/V load is a multicast TMA and Q's are not; the box
+    row each CTA loads depends on its cluster rank; consumers release K/V slots on both CTAs'
+    barriers (remote arrives); both CTAs' barriers exist before either touches the other's (a relaxed
+    cluster barrier after the inits) and neither leaves early (a cluster barrier at the end). Same
+    registers and shared memory as the plain build, no spills; the plain build has none of it."""
+    import re
+
+    from stage3_fwd_kernel import common
+
+    mod = _mod()
+    comp = mod.compile_only("bf16", d, persistent=persistent, kv_multicast=True)
+    plain = mod.compile_only("bf16", d, persistent=persistent)
+    rep, ptx = comp.report, comp.ptx
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
+    assert not rep["wgmma_serialized"] and rep["registers"] == plain.report["registers"]
+    assert rep["smem_bytes"] == plain.report["smem_bytes"]
+    kernel = mod.make_kernel(common.cutlass_dtype("bf16"), d, d, False,
+                             scheduler=common.PersistentScheduler() if persistent else common.StaticTileScheduler,
+                             kv_multicast=True)
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= kernel.regs_consumer
+
+    def loads(text):
+        return re.findall(r"cp\.async\.bulk\.tensor\.\S+", text)
+    mine, theirs = loads(ptx), loads(plain.ptx)
+    mcast = [t for t in mine if "multicast::cluster" in t]
+    # as many load sites as the plain build; Q's (one per 64-row slab and swizzle-atom column block:
+    # 64 columns, 32 at d = 96) stay per CTA
+    assert len(mine) == len(theirs) and 0 < len(mcast) < len(mine)
+    assert len(mine) - len(mcast) == kernel.num_consumers * d // (64 if d % 64 == 0 else 32)
+    assert "%cluster_ctarank" in ptx
+    assert re.search(r"mbarrier\.arrive[^\n;]*shared::cluster", ptx)  # the remote K/V releases
+    cluster = re.findall(r"barrier\.cluster\.(arrive(?:\.relaxed)?|wait)", ptx)
+    assert cluster == ["arrive.relaxed", "wait", "arrive", "wait"], cluster
+    assert "multicast" not in plain.ptx and "barrier.cluster" not in plain.ptx
+
+
+KV_MULTICAST_SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (300, 70), (1024, 1024), (4224, 4224)]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("sq,sk", KV_MULTICAST_SEQLENS, ids=[f"{a}x{b}" for a, b in KV_MULTICAST_SEQLENS])
+def test_kv_multicast_matches_static(d, sq, sk):
+    """Clusters of two CTAs sharing K/V compute every tile with the same operations: FA4's rule and
+    bitwise the one-CTA-per-tile kernel, with one cluster per tile pair and (d <= 128) persistent
+    clusters (3 of them walking many pairs, and one per two SMs). Odd tile counts leave the last pair
+    a shadow tile past seqlen_q (1, 113, 239, 799 and 4224 queries), which must write nothing."""
+    import torch
+
+    from stage3_fwd_kernel import common
+
+    big = sq * sk > 2_000_000
+    heads = 2 if big else 8
+    ratio = 2 if big else [1, 2, 8][(sq + sk + d) % 3]
+    q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, d, d, seed=sq + sk + d + 11)
+    static = _dense(q, k, v, causal=False, persistent=False)
+    configs = [dict(persistent=False)]
+    if d <= 128:
+        configs += [dict(scheduler=common.PersistentScheduler(num_ctas=6)), dict(persistent=True)]
+    for kw in configs:
+        out, lse = _dense(q, k, v, causal=False, kv_multicast=True, **kw)
+        assert torch.equal(out, static[0]) and torch.equal(lse, static[1]), kw
