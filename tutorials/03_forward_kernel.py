@@ -604,6 +604,50 @@ else:
     print(f"{path.name}: not committed in this checkout")
 
 # %% [markdown]
+# ## A fourth resource: K/V bytes from L2, and two CTAs sharing them (not yet run)
+# The roofline above prices MMA, shared memory and the exponential *inside* an SM. Something must
+# also feed the SMs: every query tile of a head reads every K/V block of that head from L2. A step
+# reads `2 x tile_n x d x 2` bytes of K and V for `4 x tile_m x tile_n x d` FLOPs, so L2 serves
+# `1 / tile_m` byte per FLOP whatever the head dim. At the measured rates that is several TB/s for
+# the whole GPU. A cluster of two CTAs on neighbouring query tiles of one head can fetch each block
+# once: each CTA loads half of it and the TMA unit multicasts the half into both CTAs' shared memory
+# (`kv_multicast=True`, stage 3 README "K/V multicast"). It is compiled and checked here, but it
+# has **not run on a GPU yet**, so nothing below says it is faster. The arithmetic, with the
+# production tile heights and run 12's measured TFLOP/s (non-causal, 16k keys). Note `d = 256`:
+# it already drew more from L2 than `d = 128` does, so L2 is not a hard wall at `d = 128`; what
+# sharing can buy there is shorter load latency on a busy L2 and less energy under the power cap.
+
+# %%
+from stage3_fwd_kernel import hopper_step4_fa4_softmax as step4
+
+run12 = json.loads((RESULTS / "fwd_h100_run12_v_wait.json").read_text())
+print(f"{'d':>4} {'tile_m':>6} {'TFLOP/s':>8} {'L2 -> SMs, TB/s':>16} {'pairs share K/V':>16}")
+for d in (64, 128, 256):
+    tflops = next(r["tflops"] for r in run12["results"] if r["impl"].startswith("ours") and r["head_dim"] == d
+                  and not r["causal"] and r["seqlen"] == 16384)
+    tile_m = step4.default_tile_m(d, d)
+    per_flop = 1 / tile_m  # bytes of K/V per FLOP: (2 tile_n d 2) / (4 tile_m tile_n d)
+    print(f"{d:>4} {tile_m:>6} {tflops:>8.0f} {tflops * per_flop:>16.2f} {tflops * per_flop / 2:>16.2f}")  # TFLOP/s x B/FLOP = TB/s
+
+# %% [markdown]
+# What the pair protocol looks like in PTX: the K and V loads become `multicast::cluster` TMA copies
+# (Q stays per CTA), the consumers release a K/V slot on *both* CTAs' barriers (an
+# `mbarrier.arrive` on a `shared::cluster` address: a slot is free only when both CTAs are done with
+# it, because the next load into it, by either CTA, overwrites both copies), and two cluster barriers
+# bracket the kernel (after the barrier inits, and before either CTA may leave).
+
+# %%
+pair = step4.compile_only("bf16", 128, persistent=True, kv_multicast=True)
+alone = step4.compile_only("bf16", 128, persistent=True)
+for name, comp in (("one CTA", alone), ("pair (kv_multicast)", pair)):
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\S+", comp.ptx)
+    print(f"{name:>20}: {len(loads)} TMA load sites, {sum('multicast' in t for t in loads)} multicast; "
+          f"{len(re.findall(r'mbarrier[.]arrive[^;]*shared::cluster', comp.ptx))} remote arrives; cluster barriers "
+          f"{re.findall(r'barrier[.]cluster[.][a-z.]+', comp.ptx)}; registers {comp.report['registers']}, "
+          f"spills {comp.report['spill_stores']}")
+assert pair.report["spill_stores"] == 0 and "multicast" not in alone.ptx
+
+# %% [markdown]
 # ## The Blackwell pipeline
 # On Blackwell (sm_100a) the MMA accumulators leave the register file for **tensor memory**
 # (TMEM: 128 lanes x 512 columns of 32 bits per SM), a 128 x 128 MMA is one instruction issued by
