@@ -229,7 +229,7 @@ class FlashAttentionForwardSm90Step4:
             raise ValueError(f"tile_m: expected one of {TILE_MS} (64 query rows per consumer warpgroup), got {tile_m}")
         _check_kv_multicast(kv_multicast, causal, scheduler)
         # a cluster of two CTAs on neighbouring query tiles of one head: each loads half of every
-        # K/V block and TMA multicasts it into both CTAs' shared memory (see consume_pairs)
+        # K/V block and TMA multicasts it into both CTAs' shared memory (stage 3 README, "K/V multicast")
         self.kv_multicast = kv_multicast
         self.cluster_m = 2 if kv_multicast else 1
         if tile_m == 192 and max(head_dim, head_dim_v) > 64:
@@ -1299,6 +1299,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     softmax_scale = _check_scale(softmax_scale, d)
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
+    _check_kv_multicast(kv_multicast, causal, scheduler)
     if out is None:
         out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
     common.check_out_tensor("out", out, (b, sq, hq, dv), q.dtype, q.device, align_bytes=16)
@@ -1311,8 +1313,6 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
-    _check_kv_multicast(kv_multicast, causal, scheduler)
     args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=_launch_ctas(scheduler, q.device),
                       tile_counter=_tile_counter(scheduler, q.device))
     _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, lean_mask,
