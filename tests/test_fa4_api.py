@@ -566,6 +566,36 @@ def test_varlen_plumbing_adapts_to_each_kernel_module():
     assert seen == [(7, 9, None, True)]
 
 
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_forward_route_switches_reach_the_kernel_module(monkeypatch):
+    """fa4._dispatch's forward switches arrive as keyword arguments of the module's attention_forward:
+    FORWARD_PERSISTENT when set, FORWARD_KV_MULTICAST only for non-causal calls (the kernel refuses it
+    for causal ones), and neither when the module does not take it."""
+    calls = []
+
+    def step4_like(q, k, v, *, softmax_scale=None, causal=False, scheduler=None, persistent=None,
+                   kv_multicast=False):
+        calls.append((causal, persistent, kv_multicast))
+        return "out", "lse"
+
+    def older(q, k, v, *, softmax_scale=None, causal=False):
+        calls.append((causal,))
+        return "out", "lse"
+
+    t = torch.zeros(1, 8, 2, 64)  # short keys: no LPT scheduler, nothing imported
+    be = _dispatch.Backend(_fake_arch())
+    be._mods["fwd"] = types.SimpleNamespace(attention_forward=step4_like, __name__="step4_like")
+    be.forward(t, t, t, 0.5, False)
+    monkeypatch.setattr(_dispatch, "FORWARD_KV_MULTICAST", True)
+    monkeypatch.setattr(_dispatch, "FORWARD_PERSISTENT", False)
+    be.forward(t, t, t, 0.5, False)
+    be.forward(t, t, t, 0.5, True)
+    be._mods["fwd"] = types.SimpleNamespace(attention_forward=older, __name__="older")
+    be.forward(t, t, t, 0.5, False)
+    assert calls == [(False, None, False), (False, False, True), (True, False, False), (False,)]
+
+
 # ================================================================================ custom ops: fake / meta
 @pytest.mark.cpu
 @pytest.mark.fa4
