@@ -1189,14 +1189,15 @@ def test_kv_multicast_validation():
     assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast=True) == key + ("kv_multicast",)
 
 
-KV_MULTICAST_COMPILE = [(64, True), (96, True), (128, True), (128, False), (256, False)]
+KV_MULTICAST_COMPILE = [(64, True, "bf16"), (96, True, "bf16"), (128, True, "bf16"), (128, False, "bf16"),
+                        (256, False, "bf16"), (128, True, "fp16")]
 
 
 @pytest.mark.compile
 @pytest.mark.stage3
-@pytest.mark.parametrize("d,persistent", KV_MULTICAST_COMPILE,
-                         ids=[f"d{d}-{'persistent' if p else 'per-tile'}" for d, p in KV_MULTICAST_COMPILE])
-def test_kv_multicast_compiles_sm90a(d, persistent):
+@pytest.mark.parametrize("d,persistent,dtype", KV_MULTICAST_COMPILE,
+                         ids=[f"d{d}-{'persistent' if p else 'per-tile'}-{t}" for d, p, t in KV_MULTICAST_COMPILE])
+def test_kv_multicast_compiles_sm90a(d, persistent, dtype):
     """The pair's protocol is in the PTX: every K/V load is a multicast TMA and Q's are not; the box
     row each CTA loads depends on its cluster rank; consumers release K/V slots on both CTAs'
     barriers (remote arrives); both CTAs' barriers exist before either touches the other's (a relaxed
@@ -1207,13 +1208,13 @@ def test_kv_multicast_compiles_sm90a(d, persistent):
     from stage3_fwd_kernel import common
 
     mod = _mod()
-    comp = mod.compile_only("bf16", d, persistent=persistent, kv_multicast=True)
-    plain = mod.compile_only("bf16", d, persistent=persistent)
+    comp = mod.compile_only(dtype, d, persistent=persistent, kv_multicast=True)
+    plain = mod.compile_only(dtype, d, persistent=persistent)
     rep, ptx = comp.report, comp.ptx
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
     assert not rep["wgmma_serialized"] and rep["registers"] == plain.report["registers"]
     assert rep["smem_bytes"] == plain.report["smem_bytes"]
-    kernel = mod.make_kernel(common.cutlass_dtype("bf16"), d, d, False,
+    kernel = mod.make_kernel(common.cutlass_dtype(dtype), d, d, False,
                              scheduler=common.PersistentScheduler() if persistent else common.StaticTileScheduler,
                              kv_multicast=True)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= kernel.regs_consumer
