@@ -1245,7 +1245,7 @@ def test_kv_multicast_matches_static(d, sq, sk):
     """Clusters of two CTAs sharing K/V compute every tile with the same operations: FA4's rule and
     bitwise the one-CTA-per-tile kernel, with one cluster per tile pair and (d <= 128) persistent
     clusters (3 of them walking many pairs, and one per two SMs). Odd tile counts leave the last pair
-    a shadow tile past seqlen_q (1, 113, 239, 799 and 4224 queries), which must write nothing."""
+    a shadow tile past seqlen_q (1, 113, 300 and 799 queries; 4224 at 128-row tiles), which must write nothing."""
     import torch
 
     from stage3_fwd_kernel import common
