@@ -2,6 +2,8 @@
 
     ncu --section SpeedOfLight --section WarpStateStats python benchmarks/profile_once.py --pass bwd --causal
     ncu -k regex:Sm90 ... python benchmarks/profile_once.py --pass fwd --impl official --dim 128 --seqlen 4096
+    ncu --section MemoryWorkloadAnalysis ... python benchmarks/profile_once.py --pass fwd --dim 128 \
+        --fwd_kwargs kv_multicast=True     (keyword arguments of our attention_forward, ab_fwd.py's syntax)
 
 The first two calls (compile, warm-up) are made before the profiled one; ncu's --launch-skip can skip them.
 With --section SourceCounters, `ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv` then
@@ -33,9 +35,16 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--calls", type=int, default=3, help="calls in all (the last ones are the ones to profile)")
+    ap.add_argument("--fwd_kwargs", default="",
+                    help="keyword arguments of our forward (--pass fwd --impl ours), e.g. kv_multicast=True~persistent=False")
     args = ap.parse_args(argv)
     if args.impl not in ("ours", "official"):
         ap.error(f"--impl: expected 'ours' or 'official', got {args.impl!r}")
+    if args.fwd_kwargs and (args.impl, args.which) != ("ours", "fwd"):
+        ap.error("--fwd_kwargs: only with --pass fwd --impl ours")
+    from ab_fwd import parse_impl
+
+    fwd_kwargs = parse_impl("ours~" + args.fwd_kwargs)[1] if args.fwd_kwargs else {}
     from stage3_fwd_kernel.hopper import attention_forward
 
     b, s, h, d = args.batch, args.seqlen, args.heads, args.dim
@@ -55,7 +64,7 @@ def main(argv=None) -> int:
                 torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
     elif args.which == "fwd":
         def call():
-            attention_forward(q, k, v, causal=args.causal)
+            attention_forward(q, k, v, causal=args.causal, **fwd_kwargs)
     else:
         out, lse = attention_forward(q, k, v, causal=args.causal)
         if args.variant:
