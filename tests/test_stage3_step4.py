@@ -1189,6 +1189,27 @@ def test_kv_multicast_validation():
     assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast=True) == key + ("kv_multicast",)
 
 
+@pytest.mark.cpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("dropped,kind", [(None, None), ("EMPTY_COUNTS_BOTH", ("race", "wrong phase")),
+                                          ("FULL_EXPECTS_BOTH", ("torn read",)), ("CLUSTER_EXIT", ("after exit",))])
+def test_kv_multicast_protocol_model(dropped, kind):
+    """stage3_fwd_kernel.cluster_ring runs the pair's K/V ring event by event under random
+    interleavings: with the kernel's three rules no interleaving breaks it (no race, torn read,
+    wrong barrier phase, arrival after exit or deadlock, over 4 configurations x 300 seeds); without
+    any one of them some interleaving does, in the way that rule exists to prevent."""
+    from stage3_fwd_kernel import cluster_ring
+
+    rules = tuple(r for r in cluster_ring.RULES if r != dropped)
+    found = cluster_ring.first_violation(rules)
+    if dropped is None:
+        assert found is None, found
+    else:
+        assert found is not None and found.split(": ", 1)[1].startswith(kind), found
+    with pytest.raises(ValueError, match="rules"):
+        cluster_ring.simulate(2, 3, 1, 0, rules=("NO_SUCH_RULE",))
+
+
 KV_MULTICAST_COMPILE = [(64, True, "bf16"), (96, True, "bf16"), (128, True, "bf16"), (128, False, "bf16"),
                         (256, False, "bf16"), (128, True, "fp16")]
 
@@ -1229,6 +1250,13 @@ def test_kv_multicast_compiles_sm90a(d, persistent, dtype):
     assert len(mine) - len(mcast) == kernel.num_consumers * d // (64 if d % 64 == 0 else 32)
     assert "%cluster_ctarank" in ptx
     assert re.search(r"mbarrier\.arrive[^\n;]*shared::cluster", ptx)  # the remote K/V releases
+    # the arrival counts of the barriers (cluster_ring's rules): full ones 1 (the producer's
+    # expect_tx), Q's empty one the CTA's consumer warps, the K/V empty ones both CTAs' consumer warps
+    def init_counts(text):
+        return sorted({int(count) for _, count in re.findall(
+            r"mov\.b32\s+(%r\d+), (\d+);\s*mbarrier\.init\.shared\.b64\s+\[[^\]]+\], \1;", text)})
+    warps = 4 * kernel.num_consumers
+    assert init_counts(ptx) == [1, warps, 2 * warps] and init_counts(plain.ptx) == [1, warps]
     cluster = re.findall(r"barrier\.cluster\.(arrive(?:\.relaxed)?|wait)", ptx)
     assert cluster == ["arrive.relaxed", "wait", "arrive", "wait"], cluster
     assert "multicast" not in plain.ptx and "barrier.cluster" not in plain.ptx
