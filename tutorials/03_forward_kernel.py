@@ -648,6 +648,21 @@ for name, comp in (("one CTA", alone), ("pair (kv_multicast)", pair)):
 assert pair.report["spill_stores"] == 0 and "multicast" not in alone.ptx
 
 # %% [markdown]
+# Three barrier rules make the pair correct, and none of them can be seen failing at compile
+# time: a slot's *empty* barrier counts both CTAs' consumer warps, a *full* barrier expects both
+# halves of the block, and neither CTA exits before the other is done. `cluster_ring.py` runs the
+# ring event by event in plain Python (both producers and all consumer warps as coroutines, TMA
+# halves landing after random delays) and reports the first thing that goes wrong. Drop one rule at
+# a time:
+
+# %%
+from stage3_fwd_kernel import cluster_ring
+
+print("all three rules:", cluster_ring.first_violation() or "1200 interleavings, no violation")
+for dropped in cluster_ring.RULES:
+    print(f"without {dropped}:\n   ", cluster_ring.first_violation(tuple(r for r in cluster_ring.RULES if r != dropped)))
+
+# %% [markdown]
 # ## The Blackwell pipeline
 # On Blackwell (sm_100a) the MMA accumulators leave the register file for **tensor memory**
 # (TMEM: 128 lanes x 512 columns of 32 bits per SM), a 128 x 128 MMA is one instruction issued by
