@@ -152,6 +152,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", required=True, help="comma-separated module paths (official is always added)")
     add_grid_args(ap, dims="128", dims_help="head dims, d or dxdv (e.g. 128,192x128)", seqlens="4096,16384", rounds=9)
+    ap.add_argument("--gqa", type=int, default=1,
+                    help="query heads per KV head (2048 / d query heads; e.g. 4 for kv_multicast=heads)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ab_fwd needs a CUDA GPU")
@@ -164,8 +166,11 @@ def main(argv=None) -> int:
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
                 b, h = 32768 // s, 2048 // d
-                q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-                v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+                if h % args.gqa:
+                    raise SystemExit(f"--gqa: {args.gqa} does not divide the {h} query heads at d={d}")
+                q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(b, s, h // args.gqa, d, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(b, s, h // args.gqa, dv, device="cuda", dtype=torch.bfloat16)
                 ref = impls["official"](q, k, v, causal).float()
                 for n, fn in impls.items():
                     err = (fn(q, k, v, causal).float() - ref).abs().max().item()
@@ -173,7 +178,8 @@ def main(argv=None) -> int:
                         raise SystemExit(f"{n}: max |out - official| = {err} at d={d} s={s} causal={causal}")
                 times = paired_rounds({n: (lambda n=n: impls[n](q, k, v, causal)) for n in names}, args.rounds, rng)
                 rows += ratio_rows(times, flops(b, h, s, d, dv, causal),
-                                   {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s},
+                                   {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s,
+                                    **({"gqa": args.gqa} if args.gqa > 1 else {})},
                                    f"d={d}/{dv} causal={causal!s:5} s={s:5}")
                 del q, k, v, ref
     if args.out:

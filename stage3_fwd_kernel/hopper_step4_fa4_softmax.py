@@ -55,11 +55,13 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   after their last S, and O gets its own buffer. Causal calls take the next tile from an atomic
   counter (`dynamic=True`): the producer publishes each tile id in shared memory before arming
   that tile's Q barrier. Bitwise the results of one CTA per tile.
-* K/V multicast (`kv_multicast=True`, off by default: compiled and checked in PTX, not yet run on a
-  GPU): clusters of two CTAs on neighbouring query tiles of a head; each loads half of every K/V
-  block and TMA multicasts it into both, so L2 serves each block once per pair (a step reads one
-  byte of K/V per tile_m FLOP: ~5 TB/s at d = 128 and 650 TFLOP/s). A K/V slot is free once both
-  CTAs' consumers released it. Non-causal dense calls only (stage 3 README, "K/V multicast").
+* K/V multicast (`kv_multicast`, off by default: compiled and checked in PTX, not yet run on a
+  GPU): clusters of two CTAs that read the same K/V blocks; each loads half of every block and TMA
+  multicasts it into both, so L2 serves each block once per pair (a step reads one byte of K/V per
+  tile_m FLOP: ~5 TB/s at d = 128 and 650 TFLOP/s). A K/V slot is free once both CTAs' consumers
+  released it. `True` / "m": neighbouring query tiles of a head (non-causal dense calls, one CTA per
+  tile or persistent); "heads": one query tile of two query heads that share a KV head (GQA with an
+  even group, causal or not, dense or varlen, one CTA per tile). Stage 3 README, "K/V multicast".
 
 Cost in registers: none to speak of. The polynomial's coefficients are immediates and the vote
 is one predicate; the consumer path's highest register (SASS, bf16) is 212 / 214 / 226 / 230 / 219
@@ -214,7 +216,7 @@ class FlashAttentionForwardSm90Step4:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
                  num_stages: int | None = None, pingpong: bool = True, scheduler=common.StaticTileScheduler,
-                 lean_mask: bool | None = None, kv_multicast: bool = False):
+                 lean_mask: bool | None = None, kv_multicast: bool | str = False):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -227,11 +229,15 @@ class FlashAttentionForwardSm90Step4:
             raise TypeError("scheduler: a persistent scheduler needs tile_at(linear, M, H, B)")
         if tile_m not in TILE_MS:
             raise ValueError(f"tile_m: expected one of {TILE_MS} (64 query rows per consumer warpgroup), got {tile_m}")
-        _check_kv_multicast(kv_multicast, causal, scheduler)
-        # a cluster of two CTAs on neighbouring query tiles of one head: each loads half of every
-        # K/V block and TMA multicasts it into both CTAs' shared memory (stage 3 README, "K/V multicast")
-        self.kv_multicast = kv_multicast
-        self.cluster_m = 2 if kv_multicast else 1
+        # kv_multicast: a cluster of two CTAs that read the same K/V blocks -- neighbouring query tiles
+        # of one head ("m", or True) or one query tile of two heads that share a KV head ("heads") --
+        # each loading half of every K/V block and TMA multicasting it into both CTAs' shared memory
+        # (stage 3 README, "K/V multicast")
+        self.kv_pairs = _check_kv_multicast(kv_multicast, causal, scheduler)
+        self.kv_multicast = self.kv_pairs is not None
+        self.kv_share = 2 if self.kv_multicast else 1            # CTAs that share each K/V block
+        self.cluster_m = 2 if self.kv_pairs == "m" else 1         # ... along the query tiles
+        self.cluster_shape = {None: None, "m": (2, 1, 1), "heads": (1, 2, 1)}[self.kv_pairs]
         if tile_m == 192 and max(head_dim, head_dim_v) > 64:
             # S (64) + P (32) + O (dv / 2) registers per thread no longer fit 160: ptxas spills
             raise ValueError(f"tile_m: 192 needs head dims <= 64 (160 registers per consumer thread), "
@@ -312,8 +318,9 @@ class FlashAttentionForwardSm90Step4:
         if const_expr(mSeqUsedK is not None and mCuSeqlensK is None):
             raise ValueError("seqused_k: needs cu_seqlens_k")
         self.varlen = mCuSeqlensQ is not None
-        if const_expr(self.varlen and self.kv_multicast):
-            raise ValueError("kv_multicast: dense calls only (the two CTAs of a pair must share one sequence)")
+        if const_expr(self.varlen and self.kv_pairs == "m"):
+            raise ValueError("kv_multicast: query-tile pairs ('m') need dense calls (a pair may straddle two "
+                             "sequences); 'heads' pairs work with varlen")
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
         nc = self.num_consumers
         mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
@@ -337,16 +344,16 @@ class FlashAttentionForwardSm90Step4:
         def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
             return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        # kv_multicast: each CTA of the pair loads 1/cluster_m of a K/V box into both CTAs
+        # kv_multicast: each CTA of the pair loads 1/kv_share of a K/V box into both CTAs
         tma_load_kv = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(self.kv_multicast) else tma_load
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             tma_load, seq_dim_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), (tm, d))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             tma_load_kv, seq_dim_first(mK), cute.slice_(sK_layout, (None, None, 0)), (tn, d),
-            num_multicast=self.cluster_m)
+            num_multicast=self.kv_share)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             tma_load_kv, seq_dim_first(mV), cute.slice_(sV_layout, (None, None, 0)), (tn, dv),
-            num_multicast=self.cluster_m)
+            num_multicast=self.kv_share)
         # bytes each stage's "full" barrier waits for (the whole box, zero-filled rows included)
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)  # all nc slabs, one barrier
         self.tma_bytes_K = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
@@ -395,7 +402,7 @@ class FlashAttentionForwardSm90Step4:
                     self._gmem_copy_O(dv), num_m_units, mQ.shape[2], batch,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
-                             **({"cluster": (self.cluster_m, 1, 1)} if self.kv_multicast else {}))
+                             **({"cluster": self.cluster_shape} if self.kv_multicast else {}))
 
     # -------------------------------------------------------------- device side
     @cute.kernel
@@ -448,10 +455,11 @@ class FlashAttentionForwardSm90Step4:
 
     def tile_live(self, tile):
         """Whether this CTA works on `tile`: it starts before its sequence's end (varlen tiles past it
-        are skipped) or, with kv_multicast, it is the shadow just past the last one, which computes
-        rows it never stores but must load its half of every K/V block for its partner."""
+        are skipped) or, with query-tile pairs (kv_multicast "m"), it is the shadow just past the last
+        one, which computes rows it never stores but must load its half of every K/V block for its
+        partner. (Pairs of heads share the tile, so both CTAs of a cluster agree.)"""
         end = tile[6]
-        if const_expr(self.kv_multicast):
+        if const_expr(self.cluster_m > 1):
             end = end + self.tile_m
         return tile[0] * self.tile_m < end
 
@@ -498,8 +506,8 @@ class FlashAttentionForwardSm90Step4:
         # 0 and 1 of every consumer warp arrive on CTA 0's and CTA 1's empty barrier), since the next
         # load into it, by either CTA, writes both CTAs' copies
         kv_consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread,
-                                                      self.num_consumers * 4 * self.cluster_m)
-        kv_cluster = cute.make_layout((1, self.cluster_m, 1, 1))
+                                                      self.num_consumers * 4 * self.kv_share)
+        kv_cluster = cute.make_layout((1, self.kv_share, 1, 1))
         pipe_Q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1, producer_group=producer_group,
             consumer_group=consumer_group, tx_count=self.tma_bytes_Q, defer_sync=True)
@@ -598,23 +606,22 @@ class FlashAttentionForwardSm90Step4:
             cute.arch.cluster_wait()
 
     def first_linear(self) -> Int32:
-        """A persistent walker's first unit of the order: its CTA, or (kv_multicast) its cluster."""
-        if const_expr(self.kv_multicast):
+        """A persistent walker's first unit of the order: its CTA, or (query-tile pairs) its cluster."""
+        if const_expr(self.cluster_m > 1):
             return Int32(cute.arch.block_idx()[0]) // self.cluster_m
         return Int32(cute.arch.block_idx()[0])
 
     def num_walkers(self) -> Int32:
-        """The static striding: CTAs, or (kv_multicast) clusters, of the persistent grid."""
-        if const_expr(self.kv_multicast):
+        """The static striding: CTAs, or (query-tile pairs) clusters, of the persistent grid."""
+        if const_expr(self.cluster_m > 1):
             return cute.arch.grid_dim()[0] // self.cluster_m
         return cute.arch.grid_dim()[0]
 
     def work_at(self, linear: Int32, extents, seq) -> tuple:
         """tile_info of the persistent order's tile `linear` (extents: (M, H, B, tile counter)); with
-        kv_multicast the order runs over pairs of query tiles and CTA r of the cluster takes tile
-        2 m + r of pair m."""
+        query-tile pairs the order runs over pairs and CTA r of the cluster takes tile 2 m + r of pair m."""
         m_block, head, batch = self.scheduler.tile_at(linear, *extents[:3])
-        if const_expr(self.kv_multicast):
+        if const_expr(self.cluster_m > 1):
             m_block = m_block * self.cluster_m + cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         return self.tile_info(m_block, head, batch, seq)
 
@@ -653,9 +660,9 @@ class FlashAttentionForwardSm90Step4:
         kv_rank = 0
         if const_expr(self.kv_multicast):
             kv_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, kv_rank, cute.make_layout(self.cluster_m),
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, kv_rank, cute.make_layout(self.kv_share),
                                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, kv_rank, cute.make_layout(self.cluster_m),
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, kv_rank, cute.make_layout(self.kv_share),
                                            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         first_kv = 0
         if const_expr(self.persistent):
@@ -1011,7 +1018,7 @@ class FlashAttentionForwardSm90Step4:
 
     def kv_copy_kwargs(self) -> dict:
         """cute.copy's extra arguments for a K/V load: kv_multicast delivers it to both CTAs of the pair."""
-        return {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if self.kv_multicast else {}
+        return {"mcast_mask": cutlass.Int16((1 << self.kv_share) - 1)} if self.kv_multicast else {}
 
     @cute.jit
     def load_kv(self, i: Int32, n_block: Int32, pipe_K, pipe_V, tma_atom_K: cute.CopyAtom,
@@ -1047,7 +1054,7 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=common.StaticTileScheduler, tile_m: int | None = None, lean_mask: bool | None = None,
-                kv_multicast: bool = False):
+                kv_multicast: bool | str = False):
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v), lean_mask None =
     default_lean_mask(tile_m)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
@@ -1055,21 +1062,50 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = 
                                           tile_m=tile_m, lean_mask=lean_mask, kv_multicast=kv_multicast)
 
 
-def _check_kv_multicast(kv_multicast, causal, scheduler) -> bool:
-    """kv_multicast of a kernel: a bool; True needs a non-causal call (both CTAs of a pair walk the same
-    key blocks) and a fixed tile order (the pair is one unit of the order; the atomic hand-out of
-    dynamic persistent CTAs is per CTA). Varlen is refused at trace time (__call__)."""
-    if not isinstance(kv_multicast, bool):
-        raise TypeError(f"kv_multicast: expected a bool, got {type(kv_multicast).__name__}")
-    if kv_multicast and causal:
-        raise ValueError("kv_multicast: needs causal=False (the two query tiles of a pair must see the same key "
-                         "blocks)")
-    if kv_multicast and getattr(scheduler, "dynamic", False):
+KV_MULTICAST_MODES = (False, True, "m", "heads")
+
+
+def _kv_mode(kv_multicast) -> str | None:
+    """kv_multicast's value -> None, "m" or "heads" (True means "m"); a clear error otherwise."""
+    if isinstance(kv_multicast, bool) or kv_multicast is None:
+        return "m" if kv_multicast else None
+    if isinstance(kv_multicast, str):
+        if kv_multicast not in ("m", "heads"):
+            raise ValueError(f"kv_multicast: expected one of {KV_MULTICAST_MODES}, got {kv_multicast!r}")
+        return kv_multicast
+    raise TypeError(f"kv_multicast: expected a bool or 'm' / 'heads', got {type(kv_multicast).__name__}")
+
+
+def _check_kv_multicast(kv_multicast, causal, scheduler) -> str | None:
+    """kv_multicast of a kernel -> None, "m" or "heads" (True means "m").
+
+    "m": query tiles 2 m and 2 m + 1 of one head share their K/V blocks; needs a non-causal call (the
+    two tiles must see the same key blocks) and a fixed tile order (the pair is one unit of the
+    order; the atomic hand-out of dynamic persistent CTAs is per CTA). Varlen is refused at trace
+    time (__call__). "heads": query heads 2 j and 2 j + 1 (one KV head: the call's heads per KV head
+    must be even, checked per call) share one query tile's K/V blocks; any mask, dense or varlen,
+    one CTA per tile on the static grid (blockIdx.y pairs the heads)."""
+    mode = _kv_mode(kv_multicast)
+    persistent = getattr(scheduler, "persistent", False)
+    if mode == "m" and causal:
+        raise ValueError("kv_multicast: query-tile pairs ('m') need causal=False (the two query tiles of a pair "
+                         "must see the same key blocks); 'heads' pairs work with causal")
+    if mode == "m" and getattr(scheduler, "dynamic", False):
         raise ValueError("kv_multicast: needs a fixed tile order, not a dynamic persistent scheduler")
-    if kv_multicast and not getattr(scheduler, "persistent", False) and scheduler is not common.StaticTileScheduler:
+    if mode == "m" and not persistent and scheduler is not common.StaticTileScheduler:
         raise ValueError("kv_multicast: one CTA per tile pairs blockIdx.x 2m and 2m + 1, which only the static grid "
                          f"orders that way; got scheduler {scheduler!r} (wrap it in a PersistentScheduler)")
-    return kv_multicast
+    if mode == "heads" and scheduler is not common.StaticTileScheduler:
+        raise ValueError("kv_multicast: head pairs ('heads') run one CTA per tile on the static grid (blockIdx.y "
+                         f"pairs the heads); got scheduler {scheduler!r} (pass persistent=False)")
+    return mode
+
+
+def _check_head_pairs(mode, heads_q: int, heads_kv: int):
+    """kv_multicast 'heads' pairs query heads 2 j and 2 j + 1, which must read the same KV head."""
+    if mode == "heads" and (heads_q // heads_kv) % 2:
+        raise ValueError(f"kv_multicast: 'heads' needs an even number of query heads per KV head, got "
+                         f"{heads_q} query heads on {heads_kv} KV heads")
 
 
 def default_lean_mask(tile_m: int) -> bool:
@@ -1134,8 +1170,9 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     kv_multicast only when on (the keys, and disk caches, of every other kernel stay as they were)."""
     tile_m = _check_tile_m(tile_m, d, dv)
     lean_mask = _check_lean_mask(lean_mask, tile_m)
+    pairs = {None: (), "m": ("kv_multicast",), "heads": ("kv_multicast_heads",)}[_kv_mode(kv_multicast)]
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m,
-            lean_mask) + (("kv_multicast",) if kv_multicast else ())
+            lean_mask) + pairs
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -1267,7 +1304,8 @@ def _tile_counter(scheduler, device):
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
                       rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
                       policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None,
-                      lean_mask: bool | None = None, persistent: bool | None = None, kv_multicast: bool = False):
+                      lean_mask: bool | None = None, persistent: bool | None = None,
+                      kv_multicast: bool | str = False):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32).
 
     rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
@@ -1278,9 +1316,11 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     persistent: one CTA per SM walks the scheduler's tile order (common.PersistentScheduler; head dims
     up to 128, where Q, O and two K/V stages fit in shared memory; causal calls take their tiles from
     an atomic counter); None = default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m).
-    kv_multicast: clusters of two CTAs on neighbouring query tiles of a head share every K/V block
-    (each loads half and TMA multicasts it to both): half the K/V traffic from L2. Non-causal only;
-    compiled and checked structurally, **not yet run on a GPU** (off by default).
+    kv_multicast: clusters of two CTAs share every K/V block (each loads half and TMA multicasts it
+    to both): half the K/V traffic from L2. True / "m": neighbouring query tiles of a head
+    (non-causal); "heads": query heads 2 j and 2 j + 1 of one KV head (any mask; heads per KV head
+    even; one CTA per tile, so persistent defaults to False). Compiled and checked structurally,
+    **not yet run on a GPU** (off by default).
     """
     import torch
 
@@ -1299,8 +1339,10 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     softmax_scale = _check_scale(softmax_scale, d)
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
+    if persistent is None and _kv_mode(kv_multicast) == "heads":
+        persistent = False  # head pairs run one CTA per tile
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
-    _check_kv_multicast(kv_multicast, causal, scheduler)
+    _check_head_pairs(_check_kv_multicast(kv_multicast, causal, scheduler), hq, k.shape[2])
     if out is None:
         out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
     common.check_out_tensor("out", out, (b, sq, hq, dv), q.dtype, q.device, align_bytes=16)
@@ -1325,7 +1367,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                              rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                              emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                              batch_map=None, scheduler=None, check_values=False, tile_m: int | None = None,
-                             lean_mask: bool | None = None, persistent: bool | None = None):
+                             lean_mask: bool | None = None, persistent: bool | None = None,
+                             kv_multicast: bool | str = False):
     """Packed q (Tq,Hq,D), k (Tk,Hkv,D), v (Tk,Hkv,Dv) with int32 cu_seqlens_q / cu_seqlens_k (batch+1,)
     -> (out (Tq,Hq,Dv), lse (Hq,Tq) fp32).
 
@@ -1336,7 +1379,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     the grid); max_seqlen_k is accepted for API compatibility. batch_map (int32 (batch,)): the
     sequence each virtual batch index computes (stage 5's reordering; identity when None).
     check_values=True verifies the index tensors' values on the host (costs a device sync).
-    tile_m, lean_mask, persistent: as in attention_forward.
+    tile_m, lean_mask, persistent: as in attention_forward; kv_multicast: "heads" only (as there).
     (When k has no rows at all nothing is launched and out / lse are filled with 0 / -inf entirely.)
     """
     import torch
@@ -1352,6 +1395,14 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dt = common.cutlass_dtype(q.dtype)
     policy.check_dtype(dt)
     softmax_scale = _check_scale(softmax_scale, d)
+    kv_mode = _kv_mode(kv_multicast)
+    if kv_mode == "m":
+        raise ValueError("kv_multicast: query-tile pairs ('m') need dense calls (a pair may straddle two sequences); "
+                         "use 'heads'")
+    if persistent is None and kv_mode == "heads":
+        persistent = False  # head pairs run one CTA per tile
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
+    _check_head_pairs(_check_kv_multicast(kv_multicast, causal, scheduler), hq, k.shape[1])
     if out is None:
         out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
     common.check_out_tensor("out", out, (tq, hq, dv), q.dtype, q.device, align_bytes=16)
@@ -1368,13 +1419,12 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
     # a batch of one: the dense kernel's tensor maps and (B, ...) indexing serve the packed tensors
     args = _call_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                       softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map,
                       max_ctas=_launch_ctas(scheduler, q.device), tile_counter=_tile_counter(scheduler, q.device))
     flags = (True, seqused_k is not None, batch_map is not None)
-    _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m, lean_mask).fn(*args)
+    _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m, lean_mask, kv_multicast).fn(*args)
     return out, lse
 
 
@@ -1383,7 +1433,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                  scheduler=None, tile_m: int | None = None, lean_mask: bool | None = None,
                  launchable: bool = False, persistent: bool | None = None,
-                 seqlen_k: int | None = None, kv_multicast: bool = False) -> common.Compiled:
+                 seqlen_k: int | None = None, kv_multicast: bool | str = False) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     lean_mask and persistent as in attention_forward (None = default_tile_m / default_lean_mask /
@@ -1398,10 +1448,11 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     dt = common.cutlass_dtype(dtype)
     policy.check_dtype(dt)
+    if persistent is None and _kv_mode(kv_multicast) == "heads":
+        persistent = False  # head pairs run one CTA per tile
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m)
-    _check_kv_multicast(kv_multicast, causal, scheduler)
-    if kv_multicast and varlen:
-        raise ValueError("kv_multicast: dense calls only, not varlen")
+    if _check_kv_multicast(kv_multicast, causal, scheduler) == "m" and varlen:
+        raise ValueError("kv_multicast: query-tile pairs ('m') need dense calls, not varlen; use 'heads'")
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask,
                     kv_multicast)

@@ -1165,8 +1165,10 @@ def test_persistent_varlen(causal, d, ratio, seqused):
 @pytest.mark.stage3
 def test_kv_multicast_validation():
     """kv_multicast is refused, naming itself, where the two CTAs of a pair would not walk the same key
-    blocks in the same order: causal calls, the dynamic hand-out, a non-static one-CTA-per-tile order,
-    varlen; and it must be a bool. Off, nothing about the kernel or its cache key changes."""
+    blocks in the same order: query-tile pairs ("m", True) in causal or varlen calls, under the dynamic
+    hand-out or a non-static one-CTA-per-tile order; head pairs ("heads") anywhere but one CTA per
+    tile on the static grid, or with an odd number of query heads per KV head. It must be a bool,
+    "m" or "heads". Off, nothing about the kernel or its cache key changes."""
     from stage3_fwd_kernel import common
     from stage5_scheduling.device import LPTCausalScheduler
 
@@ -1181,12 +1183,27 @@ def test_kv_multicast_validation():
         mod.make_kernel(bf16, 128, 128, False, kv_multicast=1)
     with pytest.raises(ValueError, match="kv_multicast.*varlen"):
         mod.compile_only("bf16", 128, varlen=True, kv_multicast=True)
+    with pytest.raises(ValueError, match="kv_multicast.*'heads'"):
+        mod.make_kernel(bf16, 128, 128, True, kv_multicast="rows")
+    for sched in (P(), P(dynamic=True), LPTCausalScheduler(4)):
+        with pytest.raises(ValueError, match="kv_multicast.*static grid"):
+            mod.make_kernel(bf16, 128, 128, True, scheduler=sched, kv_multicast="heads")
+    with pytest.raises(ValueError, match="kv_multicast.*even number of query heads per KV head"):
+        mod._check_head_pairs("heads", 12, 4)
+    mod._check_head_pairs("heads", 8, 4)
+    mod._check_head_pairs("m", 3, 3)
     on = mod.make_kernel(bf16, 128, 128, False, scheduler=P(), kv_multicast=True)
+    heads = mod.make_kernel(bf16, 128, 128, True, kv_multicast="heads")
     off = mod.make_kernel(bf16, 128, 128, False, scheduler=P())
-    assert (on.cluster_m, off.cluster_m) == (2, 1) and on.num_stages == off.num_stages
+    assert (on.cluster_m, heads.cluster_m, off.cluster_m) == (2, 1, 1) and on.num_stages == off.num_stages
+    assert (on.cluster_shape, heads.cluster_shape, off.cluster_shape) == ((2, 1, 1), (1, 2, 1), None)
+    assert (on.kv_share, heads.kv_share, off.kv_share) == (2, 2, 1)
     key = mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P())
     assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast=False) == key
     assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast=True) == key + ("kv_multicast",)
+    assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast="m") == key + ("kv_multicast",)
+    assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(),
+                    kv_multicast="heads") == key + ("kv_multicast_heads",)
 
 
 @pytest.mark.cpu
@@ -1210,34 +1227,41 @@ def test_kv_multicast_protocol_model(dropped, kind):
         cluster_ring.simulate(2, 3, 1, 0, rules=("NO_SUCH_RULE",))
 
 
-KV_MULTICAST_COMPILE = [(64, True, "bf16"), (96, True, "bf16"), (128, True, "bf16"), (128, False, "bf16"),
-                        (256, False, "bf16"), (128, True, "fp16")]
+# (mode, d, persistent, dtype, causal, varlen)
+KV_MULTICAST_COMPILE = [("m", 64, True, "bf16", False, False), ("m", 96, True, "bf16", False, False),
+                        ("m", 128, True, "bf16", False, False), ("m", 128, False, "bf16", False, False),
+                        ("m", 256, False, "bf16", False, False), ("m", 128, True, "fp16", False, False),
+                        ("heads", 128, False, "bf16", True, False), ("heads", 64, False, "bf16", True, True),
+                        ("heads", 256, False, "bf16", True, False), ("heads", 96, False, "fp16", False, True)]
 
 
 @pytest.mark.compile
 @pytest.mark.stage3
-@pytest.mark.parametrize("d,persistent,dtype", KV_MULTICAST_COMPILE,
-                         ids=[f"d{d}-{'persistent' if p else 'per-tile'}-{t}" for d, p, t in KV_MULTICAST_COMPILE])
-def test_kv_multicast_compiles_sm90a(d, persistent, dtype):
+@pytest.mark.parametrize("mode,d,persistent,dtype,causal,varlen", KV_MULTICAST_COMPILE,
+                         ids=[f"{m}-d{d}-{'persistent' if p else 'per-tile'}-{t}{'-causal' if c else ''}"
+                              f"{'-varlen' if v else ''}" for m, d, p, t, c, v in KV_MULTICAST_COMPILE])
+def test_kv_multicast_compiles_sm90a(mode, d, persistent, dtype, causal, varlen):
     """The pair's protocol is in the PTX: every K/V load is a multicast TMA and Q's are not; the box
     row each CTA loads depends on its cluster rank; consumers release K/V slots on both CTAs'
     barriers (remote arrives); both CTAs' barriers exist before either touches the other's (a relaxed
     cluster barrier after the inits) and neither leaves early (a cluster barrier at the end). Same
-    registers and shared memory as the plain build, no spills; the plain build has none of it."""
+    registers and shared memory as the plain build, no spills; the plain build has none of it.
+    Query-tile pairs ("m", non-causal dense) and head pairs ("heads", causal and varlen too)."""
     import re
 
     from stage3_fwd_kernel import common
 
     mod = _mod()
-    comp = mod.compile_only(dtype, d, persistent=persistent, kv_multicast=True)
-    plain = mod.compile_only(dtype, d, persistent=persistent)
+    flags = dict(causal=causal, varlen=varlen, seqused_k=varlen, persistent=persistent)
+    comp = mod.compile_only(dtype, d, kv_multicast=mode, **flags)
+    plain = mod.compile_only(dtype, d, **flags)
     rep, ptx = comp.report, comp.ptx
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
     assert not rep["wgmma_serialized"] and rep["registers"] == plain.report["registers"]
     assert rep["smem_bytes"] == plain.report["smem_bytes"]
-    kernel = mod.make_kernel(common.cutlass_dtype(dtype), d, d, False,
+    kernel = mod.make_kernel(common.cutlass_dtype(dtype), d, d, causal,
                              scheduler=common.PersistentScheduler() if persistent else common.StaticTileScheduler,
-                             kv_multicast=True)
+                             kv_multicast=mode)
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= kernel.regs_consumer
 
     def loads(text):
@@ -1289,3 +1313,43 @@ def test_kv_multicast_matches_static(d, sq, sk):
     for kw in configs:
         out, lse = _dense(q, k, v, causal=False, kv_multicast=True, **kw)
         assert torch.equal(out, static[0]) and torch.equal(lse, static[1]), kw
+
+
+KV_HEADS_CASES = [(1, 1, 2), (113, 203, 8), (239, 1, 2), (799, 3, 4), (300, 70, 2), (1024, 1024, 8), (4224, 4224, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk,ratio", KV_HEADS_CASES, ids=[f"{a}x{b}-gqa{r}" for a, b, r in KV_HEADS_CASES])
+def test_kv_multicast_heads_matches_static(d, causal, sq, sk, ratio):
+    """Head pairs (kv_multicast="heads": query heads 2 j and 2 j + 1 of one KV head share each K/V
+    block of a query tile, causal or not): FA4's rule and bitwise the plain one-CTA-per-tile kernel,
+    GQA 2 / 4 / 8 (ratio 4 with a single KV head, MQA), odd shapes, causal rows past their diagonal."""
+    import torch
+
+    big = sq * sk > 2_000_000
+    heads = 4 if ratio == 4 else (2 if big and ratio == 2 else 8)
+    q, k, v = _randn_qkv(1 if big else 2, sq, sk, heads, heads // ratio, d, d, seed=sq + sk + d + ratio)
+    static = _dense(q, k, v, causal=causal, persistent=False)
+    out, lse = _dense(q, k, v, causal=causal, kv_multicast="heads")
+    assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,ratio", [(128, 2), (64, 8)], ids=["d128-gqa2", "d64-gqa8"])
+def test_kv_multicast_heads_varlen(causal, d, ratio):
+    """Head pairs on packed batches (q-empty and k-empty sequences, NaN cache slots past seqused_k):
+    both CTAs of a pair always share the sequence and the query tile, so they leave together when
+    it lies past the sequence. Bitwise the plain kernel; the k-empty sequence exactly 0 / -inf."""
+    import torch
+
+    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, USED_K, 8, 8 // ratio, d, d, seed=d + ratio + 21)
+    static = _varlen(q, k, v, cu_q, cu_k, su, causal=causal)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, kv_multicast="heads")
+    assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+    q0, q1 = int(cu_q[1]), int(cu_q[2])
+    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
