@@ -611,7 +611,9 @@ else:
 # `1 / tile_m` byte per FLOP whatever the head dim. At the measured rates that is several TB/s for
 # the whole GPU. A cluster of two CTAs on neighbouring query tiles of one head can fetch each block
 # once: each CTA loads half of it and the TMA unit multicasts the half into both CTAs' shared memory
-# (`kv_multicast=True`, stage 3 README "K/V multicast"). It is compiled and checked here, but it
+# (`kv_multicast=True`, stage 3 README "K/V multicast"; that needs a non-causal call, since causal
+# neighbours see different keys. In GQA models two query heads of one KV head read the same blocks
+# under any mask, and `kv_multicast="heads"` pairs those instead). It is compiled and checked here, but it
 # has **not run on a GPU yet**, so nothing below says it is faster. The arithmetic, with the
 # production tile heights and run 12's measured TFLOP/s (non-causal, 16k keys). Note `d = 256`:
 # it already drew more from L2 than `d = 128` does, so L2 is not a hard wall at `d = 128`; what
