@@ -1076,16 +1076,20 @@ def _kv_mode(kv_multicast) -> str | None:
     raise TypeError(f"kv_multicast: expected a bool or 'm' / 'heads', got {type(kv_multicast).__name__}")
 
 
-def _check_kv_multicast(kv_multicast, causal, scheduler) -> str | None:
+def _check_kv_multicast(kv_multicast, causal, scheduler, varlen=False) -> str | None:
     """kv_multicast of a kernel -> None, "m" or "heads" (True means "m").
 
-    "m": query tiles 2 m and 2 m + 1 of one head share their K/V blocks; needs a non-causal call (the
-    two tiles must see the same key blocks) and a fixed tile order (the pair is one unit of the
-    order; the atomic hand-out of dynamic persistent CTAs is per CTA). Varlen is refused at trace
-    time (__call__). "heads": query heads 2 j and 2 j + 1 (one KV head: the call's heads per KV head
-    must be even, checked per call) share one query tile's K/V blocks; any mask, dense or varlen,
-    one CTA per tile on the static grid (blockIdx.y pairs the heads)."""
+    "m": query tiles 2 m and 2 m + 1 of one head share their K/V blocks; needs a dense non-causal
+    call (the two tiles must see the same key blocks; a varlen pair may straddle two sequences, which
+    the kernel also refuses at trace time) and a fixed tile order (the pair is one unit of the order;
+    the atomic hand-out of dynamic persistent CTAs is per CTA). "heads": query heads 2 j and 2 j + 1
+    (one KV head: the call's heads per KV head must be even, _check_head_pairs) share one query
+    tile's K/V blocks; any mask, dense or varlen, one CTA per tile on the static grid (blockIdx.y
+    pairs the heads)."""
     mode = _kv_mode(kv_multicast)
+    if mode == "m" and varlen:
+        raise ValueError("kv_multicast: query-tile pairs ('m') need dense calls, not varlen (a pair may straddle two "
+                         "sequences); use 'heads'")
     persistent = getattr(scheduler, "persistent", False)
     if mode == "m" and causal:
         raise ValueError("kv_multicast: query-tile pairs ('m') need causal=False (the two query tiles of a pair "
@@ -1101,9 +1105,9 @@ def _check_kv_multicast(kv_multicast, causal, scheduler) -> str | None:
     return mode
 
 
-def _check_head_pairs(mode, heads_q: int, heads_kv: int):
+def _check_head_pairs(kv_multicast, heads_q: int, heads_kv: int):
     """kv_multicast 'heads' pairs query heads 2 j and 2 j + 1, which must read the same KV head."""
-    if mode == "heads" and (heads_q // heads_kv) % 2:
+    if _kv_mode(kv_multicast) == "heads" and (heads_q // heads_kv) % 2:
         raise ValueError(f"kv_multicast: 'heads' needs an even number of query heads per KV head, got "
                          f"{heads_q} query heads on {heads_kv} KV heads")
 
@@ -1264,17 +1268,26 @@ def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: boo
 
 
 def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varlen=False, seqlen_k=None,
-                       tile_m=None):
+                       tile_m=None, kv_multicast=False):
     """The call's scheduler: `scheduler` (default StaticTileScheduler), walked by one CTA per SM when
-    persistent (None: default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m)). A
-    scheduler that is persistent itself (common.PersistentScheduler) is used as it is."""
+    persistent (None: default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m), or
+    False for kv_multicast="heads", whose pairs run one CTA per tile). A scheduler that is persistent
+    itself (common.PersistentScheduler) is used as it is. Checks kv_multicast against the result."""
+    scheduler = _resolve_order(scheduler, persistent, head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m,
+                               _kv_mode(kv_multicast))
+    _check_kv_multicast(kv_multicast, causal, scheduler, varlen)
+    return scheduler
+
+
+def _resolve_order(scheduler, persistent, head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m, kv_mode):
+    """_resolve_scheduler without the kv_multicast check."""
     if persistent is not None and not isinstance(persistent, bool):
         raise TypeError(f"persistent: expected None or a bool, got {type(persistent).__name__}")
     scheduler = scheduler or common.StaticTileScheduler
     if getattr(scheduler, "persistent", False):
         return scheduler
     if persistent is None:
-        persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m)
+        persistent = kv_mode != "heads" and default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m)
     if persistent:
         if max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM:
             raise ValueError(f"persistent: needs head dims <= {PERSISTENT_MAX_HEAD_DIM} (Q, O and two K/V stages "
@@ -1339,10 +1352,9 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     softmax_scale = _check_scale(softmax_scale, d)
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
-    if persistent is None and _kv_mode(kv_multicast) == "heads":
-        persistent = False  # head pairs run one CTA per tile
-    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
-    _check_head_pairs(_check_kv_multicast(kv_multicast, causal, scheduler), hq, k.shape[2])
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m,
+                                   kv_multicast=kv_multicast)
+    _check_head_pairs(kv_multicast, hq, k.shape[2])
     if out is None:
         out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
     common.check_out_tensor("out", out, (b, sq, hq, dv), q.dtype, q.device, align_bytes=16)
@@ -1395,14 +1407,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dt = common.cutlass_dtype(q.dtype)
     policy.check_dtype(dt)
     softmax_scale = _check_scale(softmax_scale, d)
-    kv_mode = _kv_mode(kv_multicast)
-    if kv_mode == "m":
-        raise ValueError("kv_multicast: query-tile pairs ('m') need dense calls (a pair may straddle two sequences); "
-                         "use 'heads'")
-    if persistent is None and kv_mode == "heads":
-        persistent = False  # head pairs run one CTA per tile
-    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
-    _check_head_pairs(_check_kv_multicast(kv_multicast, causal, scheduler), hq, k.shape[1])
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m,
+                                   kv_multicast=kv_multicast)
+    _check_head_pairs(kv_multicast, hq, k.shape[1])
     if out is None:
         out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
     common.check_out_tensor("out", out, (tq, hq, dv), q.dtype, q.device, align_bytes=16)
@@ -1448,11 +1455,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     dt = common.cutlass_dtype(dtype)
     policy.check_dtype(dt)
-    if persistent is None and _kv_mode(kv_multicast) == "heads":
-        persistent = False  # head pairs run one CTA per tile
-    scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m)
-    if _check_kv_multicast(kv_multicast, causal, scheduler) == "m" and varlen:
-        raise ValueError("kv_multicast: query-tile pairs ('m') need dense calls, not varlen; use 'heads'")
+    scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m,
+                                   kv_multicast)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask,
                     kv_multicast)
