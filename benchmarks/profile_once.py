@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default=None,
                     help="instead of --step: an ab_bwd.py variant, e.g. step3_rs~decoupled=1 (--pass bwd --impl ours)")
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--dim_v", type=int, default=None, help="V's head dim (default --dim), e.g. --dim 192 --dim_v 128")
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--heads", type=int, default=8)
@@ -48,7 +49,9 @@ def main(argv=None) -> int:
     from stage3_fwd_kernel.hopper import attention_forward
 
     b, s, h, d = args.batch, args.seqlen, args.heads, args.dim
-    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    dv = d if args.dim_v is None else args.dim_v
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))  # (B, S, H, Dv)
     if args.impl == "official":
         from flash_attn.cute.interface import flash_attn_func
 

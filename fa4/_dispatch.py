@@ -259,8 +259,8 @@ LPT_MIN_SEQLEN_K = 4096
 FORWARD_PERSISTENT = None
 
 # K/V multicast for non-causal forwards (Hopper step 4's kv_multicast: clusters of two CTAs share each
-# K/V block through TMA multicast). Off: compiled and checked in CI, not yet run on a GPU;
-# benchmarks/ab_fwd.py `fa4~kv_multicast=True` times the route with it.
+# K/V block through TMA multicast). Off: correct on the H100 but no faster (a third less L2 traffic,
+# same time: stage 3 README); benchmarks/ab_fwd.py `fa4~kv_multicast=True` times the route with it.
 FORWARD_KV_MULTICAST = False
 
 

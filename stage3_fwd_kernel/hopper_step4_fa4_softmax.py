@@ -55,8 +55,8 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   after their last S, and O gets its own buffer. Causal calls take the next tile from an atomic
   counter (`dynamic=True`): the producer publishes each tile id in shared memory before arming
   that tile's Q barrier. Bitwise the results of one CTA per tile.
-* K/V multicast (`kv_multicast`, off by default: compiled and checked in PTX, not yet run on a
-  GPU): clusters of two CTAs that read the same K/V blocks; each loads half of every block and TMA
+* K/V multicast (`kv_multicast`, off by default: correct on the H100, 74 gpu tests, but no faster;
+  a third less L2 traffic gained nothing, stage 3 README "K/V multicast"): clusters of two CTAs that read the same K/V blocks; each loads half of every block and TMA
   multicasts it into both, so L2 serves each block once per pair (a step reads one byte of K/V per
   tile_m FLOP: ~5 TB/s at d = 128 and 650 TFLOP/s). A K/V slot is free once both CTAs' consumers
   released it. `True` / "m": neighbouring query tiles of a head (non-causal dense calls, one CTA per

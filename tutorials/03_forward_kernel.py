@@ -604,7 +604,7 @@ else:
     print(f"{path.name}: not committed in this checkout")
 
 # %% [markdown]
-# ## A fourth resource: K/V bytes from L2, and two CTAs sharing them (not yet run)
+# ## A fourth resource: K/V bytes from L2, and two CTAs sharing them (measured: no faster)
 # The roofline above prices MMA, shared memory and the exponential *inside* an SM. Something must
 # also feed the SMs: every query tile of a head reads every K/V block of that head from L2. A step
 # reads `2 x tile_n x d x 2` bytes of K and V for `4 x tile_m x tile_n x d` FLOPs, so L2 serves
@@ -613,11 +613,11 @@ else:
 # once: each CTA loads half of it and the TMA unit multicasts the half into both CTAs' shared memory
 # (`kv_multicast=True`, stage 3 README "K/V multicast"; that needs a non-causal call, since causal
 # neighbours see different keys. In GQA models two query heads of one KV head read the same blocks
-# under any mask, and `kv_multicast="heads"` pairs those instead). It is compiled and checked here, but it
-# has **not run on a GPU yet**, so nothing below says it is faster. The arithmetic, with the
+# under any mask, and `kv_multicast="heads"` pairs those instead). The arithmetic, with the
 # production tile heights and run 12's measured TFLOP/s (non-causal, 16k keys). Note `d = 256`:
 # it already drew more from L2 than `d = 128` does, so L2 is not a hard wall at `d = 128`; what
-# sharing can buy there is shorter load latency on a busy L2 and less energy under the power cap.
+# sharing could buy there is shorter load latency on a busy L2 and less energy under the power cap.
+# (The end of this section has the H100's answer: correct, and no faster.)
 
 # %%
 from stage3_fwd_kernel import hopper_step4_fa4_softmax as step4
@@ -663,6 +663,33 @@ from stage3_fwd_kernel import cluster_ring
 print("all three rules:", cluster_ring.first_violation() or "1200 interleavings, no violation")
 for dropped in cluster_ring.RULES:
     print(f"without {dropped}:\n   ", cluster_ring.first_violation(tuple(r for r in cluster_ring.RULES if r != dropped)))
+
+# %% [markdown]
+# **What the H100 said.** The pairs are correct: 74 gpu tests, bitwise equal to one CTA per tile,
+# no hang. They are not faster. Nsight Compute at d = 128, 8k keys
+# (`benchmarks/results/ncu_fwd_h100_l2_multicast_d192.md`):
+#
+# | | L2 bytes | duration |
+# |---|---|---|
+# | ours | 6.63 GB | 1.56 ms |
+# | ours, pairs | 4.65 GB | 1.54 ms |
+# | official kernel | 3.93 GB | 1.50 ms |
+#
+# A third less L2 traffic changed nothing: our L2 ran at half its peak. So L2 bandwidth was not
+# the gap, and `kv_multicast` stays off. The prediction was testable, and the measurement said no;
+# that is still worth a section. The paired timings, pairs against the default, through `fa4`:
+
+# %%
+path = RESULTS / "ab_fwd_h100_run20_kv_multicast.json"
+if path.exists():
+    rows = json.loads(path.read_text())["results"]
+    ratio = {(r["impl"], r["head_dim"], r["seqlen"]): r["ratio_median"] for r in rows}
+    for d in (128, 64):
+        for s in (1024, 4096, 16384):
+            base, pair = ratio[("fa4", d, s)], ratio[("fa4~kv_multicast=True", d, s)]
+            print(f"d={d:>3} {s:>5} keys: default x{base:.3f}, pairs x{pair:.3f} of official ({pair / base - 1:+.1%})")
+else:
+    print(f"{path.name}: not committed in this checkout")
 
 # %% [markdown]
 # ## The Blackwell pipeline
