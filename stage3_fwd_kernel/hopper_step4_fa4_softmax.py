@@ -52,7 +52,9 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   barrier set-up, the first Q and K loads, the O store: ~2-3 key-block steps per tile, fitted to
   the H100 ladder) is paid once per SM. The producer carries the K/V ring position (`kv_base`) and
   Q's phase across tiles and loads a tile's first K/V block before its Q; consumers release Q
-  after their last S, and O gets its own buffer. Causal calls take the next tile from an atomic
+  after their last S, and O gets its own buffer -- or, above head dim 128 where Q + O + two K/V
+  stages do not fit (`o_direct`, persistent=True only: it measured no gain there), goes from
+  registers to global memory in 4-byte stores. Causal calls take the next tile from an atomic
   counter (`dynamic=True`): the producer publishes each tile id in shared memory before arming
   that tile's Q barrier. Bitwise the results of one CTA per tile.
 * K/V multicast (`kv_multicast`, off by default: correct on the H100, 74 gpu tests, but no faster;
@@ -161,6 +163,13 @@ def _smem_plan(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int, separat
     return fixed, tile_n * (head_dim + head_dim_v) * 2
 
 
+def o_fits_beside_q(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int) -> bool:
+    """Whether Q, an O buffer of its own and two K/V stages fit in shared memory: true up to head dim
+    128; at (192, 128) and 256 a persistent CTA stores O from registers instead (`o_direct`)."""
+    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o=True)
+    return fixed + 2 * stage_bytes <= common.SMEM_BUDGET
+
+
 def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128,
                        separate_o: bool = False) -> int:
     """As many K/V stages as fit next to Q (and O when it has its own buffer), between 2 and 4
@@ -251,9 +260,11 @@ class FlashAttentionForwardSm90Step4:
         self.tile_m = tile_m
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
         self.pv_wait_below_softmax = self.tile_n >= 128  # see overlapped_step
-        # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue)
+        # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
+        # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers
+        self.o_direct = self.persistent and not o_fits_beside_q(head_dim, head_dim_v, self.tile_n, tile_m)
         self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m,
-                                                           separate_o=self.persistent)
+                                                           separate_o=self.persistent and not self.o_direct)
         self.pingpong = pingpong
         self.scheduler = scheduler
         self.num_consumers = tile_m // 64    # consumer warpgroups, one wgmma M = 64 row block each
@@ -264,12 +275,12 @@ class FlashAttentionForwardSm90Step4:
         # free exactly what the consumers take, 128 * (p + n * c) = 65536 (FA3's split for 3 WGs)
         self.regs_producer, self.regs_consumer = {2: (24, 240), 3: (32, 160)}[self.num_consumers]
         if self.persistent:
-            fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, self.tile_n, tile_m, separate_o=True)
+            fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, self.tile_n, tile_m, separate_o=not self.o_direct)
             need = fixed - 2048 + self.num_stages * stage_bytes
             if need + 2048 > common.SMEM_BUDGET:
-                raise ValueError(f"scheduler: a persistent CTA keeps O apart from Q, and Q + O + {self.num_stages} "
-                                 f"K/V stages at head dims ({head_dim}, {head_dim_v}) need {need} bytes of shared "
-                                 f"memory (> {common.SMEM_BUDGET - 2048}); use a one-tile-per-CTA scheduler")
+                raise ValueError(f"num_stages: a persistent CTA at head dims ({head_dim}, {head_dim_v}) with "
+                                 f"{self.num_stages} K/V stages needs {need} bytes of shared memory "
+                                 f"(> {common.SMEM_BUDGET - 2048}); use fewer stages or a one-tile-per-CTA scheduler")
         self.smem_bytes = None
 
     # -------------------------------------------------------------- host side (traced once)
@@ -374,7 +385,7 @@ class FlashAttentionForwardSm90Step4:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[
-                self.dtype, 0 if self.o_in_q else cute.cosize(sO_layout)], 1024]
+                self.dtype, 0 if self.o_in_q or self.o_direct else cute.cosize(sO_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -730,6 +741,8 @@ class FlashAttentionForwardSm90Step4:
         if const_expr(self.o_in_q):  # (64, dv) at the base of our Q slab (same 128B swizzle phase)
             sO_slab = cute.slice_(sO_layout, (None, None, 0))
             sO_wg = cute.make_tensor(cute.recast_ptr(sQ_wg.iterator, sO_slab.inner, self.dtype), sO_slab.outer)
+        elif const_expr(self.o_direct):
+            sO_wg = None  # O goes from registers to global memory
         else:
             sO_wg = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, wg]
         # the same V bytes seen as (dv, tn, stages): the MN-major B operand of O = P V
@@ -857,11 +870,41 @@ class FlashAttentionForwardSm90Step4:
                 if row < seqlen_q:  # rows past the sequence belong to the next one: never written
                     mLSE[batch, head, offset_q + row] = lse[r]
 
-        # 3b. O: registers -> smem (accumulator layout) -> 16-byte coalesced, row-guarded stores.
-        #     Only this warpgroup touches its slab, so a 128-thread named barrier replaces
-        #     sync_threads (the producer warpgroup may have exited already).
+        # 3b. O, row-guarded: through smem (the default) or, o_direct, straight from registers
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
+        if const_expr(self.o_direct):
+            self.store_O_direct(rO, gO, tiled_mma_pv, ctidx, seqlen_q - row0)
+        else:
+            self.store_O_via_smem(rO, gO, sO_wg, tiled_mma_pv, gmem_copy_O, ctidx, seqlen_q - row0, wg)
+
+    @cute.jit
+    def store_O_direct(self, rO: cute.Tensor, gO: cute.Tensor, tiled_mma_pv: cute.TiledMma, ctidx: Int32,
+                       q_rows_left: Int32):
+        """O straight from the accumulator registers to global memory, 4 bytes (two adjacent columns)
+        per store, rows past the sequence skipped. No shared memory: a persistent CTA at head dims
+        > 128 has no room for an O buffer beside Q and two K/V stages. The stores half-fill each
+        32-byte sector (a quad writes 16 contiguous bytes of a row), which matters little once per tile."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
+        thr_copy_O = cute.make_tiled_copy_C(atom, tiled_mma_pv).get_slice(ctidx)
+        # mode 0 of each partition is all of a thread's values, (2 adjacent columns, rest):
+        # src ((2, 32), 1, 1), dst and crd ((2, (2 rows 8 apart, 16 column groups)), 1, 1) at dv = 128
+        src = thr_copy_O.retile(rO)
+        dst = thr_copy_O.partition_D(gO)
+        crd = thr_copy_O.partition_D(cute.make_identity_tensor((self.wg_m, self.head_dim_v)))
+        for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            for n in cutlass.range_constexpr(cute.size(dst, mode=[2])):
+                for i in cutlass.range_constexpr(cute.size(dst, mode=[0, 1])):
+                    if crd[(0, i), m, n][0] < q_rows_left:
+                        cute.copy(atom, src[(None, i), m, n], dst[(None, i), m, n])
+
+    @cute.jit
+    def store_O_via_smem(self, rO: cute.Tensor, gO: cute.Tensor, sO_wg: cute.Tensor, tiled_mma_pv: cute.TiledMma,
+                         gmem_copy_O: cute.TiledCopy, ctidx: Int32, q_rows_left: Int32, wg: Int32):
+        """O through this warpgroup's smem slab: registers -> smem (accumulator layout) -> 16-byte
+        coalesced, row-guarded stores. Only this warpgroup touches its slab, so a 128-thread named
+        barrier replaces sync_threads (the producer warpgroup may have exited already)."""
+        tm, dv, nc = self.wg_m, self.head_dim_v, self.num_consumers
         if const_expr(self.o_in_q or self.persistent):
             # o_in_q: our last QK^T has read sQ_wg; persistent: every thread has read the last tile's O
             cute.arch.barrier(barrier_id=1 + nc + wg, number_of_threads=128)
@@ -875,7 +918,6 @@ class FlashAttentionForwardSm90Step4:
         tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((tm, dv)))
         tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
-        q_rows_left = seqlen_q - row0
         for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
             if tOcO[0, m, 0][0] < q_rows_left:
                 cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
@@ -1234,7 +1276,9 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False))))
 
 
-# Persistent CTAs need Q, O and two K/V stages in shared memory: head dims up to 128.
+# Persistent CTAs by default up to this head dim, where Q, O and two K/V stages fit in shared memory.
+# Above it persistent=True stores O from registers (o_direct): correct, but no faster than one CTA
+# per tile in paired H100 rounds (benchmarks/results/ab_fwd_h100_run26_o_direct.json), so not a default.
 PERSISTENT_MAX_HEAD_DIM = 128
 
 
@@ -1289,9 +1333,6 @@ def _resolve_order(scheduler, persistent, head_dim, head_dim_v, causal, varlen, 
     if persistent is None:
         persistent = kv_mode != "heads" and default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m)
     if persistent:
-        if max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM:
-            raise ValueError(f"persistent: needs head dims <= {PERSISTENT_MAX_HEAD_DIM} (Q, O and two K/V stages "
-                             f"in shared memory), got ({head_dim}, {head_dim_v})")
         # tiles of different lengths need the dynamic hand-out (see default_persistent)
         scheduler = _persistent_over(scheduler, causal or varlen)
     return scheduler
@@ -1326,14 +1367,14 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     StaticTileScheduler) is a class with the common.StaticTileScheduler interface. tile_m: query
     rows per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv). lean_mask:
     the masked blocks' mask (see consume), None = default_lean_mask(tile_m) (lean at 192 rows only).
-    persistent: one CTA per SM walks the scheduler's tile order (common.PersistentScheduler; head dims
-    up to 128, where Q, O and two K/V stages fit in shared memory; causal calls take their tiles from
-    an atomic counter); None = default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m).
+    persistent: one CTA per SM walks the scheduler's tile order (common.PersistentScheduler; causal
+    calls take their tiles from an atomic counter; above head dim 128 O goes from registers to global
+    memory, o_direct); None = default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m).
     kv_multicast: clusters of two CTAs share every K/V block (each loads half and TMA multicasts it
     to both): half the K/V traffic from L2. True / "m": neighbouring query tiles of a head
     (non-causal); "heads": query heads 2 j and 2 j + 1 of one KV head (any mask; heads per KV head
-    even; one CTA per tile, so persistent defaults to False). Compiled and checked structurally,
-    **not yet run on a GPU** (off by default).
+    even; one CTA per tile, so persistent defaults to False). Correct on the H100 (74 gpu tests),
+    no faster: off by default.
     """
     import torch
 

@@ -1033,12 +1033,17 @@ def test_persistent_scheduler_validation_and_order():
     tiles = [common.StaticTileScheduler.tile_at(i, M, H, B) for i in range(M * H * B)]
     assert tiles == [(m, h, b) for b in range(B) for h in range(H) for m in range(M)]
     mod = _mod()
-    with pytest.raises(ValueError, match="shared memory"):  # Q + O + 2 K/V stages exceed 227 KB
-        mod.make_kernel(common.cutlass_dtype("bf16"), 256, 256, False, scheduler=P())
+    bf16 = common.cutlass_dtype("bf16")
+    # Q + O + 2 K/V stages exceed 227 KB above head dim 128: O then goes from registers to global memory
+    for d, dv in ((128, 128), (192, 128), (256, 256)):
+        assert mod.make_kernel(bf16, d, dv, False, scheduler=P()).o_direct == (d > 128)
+        assert mod.o_fits_beside_q(d, dv, mod.default_tile_n(d, dv), 128) == (d <= 128)
+        assert not mod.make_kernel(bf16, d, dv, False).o_direct  # one CTA per tile: O over Q
+    with pytest.raises(ValueError, match="num_stages.*shared memory"):  # Q + 3 stages of (192, 128)
+        mod.FlashAttentionForwardSm90Step4(bf16, 192, 128, False, scheduler=P(), num_stages=3)
     with pytest.raises(TypeError, match="persistent"):
         mod._resolve_scheduler(None, 1, 128, 128, False)
-    with pytest.raises(ValueError, match="persistent"):
-        mod._resolve_scheduler(None, True, 256, 256, False)
+    assert mod._resolve_scheduler(None, True, 256, 256, False) == P()  # asked for: allowed, o_direct
     # the default: dense calls wherever Q, O and two K/V stages fit (head dims <= 128), the dynamic
     # hand-out for causal ones, except causal at d = 64 (192-row tiles) from 4096 keys on
     assert mod._resolve_scheduler(None, None, 128, 128, False) == P()
@@ -1058,7 +1063,7 @@ def test_persistent_scheduler_validation_and_order():
 
 
 PERSISTENT_COMPILE = [(64, 64, False, False), (64, 64, True, True), (96, 96, True, False), (128, 128, False, False),
-                      (128, 128, True, True)]
+                      (128, 128, True, True), (192, 128, True, False), (256, 256, False, False)]
 
 
 @pytest.mark.compile
@@ -1067,8 +1072,9 @@ PERSISTENT_COMPILE = [(64, 64, False, False), (64, 64, True, True), (96, 96, Tru
                          ids=[f"d{d}-{'causal' if c else 'full'}{'-varlen' if v else ''}" for d, _, c, v in
                               PERSISTENT_COMPILE])
 def test_persistent_compiles_sm90a(d, dv, causal, varlen):
-    """The tile loop fits the consumers' setmaxnreg budget without spills, O has its own buffer and
-    the grid is one CTA per SM at most (the launcher's min)."""
+    """The tile loop fits the consumers' setmaxnreg budget without spills, O has its own buffer (head
+    dims <= 128) or goes from registers to global memory in 4-byte stores (o_direct, above), and the
+    grid is one CTA per SM at most (the launcher's min)."""
     import re
 
     from stage3_fwd_kernel import common
@@ -1080,9 +1086,15 @@ def test_persistent_compiles_sm90a(d, dv, causal, varlen):
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
     assert not rep["wgmma_serialized"]
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= kernel.regs_consumer
-    q_o = 2 * kernel.tile_m * (d + dv)
+    q_o = 2 * kernel.tile_m * (d + (0 if kernel.o_direct else dv))
     assert q_o + 2 * kernel.num_stages * kernel.tile_n * (d + dv) <= rep["smem_bytes"] <= 227 * 1024
-    assert kernel.num_stages >= 2
+    assert kernel.num_stages >= 2 and kernel.o_direct == (d > 128)
+    # o_direct: each consumer thread stores its dv / 2 O values in pairs (32-bit STG), plus its lse
+    stores = re.findall(r"\bSTG\.E(\.\d+)?\b", comp.sass)
+    if kernel.o_direct:
+        assert len(stores) == dv // 4 + 2 and not any(stores), stores
+    else:
+        assert all(w == ".128" for w in stores if w), stores  # 16-byte stores from the O buffer
 
 
 PERSISTENT_SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (300, 70), (1024, 1024), (4224, 4224)]
@@ -1090,14 +1102,16 @@ PERSISTENT_SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (300, 70), (1024, 
 
 @pytest.mark.gpu
 @pytest.mark.stage3
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)],
+                         ids=["d64", "d96", "d128", "d192x128", "d256"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", PERSISTENT_SEQLENS, ids=[f"{a}x{b}" for a, b in PERSISTENT_SEQLENS])
-def test_persistent_matches_static(d, causal, sq, sk):
+def test_persistent_matches_static(d, dv, causal, sq, sk):
     """Persistent CTAs compute each tile with the same operations as one CTA per tile: FA4's rule
     and bitwise the static kernel's result, with 5 CTAs (each walks many tiles: the ring position
     and Q's phase carry across tiles, including tiles without a visible key, 300 x 70 causal) and
-    with one CTA per SM."""
+    with one CTA per SM. Above head dim 128 O goes from registers to global memory (o_direct): the
+    same values, other stores, rows past seqlen_q skipped."""
     import torch
 
     from stage3_fwd_kernel import common
@@ -1105,7 +1119,7 @@ def test_persistent_matches_static(d, causal, sq, sk):
     big = sq * sk > 2_000_000
     heads = 2 if big else 8
     ratio = 2 if big else [1, 2, 8][(sq + sk + d) % 3]
-    q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, d, d, seed=sq + sk + d + 5)
+    q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, d, dv, seed=sq + sk + d + 5)
     static = _dense(q, k, v, causal=causal, persistent=False)
     P = common.PersistentScheduler
     # persistent=True alone: one CTA per SM, the dynamic hand-out for causal calls
