@@ -58,10 +58,10 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   counter (`dynamic=True`): the producer publishes each tile id in shared memory before arming
   that tile's Q barrier. Bitwise the results of one CTA per tile.
 * K/V multicast (`kv_multicast`, off by default: correct on the H100, 74 gpu tests, but no faster;
-  a third less L2 traffic gained nothing, stage 3 README "K/V multicast"): clusters of two CTAs that read the same K/V blocks; each loads half of every block and TMA
-  multicasts it into both, so L2 serves each block once per pair (a step reads one byte of K/V per
-  tile_m FLOP: ~5 TB/s at d = 128 and 650 TFLOP/s). A K/V slot is free once both CTAs' consumers
-  released it. `True` / "m": neighbouring query tiles of a head (non-causal dense calls, one CTA per
+  a third less L2 traffic gained nothing, stage 3 README "K/V multicast"): clusters of two CTAs
+  that read the same K/V blocks; each loads half of every block and TMA multicasts it into both,
+  so L2 serves each block once per pair (a step reads one byte of K/V per tile_m FLOP: ~5 TB/s at
+  d = 128 and 650 TFLOP/s). A K/V slot is free once both CTAs' consumers released it. `True` / "m": neighbouring query tiles of a head (non-causal dense calls, one CTA per
   tile or persistent); "heads": one query tile of two query heads that share a KV head (GQA with an
   even group, causal or not, dense or varlen, one CTA per tile). Stage 3 README, "K/V multicast".
 
