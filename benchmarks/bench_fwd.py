@@ -12,10 +12,13 @@ fast wrong kernel cannot enter the table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import os
+import pathlib
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -113,11 +116,45 @@ def versions():
     return v
 
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SOURCE_DIRS = ("stage0_reference", "stage1_online_softmax", "stage2_emulated_exp", "stage3_fwd_kernel",
+               "stage4_bwd_kernel", "stage5_scheduling", "fa4", "benchmarks")
+
+
+def source_digest(root: pathlib.Path = REPO) -> str:
+    """sha256 (12 hex digits) of the Python sources the benchmarks run (SOURCE_DIRS, paths and bytes).
+    The device copy of the tree has no .git; run this on a checkout to find the commit a results
+    file came from (`python benchmarks/bench_fwd.py --source-digest`)."""
+    h = hashlib.sha256()
+    for d in SOURCE_DIRS:
+        for f in sorted((root / d).rglob("*.py")):
+            if "__pycache__" not in f.parts:
+                h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def source_commit(root: pathlib.Path = REPO) -> str:
+    """$FA4_GIT_COMMIT if set, else this checkout's short commit (+ "+uncommitted" when the sources
+    differ from it), else "unknown": results files carry source_digest() beside it either way."""
+    if os.environ.get("FA4_GIT_COMMIT"):
+        return os.environ["FA4_GIT_COMMIT"]
+    try:
+        def git(*args):
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        rev = git("rev-parse", "--short", "HEAD")
+        if rev and git("status", "--porcelain", "--", *SOURCE_DIRS):
+            rev += "+uncommitted"
+        return rev or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def write_doc(path: str, script: str, argv, results: list, **fields) -> dict:
-    """A results JSON as every benchmark here writes it: device, versions, commit ($FA4_GIT_COMMIT),
-    the command line, extra fields, then the rows."""
+    """A results JSON as every benchmark here writes it: device, versions, commit (source_commit()) and
+    source digest, the command line, extra fields, then the rows."""
     doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
-           "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), **fields,
+           "git_commit": source_commit(), "source_digest": source_digest(), **fields,
            "command": f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
            "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -127,7 +164,11 @@ def write_doc(path: str, script: str, argv, results: list, **fields) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    if "--source-digest" in (sys.argv[1:] if argv is None else argv):
+        print(source_digest())  # to match a results file's source_digest to a checkout
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="--source-digest alone: print source_digest() of this checkout and exit")
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--quick", action="store_true", help="seqlens 4k, 16k only")

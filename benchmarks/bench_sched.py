@@ -22,7 +22,7 @@ reorder tiles, so the bits must not change; deterministic backward variants are 
 run). Timing: triton.testing.do_bench median, two interleaved rounds (A B C A B C) so clock drift
 hits every variant alike; reported ms = mean of the two medians, both kept in the JSON. The
 simulator's prediction (stage5_scheduling.simulator, same problem, 132 SMs) is printed next to
-each measured speedup. Writes JSON (device, versions, FA4_GIT_COMMIT, results) and prints a
+each measured speedup. Writes JSON (device, versions, commit, source digest, results) and prints a
 markdown table last.
 """
 from __future__ import annotations
@@ -421,8 +421,11 @@ def main(argv=None) -> int:
             results.append({"section": sec, "skipped": f"crashed: {_err(exc)}"})
             print(f"  section {sec} crashed: {results[-1]['skipped']}")
         torch.cuda.empty_cache()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_fwd import source_commit, source_digest
+
     doc = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-           "versions": versions(), "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"), "timing": timing,
+           "versions": versions(), "git_commit": source_commit(), "source_digest": source_digest(), "timing": timing,
            "dtype": "bf16", "quick": args.quick, "elapsed_s": round(time.time() - t0, 1), "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -150,10 +150,11 @@ def main(argv=None) -> int:
               f"{max(times):.0f})   GPU alone (graph replay) {'n/a' if gpu is None else f'{gpu:6.1f}'} us/call")
     if args.out:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from bench_fwd import versions
+        from bench_fwd import source_commit, source_digest, versions
 
         doc = {"device": torch.cuda.get_device_name(), "problem": f"{b}x{s}x{h}x{d} bf16 causal",
-               "calls": args.calls, "rounds": args.rounds, "versions": versions(), "git_commit": os.environ.get("FA4_GIT_COMMIT", "unknown"),
+               "calls": args.calls, "rounds": args.rounds, "versions": versions(), "git_commit": source_commit(),
+               "source_digest": source_digest(),
                "command": "python benchmarks/host_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "rows": rows}
         with open(args.out, "w") as f:

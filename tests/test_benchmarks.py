@@ -156,3 +156,27 @@ def test_backward_benchmarks_time_peers_without_grad_accumulation():
         assert not tensor_backward, f"{name}: a peer is timed with .backward()"
         assert [c for c in calls if c.func.attr == "grad" and isinstance(c.func.value, ast.Attribute)
                 and c.func.value.attr == "autograd"], f"{name}: no torch.autograd.grad call"
+
+
+def test_source_digest_and_commit_identify_the_measured_code(tmp_path, monkeypatch):
+    """Results name the code they measured even where the tree has no .git (the device copy): the
+    digest covers every benchmarked source file's path and bytes, and nothing else."""
+    import bench_fwd
+
+    for d in bench_fwd.SOURCE_DIRS:
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "m.py").write_text(f"# {d}\n")
+    first = bench_fwd.source_digest(tmp_path)
+    assert len(first) == 12 and first == bench_fwd.source_digest(tmp_path)
+    (tmp_path / "devrun").mkdir()
+    (tmp_path / "devrun" / "scratch.py").write_text("x = 1\n")  # outside SOURCE_DIRS: ignored
+    assert bench_fwd.source_digest(tmp_path) == first
+    (tmp_path / "fa4" / "m.py").write_text("# changed\n")
+    assert bench_fwd.source_digest(tmp_path) != first
+    monkeypatch.delenv("FA4_GIT_COMMIT", raising=False)
+    assert bench_fwd.source_commit(tmp_path) == "unknown"  # no git repository there
+    monkeypatch.setenv("FA4_GIT_COMMIT", "abc1234")
+    assert bench_fwd.source_commit(tmp_path) == "abc1234"
+    monkeypatch.delenv("FA4_GIT_COMMIT")
+    rev = bench_fwd.source_commit()  # this checkout (CI clones it with git)
+    assert rev == "unknown" or rev.split("+")[0].isalnum()
