@@ -61,9 +61,10 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   a third less L2 traffic gained nothing, stage 3 README "K/V multicast"): clusters of two CTAs
   that read the same K/V blocks; each loads half of every block and TMA multicasts it into both,
   so L2 serves each block once per pair (a step reads one byte of K/V per tile_m FLOP: ~5 TB/s at
-  d = 128 and 650 TFLOP/s). A K/V slot is free once both CTAs' consumers released it. `True` / "m": neighbouring query tiles of a head (non-causal dense calls, one CTA per
-  tile or persistent); "heads": one query tile of two query heads that share a KV head (GQA with an
-  even group, causal or not, dense or varlen, one CTA per tile). Stage 3 README, "K/V multicast".
+  d = 128 and 650 TFLOP/s). A K/V slot is free once both CTAs' consumers released it. `True` /
+  "m": neighbouring query tiles of a head (non-causal dense calls, one CTA per tile or
+  persistent); "heads": one query tile of two query heads that share a KV head (GQA with an even
+  group, causal or not, dense or varlen, one CTA per tile). Stage 3 README, "K/V multicast".
 
 Cost in registers: none to speak of. The polynomial's coefficients are immediates and the vote
 is one predicate; the consumer path's highest register (SASS, bf16) is 212 / 214 / 226 / 230 / 219
@@ -878,6 +879,12 @@ class FlashAttentionForwardSm90Step4:
         else:
             self.store_O_via_smem(rO, gO, sO_wg, tiled_mma_pv, gmem_copy_O, ctidx, seqlen_q - row0, wg)
 
+    def _copy_acc_O(self, tiled_mma_pv: cute.TiledMma, ctidx: Int32):
+        """(32-bit copy atom, this thread's slice of it tiled over O's accumulator layout): two adjacent
+        columns per copy, for O leaving the registers (to smem, or o_direct to global memory)."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
+        return atom, cute.make_tiled_copy_C(atom, tiled_mma_pv).get_slice(ctidx)
+
     @cute.jit
     def store_O_direct(self, rO: cute.Tensor, gO: cute.Tensor, tiled_mma_pv: cute.TiledMma, ctidx: Int32,
                        q_rows_left: Int32):
@@ -885,8 +892,7 @@ class FlashAttentionForwardSm90Step4:
         per store, rows past the sequence skipped. No shared memory: a persistent CTA at head dims
         > 128 has no room for an O buffer beside Q and two K/V stages. The stores half-fill each
         32-byte sector (a quad writes 16 contiguous bytes of a row), which matters little once per tile."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
-        thr_copy_O = cute.make_tiled_copy_C(atom, tiled_mma_pv).get_slice(ctidx)
+        atom, thr_copy_O = self._copy_acc_O(tiled_mma_pv, ctidx)
         # mode 0 of each partition is all of a thread's values, (2 adjacent columns, rest):
         # src ((2, 32), 1, 1), dst and crd ((2, (2 rows 8 apart, 16 column groups)), 1, 1) at dv = 128
         src = thr_copy_O.retile(rO)
@@ -908,10 +914,8 @@ class FlashAttentionForwardSm90Step4:
         if const_expr(self.o_in_q or self.persistent):
             # o_in_q: our last QK^T has read sQ_wg; persistent: every thread has read the last tile's O
             cute.arch.barrier(barrier_id=1 + nc + wg, number_of_threads=128)
-        smem_copy_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_pv)
-        thr_smem_copy_O = smem_copy_O.get_slice(ctidx)
-        cute.copy(smem_copy_O, thr_smem_copy_O.retile(rO), thr_smem_copy_O.partition_D(sO_wg))
+        atom, thr_smem_copy_O = self._copy_acc_O(tiled_mma_pv, ctidx)
+        cute.copy(atom, thr_smem_copy_O.retile(rO), thr_smem_copy_O.partition_D(sO_wg))
         cute.arch.barrier(barrier_id=1 + nc + wg, number_of_threads=128)
         thr_copy_O = gmem_copy_O.get_slice(ctidx)
         tOsO, tOgO = thr_copy_O.partition_S(sO_wg), thr_copy_O.partition_D(gO)
