@@ -2,6 +2,8 @@
 
     ncu --section SpeedOfLight --section WarpStateStats python benchmarks/profile_once.py --pass bwd --causal
     ncu -k regex:Sm90 ... python benchmarks/profile_once.py --pass fwd --impl official --dim 128 --seqlen 4096
+    ncu -k regex:FlashAttentionForward ... python benchmarks/profile_once.py --pass fwd --impl fa4 --causal
+        (the package's route: its tile order, e.g. LPT for long causal calls, and its persistent choice)
     ncu --section MemoryWorkloadAnalysis ... python benchmarks/profile_once.py --pass fwd --dim 128 \
         --fwd_kwargs kv_multicast=True     (keyword arguments of our attention_forward, ab_fwd.py's syntax)
 
@@ -25,7 +27,8 @@ from bench_bwd import STEPS  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pass", dest="which", choices=("fwd", "bwd"), default="bwd")
-    ap.add_argument("--impl", default="ours", help="'ours' or 'official'")
+    ap.add_argument("--impl", default="ours",
+                    help="'ours' (stage 3's attention_forward), 'fa4' (the package's route) or 'official'")
     ap.add_argument("--step", default="step3_rs", help="our backward step (--pass bwd --impl ours)")
     ap.add_argument("--variant", default=None,
                     help="instead of --step: an ab_bwd.py variant, e.g. step3_rs~decoupled=1 (--pass bwd --impl ours)")
@@ -39,8 +42,10 @@ def main(argv=None) -> int:
     ap.add_argument("--fwd_kwargs", default="",
                     help="keyword arguments of our forward (--pass fwd --impl ours), e.g. kv_multicast=True~persistent=False")
     args = ap.parse_args(argv)
-    if args.impl not in ("ours", "official"):
-        ap.error(f"--impl: expected 'ours' or 'official', got {args.impl!r}")
+    if args.impl not in ("ours", "official", "fa4"):
+        ap.error(f"--impl: expected 'ours', 'official' or 'fa4', got {args.impl!r}")
+    if args.impl == "fa4" and args.which != "fwd":
+        ap.error("--impl fa4: only with --pass fwd")
     if args.fwd_kwargs and (args.impl, args.which) != ("ours", "fwd"):
         ap.error("--fwd_kwargs: only with --pass fwd --impl ours")
     from ab_fwd import parse_impl
@@ -65,6 +70,11 @@ def main(argv=None) -> int:
 
             def call():
                 torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+    elif args.impl == "fa4":
+        import fa4  # the production route: LPT tile order for long causal calls, persistent CTAs where chosen
+
+        def call():
+            fa4.flash_attn_func(q, k, v, causal=args.causal)
     elif args.which == "fwd":
         def call():
             attention_forward(q, k, v, causal=args.causal, **fwd_kwargs)

@@ -117,6 +117,19 @@ def test_ab_fwd_impl_specs_parse_keyword_arguments_and_bad_ones_name_what_is_exp
     assert ab_fwd.parse_impl("fa4~kv_multicast=True~lpt_min=0") == ("fa4", {"kv_multicast": True, "lpt_min": 0})
 
 
+@pytest.mark.parametrize("argv,word", [
+    (["--impl", "theirs"], "--impl: expected 'ours', 'official' or 'fa4'"),
+    (["--impl", "fa4", "--pass", "bwd"], "--impl fa4: only with --pass fwd"),
+    (["--impl", "fa4", "--pass", "fwd", "--fwd_kwargs", "persistent=True"], "--fwd_kwargs: only with --pass fwd --impl ours"),
+])
+def test_profile_once_refuses_bad_arguments_before_touching_a_gpu(argv, word, capsys):
+    import profile_once
+
+    with pytest.raises(SystemExit):
+        profile_once.main(argv)
+    assert word in capsys.readouterr().err
+
+
 def test_ab_fwd_fa4_route_switches_hold_for_the_call_only(monkeypatch):
     """`fa4~name=value` sets fa4._dispatch's switch while the timed call runs and restores it after,
     even when the call raises (the next implementation of the round must see the defaults)."""
