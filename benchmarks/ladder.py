@@ -27,6 +27,9 @@ BWD_README = ROOT / "stage4_bwd_kernel" / "README.md"
 SCHED_README = ROOT / "stage5_scheduling" / "README.md"
 BWD_START, BWD_END = "<!-- bwd-results:start -->", "<!-- bwd-results:end -->"
 SCHED_START, SCHED_END = "<!-- sched-results:start -->", "<!-- sched-results:end -->"
+PAIRED_START, PAIRED_END = "<!-- paired-fa4:start -->", "<!-- paired-fa4:end -->"
+# issue 4's forward targets, ratio to the official FA4 at 4k-16k keys: (d, dv) -> minimum
+FWD_TARGETS = {(128, 128): 1.00, (64, 64): 1.10, (256, 256): 0.95, (192, 128): 0.95}
 
 STEPS = {
     "step1_wgmma": ("hopper_step1_wgmma", "one warpgroup, wgmma (SS for QK^T, RS for PV), online softmax in registers"),
@@ -180,6 +183,32 @@ def render_sched() -> str:
             f"output with the static order's)\n\n" + sched_table(doc))
 
 
+def render_paired() -> str:
+    """The fa4 route against the official FA4 in paired rounds (benchmarks/ab_fwd.py --impls fa4), the
+    newest every-head-dim run: per-round ratio medians, and which of issue 4's targets they meet."""
+    path, doc = _newest("ab_fwd_h100_run*_fa4_all_dims.json")
+    ratio = {(r["head_dim"], r["head_dim_v"], r["causal"], r["seqlen"]): r for r in doc["results"] if r["impl"] == "fa4"}
+    seqlens = sorted({k[3] for k in ratio})
+    lines = [f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}, "
+             f"{doc['method'].split(',')[0]}; official time / fa4 time, median of the rounds, non-causal / causal)", "",
+             "| head dims | " + " | ".join(f"{s // 1024}k" for s in seqlens) + " | target at 4k-16k | met? |",
+             "|---|" + "---|" * (len(seqlens) + 2)]
+    for (d, dv), target in FWD_TARGETS.items():
+        if not any(k[:2] == (d, dv) for k in ratio):
+            continue
+        cells = [" / ".join(f"{ratio[(d, dv, c, s)]['ratio_median']:.3f}" if (d, dv, c, s) in ratio else "-"
+                            for c in (False, True)) for s in seqlens]
+        long = {c: [ratio[(d, dv, c, s)]["ratio_median"] for s in seqlens if s >= 4096 and (d, dv, c, s) in ratio]
+                for c in (False, True)}
+        nc, ca = (bool(long[c]) and min(long[c]) >= target for c in (False, True))
+        verdict = "yes" if nc and ca else "non-causal only" if nc else "causal only" if ca else "no"
+        both = long[False] + long[True]
+        name = f"d = {d}" if d == dv else f"({d}, {dv})"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | >= {target:.2f}x (now {min(both):.2f}-{max(both):.2f}) | "
+                     f"{verdict} |")
+    return "\n".join(lines)
+
+
 ROOT_README = ROOT / "README.md"
 ROOT_START, ROOT_END = "<!-- root-ladder:start -->", "<!-- root-ladder:end -->"
 
@@ -209,6 +238,8 @@ BLOCKS = [  # (README, start marker, end marker, renderer): every generated tabl
     (README, PROD_START, PROD_END, lambda: render_production()),
     (BWD_README, BWD_START, BWD_END, lambda: render_bwd()),
     (SCHED_README, SCHED_START, SCHED_END, lambda: render_sched()),
+    (README, PAIRED_START, PAIRED_END, lambda: render_paired()),
+    (ROOT_README, PAIRED_START, PAIRED_END, lambda: render_paired()),
 ]
 
 

@@ -22,6 +22,23 @@ def test_readme_tables_are_generated_from_the_json(block):
     assert current == render().strip(), "run: python benchmarks/ladder.py --write"
 
 
+def test_paired_table_reads_the_targets_at_4k_to_16k_only(tmp_path, monkeypatch):
+    """ladder.render_paired: 1k ratios do not count toward issue 4's targets; each mask is judged alone."""
+    def row(d, causal, seqlen, ratio):
+        return {"impl": "fa4", "head_dim": d, "head_dim_v": d, "causal": causal, "seqlen": seqlen, "ratio_median": ratio}
+    results = [row(128, False, 1024, 0.5), row(128, False, 4096, 0.99), row(128, True, 1024, 0.5),
+               row(128, True, 4096, 1.01), row(256, False, 4096, 0.96), row(256, True, 4096, 0.95)]
+    doc = {"device": "NVIDIA H100 80GB HBM3", "git_commit": "abc1234", "method": "3 interleaved rounds, random order",
+           "results": results}
+    (tmp_path / "ab_fwd_h100_run99_fa4_all_dims.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(ladder, "RESULTS", tmp_path)
+    monkeypatch.setattr(ladder, "ROOT", tmp_path)
+    lines = {line.split(" |")[0]: line for line in ladder.render_paired().splitlines() if line.startswith("| d = ")}
+    assert set(lines) == {"| d = 128", "| d = 256"}  # no rows for head dims the run lacks
+    assert lines["| d = 128"].endswith("| >= 1.00x (now 0.99-1.01) | causal only |")
+    assert lines["| d = 256"].endswith("| yes |")
+
+
 def test_forward_results_record_device_versions_commit_and_agree_with_the_official_kernel():
     for path in sorted(ladder.RESULTS.glob("fwd_h100*.json")):
         doc = json.loads(path.read_text())
