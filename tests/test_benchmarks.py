@@ -147,6 +147,19 @@ def test_profile_once_refuses_bad_arguments_before_touching_a_gpu(argv, word, ca
     assert word in capsys.readouterr().err
 
 
+def test_same_outputs_says_it_needs_a_gpu_and_covers_the_odd_shapes(capsys, monkeypatch):
+    import torch
+
+    import same_outputs
+
+    shapes = {(sq, sk) for _, sq, sk, *_ in same_outputs.CASES}
+    assert {(1, 3), (113, 203), (799, 3), (239, 1)} <= shapes
+    assert {c[-1] for c in same_outputs.CASES} == {"float16", "bfloat16"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert same_outputs.main(["some_variant"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_ab_fwd_fa4_route_switches_hold_for_the_call_only(monkeypatch):
     """`fa4~name=value` sets fa4._dispatch's switch while the timed call runs and restores it after,
     even when the call raises (the next implementation of the round must see the defaults)."""
