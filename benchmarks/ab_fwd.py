@@ -16,9 +16,10 @@ order included), or a module path with `attention_forward(q, k, v, causal=...)` 
 followed by keyword arguments of its `attention_forward`:
 `stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~pv_wait=split_rows` (numbers
 or words, True / False as bools: `~persistent=True`; each distinct set is its own compiled kernel).
-`fa4` takes three route switches: `fa4~persistent=False`, `fa4~lpt_min=0` (LPT tile order from
-that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K) and `fa4~kv_multicast=True` (non-causal calls: K/V
-shared by clusters of two CTAs, fa4._dispatch.FORWARD_KV_MULTICAST). Each implementation's output is checked against
+`fa4` takes four route switches: `fa4~persistent=False`, `fa4~lpt_min=0` (LPT tile order from
+that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K), `fa4~kv_multicast=True` (non-causal calls: K/V
+shared by clusters of two CTAs, fa4._dispatch.FORWARD_KV_MULTICAST) and `fa4~lpt_flat=False` (LPT
+sections inside each batch instead of over the (batch, head) pairs, fa4._dispatch.FORWARD_LPT_FLAT). Each implementation's output is checked against
 the official one before timing.
 """
 from __future__ import annotations
@@ -37,7 +38,8 @@ from bench_fwd import flops, write_doc
 
 # fa4's route switches: ab_fwd's keyword -> the fa4._dispatch attribute it sets for the call
 FA4_SWITCHES = {"persistent": "FORWARD_PERSISTENT", "lpt_min": "LPT_MIN_SEQLEN_K",
-                "kv_multicast": "FORWARD_KV_MULTICAST"}
+                "kv_multicast": "FORWARD_KV_MULTICAST", "lpt_flat": "FORWARD_LPT_FLAT"}
+SCHEDULER_SWITCHES = ("LPT_MIN_SEQLEN_K", "FORWARD_LPT_FLAT")  # read by the cached causal_forward_scheduler
 
 
 def parse_impl(spec: str) -> tuple[str, dict]:
@@ -59,7 +61,7 @@ def parse_impl(spec: str) -> tuple[str, dict]:
                 kwargs[name] = {"True": True, "False": False}.get(value, value)
     if module == "official" and kwargs or module == "fa4" and set(kwargs) - set(FA4_SWITCHES):
         raise SystemExit(f"--impls: {module} takes no keyword arguments here but fa4's ~persistent=True/False, "
-                         f"~lpt_min=N and ~kv_multicast=True/False ({spec!r})")
+                         f"~lpt_min=N, ~kv_multicast=True/False and ~lpt_flat=True/False ({spec!r})")
     return module, kwargs
 
 
@@ -80,7 +82,7 @@ def make_impl(spec: str):
             saved = {attr: getattr(_dispatch, attr) for attr in FA4_SWITCHES.values()}
             for name, value in kwargs.items():
                 setattr(_dispatch, FA4_SWITCHES[name], value)
-            lpt_changed = _dispatch.LPT_MIN_SEQLEN_K != saved["LPT_MIN_SEQLEN_K"]
+            lpt_changed = any(getattr(_dispatch, a) != saved[a] for a in SCHEDULER_SWITCHES)
             if lpt_changed:
                 _dispatch.causal_forward_scheduler.cache_clear()
             try:

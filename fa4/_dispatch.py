@@ -252,6 +252,12 @@ def _import_first(names, role: str, arch: ArchInfo):
 # benchmarks/results/ab_fwd_h100_run14_causal_lpt.json): +1..+4% from 4k keys up, -2% at 2k.
 LPT_MIN_SEQLEN_K = 4096
 
+# LPT sections over the (batch, head) pairs in a row, as the official FA4 kernel cuts them, instead of
+# inside each batch: when the section size does not divide the head count (10 heads at (192, 128) in
+# sections of 4), every batch then ended with a narrow section whose longest tiles start too late.
+# Both are the same order where it divides. Traced on the H100 (2 x 10 heads... see the stage 5 README).
+FORWARD_LPT_FLAT = True
+
 # Persistent CTAs for the forward: None = the forward module's own default (Hopper step 4: one CTA
 # per SM walking the tile order wherever Q, O and two K/V stages fit, head dims <= 128); True /
 # False force it where the module takes `persistent` (benchmarks/ab_fwd.py `fa4~persistent=False`
@@ -275,7 +281,8 @@ def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_di
         return None
     from stage5_scheduling.device import LPTCausalScheduler  # imports cutlass: after the arch is set
 
-    return LPTCausalScheduler.from_problem(seqlen_k, head_dim, heads_q, heads_kv, head_dim_v=head_dim_v)
+    return LPTCausalScheduler.from_problem(seqlen_k, head_dim, heads_q, heads_kv, head_dim_v=head_dim_v,
+                                           flat_batches=FORWARD_LPT_FLAT)
 
 
 def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int,

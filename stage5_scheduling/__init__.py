@@ -16,6 +16,7 @@ from .orders import (
     list_order,
     lpt_bwd,
     lpt_causal,
+    lpt_causal_flat,
     lpt_no_sections,
     lpt_varlen,
     naive,
@@ -43,7 +44,7 @@ from .simulator import (
 __all__ = [
     "orders", "H100_L2_BYTES", "H100_SMS", "Tiles", "VarlenMeta", "L2Model", "Problem",
     "Schedule", "dq_rank", "first_q_block", "heads_per_section", "kv_blocks_visited",
-    "list_order", "naive", "sectioned", "lpt_causal", "lpt_no_sections", "lpt_varlen",
+    "list_order", "naive", "sectioned", "lpt_causal", "lpt_causal_flat", "lpt_no_sections", "lpt_varlen",
     "varlen_metadata", "naive_bwd", "lpt_bwd", "spt_bwd", "tile_costs", "lower_bound",
     "simulate", "simulate_striding", "simulate_bwd", "run_forward", "run_backward", "compare", "gantt",
 ]

@@ -54,6 +54,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
 
 import cutlass  # noqa: E402
@@ -65,7 +67,7 @@ from stage4_bwd_kernel.schedule import KVDescendingOrder, section_tile  # noqa: 
 from stage5_scheduling import orders  # noqa: E402
 
 __all__ = [
-    "in_batch_tile", "sectioned_tile", "no_sections_tile", "varlen_search_host",
+    "in_batch_tile", "sectioned_tile", "flat_sectioned_tile", "no_sections_tile", "varlen_search_host",
     "launch_index", "SectionedScheduler", "LPTCausalScheduler", "GQALPTCausalScheduler",
     "LPTNoSectionsScheduler", "VarlenLPTScheduler", "SPTBackwardOrder", "probe_order",
     "probe_varlen_order", "probe_dispatch", "compile_probe", "step3_compile", "step3_forward",
@@ -86,6 +88,14 @@ def sectioned_tile(linear, num_blocks, num_heads, section: int, reverse: bool, i
     batch = linear // per_batch
     block, head = in_batch_tile(linear - batch * per_batch, num_blocks, num_heads, section, reverse, imin)
     return block, head, batch
+
+
+def flat_sectioned_tile(linear, num_blocks, num_heads, num_batch, section: int, reverse: bool, imin=min):
+    """``orders.lpt_causal_flat``: sections over u = batch * heads + head (the official FA4's
+    layout). Returns (block, head, batch); three divisions, as ``sectioned_tile``."""
+    block, unit = in_batch_tile(linear, num_blocks, num_heads * num_batch, section, reverse, imin)
+    batch = unit // num_heads
+    return block, unit - batch * num_heads, batch
 
 
 def no_sections_tile(linear, num_blocks, num_heads, num_batch):
@@ -126,7 +136,9 @@ def launch_index() -> Int32:
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SectionedScheduler:
-    """``orders.sectioned(linear, M, H, B, heads_per_section, reverse)`` on the grid (M, H, B).
+    """``orders.sectioned(linear, M, H, B, heads_per_section, reverse)`` on the grid (M, H, B), or
+    with ``flat_batches`` the sections cut from the (batch, head) pairs in a row
+    (``orders.lpt_causal_flat``'s map: ``flat_sectioned_tile``).
 
     Frozen dataclass: equal configurations compare and hash equal, so compile caches keyed on the
     scheduler (step 4's) compile once per configuration.
@@ -134,6 +146,7 @@ class SectionedScheduler:
 
     heads_per_section: int = 1
     reverse_blocks: bool = False
+    flat_batches: bool = False
 
     persistent: ClassVar[bool] = False
 
@@ -147,13 +160,15 @@ class SectionedScheduler:
 
     # device
     def initial_work(self) -> WorkTile:
-        gx, gy, _ = cute.arch.grid_dim()
-        block, head, batch = sectioned_tile(launch_index(), gx, gy, self.heads_per_section,
-                                            self.reverse_blocks, imin=cutlass.min)
+        gx, gy, gz = cute.arch.grid_dim()
+        block, head, batch = self.tile_at(launch_index(), gx, gy, gz)
         return WorkTile(block, head, batch, True)
 
     def tile_at(self, linear, num_blocks, num_heads, num_batch):
         """The same map for a persistent loop (``common.PersistentScheduler``), extents given."""
+        if const_expr(self.flat_batches):
+            return flat_sectioned_tile(linear, num_blocks, num_heads, num_batch, self.heads_per_section,
+                                       self.reverse_blocks, imin=cutlass.min)
         return sectioned_tile(linear, num_blocks, num_heads, self.heads_per_section, self.reverse_blocks,
                               imin=cutlass.min)
 
@@ -162,6 +177,12 @@ class SectionedScheduler:
 
     # the oracle: the host order this scheduler must reproduce
     def host_order(self, num_blocks: int, num_heads: int, num_batch: int) -> orders.Tiles:
+        if self.flat_batches:
+            n = num_blocks * num_heads * num_batch
+            block, head, batch = flat_sectioned_tile(np.arange(n), num_blocks, num_heads, num_batch,
+                                                     max(1, min(self.heads_per_section, num_heads * num_batch)),
+                                                     self.reverse_blocks, np.minimum)
+            return orders.Tiles(block, head, batch)
         return orders.list_order(orders.sectioned, num_blocks * num_heads * num_batch, num_blocks,
                                  num_heads, num_batch, self.heads_per_section, self.reverse_blocks)
 
@@ -172,19 +193,22 @@ class SectionedScheduler:
 
 @dataclass(frozen=True)
 class LPTCausalScheduler(SectionedScheduler):
-    """FA4's causal LPT order (``orders.lpt_causal``): batch > head section > m_block descending >
-    head in section. ``heads_per_section`` heads' K+V should fit in L2 (``from_problem``)."""
+    """The causal LPT order (``orders.lpt_causal``): batch > head section > m_block descending >
+    head in section; with ``flat_batches`` the sections run over the (batch, head) pairs in a row
+    (``orders.lpt_causal_flat``, the official FA4 kernel's layout; fa4's dense route uses it).
+    ``heads_per_section`` heads' K+V should fit in L2 (``from_problem``)."""
 
     reverse_blocks: bool = True
 
     def host_order(self, num_blocks: int, num_heads: int, num_batch: int) -> orders.Tiles:
-        return orders.list_order(orders.lpt_causal, num_blocks * num_heads * num_batch, num_blocks,
+        order = orders.lpt_causal_flat if self.flat_batches else orders.lpt_causal
+        return orders.list_order(order, num_blocks * num_heads * num_batch, num_blocks,
                                  num_heads, num_batch, self.heads_per_section)
 
     @classmethod
     def from_problem(cls, seqlen_k: int, head_dim: int, num_heads: int, heads_kv: int | None = None, *,
                      head_dim_v: int | None = None, dtype_bytes: int = 2, l2_bytes: int = orders.H100_L2_BYTES,
-                     safety: float = 0.5) -> "LPTCausalScheduler":
+                     safety: float = 0.5, flat_batches: bool = False) -> "LPTCausalScheduler":
         """Sections sized by ``orders.heads_per_section`` (power of two, whole KV groups), clamped
         to ``num_heads`` so problems with the same effective order share one compiled kernel."""
         heads_kv = num_heads if heads_kv is None else heads_kv
@@ -192,8 +216,8 @@ class LPTCausalScheduler(SectionedScheduler):
         s = orders.heads_per_section(l2_bytes, seqlen_k, head_dim, dtype_bytes, group, head_dim_v,
                                      safety=safety, power_of_two=True)
         if group > 1:
-            return GQALPTCausalScheduler.for_group(min(s, num_heads) // group, group)
-        return cls(min(s, num_heads))
+            return GQALPTCausalScheduler.for_group(min(s, num_heads) // group, group, flat_batches=flat_batches)
+        return cls(min(s, num_heads), flat_batches=flat_batches)
 
 
 @dataclass(frozen=True)
@@ -213,9 +237,11 @@ class GQALPTCausalScheduler(LPTCausalScheduler):
                              f"qheads_per_kvhead ({g})")
 
     @classmethod
-    def for_group(cls, kv_heads_per_section: int, qheads_per_kvhead: int) -> "GQALPTCausalScheduler":
+    def for_group(cls, kv_heads_per_section: int, qheads_per_kvhead: int,
+                  flat_batches: bool = False) -> "GQALPTCausalScheduler":
         kv = max(1, int(kv_heads_per_section))
-        return cls(heads_per_section=kv * qheads_per_kvhead, qheads_per_kvhead=qheads_per_kvhead)
+        return cls(heads_per_section=kv * qheads_per_kvhead, qheads_per_kvhead=qheads_per_kvhead,
+                   flat_batches=flat_batches)
 
     def check_problem(self, num_heads: int, heads_kv: int | None = None) -> None:
         heads_kv = num_heads if heads_kv is None else heads_kv
@@ -469,8 +495,6 @@ def _stream():
 
 def _tiles_from(out):
     """(Tiles, is_valid) from the probe's (n, 4) int32 output."""
-    import numpy as np
-
     a = out.cpu().numpy().astype(np.int64)
     return orders.Tiles(a[:, 0], a[:, 1], a[:, 2]), a[:, 3].astype(bool)
 

@@ -30,11 +30,18 @@ The orders, from the paper:
   balance, but consecutive tiles belong to different heads: between two visits of one head
   the scheduler touches every other head of every batch, so when ``batch * heads_kv`` K/V
   working sets exceed L2 each head's K and V are evicted before they are reused.
-* ``lpt_causal``: FA4's order. Batches outermost; within a batch the heads are cut into
+* ``lpt_causal``: the paper's order. Batches outermost; within a batch the heads are cut into
   *sections* of ``heads_per_section`` heads whose K+V fit in L2; within a section
   ``m_block`` in reverse is the outer loop and the section's heads the inner loop. For GQA/MQA
   the query heads of one KV head are adjacent (head ``h`` reads KV head ``h // group``), and
   sections hold whole groups, so all query heads of a KV head run before ``m_block`` moves.
+* ``lpt_causal_flat``: the same, with the sections cut from the (batch, head) pairs in a row
+  (head fastest) instead of inside each batch -- what the official FA4 kernel does
+  (``SingleTileLPTScheduler``). When ``heads_per_section`` does not divide the head count,
+  ``lpt_causal`` ends *every* batch with a narrow section, and the last one starts its longest
+  tiles too late to balance: the tail. Flattened, only the very last section can be narrow,
+  and only when it does not divide ``batch * heads``. With the head count dividing the section
+  (16 heads in sections of 4) both orders are the same list.
 * ``lpt_varlen``: sequences differ, so first sort the *batches* by their longest tile,
   descending. A preprocessing kernel would write that permutation (``batch_map``, int32,
   virtual -> actual batch) and the attention kernel reads it. Inside a batch: as above.
@@ -65,7 +72,7 @@ from stage4_bwd_kernel.schedule import section_tile  # heads in sections, blocks
 
 __all__ = [
     "H100_L2_BYTES", "Tiles", "cdiv", "kv_blocks_visited", "first_q_block", "dq_rank",
-    "heads_per_section", "naive", "sectioned", "lpt_causal", "lpt_no_sections",
+    "heads_per_section", "naive", "sectioned", "lpt_causal", "lpt_causal_flat", "lpt_no_sections",
     "naive_bwd", "lpt_bwd", "spt_bwd", "VarlenMeta", "varlen_metadata", "lpt_varlen",
     "list_order",
 ]
@@ -223,6 +230,24 @@ def lpt_causal(linear, num_m_blocks: int, num_heads: int, num_batch: int,
     """
     _check_groups(num_heads, heads_kv, heads_per_section)
     return sectioned(linear, num_m_blocks, num_heads, num_batch, heads_per_section, True)
+
+
+def lpt_causal_flat(linear, num_m_blocks: int, num_heads: int, num_batch: int,
+                    heads_per_section: int, heads_kv: int | None = None):
+    """``lpt_causal`` over the flattened (batch, head) pairs: u = batch * heads + head in sections
+    of ``heads_per_section``, m_block reversed outer inside a section, u inner.
+
+    Example, 2 batches, 3 heads, 2 m_blocks, sections of 2: the second section is head 2 of
+    batch 0 and head 0 of batch 1. (m,h,b) = (1,0,0) (1,1,0) (0,0,0) (0,1,0) (1,2,0) (1,0,1)
+    (0,2,0) (0,0,1) (1,1,1) (1,2,1) (0,1,1) (0,2,1). GQA groups never straddle a section or a
+    batch: heads is a multiple of the group, and so is the section.
+    """
+    _check_groups(num_heads, heads_kv, heads_per_section)
+    linear = np.asarray(linear)
+    units = num_heads * num_batch
+    block, unit = section_tile(linear, num_m_blocks, units, max(1, min(heads_per_section, units)), True,
+                               np.minimum)
+    return block, unit % num_heads, unit // num_heads
 
 
 def lpt_no_sections(linear, num_m_blocks: int, num_heads: int, num_batch: int):

@@ -396,7 +396,7 @@ class Problem:
         return L2Model.h100(self.tile_m, self.tile_n, self.head_dim, None, self.dtype_bytes,
                             num_sms, capacity_bytes)
 
-    FORWARD_ORDERS = ("naive", "lpt_no_sections", "lpt_causal", "lpt_unsorted", "lpt_varlen")
+    FORWARD_ORDERS = ("naive", "lpt_no_sections", "lpt_causal", "lpt_causal_flat", "lpt_unsorted", "lpt_varlen")
     BACKWARD_ORDERS = ("naive_bwd", "lpt_bwd", "spt_bwd")
 
     def forward_tiles(self, order: str, heads_per_section: int | None = None) -> Tiles:
@@ -413,8 +413,8 @@ class Problem:
         M = int(cdiv(self.seqlens_q[0], self.tile_m))
         if order == "lpt_no_sections":
             return O.list_order(O.lpt_no_sections, M * H * B, M, H, B)
-        if order == "lpt_causal":
-            return O.list_order(O.lpt_causal, M * H * B, M, H, B, S, self.heads_kv)
+        if order in ("lpt_causal", "lpt_causal_flat"):
+            return O.list_order(getattr(O, order), M * H * B, M, H, B, S, self.heads_kv)
         raise ValueError(f"unknown forward order {order!r}; known: {self.FORWARD_ORDERS}")
 
     def varlen_meta(self, order: str, heads_per_section: int | None = None) -> O.VarlenMeta:

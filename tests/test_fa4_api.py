@@ -368,9 +368,10 @@ def test_long_causal_forward_launches_stage5_lpt_order(monkeypatch):
     assert pick("sm_90", True, long - 1, 128, 128, 16, 16) is None
     assert pick("sm_90", False, 16384, 128, 128, 16, 16) is None
     assert pick("sm_100", True, 16384, 128, 128, 16, 16) is None
-    assert pick("sm_90", True, 8192, 128, 128, 16, 16) == LPTCausalScheduler(4)  # 8k x 256 x 2 B = 4 MiB a head
+    # 8k x 256 x 2 B = 4 MiB a head; sections over the (batch, head) pairs (FORWARD_LPT_FLAT)
+    assert pick("sm_90", True, 8192, 128, 128, 16, 16) == LPTCausalScheduler(4, flat_batches=True)
     gqa = pick("sm_90", True, 4096, 64, 64, 12, 4)
-    assert isinstance(gqa, GQALPTCausalScheduler) and gqa.heads_per_section % 3 == 0
+    assert isinstance(gqa, GQALPTCausalScheduler) and gqa.heads_per_section % 3 == 0 and gqa.flat_batches
     gqa.check_problem(12, 4)  # whole groups of 3: no ValueError
 
     class FakeKernel:  # records what the backend launches

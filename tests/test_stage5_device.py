@@ -78,6 +78,9 @@ def _fixed_cases():
         ("s-wider-than-h", 5, 3, 2, d.LPTCausalScheduler(8)),
         ("mqa-8", 17, 8, 2, d.GQALPTCausalScheduler.for_group(1, 8)),
         ("one-block", 1, 5, 4, d.LPTCausalScheduler(2)),
+        ("flat-10h-s4", 6, 10, 3, d.LPTCausalScheduler(4, flat_batches=True)),  # sections span batches
+        ("flat-gqa-12q-3kv", 5, 12, 3, d.GQALPTCausalScheduler.for_group(2, 4, flat_batches=True)),
+        ("flat-s-wider", 4, 3, 2, d.LPTCausalScheduler(8, flat_batches=True)),
         ("naive", 9, 6, 2, d.SectionedScheduler(1, False)),
         ("static", 9, 6, 2, StaticTileScheduler),
         ("no-sections", 9, 6, 2, d.LPTNoSectionsScheduler()),
@@ -107,6 +110,13 @@ def test_index_functions_equal_orders(rng):
         # what a SectionedScheduler's oracle says is the same thing
         assert as_list(d.LPTCausalScheduler(S).host_order(M, H, B)) == \
             as_list(orders.list_order(orders.sectioned, T, M, H, B, S, True))
+        # flat sections: the device map (unclamped section, as the kernel passes it) == the host order
+        flat = as_list(orders.list_order(orders.lpt_causal_flat, T, M, H, B, S))
+        assert [d.flat_sectioned_tile(i, M, H, B, S, True) for i in range(T)] == flat, (M, H, B, S)
+        assert as_list(d.LPTCausalScheduler(S, flat_batches=True).host_order(M, H, B)) == flat
+        assert sorted(flat) == sorted(as_list(want))  # every tile once
+        if H % S == 0:  # the section divides the heads: the same list as per-batch sections
+            assert flat == as_list(orders.list_order(orders.lpt_causal, T, M, H, B, S))
 
 
 @pytest.mark.cpu
@@ -227,6 +237,9 @@ def test_scheduler_objects():
     assert d.LPTCausalScheduler(4) == d.LPTCausalScheduler(4) and len({d.LPTCausalScheduler(4),
                                                                       d.LPTCausalScheduler(4)}) == 1
     assert d.LPTCausalScheduler(4) != d.SectionedScheduler(4, True)  # different classes, different kernels
+    assert d.LPTCausalScheduler(4) != d.LPTCausalScheduler(4, flat_batches=True)
+    assert d.LPTCausalScheduler.from_problem(8192, 128, 8, 2, flat_batches=True) == \
+        d.GQALPTCausalScheduler.for_group(2, 4, flat_batches=True)
     with pytest.raises(ValueError, match="heads_per_section"):
         d.LPTCausalScheduler(0)
     with pytest.raises(ValueError, match="multiple"):
