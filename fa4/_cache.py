@@ -150,8 +150,9 @@ def key_hash(key) -> Optional[str]:
 
 
 def persistable(key) -> bool:
-    """Only runnable compiles go to disk (see module docstring)."""
-    return isinstance(key, tuple) and "gpu" in key and key_hash(key) is not None
+    """Only runnable compiles go to disk (see module docstring), and never a traced one (its buffer
+    address is baked into the code: stage3_fwd_kernel.trace)."""
+    return isinstance(key, tuple) and "gpu" in key and "traced" not in key and key_hash(key) is not None
 
 
 class DiskCache:

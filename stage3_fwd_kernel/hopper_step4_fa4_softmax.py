@@ -126,7 +126,7 @@ from cutlass.memory.smem import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from stage2_emulated_exp.gpu_kernel import ex2_approx_f32  # noqa: E402
-from stage3_fwd_kernel import softmax_policy  # noqa: E402
+from stage3_fwd_kernel import softmax_policy, trace  # noqa: E402
 from stage3_fwd_kernel.softmax_policy import (  # noqa: E402
     DEFAULT_RESCALE_THRESHOLD, HOPPER_EMULATION_FRACTION, SoftmaxPolicy)
 
@@ -430,6 +430,7 @@ class FlashAttentionForwardSm90Step4:
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                gmem_copy_O: cute.TiledCopy, num_m_units: Int32, num_heads: Int32, num_batch: Int32):
         # num_m_units: query tiles per head, or pairs of them (kv_multicast)
+        trace.cta_stamp("entry")  # no code unless benchmarks/trace_fwd.py turned tracing on
         seq = (seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
         if const_expr(self.persistent):
             # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
@@ -724,6 +725,7 @@ class FlashAttentionForwardSm90Step4:
         blocks consumed for earlier tiles (the ring position), q_phase: Q's phase for this tile."""
         m_block, head, batch, offset_q, seqlen_q, seqlen_k = tile[0], tile[1], tile[3], tile[4], tile[6], tile[7]
         storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V = smem_tensors
+        trace.cta_stamp("start")
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
         nc = self.num_consumers
         row0 = m_block * self.tile_m + wg * tm  # first query row of this warpgroup
@@ -878,6 +880,7 @@ class FlashAttentionForwardSm90Step4:
             self.store_O_direct(rO, gO, tiled_mma_pv, ctidx, seqlen_q - row0)
         else:
             self.store_O_via_smem(rO, gO, sO_wg, tiled_mma_pv, gmem_copy_O, ctidx, seqlen_q - row0, wg)
+        trace.cta_stamp("end")
 
     def _copy_acc_O(self, tiled_mma_pv: cute.TiledMma, ctidx: Int32):
         """(32-bit copy atom, this thread's slice of it tiled over O's accumulator layout): two adjacent
@@ -939,10 +942,12 @@ class FlashAttentionForwardSm90Step4:
         turn_threads = 2 * 128
         st = self.kv_state(i, producer=False)
         st_prev = self.kv_state(i - 1, producer=False)
+        trace.stamp(n_block, "top")
         pipe_K.consumer_wait(st)
         acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
+        trace.stamp(n_block, "turn")
         wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
         # V_{i-1} is waited for only now, with S_i already issued: its wait no longer delays S_i
         # (d = 64: +1..+3% at all 8 points of two paired runs; d = 96 +0..+3%; d >= 128 a tie)
@@ -950,10 +955,13 @@ class FlashAttentionForwardSm90Step4:
         wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev.index], zero_init=False, wait=False)
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
+        trace.stamp(n_block, "issued")
         warpgroup.wait_group(1)  # S_i has landed (P_{i-1} V_{i-1} may still run)
+        trace.stamp(n_block, "s_landed")
         pipe_K.consumer_release(st)
         rescale_O = self.online_softmax(acc_S, n_block, mask, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                          tScS_rc, row_max, row_max_new, row_sum, row_scale, tScS0_rc)
+        trace.stamp(n_block, "softmax")
         # Wait for P_{i-1} V_{i-1} (then O and tOrP are ours again). ptxas hoists a wait to the top
         # of its basic block: written here, it lands above every exp2 and the warpgroup idles on its
         # own P V first. At tile_n = 128 the wait goes into both arms of the rescale branch, below
@@ -961,16 +969,20 @@ class FlashAttentionForwardSm90Step4:
         if const_expr(self.pv_wait_below_softmax):
             if rescale_O:
                 warpgroup.wait_group(0)
+                trace.stamp(n_block, "pv_landed")
                 self.scale_O_rows(acc_O, row_scale)
             else:
                 warpgroup.wait_group(0)
+                trace.stamp(n_block, "pv_landed")
             pipe_V.consumer_release(st_prev)
         else:
             warpgroup.wait_group(0)
+            trace.stamp(n_block, "pv_landed")
             pipe_V.consumer_release(st_prev)
             if rescale_O:
                 self.scale_O_rows(acc_O, row_scale)
         self.store_P(acc_S, tOrP)
+        trace.stamp(n_block, "end")
 
     @cute.jit
     def scale_O_rows(self, acc_O: cute.Tensor, row_scale: cute.Tensor):
@@ -1222,7 +1234,7 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     lean_mask = _check_lean_mask(lean_mask, tile_m)
     pairs = {None: (), "m": ("kv_multicast",), "heads": ("kv_multicast_heads",)}[_kv_mode(kv_multicast)]
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m,
-            lean_mask) + pairs
+            lean_mask) + pairs + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,

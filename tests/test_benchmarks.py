@@ -3,6 +3,7 @@ import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -224,3 +225,68 @@ def test_source_digest_and_commit_identify_the_measured_code(tmp_path, monkeypat
     monkeypatch.delenv("FA4_GIT_COMMIT")
     rev = bench_fwd.source_commit()  # this checkout (CI clones it with git)
     assert rev == "unknown" or rev.split("+")[0].isalnum()
+
+
+def test_trace_fwd_analysis_on_synthetic_records():
+    """trace_fwd's tables from hand-made records: two SMs, causal tiles of 1..6 key blocks costing
+    1000 + 250 x blocks cycles, 2 us launch + 1 us prologue between CTAs; per-block events 10
+    cycles apart with a 100-cycle period."""
+    import trace_fwd
+
+    from stage3_fwd_kernel import trace
+
+    n_blocks = 6
+    rec = np.zeros((2 * n_blocks, 4, trace.RECORD), np.int64)
+    now = {3: 0, 7: 0}
+    for cta in range(2 * n_blocks):
+        sm, blocks = (3, 7)[cta % 2], n_blocks - cta // 2
+        cycles = 1000 + 250 * blocks
+        entry = now[sm]
+        start, end = entry + 1000, entry + 1000 + cycles  # 1 ns per cycle
+        now[sm] = end + 2000
+        for wg in (1, 2):
+            r = rec[cta, wg]
+            r[0:3], r[3:6], r[6:9] = (sm, entry, entry), (sm, start, start), (sm, end, end)
+            for n in range(blocks):
+                for e in range(len(trace.EVENTS)):
+                    r[9 + n * trace.NUM_EVENTS + e] = 10_000_000 + (blocks - 1 - n) * 100 + 10 * e
+    t = trace_fwd.cta_table(rec)
+    assert list(t["sm"]) == [3, 7] * n_blocks
+    res = trace_fwd.summarize(t, causal=True, seqlen=n_blocks * 128, tile_m=128, tile_n=128)
+    assert res["ctas"] == 2 * n_blocks and res["sms"] == 2
+    assert res["cycles_per_block"] == pytest.approx(250) and res["cycles_fixed"] == pytest.approx(1000)
+    assert res["gap_launch_us_median"] == pytest.approx(2.0) and res["gap_prologue_us_median"] == pytest.approx(1.0)
+    assert res["idle_at_end_us_max"] == pytest.approx(0.0)  # both SMs ran the same tiles
+    ev = trace_fwd.block_events(rec, trace.EVENTS)  # the first and last two blocks walked are left out
+    assert ev == {f"{a}->{b}": 10.0 for a, b in zip(trace.EVENTS[:-1], trace.EVENTS[1:])} | {"period": 100.0}
+
+
+def test_trace_fwd_patches_one_line_per_stamp_and_refuses_a_changed_source():
+    import trace_fwd
+
+    src = "def f(x):\n    a = 1\n    return a\n"
+    assert trace_fwd._insert(src, "a = 1\n", "stamp()", "after") == "def f(x):\n    a = 1\n    stamp()\n    return a\n"
+    assert trace_fwd._insert(src, "return a\n", "stamp()", "before") == "def f(x):\n    a = 1\n    stamp()\n    return a\n"
+    with pytest.raises(RuntimeError, match="official kernel source changed"):
+        trace_fwd._insert(src, "b = 2\n", "stamp()", "after")
+    try:
+        import flash_attn.cute.flash_fwd_sm90 as off
+    except Exception:  # the official FA4 is a device-side peer, not a CI dependency
+        return
+    import inspect
+    import textwrap
+    for name, anchors in (("mma_one_n_block_intrawg_overlap", [a for a, _, _ in trace_fwd.OFFICIAL_BLOCK_STAMPS]),):
+        src = textwrap.dedent(inspect.getsource(getattr(off.FlashAttentionForwardSm90, name)))
+        for a in anchors:
+            trace_fwd._insert(src, a, "x()", "after")
+
+
+def test_trace_fwd_says_it_needs_a_gpu(capsys, monkeypatch):
+    import torch
+    import trace_fwd
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert trace_fwd.main(["--impls", "ours"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--impls"):
+        trace_fwd.main(["--impls", "mine"])

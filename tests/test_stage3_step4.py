@@ -1367,3 +1367,34 @@ def test_kv_multicast_heads_varlen(causal, d, ratio):
     assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
     q0, q1 = int(cu_q[1]), int(cu_q[2])
     assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_trace_stamps_compile_only_when_turned_on():
+    """stage3_fwd_kernel.trace: off (the default) step 4 reads no clock; on, it reads SM id, global
+    timer and clock at the CTA events and the clock at each per-block event, with no spills, under
+    a key of its own that fa4's disk cache refuses (the buffer address is baked in)."""
+    from fa4 import _cache
+    from stage3_fwd_kernel import trace
+
+    mod = _mod()
+    plain = mod.compile_only("bf16", 128, causal=False, persistent=False)
+    assert "SR_CLOCKLO" not in plain.sass and "SR_GLOBALTIMER" not in plain.sass
+    with pytest.raises(ValueError, match="address"):
+        trace.enable(12)
+    with pytest.raises(ValueError, match="events"):
+        trace.enable(1 << 40, events=("tea",))
+    trace.enable(1 << 40, events=trace.EVENTS)
+    try:
+        key = mod._key("gpu", "bf16", 128, 128, False, mod.DEFAULT_POLICY, None)
+        assert "traced" in key and not _cache.persistable(key)
+        traced = mod.compile_only("bf16", 128, causal=False, persistent=False)
+    finally:
+        trace.disable()
+    rep = traced.report
+    assert rep["spill_stores"] == 0 and rep["LDL/STL"] == 0
+    assert traced.sass.count("SR_GLOBALTIMER") >= len(trace.CTA_EVENTS)
+    # 7 events in each of the two key-block loops (masked, hot) plus the CTA events' clocks
+    assert traced.sass.count("SR_CLOCKLO") >= 2 * len(trace.EVENTS) + len(trace.CTA_EVENTS)
+    assert "traced" not in mod._key("gpu", "bf16", 128, 128, False, mod.DEFAULT_POLICY, None)  # off again: the old key
