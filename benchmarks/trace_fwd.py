@@ -17,7 +17,9 @@ What it prints per kernel:
   blocks`` over the CTAs sorted by length (tile m visits m + 1 blocks); otherwise the median;
 * with ``--events``: the median cycles between consecutive events in the steady state.
 
-``ours`` is step 4 with one CTA per tile (a persistent CTA would overwrite its records) and fa4's
+``ours:<module>`` traces an untracked copy of step 4 instead (its own ``STEP``, as ``ab_fwd.py`` times
+them): per-CTA cycles of two builds in one call differ by well under 1% run to run, a finer
+measure of a hot-loop change than paired rounds. ``ours`` is step 4 with one CTA per tile (a persistent CTA would overwrite its records) and fa4's
 tile order for the call (LPT for long causal calls). The stamps cost little outside the hot loop,
 but per-block stamps move ptxas's schedule (see the trace module): compare like with like.
 """
@@ -187,9 +189,9 @@ def run_impl(name: str, args, events: tuple):
     buf = torch.zeros(trace.buffer_elems(n_ctas), dtype=torch.int64, device="cuda")
     trace.enable(buf.data_ptr(), events)
     try:
-        if name == "ours":
+        if name.startswith("ours"):
             from fa4._dispatch import causal_forward_scheduler
-            from stage3_fwd_kernel import hopper_step4_fa4_softmax as step4
+            step4 = importlib.import_module(name.partition(":")[2] or "stage3_fwd_kernel.hopper_step4_fa4_softmax")
 
             sched = causal_forward_scheduler("sm_90", args.causal, args.seqlen, d, dv, args.heads, args.heads)
 
@@ -256,14 +258,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--impls", default="ours,official")
+    ap.add_argument("--impls", default="ours,official",
+                    help="ours, official, and ours:<module> for an untracked copy of step 4 (its own STEP)")
     ap.add_argument("--events", default="", help="per-block events: 'all', or names from trace.EVENTS, comma-separated")
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--plot", default=None, help="per-SM timeline PNG")
     args = ap.parse_args(argv)
     impls = [x for x in args.impls.split(",") if x]
-    if set(impls) - {"ours", "official"}:
-        raise SystemExit(f"--impls: expected ours and/or official, got {args.impls!r}")
+    if any(x != "official" and x.partition(":")[0] != "ours" for x in impls):
+        raise SystemExit(f"--impls: expected ours, ours:<module> (a step-4 copy) and/or official, got {args.impls!r}")
     import torch
 
     if not torch.cuda.is_available():
