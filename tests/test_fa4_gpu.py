@@ -106,11 +106,12 @@ def test_forward_matches_reference(case):
 
 
 @pytest.mark.parametrize("case", [(1, 4096, 4096, 12, 4, 64, 64, "bf16"), (1, 4224, 4224, 8, 8, 128, 128, "fp16"),
-                                  (2, 4000, 4500, 6, 6, 128, 128, "bf16")],
+                                  (2, 4000, 4500, 6, 6, 128, 128, "bf16"),
+                                  (2, 4096, 4096, 10, 10, 192, 128, "bf16")],  # flat sections 8, 8, 4 span batches
                          ids=lambda c: "b{}-{}x{}-h{}/{}-d{}x{}-{}".format(*c))
 def test_long_causal_forward_in_lpt_order(case):
     """Causal with >= LPT_MIN_SEQLEN_K keys runs stage 5's LPT tile order (GQA sections of whole groups,
-    a partial last section, sq != sk): FA4's rule against the reference, and bitwise the static grid's
+    a partial last section, sq != sk, sections over the (batch, head) pairs that span two batches): FA4's rule against the reference, and bitwise the static grid's
     result (the order moves whole tiles between CTAs, never an operation inside one)."""
     from stage0_reference.torch_reference import assert_fa4_close
     from stage3_fwd_kernel import hopper
