@@ -1360,6 +1360,13 @@ def _persistent_over(order, dynamic: bool) -> common.PersistentScheduler:
     return common.PersistentScheduler(order, dynamic=dynamic)
 
 
+def _check_grid(scheduler, num_m_blocks: int, heads: int, batch: int):
+    """A tile order's own host-side limit on the grid (stage 5's flat LPT map), if it has one."""
+    check = getattr(getattr(scheduler, "order", scheduler), "check_grid", None)
+    if check is not None:
+        check(num_m_blocks, heads, batch)
+
+
 def _launch_ctas(scheduler, device) -> int:
     return scheduler.launch_ctas(device) if getattr(scheduler, "persistent", False) else 1
 
@@ -1412,6 +1419,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m,
                                    kv_multicast=kv_multicast)
     _check_head_pairs(kv_multicast, hq, k.shape[2])
+    _check_grid(scheduler, -(-sq // tile_m), hq, b)
     if out is None:
         out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
     common.check_out_tensor("out", out, (b, sq, hq, dv), q.dtype, q.device, align_bytes=16)
@@ -1467,6 +1475,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m,
                                    kv_multicast=kv_multicast)
     _check_head_pairs(kv_multicast, hq, k.shape[1])
+    _check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
     if out is None:
         out = torch.empty((tq, hq, dv), dtype=q.dtype, device=q.device)
     common.check_out_tensor("out", out, (tq, hq, dv), q.dtype, q.device, align_bytes=16)

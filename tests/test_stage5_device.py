@@ -514,3 +514,29 @@ def test_dispatch_follows_linear_index():
         # one ends, so it can be early or late by about a wave, not more
         assert np.quantile(disp, 0.99) <= 2 * wave, (grid, np.quantile(disp, 0.99))
         assert np.corrcoef(t, np.arange(n))[0, 1] > 0.99
+
+
+@pytest.mark.cpu
+@pytest.mark.stage5
+def test_fast_div_bound_and_the_grid_check():
+    """fast_div's fp32 estimate is within one of the quotient below FAST_DIV_MAX (the correction makes
+    it exact): replayed in NumPy with the reciprocal off by up to 2 ulp, as rcp.approx may be; a flat
+    scheduler refuses grids past the bound before any launch."""
+    d = _device()
+    rng = np.random.default_rng(1)
+    for b in [1, 2, 3, 7, 127, 128, 640, 4096, 99991, (1 << 21) - 1]:
+        a = np.concatenate([rng.integers(0, d.FAST_DIV_MAX, 4000), np.arange(1, 200) * b - 1, np.arange(1, 200) * b])
+        a = a[(a >= 0) & (a < d.FAST_DIV_MAX)]
+        r0 = np.float32(1.0) / np.float32(b)
+        for steps in (-2, -1, 0, 1, 2):
+            rcp = r0
+            for _ in range(abs(steps)):
+                rcp = np.nextafter(rcp, np.float32(np.inf if steps > 0 else -np.inf), dtype=np.float32)
+            q = (a.astype(np.float32) * rcp).astype(np.int64)
+            r = a - q * b
+            assert np.array_equal(q + (r >= b) - (r < 0), a // b), (b, steps)
+    assert d.fast_div(1000, 7) == 142 and np.array_equal(d.fast_div(np.arange(10), 3), np.arange(10) // 3)
+    d.LPTCausalScheduler(4, flat_batches=True).check_grid(128, 64, 8)
+    d.LPTCausalScheduler(4).check_grid(1 << 12, 1 << 10, 1)  # per-batch sections divide exactly: no bound
+    with pytest.raises(ValueError, match="flat LPT sections"):
+        d.LPTCausalScheduler(4, flat_batches=True).check_grid(1 << 12, 1 << 10, 1)
