@@ -14,6 +14,8 @@ deterministic ranks use -- the two must agree exactly, or a semaphore waits fore
 """
 from __future__ import annotations
 
+import operator
+
 
 def m_block_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imax=max):
     """[m_block_min, m_block_max): the Q tiles K/V tile n_block adds into.
@@ -131,19 +133,19 @@ class KVDescendingOrder:
 SECTION_CTAS = 128  # about one wave of the H100's 132 SMs (one CTA per SM)
 
 
-def section_tile(r, num_blocks, num_units, section, reverse=False, imin=min):
+def section_tile(r, num_blocks, num_units, section, reverse=False, imin=min, div=operator.floordiv):
     """Index r -> (block, unit): the units (heads, or (kv head, batch) chains) in sections of
     `section`, the block index outer inside a section (reversed when `reverse`), the section's
     units inner. Earlier sections are full, so plain division finds r's; the last may be narrower,
     and a section wider than num_units needs no clamp (then every r falls in section 0, of width
     num_units). Python ints, NumPy arrays (imin=np.minimum; stage 5's orders) or traced Int32
-    (imin=cutlass.min; the kernels)."""
+    (imin=cutlass.min; the kernels); `div` replaces the two divisions (stage 5's fast_div)."""
     per_section = num_blocks * section
-    s = r // per_section
+    s = div(r, per_section)
     unit0 = s * section
     width = imin(section, num_units - unit0)
     r = r - s * per_section
-    block = r // width
+    block = div(r, width)
     if reverse:
         return num_blocks - 1 - block, unit0 + (r - block * width)
     return block, unit0 + (r - block * width)

@@ -110,18 +110,10 @@ FAST_DIV_MAX = 1 << 22
 
 def flat_sectioned_tile(linear, num_blocks, num_heads, num_batch, section: int, reverse: bool, imin=min):
     """``orders.lpt_causal_flat``: sections over u = batch * heads + head (the official FA4's
-    layout), ``in_batch_tile``'s formula over the H * B units. Returns (block, head, batch); its three
+    layout), ``in_batch_tile`` over the H * B units. Returns (block, head, batch); its three
     run-time divisions go through ``fast_div``."""
-    per_section = num_blocks * section
-    s = fast_div(linear, per_section)
-    unit0 = s * section
-    width = imin(section, num_heads * num_batch - unit0)
-    r = linear - s * per_section
-    block = fast_div(r, width)
-    unit = unit0 + r - block * width
+    block, unit = in_batch_tile(linear, num_blocks, num_heads * num_batch, section, reverse, imin, fast_div)
     batch = fast_div(unit, num_heads)
-    if reverse:
-        block = num_blocks - 1 - block
     return block, unit - batch * num_heads, batch
 
 
