@@ -149,6 +149,20 @@ for S in sections:
     print(f"S = {S:>2}: makespan {sweep[S].makespan:7.1f}, K/V from DRAM {sweep[S].dram_bytes / 2**20:6.0f} MiB")
 
 # %% [markdown]
+# Where the sections are cut matters too. `lpt_causal` cuts them inside each batch, so when the
+# section does not divide the heads (10 heads, as at head dims (192, 128) with 2048 hidden, in
+# sections of 4) *every* batch ends with a 2-head section, and the last one starts its longest
+# tiles too late to be balanced. `lpt_causal_flat` cuts the (batch, head) pairs in a row, as the
+# official FA4 kernel does: 4 x 10 pairs make ten full sections. On the H100 this was a 44 us idle
+# tail in a 1.2 ms call (`benchmarks/trace_fwd.py`), 11.5 us flattened; fa4 uses the flat order.
+
+# %%
+p10 = Problem.fixed(batch=4, heads=10, seqlen_q=8192)
+for o in ("lpt_causal", "lpt_causal_flat"):
+    sched = run_forward(p10, o, SMS, heads_per_section=4)
+    print(f"{o:16s} makespan {sched.makespan:6.0f} steps = {sched.makespan / sched.lower_bound:.3f} x the ideal")
+
+# %% [markdown]
 # ## Persistent CTAs: who hands out the next tile?
 # A one-CTA-per-tile grid pays, per tile, the CTA's launch, its barrier set-up, the first Q and K
 # loads before any MMA and the O store after the last one. The Hopper forward therefore runs one
