@@ -10,7 +10,7 @@ done, P V landed, end). The official kernel gets the same stamps at the same pla
 patched in at run time from the installed package (nothing of it is copied here).
 
 What it prints per kernel:
-* time per call (CUDA events, traced build), CTAs, SMs;
+* time per call (``ab_fwd.time_ms``, traced build), CTAs, SMs;
 * per SM: busy time, idle time at the end (the tail), gaps between CTAs, split at the next CTA's
   entry (launch) and its consumers' start (prologue: barriers, tile order, setmaxnreg);
 * CTA cycles: causal with equal 128-row and 128-key tiles, a fit ``cycles = fixed + per_block x
@@ -203,25 +203,16 @@ def run_impl(name: str, args, events: tuple):
 
             def call():
                 return flash_attn_func(q, k, v, causal=args.causal)
-        call()
-        torch.cuda.synchronize()
-        for _ in range(3):
-            call()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(20):
-            call()
-        e1.record()
-        torch.cuda.synchronize()
-        ms = e0.elapsed_time(e1) / 20
+        from ab_fwd import time_ms
+
+        call()  # compiles
+        ms = time_ms(call)
         buf.zero_()
         call()
         torch.cuda.synchronize()
     finally:
         trace.disable()
-    from stage3_fwd_kernel import trace as tr
-
-    records = buf.view(n_ctas, 4, tr.RECORD).cpu().numpy()
+    records = buf.view(n_ctas, 4, trace.RECORD).cpu().numpy()
     return ms, records, tile_m
 
 

@@ -196,13 +196,8 @@ class SectionedScheduler:
 
     # the oracle: the host order this scheduler must reproduce
     def host_order(self, num_blocks: int, num_heads: int, num_batch: int) -> orders.Tiles:
-        if self.flat_batches:
-            n = num_blocks * num_heads * num_batch
-            block, head, batch = flat_sectioned_tile(np.arange(n), num_blocks, num_heads, num_batch,
-                                                     max(1, min(self.heads_per_section, num_heads * num_batch)),
-                                                     self.reverse_blocks, np.minimum)
-            return orders.Tiles(block, head, batch)
-        return orders.list_order(orders.sectioned, num_blocks * num_heads * num_batch, num_blocks,
+        order = orders.sectioned_flat if self.flat_batches else orders.sectioned
+        return orders.list_order(order, num_blocks * num_heads * num_batch, num_blocks,
                                  num_heads, num_batch, self.heads_per_section, self.reverse_blocks)
 
     def check_problem(self, num_heads: int, heads_kv: int | None = None) -> None:

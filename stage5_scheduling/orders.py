@@ -72,7 +72,7 @@ from stage4_bwd_kernel.schedule import section_tile  # heads in sections, blocks
 
 __all__ = [
     "H100_L2_BYTES", "Tiles", "cdiv", "kv_blocks_visited", "first_q_block", "dq_rank",
-    "heads_per_section", "naive", "sectioned", "lpt_causal", "lpt_causal_flat", "lpt_no_sections",
+    "heads_per_section", "naive", "sectioned", "sectioned_flat", "lpt_causal", "lpt_causal_flat", "lpt_no_sections",
     "naive_bwd", "lpt_bwd", "spt_bwd", "VarlenMeta", "varlen_metadata", "lpt_varlen",
     "list_order",
 ]
@@ -232,10 +232,21 @@ def lpt_causal(linear, num_m_blocks: int, num_heads: int, num_batch: int,
     return sectioned(linear, num_m_blocks, num_heads, num_batch, heads_per_section, True)
 
 
+def sectioned_flat(linear, num_blocks: int, num_heads: int, num_batch: int, heads_per_section: int,
+                   reverse_blocks: bool):
+    """``sectioned`` with the sections cut from the (batch, head) pairs in a row: u = batch * heads +
+    head, sections of ``heads_per_section`` pairs, blocks outer inside a section (optionally
+    reversed), u inner. A section may span two batches; only the very last can be narrow."""
+    linear = np.asarray(linear)
+    units = num_heads * num_batch
+    block, unit = section_tile(linear, num_blocks, units, max(1, min(heads_per_section, units)), reverse_blocks,
+                               np.minimum)
+    return block, unit % num_heads, unit // num_heads
+
+
 def lpt_causal_flat(linear, num_m_blocks: int, num_heads: int, num_batch: int,
                     heads_per_section: int, heads_kv: int | None = None):
-    """``lpt_causal`` over the flattened (batch, head) pairs: u = batch * heads + head in sections
-    of ``heads_per_section``, m_block reversed outer inside a section, u inner.
+    """``lpt_causal`` over the flattened (batch, head) pairs: ``sectioned_flat`` with m_block reversed.
 
     Example, 2 batches, 3 heads, 2 m_blocks, sections of 2: the second section is head 2 of
     batch 0 and head 0 of batch 1. (m,h,b) = (1,0,0) (1,1,0) (0,0,0) (0,1,0) (1,2,0) (1,0,1)
@@ -243,11 +254,7 @@ def lpt_causal_flat(linear, num_m_blocks: int, num_heads: int, num_batch: int,
     batch: heads is a multiple of the group, and so is the section.
     """
     _check_groups(num_heads, heads_kv, heads_per_section)
-    linear = np.asarray(linear)
-    units = num_heads * num_batch
-    block, unit = section_tile(linear, num_m_blocks, units, max(1, min(heads_per_section, units)), True,
-                               np.minimum)
-    return block, unit % num_heads, unit // num_heads
+    return sectioned_flat(linear, num_m_blocks, num_heads, num_batch, heads_per_section, True)
 
 
 def lpt_no_sections(linear, num_m_blocks: int, num_heads: int, num_batch: int):

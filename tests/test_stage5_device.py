@@ -115,6 +115,9 @@ def test_index_functions_equal_orders(rng):
         assert [d.flat_sectioned_tile(i, M, H, B, S, True) for i in range(T)] == flat, (M, H, B, S)
         assert as_list(d.LPTCausalScheduler(S, flat_batches=True).host_order(M, H, B)) == flat
         assert sorted(flat) == sorted(as_list(want))  # every tile once
+        flat_rev = as_list(orders.list_order(orders.sectioned_flat, T, M, H, B, S, rev))
+        assert [d.flat_sectioned_tile(i, M, H, B, S, rev) for i in range(T)] == flat_rev
+        assert as_list(d.SectionedScheduler(S, rev, flat_batches=True).host_order(M, H, B)) == flat_rev
         if H % S == 0:  # the section divides the heads: the same list as per-batch sections
             assert flat == as_list(orders.list_order(orders.lpt_causal, T, M, H, B, S))
 
