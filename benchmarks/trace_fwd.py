@@ -98,16 +98,16 @@ def cta_table(records: np.ndarray) -> dict:
     from stage3_fwd_kernel import trace
 
     cta = records[:, :, :len(trace.CTA_EVENTS) * 3].reshape(len(records), 4, len(trace.CTA_EVENTS), 3)
-    end_g = cta[:, :, 2, 1]
+    end_g = cta[:, :, trace.CTA_EVENTS.index("end"), 1]
     live = np.nonzero((end_g != 0).any(1))[0]
     out = {"cta": live}
     for j, ev in enumerate(trace.CTA_EVENTS):
         g, c = cta[live, :, j, 1].astype(float), cta[live, :, j, 2].astype(float)
         has = g != 0
-        pick = np.max if ev == "end" else np.min
+        pick = np.max if ev in ("walked", "end") else np.min  # the last warpgroup to get there
         out[ev] = np.array([pick(g[i][has[i]]) if has[i].any() else np.nan for i in range(len(live))])
         out[ev + "_clk"] = np.array([pick(c[i][has[i]]) if has[i].any() else np.nan for i in range(len(live))])
-    sm = cta[live, :, 1, 0]
+    sm = cta[live, :, trace.CTA_EVENTS.index("start"), 0]
     out["sm"] = np.array([row[row != 0][0] if (row != 0).any() else 0 for row in sm])  # SM 0 reads as 0 too
     return out
 

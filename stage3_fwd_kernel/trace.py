@@ -1,4 +1,4 @@
-"""Clock stamps from inside the Hopper forward, for timelines (``benchmarks/trace_fwd.py``).
+"""Clock stamps from inside the Hopper kernels, for timelines (`benchmarks/trace_fwd.py`, `trace_bwd.py`).
 
 Off by default, and then every stamp compiles to nothing (the production SASS does not change).
 ``enable(address, events)`` before a build turns them on for the kernels compiled from then on:
@@ -11,9 +11,11 @@ Layout: one record of ``RECORD`` int64 per (CTA, warpgroup), CTA = the linear bl
 tile after tile):
 
 * ``CTA_EVENTS`` x 3 slots: (SM id, ``%globaltimer`` ns, ``clock64``) at the kernel's entry, at the
-  consumer's start on its tile and at its end (after the O store);
+  consumer's start on its tile, after its walk (the backward's; before the epilogue) and at its end
+  (after the O, or dK / dV, store);
 * ``MAX_BLOCKS`` x ``NUM_EVENTS`` slots: ``clock64`` at each per-key-block event (``EVENTS``)
-  of key block ``n_block`` (blocks from ``MAX_BLOCKS - 1`` on share the last slot).
+  of key block ``n_block`` (blocks from ``MAX_BLOCKS - 1`` on share the last slot); the spare slot
+  of block 0 (``NOTE``) holds a value the kernel reports with ``note`` (the backward's walk length).
 
 Every thread of a warpgroup stores the same slot (no branch in the hot loop; the warps' clocks
 differ by a few cycles, the last store wins). A stamp is a clock read and a global store, and
@@ -28,11 +30,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-CTA_EVENTS = ("entry", "start", "end")
+CTA_EVENTS = ("entry", "start", "walked", "end")
 EVENTS = ("top", "turn", "issued", "s_landed", "softmax", "pv_landed", "end")
 NUM_EVENTS = 8                 # slots per block (EVENTS plus one spare)
 MAX_BLOCKS = 128
 RECORD = len(CTA_EVENTS) * 3 + MAX_BLOCKS * NUM_EVENTS
+NOTE = len(CTA_EVENTS) * 3 + NUM_EVENTS - 1   # block 0's spare slot
 
 _address = 0
 _events: tuple = ()
@@ -96,3 +99,12 @@ def stamp(n_block: Int32, event: cutlass.Constexpr[str]):
         slot = cutlass.min(n_block, MAX_BLOCKS - 1) * NUM_EVENTS + EVENTS.index(event)
         t = _records()
         t[base + Int64(slot)] = cute.arch.clock64()
+
+
+@cute.jit
+def note(value: Int32):
+    """Record one integer for this warpgroup's CTA (slot NOTE), e.g. how many tiles its walk has."""
+    if cutlass.const_expr(_address != 0):
+        wg = cute.arch.thread_idx()[0] // 128
+        t = _records()
+        t[(_cta_linear() * 4 + wg) * RECORD + NOTE] = Int64(value)

@@ -308,6 +308,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 from cutlass.memory.smem import SmemAllocator  # noqa: E402
 
 from stage3_fwd_kernel import common as fwd_common  # noqa: E402
+from stage3_fwd_kernel import trace  # noqa: E402
 from stage3_fwd_kernel.hopper_step1_wgmma import acc_rowcol  # noqa: E402
 from stage4_bwd_kernel.hopper_step1 import gemm_issue  # noqa: E402
 from stage4_bwd_kernel.hopper_step2_warpspec import FlashAttentionBackwardSm90Step2  # noqa: E402
@@ -685,6 +686,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                tma_D: cute.Tensor, tma_atom_LSE2: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
                sStat_layout: cute.Layout):
         tn = self.tile_n
+        trace.cta_stamp("entry")  # no code unless benchmarks/trace_bwd.py turned tracing on
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -963,6 +965,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
         nthr = NUM_CONSUMER_THREADS
+        trace.cta_stamp("start")
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)          # (tm, d, stages)
         sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)      # (tm, dv, stages)
@@ -1052,6 +1055,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         # 2. the walk: (query head of the group) x (Q tile)
         n_m = m_block_max - m_block_min
         n_tiles = qhead_per_kvhead * n_m
+        trace.note(n_tiles)
         hot_lo, hot_hi = schedule.unmasked_m_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal, m_block_min,
                                                    m_block_max, imin=cutlass.min, imax=cutlass.max)
         segments = ((m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, m_block_max, True))
@@ -1188,6 +1192,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
                     pipe_Q.consumer_release(st)
 
+        trace.cta_stamp("walked")
         # 3. epilogue: dK *= scale; registers -> smem (over sK / sV) -> 16-byte row-guarded stores.
         #    The barrier: both warpgroups' last wgmmas (readers of sK, sV) have completed.
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
@@ -1200,6 +1205,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.store_tile(acc_dV, tiled_mma_dV, sV, gmem_store_dV, ctidx,
                         cute.local_tile(cute.domain_offset((offset_k, 0), mdV[bidx, None, head_kv, None]),
                                         (tn, dv), (n_block, 0)), (tn, dv), k_rows_left)
+        trace.cta_stamp("end")
 
 
 # ------------------------------------------------------------------------------------------------

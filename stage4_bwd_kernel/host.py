@@ -24,8 +24,10 @@ from stage4_bwd_kernel import preprocess as pre  # noqa: E402
 
 
 def compile_key(step, dtype, d, dv, causal, deterministic, varlen, has_seqused_k, dq_order, tiles):
+    from stage3_fwd_kernel import trace  # a traced build bakes its buffer's address in (never shared, never on disk)
+
     return (step, str(dtype), d, dv, bool(causal), bool(deterministic), bool(varlen), bool(has_seqused_k),
-            getattr(dq_order, "name", repr(dq_order)), tiles)
+            getattr(dq_order, "name", repr(dq_order)), tiles) + trace.key()
 
 
 def fake_main_args(dt, d, dv, *, launchable: bool = False):
@@ -153,6 +155,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     kernel, comp = compile_main(step, make_kernel, dt, d, d_v, causal, deterministic, varlen=varlen,
                                 has_seqused_k=seqused_k is not None, dq_order=dq_order, tiles=tiles)
     dq_frag = uses_dq_frag(kernel)
+    if hasattr(kernel.dq_order, "check_grid"):  # before the first launch (the preprocess)
+        kernel.dq_order.check_grid(common.cdiv(max_seqlen_k, kernel.tile_n), k.shape[-2], batch)
 
     # 1. preprocess: lse2, D, zeroed dQ accumulator (in fragment order, see postprocess_frag: zeroed here)
     if dq_frag:

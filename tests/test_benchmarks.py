@@ -246,10 +246,13 @@ def test_trace_fwd_analysis_on_synthetic_records():
         now[sm] = end + 2000
         for wg in (1, 2):
             r = rec[cta, wg]
-            r[0:3], r[3:6], r[6:9] = (sm, entry, entry), (sm, start, start), (sm, end, end)
+            for ev, at in (("entry", entry), ("start", start), ("end", end)):
+                i = 3 * trace.CTA_EVENTS.index(ev)
+                r[i:i + 3] = (sm, at, at)
+            base = 3 * len(trace.CTA_EVENTS)
             for n in range(blocks):
                 for e in range(len(trace.EVENTS)):
-                    r[9 + n * trace.NUM_EVENTS + e] = 10_000_000 + (blocks - 1 - n) * 100 + 10 * e
+                    r[base + n * trace.NUM_EVENTS + e] = 10_000_000 + (blocks - 1 - n) * 100 + 10 * e
     t = trace_fwd.cta_table(rec)
     assert list(t["sm"]) == [3, 7] * n_blocks
     res = trace_fwd.summarize(t, causal=True, seqlen=n_blocks * 128, tile_m=128, tile_n=128)
@@ -259,6 +262,58 @@ def test_trace_fwd_analysis_on_synthetic_records():
     assert res["idle_at_end_us_max"] == pytest.approx(0.0)  # both SMs ran the same tiles
     ev = trace_fwd.block_events(rec, trace.EVENTS)  # the first and last two blocks walked are left out
     assert ev == {f"{a}->{b}": 10.0 for a, b in zip(trace.EVENTS[:-1], trace.EVENTS[1:])} | {"period": 100.0}
+
+
+def test_trace_bwd_analysis_on_synthetic_records():
+    """trace_bwd's fits from hand-made records: CTAs walking 2..9 Q tiles at 500 cycles a tile, a
+    700-cycle start before the walk and a 300-cycle epilogue after it, the walk length in the NOTE slot."""
+    import trace_bwd
+    import trace_fwd
+
+    from stage3_fwd_kernel import trace
+
+    walks = np.arange(2, 10).repeat(3)
+    rec = np.zeros((len(walks), 4, trace.RECORD), np.int64)
+    for cta, n in enumerate(walks):
+        sm, t0 = cta % 4, 100_000 * (cta // 4)
+        times = {"entry": t0, "start": t0 + 500, "walked": t0 + 500 + 700 + 500 * n,
+                 "end": t0 + 500 + 700 + 500 * n + 300}
+        for wg in (1, 2):
+            for ev, at in times.items():
+                i = 3 * trace.CTA_EVENTS.index(ev)
+                rec[cta, wg, i:i + 3] = (sm, at, at)
+            rec[cta, wg, trace.NOTE] = n
+    t = trace_fwd.cta_table(rec)
+    t["note"] = rec[t["cta"], :, trace.NOTE].max(1)
+    res = trace_bwd.summarize(t, tile_m=80)
+    assert res["cycles_per_tile"] == pytest.approx(500) and res["cycles_fixed"] == pytest.approx(1000)
+    assert res["walk_cycles_per_tile"] == pytest.approx(500) and res["walk_cycles_fixed"] == pytest.approx(700)
+    assert res["epilogue_cycles_median"] == pytest.approx(300) and res["cycles_per_query_row"] == pytest.approx(6.25)
+    assert res["q_tiles_sum"] == int(walks.sum()) and res["gap_prologue_us_median"] == pytest.approx(0.5)
+    one = trace_bwd.walk_fit(np.array([1200.0, 1300.0]), np.array([4, 4]))  # one walk length: no fit
+    assert one == {"walk_tiles": 4, "cycles_per_tile_incl_fixed": 312.5}
+
+
+def test_trace_bwd_official_anchors_and_gpu_check(capsys, monkeypatch):
+    """Each stamp's anchor is one line of the official backward's methods (when the peer is installed);
+    without a GPU the script says so."""
+    import torch
+    import trace_bwd
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert trace_bwd.main(["--impls", "ours"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    try:
+        import flash_attn.cute.flash_bwd_sm90 as off
+    except Exception:  # the official FA4 is a device-side peer, not a CI dependency
+        return
+    import inspect
+    import textwrap
+    import trace_fwd
+    for name, stamps in trace_bwd.OFFICIAL_STAMPS.items():
+        src = textwrap.dedent(inspect.getsource(getattr(off.FlashAttentionBackwardSm90, name)))
+        for anchor, call, where in stamps:
+            assert call in trace_fwd._insert(src, anchor, call, where)  # raises unless the line is there once
 
 
 def test_trace_fwd_patches_one_line_per_stamp_and_refuses_a_changed_source():

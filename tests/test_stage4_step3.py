@@ -143,6 +143,28 @@ def test_buffer_defaults_fit_shared_memory():
         mod.make_kernel(None, 128, 128, False, False, decoupled=False, dq_full_per_wg=True)
 
 
+@pytest.mark.compile
+def test_trace_stamps_compile_only_when_turned_on():
+    """benchmarks/trace_bwd.py's stamps in step 3: off, the kernel reads no clock; on, the four CTA
+    events' global timers, no spills at d = 128, under a compile key of its own."""
+    from stage3_fwd_kernel import trace
+    from stage4_bwd_kernel import common, host
+
+    mod = _mod()
+    dt = common.cutlass_dtype("bf16")
+    _, plain = host.compile_main(mod.STEP, mod.make_kernel, dt, 128, 128, True, False, launchable=False)
+    assert "SR_GLOBALTIMER" not in plain.sass and "traced" not in host.compile_key(mod.STEP, dt, 128, 128, True,
+                                                                                    False, False, False, None, None)
+    trace.enable(1 << 40)
+    try:
+        assert "traced" in host.compile_key(mod.STEP, dt, 128, 128, True, False, False, False, None, None)
+        _, traced = host.compile_main(mod.STEP, mod.make_kernel, dt, 128, 128, True, False, launchable=False)
+    finally:
+        trace.disable()
+    assert traced.sass.count("SR_GLOBALTIMER") >= len(trace.CTA_EVENTS)
+    assert traced.report["spill_stores"] == 0 and traced.report["spill_loads"] == 0
+
+
 @pytest.mark.cpu
 def test_stats_shuffle_finds_every_column_statistic():
     """stats_shuffle: lane l keeps slots 4 l .. 4 l + 3 of sLSE2 / sD; the shuffle source of each of a
