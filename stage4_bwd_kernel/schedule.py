@@ -131,6 +131,27 @@ class KVDescendingOrder:
 
 
 SECTION_CTAS = 128  # about one wave of the H100's 132 SMs (one CTA per SM)
+FAST_DIV_MAX = 1 << 22
+
+
+def fast_div(a, b):
+    """``a // b`` for 0 <= a < FAST_DIV_MAX (2**22) and b >= 1. Python ints and NumPy arrays: floor
+    division. Traced DSL values (a run-time divisor): an fp32 quotient from one MUFU.RCP estimate,
+    within one of the true one at these sizes (relative error < 2**-22), then corrected by the
+    remainder's sign -- about 10 instructions where a 32-bit software division takes ~40, on the
+    path to every CTA's first TMA load. A launch order that uses it refuses larger grids on the host
+    (``_LaunchSections.check_grid``; stage 5's ``check_grid`` for the forward's)."""
+    import numpy as np
+
+    if isinstance(b, (int, np.integer, np.ndarray)):
+        return a // b
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    a, b = Int32(a), Int32(b)
+    q = Int32(Float32(a) * cute.arch.rcp_approx(Float32(b)))
+    r = a - q * b
+    return q + Int32(r >= b) - Int32(r < 0)
 
 
 def section_tile(r, num_blocks, num_units, section, reverse=False, imin=min, div=operator.floordiv):
@@ -172,16 +193,27 @@ class _LaunchSections:
     min_blocks = 1  # chains of fewer K/V tiles launch one chain per section: blockIdx order
 
     @classmethod
-    def host_tile(cls, linear, num_n_blocks, num_heads_kv, num_batch, imin=min):
+    def host_tile(cls, linear, num_n_blocks, num_heads_kv, num_batch, imin=min, div=operator.floordiv):
         """(n_block, kv head, batch) of launch index `linear` on the grid (N, H_kv, B): sections of
         ceil(section_ctas / N) chains, or of one chain when N < min_blocks. Traced by
-        ``tile_for_launch`` too (imin=cutlass.min), so integer arithmetic only."""
-        chains_per_section = (cls.section_ctas + num_n_blocks - 1) // num_n_blocks
+        ``tile_for_launch`` too (imin=cutlass.min, div=fast_div: its four run-time divisions were
+        ~130 of the ~300 instructions before the first TMA load), so integer arithmetic only."""
+        chains_per_section = div(cls.section_ctas + num_n_blocks - 1, num_n_blocks)
         if cls.min_blocks > 1:
             chains_per_section = 1 + (chains_per_section - 1) * imin(num_n_blocks // cls.min_blocks, 1)
         n_block, chain = section_tile(linear, num_n_blocks, num_heads_kv * num_batch, chains_per_section,
-                                      cls.reverse_blocks, imin)
-        return n_block, chain % num_heads_kv, chain // num_heads_kv
+                                      cls.reverse_blocks, imin, div)
+        batch = div(chain, num_heads_kv)
+        return n_block, chain - batch * num_heads_kv, batch
+
+    @staticmethod
+    def check_grid(num_n_blocks: int, num_heads_kv: int, num_batch: int) -> None:
+        """ValueError before launch for a grid whose launch index ``fast_div`` could get wrong."""
+        ctas = num_n_blocks * num_heads_kv * num_batch
+        if ctas >= FAST_DIV_MAX:
+            raise ValueError(f"the backward's sectioned launch order handles fewer than {FAST_DIV_MAX} CTAs, got "
+                             f"{num_n_blocks} K/V tiles x {num_heads_kv} KV heads x {num_batch} sequences = {ctas}: "
+                             f"split the batch")
 
     @classmethod
     def tile_for_launch(cls):
@@ -191,7 +223,7 @@ class _LaunchSections:
 
         bx, by, bz = cute.arch.block_idx()
         gx, gy, gz = cute.arch.grid_dim()
-        return cls.host_tile(bx + gx * (by + gy * bz), gx, gy, gz, imin=cutlass.min)
+        return cls.host_tile(bx + gx * (by + gy * bz), gx, gy, gz, imin=cutlass.min, div=fast_div)
 
 
 class KVAscendingSectionsOrder(_LaunchSections, KVAscendingOrder):
@@ -247,3 +279,4 @@ def default_dq_order(causal: bool, deterministic: bool, sections: bool = True, h
     if not sections:
         return KVAscendingOrder
     return KVAscendingWideSectionsOrder if head_dim is not None and head_dim <= 64 else KVAscendingSectionsOrder
+

@@ -60,10 +60,10 @@ from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
+from cutlass import Int32, const_expr  # noqa: E402
 
 from stage3_fwd_kernel.common import WorkTile  # noqa: E402
-from stage4_bwd_kernel.schedule import KVDescendingOrder, section_tile  # noqa: E402
+from stage4_bwd_kernel.schedule import FAST_DIV_MAX, KVDescendingOrder, fast_div, section_tile  # noqa: E402,F401
 from stage5_scheduling import orders  # noqa: E402
 
 __all__ = [
@@ -88,24 +88,6 @@ def sectioned_tile(linear, num_blocks, num_heads, section: int, reverse: bool, i
     batch = linear // per_batch
     block, head = in_batch_tile(linear - batch * per_batch, num_blocks, num_heads, section, reverse, imin)
     return block, head, batch
-
-
-def fast_div(a, b):
-    """``a // b`` for 0 <= a < 2**22 and b >= 1. Host ints and NumPy arrays: floor division. On the
-    device, with a run-time divisor: an fp32 estimate from one MUFU.RCP, within one of the quotient
-    at these sizes (relative error < 2**-22), then corrected by the remainder's sign -- about 10
-    instructions where a 32-bit software division takes ~40 on the path to every CTA's first TMA
-    load (trace_fwd: our LPT prologue took 1.02 us against the static grid's 0.51). A grid of
-    2**22 tiles would be 32 heads x 8 sequences of 2M tokens; ``check_grid`` refuses it."""
-    if isinstance(b, (int, np.integer, np.ndarray)):
-        return a // b
-    a, b = Int32(a), Int32(b)
-    q = Int32(Float32(a) * cute.arch.rcp_approx(Float32(b)))
-    r = a - q * b
-    return q + Int32(r >= b) - Int32(r < 0)
-
-
-FAST_DIV_MAX = 1 << 22
 
 
 def flat_sectioned_tile(linear, num_blocks, num_heads, num_batch, section: int, reverse: bool, imin=min):

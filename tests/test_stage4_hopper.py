@@ -146,6 +146,35 @@ def test_launch_sections_cover_the_grid_and_keep_predecessors_first(num_n_blocks
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("num_n_blocks,heads_kv,batch", [(32, 16, 8), (8, 32, 32), (128, 16, 2), (33, 5, 3)])
+def test_launch_sections_with_the_estimated_division(num_n_blocks, heads_kv, batch):
+    """The device maps launch indices with fast_div (an fp32 quotient from rcp.approx, corrected by
+    the remainder): replayed with the reciprocal up to 2 ulp off, every order gives host_tile's floor-
+    division tiles; the host refuses grids past fast_div's bound before any launch."""
+    from stage4_bwd_kernel import schedule
+
+    def replay(ulps):
+        def div(a, b):
+            rcp = np.float32(1.0) / np.float32(b)
+            for _ in range(abs(ulps)):
+                rcp = np.nextafter(rcp, np.float32(np.inf if ulps > 0 else -np.inf), dtype=np.float32)
+            q = int(np.float32(a) * rcp)
+            r = a - q * b
+            return q + (r >= b) - (r < 0)
+        return div
+
+    ctas = num_n_blocks * heads_kv * batch
+    for order in (schedule.KVAscendingLongSectionsOrder, schedule.KVAscendingWideSectionsOrder,
+                  schedule.KVDescendingSectionsOrder):
+        exact = [order.host_tile(i, num_n_blocks, heads_kv, batch) for i in range(ctas)]
+        for ulps in (-2, 0, 2):
+            assert [order.host_tile(i, num_n_blocks, heads_kv, batch, div=replay(ulps)) for i in range(ctas)] == exact
+    schedule.KVAscendingSectionsOrder.check_grid(1 << 10, 32, 127)
+    with pytest.raises(ValueError, match="fewer than 4194304 CTAs"):
+        schedule.KVAscendingSectionsOrder.check_grid(1 << 10, 32, 128)
+
+
+@pytest.mark.cpu
 def test_launch_sections_remove_the_chain_stall():
     """With increments seen a step late (a writer hop), CTAs launched side by side along one chain
     stall behind each other; in sections they do not (on the H100, d = 64 non-causal: 0.70-0.75x ->
