@@ -291,6 +291,20 @@ from the budget): the writer has a whole tile's MMAs to read sdQ out before the 
 rounds on the H100 (``ab_bwd_h100_run4_tile_80x128.json``) against the 64 x 128 tile: +3..+12%
 (causal included, so it is the default in every mode); run 9 (``bwd_h100_run9.json``): 0.90-1.02x of
 the official FA4 at 4k-16k, run 10 (``bwd_h100_run10.json``, same d = 128 kernel) 0.90-1.03x.
+
+The twelfth, ``q_shift`` (default for causal d = 128 in the default mode, dense): the 80-row Q tiles
+are counted from the sequence's *end*. ``benchmarks/trace_bwd.py`` put this tile's cycles per query row
+level with the official kernel's 64-row tile, yet the kernel walked 4.5% more rows than exist at 4k
+causal: 128 / 80 is not whole, so one tile straddles each K/V tile's diagonal, and 4096 = 51 x 80 + 16
+left the last tile of *every* walk 16 rows full. With ``top_padding(seqlen_q)`` rows of zeros before
+query 0 (< 80, a multiple of 4 so the row statistics' TMA boxes stay 16-byte aligned) only the diagonal
+tile is partial: 883 -> 858 tiles per 4k head. The kernel moves offset_q and seqlen_q by the padding
+right after ``tile_bounds``; bottom-right causal alignment depends on their difference only, the TMA
+loads past the tensor's start bring zeros (Q, dO, lse2, D: every product with them is zero), the dQ
+tiles keep their place in dQaccum, and ``postprocess_frag`` skips the padding rows. Traced against
+``~q_shift=0`` (``trace_bwd_h100_run5_*``): -2.4% CTA cycles at 4k, -1.1% at 8k. Needs dense tensors
+(varlen would read the previous sequence), ``dq_frag`` and ``stats_tma``; deterministic mode keeps its
+tiles.
 """
 from __future__ import annotations
 
@@ -402,7 +416,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  dq_buffers: int | None = None, dq_swizzle32: bool | None = None,
                  stats_shuffle: bool | None = None, decoupled: bool | None = None, ds_buffers: int | None = None,
                  dq_full_per_wg: bool | None = None, stats_tma: bool | None = None,
-                 sem_early: bool | None = None, dq_writers: int | None = None, dq_frag: bool | None = None):
+                 sem_early: bool | None = None, dq_writers: int | None = None, dq_frag: bool | None = None,
+                 q_shift: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -472,6 +487,18 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.dq_writers = (self.dq_buffers if deterministic else 1) if dq_writers is None else int(dq_writers)
         if self.dq_writers not in (1, 2, 3) or self.dq_buffers % self.dq_writers:
             raise ValueError(f"dq_writers: expected 1, 2 or 3 dividing dq_buffers ({self.dq_buffers}), got {dq_writers!r}")
+        # Q tiles counted from the end of the sequence (the twelfth option): the first tile is padded
+        # at the top instead of the last at the bottom (``top_padding``). Causal, an 80-query tile
+        # straddles the diagonal of a 128-key tile wherever it falls, but the last tile of every walk
+        # was partial too: at 4k keys (4096 = 51 x 80 + 16) 883 tiles for 845 tiles' worth of rows,
+        # 858 so (trace_bwd: CTA cycles per query row equal the official kernel's; the rows were the gap)
+        if q_shift is None:
+            q_shift = (causal and not varlen and not deterministic and self.dq_frag and self.stats_tma
+                       and self.tile_n % self.tile_m != 0)
+        if q_shift and (varlen or not self.dq_frag or not self.stats_tma):
+            raise ValueError("q_shift: needs a dense (not varlen) kernel with dq_frag and stats_tma (the padding rows "
+                             "are loaded past the tensor's start, as zeros)")
+        self.q_shift = bool(q_shift)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
@@ -526,6 +553,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         ComposedLayout interface of _sdq_layout); a warp's 16-byte stores cover 512 contiguous bytes."""
         return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, cute.make_layout(
             (self.dq_frag_share_elems(), NUM_WG_MMA * self.dq_buffers)))
+
+    def top_padding(self, seqlen_q):
+        """q_shift: rows of zeros before query 0, so the Q tiles end with the sequence: the distance to
+        the next multiple of tile_m, rounded down to a multiple of 4 (the row statistics' TMA boxes
+        start 16-byte aligned). Python ints or traced Int32; tile_m is a constant."""
+        tm = self.tile_m
+        return (tm - seqlen_q % tm) % tm // 4 * 4
 
     def dq_frag_tile_row(self, offset_q, batch, m_block):
         """dq_frag: first row of dQ tile m_block of sequence `batch` in the (B, H, rows, d) dQaccum.
@@ -692,6 +726,12 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
         n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k = self.tile_bounds(
             num_n_blocks, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+        if const_expr(self.q_shift):
+            # virtual rows: padding rows first; bottom-right causal alignment is unchanged (both q and
+            # seqlen_q move by pad), and the padding rows' Q, dO, lse2 and D arrive as zeros (TMA past
+            # the tensor's start), so every product they enter is zero
+            pad = self.top_padding(seqlen_q)
+            offset_q, seqlen_q = offset_q - pad, seqlen_q + pad
 
         if n_block * tn < seqlen_k_rows:
             if warp_idx == 0:

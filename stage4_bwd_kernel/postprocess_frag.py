@@ -82,6 +82,10 @@ class BackwardPostprocessFrag:
         tm, d = self.tile_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, bidx, batch, offset, rows_left = block_rows(mdQ, mCuSeqlensQ, tm, self.varlen)
+        pad = 0
+        if const_expr(self.main.q_shift):  # the main kernel's tiles start pad rows before query 0
+            pad = self.main.top_padding(mdQ.shape[1])
+            offset, rows_left = offset - pad, rows_left + pad
         if rows_left > 0:
             smem = SmemAllocator()
             sTile = smem.allocate(self.shared_storage).sTile.get_tensor(sTile_layout)   # (tm, d)
@@ -110,7 +114,10 @@ class BackwardPostprocessFrag:
             tSr = cute.make_rmem_tensor_like(tSs, self.dtype)
             cute.autovec_copy(tSs, tSr)
             for m in cutlass.range_constexpr(cute.size(tSg.shape[1])):
-                if tSc[0, m, 0][0] < rows_left:
+                row_exists = tSc[0, m, 0][0] < rows_left
+                if const_expr(self.main.q_shift):
+                    row_exists = row_exists & (tSc[0, m, 0][0] + m_block * tm >= pad)
+                if row_exists:
                     cute.copy(store, tSr[None, m, None], tSg[None, m, None])
 
 
@@ -120,7 +127,7 @@ class BackwardPostprocessFrag:
 def _compile(launchable: bool, main_kernel, varlen: bool) -> common.Compiled:
     mk = main_kernel
     key = (STEP, "gpu" if launchable else "fake", str(mk.dtype), mk.tile_m, mk.head_dim, mk.dq_split_m,
-           mk.dq_swap_ab, varlen)
+           mk.dq_swap_ab, varlen, mk.q_shift)
     return common.compile_cached(key, lambda: (BackwardPostprocessFrag(mk, varlen),
                                                _fake_args(mk.dtype, mk.head_dim, launchable=launchable)))
 

@@ -166,6 +166,32 @@ def test_trace_stamps_compile_only_when_turned_on():
 
 
 @pytest.mark.cpu
+def test_q_shift_counts_q_tiles_from_the_end():
+    """Causal d = 128 default mode pads the first Q tile instead of the last (q_shift): a 4k causal head
+    then walks 858 Q tiles of 80 rows instead of 883 (845 tiles' worth of rows); the padding is a multiple
+    of 4 rows (16-byte TMA starts of the row statistics); other builds keep their tiles, and builds that
+    could not load the padding as zeros refuse it."""
+    from stage4_bwd_kernel import schedule
+
+    mod = _mod()
+    kernel = mod.make_kernel(None, 128, 128, True, False)
+    assert kernel.q_shift and kernel.tile_m == 80
+    for args, kw in (((128, 128, False, False), {}), ((128, 128, True, True), {}), ((64, 64, True, False), {}),
+                     ((96, 96, True, False), {}), ((128, 128, True, False), {"varlen": True})):
+        assert not mod.make_kernel(None, *args, **kw).q_shift, (args, kw)
+    with pytest.raises(ValueError, match="q_shift: needs a dense"):
+        mod.make_kernel(None, 128, 128, True, False, varlen=True, q_shift=True)
+    assert [kernel.top_padding(s) for s in (4096, 8192, 16384, 80, 1, 113)] == [64, 48, 16, 0, 76, 44]
+
+    def walked(seqlen, pad):
+        ranges = (schedule.m_block_range(n, 80, 128, seqlen + pad, seqlen, True) for n in range(seqlen // 128))
+        return sum(hi - lo for lo, hi in ranges)
+
+    assert walked(4096, 0) == 883 and walked(4096, kernel.top_padding(4096)) == 858
+    assert walked(16384, 0) == 13286 and walked(16384, kernel.top_padding(16384)) == 13261
+
+
+@pytest.mark.cpu
 def test_stats_shuffle_finds_every_column_statistic():
     """stats_shuffle: lane l keeps slots 4 l .. 4 l + 3 of sLSE2 / sD; the shuffle source of each of a
     lane's accumulator columns (query 8 (c // 2) + 2 (l % 4) + c % 2) must be the slot of that query."""
@@ -402,10 +428,15 @@ def test_deterministic_is_bitwise_reproducible(causal, ratio):
     for _ in range(50):
         mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=True, dq=dq, dk=dk, dv=dv)
         assert torch.equal(dq, first[0]) and torch.equal(dk, first[1]) and torch.equal(dv, first[2])
-    # the default mode: dq within the tolerance; dk / dv bitwise equal (no cross-CTA sums there)
+    # the default mode: within the tolerance; on the deterministic mode's Q tiles (q_shift off: causal
+    # d = 128 counts them from the sequence's end by default), dk / dv bitwise equal (no cross-CTA sums)
     nd = mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=False)
-    assert_fa4_close("dq (default)", nd[0], ref[0], base[0], atol=grad_atol(ref))
-    assert torch.equal(nd[1], first[1]) and torch.equal(nd[2], first[2])
+    for name, a, r, bl in zip(("dq", "dk", "dv"), nd, ref, base):
+        assert_fa4_close(f"{name} (default)", a, r, bl, atol=grad_atol(ref))
+    import functools
+    same_tiles = host.backward(mod.STEP + "~q_shift=0", functools.partial(mod.make_kernel, q_shift=False), q, k, v,
+                               out, do, lse, causal=causal)
+    assert torch.equal(same_tiles[1], first[1]) and torch.equal(same_tiles[2], first[2])
 
 
 @pytest.mark.gpu
@@ -448,6 +479,31 @@ def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
             assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
     for a, b in zip(grads["coupled"], grads["default"]):
         assert torch.equal(a, b)
+
+
+Q_SHIFT_CASES = [(113, 203, 1), (203, 113, 2), (1000, 1200, 4), (1200, 1000, 8), (1, 1, 1), (4096, 4096, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sq,sk,ratio", Q_SHIFT_CASES, ids=[f"{a}x{b}-gqa{r}" for a, b, r in Q_SHIFT_CASES])
+def test_q_shift_either_way(sq, sk, ratio):
+    """Causal d = 128 with the Q tiles counted from either end (q_shift: the padding rows are loaded past
+    the tensor's start as zeros, and the postprocess skips them, rows poisoned before): both pass the rule."""
+    import functools
+
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+    from stage4_bwd_kernel import host
+
+    mod = _mod()
+    q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, 128, 128, seed=13)
+    out, lse = attention_ref(q, k, v, causal=True, upcast=True)
+    ref, base = host.reference_grads(q, k, v, do, causal=True)
+    for shift in (True, False):
+        dq, dk, dv = s4._poisoned(q, k, v)
+        host.backward(f"{mod.STEP}~q_shift={int(shift)}", functools.partial(mod.make_kernel, q_shift=shift), q, k, v,
+                      out, do, lse, causal=True, dq=dq, dk=dk, dv=dv)
+        for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
+            assert_fa4_close(f"{name} (q_shift={shift})", a, r, bl, atol=grad_atol(ref))
 
 
 FRAG_CASES = [(128, False, 113, 203, 1), (96, False, 251, 389, 2), (64, True, 700, 517, 2)]
