@@ -302,7 +302,7 @@ tile is partial: 883 -> 858 tiles per 4k head. The kernel moves offset_q and seq
 right after ``tile_bounds``; bottom-right causal alignment depends on their difference only, the TMA
 loads past the tensor's start bring zeros (Q, dO, lse2, D: every product with them is zero), the dQ
 tiles keep their place in dQaccum, and ``postprocess_frag`` skips the padding rows. Traced against
-``~q_shift=0`` (``trace_bwd_h100_run5_*``): -2.4% CTA cycles at 4k, -1.1% at 8k. Needs dense tensors
+``~q_shift=0`` (``trace_bwd_h100_run5_*``): -2.5% CTA cycles at 4k, -1.1% at 8k. Needs dense tensors
 (varlen would read the previous sequence), ``dq_frag`` and ``stats_tma``; deterministic mode keeps its
 tiles.
 """

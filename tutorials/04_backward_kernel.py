@@ -795,6 +795,63 @@ for name in FRAG_RUNS:
                   f"{old:.3f}x -> fragment order {new:.3f}x of the official FA4 ({new / old - 1:+.1%})")
 
 # %% [markdown]
+# ## Reading the kernels from the inside: rows, not cycles
+# Paired rounds of the whole backward move by a few percent from one round to the next, which hides
+# the 1-3% effects that remained. `benchmarks/trace_bwd.py` stamps `clock64` into both main kernels
+# (ours through `stage3_fwd_kernel/trace.py`, which compiles to nothing when off; the official one
+# patched at run time): per CTA at entry, consumer start, end of the walk and end, plus how many Q
+# tiles it walked. Cycles count work whatever the clock speed. At d = 128 causal 4k, per query row:
+
+# %%
+trace_run = json.loads((results / "trace_bwd_h100_run2_fastdiv_d128_causal_4k.json").read_text())["results"]
+for r in trace_run:
+    print(f"{r['impl']:>9}: {r['cycles_per_query_row']:.1f} cycles per query row ({r['tile_m']}-row Q tiles), "
+          f"{r['q_tiles_sum'] * r['tile_m'] / 1e6:.2f} M rows walked, all CTAs {r['cta_cycles_sum'] / 1e9:.3f} G cycles")
+
+# %% [markdown]
+# The same cost per row, but our 80-row tiles walked 4.5% more rows than the official 64-row ones.
+# The useful rows are the same in both kernels, so those extra rows were past the data. For K/V tile `n`,
+# a causal walk starts at the Q tile holding row `128 n` and ends at the last tile. With tiles counted
+# from row 0, both ends can be partial: 128 / 80 is not whole, so one tile straddles the diagonal, and
+# 4096 = 51 x 80 + 16 leaves the *last* tile of every walk with 16 live rows out of 80. Counted from the
+# sequence's end instead (`q_shift`: `top_padding` rows of zeros before query 0, which the TMA loads past
+# the tensor's start), only the diagonal tile is partial. The walk bounds are `schedule.py`'s, with
+# seqlen_q moved by the padding (bottom-right causal alignment depends only on seqlen_k - seqlen_q):
+
+# %%
+def rows_walked(seqlen, tile_m, pad):
+    if s4_schedule is None:
+        return [0] * (seqlen // 128)
+    spans = [s4_schedule.m_block_range(n, tile_m, 128, seqlen + pad, seqlen, True) for n in range(seqlen // 128)]
+    return [(hi - lo) * tile_m for lo, hi in spans]
+
+
+S = 4096
+pad = (80 - S % 80) % 80 // 4 * 4
+walks = {"80-row tiles from row 0": rows_walked(S, 80, 0), f"80-row tiles from the end (pad {pad})": rows_walked(S, 80, pad),
+         "64-row tiles (official)": rows_walked(S, 64, 0)}
+live = [S - 128 * n for n in range(S // 128)]
+fig, ax = plt.subplots(figsize=(9, 3.2))
+for name, rows in walks.items():
+    ax.step(range(len(rows)), [r - l for r, l in zip(rows, live)], where="mid", label=f"{name}: {sum(rows) / sum(live) - 1:+.1%}")
+ax.set(xlabel="K/V tile n (128 keys)", ylabel="rows walked past the data", title="causal, 4k: rows a CTA walks beyond the live ones")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %%
+shift_run = json.loads((results / "trace_bwd_h100_run5_q_shift_d128_causal_4k.json").read_text())["results"]
+cyc = {r["impl"]: r["cta_cycles_sum"] for r in shift_run}
+print(f"H100, d = 128 causal 4k, one call: Q tiles from the end {cyc['ours'] / 1e9:.3f} G cycles against "
+      f"{cyc['step3_rs~q_shift=0'] / 1e9:.3f} G from row 0 ({cyc['ours'] / cyc['step3_rs~q_shift=0'] - 1:+.1%})")
+
+# %% [markdown]
+# The same traces show what is still open: a fixed cost per CTA of about 1700 cycles more than the
+# official kernel's, in the fit of cycles against walk length. Loading K with the first Q tile and V
+# after it (the official kernel's load order) took 160-280 cycles off it, but cost 34 cycles on every
+# tile, so that change was not kept (stage 4 README, "Inside the kernels").
+
+# %% [markdown]
 # ## Exercise
 # Use the paper's 1-CTA model at head dim `d = 64` (M = N = 128): predict the MMA cycles, the four
 # shared-memory terms and their total, and whether the backward is more or less SMEM-bound than at
