@@ -101,6 +101,9 @@ the 128 registers a 512-thread launch grants at entry add up to). The turn passe
 (named barrier 1 + w is consumer w's turn, 1 + nc + w its private barrier), Q arrives as one 64-row
 slab per consumer (all on one mbarrier), each consumer stages its O in its own slab, and the mask
 is written for 160 registers (see consume). Measured: +8..+21% over 128 rows at d = 64 (README).
+Causal dense calls on it count the Q tiles from the sequence's end (`q_shift`, `top_padding`): the
+partial tile, with 64 or 128 padding rows at 4k / 8k / 16k, is then the first (one key block) rather
+than the last (all of them); -5.5% tile-block steps at 4k, -1.5% at 8k and 16k (README, session 13).
 
 tile_m = 128 uses that same mask by default since it was timed against the old per-element `if`
 (lean_mask=False; benchmarks/tune_fwd.py's fifth config field): +1..+14% at d = 128 on the H100,
@@ -144,6 +147,11 @@ def default_tile_n(head_dim: int, head_dim_v: int) -> int:
 
 
 TILE_MS = (128, 192)  # two or three consumer warpgroups of 64 query rows
+# Causal dense calls on these tiles count their Q tiles from the sequence's end (``q_shift``): a
+# 192-row tile rarely divides the sequence (4096 = 21 x 192 + 64), and the partial tile, last when
+# counted from row 0, is the one that sees every key block; counted from the end it is the first,
+# which sees one or two (tile-block steps at d = 64 causal: -5.5% at 4k, -1.5% at 8k and 16k)
+Q_SHIFT_TILE_MS = (192,)
 
 
 def default_tile_m(head_dim: int, head_dim_v: int) -> int:
@@ -268,6 +276,7 @@ class FlashAttentionForwardSm90Step4:
                                                            separate_o=self.persistent and not self.o_direct)
         self.pingpong = pingpong
         self.scheduler = scheduler
+        self.q_shift_tile_ms = Q_SHIFT_TILE_MS  # an instance attribute, so an experiment can turn it off
         self.num_consumers = tile_m // 64    # consumer warpgroups, one wgmma M = 64 row block each
         self.wg_m = tile_m // self.num_consumers  # 64 query rows per consumer
         self.num_threads = 128 * (1 + self.num_consumers)
@@ -330,6 +339,7 @@ class FlashAttentionForwardSm90Step4:
         if const_expr(mSeqUsedK is not None and mCuSeqlensK is None):
             raise ValueError("seqused_k: needs cu_seqlens_k")
         self.varlen = mCuSeqlensQ is not None
+        self.q_shift = self.q_shift_for(self.varlen)
         if const_expr(self.varlen and self.kv_pairs == "m"):
             raise ValueError("kv_multicast: query-tile pairs ('m') need dense calls (a pair may straddle two "
                              "sequences); 'heads' pairs work with varlen")
@@ -464,7 +474,23 @@ class FlashAttentionForwardSm90Step4:
                 seqlen_k = mSeqUsedK[batch]
             else:
                 seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+        if const_expr(self.q_shift):
+            # virtual rows: top_padding rows before query 0 (the causal diagonal depends only on
+            # seqlen_k - seqlen_q, which stays; their Q loads as zeros past the tensor's start, and
+            # neither O nor lse is stored for them)
+            pad = self.top_padding(seqlen_q)
+            offset_q, seqlen_q = offset_q - pad, seqlen_q + pad
         return (m_block, head, head // qhead_per_kvhead, batch_t, offset_q, offset_k, seqlen_q, seqlen_k)
+
+    def q_shift_for(self, varlen: bool) -> bool:
+        """Whether a call counts its Q tiles from the sequence's end (Q_SHIFT_TILE_MS): causal, dense
+        (a varlen sequence's padding rows would be the previous sequence's), no K/V multicast pairs."""
+        return self.causal and not varlen and not self.kv_multicast and self.tile_m in self.q_shift_tile_ms
+
+    def top_padding(self, seqlen_q):
+        """q_shift: rows before query 0 that make the Q tiles end with the sequence (< tile_m)."""
+        tm = self.tile_m
+        return (tm - seqlen_q % tm) % tm
 
     def tile_live(self, tile):
         """Whether this CTA works on `tile`: it starts before its sequence's end (varlen tiles past it
@@ -710,8 +736,9 @@ class FlashAttentionForwardSm90Step4:
                     cute.arch.barrier(barrier_id=1, number_of_threads=2 * 128)
 
     def seq_view(self, t: cute.Tensor, offset) -> cute.Tensor:
-        """(rows, cols) view of one head starting at this sequence's first row (varlen only)."""
-        if const_expr(self.varlen):
+        """(rows, cols) view of one head starting at this sequence's first row (varlen; q_shift: the
+        padding rows before row 0, for Q and O, whose offset is then negative; K / V's is 0)."""
+        if const_expr(self.varlen or self.q_shift):
             return cute.domain_offset((offset, 0), t)
         return t
 
@@ -870,16 +897,22 @@ class FlashAttentionForwardSm90Step4:
         if tScS_rc[0, 0][1] == 0:
             for r in cutlass.range_constexpr(num_rows):
                 row = row0 + tScS_rc[r, 0][0]
-                if row < seqlen_q:  # rows past the sequence belong to the next one: never written
+                live = row < seqlen_q  # rows past the sequence belong to the next one: never written
+                if const_expr(self.q_shift):
+                    live = live & (offset_q + row >= 0)  # nor the padding rows before it
+                if live:
                     mLSE[batch, head, offset_q + row] = lse[r]
 
         # 3b. O, row-guarded: through smem (the default) or, o_direct, straight from registers
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
+        rows_skip = None
+        if const_expr(self.q_shift):
+            rows_skip = -offset_q - row0  # padding rows at the top of this warpgroup's rows
         if const_expr(self.o_direct):
-            self.store_O_direct(rO, gO, tiled_mma_pv, ctidx, seqlen_q - row0)
+            self.store_O_direct(rO, gO, tiled_mma_pv, ctidx, seqlen_q - row0, rows_skip)
         else:
-            self.store_O_via_smem(rO, gO, sO_wg, tiled_mma_pv, gmem_copy_O, ctidx, seqlen_q - row0, wg)
+            self.store_O_via_smem(rO, gO, sO_wg, tiled_mma_pv, gmem_copy_O, ctidx, seqlen_q - row0, wg, rows_skip)
         trace.cta_stamp("end")
 
     def _copy_acc_O(self, tiled_mma_pv: cute.TiledMma, ctidx: Int32):
@@ -890,7 +923,7 @@ class FlashAttentionForwardSm90Step4:
 
     @cute.jit
     def store_O_direct(self, rO: cute.Tensor, gO: cute.Tensor, tiled_mma_pv: cute.TiledMma, ctidx: Int32,
-                       q_rows_left: Int32):
+                       q_rows_left: Int32, q_rows_skip=None):
         """O straight from the accumulator registers to global memory, 4 bytes (two adjacent columns)
         per store, rows past the sequence skipped. No shared memory: a persistent CTA at head dims
         > 128 has no room for an O buffer beside Q and two K/V stages. The stores half-fill each
@@ -904,12 +937,16 @@ class FlashAttentionForwardSm90Step4:
         for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
             for n in cutlass.range_constexpr(cute.size(dst, mode=[2])):
                 for i in cutlass.range_constexpr(cute.size(dst, mode=[0, 1])):
-                    if crd[(0, i), m, n][0] < q_rows_left:
+                    row_live = crd[(0, i), m, n][0] < q_rows_left
+                    if const_expr(q_rows_skip is not None):  # q_shift: rows before the sequence
+                        row_live = row_live & (crd[(0, i), m, n][0] >= q_rows_skip)
+                    if row_live:
                         cute.copy(atom, src[(None, i), m, n], dst[(None, i), m, n])
 
     @cute.jit
     def store_O_via_smem(self, rO: cute.Tensor, gO: cute.Tensor, sO_wg: cute.Tensor, tiled_mma_pv: cute.TiledMma,
-                         gmem_copy_O: cute.TiledCopy, ctidx: Int32, q_rows_left: Int32, wg: Int32):
+                         gmem_copy_O: cute.TiledCopy, ctidx: Int32, q_rows_left: Int32, wg: Int32,
+                         q_rows_skip=None):
         """O through this warpgroup's smem slab: registers -> smem (accumulator layout) -> 16-byte
         coalesced, row-guarded stores. Only this warpgroup touches its slab, so a 128-thread named
         barrier replaces sync_threads (the producer warpgroup may have exited already)."""
@@ -926,7 +963,10 @@ class FlashAttentionForwardSm90Step4:
         tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
         for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
-            if tOcO[0, m, 0][0] < q_rows_left:
+            row_live = tOcO[0, m, 0][0] < q_rows_left
+            if const_expr(q_rows_skip is not None):  # q_shift: rows before the sequence
+                row_live = row_live & (tOcO[0, m, 0][0] >= q_rows_skip)
+            if row_live:
                 cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit

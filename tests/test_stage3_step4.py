@@ -211,6 +211,30 @@ def test_tile_m_defaults_and_validation():
 
 @pytest.mark.cpu
 @pytest.mark.stage3
+def test_q_shift_puts_the_partial_q_tile_first():
+    """Causal dense 192-row tiles count their Q tiles from the sequence's end: the partial tile is
+    then the first (one key block at 4k) instead of the last (all 32), 363 instead of 384 tile-block
+    steps per 4k head at d = 64; varlen, non-causal and 128-row builds keep row 0 aligned."""
+    import cutlass
+
+    mod = _mod()
+    kernel = mod.make_kernel(cutlass.BFloat16, 64, 64, True)
+    assert kernel.tile_m == 192 and kernel.q_shift_for(False) and not kernel.q_shift_for(True)
+    for k in (mod.make_kernel(cutlass.BFloat16, 64, 64, False), mod.make_kernel(cutlass.BFloat16, 64, 64, True, tile_m=128),
+              mod.make_kernel(cutlass.BFloat16, 128, 128, True)):
+        assert not k.q_shift_for(False)
+    assert [kernel.top_padding(s) for s in (4096, 8192, 16384, 192, 1)] == [128, 64, 128, 0, 191]
+
+    def steps(seqlen, pad):
+        tiles = -(-(seqlen + pad) // 192)
+        return sum(kernel.num_key_blocks(m, seqlen + pad, seqlen) for m in range(tiles))
+
+    assert steps(4096, 0) == 384 and steps(4096, kernel.top_padding(4096)) == 363
+    assert steps(16384, 0) == 5632 and steps(16384, kernel.top_padding(16384)) == 5547
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
 def test_lean_mask_defaults_and_validation():
     """lean_mask None = lean at both heights (timed faster at 128 rows, needed at 192); either mask can
     be asked for at either height; the compile key holds the resolved value, so a default and its
