@@ -26,18 +26,14 @@ What it prints per kernel:
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
 import os
 import sys
-import tempfile
-import textwrap
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trace_fwd import _insert, cta_table, plot_timelines  # noqa: E402
+from trace_fwd import cta_table, patch_methods, plot_timelines  # noqa: E402
 
 
 # where the official kernel gets each stamp: method -> (its source line, the call, before / after that line)
@@ -55,25 +51,7 @@ def patch_official():
     """The official sm90 backward class with our stamps in its kernel entry and its consumers' method."""
     import flash_attn.cute.flash_bwd_sm90 as off
 
-    cls = off.FlashAttentionBackwardSm90
-    plan = OFFICIAL_STAMPS
-    text = ["import flash_attn.cute.flash_bwd_sm90 as _official\n",
-            "globals().update({k: v for k, v in vars(_official).items() if not k.startswith('__')})\n",
-            "from stage3_fwd_kernel import trace as _trace\n"]
-    for name, stamps in plan.items():
-        src = textwrap.dedent(inspect.getsource(getattr(cls, name)))
-        for anchor, call, where in stamps:
-            src = _insert(src, anchor, call, where)
-        if name == "mma":  # the consumers' end: after the tile loop and the dK / dV store wait
-            src = src.rstrip() + '\n    _trace.cta_stamp("end")\n'
-        text.append("\n\n" + src)
-    folder = tempfile.mkdtemp(prefix="fa4_trace_bwd_")
-    with open(os.path.join(folder, "official_bwd_traced.py"), "w") as f:
-        f.write("".join(text))
-    sys.path.insert(0, folder)
-    mod = importlib.import_module("official_bwd_traced")
-    for name in plan:
-        setattr(cls, name, getattr(mod, name))
+    patch_methods(off, off.FlashAttentionBackwardSm90, OFFICIAL_STAMPS, end_in="mma", name="official_bwd_traced")
 
 
 def walk_fit(cycles: np.ndarray, tiles: np.ndarray) -> dict:

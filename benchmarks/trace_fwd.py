@@ -73,23 +73,30 @@ def patch_official():
         "mma": [("aux_tensors = aux_data.tensors\n", '_trace.cta_stamp("start")', "after")],
         "mma_one_n_block_intrawg_overlap": [(a, f'_trace.stamp(n_block, "{e}")', w) for a, e, w in OFFICIAL_BLOCK_STAMPS],
     }
-    text = ["import flash_attn.cute.flash_fwd_sm90 as _official\n",
+    patch_methods(off, cls, plan, end_in="mma", name="official_traced")
+
+
+def patch_methods(module, cls, plan: dict, *, end_in: str, name: str):
+    """Replace `plan`'s methods of `cls` (defined in `module`) by their own source with the stamps
+    inserted (``_insert``) and an "end" CTA stamp appended to method `end_in`, at the method's own
+    indentation, re-compiled as a module of its own named `name`."""
+    text = [f"import {module.__name__} as _official\n",
             "globals().update({k: v for k, v in vars(_official).items() if not k.startswith('__')})\n",
             "from stage3_fwd_kernel import trace as _trace\n"]
-    for name, stamps in plan.items():
-        src = textwrap.dedent(inspect.getsource(getattr(cls, name)))
+    for method, stamps in plan.items():
+        src = textwrap.dedent(inspect.getsource(getattr(cls, method)))
         for anchor, call, where in stamps:
             src = _insert(src, anchor, call, where)
-        if name == "mma":  # the consumers' end: after the tile loop, at the method's own indentation
+        if method == end_in:  # the consumers' end: after their tile loop
             src = src.rstrip() + '\n    _trace.cta_stamp("end")\n'
         text.append("\n\n" + src)
-    folder = tempfile.mkdtemp(prefix="fa4_trace_")
-    with open(os.path.join(folder, "official_traced.py"), "w") as f:
+    folder = tempfile.mkdtemp(prefix=f"fa4_{name}_")
+    with open(os.path.join(folder, f"{name}.py"), "w") as f:
         f.write("".join(text))
     sys.path.insert(0, folder)
-    mod = importlib.import_module("official_traced")
-    for name in plan:
-        setattr(cls, name, getattr(mod, name))
+    mod = importlib.import_module(name)
+    for method in plan:
+        setattr(cls, method, getattr(mod, method))
 
 
 # ------------------------------------------------------------------------------------------------ analysis

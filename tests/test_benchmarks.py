@@ -316,6 +316,35 @@ def test_trace_bwd_official_anchors_and_gpu_check(capsys, monkeypatch):
             assert call in trace_fwd._insert(src, anchor, call, where)  # raises unless the line is there once
 
 
+def test_patch_methods_recompiles_a_class_with_the_stamps(tmp_path, monkeypatch):
+    """trace_fwd.patch_methods (both tracers' way into the official kernels), on a stand-in module: the
+    planned methods come back from their own source with the stamps in place and the "end" stamp last."""
+    import importlib
+    import inspect
+
+    import trace_fwd
+
+    (tmp_path / "standin_kernel.py").write_text(
+        "class Kernel:\n"
+        "    def kernel(self):\n"
+        "        warp = 3\n"
+        "        return warp\n\n"
+        "    def mma(self, n):\n"
+        "        total = 0\n"
+        "        for i in range(n):\n"
+        "            total += i\n"
+        "        return total\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    standin = importlib.import_module("standin_kernel")
+    plan = {"kernel": [("warp = 3\n", '_trace.cta_stamp("entry")', "before")],
+            "mma": [("total = 0\n", '_trace.cta_stamp("start")', "after")]}
+    trace_fwd.patch_methods(standin, standin.Kernel, plan, end_in="mma", name="standin_traced")
+    kernel_src = inspect.getsource(standin.Kernel.kernel)
+    mma_src = inspect.getsource(standin.Kernel.mma).rstrip().splitlines()
+    assert kernel_src.index('_trace.cta_stamp("entry")') < kernel_src.index("warp = 3")
+    assert mma_src[2].strip() == '_trace.cta_stamp("start")' and mma_src[-1].strip() == '_trace.cta_stamp("end")'
+
+
 def test_trace_fwd_patches_one_line_per_stamp_and_refuses_a_changed_source():
     import trace_fwd
 
