@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trace_fwd import cta_table, patch_methods, plot_timelines  # noqa: E402
+from trace_fwd import cta_table, patch_methods, plot_timelines, sm_timeline, time_then_trace  # noqa: E402
 
 
 # where the official kernel gets each stamp: method -> (its source line, the call, before / after that line)
@@ -67,24 +67,10 @@ def walk_fit(cycles: np.ndarray, tiles: np.ndarray) -> dict:
 
 
 def summarize(t: dict, tile_m: int) -> dict:
-    start, end, entry = t["start"], t["end"], t["entry"]
-    busy, tail, launch, prologue = [], [], [], []
-    for s in np.unique(t["sm"]):
-        i = np.nonzero(t["sm"] == s)[0]
-        i = i[np.argsort(start[i])]
-        busy.append(np.sum(end[i] - start[i]))
-        tail.append(np.nanmax(end) - end[i].max())
-        launch.extend(entry[i][1:] - end[i][:-1])
-        prologue.extend(start[i][1:] - entry[i][1:])
+    """trace_fwd's per-SM timeline, the walk fits and the sums of the module docstring."""
     cycles = t["end_clk"] - t["start_clk"]
-    res = {"ctas": int(len(start)), "sms": int(len(np.unique(t["sm"]))), "tile_m": tile_m,
-           "span_us": float((np.nanmax(end) - np.nanmin(entry)) / 1e3),
-           "busy_us_per_sm": float(np.mean(busy) / 1e3), "idle_at_end_us_mean": float(np.mean(tail) / 1e3),
-           "idle_at_end_us_max": float(np.max(tail) / 1e3),
-           "gap_launch_us_median": float(np.median(launch) / 1e3) if launch else None,
-           "gap_prologue_us_median": float(np.median(prologue) / 1e3) if prologue else None,
-           "cta_cycles_sum": float(np.nansum(cycles)), "q_tiles_sum": int(np.sum(t["note"])),
-           **walk_fit(cycles, t["note"])}
+    res = {**sm_timeline(t), "tile_m": tile_m, "cta_cycles_sum": float(np.nansum(cycles)),
+           "q_tiles_sum": int(np.sum(t["note"])), **walk_fit(cycles, t["note"])}
     if "cycles_per_tile" in res:
         res["cycles_per_query_row"] = res["cycles_per_tile"] / tile_m
     walked = t["walked_clk"]
@@ -139,13 +125,7 @@ def run_impl(name: str, args):
 
             def call():
                 return torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
-        from ab_fwd import time_ms
-
-        call()  # compiles
-        ms = time_ms(call)
-        buf.zero_()
-        call()
-        torch.cuda.synchronize()
+        ms = time_then_trace(call, buf)
     finally:
         trace.disable()
     records = buf.view(n_ctas, 4, trace.RECORD).cpu().numpy()

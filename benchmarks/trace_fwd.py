@@ -119,10 +119,10 @@ def cta_table(records: np.ndarray) -> dict:
     return out
 
 
-def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int) -> dict:
-    """The per-SM and per-CTA numbers of the module docstring (times in us, cycles as counted)."""
+def sm_timeline(t: dict) -> dict:
+    """Per SM (times in us): the span from the first entry, busy time, idle time at the end, and the
+    gaps between two CTAs, split at the next one's entry (launch) and its consumers' start (prologue)."""
     start, end, entry = t["start"], t["end"], t["entry"]
-    t0 = np.nanmin(entry)
     busy, tail, launch, prologue = [], [], [], []
     for s in np.unique(t["sm"]):
         i = np.nonzero(t["sm"] == s)[0]
@@ -131,14 +131,18 @@ def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int) -> d
         tail.append(np.nanmax(end) - end[i].max())
         launch.extend(entry[i][1:] - end[i][:-1])
         prologue.extend(start[i][1:] - entry[i][1:])
+    return {"ctas": int(len(start)), "sms": int(len(np.unique(t["sm"]))),
+            "span_us": float((np.nanmax(end) - np.nanmin(entry)) / 1e3),
+            "busy_us_per_sm": float(np.mean(busy) / 1e3), "idle_at_end_us_mean": float(np.mean(tail) / 1e3),
+            "idle_at_end_us_max": float(np.max(tail) / 1e3),
+            "gap_launch_us_median": float(np.median(launch) / 1e3) if launch else None,
+            "gap_prologue_us_median": float(np.median(prologue) / 1e3) if prologue else None}
+
+
+def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int) -> dict:
+    """The per-SM and per-CTA numbers of the module docstring (times in us, cycles as counted)."""
     cycles = t["end_clk"] - t["start_clk"]
-    res = {"ctas": int(len(start)), "sms": int(len(np.unique(t["sm"]))),
-           "span_us": float((np.nanmax(end) - t0) / 1e3),
-           "busy_us_per_sm": float(np.mean(busy) / 1e3), "idle_at_end_us_mean": float(np.mean(tail) / 1e3),
-           "idle_at_end_us_max": float(np.max(tail) / 1e3),
-           "gap_launch_us_median": float(np.median(launch) / 1e3) if launch else None,
-           "gap_prologue_us_median": float(np.median(prologue) / 1e3) if prologue else None,
-           "cta_cycles_median": float(np.median(cycles))}
+    res = {**sm_timeline(t), "cta_cycles_median": float(np.median(cycles))}
     n_blocks = -(-seqlen // tile_n)
     if causal and tile_m == tile_n and seqlen % tile_m == 0:
         srt = np.sort(cycles)
@@ -210,17 +214,26 @@ def run_impl(name: str, args, events: tuple):
 
             def call():
                 return flash_attn_func(q, k, v, causal=args.causal)
-        from ab_fwd import time_ms
-
-        call()  # compiles
-        ms = time_ms(call)
-        buf.zero_()
-        call()
-        torch.cuda.synchronize()
+        ms = time_then_trace(call, buf)
     finally:
         trace.disable()
     records = buf.view(n_ctas, 4, trace.RECORD).cpu().numpy()
     return ms, records, tile_m
+
+
+def time_then_trace(call, buf) -> float:
+    """Compile and time `call` (ab_fwd.time_ms: ms per call), then run it once more with the trace
+    buffer zeroed first, so the records are that one call's."""
+    import torch
+
+    from ab_fwd import time_ms
+
+    call()  # compiles
+    ms = time_ms(call)
+    buf.zero_()
+    call()
+    torch.cuda.synchronize()
+    return ms
 
 
 def plot_timelines(tables: dict, path: str, sms: int = 24):
