@@ -97,7 +97,7 @@ def run_impl(name: str, args):
     try:
         if name != "official":
             from ab_bwd import make_variant
-            from stage4_bwd_kernel import hopper
+            from stage4_bwd_kernel import hopper, hopper_step3_rs
 
             out, lse = attention_forward(q, k, v, causal=args.causal)
             if name == "ours":
@@ -107,10 +107,10 @@ def run_impl(name: str, args):
                 def call():
                     return hopper.attention_backward(q, k, v, out, do, lse, causal=args.causal,
                                                      deterministic=args.deterministic)
-            else:  # an ab_bwd.py variant, e.g. step3_rs~split_kv=1
+            else:  # an ab_bwd.py variant, e.g. step3_rs~q_shift=0
                 variant = make_variant(name + ("+det" if args.deterministic and not name.endswith("+det") else ""))
                 tiles = name.partition("@")[2]
-                tile_m = int(tiles.split("x")[0]) if tiles else hopper._step3.default_tiles(d, d)[0]
+                tile_m = int(tiles.split("x")[0]) if tiles else hopper_step3_rs.default_tiles(d, d)[0]
 
                 def call():
                     return variant(q, k, v, out, do, lse, args.causal)
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--impls", default="ours,official",
-                    help="ours, official, or ab_bwd.py variants (e.g. step3_rs~split_kv=1), comma-separated")
+                    help="ours, official, or ab_bwd.py variants (e.g. step3_rs~q_shift=0), comma-separated")
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--plot", default=None, help="per-SM timeline PNG")
     args = ap.parse_args(argv)

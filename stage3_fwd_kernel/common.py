@@ -53,6 +53,13 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def top_padding(seqlen, tile: int, multiple: int = 1):
+    """Rows of padding before row 0 that make tiles of `tile` rows end with the sequence (fewer than
+    `tile`), rounded down to a multiple of `multiple`: the kernels' ``q_shift``, which puts a partial
+    Q tile first instead of last. Python ints or traced Int32 (`tile` a constant)."""
+    return (tile - seqlen % tile) % tile // multiple * multiple
+
+
 # --------------------------------------------------------------------------------------------
 # 1. tile scheduler interface
 # --------------------------------------------------------------------------------------------

@@ -276,7 +276,6 @@ class FlashAttentionForwardSm90Step4:
                                                            separate_o=self.persistent and not self.o_direct)
         self.pingpong = pingpong
         self.scheduler = scheduler
-        self.q_shift_tile_ms = Q_SHIFT_TILE_MS  # an instance attribute, so an experiment can turn it off
         self.num_consumers = tile_m // 64    # consumer warpgroups, one wgmma M = 64 row block each
         self.wg_m = tile_m // self.num_consumers  # 64 query rows per consumer
         self.num_threads = 128 * (1 + self.num_consumers)
@@ -485,12 +484,11 @@ class FlashAttentionForwardSm90Step4:
     def q_shift_for(self, varlen: bool) -> bool:
         """Whether a call counts its Q tiles from the sequence's end (Q_SHIFT_TILE_MS): causal, dense
         (a varlen sequence's padding rows would be the previous sequence's), no K/V multicast pairs."""
-        return self.causal and not varlen and not self.kv_multicast and self.tile_m in self.q_shift_tile_ms
+        return self.causal and not varlen and not self.kv_multicast and self.tile_m in Q_SHIFT_TILE_MS
 
     def top_padding(self, seqlen_q):
         """q_shift: rows before query 0 that make the Q tiles end with the sequence (< tile_m)."""
-        tm = self.tile_m
-        return (tm - seqlen_q % tm) % tm
+        return common.top_padding(seqlen_q, self.tile_m)
 
     def tile_live(self, tile):
         """Whether this CTA works on `tile`: it starts before its sequence's end (varlen tiles past it

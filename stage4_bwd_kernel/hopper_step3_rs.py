@@ -487,11 +487,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         self.dq_writers = (self.dq_buffers if deterministic else 1) if dq_writers is None else int(dq_writers)
         if self.dq_writers not in (1, 2, 3) or self.dq_buffers % self.dq_writers:
             raise ValueError(f"dq_writers: expected 1, 2 or 3 dividing dq_buffers ({self.dq_buffers}), got {dq_writers!r}")
-        # Q tiles counted from the end of the sequence (the twelfth option): the first tile is padded
-        # at the top instead of the last at the bottom (``top_padding``). Causal, an 80-query tile
-        # straddles the diagonal of a 128-key tile wherever it falls, but the last tile of every walk
-        # was partial too: at 4k keys (4096 = 51 x 80 + 16) 883 tiles for 845 tiles' worth of rows,
-        # 858 so (trace_bwd: CTA cycles per query row equal the official kernel's; the rows were the gap)
+        # Q tiles counted from the end of the sequence (the twelfth option, module docstring)
         if q_shift is None:
             q_shift = (causal and not varlen and not deterministic and self.dq_frag and self.stats_tma
                        and self.tile_n % self.tile_m != 0)
@@ -557,9 +553,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     def top_padding(self, seqlen_q):
         """q_shift: rows of zeros before query 0, so the Q tiles end with the sequence: the distance to
         the next multiple of tile_m, rounded down to a multiple of 4 (the row statistics' TMA boxes
-        start 16-byte aligned). Python ints or traced Int32; tile_m is a constant."""
-        tm = self.tile_m
-        return (tm - seqlen_q % tm) % tm // 4 * 4
+        start 16-byte aligned). Python ints or traced Int32."""
+        return fwd_common.top_padding(seqlen_q, self.tile_m, multiple=4)
 
     def dq_frag_tile_row(self, offset_q, batch, m_block):
         """dq_frag: first row of dQ tile m_block of sequence `batch` in the (B, H, rows, d) dQaccum.

@@ -413,6 +413,8 @@ DET_CASES = [(False, 1), (True, 1), (True, 4), (False, 8)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal,ratio", DET_CASES, ids=[f"{'causal' if c else 'full'}-gqa{r}" for c, r in DET_CASES])
 def test_deterministic_is_bitwise_reproducible(causal, ratio):
+    import functools
+
     import torch
     from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
     from stage4_bwd_kernel import host
@@ -433,7 +435,6 @@ def test_deterministic_is_bitwise_reproducible(causal, ratio):
     nd = mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=False)
     for name, a, r, bl in zip(("dq", "dk", "dv"), nd, ref, base):
         assert_fa4_close(f"{name} (default)", a, r, bl, atol=grad_atol(ref))
-    import functools
     same_tiles = host.backward(mod.STEP + "~q_shift=0", functools.partial(mod.make_kernel, q_shift=False), q, k, v,
                                out, do, lse, causal=causal)
     assert torch.equal(same_tiles[1], first[1]) and torch.equal(same_tiles[2], first[2])
