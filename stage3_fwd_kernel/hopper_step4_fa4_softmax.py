@@ -483,8 +483,10 @@ class FlashAttentionForwardSm90Step4:
 
     def q_shift_for(self, varlen: bool) -> bool:
         """Whether a call counts its Q tiles from the sequence's end (Q_SHIFT_TILE_MS): causal, dense
-        (a varlen sequence's padding rows would be the previous sequence's), no K/V multicast pairs."""
-        return self.causal and not varlen and not self.kv_multicast and self.tile_m in Q_SHIFT_TILE_MS
+        (a varlen sequence's padding rows would be the previous sequence's). Head pairs (kv_multicast
+        "heads") shift both CTAs alike, so they keep the static grid's tiles (and its bitwise results);
+        query-tile pairs ("m") are non-causal only."""
+        return self.causal and not varlen and self.tile_m in Q_SHIFT_TILE_MS
 
     def top_padding(self, seqlen_q):
         """q_shift: rows before query 0 that make the Q tiles end with the sequence (< tile_m)."""

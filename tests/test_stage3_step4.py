@@ -220,6 +220,8 @@ def test_q_shift_puts_the_partial_q_tile_first():
     mod = _mod()
     kernel = mod.make_kernel(cutlass.BFloat16, 64, 64, True)
     assert kernel.tile_m == 192 and kernel.q_shift_for(False) and not kernel.q_shift_for(True)
+    # head pairs must cut the same tiles as the static grid they are compared with bitwise
+    assert mod.make_kernel(cutlass.BFloat16, 64, 64, True, kv_multicast="heads").q_shift_for(False)
     for k in (mod.make_kernel(cutlass.BFloat16, 64, 64, False), mod.make_kernel(cutlass.BFloat16, 64, 64, True, tile_m=128),
               mod.make_kernel(cutlass.BFloat16, 128, 128, True)):
         assert not k.q_shift_for(False)
