@@ -161,6 +161,20 @@ def test_same_outputs_says_it_needs_a_gpu_and_covers_the_odd_shapes(capsys, monk
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_same_outputs_bwd_says_it_needs_a_gpu_and_covers_odd_shapes_gqa_and_every_dim(capsys, monkeypatch):
+    import torch
+
+    import same_outputs_bwd
+
+    cases = same_outputs_bwd.CASES
+    assert {(1, 3), (113, 203), (799, 3)} <= {(sq, sk) for _, sq, sk, *_ in cases}
+    assert {d for *_, d, _ in cases} == {64, 96, 128}
+    assert any(hq != hkv for _, _, _, hq, hkv, _, _ in cases) and {c[-1] for c in cases} == {False, True}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert same_outputs_bwd.main(["step3_rs~ds_buffers=1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_ab_fwd_fa4_route_switches_hold_for_the_call_only(monkeypatch):
     """`fa4~name=value` sets fa4._dispatch's switch while the timed call runs and restores it after,
     even when the call raises (the next implementation of the round must see the defaults)."""

@@ -1,0 +1,61 @@
+"""Does a backward variant compute bitwise what the default step 3 computes? same_outputs.py for the backward.
+
+    python benchmarks/same_outputs_bwd.py step3_rs~ds_stmatrix=1 [--against step3_rs]
+
+Variants are ``ab_bwd.py``'s specs (``step[@MxN][:order][~option=int...][+det]``). A variant that only
+changes how values move (a store instruction, an issue order) must return the same dq, dk and dv bit for
+bit: this runs both on odd shapes (seqlen 1, 113 x 203, 799 x 3), GQA, every head dim step 3 serves, causal
+or not, and prints one line per case; exit status 1 if any case differs. No tolerance is checked here:
+a variant that changes the arithmetic belongs to the gpu tier. The default mode adds dQ with atomics
+in no fixed order, so its dq is compared only when both specs end in ``+det``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+CASES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, d, causal)
+    (2, 113, 203, 4, 4, 128, True), (1, 799, 3, 2, 2, 64, False), (2, 1024, 1024, 4, 2, 128, False),
+    (1, 4224, 4224, 2, 2, 128, True), (2, 1, 3, 2, 1, 64, True), (3, 1000, 1500, 4, 4, 96, True),
+    (1, 2048, 2048, 8, 1, 64, True), (2, 4096, 4096, 2, 2, 128, True),
+]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("variant", help="an ab_bwd.py variant spec, e.g. step3_rs~ds_stmatrix=1")
+    ap.add_argument("--against", default="step3_rs")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("same_outputs_bwd.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from ab_bwd import make_variant
+    from stage3_fwd_kernel.hopper import attention_forward
+
+    base, var = make_variant(args.against), make_variant(args.variant)
+    compare_dq = args.variant.endswith("+det") and args.against.endswith("+det")
+    torch.manual_seed(args.seed)
+    bad = 0
+    for b, sq, sk, hq, hkv, d, causal in CASES:
+        q, do = (torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = attention_forward(q, k, v, causal=causal)
+        got = [var(q, k, v, out, do, lse, causal) for _ in range(2)]
+        ref = base(q, k, v, out, do, lse, causal)
+        names = ("dq", "dk", "dv")[0 if compare_dq else 1:]
+        pairs = list(zip(ref, got[0], got[1]))[0 if compare_dq else 1:]
+        same = [torch.equal(r, g0) and torch.equal(r, g1) for r, g0, g1 in pairs]
+        dq_err = (got[0][0].float() - ref[0].float()).abs().max().item()
+        bad += not all(same)
+        print(f"{'same' if all(same) else 'DIFF'}  b={b} {sq}x{sk} heads {hq}/{hkv} d={d} causal={causal}: "
+              + " ".join(f"{n}={'=' if s else 'x'}" for n, s in zip(names, same)) + f"  max|dq diff|={dq_err:.3g}",
+              flush=True)
+    print(f"{len(CASES) - bad} of {len(CASES)} cases bitwise equal")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
