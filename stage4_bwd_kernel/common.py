@@ -19,6 +19,7 @@ What lives here, and why it is not in the kernel files:
 from __future__ import annotations
 
 import math
+import re
 from typing import Optional
 
 from stage3_fwd_kernel import common as fwd_common  # must precede cutlass: sets CUTE_DSL_ARCH
@@ -289,3 +290,31 @@ def default_scale(softmax_scale, head_dim):
 def backward_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal) -> float:
     """2.5x the forward's FLOPs (5 GEMMs instead of 2), halved when causal (DESIGN.md)."""
     return 2.5 * fwd_common.attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal)
+
+
+# --------------------------------------------------------------------------------------------
+# 5. reading a tile body in the SASS (compile tier, no GPU)
+# --------------------------------------------------------------------------------------------
+def wgmma_loop_bodies(sass: str) -> list:
+    """Opcodes of every backward-branch loop (label .L_x_N ... BRA .L_x_N) holding an HGMMA, shortest
+    first: in step 3 the first is the unmasked tile body, the walk's hot loop."""
+    from stage2_emulated_exp.gpu_kernel import sass_opcodes
+
+    lines, labels, bodies = sass.splitlines(), {}, []
+    for i, line in enumerate(lines):
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = i
+        branch = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        if branch and branch.group(1) in labels:
+            body = sass_opcodes("\n".join(lines[labels[branch.group(1)]:i + 1]))
+            if any(op.startswith("HGMMA") for op in body):
+                bodies.append(body)
+    return sorted(bodies, key=len)
+
+
+def exps_before_second_wait(body: list) -> int:
+    """MUFU.EX2 between a tile body's first two wgmma waits: in step 3, the exponentials of P^T issued
+    after the S^T wait and before the dP^T wait, i.e. the ones that run under the dP^T wgmma."""
+    waits = [i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR")]
+    return sum(1 for op in body[waits[0]:waits[1]] if op.startswith("MUFU.EX2"))

@@ -305,6 +305,23 @@ tiles keep their place in dQaccum, and ``postprocess_frag`` skips the padding ro
 ``~q_shift=0`` (``trace_bwd_h100_run5_*``): -2.5% CTA cycles at 4k, -1.1% at 8k. Needs dense tensors
 (varlen would read the previous sequence), ``dq_frag`` and ``stats_tma``; deterministic mode keeps its
 tiles.
+
+The thirteenth, ``key_select`` (default for the 80-row tile outside deterministic mode): the unmasked
+tile body also selects -inf for key rows past ``key_limit``. That never happens there: unmasked tiles
+have every key, so the results are the same bits. What changes is ptxas's schedule.
+
+* In the official kernel's cubin (kept on the device with ``CUTE_DSL_KEEP=cubin``) the hot loop has the
+  instructions of ours, and 11 of a thread's 40 exponentials sit between the S^T wait and the dP^T wait.
+  Those run while the dP^T wgmma does.
+* Ours had 4 there. The rest ran after dP^T had finished, and the tensor cores idled until the dV wgmma.
+* With the select (one FSEL per score, as the official loop has) ptxas keeps 13 ahead of the wait
+  (``test_key_select_moves_exponentials_under_the_dp_wgmma`` counts them in the SASS).
+* Traced on the H100 at 4k, all CTAs' cycles: -3.9% non-causal (0.867 G; the official kernel 0.882 G)
+  and -3.4% causal (0.466 G; the official kernel 0.469 G); ``trace_bwd_h100_run8_*`` / ``..._run9_*``.
+  ``same_outputs_bwd.py``: dk and dv bitwise equal to the build without it.
+* At d = 64 the same select measured +0.4% (run 8), so the 128-row tile keeps its loop.
+* Reading D before the dP^T wait as well (then 18 exponentials ahead of it at d = 128, 23 at d = 64)
+  measured -1.2% at d = 128, less than the select alone, and +0.5% at d = 64 (run 8): not kept.
 """
 from __future__ import annotations
 
@@ -417,7 +434,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  stats_shuffle: bool | None = None, decoupled: bool | None = None, ds_buffers: int | None = None,
                  dq_full_per_wg: bool | None = None, stats_tma: bool | None = None,
                  sem_early: bool | None = None, dq_writers: int | None = None, dq_frag: bool | None = None,
-                 q_shift: bool | None = None):
+                 q_shift: bool | None = None, key_select: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -495,6 +512,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             raise ValueError("q_shift: needs a dense (not varlen) kernel with dq_frag and stats_tma (the padding rows "
                              "are loaded past the tensor's start, as zeros)")
         self.q_shift = bool(q_shift)
+        # the key-bound select in the unmasked body too (the thirteenth option, module docstring): on for
+        # the 80-query tile outside deterministic mode, where it was traced (-3.9% / -3.4% cycles)
+        self.key_select = (self.tile_m == 80 and not deterministic) if key_select is None else bool(key_select)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
@@ -981,6 +1001,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             lse2 = self.column_stat(sLSE2, lse2_quad, c, col)
             for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
                 s = acc_S_rc[r, c]
+                if const_expr(self.key_select and not masked):
+                    # never true here (unmasked tiles have every key); ptxas then keeps more of the
+                    # exponentials ahead of the dP^T wait, i.e. under the dP^T wgmma (key_select)
+                    if tScS_rc[r, c][0] >= key_limit:
+                        s = -Float32.inf
                 if const_expr(masked):
                     if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
                             col >= q_rows_left):

@@ -166,6 +166,43 @@ def test_trace_stamps_compile_only_when_turned_on():
 
 
 @pytest.mark.cpu
+def test_key_select_defaults():
+    """The 80-query tile (d = 128) outside deterministic mode puts the key-bound select in its unmasked
+    body too (traced there: -3.9% / -3.4% CTA cycles non-causal / causal); other builds do not."""
+    mod = _mod()
+    for causal in (False, True):
+        assert mod.make_kernel(None, 128, 128, causal, False).key_select
+        assert mod.make_kernel(None, 128, 128, causal, False, varlen=True).key_select
+        assert not mod.make_kernel(None, 128, 128, causal, True).key_select
+        for d in (64, 96):
+            assert not mod.make_kernel(None, d, d, causal, False).key_select
+    assert mod.make_kernel(None, 64, 64, False, False, key_select=True).key_select
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_key_select_moves_exponentials_under_the_dp_wgmma(causal):
+    """What key_select is for, read in the SASS of the hot loop (the unmasked tile body): with it, ptxas
+    issues 13 of a thread's 40 exponentials before the dP^T wait (the official kernel's loop: 11), without
+    it 4, so more of them ran after dP^T's wgmma, with the tensor cores idle."""
+    import functools
+
+    from stage4_bwd_kernel import common, host
+
+    mod = _mod()
+    counts = {}
+    for select in (True, False):
+        comp = host.compile_fake(f"{mod.STEP}~key_select={int(select)}", functools.partial(mod.make_kernel, key_select=select),
+                                 dtype="bf16", head_dim=128, head_dim_v=128, causal=causal, deterministic=False,
+                                 varlen=False, has_seqused_k=False, dq_order=None, tiles=None)
+        hot = common.wgmma_loop_bodies(comp.sass)[0]
+        assert sum(op.startswith("MUFU.EX2") for op in hot) == 40 and sum(op.startswith("HGMMA") for op in hot) == 34
+        counts[select] = common.exps_before_second_wait(hot)
+        assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == []
+    assert counts[True] >= 10 > 6 >= counts[False], counts
+
+
+@pytest.mark.cpu
 def test_q_shift_counts_q_tiles_from_the_end():
     """Causal d = 128 default mode pads the first Q tile instead of the last (q_shift): a 4k causal head
     then walks 858 Q tiles of 80 rows instead of 883 (845 tiles' worth of rows); the padding is a multiple
