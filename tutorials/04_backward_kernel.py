@@ -852,6 +852,72 @@ print(f"H100, d = 128 causal 4k, one call: Q tiles from the end {cyc['ours'] / 1
 # tile, so that change was not kept (stage 4 README, "Inside the kernels").
 
 # %% [markdown]
+# ## What runs under the dP wgmma: reading the official kernel's loop
+# Non-causal, the same traces put the rest of the gap in the loop itself: about 2% more cycles per
+# tile than the official kernel at both head dims. `CUTE_DSL_KEEP=cubin` keeps the official
+# kernel's cubin on the device, and `nvdisasm` reads it here. Its innermost loop (one tile: 34 HGMMA
+# at d = 128) holds the same instructions as ours, 463 against 468. Only their order differs.
+#
+# The tile body waits for two wgmmas in a row:
+#
+# * for S^T, then P^T = exp2(S^T scale - lse);
+# * for dP^T, then dS^T = P^T (dP^T - D).
+#
+# Exponentials issued between the two waits run while the dP^T wgmma does. The others run after it
+# has finished, with the tensor cores idle until dV is issued. The official loop has 11 of a thread's
+# 40 exponentials there, ours had 4. Its loop also selects -inf for key rows past the sequence, in
+# every tile. Ours had that select only in its masked bodies, whose schedules already had 23 ahead.
+# `key_select` adds the select to our unmasked body. It never fires there, so the bits are the
+# same, but ptxas then schedules 13 exponentials ahead of the wait. The counts below come from
+# compiling step 3 here, for sm_90a, with and without the select. The cycles come from the H100
+# traces.
+
+# %%
+try:
+    import functools
+
+    from stage4_bwd_kernel import common as s4_common, host as s4_host, hopper_step3_rs as s4_step3
+except ImportError as exc:  # no CuTe-DSL in this environment
+    print(f"step 3 cannot be compiled here ({exc}); the counts are skipped")
+    s4_step3 = None
+
+ahead = {}
+if s4_step3 is not None:
+    for select in (False, True):
+        build = s4_host.compile_fake(f"{s4_step3.STEP}~key_select={int(select)}",
+                                     functools.partial(s4_step3.make_kernel, key_select=select), dtype="bf16",
+                                     head_dim=128, head_dim_v=128, causal=False, deterministic=False, varlen=False,
+                                     has_seqused_k=False, dq_order=None, tiles=None)
+        hot = s4_common.wgmma_loop_bodies(build.sass)[0]   # the shortest loop with wgmmas: the unmasked tile
+        ahead[select] = s4_common.exps_before_second_wait(hot)
+        print(f"key_select={select!s:5}: {len(hot)} instructions in the hot loop, "
+              f"{ahead[select]} of {sum(op.startswith('MUFU.EX2') for op in hot)} exponentials before the dP wait")
+    assert ahead[True] > ahead[False]
+
+cycles = {}
+for name, case in (("trace_bwd_h100_run8_key_select_d128_4k.json", "non-causal"),
+                   ("trace_bwd_h100_run9_key_select_d128_causal_4k.json", "causal")):
+    got = {r["impl"]: r["cta_cycles_sum"] for r in json.loads((results / name).read_text())["results"]}
+    cycles[case] = (got["ours"], got["step3_rs~key_select=1"])
+official = {"non-causal": 0.882e9, "causal": 0.469e9}  # the official kernel's sums, traced in run 6 (stage 4 README)
+fig, ax = plt.subplots(figsize=(7, 2.8))
+for i, case in enumerate(cycles):
+    without, with_select = cycles[case]
+    ax.bar([i - 0.25, i, i + 0.25], [without / 1e9, with_select / 1e9, official[case] / 1e9], width=0.22,
+           color=["C7", "C0", "C3"], label=["ours, no select", "ours, key_select", "official"] if i == 0 else None)
+    ax.text(i, with_select / 1e9, f"{with_select / without - 1:+.1%}", ha="center", va="bottom", fontsize=8)
+ax.set_xticks(range(len(cycles)), [f"d = 128 {c}, 4k" for c in cycles])
+ax.set(ylabel="all CTAs' cycles (G)", title="H100: the select that never fires")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# More is not simply better. Reading D before the dP wait as well put 18 exponentials ahead of it
+# and kept only a third of the gain. At d = 64 the select measured +0.4%, so that tile keeps its
+# loop. The count says where to look, and the traces decide.
+
+# %% [markdown]
 # ## Exercise
 # Use the paper's 1-CTA model at head dim `d = 64` (M = N = 128): predict the MMA cycles, the four
 # shared-memory terms and their total, and whether the backward is more or less SMEM-bound than at
