@@ -369,22 +369,25 @@ def sass_opcodes(sass: str) -> list:
     return ops
 
 
-def hot_loop_opcodes(sass: str) -> list:
-    """Opcodes of the longest backward-branch loop (label .L_x_N ... BRA .L_x_N) in a SASS
-    listing: the steady state of a benchmark kernel, without prologue and remainder."""
+def loop_opcodes(sass: str) -> list:
+    """Opcodes of every backward-branch loop (label .L_x_N ... BRA .L_x_N) in a SASS listing, one
+    list per loop, in the order their branches appear (outer loops contain inner ones)."""
     lines = sass.splitlines()
-    labels = {}
-    best: list = []
+    labels, bodies = {}, []
     for i, line in enumerate(lines):
         m = re.match(r"^\s*(\.L_x_\d+):", line)
         if m:
             labels[m.group(1)] = i
         b = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
         if b and b.group(1) in labels:
-            body = sass_opcodes("\n".join(lines[labels[b.group(1)]:i + 1]))
-            if len(body) > len(best):
-                best = body
-    return best
+            bodies.append(sass_opcodes("\n".join(lines[labels[b.group(1)]:i + 1])))
+    return bodies
+
+
+def hot_loop_opcodes(sass: str) -> list:
+    """Opcodes of the longest backward-branch loop in a SASS listing: the steady state of a
+    benchmark kernel, without prologue and remainder."""
+    return max(loop_opcodes(sass), key=len, default=[])
 
 
 def kernel_resources(cubin: bytes) -> dict:

@@ -19,7 +19,6 @@ What lives here, and why it is not in the kernel files:
 from __future__ import annotations
 
 import math
-import re
 from typing import Optional
 
 from stage3_fwd_kernel import common as fwd_common  # must precede cutlass: sets CUTE_DSL_ARCH
@@ -298,19 +297,9 @@ def backward_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causa
 def wgmma_loop_bodies(sass: str) -> list:
     """Opcodes of every backward-branch loop (label .L_x_N ... BRA .L_x_N) holding an HGMMA, shortest
     first: in step 3 the first is the unmasked tile body, the walk's hot loop."""
-    from stage2_emulated_exp.gpu_kernel import sass_opcodes
+    from stage2_emulated_exp.gpu_kernel import loop_opcodes
 
-    lines, labels, bodies = sass.splitlines(), {}, []
-    for i, line in enumerate(lines):
-        label = re.match(r"^\s*(\.L_x_\d+):", line)
-        if label:
-            labels[label.group(1)] = i
-        branch = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
-        if branch and branch.group(1) in labels:
-            body = sass_opcodes("\n".join(lines[labels[branch.group(1)]:i + 1]))
-            if any(op.startswith("HGMMA") for op in body):
-                bodies.append(body)
-    return sorted(bodies, key=len)
+    return sorted((body for body in loop_opcodes(sass) if any(op.startswith("HGMMA") for op in body)), key=len)
 
 
 def exps_before_second_wait(body: list) -> int:
