@@ -227,6 +227,15 @@ def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: 
         warpgroup.wait_group(0)
 
 
+def row_stored(row, q_rows_left, q_rows_skip=None):
+    """Whether an output row (relative to the warpgroup's first) is written: before the sequence's end
+    and, with q_shift (q_rows_skip: its padding rows at the top), not a padding row."""
+    live = row < q_rows_left
+    if const_expr(q_rows_skip is not None):
+        live = live & (row >= q_rows_skip)
+    return live
+
+
 class FlashAttentionForwardSm90Step4:
     """Step 3's kernel with FA4's softmax (`policy`) and varlen: producer warp + tile_m / 64 consumer
     warpgroups (64 rows each; tile_m = 128 or 192) taking turns on the tensor cores, TMA K/V ring."""
@@ -937,10 +946,7 @@ class FlashAttentionForwardSm90Step4:
         for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
             for n in cutlass.range_constexpr(cute.size(dst, mode=[2])):
                 for i in cutlass.range_constexpr(cute.size(dst, mode=[0, 1])):
-                    row_live = crd[(0, i), m, n][0] < q_rows_left
-                    if const_expr(q_rows_skip is not None):  # q_shift: rows before the sequence
-                        row_live = row_live & (crd[(0, i), m, n][0] >= q_rows_skip)
-                    if row_live:
+                    if row_stored(crd[(0, i), m, n][0], q_rows_left, q_rows_skip):
                         cute.copy(atom, src[(None, i), m, n], dst[(None, i), m, n])
 
     @cute.jit
@@ -963,10 +969,7 @@ class FlashAttentionForwardSm90Step4:
         tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
         for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
-            row_live = tOcO[0, m, 0][0] < q_rows_left
-            if const_expr(q_rows_skip is not None):  # q_shift: rows before the sequence
-                row_live = row_live & (tOcO[0, m, 0][0] >= q_rows_skip)
-            if row_live:
+            if row_stored(tOcO[0, m, 0][0], q_rows_left, q_rows_skip):
                 cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit

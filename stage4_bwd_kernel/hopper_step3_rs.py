@@ -1004,7 +1004,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 if const_expr(self.key_select and not masked):
                     # never true here (unmasked tiles have every key); ptxas then keeps more of the
                     # exponentials ahead of the dP^T wait, i.e. under the dP^T wgmma (key_select)
-                    if tScS_rc[r, c][0] >= key_limit:
+                    if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, causal=False):
                         s = -Float32.inf
                 if const_expr(masked):
                     if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
@@ -1288,11 +1288,16 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
-                 has_seqused_k=False, dq_order=None, tiles=None) -> common.Compiled:
-    """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report."""
+                 has_seqused_k=False, dq_order=None, tiles=None, **options) -> common.Compiled:
+    """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
+    options: constructor options (e.g. key_select=False), built under ab_bwd.py's variant name
+    (``STEP~key_select=0``), so they never share a cache entry with the defaults."""
+    import functools
+
     from stage4_bwd_kernel import host
 
-    return host.compile_fake(STEP, make_kernel, dtype=dtype, head_dim=head_dim,
+    name = STEP + "".join(f"~{k}={int(v)}" for k, v in sorted(options.items()))
+    return host.compile_fake(name, functools.partial(make_kernel, **options), dtype=dtype, head_dim=head_dim,
                              head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal,
                              deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
                              dq_order=dq_order, tiles=tiles)

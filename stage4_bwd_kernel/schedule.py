@@ -154,6 +154,17 @@ def fast_div(a, b):
     return q + Int32(r >= b) - Int32(r < 0)
 
 
+def check_fast_div_grid(what: str, extents: tuple, hint: str) -> None:
+    """ValueError before launch when a launch order that maps its index with ``fast_div`` gets a grid
+    of FAST_DIV_MAX tiles or more, where the mapping could go wrong."""
+    total = 1
+    for e in extents:
+        total *= e
+    if total >= FAST_DIV_MAX:
+        raise ValueError(f"{what} handles fewer than {FAST_DIV_MAX} CTAs, got {' x '.join(map(str, extents))} = "
+                         f"{total}: {hint}")
+
+
 def section_tile(r, num_blocks, num_units, section, reverse=False, imin=min, div=operator.floordiv):
     """Index r -> (block, unit): the units (heads, or (kv head, batch) chains) in sections of
     `section`, the block index outer inside a section (reversed when `reverse`), the section's
@@ -209,11 +220,8 @@ class _LaunchSections:
     @staticmethod
     def check_grid(num_n_blocks: int, num_heads_kv: int, num_batch: int) -> None:
         """ValueError before launch for a grid whose launch index ``fast_div`` could get wrong."""
-        ctas = num_n_blocks * num_heads_kv * num_batch
-        if ctas >= FAST_DIV_MAX:
-            raise ValueError(f"the backward's sectioned launch order handles fewer than {FAST_DIV_MAX} CTAs, got "
-                             f"{num_n_blocks} K/V tiles x {num_heads_kv} KV heads x {num_batch} sequences = {ctas}: "
-                             f"split the batch")
+        check_fast_div_grid("the backward's sectioned launch order (K/V tiles x KV heads x sequences)",
+                            (num_n_blocks, num_heads_kv, num_batch), "split the batch")
 
     @classmethod
     def tile_for_launch(cls):
@@ -279,4 +287,3 @@ def default_dq_order(causal: bool, deterministic: bool, sections: bool = True, h
     if not sections:
         return KVAscendingOrder
     return KVAscendingWideSectionsOrder if head_dim is not None and head_dim <= 64 else KVAscendingSectionsOrder
-

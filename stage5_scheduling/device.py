@@ -63,7 +63,8 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, const_expr  # noqa: E402
 
 from stage3_fwd_kernel.common import WorkTile  # noqa: E402
-from stage4_bwd_kernel.schedule import FAST_DIV_MAX, KVDescendingOrder, fast_div, section_tile  # noqa: E402,F401
+from stage4_bwd_kernel.schedule import (  # noqa: E402,F401  (fast_div re-exported)
+    FAST_DIV_MAX, KVDescendingOrder, check_fast_div_grid, fast_div, section_tile)
 from stage5_scheduling import orders  # noqa: E402
 
 __all__ = [
@@ -188,9 +189,9 @@ class SectionedScheduler:
 
     def check_grid(self, num_blocks: int, num_heads: int, num_batch: int) -> None:
         """Host-side: the flat map's ``fast_div`` is exact below FAST_DIV_MAX tiles."""
-        if self.flat_batches and num_blocks * num_heads * num_batch >= FAST_DIV_MAX:
-            raise ValueError(f"scheduler: flat LPT sections take fewer than {FAST_DIV_MAX} tiles, got "
-                             f"{num_blocks} x {num_heads} x {num_batch}; use flat_batches=False")
+        if self.flat_batches:
+            check_fast_div_grid("scheduler: flat LPT sections (blocks x heads x batch)", (num_blocks, num_heads, num_batch),
+                                "use flat_batches=False")
 
 
 @dataclass(frozen=True)

@@ -185,16 +185,12 @@ def test_key_select_moves_exponentials_under_the_dp_wgmma(causal):
     """What key_select is for, read in the SASS of the hot loop (the unmasked tile body): with it, ptxas
     issues 13 of a thread's 40 exponentials before the dP^T wait (the official kernel's loop: 11), without
     it 4, so more of them ran after dP^T's wgmma, with the tensor cores idle."""
-    import functools
-
-    from stage4_bwd_kernel import common, host
+    from stage4_bwd_kernel import common
 
     mod = _mod()
     counts = {}
     for select in (True, False):
-        comp = host.compile_fake(f"{mod.STEP}~key_select={int(select)}", functools.partial(mod.make_kernel, key_select=select),
-                                 dtype="bf16", head_dim=128, head_dim_v=128, causal=causal, deterministic=False,
-                                 varlen=False, has_seqused_k=False, dq_order=None, tiles=None)
+        comp = mod.compile_only(head_dim=128, causal=causal, key_select=select)
         hot = common.wgmma_loop_bodies(comp.sass)[0]
         assert sum(op.startswith("MUFU.EX2") for op in hot) == 40 and sum(op.startswith("HGMMA") for op in hot) == 34
         counts[select] = common.exps_before_second_wait(hot)

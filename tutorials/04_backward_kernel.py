@@ -874,9 +874,7 @@ print(f"H100, d = 128 causal 4k, one call: Q tiles from the end {cyc['ours'] / 1
 
 # %%
 try:
-    import functools
-
-    from stage4_bwd_kernel import common as s4_common, host as s4_host, hopper_step3_rs as s4_step3
+    from stage4_bwd_kernel import common as s4_common, hopper_step3_rs as s4_step3
 except ImportError as exc:  # no CuTe-DSL in this environment
     print(f"step 3 cannot be compiled here ({exc}); the counts are skipped")
     s4_step3 = None
@@ -884,10 +882,7 @@ except ImportError as exc:  # no CuTe-DSL in this environment
 ahead = {}
 if s4_step3 is not None:
     for select in (False, True):
-        build = s4_host.compile_fake(f"{s4_step3.STEP}~key_select={int(select)}",
-                                     functools.partial(s4_step3.make_kernel, key_select=select), dtype="bf16",
-                                     head_dim=128, head_dim_v=128, causal=False, deterministic=False, varlen=False,
-                                     has_seqused_k=False, dq_order=None, tiles=None)
+        build = s4_step3.compile_only(head_dim=128, causal=False, key_select=select)
         hot = s4_common.wgmma_loop_bodies(build.sass)[0]   # the shortest loop with wgmmas: the unmasked tile
         ahead[select] = s4_common.exps_before_second_wait(hot)
         print(f"key_select={select!s:5}: {len(hot)} instructions in the hot loop, "
