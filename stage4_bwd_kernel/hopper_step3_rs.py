@@ -322,6 +322,31 @@ have every key, so the results are the same bits. What changes is ptxas's schedu
 * At d = 64 the same select measured +0.4% (run 8), so the 128-row tile keeps its loop.
 * Reading D before the dP^T wait as well (then 18 exponentials ahead of it at d = 128, 23 at d = 64)
   measured -1.2% at d = 128, less than the select alone, and +0.5% at d = 64 (run 8): not kept.
+
+The fourteenth, ``dv_before_fence`` (default on; it acts wherever ``late_dv`` does): the dV wgmma is
+issued before the proxy fence that publishes the dS^T stores, not after it.
+
+* The fence (SASS ``MEMBAR.ALL.CTA; FENCE.VIEW.ASYNC.S``) waits until this thread's shared stores
+  have landed. Only the dQ wgmma after B2 reads sdSt. dV reads P^T from registers and dO from a TMA
+  stage, so it need not wait behind 32 (d = 64) or 20 (d = 128) scalar stores.
+* The official kernel's d = 64 cubin has this order (its dV HGMMAs sit between the dS stores and the
+  fence).
+* Traced on the H100 at 4k, all CTAs' cycles (``trace_bwd_h100_run10_*``): d = 64 non-causal -2.9%
+  (0.541 -> 0.525 G, the official kernel 0.525 G), d = 64 causal -3.1% (0.290 -> 0.281 G; official
+  0.277 G), d = 128 non-causal -0.9% (0.866 -> 0.859 G).
+* Same bits: ``same_outputs_bwd.py`` gave dk / dv equal in 8 of 8 cases against the build without it
+  (and without ``column_limit``).
+
+The fifteenth, ``column_limit`` (default below the 128-query tile, i.e. d = 96 and 128): the masked
+body computes one key limit per query column (``schedule.column_key_limit``; zero for a query past
+the sequence) and then tests each score once.
+
+* Before, ptxas emitted a select per condition: 3 FSEL per score, plus a VIADD and 1.5 ISETP. At
+  d = 128 causal the masked bodies went from 671 to 611 instructions, with 40 FSEL (one per score).
+* Traced at 4k causal (``trace_bwd_h100_run11_*``): with ``dv_before_fence``, d = 128 0.4636 ->
+  0.4618 G (official 0.4691 G) and d = 96 -1.9% for the two options together (0.418 -> 0.410 G).
+* The 128 x 128 tile (d = 64) spills 32 bytes with it, and its unmasked loop loses the exponentials
+  it had ahead of the dP^T wait (5 -> 0 causal), so it keeps the old test.
 """
 from __future__ import annotations
 
@@ -434,7 +459,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  stats_shuffle: bool | None = None, decoupled: bool | None = None, ds_buffers: int | None = None,
                  dq_full_per_wg: bool | None = None, stats_tma: bool | None = None,
                  sem_early: bool | None = None, dq_writers: int | None = None, dq_frag: bool | None = None,
-                 q_shift: bool | None = None, key_select: bool | None = None):
+                 q_shift: bool | None = None, key_select: bool | None = None, dv_before_fence: bool | None = None,
+                 column_limit: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -515,6 +541,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         # the key-bound select in the unmasked body too (the thirteenth option, module docstring): on for
         # the 80-query tile outside deterministic mode, where it was traced (-3.9% / -3.4% cycles)
         self.key_select = (self.tile_m == 80 and not deterministic) if key_select is None else bool(key_select)
+        # late_dv: issue dV before the dS^T stores' proxy fence (the fourteenth option, module docstring)
+        self.dv_before_fence = True if dv_before_fence is None else bool(dv_before_fence)
+        # masked bodies: one key limit per query column (the fifteenth option, module docstring); the
+        # 128-query tile spilled with it
+        self.column_limit = self.tile_m != 128 if column_limit is None else bool(column_limit)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
@@ -999,6 +1030,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
             col = tScS_rc[0, c][1]
             lse2 = self.column_stat(sLSE2, lse2_quad, c, col)
+            limit = key_limit
+            if const_expr(masked and self.column_limit):
+                # one limit per query column (a query past the sequence masks the whole column), then
+                # one compare and select per score
+                limit = schedule.column_key_limit(col, key_limit, diag, self.causal, imin=cutlass.min)
+                if col >= q_rows_left:
+                    limit = Int32(0)
             for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
                 s = acc_S_rc[r, c]
                 if const_expr(self.key_select and not masked):
@@ -1006,7 +1044,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # exponentials ahead of the dP^T wait, i.e. under the dP^T wgmma (key_select)
                     if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, causal=False):
                         s = -Float32.inf
-                if const_expr(masked):
+                if const_expr(masked and self.column_limit):
+                    if tScS_rc[r, c][0] >= limit:
+                        s = -Float32.inf
+                elif const_expr(masked):
                     if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
                             col >= q_rows_left):
                         s = -Float32.inf
@@ -1210,10 +1251,14 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                         if t > 0:
                             cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + wg, number_of_threads=nthr)
                     cute.copy(smem_copy_dS, thr_smem_dS.retile(tdSrdS), tdSsdSt[None, None, None, ds_buf])
-                    cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
+                    if const_expr(not (self.late_dv and self.dv_before_fence)):
+                        cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
                     if const_expr(self.late_dv):
                         warpgroup.fence()
                         gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt[None, None, None, st.index], zero_init=False)
+                    if const_expr(self.late_dv and self.dv_before_fence):
+                        # dV reads registers and dO: only the dQ wgmma after B2 reads sdSt
+                        cute.arch.fence_proxy("async.shared", space="cta")
                     cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)  # B2
 
                     # 2e. dQ_i = dS K_j (this warpgroup's d/2 columns, or its 64 query rows when

@@ -78,6 +78,12 @@ def is_masked(r, c, key_limit, diag, causal: bool):
     return masked
 
 
+def column_key_limit(c, key_limit, diag, causal: bool, imin=min):
+    """The first masked key row of query column c: is_masked(r, c, ...) iff r >= this. One limit per
+    column, then one compare per score (step 3's masked body: a select per condition cost ~3 per score)."""
+    return imin(key_limit, c + diag + 1) if causal else key_limit
+
+
 # --------------------------------------------------------------------------------------------
 # The order in which the K/V-tile CTAs add into one dQ tile (deterministic mode)
 # --------------------------------------------------------------------------------------------

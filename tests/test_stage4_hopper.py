@@ -261,6 +261,24 @@ def test_schedule_bounds_agree_with_visibility():
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_column_key_limit_is_the_first_masked_key_row(causal):
+    """Step 3's masked body (column_limit) tests each score against one limit per query column: key row r
+    of column c must be masked exactly when is_masked says so, over every tile of odd shapes."""
+    from stage4_bwd_kernel import schedule
+
+    for tm, tn in ((80, 128), (128, 128), (64, 128)):
+        for sq, sk in ((1, 1), (113, 203), (203, 113), (799, 3), (3, 799), (1000, 1500)):
+            for n in range(-(-sk // tn)):
+                for m in range(-(-sq // tm)):
+                    key_limit, diag = schedule.mask_bounds(m, n, tm, tn, sq, sk)
+                    for c in range(tm):
+                        limit = schedule.column_key_limit(c, key_limit, diag, causal)
+                        masked = [bool(schedule.is_masked(r, c, key_limit, diag, causal)) for r in range(tn)]
+                        assert masked == [r >= limit for r in range(tn)], (tm, tn, sq, sk, n, m, c)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_unmasked_m_range_is_exactly_the_tiles_without_a_masked_element(causal):
     """Step 3 compiles its tile body without the mask for [lo, hi): every tile there must be free
     of masked elements (else wrong gradients), and every tile outside must have one (else the hot

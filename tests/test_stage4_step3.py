@@ -199,6 +199,67 @@ def test_key_select_moves_exponentials_under_the_dp_wgmma(causal):
 
 
 @pytest.mark.cpu
+def test_dv_before_fence_and_column_limit_defaults():
+    """dv_before_fence is on for every build (it acts where late_dv does); column_limit is on below the
+    128-query tile (with it the d = 64 build spilled)."""
+    mod = _mod()
+    for causal in (False, True):
+        for det in (False, True):
+            for d in (64, 96, 128):
+                kernel = mod.make_kernel(None, d, d, causal, det)
+                assert kernel.dv_before_fence
+                assert kernel.column_limit == (kernel.tile_m != 128), (d, causal, det, kernel.tile_m)
+    assert not mod.make_kernel(None, 128, 128, True, False, column_limit=False).column_limit
+    assert mod.make_kernel(None, 64, 64, True, False, column_limit=True).column_limit
+
+
+def _tile_bodies(sass, hgmma_per_tile):
+    """The walk's three tile bodies in a step-3 SASS listing (the shortest loops holding one tile's
+    wgmmas): the unmasked one first, then the two masked segments'."""
+    from stage4_bwd_kernel import common
+
+    return [b for b in common.wgmma_loop_bodies(sass)
+            if sum(op.startswith("HGMMA") for op in b) == hgmma_per_tile][:3]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dv_before_fence_issues_dv_ahead_of_the_ds_fence(causal):
+    """dv_before_fence, read in the SASS of the d = 64 hot loop: after the dP^T wait, the dV wgmma's 8
+    HGMMAs come before the proxy fence that publishes dS^T (MEMBAR), as in the official kernel's loop;
+    without it, none do (dV waited for the 32 dS^T stores to land)."""
+    mod = _mod()
+    ahead = {}
+    for option in (True, False):
+        comp = mod.compile_only(head_dim=64, causal=causal, dv_before_fence=option)
+        hot = _tile_bodies(comp.sass, 32)[0]
+        dp_wait = [i for i, op in enumerate(hot) if op.startswith("WARPGROUP.DEPBAR")][1]
+        fence = next(i for i in range(dp_wait, len(hot)) if hot[i].startswith("MEMBAR"))
+        ahead[option] = sum(op.startswith("HGMMA") for op in hot[dp_wait:fence])
+        assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == []
+    assert ahead == {True: 8, False: 0}, ahead
+
+
+@pytest.mark.compile
+def test_column_limit_selects_once_per_score():
+    """column_limit, read in the SASS of the d = 128 causal masked bodies: one FSEL per score (40 per
+    thread) instead of one per mask condition (3 per score), and shorter bodies; the unmasked loop keeps
+    its instruction count."""
+    mod = _mod()
+    bodies = {}
+    for option in (True, False):
+        comp = mod.compile_only(head_dim=128, causal=True, column_limit=option)
+        bodies[option] = _tile_bodies(comp.sass, 34)
+        assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == []
+    with_limit, without = bodies[True], bodies[False]
+    assert len(with_limit[0]) == len(without[0])
+    for masked_with, masked_without in zip(with_limit[1:], without[1:]):
+        assert sum(op.startswith("FSEL") for op in masked_with) == 40
+        assert sum(op.startswith("FSEL") for op in masked_without) >= 80
+        assert len(masked_with) < len(masked_without)
+
+
+@pytest.mark.cpu
 def test_q_shift_counts_q_tiles_from_the_end():
     """Causal d = 128 default mode pads the first Q tile instead of the last (q_shift): a 4k causal head
     then walks 858 Q tiles of 80 rows instead of 883 (845 tiles' worth of rows); the padding is a multiple
