@@ -913,6 +913,51 @@ plt.show()
 # loop. The count says where to look, and the traces decide.
 
 # %% [markdown]
+# ## A fence in the way: the dV wgmma and the dS stores
+# The official d = 64 cubin, read the same way, has our instructions again (651 against 678). One
+# difference is an order. After the dP wait each warpgroup stores its dS tile to shared memory for
+# the dQ wgmma of both warpgroups. A *proxy fence* then makes those generic-proxy stores visible to
+# the async proxy that wgmma reads through. In SASS it is `MEMBAR.ALL.CTA; FENCE.VIEW.ASYNC.S`, and
+# it waits until the thread's stores have landed.
+#
+# * The dV wgmma (`dV += P^T dO`) reads P^T from registers and dO from a TMA stage, so it needs no
+#   fence.
+# * Ours issued it after the fence, behind 32 scalar stores. The official kernel issues it before.
+# * `dv_before_fence` moves it there, and the cell below counts the HGMMAs between the dP wait and
+#   the fence.
+# * The masked tiles had a second, smaller cost: one select per mask condition, 3 per score.
+#   `column_limit` computes one key limit per query column and tests each score once.
+# * Traced on the H100 (all CTAs' cycles, 4k), d = 64 non-causal reaches the official kernel's count.
+
+# %%
+ahead_of_fence = {}
+if s4_step3 is not None:
+    for option in (False, True):
+        build = s4_step3.compile_only(head_dim=64, causal=False, dv_before_fence=option)
+        hot = s4_common.wgmma_loop_bodies(build.sass)[0]
+        dp_wait = [i for i, op in enumerate(hot) if op.startswith("WARPGROUP.DEPBAR")][1]
+        fence = next(i for i in range(dp_wait, len(hot)) if hot[i].startswith("MEMBAR"))
+        ahead_of_fence[option] = sum(op.startswith("HGMMA") for op in hot[dp_wait:fence])
+        print(f"dv_before_fence={option!s:5}: {ahead_of_fence[option]} HGMMA between the dP wait and the dS fence")
+    assert ahead_of_fence[True] > ahead_of_fence[False]
+
+traces = {"d = 64\nnon-causal": ("trace_bwd_h100_run10_dv_before_fence_d64_nc_4k.json", "step3_rs~dv_before_fence=1"),
+          "d = 64\ncausal": ("trace_bwd_h100_run10_dv_before_fence_d64_causal_4k.json", "step3_rs~dv_before_fence=1"),
+          "d = 128\ncausal": ("trace_bwd_h100_run11_column_limit_d128_causal_4k.json", "ours")}
+fig, ax = plt.subplots(figsize=(7, 2.8))
+for i, (case, (name, new)) in enumerate(traces.items()):
+    got = {r["impl"]: r["cta_cycles_sum"] / 1e9 for r in json.loads((results / name).read_text())["results"]}
+    old = got["ours"] if new != "ours" else got["step3_rs~dv_before_fence=0~column_limit=0"]
+    ax.bar([i - 0.25, i, i + 0.25], [old, got[new], got["official"]], width=0.22, color=["C7", "C0", "C3"],
+           label=["session 14", "dv_before_fence (+ column_limit)", "official"] if i == 0 else None)
+    ax.text(i, got[new], f"{got[new] / old - 1:+.1%}", ha="center", va="bottom", fontsize=8)
+ax.set_xticks(range(len(traces)), list(traces))
+ax.set(ylabel="all CTAs' cycles (G)", title="H100, 4k: the fence moved after dV")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
 # ## Exercise
 # Use the paper's 1-CTA model at head dim `d = 64` (M = N = 128): predict the MMA cycles, the four
 # shared-memory terms and their total, and whether the backward is more or less SMEM-bound than at
