@@ -347,6 +347,23 @@ the sequence) and then tests each score once.
   0.4618 G (official 0.4691 G) and d = 96 -1.9% for the two options together (0.418 -> 0.410 G).
 * The 128 x 128 tile (d = 64) spills 32 bytes with it, and its unmasked loop loses the exponentials
   it had ahead of the dP^T wait (5 -> 0 causal), so it keeps the old test.
+
+The sixteenth, ``mask_offsets`` (off: **compiled only, not yet run on a GPU**): the masked body's test
+written against the accumulator layout. Every thread's scores sit at the same offsets (dr, dc) from its
+first one (row0, col0), and those offsets are known when the kernel is traced. So the causal test
+``row0 + dr > col0 + dc + diag`` becomes ``rel_r > dc`` with ``rel_r = row0 - col0 - diag + dr``: one
+register per accumulator row, one compare against an immediate per score. A key row past the keys sets
+its ``rel_r`` beyond every ``dc``; a query past the sequence sets its column's lse2 to +inf, so its
+exponentials are 0.
+
+* Compiled here: the d = 64 causal masked bodies shrink from 939 to 788 instructions (the official
+  kernel's one body: 719) without spilling, where ``column_limit`` spilled; d = 128 causal from 611
+  (``column_limit``) to 574. The unmasked loops keep their length.
+* Not clean everywhere at d = 64: deterministic non-causal spills 20 bytes, causal varlen 24, and
+  deterministic causal serializes its wgmmas (C7512). Every d = 96 / 128 build compiles clean.
+* d = 64 causal is the one backward target still missed, by 0.7-1.4%, and its traced gap is a per-CTA
+  intercept (session 15), where the masked diagonal tile sits. The next step: the gpu test
+  ``test_mask_offsets_changes_no_bit`` on the device, then a trace against the default.
 """
 from __future__ import annotations
 
@@ -460,7 +477,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  dq_full_per_wg: bool | None = None, stats_tma: bool | None = None,
                  sem_early: bool | None = None, dq_writers: int | None = None, dq_frag: bool | None = None,
                  q_shift: bool | None = None, key_select: bool | None = None, dv_before_fence: bool | None = None,
-                 column_limit: bool | None = None):
+                 column_limit: bool | None = None, mask_offsets: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -546,6 +563,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         # masked bodies: one key limit per query column (the fifteenth option, module docstring); the
         # 128-query tile spilled with it
         self.column_limit = self.tile_m != 128 if column_limit is None else bool(column_limit)
+        # masked bodies: the test against the accumulator's static offsets (the sixteenth option, module
+        # docstring; compiled only so far)
+        self.mask_offsets = False if mask_offsets is None else bool(mask_offsets)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
@@ -1022,16 +1042,36 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
     @cute.jit
     def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, lse2_quad,
                    softmax_scale_log2: Float32, key_limit: Int32, diag: Int32, q_rows_left: Int32,
-                   masked: cutlass.Constexpr[bool]):
+                   masked: cutlass.Constexpr[bool], tScS0_rc: cute.Tensor):
         """P^T = exp2(S^T * scale_log2 - lse2) in place; masked=True also sends masked scores to -inf.
         The walk compiles both versions (its segments): with one body and the test behind a runtime
         `if`, the compiler turned the test into selects that every tile paid (~100 FSEL / ISETP /
         VIADD per tile and warp at d = 128)."""
+        if const_expr(masked and self.mask_offsets):
+            # every thread's scores sit at the same offsets from its first one (the accumulator layout;
+            # tScS0_rc: thread 0's coordinates, static), so score (r, c) is at (row0 + dr, col0 + dc) with
+            # dr, dc known here: the causal test row0 + dr > col0 + dc + diag becomes rel_r > dc,
+            # rel_r = row0 - col0 - diag + dr, one compare against an immediate per score; a key row past
+            # key_limit masks its whole row (rel_r = a bound no dc reaches), a query past the sequence
+            # its whole column (lse2 = +inf: its exponentials are 0)
+            row0, col0 = tScS_rc[0, 0][0], tScS_rc[0, 0][1]
+            rel = [None] * cute.size(acc_S_rc, mode=[0])
+            for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                dr = tScS0_rc[r, 0][0] - tScS0_rc[0, 0][0]
+                rel_r = row0 - col0 - diag + dr if const_expr(self.causal) else Int32(-1)
+                if row0 + dr >= key_limit:
+                    rel_r = Int32(1 << 20)
+                rel[r] = rel_r
+            cols_left = q_rows_left - col0
         for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
             col = tScS_rc[0, c][1]
             lse2 = self.column_stat(sLSE2, lse2_quad, c, col)
             limit = key_limit
-            if const_expr(masked and self.column_limit):
+            if const_expr(masked and self.mask_offsets):
+                dc = tScS0_rc[0, c][1] - tScS0_rc[0, 0][1]
+                if cols_left <= dc:
+                    lse2 = Float32.inf
+            if const_expr(masked and self.column_limit and not self.mask_offsets):
                 # one limit per query column (a query past the sequence masks the whole column), then
                 # one compare and select per score
                 limit = schedule.column_key_limit(col, key_limit, diag, self.causal, imin=cutlass.min)
@@ -1044,7 +1084,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     # exponentials ahead of the dP^T wait, i.e. under the dP^T wgmma (key_select)
                     if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, causal=False):
                         s = -Float32.inf
-                if const_expr(masked and self.column_limit):
+                if const_expr(masked and self.mask_offsets):
+                    if rel[r] > tScS0_rc[0, c][1] - tScS0_rc[0, 0][1]:
+                        s = -Float32.inf
+                elif const_expr(masked and self.column_limit):
                     if tScS_rc[r, c][0] >= limit:
                         s = -Float32.inf
                 elif const_expr(masked):
@@ -1109,6 +1152,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
         tScS_rc = acc_rowcol(thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))  # (key, query)
+        tScS0_rc = acc_rowcol(tiled_mma_SdP.get_slice(0).partition_C(cute.make_identity_tensor((tn, tm))))
         # dS^T (16-bit, accumulator order) -> sdSt: 2 adjacent queries per 4-byte store
         smem_copy_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_SdP)
@@ -1222,7 +1266,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     acc_S_rc = acc_rowcol(acc_S)
                     key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
                     self.exp_scores(acc_S_rc, tScS_rc, sLSE2_t, lse2_quad, softmax_scale_log2, key_limit, diag,
-                                    q_rows_left, masked=masked)
+                                    q_rows_left, masked=masked, tScS0_rc=tScS0_rc)
                     # P^T -> 16-bit A fragment of dV (same registers order as the accumulator), dV += P^T dO
                     tdVrPt = cute.make_rmem_tensor(thr_dV.partition_shape_A((tn, tm)), self.dtype)
                     tdVrPt_acc = cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape))
