@@ -594,6 +594,34 @@ def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
         assert torch.equal(a, b)
 
 
+def _option_case(d, sq, sk, ratio, causal, seed):
+    """Inputs, the forward's out / lse and both sides of the rule for an option-against-option test."""
+    from stage0_reference.torch_reference import attention_ref
+    from stage4_bwd_kernel import host
+
+    q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, d, d, seed=seed)
+    out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
+    return (q, k, v, out, do, lse), host.reference_grads(q, k, v, do, causal=causal)
+
+
+def _run_with_option(case, option, value, *, causal, deterministic=False):
+    """Step 3 built with one constructor option (under ab_bwd's variant name) on poisoned outputs;
+    dq, dk and dv must pass the rule. Returns them."""
+    import functools
+
+    from stage0_reference.torch_reference import assert_fa4_close, grad_atol
+    from stage4_bwd_kernel import host
+
+    mod = _mod()
+    (q, k, v, out, do, lse), (ref, base) = case
+    dq, dk, dv = s4._poisoned(q, k, v)
+    host.backward(f"{mod.STEP}~{option}={int(value)}", functools.partial(mod.make_kernel, **{option: value}),
+                  q, k, v, out, do, lse, causal=causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
+        assert_fa4_close(f"{name} ({option}={value}, deterministic={deterministic})", a, r, bl, atol=grad_atol(ref))
+    return dq, dk, dv
+
+
 MASK_CASES = [(64, True, 700, 517, 2), (64, True, 113, 203, 1), (64, False, 799, 3, 1), (96, True, 251, 389, 2),
               (128, True, 333, 1000, 8), (128, True, 1, 1, 1), (128, False, 203, 113, 2)]
 
@@ -604,26 +632,12 @@ MASK_CASES = [(64, True, 700, 517, 2), (64, True, 113, 203, 1), (64, False, 799,
 def test_mask_offsets_changes_no_bit(d, causal, sq, sk, ratio):
     """mask_offsets masks exactly the scores the default test masks: in deterministic mode (a fixed dQ
     order) dq, dk and dv are the same bits, and both pass the rule."""
-    import functools
-
     import torch
-    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
-    from stage4_bwd_kernel import host
 
-    mod = _mod()
-    q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, d, d, seed=17)
-    out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
-    ref, base = host.reference_grads(q, k, v, do, causal=causal)
-    grads = []
-    for offsets in (False, True):
-        dq, dk, dv = s4._poisoned(q, k, v)
-        make_kernel = functools.partial(mod.make_kernel, mask_offsets=offsets)
-        host.backward(f"{mod.STEP}~mask_offsets={int(offsets)}", make_kernel, q, k, v, out, do, lse, causal=causal,
-                      deterministic=True, dq=dq, dk=dk, dv=dv)
-        for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
-            assert_fa4_close(f"{name} (mask_offsets={offsets})", a, r, bl, atol=grad_atol(ref))
-        grads.append((dq, dk, dv))
-    for a, b in zip(*grads):
+    case = _option_case(d, sq, sk, ratio, causal, seed=17)
+    without, with_offsets = (_run_with_option(case, "mask_offsets", offsets, causal=causal, deterministic=True)
+                             for offsets in (False, True))
+    for a, b in zip(without, with_offsets):
         assert torch.equal(a, b)
 
 
@@ -635,21 +649,9 @@ Q_SHIFT_CASES = [(113, 203, 1), (203, 113, 2), (1000, 1200, 4), (1200, 1000, 8),
 def test_q_shift_either_way(sq, sk, ratio):
     """Causal d = 128 with the Q tiles counted from either end (q_shift: the padding rows are loaded past
     the tensor's start as zeros, and the postprocess skips them, rows poisoned before): both pass the rule."""
-    import functools
-
-    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
-    from stage4_bwd_kernel import host
-
-    mod = _mod()
-    q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, 128, 128, seed=13)
-    out, lse = attention_ref(q, k, v, causal=True, upcast=True)
-    ref, base = host.reference_grads(q, k, v, do, causal=True)
+    case = _option_case(128, sq, sk, ratio, True, seed=13)
     for shift in (True, False):
-        dq, dk, dv = s4._poisoned(q, k, v)
-        host.backward(f"{mod.STEP}~q_shift={int(shift)}", functools.partial(mod.make_kernel, q_shift=shift), q, k, v,
-                      out, do, lse, causal=True, dq=dq, dk=dk, dv=dv)
-        for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
-            assert_fa4_close(f"{name} (q_shift={shift})", a, r, bl, atol=grad_atol(ref))
+        _run_with_option(case, "q_shift", shift, causal=True)
 
 
 FRAG_CASES = [(128, False, 113, 203, 1), (96, False, 251, 389, 2), (64, True, 700, 517, 2)]
@@ -662,27 +664,11 @@ def test_dq_frag_either_way(d, causal, sq, sk, ratio):
     """The fragment-order dQ accumulator (dq_frag, postprocess_frag; 80-, 64- and 128-row tiles, a partial
     last Q tile) passes the rule in both modes, and in deterministic mode gives the bits of the TMA tensor
     reduce (the same fp32 adds in the same order, only the layout of dQaccum differs)."""
-    import functools
-
     import torch
-    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
-    from stage4_bwd_kernel import host
 
-    mod = _mod()
-    q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, d, d, seed=11)
-    out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
-    ref, base = host.reference_grads(q, k, v, do, causal=causal)
-    det_grads = []
-    for frag in (True, False):
-        make_kernel = functools.partial(mod.make_kernel, dq_frag=frag)
-        for det in ((False, True) if frag else (True,)):
-            dq, dk, dv = s4._poisoned(q, k, v)
-            host.backward(f"{mod.STEP}~dq_frag={int(frag)}", make_kernel, q, k, v, out, do, lse, causal=causal,
-                          deterministic=det, dq=dq, dk=dk, dv=dv)
-            for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
-                assert_fa4_close(f"{name} (dq_frag={frag}, deterministic={det})", a, r, bl, atol=grad_atol(ref))
-            if det:
-                det_grads.append((dq, dk, dv))
+    case = _option_case(d, sq, sk, ratio, causal, seed=11)
+    _run_with_option(case, "dq_frag", True, causal=causal)
+    det_grads = [_run_with_option(case, "dq_frag", frag, causal=causal, deterministic=True) for frag in (True, False)]
     for a, b in zip(*det_grads):
         assert torch.equal(a, b)
 
