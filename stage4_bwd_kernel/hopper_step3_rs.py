@@ -1085,7 +1085,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, causal=False):
                         s = -Float32.inf
                 if const_expr(masked and self.mask_offsets):
-                    if rel[r] > tScS0_rc[0, c][1] - tScS0_rc[0, 0][1]:
+                    if rel[r] > dc:
                         s = -Float32.inf
                 elif const_expr(masked and self.column_limit):
                     if tScS_rc[r, c][0] >= limit:
