@@ -28,8 +28,12 @@ SCHED_README = ROOT / "stage5_scheduling" / "README.md"
 BWD_START, BWD_END = "<!-- bwd-results:start -->", "<!-- bwd-results:end -->"
 SCHED_START, SCHED_END = "<!-- sched-results:start -->", "<!-- sched-results:end -->"
 PAIRED_START, PAIRED_END = "<!-- paired-fa4:start -->", "<!-- paired-fa4:end -->"
+PAIRED_BWD_START, PAIRED_BWD_END = "<!-- paired-bwd:start -->", "<!-- paired-bwd:end -->"
 # issue 4's forward targets, ratio to the official FA4 at 4k-16k keys: (d, dv) -> minimum
 FWD_TARGETS = {(128, 128): 1.00, (64, 64): 1.10, (256, 256): 0.95, (192, 128): 0.95}
+# issue 6's backward targets (the default mode against the official FA4, 4k-16k): d -> minimum
+BWD_TARGETS = {128: 1.00, 64: 1.00}
+BWD_DEFAULT = "step3_rs"  # the ab_bwd.py variant name of the production backward's defaults
 
 STEPS = {
     "step1_wgmma": ("hopper_step1_wgmma", "one warpgroup, wgmma (SS for QK^T, RS for PV), online softmax in registers"),
@@ -209,6 +213,34 @@ def render_paired() -> str:
     return "\n".join(lines)
 
 
+def render_paired_bwd() -> str:
+    """The production backward (step 3's defaults) against the official FA4 in paired rounds
+    (benchmarks/ab_bwd.py): per head dim, the newest run that timed the defaults at two or more
+    seqlens with both masks; which of issue 6's targets its 4k-16k ratios meet."""
+    lines = ["| head dim | run (commit) | " + " | ".join(f"{s // 1024}k" for s in (4096, 8192, 16384)) +
+             " | target at 4k-16k | met? |", "|---|---|---|---|---|---|---|"]
+    for d, target in BWD_TARGETS.items():
+        for path in sorted(RESULTS.glob("ab_bwd_h100_run*.json"), key=_by_run, reverse=True):
+            doc = json.loads(path.read_text())
+            ratio = {(r["causal"], r["seqlen"]): r["ratio_median"] for r in doc["results"]
+                     if r["impl"] == BWD_DEFAULT and r["head_dim"] == d}
+            seqlens = {s for _, s in ratio}
+            if len(seqlens) >= 2 and all((c, s) in ratio for c in (False, True) for s in seqlens):
+                break
+        else:
+            continue
+        cells = [" / ".join(f"{ratio[(c, s)]:.3f}" for c in (False, True)) if s in seqlens else "-"
+                 for s in (4096, 8192, 16384)]
+        long = {c: [ratio[(c, s)] for s in seqlens if s >= 4096] for c in (False, True)}
+        nc, ca = (min(long[c]) >= target for c in (False, True))
+        verdict = "yes" if nc and ca else "non-causal only" if nc else "causal only" if ca else "no"
+        both = long[False] + long[True]
+        rounds = doc["method"].split(" ", 1)[0]
+        lines.append(f"| d = {d} | `{path.name}` ({doc['git_commit']}, {rounds} rounds) | " + " | ".join(cells) +
+                     f" | >= {target:.2f}x (now {min(both):.2f}-{max(both):.2f}) | {verdict} |")
+    return "\n".join(lines)
+
+
 ROOT_README = ROOT / "README.md"
 ROOT_START, ROOT_END = "<!-- root-ladder:start -->", "<!-- root-ladder:end -->"
 
@@ -240,6 +272,7 @@ BLOCKS = [  # (README, start marker, end marker, renderer): every generated tabl
     (SCHED_README, SCHED_START, SCHED_END, lambda: render_sched()),
     (README, PAIRED_START, PAIRED_END, lambda: render_paired()),
     (ROOT_README, PAIRED_START, PAIRED_END, lambda: render_paired()),
+    (ROOT_README, PAIRED_BWD_START, PAIRED_BWD_END, lambda: render_paired_bwd()),
 ]
 
 

@@ -40,6 +40,28 @@ def test_paired_table_reads_the_targets_at_4k_to_16k_only(tmp_path, monkeypatch)
     assert lines["| d = 256"].endswith("| yes |")
 
 
+def test_paired_backward_table_takes_the_newest_run_with_both_masks(tmp_path, monkeypatch):
+    """ladder.render_paired_bwd: per head dim, the newest ab_bwd run that timed the defaults (step3_rs) at
+    two or more seqlens with both masks; a newer run with one seqlen, or only variants, is passed over."""
+    def row(impl, d, causal, seqlen, ratio):
+        return {"impl": impl, "head_dim": d, "causal": causal, "seqlen": seqlen, "ratio_median": ratio}
+
+    def write(run, results):
+        doc = {"device": "NVIDIA H100 80GB HBM3", "git_commit": f"c{run}", "method": "5 interleaved rounds, random",
+               "results": results}
+        (tmp_path / f"ab_bwd_h100_run{run}_x.json").write_text(json.dumps(doc))
+
+    full = [row("step3_rs", 64, c, s, r) for c, r in ((False, 1.02), (True, 0.98)) for s in (4096, 16384)]
+    write(7, full)
+    write(9, [row("step3_rs", 64, c, 8192, 1.2) for c in (False, True)])          # one seqlen
+    write(10, [row("step3_rs~x=1", 64, c, s, 1.2) for c in (False, True) for s in (4096, 16384)])  # a variant
+    monkeypatch.setattr(ladder, "RESULTS", tmp_path)
+    rows = [line for line in ladder.render_paired_bwd().splitlines() if line.startswith("| d = ")]
+    assert len(rows) == 1 and "run7" in rows[0] and "(c7, 5 rounds)" in rows[0]  # no d = 128 run: no row
+    assert "| 1.020 / 0.980 | - | 1.020 / 0.980 |" in rows[0]
+    assert rows[0].endswith("| >= 1.00x (now 0.98-1.02) | non-causal only |")
+
+
 def test_forward_results_record_device_versions_commit_and_agree_with_the_official_kernel():
     for path in sorted(ladder.RESULTS.glob("fwd_h100*.json")):
         doc = json.loads(path.read_text())
