@@ -307,3 +307,11 @@ def exps_before_second_wait(body: list) -> int:
     after the S^T wait and before the dP^T wait, i.e. the ones that run under the dP^T wgmma."""
     waits = [i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR")]
     return sum(1 for op in body[waits[0]:waits[1]] if op.startswith("MUFU.EX2"))
+
+
+def wgmmas_before_fence(body: list) -> int:
+    """HGMMA between a tile body's second wgmma wait and the first proxy fence after it (MEMBAR): in
+    step 3, the dV wgmma issued before the fence that publishes the dS^T stores (dv_before_fence)."""
+    dp_wait = [i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR")][1]
+    fence = next(i for i in range(dp_wait, len(body)) if body[i].startswith("MEMBAR"))
+    return sum(1 for op in body[dp_wait:fence] if op.startswith("HGMMA"))

@@ -1066,7 +1066,6 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
             col = tScS_rc[0, c][1]
             lse2 = self.column_stat(sLSE2, lse2_quad, c, col)
-            limit = key_limit
             if const_expr(masked and self.mask_offsets):
                 dc = tScS0_rc[0, c][1] - tScS0_rc[0, 0][1]
                 if cols_left <= dc:

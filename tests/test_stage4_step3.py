@@ -228,14 +228,13 @@ def test_dv_before_fence_issues_dv_ahead_of_the_ds_fence(causal):
     """dv_before_fence, read in the SASS of the d = 64 hot loop: after the dP^T wait, the dV wgmma's 8
     HGMMAs come before the proxy fence that publishes dS^T (MEMBAR), as in the official kernel's loop;
     without it, none do (dV waited for the 32 dS^T stores to land)."""
+    from stage4_bwd_kernel import common
+
     mod = _mod()
     ahead = {}
     for option in (True, False):
         comp = mod.compile_only(head_dim=64, causal=causal, dv_before_fence=option)
-        hot = _tile_bodies(comp.sass, 32)[0]
-        dp_wait = [i for i, op in enumerate(hot) if op.startswith("WARPGROUP.DEPBAR")][1]
-        fence = next(i for i in range(dp_wait, len(hot)) if hot[i].startswith("MEMBAR"))
-        ahead[option] = sum(op.startswith("HGMMA") for op in hot[dp_wait:fence])
+        ahead[option] = common.wgmmas_before_fence(_tile_bodies(comp.sass, 32)[0])
         assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == []
     assert ahead == {True: 8, False: 0}, ahead
 

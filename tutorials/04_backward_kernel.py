@@ -935,9 +935,7 @@ if s4_step3 is not None:
     for option in (False, True):
         build = s4_step3.compile_only(head_dim=64, causal=False, dv_before_fence=option)
         hot = s4_common.wgmma_loop_bodies(build.sass)[0]
-        dp_wait = [i for i, op in enumerate(hot) if op.startswith("WARPGROUP.DEPBAR")][1]
-        fence = next(i for i in range(dp_wait, len(hot)) if hot[i].startswith("MEMBAR"))
-        ahead_of_fence[option] = sum(op.startswith("HGMMA") for op in hot[dp_wait:fence])
+        ahead_of_fence[option] = s4_common.wgmmas_before_fence(hot)  # HGMMA between the dP wait and the fence
         print(f"dv_before_fence={option!s:5}: {ahead_of_fence[option]} HGMMA between the dP wait and the dS fence")
     assert ahead_of_fence[True] > ahead_of_fence[False]
 
