@@ -348,22 +348,28 @@ the sequence) and then tests each score once.
 * The 128 x 128 tile (d = 64) spills 32 bytes with it, and its unmasked loop loses the exponentials
   it had ahead of the dP^T wait (5 -> 0 causal), so it keeps the old test.
 
-The sixteenth, ``mask_offsets`` (off: **compiled only, not yet run on a GPU**): the masked body's test
-written against the accumulator layout. Every thread's scores sit at the same offsets (dr, dc) from its
-first one (row0, col0), and those offsets are known when the kernel is traced. So the causal test
-``row0 + dr > col0 + dc + diag`` becomes ``rel_r > dc`` with ``rel_r = row0 - col0 - diag + dr``: one
-register per accumulator row, one compare against an immediate per score. A key row past the keys sets
-its ``rel_r`` beyond every ``dc``; a query past the sequence sets its column's lse2 to +inf, so its
-exponentials are 0.
+The sixteenth, ``mask_offsets`` (default for causal d = 64 and 96 outside deterministic mode and
+varlen): the masked body's test written against the accumulator layout. Every thread's scores sit at
+the same offsets (dr, dc) from its first one (row0, col0), and those offsets are known when the kernel
+is traced. So the causal test ``row0 + dr > col0 + dc + diag`` becomes ``rel_r > dc`` with
+``rel_r = row0 - col0 - diag + dr``: one register per accumulator row, one compare against an
+immediate per score. A key row past the keys sets its ``rel_r`` beyond every ``dc``; a query past the
+sequence sets its column's lse2 to +inf, so its exponentials are 0.
 
 * Compiled here: the d = 64 causal masked bodies shrink from 939 to 788 instructions (the official
   kernel's one body: 719) without spilling, where ``column_limit`` spilled; d = 128 causal from 611
   (``column_limit``) to 574. The unmasked loops keep their length.
 * Not clean everywhere at d = 64: deterministic non-causal spills 20 bytes, causal varlen 24, and
-  deterministic causal serializes its wgmmas (C7512). Every d = 96 / 128 build compiles clean.
-* d = 64 causal is the one backward target still missed, by 0.7-1.4%, and its traced gap is a per-CTA
-  intercept (session 15), where the masked diagonal tile sits. The next step: the gpu test
-  ``test_mask_offsets_changes_no_bit`` on the device, then a trace against the default.
+  deterministic causal serializes its wgmmas (C7512), so those keep the old test. Every d = 96 / 128
+  build compiles clean.
+* Same bits: ``test_mask_offsets_changes_no_bit`` (deterministic mode, 7 shapes with GQA and both
+  masks) passed on the H100.
+* Traced at d = 64 causal 4k (``trace_bwd_h100_run12_*``): the per-CTA intercept fell 5474 -> 5052
+  cycles (the masked diagonal tile), the per-tile slope rose 3801 -> 3848, all CTAs 0.280 -> 0.282 G.
+* Paired rounds decide (``ab_bwd_h100_run56_*`` .. ``run58_*``; the ratio of the two builds' times
+  within each round, median): d = 64 causal +0.5 / +0.8% (4k / 16k, 7 rounds) and +1.1 / +1.1 / +0.9%
+  (4k / 8k / 16k, 11 rounds), faster in 30 of 47 rounds; d = 96 causal +0.4 / +1.3%; d = 128 causal
+  -0.7 / -3.5% (faster in 4 of 14), so the 80-query tile keeps ``column_limit``.
 """
 from __future__ import annotations
 
@@ -564,8 +570,11 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         # 128-query tile spilled with it
         self.column_limit = self.tile_m != 128 if column_limit is None else bool(column_limit)
         # masked bodies: the test against the accumulator's static offsets (the sixteenth option, module
-        # docstring; compiled only so far)
-        self.mask_offsets = False if mask_offsets is None else bool(mask_offsets)
+        # docstring): on where it was timed faster, causal d = 64 and 96 outside deterministic mode and
+        # varlen (d = 64 spills or serializes there); the 80-query tile (d = 128) measured slower
+        if mask_offsets is None:
+            mask_offsets = causal and not deterministic and not varlen and head_dim <= 96
+        self.mask_offsets = bool(mask_offsets)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
