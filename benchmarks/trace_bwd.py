@@ -47,11 +47,19 @@ OFFICIAL_STAMPS = {
 }
 
 
-def patch_official():
+# --tile-stamps: the end of each Q tile of the walk (per-block slot = the tile's index in the walk)
+OFFICIAL_TILE_STAMP = ("dKV_accumulate = True\n", '_trace.stamp(m_block - m_block_min, "end")', "after")
+
+
+def patch_official(tile_stamps: bool = False):
     """The official sm90 backward class with our stamps in its kernel entry and its consumers' method."""
     import flash_attn.cute.flash_bwd_sm90 as off
 
-    patch_methods(off, off.FlashAttentionBackwardSm90, OFFICIAL_STAMPS, end_in="mma", name="official_bwd_traced")
+    plan = {k: list(v) for k, v in OFFICIAL_STAMPS.items()}
+    if tile_stamps:
+        plan["mma"].append(OFFICIAL_TILE_STAMP)
+    patch_methods(off, off.FlashAttentionBackwardSm90, plan, end_in="mma",
+                  name="official_bwd_traced" + "_tiles" * tile_stamps)
 
 
 def walk_fit(cycles: np.ndarray, tiles: np.ndarray) -> dict:
@@ -66,11 +74,26 @@ def walk_fit(cycles: np.ndarray, tiles: np.ndarray) -> dict:
             "walk_tiles_min": int(lengths[0]), "walk_tiles_max": int(lengths[-1])}
 
 
+def tile_split(tile_end: np.ndarray, t: dict) -> dict:
+    """--tile-stamps: medians over the CTAs that walk >= 3 tiles of the first tile (consumers' start ->
+    its end: the loads' latency and the first, masked, tile), the tiles after it (per tile), and the
+    last tile's end -> end of the walk. tile_end: (CTAs, slots) clocks, the last warpgroup's."""
+    n = t["note"].astype(int)
+    rows = np.nonzero(n >= 3)[0]
+    first = [tile_end[i, 0] - t["start_clk"][i] for i in rows]
+    rest = [(tile_end[i, n[i] - 1] - tile_end[i, 0]) / (n[i] - 1) for i in rows]
+    tail = [t["walked_clk"][i] - tile_end[i, n[i] - 1] for i in rows]
+    return {"first_tile_cycles_median": float(np.median(first)), "later_tile_cycles_median": float(np.median(rest)),
+            "last_tile_to_walked_cycles_median": float(np.median(tail))}
+
+
 def summarize(t: dict, tile_m: int) -> dict:
     """trace_fwd's per-SM timeline, the walk fits and the sums of the module docstring."""
     cycles = t["end_clk"] - t["start_clk"]
     res = {**sm_timeline(t), "tile_m": tile_m, "cta_cycles_sum": float(np.nansum(cycles)),
-           "q_tiles_sum": int(np.sum(t["note"])), **walk_fit(cycles, t["note"])}
+           "q_tiles_sum": int(np.sum(t["note"])), **walk_fit(cycles, t["note"]),
+           # entry -> consumers' start on one SM's clock (the globaltimer gaps above tick in 0.256 us steps)
+           "prologue_cycles_median": float(np.nanmedian(t["start_clk"] - t["entry_clk"]))}
     if "cycles_per_tile" in res:
         res["cycles_per_query_row"] = res["cycles_per_tile"] / tile_m
     walked = t["walked_clk"]
@@ -93,7 +116,7 @@ def run_impl(name: str, args):
                                generator=gen) for _ in range(4))
     n_ctas = (-(-args.seqlen // 64)) * args.heads * args.batch  # both kernels' K/V tiles have >= 64 rows
     buf = torch.zeros(trace.buffer_elems(n_ctas), dtype=torch.int64, device="cuda")
-    trace.enable(buf.data_ptr())
+    trace.enable(buf.data_ptr(), events=("end",) if args.tile_stamps else ())
     try:
         if name != "official":
             from ab_bwd import make_variant
@@ -115,7 +138,7 @@ def run_impl(name: str, args):
                 def call():
                     return variant(q, k, v, out, do, lse, args.causal)
         else:
-            patch_official()
+            patch_official(args.tile_stamps)
             from flash_attn.cute.interface import _tile_size_bwd_sm90, flash_attn_func
 
             qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
@@ -144,6 +167,9 @@ def main(argv=None) -> int:
                     help="ours, official, or ab_bwd.py variants (e.g. step3_rs~q_shift=0), comma-separated")
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--plot", default=None, help="per-SM timeline PNG")
+    ap.add_argument("--tile-stamps", action="store_true",
+                    help="also stamp the end of every Q tile (changes both kernels' schedules a little): splits "
+                         "a CTA's walk into its first tile, the later ones and the last tile's tail")
     args = ap.parse_args(argv)
     impls = [x for x in args.impls.split(",") if x]
     if not impls:
@@ -163,6 +189,10 @@ def main(argv=None) -> int:
         t["note"] = records[t["cta"], :, trace.NOTE].max(1)
         tables[name] = t
         row = {"impl": name, "ms_per_call_traced": ms, **summarize(t, tile_m)}
+        if args.tile_stamps:
+            base = len(trace.CTA_EVENTS) * 3 + trace.EVENTS.index("end")
+            slots = records[t["cta"], :, base:base + trace.MAX_BLOCKS * trace.NUM_EVENTS:trace.NUM_EVENTS]
+            row.update(tile_split(slots.max(1).astype(float), t))
         rows.append(row)
         print(f"{name}: {ms:.3f} ms/call (whole backward), main kernel {row['span_us']:.1f} us, {row['ctas']} CTAs "
               f"on {row['sms']} SMs; per SM busy {row['busy_us_per_sm']:.1f} us, idle at the end "
@@ -176,6 +206,11 @@ def main(argv=None) -> int:
             print(f"  of which: start -> end of the walk = {row.get('walk_cycles_fixed', float('nan')):.0f} + "
                   f"{row.get('walk_cycles_per_tile', float('nan')):.0f} x Q tiles; epilogue (walked -> end) "
                   f"{row['epilogue_cycles_median']:.0f} cycles (median)")
+        print(f"  prologue (entry -> consumers' start) {row['prologue_cycles_median']:.0f} cycles (median)")
+        if args.tile_stamps:
+            print(f"  tile stamps (CTAs of >= 3 tiles, medians): first tile {row['first_tile_cycles_median']:.0f} "
+                  f"cycles from the start, later tiles {row['later_tile_cycles_median']:.0f} each, last tile -> end "
+                  f"of the walk {row['last_tile_to_walked_cycles_median']:.0f}")
         if "cycles_per_tile" not in row:
             print(f"  CTA cycles per Q tile (fixed cost included) {row['cycles_per_tile_incl_fixed']:.0f}; all CTAs: "
                   f"{row['cta_cycles_sum'] / 1e9:.3f} G cycles over {row['q_tiles_sum']} Q tiles")

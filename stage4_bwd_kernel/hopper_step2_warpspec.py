@@ -311,10 +311,14 @@ class FlashAttentionBackwardSm90Step2:
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
-        kv_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
-        pipe_KV.producer_acquire(kv_state)
-        cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
-        cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
+        # kv_with_first (step 3's seventeenth option): K rides on the first Q tile's barrier and V on
+        # its dO barrier instead, so S waits for K and Q only and dP for V and dO
+        kv_with_first = getattr(self, "kv_with_first", False)
+        if const_expr(not kv_with_first):
+            kv_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
+            pipe_KV.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
+            cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
 
         # 2. Q_i, dO_i for every tile of the walk, each as soon as its stage is free
         n_m = m_block_max - m_block_min
@@ -333,19 +337,34 @@ class FlashAttentionBackwardSm90Step2:
                                                         (tm,), (None,)), 0, 1))
                               for atom, tma_stat, sStat in stats]               # (lse2, D): (smem, gmem)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                st = self.tile_state(head_in_group * n_m + m_block - m_block_min, producer=True)
+                t = head_in_group * n_m + m_block - m_block_min
+                st = self.tile_state(t, producer=True)
                 pipe_Q.producer_acquire(st)
+                if const_expr(kv_with_first):
+                    if t == 0:
+                        self.load_with(tma_atom_K, tKgK, tKsK, pipe_Q.producer_get_barrier(st), self.tma_bytes_K)
                 cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, st.index],
                           tma_bar_ptr=pipe_Q.producer_get_barrier(st))
                 if const_expr(stats is not None):
                     cute.copy(stats[0][0], stat_parts[0][1][None, m_block], stat_parts[0][0][None, st.index],
                               tma_bar_ptr=pipe_Q.producer_get_barrier(st))
                 pipe_dO.producer_acquire(st)
+                if const_expr(kv_with_first):
+                    if t == 0:
+                        self.load_with(tma_atom_V, tVgV, tVsV, pipe_dO.producer_get_barrier(st), self.tma_bytes_V)
                 cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, st.index],
                           tma_bar_ptr=pipe_dO.producer_get_barrier(st))
                 if const_expr(stats is not None):
                     cute.copy(stats[1][0], stat_parts[1][1][None, m_block], stat_parts[1][0][None, st.index],
                               tma_bar_ptr=pipe_dO.producer_get_barrier(st))
+
+    @cute.jit
+    def load_with(self, tma_atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar, num_bytes: int):
+        """One more TMA load on a barrier the producer has already armed: its bytes are added to the
+        phase's expected count (one lane) before the copy can land."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_expect_tx(bar, num_bytes)
+        cute.copy(tma_atom, src, dst, tma_bar_ptr=bar)
 
     # -------------------------------------------------------------- consumer warpgroups
     @cute.jit

@@ -483,7 +483,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  dq_full_per_wg: bool | None = None, stats_tma: bool | None = None,
                  sem_early: bool | None = None, dq_writers: int | None = None, dq_frag: bool | None = None,
                  q_shift: bool | None = None, key_select: bool | None = None, dv_before_fence: bool | None = None,
-                 column_limit: bool | None = None, mask_offsets: bool | None = None):
+                 column_limit: bool | None = None, mask_offsets: bool | None = None,
+                 kv_with_first: bool | None = None, early_barriers: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -575,6 +576,13 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         if mask_offsets is None:
             mask_offsets = causal and not deterministic and not varlen and head_dim <= 96
         self.mask_offsets = bool(mask_offsets)
+        # K on the first Q tile's barrier, V on its dO barrier (the seventeenth option, module docstring):
+        # on where it was timed, the 128-query tile (d = 64) causal outside deterministic mode
+        if kv_with_first is None:
+            kv_with_first = causal and not deterministic and self.tile_m == 128
+        self.kv_with_first = bool(kv_with_first)
+        # the barriers set up before the CTA's tile is computed (the eighteenth option, module docstring)
+        self.early_barriers = False if early_barriers is None else bool(early_barriers)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
@@ -728,7 +736,9 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                 self._dq_share())
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, cute.slice_(sQ_layout, (None, None, 0)))
         self.tma_bytes_dO = cute.size_in_bytes(self.dtype, cute.slice_(sdO_layout, (None, None, 0)))
-        self.tma_bytes_KV = cute.size_in_bytes(self.dtype, sK_layout) + cute.size_in_bytes(self.dtype, sV_layout)
+        self.tma_bytes_K = cute.size_in_bytes(self.dtype, sK_layout)
+        self.tma_bytes_V = cute.size_in_bytes(self.dtype, sV_layout)
+        self.tma_bytes_KV = self.tma_bytes_K + self.tma_bytes_V
         # lse2 / D of a Q tile: tm fp32 in a (tm, stages) ring whose stages start on 128-byte boundaries
         # (a TMA destination); rows past the tensor arrive as 0, masked like the rows of Q / dO past it
         sStat_layout = cute.make_layout((tm, stages), stride=(1, (tm + 31) // 32 * 32))
@@ -799,6 +809,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        early_smem = None
+        if const_expr(self.early_barriers):
+            early_smem = self.setup_smem(warp_idx, tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE2,
+                                         tma_atom_D, tma_atom_dQ)
         n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k = self.tile_bounds(
             num_n_blocks, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if const_expr(self.q_shift):
@@ -809,20 +823,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             offset_q, seqlen_q = offset_q - pad, seqlen_q + pad
 
         if n_block * tn < seqlen_k_rows:
-            if warp_idx == 0:
-                cpasync.prefetch_descriptor(tma_atom_Q)
-                cpasync.prefetch_descriptor(tma_atom_dO)
-                cpasync.prefetch_descriptor(tma_atom_K)
-                cpasync.prefetch_descriptor(tma_atom_V)
-                if const_expr(self.stats_tma):
-                    cpasync.prefetch_descriptor(tma_atom_LSE2)
-                    cpasync.prefetch_descriptor(tma_atom_D)
-            if const_expr(not self.dq_frag):
-                if warp_idx == DQ_WRITER_WARP:
-                    cpasync.prefetch_descriptor(tma_atom_dQ)
-            smem = SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            pipe_KV, pipe_Q, pipe_dO = self.make_pipelines(storage)   # step 2's prologue
+            storage, pipe_KV, pipe_Q, pipe_dO = early_smem if const_expr(self.early_barriers) else self.setup_smem(
+                warp_idx, tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE2, tma_atom_D, tma_atom_dQ)
             walk = self.make_walk(n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows,
                                   seqlen_k, qhead_per_kvhead)
 
@@ -847,6 +849,27 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                              tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ, sQ_layout, sdO_layout,
                              sK_layout, sV_layout, sdSt_layout, sdQ_layout, gmem_store_dK, gmem_store_dV,
                              pipe_KV, pipe_Q, pipe_dO, sStat_layout)
+
+    @cute.jit
+    def setup_smem(self, warp_idx: Int32, tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE2,
+                   tma_atom_D, tma_atom_dQ):
+        """The TMA descriptors prefetched, the shared storage and the pipelines' barriers (step 2's
+        prologue, ending in the CTA-wide barrier)."""
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_Q)
+            cpasync.prefetch_descriptor(tma_atom_dO)
+            cpasync.prefetch_descriptor(tma_atom_K)
+            cpasync.prefetch_descriptor(tma_atom_V)
+            if const_expr(self.stats_tma):
+                cpasync.prefetch_descriptor(tma_atom_LSE2)
+                cpasync.prefetch_descriptor(tma_atom_D)
+        if const_expr(not self.dq_frag):
+            if warp_idx == DQ_WRITER_WARP:
+                cpasync.prefetch_descriptor(tma_atom_dQ)
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        pipe_KV, pipe_Q, pipe_dO = self.make_pipelines(storage)
+        return storage, pipe_KV, pipe_Q, pipe_dO
 
     # -------------------------------------------------------------- dQ writer warp
     @cute.jit
@@ -1202,8 +1225,10 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             sOffsets[1] = seqlen_k_rows - n_block * tn
             sOffsets[2] = self.stats_offset(offset_q, batch)
 
-        # 1. K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA)
-        pipe_KV.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+        # 1. K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA); with
+        #    kv_with_first they come with the first tile's Q and dO, and an empty walk loads neither
+        if const_expr(not self.kv_with_first):
+            pipe_KV.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
 
         # 2. the walk: (query head of the group) x (Q tile)
         n_m = m_block_max - m_block_min
@@ -1348,6 +1373,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                     self.dq_full(buf, wg, wait=False)
                     warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
                     pipe_Q.consumer_release(st)
+                    trace.stamp(t, "end")  # no code unless trace_bwd.py --tile-stamps
 
         trace.cta_stamp("walked")
         # 3. epilogue: dK *= scale; registers -> smem (over sK / sV) -> 16-byte row-guarded stores.

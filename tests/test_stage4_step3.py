@@ -268,13 +268,28 @@ def test_mask_offsets_shortens_the_masked_bodies(d, hgmma):
     for name, options in (("old", {"column_limit": False, "mask_offsets": False}),
                           ("column_limit", {"column_limit": True, "mask_offsets": False}),
                           ("mask_offsets", {"mask_offsets": True})):
-        comp = mod.compile_only(head_dim=d, causal=True, **options)
+        comp = mod.compile_only(head_dim=d, causal=True, kv_with_first=False, **options)
         if name != "column_limit" or d != 64:  # column_limit spills at d = 64 (why it is off there)
             assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == [], name
         bodies[name] = _tile_bodies(comp.sass, hgmma)
     assert len(bodies["mask_offsets"][0]) == len(bodies["old"][0])
     for i in (1, 2):
         assert len(bodies["mask_offsets"][i]) < min(len(bodies["old"][i]), len(bodies["column_limit"][i]))
+
+
+@pytest.mark.compile
+def test_kv_with_first_waits_on_two_barriers_fewer():
+    """kv_with_first, read in the SASS of d = 64 causal: the consumers no longer wait on the K/V barrier
+    before the walk (fewer mbarrier phase checks), and the producer adds the K and V bytes to the first
+    Q and dO barriers with two expect-tx that do not arrive (SYNCS.ARRIVE.TRANS64.RED.A0TR)."""
+    import re
+
+    mod = _mod()
+    sass = {first: mod.compile_only(head_dim=64, causal=True, kv_with_first=first).sass for first in (False, True)}
+    waits = {k: len(re.findall(r"\bSYNCS\.PHASECHK\.TRANS64\s", v)) for k, v in sass.items()}
+    expect_only = {k: len(re.findall(r"\bSYNCS\.ARRIVE\.TRANS64\.RED\.A0TR\b", v)) for k, v in sass.items()}
+    assert waits[True] < waits[False], waits
+    assert expect_only == {False: 0, True: 2}, expect_only
 
 
 @pytest.mark.cpu
@@ -638,6 +653,24 @@ def test_mask_offsets_changes_no_bit(d, causal, sq, sk, ratio):
     without, with_offsets = (_run_with_option(case, "mask_offsets", offsets, causal=causal, deterministic=True)
                              for offsets in (False, True))
     for a, b in zip(without, with_offsets):
+        assert torch.equal(a, b)
+
+
+KV_FIRST_CASES = [(64, True, 700, 517, 2), (64, False, 799, 3, 1), (128, True, 333, 1000, 8), (96, False, 1, 1, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,sq,sk,ratio", KV_FIRST_CASES,
+                         ids=[f"d{d}-{'causal' if c else 'full'}-{a}x{b}-gqa{r}" for d, c, a, b, r in KV_FIRST_CASES])
+def test_kv_with_first_changes_no_bit(d, causal, sq, sk, ratio):
+    """kv_with_first only moves the K / V loads onto the first Q tile's barriers: in deterministic mode
+    dq, dk and dv are the same bits either way, and both pass the rule."""
+    import torch
+
+    case = _option_case(d, sq, sk, ratio, causal, seed=23)
+    without, with_first = (_run_with_option(case, "kv_with_first", first, causal=causal, deterministic=True)
+                           for first in (False, True))
+    for a, b in zip(without, with_first):
         assert torch.equal(a, b)
 
 
