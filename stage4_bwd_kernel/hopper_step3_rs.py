@@ -370,6 +370,26 @@ sequence sets its column's lse2 to +inf, so its exponentials are 0.
   within each round, median): d = 64 causal +0.5 / +0.8% (4k / 16k, 7 rounds) and +1.1 / +1.1 / +0.9%
   (4k / 8k / 16k, 11 rounds), faster in 30 of 47 rounds; d = 96 causal +0.4 / +1.3%; d = 128 causal
   -0.7 / -3.5% (faster in 4 of 14), so the 80-query tile keeps ``column_limit``.
+
+The seventeenth, ``kv_with_first`` (default for causal d = 64 outside deterministic mode): K is loaded on
+the first Q tile's barrier and V on its dO barrier, each adding its bytes to that phase with an
+expect-tx that does not arrive, instead of both on a K/V barrier of their own that the consumers wait
+for before the walk. The first S^T then waits for K and Q only (V's 16 KB no longer ahead of Q's in the
+TMA queue), and dP^T for V and dO: the official kernel's grouping (its ``load``, read in
+flash_bwd_sm90.py). An empty walk (a K/V tile past seqused_k) loads neither.
+
+* Found with per-tile clock stamps (``trace_bwd.py --tile-stamps``, ``trace_bwd_h100_run13_*``): at
+  d = 64 causal 4k our CTAs took 830 cycles longer than the official kernel's to finish their first
+  tile (6155 against 5324 from the consumers' start; later tiles 4093 / 3972 with the stamps in), and
+  400 cycles longer from entry to the consumers' start (1034 / 644: our launch-order map divides four
+  times before the barriers are set up).
+* Traced without tile stamps (``..._run14_*``): the CTA intercept 5087 -> 4895 cycles, all CTAs
+  0.282 -> 0.281 G. ``same_outputs_bwd.py``: dq, dk, dv bitwise equal in 8 of 8 cases (deterministic).
+* Paired rounds (``ab_bwd_h100_run59_*``, 7 rounds, the two builds' per-round ratio): d = 64 causal
+  +0.5 / +0.6% (4k / 16k, faster in 11 of 14 rounds); d = 128 causal +0.6% / -2.3% (7 of 7, 3 of 7),
+  so the 80-query tile keeps its K/V barrier.
+* Setting the barriers up before the launch-order map instead of after it (tried as an option, not
+  kept: ``..._run15_*``) took the prologue from 1046 to 932 cycles and left all CTAs' cycles at 0.281 G.
 """
 from __future__ import annotations
 
@@ -484,7 +504,7 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
                  sem_early: bool | None = None, dq_writers: int | None = None, dq_frag: bool | None = None,
                  q_shift: bool | None = None, key_select: bool | None = None, dv_before_fence: bool | None = None,
                  column_limit: bool | None = None, mask_offsets: bool | None = None,
-                 kv_with_first: bool | None = None, early_barriers: bool | None = None):
+                 kv_with_first: bool | None = None):
         dm, dn = default_tiles(head_dim, head_dim_v)
         super().__init__(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                          has_seqused_k=has_seqused_k, tile_m=tile_m or dm, tile_n=tile_n or dn,
@@ -581,8 +601,6 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         if kv_with_first is None:
             kv_with_first = causal and not deterministic and self.tile_m == 128
         self.kv_with_first = bool(kv_with_first)
-        # the barriers set up before the CTA's tile is computed (the eighteenth option, module docstring)
-        self.early_barriers = False if early_barriers is None else bool(early_barriers)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         """Bytes of K, V, the Q/dO stages, the dS^T buffers and the fp32 dQ buffers, + 2 KB for the
@@ -809,10 +827,6 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-        early_smem = None
-        if const_expr(self.early_barriers):
-            early_smem = self.setup_smem(warp_idx, tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE2,
-                                         tma_atom_D, tma_atom_dQ)
         n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k = self.tile_bounds(
             num_n_blocks, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
         if const_expr(self.q_shift):
@@ -823,8 +837,8 @@ class FlashAttentionBackwardSm90Step3(FlashAttentionBackwardSm90Step2):
             offset_q, seqlen_q = offset_q - pad, seqlen_q + pad
 
         if n_block * tn < seqlen_k_rows:
-            storage, pipe_KV, pipe_Q, pipe_dO = early_smem if const_expr(self.early_barriers) else self.setup_smem(
-                warp_idx, tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE2, tma_atom_D, tma_atom_dQ)
+            storage, pipe_KV, pipe_Q, pipe_dO = self.setup_smem(warp_idx, tma_atom_Q, tma_atom_dO, tma_atom_K,
+                                                                tma_atom_V, tma_atom_LSE2, tma_atom_D, tma_atom_dQ)
             walk = self.make_walk(n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows,
                                   seqlen_k, qhead_per_kvhead)
 

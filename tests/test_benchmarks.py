@@ -62,6 +62,25 @@ def test_paired_backward_table_takes_the_newest_run_with_both_masks(tmp_path, mo
     assert rows[0].endswith("| >= 1.00x (now 0.98-1.02) | non-causal only |")
 
 
+def test_paired_backward_table_counts_later_rounds_of_the_same_kernel(tmp_path, monkeypatch):
+    """A newer run of the same commit (before "+") that timed the defaults for one mask only is named in
+    the row and its ratios join the verdict; one of another commit is not."""
+    def write(run, commit, results):
+        doc = {"device": "NVIDIA H100 80GB HBM3", "git_commit": commit, "method": "7 interleaved rounds, random",
+               "results": [{"impl": i, "head_dim": 64, "causal": c, "seqlen": s, "ratio_median": r}
+                           for i, c, s, r in results]}
+        (tmp_path / f"ab_bwd_h100_run{run}_x.json").write_text(json.dumps(doc))
+
+    write(7, "abc", [("step3_rs", c, s, 1.01) for c in (False, True) for s in (4096, 16384)])
+    write(8, "abc+docs", [("step3_rs", True, 16384, 0.99)])
+    write(9, "def", [("step3_rs", True, 4096, 0.90)])
+    monkeypatch.setattr(ladder, "RESULTS", tmp_path)
+    rows = [line for line in ladder.render_paired_bwd().splitlines() if line.startswith("| d = ")]
+    assert len(rows) == 1 and "run7" in rows[0] and "also `ab_bwd_h100_run8_x.json` (7 rounds, causal: 16k 0.990)" in rows[0]
+    assert "run9" not in rows[0]
+    assert rows[0].endswith("| >= 1.00x (now 0.99-1.01) | non-causal only |")
+
+
 def test_forward_results_record_device_versions_commit_and_agree_with_the_official_kernel():
     for path in sorted(ladder.RESULTS.glob("fwd_h100*.json")):
         doc = json.loads(path.read_text())
