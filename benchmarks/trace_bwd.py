@@ -91,9 +91,7 @@ def summarize(t: dict, tile_m: int) -> dict:
     """trace_fwd's per-SM timeline, the walk fits and the sums of the module docstring."""
     cycles = t["end_clk"] - t["start_clk"]
     res = {**sm_timeline(t), "tile_m": tile_m, "cta_cycles_sum": float(np.nansum(cycles)),
-           "q_tiles_sum": int(np.sum(t["note"])), **walk_fit(cycles, t["note"]),
-           # entry -> consumers' start on one SM's clock (the globaltimer gaps above tick in 0.256 us steps)
-           "prologue_cycles_median": float(np.nanmedian(t["start_clk"] - t["entry_clk"]))}
+           "q_tiles_sum": int(np.sum(t["note"])), **walk_fit(cycles, t["note"])}
     if "cycles_per_tile" in res:
         res["cycles_per_query_row"] = res["cycles_per_tile"] / tile_m
     walked = t["walked_clk"]

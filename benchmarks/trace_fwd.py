@@ -136,7 +136,9 @@ def sm_timeline(t: dict) -> dict:
             "busy_us_per_sm": float(np.mean(busy) / 1e3), "idle_at_end_us_mean": float(np.mean(tail) / 1e3),
             "idle_at_end_us_max": float(np.max(tail) / 1e3),
             "gap_launch_us_median": float(np.median(launch) / 1e3) if launch else None,
-            "gap_prologue_us_median": float(np.median(prologue) / 1e3) if prologue else None}
+            "gap_prologue_us_median": float(np.median(prologue) / 1e3) if prologue else None,
+            # entry -> consumers' start on the SM's own clock: the globaltimer above ticks in 0.256 us steps
+            "prologue_cycles_median": float(np.nanmedian(t["start_clk"] - t["entry_clk"]))}
 
 
 def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int) -> dict:
@@ -300,6 +302,7 @@ def main(argv=None) -> int:
               f"{row['busy_us_per_sm']:.1f} us, idle at the end {row['idle_at_end_us_mean']:.1f} us "
               f"(max {row['idle_at_end_us_max']:.1f}); between CTAs: launch {row['gap_launch_us_median']:.2f} us, "
               f"prologue {row['gap_prologue_us_median']:.2f} us")
+        print(f"  prologue (entry -> consumers' start) {row['prologue_cycles_median']:.0f} cycles (median)")
         if "cycles_per_block" in row:
             print(f"  CTA cycles = {row['cycles_fixed']:.0f} + {row['cycles_per_block']:.0f} x key blocks")
         else:

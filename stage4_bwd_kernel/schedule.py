@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import operator
 
+# fast_div lives in stage 3 (the forward's GQA head map uses it too); re-exported here
+from stage3_fwd_kernel.intdiv import FAST_DIV_MAX, fast_div  # noqa: F401
+
 
 def m_block_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imax=max):
     """[m_block_min, m_block_max): the Q tiles K/V tile n_block adds into.
@@ -137,29 +140,6 @@ class KVDescendingOrder:
 
 
 SECTION_CTAS = 128  # about one wave of the H100's 132 SMs (one CTA per SM)
-FAST_DIV_MAX = 1 << 22
-
-
-def fast_div(a, b):
-    """``a // b`` for 0 <= a < FAST_DIV_MAX (2**22) and b >= 1. Python ints and NumPy arrays: floor
-    division. Traced DSL values (a run-time divisor): an fp32 quotient from one MUFU.RCP estimate,
-    within one of the true one at these sizes (relative error < 2**-22), then corrected by the
-    remainder's sign -- about 10 instructions where a 32-bit software division takes ~40, on the
-    path to every CTA's first TMA load. A launch order that uses it refuses larger grids on the host
-    (``_LaunchSections.check_grid``; stage 5's ``check_grid`` for the forward's)."""
-    import numpy as np
-
-    if isinstance(b, (int, np.integer, np.ndarray)):
-        return a // b
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-
-    a, b = Int32(a), Int32(b)
-    q = Int32(Float32(a) * cute.arch.rcp_approx(Float32(b)))
-    r = a - q * b
-    return q + Int32(r >= b) - Int32(r < 0)
-
-
 def check_fast_div_grid(what: str, extents: tuple, hint: str) -> None:
     """ValueError before launch when a launch order that maps its index with ``fast_div`` gets a grid
     of FAST_DIV_MAX tiles or more, where the mapping could go wrong."""
