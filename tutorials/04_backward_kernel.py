@@ -849,7 +849,11 @@ print(f"H100, d = 128 causal 4k, one call: Q tiles from the end {cyc['ours'] / 1
 # The same traces show what is still open: a fixed cost per CTA of about 1700 cycles more than the
 # official kernel's, in the fit of cycles against walk length. Loading K with the first Q tile and V
 # after it (the official kernel's load order) took 160-280 cycles off it, but cost 34 cycles on every
-# tile, so that change was not kept (stage 4 README, "Inside the kernels").
+# tile, so that change was not kept (stage 4 README, "Inside the kernels"). Session 16 found a form
+# that costs no tile anything: K and V ride on the first Q and dO tiles' own barriers, each adding its
+# bytes with an expect-tx that does not arrive, so no barrier and no wait is added. At d = 64 causal
+# the intercept fell 192 cycles with the per-tile slope unchanged, and it is the default there
+# (`kv_with_first`).
 
 # %% [markdown]
 # ## What runs under the dP wgmma: reading the official kernel's loop
