@@ -66,6 +66,10 @@ def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 class FlashAttentionBackwardSm90Step2:
     """Producer warp (TMA) + 2 consumer warpgroups (step 1's five SS wgmmas), Q/dO ring of `stages`."""
 
+    # K and V on a barrier of their own, waited for before the walk (step 3's kv_with_first moves them
+    # onto the first Q / dO tile's barriers)
+    kv_with_first = False
+
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
                  varlen: bool = False, has_seqused_k: bool = False, tile_m: int | None = None,
                  tile_n: int | None = None, num_stages: int = 2, dq_order=None):
@@ -313,8 +317,7 @@ class FlashAttentionBackwardSm90Step2:
                                            cute.group_modes(gV, 0, 2))
         # kv_with_first (step 3's seventeenth option): K rides on the first Q tile's barrier and V on
         # its dO barrier instead, so S waits for K and Q only and dP for V and dO
-        kv_with_first = getattr(self, "kv_with_first", False)
-        if const_expr(not kv_with_first):
+        if const_expr(not self.kv_with_first):
             kv_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
             pipe_KV.producer_acquire(kv_state)
             cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
@@ -340,7 +343,7 @@ class FlashAttentionBackwardSm90Step2:
                 t = head_in_group * n_m + m_block - m_block_min
                 st = self.tile_state(t, producer=True)
                 pipe_Q.producer_acquire(st)
-                if const_expr(kv_with_first):
+                if const_expr(self.kv_with_first):
                     if t == 0:
                         self.load_with(tma_atom_K, tKgK, tKsK, pipe_Q.producer_get_barrier(st), self.tma_bytes_K)
                 cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, st.index],
@@ -349,7 +352,7 @@ class FlashAttentionBackwardSm90Step2:
                     cute.copy(stats[0][0], stat_parts[0][1][None, m_block], stat_parts[0][0][None, st.index],
                               tma_bar_ptr=pipe_Q.producer_get_barrier(st))
                 pipe_dO.producer_acquire(st)
-                if const_expr(kv_with_first):
+                if const_expr(self.kv_with_first):
                     if t == 0:
                         self.load_with(tma_atom_V, tVgV, tVsV, pipe_dO.producer_get_barrier(st), self.tma_bytes_V)
                 cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, st.index],
