@@ -33,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from trace_fwd import cta_table, patch_methods, plot_timelines, sm_timeline, time_then_trace  # noqa: E402
+from trace_fwd import (block_clocks, cta_table, patch_methods, plot_timelines, sm_timeline,  # noqa: E402
+                       time_then_trace)
 
 
 # where the official kernel gets each stamp: method -> (its source line, the call, before / after that line)
@@ -188,9 +189,8 @@ def main(argv=None) -> int:
         tables[name] = t
         row = {"impl": name, "ms_per_call_traced": ms, **summarize(t, tile_m)}
         if args.tile_stamps:
-            base = len(trace.CTA_EVENTS) * 3 + trace.EVENTS.index("end")
-            slots = records[t["cta"], :, base:base + trace.MAX_BLOCKS * trace.NUM_EVENTS:trace.NUM_EVENTS]
-            row.update(tile_split(slots.max(1).astype(float), t))
+            ends = block_clocks(records[t["cta"]], ("end",))[..., 0].max(1)  # (CTAs, tiles), the last warpgroup
+            row.update(tile_split(ends.astype(float), t))
         rows.append(row)
         print(f"{name}: {ms:.3f} ms/call (whole backward), main kernel {row['span_us']:.1f} us, {row['ctas']} CTAs "
               f"on {row['sms']} SMs; per SM busy {row['busy_us_per_sm']:.1f} us, idle at the end "

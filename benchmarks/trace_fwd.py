@@ -158,15 +158,22 @@ def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int) -> d
     return res
 
 
+def block_clocks(records: np.ndarray, events: tuple) -> np.ndarray:
+    """(CTAs, 4, RECORD) records -> their per-block stamps (CTAs, warpgroups, blocks, events) of `events`
+    (0 where a warpgroup did not stamp)."""
+    from stage3_fwd_kernel import trace
+
+    base = len(trace.CTA_EVENTS) * 3
+    blk = records[:, :, base:].reshape(len(records), 4, trace.MAX_BLOCKS, trace.NUM_EVENTS)
+    return blk[..., [trace.EVENTS.index(e) for e in events]].astype(np.int64)
+
+
 def block_events(records: np.ndarray, events: tuple) -> dict:
     """Median cycles between consecutive stamped events, steady state (the first two and last two
     blocks a warpgroup walks are left out), and the period from one block's first event to the next."""
     from stage3_fwd_kernel import trace
 
-    base = len(trace.CTA_EVENTS) * 3
-    blk = records[:, :, base:].reshape(len(records), 4, trace.MAX_BLOCKS, trace.NUM_EVENTS)
-    idx = [trace.EVENTS.index(e) for e in events]
-    x = blk[..., idx].astype(np.int64)                                   # (cta, wg, block, event)
+    x = block_clocks(records, events)                                   # (cta, wg, block, event)
     ok = (x != 0).all(-1)
     diffs, periods = [], []
     for c in range(x.shape[0]):

@@ -12,7 +12,7 @@ def fast_div(a, b):
     within one of the true one at these sizes (relative error < 2**-22), then corrected by the
     remainder's sign -- about 10 instructions where a 32-bit software division takes ~40, on the
     path to every CTA's first TMA load. A launch order that uses it refuses larger grids on the host
-    (``_LaunchSections.check_grid``; stage 5's ``check_grid`` for the forward's)."""
+    (``check_fast_div_grid``); the forward's KV head (head // heads per KV head) is far below the bound."""
     import numpy as np
 
     if isinstance(b, (int, np.integer, np.ndarray)):
@@ -24,3 +24,14 @@ def fast_div(a, b):
     q = Int32(Float32(a) * cute.arch.rcp_approx(Float32(b)))
     r = a - q * b
     return q + Int32(r >= b) - Int32(r < 0)
+
+
+def check_fast_div_grid(what: str, extents: tuple, hint: str) -> None:
+    """ValueError before launch when a launch order that maps its index with ``fast_div`` gets a grid
+    of FAST_DIV_MAX tiles or more, where the mapping could go wrong."""
+    total = 1
+    for e in extents:
+        total *= e
+    if total >= FAST_DIV_MAX:
+        raise ValueError(f"{what} handles fewer than {FAST_DIV_MAX} CTAs, got {' x '.join(map(str, extents))} = "
+                         f"{total}: {hint}")

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import operator
 
-# fast_div lives in stage 3 (the forward's GQA head map uses it too); re-exported here
-from stage3_fwd_kernel.intdiv import FAST_DIV_MAX, fast_div  # noqa: F401
+from stage3_fwd_kernel.intdiv import check_fast_div_grid, fast_div
 
 
 def m_block_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imax=max):
@@ -140,15 +139,6 @@ class KVDescendingOrder:
 
 
 SECTION_CTAS = 128  # about one wave of the H100's 132 SMs (one CTA per SM)
-def check_fast_div_grid(what: str, extents: tuple, hint: str) -> None:
-    """ValueError before launch when a launch order that maps its index with ``fast_div`` gets a grid
-    of FAST_DIV_MAX tiles or more, where the mapping could go wrong."""
-    total = 1
-    for e in extents:
-        total *= e
-    if total >= FAST_DIV_MAX:
-        raise ValueError(f"{what} handles fewer than {FAST_DIV_MAX} CTAs, got {' x '.join(map(str, extents))} = "
-                         f"{total}: {hint}")
 
 
 def section_tile(r, num_blocks, num_units, section, reverse=False, imin=min, div=operator.floordiv):

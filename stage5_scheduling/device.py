@@ -63,8 +63,8 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, const_expr  # noqa: E402
 
 from stage3_fwd_kernel.common import WorkTile  # noqa: E402
-from stage4_bwd_kernel.schedule import (  # noqa: E402,F401  (fast_div re-exported)
-    FAST_DIV_MAX, KVDescendingOrder, check_fast_div_grid, fast_div, section_tile)
+from stage3_fwd_kernel.intdiv import FAST_DIV_MAX, check_fast_div_grid, fast_div  # noqa: E402,F401
+from stage4_bwd_kernel.schedule import KVDescendingOrder, section_tile  # noqa: E402
 from stage5_scheduling import orders  # noqa: E402
 
 __all__ = [

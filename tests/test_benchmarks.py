@@ -347,6 +347,17 @@ def test_trace_bwd_analysis_on_synthetic_records():
     assert res["q_tiles_sum"] == int(walks.sum()) and res["gap_prologue_us_median"] == pytest.approx(0.5)
     one = trace_bwd.walk_fit(np.array([1200.0, 1300.0]), np.array([4, 4]))  # one walk length: no fit
     assert one == {"walk_tiles": 4, "cycles_per_tile_incl_fixed": 312.5}
+    assert res["prologue_cycles_median"] == pytest.approx(500)
+    # --tile-stamps: tile k of the walk ends 700 + 500 (k + 1) after the start, except a slow first tile
+    for cta, n in enumerate(walks):
+        start = 100_000 * (cta // 4) + 500
+        for k in range(n):
+            at = start + 700 + 500 * (k + 1) + (0 if k else -200)
+            rec[cta, 1, 3 * len(trace.CTA_EVENTS) + k * trace.NUM_EVENTS + trace.EVENTS.index("end")] = at
+    ends = trace_fwd.block_clocks(rec[t["cta"]], ("end",))[..., 0].max(1)
+    split = trace_bwd.tile_split(ends.astype(float), t)
+    assert split == {"first_tile_cycles_median": 1000.0, "later_tile_cycles_median": pytest.approx(500 + 200 / 5),
+                     "last_tile_to_walked_cycles_median": 0.0}
 
 
 def test_trace_bwd_official_anchors_and_gpu_check(capsys, monkeypatch):

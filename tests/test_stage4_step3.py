@@ -201,7 +201,8 @@ def test_key_select_moves_exponentials_under_the_dp_wgmma(causal):
 @pytest.mark.cpu
 def test_dv_before_fence_and_column_limit_defaults():
     """dv_before_fence is on for every build (it acts where late_dv does); column_limit is on below the
-    128-query tile (with it the d = 64 build spilled)."""
+    128-query tile (with it the d = 64 build spilled); mask_offsets is on causal at d <= 96 outside
+    deterministic mode and varlen, kv_with_first causal on the 128-query tile outside deterministic mode."""
     mod = _mod()
     for causal in (False, True):
         for det in (False, True):
@@ -209,6 +210,9 @@ def test_dv_before_fence_and_column_limit_defaults():
                 kernel = mod.make_kernel(None, d, d, causal, det)
                 assert kernel.dv_before_fence
                 assert kernel.column_limit == (kernel.tile_m != 128), (d, causal, det, kernel.tile_m)
+                assert kernel.mask_offsets == (causal and not det and d <= 96), (d, causal, det)
+                assert kernel.kv_with_first == (causal and not det and kernel.tile_m == 128), (d, causal, det)
+            assert not mod.make_kernel(None, 64, 64, True, False, varlen=True).mask_offsets
     assert not mod.make_kernel(None, 128, 128, True, False, column_limit=False).column_limit
     assert mod.make_kernel(None, 64, 64, True, False, column_limit=True).column_limit
 
@@ -641,36 +645,26 @@ MASK_CASES = [(64, True, 700, 517, 2), (64, True, 113, 203, 1), (64, False, 799,
               (128, True, 333, 1000, 8), (128, True, 1, 1, 1), (128, False, 203, 113, 2)]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("d,causal,sq,sk,ratio", MASK_CASES,
-                         ids=[f"d{d}-{'causal' if c else 'full'}-{a}x{b}-gqa{r}" for d, c, a, b, r in MASK_CASES])
-def test_mask_offsets_changes_no_bit(d, causal, sq, sk, ratio):
-    """mask_offsets masks exactly the scores the default test masks: in deterministic mode (a fixed dQ
-    order) dq, dk and dv are the same bits, and both pass the rule."""
-    import torch
-
-    case = _option_case(d, sq, sk, ratio, causal, seed=17)
-    without, with_offsets = (_run_with_option(case, "mask_offsets", offsets, causal=causal, deterministic=True)
-                             for offsets in (False, True))
-    for a, b in zip(without, with_offsets):
-        assert torch.equal(a, b)
-
-
 KV_FIRST_CASES = [(64, True, 700, 517, 2), (64, False, 799, 3, 1), (128, True, 333, 1000, 8), (96, False, 1, 1, 1)]
+# options that move work but must mask, load and add exactly as before: (option, case, seed)
+SAME_BITS = ([("mask_offsets", case, 17) for case in MASK_CASES] +
+             [("kv_with_first", case, 23) for case in KV_FIRST_CASES])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,causal,sq,sk,ratio", KV_FIRST_CASES,
-                         ids=[f"d{d}-{'causal' if c else 'full'}-{a}x{b}-gqa{r}" for d, c, a, b, r in KV_FIRST_CASES])
-def test_kv_with_first_changes_no_bit(d, causal, sq, sk, ratio):
-    """kv_with_first only moves the K / V loads onto the first Q tile's barriers: in deterministic mode
-    dq, dk and dv are the same bits either way, and both pass the rule."""
+@pytest.mark.parametrize("option,case,seed", SAME_BITS,
+                         ids=[f"{o}-d{d}-{'causal' if c else 'full'}-{a}x{b}-gqa{r}" for o, (d, c, a, b, r), _ in SAME_BITS])
+def test_option_changes_no_bit(option, case, seed):
+    """mask_offsets masks exactly the scores the default test masks; kv_with_first only moves the K / V
+    loads onto the first Q tile's barriers. In deterministic mode (a fixed dQ order) dq, dk and dv are
+    the same bits with the option off and on, and both pass the rule."""
     import torch
 
-    case = _option_case(d, sq, sk, ratio, causal, seed=23)
-    without, with_first = (_run_with_option(case, "kv_with_first", first, causal=causal, deterministic=True)
-                           for first in (False, True))
-    for a, b in zip(without, with_first):
+    d, causal, sq, sk, ratio = case
+    inputs = _option_case(d, sq, sk, ratio, causal, seed=seed)
+    without, with_option = (_run_with_option(inputs, option, value, causal=causal, deterministic=True)
+                            for value in (False, True))
+    for a, b in zip(without, with_option):
         assert torch.equal(a, b)
 
 
