@@ -866,22 +866,28 @@ class FlashAttentionForwardSm90Step4:
                                 tScS_rc, row_max, row_max_new, row_sum, row_scale, tScS0_rc)
             self.store_P(acc_S0, tOrP)
 
-            # 2b. steady state, masked blocks first, then the hot loop
+            # 2b. steady state, masked blocks first, then the hot loop. The ring slot is carried from
+            #     block to block (one add, a compare and two selects) rather than divided out of i.
+            st_prev = st0
             for i in cutlass.range(1, n_masked, unroll=1):
-                self.overlapped_step(kv_base + i, n_block_max - 1 - i, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                st = self.next_kv_state(st_prev)
+                self.overlapped_step(st, st_prev, n_block_max - 1 - i, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
                                      tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
                                      my_turn, next_turn, tScS0_rc)
+                st_prev = st
             for i in cutlass.range(cutlass.max(n_masked, 1), n_block_max, unroll=1):
-                self.overlapped_step(kv_base + i, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
+                st = self.next_kv_state(st_prev)
+                self.overlapped_step(st, st_prev, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
                                      tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
                                      my_turn, next_turn, tScS0_rc)
+                st_prev = st
 
             if const_expr(self.persistent):
                 pipe_Q.consumer_release(q_state)  # every S of the tile has landed: next tile's Q may load
             # 2c. drain: the last P V
-            st_last = self.kv_state(kv_base + n_block_max - 1, producer=False)
+            st_last = st_prev  # the last block walked
             pipe_V.consumer_wait(st_last)
             if const_expr(self.pingpong):
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
@@ -976,18 +982,18 @@ class FlashAttentionForwardSm90Step4:
                 cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit
-    def overlapped_step(self, i: Int32, n_block: Int32, mask: cutlass.Constexpr[bool], row0: Int32,
+    def overlapped_step(self, st: pipeline.PipelineState, st_prev: pipeline.PipelineState, n_block: Int32,
+                        mask: cutlass.Constexpr[bool], row0: Int32,
                         seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, tScS_rc: cute.Tensor,
                         row_max: cute.Tensor, row_max_new: cute.Tensor, row_sum: cute.Tensor,
                         row_scale: cute.Tensor, acc_O: cute.Tensor, tOrP: cute.Tensor, tSrQ: cute.Tensor,
                         tSrK: cute.Tensor, tOrVt: cute.Tensor, thr_mma_qk, tiled_mma_qk: cute.TiledMma,
                         tiled_mma_pv: cute.TiledMma, pipe_K, pipe_V, my_turn: Int32, next_turn: Int32,
                         tScS0_rc: Optional[cute.Tensor]):
-        """The i-th key block walked (block n_block): one turn issues S_i and O += P_{i-1} V_{i-1}."""
+        """The i-th key block walked (block n_block, ring slot st; st_prev the (i-1)-th's): one turn
+        issues S_i and O += P_{i-1} V_{i-1}."""
         tm, tn = self.wg_m, self.tile_n
         turn_threads = 2 * 128
-        st = self.kv_state(i, producer=False)
-        st_prev = self.kv_state(i - 1, producer=False)
         trace.stamp(n_block, "top")
         pipe_K.consumer_wait(st)
         acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
@@ -1114,11 +1120,19 @@ class FlashAttentionForwardSm90Step4:
     # -------------------------------------------------------------- pipeline bookkeeping
     def kv_state(self, i: Int32, producer: bool) -> pipeline.PipelineState:
         """Pipeline slot of the i-th key block walked: stage i % stages; the phase flips every lap
-        round the ring. A producer starts one phase ahead: its first lap must not wait for "empty"."""
-        phase = (i // self.num_stages) % 2
+        round the ring. A producer starts one phase ahead: its first lap must not wait for "empty".
+        The consumers' loops carry the slot instead (next_kv_state)."""
+        index, phase = intdiv.ring_slot(i, self.num_stages)
         if const_expr(producer):
             phase = phase ^ 1
-        return pipeline.PipelineState(self.num_stages, i, i % self.num_stages, phase)
+        return pipeline.PipelineState(self.num_stages, i, index, phase)
+
+    @cute.jit
+    def next_kv_state(self, st: pipeline.PipelineState) -> pipeline.PipelineState:
+        """The ring slot after st: the next stage, the phase flipped on wrapping round."""
+        nxt = st.clone()
+        nxt.advance()
+        return nxt
 
     def kv_copy_kwargs(self) -> dict:
         """cute.copy's extra arguments for a K/V load: kv_multicast delivers it to both CTAs of the pair."""

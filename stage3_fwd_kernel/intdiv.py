@@ -1,6 +1,6 @@
-"""Integer division on the path to a CTA's first load, shared by the forward (stage 3) and the
-backward's launch orders (stage 4, stage 5). Pure Python until traced: cutlass is imported only
-when a DSL value is divided."""
+"""Integer division in the kernels, shared by the forward (stage 3) and the backward (stage 4,
+stage 5): on the path to a CTA's first load (fast_div) and in the hot loops' ring bookkeeping
+(ring_slot). Pure Python until traced: cutlass is imported only when a DSL value is divided."""
 from __future__ import annotations
 
 FAST_DIV_MAX = 1 << 22
@@ -24,6 +24,19 @@ def fast_div(a, b):
     q = Int32(Float32(a) * cute.arch.rcp_approx(Float32(b)))
     r = a - q * b
     return q + Int32(r >= b) - Int32(r < 0)
+
+
+def ring_slot(t, stages: int):
+    """(t % stages, (t // stages) % 2) for t >= 0: the slot of the t-th use of a ring of buffers and
+    its phase bit. Traced Int32 values are divided as unsigned: signed // and % round toward zero,
+    which costs ~10 sign fix-up instructions per slot in the loops that walk the ring (uniform ones,
+    issued between a barrier wait and the wgmma it guards)."""
+    if isinstance(t, int):
+        return t % stages, (t // stages) % 2
+    from cutlass import Int32, Uint32
+
+    u = Uint32(t)
+    return Int32(u % stages), Int32((u // stages) & 1)
 
 
 def check_fast_div_grid(what: str, extents: tuple, hint: str) -> None:
