@@ -503,6 +503,26 @@ def test_softmax_policy_in_sass(compiled, case):
     assert rep["VOTE.ANY"] == SOFTMAX_SITES, rep
 
 
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+def test_hot_loop_bookkeeping(compiled, case):
+    """Session 17's two cuts, in SASS. The key-block loop (the shortest loop holding wgmma and
+    exponentials) carries its K/V ring slot instead of dividing the block index as a signed Int32,
+    whose rounding toward zero shows as LEA.HI / ULEA.HI sign fix-ups (4 of them at a0b2497). And no
+    row sum starts at 0.0: `FADD R, RZ, R` (24 per kernel at d45dc31)."""
+    import re
+
+    from stage2_emulated_exp.gpu_kernel import loop_opcodes
+
+    sass = compiled(case).sass
+    steps = [b for b in loop_opcodes(sass)
+             if any(o.startswith("HGMMA") for o in b) and any(o.startswith("MUFU.EX2") for o in b)]
+    hot = min(steps, key=len)
+    assert not [o for o in hot if o.startswith(("LEA.HI", "ULEA.HI"))], "signed division in the key-block loop"
+    assert not re.findall(r"\bFADD R\d+, RZ, R\d+", sass), "an add of +0.0 (a row sum starting at 0.0)"
+
+
 def _exps_before_pv_wait(sass: str) -> list:
     """For each steady-state step (a wait for S, `DEPBAR.LE gsb0, 0x1`), the exponentials issued
     before the following wait for P V (`DEPBAR.LE gsb0, 0x0`): MUFU.EX2 plus emulated ones."""
