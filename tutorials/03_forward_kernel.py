@@ -692,6 +692,63 @@ else:
     print(f"{path.name}: not committed in this checkout")
 
 # %% [markdown]
+# ## Reading the hot loop: bookkeeping is instructions too
+# Once the math is right, the key-block loop still holds instructions that are neither MMA nor
+# softmax: which ring slot of K/V to read, which barrier phase to wait for, where the wgmma
+# descriptors point. They are issued by the same warp schedulers as the exponentials. Read from the
+# official kernel's cubin, its d = 64 loop was 418 instructions, 25 of them on the uniform datapath
+# (the `U...` opcodes); ours was 471, with 72.
+#
+# Much of the difference was one line: the slot of the i-th key block, `(i // stages) % 2` and
+# `i % stages`, on a signed `Int32`. C rounds a signed division toward zero, Python toward minus
+# infinity. So for signed operands the compiler must emit fix-ups for negative `i` (the `LEA.HI`
+# opcodes), even though `i` is never negative here:
+
+# %%
+for i in (-5, -4, 5):
+    c_quotient = int(i / 4)  # C's signed division truncates toward zero
+    print(f"i = {i:>2}: Python i // 4 = {i // 4:>2}, C i / 4 = {c_quotient:>2}, C i % 4 = {i - 4 * c_quotient:>2}")
+
+# %% [markdown]
+# Step 4 now carries the slot from block to block (`PipelineState.advance`: an add, a compare and
+# two selects), and divides as unsigned where it must (`intdiv.ring_slot`). A second cut: the row
+# sums no longer start at `0.0 + p`. A compiler may not drop an add of +0.0 because -0.0 + 0.0 is
+# +0.0, and P is never negative, so starting each chain at its first value gives the same bits.
+# `loop_opcodes` finds the loops in the SASS, and here is the production loop compiled on this machine:
+
+# %%
+import collections
+
+from stage2_emulated_exp.gpu_kernel import loop_opcodes
+
+comp = hopper.compile_only("bf16", 64, 64, causal=True)
+steps = [b for b in loop_opcodes(comp.sass)
+         if any(o.startswith("HGMMA") for o in b) and any(o.startswith("MUFU.EX2") for o in b)]
+hot = min(steps, key=len)  # the unmasked key-block loop: the shortest loop with wgmma and exp2
+kinds = collections.Counter(o.split(".")[0] for o in hot)
+uniform = sum(n for op, n in kinds.items() if op.startswith("U"))
+print(f"d = 64 causal, hot loop: {len(hot)} instructions, {uniform} uniform; HGMMA {kinds['HGMMA']}, "
+      f"MUFU {kinds['MUFU']}, FADD {kinds['FADD']}, sign fix-ups (LEA.HI) "
+      f"{sum(o.startswith(('LEA.HI', 'ULEA.HI')) for o in hot)}")
+
+# %% [markdown]
+# What the two cuts were worth on the H100 is shown below as CTA cycles from `benchmarks/trace_fwd.py`
+# (clock stamps inside the kernel). Each build is compared with the one before it, and the official
+# kernel is traced in the same call:
+
+# %%
+for tag in ("ring_slot", "row_sum_starts"):
+    for shape in ("d64_causal_8k", "d64_8k"):
+        path = RESULTS / f"trace_fwd_h100_run_{tag}_{shape}.json"
+        if not path.exists():
+            print(f"{path.name}: not committed in this checkout")
+            continue
+        res = json.loads(path.read_text())["results"]
+        cycles = {r["impl"]: r["cta_cycles_median"] for r in res if r.get("cta_cycles_median")}
+        new, old, off = cycles["ours"], cycles["ours:fwd_base"], cycles["official"]
+        print(f"{tag:>15} {shape:>14}: {old:.0f} -> {new:.0f} cycles per CTA ({new / old - 1:+.1%}), official {off:.0f}")
+
+# %% [markdown]
 # ## The Blackwell pipeline
 # On Blackwell (sm_100a) the MMA accumulators leave the register file for **tensor memory**
 # (TMEM: 128 lanes x 512 columns of 32 bits per SM), a 128 x 128 MMA is one instruction issued by
