@@ -327,6 +327,17 @@ def disassemble(cubin: bytes) -> str:
     return _disassemble(cubin, required=False)
 
 
+def key_block_loop(sass: str) -> list:
+    """Opcodes of a forward kernel's hot loop: the shortest backward-branch loop that holds both
+    HGMMA and MUFU.EX2, i.e. the unmasked key-block step (masked steps and outer tile loops are
+    longer; a loop with wgmmas but no exponentials is not a softmax step). [] when there is none."""
+    from stage2_emulated_exp.gpu_kernel import loop_opcodes
+
+    steps = [body for body in loop_opcodes(sass)
+             if any(op.startswith("HGMMA") for op in body) and any(op.startswith("MUFU.EX2") for op in body)]
+    return min(steps, key=len, default=[])
+
+
 def _elf_register_count(cubin: bytes) -> Optional[int]:
     """Registers per thread from the cubin: the top byte of the kernel's .text section sh_info."""
     try:

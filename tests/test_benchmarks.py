@@ -440,3 +440,27 @@ def test_trace_fwd_says_it_needs_a_gpu(capsys, monkeypatch):
     assert "needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--impls"):
         trace_fwd.main(["--impls", "mine"])
+
+
+def test_hot_loop_counts_a_synthetic_loop_and_reads_sass_files(tmp_path, capsys):
+    """hot_loop.py: the summary columns of a loop (uniform = U* opcodes, LEA.HI / ULEA.HI = sign
+    fix-ups), and a SASS listing given with --sass is counted without compiling anything."""
+    import hot_loop
+
+    loop = ["HGMMA.64x128x16.F32.BF16", "MUFU.EX2", "UIADD3", "ULEA.HI", "LEA.HI", "FADD", "FADD.RM", "FMUL",
+            "SYNCS.PHASECHK.TRANS64.TRYWAIT"]
+    cols = hot_loop.loop_counts(loop)
+    assert cols == {"loop": 9, "uniform": 2, "HGMMA": 1, "MUFU.EX2": 1, "FADD": 2, "FMUL": 1, "LEA.HI": 2}
+    sass = "\n".join(["        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+                      ".L_x_1:",
+                      "        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;",
+                      "        /*0020*/                   MUFU.EX2 R3, R4 ;",
+                      "        /*0030*/                   UIADD3 UR4, UR4, 0x1, URZ ;",
+                      "        /*0040*/                   BRA `(.L_x_1) ;"])
+    (tmp_path / "other.sass").write_text(sass)
+    assert hot_loop.main(["--impls", "", "--sass", str(tmp_path / "other.sass")]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("other.sass")][0]
+    assert row.split()[1:] == ["-", "-", "4", "1", "1", "1", "0", "0", "0"]
+    (tmp_path / "empty.sass").write_text("MOV R1, R2 ;")
+    with pytest.raises(SystemExit, match="no loop with both HGMMA and MUFU.EX2"):
+        hot_loop.main(["--impls", "", "--sass", str(tmp_path / "empty.sass")])

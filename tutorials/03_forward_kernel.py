@@ -696,7 +696,7 @@ else:
 # Once the math is right, the key-block loop still holds instructions that are neither MMA nor
 # softmax: which ring slot of K/V to read, which barrier phase to wait for, where the wgmma
 # descriptors point. They are issued by the same warp schedulers as the exponentials. Read from the
-# official kernel's cubin, its d = 64 loop was 418 instructions, 25 of them on the uniform datapath
+# official kernel's cubin, its d = 64 loop was 418 instructions, 34 of them on the uniform datapath
 # (the `U...` opcodes); ours was 471, with 72.
 #
 # Much of the difference was one line: the slot of the i-th key block, `(i // stages) % 2` and
@@ -714,17 +714,15 @@ for i in (-5, -4, 5):
 # two selects), and divides as unsigned where it must (`intdiv.ring_slot`). A second cut: the row
 # sums no longer start at `0.0 + p`. A compiler may not drop an add of +0.0 because -0.0 + 0.0 is
 # +0.0, and P is never negative, so starting each chain at its first value gives the same bits.
-# `loop_opcodes` finds the loops in the SASS, and here is the production loop compiled on this machine:
+# `common.key_block_loop` finds the unmasked key-block loop in the SASS (the shortest loop with both
+# wgmma and exp2), and here is the production loop compiled on this machine
+# (`python benchmarks/hot_loop.py` prints the same for any build, side by side):
 
 # %%
 import collections
 
-from stage2_emulated_exp.gpu_kernel import loop_opcodes
-
 comp = hopper.compile_only("bf16", 64, 64, causal=True)
-steps = [b for b in loop_opcodes(comp.sass)
-         if any(o.startswith("HGMMA") for o in b) and any(o.startswith("MUFU.EX2") for o in b)]
-hot = min(steps, key=len)  # the unmasked key-block loop: the shortest loop with wgmma and exp2
+hot = common.key_block_loop(comp.sass)
 kinds = collections.Counter(o.split(".")[0] for o in hot)
 uniform = sum(n for op, n in kinds.items() if op.startswith("U"))
 print(f"d = 64 causal, hot loop: {len(hot)} instructions, {uniform} uniform; HGMMA {kinds['HGMMA']}, "

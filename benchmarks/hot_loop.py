@@ -1,0 +1,113 @@
+"""The forward's key-block loop, counted in SASS: compiled here for sm_90a, no GPU needed.
+
+    python benchmarks/hot_loop.py --dim 64 --causal [--seqlen-k 16384] \\
+        [--impls stage3_fwd_kernel.hopper_step4_fa4_softmax,my_copy] [--sass official.sass] [--opcodes]
+
+For each build: registers, spills, and in its unmasked key-block loop (``common.key_block_loop``) the
+instruction count, the uniform-datapath share (``U...`` opcodes: ring slots, barrier addresses, wgmma
+descriptors), HGMMA, MUFU.EX2, FADD, FMUL and the sign fix-ups of signed divisions (LEA.HI). A module in
+``--impls`` is step 4 or an untracked copy of it (its own ``STEP``; ``compile_only`` with step 4's
+arguments). ``--sass`` adds SASS listings made elsewhere, e.g. the official kernel's cubin kept on the
+device with ``CUTE_DSL_KEEP=cubin`` and disassembled with ``nvdisasm``. ``--opcodes`` prints the opcodes
+whose counts differ from the first build's. ``--seqlen-k`` picks the build fa4 launches for that key
+count (persistent or one CTA per tile); leave it out for the short-call build.
+
+This is where session 17 found the loop's bookkeeping (stage 3 README, "Session 17"). Counts explain
+a change, they do not predict its time: measure with ``trace_fwd.py`` and ``ab_fwd.py`` on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+STEP4 = "stage3_fwd_kernel.hopper_step4_fa4_softmax"
+COLUMNS = ("registers", "spills", "loop", "uniform", "HGMMA", "MUFU.EX2", "FADD", "FMUL", "LEA.HI")
+
+
+def loop_counts(loop: list) -> dict:
+    """The summary columns of one loop's opcodes (full opcodes, as loop_opcodes gives them)."""
+    return {
+        "loop": len(loop),
+        "uniform": sum(op.startswith("U") for op in loop),
+        "HGMMA": sum(op.startswith("HGMMA") for op in loop),
+        "MUFU.EX2": sum(op.startswith("MUFU.EX2") for op in loop),
+        "FADD": sum(op.split(".")[0] == "FADD" for op in loop),
+        "FMUL": sum(op.split(".")[0] == "FMUL" for op in loop),
+        "LEA.HI": sum(op.startswith(("LEA.HI", "ULEA.HI")) for op in loop),
+    }
+
+
+def opcode_histogram(loop: list) -> collections.Counter:
+    return collections.Counter(op.split(".")[0] for op in loop)
+
+
+def compile_build(module: str, args) -> tuple[dict, list]:
+    """(report columns, key-block loop opcodes) of one module's build for the shape in args."""
+    from stage3_fwd_kernel.common import key_block_loop
+
+    mod = importlib.import_module(module)
+    comp = mod.compile_only(args.dtype, args.dim, args.dim_v or args.dim, args.causal, seqlen_k=args.seqlen_k)
+    if not comp.sass:
+        raise SystemExit("hot_loop.py: no SASS (nvdisasm missing?)")
+    loop = key_block_loop(comp.sass)
+    rep = comp.report
+    return {"registers": rep["registers"], "spills": rep["spill_stores"], **loop_counts(loop)}, loop
+
+
+def sass_build(path: str) -> tuple[dict, list]:
+    from stage3_fwd_kernel.common import key_block_loop
+
+    with open(path) as f:
+        loop = key_block_loop(f.read())
+    if not loop:
+        raise SystemExit(f"hot_loop.py: {path} has no loop with both HGMMA and MUFU.EX2")
+    return {"registers": "-", "spills": "-", **loop_counts(loop)}, loop
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--dim_v", type=int, default=None)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--seqlen-k", dest="seqlen_k", type=int, default=None,
+                    help="the key count whose fa4 build to count (persistent or not); default: a short call")
+    ap.add_argument("--impls", default=STEP4, help="comma-separated module paths (step 4 or copies of it)")
+    ap.add_argument("--sass", action="append", default=[], help="a SASS listing to count as well (repeatable)")
+    ap.add_argument("--opcodes", action="store_true", help="opcodes whose counts differ from the first build's")
+    args = ap.parse_args(argv)
+
+    builds = {}
+    for module in filter(None, args.impls.split(",")):
+        print(f"compiling {module} ...", file=sys.stderr, flush=True)
+        builds[module.rsplit(".", 1)[-1]] = compile_build(module, args)
+    for path in args.sass:
+        builds[os.path.basename(path)] = sass_build(path)
+
+    shape = f"{args.dtype} d = {args.dim}" + (f"/{args.dim_v}" if args.dim_v else "")
+    shape += (" causal" if args.causal else " non-causal") + (f", build for {args.seqlen_k} keys" if args.seqlen_k else "")
+    print(f"key-block loop, {shape} (sm_90a SASS, static counts)")
+    width = max(len(name) for name in builds) + 2
+    print(f"{'build':<{width}}" + "".join(f"{c:>10}" for c in COLUMNS))
+    for name, (cols, _) in builds.items():
+        print(f"{name:<{width}}" + "".join(f"{cols[c]!s:>10}" for c in COLUMNS))
+
+    if args.opcodes and len(builds) > 1:
+        (first, (_, base_loop)), *others = builds.items()
+        base = opcode_histogram(base_loop)
+        for name, (_, loop) in others:
+            hist = opcode_histogram(loop)
+            diff = sorted(((op, hist[op] - base[op]) for op in set(base) | set(hist) if hist[op] != base[op]),
+                          key=lambda item: -abs(item[1]))
+            print(f"\n{name} against {first}: " + (", ".join(f"{op} {d:+d}" for op, d in diff) or "same opcode counts"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
