@@ -26,8 +26,10 @@ hot loop) for per-block costs from the CTA durations.
 """
 from __future__ import annotations
 
-import cutlass
-import cutlass.cute as cute
+from stage3_fwd_kernel import common  # noqa: F401  (before cutlass: sets CUTE_DSL_ARCH)
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, Int64
 
 CTA_EVENTS = ("entry", "start", "walked", "end")
