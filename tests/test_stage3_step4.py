@@ -40,6 +40,23 @@ def _mod():
 # ============================================================================================ cpu
 @pytest.mark.cpu
 @pytest.mark.stage3
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_ring_slot_matches_the_carried_state(stages):
+    """The producer divides its ring slot out of the load count (intdiv.ring_slot) while the
+    consumers carry theirs from block to block (PipelineState.advance: next index, wrap to 0 and
+    flip the phase); both must name the same slot and phase for every block, across tiles too
+    (a persistent CTA's count runs on)."""
+    from stage3_fwd_kernel.intdiv import ring_slot
+
+    index, phase = ring_slot(0, stages)
+    assert (index, phase) == (0, 0)
+    for t in range(1, 10 * stages + 3):
+        index, phase = (index + 1, phase) if index + 1 < stages else (0, phase ^ 1)
+        assert ring_slot(t, stages) == (index, phase), t
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
 def test_policy_defaults_and_pattern():
     from stage3_fwd_kernel.softmax_policy import PATTERN_PERIOD, SoftmaxPolicy, emulation_pattern
 
