@@ -327,15 +327,19 @@ def disassemble(cubin: bytes) -> str:
     return _disassemble(cubin, required=False)
 
 
-def key_block_loop(sass: str) -> list:
-    """Opcodes of a forward kernel's hot loop: the shortest backward-branch loop that holds both
-    HGMMA and MUFU.EX2, i.e. the unmasked key-block step (masked steps and outer tile loops are
-    longer; a loop with wgmmas but no exponentials is not a softmax step). [] when there is none."""
+def wgmma_loop_bodies(sass: str) -> list:
+    """Opcodes of every backward-branch loop (label .L_x_N ... BRA .L_x_N) holding an HGMMA, shortest
+    first: in the backward's step 3 the first is the unmasked tile body, the walk's hot loop."""
     from stage2_emulated_exp.gpu_kernel import loop_opcodes
 
-    steps = [body for body in loop_opcodes(sass)
-             if any(op.startswith("HGMMA") for op in body) and any(op.startswith("MUFU.EX2") for op in body)]
-    return min(steps, key=len, default=[])
+    return sorted((body for body in loop_opcodes(sass) if any(op.startswith("HGMMA") for op in body)), key=len)
+
+
+def key_block_loop(sass: str) -> list:
+    """Opcodes of a forward kernel's hot loop: the shortest wgmma loop that also holds MUFU.EX2, i.e.
+    the unmasked key-block step (masked steps and outer tile loops are longer; a loop with wgmmas but
+    no exponentials is not a softmax step). [] when there is none."""
+    return next((body for body in wgmma_loop_bodies(sass) if any(op.startswith("MUFU.EX2") for op in body)), [])
 
 
 def _elf_register_count(cubin: bytes) -> Optional[int]:

@@ -29,7 +29,7 @@ from cutlass import Float32, Int32  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 
-from stage3_fwd_kernel.common import (  # noqa: E402,F401  (re-exported for the kernel files)
+from stage3_fwd_kernel.common import (  # noqa: E402,F401  (re-exported for the kernel files, tests, tutorial 04)
     ARCH,
     LOG2_E,
     Compiled,
@@ -41,6 +41,7 @@ from stage3_fwd_kernel.common import (  # noqa: E402,F401  (re-exported for the 
     hopper_gpu_available,
     launch_stream,
     torch_dtype,
+    wgmma_loop_bodies,
 )
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
@@ -294,14 +295,6 @@ def backward_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causa
 # --------------------------------------------------------------------------------------------
 # 5. reading a tile body in the SASS (compile tier, no GPU)
 # --------------------------------------------------------------------------------------------
-def wgmma_loop_bodies(sass: str) -> list:
-    """Opcodes of every backward-branch loop (label .L_x_N ... BRA .L_x_N) holding an HGMMA, shortest
-    first: in step 3 the first is the unmasked tile body, the walk's hot loop."""
-    from stage2_emulated_exp.gpu_kernel import loop_opcodes
-
-    return sorted((body for body in loop_opcodes(sass) if any(op.startswith("HGMMA") for op in body)), key=len)
-
-
 def exps_before_second_wait(body: list) -> int:
     """MUFU.EX2 between a tile body's first two wgmma waits: in step 3, the exponentials of P^T issued
     after the S^T wait and before the dP^T wait, i.e. the ones that run under the dP^T wgmma."""
