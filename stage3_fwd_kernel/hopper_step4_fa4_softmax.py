@@ -87,6 +87,11 @@ d = 128, 2-10% slower at d = 256. Both kernels run at the H100's 700 W power cap
 and the official one is faster at a *lower* clock, so what separates them is tensor-core cycles
 lost per tile, not energy.
 
+The wgmmas are issued with descriptors the consumer builds once per tile (`wgmma_desc`): Q's for
+every k-step, K's and V's for stage 0 plus `stage * stage_step` per block. Through `cute.gemm` (steps
+1-3) ptxas re-derived all three from the shared-memory base in every key block, ~30 uniform-datapath
+instructions at d = 128 (hot loop 496 -> 464); same instructions otherwise, bitwise the same results.
+
 Everything else is step 3 (producer warp + two ping-pong consumer warpgroups with the
 intra-warpgroup overlap, last-block-first walk, TMA K/V ring, setmaxnreg 24/240, same tile sizes
 and shared memory), and everything it supports is still supported: fp16/bf16, head dims
@@ -119,6 +124,7 @@ import re
 from typing import Optional
 
 from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+from stage3_fwd_kernel import wgmma_desc
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -205,26 +211,6 @@ def quad_allreduce(x: Float32, op: cutlass.Constexpr) -> Float32:
     x = op(x, cute.arch.shuffle_sync_bfly(x, offset=2))
     x = op(x, cute.arch.shuffle_sync_bfly(x, offset=1))
     return x
-
-
-@cute.jit
-def wgmma_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-               zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[bool] = True):
-    """acc (+)= A B over all k-blocks, issued by the whole warpgroup; waited for unless wait=False
-    (then the caller does `warpgroup.wait_group(0)` before touching acc).
-
-    wgmma.fence orders our earlier register writes (the P fragment, the rescaled O) before the
-    asynchronous MMA reads them; commit + wait(0) makes the result visible before we touch acc.
-    """
-    warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)  # a fresh atom: we flip its ACCUMULATE field
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
-        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-    warpgroup.commit_group()
-    if const_expr(wait):
-        warpgroup.wait_group(0)
 
 
 def row_stored(row, q_rows_left, q_rows_skip=None):
@@ -765,7 +751,7 @@ class FlashAttentionForwardSm90Step4:
         m_block, head, batch, offset_q, seqlen_q, seqlen_k = tile[0], tile[1], tile[3], tile[4], tile[6], tile[7]
         storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V = smem_tensors
         trace.cta_stamp("start")
-        tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        tm, tn, dv = self.wg_m, self.tile_n, self.head_dim_v
         nc = self.num_consumers
         row0 = m_block * self.tile_m + wg * tm  # first query row of this warpgroup
         # named barriers (0 is sync_threads, 16 in all): 1 + w = "consumer w may use the tensor
@@ -787,17 +773,15 @@ class FlashAttentionForwardSm90Step4:
             sO_wg = None  # O goes from registers to global memory
         else:
             sO_wg = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)[None, None, wg]
-        # the same V bytes seen as (dv, tn, stages): the MN-major B operand of O = P V
-        sVt = cute.composition(sV, cute.make_ordered_layout((dv, tn, stages), order=(1, 0, 2)))
         gO = cute.local_tile(self.seq_view(mO[batch, None, head, None], offset_q), (tm, dv),
                              (m_block * self.num_consumers + wg, 0))
 
-        # MMA partitions: smem operands become wgmma descriptors, accumulators registers
+        # MMA partitions: accumulators in registers; the smem operands become wgmma descriptors,
+        # built here once per tile (wgmma_desc; step 3's cute.gemm rebuilt them every key block)
         thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
         thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
-        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ_wg))
-        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))     # (..., stages)
-        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))   # (..., stages)
+        qk = wgmma_desc.QKOperands(sQ_wg, sK, self.dtype, self.head_dim, tn)
+        pv = wgmma_desc.PVOperands(sV, self.dtype, dv, tn)
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((tm, dv)), Float32)
         acc_O.fill(0.0)
         acc_O_rc = acc_rowcol(acc_O)
@@ -846,7 +830,7 @@ class FlashAttentionForwardSm90Step4:
             acc_S0 = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
             if const_expr(self.pingpong):
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
-            wgmma_gemm(tiled_mma_qk, acc_S0, tSrQ, tSrK[None, None, None, st0.index], zero_init=True, wait=False)
+            qk.gemm(acc_S0, st0.index)
             if const_expr(self.pingpong):
                 cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
             if const_expr(self.varlen):
@@ -873,14 +857,14 @@ class FlashAttentionForwardSm90Step4:
                 st = self.next_kv_state(st_prev)
                 self.overlapped_step(st, st_prev, n_block_max - 1 - i, True, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
-                                     tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
+                                     qk, pv, thr_mma_qk, pipe_K, pipe_V,
                                      my_turn, next_turn, tScS0_rc)
                 st_prev = st
             for i in cutlass.range(cutlass.max(n_masked, 1), n_block_max, unroll=1):
                 st = self.next_kv_state(st_prev)
                 self.overlapped_step(st, st_prev, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, acc_O, tOrP,
-                                     tSrQ, tSrK, tOrVt, thr_mma_qk, tiled_mma_qk, tiled_mma_pv, pipe_K, pipe_V,
+                                     qk, pv, thr_mma_qk, pipe_K, pipe_V,
                                      my_turn, next_turn, tScS0_rc)
                 st_prev = st
 
@@ -891,7 +875,7 @@ class FlashAttentionForwardSm90Step4:
             pipe_V.consumer_wait(st_last)
             if const_expr(self.pingpong):
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
-            wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_last.index], zero_init=False, wait=False)
+            pv.gemm(acc_O, tOrP, st_last.index)
             if const_expr(self.pingpong):
                 cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
             warpgroup.wait_group(0)
@@ -986,9 +970,8 @@ class FlashAttentionForwardSm90Step4:
                         mask: cutlass.Constexpr[bool], row0: Int32,
                         seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, tScS_rc: cute.Tensor,
                         row_max: cute.Tensor, row_max_new: cute.Tensor, row_sum: cute.Tensor,
-                        row_scale: cute.Tensor, acc_O: cute.Tensor, tOrP: cute.Tensor, tSrQ: cute.Tensor,
-                        tSrK: cute.Tensor, tOrVt: cute.Tensor, thr_mma_qk, tiled_mma_qk: cute.TiledMma,
-                        tiled_mma_pv: cute.TiledMma, pipe_K, pipe_V, my_turn: Int32, next_turn: Int32,
+                        row_scale: cute.Tensor, acc_O: cute.Tensor, tOrP: cute.Tensor, qk: wgmma_desc.QKOperands,
+                        pv: wgmma_desc.PVOperands, thr_mma_qk, pipe_K, pipe_V, my_turn: Int32, next_turn: Int32,
                         tScS0_rc: Optional[cute.Tensor]):
         """The i-th key block walked (block n_block, ring slot st; st_prev the (i-1)-th's): one turn
         issues S_i and O += P_{i-1} V_{i-1}."""
@@ -1000,11 +983,11 @@ class FlashAttentionForwardSm90Step4:
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
         trace.stamp(n_block, "turn")
-        wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st.index], zero_init=True, wait=False)
+        qk.gemm(acc_S, st.index)
         # V_{i-1} is waited for only now, with S_i already issued: its wait no longer delays S_i
         # (d = 64: +1..+3% at all 8 points of two paired runs; d = 96 +0..+3%; d >= 128 a tie)
         pipe_V.consumer_wait(st_prev)
-        wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev.index], zero_init=False, wait=False)
+        pv.gemm(acc_O, tOrP, st_prev.index)
         if const_expr(self.pingpong):
             cute.arch.barrier_arrive(barrier_id=next_turn, number_of_threads=turn_threads)
         trace.stamp(n_block, "issued")

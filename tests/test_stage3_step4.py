@@ -539,6 +539,66 @@ def test_hot_loop_bookkeeping(compiled, case):
     assert not re.findall(r"\bFADD R\d+, RZ, R\d+", sass), "an add of +0.0 (a row sum starting at 0.0)"
 
 
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+def test_descriptors_outside_key_block_loop(compiled, case):
+    """Session 18: the wgmma descriptors are built once per tile (wgmma_desc). Through cute.gemm every
+    key block re-derived Q's, K's and V's from the shared-memory base, each with a USHF.R.U32.HI (the
+    address >> 4; 2-3 per block at 89888d6). The loop still issues one HGMMA per k-step of S and of P V."""
+    from stage3_fwd_kernel.common import key_block_loop
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+
+    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+    hot = key_block_loop(compiled(case).sass)
+    assert len(hot) > 100, "no key-block loop found"
+    assert "USHF.R.U32.HI" not in hot, "a descriptor rebuilt from the shared-memory base in the key-block loop"
+    hgmma = sum(o.startswith("HGMMA") for o in hot)
+    assert hgmma == d // 16 + default_tile_n(d, dv) // 16, f"{hgmma} HGMMA in the key-block loop"
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)])
+def test_descriptor_fields_match_cute_gemm(d, dv):
+    """wgmma_desc's fixed descriptor fields (swizzle mode, stride and leading byte offsets) are the ones
+    cute.gemm's lowering ORs into its descriptors, read from step 3's PTX (which still issues its
+    wgmmas through cute.gemm) at the same head dims and key tile: Q / K read K-major, V MN-major."""
+    import re
+
+    from stage3_fwd_kernel import hopper_step3_warpspec as step3
+    from stage3_fwd_kernel import wgmma_desc
+
+    tn = step3.make_kernel(step3.cutlass.BFloat16, d, dv, False).tile_n
+    ptx = step3.compile_only("bf16", d, dv, False).ptx
+    theirs = {int(c) % (1 << 64) for c in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (-?\d+);", ptx)}
+    ours = {wgmma_desc.fixed_fields(d, tn, 16, mn_major=False), wgmma_desc.fixed_fields(dv, tn, 16, mn_major=True)}
+    assert theirs and ours == theirs, f"ours {sorted(map(hex, ours))}, cute.gemm's {sorted(map(hex, theirs))}"
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_descriptor_helpers():
+    """The swizzle the DSL's smem atom picks, the upper descriptor word, and clear errors."""
+    import cutlass
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+
+    from stage3_fwd_kernel import wgmma_desc
+
+    kinds = {128: "SW128", 64: "SW64", 32: "SW32"}
+    for cols in (16, 32, 64, 96, 128, 160, 192, 256):
+        kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, cols)
+        assert kinds[wgmma_desc.swizzle_bytes(cols, 16)] in str(kind), (cols, kind)
+    assert wgmma_desc.desc_hi(128) == 0x40000040 and wgmma_desc.desc_hi(64) == 0x80000020
+    assert wgmma_desc.leading_offset(64, 128, 16, mn_major=True) == 1       # one 128-byte chunk
+    assert wgmma_desc.leading_offset(256, 64, 16, mn_major=True) == 64 * 128 // 16
+    with pytest.raises(ValueError, match="cols"):
+        wgmma_desc.swizzle_bytes(8, 16)
+    with pytest.raises(TypeError, match="dtype"):
+        wgmma_desc.ab_type(cutlass.Float32)
+
+
 def _exps_before_pv_wait(sass: str) -> list:
     """For each steady-state step (a wait for S, `DEPBAR.LE gsb0, 0x1`), the exponentials issued
     before the following wait for P V (`DEPBAR.LE gsb0, 0x0`): MUFU.EX2 plus emulated ones."""

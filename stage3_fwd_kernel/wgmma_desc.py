@@ -1,0 +1,212 @@
+"""wgmma with shared-memory descriptors built once per tile, outside the key-block loop.
+
+``cute.gemm`` on a Hopper wgmma atom lowers each shared-memory operand's descriptor where the wgmma is
+issued. In the forward's key-block loop that is every block, for Q, K and V: the operand's offset
+added to the shared-memory base, a shift, a mask, the fixed fields ORed in, then 64-bit adds (with
+carry) per k-step. ptxas does not hoist them (for the official kernel it hoisted Q's and K's), so at
+d = 128 they were ~30 uniform-datapath instructions of a ~500-instruction block.
+
+Here the kernel builds the descriptors itself, once per tile: Q's for every k-step (Q does not move),
+K's and V's for stage 0, to which each block adds ``stage * stage_step``. They pass through a warp
+shuffle: ptxas re-derives plain arithmetic on the shared-memory base inside the loop (it did so even
+for loop-carried values), but cannot redo a shuffle there, so they stay in uniform registers. The
+wgmma itself is one inline-PTX ``wgmma.mma_async`` per k-step, the instruction ``cute.gemm`` emits
+(same shape, types, scale and transpose immediates), so results are bitwise those of ``cute.gemm``
+(``benchmarks/same_outputs.py`` on the H100, every head dim).
+
+Descriptor fields (PTX ISA, wgmma "Matrix Descriptor Format"): bits 0-13 start address >> 4; 16-29
+leading-dimension byte offset >> 4 (unused by K-major swizzled operands, 1 as the DSL writes it; for
+MN-major V the distance between dv-chunks one swizzle row wide); 32-45 stride-dimension byte offset
+>> 4 (8 rows of the swizzle width: the distance between 8-row core-matrix groups); 62-63 the swizzle
+mode (1 = 128 B, 2 = 64 B, 3 = 32 B). Offsets into a tile are the unswizzled ones, as in ``cute.gemm``.
+"""
+from __future__ import annotations
+
+from stage3_fwd_kernel import common  # noqa: F401  (must precede cutlass: sets CUTE_DSL_ARCH)
+
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32, Int64, Uint32  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+from cutlass.cute.nvgpu import warpgroup  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
+
+_SWIZZLE_MODE = {128: 1, 64: 2, 32: 3}
+
+
+def swizzle_bytes(cols: int, width_bits: int) -> int:
+    """The swizzle width (bytes) `sm90_utils.get_smem_layout_atom` picks for a K-major tile with `cols`
+    contiguous elements: the widest of 128 / 64 / 32 bytes that divides a row."""
+    row_bits = cols * width_bits
+    for sw in (128, 64, 32):
+        if row_bits % (sw * 8) == 0:
+            return sw
+    raise ValueError(f"cols: {cols} elements of {width_bits} bits fit no wgmma swizzle (need a multiple of 32 bytes)")
+
+
+def desc_hi(swizzle: int) -> int:
+    """The descriptor's upper 32 bits: stride byte offset (8 rows of `swizzle` bytes) and the swizzle mode."""
+    return (8 * swizzle >> 4) | (_SWIZZLE_MODE[swizzle] << 30)
+
+
+def leading_offset(cols: int, rows: int, width_bits: int, mn_major: bool) -> int:
+    """The leading-dimension byte offset >> 4 of a (rows, cols) tile stored row-major with the swizzle
+    `swizzle_bytes(cols)`: read K-major (Q, K) it is unused, 1; read MN-major (V), it is the distance
+    between column chunks one swizzle row wide, `rows` rows of `swizzle` bytes (tile_to_shape stacks
+    the swizzle atoms down the rows first), or 1 when there is a single chunk."""
+    sw = swizzle_bytes(cols, width_bits)
+    if not mn_major or cols * width_bits // 8 <= sw:
+        return 1
+    return rows * sw >> 4
+
+
+def fixed_fields(cols: int, rows: int, width_bits: int, mn_major: bool) -> int:
+    """Every descriptor field but the start address, as one 64-bit value: what ``cute.gemm``'s
+    lowering ORs into its descriptors (tests compare the two in step 3's PTX)."""
+    return desc_hi(swizzle_bytes(cols, width_bits)) << 32 | leading_offset(cols, rows, width_bits, mn_major) << 16
+
+
+def desc_lo(smem_addr: Int32, leading: int = 1) -> Int32:
+    """The lower 32 bits for an operand at byte address `smem_addr` of shared memory (aligned to its
+    swizzle pattern): start address >> 4 and the leading byte offset (>> 4)."""
+    return ((smem_addr >> 4) & 0x3FFF) | (leading << 16)
+
+
+def kstep_offsets(layout_outer: cute.Layout, width_bits: int, k_steps: int, k_per_step: int = 16) -> list:
+    """Descriptor units (16 bytes) from an operand's first element to the first of each k-step: the
+    unswizzled offset of (row 0, col k * 16), as a compile-time int per step."""
+    pad = (0,) * (cute.rank(layout_outer) - 2)  # trailing modes (stages) at 0
+    return [cute.crd2idx((0, k * k_per_step) + pad, layout_outer) * width_bits // 8 // 16 for k in range(k_steps)]
+
+
+def desc64(lo: Int32, hi) -> Int64:
+    """A full descriptor from its lower and upper halves."""
+    return (Int64(Uint32(hi)) << 32) | Int64(Uint32(lo))
+
+
+def ab_type(dtype) -> str:
+    """The PTX type of a 16-bit wgmma operand."""
+    name = getattr(dtype, "__name__", str(dtype))
+    if name not in ("BFloat16", "Float16"):
+        raise TypeError(f"dtype: expected cutlass.BFloat16 or cutlass.Float16, got {name}")
+    return "bf16" if name == "BFloat16" else "f16"
+
+
+def _issue(acc: cute.Tensor, n: int, ptx_type: str, operands: list, operand_constraints: list, operand_text: str,
+           loc, ip):
+    """One ``wgmma.mma_async.m64n{n}k16.f32`` as inline PTX, the instruction cute.gemm emits: acc's n / 2
+    fp32 registers are its D (written back in place, tied to their inputs), `operands` follow as $c..
+    ($c = n / 2), the last one the scale-d flag; `operand_text` is the text after D, p for scale-d."""
+    count = n // 2
+    ins = operands + [Float32(acc[i]).ir_value(loc=loc, ip=ip) for i in range(count)]
+    regs = ", ".join(f"${i}" for i in range(count))
+    flag = count + len(operands) - 1
+    instr = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type}"
+    asm = f"{{\n\t.reg .pred p;\n\tsetp.ne.b32 p, ${flag}, 0;\n\t{instr} {{{regs}}}, {operand_text};\n\t}}"
+    constraints = ",".join(["=f"] * count + operand_constraints + [str(i) for i in range(count)])
+    out = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * count), ins, asm, constraints,
+                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                          loc=loc, ip=ip)
+    for i in range(count):
+        acc[i] = Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def wgmma_ss(acc: cute.Tensor, a_desc: Int64, b_desc: Int64, accumulate: bool, n: int, ptx_type: str,
+             *, loc=None, ip=None) -> None:
+    """acc (+)= A B for one k-step of 16, both operands K-major in shared memory (64-bit descriptors);
+    acc the warpgroup's (64, n) fp32 accumulator fragment (n / 2 registers per thread, in the
+    instruction's register order). Issue it between ``warpgroup.fence()`` and ``commit_group()``."""
+    c = n // 2
+    ops = [Int64(a_desc).ir_value(loc=loc, ip=ip), Int64(b_desc).ir_value(loc=loc, ip=ip),
+           Int32(1 if accumulate else 0).ir_value(loc=loc, ip=ip)]
+    _issue(acc, n, ptx_type, ops, ["l", "l", "r"], f"${c}, ${c + 1}, p, 1, 1, 0, 0", loc, ip)  # no transposes
+
+
+@dsl_user_op
+def wgmma_rs(acc: cute.Tensor, a_regs: list, b_desc: Int64, n: int, ptx_type: str, *, loc=None, ip=None) -> None:
+    """acc += A B for one k-step of 16, A from registers (4 x 32 bits: 8 16-bit values of the warpgroup's
+    (64, 16) A fragment) and B MN-major in shared memory (imm-trans-b = 1), as the forward's P V."""
+    c = n // 2
+    ops = [Int32(r).ir_value(loc=loc, ip=ip) for r in a_regs]
+    ops += [Int64(b_desc).ir_value(loc=loc, ip=ip), Int32(1).ir_value(loc=loc, ip=ip)]
+    _issue(acc, n, ptx_type, ops, ["r"] * 4 + ["l", "r"], f"{{${c}, ${c + 1}, ${c + 2}, ${c + 3}}}, ${c + 4}, p, 1, 1, 1",
+           loc, ip)
+
+
+class QKOperands:
+    """S = Q K^T's operands as descriptors: Q's per k-step computed once (at construction, before the
+    key-block loop), K's as its stage-0 base plus `stage * stage_step` per call. sQ: the warpgroup's
+    (rows, d) Q slab; sK: (tn, d, stages); both K-major with the swizzle `swizzle_bytes(d)`."""
+
+    def __init__(self, sQ: cute.Tensor, sK: cute.Tensor, dtype, d: int, tn: int):
+        width = dtype.width
+        sw = swizzle_bytes(d, width)
+        self.hi = desc_hi(sw)
+        self.k_steps = d // 16
+        self.n = tn
+        self.ptx_type = ab_type(dtype)
+        # each through a shuffle, which ptxas cannot re-derive inside the loop (module docstring)
+        q_lo = desc_lo(sQ.iterator.toint())
+        hi = cute.arch.make_warp_uniform(Int32(self.hi))
+        self.q = [desc64(cute.arch.make_warp_uniform(q_lo + off), hi)
+                  for off in kstep_offsets(sQ.layout, width, self.k_steps)]
+        self.k = desc64(cute.arch.make_warp_uniform(desc_lo(sK.iterator.toint())), self.hi)
+        self.k_off = kstep_offsets(sK.layout, width, self.k_steps)
+        self.stage_step = cute.crd2idx((0, 0, 1), sK.layout) * width // 8 // 16
+
+    # Carried through the kernel's `if`s and loops as run-time values (the DSL's protocol for them)
+    def __extract_mlir_values__(self) -> list:
+        return [Int64(v).ir_value() for v in self.q + [self.k]]
+
+    def __new_from_mlir_values__(self, values: list) -> "QKOperands":
+        new = object.__new__(QKOperands)
+        new.__dict__.update(self.__dict__)
+        new.q = [Int64(v) for v in values[:-1]]
+        new.k = Int64(values[-1])
+        return new
+
+    def gemm(self, acc: cute.Tensor, stage: Int32) -> None:
+        """acc = Q K_stage^T, issued (fence, k-steps, commit); not waited for."""
+        k_desc = self.k + Int64(Uint32(stage * self.stage_step))
+        warpgroup.fence()
+        for k in range(self.k_steps):
+            wgmma_ss(acc, self.q[k], k_desc + self.k_off[k], k > 0, self.n, self.ptx_type)
+        warpgroup.commit_group()
+
+
+class PVOperands:
+    """O += P V's B operand as a descriptor: V (tn, dv, stages) is read MN-major (contiguous along dv),
+    stage 0's descriptor computed once, `stage * stage_step` added per call. The leading byte offset
+    is the distance between dv-chunks of one swizzle width (1 when dv is a single chunk)."""
+
+    def __init__(self, sV: cute.Tensor, dtype, dv: int, tn: int):
+        width = dtype.width
+        sw = swizzle_bytes(dv, width)
+        hi = cute.arch.make_warp_uniform(Int32(desc_hi(sw)))
+        lo = cute.arch.make_warp_uniform(desc_lo(sV.iterator.toint(), leading_offset(dv, tn, width, True)))
+        self.v = desc64(lo, hi)
+        self.k_steps = tn // 16
+        self.n = dv
+        self.ptx_type = ab_type(dtype)
+        self.k_off = [cute.crd2idx((k * 16, 0, 0), sV.layout) * width // 8 // 16 for k in range(self.k_steps)]
+        self.stage_step = cute.crd2idx((0, 0, 1), sV.layout) * width // 8 // 16
+
+    def __extract_mlir_values__(self) -> list:
+        return [Int64(self.v).ir_value()]
+
+    def __new_from_mlir_values__(self, values: list) -> "PVOperands":
+        new = object.__new__(PVOperands)
+        new.__dict__.update(self.__dict__)
+        new.v = Int64(values[0])
+        return new
+
+    def gemm(self, acc: cute.Tensor, tOrP: cute.Tensor, stage: Int32) -> None:
+        """acc += P V_stage, issued (fence, k-steps, commit); not waited for. tOrP: the 16-bit A fragment
+        ((2, 2, 2), 1, tn / 16)."""
+        p32 = cute.recast_tensor(tOrP, Int32)  # ((1, 2, 2), 1, tn / 16): 4 registers per k-step
+        v_desc = self.v + Int64(Uint32(stage * self.stage_step))
+        warpgroup.fence()
+        for k in range(self.k_steps):
+            a = p32[None, 0, k]
+            wgmma_rs(acc, [a[i] for i in range(4)], v_desc + self.k_off[k], self.n, self.ptx_type)
+        warpgroup.commit_group()
