@@ -747,6 +747,24 @@ for tag in ("ring_slot", "row_sum_starts"):
         print(f"{tag:>15} {shape:>14}: {old:.0f} -> {new:.0f} cycles per CTA ({new / old - 1:+.1%}), official {off:.0f}")
 
 # %% [markdown]
+# The third piece was the wgmma **descriptors**. A descriptor is a 64-bit word that tells wgmma where
+# an operand sits in shared memory and how it is laid out: the start address >> 4, a leading and a
+# stride byte offset, and the swizzle mode. `cute.gemm` computes it where the wgmma is issued, so ptxas
+# re-derived Q's, K's and V's from the shared-memory base in every key block. Step 4 now builds them
+# once per tile (`stage3_fwd_kernel/wgmma_desc.py`), passes them through a warp shuffle so that
+# ptxas keeps them in uniform registers, and adds only `stage * stage_step` per block. The fixed
+# fields are the same ones `cute.gemm` ORs in (a compile test reads them from step 3's PTX):
+
+# %%
+from stage3_fwd_kernel import wgmma_desc
+
+for d, dv, tn in ((64, 64, 128), (128, 128, 128), (256, 256, 64)):
+    qk = wgmma_desc.fixed_fields(d, tn, 16, mn_major=False)
+    v = wgmma_desc.fixed_fields(dv, tn, 16, mn_major=True)
+    print(f"d = {d:>3}: Q / K fields {qk:#018x} (swizzle {wgmma_desc.swizzle_bytes(d, 16)} B), V fields {v:#018x}")
+print("descriptor rebuilt in the d = 64 loop above:", "USHF.R.U32.HI" in hot)
+
+# %% [markdown]
 # ## The Blackwell pipeline
 # On Blackwell (sm_100a) the MMA accumulators leave the register file for **tensor memory**
 # (TMEM: 128 lanes x 512 columns of 32 bits per SM), a 128 x 128 MMA is one instruction issued by
