@@ -90,7 +90,7 @@ lost per tile, not energy.
 The wgmmas are issued with descriptors the consumer builds once per tile (`wgmma_desc`): Q's for
 every k-step, K's and V's for stage 0 plus `stage * stage_step` per block. Through `cute.gemm` (steps
 1-3) ptxas re-derived all three from the shared-memory base in every key block, ~30 uniform-datapath
-instructions at d = 128 (hot loop 496 -> 464); same instructions otherwise, bitwise the same results.
+instructions at d = 128 (hot loop 497 -> 464); same instructions otherwise, bitwise the same results.
 
 Everything else is step 3 (producer warp + two ping-pong consumer warpgroups with the
 intra-warpgroup overlap, last-block-first walk, TMA K/V ring, setmaxnreg 24/240, same tile sizes
