@@ -1,7 +1,7 @@
 """The forward's key-block loop, counted in SASS: compiled here for sm_90a, no GPU needed.
 
     python benchmarks/hot_loop.py --dim 64 --causal [--seqlen-k 16384] \\
-        [--impls stage3_fwd_kernel.hopper_step4_fa4_softmax,my_copy] [--sass official.sass] [--opcodes]
+        [--impls stage3_fwd_kernel.hopper_step4_fa4_softmax,my_copy] [--sass official.sass] [--opcodes] [--listing]
 
 For each build: registers, spills, and in its unmasked key-block loop (``common.key_block_loop``) the
 instruction count, the uniform-datapath share (``U...`` opcodes: ring slots, barrier addresses, wgmma
@@ -9,7 +9,7 @@ descriptors), HGMMA, MUFU.EX2, FADD, FMUL and the sign fix-ups of signed divisio
 ``--impls`` is step 4 or an untracked copy of it (its own ``STEP``; ``compile_only`` with step 4's
 arguments). ``--sass`` adds SASS listings made elsewhere, e.g. the official kernel's cubin kept on the
 device with ``CUTE_DSL_KEEP=cubin`` and disassembled with ``nvdisasm``. ``--opcodes`` prints the opcodes
-whose counts differ from the first build's. ``--seqlen-k`` picks the build fa4 launches for that key
+whose counts differ from the first build's, ``--listing`` each loop as text. ``--seqlen-k`` picks the build fa4 launches for that key
 count (persistent or one CTA per tile); leave it out for the short-call build.
 
 This is where session 17 found the loop's bookkeeping (stage 3 README, "Session 17"). Counts explain
@@ -47,9 +47,9 @@ def opcode_histogram(loop: list) -> collections.Counter:
     return collections.Counter(op.split(".")[0] for op in loop)
 
 
-def compile_build(module: str, args) -> tuple[dict, list]:
-    """(report columns, key-block loop opcodes) of one module's build for the shape in args."""
-    from stage3_fwd_kernel.common import key_block_loop
+def compile_build(module: str, args) -> tuple[dict, list, str]:
+    """(report columns, key-block loop opcodes, its listing) of one module's build for the shape in args."""
+    from stage3_fwd_kernel.common import key_block_loop, key_block_loop_listing
 
     mod = importlib.import_module(module)
     comp = mod.compile_only(args.dtype, args.dim, args.dim_v or args.dim, args.causal, seqlen_k=args.seqlen_k)
@@ -57,17 +57,19 @@ def compile_build(module: str, args) -> tuple[dict, list]:
         raise SystemExit("hot_loop.py: no SASS (nvdisasm missing?)")
     loop = key_block_loop(comp.sass)
     rep = comp.report
-    return {"registers": rep["registers"], "spills": rep["spill_stores"], **loop_counts(loop)}, loop
+    cols = {"registers": rep["registers"], "spills": rep["spill_stores"], **loop_counts(loop)}
+    return cols, loop, key_block_loop_listing(comp.sass)
 
 
-def sass_build(path: str) -> tuple[dict, list]:
-    from stage3_fwd_kernel.common import key_block_loop
+def sass_build(path: str) -> tuple[dict, list, str]:
+    from stage3_fwd_kernel.common import key_block_loop, key_block_loop_listing
 
     with open(path) as f:
-        loop = key_block_loop(f.read())
+        sass = f.read()
+    loop = key_block_loop(sass)
     if not loop:
         raise SystemExit(f"hot_loop.py: {path} has no loop with both HGMMA and MUFU.EX2")
-    return {"registers": "-", "spills": "-", **loop_counts(loop)}, loop
+    return {"registers": "-", "spills": "-", **loop_counts(loop)}, loop, key_block_loop_listing(sass)
 
 
 def main(argv=None) -> int:
@@ -81,6 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default=STEP4, help="comma-separated module paths (step 4 or copies of it)")
     ap.add_argument("--sass", action="append", default=[], help="a SASS listing to count as well (repeatable)")
     ap.add_argument("--opcodes", action="store_true", help="opcodes whose counts differ from the first build's")
+    ap.add_argument("--listing", action="store_true", help="print each build's loop, one instruction per line")
     args = ap.parse_args(argv)
 
     builds = {}
@@ -95,17 +98,20 @@ def main(argv=None) -> int:
     print(f"key-block loop, {shape} (sm_90a SASS, static counts)")
     width = max(len(name) for name in builds) + 2
     print(f"{'build':<{width}}" + "".join(f"{c:>10}" for c in COLUMNS))
-    for name, (cols, _) in builds.items():
+    for name, (cols, _, _) in builds.items():
         print(f"{name:<{width}}" + "".join(f"{cols[c]!s:>10}" for c in COLUMNS))
 
     if args.opcodes and len(builds) > 1:
-        (first, (_, base_loop)), *others = builds.items()
+        (first, (_, base_loop, _)), *others = builds.items()
         base = opcode_histogram(base_loop)
-        for name, (_, loop) in others:
+        for name, (_, loop, _) in others:
             hist = opcode_histogram(loop)
             diff = sorted(((op, hist[op] - base[op]) for op in set(base) | set(hist) if hist[op] != base[op]),
                           key=lambda item: -abs(item[1]))
             print(f"\n{name} against {first}: " + (", ".join(f"{op} {d:+d}" for op, d in diff) or "same opcode counts"))
+    if args.listing:
+        for name, (_, _, listing) in builds.items():
+            print(f"\n--- {name}: key-block loop ---\n{listing}")
     return 0
 
 

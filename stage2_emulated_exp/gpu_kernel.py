@@ -86,6 +86,7 @@ __all__ = [
     "exp2_gpu",
     "exp2_mufu_f32",
     "hot_loop_opcodes",
+    "loop_listings",
     "kernel_resources",
     "sass_opcodes",
     "sass_from_cubin",
@@ -369,9 +370,9 @@ def sass_opcodes(sass: str) -> list:
     return ops
 
 
-def loop_opcodes(sass: str) -> list:
-    """Opcodes of every backward-branch loop (label .L_x_N ... BRA .L_x_N) in a SASS listing, one
-    list per loop, in the order their branches appear (outer loops contain inner ones)."""
+def loop_listings(sass: str) -> list:
+    """The text of every backward-branch loop (label .L_x_N ... BRA .L_x_N) in a SASS listing, in
+    the order their branches appear (outer loops contain inner ones)."""
     lines = sass.splitlines()
     labels, bodies = {}, []
     for i, line in enumerate(lines):
@@ -380,8 +381,13 @@ def loop_opcodes(sass: str) -> list:
             labels[m.group(1)] = i
         b = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
         if b and b.group(1) in labels:
-            bodies.append(sass_opcodes("\n".join(lines[labels[b.group(1)]:i + 1])))
+            bodies.append("\n".join(lines[labels[b.group(1)]:i + 1]))
     return bodies
+
+
+def loop_opcodes(sass: str) -> list:
+    """Opcodes of every backward-branch loop in a SASS listing (`loop_listings`), one list per loop."""
+    return [sass_opcodes(body) for body in loop_listings(sass)]
 
 
 def hot_loop_opcodes(sass: str) -> list:

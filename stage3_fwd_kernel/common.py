@@ -327,19 +327,41 @@ def disassemble(cubin: bytes) -> str:
     return _disassemble(cubin, required=False)
 
 
-def wgmma_loop_bodies(sass: str) -> list:
-    """Opcodes of every backward-branch loop (label .L_x_N ... BRA .L_x_N) holding an HGMMA, shortest
-    first: in the backward's step 3 the first is the unmasked tile body, the walk's hot loop."""
-    from stage2_emulated_exp.gpu_kernel import loop_opcodes
+def _wgmma_loops(sass: str) -> list:
+    """(opcodes, text) of every backward-branch loop (label .L_x_N ... BRA .L_x_N) holding an HGMMA,
+    shortest first."""
+    from stage2_emulated_exp.gpu_kernel import loop_listings, sass_opcodes
 
-    return sorted((body for body in loop_opcodes(sass) if any(op.startswith("HGMMA") for op in body)), key=len)
+    loops = ((sass_opcodes(text), text) for text in loop_listings(sass))
+    return sorted((loop for loop in loops if any(op.startswith("HGMMA") for op in loop[0])), key=lambda x: len(x[0]))
+
+
+def wgmma_loop_bodies(sass: str) -> list:
+    """Opcodes of every backward-branch loop holding an HGMMA, shortest first: in the backward's step 3
+    the first is the unmasked tile body, the walk's hot loop."""
+    return [ops for ops, _ in _wgmma_loops(sass)]
+
+
+def _key_block(sass: str) -> tuple:
+    """(opcodes, text) of the shortest wgmma loop that also holds MUFU.EX2; ([], "") when none."""
+    return next((loop for loop in _wgmma_loops(sass) if any(op.startswith("MUFU.EX2") for op in loop[0])), ([], ""))
 
 
 def key_block_loop(sass: str) -> list:
     """Opcodes of a forward kernel's hot loop: the shortest wgmma loop that also holds MUFU.EX2, i.e.
     the unmasked key-block step (masked steps and outer tile loops are longer; a loop with wgmmas but
     no exponentials is not a softmax step). [] when there is none."""
-    return next((body for body in wgmma_loop_bodies(sass) if any(op.startswith("MUFU.EX2") for op in body)), [])
+    return _key_block(sass)[0]
+
+
+def key_block_loop_listing(sass: str) -> str:
+    """The same loop as text to read: one instruction per line, without addresses and encodings."""
+    out = []
+    for line in _key_block(sass)[1].splitlines():
+        line = re.sub(r"\s*/\* 0x[0-9a-f]+ \*/", "", re.sub(r"/\*[0-9a-f]{4,}\*/", "", line)).strip()
+        if line:
+            out.append(line)
+    return "\n".join(out)
 
 
 def _elf_register_count(cubin: bytes) -> Optional[int]:

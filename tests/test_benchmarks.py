@@ -461,6 +461,11 @@ def test_hot_loop_counts_a_synthetic_loop_and_reads_sass_files(tmp_path, capsys)
     assert hot_loop.main(["--impls", "", "--sass", str(tmp_path / "other.sass")]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("other.sass")][0]
     assert row.split()[1:] == ["-", "-", "4", "1", "1", "1", "0", "0", "0"]
+    # --listing: the loop's instructions without addresses, the label first and the branch last
+    assert hot_loop.main(["--impls", "", "--sass", str(tmp_path / "other.sass"), "--listing"]) == 0
+    listing = capsys.readouterr().out.split("key-block loop ---\n")[1].splitlines()
+    assert listing == [".L_x_1:", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;", "MUFU.EX2 R3, R4 ;",
+                       "UIADD3 UR4, UR4, 0x1, URZ ;", "BRA `(.L_x_1) ;"]
     (tmp_path / "empty.sass").write_text("MOV R1, R2 ;")
     with pytest.raises(SystemExit, match="no loop with both HGMMA and MUFU.EX2"):
         hot_loop.main(["--impls", "", "--sass", str(tmp_path / "empty.sass")])
