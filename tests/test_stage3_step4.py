@@ -545,12 +545,15 @@ def test_hot_loop_bookkeeping(compiled, case):
 def test_descriptors_outside_key_block_loop(compiled, case):
     """Session 18: the wgmma descriptors are built once per tile (wgmma_desc). Through cute.gemm every
     key block re-derived Q's, K's and V's from the shared-memory base, each with a USHF.R.U32.HI (the
-    address >> 4; 2-3 per block at 89888d6). The loop still issues one HGMMA per k-step of S and of P V."""
+    address >> 4; 2-3 per block at 89888d6). The loop still issues one HGMMA per k-step of S and of P V,
+    and ptxas does not serialize the inline-PTX wgmmas."""
     from stage3_fwd_kernel.common import key_block_loop
     from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
-    hot = key_block_loop(compiled(case).sass)
+    comp = compiled(case)
+    assert not comp.report["wgmma_serialized"], "ptxas serialized the inline-PTX wgmmas"
+    hot = key_block_loop(comp.sass)
     assert len(hot) > 100, "no key-block loop found"
     assert "USHF.R.U32.HI" not in hot, "a descriptor rebuilt from the shared-memory base in the key-block loop"
     hgmma = sum(o.startswith("HGMMA") for o in hot)
