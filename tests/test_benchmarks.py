@@ -469,3 +469,25 @@ def test_hot_loop_counts_a_synthetic_loop_and_reads_sass_files(tmp_path, capsys)
     (tmp_path / "empty.sass").write_text("MOV R1, R2 ;")
     with pytest.raises(SystemExit, match="no loop with both HGMMA and MUFU.EX2"):
         hot_loop.main(["--impls", "", "--sass", str(tmp_path / "empty.sass")])
+
+
+def test_ab_pair_compares_two_builds_round_by_round(tmp_path, capsys):
+    """ab_pair.py: per case, the median over rounds of time(b) / time(a) and the rounds a won, from the
+    ms_rounds of one run; cases only one build ran are left out; an unknown build is named."""
+    import ab_pair
+
+    def row(impl, causal, rounds, ratio=None):
+        return {"impl": impl, "head_dim": 128, "head_dim_v": 128, "causal": causal, "seqlen": 4096,
+                "ms_rounds": rounds, "ratio_median": ratio}
+    doc = {"device": "test", "git_commit": "abc", "results": [
+        row("new", False, [1.0, 2.0, 1.0], 1.01), row("old", False, [1.1, 2.0, 0.9], 0.99),
+        row("new", True, [1.0]), row("official", True, [1.0])]}
+    rows = ab_pair.paired(doc, "new", "old")
+    assert len(rows) == 1 and rows[0]["causal"] is False  # causal: "old" did not run it
+    assert rows[0]["ratio"] == pytest.approx(1.0) and rows[0]["wins"] == 1 and rows[0]["rounds"] == 3
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    assert ab_pair.main([str(path), "new", "old"]) == 0
+    assert "(1 of 3 rounds faster)  vs official 1.010 / 0.990" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="'nope' is not in this run"):
+        ab_pair.main([str(path), "nope", "old"])
