@@ -71,11 +71,11 @@ def desc_lo(smem_addr: Int32, leading: int = 1) -> Int32:
     return ((smem_addr >> 4) & 0x3FFF) | (leading << 16)
 
 
-def kstep_offsets(layout_outer: cute.Layout, width_bits: int, k_steps: int, k_per_step: int = 16) -> list:
-    """Descriptor units (16 bytes) from an operand's first element to the first of each k-step: the
-    unswizzled offset of (row 0, col k * 16), as a compile-time int per step."""
-    pad = (0,) * (cute.rank(layout_outer) - 2)  # trailing modes (stages) at 0
-    return [cute.crd2idx((0, k * k_per_step) + pad, layout_outer) * width_bits // 8 // 16 for k in range(k_steps)]
+def desc_offset(layout_outer: cute.Layout, coord: tuple, width_bits: int) -> int:
+    """Descriptor units (16 bytes) from an operand's first element to `coord` (trailing modes, the
+    stages, at 0 unless given): the unswizzled offset, as cute.gemm adds it; a compile-time int."""
+    coord = coord + (0,) * (cute.rank(layout_outer) - len(coord))
+    return cute.crd2idx(coord, layout_outer) * width_bits // 8 // 16
 
 
 def desc64(lo: Int32, hi) -> Int64:
@@ -133,37 +133,54 @@ def wgmma_rs(acc: cute.Tensor, a_regs: list, b_desc: Int64, n: int, ptx_type: st
            loc, ip)
 
 
-class QKOperands:
+class _Carried:
+    """The DSL's protocol for a Python object carried through a kernel's `if`s and loops as run-time
+    values: the attributes named in `_carried` (an Int64 or a list of them) are its values."""
+
+    _carried: tuple = ()
+
+    def __extract_mlir_values__(self) -> list:
+        out = []
+        for name in self._carried:
+            v = getattr(self, name)
+            out += [Int64(x).ir_value() for x in (v if isinstance(v, list) else [v])]
+        return out
+
+    def __new_from_mlir_values__(self, values: list):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        values = list(values)
+        for name in self._carried:
+            old = getattr(self, name)
+            if isinstance(old, list):
+                setattr(new, name, [Int64(values.pop(0)) for _ in old])
+            else:
+                setattr(new, name, Int64(values.pop(0)))
+        return new
+
+
+class QKOperands(_Carried):
     """S = Q K^T's operands as descriptors: Q's per k-step computed once (at construction, before the
     key-block loop), K's as its stage-0 base plus `stage * stage_step` per call. sQ: the warpgroup's
     (rows, d) Q slab; sK: (tn, d, stages); both K-major with the swizzle `swizzle_bytes(d)`."""
 
+    _carried = ("q", "k")
+
     def __init__(self, sQ: cute.Tensor, sK: cute.Tensor, dtype, d: int, tn: int):
         width = dtype.width
-        sw = swizzle_bytes(d, width)
-        self.hi = desc_hi(sw)
+        self.hi = desc_hi(swizzle_bytes(d, width))
         self.k_steps = d // 16
         self.n = tn
         self.ptx_type = ab_type(dtype)
-        # each through a shuffle, which ptxas cannot re-derive inside the loop (module docstring)
+        # Q's halves each through a shuffle, which ptxas cannot re-derive inside the loop (module
+        # docstring); K's upper half may stay a constant: the per-block stage add is 64-bit anyway
         q_lo = desc_lo(sQ.iterator.toint())
         hi = cute.arch.make_warp_uniform(Int32(self.hi))
-        self.q = [desc64(cute.arch.make_warp_uniform(q_lo + off), hi)
-                  for off in kstep_offsets(sQ.layout, width, self.k_steps)]
+        self.q = [desc64(cute.arch.make_warp_uniform(q_lo + desc_offset(sQ.layout, (0, 16 * k), width)), hi)
+                  for k in range(self.k_steps)]
         self.k = desc64(cute.arch.make_warp_uniform(desc_lo(sK.iterator.toint())), self.hi)
-        self.k_off = kstep_offsets(sK.layout, width, self.k_steps)
-        self.stage_step = cute.crd2idx((0, 0, 1), sK.layout) * width // 8 // 16
-
-    # Carried through the kernel's `if`s and loops as run-time values (the DSL's protocol for them)
-    def __extract_mlir_values__(self) -> list:
-        return [Int64(v).ir_value() for v in self.q + [self.k]]
-
-    def __new_from_mlir_values__(self, values: list) -> "QKOperands":
-        new = object.__new__(QKOperands)
-        new.__dict__.update(self.__dict__)
-        new.q = [Int64(v) for v in values[:-1]]
-        new.k = Int64(values[-1])
-        return new
+        self.k_off = [desc_offset(sK.layout, (0, 16 * k), width) for k in range(self.k_steps)]
+        self.stage_step = desc_offset(sK.layout, (0, 0, 1), width)
 
     def gemm(self, acc: cute.Tensor, stage: Int32) -> None:
         """acc = Q K_stage^T, issued (fence, k-steps, commit); not waited for."""
@@ -174,31 +191,23 @@ class QKOperands:
         warpgroup.commit_group()
 
 
-class PVOperands:
+class PVOperands(_Carried):
     """O += P V's B operand as a descriptor: V (tn, dv, stages) is read MN-major (contiguous along dv),
     stage 0's descriptor computed once, `stage * stage_step` added per call. The leading byte offset
     is the distance between dv-chunks of one swizzle width (1 when dv is a single chunk)."""
 
+    _carried = ("v",)
+
     def __init__(self, sV: cute.Tensor, dtype, dv: int, tn: int):
         width = dtype.width
-        sw = swizzle_bytes(dv, width)
-        hi = cute.arch.make_warp_uniform(Int32(desc_hi(sw)))
+        hi = cute.arch.make_warp_uniform(Int32(desc_hi(swizzle_bytes(dv, width))))
         lo = cute.arch.make_warp_uniform(desc_lo(sV.iterator.toint(), leading_offset(dv, tn, width, True)))
         self.v = desc64(lo, hi)
         self.k_steps = tn // 16
         self.n = dv
         self.ptx_type = ab_type(dtype)
-        self.k_off = [cute.crd2idx((k * 16, 0, 0), sV.layout) * width // 8 // 16 for k in range(self.k_steps)]
-        self.stage_step = cute.crd2idx((0, 0, 1), sV.layout) * width // 8 // 16
-
-    def __extract_mlir_values__(self) -> list:
-        return [Int64(self.v).ir_value()]
-
-    def __new_from_mlir_values__(self, values: list) -> "PVOperands":
-        new = object.__new__(PVOperands)
-        new.__dict__.update(self.__dict__)
-        new.v = Int64(values[0])
-        return new
+        self.k_off = [desc_offset(sV.layout, (16 * k, 0), width) for k in range(self.k_steps)]
+        self.stage_step = desc_offset(sV.layout, (0, 0, 1), width)
 
     def gemm(self, acc: cute.Tensor, tOrP: cute.Tensor, stage: Int32) -> None:
         """acc += P V_stage, issued (fence, k-steps, commit); not waited for. tOrP: the 16-bit A fragment
