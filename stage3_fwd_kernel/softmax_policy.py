@@ -67,6 +67,7 @@ __all__ = [
     "emulation_pattern",
     "exp2_row",
     "rescale_vote",
+    "rescale_vote_limits",
 ]
 
 DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
@@ -189,6 +190,20 @@ def rescale_vote(row_max_old: cute.Tensor, row_max_new: cute.Tensor, scale_log2:
     for r in cutlass.range_constexpr(cute.size(row_max_old)):
         growth = (row_max_new[r] - row_max_old[r]) * scale_log2
         need = need | (growth > Float32(threshold))
+    return cute.arch.vote_any_sync(need)
+
+
+@cute.jit
+def rescale_vote_limits(row_max_new: cute.Tensor, row_limit: cute.Tensor) -> Boolean:
+    """`rescale_vote` with the threshold folded into a per-row limit m + threshold / scale_log2
+    that the caller moves only when m moves: one compare per row in the key-block loop instead of
+    a subtract, a multiply and a compare. The decisions differ only at the rounding edge (a growth
+    within an ulp of tau). m = -inf gives limit -inf: a row's first visible key votes yes, a row
+    with nothing visible (new = -inf) votes no, as in `rescale_vote`.
+    """
+    need = Boolean(False)
+    for r in cutlass.range_constexpr(cute.size(row_limit)):
+        need = need | (row_max_new[r] > row_limit[r])
     return cute.arch.vote_any_sync(need)
 
 

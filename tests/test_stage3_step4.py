@@ -562,6 +562,26 @@ def test_descriptors_outside_key_block_loop(compiled, case):
 
 @pytest.mark.compile
 @pytest.mark.stage3
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+def test_vote_and_bias_kept_beside_the_max(compiled, case):
+    """Session 19: the vote's limit m + tau / scale and the exponent's bias m * scale are kept beside m and
+    move only in the rescale branch. So between the row maxima's last quad shuffle and VOTE.ANY the loop
+    only compares (it did FADD, FMUL and FSETP per row at cab3ee2), and its only FSELs are the rescale
+    branch's two `m = -inf` guards (the bias was selected and multiplied again after the branch)."""
+    from stage3_fwd_kernel.common import key_block_loop
+
+    hot = key_block_loop(compiled(case).sass)
+    assert hot.count("VOTE.ANY") == 1, f"{hot.count('VOTE.ANY')} VOTE.ANY in the key-block loop"
+    vote = hot.index("VOTE.ANY")
+    last_shuffle = max(i for i, o in enumerate(hot[:vote]) if o.startswith("SHFL"))
+    arithmetic = [o for o in hot[last_shuffle + 1:vote] if o.startswith(("FADD", "FMUL", "FFMA"))]
+    assert not arithmetic, f"the vote computes before comparing: {arithmetic}"
+    fsel = [o for o in hot if o.startswith("FSEL")]
+    assert len(fsel) == 2, f"{len(fsel)} FSEL in the key-block loop (2 expected: the rescale branch's guards)"
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
 @pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)])
 def test_descriptor_fields_match_cute_gemm(d, dv):
     """wgmma_desc's fixed descriptor fields (swizzle mode, stride and leading byte offsets) are the ones

@@ -139,7 +139,7 @@ def hunk(old, new, anchor, limit=16):
     raise LookupError(f"no added line contains {anchor!r}")
 
 
-for (a, b), anchor in zip(zip(LADDER, LADDER[1:]), ["producer_get_barrier", "barrier_id=my_turn", "rescale_vote("]):
+for (a, b), anchor in zip(zip(LADDER, LADDER[1:]), ["producer_get_barrier", "barrier_id=my_turn", "rescale_vote_limits("]):
     print(f"──── {a} → {b}   (anchor: {anchor})")
     print(hunk(steps[a][0], steps[b][0], anchor), "\n")
 
@@ -155,8 +155,9 @@ for (a, b), anchor in zip(zip(LADDER, LADDER[1:]), ["producer_get_barrier", "bar
 #   (`overlapped_step`). It walks the key blocks last first, so the masked ones come first and the
 #   hot loop is compiled without mask code.
 # - **step 4** splits the online-softmax update in two: a warp vote decides whether the running
-#   max moves at all (conditional rescaling), and `exp2_row` computes P with a compile-time share
-#   of the exponentials on the FMA pipe (stage 2's polynomial).
+#   max moves at all (conditional rescaling; each row's threshold m + tau / scale is kept beside m,
+#   so the vote is one compare per row), and `exp2_row` computes P with a compile-time share of the
+#   exponentials on the FMA pipe (stage 2's polynomial).
 #
 # ## The roofline: three resources per tile
 # `roofline.py` prices one `M x N` tile with head dim `d` on one SM (paper §3.1.1):
