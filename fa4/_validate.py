@@ -52,17 +52,24 @@ def _check_flag(name, x):
         raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
 
 
+# The smallest softmax_scale accepted. The forward's rescale vote keeps m + tau / (scale * log2 e)
+# per row in fp32 (tau <= 64): finite for every scale from here up. Real scales are ~1/sqrt(d).
+# Stage 3's step 4 checks the same bound (MIN_SOFTMAX_SCALE there; a cpu test keeps them equal).
+MIN_SOFTMAX_SCALE = 2.0 ** -100
+
+
 def check_softmax_scale(name, scale, head_dim) -> float:
-    """None -> 1/sqrt(head_dim); otherwise a finite real number (bool is refused: it is an int
-    in Python, and `scale=True` is certainly a bug)."""
+    """None -> 1/sqrt(head_dim); otherwise a finite real number >= MIN_SOFTMAX_SCALE (bool is
+    refused: it is an int in Python, and `scale=True` is certainly a bug)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name}: expected a float or None, got {type(scale).__name__}")
-    if isinstance(scale, numbers.Real) and not (math.isfinite(float(scale)) and scale > 0):
+    if isinstance(scale, numbers.Real) and not (math.isfinite(float(scale)) and scale >= MIN_SOFTMAX_SCALE):
         # the kernels track the row maximum of the raw scores: a negative scale would turn it
         # into the minimum, so only finite positive scales are meaningful
-        raise ValueError(f"{name}: must be finite and > 0, got {scale}")
+        raise ValueError(f"{name}: must be finite and >= 2**-100 (> 0, and the kernels' fp32 softmax "
+                         f"divides by it), got {scale}")
     return float(scale)
 
 

@@ -1318,14 +1318,19 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
             common.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
+# The rescale vote's limit m + tau / (scale * log2 e) must be finite in fp32 for tau <= 64: true from
+# this scale up (fa4's validation uses the same bound). Real scales are ~1/sqrt(d).
+MIN_SOFTMAX_SCALE = 2.0 ** -100
+
+
 def _check_scale(softmax_scale, head_dim):
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+    if not (math.isfinite(softmax_scale) and softmax_scale >= MIN_SOFTMAX_SCALE):
         # the kernel takes row maxima of the raw scores: a negative scale would flip max and min
-        raise ValueError(f"softmax_scale: expected a finite value > 0, got {softmax_scale}")
+        raise ValueError(f"softmax_scale: expected a finite value >= 2**-100, got {softmax_scale}")
     return float(softmax_scale)
 
 

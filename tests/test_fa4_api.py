@@ -69,7 +69,8 @@ def _fixed_cases():
         ("scale-type", dict(softmax_scale="0.1"), TypeError, r"^softmax_scale: expected a float"),
         ("scale-bool", dict(softmax_scale=True), TypeError, r"^softmax_scale:"),
         ("scale-inf", dict(softmax_scale=math.inf), ValueError, r"^softmax_scale: must be finite"),
-        ("scale-zero", dict(softmax_scale=0.0), ValueError, r"^softmax_scale: must be finite and > 0"),
+        ("scale-zero", dict(softmax_scale=0.0), ValueError, r"^softmax_scale: must be finite and >= 2\*\*-100"),
+        ("scale-tiny", dict(softmax_scale=1e-35), ValueError, r"^softmax_scale: must be finite and >= 2\*\*-100"),
         ("causal", dict(causal=1), TypeError, r"^causal: expected a bool"),
         ("deterministic", dict(deterministic="no"), TypeError, r"^deterministic: expected a bool"),
         ("return_lse", dict(return_lse=None), TypeError, r"^return_lse: expected a bool"),
@@ -184,7 +185,7 @@ SDPA_CASES = [
     ("query-dtype", dict(query=meta(2, 8, 64, 128, dtype=torch.float32)), TypeError, r"^query: dtype torch.float32"),
     ("key-head-dim", dict(key=meta(2, 8, 64, 64)), ValueError, r"^key: head_dim 64 differs"),
     ("scale", dict(scale="x"), TypeError, r"^scale: expected a float"),
-    ("scale-negative", dict(scale=-0.1), ValueError, r"^scale: must be finite and > 0"),
+    ("scale-negative", dict(scale=-0.1), ValueError, r"^scale: must be finite and >= 2\*\*-100"),
 ]
 
 

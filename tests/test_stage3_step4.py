@@ -185,9 +185,18 @@ def test_scale_and_head_dim_checks():
     """(checked after the device check in the entry points, so tested directly here)"""
     mod = _mod()
     assert mod._check_scale(None, 64) == 0.125
-    for bad, exc in ((-0.1, ValueError), (0.0, ValueError), (float("nan"), ValueError), ("0.1", TypeError)):
+    for bad, exc in ((-0.1, ValueError), (0.0, ValueError), (float("nan"), ValueError), ("0.1", TypeError),
+                     (1e-35, ValueError)):
         with pytest.raises(exc, match="softmax_scale"):
             mod._check_scale(bad, 64)
+    assert mod._check_scale(mod.MIN_SOFTMAX_SCALE, 64) == mod.MIN_SOFTMAX_SCALE
+    # the bound keeps the vote's limit finite in fp32 at the largest tau, and fa4 checks the same one
+    import numpy as np
+
+    tau = mod.softmax_policy.MAX_RESCALE_THRESHOLD
+    assert np.isfinite(np.float32(tau) / np.float32(mod.MIN_SOFTMAX_SCALE * math.log2(math.e)))
+    from fa4._validate import MIN_SOFTMAX_SCALE
+    assert MIN_SOFTMAX_SCALE == mod.MIN_SOFTMAX_SCALE
     for d, dv in ((48, 48), (64, 128), (320, 320)):
         with pytest.raises(ValueError, match="head_dim"):
             mod._check_head_dims(d, dv)
