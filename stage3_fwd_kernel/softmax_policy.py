@@ -12,7 +12,9 @@ stage 2 built and verified the second on the GPU. This module is where they meet
    Rows that do not move keep a stale max m; every term 2^(s - m) then stays <= 2^tau, and the
    final O / l and lse = m + log2(l) are still exact (stage 1's docstring has the argument).
    tau = 0 is classic FlashAttention: the warp rescales whenever any row's max grew, and the
-   multiplies it skips are multiplies by exactly 1.
+   multiplies it skips are multiplies by exactly 1. `rescale_vote_limits(row_max_new, row_limit)`
+   is the same vote against per-row limits m + tau / scale_log2 that the caller keeps beside m
+   (Hopper's step 4: one compare per row in the loop instead of three instructions).
 
 2. `exp2_row(row, scale_log2, bias, policy)` -- partial exp2 emulation. Each value of a
    thread's row fragment becomes 2^(row[c] * scale_log2 - bias); the values whose position
