@@ -766,6 +766,22 @@ for d, dv, tn in ((64, 64, 128), (128, 128, 128), (256, 256, 64)):
 print("descriptor rebuilt in the d = 64 loop above:", "USHF.R.U32.HI" in hot)
 
 # %% [markdown]
+# The fourth piece is in the softmax. Every block asked "did some row's max grow by more than tau?" as
+# `(m_new - m) * scale > tau`, and computed the exponent's bias `m * scale` (with a guard for
+# `m = -inf`). But m moves only when the warp votes to rescale, which after the first few blocks is
+# rare. So step 4 keeps the limit `m + tau / scale` and the bias beside m, updated only inside the
+# rescale branch: the vote becomes one compare per row, and a block whose warp votes no runs 10 fewer
+# instructions. Between the row maxima's last quad shuffle and the vote, the loop above now only
+# finishes the maxima and compares (FADD, FADD, FMUL, FMUL sat there too before), and its only FSELs
+# are the branch's two guards:
+
+# %%
+vote = hot.index("VOTE.ANY")
+last_shuffle = max(i for i, o in enumerate(hot[:vote]) if o.startswith("SHFL"))
+print("between the last row-max shuffle and VOTE.ANY:", [o for o in hot[last_shuffle + 1:vote] if o[0] == "F"])
+print("FSEL in the loop:", hot.count("FSEL"))
+
+# %% [markdown]
 # ## The Blackwell pipeline
 # On Blackwell (sm_100a) the MMA accumulators leave the register file for **tensor memory**
 # (TMEM: 128 lanes x 512 columns of 32 bits per SM), a 128 x 128 MMA is one instruction issued by
