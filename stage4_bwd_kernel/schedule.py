@@ -255,9 +255,19 @@ def default_dq_order(causal: bool, deterministic: bool, sections: bool = True, h
     at 2k-8k (none at 16k, where G = 1 is the blockIdx order). Paired H100 rounds, step 3
     (``ab_bwd_h100_run43_*`` .. ``..._run45_*``): +0.7..+5.5% at 8k, +0.2..+7.4% at 4k, but
     -2.9..+0.8% at 1k-2k, so shorter chains keep blockIdx order (``KVAscendingLongSectionsOrder``;
-    the forward's LPT order starts at 4k keys as well, for the same kind of result)."""
+    the forward's LPT order starts at 4k keys as well, for the same kind of result).
+
+    Non-causal runs at head dim <= 64 launch in the deterministic mode's two-wave sections in the
+    default mode too: 32 CTAs of one chain that start together reduce into the same dQ tile at the
+    same moment, every Q tile of the walk. Paired H100 rounds against blockIdx order
+    (``ab_bwd_h100_run63_*``, ``..._run64_*``, 9 + 13 rounds): +0.4..+1.4% at 1k-16k, faster in 8-11 of
+    13 rounds at every length. Larger head dims keep blockIdx order (untimed in the default mode;
+    in the deterministic one d = 128 lost 7-15% at 1k-4k with two-wave sections)."""
     if not deterministic:
-        return KVAscendingLongSectionsOrder if causal and sections else KVAscendingOrder
+        if causal:
+            return KVAscendingLongSectionsOrder if sections else KVAscendingOrder
+        wide = sections and head_dim is not None and head_dim <= 64
+        return KVAscendingWideSectionsOrder if wide else KVAscendingOrder
     if causal:
         return KVDescendingSectionsOrder if sections else KVDescendingOrder
     if not sections:

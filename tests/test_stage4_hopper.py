@@ -213,7 +213,10 @@ def test_descending_order_removes_causal_first_write_stalls():
     assert schedule.default_dq_order(True, False) is schedule.KVAscendingLongSectionsOrder
     assert schedule.default_dq_order(True, False, sections=False) is schedule.KVAscendingOrder
     assert schedule.default_dq_order(False, False) is schedule.KVAscendingOrder
-    assert schedule.default_dq_order(False, False, head_dim=64) is schedule.KVAscendingOrder
+    # ... except at head dim <= 64, in two-wave sections (the deterministic mode's d = 64 order)
+    assert schedule.default_dq_order(False, False, head_dim=64) is schedule.KVAscendingWideSectionsOrder
+    assert schedule.default_dq_order(False, False, head_dim=96) is schedule.KVAscendingOrder
+    assert schedule.default_dq_order(False, False, head_dim=64, sections=False) is schedule.KVAscendingOrder
 
 
 @pytest.mark.cpu

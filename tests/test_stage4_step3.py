@@ -445,10 +445,10 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
         assert s4._has_spin_loop(sass), "no spin loop around the acquire load"
         # the adds must have landed (full wait, not .read) before the release
         assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
-    # deterministic: one writer warp per dQ buffer; deterministic or causal: the launch index mapped in
-    # sections of chains (the grid's extent is read only for that)
+    # deterministic: one writer warp per dQ buffer; deterministic, causal or d <= 64: the launch index
+    # mapped in sections of chains (the grid's extent is read only for that)
     assert kernel.dq_writers == (kernel.dq_buffers if det else 1) and kernel.sem_early
-    assert ("%nctaid.x" in ptx) == (det or causal)
+    assert ("%nctaid.x" in ptx) == (det or causal or d <= 64)
 
 
 # ================================================================================== gpu tier
