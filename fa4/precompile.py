@@ -300,6 +300,12 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
                 q.detach()[0], k.detach()[0], v.detach()[0], cu, cu, 64, 64, causal=c), "", {}))
     for b in lpt:  # built, not run: the kernels a long causal call of these heads would compile
         tasks.append(("fwd lpt", *_lpt_task(fwd_mod, b)))
+    if hasattr(fwd_mod, "compile_launchable"):
+        # built, not run: what long non-causal calls add (the Hopper forward's split_tail kernels)
+        for dt, d, dv, c in cfgs:
+            if not c:
+                tasks.append(("fwd long", (dt, d, dv, c), functools.partial(
+                    fwd_mod.compile_launchable, dtype=dt, head_dim=d, head_dim_v=dv, causal=False), "", {}))
     prog = Progress(len(tasks), out)
     results = []
     for kind, (dt, d, dv, c), fn, prefix, extra in tasks:

@@ -34,10 +34,20 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     """What attention_forward (varlen=True: attention_varlen_forward) launches with its defaults and
     `scheduler` (None: the static tile order; persistent CTAs where default_persistent says so for
     calls with `seqlen_k` keys, None = short ones, as in the launch), compiled without a GPU under the GPU path's cache key
-    (TVM-FFI, fake tensors): a list of one Compiled record. With fa4's disk cache installed this
-    fills it on a CPU machine."""
-    return [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
-                         scheduler=scheduler, launchable=True, seqlen_k=seqlen_k)]
+    (TVM-FFI, fake tensors): a list of Compiled records -- the kernel, and for non-causal dense calls on
+    persistent CTAs also what long ones launch, the split_tail build and its combine kernel. With
+    fa4's disk cache installed this fills it on a CPU machine."""
+    from stage3_fwd_kernel import split_combine
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_persistent
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    builds = [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
+                           scheduler=scheduler, launchable=True, seqlen_k=seqlen_k)]
+    if not (causal or varlen or scheduler is not None) and default_persistent(head_dim, head_dim_v, False):
+        builds.append(compile_only(dtype, head_dim, head_dim_v, False, persistent=True, split_tail=True,
+                                   launchable=True))
+        builds.append(split_combine.compile_only(dtype, head_dim_v, launchable=True))
+    return builds
 
 
 __all__ = [

@@ -58,6 +58,14 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   registers to global memory in 4-byte stores. Causal calls take the next tile from an atomic
   counter (`dynamic=True`): the producer publishes each tile id in shared memory before arming
   that tile's Q barrier. Bitwise the results of one CTA per tile.
+* The last partial wave split along the keys (`split_tail`, non-causal calls on the static
+  persistent order with >= 64 key blocks a tile; `split_tail_plan`). T equal tiles on P CTAs take
+  ceil(T / P) tile-times: the benchmark's d = 128 calls are 4096 tiles on 132 SMs, 31 waves and 4
+  tiles, and that 32nd wave was ~3% of the call (benchmarks/wave_tail.py, both kernels). The last R
+  tiles become R * S key chunks (S = P // R) that the otherwise idle CTAs walk; each leaves O (over
+  its own row sums) and lse in an fp32 workspace, and one small kernel (split_combine.py) merges
+  them: O = sum_j exp(lse_j - lse) O_j. The full waves keep their bits; the tail's rows change by
+  the order of additions (FA4's rule holds). H100, paired: +1.3% at 8k, +2.4% at 16k; at 4k it lost.
 * K/V multicast (`kv_multicast`, off by default: correct on the H100, 74 gpu tests, but no faster;
   a third less L2 traffic gained nothing, stage 3 README "K/V multicast"): clusters of two CTAs
   that read the same K/V blocks; each loads half of every block and TMA multicasts it into both,
@@ -230,7 +238,7 @@ class FlashAttentionForwardSm90Step4:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
                  num_stages: int | None = None, pingpong: bool = True, scheduler=common.StaticTileScheduler,
-                 lean_mask: bool | None = None, kv_multicast: bool | str = False):
+                 lean_mask: bool | None = None, kv_multicast: bool | str = False, split_tail: bool = False):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -271,6 +279,13 @@ class FlashAttentionForwardSm90Step4:
         self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m,
                                                            separate_o=self.persistent and not self.o_direct)
         self.pingpong = pingpong
+        # split_tail: the last partial wave's tiles are cut along the keys into chunks that other CTAs
+        # take; each chunk leaves (O, lse) in fp32 for split_tail_combine (see attention_forward)
+        if split_tail and (causal or not self.persistent or self.dynamic or self.kv_multicast
+                           or getattr(scheduler, "order", None) is not common.StaticTileScheduler):
+            raise ValueError("split_tail: needs a non-causal call on the static persistent order "
+                             "(PersistentScheduler(StaticTileScheduler)) without kv_multicast")
+        self.split_tail = bool(split_tail)
         self.scheduler = scheduler
         self.num_consumers = tile_m // 64    # consumer warpgroups, one wgmma M = 64 row block each
         self.wg_m = tile_m // self.num_consumers  # 64 query rows per consumer
@@ -318,13 +333,18 @@ class FlashAttentionForwardSm90Step4:
                  mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
-                 mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32, stream):
+                 mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32,
+                 mSplit: Optional[cute.Tensor], split_chunks: Int32, stream):
         # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         #         mLSE (B, Hq, Sq); the four optional tensors are None.
         # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
         #         mCuSeqlensQ / mCuSeqlensK (batch + 1,), mSeqUsedK / mBatchMap (batch,) or None.
         # max_ctas: a persistent grid's width (the device's SMs); unused by one-tile-per-CTA grids.
         # mTileCounter: int32 (1,), zeroed, for a dynamic persistent scheduler; None otherwise.
+        # mSplit: split_tail's workspace, fp32 (R * split_chunks, tile_m, dv + 1): chunk c's O rows
+        #         (normalized by the chunk's own sum) and, in the last column, its lse; None otherwise.
+        if const_expr((mSplit is not None) != self.split_tail):
+            raise ValueError("split workspace: pass one exactly when the kernel is built with split_tail")
         if const_expr((mTileCounter is not None) != self.dynamic):
             raise ValueError("tile_counter: pass one exactly when the scheduler is dynamic")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
@@ -416,7 +436,7 @@ class FlashAttentionForwardSm90Step4:
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
-                    self._gmem_copy_O(dv), num_m_units, mQ.shape[2], batch,
+                    self._gmem_copy_O(dv), num_m_units, mQ.shape[2], batch, mSplit, split_chunks,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                              **({"cluster": self.cluster_shape} if self.kv_multicast else {}))
@@ -433,13 +453,14 @@ class FlashAttentionForwardSm90Step4:
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
-               gmem_copy_O: cute.TiledCopy, num_m_units: Int32, num_heads: Int32, num_batch: Int32):
+               gmem_copy_O: cute.TiledCopy, num_m_units: Int32, num_heads: Int32, num_batch: Int32,
+               mSplit: Optional[cute.Tensor], split_chunks: Int32):
         # num_m_units: query tiles per head, or pairs of them (kv_multicast)
         trace.cta_stamp("entry")  # no code unless benchmarks/trace_fwd.py turned tracing on
         seq = (seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
         if const_expr(self.persistent):
             # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
-            self.attend(None, seq, (num_m_units, num_heads, num_batch, mTileCounter),
+            self.attend(None, seq, (num_m_units, num_heads, num_batch, mTileCounter, mSplit, split_chunks),
                         tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V,
                         tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, gmem_copy_O)
         else:
@@ -576,17 +597,21 @@ class FlashAttentionForwardSm90Step4:
                 if const_expr(self.persistent):
                     kv_base, q_phase = Int32(0), Int32(0)  # loads so far, Q's phase
                     linear = self.first_linear()
-                    total = extents[0] * extents[1] * extents[2]
+                    total = self.num_items(extents)
                     while linear < total:
-                        t = self.work_at(linear, extents, seq)
+                        t, n_block_min, n_block_max, _ = self.item_at(linear, extents, seq)
                         if self.tile_live(t):  # else: past its sequence's end (varlen)
-                            n_block_max = self.num_key_blocks(t[0], t[6], t[7])
                             if const_expr(self.dynamic):
                                 # published before Q's full barrier is armed: its arrival releases it
                                 tile_ids[q_phase] = linear
-                            self.produce(t, n_block_max, kv_base, q_phase, tma_Q, tma_K, tma_V,
-                                         tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
-                            kv_base += n_block_max
+                            if const_expr(self.split_tail):
+                                self.produce(t, n_block_max, kv_base, q_phase, tma_Q, tma_K, tma_V,
+                                             tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V,
+                                             n_block_min=n_block_min)
+                            else:
+                                self.produce(t, n_block_max, kv_base, q_phase, tma_Q, tma_K, tma_V,
+                                             tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
+                            kv_base += n_block_max - n_block_min
                             q_phase ^= 1
                         linear = self.next_linear(linear, extents)
                     if const_expr(self.dynamic):
@@ -623,14 +648,18 @@ class FlashAttentionForwardSm90Step4:
             elif const_expr(self.persistent):
                 kv_base, q_phase = Int32(0), Int32(0)
                 linear = self.first_linear()
-                total = extents[0] * extents[1] * extents[2]
+                total = self.num_items(extents)
                 while linear < total:
-                    t = self.work_at(linear, extents, seq)
+                    t, n_block_min, n_block_max, chunk = self.item_at(linear, extents, seq)
                     if self.tile_live(t):
-                        n_block_max = self.num_key_blocks(t[0], t[6], t[7])
-                        self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
-                                     mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
-                        kv_base += n_block_max
+                        if const_expr(self.split_tail):
+                            self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
+                                         mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O,
+                                         n_block_min=n_block_min, chunk=chunk, mSplit=extents[4])
+                        else:
+                            self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
+                                         mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
+                        kv_base += n_block_max - n_block_min
                         q_phase ^= 1
                     linear += self.num_walkers()
             else:
@@ -663,6 +692,38 @@ class FlashAttentionForwardSm90Step4:
             m_block = m_block * self.cluster_m + cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         return self.tile_info(m_block, head, batch, seq)
 
+    def num_items(self, extents) -> Int32:
+        """Work items of the persistent order: its tiles, or (split_tail) the tiles before the last
+        partial wave and split_chunks key chunks of each tile in it (extents[4].shape[0] of them)."""
+        total = extents[0] * extents[1] * extents[2]
+        if const_expr(self.split_tail):
+            split_tiles = extents[4].shape[0] // extents[5]
+            total = total - split_tiles + extents[4].shape[0]
+        return total
+
+    @cute.jit
+    def item_at(self, linear: Int32, extents, seq) -> tuple:
+        """(tile_info, first key block, end key block, chunk) of work item `linear`: a whole tile and
+        chunk -1, or (split_tail, past the full waves) chunk c = j + S r: keys [j nb / S, (j+1) nb / S)
+        of tail tile r (S = split_chunks, nb its key blocks)."""
+        tile_linear = linear
+        chunk = Int32(-1)
+        if const_expr(self.split_tail):
+            chunks = extents[5]
+            tail_start = extents[0] * extents[1] * extents[2] - extents[4].shape[0] // chunks
+            if linear >= tail_start:
+                chunk = linear - tail_start
+                tile_linear = tail_start + chunk // chunks
+        t = self.work_at(tile_linear, extents, seq)
+        n_block_max = self.num_key_blocks(t[0], t[6], t[7])
+        n_block_min = Int32(0)
+        if const_expr(self.split_tail):
+            if chunk >= 0:
+                j = chunk - (chunk // chunks) * chunks
+                n_block_min = (j * n_block_max) // chunks
+                n_block_max = ((j + 1) * n_block_max) // chunks
+        return t, n_block_min, n_block_max, chunk
+
     @cute.jit
     def next_linear(self, linear: Int32, extents) -> Int32:
         """(producer warp) the tile after `linear`: num_ctas further (static), or -- dynamic -- num_ctas
@@ -679,10 +740,14 @@ class FlashAttentionForwardSm90Step4:
     def produce(self, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma_Q: cute.Tensor,
                 tma_K: cute.Tensor, tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
                 tma_atom_V: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                pipe_Q, pipe_K, pipe_V):
+                pipe_Q, pipe_K, pipe_V, n_block_min=None):
         """(producer warp) one tile's loads: Q's nc slabs, then every visible K/V block, each as soon
         as its ring slot is free (last block first: the order the consumers walk them in). kv_base:
-        loads issued for earlier tiles (the ring position), q_phase: Q's phase for this tile."""
+        loads issued for earlier tiles (the ring position), q_phase: Q's phase for this tile;
+        n_block_min (split_tail's chunks): the first key block, 0 when None."""
+        n_blocks = n_block_max
+        if const_expr(n_block_min is not None):
+            n_blocks = n_block_max - n_block_min
         m_block, head, head_kv, batch, offset_q, offset_k = tile[0], tile[1], tile[2], tile[3], tile[4], tile[5]
         tn, d, dv = self.tile_n, self.head_dim, self.head_dim_v
         # TMA coordinates of this sequence: rows start at its offset in the packed tensor
@@ -706,7 +771,7 @@ class FlashAttentionForwardSm90Step4:
         if const_expr(self.persistent):
             # the first K/V block before Q: its ring slot frees while the consumers still use the
             # previous tile's Q (released after their last S = Q K^T)
-            if n_block_max > 0:
+            if n_blocks > 0:
                 self.load_kv(kv_base, n_block_max - 1, pipe_K, pipe_V, tma_atom_K, tma_atom_V,
                              tKgK, tKsK, tVgV, tVsV)
             first_kv = 1
@@ -716,7 +781,7 @@ class FlashAttentionForwardSm90Step4:
         for wg in cutlass.range_constexpr(self.num_consumers):
             cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_consumers + wg], tQsQ[None, wg],
                       tma_bar_ptr=pipe_Q.producer_get_barrier(q_state))
-        for i in cutlass.range(first_kv, n_block_max, unroll=1):
+        for i in cutlass.range(first_kv, n_blocks, unroll=1):
             self.load_kv(kv_base + i, n_block_max - 1 - i, pipe_K, pipe_V, tma_atom_K, tma_atom_V,
                          tKgK, tKsK, tVgV, tVsV)
 
@@ -745,10 +810,11 @@ class FlashAttentionForwardSm90Step4:
     def consume(self, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32,
                 softmax_scale_log2: Float32, mO: cute.Tensor, mLSE: cute.Tensor, smem_tensors,
                 tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, sO_layout: cute.ComposedLayout,
-                gmem_copy_O: cute.TiledCopy):
+                gmem_copy_O: cute.TiledCopy, n_block_min=None, chunk=None, mSplit=None):
         """One consumer warpgroup on one tile: step 3's per-tile math on its own 64 query rows, with
         FA4's softmax (vote + partial emulation) and sequence-relative output rows. kv_base: K/V
-        blocks consumed for earlier tiles (the ring position), q_phase: Q's phase for this tile."""
+        blocks consumed for earlier tiles (the ring position), q_phase: Q's phase for this tile.
+        split_tail: keys [n_block_min, n_block_max) only, and a chunk >= 0 leaves its (O, lse) in mSplit."""
         m_block, head, batch, offset_q, seqlen_q, seqlen_k = tile[0], tile[1], tile[3], tile[4], tile[6], tile[7]
         storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V = smem_tensors
         trace.cta_stamp("start")
@@ -833,7 +899,11 @@ class FlashAttentionForwardSm90Step4:
             diag = m_block * self.tile_m + 1 + seqlen_k - seqlen_q
             n_unmasked = cutlass.min(n_unmasked, cutlass.max(diag, 0) // tn)
         n_masked = n_block_max - cutlass.min(n_unmasked, n_block_max)  # walked first (i < n_masked)
-        if n_block_max > 0:
+        n_blocks = n_block_max
+        if const_expr(n_block_min is not None):
+            n_blocks = n_block_max - n_block_min
+            n_masked = cutlass.min(n_masked, n_blocks)
+        if n_blocks > 0:
             # 2a. prologue: S_0 alone (O is still 0: nothing to rescale)
             st0 = self.kv_state(kv_base, producer=False)
             pipe_K.consumer_wait(st0)
@@ -872,7 +942,7 @@ class FlashAttentionForwardSm90Step4:
                                      qk, pv, thr_mma_qk, pipe_K, pipe_V,
                                      my_turn, next_turn, tScS0_rc)
                 st_prev = st
-            for i in cutlass.range(cutlass.max(n_masked, 1), n_block_max, unroll=1):
+            for i in cutlass.range(cutlass.max(n_masked, 1), n_blocks, unroll=1):
                 st = self.next_kv_state(st_prev)
                 self.overlapped_step(st, st_prev, n_block_max - 1 - i, False, row0, seqlen_q, seqlen_k, softmax_scale_log2,
                                      tScS_rc, row_max, row_max_new, row_sum, row_scale, row_limit, row_bias,
@@ -895,7 +965,7 @@ class FlashAttentionForwardSm90Step4:
             pipe_V.consumer_release(st_last)
 
         if const_expr(self.persistent):
-            if n_block_max == 0:
+            if n_blocks == 0:
                 pipe_Q.consumer_release(q_state)
 
         # 3. epilogue: O /= l, lse = m*scale + ln(l); empty rows -> O = 0, lse = -inf
@@ -908,27 +978,49 @@ class FlashAttentionForwardSm90Step4:
             for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
                 acc_O_rc[r, c] = acc_O_rc[r, c] * inv
 
-        # 3a. lse: the thread holding column 0 of a row writes it
-        if tScS_rc[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(num_rows):
-                row = row0 + tScS_rc[r, 0][0]
-                live = row < seqlen_q  # rows past the sequence belong to the next one: never written
-                if const_expr(self.q_shift):
-                    live = live & (offset_q + row >= 0)  # nor the padding rows before it
-                if live:
-                    mLSE[batch, head, offset_q + row] = lse[r]
+        whole = True
+        if const_expr(self.split_tail):
+            whole = chunk < 0
+            if not whole:  # a key chunk of a tail tile: (O, lse) in fp32 for the combine
+                self.store_split(acc_O, lse, mSplit, chunk, wg, ctidx, tiled_mma_pv, tScS_rc)
+        if whole:
+            # 3a. lse: the thread holding column 0 of a row writes it
+            if tScS_rc[0, 0][1] == 0:
+                for r in cutlass.range_constexpr(num_rows):
+                    row = row0 + tScS_rc[r, 0][0]
+                    live = row < seqlen_q  # rows past the sequence belong to the next one: never written
+                    if const_expr(self.q_shift):
+                        live = live & (offset_q + row >= 0)  # nor the padding rows before it
+                    if live:
+                        mLSE[batch, head, offset_q + row] = lse[r]
 
-        # 3b. O, row-guarded: through smem (the default) or, o_direct, straight from registers
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        rows_skip = None
-        if const_expr(self.q_shift):
-            rows_skip = -offset_q - row0  # padding rows at the top of this warpgroup's rows
-        if const_expr(self.o_direct):
-            self.store_O_direct(rO, gO, tiled_mma_pv, ctidx, seqlen_q - row0, rows_skip)
-        else:
-            self.store_O_via_smem(rO, gO, sO_wg, tiled_mma_pv, gmem_copy_O, ctidx, seqlen_q - row0, wg, rows_skip)
+            # 3b. O, row-guarded: through smem (the default) or, o_direct, straight from registers
+            rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+            rO.store(acc_O.load().to(self.dtype))
+            rows_skip = None
+            if const_expr(self.q_shift):
+                rows_skip = -offset_q - row0  # padding rows at the top of this warpgroup's rows
+            if const_expr(self.o_direct):
+                self.store_O_direct(rO, gO, tiled_mma_pv, ctidx, seqlen_q - row0, rows_skip)
+            else:
+                self.store_O_via_smem(rO, gO, sO_wg, tiled_mma_pv, gmem_copy_O, ctidx, seqlen_q - row0, wg,
+                                      rows_skip)
         trace.cta_stamp("end")
+
+    @cute.jit
+    def store_split(self, acc_O: cute.Tensor, lse: cute.Tensor, mSplit: cute.Tensor, chunk: Int32, wg: Int32,
+                    ctidx: Int32, tiled_mma_pv: cute.TiledMma, tScS_rc: cute.Tensor):
+        """split_tail: this warpgroup's rows of chunk `chunk` into the workspace, fp32 -- O (already
+        divided by the chunk's own row sums) in columns [0, dv), lse in column dv. Every row is
+        written, past the sequence's end too (the combine reads only live rows); once per tail tile."""
+        tm, dv = self.wg_m, self.head_dim_v
+        tOcO = tiled_mma_pv.get_slice(ctidx).partition_C(cute.make_identity_tensor((tm, dv)))
+        first = wg * tm
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            mSplit[chunk, first + tOcO[i][0], tOcO[i][1]] = acc_O[i]
+        if tScS_rc[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                mSplit[chunk, first + tScS_rc[r, 0][0], dv] = lse[r]
 
     def _copy_acc_O(self, tiled_mma_pv: cute.TiledMma, ctidx: Int32):
         """(32-bit copy atom, this thread's slice of it tiled over O's accumulator layout): two adjacent
@@ -1170,12 +1262,13 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=common.StaticTileScheduler, tile_m: int | None = None, lean_mask: bool | None = None,
-                kv_multicast: bool | str = False):
+                kv_multicast: bool | str = False, split_tail: bool = False):
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v), lean_mask None =
     default_lean_mask(tile_m)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
     return FlashAttentionForwardSm90Step4(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
-                                          tile_m=tile_m, lean_mask=lean_mask, kv_multicast=kv_multicast)
+                                          tile_m=tile_m, lean_mask=lean_mask, kv_multicast=kv_multicast,
+                                          split_tail=split_tail)
 
 
 KV_MULTICAST_MODES = (False, True, "m", "heads")
@@ -1283,7 +1376,7 @@ def _check_tile_m(tile_m, d, dv) -> int:
 
 
 def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
-         lean_mask=None, kv_multicast=False):
+         lean_mask=None, kv_multicast=False, split_tail=False):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m and lean_mask enter resolved, so a default and its explicit value share one kernel;
@@ -1292,11 +1385,11 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     lean_mask = _check_lean_mask(lean_mask, tile_m)
     pairs = {None: (), "m": ("kv_multicast",), "heads": ("kv_multicast_heads",)}[_kv_mode(kv_multicast)]
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m,
-            lean_mask) + pairs + trace.key()
+            lean_mask) + pairs + (("split_tail",) if split_tail else ()) + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None):
+               seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None, split=None, split_chunks=1):
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     common.launch_stream)."""
@@ -1304,18 +1397,20 @@ def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q
         return None if t is None else t.detach()
     return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), softmax_scale * common.LOG2_E,
             softmax_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
-            max_seqlen_q, max_ctas)
+            max_seqlen_q, max_ctas, split, split_chunks)
 
 
-def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False):
+def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False,
+               split_tail: bool = False):
     """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs;
-    dynamic: the scheduler takes a tile counter."""
+    dynamic: the scheduler takes a tile counter; split_tail: the split workspace."""
     varlen, has_used, has_map = varlen_flags
     i32 = common.fake_i32_vector
     return (common.fake_bshd(dtype, d), common.fake_bshd(dtype, d), common.fake_bshd(dtype, dv),
             common.fake_bshd(dtype, dv), common.fake_lse(), Float32(1.0), Float32(1.0),
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
             i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
+            common.fake_lse() if split_tail else None, Int32(1),
             common.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
@@ -1344,15 +1439,16 @@ SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 
 
 def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask,
-             kv_multicast=False):
+             kv_multicast=False, split_tail=False):
     """The one place a step-4 kernel is compiled (against fake tensors): launchable=True builds
     what attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
     key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, lean_mask,
-               kv_multicast)
+               kv_multicast, split_tail)
     return common.compile_cached(key, lambda: (
         make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, lean_mask=lean_mask,
-                    kv_multicast=kv_multicast),
-        _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False))))
+                    kv_multicast=kv_multicast, split_tail=split_tail),
+        _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False),
+                   split_tail=split_tail)))
 
 
 # Persistent CTAs by default up to this head dim, where Q, O and two K/V stages fit in shared memory.
@@ -1445,7 +1541,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
                       rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
                       policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None,
                       lean_mask: bool | None = None, persistent: bool | None = None,
-                      kv_multicast: bool | str = False):
+                      kv_multicast: bool | str = False, split_tail: bool | None = None):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32).
 
     rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
@@ -1460,7 +1556,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     to both): half the K/V traffic from L2. True / "m": neighbouring query tiles of a head
     (non-causal); "heads": query heads 2 j and 2 j + 1 of one KV head (any mask; heads per KV head
     even; one CTA per tile, so persistent defaults to False). Correct on the H100 (74 gpu tests),
-    no faster: off by default.
+    no faster: off by default. split_tail: the last partial wave of a static persistent non-causal
+    call cut along the keys (split_tail_plan; None = its default).
     """
     import torch
 
@@ -1495,11 +1592,98 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=_launch_ctas(scheduler, q.device),
-                      tile_counter=_tile_counter(scheduler, q.device))
+    ctas = _launch_ctas(scheduler, q.device)
+    plan = split_tail_plan(split_tail, scheduler, causal, kv_multicast, b, sq, hq, k.shape[1], tile_m,
+                           default_tile_n(d, dv), ctas)
+    split = None
+    if plan is not None:
+        split = torch.empty((plan[0] * plan[1], tile_m, dv + 1), dtype=torch.float32, device=q.device)
+    args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=ctas,
+                      tile_counter=_tile_counter(scheduler, q.device), split=split,
+                      split_chunks=plan[1] if plan else 1)
     _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, lean_mask,
-             kv_multicast).fn(*args)
+             kv_multicast, plan is not None).fn(*args)
+    if plan is not None:
+        split_tail_combine(split, *plan, out, lse, -(-sq // tile_m))
     return out, lse
+
+
+# split_tail by default from this many key blocks a tile on (4k keys at tile_n = 128): a chunk of a
+# shorter tile saves less than the combine's few small kernels cost
+SPLIT_TAIL_MIN_KEY_BLOCKS = 64
+
+
+def split_tail_plan(split_tail, scheduler, causal, kv_multicast, batch, seqlen_q, heads, seqlen_k, tile_m, tile_n,
+                    ctas) -> tuple[int, int] | None:
+    """(tail tiles R, chunks per tile S) when a call's last partial wave is split along the keys, else None.
+
+    A persistent CTA walks tiles c, c + P, ... of P CTAs, so T equal tiles take ceil(T / P) tile-times
+    however few tiles the last wave holds: the benchmark's d = 128 calls have T = 4096 on 132 SMs,
+    31 full waves and 4 tiles (`benchmarks/wave_tail.py` measured the 32nd wave at ~3% of the call,
+    in the official kernel too). Split, the last R tiles become R * S key chunks, one wave of at most
+    P CTAs that each walk nb / S blocks; split_tail_combine merges them. Only the static persistent
+    order of non-causal dense calls whose query tiles are all full (seqlen_q % tile_m == 0) splits.
+    split_tail: None = when the tiles have >= SPLIT_TAIL_MIN_KEY_BLOCKS key blocks, True = whenever
+    there is a partial wave, False = never."""
+    if split_tail is not None and not isinstance(split_tail, bool):
+        raise TypeError(f"split_tail: expected None or a bool, got {type(split_tail).__name__}")
+    eligible = (getattr(scheduler, "persistent", False) and not getattr(scheduler, "dynamic", False)
+                and getattr(scheduler, "order", None) is common.StaticTileScheduler and not causal
+                and _kv_mode(kv_multicast) is None)
+    if split_tail and not eligible:
+        raise ValueError("split_tail: needs a non-causal dense call on the static persistent order "
+                         "(persistent, no custom scheduler, no kv_multicast)")
+    if split_tail is False or not eligible or seqlen_q % tile_m:
+        return None
+    key_blocks = -(-seqlen_k // tile_n)
+    if split_tail is None and key_blocks < SPLIT_TAIL_MIN_KEY_BLOCKS:
+        return None
+    tiles = seqlen_q // tile_m * heads * batch
+    tail = tiles % ctas
+    if tiles <= ctas or tail == 0:
+        return None
+    chunks = min(ctas // tail, key_blocks)
+    return (tail, chunks) if chunks >= 2 else None
+
+
+@functools.lru_cache(maxsize=32)
+def _tail_rows(tiles: int, tail: int, num_m_blocks: int, heads: int, tile_m: int, device: str):
+    """(batch (R, 1), query rows (R, tile_m), head (R, 1)) of the last R tiles of the static order
+    (m_block fastest, then head, then batch: common.StaticTileScheduler.tile_at), on the device."""
+    import torch
+
+    linear = torch.arange(tiles - tail, tiles, device=device)
+    m_block, rest = linear % num_m_blocks, linear // num_m_blocks
+    rows = m_block[:, None] * tile_m + torch.arange(tile_m, device=device)
+    return (rest // heads)[:, None], rows, (rest % heads)[:, None]
+
+
+def split_tail_combine(split, tail: int, chunks: int, out, lse, num_m_blocks: int):
+    """Merge the key chunks of the last R tiles into out and lse (split_combine.py: one small kernel
+    on the same stream; split_tail_combine_reference is the same formula in torch)."""
+    from stage3_fwd_kernel import split_combine
+
+    b, _, heads, _ = out.shape
+    split_combine.combine(split, chunks, out, lse, num_m_blocks * heads * b, num_m_blocks)
+
+
+def split_tail_combine_reference(split, tail: int, chunks: int, out, lse, num_m_blocks: int):
+    """split_tail_combine in torch: with lse_j a chunk's log-sum-exp and O_j its output (divided by its
+    own row sums), lse = log sum_j exp(lse_j) and O = sum_j exp(lse_j - lse) O_j, in fp32. A dozen small
+    kernels, which cost the call more than the split saved at 4k keys (run 49): the tests' reference."""
+    import torch
+
+    b, sq, heads, dv = out.shape
+    tile_m = split.shape[1]
+    work = split.view(tail, chunks, tile_m, dv + 1)
+    part_lse = work[..., dv]                                            # (R, S, tile_m)
+    lse_rows = torch.logsumexp(part_lse, dim=1)                         # (R, tile_m)
+    weight = torch.exp(part_lse - lse_rows[:, None])                    # (R, S, tile_m)
+    o_rows = torch.einsum("rsm,rsmd->rmd", weight, work[..., :dv])      # (R, tile_m, dv)
+    tiles = num_m_blocks * heads * b
+    batch_idx, rows, head_idx = _tail_rows(tiles, tail, num_m_blocks, heads, tile_m, str(out.device))
+    out[batch_idx, rows, head_idx] = o_rows.to(out.dtype)
+    lse[batch_idx, head_idx, rows] = lse_rows
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
@@ -1569,7 +1753,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                  scheduler=None, tile_m: int | None = None, lean_mask: bool | None = None,
                  launchable: bool = False, persistent: bool | None = None,
-                 seqlen_k: int | None = None, kv_multicast: bool | str = False) -> common.Compiled:
+                 seqlen_k: int | None = None, kv_multicast: bool | str = False,
+                 split_tail: bool = False) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     lean_mask and persistent as in attention_forward (None = default_tile_m / default_lean_mask /
@@ -1588,7 +1773,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                                    kv_multicast)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, lean_mask,
-                    kv_multicast)
+                    kv_multicast, split_tail)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones

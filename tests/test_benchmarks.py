@@ -491,3 +491,20 @@ def test_ab_pair_compares_two_builds_round_by_round(tmp_path, capsys):
     assert "(1 of 3 rounds faster)  vs official 1.010 / 0.990" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="'nope' is not in this run"):
         ab_pair.main([str(path), "nope", "old"])
+
+
+def test_wave_tail_picks_head_counts_that_fill_whole_waves(capsys, monkeypatch):
+    import torch
+    import wave_tail
+
+    # the benchmark's d = 128 shapes: 4096 tiles, 31.03 waves on 132 SMs -> 4224 tiles = 32 waves
+    assert wave_tail.exact_wave_heads(128, 32, 132) == 33    # 16k: 128 tiles a head
+    assert wave_tail.exact_wave_heads(64, 32, 132) == 66     # 8k
+    assert wave_tail.exact_wave_heads(32, 32, 132) == 132    # 4k
+    assert wave_tail.exact_wave_heads(86, 42, 132) is None   # d = 64 at 16k: 5544 / 86 is not whole
+    for tiles_per_head, waves in ((128, 32), (64, 32), (22, 43)):
+        heads = wave_tail.exact_wave_heads(tiles_per_head, waves, 132)
+        assert heads * tiles_per_head == waves * 132
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert wave_tail.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out

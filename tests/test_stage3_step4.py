@@ -1277,9 +1277,135 @@ def test_persistent_matches_static(d, dv, causal, sq, sk):
     static = _dense(q, k, v, causal=causal, persistent=False)
     P = common.PersistentScheduler
     # persistent=True alone: one CTA per SM, the dynamic hand-out for causal calls
+    # (split_tail off: a split tail is the same result up to the order of additions, test_split_tail_*)
     for sched in (P(num_ctas=5), P(num_ctas=5, dynamic=True), None):
-        out, lse = _dense(q, k, v, causal=causal, scheduler=sched, persistent=True)
+        out, lse = _dense(q, k, v, causal=causal, scheduler=sched, persistent=True, split_tail=False)
         assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_split_tail_plan():
+    """Which calls split their last partial wave, into how many key chunks, and the errors."""
+    s4 = _mod()
+    from stage3_fwd_kernel import common
+
+    P = common.PersistentScheduler
+    static, dynamic = P(common.StaticTileScheduler), P(common.StaticTileScheduler, dynamic=True)
+
+    def plan(split=None, sched=static, causal=False, kv=False, b=2, sq=16384, h=16, sk=16384, tm=128, ctas=132):
+        return s4.split_tail_plan(split, sched, causal, kv, b, sq, h, sk, tm, 128, ctas)
+
+    # the benchmark's d = 128 shapes: 4096 tiles = 31 waves of 132 + 4 tiles, 33 chunks of 4 / 2 blocks
+    assert plan() == (4, 33)
+    assert plan(b=4, sq=8192, sk=8192) == (4, 33)
+    assert plan(b=8, sq=4096, sk=4096) is None                     # 32 key blocks: below the default's 64
+    assert plan(True, b=8, sq=4096, sk=4096) == (4, 32)            # ... unless asked: one block a chunk
+    assert plan(True, b=16, sq=2048, sk=2048) == (4, 16)           # chunks never outnumber the key blocks
+    assert plan(b=1, h=33) is None                                 # 4224 tiles: whole waves, nothing to split
+    assert plan(h=1, b=1) is None                                  # 128 tiles: less than a wave
+    assert plan(sq=16384 - 64) is None                             # a partial query tile: no split
+    assert plan(h=32, tm=192, sq=192 * 86) is None                 # 5504 tiles: a last wave of 92, not two chunks each
+    assert plan(h=32, b=1, sq=128 * 133) == (32, 4)                # 4256 tiles: 32 left over, 4 chunks each
+    assert plan(False) is None and plan(sched=dynamic) is None and plan(causal=True) is None
+    assert plan(sched=common.StaticTileScheduler) is None and plan(kv=True) is None
+    for bad in ({"sched": dynamic}, {"causal": True}, {"kv": "heads"}, {"sched": common.StaticTileScheduler}):
+        with pytest.raises(ValueError, match="split_tail"):
+            plan(True, **bad)
+    with pytest.raises(TypeError, match="split_tail"):
+        plan(1)
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256)], ids=["d64", "d128", "d256"])
+def test_split_tail_compiles_sm90a(d, dv):
+    """The split build (persistent, non-causal): no spills, no serialized wgmma, and the same hot loop
+    as the unsplit build up to the loop bounds (a chunk walks keys [n_block_min, n_block_max))."""
+    from stage3_fwd_kernel.common import key_block_loop
+
+    s4 = _mod()
+    split = s4.compile_only(head_dim=d, head_dim_v=dv, persistent=True, split_tail=True)
+    whole = s4.compile_only(head_dim=d, head_dim_v=dv, persistent=True)
+    rep = split.report
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["wgmma_serialized"] == []
+    assert rep["registers"] <= 168
+    loop_split, loop_whole = key_block_loop(split.sass), key_block_loop(whole.sass)
+    assert abs(len(loop_split) - len(loop_whole)) <= 4
+    assert sorted(op for op in loop_split if op.startswith(("HGMMA", "MUFU"))) == \
+        sorted(op for op in loop_whole if op.startswith(("HGMMA", "MUFU")))
+
+
+SPLIT_CASES = [  # (d, dv, dtype, heads, heads_kv, seqlen_k): 3 query tiles a head, 2 sequences, 7 CTAs
+    (128, 128, "bf16", 5, 5, 1000), (128, 128, "fp16", 4, 2, 4224), (64, 64, "bf16", 5, 1, 300),
+    (192, 128, "bf16", 5, 5, 777), (256, 256, "bf16", 4, 4, 129), (96, 96, "bf16", 6, 3, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv,dtype,hq,hkv,sk", SPLIT_CASES, ids=[f"d{c[0]}x{c[1]}-{c[2]}-h{c[3]}/{c[4]}-k{c[5]}"
+                                                                    for c in SPLIT_CASES])
+def test_split_tail_matches_whole_tiles(d, dv, dtype, hq, hkv, sk):
+    """split_tail on 7 persistent CTAs: the tiles of the full waves are bitwise those of the unsplit
+    call, the last wave's tiles (cut into key chunks, merged by split_tail_combine) pass FA4's rule
+    against the fp32 reference like everything else, and a second run gives the same bits."""
+    import torch
+
+    from stage3_fwd_kernel import common
+
+    s4 = _mod()
+    tile_m = s4.default_tile_m(d, dv)
+    sq, b, ctas = 3 * tile_m, 2, 7
+    q, k, v = _randn_qkv(b, sq, sk, hq, hkv, d, dv, dtype, seed=sk + d)
+    sched = common.PersistentScheduler(num_ctas=ctas)
+    tail, chunks = s4.split_tail_plan(True, sched, False, False, b, sq, hq, sk, tile_m, s4.default_tile_n(d, dv), ctas)
+    assert tail == (3 * hq * b) % ctas and chunks >= 2
+    whole = _dense(q, k, v, causal=False, scheduler=sched, persistent=True, split_tail=False)
+    split = _dense(q, k, v, causal=False, scheduler=sched, persistent=True, split_tail=True)
+    again = _dense(q, k, v, causal=False, scheduler=sched, persistent=True, split_tail=True)
+    assert torch.equal(split[0], again[0]) and torch.equal(split[1], again[1])
+    batch_idx, rows, head_idx = s4._tail_rows(3 * hq * b, tail, 3, hq, tile_m, "cuda")
+    in_tail = torch.zeros(b, sq, hq, dtype=torch.bool, device="cuda")
+    in_tail[batch_idx, rows, head_idx] = True
+    assert torch.equal(split[0][~in_tail], whole[0][~in_tail])
+    assert torch.equal(split[1].transpose(1, 2)[~in_tail], whole[1].transpose(1, 2)[~in_tail])
+    # ... and the tail really went through the chunks (a different summation order)
+    assert not torch.equal(split[1].transpose(1, 2)[in_tail], whole[1].transpose(1, 2)[in_tail])
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("dtype,dv", [("bf16", 128), ("fp16", 64), ("bf16", 256), ("bf16", 96)])
+def test_split_combine_kernel_matches_torch(dtype, dv):
+    """split_combine's kernel against the same formula in torch, on a random workspace: chunks whose
+    rows saw nothing (lse -inf) weigh 0, a row that no chunk saw gets O = 0 and lse = -inf, and only
+    the tail tiles' rows of out / lse are written."""
+    import torch
+
+    s4 = _mod()
+    g = torch.Generator(device="cuda").manual_seed(dv)
+    b, heads, tile_m, m_blocks, tail, chunks = 2, 3, 128, 4, 5, 7
+    tiles = b * heads * m_blocks
+    split = torch.randn(tail * chunks, tile_m, dv + 1, device="cuda", generator=g) * 4
+    split[::3, 5, dv] = float("-inf")               # some chunks saw nothing in row 5
+    split[:chunks, 9, dv] = float("-inf")           # no chunk of the first tail tile saw its row 9
+    outs = []
+    for combine in (s4.split_tail_combine, s4.split_tail_combine_reference):
+        out = torch.full((b, m_blocks * tile_m, heads, dv), 7.0, device="cuda", dtype=_tdt(dtype))
+        lse = torch.full((b, heads, m_blocks * tile_m), 7.0, device="cuda")
+        combine(split, tail, chunks, out, lse, m_blocks)
+        outs.append((out, lse))
+    (out, lse), (ref_out, ref_lse) = outs
+    batch_idx, rows, head_idx = s4._tail_rows(tiles, tail, m_blocks, heads, tile_m, "cuda")
+    first_b, first_row, first_h = batch_idx[0, 0], rows[0, 9], head_idx[0, 0]
+    assert lse[first_b, first_h, first_row] == float("-inf") and (out[first_b, first_row, first_h] == 0).all()
+    ref_out[first_b, first_row, first_h] = 0                   # the torch formula gives NaN there
+    ref_lse[first_b, first_h, first_row] = float("-inf")
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    untouched = torch.ones_like(lse, dtype=torch.bool)
+    untouched[batch_idx, head_idx, rows] = False
+    assert (lse[untouched] == 7.0).all() and (out.transpose(1, 2)[untouched] == 7.0).all()
 
 
 @pytest.mark.gpu

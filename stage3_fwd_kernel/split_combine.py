@@ -1,0 +1,108 @@
+"""Step 4's split_tail combine: the key chunks of the last partial wave's tiles merged into out and lse.
+
+A chunk j of a tail tile leaves, per query row, its log-sum-exp lse_j and its output O_j divided by its
+own row sum (hopper_step4_fa4_softmax.store_split: fp32 workspace (R * S, tile_m, dv + 1), lse in the
+last column). The whole row is then
+
+    lse = log sum_j exp(lse_j),    O = sum_j exp(lse_j - lse) O_j
+
+which is what one CTA walking every key block would have computed, up to the order of the additions.
+One warp per query row: every lane reads the row's S lse values (the same addresses: broadcast), then
+accumulates dv / 32 columns of O over the chunks, 128-byte coalesced rows. R * tile_m rows in all (512
+at the benchmark's d = 128 shapes), so the kernel is a few microseconds: what the torch version of the
+same formula cost in a dozen small launches is why this exists.
+"""
+from __future__ import annotations
+
+import math
+
+from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32, const_expr  # noqa: E402
+
+STEP = "fwd_split_combine"
+ROWS_PER_CTA = 4  # one warp each
+LOG2_E = math.log2(math.e)
+
+
+class SplitTailCombine:
+    def __init__(self, dtype, head_dim_v: int):
+        if head_dim_v % 32:
+            raise ValueError(f"head_dim_v: expected a multiple of 32 (one column per lane), got {head_dim_v}")
+        self.dtype = dtype
+        self.head_dim_v = head_dim_v
+        self.smem_bytes = 0
+
+    @cute.jit
+    def __call__(self, mSplit: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, chunks: Int32, tiles: Int32,
+                 num_m_blocks: Int32, stream):
+        # mSplit (R * chunks, tile_m, dv + 1) fp32; mO (B, Sq, H, dv); mLSE (B, H, Sq) fp32; tiles: the
+        # call's query tiles (the tail is the last R of the static order), num_m_blocks: tiles a head
+        if const_expr(mO.element_type != self.dtype):
+            raise TypeError("out must have the kernel's dtype")
+        tail = mSplit.shape[0] // chunks
+        self.kernel(mSplit, mO, mLSE, chunks, tiles, num_m_blocks).launch(
+            grid=(tail, (mSplit.shape[1] + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1),
+            block=[32 * ROWS_PER_CTA, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mSplit: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, chunks: Int32, tiles: Int32,
+               num_m_blocks: Int32):
+        dv = self.head_dim_v
+        tidx, _, _ = cute.arch.thread_idx()
+        r, row_group, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        m = row_group * ROWS_PER_CTA + tidx // 32          # the row inside the tile
+        tile_m = mSplit.shape[1]
+        if m < tile_m:
+            # the tail tile's place: common.StaticTileScheduler.tile_at of linear index tiles - R + r
+            linear = tiles - mSplit.shape[0] // chunks + r
+            m_block = linear % num_m_blocks
+            rest = linear // num_m_blocks
+            head = rest % mO.shape[2]
+            batch = rest // mO.shape[2]
+            row = m_block * tile_m + m
+            first = r * chunks
+            top = -Float32.inf
+            for j in cutlass.range(chunks, unroll=1):
+                top = cute.arch.fmax(top, mSplit[first + j, m, dv])
+            top_safe = Float32(0.0) if top == -Float32.inf else top  # a row no chunk sees: weights 0
+            total = Float32(0.0)
+            for j in cutlass.range(chunks, unroll=1):
+                total += cute.math.exp2((mSplit[first + j, m, dv] - top_safe) * LOG2_E, fastmath=True)
+            lse = -Float32.inf
+            if total > 0.0:
+                lse = top_safe + cute.math.log2(total, fastmath=True) / LOG2_E
+            acc = cute.make_rmem_tensor((dv // 32,), Float32)
+            acc.fill(0.0)
+            if total > 0.0:
+                for j in cutlass.range(chunks, unroll=1):
+                    weight = cute.math.exp2((mSplit[first + j, m, dv] - lse) * LOG2_E, fastmath=True)
+                    for c in cutlass.range_constexpr(dv // 32):
+                        acc[c] += weight * mSplit[first + j, m, lane + 32 * c]
+            for c in cutlass.range_constexpr(dv // 32):
+                mO[batch, row, head, lane + 32 * c] = acc[c].to(self.dtype)
+            if lane == 0:
+                mLSE[batch, head, row] = lse
+
+
+def _fake_args(dtype, head_dim_v: int, *, launchable: bool = False):
+    return (common.fake_lse(), common.fake_bshd(dtype, head_dim_v), common.fake_lse(), Int32(1), Int32(1), Int32(1),
+            common.launch_stream() if launchable else cute.runtime.make_fake_stream())
+
+
+def compile_only(dtype="bf16", head_dim_v: int = 128, *, launchable: bool = False) -> common.Compiled:
+    """The combine for one output dtype and dv (compile-time); launchable=True builds what
+    split_tail_combine launches."""
+    dt = common.cutlass_dtype(dtype)
+    key = (STEP, "gpu" if launchable else "fake", str(dt), head_dim_v)
+    return common.compile_cached(key, lambda: (SplitTailCombine(dt, head_dim_v),
+                                               _fake_args(dt, head_dim_v, launchable=launchable)))
+
+
+def combine(split, chunks: int, out, lse, tiles: int, num_m_blocks: int):
+    """Launch the combine on the torch tensors of a split_tail call (after its attention kernel, same stream)."""
+    comp = compile_only(common.cutlass_dtype(out.dtype), out.shape[-1], launchable=True)
+    comp.fn(split, out, lse, chunks, tiles, num_m_blocks)
