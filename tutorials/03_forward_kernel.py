@@ -782,6 +782,37 @@ print("between the last row-max shuffle and VOTE.ANY:", [o for o in hot[last_shu
 print("FSEL in the loop:", hot.count("FSEL"))
 
 # %% [markdown]
+# ## The last wave
+# A persistent kernel hands equal tiles to P CTAs, so T tiles take ceil(T / P) tile-times no matter
+# how few tiles the last wave holds. The benchmark's non-causal d = 128 calls (32k tokens, 16 heads)
+# have 4096 query tiles at every length: 31 waves of the H100's 132 SMs and 4 tiles, during which 128
+# SMs wait. `benchmarks/wave_tail.py` timed each length next to a shape that fills whole waves; at 8k
+# and 16k both kernels lost the ~3% the arithmetic predicts. Step 4 now cuts those last tiles along
+# the keys (`split_tail`): the R tail tiles become R * S chunks that the idle CTAs walk, each leaves
+# its O and lse in fp32, and a small kernel merges them with O = sum_j exp(lse_j - lse) O_j, the same
+# rescaling the online softmax does between key blocks. The plan for the benchmark's shapes:
+
+# %%
+import math
+
+persistent = common.PersistentScheduler(common.StaticTileScheduler)
+for d in (64, 128):
+    tile_m, tile_n = step4.default_tile_m(d, d), step4.default_tile_n(d, d)
+    for s in (4096, 8192, 16384):
+        b, h = 32768 // s, 2048 // d
+        tiles = -(-s // tile_m) * h * b
+        plan = step4.split_tail_plan(None, persistent, False, False, b, s, h, s, tile_m, tile_n, 132)
+        idle = 1 - tiles / (132 * math.ceil(tiles / 132))
+        what = f"{plan[0]} tiles -> {plan[0] * plan[1]} chunks" if plan else "not split"
+        print(f"d = {d:>3}, {s // 1024:>2}k: {tiles} tiles = {tiles / 132:5.2f} waves, "
+              f"{idle:5.1%} of the SM-time idle in the last wave; {what}")
+tail_runs = json.loads((pathlib.Path("..") / "benchmarks/results/wave_tail_h100_run1.json").read_text())
+for row in tail_runs["results"]:
+    if row["head_dim"] == 128:
+        print(f"measured before the split, d = 128 {row['seqlen'] // 1024:>2}k {row['impl']:>8}: time per tile x"
+              f"{row['per_tile_ratio_median']:.3f} (an idle last wave: x{row['ideal_if_tail_is_idle']:.3f})")
+
+# %% [markdown]
 # ## The Blackwell pipeline
 # On Blackwell (sm_100a) the MMA accumulators leave the register file for **tensor memory**
 # (TMEM: 128 lanes x 512 columns of 32 bits per SM), a 128 x 128 MMA is one instruction issued by
