@@ -281,10 +281,8 @@ class FlashAttentionForwardSm90Step4:
         self.pingpong = pingpong
         # split_tail: the last partial wave's tiles are cut along the keys into chunks that other CTAs
         # take; each chunk leaves (O, lse) in fp32 for split_tail_combine (see attention_forward)
-        if split_tail and (causal or not self.persistent or self.dynamic or self.kv_multicast
-                           or getattr(scheduler, "order", None) is not common.StaticTileScheduler):
-            raise ValueError("split_tail: needs a non-causal call on the static persistent order "
-                             "(PersistentScheduler(StaticTileScheduler)) without kv_multicast")
+        if split_tail and not split_tail_supported(scheduler, causal, kv_multicast):
+            raise ValueError(SPLIT_TAIL_UNSUPPORTED)
         self.split_tail = bool(split_tail)
         self.scheduler = scheduler
         self.num_consumers = tile_m // 64    # consumer warpgroups, one wgmma M = 64 row block each
@@ -604,14 +602,10 @@ class FlashAttentionForwardSm90Step4:
                             if const_expr(self.dynamic):
                                 # published before Q's full barrier is armed: its arrival releases it
                                 tile_ids[q_phase] = linear
-                            if const_expr(self.split_tail):
-                                self.produce(t, n_block_max, kv_base, q_phase, tma_Q, tma_K, tma_V,
-                                             tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V,
-                                             n_block_min=n_block_min)
-                            else:
-                                self.produce(t, n_block_max, kv_base, q_phase, tma_Q, tma_K, tma_V,
-                                             tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
-                            kv_base += n_block_max - n_block_min
+                            self.produce(t, n_block_max, kv_base, q_phase, tma_Q, tma_K, tma_V,
+                                         tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV, pipe_Q, pipe_K, pipe_V,
+                                         n_block_min=n_block_min)
+                            kv_base += self.blocks_walked(n_block_min, n_block_max)
                             q_phase ^= 1
                         linear = self.next_linear(linear, extents)
                     if const_expr(self.dynamic):
@@ -652,14 +646,10 @@ class FlashAttentionForwardSm90Step4:
                 while linear < total:
                     t, n_block_min, n_block_max, chunk = self.item_at(linear, extents, seq)
                     if self.tile_live(t):
-                        if const_expr(self.split_tail):
-                            self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
-                                         mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O,
-                                         n_block_min=n_block_min, chunk=chunk, mSplit=extents[4])
-                        else:
-                            self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
-                                         mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
-                        kv_base += n_block_max - n_block_min
+                        self.consume(wg, tidx % 128, t, n_block_max, kv_base, q_phase, softmax_scale_log2, mO,
+                                     mLSE, smem_tensors, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O,
+                                     n_block_min=n_block_min, chunk=chunk, mSplit=extents[4])
+                        kv_base += self.blocks_walked(n_block_min, n_block_max)
                         q_phase ^= 1
                     linear += self.num_walkers()
             else:
@@ -703,26 +693,35 @@ class FlashAttentionForwardSm90Step4:
 
     @cute.jit
     def item_at(self, linear: Int32, extents, seq) -> tuple:
-        """(tile_info, first key block, end key block, chunk) of work item `linear`: a whole tile and
-        chunk -1, or (split_tail, past the full waves) chunk c = j + S r: keys [j nb / S, (j+1) nb / S)
-        of tail tile r (S = split_chunks, nb its key blocks)."""
+        """(tile_info, first key block, end key block, chunk) of work item `linear`.
+        Without split_tail: the whole tile, first block and chunk None. With it, past the full waves,
+        chunk c = j + S r: keys [j nb / S, (j+1) nb / S) of tail tile r (S = split_chunks, nb its key
+        blocks); before them the whole tile, first block 0 and chunk -1."""
+        if const_expr(not self.split_tail):
+            t = self.work_at(linear, extents, seq)
+            n_block_max = self.num_key_blocks(t[0], t[6], t[7])
+            return t, None, n_block_max, None
+        chunks = extents[5]
+        tail_start = extents[0] * extents[1] * extents[2] - extents[4].shape[0] // chunks
         tile_linear = linear
         chunk = Int32(-1)
-        if const_expr(self.split_tail):
-            chunks = extents[5]
-            tail_start = extents[0] * extents[1] * extents[2] - extents[4].shape[0] // chunks
-            if linear >= tail_start:
-                chunk = linear - tail_start
-                tile_linear = tail_start + chunk // chunks
+        if linear >= tail_start:
+            chunk = linear - tail_start
+            tile_linear = tail_start + chunk // chunks
         t = self.work_at(tile_linear, extents, seq)
         n_block_max = self.num_key_blocks(t[0], t[6], t[7])
         n_block_min = Int32(0)
-        if const_expr(self.split_tail):
-            if chunk >= 0:
-                j = chunk - (chunk // chunks) * chunks
-                n_block_min = (j * n_block_max) // chunks
-                n_block_max = ((j + 1) * n_block_max) // chunks
+        if chunk >= 0:
+            j = chunk - (chunk // chunks) * chunks
+            n_block_min = (j * n_block_max) // chunks
+            n_block_max = ((j + 1) * n_block_max) // chunks
         return t, n_block_min, n_block_max, chunk
+
+    def blocks_walked(self, n_block_min, n_block_max):
+        """Key blocks of a work item (n_block_min None: a whole tile, from block 0)."""
+        if const_expr(n_block_min is None):
+            return n_block_max
+        return n_block_max - n_block_min
 
     @cute.jit
     def next_linear(self, linear: Int32, extents) -> Int32:
@@ -1613,6 +1612,18 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
 SPLIT_TAIL_MIN_KEY_BLOCKS = 64
 
 
+SPLIT_TAIL_UNSUPPORTED = ("split_tail: needs a non-causal dense call on the static persistent order "
+                          "(persistent, no custom scheduler, no kv_multicast)")
+
+
+def split_tail_supported(scheduler, causal, kv_multicast) -> bool:
+    """Whether a build can split its tail: the static persistent order (chunks are work items after
+    its full waves), non-causal (every tile walks the same keys), no kv_multicast."""
+    return (getattr(scheduler, "persistent", False) and not getattr(scheduler, "dynamic", False)
+            and getattr(scheduler, "order", None) is common.StaticTileScheduler and not causal
+            and _kv_mode(kv_multicast) is None)
+
+
 def split_tail_plan(split_tail, scheduler, causal, kv_multicast, batch, seqlen_q, heads, seqlen_k, tile_m, tile_n,
                     ctas) -> tuple[int, int] | None:
     """(tail tiles R, chunks per tile S) when a call's last partial wave is split along the keys, else None.
@@ -1627,12 +1638,9 @@ def split_tail_plan(split_tail, scheduler, causal, kv_multicast, batch, seqlen_q
     there is a partial wave, False = never."""
     if split_tail is not None and not isinstance(split_tail, bool):
         raise TypeError(f"split_tail: expected None or a bool, got {type(split_tail).__name__}")
-    eligible = (getattr(scheduler, "persistent", False) and not getattr(scheduler, "dynamic", False)
-                and getattr(scheduler, "order", None) is common.StaticTileScheduler and not causal
-                and _kv_mode(kv_multicast) is None)
+    eligible = split_tail_supported(scheduler, causal, kv_multicast)
     if split_tail and not eligible:
-        raise ValueError("split_tail: needs a non-causal dense call on the static persistent order "
-                         "(persistent, no custom scheduler, no kv_multicast)")
+        raise ValueError(SPLIT_TAIL_UNSUPPORTED)
     if split_tail is False or not eligible or seqlen_q % tile_m:
         return None
     key_blocks = -(-seqlen_k // tile_n)
@@ -1646,44 +1654,15 @@ def split_tail_plan(split_tail, scheduler, causal, kv_multicast, batch, seqlen_q
     return (tail, chunks) if chunks >= 2 else None
 
 
-@functools.lru_cache(maxsize=32)
-def _tail_rows(tiles: int, tail: int, num_m_blocks: int, heads: int, tile_m: int, device: str):
-    """(batch (R, 1), query rows (R, tile_m), head (R, 1)) of the last R tiles of the static order
-    (m_block fastest, then head, then batch: common.StaticTileScheduler.tile_at), on the device."""
-    import torch
-
-    linear = torch.arange(tiles - tail, tiles, device=device)
-    m_block, rest = linear % num_m_blocks, linear // num_m_blocks
-    rows = m_block[:, None] * tile_m + torch.arange(tile_m, device=device)
-    return (rest // heads)[:, None], rows, (rest % heads)[:, None]
-
-
 def split_tail_combine(split, tail: int, chunks: int, out, lse, num_m_blocks: int):
     """Merge the key chunks of the last R tiles into out and lse (split_combine.py: one small kernel
-    on the same stream; split_tail_combine_reference is the same formula in torch)."""
+    on the same stream; the torch formula it replaced, a dozen small kernels that cost more than a 4k
+    tail saves, is the tests' reference)."""
     from stage3_fwd_kernel import split_combine
 
     b, _, heads, _ = out.shape
     split_combine.combine(split, chunks, out, lse, num_m_blocks * heads * b, num_m_blocks)
 
-
-def split_tail_combine_reference(split, tail: int, chunks: int, out, lse, num_m_blocks: int):
-    """split_tail_combine in torch: with lse_j a chunk's log-sum-exp and O_j its output (divided by its
-    own row sums), lse = log sum_j exp(lse_j) and O = sum_j exp(lse_j - lse) O_j, in fp32. A dozen small
-    kernels, which cost the call more than the split saved at 4k keys (run 49): the tests' reference."""
-    import torch
-
-    b, sq, heads, dv = out.shape
-    tile_m = split.shape[1]
-    work = split.view(tail, chunks, tile_m, dv + 1)
-    part_lse = work[..., dv]                                            # (R, S, tile_m)
-    lse_rows = torch.logsumexp(part_lse, dim=1)                         # (R, tile_m)
-    weight = torch.exp(part_lse - lse_rows[:, None])                    # (R, S, tile_m)
-    o_rows = torch.einsum("rsm,rsmd->rmd", weight, work[..., :dv])      # (R, tile_m, dv)
-    tiles = num_m_blocks * heads * b
-    batch_idx, rows, head_idx = _tail_rows(tiles, tail, num_m_blocks, heads, tile_m, str(out.device))
-    out[batch_idx, rows, head_idx] = o_rows.to(out.dtype)
-    lse[batch_idx, head_idx, rows] = lse_rows
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,

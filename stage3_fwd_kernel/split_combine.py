@@ -57,12 +57,9 @@ class SplitTailCombine:
         m = row_group * ROWS_PER_CTA + tidx // 32          # the row inside the tile
         tile_m = mSplit.shape[1]
         if m < tile_m:
-            # the tail tile's place: common.StaticTileScheduler.tile_at of linear index tiles - R + r
-            linear = tiles - mSplit.shape[0] // chunks + r
-            m_block = linear % num_m_blocks
-            rest = linear // num_m_blocks
-            head = rest % mO.shape[2]
-            batch = rest // mO.shape[2]
+            # the tail tile's place in the static order: linear index tiles - R + r
+            m_block, head, batch = common.StaticTileScheduler.tile_at(
+                tiles - mSplit.shape[0] // chunks + r, num_m_blocks, mO.shape[2], None)
             row = m_block * tile_m + m
             first = r * chunks
             top = -Float32.inf

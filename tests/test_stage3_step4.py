@@ -1364,13 +1364,43 @@ def test_split_tail_matches_whole_tiles(d, dv, dtype, hq, hkv, sk):
     split = _dense(q, k, v, causal=False, scheduler=sched, persistent=True, split_tail=True)
     again = _dense(q, k, v, causal=False, scheduler=sched, persistent=True, split_tail=True)
     assert torch.equal(split[0], again[0]) and torch.equal(split[1], again[1])
-    batch_idx, rows, head_idx = s4._tail_rows(3 * hq * b, tail, 3, hq, tile_m, "cuda")
+    batch_idx, rows, head_idx = _tail_rows(3 * hq * b, tail, 3, hq, tile_m, "cuda")
     in_tail = torch.zeros(b, sq, hq, dtype=torch.bool, device="cuda")
     in_tail[batch_idx, rows, head_idx] = True
     assert torch.equal(split[0][~in_tail], whole[0][~in_tail])
     assert torch.equal(split[1].transpose(1, 2)[~in_tail], whole[1].transpose(1, 2)[~in_tail])
     # ... and the tail really went through the chunks (a different summation order)
     assert not torch.equal(split[1].transpose(1, 2)[in_tail], whole[1].transpose(1, 2)[in_tail])
+
+
+def _tail_rows(tiles, tail, num_m_blocks, heads, tile_m, device):
+    """(batch (R, 1), query rows (R, tile_m), head (R, 1)) of the last R tiles of the static order
+    (common.StaticTileScheduler.tile_at applied to a tensor of linear indices)."""
+    import torch
+
+    from stage3_fwd_kernel import common
+
+    linear = torch.arange(tiles - tail, tiles, device=device)
+    m_block, head, batch = common.StaticTileScheduler.tile_at(linear, num_m_blocks, heads, None)
+    rows = m_block[:, None] * tile_m + torch.arange(tile_m, device=device)
+    return batch[:, None], rows, head[:, None]
+
+
+def _split_tail_combine_torch(split, tail, chunks, out, lse, num_m_blocks):
+    """split_tail_combine's formula in torch: lse = log sum_j exp(lse_j), O = sum_j exp(lse_j - lse) O_j."""
+    import torch
+
+    b, _, heads, dv = out.shape
+    tile_m = split.shape[1]
+    work = split.view(tail, chunks, tile_m, dv + 1)
+    part_lse = work[..., dv]                                            # (R, S, tile_m)
+    lse_rows = torch.logsumexp(part_lse, dim=1)                         # (R, tile_m)
+    weight = torch.exp(part_lse - lse_rows[:, None])                    # (R, S, tile_m)
+    o_rows = torch.einsum("rsm,rsmd->rmd", weight, work[..., :dv])      # (R, tile_m, dv)
+    batch_idx, rows, head_idx = _tail_rows(num_m_blocks * heads * b, tail, num_m_blocks, heads, tile_m,
+                                                  str(out.device))
+    out[batch_idx, rows, head_idx] = o_rows.to(out.dtype)
+    lse[batch_idx, head_idx, rows] = lse_rows
 
 
 @pytest.mark.gpu
@@ -1390,13 +1420,13 @@ def test_split_combine_kernel_matches_torch(dtype, dv):
     split[::3, 5, dv] = float("-inf")               # some chunks saw nothing in row 5
     split[:chunks, 9, dv] = float("-inf")           # no chunk of the first tail tile saw its row 9
     outs = []
-    for combine in (s4.split_tail_combine, s4.split_tail_combine_reference):
+    for combine in (s4.split_tail_combine, _split_tail_combine_torch):
         out = torch.full((b, m_blocks * tile_m, heads, dv), 7.0, device="cuda", dtype=_tdt(dtype))
         lse = torch.full((b, heads, m_blocks * tile_m), 7.0, device="cuda")
         combine(split, tail, chunks, out, lse, m_blocks)
         outs.append((out, lse))
     (out, lse), (ref_out, ref_lse) = outs
-    batch_idx, rows, head_idx = s4._tail_rows(tiles, tail, m_blocks, heads, tile_m, "cuda")
+    batch_idx, rows, head_idx = _tail_rows(tiles, tail, m_blocks, heads, tile_m, "cuda")
     first_b, first_row, first_h = batch_idx[0, 0], rows[0, 9], head_idx[0, 0]
     assert lse[first_b, first_h, first_row] == float("-inf") and (out[first_b, first_row, first_h] == 0).all()
     ref_out[first_b, first_row, first_h] = 0                   # the torch formula gives NaN there
