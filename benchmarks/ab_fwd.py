@@ -20,7 +20,8 @@ or words, True / False as bools: `~persistent=True`; each distinct set is its ow
 that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K), `fa4~kv_multicast=True` (non-causal calls: K/V
 shared by clusters of two CTAs, fa4._dispatch.FORWARD_KV_MULTICAST) and `fa4~lpt_flat=False` (LPT
 sections inside each batch instead of over the (batch, head) pairs, fa4._dispatch.FORWARD_LPT_FLAT). Each implementation's output is checked against
-the official one before timing.
+the official one before timing (`--no-check` skips it, for ablations that compute something else:
+`fwd_ablations.py`). `--official-skeleton` times the official kernel with its softmax stubbed out.
 """
 from __future__ import annotations
 
@@ -97,6 +98,31 @@ def make_impl(spec: str):
     return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c, **kwargs)[0]
 
 
+def stub_official_softmax():
+    """--official-skeleton: the official kernel with P = S (its Softmax's online_softmax returns a row scale
+    of 1 and computes nothing, rescale_O does nothing), patched before anything compiles. What is left is
+    its skeleton: loads, wgmmas, barriers, epilogue, for a like-for-like comparison with
+    `fwd_ablations.py nosm` (stage 3 README, session 21)."""
+    import cutlass
+    import cutlass.cute as cute
+    import flash_attn.cute.softmax as official_softmax
+    from cutlass import Float32
+
+    @cute.jit
+    def online_softmax(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool] = False,
+                       check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
+        row_scale = cute.make_fragment_like(self.row_max, Float32)
+        row_scale.fill(1.0)
+        return row_scale
+
+    @cute.jit
+    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
+        pass
+
+    official_softmax.Softmax.online_softmax = online_softmax
+    official_softmax.Softmax.rescale_O = rescale_O
+
+
 def time_ms(fn, target_ms: float = 40.0) -> float:
     """Mean time of back-to-back calls between two events, enough calls for ~target_ms."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -154,12 +180,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", required=True, help="comma-separated module paths (official is always added)")
     add_grid_args(ap, dims="128", dims_help="head dims, d or dxdv (e.g. 128,192x128)", seqlens="4096,16384", rounds=9)
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip the output check: for ablations that compute something else on purpose (timing only)")
+    ap.add_argument("--official-skeleton", action="store_true",
+                    help="time the official kernel without its softmax (P = S; implies --no-check): the ratios "
+                         "are then to its skeleton (see stub_official_softmax)")
     ap.add_argument("--gqa", type=int, default=1,
                     help="query heads per KV head (2048 / d query heads; e.g. 4 for kv_multicast=heads)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ab_fwd needs a CUDA GPU")
         return 2
+    if args.official_skeleton:
+        stub_official_softmax()
+        args.no_check = True
     names = ["official"] + [s for s in args.impls.split(",") if s and s != "official"]
     impls = {n: make_impl(n) for n in names}
     rng = random.Random(args.seed)
@@ -174,7 +208,7 @@ def main(argv=None) -> int:
                 k = torch.randn(b, s, h // args.gqa, d, device="cuda", dtype=torch.bfloat16)
                 v = torch.randn(b, s, h // args.gqa, dv, device="cuda", dtype=torch.bfloat16)
                 ref = impls["official"](q, k, v, causal).float()
-                for n, fn in impls.items():
+                for n, fn in impls.items() if not args.no_check else ():
                     err = (fn(q, k, v, causal).float() - ref).abs().max().item()
                     if not err < 0.05:
                         raise SystemExit(f"{n}: max |out - official| = {err} at d={d} s={s} causal={causal}")

@@ -508,3 +508,23 @@ def test_wave_tail_picks_head_counts_that_fill_whole_waves(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert wave_tail.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_fwd_ablations_write_every_variant_from_step4(tmp_path):
+    """fwd_ablations.py: each variant is step 4's current source with its own STEP and one change (the
+    anchors still match the kernel), and is valid Python; a moved anchor stops with the variant's name."""
+    import ast
+
+    import fwd_ablations
+
+    base = fwd_ablations.step4_source(None)
+    for name in fwd_ablations.VARIANTS:
+        path = pathlib.Path(fwd_ablations.write_variant(name, base, str(tmp_path)))
+        src = path.read_text()
+        ast.parse(src)
+        assert f'STEP = "fwd_abl_{name}"' in src and fwd_ablations.STEP_LINE not in src
+        assert src != base.replace(fwd_ablations.STEP_LINE, f'STEP = "fwd_abl_{name}"'), f"{name} changed nothing"
+    with pytest.raises(SystemExit, match="nopp"):
+        fwd_ablations.write_variant("nopp", base.replace(fwd_ablations._PINGPONG_OLD, ""), str(tmp_path))
+    with pytest.raises(SystemExit, match="STEP"):
+        fwd_ablations.write_variant("nosm", base.replace(fwd_ablations.STEP_LINE, ""), str(tmp_path))
