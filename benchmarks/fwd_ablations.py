@@ -16,13 +16,21 @@ Variants:
   l2       K / V always from key blocks 0 and 1: loads from L2, the same shapes and barriers
   order    the producer loads K of block j + 1 before V of block j (the official kernel's order)
   nopp     no consumer turn barrier (the official kernel drops its scheduler barrier above d = 128)
+  classic  classic rescaling without the vote or its branch: every row follows its max each block, O is
+           multiplied every block (by 2^0 = 1 where the max did not grow), the same result as step 4
+           at rescale_threshold=0 (use it with ~rescale_threshold=0.0 so the two agree bit for bit)
+  classicnopp  classic and nopp together
+  pvwait   the P V wait where ptxas puts it (above most exponentials), as step 4 does at d = 256, instead
+           of in the rescale branch's arms (step 4 at tile_n = 128); the same bits
+  pvwaitnopp   pvwait and nopp together
   select   the rescale decided by selects, O always multiplied (by 1.0 when the vote says no): one
            basic block, the same bits as step 4
   halfvote a warp vote per row slot (8 rows each) instead of one per warp, so a row slot's
            exponentials need not wait for the other slot's max
 
-Classic rescaling (every growth of the max, branch-free) needs no copy: `~rescale_threshold=0.0` on
-step 4 itself, and `fwd_abl_nopp~rescale_threshold=0.0` without the turn barrier.
+classic, classicnopp and select have no branch in the step, so ptxas hoists the P V wait above most
+exponentials, as in pvwait: 0-17 of a thread's 64 exp2 come before it at d = 128 and 2-12 at (192, 128),
+where step 4 issues all 64 first (test_pv_wait_after_exponentials). Their timings measure that move too.
 """
 from __future__ import annotations
 
@@ -76,11 +84,13 @@ _ORDER_NEW = '''        if const_expr(first_kv == 0):  # one CTA per tile: K_{i}
 '''
 
 _PINGPONG_OLD = "        self.pingpong = pingpong\n"
+_PV_WAIT_OLD = "        self.pv_wait_below_softmax = self.tile_n >= 128  # see overlapped_step\n"
+_PV_WAIT_NEW = "        self.pv_wait_below_softmax = False  # fwd_ablations.py pvwait: ptxas places the wait\n"
 _PINGPONG_NEW = "        self.pingpong = False\n"
 
-_VOTE_OLD = '''        rescale = True
-        if const_expr(self.policy.rescale_threshold > 0.0):
-            rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)
+_VOTE_LINE = "        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)\n"
+_CLASSIC_LINE = "        rescale = True  # fwd_ablations.py classic: every row follows its max, no vote, no branch\n"
+_VOTE_OLD = '''        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)
         if rescale:
             for r in cutlass.range_constexpr(num_rows):
                 # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
@@ -144,6 +154,12 @@ VARIANTS = {
     "l2": lambda s: s + _SUBCLASS + _L2,
     "order": lambda s: _replace(s, _ORDER_OLD, _ORDER_NEW, "order"),
     "nopp": lambda s: _replace(s, _PINGPONG_OLD, _PINGPONG_NEW, "nopp"),
+    "pvwait": lambda s: _replace(s, _PV_WAIT_OLD, _PV_WAIT_NEW, "pvwait"),
+    "pvwaitnopp": lambda s: _replace(_replace(s, _PV_WAIT_OLD, _PV_WAIT_NEW, "pvwaitnopp"), _PINGPONG_OLD,
+                                     _PINGPONG_NEW, "pvwaitnopp"),
+    "classic": lambda s: _replace(s, _VOTE_LINE, _CLASSIC_LINE, "classic"),
+    "classicnopp": lambda s: _replace(_replace(s, _VOTE_LINE, _CLASSIC_LINE, "classicnopp"), _PINGPONG_OLD,
+                                      _PINGPONG_NEW, "classicnopp"),
     "select": lambda s: _replace(s, _VOTE_OLD, _SELECT_NEW, "select"),
     "halfvote": _halfvote,
 }

@@ -1169,13 +1169,8 @@ class FlashAttentionForwardSm90Step4:
             m_tile = quad_allreduce(m_tile, cute.arch.fmax)
             row_max_new[r] = cute.arch.fmax(row_max[r], m_tile)
         # conditional rescaling: one warp-uniform vote (16 rows) -- only when some row's max grew by
-        # more than tau do the warp's rows move to their new max (l now, O by the caller). At tau = 0
-        # (classic FlashAttention) every row follows its max each block, with no vote and no branch:
-        # a row whose max did not grow gets 2^0 = 1 and keeps its bits, so this is the vote's result
-        # (the vote at tau = 0 moves a warp exactly when some row grew), compiled branch-free.
-        rescale = True
-        if const_expr(self.policy.rescale_threshold > 0.0):
-            rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)
+        # more than tau do the warp's rows move to their new max (l now, O by the caller)
+        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)
         if rescale:
             for r in cutlass.range_constexpr(num_rows):
                 # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
