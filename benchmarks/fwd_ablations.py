@@ -90,28 +90,19 @@ _PINGPONG_NEW = "        self.pingpong = False\n"
 
 _VOTE_LINE = "        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)\n"
 _CLASSIC_LINE = "        rescale = True  # fwd_ablations.py classic: every row follows its max, no vote, no branch\n"
-_VOTE_OLD = '''        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)
-        if rescale:
-            for r in cutlass.range_constexpr(num_rows):
-                # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
-                m_safe = Float32(0.0) if row_max_new[r] == -Float32.inf else row_max_new[r]
-                row_scale[r] = ex2_approx_f32((row_max[r] - m_safe) * softmax_scale_log2)
-                row_max[r] = row_max_new[r]
-                row_limit[r] = row_max_new[r] + rescale_margin
-                row_bias[r] = m_safe * softmax_scale_log2
-                row_sum[r] = row_sum[r] * row_scale[r]
-'''
-_SELECT_NEW = '''        vote = softmax_policy.rescale_vote_limits(row_max_new, row_limit)
-        for r in cutlass.range_constexpr(num_rows):
-            m_safe = Float32(0.0) if row_max_new[r] == -Float32.inf else row_max_new[r]
+# the rescale's state, moved by a select on `vote` (1.0 / the old value where it says no)
+_SELECT_ROW = '''            m_safe = Float32(0.0) if row_max_new[r] == -Float32.inf else row_max_new[r]
             scale = ex2_approx_f32((row_max[r] - m_safe) * softmax_scale_log2)
             row_scale[r] = scale if vote else Float32(1.0)
             row_max[r] = row_max_new[r] if vote else row_max[r]
             row_limit[r] = (row_max_new[r] + rescale_margin) if vote else row_limit[r]
             row_bias[r] = (m_safe * softmax_scale_log2) if vote else row_bias[r]
             row_sum[r] = row_sum[r] * row_scale[r]
-        rescale = True
 '''
+# select replaces the vote and its rescale branch: from the vote's line to the branch's last line
+_RESCALE_LAST = "                row_sum[r] = row_sum[r] * row_scale[r]\n"
+_SELECT_NEW = ("        vote = softmax_policy.rescale_vote_limits(row_max_new, row_limit)\n"
+               "        for r in cutlass.range_constexpr(num_rows):\n" + _SELECT_ROW + "        rescale = True\n")
 
 _MAX_START = "        # this tile's row maxima, one row pair per thread (quad-reduced)\n"
 _MAX_END = "        return rescale\n\n    @cute.jit\n    def store_P"
@@ -123,14 +114,7 @@ _HALFVOTE_NEW = '''        rescale = cutlass.Boolean(False)
             m_tile = quad_allreduce(m_tile, cute.arch.fmax)
             row_max_new[r] = cute.arch.fmax(row_max[r], m_tile)
             vote = cute.arch.vote_any_sync(row_max_new[r] > row_limit[r])
-            m_safe = Float32(0.0) if row_max_new[r] == -Float32.inf else row_max_new[r]
-            scale = ex2_approx_f32((row_max[r] - m_safe) * softmax_scale_log2)
-            row_scale[r] = scale if vote else Float32(1.0)
-            row_max[r] = row_max_new[r] if vote else row_max[r]
-            row_limit[r] = (row_max_new[r] + rescale_margin) if vote else row_limit[r]
-            row_bias[r] = (m_safe * softmax_scale_log2) if vote else row_bias[r]
-            row_sum[r] = row_sum[r] * row_scale[r]
-            rescale = rescale | vote
+''' + _SELECT_ROW + '''            rescale = rescale | vote
             row_sum[r] += softmax_policy.exp2_row(acc_S_rc[r, None], softmax_scale_log2, row_bias[r], self.policy)
 '''
 
@@ -142,11 +126,18 @@ def _replace(src: str, old: str, new: str, variant: str) -> str:
     return src.replace(old, new)
 
 
+def _splice(src: str, first: str, last: str, new: str, variant: str, keep_last: bool = False) -> str:
+    """src with the text from `first` through `last` (exclusive of `last` when keep_last) replaced by `new`."""
+    if src.count(first) != 1 or last not in src[src.find(first):]:
+        raise SystemExit(f"fwd_ablations.py: {variant}: the block from {first.strip()!r} to {last.strip()!r} "
+                         f"is not in {STEP4} (once); update the variant to the kernel")
+    i = src.index(first)
+    j = src.index(last, i) + (0 if keep_last else len(last))
+    return src[:i] + new + src[j:]
+
+
 def _halfvote(src: str) -> str:
-    if src.count(_MAX_START) != 1 or src.count(_MAX_END) != 1:
-        raise SystemExit(f"fwd_ablations.py: halfvote: the row-max / vote block of {STEP4} moved")
-    i, j = src.index(_MAX_START), src.index(_MAX_END)
-    return src[:i] + _HALFVOTE_NEW + src[j:]
+    return _splice(src, _MAX_START, _MAX_END, _HALFVOTE_NEW, "halfvote", keep_last=True)
 
 
 VARIANTS = {
@@ -160,7 +151,7 @@ VARIANTS = {
     "classic": lambda s: _replace(s, _VOTE_LINE, _CLASSIC_LINE, "classic"),
     "classicnopp": lambda s: _replace(_replace(s, _VOTE_LINE, _CLASSIC_LINE, "classicnopp"), _PINGPONG_OLD,
                                       _PINGPONG_NEW, "classicnopp"),
-    "select": lambda s: _replace(s, _VOTE_OLD, _SELECT_NEW, "select"),
+    "select": lambda s: _splice(s, _VOTE_LINE, _RESCALE_LAST, _SELECT_NEW, "select"),
     "halfvote": _halfvote,
 }
 
