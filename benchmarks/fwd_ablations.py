@@ -104,55 +104,59 @@ _RESCALE_LAST = "                row_sum[r] = row_sum[r] * row_scale[r]\n"
 _SELECT_NEW = ("        vote = softmax_policy.rescale_vote_limits(row_max_new, row_limit)\n"
                "        for r in cutlass.range_constexpr(num_rows):\n" + _SELECT_ROW + "        rescale = True\n")
 
-_MAX_START = "        # this tile's row maxima, one row pair per thread (quad-reduced)\n"
-_MAX_END = "        return rescale\n\n    @cute.jit\n    def store_P"
+_SOFTMAX_END = "        return rescale\n\n    @cute.jit\n    def store_P"
+# halfvote replaces the vote, its branch and the exponentials' loop; the row maxima stay step 4's
 _HALFVOTE_NEW = '''        rescale = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(num_rows):
-            m_tile = acc_S_rc[r, 0]
-            for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
-                m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
-            m_tile = quad_allreduce(m_tile, cute.arch.fmax)
-            row_max_new[r] = cute.arch.fmax(row_max[r], m_tile)
             vote = cute.arch.vote_any_sync(row_max_new[r] > row_limit[r])
 ''' + _SELECT_ROW + '''            rescale = rescale | vote
             row_sum[r] += softmax_policy.exp2_row(acc_S_rc[r, None], softmax_scale_log2, row_bias[r], self.policy)
 '''
 
 
-def _replace(src: str, old: str, new: str, variant: str) -> str:
-    if src.count(old) != 1:
-        raise SystemExit(f"fwd_ablations.py: {variant}: its anchor is not in {STEP4} exactly once; "
-                         f"update the variant to the kernel:\n{old}")
-    return src.replace(old, new)
+def _replace(old: str, new: str):
+    """An edit: the one occurrence of `old` becomes `new`."""
+    def edit(src: str, variant: str) -> str:
+        if src.count(old) != 1:
+            raise SystemExit(f"fwd_ablations.py: {variant}: its anchor is not in {STEP4} exactly once; "
+                             f"update the variant to the kernel:\n{old}")
+        return src.replace(old, new)
+    return edit
 
 
-def _splice(src: str, first: str, last: str, new: str, variant: str, keep_last: bool = False) -> str:
-    """src with the text from `first` through `last` (exclusive of `last` when keep_last) replaced by `new`."""
-    if src.count(first) != 1 or last not in src[src.find(first):]:
-        raise SystemExit(f"fwd_ablations.py: {variant}: the block from {first.strip()!r} to {last.strip()!r} "
-                         f"is not in {STEP4} (once); update the variant to the kernel")
-    i = src.index(first)
-    j = src.index(last, i) + (0 if keep_last else len(last))
-    return src[:i] + new + src[j:]
+def _splice(first: str, last: str, new: str, keep_last: bool = False):
+    """An edit: the text from `first` through `last` (up to it, keep_last) becomes `new`."""
+    def edit(src: str, variant: str) -> str:
+        if src.count(first) != 1 or last not in src[src.find(first):]:
+            raise SystemExit(f"fwd_ablations.py: {variant}: the block from {first.strip()!r} to {last.strip()!r} "
+                             f"is not in {STEP4} (once); update the variant to the kernel")
+        i = src.index(first)
+        j = src.index(last, i) + (0 if keep_last else len(last))
+        return src[:i] + new + src[j:]
+    return edit
 
 
-def _halfvote(src: str) -> str:
-    return _splice(src, _MAX_START, _MAX_END, _HALFVOTE_NEW, "halfvote", keep_last=True)
+def _append(text: str):
+    """An edit: `text` added at the end of the module (a subclass that overrides a method)."""
+    return lambda src, variant: src + text
 
 
+NOPP = _replace(_PINGPONG_OLD, _PINGPONG_NEW)
+PVWAIT = _replace(_PV_WAIT_OLD, _PV_WAIT_NEW)
+CLASSIC = _replace(_VOTE_LINE, _CLASSIC_LINE)
+
+# variant -> its edits, applied in order (a combination is the list of its parts)
 VARIANTS = {
-    "nosm": lambda s: s + _SUBCLASS + _NOSM,
-    "l2": lambda s: s + _SUBCLASS + _L2,
-    "order": lambda s: _replace(s, _ORDER_OLD, _ORDER_NEW, "order"),
-    "nopp": lambda s: _replace(s, _PINGPONG_OLD, _PINGPONG_NEW, "nopp"),
-    "pvwait": lambda s: _replace(s, _PV_WAIT_OLD, _PV_WAIT_NEW, "pvwait"),
-    "pvwaitnopp": lambda s: _replace(_replace(s, _PV_WAIT_OLD, _PV_WAIT_NEW, "pvwaitnopp"), _PINGPONG_OLD,
-                                     _PINGPONG_NEW, "pvwaitnopp"),
-    "classic": lambda s: _replace(s, _VOTE_LINE, _CLASSIC_LINE, "classic"),
-    "classicnopp": lambda s: _replace(_replace(s, _VOTE_LINE, _CLASSIC_LINE, "classicnopp"), _PINGPONG_OLD,
-                                      _PINGPONG_NEW, "classicnopp"),
-    "select": lambda s: _splice(s, _VOTE_LINE, _RESCALE_LAST, _SELECT_NEW, "select"),
-    "halfvote": _halfvote,
+    "nosm": [_append(_SUBCLASS + _NOSM)],
+    "l2": [_append(_SUBCLASS + _L2)],
+    "order": [_replace(_ORDER_OLD, _ORDER_NEW)],
+    "nopp": [NOPP],
+    "pvwait": [PVWAIT],
+    "pvwaitnopp": [PVWAIT, NOPP],
+    "classic": [CLASSIC],
+    "classicnopp": [CLASSIC, NOPP],
+    "select": [_splice(_VOTE_LINE, _RESCALE_LAST, _SELECT_NEW)],
+    "halfvote": [_splice(_VOTE_LINE, _SOFTMAX_END, _HALFVOTE_NEW, keep_last=True)],
 }
 
 
@@ -167,7 +171,9 @@ def step4_source(rev: str | None) -> str:
 def write_variant(name: str, base: str, out_dir: str) -> str:
     if base.count(STEP_LINE) != 1:
         raise SystemExit(f"fwd_ablations.py: {STEP4} has no line {STEP_LINE!r}")
-    src = VARIANTS[name](base.replace(STEP_LINE, f'STEP = "fwd_abl_{name}"'))
+    src = base.replace(STEP_LINE, f'STEP = "fwd_abl_{name}"')
+    for edit in VARIANTS[name]:
+        src = edit(src, name)
     path = os.path.join(out_dir, f"fwd_abl_{name}.py")
     with open(path, "w") as f:
         f.write(src)

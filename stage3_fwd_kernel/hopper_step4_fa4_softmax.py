@@ -1664,7 +1664,6 @@ def split_tail_combine(split, tail: int, chunks: int, out, lse, num_m_blocks: in
     split_combine.combine(split, chunks, out, lse, num_m_blocks * heads * b, num_m_blocks)
 
 
-
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
                              softmax_scale=None, causal=False, out=None, lse=None,
                              rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
