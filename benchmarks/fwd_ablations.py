@@ -20,9 +20,11 @@ Variants:
            multiplied every block (by 2^0 = 1 where the max did not grow), the same result as step 4
            at rescale_threshold=0 (use it with ~rescale_threshold=0.0 so the two agree bit for bit)
   classicnopp  classic and nopp together
-  pvwait   the P V wait where ptxas puts it (above most exponentials), as step 4 does at d = 256, instead
-           of in the rescale branch's arms (step 4 at tile_n = 128); the same bits
+  pvwait   the P V wait where ptxas puts it (above most exponentials), as step 4 does at d = 256 and
+           (192, 128), instead of in the rescale branch's arms (step 4 at d <= 128); the same bits
   pvwaitnopp   pvwait and nopp together
+  pvwaitbelow  the wait in the rescale branch's arms on every 128-key tile, (192, 128) included: step 4
+           before session 22 (run 65 timed pvwait against it; step 4 now places it so there)
   select   the rescale decided by selects, O always multiplied (by 1.0 when the vote says no): one
            basic block, the same bits as step 4
   halfvote a warp vote per row slot (8 rows each) instead of one per warp, so a row slot's
@@ -84,8 +86,9 @@ _ORDER_NEW = '''        if const_expr(first_kv == 0):  # one CTA per tile: K_{i}
 '''
 
 _PINGPONG_OLD = "        self.pingpong = pingpong\n"
-_PV_WAIT_OLD = "        self.pv_wait_below_softmax = self.tile_n >= 128  # see overlapped_step\n"
+_PV_WAIT_OLD = "        self.pv_wait_below_softmax = pv_wait_below_softmax(head_dim, self.tile_n)\n"
 _PV_WAIT_NEW = "        self.pv_wait_below_softmax = False  # fwd_ablations.py pvwait: ptxas places the wait\n"
+_PV_WAIT_WIDE = "        self.pv_wait_below_softmax = self.tile_n >= 128  # fwd_ablations.py pvwaitbelow\n"
 _PINGPONG_NEW = "        self.pingpong = False\n"
 
 _VOTE_LINE = "        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)\n"
@@ -153,6 +156,7 @@ VARIANTS = {
     "nopp": [NOPP],
     "pvwait": [PVWAIT],
     "pvwaitnopp": [PVWAIT, NOPP],
+    "pvwaitbelow": [_replace(_PV_WAIT_OLD, _PV_WAIT_WIDE)],
     "classic": [CLASSIC],
     "classicnopp": [CLASSIC, NOPP],
     "select": [_splice(_VOTE_LINE, _RESCALE_LAST, _SELECT_NEW)],

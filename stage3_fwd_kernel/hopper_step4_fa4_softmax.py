@@ -161,6 +161,18 @@ def default_tile_n(head_dim: int, head_dim_v: int) -> int:
     return 64 if max(head_dim, head_dim_v) > 192 else 128
 
 
+# Where a key-block step waits for P_{i-1} V_{i-1}: below its exponentials (in the arms of the rescale
+# branch, see overlapped_step) on 128-key tiles while Q K^T is at most 128 deep, else where ptxas puts it
+# (above most of them). H100, paired: d = 128 +2-3% below; d = 256 (64-key tiles) 8% slower below;
+# (192, 128) +0.4..+2.2% with ptxas' placement at all six points (4k-16k, both masks, 15 rounds:
+# benchmarks/results/ab_fwd_h100_run65_pvwait_192.json), a longer S_i wgmma to hide its wait behind.
+PV_WAIT_BELOW_MAX_HEAD_DIM = 128
+
+
+def pv_wait_below_softmax(head_dim: int, tile_n: int) -> bool:
+    return tile_n >= 128 and head_dim <= PV_WAIT_BELOW_MAX_HEAD_DIM
+
+
 TILE_MS = (128, 192)  # two or three consumer warpgroups of 64 query rows
 # Causal dense calls on these tiles count their Q tiles from the sequence's end (``q_shift``): a
 # 192-row tile rarely divides the sequence (4096 = 21 x 192 + 64), and the partial tile, last when
@@ -272,7 +284,7 @@ class FlashAttentionForwardSm90Step4:
         self.causal = causal
         self.tile_m = tile_m
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
-        self.pv_wait_below_softmax = self.tile_n >= 128  # see overlapped_step
+        self.pv_wait_below_softmax = pv_wait_below_softmax(head_dim, self.tile_n)
         # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
         # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers
         self.o_direct = self.persistent and not o_fits_beside_q(head_dim, head_dim_v, self.tile_n, tile_m)
@@ -1104,9 +1116,9 @@ class FlashAttentionForwardSm90Step4:
                                          row_bias, rescale_margin, tScS0_rc)
         trace.stamp(n_block, "softmax")
         # Wait for P_{i-1} V_{i-1} (then O and tOrP are ours again). ptxas hoists a wait to the top
-        # of its basic block: written here, it lands above every exp2 and the warpgroup idles on its
-        # own P V first. At tile_n = 128 the wait goes into both arms of the rescale branch, below
-        # them (d <= 192: +2-3% at d = 128); at tile_n = 64 (d = 256) that measured 8% slower.
+        # of its basic block: written here, it lands above most exp2s and the warpgroup idles on its
+        # own P V first. pv_wait_below_softmax puts it into both arms of the rescale branch, below
+        # them: faster at d = 128, slower at d = 256 and (192, 128) (see pv_wait_below_softmax).
         if const_expr(self.pv_wait_below_softmax):
             if rescale_O:
                 warpgroup.wait_group(0)

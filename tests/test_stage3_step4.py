@@ -658,19 +658,23 @@ WIDE_TILE_CASES = [c for c in COMPILE_CASES if _wide_key_tile(c)]
 @pytest.mark.compile
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", WIDE_TILE_CASES, ids=[_case_id(c) for c in WIDE_TILE_CASES])
-def test_pv_wait_after_exponentials(compiled, case):
+def test_pv_wait_placement(compiled, case):
     """ptxas schedules a `wgmma.wait_group 0` at the top of its basic block; placed after the softmax
-    in the same block, it was hoisted above every exp2, so each consumer sat idle until its own
-    P_{i-1} V_{i-1} finished before starting them. At tile_n = 128 the wait sits in the arms of the
-    rescale branch, which keeps it below the exponentials (measured +2-3% at d = 128 on the H100;
-    the d = 256 kernel, tile_n = 64, keeps ptxas' placement: moving it measured slower there)."""
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+    in the same block, it was hoisted above most exp2s, so each consumer sat idle until its own
+    P_{i-1} V_{i-1} finished before starting them. Where pv_wait_below_softmax holds (128-key tiles,
+    d <= 128) the wait sits in the arms of the rescale branch, below every exponential (+2-3% at
+    d = 128 on the H100); at (192, 128) ptxas' placement measured faster (+0.4..+2.2%), and these
+    cases check that the wait is really above most of them there."""
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n, pv_wait_below_softmax
 
     dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
     per_thread = 2 * default_tile_n(d, dv) // 4
     counts = _exps_before_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
-    assert min(counts) >= per_thread, counts
+    if pv_wait_below_softmax(d, default_tile_n(d, dv)):
+        assert min(counts) >= per_thread, counts
+    else:
+        assert max(counts) <= per_thread // 2, counts
 
 
 @pytest.mark.compile
