@@ -16,10 +16,12 @@ order included), or a module path with `attention_forward(q, k, v, causal=...)` 
 followed by keyword arguments of its `attention_forward`:
 `stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~pv_wait=split_rows` (numbers
 or words, True / False as bools: `~persistent=True`; each distinct set is its own compiled kernel).
-`fa4` takes four route switches: `fa4~persistent=False`, `fa4~lpt_min=0` (LPT tile order from
+`fa4` takes five route switches: `fa4~persistent=False`, `fa4~lpt_min=0` (LPT tile order from
 that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K), `fa4~kv_multicast=True` (non-causal calls: K/V
-shared by clusters of two CTAs, fa4._dispatch.FORWARD_KV_MULTICAST) and `fa4~lpt_flat=False` (LPT
-sections inside each batch instead of over the (batch, head) pairs, fa4._dispatch.FORWARD_LPT_FLAT). Each implementation's output is checked against
+shared by clusters of two CTAs, fa4._dispatch.FORWARD_KV_MULTICAST), `fa4~lpt_flat=False` (LPT
+sections inside each batch instead of over the (batch, head) pairs, fa4._dispatch.FORWARD_LPT_FLAT)
+and `fa4~lpt_safety=1.0` (the share of L2 an LPT section's K/V may fill,
+fa4._dispatch.FORWARD_LPT_L2_SAFETY). Each implementation's output is checked against
 the official one before timing (`--no-check` skips it, for ablations that compute something else:
 `fwd_ablations.py`). `--official-skeleton` times the official kernel with its softmax stubbed out.
 """
@@ -39,8 +41,9 @@ from bench_fwd import flops, write_doc
 
 # fa4's route switches: ab_fwd's keyword -> the fa4._dispatch attribute it sets for the call
 FA4_SWITCHES = {"persistent": "FORWARD_PERSISTENT", "lpt_min": "LPT_MIN_SEQLEN_K",
-                "kv_multicast": "FORWARD_KV_MULTICAST", "lpt_flat": "FORWARD_LPT_FLAT"}
-SCHEDULER_SWITCHES = ("LPT_MIN_SEQLEN_K", "FORWARD_LPT_FLAT")  # read by the cached causal_forward_scheduler
+                "kv_multicast": "FORWARD_KV_MULTICAST", "lpt_flat": "FORWARD_LPT_FLAT",
+                "lpt_safety": "FORWARD_LPT_L2_SAFETY"}
+SCHEDULER_SWITCHES = ("LPT_MIN_SEQLEN_K", "FORWARD_LPT_FLAT", "FORWARD_LPT_L2_SAFETY")  # read by the cached causal_forward_scheduler
 
 
 def parse_impl(spec: str) -> tuple[str, dict]:

@@ -259,6 +259,12 @@ LPT_MIN_SEQLEN_K = 4096
 # 44 -> 11.5 us; paired rounds +5.9% at 4k, +2.4% at 8k (stage 5 README, "Flat sections").
 FORWARD_LPT_FLAT = True
 
+# The share of the L2 that an LPT section's K/V may fill (stage5_scheduling.orders.heads_per_section's
+# `safety`, a modelling choice). The official FA4 kernel (flash-attn-4 4.0.0b36, SingleTileLPTScheduler)
+# sizes its sections for all of a 50 MiB L2, i.e. twice ours; benchmarks/ab_fwd.py `fa4~lpt_safety=1.0`
+# times that.
+FORWARD_LPT_L2_SAFETY = 0.5
+
 # Persistent CTAs for the forward: None = the forward module's own default (Hopper step 4: one CTA
 # per SM walking the tile order wherever Q, O and two K/V stages fit, head dims <= 128); True /
 # False force it where the module takes `persistent` (benchmarks/ab_fwd.py `fa4~persistent=False`
@@ -283,7 +289,7 @@ def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_di
     from stage5_scheduling.device import LPTCausalScheduler  # imports cutlass: after the arch is set
 
     return LPTCausalScheduler.from_problem(seqlen_k, head_dim, heads_q, heads_kv, head_dim_v=head_dim_v,
-                                           flat_batches=FORWARD_LPT_FLAT)
+                                           safety=FORWARD_LPT_L2_SAFETY, flat_batches=FORWARD_LPT_FLAT)
 
 
 def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int,

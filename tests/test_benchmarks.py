@@ -233,12 +233,12 @@ def test_ab_fwd_fa4_route_switches_hold_for_the_call_only(monkeypatch):
 
     monkeypatch.setattr(fa4, "flash_attn_func", fake_call)
     before = {attr: getattr(_dispatch, attr) for attr in ab_fwd.FA4_SWITCHES.values()}
-    route = ab_fwd.make_impl("fa4~kv_multicast=True~persistent=False~lpt_min=0~lpt_flat=False")
+    route = ab_fwd.make_impl("fa4~kv_multicast=True~persistent=False~lpt_min=0~lpt_flat=False~lpt_safety=1.0")
     assert route(None, None, None, False) == "out"
     with pytest.raises(RuntimeError, match="boom"):
         route(None, None, None, True)
     assert seen[0] == seen[1] == {"FORWARD_PERSISTENT": False, "LPT_MIN_SEQLEN_K": 0, "FORWARD_KV_MULTICAST": True,
-                                  "FORWARD_LPT_FLAT": False}
+                                  "FORWARD_LPT_FLAT": False, "FORWARD_LPT_L2_SAFETY": 1.0}
     assert {attr: getattr(_dispatch, attr) for attr in ab_fwd.FA4_SWITCHES.values()} == before
 
 
