@@ -168,9 +168,9 @@ def heads_per_section(l2_bytes: int, seqlen_k: int, head_dim: int, dtype_bytes: 
     One KV head's working set is its K and V for the whole sequence:
     ``seqlen_k * (head_dim + head_dim_v) * dtype_bytes``; for 8k keys, d = 128, bf16 that
     is 8192 * 256 * 2 = 4 MiB. With H100's 50 MiB and ``safety = 0.5``: floor(25 / 4) = 6 KV
-    heads per section. The safety factor is a modelling choice, not a measurement: the L2 is
-    physically two partitions, and Q tiles, O tiles and LSE stream through the same cache,
-    so budgeting all of it for K/V would evict them mid-section.
+    heads per section. The safety factor is a modelling choice: the L2 is physically two
+    partitions, and Q tiles, O tiles and LSE stream through the same cache. On the H100, 0.5 and
+    1.0 (the official kernel's sizing) time the same through fa4 (stage 5 README, "Section size").
 
     For GQA/MQA a KV head serves ``heads_kv_group`` query heads, and a section holds whole
     groups (so all query heads of a KV head are adjacent): the result is a multiple of
