@@ -25,6 +25,8 @@ Variants:
   pvwaitnopp   pvwait and nopp together
   pvwaitbelow  the wait in the rescale branch's arms on every 128-key tile, (192, 128) included: step 4
            before session 22 (run 65 timed pvwait against it; step 4 now places it so there)
+  pfirst   where ptxas places the P V wait ((192, 128), d = 256), P packed to 16 bits right after it and
+           before the O rescale's branch, in the exponentials' basic block; the same bits
   select   the rescale decided by selects, O always multiplied (by 1.0 when the vote says no): one
            basic block, the same bits as step 4
   halfvote a warp vote per row slot (8 rows each) instead of one per warp, so a row slot's
@@ -90,6 +92,45 @@ _PV_WAIT_OLD = "        self.pv_wait_below_softmax = pv_wait_below_softmax(head_
 _PV_WAIT_NEW = "        self.pv_wait_below_softmax = False  # fwd_ablations.py pvwait: ptxas places the wait\n"
 _PV_WAIT_WIDE = "        self.pv_wait_below_softmax = self.tile_n >= 128  # fwd_ablations.py pvwaitbelow\n"
 _PINGPONG_NEW = "        self.pingpong = False\n"
+
+# pfirst: where ptxas places the P V wait, P is packed right after it, before the O rescale's branch, so
+# the packs share the exponentials' basic block (the official kernel's loop interleaves them so)
+_PFIRST_OLD = """            pipe_V.consumer_release(st_prev)
+            if rescale_O:
+                self.scale_O_rows(acc_O, row_scale)
+        self.store_P(acc_S, tOrP)
+"""
+_PFIRST_NEW = """            pipe_V.consumer_release(st_prev)
+            self.store_P(acc_S, tOrP)  # fwd_ablations.py pfirst
+            if rescale_O:
+                self.scale_O_rows(acc_O, row_scale)
+        if const_expr(self.pv_wait_below_softmax):
+            self.store_P(acc_S, tOrP)
+"""
+
+# ... and each pair packed by a volatile cvt: LLVM sinks plain conversions past the branch into its merge
+# block (their first use is the next step's wgmma), and a volatile asm stays where it is written
+_PFIRST_PACK = '''    @cute.jit
+    def store_P(self, acc_S, tOrP):
+        if const_expr(self.pv_wait_below_softmax):
+            _Step4.store_P(self, acc_S, tOrP)
+        else:
+            words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(acc_S) // 2))
+            for k in cutlass.range_constexpr(cute.size(acc_S) // 2):
+                words[k] = _pack_pair_volatile(acc_S[2 * k], acc_S[2 * k + 1], self.dtype == cutlass.BFloat16)
+
+
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+
+
+@dsl_user_op
+def _pack_pair_volatile(lo, hi, bf16: bool, *, loc=None, ip=None) -> Int32:
+    cvt = "cvt.rn.bf16x2.f32 $0, $1, $2;" if bf16 else "cvt.rn.f16x2.f32 $0, $1, $2;"
+    return Int32(llvm.inline_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                                 cvt, "=r,f,f", has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+'''
 
 _VOTE_LINE = "        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)\n"
 _CLASSIC_LINE = "        rescale = True  # fwd_ablations.py classic: every row follows its max, no vote, no branch\n"
@@ -157,6 +198,7 @@ VARIANTS = {
     "pvwait": [PVWAIT],
     "pvwaitnopp": [PVWAIT, NOPP],
     "pvwaitbelow": [_replace(_PV_WAIT_OLD, _PV_WAIT_WIDE)],
+    "pfirst": [_replace(_PFIRST_OLD, _PFIRST_NEW), _append(_SUBCLASS + _PFIRST_PACK)],
     "classic": [CLASSIC],
     "classicnopp": [CLASSIC, NOPP],
     "select": [_splice(_VOTE_LINE, _RESCALE_LAST, _SELECT_NEW)],

@@ -1,15 +1,17 @@
 """The forward's key-block loop, counted in SASS: compiled here for sm_90a, no GPU needed.
 
     python benchmarks/hot_loop.py --dim 64 --causal [--seqlen-k 16384] \\
-        [--impls stage3_fwd_kernel.hopper_step4_fa4_softmax,my_copy] [--sass official.sass] [--opcodes] [--listing]
+        [--impls stage3_fwd_kernel.hopper_step4_fa4_softmax,my_copy] [--sass official.sass] [--opcodes] [--listing] [--map]
 
 For each build: registers, spills, and in its unmasked key-block loop (``common.key_block_loop``) the
 instruction count, the uniform-datapath share (``U...`` opcodes: ring slots, barrier addresses, wgmma
 descriptors), HGMMA, MUFU.EX2, FADD, FMUL and the sign fix-ups of signed divisions (LEA.HI). A module in
 ``--impls`` is step 4 or an untracked copy of it (its own ``STEP``; ``compile_only`` with step 4's
 arguments). ``--sass`` adds SASS listings made elsewhere, e.g. the official kernel's cubin kept on the
-device with ``CUTE_DSL_KEEP=cubin`` and disassembled with ``nvdisasm``. ``--opcodes`` prints the opcodes
-whose counts differ from the first build's, ``--listing`` each loop as text. ``--seqlen-k`` picks the build fa4 launches for that key
+device with ``CUTE_DSL_KEEP=cubin`` and disassembled with ``nvdisasm``, or compiled here by
+``official_sass.py``. ``--opcodes`` prints the opcodes
+whose counts differ from the first build's, ``--listing`` each loop as text, ``--map`` each loop as letters
+(an exp2 is ``e``, a pack ``p``, the wait for P V ``[W0]``: MAP_LEGEND). ``--seqlen-k`` picks the build fa4 launches for that key
 count (persistent or one CTA per tile); leave it out for the short-call build.
 
 This is where session 17 found the loop's bookkeeping (stage 3 README, "Session 17"). Counts explain
@@ -43,6 +45,32 @@ def loop_counts(loop: list) -> dict:
     }
 
 
+# --map: one character per instruction of the loop, and a line of its own for each sync point
+MAP_LETTERS = (("MUFU.EX2", "e"), ("F2FP", "p"), ("HGMMA", "H"), ("FMNMX", "m"), ("FADD", "a"), ("FMUL", "u"),
+               ("FFMA", "f"), ("SHFL", "s"), ("SYNCS", "S"))
+SYNC_TAGS = (("BAR.", "BAR"), ("VOTE.", "VOTE"), ("BRA", "BRA"), ("WARPGROUP.ARRIVE", "ARRIVE"))
+MAP_LEGEND = ("e exp2 (MUFU), p pack 2 x fp32 -> 16 bits, H wgmma, m max, a add, u multiply, f fma, "
+              "s shuffle, S mbarrier; [W1] wait for S, [W0] wait for P V, [BAR]/[VOTE]/[BRA]/[ARRIVE]: "
+              "barrier, warp vote, branch, wgmma fence; . anything else")
+
+
+def loop_map(listing: str) -> str:
+    """The loop as a string of letters (MAP_LEGEND): where the exponentials, packs and waits sit."""
+    out = []
+    for line in listing.splitlines():
+        words = line.split()
+        if not words or words[0].endswith(":"):
+            continue
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        if op.startswith("WARPGROUP.DEPBAR"):
+            out.append("\n[W0]" if "0x0" in line else "\n[W1]")
+        elif op.startswith(("BAR.", "VOTE.", "BRA", "WARPGROUP.ARRIVE")):
+            out.append("\n[" + next(tag for prefix, tag in SYNC_TAGS if op.startswith(prefix)) + "]")
+        else:
+            out.append(next((c for prefix, c in MAP_LETTERS if op.startswith(prefix)), "."))
+    return "".join(out).strip()
+
+
 def opcode_histogram(loop: list) -> collections.Counter:
     return collections.Counter(op.split(".")[0] for op in loop)
 
@@ -72,18 +100,25 @@ def sass_build(path: str) -> tuple[dict, list, str]:
     return {"registers": "-", "spills": "-", **loop_counts(loop)}, loop, key_block_loop_listing(sass)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_shape_args(ap: argparse.ArgumentParser) -> None:
+    """The forward shape a loop is compiled for (official_sass.py takes the same)."""
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--dim_v", type=int, default=None)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_shape_args(ap)
     ap.add_argument("--seqlen-k", dest="seqlen_k", type=int, default=None,
                     help="the key count whose fa4 build to count (persistent or not); default: a short call")
     ap.add_argument("--impls", default=STEP4, help="comma-separated module paths (step 4 or copies of it)")
     ap.add_argument("--sass", action="append", default=[], help="a SASS listing to count as well (repeatable)")
     ap.add_argument("--opcodes", action="store_true", help="opcodes whose counts differ from the first build's")
     ap.add_argument("--listing", action="store_true", help="print each build's loop, one instruction per line")
+    ap.add_argument("--map", action="store_true", help="print each build's loop as a line of letters per stretch "
+                                                       "between sync points (where exp2s, packs and waits sit)")
     args = ap.parse_args(argv)
 
     builds = {}
@@ -109,6 +144,10 @@ def main(argv=None) -> int:
             diff = sorted(((op, hist[op] - base[op]) for op in set(base) | set(hist) if hist[op] != base[op]),
                           key=lambda item: -abs(item[1]))
             print(f"\n{name} against {first}: " + (", ".join(f"{op} {d:+d}" for op, d in diff) or "same opcode counts"))
+    if args.map:
+        print(f"\nloop maps: {MAP_LEGEND}")
+        for name, (_, _, listing) in builds.items():
+            print(f"\n--- {name} ---\n{loop_map(listing)}")
     if args.listing:
         for name, (_, _, listing) in builds.items():
             print(f"\n--- {name}: key-block loop ---\n{listing}")

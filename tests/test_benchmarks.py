@@ -471,6 +471,34 @@ def test_hot_loop_counts_a_synthetic_loop_and_reads_sass_files(tmp_path, capsys)
         hot_loop.main(["--impls", "", "--sass", str(tmp_path / "empty.sass")])
 
 
+def test_hot_loop_map_marks_exponentials_packs_and_waits():
+    """hot_loop.py --map: one letter per instruction, and each sync point (the two wgmma waits, a
+    barrier, a vote, a branch) starts a line, so where the packs sit against the P V wait is visible."""
+    import hot_loop
+
+    listing = "\n".join([".L_x_7:", "WARPGROUP.DEPBAR.LE gsb0, 0x1 ;", "FMNMX R1, R2, R3, !PT ;", "VOTE.ANY P0, P0 ;",
+                          "@P0 BRA `(.L_x_9) ;", "MUFU.EX2 R4, R5 ;", "WARPGROUP.DEPBAR.LE gsb0, 0x0 ;",
+                          "F2FP.BF16.F32.PACK_AB R6, R7, R8 ;", "FADD R9, R9, R4 ;", "MOV R1, R2 ;",
+                          "BAR.SYNC.DEFER_BLOCKING R0, 0x100 ;", "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;"])
+    assert hot_loop.loop_map(listing) == "[W1]m\n[VOTE]\n[BRA]e\n[W0]pa.\n[BAR]H"
+
+
+def test_official_sass_stand_ins_leave_sys_modules_as_they_were():
+    """official_sass.py imports the official package with stand-in triton / einops modules (unused on
+    its compile path) and puts sys.modules back afterwards, so torch never sees a fake triton."""
+    import official_sass
+
+    before = {name: sys.modules.get(name) for name in ("triton", "einops")}
+    with official_sass.stand_ins("triton", "einops"):
+        import triton
+
+        class Cache(triton.runtime.cache.FileCacheManager):  # what quack.autotuner subclasses
+            pass
+
+        assert Cache() is not None and callable(triton.testing.do_bench)
+    assert {name: sys.modules.get(name) for name in ("triton", "einops")} == before
+
+
 def test_ab_pair_compares_two_builds_round_by_round(tmp_path, capsys):
     """ab_pair.py: per case, the median over rounds of time(b) / time(a) and the rounds a won, from the
     ms_rounds of one run; cases only one build ran are left out; an unknown build is named."""
