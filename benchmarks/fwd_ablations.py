@@ -27,6 +27,8 @@ Variants:
            before session 22 (run 65 timed pvwait against it; step 4 now places it so there)
   pfirst   where ptxas places the P V wait ((192, 128), d = 256), P packed to 16 bits right after it and
            before the O rescale's branch, in the exponentials' basic block; the same bits
+  pfirstall  pvwait and pfirst together: at every head dim the wait where ptxas puts it and the packs
+           right after it (the official kernel's loop order at d = 64 / 128 too, FA4's rescale kept)
   select   the rescale decided by selects, O always multiplied (by 1.0 when the vote says no): one
            basic block, the same bits as step 4
   halfvote a warp vote per row slot (8 rows each) instead of one per warp, so a row slot's
@@ -199,6 +201,7 @@ VARIANTS = {
     "pvwaitnopp": [PVWAIT, NOPP],
     "pvwaitbelow": [_replace(_PV_WAIT_OLD, _PV_WAIT_WIDE)],
     "pfirst": [_replace(_PFIRST_OLD, _PFIRST_NEW), _append(_SUBCLASS + _PFIRST_PACK)],
+    "pfirstall": [PVWAIT, _replace(_PFIRST_OLD, _PFIRST_NEW), _append(_SUBCLASS + _PFIRST_PACK)],
     "classic": [CLASSIC],
     "classicnopp": [CLASSIC, NOPP],
     "select": [_splice(_VOTE_LINE, _RESCALE_LAST, _SELECT_NEW)],
