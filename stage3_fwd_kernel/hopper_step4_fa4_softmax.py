@@ -165,7 +165,7 @@ def default_tile_n(head_dim: int, head_dim_v: int) -> int:
 # branch, see overlapped_step) on 128-key tiles while Q K^T is at most 128 deep, else where ptxas puts it
 # (above most of them). H100, paired: d = 128 +2-3% below; d = 256 (64-key tiles) 8% slower below;
 # (192, 128) +0.4..+2.2% with ptxas' placement at all six points (4k-16k, both masks, 15 rounds:
-# benchmarks/results/ab_fwd_h100_run65_pvwait_192.json; run 66 repeated it). Why not measured.
+# benchmarks/results/ab_fwd_h100_run65_pvwait_192.json; run 66 repeated it); the reason was not measured.
 PV_WAIT_BELOW_MAX_HEAD_DIM = 128
 
 
