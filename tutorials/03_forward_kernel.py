@@ -860,6 +860,7 @@ for label, off_skel, off, ours_skel, ours in rows:
 d192 = [r for r in rows if r[0].startswith("(192, 128) non")][0]
 assert d192[2] / d192[1] > d192[4] / d192[3]  # the (192, 128) gap: the official softmax hides better there
 
+
 # %% [markdown]
 # The skeletons are even: ours is within 2% of the official one, and faster at d = 128, where its
 # CTAs are persistent. (The causal (192, 128) bars are ours on the static grid. fa4 launches that
@@ -868,6 +869,85 @@ assert d192[2] / d192[1] > d192[4] / d192[3]  # the (192, 128) gap: the official
 # hides behind the other warpgroup's wgmmas, not loads or tiles. The stage 3 README ("Session 21") lists what was
 # timed to close it. At d = 64 both kernels keep only about two thirds, which is where the paper's
 # emulated exp2 should help; on Hopper it measured slower, see the ablation near the top.
+
+# %% [markdown]
+# ## Where the wait for P V sits
+# Every key-block step waits on the tensor cores twice: for S_i (`wait_group(1)`) before its softmax, and
+# for the previous block's P V (`wait_group(0)`) before it touches O and P's registers again. ptxas
+# hoists a wgmma wait to the top of its basic block, so what decides where the second wait lands is which
+# block it is written in. Written after the softmax in the same block, it ends up above most exponentials:
+# the warpgroup idles on its own P V first. Step 4 writes it into both arms of the rescale branch
+# instead, and all 64 exponentials of a thread go first. At d = 128 that was +2-3%.
+#
+# At (192, 128) the same move turned out to cost time. Run 65 timed ptxas' placement (`fwd_ablations.py
+# pvwait`) against step 4. Run 66 timed it again after it became step 4's default there
+# (`pv_wait_below_softmax`), against the old placement (`pvwaitbelow`). Each dot below is one of 15 paired
+# rounds: the old placement's time over ptxas', so above 1 means the wait is better left high.
+#
+
+# %%
+def round_ratios(run, slow, fast):
+    """Per (mask, seqlen): time(slow) / time(fast) in each paired round of one ab_fwd.py run."""
+    rows = json.loads((RESULTS / run).read_text())["results"]
+    ms = {(r["impl"], r["causal"], r["seqlen"]): r["ms_rounds"] for r in rows}
+    cases = sorted({(c, s) for i, c, s in ms if i == fast})
+    return {(c, s): np.array(ms[slow, c, s]) / np.array(ms[fast, c, s]) for c, s in cases}
+
+
+STEP4 = "stage3_fwd_kernel.hopper_step4_fa4_softmax"
+runs = {"run 65 (69868e8): step 4 (low) / pvwait (high)": round_ratios("ab_fwd_h100_run65_pvwait_192.json", STEP4, "fwd_abl_pvwait"),
+        "run 66 (3928a9a): pvwaitbelow (low) / step 4 (high)": round_ratios("ab_fwd_h100_run66_pvwaitbelow_192.json",
+                                                                 "fwd_abl_pvwaitbelow", STEP4)}
+fig, ax = plt.subplots(figsize=(10, 3.4))
+for k, (label, ratios) in enumerate(runs.items()):
+    for j, ((causal, s), r) in enumerate(ratios.items()):
+        x = j + (k - 0.5) * 0.3
+        ax.scatter(np.full(len(r), x), r, s=10, alpha=0.5, color=f"C{k}", label=label if j == 0 else None)
+        ax.plot([x - 0.1, x + 0.1], [np.median(r)] * 2, color=f"C{k}", lw=2)
+cases = list(next(iter(runs.values())))
+ax.set_xticks(range(len(cases)), [f"{'causal' if c else 'non-causal'} {s // 1024}k" for c, s in cases])
+ax.axhline(1.0, color="gray", lw=0.8)
+ax.set_ylabel("time, wait low / wait high")
+ax.set_title("(192, 128) on the H100: one dot per paired round, bars at the medians", fontsize=10)
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+for label, ratios in runs.items():
+    print(f"{label:>42}:", "  ".join(f"{np.median(r) - 1:+.1%}" for r in ratios.values()))
+    assert all(np.median(r) > 1 for r in ratios.values())  # the wait placed high wins at every point
+
+
+# %% [markdown]
+# Both runs put the high wait ahead at all six points, by 0.4-2.2%. Why (192, 128) differs from d = 128
+# was not measured. One candidate: the S_i wgmma is 1.5x longer at (192, 128), so the previous P V has
+# usually landed by the time the softmax reaches its wait. The causal (192, 128) target is still missed
+# after it; the stage 3 README ("Session 22") has the numbers.
+#
+
+# %% [markdown]
+# ### The loop as letters
+# `benchmarks/hot_loop.py --map` prints a key-block loop one letter per instruction: `e` an exp2, `p` a pack
+# of two fp32 values into 16 bits, `u` a multiply, `a` an add, `f` an FMA, and each sync point starts a line
+# (`[W0]` the wait for P V, `[BRA]` a branch). `benchmarks/official_sass.py` compiles the official kernel on
+# a machine without a GPU, so its loop can be mapped too. At d = 64, from the wait for P V on
+# (shortened):
+#
+# ```
+# official  [W0].eaSuuuuueauuuuuueauuuuupeapupupueapupuuueau ... eapeapeaeaeapeapeaeaeap ... ap.ap.
+# ours      ...aeaeaeaeaeaaaaaaa
+#           [BRA]
+#           [W0]uuuuuuuuuuuuuuuuuuuuuuuuuuuuuuuu
+#           [BRA]
+#           [W0].....Spp.pppppppppppppppppppppppppppppp
+# ```
+#
+# The official loop waits for its P V after 11 exponentials and then spreads O's rescale and the 32
+# packs between the remaining ones. Ours finishes every exponential first, skips or runs O's
+# conditional rescale, and packs all of P in a row at the end, where the next step's wgmma waits for it.
+# That tail is the structural difference left at d = 64. `fwd_ablations.py pfirstall` rebuilds step 4
+# in the official order and keeps FA4's conditional rescale. It is compiled and not yet timed (stage 3
+# README, "Session 22").
+#
 
 # %% [markdown]
 # ## The Blackwell pipeline
