@@ -110,7 +110,7 @@ _PFIRST_NEW = """            pipe_V.consumer_release(st_prev)
             self.store_P(acc_S, tOrP)
 """
 
-# ... and each pair packed by a volatile cvt: LLVM sinks plain conversions past the branch into its merge
+# ... and each pair packed by a volatile cvt: the compiler sinks plain conversions past the branch into its merge
 # block (their first use is the next step's wgmma), and a volatile asm stays where it is written
 _PFIRST_PACK = '''    @cute.jit
     def store_P(self, acc_S, tOrP):
