@@ -103,7 +103,7 @@ _PFIRST_OLD = """            pipe_V.consumer_release(st_prev)
         self.store_P(acc_S, tOrP)
 """
 _PFIRST_NEW = """            pipe_V.consumer_release(st_prev)
-            self.store_P(acc_S, tOrP)  # fwd_ablations.py pfirst
+            self.store_P_pinned(acc_S, tOrP)  # fwd_ablations.py pfirst
             if rescale_O:
                 self.scale_O_rows(acc_O, row_scale)
         if const_expr(self.pv_wait_below_softmax):
@@ -113,13 +113,11 @@ _PFIRST_NEW = """            pipe_V.consumer_release(st_prev)
 # ... and each pair packed by a volatile cvt: the compiler sinks plain conversions past the branch into its merge
 # block (their first use is the next step's wgmma), and a volatile asm stays where it is written
 _PFIRST_PACK = '''    @cute.jit
-    def store_P(self, acc_S, tOrP):
-        if const_expr(self.pv_wait_below_softmax):
-            _Step4.store_P(self, acc_S, tOrP)
-        else:
-            words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(acc_S) // 2))
-            for k in cutlass.range_constexpr(cute.size(acc_S) // 2):
-                words[k] = _pack_pair_volatile(acc_S[2 * k], acc_S[2 * k + 1], self.dtype == cutlass.BFloat16)
+    def store_P_pinned(self, acc_S, tOrP):
+        """store_P's packs, each a volatile cvt (the same F2FP)."""
+        words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(acc_S) // 2))
+        for k in cutlass.range_constexpr(cute.size(acc_S) // 2):
+            words[k] = _pack_pair_volatile(acc_S[2 * k], acc_S[2 * k + 1], self.dtype == cutlass.BFloat16)
 
 
 from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402

@@ -48,7 +48,8 @@ def loop_counts(loop: list) -> dict:
 # --map: one character per instruction of the loop, and a line of its own for each sync point
 MAP_LETTERS = (("MUFU.EX2", "e"), ("F2FP", "p"), ("HGMMA", "H"), ("FMNMX", "m"), ("FADD", "a"), ("FMUL", "u"),
                ("FFMA", "f"), ("SHFL", "s"), ("SYNCS", "S"))
-SYNC_TAGS = (("BAR.", "BAR"), ("VOTE.", "VOTE"), ("BRA", "BRA"), ("WARPGROUP.ARRIVE", "ARRIVE"))
+SYNC_TAGS = (("WARPGROUP.DEPBAR", "W"), ("BAR.", "BAR"), ("VOTE.", "VOTE"), ("BRA", "BRA"),
+             ("WARPGROUP.ARRIVE", "ARRIVE"))  # W: the wgmma wait, W0 / W1 by its operand
 MAP_LEGEND = ("e exp2 (MUFU), p pack 2 x fp32 -> 16 bits, H wgmma, m max, a add, u multiply, f fma, "
               "s shuffle, S mbarrier; [W1] wait for S, [W0] wait for P V, [BAR]/[VOTE]/[BRA]/[ARRIVE]: "
               "barrier, warp vote, branch, wgmma fence; . anything else")
@@ -62,12 +63,10 @@ def loop_map(listing: str) -> str:
         if not words or words[0].endswith(":"):
             continue
         op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-        if op.startswith("WARPGROUP.DEPBAR"):
-            out.append("\n[W0]" if "0x0" in line else "\n[W1]")
-        elif op.startswith(("BAR.", "VOTE.", "BRA", "WARPGROUP.ARRIVE")):
-            out.append("\n[" + next(tag for prefix, tag in SYNC_TAGS if op.startswith(prefix)) + "]")
-        else:
-            out.append(next((c for prefix, c in MAP_LETTERS if op.startswith(prefix)), "."))
+        tag = next((t for prefix, t in SYNC_TAGS if op.startswith(prefix)), None)
+        if tag == "W":
+            tag = "W0" if "0x0" in line else "W1"
+        out.append(f"\n[{tag}]" if tag else next((c for prefix, c in MAP_LETTERS if op.startswith(prefix)), "."))
     return "".join(out).strip()
 
 

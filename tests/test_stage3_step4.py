@@ -1402,7 +1402,7 @@ def _split_tail_combine_torch(split, tail, chunks, out, lse, num_m_blocks):
     weight = torch.exp(part_lse - lse_rows[:, None])                    # (R, S, tile_m)
     o_rows = torch.einsum("rsm,rsmd->rmd", weight, work[..., :dv])      # (R, tile_m, dv)
     batch_idx, rows, head_idx = _tail_rows(num_m_blocks * heads * b, tail, num_m_blocks, heads, tile_m,
-                                                  str(out.device))
+                                           str(out.device))
     out[batch_idx, rows, head_idx] = o_rows.to(out.dtype)
     lse[batch_idx, head_idx, rows] = lse_rows
 
