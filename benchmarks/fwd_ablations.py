@@ -20,23 +20,20 @@ Variants:
            multiplied every block (by 2^0 = 1 where the max did not grow), the same result as step 4
            at rescale_threshold=0 (use it with ~rescale_threshold=0.0 so the two agree bit for bit)
   classicnopp  classic and nopp together
-  pvwait   the P V wait where ptxas puts it (above most exponentials), as step 4 does at d = 256 and
-           (192, 128), instead of in the rescale branch's arms (step 4 at d <= 128); the same bits
-  pvwaitnopp   pvwait and nopp together
-  pvwaitbelow  the wait in the rescale branch's arms on every 128-key tile, (192, 128) included: step 4
-           before session 22 (run 65 timed pvwait against it; step 4 now places it so there)
-  pfirst   where ptxas places the P V wait ((192, 128), d = 256), P packed to 16 bits right after it and
-           before the O rescale's branch, in the exponentials' basic block; the same bits
-  pfirstall  pvwait and pfirst together: at every head dim the wait where ptxas puts it and the packs
-           right after it (the official kernel's loop order at d = 64 / 128 too, FA4's rescale kept)
+  packlate P packed by a plain conversion (step 3's store_P): the compiler sinks the packs past the O
+           rescale's branch, all 32 in a row at the end of the step (step 4 before session 23)
   select   the rescale decided by selects, O always multiplied (by 1.0 when the vote says no): one
            basic block, the same bits as step 4
   halfvote a warp vote per row slot (8 rows each) instead of one per warp, so a row slot's
            exponentials need not wait for the other slot's max
 
-classic, classicnopp and select have no branch in the step, so ptxas hoists the P V wait above most
-exponentials, as in pvwait: 0-17 of a thread's 64 exp2 come before it at d = 128 and 2-12 at (192, 128),
-where step 4 issues all 64 first (test_pv_wait_after_exponentials). Their timings measure that move too.
+classic, classicnopp and select have no branch in the step; the P V wait and the packs sit where
+they do in step 4 (ptxas hoists the wait above most exponentials, test_pv_wait_placement).
+
+Retired in session 23, when step 4 took pfirstall: pvwait, pvwaitnopp, pvwaitbelow, pfirst and
+pfirstall edit text step 4 no longer has; this file at 4a95330 rebuilds them from step 4 there:
+    git show 4a95330:benchmarks/fwd_ablations.py > benchmarks/fwd_ablations_4a95330.py
+    python benchmarks/fwd_ablations_4a95330.py --rev 4a95330 pvwait pfirstall
 """
 from __future__ import annotations
 
@@ -90,46 +87,13 @@ _ORDER_NEW = '''        if const_expr(first_kv == 0):  # one CTA per tile: K_{i}
 '''
 
 _PINGPONG_OLD = "        self.pingpong = pingpong\n"
-_PV_WAIT_OLD = "        self.pv_wait_below_softmax = pv_wait_below_softmax(head_dim, self.tile_n)\n"
-_PV_WAIT_NEW = "        self.pv_wait_below_softmax = False  # fwd_ablations.py pvwait: ptxas places the wait\n"
-_PV_WAIT_WIDE = "        self.pv_wait_below_softmax = self.tile_n >= 128  # fwd_ablations.py pvwaitbelow\n"
 _PINGPONG_NEW = "        self.pingpong = False\n"
 
-# pfirst: where ptxas places the P V wait, P is packed right after it, before the O rescale's branch, so
-# the packs share the exponentials' basic block (the official kernel's loop interleaves them so)
-_PFIRST_OLD = """            pipe_V.consumer_release(st_prev)
-            if rescale_O:
-                self.scale_O_rows(acc_O, row_scale)
-        self.store_P(acc_S, tOrP)
-"""
-_PFIRST_NEW = """            pipe_V.consumer_release(st_prev)
-            self.store_P_pinned(acc_S, tOrP)  # fwd_ablations.py pfirst
-            if rescale_O:
-                self.scale_O_rows(acc_O, row_scale)
-        if const_expr(self.pv_wait_below_softmax):
-            self.store_P(acc_S, tOrP)
-"""
-
-# ... and each pair packed by a volatile cvt: the compiler sinks plain conversions past the branch into its merge
-# block (their first use is the next step's wgmma), and a volatile asm stays where it is written
-_PFIRST_PACK = '''    @cute.jit
-    def store_P_pinned(self, acc_S, tOrP):
-        """store_P's packs, each a volatile cvt (the same F2FP)."""
-        words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(acc_S) // 2))
-        for k in cutlass.range_constexpr(cute.size(acc_S) // 2):
-            words[k] = _pack_pair_volatile(acc_S[2 * k], acc_S[2 * k + 1], self.dtype == cutlass.BFloat16)
-
-
-from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
-from cutlass._mlir.dialects import llvm  # noqa: E402
-
-
-@dsl_user_op
-def _pack_pair_volatile(lo, hi, bf16: bool, *, loc=None, ip=None) -> Int32:
-    cvt = "cvt.rn.bf16x2.f32 $0, $1, $2;" if bf16 else "cvt.rn.f16x2.f32 $0, $1, $2;"
-    return Int32(llvm.inline_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-                                 cvt, "=r,f,f", has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+# packlate: step 3's store_P, a plain conversion the compiler is free to sink to its first use
+_PACKLATE = '''    @cute.jit
+    def store_P(self, acc_S, tOrP):
+        tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
+        tOrP_as_acc.store(acc_S.load().to(self.dtype))  # fwd_ablations.py packlate
 '''
 
 _VOTE_LINE = "        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)\n"
@@ -186,7 +150,6 @@ def _append(text: str):
 
 
 NOPP = _replace(_PINGPONG_OLD, _PINGPONG_NEW)
-PVWAIT = _replace(_PV_WAIT_OLD, _PV_WAIT_NEW)
 CLASSIC = _replace(_VOTE_LINE, _CLASSIC_LINE)
 
 # variant -> its edits, applied in order (a combination is the list of its parts)
@@ -195,11 +158,7 @@ VARIANTS = {
     "l2": [_append(_SUBCLASS + _L2)],
     "order": [_replace(_ORDER_OLD, _ORDER_NEW)],
     "nopp": [NOPP],
-    "pvwait": [PVWAIT],
-    "pvwaitnopp": [PVWAIT, NOPP],
-    "pvwaitbelow": [_replace(_PV_WAIT_OLD, _PV_WAIT_WIDE)],
-    "pfirst": [_replace(_PFIRST_OLD, _PFIRST_NEW), _append(_SUBCLASS + _PFIRST_PACK)],
-    "pfirstall": [PVWAIT, _replace(_PFIRST_OLD, _PFIRST_NEW), _append(_SUBCLASS + _PFIRST_PACK)],
+    "packlate": [_append(_SUBCLASS + _PACKLATE)],
     "classic": [CLASSIC],
     "classicnopp": [CLASSIC, NOPP],
     "select": [_splice(_VOTE_LINE, _RESCALE_LAST, _SELECT_NEW)],

@@ -83,14 +83,15 @@ the walk instantiates three times (first block, masked blocks, hot loop): three 
 With the overlap, the O rescale a "yes" vote asks for waits until P_{i-1} V_{i-1} has landed.
 
 Three instruction-level details of the steady state. A consumer waits for V_{i-1} after issuing
-S_i, right before its P V (the official kernel's order; +1..+3% at d = 64 in paired rounds). ptxas
-puts a `wgmma.wait_group` at the top of its basic block: written after the softmax, the wait for
-P_{i-1} V_{i-1} was hoisted above all 64 exp2s, so each consumer first idled on its own P V and
-only then started its exponentials. The wait now sits in both arms of the rescale branch, below
-them (tests/test_stage3_step4.py checks the order in SASS): +2-3% at d = 128 on the H100 in paired,
-interleaved rounds (benchmarks/ab_fwd.py), nothing measurable at d = 64. Only at tile_n = 128:
-at d = 256 (tile_n = 64, 32 exp2 per thread against a 64 x 256 x 64 P V) the same move measured 8%
-slower causal at 16k, so that kernel keeps the wait where ptxas puts it. A row max in 4 independent
+S_i, right before its P V (the official kernel's order; +1..+3% at d = 64 in paired rounds). The
+wait for P_{i-1} V_{i-1} is written after the softmax; ptxas hoists a `wgmma.wait_group` to the top
+of its basic block, so it lands after the first few exp2s (tests/test_stage3_step4.py counts them).
+Right after it, before the O rescale's branch, P is packed to 16 bits with volatile cvts: the
+compiler sinks plain conversions past the branch (their first use is the next P V), which left all
+32 packs in a row at the end of the step; pinned, they interleave with the remaining exp2s as in the
+official kernel's loop. Paired, 9 rounds on the H100 (run 70): +1..+5% at d = 64 / 128, +5..+7% at
+(192, 128), a tie at d = 256. (Before session 23 the wait sat in the rescale branch's arms below every
+exp2 at d <= 128: +2-3% at d = 128 over ptxas' placement with the packs at the end.) A row max in 4 independent
 FMNMX chains instead of one 31-deep chain was tried too and not kept: no measurable change at
 d = 128, 2-10% slower at d = 256. Both kernels run at the H100's 700 W power cap (~1.5 GHz, not 1.98),
 and the official one is faster at a *lower* clock, so what separates them is tensor-core cycles
@@ -139,7 +140,9 @@ import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
 from cutlass.memory.smem import SmemAllocator  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
@@ -159,18 +162,6 @@ DEFAULT_POLICY = SoftmaxPolicy(DEFAULT_RESCALE_THRESHOLD, DEFAULT_EMULATION_FRAC
 def default_tile_n(head_dim: int, head_dim_v: int) -> int:
     """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S."""
     return 64 if max(head_dim, head_dim_v) > 192 else 128
-
-
-# Where a key-block step waits for P_{i-1} V_{i-1}: below its exponentials (in the arms of the rescale
-# branch, see overlapped_step) on 128-key tiles while Q K^T is at most 128 deep, else where ptxas puts it
-# (above most of them). H100, paired: d = 128 +2-3% below; d = 256 (64-key tiles) 8% slower below;
-# (192, 128) +0.4..+2.2% with ptxas' placement at all six points (4k-16k, both masks, 15 rounds:
-# benchmarks/results/ab_fwd_h100_run65_pvwait_192.json; run 66 repeated it); the reason was not measured.
-PV_WAIT_BELOW_MAX_HEAD_DIM = 128
-
-
-def pv_wait_below_softmax(head_dim: int, tile_n: int) -> bool:
-    return tile_n >= 128 and head_dim <= PV_WAIT_BELOW_MAX_HEAD_DIM
 
 
 TILE_MS = (128, 192)  # two or three consumer warpgroups of 64 query rows
@@ -243,6 +234,17 @@ def row_stored(row, q_rows_left, q_rows_skip=None):
     return live
 
 
+
+@dsl_user_op
+def pack_pair_pinned(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
+    """(lo, hi) -> one 32-bit word of two 16-bit floats, lo in the low half (round to nearest): a
+    volatile cvt, which the compiler neither moves nor merges, the same F2FP a plain conversion emits."""
+    cvt = "cvt.rn.bf16x2.f32 $0, $1, $2;" if bf16 else "cvt.rn.f16x2.f32 $0, $1, $2;"
+    operands = [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)]  # PTX: $1 -> the high half
+    return Int32(llvm.inline_asm(T.i32(), operands, cvt, "=r,f,f", has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 class FlashAttentionForwardSm90Step4:
     """Step 3's kernel with FA4's softmax (`policy`) and varlen: producer warp + tile_m / 64 consumer
     warpgroups (64 rows each; tile_m = 128 or 192) taking turns on the tensor cores, TMA K/V ring."""
@@ -284,7 +286,6 @@ class FlashAttentionForwardSm90Step4:
         self.causal = causal
         self.tile_m = tile_m
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
-        self.pv_wait_below_softmax = pv_wait_below_softmax(head_dim, self.tile_n)
         # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
         # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers
         self.o_direct = self.persistent and not o_fits_beside_q(head_dim, head_dim_v, self.tile_n, tile_m)
@@ -1115,26 +1116,15 @@ class FlashAttentionForwardSm90Step4:
                                          tScS_rc, row_max, row_max_new, row_sum, row_scale, row_limit,
                                          row_bias, rescale_margin, tScS0_rc)
         trace.stamp(n_block, "softmax")
-        # Wait for P_{i-1} V_{i-1} (then O and tOrP are ours again). ptxas hoists a wait to the top
-        # of its basic block: written here, it lands above most exp2s and the warpgroup idles on its
-        # own P V first. pv_wait_below_softmax puts it into both arms of the rescale branch, below
-        # them: faster at d = 128, slower at d = 256 and (192, 128) (see pv_wait_below_softmax).
-        if const_expr(self.pv_wait_below_softmax):
-            if rescale_O:
-                warpgroup.wait_group(0)
-                trace.stamp(n_block, "pv_landed")
-                self.scale_O_rows(acc_O, row_scale)
-            else:
-                warpgroup.wait_group(0)
-                trace.stamp(n_block, "pv_landed")
-            pipe_V.consumer_release(st_prev)
-        else:
-            warpgroup.wait_group(0)
-            trace.stamp(n_block, "pv_landed")
-            pipe_V.consumer_release(st_prev)
-            if rescale_O:
-                self.scale_O_rows(acc_O, row_scale)
+        # Wait for P_{i-1} V_{i-1} (then O and tOrP are ours again): ptxas hoists it to the top of
+        # the basic block, above most exp2s. Packing P before the rescale branch keeps the packs in
+        # that block, interleaved with the exp2s still in flight (run 70: +1..+7% below d = 256).
+        warpgroup.wait_group(0)
+        trace.stamp(n_block, "pv_landed")
+        pipe_V.consumer_release(st_prev)
         self.store_P(acc_S, tOrP)
+        if rescale_O:
+            self.scale_O_rows(acc_O, row_scale)
         trace.stamp(n_block, "end")
 
     @cute.jit
@@ -1201,9 +1191,12 @@ class FlashAttentionForwardSm90Step4:
     @cute.jit
     def store_P(self, acc_S: cute.Tensor, tOrP: cute.Tensor):
         """P (fp32 accumulator) -> the 16-bit A-operand fragment of O += P V: the same registers in
-        accumulator order (step 1's docstring), converted in place."""
-        tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
-        tOrP_as_acc.store(acc_S.load().to(self.dtype))
+        accumulator order (step 1's docstring), converted in place, a pair per 32-bit word. Each pair
+        is a volatile cvt (the same F2FP as step 3's `.to(dtype)`), so it stays where it is written
+        instead of sinking to its first use (the next P V) past the O rescale's branch."""
+        words = cute.make_tensor(cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(acc_S) // 2))
+        for k in cutlass.range_constexpr(cute.size(acc_S) // 2):
+            words[k] = pack_pair_pinned(acc_S[2 * k], acc_S[2 * k + 1], self.dtype == cutlass.BFloat16)
 
     @cute.jit
     def zero_rows(self, sV_stage: cute.Tensor, first_row: Int32, ctidx: Int32, copy_16B: cute.TiledCopy):

@@ -659,22 +659,49 @@ WIDE_TILE_CASES = [c for c in COMPILE_CASES if _wide_key_tile(c)]
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", WIDE_TILE_CASES, ids=[_case_id(c) for c in WIDE_TILE_CASES])
 def test_pv_wait_placement(compiled, case):
-    """ptxas schedules a `wgmma.wait_group 0` at the top of its basic block; placed after the softmax
-    in the same block, it was hoisted above most exp2s, so each consumer sat idle until its own
-    P_{i-1} V_{i-1} finished before starting them. Where pv_wait_below_softmax holds (128-key tiles,
-    d <= 128) the wait sits in the arms of the rescale branch, below every exponential (+2-3% at
-    d = 128 on the H100); at (192, 128) ptxas' placement measured faster (+0.4..+2.2%), and these
-    cases check that the wait is really above most of them there."""
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n, pv_wait_below_softmax
+    """The wait for P_{i-1} V_{i-1} (`wgmma.wait_group 0`), written after the softmax, is placed by ptxas
+    among a thread's exponentials: some come before it, the rest after it, interleaved with the packs of P
+    (test_P_packed_before_rescale_branch). Until session 22 it sat below all of them at d <= 128 (in the
+    rescale branch's arms); session 23's run 70 timed this order faster (stage 3 README)."""
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
     per_thread = 2 * default_tile_n(d, dv) // 4
     counts = _exps_before_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
-    if pv_wait_below_softmax(d, default_tile_n(d, dv)):
-        assert min(counts) >= per_thread, counts
-    else:
-        assert max(counts) <= per_thread // 2, counts
+    assert all(0 < c < per_thread for c in counts), counts
+
+
+def _packs_after_pv_wait(sass: str) -> list:
+    """For each steady-state step (a wait for S, then the wait for P V), the F2FP packs between the
+    wait for P V and the next branch (the O rescale's)."""
+    counts, state = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            state = "softmax"
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and state == "softmax":
+            state, packs = "packing", 0
+        elif state == "packing" and " BRA" in line:
+            counts.append(packs)
+            state = None
+        elif state == "packing" and "F2FP" in line:
+            packs += 1
+    return counts
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", COMPILE_CASES[:7], ids=[_case_id(c) for c in COMPILE_CASES[:7]])
+def test_P_packed_before_rescale_branch(compiled, case):
+    """store_P packs P with volatile cvts, so all of a step's packs (one per exp2 pair) stay between the
+    wait for P V and the O rescale's branch, among the exponentials still in flight. Plain conversions
+    (fwd_ablations.py packlate) sink past the branch to the next P V: 0 of 32 there at d = 64 bf16."""
+    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+
+    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+    counts = _packs_after_pv_wait(compiled(case).sass)
+    assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
+    assert counts == [default_tile_n(d, dv) // 4] * len(counts), counts
 
 
 @pytest.mark.compile
