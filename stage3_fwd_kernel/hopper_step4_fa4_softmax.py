@@ -76,9 +76,10 @@ batches** (packed tensors, cu_seqlens, seqused_k), the last feature `fa4` needs.
   group, causal or not, dense or varlen, one CTA per tile). Stage 3 README, "K/V multicast".
 
 Cost in registers: none to speak of. The polynomial's coefficients are immediates and the vote
-is one predicate; the consumer path's highest register (SASS, bf16) is 212 / 214 / 226 / 230 / 219
-at d = 64 / 96 / 128 / (192,128) / 256 without causal, 225 - 238 with it (varlen: 238), within
-the 240 that setmaxnreg grants; no spills, no local memory. The vote sits in the softmax, which
+is one predicate; the highest register in SASS (bf16, default tiles, session 23) is R157 / R193 /
+R206 / R209 / R237 at d = 64 / 96 / 128 / (192,128) / 256 without causal, R151 - R236 with it (varlen
+d = 128 causal: R211), within what setmaxnreg grants (160 at d = 64's tile_m = 192, else 240); no
+spills, no local memory. The vote sits in the softmax, which
 the walk instantiates three times (first block, masked blocks, hot loop): three VOTE.ANY in SASS.
 With the overlap, the O rescale a "yes" vote asks for waits until P_{i-1} V_{i-1} has landed.
 

@@ -466,10 +466,10 @@ def _float_ops(ptx):
 @pytest.mark.parametrize("case", LEAN_CASES, ids=[_case_id(c) for c in LEAN_CASES])
 def test_lean_mask_two_consumers_sm90a(compiled, case):
     """tile_m = 128 with lean_mask=True (the default) against the old mask: no spills within the
-    240 registers, far fewer selects (one per score in each of the 2 masked softmax sites, + a few,
-    instead of ~2100: FSEL in bf16, integer SEL in fp16), and the very same sequence of float
-    operations in PTX -- only compares and selects differ, so the gpu tier can ask for bitwise equal
-    results."""
+    240 registers, about one select per score in each of the 2 masked softmax sites (+ a few), and the
+    very same sequence of float operations in PTX -- only compares and selects differ, so the gpu tier
+    can ask for bitwise equal results. (The old mask compiled to ~2100 selects while P was packed by
+    plain conversions; with store_P's volatile packs, session 23, it compiles to as few.)"""
     import re
 
     from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
@@ -482,9 +482,7 @@ def test_lean_mask_two_consumers_sm90a(compiled, case):
     assert rep["threads"] == 384
     per_thread = 2 * default_tile_n(d, dv) // 4  # scores per consumer thread
     selects, old_selects = rep["FSEL"] + rep["SEL"], old_rep["FSEL"] + old_rep["SEL"]
-    assert selects < 2 * per_thread + 32 < old_selects, (selects, old_selects)
-    if dt == "bf16":
-        assert rep["FSEL"] < old_rep["FSEL"]
+    assert selects < 2 * per_thread + 32 and selects <= old_selects, (selects, old_selects)
     ops = _float_ops(comp.ptx)
     assert len(ops) > 500 and ops == _float_ops(old.ptx)
 
@@ -1362,9 +1360,10 @@ def test_split_tail_compiles_sm90a(d, dv):
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["wgmma_serialized"] == []
     assert rep["registers"] <= 168
     loop_split, loop_whole = key_block_loop(split.sass), key_block_loop(whole.sass)
-    assert abs(len(loop_split) - len(loop_whole)) <= 4
-    assert sorted(op for op in loop_split if op.startswith(("HGMMA", "MUFU"))) == \
-        sorted(op for op in loop_whole if op.startswith(("HGMMA", "MUFU")))
+    # the bounds' bookkeeping lands in uniform or vector registers by build: a few instructions either way
+    assert abs(len(loop_split) - len(loop_whole)) <= len(loop_whole) // 50
+    assert sorted(op for op in loop_split if op.startswith(("HGMMA", "MUFU", "F2FP"))) == \
+        sorted(op for op in loop_whole if op.startswith(("HGMMA", "MUFU", "F2FP")))
 
 
 SPLIT_CASES = [  # (d, dv, dtype, heads, heads_kv, seqlen_k): 3 query tiles a head, 2 sequences, 7 CTAs
