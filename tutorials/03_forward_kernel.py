@@ -895,6 +895,16 @@ def round_ratios(run, slow, fast):
     return {(c, s): np.array(ms[slow, c, s]) / np.array(ms[fast, c, s]) for c, s in cases}
 
 
+def finish_round_plot(ax, ylabel, title):
+    """A paired-rounds plot's common finish: the line at 1 (no change), labels, legend, shown."""
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
+
+
 STEP4 = "stage3_fwd_kernel.hopper_step4_fa4_softmax"
 runs = {"run 65 (69868e8): step 4 (low) / pvwait (high)": round_ratios("ab_fwd_h100_run65_pvwait_192.json", STEP4, "fwd_abl_pvwait"),
         "run 66 (3928a9a): pvwaitbelow (low) / step 4 (high)": round_ratios("ab_fwd_h100_run66_pvwaitbelow_192.json",
@@ -907,12 +917,7 @@ for k, (label, ratios) in enumerate(runs.items()):
         ax.plot([x - 0.1, x + 0.1], [np.median(r)] * 2, color=f"C{k}", lw=2)
 cases = list(next(iter(runs.values())))
 ax.set_xticks(range(len(cases)), [f"{'causal' if c else 'non-causal'} {s // 1024}k" for c, s in cases])
-ax.axhline(1.0, color="gray", lw=0.8)
-ax.set_ylabel("time, wait low / wait high")
-ax.set_title("(192, 128) on the H100: one dot per paired round, bars at the medians", fontsize=10)
-ax.legend(fontsize=8)
-plt.tight_layout()
-plt.show()
+finish_round_plot(ax, "time, wait low / wait high", "(192, 128) on the H100: one dot per paired round, bars at the medians")
 for label, ratios in runs.items():
     print(f"{label:>42}:", "  ".join(f"{np.median(r) - 1:+.1%}" for r in ratios.values()))
     assert all(np.median(r) > 1 for r in ratios.values())  # the wait placed high wins at every point
@@ -976,12 +981,7 @@ for k, (label, d) in enumerate(dims.items()):
         medians.setdefault(label, []).append(np.median(r))
     ticks.append((7 * k + 2.5, label))
 ax.set_xticks(*zip(*ticks))
-ax.axhline(1.0, color="gray", lw=0.8)
-ax.set_ylabel("time, session 22 / now")
-ax.set_title("P packed between the exponentials, H100: one dot per paired round (4k, 8k, 16k each)", fontsize=10)
-ax.legend(fontsize=8)
-plt.tight_layout()
-plt.show()
+finish_round_plot(ax, "time, session 22 / now", "P packed between the exponentials, H100: one dot per paired round (4k, 8k, 16k each)")
 for label, m in medians.items():
     print(f"{label:>11}:", "  ".join(f"{v - 1:+.1%}" for v in m))
 assert min(medians["(192, 128)"]) > 1.03 and min(medians["d = 128"]) > 1.0  # the change wins there
