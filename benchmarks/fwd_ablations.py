@@ -24,6 +24,8 @@ Variants:
            rescale's branch, all 32 in a row at the end of the step (step 4 before session 23)
   select   the rescale decided by selects, O always multiplied (by 1.0 when the vote says no): one
            basic block, the same bits as step 4
+  max4     each row's tile max in 4 interleaved FMNMX chains (8 deep) combined at the end, instead of one
+           31-deep chain (tried at d = 128 / 256 in session 10: a tie / slower); the same maxima
   halfvote a warp vote per row slot (8 rows each) instead of one per warp, so a row slot's
            exponentials need not wait for the other slot's max
 
@@ -96,6 +98,17 @@ _PACKLATE = '''    @cute.jit
         tOrP_as_acc.store(acc_S.load().to(self.dtype))  # fwd_ablations.py packlate
 '''
 
+# max4: the row max as 4 chains over every 4th column, then combined (max is exact: the same bits)
+_MAX_CHAIN_OLD = """            m_tile = acc_S_rc[r, 0]
+            for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
+                m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
+"""
+_MAX_CHAIN_NEW = """            chains = [acc_S_rc[r, k] for k in range(4)]  # fwd_ablations.py max4
+            for c in cutlass.range_constexpr(4, cute.size(acc_S_rc, mode=[1])):
+                chains[c % 4] = cute.arch.fmax(chains[c % 4], acc_S_rc[r, c])
+            m_tile = cute.arch.fmax(cute.arch.fmax(chains[0], chains[1]), cute.arch.fmax(chains[2], chains[3]))
+"""
+
 _VOTE_LINE = "        rescale = softmax_policy.rescale_vote_limits(row_max_new, row_limit)\n"
 _CLASSIC_LINE = "        rescale = True  # fwd_ablations.py classic: every row follows its max, no vote, no branch\n"
 # the rescale's state, moved by a select on `vote` (1.0 / the old value where it says no)
@@ -162,6 +175,7 @@ VARIANTS = {
     "classic": [CLASSIC],
     "classicnopp": [CLASSIC, NOPP],
     "select": [_splice(_VOTE_LINE, _RESCALE_LAST, _SELECT_NEW)],
+    "max4": [_replace(_MAX_CHAIN_OLD, _MAX_CHAIN_NEW)],
     "halfvote": [_splice(_VOTE_LINE, _SOFTMAX_END, _HALFVOTE_NEW, keep_last=True)],
 }
 
