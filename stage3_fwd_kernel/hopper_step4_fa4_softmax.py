@@ -91,12 +91,12 @@ Right after it, before the O rescale's branch, P is packed to 16 bits with volat
 compiler sinks plain conversions past the branch (their first use is the next P V), which left all
 32 packs in a row at the end of the step; pinned, they interleave with the remaining exp2s as in the
 official kernel's loop. Paired, 9 rounds on the H100 (run 70): +1..+5% at d = 64 / 128, +5..+7% at
-(192, 128), a tie at d = 256. (Before session 23 the wait sat in the rescale branch's arms below every
-exp2 at d <= 128: +2-3% at d = 128 over ptxas' placement with the packs at the end.) A row max in 4 independent
-FMNMX chains instead of one 31-deep chain was tried too and not kept: no measurable change at
-d = 128, 2-10% slower at d = 256. Both kernels run at the H100's 700 W power cap (~1.5 GHz, not 1.98),
-and the official one is faster at a *lower* clock, so what separates them is tensor-core cycles
-lost per tile, not energy.
+(192, 128), a tie at d = 256. (Before session 23 the wait sat in the rescale branch's arms below
+every exp2 at d <= 128: +2-3% at d = 128 over ptxas' placement with the packs at the end.) A row
+max in 4 independent FMNMX chains instead of one 31-deep chain was tried too and not kept: no
+measurable change at d = 64 / 128 (also on this loop, run 76), 2-10% slower at d = 256. Both
+kernels run at the H100's 700 W power cap (~1.5 GHz, not 1.98), and the official one is faster at
+a *lower* clock, so what separates them is tensor-core cycles lost per tile, not energy.
 
 The wgmmas are issued with descriptors the consumer builds once per tile (`wgmma_desc`): Q's for
 every k-step, K's and V's for stage 0 plus `stage * stage_step` per block. Through `cute.gemm` (steps
@@ -233,7 +233,6 @@ def row_stored(row, q_rows_left, q_rows_skip=None):
     if const_expr(q_rows_skip is not None):
         live = live & (row >= q_rows_skip)
     return live
-
 
 
 @dsl_user_op
