@@ -108,22 +108,24 @@ def main(argv=None) -> int:
     unpack_peers(scratch)
     out = os.path.abspath(args.out)
     cwd = os.getcwd()
-    os.chdir(scratch)
     sys.path.insert(0, scratch)
     sys.path.insert(0, ROOT)
-    from stage3_fwd_kernel.common import disassemble
-
     print("compiling the official forward for sm_90a (fake tensors) ...", file=sys.stderr, flush=True)
-    cubin = compile_official(args.dim, args.dim_v or args.dim, args.causal, args.dtype, args.seqlen,
-                             args.heads or max(1, 2048 // args.dim), scratch)
-    with open(cubin, "rb") as f:
-        sass = disassemble(f.read())
+    try:  # the scratch folder goes away however the compile ends
+        os.chdir(scratch)  # before cutlass is imported: the DSL keeps its cubins where that happened
+        from stage3_fwd_kernel.common import disassemble
+
+        cubin = compile_official(args.dim, args.dim_v or args.dim, args.causal, args.dtype, args.seqlen,
+                                 args.heads or max(1, 2048 // args.dim), scratch)
+        with open(cubin, "rb") as f:
+            sass = disassemble(f.read())
+    finally:
+        os.chdir(cwd)
+        shutil.rmtree(scratch, ignore_errors=True)
     if not sass:
         raise SystemExit("official_sass.py: no SASS (nvdisasm missing?)")
     with open(out, "w") as f:
         f.write(sass)
-    os.chdir(cwd)
-    shutil.rmtree(scratch, ignore_errors=True)
     print(f"{out}: {sass.count(chr(10))} lines of SASS ({os.path.basename(cubin)[:80]}...)")
     return 0
 

@@ -888,11 +888,11 @@ assert d192[2] / d192[1] > d192[4] / d192[3]  # the (192, 128) gap: the official
 
 # %%
 def round_ratios(run, slow, fast):
-    """Per (mask, seqlen): time(slow) / time(fast) in each paired round of one ab_fwd.py run."""
+    """Per (head dim, mask, seqlen): time(slow) / time(fast) in each paired round of one ab_fwd.py run."""
     rows = json.loads((RESULTS / run).read_text())["results"]
-    ms = {(r["impl"], r["causal"], r["seqlen"]): r["ms_rounds"] for r in rows}
-    cases = sorted({(c, s) for i, c, s in ms if i == fast})
-    return {(c, s): np.array(ms[slow, c, s]) / np.array(ms[fast, c, s]) for c, s in cases}
+    ms = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["ms_rounds"] for r in rows}
+    cases = sorted(key for impl, *key in ms if impl == fast)
+    return {tuple(k): np.array(ms[(slow, *k)]) / np.array(ms[(fast, *k)]) for k in cases}
 
 
 def finish_round_plot(ax, ylabel, title):
@@ -911,12 +911,12 @@ runs = {"run 65 (69868e8): step 4 (low) / pvwait (high)": round_ratios("ab_fwd_h
                                                                  "fwd_abl_pvwaitbelow", STEP4)}
 fig, ax = plt.subplots(figsize=(10, 3.4))
 for k, (label, ratios) in enumerate(runs.items()):
-    for j, ((causal, s), r) in enumerate(ratios.items()):
+    for j, ((_, causal, s), r) in enumerate(ratios.items()):
         x = j + (k - 0.5) * 0.3
         ax.scatter(np.full(len(r), x), r, s=10, alpha=0.5, color=f"C{k}", label=label if j == 0 else None)
         ax.plot([x - 0.1, x + 0.1], [np.median(r)] * 2, color=f"C{k}", lw=2)
 cases = list(next(iter(runs.values())))
-ax.set_xticks(range(len(cases)), [f"{'causal' if c else 'non-causal'} {s // 1024}k" for c, s in cases])
+ax.set_xticks(range(len(cases)), [f"{'causal' if c else 'non-causal'} {s // 1024}k" for _, c, s in cases])
 finish_round_plot(ax, "time, wait low / wait high", "(192, 128) on the H100: one dot per paired round, bars at the medians")
 for label, ratios in runs.items():
     print(f"{label:>42}:", "  ".join(f"{np.median(r) - 1:+.1%}" for r in ratios.values()))
@@ -967,13 +967,12 @@ for label, ratios in runs.items():
 
 # %%
 dims = {"d = 64": 64, "d = 128": 128, "(192, 128)": 192, "d = 256": 256}
-run70 = json.loads((RESULTS / "ab_fwd_h100_run70_pfirst.json").read_text())["results"]
-ms70 = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): np.array(r["ms_rounds"]) for r in run70}
+run70 = round_ratios("ab_fwd_h100_run70_pfirst.json", STEP4, "fwd_abl_pfirstall")  # old step 4 / new
 fig, ax = plt.subplots(figsize=(10, 3.4))
 ticks, medians = [], {}
 for k, (label, d) in enumerate(dims.items()):
     for j, (causal, s) in enumerate([(c, s) for c in (False, True) for s in (4096, 8192, 16384)]):
-        r = ms70[STEP4, d, causal, s] / ms70["fwd_abl_pfirstall", d, causal, s]  # old step 4 / new
+        r = run70[d, causal, s]
         x = 7 * k + j
         ax.scatter(np.full(len(r), x), r, s=10, alpha=0.5, color=f"C{int(causal)}",
                    label=("causal" if causal else "non-causal") if k == 0 and s == 4096 else None)
