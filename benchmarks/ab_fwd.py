@@ -1,6 +1,6 @@
 """Paired A/B of forward kernels: interleaved rounds, each timed against the official FA4 in the same round.
 
-    python benchmarks/ab_fwd.py --impls stage3_fwd_kernel.hopper_step4_fa4_softmax,my_variant \\
+    python benchmarks/ab_fwd.py --impls stage3_fwd_kernel.hopper.forward,my_variant \\
         [--dims 64,128] [--seqlens 4096,16384] [--rounds 9] [--out ab.json]
 
 Why not bench_fwd.py: it times each implementation once, one after the other, and on the H100 the
@@ -14,7 +14,7 @@ An implementation is `official`, `fa4` (the package's `flash_attn_func`: what a 
 order included), or a module path with `attention_forward(q, k, v, causal=...)` returning (out, lse)
 (any ladder step, or an untracked copy at the repo root with its own STEP name), the module optionally
 followed by keyword arguments of its `attention_forward`:
-`stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~pv_wait=split_rows` (numbers
+`stage3_fwd_kernel.hopper.forward~emulation_fraction=0.125~pv_wait=split_rows` (numbers
 or words, True / False as bools: `~persistent=True`; each distinct set is its own compiled kernel).
 `fa4` takes five route switches: `fa4~persistent=False`, `fa4~lpt_min=0` (LPT tile order from
 that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K), `fa4~kv_multicast=True` (non-causal calls: K/V

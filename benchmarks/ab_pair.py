@@ -1,7 +1,7 @@
 """Two builds of one paired run, compared round by round: is a change faster, and how reliably?
 
     python benchmarks/ab_pair.py benchmarks/results/ab_fwd_h100_run39_wgmma_desc.json \\
-        stage3_fwd_kernel.hopper_step4_fa4_softmax fwd_base
+        stage3_fwd_kernel.hopper.forward fwd_base
 
 `ab_fwd.py` and `ab_bwd.py` time every build in the same interleaved rounds and keep each round's
 milliseconds (`ms_rounds`). Two medians taken apart hide how the rounds pair up: the GPU's clock

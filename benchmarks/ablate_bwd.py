@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_bwd  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE = os.path.join(ROOT, "stage4_bwd_kernel", "hopper_step3_rs.py")
+SOURCE = os.path.join(ROOT, "stage4_bwd_kernel", "hopper", "backward.py")
 
 # name -> (what is cut, regex, replacement); each regex must match exactly once
 ABLATIONS = {

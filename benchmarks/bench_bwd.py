@@ -25,7 +25,7 @@ import torch
 from bench_fwd import flops, timer, write_doc
 
 STEPS = {"step1": "stage4_bwd_kernel.hopper_step1", "step2_warpspec": "stage4_bwd_kernel.hopper_step2_warpspec",
-         "step3_rs": "stage4_bwd_kernel.hopper_step3_rs"}
+         "step3_rs": "stage4_bwd_kernel.hopper.backward"}
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ LADDER = {
     "step1_wgmma": "stage3_fwd_kernel.hopper_step1_wgmma",
     "step2_tma": "stage3_fwd_kernel.hopper_step2_tma",
     "step3_warpspec": "stage3_fwd_kernel.hopper_step3_warpspec",
-    "step4_fa4_softmax": "stage3_fwd_kernel.hopper_step4_fa4_softmax",
+    "step4_fa4_softmax": "stage3_fwd_kernel.hopper.forward",
 }
 HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
 SEQLENS = [1024, 2048, 4096, 8192, 16384]

@@ -127,7 +127,7 @@ def section_fixed(bench, quick: bool) -> list:
     from stage5_scheduling import device as dev
     from stage5_scheduling import simulator as sim
 
-    step4, why4 = _import("stage3_fwd_kernel.hopper_step4_fa4_softmax")
+    step4, why4 = _import("stage3_fwd_kernel.hopper.forward")
     if step4 is None:
         print(f"  step 4 not importable ({why4}): measuring step 3 only")
     configs = [("mha b4 h16 8k", 4, 16, 16, 8192), ("mqa8 b4 h8/1 8k", 4, 8, 1, 8192)]
@@ -208,7 +208,7 @@ def varlen_configs(quick: bool):
 
 
 def section_varlen(bench, quick: bool) -> list:
-    step4, why = _import("stage3_fwd_kernel.hopper_step4_fa4_softmax")
+    step4, why = _import("stage3_fwd_kernel.hopper.forward")
     if step4 is None or "batch_map" not in inspect.signature(step4.attention_varlen_forward).parameters:
         msg = why or "attention_varlen_forward has no batch_map"
         print(f"  SKIP varlen section: needs step 4's varlen forward with batch_map ({msg})")

@@ -1,7 +1,7 @@
 """Timing ablations of the Hopper forward (step 4), written as untracked copies for ab_fwd.py.
 
     python benchmarks/fwd_ablations.py nosm nopp select            # writes fwd_abl_nosm.py, ... at the repo root
-    python benchmarks/ab_fwd.py --no-check --impls fwd_abl_nosm,stage3_fwd_kernel.hopper_step4_fa4_softmax ...
+    python benchmarks/ab_fwd.py --no-check --impls fwd_abl_nosm,stage3_fwd_kernel.hopper.forward ...
     python benchmarks/ab_fwd.py --official-skeleton --impls fwd_abl_nosm ...   # skeleton against skeleton
 
 Each variant is step 4's committed source with one change, under its own STEP (the compile-cache key),
@@ -45,7 +45,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP4 = "stage3_fwd_kernel/hopper_step4_fa4_softmax.py"
+STEP4 = "stage3_fwd_kernel/hopper/forward.py"
 STEP_LINE = 'STEP = "hopper_step4_fa4_softmax"'
 
 _SUBCLASS = "\n\n# ---- fwd_ablations.py: a timing ablation, not a kernel to use ----\n" \

@@ -70,7 +70,7 @@ def classic_stage3_forward():
     from cuda.bindings import driver as cuda
 
     from stage3_fwd_kernel import common
-    from stage3_fwd_kernel import hopper_step4_fa4_softmax as s4
+    from stage3_fwd_kernel.hopper import forward as s4
 
     def call(q, k, v, out, lse, scale=128 ** -0.5):
         args = (common.to_cute(q), common.to_cute(k), common.to_cute(v), common.to_cute(out),

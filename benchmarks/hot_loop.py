@@ -1,7 +1,7 @@
 """The forward's key-block loop, counted in SASS: compiled here for sm_90a, no GPU needed.
 
     python benchmarks/hot_loop.py --dim 64 --causal [--seqlen-k 16384] \\
-        [--impls stage3_fwd_kernel.hopper_step4_fa4_softmax,my_copy] [--sass official.sass] [--opcodes] [--listing] [--map]
+        [--impls stage3_fwd_kernel.hopper.forward,my_copy] [--sass official.sass] [--opcodes] [--listing] [--map]
 
 For each build: registers, spills, and in its unmasked key-block loop (``common.key_block_loop``) the
 instruction count, the uniform-datapath share (``U...`` opcodes: ring slots, barrier addresses, wgmma
@@ -28,7 +28,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-STEP4 = "stage3_fwd_kernel.hopper_step4_fa4_softmax"
+STEP4 = "stage3_fwd_kernel.hopper.forward"
 COLUMNS = ("registers", "spills", "loop", "uniform", "HGMMA", "MUFU.EX2", "FADD", "FMUL", "LEA.HI")
 
 

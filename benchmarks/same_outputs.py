@@ -1,6 +1,6 @@
 """Does a forward variant compute bitwise what step 4 computes? For reorderings that must not change a bit.
 
-    python benchmarks/same_outputs.py my_variant [--against stage3_fwd_kernel.hopper_step4_fa4_softmax]
+    python benchmarks/same_outputs.py my_variant [--against stage3_fwd_kernel.hopper.forward]
 
 A variant (an untracked copy of step 4 with its own STEP, as ab_fwd.py times them) that only moves
 instructions -- packs before a wait, a different issue order -- must return the same out and lse bit for
@@ -25,7 +25,7 @@ CASES = [  # (batch, seqlen_q, seqlen_k, heads, d, dv, causal, dtype name)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variant", help="module path of the variant (its attention_forward(q, k, v, causal=, persistent=))")
-    ap.add_argument("--against", default="stage3_fwd_kernel.hopper_step4_fa4_softmax")
+    ap.add_argument("--against", default="stage3_fwd_kernel.hopper.forward")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     import torch

@@ -119,7 +119,8 @@ def run_impl(name: str, args):
     try:
         if name != "official":
             from ab_bwd import make_variant
-            from stage4_bwd_kernel import hopper, hopper_step3_rs
+            from stage4_bwd_kernel import hopper
+            from stage4_bwd_kernel.hopper import backward as hopper_step3_rs
 
             out, lse = attention_forward(q, k, v, causal=args.causal)
             if name == "ours":

@@ -211,7 +211,7 @@ def run_impl(name: str, args, events: tuple):
     try:
         if name.startswith("ours"):
             from fa4._dispatch import causal_forward_scheduler
-            step4 = importlib.import_module(name.partition(":")[2] or "stage3_fwd_kernel.hopper_step4_fa4_softmax")
+            step4 = importlib.import_module(name.partition(":")[2] or "stage3_fwd_kernel.hopper.forward")
 
             sched = causal_forward_scheduler("sm_90", args.causal, args.seqlen, d, dv, args.heads, args.heads)
 

@@ -45,7 +45,7 @@ def variant_fn(d, dv, causal, tile_n, stages, tile_m=128, lean_mask=None):
     from cutlass import BFloat16
 
     from stage3_fwd_kernel import common
-    from stage3_fwd_kernel import hopper_step4_fa4_softmax as step4
+    from stage3_fwd_kernel.hopper import forward as step4
 
     def fn(q, k, v):
         out = torch.empty(q.shape[:3] + (dv,), device=q.device, dtype=q.dtype)

@@ -13,7 +13,8 @@ import argparse
 import re
 import time
 
-from stage4_bwd_kernel import hopper_step1, hopper_step2_warpspec, hopper_step3_rs, postprocess, preprocess
+from stage4_bwd_kernel import hopper_step1, hopper_step2_warpspec, postprocess, preprocess
+from stage4_bwd_kernel.hopper import backward as hopper_step3_rs
 from stage4_bwd_kernel.common import SUPPORTED_HEAD_DIMS
 
 

@@ -19,7 +19,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32, const_expr  # noqa: E402
 from cutlass.memory.smem import SmemAllocator  # noqa: E402
 
-from stage4_bwd_kernel.hopper_step3_rs import NUM_WG_MMA, dq_frag_tiled_copy  # noqa: E402
+from stage4_bwd_kernel.hopper.backward import NUM_WG_MMA, dq_frag_tiled_copy  # noqa: E402
 from stage4_bwd_kernel.postprocess import _fake_args, block_rows  # noqa: E402  (the same launch signature)
 from stage4_bwd_kernel.preprocess import _dummy_int32  # noqa: E402
 

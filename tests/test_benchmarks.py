@@ -157,8 +157,8 @@ def test_ab_fwd_impl_specs_parse_keyword_arguments_and_bad_ones_name_what_is_exp
     import ab_fwd
 
     assert ab_fwd.parse_impl("official") == ("official", {})
-    module, kwargs = ab_fwd.parse_impl("stage3_fwd_kernel.hopper_step4_fa4_softmax~emulation_fraction=0.125~tile_m=128")
-    assert module == "stage3_fwd_kernel.hopper_step4_fa4_softmax"
+    module, kwargs = ab_fwd.parse_impl("stage3_fwd_kernel.hopper.forward~emulation_fraction=0.125~tile_m=128")
+    assert module == "stage3_fwd_kernel.hopper.forward"
     assert kwargs == {"emulation_fraction": 0.125, "tile_m": 128} and type(kwargs["tile_m"]) is int
     assert ab_fwd.parse_impl("m~pv_wait=split_rows") == ("m", {"pv_wait": "split_rows"})
     with pytest.raises(SystemExit, match="must read ~name=value"):

@@ -23,7 +23,7 @@ def _launchable_and_plain(key, make_kernel, fake_args):
 
 def _fwd(d):
     from stage3_fwd_kernel import common
-    from stage3_fwd_kernel import hopper_step4_fa4_softmax as s4
+    from stage3_fwd_kernel.hopper import forward as s4
 
     dt = common.cutlass_dtype("bf16")
     flags = (True, True, False)  # varlen with seqused_k: the most optional arguments present
@@ -155,7 +155,7 @@ def test_backward_launch_arguments_match_the_compiled_signature(varlen):
 def test_forward_launch_arguments_match_the_compiled_signature(varlen):
     torch = pytest.importorskip("torch")
     from stage3_fwd_kernel import common
-    from stage3_fwd_kernel import hopper_step4_fa4_softmax as s4
+    from stage3_fwd_kernel.hopper import forward as s4
 
     q = torch.zeros(1 if varlen else 2, 100, 4, 128, dtype=torch.bfloat16)
     lse = torch.zeros(q.shape[0], 4, 100)

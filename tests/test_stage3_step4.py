@@ -32,7 +32,7 @@ HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 
 
 def _mod():
-    from stage3_fwd_kernel import hopper_step4_fa4_softmax
+    from stage3_fwd_kernel.hopper import forward as hopper_step4_fa4_softmax
 
     return hopper_step4_fa4_softmax
 
@@ -472,7 +472,7 @@ def test_lean_mask_two_consumers_sm90a(compiled, case):
     plain conversions; with store_P's volatile packs, session 23, it compiles to as few.)"""
     import re
 
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+    from stage3_fwd_kernel.hopper.forward import default_tile_n
 
     dt, d, dv = case[:3]
     comp, old = compiled(case), compiled(_old_mask_twin(case))
@@ -512,7 +512,7 @@ SOFTMAX_SITES = 3  # the walk traces the softmax for the first block, the masked
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_softmax_policy_in_sass(compiled, case):
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+    from stage3_fwd_kernel.hopper.forward import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
     rep = compiled(case).report
@@ -555,7 +555,7 @@ def test_descriptors_outside_key_block_loop(compiled, case):
     address >> 4; 2-3 per block at 89888d6). The loop still issues one HGMMA per k-step of S and of P V,
     and ptxas does not serialize the inline-PTX wgmmas."""
     from stage3_fwd_kernel.common import key_block_loop
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+    from stage3_fwd_kernel.hopper.forward import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
     comp = compiled(case)
@@ -645,7 +645,7 @@ def _exps_before_pv_wait(sass: str) -> list:
 
 
 def _wide_key_tile(case) -> bool:
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+    from stage3_fwd_kernel.hopper.forward import default_tile_n
 
     return default_tile_n(case[1], case[2]) >= 128
 
@@ -661,7 +661,7 @@ def test_pv_wait_placement(compiled, case):
     among a thread's exponentials: some come before it, the rest after it, interleaved with the packs of P
     (test_P_packed_before_rescale_branch). Until session 22 it sat below all of them at d <= 128 (in the
     rescale branch's arms); session 23's run 70 timed this order faster (stage 3 README)."""
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+    from stage3_fwd_kernel.hopper.forward import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
     per_thread = 2 * default_tile_n(d, dv) // 4
@@ -694,7 +694,7 @@ def test_P_packed_before_rescale_branch(compiled, case):
     """store_P packs P with volatile cvts, so all of a step's packs (one per exp2 pair) stay between the
     wait for P V and the O rescale's branch, among the exponentials still in flight. Plain conversions
     (fwd_ablations.py packlate) sink past the branch to the next P V: 0 of 32 there at d = 64 bf16."""
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_tile_n
+    from stage3_fwd_kernel.hopper.forward import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
     counts = _packs_after_pv_wait(compiled(case).sass)

@@ -30,7 +30,7 @@ import test_stage4_hopper as s4  # noqa: E402  (the step-1/2 test helpers: one c
 
 pytestmark = pytest.mark.stage4
 
-STEP = "hopper_step3_rs"
+STEP = "hopper.backward"
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128)]
 UNSUPPORTED = [(192, 128), (256, 256)]
 

@@ -621,7 +621,7 @@ else:
 # (The end of this section has the H100's answer: correct, and no faster.)
 
 # %%
-from stage3_fwd_kernel import hopper_step4_fa4_softmax as step4
+from stage3_fwd_kernel.hopper import forward as step4
 
 run12 = json.loads((RESULTS / "fwd_h100_run12_v_wait.json").read_text())
 print(f"{'d':>4} {'tile_m':>6} {'TFLOP/s':>8} {'L2 -> SMs, TB/s':>16} {'pairs share K/V':>16}")
@@ -905,7 +905,7 @@ def finish_round_plot(ax, ylabel, title):
     plt.show()
 
 
-STEP4 = "stage3_fwd_kernel.hopper_step4_fa4_softmax"
+STEP4 = "stage3_fwd_kernel.hopper.forward"
 runs = {"run 65 (69868e8): step 4 (low) / pvwait (high)": round_ratios("ab_fwd_h100_run65_pvwait_192.json", STEP4, "fwd_abl_pvwait"),
         "run 66 (3928a9a): pvwaitbelow (low) / step 4 (high)": round_ratios("ab_fwd_h100_run66_pvwaitbelow_192.json",
                                                                  "fwd_abl_pvwaitbelow", STEP4)}

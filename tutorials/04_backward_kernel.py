@@ -674,7 +674,7 @@ assert all(after[k] > before[k] + 0.05 for k in before)
 # the default twice per copy of the tile body (after dP^T and after dK).
 
 # %%
-s4_step3 = optional("stage4_bwd_kernel.hopper_step3_rs")
+s4_step3 = optional("stage4_bwd_kernel.hopper.backward")
 if s4_step3 is not None:
     import functools
     import warnings
@@ -878,7 +878,8 @@ print(f"H100, d = 128 causal 4k, one call: Q tiles from the end {cyc['ours'] / 1
 
 # %%
 try:
-    from stage4_bwd_kernel import common as s4_common, hopper_step3_rs as s4_step3
+    from stage4_bwd_kernel import common as s4_common
+    from stage4_bwd_kernel.hopper import backward as s4_step3
 except ImportError as exc:  # no CuTe-DSL in this environment
     print(f"step 3 cannot be compiled here ({exc}); the counts are skipped")
     s4_step3 = None

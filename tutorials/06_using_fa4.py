@@ -286,7 +286,8 @@ from fa4 import _cache
 
 tmp = tempfile.mkdtemp(prefix="fa4_cache_demo_")
 os.environ["FA4_CACHE_DIR"] = tmp
-from stage3_fwd_kernel import common, hopper_step4_fa4_softmax as step4  # noqa: E402  (sets CUTE_DSL_ARCH)
+from stage3_fwd_kernel import common
+from stage3_fwd_kernel.hopper import forward as step4  # noqa: E402  (sets CUTE_DSL_ARCH)
 
 dt = common.cutlass_dtype("bf16")
 gpu_key = step4._key("gpu", dt, 128, 128, True, step4.DEFAULT_POLICY, common.StaticTileScheduler)

@@ -30,7 +30,7 @@ speed (bwd_h100_run13.json: 0.95-1.08x of the official FA4 at d = 128 with its 8
 from __future__ import annotations
 
 from stage4_bwd_kernel import hopper_step1 as _step1
-from stage4_bwd_kernel import hopper_step3_rs as _step3
+from stage4_bwd_kernel.hopper import backward as _step3
 
 _best = _step1  # compile_only / run default (every head dim, deterministic mode)
 BEST_STEP = _step1.STEP

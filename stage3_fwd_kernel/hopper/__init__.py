@@ -11,7 +11,7 @@ partial exp2 emulation) and varlen.
 """
 from __future__ import annotations
 
-from stage3_fwd_kernel.hopper_step4_fa4_softmax import (
+from stage3_fwd_kernel.hopper.forward import (
     DEFAULT_POLICY,
     STEP,
     SUPPORTED_HEAD_DIMS,
@@ -38,7 +38,7 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     persistent CTAs also what long ones launch, the split_tail build and its combine kernel. With
     fa4's disk cache installed this fills it on a CPU machine."""
     from stage3_fwd_kernel import split_combine
-    from stage3_fwd_kernel.hopper_step4_fa4_softmax import default_persistent
+    from stage3_fwd_kernel.hopper.forward import default_persistent
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     builds = [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
