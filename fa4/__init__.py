@@ -12,7 +12,10 @@ custom ops (fa4::fwd, fa4::bwd, fa4::varlen_fwd, fa4::varlen_bwd), so autograd, 
 (fullgraph) and CUDA graphs work.
 
 Importing fa4 is cheap: torch and the kernels load on first use of an attention function, so
-`python -m fa4 info` and `fa4.supported()` work anywhere, without a GPU.
+`python -m fa4 info` and `fa4.supported()` work anywhere, without a GPU. It also chooses no CuTe
+architecture: the first call picks it from the device (fa4/_dispatch.py, through
+`stage2_emulated_exp.cute_arch.retarget`) before any kernel module imports cutlass, so a Blackwell
+machine is not held to the stage packages' sm_90a default.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     demo        run every stage available here and print a report (GPU: fa4 vs reference + timing)
     info        versions, devices, the support matrix, the compile cache
                 --markdown prints the README support-matrix block; --update-readme rewrites it
-    bench       benchmarks/bench_fwd.py with the remaining arguments (GPU)
+    bench       fa4 against torch SDPA (and the official FA4 if installed), paired rounds (GPU)
     precompile  build the common kernel configs ahead of time (see fa4/precompile.py)
     cache       cache info | clear [--stale]
 """
@@ -13,10 +13,8 @@ import argparse
 import json
 import pathlib
 import platform
-import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = pathlib.Path(__file__).resolve().parent / "README.md"
 
 
@@ -104,15 +102,6 @@ def _update_readme(block: str) -> int:
     return 0
 
 
-def _bench(argv) -> int:
-    script = ROOT / "benchmarks" / "bench_fwd.py"
-    if not script.is_file():
-        print(f"bench: {script} is not present (it lives in the repository checkout, not in the installed package)",
-              file=sys.stderr)
-        return 2
-    return subprocess.call([sys.executable, str(script), *argv], cwd=ROOT)
-
-
 def _cache_cmd(args) -> int:
     from . import _cache
 
@@ -126,8 +115,10 @@ def _cache_cmd(args) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # everything after `bench` belongs to the benchmark script
-        return _bench(argv[1:])
+    if argv[:1] == ["bench"]:  # everything after `bench` belongs to fa4.bench's own parser
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fa4", description="FlashAttention-4 from scratch")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", help="run every stage available here and print a report")
@@ -135,7 +126,7 @@ def main(argv=None) -> int:
     p_info.add_argument("--markdown", action="store_true", help="print the README support-matrix block only")
     p_info.add_argument("--update-readme", action="store_true", help="rewrite that block in fa4/README.md")
     p_info.add_argument("--json", action="store_true", help="fa4.supported() as JSON")
-    sub.add_parser("bench", help="run benchmarks/bench_fwd.py (arguments are passed through)")
+    sub.add_parser("bench", help="time fa4 against torch SDPA on this GPU (`python -m fa4 bench --help`)")
     from .precompile import add_arguments
 
     add_arguments(sub.add_parser("precompile", help="build the common kernel configs ahead of time"))

@@ -2,7 +2,7 @@
 then one custom op (fa4._ops) per call -- or, in eager mode on plain CUDA tensors, the same
 implementation without the op's dispatcher round trip (fa4._ops.eager_ok).
 
-Conventions (the project's, see DESIGN.md): tensors are (batch, seqlen, heads, head_dim);
+Conventions (the project's, see docs/ARCHITECTURE.md): tensors are (batch, seqlen, heads, head_dim);
 varlen packs them as (total_tokens, heads, head_dim) with int32 cu_seqlens; GQA/MQA when
 heads_q % heads_kv == 0; causal masks are aligned to the bottom-right corner when
 seqlen_q != seqlen_k (row i sees keys j <= i + seqlen_k - seqlen_q: the last query is the last

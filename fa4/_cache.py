@@ -6,7 +6,7 @@ new process -- every training job, every test run, every rank of a multi-GPU job
 
 What CuTe-DSL 4.8.1 offers (researched in nvidia-cutlass-dsl 4.8.1 and the official FA4's
 cache_utils.py, which uses the same mechanism): the stage kernels fa4 runs are compiled with
-TVM-FFI (``--enable-tvm-ffi``, see stage3_fwd_kernel.common.launch_stream), and such a compiled
+TVM-FFI (``--enable-tvm-ffi``, see stage3_fwd_kernel.host_io.launch_stream), and such a compiled
 function's ``export_to_c(object_file_path, function_name)`` writes a relocatable ELF object holding
 the host launch code *and* the cubin; ``cutlass.cute.runtime.load_module(path, enable_tvm_ffi=True)``
 JIT-links it back (milliseconds) and ``getattr(module, function_name)`` is a callable
@@ -32,10 +32,12 @@ What is cached: only compiles a stage module marks as launchable (keys containin
 builds, the ones a launch calls). Compile-only builds (CI, key "fake") stay in memory: their
 value is the resource report (registers, SASS), which a reloaded object does not carry.
 
-Hooking in: stage modules compile through ``common.compile_cached(key, build)`` and keep the
-result in ``common._CACHE``. ``install_for(module)`` wraps that function (once) so a miss in
-memory consults the disk before compiling, and a fresh compile is written back. The stage
-modules stay unaware of fa4 (the layering rule: fa4 composes the stages, never the reverse).
+Hooking in: stage modules compile through ``stage3_fwd_kernel.compile_cache.compile_cached(key,
+build)``, which keeps one memory cache and consults an optional store behind it. `STORE` is
+that store: fa4 passes it in with ``compile_cache.set_store(STORE)`` before its first kernel
+import, so a miss in memory consults the disk before compiling, and a fresh compile is written
+back. The stage modules stay unaware of fa4 (the layering rule: fa4 composes the stages, never
+the reverse).
 
 Environment: FA4_CACHE=0 disables the disk (memory only); FA4_CACHE_DIR moves it.
 """
@@ -330,7 +332,7 @@ def disk() -> Optional[DiskCache]:
 
 
 # ---------------------------------------------------------------------------------------------
-# the hook into the stage modules' compile_cached
+# the store behind the stages' compile cache
 # ---------------------------------------------------------------------------------------------
 class _FirstCallGuard:
     """The function loaded from disk, until its first call succeeds. If that call raises (an
@@ -356,88 +358,46 @@ class _FirstCallGuard:
         return res
 
 
-_WRAPPERS: dict = {}  # original compile_cached function -> its disk-backed wrapper
+class DiskStore:
+    """fa4's disk cache as the stages' compile-cache store (`stage3_fwd_kernel.compile_cache.Store`):
+    ``compile_cache.set_store(STORE)`` puts it behind the memory cache. It reads the environment on
+    every call, so FA4_CACHE / FA4_CACHE_DIR changes take effect at once."""
 
+    def memory_hit(self, key) -> None:
+        with _LOCK:
+            _STATS["memory_hits"] += 1
 
-def _stage_modules() -> list:
-    return [m for name, m in list(sys.modules.items())
-            if m is not None and name.split(".")[0] in KERNEL_PACKAGES]
-
-
-def install_for(module=None) -> int:
-    """Route the compiles of the stage modules through the disk cache. Idempotent; call it after
-    importing a kernel module (`module` is accepted for clarity, every loaded stage module is
-    scanned). Returns how many bindings were replaced.
-
-    1. An *owner* defines `compile_cached` and holds the memory cache `_CACHE` (today
-       stage3_fwd_kernel.common, which the backward shares): its function is wrapped once.
-    2. Modules that re-export the owner's function under the same name (stage4_bwd_kernel.common
-       does `from stage3_fwd_kernel.common import compile_cached`) have their binding pointed at
-       the wrapper too, since `common.compile_cached(...)` looks the name up in *their* namespace.
-    Kernels that compile through anything else (the Blackwell module's compile_config) keep
-    their own in-memory cache only.
-    """
-    n = 0
-    mods = _stage_modules()
-    for m in mods:
-        fn = getattr(m, "compile_cached", None)
-        if (callable(fn) and isinstance(getattr(m, "_CACHE", None), dict) and fn not in _WRAPPERS
-                and not getattr(fn, "_fa4_disk_cache", False) and getattr(fn, "__module__", None) == m.__name__):
-            _WRAPPERS[fn] = _wrap(m, fn)
-    for m in mods:
-        fn = getattr(m, "compile_cached", None)
-        if fn is not None and fn in _WRAPPERS:
-            m.compile_cached = _WRAPPERS[fn]
-            n += 1
-    return n
-
-
-def _wrap(mod, original: Callable) -> Callable:
-    memory = mod._CACHE
-    make = getattr(mod, "Compiled", None)
-
-    def entry(fn, report):
-        if make is not None and hasattr(make, "_fields"):
-            fields = {f: "" for f in make._fields}
-            fields.update(fn=fn, report=report)
-            return make(**fields)
-        return fn
-
-    @functools.wraps(original)
-    def compile_cached(key, build):
-        if key in memory:
-            with _LOCK:
-                _STATS["memory_hits"] += 1
-            return memory[key]
+    def load(self, key, rebuild: Callable):
+        """The kernel of `key` from disk, as a compile-cache entry whose function is guarded for its
+        first call (see `_FirstCallGuard`); None on a miss or for keys that never go to disk."""
         store = disk() if persistable(key) else None
-        if store is not None:
-            hit = store.load(key)
-            if hit is not None:
-                fn, path = hit
-                report = dict(store.read_report(key_hash(key)), loaded_from=str(path))
+        hit = store.load(key) if store is not None else None
+        if hit is None:
+            return None
+        from stage3_fwd_kernel import compile_cache
 
-                def on_success(raw):
-                    memory[key] = entry(raw, report)
+        fn, path = hit
+        report = dict(store.read_report(key_hash(key)), loaded_from=str(path))
 
-                def recompile():
-                    memory.pop(key, None)
-                    comp = original(key, build)
-                    store.store(key, comp.fn if hasattr(comp, "fn") else comp, getattr(comp, "report", None))
-                    return comp.fn if hasattr(comp, "fn") else comp
+        def on_success(raw):
+            compile_cache.remember(key, compile_cache.Compiled(raw, report, "", ""))
 
-                with _LOCK:
-                    _STATS["disk_hits"] += 1
-                memory[key] = entry(_FirstCallGuard(fn, path, on_success, recompile), report)
-                return memory[key]
+        def recompile():
+            return rebuild().fn
+
+        with _LOCK:
+            _STATS["disk_hits"] += 1
+        return compile_cache.Compiled(_FirstCallGuard(fn, path, on_success, recompile), report, "", "")
+
+    def offer(self, key, compiled) -> None:
         with _LOCK:
             _STATS["misses"] += 1
-        comp = original(key, build)
+        store = disk() if persistable(key) else None
         if store is not None:
-            store.store(key, comp.fn if hasattr(comp, "fn") else comp, getattr(comp, "report", None))
-        return comp
+            store.store(key, compiled.fn, compiled.report)
 
-    compile_cached._fa4_disk_cache = True
-    return compile_cached
+
+STORE = DiskStore()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,24 +6,23 @@ Everything fa4 claims to support is written down once, here, as data (`ARCHS`, `
 generates the support matrix in fa4/README.md (`python -m fa4 info --markdown`). A README line
 can therefore not claim more than the code does.
 
-Kernels come from the stage packages. fa4 never imports them at module import time:
+Kernels come from the stable entry modules of the stage packages, imported by name in one
+`Backend` subclass per architecture (`HopperBackend`, `BlackwellBackend`), which also knows how
+its modules are called. fa4 never imports them at module import time:
   * importing a CuTe-DSL module imports `cutlass`, which fixes the target arch for the whole
-    process (CUTE_DSL_ARCH is read once), so we must know the device before the first import;
+    process (CUTE_DSL_ARCH is read once), so the device picks the arch first
+    (`stage2_emulated_exp.cute_arch.retarget`);
   * a machine without a GPU must still be able to `import fa4`, print `supported()` and trace
     models with fake tensors.
+The first kernel import also puts fa4's disk cache behind the stages' compile cache
+(`stage3_fwd_kernel.compile_cache.set_store`).
 
-Nothing here falls back to a slow reference implementation. A missing kernel is an error that
-names the module that has not landed, because a silent 50x slowdown in training is worse than
-a crash.
+Nothing here falls back to a slow reference implementation: a kernel that fails to import is an
+error, because a silent 50x slowdown in training is worse than a crash.
 """
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
-import inspect
-import os
-import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -43,9 +42,8 @@ class ArchInfo:
     cute_arch: str                # what CUTE_DSL_ARCH must be when cutlass is imported
     hardware_status: str          # "verified" or "unverified"
     head_dims: tuple              # supported (head_dim_qk, head_dim_v) pairs
-    fwd_modules: tuple            # candidates, best first: the first that exists is used
-    varlen_fwd_modules: tuple     # modules that must export attention_varlen_forward
-    bwd_modules: tuple
+    forward_module: str           # forward and varlen forward (imported by the arch's Backend)
+    backward_module: str          # backward and varlen backward
     note: str = ""
 
 
@@ -57,20 +55,16 @@ ARCHS: dict[str, ArchInfo] = {
         key="sm_90", gpus="Hopper: H100, H200, H20", capabilities=((9, 0),), cute_arch="sm_90a",
         hardware_status="verified",
         head_dims=((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
-        # hopper.py is the stable alias of the production step; until it lands the best ladder
-        # step runs the forward (same kernel family, fixed-length only).
-        fwd_modules=("stage3_fwd_kernel.hopper", "stage3_fwd_kernel.hopper_step3_warpspec"),
-        varlen_fwd_modules=("stage3_fwd_kernel.hopper",),
-        bwd_modules=("stage4_bwd_kernel.hopper",),
-        note="run and tested on H100 through the device tool",
+        forward_module="stage3_fwd_kernel.hopper",
+        backward_module="stage4_bwd_kernel.hopper",
+        note="run and tested on H100 and H200 GPUs",
     ),
     "sm_100": ArchInfo(
         key="sm_100", gpus="Blackwell: B200, GB200", capabilities=((10, 0),), cute_arch="sm_100a",
         hardware_status="unverified",
         head_dims=((64, 64), (128, 128), (192, 128)),
-        fwd_modules=("stage3_fwd_kernel.blackwell", "stage3_fwd_kernel.blackwell_fwd"),
-        varlen_fwd_modules=("stage3_fwd_kernel.blackwell", "stage3_fwd_kernel.blackwell_fwd"),
-        bwd_modules=("stage4_bwd_kernel.blackwell",),
+        forward_module="stage3_fwd_kernel.blackwell_fwd",
+        backward_module="stage4_bwd_kernel.blackwell",
         # sm_100a code uses arch-specific instructions (tcgen05, TMEM): it runs on compute
         # capability 10.0 only, not on 10.3 (B300) or 12.x (RTX 50xx), hence no wider match.
         note="compiled for sm_100a in CI and checked structurally; no Blackwell GPU is reachable here",
@@ -110,29 +104,14 @@ def all_head_dims() -> tuple:
     return tuple(sorted(seen))
 
 
-def module_exists(name: str) -> bool:
-    """True if `name` can be imported, decided without importing it (so no cutlass import)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _first_existing(names) -> Optional[str]:
-    return next((n for n in names if module_exists(n)), None)
-
-
 def supported() -> dict:
-    """What runs where, as data: archs, dtypes, head dims, features, and which kernel modules of
-    the stage packages exist in this checkout (checked without importing them).
+    """What runs where, as data: archs, dtypes, head dims, features, and the kernel module of each
+    role (named, not imported).
 
     This dict is the single source of the support matrix in fa4/README.md (regenerate it with
     ``python -m fa4 info --markdown --update-readme``)."""
     archs = {}
     for a in ARCHS.values():
-        fwd = _first_existing(a.fwd_modules)
-        varlen = _first_existing(a.varlen_fwd_modules)
-        bwd = _first_existing(a.bwd_modules)
         archs[a.key] = {
             "gpus": a.gpus,
             "compute_capabilities": [f"{m}.{n}" for m, n in a.capabilities],
@@ -140,11 +119,9 @@ def supported() -> dict:
             "hardware": a.hardware_status,
             "note": a.note,
             "head_dims": [list(hd) for hd in a.head_dims],
-            "forward": fwd,
-            "varlen_forward": varlen,
-            "backward": bwd,
-            "forward_candidates": list(a.fwd_modules),
-            "backward_candidates": list(a.bwd_modules),
+            "forward": a.forward_module,
+            "varlen_forward": a.forward_module,
+            "backward": a.backward_module,
         }
     return {
         "archs": archs,
@@ -174,18 +151,14 @@ def support_markdown(info: Optional[dict] = None) -> str:
     def row(label, fn):
         lines.append(f"| {label} | " + " | ".join(fn(v) for v in info["archs"].values()) + " |")
 
-    def mod(name, missing):
-        return f"`{name}`" if name else missing
-
     row("hardware", lambda v: "verified on hardware" if v["hardware"] == "verified"
         else "**unverified on hardware** (compile-only)")
     row("compute capability", lambda v: ", ".join(v["compute_capabilities"]) + f" (built for `{v['cute_arch']}`)")
     row("head dims (qk/v)", lambda v: _hd(tuple(h) for h in v["head_dims"]))
     row("dtypes", lambda v: ", ".join(info["dtypes"]))
-    row("forward kernel", lambda v: mod(v["forward"], "not landed: `" + v["forward_candidates"][0] + "`"))
-    row("varlen forward", lambda v: mod(v["varlen_forward"], "not landed"))
-    row("backward kernel", lambda v: mod(v["backward"], "not landed: `" + v["backward_candidates"][0]
-                                         + "` (backward raises NotImplementedError)"))
+    row("forward kernel", lambda v: f"`{v['forward']}`")
+    row("varlen forward", lambda v: f"`{v['varlen_forward']}`")
+    row("backward kernel", lambda v: f"`{v['backward']}`")
     lines += ["", "| feature | supported | how |", "|---|---|---|"]
     for name, f in info["features"].items():
         lines.append(f"| {name} | {'yes' if f['supported'] else 'no'} | {f['how']} |")
@@ -220,61 +193,41 @@ _LOCK = threading.Lock()
 
 
 def _ensure_cute_arch(arch: ArchInfo):
-    """CuTe-DSL reads CUTE_DSL_ARCH once, when `cutlass` is first imported. Set it for this
-    device before any stage module imports cutlass; if cutlass is already in and targets a
-    different arch, say so (compiling sm_90a code for a B200 would fail at launch)."""
-    current = os.environ.get("CUTE_DSL_ARCH")
-    if "cutlass" not in sys.modules:
-        if current is None:
-            os.environ["CUTE_DSL_ARCH"] = arch.cute_arch
-        current = os.environ["CUTE_DSL_ARCH"]
+    """CuTe-DSL reads CUTE_DSL_ARCH once, when `cutlass` is first imported. Target this device
+    before any stage module imports cutlass (over the stage packages' sm_90a default, not over a
+    value the user exported); if cutlass is already in and targets a different arch, say so
+    (compiling sm_90a code for a B200 would fail at launch)."""
+    from stage2_emulated_exp import cute_arch
+
+    current = cute_arch.retarget(arch.cute_arch)
     if current is not None and current != arch.cute_arch:
         raise RuntimeError(
             f"fa4: this device is {arch.key} but CuTe-DSL targets CUTE_DSL_ARCH={current}. Unset "
             f"CUTE_DSL_ARCH (or set it to {arch.cute_arch}) before anything imports cutlass.")
 
 
-def _import_first(names, role: str, arch: ArchInfo):
-    """Import the first module of `names` that exists. A module that exists but fails to import
-    is a bug to report, not a reason to silently use an older kernel."""
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name or (exc.name and name.startswith(exc.name + ".")):
-                continue  # not landed yet: try the next candidate
-            raise RuntimeError(f"fa4: importing {name} ({role} on {arch.key}) failed: {exc}") from exc
-    return None
-
-
 # Causal dense forwards with at least this many keys launch stage 5's LPT tile order on Hopper
-# instead of the kernel's static grid. Paired rounds on the H100 (production step 4, d = 64 / 128,
-# benchmarks/results/ab_fwd_h100_run14_causal_lpt.json): +1..+4% from 4k keys up, -2% at 2k.
+# instead of the kernel's static grid. Paired rounds on an H100 (production forward, d = 64 / 128;
+# docs/measurements.md): +1..+4% from 4k keys up, -2% at 2k.
 LPT_MIN_SEQLEN_K = 4096
 
 # LPT sections over the (batch, head) pairs in a row, as the official FA4 kernel cuts them, instead of
 # inside each batch: when the section size does not divide the head count (10 heads at (192, 128) in
 # sections of 4), every batch then ended with a narrow section whose longest tiles start too late.
 # Both are the same order where it divides. H100: (192, 128) causal, 4 x 10 heads at 8k, idle tail
-# 44 -> 11.5 us; paired rounds +5.9% at 4k, +2.4% at 8k (stage 5 README, "Flat sections").
+# 44 -> 11.5 us; paired rounds +5.9% at 4k, +2.4% at 8k (docs/measurements.md, "Flat sections").
 FORWARD_LPT_FLAT = True
 
 # The share of the L2 that an LPT section's K/V may fill (stage5_scheduling.orders.heads_per_section's
 # `safety`, a modelling choice). The official FA4 kernel (flash-attn-4 4.0.0b36, SingleTileLPTScheduler)
-# sizes its sections for all of a 50 MiB L2, i.e. twice ours; benchmarks/ab_fwd.py `fa4~lpt_safety=1.0`
-# times that.
+# sizes its sections for all of a 50 MiB L2, i.e. twice ours (the A/B harness's `fa4~lpt_safety=1.0`
+# route times that).
 FORWARD_LPT_L2_SAFETY = 0.5
 
-# Persistent CTAs for the forward: None = the forward module's own default (Hopper step 4: one CTA
+# Persistent CTAs for the forward: None = the forward module's own default (Hopper: one CTA
 # per SM walking the tile order wherever Q, O and two K/V stages fit, head dims <= 128); True /
-# False force it where the module takes `persistent` (benchmarks/ab_fwd.py `fa4~persistent=False`
-# compares the two routes).
+# False force it (the A/B harness's `fa4~persistent=False` route compares the two).
 FORWARD_PERSISTENT = None
-
-# K/V multicast for non-causal forwards (Hopper step 4's kv_multicast: clusters of two CTAs share each
-# K/V block through TMA multicast). Off: correct on the H100 but no faster (a third less L2 traffic,
-# same time: stage 3 README); benchmarks/ab_fwd.py `fa4~kv_multicast=True` times the route with it.
-FORWARD_KV_MULTICAST = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -318,33 +271,38 @@ def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_
     return ranges
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_scheduler(mod) -> bool:
-    """Whether a forward module's attention_forward accepts `scheduler` (the ladder fallback may not)."""
-    return "scheduler" in inspect.signature(mod.attention_forward).parameters
-
-
 @dataclass
 class Backend:
     """The kernels of one arch, imported on first use. All methods take CUDA tensors that
-    `fa4._validate` has already checked; they raise before launching if a kernel is missing."""
+    `fa4._validate` has already checked. Subclasses name their modules (`import_forward`,
+    `import_backward`) and call them (`_call_forward`, `_call_varlen_forward`)."""
     arch: ArchInfo
-    _mods: dict = field(default_factory=dict)
+    _mods: dict = field(default_factory=dict)  # role ("fwd" / "bwd") -> imported module
 
-    def _module(self, role: str, names) -> Any:
+    # the modules offer compile_launchable(...): what the GPU path launches, built without a GPU
+    # under its cache keys (fa4.precompile); the forward's also takes a tile scheduler
+    LAUNCHABLE_BUILDS = False
+
+    def _module(self, role: str) -> Any:
         if role not in self._mods:
             with _LOCK:
                 if role not in self._mods:
                     _ensure_cute_arch(self.arch)
-                    mod = _import_first(names, role, self.arch)
-                    if mod is not None:
-                        from . import _cache
-
-                        _cache.install_for(mod)  # route its compiles through the disk cache
+                    name = self.arch.forward_module if role == "fwd" else self.arch.backward_module
+                    try:
+                        mod = self.import_forward() if role == "fwd" else self.import_backward()
+                    except ImportError as exc:
+                        raise RuntimeError(f"fa4: importing {name} ({role} on {self.arch.key}) failed: {exc}") from exc
+                    _install_disk_cache()
                     self._mods[role] = mod
         return self._mods[role]
 
-    # -- forward ------------------------------------------------------------------------------
+    def import_forward(self):
+        raise NotImplementedError
+
+    def import_backward(self):
+        raise NotImplementedError
+
     def check_head_dims(self, d: int, dv: int, names=("q", "v")):
         if (d, dv) not in self.arch.head_dims:
             raise ValueError(
@@ -360,75 +318,32 @@ class Backend:
                 "structurally in CI but have never run on hardware in this project (unverified). "
                 "Compare against torch SDPA before trusting results.", RuntimeWarning, stacklevel=4)
 
+    # -- forward ------------------------------------------------------------------------------
     def forward_module(self):
-        mod = self._module("fwd", self.arch.fwd_modules)
-        if mod is None:
-            raise NotImplementedError(
-                f"fa4: the {self.arch.key} forward kernel has not landed (none of "
-                f"{', '.join(self.arch.fwd_modules)} exists in this checkout)")
-        return mod
+        return self._module("fwd")
 
     def forward(self, q, k, v, softmax_scale: float, causal: bool):
         mod = self.forward_module()
         self._warn_unverified()
-        sched = causal_forward_scheduler(self.arch.key, causal, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
-                                         k.shape[2])
-        kw = {}
-        if FORWARD_PERSISTENT is not None and "persistent" in _params(mod.attention_forward):
-            kw["persistent"] = FORWARD_PERSISTENT
-        if FORWARD_KV_MULTICAST and not causal and "kv_multicast" in _params(mod.attention_forward):
-            kw["kv_multicast"] = True
-        if sched is not None and _takes_scheduler(mod):
-            return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, scheduler=sched, **kw)
-        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
+        return self._call_forward(mod, q, k, v, softmax_scale, causal)
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                        softmax_scale: float, causal: bool):
-        mod = self._module("varlen_fwd", self.arch.varlen_fwd_modules)
-        if mod is None or not hasattr(mod, "attention_varlen_forward"):
-            raise NotImplementedError(
-                f"fa4: the {self.arch.key} varlen forward kernel has not landed ({self.arch.varlen_fwd_modules[0]}"
-                f" with attention_varlen_forward); the fixed-length flash_attn_func works")
-        fn = mod.attention_varlen_forward
-        params = _params(fn)
-        kw = dict(softmax_scale=softmax_scale, causal=causal)
-        if seqused_k is not None:
-            if "seqused_k" not in params:
-                raise NotImplementedError(f"seqused_k: the {self.arch.key} varlen forward ({mod.__name__}) does not "
-                                          "support it yet")
-            kw["seqused_k"] = seqused_k
-        if FORWARD_PERSISTENT is not None and "persistent" in params:
-            kw["persistent"] = FORWARD_PERSISTENT
-        # the Blackwell module sizes its grid from max_seqlen_q only and takes no max_seqlen_k
-        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q) + \
-            ((max_seqlen_k,) if "max_seqlen_k" in params else ())
+        mod = self.forward_module()
         self._warn_unverified()
-        return fn(*args, **kw)
+        return self._call_varlen_forward(mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                                         max_seqlen_k, softmax_scale, causal)
 
     # -- backward -----------------------------------------------------------------------------
     def backward_module(self):
-        mod = self._module("bwd", self.arch.bwd_modules)
-        if mod is None:
-            name = "Hopper" if self.arch.key == "sm_90" else "Blackwell"
-            raise NotImplementedError(
-                f"fa4: the {name} backward kernel has not landed yet ({self.arch.bwd_modules[0]} does not exist "
-                f"in this checkout), so fa4 attention is forward-only on {self.arch.key} for now. fa4 does not "
-                "fall back to a slow reference backward; run the forward under torch.no_grad(), or train "
-                "with torch SDPA until the stage-4 kernel lands.")
-        return mod
-
-    @staticmethod
-    def native_dlse(fn) -> bool:
-        """True if the backward kernel takes `dlse` itself (subtracts it from D in its preprocess)."""
-        return "dlse" in _params(fn)
+        return self._module("bwd")
 
     def backward(self, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse=None):
-        mod = self.backward_module()
+        """dlse (the gradient flowing in through lse) enters as one more backward call with
+        chosen inputs (`add_lse_grad`): the kernels take no dlse themselves."""
+        fn = self.backward_module().attention_backward
         self._warn_unverified()
-        fn = mod.attention_backward
         kw = dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
-        if dlse is not None and self.native_dlse(fn):
-            return fn(q, k, v, out, dout, lse, dlse=dlse, **kw)
         dq, dk, dv = fn(q, k, v, out, dout, lse, **kw)
         if dlse is not None:
             dq, dk = add_lse_grad(lambda *a: fn(*a, **kw), q, k, v, out, lse, dlse, dq, dk, varlen=False)
@@ -436,31 +351,98 @@ class Backend:
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                         max_seqlen_k, softmax_scale, causal, deterministic, dlse=None):
-        mod = self.backward_module()
-        if not hasattr(mod, "attention_varlen_backward"):
-            raise NotImplementedError(
-                f"fa4: {mod.__name__} has no attention_varlen_backward yet: varlen is forward-only on {self.arch.key}")
+        fn = self.backward_module().attention_varlen_backward
         self._warn_unverified()
-        fn = mod.attention_varlen_backward
         kw = dict(seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
 
-        def call(q_, k_, v_, out_, dout_, lse_, **extra):
-            return fn(q_, k_, v_, out_, dout_, lse_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      **kw, **extra)
+        def call(q_, k_, v_, out_, dout_, lse_):
+            return fn(q_, k_, v_, out_, dout_, lse_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
 
-        if dlse is not None and self.native_dlse(fn):
-            return call(q, k, v, out, dout, lse, dlse=dlse)
         dq, dk, dv = call(q, k, v, out, dout, lse)
         if dlse is not None:
             dq, dk = add_lse_grad(call, q, k, v, out, lse, dlse, dq, dk, varlen=True)
         return dq, dk, dv
 
 
-def _params(fn) -> set:
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
+class HopperBackend(Backend):
+    """sm_90: the production kernels behind `stage3_fwd_kernel.hopper` and `stage4_bwd_kernel.hopper`.
+    Causal calls with long keys run stage 5's LPT tile order; the route switches above arrive as
+    keyword arguments when set."""
+
+    LAUNCHABLE_BUILDS = True
+
+    def import_forward(self):
+        from stage3_fwd_kernel import hopper
+
+        return hopper
+
+    def import_backward(self):
+        from stage4_bwd_kernel import hopper
+
+        return hopper
+
+    def _call_forward(self, mod, q, k, v, softmax_scale, causal):
+        sched = causal_forward_scheduler(self.arch.key, causal, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
+                                         k.shape[2])
+        kw = {}
+        if sched is not None:
+            kw["scheduler"] = sched
+        if FORWARD_PERSISTENT is not None:
+            kw["persistent"] = FORWARD_PERSISTENT
+        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
+
+    def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, causal):
+        kw = dict(softmax_scale=softmax_scale, causal=causal)
+        if seqused_k is not None:
+            kw["seqused_k"] = seqused_k
+        if FORWARD_PERSISTENT is not None:
+            kw["persistent"] = FORWARD_PERSISTENT
+        return mod.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+
+
+class BlackwellBackend(Backend):
+    """sm_100: `stage3_fwd_kernel.blackwell_fwd` and `stage4_bwd_kernel.blackwell`. The forward takes
+    no tile scheduler or route switches; its varlen grid is sized from max_seqlen_q alone and it
+    has no seqused_k."""
+
+    def import_forward(self):
+        from stage3_fwd_kernel import blackwell_fwd
+
+        return blackwell_fwd
+
+    def import_backward(self):
+        from stage4_bwd_kernel import blackwell
+
+        return blackwell
+
+    def _call_forward(self, mod, q, k, v, softmax_scale, causal):
+        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+    def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                             softmax_scale, causal):
+        if seqused_k is not None:
+            raise NotImplementedError(f"seqused_k: the {self.arch.key} varlen forward ({self.arch.forward_module}) "
+                                      "does not support it yet")
+        return mod.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            softmax_scale=softmax_scale, causal=causal)
+
+
+BACKEND_TYPES = {"sm_90": HopperBackend, "sm_100": BlackwellBackend}
+
+
+def make_backend(arch: ArchInfo) -> Backend:
+    return BACKEND_TYPES[arch.key](arch)
+
+
+def _install_disk_cache():
+    """Put fa4's disk cache behind the stages' compile cache (once; the stages never import fa4)."""
+    from stage3_fwd_kernel import compile_cache
+
+    from . import _cache
+
+    if compile_cache.get_store() is not _cache.STORE:
+        compile_cache.set_store(_cache.STORE)
 
 
 def add_lse_grad(bwd, q, k, v, out, lse, dlse, dq, dk, *, varlen: bool):
@@ -473,7 +455,7 @@ def add_lse_grad(bwd, q, k, v, out, lse, dlse, dq, dk, *, varlen: bool):
 
     with dP = dO V^T and D_i = rowsum(dO_i * O_i): the lse gradient is a correction of the
     D term only (dV = P^T dO is unchanged). A kernel that accepts `dlse` subtracts it from D
-    in its preprocess (`Backend.native_dlse`). For a kernel that does not, the extra term
+    in its preprocess. For a kernel that does not (today's), the extra term
     P * dlse is linear, so one more call with inputs chosen to make everything else vanish
     computes exactly that term:
 
@@ -520,6 +502,6 @@ def backend_for(device) -> Backend:
     if backend is None:  # first call on this GPU: asking the driver costs ~10 us, so once per device
         arch = arch_for_capability(torch.cuda.get_device_capability(index))
         if arch.key not in _BACKENDS:
-            _BACKENDS[arch.key] = Backend(arch)
+            _BACKENDS[arch.key] = make_backend(arch)
         backend = _BACKEND_OF_DEVICE[index] = _BACKENDS[arch.key]
     return backend

@@ -220,7 +220,7 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 # ---------------------------------------------------------------------------------------------
 # A custom op's round trip through the dispatcher (autograd wrapper, redispatch, the aliasing
 # check of the outputs) was most of fa4's own host time per call in eager mode on the H100 host
-# (torch 2.11, benchmarks/profile_host.py: forward 252 us per call against 84 us for the stage-3
+# (torch 2.11, a host-side profile: forward 252 us per call against 84 us for the stage-3
 # entry point it wraps). Outside torch.compile, on plain CUDA tensors and with no dispatch mode
 # active, the same implementations run under a plain autograd.Function instead; everything else
 # (dynamo tracing, FakeTensorMode, meta tensors, tensor subclasses, functorch transforms) keeps the

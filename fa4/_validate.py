@@ -54,7 +54,7 @@ def _check_flag(name, x):
 
 # The smallest softmax_scale accepted. The forward's rescale vote keeps m + tau / (scale * log2 e)
 # per row in fp32 (tau <= 64): finite for every scale from here up. Real scales are ~1/sqrt(d).
-# Stage 3's step 4 checks the same bound (MIN_SOFTMAX_SCALE there; a cpu test keeps them equal).
+# The Hopper forward checks the same bound (MIN_SOFTMAX_SCALE there; a cpu test keeps them equal).
 MIN_SOFTMAX_SCALE = 2.0 ** -100
 
 

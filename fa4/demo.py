@@ -88,21 +88,15 @@ def _stage2_section(report):
 def _fa4_compile_section(report):
     """No GPU: build the production forward for sm_90a (fake tensors) and show its resources."""
     import os
-    import sys
 
-    from ._dispatch import ARCHS, _first_existing
+    from ._dispatch import ARCHS, _ensure_cute_arch, make_backend
 
-    if "cutlass" not in sys.modules:
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    name = _first_existing(ARCHS["sm_90"].fwd_modules)
+    arch = ARCHS["sm_90"]
+    _ensure_cute_arch(arch)
+    name = arch.forward_module
     print(f"\nfa4: the production Hopper forward ({name}) compiled for {os.environ.get('CUTE_DSL_ARCH')} "
           "with fake tensors (no GPU here)")
-    if name is None:
-        report.append(("fa4", "production forward compiles for sm_90a", "no module", False))
-        return False
-    import importlib
-
-    mod = importlib.import_module(name)
+    mod = make_backend(arch).forward_module()
     worst_regs, ok = 0, True
     print("  " + _row("config", "registers", "smem (KB)", "spills", widths=(28, 10, 10, 14)) + "  compile")
     for d, causal in ((128, False), (128, True), (64, True)):
@@ -176,7 +170,7 @@ def _fa4_gpu_section(report):
             report.append(("fa4", f"backward {label}", str(exc)[:18], False))
             ok_all = False
     # timing: forward, bf16, 16 heads x 128 (hidden 2048), 32k tokens per batch
-    from stage3_fwd_kernel.common import attention_flops, benchmark_ms
+    from stage3_fwd_kernel.runner import attention_flops, benchmark_ms
 
     print("\n  timing (forward, bf16, hidden 2048, 32k tokens; median of CUDA-event runs)")
     print("  " + _row("case", "fa4 TFLOP/s", "SDPA TFLOP/s", "fa4/SDPA", widths=(26, 12, 12, 8)))

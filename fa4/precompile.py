@@ -20,9 +20,6 @@ those kernels for every length up to `--max-seqlen` (one kernel per section size
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
-import os
 import sys
 import time
 from typing import Iterable, Optional
@@ -102,14 +99,14 @@ def _lpt_hint(cfgs, arch_key: str) -> Optional[str]:
 
 
 def _lpt_task(mod, build: dict) -> tuple:
-    """(config, what to build, label detail, extra row fields) of one LPT kernel, for either path."""
+    """(config, what to build, label detail, extra row fields) of one LPT kernel, for either path.
+    `mod` is the Hopper forward (the only one with scheduled builds); the key count picks
+    persistent CTAs or not, so the range's first length goes in."""
     first, last = build["seqlen_k"]
     sections = build["scheduler"].heads_per_section
-    kw = {}
-    if "seqlen_k" in inspect.signature(mod.compile_launchable).parameters:
-        kw["seqlen_k"] = first  # the key count picks persistent CTAs or not (Hopper step 4)
     compile_it = functools.partial(mod.compile_launchable, dtype=build["dtype"], head_dim=build["head_dim"],
-                                   head_dim_v=build["head_dim_v"], causal=True, scheduler=build["scheduler"], **kw)
+                                   head_dim_v=build["head_dim_v"], causal=True, scheduler=build["scheduler"],
+                                   seqlen_k=first)
     return ((build["dtype"], build["head_dim"], build["head_dim_v"], True), compile_it,
             f"{sections} heads/section, keys {first}-{last}, heads {build['heads']}: ",
             {"heads": build["heads"], "seqlen_k": [first, last], "heads_per_section": sections})
@@ -141,11 +138,13 @@ def _label(kind, dt, d, dv, c):
 # CPU: compile-only through the stage modules
 # ---------------------------------------------------------------------------------------------
 def _ensure_arch(arch: str):
-    cur = os.environ.get("CUTE_DSL_ARCH")
-    if "cutlass" in sys.modules and cur not in (None, arch):
+    """--arch is an explicit choice: it wins over any value not yet read by cutlass."""
+    from stage2_emulated_exp import cute_arch
+
+    cur = cute_arch.retarget(arch, override_user=True)
+    if cur not in (None, arch):
         raise RuntimeError(f"--arch {arch}: cutlass is already imported for {cur} in this process; "
                            "run precompile in a fresh process")
-    os.environ["CUTE_DSL_ARCH"] = arch
 
 
 def _resources(rep: dict) -> str:
@@ -153,57 +152,45 @@ def _resources(rep: dict) -> str:
             f"spills={rep.get('spill_stores')}/{rep.get('spill_loads')}")
 
 
-def _builder(mod, varlen: bool = False):
-    """(build, launchable): build(dtype, d, dv, causal) -> list of Compiled, the module's launchable
-    builds (the GPU path's kernels and cache keys) where it has them, else its compile-only build
-    (not runnable); (None, False) for varlen without a launchable build."""
-    if hasattr(mod, "compile_launchable"):
+def _builder(mod, launchable: bool, varlen: bool = False):
+    """build(dtype, d, dv, causal) -> list of Compiled: the module's launchable builds (the GPU
+    path's kernels and cache keys) where the arch has them (`Backend.LAUNCHABLE_BUILDS`), else its
+    compile-only build (not runnable); None for varlen without launchable builds."""
+    if launchable:
         return lambda dt, d, dv, c: mod.compile_launchable(dtype=dt, head_dim=d, head_dim_v=dv, causal=c,
-                                                           varlen=varlen), True
+                                                           varlen=varlen)
     if varlen:
-        return None, False
-    return lambda dt, d, dv, c: [mod.compile_only(dtype=dt, head_dim=d, head_dim_v=dv, causal=c)], False
-
-
-def _scheduled_builder(mod) -> bool:
-    """Whether a forward module can build its kernels for a given tile scheduler ahead of time."""
-    import inspect
-
-    fn = getattr(mod, "compile_launchable", None)
-    return fn is not None and "scheduler" in inspect.signature(fn).parameters
+        return None
+    return lambda dt, d, dv, c: [mod.compile_only(dtype=dt, head_dim=d, head_dim_v=dv, causal=c)]
 
 
 def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, varlen=True, out=None,
                  heads: Optional[list] = None, max_seqlen: int = DEFAULT_MAX_SEQLEN) -> list[dict]:
     from . import _cache
-    from ._dispatch import ARCHS, _first_existing
+    from ._dispatch import ARCHS, _install_disk_cache, make_backend
 
     out = out or sys.stdout
     info = next(a for a in ARCHS.values() if a.cute_arch == arch)
     _ensure_arch(arch)
-    fwd_name = _first_existing(info.fwd_modules)
-    if fwd_name is None:
-        raise NotImplementedError(f"no {info.key} forward module in this checkout ({', '.join(info.fwd_modules)})")
-    names = [("fwd", fwd_name, False)]
-    bwd_name = _first_existing(info.bwd_modules) if backward else None
-    if bwd_name is not None:
-        names.append(("bwd", bwd_name, False))
-    elif backward:
-        print(f"backward: {info.bwd_modules[0]} has not landed; forward only", file=out)
-    varlen_name = _first_existing(info.varlen_fwd_modules) if varlen else None
-    if varlen_name is not None:
-        names.append(("varlen", varlen_name, True))
+    backend = make_backend(info)
+    launchable = backend.LAUNCHABLE_BUILDS
+    fwd_name = info.forward_module
+    fwd_mod = backend.import_forward()
+    roles = [("fwd", fwd_name, fwd_mod, False)]
+    if backward:
+        roles.append(("bwd", info.backward_module, backend.import_backward(), False))
+    if varlen:
+        roles.append(("varlen", fwd_name, fwd_mod, True))
     jobs = []
-    for kind, name, vl in names:
-        build, launchable = _builder(importlib.import_module(name), varlen=vl)
+    for kind, name, mod, vl in roles:
+        build = _builder(mod, launchable, varlen=vl)
         if build is not None:
             jobs.append((kind, name, build, launchable))
     cfgs = list(cfgs)
     # (kind, module, config, what to build, launchable, label detail, extra row fields)
     tasks = [(kind, name, cfg, functools.partial(build, *cfg), launchable, "", {})
              for kind, name, build, launchable in jobs for cfg in cfgs]
-    fwd_mod = importlib.import_module(fwd_name)
-    if heads and _scheduled_builder(fwd_mod):
+    if heads and launchable:
         for b in lpt_builds(cfgs, heads, max_seqlen, info.key):
             cfg, compile_it, prefix, extra = _lpt_task(fwd_mod, b)
             tasks.append(("fwd lpt", fwd_name, cfg, compile_it, True, prefix, extra))
@@ -213,7 +200,7 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
         print(hint, file=out)
     persist = _cache.enabled() and any(t[4] for t in tasks)
     if persist:
-        _cache.install_for()  # launchable builds carry the GPU path's keys: they go to the disk cache
+        _install_disk_cache()  # launchable builds carry the GPU path's keys: they go to the disk cache
     prog = Progress(len(tasks), out)
     where = f"disk cache: {_cache.cache_dir(arch)}" if persist else "nothing written to the disk cache"
     print(f"no GPU: compiling for {arch} with fake tensors, {len(cfgs)} configs x "
@@ -260,25 +247,23 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
 
     from . import _cache
     from ._api import flash_attn_func, flash_attn_varlen_func
-    from ._dispatch import _first_existing, backend_for
+    from ._dispatch import backend_for
 
     out = out or sys.stdout
     dev = torch.device("cuda", torch.cuda.current_device())
     backend = backend_for(dev)
     arch = backend.arch
-    has_bwd = backward and _first_existing(arch.bwd_modules) is not None
-    has_varlen = varlen and _first_existing(arch.varlen_fwd_modules) is not None
+    has_bwd, has_varlen = backward, varlen
     cfgs = [c for c in cfgs if (c[1], c[2]) in arch.head_dims]
     kinds = ["fwd"] + (["bwd"] if has_bwd else []) + (["varlen"] if has_varlen else [])
     fwd_mod = backend.forward_module()  # imported with the disk cache installed
-    lpt = lpt_builds(cfgs, heads, max_seqlen, arch.key) if heads and _scheduled_builder(fwd_mod) else []
+    scheduled = backend.LAUNCHABLE_BUILDS  # the Hopper forward builds LPT-ordered kernels ahead of time
+    lpt = lpt_builds(cfgs, heads, max_seqlen, arch.key) if heads and scheduled else []
     print(f"precompile on {torch.cuda.get_device_name(dev)} ({arch.key}): {len(cfgs)} configs x {', '.join(kinds)}"
           + (f" + {len(lpt)} LPT forward kernel(s)" if heads else "")
           + f"; disk cache: {_cache.cache_dir() if _cache.enabled() else 'disabled (FA4_CACHE=0)'}",
           file=out, flush=True)
-    if backward and not has_bwd:
-        print(f"backward: {arch.bwd_modules[0]} has not landed; forward only", file=out)
-    if heads and not _scheduled_builder(fwd_mod):
+    if heads and not scheduled:
         print(f"--heads: {fwd_mod.__name__} builds no scheduled kernels; LPT kernels skipped", file=out)
     elif not heads and (hint := _lpt_hint(cfgs, arch.key)):
         print(hint, file=out)
@@ -300,7 +285,7 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
                 q.detach()[0], k.detach()[0], v.detach()[0], cu, cu, 64, 64, causal=c), "", {}))
     for b in lpt:  # built, not run: the kernels a long causal call of these heads would compile
         tasks.append(("fwd lpt", *_lpt_task(fwd_mod, b)))
-    if hasattr(fwd_mod, "compile_launchable"):
+    if backend.LAUNCHABLE_BUILDS:
         # built, not run: what long non-causal calls add (the Hopper forward's split_tail kernels)
         for dt, d, dv, c in cfgs:
             if not c:

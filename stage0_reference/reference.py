@@ -4,7 +4,7 @@ Nothing clever happens here on purpose. The full score matrix S = Q K^T is mater
 softmax is taken row by row, and the backward pass is the textbook chain rule. Every kernel
 in this project, however fast, must agree with these few lines.
 
-Conventions (shared by all stages, see DESIGN.md):
+Conventions (shared by all stages, see docs/ARCHITECTURE.md):
   q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv)  ->  out (B, Sq, Hq, Dv)
   lse (B, Hq, Sq): natural-log log-sum-exp of the *scaled* scores, as FlashAttention returns.
   GQA/MQA: query head h reads kv head h // (Hq // Hkv).

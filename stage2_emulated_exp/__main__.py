@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         for name, r in gpu_kernel.compile_only(arch, disassemble=False).items():
             res = next(iter(r["resources"].values()))
             print(f"  {arch:<8} {name:<13} registers {res['registers']:>3}  local-memory frame {res['frame_bytes']} B")
-    print("\ncommitted results from the device tool's H100:")
+    print("\ncommitted results (H100):")
     print(" ", results.bitexact_summary())
     print(results.throughput_table())
     return 0

@@ -1,4 +1,4 @@
-"""Stage 2 on the GPU: check, then measure. One entry point for the device machine.
+"""Stage 2 on the GPU: check, then measure. One entry point for a GPU machine.
 
     python -m stage2_emulated_exp.device_main --out $OUT
 
@@ -30,7 +30,7 @@ import traceback
 
 import numpy as np
 
-from . import gpu_kernel as gk  # sets CUTE_DSL_ARCH from the device before cutlass loads
+from . import gpu_kernel as gk
 
 DEGREES = (3, 4, 5)
 N_UNIFORM_WIDE = 10_000_000  # uniform over [-130, 130]

@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 
-from . import gpu_kernel as gk  # first: it picks CUTE_DSL_ARCH before cutlass is imported
+from . import gpu_kernel as gk
 from .gpu_kernel import cuda, cute, cutlass, ex2_approx_f32, exp2_emulated_f32, fma_rn_f32
 from cutlass import Float32, Int32, Int64
 
@@ -309,7 +309,7 @@ def run_bench(n_iter: int = 8192, reps: int = 5, names=None, log=print) -> dict:
 
 
 def git_commit() -> str:
-    """The commit the measured code came from. The device machine gets a copy of the working
+    """The commit the measured code came from. A GPU machine may get a copy of the working
     tree without usable git history, so the caller passes it in FA4_GIT_COMMIT."""
     commit = os.environ.get("FA4_GIT_COMMIT", "")
     if not commit:

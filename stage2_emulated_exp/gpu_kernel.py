@@ -40,40 +40,16 @@ import re
 import struct
 import tempfile
 
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
-def _select_arch() -> str:
-    """CUTE_DSL_ARCH must be set before cutlass is imported (it is read once, lazily).
+from .sass import disassemble
 
-    On a GPU machine take it from the device (sm_90a on H100/H200); without one, default to
-    sm_90a, the arch this project runs on. A value the caller set wins.
-    """
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch:
-        return arch
-    arch = "sm_90a"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            # the "a" variants unlock arch-specific instructions; harmless for this kernel
-            arch = f"sm_{major}{minor}a" if major in (9, 10) else f"sm_{major}{minor}"
-    except Exception:  # torch missing or broken CUDA: compile-only use still works
-        pass
-    os.environ["CUTE_DSL_ARCH"] = arch
-    return arch
-
-
-ARCH = _select_arch()
-
-import cuda.bindings.driver as cuda  # noqa: E402  (after _select_arch, on purpose)
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32  # noqa: E402
-from cutlass._mlir.dialects import llvm  # noqa: E402
-from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
-
-from .sass import disassemble  # noqa: E402
+ARCH = os.environ["CUTE_DSL_ARCH"]  # chosen by the package before cutlass loaded (cute_arch.select)
 
 __all__ = [
     "ARCH",

@@ -1,24 +1,27 @@
 """The committed device results of stage 2, rendered for the README, the notebook and the CLI.
 
-The numbers live in benchmarks/results/stage2_exp2_*_h100.json, written by
-`python -m stage2_emulated_exp.device_main` on the device tool's H100. Nothing here is typed by
-hand: regenerate the README section with `python -m stage2_emulated_exp.results`.
+The numbers live in the package, in stage2_emulated_exp/data/stage2_exp2_*_h100.json, so an
+installed wheel has them too. They were written on an H100 by
+`python -m stage2_emulated_exp.device_main --out DIR` (copy the three JSON files from DIR into
+data/). Nothing here is typed by hand: regenerate the README section with
+`python -m stage2_emulated_exp.results`.
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from importlib.resources import files
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-THROUGHPUT = RESULTS / "stage2_exp2_throughput_h100.json"
-BITEXACT = RESULTS / "stage2_exp2_bitexact_h100.json"
-ACCURACY = RESULTS / "stage2_exp2_accuracy_h100.json"
+DATA = files(__package__) / "data"
+THROUGHPUT = DATA / "stage2_exp2_throughput_h100.json"
+BITEXACT = DATA / "stage2_exp2_bitexact_h100.json"
+ACCURACY = DATA / "stage2_exp2_accuracy_h100.json"
 
 
-def load(path: Path = THROUGHPUT) -> dict:
+def load(path=THROUGHPUT) -> dict:
+    """One results document (a path or an importlib.resources Traversable)."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: results are committed in the repository checkout "
-                                f"(run from a clone, or regenerate on a GPU with device_main)")
+        raise FileNotFoundError(f"{path} not found: the package data of stage2_emulated_exp is missing "
+                                "(regenerate it on a GPU with device_main)")
     return json.loads(path.read_text())
 
 

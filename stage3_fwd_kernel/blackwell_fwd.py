@@ -70,44 +70,27 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import sys
 
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator
+from cutlass.pipeline import NamedBarrier
+from cutlass.tensor_utils import LayoutEnum
 
+from stage2_emulated_exp.gpu_kernel import ex2_approx_f32
+from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_scheduler
+from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config
+from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy, exp2_row, rescale_vote
 
-def _blackwell_device_present() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
-    except Exception:  # no torch / broken CUDA: compile-only use still works
-        return False
-
-
-# CUTE_DSL_ARCH is read once, when cutlass is first imported. Compiles below always pass
-# `--gpu-arch sm_100a` explicitly, so they target Blackwell whatever the process default is (on
-# this project's machines: sm_90a, set by common.py, which the Hopper steps in the same process
-# rely on -- so we never change it there). Only on a Blackwell GPU, where no Hopper kernel can
-# run anyway, do we make sm_100a the process default so the JIT engine can launch what we build.
-if "cutlass" not in sys.modules and "CUTE_DSL_ARCH" not in os.environ and _blackwell_device_present():
-    os.environ["CUTE_DSL_ARCH"] = "sm_100a"
-
-from stage3_fwd_kernel import common  # noqa: E402  (arch selection before cutlass)
-from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config  # noqa: E402
-from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy, exp2_row, rescale_vote  # noqa: E402
-
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import cutlass.utils.blackwell_helpers as sm100_utils  # noqa: E402
-from cutlass import Boolean, Float32, Int32, const_expr  # noqa: E402
-from cutlass._mlir.dialects import nvvm  # noqa: E402
-from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
-from cutlass.cute.nvgpu import cpasync, tcgen05  # noqa: E402
-from cutlass.memory import SmemAllocator, TmemAllocator  # noqa: E402
-from cutlass.pipeline import NamedBarrier  # noqa: E402
-from cutlass.tensor_utils import LayoutEnum  # noqa: E402
-
-from stage2_emulated_exp.gpu_kernel import ex2_approx_f32  # noqa: E402
+# The process target is the package's (sm_90a without a GPU, so Hopper kernels compiled in the
+# same process keep working); compiles below pass `--gpu-arch sm_100a` explicitly. To launch on a
+# Blackwell GPU the process must target sm_100a before cutlass loads: fa4 does that from the
+# device, a standalone run takes CUTE_DSL_ARCH=sm_100a.
 
 STEP = "blackwell_fwd"
 TARGET_ARCH = "sm_100a"
@@ -134,7 +117,7 @@ class FlashAttentionForwardSm100:
     """The FA4 forward pipeline for one BlackwellFwdConfig (2 Q tiles x 128 rows, tile_n = 128)."""
 
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
-                 scheduler=common.StaticTileScheduler):
+                 scheduler=tile_scheduler.StaticTileScheduler):
         if getattr(scheduler, "persistent", False):
             raise ValueError("scheduler: the Blackwell kernel runs one tile per CTA (StaticTileScheduler "
                              "interface); a persistent scheduler would need the barrier phases carried "
@@ -142,7 +125,7 @@ class FlashAttentionForwardSm100:
         self.cfg = config
         self.varlen = varlen
         self.scheduler = scheduler
-        self.dtype = common.cutlass_dtype(config.dtype)
+        self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v
         self.tm, self.tn = config.tile_m, config.tile_n
         self.num_q = config.q_tiles_per_cta
@@ -172,8 +155,8 @@ class FlashAttentionForwardSm100:
         if const_expr(self.varlen != (mCuSeqlensQ is not None)):
             raise TypeError("varlen kernels take cu_seqlens_q / cu_seqlens_k, dense ones None")
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
-        mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
-        mV, mO = common.assume_strides_16B(mV, dv), common.assume_strides_16B(mO, dv)
+        mQ, mK = host_io.assume_strides_16B(mQ, d), host_io.assume_strides_16B(mK, d)
+        mV, mO = host_io.assume_strides_16B(mV, dv), host_io.assume_strides_16B(mO, dv)
 
         # 1. views the TMA and MMA want: (seq, dim, head[, batch]) for Q / K / O, (dim, seq, ...)
         #    for V (the B operand of O += P V is V^T: N = dv is its contiguous, "MN-major", mode)
@@ -856,12 +839,12 @@ def _fake_varlen(dtype, dim):
 
 
 def fake_args(cfg: BlackwellFwdConfig, varlen: bool):
-    dt = common.cutlass_dtype(cfg.dtype)
+    dt = host_io.cutlass_dtype(cfg.dtype)
     d, dv = cfg.head_dim, cfg.head_dim_v
     stream = cute.runtime.make_fake_stream()
     if not varlen:
-        return (common.fake_bshd(dt, d), common.fake_bshd(dt, d), common.fake_bshd(dt, dv),
-                common.fake_bshd(dt, dv), common.fake_lse(), Float32(1.0), None, None, None, stream)
+        return (host_io.fake_bshd(dt, d), host_io.fake_bshd(dt, d), host_io.fake_bshd(dt, dv),
+                host_io.fake_bshd(dt, dv), host_io.fake_lse(), Float32(1.0), None, None, None, stream)
     cu = lambda: cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)  # noqa: E731
     lse = cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()),
                                         stride=(cute.sym_int64(), 1), assumed_align=4)
@@ -881,7 +864,8 @@ def compile_sm100(kernel, args) -> tuple:
     import re
     import warnings
 
-    opts = f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {common._dump_dir()} remarks{{ptx}}"
+    opts = (f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {compile_cache.dump_dir()} "
+            "remarks{ptx}")
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), warnings.catch_warnings():
         # the 128-value row loops are unrolled on purpose: a thread's row lives in registers, so
@@ -890,13 +874,13 @@ def compile_sm100(kernel, args) -> tuple:
         fn = cute.compile(kernel, *args, options=opts)
     log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
     ptx, cubin = fn.__ptx__ or "", fn.__cubin__
-    sass = common.disassemble(cubin) if cubin else ""
+    sass = sass_report.disassemble(cubin) if cubin else ""
     return fn, resource_report(log, sass, ptx, cubin), sass, ptx
 
 
-def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None) -> common.Compiled:
+def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None) -> compile_cache.Compiled:
     """Compile for sm_100a with fake tensors unless `args` are given.
-    Returns common.Compiled (fn, report, sass, ptx)."""
+    Returns compile_cache.Compiled (fn, report, sass, ptx)."""
     key = (cfg.key(), varlen, "fake" if args is None else "real")
     if key in _CACHE:
         return _CACHE[key]
@@ -905,13 +889,13 @@ def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None) -> 
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
                   regs_softmax=cfg.regs.softmax, regs_correction=cfg.regs.correction, regs_other=cfg.regs.other)
-    out = common.Compiled(fn, report, sass, ptx)
+    out = compile_cache.Compiled(fn, report, sass, ptx)
     _CACHE[key] = out
     return out
 
 
 def resource_report(ptxas_log: str, sass: str, ptx: str, cubin) -> dict:
-    """common.parse_resources plus what is Blackwell-specific in the PTX and the SASS.
+    """sass_report.parse_resources plus what is Blackwell-specific in the PTX and the SASS.
 
     SASS names (this ptxas, sm_100a): tcgen05.mma kind::f16 -> UTCHMMA (first operand gdesc[..]
     = A from SMEM, "SS"; tmem[..] = A from TMEM, "TS"); tcgen05.commit -> UTCBAR;
@@ -919,7 +903,7 @@ def resource_report(ptxas_log: str, sass: str, ptx: str, cubin) -> dict:
     setmaxnreg -> USETMAXREG; TMA load / store -> UTMALDG / UTMASTG."""
     import re
 
-    rep = common.parse_resources(ptxas_log, sass, cubin)
+    rep = sass_report.parse_resources(ptxas_log, sass, cubin)
 
     def count(pat, text):
         return len(re.findall(pat, text)) if text else None
@@ -950,13 +934,19 @@ def format_report(name: str, rep: dict) -> str:
     return f"{name}: " + ", ".join(f"{k}={rep.get(k)}" for k in REPORT_KEYS)
 
 
-def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, varlen=False, **kw) -> common.Compiled:
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, varlen=False,
+                 **kw) -> compile_cache.Compiled:
     """Compile for sm_100a with fake tensors (no GPU needed)."""
     return compile_config(make_config(dtype, head_dim, head_dim_v, causal, **kw), varlen)
 
 
 def blackwell_gpu_available() -> bool:
-    return _blackwell_device_present()
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+    except Exception:  # no torch / broken CUDA: compile-only use still works
+        return False
 
 
 def _launch_args(q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seqlen_q=None):
@@ -965,10 +955,10 @@ def _launch_args(q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seq
 
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     varlen = cu_q is not None
-    return (common.to_cute(q), common.to_cute(k), common.to_cute(v), common.to_cute(out),
-            common.to_cute(lse, assumed_align=4), Float32(softmax_scale * common.LOG2_E),
-            common.to_cute(cu_q, assumed_align=4) if varlen else None,
-            common.to_cute(cu_k, assumed_align=4) if varlen else None,
+    return (host_io.to_cute(q), host_io.to_cute(k), host_io.to_cute(v), host_io.to_cute(out),
+            host_io.to_cute(lse, assumed_align=4), Float32(softmax_scale * host_io.LOG2_E),
+            host_io.to_cute(cu_q, assumed_align=4) if varlen else None,
+            host_io.to_cute(cu_k, assumed_align=4) if varlen else None,
             Int32(max_seqlen_q) if varlen else None, stream)
 
 
@@ -979,7 +969,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
 
     if not blackwell_gpu_available():
         raise RuntimeError("attention_forward needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
-    q, k, v = common.prepare_inputs(q, k, v)
+    q, k, v = host_io.prepare_inputs(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
     cfg = make_config(str(q.dtype), d, dv, causal, **cfg_kw)  # ValueError before any compile
@@ -1044,7 +1034,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
     import torch
     from stage0_reference.torch_reference import assert_fa4_close, attention_ref, attention_varlen_ref
 
-    tdt = common.torch_dtype(dtype)
+    tdt = host_io.torch_dtype(dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     if not varlen:
         q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=tdt, generator=gen)
@@ -1069,11 +1059,11 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
         (ref_o, ref_lse), (base_o, base_lse) = ref(True), ref(False)
         assert_fa4_close(f"{STEP} out", out, ref_o, base_o)
         assert_fa4_close(f"{STEP} lse", lse, ref_lse, base_lse)
-    ms = common.benchmark_ms(fwd)
+    ms = runner.benchmark_ms(fwd)
     if not varlen:
-        flops = common.attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal)
+        flops = runner.attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal)
     else:  # the same convention, summed over the packed sequences
-        flops = sum(common.attention_flops(1, int(a), int(b), heads, head_dim, head_dim_v, causal)
+        flops = sum(runner.attention_flops(1, int(a), int(b), heads, head_dim, head_dim_v, causal)
                     for a, b in zip(lq, lk))
     tflops = flops / (ms * 1e-3) / 1e12
     if verbose:
@@ -1103,7 +1093,7 @@ def resource_table(cases=MATRIX) -> str:
 
 
 if __name__ == "__main__":
-    ap = common.shape_parser(__doc__)
+    ap = runner.shape_parser(__doc__)
     ap.add_argument("--varlen", action="store_true")
     ap.add_argument("--all", action="store_true", help="compile every supported configuration for sm_100a "
                     "and print the resource table (markdown)")
@@ -1111,4 +1101,4 @@ if __name__ == "__main__":
     if a.all:
         print(resource_table())
     else:
-        run(**common.shape_kwargs(a), varlen=a.varlen)
+        run(**runner.shape_kwargs(a), varlen=a.varlen)

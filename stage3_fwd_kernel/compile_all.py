@@ -11,9 +11,9 @@ import importlib
 import sys
 import time
 
-from stage3_fwd_kernel import common
+from stage3_fwd_kernel import sass_report
 
-STEPS = ["hopper_step1_wgmma", "hopper_step2_tma", "hopper_step3_warpspec"]
+STEPS = ["hopper_step1_wgmma", "hopper_step2_tma", "hopper_step3_warpspec", "hopper_step4_fa4_softmax"]
 HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 
 
@@ -38,7 +38,7 @@ def main(steps) -> int:
                     bad = rep["spill_stores"] or rep["spill_loads"] or rep["LDL/STL"] or not rep["HGMMA"]
                     failures += bool(bad)
                     print(("SPILL " if bad else "ok    ")
-                          + common.format_report(f"{name} {dtype} d={d}/{dv} causal={causal}", rep)
+                          + sass_report.format_report(f"{name} {dtype} d={d}/{dv} causal={causal}", rep)
                           + f" ({time.time() - t0:.1f} s)")
     return failures
 

@@ -30,7 +30,7 @@ stage 2 built and verified the second on the GPU. This module is where they meet
    pattern is over the fragment index, not the column: which columns those are does not
    matter, only that the same fraction of each thread's work moves to the FMA pipe.
 
-Why 0.25 by default: stage 2 measured on an H100 (benchmarks/results/
+Why 0.25 by default: stage 2 measured on an H100 (stage2_emulated_exp/data/
 stage2_exp2_throughput_h100.json) that a 30-35% mix maximises exp2 throughput of a pure-exp
 loop (1.26x of MUFU alone), but in the attention kernel the FMA pipe also carries the score
 scaling, the row max/sum and the O rescale, which moves the optimum lower; the paper reports
@@ -39,8 +39,7 @@ scaling, the row max/sum and the O rescale, which moves the optimum lower; the p
 Both device functions are `@cute.jit` helpers with no layout knowledge: they take rmem tensors
 (a thread's per-row maxima; one row of its score fragment) and loop over `cute.size(...)`. A
 Hopper consumer passes 2 rows of 32 values (16 rows per warp vote); the Blackwell softmax
-warpgroups pass 1 row of 128 values (32 rows per warp vote). Importing this module imports
-cutlass, so it goes through `stage3_fwd_kernel.common` first (arch selection).
+warpgroups pass 1 row of 128 values (32 rows per warp vote).
 """
 from __future__ import annotations
 
@@ -49,13 +48,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from stage3_fwd_kernel import common  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass)
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Boolean, Float32  # noqa: E402
-
-from stage2_emulated_exp.gpu_kernel import ex2_approx_f32, exp2_emulated_f32, fma_rn_f32  # noqa: E402
+from stage2_emulated_exp.gpu_kernel import ex2_approx_f32, exp2_emulated_f32, fma_rn_f32
 
 __all__ = [
     "DEFAULT_EMULATION_FRACTION",
@@ -74,11 +71,10 @@ __all__ = [
 
 DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
 DEFAULT_EMULATION_FRACTION = 0.25  # of each thread's exp2s on the FMA pipe (the paper's 10-25%)
-# Measured inside the Hopper step-4 kernel on an H100, paired rounds against the official FA4
-# (benchmarks/results/ab_fwd_h100_emu_sweep_d64.json, ..._d128.json): 1, 2 and 3 of every 16 exp2
-# emulated cost about -2%, -4..-5% and -6..-9% at d=64 (the 192-row kernel), up to -4% at d=128
-# (1/16 ties at one point); 25% earlier (fwd_h100_run5/run7): -3..-10%. MUFU is not what this
-# kernel waits for (ncu_fwd_h100_d64_d128.md), so the polynomial only adds instructions. Hopper
+# Measured inside the Hopper forward on an H100, paired rounds against the official FA4
+# (docs/measurements.md): 1, 2 and 3 of every 16 exp2 emulated cost about -2%, -4..-5% and -6..-9%
+# at d=64 (the 192-row kernel), up to -4% at d=128 (1/16 ties at one point); 25%: -3..-10%. MUFU is
+# not what this kernel waits for (Nsight Compute), so the polynomial only adds instructions. Hopper
 # defaults to 0 (all MUFU); pass emulation_fraction to opt in.
 HOPPER_EMULATION_FRACTION = 0.0
 DEFAULT_POLY_DEGREE = 3           # the paper's choice: within 1 bf16 ulp of MUFU on 99% of inputs

@@ -1,4 +1,4 @@
-"""Clock stamps from inside the Hopper kernels, for timelines (`benchmarks/trace_fwd.py`, `trace_bwd.py`).
+"""Clock stamps from inside the Hopper kernels, for timelines (the repository's trace tools read them).
 
 Off by default, and then every stamp compiles to nothing (the production SASS does not change).
 ``enable(address, events)`` before a build turns them on for the kernels compiled from then on:
@@ -26,10 +26,8 @@ hot loop) for per-block costs from the CTA durations.
 """
 from __future__ import annotations
 
-from stage3_fwd_kernel import common  # noqa: F401  (before cutlass: sets CUTE_DSL_ARCH)
-
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
+import cutlass
+import cutlass.cute as cute
 from cutlass import Int32, Int64
 
 CTA_EVENTS = ("entry", "start", "walked", "end")

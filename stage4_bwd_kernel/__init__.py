@@ -6,6 +6,9 @@ correct kernel) and ``hopper_step2_warpspec`` (TMA pipeline + warp specializatio
 ``preprocess`` / ``postprocess`` around them; ``schedule`` / ``model`` replay the kernels' tile walk
 on the CPU and ``roofline`` prices a tile. See README.md.
 
-Importing this package does not import cutlass (the kernel modules do, after setting
-CUTE_DSL_ARCH), so the CPU-only modules stay cheap.
+Importing this package sets CUTE_DSL_ARCH (default sm_90a) but does not import cutlass, so the
+CPU-only modules stay cheap and the kernel modules import cutlass in the ordinary order.
 """
+from stage2_emulated_exp import cute_arch
+
+cute_arch.select()

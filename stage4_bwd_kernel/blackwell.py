@@ -1,9 +1,9 @@
 """The stable public entry points of the Blackwell (sm_100a) backward: the module ``fa4`` imports
-for capability-10.x GPUs (fa4/_dispatch.py, ``bwd_modules`` of "sm_100").
+for capability-10.x GPUs (fa4/_dispatch.py, ``backward_module`` of "sm_100").
 
     dq, dk, dv = attention_backward(q, k, v, out, dout, lse, causal=True)
 
-Same conventions as ``stage4_bwd_kernel.hopper`` (DESIGN.md). UNVERIFIED: no Blackwell GPU is
+Same conventions as ``stage4_bwd_kernel.hopper`` (docs/ARCHITECTURE.md). UNVERIFIED: no Blackwell GPU is
 reachable from this project, so the kernel behind these functions (``blackwell_bwd``, the 1-CTA
 backward) has only been compiled for sm_100a and inspected (tests/test_stage4_blackwell.py).
 Supported there: dense (B, S, H, D) inputs, head dims (64, 64) and (128, 128), causal, GQA/MQA,

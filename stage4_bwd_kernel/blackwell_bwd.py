@@ -37,21 +37,19 @@ _store16, _store_dkdv) and gemm.
 """
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator
+from cutlass.pipeline import NamedBarrier
 
-from stage3_fwd_kernel import blackwell_fwd as _fwd  # arch selection before cutlass; compile_sm100
-from stage3_fwd_kernel import common as fwd_common
+from stage3_fwd_kernel import blackwell_fwd as _fwd  # compile_sm100, blackwell_gpu_available
+from stage3_fwd_kernel import compile_cache
+from stage3_fwd_kernel.blackwell_fwd import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_config, mask_col_min
-
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import cutlass.utils.blackwell_helpers as sm100_utils  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
-from cutlass.cute.nvgpu import cpasync, tcgen05  # noqa: E402
-from cutlass.memory import SmemAllocator, TmemAllocator  # noqa: E402
-from cutlass.pipeline import NamedBarrier  # noqa: E402
-
-from stage3_fwd_kernel.blackwell_fwd import tcgen05_fence_after_sync, tcgen05_fence_before_sync  # noqa: E402
 
 STEP = "blackwell_bwd"
 BAR_TMEM_ALLOC = 1   # MMA warp + WG 0 + WG 2
@@ -610,7 +608,7 @@ def make_dense_kernel(kernel_cls, make_config_fn, label, dtype, head_dim, head_d
 _CACHE: dict = {}
 
 
-def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> fwd_common.Compiled:
+def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> compile_cache.Compiled:
     """Compile for sm_100a (``--gpu-arch``) with fake tensors; the report adds the tcgen05 counts."""
     import re
 
@@ -621,7 +619,7 @@ def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> fwd_common.Compile
     return compile_cached(FlashAttentionBackwardSm100, cfg, dq_order, _CACHE, atomics)
 
 
-def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, extra_report) -> fwd_common.Compiled:
+def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, extra_report) -> compile_cache.Compiled:
     """Compile kernel_cls(cfg) for sm_100a once per (plan, dQ order); extra_report(sass, ptx) -> more counts."""
     from stage4_bwd_kernel import host
 
@@ -635,7 +633,7 @@ def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, e
     rep.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads, tmem_cols_used=cfg.tmem.used,
                tmem_cols_alloc=cfg.tmem.alloc)
     rep.update(extra_report(sass, ptx))
-    out = fwd_common.Compiled(fn, rep, sass, ptx)
+    out = compile_cache.Compiled(fn, rep, sass, ptx)
     cache[key] = out
     return out
 

@@ -73,23 +73,21 @@ from __future__ import annotations
 
 import re
 
-from stage3_fwd_kernel import blackwell_fwd  # noqa: F401  (arch selection before cutlass)
-from stage3_fwd_kernel import common as fwd_common
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.blackwell_helpers as sm100_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator
+from cutlass.pipeline import NamedBarrier
+
+from stage3_fwd_kernel import compile_cache
+from stage3_fwd_kernel.blackwell_fwd import tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage4_bwd_kernel import blackwell_bwd as _one
 from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_bwd import BAR_DQ, BAR_TMEM_ALLOC, LOAD_WARP, MMA_WARP, FlashAttentionBackwardSm100
-from stage4_bwd_kernel import blackwell_bwd as _one
 from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_2cta_config
-
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import cutlass.utils.blackwell_helpers as sm100_utils  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
-from cutlass._mlir.dialects import nvvm  # noqa: E402
-from cutlass.cute.nvgpu import cpasync, tcgen05  # noqa: E402
-from cutlass.memory import SmemAllocator, TmemAllocator  # noqa: E402
-from cutlass.pipeline import NamedBarrier  # noqa: E402
-
-from stage3_fwd_kernel.blackwell_fwd import tcgen05_fence_after_sync, tcgen05_fence_before_sync  # noqa: E402
 
 STEP = "blackwell_bwd_2cta"
 BAR_EW = 4            # WG 0: all 128 threads done (TMEM stores, sdS / sXchg writes) before one signals
@@ -618,7 +616,7 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
 _CACHE: dict = {}
 
 
-def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> fwd_common.Compiled:
+def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> compile_cache.Compiled:
     """Compile for sm_100a (cluster launch) with fake tensors; the report adds the 2-CTA counts."""
     return _one.compile_cached(FlashAttentionBackwardSm100TwoCta, cfg, dq_order, _CACHE,
                                lambda sass, ptx: dict(qdo_stages=cfg.qdo_stages, **pair_report(sass, ptx)))

@@ -2,9 +2,9 @@
 
 What lives here, and why it is not in the kernel files:
 
-* arch setup and the compile/report machinery come from ``stage3_fwd_kernel.common`` (a lower
-  stage, so importing it keeps the layering rule): one compile cache, the ptxas register/spill
-  report, the SASS counts.
+* the compile/report machinery comes from stage 3 (``compile_cache``, ``sass_report``,
+  ``host_io``; a lower stage, so importing it keeps the layering rule): one compile cache, the
+  ptxas register/spill report, the SASS counts. The package chose the arch before cutlass loaded.
 * device helpers for the global-memory reductions: ``red_add_f32x2`` (``red.global.add.v2.f32``,
   one 8-byte atomic add, an sm_90 PTX feature), and the semaphore pair ``semaphore_wait`` /
   ``semaphore_signal`` (``ld.acquire.gpu`` spin, ``fence.acq_rel.gpu`` + ``red.gpu.add``) that
@@ -21,28 +21,20 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from stage3_fwd_kernel import common as fwd_common  # must precede cutlass: sets CUTE_DSL_ARCH
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32  # noqa: E402
-from cutlass._mlir.dialects import llvm  # noqa: E402
-from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
-
-from stage3_fwd_kernel.common import (  # noqa: E402,F401  (re-exported for the kernel files, tests, tutorial 04)
-    ARCH,
-    LOG2_E,
-    Compiled,
-    benchmark_ms,
-    cdiv,
-    compile_cached,
-    cutlass_dtype,
-    format_report,
-    hopper_gpu_available,
-    launch_stream,
-    torch_dtype,
-    wgmma_loop_bodies,
-)
+from stage3_fwd_kernel import runner
+# re-exported for the kernel files, tests and tutorial 04
+from stage3_fwd_kernel.compile_cache import Compiled, compile_cached  # noqa: F401
+from stage3_fwd_kernel.host_io import ARCH, LOG2_E, cdiv, cutlass_dtype, launch_stream, torch_dtype  # noqa: F401
+from stage3_fwd_kernel.runner import benchmark_ms, hopper_gpu_available  # noqa: F401
+from stage3_fwd_kernel.sass_report import format_report, wgmma_loop_bodies  # noqa: F401
+# the dQ reduction orders live in schedule.py (pure Python, shared with the NumPy model)
+from stage4_bwd_kernel.schedule import KVAscendingOrder, KVDescendingOrder, default_dq_order  # noqa: F401
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 
@@ -145,13 +137,7 @@ def elem_pointer(t: cute.Tensor, coord) -> cute.Pointer:
 
 
 # --------------------------------------------------------------------------------------------
-# 2. the dQ reduction orders live in schedule.py (pure Python, shared with the NumPy model)
-# --------------------------------------------------------------------------------------------
-from stage4_bwd_kernel.schedule import KVAscendingOrder, KVDescendingOrder, default_dq_order  # noqa: E402,F401
-
-
-# --------------------------------------------------------------------------------------------
-# 3. tensors: fake ones for compile-only, real ones from torch
+# 2. tensors: fake ones for compile-only, real ones from torch
 # --------------------------------------------------------------------------------------------
 def fake_tensor(dtype, rank: int, last_extent: Optional[int] = None, *, align: int = 16):
     """A row-major tensor of `rank` modes for cute.compile: every extent dynamic (but the last when
@@ -178,7 +164,7 @@ def assume_aligned(t: cute.Tensor, last_extent: Optional[int] = None) -> cute.Te
 
 
 # --------------------------------------------------------------------------------------------
-# 4. host-side input checks (every error names the argument)
+# 3. host-side input checks (every error names the argument)
 # --------------------------------------------------------------------------------------------
 def check_head_dims(head_dim: int, head_dim_v: int):
     if (head_dim, head_dim_v) not in SUPPORTED_HEAD_DIMS:
@@ -288,12 +274,12 @@ def default_scale(softmax_scale, head_dim):
 
 
 def backward_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal) -> float:
-    """2.5x the forward's FLOPs (5 GEMMs instead of 2), halved when causal (DESIGN.md)."""
-    return 2.5 * fwd_common.attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal)
+    """2.5x the forward's FLOPs (5 GEMMs instead of 2), halved when causal (docs/ARCHITECTURE.md)."""
+    return 2.5 * runner.attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal)
 
 
 # --------------------------------------------------------------------------------------------
-# 5. reading a tile body in the SASS (compile tier, no GPU)
+# 4. reading a tile body in the SASS (compile tier, no GPU)
 # --------------------------------------------------------------------------------------------
 def exps_before_second_wait(body: list) -> int:
     """MUFU.EX2 between a tile body's first two wgmma waits: in step 3, the exponentials of P^T issued
@@ -304,7 +290,7 @@ def exps_before_second_wait(body: list) -> int:
 
 def wgmmas_before_fence(body: list) -> int:
     """HGMMA between a tile body's second wgmma wait and the first proxy fence after it (MEMBAR): in
-    step 3, the dV wgmma issued before the fence that publishes the dS^T stores (dv_before_fence)."""
+    the product backward, the dV wgmma issued before the fence that publishes the dS^T stores."""
     dp_wait = [i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR")][1]
     fence = next(i for i in range(dp_wait, len(body)) if body[i].startswith("MEMBAR"))
     return sum(1 for op in body[dp_wait:fence] if op.startswith("HGMMA"))

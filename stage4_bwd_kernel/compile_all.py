@@ -3,9 +3,10 @@
     python -m stage4_bwd_kernel.compile_all            # full matrix: 5 head dims x 2 dtypes x causal x deterministic
     python -m stage4_bwd_kernel.compile_all --quick    # bf16 only
 
-No GPU needed. Each row: registers (steps 2-3: the launch cap, setmaxnreg then moves them), spills,
-shared memory, HGMMA / REDG / UBLKRED (step 3's bulk reduce) / MUFU counts. Step 3 compiles only the
-head dims its register-sourced layout fits (``hopper_step3_rs.RS_HEAD_DIMS``).
+No GPU needed. Each row: registers (steps 2-3 and the production kernel: the launch cap, setmaxnreg
+then moves them), spills, shared memory, HGMMA / REDG / UBLKRED (the bulk dQ reduce) / MUFU counts.
+Step 3 and the production kernel (``stage4_bwd_kernel.hopper``) compile only the head dims their
+register-sourced layout fits (``RS_HEAD_DIMS``).
 """
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import argparse
 import re
 import time
 
-from stage4_bwd_kernel import hopper_step1, hopper_step2_warpspec, postprocess, preprocess
-from stage4_bwd_kernel.hopper import backward as hopper_step3_rs
+from stage4_bwd_kernel import hopper, hopper_step1, hopper_step2_warpspec, hopper_step3_rs, postprocess, preprocess
 from stage4_bwd_kernel.common import SUPPORTED_HEAD_DIMS
+
+KERNELS = {"hopper_step1": hopper_step1, "hopper_step2_warpspec": hopper_step2_warpspec,
+           "hopper_step3_rs": hopper_step3_rs, "production": hopper}
+RS_ONLY = {"hopper_step3_rs", "production"}
 
 
 def main(argv=None):
@@ -27,8 +31,8 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dt in dtypes:
         for d, dv in SUPPORTED_HEAD_DIMS:
-            for mod in (hopper_step1, hopper_step2_warpspec, hopper_step3_rs):
-                if mod is hopper_step3_rs and (d, dv) not in hopper_step3_rs.RS_HEAD_DIMS:
+            for label, mod in KERNELS.items():
+                if label in RS_ONLY and (d, dv) not in hopper.RS_HEAD_DIMS:
                     continue
                 for causal in (False, True):
                     for det in (False, True):
@@ -37,7 +41,7 @@ def main(argv=None):
                         r = c.report
                         reds = len(re.findall(r"\bREDG\.E\.ADD\.F32x2", c.sass))
                         bulk = len(re.findall(r"\bUBLKRED\b", c.sass))
-                        print(f"| {mod.STEP} | {dt} | {d}/{dv} | {causal} | {det} | {r['registers']} | "
+                        print(f"| {label} | {dt} | {d}/{dv} | {causal} | {det} | {r['registers']} | "
                               f"{r['spill_stores']}/{r['spill_loads']} | {r['smem_bytes'] / 1024:.0f} | {r['HGMMA']} | "
                               f"{reds} | {bulk} | {r['MUFU.EX2']} | {time.time() - t:.1f} |", flush=True)
             for name, c in (("preprocess", preprocess.compile_only(dt, d, dv)),

@@ -13,13 +13,12 @@ every query head of its GQA group itself (see hopper_step1.py), so it writes the
 """
 from __future__ import annotations
 
-from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
-
-from stage4_bwd_kernel.preprocess import _dummy_int32  # noqa: E402
+from stage4_bwd_kernel import common
+from stage4_bwd_kernel.preprocess import _dummy_int32
 
 STEP = "bwd_postprocess"
 TILE_M = 64

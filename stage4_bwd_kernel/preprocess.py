@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 
-from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
+from stage4_bwd_kernel import common
 
 STEP = "bwd_preprocess"
 TILE_M = 64

@@ -3,7 +3,12 @@ backward) and a makespan simulator that shows what each order buys. See README.m
 
     python -m stage5_scheduling                    # comparison tables (simulated)
     python -m stage5_scheduling --plot-dir DIR     # + Gantt charts as PNGs
+
+Importing the package sets CUTE_DSL_ARCH (default sm_90a) before ``device`` / ``metadata`` import
+cutlass; the orders and the simulator are plain Python.
 """
+from stage2_emulated_exp import cute_arch
+
 from . import orders
 from .orders import (
     H100_L2_BYTES,
@@ -40,6 +45,8 @@ from .simulator import (
     simulate_bwd,
     tile_costs,
 )
+
+cute_arch.select()
 
 __all__ = [
     "orders", "H100_L2_BYTES", "H100_SMS", "Tiles", "VarlenMeta", "L2Model", "Problem",

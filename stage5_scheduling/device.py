@@ -41,7 +41,7 @@ The schedulers
                            interface (``n_block_for_launch``, ``rank``) plus ``tile_for_launch``
                            for the head swizzle.
 
-Varlen today: step 4 launches the padded grid ``(ceil(max_seqlen_q / tile_m), H, B)``, reads an
+Varlen today: the Hopper forward (``stage3_fwd_kernel.hopper``) launches the padded grid ``(ceil(max_seqlen_q / tile_m), H, B)``, reads an
 optional ``batch_map`` and lets CTAs past their sequence's end exit at once. ``LPTCausalScheduler``
 on that grid, with ``batch_map`` from ``metadata.VarlenSchedule``, visits the real tiles in
 exactly the ``orders.lpt_varlen`` order: inside a section the blocks run from ``M_max - 1`` down,
@@ -56,16 +56,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32, const_expr  # noqa: E402
-
-from stage3_fwd_kernel.common import WorkTile  # noqa: E402
-from stage3_fwd_kernel.intdiv import FAST_DIV_MAX, check_fast_div_grid, fast_div  # noqa: E402,F401
-from stage4_bwd_kernel.schedule import KVDescendingOrder, section_tile  # noqa: E402
-from stage5_scheduling import orders  # noqa: E402
+from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_scheduler
+from stage3_fwd_kernel.intdiv import FAST_DIV_MAX, check_fast_div_grid, fast_div  # noqa: F401
+from stage3_fwd_kernel.tile_scheduler import WorkTile
+from stage4_bwd_kernel.schedule import KVDescendingOrder, section_tile
+from stage5_scheduling import orders
 
 __all__ = [
     "in_batch_tile", "sectioned_tile", "fast_div", "flat_sectioned_tile", "no_sections_tile", "varlen_search_host",
@@ -143,7 +142,7 @@ class SectionedScheduler:
     (``orders.lpt_causal_flat``'s map: ``flat_sectioned_tile``).
 
     Frozen dataclass: equal configurations compare and hash equal, so compile caches keyed on the
-    scheduler (step 4's) compile once per configuration.
+    scheduler (the Hopper forward's) compile once per configuration.
     """
 
     heads_per_section: int = 1
@@ -167,7 +166,7 @@ class SectionedScheduler:
         return WorkTile(block, head, batch, True)
 
     def tile_at(self, linear, num_blocks, num_heads, num_batch):
-        """The same map for a persistent loop (``common.PersistentScheduler``), extents given."""
+        """The same map for a persistent loop (``tile_scheduler.PersistentScheduler``), extents given."""
         if const_expr(self.flat_batches):
             return flat_sectioned_tile(linear, num_blocks, num_heads, num_batch, self.heads_per_section,
                                        self.reverse_blocks, imin=cutlass.min)
@@ -311,11 +310,11 @@ class VarlenLPTScheduler:
       2. M_v = (cu_tiles[v+1] - cu_tiles[v]) / H  -- the batch's Q blocks, no second table;
       3. (block, head) = ``in_batch_tile(linear - cu_tiles[v], M_v, H, S, reverse)``.
     It returns the *virtual* batch ``v``: the kernel maps it through ``batch_map`` exactly as
-    step 4 already does for its ``mBatchMap`` argument.
+    the Hopper forward already does for its ``mBatchMap`` argument.
 
     Interface: the stage-3 ``initial_work()`` takes no arguments and ``grid_shape`` no tile
     count, so this scheduler's device entry is ``initial_work_from(mCuTiles, num_heads)`` and
-    its grid ``grid_shape_for(num_tiles)``. Wiring it into step 4 needs the kernel to pass those
+    its grid ``grid_shape_for(num_tiles)``. Wiring it into the Hopper forward needs the kernel to pass those
     two through (the minimal change is in stage5's README, "Device-side schedulers"). It is
     tested standalone with ``probe_varlen_order``.
     """
@@ -483,7 +482,7 @@ def compile_probe(scheduler, *, varlen: bool = False, args=None):
     if key not in _PROBES:
         probe = _ScheduleProbe(scheduler, varlen)
         if args is None:
-            args = (_fake_out(), common.fake_i32_vector(), Int32(1), Int32(1), Int32(1), Int32(1),
+            args = (_fake_out(), host_io.fake_i32_vector(), Int32(1), Int32(1), Int32(1), Int32(1),
                     cute.runtime.make_fake_stream())
         _PROBES[key] = cute.compile(probe, *args)
     return _PROBES[key]
@@ -510,7 +509,7 @@ def probe_order(scheduler, num_blocks: int, num_heads: int, num_batch: int):
     n = num_blocks * num_heads * num_batch
     out = torch.full((n, 4), -1, dtype=torch.int32, device="cuda")
     dummy = torch.zeros(1, dtype=torch.int32, device="cuda")
-    args = (common.to_cute(out, assumed_align=4), common.to_cute(dummy, assumed_align=4), Int32(num_blocks),
+    args = (host_io.to_cute(out, assumed_align=4), host_io.to_cute(dummy, assumed_align=4), Int32(num_blocks),
             Int32(num_heads), Int32(num_batch), Int32(n), _stream())
     compile_probe(scheduler, args=args)(*args)
     torch.cuda.synchronize()
@@ -526,7 +525,7 @@ def probe_varlen_order(scheduler: VarlenLPTScheduler, cu_tiles, num_heads: int, 
     num_ctas = total if num_ctas is None else num_ctas
     out = torch.full((num_ctas, 4), -1, dtype=torch.int32, device="cuda")
     cu = torch.as_tensor(cu_tiles, dtype=torch.int32).cuda()
-    args = (common.to_cute(out, assumed_align=4), common.to_cute(cu, assumed_align=4), Int32(0),
+    args = (host_io.to_cute(out, assumed_align=4), host_io.to_cute(cu, assumed_align=4), Int32(0),
             Int32(num_heads), Int32(0), Int32(num_ctas), _stream())
     compile_probe(scheduler, varlen=True, args=args)(*args)
     torch.cuda.synchronize()
@@ -543,7 +542,7 @@ def probe_dispatch(grid):
     gx, gy, gz = grid
     tickets = torch.full((gx * gy * gz,), -1, dtype=torch.int32, device="cuda")
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    args = (common.to_cute(tickets, assumed_align=4), common.to_cute(counter, assumed_align=4), Int32(gx),
+    args = (host_io.to_cute(tickets, assumed_align=4), host_io.to_cute(counter, assumed_align=4), Int32(gx),
             Int32(gy), Int32(gz), _stream())
     if "fn" not in _DISPATCH:
         _DISPATCH["fn"] = cute.compile(_DispatchProbe(), *args)
@@ -562,15 +561,15 @@ def _step3():
 
 
 def step3_compile(scheduler, dtype="bf16", head_dim: int = 128, head_dim_v: int | None = None,
-                  causal: bool = True) -> common.Compiled:
+                  causal: bool = True) -> compile_cache.Compiled:
     """Compile step 3 with `scheduler` for sm_90a against fake tensors (no GPU needed)."""
     mod = _step3()
-    dt = common.cutlass_dtype(dtype)
+    dt = host_io.cutlass_dtype(dtype)
     dv = head_dim if head_dim_v is None else head_dim_v
     key = (mod.STEP, "fake", str(dt), head_dim, dv, bool(causal), "stage5", scheduler)
-    return common.compile_cached(key, lambda: (
+    return compile_cache.compile_cached(key, lambda: (
         mod.FlashAttentionForwardSm90Step3(dt, head_dim, dv, causal, scheduler=scheduler),
-        common.fake_args(dt, head_dim, dv)))
+        host_io.fake_args(dt, head_dim, dv)))
 
 
 def step3_forward(q, k, v, *, causal: bool, scheduler=None, softmax_scale=None, out=None, lse=None):
@@ -578,8 +577,8 @@ def step3_forward(q, k, v, *, causal: bool, scheduler=None, softmax_scale=None, 
     import torch
 
     mod = _step3()
-    scheduler = scheduler or common.StaticTileScheduler
-    q, k, v = common.prepare_inputs(q, k, v)
+    scheduler = scheduler or tile_scheduler.StaticTileScheduler
+    q, k, v = host_io.prepare_inputs(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
     if isinstance(scheduler, SectionedScheduler):
@@ -589,12 +588,12 @@ def step3_forward(q, k, v, *, causal: bool, scheduler=None, softmax_scale=None, 
         out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    dt = common.cutlass_dtype(q.dtype)
+    dt = host_io.cutlass_dtype(q.dtype)
     key = (mod.STEP, "gpu", str(dt), d, dv, bool(causal), "stage5", scheduler)
-    compiled = common.compile_cached(key, lambda: (
+    compiled = compile_cache.compile_cached(key, lambda: (
         mod.FlashAttentionForwardSm90Step3(dt, d, dv, causal, scheduler=scheduler),
-        common.fake_args(dt, d, dv, launchable=True)))
-    common.launch(compiled, q, k, v, out, lse, softmax_scale)
+        host_io.fake_args(dt, d, dv, launchable=True)))
+    host_io.launch(compiled, q, k, v, out, lse, softmax_scale)
     return out, lse
 
 
@@ -605,11 +604,11 @@ def run(num_blocks: int = 64, heads: int = 16, batch: int = 2, heads_per_section
     """On a Hopper GPU: probe LPTCausalScheduler against orders.lpt_causal and print PASS. Without
     one: compile step 3 with it for sm_90a and print the resource report."""
     sched = LPTCausalScheduler(heads_per_section)
-    if not common.hopper_gpu_available():
+    if not runner.hopper_gpu_available():
         comp = step3_compile(sched)
         if verbose:
-            print(common.format_report(f"step 3 + {sched} [{common.ARCH}] (no Hopper GPU: compiled only)",
-                                       comp.report))
+            print(sass_report.format_report(f"step 3 + {sched} [{host_io.ARCH}] (no Hopper GPU: compiled only)",
+                                            comp.report))
         return {"mode": "compile-only", "report": comp.report}
     tiles, valid = probe_order(sched, num_blocks, heads, batch)
     ok = bool(valid.all()) and list(zip(tiles.block.tolist(), tiles.head.tolist(), tiles.batch.tolist())) == list(

@@ -35,15 +35,14 @@ from __future__ import annotations
 import weakref
 from typing import Optional
 
-from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+from cutlass.memory.smem import SmemAllocator
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Int32, const_expr  # noqa: E402
-from cutlass.memory.smem import SmemAllocator  # noqa: E402
-
-from stage5_scheduling import orders  # noqa: E402
-from stage5_scheduling.device import LPTCausalScheduler, VarlenLPTScheduler  # noqa: E402
+from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report
+from stage5_scheduling import orders
+from stage5_scheduling.device import LPTCausalScheduler, VarlenLPTScheduler
 
 __all__ = ["longest_tile_work", "VarlenMetadataKernel", "compile_metadata", "varlen_metadata_device",
            "VarlenSchedule"]
@@ -148,19 +147,19 @@ class VarlenMetadataKernel:
 # host side
 # --------------------------------------------------------------------------------------------
 def _fake_args(has_seqused_k: bool, *, launchable: bool = False):
-    i32 = common.fake_i32_vector
+    i32 = host_io.fake_i32_vector
     return (i32(), i32(), i32() if has_seqused_k else None, i32(), i32(), i32(), i32(), Int32(1),
-            common.launch_stream() if launchable else cute.runtime.make_fake_stream())
+            host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
 def compile_metadata(tile_m: int = 128, tile_n: int = 128, causal: bool = True, sort: bool = True,
-                     has_seqused_k: bool = False, launchable: bool = False) -> common.Compiled:
+                     has_seqused_k: bool = False, launchable: bool = False) -> compile_cache.Compiled:
     """Compile the preprocessing kernel for sm_90a (no GPU needed); launchable=True compiles the
     one `varlen_metadata_device` runs (TVM-FFI: it takes the torch tensors as they are)."""
     mode = "gpu" if launchable else "fake"
     key = ("stage5_varlen_metadata", mode, tile_m, tile_n, bool(causal), bool(sort), bool(has_seqused_k))
     kernel = VarlenMetadataKernel(tile_m, tile_n, causal, sort)
-    return common.compile_cached(key, lambda: (kernel, _fake_args(has_seqused_k, launchable=launchable)))
+    return compile_cache.compile_cached(key, lambda: (kernel, _fake_args(has_seqused_k, launchable=launchable)))
 
 
 def _check_inputs(cu_seqlens_q, cu_seqlens_k, seqused_k, num_heads):
@@ -219,12 +218,12 @@ class VarlenSchedule:
     """The varlen LPT metadata of one batch layout, computed once on the device and reused.
 
         sched = VarlenSchedule(cu_seqlens_q, cu_seqlens_k, num_heads=16, max_seqlen_k=16384)
-        out, lse = step4.attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
-                                                  **sched.step4_kwargs())
+        out, lse = hopper.attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                                   **sched.step4_kwargs())
 
-    ``step4_kwargs()`` = ``batch_map`` + an ``LPTCausalScheduler`` for step 4's padded grid (the
+    ``step4_kwargs()`` = ``batch_map`` + an ``LPTCausalScheduler`` for the Hopper forward's padded grid (the
     real tiles then run in ``orders.lpt_varlen`` order). ``tile_m`` should be the kernel's
-    (``step4.default_tile_m(d, dv)``: 192 at d = 64); another value still gives correct results,
+    (``stage3_fwd_kernel.hopper.default_tile_m(d, dv)``: 192 at d = 64); another value still gives correct results,
     only a sort by the wrong tile sizes. ``varlen_scheduler`` is the compact-grid
     ``VarlenLPTScheduler`` for a kernel that passes ``cu_tiles`` to its scheduler.
     ``heads_per_section`` defaults to ``orders.heads_per_section`` (power of two, whole KV
@@ -273,7 +272,7 @@ class VarlenSchedule:
         return self._num_tiles
 
     def step4_kwargs(self) -> dict:
-        """Keyword arguments for ``hopper_step4_fa4_softmax.attention_varlen_forward``."""
+        """Keyword arguments for ``stage3_fwd_kernel.hopper.attention_varlen_forward``."""
         return {"batch_map": self.batch_map, "scheduler": self.scheduler}
 
     def to_host(self) -> orders.VarlenMeta:
@@ -319,7 +318,7 @@ def run(num_batch: int = 300, num_heads: int = 16, seed: int = 0, verbose: bool 
     if not torch.cuda.is_available():
         comp = compile_metadata()
         if verbose:
-            print(common.format_report(f"varlen metadata kernel [{common.ARCH}] (no GPU: compiled only)", comp.report))
+            print(sass_report.format_report(f"varlen metadata kernel [{host_io.ARCH}] (no GPU: compiled only)", comp.report))
         return {"mode": "compile-only", "report": comp.report}
     rng = np.random.default_rng(seed)
     seq = rng.integers(0, 4096, size=num_batch)
@@ -329,7 +328,7 @@ def run(num_batch: int = 300, num_heads: int = 16, seed: int = 0, verbose: bool 
     got = varlen_metadata_device(cu_t, cu_t, num_heads)
     want = orders.varlen_metadata(cu, cu, num_heads, 128, 128)
     ok = all(np.array_equal(got[k].cpu().numpy(), getattr(want, k)) for k in got)
-    ms = common.benchmark_ms(lambda: varlen_metadata_device(cu_t, cu_t, num_heads))
+    ms = runner.benchmark_ms(lambda: varlen_metadata_device(cu_t, cu_t, num_heads))
     if verbose:
         print(f"{'PASS' if ok else 'FAIL'} varlen metadata, {num_batch} batches: == orders.varlen_metadata; "
               f"{ms * 1e3:.1f} us per call (once per batch layout)")

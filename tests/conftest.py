@@ -21,7 +21,7 @@ def cuda_device_reason() -> str | None:
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
-        return "no CUDA device on this machine (gpu tier runs on the device tool's H100/H200)"
+        return "no CUDA device on this machine (the gpu tier needs an H100/H200)"
     return None
 
 

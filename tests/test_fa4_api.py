@@ -1,12 +1,13 @@
 """fa4, the production package: everything that can be checked without a GPU.
 
 cpu tier: every validation error names its argument; supported() and the README matrix agree;
-dispatch by capability and its errors (CPU, unknown GPUs, a backward that has not landed); the
+dispatch by capability and its errors (CPU, unknown GPUs, a kernel that fails to import); the
 lse-gradient algebra against the float64 oracle; the custom ops' fake (meta) implementations,
 opcheck, and torch.compile(fullgraph=True) tracing with no graph break; the autograd wiring with a
 reference kernel registered for CPU; the SDPA helper's top-left causal decomposition against torch
-SDPA; the compile cache (keys, directory, atomic writes, corruption, concurrency, the hook into the
-stage modules); the CLI in subprocesses; the transformers registration when transformers is here.
+SDPA; the compile cache (keys, directory, atomic writes, corruption, concurrency, the store behind
+the stages' compile cache); the CLI in subprocesses; the transformers registration when transformers
+is here.
 
 compile tier: a real CuTe-DSL object written to and reloaded from the disk cache; the CLI
 `precompile` and `demo` compile the production forward for sm_90a.
@@ -41,9 +42,9 @@ def qkv_meta(b=2, sq=64, sk=80, hq=8, hkv=2, d=128, dv=None, dtype=BF16):
     return meta(b, sq, hq, d, dtype=dtype), meta(b, sk, hkv, d, dtype=dtype), meta(b, sk, hkv, dv or d, dtype=dtype)
 
 
-def run_cli(*args, env=None, timeout=300):
+def run_cli(*args, env=None, timeout=300, cwd=ROOT):
     e = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "fa4", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "fa4", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=e)
 
 
@@ -249,8 +250,8 @@ def test_supported_report():
     h = rep["archs"]["sm_90"]
     assert [64, 64] in h["head_dims"] and [192, 128] in h["head_dims"] and [256, 256] in h["head_dims"]
     assert h["hardware"] == "verified" and rep["archs"]["sm_100"]["hardware"] == "unverified"
-    assert h["forward"] in _dispatch.ARCHS["sm_90"].fwd_modules  # a Hopper forward exists in this repo
-    assert h["backward"] in (None, "stage4_bwd_kernel.hopper")
+    assert h["forward"] == h["varlen_forward"] == _dispatch.ARCHS["sm_90"].forward_module == "stage3_fwd_kernel.hopper"
+    assert h["backward"] == "stage4_bwd_kernel.hopper"
     assert rep["features"]["attn_mask"]["supported"] is False and rep["features"]["varlen"]["supported"] is True
 
 
@@ -258,18 +259,11 @@ def test_supported_report():
 @pytest.mark.fa4
 def test_head_dim_tables_match_the_kernels():
     """fa4 copies the kernels' head-dim lists (to read them without importing cutlass): keep them equal."""
-    import importlib
+    from stage3_fwd_kernel import blackwell_config, hopper
+    from stage4_bwd_kernel import common as bwd_common
 
-    pairs = [("stage3_fwd_kernel.blackwell_config", "sm_100"), ("stage3_fwd_kernel.hopper", "sm_90"),
-             ("stage4_bwd_kernel.common", "sm_90")]
-    checked = 0
-    for mod_name, arch in pairs:
-        if not _dispatch.module_exists(mod_name):
-            continue
-        mod = importlib.import_module(mod_name)
-        assert tuple(map(tuple, mod.SUPPORTED_HEAD_DIMS)) == _dispatch.ARCHS[arch].head_dims, mod_name
-        checked += 1
-    assert checked >= 1
+    for mod, arch in ((blackwell_config, "sm_100"), (hopper, "sm_90"), (bwd_common, "sm_90")):
+        assert tuple(map(tuple, mod.SUPPORTED_HEAD_DIMS)) == _dispatch.ARCHS[arch].head_dims, mod.__name__
 
 
 @pytest.mark.cpu
@@ -294,26 +288,32 @@ def _fake_arch(**kw):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_backward_not_landed_is_a_clear_error():
-    """No silent fallback to a slow reference: a missing backward kernel raises NotImplementedError."""
-    be = _dispatch.Backend(_fake_arch(bwd_modules=("stage4_bwd_kernel._fa4_test_absent",)))
-    with pytest.raises(NotImplementedError, match=r"the Hopper backward kernel has not landed yet"):
-        be.backward_module()
-    if not _dispatch.module_exists("stage4_bwd_kernel.hopper"):  # the real table, today
-        with pytest.raises(NotImplementedError, match=r"Hopper backward kernel has not landed"):
-            _dispatch.Backend(_fake_arch()).backward_module()
+def test_backends_name_their_kernel_modules():
+    """Dispatch imports each arch's stable modules by name, one Backend subclass per arch."""
+    assert isinstance(_dispatch.make_backend(_dispatch.ARCHS["sm_90"]), _dispatch.HopperBackend)
+    assert isinstance(_dispatch.make_backend(_dispatch.ARCHS["sm_100"]), _dispatch.BlackwellBackend)
+    hopper = _dispatch.HopperBackend(_fake_arch())
+    assert hopper.import_forward().__name__ == _dispatch.ARCHS["sm_90"].forward_module
+    assert hopper.import_backward().__name__ == _dispatch.ARCHS["sm_90"].backward_module
 
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_broken_kernel_module_is_not_skipped(tmp_path, monkeypatch):
-    """A module that exists but fails to import must not make dispatch fall back to an older kernel."""
+def test_broken_kernel_module_is_reported(tmp_path, monkeypatch):
+    """A kernel module that fails to import is an error naming it, never a silent fallback."""
     (tmp_path / "fa4_test_broken_kernel.py").write_text("import fa4_test_no_such_dependency\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    arch = _fake_arch()
-    with pytest.raises(RuntimeError, match=r"importing fa4_test_broken_kernel .* failed"):
-        _dispatch._import_first(("fa4_test_broken_kernel", "stage3_fwd_kernel.hopper_step3_warpspec"), "fwd", arch)
-    assert _dispatch._import_first(("fa4_test_absent_kernel",), "fwd", arch) is None
+
+    class Broken(_dispatch.HopperBackend):
+        def import_backward(self):
+            import fa4_test_broken_kernel
+
+            return fa4_test_broken_kernel
+
+    be = Broken(_fake_arch())
+    with pytest.raises(RuntimeError, match=r"importing stage4_bwd_kernel.hopper \(bwd on sm_90\) failed"):
+        be.backward_module()
+    assert "bwd" not in be._mods
 
 
 @pytest.mark.cpu
@@ -375,31 +375,22 @@ def test_long_causal_forward_launches_stage5_lpt_order(monkeypatch):
     assert isinstance(gqa, GQALPTCausalScheduler) and gqa.heads_per_section % 3 == 0 and gqa.flat_batches
     gqa.check_problem(12, 4)  # whole groups of 3: no ValueError
 
-    class FakeKernel:  # records what the backend launches
-        def __init__(self, with_scheduler: bool):
-            self.__name__ = f"fake_forward_{with_scheduler}"
-            self.calls = []
-            if with_scheduler:
-                self.attention_forward = lambda q, k, v, softmax_scale, causal, scheduler=None: \
-                    self.calls.append(scheduler)
-            else:
-                self.attention_forward = lambda q, k, v, softmax_scale, causal: self.calls.append("static")
-
+    calls = []  # what the backend launches
+    mod = types.SimpleNamespace(attention_forward=lambda q, k, v, softmax_scale, causal, scheduler=None:
+                                calls.append(scheduler))
     q, k = torch.empty(1, long, 16, 128, device="meta"), torch.empty(1, long, 16, 128, device="meta")
-    for with_scheduler, expect in ((True, LPTCausalScheduler), (False, str)):
-        mod = FakeKernel(with_scheduler)
-        be = _dispatch.Backend(_dispatch.ARCHS["sm_90"])
-        monkeypatch.setattr(be, "forward_module", lambda mod=mod: mod)
-        be.forward(q, k, k, 1.0, causal=True)
-        be.forward(q, k, k, 1.0, causal=False)
-        assert isinstance(mod.calls[0], expect) and mod.calls[1] in (None, "static"), mod.calls
+    be = _dispatch.HopperBackend(_dispatch.ARCHS["sm_90"])
+    monkeypatch.setattr(be, "forward_module", lambda: mod)
+    be.forward(q, k, k, 1.0, causal=True)
+    be.forward(q, k, k, 1.0, causal=False)
+    assert isinstance(calls[0], LPTCausalScheduler) and calls[1] is None, calls
 
 
 @pytest.mark.cpu
 @pytest.mark.fa4
 def test_unverified_arch_warns_once(monkeypatch):
     monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", False)
-    be = _dispatch.Backend(_dispatch.ARCHS["sm_100"])
+    be = _dispatch.make_backend(_dispatch.ARCHS["sm_100"])
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         be._warn_unverified()
@@ -408,7 +399,7 @@ def test_unverified_arch_warns_once(monkeypatch):
     assert len(msgs) == 1 and "unverified" in msgs[0]
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        _dispatch.Backend(_dispatch.ARCHS["sm_90"])._warn_unverified()
+        _dispatch.make_backend(_dispatch.ARCHS["sm_90"])._warn_unverified()
     assert not rec
 
 
@@ -503,36 +494,32 @@ def test_lse_gradient_varlen():
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_backend_prefers_a_kernel_that_takes_dlse():
-    """Backend.backward passes dlse to a kernel whose signature has it, else emulates it."""
+def test_backend_emulates_dlse_with_one_more_backward_call():
+    """Backend.backward adds the lse gradient with a second kernel call (add_lse_grad), only when
+    the lse receives one."""
     calls = []
 
-    def emulated(q, k, v, out, dout, lse, *, softmax_scale, causal, deterministic):
+    def kernel(q, k, v, out, dout, lse, *, softmax_scale, causal, deterministic):
         calls.append("plain")
         return _np_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
 
-    def native(q, k, v, out, dout, lse, *, softmax_scale, causal, deterministic, dlse=None):
-        calls.append("native")
-        return tuple(torch.full_like(t, 7.0) for t in (q, k, v))
-
     q, k, v, dout, dlse = _fixed_problem(3)
     out, lse = torch.zeros_like(dout), torch.zeros(dlse.shape, dtype=torch.float64)
-    for fn, expect in ((emulated, ["plain", "plain"]), (native, ["native"])):
-        calls.clear()
-        be = _dispatch.Backend(_fake_arch())
-        be._mods["bwd"] = types.SimpleNamespace(attention_backward=fn, __name__="fake_bwd")
-        be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=dlse)
-        assert calls == expect
-        calls.clear()
-        be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=None)
-        assert calls == expect[:1]
+    be = _dispatch.HopperBackend(_fake_arch())
+    be._mods["bwd"] = types.SimpleNamespace(attention_backward=kernel, __name__="fake_bwd")
+    be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=dlse)
+    assert calls == ["plain", "plain"]
+    calls.clear()
+    be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=None)
+    assert calls == ["plain"]
 
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_varlen_plumbing_adapts_to_each_kernel_module():
+def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
     """The Hopper module takes (max_seqlen_q, max_seqlen_k, seqused_k=); the Blackwell one takes
-    max_seqlen_q only and no seqused_k: fa4 passes what each accepts and refuses what it cannot."""
+    max_seqlen_q only and no seqused_k: each backend passes what its module accepts and refuses what
+    it cannot."""
     calls = []
 
     def hopper_like(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None, softmax_scale=None,
@@ -545,17 +532,16 @@ def test_varlen_plumbing_adapts_to_each_kernel_module():
         return "out", "lse"
 
     t = torch.zeros(1)
-    be = _dispatch.Backend(_fake_arch())
-    be._mods["varlen_fwd"] = types.SimpleNamespace(attention_varlen_forward=hopper_like, __name__="hopper_like")
+    be = _dispatch.HopperBackend(_fake_arch())
+    be._mods["fwd"] = types.SimpleNamespace(attention_varlen_forward=hopper_like, __name__="hopper_like")
     be.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, True)
-    be._mods["varlen_fwd"] = types.SimpleNamespace(attention_varlen_forward=blackwell_like, __name__="bw_like")
-    be.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False)
+    bw = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
+    monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", True)
+    bw._mods["fwd"] = types.SimpleNamespace(attention_varlen_forward=blackwell_like, __name__="bw_like")
+    bw.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False)
     assert calls == [("hopper", 7, 9, "used", 0.5, True), ("blackwell", 7, 0.5, False)]
-    with pytest.raises(NotImplementedError, match=r"^seqused_k: the sm_90 varlen forward \(bw_like\)"):
-        be.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, False)
-    be._mods["varlen_fwd"] = None
-    with pytest.raises(NotImplementedError, match=r"varlen forward kernel has not landed"):
-        be.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False)
+    with pytest.raises(NotImplementedError, match=r"^seqused_k: the sm_100 varlen forward \(stage3_fwd_kernel"):
+        bw.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, False)
     seen = []
 
     def varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, *, seqused_k, softmax_scale, causal,
@@ -571,31 +557,22 @@ def test_varlen_plumbing_adapts_to_each_kernel_module():
 @pytest.mark.cpu
 @pytest.mark.fa4
 def test_forward_route_switches_reach_the_kernel_module(monkeypatch):
-    """fa4._dispatch's forward switches arrive as keyword arguments of the module's attention_forward:
-    FORWARD_PERSISTENT when set, FORWARD_KV_MULTICAST only for non-causal calls (the kernel refuses it
-    for causal ones), and neither when the module does not take it."""
+    """fa4._dispatch's forward switches arrive as keyword arguments of the Hopper attention_forward:
+    FORWARD_PERSISTENT when set, and nothing else."""
     calls = []
 
-    def step4_like(q, k, v, *, softmax_scale=None, causal=False, scheduler=None, persistent=None,
-                   kv_multicast=False):
-        calls.append((causal, persistent, kv_multicast))
-        return "out", "lse"
-
-    def older(q, k, v, *, softmax_scale=None, causal=False):
-        calls.append((causal,))
+    def step4_like(q, k, v, *, softmax_scale=None, causal=False, scheduler=None, persistent=None):
+        calls.append((causal, persistent))
         return "out", "lse"
 
     t = torch.zeros(1, 8, 2, 64)  # short keys: no LPT scheduler, nothing imported
-    be = _dispatch.Backend(_fake_arch())
+    be = _dispatch.HopperBackend(_fake_arch())
     be._mods["fwd"] = types.SimpleNamespace(attention_forward=step4_like, __name__="step4_like")
     be.forward(t, t, t, 0.5, False)
-    monkeypatch.setattr(_dispatch, "FORWARD_KV_MULTICAST", True)
     monkeypatch.setattr(_dispatch, "FORWARD_PERSISTENT", False)
     be.forward(t, t, t, 0.5, False)
     be.forward(t, t, t, 0.5, True)
-    be._mods["fwd"] = types.SimpleNamespace(attention_forward=older, __name__="older")
-    be.forward(t, t, t, 0.5, False)
-    assert calls == [(False, None, False), (False, False, True), (True, False, False), (False,)]
+    assert calls == [(False, None), (False, False), (True, False)]
 
 
 # ================================================================================ custom ops: fake / meta
@@ -879,30 +856,29 @@ class _FakeCompiled:
             f.write(f"OBJ:{self.tag}:{function_name}".encode())
 
 
-def _fake_owner(monkeypatch, name="stage3_fwd_kernel._fa4_test_owner"):
-    from collections import namedtuple
+@pytest.fixture
+def stage_cache(monkeypatch):
+    """The stages' real compile cache with fa4's store behind it, compiling fake objects: `build()`
+    returns the object itself, and every compile is recorded in `.builds`."""
+    from stage3_fwd_kernel import compile_cache
 
-    mod = types.ModuleType(name)
-    mod._CACHE = {}
-    mod.Compiled = namedtuple("Compiled", "fn report sass ptx")
-    mod.builds = []
+    cc = compile_cache
+    builds = []
 
-    def compile_cached(key, build):
-        if key in mod._CACHE:
-            return mod._CACHE[key]
-        mod.builds.append(key)
-        mod._CACHE[key] = mod.Compiled(build(), {"registers": 1}, "sass", "ptx")
-        return mod._CACHE[key]
+    def fake_compile(key, build):
+        builds.append(key)
+        return cc.Compiled(build(), {"registers": 1}, "sass", "ptx")
 
-    compile_cached.__module__ = name
-    mod.compile_cached = compile_cached
-    monkeypatch.setitem(sys.modules, name, mod)
-    return mod
+    monkeypatch.setattr(cc, "_compile", fake_compile)
+    monkeypatch.setattr(cc, "_CACHE", {})
+    monkeypatch.setattr(cc, "_STORE", None)
+    cc.set_store(_cache.STORE)
+    return types.SimpleNamespace(cc=cc, builds=builds)
 
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_cache_hook_memory_disk_and_rebuild(cache_dir, monkeypatch):
+def test_cache_store_memory_disk_and_rebuild(cache_dir, monkeypatch, stage_cache):
     loads = []
 
     def fake_load(path, symbol):
@@ -912,48 +888,56 @@ def test_cache_hook_memory_disk_and_rebuild(cache_dir, monkeypatch):
         return _FakeCompiled("from-disk:" + data.split(":")[1], fail="poison" in data)
 
     monkeypatch.setattr(_cache, "load_object", fake_load)
-    owner = _fake_owner(monkeypatch)
-    reexport = types.ModuleType("stage4_bwd_kernel._fa4_test_reexport")
-    reexport.compile_cached = owner.compile_cached  # like stage4_bwd_kernel.common
-    monkeypatch.setitem(sys.modules, reexport.__name__, reexport)
-    assert _cache.install_for() >= 2 and owner.compile_cached is reexport.compile_cached
-    assert _cache.install_for() == 0 or owner.compile_cached._fa4_disk_cache  # idempotent
+    cc, builds = stage_cache.cc, stage_cache.builds
+    assert cc.get_store() is _cache.STORE
     key = ("stepX", "gpu", "BFloat16", 64, 64, False)
 
     # process 1: compiled, used, written to disk
-    comp = reexport.compile_cached(key, lambda: _FakeCompiled("compiled"))
-    assert comp.fn() == "compiled" and owner.builds == [key]
+    comp = cc.compile_cached(key, lambda: _FakeCompiled("compiled"))
+    assert comp.fn() == "compiled" and builds == [key]
     assert len(list(_cache.cache_dir().glob("*.o"))) == 1
-    assert owner.compile_cached(key, lambda: 1 / 0).fn() == "compiled"  # memory hit, no build
+    hits = _cache.stats()["memory_hits"]
+    assert cc.compile_cached(key, lambda: 1 / 0).fn() == "compiled"  # memory hit, no build
+    assert _cache.stats()["memory_hits"] == hits + 1
     # process 2 (empty memory): loaded from disk, no compile; the first call is guarded
-    owner._CACHE.clear()
-    comp = owner.compile_cached(key, lambda: 1 / 0)
-    assert comp.report["loaded_from"] and comp.fn() == "from-disk:compiled" and owner.builds == [key]
+    cc._CACHE.clear()
+    comp = cc.compile_cached(key, lambda: 1 / 0)
+    assert comp.report["loaded_from"] and comp.fn() == "from-disk:compiled" and builds == [key]
     assert comp.report["registers"] == 1  # the compile's report travels with the object
-    assert owner._CACHE[key].fn.tag == "from-disk:compiled"  # the guard stepped aside after success
+    assert cc.cached(key).fn.tag == "from-disk:compiled"  # the guard stepped aside after success
     # a fake-tensor compile is never written
-    owner.compile_cached(("stepX", "fake", "BFloat16", 64, 64, False), lambda: _FakeCompiled("fake"))
+    cc.compile_cached(("stepX", "fake", "BFloat16", 64, 64, False), lambda: _FakeCompiled("fake"))
     assert len(list(_cache.cache_dir().glob("*.o"))) == 1
     # an object that loads but fails on its first call: dropped, recompiled, the call retried
-    owner._CACHE.clear()
+    cc._CACHE.clear()
     key2 = ("stepX", "gpu", "BFloat16", 128, 128, True)
-    owner.compile_cached(key2, lambda: _FakeCompiled("poison"))
-    owner._CACHE.clear()
+    cc.compile_cached(key2, lambda: _FakeCompiled("poison"))
+    cc._CACHE.clear()
     with pytest.warns(RuntimeWarning, match="failed on first call"):
-        assert owner.compile_cached(key2, lambda: _FakeCompiled("good")).fn() == "good"
-    assert owner.builds[-1] == key2
+        assert cc.compile_cached(key2, lambda: _FakeCompiled("good")).fn() == "good"
+    assert builds[-1] == key2 and cc.cached(key2).fn() == "good"
     # a corrupt file on disk: discarded and rebuilt, not fatal
-    owner._CACHE.clear()
+    cc._CACHE.clear()
     for p in _cache.cache_dir().glob("*.o"):
         p.write_bytes(b"garbage")
     with pytest.warns(RuntimeWarning, match="content hash mismatch"):
-        assert owner.compile_cached(key, lambda: _FakeCompiled("rebuilt")).fn() == "rebuilt"
+        assert cc.compile_cached(key, lambda: _FakeCompiled("rebuilt")).fn() == "rebuilt"
     # FA4_CACHE=0: memory only
     monkeypatch.setenv("FA4_CACHE", "0")
-    owner._CACHE.clear()
+    cc._CACHE.clear()
     n_loads = len(loads)
-    assert owner.compile_cached(key, lambda: _FakeCompiled("memory-only")).fn() == "memory-only"
+    assert cc.compile_cached(key, lambda: _FakeCompiled("memory-only")).fn() == "memory-only"
     assert len(loads) == n_loads
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_stages_never_patched_by_fa4():
+    """The disk cache is passed in as a store: no stage module's compile_cached is replaced."""
+    from stage3_fwd_kernel import compile_cache
+
+    assert compile_cache.compile_cached.__module__ == "stage3_fwd_kernel.compile_cache"
+    assert not hasattr(_cache, "install_for")
 
 
 @pytest.mark.cpu
@@ -972,7 +956,8 @@ def test_cache_info_and_clear(cache_dir):
 def test_disk_cache_roundtrip_real_cute_object(cache_dir):
     """A real CuTe-DSL TVM-FFI compile (sm_90a, fake tensors) exported with export_to_c and
     reloaded with cute.runtime.load_module: the mechanism the cache relies on works in DSL 4.8.1."""
-    import stage3_fwd_kernel.common  # sets CUTE_DSL_ARCH before cutlass
+    from stage3_fwd_kernel import host_io  # first: the package sets CUTE_DSL_ARCH before cutlass loads
+
     import cutlass
     import cutlass.cute as cute
 
@@ -991,7 +976,7 @@ def test_disk_cache_roundtrip_real_cute_object(cache_dir):
         scale_kernel(x, y).launch(grid=((cute.size(x) + 127) // 128, 1, 1), block=(128, 1, 1), stream=stream)
 
     fake = lambda: cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int32(),))  # noqa: E731
-    compiled = cute.compile(scale, fake(), fake(), stage3_fwd_kernel.common.launch_stream(),
+    compiled = cute.compile(scale, fake(), fake(), host_io.launch_stream(),
                             options="--enable-tvm-ffi")
     dc = _cache.DiskCache(_cache.cache_dir())
     key = ("fa4_test_scale", "gpu", "Float32")
@@ -1020,11 +1005,18 @@ def test_cli_info(tmp_path):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_cli_bench_passes_arguments_through():
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU this would run the whole benchmark (minutes), not just parse its arguments")
-    res = run_cli("bench", "--out", "/tmp/fa4_bench_test.json", "--quick", timeout=120)
-    assert res.returncode == 2 and "needs a CUDA GPU" in res.stdout
+def test_cli_bench_works_outside_the_repository(tmp_path):
+    """`python -m fa4 bench` ships in the package: its help runs from any directory, bad arguments are
+    refused, and without a GPU it says so instead of timing."""
+    res = run_cli("bench", "--help", cwd=tmp_path, timeout=120)
+    assert res.returncode == 0 and "paired rounds" in res.stdout and "--head-dims" in res.stdout, res.stderr
+    res = run_cli("bench", "--seqlens", "3000", cwd=tmp_path, timeout=120)
+    assert res.returncode == 2 and "--seqlens must divide 32768" in res.stderr, res.stderr
+    res = run_cli("bench", "--head-dims", "x", cwd=tmp_path, timeout=120)
+    assert res.returncode == 2 and "--head-dims" in res.stderr, res.stderr
+    if not torch.cuda.is_available():
+        res = run_cli("bench", "--head-dims", "64", cwd=tmp_path, timeout=120)
+        assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr, res.stderr
 
 
 @pytest.mark.cpu

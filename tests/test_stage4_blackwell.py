@@ -17,14 +17,11 @@ compiles + preprocess/postprocess for sm_100a, ~40 s on 2 cores.
 from __future__ import annotations
 
 import itertools
-import pathlib
 import re
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import test_stage4_hopper as s4  # noqa: E402  (shared SASS helpers)
+import test_stage4_hopper as s4  # shared SASS helpers (pytest puts tests/ on the path)
 
 from stage4_bwd_kernel.blackwell_config import SMEM_CAPACITY, TMEM_COLUMNS, blackwell_bwd_config
 
@@ -253,9 +250,9 @@ def test_preprocess_postprocess_compile_for_sm100a():
 @pytest.mark.compile
 @pytest.mark.stage4
 def test_make_kernel_refuses_varlen():
-    import cutlass
+    from stage4_bwd_kernel import blackwell_bwd  # first: the package sets CUTE_DSL_ARCH before cutlass loads
 
-    from stage4_bwd_kernel import blackwell_bwd
+    import cutlass
 
     with pytest.raises(ValueError, match=r"varlen"):
         blackwell_bwd.make_kernel(cutlass.BFloat16, 128, 128, False, False, varlen=True)

@@ -20,14 +20,11 @@ SYNCS.ARRIVE.TRANS64.RED), the cluster barrier before exit (UCGABAR), half the d
 """
 from __future__ import annotations
 
-import pathlib
 import re
-import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import test_stage4_hopper as s4  # noqa: E402  (shared SASS helpers)
+import test_stage4_hopper as s4  # shared SASS helpers (pytest puts tests/ on the path)
 
 from stage4_bwd_kernel.blackwell_config import (SMEM_CAPACITY, TMEM_COLUMNS, blackwell_bwd_2cta_config,
                                                 blackwell_bwd_config)
@@ -239,9 +236,9 @@ def test_deterministic_semaphore_loop(d):
 @pytest.mark.compile
 @pytest.mark.stage4
 def test_make_kernel_interface():
-    import cutlass
+    from stage4_bwd_kernel import blackwell_bwd_2cta, schedule  # first: the package sets the arch
 
-    from stage4_bwd_kernel import blackwell_bwd_2cta, schedule
+    import cutlass
 
     with pytest.raises(ValueError, match=r"varlen"):
         blackwell_bwd_2cta.make_kernel(cutlass.BFloat16, 128, 128, False, False, varlen=True)

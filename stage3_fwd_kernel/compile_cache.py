@@ -1,0 +1,146 @@
+"""One compile per kernel configuration, kept in memory, with a hook for a persistent store.
+
+Kernels are compiled against fake tensors whose extents and strides are runtime values, so one
+compile serves every problem size; the key is the configuration (step, dtype, head dims, causal,
+scheduler, ...). `compile_cached(key, build)` looks in memory first, then in the store if one is
+set, and otherwise compiles, keeps the result and offers it to the store.
+
+The store is how a higher layer adds a disk cache without this stage knowing about it: ``fa4``
+passes one in with `set_store` (the layering rule: fa4 composes the stages, never the reverse).
+It implements the small `Store` protocol below.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import tempfile
+import warnings
+from typing import Any, Callable, NamedTuple, Optional, Protocol
+
+import cutlass.cute as cute
+
+from .sass_report import disassemble, parse_resources, wgmma_serialization
+
+__all__ = ["Compiled", "Store", "WgmmaSerializedWarning", "cached", "compile_cached", "dump_dir", "get_store",
+           "remember", "set_store", "wgmma_serialization"]
+
+
+class Compiled(NamedTuple):
+    fn: Any           # the callable returned by cute.compile
+    report: dict      # registers, spills, smem, SASS instruction counts
+    sass: str         # full SASS text ("" if nvdisasm is unavailable)
+    ptx: str
+
+
+class Store(Protocol):
+    """A persistent second level behind the memory cache (fa4's disk cache implements it)."""
+
+    def memory_hit(self, key) -> None:
+        """Told about every hit in memory (for statistics)."""
+
+    def load(self, key, rebuild: Callable[[], Compiled]) -> Optional[Compiled]:
+        """The kernel of `key` if the store holds it, else None. `rebuild()` compiles it afresh
+        (and offers the result again), for an entry that loads but turns out unusable."""
+
+    def offer(self, key, compiled: Compiled) -> None:
+        """Told about every fresh compile; the store keeps what it can persist."""
+
+
+_CACHE: dict = {}
+_STORE: Optional[Store] = None
+_DUMP_DIR: Optional[str] = None
+
+
+class WgmmaSerializedWarning(UserWarning):
+    """ptxas serialized a kernel's wgmma instructions (each waits for the one before): the kernel is
+    correct but far slower than its design (a backward build measured this way lost 10-12%)."""
+
+
+def set_store(store: Optional[Store]) -> None:
+    """Put `store` behind the memory cache (None removes it)."""
+    global _STORE
+    _STORE = store
+
+
+def get_store() -> Optional[Store]:
+    return _STORE
+
+
+def cached(key) -> Optional[Compiled]:
+    """The compiled kernel of `key` if it is in memory, without compiling."""
+    return _CACHE.get(key)
+
+
+def remember(key, compiled: Compiled) -> None:
+    """Put a kernel into the memory cache (a store replaces a loaded entry once it has run)."""
+    _CACHE[key] = compiled
+
+
+def dump_dir() -> str:
+    """The directory the DSL keeps PTX and cubins in (one per process)."""
+    global _DUMP_DIR
+    if _DUMP_DIR is None:
+        _DUMP_DIR = tempfile.mkdtemp(prefix="fa4_stage3_cute_")
+    return _DUMP_DIR
+
+
+def compile_cached(key, build: Callable[[], tuple]) -> Compiled:
+    """Compile once per key. `build()` returns (kernel_object, args_tuple); the kernel object's
+    `smem_bytes` attribute (set while tracing) goes into the report."""
+    store = _STORE
+    hit = _CACHE.get(key)
+    if hit is not None:
+        if store is not None:
+            store.memory_hit(key)
+        return hit
+    if store is not None:
+        loaded = store.load(key, lambda: _compile_and_offer(key, build))
+        if loaded is not None:
+            _CACHE[key] = loaded
+            return loaded
+    return _compile_and_offer(key, build)
+
+
+def _compile_and_offer(key, build) -> Compiled:
+    out = _compile(key, build)
+    _CACHE[key] = out
+    if _STORE is not None:
+        _STORE.offer(key, out)
+    return out
+
+
+def _is_launchable(args) -> bool:
+    return any(getattr(a, "use_tvm_ffi_env_stream", False) for a in args)
+
+
+def _compile(key, build) -> Compiled:
+    kernel, args = build()
+    opts = f"--keep-ptx --keep-cubin --dump-dir {dump_dir()} remarks{{ptx}}"
+    if _is_launchable(args):
+        opts = "--enable-tvm-ffi " + opts
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
+        fn = cute.compile(kernel, *args, options=opts)
+    log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
+    ptx = _artifact(fn.__ptx__, "r") or ""
+    cubin = _artifact(fn.__cubin__, "rb")
+    sass = disassemble(cubin) if cubin else ""
+    report = parse_resources(log, sass, cubin)
+    report["smem_bytes"] = getattr(kernel, "smem_bytes", None)
+    report["threads"] = getattr(kernel, "num_threads", None)
+    if report["wgmma_serialized"]:
+        warnings.warn(f"{str(key)[:240]}: ptxas serialized its wgmma instructions "
+                      f"({', '.join(report['wgmma_serialized'])}); the kernel is correct but runs far below its "
+                      "design speed (time it only knowingly)", WgmmaSerializedWarning, stacklevel=4)
+    return Compiled(fn, report, sass, ptx)
+
+
+def _artifact(value, mode: str):
+    """A compile artifact's contents: the DSL hands classic compiles' PTX / cubin over as contents
+    and TVM-FFI compiles' as the path of the file it kept in the dump directory."""
+    if isinstance(value, str) and "\n" not in value and os.path.isfile(value):
+        with open(value, mode) as f:
+            return f.read()
+    return value
