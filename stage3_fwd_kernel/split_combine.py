@@ -1,7 +1,8 @@
-"""Step 4's split_tail combine: the key chunks of the last partial wave's tiles merged into out and lse.
+"""The split tail's combine (stage3_fwd_kernel.hopper.split_tail): the key chunks of the last
+partial wave's tiles merged into out and lse.
 
 A chunk j of a tail tile leaves, per query row, its log-sum-exp lse_j and its output O_j divided by its
-own row sum (hopper_step4_fa4_softmax.store_split: fp32 workspace (R * S, tile_m, dv + 1), lse in the
+own row sum (hopper.epilogue.store_split: fp32 workspace (R * S, tile_m, dv + 1), lse in the
 last column). The whole row is then
 
     lse = log sum_j exp(lse_j),    O = sum_j exp(lse_j - lse) O_j
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import math
 
-from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
+from stage3_fwd_kernel import host_io
+from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
+from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
 
 STEP = "fwd_split_combine"
 ROWS_PER_CTA = 4  # one warp each
@@ -58,7 +61,7 @@ class SplitTailCombine:
         tile_m = mSplit.shape[1]
         if m < tile_m:
             # the tail tile's place in the static order: linear index tiles - R + r
-            m_block, head, batch = common.StaticTileScheduler.tile_at(
+            m_block, head, batch = StaticTileScheduler.tile_at(
                 tiles - mSplit.shape[0] // chunks + r, num_m_blocks, mO.shape[2], None)
             row = m_block * tile_m + m
             first = r * chunks
@@ -86,20 +89,20 @@ class SplitTailCombine:
 
 
 def _fake_args(dtype, head_dim_v: int, *, launchable: bool = False):
-    return (common.fake_lse(), common.fake_bshd(dtype, head_dim_v), common.fake_lse(), Int32(1), Int32(1), Int32(1),
-            common.launch_stream() if launchable else cute.runtime.make_fake_stream())
+    return (host_io.fake_lse(), host_io.fake_bshd(dtype, head_dim_v), host_io.fake_lse(), Int32(1), Int32(1), Int32(1),
+            host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
-def compile_only(dtype="bf16", head_dim_v: int = 128, *, launchable: bool = False) -> common.Compiled:
+def compile_only(dtype="bf16", head_dim_v: int = 128, *, launchable: bool = False) -> Compiled:
     """The combine for one output dtype and dv (compile-time); launchable=True builds what
     split_tail_combine launches."""
-    dt = common.cutlass_dtype(dtype)
+    dt = host_io.cutlass_dtype(dtype)
     key = (STEP, "gpu" if launchable else "fake", str(dt), head_dim_v)
-    return common.compile_cached(key, lambda: (SplitTailCombine(dt, head_dim_v),
+    return compile_cached(key, lambda: (SplitTailCombine(dt, head_dim_v),
                                                _fake_args(dt, head_dim_v, launchable=launchable)))
 
 
 def combine(split, chunks: int, out, lse, tiles: int, num_m_blocks: int):
     """Launch the combine on the torch tensors of a split_tail call (after its attention kernel, same stream)."""
-    comp = compile_only(common.cutlass_dtype(out.dtype), out.shape[-1], launchable=True)
+    comp = compile_only(host_io.cutlass_dtype(out.dtype), out.shape[-1], launchable=True)
     comp.fn(split, out, lse, chunks, tiles, num_m_blocks)

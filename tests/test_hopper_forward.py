@@ -1,26 +1,25 @@
-"""Stage 3, Hopper step 4: FA4's softmax (conditional rescaling, partial exp2 emulation) and varlen,
-the production Hopper forward (`stage3_fwd_kernel.hopper`).
+"""The production Hopper forward (`stage3_fwd_kernel.hopper`): FA4's softmax (conditional
+rescaling, optional partial exp2 emulation), varlen, persistent CTAs and the split tail.
 
 cpu tier: SoftmaxPolicy validation and its emulation pattern; bad arguments raise ValueError /
-TypeError naming the argument before anything is compiled or launched.
+TypeError naming the argument before anything is compiled or launched; the size limits of the
+product's modules.
 
 compile tier (no GPU): every head-dim config (bf16; fp16 once), causal on/off, the varlen kernel
 (with seqused_k and batch_map), emulation fraction 0 / 0.25, tau 0 / 8, and at d = 64 both CTA
 heights (tile_m 192 = three consumer warpgroups, the default there, and 128). ptxas: no spills, no
 local memory, setmaxnreg honoured and its register pool balanced; SASS: HGMMA, UTMALDG, exactly one
 warp vote (VOTE.ANY) per softmax site (prologue, masked loop, hot loop), and the emulation chain
-(FADD.RM, one per emulated value) exactly when the fraction is > 0. The lean mask (lean_mask=True,
-opt-in at tile_m 128): its premise (per-thread column shift) traced on the kernel's own MMA, fewer
-selects than the old mask, no spills, and the same float-op sequence in PTX as the old mask.
+(FADD.RM, one per emulated value) exactly when the fraction is > 0. The lean mask's premise
+(per-thread column shift) traced on the kernel's own MMA, and about one select per masked score.
 
 gpu tier (H100/H200): out and lse follow FA4's rule (2x the error of a PyTorch bf16/fp16
 implementation against fp32) over the seqlen / head-dim / causal / GQA matrix, fp16, both
 policies' knobs, adversarial rising scores; varlen batches with q-empty and k-empty sequences and
 NaN-filled unused KV-cache slots past seqused_k; rows outside every sequence are never written;
 fully masked rows are exactly 0 / -inf; outputs are NaN-poisoned before every run; two runs are
-bitwise identical; at d = 64 all of it with tile_m 128 and 192; tile_m 128 with lean_mask=True
-(d 64 / 128 / (192, 128), odd lengths, GQA, varlen), bitwise equal to the old mask. Compiles
-dominate the time, so configs are reused across tests.
+bitwise identical; at d = 64 all of it with tile_m 128 and 192. Compiles dominate the time, so
+configs are reused across tests.
 """
 from __future__ import annotations
 
@@ -32,9 +31,9 @@ HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 
 
 def _mod():
-    from stage3_fwd_kernel.hopper import forward as hopper_step4_fa4_softmax
+    from stage3_fwd_kernel import hopper
 
-    return hopper_step4_fa4_softmax
+    return hopper
 
 
 # ============================================================================================ cpu
@@ -115,10 +114,12 @@ def test_fp16_threshold_headroom():
 def test_hopper_alias_exports():
     from stage3_fwd_kernel import hopper
 
-    mod = _mod()
-    assert hopper.attention_forward is mod.attention_forward
-    assert hopper.attention_varlen_forward is mod.attention_varlen_forward
-    assert hopper.compile_only is mod.compile_only
+    from stage3_fwd_kernel.hopper import host
+
+    assert hopper.attention_forward is host.attention_forward
+    assert hopper.attention_varlen_forward is host.attention_varlen_forward
+    assert hopper.compile_only is host.compile_only
+    assert all(hasattr(hopper, name) for name in hopper.__all__)
     assert hopper.DEFAULT_RESCALE_THRESHOLD == 8.0 and hopper.DEFAULT_EMULATION_FRACTION == 0.0  # measured best on H100
     assert hopper.DEFAULT_POLICY == hopper.SoftmaxPolicy(emulation_fraction=hopper.DEFAULT_EMULATION_FRACTION)
 
@@ -193,7 +194,8 @@ def test_scale_and_head_dim_checks():
     # the bound keeps the vote's limit finite in fp32 at the largest tau, and fa4 checks the same one
     import numpy as np
 
-    tau = mod.softmax_policy.MAX_RESCALE_THRESHOLD
+    from stage3_fwd_kernel.softmax_policy import MAX_RESCALE_THRESHOLD as tau
+
     assert np.isfinite(np.float32(tau) / np.float32(mod.MIN_SOFTMAX_SCALE * math.log2(math.e)))
     from fa4._validate import MIN_SOFTMAX_SCALE
     assert MIN_SOFTMAX_SCALE == mod.MIN_SOFTMAX_SCALE
@@ -219,7 +221,7 @@ def test_tile_m_defaults_and_validation():
     with pytest.raises(ValueError, match="tile_m"):
         mod.compile_only("bf16", 96, tile_m=192)  # refused before anything is traced
     with pytest.raises(ValueError, match="tile_m"):
-        mod.FlashAttentionForwardSm90Step4(cutlass.BFloat16, 64, 64, False, tile_m=256)
+        mod.FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, False, tile_m=256)
     for tm, nc, regs in ((128, 2, (24, 240)), (192, 3, (32, 160))):
         k = mod.make_kernel(cutlass.BFloat16, 64, 64, True, tile_m=tm)
         assert (k.tile_m, k.num_consumers, k.wg_m, k.num_threads) == (tm, nc, 64, 128 * (1 + nc))
@@ -246,8 +248,6 @@ def test_q_shift_puts_the_partial_q_tile_first():
     mod = _mod()
     kernel = mod.make_kernel(cutlass.BFloat16, 64, 64, True)
     assert kernel.tile_m == 192 and kernel.q_shift_for(False) and not kernel.q_shift_for(True)
-    # head pairs must cut the same tiles as the static grid they are compared with bitwise
-    assert mod.make_kernel(cutlass.BFloat16, 64, 64, True, kv_multicast="heads").q_shift_for(False)
     for k in (mod.make_kernel(cutlass.BFloat16, 64, 64, False), mod.make_kernel(cutlass.BFloat16, 64, 64, True, tile_m=128),
               mod.make_kernel(cutlass.BFloat16, 128, 128, True)):
         assert not k.q_shift_for(False)
@@ -259,57 +259,6 @@ def test_q_shift_puts_the_partial_q_tile_first():
 
     assert steps(4096, 0) == 384 and steps(4096, kernel.top_padding(4096)) == 363
     assert steps(16384, 0) == 5632 and steps(16384, kernel.top_padding(16384)) == 5547
-
-
-@pytest.mark.cpu
-@pytest.mark.stage3
-def test_lean_mask_defaults_and_validation():
-    """lean_mask None = lean at both heights (timed faster at 128 rows, needed at 192); either mask can
-    be asked for at either height; the compile key holds the resolved value, so a default and its
-    explicit spelling share one kernel."""
-    mod = _mod()  # before cutlass: the step module's import sets the target arch
-    import cutlass
-
-    bf16 = cutlass.BFloat16
-    assert mod.default_lean_mask(128) is True and mod.default_lean_mask(192) is True
-    for tm, lean, want in ((128, None, True), (192, None, True), (128, True, True), (128, False, False),
-                           (192, False, False)):
-        assert mod.make_kernel(bf16, 64, 64, True, tile_m=tm, lean_mask=lean).lean_mask is want
-    assert mod.make_kernel(bf16, 128, 128, True).lean_mask is True
-    assert mod.make_kernel(bf16, 64, 64, True).lean_mask is True  # tile_m 192 there
-    for bad in (1, "1", 0.0):
-        with pytest.raises(TypeError, match="lean_mask"):
-            mod.FlashAttentionForwardSm90Step4(bf16, 128, 128, False, lean_mask=bad)
-        with pytest.raises(TypeError, match="lean_mask"):
-            mod.compile_only("bf16", 128, lean_mask=bad)  # refused before anything is traced
-
-    def key(tm, lean):
-        return mod._key("gpu", bf16, 64, 64, True, mod.DEFAULT_POLICY, None, tile_m=tm, lean_mask=lean)
-    assert key(128, None) == key(128, True) != key(128, False)
-    assert key(192, None) == key(192, True) != key(192, False)
-
-
-@pytest.mark.cpu
-@pytest.mark.stage3
-def test_tune_fwd_config_syntax():
-    """benchmarks/tune_fwd.py: head_dim:tile_n:num_stages[:tile_m[:lean_mask]], the 3- and 4-field
-    forms and their result names unchanged."""
-    import importlib
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-    tune = importlib.import_module("tune_fwd")
-    assert tune.parse_configs("128:128:3,128:176:2") == [(128, 128, 3, 128, None), (128, 176, 2, 128, None)]
-    assert tune.parse_configs("64:128:4:192,64:128:4") == [(64, 128, 4, 192, None), (64, 128, 4, 128, None)]
-    assert tune.parse_configs("128:128:3:128:0,128:128:3:128:1") == [(128, 128, 3, 128, False),
-                                                                     (128, 128, 3, 128, True)]
-    assert tune.variant_name(128, 3) == "step4 tile_n=128 stages=3"
-    assert tune.variant_name(128, 4, 192) == "step4 tile_n=128 stages=4 tile_m=192"
-    assert tune.variant_name(128, 3, 128, True) == "step4 tile_n=128 stages=3 lean_mask=1"
-    for bad in ("64:128", "128:128:3:128:2", "128:128:3:128:1:0"):
-        with pytest.raises(ValueError, match="configs"):
-            tune.parse_configs(bad)
 
 
 @pytest.mark.cpu
@@ -332,44 +281,43 @@ def test_dense_bad_arguments():
 
 
 # ======================================================================================= compile
-# (dtype, d, dv, causal, varlen flags, tau, fraction, tile_m, lean_mask): every head dim for bf16,
-# causal both ways, fp16 once, the varlen kernel (full flags and plain), the policy corners at
-# d = 128, at d = 64 both CTA heights (tile_m None = default_tile_m: 192 there, 128 elsewhere), and
-# the lean mask at tile_m 128 (lean_mask None = default_lean_mask: lean everywhere).
+# (dtype, d, dv, causal, varlen flags, tau, fraction, tile_m): every head dim for bf16, causal both
+# ways, fp16 once, the varlen kernel (full flags and plain), the policy corners at d = 128, and at
+# d = 64 both CTA heights (tile_m None = default_tile_m: 192 there, 128 elsewhere).
 COMPILE_CASES = [
-    ("bf16", 64, 64, False, (), 8.0, 0.25, None, None),
-    ("bf16", 96, 96, True, (), 8.0, 0.25, None, None),
-    ("bf16", 128, 128, False, (), 8.0, 0.25, None, None),
-    ("bf16", 128, 128, True, (), 8.0, 0.25, None, None),
-    ("bf16", 192, 128, True, (), 8.0, 0.25, None, None),
-    ("bf16", 256, 256, False, (), 8.0, 0.25, None, None),
-    ("fp16", 128, 128, True, (), 8.0, 0.25, None, None),
-    ("bf16", 128, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.25, None, None),
-    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.25, None, None),
-    ("bf16", 128, 128, False, (), 8.0, 0.0, None, None),
-    ("bf16", 128, 128, False, (), 0.0, 0.25, None, None),
+    ("bf16", 64, 64, False, (), 8.0, 0.25, None),
+    ("bf16", 96, 96, True, (), 8.0, 0.25, None),
+    ("bf16", 128, 128, False, (), 8.0, 0.25, None),
+    ("bf16", 128, 128, True, (), 8.0, 0.25, None),
+    ("bf16", 192, 128, True, (), 8.0, 0.25, None),
+    ("bf16", 256, 256, False, (), 8.0, 0.25, None),
+    ("fp16", 128, 128, True, (), 8.0, 0.25, None),
+    ("bf16", 128, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.25, None),
+    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.25, None),
+    ("bf16", 128, 128, False, (), 8.0, 0.0, None),
+    ("bf16", 128, 128, False, (), 0.0, 0.25, None),
     # three consumer warpgroups (tile_m = 192) with the production policy, causal, fp16, full varlen
-    ("bf16", 64, 64, False, (), 8.0, 0.0, 192, None),
-    ("bf16", 64, 64, True, (), 8.0, 0.0, 192, None),
-    ("fp16", 64, 64, True, (), 8.0, 0.25, 192, None),
-    ("bf16", 64, 64, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, 192, None),
+    ("bf16", 64, 64, False, (), 8.0, 0.0, 192),
+    ("bf16", 64, 64, True, (), 8.0, 0.0, 192),
+    ("fp16", 64, 64, True, (), 8.0, 0.25, 192),
+    ("bf16", 64, 64, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, 192),
     # ... and the two-consumer kernel at d = 64, no longer the default there
-    ("bf16", 64, 64, True, (), 8.0, 0.25, 128, None),
-    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.0, 128, None),
-    # ... and the two-consumer kernel with the lean mask (opt-in), production policy
-    ("bf16", 128, 128, True, (), 8.0, 0.0, None, True),
-    ("fp16", 128, 128, True, (), 8.0, 0.0, None, True),
-    ("bf16", 64, 64, True, (), 8.0, 0.0, 128, True),
-    ("bf16", 256, 256, False, (), 8.0, 0.0, None, True),
-    ("bf16", 192, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, None, True),
+    ("bf16", 64, 64, True, (), 8.0, 0.25, 128),
+    ("bf16", 64, 64, False, ("varlen",), 8.0, 0.0, 128),
+    # ... and the production policy at the other head dims, causal, fp16, varlen
+    ("bf16", 128, 128, True, (), 8.0, 0.0, None),
+    ("fp16", 128, 128, True, (), 8.0, 0.0, None),
+    ("bf16", 64, 64, True, (), 8.0, 0.0, 128),
+    ("bf16", 256, 256, False, (), 8.0, 0.0, None),
+    ("bf16", 192, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, None),
 ]
 THREE_CONSUMER_CASES = [c for c in COMPILE_CASES if c[7] == 192]
 
 
 def _case_id(c):
-    dt, d, dv, causal, flags, tau, frac, tile_m, lean = c
+    dt, d, dv, causal, flags, tau, frac, tile_m = c
     return (f"{dt}-d{d}x{dv}-{'causal' if causal else 'full'}{''.join('-' + f for f in flags)}-tau{tau:g}"
-            f"-f{frac:g}" + ("" if tile_m is None else f"-m{tile_m}") + ("" if lean is None else f"-lean{int(lean)}"))
+            f"-f{frac:g}" + ("" if tile_m is None else f"-m{tile_m}"))
 
 
 @pytest.fixture(scope="module")
@@ -380,11 +328,10 @@ def compiled():
 
     def get(case):
         if case not in cache:
-            dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+            dt, d, dv, causal, flags, tau, frac, tile_m = case
             cache[case] = mod.compile_only(dt, d, dv, causal, varlen="varlen" in flags,
                                            seqused_k="seqused_k" in flags, batch_map="batch_map" in flags,
-                                           rescale_threshold=tau, emulation_fraction=frac, tile_m=tile_m,
-                                           lean_mask=lean)
+                                           rescale_threshold=tau, emulation_fraction=frac, tile_m=tile_m)
         return cache[case]
     return get
 
@@ -395,12 +342,12 @@ def compiled():
 def test_compiles_sm90a(compiled, case):
     import re
 
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel.host_io import cutlass_dtype
 
-    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+    dt, d, dv, causal, flags, tau, frac, tile_m = case
     comp = compiled(case)
     rep = comp.report
-    kernel = _mod().make_kernel(common.cutlass_dtype(dt), d, dv, causal, tile_m=tile_m, lean_mask=lean)  # constants
+    kernel = _mod().make_kernel(cutlass_dtype(dt), d, dv, causal, tile_m=tile_m)  # constants
     nc = kernel.num_consumers
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, f"spills: {rep}"
     assert rep["stack_frame"] == 0, f"stack frame: {rep}"
@@ -445,48 +392,6 @@ def test_three_consumer_kernel_sm90a(compiled, case):
     assert len(re.findall(r"\bFSEL\b", comp.sass)) < 2 * 64 + 64
 
 
-LEAN_CASES = [c for c in COMPILE_CASES if c[8]]
-
-
-def _old_mask_twin(case):
-    """The same kernel with the old per-element mask (lean_mask=False)."""
-    return case[:8] + (False,)
-
-
-def _float_ops(ptx):
-    """The PTX float arithmetic / conversion / compare opcodes, in program order (operands dropped)."""
-    import re
-
-    return re.findall(r"^\s*(?:@!?%p\d+\s+)?((?:add|sub|mul|fma|max|min|neg|abs|ex2|rcp|lg2|cvt|setp)"
-                      r"\.[\w.]*f(?:16|32)\w*)", ptx, re.M)
-
-
-@pytest.mark.compile
-@pytest.mark.stage3
-@pytest.mark.parametrize("case", LEAN_CASES, ids=[_case_id(c) for c in LEAN_CASES])
-def test_lean_mask_two_consumers_sm90a(compiled, case):
-    """tile_m = 128 with lean_mask=True (the default) against the old mask: no spills within the
-    240 registers, about one select per score in each of the 2 masked softmax sites (+ a few), and the
-    very same sequence of float operations in PTX -- only compares and selects differ, so the gpu tier
-    can ask for bitwise equal results. (The old mask compiled to ~2100 selects while P was packed by
-    plain conversions; with store_P's volatile packs, session 23, it compiles to as few.)"""
-    import re
-
-    from stage3_fwd_kernel.hopper.forward import default_tile_n
-
-    dt, d, dv = case[:3]
-    comp, old = compiled(case), compiled(_old_mask_twin(case))
-    rep, old_rep = comp.report, old.report
-    assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
-    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 240
-    assert rep["threads"] == 384
-    per_thread = 2 * default_tile_n(d, dv) // 4  # scores per consumer thread
-    selects, old_selects = rep["FSEL"] + rep["SEL"], old_rep["FSEL"] + old_rep["SEL"]
-    assert selects < 2 * per_thread + 32 and selects <= old_selects, (selects, old_selects)
-    ops = _float_ops(comp.ptx)
-    assert len(ops) > 500 and ops == _float_ops(old.ptx)
-
-
 @pytest.mark.compile
 @pytest.mark.stage3
 @pytest.mark.parametrize("d,tile_m,tile_n", [(128, 128, None), (256, 128, None), (64, 192, None), (128, 128, 176),
@@ -500,8 +405,7 @@ def test_lean_mask_column_shift_premise(d, tile_m, tile_n):
     mod = _mod()  # before cutlass: the step module's import sets the target arch
     import cutlass
 
-    kernel = mod.FlashAttentionForwardSm90Step4(cutlass.BFloat16, d, d, True, tile_m=tile_m, tile_n=tile_n,
-                                                lean_mask=True)
+    kernel = mod.FlashAttentionForwardSm90(cutlass.BFloat16, d, d, True, tile_m=tile_m, tile_n=tile_n)
     assert mod.mask_shift_holds(kernel)
 
 
@@ -512,9 +416,9 @@ SOFTMAX_SITES = 3  # the walk traces the softmax for the first block, the masked
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_softmax_policy_in_sass(compiled, case):
-    from stage3_fwd_kernel.hopper.forward import default_tile_n
+    from stage3_fwd_kernel.hopper import default_tile_n
 
-    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+    dt, d, dv, causal, flags, tau, frac, tile_m = case
     rep = compiled(case).report
     per_thread = 2 * default_tile_n(d, dv) // 4  # 2 rows x tile_n / 4 scores per consumer thread
     emulated = int(per_thread * frac)
@@ -531,13 +435,12 @@ def test_softmax_policy_in_sass(compiled, case):
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_hot_loop_bookkeeping(compiled, case):
-    """Session 17's two cuts, in SASS. The key-block loop (the shortest loop holding wgmma and
-    exponentials) carries its K/V ring slot instead of dividing the block index as a signed Int32,
-    whose rounding toward zero shows as LEA.HI / ULEA.HI sign fix-ups (4 of them at a0b2497). And no
-    row sum starts at 0.0: `FADD R, RZ, R` (24 per kernel at d45dc31)."""
+    """The key-block loop (the shortest loop holding wgmma and exponentials) carries its K/V ring
+    slot instead of dividing the block index as a signed Int32, whose rounding toward zero would show
+    as LEA.HI / ULEA.HI sign fix-ups. And no row sum starts at 0.0 (`FADD R, RZ, R`)."""
     import re
 
-    from stage3_fwd_kernel.common import key_block_loop
+    from stage3_fwd_kernel.sass_report import key_block_loop
 
     sass = compiled(case).sass
     hot = key_block_loop(sass)
@@ -550,14 +453,14 @@ def test_hot_loop_bookkeeping(compiled, case):
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_descriptors_outside_key_block_loop(compiled, case):
-    """Session 18: the wgmma descriptors are built once per tile (wgmma_desc). Through cute.gemm every
-    key block re-derived Q's, K's and V's from the shared-memory base, each with a USHF.R.U32.HI (the
-    address >> 4; 2-3 per block at 89888d6). The loop still issues one HGMMA per k-step of S and of P V,
-    and ptxas does not serialize the inline-PTX wgmmas."""
-    from stage3_fwd_kernel.common import key_block_loop
-    from stage3_fwd_kernel.hopper.forward import default_tile_n
+    """The wgmma descriptors are built once per tile (wgmma_desc). Through cute.gemm every key block
+    re-derives Q's, K's and V's from the shared-memory base, each with a USHF.R.U32.HI (the address
+    >> 4). The loop still issues one HGMMA per k-step of S and of P V, and ptxas does not serialize
+    the inline-PTX wgmmas."""
+    from stage3_fwd_kernel.sass_report import key_block_loop
+    from stage3_fwd_kernel.hopper import default_tile_n
 
-    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+    dt, d, dv, causal, flags, tau, frac, tile_m = case
     comp = compiled(case)
     assert not comp.report["wgmma_serialized"], "ptxas serialized the inline-PTX wgmmas"
     hot = key_block_loop(comp.sass)
@@ -571,11 +474,11 @@ def test_descriptors_outside_key_block_loop(compiled, case):
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_vote_and_bias_kept_beside_the_max(compiled, case):
-    """Session 19: the vote's limit m + tau / scale and the exponent's bias m * scale are kept beside m and
-    move only in the rescale branch. So between the row maxima's last quad shuffle and VOTE.ANY the loop
-    only compares (it did FADD, FMUL and FSETP per row at cab3ee2), and its only FSELs are the rescale
-    branch's two `m = -inf` guards (the bias was selected and multiplied again after the branch)."""
-    from stage3_fwd_kernel.common import key_block_loop
+    """The vote's limit m + tau / scale and the exponent's bias m * scale are kept beside m and move
+    only in the rescale branch. So between the row maxima's last quad shuffle and VOTE.ANY the loop
+    only compares (no FADD, FMUL per row), and its only FSELs are the rescale branch's two `m = -inf`
+    guards."""
+    from stage3_fwd_kernel.sass_report import key_block_loop
 
     hot = key_block_loop(compiled(case).sass)
     assert hot.count("VOTE.ANY") == 1, f"{hot.count('VOTE.ANY')} VOTE.ANY in the key-block loop"
@@ -645,7 +548,7 @@ def _exps_before_pv_wait(sass: str) -> list:
 
 
 def _wide_key_tile(case) -> bool:
-    from stage3_fwd_kernel.hopper.forward import default_tile_n
+    from stage3_fwd_kernel.hopper import default_tile_n
 
     return default_tile_n(case[1], case[2]) >= 128
 
@@ -659,11 +562,11 @@ WIDE_TILE_CASES = [c for c in COMPILE_CASES if _wide_key_tile(c)]
 def test_pv_wait_placement(compiled, case):
     """The wait for P_{i-1} V_{i-1} (`wgmma.wait_group 0`), written after the softmax, is placed by ptxas
     among a thread's exponentials: some come before it, the rest after it, interleaved with the packs of P
-    (test_P_packed_before_rescale_branch). Until session 22 it sat below all of them at d <= 128 (in the
-    rescale branch's arms); session 23's run 70 timed this order faster (stage 3 README)."""
-    from stage3_fwd_kernel.hopper.forward import default_tile_n
+    (test_P_packed_before_rescale_branch). This order measured faster than the wait below all of them
+    (docs/measurements.md)."""
+    from stage3_fwd_kernel.hopper import default_tile_n
 
-    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+    dt, d, dv, causal, flags, tau, frac, tile_m = case
     per_thread = 2 * default_tile_n(d, dv) // 4
     counts = _exps_before_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
@@ -693,10 +596,10 @@ def _packs_after_pv_wait(sass: str) -> list:
 def test_P_packed_before_rescale_branch(compiled, case):
     """store_P packs P with volatile cvts, so all of a step's packs (one per exp2 pair) stay between the
     wait for P V and the O rescale's branch, among the exponentials still in flight. Plain conversions
-    (fwd_ablations.py packlate) sink past the branch to the next P V: 0 of 32 there at d = 64 bf16."""
-    from stage3_fwd_kernel.hopper.forward import default_tile_n
+    sink past the branch to the next P V: 0 of 32 there at d = 64 bf16."""
+    from stage3_fwd_kernel.hopper import default_tile_n
 
-    dt, d, dv, causal, flags, tau, frac, tile_m, lean = case
+    dt, d, dv, causal, flags, tau, frac, tile_m = case
     counts = _packs_after_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
     assert counts == [default_tile_n(d, dv) // 4] * len(counts), counts
@@ -800,42 +703,32 @@ def test_d64_three_consumers_fp16_and_policies(causal):
                rescale_threshold=tau, emulation_fraction=frac)
 
 
-# tile_m = 128 with the lean mask (opt-in there): lengths that leave the second consumer partial rows
+# tile_m = 128: lengths that leave the second consumer partial rows
 # or none (1, 113, 239), a partial last key block (203, 3, 1), rows past their diagonal with nothing
 # visible (300 x 70, causal), several masked and unmasked key blocks (1024); GQA 1 / 2 / 8 over them.
-LEAN_SEQLENS = [(1, 1), (113, 203), (799, 3), (239, 1), (300, 70), (1024, 1024)]
-LEAN_HEAD_DIMS = [(64, 64), (128, 128), (192, 128)]
+TILE_M128_SEQLENS = [(1, 1), (113, 203), (799, 3), (239, 1), (300, 70), (1024, 1024)]
+TILE_M128_HEAD_DIMS = [(64, 64), (128, 128), (192, 128)]
 
 
 @pytest.mark.gpu
 @pytest.mark.stage3
-@pytest.mark.parametrize("d,dv", LEAN_HEAD_DIMS, ids=[f"d{d}x{dv}" for d, dv in LEAN_HEAD_DIMS])
+@pytest.mark.parametrize("d,dv", TILE_M128_HEAD_DIMS, ids=[f"d{d}x{dv}" for d, dv in TILE_M128_HEAD_DIMS])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("sq,sk", LEAN_SEQLENS, ids=[f"{a}x{b}" for a, b in LEAN_SEQLENS])
-def test_lean_mask_two_consumers_matches_reference(d, dv, causal, sq, sk):
-    """FA4's rule against the fp32 reference, and bitwise the old mask's result: both kernels run
-    the same float operations in the same order (test_lean_mask_two_consumers_sm90a checks the
-    PTX), and a masked score is -inf either way."""
-    import torch
-
+@pytest.mark.parametrize("sq,sk", TILE_M128_SEQLENS, ids=[f"{a}x{b}" for a, b in TILE_M128_SEQLENS])
+def test_two_consumers_matches_reference(d, dv, causal, sq, sk):
+    """The two-consumer kernel (tile_m = 128) and its lean mask: FA4's rule against the fp32 reference."""
     ratio = [1, 2, 8][(sq + sk + d) % 3]
     q, k, v = _randn_qkv(2, sq, sk, 8, 8 // ratio, d, dv, seed=sq + sk + d + 1)
-    out, lse = _dense(q, k, v, causal=causal, tile_m=128, lean_mask=True)
-    old_out, old_lse = _dense(q, k, v, causal=causal, tile_m=128, lean_mask=False)
-    assert torch.equal(out, old_out) and torch.equal(lse, old_lse)
+    _dense(q, k, v, causal=causal, tile_m=128)
 
 
 @pytest.mark.gpu
 @pytest.mark.stage3
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_lean_mask_two_consumers_fp16(causal):
-    """fp16 at tile_m = 128 (where the old mask's selects are integer SELs): the rule, bitwise the old mask."""
-    import torch
-
+def test_two_consumers_fp16(causal):
+    """fp16 at tile_m = 128 (the mask's selects are integer SELs there): the rule."""
     q, k, v = _randn_qkv(2, 333, 1000, 4, 2, 128, 128, dtype="fp16", seed=129)
-    out, lse = _dense(q, k, v, causal=causal, tile_m=128, lean_mask=True)
-    old_out, old_lse = _dense(q, k, v, causal=causal, tile_m=128, lean_mask=False)
-    assert torch.equal(out, old_out) and torch.equal(lse, old_lse)
+    _dense(q, k, v, causal=causal, tile_m=128)
 
 
 @pytest.mark.gpu
@@ -1063,20 +956,17 @@ def test_varlen_d64_tile_m(tile_m, causal, ratio, seqused):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d,dv,ratio,seqused", [(128, 128, 2, True), (64, 64, 1, False), (192, 128, 8, True)],
                          ids=["d128-gqa2-seqused", "d64-mha", "d192x128-gqa8-seqused"])
-def test_lean_mask_two_consumers_varlen(causal, d, dv, ratio, seqused):
-    """tile_m = 128 with the lean mask on a packed batch: q-empty and k-empty sequences, NaN cache
-    slots past seqused_k (masked to -inf before the max), sequences ending inside either consumer's
-    rows; bitwise the old mask's result."""
+def test_two_consumers_varlen(causal, d, dv, ratio, seqused):
+    """tile_m = 128 on a packed batch: q-empty and k-empty sequences, NaN cache slots past seqused_k
+    (masked to -inf before the max), sequences ending inside either consumer's rows."""
     import torch
 
     used = USED_K if seqused else None
     q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, d, dv, seed=d + ratio + 1)
-    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, tile_m=128, lean_mask=True)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, tile_m=128)
     q0, q1 = int(cu_q[1]), int(cu_q[2])  # the k-empty sequence: exactly 0 / -inf
     assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
     assert torch.all(torch.isfinite(out))
-    old_out, old_lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, tile_m=128, lean_mask=False, check=False)
-    assert torch.equal(out, old_out) and torch.equal(lse, old_lse)
 
 
 @pytest.mark.gpu
@@ -1193,14 +1083,15 @@ def test_run_entry_point(varlen):
     assert res["mode"] == "gpu" and res["tflops"] > 0
 
 
-# ---- persistent CTAs (common.PersistentScheduler) -------------------------------------------------
+# ---- persistent CTAs (tile_scheduler.PersistentScheduler) -------------------------------------------------
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_persistent_scheduler_validation_and_order():
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import host_io, tile_scheduler
 
-    P = common.PersistentScheduler
-    assert P() == P(common.StaticTileScheduler, None) and hash(P()) == hash(P(common.StaticTileScheduler))
+    P = tile_scheduler.PersistentScheduler
+    static = tile_scheduler.StaticTileScheduler
+    assert P() == P(static, None) and hash(P()) == hash(P(static))
     assert P(num_ctas=7) != P(num_ctas=8) and P(num_ctas=7) != P() and P(dynamic=True) != P()
     with pytest.raises(TypeError, match="dynamic"):
         P(dynamic=1)
@@ -1213,17 +1104,17 @@ def test_persistent_scheduler_validation_and_order():
         P(order=P())
     # the static order's tile_at is the hardware's dispatch order of the (M, H, B) grid, x fastest
     M, H, B = 3, 4, 2
-    tiles = [common.StaticTileScheduler.tile_at(i, M, H, B) for i in range(M * H * B)]
+    tiles = [tile_scheduler.StaticTileScheduler.tile_at(i, M, H, B) for i in range(M * H * B)]
     assert tiles == [(m, h, b) for b in range(B) for h in range(H) for m in range(M)]
     mod = _mod()
-    bf16 = common.cutlass_dtype("bf16")
+    bf16 = host_io.cutlass_dtype("bf16")
     # Q + O + 2 K/V stages exceed 227 KB above head dim 128: O then goes from registers to global memory
     for d, dv in ((128, 128), (192, 128), (256, 256)):
         assert mod.make_kernel(bf16, d, dv, False, scheduler=P()).o_direct == (d > 128)
         assert mod.o_fits_beside_q(d, dv, mod.default_tile_n(d, dv), 128) == (d <= 128)
         assert not mod.make_kernel(bf16, d, dv, False).o_direct  # one CTA per tile: O over Q
     with pytest.raises(ValueError, match="num_stages.*shared memory"):  # Q + 3 stages of (192, 128)
-        mod.FlashAttentionForwardSm90Step4(bf16, 192, 128, False, scheduler=P(), num_stages=3)
+        mod.FlashAttentionForwardSm90(bf16, 192, 128, False, scheduler=P(), num_stages=3)
     with pytest.raises(TypeError, match="persistent"):
         mod._resolve_scheduler(None, 1, 128, 128, False)
     assert mod._resolve_scheduler(None, True, 256, 256, False) == P()  # asked for: allowed, o_direct
@@ -1233,16 +1124,16 @@ def test_persistent_scheduler_validation_and_order():
     assert mod._resolve_scheduler(None, None, 128, 128, True, seqlen_k=16384) == P(dynamic=True)
     assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4095) == P(dynamic=True)
     assert mod._resolve_scheduler(None, None, 64, 64, True) == P(dynamic=True)  # no length: the short choice
-    assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4096) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4096) is tile_scheduler.StaticTileScheduler
     assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4096, tile_m=128) == P(dynamic=True)
     assert mod._resolve_scheduler(None, None, 64, 64, False, seqlen_k=16384) == P()
-    assert mod._resolve_scheduler(None, None, 128, 128, False, varlen=True) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(None, None, 128, 128, False, varlen=True) is tile_scheduler.StaticTileScheduler
     assert mod._resolve_scheduler(None, True, 128, 128, True) == P(dynamic=True)  # causal: dynamic hand-out
     assert mod._resolve_scheduler(None, True, 64, 64, False, varlen=True) == P(dynamic=True)
-    assert mod._resolve_scheduler(None, None, 192, 128, False) is common.StaticTileScheduler
-    assert mod._resolve_scheduler(None, False, 64, 64, False) is common.StaticTileScheduler
+    assert mod._resolve_scheduler(None, None, 192, 128, False) is tile_scheduler.StaticTileScheduler
+    assert mod._resolve_scheduler(None, False, 64, 64, False) is tile_scheduler.StaticTileScheduler
     assert mod._resolve_scheduler(P(num_ctas=3), False, 64, 64, False) == P(num_ctas=3)  # already persistent
-    assert mod._launch_ctas(P(num_ctas=3), None) == 3 and mod._launch_ctas(common.StaticTileScheduler, None) == 1
+    assert mod._launch_ctas(P(num_ctas=3), None) == 3 and mod._launch_ctas(static, None) == 1
 
 
 PERSISTENT_COMPILE = [(64, 64, False, False), (64, 64, True, True), (96, 96, True, False), (128, 128, False, False),
@@ -1260,12 +1151,12 @@ def test_persistent_compiles_sm90a(d, dv, causal, varlen):
     grid is one CTA per SM at most (the launcher's min)."""
     import re
 
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import host_io, tile_scheduler
 
-    sched = common.PersistentScheduler()
+    sched = tile_scheduler.PersistentScheduler()
     comp = _mod().compile_only("bf16", d, dv, causal, varlen=varlen, seqused_k=varlen, scheduler=sched)
     rep = comp.report
-    kernel = _mod().make_kernel(common.cutlass_dtype("bf16"), d, dv, causal, scheduler=sched)
+    kernel = _mod().make_kernel(host_io.cutlass_dtype("bf16"), d, dv, causal, scheduler=sched)
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
     assert not rep["wgmma_serialized"]
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= kernel.regs_consumer
@@ -1297,14 +1188,14 @@ def test_persistent_matches_static(d, dv, causal, sq, sk):
     same values, other stores, rows past seqlen_q skipped."""
     import torch
 
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import tile_scheduler
 
     big = sq * sk > 2_000_000
     heads = 2 if big else 8
     ratio = 2 if big else [1, 2, 8][(sq + sk + d) % 3]
     q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, d, dv, seed=sq + sk + d + 5)
     static = _dense(q, k, v, causal=causal, persistent=False)
-    P = common.PersistentScheduler
+    P = tile_scheduler.PersistentScheduler
     # persistent=True alone: one CTA per SM, the dynamic hand-out for causal calls
     # (split_tail off: a split tail is the same result up to the order of additions, test_split_tail_*)
     for sched in (P(num_ctas=5), P(num_ctas=5, dynamic=True), None):
@@ -1317,13 +1208,13 @@ def test_persistent_matches_static(d, dv, causal, sq, sk):
 def test_split_tail_plan():
     """Which calls split their last partial wave, into how many key chunks, and the errors."""
     s4 = _mod()
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import tile_scheduler
 
-    P = common.PersistentScheduler
-    static, dynamic = P(common.StaticTileScheduler), P(common.StaticTileScheduler, dynamic=True)
+    P = tile_scheduler.PersistentScheduler
+    static, dynamic = P(tile_scheduler.StaticTileScheduler), P(tile_scheduler.StaticTileScheduler, dynamic=True)
 
-    def plan(split=None, sched=static, causal=False, kv=False, b=2, sq=16384, h=16, sk=16384, tm=128, ctas=132):
-        return s4.split_tail_plan(split, sched, causal, kv, b, sq, h, sk, tm, 128, ctas)
+    def plan(split=None, sched=static, causal=False, b=2, sq=16384, h=16, sk=16384, tm=128, ctas=132):
+        return s4.split_tail_plan(split, sched, causal, b, sq, h, sk, tm, 128, ctas)
 
     # the benchmark's d = 128 shapes: 4096 tiles = 31 waves of 132 + 4 tiles, 33 chunks of 4 / 2 blocks
     assert plan() == (4, 33)
@@ -1337,8 +1228,8 @@ def test_split_tail_plan():
     assert plan(h=32, tm=192, sq=192 * 86) is None                 # 5504 tiles: a last wave of 92, not two chunks each
     assert plan(h=32, b=1, sq=128 * 133) == (32, 4)                # 4256 tiles: 32 left over, 4 chunks each
     assert plan(False) is None and plan(sched=dynamic) is None and plan(causal=True) is None
-    assert plan(sched=common.StaticTileScheduler) is None and plan(kv=True) is None
-    for bad in ({"sched": dynamic}, {"causal": True}, {"kv": "heads"}, {"sched": common.StaticTileScheduler}):
+    assert plan(sched=tile_scheduler.StaticTileScheduler) is None
+    for bad in ({"sched": dynamic}, {"causal": True}, {"sched": tile_scheduler.StaticTileScheduler}):
         with pytest.raises(ValueError, match="split_tail"):
             plan(True, **bad)
     with pytest.raises(TypeError, match="split_tail"):
@@ -1351,7 +1242,7 @@ def test_split_tail_plan():
 def test_split_tail_compiles_sm90a(d, dv):
     """The split build (persistent, non-causal): no spills, no serialized wgmma, and the same hot loop
     as the unsplit build up to the loop bounds (a chunk walks keys [n_block_min, n_block_max))."""
-    from stage3_fwd_kernel.common import key_block_loop
+    from stage3_fwd_kernel.sass_report import key_block_loop
 
     s4 = _mod()
     split = s4.compile_only(head_dim=d, head_dim_v=dv, persistent=True, split_tail=True)
@@ -1381,13 +1272,13 @@ def test_split_tail_matches_whole_tiles(d, dv, dtype, hq, hkv, sk):
     against the fp32 reference like everything else, and a second run gives the same bits."""
     import torch
 
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import tile_scheduler
 
     s4 = _mod()
     tile_m = s4.default_tile_m(d, dv)
     sq, b, ctas = 3 * tile_m, 2, 7
     q, k, v = _randn_qkv(b, sq, sk, hq, hkv, d, dv, dtype, seed=sk + d)
-    sched = common.PersistentScheduler(num_ctas=ctas)
+    sched = tile_scheduler.PersistentScheduler(num_ctas=ctas)
     tail, chunks = s4.split_tail_plan(True, sched, False, False, b, sq, hq, sk, tile_m, s4.default_tile_n(d, dv), ctas)
     assert tail == (3 * hq * b) % ctas and chunks >= 2
     whole = _dense(q, k, v, causal=False, scheduler=sched, persistent=True, split_tail=False)
@@ -1405,13 +1296,13 @@ def test_split_tail_matches_whole_tiles(d, dv, dtype, hq, hkv, sk):
 
 def _tail_rows(tiles, tail, num_m_blocks, heads, tile_m, device):
     """(batch (R, 1), query rows (R, tile_m), head (R, 1)) of the last R tiles of the static order
-    (common.StaticTileScheduler.tile_at applied to a tensor of linear indices)."""
+    (tile_scheduler.StaticTileScheduler.tile_at applied to a tensor of linear indices)."""
     import torch
 
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import tile_scheduler
 
     linear = torch.arange(tiles - tail, tiles, device=device)
-    m_block, head, batch = common.StaticTileScheduler.tile_at(linear, num_m_blocks, heads, None)
+    m_block, head, batch = tile_scheduler.StaticTileScheduler.tile_at(linear, num_m_blocks, heads, None)
     rows = m_block[:, None] * tile_m + torch.arange(tile_m, device=device)
     return batch[:, None], rows, head[:, None]
 
@@ -1476,13 +1367,13 @@ def test_persistent_lpt_order_and_repeats(d):
     after run."""
     import torch
 
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import tile_scheduler
     from stage5_scheduling.device import LPTCausalScheduler
 
     q, k, v = _randn_qkv(2, 1500, 1500, 8, 2, d, d, seed=d)
     static = _dense(q, k, v, causal=True, persistent=False)
-    for sched in (common.PersistentScheduler(LPTCausalScheduler(4), 11),
-                  common.PersistentScheduler(LPTCausalScheduler(4), 11, dynamic=True)):
+    for sched in (tile_scheduler.PersistentScheduler(LPTCausalScheduler(4), 11),
+                  tile_scheduler.PersistentScheduler(LPTCausalScheduler(4), 11, dynamic=True)):
         first = _dense(q, k, v, causal=True, scheduler=sched)
         assert torch.equal(first[0], static[0]) and torch.equal(first[1], static[1])
         for _ in range(3):  # the dynamic hand-out differs run to run; every tile's bits do not
@@ -1501,218 +1392,24 @@ def test_persistent_varlen(causal, d, ratio, seqused):
     sequence's end are skipped inside the loop): FA4's rule and bitwise the static kernel."""
     import torch
 
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel import tile_scheduler
 
     used = USED_K if seqused else None
     q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, d, d, seed=d + ratio + 9)
     perm = torch.arange(len(LENS_Q) - 1, -1, -1, dtype=torch.int32, device="cuda")
     static = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm)
-    for sched in (common.PersistentScheduler(num_ctas=3), common.PersistentScheduler(num_ctas=3, dynamic=True)):
+    P = tile_scheduler.PersistentScheduler
+    for sched in (P(num_ctas=3), P(num_ctas=3, dynamic=True)):
         out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm, scheduler=sched)
         assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
     q0, q1 = int(cu_q[1]), int(cu_q[2])  # the k-empty sequence: exactly 0 / -inf
     assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
 
 
-# ---- K/V multicast: clusters of two CTAs share every K/V block (kv_multicast=True) ---------------
-@pytest.mark.cpu
-@pytest.mark.stage3
-def test_kv_multicast_validation():
-    """kv_multicast is refused, naming itself, where the two CTAs of a pair would not walk the same key
-    blocks in the same order: query-tile pairs ("m", True) in causal or varlen calls, under the dynamic
-    hand-out or a non-static one-CTA-per-tile order; head pairs ("heads") anywhere but one CTA per
-    tile on the static grid, or with an odd number of query heads per KV head. It must be a bool,
-    "m" or "heads". Off, nothing about the kernel or its cache key changes."""
-    from stage3_fwd_kernel import common
-    from stage5_scheduling.device import LPTCausalScheduler
-
-    mod, bf16, P = _mod(), common.cutlass_dtype("bf16"), common.PersistentScheduler
-    with pytest.raises(ValueError, match="kv_multicast.*causal"):
-        mod.make_kernel(bf16, 128, 128, True, kv_multicast=True)
-    with pytest.raises(ValueError, match="kv_multicast.*dynamic"):
-        mod.make_kernel(bf16, 128, 128, False, scheduler=P(dynamic=True), kv_multicast=True)
-    with pytest.raises(ValueError, match="kv_multicast.*static grid"):
-        mod.make_kernel(bf16, 128, 128, False, scheduler=LPTCausalScheduler(4), kv_multicast=True)
-    with pytest.raises(TypeError, match="kv_multicast"):
-        mod.make_kernel(bf16, 128, 128, False, kv_multicast=1)
-    with pytest.raises(ValueError, match="kv_multicast.*varlen"):
-        mod.compile_only("bf16", 128, varlen=True, kv_multicast=True)
-    with pytest.raises(ValueError, match="kv_multicast.*'heads'"):
-        mod.make_kernel(bf16, 128, 128, True, kv_multicast="rows")
-    for sched in (P(), P(dynamic=True), LPTCausalScheduler(4)):
-        with pytest.raises(ValueError, match="kv_multicast.*static grid"):
-            mod.make_kernel(bf16, 128, 128, True, scheduler=sched, kv_multicast="heads")
-    with pytest.raises(ValueError, match="kv_multicast.*even number of query heads per KV head"):
-        mod._check_head_pairs("heads", 12, 4)
-    mod._check_head_pairs("heads", 8, 4)
-    mod._check_head_pairs("m", 3, 3)
-    on = mod.make_kernel(bf16, 128, 128, False, scheduler=P(), kv_multicast=True)
-    heads = mod.make_kernel(bf16, 128, 128, True, kv_multicast="heads")
-    off = mod.make_kernel(bf16, 128, 128, False, scheduler=P())
-    assert (on.cluster_m, heads.cluster_m, off.cluster_m) == (2, 1, 1) and on.num_stages == off.num_stages
-    assert (on.cluster_shape, heads.cluster_shape, off.cluster_shape) == ((2, 1, 1), (1, 2, 1), None)
-    assert (on.kv_share, heads.kv_share, off.kv_share) == (2, 2, 1)
-    key = mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P())
-    assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast=False) == key
-    assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast=True) == key + ("kv_multicast",)
-    assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(), kv_multicast="m") == key + ("kv_multicast",)
-    assert mod._key("gpu", bf16, 128, 128, False, mod.DEFAULT_POLICY, P(),
-                    kv_multicast="heads") == key + ("kv_multicast_heads",)
-
-
-@pytest.mark.cpu
-@pytest.mark.stage3
-@pytest.mark.parametrize("dropped,kind", [(None, None), ("EMPTY_COUNTS_BOTH", ("race", "wrong phase")),
-                                          ("FULL_EXPECTS_BOTH", ("torn read",)), ("CLUSTER_EXIT", ("after exit",))])
-def test_kv_multicast_protocol_model(dropped, kind):
-    """stage3_fwd_kernel.cluster_ring runs the pair's K/V ring event by event under random
-    interleavings: with the kernel's three rules no interleaving breaks it (no race, torn read,
-    wrong barrier phase, arrival after exit or deadlock, over 4 configurations x 300 seeds); without
-    any one of them some interleaving does, in the way that rule exists to prevent."""
-    from stage3_fwd_kernel import cluster_ring
-
-    rules = tuple(r for r in cluster_ring.RULES if r != dropped)
-    found = cluster_ring.first_violation(rules)
-    if dropped is None:
-        assert found is None, found
-    else:
-        assert found is not None and found.split(": ", 1)[1].startswith(kind), found
-    with pytest.raises(ValueError, match="rules"):
-        cluster_ring.simulate(2, 3, 1, 0, rules=("NO_SUCH_RULE",))
-
-
-# (mode, d, persistent, dtype, causal, varlen)
-KV_MULTICAST_COMPILE = [("m", 64, True, "bf16", False, False), ("m", 96, True, "bf16", False, False),
-                        ("m", 128, True, "bf16", False, False), ("m", 128, False, "bf16", False, False),
-                        ("m", 256, False, "bf16", False, False), ("m", 128, True, "fp16", False, False),
-                        ("heads", 128, False, "bf16", True, False), ("heads", 64, False, "bf16", True, True),
-                        ("heads", 256, False, "bf16", True, False), ("heads", 96, False, "fp16", False, True)]
-
-
-@pytest.mark.compile
-@pytest.mark.stage3
-@pytest.mark.parametrize("mode,d,persistent,dtype,causal,varlen", KV_MULTICAST_COMPILE,
-                         ids=[f"{m}-d{d}-{'persistent' if p else 'per-tile'}-{t}{'-causal' if c else ''}"
-                              f"{'-varlen' if v else ''}" for m, d, p, t, c, v in KV_MULTICAST_COMPILE])
-def test_kv_multicast_compiles_sm90a(mode, d, persistent, dtype, causal, varlen):
-    """The pair's protocol is in the PTX: every K/V load is a multicast TMA and Q's are not; the box
-    row each CTA loads depends on its cluster rank; consumers release K/V slots on both CTAs'
-    barriers (remote arrives); both CTAs' barriers exist before either touches the other's (a relaxed
-    cluster barrier after the inits) and neither leaves early (a cluster barrier at the end). Same
-    registers and shared memory as the plain build, no spills; the plain build has none of it.
-    Query-tile pairs ("m", non-causal dense) and head pairs ("heads", causal and varlen too)."""
-    import re
-
-    from stage3_fwd_kernel import common
-
-    mod = _mod()
-    flags = dict(causal=causal, varlen=varlen, seqused_k=varlen, persistent=persistent)
-    comp = mod.compile_only(dtype, d, kv_multicast=mode, **flags)
-    plain = mod.compile_only(dtype, d, **flags)
-    rep, ptx = comp.report, comp.ptx
-    assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
-    assert not rep["wgmma_serialized"] and rep["registers"] == plain.report["registers"]
-    assert rep["smem_bytes"] == plain.report["smem_bytes"]
-    kernel = mod.make_kernel(common.cutlass_dtype(dtype), d, d, causal,
-                             scheduler=common.PersistentScheduler() if persistent else common.StaticTileScheduler,
-                             kv_multicast=mode)
-    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= kernel.regs_consumer
-
-    def loads(text):
-        return re.findall(r"cp\.async\.bulk\.tensor\.\S+", text)
-    mine, theirs = loads(ptx), loads(plain.ptx)
-    mcast = [t for t in mine if "multicast::cluster" in t]
-    # as many load sites as the plain build; Q's (one per 64-row slab and swizzle-atom column block:
-    # 64 columns, 32 at d = 96) stay per CTA
-    assert len(mine) == len(theirs) and 0 < len(mcast) < len(mine)
-    assert len(mine) - len(mcast) == kernel.num_consumers * d // (64 if d % 64 == 0 else 32)
-    assert "%cluster_ctarank" in ptx
-    assert re.search(r"mbarrier\.arrive[^\n;]*shared::cluster", ptx)  # the remote K/V releases
-    # the arrival counts of the barriers (cluster_ring's rules): full ones 1 (the producer's
-    # expect_tx), Q's empty one the CTA's consumer warps, the K/V empty ones both CTAs' consumer warps
-    def init_counts(text):
-        return sorted({int(count) for _, count in re.findall(
-            r"mov\.b32\s+(%r\d+), (\d+);\s*mbarrier\.init\.shared\.b64\s+\[[^\]]+\], \1;", text)})
-    warps = 4 * kernel.num_consumers
-    assert init_counts(ptx) == [1, warps, 2 * warps] and init_counts(plain.ptx) == [1, warps]
-    cluster = re.findall(r"barrier\.cluster\.(arrive(?:\.relaxed)?|wait)", ptx)
-    assert cluster == ["arrive.relaxed", "wait", "arrive", "wait"], cluster
-    assert "multicast" not in plain.ptx and "barrier.cluster" not in plain.ptx
-
-
-KV_MULTICAST_SEQLENS = [(1, 1), (113, 203), (239, 1), (799, 3), (300, 70), (1024, 1024), (4224, 4224)]
-
-
-@pytest.mark.gpu
-@pytest.mark.stage3
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
-@pytest.mark.parametrize("sq,sk", KV_MULTICAST_SEQLENS, ids=[f"{a}x{b}" for a, b in KV_MULTICAST_SEQLENS])
-def test_kv_multicast_matches_static(d, sq, sk):
-    """Clusters of two CTAs sharing K/V compute every tile with the same operations: FA4's rule and
-    bitwise the one-CTA-per-tile kernel, with one cluster per tile pair and (d <= 128) persistent
-    clusters (3 of them walking many pairs, and one per two SMs). Odd tile counts leave the last pair
-    a shadow tile past seqlen_q (1, 113, 300 and 799 queries; 4224 at 128-row tiles), which must write nothing."""
-    import torch
-
-    from stage3_fwd_kernel import common
-
-    big = sq * sk > 2_000_000
-    heads = 2 if big else 8
-    ratio = 2 if big else [1, 2, 8][(sq + sk + d) % 3]
-    q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, d, d, seed=sq + sk + d + 11)
-    static = _dense(q, k, v, causal=False, persistent=False)
-    configs = [dict(persistent=False)]
-    if d <= 128:
-        configs += [dict(scheduler=common.PersistentScheduler(num_ctas=6)), dict(persistent=True)]
-    for kw in configs:
-        out, lse = _dense(q, k, v, causal=False, kv_multicast=True, **kw)
-        assert torch.equal(out, static[0]) and torch.equal(lse, static[1]), kw
-
-
-KV_HEADS_CASES = [(1, 1, 2), (113, 203, 8), (239, 1, 2), (799, 3, 4), (300, 70, 2), (1024, 1024, 8), (4224, 4224, 2)]
-
-
-@pytest.mark.gpu
-@pytest.mark.stage3
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("sq,sk,ratio", KV_HEADS_CASES, ids=[f"{a}x{b}-gqa{r}" for a, b, r in KV_HEADS_CASES])
-def test_kv_multicast_heads_matches_static(d, causal, sq, sk, ratio):
-    """Head pairs (kv_multicast="heads": query heads 2 j and 2 j + 1 of one KV head share each K/V
-    block of a query tile, causal or not): FA4's rule and bitwise the plain one-CTA-per-tile kernel,
-    GQA 2 / 4 / 8 (ratio 4 with a single KV head, MQA), odd shapes, causal rows past their diagonal."""
-    import torch
-
-    big = sq * sk > 2_000_000
-    heads = 4 if ratio == 4 else (2 if big and ratio == 2 else 8)
-    q, k, v = _randn_qkv(1 if big else 2, sq, sk, heads, heads // ratio, d, d, seed=sq + sk + d + ratio)
-    static = _dense(q, k, v, causal=causal, persistent=False)
-    out, lse = _dense(q, k, v, causal=causal, kv_multicast="heads")
-    assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.stage3
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,ratio", [(128, 2), (64, 8)], ids=["d128-gqa2", "d64-gqa8"])
-def test_kv_multicast_heads_varlen(causal, d, ratio):
-    """Head pairs on packed batches (q-empty and k-empty sequences, NaN cache slots past seqused_k):
-    both CTAs of a pair always share the sequence and the query tile, so they leave together when
-    it lies past the sequence. Bitwise the plain kernel; the k-empty sequence exactly 0 / -inf."""
-    import torch
-
-    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, USED_K, 8, 8 // ratio, d, d, seed=d + ratio + 21)
-    static = _varlen(q, k, v, cu_q, cu_k, su, causal=causal)
-    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, kv_multicast="heads")
-    assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
-    q0, q1 = int(cu_q[1]), int(cu_q[2])
-    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
-
-
 @pytest.mark.compile
 @pytest.mark.stage3
 def test_trace_stamps_compile_only_when_turned_on():
-    """stage3_fwd_kernel.trace: off (the default) step 4 reads no clock; on, it reads SM id, global
+    """stage3_fwd_kernel.trace: off (the default) the kernel reads no clock; on, it reads SM id, global
     timer and clock at the CTA events and the clock at each per-block event, with no spills, under
     a key of its own that fa4's disk cache refuses (the buffer address is baked in)."""
     from fa4 import _cache
@@ -1739,3 +1436,26 @@ def test_trace_stamps_compile_only_when_turned_on():
     # 7 events in each of the two key-block loops (masked, hot) plus the CTA events' clocks
     assert traced.sass.count("SR_CLOCKLO") >= 2 * len(trace.EVENTS) + len(forward_cta_events)
     assert "traced" not in mod._key("gpu", "bf16", 128, 128, False, mod.DEFAULT_POLICY, None)  # off again: the old key
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_product_modules_stay_small():
+    """The composed forward stays readable: no module of stage3_fwd_kernel/hopper or
+    stage3_fwd_kernel/components over 1200 lines, no class over 500, no function over 150."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "stage3_fwd_kernel"
+    files = sorted((root / "hopper").glob("*.py")) + sorted((root / "components").glob("*.py"))
+    assert len(files) > 10
+    too_long = []
+    for path in files:
+        text = path.read_text()
+        if len(text.splitlines()) > 1200:
+            too_long.append(f"{path.name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            limit = {ast.ClassDef: 500, ast.FunctionDef: 150, ast.AsyncFunctionDef: 150}.get(type(node))
+            if limit and node.end_lineno - node.lineno + 1 > limit:
+                too_long.append(f"{path.name}: {node.name} {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long

@@ -1,7 +1,7 @@
 """The launch path of the kernels fa4 runs: TVM-FFI compiles that take torch tensors directly.
 
 Compile tier (CI, no GPU): every kernel of the Hopper forward and backward compiles the way the
-GPU path compiles it (fake tensors + ``common.launch_stream()`` + ``--enable-tvm-ffi``), is the
+GPU path compiles it (fake tensors + ``host_io.launch_stream()`` + ``--enable-tvm-ffi``), is the
 same machine code as the compile-only build (same registers, no spills), and exports to an
 object the disk cache can load back. GPU tier: a launch follows torch's current stream.
 """
@@ -14,23 +14,23 @@ pytestmark = [pytest.mark.fa4]
 
 def _launchable_and_plain(key, make_kernel, fake_args):
     """(launchable compile, compile-only build) of one kernel, through the shared compile cache."""
-    from stage3_fwd_kernel import common
+    from stage3_fwd_kernel.compile_cache import compile_cached
 
-    launch = common.compile_cached(("test-launchable",) + key, lambda: (make_kernel(), fake_args(True)))
-    plain = common.compile_cached(("test-plain",) + key, lambda: (make_kernel(), fake_args(False)))
+    launch = compile_cached(("test-launchable",) + key, lambda: (make_kernel(), fake_args(True)))
+    plain = compile_cached(("test-plain",) + key, lambda: (make_kernel(), fake_args(False)))
     return launch, plain
 
 
 def _fwd(d):
-    from stage3_fwd_kernel import common
-    from stage3_fwd_kernel.hopper import forward as s4
+    from stage3_fwd_kernel import hopper, host_io
+    from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
 
-    dt = common.cutlass_dtype("bf16")
+    dt = host_io.cutlass_dtype("bf16")
     flags = (True, True, False)  # varlen with seqused_k: the most optional arguments present
     return _launchable_and_plain(
-        ("fwd", d), lambda: s4.make_kernel(dt, d, d, True, policy=s4.DEFAULT_POLICY,
-                                           scheduler=common.StaticTileScheduler),
-        lambda launchable: s4._fake_args(dt, d, d, flags, launchable=launchable))
+        ("fwd", d), lambda: hopper.make_kernel(dt, d, d, True, policy=hopper.DEFAULT_POLICY,
+                                               scheduler=StaticTileScheduler),
+        lambda launchable: hopper._fake_args(dt, d, d, flags, launchable=launchable))
 
 
 def _bwd_main(d):
@@ -154,14 +154,14 @@ def test_backward_launch_arguments_match_the_compiled_signature(varlen):
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_forward_launch_arguments_match_the_compiled_signature(varlen):
     torch = pytest.importorskip("torch")
-    from stage3_fwd_kernel import common
-    from stage3_fwd_kernel.hopper import forward as s4
+    from stage3_fwd_kernel import hopper, host_io
 
     q = torch.zeros(1 if varlen else 2, 100, 4, 128, dtype=torch.bfloat16)
     lse = torch.zeros(q.shape[0], 4, 100)
     cu = torch.tensor([0, 40, 100], dtype=torch.int32) if varlen else None
-    real = s4._call_args(q, q, q, q.clone(), lse, 0.1, 100, cu, cu, cu[1:] if varlen else None)
-    _same_kinds(real, s4._fake_args(common.cutlass_dtype("bf16"), 128, 128, (varlen, varlen, False), launchable=True))
+    real = hopper._call_args(q, q, q, q.clone(), lse, 0.1, 100, cu, cu, cu[1:] if varlen else None)
+    _same_kinds(real, hopper._fake_args(host_io.cutlass_dtype("bf16"), 128, 128, (varlen, varlen, False),
+                                        launchable=True))
 
 
 BLACKWELL_LAUNCHABLE = """

@@ -1,54 +1,45 @@
-"""The production Hopper (sm_90) forward: a stable name for the last rung of the ladder.
-
-`fa4` imports only this module, so the ladder's files can be renamed or extended without
-touching the package. Today every name points at step 4 (hopper_step4_fa4_softmax): step 3's
-warp-specialized ping-pong kernel with FA4's softmax (conditional rescaling with a warp vote,
-partial exp2 emulation) and varlen.
+"""The production Hopper (sm_90) forward: the kernel `fa4` runs, composed of named components.
 
     from stage3_fwd_kernel.hopper import attention_forward, attention_varlen_forward
-    out, lse = attention_forward(q, k, v, causal=True)                 # (B, S, H, D)
+    out, lse = attention_forward(q, k, v, causal=True)                       # (B, S, H, D)
     out, lse = attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k)   # packed (T, H, D)
+
+Modules (the ladder, hopper_step1..4, teaches the same techniques one at a time):
+
+  host.py ........ attention_forward, attention_varlen_forward, compile_only, compile_launchable
+  config.py ...... tile sizes, shared-memory plan, argument checks, the default softmax policy
+  scheduling.py .. persistent CTAs or one CTA per tile (default_persistent)
+  split_tail.py .. the last partial wave cut along the keys
+  kernel.py ...... FlashAttentionForwardSm90: launch, shared memory, producer / consumer roles
+  producer.py .... TMA loads of Q and the K/V ring
+  mainloop.py .... a consumer's walk over key blocks (overlapped S / P V, descriptors built once)
+  softmax.py ..... online softmax with the conditional rescale (warp vote)
+  epilogue.py .... O /= l, lse, O via smem / from registers / into the split workspace
+  fragments.py ... accumulator views, P packed between the exponentials, the lean mask's check
+  barriers.py .... named barrier ids of the tensor-core turn
+  cli.py ......... run() and ``python -m stage3_fwd_kernel.hopper``
+and, shared with other kernels, `stage3_fwd_kernel.components` (work tile, sequence info,
+key-block range, mask, tile walk) and `stage3_fwd_kernel.softmax_policy`.
 """
 from __future__ import annotations
 
-from stage3_fwd_kernel.hopper.forward import (
-    DEFAULT_POLICY,
-    STEP,
-    SUPPORTED_HEAD_DIMS,
-    FlashAttentionForwardSm90Step4 as FlashAttentionForwardSm90,
-    attention_forward,
-    DEFAULT_EMULATION_FRACTION,
-    attention_varlen_forward,
-    compile_only,
-    make_kernel,
-    run,
-)
-from stage3_fwd_kernel.softmax_policy import (
-    DEFAULT_POLY_DEGREE,
-    DEFAULT_RESCALE_THRESHOLD,
-    SoftmaxPolicy,
-)
+from stage3_fwd_kernel.softmax_policy import DEFAULT_POLY_DEGREE, DEFAULT_RESCALE_THRESHOLD, SoftmaxPolicy
 
-def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False,
-                       seqused_k=False, scheduler=None, seqlen_k=None) -> list:
-    """What attention_forward (varlen=True: attention_varlen_forward) launches with its defaults and
-    `scheduler` (None: the static tile order; persistent CTAs where default_persistent says so for
-    calls with `seqlen_k` keys, None = short ones, as in the launch), compiled without a GPU under the GPU path's cache key
-    (TVM-FFI, fake tensors): a list of Compiled records -- the kernel, and for non-causal dense calls on
-    persistent CTAs also what long ones launch, the split_tail build and its combine kernel. With
-    fa4's disk cache installed this fills it on a CPU machine."""
-    from stage3_fwd_kernel import split_combine
-    from stage3_fwd_kernel.hopper.forward import default_persistent
+from .cli import run
+from .host import attention_forward, attention_varlen_forward, compile_launchable, compile_only, make_kernel
+from .kernel import FlashAttentionForwardSm90
+from .config import DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, SUPPORTED_HEAD_DIMS
 
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    builds = [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
-                           scheduler=scheduler, launchable=True, seqlen_k=seqlen_k)]
-    if not (causal or varlen or scheduler is not None) and default_persistent(head_dim, head_dim_v, False):
-        builds.append(compile_only(dtype, head_dim, head_dim_v, False, persistent=True, split_tail=True,
-                                   launchable=True))
-        builds.append(split_combine.compile_only(dtype, head_dim_v, launchable=True))
-    return builds
-
+# Beyond __all__: the tuning defaults, checks and cache plumbing that tests, tutorials, benchmarks
+# and stage 5 read, one import path for all of them.
+from .config import (  # noqa: F401
+    MIN_SOFTMAX_SCALE, TILE_MS, _check_head_dims, _check_scale, _check_tile_m, default_num_stages, default_tile_m,
+    default_tile_n, make_policy, o_fits_beside_q)
+from .fragments import mask_shift_holds  # noqa: F401
+from .host import _call_args, _compile, _fake_args, _key  # noqa: F401
+from .scheduling import _launch_ctas, _resolve_scheduler, default_persistent  # noqa: F401
+from .split_tail import (  # noqa: F401
+    SPLIT_TAIL_MIN_KEY_BLOCKS, split_tail_combine, split_tail_plan, split_tail_supported)
 
 __all__ = [
     "compile_launchable",

@@ -1,0 +1,112 @@
+"""Tile sizes, shared-memory plan and argument checks of the Hopper forward (host side only)."""
+from __future__ import annotations
+
+import math
+
+from stage3_fwd_kernel.host_io import SMEM_BUDGET
+from stage3_fwd_kernel.softmax_policy import DEFAULT_RESCALE_THRESHOLD, HOPPER_EMULATION_FRACTION, SoftmaxPolicy
+
+# The cache-key tag of this kernel (the ladder's lessons use their own file names)
+STEP = "hopper_forward"
+# On Hopper no share of the exponentials is emulated by default (softmax_policy.HOPPER_EMULATION_FRACTION
+# says why); emulation_fraction=0.25 etc. stay available and tested.
+DEFAULT_EMULATION_FRACTION = HOPPER_EMULATION_FRACTION
+DEFAULT_POLICY = SoftmaxPolicy(DEFAULT_RESCALE_THRESHOLD, DEFAULT_EMULATION_FRACTION)
+
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+TILE_MS = (128, 192)  # two or three consumer warpgroups of 64 query rows
+# Causal dense calls on these tiles count their Q tiles from the sequence's end (q_shift, see
+# components.work_tile.locate_tile)
+Q_SHIFT_TILE_MS = (192,)
+
+# The rescale vote's limit m + tau / (scale * log2 e) must be finite in fp32 for tau <= 64: true from
+# this scale up (fa4's validation uses the same bound). Real scales are ~1/sqrt(d).
+MIN_SOFTMAX_SCALE = 2.0 ** -100
+
+
+def default_tile_n(head_dim: int, head_dim_v: int) -> int:
+    """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S."""
+    return 64 if max(head_dim, head_dim_v) > 192 else 128
+
+
+def default_tile_m(head_dim: int, head_dim_v: int) -> int:
+    """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128.
+
+    At d = 64 a tile's MMAs are half of d = 128's, so the per-tile softmax and issue overheads
+    weigh twice as much; 192 rows amortize every K/V load over 1.5x the rows and give the tensor
+    cores three warpgroups to rotate. It costs registers: 160 per consumer thread instead of 240
+    (128 x (32 + 3 x 160) = 65536, the whole register file), which fits d = 64 without spills
+    (S 64 + P 32 + O 32 + softmax state) and nothing larger.
+    measured: docs/measurements.md"""
+    return 192 if max(head_dim, head_dim_v) <= 64 else 128
+
+
+def _smem_plan(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int, separate_o: bool) -> tuple[int, int]:
+    """(bytes outside the K/V ring: Q, O when it has its own buffer, 2 KB for barriers and
+    alignment; bytes per K/V stage), 2 bytes/element."""
+    fixed = tile_m * head_dim * 2 + (tile_m * head_dim_v * 2 if separate_o else 0) + 2048
+    return fixed, tile_n * (head_dim + head_dim_v) * 2
+
+
+def o_fits_beside_q(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int) -> bool:
+    """Whether Q, an O buffer of its own and two K/V stages fit in shared memory: true up to head dim
+    128; at (192, 128) and 256 a persistent CTA stores O from registers instead (`o_direct`)."""
+    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o=True)
+    return fixed + 2 * stage_bytes <= SMEM_BUDGET
+
+
+def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128,
+                       separate_o: bool = False) -> int:
+    """As many K/V stages as fit next to Q (and O when it has its own buffer), between 2 and 4."""
+    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o)
+    return max(2, min(4, (SMEM_BUDGET - fixed) // stage_bytes))
+
+
+def check_persistent_smem(head_dim, head_dim_v, tile_n, tile_m, num_stages, o_direct):
+    """ValueError when a persistent CTA's buffers (Q, O unless o_direct, the K/V ring) do not fit."""
+    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o=not o_direct)
+    need = fixed - 2048 + num_stages * stage_bytes
+    if need + 2048 > SMEM_BUDGET:
+        raise ValueError(f"num_stages: a persistent CTA at head dims ({head_dim}, {head_dim_v}) with "
+                         f"{num_stages} K/V stages needs {need} bytes of shared memory "
+                         f"(> {SMEM_BUDGET - 2048}); use fewer stages or a one-tile-per-CTA scheduler")
+
+
+def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
+                policy: SoftmaxPolicy | None = None) -> SoftmaxPolicy:
+    """The SoftmaxPolicy of a call: `policy` when given, else built (and validated) from the two knobs."""
+    if policy is not None:
+        if not isinstance(policy, SoftmaxPolicy):
+            raise TypeError(f"policy: expected a SoftmaxPolicy, got {type(policy).__name__}")
+        return policy
+    if (rescale_threshold, emulation_fraction) == (DEFAULT_RESCALE_THRESHOLD, DEFAULT_EMULATION_FRACTION) and \
+            type(rescale_threshold) is type(emulation_fraction) is float:
+        return DEFAULT_POLICY  # the common call: skip re-validating the defaults (host time per call)
+    return SoftmaxPolicy(rescale_threshold=rescale_threshold, emulation_fraction=emulation_fraction)
+
+
+def _check_tile_m(tile_m, d, dv) -> int:
+    """tile_m of a call: the head dims' default when None, else one of TILE_MS (192: d, dv <= 64)."""
+    if tile_m is None:
+        return default_tile_m(d, dv)
+    if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
+        raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
+    if tile_m == 192 and max(d, dv) > 64:
+        raise ValueError(f"tile_m: 192 needs head dims <= 64, got ({d}, {dv})")
+    return tile_m
+
+
+def _check_scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale >= MIN_SOFTMAX_SCALE):
+        # the kernel takes row maxima of the raw scores: a negative scale would flip max and min
+        raise ValueError(f"softmax_scale: expected a finite value >= 2**-100, got {softmax_scale}")
+    return float(softmax_scale)
+
+
+def _check_head_dims(d, dv):
+    if (d, dv) not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim: expected (qk, v) head dims in {SUPPORTED_HEAD_DIMS}, got ({d}, {dv})")

@@ -1,0 +1,249 @@
+"""The host API of the Hopper forward: argument checks, the compile cache key, compilation against
+fake tensors, and the launches (dense and varlen)."""
+from __future__ import annotations
+
+import re
+
+from cutlass import Float32, Int32
+import cutlass.cute as cute
+
+from stage3_fwd_kernel import host_io, trace
+from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
+from stage3_fwd_kernel.hopper.config import (
+    DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, _check_head_dims, _check_scale, _check_tile_m,
+    default_tile_n, make_policy)
+from stage3_fwd_kernel.hopper.kernel import FlashAttentionForwardSm90
+from stage3_fwd_kernel.hopper.scheduling import (
+    _check_grid, _launch_ctas, _resolve_scheduler, _tile_counter, default_persistent)
+from stage3_fwd_kernel.hopper.split_tail import split_tail_combine, split_tail_plan
+from stage3_fwd_kernel.softmax_policy import DEFAULT_RESCALE_THRESHOLD, SoftmaxPolicy
+from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
+
+
+def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
+                scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False):
+    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v)."""
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
+    return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
+                                     tile_m=tile_m, split_tail=split_tail)
+
+
+def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
+         split_tail=False):
+    """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
+    (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
+    tile_m enters resolved, so a default and its explicit value share one kernel."""
+    tile_m = _check_tile_m(tile_m, d, dv)
+    return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
+        (("split_tail",) if split_tail else ()) + trace.key()
+
+
+def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
+               seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None, split=None, split_chunks=1):
+    """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
+    (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
+    host_io.launch_stream)."""
+    def opt(t):
+        return None if t is None else t.detach()
+    return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), softmax_scale * host_io.LOG2_E,
+            softmax_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
+            max_seqlen_q, max_ctas, split, split_chunks)
+
+
+def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False,
+               split_tail: bool = False):
+    """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs;
+    dynamic: the scheduler takes a tile counter; split_tail: the split workspace."""
+    varlen, has_used, has_map = varlen_flags
+    i32 = host_io.fake_i32_vector
+    return (host_io.fake_bshd(dtype, d), host_io.fake_bshd(dtype, d), host_io.fake_bshd(dtype, dv),
+            host_io.fake_bshd(dtype, dv), host_io.fake_lse(), Float32(1.0), Float32(1.0),
+            i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
+            i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
+            host_io.fake_lse() if split_tail else None, Int32(1),
+            host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
+
+
+def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False):
+    """The one place the kernel is compiled (against fake tensors): launchable=True builds what
+    attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
+    key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
+               split_tail)
+    return compile_cached(key, lambda: (
+        make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail),
+        _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False),
+                   split_tail=split_tail)))
+
+
+def _check_call(q, d, dv, tile_m, softmax_scale):
+    """(tile_m, cutlass dtype, softmax_scale) of a call, checked."""
+    _check_head_dims(d, dv)
+    tile_m = _check_tile_m(tile_m, d, dv)
+    return tile_m, host_io.cutlass_dtype(q.dtype), _check_scale(softmax_scale, d)
+
+
+def _outputs(out, lse, out_shape, lse_shape, q):
+    """out / lse: allocated when None, else checked (shape, dtype, device, 16-byte / 4-byte alignment)."""
+    import torch
+
+    if out is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    host_io.check_out_tensor("out", out, out_shape, q.dtype, q.device, align_bytes=16)
+    if lse is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    host_io.check_out_tensor("lse", lse, lse_shape, torch.float32, q.device, align_bytes=4)
+    return out, lse
+
+
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
+                      rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
+                      policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None,
+                      persistent: bool | None = None, split_tail: bool | None = None):
+    """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32).
+
+    rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
+    each distinct pair is its own kernel); `policy` overrides both. `scheduler` (default
+    StaticTileScheduler) is a tile order with the StaticTileScheduler interface. tile_m: query rows
+    per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv). persistent: one
+    CTA per SM walks the scheduler's tile order (causal calls take their tiles from an atomic
+    counter; above head dim 128 O goes from registers to global memory); None =
+    default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m). split_tail: the last partial wave
+    of a static persistent non-causal call cut along the keys (split_tail_plan; None = its default).
+    """
+    import torch
+
+    policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    q, k, v = host_io.prepare_inputs(q, k, v)
+    b, sq, hq, d = q.shape
+    dv = v.shape[-1]
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale)
+    policy.check_dtype(dt)
+    if b > 65535 or hq > 65535:
+        raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
+    _check_grid(scheduler, -(-sq // tile_m), hq, b)
+    out, lse = _outputs(out, lse, (b, sq, hq, dv), (b, hq, sq), q)
+    if b == 0 or sq == 0 or hq == 0:
+        return out, lse
+    if k.shape[1] == 0:  # nothing visible anywhere (and a TMA map cannot have a 0 extent)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    ctas = _launch_ctas(scheduler, q.device)
+    plan = split_tail_plan(split_tail, scheduler, causal, b, sq, hq, k.shape[1], tile_m, default_tile_n(d, dv), ctas)
+    split = None
+    if plan is not None:
+        split = torch.empty((plan[0] * plan[1], tile_m, dv + 1), dtype=torch.float32, device=q.device)
+    args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=ctas,
+                      tile_counter=_tile_counter(scheduler, q.device), split=split,
+                      split_chunks=plan[1] if plan else 1)
+    _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, plan is not None).fn(*args)
+    if plan is not None:
+        split_tail_combine(split, *plan, out, lse, -(-sq // tile_m))
+    return out, lse
+
+
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                             softmax_scale=None, causal=False, out=None, lse=None,
+                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
+                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
+                             batch_map=None, scheduler=None, check_values=False, tile_m: int | None = None,
+                             persistent: bool | None = None):
+    """Packed q (Tq,Hq,D), k (Tk,Hkv,D), v (Tk,Hkv,Dv) with int32 cu_seqlens_q / cu_seqlens_k (batch+1,)
+    -> (out (Tq,Hq,Dv), lse (Hq,Tq) fp32).
+
+    Sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]] against the first seqused_k[b] (default: all)
+    keys of k[cu_seqlens_k[b]:cu_seqlens_k[b+1]]; causal is bottom-right aligned per sequence. Empty
+    sequences are fine; a sequence with queries but no keys gets out 0 and lse -inf. Rows of out/lse
+    outside every sequence are not written. max_seqlen_q must be >= every query length (it sizes
+    the grid); max_seqlen_k is accepted for API compatibility. batch_map (int32 (batch,)): the
+    sequence each virtual batch index computes (stage 5's reordering; identity when None).
+    check_values=True verifies the index tensors' values on the host (costs a device sync).
+    tile_m, persistent: as in attention_forward. (When k has no rows at all nothing is launched and
+    out / lse are filled with 0 / -inf entirely.)
+
+    The host views every packed tensor as a batch of one, (1, total, H, D), so the TMA tensor maps
+    are the dense ones; a CTA shifts its coordinates by its sequence's row offset. Extra Q rows of a
+    tile are never stored, extra K columns are masked, and the V rows of a partial last block are
+    zeroed in shared memory before its P V (unused KV-cache slots may hold NaN, and 0 * NaN = NaN).
+    """
+    policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map = host_io.prepare_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, batch_map=batch_map)
+    tq, hq, d = q.shape
+    dv = v.shape[-1]
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale)
+    policy.check_dtype(dt)
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
+    _check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
+    out, lse = _outputs(out, lse, (tq, hq, dv), (hq, tq), q)
+    if check_values:
+        host_io.check_varlen_values(tq, k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   seqused_k=seqused_k, batch_map=batch_map)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch == 0 or tq == 0 or hq == 0 or max_seqlen_q == 0:
+        return out, lse
+    if k.shape[0] == 0:  # no sequence has a key (and a TMA map cannot have a 0 extent)
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    # a batch of one: the dense kernel's tensor maps and (B, ...) indexing serve the packed tensors
+    args = _call_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
+                      softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map,
+                      max_ctas=_launch_ctas(scheduler, q.device), tile_counter=_tile_counter(scheduler, q.device))
+    flags = (True, seqused_k is not None, batch_map is not None)
+    _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m).fn(*args)
+    return out, lse
+
+
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False, seqused_k=False,
+                 batch_map=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
+                 emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
+                 scheduler=None, tile_m: int | None = None, launchable: bool = False,
+                 persistent: bool | None = None, seqlen_k: int | None = None,
+                 split_tail: bool = False) -> Compiled:
+    """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
+    varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
+    and persistent as in attention_forward (None = default_tile_m / default_persistent, which takes
+    seqlen_k: the key count of the calls the build is for, None = short). launchable=True builds
+    what attention_forward launches (TVM-FFI, the same cache key)."""
+    policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    _check_head_dims(head_dim, head_dim_v)
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
+    if (seqused_k or batch_map) and not varlen:
+        raise ValueError("seqused_k / batch_map: only with varlen=True")
+    dt = host_io.cutlass_dtype(dtype)
+    policy.check_dtype(dt)
+    scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m)
+    flags = (bool(varlen), bool(seqused_k), bool(batch_map))
+    comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail)
+    comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
+    comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
+    # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones
+    comp.report.setdefault("FSEL", len(re.findall(r"\bFSEL\b", comp.sass)) if comp.sass else None)
+    comp.report.setdefault("SEL", len(re.findall(r"\bSEL\b", comp.sass)) if comp.sass else None)
+    return comp
+
+
+def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False,
+                       seqused_k=False, scheduler=None, seqlen_k=None) -> list:
+    """What attention_forward (varlen=True: attention_varlen_forward) launches with its defaults and
+    `scheduler`, compiled without a GPU under the launch's cache key (TVM-FFI, fake tensors): a list
+    of Compiled records -- the kernel, and for non-causal dense calls on persistent CTAs also what
+    long ones launch, the split-tail build and its combine kernel. seqlen_k: the key count of the
+    calls (None = short ones), as default_persistent takes it. With fa4's disk cache installed this
+    fills it on a CPU machine."""
+    from stage3_fwd_kernel import split_combine
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    builds = [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
+                           scheduler=scheduler, launchable=True, seqlen_k=seqlen_k)]
+    if not (causal or varlen or scheduler is not None) and default_persistent(head_dim, head_dim_v, False):
+        builds.append(compile_only(dtype, head_dim, head_dim_v, False, persistent=True, split_tail=True,
+                                   launchable=True))
+        builds.append(split_combine.compile_only(dtype, head_dim_v, launchable=True))
+    return builds

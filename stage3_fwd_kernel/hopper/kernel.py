@@ -1,0 +1,414 @@
+"""The production Hopper (sm_90) forward kernel: the object that owns the configuration, traces
+the launch and lays out the CTA. The work itself is in named components:
+
+  producer warp ........ producer.produce (TMA loads of Q and the K/V ring)
+  consumer warpgroups .. mainloop.consume (S, softmax, P V per key block) -> epilogue.finish_tile
+  softmax .............. softmax.online_softmax + stage3_fwd_kernel.softmax_policy
+  mask ................. components.mask.AttentionMask
+  sequences / tiles .... components.work_tile (AttentionTile, SequenceInfo, locate_tile)
+  key-block range ...... components.block_range
+  tile scheduling ...... components.tile_walk (persistent walk) + tile_scheduler orders
+  named barriers ....... barriers
+
+A CTA is one producer warpgroup (one warp issues every TMA load) and tile_m / 64 consumer
+warpgroups of 64 query rows that take turns on the tensor cores. setmaxnreg moves registers from
+the producer to the consumers inside the CTA's pool: 128 * (p + nc * c) = 65536, (24, 240) with
+two consumers, (32, 160) with three.
+
+Persistent CTAs (`tile_scheduler.PersistentScheduler`, the default for dense calls at head dims
+<= 128, see `scheduling.default_persistent`): one CTA per SM walks the tiles (components.tile_walk),
+so the per-CTA fixed cost -- launch, barrier set-up, the first Q and K loads, the O store, about
+2-3 key-block steps of a tile -- is paid once per SM. The producer carries the K/V ring position
+(`kv_base`) and Q's phase across tiles; consumers release Q after their last S, and O gets its own
+buffer (or, `o_direct`, goes from registers to global memory). Causal calls take the next tile
+from an atomic counter (dynamic): the producer publishes each tile id in shared memory before
+arming that tile's Q barrier, and the consumers read it once Q has landed. Bitwise the results of
+one CTA per tile.
+measured: docs/measurements.md
+"""
+
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory.smem import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from stage3_fwd_kernel import trace
+from stage3_fwd_kernel.components.block_range import blocks_walked, num_key_blocks
+from stage3_fwd_kernel.components.mask import AttentionMask
+from stage3_fwd_kernel.components.tile_walk import TileSpace, TileWalk
+from stage3_fwd_kernel.components.work_tile import SequenceInfo, empty_tile, locate_tile
+from stage3_fwd_kernel.hopper import barriers
+from stage3_fwd_kernel.hopper.config import (
+    DEFAULT_POLICY, Q_SHIFT_TILE_MS, TILE_MS, check_persistent_smem, default_num_stages, default_tile_n,
+    o_fits_beside_q)
+from stage3_fwd_kernel.hopper.mainloop import ConsumerArgs, consume
+from stage3_fwd_kernel.hopper.producer import SmemBuffers, TmaLoads, produce
+from stage3_fwd_kernel.hopper.split_tail import SPLIT_TAIL_UNSUPPORTED, split_tail_supported
+from stage3_fwd_kernel.host_io import assume_strides_16B, top_padding
+from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
+from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
+
+
+class FlashAttentionForwardSm90:
+    """Producer warp + tile_m / 64 consumer warpgroups (tile_m = 128 or 192), ping-pong on the
+    tensor cores, TMA K/V ring, FA4's softmax, varlen, persistent CTAs and the split tail."""
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
+                 policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
+                 num_stages: int | None = None, scheduler=StaticTileScheduler, split_tail: bool = False):
+        if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
+            raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
+        if not isinstance(policy, SoftmaxPolicy):
+            raise TypeError(f"policy: expected a SoftmaxPolicy, got {type(policy).__name__}")
+        policy.check_dtype(dtype)
+        self.persistent = bool(getattr(scheduler, "persistent", False))
+        self.dynamic = self.persistent and bool(getattr(scheduler, "dynamic", False))
+        if self.persistent and not callable(getattr(scheduler, "tile_at", None)):
+            raise TypeError("scheduler: a persistent scheduler needs tile_at(linear, M, H, B)")
+        if tile_m not in TILE_MS:
+            raise ValueError(f"tile_m: expected one of {TILE_MS} (64 query rows per consumer warpgroup), got {tile_m}")
+        if tile_m == 192 and max(head_dim, head_dim_v) > 64:
+            # S (64) + P (32) + O (dv / 2) registers per thread no longer fit 160: ptxas spills
+            raise ValueError(f"tile_m: 192 needs head dims <= 64 (160 registers per consumer thread), "
+                             f"got ({head_dim}, {head_dim_v})")
+        if split_tail and not split_tail_supported(scheduler, causal):
+            raise ValueError(SPLIT_TAIL_UNSUPPORTED)
+        self.policy = policy
+        self.dtype = dtype
+        self.bf16 = dtype == cutlass.BFloat16
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.tile_m = tile_m
+        self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
+        self.mask = AttentionMask(causal, self.tile_n)
+        # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
+        # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers
+        self.o_direct = self.persistent and not o_fits_beside_q(head_dim, head_dim_v, self.tile_n, tile_m)
+        self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m,
+                                                           separate_o=self.persistent and not self.o_direct)
+        self.split_tail = bool(split_tail)
+        self.scheduler = scheduler
+        self.num_consumers = tile_m // 64          # consumer warpgroups, one wgmma M = 64 row block each
+        self.wg_m = tile_m // self.num_consumers   # 64 query rows per consumer
+        self.num_threads = 128 * (1 + self.num_consumers)
+        self.regs_producer, self.regs_consumer = {2: (24, 240), 3: (32, 160)}[self.num_consumers]
+        if self.persistent:
+            check_persistent_smem(head_dim, head_dim_v, self.tile_n, tile_m, self.num_stages, self.o_direct)
+        self.smem_bytes = None
+
+    # -------------------------------------------------------------- configuration queries
+    def q_shift_for(self, varlen: bool) -> bool:
+        """Whether a call counts its Q tiles from the sequence's end (components.work_tile): causal,
+        dense (a varlen sequence's padding rows would be the previous sequence's), 192-row tiles."""
+        return self.causal and not varlen and self.tile_m in Q_SHIFT_TILE_MS
+
+    def top_padding(self, seqlen_q):
+        """q_shift: rows before query 0 that make the Q tiles end with the sequence (< tile_m)."""
+        return top_padding(seqlen_q, self.tile_m)
+
+    def rows_shifted(self) -> bool:
+        """Whether tiles address rows from a per-sequence offset (varlen, q_shift)."""
+        return self.varlen or self.q_shift
+
+    def num_key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
+        return num_key_blocks(m_block, seqlen_q, seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, causal=self.causal)
+
+    def locate(self, m_block, head, batch, seq: SequenceInfo):
+        return locate_tile(seq, m_block, head, batch, self.tile_m if self.q_shift else None)
+
+    def tile_live(self, tile):
+        """Whether a tile starts before its sequence's end (varlen tiles past it are skipped)."""
+        return tile.m_block * self.tile_m < tile.seqlen_q
+
+    # -------------------------------------------------------------- host side (traced once)
+    def _tiled_mma_qk(self) -> cute.TiledMma:
+        """S (64 x tn) = Q (64 x d) . K (tn x d)^T: one wgmma atom, A and B K-major from smem."""
+        K_MAJOR = cute.nvgpu.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, (1, 1, 1), (self.wg_m, self.tile_n))
+
+    def _tiled_mma_pv(self) -> cute.TiledMma:
+        """O (64 x dv) = P (64 x tn) . V: A = P from registers, B = V^T (dv x tn) MN-major."""
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, (1, 1, 1), (self.wg_m, self.head_dim_v),
+            a_source=warpgroup.OperandSource.RMEM)
+
+    def _smem_layout(self, rows: int, cols: int, stages: int | None = None):
+        """Row-major (contiguous along `cols`) tile with the widest swizzle wgmma accepts,
+        optionally with a trailing stage mode."""
+        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols)
+        atom = warpgroup.make_smem_layout_atom(atom_kind, self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _gmem_copy_O(self, cols: int):
+        """128 threads, 16 bytes each, a row of the swizzle atom per group of threads."""
+        elems = 128 // self.dtype.width
+        atom_cols = 64 if cols % 64 == 0 else (32 if cols % 32 == 0 else 16)
+        threads_per_row = atom_cols // elems
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr = cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0))  # one warpgroup
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    def _check_call(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit):
+        if (mSplit is not None) != self.split_tail:
+            raise ValueError("split workspace: pass one exactly when the kernel is built with split_tail")
+        if (mTileCounter is not None) != self.dynamic:
+            raise ValueError("tile_counter: pass one exactly when the scheduler is dynamic")
+        if not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype):
+            raise TypeError("q, k, v, out must share the kernel's dtype")
+        if (mCuSeqlensQ is None) != (mCuSeqlensK is None):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k: pass both or neither")
+        if mSeqUsedK is not None and mCuSeqlensK is None:
+            raise ValueError("seqused_k: needs cu_seqlens_k")
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        """The CTA's shared memory: barriers, the dynamic scheduler's tile ids, Q, the K/V ring, O."""
+        stages = self.num_stages
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]               # full + empty, 1 stage
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            tile_ids: cute.struct.MemRange[Int32, 2]  # dynamic: the tile of each Q phase, from the producer
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[
+                self.dtype, 0 if self.o_in_q or self.o_direct else cute.cosize(sO_layout)], 1024]
+
+        return SharedStorage
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
+                 mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                 mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
+                 mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32,
+                 mSplit: Optional[cute.Tensor], split_chunks: Int32, stream):
+        # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
+        #         mLSE (B, Hq, Sq); the four optional tensors are None.
+        # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
+        #         mCuSeqlensQ / mCuSeqlensK (batch + 1,), mSeqUsedK / mBatchMap (batch,) or None.
+        # max_ctas: a persistent grid's width (the device's SMs); unused by one-tile-per-CTA grids.
+        # mTileCounter: int32 (1,), zeroed, for a dynamic persistent scheduler; None otherwise.
+        # mSplit: the split tail's workspace, fp32 (R * split_chunks, tile_m, dv + 1); None otherwise.
+        self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit)
+        self.varlen = mCuSeqlensQ is not None
+        self.q_shift = self.q_shift_for(self.varlen)
+        tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        nc = self.num_consumers
+        mQ, mK = assume_strides_16B(mQ, d), assume_strides_16B(mK, d)
+        mV, mO = assume_strides_16B(mV, dv), assume_strides_16B(mO, dv)
+
+        # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size nc)
+        sQ_layout = self._smem_layout(tm, d, nc)
+        sK_layout = self._smem_layout(tn, d, stages)
+        sV_layout = self._smem_layout(tn, dv, stages)
+        sO_layout = self._smem_layout(tm, dv, nc)
+        tiled_mma_qk = self._tiled_mma_qk()
+        tiled_mma_pv = self._tiled_mma_pv()
+
+        # TMA: the tensor map sees (seqlen, head_dim, heads, batch) so that a (rows, head_dim) box
+        # tiles the first two modes; head and batch are fixed per CTA by slicing the TMA tensor.
+        def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), (tm, d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mK), cute.slice_(sK_layout, (None, None, 0)), (tn, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_load, seq_dim_first(mV), cute.slice_(sV_layout, (None, None, 0)), (tn, dv))
+        # bytes each stage's "full" barrier waits for (the whole box, zero-filled rows included)
+        self.tma_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)  # all nc slabs, one barrier
+        self.tma_bytes_K = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        self.tma_bytes_V = cute.size_in_bytes(self.dtype, cute.slice_(sV_layout, (None, None, 0)))
+
+        # O is written once, after the last QK^T: one CTA per tile puts each consumer's O slab at the
+        # start of its own Q slab (never over another consumer's slab, which may still be in use)
+        self.o_in_q = not self.persistent and cute.cosize(cute.slice_(sO_layout, (None, None, 0))) <= cute.cosize(
+            cute.slice_(sQ_layout, (None, None, 0)))
+        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
+        self.smem_bytes = self.shared_storage.size_in_bytes()
+
+        # dense: max_seqlen_q = Sq; varlen: the longest sequence (CTAs past a shorter one exit)
+        num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+        batch = mQ.shape[0]
+        if const_expr(self.varlen):
+            batch = mCuSeqlensQ.shape[0] - 1
+        if const_expr(self.persistent):
+            grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch, cutlass.max(max_ctas, 1))
+        else:
+            grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
+        self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, softmax_scale,
+                    mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
+                    tma_atom_Q, tma_atom_K, tma_atom_V,
+                    tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
+                    self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks,
+                    # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
+                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # -------------------------------------------------------------- device side
+    @cute.kernel
+    def kernel(self, tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
+               seqlen_q: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32,
+               mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+               mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
+               mTileCounter: Optional[cute.Tensor],
+               tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
+               mSplit: Optional[cute.Tensor], split_chunks: Int32):
+        trace.cta_stamp("entry")  # no code unless trace.enable() turned tracing on
+        seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
+        tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V)
+        args = ConsumerArgs(softmax_scale_log2, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
+        layouts = (sQ_layout, sK_layout, sV_layout)
+        if const_expr(self.persistent):
+            # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
+            space = TileSpace(num_m_blocks, num_heads, num_batch, mTileCounter, mSplit, split_chunks)
+            self.attend(None, seq, space, tma, args, layouts)
+        else:
+            work = self.scheduler.initial_work()
+            tile = self.locate(work.m_block, work.head, work.batch, seq)
+            # a CTA past the end of its (shorter than max_seqlen_q) sequence leaves before any barrier
+            if self.tile_live(tile):
+                self.attend(tile, seq, None, tma, args, layouts)
+
+    def _pipelines(self, storage):
+        """mbarrier pipelines: producer = 1 arrival (an elected lane of the producer warp, which also
+        posts the expected byte count), consumers = the 4 * nc warps of all consumer warpgroups."""
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
+
+        def make(barriers_mem, stages, tx_count):
+            return pipeline.PipelineTmaAsync.create(
+                barrier_storage=barriers_mem.data_ptr(), num_stages=stages, producer_group=producer_group,
+                consumer_group=consumer_group, tx_count=tx_count, defer_sync=True)
+        return (make(storage.mbar_Q, 1, self.tma_bytes_Q), make(storage.mbar_K, self.num_stages, self.tma_bytes_K),
+                make(storage.mbar_V, self.num_stages, self.tma_bytes_V))
+
+    def _walk(self, seq: SequenceInfo) -> TileWalk:
+        return TileWalk(self.scheduler, dynamic=self.dynamic, split_tail=self.split_tail,
+                        locate=lambda m_block, head, batch: self.locate(m_block, head, batch, seq),
+                        key_blocks=lambda t: self.num_key_blocks(t.m_block, t.seqlen_q, t.seqlen_k))
+
+    @cute.jit
+    def attend(self, tile, seq: SequenceInfo, space, tma: TmaLoads, args: ConsumerArgs, layouts):
+        """The CTA: barriers and shared memory once, then the producer warp and the consumer
+        warpgroups on one tile (`tile`), or -- persistent -- on every work item of `space`."""
+        sQ_layout, sK_layout, sV_layout = layouts
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        if warp_idx == 0:  # fetch the tensor maps (they live in kernel params) into the TMA unit
+            cpasync.prefetch_descriptor(tma.atom_Q)
+            cpasync.prefetch_descriptor(tma.atom_K)
+            cpasync.prefetch_descriptor(tma.atom_V)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        pipe_Q, pipe_K, pipe_V = self._pipelines(storage)
+        cute.arch.mbarrier_init_fence()  # make the barrier inits visible to the async proxy (TMA)
+        cute.arch.sync_threads()         # ... and to every thread; the last CTA-wide barrier
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, nc)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (tn, dv, stages)
+        smem = SmemBuffers(storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
+        tile_ids = storage.tile_ids.get_tensor(cute.make_layout(2))  # (2,) int32, by Q phase
+        # the walk is reached through self inside the loops: CuTe-DSL would try to carry a local
+        # object whose methods a dynamic loop calls
+        self.walk = self._walk(seq)
+
+        if warp_group_idx == 0:
+            cute.arch.setmaxregister_decrease(self.regs_producer)
+            if warp_idx == 0:  # one warp issues (elect.sync inside needs the whole warp converged)
+                self.producer_warp(tile, space, tma, smem, tile_ids)
+        else:
+            cute.arch.setmaxregister_increase(self.regs_consumer)
+            wg = warp_group_idx - 1
+            barriers.pass_turn(wg, self.num_consumers, first=True)
+            self.consumer_warpgroup(wg, tidx, tile, space, args, smem, tile_ids)
+            barriers.pass_turn(wg, self.num_consumers, first=False)
+
+    @cute.jit
+    def producer_warp(self, tile, space, tma: TmaLoads, smem: SmemBuffers, tile_ids: cute.Tensor):
+        """The loads of one tile, or of every work item of a persistent CTA."""
+        if const_expr(self.persistent):
+            kv_base, q_phase = Int32(0), Int32(0)  # loads so far, Q's phase
+            linear = self.walk.first_linear()
+            total = self.walk.num_items(space)
+            while linear < total:
+                item = self.walk.item_at(linear, space)
+                if self.tile_live(item.tile):  # else: past its sequence's end (varlen)
+                    if const_expr(self.dynamic):
+                        # published before Q's full barrier is armed: its arrival (release) orders
+                        # the store before the consumers' wait (acquire). One lane only: the elected
+                        # lane that arrives; a store by the other lanes would be unordered (a race
+                        # under the PTX memory model, and 48 racecheck hazards when all 32 stored)
+                        if cute.arch.lane_idx() == 0:
+                            tile_ids[q_phase] = linear
+                    produce(self, item.tile, item.n_block_max, kv_base, q_phase, tma, smem,
+                            n_block_min=item.n_block_min)
+                    kv_base += blocks_walked(item.n_block_min, item.n_block_max)
+                    q_phase ^= 1
+                linear = self.walk.next_linear(linear, space)
+            if const_expr(self.dynamic):
+                # tell the consumers there is no more work: an out-of-range tile id, on a Q phase
+                # completed by a real load (the first Q slabs of the tensors)
+                if cute.arch.lane_idx() == 0:  # one lane, as above
+                    tile_ids[q_phase] = total
+                produce(self, empty_tile(), Int32(0), kv_base, q_phase, tma, smem)
+        else:
+            produce(self, tile, self.num_key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k), Int32(0), Int32(0),
+                    tma, smem)
+
+    @cute.jit
+    def consumer_warpgroup(self, wg: Int32, tidx: Int32, tile, space, args: ConsumerArgs,
+                           smem: SmemBuffers, tile_ids: cute.Tensor):
+        """Consumer wg on one tile, or on every tile of a persistent CTA (tidx: the CTA thread index)."""
+        pipe_Q = smem.pipe_Q
+        if const_expr(self.dynamic):
+            # the producer publishes each tile id with that tile's Q (total: no more work)
+            kv_base, q_phase = Int32(0), Int32(0)
+            total = space.num_tiles()
+            pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), q_phase))
+            linear = tile_ids[q_phase]
+            while linear < total:
+                t = self.walk.tile_at(linear, space)
+                n_block_max = self.num_key_blocks(t.m_block, t.seqlen_q, t.seqlen_k)
+                consume(self, wg, tidx % 128, t, n_block_max, kv_base, q_phase, args, smem)
+                kv_base += n_block_max
+                q_phase ^= 1
+                pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), q_phase))
+                linear = tile_ids[q_phase]
+        elif const_expr(self.persistent):
+            kv_base, q_phase = Int32(0), Int32(0)
+            linear = self.walk.first_linear()
+            total = self.walk.num_items(space)
+            while linear < total:
+                item = self.walk.item_at(linear, space)
+                if self.tile_live(item.tile):
+                    consume(self, wg, tidx % 128, item.tile, item.n_block_max, kv_base, q_phase, args, smem,
+                            n_block_min=item.n_block_min, chunk=item.chunk, mSplit=space.split)
+                    kv_base += blocks_walked(item.n_block_min, item.n_block_max)
+                    q_phase ^= 1
+                linear += self.walk.num_walkers()
+        else:
+            consume(self, wg, tidx % 128, tile, self.num_key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k),
+                    Int32(0), Int32(0), args, smem)

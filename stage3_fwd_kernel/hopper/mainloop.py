@@ -1,0 +1,241 @@
+"""A consumer warpgroup on one tile: set-up, the walk over key blocks, then the epilogue.
+
+Each consumer owns 64 query rows. The walk is software-pipelined inside the warpgroup (FA3's
+intra-warpgroup overlap): one tensor-core turn issues S_i = Q K_i^T *and* O += P_{i-1} V_{i-1}, so
+the softmax of S_i runs while its own P V (and then the other consumers' GEMMs) occupy the tensor
+cores. P_{i-1} stays in registers across the turn; O is rescaled for block i only after
+P_{i-1} V_{i-1} has landed in it. Blocks are walked last first: the blocks that need a mask (the
+partial last one, the causal diagonal) come first, then a hot loop with no mask code at all.
+
+Instruction order inside a step. The wait for V_{i-1} comes after S_i is issued, right before its
+P V, so it no longer delays S_i. The wait for P_{i-1} V_{i-1} is written after the softmax; ptxas
+hoists a `wgmma.wait_group` to the top of its basic block, so it lands after the first few
+exponentials, and P is packed right after it (fragments.store_P), before the O rescale's branch.
+
+Descriptors built once: the wgmma operands are descriptors this function builds per tile
+(`wgmma_desc`: Q's for every k-step, K's and V's for stage 0 plus `stage * stage_step` per block).
+Through `cute.gemm` ptxas re-derived all three from the shared-memory base in every key block,
+about 30 uniform-datapath instructions per block at d = 128; same results bit for bit.
+measured: docs/measurements.md
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import warpgroup
+
+from stage3_fwd_kernel import trace, wgmma_desc
+from stage3_fwd_kernel.components.block_range import num_masked_blocks
+from stage3_fwd_kernel.hopper import barriers, epilogue
+from stage3_fwd_kernel.hopper.fragments import acc_rowcol, scale_O_rows, store_P
+from stage3_fwd_kernel.hopper.producer import SmemBuffers, kv_state, seq_view
+from stage3_fwd_kernel.hopper.softmax import RowState, ScoreContext, online_softmax
+
+
+class TileOperands(NamedTuple):
+    """A consumer's MMA operands and accumulators for one tile."""
+
+    qk: Any          # wgmma_desc.QKOperands: S = Q K^T from shared memory
+    pv: Any          # wgmma_desc.PVOperands: O += P V, P from registers
+    thr_mma_qk: Any  # this thread's slice of the S MMA (accumulator shapes)
+    acc_O: Any       # fp32 O accumulator
+    tOrP: Any        # P in the input dtype, the A operand of P V
+
+
+class ConsumerArgs(NamedTuple):
+    """The kernel arguments every consumer tile uses."""
+
+    softmax_scale_log2: Any
+    mO: Any               # (B, Sq, Hq, dv)
+    mLSE: Any             # (B, Hq, Sq) fp32
+    mma_qk: Any           # tiled MMA of S = Q K^T
+    mma_pv: Any           # tiled MMA of O += P V
+    sO_layout: Any        # (64, dv, nc) O staging layout
+    gmem_copy_O: Any      # 128-thread, 16-byte tiled copy (O stores, V zeroing)
+
+
+class Turns(NamedTuple):
+    """The named barriers of this consumer's tensor-core turn (barriers.turn / next_turn)."""
+
+    mine: Any
+    successor: Any
+
+
+@cute.jit
+def next_kv_state(st: pipeline.PipelineState) -> pipeline.PipelineState:
+    """The ring slot after st: the next stage, the phase flipped on wrapping round (one add, a
+    compare and two selects, rather than dividing the slot out of the block count)."""
+    nxt = st.clone()
+    nxt.advance()
+    return nxt
+
+
+@cute.jit
+def consume(cfg, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32,
+            args: ConsumerArgs, smem: SmemBuffers, n_block_min=None, chunk=None, mSplit=None):
+    """Consumer wg on `tile` (cfg: the kernel; ctidx: the thread in the warpgroup). kv_base: K/V
+    blocks consumed for earlier tiles (the ring position); q_phase: Q's phase for this tile. Split
+    tail: keys [n_block_min, n_block_max) only, and a chunk >= 0 leaves its (O, lse) in mSplit."""
+    softmax_scale_log2, mO, tiled_mma_qk, tiled_mma_pv = args.softmax_scale_log2, args.mO, args.mma_qk, args.mma_pv
+    trace.cta_stamp("start")
+    tm, tn, dv = cfg.wg_m, cfg.tile_n, cfg.head_dim_v
+    nc = cfg.num_consumers
+    row0 = tile.m_block * cfg.tile_m + wg * tm  # first query row of this warpgroup
+    turns = Turns(barriers.turn(wg), barriers.next_turn(wg, nc))
+
+    sQ_wg = smem.sQ[None, None, wg]                                          # (64, d)
+    sO_wg = epilogue.o_staging(cfg, smem.storage, sQ_wg, args.sO_layout, wg)      # (64, dv) or None
+    gO = cute.local_tile(seq_view(mO[tile.batch, None, tile.head, None], tile.offset_q, cfg.rows_shifted()),
+                         (tm, dv), (tile.m_block * cfg.num_consumers + wg, 0))
+
+    # MMA partitions: accumulators in registers, the smem operands as descriptors built once per tile
+    thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
+    thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
+    qk = wgmma_desc.QKOperands(sQ_wg, smem.sK, cfg.dtype, cfg.head_dim, tn)
+    pv = wgmma_desc.PVOperands(smem.sV, cfg.dtype, dv, tn)
+    acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((tm, dv)), Float32)
+    acc_O.fill(0.0)
+    acc_O_rc = acc_rowcol(acc_O)
+    # (row, col) of each S element inside the (tm, tn) tile: this thread's, and thread 0's (the mask)
+    tScS_rc = acc_rowcol(thr_mma_qk.partition_C(cute.make_identity_tensor((tm, tn))))
+    tScS0_rc = acc_rowcol(tiled_mma_qk.get_slice(0).partition_C(cute.make_identity_tensor((tm, tn))))
+    num_rows = cute.size(tScS_rc, mode=[0])  # 2 rows per thread
+    row_max = cute.make_rmem_tensor((num_rows,), Float32)
+    row_max_new = cute.make_rmem_tensor((num_rows,), Float32)
+    row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+    row_limit = cute.make_rmem_tensor((num_rows,), Float32)
+    row_bias = cute.make_rmem_tensor((num_rows,), Float32)
+    row_max.fill(-Float32.inf)
+    row_sum.fill(0.0)
+    row_limit.fill(-Float32.inf)
+    row_bias.fill(0.0)
+    rescale_margin = Float32(cfg.policy.rescale_threshold) / softmax_scale_log2
+
+    q_state = pipeline.PipelineState(1, Int32(0), Int32(0), q_phase)
+    smem.pipe_Q.consumer_wait(q_state)
+
+    tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), cfg.dtype)
+    row_scale = cute.make_rmem_tensor((num_rows,), Float32)
+    n_masked = num_masked_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k, n_block_max, tile_m=cfg.tile_m,
+                                 tile_n=tn, causal=cfg.causal)  # walked first (i < n_masked)
+    n_blocks = n_block_max
+    if const_expr(n_block_min is not None):
+        n_blocks = n_block_max - n_block_min
+        n_masked = cutlass.min(n_masked, n_blocks)
+    rows = RowState(row_max, row_max_new, row_sum, row_scale, row_limit, row_bias)
+    ctx = ScoreContext(row0, tile.seqlen_q, tile.seqlen_k, softmax_scale_log2, rescale_margin, tScS_rc, tScS0_rc)
+    ops = TileOperands(qk, pv, thr_mma_qk, acc_O, tOrP)
+    if n_blocks > 0:
+        walk_key_blocks(cfg, wg, ctidx, kv_base, n_block_max, n_blocks, n_masked, rows, ctx, ops, smem, turns,
+                        q_state, args.gmem_copy_O)
+
+    if const_expr(cfg.persistent):
+        pipe_Q = smem.pipe_Q  # a local: CuTe-DSL would carry `smem` through the `if` that calls it
+        if n_blocks == 0:
+            pipe_Q.consumer_release(q_state)
+
+    out = epilogue.OutputTiles(args.mLSE, gO, sO_wg, tiled_mma_pv, args.gmem_copy_O, mSplit)
+    epilogue.finish_tile(cfg, wg, ctidx, tile, row0, acc_O, acc_O_rc, rows, ctx, out, chunk)
+    trace.cta_stamp("end")
+
+
+@cute.jit
+def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: Int32, n_blocks: Int32,
+                    n_masked: Int32, rows: RowState, ctx: ScoreContext, ops: TileOperands, smem: SmemBuffers,
+                    turns: Turns, q_state: pipeline.PipelineState, gmem_copy_O: cute.TiledCopy):
+    """The tile's key blocks n_block_max - 1 down to n_block_max - n_blocks: the first alone, the
+    masked ones, the hot loop, then the last P V."""
+    tm, tn, nc = cfg.wg_m, cfg.tile_n, cfg.num_consumers
+    # 1. prologue: S_0 alone (O is still 0: nothing to rescale)
+    st0 = kv_state(kv_base, cfg.num_stages, producer=False)
+    smem.pipe_K.consumer_wait(st0)
+    acc_S0 = cute.make_rmem_tensor(ops.thr_mma_qk.partition_shape_C((tm, tn)), Float32)
+    cute.arch.barrier(barrier_id=turns.mine, number_of_threads=barriers.TURN_THREADS)
+    ops.qk.gemm(acc_S0, st0.index)
+    cute.arch.barrier_arrive(barrier_id=turns.successor, number_of_threads=barriers.TURN_THREADS)
+    pipe_V = smem.pipe_V  # a local: CuTe-DSL would carry `smem` through the `if` that calls it
+    if const_expr(cfg.varlen):
+        # V rows past the sequence belong to the next one, or are unused cache slots (seqused_k)
+        # that may hold NaN; P is 0 there but 0 * NaN is not. Only the first block walked (the last
+        # one) can be partial: every consumer zeroes its whole tail itself (so what it reads is its
+        # own zeros; the others only write the same zeros), then makes the writes visible to wgmma.
+        if n_block_max * tn > ctx.seqlen_k:
+            pipe_V.consumer_wait(st0)
+            zero_rows(cfg, smem.sV[None, None, st0.index], ctx.seqlen_k - (n_block_max - 1) * tn, ctidx,
+                      gmem_copy_O)
+            cute.arch.fence_view_async_shared()
+            barriers.sync_own(wg, nc)
+    warpgroup.wait_group(0)
+    smem.pipe_K.consumer_release(st0)
+    online_softmax(acc_S0, n_block_max - 1, True, rows, ctx, cfg.mask, cfg.policy)
+    store_P(acc_S0, ops.tOrP, cfg.bf16)
+
+    # 2. steady state: masked blocks first, then the hot loop; the ring slot is carried
+    st_prev = st0
+    for i in cutlass.range(1, n_masked, unroll=1):
+        st = next_kv_state(st_prev)
+        overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, True, rows, ctx, ops, smem, turns)
+        st_prev = st
+    for i in cutlass.range(cutlass.max(n_masked, 1), n_blocks, unroll=1):
+        st = next_kv_state(st_prev)
+        overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, False, rows, ctx, ops, smem, turns)
+        st_prev = st
+
+    if const_expr(cfg.persistent):
+        smem.pipe_Q.consumer_release(q_state)  # every S of the tile has landed: the next Q may load
+    # 3. drain: the last P V
+    st_last = st_prev
+    smem.pipe_V.consumer_wait(st_last)
+    cute.arch.barrier(barrier_id=turns.mine, number_of_threads=barriers.TURN_THREADS)
+    ops.pv.gemm(ops.acc_O, ops.tOrP, st_last.index)
+    cute.arch.barrier_arrive(barrier_id=turns.successor, number_of_threads=barriers.TURN_THREADS)
+    warpgroup.wait_group(0)
+    smem.pipe_V.consumer_release(st_last)
+
+
+@cute.jit
+def overlapped_step(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineState, n_block: Int32,
+                    masked: cutlass.Constexpr[bool], rows: RowState, ctx: ScoreContext, ops: TileOperands,
+                    smem: SmemBuffers, turns: Turns):
+    """The i-th key block walked (block n_block, ring slot st; st_prev the (i-1)-th's): one turn
+    issues S_i and O += P_{i-1} V_{i-1}."""
+    tm, tn = cfg.wg_m, cfg.tile_n
+    trace.stamp(n_block, "top")
+    smem.pipe_K.consumer_wait(st)
+    acc_S = cute.make_rmem_tensor(ops.thr_mma_qk.partition_shape_C((tm, tn)), Float32)
+    cute.arch.barrier(barrier_id=turns.mine, number_of_threads=barriers.TURN_THREADS)
+    trace.stamp(n_block, "turn")
+    ops.qk.gemm(acc_S, st.index)
+    smem.pipe_V.consumer_wait(st_prev)  # only now, with S_i issued: the wait no longer delays it
+    ops.pv.gemm(ops.acc_O, ops.tOrP, st_prev.index)
+    cute.arch.barrier_arrive(barrier_id=turns.successor, number_of_threads=barriers.TURN_THREADS)
+    trace.stamp(n_block, "issued")
+    warpgroup.wait_group(1)  # S_i has landed (P_{i-1} V_{i-1} may still run)
+    trace.stamp(n_block, "s_landed")
+    smem.pipe_K.consumer_release(st)
+    rescale_O = online_softmax(acc_S, n_block, masked, rows, ctx, cfg.mask, cfg.policy)
+    trace.stamp(n_block, "softmax")
+    warpgroup.wait_group(0)  # P_{i-1} V_{i-1} landed: O and tOrP are ours again
+    trace.stamp(n_block, "pv_landed")
+    smem.pipe_V.consumer_release(st_prev)
+    store_P(acc_S, ops.tOrP, cfg.bf16)
+    if rescale_O:
+        scale_O_rows(ops.acc_O, rows.row_scale)
+    trace.stamp(n_block, "end")
+
+
+@cute.jit
+def zero_rows(cfg, sV_stage: cute.Tensor, first_row: Int32, ctidx: Int32, copy_16B: cute.TiledCopy):
+    """sV_stage[first_row:, :] = 0 with the epilogue's 128-thread, 16-byte tiled copy (it tiles any
+    (rows, dv) tile): a zero fragment, row-predicated; tile_n * dv / 1024 stores a thread."""
+    thr = copy_16B.get_slice(ctidx)
+    tZsV = thr.partition_D(sV_stage)
+    tZcV = thr.partition_D(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim_v)))
+    tZrZ = cute.make_rmem_tensor_like(tZsV, cfg.dtype)
+    tZrZ.fill(0.0)
+    for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
+        if tZcV[0, m, 0][0] >= first_row:
+            cute.copy(copy_16B, tZrZ[None, m, None], tZsV[None, m, None])

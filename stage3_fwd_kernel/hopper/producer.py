@@ -1,0 +1,111 @@
+"""The producer warp: TMA loads of Q and the K/V ring, and the ring's slot arithmetic.
+
+One elected lane issues every load. A tile's loads are Q's nc 64-row slabs (all on one mbarrier),
+then every visible K/V block, each as soon as its ring slot is free, last block first (the order
+the consumers walk them). A persistent CTA loads a tile's first K/V block before its Q: that slot
+frees while the consumers still read the previous tile's Q, which they release after their last
+S = Q K^T.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync
+
+from stage3_fwd_kernel import intdiv
+
+
+class TmaLoads(NamedTuple):
+    """The TMA tensors (seqlen, head_dim, heads, batch) and their copy atoms."""
+
+    tma_Q: Any
+    tma_K: Any
+    tma_V: Any
+    atom_Q: Any
+    atom_K: Any
+    atom_V: Any
+
+
+class SmemBuffers(NamedTuple):
+    """The CTA's shared storage, its Q / K / V tensors and their mbarrier pipelines."""
+
+    storage: Any
+    sQ: Any      # (64, d, nc): one slab per consumer warpgroup
+    sK: Any      # (tn, d, stages)
+    sV: Any      # (tn, dv, stages)
+    pipe_Q: Any
+    pipe_K: Any
+    pipe_V: Any
+
+
+def kv_state(i: Int32, stages: int, producer: bool) -> pipeline.PipelineState:
+    """Pipeline slot of the i-th key block walked: stage i % stages; the phase flips every lap round
+    the ring. A producer starts one phase ahead: its first lap must not wait for "empty". The
+    consumers carry their slot from block to block instead (PipelineState.advance)."""
+    index, phase = intdiv.ring_slot(i, stages)
+    if const_expr(producer):
+        phase = phase ^ 1
+    return pipeline.PipelineState(stages, i, index, phase)
+
+
+def seq_view(t: cute.Tensor, offset, shifted: bool) -> cute.Tensor:
+    """(rows, cols) view of one head starting at the sequence's first row (varlen; q_shift: the
+    padding rows before row 0, for Q and O, whose offset is then negative; K / V's is 0)."""
+    if const_expr(shifted):
+        return cute.domain_offset((offset, 0), t)
+    return t
+
+
+@cute.jit
+def load_kv(i: Int32, n_block: Int32, stages: cutlass.Constexpr[int], smem: SmemBuffers, tma: TmaLoads,
+            tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor, tVsV: cute.Tensor):
+    """The i-th K/V load, key block n_block: wait until ring slot i is free, post the byte count,
+    issue K then V."""
+    st = kv_state(i, stages, producer=True)
+    smem.pipe_K.producer_acquire(st)
+    cute.copy(tma.atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=smem.pipe_K.producer_get_barrier(st))
+    smem.pipe_V.producer_acquire(st)
+    cute.copy(tma.atom_V, tVgV[None, n_block], tVsV[None, st.index], tma_bar_ptr=smem.pipe_V.producer_get_barrier(st))
+
+
+@cute.jit
+def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: TmaLoads, smem: SmemBuffers,
+            n_block_min=None):
+    """One tile's loads. cfg: the kernel (tile sizes, persistent, shifted rows); kv_base: loads
+    issued for earlier tiles (the ring position); q_phase: Q's phase for this tile; n_block_min
+    (split-tail chunks): the first key block, 0 when None."""
+    n_blocks = n_block_max
+    if const_expr(n_block_min is not None):
+        n_blocks = n_block_max - n_block_min
+    tn, d, dv, stages = cfg.tile_n, cfg.head_dim, cfg.head_dim_v, cfg.num_stages
+    shifted = cfg.rows_shifted()
+    # TMA coordinates of this sequence: rows start at its offset in the packed tensor
+    mQ_s = seq_view(tma.tma_Q[None, None, tile.head, tile.batch], tile.offset_q, shifted)
+    mK_s = seq_view(tma.tma_K[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted)
+    mV_s = seq_view(tma.tma_V[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted)
+    gQ = cute.local_tile(mQ_s, (cfg.wg_m, d), (None, 0))   # (64, d, m64)
+    gK = cute.local_tile(mK_s, (tn, d), (None, 0))         # (tn, d, n_blocks)
+    gV = cute.local_tile(mV_s, (tn, dv), (None, 0))        # (tn, dv, n_blocks)
+    tQsQ, tQgQ = cpasync.tma_partition(tma.atom_Q, 0, cute.make_layout(1),
+                                       cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+    tKsK, tKgK = cpasync.tma_partition(tma.atom_K, 0, cute.make_layout(1),
+                                       cute.group_modes(smem.sK, 0, 2), cute.group_modes(gK, 0, 2))
+    tVsV, tVgV = cpasync.tma_partition(tma.atom_V, 0, cute.make_layout(1),
+                                       cute.group_modes(smem.sV, 0, 2), cute.group_modes(gV, 0, 2))
+    first_kv = 0
+    if const_expr(cfg.persistent):
+        # the first K/V block before Q: its slot frees while the consumers still use the previous Q
+        if n_blocks > 0:
+            load_kv(kv_base, n_block_max - 1, stages, smem, tma, tKgK, tKsK, tVgV, tVsV)
+        first_kv = 1
+    # Q: the nc 64-row slabs on one barrier (it expects all slabs' bytes)
+    q_state = pipeline.PipelineState(1, Int32(0), Int32(0), q_phase ^ 1)
+    smem.pipe_Q.producer_acquire(q_state)
+    for wg in cutlass.range_constexpr(cfg.num_consumers):
+        cute.copy(tma.atom_Q, tQgQ[None, tile.m_block * cfg.num_consumers + wg], tQsQ[None, wg],
+                  tma_bar_ptr=smem.pipe_Q.producer_get_barrier(q_state))
+    for i in cutlass.range(first_kv, n_blocks, unroll=1):
+        load_kv(kv_base + i, n_block_max - 1 - i, stages, smem, tma, tKgK, tKsK, tVgV, tVsV)

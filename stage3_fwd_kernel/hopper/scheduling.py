@@ -1,0 +1,74 @@
+"""Which tile order and which kind of grid a call gets (host side).
+
+Persistent CTAs by default for dense calls wherever Q, O and two K/V stages fit in shared memory
+(head dims <= 128): every CTA pays its launch, barrier set-up, first loads and last store once
+per SM instead of once per tile. Causal calls need the dynamic hand-out (an atomic tile counter):
+causal tiles differ in length, and with fixed striding the CTAs that drew long ones finish late.
+Two exceptions, where persistent CTAs tied or lost: long causal calls at d = 64 (three consumer
+warpgroups, from PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K keys on), and head dims above 128,
+where O would go from registers (`o_direct`; available with persistent=True). Varlen batches stay
+one CTA per tile unless asked.
+measured: docs/measurements.md
+"""
+from __future__ import annotations
+
+import functools
+
+from stage3_fwd_kernel.hopper.config import default_tile_m
+from stage3_fwd_kernel.tile_scheduler import PersistentScheduler, StaticTileScheduler
+
+PERSISTENT_MAX_HEAD_DIM = 128
+PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K = 4096
+
+
+def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: bool = False,
+                       seqlen_k: int | None = None, tile_m: int | None = None) -> bool:
+    """Whether a call walks its tiles with persistent CTAs by default. seqlen_k None: the
+    short-call choice (what a build without a length compiles)."""
+    if varlen or max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM:
+        return False
+    if causal and (tile_m or default_tile_m(head_dim, head_dim_v)) == 192:
+        return seqlen_k is None or seqlen_k < PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K
+    return True
+
+
+def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varlen=False, seqlen_k=None,
+                       tile_m=None):
+    """The call's scheduler: `scheduler` (default StaticTileScheduler), walked by one CTA per SM when
+    persistent (None: default_persistent(...)). A scheduler that is persistent itself
+    (PersistentScheduler) is used as it is."""
+    if persistent is not None and not isinstance(persistent, bool):
+        raise TypeError(f"persistent: expected None or a bool, got {type(persistent).__name__}")
+    scheduler = scheduler or StaticTileScheduler
+    if getattr(scheduler, "persistent", False):
+        return scheduler
+    if persistent is None:
+        persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m)
+    if persistent:
+        # tiles of different lengths need the dynamic hand-out
+        scheduler = _persistent_over(scheduler, causal or varlen)
+    return scheduler
+
+
+@functools.lru_cache(maxsize=64)
+def _persistent_over(order, dynamic: bool) -> PersistentScheduler:
+    """The per-call wrapper, built (and validated) once per order: the launch path is host-bound."""
+    return PersistentScheduler(order, dynamic=dynamic)
+
+
+def _check_grid(scheduler, num_m_blocks: int, heads: int, batch: int):
+    """A tile order's own host-side limit on the grid (stage 5's flat LPT map), if it has one."""
+    check = getattr(getattr(scheduler, "order", scheduler), "check_grid", None)
+    if check is not None:
+        check(num_m_blocks, heads, batch)
+
+
+def _launch_ctas(scheduler, device) -> int:
+    return scheduler.launch_ctas(device) if getattr(scheduler, "persistent", False) else 1
+
+
+def _tile_counter(scheduler, device):
+    """A dynamic persistent scheduler's tile counter: one zeroed int32 per launch."""
+    import torch
+
+    return torch.zeros(1, dtype=torch.int32, device=device) if getattr(scheduler, "dynamic", False) else None

@@ -1,0 +1,64 @@
+"""One small attention call, run under compute-sanitizer by tests/test_sanitizers.py:
+
+    compute-sanitizer --tool racecheck python tests/sanitizer_case.py fwd-d128-causal
+
+Small shapes (300 x 333 keys, GQA 4/2, batch 2) keep a sanitized run to seconds; the case names say
+which product kernel runs. Prints "<case> ok" when every launch returned.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+CASES = {
+    # name: (head_dim, head_dim_v, causal, backward)
+    "fwd-d64": (64, 64, False, False),
+    "fwd-d64-causal": (64, 64, True, False),
+    "fwd-d128": (128, 128, False, False),
+    "fwd-d128-causal": (128, 128, True, False),     # persistent CTAs with the dynamic tile counter
+    "fwd-d192x128-causal": (192, 128, True, False),
+    "fwd-d256-causal": (256, 256, True, False),
+    "bwd-d64-causal": (64, 64, True, True),
+    "bwd-d128-causal": (128, 128, True, True),
+    "bwd-d128-deterministic": (128, 128, True, "deterministic"),
+    "varlen-d128-causal": None,                     # one empty sequence among three
+}
+
+
+def bshd(b, s, h, d):
+    return torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+
+
+def run_case(name: str):
+    from stage3_fwd_kernel import hopper as fwd
+    from stage4_bwd_kernel import hopper as bwd
+
+    torch.manual_seed(0)
+    if name == "varlen-d128-causal":
+        lens_q, lens_k = [0, 130, 257], [0, 200, 257]
+        cu_q = torch.tensor([0, 0, 130, 387], device="cuda", dtype=torch.int32)
+        cu_k = torch.tensor([0, 0, 200, 457], device="cuda", dtype=torch.int32)
+        q = torch.randn(sum(lens_q), 4, 128, device="cuda", dtype=torch.bfloat16)  # (Tq, Hq, D)
+        k = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16)  # (Tk, Hkv, D)
+        v = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16)
+        out, lse = fwd.attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        dout = torch.randn_like(out)
+        bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        return
+    d, dv, causal, backward = CASES[name]
+    q, k, v = bshd(2, 300, 4, d), bshd(2, 333, 2, d), bshd(2, 333, 2, dv)  # GQA 4/2
+    out, lse = fwd.attention_forward(q, k, v, causal=causal)
+    if backward:
+        dout = torch.randn_like(out)
+        bwd.attention_backward(q, k, v, out, dout, lse, causal=causal,
+                               deterministic=backward == "deterministic")
+
+
+if __name__ == "__main__":
+    case = sys.argv[1]
+    if case not in CASES:
+        raise SystemExit(f"case: expected one of {sorted(CASES)}, got {case!r}")
+    run_case(case)
+    torch.cuda.synchronize()
+    print(case, "ok")
