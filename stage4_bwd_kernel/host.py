@@ -1,12 +1,17 @@
 """Host side of the backward: checks, buffers, and the three launches (preprocess -> main -> postprocess).
 
-Every main-kernel step (hopper_step1, ...) plugs in through ``make_kernel(dtype, d, dv, causal,
-deterministic, varlen, has_seqused_k, dq_order) -> kernel object``; everything else is shared:
+Every main kernel (the ladder steps, the production kernel of ``stage4_bwd_kernel.hopper``) plugs in
+through ``make_kernel(dtype, d, dv, causal, deterministic, varlen, has_seqused_k, dq_order) -> kernel
+object``; everything else is shared:
 
     lse2, D, dQaccum = preprocess(out, dout, lse)        D = rowsum(dO * O), lse * log2(e), dQaccum = 0
     semaphores       = zeros(B, Hq, m_blocks) int32      deterministic only
-    main kernel                                          dK, dV written; dQaccum += dS K (atomics)
+    main kernel                                          dK, dV written; dQaccum += dS K
     dq               = postprocess(dQaccum)              softmax_scale * dQaccum -> q.dtype
+
+A kernel with ``dq_frag`` keeps dQaccum in its fragment order: a memset zeroes it and
+``postprocess_frag`` (which reads the layout from the kernel object) writes dq. This module imports no
+kernel module: the kernel's own entry points pass ``make_kernel`` in.
 
 Scratch per call: dQaccum (4 bytes x q's elements) + 2 fp32 (B, Hq, Sq) + the semaphores.
 """
@@ -15,13 +20,12 @@ from __future__ import annotations
 import numbers
 from typing import Callable
 
-from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
+from cutlass import Float32, Int32
 
-from cutlass import Float32, Int32  # noqa: E402
-
-from stage3_fwd_kernel import trace  # noqa: E402
-from stage4_bwd_kernel import postprocess as post  # noqa: E402
-from stage4_bwd_kernel import preprocess as pre  # noqa: E402
+from stage3_fwd_kernel import trace
+from stage4_bwd_kernel import common
+from stage4_bwd_kernel import postprocess as post
+from stage4_bwd_kernel import preprocess as pre
 
 
 def compile_key(step, dtype, d, dv, causal, deterministic, varlen, has_seqused_k, dq_order, tiles):
@@ -66,8 +70,8 @@ def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, determinis
 
 
 def uses_dq_frag(kernel) -> bool:
-    """Step 3's fragment-order dQ accumulator (``dq_frag``): zeroed by a memset instead of the
-    preprocess, and turned into dq by ``postprocess_frag`` instead of ``postprocess``."""
+    """A fragment-order dQ accumulator (``dq_frag``): zeroed by a memset instead of the preprocess,
+    and turned into dq by ``postprocess_frag`` instead of ``postprocess``."""
     return getattr(kernel, "dq_frag", False)
 
 
@@ -296,7 +300,7 @@ def run_step(step: str, compile_only: Callable, attention_backward: Callable, *,
 
 def cli(run: Callable, doc: str, argv=None):
     """The command line of every main step: `python -m stage4_bwd_kernel.<step> [--causal] ...`."""
-    from stage3_fwd_kernel.common import shape_kwargs, shape_parser
+    from stage3_fwd_kernel.runner import shape_kwargs, shape_parser
 
     ap = shape_parser(doc)
     ap.add_argument("--deterministic", action="store_true")

@@ -1,30 +1,30 @@
-"""Stage 4, postprocess of step 3's fragment-order dQ accumulator (``dq_frag``): dQ = scale * dQaccum.
+"""Stage 4, postprocess of the Hopper backward's fragment-order dQ accumulator (``dq_frag``): dQ = scale * dQaccum.
 
 With ``dq_frag`` the main kernel's dQ writer adds each consumer warpgroup's share of a dQ tile into
 dQaccum with one contiguous bulk reduce, so dQaccum holds every tile in the order the warpgroups'
 threads hold their accumulator registers: in the tile of (batch, head, m_block), float
 (i // 4) * 512 + t * 4 + i % 4 of share w is register i of thread t of warpgroup w. One CTA of 256
 threads -- one per consumer thread of the main kernel -- reads a tile back with the same 16-byte
-pattern, asks the main kernel's own dQ tiled MMA where each register belongs (its partition of an
-identity tensor), scales and rounds it into an SMEM tile, and writes the rows that exist with 16-byte
-stores. dQaccum is (B, H, rows, d) fp32 with rows = num_m_blocks * tile_m (dense) or, varlen, a
-batch of one; the main kernel's ``dq_frag_tile_row`` says where each tile starts.
+pattern (the main kernel's ``dq_frag_tiled_copy``), asks the main kernel's own dQ tiled MMA where each
+register belongs (its partition of an identity tensor), scales and rounds it into an SMEM tile, and
+writes the rows that exist with 16-byte stores. dQaccum is (B, H, rows, d) fp32 with rows =
+num_m_blocks * tile_m (dense) or, varlen, a batch of one; the main kernel's ``dq_frag_tile_row`` says
+where each tile starts. Everything it needs of the main kernel comes from the kernel object passed in,
+so this module imports no kernel module.
 """
 from __future__ import annotations
 
-from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.memory.smem import SmemAllocator
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
-from cutlass.memory.smem import SmemAllocator  # noqa: E402
-
-from stage4_bwd_kernel.hopper.backward import NUM_WG_MMA, dq_frag_tiled_copy  # noqa: E402
-from stage4_bwd_kernel.postprocess import _fake_args, block_rows  # noqa: E402  (the same launch signature)
-from stage4_bwd_kernel.preprocess import _dummy_int32  # noqa: E402
+from stage4_bwd_kernel import common
+from stage4_bwd_kernel.postprocess import _fake_args, block_rows  # the same launch signature
+from stage4_bwd_kernel.preprocess import _dummy_int32
 
 STEP = "bwd_postprocess_frag"
-NUM_THREADS = 128 * NUM_WG_MMA
+NUM_THREADS = 256  # the main kernel's two consumer warpgroups
 SMEM_PAD = 8  # elements per SMEM row: 16 bytes, so the 8 rows of a warp's 4-byte stores hit 8 bank groups
 
 
@@ -41,7 +41,7 @@ def store_threads_per_row(tile_m: int, head_dim: int, elems: int) -> int:
 
 class BackwardPostprocessFrag:
     def __init__(self, main_kernel, varlen: bool):
-        # main_kernel: the step-3 kernel object that wrote dQaccum (tile_m, head_dim, dtype, its dQ MMA)
+        # main_kernel: the kernel object that wrote dQaccum (tile_m, head_dim, dtype, its dQ MMA and copy)
         self.main = main_kernel
         self.dtype = main_kernel.dtype
         self.tile_m, self.head_dim = main_kernel.tile_m, main_kernel.head_dim
@@ -94,7 +94,7 @@ class BackwardPostprocessFrag:
             row0 = self.main.dq_frag_tile_row(offset, batch, m_block)
             share_ptr = common.elem_pointer(mdQacc, (bidx, head, row0, 0)) + (tidx // 128) * share_elems
             gShare = cute.make_tensor(share_ptr.align(16), cute.make_layout(share_elems))
-            tGg = dq_frag_tiled_copy().get_slice(tidx % 128).partition_S(gShare)         # (4, chunks)
+            tGg = self.main.dq_frag_tiled_copy().get_slice(tidx % 128).partition_S(gShare)         # (4, chunks)
             rAcc = cute.make_rmem_tensor_like(tGg, Float32)
             cute.autovec_copy(tGg, rAcc)
             # 2. where each belongs: the dQ MMA's partition of (row, col) -- (col, row) for dQ^T

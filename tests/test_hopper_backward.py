@@ -1,5 +1,5 @@
-"""Stage 4, Hopper backward step 3 (``hopper_step3_rs``): RS dV/dK, keys split across the consumer
-warpgroups, a dQ writer warp reducing with TMA bulk reduce-adds.
+"""Stage 4, the production Hopper backward (``stage4_bwd_kernel.hopper``, d = 64 / 96 / 128): RS dV/dK,
+keys split across the consumer warpgroups, a dQ writer warp reducing with TMA bulk reduce-adds.
 
 cpu tier: the head dims whose RS accumulators do not fit (192/128, 256/256) are refused with a
 ValueError that names them, before anything is launched.
@@ -8,25 +8,22 @@ compile tier (sm_90a, fake tensors, no GPU): every supported head dim, both dtyp
 deterministic on/off, varlen + seqused_k: no spills, no local memory, the wgmma count of the five
 GEMMs with dV / dK taking A from registers, the dQ TMA tensor reduce (PTX ``cp.reduce.async.bulk.tensor
 ... add``, SASS ``UTMAREDG``, one per swizzle span) with neither row-wise bulk reduces (``UBLKRED``) nor
-fp32 atomics (REDG ... F32) left, the named barriers (per warpgroup where decoupled), TMA +
-setmaxnreg, and the semaphore protocol exactly in deterministic mode.
+fp32 atomics (REDG ... F32) left, the named barriers, TMA + setmaxnreg, and the semaphore protocol
+exactly in deterministic mode. cpu: the package's import graph has no cycle.
 
 gpu tier (H100/H200; skipped here): dq/dk/dv follow FA4's rule against fp32 autograd over odd
 seqlens, causal, GQA 1/2/8, all supported head dims, fp16, varlen with empty sequences and
 seqused_k; outputs NaN-poisoned; walks of 1-4 Q tiles (the dQ double buffer's edge cases);
-deterministic mode bitwise reproducible (GQA, causal); decoupled warpgroups bitwise equal to
-coupled ones in deterministic mode, at d = 64 and 128; run() entry point.
+deterministic mode bitwise reproducible (GQA, causal); options that only move work change no bit;
+run() entry point.
 """
 from __future__ import annotations
 
 import pathlib
 import re
-import sys
 
 import pytest
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import test_stage4_hopper as s4  # noqa: E402  (the step-1/2 test helpers: one checking rule)
+import test_stage4_hopper as s4  # the ladder's test helpers (tests/ is on the path): one checking rule
 
 pytestmark = pytest.mark.stage4
 
@@ -57,30 +54,67 @@ def test_head_dims_that_do_not_fit_registers_are_refused(d, dv):
 
 
 @pytest.mark.cpu
-def test_tiles_must_split_keys_across_the_two_warpgroups():
+def test_tiles_follow_the_head_dims():
     mod = _mod()
     assert mod.default_tiles(128, 128) == (80, 128)
     assert mod.default_tiles(96, 96) == (64, 128)
     assert mod.default_tiles(64, 64) == (128, 128)
-    wide, narrow = mod.make_kernel(None, 64, 64, False, False), mod.make_kernel(None, 64, 64, False, False,
-                                                                              tiles=(64, 128))
-    assert (wide.late_dv, wide.dq_split_m) == (True, True) and (narrow.late_dv, narrow.dq_split_m) == (False, False)
-    # 80 x 128 (d = 128): dQ^T = K^T dS^T, dV after dS, one dQ buffer (two would need 244 KB of SMEM)
-    k80, k64 = mod.make_kernel(None, 128, 128, False, False), mod.make_kernel(None, 128, 128, False, False,
-                                                                             tiles=(64, 128))
+    k64, k96 = mod.make_kernel(None, 64, 64, False, False), mod.make_kernel(None, 96, 96, False, False)
+    assert (k64.late_dv, k64.dq_split_m, k64.dq_swap_ab) == (True, True, False)
+    assert (k96.late_dv, k96.dq_split_m, k96.dq_swap_ab, k96.dq_buffers) == (False, False, False, 2)
+    # 80 x 128 (d = 128): dQ^T = K^T dS^T, dV after dS, one dQ buffer (two would need 264 KB of SMEM)
+    k80 = mod.make_kernel(None, 128, 128, False, False, tiles=(80, 128))
     assert (k80.tile_m, k80.dq_swap_ab, k80.late_dv, k80.dq_buffers) == (80, True, True, 1)
-    assert (k64.dq_swap_ab, k64.late_dv, k64.dq_buffers) == (False, False, 2)
-    with pytest.raises(ValueError, match="tile_n"):
-        mod.make_kernel(None, 128, 128, False, False, tiles=(64, 64))
-    with pytest.raises(ValueError, match="dq_swap_ab"):  # d on the dQ wgmma's M: 2 x 64 only
-        mod.make_kernel(None, 96, 96, False, False, tiles=(80, 128))
-    with pytest.raises(ValueError, match="tile_m a multiple of 64"):
-        mod.make_kernel(None, 128, 128, False, False, tiles=(80, 128), dq_swap_ab=False)
+    with pytest.raises(ValueError, match="tiles: the Hopper backward runs"):
+        mod.make_kernel(None, 128, 128, False, False, tiles=(64, 128))
+    with pytest.raises(TypeError, match="decoupled: not an option"):  # options measured and not kept are gone
+        mod.make_kernel(None, 128, 128, False, False, decoupled=False)
+
+
+@pytest.mark.cpu
+def test_import_graph_of_stage4_has_no_cycle():
+    """Every import of every stage-4 module (top level or inside a function), as a graph of modules:
+    no cycle (the host, the postprocess and the kernel package import downwards only)."""
+    import ast
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    package = root / "stage4_bwd_kernel"
+    names = {}
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(root).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        names[".".join(parts)] = path
+    graph = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            deps.update(t for t in targets if t in names and t != name)
+        graph[name] = deps
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for dep in graph[node]:
+                if dep == start:
+                    return path + [dep]
+                if dep not in seen:
+                    seen.add(dep)
+                    stack.append((dep, path + [dep]))
+        return None
+
+    cycles = [c for c in map(cycle_from, sorted(graph)) if c]
+    assert not cycles, " -> ".join(cycles[0])
 
 
 @pytest.mark.cpu
 def test_wgmma_serialization_remarks_are_recognised():
-    from stage3_fwd_kernel.common import wgmma_serialization
+    from stage3_fwd_kernel.compile_cache import wgmma_serialization
 
     log = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line 940 by compiler to allow use of "
            "registers in GMMA in function 'k'\n"
@@ -101,13 +135,13 @@ def test_wgmma_serialization_remarks_are_recognised():
 
 @pytest.mark.compile
 def test_a_build_with_serialized_wgmmas_warns():
-    """Decoupled warpgroups with one dS^T buffer at d = 128 (the "sdSt free" barriers) run out of registers
+    """One dS^T buffer at d = 128 (then the "sdSt free" barriers guard it) runs out of registers
     and ptxas serializes the wgmmas (C7512): every compile says so with a WgmmaSerializedWarning; the
     default build, two dS^T buffers, stays asynchronous."""
     import functools
     import warnings
 
-    from stage3_fwd_kernel.common import WgmmaSerializedWarning
+    from stage3_fwd_kernel.compile_cache import WgmmaSerializedWarning
     from stage4_bwd_kernel import host
 
     mod = _mod()
@@ -125,13 +159,13 @@ def test_a_build_with_serialized_wgmmas_warns():
 
 @pytest.mark.cpu
 def test_buffer_defaults_fit_shared_memory():
-    """Decoupled everywhere; two dS^T buffers below the 128-query tile (then the "sdSt free" barriers go),
+    """Two dS^T buffers below the 128-query tile (then the "sdSt free" barriers go),
     dQ buffers from what is left of the 227 KB; options that cannot work are refused."""
     mod = _mod()
     expect = {(64, 64): (1, 2), (96, 96): (2, 2), (128, 128): (2, 1)}  # (dS^T buffers, dQ buffers)
     for (d, dv), (ds, dq) in expect.items():
         kernel = mod.make_kernel(None, d, dv, False, False)
-        assert kernel.decoupled and (kernel.ds_buffers, kernel.dq_buffers) == (ds, dq), (d, kernel.ds_buffers)
+        assert (kernel.ds_buffers, kernel.dq_buffers) == (ds, dq), (d, kernel.ds_buffers)
         assert kernel._smem_need(kernel.ds_buffers, kernel.dq_buffers) <= 227 * 1024
     assert mod.make_kernel(None, 128, 128, False, False, ds_buffers=1).dq_buffers == 1
     # dV issued after dS^T: always on the 80- and 128-query tiles (registers), causal only at 64 (measured)
@@ -139,13 +173,13 @@ def test_buffer_defaults_fit_shared_memory():
     assert mod.make_kernel(None, 128, 128, False, False).late_dv and mod.make_kernel(None, 64, 64, False, False).late_dv
     with pytest.raises(ValueError, match="ds_buffers: expected 1 or 2"):
         mod.make_kernel(None, 128, 128, False, False, ds_buffers=3)
-    with pytest.raises(ValueError, match="dq_full_per_wg: needs decoupled"):
-        mod.make_kernel(None, 128, 128, False, False, decoupled=False, dq_full_per_wg=True)
+    with pytest.raises(ValueError, match="dq_writers: expected 1 or 2"):
+        mod.make_kernel(None, 96, 96, False, True, dq_writers=3)
 
 
 @pytest.mark.compile
 def test_trace_stamps_compile_only_when_turned_on():
-    """benchmarks/trace_bwd.py's stamps in step 3: off, the kernel reads no clock; on, the four CTA
+    """The trace stamps (stage3_fwd_kernel.trace): off, the kernel reads no clock; on, the four CTA
     events' global timers, no spills at d = 128, under a compile key of its own."""
     from stage3_fwd_kernel import trace
     from stage4_bwd_kernel import common, host
@@ -199,8 +233,8 @@ def test_key_select_moves_exponentials_under_the_dp_wgmma(causal):
 
 
 @pytest.mark.cpu
-def test_dv_before_fence_and_column_limit_defaults():
-    """dv_before_fence is on for every build (it acts where late_dv does); column_limit is on below the
+def test_column_limit_mask_offsets_and_kv_with_first_defaults():
+    """column_limit is on below the
     128-query tile (with it the d = 64 build spilled); mask_offsets is on causal at d <= 96 outside
     deterministic mode and varlen, kv_with_first causal on the 128-query tile outside deterministic mode."""
     mod = _mod()
@@ -208,7 +242,6 @@ def test_dv_before_fence_and_column_limit_defaults():
         for det in (False, True):
             for d in (64, 96, 128):
                 kernel = mod.make_kernel(None, d, d, causal, det)
-                assert kernel.dv_before_fence
                 assert kernel.column_limit == (kernel.tile_m != 128), (d, causal, det, kernel.tile_m)
                 assert kernel.mask_offsets == (causal and not det and d <= 96), (d, causal, det)
                 assert kernel.kv_with_first == (causal and not det and kernel.tile_m == 128), (d, causal, det)
@@ -218,7 +251,7 @@ def test_dv_before_fence_and_column_limit_defaults():
 
 
 def _tile_bodies(sass, hgmma_per_tile):
-    """The walk's three tile bodies in a step-3 SASS listing (the shortest loops holding one tile's
+    """The walk's three tile bodies in the SASS listing of the kernel (the shortest loops holding one tile's
     wgmmas): the unmasked one first, then the two masked segments'."""
     from stage4_bwd_kernel import common
 
@@ -228,19 +261,15 @@ def _tile_bodies(sass, hgmma_per_tile):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dv_before_fence_issues_dv_ahead_of_the_ds_fence(causal):
-    """dv_before_fence, read in the SASS of the d = 64 hot loop: after the dP^T wait, the dV wgmma's 8
-    HGMMAs come before the proxy fence that publishes dS^T (MEMBAR), as in the official kernel's loop;
-    without it, none do (dV waited for the 32 dS^T stores to land)."""
+def test_dv_is_issued_ahead_of_the_ds_fence(causal):
+    """late_dv, read in the SASS of the d = 64 hot loop: after the dP^T wait, the dV wgmma's 8 HGMMAs
+    come before the proxy fence that publishes dS^T (MEMBAR), as in the official kernel's loop, so dV
+    does not wait for the 32 dS^T stores to land."""
     from stage4_bwd_kernel import common
 
-    mod = _mod()
-    ahead = {}
-    for option in (True, False):
-        comp = mod.compile_only(head_dim=64, causal=causal, dv_before_fence=option)
-        ahead[option] = common.wgmmas_before_fence(_tile_bodies(comp.sass, 32)[0])
-        assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == []
-    assert ahead == {True: 8, False: 0}, ahead
+    comp = _mod().compile_only(head_dim=64, causal=causal)
+    assert common.wgmmas_before_fence(_tile_bodies(comp.sass, 32)[0]) == 8
+    assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == []
 
 
 @pytest.mark.compile
@@ -324,24 +353,23 @@ def test_q_shift_counts_q_tiles_from_the_end():
 
 @pytest.mark.cpu
 def test_stats_shuffle_finds_every_column_statistic():
-    """stats_shuffle: lane l keeps slots 4 l .. 4 l + 3 of sLSE2 / sD; the shuffle source of each of a
-    lane's accumulator columns (query 8 (c // 2) + 2 (l % 4) + c % 2) must be the slot of that query."""
+    """stats_shuffle: lane l keeps queries q0, q0 + 1, q0 + 8, q0 + 9 (q0 = 16 (l // 4) + 2 (l % 4)) of the
+    tile's ring in registers 0..3; the shuffle source of each of a lane's accumulator columns (query
+    8 (c // 2) + 2 (l % 4) + c % 2) must hold that query."""
+    from stage4_bwd_kernel.hopper.scores import stats_shuffle_query, stats_shuffle_source
+
     mod = _mod()
-    assert sorted(mod.stats_slot(q) for q in range(mod.STATS_SHUFFLE_ROWS)) == list(range(mod.STATS_SHUFFLE_ROWS))
     for tm in (64, 80, 128):
         for lane in range(32):
             for c in range(tm // 4):
-                src, reg = mod.stats_shuffle_source(c, lane)
+                src, reg = stats_shuffle_source(c, lane)
                 query = 8 * (c // 2) + 2 * (lane % 4) + c % 2
-                assert 0 <= reg < 4 and mod.stats_slot(query) == 4 * src + reg, (tm, lane, c)
+                assert 0 <= reg < 4 and stats_shuffle_query(src, reg) == query, (tm, lane, c)
     assert mod.make_kernel(None, 64, 64, False, False).stats_shuffle
     assert mod.make_kernel(None, 64, 64, True, True).stats_shuffle
     # d = 64 causal default mode takes dq_frag, where the shuffle would serialize the wgmmas (C7512)
     assert not mod.make_kernel(None, 64, 64, True, False).stats_shuffle
     assert not mod.make_kernel(None, 128, 128, False, False).stats_shuffle
-    assert not mod.make_kernel(None, 64, 64, False, False, tiles=(64, 128)).stats_shuffle
-    with pytest.raises(ValueError, match="stats_shuffle"):
-        mod.make_kernel(None, 64, 64, False, False, tiles=(192, 128), stats_shuffle=True)
 
 
 # ============================================================================== compile tier
@@ -370,7 +398,7 @@ COMPILE_IDS = [f"{dt}-d{d}x{dv}-{'causal' if c else 'full'}-{'det' if det else '
 
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,d,dv,causal,det,varlen,seqused", COMPILE_CASES, ids=COMPILE_IDS)
-def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
+def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     mod = _mod()
     comp = mod.compile_only(dtype=dtype, head_dim=d, head_dim_v=dv, causal=causal, deterministic=det,
                             varlen=varlen, has_seqused_k=seqused)
@@ -393,8 +421,8 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     dec = {int(x) for x in re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+(\d+);", ptx)}
     inc = {int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+);", ptx)}
     assert len(dec) == len(inc) == 1 and dec.pop() + 2 * inc.pop() <= 3 * rep["registers"]
-    # named barriers: __syncthreads, consumers, dQ full / empty per buffer (x warpgroup when decoupled, plus
-    # each warpgroup's statistics and "sdSt free"); ptxas reserves all 16 where an id is computed at run time
+    # named barriers: __syncthreads, consumers, "sdSt free", dQ full per buffer, dQ empty per buffer and
+    # warpgroup (hopper/options.py); ptxas reserves all 16 where an id is computed at run time
     used = int(re.search(r"used (\d+) barriers", log).group(1))
     assert used == kernel.num_barriers or (used == 16 and kernel.num_barriers <= 16), (used, kernel.num_barriers)
 
@@ -421,20 +449,18 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
             "no TMA tensor reduce in PTX"
         # one copy per warpgroup share of the tile (its rows at d = 64, its d / 2 columns otherwise), in a loop
         share_cols = d if kernel.dq_split_m else d // 2
-        spans = share_cols // 8 if kernel.dq_swizzle32 else share_cols // (32 if share_cols % 32 == 0 else 16)
+        spans = share_cols // (32 if share_cols % 32 == 0 else 16)
         n_red = len(re.findall(r"\bUTMAREDG\b", sass))
         assert n_red >= spans, f"{n_red} UTMAREDG for {spans} spans"  # ptxas may peel or duplicate the loop
         assert not re.search(r"\bUBLKRED\b", sass), "row-wise bulk reduces left"
     # dQ hand-off: both consumer warpgroups arrive on "full" (288 threads with the writer); the writer
-    # arrives on "empty", per warpgroup when decoupled (160 threads), and then each warpgroup also syncs
-    # its own statistics (128) unless the producer loads them (stats_tma: one 1-D TMA box each for lse2
-    # and D per Q tile, the only 3-d tensor copies; Q / dO / K / V are 4-d)
+    # arrives on "empty" per warpgroup (160 threads); the producer loads the row statistics (one 1-D TMA
+    # box each for lse2 and D per Q tile, the only 3-d tensor copies; Q / dO / K / V are 4-d), so no
+    # warpgroup syncs its own 128 threads
     assert re.search(r"bar\.arrive\s+\S+, 288;", ptx)
-    assert len(re.findall(rf"bar\.arrive\s+\S+, {kernel.dq_empty_threads};", ptx)) >= 2
-    assert kernel.dq_empty_threads == (160 if kernel.decoupled else 288)
-    assert bool(re.search(r"bar\.sync\s+%r\d+, 128;", ptx)) == (kernel.decoupled and not kernel.stats_tma)
-    n_stat_tma = len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", ptx))
-    assert (n_stat_tma >= 2) == kernel.stats_tma and (n_stat_tma == 0) != kernel.stats_tma, n_stat_tma
+    assert len(re.findall(r"bar\.arrive\s+\S+, 160;", ptx)) >= 2
+    assert not re.search(r"bar\.sync\s+%r\d+, 128;", ptx)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", ptx)) >= 2
 
     # deterministic: the semaphore protocol (in the writer warp), nothing of it otherwise
     has_sem = ("ld.global.acquire.gpu.b32" in ptx, "fence.acq_rel.gpu" in ptx,
@@ -447,7 +473,7 @@ def test_step3_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
         assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     # deterministic: one writer warp per dQ buffer; deterministic, causal or d <= 64: the launch index
     # mapped in sections of chains (the grid's extent is read only for that)
-    assert kernel.dq_writers == (kernel.dq_buffers if det else 1) and kernel.sem_early
+    assert kernel.dq_writers == (kernel.dq_buffers if det else 1)
     assert ("%nctaid.x" in ptx) == (det or causal or d <= 64)
 
 
@@ -462,30 +488,6 @@ SEQLENS = [(1, 1), (1, 3), (113, 203), (239, 1), (799, 3), (1024, 1024)]
 def test_backward_matches_reference(d, dv, causal, sq, sk):
     b, hq, hkv = s4._heads(sq, sk, d)  # GQA 1 / 2 / 8 cycled over the cases
     s4._check_dense(STEP, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=d, dv=dv, causal=causal)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
-@pytest.mark.parametrize("sq,sk", SEQLENS + [(300, 517)], ids=[f"{a}x{b}" for a, b in SEQLENS + [(300, 517)]])
-def test_d64_tiles_64x128(causal, deterministic, sq, sk):
-    """d = 64 runs 128 x 128 by default; the 64 x 128 tile of the other head dims stays an option
-    (N-split dQ, dV issued before dS): same rule."""
-    b, hq, hkv = s4._heads(sq, sk, 64)
-    s4._check_dense(STEP, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=64, dv=64, causal=causal,
-                    deterministic=deterministic, tiles=(64, 128))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "det"])
-@pytest.mark.parametrize("sq,sk", SEQLENS + [(300, 517)], ids=[f"{a}x{b}" for a, b in SEQLENS + [(300, 517)]])
-def test_d128_tiles_64x128(causal, deterministic, sq, sk):
-    """d = 128 runs 80 x 128 by default (dQ^T = K^T dS^T, one dQ buffer); the 64 x 128 tile (dQ = dS K
-    split by columns, two dQ buffers) stays an option: same rule, walks ending on partial tiles."""
-    b, hq, hkv = s4._heads(sq, sk, 128)
-    s4._check_dense(STEP, b=b, sq=sq, sk=sk, hq=hq, hkv=hkv, d=128, dv=128, causal=causal,
-                    deterministic=deterministic, tiles=(64, 128))
 
 
 @pytest.mark.gpu
@@ -534,7 +536,7 @@ def test_fully_masked_rows_and_scale_and_strides():
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seqused,deterministic", s4.VARLEN_CASES, ids=["all-keys", "seqused_k", "deterministic"])
 def test_varlen_with_empty_sequences(causal, seqused, deterministic):
-    # step 2's varlen test body, run on this step (packed inputs, seqused_k, keys past it get zero grads)
+    # the ladder's varlen test body, run on this kernel (packed inputs, seqused_k, keys past it get zero grads)
     s4.test_varlen_with_empty_sequences(STEP, causal, seqused, deterministic)
 
 
@@ -576,14 +578,10 @@ def test_deterministic_is_bitwise_reproducible(causal, ratio):
                                            (96, 251, 389, 2)],
                          ids=["d64", "d128", "d64-one-tile", "d96"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
-    """Decoupled warpgroups (own statistics barrier, per-warpgroup dQ hand-off, "sdSt free" barriers or
-    two dS^T buffers), row statistics loaded by the producer's TMA (stats_tma), the writer's early
-    acquire (sem_early), one writer warp per dQ buffer (dq_writers), the launch in sections of chains
-    and the fragment-order dQ accumulator (dq_frag, where it is the default) only move data and reorder
-    synchronization: in deterministic mode the default kernel must give the bits of a coupled one with
-    a single dS^T buffer, consumer-loaded statistics, one writer, blockIdx launch order and the TMA
-    tensor reduce (the structure before all of them), and both must pass the rule."""
+def test_launch_order_and_dq_layout_change_no_bit(d, sq, sk, ratio, causal):
+    """The launch in sections of chains and the fragment-order dQ accumulator only move work: in
+    deterministic mode the default kernel gives the bits of one launched in blockIdx order with the TMA
+    tensor reduce (the same fp32 adds in the same order), and both pass the rule."""
     import functools
 
     import torch
@@ -594,22 +592,19 @@ def test_decoupled_warpgroups_change_no_bit(d, sq, sk, ratio, causal):
     q, k, v, do = s4._inputs(2, sq, sk, 8, 8 // ratio, d, d, seed=5)
     out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
     grads = {}
-    coupled = {"decoupled": False, "ds_buffers": 1, "stats_tma": False, "sem_early": False, "dq_writers": 1,
-               "dq_frag": False}
     plain_order = schedule.default_dq_order(causal, True, sections=False)
-    for name, options, order in (("coupled", coupled, plain_order), ("default", {}, None)):
+    for name, options, order in (("plain", {"dq_frag": False}, plain_order), ("default", {}, None)):
         make_kernel = functools.partial(mod.make_kernel, **options)
         key = mod.STEP + "".join(f"~{o}={int(v)}" for o, v in sorted(options.items()))
         dq, dk, dv = s4._poisoned(q, k, v)
         host.backward(key, make_kernel, q, k, v, out, do, lse, causal=causal, deterministic=True, dq=dq, dk=dk, dv=dv,
                       dq_order=order)
         grads[name] = (dq, dk, dv)
-    assert mod.make_kernel(None, d, d, causal, True).decoupled
     ref, base = host.reference_grads(q, k, v, do, causal=causal)
     for grads_of in grads.values():
         for name, a, r, bl in zip(("dq", "dk", "dv"), grads_of, ref, base):
             assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
-    for a, b in zip(grads["coupled"], grads["default"]):
+    for a, b in zip(grads["plain"], grads["default"]):
         assert torch.equal(a, b)
 
 
@@ -624,7 +619,7 @@ def _option_case(d, sq, sk, ratio, causal, seed):
 
 
 def _run_with_option(case, option, value, *, causal, deterministic=False):
-    """Step 3 built with one constructor option (under ab_bwd's variant name) on poisoned outputs;
+    """The kernel built with one option overridden (under its own compile key) on poisoned outputs;
     dq, dk and dv must pass the rule. Returns them."""
     import functools
 

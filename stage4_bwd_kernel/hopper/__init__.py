@@ -1,46 +1,48 @@
 """The stable public entry points of the Hopper backward (the only module ``fa4`` imports).
 
-Whichever ladder step is currently the best lives behind these two functions; callers never
-import a step module directly, so a new step can replace the old one without touching ``fa4``.
+Callers use these names only, never a kernel module, so the kernel behind them can change without
+touching ``fa4``.
 
     dq, dk, dv = attention_backward(q, k, v, out, dout, lse, causal=True)
     dq, dk, dv = attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k,
                                            max_seqlen_q, max_seqlen_k)
 
-Inputs follow the project conventions (DESIGN.md): q (B, Sq, Hq, D), k (B, Sk, Hkv, D),
+Inputs follow the project conventions (docs/ARCHITECTURE.md): q (B, Sq, Hq, D), k (B, Sk, Hkv, D),
 v (B, Sk, Hkv, Dv), out / dout (B, Sq, Hq, Dv) in fp16/bf16 on a CUDA device, lse (B, Hq, Sq)
 fp32 natural-log as the stage-3 forward returns it (rows with no visible key: -inf); varlen packs
 (total, H, D) with int32 cu_seqlens and lse (Hq, total_q). GQA/MQA: Hq % Hkv == 0. Supported head
 dims (D, Dv): (64, 64), (96, 96), (128, 128), (192, 128), (256, 256).
 
 ``deterministic=True`` makes dq bitwise reproducible run to run (dk/dv always are): the dQ
-additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed order, and the
-CTAs launch in sections of chains so that a chain's CTAs do not wait on each other side by side
-(step 3 at 0.82-1.03x of its default speed, bwd_h100_run14.json).
+additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed order
+(``dq_writer.py``), and the CTAs launch in sections of chains (``schedule.py``).
 
-Which step serves a call is measured, per configuration (bwd_h100_run3.json, H100, 8k): step 3
-(register-sourced dV/dK, dQ by a writer warp with one TMA tensor reduce-add per tile) for head
-dims 64, 96 and 128 in every mode -- 0.70-0.83x of the official FA4 against step 1's 0.54-0.60x,
-and its deterministic mode keeps 0.95-1.04x of its default speed (step 1: 0.82-0.85x); step 1 for
-(192, 128) and 256, whose register-sourced accumulators do not fit step 3. Step 3 has since gained
-speed (bwd_h100_run13.json: 0.95-1.08x of the official FA4 at d = 128 with its 80 x 128 tile,
-0.94-1.06x at d = 64 with its 128 x 128 tile, 4k-16k; runs before 9 timed the official kernel with
-.backward(), which also accumulated .grad, and read a few to ~20% higher -- stage 4 README).
+Which kernel serves a call: the composed production kernel of this package (``backward.py``,
+``kernel.py`` and its components) for head dims 64, 96 and 128 in every mode; ladder step 1
+(``hopper_step1``) for (192, 128) and (256, 256), whose register-sourced accumulators do not fit the
+production kernel's consumers. Measured: docs/measurements.md.
 """
 from __future__ import annotations
 
 from stage4_bwd_kernel import hopper_step1 as _step1
-from stage4_bwd_kernel.hopper import backward as _step3
+from stage4_bwd_kernel.hopper import backward as _product
+from stage4_bwd_kernel.hopper.backward import STEP, make_kernel
+from stage4_bwd_kernel.hopper.kernel import FlashAttentionBackwardSm90
+from stage4_bwd_kernel.hopper.layouts import dq_frag_tiled_copy
+from stage4_bwd_kernel.hopper.options import (NUM_WG_MMA, RS_HEAD_DIMS, BackwardOptions, check_rs_head_dims,
+                                              default_tiles)
+from stage4_bwd_kernel.hopper.scores import stats_shuffle_query, stats_shuffle_source
 
 _best = _step1  # compile_only / run default (every head dim, deterministic mode)
 BEST_STEP = _step1.STEP
 
 
 def step_for(head_dim: int, causal: bool, deterministic: bool):
-    """The ladder step module that serves this configuration (see the module docstring); causal and
-    deterministic no longer change the answer, and stay in the signature for the callers."""
+    """The module that serves this configuration (see the module docstring): the production kernel's
+    ``backward`` or ladder step 1; causal and deterministic do not change the answer, and stay in the
+    signature for the callers."""
     if head_dim in (64, 96, 128):
-        return _step3
+        return _product
     return _step1
 
 
@@ -95,4 +97,6 @@ def run(**kwargs):
 
 
 __all__ = ["attention_backward", "attention_varlen_backward", "compile_launchable", "compile_only", "run", "step_for",
-           "BEST_STEP"]
+           "BEST_STEP", "STEP", "make_kernel", "FlashAttentionBackwardSm90", "BackwardOptions", "default_tiles",
+           "check_rs_head_dims", "dq_frag_tiled_copy", "stats_shuffle_source", "stats_shuffle_query", "NUM_WG_MMA",
+           "RS_HEAD_DIMS"]

@@ -1,0 +1,283 @@
+"""The two consumer warpgroups of the production Hopper backward: S^T, dP^T, dV, dS^T, dQ, dK per Q tile.
+
+Consumer warpgroup w owns keys [64 w, 64 w + 64) of the 128-key tile, so the rows of its S^T = K Q^T
+and dP^T = V dO^T accumulators are its own keys. dV += P^T dO and dK += dS^T Q have those same keys as
+M, so P^T and dS^T are converted in place into 16-bit A-operand fragments (a 64 x N wgmma's accumulator
+and A fragment hold the same (row, column) pairs in the same register order) and the wgmma reads A from
+registers. Only dS^T goes to SMEM, as the operand of dQ = dS K.
+
+SMEM cycles per 64 x 128 tile at d = 128 (128 B/clk, ``roofline.hopper_tile_cycles``): operands 2048 +
+the dS^T store 128 + dQ through SMEM 512 = 2688 against 2560 on the tensor cores (all operands from
+SMEM: 3328). Registers per consumer thread: dK d/2 + dV dv/2 + S^T 32 + dP^T 32 + P^T 16; at d = 128
+that is 208 of the 240 ``setmaxnreg`` gives a consumer.
+
+Per tile t, wgmma groups committed in this order:
+    S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; [dV += P^T dO (RS)] ; wait dP^T ; dS^T
+    dS^T -> sdSt ; (dV, late_dv) ; proxy fence ; B2 ; dQ = dS K (SS) ; dK += dS^T Q (RS)
+    wait all but dK ; release dO_i ; dQ -> sdQ[t % buffers] ; arrive "dQ full" ; wait dK ; release Q_i
+
+* ``late_dv`` (the 80- and 128-query tiles, and causal at 64): dV is issued after dS^T is formed, so the
+  fp32 P^T, its 16-bit copy and dP^T are never all live (the register peak), and before the proxy fence
+  that publishes the dS^T stores: dV reads registers and dO, only the dQ wgmma after B2 reads sdSt.
+* dQ goes before dK so that its hand-off to the writer warp runs under dK's wgmma; dO_i's stage is
+  released as soon as dP^T and dV have read it.
+* dS^T buffers (``ds_buffers``): with two, a warpgroup stores tile t's dS^T after B2 of tile t - 1, which
+  the other reaches only after its dQ wgmma of tile t - 2, the last reader of that buffer; with one
+  (the 128 x 128 tile, whose SMEM is full), "sdSt free" barriers guard it.
+* The shapes of dQ: ``dq_split_m`` (128 queries) splits its query rows between the warpgroups, so each
+  reads half of dS once; ``dq_swap_ab`` (80 queries, no wgmma M) forms dQ^T = K^T dS^T with d on M.
+* Descriptors built once: shared-memory operands become wgmma descriptors that depend only on the
+  warpgroup; slicing by its first thread, marked warp-uniform, keeps their arithmetic in uniform
+  registers (sliced per thread, every descriptor was rebuilt per tile).
+* The walk is cut into three segments, masked / mask-free / masked (``schedule.unmasked_m_range``),
+  each a copy of the tile body compiled with or without the mask test: no branch inside a body (a
+  uniform ``if`` there made ptxas serialize every wgmma at d = 64).
+Measured: docs/measurements.md.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import warpgroup
+
+from stage3_fwd_kernel import trace
+from stage3_fwd_kernel.hopper.fragments import acc_rowcol
+from stage4_bwd_kernel import schedule
+from stage4_bwd_kernel.hopper.layouts import dq_frag_tiled_copy
+from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
+from stage4_bwd_kernel.hopper.producer import swizzled
+
+
+@cute.jit
+def gemm_issue(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
+               zero_init: cutlass.Constexpr[bool]):
+    """Issue acc (+)= A B over all k-blocks as one wgmma group (the caller fences before the first
+    group and waits after the last)."""
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+        cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+class ConsumerOperands:
+    """What a consumer thread holds across the walk: its MMA slices, the operand fragments of its
+    warpgroup, the accumulators of dK and dV, the copies into sdSt / sdQ (built once, by operands())."""
+
+
+class Consumer:
+    """Consumer methods of the kernel class."""
+
+    @cute.jit
+    def operands(self, ctidx: Int32, storage, mmas, layouts):
+        """ConsumerOperands of consumer thread ctidx (0..255). mmas: Mmas; layouts: SmemLayouts."""
+        tm, tn, d, dv, stages = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
+        o = ConsumerOperands()
+        sQ, sdO = swizzled(storage, "sQ", layouts), swizzled(storage, "sdO", layouts)       # (tm, d|dv, stages)
+        o.sK, o.sV = swizzled(storage, "sK", layouts), swizzled(storage, "sV", layouts)     # (tn, d|dv)
+        sdSt = swizzled(storage, "sdSt", layouts)                                           # (tn, tm, ds_buffers)
+        sdQ = cute.composition(swizzled(storage, "sdQ", layouts), self._sdq_tile_view())    # (tm, d, buffers) fp32
+        sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm, stages), order=(1, 0, 2)))
+        sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm, stages), order=(1, 0, 2)))
+        sKt = cute.composition(o.sK, cute.make_ordered_layout((d, tn), order=(1, 0)))
+        sdS = cute.composition(sdSt, cute.make_ordered_layout((tm, tn, self.ds_buffers), order=(1, 0, 2)))
+
+        o.thr_SdP = mmas.SdP.get_slice(ctidx)
+        o.thr_dV = mmas.dV.get_slice(ctidx)
+        o.thr_dK = mmas.dK.get_slice(ctidx)
+        o.thr_dQ = mmas.dQ.get_slice(ctidx)
+        # descriptors built once, per warpgroup (module docstring)
+        o.wg = cute.arch.make_warp_uniform(ctidx // 128)
+        wg_first = o.wg * 128
+        wg_SdP, wg_dV = mmas.SdP.get_slice(wg_first), mmas.dV.get_slice(wg_first)
+        wg_dK, wg_dQ = mmas.dK.get_slice(wg_first), mmas.dQ.get_slice(wg_first)
+        o.tSrK = wg_SdP.make_fragment_A(wg_SdP.partition_A(o.sK))         # this warpgroup's 64 keys
+        o.tSrQ = wg_SdP.make_fragment_B(wg_SdP.partition_B(sQ))           # (..., stages)
+        o.tPrV = wg_SdP.make_fragment_A(wg_SdP.partition_A(o.sV))
+        o.tPrdO = wg_SdP.make_fragment_B(wg_SdP.partition_B(sdO))         # (..., stages)
+        o.tdVrdOt = wg_dV.make_fragment_B(wg_dV.partition_B(sdOt))        # (..., stages)
+        o.tdKrQt = wg_dK.make_fragment_B(wg_dK.partition_B(sQt))          # (..., stages)
+        if const_expr(self.dq_swap_ab):  # dQ^T = K^T dS^T: A = K^T (d, tn), B = dS (tm, tn), both MN-major
+            o.tdQrA = wg_dQ.make_fragment_A(wg_dQ.partition_A(sKt))
+            o.tdQrB = wg_dQ.make_fragment_B(wg_dQ.partition_B(sdS))       # (..., ds_buffers)
+        else:
+            o.tdQrA = wg_dQ.make_fragment_A(wg_dQ.partition_A(sdS))       # (..., ds_buffers)
+            o.tdQrB = wg_dQ.make_fragment_B(wg_dQ.partition_B(sKt))
+        o.acc_dV = cute.make_rmem_tensor(o.thr_dV.partition_shape_C((tn, dv)), Float32)
+        o.acc_dK = cute.make_rmem_tensor(o.thr_dK.partition_shape_C((tn, d)), Float32)
+        o.acc_dV.fill(0.0)
+        o.acc_dK.fill(0.0)
+        o.tScS_rc = acc_rowcol(o.thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))  # (key, query)
+        o.tScS0_rc = acc_rowcol(mmas.SdP.get_slice(0).partition_C(cute.make_identity_tensor((tn, tm))))
+        # dS^T (16-bit, accumulator order) -> sdSt: 2 adjacent queries per 4-byte store
+        o.smem_copy_dS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), mmas.SdP)
+        o.thr_smem_dS = o.smem_copy_dS.get_slice(ctidx)
+        o.tdSsdSt = o.thr_smem_dS.partition_D(sdSt)                       # (..., ds_buffers)
+        # dQ (fp32) -> sdQ[buf], row order: 2 adjacent columns per 8-byte store; dq_swap_ab holds dQ^T,
+        # whose adjacent pair is 2 query rows of sdQ: 4-byte stores into the transposed view
+        o.smem_copy_dQ = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                num_bits_per_copy=32 if const_expr(self.dq_swap_ab) else 64), mmas.dQ)
+        o.thr_smem_dQ = o.smem_copy_dQ.get_slice(ctidx)
+        if const_expr(self.dq_swap_ab):
+            sdQ = cute.composition(sdQ, cute.make_ordered_layout((d, tm, self.dq_buffers), order=(1, 0, 2)))
+        o.sdQ = sdQ
+        o.dq_shape = (d, tm) if const_expr(self.dq_swap_ab) else (tm, d)
+        if const_expr(self.dq_frag):
+            # register i of the dQ fragment -> element (i // 4) * 512 + (thread in warpgroup) * 4 + i % 4
+            # of the warpgroup's share: 16-byte stores, a warp's 512 bytes contiguous (no conflicts)
+            sdQ_frag = storage.sdQ.get_tensor(layouts.sdQ.outer)                # (share elems, shares)
+            thr_frag = dq_frag_tiled_copy().get_slice(ctidx % 128)
+            o.tQsQ_frag = thr_frag.partition_D(sdQ_frag)                        # (4, chunks, shares)
+        o.sLSE2 = storage.sLSE2.get_tensor(layouts.sStat)                       # (tm, stages), TMA-filled
+        o.sD = storage.sD.get_tensor(layouts.sStat)
+        return o
+
+    @cute.jit
+    def consume(self, walk, ctidx: Int32, storage, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale_log2: Float32,
+                softmax_scale: Float32, mmas, layouts, gmem_stores, pipes):
+        """The 256 consumer threads (ctidx 0..255): the walk, then the dK / dV epilogue."""
+        tm, tn = self.tile_m, self.tile_n
+        trace.cta_stamp("start")
+        o = self.operands(ctidx, storage, mmas, layouts)
+
+        # The epilogue's key offset and row count wait in SMEM rather than in registers live across the
+        # walk (the d = 64 varlen kernel spilled); read back after the walk's last consumer barrier. The
+        # third word (the statistics' first row) is read by nobody since the producer loads them; without
+        # its store ptxas schedules every build differently (690 SASS lines at d = 64 varlen), unmeasured.
+        sOffsets = storage.sOffsets.get_tensor(cute.make_layout(3))
+        if ctidx == 0:
+            sOffsets[0] = walk.offset_k
+            sOffsets[1] = walk.seqlen_k_rows - walk.n_block * tn
+            sOffsets[2] = self.stats_offset(walk.offset_q, walk.batch)
+
+        # K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA); with
+        # kv_with_first they come with the first tile's Q and dO, and an empty walk loads neither
+        if const_expr(not self.kv_with_first):
+            pipes.kv.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+
+        # the walk: (query head of the group) x (Q tile), in three segments (module docstring)
+        n_m = walk.m_block_max - walk.m_block_min
+        n_tiles = walk.qhead_per_kvhead * n_m
+        trace.note(n_tiles)
+        hot_lo, hot_hi = schedule.unmasked_m_range(walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k, self.causal,
+                                                   walk.m_block_min, walk.m_block_max, imin=cutlass.min,
+                                                   imax=cutlass.max)
+        segments = ((walk.m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, walk.m_block_max, True))
+        for head_in_group in cutlass.range(walk.qhead_per_kvhead, unroll=1):
+            for seg in cutlass.range_constexpr(3):
+                seg_lo, seg_hi, masked = segments[seg]
+                for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
+                    t = head_in_group * n_m + m_block - walk.m_block_min
+                    self.consume_tile(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, masked)
+
+        trace.cta_stamp("walked")
+        self.store_dk_dv(o, walk, mdK, mdV, mmas, gmem_stores, sOffsets, softmax_scale)
+        trace.cta_stamp("end")
+
+    @cute.jit
+    def consume_tile(self, o: ConsumerOperands, walk, mmas, pipes, t: Int32, m_block: Int32, n_tiles: Int32,
+                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool]):
+        """Tile t of the walk (Q tile m_block): the wgmma order of the module docstring."""
+        tm, tn = self.tile_m, self.tile_n
+        st = self.tile_state(t, producer=False)
+        q_rows_left = walk.seqlen_q - m_block * tm
+
+        # S^T = K_w Q_i^T as soon as Q_i has landed, dP^T = V_w dO_i^T when dO_i has
+        acc_S = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
+        acc_dP = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
+        pipes.q.consumer_wait(st)
+        warpgroup.fence()
+        gemm_issue(mmas.SdP, acc_S, o.tSrK, o.tSrQ[None, None, None, st.index], zero_init=True)
+        pipes.do.consumer_wait(st)
+        gemm_issue(mmas.SdP, acc_dP, o.tPrV, o.tPrdO[None, None, None, st.index], zero_init=True)
+        # this lane's 4 lse2 (stats_shuffle) now, so the LDS runs under the S^T wait
+        sLSE2_t, sD_t = o.sLSE2[None, st.index], o.sD[None, st.index]  # this tile's statistics
+        lse2_quad = self.load_quad_stats(sLSE2_t)
+
+        # P^T = exp2(S^T * scale_log2 - lse2), masked (scores.py)
+        warpgroup.wait_group(1)
+        acc_S_rc = acc_rowcol(acc_S)
+        key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k)
+        self.exp_scores(acc_S_rc, o.tScS_rc, sLSE2_t, lse2_quad, softmax_scale_log2, key_limit, diag,
+                        q_rows_left, masked=masked, tScS0_rc=o.tScS0_rc)
+        # P^T -> 16-bit A fragment of dV (the accumulator's register order), dV += P^T dO
+        tdVrPt = cute.make_rmem_tensor(o.thr_dV.partition_shape_A((tn, tm)), self.dtype)
+        tdVrPt_acc = cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape))
+        if const_expr(not self.late_dv):
+            tdVrPt_acc.store(acc_S.load().to(self.dtype))
+            warpgroup.fence()
+            gemm_issue(mmas.dV, o.acc_dV, tdVrPt, o.tdVrdOt[None, None, None, st.index], zero_init=False)
+
+        # dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and -> sdSt for dQ
+        warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
+        tdKrdSt = self.form_ds(o, acc_S, acc_S_rc, acc_dP, sD_t, tdVrPt_acc)
+        ds_buf = t % self.ds_buffers
+        if const_expr(self.ds_buffers == 1):
+            # the other warpgroup's dQ wgmma of the previous tile has read sdSt
+            if t > 0:
+                cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
+        tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
+        cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(tdSrdS), o.tdSsdSt[None, None, None, ds_buf])
+        if const_expr(not self.late_dv):
+            cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
+        if const_expr(self.late_dv):
+            warpgroup.fence()
+            gemm_issue(mmas.dV, o.acc_dV, tdVrPt, o.tdVrdOt[None, None, None, st.index], zero_init=False)
+            cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)  # B2
+
+        # dQ_i = dS K_j (this warpgroup's share), then dK += dS^T Q_i
+        acc_dQ = cute.make_rmem_tensor(o.thr_dQ.partition_shape_C(o.dq_shape), Float32)
+        warpgroup.fence()
+        if const_expr(self.dq_swap_ab):
+            gemm_issue(mmas.dQ, acc_dQ, o.tdQrA, o.tdQrB[None, None, None, ds_buf], zero_init=True)
+        else:
+            gemm_issue(mmas.dQ, acc_dQ, o.tdQrA[None, None, None, ds_buf], o.tdQrB, zero_init=True)
+        gemm_issue(mmas.dK, o.acc_dK, tdKrdSt, o.tdKrQt[None, None, None, st.index], zero_init=False)
+        warpgroup.wait_group(1)  # dV and dQ done, dK may run
+        if const_expr(self.ds_buffers == 1):
+            if t + 1 < n_tiles:  # this warpgroup's dQ has read sdSt: the other may overwrite it
+                cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
+                                         number_of_threads=NUM_CONSUMER_THREADS)
+        pipes.do.consumer_release(st)   # dP^T and dV have read dO_i
+        self.hand_off_dq(o, acc_dQ, t)
+        warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
+        pipes.q.consumer_release(st)
+        trace.stamp(t, "end")  # no code unless tracing is on
+
+    @cute.jit
+    def form_ds(self, o: ConsumerOperands, acc_S: cute.Tensor, acc_S_rc: cute.Tensor, acc_dP: cute.Tensor,
+                sD_t: cute.Tensor, tdVrPt_acc: cute.Tensor):
+        """dS^T = P^T * (dP^T - D) in acc_dP, then its 16-bit copy (the A fragment of dK, returned); with
+        late_dv, P^T is packed for dV only now."""
+        acc_dP_rc = acc_rowcol(acc_dP)
+        dpsum_quad = self.load_quad_stats(sD_t)
+        for c in cutlass.range_constexpr(cute.size(o.tScS_rc, mode=[1])):
+            dpsum = self.column_stat(sD_t, dpsum_quad, c, o.tScS_rc[0, c][1])
+            for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
+                acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+        if const_expr(self.late_dv):
+            # P^T packed only now: the fp32 P^T, the 16-bit copy and dP^T are never all live
+            tdVrPt_acc.store(acc_S.load().to(self.dtype))
+        tdKrdSt = cute.make_rmem_tensor(o.thr_dK.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
+        tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
+        tdSrdS.store(acc_dP.load().to(self.dtype))
+        return tdKrdSt
+
+    @cute.jit
+    def hand_off_dq(self, o: ConsumerOperands, acc_dQ: cute.Tensor, t: Int32):
+        """dQ_i to the writer warp: sdQ[buf] free (t >= buffers) -> store -> proxy fence -> arrive."""
+        buf = t % self.dq_buffers
+        if t >= self.dq_buffers:
+            self.dq_empty(buf, o.wg, wait=True)
+        if const_expr(self.dq_frag):
+            dst = o.tQsQ_frag[None, None, buf * NUM_WG_MMA + o.wg]
+            cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, dst.layout.shape), dst)
+        else:
+            cute.copy(o.smem_copy_dQ, o.thr_smem_dQ.retile(acc_dQ), o.thr_smem_dQ.partition_D(o.sdQ[None, None, buf]))
+        cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> bulk-copy reads
+        self.dq_full(buf, wait=False)

@@ -1,0 +1,140 @@
+"""Shared-memory layouts, tiled MMAs and the dQ layouts of the production Hopper backward.
+
+Every operand tile is row-major with the widest swizzle its major mode allows. The dQ accumulator has
+two forms:
+
+* fragment order (``dq_frag``, the default): register i of consumer thread t of warpgroup w is float
+  (i // 4) * 512 + t * 4 + i % 4 of share w, in sdQ and in dQaccum alike, so a warpgroup stores its
+  share with 16-byte STS (a warp's 512 bytes contiguous, no bank conflicts) and the writer adds it with
+  one contiguous bulk reduce. ``postprocess_frag`` asks ``make_tiled_mma_dQ`` where each register
+  belongs and writes dq.
+* row order (causal deterministic d = 128): each warpgroup's share of a dQ tile is a swizzled tile of
+  its own that one TMA tensor reduce-add reads.
+"""
+from __future__ import annotations
+
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, const_expr, pipeline
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from stage3_fwd_kernel.host_io import top_padding
+from stage4_bwd_kernel import common
+from stage4_bwd_kernel.hopper.options import NUM_WG_MMA
+
+
+def dq_frag_tiled_copy() -> cute.TiledCopy:
+    """dq_frag: a warpgroup's 128 threads x 4 consecutive fp32 (16 bytes) per copy over a flat share."""
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout(128), cute.make_layout(4))
+
+
+class LayoutPlan:
+    """Layout methods of the kernel class (they read tile_m, tile_n, head_dim, dtype, the options)."""
+
+    def _smem_layout(self, rows: int, cols: int, major_mode_size: int, stages: int | None = None):
+        """Row-major (rows, cols) tile, swizzle atom sized for `major_mode_size`, optional stage mode."""
+        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, major_mode_size)
+        atom = warpgroup.make_smem_layout_atom(atom_kind, self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _gmem_store(self, cols: int):
+        """256 consumer threads, 16-byte stores, a 128/64/32-byte row chunk per thread group."""
+        elems = 128 // self.dtype.width
+        atom_cols = 64 if cols % 64 == 0 else (32 if cols % 32 == 0 else 16)
+        threads_per_row = atom_cols // elems
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr = cute.make_ordered_layout((128 * NUM_WG_MMA // threads_per_row, threads_per_row), order=(1, 0))
+        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    def _dq_share(self) -> tuple[int, int]:
+        """(rows, columns) of one consumer warpgroup's share of a dQ tile: its 64 query rows (dq_split_m)
+        or its d / 2 columns (the dQ wgmma splits N, or with dq_swap_ab the M of dQ^T)."""
+        if self.dq_split_m:
+            return self.tile_m // NUM_WG_MMA, self.head_dim
+        return self.tile_m, self.head_dim // NUM_WG_MMA
+
+    def _sdq_layout(self, shares: bool = True):
+        """Row order: (rows, cols, warpgroups x buffers) fp32, each share (share s = buffer * 2 +
+        warpgroup) a swizzled tile of its own that one TMA tensor copy reads. shares=False: one share,
+        built rather than sliced (this CuTe-DSL aborts slicing the last mode of a swizzled layout for
+        some row counts: 48, 72, 80, 112)."""
+        atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.head_dim // NUM_WG_MMA)
+        atom = warpgroup.make_smem_layout_atom(atom_kind, Float32)
+        rows, cols = self._dq_share()
+        if not shares:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, NUM_WG_MMA * self.dq_buffers), (0, 1, 2))
+
+    def dq_frag_share_elems(self) -> int:
+        """fp32 elements of one warpgroup's share of a dQ tile (dq_frag: one contiguous chunk)."""
+        return self.tile_m * self.head_dim // NUM_WG_MMA
+
+    def dq_frag_tiled_copy(self) -> cute.TiledCopy:
+        """The copy that stores (kernel) and reads back (postprocess_frag) a share in fragment order."""
+        return dq_frag_tiled_copy()
+
+    def _sdq_frag_layout(self) -> cute.ComposedLayout:
+        """Fragment order: (share elements, warpgroups x buffers), unswizzled (an identity swizzle keeps
+        the ComposedLayout interface of _sdq_layout)."""
+        return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, cute.make_layout(
+            (self.dq_frag_share_elems(), NUM_WG_MMA * self.dq_buffers)))
+
+    def top_padding(self, seqlen_q):
+        """q_shift: rows of zeros before query 0, so the Q tiles end with the sequence: the distance to
+        the next multiple of tile_m, rounded down to a multiple of 4 (the row statistics' TMA boxes
+        start 16-byte aligned). Python ints or traced Int32."""
+        return top_padding(seqlen_q, self.tile_m, multiple=4)
+
+    def dq_frag_tile_row(self, offset_q, batch, m_block):
+        """dq_frag: first row of dQ tile m_block of sequence `batch` in the (B, H, rows, d) dQaccum.
+        A varlen sequence's first tile is (offset_q + batch * tile_m) // tile_m, so each sequence owns
+        whole tiles and none overlaps the next (dense: tile m_block)."""
+        first = (offset_q + batch * self.tile_m) // self.tile_m if const_expr(self.varlen) else 0
+        return (first + m_block) * self.tile_m
+
+    def dq_frag_accum_rows(self, rows_q: int, batch: int) -> int:
+        """Host: rows of the (B, H, rows, d) dQaccum for seqlen_q (dense) or total_q (varlen) rows."""
+        extra = (batch + 1) * self.tile_m if self.varlen else 0
+        return common.cdiv(rows_q + extra, self.tile_m) * self.tile_m
+
+    def make_tiled_mma_dQ(self) -> cute.TiledMma:
+        """dQ (tm x d) = dS K: A = dS (MN-major view of dS^T), B = K^T (MN-major); the warpgroups split
+        the query rows (dq_split_m) or the d columns; dq_swap_ab: dQ^T (d x tm) = K^T dS^T, the
+        warpgroups split d (M) and tm is the N, so tm need not be a multiple of 64."""
+        mn = cute.nvgpu.OperandMajorMode.MN
+        wg_m, wg_n = (NUM_WG_MMA, 1, 1), (1, NUM_WG_MMA, 1)
+        if self.dq_split_m:
+            dq_split, dq_tile = wg_m, (64, self.head_dim)
+        else:
+            dq_split, dq_tile = wg_n, (64, self.head_dim // NUM_WG_MMA)
+        if const_expr(self.dq_swap_ab):
+            dq_split, dq_tile = wg_m, (64, self.tile_m)
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, mn, mn, Float32, dq_split, dq_tile)
+
+    def _sdq_tile_view(self) -> cute.Layout:
+        """(tm, d, buffers) -> index into the shares of _sdq_layout: the dQ tiles as the consumers' MMA
+        partitions see them (warpgroup w's rows or columns land in share buffer * 2 + w)."""
+        rows, cols = self._dq_share()
+        share = rows * cols
+        if self.dq_split_m:
+            return cute.make_layout(((rows, NUM_WG_MMA), cols, self.dq_buffers),
+                                    stride=((1, share), rows, NUM_WG_MMA * share))
+        return cute.make_layout((rows, (cols, NUM_WG_MMA), self.dq_buffers),
+                                stride=(1, (rows, share), NUM_WG_MMA * share))
+
+    def stats_offset(self, offset_q, batch):
+        """First row of this sequence's lse2 / D: varlen sequences start 16-byte aligned there
+        (common.stats_offset), dense ones at offset_q (0)."""
+        return common.stats_offset(offset_q, batch) if const_expr(self.varlen) else offset_q
+
+    def tile_state(self, t, producer: bool) -> pipeline.PipelineState:
+        """Pipeline slot of tile t of the walk: stage t % stages, phase flips every lap; the producer
+        starts one phase ahead (its first lap must not wait for "empty")."""
+        phase = (t // self.num_stages) % 2
+        if const_expr(producer):
+            phase = phase ^ 1
+        return pipeline.PipelineState(self.num_stages, t, t % self.num_stages, phase)

@@ -1,0 +1,140 @@
+"""Configuration of the production Hopper backward: thread roles, named barriers, tiles, the SMEM
+plan and the per-configuration options. Plain Python (no device code): the kernel, the host and the
+tests read the same numbers.
+
+Roles (384 threads): warpgroup 0 is the producer (warp 0 issues the TMA loads, warps 1 .. dq_writers
+reduce dQ), warpgroups 1 and 2 are the consumers (keys [64 w, 64 w + 64) of the K/V tile each).
+
+Named barriers (0 is __syncthreads, used only before the role split; ids 2 and 3 are not used):
+    1               the 256 consumers: "dS^T stored" (B2) once per tile, and the epilogue
+    4 + w           "sdSt free" for warpgroup w (one dS^T buffer only): the other warpgroup's dQ wgmma
+                    of the previous tile has read sdSt
+    6 + b           "dQ full" of dQ buffer b: 256 consumer arrivals + the writer warp's sync = 288
+    6 + B + 2 b + w "dQ empty" of buffer b, share w (B buffers): the writer's arrival + warpgroup w's
+                    sync = 160. Tile t waits only when t >= B and the writer arrives only when t + B
+                    < tiles, so every barrier generation completes before the CTA exits.
+The ids are computed at run time (bar.sync takes them in a register), so ptxas reserves all 16.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from stage3_fwd_kernel.host_io import SMEM_BUDGET
+
+NUM_WG_MMA = 2
+NUM_THREADS = 128 * (1 + NUM_WG_MMA)
+NUM_CONSUMER_THREADS = 128 * NUM_WG_MMA
+NUM_STAGES = 2                                    # Q / dO ring
+CONSUMER_BARRIER = 1
+SDST_FREE_BARRIER = 2 + NUM_WG_MMA
+DQ_FULL_BARRIER = 2 + 2 * NUM_WG_MMA
+DQ_FULL_THREADS = NUM_CONSUMER_THREADS + 32       # consumers + the writer warp
+DQ_EMPTY_THREADS = 128 + 32                       # one consumer warpgroup + the writer warp
+NUM_NAMED_BARRIERS = 16
+DQ_WRITER_WARP = 1      # first dQ writer warp of the producer warpgroup (warp 0 issues the TMA loads)
+MAX_DQ_BUFFERS = 2
+RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the launch registers
+
+
+def check_rs_head_dims(head_dim: int, head_dim_v: int):
+    """ValueError for the head dims whose register-sourced accumulators do not fit a consumer's 240
+    registers: per thread dK d/2 + dV dv/2 + S^T 32 + dP^T 32 + the 16-bit P^T 16; (192, 128) needs
+    240 for data alone, (256, 256) 256 for dK + dV. Those run ``hopper_step1``."""
+    if (head_dim, head_dim_v) not in RS_HEAD_DIMS:
+        need = (64 * head_dim + 64 * head_dim_v) // 128 + 2 * 32 + 16
+        raise ValueError(f"head_dim: the Hopper backward supports (q/k, v) head dims {RS_HEAD_DIMS}, got "
+                         f"{(head_dim, head_dim_v)}: its dK + dV + S^T + dP^T + P^T accumulators would take {need} "
+                         f"registers per consumer thread of the {REGS_CONSUMER} available (use hopper_step1)")
+
+
+def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """(tile_m, tile_n): 64 keys per consumer warpgroup (wgmma M); 128 queries at d = 64 (dV issued
+    after dS and dQ split by query rows keep it in 240 registers), 64 at d = 96, 80 at d = 128
+    (dQ^T = K^T dS^T, since 80 is no wgmma M, and one dQ buffer)."""
+    check_rs_head_dims(head_dim, head_dim_v)
+    return {(64, 64): (128, 128), (128, 128): (80, 128)}.get((head_dim, head_dim_v), (64, 128))
+
+
+def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffers: int, dq_buffers: int) -> int:
+    """Bytes of K, V, the Q/dO stages, the 16-bit dS^T buffers and the fp32 dQ buffers, + 2 KB for the
+    mbarriers and the row statistics' ring.
+
+        d = 64  (128 x 128): 16 + 16 + 2 * 32 + 1 * 32 + 2 * 32 = 192 KB
+        d = 96  (64 x 128):  24 + 24 + 2 * 24 + 2 * 16 + 2 * 24 = 176 KB
+        d = 128 (80 x 128):  32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB  (two dQ buffers: 264)
+    """
+    tm, tn, d, dv = tile_m, tile_n, head_dim, head_dim_v
+    operands = (tn * (d + dv) + NUM_STAGES * tm * (d + dv) + ds_buffers * tn * tm) * 2
+    return operands + dq_buffers * tm * d * 4 + 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardOptions:
+    """What differs between the production configurations; each field is documented where its code
+    is (see the field comments). ``for_config`` gives the default of a configuration; any field may be
+    overridden (``dataclasses.replace``) to compare a build against the default, e.g. in the tests."""
+
+    late_dv: bool          # dV issued after dS^T is formed (consumer.py, "register peak")
+    stats_shuffle: bool    # row statistics by warp shuffle (scores.py)
+    dq_frag: bool          # dQaccum in fragment order (dq_writer.py)
+    q_shift: bool          # Q tiles counted from the sequence's end (kernel.py)
+    key_select: bool       # key-bound select in the unmasked body (scores.py)
+    column_limit: bool     # one key limit per query column in the masked body (scores.py)
+    mask_offsets: bool     # the masked test against the accumulator's static offsets (scores.py)
+    kv_with_first: bool    # K / V on the first Q / dO tile's barriers (producer.py)
+    ds_buffers: int        # dS^T buffers (SMEM plan below)
+    dq_buffers: int        # fp32 dQ buffers (SMEM plan below)
+    dq_writers: int        # dQ writer warps (dq_writer.py)
+
+    @classmethod
+    def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
+                   varlen: bool) -> "BackwardOptions":
+        """The measured default of a configuration (docs/measurements.md)."""
+        tm, tn = default_tiles(head_dim, head_dim_v)
+        # dS^T double-buffered below the 128-query tile where it fits beside one dQ buffer; the
+        # 128 x 128 tile measured a tie and keeps one (two fill the 227 KB exactly)
+        ds_buffers = 1
+        if tm < 128 and smem_need(tm, tn, head_dim, head_dim_v, 2, 1) <= SMEM_BUDGET:
+            ds_buffers = 2
+        dq_buffers = MAX_DQ_BUFFERS
+        if smem_need(tm, tn, head_dim, head_dim_v, ds_buffers, MAX_DQ_BUFFERS) > SMEM_BUDGET:
+            dq_buffers = 1
+        # the TMA tensor reduce measured faster only for the 80-query tile in causal deterministic mode
+        dq_frag = not (causal and deterministic and tm == 80)
+        return cls(
+            late_dv=tm != 64 or causal,
+            # off where ptxas would serialize the wgmmas (C7512): d = 64 causal, default mode
+            stats_shuffle=tm == 128 and not (dq_frag and causal and not deterministic),
+            dq_frag=dq_frag,
+            q_shift=causal and not varlen and not deterministic and dq_frag and tn % tm != 0,
+            key_select=tm == 80 and not deterministic,
+            column_limit=tm != 128,  # the 128-query tile spilled with it
+            mask_offsets=causal and not deterministic and not varlen and head_dim <= 96,
+            kv_with_first=causal and not deterministic and tm == 128,
+            ds_buffers=ds_buffers,
+            dq_buffers=dq_buffers,
+            dq_writers=dq_buffers if deterministic else 1,
+        )
+
+    def check(self, varlen: bool):
+        """ValueError for a combination the kernel cannot build (only overrides can produce one)."""
+        if self.ds_buffers not in (1, 2):
+            raise ValueError(f"ds_buffers: expected 1 or 2, got {self.ds_buffers!r}")
+        if self.dq_buffers not in (1, 2):
+            raise ValueError(f"dq_buffers: expected 1 or 2, got {self.dq_buffers!r}")
+        if self.dq_writers not in (1, 2) or self.dq_buffers % self.dq_writers:
+            raise ValueError(f"dq_writers: expected 1 or 2 dividing dq_buffers ({self.dq_buffers}), "
+                             f"got {self.dq_writers!r}")
+        if self.q_shift and (varlen or not self.dq_frag):
+            raise ValueError("q_shift: needs a dense (not varlen) kernel with dq_frag (the padding rows are "
+                             "loaded past the tensor's start, as zeros)")
+
+
+def dq_empty_barrier(dq_buffers: int) -> int:
+    """First "dQ empty" id: after the "dQ full" ids of the buffers."""
+    return DQ_FULL_BARRIER + dq_buffers
+
+
+def num_barriers(dq_buffers: int) -> int:
+    return dq_empty_barrier(dq_buffers) + dq_buffers * NUM_WG_MMA
