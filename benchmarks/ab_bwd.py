@@ -1,21 +1,21 @@
-"""Paired A/B of backward variants: interleaved rounds, each timed against the official FA4 in the same round.
+"""Paired A/B of backward kernels: interleaved rounds, each timed against the official FA4 in the same round.
 
-    python benchmarks/ab_bwd.py --variants step3_rs,step3_rs@64x128,step3_rs:kv_ascending_rotated \\
+    python -m benchmarks.ab_bwd --variants production,step3_rs,step3_rs@64x128:kv_descending \\
         [--dims 64] [--seqlens 8192,16384] [--causal 0,1] [--rounds 7] [--out ab.json]
 
-The method of ab_fwd.py (why: see there), for the backward kernels alone (preprocess + main +
-postprocess from a fixed forward) against the official kernel's autograd backward.
+The method of benchmarks.ab_fwd (why: see there), for the backward kernels alone (preprocess + main
++ postprocess from a fixed forward) against the official kernel's autograd backward.
 
-A variant is ``step[@MxN][:order][~option=int...][+det]``: a ladder step of bench_bwd.STEPS, an
-optional tile override, an optional dQ order of ``stage4_bwd_kernel.schedule`` by its ``name``,
-optional kernel constructor options (e.g. ``step3_rs~late_dv=1``: step 3 built with late_dv=True,
-compiled under its own cache key), and ``+det`` for deterministic mode. Every variant's dq/dk/dv
-are checked against the first variant's before timing.
+A variant is ``name[@MxN][:order][~keyword=int...][+det]``: a kernel of bench_bwd.STEPS (the lessons and
+``production``, the backward fa4 runs) or a module path with ``attention_backward`` (e.g. an untracked
+copy at the repository root with its own STEP name), an optional tile override, an optional dQ order of
+``stage4_bwd_kernel.schedule`` by its ``name``, optional integer keyword arguments of the kernel's
+``attention_backward`` (for a copy that adds one), and ``+det`` for deterministic mode. Every
+variant's dq/dk/dv are checked against the first variant's before timing.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import inspect
 import random
@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-from ab_fwd import add_grid_args, paired_rounds, ratio_rows, write_results
-from bench_bwd import STEPS
-from bench_fwd import flops
+from .ab_fwd import add_grid_args, paired_rounds, ratio_rows, write_results
+from .bench_bwd import PRODUCTION, STEPS
+from .bench_fwd import flops
 
 
 def dq_orders() -> dict:
@@ -42,34 +42,35 @@ def make_variant(spec: str):
     try:
         options = {k: int(v) for k, v in (o.split("=") for o in option_specs)}
     except ValueError:
-        raise SystemExit(f"--variants: options in {spec!r} must read ~name=int, e.g. ~late_dv=1") from None
+        raise SystemExit(f"--variants: keyword arguments in {spec!r} must read ~name=int, e.g. ~late_dv=1") from None
     rest, _, order_name = rest.partition(":")
     step, _, tiles = rest.partition("@")
-    if step not in STEPS:
-        raise SystemExit(f"--variants: unknown step {step!r} in {spec!r}; expected one of {', '.join(STEPS)}")
+    module = STEPS.get(step, step if "." in step else None)  # a name of STEPS, or a module path (e.g. a copy)
+    if module is None:
+        raise SystemExit(f"--variants: unknown kernel {step!r} in {spec!r}; expected one of {', '.join(STEPS)} "
+                         "or a module path")
     orders = dq_orders()
     if order_name and order_name not in orders:
-        raise SystemExit(f"--variants: unknown dQ order {order_name!r} in {spec!r}; expected one of {', '.join(orders)}")
-    mod = importlib.import_module(STEPS[step])
-    tl = tuple(int(x) for x in tiles.split("x")) if tiles else None
-    order = orders.get(order_name)
-    if not options:
-        return lambda q, k, v, o, do, lse, c: mod.attention_backward(q, k, v, o, do, lse, causal=c,
-                                                                     deterministic=det, tiles=tl, dq_order=order)
-    from stage4_bwd_kernel import host
+        raise SystemExit(f"--variants: unknown dQ order {order_name!r} in {spec!r}; "
+                         f"expected one of {', '.join(orders)}")
+    mod = importlib.import_module(module)
+    if tiles:
+        options["tiles"] = tuple(int(x) for x in tiles.split("x"))
+    if order_name:
+        options["dq_order"] = orders[order_name]
+    accepted = inspect.signature(mod.attention_backward).parameters
+    refused = [k for k in options if k not in accepted]
+    if refused:
+        raise SystemExit(f"--variants: {step}'s attention_backward takes no {', '.join(refused)} ({spec!r})")
+    return lambda q, k, v, o, do, lse, c: mod.attention_backward(q, k, v, o, do, lse, causal=c, deterministic=det,
+                                                                 **options)
 
-    if "options" not in inspect.signature(mod.make_kernel).parameters:
-        raise SystemExit(f"--variants: {step}'s make_kernel takes no constructor options ({spec!r})")
-    make_kernel = functools.partial(mod.make_kernel, **options)
-    name = mod.STEP + "".join(f"~{k}={v}" for k, v in sorted(options.items()))  # its own compile-cache key
-    return lambda q, k, v, o, do, lse, c: host.backward(name, make_kernel, q, k, v, o, do, lse, causal=c,
-                                                        deterministic=det, tiles=tl, dq_order=order)
 
 def backward_case(d: int, s: int, causal: bool):
     """One grid point of the benchmarks (bf16, 32k tokens per batch, hidden 2048) -> (batch, heads,
     (q, k, v, out, dout, lse) from our forward, the official FA4's backward as a no-argument call).
     The official one runs through ``autograd.grad``: ``.backward`` would also add into ``.grad`` on
-    every call (see bench_bwd.py)."""
+    every call (see benchmarks.bench_bwd)."""
     from flash_attn.cute.interface import flash_attn_func
     from stage3_fwd_kernel.hopper import attention_forward
 
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
                                    {"head_dim": d, "causal": causal, "seqlen": s}, f"d={d} causal={causal!s:5} s={s:5}")
                 del inputs, official, fns
     if args.out:
-        write_results(args.out, rows, args.rounds)
+        write_results(args.out, "benchmarks.ab_bwd", rows, args.rounds, production_variant=PRODUCTION)
     return 0
 
 

@@ -1,47 +1,42 @@
 """Paired A/B of forward kernels: interleaved rounds, each timed against the official FA4 in the same round.
 
-    python benchmarks/ab_fwd.py --impls stage3_fwd_kernel.hopper.forward,my_variant \\
-        [--dims 64,128] [--seqlens 4096,16384] [--rounds 9] [--out ab.json]
+    python -m benchmarks.ab_fwd --impls fa4,stage3_fwd_kernel.hopper,my_copy \\
+        [--dims 64,128,192x128] [--seqlens 4096,16384] [--causal 0,1] [--rounds 9] [--out ab.json]
 
-Why not bench_fwd.py: it times each implementation once, one after the other, and on the H100 the
-same kernel moved by 5-10% between two such passes (clock and temperature drift, and an effect of
-the position in the sequence). Here every round times every implementation once, in a fresh
-random order, for ~40 ms each, and divides by the official kernel's time *of the same round*; the
-table reports the median of those per-round ratios and their spread (min-max), so a difference is
-real only when it is wider than the spread.
+Why not bench_fwd: it times each implementation once, one after the other, and the same kernel
+moves by 5-10% between two such passes (clock and temperature drift, and an effect of the
+position in the sequence). Here every round times every implementation once, in a fresh random
+order, for ~40 ms each, and divides by the official kernel's time *of the same round*; the table
+reports the median of those per-round ratios and their spread (min-max), so a difference is real
+only when it is wider than the spread. `benchmarks.ab_pair` then compares two builds round by round.
 
 An implementation is `official`, `fa4` (the package's `flash_attn_func`: what a model gets, LPT tile
-order included), or a module path with `attention_forward(q, k, v, causal=...)` returning (out, lse)
-(any ladder step, or an untracked copy at the repo root with its own STEP name), the module optionally
-followed by keyword arguments of its `attention_forward`:
-`stage3_fwd_kernel.hopper.forward~emulation_fraction=0.125~pv_wait=split_rows` (numbers
-or words, True / False as bools: `~persistent=True`; each distinct set is its own compiled kernel).
-`fa4` takes five route switches: `fa4~persistent=False`, `fa4~lpt_min=0` (LPT tile order from
-that many keys on, fa4._dispatch.LPT_MIN_SEQLEN_K), `fa4~kv_multicast=True` (non-causal calls: K/V
-shared by clusters of two CTAs, fa4._dispatch.FORWARD_KV_MULTICAST), `fa4~lpt_flat=False` (LPT
-sections inside each batch instead of over the (batch, head) pairs, fa4._dispatch.FORWARD_LPT_FLAT)
-and `fa4~lpt_safety=1.0` (the share of L2 an LPT section's K/V may fill,
-fa4._dispatch.FORWARD_LPT_L2_SAFETY). Each implementation's output is checked against
-the official one before timing (`--no-check` skips it, for ablations that compute something else:
-`fwd_ablations.py`). `--official-skeleton` times the official kernel with its softmax stubbed out.
+order included), or a module path with `attention_forward(q, k, v, causal=...)` returning (out, lse):
+the production kernel `stage3_fwd_kernel.hopper`, any lesson, or an untracked copy at the repository
+root with its own STEP name (its own compile-cache key). A module may be followed by keyword
+arguments of its `attention_forward`: `stage3_fwd_kernel.hopper~emulation_fraction=0.125` (numbers or
+words, True / False as bools; each distinct set is its own compiled kernel). `fa4` takes route
+switches (FA4_SWITCHES: `fa4~persistent=False`, `fa4~lpt_min=0`,
+`fa4~lpt_flat=False`, `fa4~lpt_safety=1.0`), each setting one attribute of `fa4._dispatch` for the call
+only. Each implementation's output is checked against the official one before timing (`--no-check`
+skips it, for a build that computes something else on purpose).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import random
 import statistics
 import sys
 
 import torch
 
-from bench_fwd import flops, write_doc
+from .bench_fwd import flops, write_doc
 
 
 # fa4's route switches: ab_fwd's keyword -> the fa4._dispatch attribute it sets for the call
 FA4_SWITCHES = {"persistent": "FORWARD_PERSISTENT", "lpt_min": "LPT_MIN_SEQLEN_K",
-                "kv_multicast": "FORWARD_KV_MULTICAST", "lpt_flat": "FORWARD_LPT_FLAT",
+                "lpt_flat": "FORWARD_LPT_FLAT",
                 "lpt_safety": "FORWARD_LPT_L2_SAFETY"}
 SCHEDULER_SWITCHES = ("LPT_MIN_SEQLEN_K", "FORWARD_LPT_FLAT", "FORWARD_LPT_L2_SAFETY")  # read by the cached causal_forward_scheduler
 
@@ -64,8 +59,8 @@ def parse_impl(spec: str) -> tuple[str, dict]:
                     raise SystemExit(f"--impls: {spec!r}: {name}={value!r} is neither a number nor a word") from None
                 kwargs[name] = {"True": True, "False": False}.get(value, value)
     if module == "official" and kwargs or module == "fa4" and set(kwargs) - set(FA4_SWITCHES):
-        raise SystemExit(f"--impls: {module} takes no keyword arguments here but fa4's ~persistent=True/False, "
-                         f"~lpt_min=N, ~kv_multicast=True/False and ~lpt_flat=True/False ({spec!r})")
+        raise SystemExit(f"--impls: {module} takes no keyword arguments here but fa4's route switches "
+                         f"{', '.join(f'~{k}=...' for k in FA4_SWITCHES)} ({spec!r})")
     return module, kwargs
 
 
@@ -82,11 +77,15 @@ def make_impl(spec: str):
         import fa4  # the production route: its tile order (LPT for long causal calls) and launch path
         from fa4 import _dispatch
 
+        missing = [FA4_SWITCHES[k] for k in kwargs if not hasattr(_dispatch, FA4_SWITCHES[k])]
+        if missing:
+            raise SystemExit(f"--impls: {spec!r}: fa4._dispatch has no {', '.join(missing)}")
+
         def route(q, k, v, c):  # the route's switches (FA4_SWITCHES), for this call only
-            saved = {attr: getattr(_dispatch, attr) for attr in FA4_SWITCHES.values()}
+            saved = {FA4_SWITCHES[name]: getattr(_dispatch, FA4_SWITCHES[name]) for name in kwargs}
             for name, value in kwargs.items():
                 setattr(_dispatch, FA4_SWITCHES[name], value)
-            lpt_changed = any(getattr(_dispatch, a) != saved[a] for a in SCHEDULER_SWITCHES)
+            lpt_changed = any(getattr(_dispatch, a) != saved[a] for a in SCHEDULER_SWITCHES if a in saved)
             if lpt_changed:
                 _dispatch.causal_forward_scheduler.cache_clear()
             try:
@@ -99,31 +98,6 @@ def make_impl(spec: str):
         return route
     mod = importlib.import_module(module)
     return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c, **kwargs)[0]
-
-
-def stub_official_softmax():
-    """--official-skeleton: the official kernel with P = S (its Softmax's online_softmax returns a row scale
-    of 1 and computes nothing, rescale_O does nothing), patched before anything compiles. What is left is
-    its skeleton: loads, wgmmas, barriers, epilogue, for a like-for-like comparison with
-    `fwd_ablations.py nosm` (stage 3 README, session 21)."""
-    import cutlass
-    import cutlass.cute as cute
-    import flash_attn.cute.softmax as official_softmax
-    from cutlass import Float32
-
-    @cute.jit
-    def online_softmax(self, acc_S: cute.Tensor, is_first: cutlass.Constexpr[bool] = False,
-                       check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
-        row_scale = cute.make_fragment_like(self.row_max, Float32)
-        row_scale.fill(1.0)
-        return row_scale
-
-    @cute.jit
-    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
-        pass
-
-    official_softmax.Softmax.online_softmax = online_softmax
-    official_softmax.Softmax.rescale_O = rescale_O
 
 
 def time_ms(fn, target_ms: float = 40.0) -> float:
@@ -163,14 +137,15 @@ def ratio_rows(times: dict, flop: float, config: dict, label: str) -> list[dict]
     return rows
 
 
-def write_results(path: str, rows: list, rounds: int):
-    write_doc(path, os.path.basename(sys.argv[0]), None, rows,
+def write_results(path: str, module: str, rows: list, rounds: int, **fields):
+    """The run's JSON (module: the benchmark that wrote it, e.g. "benchmarks.ab_fwd")."""
+    write_doc(path, module, None, rows, **fields,
               method=f"{rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
                      "ratio = official time / this time, same round")
 
 
 def add_grid_args(ap, *, dims: str, dims_help: str, seqlens: str, rounds: int):
-    """The problem grid and the rounds, shared by ab_fwd.py and ab_bwd.py."""
+    """The problem grid and the rounds, shared by ab_fwd and ab_bwd."""
     ap.add_argument("--dims", default=dims, help=dims_help)
     ap.add_argument("--seqlens", default=seqlens)
     ap.add_argument("--causal", default="0,1", help="which of non-causal (0) / causal (1) to run")
@@ -184,19 +159,13 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", required=True, help="comma-separated module paths (official is always added)")
     add_grid_args(ap, dims="128", dims_help="head dims, d or dxdv (e.g. 128,192x128)", seqlens="4096,16384", rounds=9)
     ap.add_argument("--no-check", action="store_true",
-                    help="skip the output check: for ablations that compute something else on purpose (timing only)")
-    ap.add_argument("--official-skeleton", action="store_true",
-                    help="time the official kernel without its softmax (P = S; implies --no-check): the ratios "
-                         "are then to its skeleton (see stub_official_softmax)")
+                    help="skip the output check: for a build that computes something else on purpose (timing only)")
     ap.add_argument("--gqa", type=int, default=1,
-                    help="query heads per KV head (2048 / d query heads; e.g. 4 for kv_multicast=heads)")
+                    help="query heads per KV head (2048 / d query heads)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ab_fwd needs a CUDA GPU")
         return 2
-    if args.official_skeleton:
-        stub_official_softmax()
-        args.no_check = True
     names = ["official"] + [s for s in args.impls.split(",") if s and s != "official"]
     impls = {n: make_impl(n) for n in names}
     rng = random.Random(args.seed)
@@ -223,7 +192,7 @@ def main(argv=None) -> int:
                                    f"d={d}/{dv} causal={causal!s:5} s={s:5}")
                 del q, k, v, ref
     if args.out:
-        write_results(args.out, rows, args.rounds)
+        write_results(args.out, "benchmarks.ab_fwd", rows, args.rounds)
     return 0
 
 

@@ -1,11 +1,10 @@
 """Two builds of one paired run, compared round by round: is a change faster, and how reliably?
 
-    python benchmarks/ab_pair.py benchmarks/results/ab_fwd_h100_run39_wgmma_desc.json \\
-        stage3_fwd_kernel.hopper.forward fwd_base
+    python -m benchmarks.ab_pair ab.json my_copy stage3_fwd_kernel.hopper
 
-`ab_fwd.py` and `ab_bwd.py` time every build in the same interleaved rounds and keep each round's
-milliseconds (`ms_rounds`). Two medians taken apart hide how the rounds pair up: the GPU's clock
-drifts between rounds (both kernels run at the H100's power cap), and a build that is 1% faster
+`benchmarks.ab_fwd` and `benchmarks.ab_bwd` time every build in the same interleaved rounds and keep each
+round's milliseconds (`ms_rounds`). Two medians taken apart hide how the rounds pair up: the GPU's clock
+drifts between rounds (both kernels run at the GPU's power cap), and a build that is 1% faster
 in every round can show a smaller or even reversed gap between medians. This takes, for every
 case (head dims, mask, seqlen) both builds ran, the ratio time(B) / time(A) in each round (> 1: A
 faster), and prints its median, how many rounds A won, and both builds' ratio to the official
@@ -47,7 +46,7 @@ def paired(doc: dict, a: str, b: str) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("results", help="a JSON file written by ab_fwd.py or ab_bwd.py")
+    ap.add_argument("results", help="a JSON file written by benchmarks.ab_fwd or benchmarks.ab_bwd")
     ap.add_argument("a", help="the build under test (its impl / variant name in the file)")
     ap.add_argument("b", help="the build it is compared with")
     args = ap.parse_args(argv)
@@ -56,9 +55,9 @@ def main(argv=None) -> int:
     try:
         rows = paired(doc, args.a, args.b)
     except ValueError as err:
-        raise SystemExit(f"ab_pair.py: {err}")
+        raise SystemExit(f"ab_pair: {err}")
     if not rows:
-        raise SystemExit(f"ab_pair.py: {args.a} and {args.b} share no case in {args.results}")
+        raise SystemExit(f"ab_pair: {args.a} and {args.b} share no case in {args.results}")
     print(f"{args.results}: {doc.get('device', '?')}, commit {doc.get('git_commit', '?')}; "
           f"per round time({args.b}) / time({args.a}), > 1: {args.a} faster")
     for r in rows:

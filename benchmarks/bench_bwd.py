@@ -1,17 +1,17 @@
-"""Backward attention TFLOP/s: our Hopper backward steps (default and deterministic) and peers, one run.
+"""Backward attention TFLOP/s: the production backward, the stage 4 lessons (default and deterministic), peers.
 
-    python benchmarks/bench_bwd.py --out benchmarks/results/bwd_h100.json [--seqlens 8192] [--dims 64,128]
-        [--steps step1,step3_rs,step3_rs@128x128] [--no-deterministic]
+    python -m benchmarks.bench_bwd --out benchmarks/results/bwd_h200.json [--seqlens 8192] [--dims 64,128]
+        [--steps step1,step3_rs,production] [--no-deterministic]
 
-A step may carry a tile override, name@MxN (tile_m x tile_n), to time a candidate tile next to the
-default one; a variant that does not support the head dim records the error instead of a time.
+A lesson may carry a tile override, name@MxN (tile_m x tile_n), to time a candidate tile next to the
+default one; a kernel that does not support the head dim records the error instead of a time.
 
-Setup as the forward benchmark (bf16, 32k tokens per batch, hidden 2048). FLOPs = 2.5 x the
+Problem grid as the forward benchmark (bf16, 32k tokens per batch, hidden 2048). FLOPs = 2.5 x the
 forward's (5 GEMMs instead of 2), halved for causal. Ours is timed on the backward kernels alone
 (preprocess + main + postprocess) from a fixed (out, lse); peers are timed on their autograd
 backward (``torch.autograd.grad(..., retain_graph=True)``), which runs their own
-preprocess/main/postprocess the same way. (Before run 9 the peers were timed with ``.backward``,
-which also accumulated into ``.grad``: three elementwise adds per call, ~3-4% of the official time.)
+preprocess/main/postprocess the same way. ``.backward`` would also add into ``.grad`` on every call:
+three elementwise kernels that are no part of the backward (~3-4% of the official time at 16k).
 """
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ import time
 
 import torch
 
-from bench_fwd import flops, timer, write_doc
+from .bench_fwd import flops, timer, write_doc
 
+# the lessons, then the backward fa4 runs (its stable entry module; it takes no tile override)
 STEPS = {"step1": "stage4_bwd_kernel.hopper_step1", "step2_warpspec": "stage4_bwd_kernel.hopper_step2_warpspec",
-         "step3_rs": "stage4_bwd_kernel.hopper.backward"}
+         "step3_rs": "stage4_bwd_kernel.hopper_step3_rs", "production": "stage4_bwd_kernel.hopper"}
+PRODUCTION = "production"
 
 
 def main(argv=None) -> int:
@@ -36,6 +38,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", default=",".join(STEPS), help="steps to time, each name or name@MxN")
     ap.add_argument("--no-deterministic", action="store_true", help="skip the deterministic rows")
     args = ap.parse_args(argv)
+    labels = [x for x in args.steps.split(",") if x]
+    for label in labels:
+        if label.partition("@")[0] not in STEPS:
+            ap.error(f"--steps: unknown step {label.partition('@')[0]!r}; expected one of {', '.join(STEPS)}")
     if not torch.cuda.is_available():
         print("bench_bwd needs a CUDA GPU; committed results are in benchmarks/results/")
         return 2
@@ -43,10 +49,8 @@ def main(argv=None) -> int:
     from stage3_fwd_kernel.hopper import attention_forward
 
     mods = {}  # label -> (module, tiles)
-    for label in (x for x in args.steps.split(",") if x):
+    for label in labels:
         name, _, tiles = label.partition("@")
-        if name not in STEPS:
-            ap.error(f"--steps: unknown step {name!r}; expected one of {', '.join(STEPS)}")
         try:
             mods[label] = (importlib.import_module(STEPS[name]),
                            tuple(int(x) for x in tiles.split("x")) if tiles else None)
@@ -74,7 +78,8 @@ def main(argv=None) -> int:
                     for det in dets:
                         cases[f"ours:{name}" + (" deterministic" if det else "")] = (
                             lambda m=mod, dt=det, tl=tiles: m.attention_backward(q, k, v, out, do, lse, causal=causal,
-                                                                                deterministic=dt, tiles=tl))
+                                                                                deterministic=dt,
+                                                                                **({"tiles": tl} if tl else {})))
                 if fa4_func is not None:
                     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                     o = fa4_func(qg, kg, vg, causal=causal)
@@ -107,8 +112,9 @@ def main(argv=None) -> int:
                     shown = f"{row['tflops']:7.1f} TFLOP/s" if "tflops" in row else f"ERROR {row['error'][:80]}"
                     print(f"  d={d} causal={causal!s:5} s={s:5} {name:34} {shown}", flush=True)
                 del q, k, v, do, out, lse
-    doc = write_doc(args.out, "bench_bwd.py", argv, results, timing=timing, dtype="bf16", tokens_per_batch=32768,
-                    hidden=2048, flops="2.5 x forward, halved for causal", elapsed_s=round(time.time() - t0, 1))
+    doc = write_doc(args.out, "benchmarks.bench_bwd", argv, results, production_step=PRODUCTION, timing=timing,
+                    dtype="bf16", tokens_per_batch=32768, hidden=2048, flops="2.5 x forward, halved for causal",
+                    elapsed_s=round(time.time() - t0, 1))
     print(summary(doc))
     return 0
 

@@ -1,8 +1,8 @@
-"""Forward attention TFLOP/s: every stage 3 ladder step and its peers, measured in one run.
+"""Forward attention TFLOP/s: the production kernel, the stage 3 lessons and their peers, measured in one run.
 
-    python benchmarks/bench_fwd.py --out benchmarks/results/fwd_h100.json [--plot fwd_h100.png] [--quick]
+    python -m benchmarks.bench_fwd --out benchmarks/results/fwd_h200.json [--plot fwd_h200.png] [--quick]
 
-Setup as in DESIGN.md: bf16, 32k tokens per batch (batch = 32768 / seqlen), hidden 2048
+Problem grid: bf16, 32k tokens per batch (batch = 32768 / seqlen), hidden 2048
 (heads = 2048 / head_dim), seqlen 1k..16k. FLOPs = 4 * b * h * s^2 * d (2 * b * h * s^2 *
 (d_qk + d_v) when they differ), halved for causal. Each number is the median of
 triton.testing.do_bench (CUDA events), peers measured in the same process right after ours.
@@ -25,12 +25,17 @@ import traceback
 
 import torch
 
+import stage3_fwd_kernel  # noqa: F401  (picks the DSL's target before a peer's import brings in cutlass)
+
+# the lessons, then the kernel fa4 runs (its stable entry module); every one has attention_forward
 LADDER = {
     "step1_wgmma": "stage3_fwd_kernel.hopper_step1_wgmma",
     "step2_tma": "stage3_fwd_kernel.hopper_step2_tma",
     "step3_warpspec": "stage3_fwd_kernel.hopper_step3_warpspec",
-    "step4_fa4_softmax": "stage3_fwd_kernel.hopper.forward",
+    "step4_fa4_softmax": "stage3_fwd_kernel.hopper_step4_fa4_softmax",
+    "production": "stage3_fwd_kernel.hopper",
 }
+PRODUCTION = "production"
 HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
 SEQLENS = [1024, 2048, 4096, 8192, 16384]
 
@@ -63,7 +68,7 @@ def timer():
 def implementations(steps, variants=()):
     """name -> callable(q, k, v, causal) -> out, for everything importable here.
 
-    variants: (tau, fraction) pairs of the production step's softmax policy, timed as extra rows
+    variants: (tau, fraction) pairs of the production kernel's softmax policy, timed as extra rows
     (e.g. fraction 0 = all exponentials on MUFU) to show what each FA4 technique buys.
     """
     impls = {}
@@ -84,7 +89,7 @@ def implementations(steps, variants=()):
         except ImportError as exc:
             print(f"  skip {step}: {exc}")
             continue
-        if step == "step4_fa4_softmax":
+        if step == PRODUCTION:
             for tau, frac in variants:
                 impls[f"variant:tau={tau:g},emu={frac:g}"] = (
                     lambda q, k, v, c, m=mod, t=tau, f=frac:
@@ -123,8 +128,8 @@ SOURCE_DIRS = ("stage0_reference", "stage1_online_softmax", "stage2_emulated_exp
 
 def source_digest(root: pathlib.Path = REPO) -> str:
     """sha256 (12 hex digits) of the Python sources the benchmarks run (SOURCE_DIRS, paths and bytes).
-    The device copy of the tree has no .git; run this on a checkout to find the commit a results
-    file came from (`python benchmarks/bench_fwd.py --source-digest`)."""
+    A copy of the tree without .git (e.g. on a GPU machine) still names its code this way; run this on a
+    checkout to find the commit a results file came from (`python -m benchmarks.bench_fwd --source-digest`)."""
     h = hashlib.sha256()
     for d in SOURCE_DIRS:
         for f in sorted((root / d).rglob("*.py")):
@@ -150,12 +155,12 @@ def source_commit(root: pathlib.Path = REPO) -> str:
         return "unknown"
 
 
-def write_doc(path: str, script: str, argv, results: list, **fields) -> dict:
+def write_doc(path: str, module: str, argv, results: list, **fields) -> dict:
     """A results JSON as every benchmark here writes it: device, versions, commit (source_commit()) and
-    source digest, the command line, extra fields, then the rows."""
+    source digest, the command line (module: e.g. "benchmarks.bench_fwd"), extra fields, then the rows."""
     doc = {"device": torch.cuda.get_device_name(), "versions": versions(),
            "git_commit": source_commit(), "source_digest": source_digest(), **fields,
-           "command": f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
            "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
@@ -172,16 +177,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--quick", action="store_true", help="seqlens 4k, 16k only")
-    ap.add_argument("--steps", default=",".join(LADDER), help="ladder steps to include")
-    ap.add_argument("--ladder-dims", default="128", help="head dims on which every ladder step runs")
-    ap.add_argument("--variants", default="", help="step-4 softmax variants 'tau:fraction,...', e.g. '0:0,8:0,8:0.375'")
+    ap.add_argument("--steps", default=",".join(LADDER), help=f"kernels to include, of {', '.join(LADDER)}")
+    ap.add_argument("--ladder-dims", default="128", help="head dims on which the lessons run (production: every dim)")
+    ap.add_argument("--variants", default="",
+                    help="production softmax variants 'tau:fraction,...', e.g. '0:0,8:0,8:0.375'")
     ap.add_argument("--variant-dims", default="64,128", help="head dims on which the variants run")
     ap.add_argument("--dims", default="", help="restrict to these QK head dims, e.g. '64,128'")
     args = ap.parse_args(argv)
+    steps = [s for s in args.steps.split(",") if s]
+    unknown = sorted(set(steps) - set(LADDER))
+    if unknown:
+        ap.error(f"--steps: unknown {', '.join(unknown)}; expected some of {', '.join(LADDER)}")
     if not torch.cuda.is_available():
         print("bench_fwd needs a CUDA GPU; committed results are in benchmarks/results/")
         return 2
-    steps = [s for s in args.steps.split(",") if s]
     ladder_dims = {int(x) for x in args.ladder_dims.split(",")}
     seqlens = [4096, 16384] if args.quick else SEQLENS
     bench, timing_method = timer()
@@ -190,7 +199,8 @@ def main(argv=None) -> int:
     dims = [hd for hd in HEAD_DIMS if not args.dims or str(hd[0]) in args.dims.split(",")]
     impls = implementations(steps, variants)
     ours_present = [n[5:] for n in impls if n.startswith("ours:")]
-    production = ours_present[-1] if ours_present else "none"
+    # the kernel the summary compares with the official one: production, else the last lesson timed
+    production = PRODUCTION if PRODUCTION in ours_present else (ours_present[-1] if ours_present else "none")
     print(f"device {torch.cuda.get_device_name()}  impls: {', '.join(impls)}")
     results, checked = [], set()
     t_start = time.time()
@@ -204,7 +214,7 @@ def main(argv=None) -> int:
                 ref = None
                 for name, fn in impls.items():
                     if name.startswith("ours:") and name[5:] != production and d not in ladder_dims:
-                        continue  # the early ladder steps are measured at the ladder dims only
+                        continue  # the lessons are measured at the ladder dims only
                     if name.startswith("variant:") and d not in variant_dims:
                         continue
                     row = {"impl": name, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s,
@@ -228,7 +238,7 @@ def main(argv=None) -> int:
                     shown = f"{row['tflops']:7.1f} TFLOP/s" if "tflops" in row else f"ERROR {row['error'][:80]}"
                     print(f"  d={d}/{dv} causal={causal!s:5} s={s:5}  {name:26} {shown}", flush=True)
                 del q, k, v, ref
-    doc = write_doc(args.out, "bench_fwd.py", argv, results,
+    doc = write_doc(args.out, "benchmarks.bench_fwd", argv, results,
                     sms=torch.cuda.get_device_properties(0).multi_processor_count, timing=timing_method,
                     dtype="bf16", tokens_per_batch=32768, hidden=2048, production_step=production,
                     elapsed_s=round(time.time() - t_start, 1))
@@ -245,7 +255,7 @@ def _lookup(doc):
 
 
 def summary_table(doc) -> str:
-    """Ratio of our production step to the official FA4, per config (markdown)."""
+    """Ratio of our most complete kernel of the run (production_step) to the official FA4, per config (markdown)."""
     t = _lookup(doc)
     ours = f"ours:{doc['production_step']}"
     lines = ["| head dim | causal | seqlen | ours TFLOP/s | FA4 TFLOP/s | cuDNN | FA2 | ours / FA4 |",

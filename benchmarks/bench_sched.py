@@ -1,21 +1,21 @@
 """Tile schedulers on the GPU: static grid vs LPT (forward), sorted vs given batch order (varlen),
 SPT vs naive (deterministic backward). Stage 5's device half, measured.
 
-    python benchmarks/bench_sched.py --out benchmarks/results/sched_h100.json [--quick]
+    python -m benchmarks.bench_sched --out benchmarks/results/sched_h200.json [--quick]
 
 Three sections, each skipped with a message when the kernel it needs is not importable:
 
 1. fixed-length causal forward, bf16, d = 128: MHA (batch 4 x 16 heads x 8k) and MQA-8 (batch 4 x
-   8 query heads on 1 KV head x 8k). Stage 3's step 3 (and step 4 when present) with the static
+   8 query heads on 1 KV head x 8k). Stage 3's step 3 and the production forward with the static
    grid, ``LPTCausalScheduler.from_problem`` (sections sized for L2), and two ablations on MHA:
    LPT with sections of one head and ``LPTNoSectionsScheduler`` (the L2-thrashing order).
-2. skewed varlen causal forward (step 4's varlen kernel + ``batch_map``): a few 8k-16k prefills
+2. skewed varlen causal forward (the production varlen kernel + ``batch_map``): a few 8k-16k prefills
    after many short sequences, and short prefills followed by long-context requests (256 queries
    over 32k-64k keys). Static grid, LPT without the sort, LPT with ``VarlenSchedule`` (sorted),
    and the sort alone; plus the preprocessing kernel's own time.
-3. deterministic causal backward (stage 4): K/V blocks ascending (naive), descending (SPT, head
-   sections of one) and ``SPTBackwardOrder`` with L2 sections, against the atomic (not
-   deterministic) backward.
+3. deterministic causal backward (stage 4's step 1, whose dQ order is a parameter): K/V blocks
+   ascending (naive), descending (SPT, head sections of one) and ``SPTBackwardOrder`` with L2
+   sections, against the atomic (not deterministic) backward.
 
 Every variant's output is compared with the static one bit for bit (the forward schedulers only
 reorder tiles, so the bits must not change; deterministic backward variants are compared run to
@@ -41,9 +41,9 @@ import traceback
 import numpy as np
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from .bench_fwd import source_commit, source_digest
+
+PRODUCTION_FORWARD = "stage3_fwd_kernel.hopper"
 
 
 def timer(rep_ms: int):
@@ -53,7 +53,7 @@ def timer(rep_ms: int):
         return (lambda fn: do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"),
                 f"triton.testing.do_bench median (rep={rep_ms} ms), 2 interleaved rounds")
     except ImportError:
-        from stage3_fwd_kernel.common import benchmark_ms
+        from stage3_fwd_kernel.runner import benchmark_ms
 
         return (lambda fn: benchmark_ms(fn, warmup=5, iters=30)), "CUDA events median of 30, 2 interleaved rounds"
 
@@ -93,7 +93,7 @@ def measure(bench, variants: dict, rounds: int = 2) -> dict:
 
 
 def causal_flops_fixed(b, h, s, d):
-    return 4.0 * b * h * s * s * d / 2  # the usual convention (DESIGN.md)
+    return 4.0 * b * h * s * s * d / 2  # as benchmarks.bench_fwd.flops: 4 b h s^2 d, halved for causal
 
 
 def causal_pairs(sq, sk):
@@ -123,13 +123,13 @@ def simulate_speedups(problem, orders_by_variant: dict, base: str, **kw) -> dict
 # 1. fixed-length causal forward
 # ---------------------------------------------------------------------------------------------
 def section_fixed(bench, quick: bool) -> list:
-    from stage3_fwd_kernel.common import StaticTileScheduler
+    from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
     from stage5_scheduling import device as dev
     from stage5_scheduling import simulator as sim
 
-    step4, why4 = _import("stage3_fwd_kernel.hopper.forward")
-    if step4 is None:
-        print(f"  step 4 not importable ({why4}): measuring step 3 only")
+    fwd, why_fwd = _import(PRODUCTION_FORWARD)
+    if fwd is None:
+        print(f"  the production forward is not importable ({why_fwd}): measuring step 3 only")
     configs = [("mha b4 h16 8k", 4, 16, 16, 8192), ("mqa8 b4 h8/1 8k", 4, 8, 1, 8192)]
     rows = []
     for name, b, h, hkv, s in configs:
@@ -153,11 +153,11 @@ def section_fixed(bench, quick: bool) -> list:
         k = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
         steps = {"step3": lambda sch: dev.step3_forward(q, k, v, causal=True, scheduler=sch)}
-        if step4 is not None:
+        if fwd is not None:
             # one CTA per tile: the orders as the hardware's dispatcher walks them (the simulated
-            # greedy schedule), not through step 4's persistent CTAs
-            kw4 = {"persistent": False} if "persistent" in inspect.signature(step4.attention_forward).parameters else {}
-            steps["step4"] = lambda sch: step4.attention_forward(q, k, v, causal=True, scheduler=sch, **kw4)
+            # greedy schedule), not through the production kernel's persistent CTAs
+            kw4 = {"persistent": False} if "persistent" in inspect.signature(fwd.attention_forward).parameters else {}
+            steps["production"] = lambda sch: fwd.attention_forward(q, k, v, causal=True, scheduler=sch, **kw4)
         for step, run in steps.items():
             variants, meta = {}, {}
             ref = None
@@ -192,7 +192,7 @@ def section_fixed(bench, quick: bool) -> list:
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. skewed varlen causal forward (step 4 varlen + batch_map)
+# 2. skewed varlen causal forward (the production varlen kernel + batch_map)
 # ---------------------------------------------------------------------------------------------
 def varlen_configs(quick: bool):
     rng = np.random.default_rng(0)
@@ -208,12 +208,12 @@ def varlen_configs(quick: bool):
 
 
 def section_varlen(bench, quick: bool) -> list:
-    step4, why = _import("stage3_fwd_kernel.hopper.forward")
-    if step4 is None or "batch_map" not in inspect.signature(step4.attention_varlen_forward).parameters:
+    fwd, why = _import(PRODUCTION_FORWARD)
+    if fwd is None or "batch_map" not in inspect.signature(fwd.attention_varlen_forward).parameters:
         msg = why or "attention_varlen_forward has no batch_map"
-        print(f"  SKIP varlen section: needs step 4's varlen forward with batch_map ({msg})")
-        return [{"section": "fwd_varlen", "skipped": f"step 4 varlen + batch_map unavailable: {msg}"}]
-    from stage3_fwd_kernel.common import StaticTileScheduler
+        print(f"  SKIP varlen section: needs the production varlen forward with batch_map ({msg})")
+        return [{"section": "fwd_varlen", "skipped": f"production varlen + batch_map unavailable: {msg}"}]
+    from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
     from stage5_scheduling import device as dev
     from stage5_scheduling import metadata as md
     from stage5_scheduling import simulator as sim
@@ -231,11 +231,11 @@ def section_varlen(bench, quick: bool) -> list:
         k = torch.randn(int(cu_k[-1]), H, d, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(int(cu_k[-1]), H, d, device="cuda", dtype=torch.bfloat16, generator=g)
         flops = 4.0 * d * H * sum(causal_pairs(a, c) for a, c in zip(lens_q, lens_k))
-        # step 4's grid is padded: (ceil(max_q / tile_m), H, B) CTAs, of which only the real tiles work
-        tm = step4.default_tile_m(d, d)
+        # the production grid is padded: (ceil(max_q / tile_m), H, B) CTAs, of which only the real tiles work
+        tm = fwd.default_tile_m(d, d)
         grid_ctas = math.ceil(max_q / tm) * H * len(lens_q)
         real_tiles = H * sum(math.ceil(a / tm) for a in lens_q)
-        sched = md.VarlenSchedule(cu_q, cu_k, H, max_seqlen_k=max_k, tile_m=tm, tile_n=step4.default_tile_n(d, d))
+        sched = md.VarlenSchedule(cu_q, cu_k, H, max_seqlen_k=max_k, tile_m=tm, tile_n=fwd.default_tile_n(d, d))
         S = sched.heads_per_section
         lpt = dev.LPTCausalScheduler(S)
         variants_args = {
@@ -250,10 +250,10 @@ def section_varlen(bench, quick: bool) -> list:
                                       heads_per_section=S)
 
         def run(kw):
-            return step4.attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, **kw)
+            return fwd.attention_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, **kw)
         variants, meta, ref = {}, {}, None
         for vname, kw in variants_args.items():
-            row = {"section": "fwd_varlen", "config": name, "impl": "step4 varlen", "scheduler": vname,
+            row = {"section": "fwd_varlen", "config": name, "impl": "production varlen", "scheduler": vname,
                    "batch": len(lens_q), "heads": H, "head_dim": d, "total_q": int(cu_q[-1]), "total_k": int(cu_k[-1]),
                    "grid_ctas": grid_ctas, "real_tiles": real_tiles}
             try:
@@ -270,7 +270,7 @@ def section_varlen(bench, quick: bool) -> list:
             meta[vname] = row
         # the preprocessing kernel itself (paid once per batch layout, not per layer)
         variants["metadata kernel (once per layout)"] = lambda: md.varlen_metadata_device(
-            cu_q, cu_k, H, tile_n=step4.default_tile_n(d, d))
+            cu_q, cu_k, H, tile_n=fwd.default_tile_n(d, d))
         meta["metadata kernel (once per layout)"] = {"section": "fwd_varlen", "config": name, "impl": "stage5 metadata",
                                                       "scheduler": "sort (1 CTA)", "batch": len(lens_q)}
         times = measure(bench, variants)
@@ -421,12 +421,11 @@ def main(argv=None) -> int:
             results.append({"section": sec, "skipped": f"crashed: {_err(exc)}"})
             print(f"  section {sec} crashed: {results[-1]['skipped']}")
         torch.cuda.empty_cache()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_fwd import source_commit, source_digest
-
     doc = {"device": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
            "versions": versions(), "git_commit": source_commit(), "source_digest": source_digest(), "timing": timing,
-           "dtype": "bf16", "quick": args.quick, "elapsed_s": round(time.time() - t0, 1), "results": results}
+           "dtype": "bf16", "quick": args.quick, "elapsed_s": round(time.time() - t0, 1),
+           "command": "python -m benchmarks.bench_sched " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)

@@ -1,13 +1,14 @@
-"""The stage 3 performance ladder, generated from committed results (never typed by hand).
+"""The READMEs' performance tables, generated from committed results (never typed by hand).
 
-    python benchmarks/ladder.py --resources   # compile each step (sm_90a, no GPU) and store registers/SMEM
-    python benchmarks/ladder.py --write       # rewrite every generated table (stage 3, 4, 5 READMEs)
-    python benchmarks/ladder.py               # print it
+    python -m benchmarks.ladder --resources   # compile each kernel (sm_90a, no GPU) and store registers/SMEM
+    python -m benchmarks.ladder --write       # rewrite every generated table (root, stage 3, 4, 5 READMEs)
+    python -m benchmarks.ladder               # print the stage 3 ladder
 
-Inputs: every forward benchmark JSON (bench_fwd.py) in benchmarks/results/ (a step's row comes
-from the newest run that measured it, ratioed against the official FA4 of that same run) and
-benchmarks/results/stage3_resources_sm90a.json. The README holds the table between
-<!-- ladder:start --> and <!-- ladder:end -->; tests/test_benchmarks.py checks it is current.
+Inputs: the forward benchmark JSONs (benchmarks.bench_fwd) in benchmarks/results/ (a kernel's row
+comes from the newest run that measured it, ratioed against the official FA4 of that same run),
+benchmarks/results/stage3_resources_sm90a.json, and the newest backward, scheduler and paired runs
+(BLOCKS lists every table and its README markers, e.g. <!-- ladder:start --> / <!-- ladder:end -->);
+tests/test_benchmarks.py checks each table is current.
 """
 from __future__ import annotations
 
@@ -17,8 +18,15 @@ import re
 import sys
 from pathlib import Path
 
+from .bench_bwd import summary as bwd_summary
+from .bench_fwd import summary_table as fwd_summary_table
+from .bench_sched import summary_table as sched_summary_table
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# the GPU whose runs the tables show (its name is in every results file's name: fwd_h100_run12_...);
+# TFLOP/s of two GPUs never share a table
+GPU = "h100"
 RESOURCES = RESULTS / "stage3_resources_sm90a.json"
 README = ROOT / "stage3_fwd_kernel" / "README.md"
 START, END = "<!-- ladder:start -->", "<!-- ladder:end -->"
@@ -29,25 +37,31 @@ BWD_START, BWD_END = "<!-- bwd-results:start -->", "<!-- bwd-results:end -->"
 SCHED_START, SCHED_END = "<!-- sched-results:start -->", "<!-- sched-results:end -->"
 PAIRED_START, PAIRED_END = "<!-- paired-fa4:start -->", "<!-- paired-fa4:end -->"
 PAIRED_BWD_START, PAIRED_BWD_END = "<!-- paired-bwd:start -->", "<!-- paired-bwd:end -->"
-# issue 4's forward targets, ratio to the official FA4 at 4k-16k keys: (d, dv) -> minimum
+# the forward's targets, ratio to the official FA4 at 4k-16k keys: (d, dv) -> minimum
 FWD_TARGETS = {(128, 128): 1.00, (64, 64): 1.10, (256, 256): 0.95, (192, 128): 0.95}
-# issue 6's backward targets (the default mode against the official FA4, 4k-16k): d -> minimum
+# the backward's targets (the default mode against the official FA4, 4k-16k): d -> minimum
 BWD_TARGETS = {128: 1.00, 64: 1.00}
-BWD_DEFAULT = "step3_rs"  # the ab_bwd.py variant name of the production backward's defaults
+# the name of the production backward in an ab_bwd run: its "production_variant" field, or in runs
+# written while the production backward was stage 4's step 3 (no such field), step 3's name
+LEGACY_BWD_PRODUCTION = "step3_rs"
 
-STEPS = {
+STEPS = {  # bench_fwd's kernel name -> (module under stage3_fwd_kernel, what it adds)
     "step1_wgmma": ("hopper_step1_wgmma", "one warpgroup, wgmma (SS for QK^T, RS for PV), online softmax in registers"),
     "step2_tma": ("hopper_step2_tma", "+ TMA loads into a multi-stage SMEM pipeline with mbarriers"),
     "step3_warpspec": ("hopper_step3_warpspec", "+ warp specialization: producer warp, 2 consumer warpgroups in ping-pong, intra-warpgroup overlap (S_i with P_{i-1} V), masked blocks first"),
-    "step4_fa4_softmax": ("hopper_step4_fa4_softmax", "+ FA4 softmax: conditional rescaling (tau=8, warp vote), varlen; exp2 emulation off by default on Hopper (see ablation)"),
+    "step4_fa4_softmax": ("hopper_step4_fa4_softmax", "+ FA4 softmax: conditional rescaling (warp vote), optional partial exp2 emulation"),
+    "production": ("hopper", "the kernel fa4 runs: step 4's techniques composed with the production pipeline "
+                             "(persistent CTAs, split tail, LPT order, varlen)"),
 }
 FA4 = "flash-attn-4 (official)"
+# forward runs written while the production kernel was the ladder's step 4 name it so
+LEGACY_FWD_PRODUCTION = ("step4_fa4_softmax", "ours:step4_fa4_softmax")
 
 
-VARIANTS = {  # step-4 softmax policies timed as extra rows: (label, technique)
-    "variant:tau=0,emu=0": ("step 4 ablation: tau=0, no emulation", "step 3 + varlen plumbing, classic rescaling: the baseline for the two FA4 techniques"),
-    "variant:tau=8,emu=0": ("step 4 ablation: tau=8, no emulation", "+ conditional rescaling: one warp vote per tile, rescale only when the max grows by > 8"),
-    "variant:tau=8,emu=0.25": ("step 4 ablation: tau=8, 25% emulated", "+ 25% of exp2 on the FMA pipe (degree-3 polynomial)"),
+VARIANTS = {  # the production softmax policy varied, timed as extra rows: (label, technique)
+    "variant:tau=0,emu=0": ("production, tau=0, no emulation", "classic rescaling, every exp2 on MUFU: the baseline for the two FA4 techniques"),
+    "variant:tau=8,emu=0": ("production, tau=8, no emulation", "+ conditional rescaling: one warp vote per tile, rescale only when the max grows by > 8"),
+    "variant:tau=8,emu=0.25": ("production, tau=8, 25% emulated", "+ 25% of exp2 on the FMA pipe (degree-3 polynomial)"),
 }
 
 
@@ -58,10 +72,17 @@ def _by_run(path: Path):
 
 
 def bench_files() -> list[Path]:
-    files = sorted(RESULTS.glob("fwd_h100*.json"), key=_by_run)
+    files = sorted(RESULTS.glob(f"fwd_{GPU}*.json"), key=_by_run)
     if not files:
-        raise FileNotFoundError("no benchmarks/results/fwd_h100*.json: run benchmarks/bench_fwd.py on a GPU")
+        raise FileNotFoundError(f"no benchmarks/results/fwd_{GPU}*.json: run python -m benchmarks.bench_fwd on a GPU")
     return files
+
+
+def impl_name(row: dict, doc: dict) -> str:
+    """A forward row's kernel under today's names (LEGACY_FWD_PRODUCTION -> ours:production)."""
+    if doc.get("production_step") == LEGACY_FWD_PRODUCTION[0] and row["impl"] == LEGACY_FWD_PRODUCTION[1]:
+        return "ours:production"
+    return row["impl"]
 
 
 def _rows(files):
@@ -69,8 +90,8 @@ def _rows(files):
     rows = {}
     for path in files:
         doc = json.loads(path.read_text())
-        t = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r.get("tflops") for r in doc["results"]}
-        for impl in {r["impl"] for r in doc["results"]}:
+        t = {(impl_name(r, doc), r["head_dim"], r["causal"], r["seqlen"]): r.get("tflops") for r in doc["results"]}
+        for impl in {impl_name(r, doc) for r in doc["results"]}:
             vals = {(c, s): v for (i, d, c, s), v in t.items() if i == impl and d == 128 and v}
             if vals:
                 fa4 = {(c, s): t.get((FA4, 128, c, s)) for (c, s) in vals}
@@ -106,7 +127,7 @@ def table(files, resources: dict) -> str:
         smem = f"{res['smem_bytes'] // 1024} KB" if res.get("smem_bytes") else "-"
         lines.append(f"| {module} | {technique} | " + " | ".join(cells(impl))
                      + f" | {res.get('registers', '-')} | {smem} | {rows[impl][2]} |")
-    res4 = resources.get(STEPS["step4_fa4_softmax"][0], {})
+    res4 = resources.get(STEPS["production"][0], {})  # the variants are the production kernel's
     for impl, (label, technique) in VARIANTS.items():
         if impl in rows:
             smem = f"{res4['smem_bytes'] // 1024} KB" if res4.get("smem_bytes") else "-"
@@ -141,16 +162,13 @@ def render() -> str:
 
 
 def render_production() -> str:
-    """Every head dim and seqlen for the production step, from the newest run that has them all."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_fwd import summary_table
-
+    """Every head dim and seqlen for the production kernel, from the newest run that has them all."""
     full = [p for p in bench_files() if len({r["seqlen"] for r in json.loads(p.read_text())["results"]}) > 2]
     path = full[-1]
     doc = json.loads(path.read_text())
     return (f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}, "
             f"production step {doc['production_step']} with its defaults; peers in the same run)\n\n"
-            + summary_table(doc))
+            + fwd_summary_table(doc))
 
 
 def _newest(pattern) -> tuple[Path, dict]:
@@ -161,11 +179,8 @@ def _newest(pattern) -> tuple[Path, dict]:
 
 
 def render_bwd() -> str:
-    """Backward TFLOP/s vs peers, plus the deterministic / default ratio of each step."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_bwd import summary
-
-    path, doc = _newest("bwd_h100*.json")
+    """Backward TFLOP/s vs peers, plus the deterministic / default ratio of each kernel."""
+    path, doc = _newest(f"bwd_{GPU}*.json")
     t = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r.get("tflops") for r in doc["results"]}
     ratios = []
     for (impl, d, c, sl), v in sorted(t.items()):
@@ -174,23 +189,20 @@ def render_bwd() -> str:
                           f"{v / t[(impl[:-len(' deterministic')], d, c, sl)]:.2f}")
     return (f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}; TFLOP/s, in parentheses "
             f"the ratio to the official flash-attn-4 {doc['versions'].get('flash-attn-4')} of the same run)\n\n"
-            + summary(doc) + "\n\nDeterministic / default speed: " + "; ".join(ratios) + ".")
+            + bwd_summary(doc) + "\n\nDeterministic / default speed: " + "; ".join(ratios) + ".")
 
 
 def render_sched() -> str:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_sched import summary_table as sched_table
-
-    path, doc = _newest("sched_h100*.json")
+    path, doc = _newest(f"sched_{GPU}*.json")
     return (f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}; speedup relative to "
             f"the first row of each config; 'simulated' is the simulator's prediction; 'bits' compares the "
-            f"output with the static order's)\n\n" + sched_table(doc))
+            f"output with the static order's)\n\n" + sched_summary_table(doc))
 
 
 def render_paired() -> str:
-    """The fa4 route against the official FA4 in paired rounds (benchmarks/ab_fwd.py --impls fa4), the
-    newest every-head-dim run: per-round ratio medians, and which of issue 4's targets they meet."""
-    path, doc = _newest("ab_fwd_h100_run*_fa4_all_dims.json")
+    """The fa4 route against the official FA4 in paired rounds (benchmarks.ab_fwd --impls fa4), the
+    newest every-head-dim run: per-round ratio medians, and which of FWD_TARGETS they meet."""
+    path, doc = _newest(f"ab_fwd_{GPU}_run*_fa4_all_dims.json")
     ratio = {(r["head_dim"], r["head_dim_v"], r["causal"], r["seqlen"]): r for r in doc["results"] if r["impl"] == "fa4"}
     seqlens = sorted({k[3] for k in ratio})
     lines = [f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}, "
@@ -219,19 +231,20 @@ def _against_target(long: dict, target: float) -> str:
 
 
 def render_paired_bwd() -> str:
-    """The production backward (step 3's defaults) against the official FA4 in paired rounds
-    (benchmarks/ab_bwd.py): per head dim, the newest run that timed the defaults at two or more
-    seqlens with both masks; which of issue 6's targets its 4k-16k ratios meet. Newer runs of the
+    """The production backward (its defaults) against the official FA4 in paired rounds
+    (benchmarks.ab_bwd): per head dim, the newest run that timed the defaults at two or more
+    seqlens with both masks; which of BWD_TARGETS its 4k-16k ratios meet. Newer runs of the
     same kernel (the same commit before any "+" suffix) that timed the defaults for only some cases
     are named, and their ratios count in the verdict too."""
     lines = ["| head dim | run (commit) | " + " | ".join(f"{s // 1024}k" for s in (4096, 8192, 16384)) +
              " | target at 4k-16k | met? |", "|---|---|---|---|---|---|---|"]
 
     def defaults(doc, d):
+        production = doc.get("production_variant", LEGACY_BWD_PRODUCTION)
         return {(r["causal"], r["seqlen"]): r["ratio_median"] for r in doc["results"]
-                if r["impl"] == BWD_DEFAULT and r["head_dim"] == d}
+                if r["impl"] == production and r["head_dim"] == d}
 
-    runs = sorted(RESULTS.glob("ab_bwd_h100_run*.json"), key=_by_run, reverse=True)
+    runs = sorted(RESULTS.glob(f"ab_bwd_{GPU}_run*.json"), key=_by_run, reverse=True)
     for d, target in BWD_TARGETS.items():
         for i, path in enumerate(runs):
             doc = json.loads(path.read_text())
@@ -269,7 +282,7 @@ def render_root() -> str:
     """The compact ladder for the root README: d = 128 at 16k, each step's newest run."""
     rows = _rows(bench_files())
     cols = [(False, 16384), (True, 16384)]
-    lines = ["| step (d = 128, bf16, seqlen 16k, H100) | non-causal TFLOP/s | causal TFLOP/s |",
+    lines = [f"| step (d = 128, bf16, seqlen 16k, {GPU.upper()}) | non-causal TFLOP/s | causal TFLOP/s |",
              "|---|---|---|"]
     named = [(f"ours:{k}", f"{k.split('_', 1)[0]}: {m}") for k, (m, _) in STEPS.items()] + [(FA4, "official flash-attn-4")]
     for impl, label in named:
@@ -298,7 +311,7 @@ BLOCKS = [  # (README, start marker, end marker, renderer): every generated tabl
 
 def _replace(text, start, end, body):
     if start not in text:
-        raise SystemExit(f"{README} has no {start} marker")
+        raise SystemExit(f"no {start} marker to replace")
     pre, rest = text.split(start, 1)
     return f"{pre}{start}\n{body}\n{end}{rest.split(end, 1)[1]}"
 
