@@ -52,6 +52,33 @@ for name in ("xc", "j", "floor", "frac", "poly", "out"):
 print(" exact:", np.exp2(x.astype(np.float64)))
 
 # %% [markdown]
+# Three of the four values match the exact ones to the polynomial's accuracy (about 1e-4 at degree 3).
+# `x = -126.5` does not: the model is accurate only for `x >= -126`. The last step writes `floor(x) + 127` into the 8-bit exponent
+# field of the polynomial's result `p` in `[1, 2)`. For `x >= -126` that field is at least 1, a normal
+# float: `p * 2^floor(x)`. At `floor(x) = -127` it is 0, which float32 reads as a *subnormal*: no
+# implicit leading 1 and a scale of `2^-126`, so the bits mean `(p - 1) * 2^-126` instead of
+# `p * 2^-127`. For `x = -126.5`, `p = 2^0.5 = 1.414`: the result is `0.414 * 2^-126`, 41% below the
+# exact `1.414 * 2^-127`. Below -127 the clamp gives exactly 0. Attention never needs these values:
+# `P = 2^(s - m)` is at most 1 and a row's sum is at least 1 (its max term), so a term below `2^-126`
+# changes neither the sum nor, after rounding to 16 bits, the P fed to the next matmul. The scan shows
+# where the model stops being accurate:
+
+# %%
+xs = np.linspace(-128, -124, 4001, dtype=np.float32)
+rel = exp2_emulated(xs).astype(np.float64) / np.exp2(xs.astype(np.float64)) - 1
+plt.figure(figsize=(7, 3))
+plt.plot(xs, np.abs(rel) + 1e-12, lw=0.8)
+plt.axvline(-126, color="r", lw=0.8)
+plt.text(-125.95, 1e-3, "x = -126: the smallest normal float32", color="r", fontsize=8)
+plt.yscale("log")
+plt.xlabel("x")
+plt.ylabel("|relative error| (+1e-12)")
+plt.title("accurate down to x = -126; subnormal bits below, 0 below the clamp at -127")
+plt.tight_layout()
+plt.show()
+assert np.abs(rel[xs >= -126]).max() < 1e-4 and abs(rel[xs == np.float32(-126.5)][0] + 0.414) < 0.01
+
+# %% [markdown]
 # ## The polynomial: a minimax fit with `p0 = 1`
 # Remez's exchange algorithm finds the polynomial whose largest *relative* error on `[0, 1)` is as
 # small as possible; the error then equioscillates. Rounding the coefficients to float32 costs a
@@ -126,7 +153,7 @@ if torch.cuda.is_available():
 
 # %% [markdown]
 # ## What it buys on an H100 (committed device results)
-# Measured with `python -m stage2_emulated_exp.device_main` on the device tool's H100: exp2 results
+# Measured with `python -m stage2_emulated_exp.device_main` on an H100: exp2 results
 # per clock per SM when a fraction of the values is emulated and the rest go to MUFU.
 
 # %%

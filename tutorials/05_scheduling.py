@@ -39,7 +39,7 @@
 # `device.py` + `metadata.py` (the same maps as CuTe-DSL schedulers), `benchmarks/bench_sched.py`.
 #
 # **Status**: the makespans in this notebook are **simulated** (time unit: one K/V-block step of
-# one CTA). The device schedulers (`device.py`) run on the device tool's H100
+# one CTA). The device schedulers (`device.py`) run on an H100
 # (`stage5_scheduling/README.md`); the last section reads their committed measurements, if any.
 
 # %%
@@ -154,7 +154,7 @@ for S in sections:
 # sections of 4) *every* batch ends with a 2-head section, and the last one starts its longest
 # tiles too late to be balanced. `lpt_causal_flat` cuts the (batch, head) pairs in a row, as the
 # official FA4 kernel does: 4 x 10 pairs make ten full sections. On the H100 this was a 44 us idle
-# tail in a 1.2 ms call (`benchmarks/trace_fwd.py`), 11.5 us flattened; fa4 uses the flat order.
+# tail in a 1.2 ms call (`benchmarks/inspect/trace_fwd.py`), 11.5 us flattened; fa4 uses the flat order.
 
 # %%
 p10 = Problem.fixed(batch=4, heads=10, seqlen_q=8192)
@@ -166,7 +166,7 @@ for o in ("lpt_causal", "lpt_causal_flat"):
 # ## Persistent CTAs: who hands out the next tile?
 # A one-CTA-per-tile grid pays, per tile, the CTA's launch, its barrier set-up, the first Q and K
 # loads before any MMA and the O store after the last one. The Hopper forward therefore runs one
-# CTA per SM that walks tiles (`common.PersistentScheduler`), and the next tile's loads overlap
+# CTA per SM that walks tiles (`tile_scheduler.PersistentScheduler`), and the next tile's loads overlap
 # the previous tile's last softmax and epilogue. How the CTAs share out the tiles matters as much
 # as the order: a *fixed* hand-out (CTA c takes tiles c, c + 132, ...; `simulate_striding`) is
 # exactly the greedy one when every tile costs the same (non-causal), but with causal tiles a CTA
@@ -191,10 +191,10 @@ for seqlen, causal, order, g, f in rows:
 # the fixed hand-out made causal calls 1.30x slower at 1k keys (simulated: 1.32x), 1.11x at 2k
 # (1.17x) and ~1.03x with LPT from 4k (1.03x); the atomic counter turned the same kernel into a
 # gain of 22% / 13% / 6% at 1k / 2k / 4k over one CTA per tile. Non-causal, where both hand-outs
-# agree, gained 2-12% at d = 64 and 128. The labels are each run's routes: in run 17 `fa4` was the
-# route with the fixed hand-out (the default being tried) and `fa4~persistent=False` one CTA per
-# tile; in run 18 `fa4` is one CTA per tile and `fa4~persistent=True` the atomic counter (`lpt_min=0`:
-# LPT order at every length, no better).
+# agree, gained 2-12% at d = 64 and 128. The labels are each file's routes: in the first file `fa4`
+# is the route with the fixed hand-out and `fa4~persistent=False` one CTA per tile; in the second
+# `fa4` is one CTA per tile and `fa4~persistent=True` the atomic counter (`lpt_min=0`: LPT order at
+# every length, no better).
 
 # %%
 for name in ("ab_fwd_h100_run17_persistent_causal.json", "ab_fwd_h100_run18_dynamic_causal.json"):

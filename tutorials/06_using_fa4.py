@@ -267,7 +267,7 @@ with FakeTensorMode():
 # ## The compile cache
 # A CuTe-DSL kernel is traced and compiled (MLIR → PTX → ptxas) the first time a configuration is
 # used, and every new process pays again. `fa4/_cache.py` keeps kernels at two levels: in memory
-# (the stage modules' `common._CACHE`, one compile per configuration and process; shapes and
+# (`stage3_fwd_kernel.compile_cache`, one compile per configuration and process; shapes and
 # strides stay dynamic, so one compile serves every size) and on disk, under
 # `$FA4_CACHE_DIR/kernels-v2/<fingerprint>/<key hash>-<content hash>.o`:
 # - the **key** is the stage module's own compile key: everything that is a compile-time constant
@@ -278,7 +278,7 @@ with FakeTensorMode():
 #
 # Only launchable compiles (`"gpu"` keys: TVM-FFI builds that take torch tensors, what a launch
 # uses) are persisted by the hook; compile-only builds (kept for their resource report) stay in
-# memory. A launchable build needs no GPU either, so the cell builds step 4's for `sm_90a` and
+# memory. A launchable build needs no GPU either, so the cell builds the production forward's for `sm_90a` and
 # stores and reloads it by hand, in a temporary `FA4_CACHE_DIR`.
 
 # %%
@@ -286,19 +286,19 @@ from fa4 import _cache
 
 tmp = tempfile.mkdtemp(prefix="fa4_cache_demo_")
 os.environ["FA4_CACHE_DIR"] = tmp
-from stage3_fwd_kernel import common
-from stage3_fwd_kernel.hopper import forward as step4  # noqa: E402  (sets CUTE_DSL_ARCH)
+from stage3_fwd_kernel import host_io, tile_scheduler
+from stage3_fwd_kernel import hopper
 
-dt = common.cutlass_dtype("bf16")
-gpu_key = step4._key("gpu", dt, 128, 128, True, step4.DEFAULT_POLICY, common.StaticTileScheduler)
-fake_key = step4._key("fake", dt, 128, 128, True, step4.DEFAULT_POLICY, common.StaticTileScheduler)
+dt = host_io.cutlass_dtype("bf16")
+gpu_key = hopper._key("gpu", dt, 128, 128, True, hopper.DEFAULT_POLICY, tile_scheduler.StaticTileScheduler)
+fake_key = hopper._key("fake", dt, 128, 128, True, hopper.DEFAULT_POLICY, tile_scheduler.StaticTileScheduler)
 print("compile key :", gpu_key)
 print("key hash    :", _cache.key_hash(gpu_key), "| persisted:", _cache.persistable(gpu_key),
       "| the fake-tensor twin persisted:", _cache.persistable(fake_key))
 print("fingerprint :", _cache.fingerprint(), f"(arch {os.environ['CUTE_DSL_ARCH']})")
 
 t0 = time.time()
-comp = step4.compile_only("bf16", 128, 128, causal=True, launchable=True)  # the compile under gpu_key
+comp = hopper.compile_only("bf16", 128, 128, causal=True, launchable=True)  # the compile under gpu_key
 t_compile = time.time() - t0
 store = _cache.DiskCache(_cache.cache_dir())
 path = store.store(gpu_key, comp.fn, comp.report)
