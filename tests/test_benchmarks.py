@@ -622,3 +622,26 @@ def test_every_result_file_the_docs_and_notebooks_name_is_committed():
             named |= {(rel, m) for m in re.findall(r'RESULTS / "([\w.\-]+\.json)"', text)}
     missing = sorted((rel, name) for rel, name in named if not (ROOT / "benchmarks" / "results" / name).is_file())
     assert not missing, f"named but not in benchmarks/results/: {missing[:20]}"
+
+
+def test_sass_fingerprint_normalises_names_and_addresses_and_diffs(tmp_path, capsys):
+    """Two builds that differ only in kernel name and addresses hash alike; a changed instruction does not."""
+    from benchmarks.inspect import sass_fingerprint as fp
+
+    a = ("        /*0000*/                   LDC R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */\n"
+         "        /*0010*/                   CALL.REL kernel_cutlass_kernel_stepA_object_0 ;\n"
+         ".L_x_1:\n")
+    b = a.replace("/*0000*/", "/*0100*/").replace("stepA", "hopperforward").replace("0x00000a00ff017b82", "0x1")
+    assert fp.normalise(a) == fp.normalise(b)
+    assert fp.normalise(a) != fp.normalise(a.replace("LDC R1", "LDC R2"))
+    for name, hashes in (("x", {"k#0": "1", "k#1": "2"}), ("y", {"k#0": "1", "k#1": "3"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "hashes.json").write_text(json.dumps(hashes))
+    argv = sys.argv
+    try:
+        sys.argv = ["sass_fingerprint", str(tmp_path / "x"), "--diff", str(tmp_path / "y")]
+        assert fp.main() == 1
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "DIFFERS: k#1" in out and "1 identical, 1 different" in out
