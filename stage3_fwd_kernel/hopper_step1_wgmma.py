@@ -47,7 +47,7 @@ Registers: S (tile_n/2) + O (dv/2) + P (tile_n/4) fp32/packed-bf16 per thread, w
 
 Supports fp16/bf16, head_dim in {64, 96, 128, 192, 256} (and (192, 128) for (QK, V)), causal
 (bottom-right aligned) or not, GQA/MQA, any seqlens, any 16-byte aligned strides on non-last dims.
-The tile scheduler is a parameter (``common.StaticTileScheduler`` by default).
+The tile scheduler is a parameter (``tile_scheduler.StaticTileScheduler`` by default).
 Varlen would enter through the two lines that read ``seqlen_q`` / ``seqlen_k`` and the batch
 offset of the ``gQ``/``gK``/``gV``/``gO`` views; it is left to a later step.
 """
@@ -55,15 +55,15 @@ from __future__ import annotations
 
 import math
 
-from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory.smem import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
-from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
-from cutlass.memory.smem import SmemAllocator  # noqa: E402
-from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+from stage3_fwd_kernel import compile_cache, host_io, runner, tile_scheduler
 
 STEP = "hopper_step1_wgmma"
 
@@ -115,7 +115,7 @@ class FlashAttentionForwardSm90Step1:
     """One warpgroup per CTA, Q tile 64 x d, synchronous cp.async loads, SS + RS wgmma."""
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *, tile_m: int = 64,
-                 tile_n: int | None = None, scheduler=common.StaticTileScheduler):
+                 tile_n: int | None = None, scheduler=tile_scheduler.StaticTileScheduler):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         assert tile_m == 64, "step 1 is one warpgroup = one wgmma M=64 row block"
@@ -153,8 +153,8 @@ class FlashAttentionForwardSm90Step1:
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must share the kernel's dtype")
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
-        mV, mO = common.assume_strides_16B(mV, dv), common.assume_strides_16B(mO, dv)
+        mQ, mK = host_io.assume_strides_16B(mQ, d), host_io.assume_strides_16B(mK, d)
+        mV, mO = host_io.assume_strides_16B(mV, dv), host_io.assume_strides_16B(mO, dv)
 
         sQ_layout = self._smem_layout(tm, d)
         sK_layout = self._smem_layout(tn, d)
@@ -237,7 +237,6 @@ class FlashAttentionForwardSm90Step1:
         tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((tm, dv)), Float32)
         acc_O.fill(0.0)
-        acc_O_rc = acc_rowcol(acc_O)
         # (row, col) of each S accumulator element inside the (tm, tn) tile, for masking
         tScS_rc = acc_rowcol(thr_mma_qk.partition_C(cute.make_identity_tensor((tm, tn))))
         num_rows = cute.size(tScS_rc, mode=[0])  # 2 rows per thread
@@ -286,42 +285,10 @@ class FlashAttentionForwardSm90Step1:
             # 2b. S = Q K_j^T
             acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((tm, tn)), Float32)
             wgmma_gemm(tiled_mma_qk, acc_S, tSrQ, tSrK, zero_init=True)
-            acc_S_rc = acc_rowcol(acc_S)
 
-            # 2c. mask keys >= seqlen_k, and (causal) keys past each row's diagonal
-            needs_mask = (n_block + 1) * tn > seqlen_k
-            if const_expr(self.causal):
-                needs_mask = needs_mask or (n_block + 1) * tn > m_block * tm + 1 + seqlen_k - seqlen_q
-            if needs_mask:
-                for r in cutlass.range_constexpr(num_rows):
-                    col_limit = seqlen_k - n_block * tn  # in this tile's column coordinates
-                    if const_expr(self.causal):
-                        row = m_block * tm + tScS_rc[r, 0][0]
-                        col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
-                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                        if tScS_rc[r, c][1] >= col_limit:
-                            acc_S_rc[r, c] = -Float32.inf
-
-            # 2d. online softmax, log2 domain, one row pair per thread
-            for r in cutlass.range_constexpr(num_rows):
-                m_tile = acc_S_rc[r, 0]
-                for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
-                    m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
-                m_tile = quad_allreduce(m_tile, cute.arch.fmax)
-                m_new = cute.arch.fmax(row_max[r], m_tile)
-                # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
-                m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
-                m_scaled = m_safe * softmax_scale_log2
-                rescale = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
-                row_max[r] = m_new
-                s = Float32(0.0)
-                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                    p = cute.math.exp2(acc_S_rc[r, c] * softmax_scale_log2 - m_scaled, fastmath=True)
-                    acc_S_rc[r, c] = p
-                    s += p
-                row_sum[r] = row_sum[r] * rescale + s  # per-thread partial; quad-reduced at the end
-                for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
-                    acc_O_rc[r, c] = acc_O_rc[r, c] * rescale
+            # 2c-2d. S_j -> P_j in place (mask, running max and sum), O rescaled
+            self.online_softmax(acc_S, n_block, m_block, seqlen_q, seqlen_k, softmax_scale_log2,
+                                tScS_rc, row_max, row_sum, acc_O)
 
             # 2e. P -> bf16/fp16 in the A-operand register fragment, then O += P V_j
             tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), self.dtype)
@@ -331,7 +298,61 @@ class FlashAttentionForwardSm90Step1:
             wgmma_gemm(tiled_mma_pv, acc_O, tOrP, tOrVt, zero_init=False)
             cute.arch.sync_threads()  # every warp is done with sK/sV before the next load
 
-        # 3. epilogue: O /= l, lse = m*scale + ln(l); empty rows -> O = 0, lse = -inf
+        # 3. epilogue: O /= l and lse, then O to global memory
+        self.normalize_O_write_lse(acc_O, row_max, row_sum, softmax_scale_log2, tScS_rc,
+                                   mLSE, batch, head, m_block, seqlen_q)
+        self.store_O(acc_O, tiled_mma_pv, gmem_copy_O, sO, gO, tidx, q_rows_left)
+
+    @cute.jit
+    def online_softmax(self, acc_S: cute.Tensor, n_block: Int32, m_block: Int32, seqlen_q: Int32,
+                       seqlen_k: Int32, softmax_scale_log2: Float32, tScS_rc: cute.Tensor,
+                       row_max: cute.Tensor, row_sum: cute.Tensor, acc_O: cute.Tensor):
+        """S_j (accumulator) -> P_j = 2^(S*scale - m*scale) in place, with the mask, the running max
+        and sum (log2 domain, one row pair per thread); O is rescaled by the change of the max."""
+        tm, tn = self.tile_m, self.tile_n
+        acc_S_rc = acc_rowcol(acc_S)
+        acc_O_rc = acc_rowcol(acc_O)
+        num_rows = cute.size(row_max)
+        # mask keys >= seqlen_k, and (causal) keys past each row's diagonal
+        needs_mask = (n_block + 1) * tn > seqlen_k
+        if const_expr(self.causal):
+            needs_mask = needs_mask or (n_block + 1) * tn > m_block * tm + 1 + seqlen_k - seqlen_q
+        if needs_mask:
+            for r in cutlass.range_constexpr(num_rows):
+                col_limit = seqlen_k - n_block * tn  # in this tile's column coordinates
+                if const_expr(self.causal):
+                    row = m_block * tm + tScS_rc[r, 0][0]
+                    col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
+                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                    if tScS_rc[r, c][1] >= col_limit:
+                        acc_S_rc[r, c] = -Float32.inf
+        for r in cutlass.range_constexpr(num_rows):
+            m_tile = acc_S_rc[r, 0]
+            for c in cutlass.range_constexpr(1, cute.size(acc_S_rc, mode=[1])):
+                m_tile = cute.arch.fmax(m_tile, acc_S_rc[r, c])
+            m_tile = quad_allreduce(m_tile, cute.arch.fmax)
+            m_new = cute.arch.fmax(row_max[r], m_tile)
+            # a row with nothing visible yet keeps m = -inf: subtract 0 instead (no inf - inf)
+            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+            m_scaled = m_safe * softmax_scale_log2
+            rescale = cute.math.exp2(row_max[r] * softmax_scale_log2 - m_scaled, fastmath=True)
+            row_max[r] = m_new
+            s = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                p = cute.math.exp2(acc_S_rc[r, c] * softmax_scale_log2 - m_scaled, fastmath=True)
+                acc_S_rc[r, c] = p
+                s += p
+            row_sum[r] = row_sum[r] * rescale + s  # per-thread partial; quad-reduced at the end
+            for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                acc_O_rc[r, c] = acc_O_rc[r, c] * rescale
+
+    @cute.jit
+    def normalize_O_write_lse(self, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                              softmax_scale_log2: Float32, tScS_rc: cute.Tensor, mLSE: cute.Tensor,
+                              batch: Int32, head: Int32, m_block: Int32, seqlen_q: Int32):
+        """O /= l, lse = m*scale + ln(l); empty rows (l = 0) -> O = 0, lse = -inf."""
+        acc_O_rc = acc_rowcol(acc_O)
+        num_rows = cute.size(row_max)
         lse = cute.make_rmem_tensor((num_rows,), Float32)
         for r in cutlass.range_constexpr(num_rows):
             l = quad_allreduce(row_sum[r], lambda a, b: a + b)
@@ -340,15 +361,17 @@ class FlashAttentionForwardSm90Step1:
                       (row_max[r] * softmax_scale_log2 + cute.math.log2(l, fastmath=True)) * math.log(2.0))
             for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
                 acc_O_rc[r, c] = acc_O_rc[r, c] * inv
-
-        # 3a. lse: the thread holding column 0 of a row writes it
+        # the thread holding column 0 of a row writes its lse
         if tScS_rc[0, 0][1] == 0:
             for r in cutlass.range_constexpr(num_rows):
-                row = m_block * tm + tScS_rc[r, 0][0]
+                row = m_block * self.tile_m + tScS_rc[r, 0][0]
                 if row < seqlen_q:
                     mLSE[batch, head, row] = lse[r]
 
-        # 3b. O: registers -> smem (accumulator layout) -> 16-byte coalesced, row-guarded stores
+    @cute.jit
+    def store_O(self, acc_O: cute.Tensor, tiled_mma_pv: cute.TiledMma, gmem_copy_O: cute.TiledCopy,
+                sO: cute.Tensor, gO: cute.Tensor, tidx: Int32, q_rows_left: Int32):
+        """O: registers -> smem (accumulator layout) -> 16-byte coalesced, row-guarded stores."""
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         smem_copy_O = cute.make_tiled_copy_C(
@@ -358,7 +381,7 @@ class FlashAttentionForwardSm90Step1:
         cute.arch.sync_threads()
         thr_copy_O = gmem_copy_O.get_slice(tidx)
         tOsO, tOgO = thr_copy_O.partition_S(sO), thr_copy_O.partition_D(gO)
-        tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((tm, dv)))
+        tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim_v)))
         tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
         cute.autovec_copy(tOsO, tOrO)
         for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
@@ -375,24 +398,24 @@ def make_kernel(dtype, head_dim, head_dim_v, causal):
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32)."""
-    return common.attention_forward_impl(STEP, make_kernel, q, k, v, softmax_scale=softmax_scale,
-                                         causal=causal, out=out, lse=lse)
+    return host_io.attention_forward_impl(STEP, make_kernel, q, k, v, softmax_scale=softmax_scale,
+                                          causal=causal, out=out, lse=lse)
 
 
-def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False) -> common.Compiled:
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False) -> compile_cache.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report."""
-    return common.compile_fake(STEP, make_kernel, dtype=dtype, head_dim=head_dim,
-                               head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal)
+    return host_io.compile_fake(STEP, make_kernel, dtype=dtype, head_dim=head_dim,
+                                head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal)
 
 
 def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
         causal=False, dtype="bf16", check=True):
     """On a Hopper GPU: check against the stage-0 reference (FA4 rule) and time. Otherwise:
     compile for sm_90a and print the resource report."""
-    return common.run_step(STEP, make_kernel, attention_forward, batch=batch, seqlen_q=seqlen_q,
+    return runner.run_step(STEP, make_kernel, attention_forward, batch=batch, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
                            head_dim_v=head_dim_v, causal=causal, dtype=dtype, check=check)
 
 
 if __name__ == "__main__":
-    run(**common.shape_kwargs(common.shape_parser(__doc__).parse_args()))
+    run(**runner.shape_kwargs(runner.shape_parser(__doc__).parse_args()))

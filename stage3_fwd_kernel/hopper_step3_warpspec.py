@@ -55,15 +55,15 @@ from __future__ import annotations
 
 import math
 
-from stage3_fwd_kernel import common  # must precede cutlass: sets CUTE_DSL_ARCH
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory.smem import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
-from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
-from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
-from cutlass.memory.smem import SmemAllocator  # noqa: E402
-from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+from stage3_fwd_kernel import compile_cache, host_io, runner, tile_scheduler
 
 STEP = "hopper_step3_warpspec"
 
@@ -77,7 +77,7 @@ def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int 
     """As many K/V stages as fit next to Q (2 bytes/element), between 2 and 4 (table above)."""
     q_bytes = tile_m * head_dim * 2
     stage_bytes = tile_n * (head_dim + head_dim_v) * 2
-    return max(2, min(4, (common.SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
+    return max(2, min(4, (host_io.SMEM_BUDGET - q_bytes - 2048) // stage_bytes))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class FlashAttentionForwardSm90Step3:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *, tile_m: int = 128,
                  tile_n: int | None = None, num_stages: int | None = None, pingpong: bool = True,
-                 scheduler=common.StaticTileScheduler):
+                 scheduler=tile_scheduler.StaticTileScheduler):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         assert tile_m == 128, "step 3: two consumer warpgroups x one wgmma M=64 row block"
@@ -172,8 +172,8 @@ class FlashAttentionForwardSm90Step3:
             raise TypeError("q, k, v, out must share the kernel's dtype")
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
         nc = self.num_consumers
-        mQ, mK = common.assume_strides_16B(mQ, d), common.assume_strides_16B(mK, d)
-        mV, mO = common.assume_strides_16B(mV, dv), common.assume_strides_16B(mO, dv)
+        mQ, mK = host_io.assume_strides_16B(mQ, d), host_io.assume_strides_16B(mK, d)
+        mV, mO = host_io.assume_strides_16B(mV, dv), host_io.assume_strides_16B(mO, dv)
 
         # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size 2)
         sQ_layout = self._smem_layout(tm, d, nc)
@@ -354,7 +354,6 @@ class FlashAttentionForwardSm90Step3:
         tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))   # (..., stages)
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((tm, dv)), Float32)
         acc_O.fill(0.0)
-        acc_O_rc = acc_rowcol(acc_O)
         # (row, col) of each S accumulator element inside the (tm, tn) tile, for masking
         tScS_rc = acc_rowcol(thr_mma_qk.partition_C(cute.make_identity_tensor((tm, tn))))
         num_rows = cute.size(tScS_rc, mode=[0])  # 2 rows per thread
@@ -427,44 +426,10 @@ class FlashAttentionForwardSm90Step3:
             if wg == 0:  # consume consumer 1's last hand-over: no arrival outlives the loop
                 cute.arch.barrier(barrier_id=my_turn, number_of_threads=turn_threads)
 
-        # 3. epilogue: O /= l, lse = m*scale + ln(l); empty rows -> O = 0, lse = -inf
-        lse = cute.make_rmem_tensor((num_rows,), Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            l = quad_allreduce(row_sum[r], lambda a, b: a + b)
-            inv = Float32(0.0) if l == 0.0 else cute.arch.rcp_approx(l)
-            lse[r] = (-Float32.inf if l == 0.0 else
-                      (row_max[r] * softmax_scale_log2 + cute.math.log2(l, fastmath=True)) * math.log(2.0))
-            for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
-                acc_O_rc[r, c] = acc_O_rc[r, c] * inv
-
-        # 3a. lse: the thread holding column 0 of a row writes it
-        if tScS_rc[0, 0][1] == 0:
-            for r in cutlass.range_constexpr(num_rows):
-                row = row0 + tScS_rc[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[batch, head, row] = lse[r]
-
-        # 3b. O: registers -> smem (accumulator layout) -> 16-byte coalesced, row-guarded stores.
-        #     Only this warpgroup touches its slab, so a 128-thread named barrier replaces
-        #     sync_threads (the producer warpgroup may have exited already).
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        if const_expr(self.o_in_q):
-            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)  # our last QK^T has read sQ_wg
-        smem_copy_O = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_pv)
-        thr_smem_copy_O = smem_copy_O.get_slice(ctidx)
-        cute.copy(smem_copy_O, thr_smem_copy_O.retile(rO), thr_smem_copy_O.partition_D(sO_wg))
-        cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
-        thr_copy_O = gmem_copy_O.get_slice(ctidx)
-        tOsO, tOgO = thr_copy_O.partition_S(sO_wg), thr_copy_O.partition_D(gO)
-        tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((tm, dv)))
-        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        q_rows_left = seqlen_q - row0
-        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
-            if tOcO[0, m, 0][0] < q_rows_left:
-                cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
+        # 3. epilogue: O /= l and lse, then O to global memory
+        self.normalize_O_write_lse(acc_O, row_max, row_sum, softmax_scale_log2, tScS_rc,
+                                   mLSE, batch, head, row0, seqlen_q)
+        self.store_O(acc_O, tiled_mma_pv, gmem_copy_O, sO_wg, gO, ctidx, row0, seqlen_q, wg)
 
     @cute.jit
     def overlapped_step(self, i: Int32, n_block: Int32, mask: cutlass.Constexpr[bool], row0: Int32,
@@ -545,6 +510,53 @@ class FlashAttentionForwardSm90Step3:
         tOrP_as_acc = cute.make_tensor(tOrP.iterator, cute.make_layout(acc_S.shape))
         tOrP_as_acc.store(acc_S.load().to(self.dtype))
 
+    @cute.jit
+    def normalize_O_write_lse(self, acc_O: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor,
+                              softmax_scale_log2: Float32, tScS_rc: cute.Tensor, mLSE: cute.Tensor,
+                              batch: Int32, head: Int32, row0: Int32, seqlen_q: Int32):
+        """O /= l, lse = m*scale + ln(l); empty rows (l = 0) -> O = 0, lse = -inf."""
+        acc_O_rc = acc_rowcol(acc_O)
+        num_rows = cute.size(row_max)
+        lse = cute.make_rmem_tensor((num_rows,), Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            l = quad_allreduce(row_sum[r], lambda a, b: a + b)
+            inv = Float32(0.0) if l == 0.0 else cute.arch.rcp_approx(l)
+            lse[r] = (-Float32.inf if l == 0.0 else
+                      (row_max[r] * softmax_scale_log2 + cute.math.log2(l, fastmath=True)) * math.log(2.0))
+            for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
+                acc_O_rc[r, c] = acc_O_rc[r, c] * inv
+        # the thread holding column 0 of a row writes its lse
+        if tScS_rc[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(num_rows):
+                row = row0 + tScS_rc[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[batch, head, row] = lse[r]
+
+    @cute.jit
+    def store_O(self, acc_O: cute.Tensor, tiled_mma_pv: cute.TiledMma, gmem_copy_O: cute.TiledCopy,
+                sO: cute.Tensor, gO: cute.Tensor, ctidx: Int32, row0: Int32, seqlen_q: Int32, wg: Int32):
+        """O: registers -> smem (accumulator layout) -> 16-byte coalesced, row-guarded stores.
+        Only this warpgroup touches its slab, so a 128-thread named barrier replaces sync_threads
+        (the producer warpgroup may have exited already)."""
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        if const_expr(self.o_in_q):
+            cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)  # our last QK^T has read our Q slab
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_pv)
+        thr_smem_copy_O = smem_copy_O.get_slice(ctidx)
+        cute.copy(smem_copy_O, thr_smem_copy_O.retile(rO), thr_smem_copy_O.partition_D(sO))
+        cute.arch.barrier(barrier_id=3 + wg, number_of_threads=128)
+        thr_copy_O = gmem_copy_O.get_slice(ctidx)
+        tOsO, tOgO = thr_copy_O.partition_S(sO), thr_copy_O.partition_D(gO)
+        tOcO = thr_copy_O.partition_S(cute.make_identity_tensor((self.wg_m, self.head_dim_v)))
+        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        q_rows_left = seqlen_q - row0
+        for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
+            if tOcO[0, m, 0][0] < q_rows_left:
+                cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
+
     # -------------------------------------------------------------- pipeline bookkeeping
     def kv_state(self, i: Int32, producer: bool) -> pipeline.PipelineState:
         """Pipeline slot of the i-th key block walked: stage i % stages; the phase flips every lap
@@ -576,24 +588,24 @@ def make_kernel(dtype, head_dim, head_dim_v, causal):
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 -> (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32)."""
-    return common.attention_forward_impl(STEP, make_kernel, q, k, v, softmax_scale=softmax_scale,
-                                         causal=causal, out=out, lse=lse)
+    return host_io.attention_forward_impl(STEP, make_kernel, q, k, v, softmax_scale=softmax_scale,
+                                          causal=causal, out=out, lse=lse)
 
 
-def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False) -> common.Compiled:
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False) -> compile_cache.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report."""
-    return common.compile_fake(STEP, make_kernel, dtype=dtype, head_dim=head_dim,
-                               head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal)
+    return host_io.compile_fake(STEP, make_kernel, dtype=dtype, head_dim=head_dim,
+                                head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal)
 
 
 def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
         causal=False, dtype="bf16", check=True):
     """On a Hopper GPU: check against the stage-0 reference (FA4 rule) and time. Otherwise:
     compile for sm_90a and print the resource report."""
-    return common.run_step(STEP, make_kernel, attention_forward, batch=batch, seqlen_q=seqlen_q,
+    return runner.run_step(STEP, make_kernel, attention_forward, batch=batch, seqlen_q=seqlen_q,
                            seqlen_k=seqlen_k, heads=heads, heads_kv=heads_kv, head_dim=head_dim,
                            head_dim_v=head_dim_v, causal=causal, dtype=dtype, check=check)
 
 
 if __name__ == "__main__":
-    run(**common.shape_kwargs(common.shape_parser(__doc__).parse_args()))
+    run(**runner.shape_kwargs(runner.shape_parser(__doc__).parse_args()))

@@ -70,18 +70,16 @@ Shared memory (bf16): Q tm*d + dO tm*dv + K tn*d + V tn*dv + P^T, dS^T 2*tn*tm (
 """
 from __future__ import annotations
 
-from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
-from stage4_bwd_kernel import schedule
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory.smem import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
-from cutlass import Float32, Int32, const_expr  # noqa: E402
-from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
-from cutlass.memory.smem import SmemAllocator  # noqa: E402
-from cutlass.tensor_utils import LayoutEnum  # noqa: E402
-
-from stage3_fwd_kernel.hopper_step1_wgmma import acc_rowcol  # noqa: E402  (proven on H100)
+from stage3_fwd_kernel.hopper_step1_wgmma import acc_rowcol  # (proven on H100)
+from stage4_bwd_kernel import common, schedule
 
 STEP = "hopper_bwd_step1"
 NUM_WG = 2
@@ -216,6 +214,37 @@ class FlashAttentionBackwardSm90Step1:
                     ).launch(grid=(num_n_blocks, mK.shape[2], batch), block=[self.num_threads, 1, 1], stream=stream)
 
     # -------------------------------------------------------------- device side
+    @cute.jit
+    def tile_bounds(self, num_n_blocks: Int32, total_q: Int32, total_k: Int32, mCuSeqlensQ: cute.Tensor,
+                    mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor):
+        """This CTA's (n_block, kv head, batch) and its sequence bounds. Varlen is a batch of one whose
+        packed rows [offset, offset + seqlen) come from cu_seqlens; seqlen_k_rows are the keys that
+        exist (dK / dV are written for all of them), seqlen_k those attended to (seqused_k), and
+        stats_q the sequence's first row of lse2 / D."""
+        if const_expr(hasattr(self.dq_order, "tile_for_launch")):
+            # an order that also swizzles heads (stage 5's SPT) maps the whole launch index
+            n_block, head_kv, batch = self.dq_order.tile_for_launch()
+        else:
+            bx, head_kv, batch = cute.arch.block_idx()
+            n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
+        bidx = batch
+        offset_q = Int32(0)
+        stats_q = offset_q
+        offset_k = Int32(0)
+        seqlen_q = total_q
+        seqlen_k_rows = total_k
+        if const_expr(self.varlen):
+            bidx = 0
+            offset_q = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            stats_q = common.stats_offset(offset_q, batch)  # the preprocess's (aligned) rows of lse2 / D
+            offset_k = mCuSeqlensK[batch]
+            seqlen_k_rows = mCuSeqlensK[batch + 1] - offset_k
+        seqlen_k = seqlen_k_rows
+        if const_expr(self.has_seqused_k):
+            seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
+        return n_block, head_kv, batch, bidx, offset_q, stats_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k
+
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
@@ -228,202 +257,229 @@ class FlashAttentionBackwardSm90Step1:
                sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
                gmem_copy_QK: cute.TiledCopy, gmem_copy_VdO: cute.TiledCopy,
                gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy):
-        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        tn = self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
-        if const_expr(hasattr(self.dq_order, "tile_for_launch")):
-            # an order that also swizzles heads (stage 5's SPT) maps the whole launch index
-            n_block, head_kv, batch = self.dq_order.tile_for_launch()
-        else:
-            bx, head_kv, batch = cute.arch.block_idx()
-            n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
-
-        # 0. sequence bounds of this batch (varlen: packed rows [offset, offset + seqlen))
-        bidx = batch
-        offset_q = Int32(0)
-        stats_q = offset_q
-        offset_k = Int32(0)
-        seqlen_q = mQ.shape[1]
-        seqlen_k_rows = mK.shape[1]  # rows that exist (dK/dV are written for all of them)
-        if const_expr(self.varlen):
-            bidx = 0
-            offset_q = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            stats_q = common.stats_offset(offset_q, batch)  # the preprocess's (aligned) rows of lse2 / D
-            offset_k = mCuSeqlensK[batch]
-            seqlen_k_rows = mCuSeqlensK[batch + 1] - offset_k
-        seqlen_k = seqlen_k_rows  # keys that are attended to (seqused_k may cut the tail)
-        if const_expr(self.has_seqused_k):
-            seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
+        (n_block, head_kv, batch, bidx, offset_q, stats_q, offset_k, seqlen_q, seqlen_k_rows,
+         seqlen_k) = self.tile_bounds(num_n_blocks, mQ.shape[1], mK.shape[1], mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
 
         if n_block * tn < seqlen_k_rows:
             smem = SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
-            sD = storage.sD.get_tensor(cute.make_layout(tm))
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)        # (tm, d)
-            sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)    # (tm, dv)
-            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)        # (tn, d)
-            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)        # (tn, dv)
-            sPt = storage.sPt.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)  # (tn, tm)
-            sdSt = storage.sdSt.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)  # (tn, tm)
-            # transposed views of the same bytes (MN-major operands)
-            sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm), order=(1, 0)))      # (d, tm)
-            sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm), order=(1, 0)))   # (dv, tm)
-            sKt = cute.composition(sK, cute.make_ordered_layout((d, tn), order=(1, 0)))      # (d, tn)
-            sdS = cute.composition(sdSt, cute.make_ordered_layout((tm, tn), order=(1, 0)))   # (tm, tn)
+            walk = (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, stats_q, offset_k, bidx, batch, head_kv, n_block,
+                    qhead_per_kvhead)
+            self.compute(walk, tidx, storage, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore,
+                         softmax_scale_log2, softmax_scale, tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK,
+                         tiled_mma_dQ, sQ_layout, sdO_layout, sK_layout, sV_layout, sPdS_layout,
+                         gmem_copy_QK, gmem_copy_VdO, gmem_store_dK, gmem_store_dV)
 
-            # MMA partitions: smem operands become wgmma descriptors, accumulators registers
-            thr_SdP = tiled_mma_SdP.get_slice(tidx)
-            thr_dV = tiled_mma_dV.get_slice(tidx)
-            thr_dK = tiled_mma_dK.get_slice(tidx)
-            thr_dQ = tiled_mma_dQ.get_slice(tidx)
-            tSrK = thr_SdP.make_fragment_A(thr_SdP.partition_A(sK))
-            tSrQ = thr_SdP.make_fragment_B(thr_SdP.partition_B(sQ))
-            tPrV = thr_SdP.make_fragment_A(thr_SdP.partition_A(sV))
-            tPrdO = thr_SdP.make_fragment_B(thr_SdP.partition_B(sdO))
-            tdVrPt = thr_dV.make_fragment_A(thr_dV.partition_A(sPt))
-            tdVrdOt = thr_dV.make_fragment_B(thr_dV.partition_B(sdOt))
-            tdKrdSt = thr_dK.make_fragment_A(thr_dK.partition_A(sdSt))
-            tdKrQt = thr_dK.make_fragment_B(thr_dK.partition_B(sQt))
-            tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(sdS))
-            tdQrKt = thr_dQ.make_fragment_B(thr_dQ.partition_B(sKt))
-            acc_dV = cute.make_rmem_tensor(thr_dV.partition_shape_C((tn, dv)), Float32)
-            acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
-            acc_dV.fill(0.0)
-            acc_dK.fill(0.0)
-            # (key, query) coordinates of this thread's S^T elements, as (rows, cols)
-            tScS_rc = acc_rowcol(thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))
-            tdQcdQ = thr_dQ.partition_C(cute.make_identity_tensor((tm, d)))
-            # accumulator (fp32) -> shared P^T / dS^T (bf16), 2 adjacent columns per store
-            smem_copy_PdS = cute.make_tiled_copy_C(
-                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_SdP)
-            thr_smem_PdS = smem_copy_PdS.get_slice(tidx)
-            tPsPt = thr_smem_PdS.partition_D(sPt)
-            tPsdSt = thr_smem_PdS.partition_D(sdSt)
+    @cute.jit
+    def compute(self, walk, tidx: Int32, storage, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor,
+                mdO: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+                mdV: cute.Tensor, mSemaphore: cute.Tensor, softmax_scale_log2: Float32, softmax_scale: Float32,
+                tiled_mma_SdP: cute.TiledMma, tiled_mma_dV: cute.TiledMma, tiled_mma_dK: cute.TiledMma,
+                tiled_mma_dQ: cute.TiledMma, sQ_layout: cute.ComposedLayout, sdO_layout: cute.ComposedLayout,
+                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sPdS_layout: cute.ComposedLayout,
+                gmem_copy_QK: cute.TiledCopy, gmem_copy_VdO: cute.TiledCopy, gmem_store_dK: cute.TiledCopy,
+                gmem_store_dV: cute.TiledCopy):
+        """Everything the 256 threads do for one K/V tile: load it, walk the Q tiles, store dK and dV."""
+        tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, stats_q, offset_k, bidx, batch, head_kv, n_block,
+         qhead_per_kvhead) = walk
 
-            thr_copy_QK = gmem_copy_QK.get_slice(tidx)
-            thr_copy_VdO = gmem_copy_VdO.get_slice(tidx)
+        sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
+        sD = storage.sD.get_tensor(cute.make_layout(tm))
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)        # (tm, d)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)    # (tm, dv)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)        # (tn, d)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)        # (tn, dv)
+        sPt = storage.sPt.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)  # (tn, tm)
+        sdSt = storage.sdSt.get_tensor(sPdS_layout.outer, swizzle=sPdS_layout.inner)  # (tn, tm)
+        # transposed views of the same bytes (MN-major operands)
+        sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm), order=(1, 0)))      # (d, tm)
+        sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm), order=(1, 0)))   # (dv, tm)
+        sKt = cute.composition(sK, cute.make_ordered_layout((d, tn), order=(1, 0)))      # (d, tn)
+        sdS = cute.composition(sdSt, cute.make_ordered_layout((tm, tn), order=(1, 0)))   # (tm, tn)
 
-            # 1. load K_j, V_j once (rows past the sequence zero-filled, so 0 * row is never NaN)
-            gK = cute.local_tile(cute.domain_offset((offset_k, 0), mK[bidx, None, head_kv, None]), (tn, d), (n_block, 0))
-            gV = cute.local_tile(cute.domain_offset((offset_k, 0), mV[bidx, None, head_kv, None]), (tn, dv), (n_block, 0))
-            k_rows_left = seqlen_k_rows - n_block * tn
-            self.load_rows(gmem_copy_QK, thr_copy_QK, gK, sK, (tn, d), k_rows_left)
-            self.load_rows(gmem_copy_VdO, thr_copy_VdO, gV, sV, (tn, dv), k_rows_left)
-            cute.arch.cp_async_commit_group()
+        # MMA partitions: smem operands become wgmma descriptors, accumulators registers
+        thr_SdP = tiled_mma_SdP.get_slice(tidx)
+        thr_dV = tiled_mma_dV.get_slice(tidx)
+        thr_dK = tiled_mma_dK.get_slice(tidx)
+        thr_dQ = tiled_mma_dQ.get_slice(tidx)
+        tSrK = thr_SdP.make_fragment_A(thr_SdP.partition_A(sK))
+        tSrQ = thr_SdP.make_fragment_B(thr_SdP.partition_B(sQ))
+        tPrV = thr_SdP.make_fragment_A(thr_SdP.partition_A(sV))
+        tPrdO = thr_SdP.make_fragment_B(thr_SdP.partition_B(sdO))
+        tdVrPt = thr_dV.make_fragment_A(thr_dV.partition_A(sPt))
+        tdVrdOt = thr_dV.make_fragment_B(thr_dV.partition_B(sdOt))
+        tdKrdSt = thr_dK.make_fragment_A(thr_dK.partition_A(sdSt))
+        tdKrQt = thr_dK.make_fragment_B(thr_dK.partition_B(sQt))
+        tdQrdS = thr_dQ.make_fragment_A(thr_dQ.partition_A(sdS))
+        tdQrKt = thr_dQ.make_fragment_B(thr_dQ.partition_B(sKt))
+        acc_dV = cute.make_rmem_tensor(thr_dV.partition_shape_C((tn, dv)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_dK.partition_shape_C((tn, d)), Float32)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        # (key, query) coordinates of this thread's S^T elements, as (rows, cols)
+        tScS_rc = acc_rowcol(thr_SdP.partition_C(cute.make_identity_tensor((tn, tm))))
+        tdQcdQ = thr_dQ.partition_C(cute.make_identity_tensor((tm, d)))
+        # accumulator (fp32) -> shared P^T / dS^T (bf16), 2 adjacent columns per store
+        smem_copy_PdS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma_SdP)
+        thr_smem_PdS = smem_copy_PdS.get_slice(tidx)
+        tPsPt = thr_smem_PdS.partition_D(sPt)
+        tPsdSt = thr_smem_PdS.partition_D(sdSt)
 
-            # Q tiles this K/V tile contributes to: causal starts at its diagonal
-            # (key j is visible from query i iff j <= i + seqlen_k - seqlen_q)
-            m_block_min, m_block_max = schedule.m_block_range(n_block, tm, tn, seqlen_q, seqlen_k, self.causal,
-                                                              imax=cutlass.max)
-            m_block_min = Int32(m_block_min)
-            if n_block * tn >= seqlen_k:  # seqused_k: a tile past the used keys has no gradient
-                m_block_max = m_block_min
+        thr_copy_QK = gmem_copy_QK.get_slice(tidx)
+        thr_copy_VdO = gmem_copy_VdO.get_slice(tidx)
 
-            # 2. walk (query head of the group, Q tile)
-            for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
-                head = head_kv * qhead_per_kvhead + head_in_group
-                gQ_all = cute.domain_offset((offset_q, 0), mQ[bidx, None, head, None])
-                gdO_all = cute.domain_offset((offset_q, 0), mdO[bidx, None, head, None])
-                gdQ_all = cute.domain_offset((offset_q, 0), mdQacc[bidx, None, head, None])
-                for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                    # 2a. every warp is done with the previous tile's shared memory; load Q_i, dO_i
-                    cute.arch.sync_threads()
-                    q_rows_left = seqlen_q - m_block * tm
-                    self.load_rows(gmem_copy_QK, thr_copy_QK, cute.local_tile(gQ_all, (tm, d), (m_block, 0)),
-                                   sQ, (tm, d), q_rows_left)
-                    self.load_rows(gmem_copy_VdO, thr_copy_VdO, cute.local_tile(gdO_all, (tm, dv), (m_block, 0)),
-                                   sdO, (tm, dv), q_rows_left)
-                    cute.arch.cp_async_commit_group()
-                    if tidx < tm:  # row statistics; rows past the sequence: P = 0 (lse2 = +inf), D = 0
-                        row = m_block * tm + tidx
-                        sLSE2[tidx] = Float32.inf
-                        sD[tidx] = Float32(0.0)
-                        if row < seqlen_q:
-                            sLSE2[tidx] = mLSE2[bidx, head, stats_q + row]
-                            sD[tidx] = mD[bidx, head, stats_q + row]
-                    cute.arch.cp_async_wait_group(0)
-                    # cp.async / st.shared are generic-proxy writes that wgmma reads through the
-                    # async proxy: fence in every writer, then the barrier publishes the tile
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_threads()
+        # 1. load K_j, V_j once (rows past the sequence zero-filled, so 0 * row is never NaN)
+        gK = cute.local_tile(cute.domain_offset((offset_k, 0), mK[bidx, None, head_kv, None]), (tn, d), (n_block, 0))
+        gV = cute.local_tile(cute.domain_offset((offset_k, 0), mV[bidx, None, head_kv, None]), (tn, dv), (n_block, 0))
+        k_rows_left = seqlen_k_rows - n_block * tn
+        self.load_rows(gmem_copy_QK, thr_copy_QK, gK, sK, (tn, d), k_rows_left)
+        self.load_rows(gmem_copy_VdO, thr_copy_VdO, gV, sV, (tn, dv), k_rows_left)
+        cute.arch.cp_async_commit_group()
 
-                    # 2b. S^T = K_j Q_i^T and dP^T = V_j dO_i^T, both in flight at once
-                    acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
-                    acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
-                    warpgroup.fence()
-                    gemm_issue(tiled_mma_SdP, acc_S, tSrK, tSrQ, zero_init=True)
-                    gemm_issue(tiled_mma_SdP, acc_dP, tPrV, tPrdO, zero_init=True)
-                    warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+        # 2. walk (query head of the group, Q tile)
+        m_block_min, m_block_max = self.q_tile_range(n_block, seqlen_q, seqlen_k)
+        for head_in_group in cutlass.range(qhead_per_kvhead, unroll=1):
+            head = head_kv * qhead_per_kvhead + head_in_group
+            gQ_all = cute.domain_offset((offset_q, 0), mQ[bidx, None, head, None])
+            gdO_all = cute.domain_offset((offset_q, 0), mdO[bidx, None, head, None])
+            gdQ_all = cute.domain_offset((offset_q, 0), mdQacc[bidx, None, head, None])
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                # 2a. every warp is done with the previous tile's shared memory; load Q_i, dO_i
+                cute.arch.sync_threads()
+                q_rows_left = seqlen_q - m_block * tm
+                self.load_rows(gmem_copy_QK, thr_copy_QK, cute.local_tile(gQ_all, (tm, d), (m_block, 0)),
+                               sQ, (tm, d), q_rows_left)
+                self.load_rows(gmem_copy_VdO, thr_copy_VdO, cute.local_tile(gdO_all, (tm, dv), (m_block, 0)),
+                               sdO, (tm, dv), q_rows_left)
+                cute.arch.cp_async_commit_group()
+                if tidx < tm:  # row statistics; rows past the sequence: P = 0 (lse2 = +inf), D = 0
+                    row = m_block * tm + tidx
+                    sLSE2[tidx] = Float32.inf
+                    sD[tidx] = Float32(0.0)
+                    if row < seqlen_q:
+                        sLSE2[tidx] = mLSE2[bidx, head, stats_q + row]
+                        sD[tidx] = mD[bidx, head, stats_q + row]
+                cute.arch.cp_async_wait_group(0)
+                # cp.async / st.shared are generic-proxy writes that wgmma reads through the
+                # async proxy: fence in every writer, then the barrier publishes the tile
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
 
-                    # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked entries -> 0
-                    acc_S_rc = acc_rowcol(acc_S)
-                    key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-                    needs_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
-                    for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                        col = tScS_rc[0, c][1]
-                        lse2 = sLSE2[col]
-                        for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-                            s = acc_S_rc[r, c]
-                            if needs_mask:
-                                if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal):
-                                    s = -Float32.inf
-                            acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
-                    tPrP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-                    tPrP.store(acc_S.load().to(self.dtype))
-                    cute.copy(smem_copy_PdS, thr_smem_PdS.retile(tPrP), tPsPt)
+                # 2b. S^T = K_j Q_i^T and dP^T = V_j dO_i^T, both in flight at once
+                acc_S = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+                acc_dP = cute.make_rmem_tensor(thr_SdP.partition_shape_C((tn, tm)), Float32)
+                warpgroup.fence()
+                gemm_issue(tiled_mma_SdP, acc_S, tSrK, tSrQ, zero_init=True)
+                gemm_issue(tiled_mma_SdP, acc_dP, tPrV, tPrdO, zero_init=True)
+                warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
 
-                    # 2d. dS^T = P^T * (dP^T - D)
-                    warpgroup.wait_group(0)
-                    acc_dP_rc = acc_rowcol(acc_dP)
-                    for c in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[1])):
-                        dpsum = sD[tScS_rc[0, c][1]]
-                        for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
-                            acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
-                    tdSrdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-                    tdSrdS.store(acc_dP.load().to(self.dtype))
-                    cute.copy(smem_copy_PdS, thr_smem_PdS.retile(tdSrdS), tPsdSt)
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    cute.arch.sync_threads()  # both warpgroups' halves of P^T / dS^T are in smem
+                # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked entries -> 0
+                acc_S_rc = self.probs_from_scores(acc_S, tScS_rc, sLSE2, m_block, n_block, seqlen_q, seqlen_k,
+                                                  softmax_scale_log2)
+                tPrP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                tPrP.store(acc_S.load().to(self.dtype))
+                cute.copy(smem_copy_PdS, thr_smem_PdS.retile(tPrP), tPsPt)
 
-                    # 2e. dV += P^T dO, dK += dS^T Q, dQ = dS K: three groups, one wait
-                    acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
-                    warpgroup.fence()
-                    gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt, zero_init=False)
-                    gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt, zero_init=False)
-                    gemm_issue(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
-                    warpgroup.wait_group(0)
+                # 2d. dS^T = P^T * (dP^T - D)
+                warpgroup.wait_group(0)
+                self.ds_from_dp(acc_dP, acc_S_rc, tScS_rc, sD)
+                tdSrdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+                tdSrdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(smem_copy_PdS, thr_smem_PdS.retile(tdSrdS), tPsdSt)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()  # both warpgroups' halves of P^T / dS^T are in smem
 
-                    # 2f. dQaccum_i += dQ_i (fp32 atomics; deterministic: in the order's turn)
-                    gdQ = cute.local_tile(gdQ_all, (tm, d), (m_block, 0))
-                    tdQgdQ = thr_dQ.partition_C(gdQ)
-                    if const_expr(self.deterministic):
-                        n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
-                                                             imin=cutlass.min)
-                        sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
-                        common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), n_block_last), tidx)
-                        cute.arch.sync_threads()
-                    for i in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
-                        if tdQcdQ[2 * i][0] < q_rows_left:
-                            common.red_add_f32x2(common.elem_pointer(tdQgdQ, 2 * i), acc_dQ[2 * i], acc_dQ[2 * i + 1])
-                    if const_expr(self.deterministic):
-                        cute.arch.sync_threads()  # every thread's adds precede thread 0's release
-                        common.semaphore_signal(sem, tidx)
+                # 2e. dV += P^T dO, dK += dS^T Q, dQ = dS K: three groups, one wait
+                acc_dQ = cute.make_rmem_tensor(thr_dQ.partition_shape_C((tm, d)), Float32)
+                warpgroup.fence()
+                gemm_issue(tiled_mma_dV, acc_dV, tdVrPt, tdVrdOt, zero_init=False)
+                gemm_issue(tiled_mma_dK, acc_dK, tdKrdSt, tdKrQt, zero_init=False)
+                gemm_issue(tiled_mma_dQ, acc_dQ, tdQrdS, tdQrKt, zero_init=True)
+                warpgroup.wait_group(0)
 
-            # 3. epilogue: dK *= softmax_scale; registers -> smem (over sK / sV) -> 16-byte stores.
-            #    An empty walk (a varlen sequence without queries, keys past seqused_k) never waited
-            #    for the K/V cp.async: wait now, or it could land on top of the dK/dV staging.
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()  # every wgmma that read sK / sV has completed
-            acc_dK.store(acc_dK.load() * softmax_scale)
-            self.store_tile(acc_dK, tiled_mma_dK, sK, gmem_store_dK, tidx,
-                            cute.local_tile(cute.domain_offset((offset_k, 0), mdK[bidx, None, head_kv, None]),
-                                            (tn, d), (n_block, 0)), (tn, d), k_rows_left)
-            self.store_tile(acc_dV, tiled_mma_dV, sV, gmem_store_dV, tidx,
-                            cute.local_tile(cute.domain_offset((offset_k, 0), mdV[bidx, None, head_kv, None]),
-                                            (tn, dv), (n_block, 0)), (tn, dv), k_rows_left)
+                # 2f. dQaccum_i += dQ_i (fp32 atomics; deterministic: in the order's turn)
+                tdQgdQ = thr_dQ.partition_C(cute.local_tile(gdQ_all, (tm, d), (m_block, 0)))
+                self.add_dq(acc_dQ, tdQgdQ, tdQcdQ, q_rows_left, mSemaphore, walk, head, m_block, tidx)
+
+        # 3. epilogue: dK *= softmax_scale; registers -> smem (over sK / sV) -> 16-byte stores.
+        #    An empty walk (a varlen sequence without queries, keys past seqused_k) never waited
+        #    for the K/V cp.async: wait now, or it could land on top of the dK/dV staging.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # every wgmma that read sK / sV has completed
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        self.store_tile(acc_dK, tiled_mma_dK, sK, gmem_store_dK, tidx,
+                        cute.local_tile(cute.domain_offset((offset_k, 0), mdK[bidx, None, head_kv, None]),
+                                        (tn, d), (n_block, 0)), (tn, d), k_rows_left)
+        self.store_tile(acc_dV, tiled_mma_dV, sV, gmem_store_dV, tidx,
+                        cute.local_tile(cute.domain_offset((offset_k, 0), mdV[bidx, None, head_kv, None]),
+                                        (tn, dv), (n_block, 0)), (tn, dv), k_rows_left)
 
     # -------------------------------------------------------------- helpers (device)
+    @cute.jit
+    def q_tile_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """The Q tiles [m_block_min, m_block_max) this K/V tile adds into: causal starts at its
+        diagonal (key j is visible from query i iff j <= i + seqlen_k - seqlen_q), and a tile past
+        the used keys (seqused_k) adds into nothing."""
+        m_block_min, m_block_max = schedule.m_block_range(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
+                                                          self.causal, imax=cutlass.max)
+        m_block_min = Int32(m_block_min)
+        if n_block * self.tile_n >= seqlen_k:
+            m_block_max = m_block_min
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def probs_from_scores(self, acc_S: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, m_block: Int32,
+                          n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32):
+        """P^T = exp2(S^T * scale_log2 - lse2) in place over the S^T accumulator; masked entries
+        (keys past seqlen_k, causal) become 0. Returns the (rows, cols) view of it."""
+        tm, tn = self.tile_m, self.tile_n
+        acc_S_rc = acc_rowcol(acc_S)
+        key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
+        needs_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
+        for c in cutlass.range_constexpr(cute.size(tScS_rc, mode=[1])):
+            col = tScS_rc[0, c][1]
+            lse2 = sLSE2[col]
+            for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                s = acc_S_rc[r, c]
+                if needs_mask:
+                    if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal):
+                        s = -Float32.inf
+                acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
+        return acc_S_rc
+
+    @cute.jit
+    def ds_from_dp(self, acc_dP: cute.Tensor, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sD: cute.Tensor):
+        """dS^T = P^T * (dP^T - D) in place over the dP^T accumulator."""
+        acc_dP_rc = acc_rowcol(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(tScS_rc, mode=[1])):
+            dpsum = sD[tScS_rc[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
+                acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+
+    @cute.jit
+    def add_dq(self, acc_dQ: cute.Tensor, tdQgdQ: cute.Tensor, tdQcdQ: cute.Tensor, q_rows_left: Int32,
+               mSemaphore: cute.Tensor, walk, head: Int32, m_block: Int32, tidx: Int32):
+        """dQaccum_i += dQ_i with fp32 atomics on rows < q_rows_left; deterministic: wait for this
+        CTA's turn on the tile's semaphore, add, then release the next CTA."""
+        (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, stats_q, offset_k, bidx, batch, head_kv, n_block,
+         qhead_per_kvhead) = walk
+        if const_expr(self.deterministic):
+            n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
+                                                 imin=cutlass.min)
+            sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
+            common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), n_block_last), tidx)
+            cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+            if tdQcdQ[2 * i][0] < q_rows_left:
+                common.red_add_f32x2(common.elem_pointer(tdQgdQ, 2 * i), acc_dQ[2 * i], acc_dQ[2 * i + 1])
+        if const_expr(self.deterministic):
+            cute.arch.sync_threads()  # every thread's adds precede thread 0's release
+            common.semaphore_signal(sem, tidx)
+
     @cute.jit
     def load_rows(self, tiled_copy: cute.TiledCopy, thr_copy, gX: cute.Tensor, sX: cute.Tensor,
                   shape: cutlass.Constexpr, rows_left: Int32):

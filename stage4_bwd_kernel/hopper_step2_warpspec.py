@@ -37,19 +37,17 @@ Shared memory = K + V + stages * (Q + dO) + P^T + dS^T:
 """
 from __future__ import annotations
 
-from stage4_bwd_kernel import common  # must precede cutlass (sets CUTE_DSL_ARCH)
-from stage4_bwd_kernel import schedule
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory.smem import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
-import cutlass  # noqa: E402
-import cutlass.cute as cute  # noqa: E402
-import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
-from cutlass import Float32, Int32, const_expr, pipeline  # noqa: E402
-from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
-from cutlass.memory.smem import SmemAllocator  # noqa: E402
-from cutlass.tensor_utils import LayoutEnum  # noqa: E402
-
-from stage3_fwd_kernel.hopper_step1_wgmma import acc_rowcol  # noqa: E402
-from stage4_bwd_kernel.hopper_step1 import gemm_issue  # noqa: E402
+from stage3_fwd_kernel.hopper_step1_wgmma import acc_rowcol
+from stage4_bwd_kernel import common, schedule
+from stage4_bwd_kernel.hopper_step1 import gemm_issue
 
 STEP = "hopper_bwd_step2_warpspec"
 NUM_WG_MMA = 2
@@ -65,10 +63,6 @@ def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 
 class FlashAttentionBackwardSm90Step2:
     """Producer warp (TMA) + 2 consumer warpgroups (step 1's five SS wgmmas), Q/dO ring of `stages`."""
-
-    # K and V on a barrier of their own, waited for before the walk (step 3's kv_with_first moves them
-    # onto the first Q / dO tile's barriers)
-    kv_with_first = False
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
                  varlen: bool = False, has_seqused_k: bool = False, tile_m: int | None = None,
@@ -187,12 +181,12 @@ class FlashAttentionBackwardSm90Step2:
                              stream=stream, min_blocks_per_mp=1)
 
     # -------------------------------------------------------------- device side
-    # The kernel's prologue, shared with step 3 (which only adds roles after it).
     @cute.jit
     def tile_bounds(self, num_n_blocks: Int32, total_q: Int32, total_k: Int32, mCuSeqlensQ: cute.Tensor,
                     mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor):
-        """This CTA's (n_block, kv head, batch) and its sequence bounds (step 1's convention: varlen
-        is a batch of one, rows from cu_seqlens)."""
+        """This CTA's (n_block, kv head, batch) and its sequence bounds. Varlen is a batch of one whose
+        packed rows [offset, offset + seqlen) come from cu_seqlens; seqlen_k_rows are the keys that
+        exist (dK / dV are written for all of them), seqlen_k those attended to (seqused_k)."""
         if const_expr(hasattr(self.dq_order, "tile_for_launch")):
             # an order that also swizzles heads (stage 5's SPT) maps the whole launch index
             n_block, head_kv, batch = self.dq_order.tile_for_launch()
@@ -234,8 +228,9 @@ class FlashAttentionBackwardSm90Step2:
     @cute.jit
     def make_walk(self, n_block: Int32, head_kv: Int32, batch: Int32, bidx: Int32, offset_q: Int32,
                   offset_k: Int32, seqlen_q: Int32, seqlen_k_rows: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32):
-        """The tuple every role unpacks: bounds + the Q tiles [m_block_min, m_block_max) this K/V tile
-        adds into (empty for a tile past seqused_k)."""
+        """Bounds + the Q tiles [m_block_min, m_block_max) this K/V tile adds into: causal starts at
+        its diagonal (key j is visible from query i iff j <= i + seqlen_k - seqlen_q), and a tile past
+        the used keys (seqused_k) adds into nothing. Every role unpacks this tuple."""
         m_block_min, m_block_max = schedule.m_block_range(n_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k,
                                                           self.causal, imax=cutlass.max)
         m_block_min = Int32(m_block_min)
@@ -297,9 +292,7 @@ class FlashAttentionBackwardSm90Step2:
                 tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom,
                 tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
                 sdO_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-                pipe_KV, pipe_Q, pipe_dO, stats=None):
-        """stats: None, or step 3's ((tma_atom, tma tensor, smem ring) of lse2, of D): each Q tile's
-        row statistics then ride on its Q (lse2) and dO (D) barriers as one TMA copy each."""
+                pipe_KV, pipe_Q, pipe_dO):
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
          m_block_min, m_block_max, qhead_per_kvhead) = walk
@@ -315,13 +308,10 @@ class FlashAttentionBackwardSm90Step2:
                                            cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
-        # kv_with_first (step 3's seventeenth option): K rides on the first Q tile's barrier and V on
-        # its dO barrier instead, so S waits for K and Q only and dP for V and dO
-        if const_expr(not self.kv_with_first):
-            kv_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
-            pipe_KV.producer_acquire(kv_state)
-            cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
-            cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
+        kv_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
+        pipe_KV.producer_acquire(kv_state)
+        cute.copy(tma_atom_K, tKgK, tKsK, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
+        cute.copy(tma_atom_V, tVgV, tVsV, tma_bar_ptr=pipe_KV.producer_get_barrier(kv_state))
 
         # 2. Q_i, dO_i for every tile of the walk, each as soon as its stage is free
         n_m = m_block_max - m_block_min
@@ -333,41 +323,15 @@ class FlashAttentionBackwardSm90Step2:
                                                cute.group_modes(gQ, 0, 2))
             tdOsdO, tdOgdO = cpasync.tma_partition(tma_atom_dO, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
                                                    cute.group_modes(gdO, 0, 2))
-            if const_expr(stats is not None):
-                stat_parts = [cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sStat, 0, 1),
-                                                    cute.group_modes(cute.local_tile(cute.domain_offset(
-                                                        (self.stats_offset(offset_q, batch),), tma_stat[None, head, bidx]),
-                                                        (tm,), (None,)), 0, 1))
-                              for atom, tma_stat, sStat in stats]               # (lse2, D): (smem, gmem)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
                 t = head_in_group * n_m + m_block - m_block_min
                 st = self.tile_state(t, producer=True)
                 pipe_Q.producer_acquire(st)
-                if const_expr(self.kv_with_first):
-                    if t == 0:
-                        self.load_with(tma_atom_K, tKgK, tKsK, pipe_Q.producer_get_barrier(st), self.tma_bytes_K)
                 cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, st.index],
                           tma_bar_ptr=pipe_Q.producer_get_barrier(st))
-                if const_expr(stats is not None):
-                    cute.copy(stats[0][0], stat_parts[0][1][None, m_block], stat_parts[0][0][None, st.index],
-                              tma_bar_ptr=pipe_Q.producer_get_barrier(st))
                 pipe_dO.producer_acquire(st)
-                if const_expr(self.kv_with_first):
-                    if t == 0:
-                        self.load_with(tma_atom_V, tVgV, tVsV, pipe_dO.producer_get_barrier(st), self.tma_bytes_V)
                 cute.copy(tma_atom_dO, tdOgdO[None, m_block], tdOsdO[None, st.index],
                           tma_bar_ptr=pipe_dO.producer_get_barrier(st))
-                if const_expr(stats is not None):
-                    cute.copy(stats[1][0], stat_parts[1][1][None, m_block], stat_parts[1][0][None, st.index],
-                              tma_bar_ptr=pipe_dO.producer_get_barrier(st))
-
-    @cute.jit
-    def load_with(self, tma_atom: cute.CopyAtom, src: cute.Tensor, dst: cute.Tensor, bar, num_bytes: int):
-        """One more TMA load on a barrier the producer has already armed: its bytes are added to the
-        phase's expected count (one lane) before the copy can land."""
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_expect_tx(bar, num_bytes)
-        cute.copy(tma_atom, src, dst, tma_bar_ptr=bar)
 
     # -------------------------------------------------------------- consumer warpgroups
     @cute.jit
@@ -420,7 +384,6 @@ class FlashAttentionBackwardSm90Step2:
         thr_smem_PdS = smem_copy_PdS.get_slice(ctidx)
         tPsPt = thr_smem_PdS.partition_D(sPt)
         tPsdSt = thr_smem_PdS.partition_D(sdSt)
-        num_cols = cute.size(tScS_rc, mode=[1])
         sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(tm))
         sD = storage.sD.get_tensor(cute.make_layout(tm))
         stats_q = self.stats_offset(offset_q, batch)
@@ -460,30 +423,15 @@ class FlashAttentionBackwardSm90Step2:
 
                 # 2c. P^T = exp2(S^T * scale_log2 - lse2), masked (keys, causal, and queries past
                 #     the sequence: with TMA those rows may hold the next sequence's data)
-                acc_S_rc = acc_rowcol(acc_S)
-                key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-                needs_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal) | (q_rows_left < tm)
-                for c in cutlass.range_constexpr(num_cols):
-                    col = tScS_rc[0, c][1]
-                    lse2 = sLSE2[col]
-                    for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-                        s = acc_S_rc[r, c]
-                        if needs_mask:
-                            if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
-                                    col >= q_rows_left):
-                                s = -Float32.inf
-                        acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
+                acc_S_rc = self.probs_from_scores(acc_S, tScS_rc, sLSE2, m_block, n_block, q_rows_left, seqlen_q,
+                                                  seqlen_k, softmax_scale_log2)
                 tPrP = cute.make_rmem_tensor_like(acc_S, self.dtype)
                 tPrP.store(acc_S.load().to(self.dtype))
                 cute.copy(smem_copy_PdS, thr_smem_PdS.retile(tPrP), tPsPt)
 
                 # 2d. dS^T = P^T * (dP^T - D)
                 warpgroup.wait_group(0)
-                acc_dP_rc = acc_rowcol(acc_dP)
-                for c in cutlass.range_constexpr(num_cols):
-                    dpsum = sD[tScS_rc[0, c][1]]
-                    for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
-                        acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+                self.ds_from_dp(acc_dP, acc_S_rc, tScS_rc, sD)
                 tdSrdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
                 tdSrdS.store(acc_dP.load().to(self.dtype))
                 cute.copy(smem_copy_PdS, thr_smem_PdS.retile(tdSrdS), tPsdSt)
@@ -500,20 +448,9 @@ class FlashAttentionBackwardSm90Step2:
                 pipe_Q.consumer_release(st)
                 pipe_dO.consumer_release(st)
 
-                # 2f. dQaccum_i += dQ_i (deterministic: in the order's turn)
+                # 2f. dQaccum_i += dQ_i (fp32 atomics; deterministic: in the order's turn)
                 tdQgdQ = thr_dQ.partition_C(cute.local_tile(gdQ_all, (tm, d), (m_block, 0)))
-                if const_expr(self.deterministic):
-                    n_block_last = schedule.n_block_last(m_block, tm, tn, seqlen_q, seqlen_k, self.causal,
-                                                         imin=cutlass.min)
-                    sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
-                    common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), n_block_last), ctidx)
-                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
-                for i in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
-                    if tdQcdQ[2 * i][0] < q_rows_left:
-                        common.red_add_f32x2(common.elem_pointer(tdQgdQ, 2 * i), acc_dQ[2 * i], acc_dQ[2 * i + 1])
-                if const_expr(self.deterministic):
-                    cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
-                    common.semaphore_signal(sem, ctidx)
+                self.add_dq(acc_dQ, tdQgdQ, tdQcdQ, q_rows_left, mSemaphore, walk, head, m_block, ctidx)
 
         # 3. epilogue: dK *= scale; registers -> smem (over sK / sV) -> 16-byte row-guarded stores
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
@@ -539,6 +476,59 @@ class FlashAttentionBackwardSm90Step2:
         if const_expr(producer):
             phase = phase ^ 1
         return pipeline.PipelineState(self.num_stages, t, t % self.num_stages, phase)
+
+    @cute.jit
+    def probs_from_scores(self, acc_S: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, m_block: Int32,
+                          n_block: Int32, q_rows_left: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                          softmax_scale_log2: Float32):
+        """P^T = exp2(S^T * scale_log2 - lse2) in place over the S^T accumulator; masked entries
+        (keys past seqlen_k, causal, and queries past the sequence: with TMA those rows may hold the
+        next sequence's data) become 0. Returns the (rows, cols) view of it."""
+        tm, tn = self.tile_m, self.tile_n
+        acc_S_rc = acc_rowcol(acc_S)
+        key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
+        needs_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal) | (q_rows_left < tm)
+        for c in cutlass.range_constexpr(cute.size(tScS_rc, mode=[1])):
+            col = tScS_rc[0, c][1]
+            lse2 = sLSE2[col]
+            for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
+                s = acc_S_rc[r, c]
+                if needs_mask:
+                    if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (col >= q_rows_left):
+                        s = -Float32.inf
+                acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
+        return acc_S_rc
+
+    @cute.jit
+    def ds_from_dp(self, acc_dP: cute.Tensor, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sD: cute.Tensor):
+        """dS^T = P^T * (dP^T - D) in place over the dP^T accumulator."""
+        acc_dP_rc = acc_rowcol(acc_dP)
+        for c in cutlass.range_constexpr(cute.size(tScS_rc, mode=[1])):
+            dpsum = sD[tScS_rc[0, c][1]]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
+                acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+
+    @cute.jit
+    def add_dq(self, acc_dQ: cute.Tensor, tdQgdQ: cute.Tensor, tdQcdQ: cute.Tensor, q_rows_left: Int32,
+               mSemaphore: cute.Tensor, walk, head: Int32, m_block: Int32, ctidx: Int32):
+        """dQaccum_i += dQ_i with fp32 atomics on rows < q_rows_left; deterministic: wait for this
+        CTA's turn on the tile's semaphore, add, then release the next CTA."""
+        (seqlen_q, seqlen_k, seqlen_k_rows, offset_q, offset_k, bidx, batch, head_kv, n_block,
+         m_block_min, m_block_max, qhead_per_kvhead) = walk
+        nthr = 128 * NUM_WG_MMA
+        if const_expr(self.deterministic):
+            n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
+                                                 imin=cutlass.min)
+            sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
+            common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), n_block_last), ctidx)
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+        for i in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+            if tdQcdQ[2 * i][0] < q_rows_left:
+                common.red_add_f32x2(common.elem_pointer(tdQgdQ, 2 * i), acc_dQ[2 * i], acc_dQ[2 * i + 1])
+        if const_expr(self.deterministic):
+            # every thread's adds precede thread 0's release
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=nthr)
+            common.semaphore_signal(sem, ctidx)
 
     @cute.jit
     def store_tile(self, acc: cute.Tensor, tiled_mma: cute.TiledMma, sX: cute.Tensor, gmem_copy: cute.TiledCopy,
@@ -605,8 +595,8 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
 
 def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
         causal=False, deterministic=False, dtype="bf16", check=True, compare_deterministic=True, verbose=True):
-    """On a Hopper GPU: check against autograd (FA4 rule), time, and time deterministic vs default.
-    Otherwise: compile for sm_90a and print the resource report."""
+    """On a Hopper GPU: check dq/dk/dv against autograd (FA4 rule), time, and time deterministic vs
+    default. Otherwise: compile for sm_90a and print the resource report."""
     from stage4_bwd_kernel import host
 
     return host.run_step(STEP, compile_only, attention_backward, batch=batch, seqlen_q=seqlen_q,

@@ -5,7 +5,7 @@ dim, causal on and off; ptxas reports no spills and no local memory; the SASS ho
 UTMALDG from step 2 on; step 3 also carries setmaxnreg, which ptxas must not ignore). Compiles are
 cached per process, so each config is compiled once.
 
-gpu tier (device tool's H100/H200): outputs are poisoned with NaN before each run; out and lse
+gpu tier (an H100/H200): outputs are poisoned with NaN before each run; out and lse
 follow FA4's rule against the fp32 reference (`stage0_reference.torch_reference`); fully masked
 rows give out 0 and lse -inf; repeated runs are bitwise identical.
 """
