@@ -1,0 +1,280 @@
+"""The softmax and correction warpgroups of the Blackwell forward (``blackwell_fwd.py``).
+
+Two softmax warpgroups each own one 128-row Q tile (thread r holds row r of S in registers); a
+correction warpgroup rescales O in TMEM when a row max moved and writes the final O / l and lse.
+They are methods of a mixin so the kernel class keeps the MMA, load and epilogue roles and the
+pipeline wiring. The mixin reads the kernel's plan attributes: ``cfg``, ``tm``, ``tn``, ``dv``,
+``num_q``, ``dtype``, ``causal``, ``varlen``, ``policy``, ``tmem``, ``p_chunk_cols``, ``s_chunk``,
+and its helpers ``_bar`` and ``_tmem_tensors``.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import tcgen05
+
+from stage2_emulated_exp.gpu_kernel import ex2_approx_f32
+from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage3_fwd_kernel.softmax_policy import exp2_row, rescale_vote
+
+LN2 = math.log(2.0)
+BAR_EXP_TURN = 2     # + i: "softmax warpgroup i may exponentiate now" (named barrier ids 2, 3)
+
+
+class SoftmaxCorrectionRoles:
+    """Device code of the softmax warpgroups (rows of S -> P in TMEM) and the correction warpgroup."""
+
+    # ------------------------------------------------------------------ softmax warpgroups
+    @cute.jit
+    def softmax(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, n_blocks: Int32,
+                softmax_scale_log2: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
+                thr_mma_qk: cute.ThrMma):
+        """One warpgroup, one Q tile: thread r owns row r. Per key block: S row -> registers, mask,
+        row max + warp vote (conditional rescaling), rescale factor -> TMEM for the correction
+        warpgroup, exp2 (partial emulation) on our exp turn, P -> TMEM in 3/4 + 1/4."""
+        tidx = cute.arch.thread_idx()[0] % 128
+        # which Q tile: re-derived here rather than carried from the kernel prologue, where every
+        # live value must also fit the small register budget of the fourth warpgroup
+        stage = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
+        tStS_layout = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tm, self.tn))).layout
+        tStS = cute.make_tensor(tmem_ptr + self.tmem.s[0] + stage * self.tn, tStS_layout)  # S_stage
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tm, self.tn)))
+
+        # S: 32 columns per tcgen05.ld (32x32b: lane = row = thread, one column per register)
+        tiled_t2r = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32), tStS)
+        thr_t2r = tiled_t2r.get_slice(tidx)
+        tStS_t2r = thr_t2r.partition_S(tStS)
+        tScS_t2r = thr_t2r.partition_D(tScS)
+        # P: 16-bit values packed in pairs; stored p_chunk_cols fp32 columns at a time
+        p_off = self.tmem.p[0] - self.tmem.s[0]
+        tStP = cute.make_tensor(tStS.iterator + p_off,
+                                cute.composition(tStS.layout, cute.make_layout((self.tm, self.tmem.p_cols))))
+        tScP = cute.composition(tScS.layout, cute.make_layout((self.tm, self.tmem.p_cols)))
+        tiled_r2t = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(self.p_chunk_cols)), Float32), tStP)
+        thr_r2t = tiled_r2t.get_slice(tidx)
+        tStP_r2t = thr_r2t.partition_D(tStP)
+        tSrP_shape = thr_r2t.partition_S(cute.make_tensor(tScS.iterator, tScP)).shape
+        # rescale factor (1 column) and final row sum / row max (2 columns)
+        tStScale = cute.make_tensor(tStS.iterator + (self.tmem.scale[0] - self.tmem.s[0]),
+                                    cute.composition(tStS.layout, cute.make_layout((self.tm, 1))))
+        tStFinal = cute.make_tensor(tStS.iterator + (self.tmem.final[0] - self.tmem.s[0]),
+                                    cute.composition(tStS.layout, cute.make_layout((self.tm, 2))))
+        tiled_r2t_1 = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(1)), Float32), tStScale)
+        tiled_r2t_2 = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(2)), Float32), tStFinal)
+        tStScale_r2t = tiled_r2t_1.get_slice(tidx).partition_D(tStScale)
+        tStFinal_r2t = tiled_r2t_2.get_slice(tidx).partition_D(tStFinal)
+        # register fragments take their shapes from a coordinate tensor (TMEM partitions are per warp)
+        rScale = cute.make_rmem_tensor(tiled_r2t_1.get_slice(tidx).partition_S(
+            cute.make_identity_tensor((self.tm, 1))).shape, Float32)
+        rFinal = cute.make_rmem_tensor(tiled_r2t_2.get_slice(tidx).partition_S(
+            cute.make_identity_tensor((self.tm, 2))).shape, Float32)
+
+        row0 = m_block * self.cfg.cta_tile_m + stage * self.tm         # first row of the tile
+        row = row0 + tScS_t2r[0][0]                                     # this thread's row (= tidx)
+        row_max = cute.make_rmem_tensor((1,), Float32)
+        row_max[0] = -Float32.inf
+        row_sum = Float32(0.0)
+
+        # key blocks every row of this tile sees in full need no mask; the rest (the last block
+        # when seqlen_k % 128 != 0, and for causal the blocks crossing the diagonal) are masked.
+        # Two loops, so the unmasked one -- almost all of them -- carries no masking code at all.
+        n_unmasked = cutlass.min(n_blocks, seqlen_k // self.tn)
+        if const_expr(self.causal):
+            n_unmasked = cutlass.min(n_unmasked, cutlass.max(row0 + 1 + seqlen_k - seqlen_q, 0) // self.tn)
+        step = functools.partial(
+            self.softmax_step, stage=stage, row=row, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            softmax_scale_log2=softmax_scale_log2, mbar=mbar, row_max=row_max, tiled_t2r=tiled_t2r,
+            tStS_t2r=tStS_t2r, tScS_t2r=tScS_t2r, tiled_r2t=tiled_r2t, tStP_r2t=tStP_r2t, tSrP_shape=tSrP_shape,
+            tiled_r2t_1=tiled_r2t_1, tStScale_r2t=tStScale_r2t, rScale=rScale)
+
+        if stage == 1:  # tile 0 exponentiates first
+            cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN, number_of_threads=256)
+        for n_block in cutlass.range(n_unmasked, unroll=1):
+            row_sum = step(n_block=n_block, row_sum=row_sum, masked=False)
+        for n_block in cutlass.range(n_unmasked, n_blocks, unroll=1):
+            row_sum = step(n_block=n_block, row_sum=row_sum, masked=True)
+
+        if stage == 0:  # take tile 1's last hand-over, so no barrier arrival outlives the loop
+            cute.arch.barrier(barrier_id=BAR_EXP_TURN, number_of_threads=256)
+        # after the last block: the final statistics for the correction warpgroup, in their own
+        # TMEM columns (it may not have read the last scale yet)
+        rFinal[0] = row_sum
+        rFinal[1] = row_max[0]
+        cute.copy(tiled_r2t_2, rFinal, tStFinal_r2t)
+        cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence_before_sync()
+        cute.arch.mbarrier_arrive(self._bar(mbar, "final_full", 0) + stage)
+
+    @cute.jit
+    def softmax_step(self, n_block: Int32, row_sum: Float32, masked: cutlass.Constexpr[bool], stage: Int32,
+                     row: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
+                     mbar: cute.Pointer, row_max: cute.Tensor, tiled_t2r: cute.TiledCopy, tStS_t2r: cute.Tensor,
+                     tScS_t2r: cute.Tensor, tiled_r2t: cute.TiledCopy, tStP_r2t: cute.Tensor,
+                     tSrP_shape: cutlass.Constexpr, tiled_r2t_1: cute.TiledCopy, tStScale_r2t: cute.Tensor,
+                     rScale: cute.Tensor) -> Float32:
+        """One key block of one softmax warpgroup; returns the running row sum."""
+        # 1. S row -> registers (4 x tcgen05.ld 32x32b.x32: lane = row = thread, a column per register)
+        cute.arch.mbarrier_wait(self._bar(mbar, "s_full", 0) + stage, n_block % 2)
+        tcgen05_fence_after_sync()
+        tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
+        cute.copy(tiled_t2r, tStS_t2r, tSrS)
+        cute.arch.fence_view_async_tmem_load()
+        # 2. mask keys >= seqlen_k and (causal, bottom-right) keys right of this row's diagonal
+        if const_expr(masked):
+            col_limit = seqlen_k - n_block * self.tn
+            if const_expr(self.causal):
+                col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tn)
+            for c in cutlass.range_constexpr(cute.size(tSrS)):  # one select per value
+                tSrS[c] = Float32(cutlass.select_(tScS_t2r[c][1] >= col_limit, -Float32.inf, tSrS[c]))
+        # 3. row max; the warp moves its maxima only if some row grew by more than tau
+        row_max_new = cute.make_rmem_tensor((1,), Float32)
+        m_old = row_max[0]
+        row_max_new[0] = cute.arch.fmax(m_old, tSrS.load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+        if rescale_vote(row_max, row_max_new, softmax_scale_log2, self.policy.rescale_threshold):
+            row_max[0] = row_max_new[0]
+        m_new = row_max[0]
+        m_safe = Float32(0.0) if m_new == -Float32.inf else m_new  # nothing visible yet: P = 0
+        acc_scale = Float32(1.0)
+        if m_new != m_old:
+            acc_scale = ex2_approx_f32((m_old - m_safe) * softmax_scale_log2)
+        row_sum = row_sum * acc_scale
+        # 4. the factor O_i must be multiplied by before P(j) V(j) -> correction warpgroup
+        if n_block > 0:
+            rScale[0] = acc_scale
+            cute.copy(tiled_r2t_1, rScale, tStScale_r2t)
+            cute.arch.fence_view_async_tmem_store()
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "scale_full", 0) + stage)
+        # 5. exp2 on our turn (the two warpgroups' exponentials never overlap); P packed to 16 bits
+        #    and stored a quarter at a time; after 3/4 the MMA warp may start O += P V
+        bias = m_safe * softmax_scale_log2
+        tSrP = cute.make_rmem_tensor(tSrP_shape, Float32)
+        tSrP_16 = cute.make_tensor(cute.recast_ptr(tSrP.iterator, dtype=self.dtype), cute.make_layout(self.tn))
+        tSrS_flat = cute.make_tensor(tSrS.iterator, cute.make_layout(self.tn))
+        cute.arch.barrier(barrier_id=BAR_EXP_TURN + stage, number_of_threads=256)
+        for q in cutlass.range_constexpr(self.cfg.p_store_chunks):
+            chunk = cute.make_tensor(tSrS_flat.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
+            row_sum += exp2_row(chunk, softmax_scale_log2, bias, self.policy)
+            chunk_16 = cute.make_tensor(tSrP_16.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
+            chunk_16.store(chunk.load().to(self.dtype))
+            cute.copy(tiled_r2t, tSrP[None, None, q], tStP_r2t[None, None, q])
+            if const_expr(q == self.cfg.p_first_chunks - 1):
+                cute.arch.fence_view_async_tmem_store()
+                tcgen05_fence_before_sync()
+                cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", 0) + stage)
+        cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN + 1 - stage, number_of_threads=256)
+        cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence_before_sync()
+        cute.arch.mbarrier_arrive(self._bar(mbar, "p_full_2", 0) + stage)
+        return row_sum
+
+    # ------------------------------------------------------------------ correction warpgroup
+    @cute.jit
+    def correction(self, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32,
+                   n_blocks: Int32, softmax_scale_log2: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
+                   sO: cute.Tensor, mLSE: cute.Tensor, thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma):
+        """Rescale O_i in TMEM when the softmax moved a row max (warp-uniform skip otherwise), then
+        O_i / l_i -> SMEM (16-bit) and lse -> global memory."""
+        tidx = cute.arch.thread_idx()[0] % 128
+        tStS, tOtO, _ = self._tmem_tensors(tmem_ptr, thr_mma_qk, thr_mma_pv, None)
+        # the per-step scale (1 column) and the final (row_sum, row_max) of each tile
+        ld1 = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(1)), Float32)
+        ld2 = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(2)), Float32)
+        tStScale = [cute.make_tensor(tStS[i].iterator + (self.tmem.scale[i] - self.tmem.s[i]),
+                                     cute.composition(tStS[i].layout, cute.make_layout((self.tm, 1))))
+                    for i in range(self.num_q)]
+        tStFinal = [cute.make_tensor(tStS[i].iterator + (self.tmem.final[i] - self.tmem.s[i]),
+                                     cute.composition(tStS[i].layout, cute.make_layout((self.tm, 2))))
+                    for i in range(self.num_q)]
+        tiled_t2r_1 = tcgen05.make_tmem_copy(ld1, tStScale[0])
+        tiled_t2r_2 = tcgen05.make_tmem_copy(ld2, tStFinal[0])
+        tStScale_t2r = [tiled_t2r_1.get_slice(tidx).partition_S(t) for t in tStScale]
+        tStFinal_t2r = [tiled_t2r_2.get_slice(tidx).partition_S(t) for t in tStFinal]
+        # register fragments take their shapes from a coordinate tensor (TMEM partitions are per warp)
+        rScale = cute.make_rmem_tensor(tiled_t2r_1.get_slice(tidx).partition_D(
+            cute.make_identity_tensor((self.tm, 1))).shape, Float32)
+        rFinal = cute.make_rmem_tensor(tiled_t2r_2.get_slice(tidx).partition_D(
+            cute.make_identity_tensor((self.tm, 2))).shape, Float32)
+        # O in chunks of 32 columns
+        oc = 32
+        tOtO_c = [cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout((self.tm, oc))))
+                  for t in tOtO]
+        tiled_ld_o = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(oc)), Float32), tOtO_c[0])
+        tiled_st_o = tcgen05.make_tmem_copy(
+            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(oc)), Float32), tOtO_c[0])
+        thr_ld_o, thr_st_o = tiled_ld_o.get_slice(tidx), tiled_st_o.get_slice(tidx)
+        tOcO_t2r = thr_ld_o.partition_D(cute.make_identity_tensor((self.tm, oc)))
+        rO_shape = tOcO_t2r.shape
+        tOcO_row = tOcO_t2r[0][0]  # the row this thread's TMEM lane holds (= tidx)
+        n_oc = self.dv // oc
+
+        # 1. key block 0: O_i has nothing to rescale (its first P V overwrites it)
+        for i in cutlass.range_constexpr(self.num_q):
+            cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", i))
+        # 2. key blocks 1 .. n-1: O_i *= scale when any row of the warp moved its max
+        for n_block in cutlass.range(1, n_blocks, unroll=1):
+            for i in cutlass.range_constexpr(self.num_q):
+                cute.arch.mbarrier_wait(self._bar(mbar, "scale_full", i), (n_block - 1) % 2)
+                tcgen05_fence_after_sync()
+                cute.copy(tiled_t2r_1, tStScale_t2r[i], rScale)
+                cute.arch.fence_view_async_tmem_load()
+                scale = rScale[0]
+                if cute.arch.vote_any_sync(scale != 1.0):
+                    for c in cutlass.range_constexpr(n_oc):
+                        tO = cute.make_tensor(tOtO_c[i].iterator + c * oc, tOtO_c[i].layout)
+                        tOtO_t2r = thr_ld_o.partition_S(tO)
+                        rO = cute.make_rmem_tensor(rO_shape, Float32)
+                        cute.copy(tiled_ld_o, tOtO_t2r, rO)
+                        cute.arch.fence_view_async_tmem_load()
+                        for e in cutlass.range_constexpr(0, cute.size(rO), 2):
+                            rO[e], rO[e + 1] = cute.arch.mul_packed_f32x2((rO[e], rO[e + 1]), (scale, scale))
+                        cute.copy(tiled_st_o, rO, thr_st_o.partition_D(tO))
+                    cute.arch.fence_view_async_tmem_store()
+                tcgen05_fence_before_sync()
+                cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", i))
+
+        # 3. epilogue: O_i / l_i -> sO_i (16-bit), lse -> global; empty rows: O = 0, lse = -inf
+        for i in cutlass.range_constexpr(self.num_q):
+            cute.arch.mbarrier_wait(self._bar(mbar, "final_full", i), 0)
+            cute.arch.mbarrier_wait(self._bar(mbar, "o_full", i), 0)
+            tcgen05_fence_after_sync()
+            cute.copy(tiled_t2r_2, tStFinal_t2r[i], rFinal)
+            cute.arch.fence_view_async_tmem_load()
+            row_sum, row_max = rFinal[0], rFinal[1]
+            empty = row_sum == 0.0 or row_sum != row_sum
+            inv = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
+            row = m_block * self.cfg.cta_tile_m + i * self.tm + tOcO_row
+            if row < seqlen_q:
+                lse = -Float32.inf
+                if not empty:
+                    lse = (row_max * softmax_scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
+                if const_expr(not self.varlen):
+                    mLSE[batch, head, row] = lse
+                else:
+                    mLSE[head, offset_q + row] = lse
+            sO_i = sO[None, None, i]
+            for c in cutlass.range_constexpr(n_oc):
+                tO = cute.make_tensor(tOtO_c[i].iterator + c * oc, tOtO_c[i].layout)
+                tOtO_t2r = thr_ld_o.partition_S(tO)
+                rO = cute.make_rmem_tensor(rO_shape, Float32)
+                cute.copy(tiled_ld_o, tOtO_t2r, rO)
+                cute.arch.fence_view_async_tmem_load()
+                for e in cutlass.range_constexpr(0, cute.size(rO), 2):
+                    rO[e], rO[e + 1] = cute.arch.mul_packed_f32x2((rO[e], rO[e + 1]), (inv, inv))
+                rO16 = cute.make_rmem_tensor(rO.shape, self.dtype)
+                rO16.store(rO.load().to(self.dtype))
+                if empty:  # 0 * (garbage or NaN) is not 0
+                    rO16.fill(0.0)
+                sO_c = cute.local_tile(sO_i, (self.tm, oc), (0, c))
+                cute.autovec_copy(rO16, thr_ld_o.partition_D(sO_c))
+            cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA store
+            cute.arch.mbarrier_arrive(self._bar(mbar, "epi_full", i))

@@ -1,0 +1,194 @@
+"""The elementwise warpgroup of the Blackwell backward (``blackwell_bwd.py``; the 2-CTA kernel reuses it).
+
+WG 0, thread r = key r = TMEM lane r: lse2 / D to SMEM, P^T = exp2(S^T * scale_log2 - lse2) with the
+mask hoisted to one threshold column, dS = P (dP - D) to TMEM (for dK) and SMEM (for dQ), and at the
+end dV and scale * dK from TMEM to global memory. A mixin, so the kernel class keeps the MMA, load and
+dQ roles and the pipeline wiring. It reads the kernel's ``tm``, ``tn``, ``d``, ``dv``, ``dtype``,
+``causal``, ``tmem`` and its helpers ``_bar`` and ``_tmem_acc``.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import tcgen05
+
+from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage4_bwd_kernel import schedule
+from stage4_bwd_kernel.blackwell_config import mask_col_min
+
+BAR_STATS = 2        # WG 0: sLSE / sD written / consumed (named barrier id)
+
+
+class ElementwiseRoles:
+    """Device code of the backward's elementwise warpgroup: P^T, dS^T / dS and the dK / dV epilogue."""
+
+    # ------------------------------------------------------------------ elementwise warpgroup
+    def _row_copies(self, accS: cute.Tensor, tidx):
+        """TMEM <-> register copies of one 128-lane fp32 accumulator (thread r = lane r): 32-column
+        loads, and stores of 32 16-bit values packed into 16 columns. Shared with the 2-CTA kernel."""
+        tn, ch = self.tn, 32
+        sub = lambda t, off, w: cute.make_tensor(t.iterator + off, cute.composition(t.layout, cute.make_layout((tn, w))))  # noqa: E731
+        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ch)), Float32),
+                                    sub(accS, 0, ch))
+        st16 = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(ch // 2)),
+                                                          Float32), sub(accS, 0, ch // 2))
+        thr_ld, thr_st = ld.get_slice(tidx), st16.get_slice(tidx)
+        r_shape = thr_ld.partition_D(cute.make_identity_tensor((tn, ch))).shape
+        r16_shape = thr_st.partition_S(cute.make_identity_tensor((tn, ch // 2))).shape
+        return sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape
+
+    @cute.jit
+    def _stage_stats(self, tidx: Int32, batch: Int32, head: Int32, m_block: Int32, seqlen_q: Int32,
+                     mLSE2: cute.Tensor, mD: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor):
+        """lse2 / D of this Q tile -> SMEM (rows past the sequence: lse2 = +inf -> P = 0, D = 0)."""
+        cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+        row = m_block * self.tm + tidx
+        lse2, dsum = Float32.inf, Float32(0.0)
+        if row < seqlen_q:
+            lse2, dsum = mLSE2[batch, head, row], mD[batch, head, row]
+        sLSE[tidx], sD[tidx] = lse2, dsum
+        cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+
+    @cute.jit
+    def _tmem_load_row(self, dst: cute.Tensor, chunk, ld: cute.TiledCopy, thr_ld, r_shape: cutlass.Constexpr,
+                       n_chunks: cutlass.Constexpr[int]):
+        """dst[0 : 32 n_chunks] <- this thread's TMEM lane, 32 fp32 columns per load (chunk(c): the
+        TMEM view of chunk c), then the fence that makes the loaded registers readable."""
+        ch = 32
+        for c in cutlass.range_constexpr(n_chunks):
+            r = cute.make_rmem_tensor(r_shape, Float32)
+            cute.copy(ld, thr_ld.partition_S(chunk(c)), r)
+            for j in cutlass.range_constexpr(ch):
+                dst[c * ch + j] = r[j]
+        cute.arch.fence_view_async_tmem_load()
+
+    @cute.jit
+    def _exp_row(self, rP: cute.Tensor, accS: cute.Tensor, sub, ld: cute.TiledCopy, thr_ld, r_shape: cutlass.Constexpr,
+                 key: Int32, key_limit: Int32, diag: Int32, need_mask, softmax_scale_log2: Float32, sLSE: cute.Tensor):
+        """rP = P^T row of key `key`: exp2(S^T * scale_log2 - lse2), masked -> 0 (S^T read from TMEM)."""
+        tm, ch = self.tm, 32
+        self._tmem_load_row(rP, lambda c: sub(accS, c * ch, ch), ld, thr_ld, r_shape, tm // ch)
+        # schedule.is_masked hoisted to one threshold column per thread (blackwell_config.mask_col_min)
+        col_min = Int32(0)
+        if need_mask:
+            col_min = mask_col_min(key, key_limit, diag, tm, self.causal, imax=cutlass.max,
+                                   select=lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
+        for c in cutlass.range_constexpr(tm):
+            s = rP[c] * softmax_scale_log2 - sLSE[c]
+            s = Float32(cutlass.select_(col_min > c, -Float32.inf, s))
+            rP[c] = cute.math.exp2(s, fastmath=True)
+
+    @cute.jit
+    def _p_phase(self, it: Int32, tidx: Int32, batch: Int32, head: Int32, m_block: Int32, n_block: Int32,
+                 seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, mbar: cute.Pointer,
+                 accS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
+                 sub, ld: cute.TiledCopy, st16: cute.TiledCopy, thr_ld, thr_st, r_shape: cutlass.Constexpr,
+                 r16_shape: cutlass.Constexpr) -> cute.Tensor:
+        """The elementwise warpgroup's first half of a Q tile (both kernels): lse2 / D -> SMEM, wait for
+        S^T, P^T row (thread = key) = exp2(S^T * scale_log2 - lse2), masked -> 0, in registers (returned)
+        and as 16-bit P^T in TMEM, fenced for the MMA; the caller signals p_full its own way."""
+        tm, tn, T, ch = self.tm, self.tn, self.tmem, 32
+        self._stage_stats(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD)
+        key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
+        need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
+        cute.arch.mbarrier_wait(self._bar(mbar, "s_full"), it % 2)
+        tcgen05_fence_after_sync()
+        rP = cute.make_rmem_tensor((tm,), Float32)
+        self._exp_row(rP, accS, sub, ld, thr_ld, r_shape, Int32(tidx), key_limit, diag, need_mask,
+                      softmax_scale_log2, sLSE)
+        for c in cutlass.range_constexpr(tm // ch):
+            self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.p - T.s + c * ch // 2, ch // 2), r16_shape)
+        cute.arch.fence_view_async_tmem_store()
+        tcgen05_fence_before_sync()
+        return rP
+
+    @cute.jit
+    def _store_dkdv(self, key: Int32, n_block: Int32, batch: Int32, head_kv: Int32, n_iter: Int32, seqlen_k: Int32,
+                    softmax_scale: Float32, tmem_ptr: cute.Pointer, accS: cute.Tensor, sub, ld: cute.TiledCopy,
+                    thr_ld, r_shape: cutlass.Constexpr, mdK: cute.Tensor, mdV: cute.Tensor):
+        """Epilogue: dV, scale * dK (fp32 TMEM, lane = key) -> 16-bit global rows (keys past seqlen_k skipped;
+        a K/V tile that no Q tile sees writes zeros)."""
+        T, ch = self.tmem, 32
+        key_g = n_block * self.tn + key
+        for which in cutlass.range_constexpr(2):
+            width = self.dv if const_expr(which == 0) else self.d
+            col0 = T.dv if const_expr(which == 0) else T.dk
+            scale = Float32(1.0) if const_expr(which == 0) else softmax_scale
+            mOut = mdV if const_expr(which == 0) else mdK
+            acc = cute.make_tensor(tmem_ptr + col0, accS.layout)
+            for c in cutlass.range_constexpr(width // ch):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(acc, c * ch, ch)), r)
+                cute.arch.fence_view_async_tmem_load()
+                out = cute.make_rmem_tensor((ch,), self.dtype)
+                for j in cutlass.range_constexpr(ch):
+                    v = r[j] * scale
+                    if n_iter == 0:
+                        v = Float32(0.0)
+                    out[j] = v.to(self.dtype)
+                if key_g < seqlen_k:
+                    g = cute.local_tile(mOut[batch, key_g, head_kv, None], (ch,), (c,))
+                    cute.autovec_copy(out, g)
+
+    @cute.jit
+    def elementwise(self, n_block: Int32, batch: Int32, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
+                    group: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
+                    softmax_scale: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, sdS: cute.Tensor,
+                    sLSE: cute.Tensor, sD: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor, mdK: cute.Tensor,
+                    mdV: cute.Tensor, mma_s: cute.TiledMma):
+        tidx = cute.arch.thread_idx()[0] % 128
+        tm, tn, T = self.tm, self.tn, self.tmem
+        ch = 32                                    # fp32 columns per TMEM load
+        accS = self._tmem_acc(tmem_ptr, mma_s, (tn, tm), T.s)
+        sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape = self._row_copies(accS, tidx)
+        key = tidx                                  # TMEM lane = key row of the tile
+        n_chunks = tm // ch
+
+        for it in cutlass.range(n_iter, unroll=1):
+            head = head_kv * group + it // n_m
+            m_block = m_min + it % n_m
+            # 1.-2. lse2 / D -> SMEM; P^T row -> registers and (16-bit) -> TMEM
+            rP = self._p_phase(it, tidx, batch, head, m_block, n_block, seqlen_q, seqlen_k, softmax_scale_log2,
+                               mbar, accS, sLSE, sD, mLSE2, mD, sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape)
+            cute.arch.mbarrier_arrive(self._bar(mbar, "p_full"))
+            # 3. dS = P (dP - D) in 32-column chunks; dS^T -> TMEM over the dP^T chunks already read
+            #    (for dK), dS -> SMEM (for dQ). S^T(it + 1) may already be running meanwhile.
+            cute.arch.mbarrier_wait(self._bar(mbar, "dp_full"), it % 2)
+            if it > 0:  # sdS is free once the previous dQ = dS K has completed (implied by dp_full: kept explicit)
+                cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), (it - 1) % 2)
+            tcgen05_fence_after_sync()
+            accdP = cute.make_tensor(tmem_ptr + T.dp, accS.layout)
+            sdS_col = sdS[((None, None), key % 16), 0, key // 16, 0]       # dS[:, key]: (64, 2) of 16-bit
+            for c in cutlass.range_constexpr(n_chunks):
+                r = cute.make_rmem_tensor(r_shape, Float32)
+                cute.copy(ld, thr_ld.partition_S(sub(accdP, c * ch, ch)), r)
+                cute.arch.fence_view_async_tmem_load()
+                for j in cutlass.range_constexpr(ch):
+                    rP[c * ch + j] = rP[c * ch + j] * (r[j] - sD[c * ch + j])
+                r16 = self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.ds - T.s + c * ch // 2, ch // 2), r16_shape)
+                dst = cute.local_tile(sdS_col[None, (c * ch) // 64], (ch,), ((c * ch % 64) // ch,))
+                cute.autovec_copy(cute.make_tensor(cute.recast_ptr(r16.iterator, dtype=self.dtype),
+                                                   cute.make_layout(ch)), dst)
+            cute.arch.fence_view_async_tmem_store()
+            cute.arch.fence_view_async_shared()  # generic-proxy dS stores -> visible to the MMA
+            tcgen05_fence_before_sync()
+            cute.arch.mbarrier_arrive(self._bar(mbar, "ds_full"))
+
+        # 4. epilogue: dV, scale * dK -> global
+        if n_iter > 0:
+            cute.arch.mbarrier_wait(self._bar(mbar, "dkv_full"), 0)
+            tcgen05_fence_after_sync()
+        self._store_dkdv(Int32(key), n_block, batch, head_kv, n_iter, seqlen_k, softmax_scale, tmem_ptr, accS, sub, ld,
+                         thr_ld, r_shape, mdK, mdV)
+
+    @cute.jit
+    def _store16(self, rP: cute.Tensor, off: cutlass.Constexpr[int], n: cutlass.Constexpr[int],
+                 st16: cute.TiledCopy, thr_st, tmem_dst: cute.Tensor, r16_shape: cutlass.Constexpr):
+        """rP[off : off + n] -> 16-bit, packed two per 32-bit TMEM column, stored at tmem_dst."""
+        r16 = cute.make_rmem_tensor(r16_shape, Float32)
+        v16 = cute.make_tensor(cute.recast_ptr(r16.iterator, dtype=self.dtype), cute.make_layout(n))
+        src = cute.make_tensor(rP.iterator + off, cute.make_layout(n))
+        v16.store(src.load().to(self.dtype))
+        cute.copy(st16, r16, thr_st.partition_D(tmem_dst))
+        return r16
