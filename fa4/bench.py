@@ -53,8 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def attention_tflop(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, direction: str) -> float:
-    flop = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
-    return flop * (2.5 if direction == "bwd" else 1.0) / 1e12
+    """The stages' FLOP counts (imported here: fa4 has picked the CuTe-DSL arch by then)."""
+    from stage3_fwd_kernel.runner import attention_flops
+    from stage4_bwd_kernel.common import backward_flops
+
+    count = backward_flops if direction == "bwd" else attention_flops
+    return count(batch, seqlen, seqlen, heads, head_dim, head_dim, causal) / 1e12
 
 
 def time_ms(fn: Callable[[], object], iters: int) -> float:

@@ -37,8 +37,8 @@ def run_case(name: str):
     torch.manual_seed(0)
     if name == "varlen-d128-causal":
         lens_q, lens_k = [0, 130, 257], [0, 200, 257]
-        cu_q = torch.tensor([0, 0, 130, 387], device="cuda", dtype=torch.int32)
-        cu_k = torch.tensor([0, 0, 200, 457], device="cuda", dtype=torch.int32)
+        cu_q = torch.tensor([0, *lens_q], device="cuda").cumsum(0).to(torch.int32)  # (batch + 1,)
+        cu_k = torch.tensor([0, *lens_k], device="cuda").cumsum(0).to(torch.int32)
         q = torch.randn(sum(lens_q), 4, 128, device="cuda", dtype=torch.bfloat16)  # (Tq, Hq, D)
         k = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16)  # (Tk, Hkv, D)
         v = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16)
