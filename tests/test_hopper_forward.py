@@ -1279,7 +1279,7 @@ def test_split_tail_matches_whole_tiles(d, dv, dtype, hq, hkv, sk):
     sq, b, ctas = 3 * tile_m, 2, 7
     q, k, v = _randn_qkv(b, sq, sk, hq, hkv, d, dv, dtype, seed=sk + d)
     sched = tile_scheduler.PersistentScheduler(num_ctas=ctas)
-    tail, chunks = s4.split_tail_plan(True, sched, False, False, b, sq, hq, sk, tile_m, s4.default_tile_n(d, dv), ctas)
+    tail, chunks = s4.split_tail_plan(True, sched, False, b, sq, hq, sk, tile_m, s4.default_tile_n(d, dv), ctas)
     assert tail == (3 * hq * b) % ctas and chunks >= 2
     whole = _dense(q, k, v, causal=False, scheduler=sched, persistent=True, split_tail=False)
     split = _dense(q, k, v, causal=False, scheduler=sched, persistent=True, split_tail=True)
