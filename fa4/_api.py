@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 
 from . import _ops
-from ._validate import check_fixed, check_varlen
+from ._validate import check_fixed, check_variants, check_varlen
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=False, return_lse=False):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=False, return_lse=False, *,
+                    window_size=(None, None), softcap=0.0, learnable_sink=None):
     """Attention on (batch, seqlen, heads, head_dim) tensors.
 
     q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); fp16 or bf16, CUDA.
@@ -26,14 +27,26 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=Fal
     Returns out (B, Sq, Hq, Dv), or (out, lse) with lse (B, Hq, Sq) fp32 if return_lse. Both are
     differentiable (the lse gradient enters the backward as a D-term correction; see
     fa4._dispatch.add_lse_grad for the derivation).
+
+    Variants (keyword-only, as in flash_attn.cute.interface; sm_90 only, Blackwell refuses them):
+      window_size=(left, right): sliding window. Row i sees key j iff
+        i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q (bottom-right, like
+        causal); None or -1 (FlashAttention-2's spelling) = unlimited on that side. causal=True
+        is right = 0 (so right must be None, -1 or 0); a non-causal right of 0 is causal.
+      softcap: > 0 caps the scaled scores as softcap * tanh(s / softcap) (0: off).
+      learnable_sink: (Hq,) float32 or q's dtype, on q's device: one logit per query head that
+        joins each row's softmax denominator (gpt-oss attention sinks); lse includes it, and it
+        receives a gradient.
     """
     q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
-    out, lse = _ops.attention(q, k, v, scale, causal, deterministic, return_lse)
+    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    out, lse = _ops.attention(q, k, v, scale, causal, deterministic, return_lse, (left, right), softcap, sink)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                           causal=False, deterministic=False, return_lse=False, seqused_k=None):
+                           causal=False, deterministic=False, return_lse=False, seqused_k=None, *,
+                           window_size=(None, None), softcap=0.0, learnable_sink=None):
     """Attention on packed variable-length batches.
 
     q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv). Sequence b owns rows
@@ -43,12 +56,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     seqused_k (int32, length batch): use only the first seqused_k[b] keys of sequence b.
     Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) fp32 if return_lse.
     cu_seqlens values are checked only with FA4_VALIDATE=1 (the check synchronises; see
-    fa4/_validate.py).
+    fa4/_validate.py). The variants (window_size: per sequence, bottom-right in each) are those
+    of flash_attn_func.
     """
     q, k, v, cu_q, cu_k, used, scale = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                     softmax_scale, causal, deterministic, return_lse, seqused_k)
+    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
     out, lse = _ops.varlen_attention(q, k, v, cu_q, cu_k, used, max_seqlen_q, max_seqlen_k, scale, causal,
-                                     deterministic, return_lse)
+                                     deterministic, return_lse, (left, right), softcap, sink)
     return (out, lse) if return_lse else out
 
 

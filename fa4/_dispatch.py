@@ -45,6 +45,7 @@ class ArchInfo:
     forward_module: str           # forward and varlen forward (imported by the arch's Backend)
     backward_module: str          # backward and varlen backward
     note: str = ""
+    lacks: tuple = ()             # FEATURES this arch does not have (supported() reports them per arch)
 
 
 # The head-dim lists are the kernels' own (SUPPORTED_HEAD_DIMS of stage3_fwd_kernel.hopper,
@@ -68,6 +69,7 @@ ARCHS: dict[str, ArchInfo] = {
         # sm_100a code uses arch-specific instructions (tcgen05, TMEM): it runs on compute
         # capability 10.0 only, not on 10.3 (B300) or 12.x (RTX 50xx), hence no wider match.
         note="compiled for sm_100a in CI and checked structurally; no Blackwell GPU is reachable here",
+        lacks=("seqused_k", "sliding_window", "softcap", "learnable_sink"),
     ),
 }
 
@@ -87,8 +89,11 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "disk_compile_cache": (True, "compiled kernels persisted per config (FA4_CACHE_DIR); see fa4/README.md"),
     "attn_mask": (False, "arbitrary masks are not supported: use causal or varlen (padding)"),
     "dropout": (False, "attention dropout is not supported"),
-    "sliding_window": (False, "not supported"),
-    "softcap": (False, "not supported"),
+    "sliding_window": (True, "window_size=(left, right): row i sees keys i + off - left ..= i + off + right, "
+                             "off = seqlen_k - seqlen_q; None or -1 = unlimited; combines with causal (right = 0)"),
+    "softcap": (True, "softcap > 0: scaled scores become softcap * tanh(s / softcap) (Gemma 2), in the backward too"),
+    "learnable_sink": (True, "learnable_sink (heads_q,): one logit per query head joins each row's softmax "
+                             "denominator (gpt-oss); differentiable, lse includes it"),
     "paged_kv_cache": (False, "not supported"),
     "fp8": (False, "not supported"),
 }
@@ -104,9 +109,15 @@ def all_head_dims() -> tuple:
     return tuple(sorted(seen))
 
 
+def arch_has(arch: ArchInfo, feature: str) -> bool:
+    """Whether `feature` (a FEATURES key) works on `arch`."""
+    return FEATURES[feature][0] and feature not in arch.lacks
+
+
 def supported() -> dict:
     """What runs where, as data: archs, dtypes, head dims, features, and the kernel module of each
-    role (named, not imported).
+    role (named, not imported). A feature's "supported" is True when some arch has it; "archs"
+    says which (each arch's own "features" says the same from its side).
 
     This dict is the single source of the support matrix in fa4/README.md (regenerate it with
     ``python -m fa4 info --markdown --update-readme``)."""
@@ -122,11 +133,16 @@ def supported() -> dict:
             "forward": a.forward_module,
             "varlen_forward": a.forward_module,
             "backward": a.backward_module,
+            "features": {name: arch_has(a, name) for name in FEATURES},
         }
+    features = {}
+    for name, (_, how) in FEATURES.items():
+        per_arch = {a.key: arch_has(a, name) for a in ARCHS.values()}
+        features[name] = {"supported": any(per_arch.values()), "archs": per_arch, "how": how}
     return {
         "archs": archs,
         "dtypes": list(DTYPES),
-        "features": {k: {"supported": ok, "how": how} for k, (ok, how) in FEATURES.items()},
+        "features": features,
         "devices_refused": "CPU tensors and any GPU whose compute capability is not listed above",
     }
 
@@ -159,9 +175,11 @@ def support_markdown(info: Optional[dict] = None) -> str:
     row("forward kernel", lambda v: f"`{v['forward']}`")
     row("varlen forward", lambda v: f"`{v['varlen_forward']}`")
     row("backward kernel", lambda v: f"`{v['backward']}`")
-    lines += ["", "| feature | supported | how |", "|---|---|---|"]
+    keys = list(info["archs"])
+    lines += ["", "| feature | " + " | ".join(keys) + " | how |", "|---|" + "---|" * len(keys) + "---|"]
     for name, f in info["features"].items():
-        lines.append(f"| {name} | {'yes' if f['supported'] else 'no'} | {f['how']} |")
+        marks = " | ".join("yes" if f["archs"][k] else "no" for k in keys)
+        lines.append(f"| {name} | {marks} | {f['how']} |")
     lines += ["", f"Refused with an error: {info['devices_refused']}.", "", README_END]
     return "\n".join(lines)
 
@@ -309,6 +327,20 @@ class Backend:
                 f"{names[0]}: head dims (qk={d}, v={dv}) are not supported on {self.arch.key}; supported: "
                 f"{_hd(self.arch.head_dims)}")
 
+    # the variants: feature name in FEATURES / ArchInfo.lacks -> the argument that asks for it
+    VARIANT_ARGS = (("sliding_window", "window_size"), ("softcap", "softcap"), ("learnable_sink", "learnable_sink"))
+
+    def check_variants(self, window=(None, None), softcap=0.0, learnable_sink=None):
+        """Refuse (ValueError naming the argument) a variant this arch's kernels do not implement,
+        before anything is imported or launched."""
+        used = {"window_size": tuple(window) != (None, None), "softcap": softcap != 0.0,
+                "learnable_sink": learnable_sink is not None}
+        for feature, arg in self.VARIANT_ARGS:
+            if used[arg] and feature in self.arch.lacks:
+                have = ", ".join(a.key for a in ARCHS.values() if arch_has(a, feature))
+                raise ValueError(f"{arg}: not implemented on {self.arch.gpus.split(':')[0]} ({self.arch.key}); "
+                                 f"supported on {have or 'no arch'}")
+
     def _warn_unverified(self):
         global _BLACKWELL_WARNED
         if self.arch.hardware_status != "verified" and not _BLACKWELL_WARNED:
@@ -322,38 +354,54 @@ class Backend:
     def forward_module(self):
         return self._module("fwd")
 
-    def forward(self, q, k, v, softmax_scale: float, causal: bool):
+    def forward(self, q, k, v, softmax_scale: float, causal: bool, window=(None, None), softcap: float = 0.0,
+                learnable_sink=None):
+        """window = (left, right): None or ints >= 0 (fa4._validate.check_window's form: a causal
+        call has right None). The variants reach the kernel only when not at their defaults."""
+        self.check_variants(window, softcap, learnable_sink)
         mod = self.forward_module()
         self._warn_unverified()
-        return self._call_forward(mod, q, k, v, softmax_scale, causal)
+        return self._call_forward(mod, q, k, v, softmax_scale, causal,
+                                  **variant_kwargs(window, softcap, learnable_sink))
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                       softmax_scale: float, causal: bool):
+                       softmax_scale: float, causal: bool, window=(None, None), softcap: float = 0.0,
+                       learnable_sink=None):
+        self.check_variants(window, softcap, learnable_sink)
         mod = self.forward_module()
         self._warn_unverified()
         return self._call_varlen_forward(mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                                         max_seqlen_k, softmax_scale, causal)
+                                         max_seqlen_k, softmax_scale, causal,
+                                         **variant_kwargs(window, softcap, learnable_sink))
 
     # -- backward -----------------------------------------------------------------------------
     def backward_module(self):
         return self._module("bwd")
 
-    def backward(self, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse=None):
+    def backward(self, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse=None,
+                 window=(None, None), softcap: float = 0.0):
         """dlse (the gradient flowing in through lse) enters as one more backward call with
-        chosen inputs (`add_lse_grad`): the kernels take no dlse themselves."""
+        chosen inputs (`add_lse_grad`): the kernels take no dlse themselves. A learnable sink
+        needs nothing here: the saved lse includes it, which is all the kernel needs for P (its
+        own gradient is `sink_grad`)."""
+        self.check_variants(window, softcap)
         fn = self.backward_module().attention_backward
         self._warn_unverified()
-        kw = dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+        kw = dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                  **variant_kwargs(window, softcap))
         dq, dk, dv = fn(q, k, v, out, dout, lse, **kw)
         if dlse is not None:
             dq, dk = add_lse_grad(lambda *a: fn(*a, **kw), q, k, v, out, lse, dlse, dq, dk, varlen=False)
         return dq, dk, dv
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                        max_seqlen_k, softmax_scale, causal, deterministic, dlse=None):
+                        max_seqlen_k, softmax_scale, causal, deterministic, dlse=None, window=(None, None),
+                        softcap: float = 0.0):
+        self.check_variants(window, softcap)
         fn = self.backward_module().attention_varlen_backward
         self._warn_unverified()
-        kw = dict(seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+        kw = dict(seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+                  **variant_kwargs(window, softcap))
 
         def call(q_, k_, v_, out_, dout_, lse_):
             return fn(q_, k_, v_, out_, dout_, lse_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
@@ -381,10 +429,12 @@ class HopperBackend(Backend):
 
         return hopper
 
-    def _call_forward(self, mod, q, k, v, softmax_scale, causal):
-        sched = causal_forward_scheduler(self.arch.key, causal, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
+    def _call_forward(self, mod, q, k, v, softmax_scale, causal, **variants):
+        # LPT orders tiles by their causal length; a left window makes them (nearly) equal: static grid
+        lpt = causal and "window_size" not in variants
+        sched = causal_forward_scheduler(self.arch.key, lpt, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
                                          k.shape[2])
-        kw = {}
+        kw = dict(variants)
         if sched is not None:
             kw["scheduler"] = sched
         if FORWARD_PERSISTENT is not None:
@@ -392,8 +442,8 @@ class HopperBackend(Backend):
         return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                             softmax_scale, causal):
-        kw = dict(softmax_scale=softmax_scale, causal=causal)
+                             softmax_scale, causal, **variants):
+        kw = dict(softmax_scale=softmax_scale, causal=causal, **variants)
         if seqused_k is not None:
             kw["seqused_k"] = seqused_k
         if FORWARD_PERSISTENT is not None:
@@ -416,16 +466,17 @@ class BlackwellBackend(Backend):
 
         return blackwell
 
-    def _call_forward(self, mod, q, k, v, softmax_scale, causal):
-        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    def _call_forward(self, mod, q, k, v, softmax_scale, causal, **variants):
+        # check_variants refused every variant (ArchInfo.lacks): `variants` is empty here
+        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **variants)
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
-                             softmax_scale, causal):
+                             softmax_scale, causal, **variants):
         if seqused_k is not None:
             raise NotImplementedError(f"seqused_k: the {self.arch.key} varlen forward ({self.arch.forward_module}) "
                                       "does not support it yet")
         return mod.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                            softmax_scale=softmax_scale, causal=causal)
+                                            softmax_scale=softmax_scale, causal=causal, **variants)
 
 
 BACKEND_TYPES = {"sm_90": HopperBackend, "sm_100": BlackwellBackend}
@@ -443,6 +494,45 @@ def _install_disk_cache():
 
     if compile_cache.get_store() is not _cache.STORE:
         compile_cache.set_store(_cache.STORE)
+
+
+def variant_kwargs(window=(None, None), softcap: float = 0.0, learnable_sink=None) -> dict:
+    """The kernel keyword arguments of the variants that are not at their defaults (so a plain call
+    reaches the kernel module exactly as before the variants existed)."""
+    kw = {}
+    if tuple(window) != (None, None):
+        kw["window_size"] = tuple(window)
+    if softcap != 0.0:
+        kw["softcap"] = softcap
+    if learnable_sink is not None:
+        kw["learnable_sink"] = learnable_sink
+    return kw
+
+
+def sink_grad(out, dout, lse, sink, dlse=None):
+    """The gradient of a learnable sink (one logit per query head), with torch ops.
+
+    The sink joins row i's softmax denominator: lse_i = log(exp(sink_h) + sum_j exp(s_ij)), and
+    out_i = sum_j exp(s_ij - lse_i) v_j. So d out_i / d sink_h = -exp(sink_h - lse_i) out_i and
+    d lse_i / d sink_h = exp(sink_h - lse_i) =: p_i (the sink's own probability), giving
+
+        dsink_h = sum over batch and rows i of p_i (dlse_i - D_i),   D_i = rowsum(dout_i * out_i)
+
+    (the same D term the backward kernel forms; dlse = 0 when lse gets no gradient). `lse` is the
+    forward's (sink included). Dense: out/dout (B, Sq, H, Dv), lse/dlse (B, H, Sq); varlen:
+    (Tq, H, Dv) and (H, Tq). A row with lse = -inf contributes 0. Computed in fp32 (fp64 for
+    fp64 inputs); returned in the sink's dtype."""
+    import torch
+
+    acc = torch.promote_types(lse.dtype, torch.float32)
+    d = (dout.to(acc) * out).sum(-1)                                   # (B, Sq, H) / (Tq, H)
+    d = d.permute(0, 2, 1) if lse.dim() == 3 else d.transpose(0, 1)  # -> lse's layout
+    if dlse is not None:
+        d = d - dlse.to(acc)
+    s = sink.to(acc).view(-1, 1)                                       # (H, 1): broadcasts over rows
+    p = torch.where(lse == float("-inf"), 0.0, torch.exp(s - lse.to(acc)))
+    dims = (0, 2) if lse.dim() == 3 else (1,)
+    return (-(p * d)).sum(dims).to(sink.dtype)
 
 
 def add_lse_grad(bwd, q, k, v, out, lse, dlse, dq, dk, *, varlen: bool):

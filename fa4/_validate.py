@@ -137,6 +137,82 @@ def check_fixed(q, k, v, softmax_scale, causal, deterministic=False, return_lse=
     return _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), scale
 
 
+def _window_side(side, value):
+    """One side of window_size -> None (unlimited) or an int >= 0; -1 is FlashAttention-2's None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"window_size: expected a pair (left, right) of ints or None, got {type(value).__name__} "
+                        f"{value!r} on the {side}")
+    if isinstance(value, torch.SymInt):
+        return value
+    value = int(value)
+    if value == -1:
+        return None
+    if value < 0:
+        raise ValueError(f"window_size: {side} must be >= 0, -1 or None (unlimited), got {value}")
+    return value
+
+
+def check_window(window_size, causal: bool):
+    """window_size (left, right) + causal -> (left, right, causal) as the kernels take them.
+
+    Query i sees key j iff i + off - left <= j <= i + off + right (off = seqlen_k - seqlen_q, the
+    bottom-right alignment of causal); None (or -1) is unlimited on that side. causal=True is a
+    right side of 0, so it combines with right in (None, -1, 0) only; a non-causal right of 0 *is*
+    causal. The result always spells that one way: causal=True and right=None."""
+    if window_size is None:
+        window_size = (None, None)
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size: expected a pair (left, right) of ints or None, got {window_size!r}")
+    left, right = _window_side("left", window_size[0]), _window_side("right", window_size[1])
+    if causal and right not in (None, 0):
+        raise ValueError(f"window_size: causal=True means a right window of 0, got right = {right} "
+                         "(pass None, -1 or 0, or causal=False)")
+    if isinstance(right, int) and right == 0:
+        causal = True
+    return left, None if causal else right, causal
+
+
+def check_softcap(softcap) -> float:
+    """softcap -> a float >= 0 (0 or None: no capping; > 0: scores become softcap * tanh(s / softcap))."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (numbers.Real, torch.SymFloat, torch.SymInt)):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    if isinstance(softcap, (torch.SymFloat, torch.SymInt)):
+        return softcap
+    if not (math.isfinite(float(softcap)) and softcap >= 0):
+        raise ValueError(f"softcap: must be finite and >= 0 (0 = no capping), got {softcap}")
+    return float(softcap)
+
+
+def check_learnable_sink(learnable_sink, q):
+    """None, or one logit per query head: shape (heads_q,), float32 or q's dtype, on q's device.
+    heads_q is q.shape[-2] for both layouts ((B, S, H, D) and packed (T, H, D))."""
+    if learnable_sink is None:
+        return None
+    _is_tensor("learnable_sink", learnable_sink)
+    if learnable_sink.dtype not in (torch.float32, q.dtype):
+        raise TypeError(f"learnable_sink: dtype {learnable_sink.dtype} is not supported; use torch.float32 or "
+                        f"q's dtype {q.dtype}")
+    hq = q.shape[-2]
+    if tuple(learnable_sink.shape) != (hq,):
+        raise ValueError(f"learnable_sink: expected shape ({hq},) (one logit per query head), got "
+                         f"{tuple(learnable_sink.shape)}")
+    if learnable_sink.device != q.device:
+        raise ValueError(f"learnable_sink: is on {learnable_sink.device} but q is on {q.device}; keep it on "
+                         "q's device")
+    return learnable_sink.contiguous()
+
+
+def check_variants(q, causal, window_size, softcap, learnable_sink):
+    """The attention variants of flash_attn_func / flash_attn_varlen_func (after the main checks,
+    which have vetted q and the causal flag) -> (left, right, causal, softcap, learnable_sink)."""
+    left, right, causal = check_window(window_size, causal)
+    return left, right, causal, check_softcap(softcap), check_learnable_sink(learnable_sink, q)
+
+
 def _check_int(name, x, *, minimum=0):
     if isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__} {x!r}")

@@ -14,15 +14,57 @@ import math
 
 import torch
 
+from .validation import check_softcap, normalize_window
+
 __all__ = ["attention_ref", "attention_varlen_ref", "assert_fa4_close", "fa4_error_bound", "grad_atol"]
 
 
-def attention_ref(q, k, v, *, softmax_scale=None, causal=False, upcast=True):
+def _visible(sq, sk, window, device):
+    """(Sq, Sk) bool mask from a normalized (left, right) window, bottom-right aligned."""
+    left, right = window
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    mask = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right is not None:
+        mask &= j <= i + (sk - sq) + right
+    if left is not None:
+        mask &= j >= i + (sk - sq) - left
+    return mask
+
+
+def _check_sink(learnable_sink, heads_q, device):
+    if learnable_sink is None:
+        return None
+    sink = torch.as_tensor(learnable_sink, device=device)  # a tensor keeps its autograd graph
+    if sink.shape != (heads_q,):
+        raise ValueError(f"learnable_sink: expected shape ({heads_q},) (one logit per query head), "
+                         f"got {tuple(sink.shape)}")
+    return sink
+
+
+def _softmax_with_sink(s, sink):
+    """Softmax over [s_row, sink_h] in fp32 (or float64), the sink's column dropped: P and lse."""
+    s_hi = s.double() if s.dtype == torch.float64 else s.float()
+    b, h, sq, _ = s.shape
+    col = sink.to(s_hi.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+    s_cat = torch.cat([s_hi, col], dim=-1)  # (B, H, Sq, Sk + 1): never fully -inf, so no NaN
+    lse = torch.logsumexp(s_cat, dim=-1)  # (B, H, Sq)
+    return torch.exp(s_hi - lse[..., None]), lse
+
+
+def attention_ref(q, k, v, *, softmax_scale=None, causal=False, upcast=True, window_size=(None, None),
+                  softcap=0.0, learnable_sink=None):
     """q (B,Sq,Hq,D), k/v (B,Sk,Hkv,*) -> out (B,Sq,Hq,Dv) in q's dtype, lse (B,Hq,Sq) fp32.
 
     upcast=True computes in fp32 (the reference; float64 input stays float64); upcast=False stays in the input precision,
     rounding where a plain PyTorch implementation would (the baseline of the tolerance rule).
+    window_size / softcap / learnable_sink as in reference.py; lse includes the sink, and the
+    result is differentiable w.r.t. a learnable_sink tensor. With a sink the softmax runs in
+    fp32 even for upcast=False, as FlashAttention's own reference does.
     """
+    window = normalize_window(window_size, causal)
+    softcap = check_softcap(softcap)
+    sink = _check_sink(learnable_sink, q.shape[2], q.device)
     dtype_in = q.dtype
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
@@ -32,27 +74,35 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, upcast=True):
     k = k.repeat_interleave(hq // hkv, dim=2)
     v = v.repeat_interleave(hq // hkv, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", q * scale, k)  # (B, H, Sq, Sk)
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (sk - sq), float("-inf"))
-    s_hi = s.float() if s.dtype in (torch.float16, torch.bfloat16) else s
-    lse = torch.logsumexp(s_hi, dim=-1)  # (B, H, Sq), -inf where nothing is visible
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows: NaN -> 0
+    if softcap > 0:
+        s = torch.tanh(s / softcap) * softcap
+    if window != (None, None):
+        s = s.masked_fill(~_visible(sq, sk, window, q.device), float("-inf"))
+    if sink is not None:
+        p, lse = _softmax_with_sink(s, sink)
+    else:
+        s_hi = s.float() if s.dtype in (torch.float16, torch.bfloat16) else s
+        lse = torch.logsumexp(s_hi, dim=-1)  # (B, H, Sq), -inf where nothing is visible
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows: NaN -> 0
     out = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
     return out.to(dtype_in), lse
 
 
-def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False, upcast=True):
-    """Packed q (Tq,Hq,D), k/v (Tk,Hkv,*) -> out (Tq,Hq,Dv), lse (Hq,Tq)."""
+def attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None, causal=False, upcast=True,
+                         window_size=(None, None), softcap=0.0, learnable_sink=None):
+    """Packed q (Tq,Hq,D), k/v (Tk,Hkv,*) -> out (Tq,Hq,Dv), lse (Hq,Tq) (float64 for float64 input)."""
+    normalize_window(window_size, causal), check_softcap(softcap)  # bad input fails even with no sequence
+    _check_sink(learnable_sink, q.shape[1], q.device)
     out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=lse_dtype, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for q0, q1, k0, k1 in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
         if q1 == q0:
             continue
-        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
-                             softmax_scale=softmax_scale, causal=causal, upcast=upcast)
+        o, l = attention_ref(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], softmax_scale=softmax_scale,
+                             causal=causal, upcast=upcast, window_size=window_size, softcap=softcap,
+                             learnable_sink=learnable_sink)
         out[q0:q1], lse[:, q0:q1] = o[0], l[0]
     return out, lse
 

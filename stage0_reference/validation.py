@@ -66,3 +66,59 @@ def _check_common(q, k, v, batch_axes):
         raise ValueError(f"k: heads_kv = {hkv} must divide q's heads = {hq} (GQA/MQA)")
     if d == 0 or v.shape[3] == 0:
         raise ValueError("q, v: head_dim must be positive")
+
+
+def _window_side(side, value):
+    """One side of window_size -> a non-negative python int, or None for unlimited."""
+    if value is None:
+        return None
+    # bool is an int subclass, but window_size=(True, False) is a bug, not a width
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"window_size: expected a pair of ints or None, got {type(value).__name__} on the {side}")
+    value = int(value)
+    if value == -1:  # FlashAttention-2's spelling of "unlimited"
+        return None
+    if value < 0:
+        raise ValueError(f"window_size: {side} must be >= 0, -1 or None, got {value}")
+    return value
+
+
+def normalize_window(window_size, causal: bool = False):
+    """window_size (left, right) -> (left, right) of python ints or None (= unlimited).
+
+    -1 is read as None. causal=True is the window's right side at 0, so it may be combined
+    with a right of None / -1 / 0 only. Query i sees key j iff
+    i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q.
+    """
+    if window_size is None:
+        window_size = (None, None)
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size: expected a pair (left, right) of ints or None, got {window_size!r}")
+    left, right = _window_side("left", window_size[0]), _window_side("right", window_size[1])
+    if causal:
+        if right not in (None, 0):
+            raise ValueError(f"window_size: causal=True means right = 0, got right = {right}")
+        right = 0
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    """softcap -> a python float >= 0; 0 (or None) means no capping."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (0.0 <= softcap < float("inf")):  # also rejects NaN
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {softcap}")
+    return softcap
+
+
+def check_learnable_sink(learnable_sink, heads_q: int):
+    """learnable_sink (heads_q,) -> float64 array, or None when no sink is used."""
+    if learnable_sink is None:
+        return None
+    sink = as_float64("learnable_sink", learnable_sink)
+    if sink.shape != (heads_q,):
+        raise ValueError(f"learnable_sink: expected shape ({heads_q},) (one logit per query head), got {sink.shape}")
+    return sink

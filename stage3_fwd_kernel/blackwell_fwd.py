@@ -87,6 +87,10 @@ from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_
 from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config
 from stage3_fwd_kernel.blackwell_softmax import SoftmaxCorrectionRoles
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage3_fwd_kernel.components import block_range
+from stage3_fwd_kernel.components.mask import AttentionMask
+from stage3_fwd_kernel.components.window import Window
+from stage3_fwd_kernel.components.work_tile import SequenceInfo, locate_tile
 from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
 
 # The process target is the package's (sm_90a without a GPU, so Hopper kernels compiled in the
@@ -120,6 +124,8 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         self.num_q = config.q_tiles_per_cta
         self.stages = config.kv_stages
         self.causal = config.causal
+        self.window = Window(None, 0 if config.causal else None)  # components.window: causal = right edge 0
+        self.mask = AttentionMask(self.window, config.tile_n)
         self.policy = SoftmaxPolicy(rescale_threshold=config.rescale_threshold,
                                     emulation_fraction=config.emulation_fraction)
         self.policy.check_dtype(self.dtype)
@@ -292,10 +298,10 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         if wg_idx == 3:
             # ---------------------------------------------------------------- MMA / load / epilogue
             cute.arch.setmaxregister_decrease(self.cfg.regs.other)
-            m_block, head, head_kv, batch, seqlen_q, seqlen_k, offset_q, offset_k, n_blocks, tile_valid = tile()
+            t, n_blocks, tile_valid = tile()
             if warp_idx == roles.load:
                 if tile_valid:
-                    self.load(m_block, head, head_kv, batch, offset_q, offset_k, n_blocks, mbar,
+                    self.load(t.m_block, t.head, t.head_kv, t.batch, t.offset_q, t.offset_k, n_blocks, mbar,
                               tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV,
                               thr_mma_qk, thr_mma_pv)
             if warp_idx == roles.mma:
@@ -311,26 +317,26 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                 tmem.free(tmem_ptr)
             if warp_idx == roles.epilogue:
                 if tile_valid:
-                    self.epilogue(m_block, head, batch, offset_q, seqlen_q, mbar, sO, tma_O, tma_atom_O, mO)
+                    self.epilogue(t.m_block, t.head, t.batch, t.offset_q, t.seqlen_q, mbar, sO, tma_O, tma_atom_O, mO)
         elif wg_idx == 2:
             # ---------------------------------------------------------------- correction warpgroup
             cute.arch.setmaxregister_decrease(self.cfg.regs.correction)
-            m_block, head, head_kv, batch, seqlen_q, seqlen_k, offset_q, offset_k, n_blocks, tile_valid = tile()
+            t, n_blocks, tile_valid = tile()
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if tile_valid:
-                self.correction(m_block, head, batch, offset_q, seqlen_q, n_blocks, softmax_scale_log2,
+                self.correction(t.m_block, t.head, t.batch, t.offset_q, t.seqlen_q, n_blocks, softmax_scale_log2,
                                 mbar, tmem_ptr, sO, mLSE, thr_mma_qk, thr_mma_pv)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
         else:
             # ---------------------------------------------------------------- softmax warpgroups
             cute.arch.setmaxregister_increase(self.cfg.regs.softmax)
-            m_block, head, head_kv, batch, seqlen_q, seqlen_k, offset_q, offset_k, n_blocks, tile_valid = tile()
+            t, n_blocks, tile_valid = tile()
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if tile_valid:
-                self.softmax(m_block, seqlen_q, seqlen_k, n_blocks, softmax_scale_log2,
+                self.softmax(t.m_block, t.seqlen_q, t.seqlen_k, n_blocks, softmax_scale_log2,
                              mbar, tmem_ptr, thr_mma_qk)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
@@ -353,29 +359,23 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     @cute.jit
     def _tile_info(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                    seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32):
-        """This CTA's tile and sequence: the same arithmetic in every role (they must agree on the
-        loop counts, or a barrier phase goes out of step)."""
+        """This CTA's AttentionTile (components.work_tile), its key-block count, and whether it has
+        rows at all: the same arithmetic in every role (they must agree on the loop counts, or a
+        barrier phase goes out of step)."""
         work = self.scheduler.initial_work()
-        m_block, head, batch = work.m_block, work.head, work.batch
-        head_kv = head // qhead_per_kvhead  # GQA: query head h reads kv head h // ratio
-        seqlen_q, seqlen_k, offset_q, offset_k = seqlen_q_static, seqlen_k_static, Int32(0), Int32(0)
-        if const_expr(self.varlen):  # packed: this sequence's rows start at its cu_seqlens entry
-            offset_q, offset_k = mCuSeqlensQ[batch], mCuSeqlensK[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
-            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
-        tile_valid = m_block * self.cfg.cta_tile_m < seqlen_q  # varlen: this sequence may be shorter
-        n_blocks = self._num_n_blocks(m_block, seqlen_q, seqlen_k)
-        return m_block, head, head_kv, batch, seqlen_q, seqlen_k, offset_q, offset_k, n_blocks, tile_valid
+        seq = SequenceInfo(seqlen_q_static, seqlen_k_static, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK,
+                           None, None)
+        tile = locate_tile(seq, work.m_block, work.head, work.batch)
+        tile_valid = tile.m_block * self.cfg.cta_tile_m < tile.seqlen_q  # varlen: the sequence may be shorter
+        return tile, self._num_n_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k), tile_valid
 
     @cute.jit
     def _num_n_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
         """Key blocks the CTA's 256 query rows visit (both tiles visit the same ones, so every role
-        runs the same loop count). Causal, bottom-right: row r sees keys < r + 1 + sk - sq. At
-        least 1, so that rows seeing nothing still run the pipeline once (P = 0, O = 0, lse = -inf)."""
-        n = (seqlen_k + self.tn - 1) // self.tn
-        if const_expr(self.causal):
-            last_key = (m_block + 1) * self.cfg.cta_tile_m + seqlen_k - seqlen_q  # exclusive
-            n = cutlass.min(n, (last_key + self.tn - 1) // self.tn)
+        runs the same loop count). At least 1, so that rows seeing nothing still run the pipeline
+        once (P = 0, O = 0, lse = -inf)."""
+        n = block_range.num_key_blocks(m_block, seqlen_q, seqlen_k, tile_m=self.cfg.cta_tile_m, tile_n=self.tn,
+                                       window=self.window)
         return cutlass.max(n, 1)
 
     def _ring(self, load_idx):

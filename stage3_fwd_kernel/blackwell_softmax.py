@@ -4,7 +4,7 @@ Two softmax warpgroups each own one 128-row Q tile (thread r holds row r of S in
 correction warpgroup rescales O in TMEM when a row max moved and writes the final O / l and lse.
 They are methods of a mixin so the kernel class keeps the MMA, load and epilogue roles and the
 pipeline wiring. The mixin reads the kernel's plan attributes: ``cfg``, ``tm``, ``tn``, ``dv``,
-``num_q``, ``dtype``, ``causal``, ``varlen``, ``policy``, ``tmem``, ``p_chunk_cols``, ``s_chunk``,
+``num_q``, ``dtype``, ``causal``, ``window``, ``mask``, ``varlen``, ``policy``, ``tmem``, ``p_chunk_cols``, ``s_chunk``,
 and its helpers ``_bar`` and ``_tmem_tensors``.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from cutlass.cute.nvgpu import tcgen05
 
 from stage2_emulated_exp.gpu_kernel import ex2_approx_f32
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.softmax_policy import exp2_row, rescale_vote
 
 LN2 = math.log(2.0)
@@ -86,9 +87,8 @@ class SoftmaxCorrectionRoles:
         # key blocks every row of this tile sees in full need no mask; the rest (the last block
         # when seqlen_k % 128 != 0, and for causal the blocks crossing the diagonal) are masked.
         # Two loops, so the unmasked one -- almost all of them -- carries no masking code at all.
-        n_unmasked = cutlass.min(n_blocks, seqlen_k // self.tn)
-        if const_expr(self.causal):
-            n_unmasked = cutlass.min(n_unmasked, cutlass.max(row0 + 1 + seqlen_k - seqlen_q, 0) // self.tn)
+        n_unmasked = cutlass.min(n_blocks, block_range.num_unmasked_blocks(row0, seqlen_q, seqlen_k, tile_n=self.tn,
+                                                                          window=self.window))
         step = functools.partial(
             self.softmax_step, stage=stage, row=row, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             softmax_scale_log2=softmax_scale_log2, mbar=mbar, row_max=row_max, tiled_t2r=tiled_t2r,
@@ -129,11 +129,7 @@ class SoftmaxCorrectionRoles:
         cute.arch.fence_view_async_tmem_load()
         # 2. mask keys >= seqlen_k and (causal, bottom-right) keys right of this row's diagonal
         if const_expr(masked):
-            col_limit = seqlen_k - n_block * self.tn
-            if const_expr(self.causal):
-                col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * self.tn)
-            for c in cutlass.range_constexpr(cute.size(tSrS)):  # one select per value
-                tSrS[c] = Float32(cutlass.select_(tScS_t2r[c][1] >= col_limit, -Float32.inf, tSrS[c]))
+            self.mask.apply_row(tSrS, tScS_t2r, n_block, row, seqlen_q, seqlen_k)
         # 3. row max; the warp moves its maxima only if some row grew by more than tau
         row_max_new = cute.make_rmem_tensor((1,), Float32)
         m_old = row_max[0]

@@ -70,6 +70,11 @@ def fake_lse():
     return cute.runtime.make_fake_tensor(Float32, shape, stride=stride, assumed_align=4)
 
 
+def fake_f32_vector():
+    """A 1-D fp32 tensor of runtime length (the learnable sink), contiguous."""
+    return cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+
+
 def fake_i32_vector():
     """A 1-D int32 tensor of runtime length (cu_seqlens, seqused_k, batch_map), contiguous."""
     return cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)

@@ -28,6 +28,20 @@ from stage4_bwd_kernel import postprocess as post
 from stage4_bwd_kernel import preprocess as pre
 
 
+def variant_of(causal, window_size, softcap):
+    """(Window without causal's edge, softcap) of a call, or None for plain attention (checked:
+    TypeError / ValueError naming window_size or softcap)."""
+    from stage3_fwd_kernel.components.score_mod import check_softcap
+    from stage3_fwd_kernel.components.window import Window, make_window
+
+    window = make_window(causal, window_size)
+    window = Window(window.left, None if causal else window.right)
+    softcap = check_softcap(softcap)
+    if window == Window() and not softcap:
+        return None
+    return window, softcap
+
+
 def compile_key(step, dtype, d, dv, causal, deterministic, varlen, has_seqused_k, dq_order, tiles):
     return (step, str(dtype), d, dv, bool(causal), bool(deterministic), bool(varlen), bool(has_seqused_k),
             getattr(dq_order, "name", repr(dq_order)), tiles) + trace.key()  # a traced build: never shared
@@ -56,16 +70,20 @@ def main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, *, varlen, cu_seqlen
 
 
 def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, deterministic, *, varlen=False,
-                 has_seqused_k=False, dq_order=None, tiles=None, launchable=True):
+                 has_seqused_k=False, dq_order=None, tiles=None, launchable=True, variant=None):
     """The one place a main kernel is compiled (against fake tensors, so no GPU is needed) ->
     (kernel object, Compiled). launchable=True builds what ``backward`` launches (TVM-FFI, cache key
     "gpu"; ``hopper.compile_launchable`` uses it to fill fa4's disk cache on a CPU machine), False a
-    compile-only build (key "fake")."""
+    compile-only build (key "fake"). variant: None, or (Window, softcap) for a kernel that takes them
+    (the production kernel; ``backward`` refuses them for the others)."""
     dq_order = dq_order or common.default_dq_order(causal, deterministic, head_dim=d)
+    extra = {} if variant is None else dict(window=variant[0], softcap=variant[1])
     kernel = make_kernel(dt, d, dv, causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
-                         dq_order=dq_order, tiles=tiles)
+                         dq_order=dq_order, tiles=tiles, **extra)
     key = ("gpu" if launchable else "fake",) + compile_key(step, dt, d, dv, causal, deterministic, varlen,
                                                            has_seqused_k, dq_order, tiles)
+    if variant is not None:
+        key += ("variant",) + tuple(variant[0]) + (variant[1],)
     return kernel, common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, dv, launchable=launchable)))
 
 
@@ -95,10 +113,11 @@ def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_
 
 def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, softmax_scale=None, causal=False,
-             deterministic=False, dq=None, dk=None, dv=None, dq_order=None, tiles=None):
+             deterministic=False, dq=None, dk=None, dv=None, dq_order=None, tiles=None, variant=None):
     """Dense: (B, S, H, D) tensors, lse (B, Hq, Sq). Varlen: packed (T, H, D), lse (Hq, Tq), int32
     cu_seqlens_q / cu_seqlens_k (batch + 1,), max_seqlen_q / max_seqlen_k, optional seqused_k (batch,).
-    Returns (dq, dk, dv) in q's dtype."""
+    variant: None, or (Window, softcap) from ``variant_of`` (kernels that support them). Returns
+    (dq, dk, dv) in q's dtype."""
     import torch
 
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -156,7 +175,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
 
     dt = common.cutlass_dtype(q.dtype)
     kernel, comp = compile_main(step, make_kernel, dt, d, d_v, causal, deterministic, varlen=varlen,
-                                has_seqused_k=seqused_k is not None, dq_order=dq_order, tiles=tiles)
+                                has_seqused_k=seqused_k is not None, dq_order=dq_order, tiles=tiles,
+                                variant=variant)
     dq_frag = uses_dq_frag(kernel)
     if hasattr(kernel.dq_order, "check_grid"):  # before the first launch (the preprocess)
         kernel.dq_order.check_grid(common.cdiv(max_seqlen_k, kernel.tile_n), k.shape[-2], batch)

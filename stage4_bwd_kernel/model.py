@@ -41,9 +41,11 @@ def _seqs(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k):
 
 
 def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None, tile_m=64, tile_n=128,
-                   order=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
+                   order=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, window=None, softcap=0.0):
     """Dense (B,S,H,D) or packed varlen (T,H,D) NumPy inputs -> (dq, dk, dv) float64, computed the
-    way the kernel computes them (lse (B,Hq,Sq) dense or (Hq,Tq) varlen, natural log)."""
+    way the kernel computes them (lse (B,Hq,Sq) dense or (Hq,Tq) varlen, natural log). window: a
+    stage3_fwd_kernel.components.window.Window (its right edge 0 for causal) or None; softcap > 0:
+    the scores are softcap * tanh(s / softcap) and dS carries the tanh's derivative."""
     varlen = cu_seqlens_q is not None
     q, k, v, out, dout, lse = (np.asarray(a, dtype=np.float64) for a in (q, k, v, out, dout, lse))
     if varlen:  # the kernel views packed tensors as a batch of one
@@ -52,7 +54,7 @@ def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None,
     sk_all, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    scale_log2 = scale * LOG2E
+    scale_log2 = (softcap if softcap else scale) * LOG2E  # P's exponent scale (softcap: folded, score_mod)
     order = order or schedule.default_dq_order(causal, True)
     tm, tn = tile_m, tile_n
 
@@ -79,7 +81,7 @@ def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None,
                 V = np.where(kvalid[:, None], v[bidx, np.minimum(kr, sk_all - 1), head_kv], 0.0)
                 acc_dK = np.zeros((tn, d))
                 acc_dV = np.zeros((tn, v.shape[-1]))
-                m_min, m_max = schedule.m_block_range(n_block, tm, tn, sq, sk, causal)
+                m_min, m_max = schedule.m_block_range(n_block, tm, tn, sq, sk, causal, window=window)
                 if n_block * tn >= sk:
                     m_max = m_min
                 for hi in range(group):
@@ -93,14 +95,18 @@ def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None,
                         L2 = np.where(qvalid, lse2[bidx, head, rows], np.inf)
                         Dv = np.where(qvalid, dpsum[bidx, head, rows], 0.0)
                         St = K @ Q.T                                   # (tn, tm) = S^T
+                        dtanh = 1.0
+                        if softcap:
+                            St = np.tanh(St * (scale / softcap))
+                            dtanh = 1.0 - St * St
                         key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, sq, sk)
-                        if schedule.tile_needs_mask(key_limit, diag, tn, causal):
+                        if schedule.tile_needs_mask(key_limit, diag, tn, causal, window=window, tile_m=tm):
                             r, c = np.arange(tn)[:, None], np.arange(tm)[None, :]
-                            St = np.where(schedule.is_masked(r, c, key_limit, diag, causal), -np.inf, St)
+                            St = np.where(schedule.is_masked(r, c, key_limit, diag, causal, window), -np.inf, St)
                         with np.errstate(invalid="ignore", over="ignore"):
                             Pt = np.exp2(St * scale_log2 - L2[None, :])
                         dPt = V @ dO.T
-                        dSt = Pt * (dPt - Dv[None, :])
+                        dSt = Pt * (dPt - Dv[None, :]) * dtanh
                         acc_dV += Pt @ dO
                         acc_dK += dSt @ Q
                         dQ = dSt.T @ K                                 # (tm, d) = dS K
@@ -147,7 +153,7 @@ def default_mode_steps(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, bat
 
 
 def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, batch=1, heads_kv=1, group=1,
-                        resident=132, seqlens=None, hop=0):
+                        resident=132, seqlens=None, hop=0, window=None):
     """CTAs (grid (n, kv head, batch)) are dispatched in launch order (``launch_tiles``) whenever
     one of `resident` slots is free. Each step a CTA either adds into its next dQ tile (if that
     tile's counter equals its rank; the counter then increments) or stalls. `hop`: steps before an
@@ -161,12 +167,13 @@ def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, ba
         sq, sk = seqlens[b]
         work = []
         if n * tile_n < sk:
-            m_min, m_max = schedule.m_block_range(n, tile_m, tile_n, sq, sk, causal)
+            m_min, m_max = schedule.m_block_range(n, tile_m, tile_n, sq, sk, causal, window=window)
             for hi in range(group):
                 h = hk * group + hi
                 for m in range(m_min, m_max):
-                    last = schedule.n_block_last(m, tile_m, tile_n, sq, sk, causal)
-                    work.append((b, h, m, order.rank(n, 0, last), n))
+                    first = schedule.n_block_first(m, tile_m, tile_n, sq, sk, causal, window=window)
+                    last = schedule.n_block_last(m, tile_m, tile_n, sq, sk, causal, window=window)
+                    work.append((b, h, m, order.rank(n, first, last), n))
         ctas.append(work)
     sem: dict = {}
     seq: dict = {}

@@ -19,70 +19,114 @@ import operator
 from stage3_fwd_kernel.intdiv import check_fast_div_grid, fast_div
 
 
-def m_block_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imax=max):
+def _edges(causal: bool, window):
+    """(left, right) of the visible band (stage3_fwd_kernel.components.window): window when given
+    (its right already 0 for causal), else causal's (None, 0) or no edge at all."""
+    if window is not None:
+        return window.left, window.right
+    return None, (0 if causal else None)
+
+
+def _plus(x, c):
+    return x + c if c else x
+
+
+def m_block_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imax=max, window=None, imin=min):
     """[m_block_min, m_block_max): the Q tiles K/V tile n_block adds into.
 
-    Causal: key n*tn is first visible from query n*tn + Sq - Sk, so the walk starts at that row's
-    tile; max(., 0) // tile_m is a floor division for every sign of the difference. A K/V tile
-    past the keys in use (n*tn >= seqlen_k, possible with seqused_k) adds into nothing."""
+    A right edge (causal: 0): key n*tn is first visible from query n*tn + Sq - Sk - right, so the walk
+    starts at that row's tile; max(., 0) // tile_m is a floor division for every sign of the
+    difference. A left edge: the tile's last key (n+1)*tn - 1 is last visible from query
+    (n+1)*tn - 1 + Sq - Sk + left, so the walk ends at that row's tile. A K/V tile past the keys in use
+    (n*tn >= seqlen_k, possible with seqused_k) adds into nothing (the caller checks)."""
+    left, right = _edges(causal, window)
     m_block_max = (seqlen_q + tile_m - 1) // tile_m
     m_block_min = 0
-    if causal:
-        m_block_min = imax(n_block * tile_n + seqlen_q - seqlen_k, 0) // tile_m
+    if right is not None:
+        m_block_min = imax(_plus(n_block * tile_n + seqlen_q - seqlen_k, -right), 0) // tile_m
+    if left is not None:
+        last_row = (n_block + 1) * tile_n - 1 + seqlen_q - seqlen_k + left  # rows <= last_row see the tile
+        m_block_max = imin(m_block_max, (imax(last_row + 1, 0) + tile_m - 1) // tile_m)
+        m_block_max = imax(m_block_max, m_block_min)
     return m_block_min, m_block_max
 
 
-def n_block_last(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imin=min):
-    """The last K/V tile that adds into Q tile m_block (the first is always 0). Only meaningful
-    for a Q tile that some K/V tile visits (then the causal numerator is >= 0)."""
+def n_block_first(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imax=max, window=None):
+    """The first K/V tile that adds into Q tile m_block: 0, or (a left edge) the tile of its first
+    row's left edge."""
+    left, _ = _edges(causal, window)
+    if left is None:
+        return 0
+    return imax(m_block * tile_m + seqlen_k - seqlen_q - left, 0) // tile_n
+
+
+def n_block_last(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imin=min, window=None):
+    """The last K/V tile that adds into Q tile m_block. Only meaningful for a Q tile that some K/V
+    tile visits (then the right-edge numerator is >= 0)."""
+    _, right = _edges(causal, window)
     last = (seqlen_k + tile_n - 1) // tile_n - 1
-    if causal:
-        last = imin(last, ((m_block + 1) * tile_m - 1 + seqlen_k - seqlen_q) // tile_n)
+    if right is not None:
+        last = imin(last, _plus((m_block + 1) * tile_m - 1 + seqlen_k - seqlen_q, right) // tile_n)
     return last
 
 
 def mask_bounds(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k):
     """(key_limit, diag) in the local coordinates of the (tile_n x tile_m) S^T tile: local key row
-    r is masked iff r >= key_limit (past the keys) or, causal, r > c + diag (c: local query col)."""
+    r is masked iff r >= key_limit (past the keys) or, causal, r > c + diag (c: local query col);
+    a window masks r > c + diag + right and r < c + diag - left (``is_masked``)."""
     key_limit = seqlen_k - n_block * tile_n
     diag = m_block * tile_m + seqlen_k - seqlen_q - n_block * tile_n
     return key_limit, diag
 
 
-def tile_needs_mask(key_limit, diag, tile_n, causal: bool):
+def tile_needs_mask(key_limit, diag, tile_n, causal: bool, window=None, tile_m=None):
     """Whether any element of the tile is masked (so unmasked tiles skip the per-element test)."""
+    left, right = _edges(causal, window)
     needs = key_limit < tile_n
-    if causal:
-        needs = needs | (tile_n - 1 > diag)  # `|`, not `or`: works on DSL booleans too
+    if right is not None:
+        needs = needs | (tile_n - 1 > _plus(diag, right))  # `|`, not `or`: works on DSL booleans too
+    if left is not None:
+        needs = needs | (0 < tile_m - 1 + diag - left)
     return needs
 
 
 def unmasked_m_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, m_block_min, m_block_max,
-                     imin=min, imax=max):
+                     imin=min, imax=max, window=None):
     """[lo, hi), inside [m_block_min, m_block_max): the Q tiles of K/V tile n_block with nothing to
-    mask -- full keys, full queries, and (causal) every key visible to the tile's first query.
-    The tiles before lo and from hi on need the per-element mask; lo <= hi always. Integer
-    arithmetic only (min / max for the conditions), so DSL values trace without branches."""
+    mask -- full keys, full queries, every key visible to the tile's first query (a right edge) and
+    to its last one (a left edge). The tiles before lo and from hi on need the per-element mask;
+    lo <= hi always. Integer arithmetic only (min / max for the conditions), so DSL values trace
+    without branches."""
+    left, right = _edges(causal, window)
     lo = m_block_min
-    if causal:
-        # diag(m) >= tile_n - 1  <=>  m * tile_m >= tile_n - 1 + n_block * tile_n + seqlen_q - seqlen_k
-        lo = imax(lo, (imax(tile_n - 1 + n_block * tile_n + seqlen_q - seqlen_k, 0) + tile_m - 1) // tile_m)
+    if right is not None:
+        # diag(m) + right >= tile_n - 1  <=>  m * tile_m >= tile_n - 1 + n_block * tile_n + seqlen_q - seqlen_k - right
+        first_full = _plus(tile_n - 1 + n_block * tile_n + seqlen_q - seqlen_k, -right)
+        lo = imax(lo, (imax(first_full, 0) + tile_m - 1) // tile_m)
     keys_cut = imin(imax(tile_n - (seqlen_k - n_block * tile_n), 0), 1)  # 1: this K/V tile is partial
     lo = imin(imax(lo, keys_cut * m_block_max), m_block_max)
     hi = imax(m_block_max - imin(seqlen_q % tile_m, 1), lo)              # a partial last Q tile is masked
+    if left is not None:
+        # diag(m) - left <= -(tile_m - 1)  <=>  m * tile_m <= n_block * tile_n + seqlen_q - seqlen_k + left - tile_m + 1
+        last_full = n_block * tile_n + seqlen_q - seqlen_k + left - tile_m + 1
+        hi = imax(imin(hi, imax(last_full + tile_m, 0) // tile_m), lo)  # tiles m with m * tile_m <= last_full
     return lo, hi
 
 
-def is_masked(r, c, key_limit, diag, causal: bool):
+def is_masked(r, c, key_limit, diag, causal: bool, window=None):
+    left, right = _edges(causal, window)
     masked = r >= key_limit
-    if causal:
-        masked = masked | (r > c + diag)
+    if right is not None:
+        masked = masked | (r > _plus(c + diag, right))
+    if left is not None:
+        masked = masked | (r < c + diag - left)
     return masked
 
 
 def column_key_limit(c, key_limit, diag, causal: bool, imin=min):
     """The first masked key row of query column c: is_masked(r, c, ...) iff r >= this. One limit per
-    column, then one compare per score (step 3's masked body: a select per condition cost ~3 per score)."""
+    column, then one compare per score (step 3's masked body: a select per condition cost ~3 per score).
+    Causal or none only (a window's left edge needs a second bound: the plain test serves it)."""
     return imin(key_limit, c + diag + 1) if causal else key_limit
 
 

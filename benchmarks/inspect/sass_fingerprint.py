@@ -11,6 +11,8 @@ sha256 hashes. A restructuring that must not change the kernels runs it on both 
     python -m benchmarks.inspect.sass_fingerprint /tmp/fp_after --diff /tmp/fp_before
 
 About 10 minutes on 2 cores for the whole grid (`--only fwd,lpt` or `--only bwd` for half).
+`--only bw_fwd` compiles the Blackwell forward's 24 configurations for sm_100a instead (never run:
+no Blackwell GPU is reachable, so its SASS is the only evidence a change left it alone).
 """
 from __future__ import annotations
 
@@ -68,7 +70,16 @@ def lpt_configs():
             yield ("fwd", "bf16", d, dv, True, dict(scheduler=sched, seqlen_k=first))
 
 
+def bw_fwd_configs():
+    from stage3_fwd_kernel.blackwell_fwd import MATRIX
+    for dt, d, dv, causal, varlen in MATRIX:
+        yield ("bw_fwd", dt, d, dv, causal, dict(varlen=True) if varlen else dict())
+
+
 def build(kind, dt, d, dv, causal, kw):
+    if kind == "bw_fwd":
+        from stage3_fwd_kernel import blackwell_fwd
+        return [blackwell_fwd.compile_config(blackwell_fwd.make_config(dt, d, dv, causal), **kw)]
     if kind == "fwd":
         from stage3_fwd_kernel.hopper import compile_launchable
     else:
@@ -110,6 +121,8 @@ def main():
         jobs += list(bwd_configs(a.quick))
     if "lpt" in only:
         jobs += list(lpt_configs())
+    if "bw_fwd" in only:
+        jobs += list(bw_fwd_configs())
     for i, job in enumerate(jobs):
         t0 = time.time()
         name = label(*job)

@@ -15,8 +15,10 @@ would silently ignore padding. So registration also installs `fa4_mask`, which r
 nothing is padded (the pure causal / bidirectional case, served by flash_attn_func) and the 2-D
 boolean padding mask otherwise (served by unpadding to flash_attn_varlen_func). Causal alignment
 is bottom-right, which is what decoding with a KV cache needs: the queries are the last tokens.
-4-D masks (custom patterns) and sliding windows, softcapping, attention sinks and dropout are
-refused with a ValueError rather than ignored.
+Sliding windows (`sliding_window`: at most that many keys back, the current one included, as the
+transformers FlashAttention path reads it), logit softcapping (`softcap`) and attention sinks
+(`s_aux`, gpt-oss) go to fa4's window_size / softcap / learnable_sink. 4-D masks (custom
+patterns) and dropout are refused with a ValueError rather than ignored.
 """
 from __future__ import annotations
 
@@ -27,17 +29,25 @@ import torch
 from .._api import flash_attn_func, flash_attn_varlen_func
 
 
-def _refuse_unsupported(dropout, kwargs):
+def _refuse_unsupported(dropout):
     if dropout:
         raise ValueError(f"dropout: fa4 does not support attention dropout (got {dropout}); set the model's "
                          "attention_dropout to 0.0")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(f"sliding_window: fa4 does not support sliding-window attention "
-                         f"(got {kwargs['sliding_window']})")
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"softcap: fa4 does not support logit softcapping (got {kwargs['softcap']})")
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("s_aux: fa4 does not support attention sinks")
+
+
+def _variants(kwargs, is_causal, q, seqlen_k):
+    """transformers' sliding_window / softcap / s_aux -> fa4's window_size / softcap / learnable_sink.
+    sliding_window w keeps w keys back, the current one included (transformers' FlashAttention path
+    passes window_size (w - 1, w - 1), and only when the keys outnumber w: otherwise the window cuts
+    nothing). The sink goes in q's dtype unless it is fp32, as fa4 takes it."""
+    w = kwargs.get("sliding_window")
+    window = (None, None)
+    if w is not None and seqlen_k > w:
+        window = (w - 1, 0 if is_causal else w - 1)
+    sink = kwargs.get("s_aux")
+    if sink is not None and sink.dtype not in (torch.float32, q.dtype):
+        sink = sink.to(q.dtype)
+    return dict(window_size=window, softcap=kwargs.get("softcap") or 0.0, learnable_sink=sink)
 
 
 def _cast_for_kernel(t):
@@ -65,14 +75,15 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
                           dropout: float = 0.0, **kwargs):
     """transformers AttentionInterface function. query (B, Hq, Sq, D), key/value (B, Hkv, Sk, *)
     -> (out (B, Sq, Hq, Dv), None)."""
-    _refuse_unsupported(dropout, kwargs)
+    _refuse_unsupported(dropout)
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
     # (B, H, S, D) -> (B, S, H, D): views, last dim stays contiguous
     q, k, v = (_cast_for_kernel(t).transpose(1, 2) for t in (query, key, value))
+    variants = _variants(kwargs, is_causal, q, k.shape[1])
     if attention_mask is None:
-        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=is_causal), None
+        return flash_attn_func(q, k, v, softmax_scale=scaling, causal=is_causal, **variants), None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(f"attention_mask: fa4 takes None or a 2-D (batch, kv_len) padding mask, got {shape}; "
@@ -86,7 +97,7 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     cu_q, max_q = _cu_seqlens(mask_q)
     cu_k, max_k = _cu_seqlens(mask_k)
     out = flash_attn_varlen_func(_unpad(q, idx_q), _unpad(k, idx_k), _unpad(v, idx_k), cu_q, cu_k, max_q, max_k,
-                                 softmax_scale=scaling, causal=is_causal)          # (tokens_q, Hq, Dv)
+                                 softmax_scale=scaling, causal=is_causal, **variants)  # (tokens_q, Hq, Dv)
     full = out.new_zeros((b * sq, hq, out.shape[-1])).index_copy(0, idx_q, out)  # padded rows: 0
     return full.view(b, sq, hq, out.shape[-1]), None
 

@@ -11,6 +11,6 @@ A kernel composes them; none of them knows about wgmma, TMEM or a register layou
 * `tile_walk`   -- the one tile-scheduler protocol of a persistent CTA: which work item comes next
                    (static striding, the dynamic atomic hand-out, split-tail chunks).
 
-The Hopper kernel (`stage3_fwd_kernel.hopper`) uses all four; the Blackwell kernels can take them
-as they are.
+The Hopper kernel (`stage3_fwd_kernel.hopper`) uses all four; the Blackwell forward uses
+`work_tile`, `block_range` and `mask` (it runs one tile per CTA, so it has no walk).
 """

@@ -1,17 +1,15 @@
-"""The score mask: keys past the sequence's end and, causal, keys past each row's diagonal
-(bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q) get -inf before the
-row maximum.
+"""The score mask: a score whose key the row does not see (`components.window`: past the
+sequence's end, right of the row's right edge -- causal: its diagonal --, left of its left edge)
+gets -inf before the row maximum.
 
 The lean form. A thread's (row, col) coordinates of its score fragment are, on the MMAs the
 kernels use, thread 0's coordinates (compile-time constants) with the columns shifted by the
 thread's first column (`hopper.fragments.mask_shift_holds` checks this on the Hopper S MMA). So
-each row needs one limit, shifted once into thread 0's columns, and every element is a compare of
-an immediate against that limit and a select -- no column index held in registers, and no `if`
-per element, whose lowering re-selects fragment values at every branch (~2100 extra selects in
-the bf16 kernels; at 160 registers per thread it spills).
-
-Window, softcap and sinks plug in here: each changes the per-row limits or the scores, not the
-kernel's walk.
+each row needs one limit per edge, shifted once into thread 0's columns, and every element is a
+compare of an immediate against that limit and a select -- no column index held in registers, and
+no `if` per element, whose lowering re-selects fragment values at every branch (~2100 extra
+selects in the bf16 kernels; at 160 registers per thread it spills). A left edge costs a second
+compare, only in the blocks that cross it.
 measured: docs/measurements.md
 """
 from __future__ import annotations
@@ -20,27 +18,61 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from stage3_fwd_kernel.components.window import Window
+
 
 class AttentionMask:
-    """Sequence-end and (optionally) causal masking of one (rows, cols) score fragment of a
-    tile_n-wide key block."""
+    """Masking of the scores of one tile_n-wide key block for a Window (causal is right = 0)."""
 
-    def __init__(self, causal: bool, tile_n: int):
-        self.causal = causal
+    def __init__(self, window: Window, tile_n: int):
+        self.window = window
         self.tile_n = tile_n
+
+    def key_limit(self, row, n_block, seqlen_q, seqlen_k):
+        """Query `row` sees the keys of block n_block before this column (block coordinates): the
+        sequence's end and the row's right edge."""
+        col_limit = seqlen_k - n_block * self.tile_n
+        if const_expr(self.window.right is not None):
+            edge = row + 1 + seqlen_k - seqlen_q - n_block * self.tile_n
+            if const_expr(self.window.right != 0):
+                edge = edge + self.window.right
+            col_limit = cutlass.min(col_limit, edge)
+        return col_limit
+
+    def key_start(self, row, n_block, seqlen_q, seqlen_k):
+        """The first column of block n_block that `row` sees (its left edge; left window only)."""
+        return row + seqlen_k - seqlen_q - self.window.left - n_block * self.tile_n
 
     @cute.jit
     def apply(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, tScS0_rc: cute.Tensor, n_block: Int32,
               row0: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        """acc_S_rc: this thread's scores as (rows, cols); tScS_rc / tScS0_rc: the (row, col) of each
-        element for this thread / for thread 0 (compile-time); row0: the fragment's first query row
-        in the sequence; n_block: the key block."""
-        tn = self.tile_n
+        """A fragment of several rows (wgmma): acc_S_rc is this thread's scores as (rows, cols);
+        tScS_rc / tScS0_rc the (row, col) of each element for this thread / for thread 0
+        (compile-time); row0 the fragment's first query row in the sequence."""
+        shift = tScS_rc[0, 0][1]  # into thread 0's column coordinates (a select each)
         for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-            col_limit = seqlen_k - n_block * tn  # in this block's column coordinates
-            if const_expr(self.causal):
-                row = row0 + tScS_rc[r, 0][0]
-                col_limit = cutlass.min(col_limit, row + 1 + seqlen_k - seqlen_q - n_block * tn)
-            col_limit -= tScS_rc[0, 0][1]  # into thread 0's column coordinates (a select each)
-            for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
-                acc_S_rc[r, c] = -Float32.inf if tScS0_rc[r, c][1] >= col_limit else acc_S_rc[r, c]
+            row = row0 + tScS_rc[r, 0][0]
+            col_limit = self.key_limit(row, n_block, seqlen_q, seqlen_k) - shift
+            if const_expr(self.window.left is None):
+                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                    acc_S_rc[r, c] = -Float32.inf if tScS0_rc[r, c][1] >= col_limit else acc_S_rc[r, c]
+            else:
+                col_start = self.key_start(row, n_block, seqlen_q, seqlen_k) - shift
+                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                    col = tScS0_rc[r, c][1]
+                    acc_S_rc[r, c] = -Float32.inf if (col >= col_limit) | (col < col_start) else acc_S_rc[r, c]
+
+    @cute.jit
+    def apply_row(self, acc_S: cute.Tensor, tScS: cute.Tensor, n_block: Int32, row: Int32, seqlen_q: Int32,
+                  seqlen_k: Int32):
+        """A thread that holds one whole row (tcgen05.ld 32x32b: lane = row): acc_S its scores,
+        tScS their (row, col) coordinates, the columns compile-time constants."""
+        col_limit = self.key_limit(row, n_block, seqlen_q, seqlen_k)
+        if const_expr(self.window.left is None):
+            for c in cutlass.range_constexpr(cute.size(acc_S)):  # one select per value
+                acc_S[c] = Float32(cutlass.select_(tScS[c][1] >= col_limit, -Float32.inf, acc_S[c]))
+        else:
+            col_start = self.key_start(row, n_block, seqlen_q, seqlen_k)
+            for c in cutlass.range_constexpr(cute.size(acc_S)):
+                col = tScS[c][1]
+                acc_S[c] = Float32(cutlass.select_((col >= col_limit) | (col < col_start), -Float32.inf, acc_S[c]))

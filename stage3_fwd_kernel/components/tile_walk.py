@@ -55,14 +55,15 @@ class WorkItem(NamedTuple):
 
 class TileWalk:
     """Work items of a persistent CTA. `locate(m_block, head, batch) -> tile` and
-    `key_blocks(tile) -> n_block_max` come from the kernel (they know the sequences and the mask)."""
+    `key_range(tile) -> (n_block_min or None, n_block_max)` come from the kernel (they know the
+    sequences and the window)."""
 
-    def __init__(self, scheduler, *, dynamic: bool, split_tail: bool, locate, key_blocks):
+    def __init__(self, scheduler, *, dynamic: bool, split_tail: bool, locate, key_range):
         self.scheduler = scheduler
         self.dynamic = dynamic
         self.split_tail = split_tail
         self.locate = locate
-        self.key_blocks = key_blocks
+        self.key_range = key_range
 
     def first_linear(self) -> Int32:
         """A walker's first work item: its CTA index."""
@@ -92,7 +93,8 @@ class TileWalk:
         [j nb / S, (j+1) nb / S) of tail tile r; before them the whole tile, chunk -1."""
         if const_expr(not self.split_tail):
             t = self.tile_at(linear, space)
-            return WorkItem(t, None, self.key_blocks(t), None)
+            n_block_min, n_block_max = self.key_range(t)
+            return WorkItem(t, n_block_min, n_block_max, None)
         chunks = space.split_chunks
         tail_start = space.num_tiles() - space.split.shape[0] // chunks
         tile_linear = linear
@@ -101,7 +103,7 @@ class TileWalk:
             chunk = linear - tail_start
             tile_linear = tail_start + chunk // chunks
         t = self.tile_at(tile_linear, space)
-        n_block_min, n_block_max = chunk_block_range(chunk, chunks, self.key_blocks(t))
+        n_block_min, n_block_max = chunk_block_range(chunk, chunks, self.key_range(t)[1])  # no window here
         return WorkItem(t, n_block_min, n_block_max, chunk)
 
     @cute.jit

@@ -1,7 +1,8 @@
 """The end of a tile: O /= l, lse, and the stores.
 
 * lse = (m * scale_log2 + log2 l) * ln 2 per row; a row that saw no key (l = 0) gets O = 0 and
-  lse = -inf. The thread holding column 0 of a row writes its lse.
+  lse = -inf; a learnable sink joins l (`components.sink`). The thread holding column 0 of a row
+  writes its lse.
 * O through shared memory (the default): registers -> this warpgroup's smem slab -> 16-byte
   coalesced, row-guarded stores. One CTA per tile puts the slab at the start of its own Q slab
   (`o_in_q`: Q is dead after the last S); a persistent CTA has an O buffer of its own, since the
@@ -15,13 +16,13 @@ never written.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from stage3_fwd_kernel.components.sink import finish_row
 from stage3_fwd_kernel.hopper import barriers
 from stage3_fwd_kernel.hopper.fragments import quad_allreduce, row_stored
 
@@ -50,15 +51,15 @@ def o_staging(cfg, storage, sQ_wg: cute.Tensor, sO_layout: cute.ComposedLayout, 
 
 @cute.jit
 def finish_tile(cfg, wg: Int32, ctidx: Int32, tile, row0: Int32, acc_O: cute.Tensor, acc_O_rc: cute.Tensor,
-                rows, ctx, out: OutputTiles, chunk=None):
-    """Normalize O, compute lse, and store both (or, a split-tail chunk, its workspace rows)."""
+                rows, ctx, out: OutputTiles, chunk=None, sink_log2=None):
+    """Normalize O, compute lse (components.sink: with the head's sink when sink_log2 is given),
+    and store both (or, a split-tail chunk, its workspace rows)."""
     num_rows = cute.size(rows.row_sum)
     lse = cute.make_rmem_tensor((num_rows,), Float32)
     for r in cutlass.range_constexpr(num_rows):
         l = quad_allreduce(rows.row_sum[r], lambda a, b: a + b)
-        inv = Float32(0.0) if l == 0.0 else cute.arch.rcp_approx(l)
-        lse[r] = (-Float32.inf if l == 0.0 else
-                  (rows.row_max[r] * ctx.softmax_scale_log2 + cute.math.log2(l, fastmath=True)) * math.log(2.0))
+        inv, lse_r = finish_row(l, rows.row_max[r] * ctx.softmax_scale_log2, sink_log2)
+        lse[r] = lse_r
         for c in cutlass.range_constexpr(cute.size(acc_O_rc, mode=[1])):
             acc_O_rc[r, c] = acc_O_rc[r, c] * inv
 

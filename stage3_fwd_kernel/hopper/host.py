@@ -3,11 +3,14 @@ fake tensors, and the launches (dense and varlen)."""
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from cutlass import Float32, Int32
 import cutlass.cute as cute
 
 from stage3_fwd_kernel import host_io, trace
+from stage3_fwd_kernel.components.score_mod import Softcap, check_softcap
+from stage3_fwd_kernel.components.window import NO_WINDOW, Window, make_window
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, _check_head_dims, _check_scale, _check_tile_m,
@@ -20,38 +23,77 @@ from stage3_fwd_kernel.softmax_policy import DEFAULT_RESCALE_THRESHOLD, SoftmaxP
 from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
 
 
+class Variant(NamedTuple):
+    """The compile-time shape of a call's score function beyond causal: the window (components.window,
+    causal excluded), the softcap and whether a learnable sink is passed."""
+
+    window: Window = NO_WINDOW
+    softcap: float = 0.0
+    sink: bool = False
+
+    def key(self) -> tuple:
+        """Cache-key suffix: empty for plain attention, so its keys (and disk cache) are unchanged."""
+        return () if self == PLAIN else (("variant",) + tuple(self.window) + (self.softcap, self.sink))
+
+
+PLAIN = Variant()
+
+
+def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, device) -> tuple:
+    """(Variant, the sink as fp32 (Hq,) or None), checked: window_size as components.window, softcap
+    a float >= 0, learnable_sink a floating (Hq,) tensor on q's device."""
+    import torch
+
+    window = make_window(causal, window_size)
+    window = Window(window.left, None if causal else window.right)  # causal stays the kernel's flag
+    if learnable_sink is not None:
+        if not isinstance(learnable_sink, torch.Tensor):
+            raise TypeError(f"learnable_sink: expected a torch tensor, got {type(learnable_sink).__name__}")
+        if learnable_sink.shape != (heads_q,) or not learnable_sink.is_floating_point():
+            raise ValueError(f"learnable_sink: expected a floating tensor of shape ({heads_q},) (one logit per "
+                             f"query head), got {learnable_sink.dtype} {tuple(learnable_sink.shape)}")
+        if learnable_sink.device != device:
+            raise ValueError(f"learnable_sink: expected a tensor on {device}, got {learnable_sink.device}")
+        learnable_sink = learnable_sink.detach().float().contiguous()
+    return Variant(window, check_softcap(softcap), learnable_sink is not None), learnable_sink
+
+
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
-                scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False):
+                scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
+                variant: Variant = PLAIN):
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
-                                     tile_m=tile_m, split_tail=split_tail)
+                                     tile_m=tile_m, split_tail=split_tail, window=variant.window,
+                                     softcap=variant.softcap)
 
 
 def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
-         split_tail=False):
+         split_tail=False, variant: Variant = PLAIN):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
     tile_m = _check_tile_m(tile_m, d, dv)
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
-        (("split_tail",) if split_tail else ()) + trace.key()
+        (("split_tail",) if split_tail else ()) + variant.key() + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None, split=None, split_chunks=1):
+               seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None, split=None, split_chunks=1,
+               softcap=0.0, sink=None):
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     host_io.launch_stream)."""
     def opt(t):
         return None if t is None else t.detach()
-    return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), softmax_scale * host_io.LOG2_E,
-            softmax_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
-            max_seqlen_q, max_ctas, split, split_chunks)
+    scale_log2, score_scale = Softcap(softcap).kernel_scales(softmax_scale)
+    return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), scale_log2,
+            score_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
+            max_seqlen_q, max_ctas, split, split_chunks, sink)
 
 
 def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False,
-               split_tail: bool = False):
+               split_tail: bool = False, sink: bool = False):
     """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs;
     dynamic: the scheduler takes a tile counter; split_tail: the split workspace."""
     varlen, has_used, has_map = varlen_flags
@@ -60,19 +102,21 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
             host_io.fake_bshd(dtype, dv), host_io.fake_lse(), Float32(1.0), Float32(1.0),
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
             i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
-            host_io.fake_lse() if split_tail else None, Int32(1),
+            host_io.fake_lse() if split_tail else None, Int32(1), host_io.fake_f32_vector() if sink else None,
             host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
-def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False):
+def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False,
+             variant: Variant = PLAIN):
     """The one place the kernel is compiled (against fake tensors): launchable=True builds what
     attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
     key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
-               split_tail)
+               split_tail, variant)
     return compile_cached(key, lambda: (
-        make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail),
+        make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail,
+                    variant=variant),
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False),
-                   split_tail=split_tail)))
+                   split_tail=split_tail, sink=variant.sink)))
 
 
 def _check_call(q, d, dv, tile_m, softmax_scale):
@@ -95,7 +139,29 @@ def _outputs(out, lse, out_shape, lse_shape, q):
     return out, lse
 
 
-def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None,
+def _no_split_with(variant: Variant, split_tail):
+    """split_tail for a call: the chunks' merge knows neither a window's block ranges nor the sink."""
+    if variant == PLAIN:
+        return split_tail
+    if split_tail:
+        raise ValueError("split_tail: not available with window_size, softcap or learnable_sink")
+    return False
+
+
+def _nothing_visible(out, lse, sink, head_dim: int):
+    """No key anywhere: O = 0 and lse = -inf, or the head's sink (lse's head mode is head_dim)."""
+    out.zero_()
+    if sink is None:
+        lse.fill_(float("-inf"))
+    else:
+        shape = [1] * lse.dim()
+        shape[head_dim] = -1
+        lse.copy_(sink.view(shape).expand_as(lse))
+    return out, lse
+
+
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                      learnable_sink=None, out=None, lse=None,
                       rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=DEFAULT_EMULATION_FRACTION,
                       policy: SoftmaxPolicy | None = None, scheduler=None, tile_m: int | None = None,
                       persistent: bool | None = None, split_tail: bool | None = None):
@@ -108,7 +174,12 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     CTA per SM walks the scheduler's tile order (causal calls take their tiles from an atomic
     counter; above head dim 128 O goes from registers to global memory); None =
     default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m). split_tail: the last partial wave
-    of a static persistent non-causal call cut along the keys (split_tail_plan; None = its default).
+    of a static persistent non-causal call cut along the keys (split_tail_plan; None = its default;
+    never with a window or a sink).
+
+    Variants: window_size (left, right), None or -1 = unlimited (components.window; causal is right
+    = 0); softcap > 0 caps the scaled scores at softcap * tanh(s / softcap) (components.score_mod);
+    learnable_sink, (Hq,) floating: a logit per head in every row's denominator (components.sink).
     """
     import torch
 
@@ -121,6 +192,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     dv = v.shape[-1]
     tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale)
     policy.check_dtype(dt)
+    variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
+    split_tail = _no_split_with(variant, split_tail)
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
@@ -129,9 +202,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
     if k.shape[1] == 0:  # nothing visible anywhere (and a TMA map cannot have a 0 extent)
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
+        return _nothing_visible(out, lse, sink, head_dim=1)
     ctas = _launch_ctas(scheduler, q.device)
     plan = split_tail_plan(split_tail, scheduler, causal, b, sq, hq, k.shape[1], tile_m, default_tile_n(d, dv), ctas)
     split = None
@@ -139,15 +210,17 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         split = torch.empty((plan[0] * plan[1], tile_m, dv + 1), dtype=torch.float32, device=q.device)
     args = _call_args(q, k, v, out, lse, softmax_scale, sq, max_ctas=ctas,
                       tile_counter=_tile_counter(scheduler, q.device), split=split,
-                      split_chunks=plan[1] if plan else 1)
-    _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, plan is not None).fn(*args)
+                      split_chunks=plan[1] if plan else 1, softcap=variant.softcap, sink=sink)
+    _compile(True, dt, d, dv, causal, policy, scheduler, (False, False, False), tile_m, plan is not None,
+             variant).fn(*args)
     if plan is not None:
         split_tail_combine(split, *plan, out, lse, -(-sq // tile_m))
     return out, lse
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
-                             softmax_scale=None, causal=False, out=None, lse=None,
+                             softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                             learnable_sink=None, out=None, lse=None,
                              rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                              emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                              batch_map=None, scheduler=None, check_values=False, tile_m: int | None = None,
@@ -162,8 +235,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     the grid); max_seqlen_k is accepted for API compatibility. batch_map (int32 (batch,)): the
     sequence each virtual batch index computes (stage 5's reordering; identity when None).
     check_values=True verifies the index tensors' values on the host (costs a device sync).
-    tile_m, persistent: as in attention_forward. (When k has no rows at all nothing is launched and
-    out / lse are filled with 0 / -inf entirely.)
+    tile_m, persistent, window_size, softcap, learnable_sink: as in attention_forward. (When k has
+    no rows at all nothing is launched and out / lse are filled with 0 / -inf, or the sink, entirely.)
 
     The host views every packed tensor as a batch of one, (1, total, H, D), so the TMA tensor maps
     are the dense ones; a CTA shifts its coordinates by its sequence's row offset. Extra Q rows of a
@@ -177,6 +250,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dv = v.shape[-1]
     tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale)
     policy.check_dtype(dt)
+    variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
     _check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
     out, lse = _outputs(out, lse, (tq, hq, dv), (hq, tq), q)
@@ -187,15 +261,14 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if batch == 0 or tq == 0 or hq == 0 or max_seqlen_q == 0:
         return out, lse
     if k.shape[0] == 0:  # no sequence has a key (and a TMA map cannot have a 0 extent)
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
+        return _nothing_visible(out, lse, sink, head_dim=0)
     # a batch of one: the dense kernel's tensor maps and (B, ...) indexing serve the packed tensors
     args = _call_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                       softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map,
-                      max_ctas=_launch_ctas(scheduler, q.device), tile_counter=_tile_counter(scheduler, q.device))
+                      max_ctas=_launch_ctas(scheduler, q.device), tile_counter=_tile_counter(scheduler, q.device),
+                      softcap=variant.softcap, sink=sink)
     flags = (True, seqused_k is not None, batch_map is not None)
-    _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m).fn(*args)
+    _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m, variant=variant).fn(*args)
     return out, lse
 
 
@@ -204,13 +277,19 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                  scheduler=None, tile_m: int | None = None, launchable: bool = False,
                  persistent: bool | None = None, seqlen_k: int | None = None,
-                 split_tail: bool = False) -> Compiled:
+                 split_tail: bool = False, window_size=(None, None), softcap: float = 0.0,
+                 learnable_sink: bool = False) -> Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     and persistent as in attention_forward (None = default_tile_m / default_persistent, which takes
     seqlen_k: the key count of the calls the build is for, None = short). launchable=True builds
-    what attention_forward launches (TVM-FFI, the same cache key)."""
+    what attention_forward launches (TVM-FFI, the same cache key). window_size / softcap /
+    learnable_sink (a bool: built for a sink) select the variant as attention_forward does."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    window = make_window(causal, window_size)
+    variant = Variant(Window(window.left, None if causal else window.right), check_softcap(softcap),
+                      bool(learnable_sink))
+    split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
@@ -220,7 +299,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     policy.check_dtype(dt)
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
-    comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail)
+    comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
+                    variant)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones
@@ -230,7 +310,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
 
 
 def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False,
-                       seqused_k=False, scheduler=None, seqlen_k=None) -> list:
+                       seqused_k=False, scheduler=None, seqlen_k=None, window_size=(None, None),
+                       softcap: float = 0.0, learnable_sink: bool = False) -> list:
     """What attention_forward (varlen=True: attention_varlen_forward) launches with its defaults and
     `scheduler`, compiled without a GPU under the launch's cache key (TVM-FFI, fake tensors): a list
     of Compiled records -- the kernel, and for non-causal dense calls on persistent CTAs also what
@@ -240,9 +321,11 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     from stage3_fwd_kernel import split_combine
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    variant = dict(window_size=window_size, softcap=softcap, learnable_sink=learnable_sink)
     builds = [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
-                           scheduler=scheduler, launchable=True, seqlen_k=seqlen_k)]
-    if not (causal or varlen or scheduler is not None) and default_persistent(head_dim, head_dim_v, False):
+                           scheduler=scheduler, launchable=True, seqlen_k=seqlen_k, **variant)]
+    plain = make_window(causal, window_size) == make_window(causal) and not (softcap or learnable_sink)
+    if plain and not (causal or varlen or scheduler is not None) and default_persistent(head_dim, head_dim_v, False):
         builds.append(compile_only(dtype, head_dim, head_dim_v, False, persistent=True, split_tail=True,
                                    launchable=True))
         builds.append(split_combine.compile_only(dtype, head_dim_v, launchable=True))

@@ -38,8 +38,10 @@ from cutlass.memory.smem import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import trace
-from stage3_fwd_kernel.components.block_range import blocks_walked, num_key_blocks
+from stage3_fwd_kernel.components.block_range import blocks_walked, first_key_block, num_key_blocks
 from stage3_fwd_kernel.components.mask import AttentionMask
+from stage3_fwd_kernel.components.score_mod import Softcap
+from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage3_fwd_kernel.components.tile_walk import TileSpace, TileWalk
 from stage3_fwd_kernel.components.work_tile import SequenceInfo, empty_tile, locate_tile
 from stage3_fwd_kernel.hopper import barriers
@@ -60,7 +62,8 @@ class FlashAttentionForwardSm90:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
-                 num_stages: int | None = None, scheduler=StaticTileScheduler, split_tail: bool = False):
+                 num_stages: int | None = None, scheduler=StaticTileScheduler, split_tail: bool = False,
+                 window: Window = NO_WINDOW, softcap: float = 0.0):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -76,7 +79,7 @@ class FlashAttentionForwardSm90:
             # S (64) + P (32) + O (dv / 2) registers per thread no longer fit 160: ptxas spills
             raise ValueError(f"tile_m: 192 needs head dims <= 64 (160 registers per consumer thread), "
                              f"got ({head_dim}, {head_dim_v})")
-        if split_tail and not split_tail_supported(scheduler, causal):
+        if split_tail and not split_tail_supported(scheduler, causal or window.limited):
             raise ValueError(SPLIT_TAIL_UNSUPPORTED)
         self.policy = policy
         self.dtype = dtype
@@ -86,7 +89,10 @@ class FlashAttentionForwardSm90:
         self.causal = causal
         self.tile_m = tile_m
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
-        self.mask = AttentionMask(causal, self.tile_n)
+        # the keys a row sees (components.window): causal is a right edge at 0
+        self.window = Window(window.left, 0 if causal else window.right)
+        self.mask = AttentionMask(self.window, self.tile_n)
+        self.score_mod = Softcap(softcap)
         # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
         # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers
         self.o_direct = self.persistent and not o_fits_beside_q(head_dim, head_dim_v, self.tile_n, tile_m)
@@ -117,7 +123,14 @@ class FlashAttentionForwardSm90:
         return self.varlen or self.q_shift
 
     def num_key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
-        return num_key_blocks(m_block, seqlen_q, seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, causal=self.causal)
+        return num_key_blocks(m_block, seqlen_q, seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=self.window)
+
+    def key_range(self, tile):
+        """(n_block_min, n_block_max) a tile walks; n_block_min is None (block 0) without a left window."""
+        n_block_max = self.num_key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k)
+        n_block_min = first_key_block(tile.m_block, tile.seqlen_q, tile.seqlen_k, n_block_max, tile_m=self.tile_m,
+                                      tile_n=self.tile_n, window=self.window)
+        return n_block_min, n_block_max
 
     def locate(self, m_block, head, batch, seq: SequenceInfo):
         return locate_tile(seq, m_block, head, batch, self.tile_m if self.q_shift else None)
@@ -194,7 +207,7 @@ class FlashAttentionForwardSm90:
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
                  mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32,
-                 mSplit: Optional[cute.Tensor], split_chunks: Int32, stream):
+                 mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor], stream):
         # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         #         mLSE (B, Hq, Sq); the four optional tensors are None.
         # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
@@ -202,6 +215,8 @@ class FlashAttentionForwardSm90:
         # max_ctas: a persistent grid's width (the device's SMs); unused by one-tile-per-CTA grids.
         # mTileCounter: int32 (1,), zeroed, for a dynamic persistent scheduler; None otherwise.
         # mSplit: the split tail's workspace, fp32 (R * split_chunks, tile_m, dv + 1); None otherwise.
+        # mSink: fp32 (Hq,) learnable sink logits, or None. softmax_scale: with softcap, the tanh's
+        # input scale (components.score_mod.Softcap.kernel_scales); otherwise unused.
         self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit)
         self.varlen = mCuSeqlensQ is not None
         self.q_shift = self.q_shift_for(self.varlen)
@@ -255,7 +270,7 @@ class FlashAttentionForwardSm90:
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
-                    self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks,
+                    self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -272,11 +287,12 @@ class FlashAttentionForwardSm90:
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
-               mSplit: Optional[cute.Tensor], split_chunks: Int32):
+               mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor]):
         trace.cta_stamp("entry")  # no code unless trace.enable() turned tracing on
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
         tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V)
-        args = ConsumerArgs(softmax_scale_log2, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout, gmem_copy_O)
+        args = ConsumerArgs(softmax_scale_log2, softmax_scale, mSink, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout,
+                            gmem_copy_O)
         layouts = (sQ_layout, sK_layout, sV_layout)
         if const_expr(self.persistent):
             # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
@@ -305,7 +321,7 @@ class FlashAttentionForwardSm90:
     def _walk(self, seq: SequenceInfo) -> TileWalk:
         return TileWalk(self.scheduler, dynamic=self.dynamic, split_tail=self.split_tail,
                         locate=lambda m_block, head, batch: self.locate(m_block, head, batch, seq),
-                        key_blocks=lambda t: self.num_key_blocks(t.m_block, t.seqlen_q, t.seqlen_k))
+                        key_range=self.key_range)
 
     @cute.jit
     def attend(self, tile, seq: SequenceInfo, space, tma: TmaLoads, args: ConsumerArgs, layouts):
@@ -375,8 +391,8 @@ class FlashAttentionForwardSm90:
                     tile_ids[q_phase] = total
                 produce(self, empty_tile(), Int32(0), kv_base, q_phase, tma, smem)
         else:
-            produce(self, tile, self.num_key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k), Int32(0), Int32(0),
-                    tma, smem)
+            n_block_min, n_block_max = self.key_range(tile)
+            produce(self, tile, n_block_max, Int32(0), Int32(0), tma, smem, n_block_min=n_block_min)
 
     @cute.jit
     def consumer_warpgroup(self, wg: Int32, tidx: Int32, tile, space, args: ConsumerArgs,
@@ -391,9 +407,9 @@ class FlashAttentionForwardSm90:
             linear = tile_ids[q_phase]
             while linear < total:
                 t = self.walk.tile_at(linear, space)
-                n_block_max = self.num_key_blocks(t.m_block, t.seqlen_q, t.seqlen_k)
-                consume(self, wg, tidx % 128, t, n_block_max, kv_base, q_phase, args, smem)
-                kv_base += n_block_max
+                n_block_min, n_block_max = self.key_range(t)
+                consume(self, wg, tidx % 128, t, n_block_max, kv_base, q_phase, args, smem, n_block_min=n_block_min)
+                kv_base += blocks_walked(n_block_min, n_block_max)
                 q_phase ^= 1
                 pipe_Q.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), q_phase))
                 linear = tile_ids[q_phase]
@@ -410,5 +426,5 @@ class FlashAttentionForwardSm90:
                     q_phase ^= 1
                 linear += self.walk.num_walkers()
         else:
-            consume(self, wg, tidx % 128, tile, self.num_key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k),
-                    Int32(0), Int32(0), args, smem)
+            n_block_min, n_block_max = self.key_range(tile)
+            consume(self, wg, tidx % 128, tile, n_block_max, Int32(0), Int32(0), args, smem, n_block_min=n_block_min)

@@ -5,7 +5,8 @@ intra-warpgroup overlap): one tensor-core turn issues S_i = Q K_i^T *and* O += P
 the softmax of S_i runs while its own P V (and then the other consumers' GEMMs) occupy the tensor
 cores. P_{i-1} stays in registers across the turn; O is rescaled for block i only after
 P_{i-1} V_{i-1} has landed in it. Blocks are walked last first: the blocks that need a mask (the
-partial last one, the causal diagonal) come first, then a hot loop with no mask code at all.
+partial last one, the causal diagonal or a window's right edge) come first, then a hot loop with no
+mask code at all, then -- a left window -- the blocks crossing the rows' left edges.
 
 Instruction order inside a step. The wait for V_{i-1} comes after S_i is issued, right before its
 P V, so it no longer delays S_i. The wait for P_{i-1} V_{i-1} is written after the softmax; ptxas
@@ -28,7 +29,8 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import warpgroup
 
 from stage3_fwd_kernel import trace, wgmma_desc
-from stage3_fwd_kernel.components.block_range import num_masked_blocks
+from stage3_fwd_kernel.components.score_mod import LOG2_E
+from stage3_fwd_kernel.components.block_range import num_left_masked_blocks, num_masked_blocks
 from stage3_fwd_kernel.hopper import barriers, epilogue
 from stage3_fwd_kernel.hopper.fragments import acc_rowcol, scale_O_rows, store_P
 from stage3_fwd_kernel.hopper.producer import SmemBuffers, kv_state, seq_view
@@ -49,6 +51,8 @@ class ConsumerArgs(NamedTuple):
     """The kernel arguments every consumer tile uses."""
 
     softmax_scale_log2: Any
+    score_scale: Any      # softcap's tanh input scale (components.score_mod)
+    mSink: Any            # (Hq,) fp32 learnable sink logits, or None
     mO: Any               # (B, Sq, Hq, dv)
     mLSE: Any             # (B, Hq, Sq) fp32
     mma_qk: Any           # tiled MMA of S = Q K^T
@@ -120,34 +124,41 @@ def consume(cfg, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int
     tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), cfg.dtype)
     row_scale = cute.make_rmem_tensor((num_rows,), Float32)
     n_masked = num_masked_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k, n_block_max, tile_m=cfg.tile_m,
-                                 tile_n=tn, causal=cfg.causal)  # walked first (i < n_masked)
+                                 tile_n=tn, window=cfg.window)  # walked first (i < n_masked)
     n_blocks = n_block_max
     if const_expr(n_block_min is not None):
         n_blocks = n_block_max - n_block_min
         n_masked = cutlass.min(n_masked, n_blocks)
+    # a left window: the last n_left blocks walked cross some row's left edge (mask them too)
+    n_left = num_left_masked_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k, n_block_min, n_blocks,
+                                    tile_m=cfg.tile_m, tile_n=tn, window=cfg.window)
     rows = RowState(row_max, row_max_new, row_sum, row_scale, row_limit, row_bias)
-    ctx = ScoreContext(row0, tile.seqlen_q, tile.seqlen_k, softmax_scale_log2, rescale_margin, tScS_rc, tScS0_rc)
+    ctx = ScoreContext(row0, tile.seqlen_q, tile.seqlen_k, softmax_scale_log2, args.score_scale, rescale_margin,
+                       tScS_rc, tScS0_rc)
     ops = TileOperands(qk, pv, thr_mma_qk, acc_O, tOrP)
     if n_blocks > 0:
-        walk_key_blocks(cfg, wg, ctidx, kv_base, n_block_max, n_blocks, n_masked, rows, ctx, ops, smem, turns,
-                        q_state, args.gmem_copy_O)
+        walk_key_blocks(cfg, wg, ctidx, kv_base, n_block_max, n_blocks, n_masked, n_left, rows, ctx, ops, smem,
+                        turns, q_state, args.gmem_copy_O)
 
     if const_expr(cfg.persistent):
         pipe_Q = smem.pipe_Q  # a local: CuTe-DSL would carry `smem` through the `if` that calls it
         if n_blocks == 0:
             pipe_Q.consumer_release(q_state)
 
+    sink_log2 = None
+    if const_expr(args.mSink is not None):
+        sink_log2 = args.mSink[tile.head] * LOG2_E
     out = epilogue.OutputTiles(args.mLSE, gO, sO_wg, tiled_mma_pv, args.gmem_copy_O, mSplit)
-    epilogue.finish_tile(cfg, wg, ctidx, tile, row0, acc_O, acc_O_rc, rows, ctx, out, chunk)
+    epilogue.finish_tile(cfg, wg, ctidx, tile, row0, acc_O, acc_O_rc, rows, ctx, out, chunk, sink_log2)
     trace.cta_stamp("end")
 
 
 @cute.jit
 def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: Int32, n_blocks: Int32,
-                    n_masked: Int32, rows: RowState, ctx: ScoreContext, ops: TileOperands, smem: SmemBuffers,
-                    turns: Turns, q_state: pipeline.PipelineState, gmem_copy_O: cute.TiledCopy):
+                    n_masked: Int32, n_left, rows: RowState, ctx: ScoreContext, ops: TileOperands,
+                    smem: SmemBuffers, turns: Turns, q_state: pipeline.PipelineState, gmem_copy_O: cute.TiledCopy):
     """The tile's key blocks n_block_max - 1 down to n_block_max - n_blocks: the first alone, the
-    masked ones, the hot loop, then the last P V."""
+    masked ones, the hot loop, (left window) the last n_left blocks masked again, then the last P V."""
     tm, tn, nc = cfg.wg_m, cfg.tile_n, cfg.num_consumers
     # 1. prologue: S_0 alone (O is still 0: nothing to rescale)
     st0 = kv_state(kv_base, cfg.num_stages, producer=False)
@@ -170,7 +181,7 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
             barriers.sync_own(wg, nc)
     warpgroup.wait_group(0)
     smem.pipe_K.consumer_release(st0)
-    online_softmax(acc_S0, n_block_max - 1, True, rows, ctx, cfg.mask, cfg.policy)
+    online_softmax(acc_S0, n_block_max - 1, True, rows, ctx, cfg.mask, cfg.policy, cfg.score_mod)
     store_P(acc_S0, ops.tOrP, cfg.bf16)
 
     # 2. steady state: masked blocks first, then the hot loop; the ring slot is carried
@@ -179,10 +190,18 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
         st = next_kv_state(st_prev)
         overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, True, rows, ctx, ops, smem, turns)
         st_prev = st
-    for i in cutlass.range(cutlass.max(n_masked, 1), n_blocks, unroll=1):
+    hot_end = n_blocks
+    if const_expr(cfg.window.left is not None):
+        hot_end = cutlass.max(n_blocks - n_left, cutlass.max(n_masked, 1))
+    for i in cutlass.range(cutlass.max(n_masked, 1), hot_end, unroll=1):
         st = next_kv_state(st_prev)
         overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, False, rows, ctx, ops, smem, turns)
         st_prev = st
+    if const_expr(cfg.window.left is not None):
+        for i in cutlass.range(hot_end, n_blocks, unroll=1):
+            st = next_kv_state(st_prev)
+            overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, True, rows, ctx, ops, smem, turns)
+            st_prev = st
 
     if const_expr(cfg.persistent):
         smem.pipe_Q.consumer_release(q_state)  # every S of the tile has landed: the next Q may load
@@ -216,7 +235,7 @@ def overlapped_step(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineS
     warpgroup.wait_group(1)  # S_i has landed (P_{i-1} V_{i-1} may still run)
     trace.stamp(n_block, "s_landed")
     smem.pipe_K.consumer_release(st)
-    rescale_O = online_softmax(acc_S, n_block, masked, rows, ctx, cfg.mask, cfg.policy)
+    rescale_O = online_softmax(acc_S, n_block, masked, rows, ctx, cfg.mask, cfg.policy, cfg.score_mod)
     trace.stamp(n_block, "softmax")
     warpgroup.wait_group(0)  # P_{i-1} V_{i-1} landed: O and tOrP are ours again
     trace.stamp(n_block, "pv_landed")

@@ -46,7 +46,8 @@ class ScoreContext(NamedTuple):
     row0: Any                # first query row of the warpgroup in the sequence
     seqlen_q: Any
     seqlen_k: Any
-    softmax_scale_log2: Any  # softmax_scale * log2(e)
+    softmax_scale_log2: Any  # softmax_scale * log2(e) (softcap: softcap * log2(e))
+    score_scale: Any         # softcap: the tanh's input scale softmax_scale / softcap (else unused)
     rescale_margin: Any      # tau / softmax_scale_log2
     tScS_rc: Any             # (row, col) of each S element of this thread, (rows, cols)
     tScS0_rc: Any            # the same for thread 0 (compile-time): the lean mask compares to it
@@ -54,10 +55,12 @@ class ScoreContext(NamedTuple):
 
 @cute.jit
 def online_softmax(acc_S: cute.Tensor, n_block, masked: cutlass.Constexpr[bool], rows: RowState,
-                   ctx: ScoreContext, mask, policy: cutlass.Constexpr):
-    """S (accumulator) -> P = 2^(S * scale - m * scale) in place, with the mask, the running max and
-    sum. Returns the warp's vote: True when O must be multiplied by row_scale. masked=False: a block
-    every row sees whole (no mask code is generated)."""
+                   ctx: ScoreContext, mask, policy: cutlass.Constexpr, score_mod):
+    """S (accumulator) -> P = 2^(S * scale - m * scale) in place, with the score transform
+    (components.score_mod), the mask, the running max and sum. Returns the warp's vote: True when O
+    must be multiplied by row_scale. masked=False: a block every row sees whole (no mask code is
+    generated)."""
+    score_mod.apply(acc_S, ctx.score_scale)
     acc_S_rc = acc_rowcol(acc_S)
     num_rows = cute.size(rows.row_max)
     if const_expr(masked):

@@ -46,26 +46,43 @@ def step_for(head_dim: int, causal: bool, deterministic: bool):
     return _step1
 
 
+def _variant_kwargs(step, head_dim, causal, window_size, softcap) -> dict:
+    """window_size / softcap for the serving module: only the production kernel takes them; a plain
+    call passes nothing (so ladder step 1 is called as always)."""
+    from stage4_bwd_kernel import host
+
+    if host.variant_of(causal, window_size, softcap) is None:
+        return {}
+    if step is not _product:
+        raise ValueError(f"window_size / softcap: the backward at head dim {head_dim} runs ladder step 1, which "
+                         f"has no sliding window or softcap; head dims 64, 96 and 128 have both")
+    return dict(window_size=window_size, softcap=softcap)
+
+
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       dq=None, dk=None, dv=None):
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None):
     """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv), each like its input.
 
-    dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v)."""
+    dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v).
+    window_size / softcap: the forward's variant (head dims 64, 96, 128)."""
     step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
+    extra = _variant_kwargs(step, getattr(q, "shape", [None])[-1], causal, window_size, softcap)
     return step.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
-                                   deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+                                   deterministic=deterministic, dq=dq, dk=dk, dv=dv, **extra)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False):
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
+                              window_size=(None, None), softcap=0.0):
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)).
 
     seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
     attended to (causal alignment uses that length); the others get zero gradient."""
     step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
+    extra = _variant_kwargs(step, getattr(q, "shape", [None])[-1], causal, window_size, softcap)
     return step.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
-                                          causal=causal, deterministic=deterministic)
+                                          causal=causal, deterministic=deterministic, **extra)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):
@@ -75,7 +92,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
 
 
 def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
-                       has_seqused_k=False) -> list:
+                       has_seqused_k=False, window_size=(None, None), softcap=0.0) -> list:
     """What ``attention_backward`` (varlen=True: ``attention_varlen_backward``) launches for this
     configuration -- the preprocess, the main kernel of ``step_for``, the postprocess -- compiled
     without a GPU under the GPU path's cache keys (TVM-FFI, fake tensors). Returns their Compiled
@@ -85,8 +102,11 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     step = step_for(head_dim, causal, deterministic)
     # the kernel's constructor checks the head dims (ValueError) before anything compiles
+    variant = host.variant_of(causal, window_size, softcap) if _variant_kwargs(
+        step, head_dim, causal, window_size, softcap) else None
     kernel, main = host.compile_main(step.STEP, step.make_kernel, common.cutlass_dtype(dtype), head_dim, head_dim_v,
-                                     causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k)
+                                     causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                                     variant=variant)
     pre, post = host.compile_pre_post(kernel, dtype, head_dim, head_dim_v, varlen)
     return [pre, main, post]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from stage3_fwd_kernel.components.window import NO_WINDOW
 from stage4_bwd_kernel import common, host
 from stage4_bwd_kernel.hopper.kernel import FlashAttentionBackwardSm90
 from stage4_bwd_kernel.hopper.options import RS_HEAD_DIMS, BackwardOptions, check_rs_head_dims, default_tiles
@@ -25,7 +26,7 @@ def _check_dims_of(q, v):
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
-                dq_order=None, tiles=None, **overrides):
+                dq_order=None, tiles=None, window=NO_WINDOW, softcap=0.0, **overrides):
     """The kernel object of one configuration. overrides: BackwardOptions fields that replace the
     configuration's defaults (to compare a build with the default one; production passes none).
     tiles: None or the default tiles (the tile follows from the head dims)."""
@@ -41,15 +42,20 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
         options = dataclasses.replace(BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen),
                                       **overrides)
     return FlashAttentionBackwardSm90(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
-                                      has_seqused_k=has_seqused_k, dq_order=dq_order, options=options)
+                                      has_seqused_k=has_seqused_k, dq_order=dq_order, options=options,
+                                      window=window, softcap=softcap)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
-                 has_seqused_k=False, dq_order=None, tiles=None, **overrides) -> common.Compiled:
+                 has_seqused_k=False, dq_order=None, tiles=None, window_size=(None, None), softcap=0.0,
+                 **overrides) -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     overrides (e.g. key_select=False) build under the name ``STEP~key_select=0``, so they never share a
-    cache entry with the defaults."""
-    name = STEP + "".join(f"~{k}={int(v)}" for k, v in sorted(overrides.items()))
+    cache entry with the defaults; window_size / softcap as in attention_backward."""
+    variant = host.variant_of(causal, window_size, softcap)
+    if variant is not None:
+        overrides = dict(overrides, window=variant[0], softcap=variant[1])
+    name = STEP + "".join(f"~{k}={v if k in ('window', 'softcap') else int(v)}" for k, v in sorted(overrides.items()))
     return host.compile_fake(name, functools.partial(make_kernel, **overrides), dtype=dtype, head_dim=head_dim,
                              head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal,
                              deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
@@ -57,22 +63,26 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       dq=None, dk=None, dv=None, dq_order=None, tiles=None):
-    """(B,S,H,D) CUDA fp16/bf16 q, k, v, out, dout and lse (B,Hq,Sq) fp32 -> (dq, dk, dv)."""
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None, tiles=None):
+    """(B,S,H,D) CUDA fp16/bf16 q, k, v, out, dout and lse (B,Hq,Sq) fp32 -> (dq, dk, dv).
+    window_size / softcap: as the forward's (stage3_fwd_kernel.components); a learnable sink needs
+    nothing here beyond the forward's lse, which includes it."""
     _check_dims_of(q, v)
     return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
-                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, tiles=tiles)
+                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, tiles=tiles,
+                         variant=host.variant_of(causal, window_size, softcap))
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
-                              dq_order=None, tiles=None):
+                              window_size=(None, None), softcap=0.0, dq_order=None, tiles=None):
     """Packed (T,H,D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens -> (dq, dk, dv)."""
     _check_dims_of(q, v)
     return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
-                         deterministic=deterministic, dq_order=dq_order, tiles=tiles)
+                         deterministic=deterministic, dq_order=dq_order, tiles=tiles,
+                         variant=host.variant_of(causal, window_size, softcap))
 
 
 def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,

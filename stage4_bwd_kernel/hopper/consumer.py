@@ -42,6 +42,7 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import warpgroup
 
 from stage3_fwd_kernel import trace
+from stage3_fwd_kernel.components.score_mod import LOG2_E
 from stage3_fwd_kernel.hopper.fragments import acc_rowcol
 from stage4_bwd_kernel import schedule
 from stage4_bwd_kernel.hopper.layouts import dq_frag_tiled_copy
@@ -159,20 +160,26 @@ class Consumer:
         if const_expr(not self.kv_with_first):
             pipes.kv.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
 
+        # softcap: P's exponent scale is softcap * log2(e), the tanh's input scale softmax_scale / softcap
+        score_scale = None
+        if const_expr(self.score_mod.on):
+            softmax_scale_log2 = Float32(self.score_mod.cap * LOG2_E)
+            score_scale = softmax_scale * (1.0 / self.score_mod.cap)
         # the walk: (query head of the group) x (Q tile), in three segments (module docstring)
         n_m = walk.m_block_max - walk.m_block_min
         n_tiles = walk.qhead_per_kvhead * n_m
         trace.note(n_tiles)
         hot_lo, hot_hi = schedule.unmasked_m_range(walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k, self.causal,
                                                    walk.m_block_min, walk.m_block_max, imin=cutlass.min,
-                                                   imax=cutlass.max)
+                                                   imax=cutlass.max, window=self.window_or_none)
         segments = ((walk.m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, walk.m_block_max, True))
         for head_in_group in cutlass.range(walk.qhead_per_kvhead, unroll=1):
             for seg in cutlass.range_constexpr(3):
                 seg_lo, seg_hi, masked = segments[seg]
                 for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
                     t = head_in_group * n_m + m_block - walk.m_block_min
-                    self.consume_tile(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, masked)
+                    self.consume_tile(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, masked,
+                                      score_scale)
 
         trace.cta_stamp("walked")
         self.store_dk_dv(o, walk, mdK, mdV, mmas, gmem_stores, sOffsets, softmax_scale)
@@ -180,7 +187,7 @@ class Consumer:
 
     @cute.jit
     def consume_tile(self, o: ConsumerOperands, walk, mmas, pipes, t: Int32, m_block: Int32, n_tiles: Int32,
-                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool]):
+                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None):
         """Tile t of the walk (Q tile m_block): the wgmma order of the module docstring."""
         tm, tn = self.tile_m, self.tile_n
         st = self.tile_state(t, producer=False)
@@ -202,8 +209,13 @@ class Consumer:
         warpgroup.wait_group(1)
         acc_S_rc = acc_rowcol(acc_S)
         key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k)
+        dtanh_rc = None
+        if const_expr(self.score_mod.on):
+            # 16-bit: at 32 more fp32 registers a thread the consumers spilled; dS^T is rounded to 16
+            # bits for the dK and dQ wgmmas anyway
+            dtanh_rc = acc_rowcol(cute.make_rmem_tensor(acc_S.shape, self.dtype))
         self.exp_scores(acc_S_rc, o.tScS_rc, sLSE2_t, lse2_quad, softmax_scale_log2, key_limit, diag,
-                        q_rows_left, masked=masked, tScS0_rc=o.tScS0_rc)
+                        q_rows_left, masked=masked, tScS0_rc=o.tScS0_rc, score_scale=score_scale, dtanh_rc=dtanh_rc)
         # P^T -> 16-bit A fragment of dV (the accumulator's register order), dV += P^T dO
         tdVrPt = cute.make_rmem_tensor(o.thr_dV.partition_shape_A((tn, tm)), self.dtype)
         tdVrPt_acc = cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape))
@@ -214,7 +226,7 @@ class Consumer:
 
         # dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and -> sdSt for dQ
         warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
-        tdKrdSt = self.form_ds(o, acc_S, acc_S_rc, acc_dP, sD_t, tdVrPt_acc)
+        tdKrdSt = self.form_ds(o, acc_S, acc_S_rc, acc_dP, sD_t, tdVrPt_acc, dtanh_rc)
         ds_buf = t % self.ds_buffers
         if const_expr(self.ds_buffers == 1):
             # the other warpgroup's dQ wgmma of the previous tile has read sdSt
@@ -251,15 +263,17 @@ class Consumer:
 
     @cute.jit
     def form_ds(self, o: ConsumerOperands, acc_S: cute.Tensor, acc_S_rc: cute.Tensor, acc_dP: cute.Tensor,
-                sD_t: cute.Tensor, tdVrPt_acc: cute.Tensor):
-        """dS^T = P^T * (dP^T - D) in acc_dP, then its 16-bit copy (the A fragment of dK, returned); with
-        late_dv, P^T is packed for dV only now."""
+                sD_t: cute.Tensor, tdVrPt_acc: cute.Tensor, dtanh_rc=None):
+        """dS^T = P^T * (dP^T - D) in acc_dP (softcap: times the tanh's derivative dtanh_rc), then its
+        16-bit copy (the A fragment of dK, returned); with late_dv, P^T is packed for dV only now."""
         acc_dP_rc = acc_rowcol(acc_dP)
         dpsum_quad = self.load_quad_stats(sD_t)
         for c in cutlass.range_constexpr(cute.size(o.tScS_rc, mode=[1])):
             dpsum = self.column_stat(sD_t, dpsum_quad, c, o.tScS_rc[0, c][1])
             for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
                 acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+                if const_expr(dtanh_rc is not None):
+                    acc_dP_rc[r, c] = acc_dP_rc[r, c] * dtanh_rc[r, c]
         if const_expr(self.late_dv):
             # P^T packed only now: the fp32 P^T, the 16-bit copy and dP^T are never all live
             tdVrPt_acc.store(acc_S.load().to(self.dtype))

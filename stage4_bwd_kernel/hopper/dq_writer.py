@@ -124,9 +124,13 @@ class DqWriter:
         """Deterministic mode: lane 0 spins until dQ tile (batch, head, m_block)'s counter reaches this
         CTA's rank (K/V tile n_block's) in the dQ order; the warp, and its async-proxy adds, follow."""
         n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
-                                             imin=cutlass.min)
+                                             imin=cutlass.min, window=self.window_or_none)
+        n_block_first = Int32(0)
+        if const_expr(self.window_or_none is not None):
+            n_block_first = schedule.n_block_first(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
+                                                   imax=cutlass.max, window=self.window_or_none)
         common.semaphore_wait(common.elem_pointer(mSemaphore, (batch, head, m_block)),
-                              self.dq_order.rank(n_block, Int32(0), n_block_last), lane)
+                              self.dq_order.rank(n_block, n_block_first, n_block_last), lane)
         cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
         cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
 

@@ -35,6 +35,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory.smem import SmemAllocator
 
 from stage3_fwd_kernel import trace
+from stage3_fwd_kernel.components.score_mod import Softcap
+from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.consumer import Consumer
 from stage4_bwd_kernel.hopper.dq_writer import DqWriter
@@ -60,7 +62,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
                  varlen: bool = False, has_seqused_k: bool = False, dq_order=None,
-                 options: BackwardOptions | None = None):
+                 options: BackwardOptions | None = None, window: Window = NO_WINDOW, softcap: float = 0.0):
         common.check_head_dims(head_dim, head_dim_v)
         self.tile_m, self.tile_n = default_tiles(head_dim, head_dim_v)
         self.dtype = dtype
@@ -72,7 +74,16 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.num_threads = NUM_THREADS
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
         self.smem_bytes = None
+        # the keys a row sees (stage3_fwd_kernel.components.window: causal is a right edge at 0) and
+        # the score transform (components.score_mod); None when plain, so plain builds trace as before
+        self.window = Window(window.left, 0 if causal else window.right)
+        self.banded = window.left is not None or (window.right is not None and not causal)
+        self.window_or_none = self.window if self.banded else None
+        self.score_mod = Softcap(softcap)
         self.options = options or BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen)
+        if self.banded:
+            # the two fast masked bodies know one edge (scores.py); a band takes the plain test
+            self.options = dataclasses.replace(self.options, column_limit=False, mask_offsets=False)
         self.options.check(varlen)
         for field in dataclasses.fields(self.options):  # the device code reads them as attributes
             setattr(self, field.name, getattr(self.options, field.name))

@@ -100,9 +100,11 @@ class Scores:
     @cute.jit
     def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, lse2_quad,
                    softmax_scale_log2: Float32, key_limit: Int32, diag: Int32, q_rows_left: Int32,
-                   masked: cutlass.Constexpr[bool], tScS0_rc: cute.Tensor):
+                   masked: cutlass.Constexpr[bool], tScS0_rc: cute.Tensor, score_scale=None, dtanh_rc=None):
         """P^T = exp2(S^T * scale_log2 - lse2) in place; masked=True also sends masked scores to -inf.
-        tScS_rc: this thread's (key, query) coordinates; tScS0_rc: thread 0's (static)."""
+        tScS_rc: this thread's (key, query) coordinates; tScS0_rc: thread 0's (static). Softcap
+        (components.score_mod): S^T = tanh(S^T * score_scale) first, its derivative 1 - tanh^2 kept
+        in dtanh_rc for dS^T."""
         if const_expr(masked and self.mask_offsets):
             rel = self.row_offsets(tScS_rc, tScS0_rc, key_limit, diag)
             cols_left = q_rows_left - tScS_rc[0, 0][1]
@@ -119,6 +121,9 @@ class Scores:
                     limit = Int32(0)
             for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
                 s = acc_S_rc[r, c]
+                if const_expr(self.score_mod.on):
+                    s = cute.math.tanh(s * score_scale, approx=True)
+                    dtanh_rc[r, c] = (1.0 - s * s).to(self.dtype)
                 if const_expr(self.key_select and not masked):
                     if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, causal=False):
                         s = -Float32.inf
@@ -129,7 +134,7 @@ class Scores:
                     if tScS_rc[r, c][0] >= limit:
                         s = -Float32.inf
                 elif const_expr(masked):
-                    if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (
-                            col >= q_rows_left):
+                    if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal,
+                                          self.window_or_none) | (col >= q_rows_left):
                         s = -Float32.inf
                 acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)

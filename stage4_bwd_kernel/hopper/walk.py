@@ -79,7 +79,8 @@ class WalkPlan:
         """The bounds + the Q tiles [m_block_min, m_block_max) this K/V tile adds into (empty for a
         tile past seqused_k)."""
         m_block_min, m_block_max = schedule.m_block_range(b.n_block, self.tile_m, self.tile_n, b.seqlen_q,
-                                                          b.seqlen_k, self.causal, imax=cutlass.max)
+                                                          b.seqlen_k, self.causal, imax=cutlass.max,
+                                                          window=self.window_or_none, imin=cutlass.min)
         m_block_min = Int32(m_block_min)
         if b.n_block * self.tile_n >= b.seqlen_k:
             m_block_max = m_block_min

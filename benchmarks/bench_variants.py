@@ -1,0 +1,148 @@
+"""The attention variants against the official FlashAttention-4: sliding window, softcap, learnable sink.
+
+    python -m benchmarks.bench_variants [--dims 128] [--seqlen 8192] [--rounds 5] [--out variants.json]
+
+Both sides go through their public functions (`fa4.flash_attn_func`, `flash_attn.cute.interface.
+flash_attn_func`) with the same arguments, forward and backward (the backward timed on a retained
+graph, `torch.autograd.grad` of the output), in paired rounds (benchmarks.ab_fwd: every round times
+both in a fresh random order, the ratio is official time / fa4 time of that round). The cases: plain
+causal (the reference), causal with a 1024-token window, softcap 30, causal with a sink. Then the
+window's cost at --window-seqlen (default 16k): fa4's 1024-window causal call against its causal and
+its non-causal call, next to window / seqlen (the ratio to expect against the non-causal call when
+the cost follows the keys walked). Each case is compiled and checked against the official output once before timing; an
+implementation that refuses a case is reported, not timed.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+
+import torch
+
+from .ab_fwd import paired_rounds, write_results
+
+CASES = {  # name -> (causal, fa4 / official keyword arguments)
+    "causal": (True, {}),
+    "causal+window1024": (True, dict(window_size=(1024, 0))),
+    "softcap30": (False, dict(softcap=30.0)),
+    "causal+sink": (True, dict(learnable_sink="sink")),
+}
+
+
+def _calls(impl, q, k, v, causal, kw):
+    """(forward call, backward call on a retained graph) of one implementation."""
+    def fwd():
+        out = impl(q, k, v, causal=causal, **kw)
+        return out[0] if isinstance(out, tuple) else out
+
+    out = fwd()
+    dout = torch.randn_like(out)
+    inputs = [t for t in (q, k, v, kw.get("learnable_sink")) if t is not None]
+
+    def bwd():
+        return torch.autograd.grad(out, inputs, dout, retain_graph=True)
+
+    return fwd, bwd, out
+
+
+def _impls():
+    import fa4
+    from flash_attn.cute.interface import flash_attn_func as official
+
+    return {"fa4": fa4.flash_attn_func, "official": official}
+
+
+def run_case(name, d, seqlen, rounds, rng, impls):
+    causal, kw = CASES[name]
+    b, h = max(1, 32768 // seqlen), 2048 // d
+    g = torch.Generator(device="cuda").manual_seed(d + seqlen)
+    q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for _ in range(3))
+    if kw.get("learnable_sink") == "sink":
+        kw = dict(kw, learnable_sink=torch.randn(h, device="cuda", generator=g).requires_grad_(True))
+    fns, outs, refused = {"fwd": {}, "bwd": {}}, {}, {}
+    for n, impl in impls.items():
+        try:
+            f, bw, outs[n] = _calls(impl, q, k, v, causal, kw)
+            fns["fwd"][n] = f
+            bw()
+            fns["bwd"][n] = bw
+        except Exception as err:  # noqa: BLE001 - a refusal is a result here
+            refused[n] = f"{type(err).__name__}: {str(err)[:160]}"
+    rows = []
+    if "fa4" in outs and "official" in outs:
+        err = (outs["fa4"].float() - outs["official"].float()).abs().max().item()
+        if err > 0.05:
+            raise SystemExit(f"{name} d={d}: fa4 and the official output differ by {err:.3g}")
+    for direction in ("fwd", "bwd"):
+        times = paired_rounds(fns[direction], rounds, rng)
+        row = {"case": name, "direction": direction, "head_dim": d, "seqlen": seqlen, "batch": b, "heads": h,
+               "refused": refused, "ms_rounds": times,
+               "ms_median": {n: statistics.median(t) for n, t in times.items()}}
+        if "official" in times and "fa4" in times:
+            ratios = [o / f for o, f in zip(times["official"], times["fa4"])]
+            row.update(ratio_median=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+            print(f"{name:18} d={d:3} {direction} fa4 {row['ms_median']['fa4']:.3f} ms  official "
+                  f"{row['ms_median']['official']:.3f} ms  x{row['ratio_median']:.3f} "
+                  f"[{row['ratio_min']:.3f}, {row['ratio_max']:.3f}]", flush=True)
+        else:
+            print(f"{name:18} d={d:3} {direction} timed {sorted(times)}; refused: {refused}", flush=True)
+        rows.append(row)
+    return rows
+
+
+def window_cost(d, seqlen, window, rounds, rng):
+    """fa4 at one seqlen: causal + (window, 0) against causal and against non-causal attention; the
+    keys a row walks are ~window, ~seqlen / 2 and seqlen, so the time ratios to expect are about
+    2 window / seqlen and window / seqlen."""
+    import fa4
+
+    b, h = max(1, 32768 // seqlen), 2048 // d
+    g = torch.Generator(device="cuda").manual_seed(seqlen)
+    q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
+               for _ in range(3))
+    rows = []
+    calls = {"full": _calls(fa4.flash_attn_func, q, k, v, False, {}),
+             "causal": _calls(fa4.flash_attn_func, q, k, v, True, {}),
+             "window": _calls(fa4.flash_attn_func, q, k, v, True, dict(window_size=(window, 0)))}
+    for direction, i in (("fwd", 0), ("bwd", 1)):
+        times = paired_rounds({n: c[i] for n, c in calls.items()}, rounds, rng)
+        vs_causal = statistics.median(w / c for w, c in zip(times["window"], times["causal"]))
+        vs_full = statistics.median(w / f for w, f in zip(times["window"], times["full"]))
+        rows.append({"case": f"window{window}_cost", "direction": direction, "head_dim": d, "seqlen": seqlen,
+                     "window": window, "ms_rounds": times, "window_over_causal": vs_causal,
+                     "window_over_full": vs_full, "window_over_seqlen": window / seqlen})
+        print(f"window {window} at {seqlen} d={d} {direction}: {vs_causal:.3f} of the causal time, {vs_full:.3f} "
+              f"of the non-causal time (window / seqlen = {window / seqlen:.3f})", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--seqlen", type=int, default=8192)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--window-seqlen", type=int, default=16384)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    impls = _impls()
+    rows = []
+    for d in (int(x) for x in args.dims.split(",")):
+        for name in args.cases.split(","):
+            rows += run_case(name, d, args.seqlen, args.rounds, rng, impls)
+            if args.out:  # after every case: a long run that is cut short keeps what it measured
+                write_results(args.out, "benchmarks.bench_variants", rows, args.rounds)
+        if args.window_seqlen:
+            rows += window_cost(d, args.window_seqlen, 1024, args.rounds, rng)
+    if args.out:
+        write_results(args.out, "benchmarks.bench_variants", rows, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

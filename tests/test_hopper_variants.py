@@ -1,0 +1,389 @@
+"""The Hopper product kernels with the attention variants: sliding window, softcap, learnable sink.
+
+gpu tier: every case runs on NaN-poisoned outputs and is judged with FA4's rule against the fp32
+reference (stage0_reference.torch_reference): at most 2x the error of a PyTorch implementation in
+the input precision (3x with softcap: tanh.approx against torch's tanh), plus a tiny atol. Windows
+are drawn per case from a seeded generator, one-sided ones included. The backward (head dims 64,
+96, 128) is judged the same way for dq, dk, dv, deterministic mode bitwise over repeats, and fa4
+end to end adds the sink's gradient. compile tier: the variants build for sm_90a without a GPU, and
+plain calls keep their kernels (the variant adds nothing to the cache key of a call without one).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+
+
+def _mod():
+    from stage3_fwd_kernel import hopper
+
+    return hopper
+
+
+def _window(rng: random.Random, sq: int, sk: int, causal: bool):
+    """A random window for a (sq, sk) problem: both sides, one side, or small; right is None under causal."""
+    span = max(sq, sk)
+    kind = rng.choice(["both", "left", "right", "small"])
+    left = rng.randint(0, span) if kind in ("both", "left") else (rng.randint(0, 3) if kind == "small" else None)
+    right = rng.randint(0, span) if kind in ("both", "right") else (rng.randint(0, 3) if kind == "small" else None)
+    if causal:
+        right = None
+        left = left if left is not None else rng.randint(0, span)
+    return (left, right)
+
+
+def _bound_check(name, actual, ref, base, rtol):
+    from stage0_reference.torch_reference import _max_abs_diff
+
+    err = _max_abs_diff(actual, ref)
+    bound = rtol * _max_abs_diff(base, ref) + 1e-5
+    assert err <= bound, f"{name}: max error {err:.3e} > {rtol} x baseline error + atol = {bound:.3e}"
+
+
+def _check(name, out, lse, ref, base, softcap):
+    import torch
+
+    assert not torch.isnan(out).any(), f"{name}: NaN in out (unwritten or poisoned rows)"
+    assert not torch.isnan(lse).any(), f"{name}: NaN in lse (unwritten or poisoned rows)"
+    rtol = 3.0 if softcap else 2.0
+    _bound_check(f"{name} out", out, ref[0], base[0], rtol)
+    _bound_check(f"{name} lse", lse, ref[1], base[1], rtol)
+
+
+def _qkv(b, sq, sk, hq, hkv, d, dv, dtype, seed):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    return (torch.randn(b, sq, hq, d, device="cuda", dtype=t, generator=g),
+            torch.randn(b, sk, hkv, d, device="cuda", dtype=t, generator=g),
+            torch.randn(b, sk, hkv, dv, device="cuda", dtype=t, generator=g))
+
+
+def _sink(hq, seed):
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    return torch.randn(hq, device="cuda", generator=g, dtype=torch.float32) * 2.0
+
+
+def run_dense(q, k, v, *, causal, window_size, softcap, sink, **kw):
+    """Poisoned outputs, the kernel, then the rule against the reference."""
+    import torch
+    from stage0_reference.torch_reference import attention_ref
+
+    out = torch.full(q.shape[:3] + (v.shape[3],), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device="cuda", dtype=torch.float32)
+    _mod().attention_forward(q, k, v, causal=causal, window_size=window_size, softcap=softcap,
+                             learnable_sink=sink, out=out, lse=lse, **kw)
+    torch.cuda.synchronize()
+    variant = dict(causal=causal, window_size=window_size, softcap=softcap, learnable_sink=sink)
+    ref = attention_ref(q, k, v, upcast=True, **variant)
+    base = attention_ref(q, k, v, upcast=False, **variant)
+    _check(f"{tuple(q.shape)}x{tuple(k.shape)} causal={causal} window={window_size} softcap={softcap} "
+           f"sink={sink is not None} {kw}", out, lse, ref, base, softcap)
+    return out, lse
+
+
+# (sq, sk, hq, hkv, d, dv, dtype, causal, softcap, sink)
+DENSE_CASES = [
+    (1, 1, 2, 1, 64, 64, "bf16", False, 0.0, True),
+    (3, 3, 6, 1, 128, 128, "bf16", True, 0.0, False),
+    (64, 1, 4, 2, 64, 64, "fp16", False, 30.0, False),
+    (239, 1, 6, 6, 128, 128, "bf16", True, 0.0, True),
+    (799, 3, 6, 1, 96, 96, "bf16", False, 5.0, True),
+    (113, 203, 4, 2, 128, 128, "bf16", False, 0.0, False),
+    (113, 203, 6, 1, 64, 64, "bf16", True, 30.0, False),
+    (255, 256, 4, 4, 192, 128, "bf16", False, 0.0, True),
+    (1023, 1024, 6, 2, 128, 128, "fp16", True, 0.0, False),
+    (1023, 1024, 2, 2, 256, 256, "bf16", False, 50.0, True),
+    (4224, 4224, 2, 1, 128, 128, "bf16", True, 0.0, False),
+    (4224, 4224, 2, 2, 64, 64, "bf16", False, 0.0, True),
+    (700, 1500, 6, 3, 64, 64, "bf16", True, 30.0, True),
+    (1500, 700, 4, 2, 128, 128, "bf16", False, 0.0, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", DENSE_CASES, ids=[
+    f"{c[0]}x{c[1]}-h{c[2]}/{c[3]}-d{c[4]}x{c[5]}-{c[6]}-{'causal' if c[7] else 'full'}-cap{c[8]:g}"
+    f"{'-sink' if c[9] else ''}" for c in DENSE_CASES])
+def test_dense_variants(case):
+    sq, sk, hq, hkv, d, dv, dtype, causal, softcap, sink = case
+    seed = sq * 7 + sk + d
+    rng = random.Random(seed)
+    window = _window(rng, sq, sk, causal)
+    q, k, v = _qkv(2, sq, sk, hq, hkv, d, dv, dtype, seed)
+    run_dense(q, k, v, causal=causal, window_size=window, softcap=softcap, sink=_sink(hq, seed) if sink else None)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("d,dv", HEAD_DIMS, ids=[f"d{d}x{dv}" for d, dv in HEAD_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sliding_window_every_head_dim(d, dv, causal):
+    """A Mistral-style window (w, 0) or a two-sided one at every head dim, long enough that the left
+    edge cuts whole key blocks and the persistent / dynamic walks run."""
+    window = (300, None) if causal else (257, 129)
+    q, k, v = _qkv(2, 2048, 2048, 4, 2, d, dv, "bf16", d + causal)
+    run_dense(q, k, v, causal=causal, window_size=window, softcap=0.0, sink=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("persistent", [False, True], ids=["one-tile-per-cta", "persistent"])
+def test_window_that_hides_whole_rows(persistent):
+    """seqlen_q > seqlen_k with a small two-sided window: the top rows see no key (out 0, lse -inf,
+    or the sink's lse), and whole tiles walk no block at all."""
+    import torch
+
+    q, k, v = _qkv(1, 600, 100, 2, 2, 128, 128, "bf16", 11)
+    out, lse = run_dense(q, k, v, causal=False, window_size=(3, 2), softcap=0.0, sink=None, persistent=persistent)
+    assert torch.equal(out[0, :400].float().abs().amax(), torch.tensor(0.0, device="cuda"))
+    assert torch.isinf(lse[0, :, :400]).all()
+    sink = _sink(2, 11)
+    out, lse = run_dense(q, k, v, causal=False, window_size=(3, 2), softcap=0.0, sink=sink, persistent=persistent)
+    assert torch.allclose(lse[0, :, :400], sink[:, None].expand(2, 400))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_variants_with_empty_sequences(causal):
+    import torch
+    from stage0_reference.torch_reference import attention_varlen_ref
+
+    lens_q, lens_k = [0, 300, 1, 517, 0, 129], [5, 290, 0, 517, 0, 1000]
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    hq, hkv, d = 6, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    sink = _sink(hq, 5)
+    window = (64, None) if causal else (100, 20)
+    variant = dict(causal=causal, window_size=window, softcap=20.0, learnable_sink=sink)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+    _mod().attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out=out, lse=lse, **variant)
+    torch.cuda.synchronize()
+    ref = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **variant)
+    base = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=False, **variant)
+    _check(f"varlen causal={causal}", out, lse, ref, base, softcap=20.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+def test_softcap_bounds_the_logits():
+    """With a tiny softcap every logit is within (-cap, cap): the output is near the mean of V, and lse
+    is within [log(Sk) - cap, log(Sk) + cap] even for huge raw scores."""
+    import math
+
+    import torch
+
+    q, k, v = _qkv(1, 256, 512, 2, 2, 64, 64, "bf16", 3)
+    out, lse = run_dense(q * 50, k * 50, v, causal=False, window_size=(None, None), softcap=0.5, sink=None)
+    assert (lse >= math.log(512) - 0.5 - 1e-3).all() and (lse <= math.log(512) + 0.5 + 1e-3).all()
+
+
+# ======================================================================================== compile
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("variant", [dict(window_size=(128, 0)), dict(window_size=(64, 32)),
+                                     dict(softcap=30.0), dict(learnable_sink=True),
+                                     dict(window_size=(256, None), softcap=50.0, learnable_sink=True)],
+                         ids=["left-right0", "two-sided", "softcap", "sink", "all"])
+def test_variants_compile_without_spills(variant):
+    comp = _mod().compile_only("bf16", 128, 128, False, **variant)
+    assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
+    if variant.get("softcap"):
+        assert "MUFU.TANH" in comp.sass
+    else:
+        assert "MUFU.TANH" not in comp.sass
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_plain_calls_keep_their_cache_keys():
+    """The variant enters the compile-cache key only when it is not plain, so existing kernels (and
+    fa4's disk cache entries) are unchanged by the feature."""
+    from stage3_fwd_kernel.hopper.host import PLAIN, Variant, _key
+    from stage3_fwd_kernel.components.window import Window
+
+    import cutlass
+
+    base = _key("gpu", cutlass.BFloat16, 128, 128, True, None, None)
+    assert _key("gpu", cutlass.BFloat16, 128, 128, True, None, None, variant=PLAIN) == base
+    other = _key("gpu", cutlass.BFloat16, 128, 128, True, None, None, variant=Variant(Window(64, None)))
+    assert other != base
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("window_size,causal,err", [
+    ((5, 3), True, ValueError), ((-2, None), False, ValueError), ((1.5, None), False, TypeError),
+    ("wide", False, TypeError)])
+def test_bad_windows_name_the_argument(window_size, causal, err):
+    from stage3_fwd_kernel.components.window import make_window
+
+    with pytest.raises(err, match="window_size"):
+        make_window(causal, window_size)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_window_normalisation():
+    from stage3_fwd_kernel.components.window import Window, make_window
+
+    assert make_window(False, (-1, -1)) == Window(None, None)
+    assert make_window(True, (None, None)) == Window(None, 0)
+    assert make_window(True, (128, -1)) == Window(128, 0)
+    assert make_window(False, (7, 0)) == Window(7, 0)
+
+
+# ======================================================================================== backward
+def _variant_grads(q, k, v, dout, variant, sink=None):
+    """(fp32 reference grads, low-precision baseline grads) through attention_ref: dq, dk, dv (+ dsink)."""
+    import torch
+    from stage0_reference.torch_reference import attention_ref
+
+    def grads(dtype, upcast):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        s = None if sink is None else sink.detach().clone().requires_grad_(True)
+        o, _ = attention_ref(*leaves, upcast=upcast, learnable_sink=s, **variant)
+        o.backward(dout.to(dtype))
+        return tuple(t.grad for t in leaves) + (() if s is None else (s.grad,))
+
+    return grads(torch.float32, True), grads(q.dtype, False)
+
+
+def _check_grads(name, got, ref, base, softcap):
+    from stage0_reference.torch_reference import grad_atol
+
+    rtol = 3.0 if softcap else 2.0
+    for part, a, r, bl in zip(("dq", "dk", "dv", "dsink"), got, ref, base):
+        from stage0_reference.torch_reference import _max_abs_diff
+
+        err, bound = _max_abs_diff(a, r), rtol * _max_abs_diff(bl, r) + grad_atol(ref)
+        assert err <= bound, f"{name} {part}: max error {err:.3e} > {bound:.3e}"
+
+
+# (sq, sk, hq, hkv, d, causal, window, softcap)
+BWD_CASES = [
+    (1, 1, 2, 1, 64, False, (0, 0), 0.0),
+    (113, 203, 6, 1, 128, False, (40, 7), 0.0),
+    (239, 1, 4, 2, 96, True, (3, None), 0.0),
+    (799, 3, 6, 6, 64, False, (None, 1), 30.0),
+    (255, 256, 4, 2, 128, True, (100, None), 30.0),
+    (1023, 1024, 6, 3, 64, True, (257, None), 0.0),
+    (1023, 1024, 2, 2, 96, False, (129, 300), 5.0),
+    (1000, 1500, 4, 4, 128, False, (None, None), 50.0),
+    (4224, 4224, 2, 1, 128, True, (1024, None), 0.0),
+    (1500, 700, 4, 2, 64, False, (64, 64), 0.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage4
+@pytest.mark.parametrize("case", BWD_CASES, ids=[
+    f"{c[0]}x{c[1]}-h{c[2]}/{c[3]}-d{c[4]}-{'causal' if c[5] else 'full'}-w{c[6][0]},{c[6][1]}-cap{c[7]:g}"
+    for c in BWD_CASES])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_backward_variants(case, deterministic):
+    import torch
+    from stage0_reference.torch_reference import attention_ref
+    from stage4_bwd_kernel import hopper as bwd
+
+    sq, sk, hq, hkv, d, causal, window, softcap = case
+    q, k, v = _qkv(2, sq, sk, hq, hkv, d, d, "bf16", sq + sk)
+    g = torch.Generator(device="cuda").manual_seed(sq)
+    dout = torch.randn(q.shape[:3] + (d,), device="cuda", dtype=q.dtype, generator=g)
+    variant = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = attention_ref(q, k, v, upcast=True, **variant)
+    out = out.to(q.dtype)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    got = bwd.attention_backward(q, k, v, out, dout, lse, deterministic=deterministic, dq=dq, dk=dk, dv=dv, **variant)
+    ref, base = _variant_grads(q, k, v, dout, variant)
+    _check_grads(f"{case} det={deterministic}", got, ref, base, softcap)
+    if deterministic:
+        again = bwd.attention_backward(q, k, v, out, dout, lse, deterministic=True, **variant)
+        assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage4
+def test_backward_varlen_variants_with_empty_sequences():
+    import torch
+    from stage0_reference.torch_reference import attention_varlen_ref
+    from stage4_bwd_kernel import hopper as bwd
+
+    lens_q, lens_k = [0, 300, 1, 517, 0, 129], [5, 290, 0, 517, 0, 1000]
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(sum(lens_q), 6, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = torch.randn_like(q)
+    variant = dict(causal=True, window_size=(64, None), softcap=20.0)
+    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, upcast=True, **variant)
+    got = bwd.attention_varlen_backward(q, k, v, out.to(q.dtype), dout, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                        **variant)
+
+    def grads(dtype, upcast):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        o, _ = attention_varlen_ref(*leaves, cu_q, cu_k, upcast=upcast, **variant)
+        o.backward(dout.to(dtype))
+        return tuple(t.grad for t in leaves)
+
+    _check_grads("varlen", got, grads(torch.float32, True), grads(q.dtype, False), softcap=20.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("d", [64, 128])
+def test_fa4_window_softcap_sink_forward_backward(d):
+    """Through fa4.flash_attn_func and autograd: out, lse and dq, dk, dv, dsink against the fp32
+    reference (the sink's gradient comes from the forward's lse and D = dO . O)."""
+    import torch
+
+    import fa4
+
+    q, k, v = _qkv(2, 700, 900, 6, 2, d, d, "bf16", d)
+    sink = _sink(6, d)
+    variant = dict(causal=True, window_size=(200, 0), softcap=30.0)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    s = sink.detach().clone().requires_grad_(True)
+    out = fa4.flash_attn_func(*leaves, learnable_sink=s, **variant)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    got = tuple(t.grad for t in leaves) + (s.grad,)
+    ref, base = _variant_grads(q, k, v, dout, variant, sink=sink)
+    _check_grads(f"fa4 d={d}", got, ref, base, softcap=30.0)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_wide_head_backward_refuses_variants():
+    from stage4_bwd_kernel import hopper as bwd
+
+    with pytest.raises(ValueError, match="window_size / softcap"):
+        bwd._variant_kwargs(bwd.step_for(256, False, False), 256, False, (8, 8), 0.0)
+    assert bwd._variant_kwargs(bwd.step_for(256, False, False), 256, False, (None, None), 0.0) == {}
+    assert bwd._variant_kwargs(bwd.step_for(128, False, False), 128, False, (8, 8), 0.0) == dict(
+        window_size=(8, 8), softcap=0.0)
+
+
+@pytest.mark.compile
+@pytest.mark.stage4
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_backward_window_builds_without_spills(d):
+    from stage4_bwd_kernel.hopper import backward as bwd
+
+    comp = bwd.compile_only("bf16", d, d, True, window_size=(256, None))
+    assert comp.report["spill_stores"] == 0 and not comp.report["wgmma_serialized"]
