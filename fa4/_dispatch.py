@@ -379,37 +379,39 @@ class Backend:
         return self._module("bwd")
 
     def backward(self, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse=None,
-                 window=(None, None), softcap: float = 0.0):
+                 window=(None, None), softcap: float = 0.0, want_d: bool = False):
         """dlse (the gradient flowing in through lse) enters as one more backward call with
         chosen inputs (`add_lse_grad`): the kernels take no dlse themselves. A learnable sink
         needs nothing here: the saved lse includes it, which is all the kernel needs for P (its
-        own gradient is `sink_grad`)."""
+        own gradient is `sink_grad`). want_d: also return D = rowsum(dout * out) in lse's layout, which
+        the kernel's preprocess computes (the sink's gradient needs it)."""
         self.check_variants(window, softcap)
         fn = self.backward_module().attention_backward
         self._warn_unverified()
         kw = dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
                   **variant_kwargs(window, softcap))
-        dq, dk, dv = fn(q, k, v, out, dout, lse, **kw)
+        dq, dk, dv, *d = fn(q, k, v, out, dout, lse, **kw, **({"return_d": True} if want_d else {}))
         if dlse is not None:
             dq, dk = add_lse_grad(lambda *a: fn(*a, **kw), q, k, v, out, lse, dlse, dq, dk, varlen=False)
-        return dq, dk, dv
+        return (dq, dk, dv, *d)
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                         max_seqlen_k, softmax_scale, causal, deterministic, dlse=None, window=(None, None),
-                        softcap: float = 0.0):
+                        softcap: float = 0.0, want_d: bool = False):
         self.check_variants(window, softcap)
         fn = self.backward_module().attention_varlen_backward
         self._warn_unverified()
         kw = dict(seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
                   **variant_kwargs(window, softcap))
 
-        def call(q_, k_, v_, out_, dout_, lse_):
-            return fn(q_, k_, v_, out_, dout_, lse_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
+        def call(q_, k_, v_, out_, dout_, lse_, **extra):
+            return fn(q_, k_, v_, out_, dout_, lse_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw,
+                      **extra)
 
-        dq, dk, dv = call(q, k, v, out, dout, lse)
+        dq, dk, dv, *d = call(q, k, v, out, dout, lse, **({"return_d": True} if want_d else {}))
         if dlse is not None:
             dq, dk = add_lse_grad(call, q, k, v, out, lse, dlse, dq, dk, varlen=True)
-        return dq, dk, dv
+        return (dq, dk, dv, *d)
 
 
 class HopperBackend(Backend):
@@ -509,7 +511,7 @@ def variant_kwargs(window=(None, None), softcap: float = 0.0, learnable_sink=Non
     return kw
 
 
-def sink_grad(out, dout, lse, sink, dlse=None):
+def sink_grad(out, dout, lse, sink, dlse=None, d=None):
     """The gradient of a learnable sink (one logit per query head), with torch ops.
 
     The sink joins row i's softmax denominator: lse_i = log(exp(sink_h) + sum_j exp(s_ij)), and
@@ -518,15 +520,18 @@ def sink_grad(out, dout, lse, sink, dlse=None):
 
         dsink_h = sum over batch and rows i of p_i (dlse_i - D_i),   D_i = rowsum(dout_i * out_i)
 
-    (the same D term the backward kernel forms; dlse = 0 when lse gets no gradient). `lse` is the
+    (the same D term the backward kernel forms -- pass it as `d`, in lse's layout, to skip recomputing
+    it; dlse = 0 when lse gets no gradient). `lse` is the
     forward's (sink included). Dense: out/dout (B, Sq, H, Dv), lse/dlse (B, H, Sq); varlen:
     (Tq, H, Dv) and (H, Tq). A row with lse = -inf contributes 0. Computed in fp32 (fp64 for
     fp64 inputs); returned in the sink's dtype."""
     import torch
 
     acc = torch.promote_types(lse.dtype, torch.float32)
-    d = (dout.to(acc) * out).sum(-1)                                   # (B, Sq, H) / (Tq, H)
-    d = d.permute(0, 2, 1) if lse.dim() == 3 else d.transpose(0, 1)  # -> lse's layout
+    if d is None:
+        d = (dout.to(acc) * out).sum(-1)                                   # (B, Sq, H) / (Tq, H)
+        d = d.permute(0, 2, 1) if lse.dim() == 3 else d.transpose(0, 1)  # -> lse's layout
+    d = d.to(acc)
     if dlse is not None:
         d = d - dlse.to(acc)
     s = sink.to(acc).view(-1, 1)                                       # (H, 1): broadcasts over rows

@@ -82,11 +82,12 @@ def _empty_lse(q, shape, learnable_sink, head_dim):
     return learnable_sink.detach().to(torch.float32).view(view).expand(shape).contiguous()
 
 
-def _dsink(out, dout, lse, dlse, learnable_sink):
-    """The sink's gradient (fa4._dispatch.sink_grad), or an empty fp32 tensor when there is no sink."""
+def _dsink(out, dout, lse, dlse, learnable_sink, d=None):
+    """The sink's gradient (fa4._dispatch.sink_grad; d: the backward's D rows when it returned them),
+    or an empty fp32 tensor when there is no sink."""
     if learnable_sink is None:
         return lse.new_empty((0,), dtype=torch.float32)
-    return _dispatch.sink_grad(out, dout, lse, learnable_sink, dlse).contiguous()
+    return _dispatch.sink_grad(out, dout, lse, learnable_sink, dlse, d=d).contiguous()
 
 
 def _fake_dsink(q, learnable_sink):
@@ -142,12 +143,13 @@ def _bwd_impl(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministi
     backend.check_head_dims(d, v.shape[-1])
     window = _window(window_left, window_right)
     _check_variants(backend, window, softcap, learnable_sink)
-    dsink = _dsink(out, dout, lse, dlse, learnable_sink)
     if b == 0 or sq == 0 or hq == 0 or sk == 0:  # every gradient of q, k, v is exactly zero
-        return (*_zero_grads(q, k, v), dsink)
-    dq, dk, dv = backend.backward(_last_dim_unit(dout), q, k, v, out, lse, softmax_scale, causal, deterministic,
-                                  dlse=None if dlse is None else dlse.contiguous(), window=window, softcap=softcap)
-    return (*_contig(dq, dk, dv), dsink)
+        return (*_zero_grads(q, k, v), _dsink(out, dout, lse, dlse, learnable_sink))
+    # with a sink the kernel's D rows come back (its preprocess forms them), for the sink's gradient
+    dq, dk, dv, *d = backend.backward(_last_dim_unit(dout), q, k, v, out, lse, softmax_scale, causal, deterministic,
+                                      dlse=None if dlse is None else dlse.contiguous(), window=window, softcap=softcap,
+                                      want_d=learnable_sink is not None)
+    return (*_contig(dq, dk, dv), _dsink(out, dout, lse, dlse, learnable_sink, *d))
 
 
 @torch.library.custom_op("fa4::bwd", mutates_args=(), device_types="cuda")
@@ -240,14 +242,13 @@ def _varlen_bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, 
     backend.check_head_dims(d, v.shape[-1])
     window = _window(window_left, window_right)
     _check_variants(backend, window, softcap, learnable_sink)
-    dsink = _dsink(out, dout, lse, dlse, learnable_sink)
     if tq == 0 or hq == 0 or k.shape[0] == 0 or cu_seqlens_q.shape[0] <= 1 or max_seqlen_q == 0 or max_seqlen_k == 0:
-        return (*_zero_grads(q, k, v), dsink)
-    dq, dk, dv = backend.varlen_backward(_last_dim_unit(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                                         seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
-                                         dlse=None if dlse is None else dlse.contiguous(), window=window,
-                                         softcap=softcap)
-    return (*_contig(dq, dk, dv), dsink)
+        return (*_zero_grads(q, k, v), _dsink(out, dout, lse, dlse, learnable_sink))
+    dq, dk, dv, *d = backend.varlen_backward(_last_dim_unit(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                             seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                             deterministic, dlse=None if dlse is None else dlse.contiguous(),
+                                             window=window, softcap=softcap, want_d=learnable_sink is not None)
+    return (*_contig(dq, dk, dv), _dsink(out, dout, lse, dlse, learnable_sink, *d))
 
 
 @torch.library.custom_op("fa4::varlen_bwd", mutates_args=(), device_types="cuda")

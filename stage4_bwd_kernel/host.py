@@ -113,11 +113,13 @@ def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_
 
 def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, softmax_scale=None, causal=False,
-             deterministic=False, dq=None, dk=None, dv=None, dq_order=None, tiles=None, variant=None):
+             deterministic=False, dq=None, dk=None, dv=None, dq_order=None, tiles=None, variant=None,
+             return_d: bool = False):
     """Dense: (B, S, H, D) tensors, lse (B, Hq, Sq). Varlen: packed (T, H, D), lse (Hq, Tq), int32
     cu_seqlens_q / cu_seqlens_k (batch + 1,), max_seqlen_q / max_seqlen_k, optional seqused_k (batch,).
     variant: None, or (Window, softcap) from ``variant_of`` (kernels that support them). Returns
-    (dq, dk, dv) in q's dtype."""
+    (dq, dk, dv) in q's dtype; return_d=True adds D = rowsum(dO * O) in lse's layout, fp32 (the
+    preprocess computes it anyway; a learnable sink's gradient needs it)."""
     import torch
 
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -171,6 +173,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         dq.zero_()
         dk.zero_()
         dv.zero_()
+        if return_d:
+            return dq, dk, dv, (dout.float() * out).sum(-1).movedim(-1, -2 if varlen else 1).contiguous()
         return dq, dk, dv
 
     dt = common.cutlass_dtype(q.dtype)
@@ -213,7 +217,24 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     else:
         post.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q=cu_q if varlen else None,
                          max_seqlen_q=max_seqlen_q)
+    if return_d:
+        return dq, dk, dv, _d_in_lse_layout(dpsum, lse, cu_q if varlen else None)
     return dq, dk, dv
+
+
+def _d_in_lse_layout(dpsum, lse, cu_seqlens_q):
+    """The preprocess's D rows (16-byte padded per sequence, common.stats_offset) in lse's layout:
+    dense (B, Hq, Sq) a slice; varlen (Hq, Tq) a gather of token t of sequence b from row
+    stats_offset(cu_seqlens_q[b], b) + t - cu_seqlens_q[b]."""
+    import torch
+
+    if cu_seqlens_q is None:
+        return dpsum[..., :lse.shape[-1]]
+    tokens = torch.arange(lse.shape[-1], device=lse.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)         # sequence of each token
+    start = cu_seqlens_q[seq]
+    rows = common.stats_offset(start, seq) + tokens - start
+    return dpsum[:, rows.long()]
 
 
 # ------------------------------------------------------------------------------------------------

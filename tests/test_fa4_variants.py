@@ -480,9 +480,12 @@ class _ReferenceBackend:
         return ref_attention(q, k, v, softmax_scale, causal, window, softcap, learnable_sink)
 
     def backward(self, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse=None, window=NO_WINDOW,
-                 softcap=0.0):
+                 softcap=0.0, want_d=False):
         self.calls.append(("bwd", window, softcap, dlse is not None))
-        return ref_backward(q, k, v, out, dout, lse, softmax_scale, causal, window, softcap, dlse)
+        grads = ref_backward(q, k, v, out, dout, lse, softmax_scale, causal, window, softcap, dlse)
+        if want_d:  # the kernel's D rows, in lse's layout (B, H, Sq), as the Hopper backend returns them
+            return (*grads, (dout.to(torch.float64) * out).sum(-1).permute(0, 2, 1))
+        return grads
 
 
 @pytest.fixture

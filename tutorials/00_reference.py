@@ -79,6 +79,31 @@ for name, mine, ref in (("dq", dq, tq.grad), ("dk", dk, tk.grad), ("dv", dv, tv.
     assert np.allclose(mine, ref.numpy(), atol=1e-12)
 
 # %% [markdown]
+# ## Three variants today's models use
+# All three change only the scores or the softmax's denominator, so the same oracle serves them:
+# - **sliding window** `window_size=(left, right)` (Mistral, Gemma): row `i` sees keys
+#   `j` with `i + off - left <= j <= i + off + right` (`off = Sk - Sq`, as for causal; `None` or
+#   `-1` is unlimited, and causal is `right = 0`). A kernel skips the key blocks outside the band,
+#   so its cost follows the window, not the sequence;
+# - **softcap** (Gemma 2): each scaled score `s` becomes `softcap * tanh(s / softcap)`;
+# - **learnable sink** (gpt-oss): one more logit per head joins every row's denominator and carries
+#   no value, so a row can put weight "nowhere".
+
+# %%
+print("causal + window (2, 0):")
+print(visible_mask(Sq, Sk, causal=True, window=(2, 0)).astype(int))
+print("two-sided window (1, 1), not causal:")
+print(visible_mask(Sq, Sk, causal=False, window=(1, 1)).astype(int))
+sink = np.full(Hq, 1.5)
+out_s, lse_s = attention_forward(q, k, v, causal=True, learnable_sink=sink)
+# the sink only adds exp(sink) to each row's sum: lse grows, and out shrinks by exp(lse - lse_s)
+assert np.allclose(lse_s, np.logaddexp(lse, sink[None, :, None]))
+assert np.allclose(out_s, out * np.exp(lse - lse_s).transpose(0, 2, 1)[..., None])
+capped, lse_c = attention_forward(q * 10, k, v, causal=True, softcap=2.0)
+print("softcap 2: every capped logit is in (-2, 2), so lse - log(visible keys) is too:",
+      np.abs(lse_c - np.log(visible_mask(Sq, Sk, causal=True).sum(1))[None, None, :]).max() < 2)
+
+# %% [markdown]
 # ## Exercise
 # GQA: each kv head serves `Hq // Hkv` query heads, so its gradient must be the **sum** of the
 # gradients those query heads send it. Verify that by calling `attention_backward` with `k`, `v`

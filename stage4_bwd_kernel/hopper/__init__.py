@@ -59,30 +59,46 @@ def _variant_kwargs(step, head_dim, causal, window_size, softcap) -> dict:
     return dict(window_size=window_size, softcap=softcap)
 
 
+def _with_d(grads, return_d, out, dout, head_mode: int):
+    """grads, plus D in lse's layout when asked: the production kernel returns its preprocess's; for
+    ladder step 1 (no such hook in a lesson) it is computed here."""
+    if not return_d or len(grads) == 4:
+        return grads
+    d = (dout.float() * out).sum(-1)                    # (B, Sq, Hq) / (Tq, Hq)
+    return (*grads, d.movedim(-1, head_mode).contiguous())
+
+
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None):
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, return_d=False):
     """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv), each like its input.
 
     dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v).
-    window_size / softcap: the forward's variant (head dims 64, 96, 128)."""
+    window_size / softcap: the forward's variant (head dims 64, 96, 128). return_d: also return D =
+    rowsum(dO * O) in lse's layout, fp32."""
     step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
     extra = _variant_kwargs(step, getattr(q, "shape", [None])[-1], causal, window_size, softcap)
-    return step.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
-                                   deterministic=deterministic, dq=dq, dk=dk, dv=dv, **extra)
+    if return_d and step is _product:
+        extra["return_d"] = True
+    grads = step.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+                                    deterministic=deterministic, dq=dq, dk=dk, dv=dv, **extra)
+    return _with_d(grads, return_d, out, dout, head_mode=1)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
-                              window_size=(None, None), softcap=0.0):
+                              window_size=(None, None), softcap=0.0, return_d=False):
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)).
 
     seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
     attended to (causal alignment uses that length); the others get zero gradient."""
     step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
     extra = _variant_kwargs(step, getattr(q, "shape", [None])[-1], causal, window_size, softcap)
-    return step.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
-                                          causal=causal, deterministic=deterministic, **extra)
+    if return_d and step is _product:
+        extra["return_d"] = True
+    grads = step.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                           max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
+                                           causal=causal, deterministic=deterministic, **extra)
+    return _with_d(grads, return_d, out, dout, head_mode=0)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):

@@ -63,26 +63,28 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None, tiles=None):
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None, tiles=None,
+                       return_d=False):
     """(B,S,H,D) CUDA fp16/bf16 q, k, v, out, dout and lse (B,Hq,Sq) fp32 -> (dq, dk, dv).
     window_size / softcap: as the forward's (stage3_fwd_kernel.components); a learnable sink needs
-    nothing here beyond the forward's lse, which includes it."""
+    nothing here beyond the forward's lse, which includes it. return_d=True also returns D =
+    rowsum(dO * O) in lse's layout (the sink's gradient needs it)."""
     _check_dims_of(q, v)
     return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, tiles=tiles,
-                         variant=host.variant_of(causal, window_size, softcap))
+                         variant=host.variant_of(causal, window_size, softcap), return_d=return_d)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
-                              window_size=(None, None), softcap=0.0, dq_order=None, tiles=None):
+                              window_size=(None, None), softcap=0.0, dq_order=None, tiles=None, return_d=False):
     """Packed (T,H,D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens -> (dq, dk, dv)."""
     _check_dims_of(q, v)
     return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq_order=dq_order, tiles=tiles,
-                         variant=host.variant_of(causal, window_size, softcap))
+                         variant=host.variant_of(causal, window_size, softcap), return_d=return_d)
 
 
 def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
