@@ -2,9 +2,16 @@
 
     import fa4
     out = fa4.flash_attn_func(q, k, v, causal=True)                      # (B, S, H, D)
-    out = fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k)  # packed
+    out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                     max_seqlen_q=max_q, max_seqlen_k=max_k)  # packed
     out = fa4.scaled_dot_product_attention(query, key, value, is_causal=True)  # (B, H, S, D)
     fa4.supported()                                                      # what runs where
+
+    from fa4.compat import flash_attn_func   # the official flash_attn.cute return: (out, lse)
+
+The attention functions take the official FlashAttention-4 interface's keyword names
+(flash_attn.cute.interface); everything after q, k, v is keyword-only. fa4's own functions return
+out, or (out, lse) with return_lse=True; fa4.compat's return the official's (out, lse) tuple.
 
 Kernels come from the stage packages (stage3_fwd_kernel, stage4_bwd_kernel), chosen by the
 device's compute capability (fa4/_dispatch.py). The attention functions are torch.library
@@ -30,10 +37,11 @@ _LAZY = {
     "supported": "fa4._dispatch",
     "support_markdown": "fa4._dispatch",
 }
-_SUBMODULES = {"cache": "fa4._cache", "precompile": "fa4.precompile", "integrations": "fa4.integrations"}
+_SUBMODULES = {"cache": "fa4._cache", "compat": "fa4.compat", "precompile": "fa4.precompile",
+               "integrations": "fa4.integrations"}
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "supported", "cache",
-           "__version__"]
+           "compat", "__version__"]
 
 
 def __getattr__(name):

@@ -6,13 +6,18 @@
     bench       fa4 against torch SDPA (and the official FA4 if installed), paired rounds (GPU)
     precompile  build the common kernel configs ahead of time (see fa4/precompile.py)
     cache       cache info | clear [--stale]
+
+Output closed early (`python -m fa4 info --json | head`) ends the command quietly with status 141
+(128 + SIGPIPE, what a shell reports for a writer whose reader went away), not a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
+import signal
 import sys
 
 README = pathlib.Path(__file__).resolve().parent / "README.md"
@@ -76,16 +81,37 @@ def _info(args) -> int:
     tf = _version("transformers")
     print(f"transformers {tf or 'not installed (fa4.integrations.transformers needs it)'}")
     print()
-    print(support_markdown())
+    print(_without_markers(support_markdown()))
     print()
-    ci = _cache.info()
+    _print_cache(_cache.info(_target_archs()))
+    return 0
+
+
+def _target_archs() -> list[str]:
+    """The CUTE_DSL_ARCH values fa4 compiles for, to name the cache's directories by arch."""
+    from ._dispatch import ARCHS
+
+    return [a.cute_arch for a in ARCHS.values()]
+
+
+def _without_markers(block: str) -> str:
+    """The support matrix for people: the README's HTML comment markers (which `--markdown` and
+    `--update-readme` keep, so the README block can be found and rewritten) left out."""
+    from ._dispatch import README_BEGIN, README_END
+
+    return "\n".join(ln for ln in block.splitlines() if ln.strip() not in (README_BEGIN, README_END)).strip("\n")
+
+
+def _print_cache(ci: dict):
     state = "enabled" if ci["enabled"] else "disabled (FA4_CACHE=0)"
     print(f"compile cache ({state}): {ci['root']}")
-    print(f"  this build's generation: {ci['current']} "
-          f"({ci['current_entries']} kernels, {_human(ci['current_bytes'])})")
-    print(f"  all generations: {len(ci['generations'])} ({ci['entries']} kernels, {_human(ci['bytes'])}); "
-          "`python -m fa4 cache clear --stale` drops the old ones")
-    return 0
+    print(f"  this build ({ci['build']}): {ci['current_entries']} kernels, {_human(ci['current_bytes'])}"
+          + ("" if ci["current"] else ", none on disk yet"))
+    for name, gen in ci["current"].items():
+        print(f"    {gen['arch'] or 'other arch':<10} {name}  {gen['entries']} kernels, {_human(gen['bytes'])}")
+    stale = len(ci["stale"])
+    print(f"  all directories: {len(ci['generations'])} ({ci['entries']} kernels, {_human(ci['bytes'])}), "
+          f"{stale} of other builds" + ("; `python -m fa4 cache clear --stale` removes those" if stale else ""))
 
 
 def _update_readme(block: str) -> int:
@@ -108,8 +134,12 @@ def _cache_cmd(args) -> int:
     if args.action == "clear":
         n = _cache.clear(stale_only=args.stale)
         print(f"removed {n} cache generation(s) under {_cache.root_dir() / _cache.FORMAT}")
+        if args.stale:
+            kept = _cache.info(_target_archs())["current"]
+            print(f"kept this build's ({_cache.build_id()}): "
+                  + (", ".join(f"{g['arch'] or 'other arch'} {name}" for name, g in kept.items()) or "none on disk"))
         return 0
-    print(json.dumps(_cache.info(), indent=1))
+    print(json.dumps(_cache.info(_target_archs()), indent=1))
     return 0
 
 
@@ -119,8 +149,9 @@ def main(argv=None) -> int:
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m fa4", description="FlashAttention-4 from scratch")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser = argparse.ArgumentParser(prog="python -m fa4", description="FlashAttention-4 from scratch",
+                                     epilog="`python -m fa4 COMMAND --help` shows a command's options")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     sub.add_parser("demo", help="run every stage available here and print a report")
     p_info = sub.add_parser("info", help="versions, devices, support matrix, compile cache")
     p_info.add_argument("--markdown", action="store_true", help="print the README support-matrix block only")
@@ -131,8 +162,10 @@ def main(argv=None) -> int:
 
     add_arguments(sub.add_parser("precompile", help="build the common kernel configs ahead of time"))
     p_cache = sub.add_parser("cache", help="show or clear the on-disk compile cache")
-    p_cache.add_argument("action", choices=["info", "clear"])
-    p_cache.add_argument("--stale", action="store_true", help="clear only generations other than this build's")
+    p_cache.add_argument("action", choices=["info", "clear"],
+                         help="info: the cache as JSON; clear: delete cached kernels")
+    p_cache.add_argument("--stale", action="store_true",
+                         help="clear only other builds' generations (this build's are kept for every arch)")
     args = parser.parse_args(argv)
     if args.cmd == "demo":
         from .demo import run_demo
@@ -147,5 +180,23 @@ def main(argv=None) -> int:
     return _info(args)
 
 
+def run(argv=None) -> int:
+    """`main`, with a reader that closes our stdout early (`| head`) ending it quietly: the
+    standard recipe (Python docs, signal module, "Note on SIGPIPE") -- catch BrokenPipeError, point
+    stdout at devnull so the interpreter's final flush cannot raise again, exit 128 + SIGPIPE."""
+    try:
+        try:
+            return main(argv)
+        finally:  # flush here, inside the handler: a buffered tail would otherwise fail at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 128 + getattr(signal, "SIGPIPE", 13)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

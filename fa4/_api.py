@@ -1,6 +1,11 @@
-"""The public attention functions: FlashAttention-compatible signatures, validation first,
+"""The public attention functions: the official FlashAttention-4 interface's keyword names and
+defaults (flash_attn.cute.interface; everything after q, k, v keyword-only), validation first,
 then one custom op (fa4._ops) per call -- or, in eager mode on plain CUDA tensors, the same
 implementation without the op's dispatcher round trip (fa4._ops.eager_ok).
+
+Two return conventions: fa4.flash_attn_func / flash_attn_varlen_func return out, or (out, lse)
+with return_lse=True; fa4.compat's functions return the official's (out, lse) tuple always. Both
+run attention_pair / varlen_attention_pair below (one validation, one op).
 
 Conventions (the project's, see docs/ARCHITECTURE.md): tensors are (batch, seqlen, heads, head_dim);
 varlen packs them as (total_tokens, heads, head_dim) with int32 cu_seqlens; GQA/MQA when
@@ -11,24 +16,78 @@ lse -inf; lse is the natural-log logsumexp of the *scaled* scores.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _ops
-from ._validate import check_fixed, check_variants, check_varlen
+from ._validate import check_fixed, check_unservable, check_variants, check_varlen
+
+# What a positional argument after q, k, v meant elsewhere, for the keyword-only TypeError.
+_FIXED_HINT = ("FlashAttention-2's 4th positional argument is dropout_p (then softmax_scale, causal), and earlier "
+               "fa4 took softmax_scale there")
+_VARLEN_HINT = ("FlashAttention-2 and earlier fa4 took cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k there, "
+                "and FlashAttention-2's 8th positional argument is dropout_p")
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=False, return_lse=False, *,
-                    window_size=(None, None), softcap=0.0, learnable_sink=None):
+def keyword_only_after_qkv(hint: str):
+    """Decorate a function `f(q, k, v, *, ...)` so that an extra positional argument raises a
+    TypeError that says what happened (FlashAttention-2 code passes dropout_p, fa4's old varlen code
+    cu_seqlens, positionally) instead of Python's generic "takes 3 positional arguments".
+    inspect.signature and help() still show f's own signature (functools.wraps)."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(q, k, v, *args, **kwargs):
+            if args:
+                raise TypeError(f"{fn.__name__}: the arguments after q, k, v are keyword-only, as in "
+                                f"flash_attn.cute; got {len(args)} more positional argument(s). {hint}: "
+                                "pass every argument after v by name")
+            return fn(q, k, v, **kwargs)
+        return wrapper
+    return decorate
+
+
+def attention_pair(q, k, v, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
+                   softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False, dropout_p=0.0):
+    """flash_attn_func's work: validate, then one op. Returns (out, lse) whatever return_lse says
+    (the forward computes lse anyway; with return_lse=False its gradient is ignored, as in the
+    official interface). The public function and fa4.compat differ only in what they return."""
+    check_unservable(num_splits, pack_gqa, dropout_p)
+    q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
+    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    return _ops.attention(q, k, v, scale, causal, deterministic, return_lse, (left, right), softcap, sink)
+
+
+def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                          seqused_q=None, seqused_k=None, softmax_scale=None, causal=False, window_size=(None, None),
+                          learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
+                          return_lse=False, dropout_p=0.0):
+    """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
+    check_unservable(num_splits, pack_gqa, dropout_p, seqused_q)
+    q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
+        return_lse, seqused_k)
+    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    return _ops.varlen_attention(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, deterministic, return_lse,
+                                 (left, right), softcap, sink)
+
+
+@keyword_only_after_qkv(_FIXED_HINT)
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), learnable_sink=None,
+                    softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False, return_lse=False, dropout_p=0.0):
     """Attention on (batch, seqlen, heads, head_dim) tensors.
 
     q: (B, Sq, Hq, D); k: (B, Sk, Hkv, D); v: (B, Sk, Hkv, Dv); fp16 or bf16, CUDA.
+    Everything after q, k, v is keyword-only, with the names and defaults of the official
+    flash_attn.cute.interface.flash_attn_func (a positional one raises a TypeError).
     softmax_scale: default 1/sqrt(D). causal: bottom-right aligned. deterministic: the backward
     accumulates dq in a fixed order (bitwise reproducible, a little slower).
     Returns out (B, Sq, Hq, Dv), or (out, lse) with lse (B, Hq, Sq) fp32 if return_lse. Both are
     differentiable (the lse gradient enters the backward as a D-term correction; see
-    fa4._dispatch.add_lse_grad for the derivation).
+    fa4._dispatch.add_lse_grad for the derivation). fa4.compat.flash_attn_func returns the
+    official's (out, lse) tuple instead.
 
-    Variants (keyword-only, as in flash_attn.cute.interface; sm_90 only, Blackwell refuses them):
+    Variants (sm_90 only, Blackwell refuses them):
       window_size=(left, right): sliding window. Row i sees key j iff
         i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q (bottom-right, like
         causal); None or -1 (FlashAttention-2's spelling) = unlimited on that side. causal=True
@@ -37,33 +96,41 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=Fal
       learnable_sink: (Hq,) float32 or q's dtype, on q's device: one logit per query head that
         joins each row's softmax denominator (gpt-oss attention sinks); lse includes it, and it
         receives a gradient.
+
+    Taken at their no-op values only (anything else is a ValueError naming it): num_splits 1, or
+    <= 0 (the official's automatic choice; fa4 never splits the keys); pack_gqa None (fa4 picks its
+    GQA layout itself); dropout_p 0.0 (FlashAttention-2's keyword).
     """
-    q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
-    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
-    out, lse = _ops.attention(q, k, v, scale, causal, deterministic, return_lse, (left, right), softcap, sink)
+    out, lse = attention_pair(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits,
+                              pack_gqa, deterministic, return_lse, dropout_p)
     return (out, lse) if return_lse else out
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-                           causal=False, deterministic=False, return_lse=False, seqused_k=None, *,
-                           window_size=(None, None), softcap=0.0, learnable_sink=None):
+@keyword_only_after_qkv(_VARLEN_HINT)
+def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                           window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None,
+                           deterministic=False, return_lse=False, dropout_p=0.0):
     """Attention on packed variable-length batches.
 
-    q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv). Sequence b owns rows
-    cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v
-    (int32, length batch + 1, starting at 0, non-decreasing, ending at the total). max_seqlen_*
-    are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for CUDA graphs).
+    q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv). Everything after q, k, v is
+    keyword-only, named as in flash_attn.cute.interface.flash_attn_varlen_func. Sequence b owns
+    rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v
+    (int32, length batch + 1, starting at 0, non-decreasing, ending at the total; both required).
+    max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for
+    CUDA graphs); None, as in the official, means the total token count of q / k: no host sync, but
+    the grid is sized from the bound, so a batch of many short sequences launches many CTAs that
+    exit at once -- pass the real bounds when you know them.
     seqused_k (int32, length batch): use only the first seqused_k[b] keys of sequence b.
+    seqused_q: not supported yet (None only).
     Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) fp32 if return_lse.
     cu_seqlens values are checked only with FA4_VALIDATE=1 (the check synchronises; see
-    fa4/_validate.py). The variants (window_size: per sequence, bottom-right in each) are those
-    of flash_attn_func.
+    fa4/_validate.py). The variants (window_size: per sequence, bottom-right in each) and the
+    no-op-only keywords (num_splits, pack_gqa, dropout_p) are those of flash_attn_func.
     """
-    q, k, v, cu_q, cu_k, used, scale = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                    softmax_scale, causal, deterministic, return_lse, seqused_k)
-    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
-    out, lse = _ops.varlen_attention(q, k, v, cu_q, cu_k, used, max_seqlen_q, max_seqlen_k, scale, causal,
-                                     deterministic, return_lse, (left, right), softcap, sink)
+    out, lse = varlen_attention_pair(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                                     seqused_k, softmax_scale, causal, window_size, learnable_sink, softcap,
+                                     num_splits, pack_gqa, deterministic, return_lse, dropout_p)
     return (out, lse) if return_lse else out
 
 

@@ -14,11 +14,18 @@ JIT-links it back (milliseconds) and ``getattr(module, function_name)`` is a cal
 version; this module implements it.
 
 Layout: ``$FA4_CACHE_DIR`` (default ``$XDG_CACHE_HOME/fa4`` or ``~/.cache/fa4``) /
-``kernels-v2/<fingerprint>/<key hash>-<content hash>.o``. The fingerprint hashes everything that
-changes generated code: the kernel sources (stage 2-5 packages), the DSL and TVM-FFI versions,
-the Python minor version and CUTE_DSL_ARCH; editing a kernel therefore starts a fresh directory instead of
-loading stale code. The key hash is the stage module's own in-memory cache key (step name,
-dtype, head dims, causal, ...).
+``kernels-v2/<fingerprint>/<key hash>-<content hash>.o``. The fingerprint (16 hex digits) is
+``<build id><arch tag>``: the build id (12 digits) hashes everything of this build that changes
+generated code -- the kernel sources (stage 2-5 packages), the DSL and TVM-FFI versions, the Python
+minor version -- and the arch tag (4 digits) hashes CUTE_DSL_ARCH. Editing a kernel therefore
+starts a fresh directory instead of loading stale code, and each arch has its own. The key hash is
+the stage module's own in-memory cache key (step name, dtype, head dims, causal, ...).
+
+Generations: a *generation* is a build id; its directories (one per arch) are "current" when the
+build id is this build's (`is_current`). Deciding that needs no arch, so every command agrees
+whatever arch it targets or knows: ``precompile --arch sm_90a`` writes under ``fingerprint("sm_90a")``
+and a later ``cache clear --stale`` in a process with no CUTE_DSL_ARCH (or another one) keeps it;
+only directories of other builds (or of no build: names of another form) are stale.
 
 Concurrency and corruption: an entry is written to a temporary file in the same directory and
 renamed into place (atomic on POSIX), so readers see a complete file or none; two processes
@@ -55,7 +62,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 FORMAT = "kernels-v2"  # bump when the file layout or the object format changes (v2: TVM-FFI objects)
 KERNEL_PACKAGES = ("stage2_emulated_exp", "stage3_fwd_kernel", "stage4_bwd_kernel", "stage5_scheduling")
@@ -129,16 +136,35 @@ def _tvm_ffi_version() -> str:
         return "unknown"
 
 
-def fingerprint(arch: Optional[str] = None) -> str:
-    """16 hex digits naming one generation of compiled code (see module docstring)."""
-    arch = arch or os.environ.get("CUTE_DSL_ARCH", "auto")
+BUILD_DIGITS = 12  # of the 16-digit fingerprint: the build id; the rest is the arch tag
+
+
+def build_id() -> str:
+    """This build's generation: a hash of everything but the arch that changes generated code."""
     parts = [FORMAT, f"dsl={_dsl_version()}", f"tvm_ffi={_tvm_ffi_version()}",
-             f"py={sys.version_info[0]}.{sys.version_info[1]}",
-             f"arch={arch}", f"src={_sources_digest()}"]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+             f"py={sys.version_info[0]}.{sys.version_info[1]}", f"src={_sources_digest()}"]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:BUILD_DIGITS]
+
+
+def arch_tag(arch: Optional[str] = None) -> str:
+    """The arch's part of a directory name (default: this process's CUTE_DSL_ARCH, "auto" if unset).
+    It hashes the arch alone, so tags of the known archs can be checked distinct once and for all."""
+    arch = arch or os.environ.get("CUTE_DSL_ARCH") or "auto"
+    return hashlib.sha256(f"arch={arch}".encode()).hexdigest()[:16 - BUILD_DIGITS]
+
+
+def fingerprint(arch: Optional[str] = None) -> str:
+    """16 hex digits naming the directory of this build's kernels for `arch` (see module docstring)."""
+    return build_id() + arch_tag(arch)
+
+
+def is_current(name: str) -> bool:
+    """Whether a generation directory's name is this build's (for any arch)."""
+    return len(name) == 16 and name.startswith(build_id())
 
 
 def cache_dir(arch: Optional[str] = None) -> pathlib.Path:
+    """Where this build's kernels for `arch` (default: this process's CUTE_DSL_ARCH) live."""
     return root_dir() / FORMAT / fingerprint(arch)
 
 
@@ -420,27 +446,35 @@ def _tree_size(path: pathlib.Path) -> tuple[int, int]:
     return files, size
 
 
-def info() -> dict:
-    """Where the cache is and what it holds (for `python -m fa4 info`)."""
+def info(archs: Iterable[str] = ()) -> dict:
+    """Where the cache is and what it holds (for `python -m fa4 info` and `cache info`).
+    current: this build's generation directories on disk, name -> arch (the one of `archs` or this
+    process's CUTE_DSL_ARCH whose tag it carries; None if neither), dir, entries, bytes;
+    current_entries / current_bytes: their totals; stale: the other directories' names."""
     root = root_dir() / FORMAT
-    current = cache_dir()
     files, size = _tree_size(root)
-    cur_files, cur_size = _tree_size(current)
     gens = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    return {"enabled": enabled(), "root": str(root), "current": str(current), "entries": files, "bytes": size,
-            "current_entries": cur_files, "current_bytes": cur_size, "generations": gens, "stats": stats()}
+    own = os.environ.get("CUTE_DSL_ARCH") or "auto"
+    labels = {arch_tag(a): a for a in (own, *archs)}
+    current = {}
+    for name in filter(is_current, gens):
+        n, b = _tree_size(root / name)
+        current[name] = {"arch": labels.get(name[BUILD_DIGITS:]), "dir": str(root / name), "entries": n, "bytes": b}
+    return {"enabled": enabled(), "root": str(root), "build": build_id(), "process_dir": str(cache_dir()),
+            "current": current, "current_entries": sum(c["entries"] for c in current.values()),
+            "current_bytes": sum(c["bytes"] for c in current.values()), "entries": files, "bytes": size,
+            "generations": gens, "stale": [g for g in gens if not is_current(g)], "stats": stats()}
 
 
 def clear(stale_only: bool = False) -> int:
-    """Delete cached kernels (only other generations than the current one if stale_only).
-    Returns the number of directories removed."""
+    """Delete cached kernels: every generation directory, or with stale_only those of other builds
+    (this build's are kept for every arch: `is_current`). Returns the number of directories removed."""
     root = root_dir() / FORMAT
     if not root.is_dir():
         return 0
-    keep = cache_dir().name if stale_only else None
     n = 0
     for p in root.iterdir():
-        if p.is_dir() and p.name != keep:
+        if p.is_dir() and not (stale_only and is_current(p.name)):
             shutil.rmtree(p, ignore_errors=True)
             n += 1
     return n

@@ -213,6 +213,31 @@ def check_variants(q, causal, window_size, softcap, learnable_sink):
     return left, right, causal, check_softcap(softcap), check_learnable_sink(learnable_sink, q)
 
 
+def check_unservable(num_splits=1, pack_gqa=None, dropout_p=0.0, seqused_q=None):
+    """The official interface's (and FlashAttention-2's) keywords that fa4 takes only at their
+    no-op values: num_splits <= 1 (1 = no split; 0 or negative = the official's automatic choice,
+    which for fa4 is always no split), pack_gqa None, dropout_p 0, seqused_q None. Anything else
+    is a ValueError naming the argument (a TypeError for the wrong kind), raised before a launch."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (numbers.Integral, torch.SymInt)):
+        raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__} {num_splits!r}")
+    if isinstance(num_splits, numbers.Integral) and num_splits > 1:
+        raise ValueError(f"num_splits: fa4 does not split the keys across CTAs (split-KV, the official's decode "
+                         f"path), got {num_splits}; pass 1, or 0 for the automatic choice (no split in fa4)")
+    if pack_gqa is not None:
+        if not isinstance(pack_gqa, bool):
+            raise TypeError(f"pack_gqa: expected None or a bool, got {type(pack_gqa).__name__} {pack_gqa!r}")
+        raise ValueError(f"pack_gqa: fa4 picks its GQA layout itself (each query head reads its KV head; there is "
+                         f"no packed-GQA switch to force), got {pack_gqa}; pass None")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__} {dropout_p!r}")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p: fa4 does not support attention dropout, got {dropout_p}; pass 0.0 (the "
+                         "FlashAttention-2 keyword is accepted only at its no-op value)")
+    if seqused_q is not None:
+        raise ValueError("seqused_q: not supported yet (fa4 takes each sequence's query rows from cu_seqlens_q); "
+                         "pass None")
+
+
 def _check_int(name, x, *, minimum=0):
     if isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__} {x!r}")
@@ -235,7 +260,12 @@ def _check_index_tensor(name, t, q, length=None, what="batch + 1"):
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                  deterministic=False, return_lse=False, seqused_k=None):
     """Packed (total_tokens, H, D) inputs of flash_attn_varlen_func. Returns
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, scale)."""
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, scale).
+
+    max_seqlen_q / max_seqlen_k None become the total token counts of q / k, as in the official
+    interface: always an upper bound, known without reading cu_seqlens (no sync), but the kernels
+    size their grids from it, so a batch of many short sequences launches CTAs that exit at once;
+    pass the real bounds when you have them."""
     names = ("q", "k", "v")
     _check_dtypes_devices(names, (q, k, v))
     for n, t in zip(names, (q, k, v)):
@@ -250,6 +280,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (total_tokens, heads)")
     _check_heads(names, hq, hkv)
     _check_head_dims(names, d, v.shape[2])
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is None:
+            raise TypeError(f"{name}: required (int32, length batch + 1): fa4's varlen function takes packed "
+                            "(total_tokens, heads, head_dim) tensors and their cumulative lengths")
     _check_index_tensor("cu_seqlens_q", cu_seqlens_q, q)
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q: needs at least one entry (batch + 1 >= 1)")
@@ -257,6 +291,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     _check_index_tensor("cu_seqlens_k", cu_seqlens_k, q, batch + 1, "len(cu_seqlens_q)")
     if seqused_k is not None:
         _check_index_tensor("seqused_k", seqused_k, q, batch, "batch")
+    max_seqlen_q = tq if max_seqlen_q is None else max_seqlen_q
+    max_seqlen_k = tk if max_seqlen_k is None else max_seqlen_k
     _check_int("max_seqlen_q", max_seqlen_q)
     _check_int("max_seqlen_k", max_seqlen_k)
     _check_flag("causal", causal)
@@ -267,7 +303,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         check_varlen_values(cu_seqlens_q, cu_seqlens_k, tq, tk, max_seqlen_q, max_seqlen_k, seqused_k)
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used = None if seqused_k is None else seqused_k.contiguous()
-    return (_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), cu_q, cu_k, used, scale)
+    return (_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), cu_q, cu_k, used, max_seqlen_q,
+            max_seqlen_k, scale)
 
 
 def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_k=None):

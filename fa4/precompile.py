@@ -282,7 +282,8 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
         if has_varlen:
             cu = torch.tensor([0, 64, 128], dtype=torch.int32, device=dev)
             tasks.append(("varlen", cfg, lambda q=q, k=k, v=v, c=c, cu=cu: flash_attn_varlen_func(
-                q.detach()[0], k.detach()[0], v.detach()[0], cu, cu, 64, 64, causal=c), "", {}))
+                q.detach()[0], k.detach()[0], v.detach()[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64,
+                max_seqlen_k=64, causal=c), "", {}))
     for b in lpt:  # built, not run: the kernels a long causal call of these heads would compile
         tasks.append(("fwd lpt", *_lpt_task(fwd_mod, b)))
     if backend.LAUNCHABLE_BUILDS:

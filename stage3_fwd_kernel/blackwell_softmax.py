@@ -20,7 +20,7 @@ from cutlass.cute.nvgpu import tcgen05
 from stage2_emulated_exp.gpu_kernel import ex2_approx_f32
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage3_fwd_kernel.components import block_range
-from stage3_fwd_kernel.softmax_policy import exp2_row, rescale_vote
+from stage3_fwd_kernel.softmax_policy import exp2_row_packed, rescale_vote
 
 LN2 = math.log(2.0)
 BAR_EXP_TURN = 2     # + i: "softmax warpgroup i may exponentiate now" (named barrier ids 2, 3)
@@ -158,7 +158,7 @@ class SoftmaxCorrectionRoles:
         cute.arch.barrier(barrier_id=BAR_EXP_TURN + stage, number_of_threads=256)
         for q in cutlass.range_constexpr(self.cfg.p_store_chunks):
             chunk = cute.make_tensor(tSrS_flat.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
-            row_sum += exp2_row(chunk, softmax_scale_log2, bias, self.policy)
+            row_sum += exp2_row_packed(chunk, softmax_scale_log2, bias, self.policy)
             chunk_16 = cute.make_tensor(tSrP_16.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
             chunk_16.store(chunk.load().to(self.dtype))
             cute.copy(tiled_r2t, tSrP[None, None, q], tStP_r2t[None, None, q])

@@ -206,6 +206,37 @@ def rescale_vote_limits(row_max_new: cute.Tensor, row_limit: cute.Tensor) -> Boo
 
 
 @cute.jit
+def exp2_row_packed(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy: cutlass.Constexpr) -> Float32:
+    """exp2_row for Blackwell (sm_100), whose FMA pipe takes f32x2 pairs: the argument of two
+    adjacent values in one FFMA2 (fma.rn.f32x2: the same rounding per value as exp2_row's FFMA),
+    then the exponentials and exp2_row's four running sums as there. With the polynomial and the
+    sums packed as well (FFMA2 / FADD2, as the official kernel has them) the softmax warpgroups
+    spilled within their 192 registers (116 bytes at d = 128, compile report), so those stay
+    scalar. The work goes one pattern period (16 values) at a time: few temporaries live at once."""
+    pattern, coeffs = policy.pattern, policy.coefficients
+    n = cute.size(row)
+    neg_bias = -bias
+    period = PATTERN_PERIOD if n % PATTERN_PERIOD == 0 else n
+    chains = 4 if n % 4 == 0 else 1
+    sums = [None] * chains
+    for g in cutlass.range_constexpr(0, n, period):
+        for c in cutlass.range_constexpr(g, g + period, 2):   # x = s * scale - bias, in pairs
+            row[c], row[c + 1] = cute.arch.fma_packed_f32x2((row[c], row[c + 1]), (scale_log2, scale_log2),
+                                                            (neg_bias, neg_bias), rnd="rn")
+        for c in cutlass.range_constexpr(g, g + period):
+            if cutlass.const_expr(pattern[c % PATTERN_PERIOD]):
+                p = exp2_emulated_f32(row[c], coeffs, True)
+            else:
+                p = ex2_approx_f32(row[c])
+            row[c] = p
+            sums[c % chains] = p if cutlass.const_expr(sums[c % chains] is None) else sums[c % chains] + p
+    total = sums[0]
+    for i in cutlass.range_constexpr(1, chains):
+        total = total + sums[i]
+    return total
+
+
+@cute.jit
 def exp2_row(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy: cutlass.Constexpr) -> Float32:
     """row[c] <- 2^(row[c] * scale_log2 - bias) in place; returns this thread's sum of the row.
 

@@ -677,7 +677,8 @@ def test_torch_compile_fullgraph_traces_fwd_and_bwd():
 @pytest.mark.fa4
 def test_torch_compile_fullgraph_varlen_and_sdpa_helper():
     def varlen(q, k, v, cu_q, cu_k):
-        return fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 50, 60, causal=True).sum()
+        return fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=50,
+                                          max_seqlen_k=60, causal=True).sum()
 
     def sdpa(q, k, v):  # Sq > Sk: the top-left decomposition (two calls + cat) stays in one graph
         return fa4.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum()
@@ -994,7 +995,7 @@ def test_cli_info(tmp_path):
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "torch" in out and "nvidia-cutlass-dsl" in out and "sm_90" in out and "sm_100" in out
-    assert _dispatch.README_BEGIN in out and f"compile cache (enabled): {tmp_path}" in out
+    assert "<!--" not in out and f"compile cache (enabled): {tmp_path}" in out
     md = run_cli("info", "--markdown", timeout=120)
     assert md.returncode == 0 and md.stdout.strip() == _dispatch.support_markdown().strip()
     js = run_cli("info", "--json", timeout=120)

@@ -303,8 +303,8 @@ def test_varlen_matches_reference(causal):
 
     lens_q, lens_k = [1, 0, 130, 513, 77], [5, 9, 130, 300, 0]  # empty sequences on both sides
     q, k, v, cu_q, cu_k = _varlen_problem(lens_q, lens_k)
-    out, lse = fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                          return_lse=True)
+    out, lse = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                                          max_seqlen_k=max(lens_k), causal=causal, return_lse=True)
     assert out.shape == q.shape and lse.shape == (8, q.shape[0])
     ref_o, ref_l = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=True)
     base_o, base_l = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=False)
@@ -318,7 +318,8 @@ def test_varlen_seqused_k():
     lens_q, lens_k, used = [64, 200, 33], [100, 256, 40], [100, 17, 0]
     q, k, v, cu_q, cu_k = _varlen_problem(lens_q, lens_k, seed=17)
     seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
-    out = fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 200, 256, causal=True, seqused_k=seqused)
+    out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=200, max_seqlen_k=256,
+                                     causal=True, seqused_k=seqused)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(3):  # reference: each sequence against its first `used[b]` keys
         qs, ks, vs = q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b] + used[b]], v[None, ck[b]:ck[b] + used[b]]
@@ -331,7 +332,8 @@ def test_varlen_backward_matches_reference():
     from stage0_reference.torch_reference import assert_fa4_close, attention_varlen_ref, grad_atol
 
     q, k, v, cu_q, cu_k = _varlen_problem([100, 37, 250], [120, 37, 200], grad=True, seed=18)
-    out = fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 250, 200, causal=True)
+    out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=250, max_seqlen_k=200,
+                                     causal=True)
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
 
@@ -351,15 +353,17 @@ def test_fa4_validate_catches_bad_cu_seqlens(monkeypatch):
     bad = torch.tensor([0, 25, 30], dtype=torch.int32, device="cuda")  # first sequence 25 > max_seqlen_q
     monkeypatch.setenv("FA4_VALIDATE", "1")
     with pytest.raises(ValueError, match=r"^max_seqlen_q: 20 is smaller than the longest sequence \(25\)"):
-        fa4.flash_attn_varlen_func(q, k, v, bad, cu_k, 20, 20)
+        fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=bad, cu_seqlens_k=cu_k, max_seqlen_q=20, max_seqlen_k=20)
     with pytest.raises(ValueError, match=r"^cu_seqlens_k: must be non-decreasing"):
-        fa4.flash_attn_varlen_func(q, k, v, cu_q, torch.tensor([0, 20, 10], dtype=torch.int32, device="cuda"), 20, 20)
+        fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, max_seqlen_q=20, max_seqlen_k=20,
+                                   cu_seqlens_k=torch.tensor([0, 20, 10], dtype=torch.int32, device="cuda"))
 
 
 def test_varlen_empty_batch():
     z = lambda *s: torch.zeros(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
     cu = torch.zeros(1, dtype=torch.int32, device="cuda")
-    out, lse = fa4.flash_attn_varlen_func(z(0, 4, 64), z(0, 2, 64), z(0, 2, 64), cu, cu, 0, 0, return_lse=True)
+    out, lse = fa4.flash_attn_varlen_func(z(0, 4, 64), z(0, 2, 64), z(0, 2, 64), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          max_seqlen_q=0, max_seqlen_k=0, return_lse=True)
     assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
 
 

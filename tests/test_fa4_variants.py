@@ -93,8 +93,8 @@ def test_bad_variant_arguments_varlen(case, no_launch):
     _, override, exc, pattern = case
     cu = torch.zeros(4, dtype=torch.int32, device="meta")
     with pytest.raises(exc, match=pattern):
-        fa4.flash_attn_varlen_func(meta(100, 8, 128), meta(120, 2, 128), meta(120, 2, 128), cu, cu, 50, 60,
-                                   **override)
+        fa4.flash_attn_varlen_func(meta(100, 8, 128), meta(120, 2, 128), meta(120, 2, 128), cu_seqlens_q=cu,
+                                   cu_seqlens_k=cu, max_seqlen_q=50, max_seqlen_k=60, **override)
 
 
 def test_variants_are_keyword_only():
@@ -300,7 +300,8 @@ def test_fake_shapes_with_dsink(sink_dtype):
     qv = meta(100, 8, 64).requires_grad_()
     kv = meta(120, 2, 64)
     sink.grad = None
-    out = fa4.flash_attn_varlen_func(qv, kv, kv, cu, cu, 50, 60, window_size=(-1, 8), learnable_sink=sink)
+    out = fa4.flash_attn_varlen_func(qv, kv, kv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=50, max_seqlen_k=60,
+                                     window_size=(-1, 8), learnable_sink=sink)
     out.float().sum().backward()
     assert out.shape == (100, 8, 64) and sink.grad.shape == (8,) and sink.grad.dtype == sink_dtype
     *_, dsink = torch.ops.fa4.varlen_bwd(out, qv, kv, kv, out, meta(8, 100, dtype=torch.float32), None, cu, cu, None,
@@ -339,7 +340,8 @@ def test_torch_compile_fullgraph_with_window_softcap_sink():
     assert ex.graph_break_count == 0 and ex.graph_count == 1
 
     def varlen(q, k, v, cu_q, cu_k, sink):
-        return fa4.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 50, 60, window_size=(-1, 0), softcap=5.0,
+        return fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=50,
+                                          max_seqlen_k=60, window_size=(-1, 0), softcap=5.0,
                                           learnable_sink=sink).sum()
 
     cu = torch.zeros(4, dtype=torch.int32, device="meta")

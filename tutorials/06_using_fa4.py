@@ -76,9 +76,15 @@ print("refused:", info["devices_refused"])
 # ## The API
 # ```python
 # out = fa4.flash_attn_func(q, k, v, softmax_scale=None, causal=False, deterministic=False, return_lse=False)
-# out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+# out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=..., cu_seqlens_k=..., max_seqlen_q=..., max_seqlen_k=...)
 # out = fa4.scaled_dot_product_attention(query, key, value, is_causal=False, scale=None, enable_gqa=False)
 # ```
+# The keywords are those of the official FlashAttention-4 (`flash_attn.cute.interface`), and
+# everything after `q, k, v` is keyword-only: FlashAttention-2 code such as
+# `flash_attn_func(q, k, v, 0.0, causal=True)` (its 4th positional argument is `dropout_p`) gets a
+# `TypeError` saying so. fa4 returns `out`, or `(out, lse)` with `return_lse=True`; code written
+# for the official package, which always returns `(out, lse)`, imports
+# `from fa4.compat import flash_attn_func` instead.
 # Tensors are `(batch, seqlen, heads, head_dim)` (SDPA's helper takes `(batch, heads, seqlen,
 # head_dim)`), fp16 or bf16, GQA when `heads_q % heads_kv == 0`. On `device="meta"` tensors the
 # functions run their *fake* implementations: validation, shapes and dtypes, no kernel. That is
@@ -93,6 +99,10 @@ q, k, v = meta(2, 1024, 16, 128), meta(2, 1024, 4, 128), meta(2, 1024, 4, 128)  
 out = fa4.flash_attn_func(q, k, v, causal=True)
 out2, lse = fa4.flash_attn_func(q, k, v, causal=True, return_lse=True)
 print("flash_attn_func     :", tuple(out.shape), out.dtype, "| lse", tuple(lse.shape), lse.dtype)
+from fa4.compat import flash_attn_func as official_style  # the official return convention
+
+out3, lse3 = official_style(q, k, v, causal=True)  # always a tuple; lse None: not asked for, no grad needed
+print("fa4.compat          :", tuple(out3.shape), "| lse", lse3)
 sdpa_out = fa4.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                             enable_gqa=True)
 print("scaled_dot_product_attention (B, H, S, D):", tuple(sdpa_out.shape))
@@ -204,8 +214,9 @@ print("varlen output rows cu[b]:cu[b+1] == sequence b alone, for every b")
 
 # with fa4 (meta tensors here; CUDA tensors on a GPU): q (total, Hq, D), k/v (total, Hkv, D)
 tot = int(cu[-1])
-out_v = fa4.flash_attn_varlen_func(meta(tot, 8, 128), meta(tot, 2, 128), meta(tot, 2, 128), cu.to("meta"),
-                                   cu.to("meta"), max_len, max_len, causal=True)
+out_v = fa4.flash_attn_varlen_func(meta(tot, 8, 128), meta(tot, 2, 128), meta(tot, 2, 128),
+                                   cu_seqlens_q=cu.to("meta"), cu_seqlens_k=cu.to("meta"), max_seqlen_q=max_len,
+                                   max_seqlen_k=max_len, causal=True)
 print("fa4.flash_attn_varlen_func ->", tuple(out_v.shape))
 
 # %% [markdown]
