@@ -1,0 +1,499 @@
+"""fa4 as a Hugging Face transformers attention implementation, end to end on tiny random models.
+
+cpu tier: Llama, Mistral (sliding window), Gemma 2 (softcap, alternating sliding layers) and
+gpt-oss (sinks) built from configs (no download), run with attn_implementation="fa4" while fa4's
+kernels are replaced by a CPU stand-in: `ReferenceFA4` takes flash_attn_func /
+flash_attn_varlen_func calls with the real keyword-only signatures, checks the varlen arguments
+with fa4's own value checks, and computes them with the stage-0 PyTorch oracle, exactly (fa4
+itself refuses CPU tensors and fp32, rightly). Logits are compared with "eager" (and "sdpa"
+where the model has it) on plain, padded and packed batches -- packed as
+DataCollatorWithFlattening makes them, through position_ids and through cu_seq_lens kwargs --
+and with greedy generation from a left-padded batch. Patterns fa4 cannot serve raise. The mask
+function reads no tensor value under FakeTensorMode or on meta tensors, and whole models run
+there with fa4's real functions (validation, fake kernels); data-dependent work happens once per
+model forward, not per layer.
+
+gpu tier: a tiny Llama in bf16 with "fa4" against bf16 "sdpa", both judged against fp32 eager
+with FA4's rule (error at most 2x sdpa's plus 1e-5), on plain, padded and packed batches.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
+
+from transformers import (DataCollatorWithFlattening, Gemma2Config, GptOssConfig, LlamaConfig,  # noqa: E402
+                          MistralConfig)
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import masking_utils as mu  # noqa: E402
+
+import fa4  # noqa: E402
+from fa4 import _validate  # noqa: E402
+from fa4.integrations import transformers as integ  # noqa: E402
+from stage0_reference.torch_reference import attention_ref, attention_varlen_ref  # noqa: E402
+
+integ.register_fa4_attention()
+
+BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**BASE),
+    "mistral": lambda: MistralConfig(**BASE, sliding_window=5),
+    "gemma2": lambda: Gemma2Config(**BASE, sliding_window=5, query_pre_attn_scalar=16, attn_logit_softcapping=20.0),
+    "gpt_oss": lambda: GptOssConfig(**{**BASE, "intermediate_size": 64}, num_local_experts=2, num_experts_per_tok=1,
+                                    sliding_window=5),
+}
+HAS_SDPA = {"llama", "mistral"}  # Gemma 2 and gpt-oss refuse sdpa in transformers (softcap / sinks)
+PACKING_IN_MASK = {"llama", "mistral", "gemma2"}  # models that give position_ids to their mask builder
+DOCS = (4, 3, 6)  # a packed row: three documents
+ATOL = 2e-5
+
+
+# ----------------------------------------------------------------------------------- the stand-in
+class ReferenceFA4:
+    """fa4's two entry points as the integration calls them, on CPU: the call must bind to the
+    real signature (everything after q, k, v by keyword), cu_seqlens must be int32 and the max
+    lengths ints, and the varlen values must pass fa4's own checks; the result is the stage-0
+    oracle's. On tensors without data it returns the right shape only."""
+
+    def __init__(self):
+        self.calls = []
+
+    @staticmethod
+    def _oracle_kwargs(kw):
+        return {n: kw[n] for n in ("softmax_scale", "causal", "window_size", "softcap", "learnable_sink") if n in kw}
+
+    def dense(self, q, k, v, **kw):
+        inspect.signature(fa4.flash_attn_func).bind(q, k, v, **kw)
+        self.calls.append(("dense", kw))
+        if integ._no_data(q):
+            return q.new_empty(*q.shape[:-1], v.shape[-1])
+        return attention_ref(q, k, v, **self._oracle_kwargs(kw))[0]
+
+    def varlen(self, q, k, v, **kw):
+        inspect.signature(fa4.flash_attn_varlen_func).bind(q, k, v, **kw)
+        cu_q, cu_k, max_q, max_k = (kw[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and type(max_q) is int and type(max_k) is int
+        self.calls.append(("varlen", kw))
+        if integ._no_data(q):
+            return q.new_empty(*q.shape[:-1], v.shape[-1])
+        _validate.check_varlen_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+        return attention_varlen_ref(q, k, v, cu_q, cu_k, **self._oracle_kwargs(kw))[0]
+
+    def kinds(self):
+        return [c[0] for c in self.calls]
+
+
+@pytest.fixture
+def ref_fa4(monkeypatch):
+    ref = ReferenceFA4()  # opaque to torch.compile, as a kernel is
+    monkeypatch.setattr(integ, "flash_attn_func", torch.compiler.disable(ref.dense))
+    monkeypatch.setattr(integ, "flash_attn_varlen_func", torch.compiler.disable(ref.varlen))
+    monkeypatch.setattr(integ, "_LAST_POSITIONS", [None])
+    return ref
+
+
+# ----------------------------------------------------------------------------------- helpers
+def build(kind):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(CONFIGS[kind]()).eval()
+
+
+def logits(model, impl, **inputs):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def close(a, b, what):
+    err = (a - b).abs().max().item()
+    assert err <= ATOL, f"{what}: max |fa4 - reference| = {err:.3e} > {ATOL:.0e}"
+
+
+def packed_row(seed=1, docs=DOCS):
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(0, BASE["vocab_size"], (n,), generator=g) for n in docs]
+    return parts, torch.cat(parts)[None], torch.cat([torch.arange(n) for n in docs])[None]
+
+
+def per_document(model, parts):
+    """Ground truth for a packed row: each document run alone (eager)."""
+    return torch.cat([logits(model, "eager", input_ids=p[None], use_cache=False) for p in parts], dim=1)
+
+
+def implementations(kind):
+    return ["eager", "sdpa"] if kind in HAS_SDPA else ["eager"]
+
+
+# ----------------------------------------------------------------------------------- cpu: numerics
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_plain_batch_matches_eager_and_sdpa(ref_fa4, kind):
+    model = build(kind)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(0))
+    ours = logits(model, "fa4", input_ids=ids)
+    assert set(ref_fa4.kinds()) == {"dense"}  # nothing padded, not packed: flash_attn_func per layer
+    for impl in implementations(kind):
+        close(ours, logits(model, impl, input_ids=ids), f"{kind} plain vs {impl}")
+    windows = {c[1]["window_size"] for c in ref_fa4.calls}
+    assert windows == ({(None, None)} if kind == "llama" else {(4, 0)} if kind == "mistral" else {(None, None), (4, 0)})
+    assert all(c[1]["softcap"] == (20.0 if kind == "gemma2" else 0.0) for c in ref_fa4.calls)
+    assert all((c[1]["learnable_sink"] is not None) == (kind == "gpt_oss") for c in ref_fa4.calls)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_padded_batch_matches_eager_and_sdpa(ref_fa4, kind):
+    """Left padding in row 0, right padding in row 1, none in row 2: the valid positions agree."""
+    model = build(kind)
+    ids = torch.randint(0, BASE["vocab_size"], (3, 11), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, -2:] = 0
+    ours = logits(model, "fa4", input_ids=ids, attention_mask=mask)
+    assert set(ref_fa4.kinds()) == {"varlen"}
+    valid = mask.bool()
+    for impl in implementations(kind):
+        close(ours[valid], logits(model, impl, input_ids=ids, attention_mask=mask)[valid], f"{kind} padded vs {impl}")
+    assert torch.isfinite(ours).all()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_packed_row_matches_eager_and_each_document(ref_fa4, kind):
+    """position_ids restarting inside the row, no cache (training): transformers' mask builder
+    describes the packed pattern; fa4_mask hands it on as PackedSequences, one varlen call per
+    layer over the three documents; eager builds the block-diagonal mask. gpt-oss gives its mask
+    builder no position_ids: fa4 finds the packing in the attention's position_ids (the flash
+    rule) and still matches the documents run alone, which eager does not."""
+    model = build(kind)
+    parts, ids, pos = packed_row()
+    ours = logits(model, "fa4", input_ids=ids, position_ids=pos, use_cache=False)
+    cu = torch.tensor([0, 4, 7, 13], dtype=torch.int32)
+    assert ref_fa4.kinds() == ["varlen"] * 2 and all(torch.equal(c[1]["cu_seqlens_q"], cu) for c in ref_fa4.calls)
+    truth = per_document(model, parts)
+    close(ours, truth, f"{kind} packed vs each document")
+    for impl in implementations(kind):
+        theirs = logits(model, impl, input_ids=ids, position_ids=pos, use_cache=False)
+        if kind in PACKING_IN_MASK:
+            close(ours, theirs, f"{kind} packed vs {impl}")
+        else:  # gpt-oss builds its masks without position_ids: eager attends across the documents
+            assert (theirs - truth).abs().max() > 1e-3
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_packed_rows_in_a_batch_of_two(ref_fa4):
+    """Two packed rows (transformers' flash path would need a batch of one here; the mask's
+    packed-sequence ids serve any batch)."""
+    model = build("mistral")
+    _, a, pa = packed_row(1, (5, 6))
+    _, b, pb = packed_row(2, (3, 4, 4))
+    ids, pos = torch.cat([a, b]), torch.cat([pa, pb])
+    ours = logits(model, "fa4", input_ids=ids, position_ids=pos, use_cache=False)
+    assert torch.equal(ref_fa4.calls[0][1]["cu_seqlens_q"], torch.tensor([0, 5, 11, 14, 18, 22], dtype=torch.int32))
+    for impl in ("eager", "sdpa"):
+        close(ours, logits(model, impl, input_ids=ids, position_ids=pos, use_cache=False), f"2 packed rows vs {impl}")
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_packed_row_with_a_cache_follows_the_flash_rule(ref_fa4, kind):
+    """With the default use_cache=True transformers' mask builder does not look for packing
+    (eager and sdpa then attend across documents); fa4, like transformers' FlashAttention path,
+    reads position_ids of a batch of one and keeps the documents apart."""
+    model = build(kind)
+    parts, ids, pos = packed_row()
+    ours = logits(model, "fa4", input_ids=ids, position_ids=pos)
+    assert ref_fa4.kinds() == ["varlen"] * 2
+    truth = per_document(model, parts)
+    close(ours, truth, f"{kind} packed (cache) vs each document")
+    assert (logits(model, "eager", input_ids=ids, position_ids=pos) - truth).abs().max() > 1e-3  # eager mixes them
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_flattening_collator_kwargs(ref_fa4, use_cache):
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True): cu_seq_lens_q/k and
+    max_length_q/k reach the attention through the model's kwargs and are used as given."""
+    model = build("llama")
+    parts, _, _ = packed_row()
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": p.tolist()} for p in parts])
+    assert {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"} <= set(batch)
+    ours = logits(model, "fa4", **{n: t for n, t in batch.items() if n != "labels"}, use_cache=use_cache)
+    got = ref_fa4.calls[0][1]
+    assert ref_fa4.kinds() == ["varlen"] * 2
+    assert torch.equal(got["cu_seqlens_q"], batch["cu_seq_lens_q"].int()) and got["max_seqlen_q"] == 6
+    close(ours, per_document(model, parts), "collator kwargs vs each document")
+    ref_fa4.calls.clear()  # without position_ids the kwargs alone carry the packing
+    ours = logits(model, "fa4", input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"],
+                  cu_seq_lens_k=batch["cu_seq_lens_k"], max_length_q=torch.tensor(6), max_length_k=6,
+                  use_cache=use_cache)
+    assert ref_fa4.kinds() == ["varlen"] * 2 and ref_fa4.calls[0][1]["max_seqlen_q"] == 6
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_greedy_generation_from_left_padding(ref_fa4):
+    """generate() with a KV cache: prefill through the padded path, then one query per step
+    against the cache (the mask grows each step); scores and tokens as eager's."""
+    model = build("llama")
+    ids = torch.randint(1, BASE["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    out = {}
+    for impl in ("fa4", "eager"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                       output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert torch.equal(out["fa4"].sequences, out["eager"].sequences)
+    for step, (a, b) in enumerate(zip(out["fa4"].logits, out["eager"].logits)):
+        close(a, b, f"generation step {step}")
+    assert "varlen" in ref_fa4.kinds()
+
+
+# ----------------------------------------------------------------------------------- cpu: refusals
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_patterns_fa4_cannot_serve_raise(ref_fa4):
+    model = build("llama")
+    model.set_attn_implementation("fa4")
+    ids = torch.randint(0, BASE["vocab_size"], (2, 6))
+    custom = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match=r"^attention_mask: fa4 takes None or a 2-D"), torch.no_grad():
+        model(input_ids=ids, attention_mask=custom)  # a custom 4-D mask goes to the attention as is
+    embeds = torch.zeros(2, 6, BASE["hidden_size"])
+    prefix = lambda b, h, q, kv: kv < 2  # noqa: E731  (a prefix-LM style overlay)
+    for extra in (dict(or_mask_function=prefix), dict(and_mask_function=prefix),
+                  dict(block_sequence_ids=torch.zeros(2, 6, dtype=torch.long))):
+        with pytest.raises(ValueError, match=r"^mask_function: fa4 "):
+            mu.create_causal_mask(config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                                  position_ids=torch.arange(6)[None], **extra)
+    chunked = mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"^mask_function: fa4 .*chunked"):
+        integ.fa4_mask(2, 6, 6, mask_function=chunked)
+    pos = torch.arange(6)[None]
+    for odd, why in ((mu.and_masks(mu.sliding_window_overlay(3), mu.bidirectional_mask_function), "other kind"),
+                     (mu.and_masks(mu.causal_mask_function, mu.bidirectional_mask_function), "2 base patterns"),
+                     (mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos), "position remapping")):
+        with pytest.raises(ValueError, match=rf"^mask_function: fa4 cannot serve this mask exactly: .*{why}"):
+            integ.fa4_mask(1, 6, 6, mask_function=odd)
+    with pytest.raises(ValueError, match=r"^max_length_q, max_length_k: fa4 serves packed sequences"), torch.no_grad():
+        model(input_ids=ids[:1], cu_seq_lens_q=torch.tensor([0, 2, 6], dtype=torch.int32),
+              cu_seq_lens_k=torch.tensor([0, 2, 6], dtype=torch.int32))
+    q, k = torch.zeros(1, 4, 4, 16), torch.zeros(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"^position_ids: packed sequences .* 8 keys for 4 queries"):
+        integ.fa4_attention_forward(model.model.layers[0].self_attn, q, k, k, None,
+                                    position_ids=torch.tensor([[0, 1, 0, 1]]))
+    assert ref_fa4.calls == []
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_mask_function_values():
+    """What fa4_mask returns for each pattern transformers builds."""
+    none_cases = [mu.causal_mask_function, mu.bidirectional_mask_function, mu.sliding_window_causal_mask_function(4),
+                  mu.sliding_window_bidirectional_mask_function(4), None]
+    for fn in none_cases:
+        assert integ.fa4_mask(2, 8, 8, mask_function=fn) is None
+        assert integ.fa4_mask(2, 8, 8, mask_function=fn, attention_mask=torch.ones(2, 8, dtype=torch.bool)) is None
+    padded = torch.ones(2, 10, dtype=torch.bool)
+    padded[1, :4] = False
+    got = integ.fa4_mask(2, 8, 8, mask_function=mu.sliding_window_causal_mask_function(4), attention_mask=padded)
+    assert torch.equal(got, padded[:, -8:])  # sliced to the keys from the right, as transformers' flash mask
+    cfg = LlamaConfig(**BASE)
+    cfg._attn_implementation = "fa4"
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    packed = mu.create_causal_mask(config=cfg, inputs_embeds=torch.zeros(1, 8, 64), attention_mask=None, cache=None,
+                                   position_ids=pos)
+    assert isinstance(packed, integ.PackedSequences) and packed.shape == (1, 8)
+    cu, mx = packed.varlen()
+    assert torch.equal(cu, torch.tensor([0, 3, 5, 8], dtype=torch.int32)) and mx == 3
+    assert packed.varlen()[0] is cu  # computed once, kept for every layer
+    plain = mu.create_causal_mask(config=cfg, inputs_embeds=torch.zeros(1, 8, 64), attention_mask=None, cache=None,
+                                  position_ids=torch.arange(8)[None])
+    assert plain is None
+    with pytest.raises(ValueError, match=r"^name: 'fa4_flash' contains 'flash'"):
+        integ.register_fa4_attention("fa4_flash")
+
+
+# ----------------------------------------------------------------------------------- cpu: no data, once per forward
+def _every_pattern(b=2, s=8, device="cpu"):
+    ids = torch.zeros(b, s, dtype=torch.long, device=device)
+    psm = torch.zeros(b, s, dtype=torch.long, device=device)
+    pos = torch.arange(s, device=device).expand(b, s)
+    packed = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos),
+                          mu.packed_sequence_mask_function(psm))
+    return [(mu.causal_mask_function, None), (mu.sliding_window_causal_mask_function(3), None), (packed, None),
+            (mu.bidirectional_mask_function, ids.bool()), (mu.causal_mask_function, ids.bool())]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("where", ["fake", "meta"])
+def test_mask_function_reads_no_values(where):
+    """Under FakeTensorMode any read of a value (bool(), .item(), nonzero) raises; on meta
+    tensors it fails. fa4_mask returns for every pattern there, the padding mask as is and the
+    packed pattern as PackedSequences whose boundaries take the fixed-shape form."""
+    from torch._subclasses import FakeTensorMode
+
+    device = "meta" if where == "meta" else "cpu"
+    with (FakeTensorMode() if where == "fake" else torch.device("meta")):
+        results = [integ.fa4_mask(2, 8, 8, mask_function=fn, attention_mask=m)
+                   for fn, m in _every_pattern(device=device)]
+        assert results[0] is None and results[1] is None
+        assert isinstance(results[2], integ.PackedSequences)
+        cu, mx = results[2].varlen()
+        assert cu.shape == (17,) and mx == 8  # every token may start a sequence; the row length bounds them
+        assert results[3].shape == (2, 8) and results[4].dtype == torch.bool
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_whole_model_on_fake_meta_tensors_with_real_fa4(monkeypatch):
+    """A Llama under FakeTensorMode on meta: fa4's real functions (validation, fake kernels) take
+    every path -- transformers' always-packed pattern while tracing, a padding mask, position_ids
+    of a batch of one, cu_seq_lens kwargs -- and no value is read."""
+    from torch._subclasses import FakeTensorMode
+
+    calls = []
+    for name in ("flash_attn_func", "flash_attn_varlen_func"):
+        real = getattr(integ, name)
+        monkeypatch.setattr(integ, name, lambda *a, _real=real, _name=name, **kw: calls.append((_name, kw)) or
+                            _real(*a, **kw))
+    cfg = LlamaConfig(**{**BASE, "hidden_size": 256, "head_dim": 64, "vocab_size": 128})
+    cfg._attn_implementation = "fa4"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+        cu = torch.zeros(4, dtype=torch.int32, device="meta")
+        runs = [dict(input_ids=ids, use_cache=False), dict(input_ids=ids, attention_mask=torch.ones_like(ids)),
+                dict(input_ids=ids[:1], position_ids=torch.arange(16, device="meta")[None] % 5),
+                dict(input_ids=ids[:1], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=8, max_length_k=8)]
+        for run in runs:
+            assert model(**run).logits.shape == (run["input_ids"].shape[0], 16, 128)
+    cu_shapes = [tuple(kw["cu_seqlens_q"].shape) for _, kw in calls[::2]]
+    assert cu_shapes == [(33,), (5,), (17,), (4,)]  # packed (fixed shape), padded (2B + 1), position_ids, kwargs
+    assert all(name == "flash_attn_varlen_func" for name, _ in calls)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_data_is_read_once_per_forward_not_per_layer(ref_fa4, monkeypatch):
+    """Boundaries come from one place per model forward: a PackedSequences computes them on first
+    use, the position_ids check is remembered for the same tensor; the padded path reads
+    nothing."""
+    seen = []
+    real = integ._varlen_from_starts
+    monkeypatch.setattr(integ, "_varlen_from_starts", lambda *a: seen.append(1) or real(*a))
+    model = build("llama")
+    _, ids, pos = packed_row()
+    for use_cache in (False, True):  # PackedSequences; then the position_ids rule
+        seen.clear()
+        logits(model, "fa4", input_ids=ids, position_ids=pos, use_cache=use_cache)
+        assert len(seen) == 1
+    seen.clear()
+    logits(model, "fa4", input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])  # checked once: not packed
+    assert seen == [] and integ._LAST_POSITIONS[0][2] is None
+    nonzero = []
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **kw: nonzero.append(1))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :2] = 0
+    logits(model, "fa4", input_ids=ids[:, :9].expand(2, 9), attention_mask=mask)
+    assert nonzero == [] and ref_fa4.kinds()[-1] == "varlen"
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_compiled_model_matches_eager(ref_fa4):
+    """torch.compile (dynamo, eager backend) on real CPU tensors: opening the sliding-window and
+    packed masks and reading boundaries are graph breaks, and the results stay exact."""
+    model = build("mistral")
+    parts, ids, pos = packed_row()
+    ids2 = torch.randint(0, BASE["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[0, :3] = 0
+    runs = {"plain": dict(input_ids=ids2), "padded": dict(input_ids=ids2, attention_mask=mask),
+            "packed": dict(input_ids=ids, position_ids=pos, use_cache=False),
+            "packed, cache": dict(input_ids=ids, position_ids=pos)}
+    model.set_attn_implementation("fa4")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda **kw: model(**kw).logits, backend="eager")
+    try:
+        for name, run in runs.items():
+            with torch.no_grad():
+                got = compiled(**run)
+            want = per_document(model, parts) if "packed" in name else logits(model, "eager", **run)
+            model.set_attn_implementation("fa4")
+            valid = run.get("attention_mask", torch.ones(got.shape[:2])).bool()
+            close(got[valid], want[valid], f"compiled {name}")
+    finally:
+        torch._dynamo.reset()
+    assert {"dense", "varlen"} == set(ref_fa4.kinds())
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_padded_llama_compiles_fullgraph_on_meta():
+    """A causal model given an attention_mask: mask function and padded path trace with no graph
+    break (fullgraph=True), through fa4's real functions and fake kernels."""
+    cfg = LlamaConfig(**{**BASE, "hidden_size": 256, "head_dim": 64, "vocab_size": 128})
+    cfg._attn_implementation = "fa4"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    torch._dynamo.reset()
+    try:
+        fn = torch.compile(lambda i, m: model(input_ids=i, attention_mask=m, use_cache=False).logits,
+                           fullgraph=True, backend="eager")
+        assert fn(ids, torch.ones_like(ids)).shape == (2, 16, 128)
+    finally:
+        torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------- gpu tier
+def _gpu_inputs(case, vocab, s=384):
+    g = torch.Generator(device="cuda").manual_seed(7)
+    if case == "packed":
+        docs = (100, 37, 200, 47)
+        ids = torch.randint(0, vocab, (1, sum(docs)), device="cuda", generator=g)
+        pos = torch.cat([torch.arange(n, device="cuda") for n in docs])[None]
+        return dict(input_ids=ids, position_ids=pos, use_cache=False), torch.ones_like(ids, dtype=torch.bool)
+    ids = torch.randint(0, vocab, (2, s), device="cuda", generator=g)
+    if case == "plain":
+        return dict(input_ids=ids), torch.ones_like(ids, dtype=torch.bool)
+    mask = torch.ones_like(ids)
+    mask[0, :50] = 0  # left padding
+    mask[1, -70:] = 0  # right padding
+    return dict(input_ids=ids, attention_mask=mask), mask.bool()
+
+
+@pytest.mark.gpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("case", ["plain", "padded", "packed"])
+def test_llama_on_gpu_matches_sdpa(case):
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg).cuda().eval()  # fp32 eager: the reference
+    base = copy.deepcopy(ref).to(torch.bfloat16)                # bf16 sdpa: the baseline
+    ours = copy.deepcopy(base)                                  # bf16 fa4
+    inputs, valid = _gpu_inputs(case, cfg.vocab_size)
+    out = {}
+    for name, model, impl in (("ref", ref, "eager"), ("base", base, "sdpa"), ("ours", ours, "fa4")):
+        out[name] = logits(model, impl, **inputs).float()[valid]
+    err, bound = assert_fa4_close(f"{case} logits", out["ours"], out["ref"], out["base"])
+    print(f"\n{case}: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")
