@@ -830,13 +830,39 @@ def resource_table(cases=MATRIX) -> str:
     return "\n".join(lines)
 
 
+def compare_with_official(head_dim: int = 128, causal: bool = False, dtype: str = "bf16") -> dict:
+    """blackwell_compare.compare for this kernel's build of (dtype, head_dim, causal), not varlen:
+    per-role loop counts of ours and, when flash-attn-4 is installed, of the official forward."""
+    from stage3_fwd_kernel import blackwell_compare
+
+    cfg = make_config(dtype, head_dim, head_dim, causal)
+    return blackwell_compare.compare(head_dim, causal, dtype, ours_sass=compile_config(cfg).sass,
+                                     tile_n=cfg.tile_n)
+
+
+def compare_table(head_dim: int = 128, dtype: str = "bf16") -> str:
+    """Markdown: ours against the official forward, non-causal and causal (blackwell_compare)."""
+    from stage3_fwd_kernel import blackwell_compare
+
+    results = [compare_with_official(head_dim, causal, dtype) for causal in (False, True)]
+    return blackwell_compare.format_table(results)
+
+
 if __name__ == "__main__":
     ap = runner.shape_parser(__doc__)
     ap.add_argument("--varlen", action="store_true")
     ap.add_argument("--all", action="store_true", help="compile every supported configuration for sm_100a "
                     "and print the resource table (markdown)")
+    ap.add_argument("--compare", action="store_true", help="our steady-state loops against the official "
+                    "flash-attn-4 forward's, in SASS, at --head_dim / --dtype, non-causal and causal (markdown)")
     a = ap.parse_args()
     if a.all:
         print(resource_table())
+    elif a.compare:
+        from stage3_fwd_kernel import blackwell_compare
+
+        if blackwell_compare.official_missing():
+            print(f"official kernel left out: {blackwell_compare.official_missing()}")
+        print(compare_table(a.head_dim, a.dtype))
     else:
         run(**runner.shape_kwargs(a), varlen=a.varlen)
