@@ -1,10 +1,11 @@
-"""Command line: python -m fa4 {demo, info, bench, precompile, cache}.
+"""Command line: python -m fa4 {demo, info, bench, precompile, firstcall, cache}.
 
     demo        run every stage available here and print a report (GPU: fa4 vs reference + timing)
     info        versions, devices, the support matrix, the compile cache
                 --markdown prints the README support-matrix block; --update-readme rewrites it
     bench       fa4 against torch SDPA (and the official FA4 if installed), paired rounds (GPU)
-    precompile  build the common kernel configs ahead of time (see fa4/precompile.py)
+    precompile  build the common kernel configs ahead of time, or exactly a model's (see fa4/precompile.py)
+    firstcall   time a fresh process's first call, step by step, cold and warm (see fa4/firstcall.py)
     cache       cache info | clear [--stale]
 
 Output closed early (`python -m fa4 info --json | head`) ends the command quietly with status 141
@@ -160,7 +161,12 @@ def main(argv=None) -> int:
     sub.add_parser("bench", help="time fa4 against torch SDPA on this GPU (`python -m fa4 bench --help`)")
     from .precompile import add_arguments
 
-    add_arguments(sub.add_parser("precompile", help="build the common kernel configs ahead of time"))
+    add_arguments(sub.add_parser("precompile", help="build the common kernel configs ahead of time, or a model's "
+                                                    "(--shapes / --model-config)"))
+    from .firstcall import add_arguments as firstcall_arguments
+
+    firstcall_arguments(sub.add_parser("firstcall", help="time a fresh process's first call step by step, "
+                                                         "cold and warm cache"))
     p_cache = sub.add_parser("cache", help="show or clear the on-disk compile cache")
     p_cache.add_argument("action", choices=["info", "clear"],
                          help="info: the cache as JSON; clear: delete cached kernels")
@@ -175,6 +181,10 @@ def main(argv=None) -> int:
         from .precompile import main as precompile_main
 
         return precompile_main(args)
+    if args.cmd == "firstcall":
+        from .firstcall import main as firstcall_main
+
+        return firstcall_main(args)
     if args.cmd == "cache":
         return _cache_cmd(args)
     return _info(args)

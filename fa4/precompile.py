@@ -16,12 +16,17 @@ Blackwell forward) get their compile-only build: a resource check, nothing writt
 Causal Hopper forwards with >= 4096 keys launch stage 5's LPT tile order, whose section size (a
 compile-time constant) depends on the head counts and the key length. `--heads HQ[/HKV]` adds
 those kernels for every length up to `--max-seqlen` (one kernel per section size, usually 2-6).
+
+`--shapes` / `--model-config` build exactly what a model's calls launch instead (head dims, GQA,
+causal, sliding window, softcap, sink, LPT range; `derive_builds`), through compile_launchable on
+either path, under the cache keys the launches compute.
 """
 from __future__ import annotations
 
 import functools
 import sys
 import time
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 DTYPES = ("bf16", "fp16")
@@ -135,6 +140,200 @@ def _label(kind, dt, d, dv, c):
 
 
 # ---------------------------------------------------------------------------------------------
+# what a model will use: --shapes / --model-config -> workloads -> the exact builds
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """One kind of attention call a model makes: its dtype, head dims and counts, causal, the longest
+    key length (None: short calls only), and the variant at fa4's level (window_size as fa4 takes it,
+    None = no window; softcap 0 = none; sink: a learnable_sink is passed). `min_seqlen` is the
+    shortest key length that takes this form (a transformers sliding layer runs unwindowed calls up
+    to its window and windowed ones beyond it)."""
+
+    dtype: str = "bf16"
+    head_dim: int = 128
+    head_dim_v: int = 128
+    heads_q: int = 1
+    heads_kv: int = 1
+    causal: bool = True
+    max_seqlen: Optional[int] = None
+    window: Optional[tuple] = None
+    softcap: float = 0.0
+    sink: bool = False
+    min_seqlen: int = 1
+
+    def variant(self) -> dict:
+        """The variant keywords of compile_launchable (forward); the backward takes all but the sink."""
+        return dict(window_size=self.window or (None, None), softcap=self.softcap, learnable_sink=self.sink)
+
+
+def _spec_int(key: str, value: str, minimum: int = 1) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = minimum - 1
+    if n < minimum:
+        raise ValueError(f"{key}={value!r}: expected an integer >= {minimum}")
+    return n
+
+
+def parse_shape(text: str) -> Workload:
+    """'d=128,heads=32/8,causal,seqlen=4096' -> Workload. Items: d=D or d=D/DV; heads=HQ[/HKV];
+    causal | noncausal; seqlen=MAX_KEYS; dtype=bf16|fp16; window=LEFT[/RIGHT] (fa4's window_size;
+    a causal window takes LEFT only); softcap=X; sink."""
+    fields: dict = {}
+    for item in (x.strip() for x in str(text).split(",")):
+        key, _, value = item.partition("=")
+        if key in ("causal", "noncausal") and not value:
+            fields["causal"] = key == "causal"
+        elif key == "sink" and not value:
+            fields["sink"] = True
+        elif key in ("d", "head_dim"):
+            d, _, dv = value.partition("/")
+            fields["head_dim"] = _spec_int(key, d)
+            fields["head_dim_v"] = _spec_int(key, dv) if dv else fields["head_dim"]
+        elif key == "heads":
+            ((hq, hkv),) = parse_heads(value)
+            fields.update(heads_q=hq, heads_kv=hkv)
+        elif key in ("seqlen", "max_seqlen"):
+            fields["max_seqlen"] = _spec_int(key, value)
+        elif key == "dtype" and value in DTYPES:
+            fields["dtype"] = value
+        elif key == "window":
+            left, _, right = value.partition("/")
+            fields["window"] = (_spec_int(key, left, 0), _spec_int(key, right, 0) if right else None)
+        elif key == "softcap":
+            fields["softcap"] = float(value)
+        else:
+            raise ValueError(f"{item!r}: expected d=D[/DV], heads=HQ[/HKV], causal, noncausal, seqlen=N, "
+                             f"dtype=bf16|fp16, window=LEFT[/RIGHT], softcap=X or sink")
+    if "head_dim" not in fields:
+        raise ValueError(f"{text!r}: needs d=HEAD_DIM")
+    w = fields.get("window")
+    if w is not None and fields.get("causal", True):
+        fields["window"] = (w[0], 0)  # fa4: causal is right = 0
+    return Workload(**fields)
+
+
+def parse_shapes(text: str) -> list[Workload]:
+    """argparse type of --shapes: workloads separated by ';' (or give --shapes several times)."""
+    import argparse
+
+    try:
+        return [parse_shape(s) for s in str(text).split(";") if s.strip()]
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+ENCODER_MODELS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta", "deberta-v2", "modernbert")
+SINK_MODELS = ("gpt_oss",)  # attention sinks (s_aux): a learnable_sink per layer
+
+
+def _config_dtype(cfg: dict) -> str:
+    name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return "fp16" if name.endswith("float16") and "bfloat" not in name else "bf16"
+
+
+def workloads_from_config(cfg: dict, *, dtype: Optional[str] = None, max_seqlen: Optional[int] = None) -> list:
+    """A Hugging Face config (dict of config.json; a multimodal one's text_config) -> the Workloads its
+    attention layers run through fa4.integrations.transformers: head_dim (or hidden_size / heads),
+    num_attention_heads / num_key_value_heads (GQA), causal (decoders), attn_logit_softcapping, gpt-oss's
+    sinks, and sliding_window per layer (layer_types, else every layer; Gemma's alternate). A sliding
+    layer with window w runs unwindowed calls up to w keys and window_size (w - 1, 0) beyond (as
+    transformers' FlashAttention path). max_seqlen: the longest key length (default the config's
+    max_position_embeddings)."""
+    cfg = cfg.get("text_config") or cfg
+    hq = int(cfg["num_attention_heads"])
+    hkv = int(cfg.get("num_key_value_heads") or hq)
+    d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq)
+    model = str(cfg.get("model_type", ""))
+    causal = model not in ENCODER_MODELS and cfg.get("is_causal", True) is not False
+    longest = max_seqlen or cfg.get("max_position_embeddings") or DEFAULT_MAX_SEQLEN
+    base = Workload(dtype=dtype or _config_dtype(cfg), head_dim=d, head_dim_v=d, heads_q=hq, heads_kv=hkv,
+                    causal=causal, max_seqlen=int(longest), softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+                    sink=model in SINK_MODELS)
+    window = cfg.get("sliding_window")
+    if cfg.get("use_sliding_window") is False:
+        window = None
+    kinds = set(cfg.get("layer_types") or ())
+    if not kinds:
+        kinds = {"full_attention"} if not window else (
+            {"sliding_attention", "full_attention"} if model.startswith("gemma") else {"sliding_attention"})
+    out = []
+    if "full_attention" in kinds or not window:
+        out.append(base)
+    if "sliding_attention" in kinds and window:
+        w = int(window)
+        short = replace(base, max_seqlen=min(base.max_seqlen, w))
+        if short not in out:
+            out.append(short)
+        if base.max_seqlen > w:
+            right = 0 if causal else w - 1
+            out.append(replace(base, window=(w - 1, right), min_seqlen=w + 1))
+    return out
+
+
+def load_model_config(path: str) -> dict:
+    import json
+
+    with open(path) as f:
+        cfg = json.load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object (a Hugging Face config.json)")
+    return cfg
+
+
+def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, backward: bool = True,
+                  varlen: bool = False) -> list[dict]:
+    """The kernels these workloads launch, each once: per (dtype, head dims, causal, variant) the
+    forward of short calls (compile_launchable; non-causal plain ones add the long calls' split-tail
+    build), the forward of long calls where the key count changes the build (a causal call without
+    LPT order from LPT_MIN_SEQLEN_K keys: persistent or not), the LPT-ordered forwards of causal calls
+    with >= LPT_MIN_SEQLEN_K keys (one per section size, as `lpt_builds`), the backward (preprocess,
+    main, postprocess) unless backward=False, and the varlen forward / backward when varlen=True.
+    Each build is a dict: kind, dtype, head_dim, head_dim_v, causal, variant (compile_launchable
+    keywords), seqlen_k, and for LPT builds scheduler / heads."""
+    from ._dispatch import LPT_MIN_SEQLEN_K, lpt_forward_schedulers
+
+    builds, seen = [], set()
+
+    def add(kind, w, **extra):
+        variant = w.variant() if kind.startswith("fwd") or kind == "varlen" else \
+            dict(window_size=w.window or (None, None), softcap=w.softcap)
+        b = dict(kind=kind, dtype=w.dtype, head_dim=w.head_dim, head_dim_v=w.head_dim_v, causal=w.causal,
+                 variant=variant, seqlen_k=None, **extra)
+        # one kernel per signature: the key length only matters as >= LPT_MIN_SEQLEN_K or not (the
+        # persistent switch), and every long build's first length is >= it
+        sig = repr({k: v for k, v in b.items() if k not in ("heads", "seqlen_range", "seqlen_k_first")})
+        if sig not in seen:
+            seen.add(sig)
+            builds.append(b)
+
+    for w in workloads:
+        longest = w.max_seqlen or 0
+        if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal:  # some calls are short
+            add("fwd", w)
+        lpt = w.causal and w.window is None and arch_key == "sm_90"
+        if lpt and longest >= LPT_MIN_SEQLEN_K:
+            first_len = max(w.min_seqlen, LPT_MIN_SEQLEN_K)
+            for first, last, sched in lpt_forward_schedulers(arch_key, w.head_dim, w.head_dim_v, w.heads_q,
+                                                             w.heads_kv, longest):
+                if last >= first_len:
+                    add("fwd lpt", w, scheduler=sched, seqlen_k_first=max(first, first_len),
+                        heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, first_len), last))
+        elif w.causal and longest >= LPT_MIN_SEQLEN_K:
+            add("fwd long", w, seqlen_k_first=max(w.min_seqlen, LPT_MIN_SEQLEN_K))
+        if backward:
+            add("bwd", w)
+        if varlen:
+            add("varlen", w)
+            if backward:
+                add("bwd varlen", w)
+    for b in builds:
+        b["seqlen_k"] = b.pop("seqlen_k_first", None)
+    return builds
+
+# ---------------------------------------------------------------------------------------------
 # CPU: compile-only through the stage modules
 # ---------------------------------------------------------------------------------------------
 def _ensure_arch(arch: str):
@@ -150,6 +349,19 @@ def _ensure_arch(arch: str):
 def _resources(rep: dict) -> str:
     return (f"regs={rep.get('registers')} smem={rep.get('smem_bytes')} "
             f"spills={rep.get('spill_stores')}/{rep.get('spill_loads')}")
+
+
+def _state(before: dict, after: dict, launchable: bool) -> str:
+    """What a build did, from the cache statistics around it."""
+    if after["stores"] > before["stores"]:
+        return "written to disk"
+    if after["disk_hits"] > before["disk_hits"]:
+        return "already on disk"
+    if not launchable:
+        return "compile-only, not runnable"
+    if after["misses"] == before["misses"] and after["memory_hits"] > before["memory_hits"]:
+        return "same kernel as an earlier build"
+    return "not written (cache off?)"
 
 
 def _builder(mod, launchable: bool, varlen: bool = False):
@@ -219,9 +431,7 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
             row.update(seconds=time.perf_counter() - t0, kernels=len(comps),
                        stored=after["stores"] - before["stores"],
                        reports=[{k: v for k, v in comp.report.items() if k != "ptxas_log"} for comp in comps])
-            state = ("written to disk" if row["stored"] else
-                     "already on disk" if after["disk_hits"] > before["disk_hits"] else
-                     "compile-only, not runnable" if not launchable else "not written (cache off?)")
+            state = _state(before, after, launchable)
             main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
             detail = f"{prefix}{len(comps)} kernel(s) in {row['seconds']:.1f} s, {state}  {_resources(main.report)}"
         except Exception as exc:  # report and continue: the point is the whole table
@@ -318,6 +528,103 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
     return results
 
 
+# ---------------------------------------------------------------------------------------------
+# --shapes / --model-config: exactly the builds a model's calls launch (either path)
+# ---------------------------------------------------------------------------------------------
+def _variant_text(variant: dict) -> str:
+    w = variant.get("window_size", (None, None))
+    text = "" if tuple(w) == (None, None) else f" window={w[0]}" + ("" if w[1] in (None, 0) else f"/{w[1]}")
+    text += f" softcap={variant['softcap']:g}" if variant.get("softcap") else ""
+    return text + (" sink" if variant.get("learnable_sink") else "")
+
+
+def derived_task(fwd_mod, bwd_mod, build: dict):
+    """(label, what to build, label detail) of one `derive_builds` entry: the module's
+    compile_launchable under the launch's cache key."""
+    kind = build["kind"]
+    kw = dict(dtype=build["dtype"], head_dim=build["head_dim"], head_dim_v=build["head_dim_v"],
+              causal=build["causal"], **build["variant"])
+    label = _label(kind, build["dtype"], build["head_dim"], build["head_dim_v"], build["causal"])
+    label += _variant_text(build["variant"])
+    if kind.startswith("bwd"):
+        return label, functools.partial(bwd_mod.compile_launchable, varlen=kind == "bwd varlen", **kw), ""
+    extra, prefix = {}, ""
+    if kind == "fwd lpt":
+        extra["scheduler"] = build["scheduler"]
+        first, last = build["seqlen_range"]
+        prefix = f"{build['scheduler'].heads_per_section} heads/section, keys {first}-{last}, heads {build['heads']}: "
+    elif kind == "fwd long":
+        prefix = f"keys >= {build['seqlen_k']}: "
+    return label, functools.partial(fwd_mod.compile_launchable, varlen=kind == "varlen", seqlen_k=build["seqlen_k"],
+                                    **extra, **kw), prefix
+
+
+def build_derived(builds: list, *, arch_key: str = "sm_90", gpu: bool = False, out=None) -> list[dict]:
+    """Compile `derive_builds`' list through the stage modules' compile_launchable (built, not run,
+    on a GPU too), so each kernel lands in the disk cache under the key its launch computes."""
+    from . import _cache
+    from ._dispatch import ARCHS, _install_disk_cache, make_backend
+
+    out = out or sys.stdout
+    info = ARCHS[arch_key]
+    if gpu:
+        from ._dispatch import backend_for
+        import torch
+
+        backend = backend_for(torch.device("cuda", torch.cuda.current_device()))
+    else:
+        _ensure_arch(info.cute_arch)
+        backend = make_backend(info)
+    if not backend.LAUNCHABLE_BUILDS:
+        print(f"--shapes / --model-config: {info.forward_module} has no launchable builds; use --head-dims",
+              file=out)
+        return [{"error": "no launchable builds"}]
+    fwd_mod = backend.forward_module()  # imports the module and installs the disk cache
+    bwd_mod = backend.backward_module() if any(b["kind"].startswith("bwd") for b in builds) else None
+    _install_disk_cache()
+    where = f"disk cache: {_cache.cache_dir()}" if _cache.enabled() else "disk cache disabled (FA4_CACHE=0)"
+    print(f"{'GPU' if gpu else 'no GPU'}: {len(builds)} build(s) for {info.cute_arch} derived from the shapes; {where}",
+          file=out, flush=True)
+    prog = Progress(len(builds), out)
+    results = []
+    for b in builds:
+        label, build, prefix = derived_task(fwd_mod, bwd_mod, b)
+        row = {k: v for k, v in b.items() if k != "scheduler"}
+        if "scheduler" in b:
+            row["heads_per_section"] = b["scheduler"].heads_per_section
+        before, t0 = _cache.stats(), time.perf_counter()
+        try:
+            comps = build()
+            row.update(seconds=time.perf_counter() - t0, kernels=len(comps))
+            main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
+            detail = (f"{prefix}{len(comps)} kernel(s) in {row['seconds']:.1f} s, "
+                      f"{_state(before, _cache.stats(), True)}  {_resources(main.report)}")
+        except Exception as exc:  # report and continue: the point is the whole table
+            row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
+            detail = f"{prefix}FAILED {row['error'][:100]}"
+        results.append(row)
+        prog.step(label, detail)
+    st = _cache.stats()
+    print(f"done: {len(results)} builds in {prog.elapsed():.1f} s, {st['stores']} kernels written, "
+          f"{st['disk_hits']} already on disk", file=out)
+    return results
+
+
+def _derived_workloads(args) -> Optional[list]:
+    """The workloads of --shapes and --model-config (None when neither is given); the dtype and
+    max-seqlen options apply to the model config."""
+    shapes = [w for group in (getattr(args, "shapes", None) or []) for w in group]
+    config = getattr(args, "model_config", None)
+    if not shapes and not config:
+        return None
+    if args.max_seqlen is not None:  # the default longest key length of shapes without seqlen=
+        shapes = [w if w.max_seqlen else replace(w, max_seqlen=args.max_seqlen) for w in shapes]
+    if config:
+        dtype = args.dtype.split(",")[0] if args.dtype else None
+        shapes += workloads_from_config(load_model_config(config), dtype=dtype, max_seqlen=args.max_seqlen)
+    return shapes
+
+
 def main(args) -> int:
     try:
         import torch
@@ -331,6 +638,22 @@ def main(args) -> int:
 
         arch_key = arch_for_capability(torch.cuda.get_device_capability()).key
     arch_key = arch_key or "sm_90"
+    try:
+        workloads = _derived_workloads(args)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"--model-config: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if workloads is not None:
+        clash = [opt for opt, on in (("--all", args.all), ("--head-dims", args.head_dims),
+                                     ("--causal", args.causal != "both"), ("--heads", getattr(args, "heads", None)))
+                 if on]
+        if clash:
+            print(f"--shapes / --model-config say what to build: leave out {', '.join(clash)}", file=sys.stderr)
+            return 2
+        builds = derive_builds(workloads, arch_key, backward=not args.no_backward,
+                               varlen=getattr(args, "varlen", False))
+        rows = build_derived(builds, arch_key=arch_key, gpu=gpu and not args.arch)
+        return 1 if any("error" in r for r in rows) else 0
     causal = {"both": None, "yes": True, "no": False}[args.causal]
     hds = [int(x) if "/" not in x else tuple(int(y) for y in x.split("/")) for x in args.head_dims.split(",")] \
         if args.head_dims else None
@@ -364,7 +687,18 @@ def add_arguments(p):
                    help="also build the LPT-ordered causal forwards these head counts launch with >= 4096 keys, "
                         "e.g. 32/8,16")
     p.add_argument("--max-seqlen", type=_positive_int, default=None,
-                   help=f"longest key length the LPT kernels cover (with --heads; default {DEFAULT_MAX_SEQLEN})")
+                   help=f"longest key length the LPT kernels cover (with --heads; default {DEFAULT_MAX_SEQLEN}; "
+                        "with --model-config default the config's max_position_embeddings)")
+    p.add_argument("--shapes", type=parse_shapes, action="append", default=None, metavar="SPEC[;SPEC...]",
+                   help="build exactly what these calls launch, e.g. 'd=128,heads=32/8,causal,seqlen=4096' "
+                        "(items: d=D[/DV], heads=HQ[/HKV], causal|noncausal, seqlen=MAX_KEYS, dtype=bf16|fp16, "
+                        "window=LEFT[/RIGHT], softcap=X, sink); replaces --head-dims / --causal / --heads")
+    p.add_argument("--model-config", default=None, metavar="CONFIG.JSON",
+                   help="build exactly what a Hugging Face model's attention launches (head_dim, GQA heads, "
+                        "causal, sliding_window / layer_types, attn_logit_softcapping, gpt-oss sinks, LPT kernels "
+                        "up to --max-seqlen or max_position_embeddings)")
+    p.add_argument("--varlen", action="store_true",
+                   help="with --shapes / --model-config: also the varlen forward (and backward) kernels")
 
 
 def _positive_int(text: str) -> int:

@@ -29,7 +29,7 @@ from fa4 import __main__ as cli
 from fa4 import _cache, _dispatch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMANDS = ("demo", "info", "bench", "precompile", "cache")
+COMMANDS = ("demo", "info", "bench", "precompile", "cache", "firstcall")
 SIGPIPE_STATUS = 141  # 128 + SIGPIPE
 
 

@@ -1,0 +1,319 @@
+"""`python -m fa4 firstcall`: where a fresh process's first fa4 call spends its time.
+
+Each measurement runs in a fresh Python process (what a training job or a test run pays), whose
+steps are timed in the order a real first call takes them:
+
+    import torch         the interpreter already started (its start and exit are the 'process' row)
+    import fa4           lazy: the package itself imports nothing heavy
+    cuda init + inputs   (GPU) the CUDA context, the inputs on the device
+    import cutlass       the CuTe-DSL, after the arch is chosen (fa4._dispatch)
+    import kernels       the dispatch's kernel module (stage3_fwd_kernel.hopper, ...), disk cache installed
+    cache fingerprint    hashing the kernel sources etc. (fa4._cache.build_id): paid once per process
+    first forward        (GPU) fa4.flash_attn_func + synchronize; (CPU) the launch's build through
+                         compile_launchable, the same cache key and trace. Split into:
+        cache lookup     finding and verifying the disk entry (fa4._cache.DiskCache.read_verified)
+        load from disk   JIT-linking the object into a callable (cute.runtime.load_module)
+        compile          tracing, MLIR, PTX, ptxas (cute.compile) -- 0 on a cache hit
+        compile report   nvdisasm of the fresh cubin (registers, spills, SASS counts)
+        store to disk    export_to_c + atomic write
+        rest             the call's own work: validation, launch, the cubin's module load, sync
+    second forward       (GPU) the steady state, for scale
+    first backward       (GPU, --backward) split the same way
+
+Two runs: cold (an empty FA4_CACHE_DIR) and warm (a fresh process after `python -m fa4
+precompile --shapes ...` filled another empty directory with exactly this call's kernels). The
+table shows both; --json writes every number.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+# the child's first lines: nothing imported yet, so `import torch` is timed from a clean start
+_BOOT = """\
+import time
+_t0 = time.perf_counter()
+import sys, json, importlib.util
+import torch
+_t1 = time.perf_counter()
+_spec = importlib.util.spec_from_file_location("_fa4_firstcall_child", sys.argv[2])
+_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_mod)
+_mod.child(json.loads(sys.argv[1]), [("import torch", _t1 - _t0)], _t0)
+"""
+
+# the instrumented functions: (row, module, attribute path)
+_PROBES = (("cache lookup", "fa4._cache", "DiskCache.read_verified"),
+           ("load from disk", "fa4._cache", "load_object"),
+           ("compile", "cutlass.cute", "compile"),
+           ("compile report", "stage3_fwd_kernel.compile_cache", "disassemble"),
+           ("store to disk", "fa4._cache", "DiskCache.store"))
+
+
+class _Probes:
+    """Time spent in the probed functions, per phase (first forward, backward, ...)."""
+
+    def __init__(self):
+        self.phase = None
+        self.acc: dict = {}
+
+    def install(self):
+        import importlib
+
+        for row, module, path in _PROBES:
+            owner = importlib.import_module(module)
+            *parents, name = path.split(".")
+            for p in parents:
+                owner = getattr(owner, p)
+            setattr(owner, name, self._wrap(row, getattr(owner, name)))
+
+    def _wrap(self, row, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.phase is not None:
+                    slot = self.acc.setdefault(self.phase, {}).setdefault(row, [0.0, 0])
+                    slot[0] += time.perf_counter() - t0
+                    slot[1] += 1
+        return timed
+
+    def split(self, phase: str, total: float) -> list:
+        """(row, seconds, calls) of a phase, the unprobed rest last."""
+        rows = [(f"  {row}", *self.acc.get(phase, {}).get(row, (0.0, 0))) for row, *_ in _PROBES]
+        return rows + [("  rest", max(total - sum(r[1] for r in rows), 0.0), 1)]  # the probes never nest
+
+
+def _timed(steps: list, name: str, fn):
+    t0 = time.perf_counter()
+    value = fn()
+    steps.append((name, time.perf_counter() - t0))
+    return value
+
+
+def _inputs(cfg: dict, device):
+    import torch
+
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg["dtype"]]
+    b, s, hq, hkv, d, dv = cfg["batch"], cfg["seqlen"], cfg["heads_q"], cfg["heads_kv"], cfg["head_dim"], cfg["head_dim_v"]
+    grad = cfg["backward"]
+    return (torch.randn(b, s, hq, d, device=device, dtype=dt, requires_grad=grad),
+            torch.randn(b, s, hkv, d, device=device, dtype=dt, requires_grad=grad),
+            torch.randn(b, s, hkv, dv, device=device, dtype=dt, requires_grad=grad))
+
+
+def _first_calls(cfg: dict, steps: list, probes: _Probes, backend, gpu: bool, qkv):
+    """The first forward (and backward): on a GPU the real call; without one the launch's build."""
+    import fa4
+    from fa4 import _dispatch
+
+    d, dv, causal = cfg["head_dim"], cfg["head_dim_v"], cfg["causal"]
+
+    def phase(name, fn):
+        probes.phase = name
+        t0 = time.perf_counter()
+        value = fn()
+        total = time.perf_counter() - t0
+        probes.phase = None
+        steps.append((name, total))
+        steps.extend((row, secs) for row, secs, _ in probes.split(name, total))
+        return value
+
+    if gpu:
+        import torch
+
+        q, k, v = qkv
+
+        def forward():
+            out = fa4.flash_attn_func(q, k, v, causal=causal)
+            torch.cuda.synchronize()
+            return out
+
+        out = phase("first forward", forward)
+        _timed(steps, "second forward", forward)
+        if cfg["backward"]:
+            phase("first backward", lambda: (out.float().sum().backward(), torch.cuda.synchronize()))
+        return
+    sched = _dispatch.causal_forward_scheduler(backend.arch.key, causal, cfg["seqlen"], d, dv, cfg["heads_q"],
+                                               cfg["heads_kv"])
+    fwd = backend.forward_module()
+    phase("first forward", lambda: fwd.compile_only(cfg["dtype"], d, dv, causal, launchable=True, scheduler=sched,
+                                                    seqlen_k=cfg["seqlen"]))
+    if cfg["backward"]:
+        bwd = backend.backward_module()
+        phase("first backward", lambda: bwd.compile_launchable(cfg["dtype"], d, dv, causal))
+
+
+def child(cfg: dict, steps: list, t_start: float):
+    """The measured process (run by `_BOOT`): prints one JSON line."""
+    probes = _Probes()
+    import torch
+
+    def import_fa4():
+        import fa4
+
+        return fa4.flash_attn_func  # the lazy attribute imports the API modules
+    _timed(steps, "import fa4", import_fa4)
+    from fa4 import _cache, _dispatch
+
+    gpu = torch.cuda.is_available()
+    qkv, backend = None, None
+    if gpu:
+        def cuda():
+            inputs = _inputs(cfg, torch.device("cuda"))
+            torch.cuda.synchronize()
+            return inputs
+        qkv = _timed(steps, "cuda init + inputs", cuda)
+        backend = _dispatch.backend_for(qkv[0].device)
+    else:
+        backend = _dispatch.make_backend(_dispatch.ARCHS["sm_90"])
+
+    def cutlass():
+        _dispatch._ensure_cute_arch(backend.arch)
+        import cutlass.cute  # noqa: F401
+    _timed(steps, "import cutlass", cutlass)
+
+    def kernels():
+        backend.forward_module()
+        if cfg["backward"]:
+            backend.backward_module()
+    _timed(steps, "import kernels", kernels)
+    probes.install()
+    _timed(steps, "cache fingerprint", _cache.cache_dir)
+    _first_calls(cfg, steps, probes, backend, gpu, qkv)
+    stats = _cache.stats()
+    device = torch.cuda.get_device_name() if gpu else "no GPU (the first call's build via compile_launchable)"
+    print("FA4_FIRSTCALL " + json.dumps({"steps": steps, "in_process_s": time.perf_counter() - t_start,
+                                         "stats": stats, "device": device, "gpu": gpu,
+                                         "probe_calls": {p: {r: n for r, (_, n) in rows.items()}
+                                                         for p, rows in probes.acc.items()}}), flush=True)
+
+
+def run_child(cfg: dict, cache_dir: pathlib.Path, timeout: int = 900) -> dict:
+    """One fresh process with FA4_CACHE_DIR=cache_dir; its measurements plus its wall time."""
+    env = dict(os.environ, FA4_CACHE_DIR=str(cache_dir))
+    env.pop("FA4_CACHE", None)
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", _BOOT, json.dumps(cfg), __file__], env=env, capture_output=True,
+                         text=True, timeout=timeout, cwd=str(pathlib.Path(__file__).resolve().parent.parent))
+    wall = time.perf_counter() - t0
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("FA4_FIRSTCALL ")), None)
+    if res.returncode != 0 or line is None:
+        raise RuntimeError(f"the measured process failed (exit {res.returncode}):\n{res.stdout[-2000:]}"
+                           f"\n{res.stderr[-4000:]}")
+    data = json.loads(line.split(" ", 1)[1])
+    data["process_s"] = wall
+    return data
+
+
+def shape_spec(cfg: dict) -> str:
+    """This call as a `precompile --shapes` item."""
+    d = f"{cfg['head_dim']}" + (f"/{cfg['head_dim_v']}" if cfg["head_dim_v"] != cfg["head_dim"] else "")
+    return (f"d={d},heads={cfg['heads_q']}/{cfg['heads_kv']},{'causal' if cfg['causal'] else 'noncausal'},"
+            f"seqlen={cfg['seqlen']},dtype={cfg['dtype']}")
+
+
+def precompile(cfg: dict, cache_dir: pathlib.Path, timeout: int = 1800) -> float:
+    """`python -m fa4 precompile --shapes` for exactly this call, in its own process; its wall time."""
+    cmd = [sys.executable, "-m", "fa4", "precompile", "--shapes", shape_spec(cfg)]
+    if not cfg["backward"]:
+        cmd.append("--no-backward")
+    env = dict(os.environ, FA4_CACHE_DIR=str(cache_dir))
+    env.pop("FA4_CACHE", None)
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                         cwd=str(pathlib.Path(__file__).resolve().parent.parent))
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    return time.perf_counter() - t0
+
+
+def table(runs: dict) -> str:
+    """Rows: the steps in order; columns: the runs (seconds)."""
+    names = list(runs)
+    order: list = []
+    for r in runs.values():
+        for step, _ in r["steps"]:
+            if step not in order:
+                order.append(step)
+    w = 26
+    lines = [f"{'step':<{w}}" + "".join(f"{n:>10}" for n in names)]
+    for step in order:
+        vals = [dict(r["steps"]).get(step) for r in runs.values()]
+        lines.append(f"{step:<{w}}" + "".join(f"{v:>10.3f}" if v is not None else f"{'-':>10}" for v in vals))
+    for label, fn in (("in process", lambda r: r["in_process_s"]),
+                      ("above import torch", lambda r: r["in_process_s"] - dict(r["steps"])["import torch"]),
+                      ("process (with start/exit)", lambda r: r["process_s"])):
+        lines.append(f"{label:<{w}}" + "".join(f"{fn(r):>10.3f}" for r in runs.values()))
+    lines.append(f"{'compiles / disk hits':<{w}}" + "".join(
+        f"{str(r['stats']['misses']) + ' / ' + str(r['stats']['disk_hits']):>10}" for r in runs.values()))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    dv = args.head_dim_v or args.head_dim
+    hq, hkv = args.heads
+    cfg = dict(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=dv, causal=args.causal, batch=args.batch,
+               seqlen=args.seqlen, heads_q=hq, heads_kv=hkv, backward=args.backward)
+    root = pathlib.Path(tempfile.mkdtemp(prefix="fa4_firstcall_"))
+    try:
+        runs: dict = {}
+        print(f"first call of {shape_spec(cfg)}{' + backward' if args.backward else ''}, fresh processes; "
+              f"caches under {root}", flush=True)
+        runs["cold"] = run_child(cfg, root / "cold")
+        print(f"cold: {runs['cold']['in_process_s']:.2f} s in process ({runs['cold']['device']})", flush=True)
+        pre = precompile(cfg, root / "warm")
+        print(f"precompile --shapes {shape_spec(cfg)}: {pre:.2f} s", flush=True)
+        for i in range(args.repeat):
+            runs["warm" if i == 0 else f"warm{i + 1}"] = run_child(cfg, root / "warm")
+        print(table(runs))
+        warm = runs["warm"]
+        above = warm["in_process_s"] - dict(warm["steps"])["import torch"]
+        print(f"warm: {above:.2f} s above `import torch` (goal <= 0.5 s); "
+              f"{warm['stats']['misses']} compile(s), {warm['stats']['disk_hits']} disk hit(s)")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps({"config": cfg, "precompile_s": pre, "runs": runs},
+                                                          indent=1))
+            print(f"wrote {args.json}")
+        return 0 if warm["stats"]["misses"] == 0 else 1
+    finally:
+        if args.keep:
+            print(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def add_arguments(p):
+    from .precompile import parse_heads
+
+    p.add_argument("--head-dim", type=int, default=96)
+    p.add_argument("--head-dim-v", type=int, default=None, help="V's head dim (default --head-dim)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlen", type=int, default=1024, help="query and key length")
+    p.add_argument("--heads", type=lambda t: parse_heads(t)[0], default=(16, 16), metavar="HQ[/HKV]")
+    p.add_argument("--backward", action="store_true", help="also the first backward")
+    p.add_argument("--repeat", type=int, default=1, help="warm processes to run (default 1)")
+    p.add_argument("--json", default="fa4_firstcall.json", help="where to write the numbers ('' = nowhere)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary cache directories")
+
+
+def run(argv: Optional[list] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m fa4 firstcall", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,291 @@
+"""The first call of a fresh process and what `precompile` warms for it (fa4/firstcall.py, fa4/precompile.py).
+
+* `--shapes` / `--model-config` derive exactly the builds a model's calls launch (unit tests on the
+  derivation, no compile);
+* the cache keys a launch computes -- fa4's dispatch with real torch tensors, down to the stage
+  modules' `compile_cached` -- are the keys `precompile` builds under (forward, backward, varlen,
+  LPT, split tail, variants): a launch is stubbed by a recording compile-cache store, so nothing
+  compiles and no GPU is needed;
+* (compile tier) the launch's own build traces the same kernel as `compile_launchable` (same SASS,
+  same kernel symbol), a derived build lands in the disk cache under the launch's key, and a warm
+  fresh process compiles nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fa4 import _cache, _dispatch, firstcall, precompile
+from fa4.precompile import Workload
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, env=None, timeout=600):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "fa4", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+
+
+# ================================================================================ derivation
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_shape_specs_parse_and_reject():
+    w = precompile.parse_shape("d=128,heads=32/8,causal,seqlen=4096")
+    assert w == Workload(head_dim=128, head_dim_v=128, heads_q=32, heads_kv=8, causal=True, max_seqlen=4096)
+    w = precompile.parse_shape("d=192/128,heads=16,noncausal,dtype=fp16,window=64/32,softcap=30,sink")
+    assert (w.head_dim, w.head_dim_v, w.heads_kv, w.causal, w.dtype) == (192, 128, 16, False, "fp16")
+    assert (w.window, w.softcap, w.sink) == ((64, 32), 30.0, True)
+    assert precompile.parse_shape("d=64,window=127").window == (127, 0)  # causal (the default): right = 0
+    assert len(precompile.parse_shapes("d=64; d=128,noncausal")) == 2
+    import argparse
+
+    for bad in ("heads=8", "d=x", "d=64,heads=6/4", "d=64,seqlen=0", "d=64,color=red", "d=64,window=-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            precompile.parse_shapes(bad)
+
+
+def _kinds(builds):
+    return [(b["kind"], b["head_dim"], b["causal"], tuple(b["variant"].get("window_size", (None, None))),
+             b["variant"].get("softcap", 0.0), b["variant"].get("learnable_sink", False)) for b in builds]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_model_config_derivation():
+    """Head dims, GQA, causal, dtype, sliding windows per layer type, softcap, sinks and the LPT range
+    from small Hugging Face configs (no downloads)."""
+    llama = dict(model_type="llama", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                 max_position_embeddings=8192, torch_dtype="bfloat16")
+    (w,) = precompile.workloads_from_config(llama)
+    assert w == Workload("bf16", 128, 128, 32, 8, True, 8192)
+    builds = precompile.derive_builds([w])
+    lpt = _dispatch.lpt_forward_schedulers("sm_90", 128, 128, 32, 8, 8192)
+    assert [b["kind"] for b in builds] == ["fwd"] + ["fwd lpt"] * len(lpt) + ["bwd"]
+    assert [b["scheduler"] for b in builds if b["kind"] == "fwd lpt"] == [s for *_, s in lpt]
+    assert [b["seqlen_k"] for b in builds if b["kind"] == "fwd lpt"] == [f for f, *_ in lpt]
+    assert [b["kind"] for b in precompile.derive_builds([w], backward=False, varlen=True)] == \
+        ["fwd"] + ["fwd lpt"] * len(lpt) + ["varlen"]
+    # --max-seqlen below the LPT threshold: no LPT kernel
+    assert [b["kind"] for b in precompile.derive_builds(precompile.workloads_from_config(llama, max_seqlen=2048))] \
+        == ["fwd", "bwd"]
+
+    # Mistral: every layer sliding (4096 keys); calls up to 4096 keys are plain, longer ones windowed
+    mistral = dict(model_type="mistral", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                   sliding_window=4096, max_position_embeddings=32768, torch_dtype="float16")
+    ws = precompile.workloads_from_config(mistral)
+    assert [(x.max_seqlen, x.window, x.min_seqlen, x.dtype) for x in ws] == \
+        [(4096, None, 1, "fp16"), (32768, (4095, 0), 4097, "fp16")]
+    kinds = _kinds(precompile.derive_builds(ws, backward=False))
+    assert kinds[0] == ("fwd", 128, True, (None, None), 0.0, False)
+    assert kinds[1][0] == "fwd lpt" and kinds[-1] == ("fwd long", 128, True, (4095, 0), 0.0, False)
+    assert not any(k[0] == "fwd" and k[3] != (None, None) for k in kinds)  # no short windowed calls
+
+    # Gemma 2: alternating layers (no layer_types in the file), softcap, head_dim given
+    gemma = dict(model_type="gemma2", hidden_size=2304, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                 sliding_window=4096, attn_logit_softcapping=50.0, max_position_embeddings=8192)
+    ws = precompile.workloads_from_config(gemma)
+    assert {x.window for x in ws} == {None, (4095, 0)} and all(x.softcap == 50.0 and x.head_dim == 256 for x in ws)
+    assert max(x.max_seqlen for x in ws if x.window is None) == 8192  # the full layers' LPT range
+    # gpt-oss: layer_types, sinks (forward only: the sink's gradient is torch's), a text_config nesting
+    oss = {"text_config": dict(model_type="gpt_oss", hidden_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                               head_dim=64, sliding_window=128, max_position_embeddings=2048,
+                               layer_types=["sliding_attention", "full_attention"])}
+    builds = precompile.derive_builds(precompile.workloads_from_config(oss))
+    assert ("fwd", 64, True, (127, 0), 0.0, True) in _kinds(builds)
+    assert ("bwd", 64, True, (127, 0), 0.0, False) in _kinds(builds)
+    assert all(b["variant"]["learnable_sink"] for b in builds if b["kind"] == "fwd")
+    # Qwen2 with use_sliding_window false: no window; an encoder: not causal; full layers only
+    qwen = dict(model_type="qwen2", hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                sliding_window=4096, use_sliding_window=False, max_position_embeddings=1024)
+    assert [x.window for x in precompile.workloads_from_config(qwen)] == [None]
+    bert = dict(model_type="bert", hidden_size=768, num_attention_heads=12, max_position_embeddings=512)
+    assert precompile.workloads_from_config(bert) == [Workload("bf16", 64, 64, 12, 12, False, 512)]
+
+
+# ================================================================================ launch key == precompile key
+class _Recorder:
+    """A compile-cache store that answers every lookup with a no-op kernel and records the key: the
+    launch path runs to its kernel call without compiling (or a GPU)."""
+
+    def __init__(self):
+        self.keys, self.rebuilds = [], {}
+
+    def memory_hit(self, key):
+        self.keys.append(key)
+
+    def load(self, key, rebuild):
+        from stage3_fwd_kernel.compile_cache import Compiled
+
+        self.keys.append(key)
+        self.rebuilds[key] = rebuild
+        return Compiled(lambda *a, **k: None, {}, "", "")
+
+    def offer(self, key, compiled):
+        pass
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """(backend, recorder): the sm_90 modules imported, then the recorder behind an empty memory cache;
+    CPU tensors pass the kernels' CUDA checks and the persistent grid gets an H100's 132 SMs."""
+    from stage3_fwd_kernel import compile_cache, tile_scheduler
+
+    be = _dispatch.make_backend(_dispatch.ARCHS["sm_90"])
+    be.forward_module(), be.backward_module()  # installs fa4's store: replaced below
+    rec = _Recorder()
+    monkeypatch.setattr(compile_cache, "_CACHE", {})
+    monkeypatch.setattr(compile_cache, "_STORE", rec)
+    monkeypatch.setattr(tile_scheduler, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
+    return be, rec
+
+
+def _launch(be, w: Workload, seqlen: int, *, backward=True, varlen=False):
+    """What fa4's dispatch launches for one call of `w` with `seqlen` queries and keys (CPU tensors)."""
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[w.dtype]
+    q = torch.randn(1, seqlen, w.heads_q, w.head_dim, dtype=dt)
+    k = torch.randn(1, seqlen, w.heads_kv, w.head_dim, dtype=dt)
+    v = torch.randn(1, seqlen, w.heads_kv, w.head_dim_v, dtype=dt)
+    window = (None, None) if w.window is None else (w.window[0], None if w.causal else w.window[1])
+    sink = torch.zeros(w.heads_q) if w.sink else None
+    var = dict(window=window, softcap=w.softcap)
+    scale = w.head_dim ** -0.5
+    if varlen:
+        cu = torch.tensor([0, seqlen], dtype=torch.int32)
+        out, lse = be.varlen_forward(q[0], k[0], v[0], cu, cu, None, seqlen, seqlen, scale, w.causal, **var,
+                                     learnable_sink=sink)
+        if backward:
+            be.varlen_backward(out, q[0], k[0], v[0], out, lse, cu, cu, None, seqlen, seqlen, scale, w.causal, False,
+                               **var)
+        return
+    out, lse = be.forward(q, k, v, scale, w.causal, **var, learnable_sink=sink)
+    if backward:
+        be.backward(out, q, k, v, out, lse, scale, w.causal, False, **var)
+
+
+WORKLOADS = [  # (shape spec, key lengths of the launches)
+    ("d=96,heads=16/16,causal,seqlen=1024", (1024,)),                       # the issue's first call
+    ("d=128,heads=32/8,causal,seqlen=8192", (512, 4096, 8192)),              # LPT, GQA
+    ("d=64,heads=16,causal,seqlen=8192", (1024, 8192)),                      # d = 64: long calls not persistent
+    ("d=128,heads=16,noncausal,seqlen=8192", (256, 8192)),                   # split tail on long ones
+    ("d=192/128,heads=8/2,causal", (640,)),
+    ("d=64,heads=8,noncausal,dtype=fp16", (300,)),
+    ("d=128,heads=8/2,causal,window=255,softcap=30,sink,seqlen=4096", (1000, 4096)),
+    ("d=64,heads=4,noncausal,window=100/20,seqlen=512", (512,)),
+]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("spec,lengths", WORKLOADS, ids=[w[0] for w in WORKLOADS])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_launch_keys_are_the_precompiled_keys(recorder, spec, lengths, varlen):
+    """Every kernel key a launch asks the compile cache for (forward and backward, fa4's dispatch with
+    torch tensors) is one that `precompile --shapes SPEC` builds: a warm disk cache serves it."""
+    be, rec = recorder
+    (w,) = precompile.parse_shapes(spec)
+    fwd_mod, bwd_mod = be.forward_module(), be.backward_module()
+    for b in precompile.derive_builds([w], varlen=varlen):
+        precompile.derived_task(fwd_mod, bwd_mod, b)[1]()
+    built = set(rec.keys)
+    assert built and all(_cache.persistable(k) for k in built)
+    rec.keys.clear()
+    for n in lengths:
+        if varlen:
+            _launch(be, w, n, varlen=True)
+        else:
+            _launch(be, w, n)
+    launched = set(rec.keys)
+    assert launched and launched <= built, sorted(map(repr, launched - built))
+    assert any(k[:2] == ("hopper_forward", "gpu") for k in launched)  # the forward was reached
+    assert sum(1 for k in launched if k[0] != "hopper_forward") >= 3  # preprocess, main, postprocess
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_firstcall_table_and_help():
+    runs = {name: {"steps": [("import torch", 1.0), ("first forward", t)], "in_process_s": 1.5 + t, "process_s": 2 + t,
+                   "stats": {"misses": int(t > 1), "disk_hits": int(t < 1)}} for name, t in (("cold", 4.0), ("warm", 0.02))}
+    text = firstcall.table(runs)
+    assert "first forward" in text and "4.000" in text and "0.020" in text and "1 / 0" in text and "0 / 1" in text
+    assert firstcall.shape_spec(dict(head_dim=96, head_dim_v=96, heads_q=16, heads_kv=4, causal=True, seqlen=1024,
+                                     dtype="bf16")) == "d=96,heads=16/4,causal,seqlen=1024,dtype=bf16"
+    res = run_cli("firstcall", "--help", timeout=120)
+    assert res.returncode == 0 and "python -m fa4 firstcall" in res.stdout and "--head-dim" in res.stdout
+    res = run_cli("--help", timeout=120)
+    assert "    firstcall" in res.stdout
+    res = run_cli("precompile", "--shapes", "d=64", "--head-dims", "64", timeout=120)
+    assert res.returncode == 2 and "leave out --head-dims" in res.stderr, res.stderr
+
+
+# ================================================================================ compile tier
+def _kernel_symbols(comp) -> list:
+    from stage3_fwd_kernel.compile_cache import _artifact
+
+    cubin = _artifact(comp.fn.__cubin__, "rb")
+    return sorted(set(re.findall(rb"\.text\.(kernel_\w+)", cubin)))
+
+
+@pytest.mark.compile
+@pytest.mark.fa4
+def test_launch_traces_the_precompiled_kernel(recorder, monkeypatch):
+    """The launch's own build (the closure its compile_cached call carries) and compile_launchable
+    trace the same kernel: same symbol (including its gmemalign16 argument mangling) and the same
+    SASS after benchmarks.inspect.sass_fingerprint.normalise."""
+    from benchmarks.inspect.sass_fingerprint import normalise
+    from stage3_fwd_kernel import compile_cache
+
+    be, rec = recorder
+    (w,) = precompile.parse_shapes("d=96,heads=16,causal,seqlen=1024")
+    _launch(be, w, 1024, backward=False)
+    (key,) = [k for k in rec.keys if k[:2] == ("hopper_forward", "gpu")]
+    monkeypatch.setattr(compile_cache, "_STORE", None)
+    launch_build = rec.rebuilds[key]()                       # compiles what the launch would have
+    monkeypatch.setattr(compile_cache, "_CACHE", {})
+    (pre,) = be.forward_module().compile_launchable("bf16", 96, 96, True)
+    assert pre.fn is not launch_build.fn  # two compiles
+    assert _kernel_symbols(pre) == _kernel_symbols(launch_build) and b"gmemalign16" in _kernel_symbols(pre)[0]
+    digest = lambda c: hashlib.sha256(normalise(c.sass).encode()).hexdigest()  # noqa: E731
+    assert pre.sass and digest(pre) == digest(launch_build)
+
+
+@pytest.mark.compile
+@pytest.mark.fa4
+def test_precompile_model_config_lands_under_the_launch_key(tmp_path, recorder):
+    """`precompile --model-config` on a small config: the derived forward is written to the disk cache
+    under the hash of the key a launch of that model computes."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(dict(model_type="llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=2048, torch_dtype="bfloat16")))
+    env = {"FA4_CACHE_DIR": str(tmp_path / "cache"), "CUDA_VISIBLE_DEVICES": ""}
+    res = run_cli("precompile", "--model-config", str(cfg), "--no-backward", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 build(s)" in res.stdout and "fwd bf16 d=64 causal" in res.stdout and "written to disk" in res.stdout
+    be, rec = recorder
+    _launch(be, Workload("bf16", 64, 64, 4, 2, True), 2048, backward=False)
+    (key,) = rec.keys
+    files = [p.name for p in (tmp_path / "cache").rglob("*.o")]
+    assert [f.split("-")[0] for f in files] == [_cache.key_hash(key)], files
+
+
+@pytest.mark.compile
+@pytest.mark.fa4
+def test_firstcall_warm_process_compiles_nothing(tmp_path):
+    """`python -m fa4 firstcall`: a cold process compiles the forward; after `precompile --shapes` of
+    the same call a fresh process loads it from disk and compiles nothing."""
+    out = tmp_path / "fc.json"
+    res = run_cli("firstcall", "--head-dim", "64", "--causal", "--seqlen", "256", "--json", str(out), timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    cold, warm = data["runs"]["cold"], data["runs"]["warm"]
+    assert cold["stats"]["misses"] == 1 and warm["stats"]["misses"] == 0 and warm["stats"]["disk_hits"] == 1
+    steps = dict(warm["steps"])
+    assert steps["  compile"] == 0 and steps["  load from disk"] > 0 and dict(cold["steps"])["  compile"] > 0
