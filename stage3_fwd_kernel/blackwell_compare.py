@@ -48,6 +48,7 @@ Opcode counts use the opcode's first word (``FFMA`` does not count ``FFMA2``; ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import glob
 import importlib.metadata
@@ -133,7 +134,7 @@ def official_version() -> str | None:
         return None
 
 
-class _StandIn(types.ModuleType):
+class StandIn(types.ModuleType):
     """A module whose every attribute is a usable base class or callable (the triton / einops that
     quack and flash_attn import at module level, unused on the forward's compile path)."""
 
@@ -142,10 +143,24 @@ class _StandIn(types.ModuleType):
             raise AttributeError(name)
         if name[:1].isupper():
             return type(name, (), {"__init__": lambda self, *a, **k: None})
-        return _StandIn(f"{self.__name__}.{name}")
+        return StandIn(f"{self.__name__}.{name}")
 
     def __call__(self, *args, **kwargs):
-        return _StandIn(self.__name__)
+        return StandIn(self.__name__)
+
+
+@contextlib.contextmanager
+def stand_ins(*names):
+    """StandIn modules for those of `names` that are not installed, for the duration of the block
+    (the official package's import; benchmarks.inspect.official_sass uses it too)."""
+    missing = [n for n in names if n not in sys.modules and importlib.util.find_spec(n) is None]
+    for n in missing:
+        sys.modules[n] = StandIn(n)
+    try:
+        yield
+    finally:
+        for n in missing:
+            sys.modules.pop(n, None)
 
 
 def _official_compile(head_dim: int, causal: bool, dtype: str, seqlen: int, heads: int) -> None:
@@ -159,10 +174,8 @@ def _official_compile(head_dim: int, causal: bool, dtype: str, seqlen: int, head
     sms = int(os.environ.get("FLASH_ATTENTION_NUM_SMS", B200_SMS))
     hardware_info.HardwareInfo.__init__ = lambda self, device_id=0: None  # no driver here
     hardware_info.HardwareInfo.get_device_multiprocessor_count = lambda self: sms
-    for name in ("triton", "einops"):
-        if importlib.util.find_spec(name) is None:
-            sys.modules[name] = _StandIn(name)
-    import flash_attn.cute.interface as official
+    with stand_ins("triton", "einops"):
+        import flash_attn.cute.interface as official
 
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     with FakeTensorMode(allow_non_fake_inputs=True):

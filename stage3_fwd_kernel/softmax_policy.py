@@ -205,6 +205,26 @@ def rescale_vote_limits(row_max_new: cute.Tensor, row_limit: cute.Tensor) -> Boo
     return cute.arch.vote_any_sync(need)
 
 
+def _exp2_at(x, c: int, policy):
+    """2^x for position c of a row: the polynomial where policy.pattern says so, else MUFU.EX2."""
+    if cutlass.const_expr(policy.pattern[c % PATTERN_PERIOD]):
+        return exp2_emulated_f32(x, policy.coefficients, True)
+    return ex2_approx_f32(x)
+
+
+def _add_to_chain(sums: list, c: int, p):
+    """The running sums of a row, one chain per c % len(sums); a chain starts at its first value."""
+    k = c % len(sums)
+    sums[k] = p if cutlass.const_expr(sums[k] is None) else sums[k] + p
+
+
+def _chains_total(sums: list):
+    total = sums[0]
+    for i in range(1, len(sums)):
+        total = total + sums[i]
+    return total
+
+
 @cute.jit
 def exp2_row_packed(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy: cutlass.Constexpr) -> Float32:
     """exp2_row for Blackwell (sm_100), whose FMA pipe takes f32x2 pairs: the argument of two
@@ -213,27 +233,19 @@ def exp2_row_packed(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy
     sums packed as well (FFMA2 / FADD2, as the official kernel has them) the softmax warpgroups
     spilled within their 192 registers (116 bytes at d = 128, compile report), so those stay
     scalar. The work goes one pattern period (16 values) at a time: few temporaries live at once."""
-    pattern, coeffs = policy.pattern, policy.coefficients
     n = cute.size(row)
     neg_bias = -bias
     period = PATTERN_PERIOD if n % PATTERN_PERIOD == 0 else n
-    chains = 4 if n % 4 == 0 else 1
-    sums = [None] * chains
+    sums = [None] * (4 if n % 4 == 0 else 1)
     for g in cutlass.range_constexpr(0, n, period):
         for c in cutlass.range_constexpr(g, g + period, 2):   # x = s * scale - bias, in pairs
             row[c], row[c + 1] = cute.arch.fma_packed_f32x2((row[c], row[c + 1]), (scale_log2, scale_log2),
                                                             (neg_bias, neg_bias), rnd="rn")
         for c in cutlass.range_constexpr(g, g + period):
-            if cutlass.const_expr(pattern[c % PATTERN_PERIOD]):
-                p = exp2_emulated_f32(row[c], coeffs, True)
-            else:
-                p = ex2_approx_f32(row[c])
+            p = _exp2_at(row[c], c, policy)
             row[c] = p
-            sums[c % chains] = p if cutlass.const_expr(sums[c % chains] is None) else sums[c % chains] + p
-    total = sums[0]
-    for i in cutlass.range_constexpr(1, chains):
-        total = total + sums[i]
-    return total
+            _add_to_chain(sums, c, p)
+    return _chains_total(sums)
 
 
 @cute.jit
@@ -246,19 +258,10 @@ def exp2_row(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy: cutla
     at its first value: 0 + p is p for every p >= 0, but the compiler may not fold an add of +0.0
     (it would turn -0.0 into +0.0), and those adds were 8 of a d = 64 tile's 76 FADD.
     """
-    pattern, coeffs = policy.pattern, policy.coefficients
     n = cute.size(row)
-    chains = 4 if n % 4 == 0 else 1
-    sums = [None] * chains
+    sums = [None] * (4 if n % 4 == 0 else 1)
     for c in cutlass.range_constexpr(n):
-        x = fma_rn_f32(row[c], scale_log2, -bias)
-        if cutlass.const_expr(pattern[c % PATTERN_PERIOD]):
-            p = exp2_emulated_f32(x, coeffs, True)
-        else:
-            p = ex2_approx_f32(x)
+        p = _exp2_at(fma_rn_f32(row[c], scale_log2, -bias), c, policy)
         row[c] = p
-        sums[c % chains] = p if cutlass.const_expr(sums[c % chains] is None) else sums[c % chains] + p
-    total = sums[0]
-    for i in cutlass.range_constexpr(1, chains):
-        total = total + sums[i]
-    return total
+        _add_to_chain(sums, c, p)
+    return _chains_total(sums)

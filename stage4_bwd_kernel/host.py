@@ -31,13 +31,12 @@ from stage4_bwd_kernel import preprocess as pre
 def variant_of(causal, window_size, softcap):
     """(Window without causal's edge, softcap) of a call, or None for plain attention (checked:
     TypeError / ValueError naming window_size or softcap)."""
-    from stage3_fwd_kernel.components.score_mod import check_softcap
-    from stage3_fwd_kernel.components.window import Window, make_window
+    from stage0_reference.validation import check_softcap
+    from stage3_fwd_kernel.components.window import NO_WINDOW, beyond_causal
 
-    window = make_window(causal, window_size)
-    window = Window(window.left, None if causal else window.right)
+    window = beyond_causal(causal, window_size)
     softcap = check_softcap(softcap)
-    if window == Window() and not softcap:
+    if window == NO_WINDOW and not softcap:
         return None
     return window, softcap
 

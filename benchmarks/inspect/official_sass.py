@@ -13,43 +13,12 @@ own triton probe runs before, and sees none).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
-import types
-
-
-class _Anything(types.ModuleType):
-    """A module whose every attribute is a usable base class or callable (triton / einops stand-in)."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name[:1].isupper():
-            return type(name, (), {"__init__": lambda self, *a, **k: None})
-        return _Anything(f"{self.__name__}.{name}")
-
-    def __call__(self, *args, **kwargs):
-        return _Anything(self.__name__)
-
-
-@contextlib.contextmanager
-def stand_ins(*names):
-    saved = {n: sys.modules.get(n) for n in names}
-    for n in names:
-        sys.modules[n] = _Anything(n)
-    try:
-        yield
-    finally:
-        for n, mod in saved.items():
-            if mod is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = mod
 
 
 def set_target() -> None:
@@ -67,6 +36,8 @@ def compile_official(dim: int, dim_v: int, causal: bool, dtype: str, seqlen: int
     import torch
     import torch._dynamo  # noqa: F401  (torch probes for triton here: before the stand-in exists)
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stage3_fwd_kernel.blackwell_compare import stand_ins  # after set_target: it imports cutlass
 
     with stand_ins("triton", "einops"):
         import flash_attn.cute.interface as official

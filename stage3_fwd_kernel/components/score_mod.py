@@ -20,16 +20,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import const_expr
 
+from stage0_reference.validation import check_softcap
+
 LOG2_E = math.log2(math.e)
-
-
-def check_softcap(softcap) -> float:
-    """softcap: a finite float >= 0 (0 = off). Raises TypeError / ValueError naming it."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap >= 0):
-        raise ValueError(f"softcap: expected a finite value >= 0 (0 = off), got {softcap}")
-    return float(softcap)
 
 
 class Softcap:

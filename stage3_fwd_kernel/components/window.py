@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+from stage0_reference.validation import normalize_window
+
 
 class Window(NamedTuple):
     """Visible keys of row i: [i + off - left, i + off + right]; None = unlimited that side."""
@@ -30,22 +32,15 @@ NO_WINDOW = Window()
 
 
 def make_window(causal: bool, window_size=(None, None)) -> Window:
-    """(causal, window_size) -> Window. -1 and None are unlimited; causal means right = 0, so a
-    causal call may add a left window but not a right one. Raises TypeError / ValueError naming
-    window_size."""
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size: expected a pair (left, right) of ints or None, got {window_size!r}")
-    sides = []
-    for name, w in zip(("left", "right"), window_size):
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
-            raise TypeError(f"window_size: the {name} size must be an int or None, got {type(w).__name__}")
-        if w is not None and w < -1:
-            raise ValueError(f"window_size: the {name} size must be >= 0, or -1 / None for unlimited, got {w}")
-        sides.append(None if w is None or w == -1 else int(w))
-    left, right = sides
-    if causal:
-        if right not in (None, 0):
-            raise ValueError(f"window_size: causal=True already limits the right side to 0; got right = {right}")
-        right = 0
-    return Window(left, right)
+    """(causal, window_size) -> Window, checked by the oracle's rule (stage0_reference.validation:
+    -1 and None unlimited; causal is right = 0, so it may add a left window but not a right one;
+    TypeError / ValueError naming window_size)."""
+    return Window(*normalize_window(window_size, causal))
 
+
+def beyond_causal(causal: bool, window_size=(None, None)) -> Window:
+    """The window a call adds to its causal flag: make_window without causal's own right edge, so
+    a causal call with no left window is NO_WINDOW (the kernels put the edge back from `causal`,
+    and plain calls keep their compile-cache keys)."""
+    window = make_window(causal, window_size)
+    return Window(window.left, None if causal else window.right)

@@ -10,7 +10,7 @@ import cutlass.cute as cute
 
 from stage3_fwd_kernel import host_io, trace
 from stage3_fwd_kernel.components.score_mod import Softcap, check_softcap
-from stage3_fwd_kernel.components.window import NO_WINDOW, Window, make_window
+from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, _check_head_dims, _check_scale, _check_tile_m,
@@ -44,8 +44,7 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
     a float >= 0, learnable_sink a floating (Hq,) tensor on q's device."""
     import torch
 
-    window = make_window(causal, window_size)
-    window = Window(window.left, None if causal else window.right)  # causal stays the kernel's flag
+    window = beyond_causal(causal, window_size)  # causal stays the kernel's flag
     if learnable_sink is not None:
         if not isinstance(learnable_sink, torch.Tensor):
             raise TypeError(f"learnable_sink: expected a torch tensor, got {type(learnable_sink).__name__}")
@@ -286,9 +285,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     what attention_forward launches (TVM-FFI, the same cache key). window_size / softcap /
     learnable_sink (a bool: built for a sink) select the variant as attention_forward does."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
-    window = make_window(causal, window_size)
-    variant = Variant(Window(window.left, None if causal else window.right), check_softcap(softcap),
-                      bool(learnable_sink))
+    variant = Variant(beyond_causal(causal, window_size), check_softcap(softcap), bool(learnable_sink))
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
@@ -324,7 +321,7 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     variant = dict(window_size=window_size, softcap=softcap, learnable_sink=learnable_sink)
     builds = [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
                            scheduler=scheduler, launchable=True, seqlen_k=seqlen_k, **variant)]
-    plain = make_window(causal, window_size) == make_window(causal) and not (softcap or learnable_sink)
+    plain = beyond_causal(causal, window_size) == NO_WINDOW and not (softcap or learnable_sink)
     if plain and not (causal or varlen or scheduler is not None) and default_persistent(head_dim, head_dim_v, False):
         builds.append(compile_only(dtype, head_dim, head_dim_v, False, persistent=True, split_tail=True,
                                    launchable=True))
