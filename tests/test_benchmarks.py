@@ -479,12 +479,13 @@ def test_hot_loop_map_marks_exponentials_packs_and_waits():
 
 
 def test_official_sass_stand_ins_leave_sys_modules_as_they_were():
-    """official_sass imports the official package with stand-in triton / einops modules (unused on
-    its compile path) and puts sys.modules back afterwards, so torch never sees a fake triton."""
-    from benchmarks.inspect import official_sass
+    """official_sass (and blackwell_compare) import the official package with stand-in triton / einops
+    modules (unused on its compile path) and put sys.modules back afterwards, so torch never sees a
+    fake triton."""
+    from stage3_fwd_kernel.blackwell_compare import stand_ins
 
     before = {name: sys.modules.get(name) for name in ("triton", "einops")}
-    with official_sass.stand_ins("triton", "einops"):
+    with stand_ins("triton", "einops"):
         import triton
 
         class Cache(triton.runtime.cache.FileCacheManager):  # what quack.autotuner subclasses
