@@ -334,7 +334,9 @@ def _every_pattern(b=2, s=8, device="cpu"):
     pos = torch.arange(s, device=device).expand(b, s)
     packed = mu.and_masks(mu.remap_positions_for_packed_sequence(mu.causal_mask_function, pos),
                           mu.packed_sequence_mask_function(psm))
+    unmapped = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(psm))  # transformers 5.17
     return [(mu.causal_mask_function, None), (mu.sliding_window_causal_mask_function(3), None), (packed, None),
+            (unmapped, None),
             (mu.bidirectional_mask_function, ids.bool()), (mu.causal_mask_function, ids.bool())]
 
 
@@ -355,7 +357,8 @@ def test_mask_function_reads_no_values(where):
         assert isinstance(results[2], integ.PackedSequences)
         cu, mx = results[2].varlen()
         assert cu.shape == (17,) and mx == 8  # every token may start a sequence; the row length bounds them
-        assert results[3].shape == (2, 8) and results[4].dtype == torch.bool
+        assert isinstance(results[3], integ.PackedSequences) and results[3].varlen()[0].shape == (17,)
+        assert results[4].shape == (2, 8) and results[5].dtype == torch.bool
 
 
 @pytest.mark.cpu

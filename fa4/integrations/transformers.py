@@ -217,7 +217,9 @@ def _parse_closure(mask_function) -> dict:
         problem = "more than one sliding window or packed-sequence overlay"
     elif windows and not any(k == f"window_{bases[0]}" for k in kinds):
         problem = f"a sliding window of the other kind on a {bases[0]} mask"
-    elif remapped != bool(packed) or (packed and bases[0] != "causal"):
+    elif (remapped and not packed) or (packed and bases[0] != "causal"):
+        # transformers 5.17 ANDs causal with the same-document ids and remaps no positions; later
+        # versions also remap them. Either way the mask is causal within each document.
         problem = "position remapping without its packed-sequence overlay (or on a bidirectional mask)"
     if problem:
         raise ValueError(f"mask_function: fa4 cannot serve this mask exactly: {problem}")
