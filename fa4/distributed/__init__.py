@@ -1,0 +1,150 @@
+"""Context parallelism: attention over a sequence sharded across a torch.distributed process group.
+
+    import torch.distributed as dist, fa4.distributed as cp
+    dist.init_process_group("nccl")                      # one GPU per rank (torchrun)
+    q, k, v = (cp.shard(t, dim=1) for t in (q_full, k_full, v_full))   # this rank's tokens
+    out = cp.ring_attention(q, k, v, causal=True)        # (B, S/P, Hq, Dv): this rank's rows
+    out_full = cp.unshard(out, dim=1)                    # every rank's rows, in sequence order
+
+Each rank keeps its slice of the queries; the key/value slices travel around a ring of NCCL
+sends and receives that overlap the attention (fa4/distributed/_ring.py). Forward and backward go
+through autograd; the lse output is differentiable. With `layout="zigzag"` (the default) a causal
+mask costs every rank the same: rank r holds the sequence's chunks r and 2P-1-r of 2P
+(fa4/distributed/_plan.py); `shard`, `unshard` and `positions` speak the same layout, and every
+call of one model must use one layout. `ring_attention_varlen` serves packed documents that cross
+rank boundaries by gathering K and V (fa4/distributed/_varlen.py).
+
+The kernels are fa4's. `kernels=ReferenceKernels()` runs the same algorithm with torch math
+instead (any device, any float dtype; the CPU tests use it on the gloo backend).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._kernels import Fa4Kernels, ReferenceKernels
+from ._plan import LAYOUTS, check_divisible, check_layout, local_positions
+from ._ring import Ring, RingAttention, RingCall
+
+__all__ = ["ring_attention", "ring_attention_varlen", "shard", "unshard", "positions", "Fa4Kernels",
+           "ReferenceKernels", "LAYOUTS"]
+
+
+def _world(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group: torch.distributed is not initialised; call dist.init_process_group first "
+                         "(torchrun sets up the environment for it)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_tensor(name, t, dim=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return_lse, varlen=False):
+    """Returns (kernels, q, k, v, scale) after the checks fa4's own functions make."""
+    from .._validate import check_fixed, check_softmax_scale
+
+    kernels = Fa4Kernels() if kernels is None else kernels
+    if not all(hasattr(kernels, m) for m in ("forward", "backward", "varlen_forward", "varlen_backward")):
+        raise TypeError(f"kernels: expected Fa4Kernels(), ReferenceKernels() or None, got {type(kernels).__name__}")
+    if getattr(kernels, "needs_cuda", False) and not varlen:
+        q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
+        return kernels, q, k, v, scale
+    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: dtype / device ({t.dtype}, {t.device}) differ from q's ({q.dtype}, {q.device})")
+    return kernels, q, k, v, check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
+
+
+def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, layout="zigzag", softcap=0.0,
+                   learnable_sink=None, deterministic=False, return_lse=False, kernels=None):
+    """Attention of this rank's queries over the whole sharded sequence.
+
+    q (B, S/P, Hq, D), k (B, S/P, Hkv, D), v (B, S/P, Hkv, Dv): this rank's slice of a sequence of
+    length S sharded over the P ranks of `group` (default: the world) in `layout` ("zigzag" or
+    "contiguous", see `shard`). Every rank must call with the same shapes and arguments.
+    Returns out (B, S/P, Hq, Dv), or (out, lse) with lse (B, Hq, S/P) fp32 -- this rank's rows.
+    causal: key position <= query position over the global sequence. GQA, softcap and
+    learnable_sink (Hq,) work as in fa4.flash_attn_func; the sink's gradient on each rank is that
+    rank's share (sum it over the group with the other replicated parameters' gradients).
+    deterministic=True gives bitwise-reproducible gradients. window_size is not served here (the
+    ring's key slices are not in position order under zigzag): use ring_attention_varlen.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4)
+    world, rank = _world(group)
+    kernels, q, k, v, scale = _check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return_lse)
+    check_layout(layout)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k: holds {k.shape[1]} tokens but q holds {q.shape[1]}; a sharded sequence has the "
+                         "same slice of queries and keys on each rank")
+    if causal:
+        check_divisible("q", q.shape[1], world, layout, local=True)
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap < 0:
+        raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {softcap!r}")
+    if learnable_sink is not None:
+        _check_tensor("learnable_sink", learnable_sink, 1)
+        if learnable_sink.shape[0] != q.shape[2] or learnable_sink.device != q.device:
+            raise ValueError(f"learnable_sink: expected ({q.shape[2]},) on {q.device}, got "
+                             f"{tuple(learnable_sink.shape)} on {learnable_sink.device}")
+    call = RingCall(Ring(group), kernels, scale, causal, layout, float(softcap), deterministic, return_lse)
+    out, lse = RingAttention.apply(q, k, v, learnable_sink, call)
+    return (out, lse) if return_lse else out
+
+
+def _chunk_order(world, layout):
+    """The global chunk ids in the order the ranks hold them (rank 0's first)."""
+    if layout == "contiguous":
+        return list(range(world))
+    return [c for r in range(world) for c in (r, 2 * world - 1 - r)]
+
+
+def shard(x, *, group=None, dim=1, layout="zigzag"):
+    """This rank's slice of a full-sequence tensor `x` (sequence along `dim`), in `layout`:
+    "contiguous" gives rank r tokens [r S/P, (r+1) S/P); "zigzag" cuts 2P chunks and gives rank r
+    chunks r and 2P-1-r, concatenated. Returns a new contiguous tensor (differentiable)."""
+    _check_tensor("x", x)
+    world, rank = _world(group)
+    check_layout(layout)
+    check_divisible("x", x.shape[dim], world, layout, local=False)
+    chunks = x.chunk(len(_chunk_order(world, layout)), dim=dim)
+    order = _chunk_order(world, layout)
+    per = len(order) // world
+    mine = order[rank * per:(rank + 1) * per]
+    return torch.cat([chunks[c] for c in mine], dim=dim).contiguous()
+
+
+def unshard(x, *, group=None, dim=1, layout="zigzag"):
+    """The inverse of `shard`: all-gathers every rank's slice and puts the tokens back in sequence
+    order (not differentiable: for checking and for outputs)."""
+    _check_tensor("x", x)
+    world, _ = _world(group)
+    check_layout(layout)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    order = _chunk_order(world, layout)
+    pieces = [c for p in parts for c in p.chunk(len(order) // world, dim=dim)]
+    by_chunk = sorted(zip(order, pieces), key=lambda t: t[0])
+    return torch.cat([p for _, p in by_chunk], dim=dim)
+
+
+def positions(seqlen, *, group=None, layout="zigzag", device=None):
+    """The global positions (int64, length seqlen / P) of this rank's tokens: what rotary
+    embeddings and labels need after `shard`."""
+    world, rank = _world(group)
+    check_layout(layout)
+    check_divisible("seqlen", seqlen, world, layout, local=False)
+    return torch.tensor(local_positions(rank, world, seqlen, layout), dtype=torch.long, device=device)
+
+
+def ring_attention_varlen(*args, **kwargs):
+    from ._varlen import ring_attention_varlen as impl
+
+    return impl(*args, **kwargs)

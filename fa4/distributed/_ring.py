@@ -1,0 +1,177 @@
+"""Ring attention: each rank keeps its queries, the key/value slices travel around the ring.
+
+Forward, on rank r of P: at step s it holds the keys and values of rank src = (r - s) mod P. It
+posts their send to rank r+1 and the receive of the next slice from rank r-1 *before* computing on
+the slice in hand, so the transfer runs under the attention (NCCL runs P2P on its own stream). The
+block's (out_s, lse_s) is merged into the running pair through the log-sum-exp -- stage 1's
+online-softmax rescale, one block at a time:
+
+    lse = log(exp(lse) + exp(lse_s)),   out = out * exp(lse_old - lse) + out_s * exp(lse_s - lse)
+
+in fp32. P-1 transfers of K and V in all.
+
+Backward: the same tour. dq stays home (fp32, added in ring order). The dK / dV partials of a slice
+travel *with* it: the rank holding slice src adds its block's dk, dv into the slice's fp32
+accumulator and passes it on; one last hop after step P-1 brings each accumulator home. That is
+P-1 transfers of K, V and P of the fp32 dK, dV; the dK / dV hop of step s overlaps step s+1's
+attention. The order of every addition is fixed, so deterministic=True is bitwise reproducible.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ._plan import step_work
+
+NEG_INF = float("-inf")
+
+
+class _Pending:
+    """Tensors on their way in; wait() makes the current stream wait for them and returns them."""
+
+    def __init__(self, tensors, requests=()):
+        self.tensors, self.requests = tensors, requests
+
+    def wait(self):
+        for r in self.requests:
+            r.wait()
+        return self.tensors
+
+
+class Ring:
+    """Send to the next rank of `group`, receive from the previous one (torch.distributed P2P)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group else (self.rank + 1) % self.world
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group else (self.rank - 1) % self.world
+
+    def shift(self, tensors) -> _Pending:
+        """Post the send of `tensors` to the next rank and the receive of the previous rank's."""
+        if self.world == 1:
+            return _Pending(tuple(tensors))
+        tensors = [t.contiguous() for t in tensors]
+        incoming = tuple(torch.empty_like(t) for t in tensors)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in incoming]
+        return _Pending(incoming, dist.batch_isend_irecv(ops))
+
+
+def merge_block(out, lse, out_s, lse_s):
+    """Fold one block's (out_s, lse_s) into the running (out, lse), in place (views are fine).
+    out (B, S, H, Dv) fp32, lse (B, H, S); rows no block has seen stay (0, -inf) without NaN."""
+    new = torch.logaddexp(lse, lse_s.to(lse.dtype))
+    w_old = torch.exp(lse - new).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)   # (B, S, H, 1)
+    w_new = torch.exp(lse_s - new).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).add_(out_s.to(out.dtype) * w_new)
+    lse.copy_(new)
+
+
+def add_sink(out, lse, sink):
+    """The sink's logit joins every row's denominator once, after the whole ring (in place)."""
+    s = sink.to(lse.dtype).view(1, -1, 1)
+    new = torch.logaddexp(lse, s.expand_as(lse))
+    out.mul_(torch.exp(lse - new).transpose(1, 2).unsqueeze(-1))
+    lse.copy_(new)
+
+
+@dataclass(frozen=True)
+class RingCall:
+    ring: Ring
+    kernels: object
+    scale: float
+    causal: bool
+    layout: str
+    softcap: float
+    deterministic: bool
+    return_lse: bool
+
+
+def _acc_dtype(t):
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def ring_forward(call: RingCall, q, k, v):
+    ring, kern = call.ring, call.kernels
+    b, sl, hq, _ = q.shape
+    out = torch.zeros(b, sl, hq, v.shape[-1], dtype=_acc_dtype(q), device=q.device)
+    lse = torch.full((b, hq, sl), NEG_INF, dtype=_acc_dtype(q), device=q.device)
+    kv = (k, v)
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        incoming = ring.shift(kv) if step + 1 < ring.world else None
+        work = step_work(ring.rank, src, ring.world, sl, call.causal, call.layout)
+        if work is not None:
+            qr, kr = work.q_rows, work.kv_rows
+            o, l = kern.forward(q[:, qr], kv[0][:, kr], kv[1][:, kr], call.scale, work.causal, call.softcap)
+            merge_block(out[:, qr], lse[:, :, qr], o, l)
+        if incoming is not None:
+            kv = incoming.wait()
+    return out, lse
+
+
+def ring_backward(call: RingCall, dout, q, k, v, out, lse, dlse):
+    ring, kern = call.ring, call.kernels
+    sl = q.shape[1]
+    dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    dkv = (torch.zeros(k.shape, dtype=_acc_dtype(k), device=k.device),
+           torch.zeros(v.shape, dtype=_acc_dtype(v), device=v.device))
+    kv, dkv_incoming = (k, v), None
+    for step in range(ring.world):
+        src = (ring.rank - step) % ring.world
+        incoming = ring.shift(kv) if step + 1 < ring.world else None
+        work = step_work(ring.rank, src, ring.world, sl, call.causal, call.layout)
+        grads = None
+        if work is not None:
+            qr, kr = work.q_rows, work.kv_rows
+            grads = kern.backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr], lse[:, :, qr],
+                                  None if dlse is None else dlse[:, :, qr], call.scale, work.causal, call.softcap,
+                                  call.deterministic)
+            dq[:, qr] += grads[0]
+        if dkv_incoming is not None:
+            dkv = dkv_incoming.wait()
+        if grads is not None:
+            dkv[0][:, kr] += grads[1]
+            dkv[1][:, kr] += grads[2]
+        dkv_incoming = ring.shift(dkv)  # toward the slice's next holder; after the last step, its owner
+        if incoming is not None:
+            kv = incoming.wait()
+    dk, dv = dkv_incoming.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sink, call: RingCall):
+        out, lse = ring_forward(call, q, k, v)
+        if sink is not None:
+            add_sink(out, lse, sink)
+        out = out.to(q.dtype)
+        lse = lse.to(torch.float32) if q.dtype in (torch.float16, torch.bfloat16) else lse
+        ctx.save_for_backward(q, k, v, out, lse, sink)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        call: RingCall = ctx.call
+        if not call.return_lse:
+            dlse = None
+        if dout is None and dlse is None:
+            return None, None, None, None, None
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ring_backward(call, dout, q, k, v, out, lse, dlse)
+        dsink: Optional[torch.Tensor] = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            from .._dispatch import sink_grad
+
+            dsink = sink_grad(out, dout, lse, sink, dlse)
+        return dq, dk, dv, dsink, None

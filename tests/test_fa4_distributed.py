@@ -1,0 +1,246 @@
+"""fa4.distributed on CPU: the ring's plan, the lse merge, sharding, and whole runs on the gloo
+backend with several processes (the reference kernels stand in for fa4's).
+
+Every multi-process run checks, on each rank, out / lse / dq / dk / dv (and the sink's gradient,
+summed over ranks) against dense float64 attention with torch autograd on the whole sequence --
+an implementation that shares nothing with the ring (no lse merge, no analytic backward).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fa4.distributed as cp
+from fa4.distributed import _plan
+from fa4.distributed._ring import merge_block
+from fa4.distributed._varlen import local_docs
+
+pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
+
+
+# ------------------------------------------------------------------------------ the plan, no processes
+@pytest.mark.parametrize("layout", _plan.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_ring_steps_cover_the_causal_mask_exactly_once(world, layout):
+    """Every (query, key) pair the global causal mask allows is computed by exactly one rank in
+    exactly one step, and no forbidden pair is; under zigzag every rank computes as many pairs."""
+    seqlen = 4 * world
+    local = seqlen // world
+    pos = [_plan.local_positions(r, world, seqlen, layout) for r in range(world)]
+    assert sorted(itertools.chain(*pos)) == list(range(seqlen))
+    hits = torch.zeros(seqlen, seqlen, dtype=torch.int64)
+    per_rank = []
+    for rank in range(world):
+        pairs = 0
+        for src in range(world):
+            w = _plan.step_work(rank, src, world, local, True, layout)
+            if w is None:
+                continue
+            qs, ks = pos[rank][w.q_rows], pos[src][w.kv_rows]
+            for a, i in enumerate(qs):
+                for b, j in enumerate(ks):
+                    # a masked step is bottom-right causal on a square block
+                    if not w.causal or b <= a + len(ks) - len(qs):
+                        hits[i, j] += 1
+                        pairs += 1
+        per_rank.append(pairs)
+    assert torch.equal(hits, torch.ones(seqlen, seqlen, dtype=torch.int64).tril())
+    if layout == "zigzag":
+        assert len(set(per_rank)) == 1, per_rank
+    elif world > 1:
+        assert per_rank[-1] > per_rank[0]
+
+
+def test_merge_of_blocks_is_the_softmax_of_their_union():
+    torch.manual_seed(0)
+    s = torch.randn(2, 3, 5, 12, dtype=torch.float64)          # (B, H, Sq, Sk)
+    v = torch.randn(2, 12, 3, 4, dtype=torch.float64)
+    s[0, 0, 1] = float("-inf")                                 # a row no block sees
+    s[1, 2, 3, :6] = float("-inf")                             # a row the first block does not see
+    out = torch.zeros(2, 5, 3, 4, dtype=torch.float64)
+    lse = torch.full((2, 3, 5), float("-inf"), dtype=torch.float64)
+    for cols in (slice(0, 6), slice(6, 9), slice(9, 12)):
+        blk = s[..., cols]
+        l = torch.logsumexp(blk, -1)
+        p = torch.exp(blk - l.unsqueeze(-1)).nan_to_num(0.0)
+        merge_block(out, lse, torch.einsum("bhqk,bkhd->bqhd", p, v[:, cols]), l)
+    want_lse = torch.logsumexp(s, -1)
+    want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1).nan_to_num(0.0), v)
+    assert torch.equal(lse.isinf(), want_lse.isinf()) and not out.isnan().any()
+    torch.testing.assert_close(lse[~lse.isinf()], want_lse[~want_lse.isinf()], rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+
+
+def test_local_docs_cut_documents_at_rank_boundaries():
+    bounds = [0, 3, 3, 10, 16]     # docs of 3, 0, 7, 6 tokens over 2 ranks of 8
+    d = local_docs(bounds, 8, 16, causal=True, left=None, device="cpu")
+    assert d.cu_q.tolist() == [0, 2, 8] and d.cu_k.tolist() == [0, 7, 13]
+    assert d.kv_index.tolist() == list(range(3, 10)) + list(range(10, 16))
+    d = local_docs(bounds, 0, 8, causal=False, left=None, device="cpu")
+    assert d.cu_q.tolist() == [0, 3, 8] and d.cu_k.tolist() == [0, 3, 10] and (d.max_q, d.max_k) == (5, 7)
+    d = local_docs(bounds, 8, 16, causal=True, left=2, device="cpu")
+    assert d.kv_index.tolist() == [6, 7, 8, 9] + list(range(10, 16))
+
+
+def test_errors_before_any_process_group():
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"^group: torch.distributed is not initialised"):
+        cp.ring_attention(q, q, q, kernels=cp.ReferenceKernels())
+
+
+# ------------------------------------------------------------------------------ dense autograd truth
+def dense(q, k, v, scale, causal=False, softcap=0.0, sink=None, left=None):
+    """(B, S, H, D) attention in float64 with torch autograd; returns (out, lse)."""
+    g = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    n = q.shape[1]
+    i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
+    keep = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if left is not None:
+        keep &= j >= i - left
+    s = s.masked_fill(~keep, float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.view(1, -1, 1, 1).expand(s.shape[0], -1, n, 1)], -1)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)[..., :n]
+    return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(g, 2)), lse
+
+
+def _inputs(b, s, hq, hkv, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
+
+
+def _fixed_case(rank, world, layout, causal, softcap=0.0, sink=False, gqa=True, lse_grad=True):
+    b, s, hq, hkv, d = 2, 8 * world, 4, (2 if gqa else 4), 16
+    q, k, v, dout = _inputs(b, s, hq, hkv, d, seed=world * 100 + 7)
+    sink_t = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64) if sink else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink_t.clone().requires_grad_()] if sink else [])
+    out, lse = dense(*leaves[:3], 0.3, causal, softcap, leaves[3] if sink else None)
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ((out * dout).sum() + ((lse * dlse).sum() if lse_grad else 0)).backward()
+    want = [out, lse] + [t.grad for t in leaves]
+
+    mine = [cp.shard(t, dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
+    sink_mine = sink_t.clone().requires_grad_() if sink else None
+    o, l = cp.ring_attention(*mine, causal=causal, softmax_scale=0.3, layout=layout, softcap=softcap,
+                             learnable_sink=sink_mine, return_lse=True, kernels=cp.ReferenceKernels())
+    loss = (o * cp.shard(dout, dim=1, layout=layout)).sum()
+    if lse_grad:
+        loss = loss + (l * cp.shard(dlse, dim=2, layout=layout)).sum()
+    loss.backward()
+    what = f"rank {rank}/{world} {layout} causal={causal} softcap={softcap} sink={sink}"
+    close = lambda a, b, n: torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what} {n}: {m}")  # noqa: E731,E501
+    close(o, cp.shard(want[0], dim=1, layout=layout), "out")
+    close(l, cp.shard(want[1], dim=2, layout=layout), "lse")
+    for t, w, n in zip(mine, want[2:5], ("dq", "dk", "dv")):
+        close(t.grad, cp.shard(w, dim=1, layout=layout), n)
+    if sink:
+        total = sink_mine.grad.clone()
+        dist.all_reduce(total)
+        close(total, want[5], "dsink (summed over ranks)")
+    close(cp.unshard(o.detach(), dim=1, layout=layout), want[0].detach(), "unshard(out)")
+
+
+def _deterministic_case(rank, world):
+    q, k, v, dout = _inputs(1, 8 * world, 4, 2, 16, seed=3)
+    runs = []
+    for _ in range(2):
+        mine = [cp.shard(t, dim=1).to(torch.float32).requires_grad_() for t in (q, k, v)]
+        o = cp.ring_attention(*mine, causal=True, deterministic=True, kernels=cp.ReferenceKernels())
+        (o * cp.shard(dout, dim=1).float()).sum().backward()
+        runs.append([o.detach()] + [t.grad for t in mine])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def _varlen_case(rank, world, causal, left):
+    rows = 12
+    total = rows * world
+    cuts = sorted({0, total, 5, 9, 17, total - 1} & set(range(total + 1)))  # [9, 17) and [17, T-1) cross ranks
+    bounds = torch.tensor(sorted(cuts + [5]), dtype=torch.int32)  # 5 twice: an empty document
+    q, k, v, dout = [t[0] for t in _inputs(1, total, 4, 2, 16, seed=11)]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    outs, lses = [], []
+    for a, b in zip(bounds.tolist()[:-1], bounds.tolist()[1:]):
+        if b > a:
+            o, l = dense(*(t[None, a:b] for t in leaves), 0.25, causal, left=left)
+            outs.append(o[0])
+            lses.append(l[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ((out * dout).sum() + (lse * dlse).sum()).backward()
+    sl = slice(rank * rows, (rank + 1) * rows)
+    mine = [t[sl].clone().requires_grad_() for t in (q, k, v)]
+    o, l = cp.ring_attention_varlen(*mine, cu_seqlens=bounds, causal=causal, softmax_scale=0.25,
+                                    window_size=(left, 0 if causal else None), return_lse=True,
+                                    kernels=cp.ReferenceKernels())
+    ((o * dout[sl]).sum() + (l * dlse[:, sl]).sum()).backward()
+    what = f"varlen rank {rank}/{world} causal={causal} left={left}"
+    for got, want, n in ((o, out[sl], "out"), (l, lse[:, sl], "lse"), (mine[0].grad, leaves[0].grad[sl], "dq"),
+                         (mine[1].grad, leaves[1].grad[sl], "dk"), (mine[2].grad, leaves[2].grad[sl], "dv")):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what} {n}: {m}")
+
+
+def _worker(rank, world, init_file, quick):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for layout in _plan.LAYOUTS:
+            _fixed_case(rank, world, layout, causal=True)
+            _fixed_case(rank, world, layout, causal=False, gqa=False, lse_grad=False)
+        if not quick:
+            _fixed_case(rank, world, "zigzag", causal=True, softcap=0.7, sink=True)
+            _deterministic_case(rank, world)
+            for causal, left in ((True, None), (False, None), (True, 3)):
+                _varlen_case(rank, world, causal, left)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_on_gloo_matches_dense_autograd(world):
+    """Whole runs in `world` processes: forward, lse, backward with an lse gradient, GQA, both
+    layouts, causal and not; softcap + sink, deterministic reruns and packed documents crossing
+    ranks (with an empty one, and a sliding window) at 1, 2 and 4 processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), world == 3), nprocs=world, join=True)
+
+
+def test_argument_errors_in_a_group_of_one():
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
+        try:
+            q = torch.zeros(1, 6, 2, 8)
+            ref = cp.ReferenceKernels()
+            with pytest.raises(ValueError, match=r"^q: fa4 runs on CUDA GPUs only"):
+                cp.ring_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
+            with pytest.raises(ValueError, match=r"^layout: expected one of"):
+                cp.ring_attention(q, q, q, layout="striped", kernels=ref)
+            odd = q[:, :5]
+            with pytest.raises(ValueError, match=r"^q: the local sequence length 5 must be a multiple of 2"):
+                cp.ring_attention(odd, odd, odd, causal=True, kernels=ref)
+            cp.ring_attention(odd, odd, odd, causal=True, layout="contiguous", kernels=ref)
+            with pytest.raises(ValueError, match=r"^k: holds 4 tokens but q holds 6"):
+                cp.ring_attention(q, q[:, :4], q[:, :4], kernels=ref)
+            with pytest.raises(TypeError, match=r"^kernels: expected"):
+                cp.ring_attention(q, q, q, kernels="fast")
+            with pytest.raises(ValueError, match=r"^x: the global sequence length 5 must be a multiple of 2"):
+                cp.shard(odd, dim=1)
+            with pytest.raises(ValueError, match=r"^window_size: a right-hand window"):
+                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 6]), window_size=(2, 3),
+                                         kernels=ref)
+            with pytest.raises(ValueError, match=r"^cu_seqlens: must rise from 0 to the global token count 6"):
+                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]), kernels=ref)
+            assert cp.positions(8, layout="zigzag").tolist() == list(range(8))
+        finally:
+            dist.destroy_process_group()
