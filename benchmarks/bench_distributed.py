@@ -22,6 +22,7 @@ with its message and left out (one raising on one rank only would leave the othe
 Rank 0 prints progress and rewrites the JSON after every case. --trace profiles one ring call after
 the first case and draws its GPU activity per CUDA stream: do the NCCL transfers run under the
 attention? --cpu-smoke (hidden) runs it all on CPU: gloo, fa4's reference kernels, no torch CP.
+`python -m benchmarks.bench_distributed --table RESULT.json ...` prints fa4/README.md's table.
 """
 from __future__ import annotations
 
@@ -649,8 +650,33 @@ def write_json(path, doc) -> None:
         print(f"could not write {path}: {e}", file=sys.stderr, flush=True)
 
 
+def markdown_table(docs) -> str:
+    """The README's table from result files: one row per (seqlen, mask), ratios from the medians."""
+    rows = ["| GPUs | tokens | mask | 1 GPU (ms) | fa4 ring (ms) | scaling efficiency | exposed comm (ms, per step) "
+            "| torch CP SDPA (ms, backend) | torch CP / fa4 ring |", "|---" * 9 + "|"]
+    for doc in docs:
+        for c in sorted(doc["cases"], key=lambda c: (c["seqlen"], not c["causal"])):
+            s = c["summary"]
+            ms, torch_cp = s["ms_median"], s.get("torch_cp_sdpa") or {}
+            ratio = (s.get("torch_cp_sdpa_over_fa4_ring") or {}).get("median")
+            rows.append(f"| {doc['world_size']} | {c['seqlen'] // 1024}k | {'causal' if c['causal'] else 'none'} "
+                        f"({c['layout']}) | {ms['fa4_1gpu']:.0f} | {ms['fa4_ring']:.0f} "
+                        f"| {s['scaling_efficiency']['median']:.3f} "
+                        f"| {s['exposed_comm']['total_ms']['median']:.1f} ({s['exposed_comm']['per_step_ms']['median']:.1f}) "
+                        f"| {torch_cp.get('ms_median', float('nan')):.0f} ({torch_cp.get('backend', '-')}) "
+                        f"| {'-' if ratio is None else f'{ratio:.2f}x'} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--table"]:  # python -m benchmarks.bench_distributed --table RESULT.json ...
+        docs = []
+        for path in argv[1:]:
+            with open(path) as f:
+                docs.append(json.load(f))
+        print(markdown_table(docs))
+        return 0
     args = parse_args(argv)
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("bench_distributed needs CUDA GPUs (run it under torchrun, one GPU per rank)")

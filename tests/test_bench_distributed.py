@@ -116,3 +116,16 @@ def test_a_whole_cpu_run_in_one_process(tmp_path, monkeypatch):
     assert failed["stage"] == "round 2" and "injected" in failed["error"]
     assert max(case["check"]["fa4_ring_vs_fa4_1gpu"].values()) < 1e-4
     assert "scaling_efficiency" in case["summary"] and "skipped" in case["torch_cp"]
+
+
+def test_readme_table_is_generated_from_the_committed_results():
+    """fa4/README.md's context-parallel table is `--table` over the committed JSON, unedited."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    docs = [json.loads((root / "benchmarks/results" / n).read_text())
+            for n in ("bench_distributed_h200x2.json", "bench_distributed_h200x2_256k.json")]
+    readme = (root / "fa4/README.md").read_text()
+    block = readme.split("<!-- cp-table:start -->\n")[1].split("\n<!-- cp-table:end -->")[0]
+    assert block == bd.markdown_table(docs)
+    assert "| 2 | 128k | causal (zigzag) |" in block
