@@ -34,13 +34,15 @@ _LAZY = {
     "flash_attn_func": "fa4._api",
     "flash_attn_varlen_func": "fa4._api",
     "scaled_dot_product_attention": "fa4._api",
+    "flash_attn_with_kvcache": "fa4._api",
     "supported": "fa4._dispatch",
     "support_markdown": "fa4._dispatch",
 }
 _SUBMODULES = {"cache": "fa4._cache", "compat": "fa4.compat", "precompile": "fa4.precompile",
-               "integrations": "fa4.integrations"}
+               "integrations": "fa4.integrations", "distributed": "fa4.distributed"}
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "supported", "cache",
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention",
+           "supported", "cache",
            "compat", "__version__"]
 
 

@@ -181,3 +181,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         tail = flash_attn_func(q[:, sk:], k, v, softmax_scale=sm_scale, causal=False)
         out = torch.cat([head, tail], dim=1)
     return out.transpose(1, 2)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                            learnable_sink=None, rotary_interleaved=True, num_splits=0, pack_gqa=None,
+                            return_softmax_lse=False):
+    """Attention against a KV cache, FlashAttention-2's flash_attn_with_kvcache (forward only).
+
+    q (B, Sq, Hq, D). k_cache / v_cache: dense (B_cache, S_cache, Hkv, D / Dv), or paged
+    (num_pages, page_size, Hkv, D / Dv) with block_table (B, pages per sequence) int32.
+    cache_seqlens (int or (B,) int32): keys already in each sequence's cache (default: all of it).
+    k, v (B, Sn, Hkv, *): new tokens, written into the cache in place at cache_seqlens[b], then
+    attended to. rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2): rotary embedding of q and the
+    new k (needs k, v): k at positions cache_seqlens + i; q the same when causal or windowed, else
+    all of q at cache_seqlens (FlashAttention-2's rule); rotary_interleaved pairs dims (0, 1), ...
+    instead of (i, i + rotary_dim / 2). cache_batch_idx (B,): which cache row each sequence uses.
+    causal / window_size / softcap / learnable_sink / softmax_scale as in flash_attn_func (causal
+    bottom-right: the last query is the last key). num_splits: split-KV count, 0 = choose from
+    (batch, heads, cache length, SM count); used where the mask allows (fa4/_kvcache.py). pack_gqa:
+    None = pack a GQA group's query heads into one tile where the mask allows, False = never.
+    Returns out (B, Sq, Hq, Dv), or (out, lse (B, Hq, Sq) fp32) with return_softmax_lse. No host
+    sync: works under CUDA-graph capture. A tensor that requires grad is refused.
+    """
+    from . import _kvcache
+
+    return _kvcache.with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                 cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                                 cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale,
+                                 causal=causal, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
+                                 rotary_interleaved=rotary_interleaved, num_splits=num_splits, pack_gqa=pack_gqa,
+                                 return_softmax_lse=return_softmax_lse)

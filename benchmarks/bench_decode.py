@@ -1,0 +1,139 @@
+"""Decode against a KV cache: achieved bandwidth of fa4, the official FlashAttention-4 and cuDNN.
+
+    python -m benchmarks.bench_decode [--shapes 1x8192,1x131072,8x32768,64x8192,64x32768] [--rounds 5]
+                                      [--out benchmarks/results/bench_decode_h200.json]
+
+bf16, GQA 32 / 8, d = 128, one query token per sequence, a dense cache filled to its length.
+Achieved GB/s = bytes of Q, K and V read / time, the issue's yardstick, next to a device copy of K
+in the same run. Peers:
+
+* fa4_kvcache: fa4.flash_attn_with_kvcache (split-KV chosen from batch, heads, length and SMs; GQA
+  heads packed into one tile);
+* fa4_func: fa4.flash_attn_func on the same tensors (no split, no packing: the path decode had before);
+* official: flash_attn.cute.interface.flash_attn_func (flash-attn-4), where installed;
+* sdpa_cudnn: torch SDPA on (B, H, 1, D) with enable_gqa, cuDNN backend.
+
+Every call is captured in a CUDA graph of 20 calls and the graph is replayed (what a serving loop
+does; host launch overhead would otherwise hide the kernels at batch 1), in paired rounds
+(benchmarks.ab_fwd.paired_rounds: every round times every peer once, in a fresh random order).
+Each peer's output is checked against fa4_func's first.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+
+import torch
+
+from .ab_fwd import paired_rounds
+from .bench_fwd import write_doc
+
+HQ, HKV, D = 32, 8, 128
+CALLS_PER_GRAPH = 20
+
+
+def _graphed(fn):
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm the allocator on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            out = fn()
+    return graph, out
+
+
+def _peers(q, k, v):
+    import fa4
+
+    peers = {
+        "fa4_kvcache": lambda: fa4.flash_attn_with_kvcache(q, k, v),
+        "fa4_func": lambda: fa4.flash_attn_func(q, k, v),
+        "sdpa_cudnn": None,
+        "copy_k": lambda: k.clone(),
+    }
+    try:
+        from flash_attn.cute.interface import flash_attn_func as official
+
+        peers["official"] = lambda: official(q, k, v)[0]
+    except Exception as exc:  # not installed: reported, not timed
+        print(f"official: not available ({type(exc).__name__}: {exc})")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+
+    peers["sdpa_cudnn"] = sdpa
+    return peers
+
+
+def run_shape(batch, cache, rounds, rng):
+    g = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
+    q = torch.randn(batch, 1, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(batch, cache, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(batch, cache, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    nbytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+    graphs, checks = {}, {}
+    with torch.no_grad():
+        ref = None
+        for name, fn in _peers(q, k, v).items():
+            try:
+                graph, out = _graphed(fn)
+            except Exception as exc:
+                print(f"  {name}: failed ({type(exc).__name__}: {str(exc)[:200]})")
+                checks[name] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+                continue
+            graph.replay()
+            torch.cuda.synchronize()
+            if name == "fa4_func":
+                ref = out.float()
+            graphs[name] = (graph, out)
+        for name, (_, out) in graphs.items():
+            if name != "copy_k" and ref is not None:
+                checks[name] = float((out.float() - ref).abs().max())
+        times = paired_rounds({n: gr[0].replay for n, gr in graphs.items()}, rounds, rng)
+    row = {"batch": batch, "cache": cache, "bytes": nbytes, "max_abs_diff_vs_fa4_func": checks, "peers": {}}
+    for name, ts in times.items():
+        per_call = [t / CALLS_PER_GRAPH for t in ts]
+        moved = 2 * k.numel() * k.element_size() if name == "copy_k" else nbytes   # copy reads and writes K
+        row["peers"][name] = {"ms_per_call": per_call, "median_ms": statistics.median(per_call),
+                              "gb_per_s": moved / (statistics.median(per_call) * 1e-3) / 1e9}
+    line = " | ".join(f"{n} {p['gb_per_s']:.0f}" for n, p in row["peers"].items())
+    print(f"{batch} x {cache}: GB/s {line}", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="1x8192,1x131072,8x32768,64x8192,64x32768", help="BATCHxCACHE,...")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        raise SystemExit(f"--shapes: expected BATCHxCACHE,... got {args.shapes!r}")
+    if not torch.cuda.is_available():
+        print("bench_decode needs a CUDA GPU")
+        return 2
+    rng = random.Random(0)
+    rows = [run_shape(b, c, args.rounds, rng) for b, c in shapes]
+    if args.out:
+        write_doc(args.out, "benchmarks.bench_decode", None, rows,
+                  shapes=f"bf16, GQA {HQ}/{HKV}, d={D}, one query token, dense cache",
+                  method=f"CUDA graphs of {CALLS_PER_GRAPH} calls, {args.rounds} paired rounds (random order); "
+                         "GB/s = bytes of Q, K, V / time (copy_k: 2 x bytes of K)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

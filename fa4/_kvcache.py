@@ -1,0 +1,327 @@
+"""flash_attn_with_kvcache: attention against a KV cache (dense or paged), for prefill and decode.
+
+One mechanism serves every layout: the varlen forward kernel reads sequence i's keys from row
+cu_seqlens_k[i] of a flat key tensor and uses seqused_k[i] of them, and nothing else constrains
+those offsets. So a cache is cut into *segments* -- (query rows, first cache row, keys used) --
+that index the cache in place, with no copy:
+
+* dense cache (B_cache, S_cache, Hkv, D), one segment per sequence: prefill with a causal mask;
+* dense, split-KV: n segments per sequence, each a chunk of the keys, so a decode step with a
+  small batch runs n x as many CTAs; the partial (out, lse) pairs are merged through their
+  log-sum-exp (stage 1's rescale) in torch;
+* paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq): one segment per
+  page, merged the same way.
+
+Splitting and paging change each segment's key count, and fa4's masks are bottom-right aligned to
+it, so they are used only where the mask does not depend on alignment: no window, and causal only
+for single-token queries (which see every key anyway). Otherwise (a causal prefill, a window) a
+dense cache runs unsplit and a paged one is gathered into a dense copy first.
+
+GQA packing (decode): with one query token, the g = Hq / Hkv query heads of a group become g rows
+attending to their KV head, so each KV head is read once per segment instead of g times.
+
+The learnable sink joins the denominator once, after the merge (so it is not counted per segment).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+TILE_M = 128              # query rows of one CTA tile in the Hopper forward
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue, merge) dominates
+MAX_SPLITS = 64
+
+
+def choose_num_splits(batch: int, head_tiles: int, max_keys: int, sm_count: int) -> int:
+    """Split-KV count for num_splits=0: enough CTAs for about two per SM, each split keeping at
+    least MIN_KEYS_PER_SPLIT keys. head_tiles = CTAs per sequence without splitting (heads x query
+    tiles). A function of (batch, heads, cache length, SM count) only: no device values."""
+    ctas = max(1, batch * head_tiles)
+    if ctas >= sm_count or max_keys <= MIN_KEYS_PER_SPLIT:
+        return 1
+    want = math.ceil(2 * sm_count / ctas)
+    return max(1, min(want, math.ceil(max_keys / MIN_KEYS_PER_SPLIT), MAX_SPLITS))
+
+
+class Segments(NamedTuple):
+    """Per segment i (ordered batch-major, n per batch row): cache row cu_k[i], keys used[i]."""
+    cu_k: torch.Tensor    # (B * n + 1,) int32; the last entry is unused by the kernel (kept = flat length)
+    used: torch.Tensor    # (B * n,) int32
+    n: int
+    max_keys: int
+
+
+def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int) -> Segments:
+    """n chunks of each sequence's keys in a dense cache viewed as (B_cache * S_cache, Hkv, D).
+    Chunks are rounded up to 128 keys (the kernel's key block) so only the last one is partial."""
+    chunk = max(1, math.ceil(s_cache / n))
+    chunk = min(s_cache, math.ceil(chunk / 128) * 128) if s_cache >= 128 else chunk
+    n = max(1, math.ceil(s_cache / chunk))
+    starts = torch.arange(n, device=seqlens_k.device, dtype=torch.int64) * chunk            # (n,)
+    first = cache_rows.to(torch.int64).view(-1, 1) * s_cache + starts                      # (B, n)
+    used = (seqlens_k.to(torch.int64).view(-1, 1) - starts).clamp(0, chunk)               # (B, n)
+    return _pack(first, used, n, chunk)
+
+
+def paged_segments(seqlens_k, block_table, page_size: int) -> Segments:
+    """One segment per page of block_table (B, P): pages are rows of a (num_pages * page_size) cache."""
+    p = block_table.shape[1]
+    starts = torch.arange(p, device=seqlens_k.device, dtype=torch.int64) * page_size
+    first = block_table.to(torch.int64) * page_size                                        # (B, P)
+    used = (seqlens_k.to(torch.int64).view(-1, 1) - starts).clamp(0, page_size)
+    return _pack(first, used, p, page_size)
+
+
+def _pack(first, used, n, max_keys) -> Segments:
+    flat = first.reshape(-1)
+    cu = torch.cat([flat, flat[-1:] + max_keys]).to(torch.int32)
+    return Segments(cu, used.reshape(-1).to(torch.int32), n, max_keys)
+
+
+def merge_segments(out, lse, n: int):
+    """(B, n, R, H, Dv) partial outs and (B, n, R, H) lse -> merged (B, R, H, Dv) fp32, (B, R, H).
+    Segments without keys carry lse = -inf and contribute nothing; a row with no key at all gets
+    out 0, lse -inf."""
+    acc = torch.promote_types(out.dtype, torch.float32)
+    if n == 1:
+        return out[:, 0].to(acc), lse[:, 0]
+    total = torch.logsumexp(lse, dim=1)                                                    # (B, R, H)
+    w = torch.exp(lse - total.unsqueeze(1)).nan_to_num(0.0)                               # (B, n, R, H)
+    return (out.to(acc) * w.unsqueeze(-1)).sum(1), total
+
+
+def add_sink(out, lse, sink):
+    """out (B, R, Hq, Dv) fp32, lse (B, R, Hq): the sink's logit joins each row's denominator."""
+    new = torch.logaddexp(lse, sink.to(lse.dtype).view(1, 1, -1).expand_as(lse))
+    return out * torch.exp(lse - new).unsqueeze(-1), new
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary embedding and the in-place append
+# ---------------------------------------------------------------------------------------------
+def apply_rotary(x, cos, sin, positions, interleaved: bool):
+    """x (B, S, H, D); cos / sin (seqlen_ro, rd / 2); positions (B, S) int64. Rotates the first rd
+    dims: pairs (0, 1), (2, 3), ... when interleaved, else (i, i + rd / 2) (GPT-NeoX)."""
+    rd = cos.shape[-1] * 2
+    acc = torch.promote_types(x.dtype, torch.float32)
+    c = cos[positions].unsqueeze(2).to(acc)                                               # (B, S, 1, rd/2)
+    s = sin[positions].unsqueeze(2).to(acc)
+    head, tail = x[..., :rd].to(acc), x[..., rd:]
+    if interleaved:
+        a, b = head[..., 0::2], head[..., 1::2]
+        rot = torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    else:
+        a, b = head[..., :rd // 2], head[..., rd // 2:]
+        rot = torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+    return torch.cat([rot.to(x.dtype), tail], dim=-1)
+
+
+def append_to_cache(k_cache, v_cache, k, v, cache_rows, seqlens, block_table):
+    """Write k, v (B, Sn, Hkv, *) at positions seqlens[b] .. + Sn of each sequence, in place."""
+    b, sn = k.shape[:2]
+    pos = seqlens.to(torch.int64).view(-1, 1) + torch.arange(sn, device=k.device)          # (B, Sn)
+    if block_table is None:
+        rows = cache_rows.to(torch.int64).view(-1, 1).expand(b, sn)
+        k_cache[rows, pos] = k
+        v_cache[rows, pos] = v
+    else:
+        ps = k_cache.shape[1]
+        page = torch.gather(block_table.to(torch.int64), 1, pos // ps)
+        k_cache[page, pos % ps] = k
+        v_cache[page, pos % ps] = v
+
+
+def gather_pages(cache, block_table):
+    """A dense (B, P * page_size, H, D) copy of a paged cache's sequences."""
+    b, p = block_table.shape
+    return cache[block_table.to(torch.int64)].reshape(b, p * cache.shape[1], *cache.shape[2:])
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole call
+# ---------------------------------------------------------------------------------------------
+def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap):
+    """fa4's varlen forward (the custom op when tracing, its implementation in eager mode)."""
+    from . import _ops
+
+    args = (q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, False, True, window[0], window[1], softcap, None)
+    if _ops.eager_ok(q, k, v):
+        return _ops._varlen_fwd_impl(*args)
+    return _ops.varlen_fwd(*args)
+
+
+def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa) -> tuple[bool, bool, bool]:
+    """(causal, free, pack): free = the mask ignores key alignment (segments may split and page);
+    pack = GQA packing of the query heads into rows. One query token with no window sees every
+    key, so causal is dropped for it."""
+    no_window = tuple(window) == (None, None)
+    if sq == 1 and no_window:
+        causal = False
+    free = no_window and not causal
+    if pack_gqa and not free:
+        raise ValueError("pack_gqa: packing the query heads needs a mask that is the same for every row (no window, "
+                         "and causal only with one query token); pass None or False")
+    pack = (group > 1 and free) if pack_gqa is None else bool(pack_gqa) and group > 1
+    return causal, free, pack
+
+
+def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, scale, causal, window, softcap,
+                         sink, num_splits, pack_gqa, sm_count, varlen=fa4_varlen):
+    """q (B, Sq, Hq, D) against the first seqlens_k[b] keys of each sequence's cache.
+    Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
+    b, sq, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa)
+    if block_table is not None and not free:  # paged segments would misalign the mask: a dense copy
+        k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
+        cache_rows, block_table = torch.arange(b, device=q.device), None
+    heads = hkv if pack else hq
+    rows = q.view(b, sq, hkv, hq // hkv, d).transpose(2, 3).reshape(b, -1, hkv, d) if pack else q
+    r = rows.shape[1]                                                                     # rows per segment
+    if block_table is not None:
+        seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
+    else:
+        s_cache = k_cache.shape[1]
+        n = 1 if not free else (num_splits if num_splits > 0 else
+                                choose_num_splits(b, heads * math.ceil(r / TILE_M), s_cache, sm_count))
+        seg = dense_segments(seqlens_k, cache_rows, s_cache, n)
+    n = seg.n
+    q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
+    cu_q = torch.arange(b * n + 1, device=q.device, dtype=torch.int32) * r
+    out, lse = varlen(q_seg, k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, dv), cu_q, seg.cu_k, seg.used,
+                      r, seg.max_keys, scale, causal, window, softcap)
+    out = out.view(b, n, r, heads, dv)
+    lse = lse.view(heads, b, n, r).permute(1, 2, 3, 0)                                  # (B, n, R, H')
+    out, lse = merge_segments(out, lse, n)                                              # (B, R, H', Dv)
+    if pack:
+        g = hq // hkv
+        out = out.view(b, sq, g, hkv, dv).transpose(2, 3).reshape(b, sq, hq, dv)
+        lse = lse.view(b, sq, g, hkv).transpose(2, 3).reshape(b, sq, hq)
+    if sink is not None:
+        out, lse = add_sink(out, lse, sink)
+    lse = lse.permute(0, 2, 1).contiguous()                                             # (B, Hq, Sq)
+    return out.to(q.dtype), lse if lse.dtype == torch.float64 else lse.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (before anything is written to the cache or launched)
+# ---------------------------------------------------------------------------------------------
+def _int_vector(name, t, length, device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.shape[0] != length:
+        raise ValueError(f"{name}: expected an int32 / int64 vector of length {length}, got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: is on {t.device} but q is on {device}")
+    return t
+
+
+def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                     block_table, cuda=True):
+    """Shapes, dtypes, devices; returns (seqlens_k before the append (B,) int32, cache_rows (B,)).
+    cuda: fa4's dtype / device rules (False: any float dtype on one device, for the CPU stand-in)."""
+    from ._validate import _check_dtypes_devices
+
+    if cuda:
+        _check_dtypes_devices(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
+    b, sq, hq, d = q.shape
+    slots, per_slot, hkv, dk = k_cache.shape
+    if dk != d or v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)} / "
+                         f"q {tuple(q.shape)}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"k_cache: heads_kv ({hkv}) must divide q's heads ({hq})")
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name}: flash_attn_with_kvcache is forward only (inference); it requires grad -- "
+                                 "use torch.no_grad() / inference_mode(), or fa4.flash_attn_func for training")
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: not with block_table (the table already maps each sequence)")
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
+                or block_table.shape[0] != b:
+            raise ValueError(f"block_table: expected int32 (batch={b}, pages per sequence), got "
+                             f"{getattr(block_table, 'dtype', type(block_table))} {tuple(getattr(block_table, 'shape', ()))}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table: is on {block_table.device} but q is on {q.device}")
+        capacity, rows = block_table.shape[1] * per_slot, None
+    else:
+        capacity = per_slot
+        rows = torch.arange(b, device=q.device) if cache_batch_idx is None else \
+            _int_vector("cache_batch_idx", cache_batch_idx, b, q.device)
+        if cache_batch_idx is None and slots < b:
+            raise ValueError(f"k_cache: holds {slots} sequences but q has batch {b} (pass cache_batch_idx)")
+    if cache_seqlens is None:
+        seqlens = torch.full((b,), capacity - (0 if k is None else k.shape[1]), dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        seqlens = _int_vector("cache_seqlens", cache_seqlens, b, q.device)
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both (new keys and values to append) or neither")
+    if k is not None:
+        for name, t, want in (("k", k, (b, None, hkv, d)), ("v", v, (b, None, hkv, v_cache.shape[-1]))):
+            if t.dtype != q.dtype or t.device != q.device or t.dim() != 4 or \
+                    any(w is not None and w != s for w, s in zip(want, t.shape)) or t.shape[1] != k.shape[1]:
+                raise ValueError(f"{name}: expected {q.dtype} on {q.device} shaped (batch={b}, new tokens, {hkv}, "
+                                 f"{want[3]}), got {t.dtype} on {t.device} {tuple(t.shape)}")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos, rotary_sin: pass both or neither")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos: rotary embedding is applied to q and the new k, so it needs k and v")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if t.dim() != 2 or t.shape != rotary_cos.shape or 2 * t.shape[1] > d or t.device != q.device:
+                raise ValueError(f"{name}: expected (seqlen_ro, rotary_dim / 2) with rotary_dim <= {d} on {q.device}, "
+                                 f"got {tuple(t.shape)} on {t.device}")
+    return seqlens, rows
+
+
+def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                 cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                 window_size=(None, None), softcap=0.0, learnable_sink=None, rotary_interleaved=True, num_splits=0,
+                 pack_gqa=None, return_softmax_lse=False, varlen=fa4_varlen, sm_count=None):
+    """fa4.flash_attn_with_kvcache's work (varlen / sm_count: the kernel and the SM count; the CPU
+    tests pass a torch stand-in)."""
+    from ._validate import check_learnable_sink, check_softcap, check_softmax_scale, check_window
+
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad: not supported (None only); store each sequence from cache row 0")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    seqlens, rows = check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                     cache_batch_idx, block_table, cuda=varlen is fa4_varlen)
+    left, right, causal = check_window(window_size, causal)
+    softcap = check_softcap(softcap)
+    sink = check_learnable_sink(learnable_sink, q)
+    scale = check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
+    if varlen is fa4_varlen:  # refuse what the device cannot run before writing to the cache
+        from . import _dispatch
+
+        backend = _dispatch.backend_for(q.device)
+        backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
+        backend.check_variants((left, right), softcap, None)
+        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if k is not None:
+        if rotary_cos is not None:
+            sn = k.shape[1]
+            new_pos = seqlens.to(torch.int64).view(-1, 1) + torch.arange(sn, device=q.device)
+            q_pos = (seqlens.to(torch.int64).view(-1, 1) + torch.arange(q.shape[1], device=q.device)
+                     if causal or (left, right) != (None, None) else seqlens.to(torch.int64).view(-1, 1).expand(
+                         -1, q.shape[1]))
+            q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+            k = apply_rotary(k, rotary_cos, rotary_sin, new_pos, rotary_interleaved)
+        append_to_cache(k_cache, v_cache, k, v, rows, seqlens, block_table)
+        seqlens = seqlens + k.shape[1]
+    out, lse = attention_with_cache(q, k_cache, v_cache, seqlens, rows, block_table, scale, causal, (left, right),
+                                    softcap, sink, num_splits, pack_gqa, sm_count or 132, varlen)
+    return (out, lse) if return_softmax_lse else out

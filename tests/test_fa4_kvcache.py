@@ -1,0 +1,196 @@
+"""fa4.flash_attn_with_kvcache on CPU: the segment plan (split-KV, pages, GQA packing), the lse
+merge, the in-place append and rotary, against dense float64 attention per sequence.
+
+The kernel is replaced by a torch stand-in with the varlen kernel's contract (sequence i: query
+rows cu_q[i]:cu_q[i+1], keys from row cu_k[i], seqused[i] of them, masks bottom-right aligned), so
+everything fa4 adds around the kernel is checked here; the GPU file runs the real kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fa4
+from fa4 import _kvcache as kv
+
+pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
+
+
+def stand_in(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap):
+    """The varlen forward's contract in float64 (out (T, H, Dv), lse (H, T))."""
+    hq, hkv = q.shape[1], k.shape[1]
+    out = torch.zeros(q.shape[0], hq, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float64)
+    assert int(used.max()) <= max_k and int((cu_q[1:] - cu_q[:-1]).max()) <= max_q
+    for i in range(used.shape[0]):
+        qa, qb, ka, n = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(used[i])
+        if qb == qa or n == 0:
+            continue
+        o, l = dense(q[qa:qb], k[ka:ka + n], v[ka:ka + n], scale, causal, window, softcap)
+        out[qa:qb], lse[:, qa:qb] = o, l
+    return out, lse
+
+
+def dense(q, k, v, scale, causal, window=(None, None), softcap=0.0, sink=None):
+    """(S, H, D) attention in float64, bottom-right aligned masks; returns (out, lse (H, S))."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    sq, sk = q.shape[0], k.shape[0]
+    i = torch.arange(sq).view(-1, 1) + sk - sq
+    j = torch.arange(sk).view(1, -1)
+    left, right = window
+    right = 0 if causal else right
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if right is not None:
+        keep &= j <= i + right
+    if left is not None:
+        keep &= j >= i - left
+    s = s.masked_fill(~keep, float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.double().view(-1, 1, 1).expand(-1, sq, 1)], -1)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)[..., :sk]
+    return torch.einsum("hqk,khd->qhd", p, v.double().repeat_interleave(g, 1)), lse
+
+
+def call(*args, **kw):
+    return kv.with_kvcache(*args, varlen=stand_in, sm_count=kw.pop("sm_count", 16), return_softmax_lse=True, **kw)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _check(out, lse, q, keys, values, seqlens, scale=None, causal=False, window=(None, None), softcap=0.0, sink=None):
+    scale = scale or q.shape[-1] ** -0.5
+    for b in range(q.shape[0]):
+        n = int(seqlens[b])
+        want, wl = dense(q[b], keys[b][:n], values[b][:n], scale, causal, window, softcap, sink)
+        torch.testing.assert_close(out[b].double(), want, rtol=1e-9, atol=1e-9, msg=lambda m: f"out b={b}: {m}")
+        torch.testing.assert_close(lse[b].double(), wl, rtol=1e-9, atol=1e-9, msg=lambda m: f"lse b={b}: {m}")
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_decode_dense_split_and_packed(splits, heads):
+    hq, hkv = heads
+    g = _gen(1)
+    b, s_cache, d = 3, 700, 16
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    kc = torch.randn(b, s_cache, hkv, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(b, s_cache, hkv, d, generator=g, dtype=torch.float64)
+    lens = torch.tensor([700, 0, 257], dtype=torch.int32)   # a full cache, an empty one, a partial one
+    out, lse = call(q, kc, vc, cache_seqlens=lens, num_splits=splits, causal=True)
+    _check(out, lse, q, kc, vc, lens)
+    assert out[1].abs().max() == 0 and torch.isinf(lse[1]).all()
+
+
+def test_paged_decode_matches_dense_cache():
+    g = _gen(2)
+    b, hq, hkv, d, ps, pages = 2, 6, 2, 16, 4, 5
+    pool = 16
+    kp = torch.randn(pool, ps, hkv, d, generator=g, dtype=torch.float64)
+    vp = torch.randn(pool, ps, hkv, d, generator=g, dtype=torch.float64)
+    table = torch.randperm(pool, generator=g)[:b * pages].view(b, pages).to(torch.int32)
+    lens = torch.tensor([17, 9], dtype=torch.int32)            # partial last pages
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    sink = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5], dtype=torch.float64)
+    out, lse = call(q, kp, vp, cache_seqlens=lens, block_table=table, learnable_sink=sink, softcap=3.0)
+    dense_k, dense_v = kv.gather_pages(kp, table), kv.gather_pages(vp, table)
+    _check(out, lse, q, dense_k, dense_v, lens, softcap=3.0, sink=sink)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("paged", [False, True])
+def test_prefill_appends_in_place_with_rotary(interleaved, paged):
+    """New tokens are rotated, written at cache_seqlens and attended to causally; q is rotated at
+    the same positions (causal)."""
+    g = _gen(3)
+    b, sn, hq, hkv, d, rd = 2, 5, 4, 2, 16, 8
+    q = torch.randn(b, sn, hq, d, generator=g, dtype=torch.float64)
+    k_new = torch.randn(b, sn, hkv, d, generator=g, dtype=torch.float64)
+    v_new = torch.randn(b, sn, hkv, d, generator=g, dtype=torch.float64)
+    angles = torch.rand(64, rd // 2, generator=g, dtype=torch.float64) * 6
+    cos, sin = angles.cos(), angles.sin()
+    lens = torch.tensor([3, 11], dtype=torch.int32)
+    kc = torch.randn(b, 32, hkv, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(b, 32, hkv, d, generator=g, dtype=torch.float64)
+    before_k, before_v = kc.clone(), vc.clone()
+    table = None
+    if paged:
+        kc, vc = kc.view(b * 4, 8, hkv, d), vc.view(b * 4, 8, hkv, d)
+        table = torch.arange(b * 4, dtype=torch.int32).view(b, 4)
+    out, lse = call(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, causal=True,
+                    rotary_interleaved=interleaved, block_table=table, window_size=(6, 0) if paged else (None, None))
+    pos = lens.long().view(-1, 1) + torch.arange(sn)
+    k_rot, q_rot = kv.apply_rotary(k_new, cos, sin, pos, interleaved), kv.apply_rotary(q, cos, sin, pos, interleaved)
+    want_k, want_v = before_k.clone(), before_v.clone()
+    for i in range(b):
+        want_k[i, lens[i]:lens[i] + sn], want_v[i, lens[i]:lens[i] + sn] = k_rot[i], v_new[i]
+    assert torch.equal(kc.reshape(b, 32, hkv, d), want_k) and torch.equal(vc.reshape(b, 32, hkv, d), want_v)
+    _check(out, lse, q_rot, want_k, want_v, lens + sn, causal=True, window=(6, None) if paged else (None, None))
+    # rotary's definition, one pair by hand: interleaved rotates (x0, x1), NeoX (x0, x_{rd/2})
+    x = torch.zeros(1, 1, 1, d, dtype=torch.float64)
+    x[..., 0] = 1.0
+    r = kv.apply_rotary(x, cos, sin, torch.tensor([[5]]), interleaved)
+    partner = 1 if interleaved else rd // 2
+    assert math.isclose(r[0, 0, 0, 0], cos[5, 0], abs_tol=1e-12) and math.isclose(r[0, 0, 0, partner], sin[5, 0],
+                                                                                abs_tol=1e-12)
+
+
+def test_cache_batch_idx_and_noncausal_split():
+    g = _gen(4)
+    b, sq, hq, d = 2, 3, 2, 16
+    kc = torch.randn(4, 300, hq, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(4, 300, hq, d, generator=g, dtype=torch.float64)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    q = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64)
+    lens = torch.tensor([290, 40], dtype=torch.int32)
+    out, lse = call(q, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, num_splits=2)
+    _check(out, lse, q, kc[idx.long()], vc[idx.long()], lens)
+
+
+def test_plan_and_heuristic():
+    assert kv.plan_layout(1, 4, True, (None, None), None) == (False, True, True)     # decode: packed, free
+    assert kv.plan_layout(1, 4, True, (128, None), None) == (True, False, False)     # a window pins alignment
+    assert kv.plan_layout(7, 4, True, (None, None), None) == (True, False, False)    # causal prefill
+    assert kv.plan_layout(7, 1, False, (None, None), None) == (False, True, False)   # MHA: nothing to pack
+    with pytest.raises(ValueError, match=r"^pack_gqa: "):
+        kv.plan_layout(7, 4, True, (None, None), True)
+    # decode at batch 1, 8 KV heads on 132 SMs: 2 x 132 / 8 = 33 wanted, 8k / 256 = 32 allowed
+    assert kv.choose_num_splits(1, 8, 8192, 132) == 32
+    assert kv.choose_num_splits(1, 8, 1024, 132) == 4       # capped by 256 keys a split
+    assert kv.choose_num_splits(64, 8, 32768, 132) == 1     # 512 CTAs already fill the GPU
+    assert kv.choose_num_splits(2, 8, 1 << 20, 132) == 17
+    assert kv.choose_num_splits(1, 1, 1 << 20, 132) == kv.MAX_SPLITS
+    seg = kv.dense_segments(torch.tensor([1000, 5]), torch.tensor([0, 1]), 1024, 3)
+    assert seg.n == 3 and seg.max_keys == 384
+    assert seg.used.tolist() == [384, 384, 232, 5, 0, 0]
+    assert seg.cu_k[:-1].tolist() == [0, 384, 768, 1024, 1408, 1792]
+
+
+def test_errors_before_the_cache_is_touched():
+    q = torch.zeros(1, 1, 4, 16, dtype=torch.float64)
+    kc = torch.zeros(1, 8, 2, 16, dtype=torch.float64)
+    k1 = torch.ones(1, 1, 2, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^q: fa4 runs on CUDA GPUs only"):
+        fa4.flash_attn_with_kvcache(q.bfloat16(), kc.bfloat16(), kc.bfloat16())
+    with pytest.raises(ValueError, match=r"^q: flash_attn_with_kvcache is forward only"):
+        call(q.clone().requires_grad_(), kc, kc)
+    with pytest.raises(ValueError, match=r"^k, v: pass both"):
+        call(q, kc, kc, k1, None)
+    with pytest.raises(ValueError, match=r"^cache_leftpad: "):
+        call(q, kc, kc, cache_leftpad=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^block_table: expected int32"):
+        call(q, kc, kc, block_table=torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^rotary_cos: rotary embedding .* needs k and v"):
+        call(q, kc, kc, rotary_cos=torch.zeros(8, 4), rotary_sin=torch.zeros(8, 4))
+    with pytest.raises(ValueError, match=r"^num_splits: "):
+        call(q, kc, kc, num_splits=-1)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected an int32 / int64 vector of length 1"):
+        call(q, kc, kc, cache_seqlens=torch.zeros(2, dtype=torch.int32))
+    assert kc.abs().max() == 0  # nothing was written by a refused call

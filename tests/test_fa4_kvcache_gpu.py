@@ -1,0 +1,138 @@
+"""fa4.flash_attn_with_kvcache on the GPU: FA4's rule against fp32 attention over each sequence's
+cache (the baseline: torch SDPA in bf16 on the same keys), for split-KV decode, paged caches
+(pages of 256 and of 16 keys, shuffled), a causal prefill that appends rotated keys in place, a
+window, softcap + sink, and a CUDA-graph replay equal to the eager call."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fa4
+from fa4 import _kvcache as kv
+
+pytestmark = [pytest.mark.gpu, pytest.mark.fa4]
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+
+
+def _truth_and_baseline(q, keys, values, lens, causal=False, window=(None, None), softcap=0.0, sink=None):
+    """Per sequence: fp32 truth (out, lse) and bf16 SDPA's out on the first lens[b] keys."""
+    outs, lses, base = [], [], []
+    scale = q.shape[-1] ** -0.5
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        qb, kb, vb = q[b].float(), keys[b, :n].float(), values[b, :n].float()
+        g = qb.shape[1] // kb.shape[1]
+        s = torch.einsum("qhd,khd->hqk", qb, kb.repeat_interleave(g, 1)) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        i = torch.arange(qb.shape[0], device=q.device).view(-1, 1) + n - qb.shape[0]
+        j = torch.arange(n, device=q.device).view(1, -1)
+        keep = torch.ones_like(s[0], dtype=torch.bool)
+        if causal:
+            keep &= j <= i
+        if window[0] is not None:
+            keep &= j >= i - window[0]
+        s = s.masked_fill(~keep, float("-inf"))
+        if sink is not None:
+            s = torch.cat([s, sink.float().view(-1, 1, 1).expand(-1, s.shape[1], 1)], -1)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.unsqueeze(-1))[..., :n]
+        outs.append(torch.einsum("hqk,khd->qhd", p, vb.repeat_interleave(g, 1)))
+        lses.append(lse)
+        mask = keep if sink is None and not softcap else None
+        if sink is None and not softcap:
+            base.append(F.scaled_dot_product_attention(q[b].transpose(0, 1), keys[b, :n].transpose(0, 1),
+                                                       values[b, :n].transpose(0, 1), attn_mask=mask,
+                                                       enable_gqa=True).transpose(0, 1).float())
+        else:  # SDPA has no sink / softcap: the bf16 baseline is the same math on bf16-rounded scores
+            sb = (s.to(BF16).float())
+            pb = torch.softmax(sb, -1)[..., :n].to(BF16).float()
+            base.append(torch.einsum("hqk,khd->qhd", pb, vb.repeat_interleave(g, 1)))
+    return outs, lses, base
+
+
+def _check(out, lse, truth, tlse, base, what):
+    for b, (t, tl, bl) in enumerate(zip(truth, tlse, base)):
+        err, ref = (out[b].float() - t).abs().max().item(), (bl - t).abs().max().item()
+        assert err <= 2 * ref + 1e-5, f"{what} b={b}: out error {err:.3e} > 2 x {ref:.3e} + 1e-5"
+        fin = torch.isfinite(tl)
+        assert torch.equal(torch.isfinite(lse[b]), fin), f"{what} b={b}: lse -inf rows differ"
+        assert (lse[b][fin] - tl[fin]).abs().max().item() <= 1e-3, f"{what} b={b}: lse"
+
+
+def _cache(b, s, hkv, d, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, s, hkv, d, device="cuda", generator=g).to(BF16) for _ in range(2)]
+
+
+@pytest.mark.parametrize("splits", [0, 1, 5])
+def test_decode_split_kv(splits):
+    k, v = _cache(3, 8192, 8, 128, 1)
+    q = torch.randn(3, 1, 32, 128, device="cuda").to(BF16)
+    lens = torch.tensor([8192, 1, 3001], dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits, return_softmax_lse=True)
+    _check(out, lse, *_truth_and_baseline(q, k, v, lens), f"split {splits}")
+
+
+@pytest.mark.parametrize("page", [256, 16])
+def test_paged_decode(page):
+    b, pages = 2, 4096 // page
+    kp, vp = _cache(b * pages + 3, page, 8, 128, 2)
+    kp, vp = kp.view(-1, page, 8, 128), vp.view(-1, page, 8, 128)
+    table = torch.randperm(kp.shape[0], device="cuda")[:b * pages].view(b, pages).to(torch.int32)
+    lens = torch.tensor([4096, 777], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 1, 32, 128, device="cuda").to(BF16)
+    out, lse = fa4.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, return_softmax_lse=True)
+    _check(out, lse, *_truth_and_baseline(q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens),
+           f"paged {page}")
+
+
+def test_prefill_appends_rotated_keys():
+    k, v = _cache(2, 2048, 4, 128, 3)
+    q = torch.randn(2, 300, 16, 128, device="cuda").to(BF16)
+    k_new, v_new = (torch.randn(2, 300, 4, 128, device="cuda").to(BF16) for _ in range(2))
+    angles = torch.rand(4096, 32, device="cuda") * 6
+    lens = torch.tensor([0, 1500], dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, k_new, v_new, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                           cache_seqlens=lens, causal=True, return_softmax_lse=True)
+    pos = lens.long().view(-1, 1) + torch.arange(300, device="cuda")
+    q_rot = kv.apply_rotary(q, angles.cos(), angles.sin(), pos, True)
+    k_rot = kv.apply_rotary(k_new, angles.cos(), angles.sin(), pos, True)
+    for b in range(2):
+        assert torch.equal(k[b, lens[b]:lens[b] + 300], k_rot[b]) and torch.equal(v[b, lens[b]:lens[b] + 300], v_new[b])
+    _check(out, lse, *_truth_and_baseline(q_rot, k, v, lens + 300, causal=True), "prefill")
+
+
+def test_decode_window_softcap_sink():
+    k, v = _cache(2, 4096, 8, 64, 4)
+    q = torch.randn(2, 1, 16, 64, device="cuda").to(BF16)
+    lens = torch.tensor([4096, 1000], dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, window_size=(511, 0), causal=True,
+                                           return_softmax_lse=True)
+    _check(out, lse, *_truth_and_baseline(q, k, v, lens, causal=True, window=(511, None)), "window")
+    sink = torch.linspace(-2, 2, 16, device="cuda")
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, softcap=15.0, learnable_sink=sink,
+                                           return_softmax_lse=True)
+    _check(out, lse, *_truth_and_baseline(q, k, v, lens, softcap=15.0, sink=sink), "softcap+sink")
+
+
+def test_decode_replays_in_a_cuda_graph():
+    k, v = _cache(4, 16384, 8, 128, 5)
+    q = torch.randn(4, 1, 32, 128, device="cuda").to(BF16)
+    lens = torch.tensor([16384, 5, 9000, 0], dtype=torch.int32, device="cuda")
+    eager = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
