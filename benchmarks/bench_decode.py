@@ -76,13 +76,29 @@ def _peers(q, k, v):
     return peers
 
 
-def run_shape(batch, cache, rounds, rng):
+def _kernel_breakdown(graph) -> list:
+    """The GPU kernels of one replay of fa4_kvcache's graph (20 calls), per call: name, us."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / CALLS_PER_GRAPH, e.count // CALLS_PER_GRAPH)
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    for name, us, n in rows:
+        print(f"    {us:8.2f} us  x{n}  {name[:90]}")
+    print(f"    {sum(r[1] for r in rows):8.2f} us in {sum(r[2] for r in rows)} kernels per call")
+    return [{"kernel": name, "us_per_call": us, "per_call": n} for name, us, n in rows]
+
+
+def run_shape(batch, cache, rounds, rng, profile=False):
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
     q = torch.randn(batch, 1, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(batch, cache, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(batch, cache, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in (q, k, v))
-    graphs, checks = {}, {}
+    graphs, checks, row_kernels = {}, {}, None
     with torch.no_grad():
         ref = None
         for name, fn in _peers(q, k, v).items():
@@ -101,7 +117,11 @@ def run_shape(batch, cache, rounds, rng):
             if name != "copy_k" and ref is not None:
                 checks[name] = float((out.float() - ref).abs().max())
         times = paired_rounds({n: gr[0].replay for n, gr in graphs.items()}, rounds, rng)
+        if profile and "fa4_kvcache" in graphs:
+            row_kernels = _kernel_breakdown(graphs["fa4_kvcache"][0])
     row = {"batch": batch, "cache": cache, "bytes": nbytes, "max_abs_diff_vs_fa4_func": checks, "peers": {}}
+    if row_kernels is not None:
+        row["fa4_kvcache_kernels"] = row_kernels
     for name, ts in times.items():
         per_call = [t / CALLS_PER_GRAPH for t in ts]
         moved = 2 * k.numel() * k.element_size() if name == "copy_k" else nbytes   # copy reads and writes K
@@ -117,6 +137,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="1x8192,1x131072,8x32768,64x8192,64x32768", help="BATCHxCACHE,...")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="also list fa4_kvcache's kernels per call (profiler)")
     args = ap.parse_args(argv)
     try:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -126,7 +147,7 @@ def main(argv=None) -> int:
         print("bench_decode needs a CUDA GPU")
         return 2
     rng = random.Random(0)
-    rows = [run_shape(b, c, args.rounds, rng) for b, c in shapes]
+    rows = [run_shape(b, c, args.rounds, rng, args.profile) for b, c in shapes]
     if args.out:
         write_doc(args.out, "benchmarks.bench_decode", None, rows,
                   shapes=f"bf16, GQA {HQ}/{HKV}, d={D}, one query token, dense cache",

@@ -55,29 +55,30 @@ class Segments(NamedTuple):
 
 def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int) -> Segments:
     """n chunks of each sequence's keys in a dense cache viewed as (B_cache * S_cache, Hkv, D).
-    Chunks are rounded up to 128 keys (the kernel's key block) so only the last one is partial."""
+    Chunks are rounded up to 128 keys (the kernel's key block) so only the last one is partial.
+    int32 throughout (the kernel's offsets are int32): a handful of tiny kernels per call."""
     chunk = max(1, math.ceil(s_cache / n))
     chunk = min(s_cache, math.ceil(chunk / 128) * 128) if s_cache >= 128 else chunk
     n = max(1, math.ceil(s_cache / chunk))
-    starts = torch.arange(n, device=seqlens_k.device, dtype=torch.int64) * chunk            # (n,)
-    first = cache_rows.to(torch.int64).view(-1, 1) * s_cache + starts                      # (B, n)
-    used = (seqlens_k.to(torch.int64).view(-1, 1) - starts).clamp(0, chunk)               # (B, n)
+    starts = torch.arange(0, n * chunk, chunk, device=seqlens_k.device, dtype=torch.int32)  # (n,)
+    first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
+    used = (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)                              # (B, n)
     return _pack(first, used, n, chunk)
 
 
 def paged_segments(seqlens_k, block_table, page_size: int) -> Segments:
     """One segment per page of block_table (B, P): pages are rows of a (num_pages * page_size) cache."""
     p = block_table.shape[1]
-    starts = torch.arange(p, device=seqlens_k.device, dtype=torch.int64) * page_size
-    first = block_table.to(torch.int64) * page_size                                        # (B, P)
-    used = (seqlens_k.to(torch.int64).view(-1, 1) - starts).clamp(0, page_size)
+    starts = torch.arange(0, p * page_size, page_size, device=seqlens_k.device, dtype=torch.int32)
+    first = block_table * page_size                                                        # (B, P)
+    used = (seqlens_k.view(-1, 1) - starts).clamp_(0, page_size)
     return _pack(first, used, p, page_size)
 
 
 def _pack(first, used, n, max_keys) -> Segments:
-    flat = first.reshape(-1)
-    cu = torch.cat([flat, flat[-1:] + max_keys]).to(torch.int32)
-    return Segments(cu, used.reshape(-1).to(torch.int32), n, max_keys)
+    # with seqused_k the kernel reads only cu_k[i] (the first row) and used[i]: the last entry just
+    # completes the (segments + 1,) shape
+    return Segments(torch.nn.functional.pad(first.reshape(-1), (0, 1)), used.reshape(-1), n, max_keys)
 
 
 def merge_segments(out, lse, n: int):
@@ -176,10 +177,11 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa)
     if block_table is not None and not free:  # paged segments would misalign the mask: a dense copy
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
-        cache_rows, block_table = torch.arange(b, device=q.device), None
+        cache_rows, block_table = torch.arange(b, device=q.device, dtype=torch.int32), None
     heads = hkv if pack else hq
+    # packed: row t * g + j is query token t of head kv * g + j (a view for one token; q_seg copies)
     rows = q.view(b, sq, hkv, hq // hkv, d).transpose(2, 3).reshape(b, -1, hkv, d) if pack else q
-    r = rows.shape[1]                                                                     # rows per segment
+    r = sq * (hq // hkv) if pack else sq                                                  # rows per segment
     if block_table is not None:
         seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
     else:
@@ -189,7 +191,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         seg = dense_segments(seqlens_k, cache_rows, s_cache, n)
     n = seg.n
     q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
-    cu_q = torch.arange(b * n + 1, device=q.device, dtype=torch.int32) * r
+    cu_q = torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32)
     out, lse = varlen(q_seg, k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, dv), cu_q, seg.cu_k, seg.used,
                       r, seg.max_keys, scale, causal, window, softcap)
     out = out.view(b, n, r, heads, dv)
@@ -256,8 +258,10 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         capacity, rows = block_table.shape[1] * per_slot, None
     else:
         capacity = per_slot
-        rows = torch.arange(b, device=q.device) if cache_batch_idx is None else \
-            _int_vector("cache_batch_idx", cache_batch_idx, b, q.device)
+        rows = torch.arange(b, device=q.device, dtype=torch.int32) if cache_batch_idx is None else \
+            _int_vector("cache_batch_idx", cache_batch_idx, b, q.device).to(torch.int32)
+        if slots * per_slot >= 2 ** 31:
+            raise ValueError(f"k_cache: {slots} x {per_slot} rows exceed the kernel's int32 row offsets")
         if cache_batch_idx is None and slots < b:
             raise ValueError(f"k_cache: holds {slots} sequences but q has batch {b} (pass cache_batch_idx)")
     if cache_seqlens is None:
@@ -265,7 +269,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
-        seqlens = _int_vector("cache_seqlens", cache_seqlens, b, q.device)
+        seqlens = _int_vector("cache_seqlens", cache_seqlens, b, q.device).to(torch.int32)
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both (new keys and values to append) or neither")
     if k is not None:
