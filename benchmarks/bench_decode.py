@@ -16,11 +16,13 @@ in the same run. Peers:
 Every call is captured in a CUDA graph of 20 calls and the graph is replayed (what a serving loop
 does; host launch overhead would otherwise hide the kernels at batch 1), in paired rounds
 (benchmarks.ab_fwd.paired_rounds: every round times every peer once, in a fresh random order).
-Each peer's output is checked against fa4_func's first.
+Each peer's output is checked against fa4_func's first. `--profile` lists fa4_kvcache's kernels per
+call; `python -m benchmarks.bench_decode --table RESULT.json` prints fa4/README.md's table.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -132,7 +134,23 @@ def run_shape(batch, cache, rounds, rng, profile=False):
     return row
 
 
+def markdown_table(doc) -> str:
+    """fa4/README.md's decode table from a results file: achieved GB/s per peer, median of the rounds."""
+    names = [n for n in ("fa4_kvcache", "fa4_func", "official", "sdpa_cudnn", "copy_k")
+             if any(n in r["peers"] for r in doc["results"])]
+    lines = ["| batch x cache | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for r in doc["results"]:
+        cells = [f"{r['peers'][n]['gb_per_s']:.0f}" if n in r["peers"] else "-" for n in names]
+        lines.append(f"| {r['batch']} x {r['cache'] // 1024}k | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--table"]:  # python -m benchmarks.bench_decode --table RESULT.json
+        with open(argv[1]) as f:
+            print(markdown_table(json.load(f)))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="1x8192,1x131072,8x32768,64x8192,64x32768", help="BATCHxCACHE,...")
     ap.add_argument("--rounds", type=int, default=5)

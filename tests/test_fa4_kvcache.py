@@ -194,3 +194,16 @@ def test_errors_before_the_cache_is_touched():
     with pytest.raises(ValueError, match=r"^cache_seqlens: expected an int32 / int64 vector of length 1"):
         call(q, kc, kc, cache_seqlens=torch.zeros(2, dtype=torch.int32))
     assert kc.abs().max() == 0  # nothing was written by a refused call
+
+
+def test_readme_decode_table_is_generated_from_the_committed_results():
+    import json
+    import pathlib
+
+    from benchmarks import bench_decode
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    doc = json.loads((root / "benchmarks/results/bench_decode_h200.json").read_text())
+    block = (root / "fa4/README.md").read_text().split("<!-- decode-table:start -->\n")[1].split(
+        "\n<!-- decode-table:end -->")[0]
+    assert block == bench_decode.markdown_table(doc) and "| 1 x 128k |" in block
