@@ -202,8 +202,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
     bottom-right: the last query is the last key). num_splits: split-KV count, 0 = choose from
     (batch, heads, cache length, SM count); used where the mask allows (fa4/_kvcache.py). pack_gqa:
     None = pack a GQA group's query heads into one tile where the mask allows, False = never.
-    Returns out (B, Sq, Hq, Dv), or (out, lse (B, Hq, Sq) fp32) with return_softmax_lse. No host
-    sync: works under CUDA-graph capture. A tensor that requires grad is refused.
+    Returns out (B, Sq, Hq, Dv), or (out, lse (B, Hq, Sq) fp32) with return_softmax_lse (a row with
+    no key: out 0, lse -inf, where FlashAttention-2 writes +inf). No host sync: works under
+    CUDA-graph capture (FA4_VALIDATE=1 adds a synchronising range check of cache_seqlens). A tensor
+    that requires grad is refused.
     """
     from . import _kvcache
 

@@ -76,8 +76,10 @@ def paged_segments(seqlens_k, block_table, page_size: int) -> Segments:
 
 
 def _pack(first, used, n, max_keys) -> Segments:
-    # with seqused_k the kernel reads only cu_k[i] (the first row) and used[i]: the last entry just
-    # completes the (segments + 1,) shape
+    # With seqused_k the kernel reads only cu_k[i] (the first row) and used[i]; the last entry (0)
+    # just completes the (segments + 1,) shape. So cu_k need not rise (pages, cache_batch_idx) and a
+    # segment may use more rows than the next offset leaves: a relaxation of the public varlen
+    # contract that this module relies on and fa4's own value checks would reject.
     return Segments(torch.nn.functional.pad(first.reshape(-1), (0, 1)), used.reshape(-1), n, max_keys)
 
 
@@ -225,7 +227,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                      block_table, cuda=True):
     """Shapes, dtypes, devices; returns (seqlens_k before the append (B,) int32, cache_rows (B,)).
     cuda: fa4's dtype / device rules (False: any float dtype on one device, for the CPU stand-in)."""
-    from ._validate import _check_dtypes_devices
+    from ._validate import _check_dtypes_devices, values_check_enabled
 
     if cuda:
         _check_dtypes_devices(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
@@ -241,6 +243,11 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                          f"q {tuple(q.shape)}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"k_cache: heads_kv ({hkv}) must divide q's heads ({hq})")
+    if sq == 0:
+        raise ValueError("q: needs at least one query token (seqlen_q = 0)")
+    for name, t in (("k", k), ("v", v), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if torch.is_grad_enabled():
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
             if t is not None and t.requires_grad:
@@ -264,14 +271,23 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise ValueError(f"k_cache: {slots} x {per_slot} rows exceed the kernel's int32 row offsets")
         if cache_batch_idx is None and slots < b:
             raise ValueError(f"k_cache: holds {slots} sequences but q has batch {b} (pass cache_batch_idx)")
+    if (k is None) != (v is None):
+        raise ValueError("k, v: pass both (new keys and values to append) or neither")
+    new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
-        seqlens = torch.full((b,), capacity - (0 if k is None else k.shape[1]), dtype=torch.int32, device=q.device)
+        seqlens = torch.full((b,), capacity - new, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - new:
+            raise ValueError(f"cache_seqlens: {cache_seqlens} keys plus {new} new ones do not fit a cache of "
+                             f"{capacity} per sequence")
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
         seqlens = _int_vector("cache_seqlens", cache_seqlens, b, q.device).to(torch.int32)
-    if (k is None) != (v is None):
-        raise ValueError("k, v: pass both (new keys and values to append) or neither")
+        if values_check_enabled():  # FA4_VALIDATE=1: one host sync
+            lo, hi = int(seqlens.min()) if b else 0, int(seqlens.max()) if b else 0
+            if lo < 0 or hi + new > capacity:
+                raise ValueError(f"cache_seqlens: values in [{lo}, {hi}] plus {new} new keys leave the cache's "
+                                 f"{capacity} rows per sequence")
     if k is not None:
         for name, t, want in (("k", k, (b, None, hkv, d)), ("v", v, (b, None, hkv, v_cache.shape[-1]))):
             if t.dtype != q.dtype or t.device != q.device or t.dim() != 4 or \
@@ -284,9 +300,10 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         if k is None:
             raise ValueError("rotary_cos: rotary embedding is applied to q and the new k, so it needs k and v")
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-            if t.dim() != 2 or t.shape != rotary_cos.shape or 2 * t.shape[1] > d or t.device != q.device:
-                raise ValueError(f"{name}: expected (seqlen_ro, rotary_dim / 2) with rotary_dim <= {d} on {q.device}, "
-                                 f"got {tuple(t.shape)} on {t.device}")
+            if t.dim() != 2 or t.shape != rotary_cos.shape or 2 * t.shape[1] > d or t.device != q.device \
+                    or t.shape[0] < capacity:
+                raise ValueError(f"{name}: expected (seqlen_ro >= {capacity}, rotary_dim / 2) with rotary_dim <= {d} "
+                                 f"on {q.device}, got {tuple(t.shape)} on {t.device}")
     return seqlens, rows
 
 
@@ -302,6 +319,8 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         raise ValueError("cache_leftpad: not supported (None only); store each sequence from cache row 0")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa: expected None or a bool, got {type(pack_gqa).__name__} {pack_gqa!r}")
     seqlens, rows = check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                      cache_batch_idx, block_table, cuda=varlen is fa4_varlen)
     left, right, causal = check_window(window_size, causal)
@@ -312,9 +331,16 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         from . import _dispatch
 
         backend = _dispatch.backend_for(q.device)
+        if backend.arch.key != "sm_90":  # the segments need the varlen forward's seqused_k
+            raise ValueError(f"q: flash_attn_with_kvcache runs on sm_90 (Hopper) only; the {backend.arch.key} "
+                             "varlen forward has no seqused_k yet")
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+    if q.shape[0] == 0:  # nothing to append or attend
+        out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
+        lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
+        return (out, lse) if return_softmax_lse else out
     if k is not None:
         if rotary_cos is not None:
             sn = k.shape[1]

@@ -236,11 +236,22 @@ def test_argument_errors_in_a_group_of_one():
                 cp.ring_attention(q, q, q, kernels="fast")
             with pytest.raises(ValueError, match=r"^x: the global sequence length 5 must be a multiple of 2"):
                 cp.shard(odd, dim=1)
-            with pytest.raises(ValueError, match=r"^window_size: a right-hand window"):
+            with pytest.raises(ValueError, match=r"^window_size: only a causal window .* got \(2, 3\)"):
                 cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 6]), window_size=(2, 3),
                                          kernels=ref)
             with pytest.raises(ValueError, match=r"^cu_seqlens: must rise from 0 to the global token count 6"):
                 cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]), kernels=ref)
+            with pytest.raises(ValueError, match=r"^window_size: only a causal window"):
+                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 6]), window_size=(2, None),
+                                         kernels=ref)
+            with pytest.raises(TypeError, match=r"^cu_seqlens: expected int32 or int64"):
+                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0.0, 6.0]), kernels=ref)
+            with pytest.raises(ValueError, match=r"^x: the local sequence length 3 must be a multiple of 2"):
+                cp.unshard(q[:, :3], dim=1)
+            with pytest.raises(ValueError, match=r"^softcap: must be finite and >= 0"):
+                cp.ring_attention(q, q, q, softcap=float("nan"), kernels=ref)
+            with pytest.raises(ValueError, match=r"^k: heads_kv \(3\) must divide"):
+                cp.ring_attention(q, torch.zeros(1, 6, 3, 8), torch.zeros(1, 6, 3, 8), kernels=ref)
             assert cp.positions(8, layout="zigzag").tolist() == list(range(8))
         finally:
             dist.destroy_process_group()

@@ -193,7 +193,22 @@ def test_errors_before_the_cache_is_touched():
         call(q, kc, kc, num_splits=-1)
     with pytest.raises(ValueError, match=r"^cache_seqlens: expected an int32 / int64 vector of length 1"):
         call(q, kc, kc, cache_seqlens=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^cache_seqlens: 8 keys plus 1 new ones do not fit a cache of 8"):
+        call(q, kc, kc, k1, k1, cache_seqlens=8)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: -1 keys"):
+        call(q, kc, kc, k1, k1, cache_seqlens=-1)
+    with pytest.raises(ValueError, match=r"^rotary_cos: expected \(seqlen_ro >= 8"):
+        call(q, kc, kc, k1, k1, cache_seqlens=2, rotary_cos=torch.zeros(4, 4, dtype=torch.float64),
+             rotary_sin=torch.zeros(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^q: needs at least one query token"):
+        call(q[:, :0], kc, kc, k1, k1, cache_seqlens=2)
+    with pytest.raises(TypeError, match=r"^pack_gqa: expected None or a bool"):
+        call(q, kc, kc, pack_gqa="no")
+    with pytest.raises(TypeError, match=r"^k: expected a torch.Tensor or None"):
+        call(q, kc, kc, [1.0], [1.0])
     assert kc.abs().max() == 0  # nothing was written by a refused call
+    out, lse = call(q[:0], kc[:0], kc[:0])
+    assert out.shape == (0, 1, 4, 16) and lse.shape == (0, 4, 1)
 
 
 def test_readme_decode_table_is_generated_from_the_committed_results():

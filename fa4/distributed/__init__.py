@@ -16,6 +16,10 @@ rank boundaries by gathering K and V (fa4/distributed/_varlen.py).
 
 The kernels are fa4's. `kernels=ReferenceKernels()` runs the same algorithm with torch math
 instead (any device, any float dtype; the CPU tests use it on the gloo backend).
+
+Every rank checks its own arguments; a call whose arguments differ between ranks (shapes,
+cu_seqlens, flags) fails on some ranks while the others wait in a collective -- as with any
+collective, the caller keeps the ranks in step.
 """
 from __future__ import annotations
 
@@ -60,6 +64,10 @@ def _check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, retur
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: dtype / device ({t.dtype}, {t.device}) differ from q's ({q.dtype}, {q.device})")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv or v.shape[-2] != hkv or (not varlen and not q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"k: heads_kv ({hkv}) must divide q's heads ({hq}), with v's heads and the batch matching "
+                         f"(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
     return kernels, q, k, v, check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
 
 
@@ -85,16 +93,12 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"k: holds {k.shape[1]} tokens but q holds {q.shape[1]}; a sharded sequence has the "
                          "same slice of queries and keys on each rank")
-    if causal:
-        check_divisible("q", q.shape[1], world, layout, local=True)
-    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or softcap < 0:
-        raise ValueError(f"softcap: expected a float >= 0 (0 = off), got {softcap!r}")
-    if learnable_sink is not None:
-        _check_tensor("learnable_sink", learnable_sink, 1)
-        if learnable_sink.shape[0] != q.shape[2] or learnable_sink.device != q.device:
-            raise ValueError(f"learnable_sink: expected ({q.shape[2]},) on {q.device}, got "
-                             f"{tuple(learnable_sink.shape)} on {learnable_sink.device}")
-    call = RingCall(Ring(group), kernels, scale, causal, layout, float(softcap), deterministic, return_lse)
+    check_divisible("q", q.shape[1], world, layout, local=True)  # whole chunks (unshard needs them too)
+    from .._validate import check_learnable_sink, check_softcap
+
+    softcap = check_softcap(softcap)
+    learnable_sink = check_learnable_sink(learnable_sink, q)
+    call = RingCall(Ring(group), kernels, scale, causal, layout, softcap, deterministic, return_lse)
     out, lse = RingAttention.apply(q, k, v, learnable_sink, call)
     return (out, lse) if return_lse else out
 
@@ -127,6 +131,7 @@ def unshard(x, *, group=None, dim=1, layout="zigzag"):
     _check_tensor("x", x)
     world, _ = _world(group)
     check_layout(layout)
+    check_divisible("x", x.shape[dim], world, layout, local=True)
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=group)
     order = _chunk_order(world, layout)

@@ -40,14 +40,15 @@ class Fa4Kernels:
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):
         from .. import _ops
 
-        return _ops._varlen_fwd_impl(q, k, v, cu_q, cu_k, None, max_q, max_k, scale, causal, False, True,
-                                     *window, softcap, None)
+        return _ops._varlen_fwd_impl(_c(q), _c(k), _c(v), cu_q, cu_k, None, max_q, max_k, scale, causal, False,
+                                     True, *window, softcap, None)
 
     def varlen_backward(self, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, causal, window,
                         softcap, deterministic):
         from .. import _ops
 
-        dq, dk, dv, _ = _ops._varlen_bwd_impl(dout, q, k, v, out, lse, _c(dlse), cu_q, cu_k, None, max_q, max_k,
+        dq, dk, dv, _ = _ops._varlen_bwd_impl(_c(dout), _c(q), _c(k), _c(v), _c(out), _c(lse), _c(dlse), cu_q, cu_k,
+                                              None, max_q, max_k,
                                               scale, causal, deterministic, *window, softcap, None)
         return dq, dk, dv
 

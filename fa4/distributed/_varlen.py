@@ -11,8 +11,8 @@ min(b, hi)) and the keys are
     non-causal: [a, b)          causal: [a, qb), or [max(a, qa - left), qb) with a window (left, 0)
 
 Causal is bottom-right aligned in fa4, so a key range that ends where the query rows end keeps
-every query on its own global position, and the mask (causal, window) is exact. A window with a
-right side on a non-causal call would need keys past qb, which breaks that alignment: refused.
+every query on its own global position, and the mask (causal, window) is exact. A non-causal call
+needs the keys past qb, which moves that alignment, so a window on it is refused.
 
 Backward: dq is local; each rank's dk, dv over the gathered keys are scattered into a full-length
 fp32 buffer and reduce-scattered (summed) back to the owners. Nothing is overlapped here: the
@@ -156,9 +156,11 @@ def ring_attention_varlen(q, k, v, *, cu_seqlens, group=None, causal=False, soft
         raise ValueError(f"k: holds {k.shape[0]} tokens but q holds {q.shape[0]}; each rank holds the same rows "
                          "of queries and keys")
     left, right, causal = check_window(window_size, causal)
-    if right is not None:
-        raise ValueError(f"window_size: a right-hand window ({right}) is not served across ranks; use "
-                         "causal=True with (left, 0)")
+    if right is not None or (left is not None and not causal):
+        raise ValueError(f"window_size: only a causal window (left, 0) is served across ranks (a document's keys "
+                         f"past this rank's rows would shift a non-causal one), got {window_size}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
     bounds = [int(x) for x in cu_seqlens.tolist()]
     total = q.shape[0] * world
     if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
