@@ -412,7 +412,10 @@ def main(argv=None):
     if own:  # a generous timeout: the first fa4 calls may compile kernels while other ranks wait
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
     try:
-        return run(args)
+        rc = run(args)
+        if own:
+            dist.barrier()  # no rank tears its connections down while another still reads from them
+        return rc
     finally:
         if own:
             dist.destroy_process_group()

@@ -138,6 +138,7 @@ def main():
         varlen_case(rank, world, 1024, 8, 2, 128, causal=True)
         varlen_case(rank, world, 1024, 8, 2, 128, causal=False)
         deterministic_case(rank, world)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     print(f"rank {rank}: all cases passed", flush=True)

@@ -203,6 +203,7 @@ def _worker(rank, world, init_file, quick):
             _deterministic_case(rank, world)
             for causal, left in ((True, None), (False, None), (True, 3)):
                 _varlen_case(rank, world, causal, left)
+        dist.barrier()  # no rank tears its connections down while another still reads from them
     finally:
         dist.destroy_process_group()
 
