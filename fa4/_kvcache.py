@@ -29,6 +29,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._lse_merge import add_sink, merge_parts
+
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue, merge) dominates
 MAX_SPLITS = 64
@@ -84,21 +86,10 @@ def _pack(first, used, n, max_keys) -> Segments:
 
 
 def merge_segments(out, lse, n: int):
-    """(B, n, R, H, Dv) partial outs and (B, n, R, H) lse -> merged (B, R, H, Dv) fp32, (B, R, H).
-    Segments without keys carry lse = -inf and contribute nothing; a row with no key at all gets
-    out 0, lse -inf."""
-    acc = torch.promote_types(out.dtype, torch.float32)
+    """(B, n, R, H, Dv) partial outs and (B, n, R, H) lse -> merged (B, R, H, Dv), (B, R, H)."""
     if n == 1:
-        return out[:, 0].to(acc), lse[:, 0]
-    total = torch.logsumexp(lse, dim=1)                                                    # (B, R, H)
-    w = torch.exp(lse - total.unsqueeze(1)).nan_to_num(0.0)                               # (B, n, R, H)
-    return (out.to(acc) * w.unsqueeze(-1)).sum(1), total
-
-
-def add_sink(out, lse, sink):
-    """out (B, R, Hq, Dv) fp32, lse (B, R, Hq): the sink's logit joins each row's denominator."""
-    new = torch.logaddexp(lse, sink.to(lse.dtype).view(1, 1, -1).expand_as(lse))
-    return out * torch.exp(lse - new).unsqueeze(-1), new
+        return out[:, 0].to(torch.promote_types(out.dtype, torch.float32)), lse[:, 0]
+    return merge_parts(out, lse, dim=1)
 
 
 # ---------------------------------------------------------------------------------------------

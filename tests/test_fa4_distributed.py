@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 import fa4.distributed as cp
 from fa4.distributed import _plan
-from fa4.distributed._ring import merge_block
+from fa4._lse_merge import merge_into, merge_parts
 from fa4.distributed._varlen import local_docs
 
 pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
@@ -63,18 +63,22 @@ def test_merge_of_blocks_is_the_softmax_of_their_union():
     v = torch.randn(2, 12, 3, 4, dtype=torch.float64)
     s[0, 0, 1] = float("-inf")                                 # a row no block sees
     s[1, 2, 3, :6] = float("-inf")                             # a row the first block does not see
-    out = torch.zeros(2, 5, 3, 4, dtype=torch.float64)
-    lse = torch.full((2, 3, 5), float("-inf"), dtype=torch.float64)
+    out = torch.zeros(2, 5, 3, 4, dtype=torch.float64)                 # (B, S, H, Dv)
+    lse = torch.full((2, 5, 3), float("-inf"), dtype=torch.float64)    # (B, S, H)
+    parts = []
     for cols in (slice(0, 6), slice(6, 9), slice(9, 12)):
         blk = s[..., cols]
-        l = torch.logsumexp(blk, -1)
-        p = torch.exp(blk - l.unsqueeze(-1)).nan_to_num(0.0)
-        merge_block(out, lse, torch.einsum("bhqk,bkhd->bqhd", p, v[:, cols]), l)
-    want_lse = torch.logsumexp(s, -1)
+        l = torch.logsumexp(blk, -1).transpose(1, 2)                   # (B, S, H)
+        p = torch.exp(blk - l.transpose(1, 2).unsqueeze(-1)).nan_to_num(0.0)
+        parts.append((torch.einsum("bhqk,bkhd->bqhd", p, v[:, cols]), l))
+        merge_into(out, lse, *parts[-1])
+    all_out, all_lse = merge_parts(torch.stack([o for o, _ in parts], 1), torch.stack([l for _, l in parts], 1), 1)
+    want_lse = torch.logsumexp(s, -1).transpose(1, 2)
     want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1).nan_to_num(0.0), v)
-    assert torch.equal(lse.isinf(), want_lse.isinf()) and not out.isnan().any()
-    torch.testing.assert_close(lse[~lse.isinf()], want_lse[~want_lse.isinf()], rtol=0, atol=1e-12)
-    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    for got_out, got_lse in ((out, lse), (all_out, all_lse)):
+        assert torch.equal(got_lse.isinf(), want_lse.isinf()) and not got_out.isnan().any()
+        torch.testing.assert_close(got_lse[~got_lse.isinf()], want_lse[~want_lse.isinf()], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got_out, want, rtol=0, atol=1e-12)
 
 
 def test_local_docs_cut_documents_at_rank_boundaries():

@@ -3,8 +3,8 @@
 Forward, on rank r of P: at step s it holds the keys and values of rank src = (r - s) mod P. It
 posts their send to rank r+1 and the receive of the next slice from rank r-1 *before* computing on
 the slice in hand, so the transfer runs under the attention (NCCL runs P2P on its own stream). The
-block's (out_s, lse_s) is merged into the running pair through the log-sum-exp -- stage 1's
-online-softmax rescale, one block at a time:
+block's (out_s, lse_s) is merged into the running pair through the log-sum-exp (fa4/_lse_merge.py,
+stage 1's online-softmax rescale), one block at a time:
 
     lse = log(exp(lse) + exp(lse_s)),   out = out * exp(lse_old - lse) + out_s * exp(lse_s - lse)
 
@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._lse_merge import add_sink, merge_into
 from ._plan import step_work
 
 NEG_INF = float("-inf")
@@ -62,24 +63,6 @@ class Ring:
         return _Pending(incoming, dist.batch_isend_irecv(ops))
 
 
-def merge_block(out, lse, out_s, lse_s):
-    """Fold one block's (out_s, lse_s) into the running (out, lse), in place (views are fine).
-    out (B, S, H, Dv) fp32, lse (B, H, S); rows no block has seen stay (0, -inf) without NaN."""
-    new = torch.logaddexp(lse, lse_s.to(lse.dtype))
-    w_old = torch.exp(lse - new).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)   # (B, S, H, 1)
-    w_new = torch.exp(lse_s - new).nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(out_s.to(out.dtype) * w_new)
-    lse.copy_(new)
-
-
-def add_sink(out, lse, sink):
-    """The sink's logit joins every row's denominator once, after the whole ring (in place)."""
-    s = sink.to(lse.dtype).view(1, -1, 1)
-    new = torch.logaddexp(lse, s.expand_as(lse))
-    out.mul_(torch.exp(lse - new).transpose(1, 2).unsqueeze(-1))
-    lse.copy_(new)
-
-
 @dataclass(frozen=True)
 class RingCall:
     ring: Ring
@@ -109,7 +92,7 @@ def ring_forward(call: RingCall, q, k, v):
         if work is not None:
             qr, kr = work.q_rows, work.kv_rows
             o, l = kern.forward(q[:, qr], kv[0][:, kr], kv[1][:, kr], call.scale, work.causal, call.softcap)
-            merge_block(out[:, qr], lse[:, :, qr], o, l)
+            merge_into(out[:, qr], lse[:, :, qr].transpose(1, 2), o, l.transpose(1, 2))
         if incoming is not None:
             kv = incoming.wait()
     return out, lse
@@ -150,7 +133,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sink, call: RingCall):
         out, lse = ring_forward(call, q, k, v)
         if sink is not None:
-            add_sink(out, lse, sink)
+            out, lse_t = add_sink(out, lse.transpose(1, 2), sink)
+            lse = lse_t.transpose(1, 2).contiguous()
         out = out.to(q.dtype)
         lse = lse.to(torch.float32) if q.dtype in (torch.float16, torch.bfloat16) else lse
         ctx.save_for_backward(q, k, v, out, lse, sink)
