@@ -16,10 +16,10 @@ import torch
 
 from .validation import check_softcap, normalize_window
 
-__all__ = ["attention_ref", "attention_varlen_ref", "assert_fa4_close", "fa4_error_bound", "grad_atol"]
+__all__ = ["attention_ref", "attention_varlen_ref", "assert_fa4_close", "fa4_error_bound", "grad_atol", "visible_mask"]
 
 
-def _visible(sq, sk, window, device):
+def visible_mask(sq, sk, window, device):
     """(Sq, Sk) bool mask from a normalized (left, right) window, bottom-right aligned."""
     left, right = window
     i = torch.arange(sq, device=device)[:, None]
@@ -77,7 +77,7 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, upcast=True, win
     if softcap > 0:
         s = torch.tanh(s / softcap) * softcap
     if window != (None, None):
-        s = s.masked_fill(~_visible(sq, sk, window, q.device), float("-inf"))
+        s = s.masked_fill(~visible_mask(sq, sk, window, q.device), float("-inf"))
     if sink is not None:
         p, lse = _softmax_with_sink(s, sink)
     else:

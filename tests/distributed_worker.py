@@ -24,28 +24,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fa4  # noqa: E402
 import fa4.distributed as cp  # noqa: E402
+from stage0_reference.torch_reference import attention_ref, attention_varlen_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 
 
 def truth(q, k, v, scale, causal, softcap=0.0, sink=None, docs=None):
-    """Dense fp32 attention with autograd: (out, lse); docs = global cu_seqlens (block diagonal)."""
-    g = q.shape[2] // k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(g, 2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    n = q.shape[1]
-    i, j = torch.arange(n, device=q.device).view(-1, 1), torch.arange(n, device=q.device).view(1, -1)
-    keep = (j <= i) if causal else torch.ones(n, n, dtype=torch.bool, device=q.device)
-    if docs is not None:
-        doc = torch.bucketize(torch.arange(n, device=q.device), docs[1:].to(q.device).long(), right=True)
-        keep = keep & (doc.view(-1, 1) == doc.view(1, -1))
-    s = s.masked_fill(~keep, float("-inf"))
-    if sink is not None:
-        s = torch.cat([s, sink.float().view(1, -1, 1, 1).expand(s.shape[0], -1, n, 1)], -1)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1))[..., :n]
-    return torch.einsum("bhqk,bkhd->bqhd", p, v.float().repeat_interleave(g, 2)), lse
+    """Dense fp32 attention with autograd (stage 0's torch reference): (out, lse); docs = global
+    cu_seqlens (each document attends within itself). Pass fp32 tensors for an fp32 out."""
+    if docs is None:
+        return attention_ref(q, k, v, softmax_scale=scale, causal=causal, softcap=softcap, learnable_sink=sink)
+    cu = docs.to(q.device)
+    out, lse = attention_varlen_ref(q[0], k[0], v[0], cu, cu, softmax_scale=scale, causal=causal)
+    return out[None], lse[None]
 
 
 def grads_of(fn, leaves, dout, dlse):
@@ -74,7 +65,8 @@ def fixed_case(rank, world, s, hq, hkv, d, causal, layout, softcap=0.0, sink=Fal
     leaves = [q, k, v] + ([sink_t] if sink else [])
     scale = d ** -0.5
     kw = dict(causal=causal, softcap=softcap)
-    want = grads_of(lambda *t: truth(*t[:3], scale, causal, softcap, t[3] if sink else None), leaves, dout, dlse)
+    want = grads_of(lambda *t: truth(*t[:3], scale, causal, softcap, t[3] if sink else None),
+                    [t.float() for t in leaves], dout, dlse)
     base = grads_of(lambda *t: fa4.flash_attn_func(*t[:3], return_lse=True, learnable_sink=t[3] if sink else None,
                                                    **kw), leaves, dout, dlse)
     sh = lambda t, dim=1: cp.shard(t, dim=dim, layout=layout)  # noqa: E731
@@ -99,7 +91,7 @@ def varlen_case(rank, world, rows, hq, hkv, d, causal, left=None):
     dlse = torch.randn(1, hq, total, device="cuda", generator=gen)
     if left is not None:
         raise ValueError("the truth here has no window; keep left=None")
-    want = grads_of(lambda *t: truth(*t, scale, causal, docs=docs), [q, k, v], dout, dlse)
+    want = grads_of(lambda *t: truth(*t, scale, causal, docs=docs), [q.float(), k.float(), v.float()], dout, dlse)
     cu = docs.cuda()
     base = grads_of(lambda *t: [x.unsqueeze(0) for x in fa4.flash_attn_varlen_func(
         *(x[0] for x in t), cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal, return_lse=True)], [q, k, v], dout, dlse)

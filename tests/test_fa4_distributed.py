@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fa4.distributed as cp
+from stage0_reference.torch_reference import attention_ref
 from fa4.distributed import _plan
 from fa4._lse_merge import merge_into, merge_parts
 from fa4.distributed._varlen import local_docs
@@ -100,24 +101,10 @@ def test_errors_before_any_process_group():
 
 # ------------------------------------------------------------------------------ dense autograd truth
 def dense(q, k, v, scale, causal=False, softcap=0.0, sink=None, left=None):
-    """(B, S, H, D) attention in float64 with torch autograd; returns (out, lse)."""
-    g = q.shape[2] // k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    n = q.shape[1]
-    i, j = torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)
-    keep = torch.ones(n, n, dtype=torch.bool)
-    if causal:
-        keep &= j <= i
-    if left is not None:
-        keep &= j >= i - left
-    s = s.masked_fill(~keep, float("-inf"))
-    if sink is not None:
-        s = torch.cat([s, sink.view(1, -1, 1, 1).expand(s.shape[0], -1, n, 1)], -1)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)[..., :n]
-    return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(g, 2)), lse
+    """(B, S, H, D) attention with torch autograd over the whole sequence (stage 0's torch reference,
+    float64 in, float64 out): (out, lse)."""
+    return attention_ref(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, None), softcap=softcap,
+                         learnable_sink=sink)
 
 
 def _inputs(b, s, hq, hkv, d, seed):

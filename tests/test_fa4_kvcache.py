@@ -14,6 +14,7 @@ import torch
 
 import fa4
 from fa4 import _kvcache as kv
+from stage0_reference.torch_reference import attention_ref
 
 pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
 
@@ -34,27 +35,11 @@ def stand_in(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, sof
 
 
 def dense(q, k, v, scale, causal, window=(None, None), softcap=0.0, sink=None):
-    """(S, H, D) attention in float64, bottom-right aligned masks; returns (out, lse (H, S))."""
-    g = q.shape[1] // k.shape[1]
-    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, 1)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    sq, sk = q.shape[0], k.shape[0]
-    i = torch.arange(sq).view(-1, 1) + sk - sq
-    j = torch.arange(sk).view(1, -1)
-    left, right = window
-    right = 0 if causal else right
-    keep = torch.ones(sq, sk, dtype=torch.bool)
-    if right is not None:
-        keep &= j <= i + right
-    if left is not None:
-        keep &= j >= i - left
-    s = s.masked_fill(~keep, float("-inf"))
-    if sink is not None:
-        s = torch.cat([s, sink.double().view(-1, 1, 1).expand(-1, sq, 1)], -1)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)[..., :sk]
-    return torch.einsum("hqk,khd->qhd", p, v.double().repeat_interleave(g, 1)), lse
+    """(S, H, D) attention in float64, bottom-right aligned masks (stage 0's torch reference):
+    (out, lse (H, S))."""
+    o, l = attention_ref(q[None].double(), k[None].double(), v[None].double(), softmax_scale=scale, causal=causal,
+                         window_size=window, softcap=softcap, learnable_sink=None if sink is None else sink.double())
+    return o[0], l[0]
 
 
 def call(*args, **kw):

@@ -1,15 +1,16 @@
 """fa4.flash_attn_with_kvcache on the GPU: FA4's rule against fp32 attention over each sequence's
-cache (the baseline: torch SDPA in bf16 on the same keys), for split-KV decode, paged caches
-(pages of 256 and of 16 keys, shuffled), a causal prefill that appends rotated keys in place, a
-window, softcap + sink, and a CUDA-graph replay equal to the eager call."""
+cache (the baseline: PyTorch in bf16 on the same keys; both from stage 0's torch reference), for
+split-KV decode, paged caches (pages of 256 and of 16 keys, shuffled), a causal prefill that
+appends rotated keys in place, a window, softcap + sink, and a CUDA-graph replay equal to the
+eager call."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fa4
 from fa4 import _kvcache as kv
+from stage0_reference.torch_reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fa4]
 
@@ -23,39 +24,18 @@ def _needs_cuda():
 
 
 def _truth_and_baseline(q, keys, values, lens, causal=False, window=(None, None), softcap=0.0, sink=None):
-    """Per sequence: fp32 truth (out, lse) and bf16 SDPA's out on the first lens[b] keys."""
+    """Per sequence, on its first lens[b] keys (stage 0's torch reference): the fp32 truth (out,
+    lse) and the bf16 PyTorch baseline's out."""
     outs, lses, base = [], [], []
-    scale = q.shape[-1] ** -0.5
+    kw = dict(softmax_scale=q.shape[-1] ** -0.5, causal=causal, window_size=window, softcap=softcap,
+              learnable_sink=sink)
     for b in range(q.shape[0]):
         n = int(lens[b])
-        qb, kb, vb = q[b].float(), keys[b, :n].float(), values[b, :n].float()
-        g = qb.shape[1] // kb.shape[1]
-        s = torch.einsum("qhd,khd->hqk", qb, kb.repeat_interleave(g, 1)) * scale
-        if softcap:
-            s = softcap * torch.tanh(s / softcap)
-        i = torch.arange(qb.shape[0], device=q.device).view(-1, 1) + n - qb.shape[0]
-        j = torch.arange(n, device=q.device).view(1, -1)
-        keep = torch.ones_like(s[0], dtype=torch.bool)
-        if causal:
-            keep &= j <= i
-        if window[0] is not None:
-            keep &= j >= i - window[0]
-        s = s.masked_fill(~keep, float("-inf"))
-        if sink is not None:
-            s = torch.cat([s, sink.float().view(-1, 1, 1).expand(-1, s.shape[1], 1)], -1)
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse.unsqueeze(-1))[..., :n]
-        outs.append(torch.einsum("hqk,khd->qhd", p, vb.repeat_interleave(g, 1)))
-        lses.append(lse)
-        mask = keep if sink is None and not softcap else None
-        if sink is None and not softcap:
-            base.append(F.scaled_dot_product_attention(q[b].transpose(0, 1), keys[b, :n].transpose(0, 1),
-                                                       values[b, :n].transpose(0, 1), attn_mask=mask,
-                                                       enable_gqa=True).transpose(0, 1).float())
-        else:  # SDPA has no sink / softcap: the bf16 baseline is the same math on bf16-rounded scores
-            sb = (s.to(BF16).float())
-            pb = torch.softmax(sb, -1)[..., :n].to(BF16).float()
-            base.append(torch.einsum("hqk,khd->qhd", pb, vb.repeat_interleave(g, 1)))
+        args = (q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n])
+        out, lse = attention_ref(*(t.float() for t in args), **kw)
+        outs.append(out[0])
+        lses.append(lse[0])
+        base.append(attention_ref(*args, upcast=False, **kw)[0][0].float())
     return outs, lses, base
 
 

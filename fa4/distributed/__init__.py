@@ -26,49 +26,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._checks import check_kernels, check_tensor, world_of
 from ._kernels import Fa4Kernels, ReferenceKernels
 from ._plan import LAYOUTS, check_divisible, check_layout, local_positions
 from ._ring import Ring, RingAttention, RingCall
+from ._varlen import ring_attention_varlen
 
 __all__ = ["ring_attention", "ring_attention_varlen", "shard", "unshard", "positions", "Fa4Kernels",
            "ReferenceKernels", "LAYOUTS"]
-
-
-def _world(group):
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("group: torch.distributed is not initialised; call dist.init_process_group first "
-                         "(torchrun sets up the environment for it)")
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _check_tensor(name, t, dim=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if dim is not None and t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
-
-
-def _check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return_lse, varlen=False):
-    """Returns (kernels, q, k, v, scale) after the checks fa4's own functions make."""
-    from .._validate import check_fixed, check_softmax_scale
-
-    kernels = Fa4Kernels() if kernels is None else kernels
-    if not all(hasattr(kernels, m) for m in ("forward", "backward", "varlen_forward", "varlen_backward")):
-        raise TypeError(f"kernels: expected Fa4Kernels(), ReferenceKernels() or None, got {type(kernels).__name__}")
-    if getattr(kernels, "needs_cuda", False) and not varlen:
-        q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
-        return kernels, q, k, v, scale
-    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{name}: dtype / device ({t.dtype}, {t.device}) differ from q's ({q.dtype}, {q.device})")
-    hq, hkv = q.shape[-2], k.shape[-2]
-    if hkv == 0 or hq % hkv or v.shape[-2] != hkv or (not varlen and not q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"k: heads_kv ({hkv}) must divide q's heads ({hq}), with v's heads and the batch matching "
-                         f"(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
-    return kernels, q, k, v, check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
 
 
 def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, layout="zigzag", softcap=0.0,
@@ -86,9 +51,9 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     ring's key slices are not in position order under zigzag): use ring_attention_varlen.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 4)
-    world, rank = _world(group)
-    kernels, q, k, v, scale = _check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return_lse)
+        check_tensor(name, t, 4)
+    world, rank = world_of(group)
+    kernels, q, k, v, scale = check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return_lse)
     check_layout(layout)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"k: holds {k.shape[1]} tokens but q holds {q.shape[1]}; a sharded sequence has the "
@@ -114,8 +79,8 @@ def shard(x, *, group=None, dim=1, layout="zigzag"):
     """This rank's slice of a full-sequence tensor `x` (sequence along `dim`), in `layout`:
     "contiguous" gives rank r tokens [r S/P, (r+1) S/P); "zigzag" cuts 2P chunks and gives rank r
     chunks r and 2P-1-r, concatenated. Returns a new contiguous tensor (differentiable)."""
-    _check_tensor("x", x)
-    world, rank = _world(group)
+    check_tensor("x", x)
+    world, rank = world_of(group)
     check_layout(layout)
     check_divisible("x", x.shape[dim], world, layout, local=False)
     chunks = x.chunk(len(_chunk_order(world, layout)), dim=dim)
@@ -128,8 +93,8 @@ def shard(x, *, group=None, dim=1, layout="zigzag"):
 def unshard(x, *, group=None, dim=1, layout="zigzag"):
     """The inverse of `shard`: all-gathers every rank's slice and puts the tokens back in sequence
     order (not differentiable: for checking and for outputs)."""
-    _check_tensor("x", x)
-    world, _ = _world(group)
+    check_tensor("x", x)
+    world, _ = world_of(group)
     check_layout(layout)
     check_divisible("x", x.shape[dim], world, layout, local=True)
     parts = [torch.empty_like(x) for _ in range(world)]
@@ -143,13 +108,7 @@ def unshard(x, *, group=None, dim=1, layout="zigzag"):
 def positions(seqlen, *, group=None, layout="zigzag", device=None):
     """The global positions (int64, length seqlen / P) of this rank's tokens: what rotary
     embeddings and labels need after `shard`."""
-    world, rank = _world(group)
+    world, rank = world_of(group)
     check_layout(layout)
     check_divisible("seqlen", seqlen, world, layout, local=False)
     return torch.tensor(local_positions(rank, world, seqlen, layout), dtype=torch.long, device=device)
-
-
-def ring_attention_varlen(*args, **kwargs):
-    from ._varlen import ring_attention_varlen as impl
-
-    return impl(*args, **kwargs)

@@ -56,52 +56,36 @@ class Fa4Kernels:
 class ReferenceKernels:
     """The same contract in plain torch (any device, any float dtype; math in fp32, or fp64 for fp64
     inputs). Slow and memory-hungry (it forms the score matrix): for tests, CPU process groups
-    (gloo) and reading. Pass it as `kernels=` to the fa4.distributed functions."""
+    (gloo) and reading. The forward is stage 0's torch reference; the backward, which takes the
+    *global* lse and out, is written here. Pass it as `kernels=` to the fa4.distributed functions."""
 
     name = "reference"
     needs_cuda = False
 
-    @staticmethod
-    def _scores(q, k, scale, causal, softcap, window=(None, None)):
-        acc = torch.promote_types(q.dtype, torch.float32)
-        group = q.shape[2] // max(k.shape[2], 1)
-        kk = k.to(acc).repeat_interleave(group, dim=2)
-        raw = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kk) * scale             # (B, H, Sq, Sk)
-        capped = softcap * torch.tanh(raw / softcap) if softcap else raw
-        sq, sk = q.shape[1], k.shape[1]
-        i = torch.arange(sq, device=q.device).view(-1, 1) + (sk - sq)            # bottom-right aligned
-        j = torch.arange(sk, device=q.device).view(1, -1)
-        left, right = window
-        if causal:
-            right = 0
-        visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-        if right is not None:
-            visible &= j <= i + right
-        if left is not None:
-            visible &= j >= i - left
-        return raw, capped.masked_fill(~visible, float("-inf")), acc, group
-
     def forward(self, q, k, v, scale, causal, softcap, window=(None, None)):
-        _, s, acc, group = self._scores(q, k, scale, causal, softcap, window)
-        lse = torch.logsumexp(s, dim=-1)                                         # (B, H, Sq)
-        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-        vv = v.to(acc).repeat_interleave(group, dim=2)
-        out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
-        return out.to(q.dtype), lse
+        from stage0_reference.torch_reference import attention_ref
+
+        return attention_ref(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
 
     def backward(self, dout, q, k, v, out, lse, dlse, scale, causal, softcap, deterministic, window=(None, None)):
-        raw, s, acc, group = self._scores(q, k, scale, causal, softcap, window)
-        p = torch.exp(s - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)              # global probabilities
-        vv = v.to(acc).repeat_interleave(group, dim=2)
+        from stage0_reference.torch_reference import visible_mask
+        from stage0_reference.validation import normalize_window
+
+        acc = torch.promote_types(q.dtype, torch.float32)
+        group = q.shape[2] // k.shape[2]
+        kk, vv = (t.to(acc).repeat_interleave(group, dim=2) for t in (k, v))
+        raw = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), kk) * scale                    # (B, H, Sq, Sk)
+        s = softcap * torch.tanh(raw / softcap) if softcap else raw
+        s = s.masked_fill(~visible_mask(q.shape[1], k.shape[1], normalize_window(window, causal), q.device),
+                          float("-inf"))
+        p = torch.exp(s - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)                     # global probabilities
         do = dout.to(acc)
-        dp = torch.einsum("bqhd,bkhd->bhqk", do, vv)
-        d_row = (do * out.to(acc)).sum(-1).transpose(1, 2)                        # (B, H, Sq)
+        d_row = (do * out.to(acc)).sum(-1).transpose(1, 2)                                # (B, H, Sq)
         if dlse is not None:
             d_row = d_row - dlse.to(acc)
-        ds = p * (dp - d_row.unsqueeze(-1))
+        ds = p * (torch.einsum("bqhd,bkhd->bhqk", do, vv) - d_row.unsqueeze(-1))
         if softcap:
             ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
-        kk = k.to(acc).repeat_interleave(group, dim=2)
         dq = torch.einsum("bhqk,bkhd->bqhd", ds, kk) * scale
         dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc)) * scale
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
@@ -110,23 +94,17 @@ class ReferenceKernels:
         dv = dv.reshape(b, sk, hkv, group, -1).sum(3)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
-    def _per_sequence(self, cu_q, cu_k):
-        return list(zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], cu_k.tolist()[:-1], cu_k.tolist()[1:]))
-
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):
-        acc = torch.promote_types(q.dtype, torch.float32)
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
-        for qa, qb, ka, kb in self._per_sequence(cu_q, cu_k):
-            if qb > qa:
-                o, l = self.forward(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], scale, causal, softcap, window)
-                out[qa:qb], lse[:, qa:qb] = o[0], l[0]
-        return out, lse
+        from stage0_reference.torch_reference import attention_varlen_ref
+
+        return attention_varlen_ref(q, k, v, cu_q, cu_k, softmax_scale=scale, causal=causal, window_size=window,
+                                    softcap=softcap)
 
     def varlen_backward(self, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, scale, causal, window,
                         softcap, deterministic):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for qa, qb, ka, kb in self._per_sequence(cu_q, cu_k):
+        bounds = list(zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], cu_k.tolist()[:-1], cu_k.tolist()[1:]))
+        for qa, qb, ka, kb in bounds:
             if qb > qa and kb > ka:
                 g = self.backward(dout[None, qa:qb], q[None, qa:qb], k[None, ka:kb], v[None, ka:kb],
                                   out[None, qa:qb], lse[None, :, qa:qb], None if dlse is None else dlse[None, :, qa:qb],

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import _check_kernels, _check_tensor, _world
+from ._checks import check_kernels, check_tensor, world_of
 
 
 @dataclass(frozen=True)
@@ -142,10 +142,10 @@ def ring_attention_varlen(q, k, v, *, cu_seqlens, group=None, causal=False, soft
     from .._validate import check_softcap, check_window
 
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 3)
-    _check_tensor("cu_seqlens", cu_seqlens, 1)
-    world, rank = _world(group)
-    kernels, q, k, v, scale = _check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return_lse,
+        check_tensor(name, t, 3)
+    check_tensor("cu_seqlens", cu_seqlens, 1)
+    world, rank = world_of(group)
+    kernels, q, k, v, scale = check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return_lse,
                                              varlen=True)
     if getattr(kernels, "needs_cuda", False):
         from .._validate import check_varlen

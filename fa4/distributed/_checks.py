@@ -1,0 +1,45 @@
+"""Argument checks shared by the fa4.distributed functions (each a ValueError / TypeError naming
+the argument, before any communication)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._kernels import Fa4Kernels
+
+
+def world_of(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group: torch.distributed is not initialised; call dist.init_process_group first "
+                         "(torchrun sets up the environment for it)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def check_tensor(name, t, dim=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
+
+
+def check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return_lse, varlen=False):
+    """Returns (kernels, q, k, v, scale) after the checks fa4's own functions make."""
+    from .._validate import check_fixed, check_softmax_scale
+
+    kernels = Fa4Kernels() if kernels is None else kernels
+    if not all(hasattr(kernels, m) for m in ("forward", "backward", "varlen_forward", "varlen_backward")):
+        raise TypeError(f"kernels: expected Fa4Kernels(), ReferenceKernels() or None, got {type(kernels).__name__}")
+    if getattr(kernels, "needs_cuda", False) and not varlen:
+        q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
+        return kernels, q, k, v, scale
+    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{name}: dtype / device ({t.dtype}, {t.device}) differ from q's ({q.dtype}, {q.device})")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv or v.shape[-2] != hkv or (not varlen and not q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"k: heads_kv ({hkv}) must divide q's heads ({hq}), with v's heads and the batch matching "
+                         f"(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
+    return kernels, q, k, v, check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
