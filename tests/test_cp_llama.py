@@ -41,6 +41,16 @@ def _train_worker(rank, world, init_file, out):
         assert rc == 0, f"rank {rank}: the example's verdict failed"
     finally:
         dist.destroy_process_group()
+    _exit_cleanly()
+
+
+def _exit_cleanly():
+    """A finished rank leaves without running C++ static destructors: one of them (a joinable
+    thread, "terminate called without an active exception") aborted about 1 passing run in 4 on a
+    loaded 2-core machine, with or without a barrier first. Not yet traced to its owner."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_sharded_training_matches_the_whole_sequence_and_learns(tmp_path):
@@ -85,6 +95,7 @@ def _local_positions_worker(rank, world, init_file, out):
         assert rc == 1, f"rank {rank}: the verdict passed a run with local rotary positions"
     finally:
         dist.destroy_process_group()
+    _exit_cleanly()
 
 
 def test_local_rotary_positions_fail_the_verdict():
