@@ -21,7 +21,8 @@ import functools
 import torch
 
 from . import _ops
-from ._validate import check_fixed, check_unservable, check_variants, check_varlen
+from ._layouts import VarlenLayout, pad_head_dims
+from ._validate import check_fixed, check_unservable, check_variants, check_varlen, check_varlen_sides
 
 # What a positional argument after q, k, v meant elsewhere, for the keyword-only TypeError.
 _FIXED_HINT = ("FlashAttention-2's 4th positional argument is dropout_p (then softmax_scale, causal), and earlier "
@@ -55,7 +56,9 @@ def attention_pair(q, k, v, softmax_scale=None, causal=False, window_size=(None,
     check_unservable(num_splits, pack_gqa, dropout_p)
     q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
-    return _ops.attention(q, k, v, scale, causal, deterministic, return_lse, (left, right), softcap, sink)
+    q, k, v, unpad = pad_head_dims(q, k, v)
+    out, lse = _ops.attention(q, k, v, scale, causal, deterministic, return_lse, (left, right), softcap, sink)
+    return unpad(out), lse
 
 
 def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -63,13 +66,17 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
                           learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
                           return_lse=False, dropout_p=0.0):
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
-    check_unservable(num_splits, pack_gqa, dropout_p, seqused_q)
+    check_unservable(num_splits, pack_gqa, dropout_p)
+    q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                                     max_seqlen_q, max_seqlen_k)
     q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, deterministic,
-        return_lse, seqused_k)
+        q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, deterministic, return_lse, seqused_k, seqused_q)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
-    return _ops.varlen_attention(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, deterministic, return_lse,
-                                 (left, right), softcap, sink)
+    q, k, v, unpad = pad_head_dims(q, k, v)
+    lay = VarlenLayout.of(q, k, v, cu_q, cu_k, seqused_q, used, max_q, max_k, padded_q)
+    out, lse = _ops.varlen_attention(lay.q, lay.k, lay.v, lay.cu_q, lay.cu_k, lay.seqused_k, lay.max_q, lay.max_k,
+                                     scale, causal, deterministic, return_lse, (left, right), softcap, sink)
+    return lay.restore(unpad(out), lse)
 
 
 @keyword_only_after_qkv(_FIXED_HINT)
@@ -97,6 +104,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
         joins each row's softmax denominator (gpt-oss attention sinks); lse includes it, and it
         receives a gradient.
 
+    Head dims: qk and v any multiples of 8 up to 256. The pairs with kernels of their own
+    (fa4.supported()["archs"][...]["head_dims"]) run as they are; any other pair runs on the
+    cheapest native pair that covers it, zero-padded (a copy of the padded inputs and of out; see
+    fa4/_layouts.py). softmax_scale's default is 1/sqrt(D) of the caller's D either way.
+
     Taken at their no-op values only (anything else is a ValueError naming it): num_splits 1, or
     <= 0 (the official's automatic choice; fa4 never splits the keys); pack_gqa None (fa4 picks its
     GQA layout itself); dropout_p 0.0 (FlashAttention-2's keyword).
@@ -111,22 +123,26 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
                            seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
                            window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None,
                            deterministic=False, return_lse=False, dropout_p=0.0):
-    """Attention on packed variable-length batches.
+    """Attention on variable-length batches, packed or padded.
 
-    q: (total_q, Hq, D); k: (total_k, Hkv, D); v: (total_k, Hkv, Dv). Everything after q, k, v is
-    keyword-only, named as in flash_attn.cute.interface.flash_attn_varlen_func. Sequence b owns
-    rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v
-    (int32, length batch + 1, starting at 0, non-decreasing, ending at the total; both required).
+    Each side is packed -- q (total_q, Hq, D) with cu_seqlens_q; k (total_k, Hkv, D) and v
+    (total_k, Hkv, Dv) with cu_seqlens_k -- or padded -- q (B, Sq, Hq, D) with cu_seqlens_q=None;
+    k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) with cu_seqlens_k=None -- in any of the four
+    combinations, as in flash_attn.cute. Everything after q, k, v is keyword-only. Packed sequence
+    b owns rows cu_seqlens[b]:cu_seqlens[b+1] (int32, length batch + 1, starting at 0,
+    non-decreasing, ending at the total); padded sequence b is row b.
+    seqused_q / seqused_k (int32, length batch): use only the first seqused_*[b] query rows / keys
+    of sequence b (causal and window masks align to those lengths). Query rows past seqused_q[b]
+    get out 0 and lse -inf (the sink's logit with a learnable sink) and no gradient.
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for
-    CUDA graphs); None, as in the official, means the total token count of q / k: no host sync, but
-    the grid is sized from the bound, so a batch of many short sequences launches many CTAs that
-    exit at once -- pass the real bounds when you know them.
-    seqused_k (int32, length batch): use only the first seqused_k[b] keys of sequence b.
-    seqused_q: not supported yet (None only).
-    Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) fp32 if return_lse.
-    cu_seqlens values are checked only with FA4_VALIDATE=1 (the check synchronises; see
-    fa4/_validate.py). The variants (window_size: per sequence, bottom-right in each) and the
-    no-op-only keywords (num_splits, pack_gqa, dropout_p) are those of flash_attn_func.
+    CUDA graphs); None means a padded side's seqlen, or, as in the official, a packed side's token
+    total: no host sync, but the grid is sized from the bound, so a batch of many short sequences
+    launches many CTAs that exit at once -- pass the real bounds when you know them.
+    Returns out, or (out, lse) with return_lse: out (total_q, Hq, Dv) and lse (Hq, total_q) fp32
+    for a packed q; out (B, Sq, Hq, Dv) and lse (B, Hq, Sq) for a padded q.
+    cu_seqlens / seqused values are checked only with FA4_VALIDATE=1 (the check synchronises; see
+    fa4/_validate.py). Head dims, the variants (window_size: per sequence, bottom-right in each)
+    and the no-op-only keywords (num_splits, pack_gqa, dropout_p) are those of flash_attn_func.
     """
     out, lse = varlen_attention_pair(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                      seqused_k, softmax_scale, causal, window_size, learnable_sink, softcap,

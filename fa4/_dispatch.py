@@ -55,7 +55,7 @@ ARCHS: dict[str, ArchInfo] = {
     "sm_90": ArchInfo(
         key="sm_90", gpus="Hopper: H100, H200, H20", capabilities=((9, 0),), cute_arch="sm_90a",
         hardware_status="verified",
-        head_dims=((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
+        head_dims=((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256)),
         forward_module="stage3_fwd_kernel.hopper",
         backward_module="stage4_bwd_kernel.hopper",
         note="run and tested on H100 and H200 GPUs",
@@ -81,6 +81,12 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "gqa_mqa": (True, "heads_q % heads_kv == 0"),
     "varlen": (True, "flash_attn_varlen_func: packed (total_tokens, heads, head_dim), int32 cu_seqlens"),
     "seqused_k": (True, "varlen only: use the first seqused_k[b] keys of each sequence"),
+    "seqused_q": (True, "varlen only: use the first seqused_q[b] query rows (later rows: out 0, lse -inf, no "
+                        "gradient); run as 2 x batch sequences, the unused rows against no keys (fa4/_layouts.py)"),
+    "padded_varlen": (True, "flash_attn_varlen_func takes either side padded, (batch, seqlen, heads, head_dim) with "
+                            "its cu_seqlens None, in any combination with seqused_q / seqused_k"),
+    "any_head_dim": (True, "qk and v head dims: any multiples of 8 up to 256; a pair without a kernel of its own "
+                           "runs on the cheapest native pair that covers it, zero-padded (sm_100: up to 192/128)"),
     "return_lse": (True, "natural-log logsumexp of the scaled scores, fp32, (B, H, Sq) / (H, total_q)"),
     "lse_gradient": (True, "dlse enters the backward as a D-term correction: dS += P * dlse"),
     "deterministic_backward": (True, "deterministic=True, forwarded to the backward kernel"),

@@ -27,6 +27,7 @@ import os
 import torch
 
 from ._dispatch import all_head_dims, supported_devices_text
+from ._layouts import HEAD_DIM_STEP, MAX_HEAD_DIM, VarlenLayout, head_dim_ok
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -94,11 +95,13 @@ def _check_dtypes_devices(names, tensors):
 
 
 def _check_head_dims(names, d, dv):
-    if (d, dv) not in all_head_dims():
-        ok = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in all_head_dims())
-        # blame q when its head_dim is never supported, v when only the pairing is wrong
-        name = names[0] if d not in {a for a, _ in all_head_dims()} else names[2]
-        raise ValueError(f"{name}: head dims (qk={d}, v={dv}) are not supported; supported (qk/v): {ok}")
+    """Any (qk, v) pair of multiples of 8 up to 256 (the official interface's rule on Hopper); pairs
+    without a kernel of their own run zero-padded on a native one (fa4._layouts.pad_head_dims)."""
+    for name, x in ((names[0], d), (names[2], dv)):
+        if not head_dim_ok(x):
+            native = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in all_head_dims())
+            raise ValueError(f"{name}: head_dim {x} is not supported; fa4 takes head dims that are multiples of "
+                             f"{HEAD_DIM_STEP} up to {MAX_HEAD_DIM} (native kernels, qk/v: {native})")
 
 
 def _check_heads(names, hq, hkv):
@@ -213,11 +216,11 @@ def check_variants(q, causal, window_size, softcap, learnable_sink):
     return left, right, causal, check_softcap(softcap), check_learnable_sink(learnable_sink, q)
 
 
-def check_unservable(num_splits=1, pack_gqa=None, dropout_p=0.0, seqused_q=None):
+def check_unservable(num_splits=1, pack_gqa=None, dropout_p=0.0):
     """The official interface's (and FlashAttention-2's) keywords that fa4 takes only at their
     no-op values: num_splits <= 1 (1 = no split; 0 or negative = the official's automatic choice,
-    which for fa4 is always no split), pack_gqa None, dropout_p 0, seqused_q None. Anything else
-    is a ValueError naming the argument (a TypeError for the wrong kind), raised before a launch."""
+    which for fa4 is always no split), pack_gqa None, dropout_p 0. Anything else is a ValueError
+    naming the argument (a TypeError for the wrong kind), raised before a launch."""
     if isinstance(num_splits, bool) or not isinstance(num_splits, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__} {num_splits!r}")
     if isinstance(num_splits, numbers.Integral) and num_splits > 1:
@@ -233,9 +236,6 @@ def check_unservable(num_splits=1, pack_gqa=None, dropout_p=0.0, seqused_q=None)
     if dropout_p != 0:
         raise ValueError(f"dropout_p: fa4 does not support attention dropout, got {dropout_p}; pass 0.0 (the "
                          "FlashAttention-2 keyword is accepted only at its no-op value)")
-    if seqused_q is not None:
-        raise ValueError("seqused_q: not supported yet (fa4 takes each sequence's query rows from cu_seqlens_q); "
-                         "pass None")
 
 
 def _check_int(name, x, *, minimum=0):
@@ -257,10 +257,43 @@ def _check_index_tensor(name, t, q, length=None, what="batch + 1"):
         raise ValueError(f"{name}: length {t.shape[0]} != {what} = {length}")
 
 
+def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The two sides of a flash_attn_varlen_func call, each packed ((total, H, D) with its cu_seqlens)
+    or padded ((batch, seqlen, H, D) with cu_seqlens None), checked and brought to the packed form.
+    Returns (q, k, v, cu_q, cu_k, max_q, max_k, padded_q): a padded side's max_seqlen defaults to its
+    seqlen, and padded_q is (batch, seqlen_q) when q came padded, else None."""
+    names = ("q", "k", "v")
+    _check_dtypes_devices(names, (q, k, v))
+    sides = {"q": (q, cu_seqlens_q), "k": (k, cu_seqlens_k), "v": (v, cu_seqlens_k)}
+    for n, (t, cu) in sides.items():
+        cu_name = "cu_seqlens_" + ("q" if n == "q" else "k")
+        if cu is None and t.dim() != 4:
+            raise ValueError(f"{n}: expected rank 4 (batch, seqlen, heads, head_dim) with {cu_name}=None (a padded "
+                             f"batch), or rank 3 (total_tokens, heads, head_dim) with {cu_name}; got shape "
+                             f"{tuple(t.shape)}")
+        if cu is not None and t.dim() != 3:
+            raise ValueError(f"{n}: expected rank 3 (total_tokens, heads, head_dim) with {cu_name} given (pass "
+                             f"{cu_name}=None for a padded (batch, seqlen, heads, head_dim) batch); got shape "
+                             f"{tuple(t.shape)}")
+    if cu_seqlens_k is None and tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (batch, seqlen, heads)")
+    if cu_seqlens_q is None and cu_seqlens_k is None and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
+    padded_q = None if cu_seqlens_q is not None else (q.shape[0], q.shape[1])
+    q, cu_q, sq = VarlenLayout.pack(q, cu_seqlens_q)
+    k, cu_k, sk = VarlenLayout.pack(k, cu_seqlens_k)
+    v, _, _ = VarlenLayout.pack(v, cu_seqlens_k)
+    max_q = sq if max_seqlen_q is None and sq is not None else max_seqlen_q
+    max_k = sk if max_seqlen_k is None and sk is not None else max_seqlen_k
+    return q, k, v, cu_q, cu_k, max_q, max_k, padded_q
+
+
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                 deterministic=False, return_lse=False, seqused_k=None):
-    """Packed (total_tokens, H, D) inputs of flash_attn_varlen_func. Returns
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, scale).
+                 deterministic=False, return_lse=False, seqused_k=None, seqused_q=None):
+    """Packed (total_tokens, H, D) inputs of flash_attn_varlen_func (`check_varlen_sides` packs
+    padded ones first). Returns
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, scale); seqused_q is
+    only checked (`fa4._layouts.VarlenLayout` serves it).
 
     max_seqlen_q / max_seqlen_k None become the total token counts of q / k, as in the official
     interface: always an upper bound, known without reading cu_seqlens (no sync), but the kernels
@@ -282,15 +315,16 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     _check_head_dims(names, d, v.shape[2])
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is None:
-            raise TypeError(f"{name}: required (int32, length batch + 1): fa4's varlen function takes packed "
-                            "(total_tokens, heads, head_dim) tensors and their cumulative lengths")
+            raise TypeError(f"{name}: required (int32, length batch + 1) for packed (total_tokens, heads, "
+                            "head_dim) tensors")
     _check_index_tensor("cu_seqlens_q", cu_seqlens_q, q)
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q: needs at least one entry (batch + 1 >= 1)")
     batch = cu_seqlens_q.shape[0] - 1
     _check_index_tensor("cu_seqlens_k", cu_seqlens_k, q, batch + 1, "len(cu_seqlens_q)")
-    if seqused_k is not None:
-        _check_index_tensor("seqused_k", seqused_k, q, batch, "batch")
+    for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+        if used is not None:
+            _check_index_tensor(name, used, q, batch, "batch")
     max_seqlen_q = tq if max_seqlen_q is None else max_seqlen_q
     max_seqlen_k = tk if max_seqlen_k is None else max_seqlen_k
     _check_int("max_seqlen_q", max_seqlen_q)
@@ -300,14 +334,15 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     _check_flag("return_lse", return_lse)
     scale = check_softmax_scale("softmax_scale", softmax_scale, d)
     if q.device.type == "cuda" and values_check_enabled():
-        check_varlen_values(cu_seqlens_q, cu_seqlens_k, tq, tk, max_seqlen_q, max_seqlen_k, seqused_k)
+        check_varlen_values(cu_seqlens_q, cu_seqlens_k, tq, tk, max_seqlen_q, max_seqlen_k, seqused_k, seqused_q)
     cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     used = None if seqused_k is None else seqused_k.contiguous()
     return (_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v), cu_q, cu_k, used, max_seqlen_q,
             max_seqlen_k, scale)
 
 
-def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
+                        seqused_q=None):
     """The value checks (one device->host copy). Public so tests and users can call them directly."""
     for name, cu, total, mx in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                 ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
@@ -325,10 +360,11 @@ def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen
         if longest > mx:
             raise ValueError(f"max_seqlen_{name[-1]}: {mx} is smaller than the longest sequence ({longest}); "
                              "the kernel would skip the rows beyond it")
-    if seqused_k is not None:
-        used = seqused_k.tolist()
-        ck = cu_seqlens_k.tolist()
-        for b, u in enumerate(used):
-            if not 0 <= u <= ck[b + 1] - ck[b]:
-                raise ValueError(f"seqused_k: entry {b} = {u} is outside [0, seqlen_k of sequence {b} = "
-                                 f"{ck[b + 1] - ck[b]}]")
+    for side, used, cu in (("k", seqused_k, cu_seqlens_k), ("q", seqused_q, cu_seqlens_q)):
+        if used is None:
+            continue
+        c = cu.tolist()
+        for b, u in enumerate(used.tolist()):
+            if not 0 <= u <= c[b + 1] - c[b]:
+                raise ValueError(f"seqused_{side}: entry {b} = {u} is outside [0, seqlen_{side} of sequence {b} = "
+                                 f"{c[b + 1] - c[b]}]")

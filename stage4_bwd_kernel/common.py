@@ -36,7 +36,7 @@ from stage3_fwd_kernel.sass_report import format_report, wgmma_loop_bodies  # no
 # the dQ reduction orders live in schedule.py (pure Python, shared with the NumPy model)
 from stage4_bwd_kernel.schedule import KVAscendingOrder, KVDescendingOrder, default_dq_order  # noqa: F401
 
-SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256))
 
 
 # --------------------------------------------------------------------------------------------

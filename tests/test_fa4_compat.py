@@ -259,9 +259,10 @@ REFUSED = [
     (dict(dropout_p=False), TypeError, r"^dropout_p: expected a float, got bool"),
 ]
 VARLEN_REFUSED = [
-    (dict(seqused_q=torch.zeros(3, dtype=torch.int32, device="meta")), ValueError, r"^seqused_q: not supported yet"),
-    (dict(cu_seqlens_q=None), TypeError, r"^cu_seqlens_q: required \(int32, length batch \+ 1\)"),
-    (dict(cu_seqlens_k=None), TypeError, r"^cu_seqlens_k: required"),
+    (dict(seqused_q=torch.zeros(2, dtype=torch.int64, device="meta")), TypeError, r"^seqused_q: dtype must be"),
+    (dict(cu_seqlens_q=None), ValueError, r"^q: expected rank 4 \(batch, seqlen, heads, head_dim\) with "
+     r"cu_seqlens_q=None"),
+    (dict(cu_seqlens_k=None), ValueError, r"^k: expected rank 4 .* with cu_seqlens_k=None"),
     (dict(max_seqlen_q=50.0), TypeError, r"^max_seqlen_q: expected an int"),
     (dict(max_seqlen_k=torch.tensor(60)), TypeError, r"^max_seqlen_k: expected an int"),
 ]

@@ -27,7 +27,7 @@ import math
 
 import pytest
 
-HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+HEAD_DIMS = [(64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256)]
 
 
 def _mod():
@@ -211,7 +211,7 @@ def test_tile_m_defaults_and_validation():
     import cutlass
 
     mod = _mod()
-    assert [mod.default_tile_m(d, dv) for d, dv in HEAD_DIMS] == [192, 128, 128, 128, 128]
+    assert [mod.default_tile_m(d, dv) for d, dv in HEAD_DIMS] == [192, 128, 128, 128, 128, 128]
     assert mod._check_tile_m(None, 64, 64) == 192 and mod._check_tile_m(128, 64, 64) == 128
     for bad in (64, 256, True, 192.0, "192"):
         with pytest.raises(ValueError, match="tile_m"):
@@ -310,6 +310,7 @@ COMPILE_CASES = [
     ("bf16", 64, 64, True, (), 8.0, 0.0, 128),
     ("bf16", 256, 256, False, (), 8.0, 0.0, None),
     ("bf16", 192, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, None),
+    ("bf16", 128, 64, True, (), 8.0, 0.0, None),
 ]
 THREE_CONSUMER_CASES = [c for c in COMPILE_CASES if c[7] == 192]
 

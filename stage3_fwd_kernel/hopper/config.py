@@ -13,7 +13,7 @@ STEP = "hopper_forward"
 DEFAULT_EMULATION_FRACTION = HOPPER_EMULATION_FRACTION
 DEFAULT_POLICY = SoftmaxPolicy(DEFAULT_RESCALE_THRESHOLD, DEFAULT_EMULATION_FRACTION)
 
-SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256))
 TILE_MS = (128, 192)  # two or three consumer warpgroups of 64 query rows
 # Causal dense calls on these tiles count their Q tiles from the sequence's end (q_shift, see
 # components.work_tile.locate_tile)

@@ -33,7 +33,7 @@ DQ_EMPTY_THREADS = 128 + 32                       # one consumer warpgroup + the
 NUM_NAMED_BARRIERS = 16
 DQ_WRITER_WARP = 1      # first dQ writer warp of the producer warpgroup (warp 0 issues the TMA loads)
 MAX_DQ_BUFFERS = 2
-RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64))
 REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the launch registers
 
 
@@ -53,7 +53,7 @@ def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     after dS and dQ split by query rows keep it in 240 registers), 64 at d = 96, 80 at d = 128
     (dQ^T = K^T dS^T, since 80 is no wgmma M, and one dQ buffer)."""
     check_rs_head_dims(head_dim, head_dim_v)
-    return {(64, 64): (128, 128), (128, 128): (80, 128)}.get((head_dim, head_dim_v), (64, 128))
+    return {(64, 64): (128, 128), (128, 128): (80, 128), (128, 64): (80, 128)}.get((head_dim, head_dim_v), (64, 128))
 
 
 def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffers: int, dq_buffers: int) -> int:

@@ -1,0 +1,136 @@
+"""What the public functions do to a call before the kernels see it, and undo after: two layout
+components, both plain torch ops (differentiable, traceable by torch.compile, no host sync).
+
+1. Head dims (`pad_head_dims`). The kernels exist for a few (qk, v) head-dim pairs per arch
+   (fa4._dispatch.ARCHS). Any other pair of multiples of 8 up to 256 runs on the cheapest native
+   pair that covers it, with zeros appended to the head dims:
+
+       q k^T is unchanged by zero columns in q and k (each score gains 0 * 0 terms),
+       P v' = [P v, 0] when v' = [v, 0], so out = (P v')[..., :dv],
+
+   and the gradients of the padded columns are dropped by the slice's and the pad's autograd
+   formulas. softmax_scale defaults to 1/sqrt(qk) of the *caller's* head dim (validation resolves
+   it before the padding). Cost: a copy of each padded input and of out, and the kernel's work at
+   the padded size (measured in docs/measurements.md, "Head-dim padding").
+
+2. Varlen batches (`VarlenLayout`). flash_attn_varlen_func takes each side either packed
+   ((total, H, D) with cu_seqlens) or padded ((batch, seqlen, H, D) with cu_seqlens None), plus
+   seqused_q / seqused_k. The kernels take packed tensors, cu_seqlens and seqused_k. So:
+     * a padded side is viewed as packed, with cu_seqlens = seqlen * arange(batch + 1);
+     * seqused_q (use the first seqused_q[b] query rows of sequence b) is served by splitting each
+       sequence in two: sequence 2b is its used rows against its keys, sequence 2b + 1 its unused
+       rows against no keys. The kernels define a row without keys (out 0, lse -inf, or the sink's
+       logit), and those rows add nothing to dk / dv and get dq = 0. Causal and window masks align
+       to seqused_q[b], as in the official kernel, because the used rows are a sequence of that
+       length. The cost is a grid of 2 x batch sequences, half of them without keys.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _dispatch
+
+# head dims the official interface accepts on Hopper: multiples of 8 up to 256
+HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
+
+
+def head_dim_ok(d) -> bool:
+    return (not isinstance(d, bool) and isinstance(d, (int, torch.SymInt)) and 0 < d <= MAX_HEAD_DIM
+            and d % HEAD_DIM_STEP == 0)
+
+
+def arch_of(device) -> _dispatch.ArchInfo:
+    """The arch whose head-dim pairs a call on `device` runs: the GPU's; Hopper's for meta tensors or
+    when no GPU can be asked (shape tracing on a CPU machine, where nothing launches)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _dispatch.arch_for_capability(torch.cuda.get_device_capability(index))
+    return _dispatch.ARCHS["sm_90"]
+
+
+def native_pair(arch: _dispatch.ArchInfo, d: int, dv: int):
+    """The native (qk, v) pair that runs (d, dv): itself when native, else the covering pair with the
+    least work (qk + v: the two matmuls' inner / outer dims), ties to the smaller largest dim.
+    None when no pair covers it."""
+    if (d, dv) in arch.head_dims:
+        return (d, dv)
+    covering = [p for p in arch.head_dims if p[0] >= d and p[1] >= dv]
+    return min(covering, key=lambda p: (p[0] + p[1], max(p)), default=None)
+
+
+def _pad_last(t, size):
+    return t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1]))
+
+
+def pad_head_dims(q, k, v, names=("q", "k", "v")):
+    """(q, k, v, unpad): inputs at a native head-dim pair of q's arch, and the function that takes
+    the kernel's out back to the caller's v head dim (identity when nothing was padded)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    arch = arch_of(q.device)
+    pair = native_pair(arch, d, dv)
+    if pair is None:
+        ok = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in arch.head_dims)
+        raise ValueError(f"{names[0]}: head dims (qk={d}, v={dv}) exceed every kernel on {arch.key} (native qk/v: "
+                         f"{ok}); a pair runs on a native one at least as large in both")
+    if pair == (d, dv):
+        return q, k, v, _identity
+    pd, pdv = pair
+    q, k, v = _pad_last(q, pd), _pad_last(k, pd), _pad_last(v, pdv)
+    if pdv == dv:
+        return q, k, v, _identity
+    return q, k, v, lambda out: out[..., :dv].contiguous()
+
+
+def _identity(out):
+    return out
+
+
+class VarlenLayout:
+    """A flash_attn_varlen_func call turned into the kernels' packed form, and back.
+
+    Build it with `VarlenLayout.of(...)` after the metadata checks; then `q, k, v, cu_q, cu_k,
+    seqused_k, max_q, max_k` are what the varlen op takes, and `restore(out, lse)` gives the
+    caller's layout: out (B, Sq, H, Dv) and lse (B, H, Sq) for a padded q, else packed."""
+
+    def __init__(self, q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q):
+        self.q, self.k, self.v = q, k, v
+        self.cu_q, self.cu_k, self.seqused_k = cu_q, cu_k, seqused_k
+        self.max_q, self.max_k = max_q, max_k
+        self.padded_q = padded_q   # (batch, seqlen_q) of a padded q, else None
+
+    @staticmethod
+    def pack(t, cu):
+        """A side given padded (cu None): its packed view and cu_seqlens = seqlen * arange(batch + 1)."""
+        if cu is not None:
+            return t, cu, None
+        b, s = t.shape[0], t.shape[1]
+        cu = torch.arange(0, b + 1, dtype=torch.int32, device=t.device) * s
+        return t.reshape(b * s, *t.shape[2:]), cu, s
+
+    @classmethod
+    def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q):
+        """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None."""
+        if seqused_q is not None:
+            cu_q, cu_k, seqused_k = split_unused_rows(cu_q, cu_k, seqused_q, seqused_k)
+        return cls(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q)
+
+    def restore(self, out, lse):
+        if self.padded_q is None:
+            return out, lse
+        b, s = self.padded_q
+        out = out.view(b, s, *out.shape[1:])                          # (B, Sq, H, Dv)
+        lse = lse.view(lse.shape[0], b, s).permute(1, 0, 2).contiguous()  # (H, B*Sq) -> (B, H, Sq)
+        return out, lse
+
+
+def split_unused_rows(cu_q, cu_k, seqused_q, seqused_k=None):
+    """seqused_q as 2 x batch sequences (module docstring): sequence 2b = rows cu_q[b] ..
+    cu_q[b] + seqused_q[b] against sequence b's keys, sequence 2b + 1 = the rest of its rows against
+    none. Returns (cu_q', cu_k', seqused_k'), int32 on cu_q's device, computed on the device."""
+    starts_q = cu_q[:-1]
+    cu_q2 = torch.cat((torch.stack((starts_q, starts_q + seqused_q), 1).flatten(), cu_q[-1:]))
+    cu_k2 = torch.cat((torch.stack((cu_k[:-1], cu_k[1:]), 1).flatten(), cu_k[-1:]))
+    used_k2 = None
+    if seqused_k is not None:
+        used_k2 = torch.stack((seqused_k, torch.zeros_like(seqused_k)), 1).flatten()
+    return cu_q2.to(torch.int32), cu_k2.to(torch.int32), used_k2

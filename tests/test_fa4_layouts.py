@@ -1,0 +1,331 @@
+"""fa4's layout components on CPU (fa4/_layouts.py): any head-dim pair through zero-padding onto a
+native one, and flash_attn_varlen_func's four layouts (packed or padded q, packed or padded k / v)
+with seqused_q / seqused_k.
+
+The kernels are replaced by a float64 stand-in with the kernels' contract -- it refuses head dims
+the Hopper kernels lack, so a call that reaches it unpadded fails -- registered as the CPU kernels
+of fa4's ops. The truth is stage 0's torch reference per sequence, at the caller's head dims and
+lengths; gradients are torch autograd of it. The GPU file (test_fa4_layouts_gpu.py) runs the real
+kernels.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fa4
+from fa4 import _dispatch, _layouts, _ops, _validate
+from fa4.distributed import ReferenceKernels
+from stage0_reference.torch_reference import attention_ref
+
+pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
+BF16, F64 = torch.bfloat16, torch.float64
+HOPPER = _dispatch.ARCHS["sm_90"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the stand-in kernels
+# ---------------------------------------------------------------------------------------------
+def _ref(q, k, v, scale, causal, window, softcap):
+    """(S, H, D) float64 attention (stage 0): out (Sq, H, Dv), lse (H, Sq)."""
+    o, lse = attention_ref(q[None], k[None], v[None], softmax_scale=scale, causal=causal, window_size=window,
+                           softcap=softcap)
+    return o[0], lse[0]
+
+
+class _Backend:
+    """The Backend methods fa4's ops call, in float64 with fa4.distributed's analytic backward."""
+
+    arch = HOPPER
+
+    def __init__(self):
+        self.head_dims = []
+
+    def check_head_dims(self, d, dv):
+        self.head_dims.append((d, dv))
+        _dispatch.HopperBackend(HOPPER).check_head_dims(d, dv)
+
+    def check_variants(self, *a, **kw):
+        pass
+
+    def _sequences(self, cu_q, cu_k, used_k):
+        for i in range(cu_q.shape[0] - 1):
+            qa, qb, ka = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i])
+            kb = ka + int(used_k[i]) if used_k is not None else int(cu_k[i + 1])
+            yield qa, qb, ka, kb
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, used_k, max_q, max_k, scale, causal, window=(None, None),
+                       softcap=0.0, learnable_sink=None):
+        out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=F64)
+        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=F64)
+        for qa, qb, ka, kb in self._sequences(cu_q, cu_k, used_k):
+            assert qb - qa <= max_q and kb - ka <= max_k, "a sequence exceeds max_seqlen"
+            if qb > qa and kb > ka:
+                out[qa:qb], lse[:, qa:qb] = _ref(q[qa:qb].double(), k[ka:kb].double(), v[ka:kb].double(), scale,
+                                                 causal, window, softcap)
+        return out.to(q.dtype), lse.float()
+
+    def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, used_k, max_q, max_k, scale, causal,
+                        deterministic, dlse=None, window=(None, None), softcap=0.0, want_d=False):
+        """fa4.distributed's analytic reference backward per sequence (autograd is off in an op's kernel)."""
+        grads = [torch.zeros(t.shape, dtype=F64) for t in (q, k, v)]
+        one = lambda t, a, b: t[None, a:b].double()  # noqa: E731
+        for qa, qb, ka, kb in self._sequences(cu_q, cu_k, used_k):
+            if qb == qa or kb == ka:
+                continue
+            g = ReferenceKernels().backward(one(dout, qa, qb), one(q, qa, qb), one(k, ka, kb), one(v, ka, kb),
+                                            one(out, qa, qb), lse[None, :, qa:qb].double(),
+                                            None if dlse is None else dlse[None, :, qa:qb].double(), scale, causal,
+                                            softcap, deterministic, window)
+            grads[0][qa:qb] += g[0][0]
+            grads[1][ka:kb] += g[1][0]
+            grads[2][ka:kb] += g[2][0]
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+    def forward(self, q, k, v, scale, causal, window=(None, None), softcap=0.0, learnable_sink=None):
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        cu = lambda s: torch.arange(b + 1, dtype=torch.int32) * s  # noqa: E731
+        out, lse = self.varlen_forward(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(sq), cu(sk), None, sq, sk,
+                                       scale, causal, window, softcap)
+        return out.view(b, sq, *out.shape[1:]), lse.view(lse.shape[0], b, sq).permute(1, 0, 2).contiguous()
+
+    def backward(self, dout, q, k, v, out, lse, scale, causal, deterministic, dlse=None, window=(None, None),
+                 softcap=0.0, want_d=False):
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        cu = lambda s: torch.arange(b + 1, dtype=torch.int32) * s  # noqa: E731
+        flat = lambda t: t.flatten(0, 1)  # noqa: E731
+        dlse = None if dlse is None else dlse.permute(1, 0, 2).flatten(1)
+        lse = lse.permute(1, 0, 2).flatten(1)                                   # (B, H, Sq) -> (H, B * Sq)
+        g = self.varlen_backward(flat(dout), flat(q), flat(k), flat(v), flat(out), lse, cu(sq), cu(sk), None, sq, sk,
+                                 scale, causal, deterministic, dlse, window, softcap)
+        return tuple(t.view(x.shape) for t, x in zip(g, (q, k, v)))
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """fa4's public functions end to end on CPU: validation sees meta stand-ins for the device check,
+    the four ops run their real implementations over _Backend."""
+    real = _validate._check_dtypes_devices
+    monkeypatch.setattr(_validate, "_check_dtypes_devices",
+                        lambda names, ts: real(names, tuple(t.to("meta") if isinstance(t, torch.Tensor) else t
+                                                            for t in ts)))
+    backend = _Backend()
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: backend)
+    lib = torch.library.Library("fa4", "FRAGMENT")
+    for name, impl in (("fwd", _ops._fwd_impl), ("bwd", _ops._bwd_impl), ("varlen_fwd", _ops._varlen_fwd_impl),
+                       ("varlen_bwd", _ops._varlen_bwd_impl)):
+        torch.library.register_kernel(f"fa4::{name}", "cpu", impl, lib=lib)
+    yield backend
+    lib._destroy()
+
+
+def _randn(g, *shape):
+    return torch.randn(*shape, generator=g).to(BF16)
+
+
+# ---------------------------------------------------------------------------------------------
+# head dims
+# ---------------------------------------------------------------------------------------------
+def test_native_pair_is_the_cheapest_cover():
+    blackwell = _dispatch.ARCHS["sm_100"]
+    cases = {(128, 64): (128, 64), (80, 80): (96, 96), (72, 40): (96, 96), (8, 8): (64, 64), (64, 128): (128, 128),
+             (160, 128): (192, 128), (160, 160): (256, 256), (200, 136): (256, 256), (256, 8): (256, 256),
+             (96, 64): (96, 96), (136, 64): (192, 128)}
+    for (d, dv), want in cases.items():
+        assert _layouts.native_pair(HOPPER, d, dv) == want, (d, dv)
+    assert _layouts.native_pair(blackwell, 96, 96) == (128, 128)
+    assert _layouts.native_pair(blackwell, 128, 64) == (128, 128)
+    assert _layouts.native_pair(blackwell, 256, 256) is None
+    for pair in HOPPER.head_dims:
+        assert _layouts.native_pair(HOPPER, *pair) == pair
+
+
+PAD_CASES = [(80, 80, False), (72, 40, True), (8, 8, False), (160, 128, True), (64, 128, False), (200, 136, True),
+             (128, 64, True)]
+
+
+@pytest.mark.parametrize("d,dv,causal", PAD_CASES, ids=[f"d{d}x{dv}-{'causal' if c else 'full'}" for d, dv, c in PAD_CASES])
+def test_any_head_dim_pair_matches_the_reference(stand_in, d, dv, causal):
+    """out, lse and the gradients at the caller's head dims (scale 1/sqrt(d)); the kernel saw a native
+    pair; out comes back contiguous."""
+    g = torch.Generator().manual_seed(d * 7 + dv)
+    q, k, v = _randn(g, 2, 9, 4, d), _randn(g, 2, 13, 2, d), _randn(g, 2, 13, 2, dv)
+    dout, dlse = _randn(g, 2, 9, 4, dv), torch.randn(2, 4, 9, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fa4.flash_attn_func(*leaves, causal=causal, return_lse=True)
+    assert out.shape == (2, 9, 4, dv) and out.is_contiguous() and lse.shape == (2, 4, 9)
+    got = torch.autograd.grad((out.double() * dout.double()).sum() + (lse * dlse).sum(), leaves)
+    assert all(p in HOPPER.head_dims for p in stand_in.head_dims)
+    assert stand_in.head_dims[0] == _layouts.native_pair(HOPPER, d, dv)
+
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    o, l = attention_ref(*ref, causal=causal)   # default scale: 1 / sqrt(d) of the caller's d
+    want = torch.autograd.grad((o * dout.double()).sum() + (l * dlse.double()).sum(), ref)
+    torch.testing.assert_close(out.double(), o, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), l, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a.double(), b, atol=3e-2, rtol=3e-2, msg=name)
+
+
+def test_padding_in_varlen_and_on_meta(stand_in):
+    g = torch.Generator().manual_seed(5)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 10], dtype=torch.int32), torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    q, k, v = _randn(g, 10, 2, 40), _randn(g, 12, 1, 40), _randn(g, 12, 1, 24)
+    out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+    assert out.shape == (10, 2, 24) and stand_in.head_dims[0] == (64, 64)
+    for (qa, qb), (ka, kb) in zip(((0, 3), (3, 3), (3, 10)), ((0, 5), (5, 6), (6, 12))):
+        if qb > qa:
+            o, _ = _ref(q[qa:qb].double(), k[ka:kb].double(), v[ka:kb].double(), 40 ** -0.5, True, (None, None), 0.0)
+            torch.testing.assert_close(out[qa:qb].double(), o, atol=1e-2, rtol=1e-2)
+    meta = [torch.empty(1, 5, 2, 80, device="meta", dtype=BF16) for _ in range(2)] + \
+        [torch.empty(1, 5, 2, 48, device="meta", dtype=BF16)]
+    assert fa4.flash_attn_func(*meta).shape == (1, 5, 2, 48)
+
+
+BAD_DIMS = [(12, 12, "q"), (264, 264, "q"), (0, 64, "q"), (64, 20, "v"), (64, 272, "v")]
+
+
+@pytest.mark.parametrize("d,dv,name", BAD_DIMS, ids=[f"d{d}x{dv}" for d, dv, _ in BAD_DIMS])
+def test_head_dims_outside_the_rule_are_refused(d, dv, name):
+    q = torch.empty(1, 4, 2, d, device="meta", dtype=BF16)
+    v = torch.empty(1, 4, 2, dv, device="meta", dtype=BF16)
+    with pytest.raises(ValueError, match=rf"^{name}: head_dim {d if name == 'q' else dv} is not supported"):
+        fa4.flash_attn_func(q, q, v)
+
+
+def test_a_pair_no_kernel_covers_is_refused_before_a_launch(monkeypatch):
+    blackwell = _dispatch.ARCHS["sm_100"]
+    monkeypatch.setattr(_layouts, "arch_of", lambda device: blackwell)
+    q = torch.empty(1, 4, 2, 256, device="meta", dtype=BF16)
+    with pytest.raises(ValueError, match=r"^q: head dims \(qk=256, v=256\) exceed every kernel on sm_100"):
+        fa4.flash_attn_func(q, q, q)
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen layouts and seqused_q
+# ---------------------------------------------------------------------------------------------
+def _lengths(g, batch, most):
+    n = torch.randint(0, most + 1, (batch,), generator=g)
+    n[0] = 0  # an empty sequence every time
+    return n
+
+
+def _truth(qs, ks, vs, used_q, used_k, causal, window):
+    """Per sequence b: rows :used_q[b] of qs[b] against keys :used_k[b] (float64, autograd leaves)."""
+    outs, lses = [], []
+    for b in range(len(qs)):
+        nq, nk = int(used_q[b]), int(used_k[b])
+        o = torch.zeros(qs[b].shape[0], qs[b].shape[1], vs[b].shape[-1], dtype=F64)
+        lse = torch.full((qs[b].shape[1], qs[b].shape[0]), -math.inf, dtype=F64)
+        if nq and nk:
+            ob, lb = _ref(qs[b][:nq], ks[b][:nk], vs[b][:nk], qs[b].shape[-1] ** -0.5, causal, window, 0.0)
+            o = torch.cat((ob, o[nq:]))
+            lse = torch.cat((lb, lse[:, nq:]), 1)
+        outs.append(o)
+        lses.append(lse)
+    return outs, lses
+
+
+LAYOUTS = [(pq, pk, uq, uk) for pq in (False, True) for pk in (False, True) for uq in (False, True)
+           for uk in (False, True)]
+
+
+@pytest.mark.parametrize("padded_q,padded_k,use_q,use_k", LAYOUTS,
+                         ids=[f"{'pad' if a else 'pack'}Q-{'pad' if b else 'pack'}K{'-usedQ' if c else ''}"
+                              f"{'-usedK' if d else ''}" for a, b, c, d in LAYOUTS])
+def test_four_layouts_with_seqused(stand_in, padded_q, padded_k, use_q, use_k):
+    """Every combination against the per-sequence truth: out, lse (in the caller's layout), dq, dk, dv;
+    rows past seqused_q get out 0, lse -inf and dq 0, keys past seqused_k dk = dv = 0."""
+    g = torch.Generator().manual_seed(16 * padded_q + 8 * padded_k + 4 * use_q + 2 * use_k)
+    batch, sq, sk, hq, hkv, d = 4, 11, 9, 4, 2, 32
+    causal, window = (True, (4, None)) if use_q else (False, (None, None))
+    len_q = torch.full((batch,), sq) if padded_q else _lengths(g, batch, sq)
+    len_k = torch.full((batch,), sk) if padded_k else _lengths(g, batch, sk)
+    used_q = (len_q * torch.rand(batch, generator=g)).long() if use_q else len_q
+    used_k = (len_k * torch.rand(batch, generator=g)).long() if use_k else len_k
+    qs = [_randn(g, int(n), hq, d) for n in len_q]
+    ks, vs = ([_randn(g, int(n), hkv, d) for n in len_k] for _ in range(2))
+    douts = [_randn(g, int(n), hq, d) for n in len_q]
+    cu = lambda n: torch.cat((torch.zeros(1, dtype=torch.int32), n.cumsum(0).to(torch.int32)))  # noqa: E731
+    side = lambda ts, padded: torch.stack(ts) if padded else torch.cat(ts)  # noqa: E731
+    q, k, v = side(qs, padded_q), side(ks, padded_k), side(vs, padded_k)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kw = dict(cu_seqlens_q=None if padded_q else cu(len_q), cu_seqlens_k=None if padded_k else cu(len_k),
+              seqused_q=used_q.to(torch.int32) if use_q else None, seqused_k=used_k.to(torch.int32) if use_k else None,
+              max_seqlen_q=None if padded_q else sq, max_seqlen_k=None if padded_k else sk)
+    out, lse = fa4.flash_attn_varlen_func(*leaves, causal=causal, window_size=window, return_lse=True, **kw)
+    dout = side(douts, padded_q)
+    got = torch.autograd.grad((out.double() * dout.double()).sum(), leaves)
+
+    ref_leaves = [[t.double().requires_grad_() for t in ts] for ts in (qs, ks, vs)]
+    outs, lses = _truth(*ref_leaves, used_q, used_k, causal, window)
+    flat = [t for ts in ref_leaves for t in ts]
+    loss = sum((o * do.double()).sum() for o, do in zip(outs, douts)) + sum((t * 0).sum() for t in flat)
+    want = torch.autograd.grad(loss, flat)
+    n = batch
+    if padded_q:
+        assert out.shape == (batch, sq, hq, d) and lse.shape == (batch, hq, sq)
+        want_lse = torch.stack(lses)
+    else:
+        assert out.shape == (int(len_q.sum()), hq, d) and lse.shape == (hq, int(len_q.sum()))
+        want_lse = torch.cat(lses, 1)
+    torch.testing.assert_close(out.double(), side(outs, padded_q), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    for name, a, w, padded in (("dq", got[0], want[:n], padded_q), ("dk", got[1], want[n:2 * n], padded_k),
+                               ("dv", got[2], want[2 * n:], padded_k)):
+        torch.testing.assert_close(a.double(), side(w, padded), atol=3e-2, rtol=3e-2, msg=name)
+    for b in range(batch):  # the unused rows exactly: out 0, lse -inf, no gradient
+        rows_q = (out[b] if padded_q else out[int(cu(len_q)[b]):int(cu(len_q)[b + 1])])[int(used_q[b]):]
+        assert torch.all(rows_q == 0)
+        grad_k = (got[1][b] if padded_k else got[1][int(cu(len_k)[b]):int(cu(len_k)[b + 1])])[int(used_k[b]):]
+        assert torch.all(grad_k == 0)
+
+
+def test_split_unused_rows_builds_the_kernel_sequences():
+    cu_q = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2, 7, 7], dtype=torch.int32)
+    used_q = torch.tensor([3, 0, 5], dtype=torch.int32)
+    cu_q2, cu_k2, used_k2 = _layouts.split_unused_rows(cu_q, cu_k, used_q, torch.tensor([1, 4, 0], dtype=torch.int32))
+    assert cu_q2.tolist() == [0, 3, 4, 4, 4, 9, 9]
+    assert cu_k2.tolist() == [0, 2, 2, 7, 7, 7, 7]
+    assert used_k2.tolist() == [1, 0, 4, 0, 0, 0]
+    assert cu_q2.dtype == cu_k2.dtype == used_k2.dtype == torch.int32
+
+
+def test_layout_errors_name_the_argument():
+    m = lambda *s: torch.empty(*s, device="meta", dtype=BF16)  # noqa: E731
+    cu = torch.zeros(3, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"^q: expected rank 3 .* with cu_seqlens_q given \(pass cu_seqlens_q=None"):
+        fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(8, 2, 64), m(8, 2, 64), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match=r"^k: expected rank 4 .* with cu_seqlens_k=None"):
+        fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(8, 2, 64), m(8, 2, 64))
+    with pytest.raises(ValueError, match=r"^k: batch 3 differs from q's batch 2"):
+        fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(3, 4, 2, 64), m(3, 4, 2, 64))
+    with pytest.raises(ValueError, match=r"^v: shape"):
+        fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(2, 4, 2, 64), m(2, 5, 2, 64))
+    with pytest.raises(ValueError, match=r"^seqused_q: length 3 != batch = 2"):
+        fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(2, 4, 2, 64), m(2, 4, 2, 64),
+                                   seqused_q=torch.zeros(3, dtype=torch.int32, device="meta"))
+    with pytest.raises(TypeError, match=r"^seqused_q: dtype must be torch.int32"):
+        fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(2, 4, 2, 64), m(2, 4, 2, 64),
+                                   seqused_q=torch.zeros(2, dtype=torch.int64, device="meta"))
+    # padded q + packed k: the batch comes from q, cu_seqlens_k must have batch + 1 entries
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: length 3"):
+        fa4.flash_attn_varlen_func(m(3, 4, 2, 64), m(8, 2, 64), m(8, 2, 64), cu_seqlens_k=cu)
+
+
+def test_seqused_q_values_are_range_checked():
+    cu = torch.tensor([0, 4, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^seqused_q: entry 1 = 3 is outside \[0, seqlen_q of sequence 1 = 2\]"):
+        _validate.check_varlen_values(cu, cu, 6, 6, 4, 4, seqused_q=torch.tensor([4, 3], dtype=torch.int32))
+
+
+def test_padded_varlen_on_meta_gives_the_callers_layout():
+    m = lambda *s: torch.empty(*s, device="meta", dtype=BF16)  # noqa: E731
+    used = torch.zeros(2, dtype=torch.int32, device="meta")
+    out, lse = fa4.flash_attn_varlen_func(m(2, 5, 4, 64), m(2, 7, 2, 64), m(2, 7, 2, 32), seqused_q=used,
+                                          seqused_k=used, return_lse=True)
+    assert out.shape == (2, 5, 4, 32) and lse.shape == (2, 4, 5)

@@ -1,0 +1,150 @@
+"""fa4's head-dim pairs and varlen layouts on a Hopper GPU, against the fp32 reference under FA4's
+rule (stage0_reference.torch_reference.assert_fa4_close: at most 2x the error of PyTorch in the
+input precision, plus a small atol).
+
+* (128, 64), which has kernels of its own, and pairs that run zero-padded on a native pair
+  (80, (72, 40), (160, 128), (200, 136), (64, 128), 8), forward and backward, odd lengths, GQA;
+* flash_attn_varlen_func's four layouts with seqused_q / seqused_k, empty sequences, causal and
+  windowed, GQA 1 / 2 / 6, forward and backward, deterministic mode bitwise equal over repeats.
+The CPU file (test_fa4_layouts.py) checks the same paths against a float64 stand-in kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa4
+from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+
+pytestmark = [pytest.mark.gpu, pytest.mark.fa4]
+
+
+def _rand(g, *shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def _ref_pair(q, k, v, dout, *, causal, window=(None, None)):
+    """(out, lse, dq, dk, dv) of the reference in fp32 and in the inputs' precision."""
+    res = []
+    for upcast in (True, False):
+        leaves = [(t.detach().float() if upcast else t.detach()).clone().requires_grad_() for t in (q, k, v)]
+        o, lse = attention_ref(*leaves, causal=causal, window_size=window, upcast=upcast)
+        grads = torch.autograd.grad((o.float() * dout.float()).sum(), leaves)
+        res.append((o.detach(), lse.detach(), *grads))
+    return res
+
+
+PAIRS = [(128, 64, 1, 1, True), (128, 64, 113, 203, False), (128, 64, 799, 3, True), (128, 64, 1024, 1024, True),
+         (80, 80, 239, 1, False), (80, 80, 255, 256, True), (72, 40, 113, 203, True), (160, 128, 64, 1, False),
+         (160, 128, 300, 300, True), (200, 136, 113, 203, False), (64, 128, 255, 256, True), (8, 8, 3, 3, False)]
+
+
+@pytest.mark.parametrize("d,dv,sq,sk,causal", PAIRS, ids=[f"d{d}x{dv}-{sq}x{sk}-{'causal' if c else 'full'}"
+                                                          for d, dv, sq, sk, c in PAIRS])
+def test_head_dim_pairs_forward_and_backward(d, dv, sq, sk, causal):
+    g = torch.Generator(device="cuda").manual_seed(d + dv + sq + sk)
+    hq, hkv = [(4, 4), (4, 2), (6, 1)][(sq + d) % 3]
+    q = _rand(g, 2, sq, hq, d).requires_grad_()
+    k, v = _rand(g, 2, sk, hkv, d).requires_grad_(), _rand(g, 2, sk, hkv, dv).requires_grad_()
+    out, lse = fa4.flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    dout = _rand(g, 2, sq, hq, dv)
+    got = (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+    ref, base = _ref_pair(q, k, v, dout, causal=causal)
+    assert out.shape == (2, sq, hq, dv) and out.is_contiguous()
+    atol = grad_atol(ref[2:])
+    for name, a, r, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+        assert a.shape == r.shape, name
+        assert_fa4_close(f"({d}, {dv}) {name}", a, r, b, atol=1e-5 if name in ("out", "lse") else atol)
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def _layout_problem(g, padded_q, padded_k, hq, hkv, d, lens_q, lens_k):
+    """Per-sequence tensors, and the caller's q, k, v in the chosen layouts."""
+    qs = [_rand(g, n, hq, d) for n in lens_q]
+    ks, vs = ([_rand(g, n, hkv, d) for n in lens_k] for _ in range(2))
+    side = lambda ts, padded: torch.stack(ts) if padded else torch.cat(ts)  # noqa: E731
+    return qs, ks, vs, side(qs, padded_q), side(ks, padded_k), side(vs, padded_k), side
+
+
+LAYOUTS = [(False, False, (1, 6)), (True, False, (2, 2)), (False, True, (2, 1)), (True, True, (6, 1))]
+
+
+@pytest.mark.parametrize("padded_q,padded_k,heads", LAYOUTS, ids=["packQ-packK", "padQ-packK", "packQ-padK", "padQ-padK"])
+@pytest.mark.parametrize("variant", ["full", "causal", "window"])
+def test_varlen_layouts_with_seqused(padded_q, padded_k, heads, variant):
+    """Each sequence b: its first seqused_q[b] rows against its first seqused_k[b] keys, under the
+    rule; rows past seqused_q: out 0, dq 0; keys past seqused_k: dk = dv = 0."""
+    g = torch.Generator(device="cuda").manual_seed(4 * padded_q + 2 * padded_k + len(variant))
+    hq, hkv = heads[0] * heads[1], heads[1]
+    sq, sk, d = 300, 517, 128
+    lens_q = [sq] * 5 if padded_q else [0, 1, 300, 77, 255]
+    lens_k = [sk] * 5 if padded_k else [5, 0, 517, 300, 256]
+    used_q = [0, 1, 211, 77, 3]
+    used_k = [5, 0, 400, 1, 256]
+    causal, window = {"full": (False, (None, None)), "causal": (True, (None, None)),
+                      "window": (False, (37, 12))}[variant]
+    qs, ks, vs, q, k, v, side = _layout_problem(g, padded_q, padded_k, hq, hkv, d, lens_q, lens_k)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kw = dict(cu_seqlens_q=None if padded_q else _cu(lens_q), cu_seqlens_k=None if padded_k else _cu(lens_k),
+              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+              seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
+              seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
+    out, lse = fa4.flash_attn_varlen_func(*leaves, causal=causal, window_size=window, return_lse=True, **kw)
+    dout = _rand(g, *out.shape)
+    dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    douts = [dout[b] for b in range(5)] if padded_q else list(torch.split(dout, lens_q))
+    per_seq = lambda t, padded, lens: [t[b] for b in range(5)] if padded else list(torch.split(t, lens))  # noqa: E731
+    outs, dqs = per_seq(out, padded_q, lens_q), per_seq(dq, padded_q, lens_q)
+    dks, dvs = per_seq(dk, padded_k, lens_k), per_seq(dv, padded_k, lens_k)
+    lses = [lse[b] for b in range(5)] if padded_q else list(torch.split(lse, lens_q, dim=1))
+    for b in range(5):
+        nq, nk = used_q[b], used_k[b]
+        assert torch.all(outs[b][nq:] == 0) and torch.all(dqs[b][nq:] == 0), f"rows past seqused_q, seq {b}"
+        assert torch.all(dks[b][nk:] == 0) and torch.all(dvs[b][nk:] == 0), f"keys past seqused_k, seq {b}"
+        if nq == 0:
+            continue
+        ref, base = _ref_pair(qs[b][None, :nq], ks[b][None, :nk], vs[b][None, :nk], douts[b][None, :nq],
+                              causal=causal, window=window)
+        atol = grad_atol(ref[2:])
+        got = (outs[b][None, :nq], lses[b][None, :, :nq], dqs[b][None, :nq], dks[b][None, :nk], dvs[b][None, :nk])
+        for name, a, r, bl in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+            assert_fa4_close(f"seq {b} {name}", a, r, bl, atol=1e-5 if name in ("out", "lse") else atol)
+
+
+def test_seqused_q_deterministic_backward_is_bitwise_reproducible():
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = _rand(g, 3, 700, 8, 128), _rand(g, 3, 900, 2, 128), _rand(g, 3, 900, 2, 128)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    dout = _rand(g, 3, 700, 8, 128)
+    used_q = torch.tensor([700, 0, 333], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([1, 900, 512], dtype=torch.int32, device="cuda")
+
+    def grads():
+        out = fa4.flash_attn_varlen_func(*leaves, seqused_q=used_q, seqused_k=used_k, causal=True, deterministic=True)
+        return torch.autograd.grad(out, leaves, dout)
+
+    first = grads()
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+
+
+def test_padded_head_dims_in_a_cuda_graph():
+    """The padding and the seqused split are device ops: a call captures and replays."""
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v = _rand(g, 2, 128, 4, 80), _rand(g, 2, 200, 4, 80), _rand(g, 2, 200, 4, 80)
+    used_q = torch.tensor([100, 7], dtype=torch.int32, device="cuda")
+    call = lambda: fa4.flash_attn_varlen_func(q, k, v, seqused_q=used_q, causal=True)  # noqa: E731
+    call()  # warm-up (compiles)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = call()
+    q.copy_(_rand(g, 2, 128, 4, 80))
+    used_q.copy_(torch.tensor([128, 0], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = call()
+    assert torch.equal(static, want)
+    assert torch.all(static[1] == 0) and not torch.all(static[0] == 0)
