@@ -44,10 +44,14 @@ def configs(all_configs=False, dtypes=None, head_dims=None, causal=None, arch="s
         return [c for c in COMMON if (c[1], c[2]) in table]
     dts = list(dtypes or (DTYPES if all_configs else ("bf16",)))
     if head_dims:
+        from ._layouts import native_pair
+
         hds = [(h, h) if isinstance(h, int) else tuple(h) for h in head_dims]
-        bad = [h for h in hds if h not in table]
+        bad = [h for h in hds if native_pair(ARCHS[arch], *h) is None]
         if bad:
-            raise ValueError(f"head_dims: {bad} not supported on {arch}; supported: {list(table)}")
+            raise ValueError(f"head_dims: {bad} not supported on {arch}; native: {list(table)} (a pair of multiples "
+                             "of 8 runs on a native pair at least as large)")
+        hds = list(dict.fromkeys(native_pair(ARCHS[arch], *h) for h in hds))  # the kernels that serve them
     else:
         hds = list(table) if all_configs else [(64, 64), (128, 128)]
     cs = [False, True] if causal is None else [bool(causal)]
@@ -283,6 +287,18 @@ def load_model_config(path: str) -> dict:
     return cfg
 
 
+def on_native_head_dims(w: Workload, arch_key: str) -> Workload:
+    """The workload as the kernels run it: head dims without a kernel of their own run zero-padded on
+    the native pair fa4._layouts.native_pair picks (ValueError naming head_dim when none covers them)."""
+    from ._dispatch import ARCHS
+    from ._layouts import native_pair
+
+    pair = native_pair(ARCHS[arch_key], w.head_dim, w.head_dim_v)
+    if pair is None:
+        raise ValueError(f"head_dim: ({w.head_dim}, {w.head_dim_v}) exceeds every kernel on {arch_key}")
+    return replace(w, head_dim=pair[0], head_dim_v=pair[1])
+
+
 def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, backward: bool = True,
                   varlen: bool = False) -> list[dict]:
     """The kernels these workloads launch, each once: per (dtype, head dims, causal, variant) the
@@ -310,6 +326,7 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
             builds.append(b)
 
     for w in workloads:
+        w = on_native_head_dims(w, arch_key)
         longest = w.max_seqlen or 0
         if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal:  # some calls are short
             add("fwd", w)

@@ -329,3 +329,19 @@ def test_padded_varlen_on_meta_gives_the_callers_layout():
     out, lse = fa4.flash_attn_varlen_func(m(2, 5, 4, 64), m(2, 7, 2, 64), m(2, 7, 2, 32), seqused_q=used,
                                           seqused_k=used, return_lse=True)
     assert out.shape == (2, 5, 4, 32) and lse.shape == (2, 4, 5)
+
+
+def test_precompile_builds_the_native_pair_a_model_runs():
+    """A model with head_dim 80 (or 128 / 64) precompiles the kernels its calls launch."""
+    from fa4 import precompile
+    from fa4.precompile import Workload
+
+    builds = precompile.derive_builds([Workload("bf16", 80, 80, 16, 16, True, 2048)])
+    assert {(b["head_dim"], b["head_dim_v"]) for b in builds} == {(96, 96)}
+    builds = precompile.derive_builds([Workload("bf16", 128, 64, 16, 4, False, 2048)])
+    assert {(b["head_dim"], b["head_dim_v"]) for b in builds} == {(128, 64)}
+    assert {(d, dv) for _, d, dv, _ in precompile.configs(head_dims=[80, (72, 40), 96])} == {(96, 96)}
+    with pytest.raises(ValueError, match="head_dims"):
+        precompile.configs(head_dims=[(256, 264)])
+    with pytest.raises(ValueError, match=r"^head_dim: \(256, 256\) exceeds every kernel on sm_100"):
+        precompile.derive_builds([Workload("bf16", 256, 256, 8, 8, True, 2048)], "sm_100")

@@ -11,14 +11,14 @@ Inputs follow the project conventions (docs/ARCHITECTURE.md): q (B, Sq, Hq, D), 
 v (B, Sk, Hkv, Dv), out / dout (B, Sq, Hq, Dv) in fp16/bf16 on a CUDA device, lse (B, Hq, Sq)
 fp32 natural-log as the stage-3 forward returns it (rows with no visible key: -inf); varlen packs
 (total, H, D) with int32 cu_seqlens and lse (Hq, total_q). GQA/MQA: Hq % Hkv == 0. Supported head
-dims (D, Dv): (64, 64), (96, 96), (128, 128), (192, 128), (256, 256).
+dims (D, Dv): (64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256).
 
 ``deterministic=True`` makes dq bitwise reproducible run to run (dk/dv always are): the dQ
 additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed order
 (``dq_writer.py``), and the CTAs launch in sections of chains (``schedule.py``).
 
 Which kernel serves a call: the composed production kernel of this package (``backward.py``,
-``kernel.py`` and its components) for head dims 64, 96 and 128 in every mode; ladder step 1
+``kernel.py`` and its components) for head dims 64, 96, 128 and (128, 64) in every mode; ladder step 1
 (``hopper_step1``) for (192, 128) and (256, 256), whose register-sourced accumulators do not fit the
 production kernel's consumers. Measured: docs/measurements.md.
 """
