@@ -8,7 +8,7 @@ that index the cache in place, with no copy:
 * dense cache (B_cache, S_cache, Hkv, D), one segment per sequence: prefill with a causal mask;
 * dense, split-KV: n segments per sequence, each a chunk of the keys, so a decode step with a
   small batch runs n x as many CTAs; the partial (out, lse) pairs are merged through their
-  log-sum-exp (stage 1's rescale) in torch;
+  log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
 * paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq): one segment per
   page, merged the same way.
 
@@ -85,11 +85,20 @@ def _pack(first, used, n, max_keys) -> Segments:
     return Segments(torch.nn.functional.pad(first.reshape(-1), (0, 1)), used.reshape(-1), n, max_keys)
 
 
-def merge_segments(out, lse, n: int):
-    """(B, n, R, H, Dv) partial outs and (B, n, R, H) lse -> merged (B, R, H, Dv), (B, R, H)."""
+def merge_segments(out, lse, n: int, kernel: bool = False):
+    """(B n, R, H, Dv) partial outs and (H, B n, R) lse (the varlen kernel's layouts, n segments per
+    batch row) -> merged out (B, R, H, Dv) and lse (B, H, R). One segment needs no merge (views);
+    otherwise stage 3's PartsCombine kernel (kernel=True: one launch, out in the input dtype) or the
+    same formula in torch (the CPU tests' float64 stand-in)."""
+    bn, r, h, dv = out.shape
     if n == 1:
-        return out[:, 0].to(torch.promote_types(out.dtype, torch.float32)), lse[:, 0]
-    return merge_parts(out, lse, dim=1)
+        return out, lse.permute(1, 0, 2)
+    if kernel:
+        from stage3_fwd_kernel import split_combine
+
+        return split_combine.combine_parts(out, lse, n)
+    out, lse = merge_parts(out.view(bn // n, n, r, h, dv), lse.permute(1, 2, 0).reshape(bn // n, n, r, h), dim=1)
+    return out, lse.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,16 +196,16 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     cu_q = torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32)
     out, lse = varlen(q_seg, k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, dv), cu_q, seg.cu_k, seg.used,
                       r, seg.max_keys, scale, causal, window, softcap)
-    out = out.view(b, n, r, heads, dv)
-    lse = lse.view(heads, b, n, r).permute(1, 2, 3, 0)                                  # (B, n, R, H')
-    out, lse = merge_segments(out, lse, n)                                              # (B, R, H', Dv)
+    out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n,
+                              kernel=varlen is fa4_varlen)                              # (B, R, H', Dv), (B, H', R)
     if pack:
         g = hq // hkv
         out = out.view(b, sq, g, hkv, dv).transpose(2, 3).reshape(b, sq, hq, dv)
-        lse = lse.view(b, sq, g, hkv).transpose(2, 3).reshape(b, sq, hq)
+        lse = lse.view(b, hkv, sq, g).permute(0, 1, 3, 2).reshape(b, hq, sq)            # head kv * g + j
     if sink is not None:
-        out, lse = add_sink(out, lse, sink)
-    lse = lse.permute(0, 2, 1).contiguous()                                             # (B, Hq, Sq)
+        out, lse_t = add_sink(out, lse.transpose(1, 2), sink)                          # lse as (B, Sq, Hq)
+        lse = lse_t.transpose(1, 2)
+    lse = lse.contiguous()                                                              # (B, Hq, Sq)
     return out.to(q.dtype), lse if lse.dtype == torch.float64 else lse.float()
 
 

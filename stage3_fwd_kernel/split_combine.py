@@ -30,6 +30,31 @@ ROWS_PER_CTA = 4  # one warp each
 LOG2_E = math.log2(math.e)
 
 
+@cute.jit
+def merge_row(lse_parts: cute.Tensor, out_parts: cute.Tensor, first: Int32, count: Int32, lane: Int32,
+              acc: cute.Tensor) -> Float32:
+    """One query row's merge, by one warp: parts first .. first + count - 1 of lse_parts (1-D, fp32) and
+    out_parts (rows x >= dv, fp32 or 16-bit); lane keeps columns lane + 32 c in acc (dv / 32 fp32 values,
+    zeroed here). Returns the row's lse (-inf when no part saw a key: then acc stays 0, no NaN)."""
+    top = -Float32.inf
+    for j in cutlass.range(count, unroll=1):
+        top = cute.arch.fmax(top, lse_parts[first + j])
+    top_safe = Float32(0.0) if top == -Float32.inf else top  # a row no part sees: weights 0
+    total = Float32(0.0)
+    for j in cutlass.range(count, unroll=1):
+        total += cute.math.exp2((lse_parts[first + j] - top_safe) * LOG2_E, fastmath=True)
+    lse = -Float32.inf
+    if total > 0.0:
+        lse = top_safe + cute.math.log2(total, fastmath=True) / LOG2_E
+    acc.fill(0.0)
+    if total > 0.0:
+        for j in cutlass.range(count, unroll=1):
+            weight = cute.math.exp2((lse_parts[first + j] - lse) * LOG2_E, fastmath=True)
+            for c in cutlass.range_constexpr(cute.size(acc)):
+                acc[c] += weight * Float32(out_parts[first + j, lane + 32 * c])
+    return lse
+
+
 class SplitTailCombine:
     def __init__(self, dtype, head_dim_v: int):
         if head_dim_v % 32:
@@ -64,24 +89,8 @@ class SplitTailCombine:
             m_block, head, batch = StaticTileScheduler.tile_at(
                 tiles - mSplit.shape[0] // chunks + r, num_m_blocks, mO.shape[2], None)
             row = m_block * tile_m + m
-            first = r * chunks
-            top = -Float32.inf
-            for j in cutlass.range(chunks, unroll=1):
-                top = cute.arch.fmax(top, mSplit[first + j, m, dv])
-            top_safe = Float32(0.0) if top == -Float32.inf else top  # a row no chunk sees: weights 0
-            total = Float32(0.0)
-            for j in cutlass.range(chunks, unroll=1):
-                total += cute.math.exp2((mSplit[first + j, m, dv] - top_safe) * LOG2_E, fastmath=True)
-            lse = -Float32.inf
-            if total > 0.0:
-                lse = top_safe + cute.math.log2(total, fastmath=True) / LOG2_E
             acc = cute.make_rmem_tensor((dv // 32,), Float32)
-            acc.fill(0.0)
-            if total > 0.0:
-                for j in cutlass.range(chunks, unroll=1):
-                    weight = cute.math.exp2((mSplit[first + j, m, dv] - lse) * LOG2_E, fastmath=True)
-                    for c in cutlass.range_constexpr(dv // 32):
-                        acc[c] += weight * mSplit[first + j, m, lane + 32 * c]
+            lse = merge_row(mSplit[(None, m, dv)], mSplit[(None, m, None)], r * chunks, chunks, lane, acc)
             for c in cutlass.range_constexpr(dv // 32):
                 mO[batch, row, head, lane + 32 * c] = acc[c].to(self.dtype)
             if lane == 0:
@@ -106,3 +115,74 @@ def combine(split, chunks: int, out, lse, tiles: int, num_m_blocks: int):
     """Launch the combine on the torch tensors of a split_tail call (after its attention kernel, same stream)."""
     comp = compile_only(host_io.cutlass_dtype(out.dtype), out.shape[-1], launchable=True)
     comp.fn(split, out, lse, chunks, tiles, num_m_blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# the same merge for key segments laid out batch-major (split-KV decode: fa4.flash_attn_with_kvcache)
+# ---------------------------------------------------------------------------------------------
+PARTS_STEP = "fwd_parts_combine"
+
+
+class PartsCombine:
+    """n partial results per (batch, row, head), as a varlen forward over n key segments per sequence
+    leaves them: out (B * n, R, H, dv) in the output dtype, lse (H, B * n, R) fp32. Writes the merged
+    out (B, R, H, dv) and lse (B, H, R). One warp per (batch, row, head), `merge_row` as above; the
+    partial outs are 16-bit here (normalised by their own row sums, as the kernel stored them)."""
+
+    def __init__(self, dtype, head_dim_v: int):
+        if head_dim_v % 32:
+            raise ValueError(f"head_dim_v: expected a multiple of 32 (one column per lane), got {head_dim_v}")
+        self.dtype = dtype
+        self.head_dim_v = head_dim_v
+        self.smem_bytes = 0
+
+    @cute.jit
+    def __call__(self, mParts: cute.Tensor, mLseParts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+                 parts: Int32, stream):
+        if const_expr(mO.element_type != self.dtype or mParts.element_type != self.dtype):
+            raise TypeError("the partial and merged outs must have the kernel's dtype")
+        warps = mO.shape[0] * mO.shape[1] * mO.shape[2]                      # B * R * H rows to merge
+        self.kernel(mParts, mLseParts, mO, mLSE, parts).launch(
+            grid=((warps + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1, 1), block=[32 * ROWS_PER_CTA, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mParts: cute.Tensor, mLseParts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, parts: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        rows, heads = mO.shape[1], mO.shape[2]
+        w = cta * ROWS_PER_CTA + tidx // 32                                   # (batch, row, head), head fastest
+        if w < mO.shape[0] * rows * heads:
+            head = w % heads
+            row = (w // heads) % rows
+            batch = w // (heads * rows)
+            acc = cute.make_rmem_tensor((self.head_dim_v // 32,), Float32)
+            lse = merge_row(mLseParts[(head, None, row)], mParts[(None, row, head, None)], batch * parts, parts,
+                            lane, acc)
+            for c in cutlass.range_constexpr(self.head_dim_v // 32):
+                mO[batch, row, head, lane + 32 * c] = acc[c].to(self.dtype)
+            if lane == 0:
+                mLSE[batch, head, row] = lse
+
+
+def compile_parts(dtype="bf16", head_dim_v: int = 128, *, launchable: bool = False) -> Compiled:
+    """PartsCombine for one dtype and dv (compile-time); launchable=True builds what `combine_parts` runs."""
+    dt = host_io.cutlass_dtype(dtype)
+    key = (PARTS_STEP, "gpu" if launchable else "fake", str(dt), head_dim_v)
+    args = (host_io.fake_bshd(dt, head_dim_v), host_io.fake_lse(), host_io.fake_bshd(dt, head_dim_v),
+            host_io.fake_lse(), Int32(1),
+            host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
+    return compile_cached(key, lambda: (PartsCombine(dt, head_dim_v), args))
+
+
+def combine_parts(out_parts, lse_parts, parts: int):
+    """out_parts (B * n, R, H, dv), lse_parts (H, B * n, R) fp32 (n = parts) -> merged out (B, R, H, dv)
+    in out_parts' dtype and lse (B, H, R) fp32, by one kernel on the current stream."""
+    import torch
+
+    bn, r, h, dv = out_parts.shape
+    out = torch.empty(bn // parts, r, h, dv, device=out_parts.device, dtype=out_parts.dtype)
+    lse = torch.empty(bn // parts, h, r, device=out_parts.device, dtype=torch.float32)
+    comp = compile_parts(host_io.cutlass_dtype(out_parts.dtype), dv, launchable=True)
+    comp.fn(out_parts, lse_parts, out, lse, parts)
+    return out, lse

@@ -1362,6 +1362,44 @@ def test_split_combine_kernel_matches_torch(dtype, dv):
 
 @pytest.mark.gpu
 @pytest.mark.stage3
+@pytest.mark.parametrize("dtype,dv,parts", [("bf16", 128, 5), ("fp16", 64, 2), ("bf16", 256, 1), ("bf16", 96, 9)])
+def test_parts_combine_kernel_matches_torch(dtype, dv, parts):
+    """split_combine.PartsCombine (flash_attn_with_kvcache's split-KV merge) against fa4._lse_merge's
+    torch formula: parts that saw nothing (lse -inf) weigh 0, a row no part saw gets O = 0, lse = -inf."""
+    import torch
+
+    from fa4._lse_merge import merge_parts
+    from stage3_fwd_kernel import split_combine
+
+    g = torch.Generator(device="cuda").manual_seed(dv + parts)
+    b, r, h = 3, 7, 5
+    out = torch.randn(b * parts, r, h, dv, device="cuda", generator=g).to(_tdt(dtype))
+    lse = torch.randn(h, b * parts, r, device="cuda", generator=g) * 4
+    lse[1, ::2, 3] = float("-inf")                   # some parts saw nothing in row 3 of head 1
+    lse[2, :parts, 4] = float("-inf")                # no part of batch 0 saw row 4 of head 2
+    got_out, got_lse = split_combine.combine_parts(out, lse, parts)
+    assert got_out.shape == (b, r, h, dv) and got_lse.shape == (b, h, r) and got_out.dtype == out.dtype
+    want_out, want_lse = merge_parts(out.float().view(b, parts, r, h, dv), lse.permute(1, 2, 0).reshape(b, parts, r, h),
+                                     dim=1)
+    assert got_lse[0, 2, 4] == float("-inf") and (got_out[0, 4, 2] == 0).all()
+    torch.testing.assert_close(got_out.float(), want_out, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got_lse, want_lse.transpose(1, 2), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_parts_combine_compiles():
+    from stage3_fwd_kernel import split_combine
+
+    for dt, dv in (("bf16", 128), ("fp16", 64)):
+        rep = split_combine.compile_parts(dt, dv).report
+        assert rep["spill_stores"] == 0 and rep["registers"] <= 64, rep
+    with pytest.raises(ValueError, match="head_dim_v"):
+        split_combine.PartsCombine(None, 80)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
 @pytest.mark.parametrize("d", [64, 128])
 def test_persistent_lpt_order_and_repeats(d):
     """Stage 5's causal LPT order walked by persistent CTAs: the same bits as the static grid, run
