@@ -31,24 +31,36 @@ LOG2_E = math.log2(math.e)
 
 
 @cute.jit
+def _warp_all(x: Float32, op) -> Float32:
+    """op over the 32 lanes' x, every lane getting the result (butterfly shuffles)."""
+    for i in cutlass.range_constexpr(5):
+        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=16 >> i))
+    return x
+
+
+@cute.jit
 def merge_row(lse_parts: cute.Tensor, out_parts: cute.Tensor, first: Int32, count: Int32, lane: Int32,
               acc: cute.Tensor) -> Float32:
     """One query row's merge, by one warp: parts first .. first + count - 1 of lse_parts (1-D, fp32) and
     out_parts (rows x >= dv, fp32 or 16-bit); lane keeps columns lane + 32 c in acc (dv / 32 fp32 values,
-    zeroed here). Returns the row's lse (-inf when no part saw a key: then acc stays 0, no NaN)."""
+    zeroed here). Returns the row's lse (-inf when no part saw a key: then acc stays 0, no NaN).
+    The row's maximum and sum take the parts 32 at a time, one per lane, and two warp reductions:
+    a serial walk over the parts cost a dependent load each (12 us for 32 parts on an H200)."""
     top = -Float32.inf
-    for j in cutlass.range(count, unroll=1):
+    for j in cutlass.range(lane, count, 32, unroll=1):
         top = cute.arch.fmax(top, lse_parts[first + j])
+    top = _warp_all(top, cute.arch.fmax)
     top_safe = Float32(0.0) if top == -Float32.inf else top  # a row no part sees: weights 0
     total = Float32(0.0)
-    for j in cutlass.range(count, unroll=1):
+    for j in cutlass.range(lane, count, 32, unroll=1):
         total += cute.math.exp2((lse_parts[first + j] - top_safe) * LOG2_E, fastmath=True)
+    total = _warp_all(total, lambda a, b: a + b)
     lse = -Float32.inf
     if total > 0.0:
         lse = top_safe + cute.math.log2(total, fastmath=True) / LOG2_E
     acc.fill(0.0)
     if total > 0.0:
-        for j in cutlass.range(count, unroll=1):
+        for j in cutlass.range(count, unroll=4):
             weight = cute.math.exp2((lse_parts[first + j] - lse) * LOG2_E, fastmath=True)
             for c in cutlass.range_constexpr(cute.size(acc)):
                 acc[c] += weight * Float32(out_parts[first + j, lane + 32 * c])
