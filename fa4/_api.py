@@ -64,11 +64,11 @@ def attention_pair(q, k, v, softmax_scale=None, causal=False, window_size=(None,
 def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                           learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
-                          return_lse=False, dropout_p=0.0):
+                          return_lse=False, dropout_p=0.0, page_table=None):
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
     q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                                     max_seqlen_q, max_seqlen_k)
+                                                                     max_seqlen_q, max_seqlen_k, page_table)
     q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, deterministic, return_lse, seqused_k, seqused_q)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
@@ -120,7 +120,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
 
 @keyword_only_after_qkv(_VARLEN_HINT)
 def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                           seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
                            window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None,
                            deterministic=False, return_lse=False, dropout_p=0.0):
     """Attention on variable-length batches, packed or padded.
@@ -134,6 +134,10 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     seqused_q / seqused_k (int32, length batch): use only the first seqused_*[b] query rows / keys
     of sequence b (causal and window masks align to those lengths). Query rows past seqused_q[b]
     get out 0 and lse -inf (the sink's logit with a learnable sink) and no gradient.
+    page_table (int32, (batch, pages per sequence)), as in the official: k / v are a paged cache
+    (num_pages, page_size, Hkv, D / Dv), cu_seqlens_k is None, and sequence b's keys are pages
+    page_table[b, 0], page_table[b, 1], ... (seqused_k[b] of them, default all). fa4 gathers the
+    pages into a padded copy before the kernel (a copy per call; see fa4/_validate.gather_pages).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for
     CUDA graphs); None means a padded side's seqlen, or, as in the official, a packed side's token
     total: no host sync, but the grid is sized from the bound, so a batch of many short sequences
@@ -146,7 +150,7 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     """
     out, lse = varlen_attention_pair(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
                                      seqused_k, softmax_scale, causal, window_size, learnable_sink, softcap,
-                                     num_splits, pack_gqa, deterministic, return_lse, dropout_p)
+                                     num_splits, pack_gqa, deterministic, return_lse, dropout_p, page_table)
     return (out, lse) if return_lse else out
 
 

@@ -100,7 +100,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "softcap": (True, "softcap > 0: scaled scores become softcap * tanh(s / softcap) (Gemma 2), in the backward too"),
     "learnable_sink": (True, "learnable_sink (heads_q,): one logit per query head joins each row's softmax "
                              "denominator (gpt-oss); differentiable, lse includes it"),
-    "paged_kv_cache": (False, "not supported"),
+    "paged_kv_cache": (True, "flash_attn_with_kvcache(block_table=...) reads pages in place (sm_90, forward); "
+                             "flash_attn_varlen_func(page_table=...) gathers the pages into a padded copy"),
     "fp8": (False, "not supported"),
 }
 

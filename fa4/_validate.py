@@ -257,13 +257,16 @@ def _check_index_tensor(name, t, q, length=None, what="batch + 1"):
         raise ValueError(f"{name}: length {t.shape[0]} != {what} = {length}")
 
 
-def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, page_table=None):
     """The two sides of a flash_attn_varlen_func call, each packed ((total, H, D) with its cu_seqlens)
     or padded ((batch, seqlen, H, D) with cu_seqlens None), checked and brought to the packed form.
+    A paged k / v (page_table) is gathered into the padded form first (`gather_pages`).
     Returns (q, k, v, cu_q, cu_k, max_q, max_k, padded_q): a padded side's max_seqlen defaults to its
     seqlen, and padded_q is (batch, seqlen_q) when q came padded, else None."""
     names = ("q", "k", "v")
     _check_dtypes_devices(names, (q, k, v))
+    if page_table is not None:
+        k, v = gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table)
     sides = {"q": (q, cu_seqlens_q), "k": (k, cu_seqlens_k), "v": (v, cu_seqlens_k)}
     for n, (t, cu) in sides.items():
         cu_name = "cu_seqlens_" + ("q" if n == "q" else "k")
@@ -286,6 +289,41 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     max_q = sq if max_seqlen_q is None and sq is not None else max_seqlen_q
     max_k = sk if max_seqlen_k is None and sk is not None else max_seqlen_k
     return q, k, v, cu_q, cu_k, max_q, max_k, padded_q
+
+
+def gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
+    """A paged k / v -- (num_pages, page_size, Hkv, D) with page_table (batch, pages per sequence)
+    int32, as in the official interface -- gathered into padded (batch, pages * page_size, Hkv, D)
+    copies that the padded varlen path takes. Entries past a sequence's seqused_k keys may hold any
+    value (they are clamped to a valid page; FA4_VALIDATE=1 checks every entry instead). A copy per
+    call: the kernels do not read pages in place yet."""
+    _is_tensor("page_table", page_table)
+    if page_table.dtype != torch.int32:
+        raise TypeError(f"page_table: dtype must be torch.int32, got {page_table.dtype}")
+    if page_table.dim() != 2:
+        raise ValueError(f"page_table: expected (batch, pages per sequence), got shape {tuple(page_table.shape)}")
+    if page_table.device != q.device:
+        raise ValueError(f"page_table: is on {page_table.device} but q is on {q.device}; keep it on q's device")
+    if cu_seqlens_k is not None:
+        raise ValueError("cu_seqlens_k: must be None with page_table (a paged k / v is one page list per sequence)")
+    for n, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{n}: expected (num_pages, page_size, heads, head_dim) with page_table, got shape "
+                             f"{tuple(t.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (num_pages, page_size, heads)")
+    batch = q.shape[0] if cu_seqlens_q is None else (cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor)
+                                                       else None)
+    if batch is not None and page_table.shape[0] != batch:
+        raise ValueError(f"page_table: {page_table.shape[0]} rows != batch = {batch}")
+    if k.shape[0] == 0:
+        raise ValueError("k: a paged cache needs at least one page")
+    if q.device.type == "cuda" and values_check_enabled() and page_table.numel():
+        lo, hi = int(page_table.min()), int(page_table.max())
+        if lo < 0 or hi >= k.shape[0]:
+            raise ValueError(f"page_table: entries must be page indices in [0, {k.shape[0]}), got {lo} .. {hi}")
+    pages = page_table.clamp(0, k.shape[0] - 1).long()                                  # (B, P)
+    return k[pages].flatten(1, 2), v[pages].flatten(1, 2)                                # (B, P * page_size, H, *)
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,

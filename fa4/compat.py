@@ -20,9 +20,9 @@ Both run the same validation and op (fa4._api.attention_pair / varlen_attention_
 return differs. The keywords are the official ones that fa4 serves (see fa4/README.md, "The
 official interface"): softmax_scale, causal, window_size, learnable_sink, softcap, num_splits,
 pack_gqa, deterministic, return_lse, and for varlen cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-max_seqlen_k, seqused_q, seqused_k. num_splits, pack_gqa and seqused_q are taken at their
+max_seqlen_k, seqused_q, seqused_k, page_table. num_splits and pack_gqa are taken at their
 no-op values only (a ValueError names any other). The official's qv, gather_kv_indices,
-score_mod, mask_mod, aux_*, block_sparse_*, page_table, ... are not taken: passing one is
+score_mod, mask_mod, aux_*, block_sparse_*, ... are not taken: passing one is
 Python's unexpected-keyword TypeError, and so is a positional argument after v (the official's
 4th positional argument is qv).
 """
@@ -54,14 +54,16 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
 
 @_api.keyword_only_after_qkv(_HINT)
 def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False,
+                           seqused_q=None, seqused_k=None, page_table=None, softmax_scale=None, causal=False,
                            window_size=(None, None), learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None,
                            deterministic=False, return_lse=False):
     """fa4.flash_attn_varlen_func with the official return: always (out, lse), lse as in
-    flash_attn_func. Packed q (total_q, Hq, D), k/v (total_k, Hkv, *) -> out (total_q, Hq, Dv),
-    lse (Hq, total_q) fp32. cu_seqlens_q / cu_seqlens_k are required; max_seqlen_* default to the
-    total token counts, as in the official (no host sync)."""
+    flash_attn_func. Layouts as fa4.flash_attn_varlen_func: each side packed (with its cu_seqlens)
+    or padded (cu_seqlens None), k / v paged with page_table; out and lse in q's layout
+    ((total_q, Hq, Dv) and (Hq, total_q), or (B, Sq, Hq, Dv) and (B, Hq, Sq)). max_seqlen_* of a
+    packed side default to its token total, as in the official (no host sync)."""
     out, lse = _api.varlen_attention_pair(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           seqused_q, seqused_k, softmax_scale, causal, window_size, learnable_sink,
-                                          softcap, num_splits, pack_gqa, deterministic, return_lse)
+                                          softcap, num_splits, pack_gqa, deterministic, return_lse,
+                                          page_table=page_table)
     return out, _official_lse(lse, return_lse, q, k, v, learnable_sink)

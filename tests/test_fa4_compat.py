@@ -38,7 +38,7 @@ NOT_TAKEN = {
     "flash_attn_func": {"qv", "gather_kv_indices", "score_mod", "score_mod_bwd", "mask_mod", "aux_tensors",
                         "aux_scalars", "block_sparse_tensors", "block_sparse_tensors_bwd", "gather_bwd_recompute_p",
                         "gather_bwd_token_chunk"},
-    "flash_attn_varlen_func": {"qv", "min_seqlen_k", "gather_kv_indices", "page_table", "score_mod", "score_mod_bwd",
+    "flash_attn_varlen_func": {"qv", "min_seqlen_k", "gather_kv_indices", "score_mod", "score_mod_bwd",
                                "mask_mod", "block_sparse_tensors", "aux_tensors", "aux_scalars", "scheduler_metadata",
                                "seqlen_k_per_split", "disable_scheduler_metadata", "gather_bwd_recompute_p",
                                "gather_bwd_token_chunk"},
@@ -49,7 +49,7 @@ _COMMON = {"softmax_scale": None, "causal": False, "window_size": (None, None), 
 TAKEN = {
     "flash_attn_func": dict(_COMMON),
     "flash_attn_varlen_func": {"cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": None, "max_seqlen_k": None,
-                               "seqused_q": None, "seqused_k": None, **_COMMON},
+                               "seqused_q": None, "seqused_k": None, "page_table": None, **_COMMON},
 }
 FA4_ONLY = {"dropout_p": 0.0}  # FlashAttention-2's keyword, taken by fa4's functions (not by fa4.compat)
 NAMES = ("flash_attn_func", "flash_attn_varlen_func")

@@ -345,3 +345,79 @@ def test_precompile_builds_the_native_pair_a_model_runs():
         precompile.configs(head_dims=[(256, 264)])
     with pytest.raises(ValueError, match=r"^head_dim: \(256, 256\) exceeds every kernel on sm_100"):
         precompile.derive_builds([Workload("bf16", 256, 256, 8, 8, True, 2048)], "sm_100")
+
+
+def _paged(g, sides, page_size, num_pages):
+    """Each sequence's keys and values ((n, H, D) each) written into the same pages of shuffled pools;
+    returns the pools and the page table, whose entries past a sequence's pages hold -1 or an
+    out-of-range page (never read: past seqused_k)."""
+    lens = [k.shape[0] for k in sides[0]]
+    pages_of = [-(-n // page_size) for n in lens]
+    order = torch.randperm(num_pages, generator=g).tolist()
+    pools = [_randn(g, num_pages, page_size, *ts[0].shape[1:]) for ts in sides]
+    table = torch.empty(len(lens), max(pages_of), dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for p in range(table.shape[1]):
+            if p >= pages_of[b]:
+                table[b, p] = -1 if p % 2 else num_pages + 5
+                continue
+            table[b, p] = page = order.pop()
+            for pool, ts in zip(pools, sides):
+                chunk = ts[b][p * page_size:(p + 1) * page_size]
+                pool[page, :chunk.shape[0]] = chunk
+    return pools, table
+
+
+@pytest.mark.parametrize("padded_q", [False, True])
+def test_page_table_matches_the_padded_call(stand_in, padded_q):
+    """k / v in pages of 16 keys, shuffled, with page_table and seqused_k: the same out, lse and dq as
+    the padded call on the same keys; dk / dv land in the pages a sequence uses, 0 elsewhere."""
+    g = torch.Generator().manual_seed(21 + padded_q)
+    page, lens_k, hq, hkv, d = 16, [40, 0, 17, 64], 4, 2, 32
+    keys = [_randn(g, n, hkv, d) for n in lens_k]
+    values = [_randn(g, n, hkv, d) for n in lens_k]
+    (k_pool, v_pool), table = _paged(g, (keys, values), page, 16)
+    used_k = torch.tensor(lens_k, dtype=torch.int32)
+    lens_q = [5, 3, 17, 9]
+    qs = [_randn(g, n, hq, d) for n in lens_q]
+    q = torch.stack([torch.nn.functional.pad(x, (0, 0, 0, 0, 0, 17 - x.shape[0])) for x in qs]) if padded_q \
+        else torch.cat(qs)
+    cu_q = None if padded_q else torch.tensor([0, 5, 8, 25, 34], dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k_pool, v_pool)]
+    out, lse = fa4.flash_attn_varlen_func(*leaves, cu_seqlens_q=cu_q, page_table=table, seqused_k=used_k,
+                                          causal=True, return_lse=True)
+    dout = torch.randn(out.shape, generator=g).to(BF16)
+    dq, dk_pool, dv_pool = torch.autograd.grad(out, leaves, dout)
+    # the padded call on the same keys
+    pad = lambda ts: torch.stack([torch.nn.functional.pad(t, (0, 0, 0, 0, 0, 64 - t.shape[0])) for t in ts])  # noqa: E731
+    k_pad, v_pad = pad(keys), pad(values)
+    leaves2 = [t.clone().requires_grad_() for t in (q, k_pad, v_pad)]
+    out2, lse2 = fa4.flash_attn_varlen_func(*leaves2, cu_seqlens_q=cu_q, seqused_k=used_k, causal=True,
+                                            return_lse=True)
+    dq2, dk2, dv2 = torch.autograd.grad(out2, leaves2, dout)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2) and torch.equal(dq, dq2)
+    for b, n in enumerate(lens_k):
+        for p in range(-(-n // page)):
+            rows = min(page, n - p * page)
+            assert torch.equal(dk_pool[int(table[b, p]), :rows], dk2[b, p * page:p * page + rows])
+            assert torch.equal(dv_pool[int(table[b, p]), :rows], dv2[b, p * page:p * page + rows])
+    used_pages = {int(table[b, p]) for b, n in enumerate(lens_k) for p in range(-(-n // page))}
+    free = [p for p in range(16) if p not in used_pages]
+    assert torch.all(dk_pool[free] == 0) and torch.all(dv_pool[free] == 0)
+
+
+def test_page_table_errors_name_the_argument():
+    m = lambda *s: torch.empty(*s, device="meta", dtype=BF16)  # noqa: E731
+    q, pool = m(2, 4, 2, 64), m(8, 16, 2, 64)
+    table = torch.zeros(2, 3, dtype=torch.int32, device="meta")
+    with pytest.raises(TypeError, match=r"^page_table: dtype must be torch.int32"):
+        fa4.flash_attn_varlen_func(q, pool, pool, page_table=table.long())
+    with pytest.raises(ValueError, match=r"^page_table: 3 rows != batch = 2"):
+        fa4.flash_attn_varlen_func(q, pool, pool, page_table=torch.zeros(3, 3, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: must be None with page_table"):
+        fa4.flash_attn_varlen_func(q, pool, pool, page_table=table,
+                                   cu_seqlens_k=torch.zeros(3, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match=r"^k: expected \(num_pages, page_size, heads, head_dim\) with page_table"):
+        fa4.flash_attn_varlen_func(q, m(8, 2, 64), m(8, 2, 64), page_table=table)
+    out = fa4.flash_attn_varlen_func(q, pool, pool, page_table=table)
+    assert out.shape == (2, 4, 2, 64)

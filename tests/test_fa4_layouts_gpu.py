@@ -148,3 +148,31 @@ def test_padded_head_dims_in_a_cuda_graph():
     want = call()
     assert torch.equal(static, want)
     assert torch.all(static[1] == 0) and not torch.all(static[0] == 0)
+
+
+def test_page_table_equals_the_padded_call():
+    """A paged k / v (pages of 64 keys, shuffled) with page_table and seqused_k: bitwise the padded
+    call's out and dq; each page's dk / dv are the padded call's rows."""
+    g = torch.Generator(device="cuda").manual_seed(12)
+    b, sq, hq, hkv, d, page, per_seq = 3, 200, 8, 2, 128, 64, 5
+    lens_k = [320, 1, 250]
+    k_pad, v_pad = _rand(g, b, page * per_seq, hkv, d), _rand(g, b, page * per_seq, hkv, d)
+    perm = torch.randperm(b * per_seq + 4, device="cuda", generator=g)
+    table = perm[:b * per_seq].view(b, per_seq).to(torch.int32)
+    k_pool = torch.zeros(b * per_seq + 4, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_pool = torch.zeros_like(k_pool)
+    k_pool[table.long()] = k_pad.view(b, per_seq, page, hkv, d)
+    v_pool[table.long()] = v_pad.view(b, per_seq, page, hkv, d)
+    q = _rand(g, b, sq, hq, d)
+    used = torch.tensor(lens_k, dtype=torch.int32, device="cuda")
+    dout = _rand(g, b, sq, hq, d)
+    results = []
+    for k, v, kw in ((k_pool, v_pool, dict(page_table=table)), (k_pad, v_pad, {})):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fa4.flash_attn_varlen_func(*leaves, seqused_k=used, causal=True, **kw)
+        results.append((out, *torch.autograd.grad(out, leaves, dout)))
+    (out, dq, dk_pool, dv_pool), (out2, dq2, dk2, dv2) = results
+    assert torch.equal(out, out2) and torch.equal(dq, dq2)
+    assert torch.equal(dk_pool[table.long()].view_as(dk2), dk2) and torch.equal(dv_pool[table.long()].view_as(dv2), dv2)
+    ref, base = _ref_pair(q[2:3], k_pad[2:3, :250], v_pad[2:3, :250], dout[2:3], causal=True)
+    assert_fa4_close("paged out (seq 2)", out[2:3], ref[0], base[0])
