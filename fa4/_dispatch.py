@@ -249,6 +249,19 @@ FORWARD_LPT_FLAT = True
 # route times that).
 FORWARD_LPT_L2_SAFETY = 0.5
 
+# Query tiles of 64 rows (one consumer warpgroup, stage3_fwd_kernel.hopper's tile_m=64) for forwards whose
+# query sequences all have <= this many rows: decode (one token, or a GQA group packed into rows) and
+# short chunks, where a 128-row tile computes mostly padding. None = the head dims' default tile.
+SHORT_QUERY_TILE_M = 64
+
+
+def short_query_tile(max_rows: int) -> Optional[int]:
+    """tile_m for a forward whose sequences have at most max_rows query rows (None: the default)."""
+    if SHORT_QUERY_TILE_M is not None and isinstance(max_rows, int) and max_rows <= SHORT_QUERY_TILE_M:
+        return SHORT_QUERY_TILE_M
+    return None
+
+
 # Persistent CTAs for the forward: None = the forward module's own default (Hopper: one CTA
 # per SM walking the tile order wherever Q, O and two K/V stages fit, head dims <= 128); True /
 # False force it (the A/B harness's `fa4~persistent=False` route compares the two).
@@ -439,11 +452,15 @@ class HopperBackend(Backend):
         return hopper
 
     def _call_forward(self, mod, q, k, v, softmax_scale, causal, **variants):
-        # LPT orders tiles by their causal length; a left window makes them (nearly) equal: static grid
-        lpt = causal and "window_size" not in variants
+        kw = dict(variants)
+        tile_m = short_query_tile(q.shape[1])
+        # LPT orders tiles by their causal length; a left window makes them (nearly) equal, and a short
+        # query has one tile per head: static grid
+        lpt = causal and "window_size" not in variants and tile_m is None
         sched = causal_forward_scheduler(self.arch.key, lpt, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
                                          k.shape[2])
-        kw = dict(variants)
+        if tile_m is not None:
+            kw["tile_m"] = tile_m
         if sched is not None:
             kw["scheduler"] = sched
         if FORWARD_PERSISTENT is not None:
@@ -457,6 +474,9 @@ class HopperBackend(Backend):
             kw["seqused_k"] = seqused_k
         if FORWARD_PERSISTENT is not None:
             kw["persistent"] = FORWARD_PERSISTENT
+        tile_m = short_query_tile(max_seqlen_q)
+        if tile_m is not None:
+            kw["tile_m"] = tile_m
         return mod.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw)
 
 

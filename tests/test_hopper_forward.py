@@ -213,7 +213,8 @@ def test_tile_m_defaults_and_validation():
     mod = _mod()
     assert [mod.default_tile_m(d, dv) for d, dv in HEAD_DIMS] == [192, 128, 128, 128, 128, 128]
     assert mod._check_tile_m(None, 64, 64) == 192 and mod._check_tile_m(128, 64, 64) == 128
-    for bad in (64, 256, True, 192.0, "192"):
+    assert mod._check_tile_m(64, 256, 256) == 64  # one consumer warpgroup: any head dims
+    for bad in (32, 256, True, 192.0, "192"):
         with pytest.raises(ValueError, match="tile_m"):
             mod._check_tile_m(bad, 64, 64)
     with pytest.raises(ValueError, match="tile_m"):
@@ -311,6 +312,8 @@ COMPILE_CASES = [
     ("bf16", 256, 256, False, (), 8.0, 0.0, None),
     ("bf16", 192, 128, True, ("varlen", "seqused_k", "batch_map"), 8.0, 0.0, None),
     ("bf16", 128, 64, True, (), 8.0, 0.0, None),
+    # one consumer warpgroup (short queries, decode): no tensor-core turn
+    ("bf16", 128, 128, False, ("varlen", "seqused_k"), 8.0, 0.0, 64),
 ]
 THREE_CONSUMER_CASES = [c for c in COMPILE_CASES if c[7] == 192]
 
@@ -357,7 +360,8 @@ def test_compiles_sm90a(compiled, case):
     # the launch cap (168 at 384 threads, 128 at 512) is the whole CTA register pool that setmaxnreg
     # redistributes: a consumer's .inc waits until the producer's .dec has freed enough, so the
     # entry count must cover producer + consumers, or the kernel would hang
-    assert rep["registers"] == 65536 // rep["threads"] // 8 * 8
+    # (one consumer, 256 threads: ptxas stops at 240, under the 256 the file would allow)
+    assert rep["registers"] == min(65536 // rep["threads"] // 8 * 8, 240)
     assert rep["threads"] * rep["registers"] >= 128 * (kernel.regs_producer + nc * kernel.regs_consumer)
     assert rep["smem_bytes"] is not None and rep["smem_bytes"] <= 227 * 1024
     assert rep["HGMMA"] and rep["UTMALDG"], "not on the wgmma + TMA path"
@@ -691,6 +695,44 @@ def test_d64_tile_m_matches_reference(tile_m, causal, sq, sk):
     ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
     q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, 64, 64, seed=sq + sk + tile_m)
     _dense(q, k, v, causal=causal, tile_m=tile_m)
+
+
+SHORT_QUERY_CASES = [(1, 1, 128, 128, False), (1, 8192, 128, 128, False), (4, 4096, 128, 128, True),
+                     (64, 3000, 64, 64, True), (33, 700, 192, 128, False), (64, 64, 256, 256, True),
+                     (113, 203, 128, 64, False), (239, 1, 96, 96, True), (1024, 1024, 128, 128, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("sq,sk,d,dv,causal", SHORT_QUERY_CASES,
+                         ids=[f"{a}x{b}-d{d}x{dv}-{'causal' if c else 'full'}" for a, b, d, dv, c in SHORT_QUERY_CASES])
+def test_one_consumer_tile_matches_reference(sq, sk, d, dv, causal):
+    """tile_m = 64 (one consumer warpgroup, no tensor-core turn): decode-like short queries, every head
+    dim, and longer ones that walk several Q tiles; dense, and varlen with seqused_k and an empty
+    sequence."""
+    q, k, v = _randn_qkv(2, sq, sk, 8, [1, 2, 8][(sq + d) % 3], d, dv, seed=sq + sk + d)
+    _dense(q, k, v, causal=causal, tile_m=64)
+    import torch
+
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+    mod = _mod()
+    lens_q, lens_k, used = [sq, 0, min(sq, 17)], [sk, 5, sk], [sk, 5, max(1, sk // 2)]
+    g = torch.Generator(device="cuda").manual_seed(sq * 7 + d)
+    make = lambda n, h, dim: torch.randn(n, h, dim, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
+    hkv = 8 // [1, 2, 8][(sq + d) % 3]
+    qp, kp, vp = make(sum(lens_q), 8, d), make(sum(lens_k), hkv, d), make(sum(lens_k), hkv, dv)
+    cu = lambda ls: torch.tensor([0] + list(__import__("itertools").accumulate(ls)), dtype=torch.int32,  # noqa: E731
+                                 device="cuda")
+    out, _ = mod.attention_varlen_forward(qp, kp, vp, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), causal=causal,
+                                          seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"), tile_m=64)
+    cq, ck = cu(lens_q).tolist(), cu(lens_k).tolist()
+    for b in range(3):
+        if lens_q[b] == 0:
+            continue
+        args = (qp[None, cq[b]:cq[b + 1]], kp[None, ck[b]:ck[b] + used[b]], vp[None, ck[b]:ck[b] + used[b]])
+        ref, base = attention_ref(*args, causal=causal)[0], attention_ref(*args, causal=causal, upcast=False)[0]
+        assert_fa4_close(f"varlen seq {b}", out[None, cq[b]:cq[b + 1]], ref, base)
 
 
 @pytest.mark.gpu

@@ -34,11 +34,27 @@ def own(wg: Int32, nc: int):
 
 
 @cute.jit
+def take_turn(turn_id, nc: cutlass.Constexpr[int]):
+    """Wait for this consumer's tensor-core turn (`turn`); a lone consumer (64-row tiles) has no turn."""
+    if const_expr(nc > 1):
+        cute.arch.barrier(barrier_id=turn_id, number_of_threads=TURN_THREADS)
+
+
+@cute.jit
+def hand_turn(successor_id, nc: cutlass.Constexpr[int]):
+    """Give the turn to the successor (`next_turn`); nothing to hand on for a lone consumer."""
+    if const_expr(nc > 1):
+        cute.arch.barrier_arrive(barrier_id=successor_id, number_of_threads=TURN_THREADS)
+
+
+@cute.jit
 def pass_turn(wg: Int32, nc: cutlass.Constexpr[int], first: cutlass.Constexpr[bool]):
     """The tensor-core turn around the CTA's whole life: before the first tile the last consumer
     hands consumer 0 the first turn; after the last, consumer 0 takes the last hand-over so that no
     arrival outlives the CTA."""
-    if const_expr(first):
+    if const_expr(nc == 1):
+        pass
+    elif const_expr(first):
         if wg == nc - 1:
             cute.arch.barrier_arrive(barrier_id=1, number_of_threads=TURN_THREADS)
     else:

@@ -14,7 +14,7 @@ DEFAULT_EMULATION_FRACTION = HOPPER_EMULATION_FRACTION
 DEFAULT_POLICY = SoftmaxPolicy(DEFAULT_RESCALE_THRESHOLD, DEFAULT_EMULATION_FRACTION)
 
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256))
-TILE_MS = (128, 192)  # two or three consumer warpgroups of 64 query rows
+TILE_MS = (64, 128, 192)  # one, two or three consumer warpgroups of 64 query rows (64: short queries)
 # Causal dense calls on these tiles count their Q tiles from the sequence's end (q_shift, see
 # components.work_tile.locate_tile)
 Q_SHIFT_TILE_MS = (192,)

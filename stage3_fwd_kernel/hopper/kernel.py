@@ -103,7 +103,7 @@ class FlashAttentionForwardSm90:
         self.num_consumers = tile_m // 64          # consumer warpgroups, one wgmma M = 64 row block each
         self.wg_m = tile_m // self.num_consumers   # 64 query rows per consumer
         self.num_threads = 128 * (1 + self.num_consumers)
-        self.regs_producer, self.regs_consumer = {2: (24, 240), 3: (32, 160)}[self.num_consumers]
+        self.regs_producer, self.regs_consumer = {1: (24, 240), 2: (24, 240), 3: (32, 160)}[self.num_consumers]
         if self.persistent:
             check_persistent_smem(head_dim, head_dim_v, self.tile_n, tile_m, self.num_stages, self.o_direct)
         self.smem_bytes = None

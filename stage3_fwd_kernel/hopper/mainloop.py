@@ -164,9 +164,9 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
     st0 = kv_state(kv_base, cfg.num_stages, producer=False)
     smem.pipe_K.consumer_wait(st0)
     acc_S0 = cute.make_rmem_tensor(ops.thr_mma_qk.partition_shape_C((tm, tn)), Float32)
-    cute.arch.barrier(barrier_id=turns.mine, number_of_threads=barriers.TURN_THREADS)
+    barriers.take_turn(turns.mine, cfg.num_consumers)
     ops.qk.gemm(acc_S0, st0.index)
-    cute.arch.barrier_arrive(barrier_id=turns.successor, number_of_threads=barriers.TURN_THREADS)
+    barriers.hand_turn(turns.successor, cfg.num_consumers)
     pipe_V = smem.pipe_V  # a local: CuTe-DSL would carry `smem` through the `if` that calls it
     if const_expr(cfg.varlen):
         # V rows past the sequence belong to the next one, or are unused cache slots (seqused_k)
@@ -208,9 +208,9 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
     # 3. drain: the last P V
     st_last = st_prev
     smem.pipe_V.consumer_wait(st_last)
-    cute.arch.barrier(barrier_id=turns.mine, number_of_threads=barriers.TURN_THREADS)
+    barriers.take_turn(turns.mine, cfg.num_consumers)
     ops.pv.gemm(ops.acc_O, ops.tOrP, st_last.index)
-    cute.arch.barrier_arrive(barrier_id=turns.successor, number_of_threads=barriers.TURN_THREADS)
+    barriers.hand_turn(turns.successor, cfg.num_consumers)
     warpgroup.wait_group(0)
     smem.pipe_V.consumer_release(st_last)
 
@@ -225,12 +225,12 @@ def overlapped_step(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineS
     trace.stamp(n_block, "top")
     smem.pipe_K.consumer_wait(st)
     acc_S = cute.make_rmem_tensor(ops.thr_mma_qk.partition_shape_C((tm, tn)), Float32)
-    cute.arch.barrier(barrier_id=turns.mine, number_of_threads=barriers.TURN_THREADS)
+    barriers.take_turn(turns.mine, cfg.num_consumers)
     trace.stamp(n_block, "turn")
     ops.qk.gemm(acc_S, st.index)
     smem.pipe_V.consumer_wait(st_prev)  # only now, with S_i issued: the wait no longer delays it
     ops.pv.gemm(ops.acc_O, ops.tOrP, st_prev.index)
-    cute.arch.barrier_arrive(barrier_id=turns.successor, number_of_threads=barriers.TURN_THREADS)
+    barriers.hand_turn(turns.successor, cfg.num_consumers)
     trace.stamp(n_block, "issued")
     warpgroup.wait_group(1)  # S_i has landed (P_{i-1} V_{i-1} may still run)
     trace.stamp(n_block, "s_landed")
