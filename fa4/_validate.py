@@ -245,12 +245,12 @@ def _check_int(name, x, *, minimum=0):
         raise ValueError(f"{name}: must be >= {minimum}, got {x}")
 
 
-def _check_index_tensor(name, t, q, length=None, what="batch + 1"):
+def _check_index_tensor(name, t, q, length=None, what="batch + 1", dims=1, layout="1-D"):
     _is_tensor(name, t)
     if t.dtype != torch.int32:
         raise TypeError(f"{name}: dtype must be torch.int32, got {t.dtype}")
-    if t.dim() != 1:
-        raise ValueError(f"{name}: must be 1-D, got shape {tuple(t.shape)}")
+    if t.dim() != dims:
+        raise ValueError(f"{name}: must be {layout}, got shape {tuple(t.shape)}")
     if t.device != q.device:
         raise ValueError(f"{name}: is on {t.device} but q is on {q.device}; keep it on q's device")
     if length is not None and t.shape[0] != length:
@@ -297,13 +297,7 @@ def gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
     copies that the padded varlen path takes. Entries past a sequence's seqused_k keys may hold any
     value (they are clamped to a valid page; FA4_VALIDATE=1 checks every entry instead). A copy per
     call: the kernels do not read pages in place yet."""
-    _is_tensor("page_table", page_table)
-    if page_table.dtype != torch.int32:
-        raise TypeError(f"page_table: dtype must be torch.int32, got {page_table.dtype}")
-    if page_table.dim() != 2:
-        raise ValueError(f"page_table: expected (batch, pages per sequence), got shape {tuple(page_table.shape)}")
-    if page_table.device != q.device:
-        raise ValueError(f"page_table: is on {page_table.device} but q is on {q.device}; keep it on q's device")
+    _check_index_tensor("page_table", page_table, q, dims=2, layout="(batch, pages per sequence)")
     if cu_seqlens_k is not None:
         raise ValueError("cu_seqlens_k: must be None with page_table (a paged k / v is one page list per sequence)")
     for n, t in (("k", k), ("v", v)):

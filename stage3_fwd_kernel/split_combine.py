@@ -67,7 +67,9 @@ def merge_row(lse_parts: cute.Tensor, out_parts: cute.Tensor, first: Int32, coun
     return lse
 
 
-class SplitTailCombine:
+class _RowMerges:
+    """A kernel of `merge_row`s: one warp per output row, dv / 32 columns per lane."""
+
     def __init__(self, dtype, head_dim_v: int):
         if head_dim_v % 32:
             raise ValueError(f"head_dim_v: expected a multiple of 32 (one column per lane), got {head_dim_v}")
@@ -75,6 +77,8 @@ class SplitTailCombine:
         self.head_dim_v = head_dim_v
         self.smem_bytes = 0
 
+
+class SplitTailCombine(_RowMerges):
     @cute.jit
     def __call__(self, mSplit: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, chunks: Int32, tiles: Int32,
                  num_m_blocks: Int32, stream):
@@ -135,18 +139,11 @@ def combine(split, chunks: int, out, lse, tiles: int, num_m_blocks: int):
 PARTS_STEP = "fwd_parts_combine"
 
 
-class PartsCombine:
+class PartsCombine(_RowMerges):
     """n partial results per (batch, row, head), as a varlen forward over n key segments per sequence
     leaves them: out (B * n, R, H, dv) in the output dtype, lse (H, B * n, R) fp32. Writes the merged
     out (B, R, H, dv) and lse (B, H, R). One warp per (batch, row, head), `merge_row` as above; the
     partial outs are 16-bit here (normalised by their own row sums, as the kernel stored them)."""
-
-    def __init__(self, dtype, head_dim_v: int):
-        if head_dim_v % 32:
-            raise ValueError(f"head_dim_v: expected a multiple of 32 (one column per lane), got {head_dim_v}")
-        self.dtype = dtype
-        self.head_dim_v = head_dim_v
-        self.smem_bytes = 0
 
     @cute.jit
     def __call__(self, mParts: cute.Tensor, mLseParts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,

@@ -50,3 +50,32 @@ def rng(request):
 
     seed = zlib.crc32(request.node.nodeid.encode()) ^ int(os.environ.get("FA4_TEST_SEED", "0"))
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def fa4_ops_on_cpu(monkeypatch):
+    """A function install(backend, ops): fa4's public functions then run end to end on CPU tensors --
+    validation sees meta stand-ins for the device check (fa4 refuses CPU tensors), and the named
+    fa4 ops ("fwd", "bwd", "varlen_fwd", "varlen_bwd") run their real implementations, registered
+    for CPU, over `backend` (a stand-in for fa4._dispatch's Backend). Undone after the test."""
+    import torch
+
+    from fa4 import _dispatch, _ops, _validate
+
+    libs = []
+
+    def install(backend, ops=("fwd", "bwd")):
+        real = _validate._check_dtypes_devices
+        monkeypatch.setattr(_validate, "_check_dtypes_devices",
+                            lambda names, ts: real(names, tuple(t.to("meta") if isinstance(t, torch.Tensor) else t
+                                                                for t in ts)))
+        monkeypatch.setattr(_dispatch, "backend_for", lambda device: backend)
+        lib = torch.library.Library("fa4", "FRAGMENT")
+        for name in ops:
+            torch.library.register_kernel(f"fa4::{name}", "cpu", getattr(_ops, f"_{name}_impl"), lib=lib)
+        libs.append(lib)
+        return backend
+
+    yield install
+    for lib in libs:
+        lib._destroy()

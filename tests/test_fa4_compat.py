@@ -374,21 +374,10 @@ class _ReferenceBackend:
 
 
 @pytest.fixture
-def cpu_reference(monkeypatch):
-    """fa4's public functions run end to end on CPU bf16 tensors: validation sees meta stand-ins for
-    the device check (fa4 refuses CPU tensors), fa4::fwd / fa4::bwd run their real implementations
-    registered for CPU, over _ReferenceBackend."""
-    real = _validate._check_dtypes_devices
-    monkeypatch.setattr(_validate, "_check_dtypes_devices",
-                        lambda names, ts: real(names, tuple(t.to("meta") if isinstance(t, torch.Tensor) else t
-                                                            for t in ts)))
-    backend = _ReferenceBackend()
-    monkeypatch.setattr(_dispatch, "backend_for", lambda device: backend)
-    lib = torch.library.Library("fa4", "FRAGMENT")
-    torch.library.register_kernel("fa4::fwd", "cpu", _ops._fwd_impl, lib=lib)
-    torch.library.register_kernel("fa4::bwd", "cpu", _ops._bwd_impl, lib=lib)
-    yield backend
-    lib._destroy()
+def cpu_reference(fa4_ops_on_cpu):
+    """fa4's public functions run end to end on CPU bf16 tensors (conftest.fa4_ops_on_cpu), fa4::fwd /
+    fa4::bwd over _ReferenceBackend."""
+    return fa4_ops_on_cpu(_ReferenceBackend())
 
 
 @pytest.mark.cpu

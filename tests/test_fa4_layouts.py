@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fa4
-from fa4 import _dispatch, _layouts, _ops, _validate
+from fa4 import _dispatch, _layouts, _validate
 from fa4.distributed import ReferenceKernels
 from stage0_reference.torch_reference import attention_ref
 
@@ -104,21 +104,9 @@ class _Backend:
 
 
 @pytest.fixture
-def stand_in(monkeypatch):
-    """fa4's public functions end to end on CPU: validation sees meta stand-ins for the device check,
-    the four ops run their real implementations over _Backend."""
-    real = _validate._check_dtypes_devices
-    monkeypatch.setattr(_validate, "_check_dtypes_devices",
-                        lambda names, ts: real(names, tuple(t.to("meta") if isinstance(t, torch.Tensor) else t
-                                                            for t in ts)))
-    backend = _Backend()
-    monkeypatch.setattr(_dispatch, "backend_for", lambda device: backend)
-    lib = torch.library.Library("fa4", "FRAGMENT")
-    for name, impl in (("fwd", _ops._fwd_impl), ("bwd", _ops._bwd_impl), ("varlen_fwd", _ops._varlen_fwd_impl),
-                       ("varlen_bwd", _ops._varlen_bwd_impl)):
-        torch.library.register_kernel(f"fa4::{name}", "cpu", impl, lib=lib)
-    yield backend
-    lib._destroy()
+def stand_in(fa4_ops_on_cpu):
+    """fa4's public functions end to end on CPU (conftest.fa4_ops_on_cpu), the four ops over _Backend."""
+    return fa4_ops_on_cpu(_Backend(), ("fwd", "bwd", "varlen_fwd", "varlen_bwd"))
 
 
 def _randn(g, *shape):
