@@ -79,6 +79,11 @@ def _info(args) -> int:
     except ImportError:
         print("torch: not installed")
     print(f"nvidia-cutlass-dsl {_version('nvidia-cutlass-dsl') or 'not installed'}")
+    from .firstcall import bytecode_hint
+
+    hint = bytecode_hint()
+    if hint:
+        print("  note: " + hint)
     tf = _version("transformers")
     print(f"transformers {tf or 'not installed (fa4.integrations.transformers needs it)'}")
     print()

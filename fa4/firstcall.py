@@ -258,6 +258,25 @@ def table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def bytecode_hint(package: str = "cutlass") -> Optional[str]:
+    """A sentence when `package`'s modules have no byte-compiled files for this interpreter (None when
+    they have, or when it is not installed). Python then compiles every module again in every
+    process: on an H200 that was 2.6 s of a 4.6 s warm first call for CuTe-DSL (docs/measurements.md,
+    2026-11-29), and a read-only install cannot keep the result."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = pathlib.Path(list(spec.submodule_search_locations)[0])
+    tag = sys.implementation.cache_tag
+    if (root / "__pycache__" / f"__init__.{tag}.pyc").exists():
+        return None
+    return (f"{package}'s modules in {root} are not byte-compiled for {tag}: every process compiles them "
+            f"again (seconds per first call); run `{pathlib.Path(sys.executable).name} -m compileall -q {root}` "
+            "once (it needs write access there)")
+
+
 def main(args) -> int:
     dv = args.head_dim_v or args.head_dim
     hq, hkv = args.heads
@@ -279,6 +298,9 @@ def main(args) -> int:
         above = warm["in_process_s"] - dict(warm["steps"])["import torch"]
         print(f"warm: {above:.2f} s above `import torch` (goal <= 0.5 s); "
               f"{warm['stats']['misses']} compile(s), {warm['stats']['disk_hits']} disk hit(s)")
+        hint = bytecode_hint()
+        if hint:
+            print("note: " + hint)
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps({"config": cfg, "precompile_s": pre, "runs": runs},
                                                           indent=1))

@@ -289,3 +289,22 @@ def test_firstcall_warm_process_compiles_nothing(tmp_path):
     assert cold["stats"]["misses"] == 1 and warm["stats"]["misses"] == 0 and warm["stats"]["disk_hits"] == 1
     steps = dict(warm["steps"])
     assert steps["  compile"] == 0 and steps["  load from disk"] > 0 and dict(cold["steps"])["  compile"] > 0
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_bytecode_hint_names_an_uncompiled_package(tmp_path, monkeypatch):
+    """A package without __pycache__ gets the compileall hint; one with it (and a missing one) none."""
+    from fa4.firstcall import bytecode_hint
+
+    pkg = tmp_path / "fa4_probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    hint = bytecode_hint("fa4_probe_pkg")
+    assert hint and "not byte-compiled" in hint and "compileall" in hint and str(pkg) in hint
+    import compileall
+
+    compileall.compile_dir(str(pkg), quiet=1)
+    assert bytecode_hint("fa4_probe_pkg") is None
+    assert bytecode_hint("fa4_no_such_package") is None
