@@ -140,7 +140,7 @@ cu3 = torch.zeros(3, **i32)
 packed = dict(q=meta(100, 8, 128), k=meta(100, 2, 128), v=meta(100, 2, 128), max_seqlen_q=64, max_seqlen_k=64)
 cases = {
     "fp32 inputs": lambda: fa4.flash_attn_func(meta(2, 64, 8, 128, dtype=torch.float32), k, v),
-    "head dim 80": lambda: fa4.flash_attn_func(meta(2, 64, 8, 80), meta(2, 64, 2, 80), meta(2, 64, 2, 80)),
+    "head dim 84": lambda: fa4.flash_attn_func(meta(2, 64, 8, 84), meta(2, 64, 2, 84), meta(2, 64, 2, 84)),
     "3 kv heads for 16 q heads": lambda: fa4.flash_attn_func(q, meta(2, 1024, 3, 128), meta(2, 1024, 3, 128)),
     "CPU tensors": lambda: fa4.flash_attn_func(*(torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16),) * 3),
     "causal=1": lambda: fa4.flash_attn_func(q, k, v, causal=1),
@@ -157,6 +157,15 @@ for what, call in cases.items():
         raise AssertionError(f"{what}: no error")
     except (TypeError, ValueError) as exc:
         print(f"{what:<26} -> {type(exc).__name__}: {exc}")
+
+# %% [markdown]
+# A head dim of 84 is refused because it is not a multiple of 8. Any multiple of 8 up to 256 is
+# served: pairs without a kernel of their own run zero-padded on the cheapest native pair (zero
+# columns change no score), and out comes back at the caller's head dim:
+
+# %%
+print("native pair for (80, 80):", fa4._layouts.native_pair(fa4._dispatch.ARCHS["sm_90"], 80, 80))
+print("out:", tuple(fa4.flash_attn_func(meta(2, 64, 8, 80), meta(2, 64, 2, 80), meta(2, 64, 2, 80)).shape))
 
 # %% [markdown]
 # The *values* inside `cu_seqlens` are not checked by default: reading them needs a device-to-host
