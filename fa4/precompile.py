@@ -165,6 +165,7 @@ class Workload:
     softcap: float = 0.0
     sink: bool = False
     min_seqlen: int = 1
+    decode: bool = False  # also calls with <= 64 query rows: flash_attn_func decode and flash_attn_with_kvcache
 
     def variant(self) -> dict:
         """The variant keywords of compile_launchable (forward); the backward takes all but the sink."""
@@ -190,8 +191,8 @@ def parse_shape(text: str) -> Workload:
         key, _, value = item.partition("=")
         if key in ("causal", "noncausal") and not value:
             fields["causal"] = key == "causal"
-        elif key == "sink" and not value:
-            fields["sink"] = True
+        elif key in ("sink", "decode") and not value:
+            fields[key] = True
         elif key in ("d", "head_dim"):
             d, _, dv = value.partition("/")
             fields["head_dim"] = _spec_int(key, d)
@@ -210,7 +211,7 @@ def parse_shape(text: str) -> Workload:
             fields["softcap"] = float(value)
         else:
             raise ValueError(f"{item!r}: expected d=D[/DV], heads=HQ[/HKV], causal, noncausal, seqlen=N, "
-                             f"dtype=bf16|fp16, window=LEFT[/RIGHT], softcap=X or sink")
+                             f"dtype=bf16|fp16, window=LEFT[/RIGHT], softcap=X, sink or decode")
     if "head_dim" not in fields:
         raise ValueError(f"{text!r}: needs d=HEAD_DIM")
     w = fields.get("window")
@@ -299,6 +300,21 @@ def on_native_head_dims(w: Workload, arch_key: str) -> Workload:
     return replace(w, head_dim=pair[0], head_dim_v=pair[1])
 
 
+def add_decode(add, w: Workload, longest: int):
+    """The builds of short-query calls (fa4._dispatch.short_query_tile): the dense forward (decode
+    through flash_attn_func; short and long key counts differ where persistence does), and what
+    flash_attn_with_kvcache launches -- the varlen forward with seqused_k (causal as asked, and not
+    causal: one query token drops it) and the merge of split-KV parts."""
+    from ._dispatch import LPT_MIN_SEQLEN_K, SHORT_QUERY_TILE_M
+
+    add("fwd short", w, tile_m=SHORT_QUERY_TILE_M)
+    if longest >= LPT_MIN_SEQLEN_K:
+        add("fwd short", w, tile_m=SHORT_QUERY_TILE_M, seqlen_k_first=longest)
+    for causal in {w.causal, False}:
+        add("kvcache", replace(w, causal=causal, sink=False), tile_m=SHORT_QUERY_TILE_M)
+    add("combine", replace(w, causal=False, window=None, softcap=0.0, sink=False))
+
+
 def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, backward: bool = True,
                   varlen: bool = False) -> list[dict]:
     """The kernels these workloads launch, each once: per (dtype, head dims, causal, variant) the
@@ -314,7 +330,7 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
     builds, seen = [], set()
 
     def add(kind, w, **extra):
-        variant = w.variant() if kind.startswith("fwd") or kind == "varlen" else \
+        variant = w.variant() if kind.startswith("fwd") or kind in ("varlen", "kvcache", "combine") else \
             dict(window_size=w.window or (None, None), softcap=w.softcap)
         b = dict(kind=kind, dtype=w.dtype, head_dim=w.head_dim, head_dim_v=w.head_dim_v, causal=w.causal,
                  variant=variant, seqlen_k=None, **extra)
@@ -346,6 +362,8 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
             add("varlen", w)
             if backward:
                 add("bwd varlen", w)
+        if w.decode and arch_key == "sm_90":
+            add_decode(add, w, longest)
     for b in builds:
         b["seqlen_k"] = b.pop("seqlen_k_first", None)
     return builds
@@ -565,15 +583,23 @@ def derived_task(fwd_mod, bwd_mod, build: dict):
     label += _variant_text(build["variant"])
     if kind.startswith("bwd"):
         return label, functools.partial(bwd_mod.compile_launchable, varlen=kind == "bwd varlen", **kw), ""
+    if kind == "combine":
+        from stage3_fwd_kernel import split_combine
+
+        return label, lambda: [split_combine.compile_parts(build["dtype"], build["head_dim_v"], launchable=True)], ""
     extra, prefix = {}, ""
+    if build.get("tile_m"):
+        extra["tile_m"] = build["tile_m"]
+    if kind == "kvcache":
+        extra["seqused_k"] = True
     if kind == "fwd lpt":
         extra["scheduler"] = build["scheduler"]
         first, last = build["seqlen_range"]
         prefix = f"{build['scheduler'].heads_per_section} heads/section, keys {first}-{last}, heads {build['heads']}: "
     elif kind == "fwd long":
         prefix = f"keys >= {build['seqlen_k']}: "
-    return label, functools.partial(fwd_mod.compile_launchable, varlen=kind == "varlen", seqlen_k=build["seqlen_k"],
-                                    **extra, **kw), prefix
+    return label, functools.partial(fwd_mod.compile_launchable, varlen=kind in ("varlen", "kvcache"),
+                                    seqlen_k=build["seqlen_k"], **extra, **kw), prefix
 
 
 def build_derived(builds: list, *, arch_key: str = "sm_90", gpu: bool = False, out=None) -> list[dict]:
@@ -639,6 +665,8 @@ def _derived_workloads(args) -> Optional[list]:
     if config:
         dtype = args.dtype.split(",")[0] if args.dtype else None
         shapes += workloads_from_config(load_model_config(config), dtype=dtype, max_seqlen=args.max_seqlen)
+    if getattr(args, "decode", False):
+        shapes = [replace(w, decode=True) for w in shapes]
     return shapes
 
 
@@ -709,13 +737,16 @@ def add_arguments(p):
     p.add_argument("--shapes", type=parse_shapes, action="append", default=None, metavar="SPEC[;SPEC...]",
                    help="build exactly what these calls launch, e.g. 'd=128,heads=32/8,causal,seqlen=4096' "
                         "(items: d=D[/DV], heads=HQ[/HKV], causal|noncausal, seqlen=MAX_KEYS, dtype=bf16|fp16, "
-                        "window=LEFT[/RIGHT], softcap=X, sink); replaces --head-dims / --causal / --heads")
+                        "window=LEFT[/RIGHT], softcap=X, sink, decode); replaces --head-dims / --causal / --heads")
     p.add_argument("--model-config", default=None, metavar="CONFIG.JSON",
                    help="build exactly what a Hugging Face model's attention launches (head_dim, GQA heads, "
                         "causal, sliding_window / layer_types, attn_logit_softcapping, gpt-oss sinks, LPT kernels "
                         "up to --max-seqlen or max_position_embeddings)")
     p.add_argument("--varlen", action="store_true",
                    help="with --shapes / --model-config: also the varlen forward (and backward) kernels")
+    p.add_argument("--decode", action="store_true",
+                   help="with --shapes / --model-config: also what decoding launches (<= 64 query rows: "
+                        "flash_attn_func, and flash_attn_with_kvcache's forward and split-KV merge)")
 
 
 def _positive_int(text: str) -> int:

@@ -308,3 +308,41 @@ def test_bytecode_hint_names_an_uncompiled_package(tmp_path, monkeypatch):
     compileall.compile_dir(str(pkg), quiet=1)
     assert bytecode_hint("fa4_probe_pkg") is None
     assert bytecode_hint("fa4_no_such_package") is None
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("spec", ["d=128,heads=32/8,causal,seqlen=8192,decode",
+                                  "d=64,heads=8/8,noncausal,softcap=30,seqlen=2048,decode"])
+def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec):
+    """`decode` in a --shapes spec builds what decoding launches: flash_attn_func with one query row
+    (64-row tiles, short and long keys) and flash_attn_with_kvcache's varlen forward with seqused_k
+    (split-KV segments) and its merge kernel."""
+    from fa4 import _kvcache
+
+    be, rec = recorder
+    (w,) = precompile.parse_shapes(spec)
+    assert w.decode
+    fwd_mod, bwd_mod = be.forward_module(), be.backward_module()
+    builds = precompile.derive_builds([w], backward=False)
+    for b in builds:
+        precompile.derived_task(fwd_mod, bwd_mod, b)[1]()
+    built = set(rec.keys)
+    assert any(k[0] == "fwd_parts_combine" for k in built)
+    rec.keys.clear()
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[w.dtype]
+    for sk in (300, w.max_seqlen):
+        q = torch.randn(2, 1, w.heads_q, w.head_dim, dtype=dt)
+        k = torch.randn(2, sk, w.heads_kv, w.head_dim, dtype=dt)
+        be.forward(q, k, k, w.head_dim ** -0.5, w.causal, softcap=w.softcap)
+        # flash_attn_with_kvcache's kernel call: one token, GQA packed, n segments per sequence
+        n, rows = 3, w.heads_q // w.heads_kv
+        cu_q = torch.arange(0, (2 * n + 1) * rows, rows, dtype=torch.int32)
+        seg = _kvcache.dense_segments(torch.tensor([sk, sk // 2], dtype=torch.int32),
+                                      torch.arange(2, dtype=torch.int32), sk, n)
+        kf = k.reshape(-1, w.heads_kv, w.head_dim)
+        be.varlen_forward(torch.randn(2 * n * rows, w.heads_kv, w.head_dim, dtype=dt), kf, kf, cu_q, seg.cu_k,
+                          seg.used, rows, seg.max_keys, w.head_dim ** -0.5, False, softcap=w.softcap)
+    launched = set(rec.keys)
+    assert launched and launched <= built, sorted(map(repr, launched - built))
+    assert any(k[:2] == ("hopper_forward", "gpu") and 64 in k for k in launched)

@@ -308,22 +308,23 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
 
 def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False,
                        seqused_k=False, scheduler=None, seqlen_k=None, window_size=(None, None),
-                       softcap: float = 0.0, learnable_sink: bool = False) -> list:
+                       softcap: float = 0.0, learnable_sink: bool = False, tile_m: int | None = None) -> list:
     """What attention_forward (varlen=True: attention_varlen_forward) launches with its defaults and
     `scheduler`, compiled without a GPU under the launch's cache key (TVM-FFI, fake tensors): a list
     of Compiled records -- the kernel, and for non-causal dense calls on persistent CTAs also what
     long ones launch, the split-tail build and its combine kernel. seqlen_k: the key count of the
-    calls (None = short ones), as default_persistent takes it. With fa4's disk cache installed this
-    fills it on a CPU machine."""
+    calls (None = short ones), as default_persistent takes it; tile_m as attention_forward's. With
+    fa4's disk cache installed this fills it on a CPU machine."""
     from stage3_fwd_kernel import split_combine
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     variant = dict(window_size=window_size, softcap=softcap, learnable_sink=learnable_sink)
     builds = [compile_only(dtype, head_dim, head_dim_v, causal, varlen=varlen, seqused_k=seqused_k,
-                           scheduler=scheduler, launchable=True, seqlen_k=seqlen_k, **variant)]
+                           scheduler=scheduler, launchable=True, seqlen_k=seqlen_k, tile_m=tile_m, **variant)]
     plain = beyond_causal(causal, window_size) == NO_WINDOW and not (softcap or learnable_sink)
-    if plain and not (causal or varlen or scheduler is not None) and default_persistent(head_dim, head_dim_v, False):
+    if plain and not (causal or varlen or scheduler is not None) and default_persistent(head_dim, head_dim_v, False,
+                                                                                         tile_m=tile_m):
         builds.append(compile_only(dtype, head_dim, head_dim_v, False, persistent=True, split_tail=True,
-                                   launchable=True))
+                                   launchable=True, tile_m=tile_m))
         builds.append(split_combine.compile_only(dtype, head_dim_v, launchable=True))
     return builds
