@@ -523,8 +523,8 @@ def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
     calls = []
 
     def hopper_like(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None, softmax_scale=None,
-                    causal=False):
-        calls.append(("hopper", max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal))
+                    causal=False, tile_m=None):
+        calls.append(("hopper", max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal, tile_m))
         return "out", "lse"
 
     def blackwell_like(q, k, v, cu_q, cu_k, max_seqlen_q, *, softmax_scale=None, causal=False, out=None, lse=None):
@@ -534,12 +534,14 @@ def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
     t = torch.zeros(1)
     be = _dispatch.HopperBackend(_fake_arch())
     be._mods["fwd"] = types.SimpleNamespace(attention_varlen_forward=hopper_like, __name__="hopper_like")
-    be.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, True)
+    be.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, True)      # <= 64 query rows: 64-row tiles
+    be.varlen_forward(t, t, t, t, t, "used", 65, 9, 0.5, True)     # more: the head dims' default
     bw = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
     monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", True)
     bw._mods["fwd"] = types.SimpleNamespace(attention_varlen_forward=blackwell_like, __name__="bw_like")
     bw.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False)
-    assert calls == [("hopper", 7, 9, "used", 0.5, True), ("blackwell", 7, 0.5, False)]
+    assert calls == [("hopper", 7, 9, "used", 0.5, True, 64), ("hopper", 65, 9, "used", 0.5, True, None),
+                     ("blackwell", 7, 0.5, False)]
     with pytest.raises(NotImplementedError, match=r"^seqused_k: the sm_100 varlen forward \(stage3_fwd_kernel"):
         bw.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, False)
     seen = []
@@ -561,18 +563,22 @@ def test_forward_route_switches_reach_the_kernel_module(monkeypatch):
     FORWARD_PERSISTENT when set, and nothing else."""
     calls = []
 
-    def step4_like(q, k, v, *, softmax_scale=None, causal=False, scheduler=None, persistent=None):
-        calls.append((causal, persistent))
+    def step4_like(q, k, v, *, softmax_scale=None, causal=False, scheduler=None, persistent=None, tile_m=None):
+        calls.append((causal, persistent, tile_m))
         return "out", "lse"
 
-    t = torch.zeros(1, 8, 2, 64)  # short keys: no LPT scheduler, nothing imported
+    t = torch.zeros(1, 80, 2, 64)  # short keys: no LPT scheduler, nothing imported
     be = _dispatch.HopperBackend(_fake_arch())
     be._mods["fwd"] = types.SimpleNamespace(attention_forward=step4_like, __name__="step4_like")
     be.forward(t, t, t, 0.5, False)
     monkeypatch.setattr(_dispatch, "FORWARD_PERSISTENT", False)
     be.forward(t, t, t, 0.5, False)
     be.forward(t, t, t, 0.5, True)
-    assert calls == [(False, None), (False, False), (True, False)]
+    be.forward(t[:, :64], t, t, 0.5, True)  # <= 64 query rows: 64-row tiles
+    monkeypatch.setattr(_dispatch, "SHORT_QUERY_TILE_M", None)
+    be.forward(t[:, :64], t, t, 0.5, True)
+    assert calls == [(False, None, None), (False, False, None), (True, False, None), (True, False, 64),
+                     (True, False, None)]
 
 
 # ================================================================================ custom ops: fake / meta
