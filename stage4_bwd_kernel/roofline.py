@@ -179,6 +179,103 @@ def hopper_smem_bytes(m: int, n: int, d: int, d_v: int | None = None, bytes_per_
     return (m * d + m * d_v + n * d + n * d_v + 2 * m * n) * bytes_per_el + 2 * m * 4
 
 
+# ------------------------------------------------------------------------------------------------
+# wide head dims on Hopper: designs that keep dK and dV in registers at (192, 128) and 256
+# ------------------------------------------------------------------------------------------------
+WIDE_DESIGNS = {
+    # name: (how the two consumer warpgroups share a CTA's 64 keys, what each computes)
+    "split_queries": "each warpgroup takes half of the Q tile's queries: S^T / dP^T of 64 keys x m/2 "
+                     "queries, dV and dK over its queries (RS: P^T / dS^T from registers), partial dK / dV "
+                     "summed through SMEM once per CTA; dQ^T = K^T dS^T for its queries",
+    "split_dims": "each warpgroup owns half of dK's and dV's columns: both compute the whole S^T / dP^T "
+                  "(64 keys x m queries, twice the MMA of those two GEMMs), dV / dK over all queries for "
+                  "their columns (RS); dQ split by columns",
+    "exchange_dims": "as split_dims, but S^T / dP^T split by queries and P^T / dS^T exchanged through SMEM: "
+                     "dV / dK read A from SMEM (SS) instead of computing it twice",
+}
+
+
+def wide_design(design: str, m: int, d: int, dv: int, n: int = 64) -> list:
+    """(GemmSpec, count) per CTA tile for one of WIDE_DESIGNS: each spec is one warpgroup's GEMM
+    (num_wg = 1 in wgmma_smem_elements), count how many warpgroups issue it."""
+    h = m // 2
+    if design == "split_queries":
+        return [(GemmSpec("S^T", n, h, d, True, "M"), 2), (GemmSpec("dP^T", n, h, dv, True, "M"), 2),
+                (GemmSpec("dV+=P^TdO", n, dv, h, False, "M"), 2), (GemmSpec("dK+=dS^TQ", n, d, h, False, "M"), 2),
+                (GemmSpec("dQ^T=K^TdS^T", d, h, n, True, "M"), 2)]
+    if design == "split_dims":
+        return [(GemmSpec("S^T", n, m, d, True, "M"), 2), (GemmSpec("dP^T", n, m, dv, True, "M"), 2),
+                (GemmSpec("dV+=P^TdO", n, dv // 2, m, False, "M"), 2),
+                (GemmSpec("dK+=dS^TQ", n, d // 2, m, False, "M"), 2), (GemmSpec("dQ^T=K^TdS^T", d // 2, m, n, True, "M"), 2)]
+    if design == "exchange_dims":
+        return [(GemmSpec("S^T", n, h, d, True, "M"), 2), (GemmSpec("dP^T", n, h, dv, True, "M"), 2),
+                (GemmSpec("dV+=P^TdO", n, dv // 2, m, True, "M"), 2),
+                (GemmSpec("dK+=dS^TQ", n, d // 2, m, True, "M"), 2), (GemmSpec("dQ^T=K^TdS^T", d // 2, m, n, True, "M"), 2)]
+    raise ValueError(f"design: expected one of {sorted(WIDE_DESIGNS)}, got {design!r}")
+
+
+def wide_registers(design: str, m: int, d: int, dv: int, n: int = 64) -> dict:
+    """Registers per consumer thread (128 per warpgroup) held across a tile: the dK and dV
+    accumulators, plus the larger of (S^T, dP^T and the 16-bit P^T / dS^T A operands: two values per
+    register) and (a 64-column chunk of dQ^T with dS^T), which are not live at once. dQ^T is
+    computed 64 of its d rows at a time (each chunk reduced to global memory before the next), so
+    its registers do not grow with d."""
+    t = 128
+    rows = m / 2 if design in ("split_queries", "exchange_dims") else m      # queries a warpgroup scores
+    dq_rows = m / 2 if design == "split_queries" else m                      # queries of its dQ^T
+    cols = 1 if design == "split_queries" else 2                              # dK / dV column split
+    regs = {"dK": n * d / cols / t, "dV": n * dv / cols / t, "S^T": n * rows / t, "dP^T": n * rows / t}
+    a16 = 0.0 if design == "exchange_dims" else n * rows / t / 2             # P^T / dS^T in registers
+    regs["P^T/dS^T (16-bit)"] = a16
+    regs["dQ^T chunk"] = 64 * dq_rows / t
+    regs["total"] = regs["dK"] + regs["dV"] + max(regs["S^T"] + regs["dP^T"] + a16, regs["dQ^T chunk"] + a16)
+    return regs
+
+
+def wide_tile_cycles(design: str, m: int, d: int, dv: int, n: int = 64, hw: Hardware = H100) -> BwdTileCycles:
+    """Cycles per (m queries x 64 keys) tile: the MMA of every warpgroup's GEMMs (the duplicated S^T /
+    dP^T of split_dims included), their SMEM operand reads, dS^T (and for exchange_dims P^T) written
+    to SMEM, and for split_queries nothing per tile for the partial dK / dV (summed once per CTA)."""
+    specs = wide_design(design, m, d, dv, n)
+    flops = sum(2 * g.m * g.n * g.k * c for g, c in specs)
+    elems = sum(wgmma_smem_elements(g, 1, hw.mma_m) * c for g, c in specs)
+    writes = m * n * (2 if design == "exchange_dims" else 1)
+    return BwdTileCycles(mma=flops / hw.mma_flops_per_clock, smem_operands=elems * 2 / hw.smem_bytes_per_clock,
+                         smem_ds_write=writes * 2 / hw.smem_bytes_per_clock, smem_ds_exchange=0.0, smem_dq=0.0,
+                         exp=m * n / hw.exp_per_clock)
+
+
+# the production d = 128 consumer holds 64 + 64 + 32 + 32 + 16 = 208 of its 240 registers in
+# accumulators and P^T without spilling: the budget a wide design may take
+WIDE_REGISTER_BUDGET = 208
+
+
+def wide_smem_kb(m: int, d: int, dv: int, stages: int, n: int = 64) -> float:
+    """K and V of the CTA, `stages` Q / dO buffers, P^T and dS^T (16-bit), 2 KB of barriers and row
+    statistics."""
+    return (n * (d + dv) + stages * m * (d + dv) + 2 * m * n) * 2 / 1024 + 2
+
+
+def wide_table(cases) -> str:
+    """Markdown: per (design, m, d, dv), cycles per 64-key tile, the useful MMA share (the five GEMMs
+    once over the bounding resource's time), the bound, the accumulator registers against
+    WIDE_REGISTER_BUDGET, and the Q / dO stages that fit 227 KB of SMEM."""
+    lines = ["| design | m x 64, d/dv | MMA | SMEM | exp | bound | useful MMA | acc regs/thread | Q/dO stages |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for design, m, d, dv in cases:
+        c = wide_tile_cycles(design, m, d, dv)
+        useful = 2 * m * 64 * (2 * d + 2 * dv + d) / H100.mma_flops_per_clock  # S, dP, dV, dK, dQ once
+        regs = wide_registers(design, m, d, dv)["total"]
+        stages = max((s for s in (1, 2) if wide_smem_kb(m, d, dv, s) <= 227), default=0)
+        lines.append(f"| {design} | {m} x 64, {d}/{dv} | {c.mma:.0f} | {c.smem:.0f} | {c.exp:.0f} | {c.bound} | "
+                     f"{useful / max(c.mma, c.smem, c.exp):.2f} | {regs:.0f}"
+                     f"{' (over)' if regs > WIDE_REGISTER_BUDGET else ''} | {stages or 'none'} |")
+    return "\n".join(lines)
+
+
+WIDE_CASES = [(dsg, m, d, dv) for d, dv in ((192, 128), (256, 256)) for dsg in WIDE_DESIGNS for m in (64, 128)]
+
+
 def paper_table() -> str:
     """The paper's backward roofline table (B200, M = N = d = 128), 1-CTA and 2-CTA columns."""
     one = backward_tile_cycles(128, 128, 128, B200)
@@ -209,3 +306,5 @@ if __name__ == "__main__":
     print(paper_table())
     print("\nHopper, hopper_step1's tiles (and the RS alternative at d = 128):")
     print(hopper_table(STEP1_TILES + [("step1_ss", 64, 64, 128, 128), ("fa3_rs", 64, 128, 128, 128)]))
+    print("\nHopper, wide head dims: designs with dK / dV in registers (per 64-key tile):")
+    print(wide_table(WIDE_CASES))

@@ -60,3 +60,25 @@ def test_step1_default_tiles_are_the_roofline_rows():
 def test_tables_render():
     assert "| SMEM total | 3328 | 2688 |" in paper_table()
     assert "| step1_ss | 64 x 128, 128/128 | 2560 | 3328 | 512 | SMEM |" in hopper_table([("step1_ss", 64, 128, 128, 128)])
+
+
+def test_wide_head_dim_designs():
+    """The wide-head-dim table's arithmetic: the five GEMMs' FLOPs once (twice S^T / dP^T in
+    split_dims), the registers each design keeps, and which ones fit a consumer and SMEM."""
+    from stage4_bwd_kernel import roofline as r
+
+    m, d, dv = 64, 192, 128
+    once = 2 * m * 64 * (2 * d + 2 * dv + d) / r.H100.mma_flops_per_clock
+    assert r.wide_tile_cycles("split_queries", m, d, dv).mma == pytest.approx(once)
+    assert r.wide_tile_cycles("exchange_dims", m, d, dv).mma == pytest.approx(once)
+    twice_sdp = once + 2 * m * 64 * (d + dv) / r.H100.mma_flops_per_clock
+    assert r.wide_tile_cycles("split_dims", m, d, dv).mma == pytest.approx(twice_sdp)
+    # split_queries at 64 x 64, (192, 128): dK 96 + dV 64 + S^T 16 + dP^T 16 + P^T 8 = 200 registers
+    assert r.wide_registers("split_queries", 64, 192, 128)["total"] == 200
+    assert r.wide_registers("split_queries", 64, 256, 256)["total"] > r.WIDE_REGISTER_BUDGET
+    assert r.wide_registers("exchange_dims", 128, 256, 256)["total"] <= r.WIDE_REGISTER_BUDGET
+    assert r.wide_smem_kb(128, 256, 256, 2) > 227 >= r.wide_smem_kb(64, 256, 256, 2)
+    table = r.wide_table(r.WIDE_CASES)
+    assert table.count("\n") == len(r.WIDE_CASES) + 1 and "(over)" in table
+    with pytest.raises(ValueError, match="design"):
+        r.wide_design("nope", 64, 192, 128)
