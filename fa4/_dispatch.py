@@ -270,17 +270,22 @@ FORWARD_PERSISTENT = None
 
 @functools.lru_cache(maxsize=256)
 def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_dim: int, head_dim_v: int,
-                             heads_q: int, heads_kv: int):
+                             heads_q: int, heads_kv: int, l2_bytes: Optional[int] = None):
     """The tile scheduler of a dense forward: None (the kernel's static grid) or stage 5's
     `LPTCausalScheduler.from_problem` (sections of heads whose K/V fit in L2, longest tiles first).
     Its section size is a compile-time constant, so each size class is its own kernel (compiled on
-    first use, then served by the disk cache). Only on sm_90, the arch where it was measured."""
-    if arch_key != "sm_90" or not causal or seqlen_k < LPT_MIN_SEQLEN_K:
+    first use, then served by the disk cache). Measured on sm_90 (sections sized for an H100's
+    50 MiB L2); on sm_100 (never run here) sized by the device's own L2 (`l2_bytes`), as the official
+    kernel orders its causal tiles longest first there too."""
+    if arch_key not in ("sm_90", "sm_100") or not causal or seqlen_k < LPT_MIN_SEQLEN_K:
         return None
+    from stage5_scheduling import orders
     from stage5_scheduling.device import LPTCausalScheduler  # imports cutlass: after the arch is set
 
+    l2 = orders.H100_L2_BYTES if arch_key == "sm_90" or not l2_bytes else l2_bytes
     return LPTCausalScheduler.from_problem(seqlen_k, head_dim, heads_q, heads_kv, head_dim_v=head_dim_v,
-                                           safety=FORWARD_LPT_L2_SAFETY, flat_batches=FORWARD_LPT_FLAT)
+                                           l2_bytes=l2, safety=FORWARD_LPT_L2_SAFETY,
+                                           flat_batches=FORWARD_LPT_FLAT)
 
 
 def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int,
@@ -481,9 +486,9 @@ class HopperBackend(Backend):
 
 
 class BlackwellBackend(Backend):
-    """sm_100: `stage3_fwd_kernel.blackwell_fwd` and `stage4_bwd_kernel.blackwell`. The forward takes
-    no tile scheduler or route switches; its varlen grid is sized from max_seqlen_q alone and it
-    has no seqused_k."""
+    """sm_100: `stage3_fwd_kernel.blackwell_fwd` and `stage4_bwd_kernel.blackwell`. Long causal dense
+    forwards take stage 5's LPT order (sized by the device's L2), others the static grid; no route
+    switches; its varlen grid is sized from max_seqlen_q alone and it has no seqused_k."""
 
     def import_forward(self):
         from stage3_fwd_kernel import blackwell_fwd
@@ -497,7 +502,12 @@ class BlackwellBackend(Backend):
 
     def _call_forward(self, mod, q, k, v, softmax_scale, causal, **variants):
         # check_variants refused every variant (ArchInfo.lacks): `variants` is empty here
-        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **variants)
+        kw = dict(variants)
+        sched = causal_forward_scheduler(self.arch.key, causal, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
+                                         k.shape[2], _l2_bytes(q.device))
+        if sched is not None:
+            kw["scheduler"] = sched
+        return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):
@@ -509,6 +519,16 @@ class BlackwellBackend(Backend):
 
 
 BACKEND_TYPES = {"sm_90": HopperBackend, "sm_100": BlackwellBackend}
+
+
+@functools.lru_cache(maxsize=16)
+def _l2_bytes(device) -> Optional[int]:
+    """The L2 size of a CUDA device (None when it cannot be asked: CPU tensors in tests)."""
+    import torch
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
 
 
 def make_backend(arch: ArchInfo) -> Backend:

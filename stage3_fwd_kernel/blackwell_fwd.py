@@ -616,13 +616,15 @@ def compile_sm100(kernel, args) -> tuple:
     return fn, resource_report(log, sass, ptx, cubin), sass, ptx
 
 
-def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None) -> compile_cache.Compiled:
-    """Compile for sm_100a with fake tensors unless `args` are given.
+def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None,
+                   scheduler=tile_scheduler.StaticTileScheduler) -> compile_cache.Compiled:
+    """Compile for sm_100a with fake tensors unless `args` are given; `scheduler` is the tile order
+    (the StaticTileScheduler interface: stage 5's LPT order for long causal calls).
     Returns compile_cache.Compiled (fn, report, sass, ptx)."""
-    key = (cfg.key(), varlen, "fake" if args is None else "real")
+    key = (cfg.key(), varlen, "fake" if args is None else "real", scheduler)
     if key in _CACHE:
         return _CACHE[key]
-    kernel = FlashAttentionForwardSm100(cfg, varlen=varlen)
+    kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler)
     fn, report, sass, ptx = compile_sm100(kernel, fake_args(cfg, varlen) if args is None else args)
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
@@ -673,9 +675,9 @@ def format_report(name: str, rep: dict) -> str:
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, varlen=False,
-                 **kw) -> compile_cache.Compiled:
+                 scheduler=tile_scheduler.StaticTileScheduler, **kw) -> compile_cache.Compiled:
     """Compile for sm_100a with fake tensors (no GPU needed)."""
-    return compile_config(make_config(dtype, head_dim, head_dim_v, causal, **kw), varlen)
+    return compile_config(make_config(dtype, head_dim, head_dim_v, causal, **kw), varlen, scheduler=scheduler)
 
 
 def blackwell_gpu_available() -> bool:
@@ -700,9 +702,10 @@ def _launch_args(q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seq
             Int32(max_seqlen_q) if varlen else None, stream)
 
 
-def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None, **cfg_kw):
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None, scheduler=None, **cfg_kw):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 on a Blackwell GPU ->
-    (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32). UNVERIFIED: never run on hardware here."""
+    (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32). scheduler: the tile order (None: the static grid; fa4
+    passes stage 5's LPT order for long causal calls). UNVERIFIED: never run on hardware here."""
     import torch
 
     if not blackwell_gpu_available():
@@ -711,6 +714,9 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
     cfg = make_config(str(q.dtype), d, dv, causal, **cfg_kw)  # ValueError before any compile
+    if scheduler is not None:  # a tile order's own host-side limits (stage 5's sections and flat map)
+        getattr(scheduler, "check_problem", lambda *a: None)(hq, k.shape[2])
+        getattr(scheduler, "check_grid", lambda *a: None)(-(-sq // cfg.cta_tile_m), hq, b)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
@@ -721,7 +727,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
         lse.fill_(float("-inf"))
         return out, lse
     args = _launch_args(q, k, v, out, lse, softmax_scale)
-    compile_config(cfg, False, args).fn(*args)
+    compile_config(cfg, False, args, scheduler=scheduler or tile_scheduler.StaticTileScheduler).fn(*args)
     return out, lse
 
 

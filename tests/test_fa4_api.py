@@ -335,7 +335,9 @@ def test_lpt_forward_schedulers_cover_every_length_with_the_dispatch_choice():
             assert pick("sm_90", True, last, d, dv, hq, hkv) == sched
     assert len(_dispatch.lpt_forward_schedulers("sm_90", 128, 128, 32, 32, 70001)) >= 3  # 8 -> 4 -> 2 -> 1 heads
     assert _dispatch.lpt_forward_schedulers("sm_90", 128, 128, 32, 32, long - 1) == []
-    assert _dispatch.lpt_forward_schedulers("sm_100", 128, 128, 32, 32, 70001) == []
+    # sm_100 without an L2 size: the same sections (the dispatch passes the device's L2 there)
+    assert _dispatch.lpt_forward_schedulers("sm_100", 128, 128, 32, 32, 70001) == \
+        _dispatch.lpt_forward_schedulers("sm_90", 128, 128, 32, 32, 70001)
 
 
 @pytest.mark.cpu
@@ -368,7 +370,6 @@ def test_long_causal_forward_launches_stage5_lpt_order(monkeypatch):
     long = _dispatch.LPT_MIN_SEQLEN_K
     assert pick("sm_90", True, long - 1, 128, 128, 16, 16) is None
     assert pick("sm_90", False, 16384, 128, 128, 16, 16) is None
-    assert pick("sm_100", True, 16384, 128, 128, 16, 16) is None
     # 8k x 256 x 2 B = 4 MiB a head; sections over the (batch, head) pairs (FORWARD_LPT_FLAT)
     assert pick("sm_90", True, 8192, 128, 128, 16, 16) == LPTCausalScheduler(4, flat_batches=True)
     gqa = pick("sm_90", True, 4096, 64, 64, 12, 4)
@@ -384,6 +385,35 @@ def test_long_causal_forward_launches_stage5_lpt_order(monkeypatch):
     be.forward(q, k, k, 1.0, causal=True)
     be.forward(q, k, k, 1.0, causal=False)
     assert isinstance(calls[0], LPTCausalScheduler) and calls[1] is None, calls
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_blackwell_long_causal_forward_gets_lpt_sized_by_its_l2(monkeypatch):
+    """sm_100 (never run here): long causal dense forwards take stage 5's LPT order too, its sections
+    sized by the device's L2 (asked once per device); short or non-causal calls the static grid."""
+    from stage5_scheduling.device import LPTCausalScheduler
+
+    pick = _dispatch.causal_forward_scheduler
+    long = _dispatch.LPT_MIN_SEQLEN_K
+    # 16k x 256 x 2 B = 8 MiB a head: a quarter of a 64 MiB L2 holds 4 heads, of a 128 MiB one 8
+    small, big = pick("sm_100", True, 16384, 128, 128, 16, 16, 64 << 20), pick("sm_100", True, 16384, 128, 128, 16,
+                                                                                  16, 128 << 20)
+    assert (small.heads_per_section, big.heads_per_section) == (4, 8) and small.flat_batches
+    assert pick("sm_100", True, long - 1, 128, 128, 16, 16, 64 << 20) is None
+    assert pick("sm_100", False, 16384, 128, 128, 16, 16, 64 << 20) is None
+    calls = []
+    mod = types.SimpleNamespace(attention_forward=lambda q, k, v, softmax_scale, causal, scheduler=None:
+                                calls.append(scheduler))
+    be = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
+    monkeypatch.setattr(be, "forward_module", lambda: mod)
+    monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", True)
+    monkeypatch.setattr(_dispatch, "_l2_bytes", lambda device: 64 << 20)
+    q = torch.empty(1, long, 16, 128, device="meta")
+    be.forward(q, q, q, 1.0, causal=True)
+    be.forward(q[:, :128], q[:, :128], q[:, :128], 1.0, causal=True)
+    # 4k x 256 x 2 B = 2 MiB a head: 16 fit a quarter of 64 MiB
+    assert calls[0] == LPTCausalScheduler(16, flat_batches=True) and calls[1] is None, calls
 
 
 @pytest.mark.cpu

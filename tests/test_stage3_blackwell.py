@@ -201,6 +201,23 @@ def test_compiles_sm100a(case):
 
 @pytest.mark.compile
 @pytest.mark.stage3
+def test_compiles_with_the_lpt_order():
+    """The causal forward under stage 5's LPT order (fa4's choice for long causal calls on sm_100):
+    compiles clean, with the same TMEM / register plan, and a different tile map than the static grid."""
+    from stage3_fwd_kernel import blackwell_fwd as bw
+    from stage5_scheduling.device import LPTCausalScheduler
+
+    sched = LPTCausalScheduler.from_problem(8192, 128, 32, 8, flat_batches=True)
+    cfg = bw.make_config("bf16", 128, 128, True)
+    lpt, static = bw.compile_config(cfg, scheduler=sched), bw.compile_config(cfg)
+    rep = lpt.report
+    assert rep["spill_stores"] == 0 and rep["stack_frame"] == 0 and rep["LDL/STL"] == 0
+    assert rep["UTCHMMA"] == static.report["UTCHMMA"] and rep["smem_bytes"] == static.report["smem_bytes"]
+    assert lpt.sass != static.sass
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
 def test_pv_issued_three_quarters_then_one_quarter():
     """In the MMA warp's instruction stream, every O += P V is 6 TS-MMAs, a barrier wait (the
     last quarter of P), then 2 more; S = Q K^T MMAs are SS."""
