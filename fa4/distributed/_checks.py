@@ -31,7 +31,6 @@ def check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return
         raise TypeError(f"kernels: expected Fa4Kernels(), ReferenceKernels() or None, got {type(kernels).__name__}")
     if getattr(kernels, "needs_cuda", False) and not varlen:
         q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
-        native_head_dims(q, v)
         return kernels, q, k, v, scale
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
@@ -43,15 +42,4 @@ def check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return
     if hkv == 0 or hq % hkv or v.shape[-2] != hkv or (not varlen and not q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"k: heads_kv ({hkv}) must divide q's heads ({hq}), with v's heads and the batch matching "
                          f"(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
-    if getattr(kernels, "needs_cuda", False):
-        native_head_dims(q, v)
     return kernels, q, k, v, check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
-
-
-def native_head_dims(q, v):
-    """The ring calls fa4's kernels directly: head dims without a kernel of their own (which
-    fa4.flash_attn_func pads) are refused here, before any communication."""
-    if q.device.type == "cuda":
-        from .. import _dispatch
-
-        _dispatch.backend_for(q.device).check_head_dims(q.shape[-1], v.shape[-1])
