@@ -14,7 +14,8 @@ steps are timed in the order a real first call takes them:
         cache lookup     finding and verifying the disk entry (fa4._cache.DiskCache.read_verified)
         load from disk   JIT-linking the object into a callable (cute.runtime.load_module)
         compile          tracing, MLIR, PTX, ptxas (cute.compile) -- 0 on a cache hit
-        compile report   nvdisasm of the fresh cubin (registers, spills, SASS counts)
+        compile report   nvdisasm of the fresh cubin (SASS counts): only when something asks for the
+                         SASS or the report (precompile's summary does, a launch does not)
         store to disk    export_to_c + atomic write
         rest             the call's own work: validation, launch, the cubin's module load, sync
     second forward       (GPU) the steady state, for scale

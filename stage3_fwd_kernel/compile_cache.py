@@ -17,21 +17,48 @@ import os
 import re
 import tempfile
 import warnings
-from typing import Any, Callable, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import cutlass.cute as cute
 
-from .sass_report import disassemble, parse_resources, wgmma_serialization
+from .sass_report import disassemble, parse_resources, sass_counts, wgmma_serialization
 
 __all__ = ["Compiled", "Store", "WgmmaSerializedWarning", "cached", "compile_cached", "dump_dir", "get_store",
            "remember", "set_store", "wgmma_serialization"]
 
 
-class Compiled(NamedTuple):
-    fn: Any           # the callable returned by cute.compile
-    report: dict      # registers, spills, smem, SASS instruction counts
-    sass: str         # full SASS text ("" if nvdisasm is unavailable)
-    ptx: str
+class Compiled:
+    """A compiled kernel: `fn` (what cute.compile returned), its resource `report` (registers,
+    spills, smem from ptxas; SASS instruction counts), `sass` (the full SASS text, "" without
+    nvdisasm) and `ptx`.
+
+    The SASS comes from disassembling the cubin (nvdisasm: 1.5-2 s of a first forward's 5-7 s on an
+    H200, `python -m fa4 firstcall`), which a launch never needs: built with `cubin`, it is made on
+    first use of `.sass` or `.report`. `log_report` is the report without forcing it (what ptxas
+    said: what a disk cache keeps)."""
+
+    __slots__ = ("fn", "ptx", "_report", "_sass", "_cubin")
+
+    def __init__(self, fn: Any, report: dict, sass: Optional[str], ptx: str, cubin: Optional[bytes] = None):
+        self.fn, self.ptx, self._report, self._sass, self._cubin = fn, ptx, report, sass, cubin
+        if sass is None and cubin is None:
+            self._sass = ""
+
+    @property
+    def sass(self) -> str:
+        if self._sass is None:
+            self._sass = disassemble(self._cubin) if self._cubin else ""
+            self._report.update(sass_counts(self._sass))
+        return self._sass
+
+    @property
+    def report(self) -> dict:
+        self.sass  # noqa: B018  (fills the SASS counts on first use)
+        return self._report
+
+    @property
+    def log_report(self) -> dict:
+        return self._report
 
 
 class Store(Protocol):
@@ -126,15 +153,14 @@ def _compile(key, build) -> Compiled:
     log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
     ptx = _artifact(fn.__ptx__, "r") or ""
     cubin = _artifact(fn.__cubin__, "rb")
-    sass = disassemble(cubin) if cubin else ""
-    report = parse_resources(log, sass, cubin)
+    report = parse_resources(log, "", cubin)  # SASS counts: filled when the SASS is first asked for
     report["smem_bytes"] = getattr(kernel, "smem_bytes", None)
     report["threads"] = getattr(kernel, "num_threads", None)
     if report["wgmma_serialized"]:
         warnings.warn(f"{str(key)[:240]}: ptxas serialized its wgmma instructions "
                       f"({', '.join(report['wgmma_serialized'])}); the kernel is correct but runs far below its "
                       "design speed (time it only knowingly)", WgmmaSerializedWarning, stacklevel=4)
-    return Compiled(fn, report, sass, ptx)
+    return Compiled(fn, report, None if cubin else "", ptx, cubin)
 
 
 def _artifact(value, mode: str):

@@ -94,16 +94,18 @@ def parse_resources(ptxas_log: str, sass: str, cubin: Optional[bytes]) -> dict:
         rep["stack_frame"], rep["spill_stores"], rep["spill_loads"] = map(int, m.groups())
     else:
         rep["stack_frame"] = rep["spill_stores"] = rep["spill_loads"] = None
-    # SASS instruction counts (static, i.e. in the code, not executed)
-    def count(pat):
-        return len(re.findall(pat, sass)) if sass else None
-    rep["HGMMA"] = count(r"\bHGMMA\.")
-    rep["MUFU.EX2"] = count(r"\bMUFU\.EX2\b")
-    rep["LDL/STL"] = count(r"\b(?:LDL|STL)(?:\.|\s)")
-    rep["UTMALDG"] = count(r"\bUTMALDG\b")
-    rep["LDGSTS"] = count(r"\bLDGSTS\b")
+    rep.update(sass_counts(sass))
     rep["ptxas_log"] = ptxas_log
     return rep
+
+
+def sass_counts(sass: Optional[str]) -> dict:
+    """Static SASS instruction counts of the resource report (None without SASS)."""
+    def count(pat):
+        return len(re.findall(pat, sass)) if sass else None
+    return {"HGMMA": count(r"\bHGMMA\."), "MUFU.EX2": count(r"\bMUFU\.EX2\b"),
+            "LDL/STL": count(r"\b(?:LDL|STL)(?:\.|\s)"), "UTMALDG": count(r"\bUTMALDG\b"),
+            "LDGSTS": count(r"\bLDGSTS\b")}
 
 
 def format_report(name: str, rep: dict) -> str:

@@ -1170,3 +1170,21 @@ def test_transformers_attention_function_contract():
     padded[0, :6] = 0
     m = fa4_mask(2, 16, 16, attention_mask=padded)
     assert m.dtype == torch.bool and m.shape == (2, 16) and not m[0, 0] and m[1].all()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_sass_is_disassembled_only_when_asked_for(monkeypatch):
+    """A fresh compile keeps its cubin and disassembles it on first use of .sass or .report (what a
+    launch never asks for: nvdisasm was 1.5-2 s of an H200's cold first forward); log_report and
+    the disk cache's copy of the report do not force it."""
+    from stage3_fwd_kernel import compile_cache
+
+    calls = []
+    monkeypatch.setattr(compile_cache, "disassemble", lambda cubin: calls.append(cubin) or "HGMMA.64x128 R0;\n")
+    comp = compile_cache.Compiled("fn", {"registers": 90, "HGMMA": None}, None, "ptx", cubin=b"elf")
+    assert comp.log_report["registers"] == 90 and calls == []
+    assert comp.report["HGMMA"] == 1 and calls == [b"elf"]       # counted on first use
+    assert comp.sass.startswith("HGMMA") and calls == [b"elf"]   # once
+    plain = compile_cache.Compiled("fn", {}, "", "")             # loaded from disk: no SASS, nothing to make
+    assert plain.sass == "" and plain.report == {} and calls == [b"elf"]
