@@ -175,12 +175,12 @@ def test_hopper_backend_passes_variants_only_when_set():
     calls = []
     be = _dispatch.HopperBackend(_fake_arch())
     be._mods["fwd"], be._mods["bwd"] = _variant_kernels(calls)
-    t = torch.zeros(1, 8, 2, 64)
+    t = torch.zeros(1, 80, 2, 64)  # > 64 query rows: the default tile (no tile_m keyword)
     sink = torch.zeros(2)
     be.forward(t, t, t, 0.5, False)  # plain: exactly the pre-variant call
     be.forward(t, t, t, 0.5, True, window=(16, None), softcap=30.0, learnable_sink=sink)
     be.forward(t, t, t, 0.5, False, window=(None, 4))
-    be.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False, window=(3, 3), learnable_sink=sink)
+    be.varlen_forward(t, t, t, t, t, None, 70, 9, 0.5, False, window=(3, 3), learnable_sink=sink)
     be.backward(t, t, t, t, t, t, 0.5, True, False, window=(16, None), softcap=30.0)
     be.backward(t, t, t, t, t, t, 0.5, True, False)
     be.varlen_backward(t, t, t, t, t, t, t, t, None, 7, 9, 0.5, False, False, softcap=5.0)
