@@ -229,6 +229,27 @@ out_v = fa4.flash_attn_varlen_func(meta(tot, 8, 128), meta(tot, 2, 128), meta(to
 print("fa4.flash_attn_varlen_func ->", tuple(out_v.shape))
 
 # %% [markdown]
+# The same function takes a side *padded* instead, `(B, S, H, D)` with that side's `cu_seqlens=None`;
+# `seqused_q` / `seqused_k` use only the first rows / keys of each sequence; and a paged k / v comes
+# with `page_table`. fa4 turns each into the packed form its kernels take (`fa4/_layouts.py`). For
+# `seqused_q`, every sequence becomes two: its used rows against its keys, and the rest against no
+# keys, which the kernels already define (output 0, lse -inf, no gradient):
+
+# %%
+cu_q = torch.tensor([0, 5, 8, 8, 15], dtype=torch.int32)
+used_q = torch.tensor([2, 3, 0, 7], dtype=torch.int32)
+cu_q2, cu_k2, _ = fa4._layouts.split_unused_rows(cu_q, cu_q, used_q)
+print("cu_seqlens", cu_q.tolist(), "+ seqused_q", used_q.tolist(), "-> query rows", cu_q2.tolist(),
+      ", keys", cu_k2.tolist())
+used = torch.tensor([7, 1, 0, 4], dtype=torch.int32, device="meta")
+out_pad = fa4.flash_attn_varlen_func(meta(4, 7, 8, 128), meta(4, 900, 2, 128), meta(4, 900, 2, 128),
+                                     seqused_q=used, seqused_k=used, causal=True)
+pool = meta(64, 16, 2, 128)  # 64 pages of 16 keys
+out_paged = fa4.flash_attn_varlen_func(meta(4, 7, 8, 128), pool, pool,
+                                       page_table=torch.zeros(4, 8, dtype=torch.int32, device="meta"))
+print("padded q and k ->", tuple(out_pad.shape), "; paged k / v ->", tuple(out_paged.shape))
+
+# %% [markdown]
 # ## `torch.compile`: custom ops, no graph break
 # Dynamo cannot trace into a CuTe-DSL launch (ctypes, DLPack, a JIT compiler). `fa4` therefore
 # registers four `torch.library` custom ops (`fa4::fwd`, `fa4::bwd`, `fa4::varlen_fwd`,
