@@ -1,0 +1,96 @@
+"""The sm_100 gpu tier: what to run first on a B200 (compute capability 10.0). No Blackwell GPU is
+reachable from this project, so every test here skips elsewhere, and none of them has ever run.
+
+    python -m pytest -m gpu tests/test_stage3_blackwell.py tests/test_blackwell_gpu.py
+
+Under FA4's rule against the fp32 reference (stage0_reference.torch_reference.assert_fa4_close):
+* the forward through fa4 (dense, GQA, causal with the LPT order from 4096 keys, varlen, lse);
+* the 1-CTA backward (stage4_bwd_kernel.blackwell_bwd), default and deterministic (bitwise repeats),
+  and fa4's autograd on top (the 2-CTA backward has no launch path yet: compiled only);
+* a head dim without a kernel of its own (96: zero-padded onto 128 by fa4).
+tests/test_stage3_blackwell.py's gpu tests run the forward module directly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.stage4]
+
+
+@pytest.fixture(autouse=True)
+def _needs_blackwell():
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10):
+        pytest.skip("needs a Blackwell GPU (compute capability 10.x); none exists in this project")
+
+
+def _rand(g, *shape):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+FWD_CASES = [(1, 1, 4, 1, 128, False), (113, 203, 4, 2, 64, True), (799, 3, 2, 2, 128, False),
+             (4224, 4224, 8, 2, 128, True), (300, 300, 4, 4, 96, True)]
+
+
+@pytest.mark.parametrize("sq,sk,hq,hkv,d,causal", FWD_CASES, ids=[f"{c[0]}x{c[1]}-d{c[4]}-{'causal' if c[5] else 'full'}"
+                                                                  for c in FWD_CASES])
+def test_fa4_forward_and_backward_on_blackwell(sq, sk, hq, hkv, d, causal):
+    """fa4.flash_attn_func on sm_100: out, lse and (head dims 64 / 128, and 96 padded onto 128) the
+    gradients. 4224 keys causal launches the LPT order."""
+    import fa4
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+
+    g = torch.Generator(device="cuda").manual_seed(sq + sk + d)
+    q = _rand(g, 2, sq, hq, d).requires_grad_()
+    k, v = _rand(g, 2, sk, hkv, d).requires_grad_(), _rand(g, 2, sk, hkv, d).requires_grad_()
+    out, lse = fa4.flash_attn_func(q, k, v, causal=causal, return_lse=True)  # warns once: unverified
+    dout = _rand(g, 2, sq, hq, d)
+    got = (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
+    res = []
+    for upcast in (True, False):
+        leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
+        o, l_ = attention_ref(*leaves, causal=causal, upcast=upcast)
+        res.append((o.detach(), l_.detach(), *torch.autograd.grad((o.float() * dout.float()).sum(), leaves)))
+    ref, base = res
+    for name, a, r, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+        assert_fa4_close(f"sm_100 {name}", a, r, b, atol=1e-5 if name in ("out", "lse") else grad_atol(ref[2:]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_forward_on_blackwell(causal):
+    import fa4
+    from stage0_reference.torch_reference import assert_fa4_close, attention_varlen_ref
+
+    lens_q, lens_k = [1, 0, 130, 513, 77], [5, 9, 130, 300, 1]
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32, device="cuda")  # noqa: E731
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = _rand(g, sum(lens_q), 8, 128), _rand(g, sum(lens_k), 2, 128), _rand(g, sum(lens_k), 2, 128)
+    out, lse = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k),
+                                          max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), causal=causal,
+                                          return_lse=True)
+    ref = attention_varlen_ref(q, k, v, cu(lens_q), cu(lens_k), causal=causal, upcast=True)
+    base = attention_varlen_ref(q, k, v, cu(lens_q), cu(lens_k), causal=causal, upcast=False)
+    assert_fa4_close("sm_100 varlen out", out, ref[0], base[0])
+    assert_fa4_close("sm_100 varlen lse", lse, ref[1], base[1])
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
+def test_backward_kernel_on_blackwell(d, causal):
+    """The 1-CTA backward directly (the forward's out / lse from the reference), default and
+    deterministic; deterministic twice is bitwise equal."""
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+    from stage4_bwd_kernel import blackwell_bwd as mod
+    from stage4_bwd_kernel import host
+
+    g = torch.Generator(device="cuda").manual_seed(d + causal)
+    q, k, v = _rand(g, 2, 1000, 8, d), _rand(g, 2, 1200, 2, d), _rand(g, 2, 1200, 2, d)
+    dout = _rand(g, 2, 1000, 8, d)
+    out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
+    out = out.to(q.dtype)
+    ref, base = host.reference_grads(q, k, v, dout, causal=causal)
+    for det in (False, True):
+        got = mod.attention_backward(q, k, v, out, dout, lse, causal=causal, deterministic=det)
+        for name, a, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+            assert_fa4_close(f"blackwell_bwd {name} det={det}", a, r, b, atol=grad_atol(ref))
+    again = mod.attention_backward(q, k, v, out, dout, lse, causal=causal, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
