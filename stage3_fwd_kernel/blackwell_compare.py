@@ -66,7 +66,7 @@ INSTALL_HINT = ("pip install --no-deps " + " ".join(f"{k}=={v}" for k, v in OFFI
                 + ", or the dev extra")
 B200_SMS = 148
 ROLES = ("softmax_unmasked", "softmax_masked", "mma", "correction")
-COUNTED = ("UTCHMMA", "MUFU.EX2", "FFMA", "FFMA2", "FADD", "FADD2", "FMUL", "FMUL2", "FSEL", "LDTM", "STTM")
+COUNTED = ("UTCHMMA", "MUFU.EX2", "FFMA", "FFMA2", "FADD", "FADD2", "FMUL", "FMUL2", "FSEL", "R2P", "LDTM", "STTM")
 
 
 # ------------------------------------------------------------------------------------ the loops

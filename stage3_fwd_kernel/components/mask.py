@@ -9,14 +9,15 @@ each row needs one limit per edge, shifted once into thread 0's columns, and eve
 compare of an immediate against that limit and a select -- no column index held in registers, and
 no `if` per element, whose lowering re-selects fragment values at every branch (~2100 extra
 selects in the bf16 kernels; at 160 registers per thread it spills). A left edge costs a second
-compare, only in the blocks that cross it.
+compare, only in the blocks that cross it. A thread that holds a whole row (Blackwell's tcgen05.ld)
+turns the limit into a bit mask per 32 columns instead, and ptxas tests eight bits per R2P.
 measured: docs/measurements.md
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from stage3_fwd_kernel.components.window import Window
 
@@ -69,8 +70,17 @@ class AttentionMask:
         tScS their (row, col) coordinates, the columns compile-time constants."""
         col_limit = self.key_limit(row, n_block, seqlen_q, seqlen_k)
         if const_expr(self.window.left is None):
-            for c in cutlass.range_constexpr(cute.size(acc_S)):  # one select per value
-                acc_S[c] = Float32(cutlass.select_(tScS[c][1] >= col_limit, -Float32.inf, acc_S[c]))
+            # the row's visible columns of each 32-column group as a bit mask (one shift per group),
+            # then a bit test per value, which ptxas turns into predicates eight at a time (R2P)
+            # instead of a compare per value: 176 instructions over the unmasked loop, not 262
+            # (d = 128 causal, sm_100a; the official kernel's masked loop adds 175)
+            for g in cutlass.range_constexpr(cute.size(acc_S) // 32):
+                n = cutlass.max(cutlass.min(col_limit - tScS[32 * g][1], Int32(32)), Int32(0))
+                # in 64 bits: a 32-bit shift by 32 (the whole group visible) is undefined in LLVM
+                bits = Int32((Int64(1) << Int64(n)) - 1)
+                for c in cutlass.range_constexpr(32):
+                    acc_S[32 * g + c] = Float32(cutlass.select_(((bits >> c) & 1) == 0, -Float32.inf,
+                                                                acc_S[32 * g + c]))
         else:
             col_start = self.key_start(row, n_block, seqlen_q, seqlen_k)
             for c in cutlass.range_constexpr(cute.size(acc_S)):
