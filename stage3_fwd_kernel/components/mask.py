@@ -75,7 +75,11 @@ class AttentionMask:
             # instead of a compare per value: 176 instructions over the unmasked loop, not 262
             # (d = 128 causal, sm_100a; the official kernel's masked loop adds 175)
             for g in cutlass.range_constexpr(cute.size(acc_S) // 32):
-                n = cutlass.max(cutlass.min(col_limit - tScS[32 * g][1], Int32(32)), Int32(0))
+                first = tScS[32 * g][1]
+                # bit c stands for column first + c: the row's values must be consecutive columns
+                if const_expr(any(tScS[32 * g + c][1] != first + c for c in range(32))):
+                    raise ValueError("apply_row: a 32-value group of the row is not 32 consecutive columns")
+                n = cutlass.max(cutlass.min(col_limit - first, Int32(32)), Int32(0))
                 # in 64 bits: a 32-bit shift by 32 (the whole group visible) is undefined in LLVM
                 bits = Int32((Int64(1) << Int64(n)) - 1)
                 for c in cutlass.range_constexpr(32):
