@@ -229,23 +229,32 @@ def _chains_total(sums: list):
 def exp2_row_packed(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy: cutlass.Constexpr) -> Float32:
     """exp2_row for Blackwell (sm_100), whose FMA pipe takes f32x2 pairs: the argument of two
     adjacent values in one FFMA2 (fma.rn.f32x2: the same rounding per value as exp2_row's FFMA),
-    then the exponentials and exp2_row's four running sums as there. With the polynomial and the
-    sums packed as well (FFMA2 / FADD2, as the official kernel has them) the softmax warpgroups
-    spilled within their 192 registers (116 bytes at d = 128, compile report), so those stay
-    scalar. The work goes one pattern period (16 values) at a time: few temporaries live at once."""
+    then the exponentials, and the row sum in one f32x2 chain (FADD2: 64 adds for 128 values, where
+    exp2_row's four scalar chains take 128). Packing the polynomial as well spilled 116 bytes a
+    softmax thread within its 192 registers, and two FADD2 chains spilled 16 bytes in the causal
+    builds, so the polynomial stays scalar and the sum is one chain (a longer dependency than four,
+    never timed: no Blackwell GPU). The work goes one pattern period (16 values) at a time: few
+    temporaries live at once. d = 128, loop instructions: unmasked 615 -> 555, masked 794 -> 734."""
     n = cute.size(row)
     neg_bias = -bias
     period = PATTERN_PERIOD if n % PATTERN_PERIOD == 0 else n
-    sums = [None] * (4 if n % 4 == 0 else 1)
+    pairs = [None] if n % 4 == 0 else None  # the sum in one f32x2 chain (FADD2), else scalar
+    sums = [None]
     for g in cutlass.range_constexpr(0, n, period):
         for c in cutlass.range_constexpr(g, g + period, 2):   # x = s * scale - bias, in pairs
             row[c], row[c + 1] = cute.arch.fma_packed_f32x2((row[c], row[c + 1]), (scale_log2, scale_log2),
                                                             (neg_bias, neg_bias), rnd="rn")
         for c in cutlass.range_constexpr(g, g + period):
-            p = _exp2_at(row[c], c, policy)
-            row[c] = p
-            _add_to_chain(sums, c, p)
-    return _chains_total(sums)
+            row[c] = _exp2_at(row[c], c, policy)
+            if cutlass.const_expr(pairs is None):
+                _add_to_chain(sums, c, row[c])
+            elif cutlass.const_expr(c % 2 == 1):
+                k = 0
+                pair = (row[c - 1], row[c])
+                pairs[k] = pair if cutlass.const_expr(pairs[k] is None) else cute.arch.add_packed_f32x2(pairs[k], pair)
+    if cutlass.const_expr(pairs is None):
+        return _chains_total(sums)
+    return pairs[0][0] + pairs[0][1]
 
 
 @cute.jit
