@@ -643,26 +643,19 @@ class Explorer:
 
     def _describe(self, op):
         cl = lambda cs: self.c.cells_text(cs) or "-"  # noqa: E731
-        kind = op[0]
-        if kind == "wait":
-            return f"wait {self._bn(op[1])} parity {op[2]}"
-        if kind == "arrive":
-            return f"arrive {self._bn(op[1])} x{op[2]}"
-        if kind == "expect":
-            return f"arrive + expect_tx {self._bn(op[1])} x{op[2]} ({op[3]} copies)"
-        if kind == "commit":
-            return "issue commit -> " + ", ".join(self._bn(b) for b in op[1])
-        if kind == "mma":
-            return f"issue MMA reading {cl(op[1])}, writing {cl(op[2])}"
-        if kind == "tma":
-            return f"issue TMA load -> {cl(op[1])} on {self._bn(op[2])}"
-        if kind == "bulk":
-            return f"issue bulk copy {cl(op[2])} -> {cl(op[1])} on {self._bn(op[3])}"
-        if kind == "access":
-            return f"read {cl(op[1])}; write {cl(op[2])}"
-        if kind == "narrive":
-            return f"named barrier {self.c.named[op[1]]} arrive x{op[3]} (of {op[2]})"
-        return f"named barrier {self.c.named[op[1]]} wait"
+        bn = self._bn
+        text = {
+            "wait": lambda: f"wait {bn(op[1])} parity {op[2]}",
+            "arrive": lambda: f"arrive {bn(op[1])} x{op[2]}",
+            "expect": lambda: f"arrive + expect_tx {bn(op[1])} x{op[2]} ({op[3]} copies)",
+            "commit": lambda: "issue commit -> " + ", ".join(bn(b) for b in op[1]),
+            "mma": lambda: f"issue MMA reading {cl(op[1])}, writing {cl(op[2])}",
+            "tma": lambda: f"issue TMA load -> {cl(op[1])} on {bn(op[2])}",
+            "bulk": lambda: f"issue bulk copy {cl(op[2])} -> {cl(op[1])} on {bn(op[3])}",
+            "access": lambda: f"read {cl(op[1])}; write {cl(op[2])}",
+            "narrive": lambda: f"named barrier {self.c.named[op[1]]} arrive x{op[3]} (of {op[2]})",
+        }.get(op[0])
+        return text() if text else f"named barrier {self.c.named[op[1]]} wait"
 
     def _final_check(self, st):
         for i, (arrived, *_r) in enumerate(st[2]):
