@@ -31,14 +31,6 @@ LOG2_E = math.log2(math.e)
 
 
 @cute.jit
-def _warp_all(x: Float32, op) -> Float32:
-    """op over the 32 lanes' x, every lane getting the result (butterfly shuffles)."""
-    for i in cutlass.range_constexpr(5):
-        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=16 >> i))
-    return x
-
-
-@cute.jit
 def merge_row(lse_parts: cute.Tensor, out_parts: cute.Tensor, first: Int32, count: Int32, lane: Int32,
               acc: cute.Tensor) -> Float32:
     """One query row's merge, by one warp: parts first .. first + count - 1 of lse_parts (1-D, fp32) and
@@ -49,12 +41,12 @@ def merge_row(lse_parts: cute.Tensor, out_parts: cute.Tensor, first: Int32, coun
     top = -Float32.inf
     for j in cutlass.range(lane, count, 32, unroll=1):
         top = cute.arch.fmax(top, lse_parts[first + j])
-    top = _warp_all(top, cute.arch.fmax)
+    top = cute.arch.warp_reduction(top, cute.arch.fmax)  # every lane gets the row's value
     top_safe = Float32(0.0) if top == -Float32.inf else top  # a row no part sees: weights 0
     total = Float32(0.0)
     for j in cutlass.range(lane, count, 32, unroll=1):
         total += cute.math.exp2((lse_parts[first + j] - top_safe) * LOG2_E, fastmath=True)
-    total = _warp_all(total, lambda a, b: a + b)
+    total = cute.arch.warp_reduction(total, lambda a, b: a + b)
     lse = -Float32.inf
     if total > 0.0:
         lse = top_safe + cute.math.log2(total, fastmath=True) / LOG2_E
