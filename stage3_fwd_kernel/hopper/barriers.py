@@ -52,14 +52,12 @@ def pass_turn(wg: Int32, nc: cutlass.Constexpr[int], first: cutlass.Constexpr[bo
     """The tensor-core turn around the CTA's whole life: before the first tile the last consumer
     hands consumer 0 the first turn; after the last, consumer 0 takes the last hand-over so that no
     arrival outlives the CTA."""
-    if const_expr(nc == 1):
-        pass
-    elif const_expr(first):
+    if const_expr(first):
         if wg == nc - 1:
-            cute.arch.barrier_arrive(barrier_id=1, number_of_threads=TURN_THREADS)
+            hand_turn(turn(0), nc)
     else:
         if wg == 0:
-            cute.arch.barrier(barrier_id=1, number_of_threads=TURN_THREADS)
+            take_turn(turn(0), nc)
 
 
 @cute.jit
