@@ -137,7 +137,7 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     page_table (int32, (batch, pages per sequence)), as in the official: k / v are a paged cache
     (num_pages, page_size, Hkv, D / Dv), cu_seqlens_k is None, and sequence b's keys are pages
     page_table[b, 0], page_table[b, 1], ... (seqused_k[b] of them, default all). fa4 gathers the
-    pages into a padded copy before the kernel (a copy per call; see fa4/_validate.gather_pages).
+    pages into a padded copy before the kernel (a copy per call; see fa4/_layouts.VarlenLayout.unpage).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for
     CUDA graphs); None means a padded side's seqlen, or, as in the official, a packed side's token
     total: no host sync, but the grid is sized from the bound, so a batch of many short sequences

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import _dispatch
+from ._kvcache import gather_pages
 
 # head dims the official interface accepts on Hopper: multiples of 8 up to 256
 HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
@@ -106,6 +107,14 @@ class VarlenLayout:
         b, s = t.shape[0], t.shape[1]
         cu = torch.arange(0, b + 1, dtype=torch.int32, device=t.device) * s
         return t.reshape(b * s, *t.shape[2:]), cu, s
+
+    @staticmethod
+    def unpage(k, v, page_table):
+        """A paged k / v (num_pages, page_size, H, *) as padded (batch, pages * page_size, H, *) copies
+        (flash_attn_with_kvcache's page gather); entries past a sequence's keys are clamped to a
+        valid page, whatever they held. A copy per call: the kernels do not read pages in place yet."""
+        pages = page_table.clamp(0, k.shape[0] - 1)                                      # (B, P)
+        return gather_pages(k, pages), gather_pages(v, pages)
 
     @classmethod
     def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q):

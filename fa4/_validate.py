@@ -260,13 +260,14 @@ def _check_index_tensor(name, t, q, length=None, what="batch + 1", dims=1, layou
 def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, page_table=None):
     """The two sides of a flash_attn_varlen_func call, each packed ((total, H, D) with its cu_seqlens)
     or padded ((batch, seqlen, H, D) with cu_seqlens None), checked and brought to the packed form.
-    A paged k / v (page_table) is gathered into the padded form first (`gather_pages`).
+    A paged k / v (page_table) is gathered into the padded form first (`VarlenLayout.unpage`).
     Returns (q, k, v, cu_q, cu_k, max_q, max_k, padded_q): a padded side's max_seqlen defaults to its
     seqlen, and padded_q is (batch, seqlen_q) when q came padded, else None."""
     names = ("q", "k", "v")
     _check_dtypes_devices(names, (q, k, v))
     if page_table is not None:
-        k, v = gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table)
+        check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table)
+        k, v = VarlenLayout.unpage(k, v, page_table)
     sides = {"q": (q, cu_seqlens_q), "k": (k, cu_seqlens_k), "v": (v, cu_seqlens_k)}
     for n, (t, cu) in sides.items():
         cu_name = "cu_seqlens_" + ("q" if n == "q" else "k")
@@ -291,12 +292,10 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     return q, k, v, cu_q, cu_k, max_q, max_k, padded_q
 
 
-def gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
+def check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
     """A paged k / v -- (num_pages, page_size, Hkv, D) with page_table (batch, pages per sequence)
-    int32, as in the official interface -- gathered into padded (batch, pages * page_size, Hkv, D)
-    copies that the padded varlen path takes. Entries past a sequence's seqused_k keys may hold any
-    value (they are clamped to a valid page; FA4_VALIDATE=1 checks every entry instead). A copy per
-    call: the kernels do not read pages in place yet."""
+    int32, as in the official interface. Entries past a sequence's seqused_k keys may hold any value
+    (`VarlenLayout.unpage` clamps them); FA4_VALIDATE=1 checks every entry instead."""
     _check_index_tensor("page_table", page_table, q, dims=2, layout="(batch, pages per sequence)")
     if cu_seqlens_k is not None:
         raise ValueError("cu_seqlens_k: must be None with page_table (a paged k / v is one page list per sequence)")
@@ -306,9 +305,8 @@ def gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
                              f"{tuple(t.shape)}")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (num_pages, page_size, heads)")
-    batch = q.shape[0] if cu_seqlens_q is None else (cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor)
-                                                       else None)
-    if batch is not None and page_table.shape[0] != batch:
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1  # cu_seqlens_q: checked later
+    if page_table.shape[0] != batch:
         raise ValueError(f"page_table: {page_table.shape[0]} rows != batch = {batch}")
     if k.shape[0] == 0:
         raise ValueError("k: a paged cache needs at least one page")
@@ -316,8 +314,6 @@ def gather_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
         lo, hi = int(page_table.min()), int(page_table.max())
         if lo < 0 or hi >= k.shape[0]:
             raise ValueError(f"page_table: entries must be page indices in [0, {k.shape[0]}), got {lo} .. {hi}")
-    pages = page_table.clamp(0, k.shape[0] - 1).long()                                  # (B, P)
-    return k[pages].flatten(1, 2), v[pages].flatten(1, 2)                                # (B, P * page_size, H, *)
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
