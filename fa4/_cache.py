@@ -420,7 +420,7 @@ class DiskStore:
             _STATS["misses"] += 1
         store = disk() if persistable(key) else None
         if store is not None:
-            store.store(key, compiled.fn, getattr(compiled, "log_report", None) or compiled.report)
+            store.store(key, compiled.fn, compiled.log_report)
 
 
 STORE = DiskStore()
