@@ -114,6 +114,19 @@ def _max_abs_diff(a, b):
     return diff.nan_to_num(float("inf")).max().item() if diff.numel() else 0.0
 
 
+def reference_and_baseline(q, k, v, dout, **kw):
+    """The two sides of FA4's rule for a forward and backward: (out, lse, dq, dk, dv) of
+    attention_ref in fp32 (the reference) and in the inputs' precision (the baseline), the gradients
+    those of sum(out * dout). kw: attention_ref's keywords (causal, window_size, softcap, ...)."""
+    sides = []
+    for upcast in (True, False):
+        leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
+        out, lse = attention_ref(*leaves, upcast=upcast, **kw)
+        grads = torch.autograd.grad((out.float() * dout.float()).sum(), leaves)
+        sides.append((out.detach(), lse.detach(), *grads))
+    return tuple(sides)
+
+
 def grad_atol(ref_grads, floor=1e-5):
     """The rule's tiny absolute term for gradients, scaled to the backward's magnitude.
 

@@ -38,7 +38,7 @@ def test_fa4_forward_and_backward_on_blackwell(sq, sk, hq, hkv, d, causal):
     """fa4.flash_attn_func on sm_100: out, lse and (head dims 64 / 128, and 96 padded onto 128) the
     gradients. 4224 keys causal launches the LPT order."""
     import fa4
-    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+    from stage0_reference.torch_reference import assert_fa4_close, grad_atol, reference_and_baseline
 
     g = torch.Generator(device="cuda").manual_seed(sq + sk + d)
     q = _rand(g, 2, sq, hq, d).requires_grad_()
@@ -46,12 +46,7 @@ def test_fa4_forward_and_backward_on_blackwell(sq, sk, hq, hkv, d, causal):
     out, lse = fa4.flash_attn_func(q, k, v, causal=causal, return_lse=True)  # warns once: unverified
     dout = _rand(g, 2, sq, hq, d)
     got = (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
-    res = []
-    for upcast in (True, False):
-        leaves = [(t.detach().float() if upcast else t.detach()).requires_grad_() for t in (q, k, v)]
-        o, l_ = attention_ref(*leaves, causal=causal, upcast=upcast)
-        res.append((o.detach(), l_.detach(), *torch.autograd.grad((o.float() * dout.float()).sum(), leaves)))
-    ref, base = res
+    ref, base = reference_and_baseline(q, k, v, dout, causal=causal)
     for name, a, r, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
         assert_fa4_close(f"sm_100 {name}", a, r, b, atol=1e-5 if name in ("out", "lse") else grad_atol(ref[2:]))
 

@@ -14,24 +14,13 @@ import pytest
 import torch
 
 import fa4
-from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+from stage0_reference.torch_reference import assert_fa4_close, grad_atol, reference_and_baseline
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fa4]
 
 
 def _rand(g, *shape):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
-
-
-def _ref_pair(q, k, v, dout, *, causal, window=(None, None)):
-    """(out, lse, dq, dk, dv) of the reference in fp32 and in the inputs' precision."""
-    res = []
-    for upcast in (True, False):
-        leaves = [(t.detach().float() if upcast else t.detach()).clone().requires_grad_() for t in (q, k, v)]
-        o, lse = attention_ref(*leaves, causal=causal, window_size=window, upcast=upcast)
-        grads = torch.autograd.grad((o.float() * dout.float()).sum(), leaves)
-        res.append((o.detach(), lse.detach(), *grads))
-    return res
 
 
 PAIRS = [(128, 64, 1, 1, True), (128, 64, 113, 203, False), (128, 64, 799, 3, True), (128, 64, 1024, 1024, True),
@@ -49,7 +38,7 @@ def test_head_dim_pairs_forward_and_backward(d, dv, sq, sk, causal):
     out, lse = fa4.flash_attn_func(q, k, v, causal=causal, return_lse=True)
     dout = _rand(g, 2, sq, hq, dv)
     got = (out, lse, *torch.autograd.grad(out, (q, k, v), dout))
-    ref, base = _ref_pair(q, k, v, dout, causal=causal)
+    ref, base = reference_and_baseline(q, k, v, dout, causal=causal)
     assert out.shape == (2, sq, hq, dv) and out.is_contiguous()
     atol = grad_atol(ref[2:])
     for name, a, r, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
@@ -106,8 +95,8 @@ def test_varlen_layouts_with_seqused(padded_q, padded_k, heads, variant):
         assert torch.all(dks[b][nk:] == 0) and torch.all(dvs[b][nk:] == 0), f"keys past seqused_k, seq {b}"
         if nq == 0:
             continue
-        ref, base = _ref_pair(qs[b][None, :nq], ks[b][None, :nk], vs[b][None, :nk], douts[b][None, :nq],
-                              causal=causal, window=window)
+        ref, base = reference_and_baseline(qs[b][None, :nq], ks[b][None, :nk], vs[b][None, :nk], douts[b][None, :nq],
+                                           causal=causal, window_size=window)
         atol = grad_atol(ref[2:])
         got = (outs[b][None, :nq], lses[b][None, :, :nq], dqs[b][None, :nq], dks[b][None, :nk], dvs[b][None, :nk])
         for name, a, r, bl in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
@@ -174,5 +163,5 @@ def test_page_table_equals_the_padded_call():
     (out, dq, dk_pool, dv_pool), (out2, dq2, dk2, dv2) = results
     assert torch.equal(out, out2) and torch.equal(dq, dq2)
     assert torch.equal(dk_pool[table.long()].view_as(dk2), dk2) and torch.equal(dv_pool[table.long()].view_as(dv2), dv2)
-    ref, base = _ref_pair(q[2:3], k_pad[2:3, :250], v_pad[2:3, :250], dout[2:3], causal=True)
+    ref, base = reference_and_baseline(q[2:3], k_pad[2:3, :250], v_pad[2:3, :250], dout[2:3], causal=True)
     assert_fa4_close("paged out (seq 2)", out[2:3], ref[0], base[0])

@@ -216,3 +216,19 @@ def test_grad_atol_scales_with_the_gradients_and_keeps_a_floor():
     assert_fa4_close("dk", noisy, ref, ref, atol=grad_atol([ref]))
     with pytest.raises(AssertionError):
         assert_fa4_close("dk", ref + 16.0 * 2.0 ** -9, ref, ref, atol=grad_atol([ref]))
+
+
+def test_reference_and_baseline_are_the_rules_two_sides():
+    """fp32 side: attention_ref upcast and its autograd gradients; baseline: the inputs' precision."""
+    from stage0_reference.torch_reference import reference_and_baseline
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(1, 7, 2, 16, generator=g).bfloat16() for _ in range(4))
+    ref, base = reference_and_baseline(q, k, v, dout, causal=True, window_size=(2, None))
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    out, lse = attention_ref(*leaves, causal=True, window_size=(2, None))
+    grads = torch.autograd.grad((out * dout.float()).sum(), leaves)
+    for a, b in zip(ref, (out, lse, *grads)):
+        torch.testing.assert_close(a, b)
+    assert [t.dtype for t in base] == [torch.bfloat16, torch.float32] + [torch.bfloat16] * 3
+    assert not torch.equal(base[0].float(), ref[0])  # the baseline really ran in bf16
