@@ -238,6 +238,7 @@ def test_argument_errors_in_a_group_of_one():
                                          kernels=ref)
             with pytest.raises(TypeError, match=r"^cu_seqlens: expected int32 or int64"):
                 cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0.0, 6.0]), kernels=ref)
+            _padding_of_native_kernels(ref)
             with pytest.raises(ValueError, match=r"^x: the local sequence length 3 must be a multiple of 2"):
                 cp.unshard(q[:, :3], dim=1)
             with pytest.raises(ValueError, match=r"^softcap: must be finite and >= 0"):
@@ -247,3 +248,36 @@ def test_argument_errors_in_a_group_of_one():
             assert cp.positions(8, layout="zigzag").tolist() == list(range(8))
         finally:
             dist.destroy_process_group()
+
+
+class _NativeReference(cp.ReferenceKernels):
+    """The reference kernels declaring fa4's native head dims, recording what they are handed."""
+
+    native_head_dims = True
+
+    def __init__(self):
+        self.dims = []
+
+    def forward(self, q, k, v, *args, **kw):
+        self.dims.append((q.shape[-1], v.shape[-1]))
+        return super().forward(q, k, v, *args, **kw)
+
+
+def _padding_of_native_kernels(ref):
+    """Kernels with native head dims get (16, 24) zero-padded onto (64, 64) (ring and varlen); the out
+    and the gradients are the unpadded reference's."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 6, 2, d, generator=g, dtype=torch.float64) for d in (16, 16, 24))
+    native = _NativeReference()
+    for call in (lambda qq, kk, vv, kern: cp.ring_attention(qq, kk, vv, causal=True, kernels=kern),
+                 lambda qq, kk, vv, kern: cp.ring_attention_varlen(qq[0], kk[0], vv[0], cu_seqlens=torch.tensor([0, 6]),
+                                                                   causal=True, kernels=kern)):
+        outs = []
+        for kern in (native, ref):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = call(*leaves, kern)
+            outs.append((out, *torch.autograd.grad(out.sum(), leaves)))
+        for a, b in zip(*outs):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert native.dims and all(d == (64, 64) for d in native.dims)

@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._layouts import pad_head_dims
-from ._checks import check_kernels, check_tensor, world_of
+from ._checks import check_kernels, check_tensor, pad_for, world_of
 from ._kernels import Fa4Kernels, ReferenceKernels
 from ._plan import LAYOUTS, check_divisible, check_layout, local_positions
 from ._ring import Ring, RingAttention, RingCall
@@ -49,7 +48,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     learnable_sink (Hq,) work as in fa4.flash_attn_func; the sink's gradient on each rank is that
     rank's share (sum it over the group with the other replicated parameters' gradients). Head dims
     as in fa4.flash_attn_func: pairs without a kernel of their own are zero-padded onto a native one
-    (this module's CPU tests, at head dim 16, run that way).
+    (`_checks.pad_for`).
     deterministic=True gives bitwise-reproducible gradients. window_size is not served here (the
     ring's key slices are not in position order under zigzag): use ring_attention_varlen.
     """
@@ -67,7 +66,7 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     softcap = check_softcap(softcap)
     learnable_sink = check_learnable_sink(learnable_sink, q)
     call = RingCall(Ring(group), kernels, scale, causal, layout, softcap, deterministic, return_lse)
-    q, k, v, unpad = pad_head_dims(q, k, v)  # head dims without a kernel of their own: zero-padded
+    q, k, v, unpad = pad_for(kernels, q, k, v)
     out, lse = RingAttention.apply(q, k, v, learnable_sink, call)
     out = unpad(out)
     return (out, lse) if return_lse else out

@@ -43,3 +43,14 @@ def check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return
         raise ValueError(f"k: heads_kv ({hkv}) must divide q's heads ({hq}), with v's heads and the batch matching "
                          f"(q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})")
     return kernels, q, k, v, check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
+
+
+def pad_for(kernels, q, k, v):
+    """(q, k, v, unpad): fa4's kernels exist for a few (qk, v) head-dim pairs, so other pairs are
+    zero-padded onto one (fa4._layouts.pad_head_dims, as fa4.flash_attn_func does); kernels that
+    take any head dims (ReferenceKernels) get the inputs as they are."""
+    if getattr(kernels, "native_head_dims", False):
+        from .._layouts import pad_head_dims
+
+        return pad_head_dims(q, k, v)
+    return q, k, v, lambda out: out

@@ -24,6 +24,7 @@ class Fa4Kernels:
 
     name = "fa4"
     needs_cuda = True
+    native_head_dims = True  # kernels exist for a few (qk, v) pairs: the ring pads the others onto them
 
     def forward(self, q, k, v, scale, causal, softcap):
         from .. import _ops
@@ -61,6 +62,7 @@ class ReferenceKernels:
 
     name = "reference"
     needs_cuda = False
+    native_head_dims = False  # any head dims
 
     def forward(self, q, k, v, scale, causal, softcap, window=(None, None)):
         from stage0_reference.torch_reference import attention_ref

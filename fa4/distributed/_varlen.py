@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._layouts import pad_head_dims
-from ._checks import check_kernels, check_tensor, world_of
+from ._checks import check_kernels, check_tensor, pad_for, world_of
 
 
 @dataclass(frozen=True)
@@ -171,7 +170,7 @@ def ring_attention_varlen(q, k, v, *, cu_seqlens, group=None, causal=False, soft
     docs = local_docs(bounds, rank * rows, (rank + 1) * rows, causal, left, q.device)
     call = VarlenCall(group, world, rank, kernels, scale, causal, (left, None), check_softcap(softcap),
                       deterministic, return_lse, docs)
-    q, k, v, unpad = pad_head_dims(q, k, v)  # head dims without a kernel of their own: zero-padded
+    q, k, v, unpad = pad_for(kernels, q, k, v)
     out, lse = GatheredVarlenAttention.apply(q, k, v, call)
     out = unpad(out)
     return (out, lse) if return_lse else out
