@@ -20,6 +20,7 @@ import sys
 import torch
 
 from .ab_fwd import paired_rounds, write_results
+from .bench_variants import fwd_bwd_calls
 
 
 def parse_pairs(text: str) -> list:
@@ -28,13 +29,6 @@ def parse_pairs(text: str) -> list:
         d, _, dv = item.partition("/")
         pairs.append((int(d), int(dv or d)))
     return pairs
-
-
-def _calls(fn, q, k, v, causal):
-    out = fn(q, k, v, causal=causal)
-    out = out[0] if isinstance(out, tuple) else out
-    dout = torch.randn_like(out)
-    return (lambda: fn(q, k, v, causal=causal)), (lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)), out
 
 
 def run_pair(d, dv, seqlen, causal, rounds, rng):
@@ -62,7 +56,7 @@ def run_pair(d, dv, seqlen, causal, rounds, rng):
     fns, outs, refused = {"fwd": {}, "bwd": {}}, {}, {}
     for name, (fn, args) in impls.items():
         try:
-            f, bw, outs[name] = _calls(fn, *args, causal)
+            f, bw, outs[name] = fwd_bwd_calls(fn, *args, causal, {})
             bw()
             fns["fwd"][name], fns["bwd"][name] = f, bw
         except Exception as err:  # noqa: BLE001 - a refusal is a result here

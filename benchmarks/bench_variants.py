@@ -31,7 +31,7 @@ CASES = {  # name -> (causal, fa4 / official keyword arguments)
 }
 
 
-def _calls(impl, q, k, v, causal, kw):
+def fwd_bwd_calls(impl, q, k, v, causal, kw):
     """(forward call, backward call on a retained graph) of one implementation."""
     def fwd():
         out = impl(q, k, v, causal=causal, **kw)
@@ -65,7 +65,7 @@ def run_case(name, d, seqlen, rounds, rng, impls):
     fns, outs, refused = {"fwd": {}, "bwd": {}}, {}, {}
     for n, impl in impls.items():
         try:
-            f, bw, outs[n] = _calls(impl, q, k, v, causal, kw)
+            f, bw, outs[n] = fwd_bwd_calls(impl, q, k, v, causal, kw)
             fns["fwd"][n] = f
             bw()
             fns["bwd"][n] = bw
@@ -104,9 +104,9 @@ def window_cost(d, seqlen, window, rounds, rng):
     q, k, v = (torch.randn(b, seqlen, h, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_(True)
                for _ in range(3))
     rows = []
-    calls = {"full": _calls(fa4.flash_attn_func, q, k, v, False, {}),
-             "causal": _calls(fa4.flash_attn_func, q, k, v, True, {}),
-             "window": _calls(fa4.flash_attn_func, q, k, v, True, dict(window_size=(window, 0)))}
+    calls = {"full": fwd_bwd_calls(fa4.flash_attn_func, q, k, v, False, {}),
+             "causal": fwd_bwd_calls(fa4.flash_attn_func, q, k, v, True, {}),
+             "window": fwd_bwd_calls(fa4.flash_attn_func, q, k, v, True, dict(window_size=(window, 0)))}
     for direction, i in (("fwd", 0), ("bwd", 1)):
         times = paired_rounds({n: c[i] for n, c in calls.items()}, rounds, rng)
         vs_causal = statistics.median(w / c for w, c in zip(times["window"], times["causal"]))
