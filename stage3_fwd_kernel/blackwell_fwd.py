@@ -714,9 +714,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
     cfg = make_config(str(q.dtype), d, dv, causal, **cfg_kw)  # ValueError before any compile
-    if scheduler is not None:  # a tile order's own host-side limits (stage 5's sections and flat map)
-        getattr(scheduler, "check_problem", lambda *a: None)(hq, k.shape[2])
-        getattr(scheduler, "check_grid", lambda *a: None)(-(-sq // cfg.cta_tile_m), hq, b)
+    tile_scheduler.check_grid(scheduler, -(-sq // cfg.cta_tile_m), hq, b)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse

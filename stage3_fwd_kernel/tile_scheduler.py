@@ -115,6 +115,14 @@ class PersistentScheduler:
         return self.order.tile_at(linear, num_m_blocks, num_heads, batch)
 
 
+def check_grid(scheduler, num_m_blocks: int, heads: int, batch: int):
+    """A tile order's own host-side limit on the grid (stage 5's flat LPT map), if it has one (a
+    persistent scheduler passes its order's)."""
+    check = getattr(getattr(scheduler, "order", scheduler), "check_grid", None)
+    if check is not None:
+        check(num_m_blocks, heads, batch)
+
+
 def sm_count(device=None) -> int:
     """Streaming multiprocessors of a CUDA device (the persistent grid's width)."""
     import torch

@@ -17,10 +17,10 @@ from stage3_fwd_kernel.hopper.config import (
     default_tile_n, make_policy)
 from stage3_fwd_kernel.hopper.kernel import FlashAttentionForwardSm90
 from stage3_fwd_kernel.hopper.scheduling import (
-    _check_grid, _launch_ctas, _resolve_scheduler, _tile_counter, default_persistent)
+    _launch_ctas, _resolve_scheduler, _tile_counter, default_persistent)
 from stage3_fwd_kernel.hopper.split_tail import split_tail_combine, split_tail_plan
 from stage3_fwd_kernel.softmax_policy import DEFAULT_RESCALE_THRESHOLD, SoftmaxPolicy
-from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
+from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler, check_grid
 
 
 class Variant(NamedTuple):
@@ -196,7 +196,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
-    _check_grid(scheduler, -(-sq // tile_m), hq, b)
+    check_grid(scheduler, -(-sq // tile_m), hq, b)
     out, lse = _outputs(out, lse, (b, sq, hq, dv), (b, hq, sq), q)
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
@@ -251,7 +251,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     policy.check_dtype(dt)
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
-    _check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
+    check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
     out, lse = _outputs(out, lse, (tq, hq, dv), (hq, tq), q)
     if check_values:
         host_io.check_varlen_values(tq, k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -56,13 +56,6 @@ def _persistent_over(order, dynamic: bool) -> PersistentScheduler:
     return PersistentScheduler(order, dynamic=dynamic)
 
 
-def _check_grid(scheduler, num_m_blocks: int, heads: int, batch: int):
-    """A tile order's own host-side limit on the grid (stage 5's flat LPT map), if it has one."""
-    check = getattr(getattr(scheduler, "order", scheduler), "check_grid", None)
-    if check is not None:
-        check(num_m_blocks, heads, batch)
-
-
 def _launch_ctas(scheduler, device) -> int:
     return scheduler.launch_ctas(device) if getattr(scheduler, "persistent", False) else 1
 
