@@ -25,10 +25,11 @@ The learnable sink joins the denominator once, after the merge (so it is not cou
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
+from ._layouts import gather_pages
 from ._lse_merge import add_sink, merge_parts
 
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
@@ -134,12 +135,6 @@ def append_to_cache(k_cache, v_cache, k, v, cache_rows, seqlens, block_table):
         page = torch.gather(block_table.to(torch.int64), 1, pos // ps)
         k_cache[page, pos % ps] = k
         v_cache[page, pos % ps] = v
-
-
-def gather_pages(cache, block_table):
-    """A dense (B, P * page_size, H, D) copy of a paged cache's sequences."""
-    b, p = block_table.shape
-    return cache[block_table.to(torch.int64)].reshape(b, p * cache.shape[1], *cache.shape[2:])
 
 
 # ---------------------------------------------------------------------------------------------

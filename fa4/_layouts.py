@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 
 from . import _dispatch
-from ._kvcache import gather_pages
 
 # head dims the official interface accepts on Hopper: multiples of 8 up to 256
 HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
@@ -57,6 +56,13 @@ def native_pair(arch: _dispatch.ArchInfo, d: int, dv: int):
         return (d, dv)
     covering = [p for p in arch.head_dims if p[0] >= d and p[1] >= dv]
     return min(covering, key=lambda p: (p[0] + p[1], max(p)), default=None)
+
+
+def gather_pages(cache, block_table):
+    """A dense (B, P * page_size, H, D) copy of a paged cache's sequences (block_table (B, P) page
+    indices): flash_attn_with_kvcache's fallback and varlen's page_table."""
+    b, p = block_table.shape
+    return cache[block_table.to(torch.int64)].reshape(b, p * cache.shape[1], *cache.shape[2:])
 
 
 def _pad_last(t, size):
