@@ -1,7 +1,7 @@
 """Paired A/B of backward kernels: interleaved rounds, each timed against the official FA4 in the same round.
 
     python -m benchmarks.ab_bwd --variants production,step3_rs,step3_rs@64x128:kv_descending \\
-        [--dims 64] [--seqlens 8192,16384] [--causal 0,1] [--rounds 7] [--out ab.json]
+        [--dims 64,192x128] [--seqlens 8192,16384] [--causal 0,1] [--rounds 7] [--cudnn] [--out ab.json]
 
 The method of benchmarks.ab_fwd (why: see there), for the backward kernels alone (preprocess + main
 + postprocess from a fixed forward) against the official kernel's autograd backward.
@@ -11,7 +11,8 @@ A variant is ``name[@MxN][:order][~keyword=int...][+det]``: a kernel of bench_bw
 copy at the repository root with its own STEP name), an optional tile override, an optional dQ order of
 ``stage4_bwd_kernel.schedule`` by its ``name``, optional integer keyword arguments of the kernel's
 ``attention_backward`` (for a copy that adds one), and ``+det`` for deterministic mode. Every
-variant's dq/dk/dv are checked against the first variant's before timing.
+variant's dq/dk/dv are checked against the first variant's before timing. ``--cudnn`` adds cuDNN
+through torch SDPA as a third peer (its autograd backward, like the official one's).
 """
 from __future__ import annotations
 
@@ -66,27 +67,37 @@ def make_variant(spec: str):
                                                                  **options)
 
 
-def backward_case(d: int, s: int, causal: bool):
+def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False):
     """One grid point of the benchmarks (bf16, 32k tokens per batch, hidden 2048) -> (batch, heads,
-    (q, k, v, out, dout, lse) from our forward, the official FA4's backward as a no-argument call).
-    The official one runs through ``autograd.grad``: ``.backward`` would also add into ``.grad`` on
-    every call (see benchmarks.bench_bwd)."""
+    (q, k, v, out, dout, lse) from our forward, the peers' backwards as no-argument calls: the
+    official FA4's, and cuDNN's through SDPA when asked). The peers run through ``autograd.grad``:
+    ``.backward`` would also add into ``.grad`` on every call (see benchmarks.bench_bwd)."""
     from flash_attn.cute.interface import flash_attn_func
     from stage3_fwd_kernel.hopper import attention_forward
 
     b, h = 32768 // s, 2048 // d
-    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     out, lse = attention_forward(q, k, v, causal=causal)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     o = flash_attn_func(qg, kg, vg, causal=causal)
     o = o[0] if isinstance(o, tuple) else o
-    return b, h, (q, k, v, out, do, lse), lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+    peers = {"official": lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)}
+    if cudnn:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qc, kc, vc = (t.detach().clone().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            oc = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=causal)
+        peers["cuDNN (SDPA)"] = lambda: torch.autograd.grad(oc, (qc, kc, vc), do.transpose(1, 2), retain_graph=True)
+    return b, h, (q, k, v, out, do, lse), peers
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", required=True, help="comma-separated step[@MxN][:order][~option=int][+det]")
-    add_grid_args(ap, dims="64", dims_help="head dims", seqlens="8192,16384", rounds=7)
+    add_grid_args(ap, dims="64", dims_help="head dims, d or dxdv (e.g. 64,192x128)", seqlens="8192,16384", rounds=7)
+    ap.add_argument("--cudnn", action="store_true", help="also time cuDNN through torch SDPA")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ab_bwd needs a CUDA GPU")
@@ -95,11 +106,11 @@ def main(argv=None) -> int:
     variants = {s: make_variant(s) for s in specs}
     rng = random.Random(args.seed)
     rows = []
-    for d in (int(x) for x in args.dims.split(",")):
+    for d, dv in ((int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
-                b, h, inputs, official = backward_case(d, s, causal)
-                fns = {"official": official}
+                b, h, inputs, peers = backward_case(d, dv, s, causal, args.cudnn)
+                fns = dict(peers)
                 ref = None
                 for n in specs:
                     fns[n] = lambda n=n: variants[n](*inputs, causal)
@@ -110,9 +121,10 @@ def main(argv=None) -> int:
                     if not err < 0.05:
                         raise SystemExit(f"{n}: max |grad - {specs[0]}'s| = {err} at d={d} s={s} causal={causal}")
                 times = paired_rounds(fns, args.rounds, rng)
-                rows += ratio_rows(times, 2.5 * flops(b, h, s, d, d, causal),
-                                   {"head_dim": d, "causal": causal, "seqlen": s}, f"d={d} causal={causal!s:5} s={s:5}")
-                del inputs, official, fns
+                rows += ratio_rows(times, 2.5 * flops(b, h, s, d, dv, causal),
+                                   {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s},
+                                   f"d={d}x{dv} causal={causal!s:5} s={s:5}")
+                del inputs, peers, fns
     if args.out:
         write_results(args.out, "benchmarks.ab_bwd", rows, args.rounds, production_variant=PRODUCTION)
     return 0

@@ -376,18 +376,6 @@ def test_fa4_window_softcap_sink_forward_backward(d):
     assert err <= bound, f"dsink: max error {err:.3e} > {bound:.3e}"
 
 
-@pytest.mark.cpu
-@pytest.mark.stage4
-def test_wide_head_backward_refuses_variants():
-    from stage4_bwd_kernel import hopper as bwd
-
-    with pytest.raises(ValueError, match="window_size / softcap"):
-        bwd._variant_kwargs(bwd.step_for(256, False, False), 256, False, (8, 8), 0.0)
-    assert bwd._variant_kwargs(bwd.step_for(256, False, False), 256, False, (None, None), 0.0) == {}
-    assert bwd._variant_kwargs(bwd.step_for(128, False, False), 128, False, (8, 8), 0.0) == dict(
-        window_size=(8, 8), softcap=0.0)
-
-
 @pytest.mark.compile
 @pytest.mark.stage4
 @pytest.mark.parametrize("d", [64, 96, 128])

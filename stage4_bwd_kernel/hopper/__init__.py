@@ -18,9 +18,9 @@ additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed o
 (``dq_writer.py``), and the CTAs launch in sections of chains (``schedule.py``).
 
 Which kernel serves a call: the composed production kernel of this package (``backward.py``,
-``kernel.py`` and its components) for head dims 64, 96, 128 and (128, 64) in every mode; ladder step 1
-(``hopper_step1``) for (192, 128) and (256, 256), whose register-sourced accumulators do not fit the
-production kernel's consumers. Measured: docs/measurements.md.
+``kernel.py`` and its components) for every head-dim pair in every mode: 64, 96, 128 and (128, 64) with
+dV / dK sourced from registers, (192, 128) and (256, 256) on the wide design (``wide.py``), whose
+accumulators would not fit those registers. Measured: docs/measurements.md.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from stage4_bwd_kernel.hopper import backward as _product
 from stage4_bwd_kernel.hopper.backward import STEP, make_kernel
 from stage4_bwd_kernel.hopper.kernel import FlashAttentionBackwardSm90
 from stage4_bwd_kernel.hopper.layouts import dq_frag_tiled_copy
-from stage4_bwd_kernel.hopper.options import (NUM_WG_MMA, RS_HEAD_DIMS, BackwardOptions, check_rs_head_dims,
-                                              default_tiles)
+from stage4_bwd_kernel.hopper.options import (NUM_WG_MMA, RS_HEAD_DIMS, WIDE_HEAD_DIMS, BackwardOptions,
+                                              check_product_head_dims, default_tiles)
 from stage4_bwd_kernel.hopper.scores import stats_shuffle_query, stats_shuffle_source
 
 _best = _step1  # compile_only / run default (every head dim, deterministic mode)
@@ -38,30 +38,24 @@ BEST_STEP = _step1.STEP
 
 
 def step_for(head_dim: int, causal: bool, deterministic: bool):
-    """The module that serves this configuration (see the module docstring): the production kernel's
-    ``backward`` or ladder step 1; causal and deterministic do not change the answer, and stay in the
-    signature for the callers."""
-    if head_dim in (64, 96, 128):
-        return _product
-    return _step1
+    """The module that serves this configuration: the production kernel's ``backward`` for every
+    supported head-dim pair (the wide ones on its own design, ``wide.py``); causal and deterministic
+    do not change the answer, and stay in the signature for the callers."""
+    return _product
 
 
 def _variant_kwargs(step, head_dim, causal, window_size, softcap) -> dict:
-    """window_size / softcap for the serving module: only the production kernel takes them; a plain
-    call passes nothing (so ladder step 1 is called as always)."""
+    """window_size / softcap for the serving module, which takes both; a plain call passes nothing."""
     from stage4_bwd_kernel import host
 
     if host.variant_of(causal, window_size, softcap) is None:
         return {}
-    if step is not _product:
-        raise ValueError(f"window_size / softcap: the backward at head dim {head_dim} runs ladder step 1, which "
-                         f"has no sliding window or softcap; head dims 64, 96 and 128 have both")
     return dict(window_size=window_size, softcap=softcap)
 
 
 def _with_d(grads, return_d, out, dout, head_mode: int):
-    """grads, plus D in lse's layout when asked: the production kernel returns its preprocess's; for
-    ladder step 1 (no such hook in a lesson) it is computed here."""
+    """grads, plus D in lse's layout when asked: the production kernel returns its preprocess's; a
+    step without that hook (a lesson's) gets it computed here."""
     if not return_d or len(grads) == 4:
         return grads
     d = (dout.float() * out).sum(-1)                    # (B, Sq, Hq) / (Tq, Hq)
@@ -73,7 +67,7 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv), each like its input.
 
     dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v).
-    window_size / softcap: the forward's variant (head dims 64, 96, 128). return_d: also return D =
+    window_size / softcap: the forward's variant. return_d: also return D =
     rowsum(dO * O) in lse's layout, fp32."""
     step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
     extra = _variant_kwargs(step, getattr(q, "shape", [None])[-1], causal, window_size, softcap)
@@ -134,5 +128,5 @@ def run(**kwargs):
 
 __all__ = ["attention_backward", "attention_varlen_backward", "compile_launchable", "compile_only", "run", "step_for",
            "BEST_STEP", "STEP", "make_kernel", "FlashAttentionBackwardSm90", "BackwardOptions", "default_tiles",
-           "check_rs_head_dims", "dq_frag_tiled_copy", "stats_shuffle_source", "stats_shuffle_query", "NUM_WG_MMA",
-           "RS_HEAD_DIMS"]
+           "check_product_head_dims", "dq_frag_tiled_copy", "stats_shuffle_source", "stats_shuffle_query", "NUM_WG_MMA",
+           "RS_HEAD_DIMS", "WIDE_HEAD_DIMS"]

@@ -1,9 +1,8 @@
-"""Host entry points of the production Hopper backward (D, Dv) = 64, 96, 128: build, compile, launch.
+"""Host entry points of the production Hopper backward, every (D, Dv) pair it has: build, compile, launch.
 
 ``make_kernel`` builds the composed kernel (``kernel.FlashAttentionBackwardSm90``) for one
 configuration; ``host.py`` runs it between the preprocess (lse2, D) and the postprocess (dq from the
-fp32 dQaccum; ``postprocess_frag`` for the fragment-order accumulator). The package's ``__init__``
-picks this module or ladder step 1 (192 / 256) per head dim.
+fp32 dQaccum; ``postprocess_frag`` for the fragment-order accumulator).
 """
 from __future__ import annotations
 
@@ -13,7 +12,8 @@ import functools
 from stage3_fwd_kernel.components.window import NO_WINDOW
 from stage4_bwd_kernel import common, host
 from stage4_bwd_kernel.hopper.kernel import FlashAttentionBackwardSm90
-from stage4_bwd_kernel.hopper.options import RS_HEAD_DIMS, BackwardOptions, check_rs_head_dims, default_tiles
+from stage4_bwd_kernel.hopper.options import (RS_HEAD_DIMS, WIDE_HEAD_DIMS, BackwardOptions, check_product_head_dims,
+                                              default_tiles)
 
 STEP = "hopper_bwd"
 
@@ -22,7 +22,7 @@ def _check_dims_of(q, v):
     """Refuse unsupported head dims before host.backward launches the preprocess."""
     if hasattr(q, "shape") and hasattr(v, "shape") and len(q.shape) >= 3 and len(v.shape) >= 3:
         common.check_head_dims(q.shape[-1], v.shape[-1])
-        check_rs_head_dims(q.shape[-1], v.shape[-1])
+        check_product_head_dims(q.shape[-1], v.shape[-1])
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
@@ -99,8 +99,8 @@ def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=
                          compare_deterministic=compare_deterministic, verbose=verbose)
 
 
-__all__ = ["STEP", "RS_HEAD_DIMS", "FlashAttentionBackwardSm90", "BackwardOptions", "default_tiles",
-           "check_rs_head_dims", "make_kernel", "compile_only", "attention_backward", "attention_varlen_backward", "run"]
+__all__ = ["STEP", "RS_HEAD_DIMS", "WIDE_HEAD_DIMS", "FlashAttentionBackwardSm90", "BackwardOptions", "default_tiles",
+           "check_product_head_dims", "make_kernel", "compile_only", "attention_backward", "attention_varlen_backward", "run"]
 
 
 if __name__ == "__main__":

@@ -106,6 +106,9 @@ class Consumer:
         else:
             o.tdQrA = wg_dQ.make_fragment_A(wg_dQ.partition_A(sdS))       # (..., ds_buffers)
             o.tdQrB = wg_dQ.make_fragment_B(wg_dQ.partition_B(sKt))
+        if const_expr(self.wide):  # dV / dK read P^T / dS^T from SMEM (wide.py)
+            o.tdVrPt = wg_dV.make_fragment_A(wg_dV.partition_A(sdSt))      # (..., slots): P^T in the last
+            o.tdKrdSt = wg_dK.make_fragment_A(wg_dK.partition_A(sdSt))
         o.acc_dV = cute.make_rmem_tensor(o.thr_dV.partition_shape_C((tn, dv)), Float32)
         o.acc_dK = cute.make_rmem_tensor(o.thr_dK.partition_shape_C((tn, d)), Float32)
         o.acc_dV.fill(0.0)
@@ -116,7 +119,7 @@ class Consumer:
         o.smem_copy_dS = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), mmas.SdP)
         o.thr_smem_dS = o.smem_copy_dS.get_slice(ctidx)
-        o.tdSsdSt = o.thr_smem_dS.partition_D(sdSt)                       # (..., ds_buffers)
+        o.tdSsdSt = o.thr_smem_dS.partition_D(sdSt)                       # (..., ds_buffers [+ P^T])
         # dQ (fp32) -> sdQ[buf], row order: 2 adjacent columns per 8-byte store; dq_swap_ab holds dQ^T,
         # whose adjacent pair is 2 query rows of sdQ: 4-byte stores into the transposed view
         o.smem_copy_dQ = cute.make_tiled_copy_C(
@@ -178,8 +181,8 @@ class Consumer:
                 seg_lo, seg_hi, masked = segments[seg]
                 for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
                     t = head_in_group * n_m + m_block - walk.m_block_min
-                    self.consume_tile(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, masked,
-                                      score_scale)
+                    tile_body = self.consume_tile_wide if const_expr(self.wide) else self.consume_tile
+                    tile_body(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, masked, score_scale)
 
         trace.cta_stamp("walked")
         self.store_dk_dv(o, walk, mdK, mdV, mmas, gmem_stores, sOffsets, softmax_scale)
@@ -266,6 +269,19 @@ class Consumer:
                 sD_t: cute.Tensor, tdVrPt_acc: cute.Tensor, dtanh_rc=None):
         """dS^T = P^T * (dP^T - D) in acc_dP (softcap: times the tanh's derivative dtanh_rc), then its
         16-bit copy (the A fragment of dK, returned); with late_dv, P^T is packed for dV only now."""
+        self.ds_in_place(o, acc_S_rc, acc_dP, sD_t, dtanh_rc)
+        if const_expr(self.late_dv):
+            # P^T packed only now: the fp32 P^T, the 16-bit copy and dP^T are never all live
+            tdVrPt_acc.store(acc_S.load().to(self.dtype))
+        tdKrdSt = cute.make_rmem_tensor(o.thr_dK.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
+        tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
+        tdSrdS.store(acc_dP.load().to(self.dtype))
+        return tdKrdSt
+
+    @cute.jit
+    def ds_in_place(self, o: ConsumerOperands, acc_S_rc: cute.Tensor, acc_dP: cute.Tensor, sD_t: cute.Tensor,
+                    dtanh_rc=None):
+        """acc_dP := dS^T = P^T * (dP^T - D), times the tanh's derivative with softcap."""
         acc_dP_rc = acc_rowcol(acc_dP)
         dpsum_quad = self.load_quad_stats(sD_t)
         for c in cutlass.range_constexpr(cute.size(o.tScS_rc, mode=[1])):
@@ -274,13 +290,6 @@ class Consumer:
                 acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
                 if const_expr(dtanh_rc is not None):
                     acc_dP_rc[r, c] = acc_dP_rc[r, c] * dtanh_rc[r, c]
-        if const_expr(self.late_dv):
-            # P^T packed only now: the fp32 P^T, the 16-bit copy and dP^T are never all live
-            tdVrPt_acc.store(acc_S.load().to(self.dtype))
-        tdKrdSt = cute.make_rmem_tensor(o.thr_dK.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
-        tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
-        tdSrdS.store(acc_dP.load().to(self.dtype))
-        return tdKrdSt
 
     @cute.jit
     def hand_off_dq(self, o: ConsumerOperands, acc_dQ: cute.Tensor, t: Int32):

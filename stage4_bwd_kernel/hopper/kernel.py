@@ -1,5 +1,6 @@
 """The production Hopper backward kernel, composed: one CTA per K/V tile, a producer warpgroup (TMA
-loads, dQ writer warps) and two consumer warpgroups (the five GEMMs), for (D, Dv) = 64, 96, 128.
+loads, dQ writer warps) and two consumer warpgroups (the five GEMMs), for (D, Dv) = 64, 96, 128,
+(128, 64) and, on the wide design, (192, 128) and (256, 256).
 
 The class is assembled from the components of this package, each a set of methods over one
 configuration (``options.py``):
@@ -10,6 +11,7 @@ configuration (``options.py``):
     dq_writer.py  dQ -> dQaccum by the TMA unit, semaphores       DqWriter
     scores.py     row statistics, the mask, P^T = exp2(...)      Scores
     consumer.py   S^T, dP^T, dV, dS^T, dQ, dK per Q tile          Consumer
+    wide.py       the same at (192, 128) and 256, keys shared     WideConsumer
     epilogue.py   dK, dV -> global memory                         Epilogue
 
 ``q_shift`` (causal d = 128, dense, outside deterministic mode): the 80-row Q tiles are counted from
@@ -25,13 +27,10 @@ Measured: docs/measurements.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 from cutlass.memory.smem import SmemAllocator
 
 from stage3_fwd_kernel import trace
@@ -41,23 +40,17 @@ from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.consumer import Consumer
 from stage4_bwd_kernel.hopper.dq_writer import DqWriter
 from stage4_bwd_kernel.hopper.epilogue import Epilogue
-from stage4_bwd_kernel.hopper.layouts import LayoutPlan
-from stage4_bwd_kernel.hopper.options import (DQ_FULL_BARRIER, DQ_WRITER_WARP, NUM_STAGES, NUM_THREADS, NUM_WG_MMA,
+from stage4_bwd_kernel.hopper.layouts import LayoutPlan, Mmas
+from stage4_bwd_kernel.hopper.options import (DQ_FULL_BARRIER, DQ_WRITER_WARP, NUM_THREADS, NUM_WG_MMA,
                                               REGS_CONSUMER, REGS_PRODUCER, BackwardOptions, default_tiles,
-                                              dq_empty_barrier, num_barriers, smem_need)
+                                              dq_empty_barrier, is_wide, num_barriers, smem_need)
 from stage4_bwd_kernel.hopper.producer import Producer, SmemLayouts, TmaLoads
 from stage4_bwd_kernel.hopper.scores import Scores
 from stage4_bwd_kernel.hopper.walk import WalkPlan
+from stage4_bwd_kernel.hopper.wide import WideConsumer
 
 
-class Mmas(NamedTuple):
-    SdP: cute.TiledMma   # S^T, dP^T (tn x tm): the warpgroups split the keys
-    dV: cute.TiledMma    # dV (tn x dv) += P^T dO, A from registers
-    dK: cute.TiledMma    # dK (tn x d) += dS^T Q, A from registers
-    dQ: cute.TiledMma    # dQ = dS K, or dQ^T = K^T dS^T (layouts.make_tiled_mma_dQ)
-
-
-class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Scores, Consumer, Epilogue):
+class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Scores, Consumer, WideConsumer, Epilogue):
     """The production Hopper backward for one configuration: construct, then call (traced once)."""
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
@@ -65,11 +58,11 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                  options: BackwardOptions | None = None, window: Window = NO_WINDOW, softcap: float = 0.0):
         common.check_head_dims(head_dim, head_dim_v)
         self.tile_m, self.tile_n = default_tiles(head_dim, head_dim_v)
+        self.wide = is_wide(head_dim, head_dim_v)
         self.dtype = dtype
         self.head_dim, self.head_dim_v = head_dim, head_dim_v
         self.causal, self.deterministic = causal, deterministic
         self.varlen, self.has_seqused_k = varlen, has_seqused_k
-        self.num_stages = NUM_STAGES
         self.dq_order = dq_order or common.default_dq_order(causal, deterministic, head_dim=head_dim)
         self.num_threads = NUM_THREADS
         self.regs_producer, self.regs_consumer = REGS_PRODUCER, REGS_CONSUMER
@@ -87,6 +80,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.options.check(varlen)
         for field in dataclasses.fields(self.options):  # the device code reads them as attributes
             setattr(self, field.name, getattr(self.options, field.name))
+        self.num_stages = self.options.stages
         self.dq_swap_ab = self.tile_m % 64 != 0        # 80 queries: dQ^T = K^T dS^T
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA
         self.dq_full_barrier = DQ_FULL_BARRIER
@@ -94,7 +88,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.num_barriers = num_barriers(self.dq_buffers)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
-        return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers, dq_buffers)
+        return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers, dq_buffers,
+                         self.num_stages, int(self.wide))
 
     # -------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -114,24 +109,15 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         mdQacc = common.assume_aligned(mdQacc, d)
         mLSE2, mD = common.assume_aligned(mLSE2), common.assume_aligned(mD)  # rows of 16-byte multiples
 
-        # Swizzles: Q / dO are the MN-major B of dK / dV with N = d / dv whole (one warpgroup), K the
-        # MN-major B of dQ with N split (d/2); each also serves as a K-major operand of S^T / dP^T.
-        sQ_layout = self._smem_layout(tm, d, d, stages)
-        sdO_layout = self._smem_layout(tm, dv, dv, stages)
-        sK_layout = self._smem_layout(tn, d, d // NUM_WG_MMA)
-        sV_layout = self._smem_layout(tn, dv, dv // NUM_WG_MMA)
-        sdSt_layout = self._smem_layout(tn, tm, tm, self.ds_buffers)       # dS^T: (keys, queries, buffers)
+        q_swz, do_swz, k_swz, v_swz = self.operand_swizzle_widths()
+        sQ_layout = self._smem_layout(tm, d, q_swz, stages)
+        sdO_layout = self._smem_layout(tm, dv, do_swz, stages)
+        sK_layout = self._smem_layout(tn, d, k_swz)
+        sV_layout = self._smem_layout(tn, dv, v_swz)
+        # dS^T: (keys, queries, buffers); wide: one more slot, P^T, after the dS^T buffers
+        sdSt_layout = self._smem_layout(tn, tm, tm, self.ds_buffers + int(self.wide))
         sdQ_layout = self._sdq_frag_layout() if const_expr(self.dq_frag) else self._sdq_layout()
-
-        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        wg_m = (NUM_WG_MMA, 1, 1)
-        tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32,
-                                                          wg_m, (64, tm))
-        tiled_mma_dV = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
-                                                         wg_m, (64, dv), a_source=warpgroup.OperandSource.RMEM)
-        tiled_mma_dK = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32,
-                                                         wg_m, (64, d), a_source=warpgroup.OperandSource.RMEM)
-        tiled_mma_dQ = self.make_tiled_mma_dQ()
+        tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ = self.make_mmas()
 
         def seq_dim_first(t):  # (B, S, H, D) -> (S, D, H, B), same memory
             return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))

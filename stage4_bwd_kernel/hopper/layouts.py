@@ -13,6 +13,8 @@ two forms:
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, const_expr, pipeline
@@ -22,6 +24,13 @@ from cutlass.tensor_utils import LayoutEnum
 from stage3_fwd_kernel.host_io import top_padding
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.options import NUM_WG_MMA
+
+
+class Mmas(NamedTuple):
+    SdP: cute.TiledMma   # S^T, dP^T (tn x tm): the warpgroups split the keys (wide: the queries)
+    dV: cute.TiledMma    # dV (tn x dv) += P^T dO, A from registers (wide: from SMEM, columns split)
+    dK: cute.TiledMma    # dK (tn x d) += dS^T Q, likewise
+    dQ: cute.TiledMma    # dQ = dS K, or dQ^T = K^T dS^T (LayoutPlan.make_tiled_mma_dQ)
 
 
 def dq_frag_tiled_copy() -> cute.TiledCopy:
@@ -40,6 +49,32 @@ class LayoutPlan:
         if stages is None:
             return cute.tile_to_shape(atom, (rows, cols), (0, 1))
         return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def operand_swizzle_widths(self) -> tuple[int, int, int, int]:
+        """Major-mode sizes that pick the swizzles of sQ, sdO, sK, sV. Q / dO are the MN-major B of dK /
+        dV, whose N is d / dv whole (one warpgroup; wide: split in two), K the MN-major B of dQ with N
+        split (d / 2); each also serves as a K-major operand of S^T / dP^T, which any swizzle does."""
+        d, dv, wgs = self.head_dim, self.head_dim_v, NUM_WG_MMA
+        if self.wide:
+            return d // wgs, dv // wgs, d // wgs, dv // wgs
+        return d, dv, d // wgs, dv // wgs
+
+    def make_mmas(self) -> Mmas:
+        """The four tiled MMAs. Two warpgroups along M: each owns 64 keys of the 128-key tile, and
+        dV / dK read P^T / dS^T from registers. Wide: along N, the 64 keys shared -- S^T / dP^T split by
+        queries, dV / dK by columns with A (P^T / dS^T) from SMEM (wide.py)."""
+        k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        tm, d, dv, wgs = self.tile_m, self.head_dim, self.head_dim_v, NUM_WG_MMA
+        if self.wide:
+            split, sdp_n, dv_n, dk_n, a_source = (1, wgs, 1), tm // wgs, dv // wgs, d // wgs, warpgroup.OperandSource.SMEM
+        else:
+            split, sdp_n, dv_n, dk_n, a_source = (wgs, 1, 1), tm, dv, d, warpgroup.OperandSource.RMEM
+        sdp = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, k_major, k_major, Float32, split, (64, sdp_n))
+        mma_dv = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, k_major, mn_major, Float32, split,
+                                                   (64, dv_n), a_source=a_source)
+        mma_dk = sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, k_major, mn_major, Float32, split,
+                                                   (64, dk_n), a_source=a_source)
+        return Mmas(sdp, mma_dv, mma_dk, self.make_tiled_mma_dQ())
 
     def _gmem_store(self, cols: int):
         """256 consumer threads, 16-byte stores, a 128/64/32-byte row chunk per thread group."""

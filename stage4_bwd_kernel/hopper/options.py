@@ -3,12 +3,13 @@ plan and the per-configuration options. Plain Python (no device code): the kerne
 tests read the same numbers.
 
 Roles (384 threads): warpgroup 0 is the producer (warp 0 issues the TMA loads, warps 1 .. dq_writers
-reduce dQ), warpgroups 1 and 2 are the consumers (keys [64 w, 64 w + 64) of the K/V tile each).
+reduce dQ), warpgroups 1 and 2 are the consumers: keys [64 w, 64 w + 64) of the K/V tile each, or at the
+wide head dims (``WIDE_HEAD_DIMS``, ``wide.py``) the same 64 keys, split by queries and by columns.
 
 Named barriers (0 is __syncthreads, used only before the role split; ids 2 and 3 are not used):
     1               the 256 consumers: "dS^T stored" (B2) once per tile, and the epilogue
     4 + w           "sdSt free" for warpgroup w (one dS^T buffer only): the other warpgroup's dQ wgmma
-                    of the previous tile has read sdSt
+                    (wide: its dV, dQ and dK wgmmas) of the previous tile has read sdSt
     6 + b           "dQ full" of dQ buffer b: 256 consumer arrivals + the writer warp's sync = 288
     6 + B + 2 b + w "dQ empty" of buffer b, share w (B buffers): the writer's arrival + warpgroup w's
                     sync = 160. Tile t waits only when t >= B and the writer arrives only when t + B
@@ -34,39 +35,47 @@ NUM_NAMED_BARRIERS = 16
 DQ_WRITER_WARP = 1      # first dQ writer warp of the producer warpgroup (warp 0 issues the TMA loads)
 MAX_DQ_BUFFERS = 2
 RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64))
+# dK + dV of 64 keys do not fit one warpgroup's registers: the warpgroups share the keys (wide.py)
+WIDE_HEAD_DIMS = ((192, 128), (256, 256))
 REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the launch registers
 
 
-def check_rs_head_dims(head_dim: int, head_dim_v: int):
-    """ValueError for the head dims whose register-sourced accumulators do not fit a consumer's 240
-    registers: per thread dK d/2 + dV dv/2 + S^T 32 + dP^T 32 + the 16-bit P^T 16; (192, 128) needs
-    240 for data alone, (256, 256) 256 for dK + dV. Those run ``hopper_step1``."""
-    if (head_dim, head_dim_v) not in RS_HEAD_DIMS:
-        need = (64 * head_dim + 64 * head_dim_v) // 128 + 2 * 32 + 16
-        raise ValueError(f"head_dim: the Hopper backward supports (q/k, v) head dims {RS_HEAD_DIMS}, got "
-                         f"{(head_dim, head_dim_v)}: its dK + dV + S^T + dP^T + P^T accumulators would take {need} "
-                         f"registers per consumer thread of the {REGS_CONSUMER} available (use hopper_step1)")
+def is_wide(head_dim: int, head_dim_v: int) -> bool:
+    return (head_dim, head_dim_v) in WIDE_HEAD_DIMS
+
+
+def check_product_head_dims(head_dim: int, head_dim_v: int):
+    """ValueError for head dims the production kernel has no design for."""
+    if (head_dim, head_dim_v) not in RS_HEAD_DIMS + WIDE_HEAD_DIMS:
+        raise ValueError(f"head_dim: the Hopper backward supports (q/k, v) head dims {RS_HEAD_DIMS + WIDE_HEAD_DIMS}, "
+                         f"got {(head_dim, head_dim_v)}")
 
 
 def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     """(tile_m, tile_n): 64 keys per consumer warpgroup (wgmma M); 128 queries at d = 64 (dV issued
     after dS and dQ split by query rows keep it in 240 registers), 64 at d = 96, 80 at d = 128
     (dQ^T = K^T dS^T, since 80 is no wgmma M, and one dQ buffer); (128, 64) keeps d = 128's 80 x 128
-    (measured faster than 64 x 128 in the non-causal backward, equal causal: docs/measurements.md)."""
-    check_rs_head_dims(head_dim, head_dim_v)
+    (measured faster than 64 x 128 in the non-causal backward, equal causal: docs/measurements.md).
+    The wide head dims: 64 x 64, both warpgroups on the same keys (wide.py)."""
+    check_product_head_dims(head_dim, head_dim_v)
+    if is_wide(head_dim, head_dim_v):
+        return 64, 64
     return {(64, 64): (128, 128), (128, 128): (80, 128), (128, 64): (80, 128)}.get((head_dim, head_dim_v), (64, 128))
 
 
-def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffers: int, dq_buffers: int) -> int:
-    """Bytes of K, V, the Q/dO stages, the 16-bit dS^T buffers and the fp32 dQ buffers, + 2 KB for the
-    mbarriers and the row statistics' ring.
+def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffers: int, dq_buffers: int,
+              stages: int = NUM_STAGES, pt_buffers: int = 0) -> int:
+    """Bytes of K, V, the Q/dO stages, the 16-bit dS^T (and, wide, P^T) buffers and the fp32 dQ
+    buffers, + 2 KB for the mbarriers and the row statistics' ring.
 
         d = 64  (128 x 128): 16 + 16 + 2 * 32 + 1 * 32 + 2 * 32 = 192 KB
         d = 96  (64 x 128):  24 + 24 + 2 * 24 + 2 * 16 + 2 * 24 = 176 KB
         d = 128 (80 x 128):  32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB  (two dQ buffers: 264)
+        (192, 128) (64 x 64): 24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 186 KB  (two dQ buffers: 234)
+        (256, 256) (64 x 64): 32 + 32 + 1 * 64 + 8 + 8 + 1 * 64 = 210 KB  (two Q / dO stages: 274)
     """
     tm, tn, d, dv = tile_m, tile_n, head_dim, head_dim_v
-    operands = (tn * (d + dv) + NUM_STAGES * tm * (d + dv) + ds_buffers * tn * tm) * 2
+    operands = (tn * (d + dv) + stages * tm * (d + dv) + (ds_buffers + pt_buffers) * tn * tm) * 2
     return operands + dq_buffers * tm * d * 4 + 2048
 
 
@@ -87,12 +96,15 @@ class BackwardOptions:
     ds_buffers: int        # dS^T buffers (SMEM plan below)
     dq_buffers: int        # fp32 dQ buffers (SMEM plan below)
     dq_writers: int        # dQ writer warps (dq_writer.py)
+    stages: int = NUM_STAGES  # Q / dO ring (producer.py); one where two do not fit (256)
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
                    varlen: bool) -> "BackwardOptions":
         """The measured default of a configuration (docs/measurements.md)."""
         tm, tn = default_tiles(head_dim, head_dim_v)
+        if is_wide(head_dim, head_dim_v):
+            return cls.for_wide(head_dim, head_dim_v, deterministic)
         # dS^T double-buffered below the 128-query tile where it fits beside one dQ buffer; the
         # 128 x 128 tile measured a tie and keeps one (two fill the 227 KB exactly)
         ds_buffers = 1
@@ -118,6 +130,20 @@ class BackwardOptions:
             dq_writers=dq_buffers if deterministic else 1,
         )
 
+    @classmethod
+    def for_wide(cls, head_dim: int, head_dim_v: int, deterministic: bool) -> "BackwardOptions":
+        """The wide design (wide.py): no register-sourced dV / dK, statistics from SMEM (the query
+        split moves the columns the shuffle assumes), one dS^T and one P^T buffer; two Q / dO stages
+        and dQ buffers where they fit beside them."""
+        tm, tn = default_tiles(head_dim, head_dim_v)
+        stages = NUM_STAGES if smem_need(tm, tn, head_dim, head_dim_v, 1, 1, NUM_STAGES, 1) <= SMEM_BUDGET else 1
+        dq_buffers = MAX_DQ_BUFFERS
+        if smem_need(tm, tn, head_dim, head_dim_v, 1, MAX_DQ_BUFFERS, stages, 1) > SMEM_BUDGET:
+            dq_buffers = 1
+        return cls(late_dv=False, stats_shuffle=False, dq_frag=True, q_shift=False, key_select=False,
+                   column_limit=True, mask_offsets=False, kv_with_first=False, ds_buffers=1,
+                   dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages)
+
     def check(self, varlen: bool):
         """ValueError for a combination the kernel cannot build (only overrides can produce one)."""
         if self.ds_buffers not in (1, 2):
@@ -127,6 +153,8 @@ class BackwardOptions:
         if self.dq_writers not in (1, 2) or self.dq_buffers % self.dq_writers:
             raise ValueError(f"dq_writers: expected 1 or 2 dividing dq_buffers ({self.dq_buffers}), "
                              f"got {self.dq_writers!r}")
+        if self.stages not in (1, 2):
+            raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
         if self.q_shift and (varlen or not self.dq_frag):
             raise ValueError("q_shift: needs a dense (not varlen) kernel with dq_frag (the padding rows are "
                              "loaded past the tensor's start, as zeros)")

@@ -1,0 +1,101 @@
+"""The wide head dims of the production Hopper backward, (192, 128) and (256, 256): both consumer
+warpgroups on the same 64 keys.
+
+Why. The register-sourced design (consumer.py) gives each warpgroup 64 keys of its own and keeps their
+dK and dV in registers: d / 2 + dv / 2 per thread, 160 at (192, 128) and 256 at 256, beside S^T, dP^T
+and P^T (80 more). That does not fit the 240 registers of a consumer. Here a CTA owns 64 keys and the
+warpgroups split the work of each 64-query tile instead (``roofline.WIDE_DESIGNS["exchange_dims"]``):
+
+* S^T = K Q^T and dP^T = V dO^T by queries: warpgroup w scores queries [32 w, 32 w + 32) (wgmma N = 32);
+* P^T and dS^T go to SMEM (the slots of sdSt), since each warpgroup's dV / dK need all 64 queries;
+* dV += P^T dO and dK += dS^T Q by columns: warpgroup w owns columns [dv w / 2, dv (w + 1) / 2) of dV and
+  [d w / 2, d (w + 1) / 2) of dK, with A read from SMEM (SS wgmmas);
+* dQ = dS K as at d = 96: each warpgroup its d / 2 columns, handed to the writer warp (dq_writer.py).
+
+Registers per consumer thread (128 a warpgroup): dK 64 d / 256 + dV 64 dv / 256 held across the walk
+(80 at (192, 128), 128 at 256), plus S^T 16 + dP^T 16, or the dQ accumulator 64 d / 256 (48 / 64),
+which are not live at once. SMEM (``options.smem_need``): 186 KB at (192, 128) with two Q / dO stages
+and one dQ buffer; 210 KB at 256 with one stage (two would need 274).
+
+Per tile t, in order:
+    S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; ["sdSt free"] ; P^T -> SMEM ; wait dP^T ; dS^T -> SMEM
+    proxy fence ; B2 ; dV += P^T dO (SS) ; dQ = dS K (SS) ; dK += dS^T Q (SS)
+    wait all but dK ; release dO_i ; dQ -> sdQ ; wait dK ; release Q_i ; arrive "sdSt free"
+Tile t + 1 overwrites P^T / dS^T only after both warpgroups' dV, dQ and dK of tile t have read them
+(one buffer each: a second would not fit at 256).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from stage3_fwd_kernel import trace
+from stage3_fwd_kernel.hopper.fragments import acc_rowcol
+from stage4_bwd_kernel import schedule
+from stage4_bwd_kernel.hopper.consumer import gemm_issue
+from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
+
+
+class WideConsumer:
+    """The wide tile body, a method of the kernel class (consumer.py's ``consume`` calls it)."""
+
+    @cute.jit
+    def consume_tile_wide(self, o, walk, mmas, pipes, t: Int32, m_block: Int32, n_tiles: Int32,
+                          softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None):
+        """Tile t of the walk (Q tile m_block): the order of the module docstring."""
+        tm, tn = self.tile_m, self.tile_n
+        st = self.tile_state(t, producer=False)
+        q_rows_left = walk.seqlen_q - m_block * tm
+        ds_slot, pt_slot = 0, self.ds_buffers
+
+        # S^T and dP^T of this warpgroup's 32 queries
+        acc_S = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
+        acc_dP = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
+        pipes.q.consumer_wait(st)
+        warpgroup.fence()
+        gemm_issue(mmas.SdP, acc_S, o.tSrK, o.tSrQ[None, None, None, st.index], zero_init=True)
+        pipes.do.consumer_wait(st)
+        gemm_issue(mmas.SdP, acc_dP, o.tPrV, o.tPrdO[None, None, None, st.index], zero_init=True)
+        sLSE2_t, sD_t = o.sLSE2[None, st.index], o.sD[None, st.index]
+
+        warpgroup.wait_group(1)
+        acc_S_rc = acc_rowcol(acc_S)
+        key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k)
+        dtanh_rc = None
+        if const_expr(self.score_mod.on):
+            dtanh_rc = acc_rowcol(cute.make_rmem_tensor(acc_S.shape, self.dtype))
+        self.exp_scores(acc_S_rc, o.tScS_rc, sLSE2_t, None, softmax_scale_log2, key_limit, diag, q_rows_left,
+                        masked=masked, tScS0_rc=o.tScS0_rc, score_scale=score_scale, dtanh_rc=dtanh_rc)
+        if t > 0:  # both warpgroups' wgmmas of tile t - 1 have read the P^T / dS^T slots
+            cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
+        rPt = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rPt.store(acc_S.load().to(self.dtype))
+        cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(rPt), o.tdSsdSt[None, None, None, pt_slot])
+
+        warpgroup.wait_group(0)  # dP^T
+        self.ds_in_place(o, acc_S_rc, acc_dP, sD_t, dtanh_rc)
+        rdSt = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        rdSt.store(acc_dP.load().to(self.dtype))
+        cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(rdSt), o.tdSsdSt[None, None, None, ds_slot])
+        cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)  # B2
+
+        # this warpgroup's columns of dV and dK, its share of dQ
+        acc_dQ = cute.make_rmem_tensor(o.thr_dQ.partition_shape_C(o.dq_shape), Float32)
+        warpgroup.fence()
+        gemm_issue(mmas.dV, o.acc_dV, o.tdVrPt[None, None, None, pt_slot], o.tdVrdOt[None, None, None, st.index],
+                   zero_init=False)
+        gemm_issue(mmas.dQ, acc_dQ, o.tdQrA[None, None, None, ds_slot], o.tdQrB, zero_init=True)
+        gemm_issue(mmas.dK, o.acc_dK, o.tdKrdSt[None, None, None, ds_slot], o.tdKrQt[None, None, None, st.index],
+                   zero_init=False)
+        warpgroup.wait_group(1)  # dV and dQ done, dK may run
+        pipes.do.consumer_release(st)
+        self.hand_off_dq(o, acc_dQ, t)
+        warpgroup.wait_group(0)
+        pipes.q.consumer_release(st)
+        if t + 1 < n_tiles:  # this warpgroup has read the slots: the other may overwrite them
+            cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
+                                     number_of_threads=NUM_CONSUMER_THREADS)
+        trace.stamp(t, "end")
