@@ -89,7 +89,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers, dq_buffers,
-                         self.num_stages, ds_buffers * int(self.wide))
+                         self.num_stages, int(self.wide))
 
     # -------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -114,8 +114,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         sdO_layout = self._smem_layout(tm, dv, do_swz, stages)
         sK_layout = self._smem_layout(tn, d, k_swz)
         sV_layout = self._smem_layout(tn, dv, v_swz)
-        # dS^T: (keys, queries, buffers); wide: as many P^T buffers after them
-        sdSt_layout = self._smem_layout(tn, tm, tm, self.ds_buffers * (1 + int(self.wide)))
+        # dS^T: (keys, queries, buffers); wide: one more slot, P^T, after the dS^T buffers
+        sdSt_layout = self._smem_layout(tn, tm, tm, self.ds_buffers + int(self.wide))
         sdQ_layout = self._sdq_frag_layout() if const_expr(self.dq_frag) else self._sdq_layout()
         tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ = self.make_mmas()
 

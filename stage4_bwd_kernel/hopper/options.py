@@ -71,8 +71,8 @@ def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffe
         d = 64  (128 x 128): 16 + 16 + 2 * 32 + 1 * 32 + 2 * 32 = 192 KB
         d = 96  (64 x 128):  24 + 24 + 2 * 24 + 2 * 16 + 2 * 24 = 176 KB
         d = 128 (80 x 128):  32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB  (two dQ buffers: 264)
-        (192, 128) (64 x 64): 24 + 16 + 2 * 40 + 2 * (8 + 8) + 1 * 48 = 202 KB  (two dQ buffers: 250)
-        (256, 256) (64 x 64): 32 + 32 + 1 * 64 + 2 * (8 + 8) + 1 * 64 = 226 KB  (two Q / dO stages: 290)
+        (192, 128) (64 x 64): 24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 186 KB  (two dQ buffers: 234)
+        (256, 256) (64 x 64): 32 + 32 + 1 * 64 + 8 + 8 + 1 * 64 = 210 KB  (two Q / dO stages: 274)
     """
     tm, tn, d, dv = tile_m, tile_n, head_dim, head_dim_v
     operands = (tn * (d + dv) + stages * tm * (d + dv) + (ds_buffers + pt_buffers) * tn * tm) * 2
@@ -133,17 +133,15 @@ class BackwardOptions:
     @classmethod
     def for_wide(cls, head_dim: int, head_dim_v: int, deterministic: bool) -> "BackwardOptions":
         """The wide design (wide.py): no register-sourced dV / dK, statistics from SMEM (the query
-        split moves the columns the shuffle assumes); where SMEM allows, in this order: two Q / dO
-        stages, two P^T / dS^T buffers, two dQ buffers."""
+        split moves the columns the shuffle assumes), one dS^T and one P^T buffer; two Q / dO stages
+        and dQ buffers where they fit beside them."""
         tm, tn = default_tiles(head_dim, head_dim_v)
-
-        def fits(stages, ds_buffers, dq_buffers):
-            return smem_need(tm, tn, head_dim, head_dim_v, ds_buffers, dq_buffers, stages, ds_buffers) <= SMEM_BUDGET
-        stages = NUM_STAGES if fits(NUM_STAGES, 1, 1) else 1
-        ds_buffers = 2 if fits(stages, 2, 1) else 1
-        dq_buffers = MAX_DQ_BUFFERS if fits(stages, ds_buffers, MAX_DQ_BUFFERS) else 1
+        stages = NUM_STAGES if smem_need(tm, tn, head_dim, head_dim_v, 1, 1, NUM_STAGES, 1) <= SMEM_BUDGET else 1
+        dq_buffers = MAX_DQ_BUFFERS
+        if smem_need(tm, tn, head_dim, head_dim_v, 1, MAX_DQ_BUFFERS, stages, 1) > SMEM_BUDGET:
+            dq_buffers = 1
         return cls(late_dv=False, stats_shuffle=False, dq_frag=True, q_shift=False, key_select=False,
-                   column_limit=True, mask_offsets=False, kv_with_first=False, ds_buffers=ds_buffers,
+                   column_limit=True, mask_offsets=False, kv_with_first=False, ds_buffers=1,
                    dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages)
 
     def check(self, varlen: bool):

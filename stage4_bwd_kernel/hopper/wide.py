@@ -21,10 +21,8 @@ Per tile t, in order:
     S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; ["sdSt free"] ; P^T -> SMEM ; wait dP^T ; dS^T -> SMEM
     proxy fence ; B2 ; dV += P^T dO (SS) ; dQ = dS K (SS) ; dK += dS^T Q (SS)
     wait all but dK ; release dO_i ; dQ -> sdQ ; wait dK ; release Q_i ; arrive "sdSt free"
-P^T / dS^T buffers (``ds_buffers``): with two, tile t writes buffer t % 2 after B2 of tile t - 1, which
-the other warpgroup passes only after its wgmmas of tile t - 2, the last readers of that buffer, have
-completed; with one, "sdSt free" barriers make tile t + 1 wait for both warpgroups' dV, dQ and dK of
-tile t.
+Tile t + 1 overwrites P^T / dS^T only after both warpgroups' dV, dQ and dK of tile t have read them
+(one buffer each: a second would not fit at 256).
 """
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ class WideConsumer:
         tm, tn = self.tile_m, self.tile_n
         st = self.tile_state(t, producer=False)
         q_rows_left = walk.seqlen_q - m_block * tm
-        ds_slot = t % self.ds_buffers
-        pt_slot = self.ds_buffers + ds_slot
+        ds_slot, pt_slot = 0, self.ds_buffers
 
         # S^T and dP^T of this warpgroup's 32 queries
         acc_S = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
@@ -71,9 +68,8 @@ class WideConsumer:
             dtanh_rc = acc_rowcol(cute.make_rmem_tensor(acc_S.shape, self.dtype))
         self.exp_scores(acc_S_rc, o.tScS_rc, sLSE2_t, None, softmax_scale_log2, key_limit, diag, q_rows_left,
                         masked=masked, tScS0_rc=o.tScS0_rc, score_scale=score_scale, dtanh_rc=dtanh_rc)
-        if const_expr(self.ds_buffers == 1):
-            if t > 0:  # both warpgroups' wgmmas of tile t - 1 have read the P^T / dS^T slots
-                cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
+        if t > 0:  # both warpgroups' wgmmas of tile t - 1 have read the P^T / dS^T slots
+            cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
         rPt = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rPt.store(acc_S.load().to(self.dtype))
         cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(rPt), o.tdSsdSt[None, None, None, pt_slot])
@@ -99,8 +95,7 @@ class WideConsumer:
         self.hand_off_dq(o, acc_dQ, t)
         warpgroup.wait_group(0)
         pipes.q.consumer_release(st)
-        if const_expr(self.ds_buffers == 1):
-            if t + 1 < n_tiles:  # this warpgroup has read the slots: the other may overwrite them
-                cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
-                                         number_of_threads=NUM_CONSUMER_THREADS)
+        if t + 1 < n_tiles:  # this warpgroup has read the slots: the other may overwrite them
+            cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
+                                     number_of_threads=NUM_CONSUMER_THREADS)
         trace.stamp(t, "end")
