@@ -196,14 +196,7 @@ class Consumer:
         st = self.tile_state(t, producer=False)
         q_rows_left = walk.seqlen_q - m_block * tm
 
-        # S^T = K_w Q_i^T as soon as Q_i has landed, dP^T = V_w dO_i^T when dO_i has
-        acc_S = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
-        acc_dP = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
-        pipes.q.consumer_wait(st)
-        warpgroup.fence()
-        gemm_issue(mmas.SdP, acc_S, o.tSrK, o.tSrQ[None, None, None, st.index], zero_init=True)
-        pipes.do.consumer_wait(st)
-        gemm_issue(mmas.SdP, acc_dP, o.tPrV, o.tPrdO[None, None, None, st.index], zero_init=True)
+        acc_S, acc_dP = self.issue_scores(o, mmas, pipes, st)
         # this lane's 4 lse2 (stats_shuffle) now, so the LDS runs under the S^T wait
         sLSE2_t, sD_t = o.sLSE2[None, st.index], o.sD[None, st.index]  # this tile's statistics
         lse2_quad = self.load_quad_stats(sLSE2_t)
@@ -263,6 +256,19 @@ class Consumer:
         warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
         pipes.q.consumer_release(st)
         trace.stamp(t, "end")  # no code unless tracing is on
+
+    @cute.jit
+    def issue_scores(self, o: ConsumerOperands, mmas, pipes, st: pipeline.PipelineState):
+        """S^T = K Q_i^T as soon as Q_i has landed, dP^T = V dO_i^T when dO_i has (two wgmma groups,
+        not waited for) -> their accumulators."""
+        acc_S = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+        acc_dP = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+        pipes.q.consumer_wait(st)
+        warpgroup.fence()
+        gemm_issue(mmas.SdP, acc_S, o.tSrK, o.tSrQ[None, None, None, st.index], zero_init=True)
+        pipes.do.consumer_wait(st)
+        gemm_issue(mmas.SdP, acc_dP, o.tPrV, o.tPrdO[None, None, None, st.index], zero_init=True)
+        return acc_S, acc_dP
 
     @cute.jit
     def form_ds(self, o: ConsumerOperands, acc_S: cute.Tensor, acc_S_rc: cute.Tensor, acc_dP: cute.Tensor,

@@ -50,14 +50,7 @@ class WideConsumer:
         q_rows_left = walk.seqlen_q - m_block * tm
         ds_slot, pt_slot = 0, self.ds_buffers
 
-        # S^T and dP^T of this warpgroup's 32 queries
-        acc_S = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
-        acc_dP = cute.make_rmem_tensor(o.thr_SdP.partition_shape_C((tn, tm)), Float32)
-        pipes.q.consumer_wait(st)
-        warpgroup.fence()
-        gemm_issue(mmas.SdP, acc_S, o.tSrK, o.tSrQ[None, None, None, st.index], zero_init=True)
-        pipes.do.consumer_wait(st)
-        gemm_issue(mmas.SdP, acc_dP, o.tPrV, o.tPrdO[None, None, None, st.index], zero_init=True)
+        acc_S, acc_dP = self.issue_scores(o, mmas, pipes, st)  # this warpgroup's 32 queries
         sLSE2_t, sD_t = o.sLSE2[None, st.index], o.sD[None, st.index]
 
         warpgroup.wait_group(1)
