@@ -533,7 +533,8 @@ for prev, name in zip([None] + BWD_LADDER, BWD_LADDER):
 # %% [markdown]
 # ## The production backward, compiled here (and run, on a GPU)
 # `stage4_bwd_kernel.hopper` is the stable entry point that `fa4` calls; `step_for` says which kernel
-# serves a configuration. Its kernel for d = 64 / 96 / 128 is composed from named components and
+# serves a configuration: the composed kernel for every head dim, on its wide design at (192, 128) and
+# 256, whose dK / dV would not fit a warpgroup's registers. It is composed from named components and
 # carries the production work the lessons leave out (the sections below read some of it from the
 # SASS). Compiled for `sm_90a` with fake tensors, with and without the deterministic mode: the dQ
 # partial sums leave each tile through reduce-adds of the TMA unit into an fp32 buffer (`UBLKRED`, or
