@@ -6,9 +6,8 @@ Roles (384 threads): warpgroup 0 is the producer (warp 0 issues the TMA loads, w
 reduce dQ), warpgroups 1 and 2 are the consumers: keys [64 w, 64 w + 64) of the K/V tile each, or at the
 wide head dims (``WIDE_HEAD_DIMS``, ``wide.py``) the same 64 keys, split by queries and by columns.
 
-Named barriers (0 is __syncthreads, used only before the role split; id 3 is not used):
+Named barriers (0 is __syncthreads, used only before the role split; ids 2 and 3 are not used):
     1               the 256 consumers: "dS^T stored" (B2) once per tile, and the epilogue
-    2               wide: the 256 consumers, "P^T stored" once per tile (wide.py)
     4 + w           "sdSt free" for warpgroup w (one dS^T buffer only): the other warpgroup's dQ wgmma
                     (wide: its dV, dQ and dK wgmmas) of the previous tile has read sdSt
     6 + b           "dQ full" of dQ buffer b: 256 consumer arrivals + the writer warp's sync = 288
@@ -28,7 +27,6 @@ NUM_THREADS = 128 * (1 + NUM_WG_MMA)
 NUM_CONSUMER_THREADS = 128 * NUM_WG_MMA
 NUM_STAGES = 2                                    # Q / dO ring
 CONSUMER_BARRIER = 1
-PT_STORED_BARRIER = 2
 SDST_FREE_BARRIER = 2 + NUM_WG_MMA
 DQ_FULL_BARRIER = 2 + 2 * NUM_WG_MMA
 DQ_FULL_THREADS = NUM_CONSUMER_THREADS + 32       # consumers + the writer warp

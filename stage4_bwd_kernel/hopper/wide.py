@@ -18,11 +18,9 @@ which are not live at once. SMEM (``options.smem_need``): 186 KB at (192, 128) w
 and one dQ buffer; 210 KB at 256 with one stage (two would need 274).
 
 Per tile t, in order:
-    S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; ["sdSt free"] ; P^T -> SMEM ; proxy fence ; "P^T stored"
-    dV += P^T dO (SS) ; wait dP^T ; dS^T -> SMEM ; proxy fence ; B2 ; dQ = dS K (SS) ; dK += dS^T Q (SS)
+    S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; ["sdSt free"] ; P^T -> SMEM ; wait dP^T ; dS^T -> SMEM
+    proxy fence ; B2 ; dV += P^T dO (SS) ; dQ = dS K (SS) ; dK += dS^T Q (SS)
     wait all but dK ; release dO_i ; dQ -> sdQ ; wait dK ; release Q_i ; arrive "sdSt free"
-dV needs only P^T, so it runs on the tensor cores while the warpgroups form dS^T (with ``late_dv`` it
-waits for B2 with the other two).
 Tile t + 1 overwrites P^T / dS^T only after both warpgroups' dV, dQ and dK of tile t have read them
 (one buffer each: a second would not fit at 256).
 """
@@ -37,8 +35,7 @@ from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.hopper.fragments import acc_rowcol
 from stage4_bwd_kernel import schedule
 from stage4_bwd_kernel.hopper.consumer import gemm_issue
-from stage4_bwd_kernel.hopper.options import (CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, PT_STORED_BARRIER,
-                                              SDST_FREE_BARRIER)
+from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
 
 
 class WideConsumer:
@@ -69,15 +66,8 @@ class WideConsumer:
         rPt = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rPt.store(acc_S.load().to(self.dtype))
         cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(rPt), o.tdSsdSt[None, None, None, pt_slot])
-        if const_expr(not self.late_dv):
-            # both halves of P^T stored: dV runs while dS^T is formed
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=PT_STORED_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-            warpgroup.fence()
-            gemm_issue(mmas.dV, o.acc_dV, o.tdVrPt[None, None, None, pt_slot], o.tdVrdOt[None, None, None, st.index],
-                       zero_init=False)
 
-        warpgroup.wait_group(1 if const_expr(not self.late_dv) else 0)  # dP^T
+        warpgroup.wait_group(0)  # dP^T
         self.ds_in_place(o, acc_S_rc, acc_dP, sD_t, dtanh_rc)
         rdSt = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdSt.store(acc_dP.load().to(self.dtype))
@@ -88,9 +78,8 @@ class WideConsumer:
         # this warpgroup's columns of dV and dK, its share of dQ
         acc_dQ = cute.make_rmem_tensor(o.thr_dQ.partition_shape_C(o.dq_shape), Float32)
         warpgroup.fence()
-        if const_expr(self.late_dv):
-            gemm_issue(mmas.dV, o.acc_dV, o.tdVrPt[None, None, None, pt_slot],
-                       o.tdVrdOt[None, None, None, st.index], zero_init=False)
+        gemm_issue(mmas.dV, o.acc_dV, o.tdVrPt[None, None, None, pt_slot], o.tdVrdOt[None, None, None, st.index],
+                   zero_init=False)
         gemm_issue(mmas.dQ, acc_dQ, o.tdQrA[None, None, None, ds_slot], o.tdQrB, zero_init=True)
         gemm_issue(mmas.dK, o.acc_dK, o.tdKrdSt[None, None, None, ds_slot], o.tdKrQt[None, None, None, st.index],
                    zero_init=False)
