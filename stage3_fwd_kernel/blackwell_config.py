@@ -21,6 +21,7 @@ TMEM (columns are 32-bit; lane r of every column belongs to query row r of a til
 
     d = 128:        S 2 x 128 + O 2 x 128 = 512 columns  (all of TMEM: the paper's plan)
     d = 64:         S 2 x 128 + O 2 x  64 = 384 -> allocated 512 (allocations are powers of 2, >= 32)
+    d = 96:         S 2 x 128 + O 2 x  96 = 448 -> allocated 512
     d = (192, 128): S 2 x 128 + O 2 x 128 = 512 (the QK head dim never touches TMEM)
     d = 256:        S 2 x 128 + O 2 x 256 = 768 > 512: does not fit with two Q tiles
 
@@ -36,6 +37,7 @@ SMEM (bytes, 2 per element; 227 KB = 232448 bytes is the opt-in maximum per CTA 
                 time the last P V has completed, every Q K^T that read sQ has completed too.
 
     d = 64:        1 + 32 + 4 x 16 + 32 = 129 KB   (4 slots; we stop at 4)
+    d = 96:        1 + 48 + 4 x 24 + 48 = 193 KB   (4 slots)
     d = 128:       1 + 64 + 3 x 32 + 64 = 225 KB   (3 slots)
     d = (192,128): 1 + 96 + 2 x 48 + (0: over sQ) = 193 KB (2 slots; 3 would need 241 KB)
 
@@ -77,7 +79,7 @@ TMEM_COLUMNS = 512         # 128 lanes x 512 columns x 32 bit per SM
 TMEM_MIN_ALLOC = 32        # tcgen05.alloc: a power of two >= 32 columns
 REGISTERS_PER_SM = 65536
 MAX_KV_STAGES = 4          # more ring slots stop paying once the loads are ahead of the MMAs
-SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 DTYPES = ("bf16", "fp16")
 HEADER_ALIGN = 1024        # 128B-swizzled tiles start on 1024-byte boundaries
 FP16_MAX_THRESHOLD = 15.0  # a stale max lets P reach 2^tau; fp16 stops at 65504 < 2^16

@@ -120,6 +120,12 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         self.scheduler = scheduler
         self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v
+        # varlen epilogue: threads per O row, a power of two (a warp covers whole rows) of 16-byte
+        # stores: dv / 8 at 16 bits, halved until it divides 32 (dv = 96: 4 threads x 24 values)
+        tpr = self.dv // 8
+        while 32 % tpr:
+            tpr //= 2
+        self.varlen_store_threads_per_row = tpr
         self.tm, self.tn = config.tile_m, config.tile_n
         self.num_q = config.q_tiles_per_cta
         self.stages = config.kv_stages
@@ -542,11 +548,10 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO must outlive the reads
         else:
             # packed sequences: 16-byte stores, rows past this sequence's end skipped
-            elems = 128 // self.dtype.width
-            tpr = self.dv // elems                      # threads per row
+            tpr = self.varlen_store_threads_per_row
             atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
             thr_layout = cute.make_ordered_layout((32 // tpr, tpr), order=(1, 0))
-            tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, elems)))
+            tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.dv // tpr)))
             thr_copy = tiled_copy.get_slice(cute.arch.lane_idx())
             mO_cur = cute.domain_offset((offset_q, 0), mO[None, None, head])
             for i in cutlass.range_constexpr(self.num_q):
@@ -816,7 +821,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
 
 
 MATRIX = [(dt, d, dv, causal, varlen) for varlen in (False, True) for dt in ("bf16", "fp16")
-          for d, dv in ((64, 64), (128, 128), (192, 128)) for causal in (False, True)]
+          for d, dv in ((64, 64), (96, 96), (128, 128), (192, 128)) for causal in (False, True)]
 
 
 def resource_table(cases=MATRIX) -> str:

@@ -6,7 +6,7 @@ for capability-10.x GPUs (fa4/_dispatch.py, ``backward_module`` of "sm_100").
 Same conventions as ``stage4_bwd_kernel.hopper`` (docs/ARCHITECTURE.md). UNVERIFIED: no Blackwell GPU is
 reachable from this project, so the kernel behind these functions (``blackwell_bwd``, the 1-CTA
 backward) has only been compiled for sm_100a and inspected (tests/test_stage4_blackwell.py).
-Supported there: dense (B, S, H, D) inputs, head dims (64, 64) and (128, 128), causal, GQA/MQA,
+Supported there: dense (B, S, H, D) inputs, head dims (64, 64), (96, 96) and (128, 128), causal, GQA/MQA,
 deterministic=True. Varlen is not implemented yet (attention_varlen_backward says so).
 
 Both functions raise RuntimeError on anything but a capability-10.x GPU, before importing

@@ -67,7 +67,7 @@ TMEM_MIN_ALLOC = 32
 REGISTERS_PER_SM = 65536
 HEADER_ALIGN = 1024
 MAX_QDO_STAGES = 2
-SUPPORTED_HEAD_DIMS = ((64, 64), (128, 128))
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
 DTYPES = ("bf16", "fp16")
 NUM_WARPS = 12            # WG0 elementwise, WG1 = MMA warp + load warp + 2 idle, WG2 dQ drain
 

@@ -123,7 +123,8 @@ def test_native_pair_is_the_cheapest_cover():
              (96, 64): (96, 96), (136, 64): (192, 128)}
     for (d, dv), want in cases.items():
         assert _layouts.native_pair(HOPPER, d, dv) == want, (d, dv)
-    assert _layouts.native_pair(blackwell, 96, 96) == (128, 128)
+    assert _layouts.native_pair(blackwell, 96, 96) == (96, 96)
+    assert _layouts.native_pair(blackwell, 80, 80) == (96, 96)
     assert _layouts.native_pair(blackwell, 128, 64) == (128, 128)
     assert _layouts.native_pair(blackwell, 256, 256) is None
     for pair in HOPPER.head_dims:

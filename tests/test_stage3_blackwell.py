@@ -61,6 +61,7 @@ def test_paper_plan_d128_fills_tmem():
 @pytest.mark.stage3
 @pytest.mark.parametrize("d,dv,used,stages,overlap,total", [
     (64, 64, 2 * 128 + 2 * 64, 4, False, 1 * KB + 32 * KB + 4 * 16 * KB + 32 * KB),
+    (96, 96, 2 * 128 + 2 * 96, 4, False, 1 * KB + 48 * KB + 4 * 24 * KB + 48 * KB),
     (192, 128, 2 * 128 + 2 * 128, 2, True, 1 * KB + 96 * KB + 2 * 48 * KB),  # sO over sQ
 ])
 def test_plans_other_head_dims(d, dv, used, stages, overlap, total):
@@ -97,7 +98,7 @@ def test_refuses_smem_overflow():
     (dict(head_dim=128, head_dim_v=128, dtype="bf16", tile_n=96), "tile_n"),
     (dict(head_dim=128, head_dim_v=128, dtype="bf16", emulation_fraction=1.5), "emulation_fraction"),
     (dict(head_dim=128, head_dim_v=128, dtype="fp16", rescale_threshold=16.0), "fp16"),
-    (dict(head_dim=96, head_dim_v=96, dtype="bf16"), "supports only head dims"),
+    (dict(head_dim=80, head_dim_v=80, dtype="bf16"), "supports only head dims"),
     (dict(head_dim=128, head_dim_v=128, dtype="bf16", q_tiles_per_cta=1), "q_tiles_per_cta=2"),
 ])
 def test_refuses_bad_configs(kwargs, match):
@@ -135,6 +136,8 @@ CI_CASES = [  # (dtype, d, dv, causal, varlen): every head dim in both dtypes, b
     ("fp16", 192, 128, True, False),
     ("bf16", 128, 128, True, True),
     ("fp16", 64, 64, False, True),
+    ("bf16", 96, 96, True, False),
+    ("fp16", 96, 96, False, True),  # varlen epilogue: 4 threads x 24 values a row
 ]
 
 
@@ -182,7 +185,10 @@ def test_compiles_sm100a(case):
     assert rep["UTCHMMA.SS"] == 4 * (d // 16) and rep["UTCHMMA.TS"] == 4 * (cfg.tile_n // 16)
     assert rep["UTCBAR"] == 10  # tcgen05.commit: s_full x 4, kv_empty x 4, o_full x 2
     assert rep["LDTM"] > 0 and rep["STTM"] > 0 and rep["UTMALDG"] > 0
-    assert rep["UTMASTG"] == (0 if varlen else 2 * (dv // 64))  # varlen: row-guarded stores
+    # one TMA store per swizzle-atom width of a tile's dv columns (64 elements at 128B swizzle; dv = 96
+    # takes 64B: 32), two tiles; varlen: row-guarded stores
+    box = 64 if dv % 64 == 0 else 32
+    assert rep["UTMASTG"] == (0 if varlen else 2 * (dv // box))
     # SMEM the kernel asked for is exactly the plan
     assert rep["smem_bytes"] == cfg.smem.total <= SMEM_CAPACITY
     # register moves per warpgroup: 56 (MMA/load/epilogue), 72 (correction), 192 (softmax)
