@@ -54,6 +54,16 @@ def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=Non
 
 
 @dsl_user_op
+def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    """*ptr += (a, b, c, d): one 16-byte ``red.global.add.v4.f32`` (sm_90+), 16-byte aligned `ptr` in
+    global memory; fire-and-forget like red_add_f32x2."""
+    addr = ptr.toint(loc=loc, ip=ip).ir_value()
+    vals = [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
+    llvm.inline_asm(None, [addr, *vals], "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def ld_acquire_gpu(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
     """An acquire load at GPU scope: later memory operations of this thread (and, through a CTA
     barrier, of the whole CTA) are ordered after the writes that the observed value released."""

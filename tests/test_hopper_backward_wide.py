@@ -4,8 +4,8 @@ by queries, P^T / dS^T through SMEM, dV / dK split by columns.
 
 cpu tier: the design and SMEM plan each pair gets; other pairs refused by name.
 compile tier (sm_90a, fake tensors): no spills or local memory, no serialized wgmma, five SS GEMMs
-per tile body (no register-sourced A), one bulk dQ reduce per share, the semaphores only in
-deterministic mode.
+per tile body (no register-sourced A), one bulk dQ reduce per share (256 in the default mode: 16-byte
+reds from the consumers), the semaphores only in deterministic mode.
 gpu tier (H100/H200): dq / dk / dv under FA4's rule against fp32 autograd over odd seqlens, causal,
 GQA 1 / 2 / 6, fp16, varlen with empty sequences and seqused_k, window and softcap; deterministic
 mode bitwise equal over 100 runs with GQA and causal; outputs NaN-poisoned.
@@ -40,13 +40,17 @@ def test_wide_pairs_take_the_wide_design():
         k = mod.make_kernel(None, d, dv, True, False)
         assert (k.tile_m, k.tile_n, k.wide, k.dq_swap_ab, k.dq_split_m) == (64, 64, True, False, False)
         assert not (k.stats_shuffle or k.mask_offsets or k.q_shift or k.kv_with_first or k.key_select)
-        need = smem_need(64, 64, d, dv, k.ds_buffers, k.dq_buffers, k.num_stages, pt_buffers=1)
-        assert need <= SMEM_BUDGET
-        # a second Q / dO stage or dQ buffer is taken wherever it fits
-        assert k.num_stages == 2 or smem_need(64, 64, d, dv, 1, k.dq_buffers, 2, 1) > SMEM_BUDGET
-        assert k.dq_buffers == 2 or smem_need(64, 64, d, dv, 1, 2, k.num_stages, 1) > SMEM_BUDGET
-    assert (mod.make_kernel(None, 192, 128, False, False).num_stages,
-            mod.make_kernel(None, 256, 256, False, False).num_stages) == (2, 1)
+        need = smem_need(64, 64, d, dv, k.ds_buffers, 0 if k.dq_atomic else k.dq_buffers, k.num_stages, pt_buffers=1)
+        assert need <= SMEM_BUDGET and k.num_stages == 2
+        # dQ from registers only where a dQ buffer would cost the second Q / dO stage
+        assert k.dq_atomic == (smem_need(64, 64, d, dv, 1, 1, 2, 1) > SMEM_BUDGET)
+        assert k.dq_atomic or k.dq_buffers == 2 or smem_need(64, 64, d, dv, 1, 2, 2, 1) > SMEM_BUDGET
+    # deterministic mode keeps the writer warp (it orders the adds): one stage at 256
+    det = [mod.make_kernel(None, d, dv, True, True) for d, dv in WIDE]
+    assert [(k.num_stages, k.dq_atomic) for k in det] == [(2, False), (1, False)]
+    assert [mod.make_kernel(None, d, dv, False, False).dq_atomic for d, dv in WIDE] == [False, True]
+    with pytest.raises(ValueError, match="dq_atomic"):
+        mod.make_kernel(None, 256, 256, False, True, dq_atomic=True)
     assert not mod.make_kernel(None, 128, 128, False, False).wide
     with pytest.raises(ValueError, match="head_dim"):
         mod.make_kernel(None, 192, 192, False, False)
@@ -86,7 +90,12 @@ def test_wide_compiles_sm90a(dtype, d, dv, causal, det, varlen):
     # three bodies (masked, unmasked, masked); every A from SMEM
     assert rep["HGMMA"] == 3 * (d // 16 + dv // 16 + 3 * 64 // 16)
     assert not re.search(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass), "a register-sourced wgmma"
-    assert re.search(r"\bUBLKRED\b", sass) and not re.search(r"\bREDG?\.E\.ADD\.F32", sass)
+    kernel = mod.make_kernel(None, d, dv, causal, det)
+    if kernel.dq_atomic:  # 256, default mode: 16-byte reds from the consumers, no bulk reduce
+        assert len(re.findall(r"red\.global\.add\.v4\.f32", ptx)) == 3 * 64 * d // 2 // 128 // 4
+        assert not re.search(r"\bUBLKRED\b", sass)
+    else:
+        assert re.search(r"\bUBLKRED\b", sass) and not re.search(r"\bREDG?\.E\.ADD\.F32", sass)
     assert ("ld.global.acquire.gpu.b32" in ptx) == det
     # "sdSt free": each warpgroup syncs its own id and arrives on the other's (256 threads)
     assert re.search(r"bar\.sync\s+\S+, 256;", ptx) and re.search(r"bar\.arrive\s+\S+, 256;", ptx)

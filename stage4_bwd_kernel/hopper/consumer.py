@@ -141,12 +141,14 @@ class Consumer:
         return o
 
     @cute.jit
-    def consume(self, walk, ctidx: Int32, storage, mdK: cute.Tensor, mdV: cute.Tensor, softmax_scale_log2: Float32,
-                softmax_scale: Float32, mmas, layouts, gmem_stores, pipes):
-        """The 256 consumer threads (ctidx 0..255): the walk, then the dK / dV epilogue."""
+    def consume(self, walk, ctidx: Int32, storage, mdK: cute.Tensor, mdV: cute.Tensor, mdQacc: cute.Tensor,
+                softmax_scale_log2: Float32, softmax_scale: Float32, mmas, layouts, gmem_stores, pipes):
+        """The 256 consumer threads (ctidx 0..255): the walk, then the dK / dV epilogue. mdQacc: read
+        only with dq_atomic (wide.py)."""
         tm, tn = self.tile_m, self.tile_n
         trace.cta_stamp("start")
         o = self.operands(ctidx, storage, mmas, layouts)
+        o.mdQacc = mdQacc
 
         # The epilogue's key offset and row count wait in SMEM rather than in registers live across the
         # walk (the d = 64 varlen kernel spilled); read back after the walk's last consumer barrier. The

@@ -81,6 +81,9 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         for field in dataclasses.fields(self.options):  # the device code reads them as attributes
             setattr(self, field.name, getattr(self.options, field.name))
         self.num_stages = self.options.stages
+        if self.dq_atomic and (deterministic or not self.wide):
+            raise ValueError("dq_atomic: the wide head dims' default mode only (deterministic mode orders the adds "
+                             "through the writer warp)")
         self.dq_swap_ab = self.tile_m % 64 != 0        # 80 queries: dQ^T = K^T dS^T
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA
         self.dq_full_barrier = DQ_FULL_BARRIER
@@ -88,8 +91,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.num_barriers = num_barriers(self.dq_buffers)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
-        return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers, dq_buffers,
-                         self.num_stages, int(self.wide))
+        return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers,
+                         0 if self.dq_atomic else dq_buffers, self.num_stages, int(self.wide))
 
     # -------------------------------------------------------------- host side (traced once)
     @cute.jit
@@ -164,7 +167,9 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sdSt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdSt_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+            # dq_atomic: a token sdQ (its views are built, never read)
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, 4 if self.dq_atomic else cute.cosize(sdQ_layout)],
+                                   1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -234,12 +239,13 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                     loads = TmaLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
                                      tma_atom_LSE2, tma_LSE2, tma_atom_D, tma_D)
                     self.produce(walk, storage, loads, layouts, pipes)
-                if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + self.dq_writers:
-                    self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout,
-                                  warp_idx - DQ_WRITER_WARP)
+                if const_expr(not self.dq_atomic):  # dq_atomic: the consumers add dQ themselves
+                    if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + self.dq_writers:
+                        self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout,
+                                      warp_idx - DQ_WRITER_WARP)
             else:
                 # ---------------------------------------------------------------- consumers
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 mmas = Mmas(tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ)
-                self.consume(walk, tidx - 128, storage, mdK, mdV, softmax_scale_log2, softmax_scale, mmas, layouts,
-                             (gmem_store_dK, gmem_store_dV), pipes)
+                self.consume(walk, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale, mmas,
+                             layouts, (gmem_store_dK, gmem_store_dV), pipes)

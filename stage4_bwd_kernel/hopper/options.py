@@ -65,6 +65,7 @@ def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
 
 def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffers: int, dq_buffers: int,
               stages: int = NUM_STAGES, pt_buffers: int = 0) -> int:
+    # dq_buffers = 0: dQ added from registers (dq_atomic), no sdQ
     """Bytes of K, V, the Q/dO stages, the 16-bit dS^T (and, wide, P^T) buffers and the fp32 dQ
     buffers, + 2 KB for the mbarriers and the row statistics' ring.
 
@@ -72,7 +73,8 @@ def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffe
         d = 96  (64 x 128):  24 + 24 + 2 * 24 + 2 * 16 + 2 * 24 = 176 KB
         d = 128 (80 x 128):  32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB  (two dQ buffers: 264)
         (192, 128) (64 x 64): 24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 186 KB  (two dQ buffers: 234)
-        (256, 256) (64 x 64): 32 + 32 + 1 * 64 + 8 + 8 + 1 * 64 = 210 KB  (two Q / dO stages: 274)
+        (256, 256) (64 x 64): 32 + 32 + 2 * 64 + 8 + 8 + 0 = 210 KB  (dQ from registers; deterministic:
+                              one Q / dO stage and one dQ buffer, 32 + 32 + 64 + 16 + 64 = 210 KB)
     """
     tm, tn, d, dv = tile_m, tile_n, head_dim, head_dim_v
     operands = (tn * (d + dv) + stages * tm * (d + dv) + (ds_buffers + pt_buffers) * tn * tm) * 2
@@ -96,7 +98,8 @@ class BackwardOptions:
     ds_buffers: int        # dS^T buffers (SMEM plan below)
     dq_buffers: int        # fp32 dQ buffers (SMEM plan below)
     dq_writers: int        # dQ writer warps (dq_writer.py)
-    stages: int = NUM_STAGES  # Q / dO ring (producer.py); one where two do not fit (256)
+    stages: int = NUM_STAGES  # Q / dO ring (producer.py)
+    dq_atomic: bool = False   # wide: the consumers add dQ with 16-byte reds, no sdQ nor writer (wide.py)
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
@@ -136,13 +139,19 @@ class BackwardOptions:
         split moves the columns the shuffle assumes), one dS^T and one P^T buffer; two Q / dO stages
         and dQ buffers where they fit beside them."""
         tm, tn = default_tiles(head_dim, head_dim_v)
-        stages = NUM_STAGES if smem_need(tm, tn, head_dim, head_dim_v, 1, 1, NUM_STAGES, 1) <= SMEM_BUDGET else 1
-        dq_buffers = MAX_DQ_BUFFERS
-        if smem_need(tm, tn, head_dim, head_dim_v, 1, MAX_DQ_BUFFERS, stages, 1) > SMEM_BUDGET:
-            dq_buffers = 1
+
+        def fits(stages, dq_buffers):
+            return smem_need(tm, tn, head_dim, head_dim_v, 1, dq_buffers, stages, 1) <= SMEM_BUDGET
+        # two Q / dO stages first (one measured 0.55x the speed at (192, 128)); where they leave no
+        # room for a dQ buffer, dQ is added from registers -- not in deterministic mode, whose
+        # order needs the writer
+        dq_atomic = not fits(NUM_STAGES, 1) and fits(NUM_STAGES, 0) and not deterministic
+        stages = NUM_STAGES if dq_atomic or fits(NUM_STAGES, 1) else 1
+        dq_buffers = MAX_DQ_BUFFERS if not dq_atomic and fits(stages, MAX_DQ_BUFFERS) else 1
         return cls(late_dv=False, stats_shuffle=False, dq_frag=True, q_shift=False, key_select=False,
                    column_limit=True, mask_offsets=False, kv_with_first=False, ds_buffers=1,
-                   dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages)
+                   dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages,
+                   dq_atomic=dq_atomic)
 
     def check(self, varlen: bool):
         """ValueError for a combination the kernel cannot build (only overrides can produce one)."""
@@ -153,6 +162,8 @@ class BackwardOptions:
         if self.dq_writers not in (1, 2) or self.dq_buffers % self.dq_writers:
             raise ValueError(f"dq_writers: expected 1 or 2 dividing dq_buffers ({self.dq_buffers}), "
                              f"got {self.dq_writers!r}")
+        if self.dq_atomic and not self.dq_frag:
+            raise ValueError("dq_atomic: adds dQ in fragment order, which needs dq_frag")
         if self.stages not in (1, 2):
             raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
         if self.q_shift and (varlen or not self.dq_frag):

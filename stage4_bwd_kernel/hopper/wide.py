@@ -33,8 +33,9 @@ from cutlass.cute.nvgpu import warpgroup
 
 from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.hopper.fragments import acc_rowcol
-from stage4_bwd_kernel import schedule
+from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.hopper.consumer import gemm_issue
+from stage4_bwd_kernel.hopper.scores import thread_idx_fresh
 from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
 
 
@@ -85,10 +86,28 @@ class WideConsumer:
                    zero_init=False)
         warpgroup.wait_group(1)  # dV and dQ done, dK may run
         pipes.do.consumer_release(st)
-        self.hand_off_dq(o, acc_dQ, t)
+        if const_expr(self.dq_atomic):
+            self.add_dq_from_registers(o, acc_dQ, walk, t, m_block)
+        else:
+            self.hand_off_dq(o, acc_dQ, t)
         warpgroup.wait_group(0)
         pipes.q.consumer_release(st)
         if t + 1 < n_tiles:  # this warpgroup has read the slots: the other may overwrite them
             cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
                                      number_of_threads=NUM_CONSUMER_THREADS)
         trace.stamp(t, "end")
+
+    @cute.jit
+    def add_dq_from_registers(self, o, acc_dQ: cute.Tensor, walk, t: Int32, m_block: Int32):
+        """dq_atomic: this thread's dQ registers straight into dQaccum with 16-byte reds, in the writer's
+        fragment order (register i -> float (i // 4) * 512 + thread * 4 + i % 4 of the warpgroup's share,
+        layouts.py), so a warp's reds cover 512 contiguous bytes and postprocess_frag reads them as ever."""
+        n_m = walk.m_block_max - walk.m_block_min
+        head = walk.head_kv * walk.qhead_per_kvhead + t // n_m
+        row = self.dq_frag_tile_row(walk.offset_q, walk.batch, m_block)
+        lane_in_wg = thread_idx_fresh() % 128
+        base = (common.elem_pointer(o.mdQacc, (walk.bidx, head, row, 0)) + o.wg * self.dq_frag_share_elems()
+                + lane_in_wg * 4)
+        acc = cute.make_tensor(acc_dQ.iterator, cute.make_layout(cute.size(acc_dQ)))
+        for c in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
+            common.red_add_f32x4(base + c * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3])
