@@ -10,12 +10,15 @@ warpgroups split the work of each 64-query tile instead (``roofline.WIDE_DESIGNS
 * P^T and dS^T go to SMEM (the slots of sdSt), since each warpgroup's dV / dK need all 64 queries;
 * dV += P^T dO and dK += dS^T Q by columns: warpgroup w owns columns [dv w / 2, dv (w + 1) / 2) of dV and
   [d w / 2, d (w + 1) / 2) of dK, with A read from SMEM (SS wgmmas);
-* dQ = dS K as at d = 96: each warpgroup its d / 2 columns, handed to the writer warp (dq_writer.py).
+* dQ = dS K as at d = 96: each warpgroup its d / 2 columns, handed to the writer warp (dq_writer.py),
+  or at 256 (``dq_atomic``) added by the warpgroup itself with 16-byte reds, in the writer's order.
 
 Registers per consumer thread (128 a warpgroup): dK 64 d / 256 + dV 64 dv / 256 held across the walk
 (80 at (192, 128), 128 at 256), plus S^T 16 + dP^T 16, or the dQ accumulator 64 d / 256 (48 / 64),
 which are not live at once. SMEM (``options.smem_need``): 186 KB at (192, 128) with two Q / dO stages
-and one dQ buffer; 210 KB at 256 with one stage (two would need 274).
+and one dQ buffer. At 256 a dQ buffer (64 KB) leaves room for one stage only, which ran at 0.70x the
+speed of two with the reds (docs/measurements.md): 210 KB either way; deterministic mode, whose add
+order the writer keeps, takes the one stage.
 
 Per tile t, in order:
     S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; ["sdSt free"] ; P^T -> SMEM ; wait dP^T ; dS^T -> SMEM
