@@ -205,15 +205,8 @@ class Consumer:
 
         # P^T = exp2(S^T * scale_log2 - lse2), masked (scores.py)
         warpgroup.wait_group(1)
-        acc_S_rc = acc_rowcol(acc_S)
-        key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k)
-        dtanh_rc = None
-        if const_expr(self.score_mod.on):
-            # 16-bit: at 32 more fp32 registers a thread the consumers spilled; dS^T is rounded to 16
-            # bits for the dK and dQ wgmmas anyway
-            dtanh_rc = acc_rowcol(cute.make_rmem_tensor(acc_S.shape, self.dtype))
-        self.exp_scores(acc_S_rc, o.tScS_rc, sLSE2_t, lse2_quad, softmax_scale_log2, key_limit, diag,
-                        q_rows_left, masked=masked, tScS0_rc=o.tScS0_rc, score_scale=score_scale, dtanh_rc=dtanh_rc)
+        acc_S_rc, dtanh_rc = self.tile_exp(o, acc_S, walk, m_block, q_rows_left, sLSE2_t, lse2_quad,
+                                           softmax_scale_log2, masked, score_scale)
         # P^T -> 16-bit A fragment of dV (the accumulator's register order), dV += P^T dO
         tdVrPt = cute.make_rmem_tensor(o.thr_dV.partition_shape_A((tn, tm)), self.dtype)
         tdVrPt_acc = cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape))
@@ -258,6 +251,24 @@ class Consumer:
         warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
         pipes.q.consumer_release(st)
         trace.stamp(t, "end")  # no code unless tracing is on
+
+    @cute.jit
+    def tile_exp(self, o: ConsumerOperands, acc_S: cute.Tensor, walk, m_block: Int32, q_rows_left: Int32,
+                 sLSE2_t: cute.Tensor, lse2_quad, softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool],
+                 score_scale=None):
+        """P^T of Q tile m_block in place of S^T (scores.py) -> (its row-column view, the softcap's
+        tanh derivative or None)."""
+        tm, tn = self.tile_m, self.tile_n
+        acc_S_rc = acc_rowcol(acc_S)
+        key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k)
+        dtanh_rc = None
+        if const_expr(self.score_mod.on):
+            # 16-bit: at 32 more fp32 registers a thread the consumers spilled; dS^T is rounded to 16
+            # bits for the dK and dQ wgmmas anyway
+            dtanh_rc = acc_rowcol(cute.make_rmem_tensor(acc_S.shape, self.dtype))
+        self.exp_scores(acc_S_rc, o.tScS_rc, sLSE2_t, lse2_quad, softmax_scale_log2, key_limit, diag,
+                        q_rows_left, masked=masked, tScS0_rc=o.tScS0_rc, score_scale=score_scale, dtanh_rc=dtanh_rc)
+        return acc_S_rc, dtanh_rc
 
     @cute.jit
     def issue_scores(self, o: ConsumerOperands, mmas, pipes, st: pipeline.PipelineState):

@@ -35,8 +35,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from stage3_fwd_kernel import trace
-from stage3_fwd_kernel.hopper.fragments import acc_rowcol
-from stage4_bwd_kernel import common, schedule
+from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.consumer import gemm_issue
 from stage4_bwd_kernel.hopper.scores import thread_idx_fresh
 from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
@@ -49,22 +48,16 @@ class WideConsumer:
     def consume_tile_wide(self, o, walk, mmas, pipes, t: Int32, m_block: Int32, n_tiles: Int32,
                           softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None):
         """Tile t of the walk (Q tile m_block): the order of the module docstring."""
-        tm, tn = self.tile_m, self.tile_n
         st = self.tile_state(t, producer=False)
-        q_rows_left = walk.seqlen_q - m_block * tm
+        q_rows_left = walk.seqlen_q - m_block * self.tile_m
         ds_slot, pt_slot = 0, self.ds_buffers
 
         acc_S, acc_dP = self.issue_scores(o, mmas, pipes, st)  # this warpgroup's 32 queries
         sLSE2_t, sD_t = o.sLSE2[None, st.index], o.sD[None, st.index]
 
         warpgroup.wait_group(1)
-        acc_S_rc = acc_rowcol(acc_S)
-        key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k)
-        dtanh_rc = None
-        if const_expr(self.score_mod.on):
-            dtanh_rc = acc_rowcol(cute.make_rmem_tensor(acc_S.shape, self.dtype))
-        self.exp_scores(acc_S_rc, o.tScS_rc, sLSE2_t, None, softmax_scale_log2, key_limit, diag, q_rows_left,
-                        masked=masked, tScS0_rc=o.tScS0_rc, score_scale=score_scale, dtanh_rc=dtanh_rc)
+        acc_S_rc, dtanh_rc = self.tile_exp(o, acc_S, walk, m_block, q_rows_left, sLSE2_t, None, softmax_scale_log2,
+                                           masked, score_scale)
         if t > 0:  # both warpgroups' wgmmas of tile t - 1 have read the P^T / dS^T slots
             cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
         rPt = cute.make_rmem_tensor_like(acc_S, self.dtype)
