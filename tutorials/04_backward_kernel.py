@@ -591,6 +591,38 @@ else:
     print("no Hopper GPU here: compiled only; the H100 measurements are the committed JSON below.")
 
 # %% [markdown]
+# ## Wide head dims: when dK and dV do not fit the registers
+# The production kernel keeps each consumer warpgroup's 64 keys of dK and dV in registers for the whole
+# walk: `64 d / 128 + 64 dv / 128` floats a thread, beside S^T, dP^T and the 16-bit P^T. At (192, 128)
+# and 256 that no longer fits the 240 registers `setmaxnreg` gives a consumer, so those dims run a
+# second design (`stage4_bwd_kernel/hopper/wide.py`): both warpgroups on the *same* 64 keys, S^T /
+# dP^T split by queries, P^T / dS^T through shared memory, dV / dK split by columns. The cell counts
+# the registers of both designs, then the shared memory that decided the 256 plan: a 64 KB fp32 dQ
+# buffer leaves room for one Q / dO stage only, so at 256 the consumers add dQ themselves
+# (16-byte `red.global.add.v4.f32`) and keep two stages -- measured 1.08-1.15x of the official
+# kernel on an H200, against 0.75-0.81x with the buffer and one stage (`docs/measurements.md`).
+
+# %%
+from stage3_fwd_kernel.host_io import SMEM_BUDGET
+from stage4_bwd_kernel.hopper.options import BackwardOptions, smem_need
+
+print(f"{'head dims':>11} | {'register-sourced (regs)':>23} | {'wide (regs)':>11}")
+for d, dv in ((128, 128), (192, 128), (256, 256)):
+    rs = 64 * d // 128 + 64 * dv // 128 + 32 + 32 + 16        # dK + dV + S^T + dP^T + 16-bit P^T
+    wide = s4_roofline.wide_registers("exchange_dims", 64, d, dv)["total"]
+    print(f"{str((d, dv)):>11} | {rs:>23} | {wide:>11.0f}")
+assert 64 * 192 // 128 + 64 * 128 // 128 + 80 == 240  # (192, 128): every register, before addresses
+
+kb = lambda b: f"{b / 1024:.0f} KB"  # noqa: E731
+for stages, dq in ((1, 1), (2, 1), (2, 0)):
+    need = smem_need(64, 64, 256, 256, 1, dq, stages, pt_buffers=1)
+    print(f"256: {stages} Q/dO stage(s), {dq} dQ buffer(s): {kb(need)} of {kb(SMEM_BUDGET)}"
+          f"{'' if need <= SMEM_BUDGET else '  -- does not fit'}")
+plan = BackwardOptions.for_config(256, 256, causal=True, deterministic=False, varlen=False)
+assert (plan.stages, plan.dq_atomic) == (2, True)
+assert BackwardOptions.for_config(256, 256, True, True, False).stages == 1  # deterministic keeps the writer
+
+# %% [markdown]
 # ## Measured on an H100
 # `benchmarks/bench_bwd.py` times our backward (default and deterministic) against the official FA4
 # and cuDNN in one run and writes `benchmarks/results/bwd_h100*.json`; the newest committed run is
