@@ -52,7 +52,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32
 
-from stage2_emulated_exp.gpu_kernel import ex2_approx_f32, exp2_emulated_f32, fma_rn_f32
+from stage2_emulated_exp.gpu_kernel import (CLAMP_MIN, ROUND_MAGIC, combine_exponent, ex2_approx_f32, exp2_emulated_f32,
+                                            fma_rn_f32, max_f32)
 
 __all__ = [
     "DEFAULT_EMULATION_FRACTION",
@@ -151,6 +152,13 @@ class SoftmaxPolicy:
         return emulation_pattern(self.emulated_per_period)
 
     @property
+    def pair_pattern(self) -> tuple | None:
+        """PATTERN_PERIOD / 2 booleans, True = that adjacent pair of positions is emulated (the
+        packed f32x2 path, exp2_row_packed); None when the count per period is odd."""
+        k = self.emulated_per_period
+        return None if k % 2 else emulation_pattern(k // 2, PATTERN_PERIOD // 2)
+
+    @property
     def emulates(self) -> bool:
         return self.emulated_per_period > 0
 
@@ -225,27 +233,64 @@ def _chains_total(sums: list):
     return total
 
 
+def exp2_emulated_f32x2(x0, x1, coefficients):
+    """exp2_emulated_f32 of two values with the f32x2 pipe of sm_100: the floor and the fraction one
+    packed op each for both (add.rm / sub.rn .ftz .f32x2, the scalar ops' rounding, so each result is
+    the scalar path's bit for bit). The clamp (no packed max), the Horner steps and the exponent add
+    (an integer add) stay scalar: a packed Horner needs its coefficients in register pairs (an
+    immediate cannot be an f32x2 operand), and at 192 registers a softmax thread then spilled 64-104
+    bytes (all of it packed) or 68-96 (all but the first step) in the dense builds."""
+    xc = (max_f32(x0, CLAMP_MIN, ftz=True), max_f32(x1, CLAMP_MIN, ftz=True))
+    magic = (Float32(ROUND_MAGIC), Float32(ROUND_MAGIC))
+    j = cute.arch.add_packed_f32x2(xc, magic, rnd="rm", ftz=True)
+    fl = cute.arch.sub_packed_f32x2(j, magic, rnd="rn", ftz=True)
+    f = cute.arch.sub_packed_f32x2(xc, fl, rnd="rn", ftz=True)
+    out = []
+    for i in range(2):  # Horner scalar: its coefficients stay immediates (packed, they took registers)
+        p = Float32(coefficients[-1])
+        for c in reversed(coefficients[:-1]):
+            p = fma_rn_f32(p, f[i], Float32(c), ftz=True)
+        out.append(combine_exponent(p, j[i]))
+    return out[0], out[1]
+
+
+def _exp2_pair_at(x0, x1, c: int, policy):
+    """2^x of positions c, c + 1 (c even): packed polynomial where policy.pair_pattern says so,
+    else two MUFU.EX2."""
+    if cutlass.const_expr(policy.pair_pattern[(c % PATTERN_PERIOD) // 2]):
+        return exp2_emulated_f32x2(x0, x1, policy.coefficients)
+    return ex2_approx_f32(x0), ex2_approx_f32(x1)
+
+
 @cute.jit
 def exp2_row_packed(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy: cutlass.Constexpr) -> Float32:
     """exp2_row for Blackwell (sm_100), whose FMA pipe takes f32x2 pairs: the argument of two
     adjacent values in one FFMA2 (fma.rn.f32x2: the same rounding per value as exp2_row's FFMA),
     then the exponentials, and the row sum in one f32x2 chain (FADD2: 64 adds for 128 values, where
-    exp2_row's four scalar chains take 128). Packing the polynomial as well spilled 116 bytes a
-    softmax thread within its 192 registers, and two FADD2 chains spilled 16 bytes in the causal
-    builds, so the polynomial stays scalar and the sum is one chain (a longer dependency than four,
-    never timed: no Blackwell GPU). The work goes one pattern period (16 values) at a time: few
-    temporaries live at once. d = 128, loop instructions: unmasked 615 -> 555, masked 794 -> 734."""
+    exp2_row's four scalar chains take 128). The emulated values come in adjacent pairs
+    (``policy.pair_pattern``: positions 14 and 15 of each 16 at the Blackwell forward's 2 of 16,
+    where the scalar pattern spreads them to 7 and 15), whose floor and fraction run packed
+    (exp2_emulated_f32x2). Two FADD2 chains spilled 16 bytes in the causal builds, so the sum is one
+    chain (a longer dependency than four, never timed: no Blackwell GPU). The work goes one pattern
+    period (16 values) at a time: few temporaries live at once. d = 128, loop instructions: unmasked
+    615 -> 555 (packed argument and sum) -> 531 (packed floor / fraction), masked 794 -> 734 -> 708."""
     n = cute.size(row)
     neg_bias = -bias
     period = PATTERN_PERIOD if n % PATTERN_PERIOD == 0 else n
     pairs = [None] if n % 4 == 0 else None  # the sum in one f32x2 chain (FADD2), else scalar
     sums = [None]
+    # the polynomial on adjacent pairs, f32x2 (exp2_emulated_f32x2), where the pattern has pairs
+    packed_poly = policy.pair_pattern is not None and period % 2 == 0
     for g in cutlass.range_constexpr(0, n, period):
         for c in cutlass.range_constexpr(g, g + period, 2):   # x = s * scale - bias, in pairs
             row[c], row[c + 1] = cute.arch.fma_packed_f32x2((row[c], row[c + 1]), (scale_log2, scale_log2),
                                                             (neg_bias, neg_bias), rnd="rn")
         for c in cutlass.range_constexpr(g, g + period):
-            row[c] = _exp2_at(row[c], c, policy)
+            if cutlass.const_expr(packed_poly):
+                if cutlass.const_expr(c % 2 == 0):
+                    row[c], row[c + 1] = _exp2_pair_at(row[c], row[c + 1], c, policy)
+            else:
+                row[c] = _exp2_at(row[c], c, policy)
             if cutlass.const_expr(pairs is None):
                 _add_to_chain(sums, c, row[c])
             elif cutlass.const_expr(c % 2 == 1):

@@ -306,3 +306,20 @@ def test_varlen_matches_reference_on_blackwell(causal):
 
     bw.run(batch=5, seqlen_q=300, seqlen_k=500, heads=4, heads_kv=2, head_dim=128, causal=causal,
            varlen=True, check=True, verbose=False)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_packed_emulation_takes_adjacent_pairs():
+    """exp2_row_packed emulates whole adjacent pairs (one f32x2 floor / fraction for both): the pair
+    pattern spreads k / 2 pairs over a period as the scalar pattern spreads k positions, and an odd
+    k has no pair pattern (the scalar path serves it)."""
+    from stage3_fwd_kernel.softmax_policy import PATTERN_PERIOD, SoftmaxPolicy
+
+    policy = SoftmaxPolicy(emulation_fraction=blackwell_fwd_config(128, 128, "bf16", causal=False).emulation_fraction)
+    pairs = policy.pair_pattern
+    assert len(pairs) == PATTERN_PERIOD // 2 and sum(pairs) == policy.emulated_per_period // 2 == 1
+    assert [2 * i for i, e in enumerate(pairs) if e] == [14]   # positions 14, 15 (scalar: 7, 15)
+    four = SoftmaxPolicy(emulation_fraction=4 / 16).pair_pattern
+    assert [2 * i for i, e in enumerate(four) if e] == [6, 14]  # scalar: 3, 7, 11, 15
+    assert SoftmaxPolicy(emulation_fraction=3 / 16).pair_pattern is None
