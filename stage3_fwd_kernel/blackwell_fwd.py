@@ -120,12 +120,9 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         self.scheduler = scheduler
         self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v
-        # varlen epilogue: threads per O row, a power of two (a warp covers whole rows) of 16-byte
-        # stores: dv / 8 at 16 bits, halved until it divides 32 (dv = 96: 4 threads x 24 values)
-        tpr = self.dv // 8
-        while 32 % tpr:
-            tpr //= 2
-        self.varlen_store_threads_per_row = tpr
+        # varlen epilogue: threads per O row, a divisor of 32 (a warp covers whole rows), of 16-byte
+        # stores (8 values at 16 bits): dv = 64 / 96 / 128 -> 8 / 4 / 16 threads (96: 24 values each)
+        self.varlen_store_threads_per_row = math.gcd(self.dv // 8, 32)
         self.tm, self.tn = config.tile_m, config.tile_n
         self.num_q = config.q_tiles_per_cta
         self.stages = config.kv_stages

@@ -273,7 +273,8 @@ def exp2_row_packed(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy
     (exp2_emulated_f32x2). Two FADD2 chains spilled 16 bytes in the causal builds, so the sum is one
     chain (a longer dependency than four, never timed: no Blackwell GPU). The work goes one pattern
     period (16 values) at a time: few temporaries live at once. d = 128, loop instructions: unmasked
-    615 -> 555 (packed argument and sum) -> 531 (packed floor / fraction), masked 794 -> 734 -> 708."""
+    615 -> 555 (packed argument and sum) -> 531 (packed floor / fraction), masked (causal) 794 -> 734
+    -> 710."""
     n = cute.size(row)
     neg_bias = -bias
     period = PATTERN_PERIOD if n % PATTERN_PERIOD == 0 else n

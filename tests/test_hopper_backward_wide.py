@@ -57,6 +57,17 @@ def test_wide_pairs_take_the_wide_design():
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("override,name", [(dict(stats_shuffle=True), "stats_shuffle"), (dict(late_dv=True), "late_dv"),
+                                           (dict(ds_buffers=2), "ds_buffers"), (dict(kv_with_first=True), "kv_with_first"),
+                                           (dict(dq_atomic=False), "shared memory")])
+def test_options_the_wide_body_has_no_path_for_are_refused(override, name):
+    """Overrides that would build a wide kernel the body ignores, or one past 227 KB of SMEM (256 with
+    the writer's dQ buffer and two stages), fail by name before anything compiles."""
+    with pytest.raises(ValueError, match=name):
+        _mod().make_kernel(None, 256, 256, True, False, **override)
+
+
+@pytest.mark.cpu
 def test_every_head_dim_is_served_by_the_production_kernel():
     from stage4_bwd_kernel import hopper as bwd
 
@@ -72,7 +83,7 @@ def test_every_head_dim_is_served_by_the_production_kernel():
 COMPILE_CASES = [("bf16", 192, 128, False, False, False), ("bf16", 192, 128, True, True, False),
                  ("fp16", 192, 128, True, False, True), ("bf16", 256, 256, False, False, False),
                  ("bf16", 256, 256, True, True, False), ("bf16", 256, 256, True, False, True)]
-COMPILE_IDS = [f"{dt}-d{d}x{dv}-{'causal' if c else 'full'}-{'det' if det else 'atomic'}{'-varlen' if vl else ''}"
+COMPILE_IDS = [f"{dt}-d{d}x{dv}-{'causal' if c else 'full'}-{'det' if det else 'default'}{'-varlen' if vl else ''}"
                for dt, d, dv, c, det, vl in COMPILE_CASES]
 
 

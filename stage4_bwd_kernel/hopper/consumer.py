@@ -78,7 +78,7 @@ class Consumer:
         o = ConsumerOperands()
         sQ, sdO = swizzled(storage, "sQ", layouts), swizzled(storage, "sdO", layouts)       # (tm, d|dv, stages)
         o.sK, o.sV = swizzled(storage, "sK", layouts), swizzled(storage, "sV", layouts)     # (tn, d|dv)
-        sdSt = swizzled(storage, "sdSt", layouts)                                           # (tn, tm, ds_buffers)
+        sdSt = swizzled(storage, "sdSt", layouts)                          # (tn, tm, ds_buffers [+ P^T, wide])
         sdQ = cute.composition(swizzled(storage, "sdQ", layouts), self._sdq_tile_view())    # (tm, d, buffers) fp32
         sQt = cute.composition(sQ, cute.make_ordered_layout((d, tm, stages), order=(1, 0, 2)))
         sdOt = cute.composition(sdO, cute.make_ordered_layout((dv, tm, stages), order=(1, 0, 2)))

@@ -27,6 +27,7 @@ Measured: docs/measurements.md.
 from __future__ import annotations
 
 import dataclasses
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -36,6 +37,7 @@ from cutlass.memory.smem import SmemAllocator
 from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window
+from stage3_fwd_kernel.host_io import SMEM_BUDGET
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.consumer import Consumer
 from stage4_bwd_kernel.hopper.dq_writer import DqWriter
@@ -77,13 +79,14 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         if self.banded:
             # the two fast masked bodies know one edge (scores.py); a band takes the plain test
             self.options = dataclasses.replace(self.options, column_limit=False, mask_offsets=False)
-        self.options.check(varlen)
+        self.options.check(varlen, wide=self.wide, deterministic=deterministic)
         for field in dataclasses.fields(self.options):  # the device code reads them as attributes
             setattr(self, field.name, getattr(self.options, field.name))
         self.num_stages = self.options.stages
-        if self.dq_atomic and (deterministic or not self.wide):
-            raise ValueError("dq_atomic: the wide head dims' default mode only (deterministic mode orders the adds "
-                             "through the writer warp)")
+        need = self._smem_need(self.ds_buffers, self.dq_buffers)
+        if need > SMEM_BUDGET:
+            raise ValueError(f"options: {self.options} need {need} bytes of shared memory, more than the "
+                             f"{SMEM_BUDGET} a CTA can have")
         self.dq_swap_ab = self.tile_m % 64 != 0        # 80 queries: dQ^T = K^T dS^T
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA
         self.dq_full_barrier = DQ_FULL_BARRIER

@@ -3,13 +3,14 @@ plan and the per-configuration options. Plain Python (no device code): the kerne
 tests read the same numbers.
 
 Roles (384 threads): warpgroup 0 is the producer (warp 0 issues the TMA loads, warps 1 .. dq_writers
-reduce dQ), warpgroups 1 and 2 are the consumers: keys [64 w, 64 w + 64) of the K/V tile each, or at the
-wide head dims (``WIDE_HEAD_DIMS``, ``wide.py``) the same 64 keys, split by queries and by columns.
+reduce dQ; with ``dq_atomic`` the consumers add dQ themselves and those warps idle), warpgroups 1 and 2
+are the consumers: keys [64 w, 64 w + 64) of the K/V tile each, or at the wide head dims
+(``WIDE_HEAD_DIMS``, ``wide.py``) the same 64 keys, split by queries and by columns.
 
 Named barriers (0 is __syncthreads, used only before the role split; ids 2 and 3 are not used):
     1               the 256 consumers: "dS^T stored" (B2) once per tile, and the epilogue
-    4 + w           "sdSt free" for warpgroup w (one dS^T buffer only): the other warpgroup's dQ wgmma
-                    (wide: its dV, dQ and dK wgmmas) of the previous tile has read sdSt
+    4 + w           "sdSt free" for warpgroup w (one dS^T buffer; the wide body always): the other
+                    warpgroup's dQ wgmma (wide: its dV, dQ and dK wgmmas) of the previous tile has read sdSt
     6 + b           "dQ full" of dQ buffer b: 256 consumer arrivals + the writer warp's sync = 288
     6 + B + 2 b + w "dQ empty" of buffer b, share w (B buffers): the writer's arrival + warpgroup w's
                     sync = 160. Tile t waits only when t >= B and the writer arrives only when t + B
@@ -72,9 +73,9 @@ def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffe
         d = 64  (128 x 128): 16 + 16 + 2 * 32 + 1 * 32 + 2 * 32 = 192 KB
         d = 96  (64 x 128):  24 + 24 + 2 * 24 + 2 * 16 + 2 * 24 = 176 KB
         d = 128 (80 x 128):  32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB  (two dQ buffers: 264)
-        (192, 128) (64 x 64): 24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 186 KB  (two dQ buffers: 234)
-        (256, 256) (64 x 64): 32 + 32 + 2 * 64 + 8 + 8 + 0 = 210 KB  (dQ from registers; deterministic:
-                              one Q / dO stage and one dQ buffer, 32 + 32 + 64 + 16 + 64 = 210 KB)
+        (192, 128) (64 x 64): 24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 184 KB  (two dQ buffers: 232)
+        (256, 256) (64 x 64): 32 + 32 + 2 * 64 + 8 + 8 + 0 = 208 KB  (dQ from registers; deterministic:
+                              one Q / dO stage and one dQ buffer, 32 + 32 + 64 + 16 + 64 = 208 KB)
     """
     tm, tn, d, dv = tile_m, tile_n, head_dim, head_dim_v
     operands = (tn * (d + dv) + stages * tm * (d + dv) + (ds_buffers + pt_buffers) * tn * tm) * 2
@@ -153,8 +154,19 @@ class BackwardOptions:
                    dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages,
                    dq_atomic=dq_atomic)
 
-    def check(self, varlen: bool):
-        """ValueError for a combination the kernel cannot build (only overrides can produce one)."""
+    def check(self, varlen: bool, wide: bool = False, deterministic: bool = False):
+        """ValueError for a combination the kernel cannot build (only overrides can produce one).
+        wide: the options of the register-sourced body that the wide one (wide.py) has no path for."""
+        if wide:
+            rs_only = [name for name in ("late_dv", "stats_shuffle", "q_shift", "mask_offsets", "kv_with_first")
+                       if getattr(self, name)]
+            if rs_only or self.ds_buffers != 1:
+                name = rs_only[0] if rs_only else "ds_buffers"
+                raise ValueError(f"{name}: a choice of the register-sourced kernel (head dims 64 / 96 / 128); the "
+                                 "wide head dims' body (wide.py) has no such path (one P^T / dS^T buffer)")
+        if self.dq_atomic and (deterministic or not wide):
+            raise ValueError("dq_atomic: the wide head dims' default mode only (deterministic mode orders the adds "
+                             "through the writer warp)")
         if self.ds_buffers not in (1, 2):
             raise ValueError(f"ds_buffers: expected 1 or 2, got {self.ds_buffers!r}")
         if self.dq_buffers not in (1, 2):

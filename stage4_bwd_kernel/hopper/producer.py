@@ -1,5 +1,6 @@
 """The producer warp of the production Hopper backward: TMA loads of K, V and, per Q tile, Q, dO and
-their row statistics into a ring of ``NUM_STAGES`` stages guarded by mbarriers.
+their row statistics into a ring of ``options.stages`` stages (two; one at 256 deterministic) guarded
+by mbarriers.
 
 Each Q tile's lse2 (log2-scaled lse) and D (rowsum(dO * O)) ride on its Q and dO barriers as one 1-D
 TMA box each, so the consumers never load them from global memory nor stage them through SMEM. Rows
@@ -30,7 +31,7 @@ class SmemLayouts(NamedTuple):
     sdO: cute.ComposedLayout    # (tm, dv, stages)
     sK: cute.ComposedLayout     # (tn, d)
     sV: cute.ComposedLayout     # (tn, dv)
-    sdSt: cute.ComposedLayout   # (tn, tm, ds_buffers)
+    sdSt: cute.ComposedLayout   # (tn, tm, ds_buffers), wide: (tn, tm, 2 * ds_buffers) with P^T
     sdQ: cute.ComposedLayout    # fragment order (share elems, shares) or row order (rows, cols, shares)
     sStat: cute.Layout          # (tm, stages) fp32
 
@@ -59,8 +60,8 @@ class TmaLoads(NamedTuple):
 
 class Pipes(NamedTuple):
     kv: pipeline.PipelineTmaAsync    # K and V, one stage
-    q: pipeline.PipelineTmaAsync     # Q (+ lse2), NUM_STAGES
-    do: pipeline.PipelineTmaAsync    # dO (+ D), NUM_STAGES
+    q: pipeline.PipelineTmaAsync     # Q (+ lse2), options.stages
+    do: pipeline.PipelineTmaAsync    # dO (+ D), options.stages
 
 
 class Producer:

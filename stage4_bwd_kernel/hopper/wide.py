@@ -25,7 +25,7 @@ Per tile t, in order:
     proxy fence ; B2 ; dV += P^T dO (SS) ; dQ = dS K (SS) ; dK += dS^T Q (SS)
     wait all but dK ; release dO_i ; dQ -> sdQ ; wait dK ; release Q_i ; arrive "sdSt free"
 Tile t + 1 overwrites P^T / dS^T only after both warpgroups' dV, dQ and dK of tile t have read them
-(one buffer each: a second would not fit at 256).
+(one buffer each: two measured a tie on an H200, docs/measurements.md).
 """
 from __future__ import annotations
 
