@@ -78,6 +78,42 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
         self.smem_bytes = None
 
     # ------------------------------------------------------------------ host side
+    def mmas_and_smem_layouts(self):
+        """The five tiled MMAs and the SMEM layouts of the operands, at trace time: (mmas, {name:
+        layout}). The transposed views (sQt, sdOt, sKt) read the bytes of sQ, sdO, sK as the other
+        major mode; ``transposed_view_mismatches`` checks that element by element."""
+        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        one = tcgen05.CtaGroup.ONE
+        dt, d, dv, tm, tn = self.dtype, self.d, self.dv, self.tm, self.tn
+        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
+        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
+        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, dv), tcgen05.OperandSource.TMEM)
+        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, d), tcgen05.OperandSource.TMEM)
+        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, one, (tm, d))
+        tiler_s, tiler_dp = (tn, tm, d), (tn, tm, dv)
+        tiler_dv, tiler_dk, tiler_dq = (tn, dv, tm), (tn, d, tm), (tm, d, tn)
+
+        st = self.stages
+        sK_layout = sm100_utils.make_smem_layout_a(mma_s, tiler_s, dt, 1)
+        sV_layout = sm100_utils.make_smem_layout_a(mma_dp, tiler_dp, dt, 1)
+        sQ_layout = sm100_utils.make_smem_layout_b(mma_s, tiler_s, dt, st)
+        sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, tiler_dp, dt, st)
+        # the same bytes read transposed: every element at the same byte in both major modes, at
+        # d = 64 / 96 / 128 (blackwell_layout_check.py checks it element by element)
+        sQt_layout = sm100_utils.make_smem_layout_b(mma_dk, tiler_dk, dt, st)
+        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, dt, st)
+        sKt_layout = sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, dt, 1)
+        sdS_layout = sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, dt, 1)
+        tP_layout = sm100_utils.make_smem_layout_a(mma_dv, tiler_dv, dt, 1)
+        tdS_layout = sm100_utils.make_smem_layout_a(mma_dk, tiler_dk, dt, 1)
+        for a, b in ((sQ_layout, sQt_layout), (sdO_layout, sdOt_layout), (sK_layout, sKt_layout)):
+            if const_expr(cute.cosize(a) != cute.cosize(b)):
+                raise ValueError("transposed SMEM views must cover the same bytes")
+
+        return (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), dict(
+            sK=sK_layout, sV=sV_layout, sQ=sQ_layout, sdO=sdO_layout, sQt=sQt_layout, sdOt=sdOt_layout,
+            sKt=sKt_layout, sdS=sdS_layout, tP=tP_layout, tdS=tdS_layout)
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
@@ -95,32 +131,13 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
         modes = [1, 3, 2, 0]
         tQ, tK, tV, tdO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes)) for t in (mQ, mK, mV, mdO)]
 
-        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         one = tcgen05.CtaGroup.ONE
         dt = self.dtype
-        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
-        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
-        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, dv), tcgen05.OperandSource.TMEM)
-        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, d), tcgen05.OperandSource.TMEM)
-        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, one, (tm, d))
+        (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), L = self.mmas_and_smem_layouts()
+        sK_layout, sV_layout, sQ_layout, sdO_layout = L["sK"], L["sV"], L["sQ"], L["sdO"]
+        sQt_layout, sdOt_layout, sKt_layout = L["sQt"], L["sdOt"], L["sKt"]
+        sdS_layout, tP_layout, tdS_layout = L["sdS"], L["tP"], L["tdS"]
         tiler_s, tiler_dp = (tn, tm, d), (tn, tm, dv)
-        tiler_dv, tiler_dk, tiler_dq = (tn, dv, tm), (tn, d, tm), (tm, d, tn)
-
-        st = self.stages
-        sK_layout = sm100_utils.make_smem_layout_a(mma_s, tiler_s, dt, 1)
-        sV_layout = sm100_utils.make_smem_layout_a(mma_dp, tiler_dp, dt, 1)
-        sQ_layout = sm100_utils.make_smem_layout_b(mma_s, tiler_s, dt, st)
-        sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, tiler_dp, dt, st)
-        # the same bytes read transposed (K-major and MN-major 128B-swizzled tiles coincide)
-        sQt_layout = sm100_utils.make_smem_layout_b(mma_dk, tiler_dk, dt, st)
-        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, dt, st)
-        sKt_layout = sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, dt, 1)
-        sdS_layout = sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, dt, 1)
-        tP_layout = sm100_utils.make_smem_layout_a(mma_dv, tiler_dv, dt, 1)
-        tdS_layout = sm100_utils.make_smem_layout_a(mma_dk, tiler_dk, dt, 1)
-        for a, b in ((sQ_layout, sQt_layout), (sdO_layout, sdOt_layout), (sK_layout, sKt_layout)):
-            if const_expr(cute.cosize(a) != cute.cosize(b)):
-                raise ValueError("transposed SMEM views must cover the same bytes")
 
         cluster = cute.tiled_divide(cute.make_layout((1, 1, 1)), (mma_s.thr_id.shape,)).shape
         g2s = cpasync.CopyBulkTensorTileG2SOp(one)

@@ -279,3 +279,35 @@ def test_hoisted_mask_equals_schedule(causal):
                         col_min = mask_col_min(key, kl, diag, tm, causal)
                         for c in range(tm):
                             assert (c < col_min) == bool(schedule.is_masked(key, c, kl, diag, causal))
+
+
+# ------------------------------------------------------------------ layout checks (compile tier)
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_natural_offset_follows_cute_semantics():
+    """The pure-Python evaluator of blackwell_layout_check on the d = 128 sQ / sQt layouts (static
+    shapes and strides as this CuTe-DSL builds them): element (q, e) sits at 64 q + e % 64 + 8192 (e // 64)
+    in both, K-major and MN-major."""
+    from stage4_bwd_kernel.blackwell_layout_check import natural_offset
+
+    sq = (((128, 16), 1, (4, 2), 1), ((64, 1), 0, (16, 8192), 0))
+    sqt = ((((64, 2), 16), 1, 8, 1), (((1, 8192), 64), 0, 1024, 0))
+    for q, e in ((0, 0), (3, 70), (127, 127), (17, 64), (100, 5)):
+        want = 64 * q + e % 64 + 8192 * (e // 64)
+        assert natural_offset(*sq, q, e) == want == natural_offset(*sqt, e, q)
+
+
+@pytest.mark.compile
+@pytest.mark.stage4
+@pytest.mark.parametrize("d", [64, 96, 128])
+def test_transposed_smem_views_coincide(d):
+    """sQ / sQt, sdO / sdOt and sK / sKt put every element of every stage at the same byte (the MMAs
+    that read a tile in the other major mode read the same tile); a deliberately wrong mapping is
+    caught, so the check can fail."""
+    from stage4_bwd_kernel import blackwell_bwd
+    from stage4_bwd_kernel.blackwell_layout_check import transposed_view_mismatches
+
+    kernel = blackwell_bwd.make_kernel("bf16", d, d, False, False)
+    assert transposed_view_mismatches(kernel) == {"sQ/sQt": 0, "sdO/sdOt": 0, "sK/sKt": 0}
+    wrong = transposed_view_mismatches(kernel, transpose=False)
+    assert all(n > 0 for n in wrong.values()), wrong
