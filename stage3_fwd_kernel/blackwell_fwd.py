@@ -64,7 +64,7 @@ Synchronisation (all mbarriers in SMEM; "count" = arrivals per phase):
     epi_full[i]   correction (O_i in SMEM) -> epilogue warp                        128
     tmem_dealloc  softmax x 2 + correction done with TMEM -> MMA warp frees it     384
 
-Supported: fp16/bf16, head dims 64, 128, (192, 128); causal (bottom-right aligned); GQA/MQA;
+Supported: fp16/bf16, head dims 64, 96, 128, (192, 128); causal (bottom-right aligned); GQA/MQA;
 varlen (cu_seqlens_q/k, packed (total, heads, dim)); lse output; the StaticTileScheduler interface
 (one (m_block, head, batch) tile per CTA; persistent schedulers are refused: the barrier phases
 would have to carry across tiles).

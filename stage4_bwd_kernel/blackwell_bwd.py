@@ -31,7 +31,8 @@ Barriers (mbarriers; "count" = arrivals per phase):
     dkv_full        MMA commit after the last dK -> WG 0               1
     tmem_dealloc    WG 0 + WG 2 -> MMA warp                            256
 
-Not implemented here (see the Blackwell section of README.md): varlen / seqused_k, head dims other than 64 and 128. The 2-CTA kernel (blackwell_bwd_2cta.py)
+Not implemented here (see the Blackwell section of README.md): varlen / seqused_k, head dims other than 64, 96
+and 128. The 2-CTA kernel (blackwell_bwd_2cta.py)
 subclasses this one and reuses its elementwise helpers (_row_copies, _p_phase, _stage_stats, _exp_row,
 _store16, _store_dkdv, in blackwell_elementwise.py) and gemm.
 """
