@@ -42,25 +42,27 @@ SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (2
 # --------------------------------------------------------------------------------------------
 # 1. device helpers: vector atomic add, semaphores
 # --------------------------------------------------------------------------------------------
+def _red_add_f32_vector(ptr: cute.Pointer, values, loc, ip) -> None:
+    """*ptr += values (2 or 4 fp32): one ``red.global.add.v{n}.f32``, fire-and-forget (the add happens
+    in L2, the issuing thread does not wait for it); `ptr` global and aligned to the vector's bytes."""
+    n = len(values)
+    addr = ptr.toint(loc=loc, ip=ip).ir_value()
+    regs = ", ".join(f"${i + 1}" for i in range(n))
+    llvm.inline_asm(None, [addr, *(Float32(x).ir_value(loc=loc, ip=ip) for x in values)],
+                    f"red.global.add.v{n}.f32 [$0], {{{regs}}};", "l," + ",".join("f" * n),
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @dsl_user_op
 def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """*ptr += (a, b): one 8-byte ``red.global.add.v2.f32`` (sm_90+; SASS ``REDG.E.ADD.F32x2``-like).
-    `ptr` must point to global memory and be 8-byte aligned. Fire-and-forget: the add happens in
-    L2, the issuing thread does not wait for it."""
-    addr = ptr.toint(loc=loc, ip=ip).ir_value()
-    llvm.inline_asm(None, [addr, Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-                    "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    """*ptr += (a, b): one 8-byte ``red.global.add.v2.f32`` (sm_90+; SASS ``REDG.E.ADD.F32x2``-like)."""
+    _red_add_f32_vector(ptr, (a, b), loc, ip)
 
 
 @dsl_user_op
 def red_add_f32x4(ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
-    """*ptr += (a, b, c, d): one 16-byte ``red.global.add.v4.f32`` (sm_90+), 16-byte aligned `ptr` in
-    global memory; fire-and-forget like red_add_f32x2."""
-    addr = ptr.toint(loc=loc, ip=ip).ir_value()
-    vals = [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
-    llvm.inline_asm(None, [addr, *vals], "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    """*ptr += (a, b, c, d): one 16-byte ``red.global.add.v4.f32`` (sm_90+)."""
+    _red_add_f32_vector(ptr, (a, b, c, d), loc, ip)
 
 
 @dsl_user_op

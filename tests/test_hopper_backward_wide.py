@@ -68,15 +68,21 @@ def test_options_the_wide_body_has_no_path_for_are_refused(override, name):
 
 
 @pytest.mark.cpu
-def test_every_head_dim_is_served_by_the_production_kernel():
+def test_every_head_dim_is_served_by_the_production_kernel(monkeypatch):
+    from stage4_bwd_kernel import host
     from stage4_bwd_kernel import hopper as bwd
+    from stage4_bwd_kernel.hopper import backward as product
 
     for d in (64, 96, 128, 192, 256):
         assert bwd.step_for(d, False, False) is bwd.step_for(d, True, True)
         assert bwd.step_for(d, False, False).STEP == "hopper_bwd"
-    assert bwd._variant_kwargs(bwd.step_for(256, False, False), 256, False, (None, None), 0.0) == {}
-    assert bwd._variant_kwargs(bwd.step_for(192, False, False), 192, False, (8, 8), 5.0) == dict(
-        window_size=(8, 8), softcap=5.0)
+    # the public entry hands window / softcap to the production kernel at a wide head dim; a plain
+    # call's defaults make no variant (its cache keys stay those of a plain build)
+    seen = {}
+    monkeypatch.setattr(product, "attention_backward", lambda *args, **kw: seen.update(kw) or ("dq", "dk", "dv"))
+    assert bwd.attention_backward(*[None] * 6, window_size=(8, 8), softcap=5.0) == ("dq", "dk", "dv")
+    assert (seen["window_size"], seen["softcap"]) == ((8, 8), 5.0)
+    assert host.variant_of(False, (8, 8), 5.0) is not None and host.variant_of(False, (None, None), 0.0) is None
 
 
 # ================================================================================== compile tier

@@ -24,7 +24,6 @@ accumulators would not fit those registers. Measured: docs/measurements.md.
 """
 from __future__ import annotations
 
-from stage4_bwd_kernel import hopper_step1 as _step1
 from stage4_bwd_kernel.hopper import backward as _product
 from stage4_bwd_kernel.hopper.backward import STEP, make_kernel
 from stage4_bwd_kernel.hopper.kernel import FlashAttentionBackwardSm90
@@ -33,33 +32,14 @@ from stage4_bwd_kernel.hopper.options import (NUM_WG_MMA, RS_HEAD_DIMS, WIDE_HEA
                                               check_product_head_dims, default_tiles)
 from stage4_bwd_kernel.hopper.scores import stats_shuffle_query, stats_shuffle_source
 
-_best = _step1  # compile_only / run default (every head dim, deterministic mode)
-BEST_STEP = _step1.STEP
+BEST_STEP = STEP
 
 
 def step_for(head_dim: int, causal: bool, deterministic: bool):
     """The module that serves this configuration: the production kernel's ``backward`` for every
-    supported head-dim pair (the wide ones on its own design, ``wide.py``); causal and deterministic
-    do not change the answer, and stay in the signature for the callers."""
+    supported head-dim pair (the wide ones on its own design, ``wide.py``); the arguments stay in the
+    signature for the callers that ask per configuration."""
     return _product
-
-
-def _variant_kwargs(step, head_dim, causal, window_size, softcap) -> dict:
-    """window_size / softcap for the serving module, which takes both; a plain call passes nothing."""
-    from stage4_bwd_kernel import host
-
-    if host.variant_of(causal, window_size, softcap) is None:
-        return {}
-    return dict(window_size=window_size, softcap=softcap)
-
-
-def _with_d(grads, return_d, out, dout, head_mode: int):
-    """grads, plus D in lse's layout when asked: the production kernel returns its preprocess's; a
-    step without that hook (a lesson's) gets it computed here."""
-    if not return_d or len(grads) == 4:
-        return grads
-    d = (dout.float() * out).sum(-1)                    # (B, Sq, Hq) / (Tq, Hq)
-    return (*grads, d.movedim(-1, head_mode).contiguous())
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
@@ -69,13 +49,9 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v).
     window_size / softcap: the forward's variant. return_d: also return D =
     rowsum(dO * O) in lse's layout, fp32."""
-    step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
-    extra = _variant_kwargs(step, getattr(q, "shape", [None])[-1], causal, window_size, softcap)
-    if return_d and step is _product:
-        extra["return_d"] = True
-    grads = step.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
-                                    deterministic=deterministic, dq=dq, dk=dk, dv=dv, **extra)
-    return _with_d(grads, return_d, out, dout, head_mode=1)
+    return _product.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+                                       deterministic=deterministic, window_size=window_size, softcap=softcap,
+                                       dq=dq, dk=dk, dv=dv, return_d=return_d)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -85,45 +61,38 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
 
     seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
     attended to (causal alignment uses that length); the others get zero gradient."""
-    step = step_for(q.shape[-1], causal, deterministic) if hasattr(q, "shape") else _step1
-    extra = _variant_kwargs(step, getattr(q, "shape", [None])[-1], causal, window_size, softcap)
-    if return_d and step is _product:
-        extra["return_d"] = True
-    grads = step.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                           max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
-                                           causal=causal, deterministic=deterministic, **extra)
-    return _with_d(grads, return_d, out, dout, head_mode=0)
+    return _product.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
+                                              causal=causal, deterministic=deterministic, window_size=window_size,
+                                              softcap=softcap, return_d=return_d)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):
-    """Compile the current best step for sm_90a without a GPU (CI / resource reports)."""
-    return _best.compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
-                              deterministic=deterministic, varlen=varlen)
+    """Compile the production kernel for sm_90a without a GPU (CI / resource reports)."""
+    return _product.compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
+                                 deterministic=deterministic, varlen=varlen)
 
 
 def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
                        has_seqused_k=False, window_size=(None, None), softcap=0.0) -> list:
     """What ``attention_backward`` (varlen=True: ``attention_varlen_backward``) launches for this
-    configuration -- the preprocess, the main kernel of ``step_for``, the postprocess -- compiled
-    without a GPU under the GPU path's cache keys (TVM-FFI, fake tensors). Returns their Compiled
-    records. With fa4's disk cache installed this fills it on a CPU machine (python -m fa4 precompile)."""
+    configuration -- the preprocess, the main kernel, the postprocess -- compiled without a GPU under
+    the GPU path's cache keys (TVM-FFI, fake tensors). Returns their Compiled records. With fa4's disk
+    cache installed this fills it on a CPU machine (python -m fa4 precompile)."""
     from stage4_bwd_kernel import common, host
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    step = step_for(head_dim, causal, deterministic)
     # the kernel's constructor checks the head dims (ValueError) before anything compiles
-    variant = host.variant_of(causal, window_size, softcap) if _variant_kwargs(
-        step, head_dim, causal, window_size, softcap) else None
-    kernel, main = host.compile_main(step.STEP, step.make_kernel, common.cutlass_dtype(dtype), head_dim, head_dim_v,
-                                     causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
-                                     variant=variant)
+    kernel, main = host.compile_main(STEP, make_kernel, common.cutlass_dtype(dtype), head_dim, head_dim_v, causal,
+                                     deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                                     variant=host.variant_of(causal, window_size, softcap))
     pre, post = host.compile_pre_post(kernel, dtype, head_dim, head_dim_v, varlen)
     return [pre, main, post]
 
 
 def run(**kwargs):
-    """The best step's run(): GPU check + timing (+ deterministic vs default), else compile report."""
-    return _best.run(**kwargs)
+    """The production kernel's run(): GPU check + timing (+ deterministic vs default), else compile report."""
+    return _product.run(**kwargs)
 
 
 __all__ = ["attention_backward", "attention_varlen_backward", "compile_launchable", "compile_only", "run", "step_for",

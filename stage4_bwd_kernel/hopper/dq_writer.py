@@ -93,10 +93,9 @@ class DqWriter:
                             g_m, g_n = m_block * NUM_WG_MMA + w, 0
                         if const_expr(self.dq_frag):
                             if lane == 0:
-                                row = self.dq_frag_tile_row(walk.offset_q, walk.batch, m_block)
-                                bulk_reduce_add_f32(
-                                    common.elem_pointer(mdQacc, (walk.bidx, head, row, 0)) + w * share_elems,
-                                    common.elem_pointer(sdQ, (0, buf * NUM_WG_MMA + w)), share_elems * 4)
+                                bulk_reduce_add_f32(self.dq_frag_share_pointer(mdQacc, walk, head, m_block, w),
+                                                    common.elem_pointer(sdQ, (0, buf * NUM_WG_MMA + w)),
+                                                    share_elems * 4)
                         else:
                             cute.copy(tma_atom_dQ, tDsD[None, buf * NUM_WG_MMA + w], tDgD[None, g_m, g_n])
                         cute.arch.cp_async_bulk_commit_group()

@@ -108,6 +108,12 @@ class LayoutPlan:
         """fp32 elements of one warpgroup's share of a dQ tile (dq_frag: one contiguous chunk)."""
         return self.tile_m * self.head_dim // NUM_WG_MMA
 
+    def dq_frag_share_pointer(self, mdQacc: cute.Tensor, walk, head, m_block, share):
+        """dq_frag: the first float of warpgroup share `share` of dQ tile m_block of this walk's sequence
+        and query head in the (B, H, rows, d) dQaccum (the writer's bulk reduce, or dq_atomic's reds)."""
+        row = self.dq_frag_tile_row(walk.offset_q, walk.batch, m_block)
+        return common.elem_pointer(mdQacc, (walk.bidx, head, row, 0)) + share * self.dq_frag_share_elems()
+
     def dq_frag_tiled_copy(self) -> cute.TiledCopy:
         """The copy that stores (kernel) and reads back (postprocess_frag) a share in fragment order."""
         return dq_frag_tiled_copy()

@@ -100,10 +100,10 @@ class WideConsumer:
         layouts.py), so a warp's reds cover 512 contiguous bytes and postprocess_frag reads them as ever."""
         n_m = walk.m_block_max - walk.m_block_min
         head = walk.head_kv * walk.qhead_per_kvhead + t // n_m
-        row = self.dq_frag_tile_row(walk.offset_q, walk.batch, m_block)
-        lane_in_wg = thread_idx_fresh() % 128
-        base = (common.elem_pointer(o.mdQacc, (walk.bidx, head, row, 0)) + o.wg * self.dq_frag_share_elems()
-                + lane_in_wg * 4)
+        share = cute.make_tensor(self.dq_frag_share_pointer(o.mdQacc, walk, head, m_block, o.wg),
+                                 cute.make_layout(self.dq_frag_share_elems()))
+        tQgQ = self.dq_frag_tiled_copy().get_slice(thread_idx_fresh() % 128).partition_D(share)  # (4, chunks)
         acc = cute.make_tensor(acc_dQ.iterator, cute.make_layout(cute.size(acc_dQ)))
         for c in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
-            common.red_add_f32x4(base + c * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3])
+            common.red_add_f32x4(common.elem_pointer(tQgQ, (0, c)), acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
+                                 acc[4 * c + 3])
