@@ -59,6 +59,7 @@ __all__ = [
     "TILE",
     "compile_only",
     "exp2_emulated_f32",
+    "exp2_from_fraction",
     "exp2_gpu",
     "exp2_mufu_f32",
     "hot_loop_opcodes",
@@ -176,6 +177,12 @@ def exp2_emulated_f32(x, coefficients, ftz: bool = True) -> Float32:
     j = add_rm_f32(xc, ROUND_MAGIC, ftz=ftz)  # 2. low bits of j = floor(xc) + 2^22
     fl = sub_rn_f32(j, ROUND_MAGIC, ftz=ftz)  # 3. floor(xc) as a float (exact)
     f = sub_rn_f32(xc, fl, ftz=ftz)  # 4. fraction in [0, 1] (exact unless xc is huge)
+    return exp2_from_fraction(f, j, coefficients, ftz)
+
+
+def exp2_from_fraction(f, j, coefficients, ftz: bool = True) -> Float32:
+    """Steps 5-6 of exp2_emulated_f32: p(f) by Horner, then 2^floor * p(f) with j = floor + 2^22 +
+    2^23 as the range reduction left it."""
     p = Float32(coefficients[-1])  # 5. Horner: p = p_n; p = p * f + p_k
     for c in reversed(coefficients[:-1]):
         p = fma_rn_f32(p, f, Float32(c), ftz=ftz)

@@ -52,8 +52,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32
 
-from stage2_emulated_exp.gpu_kernel import (CLAMP_MIN, ROUND_MAGIC, combine_exponent, ex2_approx_f32, exp2_emulated_f32,
-                                            fma_rn_f32, max_f32)
+from stage2_emulated_exp.gpu_kernel import (CLAMP_MIN, ROUND_MAGIC, ex2_approx_f32, exp2_emulated_f32,
+                                            exp2_from_fraction, fma_rn_f32, max_f32)
 
 __all__ = [
     "DEFAULT_EMULATION_FRACTION",
@@ -245,13 +245,8 @@ def exp2_emulated_f32x2(x0, x1, coefficients):
     j = cute.arch.add_packed_f32x2(xc, magic, rnd="rm", ftz=True)
     fl = cute.arch.sub_packed_f32x2(j, magic, rnd="rn", ftz=True)
     f = cute.arch.sub_packed_f32x2(xc, fl, rnd="rn", ftz=True)
-    out = []
-    for i in range(2):  # Horner scalar: its coefficients stay immediates (packed, they took registers)
-        p = Float32(coefficients[-1])
-        for c in reversed(coefficients[:-1]):
-            p = fma_rn_f32(p, f[i], Float32(c), ftz=True)
-        out.append(combine_exponent(p, j[i]))
-    return out[0], out[1]
+    # Horner scalar: its coefficients stay immediates (packed, they took registers)
+    return exp2_from_fraction(f[0], j[0], coefficients), exp2_from_fraction(f[1], j[1], coefficients)
 
 
 def _exp2_pair_at(x0, x1, c: int, policy):
