@@ -137,8 +137,9 @@ class BackwardOptions:
     @classmethod
     def for_wide(cls, head_dim: int, head_dim_v: int, deterministic: bool) -> "BackwardOptions":
         """The wide design (wide.py): no register-sourced dV / dK, statistics from SMEM (the query
-        split moves the columns the shuffle assumes), one dS^T and one P^T buffer; two Q / dO stages
-        and dQ buffers where they fit beside them."""
+        split moves the columns the shuffle assumes), one dS^T and one P^T buffer, two Q / dO stages;
+        a dQ buffer (two where they fit) for the writer warp, or at 256 in the default mode, where no
+        buffer fits beside the two stages, dQ added by the consumers (dq_atomic)."""
         tm, tn = default_tiles(head_dim, head_dim_v)
 
         def fits(stages, dq_buffers):
