@@ -660,16 +660,22 @@ def test_deterministic_is_bitwise_reproducible(step, causal, ratio):
 
 
 @pytest.mark.gpu
-def test_public_api_runs_the_best_step():
-    from stage4_bwd_kernel import hopper
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)], ids=["d128", "d192x128"])
+def test_public_api_serves_the_production_kernel(d, dv):
+    """stage4_bwd_kernel.hopper.attention_backward (what fa4 calls) meets the FA4 rule, narrow and wide."""
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
+    from stage4_bwd_kernel import hopper, host
 
-    assert hopper.BEST_STEP in ("hopper_bwd_step1", "hopper_bwd_step2_warpspec")
-    q, k, v, do = _inputs(1, 200, 300, 4, 2, 128, 128)
-    from stage0_reference.torch_reference import attention_ref
-
+    assert hopper.BEST_STEP == hopper.STEP
+    q, k, v, do = _inputs(1, 200, 300, 4, 2, d, dv, seed=5)
     out, lse = attention_ref(q, k, v, causal=True, upcast=True)
-    dq, dk, dv = hopper.attention_backward(q, k, v, out, do, lse, causal=True)
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    dq, dk, dv_ = _poisoned(q, k, v)
+    hopper.attention_backward(q, k, v, out, do, lse, causal=True, dq=dq, dk=dk, dv=dv_)
+    torch.cuda.synchronize()
+    ref, base = host.reference_grads(q, k, v, do, causal=True)
+    for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv_), ref, base):
+        assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
 
 
 @pytest.mark.gpu
