@@ -152,7 +152,8 @@ def test_wide_walk_lengths(d, dv, sq):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,dv", WIDE, ids=WIDE_IDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_wide_varlen_with_empty_sequences_and_seqused_k(d, dv, causal):
+@pytest.mark.parametrize("det", [False, True], ids=["default", "det"])
+def test_wide_varlen_with_empty_sequences_and_seqused_k(d, dv, causal, det):
     import numpy as np
     import torch
     from stage0_reference.torch_reference import assert_fa4_close, grad_atol
@@ -172,9 +173,12 @@ def test_wide_varlen_with_empty_sequences_and_seqused_k(d, dv, causal):
     keep = torch.cat([torch.arange(int(cu_k[i]), int(cu_k[i]) + u, device="cuda") for i, u in enumerate(used_list)])
     cu_used = torch.tensor(np.cumsum([0] + used_list), dtype=torch.int32, device="cuda")
     out, lse = attention_varlen_ref(q, k[keep], v[keep], cu_q, cu_used, causal=causal, upcast=True)
-    dq, dk, dv_ = _mod().attention_varlen_backward(q, k, v, out, do, lse, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                   seqused_k=used, causal=causal)
+    run = lambda: _mod().attention_varlen_backward(q, k, v, out, do, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                   seqused_k=used, causal=causal, deterministic=det)
+    dq, dk, dv_ = run()
     torch.cuda.synchronize()
+    if det:  # the ordered adds over packed sequences (semaphores per sequence's dQ tiles) repeat bitwise
+        assert all(torch.equal(a, b) for a, b in zip(run(), (dq, dk, dv_)))
     ref, base = host.reference_varlen_grads(q, k, v, do, cu_q, cu_k, seqused_k=used, causal=causal)
     for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv_), ref, base):
         assert not torch.isnan(a).any(), name
@@ -225,6 +229,11 @@ def test_wide_window_and_softcap(case):
     variant = dict(causal=causal, window_size=window, softcap=softcap)
     out, lse = attention_ref(q, k, v, upcast=True, **variant)
     dq, dk, dv_ = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    got = bwd.attention_backward(q, k, v, out.to(q.dtype), dout, lse, dq=dq, dk=dk, dv=dv_, **variant)
+    det = d == 256  # the windowed dQ order: a band's first / last key tile set the adds' ranks
+    got = bwd.attention_backward(q, k, v, out.to(q.dtype), dout, lse, dq=dq, dk=dk, dv=dv_, deterministic=det,
+                                 **variant)
     ref, base = variants._variant_grads(q, k, v, dout, variant)
     variants._check_grads(str(case), got, ref, base, softcap)
+    if det:
+        again = bwd.attention_backward(q, k, v, out.to(q.dtype), dout, lse, deterministic=True, **variant)
+        assert all(torch.equal(a, b) for a, b in zip(again, got))
