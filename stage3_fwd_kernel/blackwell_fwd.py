@@ -166,13 +166,8 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=v_modes))
 
         # 2. the two MMAs: S = Q K^T (A, B from SMEM, both K-major); O = P V (A = P from TMEM)
-        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         cta_group = tcgen05.CtaGroup.ONE
-        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, cta_group, (tm, tn))
-        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, cta_group, (tm, dv),
-            tcgen05.OperandSource.TMEM)
+        tiled_mma_qk, tiled_mma_pv, tP_layout = self.mmas_and_p_layout()
         mma_tiler_qk = (tm, tn, d)
         mma_tiler_pv = (tm, dv, tn)
 
@@ -181,7 +176,6 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.num_q)
         sK_layout = self._restage(sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, 1))
         sV_layout = self._restage(sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, 1))
-        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, mma_tiler_pv, self.dtype, 1)
         sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (tm, dv), self.num_q)
 
         # 4. TMA atoms; the byte counts the "full" barriers expect
@@ -229,6 +223,20 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def mmas_and_p_layout(self):
+        """(tiled_mma_qk, tiled_mma_pv, tP_layout): S = Q K^T (SS, both K-major), O = P V (TS: A = P
+        from TMEM) and the layout the TS operand's TMEM fragment is made from. A method only so that
+        blackwell_tmem_check builds them at trace time exactly as __call__ does."""
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        cta_group = tcgen05.CtaGroup.ONE
+        tiled_mma_qk = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, K_MAJOR, Float32, cta_group, (self.tm, self.tn))
+        tiled_mma_pv = sm100_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, K_MAJOR, MN_MAJOR, Float32, cta_group, (self.tm, self.dv),
+            tcgen05.OperandSource.TMEM)
+        tP_layout = sm100_utils.make_smem_layout_a(tiled_mma_pv, (self.tm, self.dv, self.tn), self.dtype, 1)
+        return tiled_mma_qk, tiled_mma_pv, tP_layout
 
     def _restage(self, layout_one_stage):
         """Replace the stage mode of a 1-stage (swizzled) tile layout with `kv_stages` slots spaced

@@ -41,23 +41,12 @@ class SoftmaxCorrectionRoles:
         # which Q tile: re-derived here rather than carried from the kernel prologue, where every
         # live value must also fit the small register budget of the fourth warpgroup
         stage = cute.arch.make_warp_uniform(cute.arch.thread_idx()[0] // 128)
-        tStS_layout = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tm, self.tn))).layout
-        tStS = cute.make_tensor(tmem_ptr + self.tmem.s[0] + stage * self.tn, tStS_layout)  # S_stage
-        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tm, self.tn)))
-
-        # S: 32 columns per tcgen05.ld (32x32b: lane = row = thread, one column per register)
-        tiled_t2r = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32), tStS)
+        tStS, tScS, tStP, tScP = self.s_p_tmem_views(tmem_ptr, stage, thr_mma_qk)
+        tiled_t2r = tcgen05.make_tmem_copy(self.s_load_atom(), tStS)
         thr_t2r = tiled_t2r.get_slice(tidx)
         tStS_t2r = thr_t2r.partition_S(tStS)
         tScS_t2r = thr_t2r.partition_D(tScS)
-        # P: 16-bit values packed in pairs; stored p_chunk_cols fp32 columns at a time
-        p_off = self.tmem.p[0] - self.tmem.s[0]
-        tStP = cute.make_tensor(tStS.iterator + p_off,
-                                cute.composition(tStS.layout, cute.make_layout((self.tm, self.tmem.p_cols))))
-        tScP = cute.composition(tScS.layout, cute.make_layout((self.tm, self.tmem.p_cols)))
-        tiled_r2t = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(self.p_chunk_cols)), Float32), tStP)
+        tiled_r2t = tcgen05.make_tmem_copy(self.p_store_atom(), tStP)
         thr_r2t = tiled_r2t.get_slice(tidx)
         tStP_r2t = thr_r2t.partition_D(tStP)
         tSrP_shape = thr_r2t.partition_S(cute.make_tensor(tScS.iterator, tScP)).shape
@@ -112,6 +101,29 @@ class SoftmaxCorrectionRoles:
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence_before_sync()
         cute.arch.mbarrier_arrive(self._bar(mbar, "final_full", 0) + stage)
+
+    # S_stage / P_stage addressing and the tcgen05 copies that move them; methods so that
+    # blackwell_tmem_check evaluates exactly these at trace time
+    def s_p_tmem_views(self, tmem_base, stage, thr_mma_qk):
+        """(tStS, tScS, tStP, tScP): S_stage in TMEM and its coordinates, and P_stage (16-bit values
+        packed in pairs, p_cols fp32 columns over the upper half of S_stage) and its coordinates.
+        `tmem_base` may be a plain int: the views are then counting tensors of TMEM addresses."""
+        tStS_layout = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tm, self.tn))).layout
+        tStS = cute.make_tensor(tmem_base + self.tmem.s[0] + stage * self.tn, tStS_layout)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tm, self.tn)))
+        p_cols = cute.make_layout((self.tm, self.tmem.p_cols))
+        p_off = self.tmem.p[0] - self.tmem.s[0]
+        tStP = cute.make_tensor(tStS.iterator + p_off, cute.composition(tStS.layout, p_cols))
+        tScP = cute.composition(tScS.layout, p_cols)
+        return tStS, tScS, tStP, tScP
+
+    def s_load_atom(self):
+        """S: 32 columns per tcgen05.ld (32x32b: lane = row = thread, one column per register)."""
+        return cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(32)), Float32)
+
+    def p_store_atom(self):
+        """P: p_chunk_cols fp32 columns (2 x as many 16-bit values) per tcgen05.st 32x32b."""
+        return cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(self.p_chunk_cols)), Float32)
 
     @cute.jit
     def softmax_step(self, n_block: Int32, row_sum: Float32, masked: cutlass.Constexpr[bool], stage: Int32,
