@@ -127,7 +127,7 @@ class WarpRoles:
     def describe(self) -> list:
         return [
             ("softmax WG 0", "warps 0-3", "rows of Q tile 0: S -> P (TMEM), row max / sum"),
-            ("softmax WG 1", "warps 4-7", "rows of Q tile 1: same, alternating with WG 0"),
+            ("softmax WG 1", "warps 4-7", "rows of Q tile 1: same code, independent of WG 0"),
             ("correction WG", "warps 8-11", "rescales O in TMEM, final O / l, lse, O -> SMEM"),
             ("MMA", f"warp {self.mma}", "tcgen05.mma: S_i = Q_i K^T (SS), O_i += P_i V (TS)"),
             ("load", f"warp {self.load}", "TMA: Q tiles, then K / V into the SMEM ring"),

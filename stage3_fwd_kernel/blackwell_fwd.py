@@ -14,8 +14,10 @@ instruction issued by one thread. That changes who does what (the paper, section
   ``kv_stages`` slots in SMEM, in exactly the order the MMA warp consumes them.
 * **softmax warpgroups 0 and 1** (128 threads each): thread r owns row r of its tile -- the whole
   row of S (tile_n = 128 fp32 values) arrives in its registers with tcgen05.ld, so the row max and
-  row sum need no shuffles. The exponentials of the two warpgroups never overlap: a named-barrier
-  ping-pong hands the "exp turn" back and forth (the MUFU is the bottleneck we share).
+  row sum need no shuffles. The two warpgroups run free of each other, as in the official kernel:
+  the MMA warp's order already staggers their S tiles, and a named-barrier "exp turn" between
+  them would serialise more work than a key block's MMAs take (``exp_turn``, off;
+  ``blackwell_softmax.BAR_EXP_TURN`` says why).
 * **correction warpgroup**: rescales O_i in TMEM when a row max moved (off the softmax critical
   path), and at the end computes O / l and lse and writes O to SMEM.
 * **epilogue warp**: O from SMEM to global memory (TMA store; row-guarded 16-byte stores when
@@ -46,9 +48,8 @@ quarter before the other 2. No thread ever holds the fp32 row and the packed row
 
 Arithmetic (B200, per key block, M = 2 x 128, N = 128, d = 128; roofline.py): the two tiles cost
 2 x 1024 MMA clk and 2 x 1024 MUFU clk, so the kernel only reaches the roofline if the exp2 of
-one tile runs entirely under the MMAs of the other -- hence the ping-pong, the correction
-warpgroup (the O rescale does not delay P), and moving emulation_fraction of the exp2s onto the
-FMA pipe.
+one tile runs under the MMAs of the other -- hence the two Q tiles, the correction warpgroup (the
+O rescale does not delay P), and moving emulation_fraction of the exp2s onto the FMA pipe.
 
 Synchronisation (all mbarriers in SMEM; "count" = arrivals per phase):
 
@@ -101,7 +102,8 @@ from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
 STEP = "blackwell_fwd"
 TARGET_ARCH = "sm_100a"
 
-# named barriers (id 0 is __syncthreads); BAR_EXP_TURN (+ i, ids 2, 3) lives with the softmax roles
+# named barriers (id 0 is __syncthreads); BAR_EXP_TURN (+ i, ids 2, 3; off by default) lives with the
+# softmax roles
 BAR_TMEM_ALLOC = 1   # MMA warp + softmax x 2 + correction: the TMEM address is in SMEM
 
 
@@ -110,13 +112,16 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     The softmax and correction warpgroups are in ``blackwell_softmax.SoftmaxCorrectionRoles``."""
 
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
-                 scheduler=tile_scheduler.StaticTileScheduler):
+                 scheduler=tile_scheduler.StaticTileScheduler, exp_turn: bool = False):
         if getattr(scheduler, "persistent", False):
             raise ValueError("scheduler: the Blackwell kernel runs one tile per CTA (StaticTileScheduler "
                              "interface); a persistent scheduler would need the barrier phases carried "
                              "across tiles, which is not implemented")
         self.cfg = config
         self.varlen = varlen
+        # the softmax warpgroups' exp2 ping-pong: off, as in the official kernel (why: BAR_EXP_TURN);
+        # kept as an option only for sass_schedule's turn on / off table
+        self.exp_turn = exp_turn
         self.scheduler = scheduler
         self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v

@@ -23,7 +23,12 @@ from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.softmax_policy import exp2_row_packed, rescale_vote
 
 LN2 = math.log(2.0)
-BAR_EXP_TURN = 2     # + i: "softmax warpgroup i may exponentiate now" (named barrier ids 2, 3)
+# + i: "softmax warpgroup i may exponentiate now" (named barrier ids 2, 3), only with exp_turn=True.
+# Off, as in the official kernel: its section (BAR.SYNC .. BAR.ARV: exp2, pack, P stores) is ~1210 of
+# a warp's ~1490 static issue cycles per key block, so two warpgroups in turn need >= 2 x 1210 > the
+# 2048 MMA cycles of a key block at d = 128; without it no static bound passes 2048 (the MUFU pipe,
+# 2 x 904 a sub-partition, is the same work either way). docs/measurements.md, 2026-11-29.
+BAR_EXP_TURN = 2
 
 
 class SoftmaxCorrectionRoles:
@@ -36,7 +41,7 @@ class SoftmaxCorrectionRoles:
                 thr_mma_qk: cute.ThrMma):
         """One warpgroup, one Q tile: thread r owns row r. Per key block: S row -> registers, mask,
         row max + warp vote (conditional rescaling), rescale factor -> TMEM for the correction
-        warpgroup, exp2 (partial emulation) on our exp turn, P -> TMEM in 3/4 + 1/4."""
+        warpgroup, exp2 (partial emulation; on our exp turn if exp_turn), P -> TMEM in 3/4 + 1/4."""
         tidx = cute.arch.thread_idx()[0] % 128
         # which Q tile: re-derived here rather than carried from the kernel prologue, where every
         # live value must also fit the small register budget of the fourth warpgroup
@@ -84,15 +89,17 @@ class SoftmaxCorrectionRoles:
             tStS_t2r=tStS_t2r, tScS_t2r=tScS_t2r, tiled_r2t=tiled_r2t, tStP_r2t=tStP_r2t, tSrP_shape=tSrP_shape,
             tiled_r2t_1=tiled_r2t_1, tStScale_r2t=tStScale_r2t, rScale=rScale)
 
-        if stage == 1:  # tile 0 exponentiates first
-            cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN, number_of_threads=256)
+        if const_expr(self.exp_turn):
+            if stage == 1:  # tile 0 exponentiates first
+                cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN, number_of_threads=256)
         for n_block in cutlass.range(n_unmasked, unroll=1):
             row_sum = step(n_block=n_block, row_sum=row_sum, masked=False)
         for n_block in cutlass.range(n_unmasked, n_blocks, unroll=1):
             row_sum = step(n_block=n_block, row_sum=row_sum, masked=True)
 
-        if stage == 0:  # take tile 1's last hand-over, so no barrier arrival outlives the loop
-            cute.arch.barrier(barrier_id=BAR_EXP_TURN, number_of_threads=256)
+        if const_expr(self.exp_turn):
+            if stage == 0:  # take tile 1's last hand-over, so no barrier arrival outlives the loop
+                cute.arch.barrier(barrier_id=BAR_EXP_TURN, number_of_threads=256)
         # after the last block: the final statistics for the correction warpgroup, in their own
         # TMEM columns (it may not have read the last scale yet)
         rFinal[0] = row_sum
@@ -161,13 +168,14 @@ class SoftmaxCorrectionRoles:
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "scale_full", 0) + stage)
-        # 5. exp2 on our turn (the two warpgroups' exponentials never overlap); P packed to 16 bits
-        #    and stored a quarter at a time; after 3/4 the MMA warp may start O += P V
+        # 5. exp2 (on our turn if exp_turn: off, see BAR_EXP_TURN); P packed to 16 bits and stored a
+        #    quarter at a time; after 3/4 the MMA warp may start O += P V
         bias = m_safe * softmax_scale_log2
         tSrP = cute.make_rmem_tensor(tSrP_shape, Float32)
         tSrP_16 = cute.make_tensor(cute.recast_ptr(tSrP.iterator, dtype=self.dtype), cute.make_layout(self.tn))
         tSrS_flat = cute.make_tensor(tSrS.iterator, cute.make_layout(self.tn))
-        cute.arch.barrier(barrier_id=BAR_EXP_TURN + stage, number_of_threads=256)
+        if const_expr(self.exp_turn):
+            cute.arch.barrier(barrier_id=BAR_EXP_TURN + stage, number_of_threads=256)
         for q in cutlass.range_constexpr(self.cfg.p_store_chunks):
             chunk = cute.make_tensor(tSrS_flat.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
             row_sum += exp2_row_packed(chunk, softmax_scale_log2, bias, self.policy)
@@ -178,7 +186,8 @@ class SoftmaxCorrectionRoles:
                 cute.arch.fence_view_async_tmem_store()
                 tcgen05_fence_before_sync()
                 cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", 0) + stage)
-        cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN + 1 - stage, number_of_threads=256)
+        if const_expr(self.exp_turn):
+            cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN + 1 - stage, number_of_threads=256)
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence_before_sync()
         cute.arch.mbarrier_arrive(self._bar(mbar, "p_full_2", 0) + stage)
