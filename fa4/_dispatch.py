@@ -28,6 +28,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from . import _plans
+
 # ---------------------------------------------------------------------------------------------
 # 1. the support tables
 # ---------------------------------------------------------------------------------------------
@@ -382,12 +384,28 @@ class Backend:
     def forward(self, q, k, v, softmax_scale: float, causal: bool, window=(None, None), softcap: float = 0.0,
                 learnable_sink=None):
         """window = (left, right): None or ints >= 0 (fa4._validate.check_window's form: a causal
-        call has right None). The variants reach the kernel only when not at their defaults."""
+        call has right None). The variants reach the kernel only when not at their defaults. A call
+        with a launch plan (fa4._plans) replays it without importing the kernel modules."""
         self.check_variants(window, softcap, learnable_sink)
+        inputs = (q, k, v, learnable_sink)
+        sig = self._plan_signature("fwd", inputs, (softmax_scale, causal, tuple(window), softcap))
+        done = _plans.replay(sig, self.arch.cute_arch, inputs)
+        if done is not None:
+            return done
         mod = self.forward_module()
         self._warn_unverified()
-        return self._call_forward(mod, q, k, v, softmax_scale, causal,
-                                  **variant_kwargs(window, softcap, learnable_sink))
+        with _plans.recording(sig, self.arch.cute_arch, inputs) as record:
+            result = self._call_forward(mod, q, k, v, softmax_scale, causal,
+                                        **variant_kwargs(window, softcap, learnable_sink))
+            record(result)
+        return result
+
+    def _plan_signature(self, role: str, tensors: tuple, scalars: tuple):
+        """The launch-plan signature of a dense call (None where plans are off)."""
+        if not _plans.enabled():
+            return None
+        switches = (LPT_MIN_SEQLEN_K, FORWARD_LPT_FLAT, FORWARD_LPT_L2_SAFETY, SHORT_QUERY_TILE_M, FORWARD_PERSISTENT)
+        return _plans.signature(role, self.arch.key, tensors, scalars, switches)
 
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                        softmax_scale: float, causal: bool, window=(None, None), softcap: float = 0.0,
@@ -411,13 +429,21 @@ class Backend:
         own gradient is `sink_grad`). want_d: also return D = rowsum(dout * out) in lse's layout, which
         the kernel's preprocess computes (the sink's gradient needs it)."""
         self.check_variants(window, softcap)
+        inputs = (dout, q, k, v, out, lse, dlse)
+        sig = self._plan_signature("bwd", inputs, (softmax_scale, causal, deterministic, tuple(window), softcap,
+                                                   want_d))
+        done = _plans.replay(sig, self.arch.cute_arch, inputs)
+        if done is not None:
+            return done
         fn = self.backward_module().attention_backward
         self._warn_unverified()
         kw = dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
                   **variant_kwargs(window, softcap))
-        dq, dk, dv, *d = fn(q, k, v, out, dout, lse, **kw, **({"return_d": True} if want_d else {}))
-        if dlse is not None:
-            dq, dk = add_lse_grad(lambda *a: fn(*a, **kw), q, k, v, out, lse, dlse, dq, dk, varlen=False)
+        with _plans.recording(sig, self.arch.cute_arch, inputs) as record:
+            dq, dk, dv, *d = fn(q, k, v, out, dout, lse, **kw, **({"return_d": True} if want_d else {}))
+            if dlse is not None:
+                dq, dk = add_lse_grad(lambda *a: fn(*a, **kw), q, k, v, out, lse, dlse, dq, dk, varlen=False)
+            record((dq, dk, dv, *d))
         return (dq, dk, dv, *d)
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,

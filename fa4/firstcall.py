@@ -21,9 +21,12 @@ steps are timed in the order a real first call takes them:
     second forward       (GPU) the steady state, for scale
     first backward       (GPU, --backward) split the same way
 
-Two runs: cold (an empty FA4_CACHE_DIR) and warm (a fresh process after `python -m fa4
-precompile --shapes ...` filled another empty directory with exactly this call's kernels). The
-table shows both; --json writes every number.
+Three runs: cold (an empty FA4_CACHE_DIR), warm (a fresh process after `python -m fa4
+precompile --shapes ...` filled another empty directory with exactly this call's kernels) and, on a
+GPU, plans (a fresh process on the cold run's directory, where the cold run's second forward and
+backward recorded launch plans, fa4/_plans.py: the calls replay without importing CuTe-DSL, so the
+"import cutlass" and "import kernels" rows are absent). The table shows all; --json writes every
+number.
 """
 from __future__ import annotations
 
@@ -56,19 +59,22 @@ _PROBES = (("cache lookup", "fa4._cache", "DiskCache.read_verified"),
            ("compile", "cutlass.cute", "compile"),
            ("compile report", "stage3_fwd_kernel.compile_cache", "disassemble"),
            ("store to disk", "fa4._cache", "DiskCache.store"))
+# with launch plans nothing of the kernel modules is imported: only the plan's own load is probed
+_PLAN_PROBES = (("plan + kernel load", "fa4._plans", "lookup"),)
 
 
 class _Probes:
     """Time spent in the probed functions, per phase (first forward, backward, ...)."""
 
-    def __init__(self):
+    def __init__(self, probes=_PROBES):
         self.phase = None
         self.acc: dict = {}
+        self.probes = probes
 
     def install(self):
         import importlib
 
-        for row, module, path in _PROBES:
+        for row, module, path in self.probes:
             owner = importlib.import_module(module)
             *parents, name = path.split(".")
             for p in parents:
@@ -89,7 +95,7 @@ class _Probes:
 
     def split(self, phase: str, total: float) -> list:
         """(row, seconds, calls) of a phase, the unprobed rest last."""
-        rows = [(f"  {row}", *self.acc.get(phase, {}).get(row, (0.0, 0))) for row, *_ in _PROBES]
+        rows = [(f"  {row}", *self.acc.get(phase, {}).get(row, (0.0, 0))) for row, *_ in self.probes]
         return rows + [("  rest", max(total - sum(r[1] for r in rows), 0.0), 1)]  # the probes never nest
 
 
@@ -139,9 +145,11 @@ def _first_calls(cfg: dict, steps: list, probes: _Probes, backend, gpu: bool, qk
             return out
 
         out = phase("first forward", forward)
-        _timed(steps, "second forward", forward)
+        out2 = _timed(steps, "second forward", forward)
         if cfg["backward"]:
             phase("first backward", lambda: (out.float().sum().backward(), torch.cuda.synchronize()))
+            # a second call of each signature records its launch plan (for the "plans" run)
+            _timed(steps, "second backward", lambda: (out2.float().sum().backward(), torch.cuda.synchronize()))
         return
     sched = _dispatch.causal_forward_scheduler(backend.arch.key, causal, cfg["seqlen"], d, dv, cfg["heads_q"],
                                                cfg["heads_kv"])
@@ -154,8 +162,10 @@ def _first_calls(cfg: dict, steps: list, probes: _Probes, backend, gpu: bool, qk
 
 
 def child(cfg: dict, steps: list, t_start: float):
-    """The measured process (run by `_BOOT`): prints one JSON line."""
-    probes = _Probes()
+    """The measured process (run by `_BOOT`): prints one JSON line. cfg["plans"]: the calls are
+    expected to replay launch plans, so nothing imports the DSL or the kernel modules up front."""
+    planned = cfg.get("plans", False)
+    probes = _Probes(_PLAN_PROBES if planned else _PROBES)
     import torch
 
     def import_fa4():
@@ -180,17 +190,21 @@ def child(cfg: dict, steps: list, t_start: float):
     def cutlass():
         _dispatch._ensure_cute_arch(backend.arch)
         import cutlass.cute  # noqa: F401
-    _timed(steps, "import cutlass", cutlass)
 
     def kernels():
         backend.forward_module()
         if cfg["backward"]:
             backend.backward_module()
-    _timed(steps, "import kernels", kernels)
+    if not planned:
+        _timed(steps, "import cutlass", cutlass)
+        _timed(steps, "import kernels", kernels)
     probes.install()
     _timed(steps, "cache fingerprint", _cache.cache_dir)
     _first_calls(cfg, steps, probes, backend, gpu, qkv)
-    stats = _cache.stats()
+    from fa4 import _plans
+
+    stats = dict(_cache.stats(), plan_replays=_plans.stats()["replays"],
+                 cutlass_imported=any(m == "cutlass" or m.startswith("cutlass.") for m in sys.modules))
     device = torch.cuda.get_device_name() if gpu else "no GPU (the first call's build via compile_launchable)"
     print("FA4_FIRSTCALL " + json.dumps({"steps": steps, "in_process_s": time.perf_counter() - t_start,
                                          "stats": stats, "device": device, "gpu": gpu,
@@ -294,11 +308,18 @@ def main(args) -> int:
         print(f"precompile --shapes {shape_spec(cfg)}: {pre:.2f} s", flush=True)
         for i in range(args.repeat):
             runs["warm" if i == 0 else f"warm{i + 1}"] = run_child(cfg, root / "warm")
+        if runs["cold"]["gpu"]:
+            runs["plans"] = run_child(dict(cfg, plans=True), root / "cold")
         print(table(runs))
         warm = runs["warm"]
         above = warm["in_process_s"] - dict(warm["steps"])["import torch"]
         print(f"warm: {above:.2f} s above `import torch` (goal <= 0.5 s); "
               f"{warm['stats']['misses']} compile(s), {warm['stats']['disk_hits']} disk hit(s)")
+        if "plans" in runs:
+            p = runs["plans"]
+            above = p["in_process_s"] - dict(p["steps"])["import torch"]
+            print(f"plans: {above:.2f} s above `import torch` (goal <= 0.5 s); {p['stats']['plan_replays']} "
+                  f"replayed call(s), CuTe-DSL {'imported' if p['stats']['cutlass_imported'] else 'not imported'}")
         hint = bytecode_hint()
         if hint:
             print("note: " + hint)

@@ -12,6 +12,7 @@ It implements the small `Store` protocol below.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
 import os
 import re
@@ -24,7 +25,7 @@ import cutlass.cute as cute
 from .sass_report import disassemble, parse_resources, sass_counts, wgmma_serialization
 
 __all__ = ["Compiled", "Store", "WgmmaSerializedWarning", "cached", "compile_cached", "dump_dir", "get_store",
-           "remember", "set_store", "wgmma_serialization"]
+           "remember", "reset_launch_observer", "set_launch_observer", "set_store", "wgmma_serialization"]
 
 
 class Compiled:
@@ -78,6 +79,9 @@ class Store(Protocol):
 _CACHE: dict = {}
 _STORE: Optional[Store] = None
 _DUMP_DIR: Optional[str] = None
+# (key, Compiled) -> Compiled, seeing every kernel a launch takes from the cache (in this thread / task):
+# fa4's launch plans record through it (fa4/_plans.py); None almost always
+_LAUNCH_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("launch_observer", default=None)
 
 
 class WgmmaSerializedWarning(UserWarning):
@@ -93,6 +97,16 @@ def set_store(store: Optional[Store]) -> None:
 
 def get_store() -> Optional[Store]:
     return _STORE
+
+
+def set_launch_observer(observer: Callable[[Any, Compiled], Compiled]):
+    """Route every kernel `compile_cached` returns in this context through observer(key, compiled);
+    returns the token for `reset_launch_observer`."""
+    return _LAUNCH_OBSERVER.set(observer)
+
+
+def reset_launch_observer(token) -> None:
+    _LAUNCH_OBSERVER.reset(token)
 
 
 def cached(key) -> Optional[Compiled]:
@@ -116,6 +130,12 @@ def dump_dir() -> str:
 def compile_cached(key, build: Callable[[], tuple]) -> Compiled:
     """Compile once per key. `build()` returns (kernel_object, args_tuple); the kernel object's
     `smem_bytes` attribute (set while tracing) goes into the report."""
+    observer = _LAUNCH_OBSERVER.get()
+    compiled = _compile_cached(key, build)
+    return compiled if observer is None else observer(key, compiled)
+
+
+def _compile_cached(key, build: Callable[[], tuple]) -> Compiled:
     store = _STORE
     hit = _CACHE.get(key)
     if hit is not None:

@@ -1,0 +1,557 @@
+"""Launch plans: a repeated call replayed in a fresh process without importing CuTe-DSL.
+
+Why: with every kernel in the disk cache, a fresh process still paid about 1.7 s above `import torch`
+for its first forward + backward on an H200, 1.0-1.1 s of it `import cutlass` (the kernel modules
+are CuTe-DSL code, and even a cache hit goes through them to build the launch). But the host side of
+a dense call is a fixed sequence once the shapes are fixed: allocate the outputs and the scratch,
+view the inputs, launch one to four compiled kernels with those tensors and some numbers.
+
+What a plan is: that sequence, recorded from a real call and written next to the kernels
+(``<cache dir>/plans/<signature hash>.json``). The recording sees every torch function of the call
+through a TorchFunctionMode (so it knows how each tensor was made: an input, a torch function's
+result, or a small external constant such as a cached 1-element stand-in, whose values it keeps) and
+every kernel the call takes from the stages' compile cache (``compile_cache.set_launch_observer``).
+The kernels are the disk cache's objects, linked once into shared libraries that
+``tvm_ffi.load_module`` opens without the DSL (milliseconds). Replaying runs the same torch functions
+and calls the same kernels with the new call's tensors.
+
+When: a plan is recorded on the second call of a signature in a process (the first may compile, and
+training repeats its shapes), written only if the whole call was recordable, and used by later
+processes -- and by this one -- whenever the signature matches exactly.
+
+The signature is everything the host code decides on: the role ("fwd" / "bwd"), every tensor's
+shape, strides, dtype, device and 16-byte alignment, every scalar argument, the device (name, SMs,
+L2), fa4's routing switches, and the sources of fa4 and of the kernel packages (the cache fingerprint
+directory). A call that differs in any of them takes the normal path.
+
+Never recorded (the recording gives up, and the call runs normally): a call whose host code reads a
+tensor's values (``.item()``, ``.tolist()``: varlen's cu_seqlens), a tensor made by a function the
+replay cannot look up by name, an external tensor over 4096 elements or not contiguous, a kernel
+that is not on disk, no C compiler to link a kernel, CUDA graph capture. FA4_PLANS=0 turns plans off (FA4_CACHE=0 does too).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import copy
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _cache
+
+FORMAT = 1
+MAX_CONSTANT_ELEMENTS = 4096
+
+_LOCK = threading.Lock()
+_PLANS: dict = {}        # signature hash -> _Replay, or None (no plan on disk / not plannable)
+_SEEN: dict = {}         # signature hash -> calls that took the normal path in this process
+_STATS = {"replays": 0, "recorded": 0, "unrecordable": 0, "discarded": 0}
+_LAST_REFUSAL: dict = {}  # signature hash -> why the recording gave up (for tests and `fa4 info`)
+
+
+class Unrecordable(Exception):
+    """The call's host side does something a plan cannot replay."""
+
+
+def enabled() -> bool:
+    return _cache.enabled() and os.environ.get("FA4_PLANS", "1") not in ("0", "false", "False", "off")
+
+
+def stats() -> dict:
+    with _LOCK:
+        return dict(_STATS)
+
+
+# ---------------------------------------------------------------------------------------------
+# signatures
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _fa4_sources() -> str:
+    """sha256 of fa4's own modules: the routing (schedulers, tiles) lives here, not in the kernels."""
+    h = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).resolve().parent.rglob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: torch.device) -> tuple:
+    if device.type != "cuda":
+        return (device.type, torch.__version__)
+    p = torch.cuda.get_device_properties(device)
+    return (p.name, p.multi_processor_count, getattr(p, "L2_cache_size", 0), torch.version.cuda, torch.__version__)
+
+
+def _tensor_facts(t) -> Any:
+    if t is None:
+        return None
+    return (tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device), t.data_ptr() % 16 == 0)
+
+
+def signature(role: str, arch: str, tensors: tuple, scalars: tuple, switches: tuple) -> str:
+    """A stable hash of everything the host code of this call decides on (module docstring)."""
+    device = next(t.device for t in tensors if t is not None)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    facts = (FORMAT, role, arch, tuple(_tensor_facts(t) for t in tensors), scalars, switches, _device_facts(device),
+             _fa4_sources(), _cache.build_id())
+    return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
+
+
+def plan_dir(cute_arch: str) -> pathlib.Path:
+    return _cache.cache_dir(cute_arch) / "plans"
+
+
+# ---------------------------------------------------------------------------------------------
+# encoding of op and kernel arguments (JSON)
+# ---------------------------------------------------------------------------------------------
+_SCALAR_TYPES = (type(None), bool, int, float, str)
+
+
+def _encode_value(value, slot_of: Callable) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"s": slot_of(value)}
+    if isinstance(value, _SCALAR_TYPES):
+        if isinstance(value, float) and value != value:
+            return {"f": "nan"}
+        if isinstance(value, float) and value in (float("inf"), float("-inf")):
+            return {"f": repr(value)}
+        return value
+    if isinstance(value, (tuple, list)):
+        return {"t" if isinstance(value, tuple) else "l": [_encode_value(v, slot_of) for v in value]}
+    if isinstance(value, dict):
+        return {"d": {k: _encode_value(v, slot_of) for k, v in value.items()}}
+    if isinstance(value, slice):
+        return {"sl": [_encode_value(v, slot_of) for v in (value.start, value.stop, value.step)]}
+    if value is Ellipsis:
+        return {"el": 0}
+    if isinstance(value, torch.dtype):
+        return {"dt": str(value).split(".")[-1]}
+    if isinstance(value, torch.device):
+        return {"dev": str(value)}
+    if isinstance(value, torch.layout):
+        return {"lay": str(value).split(".")[-1]}
+    if isinstance(value, torch.memory_format):
+        return {"mf": str(value).split(".")[-1]}
+    raise Unrecordable(f"an argument of type {type(value).__name__}")
+
+
+def _decoder(value) -> Callable[[list], Any]:
+    """A function slots -> the argument value (built once per plan, run per replay)."""
+    if isinstance(value, dict):
+        (tag, inner), = value.items()
+        if tag == "s":
+            return lambda slots, i=inner: slots[i]
+        if tag in ("t", "l"):
+            parts = [_decoder(v) for v in inner]
+            kind = tuple if tag == "t" else list
+            return lambda slots: kind(p(slots) for p in parts)
+        if tag == "d":
+            parts = {k: _decoder(v) for k, v in inner.items()}
+            return lambda slots: {k: p(slots) for k, p in parts.items()}
+        if tag == "sl":
+            parts = [_decoder(v) for v in inner]
+            return lambda slots: slice(*(p(slots) for p in parts))
+        const = {"f": lambda: float(inner), "el": lambda: Ellipsis, "dt": lambda: getattr(torch, inner), "dev": lambda: torch.device(inner),
+                 "lay": lambda: getattr(torch, inner), "mf": lambda: getattr(torch, inner)}[tag]()
+        return lambda slots: const
+    return lambda slots: value
+
+
+# torch functions whose non-tensor result is a tensor's *values* (the host code may branch on them);
+# other non-tensor results (shape, stride, dtype, device, data_ptr, ...) are fixed by the signature
+_VALUE_READERS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+                  "equal", "allclose", "is_nonzero", "__iter__", "__array__"}
+
+
+def _op_name(func) -> Optional[str]:
+    """'Tensor.<name>' / 'torch.<name>' for a function the replay can look up again, else None."""
+    name = getattr(func, "__name__", None)
+    if name is None:
+        return None
+    if getattr(torch.Tensor, name, None) is func:
+        return f"Tensor.{name}"
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
+    return None
+
+
+def _op_from_name(name: str):
+    owner, attr = name.split(".", 1)
+    return getattr(torch.Tensor if owner == "Tensor" else torch, attr)
+
+
+def _tensors_in(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(_tensors_in(v) for v in value)
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------
+class _Recorder(TorchFunctionMode):
+    """Every torch function of the call that makes or changes a tensor, with its tensors as slots;
+    every kernel launch (see `observe`). A TorchFunctionMode, not a TorchDispatchMode: entering the
+    latter imported some 800 modules (dynamo, sympy: 2.2 s of a recording call on an H200)."""
+
+    def __init__(self, inputs: tuple):
+        super().__init__()
+        self.steps: list = []
+        self.kernels: list = []          # stage cache keys, in order of first use
+        self.constants: list = []        # {"slot", "dtype", "shape", "values", "device"}
+        self.failure: Optional[str] = None
+        self.paused = False              # inside a kernel launch: its own tensor handling is not the host's
+        self._slots: dict = {}           # id(tensor) -> slot
+        self._alive: list = []           # keeps the tensors (hence their ids) alive while recording
+        self.num_inputs = len(inputs)
+        for t in inputs:
+            self._bind(t)
+
+    def _bind(self, t) -> int:
+        slot = len(self._alive)
+        self._alive.append(t)
+        if t is not None:
+            self._slots[id(t)] = slot
+        return slot
+
+    def slot_of(self, t) -> int:
+        slot = self._slots.get(id(t))
+        if slot is not None:
+            return slot
+        # a tensor made before the call (a cached stand-in): kept by value
+        if t.numel() > MAX_CONSTANT_ELEMENTS or not t.is_contiguous():
+            raise Unrecordable(f"an external tensor {tuple(t.shape)} {t.dtype} (kept by value only up to "
+                               f"{MAX_CONSTANT_ELEMENTS} contiguous elements)")
+        with torch._C.DisableTorchFunction():
+            values = t.detach().cpu().reshape(-1).tolist()
+        slot = self._bind(t)
+        self.constants.append({"slot": slot, "dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape),
+                               "values": values, "device": str(t.device)})
+        return slot
+
+    def fail(self, why: str):
+        if self.failure is None:
+            self.failure = why
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.failure is not None or self.paused:
+            return func(*args, **kwargs)
+        name = _op_name(func)
+        out = func(*args, **kwargs)
+        label = name or getattr(func, "__name__", repr(func))
+        if not _tensors_in(out) and out is not None:
+            if label.rsplit(".", 1)[-1] in _VALUE_READERS:
+                self.fail(f"{label} reads a tensor's values (the host code may branch on them)")
+            return out  # metadata: fixed by the signature
+        if name is None:
+            self.fail(f"{label}: a function the replay cannot look up")
+            return out
+        try:
+            enc = (_encode_value(tuple(args), self.slot_of), _encode_value(dict(kwargs), self.slot_of))
+        except Unrecordable as exc:
+            self.fail(f"{name}: {exc}")
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if not all(isinstance(o, torch.Tensor) or o is None for o in outs):
+            self.fail(f"{name} returns tensors mixed with other values")
+            return out
+        self.steps.append({"op": name, "args": enc[0], "kwargs": enc[1],
+                           "out": [None if o is None else self._bind(o) for o in outs],
+                           "tuple": isinstance(out, (tuple, list))})
+        return out
+
+    def observe(self, key, compiled):
+        """compile_cache's launch observer: `compiled` with a fn that records its launches."""
+        if key not in self.kernels:
+            self.kernels.append(key)
+        index = self.kernels.index(key)
+        fn = compiled.fn
+        recorder = self
+
+        def launch(*args):
+            if recorder.failure is None:
+                try:
+                    recorder.steps.append({"kernel": index, "args": _encode_value(tuple(args), recorder.slot_of)})
+                except Unrecordable as exc:
+                    recorder.fail(f"a kernel argument: {exc}")
+            recorder.paused = True
+            try:
+                return fn(*args)
+            finally:
+                recorder.paused = False
+
+        observed = copy.copy(compiled)
+        observed.fn = launch
+        return observed
+
+
+@contextlib.contextmanager
+def _observing(recorder: _Recorder):
+    from stage3_fwd_kernel import compile_cache
+
+    token = compile_cache.set_launch_observer(recorder.observe)
+    try:
+        with recorder:
+            yield
+    finally:
+        compile_cache.reset_launch_observer(token)
+
+
+def _link(obj: pathlib.Path) -> pathlib.Path:
+    """The kernel object linked into a shared library beside it (once), against the DSL's runtime and
+    TVM-FFI (their directories as rpaths, so loading needs neither the DSL nor an environment)."""
+    lib = obj.with_suffix(".so")
+    if lib.exists():
+        return lib
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise Unrecordable("no C compiler (cc / gcc) to link the kernel objects")
+    import cutlass.cute as cute
+
+    runtime = [p for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True) if os.path.exists(p)]
+    fd, tmp = tempfile.mkstemp(dir=obj.parent, prefix=f".{obj.stem}.", suffix=".so.tmp")
+    os.close(fd)
+    cmd = [cc, "-shared", "-o", tmp, str(obj), *runtime,
+           *(f"-Wl,-rpath,{d}" for d in sorted({os.path.dirname(p) for p in runtime}))]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise Unrecordable(f"linking {obj.name} failed: {res.stderr.strip()[:300]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+def _kernel_entry(key, cute_arch: str) -> dict:
+    khash = _cache.key_hash(key) if _cache.persistable(key) else None
+    if khash is None:
+        raise Unrecordable(f"kernel {key[:3]!r}... is not kept on disk")
+    obj = _cache.DiskCache(_cache.cache_dir(cute_arch)).read_verified(khash)
+    if obj is None:
+        raise Unrecordable(f"kernel {khash} is not in the disk cache")
+    lib = _link(obj)
+    return {"lib": lib.name, "sha": hashlib.sha256(lib.read_bytes()).hexdigest()[:16],
+            "symbol": _cache.DiskCache.symbol(khash)}
+
+
+def _encode_outputs(result, recorder: _Recorder):
+    return _encode_value(result, lambda t: recorder._slots[id(t)] if id(t) in recorder._slots else
+                         _raise(Unrecordable("an output made outside the recorded call")))
+
+
+def _raise(exc):
+    raise exc
+
+
+def _write(sig: str, cute_arch: str, recorder: _Recorder, result) -> pathlib.Path:
+    plan = {"format": FORMAT, "inputs": recorder.num_inputs, "slots": len(recorder._alive),
+            "constants": recorder.constants, "steps": recorder.steps,
+            "kernels": [_kernel_entry(k, cute_arch) for k in recorder.kernels],
+            "outputs": _encode_outputs(result, recorder)}
+    directory = plan_dir(cute_arch)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{sig}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(plan, f)
+        os.replace(tmp, directory / f"{sig}.json")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return directory / f"{sig}.json"
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextlib.contextmanager
+def recording(sig: Optional[str], cute_arch: str, inputs: tuple):
+    """Around a call that took the normal path: yields a function to hand the call's result to
+    (`done(result)`), which writes the plan when this is the signature's second call here and
+    everything was recordable. Recording problems never fail the call: they only mean no plan."""
+    with _LOCK:
+        seen = _SEEN.get(sig, 0) if sig else 0
+        if sig:
+            _SEEN[sig] = seen + 1
+    want = sig is not None and seen == 1 and sig not in _LAST_REFUSAL and not _capturing()
+    if not want:
+        yield lambda result: None
+        return
+    recorder = _Recorder(inputs)
+    box: list = []
+    with _observing(recorder):
+        yield box.append
+    try:
+        if recorder.failure is not None:
+            raise Unrecordable(recorder.failure)
+        if not box:
+            raise Unrecordable("the call returned no result")
+        if not recorder.kernels:
+            raise Unrecordable("the call launched no kernel")
+        _write(sig, cute_arch, recorder, box[0])
+        with _LOCK:
+            _STATS["recorded"] += 1
+            _PLANS.pop(sig, None)  # the next call loads it
+    except Unrecordable as exc:
+        with _LOCK:
+            _STATS["unrecordable"] += 1
+            _LAST_REFUSAL[sig] = str(exc)
+    except OSError as exc:
+        warnings.warn(f"fa4 plans: could not write a launch plan: {exc}", RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# replay
+# ---------------------------------------------------------------------------------------------
+_KERNELS: dict = {}  # (library path, sha, symbol) -> the loaded function, once per process
+
+
+def _kernel(path: str, sha: str, symbol: str):
+    fn = _KERNELS.get((path, sha, symbol))
+    if fn is None:
+        fn = _KERNELS[(path, sha, symbol)] = _load_kernel(path, sha, symbol)
+    return fn
+
+
+def _load_kernel(path: str, sha: str, symbol: str):
+    data = pathlib.Path(path).read_bytes()
+    if hashlib.sha256(data).hexdigest()[:16] != sha:
+        raise OSError(f"{path}: content hash mismatch")
+    import tvm_ffi
+
+    return getattr(tvm_ffi.load_module(path), symbol)
+
+
+class _Replay:
+    """A plan decoded once: per step a callable over the slot list."""
+
+    def __init__(self, plan: dict, directory: pathlib.Path):
+        if plan.get("format") != FORMAT:
+            raise ValueError(f"plan format {plan.get('format')!r}")
+        self.num_inputs, self.num_slots = plan["inputs"], plan["slots"]
+        kernels = [_kernel(str(directory.parent / k["lib"]), k["sha"], k["symbol"]) for k in plan["kernels"]]
+        self.constants = plan["constants"]
+        self._materialized: Optional[list] = None
+        self.steps = []
+        for step in plan["steps"]:
+            args = _decoder(step["args"])
+            if "kernel" in step:
+                self.steps.append(self._kernel_step(kernels[step["kernel"]], args))
+            else:
+                self.steps.append(self._op_step(_op_from_name(step["op"]), args, _decoder(step["kwargs"]),
+                                                step["out"], step["tuple"]))
+        self.outputs = _decoder(plan["outputs"])
+
+    @staticmethod
+    def _kernel_step(fn, args):
+        def run(slots):
+            fn(*args(slots))
+        return run
+
+    @staticmethod
+    def _op_step(op, args, kwargs, outs, is_tuple):
+        def run(slots):
+            value = op(*args(slots), **kwargs(slots))
+            for slot, v in zip(outs, value if is_tuple else (value,)):
+                if slot is not None:
+                    slots[slot] = v
+        return run
+
+    def needs_constants(self) -> bool:
+        return self._materialized is None and bool(self.constants)
+
+    def _constants(self) -> list:
+        """The external tensors, made once and then shared by every replay (as the code that made
+        them kept one each)."""
+        if self._materialized is None:
+            self._materialized = [(c["slot"], torch.tensor(c["values"], dtype=getattr(torch, c["dtype"]),
+                                                           device=c["device"]).reshape(c["shape"]))
+                                  for c in self.constants]
+        return self._materialized
+
+    def __call__(self, inputs: tuple):
+        slots: list = list(inputs) + [None] * (self.num_slots - len(inputs))
+        for slot, t in self._constants():
+            slots[slot] = t
+        for step in self.steps:
+            step(slots)
+        return self.outputs(slots)
+
+
+def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
+    """The decoded plan of `sig` (from memory, else disk), or None."""
+    if sig in _PLANS:
+        return _PLANS[sig]
+    path = plan_dir(cute_arch) / f"{sig}.json"
+    replay = None
+    if path.exists():
+        try:
+            replay = _Replay(json.loads(path.read_text()), path.parent)
+        except Exception as exc:  # corrupt, or its kernels are gone or changed: the normal path rebuilds
+            discard(sig, cute_arch, f"{type(exc).__name__}: {str(exc)[:200]}")
+            return None
+    with _LOCK:
+        _PLANS[sig] = replay
+    return replay
+
+
+def discard(sig: str, cute_arch: str, why: str):
+    with _LOCK:
+        _STATS["discarded"] += 1
+        _PLANS[sig] = None
+    warnings.warn(f"fa4 plans: discarding launch plan {sig[:12]}: {why}", RuntimeWarning, stacklevel=3)
+    try:
+        (plan_dir(cute_arch) / f"{sig}.json").unlink()
+    except OSError:
+        pass
+
+
+def replay(sig: Optional[str], cute_arch: str, inputs: tuple):
+    """The call's result by its plan, or None (no plan: take the normal path). A plan that fails is
+    removed, and the call takes the normal path."""
+    if sig is None:
+        return None
+    plan = lookup(sig, cute_arch)
+    if plan is None or (plan.needs_constants() and _capturing()):
+        return None  # its constants are made by a host-to-device copy, which a CUDA graph capture forbids
+    try:
+        result = plan(inputs)
+    except Exception as exc:
+        discard(sig, cute_arch, f"replay failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+    with _LOCK:
+        _STATS["replays"] += 1
+    return result
+
+
+def forget() -> None:
+    """Drop this process's plan memory (tests; `fa4 cache clear`)."""
+    with _LOCK:
+        _PLANS.clear()
+        _SEEN.clear()
+        _LAST_REFUSAL.clear()
+        _KERNELS.clear()
+
+
+def refusal(sig: str) -> Optional[str]:
+    return _LAST_REFUSAL.get(sig)
+
+
+__all__ = ["enabled", "forget", "lookup", "recording", "replay", "signature", "stats", "Unrecordable"]

@@ -1,0 +1,187 @@
+"""fa4's launch plans (fa4/_plans.py): a call's host side recorded once, replayed without the kernel modules.
+
+cpu tier: the recorder and the replayer on CPU tensors, with a Python function standing in for a
+compiled kernel (taken from the stages' compile cache as a launch takes it): a replay equals the
+normal path on fresh inputs, after a fresh process's view of the cache; calls that read tensor
+values, or use large external tensors, get no plan; a corrupt plan is discarded, not fatal.
+compile tier: a real kernel object from the disk cache's export, linked into a shared library that a
+process without CuTe-DSL loads through TVM-FFI.
+gpu tier: tests/test_fa4_plans_gpu.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.fa4
+
+KEY = ("test_plans_kernel", "gpu", 1)
+EXTERNAL = {}
+
+
+def _fake_kernel(q, k, out, scratch, scale, n, stand_in):
+    """Stands in for a compiled kernel: writes its outputs in place (its ops are not the host's)."""
+    out.copy_(q * scale + k)
+    scratch.add_(n + stand_in)
+
+
+def _host(q, k, read_values=False, big_external=False):
+    """Shaped like a stage's host code: allocate, view, launch from the compile cache, post-process."""
+    from stage3_fwd_kernel import compile_cache
+
+    out = torch.empty_like(q)
+    scratch = torch.zeros((q.shape[0], 4), dtype=torch.int32)
+    stand_in = EXTERNAL.setdefault("big" if big_external else "one",
+                                   torch.ones(5000 if big_external else 1, dtype=torch.int32))
+    if read_values:
+        _ = int(q.abs().sum().item() > 0)  # a value the host code branches on
+    kernel = compile_cache.compile_cached(KEY, lambda: (_ for _ in ()).throw(AssertionError("no compile")))
+    kernel.fn(q.detach(), k.detach().view(q.shape), out, scratch, 0.5, 3, stand_in[:1])
+    scratch[:, 1:3] += 1                                   # __getitem__ / __setitem__ with slices
+    return (out * 2 + 1)[..., ::2], scratch.sum(dim=1)
+
+
+@pytest.fixture
+def plans(tmp_path, monkeypatch):
+    from fa4 import _plans
+    from stage3_fwd_kernel import compile_cache
+
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FA4_CACHE", raising=False)
+    monkeypatch.delenv("FA4_PLANS", raising=False)
+    compile_cache.remember(KEY, compile_cache.Compiled(_fake_kernel, {}, "", ""))
+    monkeypatch.setattr(_plans, "_kernel_entry", lambda key, arch: {"lib": "fake.so", "sha": "0", "symbol": repr(key)})
+    loads = []
+    monkeypatch.setattr(_plans, "_load_kernel", lambda path, sha, symbol: loads.append(symbol) or _fake_kernel)
+    _plans.forget()
+    yield _plans, loads
+    _plans.forget()
+
+
+def _inputs(seed, shape=(3, 8)):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def _call(_plans, sig, inputs, **host_kw):
+    """What a backend does: replay when there is a plan, else the normal path under the recorder."""
+    done = _plans.replay(sig, "sm_90a", inputs)
+    if done is not None:
+        return done, True
+    with _plans.recording(sig, "sm_90a", inputs) as record:
+        result = _host(*inputs, **host_kw)
+        record(result)
+    return result, False
+
+
+@pytest.mark.cpu
+def test_second_call_records_and_a_fresh_process_replays(plans, tmp_path):
+    _plans, loads = plans
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), (0.5, True), ())
+    assert _call(_plans, sig, _inputs(0))[1] is False          # first call: normal path, nothing recorded
+    assert not list(tmp_path.rglob("*.json"))
+    assert _call(_plans, sig, _inputs(1))[1] is False          # second call: recorded
+    plan_files = list(tmp_path.rglob("plans/*.json"))
+    assert len(plan_files) == 1 and _plans.stats()["recorded"] == 1
+    plan = json.loads(plan_files[0].read_text())
+    assert any("kernel" in s for s in plan["steps"]) and plan["constants"][0]["values"] == [1]
+    _plans.forget()                                            # a fresh process: memory empty, disk kept
+    for seed in (2, 3):
+        inputs = _inputs(seed)
+        got, replayed = _call(_plans, sig, inputs)
+        want = _host(*_inputs(seed))
+        assert replayed and loads == [repr(KEY)]               # the kernel is loaded once per process
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the replay's outputs are fresh tensors each call, and the inputs are untouched
+    a, _ = _call(_plans, sig, _inputs(4))
+    b, _ = _call(_plans, sig, _inputs(4))
+    assert a[0].data_ptr() != b[0].data_ptr() and torch.equal(a[0], b[0])
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("host_kw,why", [(dict(read_values=True), "reads a tensor's values"),
+                                         (dict(big_external=True), "external tensor")])
+def test_calls_a_plan_cannot_replay_get_none(plans, tmp_path, host_kw, why):
+    _plans, _ = plans
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), tuple(sorted(host_kw)), ())
+    for seed in range(3):
+        result, replayed = _call(_plans, sig, _inputs(seed), **host_kw)
+        assert not replayed and torch.equal(result[0], _host(*_inputs(seed))[0])
+    assert not list(tmp_path.rglob("*.json")) and why in _plans.refusal(sig)
+
+
+@pytest.mark.cpu
+def test_a_corrupt_plan_is_discarded_and_the_call_runs_normally(plans, tmp_path):
+    _plans, _ = plans
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), ("corrupt",), ())
+    for seed in range(2):
+        _call(_plans, sig, _inputs(seed))
+    path, = tmp_path.rglob("plans/*.json")
+    path.write_text(path.read_text()[:-20])
+    _plans.forget()
+    with pytest.warns(RuntimeWarning, match="discarding launch plan"):
+        result, replayed = _call(_plans, sig, _inputs(5))
+    assert not replayed and torch.equal(result[0], _host(*_inputs(5))[0]) and not path.exists()
+
+
+@pytest.mark.cpu
+def test_the_signature_sees_shapes_strides_scalars_and_alignment():
+    from fa4 import _plans
+
+    q, k = _inputs(0)
+    base = _plans.signature("fwd", "sm_90", (q, k), (0.5, True), (1,))
+    assert base == _plans.signature("fwd", "sm_90", _inputs(9), (0.5, True), (1,))  # values do not matter
+    others = [_plans.signature("bwd", "sm_90", (q, k), (0.5, True), (1,)),
+              _plans.signature("fwd", "sm_90", (q.t().contiguous().t(), k), (0.5, True), (1,)),
+              _plans.signature("fwd", "sm_90", (q[:, 1:], k), (0.5, True), (1,)),
+              _plans.signature("fwd", "sm_90", (q.double(), k), (0.5, True), (1,)),
+              _plans.signature("fwd", "sm_90", (q, k), (0.25, True), (1,)),
+              _plans.signature("fwd", "sm_90", (q, k), (0.5, True), (2,)),
+              _plans.signature("fwd", "sm_90", (q, None), (0.5, True), (1,))]
+    assert len({base, *others}) == len(others) + 1
+
+
+@pytest.mark.compile
+def test_a_cached_kernel_links_and_loads_without_the_dsl(tmp_path, monkeypatch):
+    """The disk cache's export of a real (tiny) kernel, linked by _plans._link, opens in a fresh
+    process through TVM-FFI alone: no cutlass module is imported there."""
+    import shutil
+
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler on this machine (plans then stay off)")
+    from stage2_emulated_exp import cute_arch
+
+    cute_arch.retarget("sm_90a")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    from fa4 import _cache, _plans
+
+    @cute.kernel
+    def bump(a: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        a[tidx] = a[tidx] + 1.0
+
+    @cute.jit
+    def launch(a: cute.Tensor):
+        bump(a).launch(grid=[1, 1, 1], block=[32, 1, 1])
+
+    fn = cute.compile(launch, make_fake_compact_tensor(cutlass.Float32, (32,)), options="--enable-tvm-ffi")
+    obj = tmp_path / "k-0.o"
+    obj.write_bytes(_cache.export_object(fn, "fa4_test_bump"))
+    lib = _plans._link(obj)
+    assert lib.exists() and _plans._link(obj) == lib           # linked once
+    probe = textwrap.dedent(f"""
+        import sys, tvm_ffi
+        f = getattr(tvm_ffi.load_module({str(lib)!r}), "fa4_test_bump")
+        print(type(f).__name__, any(m == "cutlass" or m.startswith("cutlass.") for m in sys.modules))
+    """)
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["Function", "False"]

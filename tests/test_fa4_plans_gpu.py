@@ -1,0 +1,70 @@
+"""gpu tier of fa4's launch plans (fa4/_plans.py), across fresh processes as a user meets them.
+
+Process A (an empty disk cache) calls forward + backward three times: the first compiles, the second
+records a plan per role, the third replays them in process. Process B (same cache) calls twice: both
+replay, without importing CuTe-DSL, and every output and gradient is bitwise equal to A's for the same
+inputs (deterministic backward). The cpu tier (tests/test_fa4_plans.py) covers the recorder itself.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.fa4, pytest.mark.gpu]
+
+CHILD = r"""
+import json, sys
+import torch
+import fa4
+from fa4 import _plans
+
+cfg = json.loads(sys.argv[1])
+b, s, hq, hkv, d, dv = cfg["shape"]
+results = []
+for call in range(cfg["calls"]):
+    g = torch.Generator(device="cuda").manual_seed(100 + call)
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = make(b, s, hq, d), make(b, s, hkv, d), make(b, s, hkv, dv)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fa4.flash_attn_func(q, k, v, causal=cfg["causal"], deterministic=True)
+    out.backward(make(b, s, hq, dv))
+    results.append([t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)])
+torch.cuda.synchronize()
+torch.save(results, cfg["out"])
+cutlass = any(m == "cutlass" or m.startswith("cutlass.") for m in sys.modules)
+print("PLANS " + json.dumps({"stats": _plans.stats(), "cutlass": cutlass}))
+"""
+
+CASES = [((2, 300, 4, 2, 64, 64), True), ((1, 257, 6, 6, 192, 128), False)]
+
+
+def _run(cfg: dict, cache: pathlib.Path) -> dict:
+    env = dict(os.environ, FA4_CACHE_DIR=str(cache))
+    for name in ("FA4_CACHE", "FA4_PLANS"):
+        env.pop(name, None)
+    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=str(pathlib.Path(__file__).resolve().parent.parent))
+    assert res.returncode == 0, res.stderr[-4000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("PLANS "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+@pytest.mark.parametrize("shape,causal", CASES, ids=["d64-gqa-causal", "d192x128-full"])
+def test_a_fresh_process_replays_bitwise_without_the_dsl(tmp_path, shape, causal):
+    import torch
+
+    cache = tmp_path / "cache"
+    first = _run(dict(shape=shape, causal=causal, calls=3, out=str(tmp_path / "a.pt")), cache)
+    assert first["stats"]["recorded"] == 2, first          # the forward's and the backward's plan
+    assert first["stats"]["replays"] == 2 and first["cutlass"], first
+    assert len(list(cache.rglob("plans/*.json"))) == 2 and list(cache.rglob("*.so"))
+    second = _run(dict(shape=shape, causal=causal, calls=2, out=str(tmp_path / "b.pt")), cache)
+    assert second["stats"] == dict(replays=4, recorded=0, unrecordable=0, discarded=0), second
+    assert not second["cutlass"], "a replayed call imported CuTe-DSL"
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    for call in range(2):
+        for name, x, y in zip(("out", "dq", "dk", "dv"), a[call], b[call]):
+            assert torch.equal(x, y), f"call {call}: {name} differs between the normal path and the replay"
