@@ -77,12 +77,18 @@ def stats() -> dict:
 # signatures
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _fa4_sources() -> str:
-    """sha256 of fa4's own modules: the routing (schedulers, tiles) lives here, not in the kernels."""
+def _host_sources() -> str:
+    """sha256 of the host code outside the kernel packages (which the cache fingerprint hashes): fa4
+    (the routing: schedulers, tiles) and stage0_reference (argument checks the stages call)."""
+    import importlib.util
+
     h = hashlib.sha256()
-    for path in sorted(pathlib.Path(__file__).resolve().parent.rglob("*.py")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
+    for pkg in ("fa4", "stage0_reference"):
+        spec = importlib.util.find_spec(pkg)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            for path in sorted(pathlib.Path(root).rglob("*.py")):
+                h.update(f"{pkg}/{path.relative_to(root).as_posix()}".encode())
+                h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -101,12 +107,14 @@ def _tensor_facts(t) -> Any:
 
 
 def signature(role: str, arch: str, tensors: tuple, scalars: tuple, switches: tuple) -> str:
-    """A stable hash of everything the host code of this call decides on (module docstring)."""
+    """A stable hash of everything the host code of this call decides on (module docstring). The
+    inputs' identity pattern is part of it: a call recorded with q is k must not serve separate ones."""
     device = next(t.device for t in tensors if t is not None)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    facts = (FORMAT, role, arch, tuple(_tensor_facts(t) for t in tensors), scalars, switches, _device_facts(device),
-             _fa4_sources(), _cache.build_id())
+    same = tuple(next(j for j, u in enumerate(tensors) if u is t) if t is not None else None for t in tensors)
+    facts = (FORMAT, role, arch, tuple(_tensor_facts(t) for t in tensors), same, scalars, switches,
+             _device_facts(device), _host_sources(), _cache.build_id())
     return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
 
 
@@ -173,7 +181,8 @@ def _decoder(value) -> Callable[[list], Any]:
 # torch functions whose non-tensor result is a tensor's *values* (the host code may branch on them);
 # other non-tensor results (shape, stride, dtype, device, data_ptr, ...) are fixed by the signature
 _VALUE_READERS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__",
-                  "equal", "allclose", "is_nonzero", "__iter__", "__array__"}
+                  "equal", "allclose", "is_nonzero", "__iter__", "__array__", "__format__", "__contains__",
+                  "__repr__", "__str__", "untyped_storage", "storage", "_typed_storage", "__reduce_ex__"}
 
 
 def _op_name(func) -> Optional[str]:
@@ -188,8 +197,13 @@ def _op_name(func) -> Optional[str]:
     return None
 
 
+_NEVER_REPLAYED = {"load", "save", "compile", "set_default_device", "set_default_dtype", "manual_seed", "seed"}
+
+
 def _op_from_name(name: str):
     owner, attr = name.split(".", 1)
+    if owner not in ("Tensor", "torch") or attr in _NEVER_REPLAYED or "." in attr:
+        raise ValueError(f"{name}: not a function a plan replays")
     return getattr(torch.Tensor if owner == "Tensor" else torch, attr)
 
 
@@ -212,6 +226,7 @@ class _Recorder(TorchFunctionMode):
         self.steps: list = []
         self.kernels: list = []          # stage cache keys, in order of first use
         self.constants: list = []        # {"slot", "dtype", "shape", "values", "device"}
+        self._constant_slots: set = set()
         self.failure: Optional[str] = None
         self.paused = False              # inside a kernel launch: its own tensor handling is not the host's
         self._slots: dict = {}           # id(tensor) -> slot
@@ -238,6 +253,7 @@ class _Recorder(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             values = t.detach().cpu().reshape(-1).tolist()
         slot = self._bind(t)
+        self._constant_slots.add(slot)
         self.constants.append({"slot": slot, "dtype": str(t.dtype).split(".")[-1], "shape": list(t.shape),
                                "values": values, "device": str(t.device)})
         return slot
@@ -290,9 +306,12 @@ class _Recorder(TorchFunctionMode):
                     recorder.fail(f"a kernel argument: {exc}")
             recorder.paused = True
             try:
-                return fn(*args)
+                value = fn(*args)
             finally:
                 recorder.paused = False
+            if value is not None:
+                recorder.fail("a kernel returned a value (a replay calls kernels for their effects only)")
+            return value
 
         observed = copy.copy(compiled)
         observed.fn = launch
@@ -303,6 +322,8 @@ class _Recorder(TorchFunctionMode):
 def _observing(recorder: _Recorder):
     from stage3_fwd_kernel import compile_cache
 
+    if compile_cache._LAUNCH_OBSERVER.get() is not None:  # a call inside a recorded call: its kernels
+        recorder.fail("a recording inside another one")   # would go to the outer plan only
     token = compile_cache.set_launch_observer(recorder.observe)
     try:
         with recorder:
@@ -314,15 +335,17 @@ def _observing(recorder: _Recorder):
 def _link(obj: pathlib.Path) -> pathlib.Path:
     """The kernel object linked into a shared library beside it (once), against the DSL's runtime and
     TVM-FFI (their directories as rpaths, so loading needs neither the DSL nor an environment)."""
-    lib = obj.with_suffix(".so")
+    import cutlass.cute as cute
+
+    runtime = [p for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True) if os.path.exists(p)]
+    # the rpaths point into this environment: another one sharing the cache links its own library
+    where = hashlib.sha256("|".join(runtime).encode()).hexdigest()[:8]
+    lib = obj.with_name(f"{obj.stem}-{where}.so")
     if lib.exists():
         return lib
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise Unrecordable("no C compiler (cc / gcc) to link the kernel objects")
-    import cutlass.cute as cute
-
-    runtime = [p for p in cute.runtime.find_runtime_libraries(enable_tvm_ffi=True) if os.path.exists(p)]
     fd, tmp = tempfile.mkstemp(dir=obj.parent, prefix=f".{obj.stem}.", suffix=".so.tmp")
     os.close(fd)
     cmd = [cc, "-shared", "-o", tmp, str(obj), *runtime,
@@ -351,12 +374,14 @@ def _kernel_entry(key, cute_arch: str) -> dict:
 
 
 def _encode_outputs(result, recorder: _Recorder):
-    return _encode_value(result, lambda t: recorder._slots[id(t)] if id(t) in recorder._slots else
-                         _raise(Unrecordable("an output made outside the recorded call")))
-
-
-def _raise(exc):
-    raise exc
+    """The call's result as slots: each an input or a tensor a recorded function made (a constant
+    would be one shared tensor, returned by every replay)."""
+    def slot_of(t):
+        slot = recorder._slots.get(id(t))
+        if slot is None or slot in recorder._constant_slots:
+            raise Unrecordable("an output made outside the recorded functions")
+        return slot
+    return _encode_value(result, slot_of)
 
 
 def _write(sig: str, cute_arch: str, recorder: _Recorder, result) -> pathlib.Path:
@@ -413,8 +438,11 @@ def recording(sig: Optional[str], cute_arch: str, inputs: tuple):
         with _LOCK:
             _STATS["unrecordable"] += 1
             _LAST_REFUSAL[sig] = str(exc)
-    except OSError as exc:
-        warnings.warn(f"fa4 plans: could not write a launch plan: {exc}", RuntimeWarning, stacklevel=3)
+    except Exception as exc:  # never the user's call's failure: its result is already computed
+        with _LOCK:
+            _LAST_REFUSAL[sig] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"fa4 plans: could not write a launch plan: {type(exc).__name__}: {str(exc)[:200]}",
+                      RuntimeWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,9 +474,12 @@ class _Replay:
         if plan.get("format") != FORMAT:
             raise ValueError(f"plan format {plan.get('format')!r}")
         self.num_inputs, self.num_slots = plan["inputs"], plan["slots"]
+        if not all(_bare_name(k["lib"]) for k in plan["kernels"]):
+            raise ValueError("a kernel library outside the cache directory")
         kernels = [_kernel(str(directory.parent / k["lib"]), k["sha"], k["symbol"]) for k in plan["kernels"]]
         self.constants = plan["constants"]
         self._materialized: Optional[list] = None
+        self.warm = False  # replayed once in this process: its kernels are loaded, its constants made
         self.steps = []
         for step in plan["steps"]:
             args = _decoder(step["args"])
@@ -474,9 +505,6 @@ class _Replay:
                     slots[slot] = v
         return run
 
-    def needs_constants(self) -> bool:
-        return self._materialized is None and bool(self.constants)
-
     def _constants(self) -> list:
         """The external tensors, made once and then shared by every replay (as the code that made
         them kept one each)."""
@@ -495,47 +523,70 @@ class _Replay:
         return self.outputs(slots)
 
 
+_MISSING = object()
+
+
 def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
-    """The decoded plan of `sig` (from memory, else disk), or None."""
-    if sig in _PLANS:
-        return _PLANS[sig]
+    """The decoded plan of `sig` (from memory, else disk), or None. A plan that does not load (torn,
+    edited, its libraries gone, changed or linked in another environment) is deleted with the
+    libraries it names, and the signature takes the normal path (which may record it again)."""
+    known = _PLANS.get(sig, _MISSING)
+    if known is not _MISSING:
+        return known
     path = plan_dir(cute_arch) / f"{sig}.json"
     replay = None
     if path.exists():
+        plan = None
         try:
-            replay = _Replay(json.loads(path.read_text()), path.parent)
-        except Exception as exc:  # corrupt, or its kernels are gone or changed: the normal path rebuilds
-            discard(sig, cute_arch, f"{type(exc).__name__}: {str(exc)[:200]}")
+            plan = json.loads(path.read_text())
+            replay = _Replay(plan, path.parent)
+        except Exception as exc:
+            kernels = plan.get("kernels", []) if isinstance(plan, dict) else []
+            libs = [k.get("lib") for k in kernels if isinstance(k, dict)]
+            discard(sig, cute_arch, f"{type(exc).__name__}: {str(exc)[:200]}", libs)
             return None
     with _LOCK:
         _PLANS[sig] = replay
     return replay
 
 
-def discard(sig: str, cute_arch: str, why: str):
+def discard(sig: str, cute_arch: str, why: str, libs=()):
     with _LOCK:
         _STATS["discarded"] += 1
         _PLANS[sig] = None
     warnings.warn(f"fa4 plans: discarding launch plan {sig[:12]}: {why}", RuntimeWarning, stacklevel=3)
-    try:
-        (plan_dir(cute_arch) / f"{sig}.json").unlink()
-    except OSError:
-        pass
+    directory = plan_dir(cute_arch)
+    for path in [directory / f"{sig}.json"] + [directory.parent / lib for lib in libs if _bare_name(lib)]:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+def _bare_name(name) -> bool:
+    return isinstance(name, str) and name == os.path.basename(name) and name not in ("", ".", "..")
 
 
 def replay(sig: Optional[str], cute_arch: str, inputs: tuple):
-    """The call's result by its plan, or None (no plan: take the normal path). A plan that fails is
-    removed, and the call takes the normal path."""
+    """The call's result by its plan, or None (no plan: take the normal path). A replay that raises
+    (out of memory, say) leaves the plan on disk; this process takes the normal path for the
+    signature from then on."""
     if sig is None:
         return None
     plan = lookup(sig, cute_arch)
-    if plan is None or (plan.needs_constants() and _capturing()):
-        return None  # its constants are made by a host-to-device copy, which a CUDA graph capture forbids
+    # a capture may not load a kernel's module or copy constants to the device: only a plan that
+    # has run before in this process replays under it
+    if plan is None or (_capturing() and not plan.warm):
+        return None
     try:
         result = plan(inputs)
     except Exception as exc:
-        discard(sig, cute_arch, f"replay failed: {type(exc).__name__}: {str(exc)[:200]}")
+        with _LOCK:
+            _PLANS[sig] = None
+        warnings.warn(f"fa4 plans: launch plan {sig[:12]} failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                      "this process takes the normal path for it", RuntimeWarning, stacklevel=3)
         return None
+    plan.warm = True
     with _LOCK:
         _STATS["replays"] += 1
     return result

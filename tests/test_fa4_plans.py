@@ -185,3 +185,102 @@ def test_a_cached_kernel_links_and_loads_without_the_dsl(tmp_path, monkeypatch):
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["Function", "False"]
+
+
+@pytest.mark.cpu
+def test_inputs_that_were_one_tensor_do_not_serve_separate_ones(plans):
+    """A call recorded with k is q has its own signature: separate tensors take the normal path."""
+    _plans, _ = plans
+    x, _ = _inputs(0)
+    sig_same = _plans.signature("fwd", "sm_90", (x, x), (), ())
+    a, b = _inputs(1)
+    assert sig_same != _plans.signature("fwd", "sm_90", (a, b), (), ())
+    for seed in range(2):
+        y, _ = _inputs(seed)
+        _call(_plans, sig_same, (y, y))
+    y, _ = _inputs(7)
+    got, replayed = _call(_plans, sig_same, (y, y))
+    assert replayed and torch.equal(got[0], _host(y, y)[0])
+
+
+@pytest.mark.cpu
+def test_a_failing_recording_never_fails_the_call(plans, tmp_path, monkeypatch):
+    import subprocess as sp
+
+    _plans, _ = plans
+
+    def link_times_out(key, arch):
+        raise sp.TimeoutExpired("cc", 120)
+    monkeypatch.setattr(_plans, "_kernel_entry", link_times_out)
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), ("timeout",), ())
+    for seed in range(3):
+        with pytest.warns(RuntimeWarning, match="could not write") if seed == 1 else _no_warning():
+            result, replayed = _call(_plans, sig, _inputs(seed))
+        assert not replayed and torch.equal(result[0], _host(*_inputs(seed))[0])
+    assert not list(tmp_path.rglob("*.json")) and "TimeoutExpired" in _plans.refusal(sig)
+
+
+def _no_warning():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.cpu
+def test_a_replay_that_raises_keeps_the_plan_and_falls_back(plans, tmp_path, monkeypatch):
+    _plans, _ = plans
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), ("raises",), ())
+    for seed in range(2):
+        _call(_plans, sig, _inputs(seed))
+    _plans.forget()
+    calls = []
+
+    def out_of_memory(*args):
+        calls.append(1)
+        raise RuntimeError("CUDA out of memory (stand-in)")
+    monkeypatch.setattr(_plans, "_load_kernel", lambda path, sha, symbol: out_of_memory)
+    with pytest.warns(RuntimeWarning, match="takes the normal path"):
+        result, replayed = _call(_plans, sig, _inputs(3))
+    assert not replayed and calls == [1] and torch.equal(result[0], _host(*_inputs(3))[0])
+    assert list(tmp_path.rglob("plans/*.json"))                 # a transient failure deletes nothing
+    _call(_plans, sig, _inputs(4))
+    assert calls == [1]                                          # and this process does not retry it
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("bad", ["kernel_returns", "constant_output"])
+def test_plans_that_would_replay_wrongly_are_refused(plans, tmp_path, monkeypatch, bad):
+    from stage3_fwd_kernel import compile_cache
+
+    _plans, _ = plans
+    if bad == "kernel_returns":
+        compile_cache.remember(KEY, compile_cache.Compiled(lambda *a: _fake_kernel(*a) or 1, {}, "", ""))
+        host = _host
+    else:
+        def host(q, k):
+            out, rest = _host(q, k)
+            return EXTERNAL["one"], rest                         # an output that is a shared tensor
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), (bad,), ())
+    for seed in range(3):
+        inputs = _inputs(seed)
+        assert _plans.replay(sig, "sm_90a", inputs) is None
+        with _plans.recording(sig, "sm_90a", inputs) as record:
+            record(host(*inputs))
+    assert not list(tmp_path.rglob("*.json"))
+    assert ("returned a value" if bad == "kernel_returns" else "outside the recorded") in _plans.refusal(sig)
+
+
+@pytest.mark.cpu
+def test_a_plan_naming_a_library_outside_the_cache_is_not_loaded(plans, tmp_path):
+    _plans, loads = plans
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), ("escape",), ())
+    for seed in range(2):
+        _call(_plans, sig, _inputs(seed))
+    path, = tmp_path.rglob("plans/*.json")
+    plan = json.loads(path.read_text())
+    plan["kernels"][0]["lib"] = "../../elsewhere.so"
+    path.write_text(json.dumps(plan))
+    _plans.forget()
+    with pytest.warns(RuntimeWarning, match="outside the cache directory"):
+        assert _call(_plans, sig, _inputs(5))[1] is False
+    assert loads == [] and not path.exists()

@@ -68,3 +68,36 @@ def test_a_fresh_process_replays_bitwise_without_the_dsl(tmp_path, shape, causal
     for call in range(2):
         for name, x, y in zip(("out", "dq", "dk", "dv"), a[call], b[call]):
             assert torch.equal(x, y), f"call {call}: {name} differs between the normal path and the replay"
+
+
+def test_replay_on_a_side_stream_and_with_one_tensor_as_q_k_v(tmp_path, monkeypatch):
+    """In process: a plan recorded with q is k is v replays on a side stream (the kernels launch on
+    torch's current stream), and separate tensors of the same shapes take their own path."""
+    import torch
+
+    import fa4
+    from fa4 import _plans
+
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FA4_PLANS", raising=False)
+    monkeypatch.delenv("FA4_CACHE", raising=False)
+    _plans.forget()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2, 333, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = fa4.flash_attn_func(x, x, x, causal=True)
+    fa4.flash_attn_func(x, x, x, causal=True)                     # recorded
+    before = _plans.stats()["replays"]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = fa4.flash_attn_func(x, x, x, causal=True)
+    side.synchronize()
+    assert _plans.stats()["replays"] == before + 1 and torch.equal(got, want)
+    q, k, v = (x.clone() for _ in range(3))
+    k.mul_(0.5)
+    sep = fa4.flash_attn_func(q, k, v, causal=True)
+    assert _plans.stats()["replays"] == before + 1              # another signature: the normal path
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)),
+                                                           is_causal=True).transpose(1, 2)
+    assert (sep.float() - ref).abs().max() < 0.05
+    _plans.forget()
