@@ -111,10 +111,11 @@ def _without_markers(block: str) -> str:
 def _print_cache(ci: dict):
     state = "enabled" if ci["enabled"] else "disabled (FA4_CACHE=0)"
     print(f"compile cache ({state}): {ci['root']}")
-    print(f"  this build ({ci['build']}): {ci['current_entries']} kernels, {_human(ci['current_bytes'])}"
-          + ("" if ci["current"] else ", none on disk yet"))
+    print(f"  this build ({ci['build']}): {ci['current_entries']} kernels, {ci['current_plans']} launch plans, "
+          f"{_human(ci['current_bytes'])}" + ("" if ci["current"] else ", none on disk yet"))
     for name, gen in ci["current"].items():
-        print(f"    {gen['arch'] or 'other arch':<10} {name}  {gen['entries']} kernels, {_human(gen['bytes'])}")
+        print(f"    {gen['arch'] or 'other arch':<10} {name}  {gen['entries']} kernels, {gen['plans']} launch plans, "
+              f"{_human(gen['bytes'])}")
     stale = len(ci["stale"])
     print(f"  all directories: {len(ci['generations'])} ({ci['entries']} kernels, {_human(ci['bytes'])}), "
           f"{stale} of other builds" + ("; `python -m fa4 cache clear --stale` removes those" if stale else ""))

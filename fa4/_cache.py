@@ -434,34 +434,41 @@ def stats() -> dict:
         return dict(_STATS)
 
 
-def _tree_size(path: pathlib.Path) -> tuple[int, int]:
-    files = size = 0
+def _tree_size(path: pathlib.Path) -> tuple[int, int, int]:
+    """(kernel objects, launch plans, bytes of every file: objects, their linked libraries, plans,
+    reports) under path."""
+    objects = plans = size = 0
     if path.is_dir():
-        for p in path.rglob("*.o"):
+        for p in path.rglob("*"):
             try:
-                size += p.stat().st_size
-                files += 1
+                if p.is_file():
+                    size += p.stat().st_size
+                    objects += p.suffix == ".o"
+                    plans += p.suffix == ".json" and p.parent.name == "plans"
             except OSError:
                 pass
-    return files, size
+    return objects, plans, size
 
 
 def info(archs: Iterable[str] = ()) -> dict:
     """Where the cache is and what it holds (for `python -m fa4 info` and `cache info`).
     current: this build's generation directories on disk, name -> arch (the one of `archs` or this
-    process's CUTE_DSL_ARCH whose tag it carries; None if neither), dir, entries, bytes;
-    current_entries / current_bytes: their totals; stale: the other directories' names."""
+    process's CUTE_DSL_ARCH whose tag it carries; None if neither), dir, entries (kernels), plans
+    (fa4/_plans.py), bytes; current_entries / current_plans / current_bytes: their totals; stale:
+    the other directories' names."""
     root = root_dir() / FORMAT
-    files, size = _tree_size(root)
+    files, _, size = _tree_size(root)
     gens = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     own = os.environ.get("CUTE_DSL_ARCH") or "auto"
     labels = {arch_tag(a): a for a in (own, *archs)}
     current = {}
     for name in filter(is_current, gens):
-        n, b = _tree_size(root / name)
-        current[name] = {"arch": labels.get(name[BUILD_DIGITS:]), "dir": str(root / name), "entries": n, "bytes": b}
+        n, plans, b = _tree_size(root / name)
+        current[name] = {"arch": labels.get(name[BUILD_DIGITS:]), "dir": str(root / name), "entries": n,
+                         "plans": plans, "bytes": b}
     return {"enabled": enabled(), "root": str(root), "build": build_id(), "process_dir": str(cache_dir()),
             "current": current, "current_entries": sum(c["entries"] for c in current.values()),
+            "current_plans": sum(c["plans"] for c in current.values()),
             "current_bytes": sum(c["bytes"] for c in current.values()), "entries": files, "bytes": size,
             "generations": gens, "stale": [g for g in gens if not is_current(g)], "stats": stats()}
 

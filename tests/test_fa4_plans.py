@@ -88,6 +88,9 @@ def test_second_call_records_and_a_fresh_process_replays(plans, tmp_path):
     assert _call(_plans, sig, _inputs(1))[1] is False          # second call: recorded
     plan_files = list(tmp_path.rglob("plans/*.json"))
     assert len(plan_files) == 1 and _plans.stats()["recorded"] == 1
+    from fa4 import _cache
+
+    assert _cache.info(["sm_90a"])["current_plans"] == 1                # `python -m fa4 info` counts it
     plan = json.loads(plan_files[0].read_text())
     assert any("kernel" in s for s in plan["steps"]) and plan["constants"][0]["values"] == [1]
     _plans.forget()                                            # a fresh process: memory empty, disk kept
