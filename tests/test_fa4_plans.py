@@ -79,6 +79,15 @@ def _call(_plans, sig, inputs, **host_kw):
     return result, False
 
 
+def _recorded(_plans, tmp_path, tag):
+    """(signature, plan file) after the two calls that record a plan."""
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), (tag,), ())
+    for seed in range(2):
+        _call(_plans, sig, _inputs(seed))
+    path, = tmp_path.rglob("plans/*.json")
+    return sig, path
+
+
 @pytest.mark.cpu
 def test_second_call_records_and_a_fresh_process_replays(plans, tmp_path):
     _plans, loads = plans
@@ -121,10 +130,7 @@ def test_calls_a_plan_cannot_replay_get_none(plans, tmp_path, host_kw, why):
 @pytest.mark.cpu
 def test_a_corrupt_plan_is_discarded_and_the_call_runs_normally(plans, tmp_path):
     _plans, _ = plans
-    sig = _plans.signature("fwd", "sm_90", _inputs(0), ("corrupt",), ())
-    for seed in range(2):
-        _call(_plans, sig, _inputs(seed))
-    path, = tmp_path.rglob("plans/*.json")
+    sig, path = _recorded(_plans, tmp_path, "corrupt")
     path.write_text(path.read_text()[:-20])
     _plans.forget()
     with pytest.warns(RuntimeWarning, match="discarding launch plan"):
@@ -232,9 +238,7 @@ def _no_warning():
 @pytest.mark.cpu
 def test_a_replay_that_raises_keeps_the_plan_and_falls_back(plans, tmp_path, monkeypatch):
     _plans, _ = plans
-    sig = _plans.signature("fwd", "sm_90", _inputs(0), ("raises",), ())
-    for seed in range(2):
-        _call(_plans, sig, _inputs(seed))
+    sig, _ = _recorded(_plans, tmp_path, "raises")
     _plans.forget()
     calls = []
 
@@ -276,10 +280,7 @@ def test_plans_that_would_replay_wrongly_are_refused(plans, tmp_path, monkeypatc
 @pytest.mark.cpu
 def test_a_plan_naming_a_library_outside_the_cache_is_not_loaded(plans, tmp_path):
     _plans, loads = plans
-    sig = _plans.signature("fwd", "sm_90", _inputs(0), ("escape",), ())
-    for seed in range(2):
-        _call(_plans, sig, _inputs(seed))
-    path, = tmp_path.rglob("plans/*.json")
+    sig, path = _recorded(_plans, tmp_path, "escape")
     plan = json.loads(path.read_text())
     plan["kernels"][0]["lib"] = "../../elsewhere.so"
     path.write_text(json.dumps(plan))
