@@ -158,17 +158,8 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         if const_expr(self.varlen != (mCuSeqlensQ is not None)):
             raise TypeError("varlen kernels take cu_seqlens_q / cu_seqlens_k, dense ones None")
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
-        mQ, mK = host_io.assume_strides_16B(mQ, d), host_io.assume_strides_16B(mK, d)
-        mV, mO = host_io.assume_strides_16B(mV, dv), host_io.assume_strides_16B(mO, dv)
-
-        # 1. views the TMA and MMA want: (seq, dim, head[, batch]) for Q / K / O, (dim, seq, ...)
-        #    for V (the B operand of O += P V is V^T: N = dv is its contiguous, "MN-major", mode)
-        if const_expr(not self.varlen):
-            qko_modes, v_modes = [1, 3, 2, 0], [3, 1, 2, 0]
-        else:
-            qko_modes, v_modes = [0, 2, 1], [2, 0, 1]
-        mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=qko_modes)) for t in (mQ, mK, mO)]
-        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=v_modes))
+        # 1. views the TMA and MMA want
+        mQ, mK, mV, mO = self.gmem_views(mQ, mK, mV, mO)
 
         # 2. the two MMAs: S = Q K^T (A, B from SMEM, both K-major); O = P V (A = P from TMEM)
         cta_group = tcgen05.CtaGroup.ONE
@@ -181,7 +172,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         sQ_layout = sm100_utils.make_smem_layout_a(tiled_mma_qk, mma_tiler_qk, self.dtype, self.num_q)
         sK_layout = self._restage(sm100_utils.make_smem_layout_b(tiled_mma_qk, mma_tiler_qk, self.dtype, 1))
         sV_layout = self._restage(sm100_utils.make_smem_layout_b(tiled_mma_pv, mma_tiler_pv, self.dtype, 1))
-        sO_layout = sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (tm, dv), self.num_q)
+        sO_layout = self.o_smem_layout()
 
         # 4. TMA atoms; the byte counts the "full" barriers expect
         cluster_vmnk = cute.tiled_divide(cute.make_layout((1, 1, 1)), (tiled_mma_qk.thr_id.shape,)).shape
@@ -197,8 +188,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         self.bytes_V = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
         tma_atom_O, tma_O = None, None
         if const_expr(not self.varlen):  # packed sequences cannot use a box store (next sequence)
-            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (tm, dv))
+            tma_atom_O, tma_O = self.o_tma_store_atom(mO, sO_layout)
 
         # 5. shared storage: barriers first, then 1024-byte aligned tiles (blackwell_config.py)
         st = self.stages
@@ -228,6 +218,70 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
                     sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def gmem_views(self, mQ, mK, mV, mO):
+        """(seq, dim, head[, batch]) for Q / K / O, (dim, seq, ...) for V (the B operand of O += P V is
+        V^T: N = dv is its contiguous, "MN-major", mode), strides promised 16-byte multiples."""
+        mQ, mK = host_io.assume_strides_16B(mQ, self.d), host_io.assume_strides_16B(mK, self.d)
+        mV, mO = host_io.assume_strides_16B(mV, self.dv), host_io.assume_strides_16B(mO, self.dv)
+        if const_expr(not self.varlen):
+            qko_modes, v_modes = [1, 3, 2, 0], [3, 1, 2, 0]
+        else:
+            qko_modes, v_modes = [0, 2, 1], [2, 0, 1]
+        mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=qko_modes)) for t in (mQ, mK, mO)]
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=v_modes))
+        return mQ, mK, mV, mO
+
+    # O's way out, as methods so that blackwell_epilogue_check traces exactly these: the staging
+    # layout in SMEM, the TMA store (dense) or the 16-byte stores (varlen), and where a tile's rows go
+    def o_smem_layout(self):
+        """sO: (tm, dv, q tile), row-major with the swizzle the helper picks for dv (128B / 64B)."""
+        return sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (self.tm, self.dv), self.num_q)
+
+    def o_tma_store_atom(self, mO, sO_layout):
+        """(TMA store atom, TMA coordinate tensor) for one (tm, dv) stage of sO."""
+        return cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (self.tm, self.dv))
+
+    def o_tma_partitions(self, tma_atom_O, tma_O, sO, head, batch):
+        """(tOsO, tOgO): sO per q tile and O of (head, batch) per tm-row tile, as TMA boxes."""
+        gO = cute.local_tile(tma_O[None, None, head, batch], (self.tm, self.dv), (None, 0))
+        return cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                     cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+
+    def o_tile_index(self, m_block, i):
+        """Q tile i of CTA m_block, counted in tm-row tiles of the sequence."""
+        return m_block * self.num_q + i
+
+    def o_tile_row0(self, m_block, i):
+        """The first row of Q tile i of CTA m_block (the row guards and the lse rows count from it)."""
+        return m_block * self.cfg.cta_tile_m + i * self.tm
+
+    def varlen_o_copy(self):
+        """16-byte stores, varlen_store_threads_per_row threads per O row, a warp covering whole rows:
+        one 8-column vector per lane and tpr x 8 columns, repeated across dv. Not dv / tpr contiguous
+        columns a lane: at dv = 96 those 24 cross sO's 32-column swizzle blocks, and the copy's view of
+        sO put 8192 of a tile's 12288 elements in the wrong place (found by blackwell_epilogue_check;
+        64 and 128 build the same copy either way)."""
+        tpr = self.varlen_store_threads_per_row
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        thr_layout = cute.make_ordered_layout((32 // tpr, tpr), order=(1, 0))
+        return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, 8)))
+
+    def varlen_o_sequence(self, mO, head, offset_q):
+        """O rows of this sequence and head: (seqlen, dv), row 0 at cu_seqlens_q[batch]."""
+        return cute.domain_offset((offset_q, 0), mO[None, None, head])
+
+    def varlen_o_partitions(self, thr_copy, mO_cur, sO_i, tile_index):
+        """(tOsO, tOgO, tOcO): this lane's values of sO_i, of the tile's rows of O and their (row,
+        column) in the tile; mode 1 runs over the lane's rows."""
+        gO = cute.local_tile(mO_cur, (self.tm, self.dv), (tile_index, 0))
+        return (thr_copy.partition_S(sO_i), thr_copy.partition_D(gO),
+                thr_copy.partition_S(cute.make_identity_tensor((self.tm, self.dv))))
+
+    def varlen_guard_row(self, tOcO, m):
+        """The tile row of the lane's m-th store, as the guard reads it (its first value's row)."""
+        return tOcO[0, m, 0][0]
 
     def mmas_and_p_layout(self):
         """(tiled_mma_qk, tiled_mma_pv, tP_layout): S = Q K^T (SS, both K-major), O = P V (TS: A = P
@@ -548,31 +602,24 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                  tma_atom_O: cute.CopyAtom | None, mO: cute.Tensor):
         if const_expr(not self.varlen):
             # TMA store: out-of-range rows of the last tile are clipped by the tensor map
-            gO = cute.local_tile(tma_O[None, None, head, batch], (self.tm, self.dv), (None, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            tOsO, tOgO = self.o_tma_partitions(tma_atom_O, tma_O, sO, head, batch)
             for i in cutlass.range_constexpr(self.num_q):
                 cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), 0)
-                cute.copy(tma_atom_O, tOsO[None, i], tOgO[None, m_block * self.num_q + i])
+                cute.copy(tma_atom_O, tOsO[None, i], tOgO[None, self.o_tile_index(m_block, i)])
                 cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO must outlive the reads
         else:
             # packed sequences: 16-byte stores, rows past this sequence's end skipped
-            tpr = self.varlen_store_threads_per_row
-            atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-            thr_layout = cute.make_ordered_layout((32 // tpr, tpr), order=(1, 0))
-            tiled_copy = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.dv // tpr)))
+            tiled_copy = self.varlen_o_copy()
             thr_copy = tiled_copy.get_slice(cute.arch.lane_idx())
-            mO_cur = cute.domain_offset((offset_q, 0), mO[None, None, head])
+            mO_cur = self.varlen_o_sequence(mO, head, offset_q)
             for i in cutlass.range_constexpr(self.num_q):
                 cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), 0)
-                row0 = m_block * self.cfg.cta_tile_m + i * self.tm
-                gO = cute.local_tile(mO_cur, (self.tm, self.dv), (m_block * self.num_q + i, 0))
-                tOsO = thr_copy.partition_S(sO[None, None, i])
-                tOgO = thr_copy.partition_D(gO)
-                tOcO = thr_copy.partition_S(cute.make_identity_tensor((self.tm, self.dv)))
+                row0 = self.o_tile_row0(m_block, i)
+                tOsO, tOgO, tOcO = self.varlen_o_partitions(thr_copy, mO_cur, sO[None, None, i],
+                                                            self.o_tile_index(m_block, i))
                 for m in cutlass.range_constexpr(cute.size(tOsO, mode=[1])):
-                    if row0 + tOcO[0, m, 0][0] < seqlen_q:
+                    if row0 + self.varlen_guard_row(tOcO, m) < seqlen_q:
                         r = cute.make_rmem_tensor_like(tOsO[None, m, None])
                         cute.autovec_copy(tOsO[None, m, None], r)
                         cute.copy(tiled_copy, r, tOgO[None, m, None])

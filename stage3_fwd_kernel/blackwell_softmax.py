@@ -5,7 +5,7 @@ correction warpgroup rescales O in TMEM when a row max moved and writes the fina
 They are methods of a mixin so the kernel class keeps the MMA, load and epilogue roles and the
 pipeline wiring. The mixin reads the kernel's plan attributes: ``cfg``, ``tm``, ``tn``, ``dv``,
 ``num_q``, ``dtype``, ``causal``, ``window``, ``mask``, ``varlen``, ``policy``, ``tmem``, ``p_chunk_cols``, ``s_chunk``,
-and its helpers ``_bar`` and ``_tmem_tensors``.
+and its helpers ``_bar``, ``_tmem_tensors`` and ``o_tile_row0``.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import tcgen05
 
-from stage2_emulated_exp.gpu_kernel import ex2_approx_f32
+from stage2_emulated_exp.gpu_kernel import ex2_approx_f32, fma_rn_f32
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage3_fwd_kernel.components import block_range
-from stage3_fwd_kernel.softmax_policy import exp2_row_packed, rescale_vote
+from stage3_fwd_kernel.softmax_policy import exp2_row_packed, rescale_vote, row_sum_packed, scale_row_packed
 
 LN2 = math.log(2.0)
 # + i: "softmax warpgroup i may exponentiate now" (named barrier ids 2, 3), only with exp_turn=True.
@@ -58,12 +58,10 @@ class SoftmaxCorrectionRoles:
         # rescale factor (1 column) and final row sum / row max (2 columns)
         tStScale = cute.make_tensor(tStS.iterator + (self.tmem.scale[0] - self.tmem.s[0]),
                                     cute.composition(tStS.layout, cute.make_layout((self.tm, 1))))
-        tStFinal = cute.make_tensor(tStS.iterator + (self.tmem.final[0] - self.tmem.s[0]),
-                                    cute.composition(tStS.layout, cute.make_layout((self.tm, 2))))
+        tStFinal = self.final_stats_view(tStS, self.tmem.final[0] - self.tmem.s[0])
         tiled_r2t_1 = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(1)), Float32), tStScale)
-        tiled_r2t_2 = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(2)), Float32), tStFinal)
+        tiled_r2t_2 = tcgen05.make_tmem_copy(self.final_stats_atom(store=True), tStFinal)
         tStScale_r2t = tiled_r2t_1.get_slice(tidx).partition_D(tStScale)
         tStFinal_r2t = tiled_r2t_2.get_slice(tidx).partition_D(tStFinal)
         # register fragments take their shapes from a coordinate tensor (TMEM partitions are per warp)
@@ -157,9 +155,11 @@ class SoftmaxCorrectionRoles:
             row_max[0] = row_max_new[0]
         m_new = row_max[0]
         m_safe = Float32(0.0) if m_new == -Float32.inf else m_new  # nothing visible yet: P = 0
+        bias = m_safe * softmax_scale_log2
         acc_scale = Float32(1.0)
         if m_new != m_old:
-            acc_scale = ex2_approx_f32((m_old - m_safe) * softmax_scale_log2)
+            # m_old * scale - bias: one FFMA, where (m_old - m_safe) * scale took two
+            acc_scale = ex2_approx_f32(fma_rn_f32(m_old, softmax_scale_log2, -bias))
         row_sum = row_sum * acc_scale
         # 4. the factor O_i must be multiplied by before P(j) V(j) -> correction warpgroup
         if n_block > 0:
@@ -168,19 +168,28 @@ class SoftmaxCorrectionRoles:
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "scale_full", 0) + stage)
-        # 5. exp2 (on our turn if exp_turn: off, see BAR_EXP_TURN); P packed to 16 bits and stored a
-        #    quarter at a time; after 3/4 the MMA warp may start O += P V
-        bias = m_safe * softmax_scale_log2
+        # 5. exp2 (on our turn if exp_turn: off, see BAR_EXP_TURN) and P packed to 16 bits a quarter at a
+        #    time, then the four P stores; after 3/4 the MMA warp may start O += P V. ptxas moves each
+        #    store up to its quarter either way; in this order (the official kernel's) the packed
+        #    polynomial fits the registers, where a store (or the scaling, or the sum) per quarter spilled.
         tSrP = cute.make_rmem_tensor(tSrP_shape, Float32)
         tSrP_16 = cute.make_tensor(cute.recast_ptr(tSrP.iterator, dtype=self.dtype), cute.make_layout(self.tn))
         tSrS_flat = cute.make_tensor(tSrS.iterator, cute.make_layout(self.tn))
         if const_expr(self.exp_turn):
             cute.arch.barrier(barrier_id=BAR_EXP_TURN + stage, number_of_threads=256)
+            # a named barrier orders memory only: ptxas moved half the exps above it. A test of this
+            # block's S barrier (complete, so true), a shared-memory read after it, feeds the bias
+            done = cute.arch.mbarrier_test_wait(self._bar(mbar, "s_full", 0) + stage, n_block % 2)
+            bias = cutlass.select_(done, bias, Float32(0.0))
+        scale_row_packed(tSrS_flat, softmax_scale_log2, bias)
+        pairs = self.policy.row_pair_pattern(self.tn)  # the emulated pairs: in the last quarter
         for q in cutlass.range_constexpr(self.cfg.p_store_chunks):
             chunk = cute.make_tensor(tSrS_flat.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
-            row_sum += exp2_row_packed(chunk, softmax_scale_log2, bias, self.policy)
+            half = self.s_chunk // 2
+            exp2_row_packed(chunk, self.policy, None if pairs is None else pairs[q * half:(q + 1) * half])
             chunk_16 = cute.make_tensor(tSrP_16.iterator + q * self.s_chunk, cute.make_layout(self.s_chunk))
             chunk_16.store(chunk.load().to(self.dtype))
+        for q in cutlass.range_constexpr(self.cfg.p_store_chunks):
             cute.copy(tiled_r2t, tSrP[None, None, q], tStP_r2t[None, None, q])
             if const_expr(q == self.cfg.p_first_chunks - 1):
                 cute.arch.fence_view_async_tmem_store()
@@ -191,7 +200,7 @@ class SoftmaxCorrectionRoles:
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence_before_sync()
         cute.arch.mbarrier_arrive(self._bar(mbar, "p_full_2", 0) + stage)
-        return row_sum
+        return row_sum_packed(tSrS_flat, row_sum)
 
     # ------------------------------------------------------------------ correction warpgroup
     @cute.jit
@@ -204,13 +213,11 @@ class SoftmaxCorrectionRoles:
         tStS, tOtO, _ = self._tmem_tensors(tmem_ptr, thr_mma_qk, thr_mma_pv, None)
         # the per-step scale (1 column) and the final (row_sum, row_max) of each tile
         ld1 = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(1)), Float32)
-        ld2 = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(2)), Float32)
+        ld2 = self.final_stats_atom(store=False)
         tStScale = [cute.make_tensor(tStS[i].iterator + (self.tmem.scale[i] - self.tmem.s[i]),
                                      cute.composition(tStS[i].layout, cute.make_layout((self.tm, 1))))
                     for i in range(self.num_q)]
-        tStFinal = [cute.make_tensor(tStS[i].iterator + (self.tmem.final[i] - self.tmem.s[i]),
-                                     cute.composition(tStS[i].layout, cute.make_layout((self.tm, 2))))
-                    for i in range(self.num_q)]
+        tStFinal = [self.final_stats_view(tStS[i], self.tmem.final[i] - self.tmem.s[i]) for i in range(self.num_q)]
         tiled_t2r_1 = tcgen05.make_tmem_copy(ld1, tStScale[0])
         tiled_t2r_2 = tcgen05.make_tmem_copy(ld2, tStFinal[0])
         tStScale_t2r = [tiled_t2r_1.get_slice(tidx).partition_S(t) for t in tStScale]
@@ -221,15 +228,13 @@ class SoftmaxCorrectionRoles:
         rFinal = cute.make_rmem_tensor(tiled_t2r_2.get_slice(tidx).partition_D(
             cute.make_identity_tensor((self.tm, 2))).shape, Float32)
         # O in chunks of 32 columns
-        oc = 32
-        tOtO_c = [cute.make_tensor(t.iterator, cute.composition(t.layout, cute.make_layout((self.tm, oc))))
-                  for t in tOtO]
-        tiled_ld_o = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(oc)), Float32), tOtO_c[0])
+        oc = self.O_CHUNK_COLS
+        tOtO_c = self.o_chunk_views(tOtO)
+        tiled_ld_o = tcgen05.make_tmem_copy(self.o_load_atom(), tOtO_c[0])
         tiled_st_o = tcgen05.make_tmem_copy(
             cute.make_copy_atom(tcgen05.copy.St32x32bOp(tcgen05.copy.Repetition(oc)), Float32), tOtO_c[0])
         thr_ld_o, thr_st_o = tiled_ld_o.get_slice(tidx), tiled_st_o.get_slice(tidx)
-        tOcO_t2r = thr_ld_o.partition_D(cute.make_identity_tensor((self.tm, oc)))
+        tOcO_t2r = self.o_register_coords(thr_ld_o)
         rO_shape = tOcO_t2r.shape
         tOcO_row = tOcO_t2r[0][0]  # the row this thread's TMEM lane holds (= tidx)
         n_oc = self.dv // oc
@@ -269,19 +274,15 @@ class SoftmaxCorrectionRoles:
             row_sum, row_max = rFinal[0], rFinal[1]
             empty = row_sum == 0.0 or row_sum != row_sum
             inv = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
-            row = m_block * self.cfg.cta_tile_m + i * self.tm + tOcO_row
+            row = self.o_tile_row0(m_block, i) + tOcO_row
             if row < seqlen_q:
                 lse = -Float32.inf
                 if not empty:
                     lse = (row_max * softmax_scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
-                if const_expr(not self.varlen):
-                    mLSE[batch, head, row] = lse
-                else:
-                    mLSE[head, offset_q + row] = lse
+                mLSE[self.lse_coord(batch, head, offset_q, row)] = lse
             sO_i = sO[None, None, i]
             for c in cutlass.range_constexpr(n_oc):
-                tO = cute.make_tensor(tOtO_c[i].iterator + c * oc, tOtO_c[i].layout)
-                tOtO_t2r = thr_ld_o.partition_S(tO)
+                _, tOtO_t2r, tOsO_r2s = self.o_epilogue_chunk(thr_ld_o, tOtO_c[i], sO_i, c)
                 rO = cute.make_rmem_tensor(rO_shape, Float32)
                 cute.copy(tiled_ld_o, tOtO_t2r, rO)
                 cute.arch.fence_view_async_tmem_load()
@@ -291,7 +292,45 @@ class SoftmaxCorrectionRoles:
                 rO16.store(rO.load().to(self.dtype))
                 if empty:  # 0 * (garbage or NaN) is not 0
                     rO16.fill(0.0)
-                sO_c = cute.local_tile(sO_i, (self.tm, oc), (0, c))
-                cute.autovec_copy(rO16, thr_ld_o.partition_D(sO_c))
+                cute.autovec_copy(rO16, tOsO_r2s)
             cute.arch.fence_view_async_shared()  # generic-proxy writes -> visible to the TMA store
             cute.arch.mbarrier_arrive(self._bar(mbar, "epi_full", i))
+
+    # O's way from TMEM to sO and the final statistics' hand-over, as methods so that
+    # blackwell_epilogue_check traces exactly these
+    O_CHUNK_COLS = 32  # O columns per tcgen05.ld / st of the correction warpgroup
+
+    def final_stats_view(self, tStS_i, offset):
+        """(row_sum, row_max) per row: 2 TMEM columns `offset` columns into S_i (lane = row)."""
+        return cute.make_tensor(tStS_i.iterator + offset,
+                                cute.composition(tStS_i.layout, cute.make_layout((self.tm, 2))))
+
+    def final_stats_atom(self, store: bool):
+        """tcgen05.st (softmax) / tcgen05.ld (correction) 32x32b.x2 of the final statistics."""
+        op = tcgen05.copy.St32x32bOp if store else tcgen05.copy.Ld32x32bOp
+        return cute.make_copy_atom(op(tcgen05.copy.Repetition(2)), Float32)
+
+    def o_chunk_views(self, tOtO):
+        """Each O_i as a (tm, O_CHUNK_COLS) view: the columns one tcgen05.ld / st moves."""
+        layout = cute.make_layout((self.tm, self.O_CHUNK_COLS))
+        return [cute.make_tensor(t.iterator, cute.composition(t.layout, layout)) for t in tOtO]
+
+    def o_load_atom(self):
+        """O: O_CHUNK_COLS columns per tcgen05.ld 32x32b (lane = row = thread, a column per register)."""
+        return cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(self.O_CHUNK_COLS)), Float32)
+
+    def o_register_coords(self, thr_ld_o):
+        """(row, column in the chunk) of each register the O load fills."""
+        return thr_ld_o.partition_D(cute.make_identity_tensor((self.tm, self.O_CHUNK_COLS)))
+
+    def o_epilogue_chunk(self, thr_ld_o, tOtO_c, sO_i, c):
+        """(chunk c of O_i in TMEM, its tcgen05.ld source, the sO_i elements its registers go to)."""
+        oc = self.O_CHUNK_COLS
+        tO = cute.make_tensor(tOtO_c.iterator + c * oc, tOtO_c.layout)
+        return tO, thr_ld_o.partition_S(tO), thr_ld_o.partition_D(cute.local_tile(sO_i, (self.tm, oc), (0, c)))
+
+    def lse_coord(self, batch, head, offset_q, row):
+        """Where the lse of `row` (of this sequence) goes: mLSE (B, Hq, Sq), packed (Hq, Tq)."""
+        if const_expr(not self.varlen):
+            return batch, head, row
+        return head, offset_q + row

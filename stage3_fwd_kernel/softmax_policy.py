@@ -52,8 +52,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32
 
-from stage2_emulated_exp.gpu_kernel import (CLAMP_MIN, ROUND_MAGIC, ex2_approx_f32, exp2_emulated_f32,
-                                            exp2_from_fraction, fma_rn_f32, max_f32)
+from stage2_emulated_exp.gpu_kernel import (CLAMP_MIN, ROUND_MAGIC, combine_exponent, ex2_approx_f32,
+                                            exp2_emulated_f32, fma_rn_f32, max_f32)
 
 __all__ = [
     "DEFAULT_EMULATION_FRACTION",
@@ -66,8 +66,11 @@ __all__ = [
     "SoftmaxPolicy",
     "emulation_pattern",
     "exp2_row",
+    "exp2_row_packed",
     "rescale_vote",
     "rescale_vote_limits",
+    "row_sum_packed",
+    "scale_row_packed",
 ]
 
 DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
@@ -151,12 +154,21 @@ class SoftmaxPolicy:
         """PATTERN_PERIOD booleans: True = that fragment position is emulated."""
         return emulation_pattern(self.emulated_per_period)
 
-    @property
-    def pair_pattern(self) -> tuple | None:
-        """PATTERN_PERIOD / 2 booleans, True = that adjacent pair of positions is emulated (the
-        packed f32x2 path, exp2_row_packed); None when the count per period is odd."""
+    def row_pair_pattern(self, n: int) -> tuple | None:
+        """n // 2 booleans for a row of n values, True = that adjacent pair is emulated (the packed
+        f32x2 path, exp2_row_packed); None when the count per period is odd or n is not a whole
+        number of periods. The row's k * n / 32 pairs go to its end, every second pair (denser only
+        past k = 8): at 2 of 16 and n = 128 the odd pairs of the last quarter. Spread over the row
+        (positions 14 and 15 of each 16) or over its middle half, the packed polynomial ran while
+        most of the row was still in registers, and some Blackwell builds spilled 8-160 bytes."""
         k = self.emulated_per_period
-        return None if k % 2 else emulation_pattern(k // 2, PATTERN_PERIOD // 2)
+        if k % 2 or n % PATTERN_PERIOD:
+            return None
+        pairs, emulated = n // 2, k * n // (2 * PATTERN_PERIOD)
+        tail = min(pairs, 2 * emulated)
+        if tail == 0:
+            return (False,) * pairs
+        return (False,) * (pairs - tail) + emulation_pattern(emulated, tail)
 
     @property
     def emulates(self) -> bool:
@@ -234,68 +246,60 @@ def _chains_total(sums: list):
 
 
 def exp2_emulated_f32x2(x0, x1, coefficients):
-    """exp2_emulated_f32 of two values with the f32x2 pipe of sm_100: the floor and the fraction one
-    packed op each for both (add.rm / sub.rn .ftz .f32x2, the scalar ops' rounding, so each result is
-    the scalar path's bit for bit). The clamp (no packed max), the Horner steps and the exponent add
-    (an integer add) stay scalar: a packed Horner needs its coefficients in register pairs (an
-    immediate cannot be an f32x2 operand), and at 192 registers a softmax thread then spilled 64-104
-    bytes (all of it packed) or 68-96 (all but the first step) in the dense builds."""
+    """exp2_emulated_f32 of two values with the f32x2 pipe of sm_100: the floor, the fraction and the
+    Horner steps one packed op each for both (add.rm / sub.rn / fma.rn .ftz .f32x2, the scalar ops'
+    rounding, so each result is the scalar path's bit for bit). A pair of equal constants becomes
+    FFMA2's broadcast immediate, so only the leading coefficient takes a register. The clamp (no packed
+    max) and the exponent add (an integer add) stay scalar."""
     xc = (max_f32(x0, CLAMP_MIN, ftz=True), max_f32(x1, CLAMP_MIN, ftz=True))
     magic = (Float32(ROUND_MAGIC), Float32(ROUND_MAGIC))
     j = cute.arch.add_packed_f32x2(xc, magic, rnd="rm", ftz=True)
     fl = cute.arch.sub_packed_f32x2(j, magic, rnd="rn", ftz=True)
     f = cute.arch.sub_packed_f32x2(xc, fl, rnd="rn", ftz=True)
-    # Horner scalar: its coefficients stay immediates (packed, they took registers)
-    return exp2_from_fraction(f[0], j[0], coefficients), exp2_from_fraction(f[1], j[1], coefficients)
-
-
-def _exp2_pair_at(x0, x1, c: int, policy):
-    """2^x of positions c, c + 1 (c even): packed polynomial where policy.pair_pattern says so,
-    else two MUFU.EX2."""
-    if cutlass.const_expr(policy.pair_pattern[(c % PATTERN_PERIOD) // 2]):
-        return exp2_emulated_f32x2(x0, x1, policy.coefficients)
-    return ex2_approx_f32(x0), ex2_approx_f32(x1)
+    p = (Float32(coefficients[-1]), Float32(coefficients[-1]))
+    for c in reversed(coefficients[:-1]):
+        p = cute.arch.fma_packed_f32x2(p, f, (Float32(c), Float32(c)), rnd="rn", ftz=True)
+    return combine_exponent(p[0], j[0]), combine_exponent(p[1], j[1])
 
 
 @cute.jit
-def exp2_row_packed(row: cute.Tensor, scale_log2: Float32, bias: Float32, policy: cutlass.Constexpr) -> Float32:
-    """exp2_row for Blackwell (sm_100), whose FMA pipe takes f32x2 pairs: the argument of two
-    adjacent values in one FFMA2 (fma.rn.f32x2: the same rounding per value as exp2_row's FFMA),
-    then the exponentials, and the row sum in one f32x2 chain (FADD2: 64 adds for 128 values, where
-    exp2_row's four scalar chains take 128). The emulated values come in adjacent pairs
-    (``policy.pair_pattern``: positions 14 and 15 of each 16 at the Blackwell forward's 2 of 16,
-    where the scalar pattern spreads them to 7 and 15), whose floor and fraction run packed
-    (exp2_emulated_f32x2). Two FADD2 chains spilled 16 bytes in the causal builds, so the sum is one
-    chain (a longer dependency than four, never timed: no Blackwell GPU). The work goes one pattern
-    period (16 values) at a time: few temporaries live at once. d = 128, loop instructions: unmasked
-    615 -> 555 (packed argument and sum) -> 531 (packed floor / fraction), masked (causal) 794 -> 734
-    -> 710."""
-    n = cute.size(row)
+def scale_row_packed(row: cute.Tensor, scale_log2: Float32, bias: Float32):
+    """row[c] <- row[c] * scale_log2 - bias in place, two adjacent values per FFMA2 (fma.rn.f32x2: the
+    same rounding per value as exp2_row's FFMA). The first step of exp2 on Blackwell (sm_100)."""
     neg_bias = -bias
-    period = PATTERN_PERIOD if n % PATTERN_PERIOD == 0 else n
-    pairs = [None] if n % 4 == 0 else None  # the sum in one f32x2 chain (FADD2), else scalar
-    sums = [None]
-    # the polynomial on adjacent pairs, f32x2 (exp2_emulated_f32x2), where the pattern has pairs
-    packed_poly = policy.pair_pattern is not None and period % 2 == 0
-    for g in cutlass.range_constexpr(0, n, period):
-        for c in cutlass.range_constexpr(g, g + period, 2):   # x = s * scale - bias, in pairs
-            row[c], row[c + 1] = cute.arch.fma_packed_f32x2((row[c], row[c + 1]), (scale_log2, scale_log2),
-                                                            (neg_bias, neg_bias), rnd="rn")
-        for c in cutlass.range_constexpr(g, g + period):
-            if cutlass.const_expr(packed_poly):
-                if cutlass.const_expr(c % 2 == 0):
-                    row[c], row[c + 1] = _exp2_pair_at(row[c], row[c + 1], c, policy)
-            else:
-                row[c] = _exp2_at(row[c], c, policy)
-            if cutlass.const_expr(pairs is None):
-                _add_to_chain(sums, c, row[c])
-            elif cutlass.const_expr(c % 2 == 1):
-                k = 0
-                pair = (row[c - 1], row[c])
-                pairs[k] = pair if cutlass.const_expr(pairs[k] is None) else cute.arch.add_packed_f32x2(pairs[k], pair)
-    if cutlass.const_expr(pairs is None):
-        return _chains_total(sums)
-    return pairs[0][0] + pairs[0][1]
+    for c in cutlass.range_constexpr(0, cute.size(row), 2):
+        row[c], row[c + 1] = cute.arch.fma_packed_f32x2((row[c], row[c + 1]), (scale_log2, scale_log2),
+                                                        (neg_bias, neg_bias), rnd="rn")
+
+
+@cute.jit
+def exp2_row_packed(row: cute.Tensor, policy: cutlass.Constexpr, pairs: cutlass.Constexpr):
+    """row[c] <- 2^row[c] in place, on a row scale_row_packed has scaled: exp2_row for Blackwell
+    (sm_100), whose FMA pipe takes f32x2 pairs. `pairs`: cute.size(row) // 2 booleans (this part's
+    slice of policy.row_pair_pattern), True = that adjacent pair is emulated, all packed but the
+    clamp and the exponent add (exp2_emulated_f32x2), else two MUFU.EX2; None: policy.pattern per
+    value (the scalar polynomial). The row sum is row_sum_packed's, after the caller's P stores."""
+    n = cute.size(row)
+    for c in cutlass.range_constexpr(n):
+        if cutlass.const_expr(pairs is None):
+            row[c] = _exp2_at(row[c], c, policy)
+        elif cutlass.const_expr(c % 2 == 1):
+            pass
+        elif cutlass.const_expr(pairs[c // 2]):
+            row[c], row[c + 1] = exp2_emulated_f32x2(row[c], row[c + 1], policy.coefficients)
+        else:
+            row[c], row[c + 1] = ex2_approx_f32(row[c]), ex2_approx_f32(row[c + 1])
+
+
+@cute.jit
+def row_sum_packed(row: cute.Tensor, init: Float32) -> Float32:
+    """init + the sum of row, in one f32x2 chain (FADD2: 63 adds for 128 values, then 2 scalar adds;
+    the chain starts at its first pair, as exp2_row's). Two or four chains cost up to 11 instructions
+    more in the Blackwell softmax loops, and spilled in some builds."""
+    acc = (row[0], row[1])
+    for c in cutlass.range_constexpr(2, cute.size(row), 2):
+        acc = cute.arch.add_packed_f32x2(acc, (row[c], row[c + 1]))
+    return init + acc[0] + acc[1]
 
 
 @cute.jit

@@ -311,15 +311,20 @@ def test_varlen_matches_reference_on_blackwell(causal):
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_packed_emulation_takes_adjacent_pairs():
-    """exp2_row_packed emulates whole adjacent pairs (one f32x2 floor / fraction for both): the pair
-    pattern spreads k / 2 pairs over a period as the scalar pattern spreads k positions, and an odd
-    k has no pair pattern (the scalar path serves it)."""
+    """exp2_row_packed emulates whole adjacent pairs (one f32x2 floor / fraction / Horner for both):
+    the row's pattern holds as many emulated values as the scalar pattern, every second pair from the
+    row's end (the last quarter at 2 of 16), the whole row past 8 of 16, and an odd k has no pair
+    pattern (the scalar path serves it)."""
     from stage3_fwd_kernel.softmax_policy import PATTERN_PERIOD, SoftmaxPolicy
 
     policy = SoftmaxPolicy(emulation_fraction=blackwell_fwd_config(128, 128, "bf16", causal=False).emulation_fraction)
-    pairs = policy.pair_pattern
-    assert len(pairs) == PATTERN_PERIOD // 2 and sum(pairs) == policy.emulated_per_period // 2 == 1
-    assert [2 * i for i, e in enumerate(pairs) if e] == [14]   # positions 14, 15 (scalar: 7, 15)
-    four = SoftmaxPolicy(emulation_fraction=4 / 16).pair_pattern
-    assert [2 * i for i, e in enumerate(four) if e] == [6, 14]  # scalar: 3, 7, 11, 15
-    assert SoftmaxPolicy(emulation_fraction=3 / 16).pair_pattern is None
+    pairs = policy.row_pair_pattern(128)
+    assert len(pairs) == 64 and 2 * sum(pairs) == sum(policy.pattern) * 128 // PATTERN_PERIOD == 16
+    assert [2 * i for i, e in enumerate(pairs) if e] == list(range(98, 128, 4))  # pairs 49, 51, .., 63
+    four = SoftmaxPolicy(emulation_fraction=4 / 16).row_pair_pattern(128)
+    assert [i for i, e in enumerate(four) if e] == list(range(33, 64, 2))        # the last half
+    ten = SoftmaxPolicy(emulation_fraction=10 / 16).row_pair_pattern(32)
+    assert len(ten) == 16 and sum(ten) == 10 and ten[-1]                           # spread over the row
+    assert SoftmaxPolicy(emulation_fraction=0.0).row_pair_pattern(128) == (False,) * 64
+    assert SoftmaxPolicy(emulation_fraction=3 / 16).row_pair_pattern(128) is None
+    assert policy.row_pair_pattern(24) is None  # not whole periods
