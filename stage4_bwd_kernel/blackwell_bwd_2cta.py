@@ -130,13 +130,8 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         cols = [3, 1, 2, 0]
         tQt, tKt, tdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=cols)) for t in (mQ, mK, mdO)]
 
-        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        two, dt, m2 = tcgen05.CtaGroup.TWO, self.dtype, PAIR * tn
-        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, two, (m2, tm))
-        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, two, (m2, tm))
-        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, two, (m2, dv), tcgen05.OperandSource.TMEM)
-        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, two, (m2, d), tcgen05.OperandSource.TMEM)
-        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, two, (tm, d))
+        dt, m2 = self.dtype, PAIR * tn
+        mma_s, mma_dp, mma_dv, mma_dk, mma_dq = self.pair_mmas()
         tiler_s, tiler_dp = (m2, tm, d), (m2, tm, dv)
         tiler_dv, tiler_dk, tiler_dq = (m2, dv, tm), (m2, d, tm), (tm, d, m2)
         # dQ's per-CTA accumulator: 64 rows as 128 lanes x d/2 columns (lane l: row l % 64, half l // 64);
@@ -154,14 +149,15 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         sQt_layout = sm100_utils.make_smem_layout_b(mma_dk, tiler_dk, dt, st)    # d/2 x 128 queries
         sdOt_layout = sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, dt, st)   # dv/2 x 128 queries
         sKt_layout = sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, dt, 1)     # d/2 x 256 keys
-        sdS_layout = sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, dt, 1)     # 64 queries x 256 keys
+        sdS_layout = self.sds_layout(mma_dq)                                     # 64 queries x 256 keys
         tP_layout = sm100_utils.make_smem_layout_a(mma_dv, tiler_dv, dt, 1)
         tdS_layout = sm100_utils.make_smem_layout_a(mma_dk, tiler_dk, dt, 1)
         if const_expr(cute.cosize(sdS_layout.outer) * dt.width // 8 != 2 * self.xchg_bytes):
             raise ValueError("sdS must hold 2 x the exchanged half (64 rows x 256 keys)")
 
         cluster = cute.tiled_divide(cute.make_layout((PAIR, 1, 1)), (mma_s.thr_id.shape,)).shape
-        g2s = cpasync.CopyBulkTensorTileG2SOp(two)   # 2-SM TMA: completes on the even CTA's barrier
+        # 2-SM TMA: completes on the even CTA's barrier
+        g2s = cpasync.CopyBulkTensorTileG2SOp(tcgen05.CtaGroup.TWO)
         sel = lambda L: cute.select(L, mode=[0, 1, 2])  # noqa: E731
         tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_A(g2s, tK, sel(sK_layout), tiler_s, mma_s, cluster)
         tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_A(g2s, tV, sel(sV_layout), tiler_dp, mma_dp, cluster)
@@ -205,6 +201,38 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                     sdS_layout, tP_layout, tdS_layout,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], cluster=(PAIR, 1, 1), stream=stream,
                              min_blocks_per_mp=1)
+
+    def pair_mmas(self):
+        """The five CTA-pair tiled MMAs: S^T, dP^T, dV, dK, dQ (blackwell_2cta_check rebuilds them)."""
+        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        two, dt, m2 = tcgen05.CtaGroup.TWO, self.dtype, PAIR * self.tn
+        d, dv, tm = self.d, self.dv, self.tm
+        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, two, (m2, tm))
+        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, two, (m2, tm))
+        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, two, (m2, dv), tcgen05.OperandSource.TMEM)
+        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, two, (m2, d), tcgen05.OperandSource.TMEM)
+        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, two, (tm, d))
+        return mma_s, mma_dp, mma_dv, mma_dk, mma_dq
+
+    def sds_layout(self, mma_dq):
+        """sdS, the dQ MMA's A operand in one CTA: 64 query rows x the pair's 256 keys."""
+        return sm100_utils.make_smem_layout_a(mma_dq, (self.tm, self.d, PAIR * self.tn), self.dtype, 1)
+
+    def ds_column(self, t, key):
+        """Column `key` (0..255) of an sdS-shaped tensor: the 64 query rows of one key."""
+        return t[((None, key % 16), 0, key // 16, 0)]
+
+    def xchg_dst_offset(self, rank):
+        """Where CTA `rank`'s sXchg lands in the peer's sdS: key column 128 x rank, in elements."""
+        return rank * (self.xchg_bytes // 2)
+
+    def dq_row(self, rank, tidx, m_block):
+        """Global query row that dQ drain thread `tidx` (TMEM lane tidx) of CTA `rank` adds."""
+        return m_block * self.tm + rank * (self.tm // 2) + tidx % (self.tm // 2)
+
+    def dq_col0(self, tidx):
+        """First head-dim column of drain thread `tidx` (lanes 64..127 hold the upper half)."""
+        return (tidx // (self.tm // 2)) * (self.d // 2)
 
     # ------------------------------------------------------------------ device side
     def _bar(self, mbar, name, i=0):
@@ -502,8 +530,8 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         # dS[:, key] lands in column 128 x rank + key of sdS (own query rows) and of the peer's sdS
         # (the peer's rows, via sXchg whose column `key` is copied to that offset)
         kk = rank * tn + key
-        sdS_col = sdS[((None, kk % 16), 0, kk // 16, 0)]        # (64,) 16-bit, one 128-byte column
-        sX_col = sXchg[((None, key % 16), 0, key // 16, 0)]
+        sdS_col = self.ds_column(sdS, kk)                       # (64,) 16-bit, one 128-byte column
+        sX_col = self.ds_column(sXchg, key)
         rdS = cute.make_rmem_tensor((tm,), self.dtype)           # the dS row, kept until sdS is free
 
         for it in cutlass.range(n_iter, unroll=1):
@@ -548,7 +576,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                 self._arrive_leader(self._bar(mbar, "ds_full"))
                 cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "xchg_full"), self.xchg_bytes, peer,
                                                         scope=CLUSTER_SCOPE)
-                common.bulk_copy_to_peer(sdS_ptr + rank * (self.xchg_bytes // 2), sXchg_ptr,
+                common.bulk_copy_to_peer(sdS_ptr + self.xchg_dst_offset(rank), sXchg_ptr,
                                          self._bar(mbar, "xchg_full"), self.xchg_bytes, peer)
 
         # 6. epilogue: dV, scale * dK of this CTA's keys (all pair MMAs issued before dkv_full's commit)
@@ -568,11 +596,11 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         # read dQ as a plain 128-lane fp32 block of d/2 columns (lane l: query row l % 64, half l // 64)
         accQ = self._acc(tmem_ptr, mma_s, (PAIR * self.tn, tm), self.tmem.dq)
         sub, ld, _, thr_ld, _, r_shape, _ = self._row_copies(accQ, tidx)
-        col0 = (tidx // (tm // 2)) * half_d
+        col0 = self.dq_col0(tidx)
         for it in cutlass.range(n_iter, unroll=1):
             head = head_kv * group + it // n_m
             m_block = m_min + it % n_m
-            row = m_block * tm + rank * (tm // 2) + tidx % (tm // 2)
+            row = self.dq_row(rank, tidx, m_block)
             cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), it % 2)
             tcgen05_fence_after_sync()
             # this thread's d/2 dQ values -> registers, then the columns go back to the MMA warp at
