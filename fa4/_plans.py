@@ -57,6 +57,7 @@ _LOCK = threading.Lock()
 _PLANS: dict = {}        # signature hash -> _Replay, or None (no plan on disk / not plannable)
 _SEEN: dict = {}         # signature hash -> calls that took the normal path in this process
 _STATS = {"replays": 0, "recorded": 0, "unrecordable": 0, "discarded": 0}
+_NAMES: dict = {}        # a signature's facts -> its hash (the plan's file name)
 _LAST_REFUSAL: dict = {}  # signature hash -> why the recording gave up (for tests and `fa4 info`)
 
 
@@ -103,7 +104,7 @@ def _device_facts(device: torch.device) -> tuple:
 def _tensor_facts(t) -> Any:
     if t is None:
         return None
-    return (tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device), t.data_ptr() % 16 == 0)
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
 
 
 def signature(role: str, arch: str, tensors: tuple, scalars: tuple, switches: tuple) -> str:
@@ -113,9 +114,12 @@ def signature(role: str, arch: str, tensors: tuple, scalars: tuple, switches: tu
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     same = tuple(next(j for j, u in enumerate(tensors) if u is t) if t is not None else None for t in tensors)
-    facts = (FORMAT, role, arch, tuple(_tensor_facts(t) for t in tensors), same, scalars, switches,
-             _device_facts(device), _host_sources(), _cache.build_id())
-    return hashlib.sha256(repr(facts).encode()).hexdigest()[:32]
+    facts = (role, arch, tuple(_tensor_facts(t) for t in tensors), same, scalars, switches, _device_facts(device))
+    name = _NAMES.get(facts)
+    if name is None:  # hashed once per signature and process: this runs on every dense call
+        name = _NAMES[facts] = hashlib.sha256(
+            repr((FORMAT, facts, _host_sources(), _cache.build_id())).encode()).hexdigest()[:32]
+    return name
 
 
 def plan_dir(cute_arch: str) -> pathlib.Path:
