@@ -16,8 +16,7 @@ instruction issued by one thread. That changes who does what (the paper, section
   row of S (tile_n = 128 fp32 values) arrives in its registers with tcgen05.ld, so the row max and
   row sum need no shuffles. The two warpgroups run free of each other, as in the official kernel:
   the MMA warp's order already staggers their S tiles, and a named-barrier "exp turn" between
-  them would serialise more work than a key block's MMAs take (``exp_turn``, off;
-  ``blackwell_softmax.BAR_EXP_TURN`` says why).
+  them would serialise more work than a key block's MMAs take (blackwell_softmax.py says why).
 * **correction warpgroup**: rescales O_i in TMEM when a row max moved (off the softmax critical
   path), and at the end computes O / l and lse and writes O to SMEM.
 * **epilogue warp**: O from SMEM to global memory (TMA store; row-guarded 16-byte stores when
@@ -102,8 +101,7 @@ from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
 STEP = "blackwell_fwd"
 TARGET_ARCH = "sm_100a"
 
-# named barriers (id 0 is __syncthreads); BAR_EXP_TURN (+ i, ids 2, 3; off by default) lives with the
-# softmax roles
+# named barriers (id 0 is __syncthreads)
 BAR_TMEM_ALLOC = 1   # MMA warp + softmax x 2 + correction: the TMEM address is in SMEM
 
 
@@ -112,16 +110,13 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     The softmax and correction warpgroups are in ``blackwell_softmax.SoftmaxCorrectionRoles``."""
 
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
-                 scheduler=tile_scheduler.StaticTileScheduler, exp_turn: bool = False):
+                 scheduler=tile_scheduler.StaticTileScheduler):
         if getattr(scheduler, "persistent", False):
             raise ValueError("scheduler: the Blackwell kernel runs one tile per CTA (StaticTileScheduler "
                              "interface); a persistent scheduler would need the barrier phases carried "
                              "across tiles, which is not implemented")
         self.cfg = config
         self.varlen = varlen
-        # the softmax warpgroups' exp2 ping-pong: off, as in the official kernel (why: BAR_EXP_TURN);
-        # kept as an option only for sass_schedule's turn on / off table
-        self.exp_turn = exp_turn
         self.scheduler = scheduler
         self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v

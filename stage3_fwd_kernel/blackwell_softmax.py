@@ -23,12 +23,11 @@ from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.softmax_policy import exp2_row_packed, rescale_vote, row_sum_packed, scale_row_packed
 
 LN2 = math.log(2.0)
-# + i: "softmax warpgroup i may exponentiate now" (named barrier ids 2, 3), only with exp_turn=True.
-# Off, as in the official kernel: its section (BAR.SYNC .. BAR.ARV: exp2, pack, P stores) is ~1210 of
-# a warp's ~1490 static issue cycles per key block, so two warpgroups in turn need >= 2 x 1210 > the
-# 2048 MMA cycles of a key block at d = 128; without it no static bound passes 2048 (the MUFU pipe,
-# 2 x 904 a sub-partition, is the same work either way). docs/measurements.md, 2026-11-29.
-BAR_EXP_TURN = 2
+# No "exp turn" between the two softmax warpgroups (a named-barrier ping-pong, removed), as in the
+# official kernel: its section (exp2, pack, P stores) was ~1210 of a warp's ~1490 static issue cycles
+# a key block, so two warpgroups in turn needed >= 2 x 1210 > the 2048 MMA cycles of a key block at
+# d = 128, while the MUFU work it kept apart (2 x 904 a sub-partition) is the same either way
+# (sass_schedule.py; docs/measurements.md, 2026-11-29).
 
 
 class SoftmaxCorrectionRoles:
@@ -41,7 +40,7 @@ class SoftmaxCorrectionRoles:
                 thr_mma_qk: cute.ThrMma):
         """One warpgroup, one Q tile: thread r owns row r. Per key block: S row -> registers, mask,
         row max + warp vote (conditional rescaling), rescale factor -> TMEM for the correction
-        warpgroup, exp2 (partial emulation; on our exp turn if exp_turn), P -> TMEM in 3/4 + 1/4."""
+        warpgroup, exp2 (partial emulation), P -> TMEM in 3/4 + 1/4."""
         tidx = cute.arch.thread_idx()[0] % 128
         # which Q tile: re-derived here rather than carried from the kernel prologue, where every
         # live value must also fit the small register budget of the fourth warpgroup
@@ -87,17 +86,11 @@ class SoftmaxCorrectionRoles:
             tStS_t2r=tStS_t2r, tScS_t2r=tScS_t2r, tiled_r2t=tiled_r2t, tStP_r2t=tStP_r2t, tSrP_shape=tSrP_shape,
             tiled_r2t_1=tiled_r2t_1, tStScale_r2t=tStScale_r2t, rScale=rScale)
 
-        if const_expr(self.exp_turn):
-            if stage == 1:  # tile 0 exponentiates first
-                cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN, number_of_threads=256)
         for n_block in cutlass.range(n_unmasked, unroll=1):
             row_sum = step(n_block=n_block, row_sum=row_sum, masked=False)
         for n_block in cutlass.range(n_unmasked, n_blocks, unroll=1):
             row_sum = step(n_block=n_block, row_sum=row_sum, masked=True)
 
-        if const_expr(self.exp_turn):
-            if stage == 0:  # take tile 1's last hand-over, so no barrier arrival outlives the loop
-                cute.arch.barrier(barrier_id=BAR_EXP_TURN, number_of_threads=256)
         # after the last block: the final statistics for the correction warpgroup, in their own
         # TMEM columns (it may not have read the last scale yet)
         rFinal[0] = row_sum
@@ -168,19 +161,13 @@ class SoftmaxCorrectionRoles:
             cute.arch.fence_view_async_tmem_store()
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "scale_full", 0) + stage)
-        # 5. exp2 (on our turn if exp_turn: off, see BAR_EXP_TURN) and P packed to 16 bits a quarter at a
-        #    time, then the four P stores; after 3/4 the MMA warp may start O += P V. ptxas moves each
-        #    store up to its quarter either way; in this order (the official kernel's) the packed
-        #    polynomial fits the registers, where a store (or the scaling, or the sum) per quarter spilled.
+        # 5. exp2 and P packed to 16 bits a quarter at a time, then the four P stores; after 3/4 the
+        #    MMA warp may start O += P V. ptxas moves each store up to its quarter either way; in this
+        #    order (the official kernel's) the packed polynomial fits the registers, where a store (or
+        #    the scaling, or the sum) per quarter spilled.
         tSrP = cute.make_rmem_tensor(tSrP_shape, Float32)
         tSrP_16 = cute.make_tensor(cute.recast_ptr(tSrP.iterator, dtype=self.dtype), cute.make_layout(self.tn))
         tSrS_flat = cute.make_tensor(tSrS.iterator, cute.make_layout(self.tn))
-        if const_expr(self.exp_turn):
-            cute.arch.barrier(barrier_id=BAR_EXP_TURN + stage, number_of_threads=256)
-            # a named barrier orders memory only: ptxas moved half the exps above it. A test of this
-            # block's S barrier (complete, so true), a shared-memory read after it, feeds the bias
-            done = cute.arch.mbarrier_test_wait(self._bar(mbar, "s_full", 0) + stage, n_block % 2)
-            bias = cutlass.select_(done, bias, Float32(0.0))
         scale_row_packed(tSrS_flat, softmax_scale_log2, bias)
         pairs = self.policy.row_pair_pattern(self.tn)  # the emulated pairs: in the last quarter
         for q in cutlass.range_constexpr(self.cfg.p_store_chunks):
@@ -195,8 +182,6 @@ class SoftmaxCorrectionRoles:
                 cute.arch.fence_view_async_tmem_store()
                 tcgen05_fence_before_sync()
                 cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", 0) + stage)
-        if const_expr(self.exp_turn):
-            cute.arch.barrier_arrive(barrier_id=BAR_EXP_TURN + 1 - stage, number_of_threads=256)
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence_before_sync()
         cute.arch.mbarrier_arrive(self._bar(mbar, "p_full_2", 0) + stage)

@@ -24,8 +24,10 @@ MUFU, LDTM, shared memory), barrier waits (BAR.SYNC, mbarrier try-waits), pipe t
 
     python -m stage3_fwd_kernel.sass_schedule [--head_dim 128] [--dtype bf16] [--rows]
 
-compiles the Blackwell forward (non-causal and causal) with and without the softmax warpgroups'
-exp2 turn (``FlashAttentionForwardSm100(exp_turn=...)``) and prints the softmax loops side by side.
+compiles the Blackwell forward (non-causal and causal) and prints its softmax loops beside a key
+block's MMA cycles. The same measure costed the softmax warpgroups' exp2 turn (a named-barrier
+ping-pong) before it was removed: its BAR.SYNC .. BAR.ARV section (``turn_cycles``) was ~1210 cycles,
+two in series more than the 2048 MMA cycles at d = 128 (docs/measurements.md, 2026-11-29).
 """
 from __future__ import annotations
 
@@ -259,7 +261,7 @@ def loop_schedule(listing: str, loop) -> LoopSchedule:
     barriers = tuple((r.index, r.op, at.get(r.index + first)) for r in rows
                      if r.op.split(".")[0] in BARRIER_OPS)
     waits, producers = _wait_producers(longest, insns, ctl)
-    # a named-barrier section (the softmax's exp2 turn): BAR.SYNC, then the next BAR.ARV
+    # a named-barrier section (a ping-pong turn): BAR.SYNC, then the next BAR.ARV
     ops = [insns[i].op for i in longest]
     sync = next((k for k, op in enumerate(ops) if op.startswith("BAR.SYNC")), None)
     arv = None if sync is None else next((k for k in range(sync, len(ops)) if ops[k].startswith("BAR.ARV")), None)
@@ -272,17 +274,16 @@ def loop_schedule(listing: str, loop) -> LoopSchedule:
                         mufu_in_turn=turn[1])
 
 
-# ------------------------------------------------------------- the Blackwell forward, turn on / off
+# ------------------------------------------------------------- the Blackwell forward's softmax loops
 LOOPS = ("softmax_unmasked", "softmax_masked")
 
 
-def forward_listing(cfg, exp_turn: bool) -> tuple:
+def forward_listing(cfg) -> tuple:
     """(resource report, encoded listing) of the Blackwell forward for `cfg` (dense, fake tensors,
-    compiled for sm_100a), with or without the exp2 turn."""
+    compiled for sm_100a)."""
     from stage3_fwd_kernel import blackwell_fwd as bw
 
-    kernel = bw.FlashAttentionForwardSm100(cfg, exp_turn=exp_turn)
-    fn, report, _, _ = bw.compile_sm100(kernel, bw.fake_args(cfg, False))
+    fn, report, _, _ = bw.compile_sm100(bw.FlashAttentionForwardSm100(cfg), bw.fake_args(cfg, False))
     return report, disassemble_encoded(fn.__cubin__)
 
 
@@ -302,36 +303,34 @@ def _where(sched: LoopSchedule, n: int) -> str:
     return ", ".join(bars) + f" of {n}" if bars else "none"
 
 
-def turn_table(head_dim: int = 128, dtype: str = "bf16", rows: bool = False) -> str:
-    """Markdown: the softmax loops of the forward at (head_dim, dtype), non-causal and causal, with
-    the exp2 turn and without; static counts and stall sums. RuntimeError on spills."""
+def loop_table(head_dim: int = 128, dtype: str = "bf16", rows: bool = False) -> str:
+    """Markdown: the softmax loops of the forward at (head_dim, dtype), non-causal and causal, against
+    the MMA cycles of a key block; static counts and stall sums. RuntimeError on spills."""
     from stage3_fwd_kernel import blackwell_fwd as bw
     from stage3_fwd_kernel.roofline import forward_tile_cycles
 
     lines = [f"{dtype} d = {head_dim}, softmax loops (static SASS, compiled for sm_100a, never run)", "",
              "| build | loop | instructions | stall cycles (longest / shortest path) | MUFU.EX2 (pipe cycles) "
-             "| turn section cycles (MUFU.EX2 in it) | waits on path | BAR instructions |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| waits on path | BAR instructions |",
+             "|---|---|---:|---:|---:|---:|---|"]
     listings, builds, mma = [], [], None
     for causal in (False, True):
         cfg = bw.make_config(dtype, head_dim, causal=causal)
         mma = forward_tile_cycles(cfg.tile_m, cfg.tile_n, cfg.head_dim, d_v=cfg.head_dim_v).mma * cfg.q_tiles_per_cta
-        for turn in (True, False):
-            report, listing = forward_listing(cfg, turn)
-            if report["spill_stores"] or report["spill_loads"] or report["stack_frame"]:
-                raise RuntimeError(f"spills with exp_turn={turn}, causal={causal}: {report['ptxas_log'][-600:]}")
-            name = f"{'causal' if causal else 'non-causal'}, turn {'on' if turn else 'off'}"
-            builds.append(f"{name}: {report['registers']} registers at launch, spills {report['spill_stores']}"
-                          f" / {report['spill_loads']} B")
-            for role, found in loop_summary(listing, cfg.tile_n).items():
-                if found is None:
-                    lines.append(f"| {name} | {role} | - | - | - | - | - | - |")
-                    continue
-                lp, s = found
-                sec = "-" if s.turn_cycles is None else f"{s.turn_cycles} ({s.mufu_in_turn})"
-                lines.append(f"| {name} | {role} | {len(lp.ops)} | {s.stall_longest} / {s.stall_shortest} | "
-                             f"{s.mufu} ({s.mufu_cycles}) | {sec} | {s.waits_on_path} | {_where(s, len(lp.ops))} |")
-                listings.append((name, role, s))
+        report, listing = forward_listing(cfg)
+        if report["spill_stores"] or report["spill_loads"] or report["stack_frame"]:
+            raise RuntimeError(f"spills, causal={causal}: {report['ptxas_log'][-600:]}")
+        name = "causal" if causal else "non-causal"
+        builds.append(f"{name}: {report['registers']} registers at launch, spills {report['spill_stores']}"
+                      f" / {report['spill_loads']} B")
+        for role, found in loop_summary(listing, cfg.tile_n).items():
+            if found is None:
+                lines.append(f"| {name} | {role} | - | - | - | - | - |")
+                continue
+            lp, s = found
+            lines.append(f"| {name} | {role} | {len(lp.ops)} | {s.stall_longest} / {s.stall_shortest} | "
+                         f"{s.mufu} ({s.mufu_cycles}) | {s.waits_on_path} | {_where(s, len(lp.ops))} |")
+            listings.append((name, role, s))
     lines.append("")
     lines.append(f"MMA per key block, both Q tiles (roofline.py, B200): {mma:.0f} cycles. "
                  "Stall cycles: one warp's issue latency per iteration with no waits; pipe cycles: one warp's "
@@ -349,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--rows", action="store_true", help="also print every loop's per-instruction table")
     a = ap.parse_args(argv)
-    print(turn_table(a.head_dim, a.dtype, a.rows))
+    print(loop_table(a.head_dim, a.dtype, a.rows))
     return 0
 
 

@@ -51,21 +51,6 @@ def test_kernel_protocol_holds(kernel):
     assert res.states > 100
 
 
-def test_forward_exp_turn_option_holds():
-    """The softmax warpgroups' exp2 turn is off by default (blackwell_softmax.BAR_EXP_TURN); the
-    option that stage3_fwd_kernel.sass_schedule compiles for its comparison still passes, and adds
-    one named-barrier wait per key block to each softmax warpgroup."""
-    spec = bp.forward_spec(4, 2)
-    spec.kernel.exp_turn = True
-    prog = bp.extract(spec)
-    res = bp.explore(prog, blocks=4, tiles=2)
-    assert res.ok, res.report()
-    default = program("fwd", 4)
-    for role in ("softmax0", "softmax1"):
-        waits = [sum(op[0] == "nwait" for op in p.ops[role]) for p in (prog, default)]
-        assert waits[0] - waits[1] == 4 + (role == "softmax0"), (role, waits)
-
-
 def test_extraction_sees_the_pipeline():
     """The extracted forward has what the kernel's docstring promises: per key block one s_full
     commit per tile, P handed over in 3/4 + 1/4, and every TMA behind an expect_tx."""
