@@ -115,6 +115,14 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
             sK=sK_layout, sV=sV_layout, sQ=sQ_layout, sdO=sdO_layout, sQt=sQt_layout, sdOt=sdOt_layout,
             sKt=sKt_layout, sdS=sdS_layout, tP=tP_layout, tdS=tdS_layout)
 
+    def aligned(self, mQ, mK, mV, mdO, mdQacc, mdK, mdV) -> tuple:
+        """The global tensors with their rows promised 16-byte aligned (the host checks it): q, k,
+        dQaccum, dk by d, v, dout, dv by dv."""
+        d, dv = self.d, self.dv
+        return (common.assume_aligned(mQ, d), common.assume_aligned(mK, d), common.assume_aligned(mV, dv),
+                common.assume_aligned(mdO, dv), common.assume_aligned(mdQacc, d), common.assume_aligned(mdK, d),
+                common.assume_aligned(mdV, dv))
+
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
@@ -124,10 +132,7 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
         """Dense only: q/k/v/dout (B, S, H, D); lse2, D (B, Hq, Sq) fp32; dQaccum (B, Sq, Hq, d) fp32;
         semaphores (B, Hq, m_blocks) int32 (deterministic). cu_seqlens / seqused_k are ignored."""
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
-        mQ, mK = common.assume_aligned(mQ, d), common.assume_aligned(mK, d)
-        mV, mdO = common.assume_aligned(mV, dv), common.assume_aligned(mdO, dv)
-        mdQacc = common.assume_aligned(mdQacc, d)
-        mdK, mdV = common.assume_aligned(mdK, d), common.assume_aligned(mdV, dv)
+        mQ, mK, mV, mdO, mdQacc, mdK, mdV = self.aligned(mQ, mK, mV, mdO, mdQacc, mdK, mdV)
         # (seq, dim, head, batch) views for TMA
         modes = [1, 3, 2, 0]
         tQ, tK, tV, tdO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes)) for t in (mQ, mK, mV, mdO)]

@@ -119,10 +119,7 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
         """The 1-CTA kernel's arguments (host.fake_main_args / main_args); num_n_blocks counts 128-key
         tiles, the grid is rounded up to pairs. Dense only."""
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
-        mQ, mK = common.assume_aligned(mQ, d), common.assume_aligned(mK, d)
-        mV, mdO = common.assume_aligned(mV, dv), common.assume_aligned(mdO, dv)
-        mdQacc = common.assume_aligned(mdQacc, d)
-        mdK, mdV = common.assume_aligned(mdK, d), common.assume_aligned(mdV, dv)
+        mQ, mK, mV, mdO, mdQacc, mdK, mdV = self.aligned(mQ, mK, mV, mdO, mdQacc, mdK, mdV)
         # (seq, dim, head, batch): B operands with N = queries (S^T, dP^T), A operands K, V
         rows = [1, 3, 2, 0]
         tQ, tK, tV, tdO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=rows)) for t in (mQ, mK, mV, mdO)]
