@@ -136,11 +136,7 @@ def _encode_value(value, slot_of: Callable) -> Any:
     if isinstance(value, torch.Tensor):
         return {"s": slot_of(value)}
     if isinstance(value, _SCALAR_TYPES):
-        if isinstance(value, float) and value != value:
-            return {"f": "nan"}
-        if isinstance(value, float) and value in (float("inf"), float("-inf")):
-            return {"f": repr(value)}
-        return value
+        return value  # json writes and reads inf / nan too
     if isinstance(value, (tuple, list)):
         return {"t" if isinstance(value, tuple) else "l": [_encode_value(v, slot_of) for v in value]}
     if isinstance(value, dict):
@@ -149,14 +145,10 @@ def _encode_value(value, slot_of: Callable) -> Any:
         return {"sl": [_encode_value(v, slot_of) for v in (value.start, value.stop, value.step)]}
     if value is Ellipsis:
         return {"el": 0}
-    if isinstance(value, torch.dtype):
-        return {"dt": str(value).split(".")[-1]}
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return {"torch": str(value).split(".")[-1]}  # torch.<name>
     if isinstance(value, torch.device):
         return {"dev": str(value)}
-    if isinstance(value, torch.layout):
-        return {"lay": str(value).split(".")[-1]}
-    if isinstance(value, torch.memory_format):
-        return {"mf": str(value).split(".")[-1]}
     raise Unrecordable(f"an argument of type {type(value).__name__}")
 
 
@@ -176,8 +168,8 @@ def _decoder(value) -> Callable[[list], Any]:
         if tag == "sl":
             parts = [_decoder(v) for v in inner]
             return lambda slots: slice(*(p(slots) for p in parts))
-        const = {"f": lambda: float(inner), "el": lambda: Ellipsis, "dt": lambda: getattr(torch, inner), "dev": lambda: torch.device(inner),
-                 "lay": lambda: getattr(torch, inner), "mf": lambda: getattr(torch, inner)}[tag]()
+        const = {"el": lambda: Ellipsis, "torch": lambda: getattr(torch, inner),
+                 "dev": lambda: torch.device(inner)}[tag]()
         return lambda slots: const
     return lambda slots: value
 
