@@ -20,6 +20,7 @@ import tempfile
 import warnings
 from typing import Any, Callable, Optional, Protocol
 
+import cutlass.base_dsl.dsl as _dsl
 import cutlass.cute as cute
 
 from .sass_report import disassemble, parse_resources, sass_counts, wgmma_serialization
@@ -168,7 +169,7 @@ def _compile(key, build) -> Compiled:
     if _is_launchable(args):
         opts = "--enable-tvm-ffi " + opts
     buf = io.StringIO()
-    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), _without_source_locations():
         fn = cute.compile(kernel, *args, options=opts)
     log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
     ptx = _artifact(fn.__ptx__, "r") or ""
@@ -181,6 +182,27 @@ def _compile(key, build) -> Compiled:
                       f"({', '.join(report['wgmma_serialized'])}); the kernel is correct but runs far below its "
                       "design speed (time it only knowingly)", WgmmaSerializedWarning, stacklevel=4)
     return Compiled(fn, report, None if cubin else "", ptx, cubin)
+
+
+@contextlib.contextmanager
+def _without_source_locations():
+    """Compile without the per-op Python source locations that `remarks{ptx}` turns on.
+
+    The DSL records a source location for every op it builds whenever compiler diagnostics are
+    collected (it walks the Python stack for each of ~30k ops). We want the diagnostics only for
+    ptxas's resource lines, which carry no Python location, and the walk is ~20% of a cold compile's
+    CPU time (d = 96 causal forward: 9.5 -> 7.5 s on a 2-core CPU). The PTX is the same without it
+    (tests/test_compile_cache_locations.py). CUTE_DSL_LINEINFO=1 (the DSL's own switch for line info)
+    keeps the locations for profilers and debuggers."""
+    setter = getattr(_dsl, "_set_enable_frame_filtering", None)
+    if setter is None or os.environ.get("CUTE_DSL_LINEINFO", "0").lower() in ("1", "true", "on", "yes"):
+        yield
+        return
+    _dsl._set_enable_frame_filtering = lambda enable: setter(False)
+    try:
+        yield
+    finally:
+        _dsl._set_enable_frame_filtering = setter
 
 
 def _artifact(value, mode: str):
