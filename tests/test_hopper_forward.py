@@ -1169,6 +1169,11 @@ def test_persistent_scheduler_validation_and_order():
     assert mod._resolve_scheduler(None, None, 64, 64, True) == P(dynamic=True)  # no length: the short choice
     assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4096) is tile_scheduler.StaticTileScheduler
     assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=4096, tile_m=128) == P(dynamic=True)
+    # a left window keeps every tile ~window / tile_n blocks long: persistent at any length (and causal: dynamic)
+    assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=16384, left_window=True) == P(dynamic=True)
+    assert mod._resolve_scheduler(None, None, 64, 64, False, seqlen_k=16384, left_window=True) == P()
+    assert mod._resolve_scheduler(None, None, 64, 64, True, varlen=True, left_window=True) is \
+        tile_scheduler.StaticTileScheduler
     assert mod._resolve_scheduler(None, None, 64, 64, False, seqlen_k=16384) == P()
     assert mod._resolve_scheduler(None, None, 128, 128, False, varlen=True) is tile_scheduler.StaticTileScheduler
     assert mod._resolve_scheduler(None, True, 128, 128, True) == P(dynamic=True)  # causal: dynamic hand-out

@@ -348,15 +348,16 @@ def test_backward_varlen_variants_with_empty_sequences():
 @pytest.mark.fa4
 @pytest.mark.parametrize("d", [64, 128])
 def test_fa4_window_softcap_sink_forward_backward(d):
-    """Through fa4.flash_attn_func and autograd: dq, dk, dv against the fp32 reference with the rule;
-    dsink exactly the formula -sum_i exp(sink - lse_i) dO_i . O_i on the call's own out and lse, and
-    within 4x the baseline's error of the reference: D_i = dO_i . O_i comes from the stored 16-bit
-    output (as in the official kernel), an error the autograd baseline, whose softmax runs in fp32
-    with a sink, does not have (over 3x of it at d = 128 on an H200)."""
+    """Through fa4.flash_attn_func and autograd: out and dq, dk, dv against the fp32 reference with the
+    rule, and lse too; dsink exactly the formula -sum_i exp(sink - lse_i) dO_i . O_i on the call's own
+    out and lse (as the official kernel forms it, from the stored 16-bit output). No bound against a
+    multiple of the autograd baseline's dsink error: that error is one sum per head, and over fresh dO
+    draws on an H200 it ranged 5e-4 .. 2.6e-2 while ours ranged 7e-4 .. 1.3e-2 (a 4x bound failed
+    once) -- the two are independent draws of rounding noise, not a scale."""
     import torch
 
     import fa4
-    from stage0_reference.torch_reference import _max_abs_diff, grad_atol
+    from stage0_reference.torch_reference import attention_ref
 
     q, k, v = _qkv(2, 700, 900, 6, 2, d, d, "bf16", d)
     sink = _sink(6, d)
@@ -369,11 +370,14 @@ def test_fa4_window_softcap_sink_forward_backward(d):
     got = tuple(t.grad for t in leaves)
     ref, base = _variant_grads(q, k, v, dout, variant, sink=sink)
     _check_grads(f"fa4 d={d}", got, ref[:3], base[:3], softcap=30.0)
-    dd = (dout.double() * out.detach().double()).sum(-1).permute(0, 2, 1)           # (B, H, Sq)
-    exact = -(torch.exp(sink.double()[:, None] - lse.detach().double()) * dd).sum((0, 2))
-    torch.testing.assert_close(s.grad.double(), exact, rtol=1e-5, atol=1e-5)
-    err, bound = _max_abs_diff(s.grad, ref[3]), 4 * _max_abs_diff(base[3], ref[3]) + grad_atol(ref)
-    assert err <= bound, f"dsink: max error {err:.3e} > {bound:.3e}"
+    # dsink is exactly the formula on the call's own out and lse, and those two meet the rule:
+    # dsink's distance from the reference is then what out's and lse's own errors give it
+    variant["learnable_sink"] = sink
+    _check(f"fa4 d={d}", out.detach(), lse.detach(), attention_ref(q, k, v, upcast=True, **variant),
+           attention_ref(q, k, v, upcast=False, **variant), softcap=30.0)
+    w = torch.exp(sink.double()[:, None] - lse.detach().double())                      # (B, H, Sq)
+    dd = (dout.double() * out.detach().double()).sum(-1).permute(0, 2, 1)             # (B, H, Sq)
+    torch.testing.assert_close(s.grad.double(), -(w * dd).sum((0, 2)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.compile

@@ -172,7 +172,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv). persistent: one
     CTA per SM walks the scheduler's tile order (causal calls take their tiles from an atomic
     counter; above head dim 128 O goes from registers to global memory); None =
-    default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m). split_tail: the last partial wave
+    default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m, left_window=...). split_tail: the last partial wave
     of a static persistent non-causal call cut along the keys (split_tail_plan; None = its default;
     never with a window or a sink).
 
@@ -195,7 +195,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     split_tail = _no_split_with(variant, split_tail)
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
-    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m)
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m,
+                                   left_window=variant.window.left is not None)
     check_grid(scheduler, -(-sq // tile_m), hq, b)
     out, lse = _outputs(out, lse, (b, sq, hq, dv), (b, hq, sq), q)
     if b == 0 or sq == 0 or hq == 0:
@@ -294,7 +295,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     dt = host_io.cutlass_dtype(dtype)
     policy.check_dtype(dt)
-    scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m)
+    scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m,
+                                   variant.window.left is not None)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
                     variant)
