@@ -344,7 +344,10 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
     for w in workloads:
         w = on_native_head_dims(w, arch_key)
         longest = w.max_seqlen or 0
-        if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal:  # some calls are short
+        left_window = _left_window(w.window)
+        # some calls are short; a left window keeps the short calls' build at every length (stage3
+        # default_persistent), so it is the only windowed forward
+        if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal or left_window:
             add("fwd", w)
         lpt = w.causal and w.window is None and arch_key == "sm_90"
         if lpt and longest >= LPT_MIN_SEQLEN_K:
@@ -354,7 +357,7 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
                 if last >= first_len:
                     add("fwd lpt", w, scheduler=sched, seqlen_k_first=max(first, first_len),
                         heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, first_len), last))
-        elif w.causal and longest >= LPT_MIN_SEQLEN_K:
+        elif w.causal and longest >= LPT_MIN_SEQLEN_K and not left_window:
             add("fwd long", w, seqlen_k_first=max(w.min_seqlen, LPT_MIN_SEQLEN_K))
         if backward:
             add("bwd", w)
@@ -367,6 +370,11 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
     for b in builds:
         b["seqlen_k"] = b.pop("seqlen_k_first", None)
     return builds
+
+def _left_window(window) -> bool:
+    """Whether fa4's window_size limits the left side (-1 and None are unlimited)."""
+    return window is not None and window[0] is not None and window[0] >= 0
+
 
 # ---------------------------------------------------------------------------------------------
 # CPU: compile-only through the stage modules
