@@ -26,7 +26,9 @@ precompile --shapes ...` filled another empty directory with exactly this call's
 GPU, plans (a fresh process on the cold run's directory, where the cold run's second forward and
 backward recorded launch plans, fa4/_plans.py: the calls replay without importing CuTe-DSL, so the
 "import cutlass" and "import kernels" rows are absent). The table shows all; --json writes every
-number.
+number. "first calls above torch" is the goal's measure: the steps from `import fa4` to the finished
+first forward (and backward), without the second calls and without the measuring child's own
+bookkeeping ("in process" has both).
 """
 from __future__ import annotations
 
@@ -265,12 +267,25 @@ def table(runs: dict) -> str:
         vals = [dict(r["steps"]).get(step) for r in runs.values()]
         lines.append(f"{step:<{w}}" + "".join(f"{v:>10.3f}" if v is not None else f"{'-':>10}" for v in vals))
     for label, fn in (("in process", lambda r: r["in_process_s"]),
-                      ("above import torch", lambda r: r["in_process_s"] - dict(r["steps"])["import torch"]),
+                      ("first calls above torch", first_calls_s),
                       ("process (with start/exit)", lambda r: r["process_s"])):
         lines.append(f"{label:<{w}}" + "".join(f"{fn(r):>10.3f}" for r in runs.values()))
     lines.append(f"{'compiles / disk hits':<{w}}" + "".join(
         f"{str(r['stats']['misses']) + ' / ' + str(r['stats']['disk_hits']):>10}" for r in runs.values()))
     return "\n".join(lines)
+
+
+# the steps a process spends after `import torch` until its first forward (and backward) finished;
+# the second calls (which record launch plans) and the measuring child's own bookkeeping are not in it
+_FIRST_CALL_STEPS = ("import fa4", "cuda init + inputs", "import cutlass", "import kernels", "cache fingerprint",
+                     "first forward", "first backward")
+
+
+def first_calls_s(run: dict) -> float:
+    """Seconds from the end of `import torch` to the finished first calls of a run (the issue's
+    "above import torch"): the sum of _FIRST_CALL_STEPS that the run has."""
+    steps = dict(run["steps"])
+    return sum(steps.get(name, 0.0) for name in _FIRST_CALL_STEPS)
 
 
 def bytecode_hint(package: str = "cutlass") -> Optional[str]:
@@ -312,12 +327,13 @@ def main(args) -> int:
             runs["plans"] = run_child(dict(cfg, plans=True), root / "cold")
         print(table(runs))
         warm = runs["warm"]
-        above = warm["in_process_s"] - dict(warm["steps"])["import torch"]
+        print(f"cold: {first_calls_s(runs['cold']):.2f} s from `import fa4` to the finished first calls")
+        above = first_calls_s(warm)
         print(f"warm: {above:.2f} s above `import torch` (goal <= 0.5 s); "
               f"{warm['stats']['misses']} compile(s), {warm['stats']['disk_hits']} disk hit(s)")
         if "plans" in runs:
             p = runs["plans"]
-            above = p["in_process_s"] - dict(p["steps"])["import torch"]
+            above = first_calls_s(p)
             print(f"plans: {above:.2f} s above `import torch` (goal <= 0.5 s); {p['stats']['plan_replays']} "
                   f"replayed call(s), CuTe-DSL {'imported' if p['stats']['cutlass_imported'] else 'not imported'}")
         hint = bytecode_hint()

@@ -220,6 +220,13 @@ def test_firstcall_table_and_help():
     assert "first forward" in text and "4.000" in text and "0.020" in text and "1 / 0" in text and "0 / 1" in text
     assert firstcall.shape_spec(dict(head_dim=96, head_dim_v=96, heads_q=16, heads_kv=4, causal=True, seqlen=1024,
                                      dtype="bf16")) == "d=96,heads=16/4,causal,seqlen=1024,dtype=bf16"
+    # the goal's measure: after import torch, up to the finished first calls -- sub-rows, the second
+    # calls (they record plans) and the child's own bookkeeping (in_process_s beyond the steps) left out
+    run = {"steps": [("import torch", 2.0), ("import fa4", 0.05), ("cuda init + inputs", 0.1), ("first forward", 0.08),
+                     ("  load from disk", 0.07), ("second forward", 0.5), ("first backward", 0.04),
+                     ("second backward", 0.3)], "in_process_s": 4.0}
+    assert firstcall.first_calls_s(run) == pytest.approx(0.05 + 0.1 + 0.08 + 0.04)
+    assert "first calls above torch" in text
     res = run_cli("firstcall", "--help", timeout=120)
     assert res.returncode == 0 and "python -m fa4 firstcall" in res.stdout and "--head-dim" in res.stdout
     res = run_cli("--help", timeout=120)
