@@ -2,12 +2,16 @@
 for capability-10.x GPUs (fa4/_dispatch.py, ``backward_module`` of "sm_100").
 
     dq, dk, dv = attention_backward(q, k, v, out, dout, lse, causal=True)
+    dq, dk, dv = attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k,
+                                           max_seqlen_q, max_seqlen_k)
 
-Same conventions as ``stage4_bwd_kernel.hopper`` (docs/ARCHITECTURE.md). UNVERIFIED: no Blackwell GPU is
-reachable from this project, so the kernel behind these functions (``blackwell_bwd``, the 1-CTA
-backward) has only been compiled for sm_100a and inspected (tests/test_stage4_blackwell.py).
-Supported there: dense (B, S, H, D) inputs, head dims (64, 64), (96, 96) and (128, 128), causal, GQA/MQA,
-deterministic=True. Varlen is not implemented yet (attention_varlen_backward says so).
+Same conventions as ``stage4_bwd_kernel.hopper`` (docs/ARCHITECTURE.md): varlen packs (total, H, D) with
+int32 cu_seqlens (batch + 1,) and lse (Hq, total_q); optional seqused_k (batch,). UNVERIFIED: no
+Blackwell GPU is reachable from this project, so the kernel behind these functions (``blackwell_bwd``,
+the 1-CTA backward) has only been compiled for sm_100a and checked structurally, never run
+(tests/test_stage4_blackwell.py, tests/test_stage4_blackwell_varlen.py). Supported there: dense
+(B, S, H, D) and packed varlen inputs (+ seqused_k), head dims (64, 64), (96, 96) and (128, 128), causal,
+GQA/MQA, deterministic=True (varlen too: one semaphore per sequence, head and Q tile).
 
 Both functions raise RuntimeError on anything but a capability-10.x GPU, before importing
 cutlass: sm_100a code (tcgen05, TMEM) cannot run on Hopper or on consumer Blackwell (12.x).
@@ -48,21 +52,27 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False):
-    """Packed variable-length backward: not implemented on Blackwell yet (NotImplementedError on a
-    capability-10.x GPU, RuntimeError elsewhere)."""
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_d=False):
+    """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)), as the Hopper one
+    (seqused_k: only the first seqused_k[b] keys of sequence b are attended to, the others get zero
+    gradient; return_d adds D = rowsum(dO * O) in lse's layout). Compiled for sm_100a and checked
+    structurally, never run. RuntimeError on anything but a capability-10.x GPU."""
     _require_blackwell("attention_varlen_backward")
-    raise NotImplementedError("varlen backward on Blackwell is not implemented yet (stage4_bwd_kernel/README.md, Blackwell section)")
+    from stage4_bwd_kernel import blackwell_bwd
+
+    return blackwell_bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
+                                                   causal=causal, deterministic=deterministic, return_d=return_d)
 
 
-def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):
-    """Compile the 1-CTA backward for sm_100a without a GPU (resource report in .report)."""
-    if varlen:
-        raise ValueError("varlen: not implemented in the Blackwell backward yet")
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
+                 has_seqused_k=False):
+    """Compile the 1-CTA backward for sm_100a without a GPU (resource report in .report); varlen=True
+    builds the packed kernel (cu_seqlens_q / cu_seqlens_k; has_seqused_k: + seqused_k)."""
     from stage4_bwd_kernel import blackwell_bwd
 
     return blackwell_bwd.compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k)
 
 
 __all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "BEST_STEP"]

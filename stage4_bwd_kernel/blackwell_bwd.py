@@ -31,7 +31,18 @@ Barriers (mbarriers; "count" = arrivals per phase):
     dkv_full        MMA commit after the last dK -> WG 0               1
     tmem_dealloc    WG 0 + WG 2 -> MMA warp                            256
 
-Not implemented here (see the Blackwell section of README.md): varlen / seqused_k, head dims other than 64, 96
+Varlen (``varlen=True``; the Hopper backward's conventions, compiled and checked structurally, never run):
+packed (1, T, H, D) tensors as a batch of one, blockIdx.z = sequence. Every role locates its K/V tile
+in its sequence with the Hopper walk's ``tile_bounds`` / ``make_walk`` (cu_seqlens, optional
+seqused_k), so a tile past the sequence's keys walks no Q tile (n_iter = 0: every role still runs its
+barrier-free empty path, as a dense causal tile above the diagonal does). TMA boxes start at the
+sequence's first row (``cute.domain_offset``); the rows a partial tile reads past the end (the next
+sequence's, or TMA's zero fill) are masked: keys by the key limit, queries by lse2 = +inf (P = 0).
+lse2 / D are read at ``common.stats_offset(cu_seqlens_q[b], b) + row`` (the preprocess's varlen rows),
+dQ is added at packed row offset_q + row for rows < seqlen_q only, dK / dV are stored at offset_k + key
+for keys < the sequence's key rows only, and the deterministic semaphores are (sequence, head, Q tile).
+
+Not implemented here (see the Blackwell section of README.md): head dims other than 64, 96
 and 128. The 2-CTA kernel (blackwell_bwd_2cta.py)
 subclasses this one and reuses its elementwise helpers (_row_copies, _p_phase, _stage_stats, _exp_row,
 _store16, _store_dkdv, in blackwell_elementwise.py) and gemm.
@@ -52,6 +63,7 @@ from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_f
 from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_config
 from stage4_bwd_kernel.blackwell_elementwise import ElementwiseRoles
+from stage4_bwd_kernel.hopper.walk import SeqBounds, WalkPlan
 
 STEP = "blackwell_bwd"
 BAR_TMEM_ALLOC = 1   # MMA warp + WG 0 + WG 2
@@ -61,11 +73,13 @@ MMA_WARP, LOAD_WARP = 4, 5
 BARRIERS = ("kv_full", "s_full", "dp_full", "p_full", "ds_full", "dq_full", "dq_empty", "dkv_full", "tmem_dealloc")
 
 
-class FlashAttentionBackwardSm100(ElementwiseRoles):
+class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
     """The 1-CTA FA4 backward for one BlackwellBwdConfig; the elementwise warpgroup (WG 0) is in
-    ``blackwell_elementwise.ElementwiseRoles``."""
+    ``blackwell_elementwise.ElementwiseRoles``, the varlen sequence bounds in the Hopper walk's
+    ``WalkPlan`` (tile_bounds, make_walk)."""
 
-    def __init__(self, config: BlackwellBwdConfig, dq_order=None):
+    def __init__(self, config: BlackwellBwdConfig, dq_order=None, *, varlen: bool = False,
+                 has_seqused_k: bool = False):
         self.cfg = config
         self.dtype = common.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v
@@ -76,6 +90,10 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
         self.tmem = config.tmem
         self.num_threads = config.num_threads
         self.dq_order = dq_order or common.default_dq_order(config.causal, config.deterministic, sections=False)
+        if has_seqused_k and not varlen:
+            raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
+        self.varlen, self.has_seqused_k = bool(varlen), bool(has_seqused_k)
+        self.window_or_none = None     # WalkPlan.make_walk: no local window in the Blackwell backward
         self.smem_bytes = None
 
     # ------------------------------------------------------------------ host side
@@ -129,8 +147,11 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor,
                  mSemaphore: cute.Tensor, num_n_blocks: Int32, softmax_scale_log2: Float32,
                  softmax_scale: Float32, stream):
-        """Dense only: q/k/v/dout (B, S, H, D); lse2, D (B, Hq, Sq) fp32; dQaccum (B, Sq, Hq, d) fp32;
-        semaphores (B, Hq, m_blocks) int32 (deterministic). cu_seqlens / seqused_k are ignored."""
+        """Dense: q/k/v/dout (B, S, H, D); lse2, D (B, Hq, Sq) fp32; dQaccum (B, Sq, Hq, d) fp32;
+        semaphores (B, Hq, m_blocks) int32 (deterministic); cu_seqlens / seqused_k are ignored.
+        Varlen (host.main_args): the packed tensors as a batch of one, (1, T, H, D); lse2, D
+        (1, Hq, rows) in the preprocess's varlen rows; dQaccum (1, Tq, Hq, d); cu_seqlens_q / _k
+        (batch + 1,) int32, seqused_k (batch,) when built with it; semaphores (batch, Hq, m_blocks)."""
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = self.aligned(mQ, mK, mV, mdO, mdQacc, mdK, mdV)
         # (seq, dim, head, batch) views for TMA
@@ -169,13 +190,19 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
-        grid = (num_n_blocks, mK.shape[2], mK.shape[0])
+        # varlen: one grid z per sequence; the kernel takes the index tensors (dense: None, no parameter)
+        seq_args = (None, None, None)
+        if const_expr(self.varlen):
+            grid = (num_n_blocks, mK.shape[2], mCuSeqlensQ.shape[0] - 1)
+            seq_args = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK if const_expr(self.has_seqused_k) else None)
+        else:
+            grid = (num_n_blocks, mK.shape[2], mK.shape[0])
         self.kernel(tma_K, tma_V, tma_Q, tma_dO, tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO,
                     mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, num_n_blocks, mQ.shape[1], mK.shape[1],
                     mQ.shape[2] // mK.shape[2], softmax_scale_log2, softmax_scale,
                     mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
                     sK_layout, sV_layout, sQ_layout, sdO_layout, sQt_layout, sdOt_layout, sKt_layout,
-                    sdS_layout, tP_layout, tdS_layout,
+                    sdS_layout, tP_layout, tdS_layout, *seq_args,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -197,7 +224,8 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout,
                sdO_layout: cute.ComposedLayout, sQt_layout: cute.ComposedLayout, sdOt_layout: cute.ComposedLayout,
                sKt_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
-               tdS_layout: cute.ComposedLayout):
+               tdS_layout: cute.ComposedLayout, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+               mSeqUsedK: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(warp_idx // 4)
         storage = SmemAllocator().allocate(self.shared_storage)
@@ -233,11 +261,13 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
 
         if wg_idx == 1:
             cute.arch.setmaxregister_decrease(self.cfg.regs.other)
-            n_block, head_kv, batch, m_min, n_m, n_iter = self._work(num_n_blocks, seqlen_q, seqlen_k, qhead_per_kvhead)
+            n_block, head_kv, batch, m_min, n_m, n_iter, seq = self._work(num_n_blocks, seqlen_q, seqlen_k,
+                                                                       qhead_per_kvhead, mCuSeqlensQ,
+                                                                       mCuSeqlensK, mSeqUsedK)
             if warp_idx == LOAD_WARP:
                 self.load(n_block, head_kv, batch, m_min, n_m, n_iter, qhead_per_kvhead, mbar,
                           tma_K, tma_V, tma_Q, tma_dO, tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO,
-                          sK, sV, sQ, sdO, mma_s, mma_dp)
+                          sK, sV, sQ, sdO, mma_s, mma_dp, seq)
             if warp_idx == MMA_WARP:
                 tmem.allocate(self.tmem.alloc)
                 tmem.relinquish_alloc_permit()
@@ -250,34 +280,57 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
                 tmem.free(tmem_ptr)
         elif wg_idx == 2:
             cute.arch.setmaxregister_decrease(self.cfg.regs.dq)
-            n_block, head_kv, batch, m_min, n_m, n_iter = self._work(num_n_blocks, seqlen_q, seqlen_k, qhead_per_kvhead)
+            n_block, head_kv, batch, m_min, n_m, n_iter, seq = self._work(num_n_blocks, seqlen_q, seqlen_k,
+                                                                       qhead_per_kvhead, mCuSeqlensQ,
+                                                                       mCuSeqlensK, mSeqUsedK)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.dq_drain(n_block, batch, head_kv, m_min, n_m, n_iter, qhead_per_kvhead, seqlen_q, seqlen_k,
-                          mbar, tmem_ptr, mdQacc, mSemaphore, mma_dq)
+            self.dq_drain(n_block, seq, head_kv, m_min, n_m, n_iter, qhead_per_kvhead, mbar, tmem_ptr, mdQacc,
+                          mSemaphore, mma_dq)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc"))
         else:
             cute.arch.setmaxregister_increase(self.cfg.regs.elementwise)
-            n_block, head_kv, batch, m_min, n_m, n_iter = self._work(num_n_blocks, seqlen_q, seqlen_k, qhead_per_kvhead)
+            n_block, head_kv, batch, m_min, n_m, n_iter, seq = self._work(num_n_blocks, seqlen_q, seqlen_k,
+                                                                       qhead_per_kvhead, mCuSeqlensQ,
+                                                                       mCuSeqlensK, mSeqUsedK)
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
-            self.elementwise(n_block, batch, head_kv, m_min, n_m, n_iter, qhead_per_kvhead, seqlen_q, seqlen_k,
+            self.elementwise(n_block, seq, head_kv, m_min, n_m, n_iter, qhead_per_kvhead,
                              softmax_scale_log2, softmax_scale, mbar, tmem_ptr, sdS, sLSE, sD, mLSE2, mD, mdK, mdV,
                              mma_s)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc"))
 
     @cute.jit
-    def _work(self, num_n_blocks: Int32, seqlen_q: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32):
-        """This CTA's K/V tile (the dQ order maps the launch index to n_block) and the Q tiles that
-        see it. Every role computes it after its setmaxnreg: a value live across setmaxnreg is spilled."""
-        bx, head_kv, batch = cute.arch.block_idx()
-        n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
-        m_min, m_max = schedule.m_block_range(n_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal,
-                                              imax=cutlass.max)
-        n_m = cutlass.max(m_max - m_min, 0)
-        return n_block, head_kv, batch, m_min, n_m, n_m * qhead_per_kvhead
+    def _work(self, num_n_blocks: Int32, seqlen_q: Int32, seqlen_k: Int32, qhead_per_kvhead: Int32,
+              mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None, mSeqUsedK: cute.Tensor | None):
+        """This CTA's K/V tile (the dQ order maps the launch index to n_block), the Q tiles that see it
+        and its sequence (a hopper.walk.SeqBounds: tensor batch index, packed offsets, lengths). Every
+        role computes it after its setmaxnreg: a value live across setmaxnreg is spilled.
+        Varlen: the Hopper walk's bounds (a tile past the sequence's keys walks nothing); the batch
+        returned is the tensors' (0), seq.batch the sequence."""
+        if const_expr(self.varlen):
+            seq = self.tile_bounds(num_n_blocks, seqlen_q, seqlen_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            walk = self.make_walk(seq, qhead_per_kvhead)
+            n_block, head_kv, batch, m_min = seq.n_block, seq.head_kv, seq.bidx, walk.m_block_min
+            n_m = cutlass.max(walk.m_block_max - m_min, 0)
+        else:
+            bx, head_kv, batch = cute.arch.block_idx()
+            n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
+            m_min, m_max = schedule.m_block_range(n_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal,
+                                                  imax=cutlass.max)
+            n_m = cutlass.max(m_max - m_min, 0)
+            # dense: one batch index, rows from 0, every key row in use (no value is computed here)
+            seq = SeqBounds(n_block, head_kv, batch, batch, 0, 0, seqlen_q, seqlen_k, seqlen_k)
+        return n_block, head_kv, batch, m_min, n_m, n_m * qhead_per_kvhead, seq
+
+    def _seq_rows(self, t, offset):
+        """A (rows, cols) view of one head from the sequence's first row on: varlen shifts the packed
+        tensor by the sequence's offset (TMA boxes then start there), dense returns it as it is."""
+        if self.varlen:
+            return cute.domain_offset((offset, 0), t)
+        return t
 
     # ------------------------------------------------------------------ load warp
     @cute.jit
@@ -285,10 +338,12 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
              group: Int32, mbar: cute.Pointer, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_Q: cute.Tensor,
              tma_dO: cute.Tensor, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom, tma_atom_Q: cute.CopyAtom,
              tma_atom_dO: cute.CopyAtom, sK: cute.Tensor, sV: cute.Tensor, sQ: cute.Tensor, sdO: cute.Tensor,
-             mma_s: cute.TiledMma, mma_dp: cute.TiledMma):
+             mma_s: cute.TiledMma, mma_dp: cute.TiledMma, seq: SeqBounds):
         thr_s, thr_dp = mma_s.get_slice(0), mma_dp.get_slice(0)
-        gK = cute.local_tile(tma_K[None, None, head_kv, batch], (self.tn, self.d), (None, 0))
-        gV = cute.local_tile(tma_V[None, None, head_kv, batch], (self.tn, self.dv), (None, 0))
+        gK = cute.local_tile(self._seq_rows(tma_K[None, None, head_kv, batch], seq.offset_k), (self.tn, self.d),
+                             (None, 0))
+        gV = cute.local_tile(self._seq_rows(tma_V[None, None, head_kv, batch], seq.offset_k), (self.tn, self.dv),
+                             (None, 0))
         one = cute.make_layout(1)
         tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, one, cute.group_modes(sK, 0, 3),
                                            cute.group_modes(thr_s.partition_A(gK), 0, 3))
@@ -302,8 +357,10 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
             head = head_kv * group + it // n_m
             m_block = m_min + it % n_m
             slot, phase = it % self.stages, (it // self.stages) % 2
-            gQ = cute.local_tile(tma_Q[None, None, head, batch], (self.tm, self.d), (None, 0))
-            gdO = cute.local_tile(tma_dO[None, None, head, batch], (self.tm, self.dv), (None, 0))
+            gQ = cute.local_tile(self._seq_rows(tma_Q[None, None, head, batch], seq.offset_q), (self.tm, self.d),
+                                 (None, 0))
+            gdO = cute.local_tile(self._seq_rows(tma_dO[None, None, head, batch], seq.offset_q), (self.tm, self.dv),
+                                  (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, one, cute.group_modes(sQ, 0, 3),
                                                cute.group_modes(thr_s.partition_B(gQ), 0, 3))
             tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 3),
@@ -398,9 +455,12 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
 
     # ------------------------------------------------------------------ dQ warpgroup
     @cute.jit
-    def dq_drain(self, n_block: Int32, batch: Int32, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
-                 group: Int32, seqlen_q: Int32, seqlen_k: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
-                 mdQacc: cute.Tensor, mSemaphore: cute.Tensor, mma_dq: cute.TiledMma):
+    def dq_drain(self, n_block: Int32, seq: SeqBounds, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
+                 group: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, mdQacc: cute.Tensor, mSemaphore: cute.Tensor,
+                 mma_dq: cute.TiledMma):
+        """dQ rows of each Q tile: TMEM -> registers, then reduce-adds at the tile's rows of the sequence
+        (varlen: packed row offset_q + row; rows past the sequence's end add nothing)."""
+        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         tidx = cute.arch.thread_idx()[0] % 128
         tm, ch = self.tm, 32
         accdQ = self._tmem_acc(tmem_ptr, mma_dq, (tm, self.d), self.tmem.dq)
@@ -422,12 +482,12 @@ class FlashAttentionBackwardSm100(ElementwiseRoles):
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "dq_empty"))
             if const_expr(self.deterministic):
-                sem = common.elem_pointer(mSemaphore, (batch, head, m_block))
+                sem = common.elem_pointer(mSemaphore, (seq.batch, head, m_block))  # varlen: per sequence
                 last = schedule.n_block_last(m_block, tm, self.tn, seqlen_q, seqlen_k, self.causal, imin=cutlass.min)
                 common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), last), tidx)
                 cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
             if row < seqlen_q:
-                g = mdQacc[batch, row, head, None]
+                g = mdQacc[seq.bidx, self._packed_row(row, seq.offset_q), head, None]
                 for j in cutlass.range_constexpr(self.d // 2):
                     common.red_add_f32x2(common.elem_pointer(g, 2 * j), rdq[2 * j], rdq[2 * j + 1])
             if const_expr(self.deterministic):
@@ -444,47 +504,77 @@ def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deter
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
                 dq_order=None, tiles=None):
-    """host.py's make_kernel interface (dense only)."""
+    """host.py's make_kernel interface: dense, or varlen (+ seqused_k), default or deterministic."""
     return make_dense_kernel(FlashAttentionBackwardSm100, make_config, "1-CTA", dtype, head_dim, head_dim_v, causal,
-                             deterministic, varlen=varlen, has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles)
+                             deterministic, varlen=varlen, has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles,
+                             supports_varlen=True)
 
 
 def make_dense_kernel(kernel_cls, make_config_fn, label, dtype, head_dim, head_dim_v, causal, deterministic, *,
-                      varlen, has_seqused_k, dq_order, tiles):
-    """The make_kernel of a Blackwell backward variant (1-CTA, 2-CTA): refuse what it lacks, build its plan."""
-    if varlen or has_seqused_k:
+                      varlen, has_seqused_k, dq_order, tiles, supports_varlen=False):
+    """The make_kernel of a Blackwell backward variant (1-CTA, 2-CTA): refuse what it lacks, build its plan.
+    supports_varlen: the kernel class takes varlen / has_seqused_k (the 1-CTA one)."""
+    if (varlen or has_seqused_k) and not supports_varlen:
         raise ValueError(f"varlen / seqused_k: not implemented in the {label} Blackwell backward yet "
                          "(stage4_bwd_kernel/README.md, Blackwell section)")
+    if has_seqused_k and not varlen:
+        raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
     if tiles not in (None, (128, 128)):
         raise ValueError(f"tiles: the {label} Blackwell backward uses (128, 128) per CTA, got {tiles!r}")
     cfg = make_config_fn(str(dtype).lower().replace("bfloat16", "bf16").replace("float16", "fp16"),
                          head_dim, head_dim_v, causal, deterministic)
-    return kernel_cls(cfg, dq_order=dq_order)
+    if not varlen:
+        return kernel_cls(cfg, dq_order=dq_order)
+    return kernel_cls(cfg, dq_order=blockidx_order(dq_order), varlen=True, has_seqused_k=has_seqused_k)
+
+
+def blockidx_order(dq_order):
+    """The dQ order a Blackwell kernel runs: it reads blockIdx.x through ``n_block_for_launch``. A
+    sectioned order (host.backward's default, which maps the whole launch index with
+    ``tile_for_launch``) runs as its plain base, whose ranks it shares -- what the dense kernel does,
+    and, varlen, what keeps WalkPlan.tile_bounds on blockIdx. ValueError for an order without one."""
+    if dq_order is None or not hasattr(dq_order, "tile_for_launch"):
+        return dq_order
+    for base in getattr(dq_order, "__mro__", ())[1:]:
+        if "n_block_for_launch" in vars(base) and not hasattr(base, "tile_for_launch"):
+            return base
+    raise ValueError(f"dq_order: {getattr(dq_order, 'name', dq_order)!r} maps the whole launch index "
+                     "(tile_for_launch); the Blackwell backward reads blockIdx (n_block_for_launch)")
 
 
 _CACHE: dict = {}
 
 
-def compile_config(cfg: BlackwellBwdConfig, dq_order=None) -> compile_cache.Compiled:
-    """Compile for sm_100a (``--gpu-arch``) with fake tensors; the report adds the tcgen05 counts."""
+def compile_config(cfg: BlackwellBwdConfig, dq_order=None, *, varlen: bool = False,
+                   has_seqused_k: bool = False) -> compile_cache.Compiled:
+    """Compile for sm_100a (``--gpu-arch``) with fake tensors; the report adds the tcgen05 counts.
+    varlen: the packed build (same fake arguments: host.fake_main_args is rank 4 either way)."""
     import re
 
     def atomics(sass, ptx):
         return {"RED": len(re.findall(r"\bREDG?\b[^\n]*\.ADD", sass)) if sass else None,
                 "ptx_red_v2": len(re.findall(r"red\.global\.add\.v2\.f32", ptx)),
                 "ptx_ld_acquire": len(re.findall(r"ld\.global\.acquire\.gpu", ptx))}
-    return compile_cached(FlashAttentionBackwardSm100, cfg, dq_order, _CACHE, atomics)
+    return compile_cached(FlashAttentionBackwardSm100, cfg, dq_order, _CACHE, atomics, varlen=varlen,
+                          has_seqused_k=has_seqused_k)
 
 
-def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, extra_report) -> compile_cache.Compiled:
-    """Compile kernel_cls(cfg) for sm_100a once per (plan, dQ order); extra_report(sass, ptx) -> more counts."""
+def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, extra_report, *, varlen: bool = False,
+                   has_seqused_k: bool = False) -> compile_cache.Compiled:
+    """Compile kernel_cls(cfg) for sm_100a once per (plan, dQ order[, varlen]); extra_report(sass, ptx) -> more
+    counts. varlen / has_seqused_k: only for a class that takes them (the 1-CTA kernel)."""
     from stage4_bwd_kernel import host
 
     dq_order = dq_order or common.default_dq_order(cfg.causal, cfg.deterministic, sections=False)
     key = (cfg.key(), dq_order.name)
+    if varlen:
+        key += ("varlen", bool(has_seqused_k))
     if key in cache:
         return cache[key]
-    kernel = kernel_cls(cfg, dq_order=dq_order)
+    if varlen:
+        kernel = kernel_cls(cfg, dq_order=blockidx_order(dq_order), varlen=True, has_seqused_k=has_seqused_k)
+    else:
+        kernel = kernel_cls(cfg, dq_order=dq_order)
     args = host.fake_main_args(common.cutlass_dtype(cfg.dtype), cfg.head_dim, cfg.head_dim_v)
     fn, rep, sass, ptx = _fwd.compile_sm100(kernel, args)
     rep.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads, tmem_cols_used=cfg.tmem.used,
@@ -495,8 +585,13 @@ def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, e
     return out
 
 
-def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, **kw):
-    return compile_config(make_config(dtype, head_dim, head_dim_v, causal, deterministic, **kw))
+def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, *, varlen=False,
+                 has_seqused_k=False, **kw):
+    """Compile the 1-CTA backward for sm_100a (dense, or varlen with cu_seqlens [+ seqused_k])."""
+    if has_seqused_k and not varlen:
+        raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
+    return compile_config(make_config(dtype, head_dim, head_dim_v, causal, deterministic, **kw), varlen=varlen,
+                          has_seqused_k=has_seqused_k)
 
 
 REPORT_KEYS = ["threads", "registers", "smem_bytes", "tmem_cols_used", "tmem_cols_alloc", "spill_stores",
@@ -536,10 +631,22 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
                          deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order)
 
 
-def attention_varlen_backward(*args, **kwargs):
+def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False, dq=None, dk=None,
+                              dv=None, dq_order=None, return_d=False):
+    """Packed (T, H, D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens (batch + 1,), optional
+    seqused_k (batch,) -> (dq, dk, dv) (+ D with return_d, as the Hopper one) on a Blackwell (capability 10.x) GPU, through host.backward (the
+    Hopper varlen backward's preprocess / postprocess). UNVERIFIED: compiled for sm_100a and checked
+    structurally, never run."""
     if not blackwell_gpu_available():
-        raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU")
-    raise NotImplementedError("varlen: not implemented in the Blackwell backward yet (see the Blackwell section of README.md)")
+        raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU; use compile_only(varlen=True) "
+                           "elsewhere, or stage4_bwd_kernel.hopper on an H100")
+    from stage4_bwd_kernel import host
+
+    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
+                         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                         seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
+                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, return_d=return_d)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@ WG 0, thread r = key r = TMEM lane r: lse2 / D to SMEM, P^T = exp2(S^T * scale_l
 mask hoisted to one threshold column, dS = P (dP - D) to TMEM (for dK) and SMEM (for dQ), and at the
 end dV and scale * dK from TMEM to global memory. A mixin, so the kernel class keeps the MMA, load and
 dQ roles and the pipeline wiring. It reads the kernel's ``tm``, ``tn``, ``d``, ``dv``, ``dtype``,
-``causal``, ``tmem`` and its helpers ``_bar`` and ``_tmem_acc``.
+``causal``, ``varlen``, ``tmem`` and its helpers ``_bar`` and ``_tmem_acc``.
+
+Varlen (the 1-CTA kernel): lse2 / D rows start at the sequence's ``common.stats_offset`` (the
+preprocess's varlen layout), dK / dV rows at its offset_k; the guards stay in the sequence's own
+coordinates (row < seqlen_q, key < its key rows), so nothing lands in the next sequence's rows.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import tcgen05
 
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
-from stage4_bwd_kernel import schedule
+from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_config import mask_col_min
 
 BAR_STATS = 2        # WG 0: sLSE / sD written / consumed (named barrier id)
@@ -24,6 +28,23 @@ class ElementwiseRoles:
     """Device code of the backward's elementwise warpgroup: P^T, dS^T / dS and the dK / dV epilogue."""
 
     # ------------------------------------------------------------------ elementwise warpgroup
+    def _packed_row(self, row, offset):
+        """Row `row` of the sequence in its tensor: varlen adds the sequence's first packed row; dense
+        (offset unused) emits nothing, so the dense builds trace exactly as before."""
+        if self.varlen:
+            return offset + row
+        return row
+
+    def _dkdv_keeps(self, key_g, seqlen_k):
+        """Whether the epilogue stores key key_g's dK / dV row: keys of the sequence only (a partial last
+        K/V tile reads the next sequence's keys, or TMA's zeros, and must not write over them)."""
+        return key_g < seqlen_k
+
+    def _dkdv_dst(self, mOut, batch, key_g, head_kv, c, offset_k):
+        """The 32 global elements chunk c of key key_g's dK / dV row is stored to (key_g counted in the
+        sequence; varlen: packed row offset_k + key_g). Plain Python: the layout check evaluates it."""
+        return cute.local_tile(mOut[batch, self._packed_row(key_g, offset_k), head_kv, None], (32,), (c,))
+
     def _row_copies(self, accS: cute.Tensor, tidx):
         """TMEM <-> register copies of one 128-lane fp32 accumulator (thread r = lane r): 32-column
         loads, and stores of 32 16-bit values packed into 16 columns. Shared with the 2-CTA kernel."""
@@ -40,13 +61,15 @@ class ElementwiseRoles:
 
     @cute.jit
     def _stage_stats(self, tidx: Int32, batch: Int32, head: Int32, m_block: Int32, seqlen_q: Int32,
-                     mLSE2: cute.Tensor, mD: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor):
-        """lse2 / D of this Q tile -> SMEM (rows past the sequence: lse2 = +inf -> P = 0, D = 0)."""
+                     mLSE2: cute.Tensor, mD: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, stats_row0=None):
+        """lse2 / D of this Q tile -> SMEM (rows past the sequence: lse2 = +inf -> P = 0, D = 0).
+        stats_row0 (varlen): the sequence's first row in the preprocess's lse2 / D rows."""
         cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
         row = m_block * self.tm + tidx
         lse2, dsum = Float32.inf, Float32(0.0)
         if row < seqlen_q:
-            lse2, dsum = mLSE2[batch, head, row], mD[batch, head, row]
+            srow = self._packed_row(row, stats_row0)
+            lse2, dsum = mLSE2[batch, head, srow], mD[batch, head, srow]
         sLSE[tidx], sD[tidx] = lse2, dsum
         cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
 
@@ -84,12 +107,13 @@ class ElementwiseRoles:
                  seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, mbar: cute.Pointer,
                  accS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                  sub, ld: cute.TiledCopy, st16: cute.TiledCopy, thr_ld, thr_st, r_shape: cutlass.Constexpr,
-                 r16_shape: cutlass.Constexpr) -> cute.Tensor:
+                 r16_shape: cutlass.Constexpr, stats_row0=None) -> cute.Tensor:
         """The elementwise warpgroup's first half of a Q tile (both kernels): lse2 / D -> SMEM, wait for
         S^T, P^T row (thread = key) = exp2(S^T * scale_log2 - lse2), masked -> 0, in registers (returned)
-        and as 16-bit P^T in TMEM, fenced for the MMA; the caller signals p_full its own way."""
+        and as 16-bit P^T in TMEM, fenced for the MMA; the caller signals p_full its own way.
+        seqlen_q / seqlen_k: the sequence's (varlen: its keys in use), stats_row0 as _stage_stats."""
         tm, tn, T, ch = self.tm, self.tn, self.tmem, 32
-        self._stage_stats(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD)
+        self._stage_stats(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD, stats_row0)
         key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
         need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
         cute.arch.mbarrier_wait(self._bar(mbar, "s_full"), it % 2)
@@ -106,9 +130,10 @@ class ElementwiseRoles:
     @cute.jit
     def _store_dkdv(self, key: Int32, n_block: Int32, batch: Int32, head_kv: Int32, n_iter: Int32, seqlen_k: Int32,
                     softmax_scale: Float32, tmem_ptr: cute.Pointer, accS: cute.Tensor, sub, ld: cute.TiledCopy,
-                    thr_ld, r_shape: cutlass.Constexpr, mdK: cute.Tensor, mdV: cute.Tensor):
+                    thr_ld, r_shape: cutlass.Constexpr, mdK: cute.Tensor, mdV: cute.Tensor, offset_k=None):
         """Epilogue: dV, scale * dK (fp32 TMEM, lane = key) -> 16-bit global rows (keys past seqlen_k skipped;
-        a K/V tile that no Q tile sees writes zeros)."""
+        a K/V tile that no Q tile sees writes zeros). Varlen: seqlen_k is the sequence's key rows (keys
+        past seqused_k get zeros), the row offset_k + key of the packed tensor."""
         T, ch = self.tmem, 32
         key_g = n_block * self.tn + key
         for which in cutlass.range_constexpr(2):
@@ -127,16 +152,20 @@ class ElementwiseRoles:
                     if n_iter == 0:
                         v = Float32(0.0)
                     out[j] = v.to(self.dtype)
-                if key_g < seqlen_k:
-                    g = cute.local_tile(mOut[batch, key_g, head_kv, None], (ch,), (c,))
-                    cute.autovec_copy(out, g)
+                if self._dkdv_keeps(key_g, seqlen_k):
+                    cute.autovec_copy(out, self._dkdv_dst(mOut, batch, key_g, head_kv, c, offset_k))
 
     @cute.jit
-    def elementwise(self, n_block: Int32, batch: Int32, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
-                    group: Int32, seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32,
-                    softmax_scale: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, sdS: cute.Tensor,
-                    sLSE: cute.Tensor, sD: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor, mdK: cute.Tensor,
-                    mdV: cute.Tensor, mma_s: cute.TiledMma):
+    def elementwise(self, n_block: Int32, seq, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
+                    group: Int32, softmax_scale_log2: Float32, softmax_scale: Float32, mbar: cute.Pointer,
+                    tmem_ptr: cute.Pointer, sdS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, mLSE2: cute.Tensor,
+                    mD: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor, mma_s: cute.TiledMma):
+        """The 1-CTA kernel's WG 0 over its walk; seq: the CTA's hopper.walk.SeqBounds (tensor batch
+        index, packed offsets, the sequence's lengths)."""
+        batch, seqlen_q, seqlen_k = seq.bidx, seq.seqlen_q, seq.seqlen_k
+        stats_row0 = None
+        if const_expr(self.varlen):
+            stats_row0 = common.stats_offset(seq.offset_q, seq.batch)
         tidx = cute.arch.thread_idx()[0] % 128
         tm, tn, T = self.tm, self.tn, self.tmem
         ch = 32                                    # fp32 columns per TMEM load
@@ -150,7 +179,8 @@ class ElementwiseRoles:
             m_block = m_min + it % n_m
             # 1.-2. lse2 / D -> SMEM; P^T row -> registers and (16-bit) -> TMEM
             rP = self._p_phase(it, tidx, batch, head, m_block, n_block, seqlen_q, seqlen_k, softmax_scale_log2,
-                               mbar, accS, sLSE, sD, mLSE2, mD, sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape)
+                               mbar, accS, sLSE, sD, mLSE2, mD, sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape,
+                               stats_row0)
             cute.arch.mbarrier_arrive(self._bar(mbar, "p_full"))
             # 3. dS = P (dP - D) in 32-column chunks; dS^T -> TMEM over the dP^T chunks already read
             #    (for dK), dS -> SMEM (for dQ). S^T(it + 1) may already be running meanwhile.
@@ -179,8 +209,8 @@ class ElementwiseRoles:
         if n_iter > 0:
             cute.arch.mbarrier_wait(self._bar(mbar, "dkv_full"), 0)
             tcgen05_fence_after_sync()
-        self._store_dkdv(Int32(key), n_block, batch, head_kv, n_iter, seqlen_k, softmax_scale, tmem_ptr, accS, sub, ld,
-                         thr_ld, r_shape, mdK, mdV)
+        self._store_dkdv(Int32(key), n_block, batch, head_kv, n_iter, seq.seqlen_k_rows, softmax_scale, tmem_ptr, accS,
+                         sub, ld, thr_ld, r_shape, mdK, mdV, seq.offset_k)
 
     @cute.jit
     def _store16(self, rP: cute.Tensor, off: cutlass.Constexpr[int], n: cutlass.Constexpr[int],

@@ -249,13 +249,14 @@ def test_preprocess_postprocess_compile_for_sm100a():
 
 @pytest.mark.compile
 @pytest.mark.stage4
-def test_make_kernel_refuses_varlen():
+def test_make_kernel_varlen_flags():
     from stage4_bwd_kernel import blackwell_bwd  # first: the package sets CUTE_DSL_ARCH before cutlass loads
 
     import cutlass
 
-    with pytest.raises(ValueError, match=r"varlen"):
-        blackwell_bwd.make_kernel(cutlass.BFloat16, 128, 128, False, False, varlen=True)
+    assert blackwell_bwd.make_kernel(cutlass.BFloat16, 128, 128, False, False, varlen=True).varlen
+    with pytest.raises(ValueError, match=r"seqused_k"):
+        blackwell_bwd.make_kernel(cutlass.BFloat16, 128, 128, False, False, has_seqused_k=True)
     k = blackwell_bwd.make_kernel(cutlass.BFloat16, 128, 128, True, False)
     assert (k.tile_m, k.tile_n, k.cfg.dtype) == (128, 128, "bf16")
 
