@@ -46,12 +46,6 @@ import, so a miss in memory consults the disk before compiling, and a fresh comp
 back. The stage modules stay unaware of fa4 (the layering rule: fa4 composes the stages, never
 the reverse).
 
-The write-back waits: a fresh kernel is exported and written at the next disk lookup (the next
-kernel this process needs), before a launch plan links it, when `stats()` is asked, or at exit
-(`flush_pending`) -- so the call that compiled it launches without the export on its path (0.2-0.6 s
-a kernel on an H200 machine's CPU). A process that dies before then leaves the kernel to be
-compiled again by the next one.
-
 Environment: FA4_CACHE=0 disables the disk (memory only); FA4_CACHE_DIR moves it.
 """
 from __future__ import annotations
@@ -66,7 +60,6 @@ import pathlib
 import shutil
 import sys
 import tempfile
-import atexit
 import threading
 import warnings
 from typing import Any, Callable, Iterable, Optional
@@ -76,8 +69,6 @@ KERNEL_PACKAGES = ("stage2_emulated_exp", "stage3_fwd_kernel", "stage4_bwd_kerne
 
 _STATS = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "store_errors": 0}
 _LOCK = threading.Lock()
-_PENDING: list = []  # (DiskCache, key, compiled fn, report): compiled, offered, not written yet
-_PENDING_LOCK = threading.Lock()
 
 
 def enabled() -> bool:
@@ -405,7 +396,6 @@ class DiskStore:
     def load(self, key, rebuild: Callable):
         """The kernel of `key` from disk, as a compile-cache entry whose function is guarded for its
         first call (see `_FirstCallGuard`); None on a miss or for keys that never go to disk."""
-        flush_pending()
         store = disk() if persistable(key) else None
         hit = store.load(key) if store is not None else None
         if hit is None:
@@ -430,32 +420,16 @@ class DiskStore:
             _STATS["misses"] += 1
         store = disk() if persistable(key) else None
         if store is not None:
-            with _PENDING_LOCK:
-                _PENDING.append((store, key, compiled.fn, compiled.log_report))
+            store.store(key, compiled.fn, compiled.log_report)
 
 
 STORE = DiskStore()
-
-
-def flush_pending() -> None:
-    """Export and write every kernel offered since the last flush (see the module docstring)."""
-    while True:
-        with _PENDING_LOCK:
-            if not _PENDING:
-                return
-            store, key, fn, report = _PENDING.pop(0)
-        store.store(key, fn, report)
-
-
-atexit.register(flush_pending)
 
 
 # ---------------------------------------------------------------------------------------------
 # reporting / housekeeping
 # ---------------------------------------------------------------------------------------------
 def stats() -> dict:
-    """The counters; pending writes are made first, so "stores" counts every kernel compiled so far."""
-    flush_pending()
     with _LOCK:
         return dict(_STATS)
 

@@ -361,7 +361,6 @@ def _kernel_entry(key, cute_arch: str) -> dict:
     khash = _cache.key_hash(key) if _cache.persistable(key) else None
     if khash is None:
         raise Unrecordable(f"kernel {key[:3]!r}... is not kept on disk")
-    _cache.flush_pending()  # a kernel compiled by this process may not be written yet
     obj = _cache.DiskCache(_cache.cache_dir(cute_arch)).read_verified(khash)
     if obj is None:
         raise Unrecordable(f"kernel {khash} is not in the disk cache")

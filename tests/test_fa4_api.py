@@ -929,12 +929,9 @@ def test_cache_store_memory_disk_and_rebuild(cache_dir, monkeypatch, stage_cache
     assert cc.get_store() is _cache.STORE
     key = ("stepX", "gpu", "BFloat16", 64, 64, False)
 
-    # process 1: compiled, used, written to disk -- after the call: the write waits for the next disk
-    # lookup, a plan, stats() or exit, so the compiling call launches without the export on its path
+    # process 1: compiled, used, written to disk
     comp = cc.compile_cached(key, lambda: _FakeCompiled("compiled"))
     assert comp.fn() == "compiled" and builds == [key]
-    assert len(list(_cache.cache_dir().glob("*.o"))) == 0
-    _cache.flush_pending()
     assert len(list(_cache.cache_dir().glob("*.o"))) == 1
     hits = _cache.stats()["memory_hits"]
     assert cc.compile_cached(key, lambda: 1 / 0).fn() == "compiled"  # memory hit, no build
