@@ -61,6 +61,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from stage0_reference.validation import check_softcap
+from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
+
 __all__ = [
     "SMEM_CAPACITY",
     "TMEM_COLUMNS",
@@ -225,6 +228,16 @@ class BlackwellFwdConfig:
     p_store_chunks: int = 4
     p_first_chunks: int = 3
 
+    # the score variants (compile-time): the window beyond causal (components.window.beyond_causal:
+    # causal stays the `causal` flag), softcap (0 = off), and whether a learnable sink is passed
+    window: Window = NO_WINDOW
+    softcap: float = 0.0
+    sink: bool = False
+
+    @property
+    def plain(self) -> bool:
+        return self.window == NO_WINDOW and self.softcap == 0.0 and not self.sink
+
     @property
     def cta_tile_m(self) -> int:
         return self.q_tiles_per_cta * self.tile_m
@@ -244,8 +257,10 @@ class BlackwellFwdConfig:
 
     def key(self) -> tuple:
         """Everything that changes the compiled code (the compile-cache key)."""
-        return (self.head_dim, self.head_dim_v, self.dtype, self.causal, self.q_tiles_per_cta,
+        base = (self.head_dim, self.head_dim_v, self.dtype, self.causal, self.q_tiles_per_cta,
                 self.tile_m, self.tile_n, self.kv_stages, self.emulation_fraction, self.rescale_threshold)
+        # plain builds keep their keys (and any stored compile) unchanged
+        return base if self.plain else base + ("variant",) + tuple(self.window) + (self.softcap, self.sink)
 
     def summary(self) -> str:
         return (f"Blackwell fwd {self.dtype} d={self.head_dim}/{self.head_dim_v} causal={self.causal}: "
@@ -253,7 +268,9 @@ class BlackwellFwdConfig:
                 f"TMEM {self.tmem.used}/{self.tmem.alloc} cols, SMEM {self.smem.total} B "
                 f"({self.kv_stages} K/V slots{', sO over sQ' if self.smem.o_overlaps_q else ''}), "
                 f"regs softmax/correction/other = {self.regs.softmax}/{self.regs.correction}/{self.regs.other}, "
-                f"exp2 emulated {self.emulation_fraction:g}, tau {self.rescale_threshold:g}")
+                f"exp2 emulated {self.emulation_fraction:g}, tau {self.rescale_threshold:g}"
+                + ("" if self.plain else f", window {tuple(self.window)}, softcap {self.softcap:g}, "
+                                         f"sink {self.sink}"))
 
 
 def _num_barriers(q_tiles: int, kv_stages: int) -> int:
@@ -285,9 +302,14 @@ def _tmem_plan(q_tiles, tile_n, dv) -> TmemPlan:
 def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal: bool,
                          q_tiles_per_cta: int = 2, tile_m: int = 128, tile_n: int = 128,
                          kv_stages: int | None = None, emulation_fraction: float = 0.125,
-                         rescale_threshold: float = 8.0,
+                         rescale_threshold: float = 8.0, window_size=(None, None), softcap: float = 0.0,
+                         learnable_sink: bool = False,
                          check_kernel_support: bool = True) -> BlackwellFwdConfig:
     """Plan one Blackwell forward configuration; raise ValueError naming the budget that fails.
+
+    Variants (compile-time, checked as the Hopper forward checks them): window_size (left, right),
+    None or -1 unlimited (causal is right = 0); softcap >= 0 (0 = off); learnable_sink, a bool: built
+    to take a (Hq,) fp32 sink tensor.
 
     Checks run in this order: arguments, TMEM, SMEM, registers, and then (unless
     ``check_kernel_support=False``, for budget exploration) whether ``blackwell_fwd.py``
@@ -314,6 +336,11 @@ def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
     if dt == "fp16" and rescale_threshold > FP16_MAX_THRESHOLD:
         raise ValueError(f"rescale_threshold: P can reach 2^tau and fp16 overflows past 65504, so "
                          f"tau <= {FP16_MAX_THRESHOLD:g} for fp16, got {rescale_threshold!r}")
+    window = beyond_causal(bool(causal), window_size)  # TypeError / ValueError naming window_size
+    softcap = check_softcap(softcap)                    # TypeError / ValueError naming softcap
+    if not isinstance(learnable_sink, bool):
+        raise TypeError(f"learnable_sink: expected a bool (build for a (Hq,) sink tensor) here, got "
+                        f"{type(learnable_sink).__name__}")
 
     # 2. TMEM: S and O of every Q tile side by side (P, scale and final stats live inside S)
     tmem = _tmem_plan(q_tiles_per_cta, tile_n, dv)
@@ -356,7 +383,8 @@ def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
     cfg = BlackwellFwdConfig(head_dim=head_dim, head_dim_v=dv, dtype=dt, causal=bool(causal),
                              q_tiles_per_cta=q_tiles_per_cta, tile_m=tile_m, tile_n=tile_n,
                              kv_stages=kv_stages, emulation_fraction=float(emulation_fraction),
-                             rescale_threshold=float(rescale_threshold), tmem=tmem, smem=smem, regs=regs)
+                             rescale_threshold=float(rescale_threshold), tmem=tmem, smem=smem, regs=regs,
+                             window=window, softcap=softcap, sink=learnable_sink)
 
     # 5. what blackwell_fwd.py implements
     if check_kernel_support:

@@ -89,8 +89,10 @@ from stage3_fwd_kernel.blackwell_softmax import SoftmaxCorrectionRoles
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.components.mask import AttentionMask
+from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import Window
 from stage3_fwd_kernel.components.work_tile import SequenceInfo, locate_tile
+from stage3_fwd_kernel.hopper.host import _nothing_visible, make_variant  # the same checks and empty-key rule
 from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
 
 # The process target is the package's (sm_90a without a GPU, so Hopper kernels compiled in the
@@ -127,8 +129,13 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         self.num_q = config.q_tiles_per_cta
         self.stages = config.kv_stages
         self.causal = config.causal
-        self.window = Window(None, 0 if config.causal else None)  # components.window: causal = right edge 0
+        # the keys a row sees (components.window): causal is a right edge at 0; a left window
+        # makes every role walk key blocks [n_block_min, n_block_max) instead of [0, n_block_max)
+        self.window = Window(config.window.left, 0 if config.causal else config.window.right)
+        self.left_window = self.window.left is not None  # a plain bool: the protocol checker reads it
         self.mask = AttentionMask(self.window, config.tile_n)
+        self.score_mod = Softcap(config.softcap)  # components.score_mod: tanh on S in the softmax warps
+        self.sink = config.sink                   # components.sink: the correction's final O / l and lse
         self.policy = SoftmaxPolicy(rescale_threshold=config.rescale_threshold,
                                     emulation_fraction=config.emulation_fraction)
         self.policy.check_dtype(self.dtype)
@@ -144,14 +151,20 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale_log2: Float32,
                  mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
-                 max_seqlen_q: Int32 | None, stream):
+                 max_seqlen_q: Int32 | None, score_scale: Float32 | None, mSink: cute.Tensor | None, stream):
         """Dense: mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         mLSE (B, Hq, Sq). Varlen: mQ (Tq, Hq, d), mK / mV (Tk, Hkv, *), mO (Tq, Hq, dv),
-        mLSE (Hq, Tq), cu_seqlens int32 (B + 1,), max_seqlen_q a runtime int."""
+        mLSE (Hq, Tq), cu_seqlens int32 (B + 1,), max_seqlen_q a runtime int. Variants: score_scale
+        the softcap's tanh input scale (Softcap.kernel_scales; softmax_scale_log2 is then softcap *
+        log2 e), None without softcap; mSink fp32 (Hq,) sink logits, None without a sink."""
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must share the kernel's dtype")
         if const_expr(self.varlen != (mCuSeqlensQ is not None)):
             raise TypeError("varlen kernels take cu_seqlens_q / cu_seqlens_k, dense ones None")
+        if const_expr(self.score_mod.on != (score_scale is not None)):
+            raise TypeError("score_scale: softcap kernels take the tanh's input scale, others None")
+        if const_expr(self.sink != (mSink is not None)):
+            raise TypeError("learnable_sink: sink kernels take an fp32 (Hq,) tensor, others None")
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
         # 1. views the TMA and MMA want
         mQ, mK, mV, mO = self.gmem_views(mQ, mK, mV, mO)
@@ -211,7 +224,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         self.kernel(tma_Q, tma_K, tma_V, tma_O, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale_log2,
                     mQ.shape[0], mK.shape[0], mQ.shape[2] // mK.shape[2],
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout,
+                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, score_scale, mSink,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def gmem_views(self, mQ, mK, mV, mO):
@@ -309,7 +322,8 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tma_atom_O: cute.CopyAtom | None, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
-               tP_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout):
+               tP_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, score_scale: Float32 | None,
+               mSink: cute.Tensor | None):
         roles, nq = self.roles, self.num_q
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -363,12 +377,12 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         if wg_idx == 3:
             # ---------------------------------------------------------------- MMA / load / epilogue
             cute.arch.setmaxregister_decrease(self.cfg.regs.other)
-            t, n_blocks, tile_valid = tile()
+            t, n_block_min, n_blocks, tile_valid = tile()
             if warp_idx == roles.load:
                 if tile_valid:
                     self.load(t.m_block, t.head, t.head_kv, t.batch, t.offset_q, t.offset_k, n_blocks, mbar,
                               tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV,
-                              thr_mma_qk, thr_mma_pv)
+                              thr_mma_qk, thr_mma_pv, n_block_min=n_block_min)
             if warp_idx == roles.mma:
                 tmem.allocate(self.tmem.alloc)
                 tmem.relinquish_alloc_permit()
@@ -386,23 +400,23 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         elif wg_idx == 2:
             # ---------------------------------------------------------------- correction warpgroup
             cute.arch.setmaxregister_decrease(self.cfg.regs.correction)
-            t, n_blocks, tile_valid = tile()
+            t, _, n_blocks, tile_valid = tile()
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if tile_valid:
                 self.correction(t.m_block, t.head, t.batch, t.offset_q, t.seqlen_q, n_blocks, softmax_scale_log2,
-                                mbar, tmem_ptr, sO, mLSE, thr_mma_qk, thr_mma_pv)
+                                mbar, tmem_ptr, sO, mLSE, thr_mma_qk, thr_mma_pv, mSink=mSink)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
         else:
             # ---------------------------------------------------------------- softmax warpgroups
             cute.arch.setmaxregister_increase(self.cfg.regs.softmax)
-            t, n_blocks, tile_valid = tile()
+            t, n_block_min, n_blocks, tile_valid = tile()
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             if tile_valid:
                 self.softmax(t.m_block, t.seqlen_q, t.seqlen_k, n_blocks, softmax_scale_log2,
-                             mbar, tmem_ptr, thr_mma_qk)
+                             mbar, tmem_ptr, thr_mma_qk, score_scale=score_scale, n_block_min=n_block_min)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
 
@@ -424,24 +438,34 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     @cute.jit
     def _tile_info(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                    seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32):
-        """This CTA's AttentionTile (components.work_tile), its key-block count, and whether it has
-        rows at all: the same arithmetic in every role (they must agree on the loop counts, or a
-        barrier phase goes out of step)."""
+        """This CTA's AttentionTile (components.work_tile), the first key block it walks (None
+        without a left window: block 0), how many it walks, and whether it has rows at all: the same
+        arithmetic in every role (they must agree on the walk, or a barrier phase goes out of step)."""
         work = self.scheduler.initial_work()
         seq = SequenceInfo(seqlen_q_static, seqlen_k_static, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK,
                            None, None)
         tile = locate_tile(seq, work.m_block, work.head, work.batch)
         tile_valid = tile.m_block * self.cfg.cta_tile_m < tile.seqlen_q  # varlen: the sequence may be shorter
-        return tile, self._num_n_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k), tile_valid
+        n_block_min, n_blocks = self._key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k)
+        return tile, n_block_min, n_blocks, tile_valid
 
     @cute.jit
-    def _num_n_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
-        """Key blocks the CTA's 256 query rows visit (both tiles visit the same ones, so every role
-        runs the same loop count). At least 1, so that rows seeing nothing still run the pipeline
-        once (P = 0, O = 0, lse = -inf)."""
-        n = block_range.num_key_blocks(m_block, seqlen_q, seqlen_k, tile_m=self.cfg.cta_tile_m, tile_n=self.tn,
-                                       window=self.window)
-        return cutlass.max(n, 1)
+    def _key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        """(n_block_min or None, n_blocks): the key blocks [n_block_min, n_block_min + n_blocks) the
+        CTA's 256 query rows visit (both tiles visit the same ones, so every role runs the same
+        walk). At least 1, so that rows seeing nothing still run the pipeline once (P = 0, O = 0,
+        lse = -inf or the sink); the walk is empty only when n_block_max = 0 (and so n_block_min),
+        so that one block is block 0."""
+        n_block_max = block_range.num_key_blocks(m_block, seqlen_q, seqlen_k, tile_m=self.cfg.cta_tile_m,
+                                                 tile_n=self.tn, window=self.window)
+        n_block_min = block_range.first_key_block(m_block, seqlen_q, seqlen_k, n_block_max,
+                                                  tile_m=self.cfg.cta_tile_m, tile_n=self.tn, window=self.window)
+        return n_block_min, cutlass.max(block_range.blocks_walked(n_block_min, n_block_max), 1)
+
+    @staticmethod
+    def _key_block(n_block_min, j):
+        """The key block of walk step j (phases and ring slots count j from the walk's start)."""
+        return j if n_block_min is None else n_block_min + j
 
     def _ring(self, load_idx):
         """K_j is the (2j)-th load of the ring, V_j the (2j+1)-th: slot and phase parity."""
@@ -468,7 +492,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
              offset_k: Int32, n_blocks: Int32, mbar: cute.Pointer, tma_Q: cute.Tensor, tma_K: cute.Tensor,
              tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
              tma_atom_V: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-             thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma):
+             thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma, n_block_min: Int32 | None = None):
         if const_expr(not self.varlen):
             mQ_cur = tma_Q[None, None, head, batch]      # (sq, d)
             mK_cur = tma_K[None, None, head_kv, batch]   # (sk, d)
@@ -493,12 +517,13 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
             cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_q + i], tQsQ[None, i],
                       tma_bar_ptr=self._bar(mbar, "q_full", i))
             if const_expr(i == 0):
-                self.load_kv(0, 0, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
-        self.load_kv(1, 0, mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
-        # 2. K_j, V_j as ring slots free up
+                self.load_kv(0, self._key_block(n_block_min, 0), mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
+        self.load_kv(1, self._key_block(n_block_min, 0), mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
+        # 2. K_j, V_j as ring slots free up (load j of the walk: slot and phase count from its start)
         for j in cutlass.range(1, n_blocks, unroll=1):
-            self.load_kv(2 * j, j, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
-            self.load_kv(2 * j + 1, j, mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
+            n_block = self._key_block(n_block_min, j)
+            self.load_kv(2 * j, n_block, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
+            self.load_kv(2 * j + 1, n_block, mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
 
     @cute.jit
     def load_kv(self, load_idx: Int32, n_block: Int32, mbar: cute.Pointer, tma_atom: cute.CopyAtom,
@@ -623,8 +648,12 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
 # ------------------------------------------------------------------------------------------------
 # Host API
 # ------------------------------------------------------------------------------------------------
-def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, **kw) -> BlackwellFwdConfig:
-    return blackwell_fwd_config(head_dim, head_dim_v, dtype, causal=causal, **kw)
+def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, window_size=(None, None),
+                softcap: float = 0.0, learnable_sink: bool = False, **kw) -> BlackwellFwdConfig:
+    """The plan of one build; the variants (window_size, softcap, learnable_sink: a bool, built for a
+    sink) are checked by blackwell_fwd_config (TypeError / ValueError naming the argument)."""
+    return blackwell_fwd_config(head_dim, head_dim_v, dtype, causal=causal, window_size=window_size,
+                                softcap=softcap, learnable_sink=learnable_sink, **kw)
 
 
 def _fake_varlen(dtype, dim):
@@ -637,14 +666,18 @@ def fake_args(cfg: BlackwellFwdConfig, varlen: bool):
     dt = host_io.cutlass_dtype(cfg.dtype)
     d, dv = cfg.head_dim, cfg.head_dim_v
     stream = cute.runtime.make_fake_stream()
+    # the variants' arguments: None in builds without them (no kernel parameter)
+    score_scale = Float32(1.0) if cfg.softcap else None
+    sink = host_io.fake_f32_vector() if cfg.sink else None
     if not varlen:
         return (host_io.fake_bshd(dt, d), host_io.fake_bshd(dt, d), host_io.fake_bshd(dt, dv),
-                host_io.fake_bshd(dt, dv), host_io.fake_lse(), Float32(1.0), None, None, None, stream)
+                host_io.fake_bshd(dt, dv), host_io.fake_lse(), Float32(1.0), None, None, None, score_scale, sink,
+                stream)
     cu = lambda: cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)  # noqa: E731
     lse = cute.runtime.make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()),
                                         stride=(cute.sym_int64(), 1), assumed_align=4)
     return (_fake_varlen(dt, d), _fake_varlen(dt, d), _fake_varlen(dt, dv), _fake_varlen(dt, dv), lse,
-            Float32(1.0), cu(), cu(), Int32(1), stream)
+            Float32(1.0), cu(), cu(), Int32(1), score_scale, sink, stream)
 
 
 _CACHE: dict = {}
@@ -733,7 +766,8 @@ def format_report(name: str, rep: dict) -> str:
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, varlen=False,
                  scheduler=tile_scheduler.StaticTileScheduler, **kw) -> compile_cache.Compiled:
-    """Compile for sm_100a with fake tensors (no GPU needed)."""
+    """Compile for sm_100a with fake tensors (no GPU needed). kw: make_config's, e.g. the variants
+    window_size=(left, right), softcap=float, learnable_sink=True (built to take the sink tensor)."""
     return compile_config(make_config(dtype, head_dim, head_dim_v, causal, **kw), varlen, scheduler=scheduler)
 
 
@@ -746,31 +780,49 @@ def blackwell_gpu_available() -> bool:
         return False
 
 
-def _launch_args(q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seqlen_q=None):
+def _launch_args(q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seqlen_q=None, softcap=0.0,
+                 sink=None):
     import torch
     from cuda.bindings import driver as cuda
 
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     varlen = cu_q is not None
+    # softcap folds the scales around the tanh (components.score_mod); without it score_scale is None
+    scale_log2, score_scale = Softcap(softcap).kernel_scales(softmax_scale)
     return (host_io.to_cute(q), host_io.to_cute(k), host_io.to_cute(v), host_io.to_cute(out),
-            host_io.to_cute(lse, assumed_align=4), Float32(softmax_scale * host_io.LOG2_E),
+            host_io.to_cute(lse, assumed_align=4), Float32(scale_log2),
             host_io.to_cute(cu_q, assumed_align=4) if varlen else None,
             host_io.to_cute(cu_k, assumed_align=4) if varlen else None,
-            Int32(max_seqlen_q) if varlen else None, stream)
+            Int32(max_seqlen_q) if varlen else None, Float32(score_scale) if softcap else None,
+            host_io.to_cute(sink, assumed_align=4) if sink is not None else None, stream)
 
 
-def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, lse=None, scheduler=None, **cfg_kw):
-    """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 on a Blackwell GPU ->
-    (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32). scheduler: the tile order (None: the static grid; fa4
-    passes stage 5's LPT order for long causal calls). UNVERIFIED: never run on hardware here."""
+def _check_variants(q, causal, window_size, softcap, learnable_sink):
+    """make_config's variant keywords and the sink tensor (fp32 (Hq,) on q's device, or None),
+    checked as the Hopper forward checks them (hopper.host.make_variant: errors name the argument)."""
     import torch
 
+    if not isinstance(q, torch.Tensor) or q.dim() < 3:
+        raise TypeError(f"q: expected a torch tensor (..., heads, dim), got {type(q).__name__}")
+    variant, sink = make_variant(causal, window_size, softcap, learnable_sink, q.shape[-2], q.device)
+    return dict(window_size=tuple(variant.window), softcap=variant.softcap, learnable_sink=variant.sink), sink
+
+
+def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                      learnable_sink=None, out=None, lse=None, scheduler=None, **cfg_kw):
+    """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 on a Blackwell GPU ->
+    (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32). scheduler: the tile order (None: the static grid; fa4
+    passes stage 5's LPT order for long causal calls). Variants as the Hopper forward's: window_size
+    (left, right), softcap, learnable_sink (Hq,) floating. UNVERIFIED: never run on hardware here."""
+    import torch
+
+    variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)  # before the GPU check
     if not blackwell_gpu_available():
         raise RuntimeError("attention_forward needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
     q, k, v = host_io.prepare_inputs(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
-    cfg = make_config(str(q.dtype), d, dv, causal, **cfg_kw)  # ValueError before any compile
+    cfg = make_config(str(q.dtype), d, dv, causal, **variants, **cfg_kw)  # ValueError before any compile
     tile_scheduler.check_grid(scheduler, -(-sq // cfg.cta_tile_m), hq, b)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
@@ -778,20 +830,20 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, out=None, ls
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
     if k.shape[1] == 0:
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return out, lse
-    args = _launch_args(q, k, v, out, lse, softmax_scale)
+        return _nothing_visible(out, lse, sink, head_dim=1)
+    args = _launch_args(q, k, v, out, lse, softmax_scale, softcap=cfg.softcap, sink=sink)
     compile_config(cfg, False, args, scheduler=scheduler or tile_scheduler.StaticTileScheduler).fn(*args)
     return out, lse
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, softmax_scale=None,
-                             causal=False, out=None, lse=None, **cfg_kw):
+                             causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None,
+                             out=None, lse=None, **cfg_kw):
     """Packed q (Tq,Hq,D), k/v (Tk,Hkv,*), int32 cu_seqlens (B+1,) -> (out (Tq,Hq,Dv), lse (Hq,Tq)).
-    UNVERIFIED: never run on hardware here."""
+    Variants as attention_forward's. UNVERIFIED: never run on hardware here."""
     import torch
 
+    variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)  # before the GPU check
     if not blackwell_gpu_available():
         raise RuntimeError("attention_varlen_forward needs a Blackwell (sm_100) GPU")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -803,14 +855,16 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries")
     d, dv = q.shape[-1], v.shape[-1]
-    cfg = make_config(str(q.dtype), d, dv, causal, **cfg_kw)
+    cfg = make_config(str(q.dtype), d, dv, causal, **variants, **cfg_kw)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     out = torch.empty((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device) if lse is None else lse
     if q.shape[0] == 0 or max_seqlen_q == 0:
         return out, lse
+    if k.shape[0] == 0:  # no sequence has a key (and a TMA map cannot have a 0 extent)
+        return _nothing_visible(out, lse, sink, head_dim=0)
     args = _launch_args(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale,
-                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q)
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softcap=cfg.softcap, sink=sink)
     compile_config(cfg, True, args).fn(*args)
     return out, lse
 

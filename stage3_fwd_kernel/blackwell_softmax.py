@@ -4,8 +4,14 @@ Two softmax warpgroups each own one 128-row Q tile (thread r holds row r of S in
 correction warpgroup rescales O in TMEM when a row max moved and writes the final O / l and lse.
 They are methods of a mixin so the kernel class keeps the MMA, load and epilogue roles and the
 pipeline wiring. The mixin reads the kernel's plan attributes: ``cfg``, ``tm``, ``tn``, ``dv``,
-``num_q``, ``dtype``, ``causal``, ``window``, ``mask``, ``varlen``, ``policy``, ``tmem``, ``p_chunk_cols``, ``s_chunk``,
-and its helpers ``_bar``, ``_tmem_tensors`` and ``o_tile_row0``.
+``num_q``, ``dtype``, ``causal``, ``window``, ``left_window``, ``mask``, ``score_mod``, ``varlen``, ``policy``,
+``tmem``, ``p_chunk_cols``, ``s_chunk``, and its helpers ``_bar``, ``_tmem_tensors`` and ``o_tile_row0``.
+
+Variants (compile-time; a plain build generates none of their code): a softcap turns S into
+tanh(S * score_scale) right after the tcgen05.ld, before the mask and the max (components.score_mod);
+a learnable sink joins the final row sum in the correction warpgroup (components.sink.finish_row);
+a left window makes the walk start at key block n_block_min, and the blocks walked first that
+cross some row's left edge go through the masked step (components.block_range, components.mask).
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from cutlass.cute.nvgpu import tcgen05
 from stage2_emulated_exp.gpu_kernel import ex2_approx_f32, fma_rn_f32
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage3_fwd_kernel.components import block_range
+from stage3_fwd_kernel.components.score_mod import LOG2_E
+from stage3_fwd_kernel.components.sink import finish_row
 from stage3_fwd_kernel.softmax_policy import exp2_row_packed, rescale_vote, row_sum_packed, scale_row_packed
 
 LN2 = math.log(2.0)
@@ -37,10 +45,11 @@ class SoftmaxCorrectionRoles:
     @cute.jit
     def softmax(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, n_blocks: Int32,
                 softmax_scale_log2: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
-                thr_mma_qk: cute.ThrMma):
-        """One warpgroup, one Q tile: thread r owns row r. Per key block: S row -> registers, mask,
-        row max + warp vote (conditional rescaling), rescale factor -> TMEM for the correction
-        warpgroup, exp2 (partial emulation), P -> TMEM in 3/4 + 1/4."""
+                thr_mma_qk: cute.ThrMma, score_scale: Float32 | None = None, n_block_min: Int32 | None = None):
+        """One warpgroup, one Q tile: thread r owns row r. Per key block: S row -> registers, (softcap),
+        mask, row max + warp vote (conditional rescaling), rescale factor -> TMEM for the correction
+        warpgroup, exp2 (partial emulation), P -> TMEM in 3/4 + 1/4. The walk is key blocks
+        [n_block_min, n_block_min + n_blocks) (n_block_min None: from 0)."""
         tidx = cute.arch.thread_idx()[0] % 128
         # which Q tile: re-derived here rather than carried from the kernel prologue, where every
         # live value must also fit the small register budget of the fourth warpgroup
@@ -84,12 +93,35 @@ class SoftmaxCorrectionRoles:
             self.softmax_step, stage=stage, row=row, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
             softmax_scale_log2=softmax_scale_log2, mbar=mbar, row_max=row_max, tiled_t2r=tiled_t2r,
             tStS_t2r=tStS_t2r, tScS_t2r=tScS_t2r, tiled_r2t=tiled_r2t, tStP_r2t=tStP_r2t, tSrP_shape=tSrP_shape,
-            tiled_r2t_1=tiled_r2t_1, tStScale_r2t=tStScale_r2t, rScale=rScale)
+            tiled_r2t_1=tiled_r2t_1, tStScale_r2t=tStScale_r2t, rScale=rScale, score_scale=score_scale,
+            n_block_min=n_block_min)
 
-        for n_block in cutlass.range(n_unmasked, unroll=1):
-            row_sum = step(n_block=n_block, row_sum=row_sum, masked=False)
-        for n_block in cutlass.range(n_unmasked, n_blocks, unroll=1):
-            row_sum = step(n_block=n_block, row_sum=row_sum, masked=True)
+        if const_expr(not (self.left_window or self.score_mod.on)):
+            for n_block in cutlass.range(n_unmasked, unroll=1):
+                row_sum = step(n_block=n_block, row_sum=row_sum, masked=False)
+            for n_block in cutlass.range(n_unmasked, n_blocks, unroll=1):
+                row_sum = step(n_block=n_block, row_sum=row_sum, masked=True)
+        else:
+            # softcap / left window: one loop whose walk step i takes a warp-uniform branch to the
+            # mask-free body when it is past the n_left steps that cross some row's left edge and
+            # before the first block masked on the right (num_unmasked_blocks counts blocks from 0;
+            # step i is key block n_block_min + i). The plain builds' two loops (or Hopper's three)
+            # spilled here at 192 registers: 12-36 spill stores at d = 128 window, d = 192 softcap
+            n_left, first = 0, 0
+            if const_expr(self.left_window):
+                n_left = block_range.num_left_masked_blocks(m_block * self.num_q + stage, seqlen_q, seqlen_k,
+                                                            n_block_min, n_blocks, tile_m=self.tm, tile_n=self.tn,
+                                                            window=self.window)
+                first = n_block_min
+            hot_end = cutlass.max(block_range.num_unmasked_blocks(row0, seqlen_q, seqlen_k, tile_n=self.tn,
+                                                                  window=self.window) - first, n_left)
+            hot_len = cutlass.Uint32(cutlass.min(hot_end, n_blocks) - n_left)  # one compare per step
+            for i in cutlass.range(n_blocks, unroll=1):
+                unmasked = cutlass.Uint32(i - n_left) < hot_len  # (the protocol checker may fix it)
+                if unmasked:
+                    row_sum = step(n_block=i, row_sum=row_sum, masked=False)
+                else:
+                    row_sum = step(n_block=i, row_sum=row_sum, masked=True)
 
         # after the last block: the final statistics for the correction warpgroup, in their own
         # TMEM columns (it may not have read the last scale yet)
@@ -129,17 +161,25 @@ class SoftmaxCorrectionRoles:
                      mbar: cute.Pointer, row_max: cute.Tensor, tiled_t2r: cute.TiledCopy, tStS_t2r: cute.Tensor,
                      tScS_t2r: cute.Tensor, tiled_r2t: cute.TiledCopy, tStP_r2t: cute.Tensor,
                      tSrP_shape: cutlass.Constexpr, tiled_r2t_1: cute.TiledCopy, tStScale_r2t: cute.Tensor,
-                     rScale: cute.Tensor) -> Float32:
-        """One key block of one softmax warpgroup; returns the running row sum."""
+                     rScale: cute.Tensor, score_scale: Float32 | None = None,
+                     n_block_min: Int32 | None = None) -> Float32:
+        """Step `n_block` of one softmax warpgroup's walk (key block n_block_min + n_block with a left
+        window; the barrier phases count the walk's steps); returns the running row sum."""
         # 1. S row -> registers (4 x tcgen05.ld 32x32b.x32: lane = row = thread, a column per register)
         cute.arch.mbarrier_wait(self._bar(mbar, "s_full", 0) + stage, n_block % 2)
         tcgen05_fence_after_sync()
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(tiled_t2r, tStS_t2r, tSrS)
         cute.arch.fence_view_async_tmem_load()
-        # 2. mask keys >= seqlen_k and (causal, bottom-right) keys right of this row's diagonal
+        # 2. softcap (before the mask: -inf must stay -inf), then mask keys >= seqlen_k, (causal,
+        #    bottom-right) keys right of this row's diagonal and (window) left of its left edge
+        if const_expr(self.score_mod.on):
+            self.score_mod.apply(tSrS, score_scale)
         if const_expr(masked):
-            self.mask.apply_row(tSrS, tScS_t2r, n_block, row, seqlen_q, seqlen_k)
+            key_block = n_block
+            if const_expr(n_block_min is not None):
+                key_block = n_block_min + n_block
+            self.mask.apply_row(tSrS, tScS_t2r, key_block, row, seqlen_q, seqlen_k)
         # 3. row max; the warp moves its maxima only if some row grew by more than tau
         row_max_new = cute.make_rmem_tensor((1,), Float32)
         m_old = row_max[0]
@@ -191,9 +231,10 @@ class SoftmaxCorrectionRoles:
     @cute.jit
     def correction(self, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32,
                    n_blocks: Int32, softmax_scale_log2: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
-                   sO: cute.Tensor, mLSE: cute.Tensor, thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma):
+                   sO: cute.Tensor, mLSE: cute.Tensor, thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma,
+                   mSink: cute.Tensor | None = None):
         """Rescale O_i in TMEM when the softmax moved a row max (warp-uniform skip otherwise), then
-        O_i / l_i -> SMEM (16-bit) and lse -> global memory."""
+        O_i / l_i -> SMEM (16-bit) and lse -> global memory (mSink: the head's sink joins l_i)."""
         tidx = cute.arch.thread_idx()[0] % 128
         tStS, tOtO, _ = self._tmem_tensors(tmem_ptr, thr_mma_qk, thr_mma_pv, None)
         # the per-step scale (1 column) and the final (row_sum, row_max) of each tile
@@ -250,6 +291,10 @@ class SoftmaxCorrectionRoles:
                 cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", i))
 
         # 3. epilogue: O_i / l_i -> sO_i (16-bit), lse -> global; empty rows: O = 0, lse = -inf
+        #    (with a sink: l_i and the sink share a maximum, components.sink; empty rows: lse = sink)
+        sink_log2 = None
+        if const_expr(mSink is not None):
+            sink_log2 = mSink[head] * LOG2_E
         for i in cutlass.range_constexpr(self.num_q):
             cute.arch.mbarrier_wait(self._bar(mbar, "final_full", i), 0)
             cute.arch.mbarrier_wait(self._bar(mbar, "o_full", i), 0)
@@ -257,13 +302,20 @@ class SoftmaxCorrectionRoles:
             cute.copy(tiled_t2r_2, tStFinal_t2r[i], rFinal)
             cute.arch.fence_view_async_tmem_load()
             row_sum, row_max = rFinal[0], rFinal[1]
-            empty = row_sum == 0.0 or row_sum != row_sum
-            inv = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
+            if const_expr(sink_log2 is None):
+                empty = row_sum == 0.0 or row_sum != row_sum
+                inv = Float32(0.0) if empty else cute.arch.rcp_approx(row_sum)
+            else:
+                empty = row_sum == 0.0  # saw no key: O = 0 below, lse = the sink
+                inv, lse_sink = finish_row(row_sum, row_max * softmax_scale_log2, sink_log2)
             row = self.o_tile_row0(m_block, i) + tOcO_row
             if row < seqlen_q:
-                lse = -Float32.inf
-                if not empty:
-                    lse = (row_max * softmax_scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
+                if const_expr(sink_log2 is None):
+                    lse = -Float32.inf
+                    if not empty:
+                        lse = (row_max * softmax_scale_log2 + cute.math.log2(row_sum, fastmath=True)) * LN2
+                else:
+                    lse = lse_sink
                 mLSE[self.lse_coord(batch, head, offset_q, row)] = lse
             sO_i = sO[None, None, i]
             for c in cutlass.range_constexpr(n_oc):
