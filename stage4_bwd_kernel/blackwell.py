@@ -11,10 +11,13 @@ Blackwell GPU is reachable from this project, so the kernel behind these functio
 the 1-CTA backward) has only been compiled for sm_100a and checked structurally, never run
 (tests/test_stage4_blackwell.py, tests/test_stage4_blackwell_varlen.py). Supported there: dense
 (B, S, H, D) and packed varlen inputs (+ seqused_k), head dims (64, 64), (96, 96) and (128, 128), causal,
-GQA/MQA, deterministic=True (varlen too: one semaphore per sequence, head and Q tile).
+GQA/MQA, deterministic=True (varlen too: one semaphore per sequence, head and Q tile), and the
+forward's variants window_size=(left, right) and softcap (dense and varlen, default and deterministic;
+compiled and checked structurally, never run).
 
-Both functions raise RuntimeError on anything but a capability-10.x GPU, before importing
-cutlass: sm_100a code (tcgen05, TMEM) cannot run on Hopper or on consumer Blackwell (12.x).
+Both functions check window_size / softcap first (TypeError / ValueError naming the argument), then
+raise RuntimeError on anything but a capability-10.x GPU, before importing cutlass: sm_100a code
+(tcgen05, TMEM) cannot run on Hopper or on consumer Blackwell (12.x).
 """
 from __future__ import annotations
 
@@ -32,6 +35,16 @@ def _capability():
     return None
 
 
+def _check_variants(causal, window_size, softcap):
+    """The Hopper backward's checks of the variants (no cutlass import): TypeError / ValueError naming
+    window_size or softcap."""
+    from stage0_reference.validation import check_softcap
+    from stage3_fwd_kernel.components.window import beyond_causal
+
+    beyond_causal(bool(causal), window_size)
+    check_softcap(softcap)
+
+
 def _require_blackwell(what: str):
     cap = _capability()
     if cap is None or cap[0] != 10:
@@ -42,37 +55,46 @@ def _require_blackwell(what: str):
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       dq=None, dk=None, dv=None):
-    """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv) (dense inputs, as in hopper.py)."""
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None):
+    """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv) (dense inputs, as in hopper.py);
+    window_size / softcap as the Hopper backward's."""
+    _check_variants(causal, window_size, softcap)
     _require_blackwell("attention_backward")
     from stage4_bwd_kernel import blackwell_bwd
 
     return blackwell_bwd.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
-                                            deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+                                            deterministic=deterministic, window_size=window_size, softcap=softcap,
+                                            dq=dq, dk=dk, dv=dv)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False, return_d=False):
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
+                              window_size=(None, None), softcap=0.0, return_d=False):
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)), as the Hopper one
     (seqused_k: only the first seqused_k[b] keys of sequence b are attended to, the others get zero
     gradient; return_d adds D = rowsum(dO * O) in lse's layout). Compiled for sm_100a and checked
-    structurally, never run. RuntimeError on anything but a capability-10.x GPU."""
+    structurally, never run. window_size / softcap as the Hopper backward's. RuntimeError on anything
+    but a capability-10.x GPU (after the variants' checks)."""
+    _check_variants(causal, window_size, softcap)
     _require_blackwell("attention_varlen_backward")
     from stage4_bwd_kernel import blackwell_bwd
 
     return blackwell_bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                    max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
-                                                   causal=causal, deterministic=deterministic, return_d=return_d)
+                                                   causal=causal, deterministic=deterministic, window_size=window_size,
+                                                   softcap=softcap, return_d=return_d)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
-                 has_seqused_k=False):
+                 has_seqused_k=False, window_size=(None, None), softcap=0.0):
     """Compile the 1-CTA backward for sm_100a without a GPU (resource report in .report); varlen=True
-    builds the packed kernel (cu_seqlens_q / cu_seqlens_k; has_seqused_k: + seqused_k)."""
+    builds the packed kernel (cu_seqlens_q / cu_seqlens_k; has_seqused_k: + seqused_k); window_size /
+    softcap the variant builds."""
     from stage4_bwd_kernel import blackwell_bwd
 
     return blackwell_bwd.compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
-                                      deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k)
+                                      deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                                      window_size=window_size, softcap=softcap)
 
 
 __all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "BEST_STEP"]

@@ -42,6 +42,11 @@ lse2 / D are read at ``common.stats_offset(cu_seqlens_q[b], b) + row`` (the prep
 dQ is added at packed row offset_q + row for rows < seqlen_q only, dK / dV are stored at offset_k + key
 for keys < the sequence's key rows only, and the deterministic semaphores are (sequence, head, Q tile).
 
+Window and softcap (``window_size=``, ``softcap=``; compiled and checked structurally, never run): the
+walk is schedule.py's band (``_m_range``; varlen ``WalkPlan.make_walk``) with the real window, the
+deterministic ranks schedule.py's (``_dq_rank``), the masks and softcap's tanh / derivative in WG 0
+(blackwell_elementwise.py); the 2-CTA kernel refuses both.
+
 Not implemented here (see the Blackwell section of README.md): head dims other than 64, 96
 and 128. The 2-CTA kernel (blackwell_bwd_2cta.py)
 subclasses this one and reuses its elementwise helpers (_row_copies, _p_phase, _stage_stats, _exp_row,
@@ -60,6 +65,8 @@ from cutlass.pipeline import NamedBarrier
 from stage3_fwd_kernel import blackwell_fwd as _fwd  # compile_sm100, blackwell_gpu_available
 from stage3_fwd_kernel import compile_cache
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage3_fwd_kernel.components.score_mod import Softcap
+from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_config
 from stage4_bwd_kernel.blackwell_elementwise import ElementwiseRoles
@@ -93,7 +100,14 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         if has_seqused_k and not varlen:
             raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
         self.varlen, self.has_seqused_k = bool(varlen), bool(has_seqused_k)
-        self.window_or_none = None     # WalkPlan.make_walk: no local window in the Blackwell backward
+        # the keys a row sees (components.window: causal is a right edge at 0) and the score transform
+        # (components.score_mod), as the Hopper backward holds them: None / off when plain, so plain
+        # builds trace as before; WalkPlan.make_walk and schedule.py read window_or_none
+        w = config.window
+        self.window = Window(w.left, 0 if self.causal else w.right)
+        self.banded = w.left is not None or (w.right is not None and not self.causal)
+        self.window_or_none = self.window if self.banded else None
+        self.score_mod = Softcap(config.softcap)
         self.smem_bytes = None
 
     # ------------------------------------------------------------------ host side
@@ -318,12 +332,17 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         else:
             bx, head_kv, batch = cute.arch.block_idx()
             n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
-            m_min, m_max = schedule.m_block_range(n_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal,
-                                                  imax=cutlass.max)
+            m_min, m_max = self._m_range(n_block, seqlen_q, seqlen_k)
             n_m = cutlass.max(m_max - m_min, 0)
             # dense: one batch index, rows from 0, every key row in use (no value is computed here)
             seq = SeqBounds(n_block, head_kv, batch, batch, 0, 0, seqlen_q, seqlen_k, seqlen_k)
         return n_block, head_kv, batch, m_min, n_m, n_m * qhead_per_kvhead, seq
+
+    def _m_range(self, n_block, seqlen_q, seqlen_k):
+        """The dense walk's Q tiles [m_min, m_max) of K/V tile n_block: schedule.py's band (a window
+        bounds both ends; causal only the start). Plain Python: tests evaluate it on ints."""
+        return schedule.m_block_range(n_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal, imax=cutlass.max,
+                                      window=self.window_or_none, imin=cutlass.min)
 
     def _seq_rows(self, t, offset):
         """A (rows, cols) view of one head from the sequence's first row on: varlen shifts the packed
@@ -454,6 +473,17 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             tcgen05.commit(self._bar(mbar, "dkv_full"))
 
     # ------------------------------------------------------------------ dQ warpgroup
+    def _dq_rank(self, n_block, m_block, seqlen_q, seqlen_k):
+        """This K/V tile's place among those adding into Q tile m_block (schedule.py's ranks, as the
+        Hopper dQ writer takes them): a window bounds both ends, else the first tile is 0."""
+        last = schedule.n_block_last(m_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal, imin=cutlass.min,
+                                     window=self.window_or_none)
+        first = Int32(0)
+        if self.window_or_none is not None:
+            first = schedule.n_block_first(m_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal,
+                                           imax=cutlass.max, window=self.window_or_none)
+        return self.dq_order.rank(n_block, first, last)
+
     @cute.jit
     def dq_drain(self, n_block: Int32, seq: SeqBounds, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
                  group: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, mdQacc: cute.Tensor, mSemaphore: cute.Tensor,
@@ -483,8 +513,7 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             cute.arch.mbarrier_arrive(self._bar(mbar, "dq_empty"))
             if const_expr(self.deterministic):
                 sem = common.elem_pointer(mSemaphore, (seq.batch, head, m_block))  # varlen: per sequence
-                last = schedule.n_block_last(m_block, tm, self.tn, seqlen_q, seqlen_k, self.causal, imin=cutlass.min)
-                common.semaphore_wait(sem, self.dq_order.rank(n_block, Int32(0), last), tidx)
+                common.semaphore_wait(sem, self._dq_rank(n_block, m_block, seqlen_q, seqlen_k), tidx)
                 cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
             if row < seqlen_q:
                 g = mdQacc[seq.bidx, self._packed_row(row, seq.offset_q), head, None]
@@ -498,22 +527,28 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
-def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, **kw):
-    return blackwell_bwd_config(head_dim, head_dim_v, dtype, causal=causal, deterministic=deterministic, **kw)
+def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, *,
+                window_size=(None, None), softcap=0.0, **kw):
+    """The plan of one build; window_size / softcap as the Hopper backward's (checked in the plan:
+    TypeError / ValueError naming the argument)."""
+    return blackwell_bwd_config(head_dim, head_dim_v, dtype, causal=causal, deterministic=deterministic,
+                                window_size=window_size, softcap=softcap, **kw)
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
-                dq_order=None, tiles=None):
-    """host.py's make_kernel interface: dense, or varlen (+ seqused_k), default or deterministic."""
+                dq_order=None, tiles=None, window: Window = NO_WINDOW, softcap: float = 0.0):
+    """host.py's make_kernel interface: dense, or varlen (+ seqused_k), default or deterministic;
+    window (a Window beyond causal, host.variant_of) and softcap when host.backward passes a variant."""
     return make_dense_kernel(FlashAttentionBackwardSm100, make_config, "1-CTA", dtype, head_dim, head_dim_v, causal,
                              deterministic, varlen=varlen, has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles,
-                             supports_varlen=True)
+                             supports_varlen=True, window=window, softcap=softcap)
 
 
 def make_dense_kernel(kernel_cls, make_config_fn, label, dtype, head_dim, head_dim_v, causal, deterministic, *,
-                      varlen, has_seqused_k, dq_order, tiles, supports_varlen=False):
+                      varlen, has_seqused_k, dq_order, tiles, supports_varlen=False, window=NO_WINDOW, softcap=0.0):
     """The make_kernel of a Blackwell backward variant (1-CTA, 2-CTA): refuse what it lacks, build its plan.
-    supports_varlen: the kernel class takes varlen / has_seqused_k (the 1-CTA one)."""
+    supports_varlen: the kernel class takes varlen / has_seqused_k (the 1-CTA one). window / softcap
+    go to the plan only when set (the 2-CTA plan refuses them; plain calls build as before)."""
     if (varlen or has_seqused_k) and not supports_varlen:
         raise ValueError(f"varlen / seqused_k: not implemented in the {label} Blackwell backward yet "
                          "(stage4_bwd_kernel/README.md, Blackwell section)")
@@ -521,8 +556,11 @@ def make_dense_kernel(kernel_cls, make_config_fn, label, dtype, head_dim, head_d
         raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
     if tiles not in (None, (128, 128)):
         raise ValueError(f"tiles: the {label} Blackwell backward uses (128, 128) per CTA, got {tiles!r}")
+    variant = {}
+    if tuple(window) != tuple(NO_WINDOW) or softcap:
+        variant = dict(window_size=tuple(window), softcap=softcap)
     cfg = make_config_fn(str(dtype).lower().replace("bfloat16", "bf16").replace("float16", "fp16"),
-                         head_dim, head_dim_v, causal, deterministic)
+                         head_dim, head_dim_v, causal, deterministic, **variant)
     if not varlen:
         return kernel_cls(cfg, dq_order=dq_order)
     return kernel_cls(cfg, dq_order=blockidx_order(dq_order), varlen=True, has_seqused_k=has_seqused_k)
@@ -586,12 +624,14 @@ def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, e
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, *, varlen=False,
-                 has_seqused_k=False, **kw):
-    """Compile the 1-CTA backward for sm_100a (dense, or varlen with cu_seqlens [+ seqused_k])."""
+                 has_seqused_k=False, window_size=(None, None), softcap=0.0, **kw):
+    """Compile the 1-CTA backward for sm_100a (dense, or varlen with cu_seqlens [+ seqused_k]);
+    window_size / softcap: the variant builds (compiled and checked structurally, never run)."""
     if has_seqused_k and not varlen:
         raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
-    return compile_config(make_config(dtype, head_dim, head_dim_v, causal, deterministic, **kw), varlen=varlen,
-                          has_seqused_k=has_seqused_k)
+    cfg = make_config(dtype, head_dim, head_dim_v, causal, deterministic, window_size=window_size, softcap=softcap,
+                      **kw)
+    return compile_config(cfg, varlen=varlen, has_seqused_k=has_seqused_k)
 
 
 REPORT_KEYS = ["threads", "registers", "smem_bytes", "tmem_cols_used", "tmem_cols_alloc", "spill_stores",
@@ -620,33 +660,38 @@ def blackwell_gpu_available() -> bool:
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       dq=None, dk=None, dv=None, dq_order=None):
-    """Gradients on a Blackwell (capability 10.x) GPU. UNVERIFIED: never run on hardware here."""
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None):
+    """Gradients on a Blackwell (capability 10.x) GPU; window_size / softcap as the Hopper backward's.
+    UNVERIFIED: never run on hardware here."""
+    from stage4_bwd_kernel import host
+
+    variant = host.variant_of(causal, window_size, softcap)  # TypeError / ValueError before the GPU check
     if not blackwell_gpu_available():
         raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU; use compile_only() "
                            "elsewhere, or stage4_bwd_kernel.hopper on an H100")
-    from stage4_bwd_kernel import host
-
     return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
-                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order)
+                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, variant=variant)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False, dq=None, dk=None,
-                              dv=None, dq_order=None, return_d=False):
+                              seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
+                              window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None,
+                              return_d=False):
     """Packed (T, H, D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens (batch + 1,), optional
     seqused_k (batch,) -> (dq, dk, dv) (+ D with return_d, as the Hopper one) on a Blackwell (capability 10.x) GPU, through host.backward (the
     Hopper varlen backward's preprocess / postprocess). UNVERIFIED: compiled for sm_100a and checked
-    structurally, never run."""
+    structurally, never run. window_size / softcap as the Hopper backward's."""
+    from stage4_bwd_kernel import host
+
+    variant = host.variant_of(causal, window_size, softcap)  # TypeError / ValueError before the GPU check
     if not blackwell_gpu_available():
         raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU; use compile_only(varlen=True) "
                            "elsewhere, or stage4_bwd_kernel.hopper on an H100")
-    from stage4_bwd_kernel import host
-
     return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
-                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, return_d=return_d)
+                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, return_d=return_d,
+                         variant=variant)
 
 
 if __name__ == "__main__":

@@ -53,11 +53,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stage0_reference.validation import check_softcap
 # the forward's plan helpers (plain Python, no cutlass import)
 from stage3_fwd_kernel.blackwell_config import _dtype_name as _fwd_dtype_name
 from stage3_fwd_kernel.blackwell_config import _pow2_at_least, _round_up
+from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
 
-__all__ = ["SMEM_CAPACITY", "TMEM_COLUMNS", "SUPPORTED_HEAD_DIMS", "mask_col_min", "BwdTmemPlan", "BwdSmemPlan",
+__all__ = ["SMEM_CAPACITY", "TMEM_COLUMNS", "SUPPORTED_HEAD_DIMS", "mask_col_min", "mask_col_max",
+           "BwdTmemPlan", "BwdSmemPlan",
            "BwdRegisterPlan", "BlackwellBwdConfig", "blackwell_bwd_config", "Bwd2CtaTmemPlan", "Bwd2CtaSmemPlan",
            "blackwell_bwd_2cta_config"]
 
@@ -133,6 +136,11 @@ class BwdSmemPlan:
 # WG 2 (dQ drain) of the 1-CTA kernel holds a whole dQ row (d fp32) in registers, so it can hand the
 # TMEM columns back to the MMA warp before it issues the atomics: 128 x (240 + 160 + 96) = 63488.
 REGS_DQ_1CTA = 160
+# WG 0 of a d = 128 softcap build: tanh's scale (and a window's second threshold column) live across
+# the P^T row; at 240 ptxas spilled one 64-bit pointer (8 bytes) with a window of (256, 0). 128 x (248 +
+# 160 + 96) = 64512 = the launch's 168 x 384, all of it (the 2-CTA plan's total too). Only there: at d = 64
+# the same 248 made ptxas spill 4 bytes that 240 does not. Plain builds keep 240.
+REGS_ELEMENTWISE_SOFTCAP_D128 = 248
 
 
 @dataclass(frozen=True)
@@ -161,31 +169,57 @@ class BlackwellBwdConfig:
     smem: BwdSmemPlan
     regs: BwdRegisterPlan
     cta_group: int = 1
+    # the score variants (compile-time, as the forward's plan): the window beyond causal
+    # (components.window.beyond_causal: causal stays the `causal` flag) and softcap (0 = off)
+    window: Window = NO_WINDOW
+    softcap: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return self.window == NO_WINDOW and self.softcap == 0.0
 
     @property
     def num_threads(self) -> int:
         return 32 * NUM_WARPS
 
     def key(self) -> tuple:
-        return (self.head_dim, self.head_dim_v, self.dtype, self.causal, self.deterministic, self.tile_m,
+        base = (self.head_dim, self.head_dim_v, self.dtype, self.causal, self.deterministic, self.tile_m,
                 self.tile_n, self.qdo_stages, self.cta_group)
+        # plain builds keep their keys (and any stored compile) unchanged
+        return base if self.plain else base + ("variant",) + tuple(self.window) + (self.softcap,)
 
     def summary(self) -> str:
         return (f"Blackwell bwd {self.dtype} d={self.head_dim}/{self.head_dim_v} causal={self.causal} "
                 f"deterministic={self.deterministic}: {self.cta_group}-CTA, tiles {self.tile_m} x {self.tile_n}, "
-                f"TMEM {self.tmem.used}/{self.tmem.alloc} cols, SMEM {self.smem.total} B ({self.qdo_stages} Q/dO stages)")
+                f"TMEM {self.tmem.used}/{self.tmem.alloc} cols, SMEM {self.smem.total} B "
+                f"({self.qdo_stages} Q/dO stages)" + ("" if self.plain else f", window {tuple(self.window)}, softcap {self.softcap:g}"))
 
 
 def mask_col_min(key, key_limit, diag, tile_m: int, causal: bool, *, imax=max,
-                 select=lambda c, a, b: a if c else b):
+                 select=lambda c, a, b: a if c else b, window=None):
     """The elementwise warpgroup's mask, hoisted: thread `key` (a local key row of the S^T tile)
-    masks exactly the query columns c < mask_col_min(...). Equivalent to
-    schedule.is_masked(key, c, key_limit, diag, causal) for every c in [0, tile_m) (cpu-tested),
-    but one compare per element against a constant column. Works on ints and on DSL values."""
+    masks the query columns c < mask_col_min(...) (and, a left edge, c > mask_col_max(...)).
+    Equivalent to schedule.is_masked(key, c, key_limit, diag, causal, window) for every c in
+    [0, tile_m) (cpu-tested), but one compare per element against a constant column per edge.
+    window: the kernel's banded Window (causal's right edge included), or None (causal decides).
+    Works on ints and on DSL values."""
     col_min = select(key >= key_limit, tile_m, 0)
-    if causal:
-        col_min = imax(col_min, key - diag)
+    right = (0 if causal else None) if window is None else window.right
+    if right is not None:
+        # key <= c + diag + right  <=>  c >= key - diag - right
+        first = key - diag
+        if right:
+            first = first - right
+        col_min = imax(col_min, first)
     return col_min
+
+
+def mask_col_max(key, diag, window):
+    """The last query column thread `key` sees under a left edge (key >= c + diag - left <=> c <=
+    key - diag + left); None without one (the caller then emits no second compare)."""
+    if window is None or window.left is None:
+        return None
+    return key - diag + window.left
 
 
 def num_barriers(stages: int) -> int:
@@ -212,11 +246,21 @@ def _smem_plan(tile_m, tile_n, d, dv, stages, elem=2) -> BwdSmemPlan:
                        ds=tile_m * tile_n * elem, stats=2 * tile_m * 4)
 
 
+def _variants(causal, window_size, softcap) -> tuple:
+    """(Window beyond causal, softcap), checked as the Hopper backward's host and the Blackwell
+    forward's plan check them: TypeError / ValueError naming window_size or softcap."""
+    return beyond_causal(bool(causal), window_size), check_softcap(softcap)
+
+
 def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal: bool, deterministic: bool = False,
                          tile_m: int = 128, tile_n: int = 128, qdo_stages: int | None = None,
-                         cta_group: int = 1, check_kernel_support: bool = True) -> BlackwellBwdConfig:
+                         cta_group: int = 1, check_kernel_support: bool = True, window_size=(None, None),
+                         softcap: float = 0.0) -> BlackwellBwdConfig:
     """Plan one 1-CTA backward configuration; raise ValueError naming the budget (TMEM, SMEM,
-    registers) that fails, then (unless check_kernel_support=False) what the kernel implements."""
+    registers) that fails, then (unless check_kernel_support=False) what the kernel implements.
+    window_size (left, right; None or -1 unlimited, causal is right = 0) and softcap (>= 0, 0 = off):
+    compile-time variants, checked first (TypeError / ValueError naming the argument)."""
+    window, softcap = _variants(causal, window_size, softcap)
     dv = head_dim if head_dim_v is None else head_dim_v
     dt = _dtype_name(dtype)
     for name, v in (("head_dim", head_dim), ("head_dim_v", dv)):
@@ -250,6 +294,8 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
         raise ValueError(f"SMEM does not fit: {smem.describe()}")
 
     regs = BwdRegisterPlan(dq=REGS_DQ_1CTA)
+    if softcap and max(head_dim, dv) > 96:
+        regs = BwdRegisterPlan(elementwise=REGS_ELEMENTWISE_SOFTCAP_D128, dq=REGS_DQ_1CTA)
     for name in ("elementwise", "dq", "other"):
         r = getattr(regs, name)
         if r % 8 or not 24 <= r <= 256:
@@ -258,7 +304,7 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
         raise ValueError(f"registers do not fit: {regs.total} > {REGISTERS_PER_SM}")
     cfg = BlackwellBwdConfig(head_dim=head_dim, head_dim_v=dv, dtype=dt, causal=bool(causal),
                              deterministic=bool(deterministic), tile_m=tile_m, tile_n=tile_n, qdo_stages=qdo_stages,
-                             tmem=tmem, smem=smem, regs=regs)
+                             tmem=tmem, smem=smem, regs=regs, window=window, softcap=softcap)
     if check_kernel_support and (head_dim, dv) not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"the configuration fits TMEM/SMEM/registers, but blackwell_bwd.py supports only head dims "
                          f"{SUPPORTED_HEAD_DIMS}, got ({head_dim}, {dv})")
@@ -390,9 +436,16 @@ def _smem_plan_2cta(tile_m, tile_n, d, dv, stages, elem=2) -> Bwd2CtaSmemPlan:
 
 def blackwell_bwd_2cta_config(head_dim: int, head_dim_v: int | None, dtype, *, causal: bool,
                               deterministic: bool = False, qdo_stages: int | None = None,
-                              check_kernel_support: bool = True) -> BlackwellBwdConfig:
+                              check_kernel_support: bool = True, window_size=(None, None),
+                              softcap: float = 0.0) -> BlackwellBwdConfig:
     """Plan one 2-CTA backward configuration (per CTA of the pair; tiles 128 x 128 per CTA, M = 256
-    MMAs over the pair). ValueError names the budget that fails (TMEM, SMEM, registers)."""
+    MMAs over the pair). ValueError names the budget that fails (TMEM, SMEM, registers);
+    window_size / softcap are checked, and refused: only the 1-CTA kernel has them."""
+    window, softcap = _variants(causal, window_size, softcap)
+    for name, off in (("window_size", window == NO_WINDOW), ("softcap", softcap == 0.0)):
+        if not off:
+            raise ValueError(f"{name}: not implemented in the 2-CTA Blackwell backward (blackwell_bwd_2cta.py); "
+                             f"the 1-CTA one (blackwell_bwd.py) has it")
     dv = head_dim if head_dim_v is None else head_dim_v
     dt = _dtype_name(dtype)
     tile_m = tile_n = 128

@@ -4,7 +4,11 @@ WG 0, thread r = key r = TMEM lane r: lse2 / D to SMEM, P^T = exp2(S^T * scale_l
 mask hoisted to one threshold column, dS = P (dP - D) to TMEM (for dK) and SMEM (for dQ), and at the
 end dV and scale * dK from TMEM to global memory. A mixin, so the kernel class keeps the MMA, load and
 dQ roles and the pipeline wiring. It reads the kernel's ``tm``, ``tn``, ``d``, ``dv``, ``dtype``,
-``causal``, ``varlen``, ``tmem`` and its helpers ``_bar`` and ``_tmem_acc``.
+``causal``, ``varlen``, ``tmem``, ``window_or_none``, ``score_mod`` and its helpers ``_bar`` and ``_tmem_acc``.
+
+Variants (the 1-CTA kernel; compiled, never run): a window masks both edges with one threshold column
+per edge (``mask_col_min`` / ``mask_col_max``, equal to schedule.is_masked); softcap takes tanh of the
+scaled S^T before the exp and keeps P * (1 - tanh^2) for dS.
 
 Varlen (the 1-CTA kernel): lse2 / D rows start at the sequence's ``common.stats_offset`` (the
 preprocess's varlen layout), dK / dV rows at its offset_k; the guards stay in the sequence's own
@@ -19,7 +23,7 @@ from cutlass.cute.nvgpu import tcgen05
 
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage4_bwd_kernel import common, schedule
-from stage4_bwd_kernel.blackwell_config import mask_col_min
+from stage4_bwd_kernel.blackwell_config import mask_col_max, mask_col_min
 
 BAR_STATS = 2        # WG 0: sLSE / sD written / consumed (named barrier id)
 
@@ -86,42 +90,97 @@ class ElementwiseRoles:
                 dst[c * ch + j] = r[j]
         cute.arch.fence_view_async_tmem_load()
 
+    def _mask_score(self, s, c: int, col_min, col_max):
+        """Score s of query column c -> -inf where masked: c < col_min, and (a left edge) c > col_max."""
+        s = Float32(cutlass.select_(col_min > c, -Float32.inf, s))
+        if col_max is not None:
+            s = Float32(cutlass.select_(col_max < c, -Float32.inf, s))
+        return s
+
     @cute.jit
     def _exp_row(self, rP: cute.Tensor, accS: cute.Tensor, sub, ld: cute.TiledCopy, thr_ld, r_shape: cutlass.Constexpr,
-                 key: Int32, key_limit: Int32, diag: Int32, need_mask, softmax_scale_log2: Float32, sLSE: cute.Tensor):
-        """rP = P^T row of key `key`: exp2(S^T * scale_log2 - lse2), masked -> 0 (S^T read from TMEM)."""
+                 key: Int32, key_limit: Int32, diag: Int32, need_mask, softmax_scale_log2: Float32, sLSE: cute.Tensor,
+                 softcap_scale=None, store_p=None, r16_shape: cutlass.Constexpr = None):
+        """rP = P^T row of key `key`: exp2(S^T * scale_log2 - lse2), masked -> 0 (S^T read from TMEM).
+        Softcap: _softcap_row, which also stores P^T (store_p) and returns P * (1 - tanh^2)."""
         tm, ch = self.tm, 32
-        self._tmem_load_row(rP, lambda c: sub(accS, c * ch, ch), ld, thr_ld, r_shape, tm // ch)
-        # schedule.is_masked hoisted to one threshold column per thread (blackwell_config.mask_col_min)
+        if const_expr(not self.score_mod.on):
+            self._tmem_load_row(rP, lambda c: sub(accS, c * ch, ch), ld, thr_ld, r_shape, tm // ch)
+        # schedule.is_masked hoisted to one threshold column per thread and edge (blackwell_config.mask_col_min)
         col_min = Int32(0)
         if need_mask:
             col_min = mask_col_min(key, key_limit, diag, tm, self.causal, imax=cutlass.max,
-                                   select=lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)))
-        for c in cutlass.range_constexpr(tm):
-            s = rP[c] * softmax_scale_log2 - sLSE[c]
-            s = Float32(cutlass.select_(col_min > c, -Float32.inf, s))
-            rP[c] = cute.math.exp2(s, fastmath=True)
+                                   select=lambda c, a, b: cutlass.select_(c, Int32(a), Int32(b)),
+                                   window=self.window_or_none)
+        # a left edge: exact on every tile (unmasked ones never reach it), None (no code) without one
+        col_max = mask_col_max(key, diag, self.window_or_none)
+        if const_expr(self.score_mod.on):
+            self._softcap_row(rP, accS, sub, ld, thr_ld, r_shape, col_min, col_max, softmax_scale_log2, sLSE,
+                              softcap_scale, store_p, r16_shape)
+        else:
+            for c in cutlass.range_constexpr(tm):
+                s = rP[c] * softmax_scale_log2 - sLSE[c]
+                rP[c] = cute.math.exp2(self._mask_score(s, c, col_min, col_max), fastmath=True)
+
+    @cute.jit
+    def _softcap_row(self, rP: cute.Tensor, accS: cute.Tensor, sub, ld: cute.TiledCopy, thr_ld,
+                     r_shape: cutlass.Constexpr, col_min: Int32, col_max, softmax_scale_log2: Float32,
+                     sLSE: cute.Tensor, softcap_scale: Float32, store_p, r16_shape: cutlass.Constexpr):
+        """The softcap P^T row (components.score_mod; the caller passes scale_log2 = softcap * log2(e)
+        and softcap_scale = softmax_scale): t = tanh(S^T * softmax_scale / softcap), P = exp2(t *
+        scale_log2 - lse2) masked; P -> 16-bit (in pairs) -> TMEM one
+        32-column chunk at a time (store_p(packed, chunk)); rP keeps P * (1 - t^2), the only form in
+        which dS = P (dP - D) dtanh needs P, so the derivative takes no register of its own.
+        Chunk by chunk, last first: P^T chunk k lands in S^T columns [tn/2 + 16k, +16), which the
+        chunks >= k already read, and the row is never live as S, tanh and P at once (the whole-row
+        load spilled 88 words at d = 128)."""
+        tm, ch, T = self.tm, 32, self.tmem
+        if const_expr(T.p - T.s < self.tn // 2):
+            raise ValueError("softcap: the chunked P^T store needs P^T in the upper half of the S^T columns")
+        tanh_scale = softcap_scale * (1.0 / self.score_mod.cap)   # Softcap.kernel_scales' score_scale
+        pair = cute.make_rmem_tensor((2,), Float32)
+        for kk in cutlass.range_constexpr(tm // ch):
+            k = tm // ch - 1 - kk
+            self._tmem_load_row(cute.make_tensor(rP.iterator + k * ch, cute.make_layout(ch)),
+                                lambda c: sub(accS, k * ch, ch), ld, thr_ld, r_shape, 1)
+            packed = cute.make_rmem_tensor(r16_shape, Float32)   # 32 16-bit values, two a column
+            for j in cutlass.range_constexpr(ch):
+                c = k * ch + j
+                t = cute.math.tanh(rP[c] * tanh_scale, approx=True)
+                s = self._mask_score(t * softmax_scale_log2 - sLSE[c], c, col_min, col_max)
+                pair[j % 2] = cute.math.exp2(s, fastmath=True)
+                rP[c] = pair[j % 2] * (1.0 - t * t)
+                if const_expr(j % 2 == 1):
+                    v16 = cute.make_tensor(cute.recast_ptr(packed.iterator, dtype=self.dtype) + (j - 1),
+                                           cute.make_layout(2))
+                    v16.store(pair.load().to(self.dtype))
+            store_p(packed, k)
 
     @cute.jit
     def _p_phase(self, it: Int32, tidx: Int32, batch: Int32, head: Int32, m_block: Int32, n_block: Int32,
                  seqlen_q: Int32, seqlen_k: Int32, softmax_scale_log2: Float32, mbar: cute.Pointer,
                  accS: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, mLSE2: cute.Tensor, mD: cute.Tensor,
                  sub, ld: cute.TiledCopy, st16: cute.TiledCopy, thr_ld, thr_st, r_shape: cutlass.Constexpr,
-                 r16_shape: cutlass.Constexpr, stats_row0=None) -> cute.Tensor:
+                 r16_shape: cutlass.Constexpr, stats_row0=None, softcap_scale=None) -> cute.Tensor:
         """The elementwise warpgroup's first half of a Q tile (both kernels): lse2 / D -> SMEM, wait for
         S^T, P^T row (thread = key) = exp2(S^T * scale_log2 - lse2), masked -> 0, in registers (returned)
         and as 16-bit P^T in TMEM, fenced for the MMA; the caller signals p_full its own way.
-        seqlen_q / seqlen_k: the sequence's (varlen: its keys in use), stats_row0 as _stage_stats."""
+        seqlen_q / seqlen_k: the sequence's (varlen: its keys in use), stats_row0 as _stage_stats.
+        Softcap (softcap_scale: softmax_scale, None without one): the returned row is P * (1 - tanh^2)."""
         tm, tn, T, ch = self.tm, self.tn, self.tmem, 32
         self._stage_stats(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD, stats_row0)
         key_limit, diag = schedule.mask_bounds(m_block, n_block, tm, tn, seqlen_q, seqlen_k)
-        need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal)
+        need_mask = schedule.tile_needs_mask(key_limit, diag, tn, self.causal, self.window_or_none, tm)
         cute.arch.mbarrier_wait(self._bar(mbar, "s_full"), it % 2)
         tcgen05_fence_after_sync()
         rP = cute.make_rmem_tensor((tm,), Float32)
+        store_p = None
+        if const_expr(self.score_mod.on):  # P^T chunk c -> TMEM from inside the exp loop
+            store_p = lambda packed, c: cute.copy(  # noqa: E731
+                st16, packed, thr_st.partition_D(sub(accS, T.p - T.s + c * ch // 2, ch // 2)))
         self._exp_row(rP, accS, sub, ld, thr_ld, r_shape, Int32(tidx), key_limit, diag, need_mask,
-                      softmax_scale_log2, sLSE)
-        for c in cutlass.range_constexpr(tm // ch):
+                      softmax_scale_log2, sLSE, softcap_scale, store_p, r16_shape)
+        for c in cutlass.range_constexpr(0 if self.score_mod.on else tm // ch):
             self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.p - T.s + c * ch // 2, ch // 2), r16_shape)
         cute.arch.fence_view_async_tmem_store()
         tcgen05_fence_before_sync()
@@ -169,6 +228,16 @@ class ElementwiseRoles:
         tidx = cute.arch.thread_idx()[0] % 128
         tm, tn, T = self.tm, self.tn, self.tmem
         ch = 32                                    # fp32 columns per TMEM load
+        softcap_scale = None
+        if const_expr(self.score_mod.on):
+            # softcap, folded as the forward folds it (Softcap.kernel_scales): P's exponent scale is
+            # softcap * log2(e), the tanh's input scale softmax_scale / softcap; dK's epilogue scale
+            # and the postprocess's dQ scale stay softmax_scale (dS already carries 1 - tanh^2)
+            scale_log2, _ = self.score_mod.kernel_scales(1.0)
+            softmax_scale_log2 = Float32(scale_log2)
+            # the tanh's scale is formed per Q tile (_softcap_row): held across the walk, one more live
+            # register spilled the d = 128 varlen window + softcap build (4 bytes)
+            softcap_scale = softmax_scale
         accS = self._tmem_acc(tmem_ptr, mma_s, (tn, tm), T.s)
         sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape = self._row_copies(accS, tidx)
         key = tidx                                  # TMEM lane = key row of the tile
@@ -180,9 +249,10 @@ class ElementwiseRoles:
             # 1.-2. lse2 / D -> SMEM; P^T row -> registers and (16-bit) -> TMEM
             rP = self._p_phase(it, tidx, batch, head, m_block, n_block, seqlen_q, seqlen_k, softmax_scale_log2,
                                mbar, accS, sLSE, sD, mLSE2, mD, sub, ld, st16, thr_ld, thr_st, r_shape, r16_shape,
-                               stats_row0)
+                               stats_row0, softcap_scale)
             cute.arch.mbarrier_arrive(self._bar(mbar, "p_full"))
-            # 3. dS = P (dP - D) in 32-column chunks; dS^T -> TMEM over the dP^T chunks already read
+            # 3. dS = P (dP - D) in 32-column chunks (softcap: rP is P (1 - tanh^2), so dS carries the
+            #    derivative); dS^T -> TMEM over the dP^T chunks already read
             #    (for dK), dS -> SMEM (for dQ). S^T(it + 1) may already be running meanwhile.
             cute.arch.mbarrier_wait(self._bar(mbar, "dp_full"), it % 2)
             if it > 0:  # sdS is free once the previous dQ = dS K has completed (implied by dp_full: kept explicit)
