@@ -344,7 +344,7 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
     for w in workloads:
         w = on_native_head_dims(w, arch_key)
         longest = w.max_seqlen or 0
-        left_window = _left_window(w.window)
+        left_window = w.window is not None  # a workload's window always has a left edge (spec / config)
         # some calls are short; a left window keeps the short calls' build at every length (stage3
         # default_persistent), so it is the only windowed forward
         if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal or left_window:
@@ -370,11 +370,6 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
     for b in builds:
         b["seqlen_k"] = b.pop("seqlen_k_first", None)
     return builds
-
-def _left_window(window) -> bool:
-    """Whether fa4's window_size limits the left side (-1 and None are unlimited)."""
-    return window is not None and window[0] is not None and window[0] >= 0
-
 
 # ---------------------------------------------------------------------------------------------
 # CPU: compile-only through the stage modules
