@@ -695,7 +695,8 @@ def compile_sm100(kernel, args) -> tuple:
     opts = (f"--gpu-arch {TARGET_ARCH} --keep-ptx --keep-cubin --dump-dir {compile_cache.dump_dir()} "
             "remarks{ptx}")
     buf = io.StringIO()
-    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), warnings.catch_warnings():
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), warnings.catch_warnings(), \
+            compile_cache.without_source_locations():
         # the 128-value row loops are unrolled on purpose: a thread's row lives in registers, so
         # every index must be a compile-time constant (the DSL suggests a runtime loop instead)
         warnings.filterwarnings("ignore", message=r".*static loop has \d+ iterations")

@@ -26,7 +26,8 @@ import cutlass.cute as cute
 from .sass_report import disassemble, parse_resources, sass_counts, wgmma_serialization
 
 __all__ = ["Compiled", "Store", "WgmmaSerializedWarning", "cached", "compile_cached", "dump_dir", "get_store",
-           "remember", "reset_launch_observer", "set_launch_observer", "set_store", "wgmma_serialization"]
+           "remember", "reset_launch_observer", "set_launch_observer", "set_store", "wgmma_serialization",
+           "without_source_locations"]
 
 
 class Compiled:
@@ -169,7 +170,7 @@ def _compile(key, build) -> Compiled:
     if _is_launchable(args):
         opts = "--enable-tvm-ffi " + opts
     buf = io.StringIO()
-    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), _without_source_locations():
+    with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), without_source_locations():
         fn = cute.compile(kernel, *args, options=opts)
     log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
     ptx = _artifact(fn.__ptx__, "r") or ""
@@ -185,7 +186,7 @@ def _compile(key, build) -> Compiled:
 
 
 @contextlib.contextmanager
-def _without_source_locations():
+def without_source_locations():
     """Compile without the per-op Python source locations that `remarks{ptx}` turns on.
 
     The DSL records a source location for every op it builds whenever compiler diagnostics are

@@ -26,7 +26,7 @@ def _compile_counting_walks(monkeypatch, with_locations: bool):
     real = dsl_op._get_caller_frame_info
     monkeypatch.setattr(dsl_op, "_get_caller_frame_info", lambda: walks.append(1) or real())
     if with_locations:
-        monkeypatch.setattr(compile_cache, "_without_source_locations", contextlib.nullcontext)
+        monkeypatch.setattr(compile_cache, "without_source_locations", contextlib.nullcontext)
     dt = host_io.cutlass_dtype("bf16")
     build = (lambda: (split_combine.SplitTailCombine(dt, 64), split_combine._fake_args(dt, 64, launchable=False)))
     compiled = compile_cache._compile(("test_locations", with_locations), build)
@@ -47,7 +47,7 @@ def test_lineinfo_keeps_the_locations(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
     from stage3_fwd_kernel import compile_cache
 
-    with compile_cache._without_source_locations():
+    with compile_cache.without_source_locations():
         import cutlass.base_dsl.dsl as dsl
         from cutlass._mlir_helpers import op as dsl_op
 
