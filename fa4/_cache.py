@@ -46,6 +46,11 @@ import, so a miss in memory consults the disk before compiling, and a fresh comp
 back. The stage modules stay unaware of fa4 (the layering rule: fa4 composes the stages, never
 the reverse).
 
+A fresh kernel bound for the disk is compiled without the DSL's own JIT engine and launched from
+the object written for the disk (`DiskStore.links` / `adopt`): the DSL would otherwise generate the
+host code three times on a cold call (an MCJIT engine, the object its TVM-FFI function links, and
+the export), where one is enough -- the same object the next process loads.
+
 Environment: FA4_CACHE=0 disables the disk (memory only); FA4_CACHE_DIR moves it.
 """
 from __future__ import annotations
@@ -302,6 +307,12 @@ class DiskCache:
             return {}
 
     def store(self, key, compiled_fn, report: Optional[dict] = None) -> Optional[pathlib.Path]:
+        exported = self.export(key, compiled_fn, report, "it stays cached in memory only")
+        return None if exported is None else exported[1]
+
+    def export(self, key, compiled_fn, report: Optional[dict], fallback: str):
+        """Export a compiled kernel and write it with its report: (object bytes, path or None if the
+        write failed), or None if it could not be exported (`fallback` says what happens then)."""
         khash = key_hash(key)
         if khash is None:
             return None
@@ -312,13 +323,13 @@ class DiskCache:
             with _LOCK:
                 _STATS["store_errors"] += 1
             warnings.warn(f"fa4 cache: could not export a compiled kernel ({type(exc).__name__}: {str(exc)[:200]}); "
-                          "it stays cached in memory only", RuntimeWarning, stacklevel=3)
+                          f"{fallback}", RuntimeWarning, stacklevel=4)
             return None
         path = self.write(khash, data)
         if path is not None:
             with _LOCK:
                 _STATS["stores"] += 1
-        return path
+        return data, path
 
 
 _RUNTIME_PRELOADED = False
@@ -334,6 +345,14 @@ def export_object(compiled_fn, symbol: str) -> bytes:
     if not data:
         raise OSError("export_to_c wrote an empty object")
     return data
+
+
+def load_object_bytes(data: bytes, symbol: str):
+    """`load_object` for an object that is not on disk (its write failed)."""
+    with tempfile.TemporaryDirectory(prefix="fa4_link_") as tmp:
+        path = pathlib.Path(tmp) / f"{symbol}.o"
+        path.write_bytes(data)
+        return load_object(path, symbol)
 
 
 def load_object(path: pathlib.Path, symbol: str):
@@ -421,6 +440,43 @@ class DiskStore:
         store = disk() if persistable(key) else None
         if store is not None:
             store.store(key, compiled.fn, compiled.log_report)
+
+    def links(self, key) -> bool:
+        """A kernel bound for the disk is launched from its own exported object, as the next process
+        will: its compile skips the DSL's JIT engine (two of the three host-code generations a cold
+        kernel cost when the engine was built and the object exported besides)."""
+        return persistable(key) and enabled()
+
+    def adopt(self, key, compiled, rebuild: Callable):
+        """Export a kernel compiled without an engine, write it, and return it linked from that object
+        (guarded for its first call, as a disk hit is); `rebuild()` if it cannot be exported or linked."""
+        with _LOCK:
+            _STATS["misses"] += 1
+        store = DiskCache(cache_dir())
+        exported = store.export(key, compiled.fn, compiled.log_report, "compiling it again with the DSL's engine")
+        if exported is None:
+            return rebuild()
+        data, path = exported
+        symbol = store.symbol(key_hash(key))
+        try:
+            fn = load_object(path, symbol) if path is not None else load_object_bytes(data, symbol)
+        except Exception as exc:
+            warnings.warn(f"fa4 cache: a kernel exported for the disk did not link ({type(exc).__name__}: "
+                          f"{str(exc)[:200]}); compiling it again with the DSL's engine", RuntimeWarning,
+                          stacklevel=3)
+            return rebuild()
+        from stage3_fwd_kernel import compile_cache
+
+        def on_success(raw):
+            compile_cache.remember(key, compiled.with_function(raw))
+
+        def recompile():
+            fresh = rebuild()
+            compile_cache.remember(key, fresh)
+            return fresh.fn
+
+        guard_path = path if path is not None else pathlib.Path(f"(unwritten) {symbol}.o")
+        return compiled.with_function(_FirstCallGuard(fn, guard_path, on_success, recompile))
 
 
 STORE = DiskStore()

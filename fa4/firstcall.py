@@ -60,7 +60,7 @@ _PROBES = (("cache lookup", "fa4._cache", "DiskCache.read_verified"),
            ("load from disk", "fa4._cache", "load_object"),
            ("compile", "cutlass.cute", "compile"),
            ("compile report", "stage3_fwd_kernel.compile_cache", "disassemble"),
-           ("store to disk", "fa4._cache", "DiskCache.store"))
+           ("store to disk", "fa4._cache", "DiskCache.export"))
 # with launch plans nothing of the kernel modules is imported: only the plan's own load is probed
 _PLAN_PROBES = (("plan + kernel load", "fa4._plans", "lookup"),)
 

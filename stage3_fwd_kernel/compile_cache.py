@@ -63,6 +63,10 @@ class Compiled:
     def log_report(self) -> dict:
         return self._report
 
+    def with_function(self, fn: Any) -> "Compiled":
+        """The same kernel (report, SASS, PTX) behind another callable: a store's loaded object."""
+        return Compiled(fn, self._report, self._sass, self.ptx, self._cubin)
+
 
 class Store(Protocol):
     """A persistent second level behind the memory cache (fa4's disk cache implements it)."""
@@ -76,6 +80,14 @@ class Store(Protocol):
 
     def offer(self, key, compiled: Compiled) -> None:
         """Told about every fresh compile; the store keeps what it can persist."""
+
+    def links(self, key) -> bool:
+        """Optional. True: a fresh launchable compile of `key` goes to `adopt` instead of `offer`, and
+        is built without the DSL's own JIT engine, since the store will load its own object anyway."""
+
+    def adopt(self, key, compiled: Compiled, rebuild: Callable[[], Compiled]) -> Compiled:
+        """Optional, with `links`. `compiled` has no runnable function: keep it and return it loaded
+        (`Compiled.with_function`), or `rebuild()` (a compile with the DSL's engine) if that fails."""
 
 
 _CACHE: dict = {}
@@ -153,10 +165,14 @@ def _compile_cached(key, build: Callable[[], tuple]) -> Compiled:
 
 
 def _compile_and_offer(key, build) -> Compiled:
-    out = _compile(key, build)
+    store = _STORE
+    links = store is not None and getattr(store, "links", None) is not None and store.links(key)
+    out, detached = _compile(key, build, detach=links)
+    if detached:
+        out = store.adopt(key, out, lambda: _compile(key, build)[0])
+    elif store is not None:
+        store.offer(key, out)
     _CACHE[key] = out
-    if _STORE is not None:
-        _STORE.offer(key, out)
     return out
 
 
@@ -164,14 +180,19 @@ def _is_launchable(args) -> bool:
     return any(getattr(a, "use_tvm_ffi_env_stream", False) for a in args)
 
 
-def _compile(key, build) -> Compiled:
+def _compile(key, build, detach: bool = False) -> tuple[Compiled, bool]:
+    """The kernel and whether it was built detached: without the DSL's JIT engine (`detach`, for a
+    launchable build), which generates the host code twice more (an MCJIT engine, then the object
+    TVM-FFI links; 0.2-0.5 s each on a cold call) when a store will export and load its own object."""
     kernel, args = build()
     opts = f"--keep-ptx --keep-cubin --dump-dir {dump_dir()} remarks{{ptx}}"
-    if _is_launchable(args):
+    launchable = _is_launchable(args)
+    if launchable:
         opts = "--enable-tvm-ffi " + opts
+    detached = detach and launchable
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf), without_source_locations():
-        fn = cute.compile(kernel, *args, options=opts)
+        fn = cute.compile(kernel, *args, options=opts, no_jit_engine=detached)
     log = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())
     ptx = _artifact(fn.__ptx__, "r") or ""
     cubin = _artifact(fn.__cubin__, "rb")
@@ -182,7 +203,7 @@ def _compile(key, build) -> Compiled:
         warnings.warn(f"{str(key)[:240]}: ptxas serialized its wgmma instructions "
                       f"({', '.join(report['wgmma_serialized'])}); the kernel is correct but runs far below its "
                       "design speed (time it only knowingly)", WgmmaSerializedWarning, stacklevel=4)
-    return Compiled(fn, report, None if cubin else "", ptx, cubin)
+    return Compiled(fn, report, None if cubin else "", ptx, cubin), detached
 
 
 @contextlib.contextmanager

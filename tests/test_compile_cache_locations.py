@@ -29,7 +29,7 @@ def _compile_counting_walks(monkeypatch, with_locations: bool):
         monkeypatch.setattr(compile_cache, "without_source_locations", contextlib.nullcontext)
     dt = host_io.cutlass_dtype("bf16")
     build = (lambda: (split_combine.SplitTailCombine(dt, 64), split_combine._fake_args(dt, 64, launchable=False)))
-    compiled = compile_cache._compile(("test_locations", with_locations), build)
+    compiled, _ = compile_cache._compile(("test_locations", with_locations), build)
     monkeypatch.undo()
     return compiled, len(walks)
 

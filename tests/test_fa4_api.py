@@ -900,17 +900,18 @@ def stage_cache(monkeypatch):
     from stage3_fwd_kernel import compile_cache
 
     cc = compile_cache
-    builds = []
+    builds, detached = [], []
 
-    def fake_compile(key, build):
+    def fake_compile(key, build, detach=False):
         builds.append(key)
-        return cc.Compiled(build(), {"registers": 1}, "sass", "ptx")
+        detached.append(detach)  # every fake build counts as launchable
+        return cc.Compiled(build(), {"registers": 1}, "sass", "ptx"), detach
 
     monkeypatch.setattr(cc, "_compile", fake_compile)
     monkeypatch.setattr(cc, "_CACHE", {})
     monkeypatch.setattr(cc, "_STORE", None)
     cc.set_store(_cache.STORE)
-    return types.SimpleNamespace(cc=cc, builds=builds)
+    return types.SimpleNamespace(cc=cc, builds=builds, detached=detached)
 
 
 @pytest.mark.cpu
@@ -929,12 +930,12 @@ def test_cache_store_memory_disk_and_rebuild(cache_dir, monkeypatch, stage_cache
     assert cc.get_store() is _cache.STORE
     key = ("stepX", "gpu", "BFloat16", 64, 64, False)
 
-    # process 1: compiled, used, written to disk
+    # process 1: compiled without the DSL's engine, written to disk, and run from that object
     comp = cc.compile_cached(key, lambda: _FakeCompiled("compiled"))
-    assert comp.fn() == "compiled" and builds == [key]
-    assert len(list(_cache.cache_dir().glob("*.o"))) == 1
+    assert comp.fn() == "from-disk:compiled" and builds == [key] and stage_cache.detached == [True]
+    assert len(list(_cache.cache_dir().glob("*.o"))) == 1 and len(loads) == 1
     hits = _cache.stats()["memory_hits"]
-    assert cc.compile_cached(key, lambda: 1 / 0).fn() == "compiled"  # memory hit, no build
+    assert cc.compile_cached(key, lambda: 1 / 0).fn() == "from-disk:compiled"  # memory hit, no build
     assert _cache.stats()["memory_hits"] == hits + 1
     # process 2 (empty memory): loaded from disk, no compile; the first call is guarded
     cc._CACHE.clear()
@@ -942,29 +943,56 @@ def test_cache_store_memory_disk_and_rebuild(cache_dir, monkeypatch, stage_cache
     assert comp.report["loaded_from"] and comp.fn() == "from-disk:compiled" and builds == [key]
     assert comp.report["registers"] == 1  # the compile's report travels with the object
     assert cc.cached(key).fn.tag == "from-disk:compiled"  # the guard stepped aside after success
-    # a fake-tensor compile is never written
+    # a fake-tensor compile is never written, and keeps the DSL's engine
     cc.compile_cached(("stepX", "fake", "BFloat16", 64, 64, False), lambda: _FakeCompiled("fake"))
-    assert len(list(_cache.cache_dir().glob("*.o"))) == 1
+    assert len(list(_cache.cache_dir().glob("*.o"))) == 1 and stage_cache.detached[-1] is False
     # an object that loads but fails on its first call: dropped, recompiled, the call retried
     cc._CACHE.clear()
     key2 = ("stepX", "gpu", "BFloat16", 128, 128, True)
     cc.compile_cached(key2, lambda: _FakeCompiled("poison"))
     cc._CACHE.clear()
     with pytest.warns(RuntimeWarning, match="failed on first call"):
-        assert cc.compile_cached(key2, lambda: _FakeCompiled("good")).fn() == "good"
-    assert builds[-1] == key2 and cc.cached(key2).fn() == "good"
+        assert cc.compile_cached(key2, lambda: _FakeCompiled("good")).fn() == "from-disk:good"
+    assert builds[-1] == key2 and cc.cached(key2).fn() == "from-disk:good"
     # a corrupt file on disk: discarded and rebuilt, not fatal
     cc._CACHE.clear()
     for p in _cache.cache_dir().glob("*.o"):
         p.write_bytes(b"garbage")
     with pytest.warns(RuntimeWarning, match="content hash mismatch"):
-        assert cc.compile_cached(key, lambda: _FakeCompiled("rebuilt")).fn() == "rebuilt"
+        assert cc.compile_cached(key, lambda: _FakeCompiled("rebuilt")).fn() == "from-disk:rebuilt"
     # FA4_CACHE=0: memory only
     monkeypatch.setenv("FA4_CACHE", "0")
     cc._CACHE.clear()
     n_loads = len(loads)
     assert cc.compile_cached(key, lambda: _FakeCompiled("memory-only")).fn() == "memory-only"
-    assert len(loads) == n_loads
+    assert len(loads) == n_loads and stage_cache.detached[-1] is False
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cache_links_fresh_kernels_even_when_the_disk_fails(cache_dir, monkeypatch, stage_cache):
+    """A kernel compiled without the DSL's engine still runs when its object cannot be written (linked
+    from memory) and is compiled again with the engine when it cannot be exported or linked."""
+    monkeypatch.setattr(_cache, "load_object",
+                        lambda path, symbol: _FakeCompiled("linked:" + path.read_bytes().decode().split(":")[1]))
+    cc, builds = stage_cache.cc, stage_cache.builds
+
+    def unwritable(self, khash, data):
+        return None  # what write() returns after it warned about an OSError
+
+    monkeypatch.setattr(_cache.DiskCache, "write", unwritable)
+    key = ("stepX", "gpu", "BFloat16", 64, 64, False)
+    assert cc.compile_cached(key, lambda: _FakeCompiled("k")).fn() == "linked:k"
+    assert builds == [key] and stage_cache.detached == [True]
+
+    class NoExport(_FakeCompiled):
+        def export_to_c(self, object_file_path, function_name):
+            raise RuntimeError("no export here")
+
+    key2 = ("stepX", "gpu", "BFloat16", 128, 128, False)
+    with pytest.warns(RuntimeWarning, match="compiling it again with the DSL's engine"):
+        comp = cc.compile_cached(key2, lambda: NoExport("engine"))
+    assert comp.fn() == "engine" and builds[-2:] == [key2, key2] and stage_cache.detached[-2:] == [True, False]
 
 
 @pytest.mark.cpu
