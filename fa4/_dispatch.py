@@ -72,7 +72,7 @@ ARCHS: dict[str, ArchInfo] = {
         # sm_100a code uses arch-specific instructions (tcgen05, TMEM): it runs on compute
         # capability 10.0 only, not on 10.3 (B300) or 12.x (RTX 50xx), hence no wider match.
         note="compiled for sm_100a in CI and checked structurally; no Blackwell GPU is reachable here",
-        lacks=("seqused_k", "sliding_window", "softcap", "learnable_sink"),
+        lacks=("seqused_k",),  # the varlen forward has no seqused_k (its backward has)
     ),
 }
 
@@ -328,6 +328,9 @@ class Backend:
     # the modules offer compile_launchable(...): what the GPU path launches, built without a GPU
     # under its cache keys (fa4.precompile); the forward's also takes a tile scheduler
     LAUNCHABLE_BUILDS = False
+    # the dense backward hands back D = rowsum(dout * out) (`return_d`) from its preprocess; else fa4
+    # computes it with torch for the sink's gradient
+    DENSE_BACKWARD_RETURNS_D = True
 
     def _module(self, role: str) -> Any:
         if role not in self._mods:
@@ -432,6 +435,9 @@ class Backend:
         own gradient is `sink_grad`). want_d: also return D = rowsum(dout * out) in lse's layout, which
         the kernel's preprocess computes (the sink's gradient needs it)."""
         self.check_variants(window, softcap)
+        if want_d and not self.DENSE_BACKWARD_RETURNS_D:
+            grads = self.backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse, window, softcap)
+            return (*grads, rowsum_dout_out(dout, out))
         self._warn_unverified()
         inputs = (dout, q, k, v, out, lse, dlse)
         sig = self._plan_signature("bwd", inputs, (softmax_scale, causal, deterministic, tuple(window), softcap,
@@ -516,8 +522,11 @@ class HopperBackend(Backend):
 
 class BlackwellBackend(Backend):
     """sm_100: `stage3_fwd_kernel.blackwell_fwd` and `stage4_bwd_kernel.blackwell`. Long causal dense
-    forwards take stage 5's LPT order (sized by the device's L2), others the static grid; no route
-    switches; its varlen grid is sized from max_seqlen_q alone and it has no seqused_k."""
+    forwards without a window take stage 5's LPT order (sized by the device's L2), others the static
+    grid; no route switches; its varlen grid is sized from max_seqlen_q alone and it has no seqused_k.
+    The variants (window, softcap, sink) reach the kernels as on Hopper; the sink's D comes from torch."""
+
+    DENSE_BACKWARD_RETURNS_D = False
 
     def import_forward(self):
         from stage3_fwd_kernel import blackwell_fwd
@@ -530,9 +539,10 @@ class BlackwellBackend(Backend):
         return blackwell
 
     def _call_forward(self, mod, q, k, v, softmax_scale, causal, **variants):
-        # check_variants refused every variant (ArchInfo.lacks): `variants` is empty here
         kw = dict(variants)
-        sched = causal_forward_scheduler(self.arch.key, causal, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
+        # a left window makes the causal tiles (nearly) equal: nothing for LPT to order
+        lpt = causal and "window_size" not in variants
+        sched = causal_forward_scheduler(self.arch.key, lpt, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
                                          k.shape[2], _l2_bytes(q.device))
         if sched is not None:
             kw["scheduler"] = sched
@@ -572,6 +582,11 @@ def _install_disk_cache():
 
     if compile_cache.get_store() is not _cache.STORE:
         compile_cache.set_store(_cache.STORE)
+
+
+def rowsum_dout_out(dout, out):
+    """D = rowsum(dout * out) in fp32, in lse's layout: (B, H, S) from (B, S, H, Dv) tensors."""
+    return (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
 
 
 def variant_kwargs(window=(None, None), softcap: float = 0.0, learnable_sink=None) -> dict:

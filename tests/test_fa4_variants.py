@@ -205,31 +205,43 @@ def test_windowed_long_causal_forward_keeps_the_static_grid(monkeypatch):
     assert calls[0][2] is None and calls[1][2] is not None  # softcap alone keeps LPT
 
 
-@pytest.mark.parametrize("kw,name", [(dict(window=(8, None)), "window_size"), (dict(softcap=1.0), "softcap"),
-                                     (dict(learnable_sink=torch.zeros(2)), "learnable_sink")])
-def test_blackwell_refuses_the_variants(kw, name, monkeypatch):
+@pytest.mark.filterwarnings("ignore:fa4. running the sm_100")
+def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
+    """sm_100 takes window, softcap and sink as Hopper does (its kernels are compiled, never run): the
+    variants reach its modules, a windowed causal forward keeps the static grid, and the sink's
+    D = rowsum(dout * out) comes from torch, since its dense backward does not return it."""
+    calls = []
+
+    def fwd(q, k, v, *, softmax_scale=None, causal=False, scheduler=None, **kw):
+        calls.append(("fwd", scheduler, kw))
+        return "out", "lse"
+
+    def varlen_fwd(q, k, v, cu_q, cu_k, max_q, *, softmax_scale=None, causal=False, **kw):
+        calls.append(("varlen_fwd", None, kw))
+        return "out", "lse"
+
+    def bwd(q, k, v, out, dout, lse, *, softmax_scale, causal, deterministic, **kw):
+        calls.append(("bwd", None, kw))
+        return q, k, v
+
     bw = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
-    monkeypatch.setattr(bw, "_module", lambda role: pytest.fail("imported a kernel module"))
+    bw._mods["fwd"] = types.SimpleNamespace(attention_forward=fwd, attention_varlen_forward=varlen_fwd)
+    bw._mods["bwd"] = types.SimpleNamespace(attention_backward=bwd)
+    sink = torch.zeros(2)
+    q = torch.zeros(1, _dispatch.LPT_MIN_SEQLEN_K, 2, 64)
+    bw.forward(q, q, q, 0.5, True, window=(16, None), softcap=30.0, learnable_sink=sink)
+    assert calls[-1][0] == "fwd" and calls[-1][1] is None  # windowed: no LPT order
+    assert calls[-1][2] == {"window_size": (16, None), "softcap": 30.0, "learnable_sink": sink}
+    bw.varlen_forward(q, q, q, q, q, None, 7, 9, 0.5, False, window=(None, 3), softcap=2.0)
+    assert calls[-1] == ("varlen_fwd", None, {"window_size": (None, 3), "softcap": 2.0})
     t = torch.zeros(1, 8, 2, 64)
-    pattern = rf"^{name}: not implemented on Blackwell \(sm_100\); supported on sm_90"
-    with pytest.raises(ValueError, match=pattern):
-        bw.forward(t, t, t, 0.5, False, **kw)
-    with pytest.raises(ValueError, match=pattern):
-        bw.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False, **kw)
-    if name != "learnable_sink":
-        with pytest.raises(ValueError, match=pattern):
-            bw.backward(t, t, t, t, t, t, 0.5, False, False, **kw)
-        with pytest.raises(ValueError, match=pattern):
-            bw.varlen_backward(t, t, t, t, t, t, t, t, None, 7, 9, 0.5, False, False, **kw)
-    # through the op's implementation too, also for an empty problem (no launch either way)
-    monkeypatch.setattr(_dispatch, "backend_for", lambda device: bw)
-    z = lambda *s: torch.zeros(*s, dtype=BF16)  # noqa: E731
-    w = kw.get("window", NO_WINDOW)
-    for sk in (9, 0):
-        with pytest.raises(ValueError, match=pattern):
-            _ops._fwd_impl(z(1, 8, 2, 64), z(1, sk, 2, 64), z(1, sk, 2, 64), 0.5, False, False, False, *w,
-                           kw.get("softcap", 0.0), kw.get("learnable_sink"))
-    bw.check_variants()  # plain calls pass
+    dout, out = torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64)
+    *grads, d = bw.backward(dout, t, t, t, out, t, 0.5, False, False, window=(4, 4), softcap=5.0, want_d=True)
+    assert calls[-1] == ("bwd", None, {"window_size": (4, 4), "softcap": 5.0})  # no return_d asked of it
+    assert len(grads) == 3 and d.shape == (1, 2, 8) and d.dtype == torch.float32
+    torch.testing.assert_close(d, torch.einsum("bshd,bshd->bhs", dout, out))
+    with pytest.raises(NotImplementedError, match=r"^seqused_k"):  # its varlen forward has none
+        bw.varlen_forward(q, q, q, q, q, torch.zeros(1), 7, 9, 0.5, False)
 
 
 # ================================================================================ supported()
@@ -237,10 +249,10 @@ def test_supported_reports_the_variants_per_arch():
     rep = fa4.supported()
     for name in ("sliding_window", "softcap", "learnable_sink"):
         f = rep["features"][name]
-        assert f["supported"] is True and f["archs"] == {"sm_90": True, "sm_100": False}, name
+        assert f["supported"] is True and f["archs"] == {"sm_90": True, "sm_100": True}, name
         assert rep["archs"]["sm_90"]["features"][name] is True
-        assert rep["archs"]["sm_100"]["features"][name] is False
-        assert f"| {name} | yes | no |" in _dispatch.support_markdown()
+        assert rep["archs"]["sm_100"]["features"][name] is True
+        assert f"| {name} | yes | yes |" in _dispatch.support_markdown()
     assert rep["features"]["seqused_k"]["archs"] == {"sm_90": True, "sm_100": False}  # Blackwell varlen has none
     assert rep["features"]["fp8"]["archs"] == {"sm_90": False, "sm_100": False}
 
