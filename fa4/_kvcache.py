@@ -48,6 +48,34 @@ def choose_num_splits(batch: int, head_tiles: int, max_keys: int, sm_count: int)
     return max(1, min(want, math.ceil(max_keys / MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
+_CONSTANTS: dict = {}   # (what, device, sizes...) -> a small int32 tensor that depends on sizes only
+MAX_CONSTANTS = 256
+
+
+def _constant(key: tuple, make):
+    """The tensor `make()` builds for `key`, built once per process: a decode step's segment offsets
+    depend on the shapes alone, and each one made afresh is a tiny kernel on the step's path (1-2 us
+    apiece; 7 of a 1 x 128k step's 14 kernels on an H200 were such). One made while a CUDA graph is
+    captured is not kept (its kernel runs only at replay: the tensor holds no values yet), nor one
+    made while traced; a graph captured after an eager call uses the kept one."""
+    device = key[1]
+    if torch.compiler.is_compiling():
+        return make()
+    t = _CONSTANTS.get(key)
+    if t is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return make()
+    if t is None:
+        if len(_CONSTANTS) >= MAX_CONSTANTS:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = make()
+    return t
+
+
+def identity_rows(b: int, device):
+    """Cache row b for sequence b (no cache_batch_idx): (B,) int32."""
+    return _constant(("rows", device, b), lambda: torch.arange(b, device=device, dtype=torch.int32))
+
+
 class Segments(NamedTuple):
     """Per segment i (ordered batch-major, n per batch row): cache row cu_k[i], keys used[i]."""
     cu_k: torch.Tensor    # (B * n + 1,) int32; the last entry is unused by the kernel (kept = flat length)
@@ -59,20 +87,28 @@ class Segments(NamedTuple):
 def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int) -> Segments:
     """n chunks of each sequence's keys in a dense cache viewed as (B_cache * S_cache, Hkv, D).
     Chunks are rounded up to 128 keys (the kernel's key block) so only the last one is partial.
-    int32 throughout (the kernel's offsets are int32): a handful of tiny kernels per call."""
+    int32 throughout (the kernel's offsets are int32). cache_rows None: sequence b in cache row b, so
+    the first rows are a constant of the shapes and only the keys used are computed per call."""
     chunk = max(1, math.ceil(s_cache / n))
     chunk = min(s_cache, math.ceil(chunk / 128) * 128) if s_cache >= 128 else chunk
     n = max(1, math.ceil(s_cache / chunk))
-    starts = torch.arange(0, n * chunk, chunk, device=seqlens_k.device, dtype=torch.int32)  # (n,)
-    first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
+    dev, b = seqlens_k.device, seqlens_k.shape[0]
+    starts = _constant(("starts", dev, n, chunk),
+                       lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))  # (n,)
     used = (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)                              # (B, n)
+    if cache_rows is None:
+        cu_k = _constant(("dense_cu_k", dev, b, n, chunk, s_cache), lambda: _pad_one(
+            torch.arange(b, device=dev, dtype=torch.int32).view(-1, 1) * s_cache + starts))  # (B n + 1,)
+        return Segments(cu_k, used.reshape(-1), n, chunk)
+    first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
     return _pack(first, used, n, chunk)
 
 
 def paged_segments(seqlens_k, block_table, page_size: int) -> Segments:
     """One segment per page of block_table (B, P): pages are rows of a (num_pages * page_size) cache."""
-    p = block_table.shape[1]
-    starts = torch.arange(0, p * page_size, page_size, device=seqlens_k.device, dtype=torch.int32)
+    p, dev = block_table.shape[1], seqlens_k.device
+    starts = _constant(("starts", dev, p, page_size),
+                       lambda: torch.arange(0, p * page_size, page_size, device=dev, dtype=torch.int32))
     first = block_table * page_size                                                        # (B, P)
     used = (seqlens_k.view(-1, 1) - starts).clamp_(0, page_size)
     return _pack(first, used, p, page_size)
@@ -83,7 +119,11 @@ def _pack(first, used, n, max_keys) -> Segments:
     # just completes the (segments + 1,) shape. So cu_k need not rise (pages, cache_batch_idx) and a
     # segment may use more rows than the next offset leaves: a relaxation of the public varlen
     # contract that this module relies on and fa4's own value checks would reject.
-    return Segments(torch.nn.functional.pad(first.reshape(-1), (0, 1)), used.reshape(-1), n, max_keys)
+    return Segments(_pad_one(first), used.reshape(-1), n, max_keys)
+
+
+def _pad_one(first):
+    return torch.nn.functional.pad(first.reshape(-1), (0, 1))
 
 
 def merge_segments(out, lse, n: int, kernel: bool = False):
@@ -127,6 +167,7 @@ def append_to_cache(k_cache, v_cache, k, v, cache_rows, seqlens, block_table):
     b, sn = k.shape[:2]
     pos = seqlens.to(torch.int64).view(-1, 1) + torch.arange(sn, device=k.device)          # (B, Sn)
     if block_table is None:
+        cache_rows = identity_rows(b, k.device) if cache_rows is None else cache_rows
         rows = cache_rows.to(torch.int64).view(-1, 1).expand(b, sn)
         k_cache[rows, pos] = k
         v_cache[rows, pos] = v
@@ -174,7 +215,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa)
     if block_table is not None and not free:  # paged segments would misalign the mask: a dense copy
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
-        cache_rows, block_table = torch.arange(b, device=q.device, dtype=torch.int32), None
+        cache_rows, block_table = None, None  # the copy holds sequence b at row b
     heads = hkv if pack else hq
     # packed: row t * g + j is query token t of head kv * g + j (a view for one token; q_seg copies)
     rows = q.view(b, sq, hkv, hq // hkv, d).transpose(2, 3).reshape(b, -1, hkv, d) if pack else q
@@ -188,7 +229,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         seg = dense_segments(seqlens_k, cache_rows, s_cache, n)
     n = seg.n
     q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
-    cu_q = torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32)
+    cu_q = _constant(("cu_q", q.device, b * n, r),
+                     lambda: torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32))
     out, lse = varlen(q_seg, k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, dv), cu_q, seg.cu_k, seg.used,
                       r, seg.max_keys, scale, causal, window, softcap)
     out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n,
@@ -220,7 +262,8 @@ def _int_vector(name, t, length, device):
 
 def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                      block_table, cuda=True):
-    """Shapes, dtypes, devices; returns (seqlens_k before the append (B,) int32, cache_rows (B,)).
+    """Shapes, dtypes, devices; returns (seqlens_k before the append (B,) int32, cache_rows (B,) or None:
+    sequence b in cache row b).
     cuda: fa4's dtype / device rules (False: any float dtype on one device, for the CPU stand-in)."""
     from ._validate import _check_dtypes_devices, values_check_enabled
 
@@ -260,7 +303,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         capacity, rows = block_table.shape[1] * per_slot, None
     else:
         capacity = per_slot
-        rows = torch.arange(b, device=q.device, dtype=torch.int32) if cache_batch_idx is None else \
+        rows = None if cache_batch_idx is None else \
             _int_vector("cache_batch_idx", cache_batch_idx, b, q.device).to(torch.int32)
         if slots * per_slot >= 2 ** 31:
             raise ValueError(f"k_cache: {slots} x {per_slot} rows exceed the kernel's int32 row offsets")
@@ -270,7 +313,8 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         raise ValueError("k, v: pass both (new keys and values to append) or neither")
     new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
-        seqlens = torch.full((b,), capacity - new, dtype=torch.int32, device=q.device)
+        seqlens = _constant(("full", q.device, b, capacity - new),
+                            lambda: torch.full((b,), capacity - new, dtype=torch.int32, device=q.device))
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity - new:
             raise ValueError(f"cache_seqlens: {cache_seqlens} keys plus {new} new ones do not fit a cache of "

@@ -156,6 +156,12 @@ def test_plan_and_heuristic():
     assert seg.n == 3 and seg.max_keys == 384
     assert seg.used.tolist() == [384, 384, 232, 5, 0, 0]
     assert seg.cu_k[:-1].tolist() == [0, 384, 768, 1024, 1408, 1792]
+    # sequence b in cache row b: the same offsets, built once per shape and then reused (no kernel a call)
+    kv._CONSTANTS.clear()
+    ident = kv.dense_segments(torch.tensor([1000, 5], dtype=torch.int32), None, 1024, 3)
+    assert ident.cu_k.tolist() == seg.cu_k.tolist() and ident.used.tolist() == seg.used.tolist()
+    again = kv.dense_segments(torch.tensor([7, 900], dtype=torch.int32), None, 1024, 3)
+    assert again.cu_k is ident.cu_k and again.used.tolist() == [7, 0, 0, 384, 384, 132]
 
 
 def test_errors_before_the_cache_is_touched():
