@@ -85,6 +85,7 @@ MAX_KV_STAGES = 4          # more ring slots stop paying once the loads are ahea
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
 DTYPES = ("bf16", "fp16")
 HEADER_ALIGN = 1024        # 128B-swizzled tiles start on 1024-byte boundaries
+PERSISTENT_BARRIERS_PER_Q_TILE = 3  # q_empty, final_empty, epi_empty (persistent builds only)
 FP16_MAX_THRESHOLD = 15.0  # a stale max lets P reach 2^tau; fp16 stops at 65504 < 2^16
 
 
@@ -254,6 +255,27 @@ class BlackwellFwdConfig:
     @property
     def pv_k_blocks_first(self) -> int:
         return self.pv_k_blocks * self.p_first_chunks // self.p_store_chunks
+
+    @property
+    def persistent_barriers(self) -> int:
+        """The barriers of a persistent build (blackwell_persistent.py): the plan's, then per Q tile
+        q_empty (sQ_i free for the next tile's Q), final_empty (the final row statistics read, so the
+        next S_i may overwrite them) and epi_empty (sO_i stored). They fit the same header (29 x 8
+        bytes at d = 128), so the SMEM plan does not change; one-tile builds keep the plan's count."""
+        return self.smem.num_barriers + PERSISTENT_BARRIERS_PER_Q_TILE * self.q_tiles_per_cta
+
+    @property
+    def persistent_supported(self) -> str | None:
+        """None when a persistent build of this plan is implemented, else why not."""
+        if self.smem.o_overlaps_q:
+            return ("sO is placed over sQ at these head dims: the next tile's Q load would overwrite O "
+                    "before it is stored")
+        if self.sink and self.head_dim_v >= 128:
+            return ("a learnable sink at head_dim_v >= 128: the correction warpgroup (72 registers) spills 16 "
+                    "bytes with the tile loop's counters live (d = 64 and 96 compile clean)")
+        if 8 * self.persistent_barriers + 4 > self.smem.header:
+            return "the persistent barriers do not fit the SMEM header"
+        return None
 
     def key(self) -> tuple:
         """Everything that changes the compiled code (the compile-cache key)."""

@@ -63,11 +63,16 @@ Synchronisation (all mbarriers in SMEM; "count" = arrivals per phase):
     o_full[i]     MMA (commit after the last O_i += P V) -> correction             1
     epi_full[i]   correction (O_i in SMEM) -> epilogue warp                        128
     tmem_dealloc  softmax x 2 + correction done with TMEM -> MMA warp frees it     384
+  persistent builds only (blackwell_persistent.py):
+    q_empty[i]    MMA (commit after the tile's last S_i) -> TMA: sQ_i free         1
+    final_empty[i] correction (final row stats read) -> MMA: S_i may be rewritten  128
+    epi_empty[i]  epilogue warp (sO_i stored) -> correction: sO_i free             32
 
 Supported: fp16/bf16, head dims 64, 96, 128, (192, 128); causal (bottom-right aligned); GQA/MQA;
 varlen (cu_seqlens_q/k, packed (total, heads, dim)); lse output; the StaticTileScheduler interface
-(one (m_block, head, batch) tile per CTA; persistent schedulers are refused: the barrier phases
-would have to carry across tiles).
+(one (m_block, head, batch) tile per CTA, the default), or a persistent grid over any tile order
+(tile_scheduler.PersistentScheduler with static striding: one CTA per SM walks tiles c, c + P, ...
+carrying every barrier phase across its tiles; blackwell_persistent.py; head dims up to 128).
 """
 from __future__ import annotations
 
@@ -85,8 +90,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_scheduler
 from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config
+from stage3_fwd_kernel.blackwell_persistent import PersistentRoles, TileWalkArgs, check_persistent
 from stage3_fwd_kernel.blackwell_softmax import SoftmaxCorrectionRoles
-from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage3_fwd_kernel.blackwell_sync import opaque_i32, tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.score_mod import Softcap
@@ -107,16 +113,15 @@ TARGET_ARCH = "sm_100a"
 BAR_TMEM_ALLOC = 1   # MMA warp + softmax x 2 + correction: the TMEM address is in SMEM
 
 
-class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
+class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
     """The FA4 forward pipeline for one BlackwellFwdConfig (2 Q tiles x 128 rows, tile_n = 128).
-    The softmax and correction warpgroups are in ``blackwell_softmax.SoftmaxCorrectionRoles``."""
+    The softmax and correction warpgroups are in ``blackwell_softmax.SoftmaxCorrectionRoles``, the
+    persistent builds' tile loops in ``blackwell_persistent.PersistentRoles``."""
 
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
                  scheduler=tile_scheduler.StaticTileScheduler):
-        if getattr(scheduler, "persistent", False):
-            raise ValueError("scheduler: the Blackwell kernel runs one tile per CTA (StaticTileScheduler "
-                             "interface); a persistent scheduler would need the barrier phases carried "
-                             "across tiles, which is not implemented")
+        # a plain bool (the protocol checker reads it): one CTA per SM walking tiles, phases carried
+        self.persistent = check_persistent(scheduler, config)
         self.cfg = config
         self.varlen = varlen
         self.scheduler = scheduler
@@ -151,12 +156,16 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale_log2: Float32,
                  mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
-                 max_seqlen_q: Int32 | None, score_scale: Float32 | None, mSink: cute.Tensor | None, stream):
+                 max_seqlen_q: Int32 | None, score_scale: Float32 | None, mSink: cute.Tensor | None, stream,
+                 max_ctas: Int32 | None = None):
         """Dense: mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         mLSE (B, Hq, Sq). Varlen: mQ (Tq, Hq, d), mK / mV (Tk, Hkv, *), mO (Tq, Hq, dv),
         mLSE (Hq, Tq), cu_seqlens int32 (B + 1,), max_seqlen_q a runtime int. Variants: score_scale
         the softcap's tanh input scale (Softcap.kernel_scales; softmax_scale_log2 is then softcap *
-        log2 e), None without softcap; mSink fp32 (Hq,) sink logits, None without a sink."""
+        log2 e), None without softcap; mSink fp32 (Hq,) sink logits, None without a sink.
+        max_ctas: persistent builds only, the grid's width (the device's SMs); None otherwise."""
+        if const_expr(self.persistent != (max_ctas is not None)):
+            raise TypeError("max_ctas: persistent kernels take the grid width (the SM count), others None")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must share the kernel's dtype")
         if const_expr(self.varlen != (mCuSeqlensQ is not None)):
@@ -202,10 +211,11 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         st = self.stages
         slot_elems = self.cfg.smem.kv_slot // 2
         o_elems = 0 if self.cfg.smem.o_overlaps_q else cute.cosize(sO_layout)
+        num_barriers = self.cfg.persistent_barriers if self.persistent else self.cfg.smem.num_barriers
 
         @cute.struct
         class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, self.cfg.smem.num_barriers]
+            mbar: cute.struct.MemRange[cutlass.Int64, num_barriers]
             tmem_addr: Int32
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, o_elems], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -214,17 +224,27 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
 
-        # 6. grid: one CTA per (256 query rows, head, batch)
+        # 6. grid: one CTA per (256 query rows, head, batch), or (persistent) min(tiles, max_ctas) CTAs
+        #    that walk the tiles; only they get the extents as kernel arguments
         if const_expr(not self.varlen):
             seqlen_q_static, batch = mQ.shape[0], mQ.shape[3]
         else:
             seqlen_q_static, batch = max_seqlen_q, mCuSeqlensQ.shape[0] - 1
         num_m_blocks = (seqlen_q_static + self.cfg.cta_tile_m - 1) // self.cfg.cta_tile_m
-        grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
+        extents = (None, None, None)
+        if const_expr(self.persistent):
+            width = cutlass.max(max_ctas, 1)
+            if const_expr(self.scheduler.num_ctas is not None):  # a width fixed at compile time
+                width = self.scheduler.num_ctas
+            grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch, width)
+            extents = (Int32(num_m_blocks), Int32(mQ.shape[2]), Int32(batch))
+        else:
+            grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
+        self.launch_grid = grid  # (traced values; plain ints when the shapes and the width are static)
         self.kernel(tma_Q, tma_K, tma_V, tma_O, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale_log2,
                     mQ.shape[0], mK.shape[0], mQ.shape[2] // mK.shape[2],
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, score_scale, mSink,
+                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, score_scale, mSink, *extents,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def gmem_views(self, mQ, mK, mV, mO):
@@ -323,7 +343,9 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                tma_atom_O: cute.CopyAtom | None, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                tP_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, score_scale: Float32 | None,
-               mSink: cute.Tensor | None):
+               mSink: cute.Tensor | None, num_m_blocks: Int32 | None, num_heads: Int32 | None,
+               num_batch: Int32 | None):
+        # the last three: a persistent grid's tile space (None in one-tile-per-CTA builds)
         roles, nq = self.roles, self.num_q
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -353,6 +375,11 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                     cute.arch.mbarrier_init(self._bar(mbar, "kv_full", s), 1)
                     cute.arch.mbarrier_init(self._bar(mbar, "kv_empty", s), 1)
                 cute.arch.mbarrier_init(self._bar(mbar, "tmem_dealloc", 0), 3 * 128)
+                if const_expr(self.persistent):
+                    for i in cutlass.range_constexpr(nq):
+                        cute.arch.mbarrier_init(self._bar(mbar, "q_empty", i), 1)
+                        cute.arch.mbarrier_init(self._bar(mbar, "final_empty", i), 128)
+                        cute.arch.mbarrier_init(self._bar(mbar, "epi_empty", i), 32)
         cute.arch.mbarrier_init_fence()  # inits visible to the async proxy (TMA, tcgen05.commit)
         cute.arch.sync_threads()         # ... and to every thread
 
@@ -367,6 +394,30 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         tmem = TmemAllocator(storage.tmem_addr.ptr, allocator_warp_id=roles.mma,
                              barrier_for_retrieve=NamedBarrier(barrier_id=BAR_TMEM_ALLOC, num_threads=32 * 13),
                              arch="sm_100")
+        if const_expr(self.persistent):
+            walk = TileWalkArgs(mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static, qhead_per_kvhead,
+                                num_m_blocks, num_heads, num_batch)
+            self.persistent_roles(walk, wg_idx, warp_idx, tmem, mbar, tma_Q, tma_K, tma_V, tma_O, mO, mLSE,
+                                  softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+                                  tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, tP_layout, score_scale, mSink)
+        else:
+            self.one_tile_roles(mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static, qhead_per_kvhead,
+                                wg_idx, warp_idx, tmem, mbar, tma_Q, tma_K, tma_V, tma_O, mO, mLSE,
+                                softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
+                                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, tP_layout, score_scale, mSink)
+
+    @cute.jit
+    def one_tile_roles(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                       seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32,
+                       wg_idx: Int32, warp_idx: Int32, tmem: TmemAllocator, mbar: cute.Pointer,
+                       tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_O: cute.Tensor | None,
+                       mO: cute.Tensor, mLSE: cute.Tensor, softmax_scale_log2: Float32,
+                       tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
+                       tma_atom_O: cute.CopyAtom | None, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                       sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
+                       tP_layout: cute.ComposedLayout, score_scale: Float32 | None, mSink: cute.Tensor | None):
+        """The warp roles of a CTA that computes one tile (the default, StaticTileScheduler interface)."""
+        roles = self.roles
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
         # which tile / sequence: every role computes it after its setmaxnreg (values computed
@@ -432,8 +483,11 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
             return mbar + base + i
         if name == "kv_empty":
             return mbar + base + st + i
-        assert name == "tmem_dealloc"
-        return mbar + base + 2 * st
+        if name == "tmem_dealloc":
+            return mbar + base + 2 * st
+        # persistent builds only (cfg.persistent_barriers): after the plan's barriers
+        per_q_persistent = ("q_empty", "final_empty", "epi_empty")
+        return mbar + base + 2 * st + 1 + per_q_persistent.index(name) * nq + i
 
     @cute.jit
     def _tile_info(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
@@ -471,6 +525,29 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
         """K_j is the (2j)-th load of the ring, V_j the (2j+1)-th: slot and phase parity."""
         return load_idx % self.stages, (load_idx // self.stages) % 2
 
+    # The phases a persistent CTA carries from tile to tile (blackwell_persistent.py): blocks_done =
+    # key blocks its earlier tiles walked, tiles_done = tiles it finished. A one-tile build ignores
+    # them (None), so its code is exactly what it was before persistent builds existed.
+    def _walk_step(self, blocks_done, j):
+        """Walk step j of this tile counted from the CTA's first tile: what the per-key-block barriers'
+        phases (s_full, p_full, p_full_2) and the K/V ring (loads 2 x step, 2 x step + 1) count."""
+        if const_expr(self.persistent):
+            return blocks_done + j
+        return j
+
+    def _scale_step(self, blocks_done, tiles_done, j):
+        """scale_full completes at walk steps 1 .. n-1 of every tile: its j-th completion of this tile,
+        counted from the CTA's first tile (earlier tiles completed it blocks_done - tiles_done times)."""
+        if const_expr(self.persistent):
+            return blocks_done - tiles_done + j
+        return j
+
+    def _tile_parity(self, tiles_done):
+        """The phase parity of the once-per-tile barriers (q_full, final_full, o_full, epi_full)."""
+        if const_expr(self.persistent):
+            return tiles_done % 2
+        return 0
+
     def _tmem_tensors(self, tmem_ptr, thr_mma_qk, thr_mma_pv, tP_layout):
         """S_i, O_i accumulators and P_i (the TS operand) at the columns of cfg.tmem."""
         tStS_layout = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((self.tm, self.tn))).layout
@@ -492,7 +569,8 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
              offset_k: Int32, n_blocks: Int32, mbar: cute.Pointer, tma_Q: cute.Tensor, tma_K: cute.Tensor,
              tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
              tma_atom_V: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-             thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma, n_block_min: Int32 | None = None):
+             thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma, n_block_min: Int32 | None = None,
+             blocks_done: Int32 | None = None, tiles_done: Int32 | None = None):
         if const_expr(not self.varlen):
             mQ_cur = tma_Q[None, None, head, batch]      # (sq, d)
             mK_cur = tma_K[None, None, head_kv, batch]   # (sk, d)
@@ -512,18 +590,24 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                                            cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
         # 1. Q_0, K_0, Q_1, V_0: S_0(0) can start as soon as Q_0 and K_0 are in
         for i in cutlass.range_constexpr(self.num_q):
+            if const_expr(self.persistent):
+                # sQ_i feeds the previous tile's S_i until the MMA warp's q_empty commit (first tile: passes)
+                cute.arch.mbarrier_wait(self._bar(mbar, "q_empty", i), self._tile_parity(tiles_done) ^ 1)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "q_full", i), self.bytes_Q)
             cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_q + i], tQsQ[None, i],
                       tma_bar_ptr=self._bar(mbar, "q_full", i))
             if const_expr(i == 0):
-                self.load_kv(0, self._key_block(n_block_min, 0), mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
-        self.load_kv(1, self._key_block(n_block_min, 0), mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
+                self.load_kv(2 * self._walk_step(blocks_done, 0), self._key_block(n_block_min, 0), mbar,
+                             tma_atom_K, tKgK, tKsK, self.bytes_K)
+        self.load_kv(2 * self._walk_step(blocks_done, 0) + 1, self._key_block(n_block_min, 0), mbar, tma_atom_V,
+                     tVgV, tVsV, self.bytes_V)
         # 2. K_j, V_j as ring slots free up (load j of the walk: slot and phase count from its start)
         for j in cutlass.range(1, n_blocks, unroll=1):
             n_block = self._key_block(n_block_min, j)
-            self.load_kv(2 * j, n_block, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
-            self.load_kv(2 * j + 1, n_block, mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
+            self.load_kv(2 * self._walk_step(blocks_done, j), n_block, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
+            self.load_kv(2 * self._walk_step(blocks_done, j) + 1, n_block, mbar, tma_atom_V, tVgV, tVsV,
+                         self.bytes_V)
 
     @cute.jit
     def load_kv(self, load_idx: Int32, n_block: Int32, mbar: cute.Pointer, tma_atom: cute.CopyAtom,
@@ -538,19 +622,30 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     @cute.jit
     def mma(self, n_blocks: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, sQ: cute.Tensor,
             sK: cute.Tensor, sV: cute.Tensor, tP_layout: cute.ComposedLayout,
-            tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma):
+            tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, blocks_done: Int32 | None = None,
+            tiles_done: Int32 | None = None):
         thr_mma_qk = tiled_mma_qk.get_slice(0)
         thr_mma_pv = tiled_mma_pv.get_slice(0)
+        if const_expr(self.persistent):
+            # Q's SMEM descriptors from an address the compiler cannot hoist above the tile loop, where
+            # this warp's 56 registers cannot hold all 16 for every tile (they spilled); not marked
+            # warp-uniform: then they go back to uniform registers and spill there
+            zero = cute.assume(opaque_i32(0), divby=1024)
+            sQ = cute.make_tensor(sQ.iterator + zero, sQ.layout)
         tSrQ = thr_mma_qk.make_fragment_A(sQ)   # SMEM descriptors (MMA, M, K, q tile)
         tSrK = thr_mma_qk.make_fragment_B(sK)   # (MMA, N, K, slot)
         tOrV = thr_mma_pv.make_fragment_B(sV)   # (MMA, N, K, slot)
         tStS, tOtO, tOrP = self._tmem_tensors(tmem_ptr, thr_mma_qk, thr_mma_pv, tP_layout)
 
         # 1. S_i(0) = Q_i K_0^T for both tiles, then K_0's slot goes back to the load warp
-        k_slot, k_phase = self._ring(0)
+        k_slot, k_phase = self._ring(2 * self._walk_step(blocks_done, 0))
         cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", k_slot), k_phase)
         for i in cutlass.range_constexpr(self.num_q):
-            cute.arch.mbarrier_wait(self._bar(mbar, "q_full", i), 0)
+            cute.arch.mbarrier_wait(self._bar(mbar, "q_full", i), self._tile_parity(tiles_done))
+            if const_expr(self.persistent):
+                # S_i(0) overwrites the previous tile's final row statistics: the correction has read them
+                cute.arch.mbarrier_wait(self._bar(mbar, "final_empty", i), self._tile_parity(tiles_done) ^ 1)
+                tcgen05_fence_after_sync()
             self.gemm_qk(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i], tSrK[None, None, None, k_slot])
             with cute.arch.elect_one():
                 tcgen05.commit(self._bar(mbar, "s_full", i))
@@ -559,12 +654,12 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
 
         # 2. steady state: O_i += P_i(j-1) V_(j-1), then S_i(j) = Q_i K_j^T, tile 0 then tile 1
         for j in cutlass.range(1, n_blocks, unroll=1):
-            v_slot, v_phase = self._ring(2 * j - 1)
-            k_slot, k_phase = self._ring(2 * j)
+            v_slot, v_phase = self._ring(2 * self._walk_step(blocks_done, j) - 1)
+            k_slot, k_phase = self._ring(2 * self._walk_step(blocks_done, j))
             cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", v_slot), v_phase)
             for i in cutlass.range_constexpr(self.num_q):
-                self.gemm_pv(tiled_mma_pv, mbar, i, j - 1, tOtO[i], tOrP[i], tOrV[None, None, None, v_slot],
-                             accumulate=j > 1)
+                self.gemm_pv(tiled_mma_pv, mbar, i, self._walk_step(blocks_done, j - 1), tOtO[i], tOrP[i],
+                             tOrV[None, None, None, v_slot], accumulate=j > 1)
                 if const_expr(i == 0):
                     cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", k_slot), k_phase)
                 self.gemm_qk(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i], tSrK[None, None, None, k_slot])
@@ -574,12 +669,18 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                 tcgen05.commit(self._bar(mbar, "kv_empty", v_slot))
                 tcgen05.commit(self._bar(mbar, "kv_empty", k_slot))
 
+        if const_expr(self.persistent):
+            # every S_i of the tile is issued: sQ is free for the next tile's Q once they complete
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(self.num_q):
+                    tcgen05.commit(self._bar(mbar, "q_empty", i))
+
         # 3. the last O_i += P_i V; each commit tells the correction warpgroup O_i is final
-        v_slot, v_phase = self._ring(2 * n_blocks - 1)
+        v_slot, v_phase = self._ring(2 * self._walk_step(blocks_done, n_blocks) - 1)
         cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", v_slot), v_phase)
         for i in cutlass.range_constexpr(self.num_q):
-            self.gemm_pv(tiled_mma_pv, mbar, i, n_blocks - 1, tOtO[i], tOrP[i], tOrV[None, None, None, v_slot],
-                         accumulate=n_blocks > 1)
+            self.gemm_pv(tiled_mma_pv, mbar, i, self._walk_step(blocks_done, n_blocks - 1), tOtO[i], tOrP[i],
+                         tOrV[None, None, None, v_slot], accumulate=n_blocks > 1)
             with cute.arch.elect_one():
                 tcgen05.commit(self._bar(mbar, "o_full", i))
         with cute.arch.elect_one():
@@ -598,7 +699,8 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     def gemm_pv(self, tiled_mma: cute.TiledMma, mbar: cute.Pointer, i: cutlass.Constexpr[int], n_block: Int32,
                 tOtO: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, accumulate: Boolean):
         """O += P V (TS: P from TMEM): wait for 3/4 of P (and for the correction warpgroup's O
-        rescale), issue 3/4 of the K = 16 steps, wait for the last quarter of P, issue the rest."""
+        rescale), issue 3/4 of the K = 16 steps, wait for the last quarter of P, issue the rest.
+        n_block: the walk step whose P it is (persistent: counted from the CTA's first tile)."""
         tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(tiled_mma.op))  # see gemm_qk
         phase = n_block % 2
         num_k = cute.size(tOrP, mode=[2])
@@ -619,22 +721,25 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
     @cute.jit
     def epilogue(self, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32,
                  mbar: cute.Pointer, sO: cute.Tensor, tma_O: cute.Tensor | None,
-                 tma_atom_O: cute.CopyAtom | None, mO: cute.Tensor):
+                 tma_atom_O: cute.CopyAtom | None, mO: cute.Tensor, tiles_done: Int32 | None = None):
         if const_expr(not self.varlen):
             # TMA store: out-of-range rows of the last tile are clipped by the tensor map
             tOsO, tOgO = self.o_tma_partitions(tma_atom_O, tma_O, sO, head, batch)
             for i in cutlass.range_constexpr(self.num_q):
-                cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), 0)
+                cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), self._tile_parity(tiles_done))
                 cute.copy(tma_atom_O, tOsO[None, i], tOgO[None, self.o_tile_index(m_block, i)])
                 cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO must outlive the reads
+            if const_expr(self.persistent):
+                for i in cutlass.range_constexpr(self.num_q):  # the next tile's O may go to sO
+                    cute.arch.mbarrier_arrive(self._bar(mbar, "epi_empty", i))
         else:
             # packed sequences: 16-byte stores, rows past this sequence's end skipped
             tiled_copy = self.varlen_o_copy()
             thr_copy = tiled_copy.get_slice(cute.arch.lane_idx())
             mO_cur = self.varlen_o_sequence(mO, head, offset_q)
             for i in cutlass.range_constexpr(self.num_q):
-                cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), 0)
+                cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), self._tile_parity(tiles_done))
                 row0 = self.o_tile_row0(m_block, i)
                 tOsO, tOgO, tOcO = self.varlen_o_partitions(thr_copy, mO_cur, sO[None, None, i],
                                                             self.o_tile_index(m_block, i))
@@ -643,6 +748,8 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles):
                         r = cute.make_rmem_tensor_like(tOsO[None, m, None])
                         cute.autovec_copy(tOsO[None, m, None], r)
                         cute.copy(tiled_copy, r, tOgO[None, m, None])
+                if const_expr(self.persistent):  # this lane has read sO_i
+                    cute.arch.mbarrier_arrive(self._bar(mbar, "epi_empty", i))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -710,13 +817,16 @@ def compile_sm100(kernel, args) -> tuple:
 def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None,
                    scheduler=tile_scheduler.StaticTileScheduler) -> compile_cache.Compiled:
     """Compile for sm_100a with fake tensors unless `args` are given; `scheduler` is the tile order
-    (the StaticTileScheduler interface: stage 5's LPT order for long causal calls).
+    (the StaticTileScheduler interface: stage 5's LPT order for long causal calls), or a persistent
+    grid over one (tile_scheduler.PersistentScheduler(order): blackwell_persistent.py).
     Returns compile_cache.Compiled (fn, report, sass, ptx)."""
     key = (cfg.key(), varlen, "fake" if args is None else "real", scheduler)
     if key in _CACHE:
         return _CACHE[key]
     kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler)
-    fn, report, sass, ptx = compile_sm100(kernel, fake_args(cfg, varlen) if args is None else args)
+    if args is None:  # a persistent build also takes the grid's width (any value: it is a runtime argument)
+        args = fake_args(cfg, varlen) + ((Int32(1),) if kernel.persistent else ())
+    fn, report, sass, ptx = compile_sm100(kernel, args)
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
                   regs_softmax=cfg.regs.softmax, regs_correction=cfg.regs.correction, regs_other=cfg.regs.other)
@@ -809,15 +919,43 @@ def _check_variants(q, causal, window_size, softcap, learnable_sink):
     return dict(window_size=tuple(variant.window), softcap=variant.softcap, learnable_sink=variant.sink), sink
 
 
+def persistent_available(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, **variant_kw) -> bool:
+    """Whether this configuration has a persistent build (for a router deciding persistent=True):
+    head dims up to 128, no learnable sink at head_dim_v = 128 (blackwell_config.persistent_supported).
+    variant_kw: make_config's (window_size, softcap, learnable_sink as a bool)."""
+    return make_config(dtype, head_dim, head_dim_v, causal, **variant_kw).persistent_supported is None
+
+
+def _persistent_scheduler(scheduler, persistent: bool):
+    """The call's scheduler: `scheduler` (None: the static grid), walked by one CTA per SM when
+    persistent=True (a scheduler that is persistent itself is used as it is)."""
+    if not isinstance(persistent, bool):
+        raise TypeError(f"persistent: expected a bool, got {type(persistent).__name__}")
+    scheduler = scheduler or tile_scheduler.StaticTileScheduler
+    if persistent and not getattr(scheduler, "persistent", False):
+        scheduler = tile_scheduler.PersistentScheduler(scheduler)
+    return scheduler
+
+
+def _with_grid_width(args, scheduler, device):
+    """A persistent build's launch also takes its grid's width: the device's SMs (or num_ctas)."""
+    if not getattr(scheduler, "persistent", False):
+        return args
+    return args + (Int32(scheduler.launch_ctas(device)),)
+
+
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
-                      learnable_sink=None, out=None, lse=None, scheduler=None, **cfg_kw):
+                      learnable_sink=None, out=None, lse=None, scheduler=None, persistent: bool = False, **cfg_kw):
     """q (B,Sq,Hq,D), k (B,Sk,Hkv,D), v (B,Sk,Hkv,Dv) CUDA fp16/bf16 on a Blackwell GPU ->
     (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32). scheduler: the tile order (None: the static grid; fa4
-    passes stage 5's LPT order for long causal calls). Variants as the Hopper forward's: window_size
+    passes stage 5's LPT order for long causal calls), or tile_scheduler.PersistentScheduler(order)
+    for one CTA per SM walking that order (blackwell_persistent.py; static striding, head dims <= 128);
+    persistent=True wraps `scheduler` so. Variants as the Hopper forward's: window_size
     (left, right), softcap, learnable_sink (Hq,) floating. UNVERIFIED: never run on hardware here."""
     import torch
 
     variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)  # before the GPU check
+    scheduler = _persistent_scheduler(scheduler, persistent)
     if not blackwell_gpu_available():
         raise RuntimeError("attention_forward needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
     q, k, v = host_io.prepare_inputs(q, k, v)
@@ -832,19 +970,22 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
         return out, lse
     if k.shape[1] == 0:
         return _nothing_visible(out, lse, sink, head_dim=1)
-    args = _launch_args(q, k, v, out, lse, softmax_scale, softcap=cfg.softcap, sink=sink)
-    compile_config(cfg, False, args, scheduler=scheduler or tile_scheduler.StaticTileScheduler).fn(*args)
+    args = _with_grid_width(_launch_args(q, k, v, out, lse, softmax_scale, softcap=cfg.softcap, sink=sink),
+                            scheduler, q.device)
+    compile_config(cfg, False, args, scheduler=scheduler).fn(*args)
     return out, lse
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, softmax_scale=None,
                              causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None,
-                             out=None, lse=None, **cfg_kw):
+                             out=None, lse=None, scheduler=None, persistent: bool = False, **cfg_kw):
     """Packed q (Tq,Hq,D), k/v (Tk,Hkv,*), int32 cu_seqlens (B+1,) -> (out (Tq,Hq,Dv), lse (Hq,Tq)).
-    Variants as attention_forward's. UNVERIFIED: never run on hardware here."""
+    Variants, scheduler and persistent as attention_forward's (the grid's tiles run over
+    max_seqlen_q; tiles past a shorter sequence are skipped). UNVERIFIED: never run on hardware here."""
     import torch
 
     variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)  # before the GPU check
+    scheduler = _persistent_scheduler(scheduler, persistent)
     if not blackwell_gpu_available():
         raise RuntimeError("attention_varlen_forward needs a Blackwell (sm_100) GPU")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -866,23 +1007,25 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return _nothing_visible(out, lse, sink, head_dim=0)
     args = _launch_args(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale,
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softcap=cfg.softcap, sink=sink)
-    compile_config(cfg, True, args).fn(*args)
+    args = _with_grid_width(args, scheduler, q.device)
+    compile_config(cfg, True, args, scheduler=scheduler).fn(*args)
     return out, lse
 
 
 def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
-        causal=False, dtype="bf16", varlen=False, check=True, verbose=True) -> dict:
+        causal=False, dtype="bf16", varlen=False, check=True, verbose=True, persistent=False) -> dict:
     """On a Blackwell GPU (capability 10.x): check against the stage-0 reference (FA4 rule) and time.
     Anywhere else: compile for sm_100a and print the resource report (the only mode ever exercised
-    in this project: there is no Blackwell GPU here)."""
+    in this project: there is no Blackwell GPU here). persistent: one CTA per SM (blackwell_persistent)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     heads_kv = heads if heads_kv is None else heads_kv
     cfg = make_config(dtype, head_dim, head_dim_v, causal)
     if not blackwell_gpu_available():
-        comp = compile_config(cfg, varlen)
+        comp = compile_config(cfg, varlen, scheduler=_persistent_scheduler(None, persistent))
         if verbose:
             print(format_report(f"{STEP} [{TARGET_ARCH}, {dtype}, d={head_dim}/{head_dim_v}, causal={causal}, "
-                                f"varlen={varlen}] (no Blackwell GPU: compiled only, never run)", comp.report))
+                                f"varlen={varlen}, persistent={persistent}] (no Blackwell GPU: compiled only, "
+                                f"never run)", comp.report))
         return {"step": STEP, "mode": "compile-only", "report": comp.report, "config": cfg}
 
     import torch
@@ -894,7 +1037,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
         q = torch.randn(batch, seqlen_q, heads, head_dim, device="cuda", dtype=tdt, generator=gen)
         k = torch.randn(batch, seqlen_k, heads_kv, head_dim, device="cuda", dtype=tdt, generator=gen)
         v = torch.randn(batch, seqlen_k, heads_kv, head_dim_v, device="cuda", dtype=tdt, generator=gen)
-        fwd = lambda: attention_forward(q, k, v, causal=causal)  # noqa: E731
+        fwd = lambda: attention_forward(q, k, v, causal=causal, persistent=persistent)  # noqa: E731
         ref = lambda up: attention_ref(q, k, v, causal=causal, upcast=up)  # noqa: E731
     else:  # `batch` sequences of lengths up to seqlen_q / seqlen_k
         lq = torch.randint(1, seqlen_q + 1, (batch,), generator=torch.Generator().manual_seed(1))
@@ -905,7 +1048,8 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
         q = torch.randn(total_q, heads, head_dim, device="cuda", dtype=tdt, generator=gen)
         k = torch.randn(total_k, heads_kv, head_dim, device="cuda", dtype=tdt, generator=gen)
         v = torch.randn(total_k, heads_kv, head_dim_v, device="cuda", dtype=tdt, generator=gen)
-        fwd = lambda: attention_varlen_forward(q, k, v, cu_q, cu_k, int(lq.max()), causal=causal)  # noqa: E731
+        fwd = lambda: attention_varlen_forward(q, k, v, cu_q, cu_k, int(lq.max()), causal=causal,  # noqa: E731
+                                               persistent=persistent)
         ref = lambda up: attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=up)  # noqa: E731
     out, lse = fwd()
     torch.cuda.synchronize()
@@ -967,6 +1111,7 @@ def compare_table(head_dim: int = 128, dtype: str = "bf16") -> str:
 if __name__ == "__main__":
     ap = runner.shape_parser(__doc__)
     ap.add_argument("--varlen", action="store_true")
+    ap.add_argument("--persistent", action="store_true", help="one CTA per SM walking the tiles (blackwell_persistent)")
     ap.add_argument("--all", action="store_true", help="compile every supported configuration for sm_100a "
                     "and print the resource table (markdown)")
     ap.add_argument("--compare", action="store_true", help="our steady-state loops against the official "
@@ -981,4 +1126,4 @@ if __name__ == "__main__":
             print(f"official kernel left out: {blackwell_compare.official_missing()}")
         print(compare_table(a.head_dim, a.dtype))
     else:
-        run(**runner.shape_kwargs(a), varlen=a.varlen)
+        run(**runner.shape_kwargs(a), varlen=a.varlen, persistent=a.persistent)

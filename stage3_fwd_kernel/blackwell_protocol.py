@@ -49,6 +49,13 @@ themselves, timing, the TMEM allocator's own barrier, register or SMEM budgets, 
 through a tensor the mapping does not name (such an access is invisible to the race check).
 
     python -m stage3_fwd_kernel.blackwell_protocol --kernel fwd --blocks 4 --tiles 2
+    python -m stage3_fwd_kernel.blackwell_protocol --kernel fwd --blocks 4 --persistent 2
+
+``--persistent N`` checks the persistent forward (blackwell_persistent.py): every role's tile loop is
+interpreted for N work tiles of one CTA, tile k walking blocks - 1 key blocks for even k and `blocks`
+for odd k (at least 1). An odd first walk makes a count not carried from one tile to the next show up
+as a wrong parity; the buffers reused by the next tile (sQ, sO, the S / O columns of TMEM) are named
+as in the one-tile build, so a missing hand-over between tiles is a race.
 """
 from __future__ import annotations
 
@@ -327,9 +334,12 @@ class Result:
     kind: str = ""               # deadlock | race | overrun | overflow | leftover | state-limit
     message: str = ""
     trace: list = field(default_factory=list)
+    walks: tuple = ()            # persistent: the key blocks each work tile of the CTA walks
 
     def report(self, tail: int = 40) -> str:
         tiles = f" tiles={self.tiles}" if self.tiles else ""
+        if self.walks:
+            tiles += f" persistent={len(self.walks)} work tiles ({' + '.join(map(str, self.walks))} key blocks)"
         head = (f"{self.kernel}: blocks={self.blocks}{tiles}: {self.states} states explored: "
                 + ("OK (no deadlock, no race)" if self.ok else f"{self.kind.upper()}"))
         if self.ok:
@@ -727,9 +737,10 @@ def explore(prog: Program, max_states: int = 2_000_000, blocks: int = 0, tiles: 
     comp = Compiled(prog).assign_tx()
     ex = Explorer(comp, max_states, reduce)
     n, v, trace = ex.run()
+    walks = tuple(trip["n_blocks"] for trip in prog.spec.tile_loop)
     if v is None:
-        return Result(prog.spec.name, blocks, tiles, n, True)
-    return Result(prog.spec.name, blocks, tiles, n, False, v.kind, v.message, trace)
+        return Result(prog.spec.name, blocks, tiles, n, True, walks=walks)
+    return Result(prog.spec.name, blocks, tiles, n, False, v.kind, v.message, trace, walks=walks)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -743,15 +754,26 @@ def _bar_names(kernel, names_counts) -> dict:
     return out
 
 
-def forward_spec(blocks: int = 4, tiles: int = 2, head_dim: int = 128) -> KernelSpec:
+def persistent_walks(blocks: int, work_tiles: int) -> list:
+    """The key blocks of each work tile in a persistent check: blocks - 1 for even k, blocks for odd k."""
+    return [max(1, blocks - 1 if k % 2 == 0 else blocks) for k in range(work_tiles)]
+
+
+def forward_spec(blocks: int = 4, tiles: int = 2, head_dim: int = 128, persistent: int = 0) -> KernelSpec:
     """stage3_fwd_kernel/blackwell_fwd.py (+ blackwell_softmax.py): 2 softmax WGs, correction WG,
-    MMA / load / epilogue / idle warps; `blocks` key blocks. The kernel's CTA holds 2 Q tiles."""
+    MMA / load / epilogue / idle warps; `blocks` key blocks. The kernel's CTA holds 2 Q tiles.
+    persistent = N > 0: the persistent build (+ blackwell_persistent.py), N work tiles per CTA of
+    persistent_walks(blocks, N) key blocks."""
+    from stage3_fwd_kernel import tile_scheduler
     from stage3_fwd_kernel.blackwell_fwd import FlashAttentionForwardSm100, make_config
 
     cfg = make_config("bf16", head_dim, head_dim, False)
     if tiles != cfg.q_tiles_per_cta:
         raise ValueError(f"the forward CTA holds {cfg.q_tiles_per_cta} Q tiles (one per softmax warpgroup)")
-    k = FlashAttentionForwardSm100(cfg)
+    if persistent:
+        k = FlashAttentionForwardSm100(cfg, scheduler=tile_scheduler.PersistentScheduler())
+    else:
+        k = FlashAttentionForwardSm100(cfg)
     t, r = cfg.tmem, cfg.roles
     S = [tmem(t.s[i], t.s[i] + t.s_cols) for i in range(k.num_q)]
     O = [tmem(t.o[i], t.o[i] + t.o_cols) for i in range(k.num_q)]
@@ -768,12 +790,15 @@ def forward_spec(blocks: int = 4, tiles: int = 2, head_dim: int = 128) -> Kernel
         "correction:tStS": S, "correction:tOtO": O, "epilogue:tOsO": smem("sO"),
     }
     per_q = ("q_full", "s_full", "p_full", "p_full_2", "scale_full", "final_full", "o_full", "epi_full")
+    if persistent:
+        per_q += ("q_empty", "final_empty", "epi_empty")
     bars = _bar_names(k, [(n, k.num_q) for n in per_q] + [("kv_full", k.stages), ("kv_empty", k.stages),
                                                           ("tmem_dealloc", 1)])
-    return KernelSpec("fwd", k, roles, {"n_blocks": blocks, "tile_valid": True, "n_unmasked": blocks,
-                                  "num_k": cfg.tile_n // 16}, names,
-                      {"tStP_r2t": cfg.p_store_chunks, "tOrP": cfg.tile_n // 16}, cfg.num_threads,
-                      smem_alias={"sO": "sQ"} if cfg.smem.o_overlaps_q else {}, bar_names=bars)
+    trips = [{"n_blocks": n, "n_unmasked": n} for n in persistent_walks(blocks, persistent)]
+    return KernelSpec("fwd" if not persistent else "fwd-persistent", k, roles,
+                      {"n_blocks": blocks, "tile_valid": True, "n_unmasked": blocks, "num_k": cfg.tile_n // 16},
+                      names, {"tStP_r2t": cfg.p_store_chunks, "tOrP": cfg.tile_n // 16}, cfg.num_threads,
+                      smem_alias={"sO": "sQ"} if cfg.smem.o_overlaps_q else {}, bar_names=bars, tile_loop=trips)
 
 
 def _bwd_tmem(t, d):
@@ -783,11 +808,14 @@ def _bwd_tmem(t, d):
             "tP": span(t.p, t.p_cols), "tdSt": span(t.ds, t.s_cols // 2)}
 
 
-def backward_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
+def backward_spec(blocks: int = 4, head_dim: int = 128, dq_tma: bool = False) -> KernelSpec:
     """stage4_bwd_kernel/blackwell_bwd.py (+ blackwell_elementwise.py): the 1-CTA backward; `blocks`
-    Q tiles walked by the CTA's K/V tile. Imported at call time (stage 3 must not import stage 4)."""
+    Q tiles walked by the CTA's K/V tile. Imported at call time (stage 3 must not import stage 4).
+    dq_tma: the build whose WG 2 stages dQ in sdQ for a TMA reduce-add; at d = 128 its dO ring has one
+    stage and barriers of its own (do_full / do_empty), which this checks. sdQ itself is not named:
+    its reuse is ordered by one thread's bulk async-group waits, which the model does not have."""
     bwd = importlib.import_module("stage4_bwd_kernel.blackwell_bwd")
-    cfg = bwd.make_config("bf16", head_dim, head_dim, False)
+    cfg = bwd.make_config("bf16", head_dim, head_dim, False, dq_tma=dq_tma)
     k = bwd.FlashAttentionBackwardSm100(cfg)
     T = _bwd_tmem(cfg.tmem, head_dim)
     roles = [Role("elementwise", 0, 128), Role("mma", bwd.MMA_WARP, 32), Role("load", bwd.LOAD_WARP, 32),
@@ -799,9 +827,12 @@ def backward_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
              "elementwise:accS": T["accS"], "elementwise:accdP": T["accdP"], "dq_drain:accdQ": T["accdQ"],
              "_store_dkdv:acc": lambda env: tmem(env["col0"], env["col0"] + env["width"])}
     names.update({f"mma:{n}": r for n, r in T.items()})
-    bars = _bar_names(k, [(n, 1) for n in bwd.BARRIERS] + [("qdo_full", k.stages), ("qdo_empty", k.stages)])
-    return KernelSpec("bwd", k, roles, {"n_iter": blocks, "n_m": blocks}, names, {}, cfg.num_threads,
-                      bar_names=bars)
+    rings = [("qdo_full", k.stages), ("qdo_empty", k.stages)]
+    if k.split_do:
+        rings += [("do_full", k.do_stages), ("do_empty", k.do_stages)]
+    bars = _bar_names(k, [(n, 1) for n in bwd.BARRIERS] + rings)
+    return KernelSpec("bwd-dqtma" if dq_tma else "bwd", k, roles, {"n_iter": blocks, "n_m": blocks}, names, {},
+                      cfg.num_threads, bar_names=bars)
 
 
 def backward_2cta_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
@@ -835,18 +866,22 @@ def backward_2cta_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
                       ctas=2, pair_mma=True, bar_names=bars)
 
 
-SPECS = {"fwd": forward_spec, "bwd": backward_spec, "bwd2cta": backward_2cta_spec}
+SPECS = {"fwd": forward_spec, "bwd": backward_spec, "bwd-dqtma": functools.partial(backward_spec, dq_tma=True),
+         "bwd2cta": backward_2cta_spec}
 
 
-def build(kernel: str, blocks: int = 4, tiles: int = 2) -> Program:
-    """The extracted Program of `kernel` ("fwd", "bwd", "bwd2cta") for the given trip counts."""
+def build(kernel: str, blocks: int = 4, tiles: int = 2, persistent: int = 0) -> Program:
+    """The extracted Program of `kernel` ("fwd", "bwd", "bwd2cta") for the given trip counts;
+    persistent = N > 0: the persistent forward, N work tiles per CTA."""
     if kernel == "fwd":
-        return extract(forward_spec(blocks, tiles))
+        return extract(forward_spec(blocks, tiles, persistent=persistent))
+    if persistent:
+        raise ValueError("persistent: only the forward (--kernel fwd) has a persistent build")
     return extract(SPECS[kernel](blocks))
 
 
-def check(kernel: str, blocks: int = 4, tiles: int = 2, max_states: int = 2_000_000) -> Result:
-    return explore(build(kernel, blocks, tiles), max_states, blocks, tiles if kernel == "fwd" else 0)
+def check(kernel: str, blocks: int = 4, tiles: int = 2, max_states: int = 2_000_000, persistent: int = 0) -> Result:
+    return explore(build(kernel, blocks, tiles, persistent), max_states, blocks, tiles if kernel == "fwd" else 0)
 
 
 def main(argv=None) -> int:
@@ -854,10 +889,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", choices=sorted(SPECS), default="fwd")
     ap.add_argument("--blocks", type=int, default=4, help="main-loop trips: key blocks (fwd), Q tiles (bwd)")
     ap.add_argument("--tiles", type=int, default=2, help="Q tiles per CTA (fwd; the kernel's is 2)")
+    ap.add_argument("--persistent", type=int, default=0, metavar="N",
+                    help="fwd: the persistent build, N work tiles per CTA (blocks - 1, blocks, ... key blocks)")
     ap.add_argument("--max-states", type=int, default=2_000_000)
     ap.add_argument("--ops", action="store_true", help="print the extracted operations per role")
     a = ap.parse_args(argv)
-    prog = build(a.kernel, a.blocks, a.tiles)
+    prog = build(a.kernel, a.blocks, a.tiles, a.persistent)
     print(f"extracted from source ({a.kernel}):\n{prog.summary()}")
     if a.ops:
         for role, ops in prog.ops.items():

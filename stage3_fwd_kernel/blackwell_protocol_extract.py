@@ -119,6 +119,9 @@ class KernelSpec:
     pair_mma: bool = False           # 2-CTA: MMAs touch both CTAs, TMA completes on CTA 0
     smem_alias: dict = field(default_factory=dict)
     bar_names: dict = field(default_factory=dict)   # barrier offset -> name (for traces)
+    # a persistent kernel's tile loop (a `while` whose condition the interpreter cannot decide): one
+    # dict of overrides per trip, applied on top of `overrides` while that trip is interpreted
+    tile_loop: list = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,6 +238,8 @@ class Extractor:
             self.exec_if(st, env)
         elif isinstance(st, ast.For):
             self.exec_for(st, env)
+        elif isinstance(st, ast.While):
+            self.exec_while(st, env)
         elif isinstance(st, ast.With):
             self.exec_with(st, env)
         elif isinstance(st, ast.Return):
@@ -293,6 +298,25 @@ class Extractor:
         for v in it:
             self.assign(st.target, v, env)
             self.exec_block(st.body, env)
+
+    def exec_while(self, st, env):
+        """A persistent tile loop: one trip per entry of spec.tile_loop, each with its overrides (the
+        key blocks of that tile). Without them, a while that synchronises is an ExtractionError."""
+        trips = self.spec.tile_loop
+        if not trips:
+            n = len(self.ops)
+            self.exec_block(st.body, dict(env))
+            if any(op[0] in _SYNC_KINDS for op in self.ops[n:]):
+                raise ExtractionError(f"{self._where(st)}: a while loop holds barrier operations and the "
+                                      f"mapping gives no trips (KernelSpec.tile_loop): {ast.unparse(st.test)}")
+            return
+        saved = self.spec.overrides
+        for trip in trips:
+            self.spec.overrides = {**saved, **trip}
+            try:
+                self.exec_block(st.body, env)
+            finally:
+                self.spec.overrides = saved
 
     def exec_with(self, st, env):
         names = [_dotted(item.context_expr.func) for item in st.items if isinstance(item.context_expr, ast.Call)]

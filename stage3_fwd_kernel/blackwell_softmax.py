@@ -5,7 +5,9 @@ correction warpgroup rescales O in TMEM when a row max moved and writes the fina
 They are methods of a mixin so the kernel class keeps the MMA, load and epilogue roles and the
 pipeline wiring. The mixin reads the kernel's plan attributes: ``cfg``, ``tm``, ``tn``, ``dv``,
 ``num_q``, ``dtype``, ``causal``, ``window``, ``left_window``, ``mask``, ``score_mod``, ``varlen``, ``policy``,
-``tmem``, ``p_chunk_cols``, ``s_chunk``, and its helpers ``_bar``, ``_tmem_tensors`` and ``o_tile_row0``.
+``tmem``, ``p_chunk_cols``, ``s_chunk``, ``persistent``, and its helpers ``_bar``, ``_tmem_tensors``,
+``o_tile_row0`` and the phase counters of persistent builds ``_walk_step``, ``_scale_step``, ``_tile_parity``
+(identities in a one-tile build; blackwell_persistent.py).
 
 Variants (compile-time; a plain build generates none of their code): a softcap turns S into
 tanh(S * score_scale) right after the tcgen05.ld, before the mask and the max (components.score_mod);
@@ -24,7 +26,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import tcgen05
 
 from stage2_emulated_exp.gpu_kernel import ex2_approx_f32, fma_rn_f32
-from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage3_fwd_kernel.blackwell_sync import opaque_i32, tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.components.score_mod import LOG2_E
 from stage3_fwd_kernel.components.sink import finish_row
@@ -45,11 +47,13 @@ class SoftmaxCorrectionRoles:
     @cute.jit
     def softmax(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, n_blocks: Int32,
                 softmax_scale_log2: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
-                thr_mma_qk: cute.ThrMma, score_scale: Float32 | None = None, n_block_min: Int32 | None = None):
+                thr_mma_qk: cute.ThrMma, score_scale: Float32 | None = None, n_block_min: Int32 | None = None,
+                blocks_done: Int32 | None = None):
         """One warpgroup, one Q tile: thread r owns row r. Per key block: S row -> registers, (softcap),
         mask, row max + warp vote (conditional rescaling), rescale factor -> TMEM for the correction
         warpgroup, exp2 (partial emulation), P -> TMEM in 3/4 + 1/4. The walk is key blocks
-        [n_block_min, n_block_min + n_blocks) (n_block_min None: from 0)."""
+        [n_block_min, n_block_min + n_blocks) (n_block_min None: from 0). blocks_done: persistent
+        builds, the key blocks of the CTA's earlier tiles (s_full's phase counts on from them)."""
         tidx = cute.arch.thread_idx()[0] % 128
         # which Q tile: re-derived here rather than carried from the kernel prologue, where every
         # live value must also fit the small register budget of the fourth warpgroup
@@ -94,7 +98,7 @@ class SoftmaxCorrectionRoles:
             softmax_scale_log2=softmax_scale_log2, mbar=mbar, row_max=row_max, tiled_t2r=tiled_t2r,
             tStS_t2r=tStS_t2r, tScS_t2r=tScS_t2r, tiled_r2t=tiled_r2t, tStP_r2t=tStP_r2t, tSrP_shape=tSrP_shape,
             tiled_r2t_1=tiled_r2t_1, tStScale_r2t=tStScale_r2t, rScale=rScale, score_scale=score_scale,
-            n_block_min=n_block_min)
+            n_block_min=n_block_min, blocks_done=blocks_done)
 
         if const_expr(not (self.left_window or self.score_mod.on)):
             for n_block in cutlass.range(n_unmasked, unroll=1):
@@ -162,11 +166,11 @@ class SoftmaxCorrectionRoles:
                      tScS_t2r: cute.Tensor, tiled_r2t: cute.TiledCopy, tStP_r2t: cute.Tensor,
                      tSrP_shape: cutlass.Constexpr, tiled_r2t_1: cute.TiledCopy, tStScale_r2t: cute.Tensor,
                      rScale: cute.Tensor, score_scale: Float32 | None = None,
-                     n_block_min: Int32 | None = None) -> Float32:
+                     n_block_min: Int32 | None = None, blocks_done: Int32 | None = None) -> Float32:
         """Step `n_block` of one softmax warpgroup's walk (key block n_block_min + n_block with a left
         window; the barrier phases count the walk's steps); returns the running row sum."""
         # 1. S row -> registers (4 x tcgen05.ld 32x32b.x32: lane = row = thread, a column per register)
-        cute.arch.mbarrier_wait(self._bar(mbar, "s_full", 0) + stage, n_block % 2)
+        cute.arch.mbarrier_wait(self._bar(mbar, "s_full", 0) + stage, self._walk_step(blocks_done, n_block) % 2)
         tcgen05_fence_after_sync()
         tSrS = cute.make_rmem_tensor(tScS_t2r.shape, Float32)
         cute.copy(tiled_t2r, tStS_t2r, tSrS)
@@ -232,10 +236,14 @@ class SoftmaxCorrectionRoles:
     def correction(self, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32,
                    n_blocks: Int32, softmax_scale_log2: Float32, mbar: cute.Pointer, tmem_ptr: cute.Pointer,
                    sO: cute.Tensor, mLSE: cute.Tensor, thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma,
-                   mSink: cute.Tensor | None = None):
+                   mSink: cute.Tensor | None = None, blocks_done: Int32 | None = None,
+                   tiles_done: Int32 | None = None):
         """Rescale O_i in TMEM when the softmax moved a row max (warp-uniform skip otherwise), then
-        O_i / l_i -> SMEM (16-bit) and lse -> global memory (mSink: the head's sink joins l_i)."""
+        O_i / l_i -> SMEM (16-bit) and lse -> global memory (mSink: the head's sink joins l_i).
+        blocks_done / tiles_done: persistent builds, what the CTA's earlier tiles walked (phases)."""
         tidx = cute.arch.thread_idx()[0] % 128
+        if const_expr(self.persistent):  # the tile's sO / TMEM addresses are computed per tile
+            tidx = opaque_i32(tidx)
         tStS, tOtO, _ = self._tmem_tensors(tmem_ptr, thr_mma_qk, thr_mma_pv, None)
         # the per-step scale (1 column) and the final (row_sum, row_max) of each tile
         ld1 = cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(1)), Float32)
@@ -265,13 +273,17 @@ class SoftmaxCorrectionRoles:
         tOcO_row = tOcO_t2r[0][0]  # the row this thread's TMEM lane holds (= tidx)
         n_oc = self.dv // oc
 
-        # 1. key block 0: O_i has nothing to rescale (its first P V overwrites it)
+        # 1. key block 0: O_i has nothing to rescale (its first P V overwrites it). Persistent: that
+        #    P V overwrites the previous tile's O_i, which this warpgroup read last (step 3)
         for i in cutlass.range_constexpr(self.num_q):
+            if const_expr(self.persistent):
+                tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "p_full", i))
         # 2. key blocks 1 .. n-1: O_i *= scale when any row of the warp moved its max
         for n_block in cutlass.range(1, n_blocks, unroll=1):
             for i in cutlass.range_constexpr(self.num_q):
-                cute.arch.mbarrier_wait(self._bar(mbar, "scale_full", i), (n_block - 1) % 2)
+                cute.arch.mbarrier_wait(self._bar(mbar, "scale_full", i),
+                                        self._scale_step(blocks_done, tiles_done, n_block - 1) % 2)
                 tcgen05_fence_after_sync()
                 cute.copy(tiled_t2r_1, tStScale_t2r[i], rScale)
                 cute.arch.fence_view_async_tmem_load()
@@ -296,11 +308,14 @@ class SoftmaxCorrectionRoles:
         if const_expr(mSink is not None):
             sink_log2 = mSink[head] * LOG2_E
         for i in cutlass.range_constexpr(self.num_q):
-            cute.arch.mbarrier_wait(self._bar(mbar, "final_full", i), 0)
-            cute.arch.mbarrier_wait(self._bar(mbar, "o_full", i), 0)
+            cute.arch.mbarrier_wait(self._bar(mbar, "final_full", i), self._tile_parity(tiles_done))
+            cute.arch.mbarrier_wait(self._bar(mbar, "o_full", i), self._tile_parity(tiles_done))
             tcgen05_fence_after_sync()
             cute.copy(tiled_t2r_2, tStFinal_t2r[i], rFinal)
             cute.arch.fence_view_async_tmem_load()
+            if const_expr(self.persistent):  # the next tile's S_i = Q_i K^T may overwrite the statistics
+                tcgen05_fence_before_sync()
+                cute.arch.mbarrier_arrive(self._bar(mbar, "final_empty", i))
             row_sum, row_max = rFinal[0], rFinal[1]
             if const_expr(sink_log2 is None):
                 empty = row_sum == 0.0 or row_sum != row_sum
@@ -318,6 +333,8 @@ class SoftmaxCorrectionRoles:
                     lse = lse_sink
                 mLSE[self.lse_coord(batch, head, offset_q, row)] = lse
             sO_i = sO[None, None, i]
+            if const_expr(self.persistent):  # the epilogue warp has stored the previous tile's O_i
+                cute.arch.mbarrier_wait(self._bar(mbar, "epi_empty", i), self._tile_parity(tiles_done) ^ 1)
             for c in cutlass.range_constexpr(n_oc):
                 _, tOtO_t2r, tOsO_r2s = self.o_epilogue_chunk(thr_ld_o, tOtO_c[i], sO_i, c)
                 rO = cute.make_rmem_tensor(rO_shape, Float32)

@@ -1,5 +1,6 @@
 """Stage 4, Blackwell (sm_100a): the 1-CTA FA4 backward -- five tcgen05 MMAs, TMEM accumulators,
-dQ by atomics (or, deterministic, by semaphore-ordered atomics). COMPILED AND INSPECTED ONLY: no
+dQ by atomics (or, deterministic, by semaphore-ordered atomics; or, ``dq_tma``, staged in SMEM and
+added by TMA reduce-add). COMPILED AND INSPECTED ONLY: no
 Blackwell GPU is reachable from this project; this kernel has never run (see the Blackwell section of README.md).
 
 One CTA = one K/V tile (128 keys) of one KV head; it walks every (query head of the GQA group,
@@ -19,6 +20,12 @@ Q tile) that sees the tile. Warps (blackwell_config.py has the TMEM / SMEM plan)
   may write dP^T over it), then red.global.add.v2.f32 into the fp32 dQ accumulator; deterministic:
   the stage-4 semaphore protocol (schedule.py ranks and orders, common.semaphore_wait /
   semaphore_signal) around each tile's adds, after dq_empty so a stall does not hold the MMAs.
+  dq_tma (the paper's way; opt-in, dense non-deterministic builds): the row goes to sdQ in 32-column
+  chunks (2 buffers of 128 x 32 fp32, 128B swizzle), fence.proxy.async.shared::cta, named barrier 3
+  (WG 2), and warp 0 issues one cp.reduce.async.bulk.tensor .add per chunk (SASS UTMAREDG), a bulk
+  group each; before that barrier it waits (wait_group.read 0) until the previous chunk's reduce has
+  read the buffer the next chunk overwrites. At d = 128 the staging fits only if dO gets a 1-stage
+  ring of its own (do_full / do_empty below; blackwell_config.py has the arithmetic).
 
 Barriers (mbarriers; "count" = arrivals per phase):
     kv_full         TMA -> MMA                          1 (+ K and V bytes)
@@ -30,6 +37,8 @@ Barriers (mbarriers; "count" = arrivals per phase):
     dq_empty        WG 2 -> MMA (dQ is in registers: dP^T may overwrite it)   128
     dkv_full        MMA commit after the last dK -> WG 0               1
     tmem_dealloc    WG 0 + WG 2 -> MMA warp                            256
+    do_full[s]      TMA -> MMA (dq_tma at d = 128: dO's own ring)       1 (+ dO bytes; qdo_full then has Q's)
+    do_empty[s]     MMA commit after dV -> TMA                          1
 
 Varlen (``varlen=True``; the Hopper backward's conventions, compiled and checked structurally, never run):
 packed (1, T, H, D) tensors as a batch of one, blockIdx.z = sequence. Every role locates its K/V tile
@@ -54,6 +63,8 @@ _store16, _store_dkdv, in blackwell_elementwise.py) and gemm.
 """
 from __future__ import annotations
 
+import functools
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
@@ -61,6 +72,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.pipeline import NamedBarrier
+from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import blackwell_fwd as _fwd  # compile_sm100, blackwell_gpu_available
 from stage3_fwd_kernel import compile_cache
@@ -68,7 +80,7 @@ from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_f
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage4_bwd_kernel import common, schedule
-from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_config
+from stage4_bwd_kernel.blackwell_config import DQ_STAGE_BUFS, DQ_STAGE_COLS, BlackwellBwdConfig, blackwell_bwd_config
 from stage4_bwd_kernel.blackwell_elementwise import ElementwiseRoles
 from stage4_bwd_kernel.hopper.walk import SeqBounds, WalkPlan
 
@@ -94,12 +106,20 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         self.tm, self.tn = config.tile_m, config.tile_n
         self.causal, self.deterministic = config.causal, config.deterministic
         self.stages = config.qdo_stages
+        # dO's ring: the Q ring's stages and barriers, or (dq_tma at d = 128) fewer stages of its own
+        self.do_stages = getattr(config.smem, "dO_stages", self.stages)  # the 2-CTA plan: one ring
+        self.split_do = self.do_stages != self.stages
+        self.dq_tma = config.dq_tma
         self.tmem = config.tmem
         self.num_threads = config.num_threads
         self.dq_order = dq_order or common.default_dq_order(config.causal, config.deterministic, sections=False)
         if has_seqused_k and not varlen:
             raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
         self.varlen, self.has_seqused_k = bool(varlen), bool(has_seqused_k)
+        if self.dq_tma and self.varlen:
+            # a TMA box clips at the packed tensor's end, not at the sequence's: its last tile's rows
+            # past seqlen_q would add into the next sequence's dQ
+            raise ValueError("dq_tma: varlen keeps the per-row atomics (build the plan with dq_tma=False)")
         # the keys a row sees (components.window: causal is a right edge at 0) and the score transform
         # (components.score_mod), as the Hopper backward holds them: None / off when plain, so plain
         # builds trace as before; WalkPlan.make_walk and schedule.py read window_or_none
@@ -126,15 +146,15 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         tiler_s, tiler_dp = (tn, tm, d), (tn, tm, dv)
         tiler_dv, tiler_dk, tiler_dq = (tn, dv, tm), (tn, d, tm), (tm, d, tn)
 
-        st = self.stages
+        st, st_do = self.stages, self.do_stages
         sK_layout = sm100_utils.make_smem_layout_a(mma_s, tiler_s, dt, 1)
         sV_layout = sm100_utils.make_smem_layout_a(mma_dp, tiler_dp, dt, 1)
         sQ_layout = sm100_utils.make_smem_layout_b(mma_s, tiler_s, dt, st)
-        sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, tiler_dp, dt, st)
+        sdO_layout = sm100_utils.make_smem_layout_b(mma_dp, tiler_dp, dt, st_do)
         # the same bytes read transposed: every element at the same byte in both major modes, at
         # d = 64 / 96 / 128 (blackwell_layout_check.py checks it element by element)
         sQt_layout = sm100_utils.make_smem_layout_b(mma_dk, tiler_dk, dt, st)
-        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, dt, st)
+        sdOt_layout = sm100_utils.make_smem_layout_b(mma_dv, tiler_dv, dt, st_do)
         sKt_layout = sm100_utils.make_smem_layout_b(mma_dq, tiler_dq, dt, 1)
         sdS_layout = sm100_utils.make_smem_layout_a(mma_dq, tiler_dq, dt, 1)
         tP_layout = sm100_utils.make_smem_layout_a(mma_dv, tiler_dv, dt, 1)
@@ -143,9 +163,25 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             if const_expr(cute.cosize(a) != cute.cosize(b)):
                 raise ValueError("transposed SMEM views must cover the same bytes")
 
-        return (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), dict(
-            sK=sK_layout, sV=sV_layout, sQ=sQ_layout, sdO=sdO_layout, sQt=sQt_layout, sdOt=sdOt_layout,
-            sKt=sKt_layout, sdS=sdS_layout, tP=tP_layout, tdS=tdS_layout)
+        layouts = dict(sK=sK_layout, sV=sV_layout, sQ=sQ_layout, sdO=sdO_layout, sQt=sQt_layout, sdOt=sdOt_layout,
+                       sKt=sKt_layout, sdS=sdS_layout, tP=tP_layout, tdS=tdS_layout)
+        if const_expr(self.dq_tma):
+            layouts["sdQ"] = self.dq_smem_layout()
+        return (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), layouts
+
+    def dq_smem_layout(self):
+        """sdQ: (tm, 32, buffers) fp32, row-major with the 128B swizzle (a row of a chunk is one
+        128-byte swizzle row, so thread r's 16-byte stores of row r hit distinct banks within a phase of
+        8 threads)."""
+        return sm100_utils.make_smem_layout_epi(Float32, LayoutEnum.ROW_MAJOR, (self.tm, DQ_STAGE_COLS),
+                                                DQ_STAGE_BUFS)
+
+    def dq_tma_atom(self, mdQacc, sdQ_layout):
+        """(TMA reduce-add atom, TMA coordinate tensor) over dQaccum viewed (Sq, d, Hq, B): one
+        (tm, 32) box per chunk; rows past Sq are clipped by the tensor map."""
+        t = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=[1, 3, 2, 0]))
+        return cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), t,
+                                           cute.select(sdQ_layout, mode=[0, 1]), (self.tm, DQ_STAGE_COLS))
 
     def aligned(self, mQ, mK, mV, mdO, mdQacc, mdK, mdV) -> tuple:
         """The global tensors with their rows promised 16-byte aligned (the host checks it): q, k,
@@ -188,7 +224,12 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_B(g2s, tQ, sel(sQ_layout), tiler_s, mma_s, cluster)
         tma_atom_dO, tma_dO = cute.nvgpu.make_tiled_tma_atom_B(g2s, tdO, sel(sdO_layout), tiler_dp, mma_dp, cluster)
         self.bytes_kv = cute.size_in_bytes(dt, sel(sK_layout)) + cute.size_in_bytes(dt, sel(sV_layout))
-        self.bytes_qdo = cute.size_in_bytes(dt, sel(sQ_layout)) + cute.size_in_bytes(dt, sel(sdO_layout))
+        self.bytes_q, self.bytes_do = cute.size_in_bytes(dt, sel(sQ_layout)), cute.size_in_bytes(dt, sel(sdO_layout))
+        self.bytes_qdo = self.bytes_q + self.bytes_do
+        sdQ_layout = L.get("sdQ")  # None: dQ leaves by atomics
+        tma_atom_dQ, tma_dQ = None, None
+        if const_expr(self.dq_tma):
+            tma_atom_dQ, tma_dQ = self.dq_tma_atom(mdQacc, sdQ_layout)
 
         @cute.struct
         class SharedStorage:
@@ -201,6 +242,8 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
             sLSE: cute.struct.Align[cute.struct.MemRange[Float32, tm], 16]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, tm], 16]
+            if const_expr(self.dq_tma):  # the dQ staging buffers (atomic builds keep their layout)
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         self.shared_storage = SharedStorage
         self.smem_bytes = SharedStorage.size_in_bytes()
@@ -216,7 +259,7 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
                     mQ.shape[2] // mK.shape[2], softmax_scale_log2, softmax_scale,
                     mma_s, mma_dp, mma_dv, mma_dk, mma_dq,
                     sK_layout, sV_layout, sQ_layout, sdO_layout, sQt_layout, sdOt_layout, sKt_layout,
-                    sdS_layout, tP_layout, tdS_layout, *seq_args,
+                    sdS_layout, tP_layout, tdS_layout, *seq_args, sdQ_layout, tma_atom_dQ, tma_dQ,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -225,6 +268,10 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             return mbar + len(BARRIERS) + i
         if name == "qdo_empty":
             return mbar + len(BARRIERS) + self.stages + i
+        if name == "do_full":    # only when dO has its own ring (split_do)
+            return mbar + len(BARRIERS) + 2 * self.stages + i
+        if name == "do_empty":
+            return mbar + len(BARRIERS) + 2 * self.stages + self.do_stages + i
         return mbar + BARRIERS.index(name)
 
     @cute.kernel
@@ -239,7 +286,8 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
                sdO_layout: cute.ComposedLayout, sQt_layout: cute.ComposedLayout, sdOt_layout: cute.ComposedLayout,
                sKt_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, tP_layout: cute.ComposedLayout,
                tdS_layout: cute.ComposedLayout, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
-               mSeqUsedK: cute.Tensor | None):
+               mSeqUsedK: cute.Tensor | None, sdQ_layout: cute.ComposedLayout | None,
+               tma_atom_dQ: cute.CopyAtom | None, tma_dQ: cute.Tensor | None):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(warp_idx // 4)
         storage = SmemAllocator().allocate(self.shared_storage)
@@ -247,6 +295,8 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         if warp_idx == LOAD_WARP:
             for atom in (tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(self.dq_tma):
+                cpasync.prefetch_descriptor(tma_atom_dQ)
         if warp_idx == 0:
             with cute.arch.elect_one():
                 for name, count in (("kv_full", 1), ("s_full", 1), ("dp_full", 1), ("p_full", 128),
@@ -256,6 +306,10 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(self._bar(mbar, "qdo_full", s), 1)
                     cute.arch.mbarrier_init(self._bar(mbar, "qdo_empty", s), 1)
+                if const_expr(self.split_do):
+                    for s in cutlass.range_constexpr(self.do_stages):
+                        cute.arch.mbarrier_init(self._bar(mbar, "do_full", s), 1)
+                        cute.arch.mbarrier_init(self._bar(mbar, "do_empty", s), 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -268,6 +322,9 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         sQt, sdOt, sKt = view(sQ, sQt_layout), view(sdO, sdOt_layout), view(sK, sKt_layout)
         sLSE = storage.sLSE.get_tensor(cute.make_layout(self.tm))
         sD = storage.sD.get_tensor(cute.make_layout(self.tm))
+        sdQ = None
+        if const_expr(self.dq_tma):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (tm, 32, buffers) fp32
 
         tmem = TmemAllocator(storage.tmem_addr.ptr, allocator_warp_id=MMA_WARP,
                              barrier_for_retrieve=NamedBarrier(barrier_id=BAR_TMEM_ALLOC, num_threads=32 * 9),
@@ -300,7 +357,7 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             tmem.wait_for_alloc()
             tmem_ptr = tmem.retrieve_ptr(Float32)
             self.dq_drain(n_block, seq, head_kv, m_min, n_m, n_iter, qhead_per_kvhead, mbar, tmem_ptr, mdQacc,
-                          mSemaphore, mma_dq)
+                          mSemaphore, mma_dq, sdQ, tma_atom_dQ, tma_dQ)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc"))
         else:
@@ -385,10 +442,25 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             tOsO, tOgO = cpasync.tma_partition(tma_atom_dO, 0, one, cute.group_modes(sdO, 0, 3),
                                                cute.group_modes(thr_dp.partition_B(gdO), 0, 3))
             cute.arch.mbarrier_wait(self._bar(mbar, "qdo_empty", slot), phase ^ 1)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "qdo_full", slot), self.bytes_qdo)
-            cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, slot], tma_bar_ptr=self._bar(mbar, "qdo_full", slot))
-            cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, slot], tma_bar_ptr=self._bar(mbar, "qdo_full", slot))
+            if const_expr(not self.split_do):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "qdo_full", slot), self.bytes_qdo)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, slot],
+                          tma_bar_ptr=self._bar(mbar, "qdo_full", slot))
+                cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, slot],
+                          tma_bar_ptr=self._bar(mbar, "qdo_full", slot))
+            else:
+                # dO has its own (shorter) ring: Q(it) on qdo_full, then dO(it) on do_full
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "qdo_full", slot), self.bytes_q)
+                cute.copy(tma_atom_Q, tQgQ[None, m_block], tQsQ[None, slot],
+                          tma_bar_ptr=self._bar(mbar, "qdo_full", slot))
+                oslot, ophase = it % self.do_stages, (it // self.do_stages) % 2
+                cute.arch.mbarrier_wait(self._bar(mbar, "do_empty", oslot), ophase ^ 1)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "do_full", oslot), self.bytes_do)
+                cute.copy(tma_atom_dO, tOgO[None, m_block], tOsO[None, oslot],
+                          tma_bar_ptr=self._bar(mbar, "do_full", oslot))
 
     # ------------------------------------------------------------------ MMA warp
     def _tmem_acc(self, tmem_ptr, mma, shape, col):
@@ -462,13 +534,21 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
                 if j > 0:
                     cute.arch.mbarrier_wait(self._bar(mbar, "dq_empty"), (j - 1) % 2)
                     tcgen05_fence_after_sync()
-                self.gemm(mma_dp, accdP, tV[None, None, None, 0], tdO[None, None, None, slot], False)
+                oslot = slot
+                if const_expr(self.split_do):
+                    # dO's own ring: dP and dV are its only readers, so its slot comes back after dV(j)
+                    oslot = j % self.do_stages
+                    cute.arch.mbarrier_wait(self._bar(mbar, "do_full", oslot), (j // self.do_stages) % 2)
+                self.gemm(mma_dp, accdP, tV[None, None, None, 0], tdO[None, None, None, oslot], False)
                 with cute.arch.elect_one():
                     tcgen05.commit(self._bar(mbar, "dp_full"))
                 # dV += P^T(j) dO(j)  (TS)
                 cute.arch.mbarrier_wait(self._bar(mbar, "p_full"), j % 2)
                 tcgen05_fence_after_sync()
-                self.gemm(mma_dv, accdV, tP, tdOt[None, None, None, slot], j > 0)
+                self.gemm(mma_dv, accdV, tP, tdOt[None, None, None, oslot], j > 0)
+                if const_expr(self.split_do):
+                    with cute.arch.elect_one():
+                        tcgen05.commit(self._bar(mbar, "do_empty", oslot))
         with cute.arch.elect_one():
             tcgen05.commit(self._bar(mbar, "dkv_full"))
 
@@ -487,9 +567,11 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
     @cute.jit
     def dq_drain(self, n_block: Int32, seq: SeqBounds, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
                  group: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, mdQacc: cute.Tensor, mSemaphore: cute.Tensor,
-                 mma_dq: cute.TiledMma):
+                 mma_dq: cute.TiledMma, sdQ: cute.Tensor | None, tma_atom_dQ: cute.CopyAtom | None,
+                 tma_dQ: cute.Tensor | None):
         """dQ rows of each Q tile: TMEM -> registers, then reduce-adds at the tile's rows of the sequence
-        (varlen: packed row offset_q + row; rows past the sequence's end add nothing)."""
+        (varlen: packed row offset_q + row; rows past the sequence's end add nothing) -- per-row atomics,
+        or (dq_tma) staged in sdQ and added by TMA (_dq_reduce_tma)."""
         seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
         tidx = cute.arch.thread_idx()[0] % 128
         tm, ch = self.tm, 32
@@ -511,17 +593,54 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             self._tmem_load_row(rdq, lambda c: sub(accdQ, c * ch), ld, thr_ld, r_shape, self.d // ch)
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "dq_empty"))
+            if const_expr(self.dq_tma):
+                self._dq_reduce_tma(rdq, it, m_block, head, seq.bidx, sdQ, tma_atom_dQ, tma_dQ, thr_ld, r_shape)
             if const_expr(self.deterministic):
                 sem = common.elem_pointer(mSemaphore, (seq.batch, head, m_block))  # varlen: per sequence
                 common.semaphore_wait(sem, self._dq_rank(n_block, m_block, seqlen_q, seqlen_k), tidx)
                 cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
-            if row < seqlen_q:
-                g = mdQacc[seq.bidx, self._packed_row(row, seq.offset_q), head, None]
-                for j in cutlass.range_constexpr(self.d // 2):
-                    common.red_add_f32x2(common.elem_pointer(g, 2 * j), rdq[2 * j], rdq[2 * j + 1])
+            if const_expr(not self.dq_tma):
+                if row < seqlen_q:
+                    g = mdQacc[seq.bidx, self._packed_row(row, seq.offset_q), head, None]
+                    for j in cutlass.range_constexpr(self.d // 2):
+                        common.red_add_f32x2(common.elem_pointer(g, 2 * j), rdq[2 * j], rdq[2 * j + 1])
             if const_expr(self.deterministic):
                 cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
                 common.semaphore_signal(sem, tidx)
+        if const_expr(self.dq_tma):
+            # sdQ must outlive the last reduce's reads (the CTA's SMEM goes away when it exits)
+            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _dq_reduce_tma(self, rdq: cute.Tensor, it: Int32, m_block: Int32, head: Int32, batch: Int32,
+                       sdQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom, tma_dQ: cute.Tensor, thr_ld,
+                       r_shape: cutlass.Constexpr):
+        """Q tile `it`'s dQ rows (thread r: rdq = row r, d fp32) into dQaccum by TMA reduce-add, in
+        chunks of 32 columns: the warpgroup stores a chunk in sdQ (buffers alternate), fences it to
+        the async proxy, syncs, and warp 0 issues one cp.reduce.async.bulk.tensor .add per chunk and
+        commits it as a bulk group. Before that sync warp 0 waits until the previous chunk's reduce
+        has read its buffer (wait_group.read 0), which is the buffer the next chunk overwrites: one
+        reduce reads while the next chunk is stored. Rows past seqlen_q are clipped by the tensor map."""
+        nch, bufs, cols = self.d // DQ_STAGE_COLS, DQ_STAGE_BUFS, DQ_STAGE_COLS
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
+        gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (self.tm, cols), (None, None))  # (tm, 32, m tiles, d/32)
+        tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
+                                               cute.group_modes(gdQ, 0, 2))  # (box, buffers), (box, m tiles, d/32)
+        for c in cutlass.range_constexpr(nch):
+            # the buffer sequence runs on across tiles; with an even chunk count it is c's parity
+            buf = c % bufs if const_expr(nch % bufs == 0) else (it * nch + c) % bufs
+            r = cute.make_rmem_tensor(r_shape, Float32)
+            for j in cutlass.range_constexpr(cols):
+                r[j] = rdq[c * cols + j]
+            cute.autovec_copy(r, thr_ld.partition_D(sdQ[None, None, buf]))  # row r, swizzled 16-byte stores
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> visible to the TMA's reads
+            if warp == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
+            if warp == 0:
+                cute.copy(tma_atom_dQ, tdQsdQ[None, buf], tdQgdQ[None, m_block, c])
+                cute.arch.cp_async_bulk_commit_group()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -538,8 +657,10 @@ def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deter
 def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=False, has_seqused_k=False,
                 dq_order=None, tiles=None, window: Window = NO_WINDOW, softcap: float = 0.0):
     """host.py's make_kernel interface: dense, or varlen (+ seqused_k), default or deterministic;
-    window (a Window beyond causal, host.variant_of) and softcap when host.backward passes a variant."""
-    return make_dense_kernel(FlashAttentionBackwardSm100, make_config, "1-CTA", dtype, head_dim, head_dim_v, causal,
+    window (a Window beyond causal, host.variant_of) and softcap when host.backward passes a variant.
+    dQ by TMA reduce when the plan's default says so (DQ_TMA_DEFAULT), never for varlen builds."""
+    config_fn = functools.partial(make_config, dq_tma=False) if varlen else make_config
+    return make_dense_kernel(FlashAttentionBackwardSm100, config_fn, "1-CTA", dtype, head_dim, head_dim_v, causal,
                              deterministic, varlen=varlen, has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles,
                              supports_varlen=True, window=window, softcap=softcap)
 
@@ -591,7 +712,10 @@ def compile_config(cfg: BlackwellBwdConfig, dq_order=None, *, varlen: bool = Fal
 
     def atomics(sass, ptx):
         return {"RED": len(re.findall(r"\bREDG?\b[^\n]*\.ADD", sass)) if sass else None,
+                "UBLKRED": len(re.findall(r"\bUBLKRED\b", sass)) if sass else None,
+                "UTMAREDG": len(re.findall(r"\bUTMAREDG\b", sass)) if sass else None,
                 "ptx_red_v2": len(re.findall(r"red\.global\.add\.v2\.f32", ptx)),
+                "ptx_bulk_tensor_reduce": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
                 "ptx_ld_acquire": len(re.findall(r"ld\.global\.acquire\.gpu", ptx))}
     return compile_cached(FlashAttentionBackwardSm100, cfg, dq_order, _CACHE, atomics, varlen=varlen,
                           has_seqused_k=has_seqused_k)
@@ -629,13 +753,15 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
     window_size / softcap: the variant builds (compiled and checked structurally, never run)."""
     if has_seqused_k and not varlen:
         raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
+    if varlen:
+        kw.setdefault("dq_tma", False)  # packed rows keep the per-row atomics (see __init__)
     cfg = make_config(dtype, head_dim, head_dim_v, causal, deterministic, window_size=window_size, softcap=softcap,
                       **kw)
     return compile_config(cfg, varlen=varlen, has_seqused_k=has_seqused_k)
 
 
 REPORT_KEYS = ["threads", "registers", "smem_bytes", "tmem_cols_used", "tmem_cols_alloc", "spill_stores",
-               "spill_loads", "LDL/STL", "UTCHMMA.SS", "UTCHMMA.TS", "LDTM", "STTM", "UTMALDG", "RED"]
+               "spill_loads", "LDL/STL", "UTCHMMA.SS", "UTCHMMA.TS", "LDTM", "STTM", "UTMALDG", "RED", "UTMAREDG"]
 
 
 def format_report(name, rep):
@@ -700,3 +826,6 @@ if __name__ == "__main__":
             for det in (False, True):
                 print(format_report(f"{STEP} d={d} causal={causal} det={det}",
                                     compile_only("bf16", d, causal=causal, deterministic=det).report))
+            # dQ by TMA reduce-add from SMEM (opt-in; deterministic builds keep the atomics)
+            print(format_report(f"{STEP} d={d} causal={causal} dq_tma",
+                                compile_only("bf16", d, causal=causal, dq_tma=True).report))

@@ -44,10 +44,21 @@ SMEM (bytes; 227 KB = 232448 is the opt-in maximum per CTA on sm_100):
     d = 64:   1024 + 16384 + 16384 + 2 x 32768 + 32768 + 1024 = 133120
     d = 128:  1024 + 32768 + 32768 + 2 x 65536 + 32768 + 1024 = 231424   (2 stages; 3 do not fit)
 
+    dQ by TMA reduce-add (``dq_tma=True``; the paper's way out for dQ): WG 2 stages its dQ rows in
+    sdQ, 2 buffers of tile_m x 32 fp32 (128-byte rows, 128B swizzle: one TMA box each) = 32768,
+    and one thread reduces each into dQaccum with cp.reduce.async.bulk.tensor (.add, fp32). At
+    d = 128 the 1 KB left over holds none of it (a whole dQ tile is 64 KB, a quarter 16 KB), so the
+    dO ring drops to 1 stage (dO is read by dP and dV, both issued a turn before Q's last reader
+    dK: its next load has S, dK, dQ to hide behind) and the Q ring keeps 2:
+    d = 64:   133120 + 32768 = 165888                                       (2 Q, 2 dO stages)
+    d = 96:   1024 + 2 x 24576 + 2 x (24576 + 24576) + 32768 + 1024 + 32768 = 215040   (2, 2)
+    d = 128:  1024 + 32768 + 32768 + 2 x 32768 + 1 x 32768 + 32768 + 1024 + 32768 = 231424   (2 Q, 1 dO)
+
 Registers: 12 warps = 384 threads (launch cap 65536 / 384 = 170 -> 168); setmaxnreg gives the
 elementwise warpgroup 240 (a whole 128-value row of P stays in registers while dP^T is read in
 32-column chunks), the dQ warpgroup 160 (a whole dQ row, so it releases the TMEM columns before its
 atomics) and the MMA/load warpgroup 96: 128 x (240 + 160 + 96) = 63488. (The 2-CTA plan: 240 / 136 / 128.)
+With dq_tma at d = 128 (dO's own ring) the MMA/load warpgroup takes 104: 240 + 160 + 104 = 504 = 3 x 168.
 """
 from __future__ import annotations
 
@@ -62,7 +73,7 @@ from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
 __all__ = ["SMEM_CAPACITY", "TMEM_COLUMNS", "SUPPORTED_HEAD_DIMS", "mask_col_min", "mask_col_max",
            "BwdTmemPlan", "BwdSmemPlan",
            "BwdRegisterPlan", "BlackwellBwdConfig", "blackwell_bwd_config", "Bwd2CtaTmemPlan", "Bwd2CtaSmemPlan",
-           "blackwell_bwd_2cta_config"]
+           "blackwell_bwd_2cta_config", "DQ_STAGE_COLS", "DQ_STAGE_BUFS", "DQ_TMA_DEFAULT"]
 
 SMEM_CAPACITY = 232448
 TMEM_COLUMNS = 512
@@ -70,6 +81,12 @@ TMEM_MIN_ALLOC = 32
 REGISTERS_PER_SM = 65536
 HEADER_ALIGN = 1024
 MAX_QDO_STAGES = 2
+# dQ by TMA reduce-add: WG 2 stages DQ_STAGE_COLS fp32 columns (128 bytes: one 128B-swizzled TMA box
+# row) of its query row per chunk, in DQ_STAGE_BUFS alternating buffers. Off by default: the
+# atomics stay the default build until the reduce has run on hardware (docs/blackwell.md).
+DQ_STAGE_COLS = 32
+DQ_STAGE_BUFS = 2
+DQ_TMA_DEFAULT = False
 SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
 DTYPES = ("bf16", "fp16")
 NUM_WARPS = 12            # WG0 elementwise, WG1 = MMA warp + load warp + 2 idle, WG2 dQ drain
@@ -123,14 +140,26 @@ class BwdSmemPlan:
     do: int       # one stage
     ds: int
     stats: int    # sLSE + sD
+    do_stages: int = 0   # the dO ring's stages when it has its own (dq_tma at d = 128); 0: the Q ring's
+    dq_stage: int = 0    # sdQ, the dQ staging buffers of the TMA reduce (dq_tma); 0: atomics
+
+    @property
+    def dO_stages(self) -> int:
+        return self.do_stages or self.qdo_stages
 
     @property
     def total(self) -> int:
-        return self.header + self.k + self.v + self.qdo_stages * (self.q + self.do) + self.ds + self.stats
+        return (self.header + self.k + self.v + self.qdo_stages * self.q + self.dO_stages * self.do + self.ds
+                + self.stats + self.dq_stage)
 
     def describe(self) -> str:
-        return (f"header {self.header} + sK {self.k} + sV {self.v} + {self.qdo_stages} x (sQ {self.q} + sdO {self.do}) "
-                f"+ sdS {self.ds} + sLSE/sD {self.stats} = {self.total} bytes of {SMEM_CAPACITY}")
+        if self.dO_stages == self.qdo_stages:
+            ring = f"{self.qdo_stages} x (sQ {self.q} + sdO {self.do})"
+        else:
+            ring = f"{self.qdo_stages} x sQ {self.q} + {self.dO_stages} x sdO {self.do}"
+        dq = f" + sdQ {self.dq_stage}" if self.dq_stage else ""
+        return (f"header {self.header} + sK {self.k} + sV {self.v} + {ring} "
+                f"+ sdS {self.ds} + sLSE/sD {self.stats}{dq} = {self.total} bytes of {SMEM_CAPACITY}")
 
 
 # WG 2 (dQ drain) of the 1-CTA kernel holds a whole dQ row (d fp32) in registers, so it can hand the
@@ -141,6 +170,12 @@ REGS_DQ_1CTA = 160
 # 160 + 96) = 64512 = the launch's 168 x 384, all of it (the 2-CTA plan's total too). Only there: at d = 64
 # the same 248 made ptxas spill 4 bytes that 240 does not. Plain builds keep 240.
 REGS_ELEMENTWISE_SOFTCAP_D128 = 248
+
+
+# WG 1 (MMA + load warps) when dO has its own ring (dq_tma at d = 128): ptxas spilled 12 bytes at 96
+# (the second ring's barrier addresses and slots); 240 + 160 + 104 = 504 = 3 x 168, the launch's all.
+# With softcap there (elementwise 248) WG 2 gives 8 back: 248 + 152 + 104 = 504, no spills either.
+REGS_MMA_LOAD_SPLIT_DO = 104
 
 
 @dataclass(frozen=True)
@@ -173,6 +208,13 @@ class BlackwellBwdConfig:
     # (components.window.beyond_causal: causal stays the `causal` flag) and softcap (0 = off)
     window: Window = NO_WINDOW
     softcap: float = 0.0
+    # dQ leaves by TMA reduce-add from sdQ (WG 2 stages it) instead of per-row red.global.add.v2.f32
+    dq_tma: bool = False
+
+    @property
+    def split_do(self) -> bool:
+        """The dO ring has its own barriers and fewer stages than the Q ring (dq_tma at d = 128)."""
+        return getattr(self.smem, "dO_stages", self.qdo_stages) != self.qdo_stages  # 2-CTA plans: one ring
 
     @property
     def plain(self) -> bool:
@@ -186,13 +228,18 @@ class BlackwellBwdConfig:
         base = (self.head_dim, self.head_dim_v, self.dtype, self.causal, self.deterministic, self.tile_m,
                 self.tile_n, self.qdo_stages, self.cta_group)
         # plain builds keep their keys (and any stored compile) unchanged
+        if self.dq_tma:
+            base += ("dq_tma", self.smem.dO_stages)
         return base if self.plain else base + ("variant",) + tuple(self.window) + (self.softcap,)
 
     def summary(self) -> str:
+        stages = (f"{self.qdo_stages} Q / {self.smem.dO_stages} dO stages" if self.split_do
+                  else f"{self.qdo_stages} Q/dO stages")
+        dq = ", dQ by TMA reduce" if self.dq_tma else ""
+        variant = "" if self.plain else f", window {tuple(self.window)}, softcap {self.softcap:g}"
         return (f"Blackwell bwd {self.dtype} d={self.head_dim}/{self.head_dim_v} causal={self.causal} "
                 f"deterministic={self.deterministic}: {self.cta_group}-CTA, tiles {self.tile_m} x {self.tile_n}, "
-                f"TMEM {self.tmem.used}/{self.tmem.alloc} cols, SMEM {self.smem.total} B "
-                f"({self.qdo_stages} Q/dO stages)" + ("" if self.plain else f", window {tuple(self.window)}, softcap {self.softcap:g}"))
+                f"TMEM {self.tmem.used}/{self.tmem.alloc} cols, SMEM {self.smem.total} B ({stages})" + dq + variant)
 
 
 def mask_col_min(key, key_limit, diag, tile_m: int, causal: bool, *, imax=max,
@@ -222,10 +269,10 @@ def mask_col_max(key, diag, window):
     return key - diag + window.left
 
 
-def num_barriers(stages: int) -> int:
+def num_barriers(stages: int, do_stages: int = 0) -> int:
     # kv_full; qdo_full / qdo_empty per stage; s_full, dp_full, p_full, ds_full, dq_full,
-    # dq_empty, dkv_full, tmem_dealloc
-    return 1 + 2 * stages + 8
+    # dq_empty, dkv_full, tmem_dealloc; do_full / do_empty per dO stage when dO has its own ring
+    return 1 + 2 * stages + 8 + 2 * do_stages
 
 
 def _tmem_plan(tile_m, tile_n, d, dv) -> BwdTmemPlan:
@@ -239,11 +286,14 @@ def _tmem_plan(tile_m, tile_n, d, dv) -> BwdTmemPlan:
                        alloc=max(TMEM_MIN_ALLOC, _pow2_at_least(used)))
 
 
-def _smem_plan(tile_m, tile_n, d, dv, stages, elem=2) -> BwdSmemPlan:
-    nbar = num_barriers(stages)
+def _smem_plan(tile_m, tile_n, d, dv, stages, elem=2, *, do_stages=0, dq_tma=False) -> BwdSmemPlan:
+    """do_stages: the dO ring's own stage count (0: dO shares the Q ring's stages and barriers)."""
+    do_stages = 0 if do_stages == stages else do_stages
+    nbar = num_barriers(stages, do_stages)
     return BwdSmemPlan(header=_round_up(8 * nbar + 4, HEADER_ALIGN), num_barriers=nbar, k=tile_n * d * elem,
                        v=tile_n * dv * elem, qdo_stages=stages, q=tile_m * d * elem, do=tile_m * dv * elem,
-                       ds=tile_m * tile_n * elem, stats=2 * tile_m * 4)
+                       ds=tile_m * tile_n * elem, stats=2 * tile_m * 4, do_stages=do_stages,
+                       dq_stage=DQ_STAGE_BUFS * tile_m * DQ_STAGE_COLS * 4 if dq_tma else 0)
 
 
 def _variants(causal, window_size, softcap) -> tuple:
@@ -252,12 +302,47 @@ def _variants(causal, window_size, softcap) -> tuple:
     return beyond_causal(bool(causal), window_size), check_softcap(softcap)
 
 
+def _dq_tma(dq_tma, deterministic, head_dim) -> bool:
+    """Whether dQ leaves by TMA reduce-add; ValueError for what the kernel keeps on atomics."""
+    if dq_tma is None:
+        return DQ_TMA_DEFAULT and not deterministic
+    if dq_tma and deterministic:
+        raise ValueError("dq_tma: the deterministic backward keeps its semaphore-ordered atomics (the reduce's "
+                         "global writes would need a wait_group, not .read, before each semaphore release)")
+    if dq_tma and head_dim % DQ_STAGE_COLS:
+        raise ValueError(f"dq_tma: head_dim must be a multiple of {DQ_STAGE_COLS} (one TMA box of "
+                         f"{DQ_STAGE_COLS} fp32 columns per chunk), got {head_dim}")
+    return bool(dq_tma)
+
+
+def _stages(tile_m, tile_n, d, dv, qdo_stages, do_stages, dq_tma) -> tuple:
+    """(Q ring stages, dO ring stages): given ones are checked, missing ones are the most that fit in
+    SMEM -- 2 and 2, else (dq_tma: the staging buffers) 2 and 1, else 1 and 1."""
+    for name, v in (("qdo_stages", qdo_stages), ("do_stages", do_stages)):
+        if v is not None and not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    choices = [(2, 2), (2, 1), (1, 1)] if dq_tma else [(2, 2), (1, 1)]
+    choices = [(q, o) for q, o in choices if qdo_stages in (None, q) and do_stages in (None, o)]
+    for q, o in choices:
+        if _smem_plan(tile_m, tile_n, d, dv, q, do_stages=o, dq_tma=dq_tma).total <= SMEM_CAPACITY:
+            return q, o
+    q = qdo_stages or do_stages or 1   # nothing fits: the given (or smallest) stages, refused by the caller
+    o = do_stages or q
+    if o > q:
+        raise ValueError(f"do_stages: at most qdo_stages ({q}), got {o}")
+    return q, o
+
+
 def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal: bool, deterministic: bool = False,
                          tile_m: int = 128, tile_n: int = 128, qdo_stages: int | None = None,
                          cta_group: int = 1, check_kernel_support: bool = True, window_size=(None, None),
-                         softcap: float = 0.0) -> BlackwellBwdConfig:
+                         softcap: float = 0.0, dq_tma: bool | None = None,
+                         do_stages: int | None = None) -> BlackwellBwdConfig:
     """Plan one 1-CTA backward configuration; raise ValueError naming the budget (TMEM, SMEM,
     registers) that fails, then (unless check_kernel_support=False) what the kernel implements.
+    dq_tma: dQ by TMA reduce-add from SMEM (None: DQ_TMA_DEFAULT, never for deterministic builds,
+    which keep the semaphore-ordered atomics); do_stages: the dO ring's stages (None: the most that
+    fit, at most qdo_stages; fewer than qdo_stages gives dO its own barriers).
     window_size (left, right; None or -1 unlimited, causal is right = 0) and softcap (>= 0, 0 = off):
     compile-time variants, checked first (TypeError / ValueError naming the argument)."""
     window, softcap = _variants(causal, window_size, softcap)
@@ -283,19 +368,17 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
     if tmem.used > TMEM_COLUMNS:
         raise ValueError(f"TMEM does not fit: {tmem.used} columns > {TMEM_COLUMNS}")
 
-    def fits(st):
-        return _smem_plan(tile_m, tile_n, head_dim, dv, st).total <= SMEM_CAPACITY
-    if qdo_stages is None:
-        qdo_stages = 2 if fits(2) else 1
-    if not (isinstance(qdo_stages, int) and qdo_stages >= 1):
-        raise ValueError(f"qdo_stages: expected an int >= 1, got {qdo_stages!r}")
-    smem = _smem_plan(tile_m, tile_n, head_dim, dv, qdo_stages)
+    dq_tma = _dq_tma(dq_tma, deterministic, head_dim)
+    qdo_stages, do_stages = _stages(tile_m, tile_n, head_dim, dv, qdo_stages, do_stages, dq_tma)
+    smem = _smem_plan(tile_m, tile_n, head_dim, dv, qdo_stages, do_stages=do_stages, dq_tma=dq_tma)
     if smem.total > SMEM_CAPACITY:
         raise ValueError(f"SMEM does not fit: {smem.describe()}")
 
-    regs = BwdRegisterPlan(dq=REGS_DQ_1CTA)
+    split_do = dq_tma and do_stages != qdo_stages
+    regs = BwdRegisterPlan(dq=REGS_DQ_1CTA, other=REGS_MMA_LOAD_SPLIT_DO if split_do else 96)
     if softcap and max(head_dim, dv) > 96:
-        regs = BwdRegisterPlan(elementwise=REGS_ELEMENTWISE_SOFTCAP_D128, dq=REGS_DQ_1CTA)
+        regs = BwdRegisterPlan(elementwise=REGS_ELEMENTWISE_SOFTCAP_D128, dq=REGS_DQ_1CTA - 8 * split_do,
+                               other=regs.other)
     for name in ("elementwise", "dq", "other"):
         r = getattr(regs, name)
         if r % 8 or not 24 <= r <= 256:
@@ -304,7 +387,7 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
         raise ValueError(f"registers do not fit: {regs.total} > {REGISTERS_PER_SM}")
     cfg = BlackwellBwdConfig(head_dim=head_dim, head_dim_v=dv, dtype=dt, causal=bool(causal),
                              deterministic=bool(deterministic), tile_m=tile_m, tile_n=tile_n, qdo_stages=qdo_stages,
-                             tmem=tmem, smem=smem, regs=regs, window=window, softcap=softcap)
+                             tmem=tmem, smem=smem, regs=regs, window=window, softcap=softcap, dq_tma=dq_tma)
     if check_kernel_support and (head_dim, dv) not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"the configuration fits TMEM/SMEM/registers, but blackwell_bwd.py supports only head dims "
                          f"{SUPPORTED_HEAD_DIMS}, got ({head_dim}, {dv})")

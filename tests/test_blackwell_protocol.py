@@ -111,3 +111,64 @@ def test_cli_prints_states_and_result(capsys):
     assert bp.main(["--kernel", "bwd", "--blocks", "2"]) == 0
     out = capsys.readouterr().out
     assert "states explored" in out and "OK" in out
+
+
+# ---------------------------------------------------------------------- the persistent forward
+# (blackwell_persistent.py): 2 work tiles per CTA of 3 + 4 key blocks (an odd first walk, so a
+# phase count that is not carried into the second tile changes a parity)
+def persistent_program(blocks=4, work_tiles=2):
+    key = ("fwd-persistent", blocks, work_tiles)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = bp.build("fwd", blocks, persistent=work_tiles)
+    return _PROGRAMS[key].copy()
+
+
+def drop_wait(prog, role, bar, nth):
+    """Delete the nth wait of `role` on barrier `bar`."""
+    o = _offset(prog, bar)
+    ops = prog.ops[role]
+    del ops[[i for i, op in enumerate(ops) if op[0] == "wait" and op[1][1] == o][nth]]
+
+
+def restart_phase(prog, role, bar, first):
+    """Invert the parity of `role`'s waits on `bar` from the `first`-th on: its phase count restarted
+    at a tile boundary instead of carrying on."""
+    o = _offset(prog, bar)
+    ops = prog.ops[role]
+    for i in [i for i, op in enumerate(ops) if op[0] == "wait" and op[1][1] == o][first:]:
+        kind, b, parity, where = ops[i]
+        ops[i] = (kind, b, 1 - parity, where)
+
+
+def test_persistent_protocol_holds():
+    res = bp.explore(persistent_program(), blocks=4, tiles=2)
+    assert res.ok, res.report()
+    assert res.walks == (3, 4) and res.states > 1000
+
+
+PLANTED_PERSISTENT = [
+    # the once-per-tile phases not flipped at the second tile
+    (lambda p: flip_wait(p, "mma", "q_full[0]", 1), {"race", "overrun"}),
+    (lambda p: flip_wait(p, "correction", "o_full[1]", 1), {"race", "overrun"}),
+    (lambda p: flip_wait(p, "epilogue", "epi_full[0]", 1), {"race", "overrun"}),
+    # the per-key-block phases restarted at the second tile (blocks_done not added)
+    (lambda p: restart_phase(p, "softmax0", "s_full[0]", 3), {"race", "overrun"}),
+    (lambda p: restart_phase(p, "correction", "scale_full[1]", 2), {"race", "overrun", "deadlock"}),
+    (lambda p: restart_phase(p, "load", "kv_empty[0]", 1), {"race", "overrun"}),
+    # a buffer handed to the next tile without its barrier: sQ, the statistics inside S_i, sO
+    (lambda p: drop_wait(p, "load", "q_empty[0]", 1), {"race"}),
+    (lambda p: drop_wait(p, "mma", "final_empty[1]", 1), {"race"}),
+    (lambda p: drop_wait(p, "correction", "epi_empty[0]", 1), {"race"}),
+    (lambda p: drop_arrive(p, "correction", "final_empty[0]", 0), {"deadlock"}),
+]
+
+
+@pytest.mark.parametrize("plant,kinds", PLANTED_PERSISTENT,
+                         ids=[f"fwd-persistent-{i}" for i in range(len(PLANTED_PERSISTENT))])
+def test_persistent_planted_bug_is_caught(plant, kinds):
+    prog = persistent_program()
+    plant(prog)
+    res = bp.explore(prog, blocks=4, tiles=2)
+    assert not res.ok
+    assert res.kind in kinds, res.report()
+    assert res.trace and res.message
