@@ -522,8 +522,9 @@ class HopperBackend(Backend):
 
 class BlackwellBackend(Backend):
     """sm_100: `stage3_fwd_kernel.blackwell_fwd` and `stage4_bwd_kernel.blackwell`. Long causal dense
-    forwards without a window take stage 5's LPT order (sized by the device's L2), others the static
-    grid; no route switches; its varlen grid is sized from max_seqlen_q alone and it has no seqused_k.
+    forwards without a window take stage 5's LPT order (sized by the device's L2), non-causal dense ones
+    without a window run on persistent CTAs where that build exists, others the static grid; no route
+    switches; its varlen grid is sized from max_seqlen_q alone and it has no seqused_k.
     The variants (window, softcap, sink) reach the kernels as on Hopper; the sink's D comes from torch."""
 
     DENSE_BACKWARD_RETURNS_D = False
@@ -546,7 +547,19 @@ class BlackwellBackend(Backend):
                                          k.shape[2], _l2_bytes(q.device))
         if sched is not None:
             kw["scheduler"] = sched
+        elif self._persistent(mod, q, v, causal, variants):
+            kw["persistent"] = True
         return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
+
+    @staticmethod
+    def _persistent(mod, q, v, causal: bool, variants: dict) -> bool:
+        """One CTA per SM walking the tiles (blackwell_persistent.py) where the official sm100 forward
+        runs its static persistent schedule: dense calls with neither causal nor a window -- and only
+        where the build exists (head dims <= 128; not a sink at dv = 128)."""
+        if causal or "window_size" in variants:
+            return False
+        kw = dict(softcap=variants.get("softcap", 0.0), learnable_sink="learnable_sink" in variants)
+        return mod.persistent_available(str(q.dtype), q.shape[-1], v.shape[-1], False, **kw)
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):

@@ -224,14 +224,25 @@ def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
         calls.append(("bwd", None, kw))
         return q, k, v
 
+    def persistent_available(dtype, d, dv, causal, *, softcap=0.0, learnable_sink=False):
+        return not learnable_sink  # stands in for "no build" (the real one: a sink at dv = 128)
+
     bw = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
-    bw._mods["fwd"] = types.SimpleNamespace(attention_forward=fwd, attention_varlen_forward=varlen_fwd)
+    bw._mods["fwd"] = types.SimpleNamespace(attention_forward=fwd, attention_varlen_forward=varlen_fwd,
+                                            persistent_available=persistent_available)
     bw._mods["bwd"] = types.SimpleNamespace(attention_backward=bwd)
     sink = torch.zeros(2)
     q = torch.zeros(1, _dispatch.LPT_MIN_SEQLEN_K, 2, 64)
     bw.forward(q, q, q, 0.5, True, window=(16, None), softcap=30.0, learnable_sink=sink)
     assert calls[-1][0] == "fwd" and calls[-1][1] is None  # windowed: no LPT order
     assert calls[-1][2] == {"window_size": (16, None), "softcap": 30.0, "learnable_sink": sink}
+    # persistent CTAs for dense calls with neither causal nor a window, where the build exists
+    bw.forward(q, q, q, 0.5, False, softcap=5.0)
+    assert calls[-1][2] == {"softcap": 5.0, "persistent": True}
+    bw.forward(q, q, q, 0.5, False, learnable_sink=sink)
+    assert calls[-1][2] == {"learnable_sink": sink}
+    bw.forward(q, q, q, 0.5, False, window=(None, 8))
+    assert "persistent" not in calls[-1][2]
     bw.varlen_forward(q, q, q, q, q, None, 7, 9, 0.5, False, window=(None, 3), softcap=2.0)
     assert calls[-1] == ("varlen_fwd", None, {"window_size": (None, 3), "softcap": 2.0})
     t = torch.zeros(1, 8, 2, 64)
