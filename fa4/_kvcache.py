@@ -38,13 +38,17 @@ MAX_SPLITS = 64
 
 
 def choose_num_splits(batch: int, head_tiles: int, max_keys: int, sm_count: int) -> int:
-    """Split-KV count for num_splits=0: enough CTAs for about two per SM, each split keeping at
-    least MIN_KEYS_PER_SPLIT keys. head_tiles = CTAs per sequence without splitting (heads x query
-    tiles). A function of (batch, heads, cache length, SM count) only: no device values."""
+    """Split-KV count for num_splits=0: as many splits as fill the SMs once (sm_count // CTAs), each
+    keeping at least MIN_KEYS_PER_SPLIT keys. head_tiles = CTAs per sequence without splitting (heads
+    x query tiles). A function of (batch, heads, cache length, SM count) only: no device values.
+    One wave, not two: swept on an H200 (GQA 32 / 8, d = 128, one token; docs/measurements.md,
+    2026-11-29), sm_count // CTAs was the fastest count at every shape from 1 x 8k to 32 x 8k
+    (1 x 16k: 16 splits 2112 GB/s, 33 splits 1833), and counts that do not divide the keys evenly
+    (3, 5, 6, 12) lost 5-10% to their neighbours."""
     ctas = max(1, batch * head_tiles)
     if ctas >= sm_count or max_keys <= MIN_KEYS_PER_SPLIT:
         return 1
-    want = math.ceil(2 * sm_count / ctas)
+    want = sm_count // ctas
     return max(1, min(want, math.ceil(max_keys / MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 

@@ -146,11 +146,13 @@ def test_plan_and_heuristic():
     assert kv.plan_layout(7, 1, False, (None, None), None) == (False, True, False)   # MHA: nothing to pack
     with pytest.raises(ValueError, match=r"^pack_gqa: "):
         kv.plan_layout(7, 4, True, (None, None), True)
-    # decode at batch 1, 8 KV heads on 132 SMs: 2 x 132 / 8 = 33 wanted, 8k / 256 = 32 allowed
-    assert kv.choose_num_splits(1, 8, 8192, 132) == 32
+    # decode at batch 1, 8 KV heads on 132 SMs: one wave is 132 // 8 = 16 splits
+    assert kv.choose_num_splits(1, 8, 8192, 132) == 16
     assert kv.choose_num_splits(1, 8, 1024, 132) == 4       # capped by 256 keys a split
     assert kv.choose_num_splits(64, 8, 32768, 132) == 1     # 512 CTAs already fill the GPU
-    assert kv.choose_num_splits(2, 8, 1 << 20, 132) == 17
+    assert kv.choose_num_splits(16, 8, 16384, 132) == 1     # 128 CTAs: one wave already
+    assert kv.choose_num_splits(8, 8, 32768, 132) == 2
+    assert kv.choose_num_splits(2, 8, 1 << 20, 132) == 8
     assert kv.choose_num_splits(1, 1, 1 << 20, 132) == kv.MAX_SPLITS
     seg = kv.dense_segments(torch.tensor([1000, 5]), torch.tensor([0, 1]), 1024, 3)
     assert seg.n == 3 and seg.max_keys == 384
