@@ -130,18 +130,18 @@ def _pad_one(first):
     return torch.nn.functional.pad(first.reshape(-1), (0, 1))
 
 
-def merge_segments(out, lse, n: int, kernel: bool = False):
+def merge_segments(out, lse, n: int, kernel: bool = False, into=None):
     """(B n, R, H, Dv) partial outs and (H, B n, R) lse (the varlen kernel's layouts, n segments per
     batch row) -> merged out (B, R, H, Dv) and lse (B, H, R). One segment needs no merge (views);
-    otherwise stage 3's PartsCombine kernel (kernel=True: one launch, out in the input dtype) or the
-    same formula in torch (the CPU tests' float64 stand-in)."""
+    otherwise stage 3's PartsCombine kernel (kernel=True: one launch, out in the input dtype, written
+    into `into` when given) or the same formula in torch (the CPU tests' float64 stand-in)."""
     bn, r, h, dv = out.shape
     if n == 1:
         return out, lse.permute(1, 0, 2)
     if kernel:
         from stage3_fwd_kernel import split_combine
 
-        return split_combine.combine_parts(out, lse, n)
+        return split_combine.combine_parts(out, lse, n, out=into)
     out, lse = merge_parts(out.view(bn // n, n, r, h, dv), lse.permute(1, 2, 0).reshape(bn // n, n, r, h), dim=1)
     return out, lse.transpose(1, 2)
 
@@ -237,11 +237,19 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
                      lambda: torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32))
     out, lse = varlen(q_seg, k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, dv), cu_q, seg.cu_k, seg.used,
                       r, seg.max_keys, scale, causal, window, softcap)
+    g, final, into = hq // hkv, None, None
+    if pack and sq == 1 and n > 1 and varlen is fa4_varlen:
+        # the merge writes the packed rows straight into the (B, 1, Hq, Dv) result: row j of KV head
+        # kv is query head kv * g + j, so no transpose copy follows
+        final = q.new_empty(b, 1, hq, dv)
+        into = final.view(b, hkv, g, dv).transpose(1, 2)                                # (B, g, Hkv, Dv)
     out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n,
-                              kernel=varlen is fa4_varlen)                              # (B, R, H', Dv), (B, H', R)
-    if pack:
-        g = hq // hkv
+                              kernel=varlen is fa4_varlen, into=into)                   # (B, R, H', Dv), (B, H', R)
+    if final is not None:
+        out = final
+    elif pack:
         out = out.view(b, sq, g, hkv, dv).transpose(2, 3).reshape(b, sq, hq, dv)
+    if pack:
         lse = lse.view(b, hkv, sq, g).permute(0, 1, 3, 2).reshape(b, hq, sq)            # head kv * g + j
     if sink is not None:
         out, lse_t = add_sink(out, lse.transpose(1, 2), sink)                          # lse as (B, Sq, Hq)

@@ -176,13 +176,21 @@ def compile_parts(dtype="bf16", head_dim_v: int = 128, *, launchable: bool = Fal
     return compile_cached(key, lambda: (PartsCombine(dt, head_dim_v), args))
 
 
-def combine_parts(out_parts, lse_parts, parts: int):
+def combine_parts(out_parts, lse_parts, parts: int, out=None):
     """out_parts (B * n, R, H, dv), lse_parts (H, B * n, R) fp32 (n = parts) -> merged out (B, R, H, dv)
-    in out_parts' dtype and lse (B, H, R) fp32, by one kernel on the current stream."""
+    in out_parts' dtype and lse (B, H, R) fp32, by one kernel on the current stream. out: where the
+    merged rows go (any strides with a unit last one: a view into the caller's final layout spares a
+    copy); None allocates it."""
     import torch
 
     bn, r, h, dv = out_parts.shape
-    out = torch.empty(bn // parts, r, h, dv, device=out_parts.device, dtype=out_parts.dtype)
+    if out is None:
+        out = torch.empty(bn // parts, r, h, dv, device=out_parts.device, dtype=out_parts.dtype)
+    elif tuple(out.shape) != (bn // parts, r, h, dv) or out.dtype != out_parts.dtype or out.stride(-1) != 1 \
+            or any(st % 8 for st in out.stride()[:-1]) or out.data_ptr() % 16:
+        raise ValueError(f"out: expected {out_parts.dtype} {(bn // parts, r, h, dv)} with a unit last stride, "
+                         f"the others multiples of 8 and a 16-byte aligned start; got {out.dtype} "
+                         f"{tuple(out.shape)} strides {out.stride()}")
     lse = torch.empty(bn // parts, h, r, device=out_parts.device, dtype=torch.float32)
     comp = compile_parts(host_io.cutlass_dtype(out_parts.dtype), dv, launchable=True)
     comp.fn(out_parts, lse_parts, out, lse, parts)

@@ -1431,6 +1431,13 @@ def test_parts_combine_kernel_matches_torch(dtype, dv, parts):
     assert got_lse[0, 2, 4] == float("-inf") and (got_out[0, 4, 2] == 0).all()
     torch.testing.assert_close(got_out.float(), want_out, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(got_lse, want_lse.transpose(1, 2), atol=1e-4, rtol=1e-5)
+    # into a strided view of a larger result (flash_attn_with_kvcache's packed heads): the same bits
+    final = torch.full((b, h, r, dv), float("nan"), device="cuda", dtype=out.dtype)
+    view = final.transpose(1, 2)                     # (b, r, h, dv), rows h * dv apart
+    split_combine.combine_parts(out, lse, parts, out=view)
+    assert torch.equal(view, got_out)
+    with pytest.raises(ValueError, match="^out: "):
+        split_combine.combine_parts(out, lse, parts, out=view.float())
 
 
 @pytest.mark.compile
