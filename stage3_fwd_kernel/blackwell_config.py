@@ -23,7 +23,9 @@ TMEM (columns are 32-bit; lane r of every column belongs to query row r of a til
     d = 64:         S 2 x 128 + O 2 x  64 = 384 -> allocated 512 (allocations are powers of 2, >= 32)
     d = 96:         S 2 x 128 + O 2 x  96 = 448 -> allocated 512
     d = (192, 128): S 2 x 128 + O 2 x 128 = 512 (the QK head dim never touches TMEM)
-    d = 256:        S 2 x 128 + O 2 x 256 = 768 > 512: does not fit with two Q tiles
+    d = 256:        S 2 x 128 + O 2 x 256 = 768 > 512: does not fit with two Q tiles, so the
+                    d = 256 build has ONE Q tile (q_tiles_per_cta=1, one softmax warpgroup):
+                    S 128 + O 256 = 384 -> allocated 512
 
 SMEM (bytes, 2 per element; 227 KB = 232448 bytes is the opt-in maximum per CTA on sm_100):
 
@@ -40,6 +42,9 @@ SMEM (bytes, 2 per element; 227 KB = 232448 bytes is the opt-in maximum per CTA 
     d = 96:        1 + 48 + 4 x 24 + 48 = 193 KB   (4 slots)
     d = 128:       1 + 64 + 3 x 32 + 64 = 225 KB   (3 slots)
     d = (192,128): 1 + 96 + 2 x 48 + (0: over sQ) = 193 KB (2 slots; 3 would need 241 KB)
+    d = 256, 1 Q tile: a 128 x 256 tile is 64 KB (Q, O, and each K or V slot). A separate sO leaves
+                   1 + 64 + 64 = 129 KB, room for one 64 KB slot (two need 257 KB), so sO goes over
+                   sQ: 1 + 64 + 2 x 64 + (0: over sQ) = 193 KB = 197632 bytes (2 slots; 3: 257 KB)
 
 Registers: 16 warps = 512 threads, so the launch caps a thread at 65536 / 512 = 128 registers;
 ``setmaxnreg`` then moves them per warpgroup to where they are needed:
@@ -51,6 +56,10 @@ Registers: 16 warps = 512 threads, so the launch caps a thread at 65536 / 512 = 
 
     The split was found by compiling: at 64 the correction warpgroup spills, at 48 the MMA warp
     spills for head dim 192 (12 K-steps of SMEM descriptors per tile); 72 / 56 compile clean.
+
+    One Q tile (d = 256) keeps the 16 warps and their places; warpgroup 1 (warps 4-7) has no tile
+    and drops to ``idle`` = 24 registers, which leaves the single softmax warpgroup the most
+    setmaxnreg allows (RegisterPlan.one_q_tile; the numbers and why are there).
 
 P is written to TMEM in two parts (the paper, "stage out storing P"): the first 3/4 of the row
 (4 stores of tile_n / 8 columns: the first 3) lets the MMA warp start O += P V on 3/4 of the K
@@ -69,6 +78,8 @@ __all__ = [
     "TMEM_COLUMNS",
     "REGISTERS_PER_SM",
     "SUPPORTED_HEAD_DIMS",
+    "ONE_Q_TILE_HEAD_DIMS",
+    "q_tiles_for",
     "WarpRoles",
     "TmemPlan",
     "SmemPlan",
@@ -82,7 +93,8 @@ TMEM_COLUMNS = 512         # 128 lanes x 512 columns x 32 bit per SM
 TMEM_MIN_ALLOC = 32        # tcgen05.alloc: a power of two >= 32 columns
 REGISTERS_PER_SM = 65536
 MAX_KV_STAGES = 4          # more ring slots stop paying once the loads are ahead of the MMAs
-SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))  # two Q tiles per CTA
+ONE_Q_TILE_HEAD_DIMS = ((256, 256),)  # one Q tile per CTA: two do not fit TMEM (q_tiles_for)
 DTYPES = ("bf16", "fp16")
 HEADER_ALIGN = 1024        # 128B-swizzled tiles start on 1024-byte boundaries
 PERSISTENT_BARRIERS_PER_Q_TILE = 3  # q_empty, final_empty, epi_empty (persistent builds only)
@@ -111,7 +123,8 @@ def _dtype_name(dtype, kernel: str = "the Blackwell forward") -> str:
 
 @dataclass(frozen=True)
 class WarpRoles:
-    """Which warps do what (16 warps, 4 warpgroups; setmaxnreg acts per warpgroup)."""
+    """Which warps do what (16 warps, 4 warpgroups; setmaxnreg acts per warpgroup). With one Q tile
+    (``WarpRoles.one_q_tile()``) the places stay; warpgroup 1 has no tile and idles."""
 
     softmax: tuple = ((0, 1, 2, 3), (4, 5, 6, 7))  # one warpgroup per Q tile
     correction: tuple = (8, 9, 10, 11)
@@ -119,6 +132,25 @@ class WarpRoles:
     load: int = 13
     epilogue: int = 14
     idle: int = 15
+    idle_warpgroup: int | None = None  # a warpgroup without a Q tile (one-tile builds: 1)
+
+    @classmethod
+    def one_q_tile(cls) -> "WarpRoles":
+        return cls(softmax=((0, 1, 2, 3),), idle_warpgroup=1)
+
+    @property
+    def correction_wg(self) -> int:
+        return self.correction[0] // 4
+
+    @property
+    def other_wg(self) -> int:
+        """The warpgroup of the MMA, load, epilogue and idle warps."""
+        return self.mma // 4
+
+    @property
+    def tmem_users(self) -> int:
+        """Threads that read TMEM and arrive on tmem_dealloc: the softmax warpgroups + correction."""
+        return 128 * (len(self.softmax) + 1)
 
     @property
     def num_warps(self) -> int:
@@ -129,10 +161,16 @@ class WarpRoles:
         return 32 * self.num_warps
 
     def describe(self) -> list:
-        return [
-            ("softmax WG 0", "warps 0-3", "rows of Q tile 0: S -> P (TMEM), row max / sum"),
-            ("softmax WG 1", "warps 4-7", "rows of Q tile 1: same code, independent of WG 0"),
-            ("correction WG", "warps 8-11", "rescales O in TMEM, final O / l, lse, O -> SMEM"),
+        out = [(f"softmax WG {i}", f"warps {w[0]}-{w[-1]}",
+                f"rows of Q tile {i}: S -> P (TMEM), row max / sum" + ("" if i == 0 else "; same code, free of WG 0"))
+               for i, w in enumerate(self.softmax)]
+        if self.idle_warpgroup is not None:
+            w0 = 4 * self.idle_warpgroup
+            out.append((f"idle WG {self.idle_warpgroup}", f"warps {w0}-{w0 + 3}",
+                        "no Q tile: gives its registers to the softmax warpgroup"))
+        return out + [
+            ("correction WG", f"warps {self.correction[0]}-{self.correction[-1]}",
+             "rescales O in TMEM, final O / l, lse, O -> SMEM"),
             ("MMA", f"warp {self.mma}", "tcgen05.mma: S_i = Q_i K^T (SS), O_i += P_i V (TS)"),
             ("load", f"warp {self.load}", "TMA: Q tiles, then K / V into the SMEM ring"),
             ("epilogue", f"warp {self.epilogue}", "O: SMEM -> global (TMA store, or row-guarded "
@@ -202,10 +240,22 @@ class RegisterPlan:
     correction: int = 72
     other: int = 56       # MMA / load / epilogue / idle warpgroup
     launch_cap: int = REGISTERS_PER_SM // 512
+    softmax_wgs: int = 2
+    idle: int = 0         # a warpgroup without a Q tile (one-tile builds), 0 = none
+
+    @classmethod
+    def one_q_tile(cls) -> "RegisterPlan":
+        """d = 256, one Q tile: the softmax warpgroup takes setmaxnreg's maximum, 256, and the idle
+        warpgroup drops to its minimum, 24. The correction warpgroup (O is 8 chunks of 32 columns) and
+        the MMA warp (16 K-steps of Q / K descriptors for S = Q K^T) need more than at d <= 192; found by
+        compiling (bf16, dense and causal varlen): correction 72 spills 284-296 bytes, 80 is clean;
+        other 56 spills 68-100 bytes, 64 is clean. One step of 16 over each for the variants:
+        128 x (256 + 24 + 96 + 80) = 58368 <= 65536."""
+        return cls(softmax=256, correction=96, other=80, softmax_wgs=1, idle=24)
 
     @property
     def total(self) -> int:
-        return 128 * (2 * self.softmax + self.correction + self.other)
+        return 128 * (self.softmax_wgs * self.softmax + self.correction + self.other + self.idle)
 
 
 @dataclass(frozen=True)
@@ -321,6 +371,13 @@ def _tmem_plan(q_tiles, tile_n, dv) -> TmemPlan:
                     used=used, alloc=max(TMEM_MIN_ALLOC, _pow2_at_least(used)))
 
 
+def q_tiles_for(head_dim: int, head_dim_v: int | None = None) -> int:
+    """The Q tiles per CTA the kernel builds at these head dims: 1 where two do not fit TMEM
+    (ONE_Q_TILE_HEAD_DIMS: 256), else 2. The plan's default stays 2; the host API passes this."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return 1 if (head_dim, dv) in ONE_Q_TILE_HEAD_DIMS else 2
+
+
 def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal: bool,
                          q_tiles_per_cta: int = 2, tile_m: int = 128, tile_n: int = 128,
                          kv_stages: int | None = None, emulation_fraction: float = 0.125,
@@ -369,8 +426,8 @@ def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
     if tmem.used > TMEM_COLUMNS:
         raise ValueError(
             f"TMEM does not fit: {q_tiles_per_cta} Q tiles x (S {tile_n} + O {dv}) = {tmem.used} "
-            f"columns > {TMEM_COLUMNS} (head_dim_v={dv}, tile_n={tile_n}); use fewer Q tiles per CTA, "
-            f"a smaller tile_n, or split head_dim_v")
+            f"columns > {TMEM_COLUMNS} (head_dim_v={dv}, tile_n={tile_n}); use fewer Q tiles per CTA "
+            f"(q_tiles_per_cta=1 at head dims {ONE_Q_TILE_HEAD_DIMS}), a smaller tile_n, or split head_dim_v")
 
     # 3. SMEM: sO separate unless that leaves fewer than 2 ring slots (then it goes over sQ)
     def stages_that_fit(plan_for):
@@ -394,8 +451,8 @@ def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
                          f"fit here) or smaller tiles")
 
     # 4. registers (fixed per-role plan; setmaxnreg wants multiples of 8 in [24, 256])
-    regs = RegisterPlan()
-    for name in ("softmax", "correction", "other"):
+    regs = RegisterPlan() if q_tiles_per_cta == 2 else RegisterPlan.one_q_tile()
+    for name in ("softmax", "correction", "other") + (("idle",) if regs.idle else ()):
         r = getattr(regs, name)
         if r % 8 or not 24 <= r <= 256:
             raise ValueError(f"registers: {name} = {r} is not a setmaxnreg value (multiple of 8 in [24, 256])")
@@ -406,15 +463,17 @@ def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
                              q_tiles_per_cta=q_tiles_per_cta, tile_m=tile_m, tile_n=tile_n,
                              kv_stages=kv_stages, emulation_fraction=float(emulation_fraction),
                              rescale_threshold=float(rescale_threshold), tmem=tmem, smem=smem, regs=regs,
-                             window=window, softcap=softcap, sink=learnable_sink)
+                             window=window, softcap=softcap, sink=learnable_sink,
+                             roles=WarpRoles() if q_tiles_per_cta == 2 else WarpRoles.one_q_tile())
 
     # 5. what blackwell_fwd.py implements
     if check_kernel_support:
         problems = []
-        if (head_dim, dv) not in SUPPORTED_HEAD_DIMS:
-            problems.append(f"head dims {SUPPORTED_HEAD_DIMS}, got ({head_dim}, {dv})")
-        if q_tiles_per_cta != 2:
-            problems.append(f"q_tiles_per_cta=2 (two softmax warpgroups), got {q_tiles_per_cta}")
+        if (head_dim, dv) not in SUPPORTED_HEAD_DIMS + ONE_Q_TILE_HEAD_DIMS:
+            problems.append(f"head dims {SUPPORTED_HEAD_DIMS + ONE_Q_TILE_HEAD_DIMS}, got ({head_dim}, {dv})")
+        elif q_tiles_per_cta != q_tiles_for(head_dim, dv):
+            problems.append(f"q_tiles_per_cta=2 (two softmax warpgroups) at head dims {SUPPORTED_HEAD_DIMS} and 1 "
+                            f"at {ONE_Q_TILE_HEAD_DIMS}, got {q_tiles_per_cta} at ({head_dim}, {dv})")
         if tile_m != 128 or tile_n != 128:
             problems.append(f"tile_m = tile_n = 128 (one 128-column row per softmax thread), got {tile_m}x{tile_n}")
         if problems:
@@ -424,7 +483,7 @@ def blackwell_fwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
 
 
 if __name__ == "__main__":
-    for d, dv in SUPPORTED_HEAD_DIMS:
-        c = blackwell_fwd_config(d, dv, "bf16", causal=False)
+    for d, dv in SUPPORTED_HEAD_DIMS + ONE_Q_TILE_HEAD_DIMS:
+        c = blackwell_fwd_config(d, dv, "bf16", causal=False, q_tiles_per_cta=q_tiles_for(d, dv))
         print(c.summary())
         print("  SMEM:", c.smem.describe())

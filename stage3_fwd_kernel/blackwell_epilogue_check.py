@@ -78,6 +78,7 @@ from cutlass import BFloat16, Float32
 from cutlass.cute.nvgpu import tcgen05
 
 from stage3_fwd_kernel import compile_cache
+from stage3_fwd_kernel.blackwell_config import q_tiles_for
 from stage3_fwd_kernel.blackwell_fwd import (TARGET_ARCH, FlashAttentionForwardSm100, compile_config, fake_args,
                                              make_config)
 from stage3_fwd_kernel.blackwell_tmem_check import StaticTensor, _static, decode_address
@@ -576,14 +577,14 @@ def ptx_pointer_swizzle(kernel: FlashAttentionForwardSm100, coords=((1, 0), (2, 
 
 
 # ------------------------------------------------------------------ command line
-def table(cases=((64, 64), (96, 96), (128, 128), (192, 128)), dtype: str = "bf16", ptx: bool = False) -> str:
+def table(cases=((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)), dtype: str = "bf16", ptx: bool = False) -> str:
     """Markdown: per case (dense, varlen) the mismatches of the kernel as built and of each wrong
     mapping; with `ptx`, whether the compiled TMA stores are the traced boxes (one compile per case)."""
     head = "| d / dv | stores | O_0, O_1 | lse_0, lse_1 | guard_0, guard_1 | " + " | ".join(WRONG) + \
            " | model disagreements |" + (" PTX boxes |" if ptx else "")
     lines = [head, "|---" * (6 + len(WRONG) + ptx) + "|"]
     for d, dv in cases:
-        cfg = make_config(dtype, d, dv, False)
+        cfg = make_config(dtype, d, dv, False, q_tiles_per_cta=q_tiles_for(d, dv))  # 256: one Q tile
         for varlen in (False, True):
             traced = trace(FlashAttentionForwardSm100(cfg, varlen=varlen))
             rep = report(traced)

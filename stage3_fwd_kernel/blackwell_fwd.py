@@ -62,15 +62,16 @@ Synchronisation (all mbarriers in SMEM; "count" = arrivals per phase):
     final_full[i] softmax i (row sum, row max in TMEM) -> correction               128
     o_full[i]     MMA (commit after the last O_i += P V) -> correction             1
     epi_full[i]   correction (O_i in SMEM) -> epilogue warp                        128
-    tmem_dealloc  softmax x 2 + correction done with TMEM -> MMA warp frees it     384
+    tmem_dealloc  softmax WGs + correction done with TMEM -> MMA warp frees it     384 (one Q tile: 256)
   persistent builds only (blackwell_persistent.py):
     q_empty[i]    MMA (commit after the tile's last S_i) -> TMA: sQ_i free         1
     final_empty[i] correction (final row stats read) -> MMA: S_i may be rewritten  128
     epi_empty[i]  epilogue warp (sO_i stored) -> correction: sO_i free             32
 
-Supported: fp16/bf16, head dims 64, 96, 128, (192, 128); causal (bottom-right aligned); GQA/MQA;
-varlen (cu_seqlens_q/k, packed (total, heads, dim)); lse output; the StaticTileScheduler interface
-(one (m_block, head, batch) tile per CTA, the default), or a persistent grid over any tile order
+Supported: fp16/bf16, head dims 64, 96, 128, (192, 128), and 256 with ONE Q tile per CTA
+(q_tiles_per_cta=1: two do not fit TMEM; one softmax warpgroup, warpgroup 1 idle); causal
+(bottom-right aligned); GQA/MQA; varlen (cu_seqlens_q/k, packed (total, heads, dim)); lse output;
+the StaticTileScheduler interface (one (m_block, head, batch) tile per CTA, the default), or a persistent grid over any tile order
 (tile_scheduler.PersistentScheduler with static striding: one CTA per SM walks tiles c, c + P, ...
 carrying every barrier phase across its tiles; blackwell_persistent.py; head dims up to 128).
 """
@@ -89,7 +90,7 @@ from cutlass.pipeline import NamedBarrier
 from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_scheduler
-from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config
+from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config, q_tiles_for
 from stage3_fwd_kernel.blackwell_persistent import PersistentRoles, TileWalkArgs, check_persistent
 from stage3_fwd_kernel.blackwell_softmax import SoftmaxCorrectionRoles
 from stage3_fwd_kernel.blackwell_sync import opaque_i32, tcgen05_fence_after_sync, tcgen05_fence_before_sync
@@ -110,11 +111,12 @@ STEP = "blackwell_fwd"
 TARGET_ARCH = "sm_100a"
 
 # named barriers (id 0 is __syncthreads)
-BAR_TMEM_ALLOC = 1   # MMA warp + softmax x 2 + correction: the TMEM address is in SMEM
+BAR_TMEM_ALLOC = 1   # MMA warp + softmax WGs + correction: the TMEM address is in SMEM
 
 
 class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
-    """The FA4 forward pipeline for one BlackwellFwdConfig (2 Q tiles x 128 rows, tile_n = 128).
+    """The FA4 forward pipeline for one BlackwellFwdConfig (2 Q tiles x 128 rows, tile_n = 128; one Q
+    tile at d = 256, where warpgroup 1 idles).
     The softmax and correction warpgroups are in ``blackwell_softmax.SoftmaxCorrectionRoles``, the
     persistent builds' tile loops in ``blackwell_persistent.PersistentRoles``."""
 
@@ -374,7 +376,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
                 for s in cutlass.range_constexpr(self.stages):
                     cute.arch.mbarrier_init(self._bar(mbar, "kv_full", s), 1)
                     cute.arch.mbarrier_init(self._bar(mbar, "kv_empty", s), 1)
-                cute.arch.mbarrier_init(self._bar(mbar, "tmem_dealloc", 0), 3 * 128)
+                cute.arch.mbarrier_init(self._bar(mbar, "tmem_dealloc", 0), roles.tmem_users)
                 if const_expr(self.persistent):
                     for i in cutlass.range_constexpr(nq):
                         cute.arch.mbarrier_init(self._bar(mbar, "q_empty", i), 1)
@@ -391,8 +393,10 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
         else:
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)  # (tm, dv, q tile)
 
+        # the MMA warp, the softmax warpgroups and the correction warpgroup wait for the address
         tmem = TmemAllocator(storage.tmem_addr.ptr, allocator_warp_id=roles.mma,
-                             barrier_for_retrieve=NamedBarrier(barrier_id=BAR_TMEM_ALLOC, num_threads=32 * 13),
+                             barrier_for_retrieve=NamedBarrier(barrier_id=BAR_TMEM_ALLOC,
+                                                               num_threads=32 * (4 * nq + 5)),
                              arch="sm_100")
         if const_expr(self.persistent):
             walk = TileWalkArgs(mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static, qhead_per_kvhead,
@@ -425,7 +429,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
         tile = functools.partial(self._tile_info, mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static,
                                  qhead_per_kvhead)
 
-        if wg_idx == 3:
+        if wg_idx == roles.other_wg:
             # ---------------------------------------------------------------- MMA / load / epilogue
             cute.arch.setmaxregister_decrease(self.cfg.regs.other)
             t, n_block_min, n_blocks, tile_valid = tile()
@@ -448,7 +452,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
             if warp_idx == roles.epilogue:
                 if tile_valid:
                     self.epilogue(t.m_block, t.head, t.batch, t.offset_q, t.seqlen_q, mbar, sO, tma_O, tma_atom_O, mO)
-        elif wg_idx == 2:
+        elif wg_idx == roles.correction_wg:
             # ---------------------------------------------------------------- correction warpgroup
             cute.arch.setmaxregister_decrease(self.cfg.regs.correction)
             t, _, n_blocks, tile_valid = tile()
@@ -461,15 +465,27 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
         else:
             # ---------------------------------------------------------------- softmax warpgroups
-            cute.arch.setmaxregister_increase(self.cfg.regs.softmax)
-            t, n_block_min, n_blocks, tile_valid = tile()
-            tmem.wait_for_alloc()
-            tmem_ptr = tmem.retrieve_ptr(Float32)
-            if tile_valid:
-                self.softmax(t.m_block, t.seqlen_q, t.seqlen_k, n_blocks, softmax_scale_log2,
-                             mbar, tmem_ptr, thr_mma_qk, score_scale=score_scale, n_block_min=n_block_min)
-            tcgen05_fence_before_sync()
-            cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
+            if const_expr(self.num_q == 2):  # (an int test: the protocol checker decides it)
+                self.softmax_role(tile, tmem, mbar, softmax_scale_log2, thr_mma_qk, score_scale)
+            else:  # one Q tile: warpgroup 1 has no rows; its registers go to the softmax warpgroup
+                if wg_idx == roles.idle_warpgroup:
+                    cute.arch.setmaxregister_decrease(self.cfg.regs.idle)
+                else:
+                    self.softmax_role(tile, tmem, mbar, softmax_scale_log2, thr_mma_qk, score_scale)
+
+    @cute.jit
+    def softmax_role(self, tile, tmem: TmemAllocator, mbar: cute.Pointer, softmax_scale_log2: Float32,
+                     thr_mma_qk: cute.ThrMma, score_scale: Float32 | None):
+        """A softmax warpgroup (one work tile per CTA): its rows of S -> P, then the TMEM hand-back."""
+        cute.arch.setmaxregister_increase(self.cfg.regs.softmax)
+        t, n_block_min, n_blocks, tile_valid = tile()
+        tmem.wait_for_alloc()
+        tmem_ptr = tmem.retrieve_ptr(Float32)
+        if tile_valid:
+            self.softmax(t.m_block, t.seqlen_q, t.seqlen_k, n_blocks, softmax_scale_log2,
+                         mbar, tmem_ptr, thr_mma_qk, score_scale=score_scale, n_block_min=n_block_min)
+        tcgen05_fence_before_sync()
+        cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc", 0))
 
     # ------------------------------------------------------------------ bookkeeping
     def _bar(self, mbar, name: str, i):
@@ -758,7 +774,8 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
 def make_config(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, window_size=(None, None),
                 softcap: float = 0.0, learnable_sink: bool = False, **kw) -> BlackwellFwdConfig:
     """The plan of one build; the variants (window_size, softcap, learnable_sink: a bool, built for a
-    sink) are checked by blackwell_fwd_config (TypeError / ValueError naming the argument)."""
+    sink) are checked by blackwell_fwd_config (TypeError / ValueError naming the argument). Head dim
+    256 takes q_tiles_per_cta=1 (blackwell_config.q_tiles_for; the plan's default, 2, does not fit TMEM)."""
     return blackwell_fwd_config(head_dim, head_dim_v, dtype, causal=causal, window_size=window_size,
                                 softcap=softcap, learnable_sink=learnable_sink, **kw)
 
@@ -878,7 +895,9 @@ def format_report(name: str, rep: dict) -> str:
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, varlen=False,
                  scheduler=tile_scheduler.StaticTileScheduler, **kw) -> compile_cache.Compiled:
     """Compile for sm_100a with fake tensors (no GPU needed). kw: make_config's, e.g. the variants
-    window_size=(left, right), softcap=float, learnable_sink=True (built to take the sink tensor)."""
+    window_size=(left, right), softcap=float, learnable_sink=True (built to take the sink tensor);
+    q_tiles_per_cta defaults to what the launch takes (one at d = 256)."""
+    kw.setdefault("q_tiles_per_cta", q_tiles_for(head_dim, head_dim if head_dim_v is None else head_dim_v))
     return compile_config(make_config(dtype, head_dim, head_dim_v, causal, **kw), varlen, scheduler=scheduler)
 
 
@@ -923,6 +942,7 @@ def persistent_available(dtype="bf16", head_dim=128, head_dim_v=None, causal=Fal
     """Whether this configuration has a persistent build (for a router deciding persistent=True):
     head dims up to 128, no learnable sink at head_dim_v = 128 (blackwell_config.persistent_supported).
     variant_kw: make_config's (window_size, softcap, learnable_sink as a bool)."""
+    variant_kw.setdefault("q_tiles_per_cta", q_tiles_for(head_dim, head_dim_v))
     return make_config(dtype, head_dim, head_dim_v, causal, **variant_kw).persistent_supported is None
 
 
@@ -961,6 +981,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     q, k, v = host_io.prepare_inputs(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
+    cfg_kw.setdefault("q_tiles_per_cta", q_tiles_for(d, dv))  # one Q tile at d = 256
     cfg = make_config(str(q.dtype), d, dv, causal, **variants, **cfg_kw)  # ValueError before any compile
     tile_scheduler.check_grid(scheduler, -(-sq // cfg.cta_tile_m), hq, b)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
@@ -997,6 +1018,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries")
     d, dv = q.shape[-1], v.shape[-1]
+    cfg_kw.setdefault("q_tiles_per_cta", q_tiles_for(d, dv))  # one Q tile at d = 256
     cfg = make_config(str(q.dtype), d, dv, causal, **variants, **cfg_kw)
     softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     out = torch.empty((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device) if out is None else out
@@ -1019,7 +1041,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
     in this project: there is no Blackwell GPU here). persistent: one CTA per SM (blackwell_persistent)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     heads_kv = heads if heads_kv is None else heads_kv
-    cfg = make_config(dtype, head_dim, head_dim_v, causal)
+    cfg = make_config(dtype, head_dim, head_dim_v, causal, q_tiles_per_cta=q_tiles_for(head_dim, head_dim_v))
     if not blackwell_gpu_available():
         comp = compile_config(cfg, varlen, scheduler=_persistent_scheduler(None, persistent))
         if verbose:
@@ -1075,13 +1097,18 @@ MATRIX = [(dt, d, dv, causal, varlen) for varlen in (False, True) for dt in ("bf
           for d, dv in ((64, 64), (96, 96), (128, 128), (192, 128)) for causal in (False, True)]
 
 
+# d = 256: one Q tile per CTA (blackwell_config.ONE_Q_TILE_HEAD_DIMS)
+MATRIX_ONE_Q_TILE = [(dt, 256, 256, causal, varlen) for varlen in (False, True) for dt in ("bf16", "fp16")
+                     for causal in (False, True)]
+
+
 def resource_table(cases=MATRIX) -> str:
     """Markdown: one row per compiled configuration (what the Blackwell section of README.md shows)."""
     lines = ["| dtype | d / dv | causal | varlen | SMEM B | TMEM cols | K/V slots | spills (st/ld) | "
              "LDL/STL | UTCHMMA SS / TS | LDTM / STTM | MUFU.EX2 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for dt, d, dv, causal, varlen in cases:
-        cfg = make_config(dt, d, dv, causal)
+        cfg = make_config(dt, d, dv, causal, q_tiles_per_cta=q_tiles_for(d, dv))
         r = compile_config(cfg, varlen).report
         lines.append(f"| {dt} | {d} / {dv} | {causal} | {varlen} | {r['smem_bytes']} | "
                      f"{cfg.tmem.used} / {cfg.tmem.alloc} | {cfg.kv_stages} | {r['spill_stores']} / {r['spill_loads']} | "
@@ -1118,7 +1145,7 @@ if __name__ == "__main__":
                     "flash-attn-4 forward's, in SASS, at --head_dim / --dtype, non-causal and causal (markdown)")
     a = ap.parse_args()
     if a.all:
-        print(resource_table())
+        print(resource_table(MATRIX + MATRIX_ONE_Q_TILE))
     elif a.compare:
         from stage3_fwd_kernel import blackwell_compare
 

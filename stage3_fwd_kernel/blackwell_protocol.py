@@ -50,6 +50,7 @@ through a tensor the mapping does not name (such an access is invisible to the r
 
     python -m stage3_fwd_kernel.blackwell_protocol --kernel fwd --blocks 4 --tiles 2
     python -m stage3_fwd_kernel.blackwell_protocol --kernel fwd --blocks 4 --persistent 2
+    python -m stage3_fwd_kernel.blackwell_protocol --kernel fwd --blocks 4 --head-dim 256   # one Q tile
 
 ``--persistent N`` checks the persistent forward (blackwell_persistent.py): every role's tile loop is
 interpreted for N work tiles of one CTA, tile k walking blocks - 1 key blocks for even k and `blocks`
@@ -759,15 +760,18 @@ def persistent_walks(blocks: int, work_tiles: int) -> list:
     return [max(1, blocks - 1 if k % 2 == 0 else blocks) for k in range(work_tiles)]
 
 
-def forward_spec(blocks: int = 4, tiles: int = 2, head_dim: int = 128, persistent: int = 0) -> KernelSpec:
+def forward_spec(blocks: int = 4, tiles: int | None = None, head_dim: int = 128, persistent: int = 0) -> KernelSpec:
     """stage3_fwd_kernel/blackwell_fwd.py (+ blackwell_softmax.py): 2 softmax WGs, correction WG,
-    MMA / load / epilogue / idle warps; `blocks` key blocks. The kernel's CTA holds 2 Q tiles.
+    MMA / load / epilogue / idle warps; `blocks` key blocks. The kernel's CTA holds 2 Q tiles, or 1 at
+    head_dim 256 (one softmax WG; warpgroup 1 idles and is a role too); tiles None: the build's.
     persistent = N > 0: the persistent build (+ blackwell_persistent.py), N work tiles per CTA of
     persistent_walks(blocks, N) key blocks."""
     from stage3_fwd_kernel import tile_scheduler
+    from stage3_fwd_kernel.blackwell_config import q_tiles_for
     from stage3_fwd_kernel.blackwell_fwd import FlashAttentionForwardSm100, make_config
 
-    cfg = make_config("bf16", head_dim, head_dim, False)
+    cfg = make_config("bf16", head_dim, head_dim, False, q_tiles_per_cta=q_tiles_for(head_dim))
+    tiles = cfg.q_tiles_per_cta if tiles is None else tiles
     if tiles != cfg.q_tiles_per_cta:
         raise ValueError(f"the forward CTA holds {cfg.q_tiles_per_cta} Q tiles (one per softmax warpgroup)")
     if persistent:
@@ -778,9 +782,11 @@ def forward_spec(blocks: int = 4, tiles: int = 2, head_dim: int = 128, persisten
     S = [tmem(t.s[i], t.s[i] + t.s_cols) for i in range(k.num_q)]
     O = [tmem(t.o[i], t.o[i] + t.o_cols) for i in range(k.num_q)]
     P = [tmem(t.p[i], t.p[i] + t.p_cols) for i in range(k.num_q)]
-    roles = [Role("softmax0", r.softmax[0][0], 128), Role("softmax1", r.softmax[1][0], 128),
-             Role("correction", r.correction[0], 128), Role("mma", r.mma, 32), Role("load", r.load, 32),
-             Role("epilogue", r.epilogue, 32), Role("idle", r.idle, 32)]
+    roles = [Role(f"softmax{i}", w[0], 128) for i, w in enumerate(r.softmax)]
+    if r.idle_warpgroup is not None:
+        roles.append(Role("idle_wg", 4 * r.idle_warpgroup, 128))
+    roles += [Role("correction", r.correction[0], 128), Role("mma", r.mma, 32), Role("load", r.load, 32),
+              Role("epilogue", r.epilogue, 32), Role("idle", r.idle, 32)]
     names = {
         "tmem_ptr": RegionPtr(tmem(0, 512)), "sO": smem("sO"),
         "load:tQsQ": smem("sQ"), "load:tKsK": smem("sKV"), "load:tVsV": smem("sKV"),
@@ -870,38 +876,88 @@ SPECS = {"fwd": forward_spec, "bwd": backward_spec, "bwd-dqtma": functools.parti
          "bwd2cta": backward_2cta_spec}
 
 
-def build(kernel: str, blocks: int = 4, tiles: int = 2, persistent: int = 0) -> Program:
+def forward_2cta_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
+    """stage3_fwd_kernel/blackwell_fwd_2cta.py: a cluster of 2 CTAs, each the 1-CTA forward's roles
+    (softmax x 2, correction, epilogue: blackwell_softmax.py unchanged); pair MMAs issued by CTA 0's
+    MMA warp, CTA 1's MMA warp relays its p_full / p_full_2 to CTA 0; 2-SM TMA of Q / K / V halves;
+    `blocks` key blocks (non-causal: both CTAs walk the same). Imported at call time."""
+    from stage3_fwd_kernel.blackwell_fwd_2cta import PER_Q, FlashAttentionForwardSm100TwoCta, make_config
+
+    cfg = make_config("bf16", head_dim, head_dim, False)
+    k = FlashAttentionForwardSm100TwoCta(cfg)
+    t, r = cfg.tmem, cfg.roles
+    S = [tmem(t.s[i], t.s[i] + t.s_cols) for i in range(k.num_q)]
+    O = [tmem(t.o[i], t.o[i] + t.o_cols) for i in range(k.num_q)]
+    P = [tmem(t.p[i], t.p[i] + t.p_cols) for i in range(k.num_q)]
+    roles = []
+    for c in range(2):
+        roles += [Role(f"softmax{i}.{c}", w[0], 128, c) for i, w in enumerate(r.softmax)]
+        roles += [Role(f"correction.{c}", r.correction[0], 128, c),
+                  Role(f"{'mma' if c == 0 else 'relay'}.{c}", r.mma, 32, c), Role(f"load.{c}", r.load, 32, c),
+                  Role(f"epilogue.{c}", r.epilogue, 32, c), Role(f"idle.{c}", r.idle, 32, c)]
+    names = {
+        "tmem_ptr": RegionPtr(tmem(0, 512)), "sO": smem("sO"),
+        "load_pair:tQsQ": smem("sQ"), "load_pair:tKsK": smem("sKV"), "load_pair:tVsV": smem("sKV"),
+        "mma_pair:tSrQ": smem("sQ"), "mma_pair:tSrK": smem("sKV"), "mma_pair:tOrV": smem("sKV"),
+        "mma_pair:tStS": S, "mma_pair:tOtO": O, "mma_pair:tOrP": P,
+        "softmax:tStS": lambda env: S[env["stage"]],
+        "correction:tStS": S, "correction:tOtO": O, "epilogue:tOsO": smem("sO"),
+    }
+    bars = _bar_names(k, [(n, k.num_q) for n in PER_Q] + [("kv_full", k.stages), ("kv_empty", k.stages),
+                                                          ("tmem_dealloc", 1), ("tmem_pair", 1)])
+    return KernelSpec("fwd2cta", k, roles, {"n_blocks": blocks, "n_unmasked": blocks, "num_k": cfg.tile_n // 16},
+                      names, {"tStP_r2t": cfg.p_store_chunks, "tOrP": cfg.tile_n // 16}, cfg.num_threads,
+                      ctas=2, pair_mma=True, bar_names=bars)
+
+
+SPECS["fwd2cta"] = forward_2cta_spec   # the 2-CTA forward (blackwell_fwd_2cta.py)
+
+
+def build(kernel: str, blocks: int = 4, tiles: int | None = None, persistent: int = 0,
+          head_dim: int = 128) -> Program:
     """The extracted Program of `kernel` ("fwd", "bwd", "bwd2cta") for the given trip counts;
-    persistent = N > 0: the persistent forward, N work tiles per CTA."""
+    persistent = N > 0: the persistent forward, N work tiles per CTA; head_dim: the forward's build
+    (256: one Q tile per CTA)."""
     if kernel == "fwd":
-        return extract(forward_spec(blocks, tiles, persistent=persistent))
+        return extract(forward_spec(blocks, tiles, head_dim=head_dim, persistent=persistent))
+    if head_dim != 128:
+        raise ValueError("head_dim: only the forward (--kernel fwd) is checked at other head dims here")
     if persistent:
         raise ValueError("persistent: only the forward (--kernel fwd) has a persistent build")
     return extract(SPECS[kernel](blocks))
 
 
-def check(kernel: str, blocks: int = 4, tiles: int = 2, max_states: int = 2_000_000, persistent: int = 0) -> Result:
-    return explore(build(kernel, blocks, tiles, persistent), max_states, blocks, tiles if kernel == "fwd" else 0)
+def check(kernel: str, blocks: int = 4, tiles: int | None = None, max_states: int = 2_000_000, persistent: int = 0,
+          head_dim: int = 128) -> Result:
+    prog = build(kernel, blocks, tiles, persistent, head_dim)
+    return explore(prog, max_states, blocks, _fwd_tiles(prog) if kernel == "fwd" else 0)
+
+
+def _fwd_tiles(prog: "Program") -> int:
+    """The Q tiles per CTA of an extracted forward (for the report)."""
+    return prog.spec.kernel.num_q
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", choices=sorted(SPECS), default="fwd")
     ap.add_argument("--blocks", type=int, default=4, help="main-loop trips: key blocks (fwd), Q tiles (bwd)")
-    ap.add_argument("--tiles", type=int, default=2, help="Q tiles per CTA (fwd; the kernel's is 2)")
+    ap.add_argument("--tiles", type=int, default=None, help="Q tiles per CTA (fwd; the build's: 2, 1 at head dim 256)")
+    ap.add_argument("--head-dim", type=int, default=128, help="fwd: the build's head dim (64, 96, 128; 256 = one Q "
+                    "tile per CTA)")
     ap.add_argument("--persistent", type=int, default=0, metavar="N",
                     help="fwd: the persistent build, N work tiles per CTA (blocks - 1, blocks, ... key blocks)")
     ap.add_argument("--max-states", type=int, default=2_000_000)
     ap.add_argument("--ops", action="store_true", help="print the extracted operations per role")
     a = ap.parse_args(argv)
-    prog = build(a.kernel, a.blocks, a.tiles, a.persistent)
+    prog = build(a.kernel, a.blocks, a.tiles, a.persistent, a.head_dim)
     print(f"extracted from source ({a.kernel}):\n{prog.summary()}")
     if a.ops:
         for role, ops in prog.ops.items():
             print(f"-- {role}")
             for op in ops:
                 print("   ", op)
-    res = explore(prog, a.max_states, a.blocks, a.tiles if a.kernel == "fwd" else 0)
+    res = explore(prog, a.max_states, a.blocks, _fwd_tiles(prog) if a.kernel == "fwd" else 0)
     print(res.report())
     return 0 if res.ok else 1
 

@@ -1,6 +1,6 @@
 """The softmax and correction warpgroups of the Blackwell forward (``blackwell_fwd.py``).
 
-Two softmax warpgroups each own one 128-row Q tile (thread r holds row r of S in registers); a
+Two softmax warpgroups (one at d = 256) each own one 128-row Q tile (thread r holds row r of S); a
 correction warpgroup rescales O in TMEM when a row max moved and writes the final O / l and lse.
 They are methods of a mixin so the kernel class keeps the MMA, load and epilogue roles and the
 pipeline wiring. The mixin reads the kernel's plan attributes: ``cfg``, ``tm``, ``tn``, ``dv``,

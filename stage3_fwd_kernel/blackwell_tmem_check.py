@@ -52,6 +52,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.nvgpu import tcgen05
 
+from stage3_fwd_kernel.blackwell_config import q_tiles_for
 from stage3_fwd_kernel.blackwell_fwd import TARGET_ARCH, FlashAttentionForwardSm100, compile_config, make_config
 
 LANE_SHIFT = 16          # a TMEM address: lane in bits 31..16, 32-bit column in bits 15..0
@@ -315,13 +316,13 @@ def expected_pv_a_columns(rep: dict) -> list:
 
 
 # ------------------------------------------------------------------ command line
-def table(cases=((64, 64), (96, 96), (128, 128), (192, 128)), dtype: str = "bf16", ptx: bool = False) -> str:
+def table(cases=((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)), dtype: str = "bf16", ptx: bool = False) -> str:
     """Markdown: mismatches per tile for the kernel as built and for each wrong store; with `ptx`, whether
     the A columns of the compiled PTX are the traced ones (one compile per case)."""
     lines = ["| d / dv | P_0, P_1 (kernel) | " + " | ".join(WRONG) + " | model disagreements | A start columns |"
              + (" PTX |" if ptx else ""), "|---" * (5 + len(WRONG) - 1 + ptx) + "|"]
     for d, dv in cases:
-        cfg = make_config(dtype, d, dv, False)
+        cfg = make_config(dtype, d, dv, False, q_tiles_per_cta=q_tiles_for(d, dv))  # 256: one Q tile
         traced = trace(FlashAttentionForwardSm100(cfg))
         rep = report(traced)
         wrong = [p_tmem_mismatches(None, w, traced) for w in WRONG]

@@ -109,12 +109,15 @@ def test_refuses_bad_configs(kwargs, match):
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_budget_exploration_without_kernel_support():
-    # one Q tile at d = 256 fits the budgets (S 128 + O 256 = 384 columns), the kernel says no
+    # one Q tile at d = 256 fits the budgets (S 128 + O 256 = 384 columns) and is built
+    # (tests/test_stage3_blackwell_d256.py); one Q tile at d = 128 fits too, the kernel says no
     cfg = blackwell_fwd_config(256, 256, "bf16", causal=False, q_tiles_per_cta=1, check_kernel_support=False)
     assert cfg.tmem.used == 384 and cfg.tmem.alloc == 512
     assert cfg.smem.total <= SMEM_CAPACITY
+    assert blackwell_fwd_config(256, 256, "bf16", causal=False, q_tiles_per_cta=1) == cfg
+    assert blackwell_fwd_config(128, 128, "bf16", causal=False, q_tiles_per_cta=1, check_kernel_support=False)
     with pytest.raises(ValueError, match="supports only"):
-        blackwell_fwd_config(256, 256, "bf16", causal=False, q_tiles_per_cta=1)
+        blackwell_fwd_config(128, 128, "bf16", causal=False, q_tiles_per_cta=1)
 
 
 @pytest.mark.cpu
@@ -245,7 +248,7 @@ def test_refused_before_compiling():
     from stage3_fwd_kernel import blackwell_fwd as bw
 
     with pytest.raises(ValueError, match="TMEM"):
-        bw.compile_only(dtype="bf16", head_dim=256)
+        bw.compile_only(dtype="bf16", head_dim=256, q_tiles_per_cta=2)  # the default there is one tile
     with pytest.raises(ValueError, match="SMEM"):
         bw.compile_only(dtype="bf16", head_dim=128, kv_stages=4)
 
