@@ -94,7 +94,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
     fa4._dispatch.add_lse_grad for the derivation). fa4.compat.flash_attn_func returns the
     official's (out, lse) tuple instead.
 
-    Variants (sm_90 only, Blackwell refuses them):
+    Variants (sm_90; passed to the sm_100 kernels too, which are compiled but never run here):
       window_size=(left, right): sliding window. Row i sees key j iff
         i + off - left <= j <= i + off + right, off = seqlen_k - seqlen_q (bottom-right, like
         causal); None or -1 (FlashAttention-2's spelling) = unlimited on that side. causal=True

@@ -49,6 +49,7 @@ class ArchInfo:
     backward_module: str          # backward and varlen backward
     note: str = ""
     lacks: tuple = ()             # FEATURES this arch does not have (supported() reports them per arch)
+    backward_head_dims: tuple = ()  # the backward's pairs where fewer than head_dims (empty: the same)
 
 
 # The head-dim lists are the kernels' own (SUPPORTED_HEAD_DIMS of stage3_fwd_kernel.hopper,
@@ -66,7 +67,8 @@ ARCHS: dict[str, ArchInfo] = {
     "sm_100": ArchInfo(
         key="sm_100", gpus="Blackwell: B200, GB200", capabilities=((10, 0),), cute_arch="sm_100a",
         hardware_status="unverified",
-        head_dims=((64, 64), (96, 96), (128, 128), (192, 128)),
+        head_dims=((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
+        backward_head_dims=((64, 64), (96, 96), (128, 128)),
         forward_module="stage3_fwd_kernel.blackwell_fwd",
         backward_module="stage4_bwd_kernel.blackwell",
         # sm_100a code uses arch-specific instructions (tcgen05, TMEM): it runs on compute
@@ -89,7 +91,7 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "padded_varlen": (True, "flash_attn_varlen_func takes either side padded, (batch, seqlen, heads, head_dim) with "
                             "its cu_seqlens None, in any combination with seqused_q / seqused_k"),
     "any_head_dim": (True, "qk and v head dims: any multiples of 8 up to 256; a pair without a kernel of its own "
-                           "runs on the cheapest native pair that covers it, zero-padded (sm_100: up to 192/128)"),
+                           "runs on the cheapest native pair that covers it, zero-padded (sm_100: forward up to 256, backward up to 128)"),
     "return_lse": (True, "natural-log logsumexp of the scaled scores, fp32, (B, H, Sq) / (H, total_q)"),
     "lse_gradient": (True, "dlse enters the backward as a D-term correction: dS += P * dlse"),
     "deterministic_backward": (True, "deterministic=True, forwarded to the backward kernel"),
@@ -107,6 +109,11 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "flash_attn_varlen_func(page_table=...) gathers the pages into a padded copy"),
     "fp8": (False, "not supported"),
 }
+
+
+def has_backward(arch: ArchInfo, d: int, dv: int) -> bool:
+    """Whether the arch's backward serves the native pair (d, dv) (its forward may serve more)."""
+    return not arch.backward_head_dims or (d, dv) in arch.backward_head_dims
 
 
 def all_head_dims() -> tuple:
@@ -140,6 +147,7 @@ def supported() -> dict:
             "hardware": a.hardware_status,
             "note": a.note,
             "head_dims": [list(hd) for hd in a.head_dims],
+            "backward_head_dims": [list(hd) for hd in (a.backward_head_dims or a.head_dims)],
             "forward": a.forward_module,
             "varlen_forward": a.forward_module,
             "backward": a.backward_module,
@@ -181,6 +189,8 @@ def support_markdown(info: Optional[dict] = None) -> str:
         else "**unverified on hardware** (compile-only)")
     row("compute capability", lambda v: ", ".join(v["compute_capabilities"]) + f" (built for `{v['cute_arch']}`)")
     row("head dims (qk/v)", lambda v: _hd(tuple(h) for h in v["head_dims"]))
+    row("backward head dims", lambda v: "the same" if v["backward_head_dims"] == v["head_dims"]
+        else _hd(tuple(h) for h in v["backward_head_dims"]))
     row("dtypes", lambda v: ", ".join(info["dtypes"]))
     row("forward kernel", lambda v: f"`{v['forward']}`")
     row("varlen forward", lambda v: f"`{v['varlen_forward']}`")
@@ -358,6 +368,13 @@ class Backend:
                 f"{names[0]}: head dims (qk={d}, v={dv}) are not supported on {self.arch.key}; supported: "
                 f"{_hd(self.arch.head_dims)}")
 
+    def check_backward_head_dims(self, d: int, dv: int):
+        """Before any backward launch: the pairs whose forward runs but whose backward does not."""
+        if not has_backward(self.arch, d, dv):
+            raise ValueError(f"q: head dims (qk={d}, v={dv}) have a forward but no backward on {self.arch.key} "
+                             f"(compiled backward pairs: {_hd(self.arch.backward_head_dims)}); run it without "
+                             "gradients")
+
     # the variants: feature name in FEATURES / ArchInfo.lacks -> the argument that asks for it
     VARIANT_ARGS = (("sliding_window", "window_size"), ("softcap", "softcap"), ("learnable_sink", "learnable_sink"))
 
@@ -435,6 +452,7 @@ class Backend:
         own gradient is `sink_grad`). want_d: also return D = rowsum(dout * out) in lse's layout, which
         the kernel's preprocess computes (the sink's gradient needs it)."""
         self.check_variants(window, softcap)
+        self.check_backward_head_dims(q.shape[-1], v.shape[-1])
         if want_d and not self.DENSE_BACKWARD_RETURNS_D:
             grads = self.backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse, window, softcap)
             return (*grads, rowsum_dout_out(dout, out))
@@ -459,6 +477,7 @@ class Backend:
                         max_seqlen_k, softmax_scale, causal, deterministic, dlse=None, window=(None, None),
                         softcap: float = 0.0, want_d: bool = False):
         self.check_variants(window, softcap)
+        self.check_backward_head_dims(q.shape[-1], v.shape[-1])
         fn = self.backward_module().attention_varlen_backward
         self._warn_unverified()
         kw = dict(seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,

@@ -79,6 +79,12 @@ def pad_head_dims(q, k, v, names=("q", "k", "v")):
         ok = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in arch.head_dims)
         raise ValueError(f"{names[0]}: head dims (qk={d}, v={dv}) exceed every kernel on {arch.key} (native qk/v: "
                          f"{ok}); a pair runs on a native one at least as large in both")
+    if not _dispatch.has_backward(arch, *pair) and torch.is_grad_enabled() and \
+            any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(f"{names[0]}: head dims (qk={d}, v={dv}) run on {arch.key}'s {pair[0]}/{pair[1]} forward, "
+                         f"which has no backward there (backward pairs: "
+                         f"{', '.join(f'{a}/{b}' for a, b in arch.backward_head_dims)}); inputs that require grad "
+                         "are refused before the forward launches: call it under torch.no_grad()")
     if pair == (d, dv):
         return q, k, v, _identity
     pd, pdv = pair

@@ -325,7 +325,7 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
     main, postprocess) unless backward=False, and the varlen forward / backward when varlen=True.
     Each build is a dict: kind, dtype, head_dim, head_dim_v, causal, variant (compile_launchable
     keywords), seqlen_k, and for LPT builds scheduler / heads."""
-    from ._dispatch import LPT_MIN_SEQLEN_K, lpt_forward_schedulers
+    from ._dispatch import ARCHS, LPT_MIN_SEQLEN_K, has_backward, lpt_forward_schedulers
 
     builds, seen = [], set()
 
@@ -359,11 +359,12 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
                         heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, first_len), last))
         elif w.causal and longest >= LPT_MIN_SEQLEN_K and not left_window:
             add("fwd long", w, seqlen_k_first=max(w.min_seqlen, LPT_MIN_SEQLEN_K))
-        if backward:
+        with_bwd = backward and has_backward(ARCHS[arch_key], w.head_dim, w.head_dim_v)  # sm_100: up to 128
+        if with_bwd:
             add("bwd", w)
         if varlen:
             add("varlen", w)
-            if backward:
+            if with_bwd:
                 add("bwd varlen", w)
         if w.decode and arch_key == "sm_90":
             add_decode(add, w, longest)
@@ -417,7 +418,7 @@ def _builder(mod, launchable: bool, varlen: bool = False):
 def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, varlen=True, out=None,
                  heads: Optional[list] = None, max_seqlen: int = DEFAULT_MAX_SEQLEN) -> list[dict]:
     from . import _cache
-    from ._dispatch import ARCHS, _install_disk_cache, make_backend
+    from ._dispatch import ARCHS, _install_disk_cache, has_backward, make_backend
 
     out = out or sys.stdout
     info = next(a for a in ARCHS.values() if a.cute_arch == arch)
@@ -439,7 +440,8 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
     cfgs = list(cfgs)
     # (kind, module, config, what to build, launchable, label detail, extra row fields)
     tasks = [(kind, name, cfg, functools.partial(build, *cfg), launchable, "", {})
-             for kind, name, build, launchable in jobs for cfg in cfgs]
+             for kind, name, build, launchable in jobs for cfg in cfgs
+             if kind != "bwd" or has_backward(info, cfg[1], cfg[2])]
     if heads and launchable:
         for b in lpt_builds(cfgs, heads, max_seqlen, info.key):
             cfg, compile_it, prefix, extra = _lpt_task(fwd_mod, b)
@@ -524,7 +526,7 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
         v = torch.randn(1, 128, 2, dv, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
         cfg = (dt, d, dv, c)
         tasks.append(("fwd", cfg, lambda q=q, k=k, v=v, c=c: flash_attn_func(q, k, v, causal=c), "", {}))
-        if has_bwd:
+        if has_bwd and has_backward(arch, d, dv):
             tasks.append(("bwd", cfg, lambda q=q, k=k, v=v, c=c: flash_attn_func(q, k, v, causal=c).sum().backward(),
                           "", {}))
         if has_varlen:

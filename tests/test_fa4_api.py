@@ -262,8 +262,47 @@ def test_head_dim_tables_match_the_kernels():
     from stage3_fwd_kernel import blackwell_config, hopper
     from stage4_bwd_kernel import common as bwd_common
 
-    for mod, arch in ((blackwell_config, "sm_100"), (hopper, "sm_90"), (bwd_common, "sm_90")):
+    for mod, arch in ((hopper, "sm_90"), (bwd_common, "sm_90")):
         assert tuple(map(tuple, mod.SUPPORTED_HEAD_DIMS)) == _dispatch.ARCHS[arch].head_dims, mod.__name__
+    # sm_100: two Q tiles a CTA, plus d = 256 on one; its backward (1-CTA) serves up to 128
+    sm100 = _dispatch.ARCHS["sm_100"]
+    assert blackwell_config.SUPPORTED_HEAD_DIMS + blackwell_config.ONE_Q_TILE_HEAD_DIMS == sm100.head_dims
+    from stage4_bwd_kernel.blackwell_config import blackwell_bwd_config
+
+    for d, dv in sm100.head_dims:
+        fits = (d, dv) in sm100.backward_head_dims
+        if fits:
+            blackwell_bwd_config(d, dv, "bf16", causal=False)
+        else:
+            with pytest.raises(ValueError, match="TMEM does not fit"):
+                blackwell_bwd_config(d, dv, "bf16", causal=False)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_a_pair_without_a_backward_is_refused_before_the_forward_when_grads_are_needed(monkeypatch):
+    from fa4 import _layouts
+
+    monkeypatch.setattr(_layouts, "arch_of", lambda device: _dispatch.ARCHS["sm_100"])
+    q = torch.zeros(1, 4, 2, 200, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    with pytest.raises(ValueError, match=r"^q: head dims \(qk=200, v=200\) run on sm_100's 256/256 forward, which "
+                                         r"has no backward there"):
+        _layouts.pad_head_dims(q, q, q)
+    with torch.no_grad():
+        assert _layouts.pad_head_dims(q, q, q)[0].shape[-1] == 256  # inference: served
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_a_pair_without_a_backward_is_refused_before_the_backward():
+    bw = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
+    bw._mods["bwd"] = types.SimpleNamespace(attention_backward=lambda *a, **k: pytest.fail("launched"),
+                                            attention_varlen_backward=lambda *a, **k: pytest.fail("launched"))
+    t = torch.zeros(1, 8, 2, 256)
+    with pytest.raises(ValueError, match=r"^q: head dims \(qk=256, v=256\) have a forward but no backward on sm_100"):
+        bw.backward(t, t, t, t, t, t, 0.5, False, False)
+    with pytest.raises(ValueError, match=r"^q: head dims"):
+        bw.varlen_backward(t[0], t[0], t[0], t[0], t[0], t[0], t, t, None, 8, 8, 0.5, False, False)
 
 
 @pytest.mark.cpu

@@ -126,7 +126,8 @@ def test_native_pair_is_the_cheapest_cover():
     assert _layouts.native_pair(blackwell, 96, 96) == (96, 96)
     assert _layouts.native_pair(blackwell, 80, 80) == (96, 96)
     assert _layouts.native_pair(blackwell, 128, 64) == (128, 128)
-    assert _layouts.native_pair(blackwell, 256, 256) is None
+    assert _layouts.native_pair(blackwell, 256, 256) == (256, 256)  # one Q tile a CTA (forward only)
+    assert _layouts.native_pair(blackwell, 200, 136) == (256, 256)
     for pair in HOPPER.head_dims:
         assert _layouts.native_pair(HOPPER, *pair) == pair
 
@@ -186,7 +187,10 @@ def test_head_dims_outside_the_rule_are_refused(d, dv, name):
 
 
 def test_a_pair_no_kernel_covers_is_refused_before_a_launch(monkeypatch):
-    blackwell = _dispatch.ARCHS["sm_100"]
+    import dataclasses
+
+    # an arch whose widest forward is (192, 128) (sm_100 before its one-Q-tile d = 256 build)
+    blackwell = dataclasses.replace(_dispatch.ARCHS["sm_100"], head_dims=((64, 64), (96, 96), (128, 128), (192, 128)))
     monkeypatch.setattr(_layouts, "arch_of", lambda device: blackwell)
     q = torch.empty(1, 4, 2, 256, device="meta", dtype=BF16)
     with pytest.raises(ValueError, match=r"^q: head dims \(qk=256, v=256\) exceed every kernel on sm_100"):
@@ -332,8 +336,11 @@ def test_precompile_builds_the_native_pair_a_model_runs():
     assert {(d, dv) for _, d, dv, _ in precompile.configs(head_dims=[80, (72, 40), 96])} == {(96, 96)}
     with pytest.raises(ValueError, match="head_dims"):
         precompile.configs(head_dims=[(256, 264)])
-    with pytest.raises(ValueError, match=r"^head_dim: \(256, 256\) exceeds every kernel on sm_100"):
-        precompile.derive_builds([Workload("bf16", 256, 256, 8, 8, True, 2048)], "sm_100")
+    # sm_100 runs d = 256 forward only (one Q tile a CTA; its backward serves up to 128)
+    builds = precompile.derive_builds([Workload("bf16", 256, 256, 8, 8, True, 2048)], "sm_100")
+    assert {b["kind"] for b in builds} == {"fwd"} and {(b["head_dim"], b["head_dim_v"]) for b in builds} == {(256, 256)}
+    kinds = {b["kind"] for b in precompile.derive_builds([Workload("bf16", 128, 128, 8, 8, True, 2048)], "sm_100")}
+    assert "bwd" in kinds
 
 
 def _paged(g, sides, page_size, num_pages):
