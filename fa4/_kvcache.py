@@ -53,7 +53,7 @@ def choose_num_splits(batch: int, head_tiles: int, max_keys: int, sm_count: int)
 
 
 _CONSTANTS: dict = {}   # (what, device, sizes...) -> a small int32 tensor that depends on sizes only
-MAX_CONSTANTS = 256
+MAX_CONSTANTS = 256     # then new ones are made per call: a kept one is never dropped (a graph may read it)
 
 
 def _constant(key: tuple, make):
@@ -61,17 +61,17 @@ def _constant(key: tuple, make):
     depend on the shapes alone, and each one made afresh is a tiny kernel on the step's path (1-2 us
     apiece; 7 of a 1 x 128k step's 14 kernels on an H200 were such). One made while a CUDA graph is
     captured is not kept (its kernel runs only at replay: the tensor holds no values yet), nor one
-    made while traced; a graph captured after an eager call uses the kept one."""
-    device = key[1]
+    made while traced; a graph captured after an eager call uses the kept one. Kept ones are never
+    dropped: a captured graph reads them without holding a reference."""
     if torch.compiler.is_compiling():
         return make()
     t = _CONSTANTS.get(key)
-    if t is None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if t is not None:
+        return t
+    device = key[1]
+    if len(_CONSTANTS) >= MAX_CONSTANTS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return make()
-    if t is None:
-        if len(_CONSTANTS) >= MAX_CONSTANTS:
-            _CONSTANTS.clear()
-        t = _CONSTANTS[key] = make()
+    t = _CONSTANTS[key] = make()
     return t
 
 
@@ -101,8 +101,8 @@ def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int) -> Segments:
                        lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))  # (n,)
     used = (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)                              # (B, n)
     if cache_rows is None:
-        cu_k = _constant(("dense_cu_k", dev, b, n, chunk, s_cache), lambda: _pad_one(
-            torch.arange(b, device=dev, dtype=torch.int32).view(-1, 1) * s_cache + starts))  # (B n + 1,)
+        cu_k = _constant(("dense_cu_k", dev, b, n, chunk, s_cache),
+                         lambda: _pad_one(identity_rows(b, dev).view(-1, 1) * s_cache + starts))  # (B n + 1,)
         return Segments(cu_k, used.reshape(-1), n, chunk)
     first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
     return _pack(first, used, n, chunk)

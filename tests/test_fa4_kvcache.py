@@ -139,7 +139,7 @@ def test_cache_batch_idx_and_noncausal_split():
     _check(out, lse, q, kc[idx.long()], vc[idx.long()], lens)
 
 
-def test_plan_and_heuristic():
+def test_plan_and_heuristic(monkeypatch):
     assert kv.plan_layout(1, 4, True, (None, None), None) == (False, True, True)     # decode: packed, free
     assert kv.plan_layout(1, 4, True, (128, None), None) == (True, False, False)     # a window pins alignment
     assert kv.plan_layout(7, 4, True, (None, None), None) == (True, False, False)    # causal prefill
@@ -164,6 +164,12 @@ def test_plan_and_heuristic():
     assert ident.cu_k.tolist() == seg.cu_k.tolist() and ident.used.tolist() == seg.used.tolist()
     again = kv.dense_segments(torch.tensor([7, 900], dtype=torch.int32), None, 1024, 3)
     assert again.cu_k is ident.cu_k and again.used.tolist() == [7, 0, 0, 384, 384, 132]
+    # a full table makes new ones per call and never drops a kept one (a captured graph may read it)
+    kept = dict(kv._CONSTANTS)
+    monkeypatch.setattr(kv, "MAX_CONSTANTS", len(kept))
+    other = kv.dense_segments(torch.tensor([5], dtype=torch.int32), None, 512, 2)
+    assert kv._CONSTANTS == kept and other.cu_k.tolist() == [0, 256, 0]
+    assert kv.dense_segments(torch.tensor([7, 900], dtype=torch.int32), None, 1024, 3).cu_k is ident.cu_k
 
 
 def test_errors_before_the_cache_is_touched():
