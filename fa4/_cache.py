@@ -423,16 +423,9 @@ class DiskStore:
 
         fn, path = hit
         report = dict(store.read_report(key_hash(key)), loaded_from=str(path))
-
-        def on_success(raw):
-            compile_cache.remember(key, compile_cache.Compiled(raw, report, "", ""))
-
-        def recompile():
-            return rebuild().fn
-
         with _LOCK:
             _STATS["disk_hits"] += 1
-        return compile_cache.Compiled(_FirstCallGuard(fn, path, on_success, recompile), report, "", "")
+        return _guarded(key, compile_cache.Compiled(None, report, "", ""), fn, path, lambda: rebuild().fn)
 
     def offer(self, key, compiled) -> None:
         with _LOCK:
@@ -467,16 +460,24 @@ class DiskStore:
             return rebuild()
         from stage3_fwd_kernel import compile_cache
 
-        def on_success(raw):
-            compile_cache.remember(key, compiled.with_function(raw))
-
         def recompile():
             fresh = rebuild()
             compile_cache.remember(key, fresh)
             return fresh.fn
 
         guard_path = path if path is not None else pathlib.Path(f"(unwritten) {symbol}.o")
-        return compiled.with_function(_FirstCallGuard(fn, guard_path, on_success, recompile))
+        return _guarded(key, compiled, fn, guard_path, recompile)
+
+
+def _guarded(key, entry, fn, path, recompile: Callable):
+    """`entry` (a compile-cache entry) with `fn`, an object just linked, guarded for its first call;
+    after a success the raw function replaces the guard in the memory cache."""
+    from stage3_fwd_kernel import compile_cache
+
+    def on_success(raw):
+        compile_cache.remember(key, entry.with_function(raw))
+
+    return entry.with_function(_FirstCallGuard(fn, path, on_success, recompile))
 
 
 STORE = DiskStore()
