@@ -938,6 +938,7 @@ def _check_variants(q, causal, window_size, softcap, learnable_sink):
     return dict(window_size=tuple(variant.window), softcap=variant.softcap, learnable_sink=variant.sink), sink
 
 
+@functools.lru_cache(maxsize=256)  # fa4 asks on every dense call; the plan is the same for the same arguments
 def persistent_available(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, **variant_kw) -> bool:
     """Whether this configuration has a persistent build (for a router deciding persistent=True):
     head dims up to 128, no learnable sink at head_dim_v = 128 (blackwell_config.persistent_supported).
