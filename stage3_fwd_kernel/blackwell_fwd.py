@@ -120,6 +120,10 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
     The softmax and correction warpgroups are in ``blackwell_softmax.SoftmaxCorrectionRoles``, the
     persistent builds' tile loops in ``blackwell_persistent.PersistentRoles``."""
 
+    # the mbarrier block, per Q tile (blackwell_config counts them; the protocol checker reads these)
+    PER_Q_BARRIERS = ("q_full", "s_full", "p_full", "p_full_2", "scale_full", "final_full", "o_full", "epi_full")
+    PERSISTENT_BARRIERS = ("q_empty", "final_empty", "epi_empty")  # after the plan's, persistent builds only
+
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
                  scheduler=tile_scheduler.StaticTileScheduler):
         # a plain bool (the protocol checker reads it): one CTA per SM walking tiles, phases carried
@@ -491,7 +495,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
     def _bar(self, mbar, name: str, i):
         """Pointer to barrier `name`[i]; the order matches blackwell_config._num_barriers."""
         nq, st = self.num_q, self.stages
-        per_q = ("q_full", "s_full", "p_full", "p_full_2", "scale_full", "final_full", "o_full", "epi_full")
+        per_q = self.PER_Q_BARRIERS
         if name in per_q:
             return mbar + per_q.index(name) * nq + i
         base = len(per_q) * nq
@@ -502,8 +506,7 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
         if name == "tmem_dealloc":
             return mbar + base + 2 * st
         # persistent builds only (cfg.persistent_barriers): after the plan's barriers
-        per_q_persistent = ("q_empty", "final_empty", "epi_empty")
-        return mbar + base + 2 * st + 1 + per_q_persistent.index(name) * nq + i
+        return mbar + base + 2 * st + 1 + self.PERSISTENT_BARRIERS.index(name) * nq + i
 
     @cute.jit
     def _tile_info(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,

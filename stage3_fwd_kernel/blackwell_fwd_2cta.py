@@ -66,8 +66,7 @@ from stage3_fwd_kernel.components.work_tile import SequenceInfo, locate_tile
 STEP = "blackwell_fwd_2cta"
 BOTH = 0b11                                # multicast mask: both CTAs of the cluster
 CLUSTER_SCOPE = nvvm.MemScopeKind.CLUSTER
-PER_Q = ("q_full", "s_full", "p_full", "p_full_2", "scale_full", "final_full", "o_full", "epi_full",
-         "p_full_peer", "p_full_2_peer")   # blackwell_fwd._bar's per-tile names, then the pair's
+PER_Q = FlashAttentionForwardSm100.PER_Q_BARRIERS + ("p_full_peer", "p_full_2_peer")  # the 1-CTA's, then the pair's
 
 
 def check_supported(*, varlen=False, persistent=False, scheduler=None, window_size=(None, None), softcap=0.0,

@@ -795,9 +795,7 @@ def forward_spec(blocks: int = 4, tiles: int | None = None, head_dim: int = 128,
         "softmax:tStS": lambda env: S[env["stage"]],
         "correction:tStS": S, "correction:tOtO": O, "epilogue:tOsO": smem("sO"),
     }
-    per_q = ("q_full", "s_full", "p_full", "p_full_2", "scale_full", "final_full", "o_full", "epi_full")
-    if persistent:
-        per_q += ("q_empty", "final_empty", "epi_empty")
+    per_q = k.PER_Q_BARRIERS + (k.PERSISTENT_BARRIERS if persistent else ())
     bars = _bar_names(k, [(n, k.num_q) for n in per_q] + [("kv_full", k.stages), ("kv_empty", k.stages),
                                                           ("tmem_dealloc", 1)])
     trips = [{"n_blocks": n, "n_unmasked": n} for n in persistent_walks(blocks, persistent)]
