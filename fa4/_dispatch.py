@@ -338,8 +338,8 @@ class Backend:
     # the modules offer compile_launchable(...): what the GPU path launches, built without a GPU
     # under its cache keys (fa4.precompile); the forward's also takes a tile scheduler
     LAUNCHABLE_BUILDS = False
-    # the dense backward hands back D = rowsum(dout * out) (`return_d`) from its preprocess; else fa4
-    # computes it with torch for the sink's gradient
+    # the dense backward hands back D = rowsum(dout * out) (`return_d`) from its preprocess; else
+    # sink_grad computes it with torch
     DENSE_BACKWARD_RETURNS_D = True
 
     def _module(self, role: str) -> Any:
@@ -450,12 +450,11 @@ class Backend:
         chosen inputs (`add_lse_grad`): the kernels take no dlse themselves. A learnable sink
         needs nothing here: the saved lse includes it, which is all the kernel needs for P (its
         own gradient is `sink_grad`). want_d: also return D = rowsum(dout * out) in lse's layout, which
-        the kernel's preprocess computes (the sink's gradient needs it)."""
+        the kernel's preprocess computes (the sink's gradient needs it; where the kernel cannot hand it
+        back, DENSE_BACKWARD_RETURNS_D, none is returned and sink_grad forms it)."""
         self.check_variants(window, softcap)
         self.check_backward_head_dims(q.shape[-1], v.shape[-1])
-        if want_d and not self.DENSE_BACKWARD_RETURNS_D:
-            grads = self.backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse, window, softcap)
-            return (*grads, rowsum_dout_out(dout, out))
+        want_d = want_d and self.DENSE_BACKWARD_RETURNS_D  # D is optional: sink_grad forms it when absent
         self._warn_unverified()
         inputs = (dout, q, k, v, out, lse, dlse)
         sig = self._plan_signature("bwd", inputs, (softmax_scale, causal, deterministic, tuple(window), softcap,
@@ -544,7 +543,8 @@ class BlackwellBackend(Backend):
     forwards without a window take stage 5's LPT order (sized by the device's L2), non-causal dense ones
     without a window run on persistent CTAs where that build exists, others the static grid; no route
     switches; its varlen grid is sized from max_seqlen_q alone and it has no seqused_k.
-    The variants (window, softcap, sink) reach the kernels as on Hopper; the sink's D comes from torch."""
+    The variants (window, softcap, sink) reach the kernels as on Hopper; the sink's D comes from
+    sink_grad's torch ops (the dense backward does not return it)."""
 
     DENSE_BACKWARD_RETURNS_D = False
 
@@ -614,11 +614,6 @@ def _install_disk_cache():
 
     if compile_cache.get_store() is not _cache.STORE:
         compile_cache.set_store(_cache.STORE)
-
-
-def rowsum_dout_out(dout, out):
-    """D = rowsum(dout * out) in fp32, in lse's layout: (B, H, S) from (B, S, H, Dv) tensors."""
-    return (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
 
 
 def variant_kwargs(window=(None, None), softcap: float = 0.0, learnable_sink=None) -> dict:

@@ -209,7 +209,7 @@ def test_windowed_long_causal_forward_keeps_the_static_grid(monkeypatch):
 def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
     """sm_100 takes window, softcap and sink as Hopper does (its kernels are compiled, never run): the
     variants reach its modules, a windowed causal forward keeps the static grid, and the sink's
-    D = rowsum(dout * out) comes from torch, since its dense backward does not return it."""
+    D = rowsum(dout * out) comes from sink_grad's torch ops, since its dense backward does not return it."""
     calls = []
 
     def fwd(q, k, v, *, softmax_scale=None, causal=False, scheduler=None, **kw):
@@ -247,10 +247,14 @@ def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
     assert calls[-1] == ("varlen_fwd", None, {"window_size": (None, 3), "softcap": 2.0})
     t = torch.zeros(1, 8, 2, 64)
     dout, out = torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64)
-    *grads, d = bw.backward(dout, t, t, t, out, t, 0.5, False, False, window=(4, 4), softcap=5.0, want_d=True)
+    grads = bw.backward(dout, t, t, t, out, t, 0.5, False, False, window=(4, 4), softcap=5.0, want_d=True)
     assert calls[-1] == ("bwd", None, {"window_size": (4, 4), "softcap": 5.0})  # no return_d asked of it
-    assert len(grads) == 3 and d.shape == (1, 2, 8) and d.dtype == torch.float32
-    torch.testing.assert_close(d, torch.einsum("bshd,bshd->bhs", dout, out))
+    assert len(grads) == 3  # no D: the sink's gradient forms it, the same D the kernel would have
+    d = torch.einsum("bshd,bshd->bhs", dout, out)
+    lse = torch.randn(1, 2, 8)
+    sink = torch.randn(2)
+    torch.testing.assert_close(_ops._dsink(out, dout, lse, None, sink, *grads[3:]),
+                               _dispatch.sink_grad(out, dout, lse, sink, d=d))
     with pytest.raises(NotImplementedError, match=r"^seqused_k"):  # its varlen forward has none
         bw.varlen_forward(q, q, q, q, q, torch.zeros(1), 7, 9, 0.5, False)
 
