@@ -20,9 +20,10 @@ import functools
 
 import torch
 
-from . import _ops
+from . import _ops, _paged
 from ._layouts import VarlenLayout, pad_head_dims
-from ._validate import check_fixed, check_unservable, check_variants, check_varlen, check_varlen_sides
+from ._validate import (check_fixed, check_page_table, check_unservable, check_variants, check_varlen,
+                        check_varlen_sides)
 
 # What a positional argument after q, k, v meant elsewhere, for the keyword-only TypeError.
 _FIXED_HINT = ("FlashAttention-2's 4th positional argument is dropout_p (then softmax_scale, causal), and earlier "
@@ -67,6 +68,10 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
                           return_lse=False, dropout_p=0.0, page_table=None):
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
+    if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
+            isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and _paged.in_place_tile(q, k, v):
+        return _paged_varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,
+                                  softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse)
     q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                      max_seqlen_q, max_seqlen_k, page_table)
     q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
@@ -77,6 +82,24 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     out, lse = _ops.varlen_attention(lay.q, lay.k, lay.v, lay.cu_q, lay.cu_k, lay.seqused_k, lay.max_q, lay.max_k,
                                      scale, causal, deterministic, return_lse, (left, right), softcap, sink)
     return lay.restore(unpad(out), lse)
+
+
+def _paged_varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, softmax_scale,
+                       causal, window_size, learnable_sink, softcap, deterministic, return_lse):
+    """varlen_attention_pair for a paged cache read in place (fa4._paged): the same checks, run on
+    zero-stride (batch, pages * page_size) stand-ins for the gathered keys (shapes only, no copy)."""
+    check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table)
+    b, p = page_table.shape
+    keys = p * k.shape[1]
+    k_shape = k.as_strided((b, keys) + tuple(k.shape[2:]), (0, 0) + tuple(k.stride()[2:]))
+    v_shape = v.as_strided((b, keys) + tuple(v.shape[2:]), (0, 0) + tuple(v.stride()[2:]))
+    q, k_flat, v_flat, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k_shape, v_shape, cu_seqlens_q,
+                                                                               None, max_seqlen_q, None)
+    q, _, _, cu_q, _, used, max_q, _, scale = check_varlen(q, k_flat, v_flat, cu_q, cu_k, max_q, max_k, softmax_scale,
+                                                           causal, deterministic, return_lse, seqused_k, None)
+    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    return _paged.varlen_pair(q, k, v, page_table, cu_q, used, max_q, scale, causal, (left, right), softcap, sink,
+                              padded_q)
 
 
 @keyword_only_after_qkv(_FIXED_HINT)
@@ -136,8 +159,10 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     get out 0 and lse -inf (the sink's logit with a learnable sink) and no gradient.
     page_table (int32, (batch, pages per sequence)), as in the official: k / v are a paged cache
     (num_pages, page_size, Hkv, D / Dv), cu_seqlens_k is None, and sequence b's keys are pages
-    page_table[b, 0], page_table[b, 1], ... (seqused_k[b] of them, default all). fa4 gathers the
-    pages into a padded copy before the kernel (a copy per call; see fa4/_layouts.VarlenLayout.unpage).
+    page_table[b, 0], page_table[b, 1], ... (seqused_k[b] keys, default all). On sm_90, with a page
+    size that is a multiple of the forward's key tile (128; 64 at head dim 256) and nothing that needs
+    a gradient, the kernel reads the pages in place (fa4/_paged.py); otherwise fa4 gathers them into
+    a padded copy first (a copy per call; fa4/_layouts.VarlenLayout.unpage).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for
     CUDA graphs); None means a padded side's seqlen, or, as in the official, a packed side's token
     total: no host sync, but the grid is sized from the bound, so a batch of many short sequences

@@ -9,13 +9,17 @@ that index the cache in place, with no copy:
 * dense, split-KV: n segments per sequence, each a chunk of the keys, so a decode step with a
   small batch runs n x as many CTAs; the partial (out, lse) pairs are merged through their
   log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
-* paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq): one segment per
-  page, merged the same way.
+* paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq), page_size a
+  multiple of the kernel's key tile (128; 64 at head dim 256): the kernel reads the pages in place
+  (fa4._paged), so it is cut into chunks exactly like a dense cache, only the chunks' first keys are
+  logical positions and each segment gets its sequence's page-table row;
+* other page sizes: one segment per page, merged the same way.
 
-Splitting and paging change each segment's key count, and fa4's masks are bottom-right aligned to
-it, so they are used only where the mask does not depend on alignment: no window, and causal only
-for single-token queries (which see every key anyway). Otherwise (a causal prefill, a window) a
-dense cache runs unsplit and a paged one is gathered into a dense copy first.
+Splitting and per-page segments change each segment's key count, and fa4's masks are bottom-right
+aligned to it, so they are used only where the mask does not depend on alignment: no window, and
+causal only for single-token queries (which see every key anyway). Otherwise (a causal prefill, a
+window) a cache runs unsplit, and a paged one with another page size is gathered into a dense copy
+first.
 
 GQA packing (decode): with one query token, the g = Hq / Hkv query heads of a group become g rows
 attending to their KV head, so each KV head is read once per segment instead of g times.
@@ -29,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import _paged
 from ._layouts import gather_pages
 from ._lse_merge import add_sink, merge_parts
 
@@ -93,9 +98,7 @@ def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int) -> Segments:
     Chunks are rounded up to 128 keys (the kernel's key block) so only the last one is partial.
     int32 throughout (the kernel's offsets are int32). cache_rows None: sequence b in cache row b, so
     the first rows are a constant of the shapes and only the keys used are computed per call."""
-    chunk = max(1, math.ceil(s_cache / n))
-    chunk = min(s_cache, math.ceil(chunk / 128) * 128) if s_cache >= 128 else chunk
-    n = max(1, math.ceil(s_cache / chunk))
+    chunk, n = _chunks(s_cache, n)
     dev, b = seqlens_k.device, seqlens_k.shape[0]
     starts = _constant(("starts", dev, n, chunk),
                        lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))  # (n,)
@@ -106,6 +109,29 @@ def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int) -> Segments:
         return Segments(cu_k, used.reshape(-1), n, chunk)
     first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
     return _pack(first, used, n, chunk)
+
+
+def _chunks(s_cache: int, n: int) -> tuple[int, int]:
+    """(keys per chunk, chunks) for about n chunks of s_cache keys, a chunk a multiple of 128 keys."""
+    chunk = max(1, math.ceil(s_cache / n))
+    chunk = min(s_cache, math.ceil(chunk / 128) * 128) if s_cache >= 128 else chunk
+    return chunk, max(1, math.ceil(s_cache / chunk))
+
+
+def paged_chunks(seqlens_k, block_table, page_size: int, n: int) -> tuple[Segments, torch.Tensor]:
+    """n chunks of each sequence's keys in a paged cache read in place (fa4._paged): segment (b, j)
+    starts at logical key j * chunk of sequence b (cu_k holds logical starts, multiples of 128, which
+    the kernel turns into pages through its page-table row), so the table is block_table with each
+    row repeated n times: (B n, P) int32."""
+    b, p = block_table.shape
+    chunk, n = _chunks(p * page_size, n)
+    dev = seqlens_k.device
+    starts = _constant(("starts", dev, n, chunk),
+                       lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))   # (n,)
+    used = (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)                                      # (B, n)
+    cu_k = _constant(("paged_cu_k", dev, b, n, chunk), lambda: _pad_one(starts.expand(b, n)))     # (B n + 1,)
+    table = block_table if n == 1 else block_table.repeat_interleave(n, dim=0)                    # (B n, P)
+    return Segments(cu_k, used.reshape(-1), n, chunk), table
 
 
 def paged_segments(seqlens_k, block_table, page_size: int) -> Segments:
@@ -185,9 +211,14 @@ def append_to_cache(k_cache, v_cache, k, v, cache_rows, seqlens, block_table):
 # ---------------------------------------------------------------------------------------------
 # the whole call
 # ---------------------------------------------------------------------------------------------
-def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap):
-    """fa4's varlen forward (the custom op when tracing, its implementation in eager mode)."""
+def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap, page_table=None):
+    """fa4's varlen forward (the custom op when tracing, its implementation in eager mode); with
+    page_table, k / v are the paged cache read in place (fa4._paged) and cu_k logical first keys."""
     from . import _ops
+
+    if page_table is not None:
+        return _ops.paged_varlen_attention(q, k, v, page_table, cu_q, cu_k, used, max_q, max_k, scale, causal,
+                                           window, softcap)
 
     args = (q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, False, True, window[0], window[1], softcap, None)
     if _ops.eager_ok(q, k, v):
@@ -211,32 +242,42 @@ def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa) -> tuple[bo
 
 
 def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, scale, causal, window, softcap,
-                         sink, num_splits, pack_gqa, sm_count, varlen=fa4_varlen):
+                         sink, num_splits, pack_gqa, sm_count, varlen=fa4_varlen, paged_in_place=False):
     """q (B, Sq, Hq, D) against the first seqlens_k[b] keys of each sequence's cache.
+    paged_in_place: the kernel reads the pages through the table (fa4._paged), so a paged cache is
+    chunked like a dense one (logical chunks, any mask) instead of one segment per page.
     Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa)
-    if block_table is not None and not free:  # paged segments would misalign the mask: a dense copy
+    paged_in_place = paged_in_place and block_table is not None
+    if block_table is not None and not free and not paged_in_place:  # page segments would misalign the mask
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
         cache_rows, block_table = None, None  # the copy holds sequence b at row b
     heads = hkv if pack else hq
     # packed: row t * g + j is query token t of head kv * g + j (a view for one token; q_seg copies)
     rows = q.view(b, sq, hkv, hq // hkv, d).transpose(2, 3).reshape(b, -1, hkv, d) if pack else q
     r = sq * (hq // hkv) if pack else sq                                                  # rows per segment
-    if block_table is not None:
+    table, kw = None, {}
+    if block_table is not None and not paged_in_place:
         seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
     else:
-        s_cache = k_cache.shape[1]
+        s_cache = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         n = 1 if not free else (num_splits if num_splits > 0 else
                                 choose_num_splits(b, heads * math.ceil(r / TILE_M), s_cache, sm_count))
-        seg = dense_segments(seqlens_k, cache_rows, s_cache, n)
+        if block_table is None:
+            seg = dense_segments(seqlens_k, cache_rows, s_cache, n)
+        else:
+            seg, table = paged_chunks(seqlens_k, block_table, k_cache.shape[1], n)
+            kw = {"page_table": table}
     n = seg.n
     q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
     cu_q = _constant(("cu_q", q.device, b * n, r),
                      lambda: torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32))
-    out, lse = varlen(q_seg, k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, dv), cu_q, seg.cu_k, seg.used,
-                      r, seg.max_keys, scale, causal, window, softcap)
+    keys, values = (k_cache, v_cache) if table is not None else (k_cache.reshape(-1, hkv, d),
+                                                                 v_cache.reshape(-1, hkv, dv))
+    out, lse = varlen(q_seg, keys, values, cu_q, seg.cu_k, seg.used, r, seg.max_keys, scale, causal, window, softcap,
+                      **kw)
     g, final, into = hq // hkv, None, None
     if pack and sq == 1 and n > 1 and varlen is fa4_varlen:
         # the merge writes the packed rows straight into the (B, 1, Hq, Dv) result: row j of KV head
@@ -361,9 +402,9 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                  cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                  window_size=(None, None), softcap=0.0, learnable_sink=None, rotary_interleaved=True, num_splits=0,
-                 pack_gqa=None, return_softmax_lse=False, varlen=fa4_varlen, sm_count=None):
-    """fa4.flash_attn_with_kvcache's work (varlen / sm_count: the kernel and the SM count; the CPU
-    tests pass a torch stand-in)."""
+                 pack_gqa=None, return_softmax_lse=False, varlen=fa4_varlen, sm_count=None, paged_in_place=False):
+    """fa4.flash_attn_with_kvcache's work (varlen / sm_count / paged_in_place: the kernel, the SM
+    count and whether it reads pages in place; the CPU tests pass a torch stand-in)."""
     from ._validate import check_learnable_sink, check_softcap, check_softmax_scale, check_window
 
     if cache_leftpad is not None:
@@ -388,6 +429,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+        paged_in_place = block_table is not None and _paged.in_place_tile(q, k_cache, v_cache) is not None
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
@@ -404,5 +446,5 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         append_to_cache(k_cache, v_cache, k, v, rows, seqlens, block_table)
         seqlens = seqlens + k.shape[1]
     out, lse = attention_with_cache(q, k_cache, v_cache, seqlens, rows, block_table, scale, causal, (left, right),
-                                    softcap, sink, num_splits, pack_gqa, sm_count or 132, varlen)
+                                    softcap, sink, num_splits, pack_gqa, sm_count or 132, varlen, paged_in_place)
     return (out, lse) if return_softmax_lse else out

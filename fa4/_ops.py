@@ -1,6 +1,6 @@
 """torch.library custom ops: what torch.compile, autograd and CUDA graphs see of fa4.
 
-Four ops, each an opaque node in a traced graph:
+Five ops, each an opaque node in a traced graph:
 
     fa4::fwd(q, k, v, softmax_scale, causal, deterministic, return_lse, *variants) -> (out, lse)
     fa4::bwd(dout, q, k, v, out, lse, dlse?, softmax_scale, causal, deterministic, *variants) -> (dq, dk, dv, dsink)
@@ -8,6 +8,8 @@ Four ops, each an opaque node in a traced graph:
         -> (out, lse)
     fa4::varlen_bwd(dout, q, k, v, out, lse, dlse?, cu_seqlens_q, cu_seqlens_k, seqused_k?, ..., *variants)
         -> (dq, dk, dv, dsink)
+    fa4::paged_varlen_fwd(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, ...)
+        -> (out, lse), forward only: a paged KV cache read in place (fa4._paged)
 
 with the variants last and at their defaults when not used (so every older call still binds):
 `window_left: int? = None, window_right: int? = None, softcap: float = 0.0,
@@ -232,6 +234,52 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k
       deterministic, return_lse, window_left=None, window_right=None, softcap=0.0, learnable_sink=None):
     tq, hq, _ = q.shape
     return q.new_empty((tq, hq, v.shape[-1])), q.new_empty((hq, tq), dtype=torch.float32)
+
+
+def _paged_varlen_fwd_impl(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                           max_seqlen_k, softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+    """The varlen forward reading a paged cache (num_pages, page_size, Hkv, D) in place through
+    page_table (stage3_fwd_kernel.components.paged_kv); forward only (fa4._paged routes here only
+    when nothing needs a gradient). cu_seqlens_k: each sequence's first logical key."""
+    backend = _dispatch.backend_for(q.device)
+    tq, hq, d = q.shape
+    dv = v_pages.shape[-1]
+    backend.check_head_dims(d, dv)
+    window = _window(window_left, window_right)
+    _check_variants(backend, window, softcap, None)
+    if tq == 0 or hq == 0 or cu_seqlens_q.shape[0] <= 1 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return q.new_zeros((tq, hq, dv)), _empty_lse(q, (hq, tq), None, 0)
+    out, lse = backend.varlen_forward(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                                      max_seqlen_k, softmax_scale, causal, window=window, softcap=softcap,
+                                      page_table=page_table)
+    return _contig(out, lse)
+
+
+@torch.library.custom_op("fa4::paged_varlen_fwd", mutates_args=(), device_types="cuda")
+def paged_varlen_fwd(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, cu_seqlens_q: Tensor,
+                     cu_seqlens_k: Tensor, seqused_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     softmax_scale: float, causal: bool, window_left: Optional[int] = None,
+                     window_right: Optional[int] = None, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    return _paged_varlen_fwd_impl(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                  max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                                  softcap)
+
+
+@paged_varlen_fwd.register_fake
+def _(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, causal, window_left=None, window_right=None, softcap=0.0):
+    tq, hq, _ = q.shape
+    return q.new_empty((tq, hq, v_pages.shape[-1])), q.new_empty((hq, tq), dtype=torch.float32)
+
+
+def paged_varlen_attention(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                           max_seqlen_k, softmax_scale, causal, window=(None, None), softcap=0.0):
+    """fa4::paged_varlen_fwd, or its implementation in eager mode on plain CUDA tensors (eager_ok)."""
+    args = (q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal, *window, softcap)
+    if eager_ok(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k):
+        return _paged_varlen_fwd_impl(*args)
+    return paged_varlen_fwd(*args)
 
 
 def _varlen_bwd_impl(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,

@@ -80,6 +80,13 @@ def fake_i32_vector():
     return cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
 
 
+def fake_i32_matrix():
+    """A 2-D int32 tensor of runtime extents, rows of runtime stride, contiguous along a row (a page
+    table)."""
+    shape = (cute.sym_int32(), cute.sym_int32())
+    return cute.runtime.make_fake_tensor(Int32, shape, stride=(cute.sym_int64(), 1), assumed_align=4)
+
+
 def to_cute(t, assumed_align=16):
     """A torch CUDA tensor -> a CuTe tensor with dynamic shape and strides (last mode stride 1).
     Only for kernels launched the classic way (the stage-5 probes, Blackwell); launchable

@@ -19,8 +19,25 @@ from stage0_reference.torch_reference import attention_ref
 pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
 
 
-def stand_in(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap):
-    """The varlen forward's contract in float64 (out (T, H, Dv), lse (H, T))."""
+def stand_in(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap, page_table=None):
+    """The varlen forward's contract in float64 (out (T, H, Dv), lse (H, T)). page_table: k / v are
+    pages (num_pages, page_size, Hkv, D) and segment i's keys are its logical keys cu_k[i] ..
+    + used[i] through table row i (the paged kernel's contract, stage3 components.paged_kv)."""
+    if page_table is not None:
+        assert k.dim() == 4 and page_table.shape[0] == used.shape[0]
+        assert all(int(c) % 128 == 0 for c in cu_k[:-1]), "logical first keys are multiples of the key tile"
+        ps = k.shape[1]
+        rows = page_table.long()[:, :, None] * ps + torch.arange(ps)                     # (segments, P, ps)
+        k_seg, v_seg = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+        for i in range(used.shape[0]):
+            qa, qb, ka, n = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(used[i])
+            if qb == qa or n == 0:
+                continue
+            idx = rows[i].reshape(-1)[ka:ka + n]
+            out[qa:qb], lse[:, qa:qb] = dense(q[qa:qb], k_seg[idx], v_seg[idx], scale, causal, window, softcap)
+        return out, lse
     hq, hkv = q.shape[1], k.shape[1]
     out = torch.zeros(q.shape[0], hq, v.shape[-1], dtype=torch.float64)
     lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float64)
@@ -87,6 +104,51 @@ def test_paged_decode_matches_dense_cache():
     out, lse = call(q, kp, vp, cache_seqlens=lens, block_table=table, learnable_sink=sink, softcap=3.0)
     dense_k, dense_v = kv.gather_pages(kp, table), kv.gather_pages(vp, table)
     _check(out, lse, q, dense_k, dense_v, lens, softcap=3.0, sink=sink)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("page_size", [128, 256])
+def test_paged_in_place_decode_chunks_like_a_dense_cache(splits, page_size):
+    """Pages read in place (fa4._paged): the keys are cut into logical chunks as in a dense cache
+    (not one segment per page), each segment with its sequence's page-table row."""
+    g = _gen(12)
+    b, hq, hkv, d, pages, pool = 3, 8, 2, 16, 4, 16
+    kp = torch.randn(pool, page_size, hkv, d, generator=g, dtype=torch.float64)
+    vp = torch.randn(pool, page_size, hkv, d, generator=g, dtype=torch.float64)
+    table = torch.randperm(pool, generator=g)[:b * pages].view(b, pages).to(torch.int32)
+    lens = torch.tensor([pages * page_size, 0, page_size + 37], dtype=torch.int32)    # full, empty, partial page
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(kw.get("page_table"))
+        return stand_in(*args, **kw)
+
+    out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=splits, varlen=spy,
+                               sm_count=16, return_softmax_lse=True, paged_in_place=True)
+    dense_k, dense_v = kv.gather_pages(kp, table), kv.gather_pages(vp, table)
+    _check(out, lse, q, dense_k, dense_v, lens)
+    n = seen[0].shape[0] // b
+    assert seen[0].shape == (b * n, pages) and torch.equal(seen[0][::n], table)
+    if splits:  # chunks of whole key tiles, as a dense cache of the same capacity gets; not one per page
+        assert n == kv._chunks(pages * page_size, splits)[1]
+
+
+def test_paged_in_place_prefill_causal_and_window_need_no_gather():
+    """A causal prefill and a window over pages read in place run unsplit on the pages themselves
+    (the kernel's masks align to seqused_k, which the logical chunk keeps)."""
+    g = _gen(13)
+    b, sn, hq, hkv, d, ps, pages = 2, 5, 4, 2, 16, 128, 3
+    q = torch.randn(b, sn, hq, d, generator=g, dtype=torch.float64)
+    kp = torch.randn(b * pages + 2, ps, hkv, d, generator=g, dtype=torch.float64)
+    vp = torch.randn(b * pages + 2, ps, hkv, d, generator=g, dtype=torch.float64)
+    table = torch.randperm(b * pages + 2, generator=g)[:b * pages].view(b, pages).to(torch.int32)
+    lens = torch.tensor([300, 129], dtype=torch.int32)
+    dense_k, dense_v = kv.gather_pages(kp, table), kv.gather_pages(vp, table)
+    for window in ((None, None), (40, 0)):
+        out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, causal=True, window_size=window,
+                                   varlen=stand_in, sm_count=16, return_softmax_lse=True, paged_in_place=True)
+        _check(out, lse, q, dense_k, dense_v, lens, causal=True, window=(window[0], None))
 
 
 @pytest.mark.parametrize("interleaved", [True, False])

@@ -116,3 +116,124 @@ def test_decode_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+# ---------------------------------------------------------------------------------------------
+# pages read in place by the kernel (fa4._paged): page sizes that are multiples of the key tile
+# ---------------------------------------------------------------------------------------------
+def _paged(b, pages, page, hkv, d, seed, spare=3):
+    """A shuffled pool of pages (unused ones between) and its table: (k pages, v pages, table)."""
+    kp, vp = _cache(b * pages + spare, page, hkv, d, seed)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    table = torch.randperm(kp.shape[0], device="cuda", generator=g)[:b * pages].view(b, pages).to(torch.int32)
+    return kp, vp, table
+
+
+@pytest.fixture
+def no_gather(monkeypatch):
+    """Fails a test whose paged call copies its pages (the in-place route was not taken)."""
+    def refuse(*_):
+        raise AssertionError("the pages were gathered into a copy")
+    monkeypatch.setattr(kv, "gather_pages", refuse)
+    monkeypatch.setattr(fa4._layouts.VarlenLayout, "unpage", staticmethod(refuse))
+
+
+def _unpage(pages, table):
+    """The dense (B, P * page_size, H, D) keys of a paged cache (the truth's copy, made here)."""
+    return pages[table.long()].reshape(table.shape[0], -1, *pages.shape[2:])
+
+
+@pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16)])
+def test_paged_decode_in_place(page, splits, no_gather):
+    b, pages = 3, 8192 // page
+    kp, vp, table = _paged(b, pages, page, 8, 128, 6)
+    lens = torch.tensor([8192, 1, page + 17], dtype=torch.int32, device="cuda")      # full, one key, a partial page
+    q = torch.randn(b, 1, 32, 128, device="cuda").to(BF16)
+    out, lse = fa4.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=splits,
+                                           return_softmax_lse=True)
+    _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), lens), f"page {page}")
+    dense = fa4.flash_attn_with_kvcache(q, _unpage(kp, table), _unpage(vp, table), cache_seqlens=lens,
+                                        num_splits=splits)
+    assert torch.equal(out, dense), "pages read in place must equal the same call on a dense cache"
+
+
+def test_paged_prefill_in_place_appends_across_pages(no_gather):
+    """A causal prefill with a window over pages of 128: 300 new keys appended across page borders."""
+    b, pages = 2, 16
+    kp, vp, table = _paged(b, pages, 128, 4, 128, 7)
+    q = torch.randn(b, 300, 16, 128, device="cuda").to(BF16)
+    k_new, v_new = (torch.randn(b, 300, 4, 128, device="cuda").to(BF16) for _ in range(2))
+    lens = torch.tensor([100, 1500], dtype=torch.int32, device="cuda")
+    for window in ((None, None), (200, 0)):
+        kc, vc = kp.clone(), vp.clone()
+        out, lse = fa4.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                               causal=True, window_size=window, return_softmax_lse=True)
+        keys, values = _unpage(kc, table), _unpage(vc, table)
+        for i in range(b):
+            assert torch.equal(keys[i, lens[i]:lens[i] + 300], k_new[i])
+        _check(out, lse, *_truth_and_baseline(q, keys, values, lens + 300, causal=True, window=(window[0], None)),
+               f"prefill window {window}")
+
+
+@pytest.mark.parametrize("d, page", [(128, 128), (128, 256), (256, 64), (64, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_page_table_in_place(d, page, causal, no_gather):
+    """flash_attn_varlen_func(page_table=...): packed q, GQA 4, seqused_k with a partial last page and
+    an empty sequence, against fp32 attention over the gathered keys."""
+    b, pages, hkv = 3, 2048 // page, 2
+    kp, vp, table = _paged(b, pages, page, hkv, d, 8)
+    lens_q = [700, 0, 129]
+    used = torch.tensor([2048, 5, page + 3], dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0, 700, 700, 829], dtype=torch.int32, device="cuda")
+    q = torch.randn(829, 8, d, device="cuda").to(BF16)
+    out, lse = fa4.flash_attn_varlen_func(q, kp, vp, cu_seqlens_q=cu_q, max_seqlen_q=700, seqused_k=used,
+                                          page_table=table, causal=causal, return_lse=True)
+    keys, values = _unpage(kp, table), _unpage(vp, table)
+    for i, n in enumerate(lens_q):
+        if n == 0:
+            continue
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        truth, tlse, base = _truth_and_baseline(q[rows][None], keys[i:i + 1], values[i:i + 1], used[i:i + 1],
+                                                causal=causal)
+        _check(out[rows][None], lse[:, rows][None], truth, tlse, base, f"d {d} page {page} seq {i}")
+
+
+def test_varlen_page_table_padded_q_softcap_sink(no_gather):
+    b, pages, page = 2, 8, 128
+    kp, vp, table = _paged(b, pages, page, 8, 128, 9)
+    q = torch.randn(b, 64, 32, 128, device="cuda").to(BF16)
+    sink = torch.linspace(-1, 1, 32, device="cuda")
+    used = torch.tensor([1024, 300], dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, softcap=20.0,
+                                          learnable_sink=sink, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (b, 32, 64)
+    _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), used, softcap=20.0, sink=sink),
+           "padded q, softcap + sink")
+
+
+def test_varlen_page_table_with_grad_gathers_and_differentiates():
+    """Inputs that need a gradient keep the gather (the paged forward has no backward)."""
+    b, pages, page = 2, 4, 128
+    kp, vp, table = _paged(b, pages, page, 2, 64, 10)
+    kp.requires_grad_(True)
+    q = torch.randn(b, 100, 4, 64, device="cuda").to(BF16).requires_grad_(True)
+    out = fa4.flash_attn_varlen_func(q, kp, vp, page_table=table, causal=True)
+    out.float().square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and kp.grad is not None
+    used_pages = torch.zeros(kp.shape[0], dtype=torch.bool, device="cuda")
+    used_pages[table.long().flatten()] = True
+    assert kp.grad[~used_pages].abs().max() == 0 and kp.grad[used_pages].abs().max() > 0
+
+
+def test_paged_decode_in_place_replays_in_a_cuda_graph(no_gather):
+    kp, vp, table = _paged(4, 64, 256, 8, 128, 11)
+    q = torch.randn(4, 1, 32, 128, device="cuda").to(BF16)
+    lens = torch.tensor([16384, 5, 9000, 0], dtype=torch.int32, device="cuda")
+    eager = fa4.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fa4.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

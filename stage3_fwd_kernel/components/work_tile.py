@@ -30,6 +30,7 @@ class AttentionTile(NamedTuple):
     offset_k: Any   # first key row of the sequence in the tensor
     seqlen_q: Any   # query rows of the sequence (+ the q_shift padding rows)
     seqlen_k: Any   # keys the sequence attends to (seqused_k when given)
+    sequence: Any   # which sequence (after batch_map): the row of a paged cache's page table
 
 
 class SequenceInfo(NamedTuple):
@@ -81,10 +82,10 @@ def locate_tile(seq: SequenceInfo, m_block, head, batch, q_shift_tile_m=None) ->
     # fast_div, not `//`: a signed software division is ~40 dependent instructions on every CTA's
     # way to its first K load
     head_kv = intdiv.fast_div(head, seq.qhead_per_kvhead)
-    return AttentionTile(m_block, head, head_kv, batch_t, offset_q, offset_k, seqlen_q, seqlen_k)
+    return AttentionTile(m_block, head, head_kv, batch_t, offset_q, offset_k, seqlen_q, seqlen_k, batch)
 
 
 def empty_tile() -> AttentionTile:
     """A tile of zeros: the dynamic scheduler's end-of-work marker rides on a real Q load of it."""
     zero = Int32(0)
-    return AttentionTile(zero, zero, zero, zero, zero, zero, zero, zero)
+    return AttentionTile(zero, zero, zero, zero, zero, zero, zero, zero, zero)

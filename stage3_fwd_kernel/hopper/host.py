@@ -9,6 +9,7 @@ from cutlass import Float32, Int32
 import cutlass.cute as cute
 
 from stage3_fwd_kernel import host_io, trace
+from stage3_fwd_kernel.components.paged_kv import check_page_size
 from stage3_fwd_kernel.components.score_mod import Softcap, check_softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
@@ -59,27 +60,29 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
-                variant: Variant = PLAIN):
-    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v)."""
+                variant: Variant = PLAIN, page_size: int | None = None):
+    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v); page_size: built for a
+    paged K/V cache (components.paged_kv)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
                                      tile_m=tile_m, split_tail=split_tail, window=variant.window,
-                                     softcap=variant.softcap)
+                                     softcap=variant.softcap, page_size=page_size)
 
 
 def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
-         split_tail=False, variant: Variant = PLAIN):
+         split_tail=False, variant: Variant = PLAIN, page_size: int | None = None):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
     tile_m = _check_tile_m(tile_m, d, dv)
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
-        (("split_tail",) if split_tail else ()) + variant.key() + trace.key()
+        (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
+        + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
                seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None, split=None, split_chunks=1,
-               softcap=0.0, sink=None):
+               softcap=0.0, sink=None, page_table=None):
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     host_io.launch_stream)."""
@@ -88,13 +91,13 @@ def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q
     scale_log2, score_scale = Softcap(softcap).kernel_scales(softmax_scale)
     return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), scale_log2,
             score_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
-            max_seqlen_q, max_ctas, split, split_chunks, sink)
+            max_seqlen_q, max_ctas, split, split_chunks, sink, opt(page_table))
 
 
 def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False,
-               split_tail: bool = False, sink: bool = False):
+               split_tail: bool = False, sink: bool = False, paged: bool = False):
     """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs;
-    dynamic: the scheduler takes a tile counter; split_tail: the split workspace."""
+    dynamic: the scheduler takes a tile counter; split_tail: the split workspace; paged: a page table."""
     varlen, has_used, has_map = varlen_flags
     i32 = host_io.fake_i32_vector
     return (host_io.fake_bshd(dtype, d), host_io.fake_bshd(dtype, d), host_io.fake_bshd(dtype, dv),
@@ -102,20 +105,20 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
             i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
             host_io.fake_lse() if split_tail else None, Int32(1), host_io.fake_f32_vector() if sink else None,
-            host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
+            host_io.fake_i32_matrix() if paged else None, host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
 def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False,
-             variant: Variant = PLAIN):
+             variant: Variant = PLAIN, page_size: int | None = None):
     """The one place the kernel is compiled (against fake tensors): launchable=True builds what
     attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
     key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
-               split_tail, variant)
+               split_tail, variant, page_size)
     return compile_cached(key, lambda: (
         make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail,
-                    variant=variant),
+                    variant=variant, page_size=page_size),
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False),
-                   split_tail=split_tail, sink=variant.sink)))
+                   split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
 
 def _check_call(q, d, dv, tile_m, softmax_scale):
@@ -218,9 +221,38 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     return out, lse
 
 
+def paged_cache_inputs(k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_n: int):
+    """A paged cache's k (num_pages, page_size, Hkv, D) / v (..., Dv) as the flat varlen rows
+    (num_pages * page_size, Hkv, D) the kernel reads through page_table (components.paged_kv), checked.
+    cu_seqlens_k None: every sequence starts at its first key. Returns (k, v, cu_seqlens_k, page_size,
+    page_table)."""
+    import torch
+
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: with page_table, expected a (num_pages, page_size, heads_kv, head_dim) tensor, "
+                             f"got {tuple(getattr(t, 'shape', ()))}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v: shape {tuple(v.shape)} does not match k {tuple(k.shape)}")
+    if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2 \
+            or page_table.shape[0] != cu_seqlens_q.shape[0] - 1:
+        raise ValueError(f"page_table: expected int32 (batch={cu_seqlens_q.shape[0] - 1}, pages per sequence), got "
+                         f"{getattr(page_table, 'dtype', type(page_table))} {tuple(getattr(page_table, 'shape', ()))}")
+    if page_table.device != k.device:
+        raise ValueError(f"page_table: is on {page_table.device} but k is on {k.device}")
+    if seqused_k is None:
+        raise ValueError("seqused_k: required with page_table (the keys each sequence has in its pages)")
+    page_size = check_page_size(k.shape[1], tile_n)
+    if cu_seqlens_k is None:
+        cu_seqlens_k = torch.zeros_like(cu_seqlens_q)
+    flat_k = k.reshape(-1, k.shape[2], k.shape[3])                  # (pages * page_size, Hkv, D)
+    flat_v = v.reshape(-1, v.shape[2], v.shape[3])
+    return flat_k, flat_v, cu_seqlens_k, page_size, page_table.contiguous()
+
+
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
                              softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
-                             learnable_sink=None, out=None, lse=None,
+                             learnable_sink=None, out=None, lse=None, page_table=None,
                              rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                              emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                              batch_map=None, scheduler=None, check_values=False, tile_m: int | None = None,
@@ -237,6 +269,10 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     check_values=True verifies the index tensors' values on the host (costs a device sync).
     tile_m, persistent, window_size, softcap, learnable_sink: as in attention_forward. (When k has
     no rows at all nothing is launched and out / lse are filled with 0 / -inf, or the sink, entirely.)
+    page_table (int32 (batch, pages per sequence)): k / v are a paged cache (num_pages, page_size,
+    Hkv, D) with page_size a multiple of the key tile (128; 64 at head dim 256), read in place
+    (components.paged_kv); seqused_k is then required, and cu_seqlens_k (None = zeros) holds each
+    sequence's first logical key, a multiple of the key tile.
 
     The host views every packed tensor as a batch of one, (1, total, H, D), so the TMA tensor maps
     are the dense ones; a CTA shifts its coordinates by its sequence's row offset. Extra Q rows of a
@@ -244,6 +280,10 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     zeroed in shared memory before its P V (unused KV-cache slots may hold NaN, and 0 * NaN = NaN).
     """
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    page_size = None
+    if page_table is not None:
+        k, v, cu_seqlens_k, page_size, page_table = paged_cache_inputs(
+            k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, default_tile_n(q.shape[-1], v.shape[-1]))
     q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map = host_io.prepare_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, batch_map=batch_map)
     tq, hq, d = q.shape
@@ -256,7 +296,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     out, lse = _outputs(out, lse, (tq, hq, dv), (hq, tq), q)
     if check_values:
         host_io.check_varlen_values(tq, k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   seqused_k=seqused_k, batch_map=batch_map)
+                                   seqused_k=None if page_table is not None else seqused_k, batch_map=batch_map)
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or tq == 0 or hq == 0 or max_seqlen_q == 0:
         return out, lse
@@ -266,9 +306,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     args = _call_args(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), out.unsqueeze(0), lse.unsqueeze(0),
                       softmax_scale, max_seqlen_q, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map,
                       max_ctas=_launch_ctas(scheduler, q.device), tile_counter=_tile_counter(scheduler, q.device),
-                      softcap=variant.softcap, sink=sink)
+                      softcap=variant.softcap, sink=sink, page_table=page_table)
     flags = (True, seqused_k is not None, batch_map is not None)
-    _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m, variant=variant).fn(*args)
+    _compile(True, dt, d, dv, causal, policy, scheduler, flags, tile_m, variant=variant, page_size=page_size).fn(*args)
     return out, lse
 
 
@@ -278,13 +318,14 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  scheduler=None, tile_m: int | None = None, launchable: bool = False,
                  persistent: bool | None = None, seqlen_k: int | None = None,
                  split_tail: bool = False, window_size=(None, None), softcap: float = 0.0,
-                 learnable_sink: bool = False) -> Compiled:
+                 learnable_sink: bool = False, page_size: int | None = None) -> Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     and persistent as in attention_forward (None = default_tile_m / default_persistent, which takes
     seqlen_k: the key count of the calls the build is for, None = short). launchable=True builds
     what attention_forward launches (TVM-FFI, the same cache key). window_size / softcap /
-    learnable_sink (a bool: built for a sink) select the variant as attention_forward does."""
+    learnable_sink (a bool: built for a sink) select the variant as attention_forward does; page_size:
+    built for a paged cache (needs varlen and seqused_k)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     variant = Variant(beyond_causal(causal, window_size), check_softcap(softcap), bool(learnable_sink))
     split_tail = _no_split_with(variant, split_tail)
@@ -293,13 +334,15 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
     if (seqused_k or batch_map) and not varlen:
         raise ValueError("seqused_k / batch_map: only with varlen=True")
+    if page_size is not None and not (varlen and seqused_k):
+        raise ValueError("page_size: a paged build needs varlen=True and seqused_k=True")
     dt = host_io.cutlass_dtype(dtype)
     policy.check_dtype(dt)
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m,
                                    variant.window.left is not None)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
-                    variant)
+                    variant, page_size)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones

@@ -40,6 +40,7 @@ from cutlass.tensor_utils import LayoutEnum
 from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.components.block_range import blocks_walked, first_key_block, num_key_blocks
 from stage3_fwd_kernel.components.mask import AttentionMask
+from stage3_fwd_kernel.components.paged_kv import check_page_size
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage3_fwd_kernel.components.tile_walk import TileSpace, TileWalk
@@ -63,7 +64,7 @@ class FlashAttentionForwardSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
                  num_stages: int | None = None, scheduler=StaticTileScheduler, split_tail: bool = False,
-                 window: Window = NO_WINDOW, softcap: float = 0.0):
+                 window: Window = NO_WINDOW, softcap: float = 0.0, page_size: int | None = None):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -89,6 +90,9 @@ class FlashAttentionForwardSm90:
         self.causal = causal
         self.tile_m = tile_m
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
+        # a paged K/V cache (components.paged_kv): K/V loads go through the page table
+        self.page_size = None if page_size is None else check_page_size(page_size, self.tile_n)
+        self.blocks_per_page = 1 if page_size is None else page_size // self.tile_n
         # the keys a row sees (components.window): causal is a right edge at 0
         self.window = Window(window.left, 0 if causal else window.right)
         self.mask = AttentionMask(self.window, self.tile_n)
@@ -171,7 +175,11 @@ class FlashAttentionForwardSm90:
         thr = cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0))  # one warpgroup
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
 
-    def _check_call(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit):
+    def _check_call(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit, mPageTable):
+        if (mPageTable is not None) != (self.page_size is not None):
+            raise ValueError("page_table: pass one exactly when the kernel is built with a page_size")
+        if mPageTable is not None and mSeqUsedK is None:
+            raise ValueError("page_table: needs seqused_k (the keys each sequence uses) and cu_seqlens_k")
         if (mSplit is not None) != self.split_tail:
             raise ValueError("split workspace: pass one exactly when the kernel is built with split_tail")
         if (mTileCounter is not None) != self.dynamic:
@@ -207,7 +215,8 @@ class FlashAttentionForwardSm90:
                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                  mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
                  mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32,
-                 mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor], stream):
+                 mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
+                 mPageTable: Optional[cute.Tensor], stream):
         # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         #         mLSE (B, Hq, Sq); the four optional tensors are None.
         # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
@@ -217,7 +226,9 @@ class FlashAttentionForwardSm90:
         # mSplit: the split tail's workspace, fp32 (R * split_chunks, tile_m, dv + 1); None otherwise.
         # mSink: fp32 (Hq,) learnable sink logits, or None. softmax_scale: with softcap, the tanh's
         # input scale (components.score_mod.Softcap.kernel_scales); otherwise unused.
-        self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit)
+        # mPageTable: int32 (batch, pages) with a page_size build (components.paged_kv); mK / mV are then
+        # the flat cache (1, num_pages * page_size, Hkv, d) and cu_seqlens_k the logical first keys.
+        self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit, mPageTable)
         self.varlen = mCuSeqlensQ is not None
         self.q_shift = self.q_shift_for(self.varlen)
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
@@ -270,7 +281,7 @@ class FlashAttentionForwardSm90:
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
-                    self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink,
+                    self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -287,10 +298,11 @@ class FlashAttentionForwardSm90:
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
-               mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor]):
+               mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
+               mPageTable: Optional[cute.Tensor]):
         trace.cta_stamp("entry")  # no code unless trace.enable() turned tracing on
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
-        tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V)
+        tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable)
         args = ConsumerArgs(softmax_scale_log2, softmax_scale, mSink, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout,
                             gmem_copy_O)
         layouts = (sQ_layout, sK_layout, sV_layout)

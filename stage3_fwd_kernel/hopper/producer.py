@@ -16,6 +16,7 @@ from cutlass import Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from stage3_fwd_kernel import intdiv
+from stage3_fwd_kernel.components.paged_kv import key_block
 
 
 class TmaLoads(NamedTuple):
@@ -27,6 +28,7 @@ class TmaLoads(NamedTuple):
     atom_Q: Any
     atom_K: Any
     atom_V: Any
+    page_table: Any = None  # int32 (sequences, pages) of a paged K/V cache (components.paged_kv), or None
 
 
 class SmemBuffers(NamedTuple):
@@ -62,8 +64,8 @@ def seq_view(t: cute.Tensor, offset, shifted: bool) -> cute.Tensor:
 @cute.jit
 def load_kv(i: Int32, n_block: Int32, stages: cutlass.Constexpr[int], smem: SmemBuffers, tma: TmaLoads,
             tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor, tVsV: cute.Tensor):
-    """The i-th K/V load, key block n_block: wait until ring slot i is free, post the byte count,
-    issue K then V."""
+    """The i-th K/V load, key block n_block of the K/V views (a paged cache: the flat cache's block,
+    components.paged_kv): wait until ring slot i is free, post the byte count, issue K then V."""
     st = kv_state(i, stages, producer=True)
     smem.pipe_K.producer_acquire(st)
     cute.copy(tma.atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=smem.pipe_K.producer_get_barrier(st))
@@ -84,8 +86,10 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
     shifted = cfg.rows_shifted()
     # TMA coordinates of this sequence: rows start at its offset in the packed tensor
     mQ_s = seq_view(tma.tma_Q[None, None, tile.head, tile.batch], tile.offset_q, shifted)
-    mK_s = seq_view(tma.tma_K[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted)
-    mV_s = seq_view(tma.tma_V[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted)
+    # a paged cache is addressed block by block from its first row (key_block), offset_k included
+    shifted_k = shifted and tma.page_table is None
+    mK_s = seq_view(tma.tma_K[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted_k)
+    mV_s = seq_view(tma.tma_V[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted_k)
     gQ = cute.local_tile(mQ_s, (cfg.wg_m, d), (None, 0))   # (64, d, m64)
     gK = cute.local_tile(mK_s, (tn, d), (None, 0))         # (tn, d, n_blocks)
     gV = cute.local_tile(mV_s, (tn, dv), (None, 0))        # (tn, dv, n_blocks)
@@ -99,7 +103,8 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
     if const_expr(cfg.persistent):
         # the first K/V block before Q: its slot frees while the consumers still use the previous Q
         if n_blocks > 0:
-            load_kv(kv_base, n_block_max - 1, stages, smem, tma, tKgK, tKsK, tVgV, tVsV)
+            load_kv(kv_base, key_block(tma.page_table, cfg.blocks_per_page, tn, tile, n_block_max - 1), stages, smem,
+                    tma, tKgK, tKsK, tVgV, tVsV)
         first_kv = 1
     # Q: the nc 64-row slabs on one barrier (it expects all slabs' bytes)
     q_state = pipeline.PipelineState(1, Int32(0), Int32(0), q_phase ^ 1)
@@ -108,4 +113,5 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
         cute.copy(tma.atom_Q, tQgQ[None, tile.m_block * cfg.num_consumers + wg], tQsQ[None, wg],
                   tma_bar_ptr=smem.pipe_Q.producer_get_barrier(q_state))
     for i in cutlass.range(first_kv, n_blocks, unroll=1):
-        load_kv(kv_base + i, n_block_max - 1 - i, stages, smem, tma, tKgK, tKsK, tVgV, tVsV)
+        load_kv(kv_base + i, key_block(tma.page_table, cfg.blocks_per_page, tn, tile, n_block_max - 1 - i), stages,
+                smem, tma, tKgK, tKsK, tVgV, tVsV)

@@ -1,0 +1,62 @@
+"""A paged KV cache read in place: flash_attn_varlen_func(page_table=...) without the page gather.
+
+A cache (num_pages, page_size, Hkv, D) with page_table (batch, pages per sequence) int32 reaches the
+Hopper varlen forward as it is: the kernel's producer looks up the page of every key block it loads
+(stage3_fwd_kernel.components.paged_kv), so no dense copy of the keys is made per call. That needs a
+page size that is a multiple of the forward's key tile (128 rows; 64 at head dim 256), so that no
+key block straddles two pages, and a forward only: the backward reads dense K / V.
+
+Every other paged call -- other page sizes, inputs that need a gradient, seqused_q, head-dim pairs
+that run padded, an arch without the paged forward -- keeps the gather (fa4._layouts.VarlenLayout.unpage):
+a copy of each sequence's pages, then the dense varlen call. `in_place_tile` makes that choice.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def in_place_tile(q, k_pages, v_pages):
+    """The kernel key tile when this paged call can be read in place (see the module docstring),
+    else None. Only shapes and flags are read: no device values."""
+    from . import _dispatch
+
+    if q.device.type != "cuda" or k_pages.dim() != 4:
+        return None
+    backend = _dispatch.backend_for(q.device)
+    d, dv = q.shape[-1], v_pages.shape[-1]
+    if (d, dv) not in backend.arch.head_dims:
+        return None
+    tile = backend.paged_tile(d, dv)
+    if tile is None or k_pages.shape[1] % tile:
+        return None
+    return tile
+
+
+def needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def varlen_pair(q, k_pages, v_pages, page_table, cu_q, seqused_k, max_q, scale, causal, window, softcap, sink,
+                padded_q):
+    """flash_attn_varlen_func over a paged cache read in place: q packed (total, Hq, D) with cu_q
+    (checked by the caller), seqused_k (batch,) int32 or None (every sequence uses all its pages);
+    a learnable sink joins each row's denominator after the kernel (fa4._lse_merge.add_sink).
+    Returns (out (total, Hq, Dv) or (B, Sq, Hq, Dv) for a padded q, lse (Hq, total) / (B, Hq, Sq))."""
+    from . import _ops
+    from ._lse_merge import add_sink
+
+    batch, pages = page_table.shape
+    max_k = pages * k_pages.shape[1]
+    if seqused_k is None:
+        seqused_k = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
+    first_keys = torch.zeros_like(cu_q)                                                 # (batch + 1,)
+    out, lse = _ops.paged_varlen_attention(q, k_pages, v_pages, page_table.contiguous(), cu_q, first_keys,
+                                           seqused_k, max_q, max_k, scale, causal, window, softcap)
+    if sink is not None:
+        out, lse_t = add_sink(out, lse.t(), sink)                                       # lse as (total, Hq)
+        out, lse = out.to(q.dtype), lse_t.t().contiguous()
+    if padded_q is not None:
+        b, s = padded_q
+        out = out.view(b, s, *out.shape[1:])
+        lse = lse.view(lse.shape[0], b, s).permute(1, 0, 2).contiguous()
+    return out, lse
