@@ -69,7 +69,7 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
-            isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and _paged.in_place_tile(q, k, v):
+            _paged.in_place(q, k, v):
         return _paged_varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,
                                   softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse)
     q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
@@ -160,9 +160,10 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     page_table (int32, (batch, pages per sequence)), as in the official: k / v are a paged cache
     (num_pages, page_size, Hkv, D / Dv), cu_seqlens_k is None, and sequence b's keys are pages
     page_table[b, 0], page_table[b, 1], ... (seqused_k[b] keys, default all). On sm_90, with a page
-    size that is a multiple of the forward's key tile (128; 64 at head dim 256) and nothing that needs
-    a gradient, the kernel reads the pages in place (fa4/_paged.py); otherwise fa4 gathers them into
-    a padded copy first (a copy per call; fa4/_layouts.VarlenLayout.unpage).
+    size that is a multiple of the forward's key tile (128; 64 at head dim 256) or divides it and is
+    a multiple of 8, and nothing that needs a gradient, the kernel reads the pages in place
+    (fa4/_paged.py); otherwise fa4 gathers them into a padded copy first (a copy per call;
+    fa4/_layouts.VarlenLayout.unpage).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for
     CUDA graphs); None means a padded side's seqlen, or, as in the official, a packed side's token
     total: no host sync, but the grid is sized from the bound, so a batch of many short sequences

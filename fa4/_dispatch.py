@@ -433,7 +433,7 @@ class Backend:
     def varlen_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                        softmax_scale: float, causal: bool, window=(None, None), softcap: float = 0.0,
                        learnable_sink=None, page_table=None):
-        """page_table: k / v are a paged cache read in place (only where `paged_tile` allows it)."""
+        """page_table: k / v are a paged cache read in place (only where `paged_in_place` allows it)."""
         self.check_variants(window, softcap, learnable_sink)
         mod = self.forward_module()
         self._warn_unverified()
@@ -443,10 +443,10 @@ class Backend:
         return self._call_varlen_forward(mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                          max_seqlen_k, softmax_scale, causal, **kw)
 
-    def paged_tile(self, head_dim: int, head_dim_v: int):
-        """The key tile a paged cache's page size must be a multiple of for the varlen forward to
-        read it in place, or None where this arch's forward cannot (then fa4 gathers the pages)."""
-        return None
+    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int) -> bool:
+        """Whether this arch's varlen forward reads a paged cache of page_size in place (else fa4
+        gathers the pages into a dense copy first)."""
+        return False
 
     # -- backward -----------------------------------------------------------------------------
     def backward_module(self):
@@ -533,10 +533,11 @@ class HopperBackend(Backend):
             kw["persistent"] = FORWARD_PERSISTENT
         return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
 
-    def paged_tile(self, head_dim: int, head_dim_v: int):
+    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int) -> bool:
+        from stage3_fwd_kernel.components.paged_kv import page_size_ok
         from stage3_fwd_kernel.hopper.config import default_tile_n
 
-        return default_tile_n(head_dim, head_dim_v)
+        return page_size_ok(page_size, default_tile_n(head_dim, head_dim_v))
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):

@@ -10,7 +10,8 @@ that index the cache in place, with no copy:
   small batch runs n x as many CTAs; the partial (out, lse) pairs are merged through their
   log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
 * paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq), page_size a
-  multiple of the kernel's key tile (128; 64 at head dim 256): the kernel reads the pages in place
+  multiple of the kernel's key tile (128; 64 at head dim 256) or a divisor of it that is a multiple
+  of 8 (fa4._paged): the kernel reads the pages in place
   (fa4._paged), so it is cut into chunks exactly like a dense cache, only the chunks' first keys are
   logical positions and each segment gets its sequence's page-table row;
 * other page sizes: one segment per page, merged the same way.
@@ -429,7 +430,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
-        paged_in_place = block_table is not None and _paged.in_place_tile(q, k_cache, v_cache) is not None
+        paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache)
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)

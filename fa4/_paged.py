@@ -3,33 +3,30 @@
 A cache (num_pages, page_size, Hkv, D) with page_table (batch, pages per sequence) int32 reaches the
 Hopper varlen forward as it is: the kernel's producer looks up the page of every key block it loads
 (stage3_fwd_kernel.components.paged_kv), so no dense copy of the keys is made per call. That needs a
-page size that is a multiple of the forward's key tile (128 rows; 64 at head dim 256), so that no
-key block straddles two pages, and a forward only: the backward reads dense K / V.
+page size that is a multiple of the forward's key tile (128 rows; 64 at head dim 256), or divides it
+and is a multiple of 8 (then one TMA box per page: 8, 16, 32, 64), and a forward only: the backward
+reads dense K / V.
 
 Every other paged call -- other page sizes, inputs that need a gradient, seqused_q, head-dim pairs
 that run padded, an arch without the paged forward -- keeps the gather (fa4._layouts.VarlenLayout.unpage):
-a copy of each sequence's pages, then the dense varlen call. `in_place_tile` makes that choice.
+a copy of each sequence's pages, then the dense varlen call. `in_place` makes that choice.
 """
 from __future__ import annotations
 
 import torch
 
 
-def in_place_tile(q, k_pages, v_pages):
-    """The kernel key tile when this paged call can be read in place (see the module docstring),
-    else None. Only shapes and flags are read: no device values."""
+def in_place(q, k_pages, v_pages) -> bool:
+    """Whether this paged call can be read in place (see the module docstring). Only shapes are
+    read: no device values."""
     from . import _dispatch
 
-    if q.device.type != "cuda" or k_pages.dim() != 4:
-        return None
+    if not all(isinstance(t, torch.Tensor) for t in (q, k_pages, v_pages)) or q.device.type != "cuda" \
+            or k_pages.dim() != 4:
+        return False
     backend = _dispatch.backend_for(q.device)
     d, dv = q.shape[-1], v_pages.shape[-1]
-    if (d, dv) not in backend.arch.head_dims:
-        return None
-    tile = backend.paged_tile(d, dv)
-    if tile is None or k_pages.shape[1] % tile:
-        return None
-    return tile
+    return (d, dv) in backend.arch.head_dims and backend.paged_in_place(d, dv, k_pages.shape[1])
 
 
 def needs_grad(*tensors) -> bool:

@@ -1,8 +1,9 @@
 """fa4.flash_attn_with_kvcache on the GPU: FA4's rule against fp32 attention over each sequence's
 cache (the baseline: PyTorch in bf16 on the same keys; both from stage 0's torch reference), for
-split-KV decode, paged caches (pages of 256 and of 16 keys, shuffled), a causal prefill that
-appends rotated keys in place, a window, softcap + sink, and a CUDA-graph replay equal to the
-eager call."""
+split-KV decode, paged caches (shuffled pages: of 8 to 512 keys read in place by the kernel, of 1
+and 24 keys as per-page segments or a gather), flash_attn_varlen_func(page_table), a causal prefill
+that appends rotated keys in place, a window, softcap + sink, and CUDA-graph replays equal to the
+eager calls."""
 from __future__ import annotations
 
 import pytest
@@ -62,8 +63,9 @@ def test_decode_split_kv(splits):
     _check(out, lse, *_truth_and_baseline(q, k, v, lens), f"split {splits}")
 
 
-@pytest.mark.parametrize("page", [256, 16])
+@pytest.mark.parametrize("page", [24, 1])
 def test_paged_decode(page):
+    """Page sizes the kernel cannot read in place: one segment per page, merged."""
     b, pages = 2, 4096 // page
     kp, vp = _cache(b * pages + 3, page, 8, 128, 2)
     kp, vp = kp.view(-1, page, 8, 128), vp.view(-1, page, 8, 128)
@@ -143,7 +145,7 @@ def _unpage(pages, table):
     return pages[table.long()].reshape(table.shape[0], -1, *pages.shape[2:])
 
 
-@pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16)])
+@pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16), (16, 0), (64, 3), (8, 1)])
 def test_paged_decode_in_place(page, splits, no_gather):
     b, pages = 3, 8192 // page
     kp, vp, table = _paged(b, pages, page, 8, 128, 6)
@@ -175,7 +177,7 @@ def test_paged_prefill_in_place_appends_across_pages(no_gather):
                f"prefill window {window}")
 
 
-@pytest.mark.parametrize("d, page", [(128, 128), (128, 256), (256, 64), (64, 128)])
+@pytest.mark.parametrize("d, page", [(128, 128), (128, 256), (256, 64), (64, 128), (128, 16), (64, 32), (256, 16)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_page_table_in_place(d, page, causal, no_gather):
     """flash_attn_varlen_func(page_table=...): packed q, GQA 4, seqused_k with a partial last page and
@@ -209,6 +211,15 @@ def test_varlen_page_table_padded_q_softcap_sink(no_gather):
     assert out.shape == q.shape and lse.shape == (b, 32, 64)
     _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), used, softcap=20.0, sink=sink),
            "padded q, softcap + sink")
+
+
+def test_varlen_page_table_gathers_other_page_sizes():
+    b, pages, page = 2, 50, 24
+    kp, vp, table = _paged(b, pages, page, 2, 128, 12)
+    q = torch.randn(b, 200, 8, 128, device="cuda").to(BF16)
+    used = torch.tensor([1200, 333], dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, causal=True, return_lse=True)
+    _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), used, causal=True), "page 24")
 
 
 def test_varlen_page_table_with_grad_gathers_and_differentiates():

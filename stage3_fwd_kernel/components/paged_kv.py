@@ -11,6 +11,12 @@ the sequence is block n % bpp of page page_table[b, n // bpp] (bpp = page_size /
 page), which is block page * bpp + n % bpp of the flat cache. One table read per K/V load, by the
 producer's one issuing lane; the consumers, the mask and the softmax see logical positions only.
 
+With pages smaller than tile_n (a divisor of it, at least 8 rows: the swizzle atom), a block is
+L = tile_n / page_size pages: the K and V TMA boxes shrink to one page each and the producer issues
+L of them per block into consecutive row ranges of the ring slot, page page_table[b, n * L + j] for
+box j (the flat cache tiled by page_size rows is indexed by the page itself). The slot's barrier
+still expects the whole block's bytes.
+
 The sequence's first logical key (the tile's offset_k, cu_seqlens_k[b]) is where a split-KV
 segment starts inside the sequence; it is a multiple of tile_n (0 for a whole sequence).
 """
@@ -21,12 +27,36 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 
+MIN_BOX_ROWS = 8  # a TMA box's rows must cover whole 8-row swizzle atoms of the shared-memory tile
+
+
+def page_size_ok(page_size: int, tile_n: int) -> bool:
+    """Whether a kernel with key tile tile_n can read pages of page_size in place: a multiple of the
+    tile (one box per block), or a divisor of it that is a multiple of 8 rows (tile_n / page_size
+    boxes per block)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        return False
+    return page_size % tile_n == 0 or (tile_n % page_size == 0 and page_size % MIN_BOX_ROWS == 0)
+
+
 def check_page_size(page_size: int, tile_n: int) -> int:
-    """The page size a kernel is built for: a positive multiple of its key tile."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0 or page_size % tile_n:
-        raise ValueError(f"page_size: the kernel reads pages by TMA one key block ({tile_n} rows) at a time, so "
-                         f"the page size must be a multiple of {tile_n}; got {page_size!r}")
+    """The page size a kernel is built for (page_size_ok), else a ValueError naming it."""
+    if not page_size_ok(page_size, tile_n):
+        raise ValueError(f"page_size: the kernel reads a key block of {tile_n} rows as whole pages by TMA, so the "
+                         f"page size must be a multiple of {tile_n}, or divide it and be a multiple of "
+                         f"{MIN_BOX_ROWS}; got {page_size!r}")
     return page_size
+
+
+def box_rows(page_size, tile_n: int) -> int:
+    """Rows of one K / V TMA box: the key tile, or a whole page when pages are smaller."""
+    return tile_n if page_size is None else min(page_size, tile_n)
+
+
+@cute.jit
+def logical_block(tile, tile_n: cutlass.Constexpr[int], n_block: Int32) -> Int32:
+    """Key block n_block of the tile counted from its sequence's first key (offset_k is logical)."""
+    return tile.offset_k // tile_n + n_block
 
 
 @cute.jit

@@ -40,7 +40,7 @@ from cutlass.tensor_utils import LayoutEnum
 from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.components.block_range import blocks_walked, first_key_block, num_key_blocks
 from stage3_fwd_kernel.components.mask import AttentionMask
-from stage3_fwd_kernel.components.paged_kv import check_page_size
+from stage3_fwd_kernel.components.paged_kv import box_rows, check_page_size
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage3_fwd_kernel.components.tile_walk import TileSpace, TileWalk
@@ -92,7 +92,9 @@ class FlashAttentionForwardSm90:
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
         # a paged K/V cache (components.paged_kv): K/V loads go through the page table
         self.page_size = None if page_size is None else check_page_size(page_size, self.tile_n)
-        self.blocks_per_page = 1 if page_size is None else page_size // self.tile_n
+        self.blocks_per_page = 1 if page_size is None else max(1, page_size // self.tile_n)
+        self.box_rows = box_rows(page_size, self.tile_n)          # rows of one K / V TMA box
+        self.boxes_per_block = self.tile_n // self.box_rows       # > 1: pages smaller than a key block
         # the keys a row sees (components.window): causal is a right edge at 0
         self.window = Window(window.left, 0 if causal else window.right)
         self.mask = AttentionMask(self.window, self.tile_n)
@@ -165,6 +167,14 @@ class FlashAttentionForwardSm90:
         if stages is None:
             return cute.tile_to_shape(atom, (rows, cols), (0, 1))
         return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    def _box_layout(self, ring_layout, rows: int, cols: int):
+        """The shared-memory layout one TMA box fills: a ring slot's (tile_n, cols) tile, or its
+        first `rows` rows (the box's row stride stays the slot's, so box j lands at row j * rows)."""
+        slot = cute.slice_(ring_layout, (None, None, 0))
+        if rows == self.tile_n:
+            return slot
+        return cute.composition(slot, cute.make_layout((rows, cols), stride=(1, self.tile_n)))
 
     def _gmem_copy_O(self, cols: int):
         """128 threads, 16 bytes each, a row of the swizzle atom per group of threads."""
@@ -251,10 +261,11 @@ class FlashAttentionForwardSm90:
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             tma_load, seq_dim_first(mQ), cute.slice_(sQ_layout, (None, None, 0)), (tm, d))
+        rows = self.box_rows  # a key tile, or one page when pages are smaller (components.paged_kv)
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
-            tma_load, seq_dim_first(mK), cute.slice_(sK_layout, (None, None, 0)), (tn, d))
+            tma_load, seq_dim_first(mK), self._box_layout(sK_layout, rows, d), (rows, d))
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
-            tma_load, seq_dim_first(mV), cute.slice_(sV_layout, (None, None, 0)), (tn, dv))
+            tma_load, seq_dim_first(mV), self._box_layout(sV_layout, rows, dv), (rows, dv))
         # bytes each stage's "full" barrier waits for (the whole box, zero-filled rows included)
         self.tma_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)  # all nc slabs, one barrier
         self.tma_bytes_K = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))

@@ -16,7 +16,7 @@ from cutlass import Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from stage3_fwd_kernel import intdiv
-from stage3_fwd_kernel.components.paged_kv import key_block
+from stage3_fwd_kernel.components.paged_kv import key_block, logical_block
 
 
 class TmaLoads(NamedTuple):
@@ -74,6 +74,58 @@ def load_kv(i: Int32, n_block: Int32, stages: cutlass.Constexpr[int], smem: Smem
 
 
 @cute.jit
+def load_kv_pages(i: Int32, block: Int32, sequence: Int32, boxes: cutlass.Constexpr[int],
+                  stages: cutlass.Constexpr[int], smem: SmemBuffers, tma: TmaLoads, tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor,
+                  tVsV: cute.Tensor):
+    """load_kv for pages smaller than the key tile (components.paged_kv): logical key block `block` of
+    the sequence is `boxes` pages, box j from page page_table[sequence, block * boxes + j] into rows
+    j * page_size .. of the ring slot; the slot's barrier expects the whole block."""
+    st = kv_state(i, stages, producer=True)
+    first = block * boxes
+    # the table is read again for V (an L1 hit) rather than kept: the producer has 24 registers
+    smem.pipe_K.producer_acquire(st)
+    for j in cutlass.range_constexpr(boxes):
+        cute.copy(tma.atom_K, tKgK[None, tma.page_table[sequence, first + j]], tKsK[None, j, 0, st.index],
+                  tma_bar_ptr=smem.pipe_K.producer_get_barrier(st))
+    smem.pipe_V.producer_acquire(st)
+    for j in cutlass.range_constexpr(boxes):
+        cute.copy(tma.atom_V, tVgV[None, tma.page_table[sequence, first + j]], tVsV[None, j, 0, st.index],
+                  tma_bar_ptr=smem.pipe_V.producer_get_barrier(st))
+
+
+@cute.jit
+def load_block(cfg, i: Int32, tile, n_block: Int32, smem: SmemBuffers, tma: TmaLoads, tKgK: cute.Tensor,
+               tKsK: cute.Tensor, tVgV: cute.Tensor, tVsV: cute.Tensor):
+    """The i-th K/V load of the tile, its key block n_block: one box per block, or (pages smaller
+    than the key tile) one per page."""
+    if const_expr(cfg.boxes_per_block > 1):
+        load_kv_pages(i, logical_block(tile, cfg.tile_n, n_block), tile.sequence, cfg.boxes_per_block,
+                      cfg.num_stages, smem, tma, tKgK, tKsK, tVgV, tVsV)
+    else:
+        load_kv(i, key_block(tma.page_table, cfg.blocks_per_page, cfg.tile_n, tile, n_block), cfg.num_stages, smem,
+                tma, tKgK, tKsK, tVgV, tVsV)
+
+
+@cute.jit
+def kv_partitions(cfg, tma: TmaLoads, smem: SmemBuffers, mK_s: cute.Tensor, mV_s: cute.Tensor):
+    """(tKsK, tKgK, tVsV, tVgV): the TMA views of the K/V ring and of the keys, in boxes of
+    cfg.box_rows rows (a key tile, or a page smaller than one: then the ring slots are divided into
+    boxes too, a mode of boxes_per_block before the stage)."""
+    rows, d, dv = cfg.box_rows, cfg.head_dim, cfg.head_dim_v
+    gK = cute.local_tile(mK_s, (rows, d), (None, 0))       # (rows, d, boxes)
+    gV = cute.local_tile(mV_s, (rows, dv), (None, 0))      # (rows, dv, boxes)
+    sK, sV = smem.sK, smem.sV                               # (tn, d, stages), (tn, dv, stages)
+    if const_expr(cfg.boxes_per_block > 1):
+        sK = cute.flat_divide(sK, (rows, d))                # (rows, d, L, 1, stages)
+        sV = cute.flat_divide(sV, (rows, dv))
+    tKsK, tKgK = cpasync.tma_partition(tma.atom_K, 0, cute.make_layout(1),
+                                       cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+    tVsV, tVgV = cpasync.tma_partition(tma.atom_V, 0, cute.make_layout(1),
+                                       cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+    return tKsK, tKgK, tVsV, tVgV
+
+
+@cute.jit
 def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: TmaLoads, smem: SmemBuffers,
             n_block_min=None):
     """One tile's loads. cfg: the kernel (tile sizes, persistent, shifted rows); kv_base: loads
@@ -82,7 +134,7 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
     n_blocks = n_block_max
     if const_expr(n_block_min is not None):
         n_blocks = n_block_max - n_block_min
-    tn, d, dv, stages = cfg.tile_n, cfg.head_dim, cfg.head_dim_v, cfg.num_stages
+    d = cfg.head_dim
     shifted = cfg.rows_shifted()
     # TMA coordinates of this sequence: rows start at its offset in the packed tensor
     mQ_s = seq_view(tma.tma_Q[None, None, tile.head, tile.batch], tile.offset_q, shifted)
@@ -91,20 +143,14 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
     mK_s = seq_view(tma.tma_K[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted_k)
     mV_s = seq_view(tma.tma_V[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted_k)
     gQ = cute.local_tile(mQ_s, (cfg.wg_m, d), (None, 0))   # (64, d, m64)
-    gK = cute.local_tile(mK_s, (tn, d), (None, 0))         # (tn, d, n_blocks)
-    gV = cute.local_tile(mV_s, (tn, dv), (None, 0))        # (tn, dv, n_blocks)
     tQsQ, tQgQ = cpasync.tma_partition(tma.atom_Q, 0, cute.make_layout(1),
                                        cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-    tKsK, tKgK = cpasync.tma_partition(tma.atom_K, 0, cute.make_layout(1),
-                                       cute.group_modes(smem.sK, 0, 2), cute.group_modes(gK, 0, 2))
-    tVsV, tVgV = cpasync.tma_partition(tma.atom_V, 0, cute.make_layout(1),
-                                       cute.group_modes(smem.sV, 0, 2), cute.group_modes(gV, 0, 2))
+    tKsK, tKgK, tVsV, tVgV = kv_partitions(cfg, tma, smem, mK_s, mV_s)
     first_kv = 0
     if const_expr(cfg.persistent):
         # the first K/V block before Q: its slot frees while the consumers still use the previous Q
         if n_blocks > 0:
-            load_kv(kv_base, key_block(tma.page_table, cfg.blocks_per_page, tn, tile, n_block_max - 1), stages, smem,
-                    tma, tKgK, tKsK, tVgV, tVsV)
+            load_block(cfg, kv_base, tile, n_block_max - 1, smem, tma, tKgK, tKsK, tVgV, tVsV)
         first_kv = 1
     # Q: the nc 64-row slabs on one barrier (it expects all slabs' bytes)
     q_state = pipeline.PipelineState(1, Int32(0), Int32(0), q_phase ^ 1)
@@ -113,5 +159,4 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
         cute.copy(tma.atom_Q, tQgQ[None, tile.m_block * cfg.num_consumers + wg], tQsQ[None, wg],
                   tma_bar_ptr=smem.pipe_Q.producer_get_barrier(q_state))
     for i in cutlass.range(first_kv, n_blocks, unroll=1):
-        load_kv(kv_base + i, key_block(tma.page_table, cfg.blocks_per_page, tn, tile, n_block_max - 1 - i), stages,
-                smem, tma, tKgK, tKsK, tVgV, tVsV)
+        load_block(cfg, kv_base + i, tile, n_block_max - 1 - i, smem, tma, tKgK, tKsK, tVgV, tVsV)
