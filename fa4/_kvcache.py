@@ -11,7 +11,7 @@ that index the cache in place, with no copy:
   log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
 * paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq), page_size a
   multiple of the kernel's key tile (128; 64 at head dim 256) or a divisor of it that is a multiple
-  of 8 (fa4._paged): the kernel reads the pages in place
+  of 16 (fa4._paged): the kernel reads the pages in place
   (fa4._paged), so it is cut into chunks exactly like a dense cache, only the chunks' first keys are
   logical positions and each segment gets its sequence's page-table row;
 * other page sizes: one segment per page, merged the same way.

@@ -4,7 +4,7 @@ A cache (num_pages, page_size, Hkv, D) with page_table (batch, pages per sequenc
 Hopper varlen forward as it is: the kernel's producer looks up the page of every key block it loads
 (stage3_fwd_kernel.components.paged_kv), so no dense copy of the keys is made per call. That needs a
 page size that is a multiple of the forward's key tile (128 rows; 64 at head dim 256), or divides it
-and is a multiple of 8 (then one TMA box per page: 8, 16, 32, 64), and a forward only: the backward
+and is a multiple of 16 (then one TMA box per page: 16, 32, 64), and a forward only: the backward
 reads dense K / V.
 
 Every other paged call -- other page sizes, inputs that need a gradient, seqused_q, head-dim pairs

@@ -134,6 +134,17 @@ def test_paged_in_place_decode_chunks_like_a_dense_cache(splits, page_size):
         assert n == kv._chunks(pages * page_size, splits)[1]
 
 
+def test_page_sizes_read_in_place():
+    from stage3_fwd_kernel.components.paged_kv import check_page_size, page_size_ok
+
+    assert [p for p in (1, 8, 16, 24, 32, 64, 96, 128, 256, 384, 512) if page_size_ok(p, 128)] == \
+        [16, 32, 64, 128, 256, 384, 512]
+    assert [p for p in (16, 32, 64, 128, 192) if page_size_ok(p, 64)] == [16, 32, 64, 128, 192]
+    for bad in (0, -128, 8, 24, True, 128.0):
+        with pytest.raises(ValueError, match="^page_size: "):
+            check_page_size(bad, 128)
+
+
 def test_paged_in_place_prefill_causal_and_window_need_no_gather():
     """A causal prefill and a window over pages read in place run unsplit on the pages themselves
     (the kernel's masks align to seqused_k, which the logical chunk keeps)."""

@@ -1,6 +1,6 @@
 """fa4.flash_attn_with_kvcache on the GPU: FA4's rule against fp32 attention over each sequence's
 cache (the baseline: PyTorch in bf16 on the same keys; both from stage 0's torch reference), for
-split-KV decode, paged caches (shuffled pages: of 8 to 512 keys read in place by the kernel, of 1
+split-KV decode, paged caches (shuffled pages: of 16 to 512 keys read in place by the kernel, of 8
 and 24 keys as per-page segments or a gather), flash_attn_varlen_func(page_table), a causal prefill
 that appends rotated keys in place, a window, softcap + sink, and CUDA-graph replays equal to the
 eager calls."""
@@ -63,7 +63,7 @@ def test_decode_split_kv(splits):
     _check(out, lse, *_truth_and_baseline(q, k, v, lens), f"split {splits}")
 
 
-@pytest.mark.parametrize("page", [24, 1])
+@pytest.mark.parametrize("page", [24, 8])
 def test_paged_decode(page):
     """Page sizes the kernel cannot read in place: one segment per page, merged."""
     b, pages = 2, 4096 // page
@@ -145,7 +145,7 @@ def _unpage(pages, table):
     return pages[table.long()].reshape(table.shape[0], -1, *pages.shape[2:])
 
 
-@pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16), (16, 0), (64, 3), (8, 1)])
+@pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16), (16, 0), (64, 3), (32, 1)])
 def test_paged_decode_in_place(page, splits, no_gather):
     b, pages = 3, 8192 // page
     kp, vp, table = _paged(b, pages, page, 8, 128, 6)
@@ -157,6 +157,19 @@ def test_paged_decode_in_place(page, splits, no_gather):
     dense = fa4.flash_attn_with_kvcache(q, _unpage(kp, table), _unpage(vp, table), cache_seqlens=lens,
                                         num_splits=splits)
     assert torch.equal(out, dense), "pages read in place must equal the same call on a dense cache"
+
+
+@pytest.mark.parametrize("page", [16, 32])
+def test_paged_in_place_tables_exactly_as_wide_as_the_keys(page, no_gather):
+    """A table with ceil(keys / page) columns, not a multiple of the pages per key block: the last
+    block's boxes past the keys must not read past the row (they read no entry)."""
+    lens = torch.tensor([77, 300, 1], dtype=torch.int32, device="cuda")
+    pages = -(-300 // page)                                            # not a multiple of 128 / page
+    kp, vp, table = _paged(3, pages, page, 8, 128, 14)
+    q = torch.randn(3, 1, 32, 128, device="cuda").to(BF16)
+    out, lse = fa4.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=1,
+                                           return_softmax_lse=True)
+    _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), lens), f"narrow table {page}")
 
 
 def test_paged_prefill_in_place_appends_across_pages(no_gather):

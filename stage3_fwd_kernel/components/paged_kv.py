@@ -11,11 +11,12 @@ the sequence is block n % bpp of page page_table[b, n // bpp] (bpp = page_size /
 page), which is block page * bpp + n % bpp of the flat cache. One table read per K/V load, by the
 producer's one issuing lane; the consumers, the mask and the softmax see logical positions only.
 
-With pages smaller than tile_n (a divisor of it, at least 8 rows: the swizzle atom), a block is
+With pages smaller than tile_n (a divisor of it, at least 16 rows), a block is
 L = tile_n / page_size pages: the K and V TMA boxes shrink to one page each and the producer issues
 L of them per block into consecutive row ranges of the ring slot, page page_table[b, n * L + j] for
-box j (the flat cache tiled by page_size rows is indexed by the page itself). The slot's barrier
-still expects the whole block's bytes.
+box j (the flat cache tiled by page_size rows is indexed by the page itself). Lane j of the producer
+warp reads entry j (L reads in parallel) and the issuing lane takes each by a shuffle. The slot's
+barrier still expects the whole block's bytes.
 
 The sequence's first logical key (the tile's offset_k, cu_seqlens_k[b]) is where a split-KV
 segment starts inside the sequence; it is a multiple of tile_n (0 for a whole sequence).
@@ -27,13 +28,15 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 
-MIN_BOX_ROWS = 8  # a TMA box's rows must cover whole 8-row swizzle atoms of the shared-memory tile
+# A box covers whole 8-row swizzle atoms of the shared-memory tile; 16 rows at least because the
+# issuing loop holds one page index per box and 16 boxes of 8 rows spilled the producer's 24 registers
+MIN_BOX_ROWS = 16
 
 
 def page_size_ok(page_size: int, tile_n: int) -> bool:
     """Whether a kernel with key tile tile_n can read pages of page_size in place: a multiple of the
-    tile (one box per block), or a divisor of it that is a multiple of 8 rows (tile_n / page_size
-    boxes per block)."""
+    tile (one box per block), or a divisor of it that is a multiple of MIN_BOX_ROWS rows
+    (tile_n / page_size boxes per block)."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
         return False
     return page_size % tile_n == 0 or (tile_n % page_size == 0 and page_size % MIN_BOX_ROWS == 0)

@@ -74,22 +74,35 @@ def load_kv(i: Int32, n_block: Int32, stages: cutlass.Constexpr[int], smem: Smem
 
 
 @cute.jit
-def load_kv_pages(i: Int32, block: Int32, sequence: Int32, boxes: cutlass.Constexpr[int],
-                  stages: cutlass.Constexpr[int], smem: SmemBuffers, tma: TmaLoads, tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor,
+def block_pages(page_table: cute.Tensor, tile, block: Int32, boxes: cutlass.Constexpr[int],
+                page_size: cutlass.Constexpr[int]) -> Int32:
+    """Lane j < boxes of the producer warp: the page of box j of logical key block `block` (one
+    table read per lane, in parallel; the issuing lane takes them by shuffle). A box past the
+    segment's last key reads no table entry (the row may end there): page 0, whose rows the mask
+    and the V zeroing discard."""
+    lane = cute.arch.lane_idx()
+    entry = block * boxes + lane
+    page = Int32(0)
+    if lane < boxes and entry * page_size < tile.offset_k + tile.seqlen_k:
+        page = page_table[tile.sequence, entry]
+    return page
+
+
+@cute.jit
+def load_kv_pages(i: Int32, page: Int32, boxes: cutlass.Constexpr[int], stages: cutlass.Constexpr[int],
+                  smem: SmemBuffers, tma: TmaLoads, tKgK: cute.Tensor, tKsK: cute.Tensor, tVgV: cute.Tensor,
                   tVsV: cute.Tensor):
-    """load_kv for pages smaller than the key tile (components.paged_kv): logical key block `block` of
-    the sequence is `boxes` pages, box j from page page_table[sequence, block * boxes + j] into rows
-    j * page_size .. of the ring slot; the slot's barrier expects the whole block."""
+    """load_kv for pages smaller than the key tile (components.paged_kv): the block is `boxes`
+    pages, box j from the page lane j holds (block_pages) into rows j * page_size .. of the ring
+    slot; the slot's barrier expects the whole block."""
     st = kv_state(i, stages, producer=True)
-    first = block * boxes
-    # the table is read again for V (an L1 hit) rather than kept: the producer has 24 registers
     smem.pipe_K.producer_acquire(st)
     for j in cutlass.range_constexpr(boxes):
-        cute.copy(tma.atom_K, tKgK[None, tma.page_table[sequence, first + j]], tKsK[None, j, 0, st.index],
+        cute.copy(tma.atom_K, tKgK[None, cute.arch.shuffle_sync(page, j)], tKsK[None, j, 0, st.index],
                   tma_bar_ptr=smem.pipe_K.producer_get_barrier(st))
     smem.pipe_V.producer_acquire(st)
     for j in cutlass.range_constexpr(boxes):
-        cute.copy(tma.atom_V, tVgV[None, tma.page_table[sequence, first + j]], tVsV[None, j, 0, st.index],
+        cute.copy(tma.atom_V, tVgV[None, cute.arch.shuffle_sync(page, j)], tVsV[None, j, 0, st.index],
                   tma_bar_ptr=smem.pipe_V.producer_get_barrier(st))
 
 
@@ -99,8 +112,9 @@ def load_block(cfg, i: Int32, tile, n_block: Int32, smem: SmemBuffers, tma: TmaL
     """The i-th K/V load of the tile, its key block n_block: one box per block, or (pages smaller
     than the key tile) one per page."""
     if const_expr(cfg.boxes_per_block > 1):
-        load_kv_pages(i, logical_block(tile, cfg.tile_n, n_block), tile.sequence, cfg.boxes_per_block,
-                      cfg.num_stages, smem, tma, tKgK, tKsK, tVgV, tVsV)
+        page = block_pages(tma.page_table, tile, logical_block(tile, cfg.tile_n, n_block), cfg.boxes_per_block,
+                           cfg.box_rows)
+        load_kv_pages(i, page, cfg.boxes_per_block, cfg.num_stages, smem, tma, tKgK, tKsK, tVgV, tVsV)
     else:
         load_kv(i, key_block(tma.page_table, cfg.blocks_per_page, cfg.tile_n, tile, n_block), cfg.num_stages, smem,
                 tma, tKgK, tKsK, tVgV, tVsV)
