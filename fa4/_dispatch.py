@@ -105,8 +105,9 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "softcap": (True, "softcap > 0: scaled scores become softcap * tanh(s / softcap) (Gemma 2), in the backward too"),
     "learnable_sink": (True, "learnable_sink (heads_q,): one logit per query head joins each row's softmax "
                              "denominator (gpt-oss); differentiable, lse includes it"),
-    "paged_kv_cache": (True, "flash_attn_with_kvcache(block_table=...) reads pages in place (sm_90, forward); "
-                             "flash_attn_varlen_func(page_table=...) gathers the pages into a padded copy"),
+    "paged_kv_cache": (True, "block_table / page_table: read in place by the sm_90 forward for pages of 16, 32, "
+                             "64 or a multiple of 128 keys (64 at head dim 256) when nothing needs a gradient; "
+                             "other pages are gathered into a copy (varlen) or split per page (kvcache)"),
     "fp8": (False, "not supported"),
 }
 
