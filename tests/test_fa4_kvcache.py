@@ -91,17 +91,31 @@ def test_decode_dense_split_and_packed(splits, heads):
     assert out[1].abs().max() == 0 and torch.isinf(lse[1]).all()
 
 
-def test_paged_decode_matches_dense_cache():
+@pytest.mark.parametrize("ps", [4, 160])
+def test_paged_decode_matches_dense_cache(ps):
+    """Pages the kernel cannot read in place: small ones through a dense copy, larger ones (>=
+    MIN_SEGMENT_PAGE) as one segment each."""
     g = _gen(2)
-    b, hq, hkv, d, ps, pages = 2, 6, 2, 16, 4, 5
+    b, hq, hkv, d, pages = 2, 6, 2, 16, 5
     pool = 16
     kp = torch.randn(pool, ps, hkv, d, generator=g, dtype=torch.float64)
     vp = torch.randn(pool, ps, hkv, d, generator=g, dtype=torch.float64)
     table = torch.randperm(pool, generator=g)[:b * pages].view(b, pages).to(torch.int32)
-    lens = torch.tensor([17, 9], dtype=torch.int32)            # partial last pages
+    lens = torch.tensor([4 * ps + 1, 2 * ps + 1], dtype=torch.int32)            # partial last pages
     q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
     sink = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0, -0.5], dtype=torch.float64)
-    out, lse = call(q, kp, vp, cache_seqlens=lens, block_table=table, learnable_sink=sink, softcap=3.0)
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(args[4].shape[0] - 1)   # segments
+        return stand_in(*args, **kw)
+
+    out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, learnable_sink=sink, softcap=3.0,
+                               varlen=spy, sm_count=16, return_softmax_lse=True)
+    if ps >= kv.MIN_SEGMENT_PAGE:
+        assert seen[0] == b * pages        # one segment per page
+    else:
+        assert seen[0] < b * pages         # a dense copy, split like any dense cache
     dense_k, dense_v = kv.gather_pages(kp, table), kv.gather_pages(vp, table)
     _check(out, lse, q, dense_k, dense_v, lens, softcap=3.0, sink=sink)
 

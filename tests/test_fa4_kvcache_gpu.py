@@ -63,10 +63,11 @@ def test_decode_split_kv(splits):
     _check(out, lse, *_truth_and_baseline(q, k, v, lens), f"split {splits}")
 
 
-@pytest.mark.parametrize("page", [24, 8])
+@pytest.mark.parametrize("page", [24, 8, 160])
 def test_paged_decode(page):
-    """Page sizes the kernel cannot read in place: one segment per page, merged."""
-    b, pages = 2, 4096 // page
+    """Page sizes the kernel cannot read in place: gathered into a dense copy (pages < 128 keys) or one
+    segment per page (160)."""
+    b, pages = 2, -(-4096 // page)
     kp, vp = _cache(b * pages + 3, page, 8, 128, 2)
     kp, vp = kp.view(-1, page, 8, 128), vp.view(-1, page, 8, 128)
     table = torch.randperm(kp.shape[0], device="cuda")[:b * pages].view(b, pages).to(torch.int32)
