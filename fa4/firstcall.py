@@ -21,11 +21,12 @@ steps are timed in the order a real first call takes them:
     second forward       (GPU) the steady state, for scale
     first backward       (GPU, --backward) split the same way
 
-Three runs: cold (an empty FA4_CACHE_DIR), warm (a fresh process after `python -m fa4
-precompile --shapes ...` filled another empty directory with exactly this call's kernels) and, on a
-GPU, plans (a fresh process on the cold run's directory, where the cold run's second forward and
-backward recorded launch plans, fa4/_plans.py: the calls replay without importing CuTe-DSL, so the
-"import cutlass" and "import kernels" rows are absent). The table shows all; --json writes every
+Runs: cold (an empty FA4_CACHE_DIR), warm (a fresh process after `python -m fa4 precompile --shapes
+...` filled another empty directory with exactly this call's kernels) and, on a GPU, plans (a fresh
+process on the cold run's directory, where the cold run's second forward and backward recorded
+launch plans, fa4/_plans.py: the calls replay without importing CuTe-DSL, so the "import cutlass"
+and "import kernels" rows are absent) and precompiled (the same, on a directory that only
+`precompile --shapes ... --plans BATCH` filled: kernels and plans without the model having run). The table shows all; --json writes every
 number. "first calls above torch" is the goal's measure: the steps from `import fa4` to the finished
 first forward (and backward), without the second calls and without the measuring child's own
 bookkeeping ("in process" has both).
@@ -238,9 +239,12 @@ def shape_spec(cfg: dict) -> str:
             f"seqlen={cfg['seqlen']},dtype={cfg['dtype']}")
 
 
-def precompile(cfg: dict, cache_dir: pathlib.Path, timeout: int = 1800) -> float:
-    """`python -m fa4 precompile --shapes` for exactly this call, in its own process; its wall time."""
+def precompile(cfg: dict, cache_dir: pathlib.Path, timeout: int = 1800, plans: bool = False) -> float:
+    """`python -m fa4 precompile --shapes` for exactly this call, in its own process; its wall time.
+    plans: also `--plans BATCH` (a GPU): the call's launch plans are recorded too."""
     cmd = [sys.executable, "-m", "fa4", "precompile", "--shapes", shape_spec(cfg)]
+    if plans:
+        cmd += ["--plans", str(cfg["batch"])]
     if not cfg["backward"]:
         cmd.append("--no-backward")
     env = dict(os.environ, FA4_CACHE_DIR=str(cache_dir))
@@ -325,17 +329,22 @@ def main(args) -> int:
             runs["warm" if i == 0 else f"warm{i + 1}"] = run_child(cfg, root / "warm")
         if runs["cold"]["gpu"]:
             runs["plans"] = run_child(dict(cfg, plans=True), root / "cold")
+            # kernels and plans from `precompile --plans` alone, the model never having run
+            pre_plans = precompile(cfg, root / "precompiled", plans=True)
+            print(f"precompile --shapes {shape_spec(cfg)} --plans {cfg['batch']}: {pre_plans:.2f} s", flush=True)
+            runs["precompiled"] = run_child(dict(cfg, plans=True), root / "precompiled")
         print(table(runs))
         warm = runs["warm"]
         print(f"cold: {first_calls_s(runs['cold']):.2f} s from `import fa4` to the finished first calls")
         above = first_calls_s(warm)
         print(f"warm: {above:.2f} s above `import torch` (goal <= 0.5 s); "
               f"{warm['stats']['misses']} compile(s), {warm['stats']['disk_hits']} disk hit(s)")
-        if "plans" in runs:
-            p = runs["plans"]
-            above = first_calls_s(p)
-            print(f"plans: {above:.2f} s above `import torch` (goal <= 0.5 s); {p['stats']['plan_replays']} "
-                  f"replayed call(s), CuTe-DSL {'imported' if p['stats']['cutlass_imported'] else 'not imported'}")
+        for name in ("plans", "precompiled"):
+            if name in runs:
+                p = runs[name]
+                print(f"{name}: {first_calls_s(p):.2f} s above `import torch` (goal <= 0.5 s); "
+                      f"{p['stats']['plan_replays']} replayed call(s), CuTe-DSL "
+                      f"{'imported' if p['stats']['cutlass_imported'] else 'not imported'}")
         hint = bytecode_hint()
         if hint:
             print("note: " + hint)

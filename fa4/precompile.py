@@ -675,6 +675,47 @@ def _derived_workloads(args) -> Optional[list]:
     return shapes
 
 
+def record_plans(workloads: Iterable[Workload], batches: Iterable[int], *, backward: bool = True, out=None) -> list:
+    """--plans (needs a GPU): run each workload's exact call -- contiguous (batch, seqlen, heads, d)
+    q, k, v of one length, for every batch size given -- twice, forward and (unless --no-backward) the
+    backward of out.float().sum(), so that fa4 records its launch plans (fa4/_plans.py) beside the
+    kernels. A later process making the same call replays them without importing CuTe-DSL (the first
+    call's 0.5 s goal). Only calls of exactly these shapes, dtypes and strides match a plan; a model's
+    own second calls record any others. Returns one row per call: recorded / unrecordable counts."""
+    import torch
+
+    import fa4
+    from . import _plans
+
+    out = out or sys.stdout
+    dts = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    rows = []
+    for w in workloads:
+        if w.max_seqlen is None:
+            raise ValueError(f"--plans: give each --shapes item its length (seqlen=N), got {w}")
+        for b in batches:
+            dt, s, grad = dts[w.dtype], w.max_seqlen, backward
+            q = torch.randn(b, s, w.heads_q, w.head_dim, device="cuda", dtype=dt, requires_grad=grad)
+            k = torch.randn(b, s, w.heads_kv, w.head_dim, device="cuda", dtype=dt, requires_grad=grad)
+            v = torch.randn(b, s, w.heads_kv, w.head_dim_v, device="cuda", dtype=dt, requires_grad=grad)
+            sink = torch.zeros(w.heads_q, device="cuda", requires_grad=grad) if w.sink else None
+            before = _plans.stats()
+            outs = [fa4.flash_attn_func(q, k, v, causal=w.causal, window_size=w.window or (None, None),
+                                        softcap=w.softcap, learnable_sink=sink) for _ in range(2)]
+            if backward:
+                for o in outs:
+                    o.float().sum().backward()
+            torch.cuda.synchronize()
+            after = _plans.stats()
+            row = dict(batch=b, seqlen=s, workload=str(w), recorded=after["recorded"] - before["recorded"],
+                       unrecordable=after["unrecordable"] - before["unrecordable"])
+            rows.append(row)
+            print(f"plans  {w.dtype} d={w.head_dim}/{w.head_dim_v} heads={w.heads_q}/{w.heads_kv} batch={b} "
+                  f"seqlen={s}{' causal' if w.causal else ''}: {row['recorded']} recorded"
+                  + (f", {row['unrecordable']} not recordable" if row["unrecordable"] else ""), file=out, flush=True)
+    return rows
+
+
 def main(args) -> int:
     try:
         import torch
@@ -693,6 +734,10 @@ def main(args) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"--model-config: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    plans = getattr(args, "plans", None)
+    if plans and not args.shapes:
+        print("--plans: only with --shapes (each item's seqlen is the recorded call's length)", file=sys.stderr)
+        return 2
     if workloads is not None:
         clash = [opt for opt, on in (("--all", args.all), ("--head-dims", args.head_dims),
                                      ("--causal", args.causal != "both"), ("--heads", getattr(args, "heads", None)))
@@ -700,10 +745,19 @@ def main(args) -> int:
         if clash:
             print(f"--shapes / --model-config say what to build: leave out {', '.join(clash)}", file=sys.stderr)
             return 2
+        if plans and not (gpu and not args.arch):
+            print("--plans: needs a CUDA GPU (it runs the calls) and no --arch", file=sys.stderr)
+            return 2
         builds = derive_builds(workloads, arch_key, backward=not args.no_backward,
                                varlen=getattr(args, "varlen", False))
         rows = build_derived(builds, arch_key=arch_key, gpu=gpu and not args.arch)
-        return 1 if any("error" in r for r in rows) else 0
+        if plans:
+            try:
+                rows += record_plans(workloads, plans, backward=not args.no_backward)
+            except ValueError as exc:
+                print(str(exc), file=sys.stderr)
+                return 2
+        return 1 if any("error" in r or r.get("unrecordable") for r in rows) else 0
     causal = {"both": None, "yes": True, "no": False}[args.causal]
     hds = [int(x) if "/" not in x else tuple(int(y) for y in x.split("/")) for x in args.head_dims.split(",")] \
         if args.head_dims else None
@@ -749,6 +803,10 @@ def add_arguments(p):
                         "up to --max-seqlen or max_position_embeddings)")
     p.add_argument("--varlen", action="store_true",
                    help="with --shapes / --model-config: also the varlen forward (and backward) kernels")
+    p.add_argument("--plans", type=_batch_list, default=None, metavar="B[,B...]",
+                   help="with --shapes on a GPU: also run each call (these batch sizes, the item's seqlen as its "
+                        "length) twice so fa4 records its launch plans: a later process then skips importing "
+                        "CuTe-DSL for exactly these calls")
     p.add_argument("--decode", action="store_true",
                    help="with --shapes / --model-config: also what decoding launches (<= 64 query rows: "
                         "flash_attn_func, and flash_attn_with_kvcache's forward and split-KV merge)")
@@ -764,6 +822,10 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
+
+
+def _batch_list(text: str) -> list[int]:
+    return [_positive_int(x) for x in str(text).split(",") if x.strip()]
 
 
 def run(argv: Optional[list] = None) -> int:

@@ -52,6 +52,18 @@ def test_shape_specs_parse_and_reject():
             precompile.parse_shapes(bad)
 
 
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_precompile_plans_needs_shapes_and_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert precompile.run(["--head-dims", "64", "--plans", "1"]) == 2
+    assert "--plans: only with --shapes" in capsys.readouterr().err
+    assert precompile.run(["--shapes", "d=64,seqlen=128", "--plans", "1,2"]) == 2
+    assert "--plans: needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        precompile.run(["--shapes", "d=64,seqlen=128", "--plans", "0"])
+
+
 def _kinds(builds):
     return [(b["kind"], b["head_dim"], b["causal"], tuple(b["variant"].get("window_size", (None, None))),
              b["variant"].get("softcap", 0.0), b["variant"].get("learnable_sink", False)) for b in builds]

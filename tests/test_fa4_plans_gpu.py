@@ -101,3 +101,36 @@ def test_replay_on_a_side_stream_and_with_one_tensor_as_q_k_v(tmp_path, monkeypa
                                                            is_causal=True).transpose(1, 2)
     assert (sep.float() - ref).abs().max() < 0.05
     _plans.forget()
+
+
+PRECOMPILED_CALL = r"""
+import json, sys
+import torch
+import fa4
+from fa4 import _plans
+
+q, k, v = (torch.randn(2, 256, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+out = fa4.flash_attn_func(q, k, v, causal=True)
+out.float().sum().backward()
+torch.cuda.synchronize()
+cutlass = any(m == "cutlass" or m.startswith("cutlass.") for m in sys.modules)
+print("PLANS " + json.dumps({"stats": _plans.stats(), "cutlass": cutlass, "finite": bool(q.grad.isfinite().all())}))
+"""
+
+
+def test_precompile_plans_serve_a_fresh_process_without_the_dsl(tmp_path):
+    """`precompile --shapes ... --plans 2` alone (no model run) leaves kernels and launch plans that a
+    fresh process making exactly that call replays for its forward and backward."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, FA4_CACHE_DIR=str(cache))
+    for name in ("FA4_CACHE", "FA4_PLANS"):
+        env.pop(name, None)
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    pre = subprocess.run([sys.executable, "-m", "fa4", "precompile", "--shapes", "d=64,heads=4/2,causal,seqlen=256",
+                          "--plans", "2"], env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    assert pre.returncode == 0 and "2 recorded" in pre.stdout, pre.stdout[-3000:] + pre.stderr[-3000:]
+    res = subprocess.run([sys.executable, "-c", PRECOMPILED_CALL], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=root)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("PLANS ")).split(" ", 1)[1])
+    assert got["stats"]["replays"] == 2 and not got["cutlass"] and got["finite"], got
