@@ -107,7 +107,7 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "denominator (gpt-oss); differentiable, lse includes it"),
     "paged_kv_cache": (True, "block_table / page_table: read in place by the sm_90 forward for pages of 16, 32, "
                              "64 or a multiple of 128 keys (64 at head dim 256) when nothing needs a gradient; "
-                             "other pages are gathered into a dense copy (kvcache: one segment per page from 128 keys)"),
+                             "other pages are gathered into a dense copy (kvcache decode: one segment per page from 128 keys)"),
     "fp8": (False, "not supported"),
 }
 

@@ -131,6 +131,8 @@ def paged_chunks(seqlens_k, block_table, page_size: int, n: int) -> tuple[Segmen
     row repeated n times: (B n, P) int32."""
     b, p = block_table.shape
     chunk, n = _chunks(p * page_size, n)
+    if n > 1 and chunk % 128:  # a table of under 128 keys: the kernel needs starts on key-tile borders
+        chunk, n = p * page_size, 1
     dev = seqlens_k.device
     starts = _constant(("starts", dev, n, chunk),
                        lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))   # (n,)

@@ -60,9 +60,12 @@ def native_pair(arch: _dispatch.ArchInfo, d: int, dv: int):
 
 def gather_pages(cache, block_table):
     """A dense (B, P * page_size, H, D) copy of a paged cache's sequences (block_table (B, P) page
-    indices): flash_attn_with_kvcache's fallback and varlen's page_table."""
+    indices): flash_attn_with_kvcache's fallback and varlen's page_table. Entries past a sequence's
+    keys may hold anything (a server pads its tables): they are clamped to a valid page, whose rows
+    the call never uses."""
     b, p = block_table.shape
-    return cache[block_table.to(torch.int64)].reshape(b, p * cache.shape[1], *cache.shape[2:])
+    pages = block_table.clamp(0, cache.shape[0] - 1).to(torch.int64)                       # (B, P)
+    return cache[pages].reshape(b, p * cache.shape[1], *cache.shape[2:])
 
 
 def _pad_last(t, size):
@@ -124,9 +127,9 @@ class VarlenLayout:
     def unpage(k, v, page_table):
         """A paged k / v (num_pages, page_size, H, *) as padded (batch, pages * page_size, H, *) copies
         (flash_attn_with_kvcache's page gather); entries past a sequence's keys are clamped to a
-        valid page, whatever they held. A copy per call: the kernels do not read pages in place yet."""
-        pages = page_table.clamp(0, k.shape[0] - 1)                                      # (B, P)
-        return gather_pages(k, pages), gather_pages(v, pages)
+        valid page, whatever they held (gather_pages). A copy per call: the path for page sizes and
+        calls the kernel cannot read in place (fa4/_paged.py)."""
+        return gather_pages(k, page_table), gather_pages(v, page_table)
 
     @classmethod
     def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q):

@@ -26,7 +26,8 @@ def in_place(q, k_pages, v_pages) -> bool:
         return False
     backend = _dispatch.backend_for(q.device)
     d, dv = q.shape[-1], v_pages.shape[-1]
-    return (d, dv) in backend.arch.head_dims and backend.paged_in_place(d, dv, k_pages.shape[1])
+    # int(): a symbolic page size under torch.compile's dynamic shapes is guarded to its value
+    return (d, dv) in backend.arch.head_dims and backend.paged_in_place(int(d), int(dv), int(k_pages.shape[1]))
 
 
 def needs_grad(*tensors) -> bool:

@@ -308,3 +308,46 @@ def test_readme_decode_table_is_generated_from_the_committed_results():
     block = (root / "fa4/README.md").read_text().split("<!-- decode-table:start -->\n")[1].split(
         "\n<!-- decode-table:end -->")[0]
     assert block == bench_decode.markdown_table(doc) and "| 1 x 128k |" in block
+
+
+def test_paged_in_place_split_of_a_short_table_keeps_tile_aligned_starts():
+    """Under 128 keys in the whole table, an explicit split would start segments off the key tile's
+    borders (the kernel rounds a start down to its block): one segment instead."""
+    g = _gen(21)
+    b, hq, hkv, d, ps, pages = 2, 4, 2, 16, 16, 4
+    kp = torch.randn(12, ps, hkv, d, generator=g, dtype=torch.float64)
+    vp = torch.randn(12, ps, hkv, d, generator=g, dtype=torch.float64)
+    table = torch.randperm(12, generator=g)[:b * pages].view(b, pages).to(torch.int32)
+    lens = torch.tensor([64, 37], dtype=torch.int32)
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=2, varlen=stand_in,
+                               sm_count=16, return_softmax_lse=True, paged_in_place=True)
+    _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens)
+
+
+def test_padded_block_table_entries_past_the_keys_are_never_indexed():
+    """A server pads its tables with any value: the dense-copy fallback (pages < 128 keys the kernel
+    cannot read in place) must not index with entries past a sequence's keys."""
+    g = _gen(22)
+    b, hq, hkv, d, ps, pages = 2, 4, 2, 16, 8, 4
+    kp = torch.randn(10, ps, hkv, d, generator=g, dtype=torch.float64)
+    vp = torch.randn(10, ps, hkv, d, generator=g, dtype=torch.float64)
+    table = torch.tensor([[3, 7, 1_000_000, -5], [0, 9, 2, 4]], dtype=torch.int32)
+    lens = torch.tensor([13, 30], dtype=torch.int32)
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    out, lse = call(q, kp, vp, cache_seqlens=lens, block_table=table)
+    _check(out, lse, q, kv.gather_pages(kp, table.clamp(0, 9)), kv.gather_pages(vp, table.clamp(0, 9)), lens)
+
+
+def test_stage3_paged_value_checks_name_the_argument():
+    from stage3_fwd_kernel.hopper.host import check_paged_values
+
+    table = torch.tensor([[4, 1, 99], [2, 3, 0]], dtype=torch.int32)
+    ok = dict(num_pages=5, page_size=16, tile_n=16)
+    check_paged_values(table, torch.tensor([0, 16]), torch.tensor([32, 32]), **ok)   # page 99 is never used
+    with pytest.raises(ValueError, match="^cu_seqlens_k: "):
+        check_paged_values(table, torch.tensor([8, 0]), torch.tensor([8, 8]), **ok)
+    with pytest.raises(ValueError, match="^seqused_k: "):
+        check_paged_values(table, torch.tensor([0, 16]), torch.tensor([8, 40]), **ok)
+    with pytest.raises(ValueError, match="^page_table: row 0 uses page 99"):
+        check_paged_values(table, torch.tensor([0, 0]), torch.tensor([33, 8]), **ok)

@@ -105,7 +105,8 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
             i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
             host_io.fake_lse() if split_tail else None, Int32(1), host_io.fake_f32_vector() if sink else None,
-            host_io.fake_i32_matrix() if paged else None, host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
+            host_io.fake_i32_matrix() if paged else None,
+            host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
 def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False,
@@ -221,6 +222,22 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     return out, lse
 
 
+def check_paged_values(page_table, first_keys, seqused_k, num_pages: int, page_size: int, tile_n: int):
+    """The value half of a paged call's contract (copies the small index tensors to the host): each
+    sequence's first logical key a multiple of tile_n, its keys within its table row, and the pages
+    it uses in [0, num_pages)."""
+    table, starts, used = page_table.tolist(), first_keys.tolist(), seqused_k.tolist()
+    for b, (row, start, n) in enumerate(zip(table, starts, used)):
+        if start % tile_n or start < 0:
+            raise ValueError(f"cu_seqlens_k: with page_table, entry {b} ({start}) must be a multiple of {tile_n}")
+        if n < 0 or start + n > len(row) * page_size:
+            raise ValueError(f"seqused_k: sequence {b} uses keys {start} .. {start + n} but its table row holds "
+                             f"{len(row) * page_size}")
+        bad = [p for p in row[start // page_size:-(-(start + n) // page_size)] if not 0 <= p < num_pages]
+        if bad:
+            raise ValueError(f"page_table: row {b} uses page {bad[0]}, outside [0, {num_pages})")
+
+
 def paged_cache_inputs(k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, tile_n: int):
     """A paged cache's k (num_pages, page_size, Hkv, D) / v (..., Dv) as the flat varlen rows
     (num_pages * page_size, Hkv, D) the kernel reads through page_table (components.paged_kv), checked.
@@ -270,9 +287,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     tile_m, persistent, window_size, softcap, learnable_sink: as in attention_forward. (When k has
     no rows at all nothing is launched and out / lse are filled with 0 / -inf, or the sink, entirely.)
     page_table (int32 (batch, pages per sequence)): k / v are a paged cache (num_pages, page_size,
-    Hkv, D) with page_size a multiple of the key tile (128; 64 at head dim 256), read in place
-    (components.paged_kv); seqused_k is then required, and cu_seqlens_k (None = zeros) holds each
-    sequence's first logical key, a multiple of the key tile.
+    Hkv, D) with page_size a multiple of the key tile (128; 64 at head dim 256), or 16 / 32 / 64 rows
+    dividing it, read in place (components.paged_kv); seqused_k is then required, and cu_seqlens_k
+    (None = zeros) holds each sequence's first logical key, a multiple of the key tile (not
+    necessarily rising: split segments of one sequence share its table row). check_values then
+    checks those starts, start + seqused_k <= pages x page_size and the page indices used.
 
     The host views every packed tensor as a batch of one, (1, total, H, D), so the TMA tensor maps
     are the dense ones; a CTA shifts its coordinates by its sequence's row offset. Extra Q rows of a
@@ -294,9 +313,14 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
     check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
     out, lse = _outputs(out, lse, (tq, hq, dv), (hq, tq), q)
-    if check_values:
+    if check_values and page_table is not None:
+        no_offsets = cu_seqlens_q.new_zeros(cu_seqlens_q.shape)  # the key checks are check_paged_values
+        host_io.check_varlen_values(tq, k.shape[0], cu_seqlens_q, no_offsets, max_seqlen_q, batch_map=batch_map)
+        check_paged_values(page_table, cu_seqlens_k, seqused_k, k.shape[0] // page_size, page_size,
+                           default_tile_n(d, dv))
+    elif check_values:
         host_io.check_varlen_values(tq, k.shape[0], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                   seqused_k=None if page_table is not None else seqused_k, batch_map=batch_map)
+                                   seqused_k=seqused_k, batch_map=batch_map)
     batch = cu_seqlens_q.shape[0] - 1
     if batch == 0 or tq == 0 or hq == 0 or max_seqlen_q == 0:
         return out, lse
