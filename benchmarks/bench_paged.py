@@ -334,28 +334,27 @@ def _tokens(n: int) -> str:
     return f"{n // 1024}k" if n % 1024 == 0 else str(n)
 
 
+def _table(rows: list, peers: tuple, metric: str, shape_key: str, shape_label: str, ratios: dict) -> str:
+    """One line per (batch x length, page size): each peer's median `metric`, then the `ratios`
+    (column title -> row key) as multipliers."""
+    names = [n for n in peers if any(n in r["peers"] or n in r.get("errors", {}) for r in rows)]
+    lines = [f"| {shape_label} | page | " + " | ".join(names + list(ratios)) + " |",
+             "|---" * (len(names) + len(ratios) + 2) + "|"]
+    for r in rows:
+        cells = [_cell(r, n, metric) for n in names] + [_ratio(r.get(key)) for key in ratios.values()]
+        lines.append(f"| {r['batch']} x {_tokens(r[shape_key])} | {r['page_size']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def decode_table(rows: list) -> str:
     """Achieved GB/s per peer (median of the rounds), one line per (batch x cache, page size)."""
-    names = [n for n in DECODE_PEERS if any(n in r["peers"] or n in r.get("errors", {}) for r in rows)]
-    lines = ["| batch x cache | page | " + " | ".join(names) + " | fa4 paged/dense |",
-             "|---" * (len(names) + 3) + "|"]
-    for r in rows:
-        cells = [_cell(r, n, "gb_per_s") for n in names]
-        lines.append(f"| {r['batch']} x {_tokens(r['cache'])} | {r['page_size']} | " + " | ".join(cells)
-                     + f" | {_ratio(r.get('paged_vs_dense'))} |")
-    return "\n".join(lines)
+    return _table(rows, DECODE_PEERS, "gb_per_s", "cache", "batch x cache", {"fa4 paged/dense": "paged_vs_dense"})
 
 
 def prefill_table(rows: list) -> str:
     """TFLOP/s per peer (median of the rounds) and the paged / dense ratios, one line per (shape, page size)."""
-    names = [n for n in PREFILL_PEERS if any(n in r["peers"] or n in r.get("errors", {}) for r in rows)]
-    lines = ["| batch x seqlen | page | " + " | ".join(names) + " | fa4 paged/dense | official paged/dense |",
-             "|---" * (len(names) + 4) + "|"]
-    for r in rows:
-        cells = [_cell(r, n, "tflops") for n in names]
-        lines.append(f"| {r['batch']} x {_tokens(r['seqlen'])} | {r['page_size']} | " + " | ".join(cells)
-                     + f" | {_ratio(r.get('fa4_paged_vs_dense'))} | {_ratio(r.get('official_paged_vs_dense'))} |")
-    return "\n".join(lines)
+    return _table(rows, PREFILL_PEERS, "tflops", "seqlen", "batch x seqlen",
+                  {"fa4 paged/dense": "fa4_paged_vs_dense", "official paged/dense": "official_paged_vs_dense"})
 
 
 def markdown_tables(doc: dict) -> str:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from benchmarks import bench_paged
+from test_fa4_kvcache import stand_in  # the varlen kernel's contract in float64 (tests/ is on the path)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
 
@@ -135,25 +136,6 @@ def test_cli_help_and_argument_checks(capsys):
             bench_paged.parse_args(bad)
 
 
-def _varlen_stand_in(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap):
-    """The varlen kernel's contract for unmasked rows in float64: sequence i's query rows cu_q[i]:cu_q[i+1]
-    attend to keys cu_k[i]:cu_k[i]+used[i] (GQA by repeating KV heads). (out (T, H, Dv), lse (H, T))."""
-    assert not causal and tuple(window) == (None, None) and not softcap
-    group = q.shape[1] // k.shape[1]
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
-    for i in range(used.shape[0]):
-        qa, qb, ka, n = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(used[i])
-        if qb == qa or n == 0:
-            continue
-        keys = k[ka:ka + n].double().repeat_interleave(group, 1)
-        values = v[ka:ka + n].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[qa:qb].double(), keys) * scale
-        lse[:, qa:qb] = scores.logsumexp(-1)
-        out[qa:qb] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-    return out, lse
-
-
 def test_fa4_reads_the_built_pages_like_the_dense_cache():
     """fa4's block-table plan (kernel replaced by a torch stand-in) over build_paged's pages gives the
     dense cache's answer: the table means to fa4 what build_paged means by it."""
@@ -168,7 +150,7 @@ def test_fa4_reads_the_built_pages_like_the_dense_cache():
     k_pages, v_pages, table = bench_paged.build_paged(k, v, lens, 16, g)
 
     def run(kc, vc, **kw):
-        return _kvcache.with_kvcache(q, kc, vc, cache_seqlens=lens, varlen=_varlen_stand_in, sm_count=16, **kw)
+        return _kvcache.with_kvcache(q, kc, vc, cache_seqlens=lens, varlen=stand_in, sm_count=16, **kw)
 
     paged, dense = run(k_pages, v_pages, block_table=table), run(k, v)
     torch.testing.assert_close(paged, dense, rtol=1e-9, atol=1e-9)
