@@ -713,6 +713,10 @@ def _op_samples():
         ("varlen_fwd", torch.ops.fa4.varlen_fwd.default, (qv, kv, vv, cu, cu, None, 8, 12, 0.125, True, False, True)),
         ("varlen_bwd", torch.ops.fa4.varlen_bwd.default,
          (ov, qv, kv, vv, ov, lv, lv, cu, cu, cu[:2], 8, 12, 0.125, False, False)),
+        # a paged cache of 5 pages of 16 keys, 2 sequences with 2 table entries each (forward only)
+        ("paged_varlen_fwd", torch.ops.fa4.paged_varlen_fwd.default,
+         (qv, meta(5, 16, 2, 64), meta(5, 16, 2, 64), torch.zeros(2, 2, dtype=torch.int32, device="meta"), cu, cu,
+          cu[:2], 8, 32, 0.125, True)),
     ]
 
 
