@@ -11,7 +11,7 @@ Modules (the ladder, hopper_step1..4, teaches the same techniques one at a time)
   scheduling.py .. persistent CTAs or one CTA per tile (default_persistent)
   split_tail.py .. the last partial wave cut along the keys
   kernel.py ...... FlashAttentionForwardSm90: launch, shared memory, producer / consumer roles
-  producer.py .... TMA loads of Q and the K/V ring
+  producer.py .... TMA loads of Q and the K/V ring (a paged cache through its page table)
   mainloop.py .... a consumer's walk over key blocks (overlapped S / P V, descriptors built once)
   softmax.py ..... online softmax with the conditional rescale (warp vote)
   epilogue.py .... O /= l, lse, O via smem / from registers / into the split workspace

@@ -5,6 +5,10 @@ then every visible K/V block, each as soon as its ring slot is free, last block 
 the consumers walk them). A persistent CTA loads a tile's first K/V block before its Q: that slot
 frees while the consumers still read the previous tile's Q, which they release after their last
 S = Q K^T.
+
+A paged K/V cache (components.paged_kv) changes only where a block comes from: its coordinate in
+the flat cache through the page table (`load_block`), one box per block, or one box per page when
+pages are smaller than the key tile (`load_kv_pages`).
 """
 from __future__ import annotations
 
