@@ -22,8 +22,7 @@ import torch
 
 from . import _ops, _paged
 from ._layouts import VarlenLayout, pad_head_dims
-from ._validate import (check_fixed, check_page_table, check_unservable, check_variants, check_varlen,
-                        check_varlen_sides)
+from ._validate import check_fixed, check_unservable, check_variants, check_varlen, check_varlen_sides
 
 # What a positional argument after q, k, v meant elsewhere, for the keyword-only TypeError.
 _FIXED_HINT = ("FlashAttention-2's 4th positional argument is dropout_p (then softmax_scale, causal), and earlier "
@@ -70,7 +69,7 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     check_unservable(num_splits, pack_gqa, dropout_p)
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
             _paged.in_place(q, k, v):
-        return _paged_varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,
+        return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,
                                   softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse)
     q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                      max_seqlen_q, max_seqlen_k, page_table)
@@ -82,24 +81,6 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     out, lse = _ops.varlen_attention(lay.q, lay.k, lay.v, lay.cu_q, lay.cu_k, lay.seqused_k, lay.max_q, lay.max_k,
                                      scale, causal, deterministic, return_lse, (left, right), softcap, sink)
     return lay.restore(unpad(out), lse)
-
-
-def _paged_varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, softmax_scale,
-                       causal, window_size, learnable_sink, softcap, deterministic, return_lse):
-    """varlen_attention_pair for a paged cache read in place (fa4._paged): the same checks, run on
-    zero-stride (batch, pages * page_size) stand-ins for the gathered keys (shapes only, no copy)."""
-    check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table)
-    b, p = page_table.shape
-    keys = p * k.shape[1]
-    k_shape = k.as_strided((b, keys) + tuple(k.shape[2:]), (0, 0) + tuple(k.stride()[2:]))
-    v_shape = v.as_strided((b, keys) + tuple(v.shape[2:]), (0, 0) + tuple(v.stride()[2:]))
-    q, k_flat, v_flat, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k_shape, v_shape, cu_seqlens_q,
-                                                                               None, max_seqlen_q, None)
-    q, _, _, cu_q, _, used, max_q, _, scale = check_varlen(q, k_flat, v_flat, cu_q, cu_k, max_q, max_k, softmax_scale,
-                                                           causal, deterministic, return_lse, seqused_k, None)
-    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
-    return _paged.varlen_pair(q, k, v, page_table, cu_q, used, max_q, scale, causal, (left, right), softcap, sink,
-                              padded_q)
 
 
 @keyword_only_after_qkv(_FIXED_HINT)

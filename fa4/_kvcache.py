@@ -106,15 +106,22 @@ def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int) -> Segments:
     the first rows are a constant of the shapes and only the keys used are computed per call."""
     chunk, n = _chunks(s_cache, n)
     dev, b = seqlens_k.device, seqlens_k.shape[0]
-    starts = _constant(("starts", dev, n, chunk),
-                       lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))  # (n,)
-    used = (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)                              # (B, n)
+    starts, used = _chunk_keys(seqlens_k, n, chunk)
     if cache_rows is None:
         cu_k = _constant(("dense_cu_k", dev, b, n, chunk, s_cache),
                          lambda: _pad_one(identity_rows(b, dev).view(-1, 1) * s_cache + starts))  # (B n + 1,)
         return Segments(cu_k, used.reshape(-1), n, chunk)
     first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
     return _pack(first, used, n, chunk)
+
+
+def _chunk_keys(seqlens_k, n: int, chunk: int):
+    """Chunk j of every sequence starts at key j * chunk: (starts (n,), a constant of the shapes; the
+    keys each chunk uses (B, n), clamped to [0, chunk])."""
+    dev = seqlens_k.device
+    starts = _constant(("starts", dev, n, chunk),
+                       lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))  # (n,)
+    return starts, (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)
 
 
 def _chunks(s_cache: int, n: int) -> tuple[int, int]:
@@ -133,22 +140,18 @@ def paged_chunks(seqlens_k, block_table, page_size: int, n: int) -> tuple[Segmen
     chunk, n = _chunks(p * page_size, n)
     if n > 1 and chunk % 128:  # a table of under 128 keys: the kernel needs starts on key-tile borders
         chunk, n = p * page_size, 1
-    dev = seqlens_k.device
-    starts = _constant(("starts", dev, n, chunk),
-                       lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))   # (n,)
-    used = (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)                                      # (B, n)
-    cu_k = _constant(("paged_cu_k", dev, b, n, chunk), lambda: _pad_one(starts.expand(b, n)))     # (B n + 1,)
+    starts, used = _chunk_keys(seqlens_k, n, chunk)
+    cu_k = _constant(("paged_cu_k", seqlens_k.device, b, n, chunk),
+                     lambda: _pad_one(starts.expand(b, n)))                                        # (B n + 1,)
     table = block_table if n == 1 else block_table.repeat_interleave(n, dim=0)                    # (B n, P)
     return Segments(cu_k, used.reshape(-1), n, chunk), table
 
 
 def paged_segments(seqlens_k, block_table, page_size: int) -> Segments:
     """One segment per page of block_table (B, P): pages are rows of a (num_pages * page_size) cache."""
-    p, dev = block_table.shape[1], seqlens_k.device
-    starts = _constant(("starts", dev, p, page_size),
-                       lambda: torch.arange(0, p * page_size, page_size, device=dev, dtype=torch.int32))
+    p = block_table.shape[1]
+    _, used = _chunk_keys(seqlens_k, p, page_size)                                         # a page per chunk
     first = block_table * page_size                                                        # (B, P)
-    used = (seqlens_k.view(-1, 1) - starts).clamp_(0, page_size)
     return _pack(first, used, p, page_size)
 
 

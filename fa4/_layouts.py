@@ -139,12 +139,18 @@ class VarlenLayout:
         return cls(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q)
 
     def restore(self, out, lse):
-        if self.padded_q is None:
-            return out, lse
-        b, s = self.padded_q
-        out = out.view(b, s, *out.shape[1:])                          # (B, Sq, H, Dv)
-        lse = lse.view(lse.shape[0], b, s).permute(1, 0, 2).contiguous()  # (H, B*Sq) -> (B, H, Sq)
+        return restore_padded_q(out, lse, self.padded_q)
+
+
+def restore_padded_q(out, lse, padded_q):
+    """A packed call's out (B*Sq, H, Dv) and lse (H, B*Sq) in a padded q's layout, padded_q = (B, Sq);
+    unchanged when padded_q is None."""
+    if padded_q is None:
         return out, lse
+    b, s = padded_q
+    out = out.view(b, s, *out.shape[1:])                              # (B, Sq, H, Dv)
+    lse = lse.view(lse.shape[0], b, s).permute(1, 0, 2).contiguous()  # (H, B*Sq) -> (B, H, Sq)
+    return out, lse
 
 
 def split_unused_rows(cu_q, cu_k, seqused_q, seqused_k=None):

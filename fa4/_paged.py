@@ -34,27 +34,34 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def varlen_pair(q, k_pages, v_pages, page_table, cu_q, seqused_k, max_q, scale, causal, window, softcap, sink,
-                padded_q):
-    """flash_attn_varlen_func over a paged cache read in place: q packed (total, Hq, D) with cu_q
-    (checked by the caller), seqused_k (batch,) int32 or None (every sequence uses all its pages);
-    a learnable sink joins each row's denominator after the kernel (fa4._lse_merge.add_sink).
+def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, softmax_scale,
+                causal, window_size, learnable_sink, softcap, deterministic, return_lse):
+    """flash_attn_varlen_func over a paged cache read in place (the caller checked `in_place`). The
+    checks are flash_attn_varlen_func's own, run on zero-stride (batch, pages * page_size) stand-ins
+    for the gathered keys (shapes only, no copy); seqused_k None: every sequence uses all its pages. A
+    learnable sink joins each row's denominator after the kernel (fa4._lse_merge.add_sink).
     Returns (out (total, Hq, Dv) or (B, Sq, Hq, Dv) for a padded q, lse (Hq, total) / (B, Hq, Sq))."""
     from . import _ops
+    from ._layouts import restore_padded_q
     from ._lse_merge import add_sink
+    from ._validate import check_page_table, check_variants, check_varlen, check_varlen_sides
 
+    check_page_table(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, page_table)
     batch, pages = page_table.shape
     max_k = pages * k_pages.shape[1]
-    if seqused_k is None:
-        seqused_k = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
+    k_shape, v_shape = (t.as_strided((batch, max_k) + tuple(t.shape[2:]), (0, 0) + tuple(t.stride()[2:]))
+                        for t in (k_pages, v_pages))
+    q, k_flat, v_flat, cu_q, cu_k, max_q, _, padded_q = check_varlen_sides(q, k_shape, v_shape, cu_seqlens_q, None,
+                                                                          max_seqlen_q, None)
+    q, _, _, cu_q, _, used, max_q, _, scale = check_varlen(q, k_flat, v_flat, cu_q, cu_k, max_q, max_k, softmax_scale,
+                                                           causal, deterministic, return_lse, seqused_k, None)
+    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    if used is None:
+        used = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
     first_keys = torch.zeros_like(cu_q)                                                 # (batch + 1,)
-    out, lse = _ops.paged_varlen_attention(q, k_pages, v_pages, page_table.contiguous(), cu_q, first_keys,
-                                           seqused_k, max_q, max_k, scale, causal, window, softcap)
+    out, lse = _ops.paged_varlen_attention(q, k_pages, v_pages, page_table, cu_q, first_keys, used, max_q, max_k,
+                                           scale, causal, (left, right), softcap)
     if sink is not None:
         out, lse_t = add_sink(out, lse.t(), sink)                                       # lse as (total, Hq)
         out, lse = out.to(q.dtype), lse_t.t().contiguous()
-    if padded_q is not None:
-        b, s = padded_q
-        out = out.view(b, s, *out.shape[1:])
-        lse = lse.view(lse.shape[0], b, s).permute(1, 0, 2).contiguous()
-    return out, lse
+    return restore_padded_q(out, lse, padded_q)

@@ -685,20 +685,20 @@ def record_plans(workloads: Iterable[Workload], batches: Iterable[int], *, backw
     import torch
 
     import fa4
-    from . import _plans
+    from . import _plans, firstcall
 
     out = out or sys.stdout
-    dts = {"bf16": torch.bfloat16, "fp16": torch.float16}
     rows = []
     for w in workloads:
         if w.max_seqlen is None:
             raise ValueError(f"--plans: give each --shapes item its length (seqlen=N), got {w}")
         for b in batches:
-            dt, s, grad = dts[w.dtype], w.max_seqlen, backward
-            q = torch.randn(b, s, w.heads_q, w.head_dim, device="cuda", dtype=dt, requires_grad=grad)
-            k = torch.randn(b, s, w.heads_kv, w.head_dim, device="cuda", dtype=dt, requires_grad=grad)
-            v = torch.randn(b, s, w.heads_kv, w.head_dim_v, device="cuda", dtype=dt, requires_grad=grad)
-            sink = torch.zeros(w.heads_q, device="cuda", requires_grad=grad) if w.sink else None
+            s = w.max_seqlen
+            # the inputs `fa4 firstcall` measures with, so its "precompiled" run replays these plans
+            q, k, v = firstcall._inputs(dict(dtype=w.dtype, batch=b, seqlen=s, heads_q=w.heads_q, heads_kv=w.heads_kv,
+                                             head_dim=w.head_dim, head_dim_v=w.head_dim_v, backward=backward),
+                                        torch.device("cuda"))
+            sink = torch.zeros(w.heads_q, device="cuda", requires_grad=backward) if w.sink else None
             before = _plans.stats()
             outs = [fa4.flash_attn_func(q, k, v, causal=w.causal, window_size=w.window or (None, None),
                                         softcap=w.softcap, learnable_sink=sink) for _ in range(2)]

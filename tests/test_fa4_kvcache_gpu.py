@@ -11,6 +11,7 @@ import torch
 
 import fa4
 from fa4 import _kvcache as kv
+from fa4._layouts import gather_pages
 from stage0_reference.torch_reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fa4]
@@ -141,9 +142,8 @@ def no_gather(monkeypatch):
     monkeypatch.setattr(fa4._layouts.VarlenLayout, "unpage", staticmethod(refuse))
 
 
-def _unpage(pages, table):
-    """The dense (B, P * page_size, H, D) keys of a paged cache (the truth's copy, made here)."""
-    return pages[table.long()].reshape(table.shape[0], -1, *pages.shape[2:])
+# the truth's dense copy of a paged cache (no_gather patches the names the call paths use, not this one)
+_unpage = gather_pages
 
 
 @pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16), (16, 0), (64, 3), (32, 1)])
