@@ -685,7 +685,7 @@ def record_plans(workloads: Iterable[Workload], batches: Iterable[int], *, backw
     import torch
 
     import fa4
-    from . import _plans, firstcall
+    from . import _plans
 
     out = out or sys.stdout
     rows = []
@@ -694,10 +694,10 @@ def record_plans(workloads: Iterable[Workload], batches: Iterable[int], *, backw
             raise ValueError(f"--plans: give each --shapes item its length (seqlen=N), got {w}")
         for b in batches:
             s = w.max_seqlen
-            # the inputs `fa4 firstcall` measures with, so its "precompiled" run replays these plans
-            q, k, v = firstcall._inputs(dict(dtype=w.dtype, batch=b, seqlen=s, heads_q=w.heads_q, heads_kv=w.heads_kv,
-                                             head_dim=w.head_dim, head_dim_v=w.head_dim_v, backward=backward),
-                                        torch.device("cuda"))
+            # the inputs `fa4 firstcall` measures with (its _inputs), so its "precompiled" run replays these
+            dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[w.dtype]
+            q, k, v = (torch.randn(b, s, h, dim, device="cuda", dtype=dt, requires_grad=backward)
+                       for h, dim in ((w.heads_q, w.head_dim), (w.heads_kv, w.head_dim), (w.heads_kv, w.head_dim_v)))
             sink = torch.zeros(w.heads_q, device="cuda", requires_grad=backward) if w.sink else None
             before = _plans.stats()
             outs = [fa4.flash_attn_func(q, k, v, causal=w.causal, window_size=w.window or (None, None),
