@@ -9,12 +9,13 @@ that index the cache in place, with no copy:
 * dense, split-KV: n segments per sequence, each a chunk of the keys, so a decode step with a
   small batch runs n x as many CTAs; the partial (out, lse) pairs are merged through their
   log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
-* paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq), page_size a
-  multiple of the kernel's key tile (128; 64 at head dim 256) or a divisor of it that is a multiple
-  of 16 (fa4._paged): the kernel reads the pages in place
-  (fa4._paged), so it is cut into chunks exactly like a dense cache, only the chunks' first keys are
-  logical positions and each segment gets its sequence's page-table row;
-* other page sizes: one segment per page, merged the same way, from MIN_SEGMENT_PAGE keys up;
+* paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq), any page size
+  (fa4._paged: TMA boxes for multiples and 16-row divisors of the key tile, a cp.async row gather
+  for the others): the kernel reads the pages in place, so it is cut into chunks exactly like a
+  dense cache, only the chunks' first keys are logical positions and each segment gets its
+  sequence's page-table row;
+* a paged cache the kernel cannot read in place (head dims that run padded, an arch without the
+  paged forward): one segment per page, merged the same way, from MIN_SEGMENT_PAGE keys up;
   smaller pages are gathered into a dense copy first (many tiny segments cost far more).
 
 Splitting and per-page segments change each segment's key count, and fa4's masks are bottom-right
@@ -42,7 +43,7 @@ from ._lse_merge import add_sink, merge_parts
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue, merge) dominates
 MAX_SPLITS = 64
-# Pages the kernel cannot read in place become one segment each only from this size on; smaller ones
+# Pages the kernel does not read in place become one segment each only from this size on; smaller ones
 # are gathered into a dense copy first: a segment per page of 16 keys ran at 0.06x of a dense cache
 # on an H200 (138 GB/s at 1 x 16k), while a copy costs about two more passes over the keys.
 MIN_SEGMENT_PAGE = 128

@@ -2,13 +2,13 @@
 
 A cache (num_pages, page_size, Hkv, D) with page_table (batch, pages per sequence) int32 reaches the
 Hopper varlen forward as it is: the kernel's producer looks up the page of every key block it loads
-(stage3_fwd_kernel.components.paged_kv), so no dense copy of the keys is made per call. That needs a
-page size that is a multiple of the forward's key tile (128 rows; 64 at head dim 256), or divides it
-and is a multiple of 16 (then one TMA box per page: 16, 32, 64), and a forward only: the backward
-reads dense K / V.
+(stage3_fwd_kernel.components.paged_kv), so no dense copy of the keys is made per call. Any page
+size: multiples of the forward's key tile (128 rows; 64 at head dim 256) and its divisors of 16
+rows or more are read by TMA boxes, the others (1 to 8 rows, 24, 160, ...) row by row with cp.async
+(stage3_fwd_kernel.hopper.gather). A forward only: the backward reads dense K / V.
 
-Every other paged call -- other page sizes, inputs that need a gradient, seqused_q, head-dim pairs
-that run padded, an arch without the paged forward -- keeps the gather (fa4._layouts.VarlenLayout.unpage):
+Every other paged call -- inputs that need a gradient, seqused_q, head-dim pairs that run padded,
+an arch without the paged forward -- keeps the gather (fa4._layouts.VarlenLayout.unpage):
 a copy of each sequence's pages, then the dense varlen call. `in_place` makes that choice.
 """
 from __future__ import annotations

@@ -23,6 +23,8 @@ CASES = {
     "bwd-d128-causal": (128, 128, True, True),
     "bwd-d128-deterministic": (128, 128, True, "deterministic"),
     "varlen-d128-causal": None,                     # one empty sequence among three
+    "paged-d128-page8": 8,                          # pages read by the producer's cp.async gather
+    "paged-d128-page16": 16,                        # pages read by TMA boxes, 8 a key block
 }
 
 
@@ -35,6 +37,9 @@ def run_case(name: str):
     from stage4_bwd_kernel import hopper as bwd
 
     torch.manual_seed(0)
+    if name.startswith("paged-"):
+        run_paged(CASES[name])
+        return
     if name == "varlen-d128-causal":
         lens_q, lens_k = [0, 130, 257], [0, 200, 257]
         cu_q = torch.tensor([0, *lens_q], device="cuda").cumsum(0).to(torch.int32)  # (batch + 1,)
@@ -53,6 +58,22 @@ def run_case(name: str):
         dout = torch.randn_like(out)
         bwd.attention_backward(q, k, v, out, dout, lse, causal=causal,
                                deterministic=backward == "deterministic")
+
+
+def run_paged(page: int):
+    """A paged cache read in place: shuffled pages with unused ones between, a partial last page, an
+    empty sequence, GQA 4/2, causal."""
+    from stage3_fwd_kernel import hopper as fwd
+
+    lens_q, used = [130, 0, 57], [333, 0, 64 + page - 1]
+    pages = -(-max(used) // page)
+    k = torch.randn(3 * pages + 2, page, 2, 128, device="cuda", dtype=torch.bfloat16)  # (pages, page, Hkv, D)
+    v = torch.randn_like(k)
+    table = torch.randperm(k.shape[0], device="cuda")[:3 * pages].view(3, pages).to(torch.int32)
+    cu_q = torch.tensor([0, *lens_q], device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), 4, 128, device="cuda", dtype=torch.bfloat16)
+    fwd.attention_varlen_forward(q, k, v, cu_q, None, max(lens_q), max(used), causal=True, page_table=table,
+                                 seqused_k=torch.tensor(used, device="cuda", dtype=torch.int32))
 
 
 if __name__ == "__main__":

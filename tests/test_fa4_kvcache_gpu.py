@@ -1,7 +1,7 @@
 """fa4.flash_attn_with_kvcache on the GPU: FA4's rule against fp32 attention over each sequence's
 cache (the baseline: PyTorch in bf16 on the same keys; both from stage 0's torch reference), for
-split-KV decode, paged caches (shuffled pages: of 16 to 512 keys read in place by the kernel, of 8
-and 24 keys as per-page segments or a gather), flash_attn_varlen_func(page_table), a causal prefill
+split-KV decode, paged caches (shuffled pages of 1 to 512 keys read in place by the kernel: TMA boxes
+or its cp.async gather), flash_attn_varlen_func(page_table), a causal prefill
 that appends rotated keys in place, a window, softcap + sink, and CUDA-graph replays equal to the
 eager calls."""
 from __future__ import annotations
@@ -64,10 +64,9 @@ def test_decode_split_kv(splits):
     _check(out, lse, *_truth_and_baseline(q, k, v, lens), f"split {splits}")
 
 
-@pytest.mark.parametrize("page", [24, 8, 160])
-def test_paged_decode(page):
-    """Page sizes the kernel cannot read in place: gathered into a dense copy (pages < 128 keys) or one
-    segment per page (160)."""
+@pytest.mark.parametrize("page", [24, 8, 160, 1])
+def test_paged_decode(page, no_gather):
+    """Page sizes TMA boxes cannot read: the kernel's cp.async gather reads them in place."""
     b, pages = 2, -(-4096 // page)
     kp, vp = _cache(b * pages + 3, page, 8, 128, 2)
     kp, vp = kp.view(-1, page, 8, 128), vp.view(-1, page, 8, 128)
@@ -75,8 +74,7 @@ def test_paged_decode(page):
     lens = torch.tensor([4096, 777], dtype=torch.int32, device="cuda")
     q = torch.randn(b, 1, 32, 128, device="cuda").to(BF16)
     out, lse = fa4.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, return_softmax_lse=True)
-    _check(out, lse, *_truth_and_baseline(q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens),
-           f"paged {page}")
+    _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), lens), f"paged {page}")
 
 
 def test_prefill_appends_rotated_keys():
@@ -146,7 +144,8 @@ def no_gather(monkeypatch):
 _unpage = gather_pages
 
 
-@pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16), (16, 0), (64, 3), (32, 1)])
+@pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16), (16, 0), (64, 3), (32, 1),
+                                         (1, 0), (8, 3), (24, 1), (160, 0)])
 def test_paged_decode_in_place(page, splits, no_gather):
     b, pages = 3, 8192 // page
     kp, vp, table = _paged(b, pages, page, 8, 128, 6)
@@ -160,7 +159,7 @@ def test_paged_decode_in_place(page, splits, no_gather):
     assert torch.equal(out, dense), "pages read in place must equal the same call on a dense cache"
 
 
-@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("page", [16, 32, 24, 1])
 def test_paged_in_place_tables_exactly_as_wide_as_the_keys(page, no_gather):
     """A table with ceil(keys / page) columns, not a multiple of the pages per key block: the last
     block's boxes past the keys must not read past the row (they read no entry)."""
@@ -191,7 +190,8 @@ def test_paged_prefill_in_place_appends_across_pages(no_gather):
                f"prefill window {window}")
 
 
-@pytest.mark.parametrize("d, page", [(128, 128), (128, 256), (256, 64), (64, 128), (128, 16), (64, 32), (256, 16)])
+@pytest.mark.parametrize("d, page", [(128, 128), (128, 256), (256, 64), (64, 128), (128, 16), (64, 32), (256, 16),
+                                     (128, 8), (64, 24), (256, 8)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_page_table_in_place(d, page, causal, no_gather):
     """flash_attn_varlen_func(page_table=...): packed q, GQA 4, seqused_k with a partial last page and
@@ -227,7 +227,7 @@ def test_varlen_page_table_padded_q_softcap_sink(no_gather):
            "padded q, softcap + sink")
 
 
-def test_varlen_page_table_gathers_other_page_sizes():
+def test_varlen_page_table_page_24_causal_in_place(no_gather):
     b, pages, page = 2, 50, 24
     kp, vp, table = _paged(b, pages, page, 2, 128, 12)
     q = torch.randn(b, 200, 8, 128, device="cuda").to(BF16)
@@ -250,8 +250,9 @@ def test_varlen_page_table_with_grad_gathers_and_differentiates():
     assert kp.grad[~used_pages].abs().max() == 0 and kp.grad[used_pages].abs().max() > 0
 
 
-def test_paged_decode_in_place_replays_in_a_cuda_graph(no_gather):
-    kp, vp, table = _paged(4, 64, 256, 8, 128, 11)
+@pytest.mark.parametrize("page", [256, 8])
+def test_paged_decode_in_place_replays_in_a_cuda_graph(page, no_gather):
+    kp, vp, table = _paged(4, 16384 // page, page, 8, 128, 11)
     q = torch.randn(4, 1, 32, 128, device="cuda").to(BF16)
     lens = torch.tensor([16384, 5, 9000, 0], dtype=torch.int32, device="cuda")
     eager = fa4.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)

@@ -18,6 +18,13 @@ box j (the flat cache tiled by page_size rows is indexed by the page itself). La
 warp reads entry j (L reads in parallel) and the issuing lane takes each by a shuffle. The slot's
 barrier still expects the whole block's bytes.
 
+Every other page size (1 to 8 rows, 24, 160, ...) is gathered row by row: the producer warp's
+lanes look up the page of each key row of the block (tile_n / 32 table reads a lane), then copy the
+rows with 16-byte cp.async, each lane a few columns of a row, into the swizzled ring slot
+(`gathered`, hopper/producer.py's gather_kv). The slot's barrier then counts the 32 lanes' cp.async
+completions (cp.async.mbarrier.arrive.noinc) instead of TMA bytes. Rows past the sequence's keys
+are not copied: the mask discards their scores and the consumers zero those V rows.
+
 The sequence's first logical key (the tile's offset_k, cu_seqlens_k[b]) is where a split-KV
 segment starts inside the sequence; it is a multiple of tile_n (0 for a whole sequence).
 """
@@ -33,27 +40,34 @@ from cutlass import Int32
 MIN_BOX_ROWS = 16
 
 
-def page_size_ok(page_size: int, tile_n: int) -> bool:
-    """Whether a kernel with key tile tile_n can read pages of page_size in place: a multiple of the
-    tile (one box per block), or a divisor of it that is a multiple of MIN_BOX_ROWS rows
-    (tile_n / page_size boxes per block)."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
-        return False
+def tma_pages(page_size: int, tile_n: int) -> bool:
+    """Whether TMA boxes can read pages of page_size in place: a multiple of the key tile (one box
+    per block), or a divisor of it that is a multiple of MIN_BOX_ROWS rows (tile_n / page_size
+    boxes per block). Other sizes are gathered (`gathered`)."""
     return page_size % tile_n == 0 or (tile_n % page_size == 0 and page_size % MIN_BOX_ROWS == 0)
+
+
+def page_size_ok(page_size: int, tile_n: int) -> bool:
+    """Whether a kernel with key tile tile_n reads pages of page_size in place: any positive page
+    size (TMA boxes where `tma_pages`, else the cp.async gather)."""
+    return not isinstance(page_size, bool) and isinstance(page_size, int) and page_size > 0
+
+
+def gathered(page_size, tile_n: int) -> bool:
+    """Whether a build reads its pages with the cp.async gather (a paged build TMA cannot serve)."""
+    return page_size is not None and not tma_pages(page_size, tile_n)
 
 
 def check_page_size(page_size: int, tile_n: int) -> int:
     """The page size a kernel is built for (page_size_ok), else a ValueError naming it."""
     if not page_size_ok(page_size, tile_n):
-        raise ValueError(f"page_size: the kernel reads a key block of {tile_n} rows as whole pages by TMA, so the "
-                         f"page size must be a multiple of {tile_n}, or divide it and be a multiple of "
-                         f"{MIN_BOX_ROWS}; got {page_size!r}")
+        raise ValueError(f"page_size: expected a positive int (rows of one page), got {page_size!r}")
     return page_size
 
 
 def box_rows(page_size, tile_n: int) -> int:
-    """Rows of one K / V TMA box: the key tile, or a whole page when pages are smaller."""
-    return tile_n if page_size is None else min(page_size, tile_n)
+    """Rows of one K / V TMA box: the key tile, or a whole page when TMA reads pages smaller than it."""
+    return tile_n if page_size is None or gathered(page_size, tile_n) else min(page_size, tile_n)
 
 
 @cute.jit

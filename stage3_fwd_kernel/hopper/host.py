@@ -287,8 +287,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     tile_m, persistent, window_size, softcap, learnable_sink: as in attention_forward. (When k has
     no rows at all nothing is launched and out / lse are filled with 0 / -inf, or the sink, entirely.)
     page_table (int32 (batch, pages per sequence)): k / v are a paged cache (num_pages, page_size,
-    Hkv, D) with page_size a multiple of the key tile (128; 64 at head dim 256), or 16 / 32 / 64 rows
-    dividing it, read in place (components.paged_kv); seqused_k is then required, and cu_seqlens_k
+    Hkv, D) of any page size, read in place (components.paged_kv: TMA boxes for multiples of the key
+    tile and its divisors of 16 rows or more, a cp.async row gather otherwise); seqused_k is then
+    required, and cu_seqlens_k
     (None = zeros) holds each sequence's first logical key, a multiple of the key tile (not
     necessarily rising: split segments of one sequence share its table row). check_values then
     checks those starts, start + seqused_k <= pages x page_size and the page indices used.

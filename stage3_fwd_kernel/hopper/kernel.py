@@ -40,7 +40,7 @@ from cutlass.tensor_utils import LayoutEnum
 from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.components.block_range import blocks_walked, first_key_block, num_key_blocks
 from stage3_fwd_kernel.components.mask import AttentionMask
-from stage3_fwd_kernel.components.paged_kv import box_rows, check_page_size
+from stage3_fwd_kernel.components.paged_kv import box_rows, check_page_size, gathered
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage3_fwd_kernel.components.tile_walk import TileSpace, TileWalk
@@ -95,6 +95,7 @@ class FlashAttentionForwardSm90:
         self.blocks_per_page = 1 if page_size is None else max(1, page_size // self.tile_n)
         self.box_rows = box_rows(page_size, self.tile_n)          # rows of one K / V TMA box
         self.boxes_per_block = self.tile_n // self.box_rows       # > 1: pages smaller than a key block
+        self.gather = gathered(page_size, self.tile_n)            # pages TMA cannot read: hopper/gather.py
         # the keys a row sees (components.window): causal is a right edge at 0
         self.window = Window(window.left, 0 if causal else window.right)
         self.mask = AttentionMask(self.window, self.tile_n)
@@ -293,6 +294,7 @@ class FlashAttentionForwardSm90:
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
                     self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
+                    *((mK, mV) if self.gather else (None, None)),
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -310,10 +312,10 @@ class FlashAttentionForwardSm90:
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
                mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
-               mPageTable: Optional[cute.Tensor]):
+               mPageTable: Optional[cute.Tensor], mK_flat: Optional[cute.Tensor], mV_flat: Optional[cute.Tensor]):
         trace.cta_stamp("entry")  # no code unless trace.enable() turned tracing on
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
-        tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable)
+        tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable, mK_flat, mV_flat)
         args = ConsumerArgs(softmax_scale_log2, softmax_scale, mSink, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout,
                             gmem_copy_O)
         layouts = (sQ_layout, sK_layout, sV_layout)
@@ -330,16 +332,23 @@ class FlashAttentionForwardSm90:
 
     def _pipelines(self, storage):
         """mbarrier pipelines: producer = 1 arrival (an elected lane of the producer warp, which also
-        posts the expected byte count), consumers = the 4 * nc warps of all consumer warpgroups."""
+        posts the expected byte count), consumers = the 4 * nc warps of all consumer warpgroups. A
+        gathered paged build's K / V: 32 arrivals, one per producer lane when its cp.async copies land."""
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
 
         def make(barriers_mem, stages, tx_count):
+            if self.gather and tx_count is None:
+                return pipeline.PipelineCpAsync.create(
+                    barrier_storage=barriers_mem.data_ptr(), num_stages=stages,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                    consumer_group=consumer_group, defer_sync=True)
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=barriers_mem.data_ptr(), num_stages=stages, producer_group=producer_group,
                 consumer_group=consumer_group, tx_count=tx_count, defer_sync=True)
-        return (make(storage.mbar_Q, 1, self.tma_bytes_Q), make(storage.mbar_K, self.num_stages, self.tma_bytes_K),
-                make(storage.mbar_V, self.num_stages, self.tma_bytes_V))
+        kv_bytes = (None, None) if self.gather else (self.tma_bytes_K, self.tma_bytes_V)
+        return (make(storage.mbar_Q, 1, self.tma_bytes_Q), make(storage.mbar_K, self.num_stages, kv_bytes[0]),
+                make(storage.mbar_V, self.num_stages, kv_bytes[1]))
 
     def _walk(self, seq: SequenceInfo) -> TileWalk:
         return TileWalk(self.scheduler, dynamic=self.dynamic, split_tail=self.split_tail,

@@ -8,7 +8,8 @@ S = Q K^T.
 
 A paged K/V cache (components.paged_kv) changes only where a block comes from: its coordinate in
 the flat cache through the page table (`load_block`), one box per block, or one box per page when
-pages are smaller than the key tile (`load_kv_pages`).
+pages are smaller than the key tile (`load_kv_pages`), or row by row with cp.async for the page
+sizes TMA cannot read (hopper/gather.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from stage3_fwd_kernel import intdiv
 from stage3_fwd_kernel.components.paged_kv import key_block, logical_block
+from stage3_fwd_kernel.hopper.gather import gather_kv
 
 
 class TmaLoads(NamedTuple):
@@ -33,6 +35,8 @@ class TmaLoads(NamedTuple):
     atom_K: Any
     atom_V: Any
     page_table: Any = None  # int32 (sequences, pages) of a paged K/V cache (components.paged_kv), or None
+    flat_K: Any = None      # a gathered paged build (hopper/gather.py): the flat cache (1, rows, Hkv, d)
+    flat_V: Any = None      # ... and (1, rows, Hkv, dv); None otherwise
 
 
 class SmemBuffers(NamedTuple):
@@ -114,8 +118,10 @@ def load_kv_pages(i: Int32, page: Int32, boxes: cutlass.Constexpr[int], stages: 
 def load_block(cfg, i: Int32, tile, n_block: Int32, smem: SmemBuffers, tma: TmaLoads, tKgK: cute.Tensor,
                tKsK: cute.Tensor, tVgV: cute.Tensor, tVsV: cute.Tensor):
     """The i-th K/V load of the tile, its key block n_block: one box per block, or (pages smaller
-    than the key tile) one per page."""
-    if const_expr(cfg.boxes_per_block > 1):
+    than the key tile) one per page, or (the page sizes TMA cannot read) the cp.async gather."""
+    if const_expr(cfg.gather):
+        gather_kv(cfg, kv_state(i, cfg.num_stages, producer=True), tile, n_block, smem, tma)
+    elif const_expr(cfg.boxes_per_block > 1):
         page = block_pages(tma.page_table, tile, logical_block(tile, cfg.tile_n, n_block), cfg.boxes_per_block,
                            cfg.box_rows)
         load_kv_pages(i, page, cfg.boxes_per_block, cfg.num_stages, smem, tma, tKgK, tKsK, tVgV, tVsV)
@@ -163,7 +169,9 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
     gQ = cute.local_tile(mQ_s, (cfg.wg_m, d), (None, 0))   # (64, d, m64)
     tQsQ, tQgQ = cpasync.tma_partition(tma.atom_Q, 0, cute.make_layout(1),
                                        cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-    tKsK, tKgK, tVsV, tVgV = kv_partitions(cfg, tma, smem, mK_s, mV_s)
+    tKsK, tKgK, tVsV, tVgV = None, None, None, None  # the gather addresses the flat cache itself
+    if const_expr(not cfg.gather):
+        tKsK, tKgK, tVsV, tVgV = kv_partitions(cfg, tma, smem, mK_s, mV_s)
     first_kv = 0
     if const_expr(cfg.persistent):
         # the first K/V block before Q: its slot frees while the consumers still use the previous Q
