@@ -333,16 +333,20 @@ class FlashAttentionForwardSm90:
     def _pipelines(self, storage):
         """mbarrier pipelines: producer = 1 arrival (an elected lane of the producer warp, which also
         posts the expected byte count), consumers = the 4 * nc warps of all consumer warpgroups. A
-        gathered paged build's K / V: 32 arrivals, one per producer lane when its cp.async copies land."""
+        gathered paged build's K / V: 32 producer arrivals, one per lane when its cp.async copies
+        land, and 128 * nc consumer arrivals."""
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
 
         def make(barriers_mem, stages, tx_count):
             if self.gather and tx_count is None:
+                # its consumer_release arrives from every consumer thread (the TMA pipeline's from one
+                # lane a warp), so "empty" counts threads here
                 return pipeline.PipelineCpAsync.create(
                     barrier_storage=barriers_mem.data_ptr(), num_stages=stages,
                     producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                    consumer_group=consumer_group, defer_sync=True)
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 128),
+                    defer_sync=True)
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=barriers_mem.data_ptr(), num_stages=stages, producer_group=producer_group,
                 consumer_group=consumer_group, tx_count=tx_count, defer_sync=True)
