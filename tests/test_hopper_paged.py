@@ -40,6 +40,19 @@ def test_gather_lanes_per_row():
 
 
 @pytest.mark.cpu
+def test_gathered_build_refuses_a_dynamic_scheduler():
+    import cutlass
+
+    from stage3_fwd_kernel.hopper.kernel import FlashAttentionForwardSm90
+    from stage3_fwd_kernel.tile_scheduler import PersistentScheduler
+
+    with pytest.raises(ValueError, match="^scheduler: page_size 8 "):
+        FlashAttentionForwardSm90(cutlass.BFloat16, 128, 128, True, page_size=8,
+                                  scheduler=PersistentScheduler(dynamic=True))
+    FlashAttentionForwardSm90(cutlass.BFloat16, 128, 128, True, page_size=16, scheduler=PersistentScheduler(dynamic=True))
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("bad", [0, -8, True, 16.0, "16"])
 def test_bad_page_size_is_refused(bad):
     from stage3_fwd_kernel.components.paged_kv import check_page_size
@@ -64,8 +77,8 @@ def test_paged_builds_compile_sm90a(d, dv, page):
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
     assert not rep["wgmma_serialized"]
     if gathered(page, default_tile_n(d, dv)):
-        # K and V by cp.async, one static copy per 32-row slot (a rolled loop inside); Q alone by TMA
-        assert rep["LDGSTS"] >= 2 * default_tile_n(d, dv) // 32, rep
+        # K and V by cp.async (a partly unrolled loop each); Q alone by TMA
+        assert rep["LDGSTS"] >= 2, rep
         assert len(re.findall(r"\bARRIVES\.LDGSTSBAR", comp.sass)) >= 2, "no cp.async arrive"
     else:
         assert rep["LDGSTS"] == 0 and rep["UTMALDG"] >= 3, rep

@@ -96,6 +96,10 @@ class FlashAttentionForwardSm90:
         self.box_rows = box_rows(page_size, self.tile_n)          # rows of one K / V TMA box
         self.boxes_per_block = self.tile_n // self.box_rows       # > 1: pages smaller than a key block
         self.gather = gathered(page_size, self.tile_n)            # pages TMA cannot read: hopper/gather.py
+        self.producer_warps = self.tile_n // 32 if self.gather else 1  # the gather's warps walk the same tiles
+        if self.gather and self.dynamic:
+            raise ValueError(f"scheduler: page_size {page_size} is read by the producer's four-warp gather, whose "
+                             f"warps walk the tiles in step; a dynamic (atomic counter) scheduler cannot serve it")
         # the keys a row sees (components.window): causal is a right edge at 0
         self.window = Window(window.left, 0 if causal else window.right)
         self.mask = AttentionMask(self.window, self.tile_n)
@@ -333,8 +337,8 @@ class FlashAttentionForwardSm90:
     def _pipelines(self, storage):
         """mbarrier pipelines: producer = 1 arrival (an elected lane of the producer warp, which also
         posts the expected byte count), consumers = the 4 * nc warps of all consumer warpgroups. A
-        gathered paged build's K / V: 32 producer arrivals, one per lane when its cp.async copies
-        land, and 128 * nc consumer arrivals."""
+        gathered paged build's K / V: 32 producer arrivals a gathering warp, one per lane when its
+        cp.async copies land, and 128 * nc consumer arrivals."""
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
 
@@ -344,7 +348,7 @@ class FlashAttentionForwardSm90:
                 # lane a warp), so "empty" counts threads here
                 return pipeline.PipelineCpAsync.create(
                     barrier_storage=barriers_mem.data_ptr(), num_stages=stages,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.producer_warps),
                     consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 128),
                     defer_sync=True)
             return pipeline.PipelineTmaAsync.create(
@@ -389,7 +393,10 @@ class FlashAttentionForwardSm90:
 
         if warp_group_idx == 0:
             cute.arch.setmaxregister_decrease(self.regs_producer)
-            if warp_idx == 0:  # one warp issues (elect.sync inside needs the whole warp converged)
+            if const_expr(self.gather):  # tile_n / 32 warps gather K / V (hopper/gather.py)
+                if warp_idx < self.producer_warps:
+                    self.producer_warp(tile, space, tma, smem, tile_ids)
+            elif warp_idx == 0:  # one warp issues (elect.sync inside needs the whole warp converged)
                 self.producer_warp(tile, space, tma, smem, tile_ids)
         else:
             cute.arch.setmaxregister_increase(self.regs_consumer)

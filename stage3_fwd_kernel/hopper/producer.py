@@ -150,6 +150,16 @@ def kv_partitions(cfg, tma: TmaLoads, smem: SmemBuffers, mK_s: cute.Tensor, mV_s
 
 
 @cute.jit
+def load_q(cfg, tile, q_phase: Int32, tma: TmaLoads, smem: SmemBuffers, tQgQ: cute.Tensor, tQsQ: cute.Tensor):
+    """The tile's Q: the nc 64-row slabs on one barrier (it expects all slabs' bytes)."""
+    q_state = pipeline.PipelineState(1, Int32(0), Int32(0), q_phase ^ 1)
+    smem.pipe_Q.producer_acquire(q_state)
+    for wg in cutlass.range_constexpr(cfg.num_consumers):
+        cute.copy(tma.atom_Q, tQgQ[None, tile.m_block * cfg.num_consumers + wg], tQsQ[None, wg],
+                  tma_bar_ptr=smem.pipe_Q.producer_get_barrier(q_state))
+
+
+@cute.jit
 def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: TmaLoads, smem: SmemBuffers,
             n_block_min=None):
     """One tile's loads. cfg: the kernel (tile sizes, persistent, shifted rows); kv_base: loads
@@ -178,11 +188,10 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
         if n_blocks > 0:
             load_block(cfg, kv_base, tile, n_block_max - 1, smem, tma, tKgK, tKsK, tVgV, tVsV)
         first_kv = 1
-    # Q: the nc 64-row slabs on one barrier (it expects all slabs' bytes)
-    q_state = pipeline.PipelineState(1, Int32(0), Int32(0), q_phase ^ 1)
-    smem.pipe_Q.producer_acquire(q_state)
-    for wg in cutlass.range_constexpr(cfg.num_consumers):
-        cute.copy(tma.atom_Q, tQgQ[None, tile.m_block * cfg.num_consumers + wg], tQsQ[None, wg],
-                  tma_bar_ptr=smem.pipe_Q.producer_get_barrier(q_state))
+    if const_expr(cfg.gather):
+        if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:  # the other gathering warps: K / V only
+            load_q(cfg, tile, q_phase, tma, smem, tQgQ, tQsQ)
+    else:
+        load_q(cfg, tile, q_phase, tma, smem, tQgQ, tQsQ)
     for i in cutlass.range(first_kv, n_blocks, unroll=1):
         load_block(cfg, kv_base + i, tile, n_block_max - 1 - i, smem, tma, tKgK, tKsK, tVgV, tVsV)
