@@ -147,7 +147,7 @@ _unpage = gather_pages
 @pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16), (16, 0), (64, 3), (32, 1),
                                          (1, 0), (8, 3), (24, 1), (160, 0)])
 def test_paged_decode_in_place(page, splits, no_gather):
-    b, pages = 3, 8192 // page
+    b, pages = 3, -(-8192 // page)                                       # enough pages for 8192 keys
     kp, vp, table = _paged(b, pages, page, 8, 128, 6)
     lens = torch.tensor([8192, 1, page + 17], dtype=torch.int32, device="cuda")      # full, one key, a partial page
     q = torch.randn(b, 1, 32, 128, device="cuda").to(BF16)
@@ -196,7 +196,7 @@ def test_paged_prefill_in_place_appends_across_pages(no_gather):
 def test_varlen_page_table_in_place(d, page, causal, no_gather):
     """flash_attn_varlen_func(page_table=...): packed q, GQA 4, seqused_k with a partial last page and
     an empty sequence, against fp32 attention over the gathered keys."""
-    b, pages, hkv = 3, 2048 // page, 2
+    b, pages, hkv = 3, -(-2048 // page), 2
     kp, vp, table = _paged(b, pages, page, hkv, d, 8)
     lens_q = [700, 0, 129]
     used = torch.tensor([2048, 5, page + 3], dtype=torch.int32, device="cuda")

@@ -31,7 +31,6 @@ from cutlass.cute.nvgpu import cpasync
 from stage3_fwd_kernel.components.paged_kv import logical_block
 
 COPY_BITS = 128  # one cp.async moves 16 bytes
-UNROLL = 4       # row copies in flight per loop trip
 
 
 def lanes_per_row(dtype, cols: int) -> int:
@@ -66,7 +65,8 @@ def flat_rows(page_table: cute.Tensor, tile, n_block: Int32, warp: Int32, tile_n
 
 
 @cute.jit
-def copy_rows(mX: cute.Tensor, sX: cute.Tensor, row: Int32, warp: Int32, cols: cutlass.Constexpr[int]):
+def copy_rows(mX: cute.Tensor, sX: cute.Tensor, row: Int32, warp: Int32, cols: cutlass.Constexpr[int],
+              unroll: cutlass.Constexpr[int]):
     """Rows 32 warp .. 32 warp + 31 of sX (tile_n, cols) <- mX[row of each, :] (mX: (flat rows, cols)
     of one head) by cp.async; `row` as flat_rows returns it (lane j holds row 32 warp + j)."""
     lane = cute.arch.lane_idx()
@@ -76,9 +76,9 @@ def copy_rows(mX: cute.Tensor, sX: cute.Tensor, row: Int32, warp: Int32, cols: c
     elems = COPY_BITS // mX.element_type.width
     tXsX = copy.get_slice(lane).partition_D(sX)                 # (atom, tile_n / rpi, cols / (tpr * elems))
     # instruction m = warp * per_warp + i copies row 32 warp + rpi i + lane // tpr, which lane
-    # rpi i + lane // tpr holds; a rolled loop keeps the producer within its 24 registers
+    # rpi i + lane // tpr holds; `unroll` copies in flight a trip, as many as the producer's registers hold
     per_warp = 32 // rpi
-    for i in cutlass.range(per_warp, unroll=UNROLL):
+    for i in cutlass.range(per_warp, unroll=unroll):
         src_row = cute.arch.shuffle_sync(row, i * rpi + lane // tpr)
         if src_row >= 0:
             gRow = cute.zipped_divide(mX[src_row, None], (elems,))  # (elems, chunks) of the row
@@ -97,8 +97,8 @@ def gather_kv(cfg, st, tile, n_block: Int32, smem, tma):
     mK = tma.flat_K[0, None, tile.head_kv, None]                # (flat rows, d)
     mV = tma.flat_V[0, None, tile.head_kv, None]                # (flat rows, dv)
     smem.pipe_K.producer_acquire(st)
-    copy_rows(mK, smem.sK[None, None, st.index], row, warp, cfg.head_dim)
+    copy_rows(mK, smem.sK[None, None, st.index], row, warp, cfg.head_dim, cfg.gather_unroll)
     smem.pipe_K.producer_commit(st)
     smem.pipe_V.producer_acquire(st)
-    copy_rows(mV, smem.sV[None, None, st.index], row, warp, cfg.head_dim_v)
+    copy_rows(mV, smem.sV[None, None, st.index], row, warp, cfg.head_dim_v, cfg.gather_unroll)
     smem.pipe_V.producer_commit(st)

@@ -115,6 +115,10 @@ class FlashAttentionForwardSm90:
         self.wg_m = tile_m // self.num_consumers   # 64 query rows per consumer
         self.num_threads = 128 * (1 + self.num_consumers)
         self.regs_producer, self.regs_consumer = {1: (24, 240), 2: (24, 240), 3: (32, 160)}[self.num_consumers]
+        if self.gather and self.num_consumers < 3:
+            # 40 registers let the gather's copy loops unroll 8 times (24 spilled past 4)
+            self.regs_producer, self.regs_consumer = 40, 232
+        self.gather_unroll = 8 if self.regs_producer >= 40 else 4   # row copies a loop trip (hopper/gather.py)
         if self.persistent:
             check_persistent_smem(head_dim, head_dim_v, self.tile_n, tile_m, self.num_stages, self.o_direct)
         self.smem_bytes = None
