@@ -9,7 +9,7 @@ from cutlass import Float32, Int32
 import cutlass.cute as cute
 
 from stage3_fwd_kernel import host_io, trace
-from stage3_fwd_kernel.components.paged_kv import check_page_size
+from stage3_fwd_kernel.components.paged_kv import check_page_size, gathered
 from stage3_fwd_kernel.components.score_mod import Softcap, check_softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
@@ -311,7 +311,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale)
     policy.check_dtype(dt)
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
-    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m)
+    scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m,
+                                   gathered_pages=gathered(page_size, default_tile_n(d, dv)))
     check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
     out, lse = _outputs(out, lse, (tq, hq, dv), (hq, tq), q)
     if check_values and page_table is not None:
@@ -364,7 +365,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     dt = host_io.cutlass_dtype(dtype)
     policy.check_dtype(dt)
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m,
-                                   variant.window.left is not None)
+                                   variant.window.left is not None,
+                                   gathered_pages=gathered(page_size, default_tile_n(head_dim, head_dim_v)))
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
                     variant, page_size)

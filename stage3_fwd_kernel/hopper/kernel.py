@@ -46,6 +46,7 @@ from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage3_fwd_kernel.components.tile_walk import TileSpace, TileWalk
 from stage3_fwd_kernel.components.work_tile import SequenceInfo, empty_tile, locate_tile
 from stage3_fwd_kernel.hopper import barriers
+from stage3_fwd_kernel.hopper.gather import gather_unroll
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_POLICY, Q_SHIFT_TILE_MS, TILE_MS, check_persistent_smem, default_num_stages, default_tile_n,
     o_fits_beside_q)
@@ -116,9 +117,9 @@ class FlashAttentionForwardSm90:
         self.num_threads = 128 * (1 + self.num_consumers)
         self.regs_producer, self.regs_consumer = {1: (24, 240), 2: (24, 240), 3: (32, 160)}[self.num_consumers]
         if self.gather and self.num_consumers < 3:
-            # 40 registers let the gather's copy loops unroll 8 times (24 spilled past 4)
-            self.regs_producer, self.regs_consumer = 40, 232
-        self.gather_unroll = 8 if self.regs_producer >= 40 else 4   # row copies a loop trip (hopper/gather.py)
+            # the gather's copy loops unroll in 56 registers (24 spilled past 4 rows in flight a warp)
+            self.regs_producer, self.regs_consumer = 56, 224
+        self.gather_unroll = gather_unroll(dtype, head_dim, head_dim_v, self.regs_producer)
         if self.persistent:
             check_persistent_smem(head_dim, head_dim_v, self.tile_n, tile_m, self.num_stages, self.o_direct)
         self.smem_bytes = None

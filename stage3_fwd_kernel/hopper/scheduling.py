@@ -37,10 +37,11 @@ def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: boo
 
 
 def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varlen=False, seqlen_k=None,
-                       tile_m=None, left_window=False):
+                       tile_m=None, left_window=False, gathered_pages=False):
     """The call's scheduler: `scheduler` (default StaticTileScheduler), walked by one CTA per SM when
     persistent (None: default_persistent(...)). A scheduler that is persistent itself
-    (PersistentScheduler) is used as it is."""
+    (PersistentScheduler) is used as it is. gathered_pages: a paged build whose producer warps gather
+    K / V in step (hopper/gather.py) walks its tiles in a static order, never from the atomic counter."""
     if persistent is not None and not isinstance(persistent, bool):
         raise TypeError(f"persistent: expected None or a bool, got {type(persistent).__name__}")
     scheduler = scheduler or StaticTileScheduler
@@ -50,7 +51,7 @@ def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varl
         persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m, left_window)
     if persistent:
         # tiles of different lengths need the dynamic hand-out
-        scheduler = _persistent_over(scheduler, causal or varlen)
+        scheduler = _persistent_over(scheduler, (causal or varlen) and not gathered_pages)
     return scheduler
 
 
