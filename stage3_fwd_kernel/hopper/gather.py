@@ -17,15 +17,16 @@ every lane's copies have landed.
 
 Arithmetic (d = 128, bf16, tile_n = 128): a block is 2 x 32 KB = 4096 16-byte copies, 32 a lane
 (16 instructions each for K and V per warp), against ~5000 cycles for 64 KB at an SM's share of
-HBM bandwidth (25 GB/s at 1.98 GHz). One warp doing all 128 rows ran at ~190 cycles an instruction
-(a dependent shuffle / address / LDGSTS chain per row, unrollable in 24 registers): 0.13x of a
-dense causal prefill and 0.2-0.3x of dense decode on an H200.
+HBM bandwidth (25 GB/s at 1.98 GHz). What bounds it is copies in flight, not their count: one warp
+doing all 128 rows ran ~190 cycles a copy instruction (0.2-0.3x of dense decode on an H200), four
+warps with 4 rows a loop trip 0.6-0.7x, with 8 rows (40 producer registers, `gather_unroll`)
+0.83-0.96x.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from stage3_fwd_kernel.components.paged_kv import logical_block
@@ -52,15 +53,12 @@ def gather_copy(dtype, cols: int) -> cute.TiledCopy:
     return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
 
 
-def gather_unroll(dtype, head_dim: int, head_dim_v: int, producer_regs: int) -> int:
-    """Rows a copy loop trip keeps in flight: all 16 of a warp's instructions when a row is one copy a
-    lane and the producer has 56 registers; 2 when a row takes several (d = 96, 192: 24 copies a trip
-    spilled); 4 in 32 registers (three consumer warpgroups). Each checked spill-free by
-    tests/test_hopper_paged.py."""
-    one_copy = all(c * dtype.width // COPY_BITS == lanes_per_row(dtype, c) for c in (head_dim, head_dim_v))
-    if producer_regs < 56:
-        return 4
-    return 16 if one_copy else 2
+def gather_unroll(producer_regs: int) -> int:
+    """Rows a copy loop trip keeps in flight: 8 in 40 producer registers, 4 in 32 (three consumer
+    warpgroups); checked spill-free by tests/test_hopper_paged.py. On an H200 (d = 128, pages of 1 /
+    8 / 24) 4 rows in 24 registers ran decode at 0.60-0.71x of a dense cache, 8 in 40 at 0.83-0.96x,
+    and K and V in one loop with 16 rows in 56 at 0.68-0.79x (K then waits for V's copies)."""
+    return 8 if producer_regs >= 40 else 4
 
 
 @cute.jit
@@ -76,52 +74,40 @@ def flat_rows(page_table: cute.Tensor, tile, n_block: Int32, warp: Int32, tile_n
 
 
 @cute.jit
-def copy_rows(tensors, row: Int32, warp: Int32, cols: cutlass.Constexpr[int], unroll: cutlass.Constexpr[int]):
-    """Rows 32 warp .. 32 warp + 31 of each (mX, sX) of `tensors` (sX (tile_n, cols) <- mX[row of
-    each, :], mX: (flat rows, cols) of one head) by cp.async; `row` as flat_rows returns it (lane j
-    holds row 32 warp + j). K and V of equal width share one loop: one shuffle and one row a copy of each."""
+def copy_rows(mX: cute.Tensor, sX: cute.Tensor, row: Int32, warp: Int32, cols: cutlass.Constexpr[int],
+              unroll: cutlass.Constexpr[int]):
+    """Rows 32 warp .. 32 warp + 31 of sX (tile_n, cols) <- mX[row of each, :] (mX: (flat rows, cols)
+    of one head) by cp.async; `row` as flat_rows returns it (lane j holds row 32 warp + j)."""
     lane = cute.arch.lane_idx()
-    dtype = tensors[0][0].element_type
-    copy = gather_copy(dtype, cols)
-    tpr = lanes_per_row(dtype, cols)
+    copy = gather_copy(mX.element_type, cols)
+    tpr = lanes_per_row(mX.element_type, cols)
     rpi = 32 // tpr                                             # rows per instruction
-    elems = COPY_BITS // dtype.width
-    thr = copy.get_slice(lane)
+    elems = COPY_BITS // mX.element_type.width
+    tXsX = copy.get_slice(lane).partition_D(sX)                 # (atom, tile_n / rpi, cols / (tpr * elems))
     # instruction m = warp * per_warp + i copies row 32 warp + rpi i + lane // tpr, which lane
-    # rpi i + lane // tpr holds; `unroll` rows in flight a trip, as many as the producer's registers hold
+    # rpi i + lane // tpr holds; `unroll` copies in flight a trip, as many as the producer's registers hold
     per_warp = 32 // rpi
     for i in cutlass.range(per_warp, unroll=unroll):
         src_row = cute.arch.shuffle_sync(row, i * rpi + lane // tpr)
         if src_row >= 0:
-            for mX, sX in tensors:
-                tXsX = thr.partition_D(sX)                      # (atom, tile_n / rpi, cols / (tpr * elems))
-                gRow = cute.zipped_divide(mX[src_row, None], (elems,))  # (elems, chunks) of the row
-                for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                    dst = tXsX[None, warp * per_warp + i, k]
-                    src = gRow[None, lane % tpr + k * tpr]
-                    cute.copy(copy, cute.make_tensor(src.iterator, dst.layout), dst)
+            gRow = cute.zipped_divide(mX[src_row, None], (elems,))  # (elems, chunks) of the row
+            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                dst = tXsX[None, warp * per_warp + i, k]
+                src = gRow[None, lane % tpr + k * tpr]
+                cute.copy(copy, cute.make_tensor(src.iterator, dst.layout), dst)
 
 
 @cute.jit
 def gather_kv(cfg, st, tile, n_block: Int32, smem, tma):
     """This producer warp's share (32 rows) of the K/V load of ring slot st (key block n_block of
-    the tile): wait for the slot, copy the rows, arrive when they land (K and V in one loop when
-    they are as wide, else K then V)."""
+    the tile): wait for the slot, copy K's rows, arrive when they land; then V the same way."""
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())   # producer warps 0 .. tile_n / 32 - 1
     row = flat_rows(tma.page_table, tile, n_block, warp, cfg.tile_n, cfg.page_size)
     mK = tma.flat_K[0, None, tile.head_kv, None]                # (flat rows, d)
     mV = tma.flat_V[0, None, tile.head_kv, None]                # (flat rows, dv)
-    sK, sV = smem.sK[None, None, st.index], smem.sV[None, None, st.index]
-    if const_expr(cfg.head_dim == cfg.head_dim_v):
-        smem.pipe_K.producer_acquire(st)
-        smem.pipe_V.producer_acquire(st)
-        copy_rows(((mK, sK), (mV, sV)), row, warp, cfg.head_dim, cfg.gather_unroll)
-        smem.pipe_K.producer_commit(st)
-        smem.pipe_V.producer_commit(st)
-    else:
-        smem.pipe_K.producer_acquire(st)
-        copy_rows(((mK, sK),), row, warp, cfg.head_dim, cfg.gather_unroll)
-        smem.pipe_K.producer_commit(st)
-        smem.pipe_V.producer_acquire(st)
-        copy_rows(((mV, sV),), row, warp, cfg.head_dim_v, cfg.gather_unroll)
-        smem.pipe_V.producer_commit(st)
+    smem.pipe_K.producer_acquire(st)
+    copy_rows(mK, smem.sK[None, None, st.index], row, warp, cfg.head_dim, cfg.gather_unroll)
+    smem.pipe_K.producer_commit(st)
+    smem.pipe_V.producer_acquire(st)
+    copy_rows(mV, smem.sV[None, None, st.index], row, warp, cfg.head_dim_v, cfg.gather_unroll)
+    smem.pipe_V.producer_commit(st)

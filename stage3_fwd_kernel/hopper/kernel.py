@@ -117,9 +117,9 @@ class FlashAttentionForwardSm90:
         self.num_threads = 128 * (1 + self.num_consumers)
         self.regs_producer, self.regs_consumer = {1: (24, 240), 2: (24, 240), 3: (32, 160)}[self.num_consumers]
         if self.gather and self.num_consumers < 3:
-            # the gather's copy loops unroll in 56 registers (24 spilled past 4 rows in flight a warp)
-            self.regs_producer, self.regs_consumer = 56, 224
-        self.gather_unroll = gather_unroll(dtype, head_dim, head_dim_v, self.regs_producer)
+            # the gather's copy loops unroll 8 rows in 40 registers (24 spilled past 4)
+            self.regs_producer, self.regs_consumer = 40, 232
+        self.gather_unroll = gather_unroll(self.regs_producer)
         if self.persistent:
             check_persistent_smem(head_dim, head_dim_v, self.tile_n, tile_m, self.num_stages, self.o_direct)
         self.smem_bytes = None
