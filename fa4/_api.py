@@ -61,6 +61,16 @@ def attention_pair(q, k, v, softmax_scale=None, causal=False, window_size=(None,
     return unpad(out), lse
 
 
+def _query_rows(q, max_seqlen_q):
+    """The longest sequence's query rows as far as the shapes tell: a padded q's seqlen, else
+    max_seqlen_q, else every packed row (no device values are read)."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        return q.shape[1]
+    if max_seqlen_q is not None:
+        return max_seqlen_q
+    return q.shape[0] if isinstance(q, torch.Tensor) else None
+
+
 def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                           seqused_q=None, seqused_k=None, softmax_scale=None, causal=False, window_size=(None, None),
                           learnable_sink=None, softcap=0.0, num_splits=1, pack_gqa=None, deterministic=False,
@@ -68,7 +78,7 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
-            _paged.in_place(q, k, v):
+            _paged.in_place(q, k, v, _query_rows(q, max_seqlen_q)):
         return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,
                                   softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse)
     q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,

@@ -444,9 +444,10 @@ class Backend:
         return self._call_varlen_forward(mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                          max_seqlen_k, softmax_scale, causal, **kw)
 
-    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int) -> bool:
+    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None) -> bool:
         """Whether this arch's varlen forward reads a paged cache of page_size in place (else fa4
-        gathers the pages into a dense copy first)."""
+        gathers the pages into a dense copy first); query_rows: the longest sequence's query rows
+        (None: unknown)."""
         return False
 
     # -- backward -----------------------------------------------------------------------------
@@ -501,6 +502,14 @@ class Backend:
         return (dq, dk, dv, *d)
 
 
+# Page sizes the kernel gathers row by row (cp.async) are read in place only for queries up to this
+# long. On an H200 (GQA 32/8, d = 128, pages of 1 / 8 / 24; docs/measurements.md, 2026-11-29) a decode
+# step (1 query) ran at 0.84-0.96x of a dense cache in place against 0.30-0.40x through a dense copy,
+# while a causal prefill (4k-8k queries) ran at 0.62-0.68x in place against 0.95x through the copy.
+# Between them nothing is measured; 16 covers decode and speculative-decoding drafts.
+GATHER_MAX_QUERY_ROWS = 16
+
+
 class HopperBackend(Backend):
     """sm_90: the production kernels behind `stage3_fwd_kernel.hopper` and `stage4_bwd_kernel.hopper`.
     Causal calls with long keys run stage 5's LPT tile order; the route switches above arrive as
@@ -534,11 +543,17 @@ class HopperBackend(Backend):
             kw["persistent"] = FORWARD_PERSISTENT
         return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
 
-    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int) -> bool:
-        from stage3_fwd_kernel.components.paged_kv import page_size_ok
+    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None) -> bool:
+        """Pages TMA boxes read: always. Pages the producer gathers with cp.async (1-8 rows, 24, ...):
+        only for short queries (GATHER_MAX_QUERY_ROWS), where the kernel waits on memory;
+        a long prefill is compute-bound and runs faster on a dense copy."""
+        from stage3_fwd_kernel.components.paged_kv import gathered, page_size_ok
         from stage3_fwd_kernel.hopper.config import default_tile_n
 
-        return page_size_ok(page_size, default_tile_n(head_dim, head_dim_v))
+        tile_n = default_tile_n(head_dim, head_dim_v)
+        if not page_size_ok(page_size, tile_n):
+            return False
+        return not gathered(page_size, tile_n) or (query_rows is not None and query_rows <= GATHER_MAX_QUERY_ROWS)
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):

@@ -442,7 +442,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
-        paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache)
+        paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache, q.shape[1])
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)

@@ -5,10 +5,13 @@ Hopper varlen forward as it is: the kernel's producer looks up the page of every
 (stage3_fwd_kernel.components.paged_kv), so no dense copy of the keys is made per call. Any page
 size: multiples of the forward's key tile (128 rows; 64 at head dim 256) and its divisors of 16
 rows or more are read by TMA boxes, the others (1 to 8 rows, 24, 160, ...) row by row with cp.async
-(stage3_fwd_kernel.hopper.gather). A forward only: the backward reads dense K / V.
+(stage3_fwd_kernel.hopper.gather), which pays off for short queries only
+(fa4._dispatch.GATHER_MAX_QUERY_ROWS). A
+forward only: the backward reads dense K / V.
 
 Every other paged call -- inputs that need a gradient, seqused_q, head-dim pairs that run padded,
-an arch without the paged forward -- keeps the gather (fa4._layouts.VarlenLayout.unpage):
+an arch without the paged forward, long queries over pages TMA cannot read -- keeps the gather
+(fa4._layouts.VarlenLayout.unpage):
 a copy of each sequence's pages, then the dense varlen call. `in_place` makes that choice.
 """
 from __future__ import annotations
@@ -16,9 +19,9 @@ from __future__ import annotations
 import torch
 
 
-def in_place(q, k_pages, v_pages) -> bool:
-    """Whether this paged call can be read in place (see the module docstring). Only shapes are
-    read: no device values."""
+def in_place(q, k_pages, v_pages, query_rows=None) -> bool:
+    """Whether this paged call can be read in place (see the module docstring). query_rows: the
+    longest sequence's query rows (None: unknown). Only shapes are read: no device values."""
     from . import _dispatch
 
     if not all(isinstance(t, torch.Tensor) for t in (q, k_pages, v_pages)) or q.device.type != "cuda" \
@@ -27,7 +30,8 @@ def in_place(q, k_pages, v_pages) -> bool:
     backend = _dispatch.backend_for(q.device)
     d, dv = q.shape[-1], v_pages.shape[-1]
     # int(): a symbolic page size under torch.compile's dynamic shapes is guarded to its value
-    return (d, dv) in backend.arch.head_dims and backend.paged_in_place(int(d), int(dv), int(k_pages.shape[1]))
+    rows = None if query_rows is None else int(query_rows)
+    return (d, dv) in backend.arch.head_dims and backend.paged_in_place(int(d), int(dv), int(k_pages.shape[1]), rows)
 
 
 def needs_grad(*tensors) -> bool:

@@ -157,6 +157,20 @@ def test_page_sizes_read_in_place():
             check_page_size(bad, 128)
 
 
+def test_gathered_page_sizes_in_place_only_for_short_queries():
+    """Pages TMA reads: in place at any query length; pages the kernel gathers with cp.async: only up
+    to GATHER_MAX_QUERY_ROWS query rows (a long prefill runs faster on a dense copy), never when the
+    length is unknown."""
+    from fa4 import _dispatch
+
+    be = _dispatch.HopperBackend(_dispatch.ARCHS["sm_90"])
+    short, long = _dispatch.GATHER_MAX_QUERY_ROWS, _dispatch.GATHER_MAX_QUERY_ROWS + 1
+    assert [be.paged_in_place(128, 128, p, short) for p in (1, 8, 24, 160)] == [True] * 4
+    assert [be.paged_in_place(128, 128, p, long) for p in (1, 8, 24, 160)] == [False] * 4
+    assert not be.paged_in_place(128, 128, 8, None) and be.paged_in_place(128, 128, 16, None)
+    assert all(be.paged_in_place(d, dv, p, 4096) for d, dv in ((128, 128), (64, 64), (256, 256)) for p in (16, 128, 256))
+
+
 def test_paged_in_place_prefill_causal_and_window_need_no_gather():
     """A causal prefill and a window over pages read in place run unsplit on the pages themselves
     (the kernel's masks align to seqused_k, which the logical chunk keeps)."""

@@ -140,6 +140,13 @@ def no_gather(monkeypatch):
     monkeypatch.setattr(fa4._layouts.VarlenLayout, "unpage", staticmethod(refuse))
 
 
+@pytest.fixture
+def gather_any_length(monkeypatch):
+    """Pages the kernel gathers are read in place at every query length (fa4 copies them for long
+    queries, where that is faster): the kernel's prefill over them is checked too."""
+    monkeypatch.setattr(fa4._dispatch, "GATHER_MAX_QUERY_ROWS", 1 << 30)
+
+
 # the truth's dense copy of a paged cache (no_gather patches the names the call paths use, not this one)
 _unpage = gather_pages
 
@@ -193,7 +200,7 @@ def test_paged_prefill_in_place_appends_across_pages(no_gather):
 @pytest.mark.parametrize("d, page", [(128, 128), (128, 256), (256, 64), (64, 128), (128, 16), (64, 32), (256, 16),
                                      (128, 8), (64, 24), (256, 8)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_page_table_in_place(d, page, causal, no_gather):
+def test_varlen_page_table_in_place(d, page, causal, no_gather, gather_any_length):
     """flash_attn_varlen_func(page_table=...): packed q, GQA 4, seqused_k with a partial last page and
     an empty sequence, against fp32 attention over the gathered keys."""
     b, pages, hkv = 3, -(-2048 // page), 2
@@ -227,13 +234,28 @@ def test_varlen_page_table_padded_q_softcap_sink(no_gather):
            "padded q, softcap + sink")
 
 
-def test_varlen_page_table_page_24_causal_in_place(no_gather):
+def test_varlen_page_table_page_24_causal_in_place(no_gather, gather_any_length):
     b, pages, page = 2, 50, 24
     kp, vp, table = _paged(b, pages, page, 2, 128, 12)
     q = torch.randn(b, 200, 8, 128, device="cuda").to(BF16)
     used = torch.tensor([1200, 333], dtype=torch.int32, device="cuda")
     out, lse = fa4.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, causal=True, return_lse=True)
     _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), used, causal=True), "page 24")
+
+
+def test_long_queries_over_gathered_pages_take_the_copy(monkeypatch):
+    """A causal prefill of 300 queries over pages of 8: fa4 gathers them into a dense copy (faster
+    than the kernel's in-place gather at that length), and the result follows the rule."""
+    copies = []
+    monkeypatch.setattr(fa4._layouts.VarlenLayout, "unpage",
+                        staticmethod(lambda *a, _f=fa4._layouts.VarlenLayout.unpage: copies.append(1) or _f(*a)))
+    b, pages, page = 2, 100, 8
+    kp, vp, table = _paged(b, pages, page, 2, 128, 15)
+    q = torch.randn(b, 300, 8, 128, device="cuda").to(BF16)
+    used = torch.tensor([800, 301], dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, causal=True, return_lse=True)
+    assert copies, "a long query over gathered pages should take the dense copy"
+    _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), used, causal=True), "copy")
 
 
 def test_varlen_page_table_with_grad_gathers_and_differentiates():
