@@ -502,12 +502,14 @@ class Backend:
         return (dq, dk, dv, *d)
 
 
-# Page sizes the kernel gathers row by row (cp.async) are read in place only for queries up to this
-# long. On an H200 (GQA 32/8, d = 128, pages of 1 / 8 / 24; docs/measurements.md, 2026-11-29) a decode
-# step (1 query) ran at 0.84-0.96x of a dense cache in place against 0.30-0.40x through a dense copy,
-# while a causal prefill (4k-8k queries) ran at 0.62-0.68x in place against 0.95x through the copy.
-# Between them nothing is measured; 16 covers decode and speculative-decoding drafts.
-GATHER_MAX_QUERY_ROWS = 16
+# Page sizes the kernel gathers row by row (cp.async) are read in place only up to this many kernel rows
+# per sequence (query tokens, times the group where flash_attn_with_kvcache packs GQA heads). On an
+# H200 (GQA 32/8, d = 128, pages of 1 / 8 / 24; docs/measurements.md, 2026-11-29) a decode step (1
+# token, 4 packed rows) ran at 0.84-0.96x of a dense cache in place against 0.30-0.40x through a dense
+# copy, while a causal prefill (4k-8k queries, 128-row tiles) ran at 0.62-0.68x in place against 0.95x
+# through the copy. Lengths between are not measured; 64 is one short-query tile (SHORT_QUERY_TILE_M),
+# where a tile's MMAs still take less time than its K/V block's gather.
+GATHER_MAX_QUERY_ROWS = 64
 
 
 class HopperBackend(Backend):

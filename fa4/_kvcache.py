@@ -9,14 +9,16 @@ that index the cache in place, with no copy:
 * dense, split-KV: n segments per sequence, each a chunk of the keys, so a decode step with a
   small batch runs n x as many CTAs; the partial (out, lse) pairs are merged through their
   log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
-* paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq), any page size
-  (fa4._paged: TMA boxes for multiples and 16-row divisors of the key tile, a cp.async row gather
-  for the others): the kernel reads the pages in place, so it is cut into chunks exactly like a
-  dense cache, only the chunks' first keys are logical positions and each segment gets its
+* paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq) read in place
+  (fa4._paged: TMA boxes for multiples and 16-row divisors of the key tile at any query length, a
+  cp.async row gather for the other page sizes up to fa4._dispatch.GATHER_MAX_QUERY_ROWS kernel
+  rows -- query tokens times the group when GQA heads are packed): it is cut into chunks exactly
+  like a dense cache, only the chunks' first keys are logical positions and each segment gets its
   sequence's page-table row;
-* a paged cache the kernel cannot read in place (head dims that run padded, an arch without the
-  paged forward): one segment per page, merged the same way, from MIN_SEGMENT_PAGE keys up;
-  smaller pages are gathered into a dense copy first (many tiny segments cost far more).
+* a paged cache the kernel does not read in place (longer queries over gathered page sizes, head
+  dims that run padded, an arch without the paged forward): one segment per page, merged the same
+  way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy first (many tiny
+  segments cost far more).
 
 Splitting and per-page segments change each segment's key count, and fa4's masks are bottom-right
 aligned to it, so they are used only where the mask does not depend on alignment: no window, and
@@ -442,7 +444,10 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
-        paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache, q.shape[1])
+        # the kernel's rows per sequence: the query tokens, times the group when its heads are packed
+        _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, (left, right), pack_gqa)
+        packed_rows = q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1)
+        paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache, packed_rows)
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)

@@ -30,7 +30,9 @@ def in_place(q, k_pages, v_pages, query_rows=None) -> bool:
     backend = _dispatch.backend_for(q.device)
     d, dv = q.shape[-1], v_pages.shape[-1]
     # int(): a symbolic page size under torch.compile's dynamic shapes is guarded to its value
-    rows = None if query_rows is None else int(query_rows)
+    # an int (or a symbolic one under torch.compile); anything else counts as unknown (no device reads)
+    rows = int(query_rows) if isinstance(query_rows, (int, torch.SymInt)) and not isinstance(query_rows, bool) \
+        else None
     return (d, dv) in backend.arch.head_dims and backend.paged_in_place(int(d), int(dv), int(k_pages.shape[1]), rows)
 
 

@@ -171,6 +171,14 @@ def test_gathered_page_sizes_in_place_only_for_short_queries():
     assert all(be.paged_in_place(d, dv, p, 4096) for d, dv in ((128, 128), (64, 64), (256, 256)) for p in (16, 128, 256))
 
 
+def test_query_rows_read_from_shapes_only():
+    from fa4._api import _query_rows
+
+    assert _query_rows(torch.empty(2, 5, 4, 8), None) == 5        # padded q: its seqlen
+    assert _query_rows(torch.empty(30, 4, 8), 7) == 7             # packed q: max_seqlen_q
+    assert _query_rows(torch.empty(30, 4, 8), None) == 30         # ... else every packed row
+
+
 def test_paged_in_place_prefill_causal_and_window_need_no_gather():
     """A causal prefill and a window over pages read in place run unsplit on the pages themselves
     (the kernel's masks align to seqused_k, which the logical chunk keeps)."""

@@ -53,6 +53,16 @@ def test_gathered_build_refuses_a_dynamic_scheduler():
 
 
 @pytest.mark.cpu
+def test_gathered_builds_walk_persistent_tiles_in_a_static_order():
+    from stage3_fwd_kernel.hopper.scheduling import _resolve_scheduler
+
+    for causal in (False, True):
+        sched = _resolve_scheduler(None, True, 128, 128, causal, varlen=True, gathered_pages=True)
+        assert sched.persistent and not sched.dynamic
+    assert _resolve_scheduler(None, True, 128, 128, True, varlen=True).dynamic
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("bad", [0, -8, True, 16.0, "16"])
 def test_bad_page_size_is_refused(bad):
     from stage3_fwd_kernel.components.paged_kv import check_page_size
@@ -61,18 +71,23 @@ def test_bad_page_size_is_refused(bad):
         check_page_size(bad, 128)
 
 
-PAGED_BUILDS = [(128, 128, 1), (128, 128, 8), (128, 128, 24), (128, 128, 160), (64, 64, 24), (256, 256, 8),
-                (96, 96, 8), (192, 128, 8), (128, 64, 24), (128, 128, 16), (128, 128, 256)]
+PAGED_BUILDS = [(128, 128, 1, {}), (128, 128, 8, {}), (128, 128, 24, {}), (128, 128, 160, {}), (64, 64, 24, {}),
+                (256, 256, 8, {}), (96, 96, 8, {}), (192, 128, 8, {}), (128, 64, 24, {}), (128, 128, 16, {}),
+                (128, 128, 256, {}),
+                # what fa4's decode launches (64-row tiles), a persistent causal walk, the variants
+                (128, 128, 8, dict(tile_m=64)), (128, 128, 8, dict(causal=True, persistent=True)),
+                (128, 128, 8, dict(causal=True, window_size=(256, 0), softcap=30.0, learnable_sink=True))]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("d,dv,page", PAGED_BUILDS, ids=[f"d{d}-page{p}" for d, _, p in PAGED_BUILDS])
-def test_paged_builds_compile_sm90a(d, dv, page):
+@pytest.mark.parametrize("d,dv,page,kw", PAGED_BUILDS,
+                         ids=[f"d{d}-page{p}" + "".join(f"-{k}" for k in kw) for d, _, p, kw in PAGED_BUILDS])
+def test_paged_builds_compile_sm90a(d, dv, page, kw):
     from stage3_fwd_kernel import hopper
     from stage3_fwd_kernel.components.paged_kv import gathered
     from stage3_fwd_kernel.hopper.config import default_tile_n
 
-    comp = hopper.compile_only("bf16", d, dv, False, varlen=True, seqused_k=True, page_size=page)
+    comp = hopper.compile_only("bf16", d, dv, varlen=True, seqused_k=True, page_size=page, **kw)
     rep = comp.report
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0, rep
     assert not rep["wgmma_serialized"]

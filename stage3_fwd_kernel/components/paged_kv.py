@@ -18,11 +18,11 @@ box j (the flat cache tiled by page_size rows is indexed by the page itself). La
 warp reads entry j (L reads in parallel) and the issuing lane takes each by a shuffle. The slot's
 barrier still expects the whole block's bytes.
 
-Every other page size (1 to 8 rows, 24, 160, ...) is gathered row by row: the producer warp's
-lanes look up the page of each key row of the block (tile_n / 32 table reads a lane), then copy the
-rows with 16-byte cp.async, each lane a few columns of a row, into the swizzled ring slot
-(`gathered`, hopper/producer.py's gather_kv). The slot's barrier then counts the 32 lanes' cp.async
-completions (cp.async.mbarrier.arrive.noinc) instead of TMA bytes. Rows past the sequence's keys
+Every other page size (1 to 8 rows, 24, 160, ...) is gathered row by row (`gathered`,
+hopper/gather.py): tile_n / 32 producer warps each take 32 key rows, a lane looks up one row's page,
+and the rows are copied with 16-byte cp.async, each lane a few columns of a row, into the swizzled
+ring slot. The slot's barrier then counts the lanes' cp.async completions (32 a warp,
+cp.async.mbarrier.arrive.noinc) instead of TMA bytes. Rows past the sequence's keys
 are not copied: the mask discards their scores and the consumers zero those V rows.
 
 The sequence's first logical key (the tile's offset_k, cu_seqlens_k[b]) is where a split-KV

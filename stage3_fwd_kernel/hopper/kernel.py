@@ -10,10 +10,11 @@ the launch and lays out the CTA. The work itself is in named components:
   tile scheduling ...... components.tile_walk (persistent walk) + tile_scheduler orders
   named barriers ....... barriers
 
-A CTA is one producer warpgroup (one warp issues every TMA load) and tile_m / 64 consumer
+A CTA is one producer warpgroup (one warp issues every TMA load; a paged build whose pages TMA
+cannot read has tile_n / 32 warps gather K / V, hopper/gather.py) and tile_m / 64 consumer
 warpgroups of 64 query rows that take turns on the tensor cores. setmaxnreg moves registers from
 the producer to the consumers inside the CTA's pool: 128 * (p + nc * c) = 65536, (24, 240) with
-two consumers, (32, 160) with three.
+two consumers ((40, 232) in a gathered build), (32, 160) with three.
 
 Persistent CTAs (`tile_scheduler.PersistentScheduler`, the default for dense calls at head dims
 <= 128, see `scheduling.default_persistent`): one CTA per SM walks the tiles (components.tile_walk),
@@ -99,8 +100,11 @@ class FlashAttentionForwardSm90:
         self.gather = gathered(page_size, self.tile_n)            # pages TMA cannot read: hopper/gather.py
         self.producer_warps = self.tile_n // 32 if self.gather else 1  # the gather's warps walk the same tiles
         if self.gather and self.dynamic:
-            raise ValueError(f"scheduler: page_size {page_size} is read by the producer's four-warp gather, whose "
+            raise ValueError(f"scheduler: page_size {page_size} is read by the producer warps' gather, whose "
                              f"warps walk the tiles in step; a dynamic (atomic counter) scheduler cannot serve it")
+        if self.gather and self.tile_n not in (64, 128):
+            raise ValueError(f"tile_n: the gather gives each of the producer warpgroup's 4 warps 32 key rows, so "
+                             f"page_size {page_size} needs tile_n 64 or 128, got {self.tile_n}")
         # the keys a row sees (components.window): causal is a right edge at 0
         self.window = Window(window.left, 0 if causal else window.right)
         self.mask = AttentionMask(self.window, self.tile_n)
@@ -401,6 +405,7 @@ class FlashAttentionForwardSm90:
             if const_expr(self.gather):  # tile_n / 32 warps gather K / V (hopper/gather.py)
                 if warp_idx < self.producer_warps:
                     self.producer_warp(tile, space, tma, smem, tile_ids)
+                    cute.arch.cp_async_wait_group(0)  # no warp exits with its copies (and arrivals) in flight
             elif warp_idx == 0:  # one warp issues (elect.sync inside needs the whole warp converged)
                 self.producer_warp(tile, space, tma, smem, tile_ids)
         else:

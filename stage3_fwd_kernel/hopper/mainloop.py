@@ -162,7 +162,7 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
     tm, tn, nc = cfg.wg_m, cfg.tile_n, cfg.num_consumers
     # 1. prologue: S_0 alone (O is still 0: nothing to rescale)
     st0 = kv_state(kv_base, cfg.num_stages, producer=False)
-    smem.pipe_K.consumer_wait(st0)
+    wait_kv(cfg, smem.pipe_K, st0)
     acc_S0 = cute.make_rmem_tensor(ops.thr_mma_qk.partition_shape_C((tm, tn)), Float32)
     barriers.take_turn(turns.mine, cfg.num_consumers)
     ops.qk.gemm(acc_S0, st0.index)
@@ -207,7 +207,7 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
         smem.pipe_Q.consumer_release(q_state)  # every S of the tile has landed: the next Q may load
     # 3. drain: the last P V
     st_last = st_prev
-    smem.pipe_V.consumer_wait(st_last)
+    wait_kv(cfg, smem.pipe_V, st_last)
     barriers.take_turn(turns.mine, cfg.num_consumers)
     ops.pv.gemm(ops.acc_O, ops.tOrP, st_last.index)
     barriers.hand_turn(turns.successor, cfg.num_consumers)
@@ -223,12 +223,12 @@ def overlapped_step(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineS
     issues S_i and O += P_{i-1} V_{i-1}."""
     tm, tn = cfg.wg_m, cfg.tile_n
     trace.stamp(n_block, "top")
-    smem.pipe_K.consumer_wait(st)
+    wait_kv(cfg, smem.pipe_K, st)
     acc_S = cute.make_rmem_tensor(ops.thr_mma_qk.partition_shape_C((tm, tn)), Float32)
     barriers.take_turn(turns.mine, cfg.num_consumers)
     trace.stamp(n_block, "turn")
     ops.qk.gemm(acc_S, st.index)
-    smem.pipe_V.consumer_wait(st_prev)  # only now, with S_i issued: the wait no longer delays it
+    wait_kv(cfg, smem.pipe_V, st_prev)  # only now, with S_i issued: the wait no longer delays it
     ops.pv.gemm(ops.acc_O, ops.tOrP, st_prev.index)
     barriers.hand_turn(turns.successor, cfg.num_consumers)
     trace.stamp(n_block, "issued")
@@ -244,6 +244,15 @@ def overlapped_step(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineS
     if rescale_O:
         scale_O_rows(ops.acc_O, rows.row_scale)
     trace.stamp(n_block, "end")
+
+
+@cute.jit
+def wait_kv(cfg, pipe, st: pipeline.PipelineState):
+    """Wait for a K or V ring slot. A gathered paged build's slot was written by cp.async (the generic
+    proxy) and wgmma reads it through the async proxy: a proxy fence after the wait orders the two."""
+    pipe.consumer_wait(st)
+    if const_expr(cfg.gather):
+        cute.arch.fence_view_async_shared()
 
 
 @cute.jit
