@@ -48,6 +48,7 @@ from stage4_bwd_kernel import schedule
 from stage4_bwd_kernel.hopper.layouts import dq_frag_tiled_copy
 from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
 from stage4_bwd_kernel.hopper.producer import swizzled
+from stage4_bwd_kernel.hopper.scores import TanhFromP
 
 
 @cute.jit
@@ -205,8 +206,8 @@ class Consumer:
 
         # P^T = exp2(S^T * scale_log2 - lse2), masked (scores.py)
         warpgroup.wait_group(1)
-        acc_S_rc, dtanh_rc = self.tile_exp(o, acc_S, walk, m_block, q_rows_left, sLSE2_t, lse2_quad,
-                                           softmax_scale_log2, masked, score_scale)
+        acc_S_rc, tanh_from_p = self.tile_exp(o, acc_S, walk, m_block, q_rows_left, sLSE2_t, lse2_quad,
+                                              softmax_scale_log2, masked, score_scale)
         # P^T -> 16-bit A fragment of dV (the accumulator's register order), dV += P^T dO
         tdVrPt = cute.make_rmem_tensor(o.thr_dV.partition_shape_A((tn, tm)), self.dtype)
         tdVrPt_acc = cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape))
@@ -217,7 +218,7 @@ class Consumer:
 
         # dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and -> sdSt for dQ
         warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
-        tdKrdSt = self.form_ds(o, acc_S, acc_S_rc, acc_dP, sD_t, tdVrPt_acc, dtanh_rc)
+        tdKrdSt = self.form_ds(o, acc_S, acc_S_rc, acc_dP, sD_t, tdVrPt_acc, tanh_from_p)
         ds_buf = t % self.ds_buffers
         if const_expr(self.ds_buffers == 1):
             # the other warpgroup's dQ wgmma of the previous tile has read sdSt
@@ -256,19 +257,17 @@ class Consumer:
     def tile_exp(self, o: ConsumerOperands, acc_S: cute.Tensor, walk, m_block: Int32, q_rows_left: Int32,
                  sLSE2_t: cute.Tensor, lse2_quad, softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool],
                  score_scale=None):
-        """P^T of Q tile m_block in place of S^T (scores.py) -> (its row-column view, the softcap's
-        tanh derivative or None)."""
+        """P^T of Q tile m_block in place of S^T (scores.py) -> (its row-column view, with softcap what
+        dS^T needs to recover the tanh from P^T (scores.TanhFromP), else None)."""
         tm, tn = self.tile_m, self.tile_n
         acc_S_rc = acc_rowcol(acc_S)
         key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k)
-        dtanh_rc = None
+        tanh_from_p = None
         if const_expr(self.score_mod.on):
-            # 16-bit: at 32 more fp32 registers a thread the consumers spilled; dS^T is rounded to 16
-            # bits for the dK and dQ wgmmas anyway
-            dtanh_rc = acc_rowcol(cute.make_rmem_tensor(acc_S.shape, self.dtype))
+            tanh_from_p = TanhFromP(sLSE2_t, Float32(1.0) / softmax_scale_log2)
         self.exp_scores(acc_S_rc, o.tScS_rc, sLSE2_t, lse2_quad, softmax_scale_log2, key_limit, diag,
-                        q_rows_left, masked=masked, tScS0_rc=o.tScS0_rc, score_scale=score_scale, dtanh_rc=dtanh_rc)
-        return acc_S_rc, dtanh_rc
+                        q_rows_left, masked=masked, tScS0_rc=o.tScS0_rc, score_scale=score_scale)
+        return acc_S_rc, tanh_from_p
 
     @cute.jit
     def issue_scores(self, o: ConsumerOperands, mmas, pipes, st: pipeline.PipelineState):
@@ -285,10 +284,10 @@ class Consumer:
 
     @cute.jit
     def form_ds(self, o: ConsumerOperands, acc_S: cute.Tensor, acc_S_rc: cute.Tensor, acc_dP: cute.Tensor,
-                sD_t: cute.Tensor, tdVrPt_acc: cute.Tensor, dtanh_rc=None):
-        """dS^T = P^T * (dP^T - D) in acc_dP (softcap: times the tanh's derivative dtanh_rc), then its
+                sD_t: cute.Tensor, tdVrPt_acc: cute.Tensor, tanh_from_p=None):
+        """dS^T = P^T * (dP^T - D) in acc_dP (softcap: times the tanh's derivative, from P^T), then its
         16-bit copy (the A fragment of dK, returned); with late_dv, P^T is packed for dV only now."""
-        self.ds_in_place(o, acc_S_rc, acc_dP, sD_t, dtanh_rc)
+        self.ds_in_place(o, acc_S_rc, acc_dP, sD_t, tanh_from_p)
         if const_expr(self.late_dv):
             # P^T packed only now: the fp32 P^T, the 16-bit copy and dP^T are never all live
             tdVrPt_acc.store(acc_S.load().to(self.dtype))
@@ -299,16 +298,26 @@ class Consumer:
 
     @cute.jit
     def ds_in_place(self, o: ConsumerOperands, acc_S_rc: cute.Tensor, acc_dP: cute.Tensor, sD_t: cute.Tensor,
-                    dtanh_rc=None):
-        """acc_dP := dS^T = P^T * (dP^T - D), times the tanh's derivative with softcap."""
+                    tanh_from_p=None):
+        """acc_dP := dS^T = P^T * (dP^T - D), times the tanh's derivative with softcap (recovered from
+        P^T: scores.TanhFromP)."""
         acc_dP_rc = acc_rowcol(acc_dP)
         dpsum_quad = self.load_quad_stats(sD_t)
+        lse2_quad = None
+        if const_expr(tanh_from_p is not None):
+            lse2_quad = self.load_quad_stats(tanh_from_p.sLSE2)  # loaded again: not held across the tile
+        rows = cute.size(acc_dP_rc, mode=[0])
         for c in cutlass.range_constexpr(cute.size(o.tScS_rc, mode=[1])):
-            dpsum = self.column_stat(sD_t, dpsum_quad, c, o.tScS_rc[0, c][1])
-            for r in cutlass.range_constexpr(cute.size(acc_dP_rc, mode=[0])):
-                acc_dP_rc[r, c] = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
-                if const_expr(dtanh_rc is not None):
-                    acc_dP_rc[r, c] = acc_dP_rc[r, c] * dtanh_rc[r, c]
+            col = o.tScS_rc[0, c][1]
+            dpsum = self.column_stat(sD_t, dpsum_quad, c, col)
+            lse2 = None
+            if const_expr(tanh_from_p is not None):
+                lse2 = self.column_stat(tanh_from_p.sLSE2, lse2_quad, c, col)
+            for r in cutlass.range_constexpr(rows):
+                ds = acc_S_rc[r, c] * (acc_dP_rc[r, c] - dpsum)
+                if const_expr(tanh_from_p is not None):
+                    ds = ds * self.softcap_grad(acc_S_rc[r, c], lse2, tanh_from_p.inv_scale_log2)
+                acc_dP_rc[r, c] = ds
 
     @cute.jit
     def hand_off_dq(self, o: ConsumerOperands, acc_dQ: cute.Tensor, t: Int32):

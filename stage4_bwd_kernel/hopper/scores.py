@@ -31,6 +31,8 @@ for keys past key_limit. That never happens there (same bits), but with the sele
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -60,8 +62,28 @@ def stats_shuffle_query(lane: int, reg: int) -> int:
     return lane // 4 * 16 + lane % 4 * 2 + reg % 2 + 8 * (reg // 2)
 
 
+class TanhFromP(NamedTuple):
+    """Softcap: what dS^T needs to recover each score's tanh from its P^T instead of keeping it.
+    P = exp2(t * scale_log2 - lse2) with t = tanh(S * score_scale), so t = (log2 P + lse2) / scale_log2
+    (one MUFU.LG2 a score). Keeping 1 - t^2 in registers from the exponentials to dS^T spilled
+    0.6-1.0 KB a consumer thread (32 more registers at d = 128)."""
+
+    sLSE2: Any            # this tile's lse2 per query (SMEM; read again for dS^T)
+    inv_scale_log2: Any   # Float32: 1 / scale_log2
+
+
 class Scores:
     """Statistics and exponential methods of the kernel class."""
+
+    @cute.jit
+    def softcap_grad(self, p: Float32, lse2: Float32, inv_scale_log2: Float32) -> Float32:
+        """The tanh's derivative 1 - t^2 of a score, t recovered from its P^T and its query's lse2
+        (TanhFromP). A P of 0 (masked, or a query past the sequence whose lse2 was sent to +inf) gives
+        t = -inf or NaN, which the clamp to [-1, 1] (min / max ignore NaN) turns into a finite
+        derivative: dS^T = 0 * finite there."""
+        t = (cute.math.log2(p, fastmath=True) + lse2) * inv_scale_log2
+        t = cutlass.min(cutlass.max(t, Float32(-1.0)), Float32(1.0))
+        return 1.0 - t * t
 
     @cute.jit
     def load_quad_stats(self, sStat: cute.Tensor):
@@ -100,11 +122,11 @@ class Scores:
     @cute.jit
     def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, lse2_quad,
                    softmax_scale_log2: Float32, key_limit: Int32, diag: Int32, q_rows_left: Int32,
-                   masked: cutlass.Constexpr[bool], tScS0_rc: cute.Tensor, score_scale=None, dtanh_rc=None):
+                   masked: cutlass.Constexpr[bool], tScS0_rc: cute.Tensor, score_scale=None):
         """P^T = exp2(S^T * scale_log2 - lse2) in place; masked=True also sends masked scores to -inf.
         tScS_rc: this thread's (key, query) coordinates; tScS0_rc: thread 0's (static). Softcap
-        (components.score_mod): S^T = tanh(S^T * score_scale) first, its derivative 1 - tanh^2 kept
-        in dtanh_rc for dS^T."""
+        (components.score_mod): S^T = tanh(S^T * score_scale) first (dS^T recovers it from P^T:
+        TanhFromP)."""
         if const_expr(masked and self.mask_offsets):
             rel = self.row_offsets(tScS_rc, tScS0_rc, key_limit, diag)
             cols_left = q_rows_left - tScS_rc[0, 0][1]
@@ -123,7 +145,6 @@ class Scores:
                 s = acc_S_rc[r, c]
                 if const_expr(self.score_mod.on):
                     s = cute.math.tanh(s * score_scale, approx=True)
-                    dtanh_rc[r, c] = (1.0 - s * s).to(self.dtype)
                 if const_expr(self.key_select and not masked):
                     if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, causal=False):
                         s = -Float32.inf

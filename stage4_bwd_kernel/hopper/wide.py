@@ -56,8 +56,8 @@ class WideConsumer:
         sLSE2_t, sD_t = o.sLSE2[None, st.index], o.sD[None, st.index]
 
         warpgroup.wait_group(1)
-        acc_S_rc, dtanh_rc = self.tile_exp(o, acc_S, walk, m_block, q_rows_left, sLSE2_t, None, softmax_scale_log2,
-                                           masked, score_scale)
+        acc_S_rc, tanh_from_p = self.tile_exp(o, acc_S, walk, m_block, q_rows_left, sLSE2_t, None,
+                                              softmax_scale_log2, masked, score_scale)
         if t > 0:  # both warpgroups' wgmmas of tile t - 1 have read the P^T / dS^T slots
             cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
         rPt = cute.make_rmem_tensor_like(acc_S, self.dtype)
@@ -65,7 +65,7 @@ class WideConsumer:
         cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(rPt), o.tdSsdSt[None, None, None, pt_slot])
 
         warpgroup.wait_group(0)  # dP^T
-        self.ds_in_place(o, acc_S_rc, acc_dP, sD_t, dtanh_rc)
+        self.ds_in_place(o, acc_S_rc, acc_dP, sD_t, tanh_from_p)
         rdSt = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         rdSt.store(acc_dP.load().to(self.dtype))
         cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(rdSt), o.tdSsdSt[None, None, None, ds_slot])
