@@ -78,12 +78,15 @@ class Scores:
     @cute.jit
     def softcap_grad(self, p: Float32, lse2: Float32, inv_scale_log2: Float32) -> Float32:
         """The tanh's derivative 1 - t^2 of a score, t recovered from its P^T and its query's lse2
-        (TanhFromP). A P of 0 (masked, or a query past the sequence whose lse2 was sent to +inf) gives
-        t = -inf or NaN, which the clamp to [-1, 1] (min / max ignore NaN) turns into a finite
-        derivative: dS^T = 0 * finite there."""
+        (TanhFromP). A P of 0 (a masked score, a query past the sequence, a row that sees no key and
+        whose lse2 is infinite) gives t = -inf or NaN: its derivative is selected to 0 (dS^T is 0
+        there anyway, and 0 * NaN is not)."""
         t = (cute.math.log2(p, fastmath=True) + lse2) * inv_scale_log2
         t = cutlass.min(cutlass.max(t, Float32(-1.0)), Float32(1.0))
-        return 1.0 - t * t
+        grad = 1.0 - t * t
+        if p <= Float32(0.0):
+            grad = Float32(0.0)
+        return grad
 
     @cute.jit
     def load_quad_stats(self, sStat: cute.Tensor):
