@@ -105,9 +105,10 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "softcap": (True, "softcap > 0: scaled scores become softcap * tanh(s / softcap) (Gemma 2), in the backward too"),
     "learnable_sink": (True, "learnable_sink (heads_q,): one logit per query head joins each row's softmax "
                              "denominator (gpt-oss); differentiable, lse includes it"),
-    "paged_kv_cache": (True, "block_table / page_table: read in place by the sm_90 forward for pages of 16, 32, "
-                             "64 or a multiple of 128 keys (64 at head dim 256) when nothing needs a gradient; "
-                             "other pages are gathered into a dense copy (kvcache decode: one segment per page from 128 keys)"),
+    "paged_kv_cache": (True, "block_table / page_table: read in place by the sm_90 forward when nothing needs a "
+                             "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
+                             "any other page size by a cp.async gather up to 64 query rows (decode); longer queries "
+                             "over those pages, and other arches, use a dense copy of the pages"),
     "fp8": (False, "not supported"),
 }
 
