@@ -250,6 +250,56 @@ out_paged = fa4.flash_attn_varlen_func(meta(4, 7, 8, 128), pool, pool,
 print("padded q and k ->", tuple(out_pad.shape), "; paged k / v ->", tuple(out_paged.shape))
 
 # %% [markdown]
+# ### How a paged cache is read in place
+# A serving system keeps every sequence's keys in fixed-size *pages* of one pool and a table of
+# which pages each sequence owns: key `j` of sequence `b` is row `j % page_size` of page
+# `page_table[b, j // page_size]`. On Hopper the forward kernel reads the pool through the table
+# itself, with no copy (`stage3_fwd_kernel/components/paged_kv.py`). Which reader it uses depends on
+# how a page sits against the kernel's key tile of 128 rows: a page that holds whole key tiles is one
+# TMA box per block; a page of 16-64 rows that divides the tile is one TMA box per page; any other
+# size is *gathered*: the producer's warps look up each row's page and copy the rows with 16-byte
+# `cp.async` (`stage3_fwd_kernel/hopper/gather.py`).
+
+# %%
+from fa4._layouts import gather_pages
+from stage3_fwd_kernel.components.paged_kv import gathered, tma_pages
+
+for page_size in (1, 8, 16, 24, 64, 128, 160, 256):
+    reader = ("TMA, one box per key block" if page_size % 128 == 0 else
+              "TMA, one box per page" if tma_pages(page_size, 128) else "cp.async row gather")
+    assert gathered(page_size, 128) == (reader == "cp.async row gather")
+    print(f"pages of {page_size:3d} keys: {reader}")
+
+# the table's arithmetic, checked against the copy fa4 makes when it cannot read in place
+g = torch.Generator().manual_seed(0)
+pool_k = torch.randn(12, 8, 2, 16, generator=g)                  # 12 pages of 8 keys, 2 KV heads, d = 16
+table = torch.randperm(12, generator=g)[:6].view(2, 3).to(torch.int32)  # 2 sequences x 3 pages
+dense = gather_pages(pool_k, table)                               # (2, 24, 2, 16)
+b, j = 1, 13
+assert torch.equal(dense[b, j], pool_k[table[b, j // 8], j % 8])
+print(f"key {j} of sequence {b}: page {int(table[b, j // 8])}, row {j % 8}")
+
+# %% [markdown]
+# The gather splits a 128-row key block between the producer warpgroup's 4 warps, 32 rows each. At
+# d = 128 in bf16 a row is 256 bytes, 16 copies of 16 bytes, so 16 lanes share a row and a warp
+# instruction copies 2 rows; each lane looks its own row's page up once, and the lanes copying a row
+# get its address by a shuffle. Copies in flight bound it, not their count: on an H200 one warp
+# gathering the whole block ran decode at 0.2-0.3x of a dense cache, four warps with 8 copies per
+# lane in flight at 0.83-0.96x (`docs/measurements.md`). A long prefill over such pages is
+# compute-bound, and there fa4 copies the pages into a dense cache instead (0.95x against 0.65x).
+
+# %%
+import cutlass
+
+from stage3_fwd_kernel.hopper.gather import lanes_per_row
+
+tpr = lanes_per_row(cutlass.BFloat16, 128)
+rows_per_instruction = 32 // tpr
+for lane in (0, 15, 16, 31):
+    print(f"d = 128: lane {lane:2d} copies bytes {16 * (lane % tpr):3d}-{16 * (lane % tpr) + 15} of row "
+          f"{lane // tpr} (+ {rows_per_instruction} per instruction) of its warp's 32 rows")
+
+# %% [markdown]
 # ## `torch.compile`: custom ops, no graph break
 # Dynamo cannot trace into a CuTe-DSL launch (ctypes, DLPack, a JIT compiler). `fa4` therefore
 # registers four `torch.library` custom ops (`fa4::fwd`, `fa4::bwd`, `fa4::varlen_fwd`,
