@@ -221,6 +221,27 @@ def test_varlen_page_table_in_place(d, page, causal, no_gather, gather_any_lengt
         _check(out[rows][None], lse[:, rows][None], truth, tlse, base, f"d {d} page {page} seq {i}")
 
 
+@pytest.mark.parametrize("d, dv, page", [(192, 128, 8), (128, 64, 24), (96, 96, 1)])
+def test_varlen_page_table_gathered_head_dim_pairs(d, dv, page, no_gather, gather_any_length):
+    """The gather with K and V of different widths (two copy loops) and at d = 96 (three copies a row):
+    packed q, GQA 4, a partial last page and a sequence of one key, causal."""
+    b, hkv = 2, 2
+    pages = -(-700 // page)
+    kp, _, table = _paged(b, pages, page, hkv, d, 16)
+    vp = _cache(kp.shape[0], page, hkv, dv, 17)[0]
+    used = torch.tensor([700, 1], dtype=torch.int32, device="cuda")
+    cu_q = torch.tensor([0, 300, 301], dtype=torch.int32, device="cuda")
+    q = torch.randn(301, 8, d, device="cuda").to(BF16)
+    out, lse = fa4.flash_attn_varlen_func(q, kp, vp, cu_seqlens_q=cu_q, max_seqlen_q=300, seqused_k=used,
+                                          page_table=table, causal=True, return_lse=True)
+    keys, values = _unpage(kp, table), _unpage(vp, table)
+    for i in range(b):
+        rows = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        truth, tlse, base = _truth_and_baseline(q[rows][None], keys[i:i + 1], values[i:i + 1], used[i:i + 1],
+                                                causal=True)
+        _check(out[rows][None], lse[:, rows][None], truth, tlse, base, f"({d}, {dv}) page {page} seq {i}")
+
+
 def test_varlen_page_table_padded_q_softcap_sink(no_gather):
     b, pages, page = 2, 8, 128
     kp, vp, table = _paged(b, pages, page, 8, 128, 9)

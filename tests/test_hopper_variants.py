@@ -390,6 +390,34 @@ def test_backward_window_builds_without_spills(d):
     assert comp.report["spill_stores"] == 0 and not comp.report["wgmma_serialized"]
 
 
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_softcap_tanh_recovered_from_p():
+    """The arithmetic of scores.TanhFromP in float32: t = (log2 P + lse2) / (cap log2 e) gives the
+    tanh back from P = exp2(t cap log2 e - lse2) to ~1e-6, and the derivative is 0 (not NaN) where P is
+    0 -- a masked score (finite lse2) or a row that sees no key (lse2 = +inf)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    cap = np.float32(30.0)
+    scale_log2 = np.float32(cap * np.log2(np.e))
+    t = np.tanh(rng.normal(0, 2, size=(64, 128))).astype(np.float32)          # keys x queries
+    x = t * scale_log2
+    lse2 = (x.max(0) + np.log2(np.exp2(x - x.max(0)).sum(0))).astype(np.float32)  # per query
+    p = np.exp2(x - lse2).astype(np.float32)
+    p[:5] = 0.0                                                                 # masked scores
+    lse2_rows = np.broadcast_to(lse2, p.shape).copy()
+    lse2_rows[:, :3] = np.inf                                                   # queries with no key
+    p[:, :3] = np.exp2(x[:, :3] - lse2_rows[:, :3])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        got = (np.log2(p) + lse2_rows) * np.float32(1.0 / scale_log2)
+    got = np.clip(np.nan_to_num(got, nan=1.0, neginf=-1.0), -1.0, 1.0)       # min / max ignore NaN
+    grad = np.where(p > 0, 1.0 - got * got, 0.0)
+    live = p > 0
+    assert np.abs(got[live] - t[live]).max() < 2e-6
+    assert np.isfinite(grad).all() and (grad[~live] == 0).all() and (~live).sum() == 5 * 125 + 64 * 3
+
+
 # spill bytes a consumer thread of the softcap backward may store (ptxas): d = 128 causal 0, d = 64
 # causal 48, non-causal 116, d = 96 / 192 / window 0 since dS^T recovers the tanh from P^T; keeping
 # 1 - tanh^2 in registers spilled 648 / 864 / 76 (stage4_bwd_kernel/hopper/scores.py, TanhFromP)
