@@ -285,6 +285,9 @@ BWD_CASES = [
     (1000, 1500, 4, 4, 128, False, (None, None), 50.0),
     (4224, 4224, 2, 1, 128, True, (1024, None), 0.0),
     (1500, 700, 4, 2, 64, False, (64, 64), 0.0),
+    # softcap through the causal mask_offsets bodies (d <= 96), whose columns past the queries get lse2 = +inf
+    (1023, 1024, 2, 2, 64, True, (None, None), 30.0),
+    (300, 300, 4, 1, 96, True, (None, None), 5.0),
 ]
 
 
@@ -392,14 +395,16 @@ def test_backward_window_builds_without_spills(d):
 
 @pytest.mark.cpu
 @pytest.mark.stage4
-def test_softcap_tanh_recovered_from_p():
-    """The arithmetic of scores.TanhFromP in float32: t = (log2 P + lse2) / (cap log2 e) gives the
-    tanh back from P = exp2(t cap log2 e - lse2) to ~1e-6, and the derivative is 0 (not NaN) where P is
-    0 -- a masked score (finite lse2) or a row that sees no key (lse2 = +inf)."""
+@pytest.mark.parametrize("cap", [5.0, 30.0, 50.0])
+def test_softcap_tanh_recovered_from_p(cap):
+    """The identity behind scores.TanhFromP, in float32 numpy (not the kernel's code: its MUFU lg2 / ex2
+    are approximations of these, and the GPU tests check the kernel): t = (log2 P + lse2) / (cap log2 e)
+    gives the tanh back from P = exp2(t cap log2 e - lse2) to ~1e-6, and selecting the derivative to 0
+    where P is 0 -- a masked score (finite lse2) or a row that sees no key (lse2 = +inf) -- leaves no NaN."""
     import numpy as np
 
     rng = np.random.default_rng(0)
-    cap = np.float32(30.0)
+    cap = np.float32(cap)
     scale_log2 = np.float32(cap * np.log2(np.e))
     t = np.tanh(rng.normal(0, 2, size=(64, 128))).astype(np.float32)          # keys x queries
     x = t * scale_log2
@@ -409,31 +414,38 @@ def test_softcap_tanh_recovered_from_p():
     lse2_rows = np.broadcast_to(lse2, p.shape).copy()
     lse2_rows[:, :3] = np.inf                                                   # queries with no key
     p[:, :3] = np.exp2(x[:, :3] - lse2_rows[:, :3])
+    p[p < np.finfo(np.float32).tiny] = 0.0                                      # ex2.approx.ftz flushes subnormals
     with np.errstate(divide="ignore", invalid="ignore"):
         got = (np.log2(p) + lse2_rows) * np.float32(1.0 / scale_log2)
     got = np.clip(np.nan_to_num(got, nan=1.0, neginf=-1.0), -1.0, 1.0)       # min / max ignore NaN
     grad = np.where(p > 0, 1.0 - got * got, 0.0)
     live = p > 0
     assert np.abs(got[live] - t[live]).max() < 2e-6
-    assert np.isfinite(grad).all() and (grad[~live] == 0).all() and (~live).sum() == 5 * 125 + 64 * 3
+    assert np.isfinite(grad).all() and (grad[~live] == 0).all() and (~live).sum() >= 5 * 125 + 64 * 3
 
 
-# spill bytes a consumer thread of the softcap backward may store (ptxas): d = 128 causal 0, d = 64
-# causal 48, non-causal 116, d = 96 / 192 / window 0 since dS^T recovers the tanh from P^T; keeping
-# 1 - tanh^2 in registers spilled 648 / 864 / 76 (stage4_bwd_kernel/hopper/scores.py, TanhFromP)
-SOFTCAP_BWD_SPILL_BOUND = {(128, True): 32, (64, True): 128, (64, False): 128, (96, True): 0}
+# spill bytes a consumer thread of the softcap backward may store (ptxas), the measured values plus a
+# few: d = 128 causal 0, deterministic 60, window 0, d = 64 causal 48, non-causal 116, d = 96 and
+# (192, 128) 0, since dS^T recovers the tanh from P^T; keeping 1 - tanh^2 in registers spilled 648 /
+# 684 / 648 / 864 / 76 / 0 / 0 (stage4_bwd_kernel/hopper/scores.py, TanhFromP)
+SOFTCAP_BWD_SPILL_BOUND = {(128, 128, True, ""): 8, (128, 128, True, "det"): 64, (128, 128, True, "window"): 8,
+                           (64, 64, True, ""): 56, (64, 64, False, ""): 120, (96, 96, True, ""): 0,
+                           (192, 128, True, ""): 0}
 
 
 @pytest.mark.compile
 @pytest.mark.stage4
-@pytest.mark.parametrize("d,causal", list(SOFTCAP_BWD_SPILL_BOUND), ids=lambda v: str(v))
-def test_backward_softcap_spills_bounded(d, causal):
+@pytest.mark.parametrize("d,dv,causal,mode", list(SOFTCAP_BWD_SPILL_BOUND),
+                         ids=[f"d{d}x{dv}-{'causal' if c else 'full'}{'-' + m if m else ''}"
+                              for d, dv, c, m in SOFTCAP_BWD_SPILL_BOUND])
+def test_backward_softcap_spills_bounded(d, dv, causal, mode):
     import re
 
     from stage4_bwd_kernel.hopper import backward as bwd
 
-    comp = bwd.compile_only("bf16", d, d, causal, softcap=30.0)
-    assert comp.report["spill_stores"] <= SOFTCAP_BWD_SPILL_BOUND[(d, causal)], comp.report
+    kw = dict(deterministic=mode == "det", window_size=(256, None) if mode == "window" else (None, None))
+    comp = bwd.compile_only("bf16", d, dv, causal, softcap=30.0, **kw)
+    assert comp.report["spill_stores"] <= SOFTCAP_BWD_SPILL_BOUND[(d, dv, causal, mode)], comp.report
     assert not comp.report["wgmma_serialized"]
     # one MUFU.LG2 per score recovers the tanh; as many as the tanh's own MUFU.TANH
     assert len(re.findall(r"MUFU\.LG2", comp.sass)) == len(re.findall(r"MUFU\.TANH", comp.sass)) > 0
