@@ -6,8 +6,7 @@ Hopper varlen forward as it is: the kernel's producer looks up the page of every
 size: multiples of the forward's key tile (128 rows; 64 at head dim 256) and its divisors of 16
 rows or more are read by TMA boxes, the others (1 to 8 rows, 24, 160, ...) row by row with cp.async
 (stage3_fwd_kernel.hopper.gather), which pays off for short queries only
-(fa4._dispatch.GATHER_MAX_QUERY_ROWS). A
-forward only: the backward reads dense K / V.
+(fa4._dispatch.GATHER_MAX_QUERY_ROWS). A forward only: the backward reads dense K / V.
 
 Every other paged call -- inputs that need a gradient, seqused_q, head-dim pairs that run padded,
 an arch without the paged forward, long queries over pages TMA cannot read -- keeps the gather
@@ -29,8 +28,8 @@ def in_place(q, k_pages, v_pages, query_rows=None) -> bool:
         return False
     backend = _dispatch.backend_for(q.device)
     d, dv = q.shape[-1], v_pages.shape[-1]
-    # int(): a symbolic page size under torch.compile's dynamic shapes is guarded to its value
-    # an int (or a symbolic one under torch.compile); anything else counts as unknown (no device reads)
+    # int(): a symbolic size under torch.compile's dynamic shapes is guarded to its value; query_rows
+    # that is not an int (a tensor, say) counts as unknown, so no device value is read
     rows = int(query_rows) if isinstance(query_rows, (int, torch.SymInt)) and not isinstance(query_rows, bool) \
         else None
     return (d, dv) in backend.arch.head_dims and backend.paged_in_place(int(d), int(dv), int(k_pages.shape[1]), rows)

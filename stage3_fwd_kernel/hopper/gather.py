@@ -55,9 +55,8 @@ def gather_copy(dtype, cols: int) -> cute.TiledCopy:
 
 def gather_unroll(producer_regs: int) -> int:
     """Copy instructions a lane issues per loop trip (each 32 / tpr rows of the warp): 8 in 40 producer
-    registers, 4 in 32 (three consumer warpgroups); checked spill-free by tests/test_hopper_paged.py. On an H200 (d = 128, pages of 1 /
-    8 / 24) 4 rows in 24 registers ran decode at 0.60-0.71x of a dense cache, 8 in 40 at 0.83-0.96x,
-    and K and V in one loop with 16 rows in 56 at 0.68-0.79x (K then waits for V's copies)."""
+    registers, 4 in 32 (three consumer warpgroups); spill-free in tests/test_hopper_paged.py, and
+    measured against the alternatives in docs/measurements.md (2026-11-29, "cp.async gather")."""
     return 8 if producer_regs >= 40 else 4
 
 

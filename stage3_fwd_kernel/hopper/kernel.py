@@ -352,20 +352,24 @@ class FlashAttentionForwardSm90:
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 4)
 
         def make(barriers_mem, stages, tx_count):
-            if self.gather and tx_count is None:
-                # its consumer_release arrives from every consumer thread (the TMA pipeline's from one
-                # lane a warp), so "empty" counts threads here
-                return pipeline.PipelineCpAsync.create(
-                    barrier_storage=barriers_mem.data_ptr(), num_stages=stages,
-                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.producer_warps),
-                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 128),
-                    defer_sync=True)
             return pipeline.PipelineTmaAsync.create(
                 barrier_storage=barriers_mem.data_ptr(), num_stages=stages, producer_group=producer_group,
                 consumer_group=consumer_group, tx_count=tx_count, defer_sync=True)
-        kv_bytes = (None, None) if self.gather else (self.tma_bytes_K, self.tma_bytes_V)
-        return (make(storage.mbar_Q, 1, self.tma_bytes_Q), make(storage.mbar_K, self.num_stages, kv_bytes[0]),
-                make(storage.mbar_V, self.num_stages, kv_bytes[1]))
+
+        def make_gathered(barriers_mem):
+            # its consumer_release arrives from every consumer thread (the TMA pipeline's from one lane
+            # a warp), so "empty" counts threads here
+            return pipeline.PipelineCpAsync.create(
+                barrier_storage=barriers_mem.data_ptr(), num_stages=self.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * self.producer_warps),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * 128),
+                defer_sync=True)
+
+        pipe_Q = make(storage.mbar_Q, 1, self.tma_bytes_Q)
+        if self.gather:
+            return pipe_Q, make_gathered(storage.mbar_K), make_gathered(storage.mbar_V)
+        return (pipe_Q, make(storage.mbar_K, self.num_stages, self.tma_bytes_K),
+                make(storage.mbar_V, self.num_stages, self.tma_bytes_V))
 
     def _walk(self, seq: SequenceInfo) -> TileWalk:
         return TileWalk(self.scheduler, dynamic=self.dynamic, split_tail=self.split_tail,

@@ -1,6 +1,7 @@
 """The producer warp: TMA loads of Q and the K/V ring, and the ring's slot arithmetic.
 
-One elected lane issues every TMA load (a gathered paged build: tile_n / 32 warps copy K / V). A tile's loads are Q's nc 64-row slabs (all on one mbarrier),
+One elected lane issues every TMA load (a gathered paged build: tile_n / 32 warps copy K / V). A
+tile's loads are Q's nc 64-row slabs (all on one mbarrier),
 then every visible K/V block, each as soon as its ring slot is free, last block first (the order
 the consumers walk them). A persistent CTA loads a tile's first K/V block before its Q: that slot
 frees while the consumers still read the previous tile's Q, which they release after their last
