@@ -6,7 +6,8 @@ Both sides go through their public functions (`fa4.flash_attn_func`, `flash_attn
 flash_attn_func`) with the same arguments, forward and backward (the backward timed on a retained
 graph, `torch.autograd.grad` of the output), in paired rounds (benchmarks.ab_fwd: every round times
 both in a fresh random order, the ratio is official time / fa4 time of that round). The cases: plain
-causal (the reference), causal with a 1024-token window, softcap 30, causal with a sink. Then the
+causal (the reference), causal with a 1024-token window, a band of 1024 keys each side (not causal),
+softcap 30, causal with a sink. Then the
 window's cost at --window-seqlen (default 16k): fa4's 1024-window causal call against its causal and
 its non-causal call, next to window / seqlen (the ratio to expect against the non-causal call when
 the cost follows the keys walked). Each case is compiled and checked against the official output once before timing; an
@@ -26,6 +27,7 @@ from .ab_fwd import paired_rounds, write_results
 CASES = {  # name -> (causal, fa4 / official keyword arguments)
     "causal": (True, {}),
     "causal+window1024": (True, dict(window_size=(1024, 0))),
+    "band1024": (False, dict(window_size=(1024, 1024))),
     "softcap30": (False, dict(softcap=30.0)),
     "causal+sink": (True, dict(learnable_sink="sink")),
 }

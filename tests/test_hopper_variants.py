@@ -383,14 +383,48 @@ def test_fa4_window_softcap_sink_forward_backward(d):
     torch.testing.assert_close(s.grad.double(), -(w * dd).sum((0, 2)), rtol=1e-5, atol=1e-5)
 
 
+# spill bytes a consumer thread of a windowed backward may store: 0, except the d = 64 band's default
+# mode, whose row statistics come from SMEM (stats_shuffle off) so that ptxas keeps its wgmmas async:
+# 16 bytes dense, 20 varlen, where with the shuffle it serialized them (C7512)
+WINDOW_BWD_BUILDS = {(64, True, False): 0, (96, True, False): 0, (128, True, False): 0,
+                     (64, False, False): 16, (64, False, True): 20, (96, False, False): 0, (128, False, False): 0}
+
+
 @pytest.mark.compile
 @pytest.mark.stage4
-@pytest.mark.parametrize("d", [64, 96, 128])
-def test_backward_window_builds_without_spills(d):
+@pytest.mark.parametrize("d,causal,varlen", list(WINDOW_BWD_BUILDS),
+                         ids=[f"d{d}-{'causal' if c else 'band'}{'-varlen' if v else ''}"
+                              for d, c, v in WINDOW_BWD_BUILDS])
+def test_backward_window_builds_without_serialized_wgmma(d, causal, varlen):
+    """Causal + a left window, or a band (both edges, not causal): async wgmmas, spills at most the
+    measured bytes; the band's masked body uses neither one-edge shortcut (column_limit, mask_offsets)."""
     from stage4_bwd_kernel.hopper import backward as bwd
 
-    comp = bwd.compile_only("bf16", d, d, True, window_size=(256, None))
-    assert comp.report["spill_stores"] == 0 and not comp.report["wgmma_serialized"]
+    window = (256, None) if causal else (256, 256)
+    comp = bwd.compile_only("bf16", d, d, causal, varlen=varlen, window_size=window)
+    assert not comp.report["wgmma_serialized"], comp.report["ptxas_log"]
+    assert comp.report["spill_stores"] <= WINDOW_BWD_BUILDS[(d, causal, varlen)], comp.report
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_backward_band_options():
+    """A band (or a left window) turns off the one-edge masked bodies in the options themselves, and at
+    the 128-query tile in the default mode the shuffled row statistics (C7512 with them)."""
+    from stage3_fwd_kernel.components.window import Window
+    from stage4_bwd_kernel.hopper.options import BackwardOptions, is_banded
+
+    assert is_banded(Window(256, 256), False) and is_banded(Window(256, None), True)
+    assert is_banded(Window(None, 0), False) and not is_banded(Window(None, 0), True)
+    assert not is_banded(Window(None, None), False)
+    plain = BackwardOptions.for_config(64, 64, False, False, False)
+    band = BackwardOptions.for_config(64, 64, False, False, False, banded=True)
+    assert plain.stats_shuffle and not band.stats_shuffle
+    assert BackwardOptions.for_config(64, 64, False, True, False, banded=True).stats_shuffle  # deterministic
+    causal = BackwardOptions.for_config(96, 96, True, False, False)
+    assert causal.mask_offsets and causal.column_limit
+    windowed = BackwardOptions.for_config(96, 96, True, False, False, banded=True)
+    assert not windowed.mask_offsets and not windowed.column_limit
 
 
 @pytest.mark.cpu

@@ -13,7 +13,7 @@ from stage3_fwd_kernel.components.window import NO_WINDOW
 from stage4_bwd_kernel import common, host
 from stage4_bwd_kernel.hopper.kernel import FlashAttentionBackwardSm90
 from stage4_bwd_kernel.hopper.options import (RS_HEAD_DIMS, WIDE_HEAD_DIMS, BackwardOptions, check_product_head_dims,
-                                              default_tiles)
+                                              default_tiles, is_banded)
 
 STEP = "hopper_bwd"
 
@@ -39,8 +39,9 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise TypeError(f"{unknown[0]}: not an option of the Hopper backward (options: {sorted(names)})")
-        options = dataclasses.replace(BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen),
-                                      **overrides)
+        defaults = BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen,
+                                              is_banded(window, causal))
+        options = dataclasses.replace(defaults, **overrides)
     return FlashAttentionBackwardSm90(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
                                       has_seqused_k=has_seqused_k, dq_order=dq_order, options=options,
                                       window=window, softcap=softcap)

@@ -45,7 +45,7 @@ from stage4_bwd_kernel.hopper.epilogue import Epilogue
 from stage4_bwd_kernel.hopper.layouts import LayoutPlan, Mmas
 from stage4_bwd_kernel.hopper.options import (DQ_FULL_BARRIER, DQ_WRITER_WARP, NUM_THREADS, NUM_WG_MMA,
                                               REGS_CONSUMER, REGS_PRODUCER, BackwardOptions, default_tiles,
-                                              dq_empty_barrier, is_wide, num_barriers, smem_need)
+                                              dq_empty_barrier, is_banded, is_wide, num_barriers, smem_need)
 from stage4_bwd_kernel.hopper.producer import Producer, SmemLayouts, TmaLoads
 from stage4_bwd_kernel.hopper.scores import Scores
 from stage4_bwd_kernel.hopper.walk import WalkPlan
@@ -72,12 +72,12 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         # the keys a row sees (stage3_fwd_kernel.components.window: causal is a right edge at 0) and
         # the score transform (components.score_mod); None when plain, so plain builds trace as before
         self.window = Window(window.left, 0 if causal else window.right)
-        self.banded = window.left is not None or (window.right is not None and not causal)
+        self.banded = is_banded(window, causal)
         self.window_or_none = self.window if self.banded else None
         self.score_mod = Softcap(softcap)
-        self.options = options or BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen)
-        if self.banded:
-            # the two fast masked bodies know one edge (scores.py); a band takes the plain test
+        self.options = options or BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen,
+                                                             self.banded)
+        if self.banded:  # also under overrides: the two fast masked bodies know one edge (scores.py)
             self.options = dataclasses.replace(self.options, column_limit=False, mask_offsets=False)
         self.options.check(varlen, wide=self.wide, deterministic=deterministic)
         for field in dataclasses.fields(self.options):  # the device code reads them as attributes

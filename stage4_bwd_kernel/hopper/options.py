@@ -41,6 +41,11 @@ WIDE_HEAD_DIMS = ((192, 128), (256, 256))
 REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the launch registers
 
 
+def is_banded(window, causal: bool) -> bool:
+    """A window (stage3_fwd_kernel.components.window) with an edge beyond causal's diagonal."""
+    return window.left is not None or (window.right is not None and not causal)
+
+
 def is_wide(head_dim: int, head_dim_v: int) -> bool:
     return (head_dim, head_dim_v) in WIDE_HEAD_DIMS
 
@@ -104,8 +109,9 @@ class BackwardOptions:
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
-                   varlen: bool) -> "BackwardOptions":
-        """The measured default of a configuration (docs/measurements.md)."""
+                   varlen: bool, banded: bool = False) -> "BackwardOptions":
+        """The measured default of a configuration (docs/measurements.md). banded: a window edge
+        beyond causal's (``is_banded``), so the walk has masked tiles at both ends."""
         tm, tn = default_tiles(head_dim, head_dim_v)
         if is_wide(head_dim, head_dim_v):
             return cls.for_wide(head_dim, head_dim_v, deterministic)
@@ -121,13 +127,14 @@ class BackwardOptions:
         dq_frag = not (causal and deterministic and tm == 80)
         return cls(
             late_dv=tm != 64 or causal,
-            # off where ptxas would serialize the wgmmas (C7512): d = 64 causal, default mode
-            stats_shuffle=tm == 128 and not (dq_frag and causal and not deterministic),
+            # off where ptxas would serialize the wgmmas (C7512): d = 64 causal or banded, default mode
+            stats_shuffle=tm == 128 and not (dq_frag and (causal or banded) and not deterministic),
             dq_frag=dq_frag,
             q_shift=causal and not varlen and not deterministic and dq_frag and tn % tm != 0,
             key_select=tm == 80 and not deterministic,
-            column_limit=tm != 128,  # the 128-query tile spilled with it
-            mask_offsets=causal and not deterministic and not varlen and head_dim <= 96,
+            # the two fast masked bodies know one edge (scores.py); a band takes the plain test
+            column_limit=tm != 128 and not banded,  # the 128-query tile spilled with it
+            mask_offsets=causal and not banded and not deterministic and not varlen and head_dim <= 96,
             kv_with_first=causal and not deterministic and tm == 128,
             ds_buffers=ds_buffers,
             dq_buffers=dq_buffers,
