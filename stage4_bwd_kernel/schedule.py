@@ -130,15 +130,6 @@ def column_key_limit(c, key_limit, diag, causal: bool, imin=min):
     return imin(key_limit, c + diag + 1) if causal else key_limit
 
 
-def column_key_range(c, key_limit, diag, causal: bool, window, imin=min):
-    """[lo, hi): the key rows query column c sees -- is_masked(r, c, ...) iff not lo <= r < hi (rows
-    are >= 0). Two bounds per column, for a band, whose left edge column_key_limit cannot express."""
-    left, right = _edges(causal, window)
-    hi = key_limit if right is None else imin(key_limit, _plus(c + diag, right) + 1)
-    lo = 0 if left is None else c + diag - left
-    return lo, hi
-
-
 # --------------------------------------------------------------------------------------------
 # The order in which the K/V-tile CTAs add into one dQ tile (deterministic mode)
 # --------------------------------------------------------------------------------------------

@@ -383,11 +383,11 @@ def test_fa4_window_softcap_sink_forward_backward(d):
     torch.testing.assert_close(s.grad.double(), -(w * dd).sum((0, 2)), rtol=1e-5, atol=1e-5)
 
 
-# spill bytes a consumer thread of a windowed backward may store: 0, except the d = 64 band's varlen
-# build in the default mode (16). Its row statistics come from SMEM (stats_shuffle off): with the
-# shuffle ptxas serialized the wgmmas (C7512); with the per-score plain test it also spilled 16 / 20
+# spill bytes a consumer thread of a windowed backward may store: 0, except the d = 64 band's default
+# mode, whose row statistics come from SMEM (stats_shuffle off) so that ptxas keeps its wgmmas async:
+# 16 bytes dense, 20 varlen, where with the shuffle it serialized them (C7512)
 WINDOW_BWD_BUILDS = {(64, True, False): 0, (96, True, False): 0, (128, True, False): 0,
-                     (64, False, False): 0, (64, False, True): 16, (96, False, False): 0, (128, False, False): 0}
+                     (64, False, False): 16, (64, False, True): 20, (96, False, False): 0, (128, False, False): 0}
 
 
 @pytest.mark.compile

@@ -16,8 +16,6 @@ diagonal, and of queries past the sequence (with TMA those rows may hold the nex
 Three ways to write that test, picked per tile by what ptxas schedules best:
 
 * plain: ``schedule.is_masked`` per score, plus the query bound (3 FSEL, a VIADD, 1.5 ISETP a score);
-* a band (a window edge beyond causal's): two key bounds per query column (``band_bounds``), then one
-  unsigned compare per score of its row offset (known at trace time) against them;
 * ``column_limit`` (d = 96 and 128): one key limit per query column (``schedule.column_key_limit``,
   zero for a query past the sequence), then one compare and select per score;
 * ``mask_offsets`` (causal d = 64 and 96 outside deterministic mode and varlen): every thread's scores
@@ -125,17 +123,6 @@ class Scores:
         return rel
 
     @cute.jit
-    def band_bounds(self, tScS_rc: cute.Tensor, col: Int32, key_limit: Int32, diag: Int32, q_rows_left: Int32):
-        """A band's masked body: query column col sees key rows [lo, hi) (schedule.column_key_range;
-        none past the sequence), as offsets from this thread's first key row: a score of row offset dr
-        (known at trace time) is kept iff lo <= dr < hi, i.e. (dr - lo) mod 2^32 < max(hi - lo, 0)."""
-        lo, hi = schedule.column_key_range(col, key_limit, diag, self.causal, self.window_or_none, imin=cutlass.min)
-        if col >= q_rows_left:
-            hi = Int32(0)
-        row0 = tScS_rc[0, 0][0]
-        return lo - row0, hi - row0
-
-    @cute.jit
     def exp_scores(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, lse2_quad,
                    softmax_scale_log2: Float32, key_limit: Int32, diag: Int32, q_rows_left: Int32,
                    masked: cutlass.Constexpr[bool], tScS0_rc: cute.Tensor, score_scale=None):
@@ -143,7 +130,6 @@ class Scores:
         tScS_rc: this thread's (key, query) coordinates; tScS0_rc: thread 0's (static). Softcap
         (components.score_mod): S^T = tanh(S^T * score_scale) first (dS^T recovers it from P^T:
         TanhFromP)."""
-        band = masked and self.window_or_none is not None
         if const_expr(masked and self.mask_offsets):
             rel = self.row_offsets(tScS_rc, tScS0_rc, key_limit, diag)
             cols_left = q_rows_left - tScS_rc[0, 0][1]
@@ -158,9 +144,6 @@ class Scores:
                 limit = schedule.column_key_limit(col, key_limit, diag, self.causal, imin=cutlass.min)
                 if col >= q_rows_left:
                     limit = Int32(0)
-            if const_expr(band):
-                lo_rel, hi_rel = self.band_bounds(tScS_rc, col, key_limit, diag, q_rows_left)
-                span = cutlass.Uint32(cutlass.max(hi_rel - lo_rel, 0))
             for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
                 s = acc_S_rc[r, c]
                 if const_expr(self.score_mod.on):
@@ -174,11 +157,8 @@ class Scores:
                 elif const_expr(masked and self.column_limit):
                     if tScS_rc[r, c][0] >= limit:
                         s = -Float32.inf
-                elif const_expr(band):
-                    dr = tScS0_rc[r, 0][0] - tScS0_rc[0, 0][0]  # the same in every thread: an immediate
-                    if cutlass.Uint32(dr - lo_rel) >= span:
-                        s = -Float32.inf
                 elif const_expr(masked):
-                    if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal) | (col >= q_rows_left):
+                    if schedule.is_masked(tScS_rc[r, c][0], col, key_limit, diag, self.causal,
+                                          self.window_or_none) | (col >= q_rows_left):
                         s = -Float32.inf
                 acc_S_rc[r, c] = cute.math.exp2(s * softmax_scale_log2 - lse2, fastmath=True)
