@@ -206,6 +206,32 @@ def test_scale_and_head_dim_checks():
 
 @pytest.mark.cpu
 @pytest.mark.stage3
+def test_narrow_windows_take_128_row_tiles_at_d64():
+    """A window of at most NARROW_WINDOW_KEYS keys (left + right; causal's right edge is 0) takes
+    128-row tiles at d = 64; wider or one-side-unlimited windows keep 192; d > 64 is 128 anyway. The
+    compile-cache key resolves the default the same way, so an explicit 128 shares its kernel."""
+    from stage3_fwd_kernel.components.window import beyond_causal
+    from stage3_fwd_kernel.hopper import config, host
+
+    def tile(causal, window_size, d=64):
+        return config.default_tile_m(d, d, causal, beyond_causal(causal, window_size))
+
+    assert config.NARROW_WINDOW_KEYS == 512
+    assert tile(True, (256, 0)) == tile(True, (512, 0)) == tile(False, (256, 256)) == 128
+    assert tile(False, (0, 0)) == tile(False, (100, 412)) == 128
+    assert tile(True, (513, 0)) == tile(True, (1024, 0)) == tile(False, (1024, 1024)) == tile(False, (256, 257)) == 192
+    assert tile(False, (None, 256)) == tile(False, (256, None)) == tile(True, (None, None)) == tile(False, (-1, -1)) == 192
+    assert tile(True, (256, 0), d=128) == tile(False, (256, 256), d=96) == 128
+    assert config.window_keys(True, beyond_causal(True, (300, 0))) == 300
+    assert config.window_keys(False, beyond_causal(False, (300, 20))) == 320
+    band = host.Variant(beyond_causal(False, (256, 256)), 0.0, False)
+    args = ("fwd", "bf16", 64, 64, False, config.DEFAULT_POLICY, None)
+    assert host._key(*args, tile_m=None, variant=band) == host._key(*args, tile_m=128, variant=band)
+    assert host._key(*args, tile_m=None) == host._key(*args, tile_m=192)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
 def test_tile_m_defaults_and_validation():
     """192 rows (three consumer warpgroups) at d = 64, 128 elsewhere; 192 refused above d = 64."""
     import cutlass

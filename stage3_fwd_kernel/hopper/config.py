@@ -29,8 +29,26 @@ def default_tile_n(head_dim: int, head_dim_v: int) -> int:
     return 64 if max(head_dim, head_dim_v) > 192 else 128
 
 
-def default_tile_m(head_dim: int, head_dim_v: int) -> int:
-    """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128.
+# The widest window (keys a row sees, both sides) that takes 128-row tiles at d <= 64. A tile walks about
+# (window + tile_m) / tile_n key blocks, so 192 rows compute (window + 192) / (window + 128) times the
+# blocks of two 128-row tiles' rows: 1.17x at 256, 1.06x at 1024. On an H200 (d = 64, 32k tokens,
+# persistent CTAs) 128-row tiles ran windows (256, 256) and causal (256, 0) 1.09-1.21x faster than
+# 192-row ones at 4k-16k, causal (1024, 0) the same, and (1024, 1024) 0.90x at 8k / 16k (1.07x at 4k):
+# docs/measurements.md, 2026-11-29 "windowed forwards at d = 64". 512 sits between the measured points.
+NARROW_WINDOW_KEYS = 512
+
+
+def window_keys(causal: bool, window) -> int | None:
+    """The most keys a row sees under `window` (components.window.beyond_causal's: a causal call keeps
+    its own right edge, 0): left + right, None when a side is unlimited."""
+    if window is None or window.left is None or (window.right is None and not causal):
+        return None
+    return window.left + (0 if causal else window.right)
+
+
+def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=None) -> int:
+    """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128;
+    128 at d <= 64 too under a window of at most NARROW_WINDOW_KEYS keys (above).
 
     At d = 64 a tile's MMAs are half of d = 128's, so the per-tile softmax and issue overheads
     weigh twice as much; 192 rows amortize every K/V load over 1.5x the rows and give the tensor
@@ -38,7 +56,10 @@ def default_tile_m(head_dim: int, head_dim_v: int) -> int:
     (128 x (32 + 3 x 160) = 65536, the whole register file), which fits d = 64 without spills
     (S 64 + P 32 + O 32 + softmax state) and nothing larger.
     measured: docs/measurements.md"""
-    return 192 if max(head_dim, head_dim_v) <= 64 else 128
+    if max(head_dim, head_dim_v) > 64:
+        return 128
+    keys = window_keys(causal, window)
+    return 128 if keys is not None and keys <= NARROW_WINDOW_KEYS else 192
 
 
 def _smem_plan(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int, separate_o: bool) -> tuple[int, int]:
@@ -85,10 +106,11 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
     return SoftmaxPolicy(rescale_threshold=rescale_threshold, emulation_fraction=emulation_fraction)
 
 
-def _check_tile_m(tile_m, d, dv) -> int:
-    """tile_m of a call: the head dims' default when None, else one of TILE_MS (192: d, dv <= 64)."""
+def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None) -> int:
+    """tile_m of a call: the default of its head dims and window (default_tile_m) when None, else one
+    of TILE_MS (192: d, dv <= 64)."""
     if tile_m is None:
-        return default_tile_m(d, dv)
+        return default_tile_m(d, dv, causal, window)
     if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
         raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
     if tile_m == 192 and max(d, dv) > 64:

@@ -61,9 +61,9 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
                 variant: Variant = PLAIN, page_size: int | None = None):
-    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v); page_size: built for a
-    paged K/V cache (components.paged_kv)."""
-    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
+    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window); page_size:
+    built for a paged K/V cache (components.paged_kv)."""
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
                                      tile_m=tile_m, split_tail=split_tail, window=variant.window,
                                      softcap=variant.softcap, page_size=page_size)
@@ -74,7 +74,7 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
-    tile_m = _check_tile_m(tile_m, d, dv)
+    tile_m = _check_tile_m(tile_m, d, dv, causal, variant.window)
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
         + trace.key()
@@ -122,10 +122,10 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
                    split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
 
-def _check_call(q, d, dv, tile_m, softmax_scale):
-    """(tile_m, cutlass dtype, softmax_scale) of a call, checked."""
+def _check_call(q, d, dv, tile_m, softmax_scale, causal, window):
+    """(tile_m, cutlass dtype, softmax_scale) of a call, checked (window: the call's beyond_causal)."""
     _check_head_dims(d, dv)
-    tile_m = _check_tile_m(tile_m, d, dv)
+    tile_m = _check_tile_m(tile_m, d, dv, causal, window)
     return tile_m, host_io.cutlass_dtype(q.dtype), _check_scale(softmax_scale, d)
 
 
@@ -173,8 +173,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
     each distinct pair is its own kernel); `policy` overrides both. `scheduler` (default
     StaticTileScheduler) is a tile order with the StaticTileScheduler interface. tile_m: query rows
-    per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv). persistent: one
-    CTA per SM walks the scheduler's tile order (causal calls take their tiles from an atomic
+    per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv, causal, window).
+    persistent: one CTA per SM walks the scheduler's tile order (causal calls take their tiles from an atomic
     counter; above head dim 128 O goes from registers to global memory); None =
     default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m, left_window=...). split_tail: the last partial wave
     of a static persistent non-causal call cut along the keys (split_tail_plan; None = its default;
@@ -193,9 +193,10 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     q, k, v = host_io.prepare_inputs(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale)
-    policy.check_dtype(dt)
+    _check_head_dims(d, dv)
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant.window)
+    policy.check_dtype(dt)
     split_tail = _no_split_with(variant, split_tail)
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
@@ -308,9 +309,10 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k, batch_map=batch_map)
     tq, hq, d = q.shape
     dv = v.shape[-1]
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale)
-    policy.check_dtype(dt)
+    _check_head_dims(d, dv)
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant.window)
+    policy.check_dtype(dt)
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m,
                                    gathered_pages=gathered(page_size, default_tile_n(d, dv)))
     check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
@@ -357,7 +359,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
-    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v)
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
     if (seqused_k or batch_map) and not varlen:
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     if page_size is not None and not (varlen and seqused_k):
