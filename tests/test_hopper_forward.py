@@ -1198,6 +1198,10 @@ def test_persistent_scheduler_validation_and_order():
     # a left window keeps every tile ~window / tile_n blocks long: persistent at any length (and causal: dynamic)
     assert mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=16384, left_window=True) == P(dynamic=True)
     assert mod._resolve_scheduler(None, None, 64, 64, False, seqlen_k=16384, left_window=True) == P()
+    # a window's tiles differ in length near the sequence's ends: the atomic hand-out, causal or not
+    assert mod._resolve_scheduler(None, None, 64, 64, False, seqlen_k=4096, left_window=True,
+                                  windowed=True) == P(dynamic=True)
+    assert mod._resolve_scheduler(None, None, 128, 128, False, windowed=True) == P(dynamic=True)
     assert mod._resolve_scheduler(None, None, 64, 64, True, varlen=True, left_window=True) is \
         tile_scheduler.StaticTileScheduler
     assert mod._resolve_scheduler(None, None, 64, 64, False, seqlen_k=16384) == P()

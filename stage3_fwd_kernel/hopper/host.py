@@ -201,7 +201,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m,
-                                   left_window=variant.window.left is not None)
+                                   left_window=variant.window.left is not None, windowed=variant.window.limited)
     check_grid(scheduler, -(-sq // tile_m), hq, b)
     out, lse = _outputs(out, lse, (b, sq, hq, dv), (b, hq, sq), q)
     if b == 0 or sq == 0 or hq == 0:
@@ -368,7 +368,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     policy.check_dtype(dt)
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m,
                                    variant.window.left is not None,
-                                   gathered_pages=gathered(page_size, default_tile_n(head_dim, head_dim_v)))
+                                   gathered_pages=gathered(page_size, default_tile_n(head_dim, head_dim_v)),
+                                   windowed=variant.window.limited)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
                     variant, page_size)

@@ -2,8 +2,10 @@
 
 Persistent CTAs by default for dense calls wherever Q, O and two K/V stages fit in shared memory
 (head dims <= 128): every CTA pays its launch, barrier set-up, first loads and last store once
-per SM instead of once per tile. Causal calls need the dynamic hand-out (an atomic tile counter):
-causal tiles differ in length, and with fixed striding the CTAs that drew long ones finish late.
+per SM instead of once per tile. Causal and windowed calls need the dynamic hand-out (an atomic tile
+counter): their tiles differ in length (a window's are short near the sequence's ends), and with fixed
+striding the CTAs that drew long ones finish late -- worst when the SM count is a multiple of the
+tiles per head, so that every CTA keeps drawing the same query tile of each head.
 Two exceptions, where persistent CTAs tied or lost: long causal calls at d = 64 (three consumer
 warpgroups, from PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K keys on, unless a left window keeps every
 tile short), and head dims above 128,
@@ -37,11 +39,12 @@ def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: boo
 
 
 def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varlen=False, seqlen_k=None,
-                       tile_m=None, left_window=False, gathered_pages=False):
+                       tile_m=None, left_window=False, gathered_pages=False, windowed=False):
     """The call's scheduler: `scheduler` (default StaticTileScheduler), walked by one CTA per SM when
     persistent (None: default_persistent(...)). A scheduler that is persistent itself
-    (PersistentScheduler) is used as it is. gathered_pages: a paged build whose producer warps gather
-    K / V in step (hopper/gather.py) walks its tiles in a static order, never from the atomic counter."""
+    (PersistentScheduler) is used as it is. windowed: a window limits a side (tiles of different
+    lengths, like causal ones). gathered_pages: a paged build whose producer warps gather K / V in
+    step (hopper/gather.py) walks its tiles in a static order, never from the atomic counter."""
     if persistent is not None and not isinstance(persistent, bool):
         raise TypeError(f"persistent: expected None or a bool, got {type(persistent).__name__}")
     scheduler = scheduler or StaticTileScheduler
@@ -51,7 +54,7 @@ def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varl
         persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m, left_window)
     if persistent:
         # tiles of different lengths need the dynamic hand-out
-        scheduler = _persistent_over(scheduler, (causal or varlen) and not gathered_pages)
+        scheduler = _persistent_over(scheduler, (causal or varlen or windowed) and not gathered_pages)
     return scheduler
 
 
