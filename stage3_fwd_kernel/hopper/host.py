@@ -174,8 +174,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     each distinct pair is its own kernel); `policy` overrides both. `scheduler` (default
     StaticTileScheduler) is a tile order with the StaticTileScheduler interface. tile_m: query rows
     per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv, causal, window).
-    persistent: one CTA per SM walks the scheduler's tile order (causal calls take their tiles from an atomic
-    counter; above head dim 128 O goes from registers to global memory); None =
+    persistent: one CTA per SM walks the scheduler's tile order (causal and windowed calls take their
+    tiles from an atomic counter; above head dim 128 O goes from registers to global memory); None =
     default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m, left_window=...). split_tail: the last partial wave
     of a static persistent non-causal call cut along the keys (split_tail_plan; None = its default;
     never with a window or a sink).
