@@ -7,11 +7,11 @@ flash_attn_func`) with the same arguments, forward and backward (the backward ti
 graph, `torch.autograd.grad` of the output), in paired rounds (benchmarks.ab_fwd: every round times
 both in a fresh random order, the ratio is official time / fa4 time of that round). The cases: plain
 causal (the reference), causal with a 1024-token window, a band of 1024 keys each side (not causal),
-softcap 30, causal with a sink. Then the
-window's cost at --window-seqlen (default 16k): fa4's 1024-window causal call against its causal and
-its non-causal call, next to window / seqlen (the ratio to expect against the non-causal call when
-the cost follows the keys walked). Each case is compiled and checked against the official output once before timing; an
-implementation that refuses a case is reported, not timed.
+softcap 30, causal with a sink. Then the window's cost at --window-seqlen (default 16k): fa4's
+1024-window causal call against its causal and its non-causal call, next to window / seqlen (the
+ratio to expect against the non-causal call when the cost follows the keys walked). Each case is
+compiled and checked against the official output once before timing; an implementation that refuses
+a case is reported, not timed.
 """
 from __future__ import annotations
 

@@ -425,6 +425,13 @@ def test_backward_band_options():
     assert causal.mask_offsets and causal.column_limit
     windowed = BackwardOptions.for_config(96, 96, True, False, False, banded=True)
     assert not windowed.mask_offsets and not windowed.column_limit
+    # asking a band for a one-edge body is refused, not silently replaced
+    from stage4_bwd_kernel.hopper import backward as bwd
+
+    for name in ("column_limit", "mask_offsets"):
+        with pytest.raises(ValueError, match=name):
+            bwd.make_kernel(None, 96, 96, True, False, window=Window(256, None), **{name: True})
+    assert not bwd.make_kernel(None, 96, 96, True, False, window=Window(256, None)).column_limit
 
 
 @pytest.mark.cpu

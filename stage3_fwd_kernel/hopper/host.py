@@ -123,8 +123,8 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
 
 
 def _check_call(q, d, dv, tile_m, softmax_scale, causal, window):
-    """(tile_m, cutlass dtype, softmax_scale) of a call, checked (window: the call's beyond_causal)."""
-    _check_head_dims(d, dv)
+    """(tile_m, cutlass dtype, softmax_scale) of a call whose head dims are checked, checked (window:
+    the call's beyond_causal)."""
     tile_m = _check_tile_m(tile_m, d, dv, causal, window)
     return tile_m, host_io.cutlass_dtype(q.dtype), _check_scale(softmax_scale, d)
 

@@ -77,9 +77,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.score_mod = Softcap(softcap)
         self.options = options or BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen,
                                                              self.banded)
-        if self.banded:  # also under overrides: the two fast masked bodies know one edge (scores.py)
-            self.options = dataclasses.replace(self.options, column_limit=False, mask_offsets=False)
-        self.options.check(varlen, wide=self.wide, deterministic=deterministic)
+        self.options.check(varlen, wide=self.wide, deterministic=deterministic, banded=self.banded)
         for field in dataclasses.fields(self.options):  # the device code reads them as attributes
             setattr(self, field.name, getattr(self.options, field.name))
         self.num_stages = self.options.stages

@@ -162,9 +162,14 @@ class BackwardOptions:
                    dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages,
                    dq_atomic=dq_atomic)
 
-    def check(self, varlen: bool, wide: bool = False, deterministic: bool = False):
+    def check(self, varlen: bool, wide: bool = False, deterministic: bool = False, banded: bool = False):
         """ValueError for a combination the kernel cannot build (only overrides can produce one).
-        wide: the options of the register-sourced body that the wide one (wide.py) has no path for."""
+        wide: the options of the register-sourced body that the wide one (wide.py) has no path for.
+        banded: a window edge beyond causal's, which the one-edge masked bodies cannot test."""
+        if banded and (self.column_limit or self.mask_offsets):
+            name = "column_limit" if self.column_limit else "mask_offsets"
+            raise ValueError(f"{name}: tests one key edge per query column; a window with an edge beyond "
+                             "causal's takes the plain masked test (scores.py)")
         if wide:
             rs_only = [name for name in ("late_dv", "stats_shuffle", "q_shift", "mask_offsets", "kv_with_first")
                        if getattr(self, name)]
