@@ -397,7 +397,7 @@ WINDOW_BWD_BUILDS = {(64, True, False): 0, (96, True, False): 0, (128, True, Fal
                               for d, c, v in WINDOW_BWD_BUILDS])
 def test_backward_window_builds_without_serialized_wgmma(d, causal, varlen):
     """Causal + a left window, or a band (both edges, not causal): async wgmmas, spills at most the
-    measured bytes; the band's masked body uses neither one-edge shortcut (column_limit, mask_offsets)."""
+    measured bytes (the options a band gets: test_backward_band_options)."""
     from stage4_bwd_kernel.hopper import backward as bwd
 
     window = (256, None) if causal else (256, 256)
