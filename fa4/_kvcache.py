@@ -20,6 +20,13 @@ that index the cache in place, with no copy:
   way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy first (many tiny
   segments cost far more).
 
+Where the mask is free and sequence b is cache row b (or its pages are read in place), an eager
+call on the device skips the segments: the Hopper forward's split-KV launch (stage 3's
+components.key_split) gives chunk j of sequence b its own CTAs, which find the chunk's keys from
+(b, j, the chunk size, cache_seqlens[b]) themselves and read the queries where they are. A decode
+step is then the attention kernel and the merge, without the segment offsets' and the replicated
+queries' small kernels (`fa4_split`). Traced calls (torch.compile) keep the varlen custom op.
+
 Splitting and per-page segments change each segment's key count, and fa4's masks are bottom-right
 aligned to it, so they are used only where the mask does not depend on alignment: no window, and
 causal only for single-token queries (which see every key anyway). Otherwise (a causal prefill, a
@@ -240,6 +247,36 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
     return _ops.varlen_fwd(*args)
 
 
+def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None):
+    """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
+    against n chunks of `chunk` keys of each sequence's dense cache, or of its pages (page_table) ->
+    the parts, out (B n, R, H', Dv) and lse (H', B n, R) fp32, the layouts the merge reads. No
+    segment offsets, no replicated queries: the kernel finds each chunk itself. out: where the parts
+    go (n = 1: a view of the caller's result). With n = 1 the lse is a (B, H', R) buffer seen as
+    (H', B, R), so the result's lse needs no copy either."""
+    from . import _dispatch
+
+    b, r, h, _ = rows.shape
+    if n == 1:
+        lse_store = torch.empty(b, h, r, device=rows.device, dtype=torch.float32)
+        lse = lse_store.permute(1, 0, 2)                                                   # (H', B, R) view
+    else:
+        lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)
+        lse_store = lse.permute(1, 0, 2)                                                   # (B n, H', R) view
+    mod = _dispatch.backend_for(rows.device).forward_module()
+    out, _ = mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, seqused_k=seqlens_k, page_table=page_table,
+                                         softmax_scale=scale, softcap=softcap, out=out, lse=lse_store,
+                                         tile_m=_dispatch.short_query_tile(r))
+    return out, lse
+
+
+def split_chunks(s_cache: int, n: int) -> tuple[int, int]:
+    """(keys per chunk, chunks) of a split launch: _chunks', but a cache of under 128 keys (where a
+    chunk could not start on a key-tile border) is one chunk."""
+    chunk, n = _chunks(s_cache, n)
+    return (s_cache, 1) if n > 1 and chunk % 128 else (chunk, n)
+
+
 def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa) -> tuple[bool, bool, bool]:
     """(causal, free, pack): free = the mask ignores key alignment (segments may split and page);
     pack = GQA packing of the query heads into rows. One query token with no window sees every
@@ -256,10 +293,12 @@ def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa) -> tuple[bo
 
 
 def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, scale, causal, window, softcap,
-                         sink, num_splits, pack_gqa, sm_count, varlen=fa4_varlen, paged_in_place=False):
+                         sink, num_splits, pack_gqa, sm_count, varlen=fa4_varlen, paged_in_place=False, split=None):
     """q (B, Sq, Hq, D) against the first seqlens_k[b] keys of each sequence's cache.
     paged_in_place: the kernel reads the pages through the table (fa4._paged), so a paged cache is
     chunked like a dense one (logical chunks, any mask) instead of one segment per page.
+    split: a split-KV launch (`fa4_split`'s contract), taken where the mask is free and sequence b
+    is cache row b or its pages are read in place; else the varlen kernel runs segments.
     Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -274,33 +313,42 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     rows = q.view(b, sq, hkv, hq // hkv, d).transpose(2, 3).reshape(b, -1, hkv, d) if pack else q
     r = sq * (hq // hkv) if pack else sq                                                  # rows per segment
     table, kw = None, {}
+    # a split launch finds its chunks itself; the varlen kernel needs segment offsets (and replicated queries)
+    use_split = split is not None and free and cache_rows is None and (block_table is None or paged_in_place)
     if block_table is not None and not paged_in_place:
         seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
     else:
         s_cache = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         n = 1 if not free else (num_splits if num_splits > 0 else
                                 choose_num_splits(b, heads * math.ceil(r / TILE_M), s_cache, sm_count))
-        if block_table is None:
+        if use_split:
+            chunk, n = split_chunks(s_cache, n)
+        elif block_table is None:
             seg = dense_segments(seqlens_k, cache_rows, s_cache, n)
         else:
             seg, table = paged_chunks(seqlens_k, block_table, k_cache.shape[1], n)
             kw = {"page_table": table}
-    n = seg.n
-    q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
-    cu_q = _constant(("cu_q", q.device, b * n, r),
-                     lambda: torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32))
-    keys, values = (k_cache, v_cache) if table is not None else (k_cache.reshape(-1, hkv, d),
-                                                                 v_cache.reshape(-1, hkv, dv))
-    out, lse = varlen(q_seg, keys, values, cu_q, seg.cu_k, seg.used, r, seg.max_keys, scale, causal, window, softcap,
-                      **kw)
+    n = n if use_split else seg.n
     g, final, into = hq // hkv, None, None
-    if pack and sq == 1 and n > 1 and varlen is fa4_varlen:
-        # the merge writes the packed rows straight into the (B, 1, Hq, Dv) result: row j of KV head
-        # kv is query head kv * g + j, so no transpose copy follows
+    if pack and sq == 1 and ((n > 1 and varlen is fa4_varlen) or (use_split and n == 1)):
+        # the merge (or, unsplit, the kernel) writes the packed rows straight into the (B, 1, Hq, Dv)
+        # result: row j of KV head kv is query head kv * g + j, so no transpose copy follows
         final = q.new_empty(b, 1, hq, dv)
         into = final.view(b, hkv, g, dv).transpose(1, 2)                                # (B, g, Hkv, Dv)
-    out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n,
-                              kernel=varlen is fa4_varlen, into=into)                   # (B, R, H', Dv), (B, H', R)
+    if use_split:
+        out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
+                         block_table if paged_in_place else None,
+                         out=into if n == 1 else None)                                 # (B n, R, H', Dv), (H', B n, R)
+    else:
+        q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
+        cu_q = _constant(("cu_q", q.device, b * n, r),
+                         lambda: torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32))
+        keys, values = (k_cache, v_cache) if table is not None else (k_cache.reshape(-1, hkv, d),
+                                                                     v_cache.reshape(-1, hkv, dv))
+        out, lse = varlen(q_seg, keys, values, cu_q, seg.cu_k, seg.used, r, seg.max_keys, scale, causal, window,
+                          softcap, **kw)
+    out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n, kernel=varlen is fa4_varlen,
+                              into=into if n > 1 else None)                             # (B, R, H', Dv), (B, H', R)
     if final is not None:
         out = final
     elif pack:
@@ -417,9 +465,12 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                  cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                  window_size=(None, None), softcap=0.0, learnable_sink=None, rotary_interleaved=True, num_splits=0,
-                 pack_gqa=None, return_softmax_lse=False, varlen=fa4_varlen, sm_count=None, paged_in_place=False):
-    """fa4.flash_attn_with_kvcache's work (varlen / sm_count / paged_in_place: the kernel, the SM
-    count and whether it reads pages in place; the CPU tests pass a torch stand-in)."""
+                 pack_gqa=None, return_softmax_lse=False, varlen=fa4_varlen, sm_count=None, paged_in_place=False,
+                 split=None):
+    """fa4.flash_attn_with_kvcache's work (varlen / split / sm_count / paged_in_place: the kernels,
+    the SM count and whether pages are read in place; the CPU tests pass torch stand-ins). On the
+    device, eager calls take the split-KV launch where it applies (`attention_with_cache`); traced
+    ones (torch.compile) the varlen custom op."""
     from ._validate import check_learnable_sink, check_softcap, check_softmax_scale, check_window
 
     if cache_leftpad is not None:
@@ -448,6 +499,9 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, (left, right), pack_gqa)
         packed_rows = q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1)
         paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache, packed_rows)
+        from . import _ops
+
+        split = fa4_split if _ops.eager_ok(q, k_cache, v_cache, block_table) else None
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
@@ -464,5 +518,6 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         append_to_cache(k_cache, v_cache, k, v, rows, seqlens, block_table)
         seqlens = seqlens + k.shape[1]
     out, lse = attention_with_cache(q, k_cache, v_cache, seqlens, rows, block_table, scale, causal, (left, right),
-                                    softcap, sink, num_splits, pack_gqa, sm_count or 132, varlen, paged_in_place)
+                                    softcap, sink, num_splits, pack_gqa, sm_count or 132, varlen, paged_in_place,
+                                    split)
     return (out, lse) if return_softmax_lse else out

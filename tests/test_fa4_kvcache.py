@@ -234,6 +234,99 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
                                                                                 abs_tol=1e-12)
 
 
+def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None):
+    """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward, through
+    fa4._kvcache.fa4_split): chunk j of sequence b, keys [j chunk, j chunk + used) with used =
+    clamp(seqlens[b] - j chunk, 0, chunk), goes to parts row b n + j; out (B n, R, H, Dv), lse
+    (H, B n, R), -inf for a chunk with no key."""
+    b, r, h, _ = rows.shape
+    assert n == 1 or chunk % 128 == 0, "chunks start on key-tile borders"
+    parts = torch.zeros(b * n, r, h, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((h, b * n, r), float("-inf"), dtype=torch.float64)
+    for i in range(b):
+        keys, values = k[i], v[i]
+        if page_table is not None:
+            ps = k.shape[1]
+            idx = (page_table[i].long()[:, None] * ps + torch.arange(ps)).reshape(-1)
+            keys, values = k.reshape(-1, *k.shape[2:])[idx], v.reshape(-1, *v.shape[2:])[idx]
+        assert n * chunk >= keys.shape[0], "the chunks cover the cache"
+        for j in range(n):
+            a = j * chunk
+            used = min(max(int(seqlens[i]) - a, 0), chunk)
+            if used:
+                o, l = dense(rows[i], keys[a:a + used], values[a:a + used], scale, False, (None, None), softcap)
+                parts[i * n + j], lse[:, i * n + j] = o, l
+    if out is not None:   # where the caller wants the parts (n = 1: its result's layout)
+        return out.copy_(parts), lse
+    return parts, lse
+
+
+def _no_varlen(*args, **kw):
+    raise AssertionError("the split launch should have served this call")
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_split_launch_decode(splits, heads):
+    """Free masks over cache row b (or pages read in place) take the split launch: no segments, no
+    replicated queries; the parts merge to dense attention, softcap and sink included."""
+    hq, hkv = heads
+    g = _gen(21)
+    b, s_cache, d = 3, 700, 16
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    kc = torch.randn(b + 1, s_cache, hkv, d, generator=g, dtype=torch.float64)   # a spare cache row
+    vc = torch.randn(b + 1, s_cache, hkv, d, generator=g, dtype=torch.float64)
+    lens = torch.tensor([700, 0, 257], dtype=torch.int32)
+    sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64)
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(args[4:6])
+        return split_stand_in(*args, **kw)
+
+    out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, causal=True, softcap=2.0,
+                               learnable_sink=sink, varlen=_no_varlen, split=spy, sm_count=16,
+                               return_softmax_lse=True)
+    _check(out, lse, q, kc, vc, lens, softcap=2.0, sink=sink)
+    n, chunk = seen[0]
+    if splits:
+        assert (chunk, n) == kv.split_chunks(s_cache, splits)
+    assert out[1].abs().max() == 0   # no key: the sink alone in the denominator, O = 0
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_split_launch_paged_in_place(page_size):
+    g = _gen(22)
+    b, hq, hkv, d, pages, pool = 2, 8, 2, 16, 8, 24
+    kp = torch.randn(pool, page_size, hkv, d, generator=g, dtype=torch.float64)
+    vp = torch.randn(pool, page_size, hkv, d, generator=g, dtype=torch.float64)
+    table = torch.randperm(pool, generator=g)[:b * pages].view(b, pages).to(torch.int32)
+    lens = torch.tensor([pages * page_size - 3, page_size + 1], dtype=torch.int32)
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=2, varlen=_no_varlen,
+                               split=split_stand_in, sm_count=16, return_softmax_lse=True, paged_in_place=True)
+    _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens)
+
+
+def test_split_launch_only_where_the_mask_is_free_and_rows_are_the_batch():
+    """cache_batch_idx, a causal prefill and a window keep the varlen kernel's segments."""
+    g = _gen(23)
+    b, hq, d = 2, 2, 16
+    kc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
+    lens = torch.tensor([290, 40], dtype=torch.int32)
+    cases = [dict(q_len=1, cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32)),
+             dict(q_len=3, causal=True), dict(q_len=1, window_size=(64, 0))]
+    for case in cases:
+        q = torch.randn(b, case.pop("q_len"), hq, d, generator=g, dtype=torch.float64)
+        rows = case.get("cache_batch_idx", torch.arange(b)).long()
+        out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=2, varlen=stand_in,
+                                   split=lambda *a, **kw: pytest.fail("split launch taken"), sm_count=16,
+                                   return_softmax_lse=True, **case)
+        _check(out, lse, q, kc[rows], vc[rows], lens, causal=case.get("causal", False),
+               window=case.get("window_size", (None, None)))
+
+
 def test_cache_batch_idx_and_noncausal_split():
     g = _gen(4)
     b, sq, hq, d = 2, 3, 2, 16

@@ -64,6 +64,52 @@ def test_decode_split_kv(splits):
     _check(out, lse, *_truth_and_baseline(q, k, v, lens), f"split {splits}")
 
 
+@pytest.mark.parametrize("heads, splits, softcap", [((32, 8), 0, 0.0), ((32, 8), 7, 0.0), ((8, 8), 3, 30.0),
+                                                    ((64, 8), 1, 0.0)])
+def test_split_launch_equals_the_varlen_segments(monkeypatch, heads, splits, softcap):
+    """The split-KV launch (stage3 hopper.attention_split_forward) finds each chunk itself; the varlen
+    kernel reads the same chunks as segments. Same keys, same body: the same bits. Unused cache
+    slots hold NaN (the chunks' partial last blocks must not read them into O)."""
+    hq, hkv = heads
+    k, v = _cache(3, 5000, hkv, 128, 11)
+    lens = torch.tensor([5000, 1, 2049], dtype=torch.int32, device="cuda")
+    for b, n in enumerate(lens.tolist()):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    q = torch.randn(3, 1, hq, 128, device="cuda").to(BF16)
+    calls = []
+    real = kv.fa4_split
+
+    def counted(*args, **kw):
+        calls.append(args[4])
+        return real(*args, **kw)
+    monkeypatch.setattr(kv, "fa4_split", counted)
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits, softcap=softcap,
+                                           return_softmax_lse=True)
+    assert len(calls) == 1, "the split launch served the call"
+    monkeypatch.setattr(kv, "fa4_split", None)
+    out_seg, lse_seg = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits, softcap=softcap,
+                                                   return_softmax_lse=True)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, out_seg) and torch.equal(lse, lse_seg)
+    _check(out, lse, *_truth_and_baseline(q, k, v, lens, softcap=softcap), f"split launch {heads} {splits}")
+
+
+def test_split_launch_errors_name_the_argument():
+    from stage3_fwd_kernel.hopper import attention_split_forward
+
+    k, v = _cache(2, 256, 2, 64, 12)
+    q = torch.randn(2, 4, 2, 64, device="cuda").to(BF16)
+    with pytest.raises(ValueError, match=r"^chunk_keys: must be a multiple"):
+        attention_split_forward(q, k, v, 2, 100)
+    with pytest.raises(ValueError, match=r"^num_splits \* chunk_keys"):
+        attention_split_forward(q, k, v, 1, 128)
+    with pytest.raises(ValueError, match=r"^seqused_k: expected int32"):
+        attention_split_forward(q, k, v, 2, 128, seqused_k=torch.ones(2, dtype=torch.int64, device="cuda"))
+    with pytest.raises(ValueError, match=r"^num_splits: expected an int >= 1"):
+        attention_split_forward(q, k, v, 0, 128)
+
+
 @pytest.mark.parametrize("page", [24, 8, 160, 1])
 def test_paged_decode(page, no_gather):
     """Page sizes TMA boxes cannot read: the kernel's cp.async gather reads them in place."""

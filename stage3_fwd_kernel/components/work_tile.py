@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from cutlass import Int32, const_expr
 
 from stage3_fwd_kernel import intdiv
+from stage3_fwd_kernel.components.key_split import chunk_of
 from stage3_fwd_kernel.host_io import top_padding
 
 
@@ -31,6 +32,8 @@ class AttentionTile(NamedTuple):
     seqlen_q: Any   # query rows of the sequence (+ the q_shift padding rows)
     seqlen_k: Any   # keys the sequence attends to (seqused_k when given)
     sequence: Any   # which sequence (after batch_map): the row of a paged cache's page table
+    batch_kv: Any   # batch index into K / V (= batch, except under a key split: components.key_split)
+    batch_out: Any  # batch index into O / lse (= batch, except under a key split: the virtual sequence)
 
 
 class SequenceInfo(NamedTuple):
@@ -44,6 +47,7 @@ class SequenceInfo(NamedTuple):
     cu_seqlens_k: Any       # int32 (batch + 1,) or None
     seqused_k: Any          # int32 (batch,) or None: keys actually used per sequence
     batch_map: Any          # int32 (batch,) or None: the sequence each virtual batch index computes
+    key_split: Any = None   # components.key_split.KeySplit or None: batch indexes (sequence, key chunk)
 
     @property
     def varlen(self) -> bool:
@@ -66,6 +70,10 @@ def locate_tile(seq: SequenceInfo, m_block, head, batch, q_shift_tile_m=None) ->
     (TMA fills rows before the tensor's start) and are never stored.
     measured: docs/measurements.md"""
     seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
+    if const_expr(seq.key_split is not None):  # dense q, one chunk of sequence b's keys
+        c = chunk_of(seq.key_split, batch, seqlen_k, seq.seqused_k)
+        return AttentionTile(m_block, head, intdiv.fast_div(head, seq.qhead_per_kvhead), c.sequence, Int32(0),
+                             c.first_key, seqlen_q, c.keys, c.sequence, c.batch_kv, batch)
     if const_expr(seq.batch_map is not None):
         batch = seq.batch_map[batch]
     offset_q, offset_k, batch_t = Int32(0), Int32(0), batch
@@ -82,10 +90,11 @@ def locate_tile(seq: SequenceInfo, m_block, head, batch, q_shift_tile_m=None) ->
     # fast_div, not `//`: a signed software division is ~40 dependent instructions on every CTA's
     # way to its first K load
     head_kv = intdiv.fast_div(head, seq.qhead_per_kvhead)
-    return AttentionTile(m_block, head, head_kv, batch_t, offset_q, offset_k, seqlen_q, seqlen_k, batch)
+    return AttentionTile(m_block, head, head_kv, batch_t, offset_q, offset_k, seqlen_q, seqlen_k, batch, batch_t,
+                         batch_t)
 
 
 def empty_tile() -> AttentionTile:
     """A tile of zeros: the dynamic scheduler's end-of-work marker rides on a real Q load of it."""
     zero = Int32(0)
-    return AttentionTile(zero, zero, zero, zero, zero, zero, zero, zero, zero)
+    return AttentionTile(zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)

@@ -6,7 +6,8 @@
 
 Modules (the ladder, hopper_step1..4, teaches the same techniques one at a time):
 
-  host.py ........ attention_forward, attention_varlen_forward, compile_only, compile_launchable
+  host.py ........ attention_forward, attention_varlen_forward, attention_split_forward (split-KV
+                   decode), compile_only, compile_launchable
   config.py ...... tile sizes, shared-memory plan, argument checks, the default softmax policy
   scheduling.py .. persistent CTAs or one CTA per tile (default_persistent)
   split_tail.py .. the last partial wave cut along the keys
@@ -26,7 +27,8 @@ from __future__ import annotations
 from stage3_fwd_kernel.softmax_policy import DEFAULT_POLY_DEGREE, DEFAULT_RESCALE_THRESHOLD, SoftmaxPolicy
 
 from .cli import run
-from .host import attention_forward, attention_varlen_forward, compile_launchable, compile_only, make_kernel
+from .host import (
+    attention_forward, attention_split_forward, attention_varlen_forward, compile_launchable, compile_only, make_kernel)
 from .kernel import FlashAttentionForwardSm90
 from .config import DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, SUPPORTED_HEAD_DIMS
 
@@ -52,6 +54,7 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "SoftmaxPolicy",
     "attention_forward",
+    "attention_split_forward",
     "attention_varlen_forward",
     "compile_only",
     "make_kernel",

@@ -92,7 +92,7 @@ def store_lse(cfg, lse: cute.Tensor, mLSE: cute.Tensor, tile, row0: Int32, tScS_
             if const_expr(cfg.q_shift):
                 live = live & (tile.offset_q + row >= 0)  # nor the padding rows before it
             if live:
-                mLSE[tile.batch, tile.head, tile.offset_q + row] = lse[r]
+                mLSE[tile.batch_out, tile.head, tile.offset_q + row] = lse[r]
 
 
 @cute.jit

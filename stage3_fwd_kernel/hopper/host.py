@@ -60,29 +60,29 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
-                variant: Variant = PLAIN, page_size: int | None = None):
+                variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False):
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window); page_size:
-    built for a paged K/V cache (components.paged_kv)."""
+    built for a paged K/V cache (components.paged_kv); key_split: split-KV (components.key_split)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
                                      tile_m=tile_m, split_tail=split_tail, window=variant.window,
-                                     softcap=variant.softcap, page_size=page_size)
+                                     softcap=variant.softcap, page_size=page_size, key_split=key_split)
 
 
 def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
-         split_tail=False, variant: Variant = PLAIN, page_size: int | None = None):
+         split_tail=False, variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
     tile_m = _check_tile_m(tile_m, d, dv, causal, variant.window)
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
-        + trace.key()
+        + (("key_split",) if key_split else ()) + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
                seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None, split=None, split_chunks=1,
-               softcap=0.0, sink=None, page_table=None):
+               softcap=0.0, sink=None, page_table=None, num_splits=1, chunk_keys=0):
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     host_io.launch_stream)."""
@@ -91,7 +91,7 @@ def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q
     scale_log2, score_scale = Softcap(softcap).kernel_scales(softmax_scale)
     return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), scale_log2,
             score_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
-            max_seqlen_q, max_ctas, split, split_chunks, sink, opt(page_table))
+            max_seqlen_q, max_ctas, split, split_chunks, sink, opt(page_table), num_splits, chunk_keys)
 
 
 def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False,
@@ -105,19 +105,19 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
             i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
             host_io.fake_lse() if split_tail else None, Int32(1), host_io.fake_f32_vector() if sink else None,
-            host_io.fake_i32_matrix() if paged else None,
+            host_io.fake_i32_matrix() if paged else None, Int32(1), Int32(1),
             host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
 def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False,
-             variant: Variant = PLAIN, page_size: int | None = None):
+             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False):
     """The one place the kernel is compiled (against fake tensors): launchable=True builds what
     attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
     key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
-               split_tail, variant, page_size)
+               split_tail, variant, page_size, key_split)
     return compile_cached(key, lambda: (
         make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail,
-                    variant=variant, page_size=page_size),
+                    variant=variant, page_size=page_size, key_split=key_split),
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False),
                    split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
@@ -340,39 +340,119 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     return out, lse
 
 
+def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, seqused_k=None, page_table=None,
+                            softmax_scale=None, softcap=0.0, out=None, lse=None,
+                            rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
+                            emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
+                            tile_m: int | None = None):
+    """Split-KV (components.key_split): q (B, R, Hq, D) against num_splits chunks of chunk_keys keys
+    of each sequence's cache -> the parts, out (B * n, R, Hq, Dv) in q's dtype (chunk j of sequence
+    b at row b * n + j, O divided by the chunk's own row sums) and lse (B * n, Hq, R) fp32 (-inf
+    where a chunk has no key in use). stage3_fwd_kernel.split_combine merges them.
+
+    k / v: a dense cache (>= B, S, Hkv, D) / (..., Dv), sequence b in row b, or with page_table (int32 (B, pages)) a
+    paged one (num_pages, page_size, Hkv, *) read in place (components.paged_kv). seqused_k (int32
+    (B,)): the keys sequence b uses, from its first (None: all S; required with page_table).
+    chunk_keys: a multiple of the key tile when num_splits > 1, and num_splits * chunk_keys must
+    cover the cache (S, or pages * page_size). Every row sees every key in use: no causal mask, no
+    window, no sink (a sink joins the merged row once). out / lse: where the parts go (any strides
+    with a unit last one; lse may be a view of an (Hq, B * n, R) buffer, the layout the merge reads).
+    One CTA per tile; q's rows may be a strided view (GQA heads packed as rows)."""
+    import torch
+
+    policy = make_policy(rescale_threshold, emulation_fraction, policy)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a rank-4 torch tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    for name, n in (("num_splits", num_splits), ("chunk_keys", chunk_keys)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {n!r}")
+    b, r, hq, d = q.shape
+    dv = v.shape[-1]
+    _check_head_dims(d, dv)
+    tile_n = default_tile_n(d, dv)
+    page_size = None
+    if page_table is not None:
+        cu0 = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+        k, v, _, page_size, page_table = paged_cache_inputs(k, v, page_table, cu0, None, seqused_k, tile_n)
+        k, v, cache_keys = k.unsqueeze(0), v.unsqueeze(0), page_table.shape[1] * page_size
+    elif k.shape[0] < b or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v: expected (>= B={b}, S, Hkv, *) caches (sequence b in row b), got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    else:
+        cache_keys = k.shape[1]
+    if num_splits > 1 and chunk_keys % tile_n:
+        raise ValueError(f"chunk_keys: must be a multiple of the key tile ({tile_n}) when splitting, got {chunk_keys}")
+    if num_splits * chunk_keys < cache_keys:
+        raise ValueError(f"num_splits * chunk_keys ({num_splits} x {chunk_keys}) does not cover the cache's "
+                         f"{cache_keys} keys")
+    if seqused_k is not None and (not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32
+                                  or tuple(seqused_k.shape) != (b,) or seqused_k.device != q.device):
+        got = f"{getattr(seqused_k, 'dtype', type(seqused_k).__name__)} {tuple(getattr(seqused_k, 'shape', ()))}"
+        raise ValueError(f"seqused_k: expected int32 ({b},) on {q.device}, got {got}")
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v: expected one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape[-1] != d or hq % k.shape[2]:
+        raise ValueError(f"k: head dim {k.shape[-1]} and {k.shape[2]} heads do not match q's {d} and {hq}")
+    variant = Variant(NO_WINDOW, check_softcap(softcap), False)
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, False, NO_WINDOW)
+    policy.check_dtype(dt)
+    bn = b * num_splits
+    check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
+    out, lse = _outputs(out, lse, (bn, r, hq, dv), (bn, hq, r), q)
+    if bn == 0 or r == 0 or hq == 0:
+        return out, lse
+    if cache_keys == 0:
+        return _nothing_visible(out, lse, None, head_dim=1)
+    q, k, v = host_io.aligned_16B(q), host_io.aligned_16B(k), host_io.aligned_16B(v)
+    used = None if seqused_k is None else seqused_k.contiguous()
+    args = _call_args(q, k, v, out, lse, softmax_scale, r, seqused_k=used, softcap=variant.softcap,
+                      page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys)
+    _compile(True, dt, d, dv, False, policy, StaticTileScheduler, (False, used is not None, False), tile_m,
+             variant=variant, page_size=page_size, key_split=True).fn(*args)
+    return out, lse
+
+
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False, seqused_k=False,
                  batch_map=False, rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                  emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                  scheduler=None, tile_m: int | None = None, launchable: bool = False,
                  persistent: bool | None = None, seqlen_k: int | None = None,
                  split_tail: bool = False, window_size=(None, None), softcap: float = 0.0,
-                 learnable_sink: bool = False, page_size: int | None = None) -> Compiled:
+                 learnable_sink: bool = False, page_size: int | None = None, key_split: bool = False) -> Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     and persistent as in attention_forward (None = default_tile_m / default_persistent, which takes
     seqlen_k: the key count of the calls the build is for, None = short). launchable=True builds
     what attention_forward launches (TVM-FFI, the same cache key). window_size / softcap /
     learnable_sink (a bool: built for a sink) select the variant as attention_forward does; page_size:
-    built for a paged cache (needs varlen and seqused_k)."""
+    built for a paged cache (needs varlen and seqused_k); key_split: what attention_split_forward
+    launches (dense, one CTA per tile; seqused_k and page_size as its call passes them)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     variant = Variant(beyond_causal(causal, window_size), check_softcap(softcap), bool(learnable_sink))
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
-    if (seqused_k or batch_map) and not varlen:
+    if key_split and (varlen or batch_map or causal or learnable_sink or split_tail):
+        raise ValueError("key_split: a dense build without causal, batch_map, a sink or a split tail")
+    if key_split and persistent:
+        raise ValueError("persistent: a key split runs one CTA per tile")
+    if (seqused_k or batch_map) and not (varlen or key_split):
         raise ValueError("seqused_k / batch_map: only with varlen=True")
-    if page_size is not None and not (varlen and seqused_k):
-        raise ValueError("page_size: a paged build needs varlen=True and seqused_k=True")
+    if page_size is not None and not ((varlen or key_split) and seqused_k):
+        raise ValueError("page_size: a paged build needs varlen=True (or key_split=True) and seqused_k=True")
     dt = host_io.cutlass_dtype(dtype)
     policy.check_dtype(dt)
+    if key_split:
+        persistent = False
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m,
                                    variant.window.left is not None,
                                    gathered_pages=gathered(page_size, default_tile_n(head_dim, head_dim_v)),
                                    windowed=variant.window.limited)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
-                    variant, page_size)
+                    variant, page_size, key_split)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones

@@ -39,6 +39,7 @@ from cutlass.memory.smem import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import trace
+from stage3_fwd_kernel.components.key_split import KeySplit
 from stage3_fwd_kernel.components.block_range import blocks_walked, first_key_block, num_key_blocks
 from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.paged_kv import box_rows, check_page_size, gathered
@@ -66,7 +67,8 @@ class FlashAttentionForwardSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, *,
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
                  num_stages: int | None = None, scheduler=StaticTileScheduler, split_tail: bool = False,
-                 window: Window = NO_WINDOW, softcap: float = 0.0, page_size: int | None = None):
+                 window: Window = NO_WINDOW, softcap: float = 0.0, page_size: int | None = None,
+                 key_split: bool = False):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -84,6 +86,9 @@ class FlashAttentionForwardSm90:
                              f"got ({head_dim}, {head_dim_v})")
         if split_tail and not split_tail_supported(scheduler, causal or window.limited):
             raise ValueError(SPLIT_TAIL_UNSUPPORTED)
+        if key_split and (causal or window.limited or split_tail):
+            raise ValueError("key_split: needs a mask that ignores where a key chunk starts (neither causal nor a "
+                             "window) and no split tail (components.key_split)")
         self.policy = policy
         self.dtype = dtype
         self.bf16 = dtype == cutlass.BFloat16
@@ -115,6 +120,7 @@ class FlashAttentionForwardSm90:
         self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m,
                                                            separate_o=self.persistent and not self.o_direct)
         self.split_tail = bool(split_tail)
+        self.key_split = bool(key_split)  # batch indexes (sequence, key chunk): components.key_split
         self.scheduler = scheduler
         self.num_consumers = tile_m // 64          # consumer warpgroups, one wgmma M = 64 row block each
         self.wg_m = tile_m // self.num_consumers   # 64 query rows per consumer
@@ -199,11 +205,12 @@ class FlashAttentionForwardSm90:
         thr = cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0))  # one warpgroup
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
 
-    def _check_call(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit, mPageTable):
+    def _check_call(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
+                    mPageTable):
         if (mPageTable is not None) != (self.page_size is not None):
             raise ValueError("page_table: pass one exactly when the kernel is built with a page_size")
         if mPageTable is not None and mSeqUsedK is None:
-            raise ValueError("page_table: needs seqused_k (the keys each sequence uses) and cu_seqlens_k")
+            raise ValueError("page_table: needs seqused_k (the keys each sequence uses)")
         if (mSplit is not None) != self.split_tail:
             raise ValueError("split workspace: pass one exactly when the kernel is built with split_tail")
         if (mTileCounter is not None) != self.dynamic:
@@ -212,7 +219,13 @@ class FlashAttentionForwardSm90:
             raise TypeError("q, k, v, out must share the kernel's dtype")
         if (mCuSeqlensQ is None) != (mCuSeqlensK is None):
             raise ValueError("cu_seqlens_q and cu_seqlens_k: pass both or neither")
-        if mSeqUsedK is not None and mCuSeqlensK is None:
+        if self.key_split:
+            if mCuSeqlensQ is not None or mBatchMap is not None:
+                raise ValueError("key_split: a dense call (no cu_seqlens, no batch_map); seqused_k gives the keys "
+                                 "of each sequence")
+        elif mPageTable is not None and mCuSeqlensK is None:
+            raise ValueError("page_table: needs cu_seqlens_k (each sequence's first logical key)")
+        elif mSeqUsedK is not None and mCuSeqlensK is None:
             raise ValueError("seqused_k: needs cu_seqlens_k")
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
@@ -240,7 +253,7 @@ class FlashAttentionForwardSm90:
                  mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
                  mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32,
                  mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
-                 mPageTable: Optional[cute.Tensor], stream):
+                 mPageTable: Optional[cute.Tensor], num_splits: Int32, chunk_keys: Int32, stream):
         # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         #         mLSE (B, Hq, Sq); the four optional tensors are None.
         # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
@@ -252,7 +265,11 @@ class FlashAttentionForwardSm90:
         # input scale (components.score_mod.Softcap.kernel_scales); otherwise unused.
         # mPageTable: int32 (batch, pages) with a page_size build (components.paged_kv); mK / mV are then
         # the flat cache (1, num_pages * page_size, Hkv, d) and cu_seqlens_k the logical first keys.
-        self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mTileCounter, mSplit, mPageTable)
+        # key_split build (components.key_split): mQ (B, R, Hq, d), mK / mV (B, S, Hkv, *) or the flat
+        # paged cache, mO (B * num_splits, R, Hq, dv) and mLSE (B * num_splits, Hq, R) the parts, mSeqUsedK
+        # (B,) or None; chunk_keys keys a chunk. Other builds ignore num_splits and chunk_keys.
+        self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
+                         mPageTable)
         self.varlen = mCuSeqlensQ is not None
         self.q_shift = self.q_shift_for(self.varlen)
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
@@ -294,7 +311,7 @@ class FlashAttentionForwardSm90:
 
         # dense: max_seqlen_q = Sq; varlen: the longest sequence (CTAs past a shorter one exit)
         num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
-        batch = mQ.shape[0]
+        batch = mO.shape[0]  # a key split launches B * num_splits virtual sequences
         if const_expr(self.varlen):
             batch = mCuSeqlensQ.shape[0] - 1
         if const_expr(self.persistent):
@@ -307,7 +324,7 @@ class FlashAttentionForwardSm90:
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
                     self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
-                    *((mK, mV) if self.gather else (None, None)),
+                    *((mK, mV) if self.gather else (None, None)), num_splits, chunk_keys,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -325,9 +342,12 @@ class FlashAttentionForwardSm90:
                sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
                gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
                mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
-               mPageTable: Optional[cute.Tensor], mK_flat: Optional[cute.Tensor], mV_flat: Optional[cute.Tensor]):
+               mPageTable: Optional[cute.Tensor], mK_flat: Optional[cute.Tensor], mV_flat: Optional[cute.Tensor],
+               num_splits: Int32, chunk_keys: Int32):
         trace.cta_stamp("entry")  # no code unless trace.enable() turned tracing on
-        seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap)
+        split = KeySplit(num_splits, chunk_keys, self.page_size is not None) if const_expr(self.key_split) else None
+        seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
+                           split)
         tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable, mK_flat, mV_flat)
         args = ConsumerArgs(softmax_scale_log2, softmax_scale, mSink, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout,
                             gmem_copy_O)

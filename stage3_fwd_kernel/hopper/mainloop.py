@@ -92,7 +92,7 @@ def consume(cfg, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int
 
     sQ_wg = smem.sQ[None, None, wg]                                          # (64, d)
     sO_wg = epilogue.o_staging(cfg, smem.storage, sQ_wg, args.sO_layout, wg)      # (64, dv) or None
-    gO = cute.local_tile(seq_view(mO[tile.batch, None, tile.head, None], tile.offset_q, cfg.rows_shifted()),
+    gO = cute.local_tile(seq_view(mO[tile.batch_out, None, tile.head, None], tile.offset_q, cfg.rows_shifted()),
                          (tm, dv), (tile.m_block * cfg.num_consumers + wg, 0))
 
     # MMA partitions: accumulators in registers, the smem operands as descriptors built once per tile
@@ -168,8 +168,8 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
     ops.qk.gemm(acc_S0, st0.index)
     barriers.hand_turn(turns.successor, cfg.num_consumers)
     pipe_V = smem.pipe_V  # a local: CuTe-DSL would carry `smem` through the `if` that calls it
-    if const_expr(cfg.varlen):
-        # V rows past the sequence belong to the next one, or are unused cache slots (seqused_k)
+    if const_expr(cfg.varlen or cfg.key_split):
+        # V rows past the sequence (or key chunk) belong to the next one, or are unused cache slots
         # that may hold NaN; P is 0 there but 0 * NaN is not. Only the first block walked (the last
         # one) can be partial: every consumer zeroes its whole tail itself (so what it reads is its
         # own zeros; the others only write the same zeros), then makes the writes visible to wgmma.

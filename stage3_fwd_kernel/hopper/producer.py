@@ -173,10 +173,11 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
     shifted = cfg.rows_shifted()
     # TMA coordinates of this sequence: rows start at its offset in the packed tensor
     mQ_s = seq_view(tma.tma_Q[None, None, tile.head, tile.batch], tile.offset_q, shifted)
-    # a paged cache is addressed block by block from its first row (key_block), offset_k included
-    shifted_k = shifted and tma.page_table is None
-    mK_s = seq_view(tma.tma_K[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted_k)
-    mV_s = seq_view(tma.tma_V[None, None, tile.head_kv, tile.batch], tile.offset_k, shifted_k)
+    # a paged cache is addressed block by block from its first row (key_block), offset_k included;
+    # a key split's chunk starts at its offset_k in a dense cache
+    shifted_k = (shifted or cfg.key_split) and tma.page_table is None
+    mK_s = seq_view(tma.tma_K[None, None, tile.head_kv, tile.batch_kv], tile.offset_k, shifted_k)
+    mV_s = seq_view(tma.tma_V[None, None, tile.head_kv, tile.batch_kv], tile.offset_k, shifted_k)
     gQ = cute.local_tile(mQ_s, (cfg.wg_m, d), (None, 0))   # (64, d, m64)
     tQsQ, tQgQ = cpasync.tma_partition(tma.atom_Q, 0, cute.make_layout(1),
                                        cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2))

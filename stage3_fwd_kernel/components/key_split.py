@@ -1,0 +1,58 @@
+"""Split-KV: a decode call's keys cut into chunks, each chunk the work of its own CTAs.
+
+One query token against a long cache is one tile per KV head: at batch 1 with 8 KV heads, 8 CTAs
+stream the whole cache while the other 124 SMs of an H200 idle. Split n ways, the launch's batch
+mode counts B x n virtual sequences, v = b n + j, and the CTAs of v
+
+  - read sequence b's query rows (q keeps its B batch rows: nothing is replicated),
+  - read keys [j c, j c + c) of sequence b's cache, c keys a chunk (a multiple of the key tile),
+    of which the first clamp(L_b - j c, 0, c) are used (L_b = seqused_k[b], else the cache length),
+  - write O, divided by the chunk's own row sums, and its lse to batch row v of the parts.
+
+A merge (stage3_fwd_kernel.split_combine) then forms O = sum_j exp(lse_j - lse) O_j with
+lse = log sum_j exp(lse_j). The chunk's bounds are arithmetic on (v, n, c, L_b) inside the kernel,
+so a decode step needs no per-call index tensors and no copy of the queries: on an H200 those were
+three of a 1 x 16k step's five kernels (docs/measurements.md).
+
+Only a mask that ignores where a chunk starts can split (no causal diagonal, no window): fa4 drops
+causal for one query token, which sees every key. A learnable sink joins the merged row once, after
+the merge, never a chunk's.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import cutlass
+from cutlass import Int32
+
+from stage3_fwd_kernel import intdiv
+
+
+class KeySplit(NamedTuple):
+    """The split of a launch (Int32 on the device, paged a compile-time bool)."""
+
+    num_splits: Any   # n: chunks per sequence
+    chunk_keys: Any   # c: keys per chunk, a multiple of tile_n
+    paged: bool       # K / V are a flat paged cache (a batch of one): the page-table row picks the pages
+
+
+class KeyChunk(NamedTuple):
+    """Where virtual sequence v's CTAs read and write."""
+
+    sequence: Any     # b: the batch row of q (and the page-table row of a paged cache)
+    first_key: Any    # j c: the chunk's first key within sequence b
+    keys: Any         # keys of the chunk in use, in [0, c]
+    batch_kv: Any     # batch index of the K / V tensors: b, or 0 for the flat paged cache
+
+
+def chunk_of(split: KeySplit, virtual, seqlen_k, seqused_k) -> KeyChunk:
+    """Virtual sequence `virtual` (b n + j) of the launch; seqlen_k the cache length, seqused_k
+    int32 (B,) or None. fast_div: the launch's B n rows are below its 2**22 bound (grid z <= 65535)."""
+    b = intdiv.fast_div(virtual, split.num_splits)
+    first = (virtual - b * split.num_splits) * split.chunk_keys
+    total = seqlen_k
+    if cutlass.const_expr(seqused_k is not None):
+        total = seqused_k[b]
+    keys = cutlass.min(cutlass.max(total - first, Int32(0)), split.chunk_keys)
+    return KeyChunk(b, first, keys, Int32(0) if cutlass.const_expr(split.paged) else b)
+
