@@ -250,24 +250,21 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
 def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
     against n chunks of `chunk` keys of each sequence's dense cache, or of its pages (page_table) ->
-    the parts, out (B n, R, H', Dv) and lse (H', B n, R) fp32, the layouts the merge reads. No
-    segment offsets, no replicated queries: the kernel finds each chunk itself. out: where the parts
-    go (n = 1: a view of the caller's result). With n = 1 the lse is a (B, H', R) buffer seen as
-    (H', B, R), so the result's lse needs no copy either."""
+    out (B, R, H', Dv) (into `out` when given) and lse (B, H', R) fp32, merged. No segment offsets,
+    no replicated queries: the kernel finds each chunk itself. n > 1: the parts go to the merge
+    kernel (PartsCombine); n = 1: the kernel writes the result, and its lse buffer is (B, H', R)."""
     from . import _dispatch
 
     b, r, h, _ = rows.shape
-    if n == 1:
-        lse_store = torch.empty(b, h, r, device=rows.device, dtype=torch.float32)
-        lse = lse_store.permute(1, 0, 2)                                                   # (H', B, R) view
-    else:
-        lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)
-        lse_store = lse.permute(1, 0, 2)                                                   # (B n, H', R) view
     mod = _dispatch.backend_for(rows.device).forward_module()
-    out, _ = mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, seqused_k=seqlens_k, page_table=page_table,
-                                         softmax_scale=scale, softcap=softcap, out=out, lse=lse_store,
-                                         tile_m=_dispatch.short_query_tile(r))
-    return out, lse
+    kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, softcap=softcap,
+              tile_m=_dispatch.short_query_tile(r))
+    if n == 1:
+        return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
+    lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
+    parts, _ = mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, lse=lse.permute(1, 0, 2), **kw)
+    merged, lse = merge_segments(parts, lse, n, kernel=v_cache.shape[-1] % 32 == 0, into=out)
+    return (merged if out is None or merged is out else out.copy_(merged)), lse
 
 
 def split_chunks(s_cache: int, n: int) -> tuple[int, int]:
@@ -297,8 +294,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     """q (B, Sq, Hq, D) against the first seqlens_k[b] keys of each sequence's cache.
     paged_in_place: the kernel reads the pages through the table (fa4._paged), so a paged cache is
     chunked like a dense one (logical chunks, any mask) instead of one segment per page.
-    split: a split-KV launch (`fa4_split`'s contract), taken where the mask is free and sequence b
-    is cache row b or its pages are read in place; else the varlen kernel runs segments.
+    split: a split-KV launch with its merge (`fa4_split`'s contract), taken where the mask is free and
+    sequence b is cache row b or its pages are read in place; else the varlen kernel runs segments.
     Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -330,15 +327,14 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
             kw = {"page_table": table}
     n = n if use_split else seg.n
     g, final, into = hq // hkv, None, None
-    if pack and sq == 1 and ((n > 1 and varlen is fa4_varlen) or (use_split and n == 1)):
-        # the merge (or, unsplit, the kernel) writes the packed rows straight into the (B, 1, Hq, Dv)
+    if pack and sq == 1 and ((n > 1 and varlen is fa4_varlen) or use_split):
+        # the merge (a split launch: its kernel) writes the packed rows straight into the (B, 1, Hq, Dv)
         # result: row j of KV head kv is query head kv * g + j, so no transpose copy follows
         final = q.new_empty(b, 1, hq, dv)
         into = final.view(b, hkv, g, dv).transpose(1, 2)                                # (B, g, Hkv, Dv)
     if use_split:
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
-                         block_table if paged_in_place else None,
-                         out=into if n == 1 else None)                                 # (B n, R, H', Dv), (H', B n, R)
+                         block_table if paged_in_place else None, out=into)            # (B, R, H', Dv), (B, H', R)
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
         cu_q = _constant(("cu_q", q.device, b * n, r),
@@ -347,8 +343,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
                                                                      v_cache.reshape(-1, hkv, dv))
         out, lse = varlen(q_seg, keys, values, cu_q, seg.cu_k, seg.used, r, seg.max_keys, scale, causal, window,
                           softcap, **kw)
-    out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n, kernel=varlen is fa4_varlen,
-                              into=into if n > 1 else None)                             # (B, R, H', Dv), (B, H', R)
+        out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n,
+                                  kernel=varlen is fa4_varlen, into=into)               # (B, R, H', Dv), (B, H', R)
     if final is not None:
         out = final
     elif pack:

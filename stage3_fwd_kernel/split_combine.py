@@ -135,7 +135,13 @@ class PartsCombine(_RowMerges):
     """n partial results per (batch, row, head), as a varlen forward over n key segments per sequence
     leaves them: out (B * n, R, H, dv) in the output dtype, lse (H, B * n, R) fp32. Writes the merged
     out (B, R, H, dv) and lse (B, H, R). One warp per (batch, row, head), `merge_row` as above; the
-    partial outs are 16-bit here (normalised by their own row sums, as the kernel stored them)."""
+    partial outs are 16-bit here (normalised by their own row sums, as the kernel stored them).
+
+    Launched as a programmatic dependent (PDL): a forward that signals its dependents
+    (griddepcontrol.launch_dependents; the Hopper split-KV launch does, at entry) lets these CTAs
+    become resident while it runs, on the SMs it leaves free, and each waits (griddepcontrol.wait)
+    until the forward has finished and its stores are visible; after any other kernel the wait
+    returns at once. What that saves is the merge's launch latency on a decode step's critical path."""
 
     @cute.jit
     def __call__(self, mParts: cute.Tensor, mLseParts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -144,10 +150,12 @@ class PartsCombine(_RowMerges):
             raise TypeError("the partial and merged outs must have the kernel's dtype")
         warps = mO.shape[0] * mO.shape[1] * mO.shape[2]                      # B * R * H rows to merge
         self.kernel(mParts, mLseParts, mO, mLSE, parts).launch(
-            grid=((warps + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1, 1), block=[32 * ROWS_PER_CTA, 1, 1], stream=stream)
+            grid=((warps + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1, 1), block=[32 * ROWS_PER_CTA, 1, 1], stream=stream,
+            use_pdl=True)
 
     @cute.kernel
     def kernel(self, mParts: cute.Tensor, mLseParts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, parts: Int32):
+        cute.arch.griddepcontrol_wait()  # the parts' forward has finished (a PDL launch: see the class)
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32

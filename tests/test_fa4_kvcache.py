@@ -235,10 +235,10 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
 
 
 def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None):
-    """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward, through
-    fa4._kvcache.fa4_split): chunk j of sequence b, keys [j chunk, j chunk + used) with used =
-    clamp(seqlens[b] - j chunk, 0, chunk), goes to parts row b n + j; out (B n, R, H, Dv), lse
-    (H, B n, R), -inf for a chunk with no key."""
+    """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
+    merge, through fa4._kvcache.fa4_split): chunk j of sequence b, keys [j chunk, j chunk + used)
+    with used = clamp(seqlens[b] - j chunk, 0, chunk), is part j of sequence b (-inf lse with no
+    key); the parts merge to out (B, R, H, Dv), into `out` when given, and lse (B, H, R)."""
     b, r, h, _ = rows.shape
     assert n == 1 or chunk % 128 == 0, "chunks start on key-tile borders"
     parts = torch.zeros(b * n, r, h, v.shape[-1], dtype=torch.float64)
@@ -256,9 +256,10 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
             if used:
                 o, l = dense(rows[i], keys[a:a + used], values[a:a + used], scale, False, (None, None), softcap)
                 parts[i * n + j], lse[:, i * n + j] = o, l
-    if out is not None:   # where the caller wants the parts (n = 1: its result's layout)
-        return out.copy_(parts), lse
-    return parts, lse
+    merged, lse = kv.merge_segments(parts, lse, n)
+    if out is not None:   # where the caller wants the result (a view of its final layout)
+        merged = out.copy_(merged)
+    return merged, lse
 
 
 def _no_varlen(*args, **kw):

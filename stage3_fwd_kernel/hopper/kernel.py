@@ -345,6 +345,10 @@ class FlashAttentionForwardSm90:
                mPageTable: Optional[cute.Tensor], mK_flat: Optional[cute.Tensor], mV_flat: Optional[cute.Tensor],
                num_splits: Int32, chunk_keys: Int32):
         trace.cta_stamp("entry")  # no code unless trace.enable() turned tracing on
+        if const_expr(self.key_split):
+            # the merge kernel that follows is a programmatic dependent (split_combine.PartsCombine):
+            # its CTAs may take the SMs this launch leaves free and wait there for it to finish
+            cute.arch.griddepcontrol_launch_dependents()
         split = KeySplit(num_splits, chunk_keys, self.page_size is not None) if const_expr(self.key_split) else None
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
                            split)
