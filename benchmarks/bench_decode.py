@@ -1,9 +1,11 @@
 """Decode against a KV cache: achieved bandwidth of fa4, the official FlashAttention-4 and cuDNN.
 
     python -m benchmarks.bench_decode [--shapes 1x8192,1x131072,8x32768,64x8192,64x32768] [--rounds 5]
+                                      [--query-len 1] [--heads 32/8]
                                       [--out benchmarks/results/bench_decode_h200.json]
 
-bf16, GQA 32 / 8, d = 128, one query token per sequence, a dense cache filled to its length.
+bf16, GQA 32 / 8 (--heads), d = 128, one query token per sequence (--query-len N > 1: N causal tokens
+at the cache's end, speculative decoding), a dense cache filled to its length.
 Achieved GB/s = bytes of Q, K and V read / time, the issue's yardstick, next to a device copy of K
 in the same run. Peers:
 
@@ -11,7 +13,8 @@ in the same run. Peers:
   heads packed into one tile);
 * fa4_func: fa4.flash_attn_func on the same tensors (no split, no packing: the path decode had before);
 * official: flash_attn.cute.interface.flash_attn_func (flash-attn-4), where installed;
-* sdpa_cudnn: torch SDPA on (B, H, 1, D) with enable_gqa, cuDNN backend.
+* sdpa_cudnn: torch SDPA on (B, H, N, D) with enable_gqa, cuDNN backend (N > 1: the lower-right
+  causal bias, torch.nn.attention.bias.causal_lower_right; recorded as failed where cuDNN refuses it).
 
 Every call is captured in a CUDA graph of 20 calls and the graph is replayed (what a serving loop
 does; host launch overhead would otherwise hide the kernels at batch 1), in paired rounds
@@ -32,7 +35,7 @@ import torch
 from .ab_fwd import paired_rounds
 from .bench_fwd import write_doc
 
-HQ, HKV, D = 32, 8, 128
+HQ, HKV, D = 32, 8, 128   # defaults of --heads; d
 CALLS_PER_GRAPH = 20
 
 
@@ -54,25 +57,32 @@ def _graphed(fn):
 def _peers(q, k, v):
     import fa4
 
+    causal = q.shape[1] > 1  # several query tokens: causal at the cache's end
     peers = {
-        "fa4_kvcache": lambda: fa4.flash_attn_with_kvcache(q, k, v),
-        "fa4_func": lambda: fa4.flash_attn_func(q, k, v),
+        "fa4_kvcache": lambda: fa4.flash_attn_with_kvcache(q, k, v, causal=causal),
+        "fa4_func": lambda: fa4.flash_attn_func(q, k, v, causal=causal),
         "sdpa_cudnn": None,
         "copy_k": lambda: k.clone(),
     }
     try:
         from flash_attn.cute.interface import flash_attn_func as official
 
-        peers["official"] = lambda: official(q, k, v)[0]
+        peers["official"] = lambda: official(q, k, v, causal=causal)[0]
     except Exception as exc:  # not installed: reported, not timed
         print(f"official: not available ({type(exc).__name__}: {exc})")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    bias = None
+    if causal:
+        from torch.nn.attention.bias import causal_lower_right
+
+        bias = causal_lower_right(q.shape[1], k.shape[1])
 
     def sdpa():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias,
+                                                                    enable_gqa=True).transpose(1, 2)
 
     peers["sdpa_cudnn"] = sdpa
     return peers
@@ -94,11 +104,11 @@ def _kernel_breakdown(graph) -> list:
     return [{"kernel": name, "us_per_call": us, "per_call": n} for name, us, n in rows]
 
 
-def run_shape(batch, cache, rounds, rng, profile=False):
+def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, HKV)):
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
-    q = torch.randn(batch, 1, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    k = torch.randn(batch, cache, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    v = torch.randn(batch, cache, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    q = torch.randn(batch, query_len, heads[0], D, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(batch, cache, heads[1], D, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(batch, cache, heads[1], D, device="cuda", generator=g, dtype=torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in (q, k, v))
     graphs, checks, row_kernels = {}, {}, None
     with torch.no_grad():
@@ -121,7 +131,8 @@ def run_shape(batch, cache, rounds, rng, profile=False):
         times = paired_rounds({n: gr[0].replay for n, gr in graphs.items()}, rounds, rng)
         if profile and "fa4_kvcache" in graphs:
             row_kernels = _kernel_breakdown(graphs["fa4_kvcache"][0])
-    row = {"batch": batch, "cache": cache, "bytes": nbytes, "max_abs_diff_vs_fa4_func": checks, "peers": {}}
+    row = {"batch": batch, "cache": cache, "query_len": query_len, "heads": list(heads), "bytes": nbytes,
+           "max_abs_diff_vs_fa4_func": checks, "peers": {}}
     if row_kernels is not None:
         row["fa4_kvcache_kernels"] = row_kernels
     for name, ts in times.items():
@@ -156,7 +167,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="also list fa4_kvcache's kernels per call (profiler)")
+    ap.add_argument("--query-len", type=int, default=1, help="query tokens per sequence (> 1: causal)")
+    ap.add_argument("--heads", default=f"{HQ}/{HKV}", help="query heads / KV heads")
     args = ap.parse_args(argv)
+    try:
+        heads = tuple(int(x) for x in args.heads.split("/"))
+        assert len(heads) == 2 and heads[0] % heads[1] == 0
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--heads: expected HQ/HKV with HKV dividing HQ, got {args.heads!r}")
+    if args.query_len < 1:
+        raise SystemExit(f"--query-len: expected >= 1, got {args.query_len}")
     try:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     except ValueError:
@@ -165,10 +185,11 @@ def main(argv=None) -> int:
         print("bench_decode needs a CUDA GPU")
         return 2
     rng = random.Random(0)
-    rows = [run_shape(b, c, args.rounds, rng, args.profile) for b, c in shapes]
+    rows = [run_shape(b, c, args.rounds, rng, args.profile, args.query_len, heads) for b, c in shapes]
+    tokens = "one query token" if args.query_len == 1 else f"{args.query_len} causal query tokens"
     if args.out:
         write_doc(args.out, "benchmarks.bench_decode", None, rows,
-                  shapes=f"bf16, GQA {HQ}/{HKV}, d={D}, one query token, dense cache",
+                  shapes=f"bf16, GQA {heads[0]}/{heads[1]}, d={D}, {tokens}, dense cache",
                   method=f"CUDA graphs of {CALLS_PER_GRAPH} calls, {args.rounds} paired rounds (random order); "
                          "GB/s = bytes of Q, K, V / time (copy_k: 2 x bytes of K)")
     return 0

@@ -20,10 +20,12 @@ that index the cache in place, with no copy:
   way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy first (many tiny
   segments cost far more).
 
-Where the mask is free and sequence b is cache row b (or its pages are read in place), an eager
-call on the device skips the segments: the Hopper forward's split-KV launch (stage 3's
+Where a call has no window and at most 64 kernel rows (decode), and sequence b is cache row b (or
+its pages are read in place), an eager call on the device skips the segments: the Hopper forward's split-KV launch (stage 3's
 components.key_split) gives chunk j of sequence b its own CTAs, which find the chunk's keys from
-(b, j, the chunk size, cache_seqlens[b]) themselves and read the queries where they are. A decode
+(b, j, the chunk size, cache_seqlens[b]) themselves and read the queries where they are; a causal
+diagonal stays at the sequence's end, so a few causal query tokens (speculative decoding) split
+too. A decode
 step is then the attention kernel and the merge, without the segment offsets' and the replicated
 queries' small kernels (`fa4_split`). Traced calls (torch.compile) keep the varlen custom op.
 
@@ -52,6 +54,7 @@ from ._lse_merge import add_sink, merge_parts
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue, merge) dominates
 MAX_SPLITS = 64
+PACKED_CAUSAL_ROWS = 64   # the split launch's rows (one short-query tile, fa4._dispatch), causal ones packed
 # Pages the kernel does not read in place become one segment each only from this size on; smaller ones
 # are gathered into a dense copy first: a segment per page of 16 keys ran at 0.06x of a dense cache
 # on an H200 (138 GB/s at 1 x 16k), while a copy costs about two more passes over the keys.
@@ -247,18 +250,21 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
     return _ops.varlen_fwd(*args)
 
 
-def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None):
+def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None,
+              causal=False, rows_per_query=1):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
     against n chunks of `chunk` keys of each sequence's dense cache, or of its pages (page_table) ->
     out (B, R, H', Dv) (into `out` when given) and lse (B, H', R) fp32, merged. No segment offsets,
     no replicated queries: the kernel finds each chunk itself. n > 1: the parts go to the merge
-    kernel (PartsCombine); n = 1: the kernel writes the result, and its lse buffer is (B, H', R)."""
+    kernel (PartsCombine); n = 1: the kernel writes the result, and its lse buffer is (B, H', R).
+    causal: bottom-right aligned to each sequence's end, in every chunk; rows_per_query: the packed
+    GQA group, whose rows the causal mask takes by token."""
     from . import _dispatch
 
     b, r, h, _ = rows.shape
     mod = _dispatch.backend_for(rows.device).forward_module()
-    kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, softcap=softcap,
-              tile_m=_dispatch.short_query_tile(r))
+    kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, causal=causal,
+              rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r))
     if n == 1:
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
@@ -274,18 +280,23 @@ def split_chunks(s_cache: int, n: int) -> tuple[int, int]:
     return (s_cache, 1) if n > 1 and chunk % 128 else (chunk, n)
 
 
-def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa) -> tuple[bool, bool, bool]:
+def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa,
+                token_rows: bool = False) -> tuple[bool, bool, bool]:
     """(causal, free, pack): free = the mask ignores key alignment (segments may split and page);
     pack = GQA packing of the query heads into rows. One query token with no window sees every
-    key, so causal is dropped for it."""
+    key, so causal is dropped for it. token_rows: the kernel masks packed rows by their query token
+    (the split launch), so a causal call with no window packs too while its rows fill at most one
+    short-query tile (PACKED_CAUSAL_ROWS, the group dividing it): speculative decoding."""
     no_window = tuple(window) == (None, None)
     if sq == 1 and no_window:
         causal = False
     free = no_window and not causal
-    if pack_gqa and not free:
+    by_token = token_rows and no_window and sq * group <= PACKED_CAUSAL_ROWS and PACKED_CAUSAL_ROWS % group == 0
+    if pack_gqa and not (free or by_token):
         raise ValueError("pack_gqa: packing the query heads needs a mask that is the same for every row (no window, "
-                         "and causal only with one query token); pass None or False")
-    pack = (group > 1 and free) if pack_gqa is None else bool(pack_gqa) and group > 1
+                         "and causal only with one query token, or a few through the split launch); pass None or "
+                         "False")
+    pack = (group > 1 and (free or by_token)) if pack_gqa is None else bool(pack_gqa) and group > 1
     return causal, free, pack
 
 
@@ -294,12 +305,14 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     """q (B, Sq, Hq, D) against the first seqlens_k[b] keys of each sequence's cache.
     paged_in_place: the kernel reads the pages through the table (fa4._paged), so a paged cache is
     chunked like a dense one (logical chunks, any mask) instead of one segment per page.
-    split: a split-KV launch with its merge (`fa4_split`'s contract), taken where the mask is free and
-    sequence b is cache row b or its pages are read in place; else the varlen kernel runs segments.
+    split: a split-KV launch with its merge (`fa4_split`'s contract), taken by calls of at most
+    PACKED_CAUSAL_ROWS kernel rows with no window where sequence b is cache row b or its pages are
+    read in place; else the varlen kernel runs segments (which split only free masks).
     Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
-    causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa)
+    causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa,
+                                     token_rows=split is not None and cache_rows is None)
     paged_in_place = paged_in_place and block_table is not None
     if block_table is not None and not paged_in_place and (not free or k_cache.shape[1] < MIN_SEGMENT_PAGE):
         # page segments would misalign the mask, or be too short: a dense copy instead
@@ -310,14 +323,17 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     rows = q.view(b, sq, hkv, hq // hkv, d).transpose(2, 3).reshape(b, -1, hkv, d) if pack else q
     r = sq * (hq // hkv) if pack else sq                                                  # rows per segment
     table, kw = None, {}
-    # a split launch finds its chunks itself; the varlen kernel needs segment offsets (and replicated queries)
-    use_split = split is not None and free and cache_rows is None and (block_table is None or paged_in_place)
+    # a split launch finds its chunks itself (a causal diagonal too: it sees each chunk's distance to the
+    # sequence's end); the varlen kernel needs segment offsets (and replicated queries). Short queries
+    # only (decode: one 64-row tile, what was measured); prefills keep the varlen kernel
+    use_split = split is not None and tuple(window) == (None, None) and r <= PACKED_CAUSAL_ROWS \
+        and cache_rows is None and (block_table is None or paged_in_place)
     if block_table is not None and not paged_in_place:
         seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
     else:
         s_cache = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-        n = 1 if not free else (num_splits if num_splits > 0 else
-                                choose_num_splits(b, heads * math.ceil(r / TILE_M), s_cache, sm_count))
+        n = 1 if not (free or use_split) else (num_splits if num_splits > 0 else
+                                               choose_num_splits(b, heads * math.ceil(r / TILE_M), s_cache, sm_count))
         if use_split:
             chunk, n = split_chunks(s_cache, n)
         elif block_table is None:
@@ -334,7 +350,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         into = final.view(b, hkv, g, dv).transpose(1, 2)                                # (B, g, Hkv, Dv)
     if use_split:
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
-                         block_table if paged_in_place else None, out=into)            # (B, R, H', Dv), (B, H', R)
+                         block_table if paged_in_place else None, out=into, causal=causal,
+                         rows_per_query=hq // hkv if pack and causal else 1)     # (B, R, H', Dv), (B, H', R)
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
         cu_q = _constant(("cu_q", q.device, b * n, r),
@@ -491,13 +508,14 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
-        # the kernel's rows per sequence: the query tokens, times the group when its heads are packed
-        _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, (left, right), pack_gqa)
-        packed_rows = q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1)
-        paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache, packed_rows)
         from . import _ops
 
         split = fa4_split if _ops.eager_ok(q, k_cache, v_cache, block_table) else None
+        # the kernel's rows per sequence: the query tokens, times the group when its heads are packed
+        _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, (left, right), pack_gqa,
+                                 token_rows=split is not None and cache_batch_idx is None)
+        packed_rows = q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1)
+        paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache, packed_rows)
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)

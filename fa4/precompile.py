@@ -304,7 +304,9 @@ def add_decode(add, w: Workload, longest: int):
     """The builds of short-query calls (fa4._dispatch.short_query_tile): the dense forward (decode
     through flash_attn_func; short and long key counts differ where persistence does), and what
     flash_attn_with_kvcache launches -- the varlen forward with seqused_k (causal as asked, and not
-    causal: one query token drops it) and the merge of split-KV parts."""
+    causal: one query token drops it), without a window the split launch (one token; causal tokens
+    with the GQA group packed as rows where it divides the tile, and not packed), and the merge of
+    split-KV parts. (A paged cache's split launch is a build per page size: not derived here.)"""
     from ._dispatch import LPT_MIN_SEQLEN_K, SHORT_QUERY_TILE_M
 
     add("fwd short", w, tile_m=SHORT_QUERY_TILE_M)
@@ -312,6 +314,13 @@ def add_decode(add, w: Workload, longest: int):
         add("fwd short", w, tile_m=SHORT_QUERY_TILE_M, seqlen_k_first=longest)
     for causal in {w.causal, False}:
         add("kvcache", replace(w, causal=causal, sink=False), tile_m=SHORT_QUERY_TILE_M)
+    if w.window is None:
+        g = w.heads_q // w.heads_kv
+        packed = g if g > 1 and SHORT_QUERY_TILE_M % g == 0 else 1
+        add("kvcache split", replace(w, causal=False, sink=False), tile_m=SHORT_QUERY_TILE_M, rows_per_query=1)
+        if w.causal:
+            for rows in sorted({1, packed}):
+                add("kvcache split", replace(w, sink=False), tile_m=SHORT_QUERY_TILE_M, rows_per_query=rows)
     add("combine", replace(w, causal=False, window=None, softcap=0.0, sink=False))
 
 
@@ -592,6 +601,10 @@ def derived_task(fwd_mod, bwd_mod, build: dict):
         from stage3_fwd_kernel import split_combine
 
         return label, lambda: [split_combine.compile_parts(build["dtype"], build["head_dim_v"], launchable=True)], ""
+    if kind == "kvcache split":
+        rows = build["rows_per_query"]
+        return label + (f" rows/query={rows}" if rows > 1 else ""), lambda: [fwd_mod.compile_only(
+            seqused_k=True, key_split=True, tile_m=build["tile_m"], rows_per_query=rows, launchable=True, **kw)], ""
     extra, prefix = {}, ""
     if build.get("tile_m"):
         extra["tile_m"] = build["tile_m"]

@@ -338,7 +338,7 @@ def test_bytecode_hint_names_an_uncompiled_package(tmp_path, monkeypatch):
 def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec):
     """`decode` in a --shapes spec builds what decoding launches: flash_attn_func with one query row
     (64-row tiles, short and long keys) and flash_attn_with_kvcache's varlen forward with seqused_k
-    (split-KV segments) and its merge kernel."""
+    (split-KV segments), its split launch (one token; 4 causal tokens) and its merge kernel."""
     from fa4 import _kvcache
 
     be, rec = recorder
@@ -364,6 +364,19 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec):
         kf = k.reshape(-1, w.heads_kv, w.head_dim)
         be.varlen_forward(torch.randn(2 * n * rows, w.heads_kv, w.head_dim, dtype=dt), kf, kf, cu_q, seg.cu_k,
                           seg.used, rows, seg.max_keys, w.head_dim ** -0.5, False, softcap=w.softcap)
+        # ... and its split launch (fa4._kvcache.fa4_split's arguments): one token, GQA packed as rows;
+        # causal: 4 tokens, packed (masked by token) where the group divides the tile
+        lens = torch.tensor([sk, sk // 2], dtype=torch.int32)
+        chunk, n = _kvcache.split_chunks(sk, 3)
+        calls = [(1, False, 1)] + ([(4, True, rows if 64 % rows == 0 else 1)] if w.causal else [])
+        for tokens, causal, rows_per_query in calls:
+            packed = (tokens == 1 and rows > 1) or rows_per_query > 1
+            shape = (2, tokens * rows, w.heads_kv, w.head_dim) if packed else (2, tokens, w.heads_q, w.head_dim)
+            fwd_mod.attention_split_forward(
+                torch.randn(*shape, dtype=dt), k, k, n, chunk, seqused_k=lens,
+                softmax_scale=w.head_dim ** -0.5, causal=causal, rows_per_query=rows_per_query, softcap=w.softcap,
+                tile_m=64)
     launched = set(rec.keys)
     assert launched and launched <= built, sorted(map(repr, launched - built))
     assert any(k[:2] == ("hopper_forward", "gpu") and 64 in k for k in launched)
+    assert sum("key_split" in k for k in launched) == (2 if w.causal else 1)

@@ -234,11 +234,14 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
                                                                                 abs_tol=1e-12)
 
 
-def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None):
+def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None, causal=False,
+                   rows_per_query=1):
     """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
     merge, through fa4._kvcache.fa4_split): chunk j of sequence b, keys [j chunk, j chunk + used)
     with used = clamp(seqlens[b] - j chunk, 0, chunk), is part j of sequence b (-inf lse with no
-    key); the parts merge to out (B, R, H, Dv), into `out` when given, and lse (B, H, R)."""
+    key); causal: row i sees keys up to L - R + i of the whole sequence (written out here, not
+    dense()'s alignment to the chunk); the parts merge to out (B, R, H, Dv), into `out` when given,
+    and lse (B, H, R)."""
     b, r, h, _ = rows.shape
     assert n == 1 or chunk % 128 == 0, "chunks start on key-tile borders"
     parts = torch.zeros(b * n, r, h, v.shape[-1], dtype=torch.float64)
@@ -254,12 +257,30 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
             a = j * chunk
             used = min(max(int(seqlens[i]) - a, 0), chunk)
             if used:
-                o, l = dense(rows[i], keys[a:a + used], values[a:a + used], scale, False, (None, None), softcap)
-                parts[i * n + j], lse[:, i * n + j] = o, l
+                parts[i * n + j], lse[:, i * n + j] = _chunk_attention(
+                    rows[i], keys[a:a + used], values[a:a + used], scale, softcap,
+                    int(seqlens[i]) - r // rows_per_query - a if causal else None, rows_per_query)
     merged, lse = kv.merge_segments(parts, lse, n)
     if out is not None:   # where the caller wants the result (a view of its final layout)
         merged = out.copy_(merged)
     return merged, lse
+
+
+def _chunk_attention(q, k, v, scale, softcap, diagonal=None, rows_per_query=1):
+    """q (R, H, D) against k / v (S, Hkv, *) in float64, row i (query token i // rows_per_query)
+    seeing keys <= its token + diagonal (None: all) -> out (R, H, Dv), lse (H, R); a row that sees
+    no key gets 0 and -inf."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = torch.einsum("rhd,shd->hrs", q.double(), kk) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if diagonal is not None:
+        rows, cols = torch.arange(q.shape[0])[:, None] // rows_per_query, torch.arange(k.shape[0])[None, :]
+        s = s.masked_fill(cols > rows + diagonal, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)                                                   # (H, R)
+    p = torch.exp(s - lse[..., None].clamp(min=-1e300)).nan_to_num(0.0)
+    return torch.einsum("hrs,shd->rhd", p, vv), lse
 
 
 def _no_varlen(*args, **kw):
@@ -309,15 +330,43 @@ def test_split_launch_paged_in_place(page_size):
     _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens)
 
 
-def test_split_launch_only_where_the_mask_is_free_and_rows_are_the_batch():
-    """cache_batch_idx, a causal prefill and a window keep the varlen kernel's segments."""
+@pytest.mark.parametrize("splits", [1, 4, 0])
+def test_split_launch_causal_queries_at_the_cache_end(splits):
+    """A few causal query tokens (speculative decoding) split like one: each chunk sees its keys'
+    distance to the sequence's end, so only the chunks at the end are masked. Chunks of 256 keys cut
+    the diagonal's rows across two chunks (keys 255 .. 259 of a 260-key sequence)."""
+    g = _gen(24)
+    b, sq, hq, hkv, d = 3, 5, 8, 2, 16   # the group's 4 heads packed: 20 rows a KV head, masked by token
+    kc = torch.randn(b, 600, hkv, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(b, 600, hkv, d, generator=g, dtype=torch.float64)
+    q = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64)
+    lens = torch.tensor([600, 260, 3], dtype=torch.int32)      # full; the diagonal across a chunk edge; < sq
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((args[4], kw["causal"], kw["rows_per_query"]))
+        return split_stand_in(*args, **kw)
+
+    out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, causal=True, varlen=_no_varlen,
+                               split=spy, sm_count=64, return_softmax_lse=True)
+    assert seen[0][1:] == (True, 4) and seen[0][0] == kv.split_chunks(600, splits or 3)[1]
+    scale = d ** -0.5
+    for i in range(b):
+        n = int(lens[i])
+        want, wl = _chunk_attention(q[i], kc[i, :n], vc[i, :n], scale, 0.0, diagonal=n - sq)
+        torch.testing.assert_close(out[i].double(), want, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(lse[i].double(), wl, rtol=1e-9, atol=1e-9)
+
+
+def test_split_launch_only_where_the_mask_has_no_window_and_rows_are_the_batch():
+    """cache_batch_idx and a window keep the varlen kernel's segments."""
     g = _gen(23)
     b, hq, d = 2, 2, 16
     kc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
     vc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
     lens = torch.tensor([290, 40], dtype=torch.int32)
     cases = [dict(q_len=1, cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32)),
-             dict(q_len=3, causal=True), dict(q_len=1, window_size=(64, 0))]
+             dict(q_len=3, causal=True, window_size=(100, 0)), dict(q_len=1, window_size=(64, 0))]
     for case in cases:
         q = torch.randn(b, case.pop("q_len"), hq, d, generator=g, dtype=torch.float64)
         rows = case.get("cache_batch_idx", torch.arange(b)).long()
@@ -344,6 +393,11 @@ def test_plan_and_heuristic(monkeypatch):
     assert kv.plan_layout(1, 4, True, (None, None), None) == (False, True, True)     # decode: packed, free
     assert kv.plan_layout(1, 4, True, (128, None), None) == (True, False, False)     # a window pins alignment
     assert kv.plan_layout(7, 4, True, (None, None), None) == (True, False, False)    # causal prefill
+    # the split launch masks packed rows by token: a few causal tokens pack, up to 64 rows
+    assert kv.plan_layout(7, 4, True, (None, None), None, token_rows=True) == (True, False, True)
+    assert kv.plan_layout(17, 4, True, (None, None), None, token_rows=True) == (True, False, False)
+    assert kv.plan_layout(2, 6, True, (None, None), None, token_rows=True) == (True, False, False)  # 6 ∤ 64
+    assert kv.plan_layout(2, 4, True, (64, 0), None, token_rows=True) == (True, False, False)
     assert kv.plan_layout(7, 1, False, (None, None), None) == (False, True, False)   # MHA: nothing to pack
     with pytest.raises(ValueError, match=r"^pack_gqa: "):
         kv.plan_layout(7, 4, True, (None, None), True)

@@ -95,6 +95,24 @@ def test_split_launch_equals_the_varlen_segments(monkeypatch, heads, splits, sof
     _check(out, lse, *_truth_and_baseline(q, k, v, lens, softcap=softcap), f"split launch {heads} {splits}")
 
 
+@pytest.mark.parametrize("sq, splits", [(4, 0), (4, 5), (2, 16), (7, 1)])
+def test_split_launch_causal_query_tokens(monkeypatch, sq, splits):
+    """Speculative decoding: a few causal query tokens at the cache's end split like one token (each
+    chunk sees its keys' distance to the sequence's end). Lengths put the diagonal across a chunk
+    edge; unsplit, the same bits as the varlen kernel's one segment."""
+    k, v = _cache(3, 6000, 8, 128, 13)
+    lens = torch.tensor([6000, 2050, 3], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, sq, 32, 128, device="cuda").to(BF16)
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits, causal=True,
+                                           return_softmax_lse=True)
+    _check(out, lse, *_truth_and_baseline(q, k, v, lens, causal=True), f"causal sq={sq} splits={splits}")
+    if splits == 1:
+        monkeypatch.setattr(kv, "fa4_split", None)
+        seg, seg_lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=1, causal=True,
+                                                   return_softmax_lse=True)
+        assert torch.equal(out, seg) and torch.equal(lse, seg_lse)
+
+
 def test_split_launch_errors_name_the_argument():
     from stage3_fwd_kernel.hopper import attention_split_forward
 

@@ -7,6 +7,8 @@ mode counts B x n virtual sequences, v = b n + j, and the CTAs of v
   - read sequence b's query rows (q keeps its B batch rows: nothing is replicated),
   - read keys [j c, j c + c) of sequence b's cache, c keys a chunk (a multiple of the key tile),
     of which the first clamp(L_b - j c, 0, c) are used (L_b = seqused_k[b], else the cache length),
+    the mask seeing L_b - j c keys from the chunk's start to the sequence's end, so a causal
+    diagonal (bottom-right, at the sequence's end) falls where it does in the whole sequence,
   - write O, divided by the chunk's own row sums, and its lse to batch row v of the parts.
 
 A merge (stage3_fwd_kernel.split_combine) then forms O = sum_j exp(lse_j - lse) O_j with
@@ -14,9 +16,10 @@ lse = log sum_j exp(lse_j). The chunk's bounds are arithmetic on (v, n, c, L_b) 
 so a decode step needs no per-call index tensors and no copy of the queries: on an H200 those were
 three of a 1 x 16k step's five kernels (docs/measurements.md).
 
-Only a mask that ignores where a chunk starts can split (no causal diagonal, no window): fa4 drops
-causal for one query token, which sees every key. A learnable sink joins the merged row once, after
-the merge, never a chunk's.
+Causal splits this way: every chunk but the last few is wholly left of the diagonal and unmasked,
+and a speculative-decoding step (a few query tokens at the cache's end) splits like one token. A
+window does not (its left edge would cut chunks the walk does not expect). A learnable sink joins
+the merged row once, after the merge, never a chunk's.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ class KeyChunk(NamedTuple):
 
     sequence: Any     # b: the batch row of q (and the page-table row of a paged cache)
     first_key: Any    # j c: the chunk's first key within sequence b
-    keys: Any         # keys of the chunk in use, in [0, c]
+    keys_to_end: Any  # max(L_b - j c, 0): the keys from the chunk's start to the sequence's end (the
+                      # mask's seqlen_k); the walk stops at the chunk's end (`chunk_blocks`)
     batch_kv: Any     # batch index of the K / V tensors: b, or 0 for the flat paged cache
 
 
@@ -53,6 +57,10 @@ def chunk_of(split: KeySplit, virtual, seqlen_k, seqused_k) -> KeyChunk:
     total = seqlen_k
     if cutlass.const_expr(seqused_k is not None):
         total = seqused_k[b]
-    keys = cutlass.min(cutlass.max(total - first, Int32(0)), split.chunk_keys)
-    return KeyChunk(b, first, keys, Int32(0) if cutlass.const_expr(split.paged) else b)
+    return KeyChunk(b, first, cutlass.max(total - first, Int32(0)), Int32(0) if cutlass.const_expr(split.paged) else b)
+
+
+def chunk_blocks(split: KeySplit, tile_n: int):
+    """Key blocks a chunk walks at most (the last chunk of a sequence fewer: its keys_to_end)."""
+    return (split.chunk_keys + tile_n - 1) // tile_n
 

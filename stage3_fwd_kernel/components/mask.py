@@ -25,9 +25,17 @@ from stage3_fwd_kernel.components.window import Window
 class AttentionMask:
     """Masking of the scores of one tile_n-wide key block for a Window (causal is right = 0)."""
 
-    def __init__(self, window: Window, tile_n: int):
+    def __init__(self, window: Window, tile_n: int, rows_per_query: int = 1):
         self.window = window
         self.tile_n = tile_n
+        # GQA heads packed as rows (row t g + j is query token t): rows of one token share its edges
+        self.rows_per_query = rows_per_query
+
+    def query_of(self, row):
+        """The query token of a tile row: the row itself, or with packed GQA heads (row t g + j) t."""
+        if const_expr(self.rows_per_query > 1):
+            return row // self.rows_per_query  # row >= 0: a shift for a power of two
+        return row
 
     def key_limit(self, row, n_block, seqlen_q, seqlen_k):
         """Query `row` sees the keys of block n_block before this column (block coordinates): the
@@ -52,7 +60,7 @@ class AttentionMask:
         (compile-time); row0 the fragment's first query row in the sequence."""
         shift = tScS_rc[0, 0][1]  # into thread 0's column coordinates (a select each)
         for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
-            row = row0 + tScS_rc[r, 0][0]
+            row = self.query_of(row0 + tScS_rc[r, 0][0])
             col_limit = self.key_limit(row, n_block, seqlen_q, seqlen_k) - shift
             if const_expr(self.window.left is None):
                 for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):

@@ -60,24 +60,29 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
-                variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False):
+                variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
+                rows_per_query: int = 1):
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window); page_size:
-    built for a paged K/V cache (components.paged_kv); key_split: split-KV (components.key_split)."""
+    built for a paged K/V cache (components.paged_kv); key_split: split-KV (components.key_split);
+    rows_per_query: q's rows are query tokens times this (packed GQA heads, a key split only)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
                                      tile_m=tile_m, split_tail=split_tail, window=variant.window,
-                                     softcap=variant.softcap, page_size=page_size, key_split=key_split)
+                                     softcap=variant.softcap, page_size=page_size, key_split=key_split,
+                                     rows_per_query=rows_per_query)
 
 
 def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
-         split_tail=False, variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False):
+         split_tail=False, variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
+         rows_per_query: int = 1):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
     tile_m = _check_tile_m(tile_m, d, dv, causal, variant.window)
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
-        + (("key_split",) if key_split else ()) + trace.key()
+        + (("key_split",) if key_split else ()) + (("rows_per_query", rows_per_query) if rows_per_query != 1 else ()) \
+        + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -110,14 +115,14 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
 
 
 def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False,
-             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False):
+             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False, rows_per_query: int = 1):
     """The one place the kernel is compiled (against fake tensors): launchable=True builds what
     attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
     key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
-               split_tail, variant, page_size, key_split)
+               split_tail, variant, page_size, key_split, rows_per_query)
     return compile_cached(key, lambda: (
         make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail,
-                    variant=variant, page_size=page_size, key_split=key_split),
+                    variant=variant, page_size=page_size, key_split=key_split, rows_per_query=rows_per_query),
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False),
                    split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
@@ -341,7 +346,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 
 def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, seqused_k=None, page_table=None,
-                            softmax_scale=None, softcap=0.0, out=None, lse=None,
+                            softmax_scale=None, causal=False, rows_per_query=1, softcap=0.0, out=None, lse=None,
                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                             tile_m: int | None = None):
@@ -354,8 +359,11 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     paged one (num_pages, page_size, Hkv, *) read in place (components.paged_kv). seqused_k (int32
     (B,)): the keys sequence b uses, from its first (None: all S; required with page_table).
     chunk_keys: a multiple of the key tile when num_splits > 1, and num_splits * chunk_keys must
-    cover the cache (S, or pages * page_size). Every row sees every key in use: no causal mask, no
-    window, no sink (a sink joins the merged row once). out / lse: where the parts go (any strides
+    cover the cache (S, or pages * page_size). causal: bottom-right aligned to each sequence's
+    end (row i of R sees its first L_b - R + 1 + i keys), in every chunk; rows_per_query g > 1: q's
+    rows are GQA heads packed as rows, row t g + j query token t of head j of the group (R / g
+    tokens; g divides the tile's rows), masked by its token. No window, no sink (a sink
+    joins the merged row once). out / lse: where the parts go (any strides
     with a unit last one; lse may be a view of an (Hq, B * n, R) buffer, the layout the merge reads).
     One CTA per tile; q's rows may be a strided view (GQA heads packed as rows)."""
     import torch
@@ -395,7 +403,12 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     if k.shape[-1] != d or hq % k.shape[2]:
         raise ValueError(f"k: head dim {k.shape[-1]} and {k.shape[2]} heads do not match q's {d} and {hq}")
     variant = Variant(NO_WINDOW, check_softcap(softcap), False)
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, False, NO_WINDOW)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    if isinstance(rows_per_query, bool) or not isinstance(rows_per_query, int) or rows_per_query < 1 \
+            or r % rows_per_query:
+        raise ValueError(f"rows_per_query: expected an int >= 1 dividing q's {r} rows, got {rows_per_query!r}")
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, NO_WINDOW)
     policy.check_dtype(dt)
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
@@ -408,8 +421,8 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     used = None if seqused_k is None else seqused_k.contiguous()
     args = _call_args(q, k, v, out, lse, softmax_scale, r, seqused_k=used, softcap=variant.softcap,
                       page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys)
-    _compile(True, dt, d, dv, False, policy, StaticTileScheduler, (False, used is not None, False), tile_m,
-             variant=variant, page_size=page_size, key_split=True).fn(*args)
+    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, (False, used is not None, False), tile_m,
+             variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
     return out, lse
 
 
@@ -419,7 +432,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  scheduler=None, tile_m: int | None = None, launchable: bool = False,
                  persistent: bool | None = None, seqlen_k: int | None = None,
                  split_tail: bool = False, window_size=(None, None), softcap: float = 0.0,
-                 learnable_sink: bool = False, page_size: int | None = None, key_split: bool = False) -> Compiled:
+                 learnable_sink: bool = False, page_size: int | None = None, key_split: bool = False,
+                 rows_per_query: int = 1) -> Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     and persistent as in attention_forward (None = default_tile_m / default_persistent, which takes
@@ -427,15 +441,16 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     what attention_forward launches (TVM-FFI, the same cache key). window_size / softcap /
     learnable_sink (a bool: built for a sink) select the variant as attention_forward does; page_size:
     built for a paged cache (needs varlen and seqused_k); key_split: what attention_split_forward
-    launches (dense, one CTA per tile; seqused_k and page_size as its call passes them)."""
+    launches (dense, one CTA per tile; seqused_k, page_size and rows_per_query as its call passes
+    them)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     variant = Variant(beyond_causal(causal, window_size), check_softcap(softcap), bool(learnable_sink))
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
-    if key_split and (varlen or batch_map or causal or learnable_sink or split_tail):
-        raise ValueError("key_split: a dense build without causal, batch_map, a sink or a split tail")
+    if key_split and (varlen or batch_map or learnable_sink or split_tail or variant.window.limited):
+        raise ValueError("key_split: a dense build without batch_map, a window, a sink or a split tail")
     if key_split and persistent:
         raise ValueError("persistent: a key split runs one CTA per tile")
     if (seqused_k or batch_map) and not (varlen or key_split):
@@ -452,7 +467,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                                    windowed=variant.window.limited)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
-                    variant, page_size, key_split)
+                    variant, page_size, key_split, rows_per_query)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones

@@ -39,8 +39,8 @@ from cutlass.memory.smem import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import trace
-from stage3_fwd_kernel.components.key_split import KeySplit
 from stage3_fwd_kernel.components.block_range import blocks_walked, first_key_block, num_key_blocks
+from stage3_fwd_kernel.components.key_split import KeySplit, chunk_blocks
 from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.paged_kv import box_rows, check_page_size, gathered
 from stage3_fwd_kernel.components.score_mod import Softcap
@@ -68,7 +68,7 @@ class FlashAttentionForwardSm90:
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
                  num_stages: int | None = None, scheduler=StaticTileScheduler, split_tail: bool = False,
                  window: Window = NO_WINDOW, softcap: float = 0.0, page_size: int | None = None,
-                 key_split: bool = False):
+                 key_split: bool = False, rows_per_query: int = 1):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -86,9 +86,13 @@ class FlashAttentionForwardSm90:
                              f"got ({head_dim}, {head_dim_v})")
         if split_tail and not split_tail_supported(scheduler, causal or window.limited):
             raise ValueError(SPLIT_TAIL_UNSUPPORTED)
-        if key_split and (causal or window.limited or split_tail):
-            raise ValueError("key_split: needs a mask that ignores where a key chunk starts (neither causal nor a "
-                             "window) and no split tail (components.key_split)")
+        if rows_per_query != 1 and not (key_split and isinstance(rows_per_query, int) and rows_per_query > 1
+                                        and tile_m % rows_per_query == 0):
+            raise ValueError(f"rows_per_query: GQA heads packed as rows need a key split build and a divisor of "
+                             f"tile_m ({tile_m}) above 1, got {rows_per_query!r}")
+        if key_split and (window.limited or split_tail):
+            raise ValueError("key_split: not with a window (its left edge would cut the chunks) nor a split tail "
+                             "(components.key_split)")
         self.policy = policy
         self.dtype = dtype
         self.bf16 = dtype == cutlass.BFloat16
@@ -112,7 +116,11 @@ class FlashAttentionForwardSm90:
                              f"page_size {page_size} needs tile_n 64 or 128, got {self.tile_n}")
         # the keys a row sees (components.window): causal is a right edge at 0
         self.window = Window(window.left, 0 if causal else window.right)
-        self.mask = AttentionMask(self.window, self.tile_n)
+        # rows_per_query > 1: row t g + j is query token t (packed GQA heads); the mask and the key-block
+        # range count tokens (query_tile_m tokens a tile), the stores rows
+        self.rows_per_query = rows_per_query
+        self.query_tile_m = tile_m // rows_per_query
+        self.mask = AttentionMask(self.window, self.tile_n, rows_per_query)
         self.score_mod = Softcap(softcap)
         # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
         # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers
@@ -137,8 +145,9 @@ class FlashAttentionForwardSm90:
     # -------------------------------------------------------------- configuration queries
     def q_shift_for(self, varlen: bool) -> bool:
         """Whether a call counts its Q tiles from the sequence's end (components.work_tile): causal,
-        dense (a varlen sequence's padding rows would be the previous sequence's), 192-row tiles."""
-        return self.causal and not varlen and self.tile_m in Q_SHIFT_TILE_MS
+        dense (a varlen sequence's padding rows would be the previous sequence's; a key split locates
+        its rows itself), 192-row tiles."""
+        return self.causal and not varlen and not self.key_split and self.tile_m in Q_SHIFT_TILE_MS
 
     def top_padding(self, seqlen_q):
         """q_shift: rows before query 0 that make the Q tiles end with the sequence (< tile_m)."""
@@ -149,13 +158,21 @@ class FlashAttentionForwardSm90:
         return self.varlen or self.q_shift
 
     def num_key_blocks(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32) -> Int32:
-        return num_key_blocks(m_block, seqlen_q, seqlen_k, tile_m=self.tile_m, tile_n=self.tile_n, window=self.window)
+        """seqlen_q in query tokens (`query_len`)."""
+        return num_key_blocks(m_block, seqlen_q, seqlen_k, tile_m=self.query_tile_m, tile_n=self.tile_n,
+                              window=self.window)
+
+    def query_len(self, tile):
+        """The tile's sequence in query tokens (its rows over rows_per_query)."""
+        return tile.seqlen_q if const_expr(self.rows_per_query == 1) else tile.seqlen_q // self.rows_per_query
 
     def key_range(self, tile):
         """(n_block_min, n_block_max) a tile walks; n_block_min is None (block 0) without a left window."""
-        n_block_max = self.num_key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k)
-        n_block_min = first_key_block(tile.m_block, tile.seqlen_q, tile.seqlen_k, n_block_max, tile_m=self.tile_m,
-                                      tile_n=self.tile_n, window=self.window)
+        n_block_max = self.num_key_blocks(tile.m_block, self.query_len(tile), tile.seqlen_k)
+        if const_expr(self.key_split):  # seqlen_k runs to the sequence's end; the chunk ends first
+            n_block_max = cutlass.min(n_block_max, chunk_blocks(self.split, self.tile_n))
+        n_block_min = first_key_block(tile.m_block, self.query_len(tile), tile.seqlen_k, n_block_max,
+                                      tile_m=self.query_tile_m, tile_n=self.tile_n, window=self.window)
         return n_block_min, n_block_max
 
     def locate(self, m_block, head, batch, seq: SequenceInfo):
@@ -350,6 +367,7 @@ class FlashAttentionForwardSm90:
             # its CTAs may take the SMs this launch leaves free and wait there for it to finish
             cute.arch.griddepcontrol_launch_dependents()
         split = KeySplit(num_splits, chunk_keys, self.page_size is not None) if const_expr(self.key_split) else None
+        self.split = split  # read by key_range (through self, like the walk below)
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
                            split)
         tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable, mK_flat, mV_flat)

@@ -123,17 +123,18 @@ def consume(cfg, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int
 
     tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((tm, tn)), cfg.dtype)
     row_scale = cute.make_rmem_tensor((num_rows,), Float32)
-    n_masked = num_masked_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k, n_block_max, tile_m=cfg.tile_m,
+    query_len = cfg.query_len(tile)  # = seqlen_q, or its tokens when GQA heads are packed as rows
+    n_masked = num_masked_blocks(tile.m_block, query_len, tile.seqlen_k, n_block_max, tile_m=cfg.query_tile_m,
                                  tile_n=tn, window=cfg.window)  # walked first (i < n_masked)
     n_blocks = n_block_max
     if const_expr(n_block_min is not None):
         n_blocks = n_block_max - n_block_min
         n_masked = cutlass.min(n_masked, n_blocks)
     # a left window: the last n_left blocks walked cross some row's left edge (mask them too)
-    n_left = num_left_masked_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k, n_block_min, n_blocks,
-                                    tile_m=cfg.tile_m, tile_n=tn, window=cfg.window)
+    n_left = num_left_masked_blocks(tile.m_block, query_len, tile.seqlen_k, n_block_min, n_blocks,
+                                    tile_m=cfg.query_tile_m, tile_n=tn, window=cfg.window)
     rows = RowState(row_max, row_max_new, row_sum, row_scale, row_limit, row_bias)
-    ctx = ScoreContext(row0, tile.seqlen_q, tile.seqlen_k, softmax_scale_log2, args.score_scale, rescale_margin,
+    ctx = ScoreContext(row0, query_len, tile.seqlen_k, softmax_scale_log2, args.score_scale, rescale_margin,
                        tScS_rc, tScS0_rc)
     ops = TileOperands(qk, pv, thr_mma_qk, acc_O, tOrP)
     if n_blocks > 0:

@@ -44,7 +44,7 @@ class ScoreContext(NamedTuple):
     """What masking and the softmax need about a consumer's rows, fixed for a tile."""
 
     row0: Any                # first query row of the warpgroup in the sequence
-    seqlen_q: Any
+    seqlen_q: Any            # query tokens (= rows, unless GQA heads are packed as rows: the mask's)
     seqlen_k: Any
     softmax_scale_log2: Any  # softmax_scale * log2(e) (softcap: softcap * log2(e))
     score_scale: Any         # softcap: the tanh's input scale softmax_scale / softcap (else unused)
