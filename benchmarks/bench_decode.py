@@ -172,9 +172,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         heads = tuple(int(x) for x in args.heads.split("/"))
-        assert len(heads) == 2 and heads[0] % heads[1] == 0
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--heads: expected HQ/HKV with HKV dividing HQ, got {args.heads!r}")
+    except ValueError:
+        heads = ()
+    if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]:
+        raise SystemExit(f"--heads: expected HQ/HKV with HKV >= 1 dividing HQ, got {args.heads!r}")
     if args.query_len < 1:
         raise SystemExit(f"--query-len: expected >= 1, got {args.query_len}")
     try:

@@ -21,13 +21,13 @@ that index the cache in place, with no copy:
   segments cost far more).
 
 Where a call has no window and at most 64 kernel rows (decode), and sequence b is cache row b (or
-its pages are read in place), an eager call on the device skips the segments: the Hopper forward's split-KV launch (stage 3's
-components.key_split) gives chunk j of sequence b its own CTAs, which find the chunk's keys from
-(b, j, the chunk size, cache_seqlens[b]) themselves and read the queries where they are; a causal
-diagonal stays at the sequence's end, so a few causal query tokens (speculative decoding) split
-too. A decode
-step is then the attention kernel and the merge, without the segment offsets' and the replicated
-queries' small kernels (`fa4_split`). Traced calls (torch.compile) keep the varlen custom op.
+its pages are read in place), an eager call on the device skips the segments: the Hopper forward's
+split-KV launch (stage 3's components.key_split) gives chunk j of sequence b its own CTAs, which
+find the chunk's keys from (b, j, the chunk size, cache_seqlens[b]) themselves and read the queries
+where they are; a causal diagonal stays at the sequence's end, so a few causal query tokens
+(speculative decoding) split too. A decode step is then the attention kernel and the merge, without
+the segment offsets' and the replicated queries' small kernels (`fa4_split`). Traced calls
+(torch.compile) keep the varlen custom op.
 
 Splitting and per-page segments change each segment's key count, and fa4's masks are bottom-right
 aligned to it, so they are used only where the mask does not depend on alignment: no window, and
@@ -54,6 +54,7 @@ from ._lse_merge import add_sink, merge_parts
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue, merge) dominates
 MAX_SPLITS = 64
+MAX_GRID_Z = 65535        # a CUDA grid's z extent: the split launch's batch x splits
 PACKED_CAUSAL_ROWS = 64   # the split launch's rows (one short-query tile, fa4._dispatch), causal ones packed
 # Pages the kernel does not read in place become one segment each only from this size on; smaller ones
 # are gathered into a dense copy first: a segment per page of 16 keys ran at 0.06x of a dense cache
@@ -335,7 +336,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         n = 1 if not (free or use_split) else (num_splits if num_splits > 0 else
                                                choose_num_splits(b, heads * math.ceil(r / TILE_M), s_cache, sm_count))
         if use_split:
-            chunk, n = split_chunks(s_cache, n)
+            chunk, n = split_chunks(s_cache, min(n, max(1, MAX_GRID_Z // b)))  # the launch's B n virtual sequences
         elif block_table is None:
             seg = dense_segments(seqlens_k, cache_rows, s_cache, n)
         else:

@@ -335,13 +335,14 @@ def test_bytecode_hint_names_an_uncompiled_package(tmp_path, monkeypatch):
 @pytest.mark.fa4
 @pytest.mark.parametrize("spec", ["d=128,heads=32/8,causal,seqlen=8192,decode",
                                   "d=64,heads=8/8,noncausal,softcap=30,seqlen=2048,decode"])
-def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec):
+def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch):
     """`decode` in a --shapes spec builds what decoding launches: flash_attn_func with one query row
     (64-row tiles, short and long keys) and flash_attn_with_kvcache's varlen forward with seqused_k
     (split-KV segments), its split launch (one token; 4 causal tokens) and its merge kernel."""
     from fa4 import _kvcache
 
     be, rec = recorder
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: be)  # fa4_split's lookup, on CPU tensors
     (w,) = precompile.parse_shapes(spec)
     assert w.decode
     fwd_mod, bwd_mod = be.forward_module(), be.backward_module()
@@ -364,18 +365,15 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec):
         kf = k.reshape(-1, w.heads_kv, w.head_dim)
         be.varlen_forward(torch.randn(2 * n * rows, w.heads_kv, w.head_dim, dtype=dt), kf, kf, cu_q, seg.cu_k,
                           seg.used, rows, seg.max_keys, w.head_dim ** -0.5, False, softcap=w.softcap)
-        # ... and its split launch (fa4._kvcache.fa4_split's arguments): one token, GQA packed as rows;
-        # causal: 4 tokens, packed (masked by token) where the group divides the tile
+        # ... and its split launch, through fa4's own call: one token, and (causal) 4 tokens, the GQA
+        # group packed as rows where fa4 packs it
         lens = torch.tensor([sk, sk // 2], dtype=torch.int32)
-        chunk, n = _kvcache.split_chunks(sk, 3)
-        calls = [(1, False, 1)] + ([(4, True, rows if 64 % rows == 0 else 1)] if w.causal else [])
-        for tokens, causal, rows_per_query in calls:
-            packed = (tokens == 1 and rows > 1) or rows_per_query > 1
-            shape = (2, tokens * rows, w.heads_kv, w.head_dim) if packed else (2, tokens, w.heads_q, w.head_dim)
-            fwd_mod.attention_split_forward(
-                torch.randn(*shape, dtype=dt), k, k, n, chunk, seqused_k=lens,
-                softmax_scale=w.head_dim ** -0.5, causal=causal, rows_per_query=rows_per_query, softcap=w.softcap,
-                tile_m=64)
+        for tokens in [1] + ([4] if w.causal else []):
+            causal, _, pack = _kvcache.plan_layout(tokens, rows, w.causal, (None, None), None, token_rows=True)
+            shape = (2, tokens * rows, w.heads_kv, w.head_dim) if pack else (2, tokens, w.heads_q, w.head_dim)
+            chunk, n = _kvcache.split_chunks(sk, 3)
+            _kvcache.fa4_split(torch.randn(*shape, dtype=dt), k, k, lens, n, chunk, w.head_dim ** -0.5, w.softcap,
+                               causal=causal, rows_per_query=rows if pack and causal else 1)
     launched = set(rec.keys)
     assert launched and launched <= built, sorted(map(repr, launched - built))
     assert any(k[:2] == ("hopper_forward", "gpu") and 64 in k for k in launched)

@@ -98,10 +98,12 @@ def test_split_launch_equals_the_varlen_segments(monkeypatch, heads, splits, sof
 @pytest.mark.parametrize("sq, splits", [(4, 0), (4, 5), (2, 16), (7, 1)])
 def test_split_launch_causal_query_tokens(monkeypatch, sq, splits):
     """Speculative decoding: a few causal query tokens at the cache's end split like one token (each
-    chunk sees its keys' distance to the sequence's end). Lengths put the diagonal across a chunk
-    edge; unsplit, the same bits as the varlen kernel's one segment."""
+    chunk sees its keys' distance to the sequence's end). With 5 splits (and the default at batch 3
+    on 132 SMs) a chunk is 1280 keys, so the 1282-key sequence's diagonal (keys 1278 .. 1281 for 4
+    tokens) crosses a chunk edge; a sequence shorter than the query has rows with no key. Unsplit,
+    the same bits as the varlen kernel's one segment."""
     k, v = _cache(3, 6000, 8, 128, 13)
-    lens = torch.tensor([6000, 2050, 3], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([6000, 1282, 3], dtype=torch.int32, device="cuda")
     q = torch.randn(3, sq, 32, 128, device="cuda").to(BF16)
     out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, num_splits=splits, causal=True,
                                            return_softmax_lse=True)

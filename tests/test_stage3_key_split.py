@@ -1,9 +1,11 @@
 """The split-KV launch (stage3_fwd_kernel.components.key_split) on the CPU.
 
-`simulate` walks a key-split launch the way the Hopper kernel does, with the same component functions
-it traces: `locate_tile` turns each virtual sequence into (sequence, chunk, keys to the end, batch
-indices), the key-block range counts query tokens (`query_tile_m` = tile_m / rows_per_query) and is
-capped at the chunk's blocks, and `AttentionMask.key_limit` gives each packed row its token's limit.
+`simulate` walks a key-split launch the way the Hopper kernel does, calling the kernel object's own
+trace-time methods on Python integers: `locate` (components.work_tile) turns each virtual sequence
+into (sequence, chunk, keys to the end, batch indices), `key_range` gives the blocks walked (counted
+in query tokens, capped at the chunk's end), `num_masked_blocks` with the kernel's `query_tile_m`
+says which of them get a mask -- the others are taken whole -- and the kernel's mask gives each row
+its token's limit (`query_of`, `key_limit`).
 The parts it leaves are merged through their lse and compared with dense float64 attention: causal or
 not, GQA heads packed as rows or not, chunks that cut the diagonal, empty chunks and sequences shorter
 than the query. The compile tier checks what the builds contain (no spills, the PDL signal).
@@ -15,38 +17,55 @@ import math
 import numpy as np
 import pytest
 
-from stage3_fwd_kernel.components.block_range import num_key_blocks
+from stage3_fwd_kernel.components.block_range import num_masked_blocks
 from stage3_fwd_kernel.components.key_split import KeySplit, chunk_blocks, chunk_of
-from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.window import Window
-from stage3_fwd_kernel.components.work_tile import SequenceInfo, locate_tile
+from stage3_fwd_kernel.components.work_tile import SequenceInfo
 
 pytestmark = pytest.mark.stage3
 
 
-def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64, tile_n=128):
+def split_kernel(causal, g, tile_m=64):
+    """The Hopper forward built with a key split (head dim 16: the CPU reference's size), set up as its
+    launch would be for trace-time calls on Python integers."""
+    import cutlass
+
+    from stage3_fwd_kernel.hopper import FlashAttentionForwardSm90
+
+    kernel = FlashAttentionForwardSm90(cutlass.BFloat16, 16, 16, causal, tile_m=tile_m, key_split=True,
+                                       rows_per_query=g)
+    kernel.varlen = False
+    kernel.q_shift = kernel.q_shift_for(False)
+    return kernel
+
+
+def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64):
     """q (B, R, H, D) with R = tokens * g rows (row t g + j: token t of group head j when g > 1, H then
     the KV heads), k / v (B, S, Hkv, *) -> parts out (B n, R, H, Dv), lse (B n, H, R)."""
     b, r, h, _ = q.shape
-    window = Window(None, 0 if causal else None)
-    mask = AttentionMask(window, tile_n, g)
-    split = KeySplit(n, chunk, False)
-    seq = SequenceInfo(r, k.shape[1], h // k.shape[2], None, None, list(lens), None, split)
-    tokens = r // g
+    kernel = split_kernel(causal, g, tile_m)
+    tn, mask = kernel.tile_n, kernel.mask
+    kernel.split = KeySplit(n, chunk, False)
+    seq = SequenceInfo(r, k.shape[1], h // k.shape[2], None, None, list(lens), None, kernel.split)
     out = np.zeros((b * n, r, h, v.shape[-1]))
     lse = np.full((b * n, h, r), -np.inf)
     for virtual in range(b * n):
         for head in range(h):
             for m_block in range(math.ceil(r / tile_m)):
-                tile = locate_tile(seq, m_block, head, virtual)
-                keys_to_end = int(tile.seqlen_k)
-                n_max = num_key_blocks(m_block, tokens, keys_to_end, tile_m=tile_m // g, tile_n=tile_n, window=window)
-                n_max = min(int(n_max), chunk_blocks(split, tile_n))
+                tile = kernel.locate(m_block, head, virtual, seq)
+                _, n_max = kernel.key_range(tile)
+                query_len, keys_to_end = kernel.query_len(tile), int(tile.seqlen_k)
+                n_masked = min(int(num_masked_blocks(m_block, query_len, keys_to_end, n_max, tile_m=kernel.query_tile_m,
+                                                     tile_n=tn, window=kernel.window)), n_max)
                 for row in range(m_block * tile_m, min(r, (m_block + 1) * tile_m)):
-                    seen = min(n_max * tile_n, int(mask.key_limit(mask.query_of(row), 0, tokens, keys_to_end)))
-                    if seen <= 0:
+                    cols = [np.arange(tn)] * (n_max - n_masked)                         # unmasked blocks: whole
+                    for blk in range(n_max - n_masked, n_max):
+                        limit = int(mask.key_limit(mask.query_of(row), blk, query_len, keys_to_end))
+                        cols.append(np.arange(max(0, min(tn, limit))))
+                    idx = np.concatenate([blk * tn + c for blk, c in enumerate(cols)]) if cols else np.arange(0)
+                    if idx.size == 0:
                         continue
-                    idx = tile.offset_k + np.arange(seen)
+                    idx = tile.offset_k + idx
                     s = k[tile.batch_kv, idx, tile.head_kv] @ q[tile.batch, row, head] / math.sqrt(q.shape[-1])
                     top = s.max()
                     p = np.exp(s - top)
@@ -161,3 +180,36 @@ def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_
     plain = compile_only("bf16", 128, 128, causal, tile_m=64, varlen=True, seqused_k=True)
     assert "PREEXIT" not in plain.sass
     assert "ACQBULK" in split_combine.compile_parts("bf16", 128).sass
+
+
+@pytest.mark.cpu
+def test_split_launch_refuses_bad_arguments_before_any_launch(monkeypatch):
+    """attention_split_forward's checks, each naming its argument (CPU tensors, seen as CUDA ones past
+    the first check: nothing is launched)."""
+    import torch
+
+    from stage3_fwd_kernel.hopper import attention_split_forward
+
+    q = torch.zeros(2, 4, 8, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 256, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^q, k, v: expected CUDA tensors"):
+        attention_split_forward(q, k, k, 2, 128)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
+    cases = [
+        (dict(num_splits=0, chunk_keys=128), r"^num_splits: expected an int >= 1"),
+        (dict(num_splits=2, chunk_keys=100), r"^chunk_keys: must be a multiple of the key tile \(128\)"),
+        (dict(num_splits=1, chunk_keys=128), r"^num_splits \* chunk_keys \(1 x 128\) does not cover"),
+        (dict(num_splits=40000, chunk_keys=128), r"^num_splits: batch x num_splits \(2 x 40000\)"),
+        (dict(num_splits=2, chunk_keys=128, seqused_k=torch.ones(2, dtype=torch.int64)), r"^seqused_k: expected int32"),
+        (dict(num_splits=2, chunk_keys=128, rows_per_query=3), r"^rows_per_query: expected an int >= 1 dividing"),
+        (dict(num_splits=2, chunk_keys=128, causal=1), r"^causal: expected a bool"),
+    ]
+    for kw, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            attention_split_forward(q, k, k, **kw)
+    with pytest.raises(ValueError, match=r"^k: head dim 64 and 0 heads"):
+        attention_split_forward(q, k[:, :, :0], k[:, :, :0], 2, 128)
+    with pytest.raises(ValueError, match=r"^page_table: expected int32 \(batch=2"):
+        pages = k.view(4, 128, 2, 64)
+        attention_split_forward(q, pages, pages, 2, 128, page_table=torch.zeros(3, 2, dtype=torch.int32),
+                                seqused_k=torch.ones(2, dtype=torch.int32))

@@ -251,6 +251,19 @@ def paged_cache_inputs(k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, 
     page_table)."""
     import torch
 
+    flat_k, flat_v, page_size, page_table = flat_paged_cache(k, v, page_table, cu_seqlens_q.shape[0] - 1, seqused_k,
+                                                             tile_n)
+    if cu_seqlens_k is None:
+        cu_seqlens_k = torch.zeros_like(cu_seqlens_q)
+    return flat_k, flat_v, cu_seqlens_k, page_size, page_table
+
+
+def flat_paged_cache(k, v, page_table, batch: int, seqused_k, tile_n: int):
+    """The checks of a paged cache (k / v (num_pages, page_size, Hkv, *), page_table int32 (batch,
+    pages) on k's device, seqused_k given) -> (k, v as (num_pages * page_size, Hkv, *), page_size,
+    page_table contiguous). Allocates nothing."""
+    import torch
+
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: with page_table, expected a (num_pages, page_size, heads_kv, head_dim) tensor, "
@@ -258,19 +271,17 @@ def paged_cache_inputs(k, v, page_table, cu_seqlens_q, cu_seqlens_k, seqused_k, 
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(f"v: shape {tuple(v.shape)} does not match k {tuple(k.shape)}")
     if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2 \
-            or page_table.shape[0] != cu_seqlens_q.shape[0] - 1:
-        raise ValueError(f"page_table: expected int32 (batch={cu_seqlens_q.shape[0] - 1}, pages per sequence), got "
+            or page_table.shape[0] != batch:
+        raise ValueError(f"page_table: expected int32 (batch={batch}, pages per sequence), got "
                          f"{getattr(page_table, 'dtype', type(page_table))} {tuple(getattr(page_table, 'shape', ()))}")
     if page_table.device != k.device:
         raise ValueError(f"page_table: is on {page_table.device} but k is on {k.device}")
     if seqused_k is None:
         raise ValueError("seqused_k: required with page_table (the keys each sequence has in its pages)")
     page_size = check_page_size(k.shape[1], tile_n)
-    if cu_seqlens_k is None:
-        cu_seqlens_k = torch.zeros_like(cu_seqlens_q)
     flat_k = k.reshape(-1, k.shape[2], k.shape[3])                  # (pages * page_size, Hkv, D)
     flat_v = v.reshape(-1, v.shape[2], v.shape[3])
-    return flat_k, flat_v, cu_seqlens_k, page_size, page_table.contiguous()
+    return flat_k, flat_v, page_size, page_table.contiguous()
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
@@ -375,14 +386,18 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     for name, n in (("num_splits", num_splits), ("chunk_keys", chunk_keys)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name}: expected an int >= 1, got {n!r}")
+    if not (q.is_cuda and k.is_cuda and v.is_cuda) or k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v: expected CUDA tensors on one device, got {q.device}, {k.device}, {v.device}")
     b, r, hq, d = q.shape
     dv = v.shape[-1]
     _check_head_dims(d, dv)
+    if b * num_splits > 65535 or hq > 65535:
+        raise ValueError(f"num_splits: batch x num_splits ({b} x {num_splits}) and the heads ({hq}) must be <= 65535 "
+                         "(grid z / y)")
     tile_n = default_tile_n(d, dv)
     page_size = None
     if page_table is not None:
-        cu0 = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
-        k, v, _, page_size, page_table = paged_cache_inputs(k, v, page_table, cu0, None, seqused_k, tile_n)
+        k, v, page_size, page_table = flat_paged_cache(k, v, page_table, b, seqused_k, tile_n)
         k, v, cache_keys = k.unsqueeze(0), v.unsqueeze(0), page_table.shape[1] * page_size
     elif k.shape[0] < b or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k, v: expected (>= B={b}, S, Hkv, *) caches (sequence b in row b), got "
@@ -400,7 +415,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         raise ValueError(f"seqused_k: expected int32 ({b},) on {q.device}, got {got}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v: expected one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape[-1] != d or hq % k.shape[2]:
+    if k.shape[-1] != d or k.shape[2] == 0 or hq % k.shape[2]:
         raise ValueError(f"k: head dim {k.shape[-1]} and {k.shape[2]} heads do not match q's {d} and {hq}")
     variant = Variant(NO_WINDOW, check_softcap(softcap), False)
     if not isinstance(causal, bool):

@@ -90,6 +90,8 @@ class FlashAttentionForwardSm90:
                                         and tile_m % rows_per_query == 0):
             raise ValueError(f"rows_per_query: GQA heads packed as rows need a key split build and a divisor of "
                              f"tile_m ({tile_m}) above 1, got {rows_per_query!r}")
+        if key_split and self.persistent:
+            raise ValueError("scheduler: a key split runs one CTA per tile (components.key_split), not persistent CTAs")
         if key_split and (window.limited or split_tail):
             raise ValueError("key_split: not with a window (its left edge would cut the chunks) nor a split tail "
                              "(components.key_split)")
