@@ -151,9 +151,7 @@ def paged_chunks(seqlens_k, block_table, page_size: int, n: int) -> tuple[Segmen
     the kernel turns into pages through its page-table row), so the table is block_table with each
     row repeated n times: (B n, P) int32."""
     b, p = block_table.shape
-    chunk, n = _chunks(p * page_size, n)
-    if n > 1 and chunk % 128:  # a table of under 128 keys: the kernel needs starts on key-tile borders
-        chunk, n = p * page_size, 1
+    chunk, n = split_chunks(p * page_size, n)
     starts, used = _chunk_keys(seqlens_k, n, chunk)
     cu_k = _constant(("paged_cu_k", seqlens_k.device, b, n, chunk),
                      lambda: _pad_one(starts.expand(b, n)))                                        # (B n + 1,)
@@ -185,16 +183,17 @@ def merge_segments(out, lse, n: int, kernel: bool = False, into=None):
     """(B n, R, H, Dv) partial outs and (H, B n, R) lse (the varlen kernel's layouts, n segments per
     batch row) -> merged out (B, R, H, Dv) and lse (B, H, R). One segment needs no merge (views);
     otherwise stage 3's PartsCombine kernel (kernel=True: one launch, out in the input dtype, written
-    into `into` when given) or the same formula in torch (the CPU tests' float64 stand-in)."""
+    into `into` when given; its lanes take dv / 32 columns, so other dv use torch) or the same formula
+    in torch (the CPU tests' float64 stand-in), copied into `into` when given."""
     bn, r, h, dv = out.shape
     if n == 1:
         return out, lse.permute(1, 0, 2)
-    if kernel:
+    if kernel and dv % 32 == 0:
         from stage3_fwd_kernel import split_combine
 
         return split_combine.combine_parts(out, lse, n, out=into)
     out, lse = merge_parts(out.view(bn // n, n, r, h, dv), lse.permute(1, 2, 0).reshape(bn // n, n, r, h), dim=1)
-    return out, lse.transpose(1, 2)
+    return (out if into is None else into.copy_(out)), lse.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,13 +269,12 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
     parts, _ = mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, lse=lse.permute(1, 0, 2), **kw)
-    merged, lse = merge_segments(parts, lse, n, kernel=v_cache.shape[-1] % 32 == 0, into=out)
-    return (merged if out is None or merged is out else out.copy_(merged)), lse
+    return merge_segments(parts, lse, n, kernel=True, into=out)
 
 
 def split_chunks(s_cache: int, n: int) -> tuple[int, int]:
-    """(keys per chunk, chunks) of a split launch: _chunks', but a cache of under 128 keys (where a
-    chunk could not start on a key-tile border) is one chunk."""
+    """(keys per chunk, chunks) where every chunk must start on a key-tile border (the split launch,
+    paged chunks): _chunks', but a cache of under 128 keys is one chunk."""
     chunk, n = _chunks(s_cache, n)
     return (s_cache, 1) if n > 1 and chunk % 128 else (chunk, n)
 

@@ -140,15 +140,7 @@ def prepare_inputs(q, k, v):
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         raise ValueError("q, k, v: expected CUDA tensors")
 
-    return aligned_16B(q), aligned_16B(k), aligned_16B(v)
-
-
-def aligned_16B(t):
-    """t, or a contiguous copy where its base or a stride is not 16-byte aligned (cp.async / TMA)
-    or a mode is broadcast (stride 0: TMA tensor maps need positive strides). 16-bit elements."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-    ok = ok and all(s % 8 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1]))
-    return t if ok else t.contiguous()
+    return align_16B(q), align_16B(k), align_16B(v)
 
 
 def align_16B(t):

@@ -124,7 +124,7 @@ def test_split_launch_errors_name_the_argument():
         attention_split_forward(q, k, v, 2, 100)
     with pytest.raises(ValueError, match=r"^num_splits \* chunk_keys"):
         attention_split_forward(q, k, v, 1, 128)
-    with pytest.raises(ValueError, match=r"^seqused_k: expected int32"):
+    with pytest.raises(TypeError, match=r"^seqused_k: expected dtype int32"):
         attention_split_forward(q, k, v, 2, 128, seqused_k=torch.ones(2, dtype=torch.int64, device="cuda"))
     with pytest.raises(ValueError, match=r"^num_splits: expected an int >= 1"):
         attention_split_forward(q, k, v, 0, 128)

@@ -200,7 +200,8 @@ def test_split_launch_refuses_bad_arguments_before_any_launch(monkeypatch):
         (dict(num_splits=2, chunk_keys=100), r"^chunk_keys: must be a multiple of the key tile \(128\)"),
         (dict(num_splits=1, chunk_keys=128), r"^num_splits \* chunk_keys \(1 x 128\) does not cover"),
         (dict(num_splits=40000, chunk_keys=128), r"^num_splits: batch x num_splits \(2 x 40000\)"),
-        (dict(num_splits=2, chunk_keys=128, seqused_k=torch.ones(2, dtype=torch.int64)), r"^seqused_k: expected int32"),
+        (dict(num_splits=2, chunk_keys=128, seqused_k=torch.ones(2, dtype=torch.int64)),
+         r"^seqused_k: expected dtype int32"),
         (dict(num_splits=2, chunk_keys=128, rows_per_query=3), r"^rows_per_query: expected an int >= 1 dividing"),
         (dict(num_splits=2, chunk_keys=128, causal=1), r"^causal: expected a bool"),
     ]

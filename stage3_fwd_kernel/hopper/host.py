@@ -409,10 +409,10 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     if num_splits * chunk_keys < cache_keys:
         raise ValueError(f"num_splits * chunk_keys ({num_splits} x {chunk_keys}) does not cover the cache's "
                          f"{cache_keys} keys")
-    if seqused_k is not None and (not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32
-                                  or tuple(seqused_k.shape) != (b,) or seqused_k.device != q.device):
-        got = f"{getattr(seqused_k, 'dtype', type(seqused_k).__name__)} {tuple(getattr(seqused_k, 'shape', ()))}"
-        raise ValueError(f"seqused_k: expected int32 ({b},) on {q.device}, got {got}")
+    if seqused_k is not None:
+        host_io._check_i32_vector("seqused_k", seqused_k, b)
+        if seqused_k.device != q.device:
+            raise ValueError(f"seqused_k: expected a CUDA tensor on {q.device}, got {seqused_k.device}")
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v: expected one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape[-1] != d or k.shape[2] == 0 or hq % k.shape[2]:
@@ -432,7 +432,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         return out, lse
     if cache_keys == 0:
         return _nothing_visible(out, lse, None, head_dim=1)
-    q, k, v = host_io.aligned_16B(q), host_io.aligned_16B(k), host_io.aligned_16B(v)
+    q, k, v = host_io.align_16B(q), host_io.align_16B(k), host_io.align_16B(v)
     used = None if seqused_k is None else seqused_k.contiguous()
     args = _call_args(q, k, v, out, lse, softmax_scale, r, seqused_k=used, softcap=variant.softcap,
                       page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys)
