@@ -141,7 +141,9 @@ class PartsCombine(_RowMerges):
     (griddepcontrol.launch_dependents; the Hopper split-KV launch does, at entry) lets these CTAs
     become resident while it runs, on the SMs it leaves free, and each waits (griddepcontrol.wait)
     until the forward has finished and its stores are visible; after any other kernel the wait
-    returns at once. What that saves is the merge's launch latency on a decode step's critical path."""
+    returns at once. What that saves is the merge's launch latency on a decode step's critical path.
+    Once its wait returns it signals its own dependents: the next step's split launch (itself a
+    programmatic dependent) then starts its CTAs while this merge runs."""
 
     @cute.jit
     def __call__(self, mParts: cute.Tensor, mLseParts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -156,6 +158,7 @@ class PartsCombine(_RowMerges):
     @cute.kernel
     def kernel(self, mParts: cute.Tensor, mLseParts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor, parts: Int32):
         cute.arch.griddepcontrol_wait()  # the parts' forward has finished (a PDL launch: see the class)
+        cute.arch.griddepcontrol_launch_dependents()  # the next step's split launch may start its CTAs
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32

@@ -163,8 +163,9 @@ def test_kernel_refuses_what_a_key_split_cannot_serve():
 @pytest.mark.compile
 @pytest.mark.parametrize("causal, rows_per_query, page_size", [(False, 1, None), (True, 4, None), (True, 1, 64)])
 def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_size):
-    """The split launch compiles without spills or serialized wgmmas and signals its dependents
-    (griddepcontrol.launch_dependents: PREEXIT); a plain build does not; the merge waits (ACQBULK)."""
+    """The split launch compiles without spills or serialized wgmmas, signals its dependents
+    (griddepcontrol.launch_dependents: PREEXIT) and waits for the kernel before it (griddepcontrol.wait:
+    ACQBULK); a plain build does neither; the merge waits, then signals the next step's split launch."""
     import cutlass
 
     from stage3_fwd_kernel import split_combine
@@ -176,10 +177,11 @@ def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_
                     (False, True, False), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query)
     assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
     assert not comp.report["wgmma_serialized"]
-    assert "PREEXIT" in comp.sass
+    assert "PREEXIT" in comp.sass and "ACQBULK" in comp.sass
     plain = compile_only("bf16", 128, 128, causal, tile_m=64, varlen=True, seqused_k=True)
-    assert "PREEXIT" not in plain.sass
-    assert "ACQBULK" in split_combine.compile_parts("bf16", 128).sass
+    assert "PREEXIT" not in plain.sass and "ACQBULK" not in plain.sass
+    merge = split_combine.compile_parts("bf16", 128).sass
+    assert "ACQBULK" in merge and "PREEXIT" in merge
 
 
 @pytest.mark.cpu

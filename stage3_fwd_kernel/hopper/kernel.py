@@ -345,7 +345,8 @@ class FlashAttentionForwardSm90:
                     self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
                     *((mK, mV) if self.gather else (None, None)), num_splits, chunk_keys,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
-                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+                             use_pdl=self.key_split)
 
     # -------------------------------------------------------------- device side
     @cute.kernel
@@ -368,6 +369,9 @@ class FlashAttentionForwardSm90:
             # the merge kernel that follows is a programmatic dependent (split_combine.PartsCombine):
             # its CTAs may take the SMs this launch leaves free and wait there for it to finish
             cute.arch.griddepcontrol_launch_dependents()
+            # and it is one itself: its CTAs may start while the kernel before it ends (a decode step's
+            # previous merge), and wait here, before any global load or store, until that kernel is done
+            cute.arch.griddepcontrol_wait()
         split = KeySplit(num_splits, chunk_keys, self.page_size is not None) if const_expr(self.key_split) else None
         self.split = split  # read by key_range (through self, like the walk below)
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
