@@ -179,21 +179,41 @@ def _pad_one(first):
     return torch.nn.functional.pad(first.reshape(-1), (0, 1))
 
 
-def merge_segments(out, lse, n: int, kernel: bool = False, into=None):
+def merge_segments(out, lse, n: int, kernel: bool = False, into=None, unpack: int = 1):
     """(B n, R, H, Dv) partial outs and (H, B n, R) lse (the varlen kernel's layouts, n segments per
     batch row) -> merged out (B, R, H, Dv) and lse (B, H, R). One segment needs no merge (views);
     otherwise stage 3's PartsCombine kernel (kernel=True: one launch, out in the input dtype, written
     into `into` when given; its lanes take dv / 32 columns, so other dv use torch) or the same formula
-    in torch (the CPU tests' float64 stand-in), copied into `into` when given."""
+    in torch (the CPU tests' float64 stand-in), copied into `into` when given. unpack g > 1 (n > 1):
+    the rows are GQA groups packed by token (row t g + j), and the result comes unpacked, out
+    (B, R / g, H g, Dv) and lse (B, H g, R / g), `into` that shape."""
     bn, r, h, dv = out.shape
     if n == 1:
+        if unpack > 1:
+            raise ValueError("unpack: one segment is not merged (the caller unpacks)")
         return out, lse.permute(1, 0, 2)
     if kernel and dv % 32 == 0:
         from stage3_fwd_kernel import split_combine
 
-        return split_combine.combine_parts(out, lse, n, out=into)
+        return split_combine.combine_parts(out, lse, n, out=into, rows_per_query=unpack)
     out, lse = merge_parts(out.view(bn // n, n, r, h, dv), lse.permute(1, 2, 0).reshape(bn // n, n, r, h), dim=1)
-    return (out if into is None else into.copy_(out)), lse.transpose(1, 2)
+    lse = lse.transpose(1, 2)                                                               # (B, H, R)
+    if unpack > 1:
+        out, lse = unpack_out(out, unpack), unpack_lse(lse, unpack)
+    return (out if into is None else into.copy_(out)), lse
+
+
+def unpack_out(out, g: int):
+    """Packed rows (row t g + j of head h: token t of GQA head h g + j) -> the call's layout:
+    (B, R, H, Dv) -> (B, R / g, H g, Dv)."""
+    b, r, h, dv = out.shape
+    return out.view(b, r // g, g, h, dv).transpose(2, 3).reshape(b, r // g, h * g, dv)
+
+
+def unpack_lse(lse, g: int):
+    """unpack_out's rows for the lse: (B, H, R) -> (B, H g, R / g)."""
+    b, h, r = lse.shape
+    return lse.view(b, h, r // g, g).transpose(2, 3).reshape(b, h * g, r // g)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,14 +271,15 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
 
 
 def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None,
-              causal=False, rows_per_query=1):
+              causal=False, rows_per_query=1, unpack=1):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
     against n chunks of `chunk` keys of each sequence's dense cache, or of its pages (page_table) ->
     out (B, R, H', Dv) (into `out` when given) and lse (B, H', R) fp32, merged. No segment offsets,
     no replicated queries: the kernel finds each chunk itself. n > 1: the parts go to the merge
     kernel (PartsCombine); n = 1: the kernel writes the result, and its lse buffer is (B, H', R).
     causal: bottom-right aligned to each sequence's end, in every chunk; rows_per_query: the packed
-    GQA group, whose rows the causal mask takes by token."""
+    GQA group, whose rows the causal mask takes by token; unpack g > 1 (n > 1): the merge writes the
+    token-packed rows unpacked (merge_segments), out (B, R / g, H' g, Dv) and lse (B, H' g, R / g)."""
     from . import _dispatch
 
     b, r, h, _ = rows.shape
@@ -269,7 +290,7 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
     parts, _ = mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, lse=lse.permute(1, 0, 2), **kw)
-    return merge_segments(parts, lse, n, kernel=True, into=out)
+    return merge_segments(parts, lse, n, kernel=True, into=out, unpack=unpack)
 
 
 def split_chunks(s_cache: int, n: int) -> tuple[int, int]:
@@ -342,6 +363,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
             kw = {"page_table": table}
     n = n if use_split else seg.n
     g, final, into = hq // hkv, None, None
+    # several packed tokens, split: the merge writes the call's layouts itself (no copies after it)
+    unpack = g if pack and sq > 1 and use_split and n > 1 else 1
     if pack and sq == 1 and ((n > 1 and varlen is fa4_varlen) or use_split):
         # the merge (a split launch: its kernel) writes the packed rows straight into the (B, 1, Hq, Dv)
         # result: row j of KV head kv is query head kv * g + j, so no transpose copy follows
@@ -350,7 +373,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     if use_split:
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
                          block_table if paged_in_place else None, out=into, causal=causal,
-                         rows_per_query=hq // hkv if pack and causal else 1)     # (B, R, H', Dv), (B, H', R)
+                         rows_per_query=g if pack and causal else 1, unpack=unpack)
+        # (B, R, H', Dv), (B, H', R); unpacked: (B, Sq, Hq, Dv), (B, Hq, Sq)
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
         cu_q = _constant(("cu_q", q.device, b * n, r),
@@ -363,10 +387,10 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
                                   kernel=varlen is fa4_varlen, into=into)               # (B, R, H', Dv), (B, H', R)
     if final is not None:
         out = final
-    elif pack:
-        out = out.view(b, sq, g, hkv, dv).transpose(2, 3).reshape(b, sq, hq, dv)
-    if pack:
-        lse = lse.view(b, hkv, sq, g).permute(0, 1, 3, 2).reshape(b, hq, sq)            # head kv * g + j
+    elif pack and unpack == 1:
+        out = unpack_out(out, g)                                                        # (B, Sq, Hq, Dv)
+    if pack and unpack == 1:
+        lse = unpack_lse(lse, g)                                                        # (B, Hq, Sq)
     if sink is not None:
         out, lse_t = add_sink(out, lse.transpose(1, 2), sink)                          # lse as (B, Sq, Hq)
         lse = lse_t.transpose(1, 2)

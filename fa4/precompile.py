@@ -305,8 +305,9 @@ def add_decode(add, w: Workload, longest: int):
     through flash_attn_func; short and long key counts differ where persistence does), and what
     flash_attn_with_kvcache launches -- the varlen forward with seqused_k (causal as asked, and not
     causal: one query token drops it), without a window the split launch (one token; causal tokens
-    with the GQA group packed as rows where it divides the tile, and not packed), and the merge of
-    split-KV parts. (A paged cache's split launch is a build per page size: not derived here.)"""
+    with the GQA group packed as rows where it divides the tile, and not packed), and the merges of
+    split-KV parts (packed rows of several tokens unpacked by the merge too). (A paged cache's split
+    launch is a build per page size: not derived here.)"""
     from ._dispatch import LPT_MIN_SEQLEN_K, SHORT_QUERY_TILE_M
 
     add("fwd short", w, tile_m=SHORT_QUERY_TILE_M)
@@ -600,7 +601,9 @@ def derived_task(fwd_mod, bwd_mod, build: dict):
     if kind == "combine":
         from stage3_fwd_kernel import split_combine
 
-        return label, lambda: [split_combine.compile_parts(build["dtype"], build["head_dim_v"], launchable=True)], ""
+        # both merges: rows as the parts hold them, and GQA heads packed by query token (unpacked as merged)
+        return label, lambda: [split_combine.compile_parts(build["dtype"], build["head_dim_v"], launchable=True,
+                                                           token_rows=token_rows) for token_rows in (False, True)], ""
     if kind == "kvcache split":
         rows = build["rows_per_query"]
         return label + (f" rows/query={rows}" if rows > 1 else ""), lambda: [fwd_mod.compile_only(

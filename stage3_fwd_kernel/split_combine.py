@@ -143,14 +143,26 @@ class PartsCombine(_RowMerges):
     until the forward has finished and its stores are visible; after any other kernel the wait
     returns at once. What that saves is the merge's launch latency on a decode step's critical path.
     Once its wait returns it signals its own dependents: the next step's split launch (itself a
-    programmatic dependent) then starts its CTAs while this merge runs."""
+    programmatic dependent) then starts its CTAs while this merge runs.
+
+    token_rows: the parts' rows are GQA heads packed by query token (row t g + j: token t of head
+    h g + j, the split launch's rows_per_query g), and the merged rows go straight to the call's
+    layouts, out (B, T, H, g, dv) and lse (B, H, g, T) -- views of (B, T, H g, dv) and (B, H g, T) --
+    instead of a copy after the merge. The kernel sees them as (B, (g, T), H, dv) and (B, H, (g, T)):
+    row r's coordinate in a (g, T) mode is (r % g, r // g)."""
+
+    def __init__(self, dtype, head_dim_v: int, token_rows: bool = False):
+        super().__init__(dtype, head_dim_v)
+        self.token_rows = token_rows
 
     @cute.jit
     def __call__(self, mParts: cute.Tensor, mLseParts: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                  parts: Int32, stream):
         if const_expr(mO.element_type != self.dtype or mParts.element_type != self.dtype):
             raise TypeError("the partial and merged outs must have the kernel's dtype")
-        warps = mO.shape[0] * mO.shape[1] * mO.shape[2]                      # B * R * H rows to merge
+        if const_expr(self.token_rows):
+            mO, mLSE = rows_by_token(mO, mLSE)
+        warps = mO.shape[0] * cute.size(mO, mode=[1]) * mO.shape[2]          # B * R * H rows to merge
         self.kernel(mParts, mLseParts, mO, mLSE, parts).launch(
             grid=((warps + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1, 1), block=[32 * ROWS_PER_CTA, 1, 1], stream=stream,
             use_pdl=True)
@@ -162,7 +174,7 @@ class PartsCombine(_RowMerges):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         lane = tidx % 32
-        rows, heads = mO.shape[1], mO.shape[2]
+        rows, heads = cute.size(mO, mode=[1]), mO.shape[2]
         w = cta * ROWS_PER_CTA + tidx // 32                                   # (batch, row, head), head fastest
         if w < mO.shape[0] * rows * heads:
             head = w % heads
@@ -177,31 +189,69 @@ class PartsCombine(_RowMerges):
                 mLSE[batch, head, row] = lse
 
 
-def compile_parts(dtype="bf16", head_dim_v: int = 128, *, launchable: bool = False) -> Compiled:
-    """PartsCombine for one dtype and dv (compile-time); launchable=True builds what `combine_parts` runs."""
+@cute.jit
+def rows_by_token(mO: cute.Tensor, mLSE: cute.Tensor):
+    """out (B, T, H, g, dv) -> (B, (g, T), H, dv) and lse (B, H, g, T) -> (B, H, (g, T)): the same
+    memory, a row mode whose linear index is t g + j (PartsCombine's token_rows)."""
+    o_shape, o_stride = mO.layout.shape, mO.layout.stride
+    out = cute.make_tensor(mO.iterator, cute.make_layout(
+        (o_shape[0], (o_shape[3], o_shape[1]), o_shape[2], o_shape[4]),
+        stride=(o_stride[0], (o_stride[3], o_stride[1]), o_stride[2], o_stride[4])))
+    l_shape, l_stride = mLSE.layout.shape, mLSE.layout.stride
+    lse = cute.make_tensor(mLSE.iterator, cute.make_layout(
+        (l_shape[0], l_shape[1], (l_shape[2], l_shape[3])),
+        stride=(l_stride[0], l_stride[1], (l_stride[2], l_stride[3]))))
+    return out, lse
+
+
+def _fake_token_rows(dt, head_dim_v: int):
+    """A (B, T, H, g, dv) out and a (B, H, g, T) lse, contiguous in their last mode."""
+    i32, i64 = cute.sym_int32, cute.sym_int64
+    out = cute.runtime.make_fake_tensor(dt, (i32(), i32(), i32(), i32(), head_dim_v),
+                                        stride=(i64(divisibility=8), i64(divisibility=8), i64(divisibility=8),
+                                                i64(divisibility=8), 1), assumed_align=16)
+    lse = cute.runtime.make_fake_tensor(Float32, (i32(), i32(), i32(), i32()), stride=(i64(), i64(), i64(), 1),
+                                        assumed_align=4)
+    return out, lse
+
+
+def compile_parts(dtype="bf16", head_dim_v: int = 128, *, launchable: bool = False,
+                  token_rows: bool = False) -> Compiled:
+    """PartsCombine for one dtype and dv (compile-time); launchable=True builds what `combine_parts`
+    runs; token_rows: the build for rows packed by query token (see the class)."""
     dt = host_io.cutlass_dtype(dtype)
-    key = (PARTS_STEP, "gpu" if launchable else "fake", str(dt), head_dim_v)
-    args = (host_io.fake_bshd(dt, head_dim_v), host_io.fake_lse(), host_io.fake_bshd(dt, head_dim_v),
-            host_io.fake_lse(), Int32(1),
+    key = (PARTS_STEP, "gpu" if launchable else "fake", str(dt), head_dim_v) + (("token_rows",) if token_rows else ())
+    merged = _fake_token_rows(dt, head_dim_v) if token_rows else (host_io.fake_bshd(dt, head_dim_v), host_io.fake_lse())
+    args = (host_io.fake_bshd(dt, head_dim_v), host_io.fake_lse(), *merged, Int32(1),
             host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
-    return compile_cached(key, lambda: (PartsCombine(dt, head_dim_v), args))
+    return compile_cached(key, lambda: (PartsCombine(dt, head_dim_v, token_rows), args))
 
 
-def combine_parts(out_parts, lse_parts, parts: int, out=None):
+def combine_parts(out_parts, lse_parts, parts: int, out=None, rows_per_query: int = 1):
     """out_parts (B * n, R, H, dv), lse_parts (H, B * n, R) fp32 (n = parts) -> merged out (B, R, H, dv)
     in out_parts' dtype and lse (B, H, R) fp32, by one kernel on the current stream. out: where the
     merged rows go (any strides with a unit last one: a view into the caller's final layout spares a
-    copy); None allocates it."""
+    copy); None allocates it. rows_per_query g > 1: row t g + j of head h is query token t of GQA head
+    h g + j, and the result comes unpacked, out (B, R / g, H g, dv) and lse (B, H g, R / g)."""
     import torch
 
     bn, r, h, dv = out_parts.shape
+    g = rows_per_query
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1 or r % g:
+        raise ValueError(f"rows_per_query: expected an int >= 1 dividing the parts' {r} rows, got {g!r}")
+    want = (bn // parts, r // g, h * g, dv) if g > 1 else (bn // parts, r, h, dv)
     if out is None:
-        out = torch.empty(bn // parts, r, h, dv, device=out_parts.device, dtype=out_parts.dtype)
-    elif tuple(out.shape) != (bn // parts, r, h, dv) or out.dtype != out_parts.dtype or out.stride(-1) != 1 \
+        out = torch.empty(want, device=out_parts.device, dtype=out_parts.dtype)
+    elif tuple(out.shape) != want or out.dtype != out_parts.dtype or out.stride(-1) != 1 \
             or any(st % 8 for st in out.stride()[:-1]) or out.data_ptr() % 16:
-        raise ValueError(f"out: expected {out_parts.dtype} {(bn // parts, r, h, dv)} with a unit last stride, "
+        raise ValueError(f"out: expected {out_parts.dtype} {want} with a unit last stride, "
                          f"the others multiples of 8 and a 16-byte aligned start; got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
+    if g > 1:
+        lse = torch.empty(bn // parts, h * g, r // g, device=out_parts.device, dtype=torch.float32)
+        comp = compile_parts(host_io.cutlass_dtype(out_parts.dtype), dv, launchable=True, token_rows=True)
+        comp.fn(out_parts, lse_parts, out.unflatten(2, (h, g)), lse.unflatten(1, (h, g)), parts)
+        return out, lse
     lse = torch.empty(bn // parts, h, r, device=out_parts.device, dtype=torch.float32)
     comp = compile_parts(host_io.cutlass_dtype(out_parts.dtype), dv, launchable=True)
     comp.fn(out_parts, lse_parts, out, lse, parts)

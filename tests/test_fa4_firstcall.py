@@ -373,8 +373,11 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch
             shape = (2, tokens * rows, w.heads_kv, w.head_dim) if pack else (2, tokens, w.heads_q, w.head_dim)
             chunk, n = _kvcache.split_chunks(sk, 3)
             _kvcache.fa4_split(torch.randn(*shape, dtype=dt), k, k, lens, n, chunk, w.head_dim ** -0.5, w.softcap,
-                               causal=causal, rows_per_query=rows if pack and causal else 1)
+                               causal=causal, rows_per_query=rows if pack and causal else 1,
+                               unpack=rows if pack and tokens > 1 and n > 1 else 1)
     launched = set(rec.keys)
+    if w.causal and w.heads_q > w.heads_kv:  # the merge that unpacks several tokens' packed rows
+        assert any(k[0] == "fwd_parts_combine" and "token_rows" in k for k in launched)
     assert launched and launched <= built, sorted(map(repr, launched - built))
     assert any(k[:2] == ("hopper_forward", "gpu") and 64 in k for k in launched)
     assert sum("key_split" in k for k in launched) == (2 if w.causal else 1)

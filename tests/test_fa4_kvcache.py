@@ -235,13 +235,13 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
 
 
 def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None, causal=False,
-                   rows_per_query=1):
+                   rows_per_query=1, unpack=1):
     """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
     merge, through fa4._kvcache.fa4_split): chunk j of sequence b, keys [j chunk, j chunk + used)
     with used = clamp(seqlens[b] - j chunk, 0, chunk), is part j of sequence b (-inf lse with no
     key); causal: row i sees keys up to L - R + i of the whole sequence (written out here, not
     dense()'s alignment to the chunk); the parts merge to out (B, R, H, Dv), into `out` when given,
-    and lse (B, H, R)."""
+    and lse (B, H, R), or unpacked (unpack g: (B, R / g, H g, Dv) and (B, H g, R / g))."""
     b, r, h, _ = rows.shape
     assert n == 1 or chunk % 128 == 0, "chunks start on key-tile borders"
     parts = torch.zeros(b * n, r, h, v.shape[-1], dtype=torch.float64)
@@ -260,7 +260,8 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
                 parts[i * n + j], lse[:, i * n + j] = _chunk_attention(
                     rows[i], keys[a:a + used], values[a:a + used], scale, softcap,
                     int(seqlens[i]) - r // rows_per_query - a if causal else None, rows_per_query)
-    merged, lse = kv.merge_segments(parts, lse, n)
+    assert unpack == 1 or n > 1, "one part is not merged: the caller unpacks it"
+    merged, lse = kv.merge_segments(parts, lse, n, unpack=unpack)
     if out is not None:   # where the caller wants the result (a view of its final layout)
         merged = out.copy_(merged)
     return merged, lse
@@ -344,12 +345,14 @@ def test_split_launch_causal_queries_at_the_cache_end(splits):
     seen = []
 
     def spy(*args, **kw):
-        seen.append((args[4], kw["causal"], kw["rows_per_query"]))
+        seen.append((args[4], kw["causal"], kw["rows_per_query"], kw["unpack"]))
         return split_stand_in(*args, **kw)
 
     out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, causal=True, varlen=_no_varlen,
                                split=spy, sm_count=64, return_softmax_lse=True)
-    assert seen[0][1:] == (True, 4) and seen[0][0] == kv.split_chunks(600, splits or 3)[1]
+    n_split = kv.split_chunks(600, splits or 3)[1]
+    # split: the merge writes the (B, Sq, Hq, Dv) result itself (no unpacking copy after it)
+    assert seen[0] == (n_split, True, 4, 4 if n_split > 1 else 1)
     scale = d ** -0.5
     for i in range(b):
         n = int(lens[i])

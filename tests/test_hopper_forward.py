@@ -1471,14 +1471,41 @@ def test_parts_combine_kernel_matches_torch(dtype, dv, parts):
         split_combine.combine_parts(out, lse, parts, out=view.float())
 
 
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("g, tokens, parts", [(4, 3, 5), (8, 1, 2), (2, 7, 16)])
+def test_parts_combine_unpacks_token_rows(g, tokens, parts):
+    """rows_per_query g: parts whose rows are GQA heads packed by token (row t g + j: token t of head
+    h g + j) merge straight into the (B, T, H g, dv) / (B, H g, T) layouts -- the same bits as merging
+    packed and unpacking with torch afterwards, poisoned output included."""
+    import torch
+
+    from fa4._kvcache import unpack_lse, unpack_out
+    from stage3_fwd_kernel import split_combine
+
+    gen = torch.Generator(device="cuda").manual_seed(g * 100 + tokens)
+    b, h, dv = 3, 2, 128
+    out = torch.randn(b * parts, tokens * g, h, dv, device="cuda", generator=gen).to(torch.bfloat16)
+    lse = torch.randn(h, b * parts, tokens * g, device="cuda", generator=gen) * 4
+    lse[1, ::2, 0] = float("-inf")
+    packed_out, packed_lse = split_combine.combine_parts(out, lse, parts)
+    final = torch.full((b, tokens, h * g, dv), float("nan"), device="cuda", dtype=out.dtype)
+    got_out, got_lse = split_combine.combine_parts(out, lse, parts, out=final, rows_per_query=g)
+    assert got_out.data_ptr() == final.data_ptr() and got_lse.shape == (b, h * g, tokens)
+    assert torch.equal(got_out, unpack_out(packed_out, g)) and torch.equal(got_lse, unpack_lse(packed_lse, g))
+    with pytest.raises(ValueError, match="^rows_per_query: "):
+        split_combine.combine_parts(out, lse, parts, rows_per_query=tokens * g + 1)
+
+
 @pytest.mark.compile
 @pytest.mark.stage3
 def test_parts_combine_compiles():
     from stage3_fwd_kernel import split_combine
 
     for dt, dv in (("bf16", 128), ("fp16", 64)):
-        rep = split_combine.compile_parts(dt, dv).report
-        assert rep["spill_stores"] == 0 and rep["registers"] <= 64, rep
+        for token_rows in (False, True):
+            rep = split_combine.compile_parts(dt, dv, token_rows=token_rows).report
+            assert rep["spill_stores"] == 0 and rep["registers"] <= 64, rep
     with pytest.raises(ValueError, match="head_dim_v"):
         split_combine.PartsCombine(None, 80)
 
