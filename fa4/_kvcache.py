@@ -283,6 +283,8 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     from . import _dispatch
 
     b, r, h, _ = rows.shape
+    if n == 1 and unpack > 1:
+        raise ValueError("unpack: an unsplit launch writes the packed rows (the caller unpacks them)")
     mod = _dispatch.backend_for(rows.device).forward_module()
     kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, causal=causal,
               rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r))
