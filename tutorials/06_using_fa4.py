@@ -507,6 +507,7 @@ assert cu_ex.tolist() == [0, 6, 7, 11] and (cu_ex[2].item(), cu_ex[3].item()) ==
 print("query 0 sees keys", np.flatnonzero(bottom_right[0]).tolist(), "| cu_seqlens_q", cu_ex.tolist())
 
 # %% [markdown]
-# **Next**: `fa4/README.md` for the whole API, the command line (`python -m fa4 demo | info |
+# **Next**: [07 · decoding](07_decoding.ipynb), the split-KV launch behind `flash_attn_with_kvcache`;
+# `fa4/README.md` for the whole API, the command line (`python -m fa4 demo | info |
 # precompile | cache`) and the transformers integration; or back to
 # [00 · the reference](00_reference.ipynb), the float64 oracle every number above is judged against.

@@ -1,0 +1,273 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · Decoding: split-KV, packed GQA heads, and the merge
+#
+# **What you will learn**
+# - why a decode step (one or a few query tokens against a long KV cache) is bound by memory, not
+#   by the tensor cores, and why one CTA per head leaves most of a GPU idle;
+# - how a split-KV launch spreads one sequence's cache over the SMs: chunk `j` of sequence `b` is
+#   virtual sequence `b n + j`, whose bounds the kernel computes from `(b, j, chunk, cache_seqlens[b])`;
+# - why the chunks' partial results merge exactly -- stage 1's log-sum-exp combine, where a chunk
+#   that saw no key weighs 0;
+# - how the query heads of a GQA group become the rows of one tile, and how a few causal query
+#   tokens (speculative decoding) keep their diagonal across chunks;
+# - how `fa4` picks the number of splits, and what an H200 measures.
+#
+# **The idea**: the paper's forward gives each CTA one tile of queries and walks every key block.
+# In decode there is one query row per head, so a tile is mostly empty and the work is reading K
+# and V once. The only way to use the whole memory system is to give many CTAs a piece of the
+# *keys* of one sequence, then combine their partial softmaxes -- the same rescaling the online
+# softmax does between key blocks (notebook 01), done once between chunks.
+#
+# **Code path**: `stage3_fwd_kernel/components/key_split.py` (the chunk arithmetic),
+# `stage3_fwd_kernel/hopper/host.py` (`attention_split_forward`), `stage3_fwd_kernel/split_combine.py`
+# (`PartsCombine`, the merge), `fa4/_kvcache.py` (`flash_attn_with_kvcache`: the plan, the number of
+# splits, GQA packing), `fa4/README.md` (*Decoding with a KV cache*).
+#
+# **Status**: the split launch runs and is verified on an H200 (`tests/test_fa4_kvcache_gpu.py`).
+# This notebook runs on a CPU: the arithmetic in float64, and the kernel's own trace-time functions
+# called on Python integers. The last section reads the committed H200 measurements.
+
+# %%
+import json
+import math
+import pathlib
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+import fa4
+from fa4 import _kvcache
+from stage0_reference import attention_forward
+from stage3_fwd_kernel.components.key_split import KeySplit, chunk_blocks, chunk_of
+
+RESULTS = pathlib.Path(fa4.__file__).resolve().parents[1] / "benchmarks" / "results"
+rng = np.random.default_rng(0)
+
+# %% [markdown]
+# ## A decode step reads; it hardly computes
+# One token of a model with 32 query heads and 8 KV heads (GQA 32 / 8), head dim 128, bf16, against
+# a cache of `L` keys: every KV head's K and V are read once (`2 L d` values of 2 bytes), and each of
+# its 4 query heads does `2 L d` multiply-adds for `Q K^T` and as many for `P V`.
+
+# %%
+hq, hkv, d, L = 32, 8, 128, 16384
+bytes_read = 2 * L * hkv * d * 2 + 2 * hq * d * 2          # K and V, plus q and the output
+flops = 4 * L * hq * d
+print(f"bytes {bytes_read / 1e6:.1f} MB, flops {flops / 1e9:.2f} GFLOP, {flops / bytes_read:.1f} flop/byte")
+# an H200: about 989 TFLOP/s dense bf16 and 4.8 TB/s of HBM3e (NVIDIA's H200 datasheet)
+ridge = 989e12 / 4.8e12
+print(f"the H200's ridge point: {ridge:.0f} flop/byte -> decode sits {ridge / (flops / bytes_read):.0f}x below it")
+print(f"at 4.8 TB/s the step takes at least {bytes_read / 4.8e12 * 1e6:.1f} us")
+
+# %% [markdown]
+# So the only thing that matters is how fast K and V stream from HBM. The forward kernel of
+# notebook 03 gives each CTA one tile of query rows of one head: at batch 1 that is 32 CTAs (8 with
+# the group's 4 heads packed into one tile, below), each walking all 16k keys, on a GPU of 132 SMs.
+# A few SMs cannot pull more than a fraction of the HBM bandwidth.
+#
+# ## Split the keys, merge the parts
+# Cut the cache into `n` chunks. Chunk `j` computes, for each query row, its output `O_j`
+# normalised by its own row sum and its log-sum-exp `lse_j`. Then
+#
+# `lse = log sum_j exp(lse_j)`,  `O = sum_j exp(lse_j - lse) O_j`
+#
+# which is exactly the softmax over all keys: `exp(lse_j - lse)` is the share of the row's total
+# weight that chunk `j` holds. A chunk with no key in use has `lse_j = -inf` and weighs 0. Below, in
+# float64 with the stage 0 oracle, one token of 4 query heads against 1000 keys, chunks of 256:
+
+# %%
+def chunk_parts(q, k, v, used, chunk):
+    """Per chunk: (O_j (1, 1, H, D), lse_j (1, H, 1)) from the stage 0 oracle; an empty chunk gives 0, -inf."""
+    parts = []
+    for first in range(0, k.shape[1], chunk):
+        n_keys = max(0, min(used - first, chunk))
+        if n_keys == 0:
+            parts.append((np.zeros_like(q), np.full((1, q.shape[2], 1), -np.inf)))
+        else:
+            parts.append(attention_forward(q, k[:, first:first + n_keys], v[:, first:first + n_keys]))
+    return parts
+
+
+def merge(parts):
+    lse_j = np.stack([lse for _, lse in parts])                         # (n, 1, H, 1)
+    top = lse_j.max(0)
+    top = np.where(np.isfinite(top), top, 0.0)
+    weight = np.exp(lse_j - top)                                        # 0 where a chunk saw nothing
+    total = weight.sum(0)
+    lse = top + np.log(total)
+    share = weight / total                                              # exp(lse_j - lse)
+    out = sum(s.transpose(0, 2, 1)[..., None] * o for s, o in zip(share, (o for o, _ in parts)))
+    return out, lse
+
+
+q = rng.standard_normal((1, 1, 4, 64))
+k = rng.standard_normal((1, 1280, 4, 64))           # a cache of 1280 slots ...
+v = rng.standard_normal((1, 1280, 4, 64))
+used = 1000                                         # ... of which 1000 are in use: the 5th chunk is empty
+parts = chunk_parts(q, k, v, used, chunk=256)
+out, lse = merge(parts)
+want_out, want_lse = attention_forward(q, k[:, :used], v[:, :used])
+print("chunks:", len(parts), "| lse of each chunk, head 0:", np.round([p[1][0, 0, 0] for p in parts], 3))
+print("max |merged - unsplit|: out", np.abs(out - want_out).max(), " lse", np.abs(lse - want_lse).max())
+assert np.allclose(out, want_out, atol=1e-13) and np.allclose(lse, want_lse, atol=1e-13)
+
+# %% [markdown]
+# The GPU merge (`split_combine.PartsCombine`, one warp per output row) is this formula: each lane
+# takes the parts' lse values, one per lane, and two warp reductions give the maximum and the sum;
+# then the lanes accumulate `dv / 32` columns each. It is launched as a *programmatic dependent*:
+# its CTAs are resident while the split launch runs and wait in `griddepcontrol.wait`, so the merge
+# does not pay a launch after the attention kernel ends.
+#
+# ## The kernel's chunk arithmetic, on Python integers
+# The split launch needs no index tensors. Its batch mode counts `B n` virtual sequences; virtual
+# sequence `v = b n + j` finds its keys from `v`, `n`, the chunk size and `cache_seqlens[b]`.
+# `chunk_of` is the device function itself (CuTe-DSL functions run on plain integers at trace
+# time): two sequences using 1000 and 300 keys of a 2048-key cache, 4 chunks of 256 keys each.
+
+# %%
+split = KeySplit(num_splits=4, chunk_keys=256, paged=False)
+print(" v | sequence | first key | keys to the end | key blocks walked (of 128 keys)")
+for virtual in range(8):
+    c = chunk_of(split, virtual, 2048, [1000, 300])
+    walked = min(chunk_blocks(split, 128), math.ceil(int(c.keys_to_end) / 128))
+    print(f"{virtual:2d} | {int(c.sequence):8d} | {int(c.first_key):9d} | {int(c.keys_to_end):15d} | {walked}")
+
+# %% [markdown]
+# A chunk past a sequence's end (`keys to the end` = 0) walks no block and leaves lse = -inf. A chunk
+# sees its keys *to the sequence's end*, not to the chunk's end: its walk stops at the chunk's last
+# block, but the mask measures its diagonal from the end of the whole sequence. That is what lets a
+# causal call split: the causal diagonal (bottom-right aligned) falls where it does in the unsplit
+# sequence, so every chunk left of it is unmasked.
+#
+# ## GQA heads as rows, and causal tokens masked by token
+# The 4 query heads of a KV head read the same K and V. Packed as 4 rows of one tile, they share one
+# walk over the cache: a quarter of the traffic of one tile per query head. With `T` causal query
+# tokens (a speculative-decoding step) row `t g + j` is token `t` of head `j`, and the mask takes the
+# row's *token*: `AttentionMask.query_of(row) = row // g`. The kernel's mask, on Python integers:
+# 4 tokens x 4 heads = 16 rows, a sequence of 700 keys, the chunk that holds its last keys.
+
+# %%
+import cutlass  # noqa: E402  (CuTe-DSL: the kernel object is built on the CPU, nothing is compiled)
+
+from stage3_fwd_kernel.hopper import FlashAttentionForwardSm90  # noqa: E402
+
+g, tokens, seq_len = 4, 4, 700
+kernel = FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, True, tile_m=64, key_split=True, rows_per_query=g)
+mask, tile_n = kernel.mask, kernel.tile_n
+last = KeySplit(num_splits=3, chunk_keys=256, paged=False)
+c = chunk_of(last, 2, 768, [seq_len])                          # chunk 2: keys 512 .. 699
+keys_to_end, block = int(c.keys_to_end), 1                     # its 2nd key block: keys 640 .. 767
+limits = [int(mask.key_limit(mask.query_of(row), block, tokens, keys_to_end)) for row in range(tokens * g)]
+cols = np.arange(40, 64)                                       # keys 680 .. 703 of the sequence
+visible = np.array([[col < lim for col in cols] for lim in limits])
+print("row -> last visible key:", {row: int(c.first_key) + block * tile_n + lim - 1 for row, lim in enumerate(limits)})
+
+fig, ax = plt.subplots(figsize=(7, 3.2))
+ax.imshow(visible, cmap="Greens", aspect="auto")
+ax.set_xticks(range(0, len(cols), 4), [int(c.first_key) + block * tile_n + x for x in cols[::4]])
+ax.set_yticks(range(tokens * g), [f"t{r // g} h{r % g}" for r in range(tokens * g)])
+ax.set_xlabel("key (the sequence has 700: keys 700+ are unused cache slots)")
+ax.set_title("the kernel's mask for 4 causal tokens x 4 packed heads, chunk 2 of 3")
+plt.tight_layout()
+plt.show()
+assert limits[::g] == [limits[g * t + 3] for t in range(tokens)]      # the 4 heads of a token agree
+assert int(c.first_key) + block * tile_n + limits[-1] == seq_len       # the last token sees every key
+
+# %% [markdown]
+# Token 0 sees keys up to 696, token 3 up to 699: the diagonal of a 4-token step at the sequence's
+# end, in the one chunk that holds it. Chunks 0 and 1 are wholly left of it and walk unmasked.
+# `fa4` packs a causal group while its rows fit one 64-row tile (`PACKED_CAUSAL_ROWS`), so a step
+# of up to 16 tokens of GQA 32 / 8 is one walk per KV head.
+#
+# ## How many splits
+# `fa4` fills the SMs once: `sm_count // CTAs` splits, each of at least 256 keys, at most 64, and
+# chunks that start on a key tile (`choose_num_splits`, `split_chunks`). Two waves were slower on an
+# H200 than one (`docs/measurements.md`, 2026-11-29): a CTA of the split launch takes most of an
+# SM's shared memory, so a second wave runs after the first instead of beside it.
+
+# %%
+sms = 132
+print("batch x cache | CTAs unsplit | splits | keys a chunk | CTAs")
+for b, cache in [(1, 8192), (1, 16384), (1, 131072), (8, 32768), (64, 8192)]:
+    head_tiles = hkv                                          # one 64-row tile per KV head (4 heads packed)
+    n = _kvcache.choose_num_splits(b, head_tiles, cache, sms)
+    chunk, n = _kvcache.split_chunks(cache, n)
+    print(f"{b:5d} x {cache // 1024:3d}k | {b * head_tiles:12d} | {n:6d} | {chunk:12d} | {b * head_tiles * n}")
+
+# %% [markdown]
+# ## What an H200 measures
+# `python -m benchmarks.bench_decode` (GQA 32 / 8, d = 128, one token, each call in a CUDA graph):
+# achieved GB/s of Q, K and V read, against the official FlashAttention-4 (no split-KV on Hopper),
+# cuDNN through SDPA and a device copy of K in the same run. The copy is a yardstick, not a ceiling:
+# it reads and writes, and its rate depends on the size (4.2-4.3 TB/s up to the 1 x 128k cache,
+# about 2.7 TB/s for the larger ones of batch 8 and 64, where fa4 reads faster than it copies).
+
+# %%
+path = RESULTS / "bench_decode_h200.json"
+if path.exists():
+    doc = json.loads(path.read_text())
+    peers = ["fa4_kvcache", "official", "sdpa_cudnn", "copy_k"]
+    labels = [f"{r['batch']}x{r['cache'] // 1024}k" for r in doc["results"]]
+    gbs = {p: [r["peers"][p]["gb_per_s"] for r in doc["results"]] for p in peers}
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    for i, p in enumerate(peers):
+        ax.bar(x + (i - 1.5) * 0.2, gbs[p], 0.2, label=p)
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"decode on an {doc['device']} (commit {doc['git_commit']})")
+    ax.legend(ncol=4, fontsize=8)
+    plt.tight_layout()
+    plt.show()
+    for label, ours, copy in zip(labels, gbs["fa4_kvcache"], gbs["copy_k"]):
+        print(f"{label:>7}: fa4 {ours:5.0f} GB/s = {ours / copy:4.0%} of the copy")
+else:
+    print("no committed measurement at", path)
+
+# %% [markdown]
+# At batch 1 and 16k keys the step is about 22 us, of which the keys stream for 16-18; the rest is
+# the merge, the kernels' boundaries, and CTAs that finish at different times (the log's timeline,
+# 2026-11-30). The longer the cache, the smaller that fixed share: 1 x 128k reaches the copy.
+#
+# ## Exercise
+# (1) A 1 x 16k step of GQA 32 / 8 runs 16 splits. How many CTAs is that, how many keys does each
+# walk, and how many bytes of K and V does each read (d = 128, bf16)? (2) Why is 32 splits slower
+# than 16 on 132 SMs, when it has twice the CTAs? (3) A chunk's `O_j` is stored in bf16, normalised by its
+# own row sum. Why normalise it, rather than store the unnormalised sum?
+#
+# <details><summary>Answer</summary>
+#
+# (1) 8 KV heads x 16 = 128 CTAs, 16384 / 16 = 1024 keys each (8 blocks of 128), 1024 x 128 x 2
+# bytes x 2 (K and V) = 512 KiB each. (2) A CTA takes most of an SM's shared memory (Q and three
+# K/V stages), so 32 x 8 = 256 CTAs run as two waves: each CTA walks half the keys, but pays its
+# fixed start and end twice in a row, and the first wave's last CTAs delay the second (on an H200:
+# 26.7 us a step against 22.3, the log's timeline of 2026-11-30). (3) A normalised `O_j` is a
+# weighted average of V rows, so it stays within the range of V and loses nothing in bf16; the
+# unnormalised sum grows with the chunk's row sum (up to `chunk` times larger) and would need fp32.
+# </details>
+
+# %%
+ctas, keys = hkv * 16, 16384 // 16
+assert (ctas, keys, keys * d * 2 * 2) == (128, 1024, 512 * 1024)
+assert math.ceil(hkv * 32 / sms) == 2 and _kvcache.split_chunks(16384, 32) == (512, 32)  # two waves
+print("CTAs", ctas, "| keys a CTA", keys, "| KiB of K and V a CTA", keys * d * 2 * 2 // 1024)
+
+# %% [markdown]
+# **Next**: `fa4/README.md`, *Decoding with a KV cache*, for `flash_attn_with_kvcache` (paged caches,
+# appends with rotary embedding, the splits heuristic) and its measured tables; or back to
+# [06 · using fa4](06_using_fa4.ipynb).
