@@ -29,14 +29,14 @@
 #
 # **The idea**: the paper's forward gives each CTA one tile of queries and walks every key block.
 # In decode there is one query row per head, so a tile is mostly empty and the work is reading K
-# and V once. The only way to use the whole memory system is to give many CTAs a piece of the
-# *keys* of one sequence, then combine their partial softmaxes -- the same rescaling the online
+# and V once. At small batch, the way to use the whole memory system is to give many CTAs a piece
+# of the *keys* of one sequence, then combine their partial softmaxes -- the same rescaling the online
 # softmax does between key blocks (notebook 01), done once between chunks.
 #
 # **Code path**: `stage3_fwd_kernel/components/key_split.py` (the chunk arithmetic),
 # `stage3_fwd_kernel/hopper/host.py` (`attention_split_forward`), `stage3_fwd_kernel/split_combine.py`
-# (`PartsCombine`, the merge), `fa4/_kvcache.py` (`flash_attn_with_kvcache`: the plan, the number of
-# splits, GQA packing), `fa4/README.md` (*Decoding with a KV cache*).
+# (`PartsCombine`, the merge), `fa4/_kvcache.py` (behind `fa4.flash_attn_with_kvcache`: the plan,
+# the number of splits, GQA packing), `fa4/README.md` (*Decoding with a KV cache*).
 #
 # **Status**: the split launch runs and is verified on an H200 (`tests/test_fa4_kvcache_gpu.py`).
 # This notebook runs on a CPU: the arithmetic in float64, and the kernel's own trace-time functions
@@ -62,7 +62,7 @@ rng = np.random.default_rng(0)
 # ## A decode step reads; it hardly computes
 # One token of a model with 32 query heads and 8 KV heads (GQA 32 / 8), head dim 128, bf16, against
 # a cache of `L` keys: every KV head's K and V are read once (`2 L d` values of 2 bytes), and each of
-# its 4 query heads does `2 L d` multiply-adds for `Q K^T` and as many for `P V`.
+# its 4 query heads does `L d` multiply-adds for `Q K^T` and as many for `P V` (`4 L d` flops a head).
 
 # %%
 hq, hkv, d, L = 32, 8, 128, 16384
@@ -130,20 +130,22 @@ assert np.allclose(out, want_out, atol=1e-13) and np.allclose(lse, want_lse, ato
 # The GPU merge (`split_combine.PartsCombine`, one warp per output row) is this formula: each lane
 # takes the parts' lse values, one per lane, and two warp reductions give the maximum and the sum;
 # then the lanes accumulate `dv / 32` columns each. It is launched as a *programmatic dependent*:
-# its CTAs are resident while the split launch runs and wait in `griddepcontrol.wait`, so the merge
-# does not pay a launch after the attention kernel ends.
+# its CTAs may become resident on the SMs the split launch leaves free (4 of 132 at batch 1) and
+# wait there in `griddepcontrol.wait`, so the merge does not pay a launch after the attention kernel
+# ends. The split launch is one too: its CTAs start while the previous step's merge runs, and wait
+# before they read anything.
 #
 # ## The kernel's chunk arithmetic, on Python integers
 # The split launch needs no index tensors. Its batch mode counts `B n` virtual sequences; virtual
 # sequence `v = b n + j` finds its keys from `v`, `n`, the chunk size and `cache_seqlens[b]`.
 # `chunk_of` is the device function itself (CuTe-DSL functions run on plain integers at trace
-# time): two sequences using 1000 and 300 keys of a 2048-key cache, 4 chunks of 256 keys each.
+# time): two sequences using 1000 and 300 keys of a 1024-key cache, 4 chunks of 256 keys each.
 
 # %%
 split = KeySplit(num_splits=4, chunk_keys=256, paged=False)
 print(" v | sequence | first key | keys to the end | key blocks walked (of 128 keys)")
 for virtual in range(8):
-    c = chunk_of(split, virtual, 2048, [1000, 300])
+    c = chunk_of(split, virtual, 1024, [1000, 300])
     walked = min(chunk_blocks(split, 128), math.ceil(int(c.keys_to_end) / 128))
     print(f"{virtual:2d} | {int(c.sequence):8d} | {int(c.first_key):9d} | {int(c.keys_to_end):15d} | {walked}")
 
@@ -167,7 +169,9 @@ import cutlass  # noqa: E402  (CuTe-DSL: the kernel object is built on the CPU, 
 from stage3_fwd_kernel.hopper import FlashAttentionForwardSm90  # noqa: E402
 
 g, tokens, seq_len = 4, 4, 700
-kernel = FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, True, tile_m=64, key_split=True, rows_per_query=g)
+# head dims 64 / 64 (any would do: only the mask is used), causal, 64-row tiles, 128-key blocks
+kernel = FlashAttentionForwardSm90(cutlass.BFloat16, head_dim=64, head_dim_v=64, causal=True, tile_m=64,
+                                   key_split=True, rows_per_query=g)
 mask, tile_n = kernel.mask, kernel.tile_n
 last = KeySplit(num_splits=3, chunk_keys=256, paged=False)
 c = chunk_of(last, 2, 768, [seq_len])                          # chunk 2: keys 512 .. 699
@@ -190,13 +194,14 @@ assert int(c.first_key) + block * tile_n + limits[-1] == seq_len       # the las
 
 # %% [markdown]
 # Token 0 sees keys up to 696, token 3 up to 699: the diagonal of a 4-token step at the sequence's
-# end, in the one chunk that holds it. Chunks 0 and 1 are wholly left of it and walk unmasked.
+# end, in the one chunk that holds it. Chunks 0 and 1 are wholly left of it: no key there is masked.
 # `fa4` packs a causal group while its rows fit one 64-row tile (`PACKED_CAUSAL_ROWS`), so a step
 # of up to 16 tokens of GQA 32 / 8 is one walk per KV head.
 #
 # ## How many splits
-# `fa4` fills the SMs once: `sm_count // CTAs` splits, each of at least 256 keys, at most 64, and
-# chunks that start on a key tile (`choose_num_splits`, `split_chunks`). Two waves were slower on an
+# `fa4` fills the SMs once: `sm_count // CTAs` splits, at most one per 256 keys and 64 in all, and
+# chunks of a multiple of the 128-key block, so each starts on a block (`choose_num_splits`,
+# `split_chunks`; a sequence's last chunk may be shorter). Two waves were slower on an
 # H200 than one (`docs/measurements.md`, 2026-11-29): a CTA of the split launch takes most of an
 # SM's shared memory, so a second wave runs after the first instead of beside it.
 
@@ -214,8 +219,8 @@ for b, cache in [(1, 8192), (1, 16384), (1, 131072), (8, 32768), (64, 8192)]:
 # `python -m benchmarks.bench_decode` (GQA 32 / 8, d = 128, one token, each call in a CUDA graph):
 # achieved GB/s of Q, K and V read, against the official FlashAttention-4 (no split-KV on Hopper),
 # cuDNN through SDPA and a device copy of K in the same run. The copy is a yardstick, not a ceiling:
-# it reads and writes, and its rate depends on the size (4.2-4.3 TB/s up to the 1 x 128k cache,
-# about 2.7 TB/s for the larger ones of batch 8 and 64, where fa4 reads faster than it copies).
+# it reads and writes, and its rate depends on the size (3.8-4.3 TB/s at batch 1, about 2.7 TB/s
+# for the larger caches of batch 8 and 64, where fa4 reads faster than it copies).
 
 # %%
 path = RESULTS / "bench_decode_h200.json"
@@ -240,9 +245,10 @@ else:
     print("no committed measurement at", path)
 
 # %% [markdown]
-# At batch 1 and 16k keys the step is about 22 us, of which the keys stream for 16-18; the rest is
-# the merge, the kernels' boundaries, and CTAs that finish at different times (the log's timeline,
-# 2026-11-30). The longer the cache, the smaller that fixed share: 1 x 128k reaches the copy.
+# At batch 1 and 16k keys a step is about 22 us: each CTA starts 3.6 us after its entry (its wait
+# for the previous step's merge, then Q), its keys stream for 13-17 us (median 16), and the rest is
+# the merge, the grid boundaries and the spread of the CTAs' ends (the log's timeline, 2026-11-30).
+# The longer the cache, the smaller that fixed share: 1 x 128k reaches the copy.
 #
 # ## Exercise
 # (1) A 1 x 16k step of GQA 32 / 8 runs 16 splits. How many CTAs is that, how many keys does each
@@ -254,11 +260,13 @@ else:
 #
 # (1) 8 KV heads x 16 = 128 CTAs, 16384 / 16 = 1024 keys each (8 blocks of 128), 1024 x 128 x 2
 # bytes x 2 (K and V) = 512 KiB each. (2) A CTA takes most of an SM's shared memory (Q and three
-# K/V stages), so 32 x 8 = 256 CTAs run as two waves: each CTA walks half the keys, but pays its
-# fixed start and end twice in a row, and the first wave's last CTAs delay the second (on an H200:
-# 26.7 us a step against 22.3, the log's timeline of 2026-11-30). (3) A normalised `O_j` is a
-# weighted average of V rows, so it stays within the range of V and loses nothing in bf16; the
-# unnormalised sum grows with the chunk's row sum (up to `chunk` times larger) and would need fp32.
+# K/V stages), so 32 x 8 = 256 CTAs run as two waves: each CTA walks half the keys, but each SM pays
+# a CTA's fixed start and end twice in a row, and the first wave's last CTAs delay the second (on an
+# H200: 26.7 us a step against 22.3, the log's timeline of 2026-11-30). (3) Normalised, (`O_j`,
+# `lse_j`) is the chunk's whole result and the merge needs only `exp(lse_j - lse)`; an unnormalised
+# sum is relative to the chunk's own running maximum, which the merge would need too. It is also the
+# kernel's usual epilogue (an unsplit call writes its result the same way), and `O_j` stays within
+# the range of V, which matters in fp16 (largest value 65504); bf16 has fp32's range.
 # </details>
 
 # %%
