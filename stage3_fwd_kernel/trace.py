@@ -10,7 +10,8 @@ Layout: one record of ``RECORD`` int64 per (CTA, warpgroup), CTA = the linear bl
 ``bx + gx * (by + gy * bz)`` of a one-tile-per-CTA grid (a persistent CTA overwrites its records
 tile after tile):
 
-* ``CTA_EVENTS`` x 3 slots: (SM id, ``%globaltimer`` ns, ``clock64``) at the kernel's entry, at the
+* ``CTA_EVENTS`` x 3 slots: (SM id, ``%globaltimer`` ns, ``clock64``) at the kernel's entry (a
+  Hopper split-KV launch's after its griddepcontrol.wait, so it excludes the wait), at the
   consumer's start on its tile, after its walk (the backward's; before the epilogue) and at its end
   (after the O, or dK / dV, store);
 * ``MAX_BLOCKS`` x ``NUM_EVENTS`` slots: ``clock64`` at each per-key-block event (``EVENTS``)

@@ -361,6 +361,31 @@ def test_split_launch_causal_queries_at_the_cache_end(splits):
         torch.testing.assert_close(lse[i].double(), wl, rtol=1e-9, atol=1e-9)
 
 
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_split_launch_causal_tokens_with_sink_and_softcap(splits):
+    """Several causal tokens with a learnable sink and softcap through the split launch: split, the
+    merge unpacks the packed rows and the sink joins the merged rows once; unsplit, fa4 unpacks."""
+    g = _gen(25)
+    b, sq, hq, hkv, d = 2, 3, 8, 2, 16
+    kc = torch.randn(b, 600, hkv, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(b, 600, hkv, d, generator=g, dtype=torch.float64)
+    q = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64)
+    lens = torch.tensor([600, 259], dtype=torch.int32)
+    sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64)
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((args[4], kw["unpack"]))
+        return split_stand_in(*args, **kw)
+
+    out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, causal=True, softcap=2.0,
+                               learnable_sink=sink, varlen=_no_varlen, split=spy, sm_count=64,
+                               return_softmax_lse=True)
+    n = kv.split_chunks(600, splits)[1]
+    assert seen == [(n, 4 if n > 1 else 1)]
+    _check(out, lse, q, kc, vc, lens, causal=True, softcap=2.0, sink=sink)
+
 def test_split_launch_only_where_the_mask_has_no_window_and_rows_are_the_batch():
     """cache_batch_idx and a window keep the varlen kernel's segments."""
     g = _gen(23)

@@ -165,7 +165,8 @@ def test_kernel_refuses_what_a_key_split_cannot_serve():
 def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_size):
     """The split launch compiles without spills or serialized wgmmas, signals its dependents
     (griddepcontrol.launch_dependents: PREEXIT) and waits for the kernel before it (griddepcontrol.wait:
-    ACQBULK); a plain build does neither; the merge waits, then signals the next step's split launch."""
+    ACQBULK) before any global access; a plain build does neither; both merges (packed rows, rows by
+    token) wait before their first access and signal the next step's split launch."""
     import cutlass
 
     from stage3_fwd_kernel import split_combine
@@ -177,11 +178,22 @@ def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_
                     (False, True, False), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query)
     assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
     assert not comp.report["wgmma_serialized"]
-    assert "PREEXIT" in comp.sass and "ACQBULK" in comp.sass
+    assert "PREEXIT" in comp.sass and _waits_before_global_memory(comp.sass)
     plain = compile_only("bf16", 128, 128, causal, tile_m=64, varlen=True, seqused_k=True)
     assert "PREEXIT" not in plain.sass and "ACQBULK" not in plain.sass
-    merge = split_combine.compile_parts("bf16", 128).sass
-    assert "ACQBULK" in merge and "PREEXIT" in merge
+    for token_rows in (False, True):
+        merge = split_combine.compile_parts("bf16", 128, token_rows=token_rows).sass
+        assert "PREEXIT" in merge and _waits_before_global_memory(merge)
+
+
+def _waits_before_global_memory(sass: str) -> bool:
+    """griddepcontrol.wait (ACQBULK) comes before the first global load, store, atomic or TMA copy: a
+    programmatic dependent may run while the kernel before it still writes."""
+    import re
+
+    wait = sass.find("ACQBULK")
+    access = re.search(r"\b(LDG|STG|RED|ATOMG|UTMALDG|UTMASTG|UTMAPF|UBLKCP|LDGSTS)\b", sass)
+    return wait >= 0 and (access is None or wait < access.start())
 
 
 @pytest.mark.cpu

@@ -364,7 +364,6 @@ class FlashAttentionForwardSm90:
                mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
                mPageTable: Optional[cute.Tensor], mK_flat: Optional[cute.Tensor], mV_flat: Optional[cute.Tensor],
                num_splits: Int32, chunk_keys: Int32):
-        trace.cta_stamp("entry")  # no code unless trace.enable() turned tracing on
         if const_expr(self.key_split):
             # the merge kernel that follows is a programmatic dependent (split_combine.PartsCombine):
             # its CTAs may take the SMs this launch leaves free and wait there for it to finish
@@ -372,6 +371,9 @@ class FlashAttentionForwardSm90:
             # and it is one itself: its CTAs may start while the kernel before it ends (a decode step's
             # previous merge), and wait here, before any global load or store, until that kernel is done
             cute.arch.griddepcontrol_wait()
+        # no code unless trace.enable() turned tracing on; a key split stamps after its wait (a store
+        # before it could race the kernel before, e.g. the trace buffer's zeroing)
+        trace.cta_stamp("entry")
         split = KeySplit(num_splits, chunk_keys, self.page_size is not None) if const_expr(self.key_split) else None
         self.split = split  # read by key_range (through self, like the walk below)
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
