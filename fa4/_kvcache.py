@@ -31,9 +31,11 @@ the segment offsets' and the replicated queries' small kernels (`fa4_split`). Tr
 
 Splitting and per-page segments change each segment's key count, and fa4's masks are bottom-right
 aligned to it, so they are used only where the mask does not depend on alignment: no window, and
-causal only for single-token queries (which see every key anyway). Otherwise (a causal prefill, a
-window) a cache runs unsplit, and a paged one with another page size is gathered into a dense copy
-first.
+causal only for single-token queries (which see every key anyway). One query token with a window
+sees the last left + 1 keys of its sequence: that is a key range, not a mask, so its segments start
+at the window's first key and split like no window (`key_range_window`; dense caches, and paged ones
+gathered). Otherwise (a causal prefill, a window over several tokens or over pages read in place) a
+cache runs unsplit, and a paged one with another page size is gathered into a dense copy first.
 
 GQA packing (decode): with one query token, the g = Hq / Hkv query heads of a group become g rows
 attending to their KV head, so each KV head is read once per segment instead of g times.
@@ -113,13 +115,22 @@ class Segments(NamedTuple):
     max_keys: int
 
 
-def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int) -> Segments:
+def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int, left: int | None = None) -> Segments:
     """n chunks of each sequence's keys in a dense cache viewed as (B_cache * S_cache, Hkv, D).
     Chunks are rounded up to 128 keys (the kernel's key block) so only the last one is partial.
     int32 throughout (the kernel's offsets are int32). cache_rows None: sequence b in cache row b, so
-    the first rows are a constant of the shapes and only the keys used are computed per call."""
-    chunk, n = _chunks(s_cache, n)
+    the first rows are a constant of the shapes and only the keys used are computed per call.
+    left: only the last left + 1 keys of each sequence (one query token's window): the chunks start
+    at key max(L_b - 1 - left, 0), computed on the device (no host sync)."""
     dev, b = seqlens_k.device, seqlens_k.shape[0]
+    if left is not None:
+        chunk, n = _chunks(min(s_cache, left + 1), n)
+        starts = _chunk_keys(seqlens_k, n, chunk)[0]
+        first_key = (seqlens_k.view(-1, 1) - 1 - left).clamp_(min=0) + starts            # (B, n)
+        used = (seqlens_k.view(-1, 1) - first_key).clamp_(0, chunk)
+        rows = identity_rows(b, dev) if cache_rows is None else cache_rows
+        return _pack(rows.view(-1, 1) * s_cache + first_key, used, n, chunk)
+    chunk, n = _chunks(s_cache, n)
     starts, used = _chunk_keys(seqlens_k, n, chunk)
     if cache_rows is None:
         cu_k = _constant(("dense_cu_k", dev, b, n, chunk, s_cache),
@@ -322,6 +333,19 @@ def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa,
     return causal, free, pack
 
 
+def key_range_window(sq: int, window, paged_in_place: bool):
+    """(window, left) for the kernel: one query token at the sequence's end sees keys
+    [L - 1 - left, L) whatever the window's right edge, so its window is dropped -- a free mask,
+    packed and split like no window -- and, with a left edge, `left` makes the segments start at the
+    window's first key (dense segments; pages read in place keep the window and run unsplit).
+    Longer queries keep their window (left None)."""
+    if sq != 1 or tuple(window) == (None, None):
+        return window, None
+    if window[0] is None:
+        return (None, None), None
+    return (window, None) if paged_in_place else ((None, None), window[0])
+
+
 def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, scale, causal, window, softcap,
                          sink, num_splits, pack_gqa, sm_count, varlen=fa4_varlen, paged_in_place=False, split=None):
     """q (B, Sq, Hq, D) against the first seqlens_k[b] keys of each sequence's cache.
@@ -333,11 +357,13 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
+    paged_in_place = paged_in_place and block_table is not None
+    window, left = key_range_window(sq, window, paged_in_place)
     causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa,
                                      token_rows=split is not None and cache_rows is None)
-    paged_in_place = paged_in_place and block_table is not None
-    if block_table is not None and not paged_in_place and (not free or k_cache.shape[1] < MIN_SEGMENT_PAGE):
-        # page segments would misalign the mask, or be too short: a dense copy instead
+    if block_table is not None and not paged_in_place and (not free or left is not None
+                                                           or k_cache.shape[1] < MIN_SEGMENT_PAGE):
+        # page segments would misalign the mask, or not start at the window, or be too short: a dense copy
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
         cache_rows, block_table = None, None  # the copy holds sequence b at row b
     heads = hkv if pack else hq
@@ -348,18 +374,19 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     # a split launch finds its chunks itself (a causal diagonal too: it sees each chunk's distance to the
     # sequence's end); the varlen kernel needs segment offsets (and replicated queries). Short queries
     # only (decode: one 64-row tile, what was measured); prefills keep the varlen kernel
-    use_split = split is not None and tuple(window) == (None, None) and r <= PACKED_CAUSAL_ROWS \
+    use_split = split is not None and tuple(window) == (None, None) and left is None and r <= PACKED_CAUSAL_ROWS \
         and cache_rows is None and (block_table is None or paged_in_place)
     if block_table is not None and not paged_in_place:
         seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
     else:
         s_cache = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        span = s_cache if left is None else min(s_cache, left + 1)                       # keys a sequence can use
         n = 1 if not (free or use_split) else (num_splits if num_splits > 0 else
-                                               choose_num_splits(b, heads * math.ceil(r / TILE_M), s_cache, sm_count))
+                                               choose_num_splits(b, heads * math.ceil(r / TILE_M), span, sm_count))
         if use_split:
             chunk, n = split_chunks(s_cache, min(n, max(1, MAX_GRID_Z // b)))  # the launch's B n virtual sequences
         elif block_table is None:
-            seg = dense_segments(seqlens_k, cache_rows, s_cache, n)
+            seg = dense_segments(seqlens_k, cache_rows, s_cache, n, left)
         else:
             seg, table = paged_chunks(seqlens_k, block_table, k_cache.shape[1], n)
             kw = {"page_table": table}

@@ -381,3 +381,29 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch
     assert launched and launched <= built, sorted(map(repr, launched - built))
     assert any(k[:2] == ("hopper_forward", "gpu") and 64 in k for k in launched)
     assert sum("key_split" in k for k in launched) == (2 if w.causal else 1)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_decode_window_key_range_launch_is_precompiled(recorder, monkeypatch):
+    """One query token with a window runs the varlen forward with a free mask over its key range
+    (fa4._kvcache.key_range_window): a windowed decode spec builds that kernel too."""
+    from fa4 import _kvcache
+
+    be, rec = recorder
+    (w,) = precompile.parse_shapes("d=128,heads=32/8,causal,window=1024,seqlen=8192,decode")
+    fwd_mod, bwd_mod = be.forward_module(), be.backward_module()
+    for b in precompile.derive_builds([w], backward=False):
+        precompile.derived_task(fwd_mod, bwd_mod, b)[1]()
+    built = set(rec.keys)
+    rec.keys.clear()
+    window, left = _kvcache.key_range_window(1, w.window, False)
+    assert window == (None, None) and left == 1024
+    rows, lens = w.heads_q // w.heads_kv, torch.tensor([8192, 300], dtype=torch.int32)
+    seg = _kvcache.dense_segments(lens, None, 8192, 3, left)
+    kf = torch.randn(2 * 8192, w.heads_kv, w.head_dim, dtype=torch.bfloat16)
+    cu_q = torch.arange(0, (2 * seg.n + 1) * rows, rows, dtype=torch.int32)
+    be.varlen_forward(torch.randn(2 * seg.n * rows, w.heads_kv, w.head_dim, dtype=torch.bfloat16), kf, kf, cu_q,
+                      seg.cu_k, seg.used, rows, seg.max_keys, w.head_dim ** -0.5, False)
+    launched = set(rec.keys)
+    assert launched and launched <= built, sorted(map(repr, launched - built))

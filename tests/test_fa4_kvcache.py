@@ -405,6 +405,53 @@ def test_split_launch_only_where_the_mask_has_no_window_and_rows_are_the_batch()
                window=case.get("window_size", (None, None)))
 
 
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("batch_idx", [False, True])
+def test_decode_window_is_a_key_range(splits, batch_idx):
+    """One query token with a window sees the last left + 1 keys of its sequence: fa4 drops the mask,
+    packs the GQA group and splits that key range, each sequence's segments starting at its window's
+    first key (cache rows from cache_batch_idx too). Sequences shorter than the window, empty, and far
+    longer; a sink and softcap on top."""
+    g = _gen(26)
+    hq, hkv, d, left = 8, 2, 16, 100
+    lens = torch.tensor([600, 0, 37, 101, 250], dtype=torch.int32)
+    b = lens.shape[0]
+    kc = torch.randn(b + 1, 640, hkv, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(b + 1, 640, hkv, d, generator=g, dtype=torch.float64)
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64)
+    idx = torch.tensor([5, 0, 3, 1, 2], dtype=torch.int32) if batch_idx else None
+    rows = idx.long() if batch_idx else torch.arange(b)
+    seen = []
+
+    def spy(q_seg, k, v, cu_q, cu_k, used, *rest, **kw):
+        seen.append((q_seg.shape, cu_k.clone(), used.clone(), rest[3], rest[4]))   # rows, segments, causal, window
+        return stand_in(q_seg, k, v, cu_q, cu_k, used, *rest, **kw)
+
+    out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, num_splits=splits, causal=True,
+                               window_size=(left, 0), softcap=2.0, learnable_sink=sink, varlen=spy, sm_count=64,
+                               split=lambda *a, **kw: pytest.fail("the split launch chunks from key 0"),
+                               return_softmax_lse=True)
+    _check(out, lse, q, kc[rows], vc[rows], lens, causal=True, window=(left, 0), softcap=2.0, sink=sink)
+    (shape, cu_k, used, causal, window), = seen
+    n = kv._chunks(left + 1, splits or kv.choose_num_splits(b, hkv, left + 1, 64))[1]
+    assert shape[1:] == (hkv, d) and shape[0] == b * n * (hq // hkv)      # the group packed: g rows a segment
+    assert (causal, tuple(window)) == (False, (None, None))
+    first = (lens - 1 - left).clamp(min=0)
+    want_first = rows.view(-1, 1) * 640 + first.view(-1, 1) + torch.arange(n) * kv._chunks(left + 1, n)[0]
+    assert torch.equal(cu_k[:-1].view(b, n), want_first.to(torch.int32))
+    assert torch.equal(used.view(b, n).sum(1), torch.minimum(lens, torch.tensor(left + 1)))
+
+
+def test_key_range_window():
+    """Which windows one query token turns into a key range."""
+    assert kv.key_range_window(1, (100, 0), False) == ((None, None), 100)
+    assert kv.key_range_window(1, (None, 5), False) == ((None, None), None)        # a right edge only: all keys
+    assert kv.key_range_window(1, (100, 0), True) == ((100, 0), None)             # pages read in place: unsplit
+    assert kv.key_range_window(3, (100, 0), False) == ((100, 0), None)            # several tokens keep the mask
+    assert kv.key_range_window(1, (None, None), False) == ((None, None), None)
+
 def test_cache_batch_idx_and_noncausal_split():
     g = _gen(4)
     b, sq, hq, d = 2, 3, 2, 16
