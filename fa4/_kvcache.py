@@ -393,7 +393,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     n = n if use_split else seg.n
     g, final, into = hq // hkv, None, None
     # several packed tokens, split: the merge writes the call's layouts itself (no copies after it)
-    unpack = g if pack and sq > 1 and use_split and n > 1 else 1
+    unpack = g if pack and sq > 1 and n > 1 else 1
     if pack and sq == 1 and ((n > 1 and varlen is fa4_varlen) or use_split):
         # the merge (a split launch: its kernel) writes the packed rows straight into the (B, 1, Hq, Dv)
         # result: row j of KV head kv is query head kv * g + j, so no transpose copy follows
@@ -413,7 +413,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         out, lse = varlen(q_seg, keys, values, cu_q, seg.cu_k, seg.used, r, seg.max_keys, scale, causal, window,
                           softcap, **kw)
         out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n,
-                                  kernel=varlen is fa4_varlen, into=into)               # (B, R, H', Dv), (B, H', R)
+                                  kernel=varlen is fa4_varlen, into=into, unpack=unpack)  # as the split's
     if final is not None:
         out = final
     elif pack and unpack == 1:

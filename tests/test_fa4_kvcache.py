@@ -464,6 +464,28 @@ def test_cache_batch_idx_and_noncausal_split():
     _check(out, lse, q, kc[idx.long()], vc[idx.long()], lens)
 
 
+
+def test_several_noncausal_tokens_packed_and_merged_unpacked():
+    """Several non-causal query tokens of a GQA group over segments: packed by token, split, and the
+    merge hands back the (B, Sq, Hq, Dv) / (B, Hq, Sq) layouts (merge_segments' unpack)."""
+    g = _gen(27)
+    b, sq, hq, hkv, d = 2, 3, 8, 2, 16
+    kc = torch.randn(b, 500, hkv, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(b, 500, hkv, d, generator=g, dtype=torch.float64)
+    q = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64)
+    lens = torch.tensor([500, 130], dtype=torch.int32)
+    seen = []
+
+    def spy(q_seg, *rest, **kw):
+        seen.append(q_seg.shape)
+        return stand_in(q_seg, *rest, **kw)
+
+    out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=3, varlen=spy, sm_count=16,
+                               return_softmax_lse=True)
+    n = kv._chunks(500, 3)[1]
+    assert n > 1 and seen == [(b * n * sq * hq // hkv, hkv, d)]            # packed rows, n segments each
+    _check(out, lse, q, kc, vc, lens)
+
 def test_plan_and_heuristic(monkeypatch):
     assert kv.plan_layout(1, 4, True, (None, None), None) == (False, True, True)     # decode: packed, free
     assert kv.plan_layout(1, 4, True, (128, None), None) == (True, False, False)     # a window pins alignment
