@@ -509,7 +509,7 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
 
     from . import _cache
     from ._api import flash_attn_func, flash_attn_varlen_func
-    from ._dispatch import backend_for
+    from ._dispatch import backend_for, has_backward
 
     out = out or sys.stdout
     dev = torch.device("cuda", torch.cuda.current_device())
