@@ -67,6 +67,14 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def _tokens_and_cache(seed, b, sq, hq, hkv, d, s_cache):
+    """q (B, Sq, Hq, D) and a dense cache k, v (B, S, Hkv, D), float64, from one generator."""
+    g = _gen(seed)
+    kc = torch.randn(b, s_cache, hkv, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(b, s_cache, hkv, d, generator=g, dtype=torch.float64)
+    return torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64), kc, vc
+
+
 def _check(out, lse, q, keys, values, seqlens, scale=None, causal=False, window=(None, None), softcap=0.0, sink=None):
     scale = scale or q.shape[-1] ** -0.5
     for b in range(q.shape[0]):
@@ -366,11 +374,8 @@ def test_split_launch_causal_queries_at_the_cache_end(splits):
 def test_split_launch_causal_tokens_with_sink_and_softcap(splits):
     """Several causal tokens with a learnable sink and softcap through the split launch: split, the
     merge unpacks the packed rows and the sink joins the merged rows once; unsplit, fa4 unpacks."""
-    g = _gen(25)
     b, sq, hq, hkv, d = 2, 3, 8, 2, 16
-    kc = torch.randn(b, 600, hkv, d, generator=g, dtype=torch.float64)
-    vc = torch.randn(b, 600, hkv, d, generator=g, dtype=torch.float64)
-    q = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64)
+    q, kc, vc = _tokens_and_cache(25, b, sq, hq, hkv, d, 600)
     lens = torch.tensor([600, 259], dtype=torch.int32)
     sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64)
     seen = []
@@ -468,11 +473,8 @@ def test_cache_batch_idx_and_noncausal_split():
 def test_several_noncausal_tokens_packed_and_merged_unpacked():
     """Several non-causal query tokens of a GQA group over segments: packed by token, split, and the
     merge hands back the (B, Sq, Hq, Dv) / (B, Hq, Sq) layouts (merge_segments' unpack)."""
-    g = _gen(27)
     b, sq, hq, hkv, d = 2, 3, 8, 2, 16
-    kc = torch.randn(b, 500, hkv, d, generator=g, dtype=torch.float64)
-    vc = torch.randn(b, 500, hkv, d, generator=g, dtype=torch.float64)
-    q = torch.randn(b, sq, hq, d, generator=g, dtype=torch.float64)
+    q, kc, vc = _tokens_and_cache(27, b, sq, hq, hkv, d, 500)
     lens = torch.tensor([500, 130], dtype=torch.int32)
     seen = []
 
