@@ -1,11 +1,13 @@
 """Decode against a KV cache: achieved bandwidth of fa4, the official FlashAttention-4 and cuDNN.
 
     python -m benchmarks.bench_decode [--shapes 1x8192,1x131072,8x32768,64x8192,64x32768] [--rounds 5]
-                                      [--query-len 1] [--heads 32/8]
+                                      [--query-len 1] [--heads 32/8] [--window LEFT]
                                       [--out benchmarks/results/bench_decode_h200.json]
 
 bf16, GQA 32 / 8 (--heads), d = 128, one query token per sequence (--query-len N > 1: N causal tokens
-at the cache's end, speculative decoding), a dense cache filled to its length.
+at the cache's end, speculative decoding), a dense cache filled to its length. --window LEFT:
+window_size=(LEFT, 0), causal (a sliding-window layer); the bytes are then those of the keys in the
+window, and the copy peer copies that slice of K. cuDNN has no window through SDPA and is left out.
 Achieved GB/s = bytes of Q, K and V read / time, the issue's yardstick, next to a device copy of K
 in the same run. Peers:
 
@@ -54,22 +56,32 @@ def _graphed(fn):
     return graph, out
 
 
-def _peers(q, k, v):
+def _window_keys(query_len, cache, window):
+    """Keys a step reads: all of the cache, or the last query_len + window of it."""
+    return cache if window is None else min(cache, window + query_len)
+
+
+def _peers(q, k, v, window=None):
     import fa4
 
-    causal = q.shape[1] > 1  # several query tokens: causal at the cache's end
+    causal = q.shape[1] > 1 or window is not None  # several query tokens: causal at the cache's end
+    win = (None, None) if window is None else (window, 0)
+    read = _window_keys(q.shape[1], k.shape[1], window)
     peers = {
-        "fa4_kvcache": lambda: fa4.flash_attn_with_kvcache(q, k, v, causal=causal),
-        "fa4_func": lambda: fa4.flash_attn_func(q, k, v, causal=causal),
+        "fa4_kvcache": lambda: fa4.flash_attn_with_kvcache(q, k, v, causal=causal, window_size=win),
+        "fa4_func": lambda: fa4.flash_attn_func(q, k, v, causal=causal, window_size=win),
         "sdpa_cudnn": None,
-        "copy_k": lambda: k.clone(),
+        "copy_k": lambda: k[:, k.shape[1] - read:].clone(),
     }
     try:
         from flash_attn.cute.interface import flash_attn_func as official
 
-        peers["official"] = lambda: official(q, k, v, causal=causal)[0]
+        peers["official"] = lambda: official(q, k, v, causal=causal, window_size=win)[0]
     except Exception as exc:  # not installed: reported, not timed
         print(f"official: not available ({type(exc).__name__}: {exc})")
+    if window is not None:
+        del peers["sdpa_cudnn"]
+        return peers
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -104,16 +116,18 @@ def _kernel_breakdown(graph) -> list:
     return [{"kernel": name, "us_per_call": us, "per_call": n} for name, us, n in rows]
 
 
-def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, HKV)):
+def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, HKV), window=None):
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
     q = torch.randn(batch, query_len, heads[0], D, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(batch, cache, heads[1], D, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(batch, cache, heads[1], D, device="cuda", generator=g, dtype=torch.bfloat16)
-    nbytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+    read = _window_keys(query_len, cache, window)
+    k_bytes = batch * read * heads[1] * D * k.element_size()    # of the keys read (all without a window)
+    nbytes = q.numel() * q.element_size() + 2 * k_bytes
     graphs, checks, row_kernels = {}, {}, None
     with torch.no_grad():
         ref = None
-        for name, fn in _peers(q, k, v).items():
+        for name, fn in _peers(q, k, v, window).items():
             try:
                 graph, out = _graphed(fn)
             except Exception as exc:
@@ -131,13 +145,14 @@ def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, 
         times = paired_rounds({n: gr[0].replay for n, gr in graphs.items()}, rounds, rng)
         if profile and "fa4_kvcache" in graphs:
             row_kernels = _kernel_breakdown(graphs["fa4_kvcache"][0])
-    row = {"batch": batch, "cache": cache, "query_len": query_len, "heads": list(heads), "bytes": nbytes,
+    row = {"batch": batch, "cache": cache, "query_len": query_len, "heads": list(heads), "window": window,
+           "bytes": nbytes,
            "max_abs_diff_vs_fa4_func": checks, "peers": {}}
     if row_kernels is not None:
         row["fa4_kvcache_kernels"] = row_kernels
     for name, ts in times.items():
         per_call = [t / CALLS_PER_GRAPH for t in ts]
-        moved = 2 * k.numel() * k.element_size() if name == "copy_k" else nbytes   # copy reads and writes K
+        moved = 2 * k_bytes if name == "copy_k" else nbytes   # copy reads and writes K
         row["peers"][name] = {"ms_per_call": per_call, "median_ms": statistics.median(per_call),
                               "gb_per_s": moved / (statistics.median(per_call) * 1e-3) / 1e9}
     line = " | ".join(f"{n} {p['gb_per_s']:.0f}" for n, p in row["peers"].items())
@@ -169,6 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="also list fa4_kvcache's kernels per call (profiler)")
     ap.add_argument("--query-len", type=int, default=1, help="query tokens per sequence (> 1: causal)")
     ap.add_argument("--heads", default=f"{HQ}/{HKV}", help="query heads / KV heads")
+    ap.add_argument("--window", type=int, default=None, help="window_size=(LEFT, 0), causal")
     args = ap.parse_args(argv)
     try:
         heads = tuple(int(x) for x in args.heads.split("/"))
@@ -178,6 +194,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"--heads: expected HQ/HKV with HKV >= 1 dividing HQ, got {args.heads!r}")
     if args.query_len < 1:
         raise SystemExit(f"--query-len: expected >= 1, got {args.query_len}")
+    if args.window is not None and args.window < 0:
+        raise SystemExit(f"--window: expected >= 0, got {args.window}")
     try:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     except ValueError:
@@ -186,8 +204,10 @@ def main(argv=None) -> int:
         print("bench_decode needs a CUDA GPU")
         return 2
     rng = random.Random(0)
-    rows = [run_shape(b, c, args.rounds, rng, args.profile, args.query_len, heads) for b, c in shapes]
+    rows = [run_shape(b, c, args.rounds, rng, args.profile, args.query_len, heads, args.window) for b, c in shapes]
     tokens = "one query token" if args.query_len == 1 else f"{args.query_len} causal query tokens"
+    if args.window is not None:
+        tokens += f", window_size=({args.window}, 0) (bytes: the keys in the window)"
     if args.out:
         write_doc(args.out, "benchmarks.bench_decode", None, rows,
                   shapes=f"bf16, GQA {heads[0]}/{heads[1]}, d={D}, {tokens}, dense cache",

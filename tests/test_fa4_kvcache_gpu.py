@@ -191,6 +191,7 @@ def test_decode_window_splits_as_a_key_range(splits):
     _check(out, lse, *_truth_and_baseline(q, k[rows].nan_to_num(), v[rows].nan_to_num(), lens, causal=True,
                                           window=(1024, None)), f"window key range, splits {splits}")
 
+
 def test_decode_replays_in_a_cuda_graph():
     k, v = _cache(4, 16384, 8, 128, 5)
     q = torch.randn(4, 1, 32, 128, device="cuda").to(BF16)
