@@ -32,10 +32,11 @@ the segment offsets' and the replicated queries' small kernels (`fa4_split`). Tr
 Splitting and per-page segments change each segment's key count, and fa4's masks are bottom-right
 aligned to it, so they are used only where the mask does not depend on alignment: no window, and
 causal only for single-token queries (which see every key anyway). One query token with a window
-sees the last left + 1 keys of its sequence: that is a key range, not a mask, so its segments start
-at the window's first key and split like no window (`key_range_window`; dense caches, and paged ones
-gathered). Otherwise (a causal prefill, a window over several tokens or over pages read in place) a
-cache runs unsplit, and a paged one with another page size is gathered into a dense copy first.
+sees the last left + 1 keys of its sequence: that is a key range, not a mask, so the split launch
+(range_keys = left + 1) or the segments start at the window's first key and split like no window
+(`key_range_window`; dense caches, and paged ones gathered). Otherwise (a causal prefill, a window
+over several tokens or over pages read in place) a cache runs unsplit, and a paged one with another
+page size is gathered into a dense copy first.
 
 GQA packing (decode): with one query token, the g = Hq / Hkv query heads of a group become g rows
 attending to their KV head, so each KV head is read once per segment instead of g times.
@@ -282,7 +283,7 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
 
 
 def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None,
-              causal=False, rows_per_query=1, unpack=1):
+              causal=False, rows_per_query=1, unpack=1, range_keys=None):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
     against n chunks of `chunk` keys of each sequence's dense cache, or of its pages (page_table) ->
     out (B, R, H', Dv) (into `out` when given) and lse (B, H', R) fp32, merged. No segment offsets,
@@ -290,7 +291,9 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     kernel (PartsCombine); n = 1: the kernel writes the result, and its lse buffer is (B, H', R).
     causal: bottom-right aligned to each sequence's end, in every chunk; rows_per_query: the packed
     GQA group, whose rows the causal mask takes by token; unpack g > 1 (n > 1): the merge writes the
-    token-packed rows unpacked (merge_segments), out (B, R / g, H' g, Dv) and lse (B, H' g, R / g)."""
+    token-packed rows unpacked (merge_segments), out (B, R / g, H' g, Dv) and lse (B, H' g, R / g).
+    range_keys W (dense): each sequence reads its last W keys, the chunks counted from key
+    max(L_b - W, 0) (one token's window)."""
     from . import _dispatch
 
     b, r, h, _ = rows.shape
@@ -298,7 +301,8 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
         raise ValueError("unpack: an unsplit launch writes the packed rows (the caller unpacks them)")
     mod = _dispatch.backend_for(rows.device).forward_module()
     kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, causal=causal,
-              rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r))
+              rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r),
+              range_keys=range_keys)
     if n == 1:
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
@@ -374,7 +378,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     # a split launch finds its chunks itself (a causal diagonal too: it sees each chunk's distance to the
     # sequence's end); the varlen kernel needs segment offsets (and replicated queries). Short queries
     # only (decode: one 64-row tile, what was measured); prefills keep the varlen kernel
-    use_split = split is not None and tuple(window) == (None, None) and left is None and r <= PACKED_CAUSAL_ROWS \
+    use_split = split is not None and tuple(window) == (None, None) and r <= PACKED_CAUSAL_ROWS \
         and cache_rows is None and (block_table is None or paged_in_place)
     if block_table is not None and not paged_in_place:
         seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
@@ -384,7 +388,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         n = 1 if not (free or use_split) else (num_splits if num_splits > 0 else
                                                choose_num_splits(b, heads * math.ceil(r / TILE_M), span, sm_count))
         if use_split:
-            chunk, n = split_chunks(s_cache, min(n, max(1, MAX_GRID_Z // b)))  # the launch's B n virtual sequences
+            chunk, n = split_chunks(span, min(n, max(1, MAX_GRID_Z // b)))  # the launch's B n virtual sequences
         elif block_table is None:
             seg = dense_segments(seqlens_k, cache_rows, s_cache, n, left)
         else:
@@ -402,7 +406,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     if use_split:
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
                          block_table if paged_in_place else None, out=into, causal=causal,
-                         rows_per_query=g if pack and causal else 1, unpack=unpack)
+                         rows_per_query=g if pack and causal else 1, unpack=unpack,
+                         range_keys=None if left is None else left + 1)
         # (B, R, H', Dv), (B, H', R); unpacked: (B, Sq, Hq, Dv), (B, Hq, Sq)
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)

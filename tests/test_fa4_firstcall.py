@@ -386,11 +386,13 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch
 @pytest.mark.cpu
 @pytest.mark.fa4
 def test_decode_window_key_range_launch_is_precompiled(recorder, monkeypatch):
-    """One query token with a window runs the varlen forward with a free mask over its key range
-    (fa4._kvcache.key_range_window): a windowed decode spec builds that kernel too."""
+    """One query token with a window reads a key range (fa4._kvcache.key_range_window): the split
+    launch with range_keys, or with cache_batch_idx the varlen forward with a free mask over segments
+    that start at the window; a windowed decode spec builds both."""
     from fa4 import _kvcache
 
     be, rec = recorder
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: be)  # fa4_split's lookup, on CPU tensors
     (w,) = precompile.parse_shapes("d=128,heads=32/8,causal,window=1024,seqlen=8192,decode")
     fwd_mod, bwd_mod = be.forward_module(), be.backward_module()
     for b in precompile.derive_builds([w], backward=False):
@@ -405,5 +407,10 @@ def test_decode_window_key_range_launch_is_precompiled(recorder, monkeypatch):
     cu_q = torch.arange(0, (2 * seg.n + 1) * rows, rows, dtype=torch.int32)
     be.varlen_forward(torch.randn(2 * seg.n * rows, w.heads_kv, w.head_dim, dtype=torch.bfloat16), kf, kf, cu_q,
                       seg.cu_k, seg.used, rows, seg.max_keys, w.head_dim ** -0.5, False)
+    k = kf.view(2, 8192, w.heads_kv, w.head_dim)
+    chunk, n = _kvcache.split_chunks(left + 1, 3)
+    _kvcache.fa4_split(torch.randn(2, rows, w.heads_kv, w.head_dim, dtype=torch.bfloat16), k, k, lens, n, chunk,
+                       w.head_dim ** -0.5, 0.0, range_keys=left + 1)
     launched = set(rec.keys)
     assert launched and launched <= built, sorted(map(repr, launched - built))
+    assert sum("key_split" in k for k in launched) == 1

@@ -243,13 +243,14 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
 
 
 def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None, causal=False,
-                   rows_per_query=1, unpack=1):
+                   rows_per_query=1, unpack=1, range_keys=None):
     """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
     merge, through fa4._kvcache.fa4_split): chunk j of sequence b, keys [j chunk, j chunk + used)
     with used = clamp(seqlens[b] - j chunk, 0, chunk), is part j of sequence b (-inf lse with no
     key); causal: row i sees keys up to L - R + i of the whole sequence (written out here, not
     dense()'s alignment to the chunk); the parts merge to out (B, R, H, Dv), into `out` when given,
-    and lse (B, H, R), or unpacked (unpack g: (B, R / g, H g, Dv) and (B, H g, R / g))."""
+    and lse (B, H, R), or unpacked (unpack g: (B, R / g, H g, Dv) and (B, H g, R / g)). range_keys W:
+    the chunks count from key max(seqlens[b] - W, 0) and cover min(S, W) keys."""
     b, r, h, _ = rows.shape
     assert n == 1 or chunk % 128 == 0, "chunks start on key-tile borders"
     parts = torch.zeros(b * n, r, h, v.shape[-1], dtype=torch.float64)
@@ -260,9 +261,10 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
             ps = k.shape[1]
             idx = (page_table[i].long()[:, None] * ps + torch.arange(ps)).reshape(-1)
             keys, values = k.reshape(-1, *k.shape[2:])[idx], v.reshape(-1, *v.shape[2:])[idx]
-        assert n * chunk >= keys.shape[0], "the chunks cover the cache"
+        start = 0 if range_keys is None else max(int(seqlens[i]) - range_keys, 0)
+        assert n * chunk >= min(keys.shape[0], range_keys or keys.shape[0]), "the chunks cover the keys read"
         for j in range(n):
-            a = j * chunk
+            a = start + j * chunk
             used = min(max(int(seqlens[i]) - a, 0), chunk)
             if used:
                 parts[i * n + j], lse[:, i * n + j] = _chunk_attention(
@@ -391,15 +393,17 @@ def test_split_launch_causal_tokens_with_sink_and_softcap(splits):
     assert seen == [(n, 4 if n > 1 else 1)]
     _check(out, lse, q, kc, vc, lens, causal=True, softcap=2.0, sink=sink)
 
+
+
 def test_split_launch_only_where_the_mask_has_no_window_and_rows_are_the_batch():
-    """cache_batch_idx and a window keep the varlen kernel's segments."""
+    """cache_batch_idx, and a window over several tokens, keep the varlen kernel's segments."""
     g = _gen(23)
     b, hq, d = 2, 2, 16
     kc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
     vc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
     lens = torch.tensor([290, 40], dtype=torch.int32)
     cases = [dict(q_len=1, cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32)),
-             dict(q_len=3, causal=True, window_size=(100, 0)), dict(q_len=1, window_size=(64, 0))]
+             dict(q_len=3, causal=True, window_size=(100, 0))]
     for case in cases:
         q = torch.randn(b, case.pop("q_len"), hq, d, generator=g, dtype=torch.float64)
         rows = case.get("cache_batch_idx", torch.arange(b)).long()
@@ -411,23 +415,50 @@ def test_split_launch_only_where_the_mask_has_no_window_and_rows_are_the_batch()
 
 
 
-@pytest.mark.parametrize("splits", [1, 3, 0])
-@pytest.mark.parametrize("batch_idx", [False, True])
-def test_decode_window_is_a_key_range(splits, batch_idx):
-    """One query token with a window sees the last left + 1 keys of its sequence: fa4 drops the mask,
-    packs the GQA group and splits that key range, each sequence's segments starting at its window's
-    first key (cache rows from cache_batch_idx too). Sequences shorter than the window, empty, and far
-    longer; a sink and softcap on top."""
+def _window_decode_inputs(left):
+    """Sequences shorter than the window, empty, and far longer; one spare cache row; a sink."""
     g = _gen(26)
-    hq, hkv, d, left = 8, 2, 16, 100
+    hq, hkv, d = 8, 2, 16
     lens = torch.tensor([600, 0, 37, 101, 250], dtype=torch.int32)
     b = lens.shape[0]
     kc = torch.randn(b + 1, 640, hkv, d, generator=g, dtype=torch.float64)
     vc = torch.randn(b + 1, 640, hkv, d, generator=g, dtype=torch.float64)
     q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
-    sink = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64)
-    idx = torch.tensor([5, 0, 3, 1, 2], dtype=torch.int32) if batch_idx else None
-    rows = idx.long() if batch_idx else torch.arange(b)
+    return q, kc, vc, lens, torch.linspace(-1.0, 1.0, hq, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("left", [100, 300])
+def test_decode_window_splits_launch_a_key_range(splits, left):
+    """One query token with a window, sequence b in cache row b: the split launch reads the last
+    left + 1 keys of each sequence (range_keys), the group packed and no mask; its chunks cover the
+    window, not the cache. Softcap and a sink on top."""
+    q, kc, vc, lens, sink = _window_decode_inputs(left)
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((args[4], args[5], kw["range_keys"], kw["causal"], args[0].shape))
+        return split_stand_in(*args, **kw)
+
+    out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, causal=True, window_size=(left, 0),
+                               softcap=2.0, learnable_sink=sink, varlen=_no_varlen, split=spy, sm_count=64,
+                               return_softmax_lse=True)
+    _check(out, lse, q, kc, vc, lens, causal=True, window=(left, 0), softcap=2.0, sink=sink)
+    (n, chunk, range_keys, causal, rows), = seen
+    want = kv.split_chunks(left + 1, splits or kv.choose_num_splits(5, 2, left + 1, 64))
+    assert (chunk, n, range_keys, causal) == (*want, left + 1, False)
+    assert rows == (5, 4, 2, 16)                                              # the group of 4 packed as rows
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+def test_decode_window_is_a_key_range_over_cache_rows(splits):
+    """One query token with a window and cache_batch_idx: the varlen kernel's segments, packed and
+    without a mask, start at each sequence's window's first key in its cache row."""
+    left = 100
+    q, kc, vc, lens, sink = _window_decode_inputs(left)
+    (b, _, hq, d), hkv = q.shape, kc.shape[2]
+    idx = torch.tensor([5, 0, 3, 1, 2], dtype=torch.int32)
+    rows = idx.long()
     seen = []
 
     def spy(q_seg, k, v, cu_q, cu_k, used, *rest, **kw):
@@ -436,7 +467,7 @@ def test_decode_window_is_a_key_range(splits, batch_idx):
 
     out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, num_splits=splits, causal=True,
                                window_size=(left, 0), softcap=2.0, learnable_sink=sink, varlen=spy, sm_count=64,
-                               split=lambda *a, **kw: pytest.fail("the split launch chunks from key 0"),
+                               split=lambda *a, **kw: pytest.fail("split launch taken with cache_batch_idx"),
                                return_softmax_lse=True)
     _check(out, lse, q, kc[rows], vc[rows], lens, causal=True, window=(left, 0), softcap=2.0, sink=sink)
     (shape, cu_k, used, causal, window), = seen

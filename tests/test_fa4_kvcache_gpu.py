@@ -174,17 +174,20 @@ def test_decode_window_softcap_sink():
 
 
 @pytest.mark.parametrize("splits", [0, 1, 3])
-def test_decode_window_splits_as_a_key_range(splits):
-    """One token with a window reads only its last left + 1 keys, packed and split: segments that start
-    at each sequence's window (from cache_batch_idx's rows too); the cache's other slots hold NaN."""
+@pytest.mark.parametrize("batch_idx", [False, True], ids=["split_launch", "segments"])
+def test_decode_window_splits_as_a_key_range(splits, batch_idx):
+    """One token with a window reads only its last left + 1 keys, packed and split: the split launch's
+    chunks from each sequence's window (range_keys; the first key off the key tile), or with
+    cache_batch_idx segments that start there; the cache's other slots hold NaN."""
     k, v = _cache(4, 8192, 8, 128, 12)
     q = torch.randn(3, 1, 32, 128, device="cuda").to(BF16)
     lens = torch.tensor([8192, 700, 5000], dtype=torch.int32, device="cuda")
-    idx = torch.tensor([3, 0, 1], dtype=torch.int32, device="cuda")
+    idx = torch.tensor([3, 0, 1] if batch_idx else [0, 1, 2], dtype=torch.int32, device="cuda")
     for b, (row, n) in enumerate(zip(idx.tolist(), lens.tolist())):
         k[row, :max(0, n - 1025)] = float("nan")                  # before the window: never read
         k[row, n:], v[row, n:] = float("nan"), float("nan")       # after the sequence
-    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_batch_idx=idx, num_splits=splits,
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_batch_idx=idx if batch_idx else None,
+                                           num_splits=splits,
                                            window_size=(1024, 0), causal=True, return_softmax_lse=True)
     assert torch.isfinite(out).all()
     rows = idx.long()

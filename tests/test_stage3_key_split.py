@@ -19,7 +19,7 @@ import pytest
 
 from stage0_reference import attention_forward  # the float64 oracle (bottom-right causal, GQA)
 from stage3_fwd_kernel.components.block_range import num_masked_blocks
-from stage3_fwd_kernel.components.key_split import KeySplit, chunk_blocks, chunk_of
+from stage3_fwd_kernel.components.key_split import RANGE_ALL, KeySplit, chunk_blocks, chunk_of
 from stage3_fwd_kernel.components.window import Window
 from stage3_fwd_kernel.components.work_tile import SequenceInfo
 
@@ -40,13 +40,14 @@ def split_kernel(causal, g, tile_m=64):
     return kernel
 
 
-def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64):
+def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64, range_keys=None):
     """q (B, R, H, D) with R = tokens * g rows (row t g + j: token t of group head j when g > 1, H then
-    the KV heads), k / v (B, S, Hkv, *) -> parts out (B n, R, H, Dv), lse (B n, H, R)."""
+    the KV heads), k / v (B, S, Hkv, *) -> parts out (B n, R, H, Dv), lse (B n, H, R). range_keys W:
+    each sequence's last W keys only."""
     b, r, h, _ = q.shape
     kernel = split_kernel(causal, g, tile_m)
     tn, mask = kernel.tile_n, kernel.mask
-    kernel.split = KeySplit(n, chunk, False)
+    kernel.split = KeySplit(n, chunk, False, range_keys)
     seq = SequenceInfo(r, k.shape[1], h // k.shape[2], None, None, list(lens), None, kernel.split)
     out = np.zeros((b * n, r, h, v.shape[-1]))
     lse = np.full((b * n, h, r), -np.inf)
@@ -66,7 +67,7 @@ def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64):
                     idx = np.concatenate([blk * tn + c for blk, c in enumerate(cols)]) if cols else np.arange(0)
                     if idx.size == 0:
                         continue
-                    idx = tile.offset_k + idx
+                    idx = int(tile.offset_k) + idx
                     s = k[tile.batch_kv, idx, tile.head_kv] @ q[tile.batch, row, head] / math.sqrt(q.shape[-1])
                     top = s.max()
                     p = np.exp(s - top)
@@ -115,6 +116,36 @@ def test_split_walk_matches_dense_attention(causal, g, n, chunk):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("n, chunk, window", [(1, 384, 300), (3, 128, 300), (2, 128, 256), (4, 128, 1)])
+def test_split_walk_of_a_key_range_matches_the_window(g, n, chunk, window):
+    """range_keys W: one query token reads only its sequence's last W keys, chunked from key
+    max(L - W, 0) (not a multiple of the key tile), and merges to attention over those keys -- one
+    token's sliding window of left edge W - 1. Sequences longer than the window, shorter, and empty."""
+    rng = np.random.default_rng(11 + n + g + window)
+    b, hkv, d, s_cache = 4, 2, 16, 640
+    lens = [640, 333, 57, 0]
+    hq = hkv * g if g > 1 else 4
+    q = rng.standard_normal((b, 1, hq, d))
+    k = rng.standard_normal((b, s_cache, hkv, d))
+    v = rng.standard_normal((b, s_cache, hkv, d))
+    rows = q.reshape(b, 1, hkv, g, d).transpose(0, 1, 3, 2, 4).reshape(b, g, hkv, d) if g > 1 else q
+    out, lse = merge(*simulate(rows, k, v, lens, n, chunk, False, g, range_keys=window), n)
+    for i, n_keys in enumerate(lens):
+        got, got_lse = out[i], lse[i]
+        if g > 1:
+            got = got.reshape(1, g, hkv, -1).transpose(0, 2, 1, 3).reshape(1, hq, -1)
+            got_lse = got_lse.reshape(hkv, 1, g).transpose(0, 2, 1).reshape(hq, 1)
+        if n_keys == 0:
+            assert np.all(got == 0) and np.all(got_lse == -np.inf)
+            continue
+        first = max(n_keys - window, 0)
+        want, want_lse = attention_forward(q[i:i + 1], k[i:i + 1, first:n_keys], v[i:i + 1, first:n_keys])
+        np.testing.assert_allclose(got, want[0], rtol=1e-10, atol=1e-12, err_msg=f"out, sequence {i}")
+        np.testing.assert_allclose(got_lse, want_lse[0], rtol=1e-10, err_msg=f"lse, sequence {i}")
+
+
+@pytest.mark.cpu
 def test_chunk_of_counts_keys_to_the_end():
     split = KeySplit(4, 256, False)
     got = [chunk_of(split, v, 2000, [1000, 300]) for v in range(8)]
@@ -125,6 +156,10 @@ def test_chunk_of_counts_keys_to_the_end():
     paged = chunk_of(KeySplit(2, 128, True), 3, 0, [10, 200])
     assert (paged.sequence, paged.first_key, int(paged.keys_to_end), paged.batch_kv) == (1, 128, 72, 0)
     assert chunk_blocks(split, 128) == 2 and chunk_blocks(KeySplit(1, 700, False), 128) == 6
+    # a key range of the last 300 keys: chunks from key 700 of sequence 0, from 0 of the shorter one
+    ranged = [chunk_of(KeySplit(2, 256, False, 300), v, 2000, [1000, 200]) for v in range(4)]
+    assert [(int(c.first_key), int(c.keys_to_end)) for c in ranged] == [(700, 300), (956, 44), (0, 200), (256, 0)]
+    assert int(chunk_of(KeySplit(1, 256, False, RANGE_ALL), 0, 2000, [1000]).first_key) == 0
 
 
 @pytest.mark.cpu
@@ -203,6 +238,10 @@ def test_split_launch_refuses_bad_arguments_before_any_launch(monkeypatch):
          r"^seqused_k: expected dtype int32"),
         (dict(num_splits=2, chunk_keys=128, rows_per_query=3), r"^rows_per_query: expected an int >= 1 dividing"),
         (dict(num_splits=2, chunk_keys=128, causal=1), r"^causal: expected a bool"),
+        (dict(num_splits=1, chunk_keys=128, range_keys=0), r"^range_keys: expected an int >= 1"),
+        (dict(num_splits=1, chunk_keys=128, range_keys=2.0), r"^range_keys: expected an int >= 1"),
+        (dict(num_splits=1, chunk_keys=128, range_keys=129), r"^num_splits \* chunk_keys \(1 x 128\) does not cover "
+                                                              r"the 129 keys"),
     ]
     for kw, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):
@@ -213,3 +252,6 @@ def test_split_launch_refuses_bad_arguments_before_any_launch(monkeypatch):
         pages = k.view(4, 128, 2, 64)
         attention_split_forward(q, pages, pages, 2, 128, page_table=torch.zeros(3, 2, dtype=torch.int32),
                                 seqused_k=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^range_keys: a dense cache only"):
+        attention_split_forward(q, pages, pages, 2, 128, page_table=torch.zeros(2, 2, dtype=torch.int32),
+                                seqused_k=torch.ones(2, dtype=torch.int32), range_keys=100)

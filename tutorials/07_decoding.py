@@ -156,6 +156,19 @@ for virtual in range(8):
 # causal call split: the causal diagonal (bottom-right aligned) falls where it does in the unsplit
 # sequence, so every chunk left of it is unmasked.
 #
+# A sliding window of left edge `w` shows one decoding token only the last `W = w + 1` keys of its
+# sequence. That is a *key range*, not a mask: with `range_keys = W` the chunks start at key
+# `max(L - W, 0)` (any key, not only a multiple of 128: a dense cache is read by TMA at any row), the
+# walk reads W keys instead of L, and no block is masked. The same two sequences with a 300-key window,
+# 2 chunks of 256 keys:
+
+# %%
+ranged = KeySplit(num_splits=2, chunk_keys=256, paged=False, range_keys=300)
+for virtual in range(4):
+    c = chunk_of(ranged, virtual, 1024, [1000, 300])
+    first, used = int(c.first_key), min(256, int(c.keys_to_end))
+    print(f"v {virtual}: sequence {int(c.sequence)}, keys {first} .. {first + used - 1}" if used else f"v {virtual}: empty")
+#
 # ## GQA heads as rows, and causal tokens masked by token
 # The 4 query heads of a KV head read the same K and V. Packed as 4 rows of one tile, they share one
 # walk over the cache: a quarter of the traffic of one tile per query head. With `T` causal query

@@ -18,8 +18,13 @@ three of a 1 x 16k step's five kernels (docs/measurements.md).
 
 Causal splits this way: every chunk but the last few is wholly left of the diagonal and unmasked,
 and a speculative-decoding step (a few query tokens at the cache's end) splits like one token. A
-window does not (its left edge would cut chunks the walk does not expect). A learnable sink joins
-the merged row once, after the merge, never a chunk's.
+window over several tokens does not (its left edge would cut chunks the walk does not expect), but
+one token's window is a key range: the token sees the last W = left + 1 keys of its sequence, so with
+`range_keys` = W the chunks start at key s_b = max(L_b - W, 0) instead of 0 (chunk j: keys
+[s_b + j c, s_b + j c + c)), the walk reads W keys instead of L_b and no mask is needed. s_b need not
+be a multiple of the key tile in a dense cache (TMA takes any row); pages would split a block, so a
+paged cache takes no key range. A learnable sink joins the merged row once, after the merge, never
+a chunk's.
 """
 from __future__ import annotations
 
@@ -37,13 +42,17 @@ class KeySplit(NamedTuple):
     num_splits: Any   # n: chunks per sequence
     chunk_keys: Any   # c: keys per chunk, a multiple of tile_n
     paged: bool       # K / V are a flat paged cache (a batch of one): the page-table row picks the pages
+    range_keys: Any = None  # W: the keys each sequence reads, its last W (Int32; RANGE_ALL or None: all)
+
+
+RANGE_ALL = 2**31 - 1  # range_keys that reads every key: max(L - RANGE_ALL, 0) = 0 for any L >= 0
 
 
 class KeyChunk(NamedTuple):
     """Where virtual sequence v's CTAs read and write."""
 
     sequence: Any     # b: the batch row of q (and the page-table row of a paged cache)
-    first_key: Any    # j c: the chunk's first key within sequence b
+    first_key: Any    # s_b + j c: the chunk's first key within sequence b (s_b = 0 without a key range)
     keys_to_end: Any  # max(L_b - j c, 0): the keys from the chunk's start to the sequence's end (the
                       # mask's seqlen_k); the walk stops at the chunk's end (`chunk_blocks`)
     batch_kv: Any     # batch index of the K / V tensors: b, or 0 for the flat paged cache
@@ -57,6 +66,8 @@ def chunk_of(split: KeySplit, virtual, seqlen_k, seqused_k) -> KeyChunk:
     total = seqlen_k
     if cutlass.const_expr(seqused_k is not None):
         total = seqused_k[b]
+    if cutlass.const_expr(split.range_keys is not None):
+        first = first + cutlass.max(total - split.range_keys, Int32(0))
     return KeyChunk(b, first, cutlass.max(total - first, Int32(0)), Int32(0) if cutlass.const_expr(split.paged) else b)
 
 

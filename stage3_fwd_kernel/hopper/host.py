@@ -9,6 +9,7 @@ from cutlass import Float32, Int32
 import cutlass.cute as cute
 
 from stage3_fwd_kernel import host_io, trace
+from stage3_fwd_kernel.components.key_split import RANGE_ALL
 from stage3_fwd_kernel.components.paged_kv import check_page_size, gathered
 from stage3_fwd_kernel.components.score_mod import Softcap, check_softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
@@ -87,7 +88,7 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
                seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None, split=None, split_chunks=1,
-               softcap=0.0, sink=None, page_table=None, num_splits=1, chunk_keys=0):
+               softcap=0.0, sink=None, page_table=None, num_splits=1, chunk_keys=0, range_keys=RANGE_ALL):
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     host_io.launch_stream)."""
@@ -96,7 +97,7 @@ def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q
     scale_log2, score_scale = Softcap(softcap).kernel_scales(softmax_scale)
     return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), scale_log2,
             score_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
-            max_seqlen_q, max_ctas, split, split_chunks, sink, opt(page_table), num_splits, chunk_keys)
+            max_seqlen_q, max_ctas, split, split_chunks, sink, opt(page_table), num_splits, chunk_keys, range_keys)
 
 
 def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False,
@@ -110,7 +111,7 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
             i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
             i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
             host_io.fake_lse() if split_tail else None, Int32(1), host_io.fake_f32_vector() if sink else None,
-            host_io.fake_i32_matrix() if paged else None, Int32(1), Int32(1),
+            host_io.fake_i32_matrix() if paged else None, Int32(1), Int32(1), Int32(1),
             host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
@@ -360,7 +361,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                             softmax_scale=None, causal=False, rows_per_query=1, softcap=0.0, out=None, lse=None,
                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
-                            tile_m: int | None = None):
+                            tile_m: int | None = None, range_keys: int | None = None):
     """Split-KV (components.key_split): q (B, R, Hq, D) against num_splits chunks of chunk_keys keys
     of each sequence's cache -> the parts, out (B * n, R, Hq, Dv) in q's dtype (chunk j of sequence
     b at row b * n + j, O divided by the chunk's own row sums) and lse (B * n, Hq, R) fp32 (-inf
@@ -370,11 +371,13 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     paged one (num_pages, page_size, Hkv, *) read in place (components.paged_kv). seqused_k (int32
     (B,)): the keys sequence b uses, from its first (None: all S; required with page_table).
     chunk_keys: a multiple of the key tile when num_splits > 1, and num_splits * chunk_keys must
-    cover the cache (S, or pages * page_size). causal: bottom-right aligned to each sequence's
-    end (row i of R sees its first L_b - R + 1 + i keys), in every chunk; rows_per_query g > 1: q's
-    rows are GQA heads packed as rows, row t g + j query token t of head j of the group (R / g
-    tokens; g divides the tile's rows), masked by its token. No window, no sink (a sink
-    joins the merged row once). out / lse: where the parts go (any strides
+    cover the keys a sequence reads (S, or pages * page_size; min(S, range_keys)). causal:
+    bottom-right aligned to each sequence's end (row i of R sees its first L_b - R + 1 + i keys), in
+    every chunk; rows_per_query g > 1: q's rows are GQA heads packed as rows, row t g + j query token
+    t of head j of the group (R / g tokens; g divides the tile's rows), masked by its token. No
+    window, no sink (a sink joins the merged row once). range_keys W (a dense cache): each sequence
+    reads only its last W keys, chunk j from key max(L_b - W, 0) + j chunk_keys -- one query token's
+    window of left edge W - 1 (components.key_split). out / lse: where the parts go (any strides
     with a unit last one; lse may be a view of an (Hq, B * n, R) buffer, the layout the merge reads).
     One CTA per tile; q's rows may be a strided view (GQA heads packed as rows)."""
     import torch
@@ -406,9 +409,16 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         cache_keys = k.shape[1]
     if num_splits > 1 and chunk_keys % tile_n:
         raise ValueError(f"chunk_keys: must be a multiple of the key tile ({tile_n}) when splitting, got {chunk_keys}")
-    if num_splits * chunk_keys < cache_keys:
-        raise ValueError(f"num_splits * chunk_keys ({num_splits} x {chunk_keys}) does not cover the cache's "
-                         f"{cache_keys} keys")
+    if range_keys is not None and (isinstance(range_keys, bool) or not isinstance(range_keys, int)
+                                   or not 1 <= range_keys < RANGE_ALL):
+        raise ValueError(f"range_keys: expected an int >= 1 (keys read from each sequence's end) or None, "
+                         f"got {range_keys!r}")
+    if range_keys is not None and page_table is not None:
+        raise ValueError("range_keys: a dense cache only (a range's first key would split a page's key block)")
+    span = cache_keys if range_keys is None else min(cache_keys, range_keys)
+    if num_splits * chunk_keys < span:
+        raise ValueError(f"num_splits * chunk_keys ({num_splits} x {chunk_keys}) does not cover the "
+                         f"{span} keys a sequence reads")
     if seqused_k is not None:
         host_io._check_i32_vector("seqused_k", seqused_k, b)
         if seqused_k.device != q.device:
@@ -435,7 +445,8 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     q, k, v = host_io.align_16B(q), host_io.align_16B(k), host_io.align_16B(v)
     used = None if seqused_k is None else seqused_k.contiguous()
     args = _call_args(q, k, v, out, lse, softmax_scale, r, seqused_k=used, softcap=variant.softcap,
-                      page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys)
+                      page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
+                      range_keys=RANGE_ALL if range_keys is None else range_keys)
     _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, (False, used is not None, False), tile_m,
              variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
     return out, lse

@@ -272,7 +272,8 @@ class FlashAttentionForwardSm90:
                  mSeqUsedK: Optional[cute.Tensor], mBatchMap: Optional[cute.Tensor],
                  mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32,
                  mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
-                 mPageTable: Optional[cute.Tensor], num_splits: Int32, chunk_keys: Int32, stream):
+                 mPageTable: Optional[cute.Tensor], num_splits: Int32, chunk_keys: Int32, range_keys: Int32,
+                 stream):
         # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         #         mLSE (B, Hq, Sq); the four optional tensors are None.
         # varlen: the same tensors with B = 1 and S = total tokens (packed), mLSE (1, Hq, total_q);
@@ -286,7 +287,8 @@ class FlashAttentionForwardSm90:
         # the flat cache (1, num_pages * page_size, Hkv, d) and cu_seqlens_k the logical first keys.
         # key_split build (components.key_split): mQ (B, R, Hq, d), mK / mV (B, S, Hkv, *) or the flat
         # paged cache, mO (B * num_splits, R, Hq, dv) and mLSE (B * num_splits, Hq, R) the parts, mSeqUsedK
-        # (B,) or None; chunk_keys keys a chunk. Other builds ignore num_splits and chunk_keys.
+        # (B,) or None; chunk_keys keys a chunk; range_keys the keys each sequence reads from its end
+        # (key_split.RANGE_ALL: all). Other builds ignore num_splits, chunk_keys and range_keys.
         self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
                          mPageTable)
         self.varlen = mCuSeqlensQ is not None
@@ -343,7 +345,7 @@ class FlashAttentionForwardSm90:
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
                     self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
-                    *((mK, mV) if self.gather else (None, None)), num_splits, chunk_keys,
+                    *((mK, mV) if self.gather else (None, None)), num_splits, chunk_keys, range_keys,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                              use_pdl=self.key_split)
@@ -363,7 +365,7 @@ class FlashAttentionForwardSm90:
                gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
                mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
                mPageTable: Optional[cute.Tensor], mK_flat: Optional[cute.Tensor], mV_flat: Optional[cute.Tensor],
-               num_splits: Int32, chunk_keys: Int32):
+               num_splits: Int32, chunk_keys: Int32, range_keys: Int32):
         if const_expr(self.key_split):
             # the merge kernel that follows is a programmatic dependent (split_combine.PartsCombine):
             # its CTAs may take the SMs this launch leaves free and wait there for it to finish
@@ -374,7 +376,8 @@ class FlashAttentionForwardSm90:
         # no code unless trace.enable() turned tracing on; a key split stamps after its wait (a store
         # before it could race the kernel before, e.g. the trace buffer's zeroing)
         trace.cta_stamp("entry")
-        split = KeySplit(num_splits, chunk_keys, self.page_size is not None) if const_expr(self.key_split) else None
+        split = KeySplit(num_splits, chunk_keys, self.page_size is not None, range_keys) \
+            if const_expr(self.key_split) else None
         self.split = split  # read by key_range (through self, like the walk below)
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
                            split)
