@@ -55,6 +55,7 @@ from ._layouts import gather_pages
 from ._lse_merge import add_sink, merge_parts
 
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
+KEY_TILE = 128            # the Hopper forward's widest key block (a paged range starts on one)
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue, merge) dominates
 MAX_SPLITS = 64
 MAX_GRID_Z = 65535        # a CUDA grid's z extent: the split launch's batch x splits
@@ -283,7 +284,7 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
 
 
 def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None,
-              causal=False, rows_per_query=1, unpack=1, range_keys=None):
+              causal=False, rows_per_query=1, unpack=1, range_keys=None, window=(None, None)):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
     against n chunks of `chunk` keys of each sequence's dense cache, or of its pages (page_table) ->
     out (B, R, H', Dv) (into `out` when given) and lse (B, H', R) fp32, merged. No segment offsets,
@@ -292,8 +293,9 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     causal: bottom-right aligned to each sequence's end, in every chunk; rows_per_query: the packed
     GQA group, whose rows the causal mask takes by token; unpack g > 1 (n > 1): the merge writes the
     token-packed rows unpacked (merge_segments), out (B, R / g, H' g, Dv) and lse (B, H' g, R / g).
-    range_keys W (dense): each sequence reads its last W keys, the chunks counted from key
-    max(L_b - W, 0) (one token's window)."""
+    window: (left, right) as the kernel's, aligned to each sequence's end like causal; range_keys W:
+    each sequence reads its last W keys, the chunks counted from key max(L_b - W, 0) (rounded down to
+    the key tile with pages, where the window must hide the keys before it)."""
     from . import _dispatch
 
     b, r, h, _ = rows.shape
@@ -302,7 +304,7 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     mod = _dispatch.backend_for(rows.device).forward_module()
     kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, causal=causal,
               rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r),
-              range_keys=range_keys)
+              range_keys=range_keys, window_size=tuple(window))
     if n == 1:
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
@@ -322,17 +324,17 @@ def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa,
     """(causal, free, pack): free = the mask ignores key alignment (segments may split and page);
     pack = GQA packing of the query heads into rows. One query token with no window sees every
     key, so causal is dropped for it. token_rows: the kernel masks packed rows by their query token
-    (the split launch), so a causal call with no window packs too while its rows fill at most one
+    (the split launch), so a causal or windowed call packs too while its rows fill at most one
     short-query tile (PACKED_CAUSAL_ROWS, the group dividing it): speculative decoding."""
     no_window = tuple(window) == (None, None)
     if sq == 1 and no_window:
         causal = False
     free = no_window and not causal
-    by_token = token_rows and no_window and sq * group <= PACKED_CAUSAL_ROWS and PACKED_CAUSAL_ROWS % group == 0
+    by_token = token_rows and sq * group <= PACKED_CAUSAL_ROWS and PACKED_CAUSAL_ROWS % group == 0
     if pack_gqa and not (free or by_token):
         raise ValueError("pack_gqa: packing the query heads needs a mask that is the same for every row (no window, "
-                         "and causal only with one query token, or a few through the split launch); pass None or "
-                         "False")
+                         "and causal only with one query token), or a split launch that masks them by token (rows "
+                         "of at most one 64-row tile, sequence b in cache row b); pass None or False")
     pack = (group > 1 and (free or by_token)) if pack_gqa is None else bool(pack_gqa) and group > 1
     return causal, free, pack
 
@@ -340,9 +342,10 @@ def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa,
 def key_range_window(sq: int, window, paged_in_place: bool):
     """(window, left) for the kernel: one query token at the sequence's end sees keys
     [L - 1 - left, L) whatever the window's right edge, so its window is dropped -- a free mask,
-    packed and split like no window -- and, with a left edge, `left` makes the segments start at the
-    window's first key (dense segments; pages read in place keep the window and run unsplit).
-    Longer queries keep their window (left None)."""
+    packed and split like no window -- and, with a left edge, `left` makes the split launch or the
+    segments start at the window's first key (dense caches; pages read in place start on a key
+    block, so they keep the window to mask the keys before it). Longer queries keep their window
+    (left None)."""
     if sq != 1 or tuple(window) == (None, None):
         return window, None
     if window[0] is None:
@@ -356,8 +359,9 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     paged_in_place: the kernel reads the pages through the table (fa4._paged), so a paged cache is
     chunked like a dense one (logical chunks, any mask) instead of one segment per page.
     split: a split-KV launch with its merge (`fa4_split`'s contract), taken by calls of at most
-    PACKED_CAUSAL_ROWS kernel rows with no window where sequence b is cache row b or its pages are
-    read in place; else the varlen kernel runs segments (which split only free masks).
+    PACKED_CAUSAL_ROWS kernel rows where sequence b is cache row b or its pages are read in place
+    (a left window: the chunks hold the last left + Sq keys, range_keys); else the varlen kernel runs
+    segments (which split only free masks).
     Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
@@ -378,13 +382,16 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     # a split launch finds its chunks itself (a causal diagonal too: it sees each chunk's distance to the
     # sequence's end); the varlen kernel needs segment offsets (and replicated queries). Short queries
     # only (decode: one 64-row tile, what was measured); prefills keep the varlen kernel
-    use_split = split is not None and tuple(window) == (None, None) and r <= PACKED_CAUSAL_ROWS \
-        and cache_rows is None and (block_table is None or paged_in_place)
+    use_split = split is not None and r <= PACKED_CAUSAL_ROWS and cache_rows is None \
+        and (block_table is None or paged_in_place)
+    # the keys a split launch reads from each sequence's end: the window of one token (its mask
+    # dropped) or of Sq tokens (masked), left + Sq; a paged range starts up to a key block earlier
+    range_keys = left + 1 if left is not None else (window[0] + sq if use_split and window[0] is not None else None)
     if block_table is not None and not paged_in_place:
         seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
     else:
         s_cache = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-        span = s_cache if left is None else min(s_cache, left + 1)                       # keys a sequence can use
+        span = s_cache if range_keys is None else min(s_cache, range_keys + (KEY_TILE - 1 if paged_in_place else 0))
         n = 1 if not (free or use_split) else (num_splits if num_splits > 0 else
                                                choose_num_splits(b, heads * math.ceil(r / TILE_M), span, sm_count))
         if use_split:
@@ -406,8 +413,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     if use_split:
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
                          block_table if paged_in_place else None, out=into, causal=causal,
-                         rows_per_query=g if pack and causal else 1, unpack=unpack,
-                         range_keys=None if left is None else left + 1)
+                         rows_per_query=g if pack and (causal or window != (None, None)) else 1, unpack=unpack,
+                         range_keys=range_keys, window=window)
         # (B, R, H', Dv), (B, H', R); unpacked: (B, Sq, Hq, Dv), (B, Hq, Sq)
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)

@@ -305,10 +305,10 @@ def add_decode(add, w: Workload, longest: int):
     through flash_attn_func; short and long key counts differ where persistence does), and what
     flash_attn_with_kvcache launches -- the varlen forward with seqused_k (causal as asked, and not
     causal: one query token drops it, and its window too: a key range), the split launch (one token,
-    its window a key range too; without a window also causal tokens with the GQA group packed as rows
-    where it divides the tile, and not packed), and the merges of split-KV parts (packed rows of
-    several tokens unpacked by the merge too). (A paged cache's split launch is a build per page
-    size: not derived here.)"""
+    its window a key range too; causal or windowed tokens with the GQA group packed as rows where it
+    divides the tile, and not packed), and the merges of split-KV parts (packed rows of several
+    tokens unpacked by the merge too). (A paged cache's split launch is a build per page size: not
+    derived here.)"""
     from ._dispatch import LPT_MIN_SEQLEN_K, SHORT_QUERY_TILE_M
 
     add("fwd short", w, tile_m=SHORT_QUERY_TILE_M)
@@ -320,12 +320,11 @@ def add_decode(add, w: Workload, longest: int):
         add("kvcache", replace(w, causal=False, window=None, sink=False), tile_m=SHORT_QUERY_TILE_M)
     add("kvcache split", replace(w, causal=False, window=None, sink=False), tile_m=SHORT_QUERY_TILE_M,
         rows_per_query=1)
-    if w.window is None:
-        g = w.heads_q // w.heads_kv
-        packed = g if g > 1 and SHORT_QUERY_TILE_M % g == 0 else 1
-        if w.causal:
-            for rows in sorted({1, packed}):
-                add("kvcache split", replace(w, sink=False), tile_m=SHORT_QUERY_TILE_M, rows_per_query=rows)
+    g = w.heads_q // w.heads_kv
+    packed = g if g > 1 and SHORT_QUERY_TILE_M % g == 0 else 1
+    if w.causal or w.window is not None:  # rows masked by token: causal tokens, a window (pages, tokens)
+        for rows in sorted({1, packed}):
+            add("kvcache split", replace(w, sink=False), tile_m=SHORT_QUERY_TILE_M, rows_per_query=rows)
     add("combine", replace(w, causal=False, window=None, softcap=0.0, sink=False))
 
 

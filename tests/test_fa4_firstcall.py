@@ -388,7 +388,8 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch
 def test_decode_window_key_range_launch_is_precompiled(recorder, monkeypatch):
     """One query token with a window reads a key range (fa4._kvcache.key_range_window): the split
     launch with range_keys, or with cache_batch_idx the varlen forward with a free mask over segments
-    that start at the window; a windowed decode spec builds both."""
+    that start at the window; several tokens split with the window's mask. A windowed decode spec
+    builds all three."""
     from fa4 import _kvcache
 
     be, rec = recorder
@@ -411,6 +412,11 @@ def test_decode_window_key_range_launch_is_precompiled(recorder, monkeypatch):
     chunk, n = _kvcache.split_chunks(left + 1, 3)
     _kvcache.fa4_split(torch.randn(2, rows, w.heads_kv, w.head_dim, dtype=torch.bfloat16), k, k, lens, n, chunk,
                        w.head_dim ** -0.5, 0.0, range_keys=left + 1)
+    # several tokens (speculative decoding) keep the window's mask, the group packed by token
+    chunk, n = _kvcache.split_chunks(left + 4, 3)
+    _kvcache.fa4_split(torch.randn(2, 4 * rows, w.heads_kv, w.head_dim, dtype=torch.bfloat16), k, k, lens, n, chunk,
+                       w.head_dim ** -0.5, 0.0, range_keys=left + 4, window=(left, None), causal=True,
+                       rows_per_query=rows, unpack=rows)
     launched = set(rec.keys)
     assert launched and launched <= built, sorted(map(repr, launched - built))
-    assert sum("key_split" in k for k in launched) == 1
+    assert sum("key_split" in k for k in launched) == 2

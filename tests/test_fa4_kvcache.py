@@ -243,15 +243,20 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
 
 
 def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None, causal=False,
-                   rows_per_query=1, unpack=1, range_keys=None):
+                   rows_per_query=1, unpack=1, range_keys=None, window=(None, None)):
     """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
     merge, through fa4._kvcache.fa4_split): chunk j of sequence b, keys [j chunk, j chunk + used)
     with used = clamp(seqlens[b] - j chunk, 0, chunk), is part j of sequence b (-inf lse with no
     key); causal: row i sees keys up to L - R + i of the whole sequence (written out here, not
     dense()'s alignment to the chunk); the parts merge to out (B, R, H, Dv), into `out` when given,
-    and lse (B, H, R), or unpacked (unpack g: (B, R / g, H g, Dv) and (B, H g, R / g)). range_keys W:
-    the chunks count from key max(seqlens[b] - W, 0) and cover min(S, W) keys."""
+    and lse (B, H, R), or unpacked (unpack g: (B, R / g, H g, Dv) and (B, H g, R / g)). window
+    (left, right): token t sees keys L - T + t - left ..= L - T + t + right (causal: right 0).
+    range_keys W: the chunks count from key max(seqlens[b] - W, 0) (with pages rounded down to a
+    multiple of 128, and then a left window must hide the keys before it) and cover those keys."""
     b, r, h, _ = rows.shape
+    tokens = r // rows_per_query
+    left, right = window
+    right = 0 if causal else right
     assert n == 1 or chunk % 128 == 0, "chunks start on key-tile borders"
     parts = torch.zeros(b * n, r, h, v.shape[-1], dtype=torch.float64)
     lse = torch.full((h, b * n, r), float("-inf"), dtype=torch.float64)
@@ -262,14 +267,17 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
             idx = (page_table[i].long()[:, None] * ps + torch.arange(ps)).reshape(-1)
             keys, values = k.reshape(-1, *k.shape[2:])[idx], v.reshape(-1, *v.shape[2:])[idx]
         start = 0 if range_keys is None else max(int(seqlens[i]) - range_keys, 0)
-        assert n * chunk >= min(keys.shape[0], range_keys or keys.shape[0]), "the chunks cover the keys read"
+        if page_table is not None and range_keys is not None:
+            assert left is not None and left + tokens <= range_keys, "a paged range needs the window to hide its start"
+            start -= start % 128
+        assert start + n * chunk >= min(keys.shape[0], int(seqlens[i])), "the chunks cover the keys read"
         for j in range(n):
             a = start + j * chunk
             used = min(max(int(seqlens[i]) - a, 0), chunk)
             if used:
                 parts[i * n + j], lse[:, i * n + j] = _chunk_attention(
                     rows[i], keys[a:a + used], values[a:a + used], scale, softcap,
-                    int(seqlens[i]) - r // rows_per_query - a if causal else None, rows_per_query)
+                    int(seqlens[i]) - tokens - a, rows_per_query, left, right)
     assert unpack == 1 or n > 1, "one part is not merged: the caller unpacks it"
     merged, lse = kv.merge_segments(parts, lse, n, unpack=unpack)
     if out is not None:   # where the caller wants the result (a view of its final layout)
@@ -277,18 +285,20 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
     return merged, lse
 
 
-def _chunk_attention(q, k, v, scale, softcap, diagonal=None, rows_per_query=1):
-    """q (R, H, D) against k / v (S, Hkv, *) in float64, row i (query token i // rows_per_query)
-    seeing keys <= its token + diagonal (None: all) -> out (R, H, Dv), lse (H, R); a row that sees
-    no key gets 0 and -inf."""
+def _chunk_attention(q, k, v, scale, softcap, diagonal=None, rows_per_query=1, left=None, right=0):
+    """q (R, H, D) against k / v (S, Hkv, *) in float64, row i (query token t = i // rows_per_query)
+    seeing keys t + diagonal - left ..= t + diagonal + right (diagonal None, or an edge None: no
+    limit there) -> out (R, H, Dv), lse (H, R); a row that sees no key gets 0 and -inf."""
     g = q.shape[1] // k.shape[1]
     kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
     s = torch.einsum("rhd,shd->hrs", q.double(), kk) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    if diagonal is not None:
-        rows, cols = torch.arange(q.shape[0])[:, None] // rows_per_query, torch.arange(k.shape[0])[None, :]
-        s = s.masked_fill(cols > rows + diagonal, float("-inf"))
+    rows, cols = torch.arange(q.shape[0])[:, None] // rows_per_query, torch.arange(k.shape[0])[None, :]
+    if diagonal is not None and right is not None:
+        s = s.masked_fill(cols > rows + diagonal + right, float("-inf"))
+    if diagonal is not None and left is not None:
+        s = s.masked_fill(cols < rows + diagonal - left, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                                   # (H, R)
     p = torch.exp(s - lse[..., None].clamp(min=-1e300)).nan_to_num(0.0)
     return torch.einsum("hrs,shd->rhd", p, vv), lse
@@ -396,14 +406,14 @@ def test_split_launch_causal_tokens_with_sink_and_softcap(splits):
 
 
 def test_split_launch_only_where_the_mask_has_no_window_and_rows_are_the_batch():
-    """cache_batch_idx, and a window over several tokens, keep the varlen kernel's segments."""
+    """cache_batch_idx keeps the varlen kernel's segments (a window over several tokens too)."""
     g = _gen(23)
     b, hq, d = 2, 2, 16
     kc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
     vc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
     lens = torch.tensor([290, 40], dtype=torch.int32)
     cases = [dict(q_len=1, cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32)),
-             dict(q_len=3, causal=True, window_size=(100, 0))]
+             dict(q_len=3, causal=True, window_size=(100, 0), cache_batch_idx=torch.tensor([1, 2], dtype=torch.int32))]
     for case in cases:
         q = torch.randn(b, case.pop("q_len"), hq, d, generator=g, dtype=torch.float64)
         rows = case.get("cache_batch_idx", torch.arange(b)).long()
@@ -480,6 +490,67 @@ def test_decode_window_is_a_key_range_over_cache_rows(splits):
     assert torch.equal(used.view(b, n).sum(1), torch.minimum(lens, torch.tensor(left + 1)))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("paged", [None, 16, 128])
+@pytest.mark.parametrize("sq, window", [(3, (100, 0)), (4, (300, 0)), (2, (None, 0))])
+def test_split_launch_windowed_tokens(splits, paged, sq, window):
+    """Several causal tokens with a window (speculative decoding in a sliding layer), dense or pages
+    read in place: the split launch, the GQA group packed by token and masked by the window, over
+    the last left + Sq keys of each sequence (a paged range from the key tile below). A window
+    with no left edge reads the whole cache."""
+    b, hq, hkv, d, s_cache = 3, 8, 2, 16, 640
+    q, kc, vc = _tokens_and_cache(27, b, sq, hq, hkv, d, s_cache)
+    lens = torch.tensor([640, 250, 2], dtype=torch.int32)
+    kw, keys, values = {}, kc, vc
+    if paged:   # the same keys cut into shuffled pages
+        pages = s_cache // paged
+        table = torch.randperm(b * pages, generator=_gen(28)).view(b, pages).to(torch.int32)
+        kp = torch.empty(b * pages, paged, hkv, d, dtype=torch.float64)
+        vp = torch.empty_like(kp)
+        kp[table.reshape(-1).long()] = kc.reshape(b * pages, paged, hkv, d)
+        vp[table.reshape(-1).long()] = vc.reshape(b * pages, paged, hkv, d)
+        kw, keys, values = dict(block_table=table, paged_in_place=True), kp, vp
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((kw["range_keys"], tuple(kw["window"]), kw["rows_per_query"], kw["causal"]))
+        return split_stand_in(*args, **kw)
+
+    out, lse = kv.with_kvcache(q, keys, values, cache_seqlens=lens, num_splits=splits, causal=True,
+                               window_size=window, varlen=_no_varlen, split=spy, sm_count=64,
+                               return_softmax_lse=True, **kw)
+    _check(out, lse, q, kc, vc, lens, causal=True, window=window)
+    range_keys = None if window[0] is None else window[0] + sq
+    assert seen == [(range_keys, (window[0], None), 4, True)]     # causal's right edge stays the causal flag
+
+
+@pytest.mark.parametrize("page", [16, 128])
+def test_paged_decode_window_splits_from_the_key_tile_below_it(page):
+    """One token with a window over pages read in place: the window stays (its mask hides the keys
+    between the key tile the range starts on and the window's first key), the group packed by
+    token, range_keys = left + 1."""
+    b, hq, hkv, d, pages, left = 2, 8, 2, 16, 12, 200
+    g = _gen(29)
+    kp = torch.randn(b * pages + 2, page, hkv, d, generator=g, dtype=torch.float64)
+    vp = torch.randn(b * pages + 2, page, hkv, d, generator=g, dtype=torch.float64)
+    table = torch.randperm(b * pages + 2, generator=g)[:b * pages].view(b, pages).to(torch.int32)
+    lens = torch.tensor([pages * page - 5, 3], dtype=torch.int32)
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append((args[4], kw["range_keys"], tuple(kw["window"]), kw["rows_per_query"]))
+        return split_stand_in(*args, **kw)
+
+    out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=2, causal=True,
+                               window_size=(left, 0), varlen=_no_varlen, split=spy, sm_count=16,
+                               return_softmax_lse=True, paged_in_place=True)
+    _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens, causal=True,
+           window=(left, 0))
+    n = kv.split_chunks(min(pages * page, left + 1 + 127), 2)[1]
+    assert seen == [(n, left + 1, (left, None), 4)]
+
+
 def test_key_range_window():
     """Which windows one query token turns into a key range."""
     assert kv.key_range_window(1, (100, 0), False) == ((None, None), 100)
@@ -519,6 +590,7 @@ def test_several_noncausal_tokens_packed_and_merged_unpacked():
     assert n > 1 and seen == [(b * n * sq * hq // hkv, hkv, d)]            # packed rows, n segments each
     _check(out, lse, q, kc, vc, lens)
 
+
 def test_plan_and_heuristic(monkeypatch):
     assert kv.plan_layout(1, 4, True, (None, None), None) == (False, True, True)     # decode: packed, free
     assert kv.plan_layout(1, 4, True, (128, None), None) == (True, False, False)     # a window pins alignment
@@ -527,7 +599,7 @@ def test_plan_and_heuristic(monkeypatch):
     assert kv.plan_layout(7, 4, True, (None, None), None, token_rows=True) == (True, False, True)
     assert kv.plan_layout(17, 4, True, (None, None), None, token_rows=True) == (True, False, False)
     assert kv.plan_layout(2, 6, True, (None, None), None, token_rows=True) == (True, False, False)  # 6 ∤ 64
-    assert kv.plan_layout(2, 4, True, (64, 0), None, token_rows=True) == (True, False, False)
+    assert kv.plan_layout(2, 4, True, (64, 0), None, token_rows=True) == (True, False, True)   # a window by token
     assert kv.plan_layout(7, 1, False, (None, None), None) == (False, True, False)   # MHA: nothing to pack
     with pytest.raises(ValueError, match=r"^pack_gqa: "):
         kv.plan_layout(7, 4, True, (None, None), True)

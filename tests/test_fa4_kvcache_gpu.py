@@ -255,6 +255,55 @@ def test_paged_decode_in_place(page, splits, no_gather):
     assert torch.equal(out, dense), "pages read in place must equal the same call on a dense cache"
 
 
+def _poison_outside(kp, vp, table, lens, first_keys):
+    """NaN in each sequence's pages before key first_keys[b] and from its end on (never read)."""
+    page = kp.shape[1]
+    flat_k, flat_v = kp.view(-1, *kp.shape[2:]), vp.view(-1, *vp.shape[2:])
+    keys = torch.arange(table.shape[1] * page, device=kp.device)
+    for b, (n, first) in enumerate(zip(lens, first_keys)):
+        outside = keys[(keys < first) | (keys >= n)]
+        rows = table[b, outside // page].long() * page + outside % page
+        flat_k[rows], flat_v[rows] = float("nan"), float("nan")
+
+
+@pytest.mark.parametrize("page, splits, sq", [(16, 0, 1), (128, 3, 1), (24, 0, 1), (256, 1, 1), (64, 0, 4),
+                                              (128, 5, 3)])
+def test_paged_decode_window_in_place(page, splits, sq, no_gather):
+    """A window over pages read in place: the split launch reads each sequence's last left + Sq keys
+    from the key block below them (the window's mask hides the keys between), the group packed by
+    token. Keys before that block and after the sequence hold NaN."""
+    b, pages, left = 3, -(-8192 // page), 1000
+    kp, vp, table = _paged(b, pages, page, 8, 128, 16)
+    lens = [8192, 700, 3000]
+    _poison_outside(kp, vp, table, lens, [max(n - left - sq, 0) // 128 * 128 for n in lens])
+    q = torch.randn(b, sq, 32, 128, device="cuda").to(BF16)
+    used = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=used, block_table=table, num_splits=splits,
+                                           causal=True, window_size=(left, 0), return_softmax_lse=True)
+    assert torch.isfinite(out).all()
+    keys, values = _unpage(kp, table).nan_to_num(), _unpage(vp, table).nan_to_num()
+    _check(out, lse, *_truth_and_baseline(q, keys, values, used, causal=True, window=(left, None)),
+           f"paged window page {page} sq {sq}")
+
+
+@pytest.mark.parametrize("sq, splits", [(4, 0), (3, 5), (2, 1)])
+def test_windowed_query_tokens_split(sq, splits):
+    """Speculative decoding in a sliding layer: a few causal tokens with a window split over the last
+    left + Sq keys of each dense sequence (exactly: keys before them hold NaN), packed by token."""
+    k, v = _cache(3, 6000, 8, 128, 17)
+    lens, left = [6000, 1282, 3], 700
+    for b, n in enumerate(lens):
+        k[b, :max(n - left - sq, 0)], v[b, :max(n - left - sq, 0)] = float("nan"), float("nan")
+        k[b, n:], v[b, n:] = float("nan"), float("nan")
+    used = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, sq, 32, 128, device="cuda").to(BF16)
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=used, num_splits=splits, causal=True,
+                                           window_size=(left, 0), return_softmax_lse=True)
+    assert torch.isfinite(out).all()
+    _check(out, lse, *_truth_and_baseline(q, k.nan_to_num(), v.nan_to_num(), used, causal=True, window=(left, None)),
+           f"windowed tokens sq={sq} splits={splits}")
+
+
 @pytest.mark.parametrize("page", [16, 32, 24, 1])
 def test_paged_in_place_tables_exactly_as_wide_as_the_keys(page, no_gather):
     """A table with ceil(keys / page) columns, not a multiple of the pages per key block: the last

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from stage0_reference import attention_forward  # the float64 oracle (bottom-right causal, GQA)
-from stage3_fwd_kernel.components.block_range import num_masked_blocks
+from stage3_fwd_kernel.components.block_range import num_left_masked_blocks, num_masked_blocks
 from stage3_fwd_kernel.components.key_split import RANGE_ALL, KeySplit, chunk_blocks, chunk_of
 from stage3_fwd_kernel.components.window import Window
 from stage3_fwd_kernel.components.work_tile import SequenceInfo
@@ -26,28 +26,28 @@ from stage3_fwd_kernel.components.work_tile import SequenceInfo
 pytestmark = pytest.mark.stage3
 
 
-def split_kernel(causal, g, tile_m=64):
+def split_kernel(causal, g, tile_m=64, window=None):
     """The Hopper forward built with a key split (head dim 16: the CPU reference's size), set up as its
-    launch would be for trace-time calls on Python integers."""
+    launch would be for trace-time calls on Python integers. window: a Window beyond causal."""
     import cutlass
 
     from stage3_fwd_kernel.hopper import FlashAttentionForwardSm90
 
     kernel = FlashAttentionForwardSm90(cutlass.BFloat16, 16, 16, causal, tile_m=tile_m, key_split=True,
-                                       rows_per_query=g)
+                                       rows_per_query=g, window=window or Window(None, None))
     kernel.varlen = False
     kernel.q_shift = kernel.q_shift_for(False)
     return kernel
 
 
-def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64, range_keys=None):
+def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64, range_keys=None, window=None, range_align=1):
     """q (B, R, H, D) with R = tokens * g rows (row t g + j: token t of group head j when g > 1, H then
     the KV heads), k / v (B, S, Hkv, *) -> parts out (B n, R, H, Dv), lse (B n, H, R). range_keys W:
-    each sequence's last W keys only."""
+    each sequence's last W keys only (the first rounded down to range_align); window: a Window."""
     b, r, h, _ = q.shape
-    kernel = split_kernel(causal, g, tile_m)
+    kernel = split_kernel(causal, g, tile_m, window)
     tn, mask = kernel.tile_n, kernel.mask
-    kernel.split = KeySplit(n, chunk, False, range_keys)
+    kernel.split = KeySplit(n, chunk, False, range_keys, range_align)
     seq = SequenceInfo(r, k.shape[1], h // k.shape[2], None, None, list(lens), None, kernel.split)
     out = np.zeros((b * n, r, h, v.shape[-1]))
     lse = np.full((b * n, h, r), -np.inf)
@@ -55,19 +55,30 @@ def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64, range_keys=None):
         for head in range(h):
             for m_block in range(math.ceil(r / tile_m)):
                 tile = kernel.locate(m_block, head, virtual, seq)
-                _, n_max = kernel.key_range(tile)
+                n_min, n_max = kernel.key_range(tile)
+                n_min = 0 if n_min is None else int(n_min)
+                n_blocks = max(int(n_max) - n_min, 0)
                 query_len, keys_to_end = kernel.query_len(tile), int(tile.seqlen_k)
                 n_masked = min(int(num_masked_blocks(m_block, query_len, keys_to_end, n_max, tile_m=kernel.query_tile_m,
-                                                     tile_n=tn, window=kernel.window)), n_max)
+                                                     tile_n=tn, window=kernel.window)), n_blocks)
+                n_left = int(num_left_masked_blocks(m_block, query_len, keys_to_end, n_min, n_blocks,
+                                                    tile_m=kernel.query_tile_m, tile_n=tn, window=kernel.window))
                 for row in range(m_block * tile_m, min(r, (m_block + 1) * tile_m)):
-                    cols = [np.arange(tn)] * (n_max - n_masked)                         # unmasked blocks: whole
-                    for blk in range(n_max - n_masked, n_max):
-                        limit = int(mask.key_limit(mask.query_of(row), blk, query_len, keys_to_end))
-                        cols.append(np.arange(max(0, min(tn, limit))))
-                    idx = np.concatenate([blk * tn + c for blk, c in enumerate(cols)]) if cols else np.arange(0)
+                    cols = []
+                    for i in range(n_blocks):                     # walked last block first, as the kernel does
+                        blk = int(n_max) - 1 - i
+                        if i < n_masked or i >= n_blocks - n_left:
+                            token = mask.query_of(row)
+                            limit = int(mask.key_limit(token, blk, query_len, keys_to_end))
+                            start = int(mask.key_start(token, blk, query_len, keys_to_end)) \
+                                if kernel.window.left is not None else 0
+                            cols.append(blk * tn + np.arange(max(0, start), max(0, min(tn, limit))))
+                        else:
+                            cols.append(blk * tn + np.arange(tn))          # unmasked blocks: whole
+                    idx = np.concatenate(cols) if cols else np.arange(0)
                     if idx.size == 0:
                         continue
-                    idx = int(tile.offset_k) + idx
+                    idx = int(tile.offset_k) + np.sort(idx)
                     s = k[tile.batch_kv, idx, tile.head_kv] @ q[tile.batch, row, head] / math.sqrt(q.shape[-1])
                     top = s.max()
                     p = np.exp(s - top)
@@ -146,6 +157,41 @@ def test_split_walk_of_a_key_range_matches_the_window(g, n, chunk, window):
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("tokens, left", [(1, 200), (3, 150), (5, 0), (2, 700)])
+@pytest.mark.parametrize("align", [1, 128])
+def test_split_walk_with_a_window_matches_sliding_window_attention(g, tokens, left, align):
+    """A window in the split walk: causal tokens at the cache's end with a left edge, the GQA group
+    packed by token, over a key range of left + tokens keys -- exact (dense) or from the key tile below
+    it (paged, `range_align`: the window masks the extra keys) -- and, without a range, over the whole
+    cache, where the chunks left of the window walk nothing."""
+    rng = np.random.default_rng(5 + g + tokens + left + align)
+    b, hkv, d, s_cache = 4, 2, 16, 1024
+    lens = [1024, 333, 3, 0]
+    hq = hkv * g if g > 1 else 4
+    q = rng.standard_normal((b, tokens, hq, d))
+    k = rng.standard_normal((b, s_cache, hkv, d))
+    v = rng.standard_normal((b, s_cache, hkv, d))
+    rows = q.reshape(b, tokens, hkv, g, d).transpose(0, 1, 3, 2, 4).reshape(b, tokens * g, hkv, d) if g > 1 else q
+    span = min(s_cache, left + tokens + align - 1)
+    for n, chunk, range_keys in ((3, 128 * math.ceil(span / 384), left + tokens), (8, 128, None)):
+        out, lse = merge(*simulate(rows, k, v, lens, n, chunk, True, g, range_keys=range_keys,
+                                   window=Window(left, None), range_align=align), n)
+        for i, n_keys in enumerate(lens):
+            got, got_lse = out[i], lse[i]
+            if g > 1:
+                got = got.reshape(tokens, g, hkv, -1).transpose(0, 2, 1, 3).reshape(tokens, hq, -1)
+                got_lse = got_lse.reshape(hkv, tokens, g).transpose(0, 2, 1).reshape(hq, tokens)
+            want, want_lse = attention_forward(q[i:i + 1], k[i:i + 1, :n_keys], v[i:i + 1, :n_keys], causal=True,
+                                               window_size=(left, 0))
+            fin = np.isfinite(want_lse[0])
+            np.testing.assert_array_equal(np.isfinite(got_lse), fin, err_msg=f"rows that see keys, sequence {i}")
+            np.testing.assert_allclose(got[fin.T], want[0][fin.T], rtol=1e-10, atol=1e-12,
+                                       err_msg=f"out, sequence {i}, range {range_keys}")
+            np.testing.assert_allclose(got_lse[fin], want_lse[0][fin], rtol=1e-10, err_msg=f"lse, sequence {i}")
+
+
+@pytest.mark.cpu
 def test_chunk_of_counts_keys_to_the_end():
     split = KeySplit(4, 256, False)
     got = [chunk_of(split, v, 2000, [1000, 300]) for v in range(8)]
@@ -173,16 +219,16 @@ def test_kernel_refuses_what_a_key_split_cannot_serve():
         FlashAttentionForwardSm90(cutlass.BFloat16, 128, 128, True, tile_m=64, rows_per_query=4)
     with pytest.raises(ValueError, match=r"^rows_per_query: "):
         FlashAttentionForwardSm90(cutlass.BFloat16, 128, 128, True, tile_m=64, key_split=True, rows_per_query=3)
-    with pytest.raises(ValueError, match=r"^key_split: not with a window"):
-        FlashAttentionForwardSm90(cutlass.BFloat16, 128, 128, True, tile_m=64, key_split=True,
-                                  window=Window(64, None))
+    with pytest.raises(ValueError, match=r"^split_tail: needs a non-causal dense call on the static persistent"):
+        FlashAttentionForwardSm90(cutlass.BFloat16, 128, 128, False, tile_m=64, key_split=True, split_tail=True)
     with pytest.raises(ValueError, match=r"^persistent: a key split runs one CTA per tile"):
         compile_only("bf16", 128, 128, key_split=True, persistent=True)
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("causal, rows_per_query, page_size", [(False, 1, None), (True, 4, None), (True, 1, 64)])
-def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_size):
+@pytest.mark.parametrize("causal, rows_per_query, page_size, left", [(False, 1, None, None), (True, 4, None, None),
+                                                                     (True, 1, 64, None), (True, 4, 64, 1024)])
+def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_size, left):
     """The split launch compiles without spills or serialized wgmmas, signals its dependents
     (griddepcontrol.launch_dependents: PREEXIT) and waits for the kernel before it (griddepcontrol.wait:
     ACQBULK) before any global access; a plain build does neither; both merges (packed rows, rows by
@@ -194,8 +240,11 @@ def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_
     from stage3_fwd_kernel.hopper.host import _compile, compile_only
     from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
 
+    from stage3_fwd_kernel.hopper.host import Variant
+
     comp = _compile(False, cutlass.BFloat16, 128, 128, causal, DEFAULT_POLICY, StaticTileScheduler,
-                    (False, True, False), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query)
+                    (False, True, False), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query,
+                    variant=Variant(Window(left, None)))
     assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
     assert not comp.report["wgmma_serialized"]
     assert "PREEXIT" in comp.sass and _waits_before_global_memory(comp.sass)
@@ -252,6 +301,9 @@ def test_split_launch_refuses_bad_arguments_before_any_launch(monkeypatch):
         pages = k.view(4, 128, 2, 64)
         attention_split_forward(q, pages, pages, 2, 128, page_table=torch.zeros(3, 2, dtype=torch.int32),
                                 seqused_k=torch.ones(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"^range_keys: a dense cache only"):
-        attention_split_forward(q, pages, pages, 2, 128, page_table=torch.zeros(2, 2, dtype=torch.int32),
-                                seqused_k=torch.ones(2, dtype=torch.int32), range_keys=100)
+    for window in ((None, None), (97, 0)):   # 4 query tokens: a left edge of at most 96 fits 100 keys
+        with pytest.raises(ValueError, match=r"^range_keys: a paged range starts on a key block, so it needs a left "
+                                             r"window .* got 100 with window_size \(.*\) and 4 tokens"):
+            attention_split_forward(q, pages, pages, 2, 128, page_table=torch.zeros(2, 2, dtype=torch.int32),
+                                    seqused_k=torch.ones(2, dtype=torch.int32), range_keys=100, causal=True,
+                                    window_size=window)

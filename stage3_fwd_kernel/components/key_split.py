@@ -18,13 +18,16 @@ three of a 1 x 16k step's five kernels (docs/measurements.md).
 
 Causal splits this way: every chunk but the last few is wholly left of the diagonal and unmasked,
 and a speculative-decoding step (a few query tokens at the cache's end) splits like one token. A
-window over several tokens does not (its left edge would cut chunks the walk does not expect), but
-one token's window is a key range: the token sees the last W = left + 1 keys of its sequence, so with
-`range_keys` = W the chunks start at key s_b = max(L_b - W, 0) instead of 0 (chunk j: keys
-[s_b + j c, s_b + j c + c)), the walk reads W keys instead of L_b and no mask is needed. s_b need not
-be a multiple of the key tile in a dense cache (TMA takes any row); pages would split a block, so a
-paged cache takes no key range. A learnable sink joins the merged row once, after the merge, never
-a chunk's.
+window splits the same way: its edges, too, are measured from the sequence's end, so each chunk's
+walk (components.block_range, from keys_to_end) starts at the block of its rows' left edge, and a
+chunk wholly left of the window walks nothing. So that the chunks hold the window rather than the
+whole cache, `range_keys` W cuts the keys read: T query tokens with a left edge `left` see the last
+W = left + T keys of their sequence, and the chunks start at key s_b = max(L_b - W, 0) instead of 0
+(chunk j: keys [s_b + j c, s_b + j c + c)). One token's window is then all of the range and needs no
+mask at all. s_b need not be a multiple of the key tile in a dense cache (TMA takes any row); a
+paged cache finds its pages block by block, so there s_b is rounded down to the key tile
+(`range_align`) and the window's mask hides the keys before max(L_b - W, 0). A learnable sink joins
+the merged row once, after the merge, never a chunk's.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class KeySplit(NamedTuple):
     chunk_keys: Any   # c: keys per chunk, a multiple of tile_n
     paged: bool       # K / V are a flat paged cache (a batch of one): the page-table row picks the pages
     range_keys: Any = None  # W: the keys each sequence reads, its last W (Int32; RANGE_ALL or None: all)
+    range_align: int = 1    # the range's first key rounded down to a multiple of this (paged: the key tile)
 
 
 RANGE_ALL = 2**31 - 1  # range_keys that reads every key: max(L - RANGE_ALL, 0) = 0 for any L >= 0
@@ -67,7 +71,10 @@ def chunk_of(split: KeySplit, virtual, seqlen_k, seqused_k) -> KeyChunk:
     if cutlass.const_expr(seqused_k is not None):
         total = seqused_k[b]
     if cutlass.const_expr(split.range_keys is not None):
-        first = first + cutlass.max(total - split.range_keys, Int32(0))
+        start = cutlass.max(total - split.range_keys, Int32(0))
+        if cutlass.const_expr(split.range_align > 1):
+            start = start // split.range_align * split.range_align   # start >= 0: a mask for a power of two
+        first = first + start
     return KeyChunk(b, first, cutlass.max(total - first, Int32(0)), Int32(0) if cutlass.const_expr(split.paged) else b)
 
 

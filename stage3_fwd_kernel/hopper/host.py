@@ -361,7 +361,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                             softmax_scale=None, causal=False, rows_per_query=1, softcap=0.0, out=None, lse=None,
                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
-                            tile_m: int | None = None, range_keys: int | None = None):
+                            tile_m: int | None = None, range_keys: int | None = None, window_size=(None, None)):
     """Split-KV (components.key_split): q (B, R, Hq, D) against num_splits chunks of chunk_keys keys
     of each sequence's cache -> the parts, out (B * n, R, Hq, Dv) in q's dtype (chunk j of sequence
     b at row b * n + j, O divided by the chunk's own row sums) and lse (B * n, Hq, R) fp32 (-inf
@@ -374,11 +374,14 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     cover the keys a sequence reads (S, or pages * page_size; min(S, range_keys)). causal:
     bottom-right aligned to each sequence's end (row i of R sees its first L_b - R + 1 + i keys), in
     every chunk; rows_per_query g > 1: q's rows are GQA heads packed as rows, row t g + j query token
-    t of head j of the group (R / g tokens; g divides the tile's rows), masked by its token. No
-    window, no sink (a sink joins the merged row once). range_keys W (a dense cache): each sequence
-    reads only its last W keys, chunk j from key max(L_b - W, 0) + j chunk_keys -- one query token's
-    window of left edge W - 1 (components.key_split). out / lse: where the parts go (any strides
-    with a unit last one; lse may be a view of an (Hq, B * n, R) buffer, the layout the merge reads).
+    t of head j of the group (R / g tokens; g divides the tile's rows), masked by its token.
+    window_size: a sliding window (as attention_forward's), bottom-right aligned like causal; no sink
+    (a sink joins the merged row once). range_keys W: each sequence reads only its last W keys, chunk
+    j from key max(L_b - W, 0) + j chunk_keys (T tokens with a left edge `left` need W = left + T;
+    components.key_split); with a page table that first key is rounded down to the key tile, so a
+    paged range needs a left window with left + T <= W to hide the keys before it. out / lse: where
+    the parts go (any strides with a unit last one; lse may be a view of an (Hq, B * n, R) buffer,
+    the layout the merge reads).
     One CTA per tile; q's rows may be a strided view (GQA heads packed as rows)."""
     import torch
 
@@ -413,9 +416,20 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                                    or not 1 <= range_keys < RANGE_ALL):
         raise ValueError(f"range_keys: expected an int >= 1 (keys read from each sequence's end) or None, "
                          f"got {range_keys!r}")
-    if range_keys is not None and page_table is not None:
-        raise ValueError("range_keys: a dense cache only (a range's first key would split a page's key block)")
-    span = cache_keys if range_keys is None else min(cache_keys, range_keys)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    window = beyond_causal(causal, window_size)
+    if isinstance(rows_per_query, bool) or not isinstance(rows_per_query, int) or rows_per_query < 1 \
+            or r % rows_per_query:
+        raise ValueError(f"rows_per_query: expected an int >= 1 dividing q's {r} rows, got {rows_per_query!r}")
+    if range_keys is not None and page_table is not None and (window.left is None
+                                                              or window.left + r // rows_per_query > range_keys):
+        raise ValueError(f"range_keys: a paged range starts on a key block, so it needs a left window that hides "
+                         f"the keys before it (left + query tokens <= range_keys), got {range_keys} with "
+                         f"window_size {tuple(window_size)} and {r // rows_per_query} tokens")
+    # a paged range's first key is rounded down: up to a key tile less one more keys
+    span = cache_keys if range_keys is None else min(cache_keys, range_keys + (tile_n - 1 if page_table is not None
+                                                                                else 0))
     if num_splits * chunk_keys < span:
         raise ValueError(f"num_splits * chunk_keys ({num_splits} x {chunk_keys}) does not cover the "
                          f"{span} keys a sequence reads")
@@ -427,13 +441,8 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         raise TypeError(f"q, k, v: expected one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape[-1] != d or k.shape[2] == 0 or hq % k.shape[2]:
         raise ValueError(f"k: head dim {k.shape[-1]} and {k.shape[2]} heads do not match q's {d} and {hq}")
-    variant = Variant(NO_WINDOW, check_softcap(softcap), False)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
-    if isinstance(rows_per_query, bool) or not isinstance(rows_per_query, int) or rows_per_query < 1 \
-            or r % rows_per_query:
-        raise ValueError(f"rows_per_query: expected an int >= 1 dividing q's {r} rows, got {rows_per_query!r}")
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, NO_WINDOW)
+    variant = Variant(window, check_softcap(softcap), False)
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, window)
     policy.check_dtype(dt)
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
@@ -475,8 +484,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
-    if key_split and (varlen or batch_map or learnable_sink or split_tail or variant.window.limited):
-        raise ValueError("key_split: a dense build without batch_map, a window, a sink or a split tail")
+    if key_split and (varlen or batch_map or learnable_sink or split_tail):
+        raise ValueError("key_split: a dense build without batch_map, a sink or a split tail")
     if key_split and persistent:
         raise ValueError("persistent: a key split runs one CTA per tile")
     if (seqused_k or batch_map) and not (varlen or key_split):

@@ -92,9 +92,6 @@ class FlashAttentionForwardSm90:
                              f"tile_m ({tile_m}) above 1, got {rows_per_query!r}")
         if key_split and self.persistent:
             raise ValueError("scheduler: a key split runs one CTA per tile (components.key_split), not persistent CTAs")
-        if key_split and (window.limited or split_tail):
-            raise ValueError("key_split: not with a window (its left edge would cut the chunks) nor a split tail "
-                             "(components.key_split)")
         self.policy = policy
         self.dtype = dtype
         self.bf16 = dtype == cutlass.BFloat16
@@ -376,7 +373,9 @@ class FlashAttentionForwardSm90:
         # no code unless trace.enable() turned tracing on; a key split stamps after its wait (a store
         # before it could race the kernel before, e.g. the trace buffer's zeroing)
         trace.cta_stamp("entry")
-        split = KeySplit(num_splits, chunk_keys, self.page_size is not None, range_keys) \
+        # a paged cache's range starts on a key block (its pages are found block by block)
+        split = KeySplit(num_splits, chunk_keys, self.page_size is not None, range_keys,
+                         self.tile_n if const_expr(self.page_size is not None) else 1) \
             if const_expr(self.key_split) else None
         self.split = split  # read by key_range (through self, like the walk below)
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
