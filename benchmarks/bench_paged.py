@@ -3,7 +3,7 @@
     python -m benchmarks.bench_paged [--decode-shapes 1x16384,1x131072,8x32768,64x8192,64x32768]
                                      [--prefill-seqlens 4096,8192,16384] [--page-sizes 16,64,128,256]
                                      [--rounds 5] [--out benchmarks/results/bench_paged_h200.json]
-                                     [--only decode|prefill]
+                                     [--only decode|prefill] [--window LEFT]
     python -m benchmarks.bench_paged --table RESULT.json      # markdown tables from a result file (no GPU)
 
 bf16, GQA 32 query heads / 8 KV heads, d = 128. A paged cache is (num_pages, page_size, 8, 128) for K
@@ -23,6 +23,9 @@ Decode (one query token per sequence, every sequence's cache filled to the same 
   page_table=..., seqused_k=...), q (B, 1, 32, 128), where flash_attn.cute imports (its default
   num_splits = 1: SM 9.0 has no split-KV there); a page size it refuses is recorded as an error;
 * copy_k: a device copy of the dense K (reads and writes K), the bandwidth yardstick.
+
+--window LEFT: every decode peer with window_size=(LEFT, 0), causal (a sliding-window layer); the
+bytes are then the keys in the window, and copy_k copies that slice of K.
 
 Each peer is captured in a CUDA graph of 20 calls (benchmarks.bench_decode._graphed) and the graph is
 replayed in paired rounds (benchmarks.ab_fwd.paired_rounds: every round times every peer once, in a
@@ -163,18 +166,21 @@ def decode_inputs(batch: int, cache: int, page_size: int, k, v, generator) -> di
             "seqlens": torch.full((batch,), cache, dtype=torch.int32, device=k.device)}
 
 
-def decode_peers(t: dict, official) -> dict:
+def decode_peers(t: dict, official, window=None) -> dict:
     import fa4
 
+    # a window: causal, the last window + 1 keys (the copy peer copies those)
+    var = {} if window is None else {"causal": True, "window_size": (window, 0)}
+    read = t["k"].shape[1] if window is None else min(t["k"].shape[1], window + 1)
     peers = {
         "fa4_paged": lambda: fa4.flash_attn_with_kvcache(t["q"], t["k_pages"], t["v_pages"],
-                                                         cache_seqlens=t["seqlens"], block_table=t["table"]),
-        "fa4_dense": lambda: fa4.flash_attn_with_kvcache(t["q"], t["k"], t["v"], cache_seqlens=t["seqlens"]),
-        "copy_k": lambda: t["k"].clone(),
+                                                         cache_seqlens=t["seqlens"], block_table=t["table"], **var),
+        "fa4_dense": lambda: fa4.flash_attn_with_kvcache(t["q"], t["k"], t["v"], cache_seqlens=t["seqlens"], **var),
+        "copy_k": lambda: t["k"][:, t["k"].shape[1] - read:].clone(),
     }
     if official is not None:
         peers["official_paged"] = lambda: official(t["q"], t["k_pages"], t["v_pages"], page_table=t["table"],
-                                                   seqused_k=t["seqlens"])
+                                                   seqused_k=t["seqlens"], **var)
     return peers
 
 
@@ -196,21 +202,22 @@ def capture_peers(peers: dict, label: str):
     return graphs, errors
 
 
-def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng, official) -> dict:
+def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng, official, window=None) -> dict:
     label = f"decode {batch} x {cache} page {page_size}"
     generator = torch.Generator(device="cuda").manual_seed(batch * 7 + cache + page_size)
     inputs = decode_inputs(batch, cache, page_size, k, v, generator)   # alive while the graphs are
     graphs, errors = {}, {}
     try:
         with torch.no_grad():
-            graphs, errors = capture_peers(decode_peers(inputs, official), label)
+            graphs, errors = capture_peers(decode_peers(inputs, official, window), label)
             diffs = check_outputs({n: out for n, (_, out) in graphs.items()}, DECODE_TOLERANCE, label)
             times = paired_rounds({n: gr[0].replay for n, gr in graphs.items()}, rounds, rng)
     finally:
         graphs.clear()   # the graphs go before the tensors they read
-    kv_bytes = 2 * batch * cache * HKV * D * k.element_size()
+    read = cache if window is None else min(cache, window + 1)                 # keys a call reads
+    kv_bytes = 2 * batch * read * HKV * D * k.element_size()
     q_bytes = inputs["q"].numel() * inputs["q"].element_size()
-    row = {"section": "decode", "batch": batch, "cache": cache, "page_size": page_size,
+    row = {"section": "decode", "batch": batch, "cache": cache, "page_size": page_size, "window": window,
            "num_pages": inputs["k_pages"].shape[0], "bytes": q_bytes + kv_bytes,
            "max_abs_diff_vs_fa4_dense": diffs, "errors": errors, "peers": {},
            "paged_vs_dense": paged_vs_dense(times, "fa4_paged", "fa4_dense")}
@@ -224,14 +231,14 @@ def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng,
     return row
 
 
-def run_decode(shapes, page_sizes, rounds: int, rng, official) -> list:
+def run_decode(shapes, page_sizes, rounds: int, rng, official, window=None) -> list:
     rows = []
     for batch, cache in shapes:
         generator = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
         k = torch.randn(batch, cache, HKV, D, device="cuda", generator=generator, dtype=torch.bfloat16)
         v = torch.randn(batch, cache, HKV, D, device="cuda", generator=generator, dtype=torch.bfloat16)
         for page_size in page_sizes:
-            rows.append(decode_point(batch, cache, page_size, k, v, rounds, rng, official))
+            rows.append(decode_point(batch, cache, page_size, k, v, rounds, rng, official, window))
             torch.cuda.empty_cache()
         del k, v
         torch.cuda.empty_cache()
@@ -377,6 +384,7 @@ def parse_args(argv):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None, help="run one section only")
+    ap.add_argument("--window", type=int, default=None, help="decode with window_size=(LEFT, 0), causal")
     ap.add_argument("--table", metavar="RESULT.json", default=None,
                     help="print the markdown tables of a result file and exit (no GPU needed)")
     args = ap.parse_args(argv)
@@ -391,6 +399,8 @@ def parse_args(argv):
     bad = [s for s in args.prefill_seqlens if s <= 0 or PREFILL_TOKENS % s]
     if bad:
         raise SystemExit(f"--prefill-seqlens: {bad} do not divide {PREFILL_TOKENS} tokens")
+    if args.window is not None and args.window < 0:
+        raise SystemExit(f"--window: expected >= 0, got {args.window}")
     if any(p <= 0 for p in args.page_sizes):
         raise SystemExit(f"--page-sizes: must be positive, got {args.page_sizes}")
     return args
@@ -407,14 +417,16 @@ def main(argv=None) -> int:
         return 2
     rng, official, rows = random.Random(0), official_varlen(), []
     if args.only in (None, "decode"):
-        rows += run_decode(args.decode_shapes, args.page_sizes, args.rounds, rng, official)
+        rows += run_decode(args.decode_shapes, args.page_sizes, args.rounds, rng, official, args.window)
     if args.only in (None, "prefill"):
         rows += run_prefill(args.prefill_seqlens, args.page_sizes, args.rounds, rng, official)
     print(markdown_tables({"results": rows}))
     if args.out:
         write_doc(args.out, "benchmarks.bench_paged", argv, rows,
                   shapes=f"bf16, GQA {HQ}/{HKV}, d={D}; paged cache (num_pages, page_size, {HKV}, {D}), "
-                         f"{PAGE_SLACK}x the pages needed, shuffled; prefill {PREFILL_TOKENS} tokens, causal",
+                         f"{PAGE_SLACK}x the pages needed, shuffled; prefill {PREFILL_TOKENS} tokens, causal"
+                         + ("" if args.window is None else f"; decode window_size=({args.window}, 0), bytes of "
+                                                            "the keys in the window"),
                   method=f"decode: CUDA graphs of {CALLS_PER_GRAPH} calls; prefill: CUDA events around ~40 ms of "
                          f"calls; {args.rounds} paired rounds (random order); decode GB/s = bytes of Q + K, V rows "
                          "used / time (copy_k: 2 x bytes of K); prefill TFLOP/s with causal FLOPs")
