@@ -3,7 +3,8 @@
     python -m benchmarks.bench_paged [--decode-shapes 1x16384,1x131072,8x32768,64x8192,64x32768]
                                      [--prefill-seqlens 4096,8192,16384] [--page-sizes 16,64,128,256]
                                      [--rounds 5] [--out benchmarks/results/bench_paged_h200.json]
-                                     [--only decode|prefill] [--window LEFT]
+                                     [--only decode|prefill] [--window LEFT] [--query-len 1]
+                                     [--decode-heads 32/8]
     python -m benchmarks.bench_paged --table RESULT.json      # markdown tables from a result file (no GPU)
 
 bf16, GQA 32 query heads / 8 KV heads, d = 128. A paged cache is (num_pages, page_size, 8, 128) for K
@@ -25,7 +26,8 @@ Decode (one query token per sequence, every sequence's cache filled to the same 
 * copy_k: a device copy of the dense K (reads and writes K), the bandwidth yardstick.
 
 --window LEFT: every decode peer with window_size=(LEFT, 0), causal (a sliding-window layer); the
-bytes are then the keys in the window, and copy_k copies that slice of K.
+bytes are then the keys in the window, and copy_k copies that slice of K. --query-len N > 1: N causal
+query tokens at the cache's end (speculative decoding); --decode-heads HQ/HKV: the decode GQA group.
 
 Each peer is captured in a CUDA graph of 20 calls (benchmarks.bench_decode._graphed) and the graph is
 replayed in paired rounds (benchmarks.ab_fwd.paired_rounds: every round times every peer once, in a
@@ -52,6 +54,7 @@ import math
 import random
 import statistics
 import sys
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -158,20 +161,34 @@ def paged_vs_dense(times: dict, paged: str, dense: str):
     return statistics.median(d / p for p, d in zip(times[paged], times[dense]))
 
 
-def decode_inputs(batch: int, cache: int, page_size: int, k, v, generator) -> dict:
+class DecodeCall(NamedTuple):
+    """What a decode step looks like beyond its batch and cache: heads, query tokens, window."""
+
+    heads_q: int = HQ
+    heads_kv: int = HKV
+    query_len: int = 1
+    window: Optional[int] = None   # window_size=(window, 0), causal
+
+    def keys_read(self, cache: int) -> int:
+        return cache if self.window is None else min(cache, self.window + self.query_len)
+
+    def variant(self) -> dict:
+        causal = self.query_len > 1 or self.window is not None
+        return ({"causal": True} if causal else {}) | ({} if self.window is None else {"window_size": (self.window, 0)})
+
+
+def decode_inputs(batch: int, cache: int, page_size: int, k, v, generator, call: DecodeCall = DecodeCall()) -> dict:
     """Every tensor the decode graphs read (kept referenced until the graphs are gone)."""
     k_pages, v_pages, table = build_paged(k, v, [cache] * batch, page_size, generator)
-    q = torch.randn(batch, 1, HQ, D, device=k.device, generator=generator, dtype=k.dtype)
+    q = torch.randn(batch, call.query_len, call.heads_q, D, device=k.device, generator=generator, dtype=k.dtype)
     return {"q": q, "k": k, "v": v, "k_pages": k_pages, "v_pages": v_pages, "table": table,
             "seqlens": torch.full((batch,), cache, dtype=torch.int32, device=k.device)}
 
 
-def decode_peers(t: dict, official, window=None) -> dict:
+def decode_peers(t: dict, official, call: DecodeCall = DecodeCall()) -> dict:
     import fa4
 
-    # a window: causal, the last window + 1 keys (the copy peer copies those)
-    var = {} if window is None else {"causal": True, "window_size": (window, 0)}
-    read = t["k"].shape[1] if window is None else min(t["k"].shape[1], window + 1)
+    var, read = call.variant(), call.keys_read(t["k"].shape[1])   # the copy peer copies the keys read
     peers = {
         "fa4_paged": lambda: fa4.flash_attn_with_kvcache(t["q"], t["k_pages"], t["v_pages"],
                                                          cache_seqlens=t["seqlens"], block_table=t["table"], **var),
@@ -202,22 +219,22 @@ def capture_peers(peers: dict, label: str):
     return graphs, errors
 
 
-def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng, official, window=None) -> dict:
+def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng, official,
+                 call: DecodeCall = DecodeCall()) -> dict:
     label = f"decode {batch} x {cache} page {page_size}"
     generator = torch.Generator(device="cuda").manual_seed(batch * 7 + cache + page_size)
-    inputs = decode_inputs(batch, cache, page_size, k, v, generator)   # alive while the graphs are
+    inputs = decode_inputs(batch, cache, page_size, k, v, generator, call)   # alive while the graphs are
     graphs, errors = {}, {}
     try:
         with torch.no_grad():
-            graphs, errors = capture_peers(decode_peers(inputs, official, window), label)
+            graphs, errors = capture_peers(decode_peers(inputs, official, call), label)
             diffs = check_outputs({n: out for n, (_, out) in graphs.items()}, DECODE_TOLERANCE, label)
             times = paired_rounds({n: gr[0].replay for n, gr in graphs.items()}, rounds, rng)
     finally:
         graphs.clear()   # the graphs go before the tensors they read
-    read = cache if window is None else min(cache, window + 1)                 # keys a call reads
-    kv_bytes = 2 * batch * read * HKV * D * k.element_size()
+    kv_bytes = 2 * batch * call.keys_read(cache) * call.heads_kv * D * k.element_size()
     q_bytes = inputs["q"].numel() * inputs["q"].element_size()
-    row = {"section": "decode", "batch": batch, "cache": cache, "page_size": page_size, "window": window,
+    row = {"section": "decode", "batch": batch, "cache": cache, "page_size": page_size, **call._asdict(),
            "num_pages": inputs["k_pages"].shape[0], "bytes": q_bytes + kv_bytes,
            "max_abs_diff_vs_fa4_dense": diffs, "errors": errors, "peers": {},
            "paged_vs_dense": paged_vs_dense(times, "fa4_paged", "fa4_dense")}
@@ -231,14 +248,14 @@ def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng,
     return row
 
 
-def run_decode(shapes, page_sizes, rounds: int, rng, official, window=None) -> list:
+def run_decode(shapes, page_sizes, rounds: int, rng, official, call: DecodeCall = DecodeCall()) -> list:
     rows = []
     for batch, cache in shapes:
         generator = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
-        k = torch.randn(batch, cache, HKV, D, device="cuda", generator=generator, dtype=torch.bfloat16)
-        v = torch.randn(batch, cache, HKV, D, device="cuda", generator=generator, dtype=torch.bfloat16)
+        k = torch.randn(batch, cache, call.heads_kv, D, device="cuda", generator=generator, dtype=torch.bfloat16)
+        v = torch.randn(batch, cache, call.heads_kv, D, device="cuda", generator=generator, dtype=torch.bfloat16)
         for page_size in page_sizes:
-            rows.append(decode_point(batch, cache, page_size, k, v, rounds, rng, official, window))
+            rows.append(decode_point(batch, cache, page_size, k, v, rounds, rng, official, call))
             torch.cuda.empty_cache()
         del k, v
         torch.cuda.empty_cache()
@@ -385,6 +402,8 @@ def parse_args(argv):
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None, help="run one section only")
     ap.add_argument("--window", type=int, default=None, help="decode with window_size=(LEFT, 0), causal")
+    ap.add_argument("--query-len", type=int, default=1, help="decode query tokens per sequence (> 1: causal)")
+    ap.add_argument("--decode-heads", default=f"{HQ}/{HKV}", help="decode query heads / KV heads")
     ap.add_argument("--table", metavar="RESULT.json", default=None,
                     help="print the markdown tables of a result file and exit (no GPU needed)")
     args = ap.parse_args(argv)
@@ -401,6 +420,15 @@ def parse_args(argv):
         raise SystemExit(f"--prefill-seqlens: {bad} do not divide {PREFILL_TOKENS} tokens")
     if args.window is not None and args.window < 0:
         raise SystemExit(f"--window: expected >= 0, got {args.window}")
+    if args.query_len < 1:
+        raise SystemExit(f"--query-len: expected >= 1, got {args.query_len}")
+    try:
+        heads = tuple(int(x) for x in args.decode_heads.split("/"))
+    except ValueError:
+        heads = ()
+    if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]:
+        raise SystemExit(f"--decode-heads: expected HQ/HKV with HKV >= 1 dividing HQ, got {args.decode_heads!r}")
+    args.call = DecodeCall(heads[0], heads[1], args.query_len, args.window)
     if any(p <= 0 for p in args.page_sizes):
         raise SystemExit(f"--page-sizes: must be positive, got {args.page_sizes}")
     return args
@@ -417,7 +445,7 @@ def main(argv=None) -> int:
         return 2
     rng, official, rows = random.Random(0), official_varlen(), []
     if args.only in (None, "decode"):
-        rows += run_decode(args.decode_shapes, args.page_sizes, args.rounds, rng, official, args.window)
+        rows += run_decode(args.decode_shapes, args.page_sizes, args.rounds, rng, official, args.call)
     if args.only in (None, "prefill"):
         rows += run_prefill(args.prefill_seqlens, args.page_sizes, args.rounds, rng, official)
     print(markdown_tables({"results": rows}))
@@ -425,8 +453,7 @@ def main(argv=None) -> int:
         write_doc(args.out, "benchmarks.bench_paged", argv, rows,
                   shapes=f"bf16, GQA {HQ}/{HKV}, d={D}; paged cache (num_pages, page_size, {HKV}, {D}), "
                          f"{PAGE_SLACK}x the pages needed, shuffled; prefill {PREFILL_TOKENS} tokens, causal"
-                         + ("" if args.window is None else f"; decode window_size=({args.window}, 0), bytes of "
-                                                            "the keys in the window"),
+                         + f"; decode {args.call}" + ("" if args.window is None else ", bytes of the keys read"),
                   method=f"decode: CUDA graphs of {CALLS_PER_GRAPH} calls; prefill: CUDA events around ~40 ms of "
                          f"calls; {args.rounds} paired rounds (random order); decode GB/s = bytes of Q + K, V rows "
                          "used / time (copy_k: 2 x bytes of K); prefill TFLOP/s with causal FLOPs")

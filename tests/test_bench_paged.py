@@ -219,6 +219,15 @@ def test_decode_peers_call_fa4_so_paged_and_dense_agree(fa4_on_cpu):
     assert outs["fa4_paged"].shape == (batch, 1, bench_paged.HQ, bench_paged.D)
     diffs = bench_paged.check_outputs(outs, bench_paged.DECODE_TOLERANCE, "decode cpu")
     assert diffs["fa4_paged"] <= 1e-2 and float(outs["fa4_dense"].float().abs().max()) > 0
+    # --decode-heads 16/4 --query-len 3: causal tokens (this CPU stand-in has no window)
+    call = bench_paged.DecodeCall(16, 4, 3)
+    k, v = (torch.randn(batch, cache, 4, bench_paged.D, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    inputs = bench_paged.decode_inputs(batch, cache, 16, k, v, g, call)
+    outs = {name: fn() for name, fn in bench_paged.decode_peers(inputs, None, call).items()}
+    assert outs["fa4_paged"].shape == (batch, 3, 16, bench_paged.D) and outs["copy_k"].shape == k.shape
+    assert bench_paged.check_outputs(outs, bench_paged.DECODE_TOLERANCE, "decode cpu tokens")["fa4_paged"] <= 1e-2
+    window = bench_paged.DecodeCall(16, 4, 3, 10)   # --window 10: 13 keys read
+    assert window.variant() == {"causal": True, "window_size": (10, 0)} and window.keys_read(cache) == 13
 
 
 def test_prefill_peers_call_fa4_so_paged_and_dense_agree(fa4_on_cpu):
