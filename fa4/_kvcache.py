@@ -286,7 +286,9 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
 def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None,
               causal=False, rows_per_query=1, unpack=1, range_keys=None, window=(None, None)):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
-    against n chunks of `chunk` keys of each sequence's dense cache, or of its pages (page_table) ->
+    -- or, rows_per_query g > 1, q itself (B, Sq, Hq, D), whose GQA groups the kernel reads as
+    R = Sq g rows of H' = Hq / g heads -- against n chunks of `chunk` keys of each sequence's dense
+    cache, or of its pages (page_table) ->
     out (B, R, H', Dv) (into `out` when given) and lse (B, H', R) fp32, merged. No segment offsets,
     no replicated queries: the kernel finds each chunk itself. n > 1: the parts go to the merge
     kernel (PartsCombine); n = 1: the kernel writes the result, and its lse buffer is (B, H', R).
@@ -299,6 +301,7 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     from . import _dispatch
 
     b, r, h, _ = rows.shape
+    r, h = r * rows_per_query, h // rows_per_query                                      # the kernel's rows, heads
     if n == 1 and unpack > 1:
         raise ValueError("unpack: an unsplit launch writes the packed rows (the caller unpacks them)")
     mod = _dispatch.backend_for(rows.device).forward_module()
@@ -375,8 +378,6 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
         cache_rows, block_table = None, None  # the copy holds sequence b at row b
     heads = hkv if pack else hq
-    # packed: row t * g + j is query token t of head kv * g + j (a view for one token; q_seg copies)
-    rows = q.view(b, sq, hkv, hq // hkv, d).transpose(2, 3).reshape(b, -1, hkv, d) if pack else q
     r = sq * (hq // hkv) if pack else sq                                                  # rows per segment
     table, kw = None, {}
     # a split launch finds its chunks itself (a causal diagonal too: it sees each chunk's distance to the
@@ -403,6 +404,10 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
             kw = {"page_table": table}
     n = n if use_split else seg.n
     g, final, into = hq // hkv, None, None
+    # the split launch reads a causal or windowed call's GQA groups as rows by token from q itself;
+    # otherwise packed rows: row t * g + j is query token t of head kv * g + j (a view for one token)
+    by_token = use_split and pack and (causal or tuple(window) != (None, None))
+    rows = q if by_token or not pack else q.view(b, sq, hkv, g, d).transpose(2, 3).reshape(b, -1, hkv, d)
     # several packed tokens, split: the merge writes the call's layouts itself (no copies after it)
     unpack = g if pack and sq > 1 and n > 1 else 1
     if pack and sq == 1 and ((n > 1 and varlen is fa4_varlen) or use_split):
@@ -413,7 +418,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     if use_split:
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
                          block_table if paged_in_place else None, out=into, causal=causal,
-                         rows_per_query=g if pack and (causal or window != (None, None)) else 1, unpack=unpack,
+                         rows_per_query=g if by_token else 1, unpack=unpack,
                          range_keys=range_keys, window=window)
         # (B, R, H', Dv), (B, H', R); unpacked: (B, Sq, Hq, Dv), (B, Hq, Sq)
     else:

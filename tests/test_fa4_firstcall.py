@@ -370,10 +370,12 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch
         lens = torch.tensor([sk, sk // 2], dtype=torch.int32)
         for tokens in [1] + ([4] if w.causal else []):
             causal, _, pack = _kvcache.plan_layout(tokens, rows, w.causal, (None, None), None, token_rows=True)
-            shape = (2, tokens * rows, w.heads_kv, w.head_dim) if pack else (2, tokens, w.heads_q, w.head_dim)
+            by_token = pack and causal  # q itself, its groups read as rows; else packed rows (one token)
+            shape = (2, tokens * rows, w.heads_kv, w.head_dim) if pack and not by_token else \
+                (2, tokens, w.heads_q, w.head_dim)
             chunk, n = _kvcache.split_chunks(sk, 3)
             _kvcache.fa4_split(torch.randn(*shape, dtype=dt), k, k, lens, n, chunk, w.head_dim ** -0.5, w.softcap,
-                               causal=causal, rows_per_query=rows if pack and causal else 1,
+                               causal=causal, rows_per_query=rows if by_token else 1,
                                unpack=rows if pack and tokens > 1 and n > 1 else 1)
     launched = set(rec.keys)
     if w.causal and w.heads_q > w.heads_kv:  # the merge that unpacks several tokens' packed rows
@@ -414,7 +416,7 @@ def test_decode_window_key_range_launch_is_precompiled(recorder, monkeypatch):
                        w.head_dim ** -0.5, 0.0, range_keys=left + 1)
     # several tokens (speculative decoding) keep the window's mask, the group packed by token
     chunk, n = _kvcache.split_chunks(left + 4, 3)
-    _kvcache.fa4_split(torch.randn(2, 4 * rows, w.heads_kv, w.head_dim, dtype=torch.bfloat16), k, k, lens, n, chunk,
+    _kvcache.fa4_split(torch.randn(2, 4, w.heads_q, w.head_dim, dtype=torch.bfloat16), k, k, lens, n, chunk,
                        w.head_dim ** -0.5, 0.0, range_keys=left + 4, window=(left, None), causal=True,
                        rows_per_query=rows, unpack=rows)
     launched = set(rec.keys)

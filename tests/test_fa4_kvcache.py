@@ -245,7 +245,8 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
 def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None, causal=False,
                    rows_per_query=1, unpack=1, range_keys=None, window=(None, None)):
     """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
-    merge, through fa4._kvcache.fa4_split): chunk j of sequence b, keys [j chunk, j chunk + used)
+    merge, through fa4._kvcache.fa4_split; rows_per_query g > 1: `rows` is q (B, T, Hq, D), read as
+    T g rows of Hq / g heads): chunk j of sequence b, keys [j chunk, j chunk + used)
     with used = clamp(seqlens[b] - j chunk, 0, chunk), is part j of sequence b (-inf lse with no
     key); causal: row i sees keys up to L - R + i of the whole sequence (written out here, not
     dense()'s alignment to the chunk); the parts merge to out (B, R, H, Dv), into `out` when given,
@@ -253,6 +254,10 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
     (left, right): token t sees keys L - T + t - left ..= L - T + t + right (causal: right 0).
     range_keys W: the chunks count from key max(seqlens[b] - W, 0) (with pages rounded down to a
     multiple of 128, and then a left window must hide the keys before it) and cover those keys."""
+    if rows_per_query > 1:   # q as the call holds it: its groups are the kernel's rows, by token
+        b, t, hq, d = rows.shape
+        rows = rows.view(b, t, hq // rows_per_query, rows_per_query, d).transpose(2, 3).reshape(b, -1, hq //
+                                                                                                  rows_per_query, d)
     b, r, h, _ = rows.shape
     tokens = r // rows_per_query
     left, right = window
@@ -513,7 +518,7 @@ def test_split_launch_windowed_tokens(splits, paged, sq, window):
     seen = []
 
     def spy(*args, **kw):
-        seen.append((kw["range_keys"], tuple(kw["window"]), kw["rows_per_query"], kw["causal"]))
+        seen.append((kw["range_keys"], tuple(kw["window"]), kw["rows_per_query"], kw["causal"], args[0] is q))
         return split_stand_in(*args, **kw)
 
     out, lse = kv.with_kvcache(q, keys, values, cache_seqlens=lens, num_splits=splits, causal=True,
@@ -521,7 +526,8 @@ def test_split_launch_windowed_tokens(splits, paged, sq, window):
                                return_softmax_lse=True, **kw)
     _check(out, lse, q, kc, vc, lens, causal=True, window=window)
     range_keys = None if window[0] is None else window[0] + sq
-    assert seen == [(range_keys, (window[0], None), 4, True)]     # causal's right edge stays the causal flag
+    # causal's right edge stays the causal flag; q itself goes to the launch (its groups read as rows)
+    assert seen == [(range_keys, (window[0], None), 4, True, True)]
 
 
 @pytest.mark.parametrize("page", [16, 128])

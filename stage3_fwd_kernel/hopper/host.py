@@ -373,8 +373,10 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     chunk_keys: a multiple of the key tile when num_splits > 1, and num_splits * chunk_keys must
     cover the keys a sequence reads (S, or pages * page_size; min(S, range_keys)). causal:
     bottom-right aligned to each sequence's end (row i of R sees its first L_b - R + 1 + i keys), in
-    every chunk; rows_per_query g > 1: q's rows are GQA heads packed as rows, row t g + j query token
-    t of head j of the group (R / g tokens; g divides the tile's rows), masked by its token.
+    every chunk; rows_per_query g > 1: q is (B, T, Hq, D) as the call holds it and the kernel reads
+    each group of g query heads as rows, row t g + j token t of head j of the group (Q's TMA box spans
+    g heads and 64 / g tokens: no packing copy), masked by its token; the parts then have R = T g rows
+    and Hq / g heads (g divides the tile's rows).
     window_size: a sliding window (as attention_forward's), bottom-right aligned like causal; no sink
     (a sink joins the merged row once). range_keys W: each sequence reads only its last W keys, chunk
     j from key max(L_b - W, 0) + j chunk_keys (T tokens with a left edge `left` need W = left + T;
@@ -382,7 +384,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     paged range needs a left window with left + T <= W to hide the keys before it. out / lse: where
     the parts go (any strides with a unit last one; lse may be a view of an (Hq, B * n, R) buffer,
     the layout the merge reads).
-    One CTA per tile; q's rows may be a strided view (GQA heads packed as rows)."""
+    One CTA per tile; with g = 1 q's rows may be a strided view (one token's GQA heads packed as rows)."""
     import torch
 
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
@@ -420,13 +422,15 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     window = beyond_causal(causal, window_size)
     if isinstance(rows_per_query, bool) or not isinstance(rows_per_query, int) or rows_per_query < 1 \
-            or r % rows_per_query:
-        raise ValueError(f"rows_per_query: expected an int >= 1 dividing q's {r} rows, got {rows_per_query!r}")
+            or hq % rows_per_query:
+        raise ValueError(f"rows_per_query: expected an int >= 1 dividing q's {hq} heads, got {rows_per_query!r}")
+    tokens = r   # q's second mode; rows_per_query > 1: the kernel reads g rows of each token
     if range_keys is not None and page_table is not None and (window.left is None
-                                                              or window.left + r // rows_per_query > range_keys):
+                                                              or window.left + tokens > range_keys):
         raise ValueError(f"range_keys: a paged range starts on a key block, so it needs a left window that hides "
                          f"the keys before it (left + query tokens <= range_keys), got {range_keys} with "
-                         f"window_size {tuple(window_size)} and {r // rows_per_query} tokens")
+                         f"window_size {tuple(window_size)} and {tokens} tokens")
+    r, hq = r * rows_per_query, hq // rows_per_query   # the kernel's rows and heads
     # a paged range's first key is rounded down: up to a key tile less one more keys
     span = cache_keys if range_keys is None else min(cache_keys, range_keys + (tile_n - 1 if page_table is not None
                                                                                 else 0))

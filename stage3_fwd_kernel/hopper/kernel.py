@@ -244,6 +244,15 @@ class FlashAttentionForwardSm90:
         elif mSeqUsedK is not None and mCuSeqlensK is None:
             raise ValueError("seqused_k: needs cu_seqlens_k")
 
+    def _rows_by_token(self, mQ: cute.Tensor) -> cute.Tensor:
+        """q as the call holds it, (B, T, Hq, d), seen as (B, (g, T), Hkv, d): row t g + j of KV head kv
+        is query head kv g + j of token t. The row mode has two strides (a head's, a token's), so
+        Q's TMA box spans g heads and 64 / g tokens of the unchanged tensor: no packing copy."""
+        g = self.rows_per_query
+        (b, t, hq, d), (sb, st, sh, sd) = mQ.shape, mQ.stride
+        layout = cute.make_layout((b, (g, t), hq // g, d), stride=(sb, (sh, st), sh * g, sd))
+        return cute.make_tensor(mQ.iterator, layout)
+
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory: barriers, the dynamic scheduler's tile ids, Q, the K/V ring, O."""
         stages = self.num_stages
@@ -294,6 +303,8 @@ class FlashAttentionForwardSm90:
         nc = self.num_consumers
         mQ, mK = assume_strides_16B(mQ, d), assume_strides_16B(mK, d)
         mV, mO = assume_strides_16B(mV, dv), assume_strides_16B(mO, dv)
+        if const_expr(self.rows_per_query > 1):
+            mQ = self._rows_by_token(mQ)
 
         # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size nc)
         sQ_layout = self._smem_layout(tm, d, nc)
@@ -337,7 +348,7 @@ class FlashAttentionForwardSm90:
         else:
             grid = self.scheduler.grid_shape(num_m_blocks, mQ.shape[2], batch)
         self.kernel(tma_Q, tma_K, tma_V, mO, mLSE, softmax_scale_log2, softmax_scale,
-                    mQ.shape[1], mK.shape[1], mQ.shape[2] // mK.shape[2],
+                    cute.size(mQ, mode=[1]), mK.shape[1], mQ.shape[2] // mK.shape[2],
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
