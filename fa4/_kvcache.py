@@ -287,8 +287,8 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
               causal=False, rows_per_query=1, unpack=1, range_keys=None, window=(None, None)):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
     -- or, rows_per_query g > 1, q itself (B, Sq, Hq, D), whose GQA groups the kernel reads as
-    Sq g rows of Hq / g heads while its results keep q's layout (R = Sq, H' = Hq) -- against n chunks
-    of `chunk` keys of each sequence's dense cache, or of its pages (page_table) ->
+    R = Sq g rows of H' = Hq / g heads -- against n chunks of `chunk` keys of each sequence's dense
+    cache, or of its pages (page_table) ->
     out (B, R, H', Dv) (into `out` when given) and lse (B, H', R) fp32, merged. No segment offsets,
     no replicated queries: the kernel finds each chunk itself. n > 1: the parts go to the merge
     kernel (PartsCombine); n = 1: the kernel writes the result, and its lse buffer is (B, H', R).
@@ -301,13 +301,12 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     from . import _dispatch
 
     b, r, h, _ = rows.shape
+    r, h = r * rows_per_query, h // rows_per_query                                      # the kernel's rows, heads
     if n == 1 and unpack > 1:
         raise ValueError("unpack: an unsplit launch writes the packed rows (the caller unpacks them)")
-    if rows_per_query > 1 and unpack > 1:
-        raise ValueError("unpack: rows read by token from q come back in q's layout already")
     mod = _dispatch.backend_for(rows.device).forward_module()
     kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, causal=causal,
-              rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r * rows_per_query),
+              rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r),
               range_keys=range_keys, window_size=tuple(window))
     if n == 1:
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
@@ -405,14 +404,13 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
             kw = {"page_table": table}
     n = n if use_split else seg.n
     g, final, into = hq // hkv, None, None
-    # the split launch reads a causal or windowed call's GQA groups as rows by token from q itself and
-    # writes its results in q's layout; otherwise packed rows: row t * g + j is query token t of head
-    # kv * g + j (a view for one token)
+    # the split launch reads a causal or windowed call's GQA groups as rows by token from q itself;
+    # otherwise packed rows: row t * g + j is query token t of head kv * g + j (a view for one token)
     by_token = use_split and pack and (causal or tuple(window) != (None, None))
     rows = q if by_token or not pack else q.view(b, sq, hkv, g, d).transpose(2, 3).reshape(b, -1, hkv, d)
     # several packed tokens, split: the merge writes the call's layouts itself (no copies after it)
-    unpack = g if pack and sq > 1 and n > 1 and not by_token else 1
-    if pack and sq == 1 and not by_token and ((n > 1 and varlen is fa4_varlen) or use_split):
+    unpack = g if pack and sq > 1 and n > 1 else 1
+    if pack and sq == 1 and ((n > 1 and varlen is fa4_varlen) or use_split):
         # the merge (a split launch: its kernel) writes the packed rows straight into the (B, 1, Hq, Dv)
         # result: row j of KV head kv is query head kv * g + j, so no transpose copy follows
         final = q.new_empty(b, 1, hq, dv)
@@ -433,12 +431,11 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
                           softcap, **kw)
         out, lse = merge_segments(out.view(b * n, r, heads, dv), lse.view(heads, b * n, r), n,
                                   kernel=varlen is fa4_varlen, into=into, unpack=unpack)  # as the split's
-    unpacked = unpack > 1 or by_token                                                 # in the call's layouts
     if final is not None:
         out = final
-    elif pack and not unpacked:
+    elif pack and unpack == 1:
         out = unpack_out(out, g)                                                        # (B, Sq, Hq, Dv)
-    if pack and not unpacked:
+    if pack and unpack == 1:
         lse = unpack_lse(lse, g)                                                        # (B, Hq, Sq)
     if sink is not None:
         out, lse_t = add_sink(out, lse.transpose(1, 2), sink)                          # lse as (B, Sq, Hq)
@@ -497,8 +494,8 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise ValueError("cache_batch_idx: not with block_table (the table already maps each sequence)")
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
                 or block_table.shape[0] != b:
-            got = f"{getattr(block_table, 'dtype', type(block_table))} {tuple(getattr(block_table, 'shape', ()))}"
-            raise ValueError(f"block_table: expected int32 (batch={b}, pages per sequence), got {got}")
+            raise ValueError(f"block_table: expected int32 (batch={b}, pages per sequence), got "
+                             f"{getattr(block_table, 'dtype', type(block_table))} {tuple(getattr(block_table, 'shape', ()))}")
         if block_table.device != q.device:
             raise ValueError(f"block_table: is on {block_table.device} but q is on {q.device}")
         capacity, rows = block_table.shape[1] * per_slot, None

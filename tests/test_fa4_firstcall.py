@@ -376,10 +376,10 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch
             chunk, n = _kvcache.split_chunks(sk, 3)
             _kvcache.fa4_split(torch.randn(*shape, dtype=dt), k, k, lens, n, chunk, w.head_dim ** -0.5, w.softcap,
                                causal=causal, rows_per_query=rows if by_token else 1,
-                               unpack=rows if pack and not by_token and tokens > 1 and n > 1 else 1)
+                               unpack=rows if pack and tokens > 1 and n > 1 else 1)
     launched = set(rec.keys)
-    # causal tokens' groups are read by token from q and written in q's layout: the plain merge
-    assert not any(k[0] == "fwd_parts_combine" and "token_rows" in k for k in launched)
+    if w.causal and w.heads_q > w.heads_kv:  # the merge that unpacks several tokens' packed rows
+        assert any(k[0] == "fwd_parts_combine" and "token_rows" in k for k in launched)
     assert launched and launched <= built, sorted(map(repr, launched - built))
     assert any(k[:2] == ("hopper_forward", "gpu") and 64 in k for k in launched)
     assert sum("key_split" in k for k in launched) == (2 if w.causal else 1)
@@ -418,7 +418,7 @@ def test_decode_window_key_range_launch_is_precompiled(recorder, monkeypatch):
     chunk, n = _kvcache.split_chunks(left + 4, 3)
     _kvcache.fa4_split(torch.randn(2, 4, w.heads_q, w.head_dim, dtype=torch.bfloat16), k, k, lens, n, chunk,
                        w.head_dim ** -0.5, 0.0, range_keys=left + 4, window=(left, None), causal=True,
-                       rows_per_query=rows)
+                       rows_per_query=rows, unpack=rows)
     launched = set(rec.keys)
     assert launched and launched <= built, sorted(map(repr, launched - built))
     assert sum("key_split" in k for k in launched) == 2

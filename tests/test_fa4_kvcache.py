@@ -246,8 +246,7 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
                    rows_per_query=1, unpack=1, range_keys=None, window=(None, None)):
     """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
     merge, through fa4._kvcache.fa4_split; rows_per_query g > 1: `rows` is q (B, T, Hq, D), read as
-    T g rows of Hq / g heads, and the results come back in q's layout): chunk j of sequence b, keys
-    [j chunk, j chunk + used)
+    T g rows of Hq / g heads): chunk j of sequence b, keys [j chunk, j chunk + used)
     with used = clamp(seqlens[b] - j chunk, 0, chunk), is part j of sequence b (-inf lse with no
     key); causal: row i sees keys up to L - R + i of the whole sequence (written out here, not
     dense()'s alignment to the chunk); the parts merge to out (B, R, H, Dv), into `out` when given,
@@ -285,10 +284,7 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
                     rows[i], keys[a:a + used], values[a:a + used], scale, softcap,
                     int(seqlens[i]) - tokens - a, rows_per_query, left, right)
     assert unpack == 1 or n > 1, "one part is not merged: the caller unpacks it"
-    assert unpack == 1 or rows_per_query == 1, "rows read by token come back in q's layout"
     merged, lse = kv.merge_segments(parts, lse, n, unpack=unpack)
-    if rows_per_query > 1:   # the kernel writes q's layout: (B, T, Hq, Dv), (B, Hq, T)
-        merged, lse = kv.unpack_out(merged, rows_per_query), kv.unpack_lse(lse, rows_per_query)
     if out is not None:   # where the caller wants the result (a view of its final layout)
         merged = out.copy_(merged)
     return merged, lse
@@ -380,8 +376,8 @@ def test_split_launch_causal_queries_at_the_cache_end(splits):
     out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits, causal=True, varlen=_no_varlen,
                                split=spy, sm_count=64, return_softmax_lse=True)
     n_split = kv.split_chunks(600, splits or 3)[1]
-    # q's groups read as rows by token: the kernel (and the plain merge) write the (B, Sq, Hq, Dv) result
-    assert seen[0] == (n_split, True, 4, 1)
+    # split: the merge writes the (B, Sq, Hq, Dv) result itself (no unpacking copy after it)
+    assert seen[0] == (n_split, True, 4, 4 if n_split > 1 else 1)
     scale = d ** -0.5
     for i in range(b):
         n = int(lens[i])
@@ -393,9 +389,8 @@ def test_split_launch_causal_queries_at_the_cache_end(splits):
 
 @pytest.mark.parametrize("splits", [1, 4])
 def test_split_launch_causal_tokens_with_sink_and_softcap(splits):
-    """Several causal tokens with a learnable sink and softcap through the split launch, split or
-    not: the kernel reads q's groups as rows by token and writes q's layout, and the sink joins the
-    merged rows once."""
+    """Several causal tokens with a learnable sink and softcap through the split launch: split, the
+    merge unpacks the packed rows and the sink joins the merged rows once; unsplit, fa4 unpacks."""
     b, sq, hq, hkv, d = 2, 3, 8, 2, 16
     q, kc, vc = _tokens_and_cache(25, b, sq, hq, hkv, d, 600)
     lens = torch.tensor([600, 259], dtype=torch.int32)
@@ -410,7 +405,7 @@ def test_split_launch_causal_tokens_with_sink_and_softcap(splits):
                                learnable_sink=sink, varlen=_no_varlen, split=spy, sm_count=64,
                                return_softmax_lse=True)
     n = kv.split_chunks(600, splits)[1]
-    assert seen == [(n, 1)]   # rows by token from q: results in q's layout, nothing to unpack
+    assert seen == [(n, 4 if n > 1 else 1)]
     _check(out, lse, q, kc, vc, lens, causal=True, softcap=2.0, sink=sink)
 
 

@@ -375,8 +375,8 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     bottom-right aligned to each sequence's end (row i of R sees its first L_b - R + 1 + i keys), in
     every chunk; rows_per_query g > 1: q is (B, T, Hq, D) as the call holds it and the kernel reads
     each group of g query heads as rows, row t g + j token t of head j of the group (Q's TMA box spans
-    g heads and 64 / g tokens: no packing copy), masked by its token; the parts stay in the call's
-    layout, out (B * n, T, Hq, Dv) and lse (B * n, Hq, T) (g divides the tile's rows).
+    g heads and 64 / g tokens: no packing copy), masked by its token; the parts then have R = T g rows
+    and Hq / g heads (g divides the tile's rows).
     window_size: a sliding window (as attention_forward's), bottom-right aligned like causal; no sink
     (a sink joins the merged row once). range_keys W: each sequence reads only its last W keys, chunk
     j from key max(L_b - W, 0) + j chunk_keys (T tokens with a left edge `left` need W = left + T;
@@ -430,7 +430,6 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         raise ValueError(f"range_keys: a paged range starts on a key block, so it needs a left window that hides "
                          f"the keys before it (left + query tokens <= range_keys), got {range_keys} with "
                          f"window_size {tuple(window_size)} and {tokens} tokens")
-    out_rows, out_heads = r, hq                         # the parts' layout: the call's
     r, hq = r * rows_per_query, hq // rows_per_query   # the kernel's rows and heads
     # a paged range's first key is rounded down: up to a key tile less one more keys
     span = cache_keys if range_keys is None else min(cache_keys, range_keys + (tile_n - 1 if page_table is not None
@@ -451,7 +450,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     policy.check_dtype(dt)
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
-    out, lse = _outputs(out, lse, (bn, out_rows, out_heads, dv), (bn, out_heads, out_rows), q)
+    out, lse = _outputs(out, lse, (bn, r, hq, dv), (bn, hq, r), q)
     if bn == 0 or r == 0 or hq == 0:
         return out, lse
     if cache_keys == 0:

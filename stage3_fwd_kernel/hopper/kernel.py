@@ -244,21 +244,14 @@ class FlashAttentionForwardSm90:
         elif mSeqUsedK is not None and mCuSeqlensK is None:
             raise ValueError("seqused_k: needs cu_seqlens_k")
 
-    def _rows_by_token(self, m: cute.Tensor) -> cute.Tensor:
-        """q (or O) as the call holds it, (B, T, Hq, d), seen as (B, (g, T), Hkv, d): row t g + j of KV
-        head kv is query head kv g + j of token t. The row mode has two strides (a head's, a
-        token's), so Q's TMA box spans g heads and 64 / g tokens of the unchanged tensor and O's
-        stores land in the call's layout: no packing or unpacking copy."""
+    def _rows_by_token(self, mQ: cute.Tensor) -> cute.Tensor:
+        """q as the call holds it, (B, T, Hq, d), seen as (B, (g, T), Hkv, d): row t g + j of KV head kv
+        is query head kv g + j of token t. The row mode has two strides (a head's, a token's), so
+        Q's TMA box spans g heads and 64 / g tokens of the unchanged tensor: no packing copy."""
         g = self.rows_per_query
-        (b, t, hq, d), (sb, st, sh, sd) = m.shape, m.stride
-        return cute.make_tensor(m.iterator, cute.make_layout((b, (g, t), hq // g, d),
-                                                             stride=(sb, (sh, st), sh * g, sd)))
-
-    def _lse_rows_by_token(self, m: cute.Tensor) -> cute.Tensor:
-        """lse (B, Hq, T) seen as (B, Hkv, (g, T)), rows as `_rows_by_token`'s."""
-        g = self.rows_per_query
-        (b, hq, t), (sb, sh, st) = m.shape, m.stride
-        return cute.make_tensor(m.iterator, cute.make_layout((b, hq // g, (g, t)), stride=(sb, sh * g, (sh, st))))
+        (b, t, hq, d), (sb, st, sh, sd) = mQ.shape, mQ.stride
+        layout = cute.make_layout((b, (g, t), hq // g, d), stride=(sb, (sh, st), sh * g, sd))
+        return cute.make_tensor(mQ.iterator, layout)
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory: barriers, the dynamic scheduler's tile ids, Q, the K/V ring, O."""
@@ -302,8 +295,6 @@ class FlashAttentionForwardSm90:
         # paged cache, mO (B * num_splits, R, Hq, dv) and mLSE (B * num_splits, Hq, R) the parts, mSeqUsedK
         # (B,) or None; chunk_keys keys a chunk; range_keys the keys each sequence reads from its end
         # (key_split.RANGE_ALL: all). Other builds ignore num_splits, chunk_keys and range_keys.
-        # rows_per_query g > 1: mQ (B, T, Hq, d), mO (B * num_splits, T, Hq, dv) and mLSE (B * num_splits,
-        # Hq, T) as the call holds them; the kernel reads each group of g heads as rows (_rows_by_token).
         self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
                          mPageTable)
         self.varlen = mCuSeqlensQ is not None
@@ -313,7 +304,7 @@ class FlashAttentionForwardSm90:
         mQ, mK = assume_strides_16B(mQ, d), assume_strides_16B(mK, d)
         mV, mO = assume_strides_16B(mV, dv), assume_strides_16B(mO, dv)
         if const_expr(self.rows_per_query > 1):
-            mQ, mO, mLSE = self._rows_by_token(mQ), self._rows_by_token(mO), self._lse_rows_by_token(mLSE)
+            mQ = self._rows_by_token(mQ)
 
         # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size nc)
         sQ_layout = self._smem_layout(tm, d, nc)
