@@ -494,8 +494,8 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise ValueError("cache_batch_idx: not with block_table (the table already maps each sequence)")
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
                 or block_table.shape[0] != b:
-            raise ValueError(f"block_table: expected int32 (batch={b}, pages per sequence), got "
-                             f"{getattr(block_table, 'dtype', type(block_table))} {tuple(getattr(block_table, 'shape', ()))}")
+            got = f"{getattr(block_table, 'dtype', type(block_table))} {tuple(getattr(block_table, 'shape', ()))}"
+            raise ValueError(f"block_table: expected int32 (batch={b}, pages per sequence), got {got}")
         if block_table.device != q.device:
             raise ValueError(f"block_table: is on {block_table.device} but q is on {q.device}")
         capacity, rows = block_table.shape[1] * per_slot, None
