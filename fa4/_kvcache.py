@@ -20,26 +20,28 @@ that index the cache in place, with no copy:
   way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy first (many tiny
   segments cost far more).
 
-Where a call has no window and at most 64 kernel rows (decode), and sequence b is cache row b (or
-its pages are read in place), an eager call on the device skips the segments: the Hopper forward's
-split-KV launch (stage 3's components.key_split) gives chunk j of sequence b its own CTAs, which
-find the chunk's keys from (b, j, the chunk size, cache_seqlens[b]) themselves and read the queries
-where they are; a causal diagonal stays at the sequence's end, so a few causal query tokens
-(speculative decoding) split too. A decode step is then the attention kernel and the merge, without
-the segment offsets' and the replicated queries' small kernels (`fa4_split`). Traced calls
-(torch.compile) keep the varlen custom op.
+Where a call has at most 64 kernel rows (decode) and sequence b is cache row b (or its pages are
+read in place), an eager call on the device skips the segments: the Hopper forward's split-KV
+launch (stage 3's components.key_split) gives chunk j of sequence b its own CTAs, which find the
+chunk's keys from (b, j, the chunk size, cache_seqlens[b]) themselves and read the queries where
+they are; a causal diagonal or a window stays where it is at the sequence's end, so a few causal
+query tokens (speculative decoding) split too, and a window's chunks hold only its last left + Sq
+keys (range_keys). A decode step is then the attention kernel and the merge, without the segment
+offsets' and the replicated queries' small kernels (`fa4_split`). Traced calls (torch.compile)
+keep the varlen custom op.
 
-Splitting and per-page segments change each segment's key count, and fa4's masks are bottom-right
-aligned to it, so they are used only where the mask does not depend on alignment: no window, and
+The varlen kernel's segments change each segment's key count, and fa4's masks are bottom-right
+aligned to it, so segments split only where the mask does not depend on alignment: no window, and
 causal only for single-token queries (which see every key anyway). One query token with a window
 sees the last left + 1 keys of its sequence: that is a key range, not a mask, so the split launch
 (range_keys = left + 1) or the segments start at the window's first key and split like no window
 (`key_range_window`; dense caches, and paged ones gathered). Otherwise (a causal prefill, a window
-over several tokens or over pages read in place) a cache runs unsplit, and a paged one with another
-page size is gathered into a dense copy first.
+over several tokens with cache_batch_idx) a cache runs unsplit, and a paged one with another page
+size is gathered into a dense copy first.
 
 GQA packing (decode): with one query token, the g = Hq / Hkv query heads of a group become g rows
-attending to their KV head, so each KV head is read once per segment instead of g times.
+attending to their KV head, so each KV head is read once per segment instead of g times; with a few
+causal or windowed tokens the split launch reads them as rows by token from q itself.
 
 The learnable sink joins the denominator once, after the merge (so it is not counted per segment).
 """
