@@ -171,6 +171,21 @@ def markdown_table(doc) -> str:
     return "\n".join(lines)
 
 
+def check_decode_flags(heads_flag: str, heads: str, query_len: int, window) -> tuple:
+    """(HQ, HKV) from 'HQ/HKV', after checking it and --query-len / --window (SystemExit naming the flag)."""
+    try:
+        pair = tuple(int(x) for x in heads.split("/"))
+    except ValueError:
+        pair = ()
+    if len(pair) != 2 or min(pair) < 1 or pair[0] % pair[1]:
+        raise SystemExit(f"{heads_flag}: expected HQ/HKV with HKV >= 1 dividing HQ, got {heads!r}")
+    if query_len < 1:
+        raise SystemExit(f"--query-len: expected >= 1, got {query_len}")
+    if window is not None and window < 0:
+        raise SystemExit(f"--window: expected >= 0, got {window}")
+    return pair
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--table"]:  # python -m benchmarks.bench_decode --table RESULT.json
@@ -186,16 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", default=f"{HQ}/{HKV}", help="query heads / KV heads")
     ap.add_argument("--window", type=int, default=None, help="window_size=(LEFT, 0), causal")
     args = ap.parse_args(argv)
-    try:
-        heads = tuple(int(x) for x in args.heads.split("/"))
-    except ValueError:
-        heads = ()
-    if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]:
-        raise SystemExit(f"--heads: expected HQ/HKV with HKV >= 1 dividing HQ, got {args.heads!r}")
-    if args.query_len < 1:
-        raise SystemExit(f"--query-len: expected >= 1, got {args.query_len}")
-    if args.window is not None and args.window < 0:
-        raise SystemExit(f"--window: expected >= 0, got {args.window}")
+    heads = check_decode_flags("--heads", args.heads, args.query_len, args.window)
     try:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     except ValueError:

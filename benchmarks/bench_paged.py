@@ -59,7 +59,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .ab_fwd import paired_rounds
-from .bench_decode import CALLS_PER_GRAPH, _graphed
+from .bench_decode import CALLS_PER_GRAPH, _graphed, check_decode_flags
 from .bench_fwd import write_doc
 
 HQ, HKV, D = 32, 8, 128
@@ -418,16 +418,7 @@ def parse_args(argv):
     bad = [s for s in args.prefill_seqlens if s <= 0 or PREFILL_TOKENS % s]
     if bad:
         raise SystemExit(f"--prefill-seqlens: {bad} do not divide {PREFILL_TOKENS} tokens")
-    if args.window is not None and args.window < 0:
-        raise SystemExit(f"--window: expected >= 0, got {args.window}")
-    if args.query_len < 1:
-        raise SystemExit(f"--query-len: expected >= 1, got {args.query_len}")
-    try:
-        heads = tuple(int(x) for x in args.decode_heads.split("/"))
-    except ValueError:
-        heads = ()
-    if len(heads) != 2 or min(heads) < 1 or heads[0] % heads[1]:
-        raise SystemExit(f"--decode-heads: expected HQ/HKV with HKV >= 1 dividing HQ, got {args.decode_heads!r}")
+    heads = check_decode_flags("--decode-heads", args.decode_heads, args.query_len, args.window)
     args.call = DecodeCall(heads[0], heads[1], args.query_len, args.window)
     if any(p <= 0 for p in args.page_sizes):
         raise SystemExit(f"--page-sizes: must be positive, got {args.page_sizes}")

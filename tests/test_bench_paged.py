@@ -134,6 +134,12 @@ def test_cli_help_and_argument_checks(capsys):
                 ["--page-sizes", "x"], ["--only", "both"]):
         with pytest.raises(SystemExit):
             bench_paged.parse_args(bad)
+    args = bench_paged.parse_args(["--decode-heads", "64/8", "--query-len", "4", "--window", "1024"])
+    assert args.call == bench_paged.DecodeCall(64, 8, 4, 1024)
+    for bad, flag in ((["--decode-heads", "8/3"], "--decode-heads"), (["--query-len", "0"], "--query-len"),
+                      (["--window", "-1"], "--window")):
+        with pytest.raises(SystemExit, match=f"^{flag}: expected"):
+            bench_paged.parse_args(bad)
 
 
 def test_fa4_reads_the_built_pages_like_the_dense_cache():
