@@ -167,8 +167,36 @@ ranged = KeySplit(num_splits=2, chunk_keys=256, paged=False, range_keys=300)
 for virtual in range(4):
     c = chunk_of(ranged, virtual, 1024, [1000, 300])
     first, used = int(c.first_key), min(256, int(c.keys_to_end))
-    print(f"v {virtual}: sequence {int(c.sequence)}, keys {first} .. {first + used - 1}" if used else f"v {virtual}: empty")
-#
+    keys = f"keys {first} .. {first + used - 1}" if used else "empty"
+    print(f"v {virtual}: sequence {int(c.sequence)}, {keys}")
+
+# %% [markdown]
+# Several tokens (or pages, whose blocks the kernel finds one at a time, so a paged range starts on
+# the key block below `L - W`) keep the window's mask. That needs nothing new from the walk: the
+# window's edges, like the causal diagonal, are measured from the sequence's end (`keys to the end`),
+# so each chunk's first block is the one holding its rows' left edge, and a chunk wholly left of the
+# window walks nothing. Without a range, 2 tokens with a 300-key window over a 1000-key sequence,
+# 4 chunks of 256 keys, through the kernel's own `key_range`:
+
+# %%
+import cutlass  # noqa: E402  (CuTe-DSL: the kernel object is built on the CPU, nothing is compiled)
+
+from stage3_fwd_kernel.components.window import Window  # noqa: E402
+from stage3_fwd_kernel.components.work_tile import SequenceInfo  # noqa: E402
+from stage3_fwd_kernel.hopper import FlashAttentionForwardSm90  # noqa: E402
+
+windowed = FlashAttentionForwardSm90(cutlass.BFloat16, head_dim=64, head_dim_v=64, causal=True, tile_m=64,
+                                     key_split=True, window=Window(300, None))
+windowed.varlen, windowed.q_shift = False, False
+windowed.split = KeySplit(num_splits=4, chunk_keys=256, paged=False)
+seq = SequenceInfo(2, 1024, 1, None, None, [1000], None, windowed.split)
+for virtual in range(4):   # the tokens see keys 698 .. 998 and 699 .. 999
+    lo, hi = (int(x) for x in windowed.key_range(windowed.locate(0, 0, virtual, seq)))
+    first = 256 * virtual
+    walked = f"reads keys {first + 128 * lo} .. {first + 128 * hi - 1}" if hi > lo else "walks nothing"
+    print(f"chunk {virtual} (keys {first} .. {first + 255}): {walked}")
+
+# %% [markdown]
 # ## GQA heads as rows, and causal tokens masked by token
 # The 4 query heads of a KV head read the same K and V. Packed as 4 rows of one tile, they share one
 # walk over the cache: a quarter of the traffic of one tile per query head. With `T` causal query
@@ -177,10 +205,6 @@ for virtual in range(4):
 # 4 tokens x 4 heads = 16 rows, a sequence of 700 keys, the chunk that holds its last keys.
 
 # %%
-import cutlass  # noqa: E402  (CuTe-DSL: the kernel object is built on the CPU, nothing is compiled)
-
-from stage3_fwd_kernel.hopper import FlashAttentionForwardSm90  # noqa: E402
-
 g, tokens, seq_len = 4, 4, 700
 # head dims 64 / 64 (any would do: only the mask is used), causal, 64-row tiles, 128-key blocks
 kernel = FlashAttentionForwardSm90(cutlass.BFloat16, head_dim=64, head_dim_v=64, causal=True, tile_m=64,
