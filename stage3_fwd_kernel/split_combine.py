@@ -23,6 +23,7 @@ from cutlass import Float32, Int32, const_expr
 
 from stage3_fwd_kernel import host_io
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
+from stage3_fwd_kernel.components.key_split import rows_by_token
 from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
 
 STEP = "fwd_split_combine"
@@ -161,7 +162,7 @@ class PartsCombine(_RowMerges):
         if const_expr(mO.element_type != self.dtype or mParts.element_type != self.dtype):
             raise TypeError("the partial and merged outs must have the kernel's dtype")
         if const_expr(self.token_rows):
-            mO, mLSE = rows_by_token(mO, mLSE)
+            mO, mLSE = token_rows_views(mO, mLSE)
         warps = mO.shape[0] * cute.size(mO, mode=[1]) * mO.shape[2]          # B * R * H rows to merge
         self.kernel(mParts, mLseParts, mO, mLSE, parts).launch(
             grid=((warps + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1, 1), block=[32 * ROWS_PER_CTA, 1, 1], stream=stream,
@@ -190,18 +191,14 @@ class PartsCombine(_RowMerges):
 
 
 @cute.jit
-def rows_by_token(mO: cute.Tensor, mLSE: cute.Tensor):
-    """out (B, T, H, g, dv) -> (B, (g, T), H, dv) and lse (B, H, g, T) -> (B, H, (g, T)): the same
-    memory, a row mode whose linear index is t g + j (PartsCombine's token_rows)."""
-    o_shape, o_stride = mO.layout.shape, mO.layout.stride
-    out = cute.make_tensor(mO.iterator, cute.make_layout(
-        (o_shape[0], (o_shape[3], o_shape[1]), o_shape[2], o_shape[4]),
-        stride=(o_stride[0], (o_stride[3], o_stride[1]), o_stride[2], o_stride[4])))
+def token_rows_views(mO: cute.Tensor, mLSE: cute.Tensor):
+    """out (B, T, H, g, dv) -> (B, (g, T), H, dv) (components.key_split.rows_by_token) and lse
+    (B, H, g, T) -> (B, H, (g, T)): the same memory, row t g + j (PartsCombine's token_rows)."""
     l_shape, l_stride = mLSE.layout.shape, mLSE.layout.stride
     lse = cute.make_tensor(mLSE.iterator, cute.make_layout(
         (l_shape[0], l_shape[1], (l_shape[2], l_shape[3])),
         stride=(l_stride[0], l_stride[1], (l_stride[2], l_stride[3]))))
-    return out, lse
+    return rows_by_token(mO), lse
 
 
 def _fake_token_rows(dt, head_dim_v: int):

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import cutlass
+import cutlass.cute as cute
 from cutlass import Int32
 
 from stage3_fwd_kernel import intdiv
@@ -82,3 +83,16 @@ def chunk_blocks(split: KeySplit, tile_n: int):
     """Key blocks a chunk walks at most (the last chunk of a sequence fewer: its keys_to_end)."""
     return (split.chunk_keys + tile_n - 1) // tile_n
 
+
+def rows_by_token(t: cute.Tensor, g: int | None = None) -> cute.Tensor:
+    """GQA heads packed as rows by token, without a copy: (B, T, H, g, d) -- or (B, T, H g, d) with g
+    given, its head mode read as (H, g) -- seen as (B, (g, T), H, d), a row mode whose linear index
+    is t g + j (query head h g + j of token t). The split launch reads q this way (Q's TMA box then
+    spans g heads and 64 / g tokens) and the merge writes the call's out (split_combine)."""
+    shape, stride = t.layout.shape, t.layout.stride
+    if cutlass.const_expr(g is not None):
+        shape = (shape[0], shape[1], shape[2] // g, g, shape[3])
+        stride = (stride[0], stride[1], stride[2] * g, stride[2], stride[3])
+    return cute.make_tensor(t.iterator, cute.make_layout((shape[0], (shape[3], shape[1]), shape[2], shape[4]),
+                                                         stride=(stride[0], (stride[3], stride[1]), stride[2],
+                                                                 stride[4])))

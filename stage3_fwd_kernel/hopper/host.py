@@ -424,12 +424,10 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     if isinstance(rows_per_query, bool) or not isinstance(rows_per_query, int) or rows_per_query < 1 \
             or hq % rows_per_query:
         raise ValueError(f"rows_per_query: expected an int >= 1 dividing q's {hq} heads, got {rows_per_query!r}")
-    tokens = r   # q's second mode; rows_per_query > 1: the kernel reads g rows of each token
-    if range_keys is not None and page_table is not None and (window.left is None
-                                                              or window.left + tokens > range_keys):
+    if range_keys is not None and page_table is not None and (window.left is None or window.left + r > range_keys):
         raise ValueError(f"range_keys: a paged range starts on a key block, so it needs a left window that hides "
                          f"the keys before it (left + query tokens <= range_keys), got {range_keys} with "
-                         f"window_size {tuple(window_size)} and {tokens} tokens")
+                         f"window_size {tuple(window_size)} and {r} tokens")
     r, hq = r * rows_per_query, hq // rows_per_query   # the kernel's rows and heads
     # a paged range's first key is rounded down: up to a key tile less one more keys
     span = cache_keys if range_keys is None else min(cache_keys, range_keys + (tile_n - 1 if page_table is not None

@@ -40,7 +40,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.components.block_range import blocks_walked, first_key_block, num_key_blocks
-from stage3_fwd_kernel.components.key_split import KeySplit, chunk_blocks
+from stage3_fwd_kernel.components.key_split import KeySplit, chunk_blocks, rows_by_token
 from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.paged_kv import box_rows, check_page_size, gathered
 from stage3_fwd_kernel.components.score_mod import Softcap
@@ -244,15 +244,6 @@ class FlashAttentionForwardSm90:
         elif mSeqUsedK is not None and mCuSeqlensK is None:
             raise ValueError("seqused_k: needs cu_seqlens_k")
 
-    def _rows_by_token(self, mQ: cute.Tensor) -> cute.Tensor:
-        """q as the call holds it, (B, T, Hq, d), seen as (B, (g, T), Hkv, d): row t g + j of KV head kv
-        is query head kv g + j of token t. The row mode has two strides (a head's, a token's), so
-        Q's TMA box spans g heads and 64 / g tokens of the unchanged tensor: no packing copy."""
-        g = self.rows_per_query
-        (b, t, hq, d), (sb, st, sh, sd) = mQ.shape, mQ.stride
-        layout = cute.make_layout((b, (g, t), hq // g, d), stride=(sb, (sh, st), sh * g, sd))
-        return cute.make_tensor(mQ.iterator, layout)
-
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory: barriers, the dynamic scheduler's tile ids, Q, the K/V ring, O."""
         stages = self.num_stages
@@ -304,7 +295,7 @@ class FlashAttentionForwardSm90:
         mQ, mK = assume_strides_16B(mQ, d), assume_strides_16B(mK, d)
         mV, mO = assume_strides_16B(mV, dv), assume_strides_16B(mO, dv)
         if const_expr(self.rows_per_query > 1):
-            mQ = self._rows_by_token(mQ)
+            mQ = rows_by_token(mQ, self.rows_per_query)   # no copy packs q (components.key_split)
 
         # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size nc)
         sQ_layout = self._smem_layout(tm, d, nc)
