@@ -56,7 +56,7 @@ def _graphed(fn):
     return graph, out
 
 
-def _window_keys(query_len, cache, window):
+def keys_read(query_len, cache, window):
     """Keys a step reads: all of the cache, or the last query_len + window of it."""
     return cache if window is None else min(cache, window + query_len)
 
@@ -66,7 +66,7 @@ def _peers(q, k, v, window=None):
 
     causal = q.shape[1] > 1 or window is not None  # several query tokens: causal at the cache's end
     win = (None, None) if window is None else (window, 0)
-    read = _window_keys(q.shape[1], k.shape[1], window)
+    read = keys_read(q.shape[1], k.shape[1], window)
     peers = {
         "fa4_kvcache": lambda: fa4.flash_attn_with_kvcache(q, k, v, causal=causal, window_size=win),
         "fa4_func": lambda: fa4.flash_attn_func(q, k, v, causal=causal, window_size=win),
@@ -121,7 +121,7 @@ def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, 
     q = torch.randn(batch, query_len, heads[0], D, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(batch, cache, heads[1], D, device="cuda", generator=g, dtype=torch.bfloat16)
     v = torch.randn(batch, cache, heads[1], D, device="cuda", generator=g, dtype=torch.bfloat16)
-    read = _window_keys(query_len, cache, window)
+    read = keys_read(query_len, cache, window)
     k_bytes = batch * read * heads[1] * D * k.element_size()    # of the keys read (all without a window)
     nbytes = q.numel() * q.element_size() + 2 * k_bytes
     graphs, checks, row_kernels = {}, {}, None

@@ -59,7 +59,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .ab_fwd import paired_rounds
-from .bench_decode import CALLS_PER_GRAPH, _graphed, check_decode_flags
+from .bench_decode import CALLS_PER_GRAPH, _graphed, check_decode_flags, keys_read
 from .bench_fwd import write_doc
 
 HQ, HKV, D = 32, 8, 128
@@ -170,7 +170,7 @@ class DecodeCall(NamedTuple):
     window: Optional[int] = None   # window_size=(window, 0), causal
 
     def keys_read(self, cache: int) -> int:
-        return cache if self.window is None else min(cache, self.window + self.query_len)
+        return keys_read(self.query_len, cache, self.window)
 
     def variant(self) -> dict:
         causal = self.query_len > 1 or self.window is not None

@@ -57,7 +57,7 @@ from ._layouts import gather_pages
 from ._lse_merge import add_sink, merge_parts
 
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
-KEY_TILE = 128            # the Hopper forward's widest key block (a paged range starts on one)
+KEY_TILE = 128            # the Hopper forward's widest key block: chunks are its multiples, paged ranges start on one
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue, merge) dominates
 MAX_SPLITS = 64
 MAX_GRID_Z = 65535        # a CUDA grid's z extent: the split launch's batch x splits
@@ -154,9 +154,9 @@ def _chunk_keys(seqlens_k, n: int, chunk: int):
 
 
 def _chunks(s_cache: int, n: int) -> tuple[int, int]:
-    """(keys per chunk, chunks) for about n chunks of s_cache keys, a chunk a multiple of 128 keys."""
+    """(keys per chunk, chunks) for about n chunks of s_cache keys, a chunk a multiple of KEY_TILE keys."""
     chunk = max(1, math.ceil(s_cache / n))
-    chunk = min(s_cache, math.ceil(chunk / 128) * 128) if s_cache >= 128 else chunk
+    chunk = min(s_cache, math.ceil(chunk / KEY_TILE) * KEY_TILE) if s_cache >= KEY_TILE else chunk
     return chunk, max(1, math.ceil(s_cache / chunk))
 
 
@@ -321,7 +321,7 @@ def split_chunks(s_cache: int, n: int) -> tuple[int, int]:
     """(keys per chunk, chunks) where every chunk must start on a key-tile border (the split launch,
     paged chunks): _chunks', but a cache of under 128 keys is one chunk."""
     chunk, n = _chunks(s_cache, n)
-    return (s_cache, 1) if n > 1 and chunk % 128 else (chunk, n)
+    return (s_cache, 1) if n > 1 and chunk % KEY_TILE else (chunk, n)
 
 
 def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa,
