@@ -387,7 +387,10 @@ def test_fa4_window_softcap_sink_forward_backward(d):
 # mode, whose row statistics come from SMEM (stats_shuffle off) so that ptxas keeps its wgmmas async:
 # 16 bytes dense, 20 varlen, where with the shuffle it serialized them (C7512)
 WINDOW_BWD_BUILDS = {(64, True, False): 0, (96, True, False): 0, (128, True, False): 0,
-                     (64, False, False): 16, (64, False, True): 20, (96, False, False): 0, (128, False, False): 0}
+                     (64, False, False): 16, (64, False, True): 20, (96, False, False): 0, (128, False, False): 0,
+                     # the wide body (qk 192 -> v 128, 256 -> 256)
+                     (192, True, False): 0, (192, False, True): 0, (256, True, True): 0, (256, False, False): 0}
+WIDE_DV = {192: 128}
 
 
 @pytest.mark.compile
@@ -401,7 +404,7 @@ def test_backward_window_builds_without_serialized_wgmma(d, causal, varlen):
     from stage4_bwd_kernel.hopper import backward as bwd
 
     window = (256, None) if causal else (256, 256)
-    comp = bwd.compile_only("bf16", d, d, causal, varlen=varlen, window_size=window)
+    comp = bwd.compile_only("bf16", d, WIDE_DV.get(d, d), causal, varlen=varlen, window_size=window)
     assert not comp.report["wgmma_serialized"], comp.report["ptxas_log"]
     assert comp.report["spill_stores"] <= WINDOW_BWD_BUILDS[(d, causal, varlen)], comp.report
 
@@ -432,6 +435,29 @@ def test_backward_band_options():
         with pytest.raises(ValueError, match=name):
             bwd.make_kernel(None, 96, 96, True, False, window=Window(256, None), **{name: True})
     assert not bwd.make_kernel(None, 96, 96, True, False, window=Window(256, None)).column_limit
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
+def test_backward_defaults_pass_their_own_check():
+    """Every product configuration's default options build: the kernel checks them against the same
+    (varlen, wide, deterministic, banded) it was configured for. The wide head dims once set column_limit
+    whatever the window, and a band at (192, 128) or 256 raised before any launch."""
+    import itertools
+
+    from stage3_fwd_kernel.components.window import Window
+    from stage4_bwd_kernel.hopper import backward as bwd
+    from stage4_bwd_kernel.hopper.options import RS_HEAD_DIMS, WIDE_HEAD_DIMS, BackwardOptions, is_banded, is_wide
+
+    windows = (None, Window(40, 7), Window(256, None), Window(None, 0))
+    for (d, dv), causal, det, varlen, window in itertools.product(RS_HEAD_DIMS + WIDE_HEAD_DIMS, (False, True),
+                                                                   (False, True), (False, True), windows):
+        banded = window is not None and is_banded(window, causal)
+        options = BackwardOptions.for_config(d, dv, causal, det, varlen, banded)
+        options.check(varlen, wide=is_wide(d, dv), deterministic=det, banded=banded)
+        if window is not None:
+            kernel = bwd.make_kernel(None, d, dv, causal, det, varlen=varlen, window=window)
+            assert kernel.column_limit == options.column_limit and not (banded and kernel.column_limit)
 
 
 @pytest.mark.cpu

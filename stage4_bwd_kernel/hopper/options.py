@@ -114,7 +114,7 @@ class BackwardOptions:
         beyond causal's (``is_banded``), so the walk has masked tiles at both ends."""
         tm, tn = default_tiles(head_dim, head_dim_v)
         if is_wide(head_dim, head_dim_v):
-            return cls.for_wide(head_dim, head_dim_v, deterministic)
+            return cls.for_wide(head_dim, head_dim_v, deterministic, banded)
         # dS^T double-buffered below the 128-query tile where it fits beside one dQ buffer; the
         # 128 x 128 tile measured a tie and keeps one (two fill the 227 KB exactly)
         ds_buffers = 1
@@ -142,11 +142,12 @@ class BackwardOptions:
         )
 
     @classmethod
-    def for_wide(cls, head_dim: int, head_dim_v: int, deterministic: bool) -> "BackwardOptions":
+    def for_wide(cls, head_dim: int, head_dim_v: int, deterministic: bool, banded: bool = False) -> "BackwardOptions":
         """The wide design (wide.py): no register-sourced dV / dK, statistics from SMEM (the query
         split moves the columns the shuffle assumes), one dS^T and one P^T buffer, two Q / dO stages;
         a dQ buffer (two where they fit) for the writer warp, or at 256 in the default mode, where no
-        buffer fits beside the two stages, dQ added by the consumers (dq_atomic)."""
+        buffer fits beside the two stages, dQ added by the consumers (dq_atomic). banded: the plain masked
+        test instead of column_limit (one key edge per column)."""
         tm, tn = default_tiles(head_dim, head_dim_v)
 
         def fits(stages, dq_buffers):
@@ -158,7 +159,7 @@ class BackwardOptions:
         stages = NUM_STAGES if dq_atomic or fits(NUM_STAGES, 1) else 1
         dq_buffers = MAX_DQ_BUFFERS if not dq_atomic and fits(stages, MAX_DQ_BUFFERS) else 1
         return cls(late_dv=False, stats_shuffle=False, dq_frag=True, q_shift=False, key_select=False,
-                   column_limit=True, mask_offsets=False, kv_with_first=False, ds_buffers=1,
+                   column_limit=not banded, mask_offsets=False, kv_with_first=False, ds_buffers=1,
                    dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages,
                    dq_atomic=dq_atomic)
 
