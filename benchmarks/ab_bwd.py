@@ -37,7 +37,8 @@ def dq_orders() -> dict:
 
 
 def make_variant(spec: str):
-    """spec -> fn(q, k, v, out, dout, lse, causal) -> (dq, dk, dv)."""
+    """spec -> fn(q, k, v, out, dout, lse, causal, **call) -> (dq, dk, dv); call: the call's own keywords
+    (e.g. window_size), passed through."""
     rest, det = (spec[:-4], True) if spec.endswith("+det") else (spec, False)
     rest, *option_specs = rest.split("~")
     try:
@@ -63,24 +64,39 @@ def make_variant(spec: str):
     refused = [k for k in options if k not in accepted]
     if refused:
         raise SystemExit(f"--variants: {step}'s attention_backward takes no {', '.join(refused)} ({spec!r})")
-    return lambda q, k, v, o, do, lse, c: mod.attention_backward(q, k, v, o, do, lse, causal=c, deterministic=det,
-                                                                 **options)
+    return lambda q, k, v, o, do, lse, c, **call: mod.attention_backward(q, k, v, o, do, lse, causal=c,
+                                                                         deterministic=det, **options, **call)
 
 
-def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False):
+def parse_window(text, causal: bool):
+    """--window LEFT[,RIGHT] -> (left, right), or None without one."""
+    if text is None:
+        return None
+    try:
+        edges = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--window: expected LEFT or LEFT,RIGHT (integers), got {text!r}") from None
+    if len(edges) not in (1, 2) or min(edges) < 0:
+        raise SystemExit(f"--window: expected one or two key counts >= 0, got {text!r}")
+    return edges[0], edges[1] if len(edges) == 2 else (0 if causal else edges[0])
+
+
+def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, window=None):
     """One grid point of the benchmarks (bf16, 32k tokens per batch, hidden 2048) -> (batch, heads,
     (q, k, v, out, dout, lse) from our forward, the peers' backwards as no-argument calls: the
     official FA4's, and cuDNN's through SDPA when asked). The peers run through ``autograd.grad``:
-    ``.backward`` would also add into ``.grad`` on every call (see benchmarks.bench_bwd)."""
+    ``.backward`` would also add into ``.grad`` on every call (see benchmarks.bench_bwd). window:
+    None or (left, right) for our forward and the official call (cuDNN through SDPA has none)."""
     from flash_attn.cute.interface import flash_attn_func
     from stage3_fwd_kernel.hopper import attention_forward
 
     b, h = 32768 // s, 2048 // d
     q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out, lse = attention_forward(q, k, v, causal=causal)
+    call = {} if window is None else {"window_size": window}
+    out, lse = attention_forward(q, k, v, causal=causal, **call)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = flash_attn_func(qg, kg, vg, causal=causal)
+    o = flash_attn_func(qg, kg, vg, causal=causal, **call)
     o = o[0] if isinstance(o, tuple) else o
     peers = {"official": lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)}
     if cudnn:
@@ -98,7 +114,12 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", required=True, help="comma-separated step[@MxN][:order][~option=int][+det]")
     add_grid_args(ap, dims="64", dims_help="head dims, d or dxdv (e.g. 64,192x128)", seqlens="8192,16384", rounds=7)
     ap.add_argument("--cudnn", action="store_true", help="also time cuDNN through torch SDPA")
+    ap.add_argument("--window", default=None, metavar="LEFT[,RIGHT]",
+                    help="a sliding window for every kernel: (LEFT, RIGHT), RIGHT defaulting to 0 when causal, else "
+                         "LEFT (the FLOP rate counts the full or causal work, so compare ratios)")
     args = ap.parse_args(argv)
+    if args.window is not None and args.cudnn:
+        raise SystemExit("--cudnn: torch SDPA has no sliding window; leave out --cudnn or --window")
     if not torch.cuda.is_available():
         print("ab_bwd needs a CUDA GPU")
         return 2
@@ -109,11 +130,13 @@ def main(argv=None) -> int:
     for d, dv in ((int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
-                b, h, inputs, peers = backward_case(d, dv, s, causal, args.cudnn)
+                window = parse_window(args.window, causal)
+                b, h, inputs, peers = backward_case(d, dv, s, causal, args.cudnn, window)
+                call = {} if window is None else {"window_size": window}
                 fns = dict(peers)
                 ref = None
                 for n in specs:
-                    fns[n] = lambda n=n: variants[n](*inputs, causal)
+                    fns[n] = lambda n=n: variants[n](*inputs, causal, **call)
                     got = [g.float() for g in fns[n]()]
                     if ref is None:
                         ref = got
@@ -122,7 +145,7 @@ def main(argv=None) -> int:
                         raise SystemExit(f"{n}: max |grad - {specs[0]}'s| = {err} at d={d} s={s} causal={causal}")
                 times = paired_rounds(fns, args.rounds, rng)
                 rows += ratio_rows(times, 2.5 * flops(b, h, s, d, dv, causal),
-                                   {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s},
+                                   {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s, "window": window},
                                    f"d={d}x{dv} causal={causal!s:5} s={s:5}")
                 del inputs, peers, fns
     if args.out:

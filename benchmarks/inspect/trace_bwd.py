@@ -31,6 +31,7 @@ import sys
 
 import numpy as np
 
+from ..ab_bwd import parse_window
 from .trace_fwd import block_clocks, cta_table, patch_methods, plot_timelines, sm_timeline, time_then_trace
 
 
@@ -73,11 +74,14 @@ def walk_fit(cycles: np.ndarray, tiles: np.ndarray) -> dict:
 
 
 def tile_split(tile_end: np.ndarray, t: dict) -> dict:
-    """--tile-stamps: medians over the CTAs that walk >= 3 tiles of the first tile (consumers' start ->
+    """--tile-stamps: medians over the CTAs that walk 3 .. 126 tiles of the first tile (consumers' start ->
     its end: the loads' latency and the first, masked, tile), the tiles after it (per tile), and the
     last tile's end -> end of the walk. tile_end: (CTAs, slots) clocks, the last warpgroup's."""
     n = t["note"].astype(int)
-    rows = np.nonzero(n >= 3)[0]
+    # tiles from the record's last slot on share it (stage3_fwd_kernel.trace.MAX_BLOCKS): longer walks are left out
+    rows = np.nonzero((n >= 3) & (n < tile_end.shape[1]))[0]
+    if not len(rows):
+        return {}
     first = [tile_end[i, 0] - t["start_clk"][i] for i in rows]
     rest = [(tile_end[i, n[i] - 1] - tile_end[i, 0]) / (n[i] - 1) for i in rows]
     tail = [t["walked_clk"][i] - tile_end[i, n[i] - 1] for i in rows]
@@ -124,6 +128,7 @@ def run_impl(name: str, args):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(args.batch, args.seqlen, args.heads, d, device="cuda", dtype=torch.bfloat16,
                                generator=gen) for _ in range(4))
+    window = {"window_size": args.window} if args.window else {}
     n_ctas = (-(-args.seqlen // 64)) * args.heads * args.batch  # both kernels' K/V tiles have >= 64 rows
     buf = torch.zeros(trace.buffer_elems(n_ctas), dtype=torch.int64, device="cuda")
     trace.enable(buf.data_ptr(), events=("end",) if args.tile_stamps else ())
@@ -131,21 +136,21 @@ def run_impl(name: str, args):
         if name != "official":
             from ..ab_bwd import make_variant
 
-            out, lse = attention_forward(q, k, v, causal=args.causal)
+            out, lse = attention_forward(q, k, v, causal=args.causal, **window)
             spec = "production" if name == "ours" else name  # a benchmarks.ab_bwd variant, e.g. step3_rs@64x128
             variant = make_variant(spec + ("+det" if args.deterministic and not spec.endswith("+det") else ""))
             tile_m = variant_tile_m(spec, d, args.causal, args.deterministic)
 
             def call():
-                return variant(q, k, v, out, do, lse, args.causal)
+                return variant(q, k, v, out, do, lse, args.causal, **window)
         else:
             patch_official(args.tile_stamps)
             from flash_attn.cute.interface import _tile_size_bwd_sm90, flash_attn_func
 
             qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-            o = flash_attn_func(qg, kg, vg, causal=args.causal, deterministic=args.deterministic)
+            o = flash_attn_func(qg, kg, vg, causal=args.causal, deterministic=args.deterministic, **window)
             o = o[0] if isinstance(o, tuple) else o
-            tile_m = _tile_size_bwd_sm90(d, d, args.causal, False).m_block_size
+            tile_m = _tile_size_bwd_sm90(d, d, args.causal, bool(window)).m_block_size
 
             def call():
                 return torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
@@ -161,6 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dim", type=int, default=128, choices=(64, 96, 128))
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--window", default=None, metavar="LEFT[,RIGHT]",
+                    help="sliding window of both kernels: (LEFT, RIGHT), RIGHT defaulting to 0 with --causal, else LEFT")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
@@ -172,6 +179,7 @@ def main(argv=None) -> int:
                     help="also stamp the end of every Q tile (changes both kernels' schedules a little): splits "
                          "a CTA's walk into its first tile, the later ones and the last tile's tail")
     args = ap.parse_args(argv)
+    args.window = parse_window(args.window, args.causal)
     impls = [x for x in args.impls.split(",") if x]
     if not impls:
         raise SystemExit(f"--impls: expected ours, official and / or benchmarks.ab_bwd variants, got {args.impls!r}")
@@ -211,8 +219,8 @@ def main(argv=None) -> int:
                   f"{row.get('walk_cycles_per_tile', float('nan')):.0f} x Q tiles; epilogue (walked -> end) "
                   f"{row['epilogue_cycles_median']:.0f} cycles (median)")
         print(f"  prologue (entry -> consumers' start) {row['prologue_cycles_median']:.0f} cycles (median)")
-        if args.tile_stamps:
-            print(f"  tile stamps (CTAs of >= 3 tiles, medians): first tile {row['first_tile_cycles_median']:.0f} "
+        if "first_tile_cycles_median" in row:
+            print(f"  tile stamps (CTAs of 3 .. 126 tiles, medians): first tile {row['first_tile_cycles_median']:.0f} "
                   f"cycles from the start, later tiles {row['later_tile_cycles_median']:.0f} each, last tile -> end "
                   f"of the walk {row['last_tile_to_walked_cycles_median']:.0f}")
         if "cycles_per_tile" not in row:
@@ -221,7 +229,7 @@ def main(argv=None) -> int:
     if args.out:
         from ..bench_fwd import write_doc
 
-        write_doc(args.out, "benchmarks.inspect.trace_bwd", argv, rows, shape=dict(dim=args.dim, causal=args.causal,
+        write_doc(args.out, "benchmarks.inspect.trace_bwd", argv, rows, shape=dict(dim=args.dim, causal=args.causal, window=args.window,
                   deterministic=args.deterministic, seqlen=args.seqlen, batch=args.batch, heads=args.heads))
     if args.plot and tables:
         plot_timelines(tables, args.plot)
