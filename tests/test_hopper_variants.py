@@ -439,24 +439,32 @@ def test_backward_band_options():
 
 @pytest.mark.cpu
 @pytest.mark.stage4
-def test_backward_defaults_pass_their_own_check():
-    """Every product configuration's default options build: the kernel checks them against the same
-    (varlen, wide, deterministic, banded) it was configured for. The wide head dims once set column_limit
-    whatever the window, and a band at (192, 128) or 256 raised before any launch."""
+def test_variant_kernels_construct_across_the_support_matrix():
+    """Every product head-dim pair x causal x window x softcap builds its forward and backward kernel
+    objects with the defaults (no compile: the options' own checks, before any launch), and the
+    backward's options pass their check in every (deterministic, varlen) mode. The wide head dims
+    once set column_limit whatever the window, so a window at (192, 128) or 256 raised in the backward."""
     import itertools
 
-    from stage3_fwd_kernel.components.window import Window
+    from stage3_fwd_kernel.components.window import beyond_causal
+    from stage3_fwd_kernel.hopper import host as fwd_host
     from stage4_bwd_kernel.hopper import backward as bwd
+
+    import cutlass  # after stage 3, which sets the DSL's arch
     from stage4_bwd_kernel.hopper.options import RS_HEAD_DIMS, WIDE_HEAD_DIMS, BackwardOptions, is_banded, is_wide
 
-    windows = (None, Window(40, 7), Window(256, None), Window(None, 0))
-    for (d, dv), causal, det, varlen, window in itertools.product(RS_HEAD_DIMS + WIDE_HEAD_DIMS, (False, True),
-                                                                   (False, True), (False, True), windows):
-        banded = window is not None and is_banded(window, causal)
-        options = BackwardOptions.for_config(d, dv, causal, det, varlen, banded)
-        options.check(varlen, wide=is_wide(d, dv), deterministic=det, banded=banded)
-        if window is not None:
-            kernel = bwd.make_kernel(None, d, dv, causal, det, varlen=varlen, window=window)
+    windows = ((None, None), (40, 7), (256, None), (None, 0), (1024, 0))
+    for (d, dv), causal, window_size, softcap in itertools.product(RS_HEAD_DIMS + WIDE_HEAD_DIMS, (False, True),
+                                                                    windows, (0.0, 30.0)):
+        if causal and window_size[1] not in (None, 0):
+            continue  # refused by the window's own validation (causal means right = 0)
+        window = beyond_causal(causal, window_size)
+        fwd_host.make_kernel(cutlass.BFloat16, d, dv, causal, variant=fwd_host.Variant(window, softcap))
+        banded = is_banded(window, causal)
+        for det, varlen in itertools.product((False, True), (False, True)):
+            options = BackwardOptions.for_config(d, dv, causal, det, varlen, banded)
+            options.check(varlen, wide=is_wide(d, dv), deterministic=det, banded=banded)
+            kernel = bwd.make_kernel(None, d, dv, causal, det, varlen=varlen, window=window, softcap=softcap)
             assert kernel.column_limit == options.column_limit and not (banded and kernel.column_limit)
 
 
