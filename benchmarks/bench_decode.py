@@ -1,7 +1,7 @@
 """Decode against a KV cache: achieved bandwidth of fa4, the official FlashAttention-4 and cuDNN.
 
     python -m benchmarks.bench_decode [--shapes 1x8192,1x131072,8x32768,64x8192,64x32768] [--rounds 5]
-                                      [--query-len 1] [--heads 32/8] [--window LEFT]
+                                      [--query-len 1] [--heads 32/8] [--window LEFT] [--cache-batch-idx]
                                       [--out benchmarks/results/bench_decode_h200.json]
 
 bf16, GQA 32 / 8 (--heads), d = 128, one query token per sequence (--query-len N > 1: N causal tokens
@@ -16,7 +16,9 @@ in the same run. Peers:
 * fa4_func: fa4.flash_attn_func on the same tensors (no split, no packing: the path decode had before);
 * official: flash_attn.cute.interface.flash_attn_func (flash-attn-4), where installed;
 * sdpa_cudnn: torch SDPA on (B, H, N, D) with enable_gqa, cuDNN backend (N > 1: the lower-right
-  causal bias, torch.nn.attention.bias.causal_lower_right; recorded as failed where cuDNN refuses it).
+  causal bias, torch.nn.attention.bias.causal_lower_right; recorded as failed where cuDNN refuses it);
+* fa4_kvcache_rows (--cache-batch-idx): fa4.flash_attn_with_kvcache with cache_batch_idx over a copy of
+  the cache whose B + 1 rows hold sequence b in row B - b (a serving loop's static slots).
 
 Every call is captured in a CUDA graph of 20 calls and the graph is replayed (what a serving loop
 does; host launch overhead would otherwise hide the kernels at batch 1), in paired rounds
@@ -61,7 +63,7 @@ def keys_read(query_len, cache, window):
     return cache if window is None else min(cache, window + query_len)
 
 
-def _peers(q, k, v, window=None):
+def _peers(q, k, v, window=None, cache_rows=False):
     import fa4
 
     causal = q.shape[1] > 1 or window is not None  # several query tokens: causal at the cache's end
@@ -73,6 +75,12 @@ def _peers(q, k, v, window=None):
         "sdpa_cudnn": None,
         "copy_k": lambda: k[:, k.shape[1] - read:].clone(),
     }
+    if cache_rows:   # sequence b in row B - b of a cache with a spare row
+        b = q.shape[0]
+        idx = torch.arange(b - 1, -1, -1, device=q.device, dtype=torch.int32)
+        k_slots, v_slots = (torch.cat([t.flip(0), t[:1]]) for t in (k, v))
+        peers["fa4_kvcache_rows"] = lambda: fa4.flash_attn_with_kvcache(q, k_slots, v_slots, cache_batch_idx=idx,
+                                                                         causal=causal, window_size=win)
     try:
         from flash_attn.cute.interface import flash_attn_func as official
 
@@ -116,7 +124,7 @@ def _kernel_breakdown(graph) -> list:
     return [{"kernel": name, "us_per_call": us, "per_call": n} for name, us, n in rows]
 
 
-def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, HKV), window=None):
+def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, HKV), window=None, cache_rows=False):
     g = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
     q = torch.randn(batch, query_len, heads[0], D, device="cuda", generator=g, dtype=torch.bfloat16)
     k = torch.randn(batch, cache, heads[1], D, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -127,7 +135,7 @@ def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, 
     graphs, checks, row_kernels = {}, {}, None
     with torch.no_grad():
         ref = None
-        for name, fn in _peers(q, k, v, window).items():
+        for name, fn in _peers(q, k, v, window, cache_rows).items():
             try:
                 graph, out = _graphed(fn)
             except Exception as exc:
@@ -200,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--query-len", type=int, default=1, help="query tokens per sequence (> 1: causal)")
     ap.add_argument("--heads", default=f"{HQ}/{HKV}", help="query heads / KV heads")
     ap.add_argument("--window", type=int, default=None, help="window_size=(LEFT, 0), causal")
+    ap.add_argument("--cache-batch-idx", action="store_true",
+                    help="also time fa4_kvcache_rows: the same call through cache_batch_idx (sequence b in row B - b)")
     args = ap.parse_args(argv)
     heads = check_decode_flags("--heads", args.heads, args.query_len, args.window)
     try:
@@ -210,7 +220,8 @@ def main(argv=None) -> int:
         print("bench_decode needs a CUDA GPU")
         return 2
     rng = random.Random(0)
-    rows = [run_shape(b, c, args.rounds, rng, args.profile, args.query_len, heads, args.window) for b, c in shapes]
+    rows = [run_shape(b, c, args.rounds, rng, args.profile, args.query_len, heads, args.window, args.cache_batch_idx)
+            for b, c in shapes]
     tokens = "one query token" if args.query_len == 1 else f"{args.query_len} causal query tokens"
     if args.window is not None:
         tokens += f", window_size=({args.window}, 0) (bytes: the keys in the window)"

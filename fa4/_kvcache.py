@@ -20,11 +20,11 @@ that index the cache in place, with no copy:
   way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy first (many tiny
   segments cost far more).
 
-Where a call has at most 64 kernel rows (decode) and sequence b is cache row b (or its pages are
-read in place), an eager call on the device skips the segments: the Hopper forward's split-KV
-launch (stage 3's components.key_split) gives chunk j of sequence b its own CTAs, which find the
-chunk's keys from (b, j, the chunk size, cache_seqlens[b]) themselves and read the queries where
-they are; a causal diagonal or a window stays where it is at the sequence's end, so a few causal
+Where a call has at most 64 kernel rows (decode) over a dense cache (sequence b in cache row b,
+or cache_batch_idx[b]) or pages read in place, an eager call on the device skips the segments: the
+Hopper forward's split-KV launch (stage 3's components.key_split) gives chunk j of sequence b its
+own CTAs, which find the chunk's keys from (b, j, the chunk size, cache_seqlens[b], its cache row)
+themselves and read the queries where they are; a causal diagonal or a window stays where it is at the sequence's end, so a few causal
 query tokens (speculative decoding) split too, and a window's chunks hold only its last left + Sq
 keys (range_keys). A decode step is then the attention kernel and the merge, without the segment
 offsets' and the replicated queries' small kernels (`fa4_split`). Traced calls (torch.compile)
@@ -35,8 +35,8 @@ aligned to it, so segments split only where the mask does not depend on alignmen
 causal only for single-token queries (which see every key anyway). One query token with a window
 sees the last left + 1 keys of its sequence: that is a key range, not a mask, so the split launch
 (range_keys = left + 1) or the segments start at the window's first key and split like no window
-(`key_range_window`; dense caches, and paged ones gathered). Otherwise (a causal prefill, a window
-over several tokens with cache_batch_idx) a cache runs unsplit, and a paged one with another page
+(`key_range_window`; dense caches, and paged ones gathered). Otherwise (a causal prefill, or a traced
+call with a window over several tokens) a cache runs unsplit, and a paged one with another page
 size is gathered into a dense copy first.
 
 GQA packing (decode): with one query token, the g = Hq / Hkv query heads of a group become g rows
@@ -286,7 +286,7 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
 
 
 def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None,
-              causal=False, rows_per_query=1, unpack=1, range_keys=None, window=(None, None)):
+              causal=False, rows_per_query=1, unpack=1, range_keys=None, window=(None, None), cache_rows=None):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
     -- or, rows_per_query g > 1, q itself (B, Sq, Hq, D), whose GQA groups the kernel reads as
     R = Sq g rows of H' = Hq / g heads -- against n chunks of `chunk` keys of each sequence's dense
@@ -299,7 +299,8 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     token-packed rows unpacked (merge_segments), out (B, R / g, H' g, Dv) and lse (B, H' g, R / g).
     window: (left, right) as the kernel's, aligned to each sequence's end like causal; range_keys W:
     each sequence reads its last W keys, the chunks counted from key max(L_b - W, 0) (rounded down to
-    the key tile with pages, where the window must hide the keys before it)."""
+    the key tile with pages, where the window must hide the keys before it). cache_rows (int32 (B,)):
+    sequence b's row of a dense cache (cache_batch_idx; None: row b)."""
     from . import _dispatch
 
     b, r, h, _ = rows.shape
@@ -309,7 +310,7 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     mod = _dispatch.backend_for(rows.device).forward_module()
     kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, causal=causal,
               rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r),
-              range_keys=range_keys, window_size=tuple(window))
+              range_keys=range_keys, window_size=tuple(window), cache_rows=cache_rows)
     if n == 1:
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
@@ -339,7 +340,7 @@ def plan_layout(sq: int, group: int, causal: bool, window, pack_gqa,
     if pack_gqa and not (free or by_token):
         raise ValueError("pack_gqa: packing the query heads needs a mask that is the same for every row (no window, "
                          "and causal only with one query token), or a split launch that masks them by token (rows "
-                         "of at most one 64-row tile, sequence b in cache row b); pass None or False")
+                         "of at most one 64-row tile, eager on the device); pass None or False")
     pack = (group > 1 and (free or by_token)) if pack_gqa is None else bool(pack_gqa) and group > 1
     return causal, free, pack
 
@@ -364,16 +365,15 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     paged_in_place: the kernel reads the pages through the table (fa4._paged), so a paged cache is
     chunked like a dense one (logical chunks, any mask) instead of one segment per page.
     split: a split-KV launch with its merge (`fa4_split`'s contract), taken by calls of at most
-    PACKED_CAUSAL_ROWS kernel rows where sequence b is cache row b or its pages are read in place
-    (a left window: the chunks hold the last left + Sq keys, range_keys); else the varlen kernel runs
-    segments (which split only free masks).
+    PACKED_CAUSAL_ROWS kernel rows over a dense cache (cache_rows: each sequence's row) or pages read in
+    place (a left window: the chunks hold the last left + Sq keys, range_keys); else the varlen kernel
+    runs segments (which split only free masks).
     Returns out (B, Sq, Hq, Dv) in q's dtype and lse (B, Hq, Sq) fp32."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[-1]
     paged_in_place = paged_in_place and block_table is not None
     window, left = key_range_window(sq, window, paged_in_place)
-    causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa,
-                                     token_rows=split is not None and cache_rows is None)
+    causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa, token_rows=split is not None)
     if block_table is not None and not paged_in_place and (not free or left is not None
                                                            or k_cache.shape[1] < MIN_SEGMENT_PAGE):
         # page segments would misalign the mask, or not start at the window, or be too short: a dense copy
@@ -385,8 +385,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     # a split launch finds its chunks itself (a causal diagonal too: it sees each chunk's distance to the
     # sequence's end); the varlen kernel needs segment offsets (and replicated queries). Short queries
     # only (decode: one 64-row tile, what was measured); prefills keep the varlen kernel
-    use_split = split is not None and r <= PACKED_CAUSAL_ROWS and cache_rows is None \
-        and (block_table is None or paged_in_place)
+    use_split = split is not None and r <= PACKED_CAUSAL_ROWS and (block_table is None or paged_in_place)
     # the keys a split launch reads from each sequence's end: the window of one token (its mask
     # dropped) or of Sq tokens (masked), left + Sq; a paged range starts up to a key block earlier
     range_keys = left + 1 if left is not None else (window[0] + sq if use_split and window[0] is not None else None)
@@ -421,7 +420,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
                          block_table if paged_in_place else None, out=into, causal=causal,
                          rows_per_query=g if by_token else 1, unpack=unpack,
-                         range_keys=range_keys, window=window)
+                         range_keys=range_keys, window=window, cache_rows=cache_rows)
         # (B, R, H', Dv), (B, H', R); unpacked: (B, Sq, Hq, Dv), (B, Hq, Sq)
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
@@ -584,7 +583,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         split = fa4_split if _ops.eager_ok(q, k_cache, v_cache, block_table) else None
         # the kernel's rows per sequence: the query tokens, times the group when its heads are packed
         _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, (left, right), pack_gqa,
-                                 token_rows=split is not None and cache_batch_idx is None)
+                                 token_rows=split is not None)
         packed_rows = q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1)
         paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache, packed_rows)
     if q.shape[0] == 0:  # nothing to append or attend

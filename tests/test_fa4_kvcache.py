@@ -243,7 +243,7 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
 
 
 def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None, causal=False,
-                   rows_per_query=1, unpack=1, range_keys=None, window=(None, None)):
+                   rows_per_query=1, unpack=1, range_keys=None, window=(None, None), cache_rows=None):
     """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
     merge, through fa4._kvcache.fa4_split; rows_per_query g > 1: `rows` is q (B, T, Hq, D), read as
     T g rows of Hq / g heads): chunk j of sequence b, keys [j chunk, j chunk + used)
@@ -253,7 +253,8 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
     and lse (B, H, R), or unpacked (unpack g: (B, R / g, H g, Dv) and (B, H g, R / g)). window
     (left, right): token t sees keys L - T + t - left ..= L - T + t + right (causal: right 0).
     range_keys W: the chunks count from key max(seqlens[b] - W, 0) (with pages rounded down to a
-    multiple of 128, and then a left window must hide the keys before it) and cover those keys."""
+    multiple of 128, and then a left window must hide the keys before it) and cover those keys.
+    cache_rows: sequence b reads cache row cache_rows[b] (None: row b)."""
     if rows_per_query > 1:   # q as the call holds it: its groups are the kernel's rows, by token
         b, t, hq, d = rows.shape
         rows = rows.view(b, t, hq // rows_per_query, rows_per_query, d).transpose(2, 3).reshape(b, -1, hq //
@@ -266,7 +267,8 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
     parts = torch.zeros(b * n, r, h, v.shape[-1], dtype=torch.float64)
     lse = torch.full((h, b * n, r), float("-inf"), dtype=torch.float64)
     for i in range(b):
-        keys, values = k[i], v[i]
+        row = i if cache_rows is None else int(cache_rows[i])
+        keys, values = k[row], v[row]
         if page_table is not None:
             ps = k.shape[1]
             idx = (page_table[i].long()[:, None] * ps + torch.arange(ps)).reshape(-1)
@@ -410,23 +412,34 @@ def test_split_launch_causal_tokens_with_sink_and_softcap(splits):
 
 
 
-def test_split_launch_only_where_the_mask_has_no_window_and_rows_are_the_batch():
-    """cache_batch_idx keeps the varlen kernel's segments (a window over several tokens too)."""
+def test_split_launch_reads_cache_rows():
+    """cache_batch_idx: the split launch reads sequence b's chunks from cache row cache_batch_idx[b] (one
+    token, and a window over several tokens); traced calls (no split launch) keep the segments."""
     g = _gen(23)
     b, hq, d = 2, 2, 16
     kc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
     vc = torch.randn(3, 300, hq, d, generator=g, dtype=torch.float64)
     lens = torch.tensor([290, 40], dtype=torch.int32)
     cases = [dict(q_len=1, cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32)),
+             dict(q_len=1, causal=True, window_size=(50, 0), cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)),
              dict(q_len=3, causal=True, window_size=(100, 0), cache_batch_idx=torch.tensor([1, 2], dtype=torch.int32))]
     for case in cases:
         q = torch.randn(b, case.pop("q_len"), hq, d, generator=g, dtype=torch.float64)
-        rows = case.get("cache_batch_idx", torch.arange(b)).long()
-        out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=2, varlen=stand_in,
-                                   split=lambda *a, **kw: pytest.fail("split launch taken"), sm_count=16,
-                                   return_softmax_lse=True, **case)
-        _check(out, lse, q, kc[rows], vc[rows], lens, causal=case.get("causal", False),
-               window=case.get("window_size", (None, None)))
+        rows = case["cache_batch_idx"].long()
+        seen = []
+
+        def spy(*args, **kw):
+            seen.append(kw["cache_rows"])
+            return split_stand_in(*args, **kw)
+
+        out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=2, varlen=_no_varlen, split=spy,
+                                   sm_count=16, return_softmax_lse=True, **case)
+        assert len(seen) == 1 and torch.equal(seen[0], case["cache_batch_idx"])
+        want = dict(causal=case.get("causal", False), window=case.get("window_size", (None, None)))
+        _check(out, lse, q, kc[rows], vc[rows], lens, **want)
+        out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=2, varlen=stand_in, sm_count=16,
+                                   return_softmax_lse=True, **case)                 # split=None: the segments
+        _check(out, lse, q, kc[rows], vc[rows], lens, **want)
 
 
 
@@ -467,8 +480,8 @@ def test_decode_window_splits_launch_a_key_range(splits, left):
 
 @pytest.mark.parametrize("splits", [1, 3, 0])
 def test_decode_window_is_a_key_range_over_cache_rows(splits):
-    """One query token with a window and cache_batch_idx: the varlen kernel's segments, packed and
-    without a mask, start at each sequence's window's first key in its cache row."""
+    """One query token with a window and cache_batch_idx, traced (no split launch): the varlen kernel's
+    segments, packed and without a mask, start at each sequence's window's first key in its cache row."""
     left = 100
     q, kc, vc, lens, sink = _window_decode_inputs(left)
     (b, _, hq, d), hkv = q.shape, kc.shape[2]
@@ -482,7 +495,6 @@ def test_decode_window_is_a_key_range_over_cache_rows(splits):
 
     out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=idx, num_splits=splits, causal=True,
                                window_size=(left, 0), softcap=2.0, learnable_sink=sink, varlen=spy, sm_count=64,
-                               split=lambda *a, **kw: pytest.fail("split launch taken with cache_batch_idx"),
                                return_softmax_lse=True)
     _check(out, lse, q, kc[rows], vc[rows], lens, causal=True, window=(left, 0), softcap=2.0, sink=sink)
     (shape, cu_k, used, causal, window), = seen

@@ -115,6 +115,37 @@ def test_split_launch_causal_query_tokens(monkeypatch, sq, splits):
         assert torch.equal(out, seg) and torch.equal(lse, seg_lse)
 
 
+@pytest.mark.parametrize("sq, causal, window, splits", [(1, False, (None, None), 0), (1, False, (None, None), 6),
+                                                     (4, True, (None, 0), 3), (3, True, (500, 0), 1),
+                                                     (4, True, (700, 0), 4)])
+def test_split_launch_cache_rows_equal_the_gathered_cache(sq, causal, window, splits):
+    """cache_rows (cache_batch_idx): the split launch reads sequence b's keys from row cache_rows[b] of
+    the cache. Against the same launch on the rows gathered into a cache of their own: the same keys
+    and the same body, so the same bits; the rows nobody names hold NaN. Then through fa4 (GQA 32 / 8
+    packed by token where causal) under the FA4 rule."""
+    from stage3_fwd_kernel.hopper import attention_split_forward
+
+    k, v = _cache(5, 3000, 8, 128, 19)
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32, device="cuda")
+    for row in (1, 3):
+        k[row], v[row] = float("nan"), float("nan")
+    lens = torch.tensor([3000, 1, 1290], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, sq, 8, 128, device="cuda").to(BF16)
+    n = max(splits, 1)
+    chunk = -(-(-(-3000 // n)) // 128) * 128 if n > 1 else 3000     # ceil(3000 / n), up to the key tile
+    kw = dict(seqused_k=lens, causal=causal, window_size=window)
+    got = attention_split_forward(q, k, v, n, chunk, cache_rows=idx, **kw)
+    want = attention_split_forward(q, k[idx.long()].contiguous(), v[idx.long()].contiguous(), n, chunk, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    q = torch.randn(3, sq, 32, 128, device="cuda").to(BF16)
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_batch_idx=idx, num_splits=splits,
+                                           causal=causal, window_size=window, return_softmax_lse=True)
+    assert torch.isfinite(out).all()
+    rows = idx.long()
+    _check(out, lse, *_truth_and_baseline(q, k[rows], v[rows], lens, causal=causal, window=window),
+           f"cache rows sq={sq} splits={splits}")
+
+
 def test_split_launch_errors_name_the_argument():
     from stage3_fwd_kernel.hopper import attention_split_forward
 
@@ -128,6 +159,12 @@ def test_split_launch_errors_name_the_argument():
         attention_split_forward(q, k, v, 2, 128, seqused_k=torch.ones(2, dtype=torch.int64, device="cuda"))
     with pytest.raises(ValueError, match=r"^num_splits: expected an int >= 1"):
         attention_split_forward(q, k, v, 0, 128)
+    with pytest.raises(TypeError, match=r"^cache_rows: expected dtype int32"):
+        attention_split_forward(q, k, v, 2, 128, cache_rows=torch.zeros(2, dtype=torch.int64, device="cuda"))
+    with pytest.raises(ValueError, match=r"^cache_rows: a paged cache"):
+        attention_split_forward(q, k, v, 2, 128, cache_rows=torch.zeros(2, dtype=torch.int32, device="cuda"),
+                                page_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda"),
+                                seqused_k=torch.ones(2, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.parametrize("page", [24, 8, 160, 1])
@@ -174,11 +211,11 @@ def test_decode_window_softcap_sink():
 
 
 @pytest.mark.parametrize("splits", [0, 1, 3])
-@pytest.mark.parametrize("batch_idx", [False, True], ids=["split_launch", "segments"])
+@pytest.mark.parametrize("batch_idx", [False, True], ids=["cache_row_b", "cache_batch_idx"])
 def test_decode_window_splits_as_a_key_range(splits, batch_idx):
     """One token with a window reads only its last left + 1 keys, packed and split: the split launch's
-    chunks from each sequence's window (range_keys; the first key off the key tile), or with
-    cache_batch_idx segments that start there; the cache's other slots hold NaN."""
+    chunks from each sequence's window (range_keys; the first key off the key tile), in cache row b or
+    cache_batch_idx[b]; the cache's other slots hold NaN."""
     k, v = _cache(4, 8192, 8, 128, 12)
     q = torch.randn(3, 1, 32, 128, device="cuda").to(BF16)
     lens = torch.tensor([8192, 700, 5000], dtype=torch.int32, device="cuda")

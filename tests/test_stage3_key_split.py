@@ -206,6 +206,10 @@ def test_chunk_of_counts_keys_to_the_end():
     ranged = [chunk_of(KeySplit(2, 256, False, 300), v, 2000, [1000, 200]) for v in range(4)]
     assert [(int(c.first_key), int(c.keys_to_end)) for c in ranged] == [(700, 300), (956, 44), (0, 200), (256, 0)]
     assert int(chunk_of(KeySplit(1, 256, False, RANGE_ALL), 0, 2000, [1000]).first_key) == 0
+    # cache_rows (cache_batch_idx): only the K / V row moves; q, seqused_k and the parts stay at b
+    rows = [chunk_of(KeySplit(2, 256, False, cache_rows=[5, 2]), v, 2000, [1000, 300]) for v in range(4)]
+    assert [(c.sequence, int(c.first_key), int(c.keys_to_end), c.batch_kv) for c in rows] == [
+        (0, 0, 1000, 5), (0, 256, 744, 5), (1, 0, 300, 2), (1, 256, 44, 2)]
 
 
 @pytest.mark.cpu
@@ -223,16 +227,21 @@ def test_kernel_refuses_what_a_key_split_cannot_serve():
         FlashAttentionForwardSm90(cutlass.BFloat16, 128, 128, False, tile_m=64, key_split=True, split_tail=True)
     with pytest.raises(ValueError, match=r"^persistent: a key split runs one CTA per tile"):
         compile_only("bf16", 128, 128, key_split=True, persistent=True)
+    with pytest.raises(ValueError, match=r"^key_split: a dense build \(batch_map: each sequence's cache row, not "
+                                         r"with page_size\)"):
+        compile_only("bf16", 128, 128, key_split=True, seqused_k=True, batch_map=True, page_size=64)
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("causal, rows_per_query, page_size, left", [(False, 1, None, None), (True, 4, None, None),
-                                                                     (True, 1, 64, None), (True, 4, 64, 1024)])
-def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_size, left):
+@pytest.mark.parametrize("causal, rows_per_query, page_size, left, cache_rows",
+                         [(False, 1, None, None, False), (True, 4, None, None, False), (True, 1, 64, None, False),
+                          (True, 4, 64, 1024, False), (False, 1, None, None, True), (True, 4, None, 700, True)])
+def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_size, left, cache_rows):
     """The split launch compiles without spills or serialized wgmmas, signals its dependents
     (griddepcontrol.launch_dependents: PREEXIT) and waits for the kernel before it (griddepcontrol.wait:
     ACQBULK) before any global access; a plain build does neither; both merges (packed rows, rows by
-    token) wait before their first access and signal the next step's split launch."""
+    token) wait before their first access and signal the next step's split launch. cache_rows: the
+    build that reads each sequence's cache row (its batch_map slot)."""
     import cutlass
 
     from stage3_fwd_kernel import split_combine
@@ -243,7 +252,7 @@ def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_
     from stage3_fwd_kernel.hopper.host import Variant
 
     comp = _compile(False, cutlass.BFloat16, 128, 128, causal, DEFAULT_POLICY, StaticTileScheduler,
-                    (False, True, False), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query,
+                    (False, True, cache_rows), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query,
                     variant=Variant(Window(left, None)))
     assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
     assert not comp.report["wgmma_serialized"]
@@ -291,6 +300,10 @@ def test_split_launch_refuses_bad_arguments_before_any_launch(monkeypatch):
         (dict(num_splits=1, chunk_keys=128, range_keys=2.0), r"^range_keys: expected an int >= 1"),
         (dict(num_splits=1, chunk_keys=128, range_keys=129), r"^num_splits \* chunk_keys \(1 x 128\) does not cover "
                                                               r"the 129 keys"),
+        (dict(num_splits=2, chunk_keys=128, cache_rows=torch.zeros(2, dtype=torch.int64)),
+         r"^cache_rows: expected dtype int32"),
+        (dict(num_splits=2, chunk_keys=128, cache_rows=torch.zeros(3, dtype=torch.int32)),
+         r"^cache_rows: expected shape \(2,\)"),
     ]
     for kw, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):

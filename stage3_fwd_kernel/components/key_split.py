@@ -28,6 +28,10 @@ mask at all. s_b need not be a multiple of the key tile in a dense cache (TMA ta
 paged cache finds its pages block by block, so there s_b is rounded down to the key tile
 (`range_align`) and the window's mask hides the keys before max(L_b - W, 0). A learnable sink joins
 the merged row once, after the merge, never a chunk's.
+
+A dense cache need not hold sequence b in row b: `cache_rows` (int32 (B,), FlashAttention-2's
+cache_batch_idx) names each sequence's row of K and V, one load per CTA before its first K/V copy.
+q, seqused_k and the parts stay indexed by b.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ class KeySplit(NamedTuple):
     paged: bool       # K / V are a flat paged cache (a batch of one): the page-table row picks the pages
     range_keys: Any = None  # W: the keys each sequence reads, its last W (Int32; RANGE_ALL or None: all)
     range_align: int = 1    # the range's first key rounded down to a multiple of this (paged: the key tile)
+    cache_rows: Any = None  # int32 (B,) or None: sequence b's batch row of a dense K / V (None: row b)
 
 
 RANGE_ALL = 2**31 - 1  # range_keys that reads every key: max(L - RANGE_ALL, 0) = 0 for any L >= 0
@@ -60,7 +65,7 @@ class KeyChunk(NamedTuple):
     first_key: Any    # s_b + j c: the chunk's first key within sequence b (s_b = 0 without a key range)
     keys_to_end: Any  # max(L_b - j c, 0): the keys from the chunk's start to the sequence's end (the
                       # mask's seqlen_k); the walk stops at the chunk's end (`chunk_blocks`)
-    batch_kv: Any     # batch index of the K / V tensors: b, or 0 for the flat paged cache
+    batch_kv: Any     # batch index of the K / V tensors: b (cache_rows[b] when given), or 0 for the flat paged cache
 
 
 def chunk_of(split: KeySplit, virtual, seqlen_k, seqused_k) -> KeyChunk:
@@ -76,7 +81,12 @@ def chunk_of(split: KeySplit, virtual, seqlen_k, seqused_k) -> KeyChunk:
         if cutlass.const_expr(split.range_align > 1):
             start = start // split.range_align * split.range_align   # start >= 0: a mask for a power of two
         first = first + start
-    return KeyChunk(b, first, cutlass.max(total - first, Int32(0)), Int32(0) if cutlass.const_expr(split.paged) else b)
+    batch_kv = b
+    if cutlass.const_expr(split.paged):
+        batch_kv = Int32(0)
+    elif cutlass.const_expr(split.cache_rows is not None):
+        batch_kv = split.cache_rows[b]
+    return KeyChunk(b, first, cutlass.max(total - first, Int32(0)), batch_kv)
 
 
 def chunk_blocks(split: KeySplit, tile_n: int):

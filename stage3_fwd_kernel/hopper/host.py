@@ -361,14 +361,17 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                             softmax_scale=None, causal=False, rows_per_query=1, softcap=0.0, out=None, lse=None,
                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
-                            tile_m: int | None = None, range_keys: int | None = None, window_size=(None, None)):
+                            tile_m: int | None = None, range_keys: int | None = None, window_size=(None, None),
+                            cache_rows=None):
     """Split-KV (components.key_split): q (B, R, Hq, D) against num_splits chunks of chunk_keys keys
     of each sequence's cache -> the parts, out (B * n, R, Hq, Dv) in q's dtype (chunk j of sequence
     b at row b * n + j, O divided by the chunk's own row sums) and lse (B * n, Hq, R) fp32 (-inf
     where a chunk has no key in use). stage3_fwd_kernel.split_combine merges them.
 
-    k / v: a dense cache (>= B, S, Hkv, D) / (..., Dv), sequence b in row b, or with page_table (int32 (B, pages)) a
-    paged one (num_pages, page_size, Hkv, *) read in place (components.paged_kv). seqused_k (int32
+    k / v: a dense cache (>= B, S, Hkv, D) / (..., Dv), sequence b in row b -- or in row cache_rows[b]
+    (int32 (B,) on q's device, FlashAttention-2's cache_batch_idx; the rows are not checked on the
+    host, which would synchronize) -- or with page_table (int32 (B, pages)) a paged one
+    (num_pages, page_size, Hkv, *) read in place (components.paged_kv). seqused_k (int32
     (B,)): the keys sequence b uses, from its first (None: all S; required with page_table).
     chunk_keys: a multiple of the key tile when num_splits > 1, and num_splits * chunk_keys must
     cover the keys a sequence reads (S, or pages * page_size; min(S, range_keys)). causal:
@@ -404,12 +407,18 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                          "(grid z / y)")
     tile_n = default_tile_n(d, dv)
     page_size = None
+    if cache_rows is not None:
+        if page_table is not None:
+            raise ValueError("cache_rows: a paged cache's rows are its page table's; pass one of the two")
+        host_io._check_i32_vector("cache_rows", cache_rows, b)
+        if cache_rows.device != q.device:
+            raise ValueError(f"cache_rows: expected a CUDA tensor on {q.device}, got {cache_rows.device}")
     if page_table is not None:
         k, v, page_size, page_table = flat_paged_cache(k, v, page_table, b, seqused_k, tile_n)
         k, v, cache_keys = k.unsqueeze(0), v.unsqueeze(0), page_table.shape[1] * page_size
-    elif k.shape[0] < b or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"k, v: expected (>= B={b}, S, Hkv, *) caches (sequence b in row b), got "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    elif k.shape[0] < (b if cache_rows is None else min(b, 1)) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v: expected (>= B={b}, S, Hkv, *) caches (sequence b in row b; any rows with "
+                         f"cache_rows), got {tuple(k.shape)}, {tuple(v.shape)}")
     else:
         cache_keys = k.shape[1]
     if num_splits > 1 and chunk_keys % tile_n:
@@ -455,10 +464,12 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         return _nothing_visible(out, lse, None, head_dim=1)
     q, k, v = host_io.align_16B(q), host_io.align_16B(k), host_io.align_16B(v)
     used = None if seqused_k is None else seqused_k.contiguous()
-    args = _call_args(q, k, v, out, lse, softmax_scale, r, seqused_k=used, softcap=variant.softcap,
+    rows = None if cache_rows is None else cache_rows.contiguous()
+    # the kernel's batch_map slot carries the cache rows under a key split (components.key_split)
+    args = _call_args(q, k, v, out, lse, softmax_scale, r, seqused_k=used, batch_map=rows, softcap=variant.softcap,
                       page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
                       range_keys=RANGE_ALL if range_keys is None else range_keys)
-    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, (False, used is not None, False), tile_m,
+    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, (False, used is not None, rows is not None), tile_m,
              variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
     return out, lse
 
@@ -478,16 +489,17 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     what attention_forward launches (TVM-FFI, the same cache key). window_size / softcap /
     learnable_sink (a bool: built for a sink) select the variant as attention_forward does; page_size:
     built for a paged cache (needs varlen and seqused_k); key_split: what attention_split_forward
-    launches (dense, one CTA per tile; seqused_k, page_size and rows_per_query as its call passes
-    them)."""
+    launches (dense, one CTA per tile; seqused_k, page_size, rows_per_query and batch_map -- its
+    cache_rows -- as its call passes them)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     variant = Variant(beyond_causal(causal, window_size), check_softcap(softcap), bool(learnable_sink))
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
-    if key_split and (varlen or batch_map or learnable_sink or split_tail):
-        raise ValueError("key_split: a dense build without batch_map, a sink or a split tail")
+    if key_split and (varlen or learnable_sink or split_tail or (batch_map and page_size is not None)):
+        raise ValueError("key_split: a dense build (batch_map: each sequence's cache row, not with page_size) without "
+                         "a sink or a split tail")
     if key_split and persistent:
         raise ValueError("persistent: a key split runs one CTA per tile")
     if (seqused_k or batch_map) and not (varlen or key_split):

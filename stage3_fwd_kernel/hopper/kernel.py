@@ -236,9 +236,11 @@ class FlashAttentionForwardSm90:
         if (mCuSeqlensQ is None) != (mCuSeqlensK is None):
             raise ValueError("cu_seqlens_q and cu_seqlens_k: pass both or neither")
         if self.key_split:
-            if mCuSeqlensQ is not None or mBatchMap is not None:
-                raise ValueError("key_split: a dense call (no cu_seqlens, no batch_map); seqused_k gives the keys "
-                                 "of each sequence")
+            if mCuSeqlensQ is not None:
+                raise ValueError("key_split: a dense call (no cu_seqlens); seqused_k gives the keys of each sequence")
+            if mBatchMap is not None and mPageTable is not None:
+                raise ValueError("batch_map: a key split reads it as each sequence's row of a dense cache; a paged "
+                                 "cache's rows are its page table's")
         elif mPageTable is not None and mCuSeqlensK is None:
             raise ValueError("page_table: needs cu_seqlens_k (each sequence's first logical key)")
         elif mSeqUsedK is not None and mCuSeqlensK is None:
@@ -376,12 +378,13 @@ class FlashAttentionForwardSm90:
         # before it could race the kernel before, e.g. the trace buffer's zeroing)
         trace.cta_stamp("entry")
         # a paged cache's range starts on a key block (its pages are found block by block)
+        # under a key split, batch_map holds each sequence's K / V cache row (components.key_split)
         split = KeySplit(num_splits, chunk_keys, self.page_size is not None, range_keys,
-                         self.tile_n if const_expr(self.page_size is not None) else 1) \
+                         self.tile_n if const_expr(self.page_size is not None) else 1, mBatchMap) \
             if const_expr(self.key_split) else None
         self.split = split  # read by key_range (through self, like the walk below)
-        seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap,
-                           split)
+        seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+                           None if const_expr(self.key_split) else mBatchMap, split)
         tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable, mK_flat, mV_flat)
         args = ConsumerArgs(softmax_scale_log2, softmax_scale, mSink, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout,
                             gmem_copy_O)
