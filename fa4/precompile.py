@@ -307,8 +307,8 @@ def add_decode(add, w: Workload, longest: int):
     causal: one query token drops it, and its window too: a key range), the split launch (one token,
     its window a key range too; causal or windowed tokens with the GQA group packed as rows where it
     divides the tile, and not packed), and the merges of split-KV parts (packed rows of several
-    tokens unpacked by the merge too). (A paged cache's split launch is a build per page size: not
-    derived here.)"""
+    tokens unpacked by the merge too). (A paged cache's split launch is a build per page size, and one
+    over cache_batch_idx rows a build of its own: neither is derived here.)"""
     from ._dispatch import LPT_MIN_SEQLEN_K, SHORT_QUERY_TILE_M
 
     add("fwd short", w, tile_m=SHORT_QUERY_TILE_M)
@@ -316,7 +316,7 @@ def add_decode(add, w: Workload, longest: int):
         add("fwd short", w, tile_m=SHORT_QUERY_TILE_M, seqlen_k_first=longest)
     for causal in {w.causal, False}:
         add("kvcache", replace(w, causal=causal, sink=False), tile_m=SHORT_QUERY_TILE_M)
-    if w.window is not None:  # one token's window is a key range: the free mask's build (cache_batch_idx)
+    if w.window is not None:  # one token's window is a key range: the free mask's build (traced calls)
         add("kvcache", replace(w, causal=False, window=None, sink=False), tile_m=SHORT_QUERY_TILE_M)
     add("kvcache split", replace(w, causal=False, window=None, sink=False), tile_m=SHORT_QUERY_TILE_M,
         rows_per_query=1)
