@@ -24,9 +24,9 @@ Where a call has at most 64 kernel rows (decode) over a dense cache (sequence b 
 or cache_batch_idx[b]) or pages read in place, an eager call on the device skips the segments: the
 Hopper forward's split-KV launch (stage 3's components.key_split) gives chunk j of sequence b its
 own CTAs, which find the chunk's keys from (b, j, the chunk size, cache_seqlens[b], its cache row)
-themselves and read the queries where they are; a causal diagonal or a window stays where it is at the sequence's end, so a few causal
-query tokens (speculative decoding) split too, and a window's chunks hold only its last left + Sq
-keys (range_keys). A decode step is then the attention kernel and the merge, without the segment
+themselves and read the queries where they are; a causal diagonal or a window stays where it is at
+the sequence's end, so a few causal query tokens (speculative decoding) split too, and a window's
+chunks hold only its last left + Sq keys (range_keys). A decode step is then the attention kernel and the merge, without the segment
 offsets' and the replicated queries' small kernels (`fa4_split`). Traced calls (torch.compile)
 keep the varlen custom op.
 

@@ -167,7 +167,8 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--window", default=None, metavar="LEFT[,RIGHT]",
-                    help="sliding window of both kernels: (LEFT, RIGHT), RIGHT defaulting to 0 with --causal, else LEFT")
+                    help="sliding window of both kernels: (LEFT, RIGHT), RIGHT defaulting to 0 with --causal, "
+                         "else LEFT")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--heads", type=int, default=16)
@@ -229,8 +230,9 @@ def main(argv=None) -> int:
     if args.out:
         from ..bench_fwd import write_doc
 
-        write_doc(args.out, "benchmarks.inspect.trace_bwd", argv, rows, shape=dict(dim=args.dim, causal=args.causal, window=args.window,
-                  deterministic=args.deterministic, seqlen=args.seqlen, batch=args.batch, heads=args.heads))
+        write_doc(args.out, "benchmarks.inspect.trace_bwd", argv, rows,
+                  shape=dict(dim=args.dim, causal=args.causal, window=args.window, deterministic=args.deterministic,
+                             seqlen=args.seqlen, batch=args.batch, heads=args.heads))
     if args.plot and tables:
         plot_timelines(tables, args.plot)
     return 0
