@@ -171,6 +171,19 @@ for virtual in range(4):
     print(f"v {virtual}: sequence {int(c.sequence)}, {keys}")
 
 # %% [markdown]
+# A server that keeps each request in a fixed slot of one big cache passes `cache_batch_idx`: sequence
+# `b` lives in cache row `cache_batch_idx[b]`. The chunk arithmetic does not change; only the row of K
+# and V that the CTAs read does (`cache_rows`, one integer load per CTA). The queries, the keys in use
+# and the parts stay indexed by `b`. The same two sequences in slots 5 and 2:
+
+# %%
+slotted = KeySplit(num_splits=2, chunk_keys=512, paged=False, cache_rows=[5, 2])
+for virtual in range(4):
+    c = chunk_of(slotted, virtual, 1024, [1000, 300])
+    print(f"v {virtual}: sequence {int(c.sequence)}, cache row {int(c.batch_kv)}, first key {int(c.first_key)}, "
+          f"{int(c.keys_to_end)} keys to the end")
+
+# %% [markdown]
 # Several tokens (or pages, whose blocks the kernel finds one at a time, so a paged range starts on
 # the key block below `L - W`) keep the window's mask. That needs nothing new from the walk: the
 # window's edges, like the causal diagonal, are measured from the sequence's end (`keys to the end`),
