@@ -26,9 +26,9 @@ Hopper forward's split-KV launch (stage 3's components.key_split) gives chunk j 
 own CTAs, which find the chunk's keys from (b, j, the chunk size, cache_seqlens[b], its cache row)
 themselves and read the queries where they are; a causal diagonal or a window stays where it is at
 the sequence's end, so a few causal query tokens (speculative decoding) split too, and a window's
-chunks hold only its last left + Sq keys (range_keys). A decode step is then the attention kernel and the merge, without the segment
-offsets' and the replicated queries' small kernels (`fa4_split`). Traced calls (torch.compile)
-keep the varlen custom op.
+chunks hold only its last left + Sq keys (range_keys). A decode step is then the attention kernel
+and the merge, without the segment offsets' and the replicated queries' small kernels (`fa4_split`).
+Traced calls (torch.compile) keep the varlen custom op.
 
 The varlen kernel's segments change each segment's key count, and fa4's masks are bottom-right
 aligned to it, so segments split only where the mask does not depend on alignment: no window, and

@@ -357,6 +357,13 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     return out, lse
 
 
+def _check_per_sequence(name, t, batch: int, device):
+    """An int32 (batch,) tensor on q's device (seqused_k, cache_rows of a split launch)."""
+    host_io._check_i32_vector(name, t, batch)
+    if t.device != device:
+        raise ValueError(f"{name}: expected a CUDA tensor on {device}, got {t.device}")
+
+
 def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, seqused_k=None, page_table=None,
                             softmax_scale=None, causal=False, rows_per_query=1, softcap=0.0, out=None, lse=None,
                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
@@ -410,9 +417,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     if cache_rows is not None:
         if page_table is not None:
             raise ValueError("cache_rows: a paged cache's rows are its page table's; pass one of the two")
-        host_io._check_i32_vector("cache_rows", cache_rows, b)
-        if cache_rows.device != q.device:
-            raise ValueError(f"cache_rows: expected a CUDA tensor on {q.device}, got {cache_rows.device}")
+        _check_per_sequence("cache_rows", cache_rows, b, q.device)
     if page_table is not None:
         k, v, page_size, page_table = flat_paged_cache(k, v, page_table, b, seqused_k, tile_n)
         k, v, cache_keys = k.unsqueeze(0), v.unsqueeze(0), page_table.shape[1] * page_size
@@ -445,9 +450,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         raise ValueError(f"num_splits * chunk_keys ({num_splits} x {chunk_keys}) does not cover the "
                          f"{span} keys a sequence reads")
     if seqused_k is not None:
-        host_io._check_i32_vector("seqused_k", seqused_k, b)
-        if seqused_k.device != q.device:
-            raise ValueError(f"seqused_k: expected a CUDA tensor on {q.device}, got {seqused_k.device}")
+        _check_per_sequence("seqused_k", seqused_k, b, q.device)
     if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v: expected one dtype of fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape[-1] != d or k.shape[2] == 0 or hq % k.shape[2]:
