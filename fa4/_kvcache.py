@@ -68,6 +68,13 @@ PACKED_CAUSAL_ROWS = 64   # the split launch's rows (one short-query tile, fa4._
 MIN_SEGMENT_PAGE = 128
 
 
+def _sm_count(device) -> int:
+    """The device's SM count, looked up once per device (a per-call property query is host time)."""
+    from stage3_fwd_kernel.tile_scheduler import sm_count
+
+    return sm_count(device)
+
+
 def choose_num_splits(batch: int, head_tiles: int, max_keys: int, sm_count: int) -> int:
     """Split-KV count for num_splits=0: as many splits as fill the SMs once (sm_count // CTAs), each
     keeping at least MIN_KEYS_PER_SPLIT keys. head_tiles = CTAs per sequence without splitting (heads
@@ -577,7 +584,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
                              "varlen forward has no seqused_k yet")
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
-        sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+        sm_count = _sm_count(q.device)
         from . import _ops
 
         split = fa4_split if _ops.eager_ok(q, k_cache, v_cache, block_table) else None

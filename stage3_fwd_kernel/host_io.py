@@ -37,8 +37,21 @@ def top_padding(seqlen, tile: int, multiple: int = 1):
 # --------------------------------------------------------------------------------------------
 
 
+_DTYPES: dict = {}  # what cutlass_dtype has resolved (it runs on every launch: host time)
+
+
 def cutlass_dtype(name_or_torch_dtype):
     """'bf16' / 'fp16' / torch.bfloat16 / torch.float16 / cutlass type -> cutlass numeric type."""
+    try:
+        return _DTYPES[name_or_torch_dtype]
+    except KeyError:
+        found = _DTYPES[name_or_torch_dtype] = _cutlass_dtype(name_or_torch_dtype)
+        return found
+    except TypeError:  # unhashable: resolved (or refused) without the memo
+        return _cutlass_dtype(name_or_torch_dtype)
+
+
+def _cutlass_dtype(name_or_torch_dtype):
     key = str(name_or_torch_dtype).replace("torch.", "")
     table = {"bf16": cutlass.BFloat16, "bfloat16": cutlass.BFloat16, "BFloat16": cutlass.BFloat16,
              "fp16": cutlass.Float16, "float16": cutlass.Float16, "Float16": cutlass.Float16,
@@ -146,10 +159,14 @@ def prepare_inputs(q, k, v):
 def align_16B(t):
     """`t` if its base and every stride but the last (which must be 1) are 16-byte aligned and no
     mode is broadcast (TMA needs positive strides), else a contiguous copy."""
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-    ok = ok and all(s % (16 // t.element_size()) == 0 and (s > 0 or n == 1)
-                    for s, n in zip(t.stride()[:-1], t.shape[:-1]))
-    return t if ok else t.contiguous()
+    stride = t.stride()
+    if stride[-1] != 1 or t.data_ptr() % 16:
+        return t.contiguous()
+    elem = 16 // t.element_size()
+    for s, n in zip(stride[:-1], t.shape[:-1]):
+        if s % elem or (s <= 0 and n != 1):
+            return t.contiguous()
+    return t
 
 
 def _check_i32_vector(name, t, length=None):

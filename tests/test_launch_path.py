@@ -164,6 +164,79 @@ def test_forward_launch_arguments_match_the_compiled_signature(varlen):
                                         launchable=True))
 
 
+# -- host time per call: what a launch does when its kernel is already compiled ---------------------------------
+@pytest.mark.cpu
+@pytest.mark.parametrize("token_rows", [False, True], ids=["rows", "token_rows"])
+def test_parts_merge_memory_hit_builds_no_fake_tensors(monkeypatch, token_rows):
+    """A merge whose kernel is in memory returns it without building the compile's fake tensors
+    (they cost ~35 us of host time on every decode step)."""
+    pytest.importorskip("cutlass")
+    from stage3_fwd_kernel import compile_cache, host_io, split_combine
+
+    dt = host_io.cutlass_dtype("bf16")
+    key = (split_combine.PARTS_STEP, "gpu", str(dt), 128) + (("token_rows",) if token_rows else ())
+    sentinel = object()
+    monkeypatch.setitem(compile_cache._CACHE, key, sentinel)
+
+    def no_fakes(*args, **kwargs):
+        raise AssertionError("a fake tensor was built for a kernel already in memory")
+    for name in ("fake_bshd", "fake_lse"):
+        monkeypatch.setattr(host_io, name, no_fakes)
+    monkeypatch.setattr(split_combine, "_fake_token_rows", no_fakes)
+    assert split_combine.compile_parts(dt, 128, launchable=True, token_rows=token_rows) is sentinel
+    with pytest.raises(AssertionError, match="fake tensor"):  # a miss still builds them
+        split_combine.compile_parts(dt, 64, launchable=True, token_rows=token_rows)
+
+
+@pytest.mark.cpu
+def test_launch_arguments_detach_only_tensors_that_require_grad():
+    torch = pytest.importorskip("torch")
+    from stage3_fwd_kernel import hopper
+
+    q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    k = q.clone().requires_grad_(True)
+    lse = torch.zeros(1, 2, 8)
+    args = hopper._call_args(q, k, q, q, lse, 0.1, 8)
+    assert args[0] is q and args[3] is q and args[4] is lse          # no detach() where none is needed
+    assert args[1] is not k and not args[1].requires_grad            # TVM-FFI takes no tensor needing grad
+    assert args[1].data_ptr() == k.data_ptr()
+
+
+@pytest.mark.cpu
+def test_cutlass_dtype_resolves_once_and_refuses_the_rest():
+    torch = pytest.importorskip("torch")
+    cutlass = pytest.importorskip("cutlass")
+    from stage3_fwd_kernel import host_io
+
+    for _ in range(2):  # the second call is the memo's
+        assert host_io.cutlass_dtype(torch.bfloat16) is cutlass.BFloat16
+        assert host_io.cutlass_dtype("fp16") is cutlass.Float16
+    for bad in (torch.float32, "fp8", ["bf16"]):  # a list is unhashable: refused without the memo
+        with pytest.raises(TypeError, match="dtype"):
+            host_io.cutlass_dtype(bad)
+    assert torch.float32 not in host_io._DTYPES
+
+
+@pytest.mark.cpu
+def test_align_16B_keeps_aligned_tensors_and_copies_the_rest():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cutlass")
+    from stage3_fwd_kernel import host_io
+
+    t = torch.zeros(2, 16, 4, 64, dtype=torch.bfloat16)
+    assert host_io.align_16B(t) is t
+    assert host_io.align_16B(t[:, :, 1:3]) is not None and host_io.align_16B(t[:, :, 1:3]).data_ptr() == \
+        t[:, :, 1:3].data_ptr()                                           # a head slice: strides still aligned
+    for bad in (t[..., 1:33],                                            # base off 16 bytes
+                t.transpose(-1, -2),                                     # last stride not 1
+                torch.zeros(2, 16, 4, 60, dtype=torch.bfloat16)[..., :56],  # row stride 60: not 16-byte
+                torch.zeros(1, 16, 1, 64, dtype=torch.bfloat16).expand(2, 16, 4, 64)):  # broadcast (stride 0)
+        fixed = host_io.align_16B(bad)
+        assert fixed is not bad and fixed.is_contiguous() and torch.equal(fixed, bad)
+    one = torch.zeros(1, 16, 1, 64, dtype=torch.bfloat16).expand(1, 16, 1, 64)
+    assert host_io.align_16B(one) is one                                 # a size-1 mode's stride does not matter
+
+
 BLACKWELL_LAUNCHABLE = """
 import json
 from stage4_bwd_kernel import blackwell_bwd as bb, common, host

@@ -2,14 +2,16 @@
 
     python -m benchmarks.inspect.host_overhead [--out benchmarks/results/host_overhead_h200.json]
 
-A 1 x 128 x 4 x 128 causal bf16 problem; per case, 200 calls back to back timed on the host clock,
+A 1 x 128 x 4 x 128 causal bf16 problem (and a decode step: one token, GQA 32 / 8, d = 128, a
+16k-key dense cache, DECODE_SHAPE); per case, 200 calls back to back timed on the host clock,
 in 7 rounds that visit the cases in a fresh random order (the host's speed drifts by tens of
 percent between processes and over time, so only same-round comparisons mean much). The GPU work
 per call is a few microseconds -- each row also reports it alone, from a CUDA-graph replay -- so
 the loop measures what Python and the launch path cost.
 Rows: fa4 forward, the production kernel's own entry point (``stage3_fwd_kernel.hopper``, fa4's
 wrapper excluded), the official flash-attn-4 forward, and forward + backward of fa4, the official
-kernel and torch SDPA. The fa4 README's "Host overhead" numbers come from this script.
+kernel and torch SDPA; the decode step through fa4.flash_attn_with_kvcache, fa4.flash_attn_func and
+the official flash_attn_func. The fa4 README's "Host overhead" numbers come from this script.
 """
 from __future__ import annotations
 
@@ -30,6 +32,19 @@ def tiny_problem():
 
     q, k, v = (torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     return q, k, v, torch.randn(*SHAPE, device="cuda", dtype=torch.bfloat16)
+
+
+DECODE_SHAPE = (1, 16384, 32, 8, 128)  # batch, cache keys, query heads, KV heads, head dim: one token
+
+
+def decode_problem():
+    """q (B, 1, Hq, D), a full dense cache k / v (B, S, Hkv, D) and cache_seqlens (B,) int32, bf16."""
+    import torch
+
+    b, s, hq, hkv, d = DECODE_SHAPE
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v, torch.full((b,), s, dtype=torch.int32, device="cuda")
 
 
 def gpu_time_us(fn, replays: int = 200):
@@ -92,13 +107,17 @@ def main(argv=None) -> int:
                                                              is_causal=True)
         torch.autograd.grad(o, (q, k, v), g.transpose(1, 2))
 
+    dq, dk, dv, dlens = decode_problem()
     cases = [("fa4 forward", lambda: fa4.flash_attn_func(q, k, v, causal=True)),
              ("stage3 attention_forward", lambda: stage3.attention_forward(q.detach(), k.detach(), v.detach(),
                                                                           causal=True)),
              ("official forward", lambda: official(q, k, v, causal=True)),
              ("fa4 forward + backward", fwd_bwd(lambda: fa4.flash_attn_func(q, k, v, causal=True))),
              ("official forward + backward", fwd_bwd(lambda: official(q, k, v, causal=True))),
-             ("torch SDPA forward + backward", sdpa)]
+             ("torch SDPA forward + backward", sdpa),
+             ("fa4 decode with_kvcache", lambda: fa4.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=dlens)),
+             ("fa4 decode flash_attn_func", lambda: fa4.flash_attn_func(dq, dk, dv)),
+             ("official decode flash_attn_func", lambda: official(dq, dk, dv))]
     print(f"device {torch.cuda.get_device_name()}, {b}x{s}x{h}x{d} bf16 causal, {args.rounds} rounds of "
           f"{args.calls} calls per case, cases in a fresh random order each round")
     for _, fn in cases:  # compile + warm up

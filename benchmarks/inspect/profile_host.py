@@ -2,7 +2,8 @@
 
     python -m benchmarks.inspect.profile_host [--calls 300] [--top 30]
 
-The 1 x 128 x 4 x 128 causal bf16 problem of host_overhead (its tiny_problem; kernel time negligible); prints the
+The 1 x 128 x 4 x 128 causal bf16 problem of host_overhead (its tiny_problem; kernel time negligible) and its
+decode step (decode_problem, through flash_attn_with_kvcache); prints the
 functions with the largest cumulative time, so a change to the launch path can be aimed.
 """
 from __future__ import annotations
@@ -17,6 +18,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--cases", default="forward,forward+backward,decode",
+                    help="comma-separated: forward, forward+backward, decode (flash_attn_with_kvcache, one token)")
+    ap.add_argument("--sort", default="cumulative", help="pstats sort keys, comma-separated (e.g. cumulative,tottime)")
     args = ap.parse_args(argv)
     import torch
 
@@ -24,9 +28,10 @@ def main(argv=None) -> int:
         print("profile_host needs a CUDA GPU")
         return 2
     import fa4
-    from .host_overhead import tiny_problem
+    from .host_overhead import decode_problem, tiny_problem
 
     q, k, v, g = tiny_problem()
+    dq, dk, dv, dlens = decode_problem()
 
     def fwd():
         fa4.flash_attn_func(q, k, v, causal=True)
@@ -34,7 +39,16 @@ def main(argv=None) -> int:
     def fwd_bwd():
         torch.autograd.grad(fa4.flash_attn_func(q, k, v, causal=True), (q, k, v), g)
 
-    for name, fn in (("forward", fwd), ("forward + backward", fwd_bwd)):
+    def decode():
+        fa4.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=dlens)
+
+    known = {"forward": fwd, "forward+backward": fwd_bwd, "decode": decode}
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in names if c not in known]
+    if unknown:
+        ap.error(f"--cases: unknown {unknown}; choose from {sorted(known)}")
+    for name in names:
+        fn = known[name]
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
@@ -45,7 +59,9 @@ def main(argv=None) -> int:
         prof.disable()
         torch.cuda.synchronize()
         print(f"==== {name}: {args.calls} calls")
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(args.top)
+        for key in args.sort.split(","):
+            print(f"---- sorted by {key}")
+            pstats.Stats(prof).sort_stats(key).print_stats(args.top)
     return 0
 
 

@@ -92,10 +92,10 @@ def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     host_io.launch_stream)."""
-    def opt(t):
-        return None if t is None else t.detach()
+    def opt(t):  # TVM-FFI takes no tensor that requires grad; detach() only where one does (host time)
+        return t.detach() if t is not None and t.requires_grad else t
     scale_log2, score_scale = Softcap(softcap).kernel_scales(softmax_scale)
-    return (q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse3.detach(), scale_log2,
+    return (opt(q4), opt(k4), opt(v4), opt(out4), opt(lse3), scale_log2,
             score_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
             max_seqlen_q, max_ctas, split, split_chunks, sink, opt(page_table), num_splits, chunk_keys, range_keys)
 
@@ -139,12 +139,15 @@ def _outputs(out, lse, out_shape, lse_shape, q):
     """out / lse: allocated when None, else checked (shape, dtype, device, 16-byte / 4-byte alignment)."""
     import torch
 
+    # a tensor allocated here is right by construction: only the caller's are checked (host time)
     if out is None:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    host_io.check_out_tensor("out", out, out_shape, q.dtype, q.device, align_bytes=16)
+    else:
+        host_io.check_out_tensor("out", out, out_shape, q.dtype, q.device, align_bytes=16)
     if lse is None:
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    host_io.check_out_tensor("lse", lse, lse_shape, torch.float32, q.device, align_bytes=4)
+    else:
+        host_io.check_out_tensor("lse", lse, lse_shape, torch.float32, q.device, align_bytes=4)
     return out, lse
 
 
