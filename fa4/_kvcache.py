@@ -44,9 +44,14 @@ attending to their KV head, so each KV head is read once per segment instead of 
 causal or windowed tokens the split launch reads them as rows by token from q itself.
 
 The learnable sink joins the denominator once, after the merge (so it is not counted per segment).
+
+An eager step on the device, once checked, replays a launch plan (fa4._plans) from its third call with
+the same shapes: the same torch functions and kernels without this module's host logic (a one-token
+decode step's host time on an H200: 127-146 us, was 222-405; docs/measurements.md).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -69,10 +74,14 @@ MIN_SEGMENT_PAGE = 128
 
 
 def _sm_count(device) -> int:
-    """The device's SM count, looked up once per device (a per-call property query is host time)."""
-    from stage3_fwd_kernel.tile_scheduler import sm_count
+    """The device's SM count, looked up once per device (a per-call property query is host time; and
+    no kernel module is imported, so a replayed launch plan runs without CuTe-DSL)."""
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
-    return sm_count(device)
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_num_splits(batch: int, head_tiles: int, max_keys: int, sm_count: int) -> int:
@@ -235,6 +244,8 @@ def unpack_out(out, g: int):
 def unpack_lse(lse, g: int):
     """unpack_out's rows for the lse: (B, H, R) -> (B, H g, R / g)."""
     b, h, r = lse.shape
+    if r == g:  # one token: the same reshape without the transpose (one torch call, not three)
+        return lse.reshape(b, h * g, 1)
     return lse.view(b, h, r // g, g).transpose(2, 3).reshape(b, h * g, r // g)
 
 
@@ -449,7 +460,9 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         out, lse_t = add_sink(out, lse.transpose(1, 2), sink)                          # lse as (B, Sq, Hq)
         lse = lse_t.transpose(1, 2)
     lse = lse.contiguous()                                                              # (B, Hq, Sq)
-    return out.to(q.dtype), lse if lse.dtype == torch.float64 else lse.float()
+    # (no conversion calls where none is needed: each is host time, and a step of a launch plan)
+    out = out if out.dtype == q.dtype else out.to(q.dtype)
+    return out, lse if lse.dtype in (torch.float32, torch.float64) else lse.float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,6 +610,31 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
         return (out, lse) if return_softmax_lse else out
+    step = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink)
+    flags = (scale, causal, (left, right), softcap, rotary_interleaved, num_splits, pack_gqa, return_softmax_lse,
+             paged_in_place)
+    if split is None or varlen is not fa4_varlen:  # traced, or the CPU tests' stand-ins
+        return _cache_step(step, flags, sm_count, varlen, split)
+    # eager on the device: a launch plan (fa4._plans) replays the step's torch functions and kernels
+    from . import _plans
+
+    sig = backend._plan_signature("kvcache", step, flags)
+    done = _plans.replay(sig, backend.arch.cute_arch, step)
+    if done is not None:
+        return done
+    with _plans.recording(sig, backend.arch.cute_arch, step) as record:
+        result = _cache_step(step, flags, sm_count, varlen, split)
+        record(result)
+    return result
+
+
+def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split):
+    """with_kvcache after its checks: the append (rotary first), then attention over the cache. Every
+    decision in here follows from the tensors' shapes, strides and dtypes and from `flags`, the
+    signature of a launch plan (with_kvcache)."""
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink = step
+    scale, causal, (left, right), softcap, rotary_interleaved, num_splits, pack_gqa, return_softmax_lse, \
+        paged_in_place = flags
     if k is not None:
         if rotary_cos is not None:
             sn = k.shape[1]

@@ -15,6 +15,10 @@ The kernels are the disk cache's objects, linked once into shared libraries that
 ``tvm_ffi.load_module`` opens without the DSL (milliseconds). Replaying runs the same torch functions
 and calls the same kernels with the new call's tensors.
 
+Who: the dense forward and backward (fa4._dispatch, roles "fwd" / "bwd") and flash_attn_with_kvcache's eager
+step on the device (fa4._kvcache, role "kvcache": the append, rotary embedding, split-KV launch and merge),
+each after its own argument checks, which a replay never skips.
+
 When: a plan is recorded on the second call of a signature in a process (the first may compile, and
 training repeats its shapes), written only if the whole call was recordable, and used by later
 processes -- and by this one -- whenever the signature matches exactly.

@@ -109,6 +109,13 @@ def to_cute(t, assumed_align=16):
     return from_dlpack(t.detach(), assumed_align=assumed_align).mark_layout_dynamic(leading_dim=t.ndim - 1)
 
 
+def launch_view(t):
+    """A torch tensor as a TVM-FFI launch takes it: detached where it requires grad (a launch takes
+    no such tensor), else itself -- a detach() per argument is host time on every call, and a step of
+    every launch plan that records the call (fa4/_plans.py)."""
+    return t.detach() if t is not None and t.requires_grad else t
+
+
 def launch_stream():
     """The stream argument of a *launchable* compile (fake tensors + this stream).
 
@@ -286,7 +293,8 @@ def check_out_tensor(name, t, shape, dtype, device, *, align_bytes):
 def launch(compiled: Compiled, q, k, v, out, lse, softmax_scale: float):
     """Run a step kernel compiled with ``fake_args(..., launchable=True)``: torch tensors and
     Python floats in ``__call__`` order, no stream (TVM-FFI launches on torch's current one)."""
-    compiled.fn(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), softmax_scale * LOG2_E, softmax_scale)
+    compiled.fn(launch_view(q), launch_view(k), launch_view(v), launch_view(out), launch_view(lse),
+                softmax_scale * LOG2_E, softmax_scale)
 
 
 def fake_args(dtype, head_dim, head_dim_v, *, launchable: bool = False):

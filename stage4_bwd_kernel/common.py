@@ -30,7 +30,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from stage3_fwd_kernel import runner
 # re-exported for the kernel files, tests and tutorial 04
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached  # noqa: F401
-from stage3_fwd_kernel.host_io import ARCH, LOG2_E, cdiv, cutlass_dtype, launch_stream, torch_dtype  # noqa: F401
+from stage3_fwd_kernel.host_io import (  # noqa: F401
+    ARCH, LOG2_E, cdiv, cutlass_dtype, launch_stream, launch_view, torch_dtype)
 from stage3_fwd_kernel.runner import benchmark_ms, hopper_gpu_available  # noqa: F401
 from stage3_fwd_kernel.sass_report import format_report, wgmma_loop_bodies  # noqa: F401
 # the dQ reduction orders live in schedule.py (pure Python, shared with the NumPy model)

@@ -64,7 +64,7 @@ def main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, *, varlen, cu_seqlen
     tensors = (q, k, v, dout, lse2, dpsum, dq_accum, dk, dv)
     if varlen:
         tensors = tuple(t.unsqueeze(0) for t in tensors)
-    return (*(t.detach() for t in tensors), cu_seqlens_q, cu_seqlens_k, seqused_k, semaphores, num_n_blocks,
+    return (*(common.launch_view(t) for t in tensors), cu_seqlens_q, cu_seqlens_k, seqused_k, semaphores, num_n_blocks,
             softmax_scale * common.LOG2_E, softmax_scale)
 
 

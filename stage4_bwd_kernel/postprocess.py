@@ -119,7 +119,7 @@ def _compile(launchable: bool, dt, d: int, varlen: bool) -> common.Compiled:
 def postprocess_args(dq_accum4, dq4, cu_seqlens_q, softmax_scale, num_m_blocks):
     """Launch arguments from (batch-of-one views of) torch tensors, in ``__call__`` order without
     the stream (TVM-FFI, see common.launch_stream)."""
-    return (dq_accum4, dq4.detach(), cu_seqlens_q, softmax_scale, num_m_blocks)
+    return (dq_accum4, common.launch_view(dq4), cu_seqlens_q, softmax_scale, num_m_blocks)
 
 
 def postprocess(dq_accum, dq, softmax_scale: float, *, cu_seqlens_q=None, max_seqlen_q=None):

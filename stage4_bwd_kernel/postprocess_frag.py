@@ -153,5 +153,5 @@ def postprocess(main_kernel, dq_accum, dq, softmax_scale: float, *, cu_seqlens_q
     if batch == 0 or rows == 0 or dq.shape[-2] == 0:
         return dq
     comp = _compile(True, main_kernel, varlen)
-    comp.fn(dq_accum, dq4.detach(), cu, softmax_scale, common.cdiv(rows, main_kernel.tile_m))
+    comp.fn(dq_accum, common.launch_view(dq4), cu, softmax_scale, common.cdiv(rows, main_kernel.tile_m))
     return dq

@@ -174,7 +174,8 @@ def _compile(launchable: bool, dt, d: int, dv: int, varlen: bool, zero_dq: bool 
 def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks):
     """Launch arguments from (batch-of-one views of) torch tensors, in ``__call__`` order without
     the stream (TVM-FFI, see common.launch_stream)."""
-    return (out4.detach(), dout4.detach(), lse3.detach(), lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks)
+    view = common.launch_view
+    return (view(out4), view(dout4), view(lse3), lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks)
 
 
 def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, max_seqlen_q=None):

@@ -3,7 +3,8 @@
 Process A (an empty disk cache) calls forward + backward three times: the first compiles, the second
 records a plan per role, the third replays them in process. Process B (same cache) calls twice: both
 replay, without importing CuTe-DSL, and every output and gradient is bitwise equal to A's for the same
-inputs (deterministic backward). The cpu tier (tests/test_fa4_plans.py) covers the recorder itself.
+inputs (deterministic backward); flash_attn_with_kvcache's decode steps the same (dense and paged caches,
+appends with rotary embedding, a window). The cpu tier (tests/test_fa4_plans.py) covers the recorder itself.
 """
 import json
 import os
@@ -42,10 +43,14 @@ CASES = [((2, 300, 4, 2, 64, 64), True), ((1, 257, 6, 6, 192, 128), False)]
 
 
 def _run(cfg: dict, cache: pathlib.Path) -> dict:
+    return _run_child(CHILD, cfg, cache)
+
+
+def _run_child(child: str, cfg: dict, cache: pathlib.Path) -> dict:
     env = dict(os.environ, FA4_CACHE_DIR=str(cache))
     for name in ("FA4_CACHE", "FA4_PLANS"):
         env.pop(name, None)
-    res = subprocess.run([sys.executable, "-c", CHILD, json.dumps(cfg)], env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-c", child, json.dumps(cfg)], env=env, capture_output=True, text=True,
                          timeout=600, cwd=str(pathlib.Path(__file__).resolve().parent.parent))
     assert res.returncode == 0, res.stderr[-4000:]
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith("PLANS "))
@@ -134,3 +139,64 @@ def test_precompile_plans_serve_a_fresh_process_without_the_dsl(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("PLANS ")).split(" ", 1)[1])
     assert got["stats"]["replays"] == 2 and not got["cutlass"] and got["finite"], got
+
+
+DECODE_CHILD = r"""
+import json, sys
+import torch
+import fa4
+from fa4 import _plans
+
+cfg = json.loads(sys.argv[1])
+b, s, hq, hkv, d, sq, page = cfg["shape"]
+results = []
+for call in range(cfg["calls"]):
+    g = torch.Generator(device="cuda").manual_seed(200 + call)
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = make(b, sq, hq, d)
+    lens = torch.randint(0, s - sq, (b,), device="cuda", dtype=torch.int32, generator=g)
+    kw = dict(cache_seqlens=lens, causal=cfg["causal"], window_size=tuple(cfg["window"]), return_softmax_lse=True)
+    if page:  # pages shuffled through the table
+        k_cache, v_cache = make(b * s // page, page, hkv, d), make(b * s // page, page, hkv, d)
+        kw["block_table"] = torch.randperm(b * s // page, device="cuda", generator=g).to(torch.int32).view(b, -1)
+    else:
+        k_cache, v_cache = make(b, s, hkv, d), make(b, s, hkv, d)
+    if cfg["append"]:  # new tokens, rotary-embedded, appended in place at cache_seqlens
+        angle = torch.rand(s, d // 4, device="cuda", generator=g) * 6.28
+        kw.update(k=make(b, sq, hkv, d), v=make(b, sq, hkv, d), rotary_cos=angle.cos(), rotary_sin=angle.sin(),
+                  rotary_interleaved=False)
+    out, lse = fa4.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+    results.append([t.cpu() for t in (out, lse, k_cache, v_cache)])
+torch.cuda.synchronize()
+torch.save(results, cfg["out"])
+cutlass = any(m == "cutlass" or m.startswith("cutlass.") for m in sys.modules)
+print("PLANS " + json.dumps({"stats": _plans.stats(), "cutlass": cutlass}))
+"""
+
+# (batch, cache, Hq, Hkv, d, query tokens, page size or 0), causal, window, append
+DECODE_CASES = [((2, 4096, 32, 8, 128, 1, 0), False, (None, None), False),
+                ((3, 2048, 16, 2, 64, 4, 64), True, (None, None), True),
+                ((1, 8192, 8, 8, 128, 2, 0), True, (300, 0), True)]
+
+
+@pytest.mark.parametrize("shape,causal,window,append", DECODE_CASES, ids=["dense-one-token", "paged-append-causal",
+                                                                          "dense-append-window"])
+def test_decode_steps_replay_bitwise(tmp_path, shape, causal, window, append):
+    """flash_attn_with_kvcache's eager step on the device takes launch plans too: process A records
+    on the second call and replays the third, process B replays both its calls; outputs, lse and the
+    appended caches are bitwise the normal path's (A's) for the same inputs."""
+    import torch
+
+    cache = tmp_path / "cache"
+    cfg = dict(shape=shape, causal=causal, window=window, append=append)
+    first = _run_child(DECODE_CHILD, dict(cfg, calls=3, out=str(tmp_path / "a.pt")), cache)
+    assert first["stats"]["recorded"] == 1 and first["stats"]["replays"] == 1, first
+    second = _run_child(DECODE_CHILD, dict(cfg, calls=2, out=str(tmp_path / "b.pt")), cache)
+    assert second["stats"] == dict(replays=2, recorded=0, unrecordable=0, discarded=0), second
+    if not shape[-1]:  # a paged call asks the kernels' modules which page sizes they read in place
+        assert not second["cutlass"], "a replayed decode step imported CuTe-DSL"
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    for call in range(2):
+        for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), a[call], b[call]):
+            assert torch.equal(x, y), f"call {call}: {name} differs between the normal path and the replay"
+    assert all(torch.isfinite(a[c][0]).all() for c in range(2))

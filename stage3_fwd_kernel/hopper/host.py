@@ -92,8 +92,7 @@ def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
     host_io.launch_stream)."""
-    def opt(t):  # TVM-FFI takes no tensor that requires grad; detach() only where one does (host time)
-        return t.detach() if t is not None and t.requires_grad else t
+    opt = host_io.launch_view
     scale_log2, score_scale = Softcap(softcap).kernel_scales(softmax_scale)
     return (opt(q4), opt(k4), opt(v4), opt(out4), opt(lse3), scale_log2,
             score_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
