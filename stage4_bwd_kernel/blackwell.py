@@ -69,12 +69,12 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
-                              window_size=(None, None), softcap=0.0, return_d=False):
+                              window_size=(None, None), softcap=0.0, return_d=False, check_values=False):
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)), as the Hopper one
     (seqused_k: only the first seqused_k[b] keys of sequence b are attended to, the others get zero
     gradient; return_d adds D = rowsum(dO * O) in lse's layout). Compiled for sm_100a and checked
-    structurally, never run. window_size / softcap as the Hopper backward's. RuntimeError on anything
-    but a capability-10.x GPU (after the variants' checks)."""
+    structurally, never run. window_size / softcap / check_values as the Hopper backward's. RuntimeError on
+    anything but a capability-10.x GPU (after the variants' checks)."""
     _check_variants(causal, window_size, softcap)
     _require_blackwell("attention_varlen_backward")
     from stage4_bwd_kernel import blackwell_bwd
@@ -82,7 +82,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     return blackwell_bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                    max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
                                                    causal=causal, deterministic=deterministic, window_size=window_size,
-                                                   softcap=softcap, return_d=return_d)
+                                                   softcap=softcap, return_d=return_d, check_values=check_values)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,

@@ -802,7 +802,7 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
                               window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None,
-                              return_d=False):
+                              return_d=False, check_values=False):
     """Packed (T, H, D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens (batch + 1,), optional
     seqused_k (batch,) -> (dq, dk, dv) (+ D with return_d, as the Hopper one) on a Blackwell (capability 10.x) GPU, through host.backward (the
     Hopper varlen backward's preprocess / postprocess). UNVERIFIED: compiled for sm_100a and checked
@@ -817,7 +817,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, return_d=return_d,
-                         variant=variant)
+                         variant=variant, check_values=check_values)
 
 
 if __name__ == "__main__":

@@ -113,9 +113,13 @@ def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_
 def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, softmax_scale=None, causal=False,
              deterministic=False, dq=None, dk=None, dv=None, dq_order=None, tiles=None, variant=None,
-             return_d: bool = False):
+             return_d: bool = False, check_values: bool = False):
     """Dense: (B, S, H, D) tensors, lse (B, Hq, Sq). Varlen: packed (T, H, D), lse (Hq, Tq), int32
     cu_seqlens_q / cu_seqlens_k (batch + 1,), max_seqlen_q / max_seqlen_k, optional seqused_k (batch,).
+    check_values=True also reads the index tensors' values on the host and checks them (offsets from 0,
+    non-decreasing, ending at the packed length; max_seqlen_* at least the longest sequence; 0 <=
+    seqused_k[b] <= its length): a device sync, which a training step pays on every layer and CUDA-graph
+    capture forbids, so off by default, as in stage 3's varlen forward.
     variant: None, or (Window, softcap) from ``variant_of`` (kernels that support them). Returns
     (dq, dk, dv) in q's dtype; return_d=True adds D = rowsum(dO * O) in lse's layout, fp32 (the
     preprocess computes it anyway; a learnable sink's gradient needs it)."""
@@ -131,28 +135,25 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     if varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("cu_seqlens_q, cu_seqlens_k: varlen needs both")
-        cu_q, host_q = common.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-        cu_k, host_k = common.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
-        if len(host_q) != len(host_k):
-            raise ValueError(f"cu_seqlens_k: expected length {len(host_q)} like cu_seqlens_q, got {len(host_k)}")
-        lens_q = [b - a for a, b in zip(host_q, host_q[1:])]
-        lens_k = [b - a for a, b in zip(host_k, host_k[1:])]
-        for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+        cu_q = common.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], check_values)
+        cu_k = common.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], check_values)
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(f"cu_seqlens_k: expected length {cu_q.shape[0]} like cu_seqlens_q, got {cu_k.shape[0]}")
+        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if not isinstance(given, numbers.Integral) or isinstance(given, bool):
                 raise TypeError(f"{name}: expected an int, got {type(given).__name__}")
-            if given < max(lens):
-                raise ValueError(f"{name}: expected an int >= the longest sequence ({max(lens)}), got {given!r}")
+            if given < 0:
+                raise ValueError(f"{name}: expected an int >= 0, got {given!r}")
         max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        batch = len(lens_q)
+        batch = cu_q.shape[0] - 1
         if seqused_k is not None:
             if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32:
                 raise TypeError("seqused_k: expected an int32 torch.Tensor")
             if tuple(seqused_k.shape) != (batch,) or not seqused_k.is_cuda:
                 raise ValueError(f"seqused_k: expected a CUDA tensor of shape ({batch},), got {tuple(seqused_k.shape)}")
-            used = seqused_k.tolist()
-            if any(u < 0 or u > n for u, n in zip(used, lens_k)):
-                raise ValueError(f"seqused_k: expected 0 <= seqused_k[b] <= seqlen_k[b], got {used} for {lens_k}")
             seqused_k = seqused_k.contiguous()
+        if check_values:
+            _check_varlen_values(cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k)
     else:
         if seqused_k is not None:
             raise ValueError("seqused_k: only supported with varlen (cu_seqlens_q / cu_seqlens_k)")
@@ -219,6 +220,21 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     if return_d:
         return dq, dk, dv, _d_in_lse_layout(dpsum, lse, cu_q if varlen else None)
     return dq, dk, dv
+
+
+def _check_varlen_values(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, seqused_k):
+    """backward(check_values=True)'s host-side checks of the index tensors' values (one device sync;
+    check_cu_seqlens has checked the offsets themselves)."""
+    host_q, host_k = cu_q.tolist(), cu_k.tolist()
+    lens_q = [b - a for a, b in zip(host_q, host_q[1:])]
+    lens_k = [b - a for a, b in zip(host_k, host_k[1:])]
+    for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+        if given < max(lens):
+            raise ValueError(f"{name}: expected an int >= the longest sequence ({max(lens)}), got {given!r}")
+    if seqused_k is not None:
+        used = seqused_k.tolist()
+        if any(u < 0 or u > n for u, n in zip(used, lens_k)):
+            raise ValueError(f"seqused_k: expected 0 <= seqused_k[b] <= seqlen_k[b], got {used} for {lens_k}")
 
 
 def _d_in_lse_layout(dpsum, lse, cu_seqlens_q):

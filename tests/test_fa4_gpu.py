@@ -336,6 +336,53 @@ def _varlen_problem(lens_q, lens_k, hq=8, hkv=2, d=128, seed=16, grad=False):
     return q, k, v, cu(lens_q), cu(lens_k)
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_varlen_forward_and_backward_never_synchronize(deterministic):
+    """A packed varlen forward + backward reads none of cu_seqlens / seqused_k's values on the host:
+    no device sync, which a training step would pay on every layer and CUDA-graph capture forbids
+    (torch's sync debug mode raises on one). The gradients are those of the same call outside it."""
+    q, k, v, cu_q, cu_k = _varlen_problem([100, 0, 37], [120, 5, 37], grad=True)
+    used = torch.tensor([120, 0, 30], dtype=torch.int32, device="cuda")
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=100, max_seqlen_k=120, seqused_k=used,
+              causal=True, deterministic=deterministic)
+    dout = rand(*q.shape)
+
+    def grads():
+        for t in (q, k, v):
+            t.grad = None
+        fa4.flash_attn_varlen_func(q, k, v, **kw).backward(dout)
+        return [t.grad.clone() for t in (q, k, v)]
+
+    want = grads()  # compiles outside the checked window
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = grads()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        if deterministic:
+            assert torch.equal(a, b), name
+        else:  # dq's fp32 atomics add in another order: at most a bf16 rounding step apart
+            assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max() + 1e-3, name
+
+
+def test_stage4_varlen_backward_checks_values_on_request():
+    """check_values=True reads the offsets on the host and refuses bad ones, before any launch."""
+    from stage4_bwd_kernel import hopper as bwd
+
+    q, k, v, cu_q, cu_k = _varlen_problem([10, 20], [10, 20])
+    out, lse = torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0], device="cuda")
+    bad = torch.tensor([0, 25, 20], dtype=torch.int32, device="cuda")           # falls after 25
+    with pytest.raises(ValueError, match="max_seqlen_q: expected an int >= the longest sequence"):
+        bwd.attention_varlen_backward(q, k, v, out, out, lse, cu_q, cu_k, 10, 20, check_values=True)
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected non-decreasing"):
+        bwd.attention_varlen_backward(q, k, v, out, out, lse, cu_q, bad, 20, 25, check_values=True)
+    with pytest.raises(ValueError, match="seqused_k: expected 0 <= seqused_k"):
+        bwd.attention_varlen_backward(q, k, v, out, out, lse, cu_q, cu_k, 20, 20, check_values=True,
+                                      seqused_k=torch.tensor([11, 3], dtype=torch.int32, device="cuda"))
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_matches_reference(causal):
     from stage0_reference.torch_reference import assert_fa4_close, attention_varlen_ref

@@ -56,15 +56,17 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
-                              window_size=(None, None), softcap=0.0, return_d=False):
+                              window_size=(None, None), softcap=0.0, return_d=False, check_values=False):
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)).
 
     seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
-    attended to (causal alignment uses that length); the others get zero gradient."""
+    attended to (causal alignment uses that length); the others get zero gradient.
+    check_values=True also checks cu_seqlens / seqused_k / max_seqlen_* against the values on the
+    host (a device sync, so off by default: no sync per call, capturable in a CUDA graph)."""
     return _product.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
                                               causal=causal, deterministic=deterministic, window_size=window_size,
-                                              softcap=softcap, return_d=return_d)
+                                              softcap=softcap, return_d=return_d, check_values=check_values)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):

@@ -78,14 +78,17 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
-                              window_size=(None, None), softcap=0.0, dq_order=None, tiles=None, return_d=False):
-    """Packed (T,H,D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens -> (dq, dk, dv)."""
+                              window_size=(None, None), softcap=0.0, dq_order=None, tiles=None, return_d=False,
+                              check_values=False):
+    """Packed (T,H,D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens -> (dq, dk, dv).
+    check_values=True also checks the index tensors' values on the host (a device sync; host.backward)."""
     _check_dims_of(q, v)
     return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq_order=dq_order, tiles=tiles,
-                         variant=host.variant_of(causal, window_size, softcap), return_d=return_d)
+                         variant=host.variant_of(causal, window_size, softcap), return_d=return_d,
+                         check_values=check_values)
 
 
 def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
