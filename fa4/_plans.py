@@ -23,7 +23,7 @@ When: a plan is recorded on the second call of a signature in a process (the fir
 training repeats its shapes), written only if the whole call was recordable, and used by later
 processes -- and by this one -- whenever the signature matches exactly.
 
-The signature is everything the host code decides on: the role ("fwd" / "bwd"), every tensor's
+The signature is everything the host code decides on: the role ("fwd" / "bwd" / "kvcache"), every tensor's
 shape, strides, dtype, device and 16-byte alignment, every scalar argument, the device (name, SMs,
 L2), fa4's routing switches, and the sources of fa4 and of the kernel packages (the cache fingerprint
 directory). A call that differs in any of them takes the normal path.
