@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from . import _ops, _paged
+from . import _kvcache, _ops, _paged  # _kvcache registers fa4::kvcache_attention
 from ._layouts import VarlenLayout, pad_head_dims
 from ._validate import check_fixed, check_unservable, check_variants, check_varlen, check_varlen_sides
 
@@ -244,8 +244,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
     CUDA-graph capture (FA4_VALIDATE=1 adds a synchronising range check of cache_seqlens). A tensor
     that requires grad is refused.
     """
-    from . import _kvcache
-
     return _kvcache.with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                  cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                                  cache_leftpad=cache_leftpad, block_table=block_table, softmax_scale=softmax_scale,

@@ -28,16 +28,17 @@ themselves and read the queries where they are; a causal diagonal or a window st
 the sequence's end, so a few causal query tokens (speculative decoding) split too, and a window's
 chunks hold only its last left + Sq keys (range_keys). A decode step is then the attention kernel
 and the merge, without the segment offsets' and the replicated queries' small kernels (`fa4_split`).
-Traced calls (torch.compile) keep the varlen custom op.
+Traced calls (torch.compile, fake or meta tensors) run the attention over the cache as one custom op,
+fa4::kvcache_attention, whose implementation is this eager path (the append and the rotary embedding
+stay torch functions in the graph): no graph break, the same kernels.
 
 The varlen kernel's segments change each segment's key count, and fa4's masks are bottom-right
 aligned to it, so segments split only where the mask does not depend on alignment: no window, and
 causal only for single-token queries (which see every key anyway). One query token with a window
 sees the last left + 1 keys of its sequence: that is a key range, not a mask, so the split launch
 (range_keys = left + 1) or the segments start at the window's first key and split like no window
-(`key_range_window`; dense caches, and paged ones gathered). Otherwise (a causal prefill, or a traced
-call with a window over several tokens) a cache runs unsplit, and a paged one with another page
-size is gathered into a dense copy first.
+(`key_range_window`; dense caches, and paged ones gathered). Otherwise (a causal prefill) a cache runs
+unsplit, and a paged one with another page size is gathered into a dense copy first.
 
 GQA packing (decode): with one query token, the g = Hq / Hkv query heads of a group become g rows
 attending to their KV head, so each KV head is read once per segment instead of g times; with a few
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -573,7 +574,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     """fa4.flash_attn_with_kvcache's work (varlen / split / sm_count / paged_in_place: the kernels,
     the SM count and whether pages are read in place; the CPU tests pass torch stand-ins). On the
     device, eager calls take the split-KV launch where it applies (`attention_with_cache`); traced
-    ones (torch.compile) the varlen custom op."""
+    ones (torch.compile, fake or meta tensors) the same path as one custom op (`kvcache_attention`)."""
     from ._validate import check_learnable_sink, check_softcap, check_softmax_scale, check_window
 
     if cache_leftpad is not None:
@@ -588,24 +589,24 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     softcap = check_softcap(softcap)
     sink = check_learnable_sink(learnable_sink, q)
     scale = check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
+    traced = False
     if varlen is fa4_varlen:  # refuse what the device cannot run before writing to the cache
-        from . import _dispatch
+        from . import _dispatch, _ops
 
-        backend = _dispatch.backend_for(q.device)
-        if backend.arch.key != "sm_90":  # the segments need the varlen forward's seqused_k
-            raise ValueError(f"q: flash_attn_with_kvcache runs on sm_90 (Hopper) only; the {backend.arch.key} "
-                             "varlen forward has no seqused_k yet")
-        backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
-        backend.check_variants((left, right), softcap, None)
-        sm_count = _sm_count(q.device)
-        from . import _ops
-
-        split = fa4_split if _ops.eager_ok(q, k_cache, v_cache, block_table) else None
-        # the kernel's rows per sequence: the query tokens, times the group when its heads are packed
-        _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, (left, right), pack_gqa,
-                                 token_rows=split is not None)
-        packed_rows = q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1)
-        paged_in_place = block_table is not None and _paged.in_place(q, k_cache, v_cache, packed_rows)
+        if q.device.type != "meta":  # meta tensors trace shapes only: no device to ask
+            backend = _dispatch.backend_for(q.device)
+            if backend.arch.key != "sm_90":  # the segments need the varlen forward's seqused_k
+                raise ValueError(f"q: flash_attn_with_kvcache runs on sm_90 (Hopper) only; the {backend.arch.key} "
+                                 "varlen forward has no seqused_k yet")
+            backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
+            backend.check_variants((left, right), softcap, None)
+        # torch.compile, fake or meta tensors: the attention is one custom op (kvcache_attention), whose
+        # implementation is the eager path below
+        traced = not _ops.eager_ok(q, k_cache, v_cache, block_table)
+        if not traced:
+            sm_count = _sm_count(q.device)
+            split = fa4_split
+            paged_in_place = _read_in_place(q, k_cache, v_cache, block_table, causal, (left, right), pack_gqa)
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
@@ -613,8 +614,8 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     step = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink)
     flags = (scale, causal, (left, right), softcap, rotary_interleaved, num_splits, pack_gqa, return_softmax_lse,
              paged_in_place)
-    if split is None or varlen is not fa4_varlen:  # traced, or the CPU tests' stand-ins
-        return _cache_step(step, flags, sm_count, varlen, split)
+    if traced or varlen is not fa4_varlen:  # traced, or the CPU tests' stand-ins
+        return _cache_step(step, flags, sm_count, varlen, split, traced)
     # eager on the device: a launch plan (fa4._plans) replays the step's torch functions and kernels
     from . import _plans
 
@@ -628,10 +629,10 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     return result
 
 
-def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split):
+def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool = False):
     """with_kvcache after its checks: the append (rotary first), then attention over the cache. Every
     decision in here follows from the tensors' shapes, strides and dtypes and from `flags`, the
-    signature of a launch plan (with_kvcache)."""
+    signature of a launch plan (with_kvcache). traced: the attention as the kvcache_attention op."""
     q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink = step
     scale, causal, (left, right), softcap, rotary_interleaved, num_splits, pack_gqa, return_softmax_lse, \
         paged_in_place = flags
@@ -646,7 +647,49 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split):
             k = apply_rotary(k, rotary_cos, rotary_sin, new_pos, rotary_interleaved)
         append_to_cache(k_cache, v_cache, k, v, rows, seqlens, block_table)
         seqlens = seqlens + k.shape[1]
+    if traced:
+        out, lse = kvcache_attention(q, k_cache, v_cache, seqlens, rows, block_table, sink, scale, causal, left, right,
+                                     softcap, num_splits, pack_gqa)
+        return (out, lse) if return_softmax_lse else out
     out, lse = attention_with_cache(q, k_cache, v_cache, seqlens, rows, block_table, scale, causal, (left, right),
                                     softcap, sink, num_splits, pack_gqa, sm_count or 132, varlen, paged_in_place,
                                     split)
     return (out, lse) if return_softmax_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# traced calls: the attention over the cache as one custom op
+# ---------------------------------------------------------------------------------------------
+def _read_in_place(q, k_cache, v_cache, block_table, causal, window, pack_gqa) -> bool:
+    """Whether an eager device call's paged cache is read in place by the split launch (fa4._paged): its
+    kernel rows per sequence are the query tokens, times the group where the heads are packed."""
+    if block_table is None:
+        return False
+    _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, window, pack_gqa, token_rows=True)
+    return _paged.in_place(q, k_cache, v_cache, q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1))
+
+
+@torch.library.custom_op("fa4::kvcache_attention", mutates_args=(), device_types="cuda")
+def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
+                      cache_rows: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                      sink: Optional[torch.Tensor], scale: float, causal: bool, window_left: Optional[int],
+                      window_right: Optional[int], softcap: float, num_splits: int,
+                      pack_gqa: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache's attention (after the append) as torch.compile sees it: one opaque op,
+    out (B, Sq, Hq, Dv) and lse (B, Hq, Sq), run by the eager path (the split launch where it applies),
+    so a compiled decode step has no graph break and launches the kernels an eager one does. The checks
+    ran before it, in traced Python."""
+    window = (window_left, window_right)
+    out, lse = attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, scale, causal, window,
+                                    softcap, sink, num_splits, pack_gqa, _sm_count(q.device), fa4_varlen,
+                                    _read_in_place(q, k_cache, v_cache, block_table, causal, window, pack_gqa),
+                                    fa4_split)
+    return out.contiguous(), lse.contiguous()  # the strides the fake below promises
+
+
+@kvcache_attention.register_fake
+def _(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, sink, scale, causal, window_left, window_right,
+      softcap, num_splits, pack_gqa):
+    b, sq, hq, _ = q.shape
+    return q.new_empty(b, sq, hq, v_cache.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
+

@@ -739,3 +739,84 @@ def test_stage3_paged_value_checks_name_the_argument():
         check_paged_values(table, torch.tensor([0, 16]), torch.tensor([8, 40]), **ok)
     with pytest.raises(ValueError, match="^page_table: row 0 uses page 99"):
         check_paged_values(table, torch.tensor([0, 0]), torch.tensor([33, 8]), **ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# traced calls (torch.compile, fake and meta tensors): the attention is one custom op
+# ---------------------------------------------------------------------------------------------
+def _meta(*shape, dtype=torch.bfloat16):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+
+TRACED_CASES = {  # name -> (call kwargs beyond q / caches, q tokens, paged)
+    "one-token": (dict(), 1, False),
+    "append-rotary-causal": (dict(causal=True, rotary=True), 3, False),
+    "paged-window": (dict(causal=True, window_size=(100, 0), append=True), 2, True),
+    "cache-rows-softcap": (dict(rows=True, softcap=30.0), 1, False),
+}
+
+
+def _traced_call(name):
+    """(fn, args) of a decode step on meta tensors: 2 sequences, GQA 32 / 8, d = 128, a 1024-key cache."""
+    kw, sq, paged = TRACED_CASES[name]
+    kw = dict(kw)
+    rotary, append, rows = kw.pop("rotary", False), kw.pop("append", False), kw.pop("rows", False)
+    q = _meta(2, sq, 32, 128)
+    caches = (_meta(16, 64, 8, 128), _meta(16, 64, 8, 128)) if paged else (_meta(3, 1024, 8, 128),) * 2
+    extra = [_meta(2, dtype=torch.int32)]
+    names = ["cache_seqlens"]
+    if paged:
+        extra.append(_meta(2, 16, dtype=torch.int32))
+        names.append("block_table")
+    if rows:
+        extra.append(_meta(2, dtype=torch.int32))
+        names.append("cache_batch_idx")
+    if rotary or append:
+        extra += [_meta(2, sq, 8, 128), _meta(2, sq, 8, 128)]
+        names += ["k", "v"]
+    if rotary:
+        extra += [_meta(1024, 32, dtype=torch.float32)] * 2
+        names += ["rotary_cos", "rotary_sin"]
+
+    def fn(q, k_cache, v_cache, *rest):
+        return fa4.flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, **kw,
+                                           **dict(zip(names, rest)))
+    return fn, (q, *caches, *extra)
+
+
+@pytest.mark.parametrize("name", list(TRACED_CASES))
+def test_traced_decode_step_is_one_op_without_graph_breaks(name):
+    """On meta tensors (shapes only) a decode step traces into one graph whose attention is the
+    fa4::kvcache_attention op (the eager path inside), fullgraph-compilable, with the call's shapes."""
+    fn, args = _traced_call(name)
+    q, v_cache = args[0], args[2]
+    want = ((q.shape[0], q.shape[1], q.shape[2], v_cache.shape[-1]), (q.shape[0], q.shape[2], q.shape[1]))
+    out, lse = fn(*args)                                                     # eager on meta: the op's fake
+    assert (tuple(out.shape), tuple(lse.shape)) == want and out.dtype == q.dtype and lse.dtype == torch.float32
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(fn, fullgraph=True, backend=backend)(*args)     # fullgraph: a break raises
+    assert (tuple(out.shape), tuple(lse.shape)) == want
+    assert sum("kvcache_attention" in t for t in targets) == 1, targets
+    assert not any("varlen_fwd" in t for t in targets), "the attention left the op"
+    torch._dynamo.reset()
+    out, lse = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+    assert (tuple(out.shape), tuple(lse.shape)) == want
+    torch._dynamo.reset()
+
+
+def test_kvcache_attention_op_schema_and_fake():
+    """The op's registration: its schema reads no input as mutated, and its fake gives the eager path's
+    shapes, strides and dtypes."""
+    op = torch.ops.fa4.kvcache_attention.default
+    assert not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+    q, kc, lens = _meta(3, 2, 16, 64), _meta(3, 512, 4, 64), _meta(3, dtype=torch.int32)
+    out, lse = torch.ops.fa4.kvcache_attention(q, kc, _meta(3, 512, 4, 32), lens, None, None, None, 0.125, True,
+                                               None, None, 0.0, 0, None)
+    assert tuple(out.shape) == (3, 2, 16, 32) and out.is_contiguous() and out.dtype == q.dtype
+    assert tuple(lse.shape) == (3, 16, 2) and lse.is_contiguous() and lse.dtype == torch.float32

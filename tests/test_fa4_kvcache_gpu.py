@@ -2,8 +2,8 @@
 cache (the baseline: PyTorch in bf16 on the same keys; both from stage 0's torch reference), for
 split-KV decode, paged caches (shuffled pages of 1 to 512 keys read in place by the kernel: TMA boxes
 or its cp.async gather), flash_attn_varlen_func(page_table), a causal prefill
-that appends rotated keys in place, a window, softcap + sink, and CUDA-graph replays equal to the
-eager calls."""
+that appends rotated keys in place, a window, softcap + sink, CUDA-graph replays and torch.compile
+(fullgraph) steps equal to the eager calls."""
 from __future__ import annotations
 
 import pytest
@@ -244,6 +244,51 @@ def test_decode_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+COMPILED_CASES = {  # name -> (batch, cache, query tokens, call kwargs, paged page size or 0)
+    "one-token-split": (3, 8192, 1, dict(), 0),
+    "append-rotary-causal": (2, 4096, 3, dict(causal=True, rotary=True), 0),
+    "paged-window-append": (2, 4096, 2, dict(causal=True, window_size=(300, 0), append=True), 64),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPILED_CASES))
+def test_compiled_decode_step_equals_eager(name):
+    """torch.compile(fullgraph=True) of a decode step (inductor): no graph break, the attention one
+    fa4::kvcache_attention op running the eager path, so out, lse and the appended caches are bitwise
+    the eager call's on copies of the same inputs."""
+    b, s, sq, kw, page = COMPILED_CASES[name]
+    kw = dict(kw)
+    rotary, append = kw.pop("rotary", False), kw.pop("append", False)
+    g = torch.Generator(device="cuda").manual_seed(31)
+    q = torch.randn(b, sq, 32, 128, device="cuda", generator=g).to(BF16)
+    lens = torch.randint(0, s - sq, (b,), device="cuda", generator=g, dtype=torch.int32)
+    extra = dict(cache_seqlens=lens)
+    if page:
+        k_cache, v_cache, extra["block_table"] = _paged(b, s // page, page, 8, 128, 32)
+    else:
+        k_cache, v_cache = _cache(b, s, 8, 128, 32)
+    if rotary or append:
+        extra["k"], extra["v"] = (torch.randn(b, sq, 8, 128, device="cuda", generator=g).to(BF16) for _ in range(2))
+    if rotary:
+        angle = torch.rand(s, 32, device="cuda", generator=g) * 6.28
+        extra.update(rotary_cos=angle.cos(), rotary_sin=angle.sin())
+
+    def step(q, k_cache, v_cache, extra):
+        return fa4.flash_attn_with_kvcache(q, k_cache, v_cache, return_softmax_lse=True, **kw, **extra)
+
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    want = step(q, *caches[0], extra)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(q, k_cache.clone(), v_cache.clone(), extra)
+    assert explained.graph_break_count == 0, [str(r.reason)[:200] for r in explained.break_reasons]
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True)(q, *caches[1], extra)
+    torch._dynamo.reset()
+    for what, a, c in (("out", got[0], want[0]), ("lse", got[1], want[1]), ("k_cache", caches[1][0], caches[0][0]),
+                       ("v_cache", caches[1][1], caches[0][1])):
+        assert torch.equal(a, c), f"{name}: {what} differs between the compiled and the eager step"
 
 
 # ---------------------------------------------------------------------------------------------
