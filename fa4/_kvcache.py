@@ -57,6 +57,7 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _paged
 from ._layouts import gather_pages
@@ -109,9 +110,10 @@ def _constant(key: tuple, make):
     depend on the shapes alone, and each one made afresh is a tiny kernel on the step's path (1-2 us
     apiece; 7 of a 1 x 128k step's 14 kernels on an H200 were such). One made while a CUDA graph is
     captured is not kept (its kernel runs only at replay: the tensor holds no values yet), nor one
-    made while traced; a graph captured after an eager call uses the kept one. Kept ones are never
-    dropped: a captured graph reads them without holding a reference."""
-    if torch.compiler.is_compiling():
+    made while traced or under a dispatch mode (a user's FakeTensorMode: its tensors are fake, and a kept
+    real one would not mix with them); a graph captured after an eager call uses the kept one. Kept ones
+    are never dropped: a captured graph reads them without holding a reference."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return make()
     t = _CONSTANTS.get(key)
     if t is not None:
@@ -507,7 +509,8 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if torch.is_grad_enabled():
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                        ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if t is not None and t.requires_grad:
                 raise ValueError(f"{name}: flash_attn_with_kvcache is forward only (inference); it requires grad -- "
                                  "use torch.no_grad() / inference_mode(), or fa4.flash_attn_func for training")
@@ -520,6 +523,9 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise ValueError(f"block_table: expected int32 (batch={b}, pages per sequence), got {got}")
         if block_table.device != q.device:
             raise ValueError(f"block_table: is on {block_table.device} but q is on {q.device}")
+        if slots == 0 or per_slot == 0:
+            raise ValueError(f"k_cache: a paged cache needs at least one page of at least one row, got "
+                             f"{tuple(k_cache.shape)}")
         capacity, rows = block_table.shape[1] * per_slot, None
     else:
         capacity = per_slot
@@ -532,6 +538,8 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     if (k is None) != (v is None):
         raise ValueError("k, v: pass both (new keys and values to append) or neither")
     new = 0 if k is None else k.shape[1]
+    if new > capacity:
+        raise ValueError(f"k: {new} new tokens do not fit a cache of {capacity} rows per sequence")
     if cache_seqlens is None:
         seqlens = _constant(("full", q.device, b, capacity - new),
                             lambda: torch.full((b,), capacity - new, dtype=torch.int32, device=q.device))
@@ -558,6 +566,9 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     if rotary_cos is not None:
         if k is None:
             raise ValueError("rotary_cos: rotary embedding is applied to q and the new k, so it needs k and v")
+        if not rotary_cos.dtype.is_floating_point or rotary_sin.dtype != rotary_cos.dtype:
+            raise TypeError(f"rotary_cos, rotary_sin: expected one floating dtype, got {rotary_cos.dtype}, "
+                            f"{rotary_sin.dtype}")
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if t.dim() != 2 or t.shape != rotary_cos.shape or 2 * t.shape[1] > d or t.device != q.device \
                     or t.shape[0] < capacity:
@@ -575,8 +586,11 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     the SM count and whether pages are read in place; the CPU tests pass torch stand-ins). On the
     device, eager calls take the split-KV launch where it applies (`attention_with_cache`); traced
     ones (torch.compile, fake or meta tensors) the same path as one custom op (`kvcache_attention`)."""
-    from ._validate import check_learnable_sink, check_softcap, check_softmax_scale, check_window
+    from ._validate import _check_flag, check_learnable_sink, check_softcap, check_softmax_scale, check_window
 
+    for name, flag in (("causal", causal), ("rotary_interleaved", rotary_interleaved),
+                       ("return_softmax_lse", return_softmax_lse)):
+        _check_flag(name, flag)
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad: not supported (None only); store each sequence from cache row 0")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
@@ -588,18 +602,22 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     left, right, causal = check_window(window_size, causal)
     softcap = check_softcap(softcap)
     sink = check_learnable_sink(learnable_sink, q)
+    if sink is not None and sink.requires_grad and torch.is_grad_enabled():
+        raise ValueError("learnable_sink: flash_attn_with_kvcache is forward only (inference); it requires grad -- "
+                         "use torch.no_grad() / inference_mode(), or fa4.flash_attn_func for training")
     scale = check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
     traced = False
     if varlen is fa4_varlen:  # refuse what the device cannot run before writing to the cache
         from . import _dispatch, _ops
 
-        if q.device.type != "meta":  # meta tensors trace shapes only: no device to ask
-            backend = _dispatch.backend_for(q.device)
-            if backend.arch.key != "sm_90":  # the segments need the varlen forward's seqused_k
-                raise ValueError(f"q: flash_attn_with_kvcache runs on sm_90 (Hopper) only; the {backend.arch.key} "
-                                 "varlen forward has no seqused_k yet")
-            backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
-            backend.check_variants((left, right), softcap, None)
+        # meta tensors trace shapes only: no device to ask, so they are held to the Hopper kernels' rules
+        backend = _dispatch.backend_for(q.device) if q.device.type != "meta" else \
+            _dispatch.make_backend(_dispatch.ARCHS["sm_90"])
+        if backend.arch.key != "sm_90":  # the segments need the varlen forward's seqused_k
+            raise ValueError(f"q: flash_attn_with_kvcache runs on sm_90 (Hopper) only; the {backend.arch.key} "
+                             "varlen forward has no seqused_k yet")
+        backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
+        backend.check_variants((left, right), softcap, None)
         # torch.compile, fake or meta tensors: the attention is one custom op (kvcache_attention), whose
         # implementation is the eager path below
         traced = not _ops.eager_ok(q, k_cache, v_cache, block_table)

@@ -57,6 +57,16 @@ def _check_flag(name, x):
 # per row in fp32 (tau <= 64): finite for every scale from here up. Real scales are ~1/sqrt(d).
 # The Hopper forward checks the same bound (MIN_SOFTMAX_SCALE there; a cpu test keeps them equal).
 MIN_SOFTMAX_SCALE = 2.0 ** -100
+# The largest softmax_scale / softcap accepted: the kernels hold them (times log2 e) in fp32, finite below 2**128.
+MAX_FP32_SCALE = 2.0 ** 100
+
+
+def _finite_real(x) -> float:
+    """float(x), or inf where it does not fit a double (a huge int): compared, never raised."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
 
 
 def check_softmax_scale(name, scale, head_dim) -> float:
@@ -66,11 +76,11 @@ def check_softmax_scale(name, scale, head_dim) -> float:
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name}: expected a float or None, got {type(scale).__name__}")
-    if isinstance(scale, numbers.Real) and not (math.isfinite(float(scale)) and scale >= MIN_SOFTMAX_SCALE):
+    if isinstance(scale, numbers.Real) and not MIN_SOFTMAX_SCALE <= _finite_real(scale) <= MAX_FP32_SCALE:
         # the kernels track the row maximum of the raw scores: a negative scale would turn it
         # into the minimum, so only finite positive scales are meaningful
-        raise ValueError(f"{name}: must be finite and >= 2**-100 (> 0, and the kernels' fp32 softmax "
-                         f"divides by it), got {scale}")
+        raise ValueError(f"{name}: must be finite and >= 2**-100 and <= 2**100 (> 0, and the kernels' fp32 "
+                         f"softmax divides by it and holds it times log2 e), got {scale}")
     return float(scale)
 
 
@@ -185,8 +195,9 @@ def check_softcap(softcap) -> float:
         raise TypeError(f"softcap: expected a float, got {type(softcap).__name__}")
     if isinstance(softcap, (torch.SymFloat, torch.SymInt)):
         return softcap
-    if not (math.isfinite(float(softcap)) and softcap >= 0):
-        raise ValueError(f"softcap: must be finite and >= 0 (0 = no capping), got {softcap}")
+    if not 0 <= _finite_real(softcap) <= MAX_FP32_SCALE:
+        raise ValueError(f"softcap: must be finite and >= 0 and <= 2**100 (0 = no capping; the kernels hold it "
+                         f"in fp32), got {softcap}")
     return float(softcap)
 
 
@@ -257,7 +268,8 @@ def _check_index_tensor(name, t, q, length=None, what="batch + 1", dims=1, layou
         raise ValueError(f"{name}: length {t.shape[0]} != {what} = {length}")
 
 
-def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, page_table=None):
+def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, page_table=None,
+                       seqused_q=None, seqused_k=None):
     """The two sides of a flash_attn_varlen_func call, each packed ((total, H, D) with its cu_seqlens)
     or padded ((batch, seqlen, H, D) with cu_seqlens None), checked and brought to the packed form.
     A paged k / v (page_table) is gathered into the padded form first (`VarlenLayout.unpage`).
@@ -287,6 +299,14 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     q, cu_q, sq = VarlenLayout.pack(q, cu_seqlens_q)
     k, cu_k, sk = VarlenLayout.pack(k, cu_seqlens_k)
     v, _, _ = VarlenLayout.pack(v, cu_seqlens_k)
+    # a padded side whose rows are all used (no seqused_*) has its seqlen as its longest sequence: a
+    # smaller max_seqlen would size the grid below it and leave rows uncomputed
+    for name, given, padded, used in (("max_seqlen_q", max_seqlen_q, sq, seqused_q),
+                                      ("max_seqlen_k", max_seqlen_k, sk, seqused_k)):
+        if padded is not None and used is None and isinstance(given, int) and not isinstance(given, bool) \
+                and given < padded:
+            raise ValueError(f"{name}: {given} is below the padded side's seqlen {padded}, whose every row is "
+                             f"used (pass seqused_{name[-1]} for shorter sequences)")
     max_q = sq if max_seqlen_q is None and sq is not None else max_seqlen_q
     max_k = sk if max_seqlen_k is None and sk is not None else max_seqlen_k
     return q, k, v, cu_q, cu_k, max_q, max_k, padded_q
@@ -305,11 +325,15 @@ def check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
                              f"{tuple(t.shape)}")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (num_pages, page_size, heads)")
-    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1  # cu_seqlens_q: checked later
+    if cu_seqlens_q is not None:
+        _is_tensor("cu_seqlens_q", cu_seqlens_q)
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1  # its values: checked later
     if page_table.shape[0] != batch:
         raise ValueError(f"page_table: {page_table.shape[0]} rows != batch = {batch}")
     if k.shape[0] == 0:
         raise ValueError("k: a paged cache needs at least one page")
+    if k.shape[1] == 0:
+        raise ValueError("k: a paged cache's page_size (dim 1) must be >= 1")
     if q.device.type == "cuda" and values_check_enabled() and page_table.numel():
         lo, hi = int(page_table.min()), int(page_table.max())
         if lo < 0 or hi >= k.shape[0]:

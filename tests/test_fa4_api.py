@@ -72,6 +72,9 @@ def _fixed_cases():
         ("scale-inf", dict(softmax_scale=math.inf), ValueError, r"^softmax_scale: must be finite"),
         ("scale-zero", dict(softmax_scale=0.0), ValueError, r"^softmax_scale: must be finite and >= 2\*\*-100"),
         ("scale-tiny", dict(softmax_scale=1e-35), ValueError, r"^softmax_scale: must be finite and >= 2\*\*-100"),
+        ("scale-huge", dict(softmax_scale=1e39), ValueError, r"^softmax_scale: must be .*<= 2\*\*100"),
+        ("scale-overflow", dict(softmax_scale=10 ** 400), ValueError, r"^softmax_scale: must be .*<= 2\*\*100"),
+        ("softcap-huge", dict(softcap=1e39), ValueError, r"^softcap: must be finite and >= 0 and <= 2\*\*100"),
         ("causal", dict(causal=1), TypeError, r"^causal: expected a bool"),
         ("deterministic", dict(deterministic="no"), TypeError, r"^deterministic: expected a bool"),
         ("return_lse", dict(return_lse=None), TypeError, r"^return_lse: expected a bool"),
@@ -118,7 +121,29 @@ VARLEN_CASES = [
     ("max-q-type", dict(max_seqlen_q=50.0), TypeError, r"^max_seqlen_q: expected an int"),
     ("max-k-negative", dict(max_seqlen_k=-1), ValueError, r"^max_seqlen_k: must be >= 0"),
     ("causal", dict(causal="yes"), TypeError, r"^causal: expected a bool"),
+    # padded sides whose rows are all used (no seqused_*): a max_seqlen below the seqlen leaves rows out
+    ("padded-max-q", dict(q=meta(2, 50, 8, 128), k=meta(2, 60, 2, 128), v=meta(2, 60, 2, 128), cu_seqlens_q=None,
+                          cu_seqlens_k=None, max_seqlen_q=10), ValueError, r"^max_seqlen_q: 10 is below"),
+    ("padded-max-k", dict(q=meta(2, 50, 8, 128), k=meta(2, 60, 2, 128), v=meta(2, 60, 2, 128), cu_seqlens_q=None,
+                          cu_seqlens_k=None, max_seqlen_k=10), ValueError, r"^max_seqlen_k: 10 is below"),
+    # a paged k / v: page size 0, a list for cu_seqlens_q, a bad max_seqlen_k on the in-place route too
+    ("page-size-0", dict(k=meta(16, 0, 2, 128), v=meta(16, 0, 2, 128), cu_seqlens_k=None, page_table=_i32(3, 4)),
+     ValueError, r"^k: a paged cache's page_size"),
+    ("paged-cu-q-list", dict(k=meta(16, 64, 2, 128), v=meta(16, 64, 2, 128), cu_seqlens_k=None,
+                             page_table=_i32(3, 4), cu_seqlens_q=[0, 50, 100]), TypeError,
+     r"^cu_seqlens_q: expected a torch.Tensor"),
+    ("paged-max-k-type", dict(k=meta(16, 64, 2, 128), v=meta(16, 64, 2, 128), cu_seqlens_k=None,
+                              page_table=_i32(3, 4), max_seqlen_k="x"), TypeError, r"^max_seqlen_k: expected an int"),
 ]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_padded_sides_with_seqused_may_pass_a_smaller_max_seqlen():
+    """With seqused_q / seqused_k the sequences may be shorter than the padding: no refusal."""
+    out = fa4.flash_attn_varlen_func(meta(2, 50, 8, 128), meta(2, 60, 2, 128), meta(2, 60, 2, 128), max_seqlen_q=10,
+                                     max_seqlen_k=20, seqused_q=_i32(2), seqused_k=_i32(2))
+    assert tuple(out.shape) == (2, 50, 8, 128)
 
 
 @pytest.mark.cpu

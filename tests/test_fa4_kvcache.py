@@ -820,3 +820,62 @@ def test_kvcache_attention_op_schema_and_fake():
                                                None, None, 0.0, 0, None)
     assert tuple(out.shape) == (3, 2, 16, 32) and out.is_contiguous() and out.dtype == q.dtype
     assert tuple(lse.shape) == (3, 16, 2) and lse.is_contiguous() and lse.dtype == torch.float32
+
+
+def _refusal_cases():
+    m = _meta
+    q, kc, vc, kn, vn = m(2, 1, 8, 128), m(2, 256, 2, 128), m(2, 256, 2, 128), m(2, 1, 2, 128), m(2, 1, 2, 128)
+    cos = m(256, 32, dtype=torch.float32)
+    grad_cos = torch.empty(256, 32, device="meta", requires_grad=True)
+    table = torch.zeros(2, 4, dtype=torch.int32, device="meta")
+    return [
+        ("new-tokens-overflow", (q, kc, vc, m(2, 300, 2, 128), m(2, 300, 2, 128)), {}, ValueError,
+         r"^k: 300 new tokens do not fit a cache of 256 rows"),
+        ("rotary-requires-grad", (q, kc, vc, kn, vn), dict(rotary_cos=grad_cos, rotary_sin=grad_cos, cache_seqlens=3),
+         ValueError, r"^rotary_cos: flash_attn_with_kvcache is forward only"),
+        ("sink-requires-grad", (q, kc, vc), dict(learnable_sink=torch.zeros(8, device="meta", requires_grad=True)),
+         ValueError, r"^learnable_sink: flash_attn_with_kvcache is forward only"),
+        ("causal-int", (q, kc, vc), dict(causal=1), TypeError, r"^causal: expected a bool"),
+        ("lse-flag", (q, kc, vc), dict(return_softmax_lse="no"), TypeError, r"^return_softmax_lse: expected a bool"),
+        ("interleaved-flag", (q, kc, vc), dict(rotary_interleaved=2), TypeError, r"^rotary_interleaved: expected"),
+        ("rotary-int", (q, kc, vc, kn, vn), dict(rotary_cos=cos.to(torch.int64), rotary_sin=cos.to(torch.int64)),
+         TypeError, r"^rotary_cos, rotary_sin: expected one floating dtype"),
+        ("rotary-mixed", (q, kc, vc, kn, vn), dict(rotary_cos=cos, rotary_sin=cos.half()), TypeError,
+         r"^rotary_cos, rotary_sin: expected one floating dtype"),
+        ("no-pages", (q, m(0, 64, 2, 128), m(0, 64, 2, 128)), dict(block_table=table), ValueError,
+         r"^k_cache: a paged cache needs at least one page"),
+        ("page-size-0", (q, m(16, 0, 2, 128), m(16, 0, 2, 128)), dict(block_table=table), ValueError,
+         r"^k_cache: a paged cache needs at least one page of at least one row"),
+        ("head-dim-meta", (m(2, 1, 8, 100), m(2, 256, 2, 100), m(2, 256, 2, 100)), {}, ValueError,
+         r"^q: head dims \(qk=100, v=100\) are not supported on sm_90"),
+    ]
+
+
+@pytest.mark.parametrize("case", _refusal_cases(), ids=lambda c: c[0])
+def test_kvcache_refusals_name_the_argument(case):
+    """Shapes, dtypes and flags a decode step cannot serve are refused before the append or a launch
+    (checked on meta tensors: no device needed)."""
+    _, args, kw, exc, pattern = case
+    with pytest.raises(exc, match=pattern):
+        fa4.flash_attn_with_kvcache(*args, **kw)
+
+
+def test_constants_made_under_a_fake_tensor_mode_are_not_kept():
+    """A cached shape-only constant (segment offsets, identity rows, default seqlens) made under a user's
+    FakeTensorMode is fake: it is neither kept nor served from the cache there, so a later real call
+    gets a real tensor, and a fake call never mixes in a real one."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    key = ("test-constant", torch.device("cpu"), 5)
+    kv._CONSTANTS.pop(key, None)
+    try:
+        with FakeTensorMode():
+            fake = kv._constant(key, lambda: torch.arange(5, dtype=torch.int32))
+        assert isinstance(fake, FakeTensor) and key not in kv._CONSTANTS
+        real = kv._constant(key, lambda: torch.arange(5, dtype=torch.int32))
+        assert type(real) is torch.Tensor and kv._CONSTANTS[key] is real
+        with FakeTensorMode():
+            again = kv._constant(key, lambda: torch.arange(5, dtype=torch.int32))
+        assert isinstance(again, FakeTensor)
+    finally:
+        kv._CONSTANTS.pop(key, None)
