@@ -250,6 +250,46 @@ def test_argument_errors_in_a_group_of_one():
             dist.destroy_process_group()
 
 
+def test_more_argument_errors_before_any_communication(monkeypatch):
+    """What a review found accepted (a wrong result, an error naming nothing, or a failure after the
+    ring's first exchange): each is a ValueError / TypeError naming the argument, before communicating."""
+    from fa4.distributed import _checks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
+        try:
+            q = torch.zeros(1, 6, 2, 8)
+            ref = cp.ReferenceKernels()
+            with pytest.raises(ValueError, match=r"^v: holds \(1, 8\) \(batch, tokens\) but k holds \(1, 6\)"):
+                cp.ring_attention(q, q, torch.zeros(1, 8, 2, 8), kernels=ref)
+            with pytest.raises(ValueError, match=r"^k: head_dim 4 differs from q's head_dim 8"):
+                cp.ring_attention(q, torch.zeros(1, 6, 2, 4), torch.zeros(1, 6, 2, 4), kernels=ref)
+            with pytest.raises(TypeError, match=r"^q: expected a floating dtype"):
+                cp.ring_attention(q.long(), q.long(), q.long(), kernels=ref)
+            meta = torch.empty(1, 6, 2, 64, device="meta", dtype=torch.bfloat16)
+            with pytest.raises(ValueError, match=r"^q: meta tensors cannot be sent around the ring"):
+                cp.ring_attention(meta, meta, meta)
+            with pytest.raises(TypeError, match=r"^group: expected a torch.distributed ProcessGroup"):
+                cp.ring_attention(q, q, q, group="x", kernels=ref)
+            with pytest.raises(ValueError, match=r"^cu_seqlens: expected documents \+ 1 >= 2 offsets, got 0"):
+                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.zeros(0, dtype=torch.int32), kernels=ref)
+            with pytest.raises(TypeError, match=r"^seqlen: expected an int"):
+                cp.positions(True, layout="contiguous")
+            with pytest.raises(ValueError, match=r"^seqlen: expected an int >= 0"):
+                cp.positions(-4)
+            with pytest.raises(TypeError, match=r"^dim: expected an int"):
+                cp.unshard(q, dim=True)
+            with pytest.raises(ValueError, match=r"^dim: 7 is out of range for x of shape"):
+                cp.shard(q, dim=7)
+            group = dist.new_group([0])
+            monkeypatch.setattr(_checks.dist, "get_rank", lambda group=None: -1 if group is not None else 0)
+            with pytest.raises(ValueError, match=r"^group: this process \(global rank 0\) is not a member"):
+                cp.ring_attention(q, q, q, group=group, kernels=ref)
+        finally:
+            monkeypatch.undo()
+            dist.destroy_process_group()
+
+
 class _NativeReference(cp.ReferenceKernels):
     """The reference kernels declaring fa4's native head dims, recording what they are handed."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._checks import check_kernels, check_tensor, pad_for, world_of
+from ._checks import check_kernels, check_seq_dim, check_tensor, pad_for, world_of
 from ._kernels import Fa4Kernels, ReferenceKernels
 from ._plan import LAYOUTS, check_divisible, check_layout, local_positions
 from ._ring import Ring, RingAttention, RingCall
@@ -84,6 +84,7 @@ def shard(x, *, group=None, dim=1, layout="zigzag"):
     "contiguous" gives rank r tokens [r S/P, (r+1) S/P); "zigzag" cuts 2P chunks and gives rank r
     chunks r and 2P-1-r, concatenated. Returns a new contiguous tensor (differentiable)."""
     check_tensor("x", x)
+    check_seq_dim("x", x, dim)
     world, rank = world_of(group)
     check_layout(layout)
     check_divisible("x", x.shape[dim], world, layout, local=False)
@@ -98,6 +99,7 @@ def unshard(x, *, group=None, dim=1, layout="zigzag"):
     """The inverse of `shard`: all-gathers every rank's slice and puts the tokens back in sequence
     order (not differentiable: for checking and for outputs)."""
     check_tensor("x", x)
+    check_seq_dim("x", x, dim)
     world, _ = world_of(group)
     check_layout(layout)
     check_divisible("x", x.shape[dim], world, layout, local=True)
@@ -112,6 +114,10 @@ def unshard(x, *, group=None, dim=1, layout="zigzag"):
 def positions(seqlen, *, group=None, layout="zigzag", device=None):
     """The global positions (int64, length seqlen / P) of this rank's tokens: what rotary
     embeddings and labels need after `shard`."""
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int):
+        raise TypeError(f"seqlen: expected an int, got {type(seqlen).__name__} {seqlen!r}")
+    if seqlen < 0:
+        raise ValueError(f"seqlen: expected an int >= 0, got {seqlen}")
     world, rank = world_of(group)
     check_layout(layout)
     check_divisible("seqlen", seqlen, world, layout, local=False)

@@ -9,10 +9,25 @@ from ._kernels import Fa4Kernels
 
 
 def world_of(group):
+    """(world size, this rank) of `group` (None: the default group); a ValueError naming `group` when
+    torch.distributed is not set up or this process is not a member (torch answers -1 there)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("group: torch.distributed is not initialised; call dist.init_process_group first "
                          "(torchrun sets up the environment for it)")
-    return dist.get_world_size(group), dist.get_rank(group)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world < 1 or rank < 0:
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group")
+    return world, rank
+
+
+def check_seq_dim(name, x, dim):
+    """`dim` an int naming one of x's dimensions (negative counts from the end)."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim: expected an int, got {type(dim).__name__} {dim!r}")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim: {dim} is out of range for {name} of shape {tuple(x.shape)}")
 
 
 def check_tensor(name, t, dim=None):
@@ -29,15 +44,23 @@ def check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return
     kernels = Fa4Kernels() if kernels is None else kernels
     if not all(hasattr(kernels, m) for m in ("forward", "backward", "varlen_forward", "varlen_backward")):
         raise TypeError(f"kernels: expected Fa4Kernels(), ReferenceKernels() or None, got {type(kernels).__name__}")
+    if not varlen and q.device.type == "meta":
+        raise ValueError("q: meta tensors cannot be sent around the ring (they have no data to communicate)")
     if getattr(kernels, "needs_cuda", False) and not varlen:
         q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
         return kernels, q, k, v, scale
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_lse", return_lse)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+    if not q.dtype.is_floating_point:
+        raise TypeError(f"q: expected a floating dtype, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype or t.device != q.device:
             raise ValueError(f"{name}: dtype / device ({t.dtype}, {t.device}) differ from q's ({q.dtype}, {q.device})")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k: head_dim {k.shape[-1]} differs from q's head_dim {q.shape[-1]}")
+    if v.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"v: holds {tuple(v.shape[:-2])} (batch, tokens) but k holds {tuple(k.shape[:-2])}")
     hq, hkv = q.shape[-2], k.shape[-2]
     if hkv == 0 or hq % hkv or v.shape[-2] != hkv or (not varlen and not q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"k: heads_kv ({hkv}) must divide q's heads ({hq}), with v's heads and the batch matching "

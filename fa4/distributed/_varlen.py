@@ -161,6 +161,8 @@ def ring_attention_varlen(q, k, v, *, cu_seqlens, group=None, causal=False, soft
                          f"past this rank's rows would shift a non-causal one), got {window_size}")
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens: expected int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected documents + 1 >= 2 offsets, got {cu_seqlens.shape[0]}")
     bounds = [int(x) for x in cu_seqlens.tolist()]
     total = q.shape[0] * world
     if bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
