@@ -262,6 +262,94 @@ def test_greedy_generation_from_left_padding(ref_fa4):
     assert "varlen" in ref_fa4.kinds()
 
 
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
+def test_static_cache_without_a_padding_mask(ref_fa4, kind):
+    """A static cache's buffer holds empty slots past the tokens so far; with no padding mask
+    (generate() drops an all-ones one) only the filled slots are keys: prefill and the decode steps
+    as eager's, through forward calls and through generate(cache_implementation="static")."""
+    from transformers import StaticCache
+
+    model = build(kind)
+    g = torch.Generator().manual_seed(0)
+    ids, nxt = (torch.randint(0, BASE["vocab_size"], shape, generator=g) for shape in ((2, 6), (2, 1)))
+    res = {}
+    for impl in ("fa4", "eager"):
+        model.set_attn_implementation(impl)
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            res[impl] = [model(input_ids=x, past_key_values=cache, use_cache=True).logits for x in (ids, nxt)]
+    for what, a, b in zip(("prefill", "decode"), res["fa4"], res["eager"]):
+        close(a, b, f"{kind} static cache {what}")
+    gen = {}
+    for impl in ("fa4", "eager"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            gen[impl] = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                       do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                       pad_token_id=0, cache_implementation="static")
+    assert torch.equal(gen["fa4"].sequences, gen["eager"].sequences)
+    for step, (a, b) in enumerate(zip(gen["fa4"].logits, gen["eager"].logits)):
+        close(a, b, f"{kind} static generation step {step}")
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_key_prefix_from_a_tensor_offset_needs_no_sync():
+    """A static cache's q_offset handed as a tensor without data (tracing) becomes a KeyPrefix of a
+    length tensor (no value read); with data it is read once and the filled slots become an all-True
+    padding mask; filled buffers need nothing."""
+    meta = torch.zeros(1, dtype=torch.long, device="meta")
+    got = integ.fa4_mask(batch_size=2, q_length=1, kv_length=16, q_offset=meta + 5, device="meta")
+    assert isinstance(got, integ.KeyPrefix) and got.length.shape == (2,) and got.length.dtype == torch.int32
+    assert integ.fa4_mask(batch_size=2, q_length=1, kv_length=16, attention_mask=got) is got  # handed back
+    q, kv = (torch.empty(2, h, s, 64, device="meta", dtype=torch.bfloat16) for h, s in ((4, 1), (2, 16)))
+    out, _ = integ.fa4_attention_forward(torch.nn.Module(), q, kv, kv, got)  # fa4's own functions, fake kernels
+    assert tuple(out.shape) == (2, 1, 4, 64)
+    got = integ.fa4_mask(batch_size=2, q_length=3, kv_length=16, q_offset=torch.tensor(4), device="cpu")
+    assert got.dtype == torch.bool and tuple(got.shape) == (2, 7) and bool(got.all())  # the filled slots
+    assert integ.fa4_mask(batch_size=2, q_length=3, kv_length=16, q_offset=13) is None
+    assert integ.fa4_mask(batch_size=2, q_length=4, kv_length=4) is None
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_encoder_decoder_cross_attention_with_padding(ref_fa4):
+    """Bart: encoder padding, decoder as long as the encoder, longer and shorter. The padding mask says
+    which keys exist; a non-causal query is never a padding query (eager and sdpa attend from every
+    decoder position), so the logits are eager's at every position."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    integ.register_fa4_attention()
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(BartConfig(
+        vocab_size=50, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 50, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, -2:] = 0
+    for n_dec in (6, 8, 4):
+        dec = torch.randint(3, 50, (2, n_dec), generator=g)
+        got = logits(model, "fa4", input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+        want = logits(model, "eager", input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+        close(got, want, f"bart, {n_dec} decoder tokens")
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_tensor_kwargs_fa4_does_not_serve_are_refused():
+    """A tensor-valued kwarg fa4's attention does not know (T5's position_bias, block indices, a head
+    mask) would change the result: refused, naming it, instead of dropped."""
+    q = torch.zeros(1, 4, 8, 16)
+    module = torch.nn.Module()
+    with pytest.raises(ValueError, match=r"^position_bias: fa4's attention does not take"):
+        integ.fa4_attention_forward(module, q, q, q, None, position_bias=torch.zeros(1, 4, 8, 8))
+    with pytest.raises(ValueError, match=r"^head_mask: fa4's attention does not take"):
+        integ.fa4_attention_forward(module, q, q, q, None, head_mask=torch.ones(4))
+
+
 # ----------------------------------------------------------------------------------- cpu: refusals
 @pytest.mark.cpu
 @pytest.mark.fa4

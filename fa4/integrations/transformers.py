@@ -28,12 +28,18 @@ base, sliding-window overlay, packed-sequence overlay) and returns what fa4 serv
   * the boolean (batch, kv_len) padding mask (flash_attn_varlen_func over a sync-free layout);
   * a `PackedSequences` (position_ids restarting inside a row, no attention_mask, no cache:
     transformers' padding-free training format; one varlen call over the documents);
+  * for a static cache with nothing padded (its buffer's slots past the tokens so far hold nothing;
+    generate() drops an all-ones mask): an all-True padding mask over the filled slots, or, while
+    tracing (q_offset a tensor that cannot be read), a `KeyPrefix` served with seqused_k;
 or raises ValueError for a pattern it cannot serve (custom or_mask / and_mask functions, chunked
 attention, block-wise overlays, ...), instead of dropping it.
 Sliding windows (`sliding_window`: at most that many keys back, the current one included, as the
 transformers FlashAttention path reads it), logit softcapping (`softcap`) and attention sinks
 (`s_aux`, gpt-oss) go to fa4's window_size / softcap / learnable_sink; the window overlay in the
-mask is served by that kwarg, exactly as in transformers' own FlashAttention paths.
+mask is served by that kwarg, exactly as in transformers' own FlashAttention paths. A tensor-valued
+kwarg outside those (T5's position_bias, block indices, a head mask) would change the attention:
+it is refused, naming it, rather than dropped. Non-causal layers (encoders, cross-attention) attend
+from every query position, as eager and sdpa do; the padding mask marks keys only.
 
 Packed sequences, in the order fa4_attention_forward looks for them (the first found wins):
   1. `cu_seq_lens_q/k` + `max_length_q/k` kwargs (all four, as transformers' flash path needs):
@@ -258,11 +264,45 @@ class PackedSequences:
         return f"PackedSequences(seq_ids={tuple(self.seq_ids.shape)})"
 
 
+class KeyPrefix:
+    """fa4_mask's value, while tracing, for a static KV cache with nothing padded: of its buffer's
+    kv_length slots the first q_offset + q_length hold tokens (the queries the last q_length of them),
+    and transformers hands q_offset as a tensor that cannot be read there. `length`: int32 (batch,).
+    transformers may pass a mask it made back to its mask builder (generate does): `ndim` keeps it from
+    being taken for a 2-D padding mask, and fa4_mask returns it as it is."""
+
+    ndim = 1
+
+    def __init__(self, length: torch.Tensor):
+        self.length = length
+
+    def __repr__(self):
+        return f"KeyPrefix(length={tuple(self.length.shape)})"
+
+
+def _key_prefix(batch_size, q_length, kv_length, q_offset, kv_offset, device):
+    """A static cache with nothing padded: None when every key slot holds a token (q_offset + q_length
+    >= kv_length); else an all-True (batch, q_offset + q_length) padding mask -- the padded path then
+    takes only those keys, and the mask survives transformers passing it back to its mask builder --
+    or, for a tensor q_offset that cannot be read (tracing), a KeyPrefix. A tensor q_offset with data
+    is read once per forward (outside torch.compile), as the all-ones check reads a padding mask."""
+    if not isinstance(kv_offset, int) or kv_offset != 0:
+        return None  # a sliding cache's window of slots: its keys are its tokens
+    if isinstance(q_offset, torch.Tensor) and not _no_data(q_offset) and not torch.compiler.is_compiling():
+        q_offset = int(q_offset)
+    if isinstance(q_offset, int):
+        valid = q_offset + q_length
+        return None if valid >= kv_length else torch.ones(batch_size, valid, dtype=torch.bool, device=device)
+    used = (q_offset.reshape(-1)[:1] + q_length).to(device=device, dtype=_I32)
+    return KeyPrefix(used.expand(batch_size))
+
+
 def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
              mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
     """transformers AttentionMaskInterface function: None (nothing padded, not packed), the boolean
-    (batch, kv_length) padding mask, or a PackedSequences; ValueError for a pattern fa4 cannot
-    serve exactly. mask_function None means causal (transformers' default).
+    (batch, kv_length) padding mask, a PackedSequences, or a KeyPrefix (a static cache with nothing
+    padded); ValueError for a pattern fa4 cannot serve exactly. mask_function None means causal
+    (transformers' default).
 
     Reads no tensor value except one all-ones check of a real, eager padding mask per model
     forward (what transformers' sdpa and flash masks do too): it spares every layer the varlen
@@ -270,7 +310,12 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
     the mask is returned as is (the padded path is exact for an all-ones mask as well)."""
     pattern = _parse_mask_function(mask_function)
     if attention_mask is None:
-        return PackedSequences(pattern["seq_ids"]) if pattern["seq_ids"] is not None else None
+        if pattern["seq_ids"] is not None:
+            return PackedSequences(pattern["seq_ids"])
+        # a static cache's empty slots are keys that no token holds yet
+        return _key_prefix(batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
+    if isinstance(attention_mask, KeyPrefix):  # made by this function, handed back by transformers
+        return attention_mask
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(f"attention_mask: fa4_mask takes a 2-D (batch, kv_len) padding mask, got {shape}")
@@ -363,14 +408,15 @@ def _padded_call(q, k, v, mask, common):
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask hold nothing yet (as transformers does)
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    if sq > sk:
-        raise ValueError(f"attention_mask: {sq} queries but {sk} keys; fa4's padded path takes the queries as the "
-                         "last tokens of the keys' sequence")
-    mask_k = mask[:, -sk:].to(torch.bool)
     causal = common["causal"]
-    # the queries are the last sq tokens (left padding, a KV cache); non-causal attention with
-    # sq != sk (cross-attention) takes every query as valid: exact either way for the valid ones
-    mask_q = mask_k[:, -sq:] if causal or sq == sk else torch.ones_like(mask_k[:, :sq])
+    if causal and sq > sk:
+        raise ValueError(f"attention_mask: {sq} causal queries but {sk} keys; fa4's padded path takes the queries as "
+                         "the last tokens of the keys' sequence")
+    mask_k = mask[:, -sk:].to(torch.bool)
+    # causal: the queries are the last sq tokens (left padding, a KV cache), a padding query gets 0;
+    # non-causal (an encoder, cross-attention: the mask says nothing about the queries) every query
+    # attends to the valid keys, as in transformers' eager / sdpa
+    mask_q = mask_k[:, -sq:] if causal else torch.ones_like(mask_k[:, :1]).expand(b, sq)
     dev = q.device
     rows_q = torch.arange(b, device=dev)[:, None] * sq
     order_q = (torch.argsort(mask_q.to(torch.uint8), dim=1, stable=True) + rows_q).flatten()
@@ -387,6 +433,28 @@ def _padded_call(q, k, v, mask, common):
     return torch.where(mask_q[:, :, None, None], out, out.new_zeros(()))  # padding queries: 0
 
 
+def _prefix_call(q, k, v, length, common):
+    """Keys [0, length[b]) of row b of a static cache's buffer: the padded varlen call with seqused_k
+    (no sync, traceable; the causal diagonal aligned to the used keys)."""
+    return flash_attn_varlen_func(q, k, v, seqused_k=length, max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
+                                  **common)
+
+
+# kwargs transformers' layers pass that fa4 serves, or that do not change the attention (positions,
+# caches, flags); any other tensor-valued kwarg (T5's position_bias, block indices, per-token sinks, a
+# head mask) would change the result, so it is refused rather than dropped
+_KNOWN_KWARGS = frozenset(("sliding_window", "softcap", "s_aux", "is_causal", "position_ids", "cache_position",
+                           "past_key_values", "past_key_value", "use_cache", "output_attentions", "layer_idx",
+                           "position_embeddings") + _FA_KWARGS)
+
+
+def _refuse_unknown_tensors(kwargs):
+    for name, value in kwargs.items():
+        if name not in _KNOWN_KWARGS and isinstance(value, torch.Tensor):
+            raise ValueError(f"{name}: fa4's attention does not take this model's {name!r} (a tensor that would change "
+                             "the attention); use attn_implementation='sdpa' or 'eager' for this model")
+
+
 def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask, scaling: Optional[float] = None, dropout: float = 0.0, **kwargs):
     """transformers AttentionInterface function. query (B, Hq, Sq, D), key/value (B, Hkv, Sk, *)
@@ -394,6 +462,7 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     (fa4_mask's values); packed batches are also taken from cu_seq_lens_q/k + max_length_q/k or
     position_ids (see the module docstring)."""
     _refuse_unsupported(dropout)
+    _refuse_unknown_tensors(kwargs)
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = bool(getattr(module, "is_causal", True))
@@ -401,6 +470,8 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     q, k, v = (_cast_for_kernel(t).transpose(1, 2) for t in (query, key, value))
     common = dict(softmax_scale=scaling, causal=is_causal, **_variants(kwargs, is_causal, q, k.shape[1]))
     is_padding = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+    if isinstance(attention_mask, KeyPrefix):
+        return _prefix_call(q, k, v, attention_mask.length, common), None
     if attention_mask is not None and not is_padding and not isinstance(attention_mask, PackedSequences):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(f"attention_mask: fa4 takes None or a 2-D (batch, kv_len) padding mask (or fa4_mask's "
