@@ -54,7 +54,7 @@ Packed sequences, in the order fa4_attention_forward looks for them (the first f
 Host syncs and tracing. Varlen needs sequence boundaries and a max length as host integers, and
 deciding "padded or not" / "packed or not" reads data; each of those is done at most once per
 model forward, never per layer: fa4_mask's all-ones check (as transformers' own sdpa and flash
-masks do), a PackedSequences' boundaries (computed on first use, then kept), the position_ids
+masks do) or a static cache's q_offset, a PackedSequences' boundaries (computed on first use, then kept), the position_ids
 check (remembered for the same, unmodified position_ids tensor). The padded path itself never
 syncs. On tensors without data (meta, FakeTensor) nothing is read: the checks are skipped and
 the boundaries take an exact fixed-shape form (every token may start a sequence; the max length
@@ -306,7 +306,7 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
 
     Reads no tensor value except one all-ones check of a real, eager padding mask per model
     forward (what transformers' sdpa and flash masks do too): it spares every layer the varlen
-    layout when nothing is padded. Skipped on meta / fake tensors and under torch.compile, where
+    layout when nothing is padded; and a static cache's tensor q_offset, once per mask built. Skipped on meta / fake tensors and under torch.compile, where
     the mask is returned as is (the padded path is exact for an all-ones mask as well)."""
     pattern = _parse_mask_function(mask_function)
     if attention_mask is None:
