@@ -139,13 +139,15 @@ def _cache_cmd(args) -> int:
     from . import _cache
 
     if args.action == "clear":
-        n = _cache.clear(stale_only=args.stale)
+        n, failed = _cache.clear(stale_only=args.stale)
         print(f"removed {n} cache generation(s) under {_cache.root_dir() / _cache.FORMAT}")
+        for what in failed:
+            print(f"could not remove {what}", file=sys.stderr)
         if args.stale:
             kept = _cache.info(_target_archs())["current"]
             print(f"kept this build's ({_cache.build_id()}): "
                   + (", ".join(f"{g['arch'] or 'other arch'} {name}" for name, g in kept.items()) or "none on disk"))
-        return 0
+        return 1 if failed else 0
     print(json.dumps(_cache.info(_target_archs()), indent=1))
     return 0
 

@@ -530,15 +530,23 @@ def info(archs: Iterable[str] = ()) -> dict:
             "generations": gens, "stale": [g for g in gens if not is_current(g)], "stats": stats()}
 
 
-def clear(stale_only: bool = False) -> int:
+def clear(stale_only: bool = False) -> tuple:
     """Delete cached kernels: every generation directory, or with stale_only those of other builds
-    (this build's are kept for every arch: `is_current`). Returns the number of directories removed."""
+    (this build's are kept for every arch: `is_current`). Returns (directories removed, [directories
+    that could not be removed, with the first error])."""
     root = root_dir() / FORMAT
     if not root.is_dir():
-        return 0
-    n = 0
+        return 0, []
+    n, failed = 0, []
     for p in root.iterdir():
         if p.is_dir() and not (stale_only and is_current(p.name)):
-            shutil.rmtree(p, ignore_errors=True)
-            n += 1
-    return n
+            errors: list = []
+
+            def note(fn, path, exc, errors=errors):  # exc: an exception (onexc) or exc_info (onerror)
+                errors.append(f"{path}: {exc[1] if isinstance(exc, tuple) else exc}")
+            shutil.rmtree(p, **({"onexc": note} if sys.version_info >= (3, 12) else {"onerror": note}))
+            if errors or p.exists():
+                failed.append(f"{p} ({errors[0] if errors else 'still there'})")
+            else:
+                n += 1
+    return n, failed

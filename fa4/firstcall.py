@@ -311,7 +311,25 @@ def bytecode_hint(package: str = "cutlass") -> Optional[str]:
             "once (it needs write access there)")
 
 
+def _check_args(args):
+    """The options' values, before the cold process runs (minutes): an error naming the option."""
+    from ._dispatch import all_head_dims
+
+    for name, value, low in (("--repeat", args.repeat, 1), ("--batch", args.batch, 1), ("--seqlen", args.seqlen, 1)):
+        if value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value}")
+    dims = (args.head_dim, args.head_dim_v or args.head_dim)
+    if dims not in all_head_dims():
+        raise ValueError(f"--head-dim / --head-dim-v: {dims} has no kernel of its own; native pairs: "
+                         f"{sorted(all_head_dims())}")
+
+
 def main(args) -> int:
+    try:
+        _check_args(args)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     dv = args.head_dim_v or args.head_dim
     hq, hkv = args.heads
     cfg = dict(dtype=args.dtype, head_dim=args.head_dim, head_dim_v=dv, causal=args.causal, batch=args.batch,
@@ -360,6 +378,19 @@ def main(args) -> int:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _one_heads_pair(parse_heads):
+    """--heads' type: one HQ[/HKV] pair (the measured call has one shape), not a list."""
+    import argparse
+
+    def parse(text):
+        pairs = parse_heads(text)
+        if len(pairs) != 1:
+            raise argparse.ArgumentTypeError(f"expected one HQ[/HKV] pair (the call measured has one shape), got "
+                                             f"{text!r}")
+        return pairs[0]
+    return parse
+
+
 def add_arguments(p):
     from .precompile import parse_heads
 
@@ -369,7 +400,7 @@ def add_arguments(p):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seqlen", type=int, default=1024, help="query and key length")
-    p.add_argument("--heads", type=lambda t: parse_heads(t)[0], default=(16, 16), metavar="HQ[/HKV]")
+    p.add_argument("--heads", type=_one_heads_pair(parse_heads), default=(16, 16), metavar="HQ[/HKV]")
     p.add_argument("--backward", action="store_true", help="also the first backward")
     p.add_argument("--repeat", type=int, default=1, help="warm processes to run (default 1)")
     p.add_argument("--json", default="fa4_firstcall.json", help="where to write the numbers ('' = nowhere)")

@@ -735,6 +735,15 @@ def record_plans(workloads: Iterable[Workload], batches: Iterable[int], *, backw
     return rows
 
 
+def _parse_head_dims(text: str) -> list:
+    """--head-dims "64,128,192/128" -> [64, 128, (192, 128)]; ValueError naming the option."""
+    try:
+        return [int(x) if "/" not in x else tuple(int(y) for y in x.split("/")) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--head-dims: expected comma-separated D or QK/V integers (e.g. 64,128,192/128), "
+                         f"got {text!r}") from None
+
+
 def main(args) -> int:
     try:
         import torch
@@ -744,14 +753,22 @@ def main(args) -> int:
         gpu = False
     arch_key = {"sm_90a": "sm_90", "sm_100a": "sm_100"}[args.arch] if args.arch else None
     if gpu and not args.arch:
-        from ._dispatch import arch_for_capability
+        from ._dispatch import UnsupportedDeviceError, arch_for_capability
 
-        arch_key = arch_for_capability(torch.cuda.get_device_capability()).key
+        try:
+            arch_key = arch_for_capability(torch.cuda.get_device_capability()).key
+        except UnsupportedDeviceError as exc:
+            print(f"{str(exc).split(': ', 1)[-1]} Build for one of them on this machine with --arch sm_90a or "
+                  "--arch sm_100a.", file=sys.stderr)
+            return 2
     arch_key = arch_key or "sm_90"
+    if getattr(args, "shapes", None) is not None and not any(getattr(args, "shapes")):
+        print("--shapes: the spec is empty (an unset shell variable?); give at least one workload", file=sys.stderr)
+        return 2
     try:
         workloads = _derived_workloads(args)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"--model-config: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+        print(f"--shapes / --model-config: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     plans = getattr(args, "plans", None)
     if plans and not args.shapes:
@@ -759,16 +776,26 @@ def main(args) -> int:
         return 2
     if workloads is not None:
         clash = [opt for opt, on in (("--all", args.all), ("--head-dims", args.head_dims),
-                                     ("--causal", args.causal != "both"), ("--heads", getattr(args, "heads", None)))
+                                     ("--causal", args.causal != "both"), ("--heads", getattr(args, "heads", None)),
+                                     ("--dtype", args.dtype and not getattr(args, "model_config", None)))
                  if on]
         if clash:
-            print(f"--shapes / --model-config say what to build: leave out {', '.join(clash)}", file=sys.stderr)
+            print(f"--shapes / --model-config say what to build (a --shapes item's dtype= too): leave out "
+                  f"{', '.join(clash)}", file=sys.stderr)
             return 2
         if plans and not (gpu and not args.arch):
             print("--plans: needs a CUDA GPU (it runs the calls) and no --arch", file=sys.stderr)
             return 2
-        builds = derive_builds(workloads, arch_key, backward=not args.no_backward,
-                               varlen=getattr(args, "varlen", False))
+        if plans and any(w.max_seqlen is None for w in workloads):
+            print("--plans: give each --shapes item its length (seqlen=N): the recorded call is that long",
+                  file=sys.stderr)
+            return 2
+        try:
+            builds = derive_builds(workloads, arch_key, backward=not args.no_backward,
+                                   varlen=getattr(args, "varlen", False))
+        except ValueError as exc:
+            print(f"--shapes / --model-config: {exc}", file=sys.stderr)
+            return 2
         rows = build_derived(builds, arch_key=arch_key, gpu=gpu and not args.arch)
         if plans:
             try:
@@ -778,10 +805,13 @@ def main(args) -> int:
                 return 2
         return 1 if any("error" in r or r.get("unrecordable") for r in rows) else 0
     causal = {"both": None, "yes": True, "no": False}[args.causal]
-    hds = [int(x) if "/" not in x else tuple(int(y) for y in x.split("/")) for x in args.head_dims.split(",")] \
-        if args.head_dims else None
     dts = args.dtype.split(",") if args.dtype else None
-    cfgs = configs(args.all, dts, hds, causal, arch=arch_key)
+    try:
+        hds = _parse_head_dims(args.head_dims) if args.head_dims else None
+        cfgs = configs(args.all, dts, hds, causal, arch=arch_key)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
     heads = getattr(args, "heads", None)
     max_seqlen = getattr(args, "max_seqlen", None)
     if max_seqlen is not None and not heads:

@@ -1080,8 +1080,8 @@ def test_cache_info_and_clear(cache_dir):
     _cache.DiskCache(cache_dir / _cache.FORMAT / "0123456789abcdef").write("b" * 32, b"y" * 5)
     info = _cache.info()
     assert info["entries"] == 2 and info["bytes"] == 15 and info["current_entries"] == 1
-    assert _cache.clear(stale_only=True) == 1 and _cache.info()["entries"] == 1
-    assert _cache.clear() == 1 and _cache.info()["entries"] == 0
+    assert _cache.clear(stale_only=True) == (1, []) and _cache.info()["entries"] == 1
+    assert _cache.clear() == (1, []) and _cache.info()["entries"] == 0
 
 
 @pytest.mark.compile

@@ -235,3 +235,80 @@ def test_help_lists_every_command_and_each_command_has_help():
     cache = run_cli("cache", "--help", timeout=120).stdout
     assert "info" in cache and "clear" in cache and "--stale" in cache
     assert run_cli(timeout=120).returncode == 2  # no command: a usage error, not a crash
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("args, message", [
+    (["--head-dims", "abc"], r"--head-dims: expected comma-separated"),
+    (["--head-dims", "64/abc"], r"--head-dims: expected comma-separated"),
+    (["--head-dims", "1000"], r"head_dims: \[\(1000, 1000\)\] not supported"),
+    (["--shapes", ""], r"--shapes: the spec is empty"),
+    (["--shapes", "d=1000,heads=8"], r"--shapes / --model-config: .*head_dim"),
+    (["--shapes", "d=128,heads=32/8", "--dtype", "fp16"], r"leave out --dtype"),
+], ids=["head-dims-word", "head-dims-pair", "head-dims-unserved", "shapes-empty", "shapes-unserved", "shapes-dtype"])
+def test_precompile_refuses_bad_options_before_building(args, message, tmp_path, capsys, monkeypatch):
+    """Bad option values end in one line on stderr and exit status 2, before anything is built."""
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
+    from fa4 import precompile
+
+    monkeypatch.setattr(precompile, "compile_only", lambda *a, **k: pytest.fail("built despite a bad option"))
+    monkeypatch.setattr(precompile, "build_derived", lambda *a, **k: pytest.fail("built despite a bad option"))
+    assert cli.main(["precompile", "--arch", "sm_90a", *args]) == 2
+    import re
+
+    assert re.search(message, capsys.readouterr().err), capsys.readouterr()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_precompile_on_a_gpu_fa4_does_not_serve_says_so(tmp_path, capsys, monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    assert cli.main(["precompile"]) == 2
+    err = capsys.readouterr().err
+    assert "compute capability 8.0" in err and "--arch sm_90a" in err and "Traceback" not in err
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cache_clear_reports_what_it_could_not_remove(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
+    gen = tmp_path / _cache.FORMAT / "some-generation"
+    gen.mkdir(parents=True)
+    (gen / "x.o").write_bytes(b"0")
+
+    def refuse(path, **kw):  # a read-only file system, say
+        handler = kw.get("onexc") or kw.get("onerror")
+        handler(os.unlink, str(gen / "x.o"), PermissionError("read-only"))
+    monkeypatch.setattr(_cache.shutil, "rmtree", refuse)
+    assert cli.main(["cache", "clear"]) == 1
+    err = capsys.readouterr().err
+    assert "could not remove" in err and "read-only" in err and (gen / "x.o").exists()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("args, message", [
+    (["--repeat", "0"], r"--repeat: expected an int >= 1"),
+    (["--seqlen", "0"], r"--seqlen: expected an int >= 1"),
+    (["--head-dim", "1000"], r"--head-dim / --head-dim-v: \(1000, 1000\) has no kernel"),
+], ids=["repeat-0", "seqlen-0", "head-dim"])
+def test_firstcall_refuses_bad_values_before_the_cold_run(args, message, capsys, monkeypatch):
+    from fa4 import firstcall
+
+    monkeypatch.setattr(firstcall, "run_child", lambda *a, **k: pytest.fail("ran a child despite a bad option"))
+    assert cli.main(["firstcall", *args]) == 2
+    import re
+
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_firstcall_takes_one_heads_pair(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["firstcall", "--heads", "32/8,16"])
+    assert exc.value.code == 2 and "expected one HQ[/HKV] pair" in capsys.readouterr().err
