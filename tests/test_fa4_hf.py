@@ -339,6 +339,27 @@ def test_encoder_decoder_cross_attention_with_padding(ref_fa4):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
+def test_padding_inside_a_row_with_a_sliding_window_is_refused(ref_fa4):
+    """Padding in the middle of a row: exact without a window (the valid keys keep their order), but a
+    window would count the valid tokens, not their positions -- refused there, not answered wrongly."""
+    ids = torch.randint(0, BASE["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 3:6] = 0
+    valid = mask.bool()
+    llama = build("llama")
+    close(logits(llama, "fa4", input_ids=ids, attention_mask=mask)[valid],
+          logits(llama, "eager", input_ids=ids, attention_mask=mask)[valid], "llama, padding inside a row")
+    with pytest.raises(ValueError, match=r"^attention_mask: padding inside a row .* with a sliding window"):
+        logits(build("mistral"), "fa4", input_ids=ids, attention_mask=mask)
+    left = torch.ones(2, 12, dtype=torch.long)
+    left[1, :4] = 0  # padding at the row's start: one run of valid tokens, served
+    mistral = build("mistral")
+    close(logits(mistral, "fa4", input_ids=ids, attention_mask=left)[left.bool()],
+          logits(mistral, "eager", input_ids=ids, attention_mask=left)[left.bool()], "mistral, left padding")
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
 def test_tensor_kwargs_fa4_does_not_serve_are_refused():
     """A tensor-valued kwarg fa4's attention does not know (T5's position_bias, block indices, a head
     mask) would change the result: refused, naming it, instead of dropped."""

@@ -200,7 +200,7 @@ def _parse_mask_function(mask_function) -> dict:
     it. Raises ValueError for anything else."""
     kind = "causal" if mask_function is None else _mask_parts().get(mask_function)
     if kind in ("causal", "bidirectional"):  # a plain base: nothing to open (and no graph break under compile)
-        return {"causal": kind == "causal", "seq_ids": None}
+        return {"causal": kind == "causal", "seq_ids": None, "window": False}
     return _parse_closure(mask_function)
 
 
@@ -230,7 +230,7 @@ def _parse_closure(mask_function) -> dict:
     if problem:
         raise ValueError(f"mask_function: fa4 cannot serve this mask exactly: {problem}")
     return {"causal": bases[0] == "causal",
-            "seq_ids": _closure_vars(packed[0])["packed_sequence_mask"] if packed else None}
+            "seq_ids": _closure_vars(packed[0])["packed_sequence_mask"] if packed else None, "window": bool(windows)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,9 +322,18 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
     if pattern["seq_ids"] is not None:
         raise ValueError("attention_mask: fa4 cannot serve a padding mask and packed sequences together")
     mask = attention_mask[:, -kv_length:].to(torch.bool)
-    if (mask.shape[1] == kv_length and not _no_data(mask) and not torch.compiler.is_compiling()
-            and bool(mask.all())):
+    readable = not _no_data(mask) and not torch.compiler.is_compiling()
+    if mask.shape[1] == kv_length and readable and bool(mask.all()):
         return None
+    if pattern["window"] and readable and mask.shape[1] > 1:
+        # the padded path packs each row's valid keys together, so a window would count valid tokens,
+        # not positions: exact only when they form one run (left or right padding)
+        m = mask.to(torch.int8)
+        runs = m[:, 0] + (m[:, 1:] > m[:, :-1]).sum(dim=1)
+        if bool((runs > 1).any()):
+            raise ValueError("attention_mask: padding inside a row (not only at its ends) with a sliding window: "
+                             "fa4's padded path would count the window over the valid tokens, not their "
+                             "positions; use attn_implementation='sdpa' or 'eager' for such masks")
     return mask
 
 
