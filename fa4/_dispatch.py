@@ -108,7 +108,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "paged_kv_cache": (True, "block_table / page_table: read in place by the sm_90 forward when nothing needs a "
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
                              "any other page size by a cp.async gather up to 64 query rows (decode); longer queries "
-                             "over those pages, and other arches, use a dense copy of the pages"),
+                             "over those pages, and page_table on other arches, use a dense copy of the pages "
+                             "(flash_attn_with_kvcache: sm_90 only)"),
     "fp8": (False, "not supported"),
 }
 
