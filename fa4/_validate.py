@@ -309,6 +309,13 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                              f"used (pass seqused_{name[-1]} for shorter sequences)")
     max_q = sq if max_seqlen_q is None and sq is not None else max_seqlen_q
     max_k = sk if max_seqlen_k is None and sk is not None else max_seqlen_k
+    # a padded side with seqused_* may be given the longest *used* length (the official contract's
+    # bound), but the kernels' grids must cover every padded row: the forward writes a query row past
+    # seqused_q as out 0 / lse -inf, the backward a key past seqused_k as dk = dv = 0
+    if sq is not None and seqused_q is not None and isinstance(max_q, int):
+        max_q = max(max_q, sq)
+    if sk is not None and seqused_k is not None and isinstance(max_k, int):
+        max_k = max(max_k, sk)
     return q, k, v, cu_q, cu_k, max_q, max_k, padded_q
 
 

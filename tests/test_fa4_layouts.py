@@ -277,6 +277,35 @@ def test_four_layouts_with_seqused(stand_in, padded_q, padded_k, use_q, use_k):
         assert torch.all(grad_k == 0)
 
 
+def test_padded_sides_with_seqused_and_the_used_lengths_as_bounds(stand_in):
+    """Padded q and k with seqused_* and max_seqlen_* = the longest *used* length (the official bound, a
+    server's call): the kernels still cover every padded row -- rows past seqused_q out 0, lse -inf, dq 0;
+    keys past seqused_k dk = dv = 0 (the stand-in refuses a sequence longer than its max_seqlen)."""
+    g = torch.Generator().manual_seed(5)
+    batch, sq, sk, hq, hkv, d = 3, 12, 10, 4, 2, 32
+    used_q, used_k = torch.tensor([5, 0, 7]), torch.tensor([3, 10, 6])
+    q, dout = _randn(g, batch, sq, hq, d), _randn(g, batch, sq, hq, d)
+    k, v = _randn(g, batch, sk, hkv, d), _randn(g, batch, sk, hkv, d)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = fa4.flash_attn_varlen_func(*leaves, seqused_q=used_q.to(torch.int32), seqused_k=used_k.to(torch.int32),
+                                          max_seqlen_q=int(used_q.max()), max_seqlen_k=int(used_k.max()), causal=True,
+                                          return_lse=True)
+    got = torch.autograd.grad((out.double() * dout.double()).sum(), leaves)
+    ref_leaves = [[t[b].double().requires_grad_() for b in range(batch)] for t in (q, k, v)]
+    outs, lses = _truth(*ref_leaves, used_q, used_k, True, (None, None))
+    flat = [t for ts in ref_leaves for t in ts]
+    want = torch.autograd.grad(sum((o * dout[b].double()).sum() for b, o in enumerate(outs))
+                               + sum((t * 0).sum() for t in flat), flat)
+    torch.testing.assert_close(out.double(), torch.stack(outs), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), torch.stack(lses), atol=1e-5, rtol=1e-5)
+    for i, (name, a) in enumerate((("dq", got[0]), ("dk", got[1]), ("dv", got[2]))):
+        torch.testing.assert_close(a.double(), torch.stack(want[i * batch:(i + 1) * batch]), atol=3e-2, rtol=3e-2,
+                                   msg=name)
+    for b in range(batch):
+        assert torch.all(out[b, int(used_q[b]):] == 0) and torch.all(got[0][b, int(used_q[b]):] == 0)
+        assert torch.all(got[1][b, int(used_k[b]):] == 0) and torch.all(got[2][b, int(used_k[b]):] == 0)
+
+
 def test_split_unused_rows_builds_the_kernel_sequences():
     cu_q = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
     cu_k = torch.tensor([0, 2, 7, 7], dtype=torch.int32)
