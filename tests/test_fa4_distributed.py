@@ -7,6 +7,7 @@ an implementation that shares nothing with the ring (no lse merge, no analytic b
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import tempfile
@@ -208,46 +209,53 @@ def test_ring_on_gloo_matches_dense_autograd(world):
         mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), world == 3), nprocs=world, join=True)
 
 
-def test_argument_errors_in_a_group_of_one():
+@contextlib.contextmanager
+def _group_of_one():
+    """This process as a gloo world of one, torn down after the block."""
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
         try:
-            q = torch.zeros(1, 6, 2, 8)
-            ref = cp.ReferenceKernels()
-            with pytest.raises(ValueError, match=r"^q: fa4 runs on CUDA GPUs only"):
-                cp.ring_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
-            with pytest.raises(ValueError, match=r"^layout: expected one of"):
-                cp.ring_attention(q, q, q, layout="striped", kernels=ref)
-            odd = q[:, :5]
-            with pytest.raises(ValueError, match=r"^q: the local sequence length 5 must be a multiple of 2"):
-                cp.ring_attention(odd, odd, odd, causal=True, kernels=ref)
-            cp.ring_attention(odd, odd, odd, causal=True, layout="contiguous", kernels=ref)
-            with pytest.raises(ValueError, match=r"^k: holds 4 tokens but q holds 6"):
-                cp.ring_attention(q, q[:, :4], q[:, :4], kernels=ref)
-            with pytest.raises(TypeError, match=r"^kernels: expected"):
-                cp.ring_attention(q, q, q, kernels="fast")
-            with pytest.raises(ValueError, match=r"^x: the global sequence length 5 must be a multiple of 2"):
-                cp.shard(odd, dim=1)
-            with pytest.raises(ValueError, match=r"^window_size: only a causal window .* got \(2, 3\)"):
-                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 6]), window_size=(2, 3),
-                                         kernels=ref)
-            with pytest.raises(ValueError, match=r"^cu_seqlens: must rise from 0 to the global token count 6"):
-                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]), kernels=ref)
-            with pytest.raises(ValueError, match=r"^window_size: only a causal window"):
-                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 6]), window_size=(2, None),
-                                         kernels=ref)
-            with pytest.raises(TypeError, match=r"^cu_seqlens: expected int32 or int64"):
-                cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0.0, 6.0]), kernels=ref)
-            _padding_of_native_kernels(ref)
-            with pytest.raises(ValueError, match=r"^x: the local sequence length 3 must be a multiple of 2"):
-                cp.unshard(q[:, :3], dim=1)
-            with pytest.raises(ValueError, match=r"^softcap: must be finite and >= 0"):
-                cp.ring_attention(q, q, q, softcap=float("nan"), kernels=ref)
-            with pytest.raises(ValueError, match=r"^k: heads_kv \(3\) must divide"):
-                cp.ring_attention(q, torch.zeros(1, 6, 3, 8), torch.zeros(1, 6, 3, 8), kernels=ref)
-            assert cp.positions(8, layout="zigzag").tolist() == list(range(8))
+            yield
         finally:
             dist.destroy_process_group()
+
+
+def test_argument_errors_in_a_group_of_one():
+    with _group_of_one():
+        q = torch.zeros(1, 6, 2, 8)
+        ref = cp.ReferenceKernels()
+        with pytest.raises(ValueError, match=r"^q: fa4 runs on CUDA GPUs only"):
+            cp.ring_attention(q.bfloat16(), q.bfloat16(), q.bfloat16())
+        with pytest.raises(ValueError, match=r"^layout: expected one of"):
+            cp.ring_attention(q, q, q, layout="striped", kernels=ref)
+        odd = q[:, :5]
+        with pytest.raises(ValueError, match=r"^q: the local sequence length 5 must be a multiple of 2"):
+            cp.ring_attention(odd, odd, odd, causal=True, kernels=ref)
+        cp.ring_attention(odd, odd, odd, causal=True, layout="contiguous", kernels=ref)
+        with pytest.raises(ValueError, match=r"^k: holds 4 tokens but q holds 6"):
+            cp.ring_attention(q, q[:, :4], q[:, :4], kernels=ref)
+        with pytest.raises(TypeError, match=r"^kernels: expected"):
+            cp.ring_attention(q, q, q, kernels="fast")
+        with pytest.raises(ValueError, match=r"^x: the global sequence length 5 must be a multiple of 2"):
+            cp.shard(odd, dim=1)
+        with pytest.raises(ValueError, match=r"^window_size: only a causal window .* got \(2, 3\)"):
+            cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 6]), window_size=(2, 3),
+                                     kernels=ref)
+        with pytest.raises(ValueError, match=r"^cu_seqlens: must rise from 0 to the global token count 6"):
+            cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]), kernels=ref)
+        with pytest.raises(ValueError, match=r"^window_size: only a causal window"):
+            cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 6]), window_size=(2, None),
+                                     kernels=ref)
+        with pytest.raises(TypeError, match=r"^cu_seqlens: expected int32 or int64"):
+            cp.ring_attention_varlen(q[0], q[0], q[0], cu_seqlens=torch.tensor([0.0, 6.0]), kernels=ref)
+        _padding_of_native_kernels(ref)
+        with pytest.raises(ValueError, match=r"^x: the local sequence length 3 must be a multiple of 2"):
+            cp.unshard(q[:, :3], dim=1)
+        with pytest.raises(ValueError, match=r"^softcap: must be finite and >= 0"):
+            cp.ring_attention(q, q, q, softcap=float("nan"), kernels=ref)
+        with pytest.raises(ValueError, match=r"^k: heads_kv \(3\) must divide"):
+            cp.ring_attention(q, torch.zeros(1, 6, 3, 8), torch.zeros(1, 6, 3, 8), kernels=ref)
+        assert cp.positions(8, layout="zigzag").tolist() == list(range(8))
 
 
 def test_more_argument_errors_before_any_communication(monkeypatch):
@@ -255,8 +263,7 @@ def test_more_argument_errors_before_any_communication(monkeypatch):
     ring's first exchange): each is a ValueError / TypeError naming the argument, before communicating."""
     from fa4.distributed import _checks
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'init')}", rank=0, world_size=1)
+    with _group_of_one():
         try:
             q = torch.zeros(1, 6, 2, 8)
             ref = cp.ReferenceKernels()
@@ -287,7 +294,6 @@ def test_more_argument_errors_before_any_communication(monkeypatch):
                 cp.ring_attention(q, q, q, group=group, kernels=ref)
         finally:
             monkeypatch.undo()
-            dist.destroy_process_group()
 
 
 class _NativeReference(cp.ReferenceKernels):
