@@ -64,8 +64,8 @@ def main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, *, varlen, cu_seqlen
     tensors = (q, k, v, dout, lse2, dpsum, dq_accum, dk, dv)
     if varlen:
         tensors = tuple(t.unsqueeze(0) for t in tensors)
-    return (*(common.launch_view(t) for t in tensors), cu_seqlens_q, cu_seqlens_k, seqused_k, semaphores, num_n_blocks,
-            softmax_scale * common.LOG2_E, softmax_scale)
+    return (*(common.launch_view(t) for t in tensors), cu_seqlens_q, cu_seqlens_k, seqused_k, semaphores,
+            num_n_blocks, softmax_scale * common.LOG2_E, softmax_scale)
 
 
 def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, deterministic, *, varlen=False,

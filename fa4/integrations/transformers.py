@@ -306,8 +306,10 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
 
     Reads no tensor value except one all-ones check of a real, eager padding mask per model
     forward (what transformers' sdpa and flash masks do too): it spares every layer the varlen
-    layout when nothing is padded; and a static cache's tensor q_offset, once per mask built. Skipped on meta / fake tensors and under torch.compile, where
-    the mask is returned as is (the padded path is exact for an all-ones mask as well)."""
+    layout when nothing is padded; with a sliding window, whether each row's valid tokens form one
+    run; and a static cache's tensor q_offset, once per mask built. Skipped on meta / fake tensors
+    and under torch.compile, where the mask is returned as is (the padded path is exact for an
+    all-ones mask as well)."""
     pattern = _parse_mask_function(mask_function)
     if attention_mask is None:
         if pattern["seq_ids"] is not None:
