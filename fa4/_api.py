@@ -56,7 +56,7 @@ def attention_pair(q, k, v, softmax_scale=None, causal=False, window_size=(None,
     check_unservable(num_splits, pack_gqa, dropout_p)
     q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
-    q, k, v, unpad = pad_head_dims(q, k, v)
+    q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
     out, lse = _ops.attention(q, k, v, scale, causal, deterministic, return_lse, (left, right), softcap, sink)
     return unpad(out), lse
 
@@ -89,7 +89,7 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, deterministic, return_lse, seqused_k, seqused_q)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
-    q, k, v, unpad = pad_head_dims(q, k, v)
+    q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
     lay = VarlenLayout.of(q, k, v, cu_q, cu_k, seqused_q, used, max_q, max_k, padded_q)
     out, lse = _ops.varlen_attention(lay.q, lay.k, lay.v, lay.cu_q, lay.cu_k, lay.seqused_k, lay.max_q, lay.max_k,
                                      scale, causal, deterministic, return_lse, (left, right), softcap, sink)

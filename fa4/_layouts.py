@@ -72,9 +72,10 @@ def _pad_last(t, size):
     return t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1]))
 
 
-def pad_head_dims(q, k, v, names=("q", "k", "v")):
+def pad_head_dims(q, k, v, names=("q", "k", "v"), sink=None):
     """(q, k, v, unpad): inputs at a native head-dim pair of q's arch, and the function that takes
-    the kernel's out back to the caller's v head dim (identity when nothing was padded)."""
+    the kernel's out back to the caller's v head dim (identity when nothing was padded). sink: the
+    learnable sink, whose gradient needs the backward too."""
     d, dv = q.shape[-1], v.shape[-1]
     arch = arch_of(q.device)
     pair = native_pair(arch, d, dv)
@@ -83,7 +84,7 @@ def pad_head_dims(q, k, v, names=("q", "k", "v")):
         raise ValueError(f"{names[0]}: head dims (qk={d}, v={dv}) exceed every kernel on {arch.key} (native qk/v: "
                          f"{ok}); a pair runs on a native one at least as large in both")
     if not _dispatch.has_backward(arch, *pair) and torch.is_grad_enabled() and \
-            any(t.requires_grad for t in (q, k, v)):
+            any(t is not None and t.requires_grad for t in (q, k, v, sink)):
         raise ValueError(f"{names[0]}: head dims (qk={d}, v={dv}) run on {arch.key}'s {pair[0]}/{pair[1]} forward, "
                          f"which has no backward there (backward pairs: "
                          f"{', '.join(f'{a}/{b}' for a, b in arch.backward_head_dims)}); inputs that require grad "

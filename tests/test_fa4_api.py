@@ -315,6 +315,10 @@ def test_a_pair_without_a_backward_is_refused_before_the_forward_when_grads_are_
         _layouts.pad_head_dims(q, q, q)
     with torch.no_grad():
         assert _layouts.pad_head_dims(q, q, q)[0].shape[-1] == 256  # inference: served
+    plain = q.detach()
+    sink = torch.zeros(2, device="meta", requires_grad=True)  # its gradient needs the backward too
+    with pytest.raises(ValueError, match=r"^q: head dims \(qk=200, v=200\) run on sm_100's 256/256 forward"):
+        fa4.flash_attn_func(plain, plain, plain, learnable_sink=sink)
 
 
 @pytest.mark.cpu
