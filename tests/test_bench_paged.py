@@ -132,8 +132,10 @@ def test_cli_help_and_argument_checks(capsys):
     assert args.decode_shapes == [(2, 64)] and args.prefill_seqlens == [8192] and args.page_sizes == [16, 256]
     for bad in (["--prefill-seqlens", "5000"], ["--decode-shapes", "2x64x3"], ["--page-sizes", "0"],
                 ["--page-sizes", "x"], ["--only", "both"]):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as exc:
             bench_paged.parse_args(bad)
+        said = f"{exc.value.code} {capsys.readouterr().err}"  # sys.exit(message) or an argparse error
+        assert bad[0] in said or bad[0].lstrip("-") in said, (bad, said)
     args = bench_paged.parse_args(["--decode-heads", "64/8", "--query-len", "4", "--window", "1024"])
     assert args.call == bench_paged.DecodeCall(64, 8, 4, 1024)
     for bad, flag in ((["--decode-heads", "8/3"], "--decode-heads"), (["--query-len", "0"], "--query-len"),

@@ -721,12 +721,23 @@ def test_eager_fast_path_only_for_plain_cuda_tensors_outside_compile_and_modes()
     with FakeTensorMode():
         fake = torch.empty(1, 8, 2, 64, device="cuda")
         assert fake.is_cuda and not _ops.eager_ok(fake)
-    if torch.cuda.is_available():
-        real = torch.zeros(1, 8, 2, 64, device="cuda")
-        assert _ops.eager_ok(real, None)
-        with FakeTensorMode():  # a dispatch mode is active: it must see the op
-            assert not _ops.eager_ok(real)
-        assert not _ops.eager_ok(torch.nn.Parameter(real))  # a subclass keeps the op
+
+
+@pytest.mark.gpu
+@pytest.mark.fa4
+def test_eager_fast_path_for_real_cuda_tensors_only_outside_modes_and_subclasses():
+    """The half of the rule a real CUDA tensor needs (the gpu tier: the cpu tier has none)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa4 import _ops
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    real = torch.zeros(1, 8, 2, 64, device="cuda")
+    assert _ops.eager_ok(real, None)
+    with FakeTensorMode():  # a dispatch mode is active: it must see the op
+        assert not _ops.eager_ok(real)
+    assert not _ops.eager_ok(torch.nn.Parameter(real))  # a subclass keeps the op
 
 
 def _op_samples():

@@ -62,6 +62,7 @@ def test_precompile_plans_needs_shapes_and_a_gpu(capsys, monkeypatch):
     assert "--plans: needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         precompile.run(["--shapes", "d=64,seqlen=128", "--plans", "0"])
+    assert "--plans: expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
 def _kinds(builds):

@@ -227,19 +227,37 @@ def test_prefill_appends_in_place_with_rotary(interleaved, paged):
     out, lse = call(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, causal=True,
                     rotary_interleaved=interleaved, block_table=table, window_size=(6, 0) if paged else (None, None))
     pos = lens.long().view(-1, 1) + torch.arange(sn)
-    k_rot, q_rot = kv.apply_rotary(k_new, cos, sin, pos, interleaved), kv.apply_rotary(q, cos, sin, pos, interleaved)
+    k_rot, q_rot = _rotary_by_complex(k_new, angles, pos, interleaved), _rotary_by_complex(q, angles, pos, interleaved)
     want_k, want_v = before_k.clone(), before_v.clone()
     for i in range(b):
         want_k[i, lens[i]:lens[i] + sn], want_v[i, lens[i]:lens[i] + sn] = k_rot[i], v_new[i]
     assert torch.equal(kc.reshape(b, 32, hkv, d), want_k) and torch.equal(vc.reshape(b, 32, hkv, d), want_v)
     _check(out, lse, q_rot, want_k, want_v, lens + sn, causal=True, window=(6, None) if paged else (None, None))
-    # rotary's definition, one pair by hand: interleaved rotates (x0, x1), NeoX (x0, x_{rd/2})
-    x = torch.zeros(1, 1, 1, d, dtype=torch.float64)
-    x[..., 0] = 1.0
-    r = kv.apply_rotary(x, cos, sin, torch.tensor([[5]]), interleaved)
+    # rotary's definition, by hand: interleaved rotates (x0, x1), NeoX (x0, x_{rd/2}); e0 -> (cos, sin),
+    # e_partner -> (-sin, cos)
     partner = 1 if interleaved else rd // 2
-    assert math.isclose(r[0, 0, 0, 0], cos[5, 0], abs_tol=1e-12) and math.isclose(r[0, 0, 0, partner], sin[5, 0],
-                                                                                abs_tol=1e-12)
+    for unit, want in ((0, (cos[5, 0], sin[5, 0])), (partner, (-sin[5, 0], cos[5, 0]))):
+        x = torch.zeros(1, 1, 1, d, dtype=torch.float64)
+        x[..., unit] = 1.0
+        r = kv.apply_rotary(x, cos, sin, torch.tensor([[5]]), interleaved)
+        assert math.isclose(r[0, 0, 0, 0], want[0], abs_tol=1e-12)
+        assert math.isclose(r[0, 0, 0, partner], want[1], abs_tol=1e-12)
+        assert torch.count_nonzero(r) == 2
+
+
+def _rotary_by_complex(x, angles, pos, interleaved):
+    """Rotary embedding of x's first rd = 2 angles.shape[-1] dims as complex multiplication, written
+    independently of fa4's apply_rotary: pairs (2i, 2i + 1) when interleaved, else (i, i + rd / 2) (NeoX)
+    as (real, imaginary), times exp(i angle[pos, i]); the other dims unchanged."""
+    rd = 2 * angles.shape[-1]
+    head = x[..., :rd]
+    if interleaved:
+        z = torch.view_as_complex(head.reshape(*head.shape[:-1], rd // 2, 2).contiguous())
+    else:
+        z = torch.complex(head[..., :rd // 2], head[..., rd // 2:])
+    z = z * torch.polar(torch.ones_like(angles[pos]), angles[pos])[:, :, None, :]       # (B, S, 1, rd / 2)
+    rot = torch.view_as_real(z).flatten(-2) if interleaved else torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((rot, x[..., rd:]), dim=-1)
 
 
 def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None, causal=False,
