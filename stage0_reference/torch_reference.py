@@ -47,9 +47,14 @@ def _softmax_with_sink(s, sink):
     s_hi = s.double() if s.dtype == torch.float64 else s.float()
     b, h, sq, _ = s.shape
     col = sink.to(s_hi.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
-    s_cat = torch.cat([s_hi, col], dim=-1)  # (B, H, Sq, Sk + 1): never fully -inf, so no NaN
-    lse = torch.logsumexp(s_cat, dim=-1)  # (B, H, Sq)
-    return torch.exp(s_hi - lse[..., None]), lse
+    s_cat = torch.cat([s_hi, col], dim=-1)  # (B, H, Sq, Sk + 1): fully -inf only with a -inf sink
+    # such a row (no visible key, a -inf sink) has lse -inf and P = 0; logsumexp and exp(-inf - -inf)
+    # would give NaN there (and in the gradients), so its row goes through finite stand-ins
+    empty = torch.isneginf(s_cat).all(dim=-1, keepdim=True)                              # (B, H, Sq, 1)
+    lse = torch.logsumexp(torch.where(empty, torch.zeros_like(s_cat), s_cat), dim=-1)
+    lse = torch.where(empty[..., 0], torch.full_like(lse, -math.inf), lse)               # (B, H, Sq)
+    p = torch.exp(torch.where(empty, torch.zeros_like(s_hi), s_hi - lse[..., None]))
+    return torch.where(empty, torch.zeros_like(p), p), lse
 
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, upcast=True, window_size=(None, None),

@@ -279,3 +279,22 @@ def test_bad_variant_arguments_name_the_argument(kwargs, exc, match):
     for call in calls:
         with pytest.raises(exc, match=match):
             call()
+
+
+def test_torch_reference_a_minus_inf_sink_on_rows_without_keys():
+    """A -inf sink with rows that see no key (causal, Sq > Sk): those rows are out 0, lse -inf, and
+    no NaN reaches out, dv or dsink (the NumPy oracle's answer; an audit found NaN here)."""
+    import math
+
+    import torch
+
+    from stage0_reference.torch_reference import attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 3, 1, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, 1, n, generator=g, dtype=torch.float64, requires_grad=True) for n in (4, 2))
+    sink = torch.tensor([-math.inf], dtype=torch.float64, requires_grad=True)
+    out, lse = attention_ref(q, k, v, causal=True, learnable_sink=sink)
+    assert torch.all(out[0, :2] == 0) and torch.isneginf(lse[0, 0, :2]).all() and torch.isfinite(lse[0, 0, 2])
+    out.sum().backward()
+    assert torch.isfinite(v.grad).all() and torch.isfinite(k.grad).all() and sink.grad.item() == 0.0
