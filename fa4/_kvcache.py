@@ -396,8 +396,10 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     window, left = key_range_window(sq, window, paged_in_place)
     causal, free, pack = plan_layout(sq, hq // hkv, causal, window, pack_gqa, token_rows=split is not None)
     if block_table is not None and not paged_in_place and (not free or left is not None
-                                                           or k_cache.shape[1] < MIN_SEGMENT_PAGE):
-        # page segments would misalign the mask, or not start at the window, or be too short: a dense copy
+                                                           or k_cache.shape[1] < MIN_SEGMENT_PAGE
+                                                           or b * block_table.shape[1] > MAX_GRID_Z):
+        # page segments would misalign the mask, or not start at the window, or be too short, or outnumber
+        # a grid's z extent (one per page): a dense copy
         k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
         cache_rows, block_table = None, None  # the copy holds sequence b at row b
     heads = hkv if pack else hq
@@ -417,8 +419,9 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         span = s_cache if range_keys is None else min(s_cache, range_keys + (KEY_TILE - 1 if paged_in_place else 0))
         n = 1 if not (free or use_split) else (num_splits if num_splits > 0 else
                                                choose_num_splits(b, heads * math.ceil(r / TILE_M), span, sm_count))
+        n = min(n, max(1, MAX_GRID_Z // b))  # B n sequences (virtual ones or segments): a grid's z extent
         if use_split:
-            chunk, n = split_chunks(span, min(n, max(1, MAX_GRID_Z // b)))  # the launch's B n virtual sequences
+            chunk, n = split_chunks(span, n)
         elif block_table is None:
             seg = dense_segments(seqlens_k, cache_rows, s_cache, n, left)
         else:
@@ -574,7 +577,21 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                     or t.shape[0] < capacity:
                 raise ValueError(f"{name}: expected (seqlen_ro >= {capacity}, rotary_dim / 2) with rotary_dim <= {d} "
                                  f"on {q.device}, got {tuple(t.shape)} on {t.device}")
+    if block_table is not None and b and values_check_enabled():  # FA4_VALIDATE=1: one more sync
+        _check_used_pages(block_table, seqlens + new, per_slot, slots)
     return seqlens, rows
+
+
+def _check_used_pages(block_table, keys, page_size: int, num_pages: int):
+    """Every page a sequence reads or appends to (the first ceil(keys[b] / page_size) of its table row)
+    names a page of the pool; entries past them may hold anything (-1 padding, say)."""
+    used = (keys.to(torch.int64) + page_size - 1) // page_size                            # (B,)
+    cols = torch.arange(block_table.shape[1], device=block_table.device)
+    bad = ((block_table < 0) | (block_table >= num_pages)) & (cols[None, :] < used[:, None])
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_table: entry [{row}, {col}] = {int(block_table[row, col])} is a page sequence {row} "
+                         f"reads or appends to, but the pool has pages [0, {num_pages})")
 
 
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

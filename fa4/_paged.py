@@ -51,7 +51,7 @@ def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max
     from ._lse_merge import add_sink
     from ._validate import check_page_table, check_variants, check_varlen, check_varlen_sides
 
-    check_page_table(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, page_table)
+    check_page_table(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k)
     batch, pages = page_table.shape
     max_k = pages * k_pages.shape[1]
     k_shape, v_shape = (t.as_strided((batch, max_k) + tuple(t.shape[2:]), (0, 0) + tuple(t.stride()[2:]))

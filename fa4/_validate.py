@@ -278,7 +278,7 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     names = ("q", "k", "v")
     _check_dtypes_devices(names, (q, k, v))
     if page_table is not None:
-        check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table)
+        check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k)
         k, v = VarlenLayout.unpage(k, v, page_table)
     sides = {"q": (q, cu_seqlens_q), "k": (k, cu_seqlens_k), "v": (v, cu_seqlens_k)}
     for n, (t, cu) in sides.items():
@@ -319,10 +319,11 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     return q, k, v, cu_q, cu_k, max_q, max_k, padded_q
 
 
-def check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
+def check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k=None):
     """A paged k / v -- (num_pages, page_size, Hkv, D) with page_table (batch, pages per sequence)
     int32, as in the official interface. Entries past a sequence's seqused_k keys may hold any value
-    (`VarlenLayout.unpage` clamps them); FA4_VALIDATE=1 checks every entry instead."""
+    (`VarlenLayout.unpage` clamps them); FA4_VALIDATE=1 checks the entries each sequence uses (all of
+    a row without seqused_k)."""
     _check_index_tensor("page_table", page_table, q, dims=2, layout="(batch, pages per sequence)")
     if cu_seqlens_k is not None:
         raise ValueError("cu_seqlens_k: must be None with page_table (a paged k / v is one page list per sequence)")
@@ -342,9 +343,16 @@ def check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table):
     if k.shape[1] == 0:
         raise ValueError("k: a paged cache's page_size (dim 1) must be >= 1")
     if q.device.type == "cuda" and values_check_enabled() and page_table.numel():
-        lo, hi = int(page_table.min()), int(page_table.max())
-        if lo < 0 or hi >= k.shape[0]:
-            raise ValueError(f"page_table: entries must be page indices in [0, {k.shape[0]}), got {lo} .. {hi}")
+        pages = page_table.shape[1]
+        whole = seqused_k is None or tuple(seqused_k.shape) != (batch,)  # (a bad seqused_k is refused later)
+        used = torch.full((batch,), pages, dtype=torch.int64, device=page_table.device) if whole else \
+            (seqused_k.to(torch.int64) + k.shape[1] - 1) // k.shape[1]
+        cols = torch.arange(pages, device=page_table.device)
+        bad = ((page_table < 0) | (page_table >= k.shape[0])) & (cols[None, :] < used[:, None])
+        if bool(bad.any()):
+            row, col = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(f"page_table: entry [{row}, {col}] = {int(page_table[row, col])} is a page sequence "
+                             f"{row} uses, but the pool has pages [0, {k.shape[0]})")
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,

@@ -897,3 +897,54 @@ def test_constants_made_under_a_fake_tensor_mode_are_not_kept():
         assert isinstance(again, FakeTensor)
     finally:
         kv._CONSTANTS.pop(key, None)
+
+
+def test_segments_never_outnumber_a_grid(monkeypatch):
+    """One varlen sequence per page (pages the kernel cannot read in place), or an explicit num_splits,
+    must keep batch x segments within a grid's z extent: past it the pages are copied into a dense cache
+    and the splits capped, where the launch used to be refused after the append (MAX_GRID_Z shrunk here
+    to 8 so that small tensors reach it)."""
+    monkeypatch.setattr(kv, "MAX_GRID_Z", 8)
+    seen = []
+
+    def counting(q, k, v, cu_q, cu_k, used, *rest, **kw):
+        seen.append(used.shape[0])                                                  # the launch's sequences
+        return stand_in(q, k, v, cu_q, cu_k, used, *rest, **kw)
+    g = _gen(40)
+    b, hq, hkv, d, ps, pages = 3, 4, 2, 16, 128, 4          # 12 page segments > 8
+    kp = torch.randn(b * pages, ps, hkv, d, generator=g, dtype=torch.float64)
+    vp = torch.randn(b * pages, ps, hkv, d, generator=g, dtype=torch.float64)
+    table = torch.randperm(b * pages, generator=g).to(torch.int32).view(b, pages)
+    q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
+    lens = torch.tensor([512, 300, 7], dtype=torch.int32)
+    out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, varlen=counting, sm_count=16,
+                               return_softmax_lse=True)
+    assert seen and max(seen) <= 8, seen
+    _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens)
+    seen.clear()
+    q, kc, vc = _tokens_and_cache(41, 3, 1, hq, hkv, d, 1024)
+    out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=16, varlen=counting, sm_count=16,
+                               return_softmax_lse=True)
+    assert seen and max(seen) <= 8, seen
+    _check(out, lse, q, kc, vc, lens)
+
+
+def test_validate_checks_the_pages_a_sequence_reads_or_appends_to(monkeypatch):
+    """FA4_VALIDATE=1: a table entry a sequence reads or appends through must be a page of the pool (a -1
+    there wrapped to the pool's last page and overwrote another sequence's key); entries past the used
+    pages may hold anything, -1 padding included."""
+    monkeypatch.setenv("FA4_VALIDATE", "1")
+    g = _gen(42)
+    hq, hkv, d, ps = 4, 2, 16, 4
+    kp = torch.randn(6, ps, hkv, d, generator=g, dtype=torch.float64)
+    vp = kp.clone()
+    q, k_new = torch.randn(2, 2, hq, d, generator=g, dtype=torch.float64), torch.randn(2, 2, hkv, d, generator=g,
+                                                                                       dtype=torch.float64)
+    bad = torch.tensor([[3, -1], [5, 1]], dtype=torch.int32)     # sequence 0 appends keys 3, 4: page entry 1
+    with pytest.raises(ValueError, match=r"^block_table: entry \[0, 1\] = -1 is a page sequence 0 reads or appends"):
+        call(q, kp, vp, k_new, k_new.clone(), cache_seqlens=torch.tensor([3, 1], dtype=torch.int32), block_table=bad,
+             causal=True)
+    assert torch.equal(kp, vp)                                    # refused before the append
+    padded = torch.tensor([[3, -1], [5, 1]], dtype=torch.int32)   # sequence 0 ends in its first page: fine
+    call(q, kp, vp, k_new, k_new.clone(), cache_seqlens=torch.tensor([1, 1], dtype=torch.int32), block_table=padded,
+         causal=True)
