@@ -22,7 +22,7 @@ import torch
 
 from . import _kvcache, _ops, _paged  # _kvcache registers fa4::kvcache_attention
 from ._layouts import VarlenLayout, pad_head_dims
-from ._validate import _check_int, check_fixed, check_unservable, check_variants, check_varlen, check_varlen_sides
+from ._validate import check_fixed, check_unservable, check_variants, check_varlen, check_varlen_sides
 
 # What a positional argument after q, k, v meant elsewhere, for the keyword-only TypeError.
 _FIXED_HINT = ("FlashAttention-2's 4th positional argument is dropout_p (then softmax_scale, causal), and earlier "
@@ -77,12 +77,11 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
                           return_lse=False, dropout_p=0.0, page_table=None):
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
-    if max_seqlen_k is not None:  # the in-place paged route sizes its keys from the table, but a bad value is refused
-        _check_int("max_seqlen_k", max_seqlen_k)
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
             _paged.in_place(q, k, v, _query_rows(q, max_seqlen_q)):
-        return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k,
-                                  softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse)
+        return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  seqused_k, softmax_scale, causal, window_size, learnable_sink, softcap, deterministic,
+                                  return_lse)
     q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                      max_seqlen_q, max_seqlen_k, page_table,
                                                                      seqused_q, seqused_k)

@@ -490,7 +490,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     """Shapes, dtypes, devices; returns (seqlens_k before the append (B,) int32, cache_rows (B,) or None:
     sequence b in cache row b).
     cuda: fa4's dtype / device rules (False: any float dtype on one device, for the CPU stand-in)."""
-    from ._validate import _check_dtypes_devices, values_check_enabled
+    from ._validate import _check_dtypes_devices, check_pages_used, values_check_enabled
 
     if cuda:
         _check_dtypes_devices(("q", "k_cache", "v_cache"), (q, k_cache, v_cache))
@@ -578,20 +578,8 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                 raise ValueError(f"{name}: expected (seqlen_ro >= {capacity}, rotary_dim / 2) with rotary_dim <= {d} "
                                  f"on {q.device}, got {tuple(t.shape)} on {t.device}")
     if block_table is not None and b and values_check_enabled():  # FA4_VALIDATE=1: one more sync
-        _check_used_pages(block_table, seqlens + new, per_slot, slots)
+        check_pages_used("block_table", block_table, seqlens + new, per_slot, slots)
     return seqlens, rows
-
-
-def _check_used_pages(block_table, keys, page_size: int, num_pages: int):
-    """Every page a sequence reads or appends to (the first ceil(keys[b] / page_size) of its table row)
-    names a page of the pool; entries past them may hold anything (-1 padding, say)."""
-    used = (keys.to(torch.int64) + page_size - 1) // page_size                            # (B,)
-    cols = torch.arange(block_table.shape[1], device=block_table.device)
-    bad = ((block_table < 0) | (block_table >= num_pages)) & (cols[None, :] < used[:, None])
-    if bool(bad.any()):
-        row, col = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"block_table: entry [{row}, {col}] = {int(block_table[row, col])} is a page sequence {row} "
-                         f"reads or appends to, but the pool has pages [0, {num_pages})")
 
 
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -639,9 +627,8 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         # implementation is the eager path below
         traced = not _ops.eager_ok(q, k_cache, v_cache, block_table)
         if not traced:
-            sm_count = _sm_count(q.device)
-            split = fa4_split
-            paged_in_place = _read_in_place(q, k_cache, v_cache, block_table, causal, (left, right), pack_gqa)
+            sm_count, split, paged_in_place = _device_route(q, k_cache, v_cache, block_table, causal, (left, right),
+                                                            pack_gqa)
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
@@ -695,13 +682,17 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool
 # ---------------------------------------------------------------------------------------------
 # traced calls: the attention over the cache as one custom op
 # ---------------------------------------------------------------------------------------------
-def _read_in_place(q, k_cache, v_cache, block_table, causal, window, pack_gqa) -> bool:
-    """Whether an eager device call's paged cache is read in place by the split launch (fa4._paged): its
-    kernel rows per sequence are the query tokens, times the group where the heads are packed."""
-    if block_table is None:
-        return False
-    _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, window, pack_gqa, token_rows=True)
-    return _paged.in_place(q, k_cache, v_cache, q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1))
+def _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa) -> tuple:
+    """(SM count, the split launch, pages read in place) of an eager call on the device -- with_kvcache's
+    and kvcache_attention's. A paged cache is read in place (fa4._paged) for the kernel's rows per
+    sequence: the query tokens, times the group where the heads are packed."""
+    in_place = False
+    if block_table is not None:
+        _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, window, pack_gqa,
+                                 token_rows=True)
+        rows = q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1)
+        in_place = _paged.in_place(q, k_cache, v_cache, rows)
+    return _sm_count(q.device), fa4_split, in_place
 
 
 @torch.library.custom_op("fa4::kvcache_attention", mutates_args=(), device_types="cuda")
@@ -715,10 +706,9 @@ def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     so a compiled decode step has no graph break and launches the kernels an eager one does. The checks
     ran before it, in traced Python."""
     window = (window_left, window_right)
+    sm_count, split, in_place = _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa)
     out, lse = attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, scale, causal, window,
-                                    softcap, sink, num_splits, pack_gqa, _sm_count(q.device), fa4_varlen,
-                                    _read_in_place(q, k_cache, v_cache, block_table, causal, window, pack_gqa),
-                                    fa4_split)
+                                    softcap, sink, num_splits, pack_gqa, sm_count, fa4_varlen, in_place, split)
     return out.contiguous(), lse.contiguous()  # the strides the fake below promises
 
 

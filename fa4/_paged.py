@@ -39,11 +39,12 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k, softmax_scale,
-                causal, window_size, learnable_sink, softcap, deterministic, return_lse):
+def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse):
     """flash_attn_varlen_func over a paged cache read in place (the caller checked `in_place`). The
     checks are flash_attn_varlen_func's own, run on zero-stride (batch, pages * page_size) stand-ins
-    for the gathered keys (shapes only, no copy); seqused_k None: every sequence uses all its pages. A
+    for the gathered keys (shapes only, no copy; max_seqlen_k is checked there, the kernel taking the
+    table's span); seqused_k None: every sequence uses all its pages. A
     learnable sink joins each row's denominator after the kernel (fa4._lse_merge.add_sink).
     Returns (out (total, Hq, Dv) or (B, Sq, Hq, Dv) for a padded q, lse (Hq, total) / (B, Hq, Sq))."""
     from . import _ops
@@ -56,9 +57,9 @@ def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max
     max_k = pages * k_pages.shape[1]
     k_shape, v_shape = (t.as_strided((batch, max_k) + tuple(t.shape[2:]), (0, 0) + tuple(t.stride()[2:]))
                         for t in (k_pages, v_pages))
-    q, k_flat, v_flat, cu_q, cu_k, max_q, _, padded_q = check_varlen_sides(q, k_shape, v_shape, cu_seqlens_q, None,
-                                                                          max_seqlen_q, None)
-    q, _, _, cu_q, _, used, max_q, _, scale = check_varlen(q, k_flat, v_flat, cu_q, cu_k, max_q, max_k, softmax_scale,
+    q, k_flat, v_flat, cu_q, cu_k, max_q, given_k, padded_q = check_varlen_sides(
+        q, k_shape, v_shape, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k)
+    q, _, _, cu_q, _, used, max_q, _, scale = check_varlen(q, k_flat, v_flat, cu_q, cu_k, max_q, given_k, softmax_scale,
                                                            causal, deterministic, return_lse, seqused_k, None)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
     if used is None:

@@ -299,24 +299,26 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     q, cu_q, sq = VarlenLayout.pack(q, cu_seqlens_q)
     k, cu_k, sk = VarlenLayout.pack(k, cu_seqlens_k)
     v, _, _ = VarlenLayout.pack(v, cu_seqlens_k)
-    # a padded side whose rows are all used (no seqused_*) has its seqlen as its longest sequence: a
-    # smaller max_seqlen would size the grid below it and leave rows uncomputed
-    for name, given, padded, used in (("max_seqlen_q", max_seqlen_q, sq, seqused_q),
-                                      ("max_seqlen_k", max_seqlen_k, sk, seqused_k)):
-        if padded is not None and used is None and isinstance(given, int) and not isinstance(given, bool) \
-                and given < padded:
-            raise ValueError(f"{name}: {given} is below the padded side's seqlen {padded}, whose every row is "
-                             f"used (pass seqused_{name[-1]} for shorter sequences)")
-    max_q = sq if max_seqlen_q is None and sq is not None else max_seqlen_q
-    max_k = sk if max_seqlen_k is None and sk is not None else max_seqlen_k
-    # a padded side with seqused_* may be given the longest *used* length (the official contract's
-    # bound), but the kernels' grids must cover every padded row: the forward writes a query row past
-    # seqused_q as out 0 / lse -inf, the backward a key past seqused_k as dk = dv = 0
-    if sq is not None and seqused_q is not None and isinstance(max_q, int):
-        max_q = max(max_q, sq)
-    if sk is not None and seqused_k is not None and isinstance(max_k, int):
-        max_k = max(max_k, sk)
-    return q, k, v, cu_q, cu_k, max_q, max_k, padded_q
+    return q, k, v, cu_q, cu_k, _padded_bound("max_seqlen_q", max_seqlen_q, sq, seqused_q), \
+        _padded_bound("max_seqlen_k", max_seqlen_k, sk, seqused_k), padded_q
+
+
+def _padded_bound(name, given, padded, used):
+    """A side's max_seqlen for the kernels: the given one (a packed side, or one not an int: check_varlen
+    refuses it); a padded side's seqlen when None. A padded side without seqused_* uses every row, so a
+    smaller bound would leave rows uncomputed: refused. With seqused_* the caller may give the longest
+    *used* length (the official bound), but the grids must still cover every padded row (the forward
+    writes a row past seqused_q as out 0 / lse -inf, the backward a key past seqused_k as dk = dv = 0)."""
+    if padded is None:
+        return given
+    if given is None:
+        return padded
+    if isinstance(given, bool) or not isinstance(given, int):
+        return given
+    if used is None and given < padded:
+        raise ValueError(f"{name}: {given} is below the padded side's seqlen {padded}, whose every row is used "
+                         f"(pass seqused_{name[-1]} for shorter sequences)")
+    return given if used is None else max(given, padded)
 
 
 def check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k=None):
@@ -343,16 +345,23 @@ def check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k=
     if k.shape[1] == 0:
         raise ValueError("k: a paged cache's page_size (dim 1) must be >= 1")
     if q.device.type == "cuda" and values_check_enabled() and page_table.numel():
-        pages = page_table.shape[1]
         whole = seqused_k is None or tuple(seqused_k.shape) != (batch,)  # (a bad seqused_k is refused later)
-        used = torch.full((batch,), pages, dtype=torch.int64, device=page_table.device) if whole else \
-            (seqused_k.to(torch.int64) + k.shape[1] - 1) // k.shape[1]
-        cols = torch.arange(pages, device=page_table.device)
-        bad = ((page_table < 0) | (page_table >= k.shape[0])) & (cols[None, :] < used[:, None])
-        if bool(bad.any()):
-            row, col = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"page_table: entry [{row}, {col}] = {int(page_table[row, col])} is a page sequence "
-                             f"{row} uses, but the pool has pages [0, {k.shape[0]})")
+        keys = torch.full((batch,), page_table.shape[1] * k.shape[1], device=page_table.device) if whole \
+            else seqused_k
+        check_pages_used("page_table", page_table, keys, k.shape[1], k.shape[0])
+
+
+def check_pages_used(name, table, keys, page_size: int, num_pages: int):
+    """FA4_VALIDATE's check of a page table (one sync): every page sequence b reads or appends to -- the
+    first ceil(keys[b] / page_size) entries of its row -- names a page of the pool; entries past them
+    may hold anything (-1 padding, say)."""
+    used = (keys.to(torch.int64) + page_size - 1) // page_size                            # (B,)
+    cols = torch.arange(table.shape[1], device=table.device)
+    bad = ((table < 0) | (table >= num_pages)) & (cols[None, :] < used[:, None])
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"{name}: entry [{row}, {col}] = {int(table[row, col])} is a page sequence {row} reads or "
+                         f"appends to, but the pool has pages [0, {num_pages})")
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,

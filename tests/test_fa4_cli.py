@@ -237,27 +237,42 @@ def test_help_lists_every_command_and_each_command_has_help():
     assert run_cli(timeout=120).returncode == 2  # no command: a usage error, not a crash
 
 
+BAD_OPTIONS = {  # id -> (argv, what stderr says)
+    "precompile-head-dims-word": (["precompile", "--arch", "sm_90a", "--head-dims", "abc"],
+                                  r"--head-dims: expected comma-separated"),
+    "precompile-head-dims-pair": (["precompile", "--arch", "sm_90a", "--head-dims", "64/abc"],
+                                  r"--head-dims: expected comma-separated"),
+    "precompile-head-dims-unserved": (["precompile", "--arch", "sm_90a", "--head-dims", "1000"],
+                                      r"head_dims: \[\(1000, 1000\)\] not supported"),
+    "precompile-shapes-empty": (["precompile", "--arch", "sm_90a", "--shapes", ""], r"--shapes: the spec is empty"),
+    "precompile-shapes-unserved": (["precompile", "--arch", "sm_90a", "--shapes", "d=1000,heads=8"],
+                                   r"--shapes / --model-config: .*head_dim"),
+    "precompile-shapes-dtype": (["precompile", "--arch", "sm_90a", "--shapes", "d=128,heads=32/8", "--dtype", "fp16"],
+                                r"leave out --dtype"),
+    "firstcall-repeat-0": (["firstcall", "--repeat", "0"], r"--repeat: expected an int >= 1"),
+    "firstcall-seqlen-0": (["firstcall", "--seqlen", "0"], r"--seqlen: expected an int >= 1"),
+    "firstcall-head-dim": (["firstcall", "--head-dim", "1000"],
+                           r"--head-dim / --head-dim-v: \(1000, 1000\) has no kernel"),
+}
+
+
 @pytest.mark.cpu
 @pytest.mark.fa4
-@pytest.mark.parametrize("args, message", [
-    (["--head-dims", "abc"], r"--head-dims: expected comma-separated"),
-    (["--head-dims", "64/abc"], r"--head-dims: expected comma-separated"),
-    (["--head-dims", "1000"], r"head_dims: \[\(1000, 1000\)\] not supported"),
-    (["--shapes", ""], r"--shapes: the spec is empty"),
-    (["--shapes", "d=1000,heads=8"], r"--shapes / --model-config: .*head_dim"),
-    (["--shapes", "d=128,heads=32/8", "--dtype", "fp16"], r"leave out --dtype"),
-], ids=["head-dims-word", "head-dims-pair", "head-dims-unserved", "shapes-empty", "shapes-unserved", "shapes-dtype"])
-def test_precompile_refuses_bad_options_before_building(args, message, tmp_path, capsys, monkeypatch):
-    """Bad option values end in one line on stderr and exit status 2, before anything is built."""
-    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
-    from fa4 import precompile
-
-    monkeypatch.setattr(precompile, "compile_only", lambda *a, **k: pytest.fail("built despite a bad option"))
-    monkeypatch.setattr(precompile, "build_derived", lambda *a, **k: pytest.fail("built despite a bad option"))
-    assert cli.main(["precompile", "--arch", "sm_90a", *args]) == 2
+@pytest.mark.parametrize("case", list(BAD_OPTIONS))
+def test_bad_option_values_end_before_any_work(case, tmp_path, capsys, monkeypatch):
+    """precompile and firstcall: a bad value ends in one line on stderr and exit status 2, before
+    anything is built or a child process runs."""
     import re
 
-    assert re.search(message, capsys.readouterr().err), capsys.readouterr()
+    from fa4 import firstcall, precompile
+
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
+    for module, name in ((precompile, "compile_only"), (precompile, "build_derived"), (firstcall, "run_child")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("worked despite a bad option"))
+    argv, message = BAD_OPTIONS[case]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
 
 
 @pytest.mark.cpu
@@ -287,23 +302,6 @@ def test_cache_clear_reports_what_it_could_not_remove(tmp_path, capsys, monkeypa
     assert cli.main(["cache", "clear"]) == 1
     err = capsys.readouterr().err
     assert "could not remove" in err and "read-only" in err and (gen / "x.o").exists()
-
-
-@pytest.mark.cpu
-@pytest.mark.fa4
-@pytest.mark.parametrize("args, message", [
-    (["--repeat", "0"], r"--repeat: expected an int >= 1"),
-    (["--seqlen", "0"], r"--seqlen: expected an int >= 1"),
-    (["--head-dim", "1000"], r"--head-dim / --head-dim-v: \(1000, 1000\) has no kernel"),
-], ids=["repeat-0", "seqlen-0", "head-dim"])
-def test_firstcall_refuses_bad_values_before_the_cold_run(args, message, capsys, monkeypatch):
-    from fa4 import firstcall
-
-    monkeypatch.setattr(firstcall, "run_child", lambda *a, **k: pytest.fail("ran a child despite a bad option"))
-    assert cli.main(["firstcall", *args]) == 2
-    import re
-
-    assert re.search(message, capsys.readouterr().err)
 
 
 @pytest.mark.cpu
