@@ -39,6 +39,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import operator
 import os
 import pathlib
 import shutil
@@ -467,8 +468,36 @@ def _load_kernel(path: str, sha: str, symbol: str):
     return getattr(tvm_ffi.load_module(path), symbol)
 
 
+def _static_value(value) -> tuple:
+    """(True, the decoded value) for an encoded argument that names no slot (a scalar, a shape, a
+    dtype, ...), else (False, None): such a value is decoded once per plan, not once per replay."""
+    if not isinstance(value, dict):
+        return True, value
+    (tag, inner), = value.items()
+    if tag == "s":
+        return False, None
+    if tag in ("t", "l", "sl"):
+        parts = [_static_value(v) for v in inner]
+        if not all(ok for ok, _ in parts):
+            return False, None
+        values = [v for _, v in parts]
+        return True, (tuple(values) if tag == "t" else values if tag == "l" else slice(*values))
+    if tag == "d":
+        parts = {k: _static_value(v) for k, v in inner.items()}
+        if not all(ok for ok, _ in parts.values()):
+            return False, None
+        return True, {k: v for k, (_, v) in parts.items()}
+    return True, _decoder(value)(None)
+
+
 class _Replay:
-    """A plan decoded once: per step a callable over the slot list."""
+    """A plan decoded once: per step a callable over the slot list.
+
+    Host time is the point of a plan, so a step does as little Python as it can: every argument
+    that names no tensor (scalars, shapes, dtypes) is decoded once and kept in a slot of its own
+    past the plan's slots, so a step's positional arguments are one ``itemgetter`` over the slot
+    list, and keyword arguments without tensors are bound once (``functools.partial``). Arguments
+    nested around a tensor (a list of tensors, say) take the general decoder."""
 
     def __init__(self, plan: dict, directory: pathlib.Path):
         if plan.get("format") != FORMAT:
@@ -480,15 +509,42 @@ class _Replay:
         self.constants = plan["constants"]
         self._materialized: Optional[list] = None
         self.warm = False  # replayed once in this process: its kernels are loaded, its constants made
+        self._static: list = []  # the decoded tensor-free arguments, slots num_slots.. of every replay
         self.steps = []
         for step in plan["steps"]:
-            args = _decoder(step["args"])
+            args = self._positional(step["args"])
             if "kernel" in step:
                 self.steps.append(self._kernel_step(kernels[step["kernel"]], args))
             else:
-                self.steps.append(self._op_step(_op_from_name(step["op"]), args, _decoder(step["kwargs"]),
-                                                step["out"], step["tuple"]))
+                op = _op_from_name(step["op"])
+                static_kw, kwargs = _static_value(step["kwargs"])
+                if static_kw:
+                    op, kwargs = (functools.partial(op, **kwargs) if kwargs else op), None
+                else:
+                    kwargs = _decoder(step["kwargs"])
+                self.steps.append(self._op_step(op, args, kwargs, step["out"], step["tuple"]))
         self.outputs = _decoder(plan["outputs"])
+        self._template = [None] * self.num_slots + self._static
+
+    def _positional(self, encoded) -> Callable[[list], tuple]:
+        """slots -> a step's positional arguments (encoded as one tuple)."""
+        if isinstance(encoded, dict) and set(encoded) == {"t"}:
+            indices = []
+            for value in encoded["t"]:
+                if isinstance(value, dict) and set(value) == {"s"}:
+                    indices.append(value["s"])
+                    continue
+                static, decoded = _static_value(value)
+                if not static:
+                    return _decoder(encoded)
+                indices.append(self.num_slots + len(self._static))
+                self._static.append(decoded)
+            if len(indices) > 1:
+                return operator.itemgetter(*indices)
+            if indices:
+                return lambda slots, i=indices[0]: (slots[i],)
+            return lambda slots: ()
+        return _decoder(encoded)
 
     @staticmethod
     def _kernel_step(fn, args):
@@ -498,8 +554,15 @@ class _Replay:
 
     @staticmethod
     def _op_step(op, args, kwargs, outs, is_tuple):
+        if kwargs is None and not is_tuple and len(outs) == 1 and outs[0] is not None:
+            out = outs[0]
+
+            def run_one(slots):  # the common step: tensor-free keywords, one tensor out
+                slots[out] = op(*args(slots))
+            return run_one
+
         def run(slots):
-            value = op(*args(slots), **kwargs(slots))
+            value = op(*args(slots), **kwargs(slots)) if kwargs is not None else op(*args(slots))
             for slot, v in zip(outs, value if is_tuple else (value,)):
                 if slot is not None:
                     slots[slot] = v
@@ -512,12 +575,17 @@ class _Replay:
             self._materialized = [(c["slot"], torch.tensor(c["values"], dtype=getattr(torch, c["dtype"]),
                                                            device=c["device"]).reshape(c["shape"]))
                                   for c in self.constants]
+            for slot, t in self._materialized:
+                self._template[slot] = t
         return self._materialized
 
     def __call__(self, inputs: tuple):
-        slots: list = list(inputs) + [None] * (self.num_slots - len(inputs))
-        for slot, t in self._constants():
-            slots[slot] = t
+        if len(inputs) != self.num_inputs:
+            raise ValueError(f"inputs: the plan takes {self.num_inputs} tensors, got {len(inputs)}")
+        if self._materialized is None:
+            self._constants()
+        slots = self._template.copy()
+        slots[:self.num_inputs] = inputs
         for step in self.steps:
             step(slots)
         return self.outputs(slots)
