@@ -9,7 +9,7 @@ object``; everything else is shared:
     main kernel                                          dK, dV written; dQaccum += dS K
     dq               = postprocess(dQaccum)              softmax_scale * dQaccum -> q.dtype
 
-A kernel with ``dq_frag`` keeps dQaccum in its fragment order: a memset zeroes it and
+A kernel with ``dq_frag`` keeps dQaccum in its fragment order: the preprocess zeroes it as one flat buffer and
 ``postprocess_frag`` (which reads the layout from the kernel object) writes dq. This module imports no
 kernel module: the kernel's own entry points pass ``make_kernel`` in.
 
@@ -87,8 +87,8 @@ def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, determinis
 
 
 def uses_dq_frag(kernel) -> bool:
-    """A fragment-order dQ accumulator (``dq_frag``): zeroed by a memset instead of the preprocess,
-    and turned into dq by ``postprocess_frag`` instead of ``postprocess``."""
+    """A fragment-order dQ accumulator (``dq_frag``): zeroed by the preprocess as one flat buffer, and
+    turned into dq by ``postprocess_frag`` instead of ``postprocess``."""
     return getattr(kernel, "dq_frag", False)
 
 
@@ -97,7 +97,7 @@ def compile_pre_post(kernel, dtype: str, d: int, dv: int, varlen: bool) -> tuple
     from stage4_bwd_kernel import postprocess_frag as post_frag
 
     if uses_dq_frag(kernel):
-        return (pre.compile_only(dtype, d, dv, varlen, launchable=True, zero_dq=False),
+        return (pre.compile_only(dtype, d, dv, varlen, launchable=True, dq_zeroing="flat"),
                 post_frag.compile_launchable(kernel, varlen))
     return pre.compile_only(dtype, d, dv, varlen, launchable=True), post.compile_only(dtype, d, varlen, launchable=True)
 
@@ -185,16 +185,17 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     if hasattr(kernel.dq_order, "check_grid"):  # before the first launch (the preprocess)
         kernel.dq_order.check_grid(common.cdiv(max_seqlen_k, kernel.tile_n), k.shape[-2], batch)
 
-    # 1. preprocess: lse2, D, zeroed dQ accumulator (in fragment order, see postprocess_frag: zeroed here)
+    # 1. preprocess: lse2, D, the zeroed dQ accumulator (fragment order, see postprocess_frag: zeroed as
+    # one flat buffer)
     if dq_frag:
         from stage4_bwd_kernel import postprocess_frag as post_frag
 
         rows = kernel.dq_frag_accum_rows(q.shape[0] if varlen else max_seqlen_q, batch)
-        dq_accum = torch.zeros((*q.shape[:-3], hq, rows, d), dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty((*q.shape[:-3], hq, rows, d), dtype=torch.float32, device=q.device)
     else:
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse2, dpsum = pre.preprocess(out, dout, lse, None if dq_frag else dq_accum, head_dim=d,
-                                 cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q)
+    lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum, head_dim=d, cu_seqlens_q=cu_q if varlen else None,
+                                 max_seqlen_q=max_seqlen_q, dq_zeroing="flat" if dq_frag else "rows")
 
     # 2. main kernel
     tm, tn = kernel.tile_m, kernel.tile_n
@@ -203,7 +204,7 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     if deterministic:
         semaphores = torch.zeros((batch, hq, num_m_blocks), dtype=torch.int32, device=q.device)
     else:
-        semaphores = pre._dummy_int32(q.device).view(1, 1, 1)
+        semaphores = pre._dummy(q.device, (1, 1, 1), "int32")  # made once, not a view per call
     dummy = pre._dummy_int32(q.device)
     comp.fn(*main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, varlen=varlen,
                        cu_seqlens_q=cu_q if varlen else dummy, cu_seqlens_k=cu_k if varlen else dummy,

@@ -17,6 +17,13 @@ exp2(S*scale_log2 - (+inf)) = 0 and their P, dS and gradient contributions vanis
 Varlen: q/out/dout are packed (total, H, d); the kernel views them as (1, total, H, d) and takes the
 row offset and length of batch b from cu_seqlens_q. lse2 / D of sequence b start at
 common.stats_offset(cu_seqlens_q[b], b), 16-byte aligned, for step 3's TMA loads.
+
+The dQ accumulator comes in two layouts (``dq_zeroing``): "rows", shaped like q, where each CTA
+zeroes its own 64 rows; "flat", the fragment-order accumulator of the production kernel, whose tiles
+hold their elements in MMA-fragment order (and varlen adds padding tiles), so no CTA's rows map onto a
+range of it: the buffer is zeroed as one flat array, each CTA a contiguous share in 16-byte stores.
+Zeroing it here rather than with a separate memset saves a kernel launch (host time) on every
+backward; the bytes written are the same.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from stage4_bwd_kernel import common
 STEP = "bwd_preprocess"
 TILE_M = 64
 NUM_THREADS = 128
+DQ_ZEROING = ("rows", "flat")  # the dQ accumulator's layout (module docstring)
 
 
 def gmem_tiled_copy(dtype, cols: int, num_threads: int, elems_per_thread: int | None = None, bits: int = 128):
@@ -46,9 +54,11 @@ def gmem_tiled_copy(dtype, cols: int, num_threads: int, elems_per_thread: int | 
 
 
 class BackwardPreprocess:
-    def __init__(self, dtype, head_dim: int, head_dim_v: int, varlen: bool, zero_dq: bool = True):
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, varlen: bool, dq_zeroing: str = "rows"):
+        if dq_zeroing not in DQ_ZEROING:
+            raise ValueError(f"dq_zeroing: expected one of {DQ_ZEROING}, got {dq_zeroing!r}")
         self.dtype = dtype
-        self.zero_dq = zero_dq  # False: the caller zeroes its own dQ accumulator (step 3's dq_frag)
+        self.dq_zeroing = dq_zeroing
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.varlen = varlen
@@ -59,13 +69,15 @@ class BackwardPreprocess:
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
                  mD: cute.Tensor, mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor, num_m_blocks: Int32,
                  stream):
-        # mO, mdO (B, Sq, H, dv); mLSE, mLSE2, mD (B, H, Sq) fp32; mdQacc (B, Sq, H, d) fp32;
-        # varlen: B = 1, Sq = total_q, and mCuSeqlensQ (batch + 1,) int32 gives the sequences
+        # mO, mdO (B, Sq, H, dv); mLSE, mLSE2, mD (B, H, Sq) fp32; mdQacc (B, Sq, H, d) fp32, or
+        # "flat": (N,) fp32, N a multiple of 4; varlen: B = 1, Sq = total_q, and mCuSeqlensQ
+        # (batch + 1,) int32 gives the sequences
         if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
             raise TypeError("out, dout must share the kernel's dtype")
         mO = common.assume_aligned(mO, self.head_dim_v)
         mdO = common.assume_aligned(mdO, self.head_dim_v)
-        mdQacc = common.assume_aligned(mdQacc, self.head_dim)
+        if const_expr(self.dq_zeroing == "rows"):
+            mdQacc = common.assume_aligned(mdQacc, self.head_dim)
         copy_O, tpr_O = gmem_tiled_copy(self.dtype, self.head_dim_v, self.num_threads)
         copy_dQ, _ = gmem_tiled_copy(Float32, self.head_dim, self.num_threads)
         self.tpr_O = tpr_O
@@ -96,7 +108,6 @@ class BackwardPreprocess:
         if rows_left > 0:
             gO = cute.local_tile(cute.domain_offset((offset, 0), mO[bidx, None, head, None]), (tm, dv), (m_block, 0))
             gdO = cute.local_tile(cute.domain_offset((offset, 0), mdO[bidx, None, head, None]), (tm, dv), (m_block, 0))
-            gdQ = cute.local_tile(cute.domain_offset((offset, 0), mdQacc[bidx, None, head, None]), (tm, d), (m_block, 0))
 
             # 1. D = rowsum(dO * O) in fp32: 16-byte loads, a row's threads are adjacent lanes
             thr_O = copy_O.get_slice(tidx)
@@ -135,7 +146,9 @@ class BackwardPreprocess:
                         Float32.inf if lse == -Float32.inf else lse * math.log2(math.e))
 
             # 3. zero this tile of the fp32 dQ accumulator
-            if const_expr(self.zero_dq):
+            if const_expr(self.dq_zeroing == "rows"):
+                gdQ = cute.local_tile(cute.domain_offset((offset, 0), mdQacc[bidx, None, head, None]), (tm, d),
+                                      (m_block, 0))
                 thr_dQ = copy_dQ.get_slice(tidx)
                 tQgdQ = thr_dQ.partition_D(gdQ)
                 tQcdQ = thr_dQ.partition_D(cute.make_identity_tensor((tm, d)))
@@ -144,31 +157,54 @@ class BackwardPreprocess:
                 for m in cutlass.range_constexpr(cute.size(tQgdQ.shape[1])):
                     if tQcdQ[0, m, 0][0] < rows_left:
                         cute.copy(copy_dQ, zeros[None, m, None], tQgdQ[None, m, None])
+        if const_expr(self.dq_zeroing == "flat"):
+            zero_flat_share(mdQacc, tidx, self.num_threads)  # every CTA, whether it has rows or not
+
+
+@cute.jit
+def zero_flat_share(mAcc: cute.Tensor, tidx: Int32, num_threads: cutlass.Constexpr[int]):
+    """This CTA's contiguous share of a flat fp32 buffer (N,), N a multiple of 4, 16-byte aligned,
+    set to 0 in 16-byte stores; the shares of the grid's CTAs cover it."""
+    bx, by, bz = cute.arch.block_idx()
+    gx, gy, gz = cute.arch.grid_dim()
+    cta = bx + gx * (by + gy * bz)
+    vecs = mAcc.shape[0] // 4
+    per_cta = (vecs + gx * gy * gz - 1) // (gx * gy * gz)
+    first = cta * per_cta
+    last = cutlass.min(first + per_cta, vecs)
+    gAcc = cute.make_tensor(mAcc.iterator, cute.make_layout((4, vecs), stride=(1, 4)))   # (4, vecs)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+    zeros = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+    zeros.fill(0.0)
+    for i in cutlass.range(first + tidx, last, num_threads, unroll=4):
+        cute.copy(atom, zeros, gAcc[None, i])
 
 
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
-def _fake_args(dt, head_dim, head_dim_v, *, launchable: bool = False):
+def _fake_args(dt, head_dim, head_dim_v, *, launchable: bool = False, dq_zeroing: str = "rows"):
     F = common.fake_tensor
+    acc = F(Float32, 1) if dq_zeroing == "flat" else F(Float32, 4, head_dim)  # flat: (N,), 16-byte aligned
     return (F(dt, 4, head_dim_v), F(dt, 4, head_dim_v), F(Float32, 3, align=4), F(Float32, 3, align=4),
-            F(Float32, 3, align=4), F(Float32, 4, head_dim), F(Int32, 1, align=4), Int32(1),
+            F(Float32, 3, align=4), acc, F(Int32, 1, align=4), Int32(1),
             common.launch_stream() if launchable else common.fake_stream())
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, varlen=False, *, launchable=False,
-                 zero_dq=True) -> common.Compiled:
+                 dq_zeroing="rows") -> common.Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); launchable=True builds what
-    ``preprocess`` launches (TVM-FFI, the same cache key); zero_dq=False the build that leaves the
-    dQ accumulator alone (``preprocess(..., dq_accum=None)``)."""
+    ``preprocess`` launches (TVM-FFI, the same cache key); dq_zeroing="flat" the build that zeroes a
+    fragment-order accumulator (``preprocess(..., dq_zeroing="flat")``)."""
     dv = head_dim if head_dim_v is None else head_dim_v
-    return _compile(launchable, common.cutlass_dtype(dtype), head_dim, dv, bool(varlen), bool(zero_dq))
+    return _compile(launchable, common.cutlass_dtype(dtype), head_dim, dv, bool(varlen), dq_zeroing)
 
 
-def _compile(launchable: bool, dt, d: int, dv: int, varlen: bool, zero_dq: bool = True) -> common.Compiled:
-    key = (STEP, "gpu" if launchable else "fake", str(dt), d, dv, varlen) + (() if zero_dq else ("no-dq",))
-    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen, zero_dq),
-                                               _fake_args(dt, d, dv, launchable=launchable)))
+def _compile(launchable: bool, dt, d: int, dv: int, varlen: bool, dq_zeroing: str = "rows") -> common.Compiled:
+    key = (STEP, "gpu" if launchable else "fake", str(dt), d, dv, varlen) + (() if dq_zeroing == "rows" else
+                                                                            (f"{dq_zeroing}-dq",))
+    return common.compile_cached(key, lambda: (BackwardPreprocess(dt, d, dv, varlen, dq_zeroing),
+                                               _fake_args(dt, d, dv, launchable=launchable, dq_zeroing=dq_zeroing)))
 
 
 def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks):
@@ -178,14 +214,24 @@ def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, 
     return (view(out4), view(dout4), view(lse3), lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks)
 
 
-def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, max_seqlen_q=None):
-    """(GPU) -> (lse_log2, dpsum) fp32; zeroes dq_accum (shaped like q, fp32) unless it is None
-    (then head_dim, q's, is required). Dense: out/dout
-    (B, Sq, H, dv), lse (B, H, Sq), and lse_log2 / dpsum shaped like lse. Varlen: (T, H, dv), lse
-    (H, T), int32 cu_seqlens_q; lse_log2 / dpsum (H, common.stats_offset(T, batch)), sequence b's
-    rows from common.stats_offset(cu_seqlens_q[b], b)."""
+def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, max_seqlen_q=None,
+               dq_zeroing="rows"):
+    """(GPU) -> (lse_log2, dpsum) fp32, and dq_accum zeroed: "rows", shaped like q, fp32; "flat", a
+    contiguous fp32 tensor of any shape, a multiple of 4 elements (the fragment-order accumulator;
+    head_dim, q's, is then required). Dense: out/dout (B, Sq, H, dv), lse (B, H, Sq), and lse_log2 /
+    dpsum shaped like lse. Varlen: (T, H, dv), lse (H, T), int32 cu_seqlens_q; lse_log2 / dpsum (H,
+    common.stats_offset(T, batch)), sequence b's rows from common.stats_offset(cu_seqlens_q[b], b)."""
     import torch
 
+    if dq_zeroing not in DQ_ZEROING:
+        raise ValueError(f"dq_zeroing: expected one of {DQ_ZEROING}, got {dq_zeroing!r}")
+    flat = dq_zeroing == "flat"
+    if flat:
+        if head_dim is None:
+            raise ValueError("head_dim: required with dq_zeroing='flat'")
+        if not dq_accum.is_contiguous() or dq_accum.numel() % 4 or dq_accum.data_ptr() % 16:
+            raise ValueError("dq_accum: a flat accumulator must be contiguous, 16-byte aligned and a multiple of "
+                             f"4 elements, got {tuple(dq_accum.shape)}")
     varlen = cu_seqlens_q is not None
     # Rows of 16-byte multiples (step 3's producer loads them with TMA): the stats_offset of one more
     # sequence (dense: of sequence 0 past the end), which also bounds the varlen rows' padding. Varlen
@@ -193,27 +239,28 @@ def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, ma
     # would survive the mask).
     num_seqs = cu_seqlens_q.shape[0] - 1 if varlen else 0
     rows = common.stats_offset(lse.shape[-1], num_seqs)
-    zero_dq = dq_accum is not None
-    if not zero_dq:
-        dq_accum = _dummy_f32(out.device, head_dim)
     alloc = torch.zeros if varlen else torch.empty
     lse2, dpsum = (alloc(*lse.shape[:-1], rows, dtype=torch.float32, device=lse.device) for _ in range(2))
-    if not varlen:
+    if not varlen and rows != lse.shape[-1]:
         lse2, dpsum = lse2[..., :lse.shape[-1]], dpsum[..., :lse.shape[-1]]
+    acc = dq_accum.view(-1) if flat else dq_accum
     if varlen:
-        o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), dq_accum.unsqueeze(0) if zero_dq else dq_accum
+        o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), acc if flat else acc.unsqueeze(0)
         l3, l23, d3 = lse.unsqueeze(0), lse2.unsqueeze(0), dpsum.unsqueeze(0)
         cu = cu_seqlens_q
         rows = max_seqlen_q
         batch = cu.shape[0] - 1
     else:
-        o4, do4, acc4, l3, l23, d3 = out, dout, dq_accum, lse, lse2, dpsum
+        o4, do4, acc4, l3, l23, d3 = out, dout, acc, lse, lse2, dpsum
         cu = _dummy_int32(out.device)
         rows = out.shape[1]
         batch = out.shape[0]
     if batch == 0 or rows == 0 or out.shape[-2] == 0:
+        if flat:
+            dq_accum.zero_()  # no grid to zero it
         return lse2, dpsum
-    comp = _compile(True, common.cutlass_dtype(out.dtype), dq_accum.shape[-1], out.shape[-1], varlen, zero_dq)
+    comp = _compile(True, common.cutlass_dtype(out.dtype), head_dim if flat else dq_accum.shape[-1], out.shape[-1],
+                    varlen, dq_zeroing)
     num_m = common.cdiv(rows, TILE_M)
     comp.fn(*preprocess_args(o4, do4, l3, l23, d3, acc4, cu, num_m))
     return lse2, dpsum
@@ -230,11 +277,6 @@ def _dummy(device, shape: tuple, dtype_name: str):
     if key not in _DUMMY:
         _DUMMY[key] = torch.zeros(shape, dtype=getattr(torch, dtype_name), device=device)
     return _DUMMY[key]
-
-
-def _dummy_f32(device, head_dim: int):
-    """A (1, 1, 1, head_dim) fp32 stand-in for the dQ accumulator of a launch that does not zero it."""
-    return _dummy(device, (1, 1, 1, head_dim), "float32")
 
 
 def _dummy_int32(device):

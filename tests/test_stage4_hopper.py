@@ -447,6 +447,7 @@ def test_pre_and_postprocess_compile(varlen):
 
     for d in (96, 128):
         for mod, comp in (("pre", preprocess.compile_only("bf16", d, varlen=varlen)),
+                          ("pre", preprocess.compile_only("bf16", d, varlen=varlen, dq_zeroing="flat")),
                           ("post", postprocess.compile_only("fp16", d, varlen=varlen))):
             rep = comp.report
             assert rep["spill_stores"] == 0 and rep["LDL/STL"] == 0, (mod, rep)
@@ -698,6 +699,44 @@ def test_varlen_stats_rows_start_aligned_and_never_overlap(rng):
         assert all(e <= s for e, s in zip(ends, starts[1:])), (lens, starts)
         rows = stats_offset(int(cu[-1]), len(lens))  # what the preprocess allocates
         assert ends[-1] <= rows and rows % 4 == 0
+
+
+@pytest.mark.cpu
+def test_preprocess_refuses_a_flat_accumulator_it_cannot_zero_in_16_byte_stores():
+    torch = pytest.importorskip("torch")
+    from stage4_bwd_kernel import preprocess
+
+    out = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 8)
+    for acc, head_dim, what in ((torch.zeros(6), 64, "multiple of"), (torch.zeros(8, 2)[:, 0], 64, "contiguous"),
+                                (torch.zeros(8), None, "head_dim"), (torch.zeros(8), 64, "dq_zeroing")):
+        mode = "rows-and-flat" if what == "dq_zeroing" else "flat"
+        with pytest.raises(ValueError, match=what):
+            preprocess.preprocess(out, out, lse, acc, head_dim=head_dim, dq_zeroing=mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [None, [0, 5, 130, 1, 0, 70], [0, 0, 3]], ids=["dense", "varlen", "mostly-empty"])
+def test_preprocess_zeroes_a_flat_accumulator_everywhere(lens):
+    """dq_zeroing="flat" (the fragment-order accumulator): every element of a NaN-poisoned buffer is 0
+    afterwards, whatever its length against the grid's shares, and CTAs of empty sequences zero theirs."""
+    import torch
+    from stage4_bwd_kernel import preprocess
+
+    heads, d = 3, 64
+    if lens is None:
+        out, dout = (torch.randn(2, 77, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lse, kw = torch.randn(2, heads, 77, device="cuda"), {}
+    else:
+        total = sum(lens)
+        out, dout = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lse = torch.randn(heads, total, device="cuda")
+        kw = dict(cu_seqlens_q=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device="cuda"),
+                  max_seqlen_q=max(lens))
+    for elems in (4, 4 * 997, 3 * 80 * 64 * 7 + 4):
+        acc = torch.full((elems,), float("nan"), device="cuda")
+        preprocess.preprocess(out, dout, lse, acc, head_dim=d, dq_zeroing="flat", **kw)
+        assert torch.count_nonzero(acc).item() == 0 and not acc.isnan().any(), elems
 
 
 @pytest.mark.gpu
