@@ -6,6 +6,7 @@ plain stream. The checks raise ValueError / TypeError naming the argument before
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Callable
@@ -110,10 +111,24 @@ def to_cute(t, assumed_align=16):
 
 
 def launch_view(t):
-    """A torch tensor as a TVM-FFI launch takes it: detached where it requires grad (a launch takes
-    no such tensor), else itself -- a detach() per argument is host time on every call, and a step of
-    every launch plan that records the call (fa4/_plans.py)."""
-    return t.detach() if t is not None and t.requires_grad else t
+    """A torch tensor as a TVM-FFI launch takes it: itself, or detached where it requires grad and
+    the launch could not take it. TVM-FFI converts a tensor through torch's C DLPack exchange API
+    where torch has one (2.11 does), which takes a tensor that requires grad (on an H200 the launches
+    without the detaches gave bitwise the same forward and gradients); without it, TVM-FFI falls back
+    to ``__dlpack__``, which refuses one. A detach() per argument is host time on every call, and a
+    step of every launch plan that records the call (fa4/_plans.py)."""
+    if t is None or not t.requires_grad or launch_takes_grad_tensors():
+        return t
+    return t.detach()
+
+
+@functools.lru_cache(maxsize=1)
+def launch_takes_grad_tensors() -> bool:
+    """Whether torch offers TVM-FFI the C DLPack exchange API (TVM-FFI sets the first name itself when
+    it loads its torch extension; older torch spells the second)."""
+    import torch
+
+    return any(hasattr(torch.Tensor, name) for name in ("__dlpack_c_exchange_api__", "__c_dlpack_exchange_api__"))
 
 
 def launch_stream():

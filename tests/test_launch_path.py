@@ -189,17 +189,25 @@ def test_parts_merge_memory_hit_builds_no_fake_tensors(monkeypatch, token_rows):
 
 
 @pytest.mark.cpu
-def test_launch_arguments_detach_only_tensors_that_require_grad():
+def test_launch_arguments_detach_only_where_the_launch_cannot_take_grad(monkeypatch):
+    """With torch's C DLPack exchange API, TVM-FFI takes a tensor that requires grad as it is (no
+    detach on the host path, no detach step in a launch plan); without it, a detached view of the same
+    memory. Tensors that need no grad are never touched."""
     torch = pytest.importorskip("torch")
-    from stage3_fwd_kernel import hopper
+    from stage3_fwd_kernel import hopper, host_io
 
     q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
     k = q.clone().requires_grad_(True)
     lse = torch.zeros(1, 2, 8)
+    monkeypatch.setattr(host_io, "launch_takes_grad_tensors", lambda: True)
+    args = hopper._call_args(q, k, q, q, lse, 0.1, 8)
+    assert args[0] is q and args[1] is k and args[3] is q and args[4] is lse
+    monkeypatch.setattr(host_io, "launch_takes_grad_tensors", lambda: False)
     args = hopper._call_args(q, k, q, q, lse, 0.1, 8)
     assert args[0] is q and args[3] is q and args[4] is lse          # no detach() where none is needed
-    assert args[1] is not k and not args[1].requires_grad            # TVM-FFI takes no tensor needing grad
+    assert args[1] is not k and not args[1].requires_grad
     assert args[1].data_ptr() == k.data_ptr()
+    assert host_io.launch_view(None) is None
 
 
 @pytest.mark.cpu
@@ -297,3 +305,4 @@ def test_launch_follows_torchs_current_stream():
     ref = attention_ref(src[0], src[1], src[2], causal=True, upcast=True)[0]
     assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
     assert (out.float() - ref.float()).abs().max().item() < 0.05
+
