@@ -712,7 +712,8 @@ def add_lse_grad(bwd, q, k, v, out, lse, dlse, dq, dk, *, varlen: bool):
 
     (P is recomputed from q, k and the saved lse, so it is the same P.) -dlse is written into
     out' as a hi + lo pair of the input dtype (columns 0 and 1, with dout' = 1 there), so the
-    fp32 D the kernel forms carries dlse to ~2^-16 relative error instead of bf16's 2^-8.
+    fp32 D the kernel forms carries dlse to ~2^-16 relative error instead of bf16's 2^-8. In fp16
+    (max 65504) a row's -dlse is first divided by a power of two 2^e <= 2^15 that dout' carries.
     The extra call costs one backward pass, paid only when the lse really receives a gradient.
 
     `lse` is (B, H, Sq) fixed-length or (H, total_q) varlen; q/out are (B, Sq, H, *) or (total_q, H, *).
@@ -721,13 +722,23 @@ def add_lse_grad(bwd, q, k, v, out, lse, dlse, dq, dk, *, varlen: bool):
 
     neg = -dlse.to(torch.promote_types(dlse.dtype, torch.float32))  # fp32 (fp64 in the CPU tests)
     neg = neg.permute(0, 2, 1) if not varlen else neg.transpose(0, 1)   # -> (B, Sq, H) / (Tq, H)
+    scale = None
+    if out.dtype == torch.float16:
+        # fp16 stops at 65504, and under a GradScaler (2^16) |dlse| passes it: a power of two per row,
+        # 2^e with -dlse / 2^e <= 2^14, rides in dout' (D' = 2^e (hi + lo), formed in fp32)
+        scale = torch.exp2(torch.ceil(torch.log2(neg.abs() / 2.0**14)).clamp(0, 15))
+        neg = neg / scale
     hi = neg.to(out.dtype)
     lo = (neg - hi.to(neg.dtype)).to(out.dtype)
     out_c = torch.zeros_like(out)
     dout_c = torch.zeros_like(out)
     out_c[..., 0] = hi
     out_c[..., 1] = lo
-    dout_c[..., :2] = 1
+    if scale is None:
+        dout_c[..., :2] = 1
+    else:
+        dout_c[..., 0] = scale
+        dout_c[..., 1] = scale
     dq_c, dk_c, _ = bwd(q, k, torch.zeros_like(v), out_c, dout_c, lse)
     return dq + dq_c, dk + dk_c
 

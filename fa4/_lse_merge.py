@@ -33,4 +33,5 @@ def add_sink(out, lse, sink):
     """A learnable sink (one logit per head, (H,)) joins each row's denominator once: returns the
     rescaled (out, lse), not in place."""
     new = torch.logaddexp(lse, sink.to(lse.dtype).expand_as(lse))
-    return out * torch.exp(lse - new).unsqueeze(-1), new
+    # a row with no key and a -inf sink: exp(-inf - (-inf)) is NaN; its out stays 0, as merge_into's
+    return out * torch.exp(lse - new).nan_to_num(0.0).unsqueeze(-1), new

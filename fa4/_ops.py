@@ -81,7 +81,10 @@ def _empty_lse(q, shape, learnable_sink, head_dim):
         return q.new_full(shape, NEG_INF, dtype=torch.float32)
     view = [1] * len(shape)
     view[head_dim] = -1
-    return learnable_sink.detach().to(torch.float32).view(view).expand(shape).contiguous()
+    # clone, not contiguous(): with one lse value per head the expand is already contiguous, and the
+    # result would share the sink's storage (an optimizer step would then change a returned lse)
+    return learnable_sink.detach().to(torch.float32).view(view).expand(shape).clone(
+        memory_format=torch.contiguous_format)
 
 
 def _dsink(out, dout, lse, dlse, learnable_sink, d=None):
@@ -374,7 +377,10 @@ def _eager_function(impl, setup_context, backward, bwd_impl):
 
         @staticmethod
         def backward(ctx, dout, dlse):
-            return backward(ctx, dout, dlse, bwd_fn=bwd_impl)
+            # create_graph=True (grad mode on here): through the backward op, whose missing autograd
+            # formula refuses a double backward as the op path does. The kernels' gradients carry no
+            # history, so straight from bwd_impl a gradient penalty would get None for q's part.
+            return backward(ctx, dout, dlse, bwd_fn=None if torch.is_grad_enabled() else bwd_impl)
 
     return Eager
 

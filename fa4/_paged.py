@@ -36,7 +36,8 @@ def in_place(q, k_pages, v_pages, query_rows=None) -> bool:
 
 
 def needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    # not-a-tensor values pass here: the argument checks after this name them (TypeError)
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,

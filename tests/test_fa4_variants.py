@@ -564,6 +564,70 @@ def test_empty_problems_with_a_sink(reference_ops):
     assert lse.shape == (2, 4) and torch.equal(lse[:, 0], sink.float()) and reference_ops.calls == []
 
 
+def test_empty_rows_lse_is_a_fresh_tensor_never_the_sinks(reference_ops):
+    """One lse value per head (B = 1, Sq = 1) and no keys: the sink's expand is already contiguous, yet
+    the returned lse must not share the sink's storage (an optimizer step would change it, and the op
+    refuses an output that aliases an input)."""
+    z = lambda *s: torch.zeros(*s, dtype=F64)  # noqa: E731
+    sink = torch.randn(4, dtype=torch.float32)
+    out, lse = _ops._fwd_impl(z(1, 1, 4, 8), z(1, 0, 2, 8), z(1, 0, 2, 8), 0.1, False, False, True, None, None,
+                              0.0, sink)
+    assert lse.untyped_storage().data_ptr() != sink.untyped_storage().data_ptr()
+    before = lse.clone()
+    sink.add_(1.0)
+    assert torch.equal(lse, before)
+    _ops.fwd(z(1, 1, 4, 8), z(1, 0, 2, 8), z(1, 0, 2, 8), 0.1, False, False, True, None, None, 0.0, sink)
+
+
+@pytest.mark.parametrize("path", ["op", "eager"])
+def test_double_backward_is_refused_on_both_paths(reference_ops, path):
+    """create_graph=True: the kernels' gradients are not differentiable, so a gradient penalty through
+    attention raises on both paths (the eager one returned None for q's part before)."""
+    q, k, v, dout, _, sink = _problem(3)
+    qa, ka, va, sa = (t.clone().requires_grad_() for t in (q, k, v, sink))
+    args = (qa, ka, va, 0.3, True, False, True, None, None, 0.0, sa)
+    out, _ = _ops.fwd(*args) if path == "op" else _ops._EagerFwd.apply(*args)
+    dq, *_ = torch.autograd.grad((out * out).sum(), (qa, ka, va, sa), create_graph=True)
+    with pytest.raises(RuntimeError, match="autograd formula"):
+        torch.autograd.grad(dq.pow(2).sum(), qa, allow_unused=True)
+
+
+def test_lse_gradient_past_fp16_range_reaches_the_kernel_finite():
+    """add_lse_grad writes -dlse into out' (fp16 here): |dlse| past 65504 (a GradScaler's 2^16 gets there)
+    is carried by a power of two in dout', so the D' the kernel forms in fp32 is -dlse, not inf - inf."""
+    g = torch.Generator().manual_seed(0)
+    b, sq, h, d = 2, 5, 3, 16
+    q, k, v, out = (torch.randn(b, sq, h, d, generator=g).half() for _ in range(4))
+    dlse = torch.randn(b, h, sq, generator=g) * torch.tensor([1e-3, 1.0, 7e4, 3e6, 0.0]).view(1, 1, sq)
+    seen = []
+
+    def bwd(q_, k_, v_, out_c, dout_c, lse_):
+        seen.append((dout_c.float() * out_c.float()).sum(-1))  # D' as the kernel's preprocess forms it
+        return torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
+
+    _dispatch.add_lse_grad(bwd, q, k, v, out, torch.zeros(b, h, sq), dlse, torch.zeros_like(q), torch.zeros_like(k),
+                           varlen=False)
+    d_prime = seen[0].permute(0, 2, 1)                                    # (B, H, Sq) like dlse
+    assert torch.isfinite(d_prime).all()
+    torch.testing.assert_close(d_prime, -dlse, rtol=1e-5, atol=1e-7)  # fp16 lo parts of |dlse| ~ 1e-3 are subnormal
+
+
+def test_add_sink_keeps_empty_rows_zero_with_a_minus_inf_sink():
+    from fa4 import _lse_merge
+
+    out = torch.zeros(1, 2, 2, 4)
+    lse = torch.tensor([[[-math.inf, 0.5], [-math.inf, -math.inf]]]).permute(0, 2, 1)   # (B, S, H) rows
+    out2, lse2 = _lse_merge.add_sink(out, lse, torch.tensor([-math.inf, 0.3]))
+    assert torch.equal(out2, torch.zeros_like(out)) and not lse2.isnan().any()
+
+
+def test_paged_grad_check_leaves_non_tensors_to_the_argument_checks():
+    from fa4 import _paged
+
+    t = torch.zeros(2, requires_grad=True)
+    assert _paged.needs_grad(None, 0.5, "x") is False and _paged.needs_grad(0.5, t) is True
+
+
 # ================================================================================ transformers
 @pytest.fixture
 def hf_calls(monkeypatch):
