@@ -22,6 +22,7 @@ error, because a silent 50x slowdown in training is worse than a crash.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -304,6 +305,20 @@ def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_di
                                            flat_batches=FORWARD_LPT_FLAT)
 
 
+def lpt_for_grid(sched, seqlen_q: int, heads_q: int, batch: int):
+    """`sched` for a grid of this size. The flat LPT map finds a CTA's tile with fast_div, exact below
+    FAST_DIV_MAX (2^22) tiles; a bigger grid (e.g. 32k sequences x 128 heads) takes the same sections
+    batch by batch, whose map divides exactly, instead of being refused. Counted with the smallest
+    query tile (64 rows), so no tile size the kernel picks can pass the bound."""
+    if sched is None or not getattr(sched, "flat_batches", False):
+        return sched
+    from stage3_fwd_kernel.intdiv import FAST_DIV_MAX
+
+    if -(-seqlen_q // 64) * heads_q * batch < FAST_DIV_MAX:
+        return sched
+    return dataclasses.replace(sched, flat_batches=False)
+
+
 def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int,
                            max_seqlen_k: int) -> list:
     """Every scheduler `causal_forward_scheduler` picks for a causal call of these heads with
@@ -539,6 +554,7 @@ class HopperBackend(Backend):
         lpt = causal and "window_size" not in variants and tile_m is None
         sched = causal_forward_scheduler(self.arch.key, lpt, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
                                          k.shape[2])
+        sched = lpt_for_grid(sched, q.shape[1], q.shape[2], q.shape[0])
         if tile_m is not None:
             kw["tile_m"] = tile_m
         if sched is not None:
@@ -598,6 +614,7 @@ class BlackwellBackend(Backend):
         lpt = causal and "window_size" not in variants
         sched = causal_forward_scheduler(self.arch.key, lpt, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
                                          k.shape[2], _l2_bytes(q.device))
+        sched = lpt_for_grid(sched, q.shape[1], q.shape[2], q.shape[0])
         if sched is not None:
             kw["scheduler"] = sched
         elif self._persistent(mod, q, v, causal, variants):

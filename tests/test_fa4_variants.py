@@ -205,6 +205,25 @@ def test_windowed_long_causal_forward_keeps_the_static_grid(monkeypatch):
     assert calls[0][2] is None and calls[1][2] is not None  # softcap alone keeps LPT
 
 
+def test_a_grid_too_big_for_the_flat_lpt_map_takes_the_per_batch_sections(monkeypatch):
+    """fa4 picks flat LPT sections for long causal calls; their map divides with fast_div, exact below
+    2^22 tiles, and the kernel refuses a bigger grid. 32k sequences x 128 heads of 65 queries is one:
+    fa4 passes the same sections batch by batch (exact division), which the grid check accepts."""
+    from stage3_fwd_kernel.tile_scheduler import check_grid
+
+    calls = []
+    be = _dispatch.HopperBackend(_dispatch.ARCHS["sm_90"])
+    fwd_mod, _ = _variant_kernels(calls)
+    monkeypatch.setattr(be, "forward_module", lambda: fwd_mod)
+    for batch, flat in ((32768, False), (4, True)):
+        q = torch.empty(batch, 65, 128, 64, device="meta")
+        k = torch.empty(batch, 4096, 1, 64, device="meta")
+        be.forward(q, k, k, 1.0, True)
+        sched = calls[-1][2]
+        assert sched is not None and sched.flat_batches is flat
+        check_grid(sched, 1, 128, batch)  # 65 queries: one 128-row tile
+
+
 @pytest.mark.filterwarnings("ignore:fa4. running the sm_100")
 def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
     """sm_100 takes window, softcap and sink as Hopper does (its kernels are compiled, never run): the
