@@ -93,6 +93,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_head_dims needs a CUDA GPU")
+        return 2
     rng = random.Random(args.seed)
     rows = []
     for d, dv in parse_pairs(args.pairs):
