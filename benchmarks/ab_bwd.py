@@ -29,6 +29,13 @@ from .bench_bwd import PRODUCTION, STEPS
 from .bench_fwd import flops
 
 
+# FlashAttention's convention: a backward does 2.5x the forward's FLOPs (five GEMMs against two; exact
+# at d = dv, 4% under the exact 2 (3 d + 2 dv) per pair at (192, 128)).
+BWD_FLOPS_PER_FWD = 2.5
+FLOPS_NOTE = ("tflops_median: 2.5x the forward's FLOPs (FlashAttention's convention; at (192, 128) 4% under the "
+              "exact count), the causal half or a window's visible pairs (benchmarks.bench_fwd.flops)")
+
+
 def dq_orders() -> dict:
     from stage4_bwd_kernel import schedule
 
@@ -121,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cudnn", action="store_true", help="also time cuDNN through torch SDPA")
     ap.add_argument("--window", default=None, metavar="LEFT[,RIGHT]",
                     help="a sliding window for every kernel: (LEFT, RIGHT), RIGHT defaulting to 0 when causal, else "
-                         "LEFT (the FLOP rate counts the full or causal work, so compare ratios)")
+                         "LEFT (the FLOP rate counts the (query, key) pairs the window sees)")
     args = ap.parse_args(argv)
     if args.window is not None and args.cudnn:
         raise SystemExit("--cudnn: torch SDPA has no sliding window; leave out --cudnn or --window")
@@ -149,12 +156,13 @@ def main(argv=None) -> int:
                     if not err < 0.05:
                         raise SystemExit(f"{n}: max |grad - {specs[0]}'s| = {err} at d={d} s={s} causal={causal}")
                 times = paired_rounds(fns, args.rounds, rng)
-                rows += ratio_rows(times, 2.5 * flops(b, h, s, d, dv, causal),
+                rows += ratio_rows(times, BWD_FLOPS_PER_FWD * flops(b, h, s, d, dv, causal, window),
                                    {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s, "window": window},
                                    f"d={d}x{dv} causal={causal!s:5} s={s:5}")
                 del inputs, peers, fns
     if args.out:
-        write_results(args.out, "benchmarks.ab_bwd", rows, args.rounds, production_variant=PRODUCTION)
+        write_results(args.out, "benchmarks.ab_bwd", rows, args.rounds, production_variant=PRODUCTION,
+                      flops=FLOPS_NOTE)
     return 0
 
 

@@ -112,8 +112,13 @@ def time_ms(fn, target_ms: float = 40.0) -> float:
     return start.elapsed_time(end) / calls
 
 
-def paired_rounds(fns: dict, rounds: int, rng: random.Random) -> dict:
-    """name -> per-round times (ms): every round times every fn once, in a fresh random order."""
+def paired_rounds(fns: dict, rounds: int, rng: random.Random, warmup: int = 1) -> dict:
+    """name -> per-round times (ms): every round times every fn once, in a fresh random order, after
+    `warmup` rounds that are timed the same way and dropped (a first round ran up to 3x slower while
+    clocks and caches settled, which the min / max spread of the rounds then carried)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            time_ms(fn)
     times = {n: [] for n in fns}
     for _ in range(rounds):
         order = list(fns)
@@ -140,8 +145,8 @@ def ratio_rows(times: dict, flop: float, config: dict, label: str) -> list[dict]
 def write_results(path: str, module: str, rows: list, rounds: int, **fields):
     """The run's JSON (module: the benchmark that wrote it, e.g. "benchmarks.ab_fwd")."""
     write_doc(path, module, None, rows, **fields,
-              method=f"{rounds} interleaved rounds, random order, ~40 ms of back-to-back calls each; "
-                     "ratio = official time / this time, same round")
+              method=f"{rounds} interleaved rounds after a dropped warm-up round, random order, ~40 ms of "
+                     "back-to-back calls each; ratio = official time / this time, same round")
 
 
 def add_grid_args(ap, *, dims: str, dims_help: str, seqlens: str, rounds: int):

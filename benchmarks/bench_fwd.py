@@ -5,7 +5,7 @@
 Problem grid: bf16, 32k tokens per batch (batch = 32768 / seqlen), hidden 2048
 (heads = 2048 / head_dim), seqlen 1k..16k. FLOPs = 4 * b * h * s^2 * d (2 * b * h * s^2 *
 (d_qk + d_v) when they differ), halved for causal. Each number is the median of
-triton.testing.do_bench (CUDA events), peers measured in the same process right after ours.
+triton.testing.do_bench (CUDA events), peers measured in the same process, beside ours.
 Every implementation's output is compared with the official FA4's on the first config, so a
 fast wrong kernel cannot enter the table.
 """
@@ -40,9 +40,25 @@ HEAD_DIMS = [(64, 64), (128, 128), (256, 256), (192, 128)]
 SEQLENS = [1024, 2048, 4096, 8192, 16384]
 
 
-def flops(batch, heads, seqlen, d, dv, causal):
+def flops(batch, heads, seqlen, d, dv, causal, window=None):
+    """Forward FLOPs, two GEMMs per (query, key) pair: the full square, half of it causal (the
+    convention of FlashAttention's benchmarks), or with a window (left, right) the pairs it sees."""
+    if window is not None and tuple(window) != (None, None):
+        return 2.0 * batch * heads * visible_pairs(seqlen, *window, causal) * (d + dv)
     f = 2.0 * batch * heads * seqlen * seqlen * (d + dv)
     return f / 2 if causal else f
+
+
+def visible_pairs(seqlen: int, left, right, causal: bool) -> int:
+    """(query, key) pairs a square problem computes with window (left, right) (None: unbounded;
+    causal: right 0), counted row by row."""
+    import numpy as np
+
+    i = np.arange(seqlen, dtype=np.int64)
+    lo = np.zeros_like(i) if left is None else np.maximum(i - left, 0)
+    right = 0 if causal else right
+    hi = np.full_like(i, seqlen - 1) if right is None else np.minimum(i + right, seqlen - 1)
+    return int(np.maximum(hi - lo + 1, 0).sum())
 
 
 def timer():

@@ -194,9 +194,10 @@ def render_bwd() -> str:
 
 def render_sched() -> str:
     path, doc = _newest(f"sched_{GPU}*.json")
-    return (f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}; speedup relative to "
-            f"the first row of each config; 'simulated' is the simulator's prediction; 'bits' compares the "
-            f"output with the static order's)\n\n" + sched_summary_table(doc))
+    return (f"`{path.relative_to(ROOT)}` ({doc['device']}, commit {doc['git_commit']}; speedup: forward rows "
+            f"relative to the static order, backward rows relative to 'det. naive (n ascending)'; 'simulated' is "
+            f"the simulator's prediction; 'bits': forward rows compare the output with the static order's, "
+            f"deterministic backward rows compare two runs of the same order)\n\n" + sched_summary_table(doc))
 
 
 def render_paired() -> str:
@@ -292,7 +293,8 @@ def render_root() -> str:
         cells = []
         for col in cols:
             v, f = vals.get(col), fa4.get(col)
-            cells.append("-" if not v else (f"{v:.0f}" if impl == FA4 else f"{v:.0f} ({v / f:.2f}x FA4)"))
+            # the ratio is to the official kernel in the step's own run (it moves between runs), shown too
+            cells.append("-" if not v else (f"{v:.0f}" if impl == FA4 else f"{v:.0f} ({v / f:.2f}x FA4's {f:.0f})"))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
