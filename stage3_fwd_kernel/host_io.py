@@ -158,6 +158,12 @@ def assume_strides_16B(t: cute.Tensor, head_dim: int) -> cute.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
+def check_causal(causal):
+    """causal must be a bool: a string such as "False" would be truthy and compile a causal kernel."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+
+
 def prepare_inputs(q, k, v):
     """Check the (B,S,H,D) contract and make strides 16-byte aligned (copying only if not)."""
     import torch
@@ -170,8 +176,8 @@ def prepare_inputs(q, k, v):
     bk, sk, hkv, dk = k.shape
     if bk != b or v.shape[0] != b or v.shape[1] != sk or v.shape[2] != hkv or dk != d:
         raise ValueError(f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)}")
-    if hq % hkv != 0:
-        raise ValueError(f"heads: heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"heads: heads_q ({hq}) must be a multiple of heads_kv ({hkv}), which is >= 1")
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         raise ValueError("q, k, v: expected CUDA tensors")
 
@@ -180,15 +186,31 @@ def prepare_inputs(q, k, v):
 
 def align_16B(t):
     """`t` if its base and every stride but the last (which must be 1) are 16-byte aligned and no
-    mode is broadcast (TMA needs positive strides), else a contiguous copy."""
+    mode is broadcast (TMA needs positive strides), else a contiguous copy (or view)."""
     stride = t.stride()
     if stride[-1] != 1 or t.data_ptr() % 16:
-        return t.contiguous()
+        return _canonical(t)
     elem = 16 // t.element_size()
     for s, n in zip(stride[:-1], t.shape[:-1]):
         if s % elem or (s <= 0 and n != 1):
-            return t.contiguous()
+            return _canonical(t)
     return t
+
+
+def _canonical(t):
+    """t with row-major strides. torch calls a tensor contiguous whatever the strides of its size-1
+    modes, and then .contiguous() returns it as it is -- with, say, a head stride of 1 in a (B, S, 1, D)
+    view, which the launch's 16-byte stride check refuses: such a tensor is restrided as a view (its
+    memory already is row-major), anything else copied."""
+    import torch
+
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        strides, step = [], 1
+        for n in reversed(t.shape):
+            strides.append(step)
+            step *= n
+        return t.as_strided(t.shape, tuple(reversed(strides)))
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _check_i32_vector(name, t, length=None):
@@ -284,6 +306,23 @@ def check_varlen_values(total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen
             raise ValueError(f"batch_map: expected entries in [0, {n})")
 
 
+# The smallest softmax_scale taken: the kernels multiply row maxima by scale * log2(e) and divide the
+# rescale threshold by it (fa4._validate keeps the same bound; a cpu test keeps them equal).
+MIN_SOFTMAX_SCALE = 2.0 ** -100
+
+
+def check_scale(softmax_scale, head_dim):
+    """None -> 1/sqrt(head_dim); else a finite real >= MIN_SOFTMAX_SCALE (TypeError / ValueError)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    if not (math.isfinite(softmax_scale) and softmax_scale >= MIN_SOFTMAX_SCALE):
+        # the kernel takes row maxima of the raw scores: a negative scale would flip max and min
+        raise ValueError(f"softmax_scale: expected a finite value >= 2**-100, got {softmax_scale}")
+    return float(softmax_scale)
+
+
 def check_out_tensor(name, t, shape, dtype, device, *, align_bytes):
     """A caller-supplied output: exact shape and dtype, on q's device, last stride 1, every other
     stride a multiple of `align_bytes` (the kernel stores 16-byte vectors to out, 4 bytes to lse;
@@ -334,15 +373,19 @@ def attention_forward_impl(step_name: str, make_kernel: Callable, q, k, v, *, so
     """(B,S,H,D) CUDA tensors -> (out (B,Sq,Hq,Dv) in q's dtype, lse (B,Hq,Sq) fp32)."""
     import torch
 
+    check_causal(causal)
     q, k, v = prepare_inputs(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
+    softmax_scale = check_scale(softmax_scale, d)
     if out is None:
         out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device)
+    else:
+        check_out_tensor("out", out, (b, sq, hq, dv), q.dtype, q.device, align_bytes=16)
     if lse is None:
         lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    else:
+        check_out_tensor("lse", lse, (b, hq, sq), torch.float32, q.device, align_bytes=4)
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
     if k.shape[1] == 0:  # nothing visible anywhere

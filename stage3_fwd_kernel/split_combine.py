@@ -240,12 +240,20 @@ def combine_parts(out_parts, lse_parts, parts: int, out=None, rows_per_query: in
     g = rows_per_query
     if isinstance(g, bool) or not isinstance(g, int) or g < 1 or r % g:
         raise ValueError(f"rows_per_query: expected an int >= 1 dividing the parts' {r} rows, got {g!r}")
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1 or bn % parts:
+        raise ValueError(f"parts: expected an int >= 1 dividing out_parts' {bn} rows of parts, got {parts!r}")
+    # the kernel reads lse_parts[head, b * parts + j, row] unchecked: its shape is the bound
+    if lse_parts.dtype != torch.float32 or tuple(lse_parts.shape) != (h, bn, r) \
+            or lse_parts.device != out_parts.device:
+        raise ValueError(f"lse_parts: expected float32 ({h}, {bn}, {r}) on {out_parts.device}, got "
+                         f"{lse_parts.dtype} {tuple(lse_parts.shape)} on {lse_parts.device}")
     want = (bn // parts, r // g, h * g, dv) if g > 1 else (bn // parts, r, h, dv)
     if out is None:
         out = torch.empty(want, device=out_parts.device, dtype=out_parts.dtype)
-    elif tuple(out.shape) != want or out.dtype != out_parts.dtype or out.stride(-1) != 1 \
+    elif tuple(out.shape) != want or out.dtype != out_parts.dtype or out.device != out_parts.device \
+            or out.stride(-1) != 1 \
             or any(st % 8 for st in out.stride()[:-1]) or out.data_ptr() % 16:
-        raise ValueError(f"out: expected {out_parts.dtype} {want} with a unit last stride, "
+        raise ValueError(f"out: expected {out_parts.dtype} {want} on {out_parts.device} with a unit last stride, "
                          f"the others multiples of 8 and a 16-byte aligned start; got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
     if g > 1:

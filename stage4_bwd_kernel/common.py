@@ -27,7 +27,7 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from stage3_fwd_kernel import runner
+from stage3_fwd_kernel import host_io, runner
 # re-exported for the kernel files, tests and tutorial 04
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached  # noqa: F401
 from stage3_fwd_kernel.host_io import (  # noqa: F401
@@ -186,11 +186,9 @@ def check_head_dims(head_dim: int, head_dim_v: int):
 
 
 def _aligned(t):
-    """t itself if its base and every stride but the last are 16-byte aligned, else a copy."""
-    esz = t.element_size()
-    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-    ok = ok and all((s * esz) % 16 == 0 and (s > 0 or n == 1) for s, n in zip(t.stride()[:-1], t.shape[:-1]))
-    return t if ok else t.contiguous()
+    """t itself if its base and every stride but the last are 16-byte aligned, else a row-major copy or
+    view (the forward's host_io.align_16B)."""
+    return host_io.align_16B(t)
 
 
 def check_backward_inputs(q, k, v, out, dout, lse, *, varlen: bool):
@@ -284,7 +282,8 @@ def check_cu_seqlens(name, cu, total: int, check_values: bool = True):
 def default_scale(softmax_scale, head_dim):
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale: expected a positive finite float, got {softmax_scale!r}")
     return float(softmax_scale)
 

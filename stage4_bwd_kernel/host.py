@@ -155,10 +155,16 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         if check_values:
             _check_varlen_values(cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k)
     else:
-        if seqused_k is not None:
-            raise ValueError("seqused_k: only supported with varlen (cu_seqlens_q / cu_seqlens_k)")
+        for name, given in (("seqused_k", seqused_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if given is not None:
+                raise ValueError(f"{name}: only with varlen (cu_seqlens_q / cu_seqlens_k); a dense call's lengths "
+                                 "are its tensors'")
+        if check_values:
+            raise ValueError("check_values: only with varlen (a dense call has no index tensors to check)")
         batch = q.shape[0]
         max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    if batch > 65535 or q.shape[-2] > 65535:  # the launches' grid y / z: (blocks, heads, sequences)
+        raise ValueError(f"batch ({batch}) and heads ({q.shape[-2]}) must be <= 65535 (grid y / z limit)")
     dq = common.check_grad_out("dq", dq, q)
     dk = common.check_grad_out("dk", dk, k)
     dv = common.check_grad_out("dv", dv, v)

@@ -72,7 +72,10 @@ def test_persistent_scheduler_validation_and_order():
     assert mod._resolve_scheduler(None, True, 64, 64, False, varlen=True) == P(dynamic=True)
     assert mod._resolve_scheduler(None, None, 192, 128, False) is tile_scheduler.StaticTileScheduler
     assert mod._resolve_scheduler(None, False, 64, 64, False) is tile_scheduler.StaticTileScheduler
-    assert mod._resolve_scheduler(P(num_ctas=3), False, 64, 64, False) == P(num_ctas=3)  # already persistent
+    assert mod._resolve_scheduler(P(num_ctas=3), None, 64, 64, False) == P(num_ctas=3)  # already persistent
+    assert mod._resolve_scheduler(P(num_ctas=3), True, 64, 64, False) == P(num_ctas=3)
+    with pytest.raises(ValueError, match="persistent"):  # contradicts the scheduler: refused, not ignored
+        mod._resolve_scheduler(P(num_ctas=3), False, 64, 64, False)
     assert mod._launch_ctas(P(num_ctas=3), None) == 3 and mod._launch_ctas(static, None) == 1
 
 

@@ -1,10 +1,13 @@
 """Tile sizes, shared-memory plan and argument checks of the Hopper forward (host side only)."""
 from __future__ import annotations
 
-import math
-
+from stage3_fwd_kernel import host_io
 from stage3_fwd_kernel.host_io import SMEM_BUDGET
 from stage3_fwd_kernel.softmax_policy import DEFAULT_RESCALE_THRESHOLD, HOPPER_EMULATION_FRACTION, SoftmaxPolicy
+
+# softmax_scale's check and bound, shared with the lessons' entry points (host_io)
+MIN_SOFTMAX_SCALE = host_io.MIN_SOFTMAX_SCALE
+_check_scale = host_io.check_scale
 
 # The cache-key tag of this kernel (the ladder's lessons use their own file names)
 STEP = "hopper_forward"
@@ -21,7 +24,6 @@ Q_SHIFT_TILE_MS = (192,)
 
 # The rescale vote's limit m + tau / (scale * log2 e) must be finite in fp32 for tau <= 64: true from
 # this scale up (fa4's validation uses the same bound). Real scales are ~1/sqrt(d).
-MIN_SOFTMAX_SCALE = 2.0 ** -100
 
 
 def default_tile_n(head_dim: int, head_dim_v: int) -> int:
@@ -116,17 +118,6 @@ def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None) -> int:
     if tile_m == 192 and max(d, dv) > 64:
         raise ValueError(f"tile_m: 192 needs head dims <= 64, got ({d}, {dv})")
     return tile_m
-
-
-def _check_scale(softmax_scale, head_dim):
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
-    if not (math.isfinite(softmax_scale) and softmax_scale >= MIN_SOFTMAX_SCALE):
-        # the kernel takes row maxima of the raw scores: a negative scale would flip max and min
-        raise ValueError(f"softmax_scale: expected a finite value >= 2**-100, got {softmax_scale}")
-    return float(softmax_scale)
 
 
 def _check_head_dims(d, dv):

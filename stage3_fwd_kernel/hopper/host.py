@@ -46,6 +46,7 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
     a float >= 0, learnable_sink a floating (Hq,) tensor on q's device."""
     import torch
 
+    host_io.check_causal(causal)
     window = beyond_causal(causal, window_size)  # causal stays the kernel's flag
     if learnable_sink is not None:
         if not isinstance(learnable_sink, torch.Tensor):
@@ -437,9 +438,10 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     if not isinstance(causal, bool):
         raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
     window = beyond_causal(causal, window_size)
+    # packed rows: a 64-row TMA box of Q spans g heads x 64 / g tokens, so g divides 64 as well
     if isinstance(rows_per_query, bool) or not isinstance(rows_per_query, int) or rows_per_query < 1 \
-            or hq % rows_per_query:
-        raise ValueError(f"rows_per_query: expected an int >= 1 dividing q's {hq} heads, got {rows_per_query!r}")
+            or hq % rows_per_query or 64 % rows_per_query:
+        raise ValueError(f"rows_per_query: expected an int >= 1 dividing q's {hq} heads and 64, got {rows_per_query!r}")
     if range_keys is not None and page_table is not None and (window.left is None or window.left + r > range_keys):
         raise ValueError(f"range_keys: a paged range starts on a key block, so it needs a left window that hides "
                          f"the keys before it (left + query tokens <= range_keys), got {range_keys} with "

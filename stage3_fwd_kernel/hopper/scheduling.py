@@ -49,6 +49,9 @@ def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varl
         raise TypeError(f"persistent: expected None or a bool, got {type(persistent).__name__}")
     scheduler = scheduler or StaticTileScheduler
     if getattr(scheduler, "persistent", False):
+        if persistent is False:
+            raise ValueError("persistent: False contradicts the persistent scheduler passed; pass its order "
+                             "(scheduler.order) for one CTA per tile")
         return scheduler
     if persistent is None:
         persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m, left_window)
