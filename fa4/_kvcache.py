@@ -534,6 +534,10 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         capacity = per_slot
         rows = None if cache_batch_idx is None else \
             _int_vector("cache_batch_idx", cache_batch_idx, b, q.device).to(torch.int32)
+        if rows is not None and b and values_check_enabled():  # FA4_VALIDATE=1: one host sync
+            lo, hi = int(rows.min()), int(rows.max())
+            if lo < 0 or hi >= slots:
+                raise ValueError(f"cache_batch_idx: values in [{lo}, {hi}] name rows outside the cache's {slots}")
         if slots * per_slot >= 2 ** 31:
             raise ValueError(f"k_cache: {slots} x {per_slot} rows exceed the kernel's int32 row offsets")
         if cache_batch_idx is None and slots < b:
@@ -582,6 +586,19 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     return seqlens, rows
 
 
+def _check_rotary_reach(rotary_cos, sq: int, new: int, capacity: int, cache_seqlens, q_positions_step: bool):
+    """q's rotary positions run to cache_seqlens + sq - 1 when they step (causal or windowed), past the
+    new keys' last one when sq > new: rotary_cos must reach them (an int cache_seqlens gives the exact
+    end, a tensor the cache's worst case, capacity - new + sq)."""
+    if rotary_cos is None or not q_positions_step or sq <= new:
+        return
+    exact = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+    need = cache_seqlens + sq if exact else capacity - new + sq
+    if rotary_cos.shape[0] < need:
+        raise ValueError(f"rotary_cos: q's {sq} positions run to {need - 1} ({'cache_seqlens' if exact else 'a full cache'}"
+                         f" + query tokens), past its {rotary_cos.shape[0]} rows")
+
+
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                  cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                  window_size=(None, None), softcap=0.0, learnable_sink=None, rotary_interleaved=True, num_splits=0,
@@ -605,6 +622,11 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     seqlens, rows = check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                      cache_batch_idx, block_table, cuda=varlen is fa4_varlen)
     left, right, causal = check_window(window_size, causal)
+    # a window past the cache's rows sees all of it: clamped, so no key offset overflows int32
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    left, right = (None if e is None else min(e, capacity) for e in (left, right))
+    _check_rotary_reach(rotary_cos, q.shape[1], 0 if k is None else k.shape[1], capacity, cache_seqlens,
+                        causal or (left, right) != (None, None))
     softcap = check_softcap(softcap)
     sink = check_learnable_sink(learnable_sink, q)
     if sink is not None and sink.requires_grad and torch.is_grad_enabled():
@@ -629,6 +651,10 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         if not traced:
             sm_count, split, paged_in_place = _device_route(q, k_cache, v_cache, block_table, causal, (left, right),
                                                             pack_gqa)
+    # what attention_with_cache will refuse (pack_gqa), refused before anything is appended
+    plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal,
+                key_range_window(q.shape[1], (left, right), paged_in_place and block_table is not None)[0],
+                pack_gqa, token_rows=traced or split is not None)
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)

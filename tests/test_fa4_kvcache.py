@@ -584,7 +584,8 @@ def test_paged_decode_window_splits_from_the_key_tile_below_it(page):
     _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens, causal=True,
            window=(left, 0))
     n = kv.split_chunks(min(pages * page, left + 1 + 127), 2)[1]
-    assert seen == [(n, left + 1, (left, None), 4)]
+    eff = min(left, pages * page)  # a window past the cache's rows is clamped to them (it sees all of it)
+    assert seen == [(n, eff + 1, (eff, None), 4)]
 
 
 def test_key_range_window():
@@ -948,3 +949,46 @@ def test_validate_checks_the_pages_a_sequence_reads_or_appends_to(monkeypatch):
     padded = torch.tensor([[3, -1], [5, 1]], dtype=torch.int32)   # sequence 0 ends in its first page: fine
     call(q, kp, vp, k_new, k_new.clone(), cache_seqlens=torch.tensor([1, 1], dtype=torch.int32), block_table=padded,
          causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# refusals before the append, and windows past the cache (found by review)
+# ---------------------------------------------------------------------------------------------
+def test_unservable_calls_are_refused_before_anything_is_appended(monkeypatch):
+    """pack_gqa=True with a mask the split launch cannot pack, q's rotary positions past rotary_cos,
+    and (FA4_VALIDATE=1) cache_batch_idx rows outside the cache: each a ValueError naming the argument,
+    with the cache untouched (each used to write the new tokens first, or not to check at all)."""
+    q, kc, vc = _tokens_and_cache(41, 1, 2, 6, 2, 16, 8)
+    k, v = kc[:, :2].clone(), vc[:, :2].clone()
+    before = kc.clone()
+    with pytest.raises(ValueError, match="pack_gqa"):
+        call(q, kc, vc, k, v, cache_seqlens=3, causal=True, pack_gqa=True)
+    angles = torch.rand(8, 4, dtype=torch.float64)
+    q3, k1, v1 = torch.randn(1, 3, 6, 16, dtype=torch.float64), k[:, :1], v[:, :1]
+    with pytest.raises(ValueError, match="rotary_cos"):
+        call(q3, kc, vc, k1, v1, cache_seqlens=6, rotary_cos=angles.cos(), rotary_sin=angles.sin(), causal=True)
+    monkeypatch.setenv("FA4_VALIDATE", "1")
+    q2, kc3, vc3 = _tokens_and_cache(42, 2, 1, 2, 2, 16, 8)
+    kc3, vc3 = torch.cat([kc3, kc3[:1]]), torch.cat([vc3, vc3[:1]])                  # 3 cache rows
+    before3 = kc3.clone()
+    for idx in ([0, 5], [-1, 0]):
+        with pytest.raises(ValueError, match="cache_batch_idx"):
+            call(q2, kc3, vc3, kc3[:2, :1].clone(), vc3[:2, :1].clone(), cache_seqlens=torch.tensor([2, 3], dtype=torch.int32),
+                 cache_batch_idx=torch.tensor(idx, dtype=torch.int32))
+    assert torch.equal(kc, before) and torch.equal(kc3, before3)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_window_past_the_cache_sees_all_of_it(split):
+    """A left window of 2^32 + 3 or 10^12 keys wrapped in int32 key offsets (wrong lse, or a refusal after
+    the append): it is clamped to the cache's rows, and equals no left edge."""
+    q, kc, vc = _tokens_and_cache(43, 1, 1, 128 if not split else 8, 1 if not split else 2, 16, 300)
+    lens = torch.tensor([300], dtype=torch.int32)
+    kw = dict(varlen=_no_varlen, split=split_stand_in) if split else {}
+    want = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, window_size=(None, 0), causal=True, sm_count=16,
+                           return_softmax_lse=True, **({"varlen": stand_in} | kw))
+    for left in (2 ** 32 + 3, 10 ** 12, 2 ** 31 - 2):
+        got = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, window_size=(left, 0), causal=True, sm_count=16,
+                              return_softmax_lse=True, **({"varlen": stand_in} | kw))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
