@@ -231,11 +231,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
 
     q (B, Sq, Hq, D). k_cache / v_cache: dense (B_cache, S_cache, Hkv, D / Dv), or paged
     (num_pages, page_size, Hkv, D / Dv) with block_table (B, pages per sequence) int32.
-    cache_seqlens (int or (B,) int32): keys already in each sequence's cache (default: all of it).
+    cache_seqlens (int or (B,) int32): keys already in each sequence's cache (default: all of it; with k / v, all
+        but the last k.shape[1] rows, where the new keys go -- FlashAttention-2 requires cache_seqlens then).
     k, v (B, Sn, Hkv, *): new tokens, written into the cache in place at cache_seqlens[b], then
     attended to. rotary_cos / rotary_sin (seqlen_ro, rotary_dim / 2): rotary embedding of q and the
     new k (needs k, v): k at positions cache_seqlens + i; q the same when causal or windowed, else
-    all of q at cache_seqlens (FlashAttention-2's rule); rotary_interleaved pairs dims (0, 1), ...
+    all of q at cache_seqlens (FlashAttention-2's rule); seqlen_ro >= the cache's rows, and past q's
+    last position when q has more tokens than k (ValueError); rotary_interleaved pairs dims (0, 1), ...
     instead of (i, i + rotary_dim / 2). cache_batch_idx (B,): which cache row each sequence uses.
     causal / window_size / softcap / learnable_sink / softmax_scale as in flash_attn_func (causal
     bottom-right: the last query is the last key). num_splits: split-KV count, 0 = choose from
