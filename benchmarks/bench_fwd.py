@@ -44,20 +44,20 @@ def flops(batch, heads, seqlen, d, dv, causal, window=None):
     """Forward FLOPs, two GEMMs per (query, key) pair: the full square, half of it causal (the
     convention of FlashAttention's benchmarks), or with a window (left, right) the pairs it sees."""
     if window is not None and tuple(window) != (None, None):
-        return 2.0 * batch * heads * visible_pairs(seqlen, *window, causal) * (d + dv)
+        return 2.0 * batch * heads * visible_pairs(seqlen, seqlen, *window, causal) * (d + dv)
     f = 2.0 * batch * heads * seqlen * seqlen * (d + dv)
     return f / 2 if causal else f
 
 
-def visible_pairs(seqlen: int, left, right, causal: bool) -> int:
-    """(query, key) pairs a square problem computes with window (left, right) (None: unbounded;
-    causal: right 0), counted row by row."""
+def visible_pairs(seqlen_q: int, seqlen_k: int, left, right, causal: bool) -> int:
+    """(query, key) pairs one sequence computes with window (left, right) (None: unbounded; causal:
+    right 0), bottom-right aligned (query i's diagonal key is i + seqlen_k - seqlen_q), row by row."""
     import numpy as np
 
-    i = np.arange(seqlen, dtype=np.int64)
-    lo = np.zeros_like(i) if left is None else np.maximum(i - left, 0)
+    diag = np.arange(seqlen_q, dtype=np.int64) + (seqlen_k - seqlen_q)
+    lo = np.zeros_like(diag) if left is None else np.maximum(diag - left, 0)
     right = 0 if causal else right
-    hi = np.full_like(i, seqlen - 1) if right is None else np.minimum(i + right, seqlen - 1)
+    hi = np.full_like(diag, seqlen_k - 1) if right is None else np.minimum(diag + right, seqlen_k - 1)
     return int(np.maximum(hi - lo + 1, 0).sum())
 
 

@@ -41,7 +41,7 @@ import traceback
 import numpy as np
 import torch
 
-from .bench_fwd import source_commit, source_digest
+from .bench_fwd import source_commit, source_digest, visible_pairs
 
 PRODUCTION_FORWARD = "stage3_fwd_kernel.hopper"
 
@@ -94,13 +94,6 @@ def measure(bench, variants: dict, rounds: int = 2) -> dict:
 
 def causal_flops_fixed(b, h, s, d):
     return 4.0 * b * h * s * s * d / 2  # as benchmarks.bench_fwd.flops: 4 b h s^2 d, halved for causal
-
-
-def causal_pairs(sq, sk):
-    """Unmasked (query, key) pairs of one bottom-right causal sequence: query i sees
-    clip(i + sk - sq + 1, 0, sk) keys."""
-    i = np.arange(sq, dtype=np.int64)
-    return int(np.clip(i + sk - sq + 1, 0, sk).sum())
 
 
 def simulate_speedups(problem, orders_by_variant: dict, base: str, **kw) -> dict:
@@ -230,7 +223,7 @@ def section_varlen(bench, quick: bool) -> list:
         q = torch.randn(int(cu_q[-1]), H, d, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(int(cu_k[-1]), H, d, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(int(cu_k[-1]), H, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        flops = 4.0 * d * H * sum(causal_pairs(a, c) for a, c in zip(lens_q, lens_k))
+        flops = 4.0 * d * H * sum(visible_pairs(a, c, None, None, True) for a, c in zip(lens_q, lens_k))
         # the production grid is padded: (ceil(max_q / tile_m), H, B) CTAs, of which only the real tiles work
         tm = fwd.default_tile_m(d, d)
         grid_ctas = math.ceil(max_q / tm) * H * len(lens_q)

@@ -486,9 +486,10 @@ def _int_vector(name, t, length, device):
 
 
 def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                     block_table, cuda=True):
+                     block_table, cuda=True, q_positions_step=False):
     """Shapes, dtypes, devices; returns (seqlens_k before the append (B,) int32, cache_rows (B,) or None:
-    sequence b in cache row b).
+    sequence b in cache row b, the cache's rows per sequence). q_positions_step: q's rotary positions
+    run from cache_seqlens up (causal or windowed), so rotary_cos must reach the last of them too.
     cuda: fa4's dtype / device rules (False: any float dtype on one device, for the CPU stand-in)."""
     from ._validate import _check_dtypes_devices, check_pages_used, values_check_enabled
 
@@ -576,27 +577,21 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         if not rotary_cos.dtype.is_floating_point or rotary_sin.dtype != rotary_cos.dtype:
             raise TypeError(f"rotary_cos, rotary_sin: expected one floating dtype, got {rotary_cos.dtype}, "
                             f"{rotary_sin.dtype}")
+        # the positions rotated: the new keys' up to the cache's end; q's past them when it has more tokens
+        # (exact for an int cache_seqlens, else a full cache's worst case)
+        reach = capacity
+        if q_positions_step and q.shape[1] > new:
+            exact = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+            reach = max(reach, (cache_seqlens if exact else capacity - new) + q.shape[1])
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             if t.dim() != 2 or t.shape != rotary_cos.shape or 2 * t.shape[1] > d or t.device != q.device \
-                    or t.shape[0] < capacity:
-                raise ValueError(f"{name}: expected (seqlen_ro >= {capacity}, rotary_dim / 2) with rotary_dim <= {d} "
-                                 f"on {q.device}, got {tuple(t.shape)} on {t.device}")
+                    or t.shape[0] < reach:
+                raise ValueError(f"{name}: expected (seqlen_ro >= {reach}, rotary_dim / 2) with rotary_dim <= {d} "
+                                 f"on {q.device} (the last position it rotates is {reach - 1}), got "
+                                 f"{tuple(t.shape)} on {t.device}")
     if block_table is not None and b and values_check_enabled():  # FA4_VALIDATE=1: one more sync
         check_pages_used("block_table", block_table, seqlens + new, per_slot, slots)
-    return seqlens, rows
-
-
-def _check_rotary_reach(rotary_cos, sq: int, new: int, capacity: int, cache_seqlens, q_positions_step: bool):
-    """q's rotary positions run to cache_seqlens + sq - 1 when they step (causal or windowed), past the
-    new keys' last one when sq > new: rotary_cos must reach them (an int cache_seqlens gives the exact
-    end, a tensor the cache's worst case, capacity - new + sq)."""
-    if rotary_cos is None or not q_positions_step or sq <= new:
-        return
-    exact = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
-    need = cache_seqlens + sq if exact else capacity - new + sq
-    if rotary_cos.shape[0] < need:
-        raise ValueError(f"rotary_cos: q's {sq} positions run to {need - 1} ({'cache_seqlens' if exact else 'a full cache'}"
-                         f" + query tokens), past its {rotary_cos.shape[0]} rows")
+    return seqlens, rows, capacity
 
 
 def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -619,14 +614,12 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa: expected None or a bool, got {type(pack_gqa).__name__} {pack_gqa!r}")
-    seqlens, rows = check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                     cache_batch_idx, block_table, cuda=varlen is fa4_varlen)
     left, right, causal = check_window(window_size, causal)
+    seqlens, rows, capacity = check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                               cache_batch_idx, block_table, cuda=varlen is fa4_varlen,
+                                               q_positions_step=causal or (left, right) != (None, None))
     # a window past the cache's rows sees all of it: clamped, so no key offset overflows int32
-    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     left, right = (None if e is None else min(e, capacity) for e in (left, right))
-    _check_rotary_reach(rotary_cos, q.shape[1], 0 if k is None else k.shape[1], capacity, cache_seqlens,
-                        causal or (left, right) != (None, None))
     softcap = check_softcap(softcap)
     sink = check_learnable_sink(learnable_sink, q)
     if sink is not None and sink.requires_grad and torch.is_grad_enabled():
@@ -651,10 +644,10 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         if not traced:
             sm_count, split, paged_in_place = _device_route(q, k_cache, v_cache, block_table, causal, (left, right),
                                                             pack_gqa)
-    # what attention_with_cache will refuse (pack_gqa), refused before anything is appended
-    plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal,
-                key_range_window(q.shape[1], (left, right), paged_in_place and block_table is not None)[0],
-                pack_gqa, token_rows=traced or split is not None)
+    if pack_gqa:  # what attention_with_cache would refuse (plan_layout), refused before anything is appended
+        plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal,
+                    key_range_window(q.shape[1], (left, right), paged_in_place and block_table is not None)[0],
+                    pack_gqa, token_rows=traced or split is not None)
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)

@@ -31,7 +31,7 @@ from stage3_fwd_kernel import host_io, runner
 # re-exported for the kernel files, tests and tutorial 04
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached  # noqa: F401
 from stage3_fwd_kernel.host_io import (  # noqa: F401
-    ARCH, LOG2_E, cdiv, cutlass_dtype, launch_stream, launch_view, torch_dtype)
+    ARCH, LOG2_E, cdiv, check_causal, cutlass_dtype, launch_stream, launch_view, torch_dtype)
 from stage3_fwd_kernel.runner import benchmark_ms, hopper_gpu_available  # noqa: F401
 from stage3_fwd_kernel.sass_report import format_report, wgmma_loop_bodies  # noqa: F401
 # the dQ reduction orders live in schedule.py (pure Python, shared with the NumPy model)

@@ -126,8 +126,7 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     import torch
 
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    common.check_causal(causal)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     q, k, v, out, dout, lse = common.check_backward_inputs(q, k, v, out, dout, lse, varlen=varlen)

@@ -435,8 +435,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                                    or not 1 <= range_keys < RANGE_ALL):
         raise ValueError(f"range_keys: expected an int >= 1 (keys read from each sequence's end) or None, "
                          f"got {range_keys!r}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected a bool, got {type(causal).__name__}")
+    host_io.check_causal(causal)
     window = beyond_causal(causal, window_size)
     # packed rows: a 64-row TMA box of Q spans g heads x 64 / g tokens, so g divides 64 as well
     if isinstance(rows_per_query, bool) or not isinstance(rows_per_query, int) or rows_per_query < 1 \
