@@ -22,7 +22,8 @@ import torch
 
 from . import _kvcache, _ops, _paged  # _kvcache registers fa4::kvcache_attention
 from ._layouts import VarlenLayout, pad_head_dims
-from ._validate import check_fixed, check_unservable, check_variants, check_varlen, check_varlen_sides
+from ._validate import (check_fixed, check_unservable, check_variants, check_varlen, check_varlen_arch,
+                        check_varlen_sides)
 
 # What a positional argument after q, k, v meant elsewhere, for the keyword-only TypeError.
 _FIXED_HINT = ("FlashAttention-2's 4th positional argument is dropout_p (then softmax_scale, causal), and earlier "
@@ -77,6 +78,7 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
                           return_lse=False, dropout_p=0.0, page_table=None):
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
+    check_varlen_arch(q, seqused_k)
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
             _paged.in_place(q, k, v, _query_rows(q, max_seqlen_q)):
         return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

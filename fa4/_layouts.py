@@ -23,6 +23,11 @@ components, both plain torch ops (differentiable, traceable by torch.compile, no
        logit), and those rows add nothing to dk / dv and get dq = 0. Causal and window masks align
        to seqused_q[b], as in the official kernel, because the used rows are a sequence of that
        length. The cost is a grid of 2 x batch sequences, half of them without keys.
+     * max_seqlen_q / max_seqlen_k may be the longest *used* length (the official bound): the kernels'
+       grids then need not reach every row past seqused_*. So the rows past seqused_q are set to out
+       0, lse -inf after the kernel (whatever it wrote there, with or without a sink), and where a
+       grid may stop short, dq (rows past seqused_q) and dk / dv (keys past seqused_k) are zeroed by
+       the autograd graph (`RowsWithoutGradient`), not left to the kernels.
 """
 from __future__ import annotations
 
@@ -109,11 +114,12 @@ class VarlenLayout:
     seqused_k, max_q, max_k` are what the varlen op takes, and `restore(out, lse)` gives the
     caller's layout: out (B, Sq, H, Dv) and lse (B, H, Sq) for a padded q, else packed."""
 
-    def __init__(self, q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q):
+    def __init__(self, q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q=None):
         self.q, self.k, self.v = q, k, v
         self.cu_q, self.cu_k, self.seqused_k = cu_q, cu_k, seqused_k
         self.max_q, self.max_k = max_q, max_k
         self.padded_q = padded_q   # (batch, seqlen_q) of a padded q, else None
+        self.rows_past_q = rows_past_q  # bool (total_q,): the rows past seqused_q, else None
 
     @staticmethod
     def pack(t, cu):
@@ -134,13 +140,57 @@ class VarlenLayout:
 
     @classmethod
     def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q):
-        """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None."""
+        """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None.
+        q, k, v that require grad come back behind `RowsWithoutGradient` where a kernel grid bounded by
+        max_seqlen_* may not reach the rows past seqused_* (module docstring)."""
+        longest_q = q.shape[0] if padded_q is None else padded_q[1]  # no sequence is longer
+        rows_past_q = None
+        if seqused_q is not None:
+            rows_past_q = rows_past_used(cu_q, seqused_q, q.shape[0])
+            if q.requires_grad and _may_stop_short(max_q, longest_q):
+                q = RowsWithoutGradient.apply(q, rows_past_q)
+        # (a padded k's bound covers its rows already, fa4._validate._padded_bound: the guard is then a no-op)
+        if seqused_k is not None and (k.requires_grad or v.requires_grad) and _may_stop_short(max_k, k.shape[0]):
+            rows_past_k = rows_past_used(cu_k, seqused_k, k.shape[0])
+            k, v = (RowsWithoutGradient.apply(t, rows_past_k) if t.requires_grad else t for t in (k, v))
         if seqused_q is not None:
             cu_q, cu_k, seqused_k = split_unused_rows(cu_q, cu_k, seqused_q, seqused_k)
-        return cls(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q)
+        return cls(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q)
 
     def restore(self, out, lse):
+        if self.rows_past_q is not None:
+            out = out.masked_fill(self.rows_past_q.view(-1, 1, 1), 0)                 # (total_q, H, Dv)
+            lse = lse.masked_fill(self.rows_past_q.view(1, -1), float("-inf"))        # (H, total_q)
         return restore_padded_q(out, lse, self.padded_q)
+
+
+def _may_stop_short(bound, longest) -> bool:
+    """Whether a grid sized by `bound` rows per sequence may miss rows of a sequence that can be
+    `longest` rows long (a traced bound: assume it may)."""
+    return not isinstance(bound, int) or bound < longest
+
+
+def rows_past_used(cu, used, total):
+    """bool (total,): True for the rows of sequence b at or past used[b] (cu (batch + 1,), used (batch,)
+    on one device; computed there, no host sync)."""
+    rows = torch.arange(total, device=cu.device, dtype=torch.int64)
+    seq = torch.searchsorted(cu[1:].to(torch.int64), rows, right=True).clamp_(max=max(cu.shape[0] - 2, 0))
+    return rows - cu.to(torch.int64)[seq] >= used.to(torch.int64)[seq]
+
+
+class RowsWithoutGradient(torch.autograd.Function):
+    """Identity forward; the backward zeroes the gradient of the given rows (dim 0), whatever the
+    kernels left there -- rows a bounded grid never reached hold uninitialized memory."""
+
+    @staticmethod
+    def forward(ctx, t, rows):
+        ctx.save_for_backward(rows)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        return grad.masked_fill(rows.view(-1, *([1] * (grad.dim() - 1))), 0), None
 
 
 def restore_padded_q(out, lse, padded_q):

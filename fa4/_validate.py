@@ -27,7 +27,7 @@ import os
 import torch
 
 from ._dispatch import all_head_dims, supported_devices_text
-from ._layouts import HEAD_DIM_STEP, MAX_HEAD_DIM, VarlenLayout, head_dim_ok
+from ._layouts import HEAD_DIM_STEP, MAX_HEAD_DIM, VarlenLayout, arch_of, head_dim_ok
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -249,6 +249,17 @@ def check_unservable(num_splits=1, pack_gqa=None, dropout_p=0.0):
                          "FlashAttention-2 keyword is accepted only at its no-op value)")
 
 
+def check_varlen_arch(q, seqused_k):
+    """seqused_k on an arch whose varlen forward lacks it (fa4._dispatch.ArchInfo.lacks): a ValueError
+    naming it before any page gather, import or launch."""
+    if seqused_k is None or not isinstance(q, torch.Tensor):
+        return
+    arch = arch_of(q.device)
+    if "seqused_k" in arch.lacks:
+        raise ValueError(f"seqused_k: not implemented by the {arch.key} varlen forward; pass k / v with only the "
+                         "used keys (cu_seqlens_k), or run on an arch that has it")
+
+
 def _check_int(name, x, *, minimum=0):
     if isinstance(x, bool) or not isinstance(x, (int, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(x).__name__} {x!r}")
@@ -419,9 +430,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_k=None,
                         seqused_q=None):
-    """The value checks (one device->host copy). Public so tests and users can call them directly."""
-    for name, cu, total, mx in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
-                                ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+    """The value checks (one device->host copy). Public so tests and users can call them directly.
+    max_seqlen_* bounds the sequences, or with seqused_* the used lengths (the official bound)."""
+    for name, cu, total, mx, used in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, seqused_q),
+                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k, seqused_k)):
         vals = cu.tolist()
         if vals[0] != 0:
             raise ValueError(f"{name}: must start at 0, got {vals[0]}")
@@ -432,9 +444,12 @@ def check_varlen_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen
                              f"< entry {i} ({vals[i]})")
         if vals[-1] != total:
             raise ValueError(f"{name}: last value {vals[-1]} must equal the total number of tokens {total}")
+        if used is not None:
+            lens = [min(max(u, 0), n) for u, n in zip(used.tolist(), lens)]  # range-checked below
         longest = max(lens, default=0)
         if longest > mx:
-            raise ValueError(f"max_seqlen_{name[-1]}: {mx} is smaller than the longest sequence ({longest}); "
+            what = "sequence" if used is None else f"used length (seqused_{name[-1]})"
+            raise ValueError(f"max_seqlen_{name[-1]}: {mx} is smaller than the longest {what} ({longest}); "
                              "the kernel would skip the rows beyond it")
     for side, used, cu in (("k", seqused_k, cu_seqlens_k), ("q", seqused_q, cu_seqlens_q)):
         if used is None:

@@ -656,6 +656,27 @@ def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
+def test_seqused_k_is_refused_up_front_where_the_varlen_forward_lacks_it(monkeypatch):
+    """On sm_100 (no seqused_k in its varlen forward) the public call names seqused_k in a ValueError
+    before a page gather or a kernel module import -- dense and paged k / v alike."""
+    from fa4 import _validate
+
+    monkeypatch.setattr(_validate, "arch_of", lambda device: _dispatch.ARCHS["sm_100"])
+    gathered = []
+    monkeypatch.setattr(_validate.VarlenLayout, "unpage", staticmethod(lambda *a: gathered.append(a)))
+    m = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
+    cu, used = m(3, dt=torch.int32), m(2, dt=torch.int32)
+    with pytest.raises(ValueError, match=r"^seqused_k: not implemented by the sm_100 varlen forward"):
+        fa4.flash_attn_varlen_func(m(8, 2, 64), m(8, 2, 64), m(8, 2, 64), cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                   max_seqlen_q=4, max_seqlen_k=4, seqused_k=used)
+    with pytest.raises(ValueError, match=r"^seqused_k: not implemented by the sm_100 varlen forward"):
+        fa4.flash_attn_varlen_func(m(8, 2, 64), m(4, 16, 2, 64), m(4, 16, 2, 64), cu_seqlens_q=cu,
+                                   max_seqlen_q=4, seqused_k=used, page_table=m(2, 2, dt=torch.int32))
+    assert gathered == []
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
 def test_forward_route_switches_reach_the_kernel_module(monkeypatch):
     """fa4._dispatch's forward switches arrive as keyword arguments of the Hopper attention_forward:
     FORWARD_PERSISTENT when set, and nothing else."""

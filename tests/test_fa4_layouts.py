@@ -35,8 +35,18 @@ def _ref(q, k, v, scale, causal, window, softcap):
     return o[0], lse[0]
 
 
+GRID_TILE = 128  # rows (queries or keys) per CTA in the stand-in's emulated grid
+
+
+def _past_grid(a, b, bound):
+    """Rows [a, b) of a sequence a kernel grid sized by `bound` rows per sequence never reaches."""
+    return slice(a + min(b - a, -(-bound // GRID_TILE) * GRID_TILE), b)
+
+
 class _Backend:
-    """The Backend methods fa4's ops call, in float64 with fa4.distributed's analytic backward."""
+    """The Backend methods fa4's ops call, in float64 with fa4.distributed's analytic backward. Like the
+    kernels, its grids cover ceil(max_seqlen / 128) tiles of each sequence: rows past them are never
+    written (NaN here, uninitialized memory on the GPU)."""
 
     arch = HOPPER
 
@@ -61,10 +71,11 @@ class _Backend:
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=F64)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=F64)
         for qa, qb, ka, kb in self._sequences(cu_q, cu_k, used_k):
-            assert qb - qa <= max_q and kb - ka <= max_k, "a sequence exceeds max_seqlen"
+            assert kb - ka <= max_k, "the used keys exceed max_seqlen_k"
             if qb > qa and kb > ka:
                 out[qa:qb], lse[:, qa:qb] = _ref(q[qa:qb].double(), k[ka:kb].double(), v[ka:kb].double(), scale,
                                                  causal, window, softcap)
+            out[_past_grid(qa, qb, max_q)], lse[:, _past_grid(qa, qb, max_q)] = math.nan, math.nan
         return out.to(q.dtype), lse.float()
 
     def varlen_backward(self, dout, q, k, v, out, lse, cu_q, cu_k, used_k, max_q, max_k, scale, causal,
@@ -82,6 +93,10 @@ class _Backend:
             grads[0][qa:qb] += g[0][0]
             grads[1][ka:kb] += g[1][0]
             grads[2][ka:kb] += g[2][0]
+        for i in range(cu_q.shape[0] - 1):  # the postprocess's dq grid, the main kernel's key tiles
+            grads[0][_past_grid(int(cu_q[i]), int(cu_q[i + 1]), max_q)] = math.nan
+            for g in grads[1:]:
+                g[_past_grid(int(cu_k[i]), int(cu_k[i + 1]), max_k)] = math.nan
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
 
     def forward(self, q, k, v, scale, causal, window=(None, None), softcap=0.0, learnable_sink=None):
@@ -304,6 +319,45 @@ def test_padded_sides_with_seqused_and_the_used_lengths_as_bounds(stand_in):
     for b in range(batch):
         assert torch.all(out[b, int(used_q[b]):] == 0) and torch.all(got[0][b, int(used_q[b]):] == 0)
         assert torch.all(got[1][b, int(used_k[b]):] == 0) and torch.all(got[2][b, int(used_k[b]):] == 0)
+
+
+def test_packed_sides_with_the_used_lengths_as_bounds(stand_in):
+    """Packed q and k with seqused_* and max_seqlen_* = the longest *used* length (the official bound):
+    the kernels' grids stop short of the rows past seqused_* (the stand-in leaves them NaN, as the GPU
+    leaves them unwritten), yet those rows come back out 0, lse -inf, dq 0 and dk = dv = 0, and the used
+    rows match the truth. FA4_VALIDATE's value check takes the same bound."""
+    g = torch.Generator().manual_seed(6)
+    len_q, len_k = torch.tensor([300, 5, 260]), torch.tensor([290, 0, 270])
+    used_q, used_k = torch.tensor([20, 5, 0]), torch.tensor([30, 0, 17])
+    hq, hkv, d = 4, 2, 32
+    cu = lambda n: torch.cat((torch.zeros(1, dtype=torch.int32), n.cumsum(0).to(torch.int32)))  # noqa: E731
+    qs, douts = ([_randn(g, int(n), hq, d) for n in len_q] for _ in range(2))
+    ks, vs = ([_randn(g, int(n), hkv, d) for n in len_k] for _ in range(2))
+    leaves = [torch.cat(ts).requires_grad_() for ts in (qs, ks, vs)]
+    kw = dict(cu_seqlens_q=cu(len_q), cu_seqlens_k=cu(len_k), seqused_q=used_q.to(torch.int32),
+              seqused_k=used_k.to(torch.int32), max_seqlen_q=int(used_q.max()), max_seqlen_k=int(used_k.max()))
+    _validate.check_varlen_values(kw["cu_seqlens_q"], kw["cu_seqlens_k"], int(len_q.sum()), int(len_k.sum()),
+                                  kw["max_seqlen_q"], kw["max_seqlen_k"], kw["seqused_k"], kw["seqused_q"])
+    out, lse = fa4.flash_attn_varlen_func(*leaves, causal=True, return_lse=True, **kw)
+    got = torch.autograd.grad((out.double() * torch.cat(douts).double()).sum(), leaves)
+    ref_leaves = [[t.double().requires_grad_() for t in ts] for ts in (qs, ks, vs)]
+    outs, lses = _truth(*ref_leaves, used_q, used_k, True, (None, None))
+    flat = [t for ts in ref_leaves for t in ts]
+    want = torch.autograd.grad(sum((o * do.double()).sum() for o, do in zip(outs, douts))
+                               + sum((t * 0).sum() for t in flat), flat)
+    torch.testing.assert_close(out.double(), torch.cat(outs), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), torch.cat(lses, 1), atol=1e-5, rtol=1e-5)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        torch.testing.assert_close(got[i].double(), torch.cat(want[3 * i:3 * i + 3]), atol=3e-2, rtol=3e-2, msg=name)
+    cq, ck = cu(len_q), cu(len_k)
+    for b in range(3):
+        rows = slice(int(cq[b]) + int(used_q[b]), int(cq[b + 1]))
+        keys = slice(int(ck[b]) + int(used_k[b]), int(ck[b + 1]))
+        assert torch.all(out[rows] == 0) and torch.all(lse[:, rows] == -math.inf) and torch.all(got[0][rows] == 0)
+        assert torch.all(got[1][keys] == 0) and torch.all(got[2][keys] == 0)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q: 19 is smaller than the longest used length \(seqused_q\)"):
+        _validate.check_varlen_values(kw["cu_seqlens_q"], kw["cu_seqlens_k"], int(len_q.sum()), int(len_k.sum()),
+                                      19, kw["max_seqlen_k"], kw["seqused_k"], kw["seqused_q"])
 
 
 def test_split_unused_rows_builds_the_kernel_sequences():
