@@ -61,28 +61,39 @@ def _layout_problem(g, padded_q, padded_k, hq, hkv, d, lens_q, lens_k):
 LAYOUTS = [(False, False, (1, 6)), (True, False, (2, 2)), (False, True, (2, 1)), (True, True, (6, 1))]
 
 
+def _poison_allocator(nbytes=256 << 20):
+    """Fill a block of the caching allocator with NaN and free it: outputs allocated next (torch.empty)
+    start as NaN, so rows a kernel never writes show up."""
+    torch.full((nbytes // 4,), float("nan"), device="cuda")
+
+
 @pytest.mark.parametrize("padded_q,padded_k,heads", LAYOUTS, ids=["packQ-packK", "padQ-packK", "packQ-padK", "padQ-padK"])
 @pytest.mark.parametrize("variant", ["full", "causal", "window"])
-def test_varlen_layouts_with_seqused(padded_q, padded_k, heads, variant):
+@pytest.mark.parametrize("bound", ["lengths", "used"])
+def test_varlen_layouts_with_seqused(padded_q, padded_k, heads, variant, bound):
     """Each sequence b: its first seqused_q[b] rows against its first seqused_k[b] keys, under the
-    rule; rows past seqused_q: out 0, dq 0; keys past seqused_k: dk = dv = 0."""
+    rule; rows past seqused_q: out 0, lse -inf, dq 0; keys past seqused_k: dk = dv = 0 -- also with
+    max_seqlen_* = the longest used length (the official bound), whose grids stop short of them."""
     g = torch.Generator(device="cuda").manual_seed(4 * padded_q + 2 * padded_k + len(variant))
     hq, hkv = heads[0] * heads[1], heads[1]
     sq, sk, d = 300, 517, 128
     lens_q = [sq] * 5 if padded_q else [0, 1, 300, 77, 255]
     lens_k = [sk] * 5 if padded_k else [5, 0, 517, 300, 256]
-    used_q = [0, 1, 211, 77, 3]
+    used_q = [0, 1, 100, 77, 3]  # with the "used" bound the grids miss rows of the unused halves (200, 252)
     used_k = [5, 0, 400, 1, 256]
     causal, window = {"full": (False, (None, None)), "causal": (True, (None, None)),
                       "window": (False, (37, 12))}[variant]
     qs, ks, vs, q, k, v, side = _layout_problem(g, padded_q, padded_k, hq, hkv, d, lens_q, lens_k)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     kw = dict(cu_seqlens_q=None if padded_q else _cu(lens_q), cu_seqlens_k=None if padded_k else _cu(lens_k),
-              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+              max_seqlen_q=max(used_q if bound == "used" else lens_q),
+              max_seqlen_k=max(used_k if bound == "used" else lens_k),
               seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
               seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
+    _poison_allocator()
     out, lse = fa4.flash_attn_varlen_func(*leaves, causal=causal, window_size=window, return_lse=True, **kw)
     dout = _rand(g, *out.shape)
+    _poison_allocator()
     dq, dk, dv = torch.autograd.grad(out, leaves, dout)
     douts = [dout[b] for b in range(5)] if padded_q else list(torch.split(dout, lens_q))
     per_seq = lambda t, padded, lens: [t[b] for b in range(5)] if padded else list(torch.split(t, lens))  # noqa: E731
@@ -92,6 +103,7 @@ def test_varlen_layouts_with_seqused(padded_q, padded_k, heads, variant):
     for b in range(5):
         nq, nk = used_q[b], used_k[b]
         assert torch.all(outs[b][nq:] == 0) and torch.all(dqs[b][nq:] == 0), f"rows past seqused_q, seq {b}"
+        assert torch.all(lses[b][:, nq:] == float("-inf")), f"lse past seqused_q, seq {b}"
         assert torch.all(dks[b][nk:] == 0) and torch.all(dvs[b][nk:] == 0), f"keys past seqused_k, seq {b}"
         if nq == 0:
             continue
