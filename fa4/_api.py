@@ -128,7 +128,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
     fa4/_layouts.py). softmax_scale's default is 1/sqrt(D) of the caller's D either way.
 
     Taken at their no-op values only (anything else is a ValueError naming it): num_splits 1, or
-    <= 0 (the official's automatic choice; fa4 never splits the keys); pack_gqa None (fa4 picks its
+    <= 0 (the official's automatic choice; fa4 splits keys itself where that pays -- the split tail, and
+    flash_attn_with_kvcache, which takes num_splits); pack_gqa None (fa4 picks its
     GQA layout itself); dropout_p 0.0 (FlashAttention-2's keyword).
     """
     out, lse = attention_pair(q, k, v, softmax_scale, causal, window_size, learnable_sink, softcap, num_splits,

@@ -229,14 +229,15 @@ def check_variants(q, causal, window_size, softcap, learnable_sink):
 
 def check_unservable(num_splits=1, pack_gqa=None, dropout_p=0.0):
     """The official interface's (and FlashAttention-2's) keywords that fa4 takes only at their
-    no-op values: num_splits <= 1 (1 = no split; 0 or negative = the official's automatic choice,
-    which for fa4 is always no split), pack_gqa None, dropout_p 0. Anything else is a ValueError
+    no-op values: num_splits <= 1 (1 = no split; 0 or negative = the official's automatic choice:
+    fa4's own), pack_gqa None, dropout_p 0. Anything else is a ValueError
     naming the argument (a TypeError for the wrong kind), raised before a launch."""
     if isinstance(num_splits, bool) or not isinstance(num_splits, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__} {num_splits!r}")
     if isinstance(num_splits, numbers.Integral) and num_splits > 1:
-        raise ValueError(f"num_splits: fa4 does not split the keys across CTAs (split-KV, the official's decode "
-                         f"path), got {num_splits}; pass 1, or 0 for the automatic choice (no split in fa4)")
+        raise ValueError(f"num_splits: flash_attn_func / flash_attn_varlen_func take no split count, got "
+                         f"{num_splits}; pass 1, or 0 for the automatic choice (fa4 splits keys itself where "
+                         "that pays; flash_attn_with_kvcache takes num_splits)")
     if pack_gqa is not None:
         if not isinstance(pack_gqa, bool):
             raise TypeError(f"pack_gqa: expected None or a bool, got {type(pack_gqa).__name__} {pack_gqa!r}")

@@ -51,6 +51,7 @@ through a tensor the mapping does not name (such an access is invisible to the r
     python -m stage3_fwd_kernel.blackwell_protocol --kernel fwd --blocks 4 --tiles 2
     python -m stage3_fwd_kernel.blackwell_protocol --kernel fwd --blocks 4 --persistent 2
     python -m stage3_fwd_kernel.blackwell_protocol --kernel fwd --blocks 4 --head-dim 256   # one Q tile
+    python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd --blocks 4   # the backward kernels' specs
 
 ``--persistent N`` checks the persistent forward (blackwell_persistent.py): every role's tile loop is
 interpreted for N work tiles of one CTA, tile k walking blocks - 1 key blocks for even k and `blocks`
@@ -62,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 from dataclasses import dataclass, field
 
 from stage3_fwd_kernel.blackwell_protocol_extract import (  # noqa: F401  (re-exported)
@@ -747,7 +747,7 @@ def explore(prog: Program, max_states: int = 2_000_000, blocks: int = 0, tiles: 
 # ------------------------------------------------------------------------------------------------
 # the per-kernel mappings
 # ------------------------------------------------------------------------------------------------
-def _bar_names(kernel, names_counts) -> dict:
+def bar_names(kernel, names_counts) -> dict:
     out = {}
     for name, n in names_counts:
         for i in range(n):
@@ -796,82 +796,13 @@ def forward_spec(blocks: int = 4, tiles: int | None = None, head_dim: int = 128,
         "correction:tStS": S, "correction:tOtO": O, "epilogue:tOsO": smem("sO"),
     }
     per_q = k.PER_Q_BARRIERS + (k.PERSISTENT_BARRIERS if persistent else ())
-    bars = _bar_names(k, [(n, k.num_q) for n in per_q] + [("kv_full", k.stages), ("kv_empty", k.stages),
+    bars = bar_names(k, [(n, k.num_q) for n in per_q] + [("kv_full", k.stages), ("kv_empty", k.stages),
                                                           ("tmem_dealloc", 1)])
     trips = [{"n_blocks": n, "n_unmasked": n} for n in persistent_walks(blocks, persistent)]
     return KernelSpec("fwd" if not persistent else "fwd-persistent", k, roles,
                       {"n_blocks": blocks, "tile_valid": True, "n_unmasked": blocks, "num_k": cfg.tile_n // 16},
                       names, {"tStP_r2t": cfg.p_store_chunks, "tOrP": cfg.tile_n // 16}, cfg.num_threads,
                       smem_alias={"sO": "sQ"} if cfg.smem.o_overlaps_q else {}, bar_names=bars, tile_loop=trips)
-
-
-def _bwd_tmem(t, d):
-    span = lambda lo, w: tmem(lo, lo + w)  # noqa: E731
-    return {"accS": span(t.s, t.s_cols), "accdP": span(t.dp, t.dp_cols), "accdV": span(t.dv, t.dv_cols),
-            "accdK": span(t.dk, t.dk_cols), "accdQ": span(t.dq, getattr(t, "dq_cols", d)),
-            "tP": span(t.p, t.p_cols), "tdSt": span(t.ds, t.s_cols // 2)}
-
-
-def backward_spec(blocks: int = 4, head_dim: int = 128, dq_tma: bool = False) -> KernelSpec:
-    """stage4_bwd_kernel/blackwell_bwd.py (+ blackwell_elementwise.py): the 1-CTA backward; `blocks`
-    Q tiles walked by the CTA's K/V tile. Imported at call time (stage 3 must not import stage 4).
-    dq_tma: the build whose WG 2 stages dQ in sdQ for a TMA reduce-add; at d = 128 its dO ring has one
-    stage and barriers of its own (do_full / do_empty), which this checks. sdQ itself is not named:
-    its reuse is ordered by one thread's bulk async-group waits, which the model does not have."""
-    bwd = importlib.import_module("stage4_bwd_kernel.blackwell_bwd")
-    cfg = bwd.make_config("bf16", head_dim, head_dim, False, dq_tma=dq_tma)
-    k = bwd.FlashAttentionBackwardSm100(cfg)
-    T = _bwd_tmem(cfg.tmem, head_dim)
-    roles = [Role("elementwise", 0, 128), Role("mma", bwd.MMA_WARP, 32), Role("load", bwd.LOAD_WARP, 32),
-             Role("idle6", 6, 32), Role("idle7", 7, 32), Role("dq_drain", 8, 128)]
-    names = {"tmem_ptr": RegionPtr(tmem(0, 512)), "sdS": smem("sdS"),
-             "load:tKsK": smem("sK"), "load:tVsV": smem("sV"), "load:tQsQ": smem("sQ"), "load:tOsO": smem("sdO"),
-             "mma:tK": smem("sK"), "mma:tQ": smem("sQ"), "mma:tV": smem("sV"), "mma:tdO": smem("sdO"),
-             "mma:tdOt": smem("sdO"), "mma:tQt": smem("sQ"), "mma:tdS": smem("sdS"), "mma:tKt": smem("sK"),
-             "elementwise:accS": T["accS"], "elementwise:accdP": T["accdP"], "dq_drain:accdQ": T["accdQ"],
-             "_store_dkdv:acc": lambda env: tmem(env["col0"], env["col0"] + env["width"])}
-    names.update({f"mma:{n}": r for n, r in T.items()})
-    rings = [("qdo_full", k.stages), ("qdo_empty", k.stages)]
-    if k.split_do:
-        rings += [("do_full", k.do_stages), ("do_empty", k.do_stages)]
-    bars = _bar_names(k, [(n, 1) for n in bwd.BARRIERS] + rings)
-    return KernelSpec("bwd-dqtma" if dq_tma else "bwd", k, roles, {"n_iter": blocks, "n_m": blocks}, names, {},
-                      cfg.num_threads, bar_names=bars)
-
-
-def backward_2cta_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
-    """stage4_bwd_kernel/blackwell_bwd_2cta.py: a cluster of 2 CTAs, pair MMAs issued by CTA 0, the
-    relay warp in CTA 1, the dS exchange by bulk copy; `blocks` Q tiles. Imported at call time."""
-    two = importlib.import_module("stage4_bwd_kernel.blackwell_bwd_2cta")
-    cfg = two.make_config("bf16", head_dim, head_dim, False)
-    k = two.FlashAttentionBackwardSm100TwoCta(cfg)
-    T = _bwd_tmem(cfg.tmem, head_dim)
-    roles = []
-    for c in range(2):
-        roles += [Role(f"elementwise.{c}", 0, 128, c), Role(f"{'mma' if c == 0 else 'relay'}.{c}", two.MMA_WARP, 32, c),
-                  Role(f"load.{c}", two.LOAD_WARP, 32, c), Role(f"idle6.{c}", 6, 32, c),
-                  Role(f"idle7.{c}", 7, 32, c), Role(f"dq_drain.{c}", 8, 128, c)]
-    names = {"tmem_ptr": RegionPtr(tmem(0, 512)),
-             "load:tKsK": smem("sK"), "load:tVsV": smem("sV"), "load:tKtsKt": smem("sKt"), "load:tQsQ": smem("sQ"),
-             "load:tOsO": smem("sdO"), "load:tOtsOt": smem("sdOt"), "load:tQtsQt": smem("sQt"),
-             "mma:tK": smem("sK"), "mma:tQ": smem("sQ"), "mma:tV": smem("sV"), "mma:tdO": smem("sdO"),
-             "mma:tdOt": smem("sdOt"), "mma:tQt": smem("sQt"), "mma:tdS": smem("sdS", sub=False),
-             "mma:tKt": smem("sKt"),
-             "elementwise_pair:accS": T["accS"], "elementwise_pair:accdP": T["accdP"],
-             "elementwise_pair:sdS_col": lambda env: smem("sdS", env["rank"], sub=False),
-             "elementwise_pair:sX_col": smem("sXchg", sub=False),
-             "elementwise_pair:sdS_ptr": lambda env: smem("sdS", env["rank"], sub=False),
-             "elementwise_pair:sXchg_ptr": smem("sXchg", sub=False),
-             "dq_drain_pair:accQ": T["accdQ"],
-             "_store_dkdv:acc": lambda env: tmem(env["col0"], env["col0"] + env["width"])}
-    names.update({f"mma:{n}": r for n, r in T.items()})
-    bars = _bar_names(k, [(n, 1) for n in two.BARRIERS] + [(n, k.stages) for n in two.STAGED])
-    return KernelSpec("bwd2cta", k, roles, {"n_iter": blocks, "n_m": blocks}, names, {}, cfg.num_threads,
-                      ctas=2, pair_mma=True, bar_names=bars)
-
-
-SPECS = {"fwd": forward_spec, "bwd": backward_spec, "bwd-dqtma": functools.partial(backward_spec, dq_tma=True),
-         "bwd2cta": backward_2cta_spec}
 
 
 def forward_2cta_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
@@ -901,19 +832,21 @@ def forward_2cta_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
         "softmax:tStS": lambda env: S[env["stage"]],
         "correction:tStS": S, "correction:tOtO": O, "epilogue:tOsO": smem("sO"),
     }
-    bars = _bar_names(k, [(n, k.num_q) for n in PER_Q] + [("kv_full", k.stages), ("kv_empty", k.stages),
+    bars = bar_names(k, [(n, k.num_q) for n in PER_Q] + [("kv_full", k.stages), ("kv_empty", k.stages),
                                                           ("tmem_dealloc", 1), ("tmem_pair", 1)])
     return KernelSpec("fwd2cta", k, roles, {"n_blocks": blocks, "n_unmasked": blocks, "num_k": cfg.tile_n // 16},
                       names, {"tStP_r2t": cfg.p_store_chunks, "tOrP": cfg.tile_n // 16}, cfg.num_threads,
                       ctas=2, pair_mma=True, bar_names=bars)
 
 
-SPECS["fwd2cta"] = forward_2cta_spec   # the 2-CTA forward (blackwell_fwd_2cta.py)
+# the kernels this module checks; stage 4's backward kernels have theirs in
+# stage4_bwd_kernel/blackwell_protocol.py (stage 3 does not import stage 4)
+SPECS = {"fwd": forward_spec, "fwd2cta": forward_2cta_spec}
 
 
 def build(kernel: str, blocks: int = 4, tiles: int | None = None, persistent: int = 0,
           head_dim: int = 128) -> Program:
-    """The extracted Program of `kernel` ("fwd", "bwd", "bwd2cta") for the given trip counts;
+    """The extracted Program of `kernel` ("fwd", "fwd2cta") for the given trip counts;
     persistent = N > 0: the persistent forward, N work tiles per CTA; head_dim: the forward's build
     (256: one Q tile per CTA)."""
     if kernel == "fwd":
@@ -939,7 +872,7 @@ def _fwd_tiles(prog: "Program") -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", choices=sorted(SPECS), default="fwd")
-    ap.add_argument("--blocks", type=int, default=4, help="main-loop trips: key blocks (fwd), Q tiles (bwd)")
+    ap.add_argument("--blocks", type=int, default=4, help="main-loop trips: key blocks")
     ap.add_argument("--tiles", type=int, default=None, help="Q tiles per CTA (fwd; the build's: 2, 1 at head dim 256)")
     ap.add_argument("--head-dim", type=int, default=128, help="fwd: the build's head dim (64, 96, 128; 256 = one Q "
                     "tile per CTA)")

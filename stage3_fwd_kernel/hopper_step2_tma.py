@@ -29,8 +29,8 @@ Arithmetic (H100 SXM: 132 SMs at ~1.8 GHz, 989 TFLOP/s dense bf16 -> ~4096 FLOP/
   per key tile:  K + V bytes = 64 * 128 * 2 * 2 = 32 KB
                  MMA FLOPs   = 4 * 64 * 64 * 128 = 2.1 M  -> ~512 clk on the tensor cores
                  exp2        = 64 * 64 = 4096             -> ~256 clk on MUFU (plus FFMA/max/sum)
-  A 32 KB tile takes ~1000 clk to arrive when all SMs stream it (DRAM is 3.35 TB/s / 132 SMs =
-  ~14 B/clk/SM; L2 hits do 2-3x better), plus ~500-800 clk of latency. In step 1 a tile therefore
+  A 32 KB tile takes ~2300 clk to arrive from DRAM when all SMs stream it (3.35 TB/s / 132 SMs =
+  ~14 B/clk/SM), ~800-1200 clk from L2 (2-3x the rate), plus ~500-800 clk of latency. In step 1 a tile therefore
   costs load + compute in series; with two stages the load of j+1 runs under the ~800+ clk of
   compute of block j, and a co-resident CTA covers the rest.
 

@@ -165,7 +165,8 @@ class KVDescendingOrder:
 
     Causal: K/V tile n first meets the Q tile on its diagonal, where it is the *last* K/V tile
     visible to that Q tile, i.e. rank 0 in this order, so a CTA's first dQ write does not wait
-    (tile_m == tile_n; with tile_m < tile_n it waits only for the CTA launched just before it).
+    (tile_m <= tile_n; with tile_m > tile_n every other K/V tile is rank 1 there, so it waits only
+    for the CTA launched just before it).
     In ascending order CTA n would instead wait until CTA 0 had walked n * tile_n / tile_m Q
     tiles down to its diagonal. This is the order of the paper's SPT schedule (the shortest K/V
     tiles, at the end of the sequence, launch first); stage 5 adds head swizzling on top.

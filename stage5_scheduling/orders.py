@@ -48,8 +48,8 @@ The orders, from the paper:
 * ``spt_bwd`` (deterministic backward): tiles are K/V blocks ``n``. Under a causal mask KV
   block ``n`` is seen by Q blocks ``m >= diagonal(n)``, so *high* ``n`` is *short*.
   Launching ``n`` in descending order is therefore shortest-processing-time-first; with
-  dQ reductions ordered by descending ``n`` no CTA waits on its first dQ write
-  (see ``dq_rank`` and ``simulator.simulate_bwd``).
+  dQ reductions ordered by descending ``n`` no CTA waits on its first dQ write -- for a square
+  mask with tile_n >= tile_m (see ``dq_rank`` and ``simulator.simulate_bwd``).
 * ``naive_bwd``: the backward grid ``(n_blocks, heads, batches)``, ``n`` fastest, ascending.
 
 Two observations make the code short:

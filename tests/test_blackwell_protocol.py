@@ -1,10 +1,11 @@
-"""The barrier-protocol model checker (stage3_fwd_kernel/blackwell_protocol.py) on the three
-Blackwell kernels: each passes at 4 key blocks / Q tiles, and a bug planted in the extracted program
+"""The barrier-protocol model checker (stage3_fwd_kernel/blackwell_protocol.py; the backward kernels'
+mappings in stage4_bwd_kernel/blackwell_protocol.py) on the three Blackwell kernels: each passes at 4 key blocks / Q tiles, and a bug planted in the extracted program
 of each (a missing arrive, a wrong wait parity, a wrong arrival count) is caught with the expected kind
 of report. The planting edits the extracted operations, never the kernel source."""
 import pytest
 
 from stage3_fwd_kernel import blackwell_protocol as bp
+from stage4_bwd_kernel import blackwell_protocol as bwd_protocol
 
 pytestmark = [pytest.mark.cpu, pytest.mark.stage3]
 
@@ -15,7 +16,8 @@ def program(kernel, blocks):
     """Extraction is the slow part (AST interpretation of every role): once per (kernel, blocks)."""
     key = (kernel, blocks)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = bp.build(kernel, blocks)
+        owner = bwd_protocol if kernel in bwd_protocol.SPECS else bp
+        _PROGRAMS[key] = owner.build(kernel, blocks)
     return _PROGRAMS[key].copy()
 
 
@@ -108,7 +110,7 @@ def test_reduction_agrees_with_full_search():
 
 
 def test_cli_prints_states_and_result(capsys):
-    assert bp.main(["--kernel", "bwd", "--blocks", "2"]) == 0
+    assert bwd_protocol.main(["--kernel", "bwd", "--blocks", "2"]) == 0
     out = capsys.readouterr().out
     assert "states explored" in out and "OK" in out
 

@@ -245,8 +245,8 @@ def test_each_no_op_value_reaches_the_op_like_the_default(module, name, kw, op_a
 
 # ================================================================================ refused values
 REFUSED = [
-    (dict(num_splits=2), ValueError, r"^num_splits: fa4 does not split the keys"),
-    (dict(num_splits=128), ValueError, r"^num_splits: fa4 does not split the keys .* got 128"),
+    (dict(num_splits=2), ValueError, r"^num_splits: flash_attn_func / flash_attn_varlen_func take no split count"),
+    (dict(num_splits=128), ValueError, r"^num_splits: .* take no split count, got 128"),
     (dict(num_splits=None), TypeError, r"^num_splits: expected an int, got NoneType"),
     (dict(num_splits=True), TypeError, r"^num_splits: expected an int, got bool"),
     (dict(num_splits=1.0), TypeError, r"^num_splits: expected an int, got float"),

@@ -21,6 +21,10 @@ def _imported_packages(path: pathlib.Path):
                 yield alias.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.module.split(".")[0]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)):
+            yield node.args[0].value.split(".")[0]  # importlib.import_module("pkg.mod") at call time
 
 
 @pytest.mark.cpu

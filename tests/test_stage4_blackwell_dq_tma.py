@@ -72,7 +72,7 @@ def test_default_and_refusals():
 def test_protocol_checker_sees_the_do_ring():
     """The extracted dq_tma build (d = 128): dO's own ring is waited / committed once per Q tile, and
     the model finds no deadlock or race; dropping one do_empty commit deadlocks the load warp."""
-    from stage3_fwd_kernel import blackwell_protocol as bp
+    from stage4_bwd_kernel import blackwell_protocol as bp
 
     prog = bp.build("bwd-dqtma", 4)
     names = prog.spec.bar_names

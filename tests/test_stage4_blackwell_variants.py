@@ -161,7 +161,7 @@ def test_walk_of_a_plain_kernel_is_unchanged():
 
 # ------------------------------------------------------------------------------------ protocol
 def _program(blocks, **variant):
-    from stage3_fwd_kernel import blackwell_protocol as bp
+    from stage4_bwd_kernel import blackwell_protocol as bp
 
     bb = _bwd()
     spec = bp.backward_spec(blocks)
@@ -209,7 +209,7 @@ def test_protocol_checker_passes_the_variant_builds(blocks):
     """A window changes only the walk's bounds and the arithmetic: its role programs are the plain
     build's. Softcap reads S^T and writes P^T chunk by chunk (last first): the same operations in
     another order, each write over columns already read. Both pass the checker."""
-    from stage3_fwd_kernel import blackwell_protocol as bp
+    from stage4_bwd_kernel import blackwell_protocol as bp
 
     plain = _program(blocks)
     window = _program(blocks, window_size=(128, 64))

@@ -124,7 +124,7 @@ def test_protocol_checker_extracts_and_passes_the_varlen_roles(blocks):
     """The varlen build's role programs (through WalkPlan.tile_bounds / make_walk) hold exactly the
     dense build's barrier and buffer operations, and pass the checker; blocks = 0 is a K/V tile past
     its sequence's keys (or of an empty sequence): every role's empty path, no deadlock."""
-    from stage3_fwd_kernel import blackwell_protocol as bp
+    from stage4_bwd_kernel import blackwell_protocol as bp
 
     bb = _bwd()
     dense = bp.extract(bp.backward_spec(blocks))

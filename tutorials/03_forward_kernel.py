@@ -166,7 +166,7 @@ for (a, b), anchors in zip(zip(LADDER, LADDER[1:]), ANCHORS):
 #   without mask code.
 # - **step 4** changes only the online-softmax update: a warp vote decides whether the running max
 #   moves at all (conditional rescaling, `tau = 8`: O and the row sum are rescaled only when some
-#   row's max grew by more than `2^8`, which stays exact because the final `O / l` uses the same
+#   row's max grew by more than tau = 8 in log2 units (a factor of `2^8`), which stays exact because the final `O / l` uses the same
 #   stale max for both), and `exp2_row` can put a compile-time share of the exponentials on the FMA
 #   pipe (stage 2's polynomial).
 #
@@ -836,10 +836,10 @@ assert busy_share[True] > busy_share[False]
 # A softmax thread holds a whole row of S: 128 fp32 registers. If it converted the whole row and then
 # stored it, the 64 registers of packed P would be live next to the 128 of S. The paper: "we stage out
 # storing P: The first three quarters are stored once (and trigger the corresponding MMA operations),
-# and the last quarter is stored separately." The thread exponentiates, packs and stores a quarter of
-# the row's keys at a time, in key order; after the third store it arrives on `p_full` and the MMA
-# warp may start `O += P V` on the K steps that read only those keys (a tcgen05 f16 MMA has K = 16,
-# so 8 steps per 128 keys). The last quarter arrives on `p_full_2`, and the MMA warp issues the rest:
+# and the last quarter is stored separately." The thread stores the row's packed P a quarter of the
+# keys at a time, in key order; after the third store it arrives on `p_full` and the MMA warp may
+# start `O += P V` on the K steps that read only those keys (a tcgen05 f16 MMA has K = 16, so 8
+# steps per 128 keys). The last quarter arrives on `p_full_2`, and the MMA warp issues the rest:
 
 # %%
 from stage3_fwd_kernel import blackwell_fwd
@@ -868,13 +868,14 @@ assert cfg.pv_k_blocks_first * 16 == first_keys
 print(source_of(blackwell_fwd, "FlashAttentionForwardSm100.gemm_pv"))
 
 # %% [markdown]
-# The softmax side is the loop `for q in range(p_store_chunks)` in `FlashAttentionForwardSm100.softmax`:
-# exponentiate one quarter (`exp2_row`, the shared policy), pack it to 16 bits, `tcgen05.st` it, and
-# after quarter 3 fence and arrive on `p_full`. The quarters go in key order because the MMA's K
-# steps read P in key order: the first six steps of `P V` need exactly the first 96 keys. The MMA
-# thus starts a quarter of the exponentials earlier, and the row's packed values never all sit in
-# registers at once. The 2-CTA backward's counterpart, the DSMEM exchange of half of dS, is in
-# tutorial 04.
+# The softmax side is two loops in `softmax_step` (`stage3_fwd_kernel/blackwell_softmax.py`): the
+# first exponentiates each quarter (`exp2_row_packed`, the shared policy) and packs it to 16 bits into
+# the row's P registers; the second issues the four `tcgen05.st` stores, and after quarter 3 fences and
+# arrives on `p_full`. The quarters go in key order because the MMA's K steps read P in key order: the
+# first six steps of `P V` need exactly the first 96 keys, so the MMA starts a quarter of the row
+# earlier. In the source the stores follow all the exponentials (a store per quarter spilled);
+# ptxas's schedule moves each store up next to its quarter. The 2-CTA backward's counterpart, the
+# DSMEM exchange of half of dS, is in tutorial 04.
 #
 # **Status, plainly**: `blackwell_fwd.py` is compiled for `sm_100a` with fake tensors in CI
 # (`tests/test_stage3_blackwell.py` checks the SASS for the tcgen05 MMAs, TMEM loads/stores and

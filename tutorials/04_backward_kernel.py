@@ -43,7 +43,7 @@
 # (`spt_bwd`, `dq_rank`).
 #
 # **Status**: the Hopper lessons and the production backward (`stage4_bwd_kernel.hopper`: its
-# composed kernel serves head dims 64, 96 and 128, step 1 the wide head dims (192, 128) and 256) pass
+# composed kernel serves every head dim, (192, 128) and 256 on its wide design, `hopper/wide.py`) pass
 # their GPU tests on Hopper, the deterministic mode included; their speed is read below from
 # committed H100 results. On a CPU-only machine the notebook compiles them for `sm_90a`. The Blackwell
 # backward kernels are compiled for `sm_100a` in the tests and have **never run on hardware**: the

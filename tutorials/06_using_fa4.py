@@ -302,8 +302,9 @@ for lane in (0, 15, 16, 31):
 # %% [markdown]
 # ## `torch.compile`: custom ops, no graph break
 # Dynamo cannot trace into a CuTe-DSL launch (ctypes, DLPack, a JIT compiler). `fa4` therefore
-# registers four `torch.library` custom ops (`fa4::fwd`, `fa4::bwd`, `fa4::varlen_fwd`,
-# `fa4::varlen_bwd`), each with a fake implementation that gives shapes and dtypes, and ties the
+# registers six `torch.library` custom ops (for attention and its gradients `fa4::fwd`, `fa4::bwd`,
+# `fa4::varlen_fwd`, `fa4::varlen_bwd`; beside them `fa4::paged_varlen_fwd` and
+# `fa4::kvcache_attention`), each with a fake implementation that gives shapes and dtypes, and ties the
 # forward to the backward with `register_autograd`. So `torch.compile(fullgraph=True)` traces the
 # forward *and* the backward with no graph break — and it can do so here, with meta tensors. The
 # custom backend below just records the two graphs AOTAutograd produces.
