@@ -8,6 +8,7 @@ an implementation that shares nothing with the ring (no lse merge, no analytic b
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import os
 import tempfile
@@ -184,9 +185,34 @@ def _varlen_case(rank, world, causal, left):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what} {n}: {m}")
 
 
-def _worker(rank, world, init_file, quick):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+class _FailingKernels(cp.ReferenceKernels):
+    """The reference kernels, failing in the forward of the first ring step (after its shift is posted)."""
+
+    def forward(self, *args, **kw):
+        raise RuntimeError("a step that fails on every rank")
+
+
+def _failed_step_case(rank, world):
+    """A step that raises on every rank leaves no send / receive posted: the next call goes through
+    (before, gloo timed out waiting for the abandoned exchange)."""
+    q, k, v, _ = _inputs(1, 8 * world, 2, 2, 8, seed=11)
+    mine = [cp.shard(t, dim=1) for t in (q, k, v)]
     try:
+        cp.ring_attention(*mine, causal=True, kernels=_FailingKernels())
+        raise AssertionError("the failing kernels did not fail")
+    except RuntimeError as e:
+        assert "fails on every rank" in str(e), e
+    out = cp.ring_attention(*mine, causal=True, kernels=cp.ReferenceKernels())
+    want = dense(q, k, v, q.shape[-1] ** -0.5, causal=True)[0]
+    torch.testing.assert_close(out, cp.shard(want, dim=1), rtol=1e-9, atol=1e-9)
+
+
+def _worker(rank, world, init_file, quick):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))  # a hang fails the test instead
+    try:
+        if world > 1:
+            _failed_step_case(rank, world)
         for layout in _plan.LAYOUTS:
             _fixed_case(rank, world, layout, causal=True)
             _fixed_case(rank, world, layout, causal=False, gqa=False, lse_grad=False)
@@ -288,6 +314,16 @@ def test_more_argument_errors_before_any_communication(monkeypatch):
                 cp.unshard(q, dim=True)
             with pytest.raises(ValueError, match=r"^dim: 7 is out of range for x of shape"):
                 cp.shard(q, dim=7)
+            with pytest.raises(TypeError, match=r"^kernels: expected .* got the class ReferenceKernels"):
+                cp.ring_attention(q, q, q, kernels=cp.ReferenceKernels)
+            with pytest.raises(ValueError, match=r"^q: meta tensors cannot be sent around the ring"):
+                cp.ring_attention_varlen(meta[0], meta[0], meta[0], cu_seqlens=torch.tensor([0, 6]), kernels=ref)
+            with pytest.raises(ValueError, match=r"^group: this process \(global rank 0\) is not a member"):
+                cp.ring_attention(q, q, q, group=dist.GroupMember.NON_GROUP_MEMBER, kernels=ref)
+            for empty in (torch.zeros(1, 0, 2, 8), torch.zeros(0, 6, 2, 8)):  # no tokens, no batch
+                leaves = [empty.clone().requires_grad_() for _ in range(3)]
+                cp.ring_attention(*leaves, causal=True, kernels=ref).sum().backward()
+                assert all(t.grad is not None and t.grad.shape == empty.shape for t in leaves)
             group = dist.new_group([0])
             monkeypatch.setattr(_checks.dist, "get_rank", lambda group=None: -1 if group is not None else 0)
             with pytest.raises(ValueError, match=r"^group: this process \(global rank 0\) is not a member"):

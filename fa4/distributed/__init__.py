@@ -17,8 +17,10 @@ rank boundaries by gathering K and V (fa4/distributed/_varlen.py).
 The kernels are fa4's. `kernels=ReferenceKernels()` runs the same algorithm with torch math
 instead (any device, any float dtype; the CPU tests use it on the gloo backend).
 
-Every rank checks its own arguments; a call whose arguments differ between ranks (shapes,
-cu_seqlens, flags) fails on some ranks while the others wait in a collective -- as with any
+Every rank checks its own arguments, but nothing compares them across ranks: a call whose arguments
+differ between ranks is undefined. Different flags or cu_seqlens (causal, layout, ...) give wrong
+results on every rank without an error; different shapes or dtypes make the transfers disagree --
+the backend may abort a process (gloo does) while a peer returns garbage or waits. As with any
 collective, the caller keeps the ranks in step.
 """
 from __future__ import annotations
@@ -43,7 +45,8 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     q (B, S/P, Hq, D), k (B, S/P, Hkv, D), v (B, S/P, Hkv, Dv): this rank's slice of a sequence of
     length S sharded over the P ranks of `group` (default: the world) in `layout` ("zigzag" or
     "contiguous", see `shard`). Every rank must call with the same shapes and arguments.
-    Returns out (B, S/P, Hq, Dv), or (out, lse) with lse (B, Hq, S/P) fp32 -- this rank's rows.
+    Returns out (B, S/P, Hq, Dv), or (out, lse) with lse (B, Hq, S/P) fp32 (fp64 for fp64 inputs on
+    ReferenceKernels) -- this rank's rows.
     causal: key position <= query position over the global sequence. GQA, softcap and
     learnable_sink (Hq,) work as in fa4.flash_attn_func; the sink's gradient on each rank is that
     rank's share (sum it over the group with the other replicated parameters' gradients). Head dims

@@ -14,6 +14,8 @@ def world_of(group):
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("group: torch.distributed is not initialised; call dist.init_process_group first "
                          "(torchrun sets up the environment for it)")
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group returns to a process outside it
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -42,9 +44,12 @@ def check_kernels(kernels, q, k, v, softmax_scale, causal, deterministic, return
     from .._validate import check_fixed, check_softmax_scale
 
     kernels = Fa4Kernels() if kernels is None else kernels
-    if not all(hasattr(kernels, m) for m in ("forward", "backward", "varlen_forward", "varlen_backward")):
-        raise TypeError(f"kernels: expected Fa4Kernels(), ReferenceKernels() or None, got {type(kernels).__name__}")
-    if not varlen and q.device.type == "meta":
+    if isinstance(kernels, type) or not all(hasattr(kernels, m)
+                                            for m in ("forward", "backward", "varlen_forward", "varlen_backward")):
+        what = f"the class {kernels.__name__} (an instance is needed)" if isinstance(kernels, type) else \
+            type(kernels).__name__
+        raise TypeError(f"kernels: expected Fa4Kernels(), ReferenceKernels() or None, got {what}")
+    if q.device.type == "meta":
         raise ValueError("q: meta tensors cannot be sent around the ring (they have no data to communicate)")
     if getattr(kernels, "needs_cuda", False) and not varlen:
         q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)

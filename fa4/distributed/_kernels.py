@@ -92,8 +92,8 @@ class ReferenceKernels:
         dk = torch.einsum("bhqk,bqhd->bkhd", ds, q.to(acc)) * scale
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
         b, sk, hkv = k.shape[:3]
-        dk = dk.reshape(b, sk, hkv, group, -1).sum(3)
-        dv = dv.reshape(b, sk, hkv, group, -1).sum(3)
+        dk = dk.reshape(b, sk, hkv, group, k.shape[-1]).sum(3)  # (-1 cannot be inferred for 0 tokens)
+        dv = dv.reshape(b, sk, hkv, group, v.shape[-1]).sum(3)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):

@@ -2,8 +2,9 @@
 
 A sequence of S tokens is split over P ranks. Two layouts:
 
-* ``contiguous``: rank r holds tokens [r S/P, (r+1) S/P). Under a causal mask rank P-1 has P times
-  the work of rank 0, so the ring waits on the last rank.
+* ``contiguous``: rank r holds tokens [r S/P, (r+1) S/P). Under a causal mask rank P-1 has 2P - 1
+  times the work of rank 0 (P - 1 full blocks and a triangle against one triangle), so the ring
+  waits on the last rank.
 * ``zigzag``: the sequence is cut into 2P equal chunks; rank r holds chunks r and 2P-1-r (one from
   the front, one from the back), in that order. Every rank then sees the same number of unmasked
   (query, key) pairs under a causal mask.

@@ -79,6 +79,18 @@ def _acc_dtype(t):
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _drain(*pending):
+    """After a step failed: complete this rank's posted sends / receives, so the process group is
+    usable again once every rank has failed alike (a rank that fails alone still leaves its peers
+    waiting -- the caller keeps the ranks in step)."""
+    for request in pending:
+        if request is not None:
+            try:
+                request.wait()
+            except Exception:  # noqa: BLE001 -- the step's own error is the one to report
+                pass
+
+
 def ring_forward(call: RingCall, q, k, v):
     ring, kern = call.ring, call.kernels
     b, sl, hq, _ = q.shape
@@ -91,7 +103,11 @@ def ring_forward(call: RingCall, q, k, v):
         work = step_work(ring.rank, src, ring.world, sl, call.causal, call.layout)
         if work is not None:
             qr, kr = work.q_rows, work.kv_rows
-            o, l = kern.forward(q[:, qr], kv[0][:, kr], kv[1][:, kr], call.scale, work.causal, call.softcap)
+            try:
+                o, l = kern.forward(q[:, qr], kv[0][:, kr], kv[1][:, kr], call.scale, work.causal, call.softcap)
+            except BaseException:
+                _drain(incoming)
+                raise
             merge_into(out[:, qr], lse[:, :, qr].transpose(1, 2), o, l.transpose(1, 2))
         if incoming is not None:
             kv = incoming.wait()
@@ -112,9 +128,13 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, dlse):
         grads = None
         if work is not None:
             qr, kr = work.q_rows, work.kv_rows
-            grads = kern.backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr], lse[:, :, qr],
-                                  None if dlse is None else dlse[:, :, qr], call.scale, work.causal, call.softcap,
-                                  call.deterministic)
+            try:
+                grads = kern.backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr], lse[:, :, qr],
+                                      None if dlse is None else dlse[:, :, qr], call.scale, work.causal,
+                                      call.softcap, call.deterministic)
+            except BaseException:
+                _drain(incoming, dkv_incoming)
+                raise
             dq[:, qr] += grads[0]
         if dkv_incoming is not None:
             dkv = dkv_incoming.wait()

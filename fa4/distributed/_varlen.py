@@ -137,7 +137,7 @@ def ring_attention_varlen(q, k, v, *, cu_seqlens, group=None, causal=False, soft
     rank r. cu_seqlens: the *global* document boundaries (int32 or int64, length docs + 1, from 0 to
     T, the same on every rank; read on the host once per call). Empty documents are fine.
     window_size (left, 0) / (left, None) with causal=True: a sliding window to the left.
-    Returns out (T/P, Hq, Dv), or (out, lse) with lse (Hq, T/P) fp32.
+    Returns out (T/P, Hq, Dv), or (out, lse) with lse (Hq, T/P) fp32 (fp64 for fp64 inputs on ReferenceKernels).
     """
     from .._validate import check_softcap, check_window
 
