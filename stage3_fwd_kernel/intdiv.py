@@ -20,10 +20,15 @@ def fast_div(a, b):
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    a, b = Int32(a), Int32(b)
-    q = Int32(Float32(a) * cute.arch.rcp_approx(Float32(b)))
+    return fast_div_formula(Int32(a), Int32(b), Float32, cute.arch.rcp_approx, Int32)
+
+
+def fast_div_formula(a, b, to_f32, rcp, to_int):
+    """fast_div's traced arithmetic with its operations passed in: the DSL's (Float32, rcp.approx,
+    Int32) in the kernels, NumPy's in the tests, which replay it with the reciprocal a few ulp off."""
+    q = to_int(to_f32(a) * rcp(to_f32(b)))  # within one of a // b
     r = a - q * b
-    return q + Int32(r >= b) - Int32(r < 0)
+    return q + to_int(r >= b) - to_int(r < 0)
 
 
 def ring_slot(t, stages: int):

@@ -44,7 +44,7 @@ from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report
 from stage5_scheduling import orders
 from stage5_scheduling.device import LPTCausalScheduler, VarlenLPTScheduler
 
-__all__ = ["longest_tile_work", "VarlenMetadataKernel", "compile_metadata", "varlen_metadata_device",
+__all__ = ["longest_tile_work", "ranked_ahead", "VarlenMetadataKernel", "compile_metadata", "varlen_metadata_device",
            "VarlenSchedule"]
 
 NUM_THREADS = 1024
@@ -60,6 +60,15 @@ def longest_tile_work(m_blocks, seq_q, seq_k, tile_m: int, tile_n: int, causal: 
     else:
         keys = seq_k
     return (keys + tile_n - 1) // tile_n
+
+
+def ranked_ahead(other_work, my_work, other, me, sort: bool):
+    """Whether batch `other` comes before batch `me` in the virtual order: longest tile work
+    descending, ties in batch order (a stable sort); unsorted, batch order. Traced Int32 in the
+    kernel, ints or NumPy arrays in the tests (the same expression)."""
+    if not sort:
+        return other < me
+    return (other_work > my_work) | ((other_work == my_work) & (other < me))
 
 
 class VarlenMetadataKernel:
@@ -126,10 +135,7 @@ class VarlenMetadataKernel:
                 cute.arch.sync_threads()
                 for i in cutlass.range(cutlass.min(nt, num_batch - cbase), unroll=4):
                     other = cbase + i
-                    ahead = other < b  # unsorted: the given order
-                    if const_expr(self.sort):
-                        w = sWork[i]
-                        ahead = (w > my_work) | ((w == my_work) & (other < b))
+                    ahead = ranked_ahead(sWork[i], my_work, other, b, self.sort)
                     if ahead:
                         rank += 1
                         before += sBlocks[i]

@@ -153,14 +153,17 @@ def test_launch_sections_with_the_estimated_division(num_n_blocks, heads_kv, bat
     division tiles; the host refuses grids past fast_div's bound before any launch."""
     from stage4_bwd_kernel import schedule
 
+    from stage3_fwd_kernel.intdiv import fast_div_formula
+
     def replay(ulps):
-        def div(a, b):
-            rcp = np.float32(1.0) / np.float32(b)
+        def rcp(x):
+            r = np.float32(1.0) / x
             for _ in range(abs(ulps)):
-                rcp = np.nextafter(rcp, np.float32(np.inf if ulps > 0 else -np.inf), dtype=np.float32)
-            q = int(np.float32(a) * rcp)
-            r = a - q * b
-            return q + (r >= b) - (r < 0)
+                r = np.nextafter(r, np.float32(np.inf if ulps > 0 else -np.inf), dtype=np.float32)
+            return r
+
+        def div(a, b):  # the kernels' formula (intdiv.fast_div) with a reciprocal `ulps` off
+            return int(fast_div_formula(a, b, np.float32, rcp, int))
         return div
 
     ctas = num_n_blocks * heads_kv * batch

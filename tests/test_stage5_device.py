@@ -88,6 +88,20 @@ def _fixed_cases():
     ]
 
 
+def sections_by_loops(M, H, B, S, rev, flat=False):
+    """The sectioned orders as plain loops, sharing no code with section_tile: the chains -- each
+    batch's heads, or (flat) all (batch, head) pairs batch-major -- in sections of S (the last
+    narrower); in a section, blocks outer (descending when rev), its chains inner."""
+    chains = [[(h, b) for b in range(B) for h in range(H)]] if flat else [[(h, b) for h in range(H)]
+                                                                         for b in range(B)]
+    out = []
+    for units in chains:
+        for s0 in range(0, len(units), S):
+            for m in (range(M - 1, -1, -1) if rev else range(M)):
+                out += [(m, h, b) for h, b in units[s0:s0 + S]]
+    return out
+
+
 def _oracle(sched, M, H, B):
     if hasattr(sched, "host_order"):
         return sched.host_order(M, H, B)
@@ -105,7 +119,7 @@ def test_index_functions_equal_orders(rng):
         T = M * H * B
         want = orders.list_order(orders.sectioned, T, M, H, B, S, rev)
         got = [d.sectioned_tile(i, M, H, S, rev) for i in range(T)]
-        assert got == as_list(want), (M, H, B, S, rev)
+        assert got == as_list(want) == sections_by_loops(M, H, B, S, rev), (M, H, B, S, rev)
         want = orders.list_order(orders.lpt_no_sections, T, M, H, B)
         assert [d.no_sections_tile(i, M, H, B) for i in range(T)] == as_list(want)
         # what a SectionedScheduler's oracle says is the same thing
@@ -117,6 +131,7 @@ def test_index_functions_equal_orders(rng):
         assert as_list(d.LPTCausalScheduler(S, flat_batches=True).host_order(M, H, B)) == flat
         assert sorted(flat) == sorted(as_list(want))  # every tile once
         flat_rev = as_list(orders.list_order(orders.sectioned_flat, T, M, H, B, S, rev))
+        assert flat_rev == sections_by_loops(M, H, B, S, rev, flat=True), (M, H, B, S, rev)
         assert [d.flat_sectioned_tile(i, M, H, B, S, rev) for i in range(T)] == flat_rev
         assert as_list(d.SectionedScheduler(S, rev, flat_batches=True).host_order(M, H, B)) == flat_rev
         if H % S == 0:  # the section divides the heads: the same list as per-batch sections
@@ -145,6 +160,7 @@ def test_warp_search_and_compact_varlen_formula(rng):
             M = (cu[v + 1] - cu[v]) // H
             block, head = d.in_batch_tile(lin - cu[v], M, H, S, True)
             assert (block, head, int(meta.batch_map[v])) == want[lin]
+            assert (block, head, 0) == sections_by_loops(M, H, 1, S, True)[lin - cu[v]]
 
 
 @pytest.mark.cpu
@@ -186,9 +202,10 @@ def test_metadata_kernel_formula_equals_stable_sort(rng):
             np.testing.assert_array_equal(work, meta.max_tile_work)
             np.testing.assert_array_equal(blocks, meta.num_m_blocks)
             idx = np.arange(nb)
-            ahead = idx[None, :] < idx[:, None]  # [b, b']: b' before b
-            if sort:
-                ahead = (work[None, :] > work[:, None]) | ((work[None, :] == work[:, None]) & ahead)
+            # [b, b']: b' before b -- the kernel's own predicate, and the stable sort it must equal
+            ahead = md.ranked_ahead(work[None, :], work[:, None], idx[None, :], idx[:, None], sort)
+            order = np.argsort(-work, kind="stable") if sort else idx
+            np.testing.assert_array_equal(ahead.sum(1)[order], idx)
             rank = ahead.sum(1)
             before = (ahead * blocks[None, :]).sum(1)
             batch_map = np.empty(nb, np.int64)
@@ -524,8 +541,10 @@ def test_dispatch_follows_linear_index():
 @pytest.mark.stage5
 def test_fast_div_bound_and_the_grid_check():
     """fast_div's fp32 estimate is within one of the quotient below FAST_DIV_MAX (the correction makes
-    it exact): replayed in NumPy with the reciprocal off by up to 2 ulp, as rcp.approx may be; a flat
-    scheduler refuses grids past the bound before any launch."""
+    it exact): its formula replayed in NumPy with the reciprocal off by up to 2 ulp, as rcp.approx may
+    be; a flat scheduler refuses grids past the bound before any launch."""
+    from stage3_fwd_kernel.intdiv import fast_div_formula
+
     d = _device()
     rng = np.random.default_rng(1)
     for b in [1, 2, 3, 7, 127, 128, 640, 4096, 99991, (1 << 21) - 1]:
@@ -536,9 +555,8 @@ def test_fast_div_bound_and_the_grid_check():
             rcp = r0
             for _ in range(abs(steps)):
                 rcp = np.nextafter(rcp, np.float32(np.inf if steps > 0 else -np.inf), dtype=np.float32)
-            q = (a.astype(np.float32) * rcp).astype(np.int64)
-            r = a - q * b
-            assert np.array_equal(q + (r >= b) - (r < 0), a // b), (b, steps)
+            got = fast_div_formula(a, b, np.float32, lambda x, rcp=rcp: rcp, lambda x: np.asarray(x).astype(np.int64))
+            assert np.array_equal(got, a // b), (b, steps)
     assert d.fast_div(1000, 7) == 142 and np.array_equal(d.fast_div(np.arange(10), 3), np.arange(10) // 3)
     d.LPTCausalScheduler(4, flat_batches=True).check_grid(128, 64, 8)
     d.LPTCausalScheduler(4).check_grid(1 << 12, 1 << 10, 1)  # per-batch sections divide exactly: no bound
