@@ -44,10 +44,11 @@ __all__ = ["RescaleStats", "flash_forward", "flash_backward"]
 
 @dataclass
 class RescaleStats:
-    """What the conditional rescaling did, counted per (row, K block) where a row's max grew."""
+    """What the conditional rescaling did, counted per (row, K block) whose block max exceeded the
+    row's kept max m_i (the true running max at tau = 0, often a stale one at tau > 0)."""
 
-    done: int = 0  # max grew by > tau: O_i, l_i rescaled (or by any amount when tau = 0)
-    skipped: int = 0  # max grew by <= tau: stale max kept, no multiply
+    done: int = 0  # exceeded m_i by > tau: O_i, l_i rescaled (or by any amount when tau = 0)
+    skipped: int = 0  # exceeded m_i by <= tau: m_i kept, no multiply
     initial: int = 0  # first visible block of a row: m_i set, nothing to rescale yet
     max_term: float = 0.0  # largest 2^(S - m_i) accumulated; <= 2^tau is the safety bound
     max_l: float = 0.0  # largest un-normalized row sum l_i reached
@@ -75,7 +76,8 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, block_m=128, blo
     """Tiled attention forward. Returns (out (B,Sq,Hq,Dv), lse (B,Hq,Sq), RescaleStats).
 
     rescale_threshold=0 is classic FlashAttention (rescale whenever the max grows).
-    accum_dtype=np.float32 runs m/l/O in fp32 like the kernels, to show where tau breaks.
+    accum_dtype=np.float32 runs m/l/O in fp32 like the kernels, to show where tau breaks; float16
+    is refused: its range (65504) leaves no headroom for 2^tau terms (Sk max|V| 2^8 overflows it).
     """
     q, k, v = check_dense(q, k, v)
     _check_blocks(block_m, block_n, rescale_threshold, rows_per_vote)
@@ -85,6 +87,8 @@ def flash_forward(q, k, v, *, softmax_scale=None, causal=False, block_m=128, blo
     scale_log2 = scale * LOG2E
     tau = float(rescale_threshold)
     acc = np.dtype(accum_dtype)
+    if acc not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(f"accum_dtype: expected np.float32 or np.float64 (the kernels accumulate in fp32), got {acc}")
     mask = visible_mask(sq, sk, causal)  # (Sq, Sk)
     kx = np.repeat(k, hq // hkv, axis=2).astype(acc)  # (B, Sk, Hq, D): GQA by indexing
     vx = np.repeat(v, hq // hkv, axis=2).astype(acc)

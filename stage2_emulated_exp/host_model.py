@@ -55,8 +55,10 @@ checks each case against the exact model):
     x <= -127, -inf, NaN clamped to -127 -> +0.0 (NaN is swallowed, not propagated)
     +-0, |x| < 2^-126    1.0 with ftz; without ftz a negative subnormal gives p(1)/2 ~ 1.0
     x = 128              +inf (p = 1.0, exponent field 255)
-    x in (128, 2^22)     garbage: NaN bit patterns for floor = 128, then the shifted floor
-                         wraps into the sign bit (negative outputs)
+    x in (128, 2^22)     garbage: floor << 23 keeps floor mod 512, so the result repeats every
+                         512: NaN / inf bit patterns at floor mod 512 = 128 and 384, negative
+                         outputs for floor mod 512 in (128, 384), otherwise finite positive values
+                         of the wrong size (exp2(512.5) gives 1.414)
     x >= 2^22, +inf      garbage; +inf gives NaN (f = inf - inf)
 
 The supported domain is x < 128 (the kernels feed x = (S - m) * scale * log2(e) <= tau = 8

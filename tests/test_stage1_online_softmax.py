@@ -122,6 +122,9 @@ def test_threshold_zero_is_classic_flashattention_and_skips_nothing(rng):
     assert classic.skipped == 0 and classic.done > 0
     # random scores: after the first blocks the max creeps up by small steps, rarely by > 8
     assert 10 * fa4.done < classic.done and fa4.skipped > 0
+    for stats in (classic, fa4):  # the per-block counts add up to the totals
+        assert [sum(c) for c in zip(*stats.per_block)] == [stats.done, stats.skipped]
+        assert len(stats.per_block) == 1024 // 64
 
 
 @pytest.mark.parametrize("rows_per_vote", [16, 32])
@@ -157,6 +160,7 @@ def test_backward_equals_oracle(rng, shape, blocks, causal):
     (dict(rescale_threshold=-1.0), "rescale_threshold: expected a finite value >= 0"),
     (dict(rescale_threshold=float("inf")), "rescale_threshold"),
     (dict(rows_per_vote=0), "rows_per_vote"),
+    (dict(accum_dtype=np.float16), "accum_dtype: expected np.float32 or np.float64"),
 ])
 def test_bad_arguments_name_themselves(rng, kw, match):
     q, k, v = qkv(rng, 1, 4, 4, 1, 1, 4)
