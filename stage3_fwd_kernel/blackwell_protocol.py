@@ -882,13 +882,19 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", action="store_true", help="print the extracted operations per role")
     a = ap.parse_args(argv)
     prog = build(a.kernel, a.blocks, a.tiles, a.persistent, a.head_dim)
-    print(f"extracted from source ({a.kernel}):\n{prog.summary()}")
-    if a.ops:
+    return run_and_report(prog, a.kernel, a.blocks, _fwd_tiles(prog) if a.kernel == "fwd" else 0, a.max_states, a.ops)
+
+
+def run_and_report(prog: Program, name: str, blocks: int, tiles: int, max_states: int, show_ops: bool) -> int:
+    """The command line's report of one extracted program: its summary (and operations), then the
+    search's verdict; the exit code (0: no violation)."""
+    print(f"extracted from source ({name}):\n{prog.summary()}")
+    if show_ops:
         for role, ops in prog.ops.items():
             print(f"-- {role}")
             for op in ops:
                 print("   ", op)
-    res = explore(prog, a.max_states, a.blocks, _fwd_tiles(prog) if a.kernel == "fwd" else 0)
+    res = explore(prog, max_states, blocks, tiles)
     print(res.report())
     return 0 if res.ok else 1
 

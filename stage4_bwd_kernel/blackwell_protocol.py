@@ -13,7 +13,7 @@ import argparse
 import functools
 
 from stage3_fwd_kernel.blackwell_protocol import KernelSpec, Program, RegionPtr, Result, Role, bar_names, explore, \
-    extract, smem, tmem
+    extract, run_and_report, smem, tmem
 from stage4_bwd_kernel import blackwell_bwd, blackwell_bwd_2cta
 
 
@@ -104,16 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-states", type=int, default=2_000_000)
     ap.add_argument("--ops", action="store_true", help="print the extracted operations per role")
     a = ap.parse_args(argv)
-    prog = build(a.kernel, a.blocks)
-    print(f"extracted from source ({a.kernel}):\n{prog.summary()}")
-    if a.ops:
-        for role, ops in prog.ops.items():
-            print(f"-- {role}")
-            for op in ops:
-                print("   ", op)
-    res = explore(prog, a.max_states, a.blocks, 0)
-    print(res.report())
-    return 0 if res.ok else 1
+    return run_and_report(build(a.kernel, a.blocks), a.kernel, a.blocks, 0, a.max_states, a.ops)
 
 
 if __name__ == "__main__":
