@@ -64,6 +64,9 @@ _SEEN: dict = {}         # signature hash -> calls that took the normal path in 
 _STATS = {"replays": 0, "recorded": 0, "unrecordable": 0, "discarded": 0}
 _NAMES: dict = {}        # a signature's facts -> its hash (the plan's file name)
 _LAST_REFUSAL: dict = {}  # signature hash -> why the recording gave up (for tests and `fa4 info`)
+# every plan constant ever made: a CUDA graph captured over a replay reads them by address, so they
+# outlive a plan that is dropped or forgotten (as fa4._kvcache keeps its own constants)
+_KEPT_CONSTANTS: list = []
 
 
 class Unrecordable(Exception):
@@ -571,12 +574,15 @@ class _Replay:
     def _constants(self) -> list:
         """The external tensors, made once and then shared by every replay (as the code that made
         them kept one each)."""
-        if self._materialized is None:
-            self._materialized = [(c["slot"], torch.tensor(c["values"], dtype=getattr(torch, c["dtype"]),
-                                                           device=c["device"]).reshape(c["shape"]))
-                                  for c in self.constants]
-            for slot, t in self._materialized:
-                self._template[slot] = t
+        with _LOCK:  # a second thread must not copy the template before the constants are in it
+            if self._materialized is None:
+                made = [(c["slot"], torch.tensor(c["values"], dtype=getattr(torch, c["dtype"]),
+                                                 device=c["device"]).reshape(c["shape"]))
+                        for c in self.constants]
+                for slot, t in made:
+                    self._template[slot] = t
+                _KEPT_CONSTANTS.extend(t for _, t in made)
+                self._materialized = made  # last: a replay that sees it finds the template filled
         return self._materialized
 
     def __call__(self, inputs: tuple):
@@ -641,16 +647,22 @@ def replay(sig: Optional[str], cute_arch: str, inputs: tuple):
     signature from then on."""
     if sig is None:
         return None
-    plan = lookup(sig, cute_arch)
     # a capture may not load a kernel's module or copy constants to the device: only a plan that
-    # has run before in this process replays under it
-    if plan is None or (_capturing() and not plan.warm):
-        return None
+    # has run before in this process replays under it (lookup would load it from disk)
+    if _capturing():
+        plan = _PLANS.get(sig)
+        if plan is None or not plan.warm:
+            return None
+    else:
+        plan = lookup(sig, cute_arch)
+        if plan is None:
+            return None
     try:
         result = plan(inputs)
     except Exception as exc:
         with _LOCK:
             _PLANS[sig] = None
+            _LAST_REFUSAL[sig] = f"replay failed: {type(exc).__name__}"  # the normal path records it no more
         warnings.warn(f"fa4 plans: launch plan {sig[:12]} failed ({type(exc).__name__}: {str(exc)[:200]}); "
                       "this process takes the normal path for it", RuntimeWarning, stacklevel=3)
         return None

@@ -22,10 +22,14 @@ pytestmark = pytest.mark.fa4
 
 KEY = ("test_plans_kernel", "gpu", 1)
 EXTERNAL = {}
+FAILURES = {"left": 0}  # the next calls of the stand-in kernel that raise
 
 
 def _fake_kernel(q, k, out, scratch, scale, n, stand_in):
     """Stands in for a compiled kernel: writes its outputs in place (its ops are not the host's)."""
+    if FAILURES["left"]:
+        FAILURES["left"] -= 1
+        raise RuntimeError("CUDA out of memory (stand-in)")
     out.copy_(q * scale + k)
     scratch.add_(n + stand_in)
 
@@ -252,6 +256,76 @@ def test_a_replay_that_raises_keeps_the_plan_and_falls_back(plans, tmp_path, mon
     assert list(tmp_path.rglob("plans/*.json"))                 # a transient failure deletes nothing
     _call(_plans, sig, _inputs(4))
     assert calls == [1]                                          # and this process does not retry it
+
+
+@pytest.mark.cpu
+def test_a_failed_replay_keeps_its_constants_and_the_signature_stays_on_the_normal_path(plans, tmp_path):
+    """A CUDA graph captured over a replay reads the plan's constants by address: a later failed
+    replay (which drops the plan) must not free them. The signature then takes the normal path for
+    the rest of the process, without recording the plan again."""
+    import gc
+    import weakref
+
+    _plans, _ = plans
+    sig, _ = _recorded(_plans, tmp_path, "constants")
+    _plans.forget()
+    assert _call(_plans, sig, _inputs(2))[1]                     # a fresh process replays
+    constant = weakref.ref(_plans._PLANS[sig]._materialized[0][1])
+    FAILURES["left"] = 1
+    with pytest.warns(RuntimeWarning, match="takes the normal path"):
+        assert not _call(_plans, sig, _inputs(3))[1]
+    gc.collect()
+    assert constant() is not None
+    recorded = _plans.stats()["recorded"]
+    assert [_call(_plans, sig, _inputs(s))[1] for s in range(4, 8)] == [False] * 4
+    assert _plans.stats()["recorded"] == recorded
+
+
+@pytest.mark.cpu
+def test_under_capture_only_a_warm_plan_replays_and_nothing_is_loaded(plans, tmp_path, monkeypatch):
+    """torch.cuda.graph capture may not load a kernel's module: a plan not yet replayed in this
+    process is not even looked up (nothing loaded, the file kept); a warm one replays."""
+    _plans, loads = plans
+    sig, path = _recorded(_plans, tmp_path, "capture")
+    _plans.forget()
+    loads.clear()
+    monkeypatch.setattr(_plans, "_capturing", lambda: True)
+    assert not _call(_plans, sig, _inputs(2))[1]
+    assert loads == [] and path.exists()
+    monkeypatch.setattr(_plans, "_capturing", lambda: False)
+    assert _call(_plans, sig, _inputs(3))[1]                     # eager: loads, replays, warm
+    monkeypatch.setattr(_plans, "_capturing", lambda: True)
+    assert _call(_plans, sig, _inputs(4))[1]
+
+
+@pytest.mark.cpu
+def test_two_threads_making_a_plans_first_replay(plans, tmp_path):
+    """The constants are in the template before a second thread may copy it (a slow template
+    widens the window in which the second thread used to copy empty constant slots)."""
+    import threading
+    import time
+
+    _plans, _ = plans
+    sig, _ = _recorded(_plans, tmp_path, "threads")
+    _plans.forget()
+    plan = _plans.lookup(sig, "sm_90a")
+
+    class SlowTemplate(list):
+        def __setitem__(self, i, v):
+            time.sleep(0.1)
+            super().__setitem__(i, v)
+    plan._template = SlowTemplate(plan._template)
+    results = {}
+
+    def worker(name, delay):
+        time.sleep(delay)
+        results[name] = _call(_plans, sig, _inputs(5))[1]
+    threads = [threading.Thread(target=worker, args=(n, d)) for n, d in (("a", 0.0), ("b", 0.02))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {"a": True, "b": True} and _plans._PLANS.get(sig) is plan
 
 
 @pytest.mark.cpu
