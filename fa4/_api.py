@@ -21,7 +21,7 @@ import functools
 import torch
 
 from . import _kvcache, _ops, _paged  # _kvcache registers fa4::kvcache_attention
-from ._layouts import VarlenLayout, pad_head_dims
+from ._layouts import VarlenLayout, check_head_dim_pair, head_dim_ok, pad_head_dims
 from ._validate import (check_fixed, check_unservable, check_variants, check_varlen, check_varlen_arch,
                         check_varlen_sides)
 
@@ -79,6 +79,9 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
     check_varlen_arch(q, seqused_k)
+    if page_table is not None and _paged.needs_grad(q, k, v, learnable_sink) and \
+            all(isinstance(t, torch.Tensor) and t.dim() and head_dim_ok(t.shape[-1]) for t in (q, v)):
+        check_head_dim_pair(q, k, v, sink=learnable_sink)  # a pair without a backward: before the page gather
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
             _paged.in_place(q, k, v, _query_rows(q, max_seqlen_q)):
         return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -91,7 +94,7 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
         q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, deterministic, return_lse, seqused_k, seqused_q)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
     q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
-    lay = VarlenLayout.of(q, k, v, cu_q, cu_k, seqused_q, used, max_q, max_k, padded_q)
+    lay = VarlenLayout.of(q, k, v, cu_q, cu_k, seqused_q, used, max_q, max_k, padded_q, sink)
     out, lse = _ops.varlen_attention(lay.q, lay.k, lay.v, lay.cu_q, lay.cu_k, lay.seqused_k, lay.max_q, lay.max_k,
                                      scale, causal, deterministic, return_lse, (left, right), softcap, sink)
     return lay.restore(unpad(out), lse)
@@ -152,7 +155,7 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     non-decreasing, ending at the total); padded sequence b is row b.
     seqused_q / seqused_k (int32, length batch): use only the first seqused_*[b] query rows / keys
     of sequence b (causal and window masks align to those lengths). Query rows past seqused_q[b]
-    get out 0 and lse -inf (the sink's logit with a learnable sink) and no gradient.
+    get out 0 and lse -inf (with or without a learnable sink) and no gradient.
     page_table (int32, (batch, pages per sequence)), as in the official: k / v are a paged cache
     (num_pages, page_size, Hkv, D / Dv), cu_seqlens_k is None, and sequence b's keys are pages
     page_table[b, 0], page_table[b, 1], ... (seqused_k[b] keys, default all). On sm_90, with a page
@@ -213,6 +216,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # (B, H, S, D) -> (B, S, H, D): a view; the last dim keeps stride 1, so no copy
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     q, k, v, sm_scale = check_fixed(q, k, v, scale, is_causal, names=names, scale_name="scale")
+    check_head_dim_pair(q, k, v, names=names)  # refusals name query / key / value, not fa4's q
     sq, sk = q.shape[1], k.shape[1]
     if not is_causal or sq == sk:
         out = flash_attn_func(q, k, v, softmax_scale=sm_scale, causal=is_causal)

@@ -90,7 +90,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "seqused_q": (True, "varlen only: use the first seqused_q[b] query rows (later rows: out 0, lse -inf, no "
                         "gradient); run as 2 x batch sequences, the unused rows against no keys (fa4/_layouts.py)"),
     "padded_varlen": (True, "flash_attn_varlen_func takes either side padded, (batch, seqlen, heads, head_dim) with "
-                            "its cu_seqlens None, in any combination with seqused_q / seqused_k"),
+                            "its cu_seqlens None, in any combination with seqused_q / seqused_k (sm_100: no "
+                            "seqused_k)"),
     "any_head_dim": (True, "qk and v head dims: any multiples of 8 up to 256; a pair without a kernel of its own "
                            "runs on the cheapest native pair that covers it, zero-padded (sm_100: forward up to 256, backward up to 128)"),
     "return_lse": (True, "natural-log logsumexp of the scaled scores, fp32, (B, H, Sq) / (H, total_q)"),
@@ -98,7 +99,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "deterministic_backward": (True, "deterministic=True, forwarded to the backward kernel"),
     "torch_compile": (True, "torch.library custom ops fa4::fwd / fa4::bwd (+ varlen): fullgraph, no graph break"),
     "cuda_graphs": (True, "capture after one warm-up call (kernels compile on first use)"),
-    "disk_compile_cache": (True, "compiled kernels persisted per config (FA4_CACHE_DIR); see fa4/README.md"),
+    "disk_compile_cache": (True, "compiled kernels persisted per config (FA4_CACHE_DIR); see fa4/README.md (sm_100: "
+                                 "the backward; its forward is cached in memory only)"),
     "attn_mask": (False, "arbitrary masks are not supported: use causal or varlen (padding)"),
     "dropout": (False, "attention dropout is not supported"),
     "sliding_window": (True, "window_size=(left, right): row i sees keys i + off - left ..= i + off + right, "
@@ -110,7 +112,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
                              "any other page size by a cp.async gather up to 64 query rows (decode); longer queries "
                              "over those pages, and page_table on other arches, use a dense copy of the pages "
-                             "(flash_attn_with_kvcache: sm_90 only)"),
+                             "(flash_attn_with_kvcache: sm_90 only; sm_100 has no seqused_k, so each sequence uses "
+                             "all of its pages' keys)"),
     "fp8": (False, "not supported"),
 }
 
@@ -453,6 +456,9 @@ class Backend:
                        learnable_sink=None, page_table=None):
         """page_table: k / v are a paged cache read in place (only where `paged_in_place` allows it)."""
         self.check_variants(window, softcap, learnable_sink)
+        if seqused_k is not None and "seqused_k" in self.arch.lacks:  # before the module's import
+            raise ValueError(f"seqused_k: not implemented by the {self.arch.key} varlen forward "
+                             f"({self.arch.forward_module})")
         mod = self.forward_module()
         self._warn_unverified()
         kw = variant_kwargs(window, softcap, learnable_sink)
@@ -633,9 +639,6 @@ class BlackwellBackend(Backend):
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):
-        if seqused_k is not None:
-            raise NotImplementedError(f"seqused_k: the {self.arch.key} varlen forward ({self.arch.forward_module}) "
-                                      "does not support it yet")
         return mod.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                             softmax_scale=softmax_scale, causal=causal, **variants)
 

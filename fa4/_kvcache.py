@@ -638,6 +638,9 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
                              "varlen forward has no seqused_k yet")
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
+        if q.shape[0] > MAX_GRID_Z or q.shape[2] > MAX_GRID_Z:  # every route's grid (y, z): before the append
+            raise ValueError(f"q: batch ({q.shape[0]}) and heads ({q.shape[2]}) must be <= {MAX_GRID_Z} (the "
+                             "kernels' grid y / z limit); split the batch into calls of fewer sequences")
         # torch.compile, fake or meta tensors: the attention is one custom op (kvcache_attention), whose
         # implementation is the eager path below
         traced = not _ops.eager_ok(q, k_cache, v_cache, block_table)

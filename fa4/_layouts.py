@@ -77,10 +77,10 @@ def _pad_last(t, size):
     return t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1]))
 
 
-def pad_head_dims(q, k, v, names=("q", "k", "v"), sink=None):
-    """(q, k, v, unpad): inputs at a native head-dim pair of q's arch, and the function that takes
-    the kernel's out back to the caller's v head dim (identity when nothing was padded). sink: the
-    learnable sink, whose gradient needs the backward too."""
+def check_head_dim_pair(q, k, v, names=("q", "k", "v"), sink=None):
+    """The native pair that runs q's and v's head dims on q's arch; a ValueError naming names[0] when
+    none covers them, or when the pair has no backward there and an input (or the sink) requires
+    grad -- before anything is gathered, padded or launched."""
     d, dv = q.shape[-1], v.shape[-1]
     arch = arch_of(q.device)
     pair = native_pair(arch, d, dv)
@@ -94,6 +94,15 @@ def pad_head_dims(q, k, v, names=("q", "k", "v"), sink=None):
                          f"which has no backward there (backward pairs: "
                          f"{', '.join(f'{a}/{b}' for a, b in arch.backward_head_dims)}); inputs that require grad "
                          "are refused before the forward launches: call it under torch.no_grad()")
+    return pair
+
+
+def pad_head_dims(q, k, v, names=("q", "k", "v"), sink=None):
+    """(q, k, v, unpad): inputs at a native head-dim pair of q's arch, and the function that takes
+    the kernel's out back to the caller's v head dim (identity when nothing was padded). sink: the
+    learnable sink, whose gradient needs the backward too."""
+    d, dv = q.shape[-1], v.shape[-1]
+    pair = check_head_dim_pair(q, k, v, names, sink)
     if pair == (d, dv):
         return q, k, v, _identity
     pd, pdv = pair
@@ -139,14 +148,19 @@ class VarlenLayout:
         return gather_pages(k, page_table), gather_pages(v, page_table)
 
     @classmethod
-    def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q):
+    def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q, sink=None):
         """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None.
         q, k, v that require grad come back behind `RowsWithoutGradient` where a kernel grid bounded by
-        max_seqlen_* may not reach the rows past seqused_* (module docstring)."""
+        max_seqlen_* may not reach the rows past seqused_* (module docstring). A learnable sink that
+        requires grad sums over every row's out and lse as the kernel left them, so there the query
+        bound covers every row instead (a larger grid whose extra CTAs find no rows)."""
         longest_q = q.shape[0] if padded_q is None else padded_q[1]  # no sequence is longer
         rows_past_q = None
         if seqused_q is not None:
             rows_past_q = rows_past_used(cu_q, seqused_q, q.shape[0])
+            if sink is not None and sink.requires_grad and torch.is_grad_enabled() and \
+                    _may_stop_short(max_q, longest_q):
+                max_q = longest_q
             if q.requires_grad and _may_stop_short(max_q, longest_q):
                 q = RowsWithoutGradient.apply(q, rows_past_q)
         # (a padded k's bound covers its rows already, fa4._validate._padded_bound: the guard is then a no-op)

@@ -23,6 +23,7 @@ from typing import Callable
 from cutlass import Float32, Int32
 
 from stage3_fwd_kernel import trace
+from stage3_fwd_kernel.intdiv import FAST_DIV_MAX
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel import postprocess as post
 from stage4_bwd_kernel import preprocess as pre
@@ -183,6 +184,10 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         return dq, dk, dv
 
     dt = common.cutlass_dtype(q.dtype)
+    if dq_order is None and common.cdiv(max_seqlen_k, 64) * k.shape[-2] * batch >= FAST_DIV_MAX:
+        # the default orders' sectioned launch map divides with fast_div, exact below 2^22 CTAs (counted
+        # with the smallest key tile); a bigger grid launches in plain blockIdx order instead of failing
+        dq_order = common.default_dq_order(causal, deterministic, sections=False, head_dim=d)
     kernel, comp = compile_main(step, make_kernel, dt, d, d_v, causal, deterministic, varlen=varlen,
                                 has_seqused_k=seqused_k is not None, dq_order=dq_order, tiles=tiles,
                                 variant=variant)

@@ -163,21 +163,21 @@ class BackwardPreprocess:
 
 @cute.jit
 def zero_flat_share(mAcc: cute.Tensor, tidx: Int32, num_threads: cutlass.Constexpr[int]):
-    """This CTA's contiguous share of a flat fp32 buffer (N,), N a multiple of 4, 16-byte aligned,
-    set to 0 in 16-byte stores; the shares of the grid's CTAs cover it."""
+    """This CTA's contiguous share of a flat fp32 buffer viewed as (N / 4, 4) 16-byte rows (N a
+    multiple of 4, 16-byte aligned), set to 0 in 16-byte stores; the shares of the grid's CTAs cover
+    it. The row index stays below 2^31 up to N < 2^33; the row stride is 64-bit, so the address is too."""
     bx, by, bz = cute.arch.block_idx()
     gx, gy, gz = cute.arch.grid_dim()
     cta = bx + gx * (by + gy * bz)
-    vecs = mAcc.shape[0] // 4
+    vecs = mAcc.shape[0]
     per_cta = (vecs + gx * gy * gz - 1) // (gx * gy * gz)
     first = cta * per_cta
     last = cutlass.min(first + per_cta, vecs)
-    gAcc = cute.make_tensor(mAcc.iterator, cute.make_layout((4, vecs), stride=(1, 4)))   # (4, vecs)
     atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
     zeros = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     zeros.fill(0.0)
     for i in cutlass.range(first + tidx, last, num_threads, unroll=4):
-        cute.copy(atom, zeros, gAcc[None, i])
+        cute.copy(atom, zeros, mAcc[i, None])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,7 +185,8 @@ def zero_flat_share(mAcc: cute.Tensor, tidx: Int32, num_threads: cutlass.Constex
 # ------------------------------------------------------------------------------------------------
 def _fake_args(dt, head_dim, head_dim_v, *, launchable: bool = False, dq_zeroing: str = "rows"):
     F = common.fake_tensor
-    acc = F(Float32, 1) if dq_zeroing == "flat" else F(Float32, 4, head_dim)  # flat: (N,), 16-byte aligned
+    # flat: (N / 4, 4), 16-byte rows with a 64-bit row stride (N may pass 2^31)
+    acc = F(Float32, 2, 4) if dq_zeroing == "flat" else F(Float32, 4, head_dim)
     return (F(dt, 4, head_dim_v), F(dt, 4, head_dim_v), F(Float32, 3, align=4), F(Float32, 3, align=4),
             F(Float32, 3, align=4), acc, F(Int32, 1, align=4), Int32(1),
             common.launch_stream() if launchable else common.fake_stream())
@@ -243,7 +244,7 @@ def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, ma
     lse2, dpsum = (alloc(*lse.shape[:-1], rows, dtype=torch.float32, device=lse.device) for _ in range(2))
     if not varlen and rows != lse.shape[-1]:
         lse2, dpsum = lse2[..., :lse.shape[-1]], dpsum[..., :lse.shape[-1]]
-    acc = dq_accum.view(-1) if flat else dq_accum
+    acc = dq_accum.view(-1, 4) if flat else dq_accum  # flat: rows of 16 bytes
     if varlen:
         o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), acc if flat else acc.unsqueeze(0)
         l3, l23, d3 = lse.unsqueeze(0), lse2.unsqueeze(0), dpsum.unsqueeze(0)

@@ -640,7 +640,7 @@ def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
     bw.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False)
     assert calls == [("hopper", 7, 9, "used", 0.5, True, 64), ("hopper", 65, 9, "used", 0.5, True, None),
                      ("blackwell", 7, 0.5, False)]
-    with pytest.raises(NotImplementedError, match=r"^seqused_k: the sm_100 varlen forward \(stage3_fwd_kernel"):
+    with pytest.raises(ValueError, match=r"^seqused_k: not implemented by the sm_100 varlen forward \(stage3_fwd_kernel"):
         bw.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, False)
     seen = []
 
@@ -673,6 +673,27 @@ def test_seqused_k_is_refused_up_front_where_the_varlen_forward_lacks_it(monkeyp
         fa4.flash_attn_varlen_func(m(8, 2, 64), m(4, 16, 2, 64), m(4, 16, 2, 64), cu_seqlens_q=cu,
                                    max_seqlen_q=4, seqused_k=used, page_table=m(2, 2, dt=torch.int32))
     assert gathered == []
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_a_pair_without_a_backward_is_refused_before_the_page_gather_and_names_sdpa_arguments(monkeypatch):
+    """On sm_100, (192, 128) has a forward but no backward: a paged call that needs a gradient is
+    refused before the pages are copied, and SDPA's refusal names `query`, its own argument."""
+    from fa4 import _layouts, _validate
+
+    monkeypatch.setattr(_layouts, "arch_of", lambda device: _dispatch.ARCHS["sm_100"])
+    monkeypatch.setattr(_validate, "arch_of", lambda device: _dispatch.ARCHS["sm_100"])
+    gathered = []
+    monkeypatch.setattr(_validate.VarlenLayout, "unpage", staticmethod(lambda *a: gathered.append(a)))
+    m = lambda *s, dt=torch.bfloat16, grad=False: torch.empty(*s, device="meta", dtype=dt, requires_grad=grad)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^q: head dims \(qk=192, v=128\) run on sm_100's 192/128 forward, which has no"):
+        fa4.flash_attn_varlen_func(m(8, 2, 192, grad=True), m(4, 16, 2, 192), m(4, 16, 2, 128),
+                                   cu_seqlens_q=m(3, dt=torch.int32), max_seqlen_q=4,
+                                   page_table=m(2, 2, dt=torch.int32))
+    assert gathered == []
+    with pytest.raises(ValueError, match=r"^query: head dims \(qk=192, v=192\) run on sm_100's 256/256 forward"):
+        fa4.scaled_dot_product_attention(m(1, 2, 8, 192, grad=True), m(1, 2, 8, 192), m(1, 2, 8, 192))
 
 
 @pytest.mark.cpu

@@ -171,6 +171,31 @@ def test_backward(case):
         assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_whose_dq_accumulator_passes_2_pow_31_elements(causal):
+    """2048 x 128 tokens x 64 heads x 128: q holds 2^31 elements (4 GiB in bf16) and the fp32 dQ
+    accumulator at least as many, past every 32-bit index. Forward and backward run, and the first
+    and last sequences (the highest addresses) match the reference under the rule."""
+    from stage0_reference.torch_reference import assert_fa4_close, grad_atol
+
+    b, s, h, d = 2048, 128, 64, 128
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (rand(b, s, h, d, g=g, grad=True) for _ in range(3))
+    out = fa4.flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    for i in (0, b - 1):
+        one = [t.detach()[i:i + 1] for t in (q, k, v)]
+        ref_out, base_out = ref_and_base(*one, causal=causal)
+        assert_fa4_close(f"out[{i}]", out[i:i + 1], ref_out[0], base_out[0], atol=1e-5)
+        ref = ref_grads(*one, dout[i:i + 1], causal=causal, upcast=True)
+        base = ref_grads(*one, dout[i:i + 1], causal=causal, upcast=False)
+        for name, a, r, bl in zip(("dq", "dk", "dv"), got, ref, base):
+            assert_fa4_close(f"{name}[{i}]", a[i:i + 1], r, bl, atol=grad_atol(ref))
+    del q, k, v, out, dout, got
+    torch.cuda.empty_cache()
+
+
 def test_lse_gradient():
     """loss = sum(out * dout) + sum(lse * dlse): the dlse D-term correction, on hardware."""
     from stage0_reference.torch_reference import assert_fa4_close, grad_atol

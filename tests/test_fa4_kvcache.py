@@ -978,6 +978,15 @@ def test_unservable_calls_are_refused_before_anything_is_appended(monkeypatch):
     assert torch.equal(kc, before) and torch.equal(kc3, before3)
 
 
+def test_a_batch_past_the_grid_limit_is_refused_before_the_append():
+    """65536 sequences exceed every route's grid (y / z <= 65535): refused naming q's batch before the
+    new tokens are written (it used to append, then fail naming num_splits)."""
+    m = lambda *s: torch.empty(*s, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    with pytest.raises(ValueError, match=r"^q: batch \(65536\) and heads \(2\) must be <= 65535"):
+        fa4.flash_attn_with_kvcache(m(65536, 1, 2, 64), m(65536, 16, 2, 64), m(65536, 16, 2, 64), k=m(65536, 1, 2, 64),
+                                    v=m(65536, 1, 2, 64), cache_seqlens=3)
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_a_window_past_the_cache_sees_all_of_it(split):
     """A left window of 2^32 + 3 or 10^12 keys wrapped in int32 key offsets (wrong lse, or a refusal after

@@ -360,6 +360,27 @@ def test_packed_sides_with_the_used_lengths_as_bounds(stand_in):
                                       19, kw["max_seqlen_k"], kw["seqused_k"], kw["seqused_q"])
 
 
+def test_a_sink_that_needs_its_gradient_widens_a_used_length_bound(stand_in, monkeypatch):
+    """The sink's gradient sums over every row's out and lse as the kernel left them, so with a
+    learnable sink that requires grad the kernels get a query bound covering every row (here 600)
+    instead of the used length: no NaN from rows the grid would not reach. Without the sink's
+    gradient the bound stays."""
+    g = torch.Generator().manual_seed(7)
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32)
+    used = torch.tensor([10, 20], dtype=torch.int32)
+    q, k, v = (_randn(g, 600, 2, 32).requires_grad_() for _ in range(3))
+    bounds = []
+    forward = _Backend.varlen_forward
+    monkeypatch.setattr(_Backend, "varlen_forward", lambda self, *a, **kw: bounds.append(a[6]) or forward(self, *a, **kw))
+    for sink_grad in (True, False):
+        sink = torch.zeros(2, requires_grad=sink_grad)
+        out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20, max_seqlen_k=300,
+                                         seqused_q=used, learnable_sink=sink)
+        grads = torch.autograd.grad(out.float().sum(), [q] + ([sink] if sink_grad else []))
+        assert all(torch.isfinite(t).all() for t in grads)
+    assert bounds == [600, 20]
+
+
 def test_split_unused_rows_builds_the_kernel_sequences():
     cu_q = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
     cu_k = torch.tensor([0, 2, 7, 7], dtype=torch.int32)

@@ -178,6 +178,31 @@ def test_launch_sections_with_the_estimated_division(num_n_blocks, heads_kv, bat
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("batch,order", [(63, None), (64, "kv_ascending")])
+def test_a_grid_past_the_sectioned_map_launches_in_plain_order(monkeypatch, batch, order):
+    """The default causal order maps the launch index with fast_div, exact below 2^22 CTAs: a bigger
+    grid (64 x 64k keys x 64 KV heads, counted in 64-key tiles) takes the plain blockIdx order instead
+    of being refused after the forward ran; a smaller one keeps the default (sections: None here)."""
+    import torch
+
+    from stage4_bwd_kernel import host
+    from stage4_bwd_kernel.hopper import backward
+
+    chosen = []
+
+    def stop(step, make_kernel, dt, d, dv, causal, deterministic, **kw):
+        chosen.append(kw["dq_order"])
+        raise RuntimeError("stop before compiling")
+    monkeypatch.setattr(host, "compile_main", stop)
+    monkeypatch.setattr(host.common, "check_backward_inputs", lambda *t, varlen=False: t)  # meta stands in for CUDA
+    m = lambda *s: torch.empty(*s, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    q = m(batch, 65536, 64, 128)
+    with pytest.raises(RuntimeError, match="stop before compiling"):
+        backward.attention_backward(q, q, q, q, q, torch.empty(batch, 64, 65536, device="meta"), causal=True)
+    assert getattr(chosen[0], "name", None) == order
+
+
+@pytest.mark.cpu
 def test_launch_sections_remove_the_chain_stall():
     """With increments seen a step late (a writer hop), CTAs launched side by side along one chain
     stall behind each other; in sections they do not (on the H100, d = 64 non-causal: 0.70-0.75x ->
