@@ -96,7 +96,8 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
     lay = VarlenLayout.of(q, k, v, cu_q, cu_k, seqused_q, used, max_q, max_k, padded_q, sink)
     out, lse = _ops.varlen_attention(lay.q, lay.k, lay.v, lay.cu_q, lay.cu_k, lay.seqused_k, lay.max_q, lay.max_k,
-                                     scale, causal, deterministic, return_lse, (left, right), softcap, sink)
+                                     scale, causal, deterministic, return_lse, (left, right), softcap,
+                                     lay.kernel_sink(sink))
     return lay.restore(unpad(out), lse)
 
 

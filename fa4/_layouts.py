@@ -123,12 +123,15 @@ class VarlenLayout:
     seqused_k, max_q, max_k` are what the varlen op takes, and `restore(out, lse)` gives the
     caller's layout: out (B, Sq, H, Dv) and lse (B, H, Sq) for a padded q, else packed."""
 
-    def __init__(self, q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q=None):
+    def __init__(self, q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q=None, sink=None):
         self.q, self.k, self.v = q, k, v
         self.cu_q, self.cu_k, self.seqused_k = cu_q, cu_k, seqused_k
         self.max_q, self.max_k = max_q, max_k
         self.padded_q = padded_q   # (batch, seqlen_q) of a padded q, else None
         self.rows_past_q = rows_past_q  # bool (total_q,): the rows past seqused_q, else None
+        # a sink whose gradient `restore` forms over the used rows (the kernels then get it detached)
+        self.sink_grad_here = sink if sink is not None and sink.requires_grad and torch.is_grad_enabled() \
+            and rows_past_q is not None and _may_stop_short(max_q, q.shape[0]) else None
 
     @staticmethod
     def pack(t, cu):
@@ -151,16 +154,13 @@ class VarlenLayout:
     def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q, sink=None):
         """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None.
         q, k, v that require grad come back behind `RowsWithoutGradient` where a kernel grid bounded by
-        max_seqlen_* may not reach the rows past seqused_* (module docstring). A learnable sink that
-        requires grad sums over every row's out and lse as the kernel left them, so there the query
-        bound covers every row instead (a larger grid whose extra CTAs find no rows)."""
+        max_seqlen_* may not reach the rows past seqused_* (module docstring). So would the gradient of
+        a learnable sink, which the op forms from every row's out and lse as the kernel left them: there
+        the op gets the sink detached and `restore` attaches its gradient over the used rows."""
         longest_q = q.shape[0] if padded_q is None else padded_q[1]  # no sequence is longer
         rows_past_q = None
         if seqused_q is not None:
             rows_past_q = rows_past_used(cu_q, seqused_q, q.shape[0])
-            if sink is not None and sink.requires_grad and torch.is_grad_enabled() and \
-                    _may_stop_short(max_q, longest_q):
-                max_q = longest_q
             if q.requires_grad and _may_stop_short(max_q, longest_q):
                 q = RowsWithoutGradient.apply(q, rows_past_q)
         # (a padded k's bound covers its rows already, fa4._validate._padded_bound: the guard is then a no-op)
@@ -169,13 +169,33 @@ class VarlenLayout:
             k, v = (RowsWithoutGradient.apply(t, rows_past_k) if t.requires_grad else t for t in (k, v))
         if seqused_q is not None:
             cu_q, cu_k, seqused_k = split_unused_rows(cu_q, cu_k, seqused_q, seqused_k)
-        return cls(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q)
+        lay = cls(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q,
+                  sink if padded_q is None else None)  # a padded q's bound covers its rows
+        return lay
+
+    def kernel_sink(self, sink):
+        """The sink the op gets: detached when `restore` forms its gradient."""
+        return sink.detach() if self.sink_grad_here is not None else sink
 
     def restore(self, out, lse):
         if self.rows_past_q is not None:
             out = out.masked_fill(self.rows_past_q.view(-1, 1, 1), 0)                 # (total_q, H, Dv)
             lse = lse.masked_fill(self.rows_past_q.view(1, -1), float("-inf"))        # (H, total_q)
+        if self.sink_grad_here is not None:
+            out, lse = attach_sink_grad(out, lse, self.sink_grad_here, self.rows_past_q)
         return restore_padded_q(out, lse, self.padded_q)
+
+
+def attach_sink_grad(out, lse, sink, rows_out):
+    """out (T, H, Dv) and lse (H, T), formed with `sink` detached, unchanged in value, now carrying its
+    gradient: d lse / d sink_h = p = exp(sink_h - lse), d out / d sink_h = -p out (fa4._dispatch.sink_grad's
+    derivation), with p = 0 on the rows `rows_out` (past seqused_q: no gradient)."""
+    p = torch.exp(sink.detach().float()[:, None] - lse.detach().float())                  # (H, T)
+    p = p.masked_fill(rows_out.view(1, -1), 0)
+    zero = sink.float() - sink.detach().float()                                          # 0, carries the grad
+    lse = lse + (p * zero[:, None]).to(lse.dtype)
+    out = out - (p.t()[:, :, None] * out.detach().float() * zero[None, :, None]).to(out.dtype)
+    return out, lse
 
 
 def _may_stop_short(bound, longest) -> bool:

@@ -360,11 +360,11 @@ def test_packed_sides_with_the_used_lengths_as_bounds(stand_in):
                                       19, kw["max_seqlen_k"], kw["seqused_k"], kw["seqused_q"])
 
 
-def test_a_sink_that_needs_its_gradient_widens_a_used_length_bound(stand_in, monkeypatch):
-    """The sink's gradient sums over every row's out and lse as the kernel left them, so with a
-    learnable sink that requires grad the kernels get a query bound covering every row (here 600)
-    instead of the used length: no NaN from rows the grid would not reach. Without the sink's
-    gradient the bound stays."""
+def test_a_sink_gradient_under_a_used_length_bound(stand_in, monkeypatch):
+    """The op would form a learnable sink's gradient from every row's out and lse as the kernel left
+    them, rows a used-length bound's grid never reaches included (NaN in the stand-in): the sink's
+    gradient is formed over the used rows instead, finite and equal to the one under a bound covering
+    every row; the kernels keep the caller's bound."""
     g = torch.Generator().manual_seed(7)
     cu = torch.tensor([0, 300, 600], dtype=torch.int32)
     used = torch.tensor([10, 20], dtype=torch.int32)
@@ -372,13 +372,18 @@ def test_a_sink_that_needs_its_gradient_widens_a_used_length_bound(stand_in, mon
     bounds = []
     forward = _Backend.varlen_forward
     monkeypatch.setattr(_Backend, "varlen_forward", lambda self, *a, **kw: bounds.append(a[6]) or forward(self, *a, **kw))
-    for sink_grad in (True, False):
-        sink = torch.zeros(2, requires_grad=sink_grad)
-        out = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=20, max_seqlen_k=300,
-                                         seqused_q=used, learnable_sink=sink)
-        grads = torch.autograd.grad(out.float().sum(), [q] + ([sink] if sink_grad else []))
-        assert all(torch.isfinite(t).all() for t in grads)
-    assert bounds == [600, 20]
+    dout = _randn(g, 600, 2, 32).float()
+    grads = []
+    for bound in (20, 300):
+        sink = torch.tensor([0.5, -1.0], requires_grad=True)
+        out, lse = fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=bound,
+                                              max_seqlen_k=300, seqused_q=used, learnable_sink=sink, return_lse=True)
+        loss = (out.float() * dout).sum() + torch.where(torch.isfinite(lse), lse, 0).sum()
+        grads.append(torch.autograd.grad(loss, (q, sink)))
+        assert all(torch.isfinite(t).all() for t in grads[-1])
+    assert bounds == [20, 300]
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-5)  # the sink's gradient
+    torch.testing.assert_close(grads[0][0], grads[1][0])
 
 
 def test_split_unused_rows_builds_the_kernel_sequences():
