@@ -178,3 +178,44 @@ def test_page_table_equals_the_padded_call():
     assert torch.equal(dk_pool[table.long()].view_as(dk2), dk2) and torch.equal(dv_pool[table.long()].view_as(dv2), dv2)
     ref, base = reference_and_baseline(q[2:3], k_pad[2:3, :250], v_pad[2:3, :250], dout[2:3], causal=True)
     assert_fa4_close("paged out (seq 2)", out[2:3], ref[0], base[0])
+
+
+@pytest.mark.parametrize("bound", ["lengths", "used"])
+def test_sink_gradient_with_seqused_q(bound):
+    """A learnable sink with packed q and seqused_q, under max_seqlen_q = the longest sequence or the
+    longest used length (whose grid stops short of the unused rows): out, dq and the sink's gradient
+    against the per-sequence reference under the rule, outputs allocated over NaN."""
+    from stage0_reference.torch_reference import attention_ref
+
+    g = torch.Generator(device="cuda").manual_seed(31)
+    hq, hkv, d = 4, 2, 64
+    lens, used, lens_k = [300, 5, 260], [40, 5, 0], [290, 7, 270]
+    qs, douts = ([_rand(g, n, hq, d) for n in lens] for _ in range(2))
+    ks, vs = ([_rand(g, n, hkv, d) for n in lens_k] for _ in range(2))
+    q = torch.cat(qs).requires_grad_()
+    sink = torch.randn(hq, device="cuda", generator=g).requires_grad_()
+    _poison_allocator()
+    out = fa4.flash_attn_varlen_func(q, torch.cat(ks), torch.cat(vs), cu_seqlens_q=_cu(lens), cu_seqlens_k=_cu(lens_k),
+                                     max_seqlen_q=max(used if bound == "used" else lens), max_seqlen_k=max(lens_k),
+                                     seqused_q=torch.tensor(used, dtype=torch.int32, device="cuda"),
+                                     learnable_sink=sink, causal=True)
+    _poison_allocator()
+    dq, dsink = torch.autograd.grad((out.float() * torch.cat(douts).float()).sum(), (q, sink))
+    live = [b for b, n in enumerate(used) if n]   # sequences with used rows (the reference takes no empty ones)
+    grads = {}
+    for upcast in (True, False):  # fp32 reference, and PyTorch in the input precision (the rule's baseline)
+        cast = (lambda t: t.float()) if upcast else (lambda t: t)  # noqa: E731
+        qr = [cast(qs[b][:used[b]]).detach().clone().requires_grad_() for b in live]
+        sr = sink.detach().clone().requires_grad_()
+        outs = [attention_ref(a[None], cast(ks[b])[None], cast(vs[b])[None], causal=True, learnable_sink=sr,
+                              upcast=upcast)[0][0] for a, b in zip(qr, live)]
+        loss = sum((o.float() * douts[b][:used[b]].float()).sum() for o, b in zip(outs, live))
+        grads[upcast] = (outs, torch.autograd.grad(loss, qr + [sr]))
+    (ref_out, ref_g), (base_out, base_g) = grads[True], grads[False]
+    rows, dq_rows = torch.split(out.detach(), lens), torch.split(dq, lens)
+    for b, n in enumerate(used):
+        assert torch.all(rows[b][n:] == 0) and torch.all(dq_rows[b][n:] == 0), f"rows past seqused_q, seq {b}"
+    for i, b in enumerate(live):
+        assert_fa4_close(f"out seq {b}", rows[b][:used[b]], ref_out[i], base_out[i], atol=1e-5)
+        assert_fa4_close(f"dq seq {b}", dq_rows[b][:used[b]], ref_g[i], base_g[i], atol=1e-4)
+    assert_fa4_close("dsink", dsink, ref_g[-1], base_g[-1], atol=1e-4)
