@@ -6,7 +6,9 @@ tests, or by hand:
 Every rank builds the same global inputs (seeded), then checks its own rows against
 
 * truth: dense fp32 attention with torch autograd on the whole sequence (the same math on every rank);
-* baseline: single-GPU fa4 (fa4.flash_attn_func / flash_attn_varlen_func) on the whole sequence, bf16.
+* baseline: single-GPU fa4 (fa4.flash_attn_func / flash_attn_varlen_func) on the whole sequence, bf16,
+  itself first held to FA4's rule against PyTorch in bf16 (so a world of one, where the ring and the
+  baseline are the same computation, still checks the kernels).
 
 FA4's rule, per tensor (out, lse, dq, dk, dv): max |ring - truth| <= 2 max |baseline - truth| + 1e-5.
 The deterministic case runs the ring twice and asks for bitwise-equal gradients. Prints one line
@@ -29,13 +31,15 @@ from stage0_reference.torch_reference import attention_ref, attention_varlen_ref
 BF16 = torch.bfloat16
 
 
-def truth(q, k, v, scale, causal, softcap=0.0, sink=None, docs=None):
-    """Dense fp32 attention with autograd (stage 0's torch reference): (out, lse); docs = global
-    cu_seqlens (each document attends within itself). Pass fp32 tensors for an fp32 out."""
+def truth(q, k, v, scale, causal, softcap=0.0, sink=None, docs=None, upcast=True):
+    """Dense attention with autograd (stage 0's torch reference): (out, lse); docs = global
+    cu_seqlens (each document attends within itself). Pass fp32 tensors for an fp32 out; upcast=False
+    with bf16 tensors is PyTorch in the input precision (the rule's baseline)."""
     if docs is None:
-        return attention_ref(q, k, v, softmax_scale=scale, causal=causal, softcap=softcap, learnable_sink=sink)
+        return attention_ref(q, k, v, softmax_scale=scale, causal=causal, softcap=softcap, learnable_sink=sink,
+                             upcast=upcast)
     cu = docs.to(q.device)
-    out, lse = attention_varlen_ref(q[0], k[0], v[0], cu, cu, softmax_scale=scale, causal=causal)
+    out, lse = attention_varlen_ref(q[0], k[0], v[0], cu, cu, softmax_scale=scale, causal=causal, upcast=upcast)
     return out[None], lse[None]
 
 
@@ -69,6 +73,10 @@ def fixed_case(rank, world, s, hq, hkv, d, causal, layout, softcap=0.0, sink=Fal
                     [t.float() for t in leaves], dout, dlse)
     base = grads_of(lambda *t: fa4.flash_attn_func(*t[:3], return_lse=True, learnable_sink=t[3] if sink else None,
                                                    **kw), leaves, dout, dlse)
+    torch_bf16 = grads_of(lambda *t: truth(*t[:3], scale, causal, softcap, t[3] if sink else None, upcast=False),
+                          leaves, dout, dlse)
+    check(f"single-GPU fa4 s={s} h={hq}/{hkv} d={d} causal={causal} softcap={softcap} sink={sink}",
+          base, torch_bf16, want, rank)
     sh = lambda t, dim=1: cp.shard(t, dim=dim, layout=layout)  # noqa: E731
     got = grads_of(lambda *t: cp.ring_attention(*t[:3], layout=layout, return_lse=True,
                                                 learnable_sink=t[3] if sink else None, **kw),
@@ -95,6 +103,8 @@ def varlen_case(rank, world, rows, hq, hkv, d, causal, left=None):
     cu = docs.cuda()
     base = grads_of(lambda *t: [x.unsqueeze(0) for x in fa4.flash_attn_varlen_func(
         *(x[0] for x in t), cu_seqlens_q=cu, cu_seqlens_k=cu, causal=causal, return_lse=True)], [q, k, v], dout, dlse)
+    torch_bf16 = grads_of(lambda *t: truth(*t, scale, causal, docs=docs, upcast=False), [q, k, v], dout, dlse)
+    check(f"single-GPU fa4 varlen docs={docs.tolist()} causal={causal}", base, torch_bf16, want, rank)
     sl = slice(rank * rows, (rank + 1) * rows)
     got = grads_of(lambda *t: [x.unsqueeze(0) for x in cp.ring_attention_varlen(
         *(x[0] for x in t), cu_seqlens=docs, causal=causal, return_lse=True)],

@@ -550,7 +550,7 @@ def _check_dense(step, *, b, sq, sk, hq, hkv, d, dv, causal, dtype="bf16", deter
 def _heads(sq, sk, d):
     """GQA ratio 1 / 2 / 8 cycled over the cases; small heads for the big ones (fp32 reference)."""
     if sq * sk > 2_000_000:
-        return 1, 2, 2 // [1, 2][(sq + d) % 2]
+        return 1, 2, 2 // [1, 2][(sq // 128 + d // 32) % 2]
     hq = 8
     return 2, hq, hq // [1, 2, 8][(sq + sk + d) % 3]
 
@@ -680,6 +680,8 @@ def test_deterministic_is_bitwise_reproducible(step, causal, ratio):
         assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
     dq, dk, dv = _poisoned(q, k, v)
     for _ in range(100):
+        for t in (dq, dk, dv):  # poisoned before every run: a row a run leaves unwritten cannot keep the last one's
+            t.fill_(float("nan"))
         mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=True, dq=dq, dk=dk, dv=dv)
         assert torch.equal(dq, first[0]) and torch.equal(dk, first[1]) and torch.equal(dv, first[2])
     # the default (atomic) mode: dq within the tolerance; dk / dv bitwise equal (no atomics there)
