@@ -59,6 +59,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .ab_fwd import paired_rounds
+from .bench_decode import copy_peer
 from .bench_decode import CALLS_PER_GRAPH, _graphed, check_decode_flags, keys_read
 from .bench_fwd import write_doc
 
@@ -193,7 +194,7 @@ def decode_peers(t: dict, official, call: DecodeCall = DecodeCall()) -> dict:
         "fa4_paged": lambda: fa4.flash_attn_with_kvcache(t["q"], t["k_pages"], t["v_pages"],
                                                          cache_seqlens=t["seqlens"], block_table=t["table"], **var),
         "fa4_dense": lambda: fa4.flash_attn_with_kvcache(t["q"], t["k"], t["v"], cache_seqlens=t["seqlens"], **var),
-        "copy_k": lambda: t["k"][:, t["k"].shape[1] - read:].clone(),
+        "copy_k": copy_peer(t["k"][:, t["k"].shape[1] - read:]),
     }
     if official is not None:
         peers["official_paged"] = lambda: official(t["q"], t["k_pages"], t["v_pages"], page_table=t["table"],

@@ -669,3 +669,27 @@ def test_windowed_flops_count_the_pairs_a_window_sees(window, causal):
         assert flops(2, 3, s, 64, 32, causal, window) == flops(2, 3, s, 64, 32, causal)
     else:
         assert flops(2, 3, s, 64, 32, causal, window) == 2.0 * 2 * 3 * int(seen.sum()) * 96
+
+
+def test_kernel_breakdown_calls_the_backward_case_as_ab_bwd_defines_it(monkeypatch, capsys):
+    """kernel_breakdown's wiring without a GPU: backward_case bound to ab_bwd's real signature, the
+    official peer taken from its peers (a call with the old signature crashed on every GPU)."""
+    import inspect
+
+    import torch
+
+    from benchmarks import ab_bwd
+    from benchmarks.inspect import kernel_breakdown as kb
+
+    real = inspect.signature(ab_bwd.backward_case)
+    calls = []
+
+    def fake_case(*args, **kw):
+        real.bind(*args, **kw)  # the arguments must fit the real function
+        return 1, 2, ("inputs",), {"official": lambda: calls.append("official")}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kb, "backward_case", fake_case)
+    monkeypatch.setattr(kb, "make_variant", lambda spec: lambda *a: calls.append("ours"))
+    monkeypatch.setattr(kb, "kernel_times", lambda fn, n: (fn(), {"main": 1.0})[1])
+    assert kb.main(["--dims", "64", "--causal", "1", "--seqlens", "128"]) == 0
+    assert calls == ["ours", "official"]

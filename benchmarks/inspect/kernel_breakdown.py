@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     for d in (int(x) for x in args.dims.split(",")):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
-                b, h, inputs, official = backward_case(d, s, causal)
-                cases = {"ours:" + args.variant: lambda: ours(*inputs, causal), "official": official}
+                b, h, inputs, peers = backward_case(d, d, s, causal)
+                cases = {"ours:" + args.variant: lambda: ours(*inputs, causal), "official": peers["official"]}
                 for impl, fn in cases.items():
                     times = kernel_times(fn, args.calls)
                     rows.append({"impl": impl, "head_dim": d, "causal": causal, "seqlen": s, "batch": b, "heads": h,
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                           flush=True)
                     for name, us in times.items():
                         print(f"      {us:9.1f} us  {short(name)}")
-                del inputs, official, cases
+                del inputs, peers, cases
     if args.out:
         write_doc(args.out, "benchmarks.inspect.kernel_breakdown", argv, rows, calls=args.calls)
     return 0
