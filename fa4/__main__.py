@@ -140,7 +140,8 @@ def _cache_cmd(args) -> int:
 
     if args.action == "clear":
         n, failed = _cache.clear(stale_only=args.stale)
-        print(f"removed {n} cache generation(s) under {_cache.root_dir() / _cache.FORMAT}")
+        print(f"removed {n} cache director{'y' if n == 1 else 'ies'} (one per build and arch) under "
+              f"{_cache.root_dir() / _cache.FORMAT}")
         for what in failed:
             print(f"could not remove {what}", file=sys.stderr)
         if args.stale:

@@ -200,14 +200,20 @@ class DiskCache:
         return f"fa4_{khash[:24]}"  # a C identifier: the object's function prefix
 
     def entries(self, khash: str):
-        if not self.dir.is_dir():
-            return []
         def mtime(p):
             try:
                 return p.stat().st_mtime
             except OSError:  # removed by another process meanwhile
                 return 0.0
-        return sorted(self.dir.glob(f"{khash}-*.o"), key=mtime, reverse=True)
+        try:  # an unreadable directory (permissions, a name too long) is a miss, never the caller's error
+            if not self.dir.is_dir():
+                return []
+            return sorted(self.dir.glob(f"{khash}-*.o"), key=mtime, reverse=True)
+        except OSError as exc:
+            with _LOCK:
+                _STATS["store_errors"] += 1
+            warnings.warn(f"fa4 cache: could not read {self.dir}: {exc}", RuntimeWarning, stacklevel=3)
+            return []
 
     def read_verified(self, khash: str) -> Optional[pathlib.Path]:
         """The newest entry whose bytes match the hash in its name. Mismatching entries are
@@ -495,7 +501,9 @@ def _tree_size(path: pathlib.Path) -> tuple[int, int, int]:
     """(kernel objects, launch plans, bytes of every file: objects, their linked libraries, plans,
     reports) under path."""
     objects = plans = size = 0
-    if path.is_dir():
+    if not _readable_dir(path):
+        return objects, plans, size
+    try:
         for p in path.rglob("*"):
             try:
                 if p.is_file():
@@ -504,7 +512,17 @@ def _tree_size(path: pathlib.Path) -> tuple[int, int, int]:
                     plans += p.suffix == ".json" and p.parent.name == "plans"
             except OSError:
                 pass
+    except OSError:  # a subdirectory this process cannot list: what was counted so far
+        pass
     return objects, plans, size
+
+
+def _readable_dir(path: pathlib.Path) -> bool:
+    """A directory this process can list (False for a missing, unreadable or unnamable one)."""
+    try:
+        return path.is_dir() and os.access(path, os.R_OK | os.X_OK)
+    except OSError:
+        return False
 
 
 def info(archs: Iterable[str] = ()) -> dict:
@@ -515,7 +533,7 @@ def info(archs: Iterable[str] = ()) -> dict:
     the other directories' names."""
     root = root_dir() / FORMAT
     files, _, size = _tree_size(root)
-    gens = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    gens = sorted(p.name for p in root.iterdir() if p.is_dir()) if _readable_dir(root) else []
     own = os.environ.get("CUTE_DSL_ARCH") or "auto"
     labels = {arch_tag(a): a for a in (own, *archs)}
     current = {}
@@ -535,7 +553,11 @@ def clear(stale_only: bool = False) -> tuple:
     (this build's are kept for every arch: `is_current`). Returns (directories removed, [directories
     that could not be removed, with the first error])."""
     root = root_dir() / FORMAT
-    if not root.is_dir():
+    if not _readable_dir(root):
+        try:
+            root.is_dir()
+        except OSError as exc:  # exists but cannot be read: nothing removed, and said so
+            return 0, [f"{root} ({exc})"]
         return 0, []
     n, failed = 0, []
     for p in root.iterdir():

@@ -609,7 +609,11 @@ def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
         return known
     path = plan_dir(cute_arch) / f"{sig}.json"
     replay = None
-    if path.exists():
+    try:
+        on_disk = path.exists()
+    except OSError:  # an unreadable cache directory: no plan, never the caller's error
+        on_disk = False
+    if on_disk:
         plan = None
         try:
             plan = json.loads(path.read_text())

@@ -250,6 +250,8 @@ def workloads_from_config(cfg: dict, *, dtype: Optional[str] = None, max_seqlen:
     cfg = cfg.get("text_config") or cfg
     hq = int(cfg["num_attention_heads"])
     hkv = int(cfg.get("num_key_value_heads") or hq)
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise ValueError(f"num_attention_heads ({hq}) must be a positive multiple of num_key_value_heads ({hkv})")
     d = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // hq)
     model = str(cfg.get("model_type", ""))
     causal = model not in ENCODER_MODELS and cfg.get("is_causal", True) is not False
@@ -405,6 +407,8 @@ def _resources(rep: dict) -> str:
 
 def _state(before: dict, after: dict, launchable: bool) -> str:
     """What a build did, from the cache statistics around it."""
+    if after["store_errors"] > before["store_errors"]:
+        return "NOT all written: the disk cache could not store them (see the warning)"
     if after["stores"] > before["stores"]:
         return "written to disk"
     if after["disk_hits"] > before["disk_hits"]:
@@ -485,6 +489,8 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
                        stored=after["stores"] - before["stores"],
                        reports=[{k: v for k, v in comp.report.items() if k != "ptxas_log"} for comp in comps])
             state = _state(before, after, launchable)
+            if after["store_errors"] > before["store_errors"]:  # the exit status says so too
+                row["error"] = "the disk cache could not store this build's kernels"
             main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
             detail = f"{prefix}{len(comps)} kernel(s) in {row['seconds']:.1f} s, {state}  {_resources(main.report)}"
         except Exception as exc:  # report and continue: the point is the whole table
@@ -663,9 +669,12 @@ def build_derived(builds: list, *, arch_key: str = "sm_90", gpu: bool = False, o
         try:
             comps = build()
             row.update(seconds=time.perf_counter() - t0, kernels=len(comps))
+            after = _cache.stats()
+            if after["store_errors"] > before["store_errors"]:  # the exit status says so too
+                row["error"] = "the disk cache could not store this build's kernels"
             main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
             detail = (f"{prefix}{len(comps)} kernel(s) in {row['seconds']:.1f} s, "
-                      f"{_state(before, _cache.stats(), True)}  {_resources(main.report)}")
+                      f"{_state(before, after, True)}  {_resources(main.report)}")
         except Exception as exc:  # report and continue: the point is the whole table
             row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
             detail = f"{prefix}FAILED {row['error'][:100]}"
@@ -687,7 +696,10 @@ def _derived_workloads(args) -> Optional[list]:
     if args.max_seqlen is not None:  # the default longest key length of shapes without seqlen=
         shapes = [w if w.max_seqlen else replace(w, max_seqlen=args.max_seqlen) for w in shapes]
     if config:
-        dtype = args.dtype.split(",")[0] if args.dtype else None
+        dtypes = args.dtype.split(",") if args.dtype else [None]
+        if len(dtypes) > 1 or dtypes[0] not in (None, *DTYPES):
+            raise ValueError(f"--dtype: one of {', '.join(DTYPES)} with --model-config, got {args.dtype!r}")
+        dtype = dtypes[0]
         shapes += workloads_from_config(load_model_config(config), dtype=dtype, max_seqlen=args.max_seqlen)
     if getattr(args, "decode", False):
         shapes = [replace(w, decode=True) for w in shapes]
@@ -737,11 +749,16 @@ def record_plans(workloads: Iterable[Workload], batches: Iterable[int], *, backw
 
 def _parse_head_dims(text: str) -> list:
     """--head-dims "64,128,192/128" -> [64, 128, (192, 128)]; ValueError naming the option."""
+    bad = ValueError(f"--head-dims: expected comma-separated D or QK/V positive integers (e.g. 64,128,192/128), "
+                     f"got {text!r}")
     try:
-        return [int(x) if "/" not in x else tuple(int(y) for y in x.split("/")) for x in text.split(",")]
+        dims = [int(x) if "/" not in x else tuple(int(y) for y in x.split("/")) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"--head-dims: expected comma-separated D or QK/V integers (e.g. 64,128,192/128), "
-                         f"got {text!r}") from None
+        raise bad from None
+    if any(len(d) != 2 if isinstance(d, tuple) else False for d in dims) or \
+            any(v < 1 for d in dims for v in (d if isinstance(d, tuple) else (d,))):
+        raise bad
+    return dims
 
 
 def main(args) -> int:
@@ -774,6 +791,10 @@ def main(args) -> int:
     if plans and not args.shapes:
         print("--plans: only with --shapes (each item's seqlen is the recorded call's length)", file=sys.stderr)
         return 2
+    for flag in ("decode", "varlen"):  # read only on the --shapes / --model-config path: not silently ignored
+        if getattr(args, flag, False) and workloads is None:
+            print(f"--{flag}: only with --shapes / --model-config", file=sys.stderr)
+            return 2
     if workloads is not None:
         clash = [opt for opt, on in (("--all", args.all), ("--head-dims", args.head_dims),
                                      ("--causal", args.causal != "both"), ("--heads", getattr(args, "heads", None)),
@@ -806,6 +827,9 @@ def main(args) -> int:
         return 1 if any("error" in r or r.get("unrecordable") for r in rows) else 0
     causal = {"both": None, "yes": True, "no": False}[args.causal]
     dts = args.dtype.split(",") if args.dtype else None
+    if dts and any(dt not in DTYPES for dt in dts):
+        print(f"--dtype: expected a comma list of {', '.join(DTYPES)}, got {args.dtype!r}", file=sys.stderr)
+        return 2
     try:
         hds = _parse_head_dims(args.head_dims) if args.head_dims else None
         cfgs = configs(args.all, dts, hds, causal, arch=arch_key)

@@ -98,10 +98,10 @@ def test_cache_clear_stale_keeps_every_arch_of_this_build_across_processes(tmp_p
 
     res = run_cli("cache", "clear", "--stale", env=dict(env, CUTE_DSL_ARCH="sm_100a"), timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "removed 3 cache generation(s)" in res.stdout and "sm_90a" in res.stdout, res.stdout
+    assert "removed 3 cache directories" in res.stdout and "sm_90a" in res.stdout, res.stdout
     assert all(p.exists() for p in mine.values()) and not any(d.exists() for d in stale)
     res = run_cli("cache", "clear", "--stale", env=env, drop=("CUTE_DSL_ARCH",), timeout=120)
-    assert "removed 0 cache generation(s)" in res.stdout and all(p.exists() for p in mine.values())
+    assert "removed 0 cache directories" in res.stdout and all(p.exists() for p in mine.values())
 
     human = run_cli("info", env=env, drop=("CUTE_DSL_ARCH",), timeout=120)
     assert human.returncode == 0, human.stderr
@@ -111,7 +111,7 @@ def test_cache_clear_stale_keeps_every_arch_of_this_build_across_processes(tmp_p
     assert "0 of other builds" in human.stdout
 
     res = run_cli("cache", "clear", env=env, timeout=120)  # without --stale: everything
-    assert "removed 3 cache generation(s)" in res.stdout and not any(p.exists() for p in mine.values())
+    assert "removed 3 cache directories" in res.stdout and not any(p.exists() for p in mine.values())
 
 
 @pytest.mark.compile
@@ -131,7 +131,7 @@ def test_cli_precompiled_kernels_survive_cache_clear_stale(tmp_path):
     _cache.DiskCache(stale).write("d" * 32, b"old kernel")
 
     res = run_cli("cache", "clear", "--stale", env=env, drop=("CUTE_DSL_ARCH",), timeout=120)
-    assert res.returncode == 0 and "removed 1 cache generation(s)" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "removed 1 cache directory" in res.stdout, res.stdout + res.stderr
     assert sorted(tmp_path.rglob("*.o")) == written and not stale.exists()
 
     info = json.loads(run_cli("cache", "info", env=env, drop=("CUTE_DSL_ARCH",), timeout=120).stdout)
@@ -249,6 +249,16 @@ BAD_OPTIONS = {  # id -> (argv, what stderr says)
                                    r"--shapes / --model-config: .*head_dim"),
     "precompile-shapes-dtype": (["precompile", "--arch", "sm_90a", "--shapes", "d=128,heads=32/8", "--dtype", "fp16"],
                                 r"leave out --dtype"),
+    "precompile-head-dims-three": (["precompile", "--arch", "sm_90a", "--head-dims", "64/64/64"],
+                                   r"--head-dims: expected comma-separated"),
+    "precompile-head-dims-zero": (["precompile", "--arch", "sm_90a", "--head-dims", "0"],
+                                  r"--head-dims: expected comma-separated"),
+    "precompile-dtype": (["precompile", "--arch", "sm_90a", "--head-dims", "64", "--dtype", "xx"],
+                         r"--dtype: expected a comma list of bf16, fp16"),
+    "precompile-decode-alone": (["precompile", "--arch", "sm_90a", "--head-dims", "64", "--decode"],
+                                r"--decode: only with --shapes / --model-config"),
+    "precompile-varlen-alone": (["precompile", "--arch", "sm_90a", "--varlen"],
+                                r"--varlen: only with --shapes / --model-config"),
     "firstcall-repeat-0": (["firstcall", "--repeat", "0"], r"--repeat: expected an int >= 1"),
     "firstcall-seqlen-0": (["firstcall", "--seqlen", "0"], r"--seqlen: expected an int >= 1"),
     "firstcall-head-dim": (["firstcall", "--head-dim", "1000"],
@@ -285,6 +295,69 @@ def test_precompile_on_a_gpu_fa4_does_not_serve_says_so(tmp_path, capsys, monkey
     assert cli.main(["precompile"]) == 2
     err = capsys.readouterr().err
     assert "compute capability 8.0" in err and "--arch sm_90a" in err and "Traceback" not in err
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_model_config_checks_its_heads_and_dtype(tmp_path, capsys, monkeypatch):
+    """--model-config: query heads that are no multiple of the KV heads, and more than one --dtype, end
+    with exit status 2 before anything is built."""
+    import json
+
+    from fa4 import precompile
+
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(precompile, "build_derived", lambda *a, **k: pytest.fail("built despite a bad config"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 5, "head_dim": 64}))
+    assert cli.main(["precompile", "--arch", "sm_90a", "--model-config", str(bad)]) == 2
+    assert "num_attention_heads (32) must be a positive multiple of num_key_value_heads (5)" in capsys.readouterr().err
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps({"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64}))
+    assert cli.main(["precompile", "--arch", "sm_90a", "--model-config", str(ok), "--dtype", "fp16,bf16"]) == 2
+    assert "--dtype: one of bf16, fp16 with --model-config" in capsys.readouterr().err
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_precompile_says_when_the_disk_cache_could_not_store_a_build():
+    """A build whose kernels the cache failed to write reads 'NOT all written' (it said 'not written
+    (cache off?)', and precompile exited 0 with nothing on disk)."""
+    from fa4 import precompile
+
+    zero = dict(stores=0, disk_hits=0, misses=0, memory_hits=0, store_errors=0)
+    assert precompile._state(zero, dict(zero, misses=3, stores=1, store_errors=2), True).startswith("NOT all written")
+    assert precompile._state(zero, dict(zero, misses=3, stores=3), True) == "written to disk"
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_an_unreadable_cache_directory_is_a_miss_not_an_error(tmp_path, capsys, monkeypatch):
+    """A cache root this process cannot read (no permission, a name too long) must not fail a call or
+    a command: the kernel store and the plan lookup see nothing, `info` and `cache clear` report."""
+    import pathlib
+
+    from fa4 import _cache, _plans
+
+    locked = tmp_path / "locked"
+    monkeypatch.setenv("FA4_CACHE_DIR", str(locked / "inner"))
+    monkeypatch.delenv("FA4_CACHE", raising=False)
+    for name in ("is_dir", "exists"):
+        real = getattr(pathlib.Path, name)
+
+        def denied(self, real=real):
+            if str(self).startswith(str(locked)):
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self)
+        monkeypatch.setattr(pathlib.Path, name, denied)
+    with pytest.warns(RuntimeWarning, match="fa4 cache: could not read"):
+        assert _cache.DiskCache(_cache.cache_dir("sm_90a")).entries("0" * 32) == []
+    _plans.forget()
+    assert _plans.lookup("0" * 64, "sm_90a") is None
+    assert _cache.info()["generations"] == []
+    n, failed = _cache.clear()
+    assert n == 0 and failed and "Permission denied" in failed[0]
+    _plans.forget()
 
 
 @pytest.mark.cpu
