@@ -358,8 +358,9 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 # (torch 2.11, a host-side profile: forward 252 us per call against 84 us for the stage-3
 # entry point it wraps). Outside torch.compile, on plain CUDA tensors and with no dispatch mode
 # active, the same implementations run under a plain autograd.Function instead; everything else
-# (dynamo tracing, FakeTensorMode, meta tensors, tensor subclasses, functorch transforms) keeps the
-# op, which those need to see.
+# (dynamo tracing, FakeTensorMode, meta tensors, tensor subclasses) keeps the op, which those need
+# to see. (torch.func transforms wrap tensors that pass this test; neither path supports them: the
+# op and the Function have no setup_context / vmap rule.)
 def eager_ok(*tensors) -> bool:
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and all(t is None or (type(t) is Tensor and t.is_cuda) for t in tensors))
