@@ -21,7 +21,7 @@ import functools
 import torch
 
 from . import _kvcache, _ops, _paged  # _kvcache registers fa4::kvcache_attention
-from ._layouts import VarlenLayout, check_head_dim_pair, head_dim_ok, pad_head_dims
+from ._layouts import VarlenLayout, pad_head_dims, refuse_pair_without_backward
 from ._validate import (check_fixed, check_unservable, check_variants, check_varlen, check_varlen_arch,
                         check_varlen_sides)
 
@@ -79,9 +79,6 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
     check_varlen_arch(q, seqused_k)
-    if page_table is not None and _paged.needs_grad(q, k, v, learnable_sink) and \
-            all(isinstance(t, torch.Tensor) and t.dim() and head_dim_ok(t.shape[-1]) for t in (q, v)):
-        check_head_dim_pair(q, k, v, sink=learnable_sink)  # a pair without a backward: before the page gather
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
             _paged.in_place(q, k, v, _query_rows(q, max_seqlen_q)):
         return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -89,7 +86,7 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
                                   return_lse)
     q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                      max_seqlen_q, max_seqlen_k, page_table,
-                                                                     seqused_q, seqused_k)
+                                                                     seqused_q, seqused_k, learnable_sink)
     q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, deterministic, return_lse, seqused_k, seqused_q)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
@@ -217,7 +214,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # (B, H, S, D) -> (B, S, H, D): a view; the last dim keeps stride 1, so no copy
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     q, k, v, sm_scale = check_fixed(q, k, v, scale, is_causal, names=names, scale_name="scale")
-    check_head_dim_pair(q, k, v, names=names)  # refusals name query / key / value, not fa4's q
+    refuse_pair_without_backward(q, k, v, names=names)  # refusals name query / key / value, not fa4's q
     sq, sk = q.shape[1], k.shape[1]
     if not is_causal or sq == sk:
         out = flash_attn_func(q, k, v, softmax_scale=sm_scale, causal=is_causal)

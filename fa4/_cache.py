@@ -553,14 +553,14 @@ def clear(stale_only: bool = False) -> tuple:
     (this build's are kept for every arch: `is_current`). Returns (directories removed, [directories
     that could not be removed, with the first error])."""
     root = root_dir() / FORMAT
-    if not _readable_dir(root):
-        try:
-            root.is_dir()
-        except OSError as exc:  # exists but cannot be read: nothing removed, and said so
-            return 0, [f"{root} ({exc})"]
-        return 0, []
+    try:
+        if not root.is_dir():
+            return 0, []
+        children = list(root.iterdir())
+    except OSError as exc:  # exists but cannot be read: nothing removed, and said so
+        return 0, [f"{root} ({exc})"]
     n, failed = 0, []
-    for p in root.iterdir():
+    for p in children:
         if p.is_dir() and not (stale_only and is_current(p.name)):
             errors: list = []
 

@@ -77,18 +77,14 @@ def _pad_last(t, size):
     return t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1]))
 
 
-def check_head_dim_pair(q, k, v, names=("q", "k", "v"), sink=None):
-    """The native pair that runs q's and v's head dims on q's arch; a ValueError naming names[0] when
-    none covers them, or when the pair has no backward there and an input (or the sink) requires
-    grad -- before anything is gathered, padded or launched."""
+def refuse_pair_without_backward(q, k, v, names=("q", "k", "v"), sink=None):
+    """A ValueError naming names[0] when q's and v's head dims run on a native pair that has no
+    backward on q's arch while an input (or the sink) requires grad -- before anything is gathered,
+    padded or launched. Returns the pair (None: none covers the head dims; the caller reports it)."""
     d, dv = q.shape[-1], v.shape[-1]
     arch = arch_of(q.device)
     pair = native_pair(arch, d, dv)
-    if pair is None:
-        ok = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in arch.head_dims)
-        raise ValueError(f"{names[0]}: head dims (qk={d}, v={dv}) exceed every kernel on {arch.key} (native qk/v: "
-                         f"{ok}); a pair runs on a native one at least as large in both")
-    if not _dispatch.has_backward(arch, *pair) and torch.is_grad_enabled() and \
+    if pair is not None and not _dispatch.has_backward(arch, *pair) and torch.is_grad_enabled() and \
             any(t is not None and t.requires_grad for t in (q, k, v, sink)):
         raise ValueError(f"{names[0]}: head dims (qk={d}, v={dv}) run on {arch.key}'s {pair[0]}/{pair[1]} forward, "
                          f"which has no backward there (backward pairs: "
@@ -102,7 +98,12 @@ def pad_head_dims(q, k, v, names=("q", "k", "v"), sink=None):
     the kernel's out back to the caller's v head dim (identity when nothing was padded). sink: the
     learnable sink, whose gradient needs the backward too."""
     d, dv = q.shape[-1], v.shape[-1]
-    pair = check_head_dim_pair(q, k, v, names, sink)
+    pair = refuse_pair_without_backward(q, k, v, names, sink)
+    if pair is None:
+        arch = arch_of(q.device)
+        ok = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in arch.head_dims)
+        raise ValueError(f"{names[0]}: head dims (qk={d}, v={dv}) exceed every kernel on {arch.key} (native qk/v: "
+                         f"{ok}); a pair runs on a native one at least as large in both")
     if pair == (d, dv):
         return q, k, v, _identity
     pd, pdv = pair
@@ -123,15 +124,13 @@ class VarlenLayout:
     seqused_k, max_q, max_k` are what the varlen op takes, and `restore(out, lse)` gives the
     caller's layout: out (B, Sq, H, Dv) and lse (B, H, Sq) for a padded q, else packed."""
 
-    def __init__(self, q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q=None, sink=None):
+    def __init__(self, q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q=None, sink_grad_here=None):
         self.q, self.k, self.v = q, k, v
         self.cu_q, self.cu_k, self.seqused_k = cu_q, cu_k, seqused_k
         self.max_q, self.max_k = max_q, max_k
         self.padded_q = padded_q   # (batch, seqlen_q) of a padded q, else None
         self.rows_past_q = rows_past_q  # bool (total_q,): the rows past seqused_q, else None
-        # a sink whose gradient `restore` forms over the used rows (the kernels then get it detached)
-        self.sink_grad_here = sink if sink is not None and sink.requires_grad and torch.is_grad_enabled() \
-            and rows_past_q is not None and _may_stop_short(max_q, q.shape[0]) else None
+        self.sink_grad_here = sink_grad_here  # a sink whose gradient `restore` forms (the op gets it detached)
 
     @staticmethod
     def pack(t, cu):
@@ -158,10 +157,11 @@ class VarlenLayout:
         a learnable sink, which the op forms from every row's out and lse as the kernel left them: there
         the op gets the sink detached and `restore` attaches its gradient over the used rows."""
         longest_q = q.shape[0] if padded_q is None else padded_q[1]  # no sequence is longer
-        rows_past_q = None
+        rows_past_q, short_q = None, False
         if seqused_q is not None:
             rows_past_q = rows_past_used(cu_q, seqused_q, q.shape[0])
-            if q.requires_grad and _may_stop_short(max_q, longest_q):
+            short_q = _may_stop_short(max_q, longest_q)
+            if q.requires_grad and short_q:
                 q = RowsWithoutGradient.apply(q, rows_past_q)
         # (a padded k's bound covers its rows already, fa4._validate._padded_bound: the guard is then a no-op)
         if seqused_k is not None and (k.requires_grad or v.requires_grad) and _may_stop_short(max_k, k.shape[0]):
@@ -169,9 +169,8 @@ class VarlenLayout:
             k, v = (RowsWithoutGradient.apply(t, rows_past_k) if t.requires_grad else t for t in (k, v))
         if seqused_q is not None:
             cu_q, cu_k, seqused_k = split_unused_rows(cu_q, cu_k, seqused_q, seqused_k)
-        lay = cls(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q,
-                  sink if padded_q is None else None)  # a padded q's bound covers its rows
-        return lay
+        sink_here = sink if short_q and sink is not None and sink.requires_grad and torch.is_grad_enabled() else None
+        return cls(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, padded_q, rows_past_q, sink_here)
 
     def kernel_sink(self, sink):
         """The sink the op gets: detached when `restore` forms its gradient."""
@@ -182,20 +181,25 @@ class VarlenLayout:
             out = out.masked_fill(self.rows_past_q.view(-1, 1, 1), 0)                 # (total_q, H, Dv)
             lse = lse.masked_fill(self.rows_past_q.view(1, -1), float("-inf"))        # (H, total_q)
         if self.sink_grad_here is not None:
-            out, lse = attach_sink_grad(out, lse, self.sink_grad_here, self.rows_past_q)
+            out, lse = SinkGradient.apply(out, lse, self.sink_grad_here)
         return restore_padded_q(out, lse, self.padded_q)
 
 
-def attach_sink_grad(out, lse, sink, rows_out):
-    """out (T, H, Dv) and lse (H, T), formed with `sink` detached, unchanged in value, now carrying its
-    gradient: d lse / d sink_h = p = exp(sink_h - lse), d out / d sink_h = -p out (fa4._dispatch.sink_grad's
-    derivation), with p = 0 on the rows `rows_out` (past seqused_q: no gradient)."""
-    p = torch.exp(sink.detach().float()[:, None] - lse.detach().float())                  # (H, T)
-    p = p.masked_fill(rows_out.view(1, -1), 0)
-    zero = sink.float() - sink.detach().float()                                          # 0, carries the grad
-    lse = lse + (p * zero[:, None]).to(lse.dtype)
-    out = out - (p.t()[:, :, None] * out.detach().float() * zero[None, :, None]).to(out.dtype)
-    return out, lse
+class SinkGradient(torch.autograd.Function):
+    """Identity on out (T, H, Dv) and lse (H, T), which the op formed with the sink detached; the
+    backward adds the sink's gradient (fa4._dispatch.sink_grad) from them as restored -- the rows past
+    seqused_q hold out 0 / lse -inf there, which contribute nothing."""
+
+    @staticmethod
+    def forward(ctx, out, lse, sink):
+        ctx.save_for_backward(out, lse, sink)
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        out, lse, sink = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        return dout, dlse, _dispatch.sink_grad(out, dout, lse, sink, dlse)
 
 
 def _may_stop_short(bound, longest) -> bool:

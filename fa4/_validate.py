@@ -27,7 +27,7 @@ import os
 import torch
 
 from ._dispatch import all_head_dims, supported_devices_text
-from ._layouts import HEAD_DIM_STEP, MAX_HEAD_DIM, VarlenLayout, arch_of, head_dim_ok
+from ._layouts import HEAD_DIM_STEP, MAX_HEAD_DIM, VarlenLayout, arch_of, head_dim_ok, refuse_pair_without_backward
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
@@ -281,7 +281,7 @@ def _check_index_tensor(name, t, q, length=None, what="batch + 1", dims=1, layou
 
 
 def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, page_table=None,
-                       seqused_q=None, seqused_k=None):
+                       seqused_q=None, seqused_k=None, learnable_sink=None):
     """The two sides of a flash_attn_varlen_func call, each packed ((total, H, D) with its cu_seqlens)
     or padded ((batch, seqlen, H, D) with cu_seqlens None), checked and brought to the packed form.
     A paged k / v (page_table) is gathered into the padded form first (`VarlenLayout.unpage`).
@@ -291,6 +291,7 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     _check_dtypes_devices(names, (q, k, v))
     if page_table is not None:
         check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k)
+        refuse_pair_without_backward(q, k, v, sink=learnable_sink)  # before the pages are copied
         k, v = VarlenLayout.unpage(k, v, page_table)
     sides = {"q": (q, cu_seqlens_q), "k": (k, cu_seqlens_k), "v": (v, cu_seqlens_k)}
     for n, (t, cu) in sides.items():

@@ -405,9 +405,12 @@ def _resources(rep: dict) -> str:
             f"spills={rep.get('spill_stores')}/{rep.get('spill_loads')}")
 
 
-def _state(before: dict, after: dict, launchable: bool) -> str:
-    """What a build did, from the cache statistics around it."""
+def _state(before: dict, after: dict, launchable: bool, row: Optional[dict] = None) -> str:
+    """What a build did, from the cache statistics around it; a store that failed also marks `row`
+    as an error (the exit status says so)."""
     if after["store_errors"] > before["store_errors"]:
+        if row is not None:
+            row["error"] = "the disk cache could not store this build's kernels"
         return "NOT all written: the disk cache could not store them (see the warning)"
     if after["stores"] > before["stores"]:
         return "written to disk"
@@ -488,9 +491,7 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
             row.update(seconds=time.perf_counter() - t0, kernels=len(comps),
                        stored=after["stores"] - before["stores"],
                        reports=[{k: v for k, v in comp.report.items() if k != "ptxas_log"} for comp in comps])
-            state = _state(before, after, launchable)
-            if after["store_errors"] > before["store_errors"]:  # the exit status says so too
-                row["error"] = "the disk cache could not store this build's kernels"
+            state = _state(before, after, launchable, row)
             main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
             detail = f"{prefix}{len(comps)} kernel(s) in {row['seconds']:.1f} s, {state}  {_resources(main.report)}"
         except Exception as exc:  # report and continue: the point is the whole table
@@ -669,12 +670,9 @@ def build_derived(builds: list, *, arch_key: str = "sm_90", gpu: bool = False, o
         try:
             comps = build()
             row.update(seconds=time.perf_counter() - t0, kernels=len(comps))
-            after = _cache.stats()
-            if after["store_errors"] > before["store_errors"]:  # the exit status says so too
-                row["error"] = "the disk cache could not store this build's kernels"
             main = max(comps, key=lambda comp: comp.report.get("registers") or 0)
             detail = (f"{prefix}{len(comps)} kernel(s) in {row['seconds']:.1f} s, "
-                      f"{_state(before, after, True)}  {_resources(main.report)}")
+                      f"{_state(before, _cache.stats(), True, row)}  {_resources(main.report)}")
         except Exception as exc:  # report and continue: the point is the whole table
             row.update(seconds=time.perf_counter() - t0, error=f"{type(exc).__name__}: {exc}"[:300])
             detail = f"{prefix}FAILED {row['error'][:100]}"
