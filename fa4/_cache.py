@@ -51,7 +51,7 @@ the object written for the disk (`DiskStore.links` / `adopt`): the DSL would oth
 host code three times on a cold call (an MCJIT engine, the object its TVM-FFI function links, and
 the export), where one is enough -- the same object the next process loads.
 
-Environment: FA4_CACHE=0 disables the disk (memory only); FA4_CACHE_DIR moves it.
+Environment: FA4_CACHE=0 (or false, False, off) disables the disk (memory only); FA4_CACHE_DIR moves it.
 """
 from __future__ import annotations
 

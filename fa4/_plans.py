@@ -603,7 +603,8 @@ _MISSING = object()
 def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
     """The decoded plan of `sig` (from memory, else disk), or None. A plan that does not load (torn,
     edited, its libraries gone, changed or linked in another environment) is deleted with the
-    libraries it names, and the signature takes the normal path (which may record it again)."""
+    libraries it names that no other plan names, and the signature takes the normal path (which
+    may record it again)."""
     known = _PLANS.get(sig, _MISSING)
     if known is not _MISSING:
         return known
@@ -629,16 +630,52 @@ def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
 
 
 def discard(sig: str, cute_arch: str, why: str, libs=()):
+    """Delete the plan of `sig` and those of `libs` (the libraries it names) that no other plan names:
+    plans of calls that launch the same kernel share its library."""
     with _LOCK:
         _STATS["discarded"] += 1
         _PLANS[sig] = None
     warnings.warn(f"fa4 plans: discarding launch plan {sig[:12]}: {why}", RuntimeWarning, stacklevel=3)
     directory = plan_dir(cute_arch)
-    for path in [directory / f"{sig}.json"] + [directory.parent / lib for lib in libs if _bare_name(lib)]:
+    paths = [directory / f"{sig}.json"]
+    libs = {lib for lib in libs if _bare_name(lib)}
+    if libs:
+        in_use = _libs_in_use(directory, f"{sig}.json")
+        if in_use is not None:  # None: not known which are in use, so none is deleted
+            paths += [directory.parent / lib for lib in sorted(libs - in_use)]
+    for path in paths:
         try:
             path.unlink()
         except OSError:
             pass
+
+
+def _libs_in_use(directory: pathlib.Path, excluding: str) -> Optional[set]:
+    """The libraries the plans in `directory` other than `excluding` name, or None when that cannot
+    be told: the directory or a plan unreadable, or a plan being written (a temporary file that does
+    not parse yet). A torn plan (``.json`` that does not parse) names none: it never loads."""
+    names: set = set()
+    try:
+        paths = [p for p in directory.iterdir() if p.name != excluding]
+    except OSError:
+        return None
+    for path in paths:
+        written = path.suffix == ".json"
+        if not written and not path.name.endswith(".tmp"):
+            continue
+        try:
+            plan = json.loads(path.read_text())
+        except OSError:
+            return None
+        except ValueError:  # JSON or UTF-8 decoding
+            if written:
+                continue
+            return None
+        kernels = plan.get("kernels") if isinstance(plan, dict) else None
+        for k in kernels if isinstance(kernels, list) else ():
+            if isinstance(k, dict) and isinstance(k.get("lib"), str):
+                names.add(k["lib"])
+    return names
 
 
 def _bare_name(name) -> bool:

@@ -315,6 +315,31 @@ def test_firstcall_warm_process_compiles_nothing(tmp_path):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
+def test_firstcall_json_path_is_checked_before_any_run(tmp_path, capsys, monkeypatch):
+    """--json is written after the runs (minutes): a directory that does not exist, or a file in
+    its place, ends in exit status 2 naming --json before anything runs; a writable one is taken."""
+    started = []
+    monkeypatch.setattr(firstcall, "run_child", lambda *a, **k: started.append(a) or pytest.fail("a run started"))
+    monkeypatch.setattr(firstcall, "precompile", lambda *a, **k: pytest.fail("a run started"))
+    (tmp_path / "a_file").write_text("")
+    for path, why in ((tmp_path / "missing" / "fc.json", "does not exist"),
+                      (tmp_path / "a_file" / "fc.json", "is not a directory"),
+                      (tmp_path, "is a directory")):
+        assert firstcall.run(["--head-dim", "64", "--json", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "--json" in err and why in err, err
+    assert started == [] and not (tmp_path / "missing").exists()
+
+    class Started(Exception):
+        pass
+
+    monkeypatch.setattr(firstcall, "run_child", lambda *a, **k: (_ for _ in ()).throw(Started()))
+    with pytest.raises(Started):
+        firstcall.run(["--head-dim", "64", "--json", str(tmp_path / "fc.json")])
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
 def test_bytecode_hint_names_an_uncompiled_package(tmp_path, monkeypatch):
     """A package without __pycache__ gets the compileall hint; one with it (and a missing one) none."""
     from fa4.firstcall import bytecode_hint

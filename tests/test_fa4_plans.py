@@ -362,3 +362,27 @@ def test_a_plan_naming_a_library_outside_the_cache_is_not_loaded(plans, tmp_path
     with pytest.warns(RuntimeWarning, match="outside the cache directory"):
         assert _call(_plans, sig, _inputs(5))[1] is False
     assert loads == [] and not path.exists()
+
+
+@pytest.mark.cpu
+def test_discarding_a_plan_keeps_the_libraries_other_plans_name(plans, tmp_path):
+    """Plans of calls that launch the same kernel share its library: a discarded plan deletes only
+    the libraries no other plan names (a torn plan names none)."""
+    _plans, loads = plans
+    directory = _plans.plan_dir("sm_90a")
+    directory.mkdir(parents=True)
+    bad, good = "a" * 32, "b" * 32
+    entry = lambda lib: {"lib": lib, "sha": "0", "symbol": "k"}  # noqa: E731
+    # `bad` does not load (another format); `good` names the shared library too
+    (directory / f"{bad}.json").write_text(json.dumps({"format": -1, "kernels": [entry("shared.so"),
+                                                                                 entry("bad_only.so")]}))
+    (directory / f"{good}.json").write_text(json.dumps({"format": 1, "kernels": [entry("shared.so"),
+                                                                                 entry("good_only.so")]}))
+    (directory / f"{'c' * 32}.json").write_text('{"format": 1, "kernels": [{"lib": "bad_on')  # torn
+    for lib in ("shared.so", "bad_only.so", "good_only.so"):
+        (directory.parent / lib).write_bytes(b"\x7fELF")
+    with pytest.warns(RuntimeWarning, match="discarding launch plan"):
+        assert _plans.lookup(bad, "sm_90a") is None
+    assert not (directory / f"{bad}.json").exists() and not (directory.parent / "bad_only.so").exists()
+    assert (directory.parent / "shared.so").exists() and (directory.parent / "good_only.so").exists()
+    assert (directory / f"{good}.json").exists() and loads == []
