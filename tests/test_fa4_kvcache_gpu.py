@@ -507,17 +507,34 @@ def test_long_queries_over_gathered_pages_take_the_copy(monkeypatch):
 
 
 def test_varlen_page_table_with_grad_gathers_and_differentiates():
-    """Inputs that need a gradient keep the gather (the paged forward has no backward)."""
+    """Inputs that need a gradient keep the gather (the paged forward has no backward): out, dq and
+    the pages' dk / dv under FA4's rule against fp32 attention over the gathered keys (the bf16
+    PyTorch baseline beside it), and pages no sequence names get exactly zero gradient."""
+    from stage0_reference.torch_reference import assert_fa4_close
+
     b, pages, page = 2, 4, 128
     kp, vp, table = _paged(b, pages, page, 2, 64, 10)
-    kp.requires_grad_(True)
-    q = torch.randn(b, 100, 4, 64, device="cuda").to(BF16).requires_grad_(True)
-    out = fa4.flash_attn_varlen_func(q, kp, vp, page_table=table, causal=True)
-    out.float().square().sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all() and kp.grad is not None
+    q = torch.randn(b, 100, 4, 64, device="cuda").to(BF16)
+    dout = torch.randn(b, 100, 4, 64, device="cuda").to(BF16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, kp, vp)]
+    out = fa4.flash_attn_varlen_func(leaves[0], leaves[1], leaves[2], page_table=table, causal=True)
+    out.backward(dout)
+    dq, dkp, dvp = (t.grad for t in leaves)
     used_pages = torch.zeros(kp.shape[0], dtype=torch.bool, device="cuda")
     used_pages[table.long().flatten()] = True
-    assert kp.grad[~used_pages].abs().max() == 0 and kp.grad[used_pages].abs().max() > 0
+    assert dkp[~used_pages].abs().max() == 0 and dvp[~used_pages].abs().max() == 0
+    # the gathered view of the page gradients, (B, pages * page, Hkv, D) like the keys themselves
+    dk, dv = _unpage(dkp, table), _unpage(dvp, table)
+
+    def grads(upcast):
+        ins = [t.detach().clone().requires_grad_(True) for t in (q, _unpage(kp, table), _unpage(vp, table))]
+        ref = attention_ref(*(t.float() if upcast else t for t in ins), causal=True, upcast=upcast)[0]
+        ref.backward(dout.float() if upcast else dout)
+        return [ref.detach()] + [t.grad for t in ins]
+
+    truth, base = grads(True), grads(False)
+    for name, got, t, bl in zip(("out", "dq", "dk", "dv"), (out.detach(), dq, dk, dv), truth, base):
+        assert_fa4_close(f"paged varlen {name}", got, t, bl)
 
 
 @pytest.mark.parametrize("page", [256, 8])

@@ -907,12 +907,15 @@ def test_adversarial_rising_scores(tau, causal, profile):
     # Scores this large make the bf16 PyTorch baseline coarse, so also hold FA4's changes to the
     # same rule against our own classic kernel (tau = 0, all MUFU): at most twice its error.
     classic, _ = _dense(q, k, v, causal=causal, softmax_scale=scale, rescale_threshold=0.0, emulation_fraction=0.0)
+    ref = attention_ref(q, k, v, softmax_scale=scale, causal=causal)[0]
     if tau == 0.0:  # the default emulation share on Hopper is 0: the same build, so the same bits
         import torch
 
         assert torch.equal(out, classic)
+        # ... which must itself pass FA4's rule against PyTorch in the input precision
+        baseline = attention_ref(q, k, v, softmax_scale=scale, causal=causal, upcast=False)[0]
+        assert_fa4_close("out (tau = 0) vs PyTorch", out, ref, baseline)
         return
-    ref = attention_ref(q, k, v, softmax_scale=scale, causal=causal)[0]
     assert_fa4_close("out vs classic kernel", out, ref, classic)
 
 

@@ -507,6 +507,17 @@ def test_spt_order_runs_in_stage4_deterministic_backward():
         assert torch.equal(x, y)
     for x, y in zip(res[0], res[2]):
         assert torch.equal(x, y)
+    # the same bits must also be right: dq, dk, dv under FA4's rule (fp32 truth, bf16 PyTorch baseline)
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+    def grads(upcast):
+        ins = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = attention_ref(*(t.float() if upcast else t for t in ins), causal=True, upcast=upcast)[0]
+        out.backward(dout.float() if upcast else dout)
+        return [t.grad for t in ins]
+
+    for name, got, truth, base in zip(("dq", "dk", "dv"), res[0][:3], grads(True), grads(False)):
+        assert_fa4_close(f"SPT order {name}", got, truth, base)
 
 
 @pytest.mark.gpu
