@@ -268,9 +268,9 @@ for b, cache in [(1, 8192), (1, 16384), (1, 131072), (8, 32768), (64, 8192)]:
 # ## What an H200 measures
 # `python -m benchmarks.bench_decode` (GQA 32 / 8, d = 128, one token, each call in a CUDA graph):
 # achieved GB/s of Q, K and V read, against the official FlashAttention-4 (no split-KV on Hopper),
-# cuDNN through SDPA and a device copy of K in the same run. The copy is a yardstick, not a ceiling:
-# it reads and writes, and its rate depends on the size (3.8-4.3 TB/s at batch 1, about 2.7 TB/s
-# for the larger caches of batch 8 and 64, where fa4 reads faster than it copies).
+# cuDNN through SDPA and a copy kernel over K in the same run. The copy is a yardstick, not a ceiling:
+# it reads and writes, and its rate depends on the size (3.9-4.3 TB/s from 1 x 16k on). At 1 x 8k K and
+# its copy fit the L2 between the graph's calls, so that bar is not a DRAM rate.
 
 # %%
 path = RESULTS / "bench_decode_h200.json"
