@@ -192,13 +192,21 @@ WIDE_DESIGNS = {
                   "their columns (RS); dQ split by columns",
     "exchange_dims": "as split_dims, but S^T / dP^T split by queries and P^T / dS^T exchanged through SMEM: "
                      "dV / dK read A from SMEM (SS) instead of computing it twice",
+    "swap_keys": "96 keys a CTA (no wgmma M, so on N): S / dP split by keys, P / dS through SMEM, dV^T / dK^T "
+                 "with the head dim as M over the warpgroup's 48 keys (SS), dQ split by columns",
 }
+WIDE_KEYS = {"swap_keys": 96}  # keys a CTA; 64 for the others
 
 
 def wide_design(design: str, m: int, d: int, dv: int, n: int = 64) -> list:
     """(GemmSpec, count) per CTA tile for one of WIDE_DESIGNS: each spec is one warpgroup's GEMM
     (num_wg = 1 in wgmma_smem_elements), count how many warpgroups issue it."""
     h = m // 2
+    if design == "swap_keys":
+        k2 = n // 2
+        return [(GemmSpec("S=QK^T", m, k2, d, True, "N"), 2), (GemmSpec("dP=dOV^T", m, k2, dv, True, "N"), 2),
+                (GemmSpec("dV^T+=dO^TP", dv, k2, m, True, "N"), 2), (GemmSpec("dK^T+=Q^TdS", d, k2, m, True, "N"), 2),
+                (GemmSpec("dQ=dSK", m, d // 2, n, True, "N"), 2)]
     if design == "split_queries":
         return [(GemmSpec("S^T", n, h, d, True, "M"), 2), (GemmSpec("dP^T", n, h, dv, True, "M"), 2),
                 (GemmSpec("dV+=P^TdO", n, dv, h, False, "M"), 2), (GemmSpec("dK+=dS^TQ", n, d, h, False, "M"), 2),
@@ -221,6 +229,11 @@ def wide_registers(design: str, m: int, d: int, dv: int, n: int = 64) -> dict:
     computed 64 of its d rows at a time (each chunk reduced to global memory before the next), so
     its registers do not grow with d."""
     t = 128
+    if design == "swap_keys":  # a warpgroup's n / 2 keys of every accumulator but dQ (d / 2 columns, whole)
+        regs = {"dK": d * n / 2 / t, "dV": dv * n / 2 / t, "S^T": m * n / 2 / t, "dP^T": m * n / 2 / t,
+                "P^T/dS^T (16-bit)": 0.0, "dQ^T chunk": m * d / 2 / t}
+        regs["total"] = regs["dK"] + regs["dV"] + max(regs["S^T"] + regs["dP^T"], regs["dQ^T chunk"])
+        return regs
     rows = m / 2 if design in ("split_queries", "exchange_dims") else m      # queries a warpgroup scores
     dq_rows = m / 2 if design == "split_queries" else m                      # queries of its dQ^T
     cols = 1 if design == "split_queries" else 2                              # dK / dV column split
@@ -233,16 +246,18 @@ def wide_registers(design: str, m: int, d: int, dv: int, n: int = 64) -> dict:
 
 
 def wide_tile_cycles(design: str, m: int, d: int, dv: int, n: int = 64, hw: Hardware = H100) -> BwdTileCycles:
-    """Cycles per (m queries x 64 keys) tile: the MMA of every warpgroup's GEMMs (the duplicated S^T /
-    dP^T of split_dims included), their SMEM operand reads, dS^T (and for exchange_dims P^T) written
-    to SMEM, and for split_queries nothing per tile for the partial dK / dV (summed once per CTA)."""
+    """Cycles per (m queries x n keys) tile: the MMA of every warpgroup's GEMMs (the duplicated S^T /
+    dP^T of split_dims included), their SMEM operand reads, dS^T (and for exchange_dims / swap_keys P^T)
+    written to SMEM, the fp32 dQ tile staged through SMEM for the writer's bulk reduce (written once,
+    read once: 8 m d bytes, whatever n is -- what more keys a CTA amortize), and for split_queries
+    nothing per tile for the partial dK / dV (summed once per CTA)."""
     specs = wide_design(design, m, d, dv, n)
     flops = sum(2 * g.m * g.n * g.k * c for g, c in specs)
     elems = sum(wgmma_smem_elements(g, 1, hw.mma_m) * c for g, c in specs)
-    writes = m * n * (2 if design == "exchange_dims" else 1)
+    writes = m * n * (2 if design in ("exchange_dims", "swap_keys") else 1)
     return BwdTileCycles(mma=flops / hw.mma_flops_per_clock, smem_operands=elems * 2 / hw.smem_bytes_per_clock,
-                         smem_ds_write=writes * 2 / hw.smem_bytes_per_clock, smem_ds_exchange=0.0, smem_dq=0.0,
-                         exp=m * n / hw.exp_per_clock)
+                         smem_ds_write=writes * 2 / hw.smem_bytes_per_clock, smem_ds_exchange=0.0,
+                         smem_dq=2 * m * d * 4 / hw.smem_bytes_per_clock, exp=m * n / hw.exp_per_clock)
 
 
 # the production d = 128 consumer holds 64 + 64 + 32 + 32 + 16 = 208 of its 240 registers in
@@ -257,23 +272,27 @@ def wide_smem_kb(m: int, d: int, dv: int, stages: int, n: int = 64) -> float:
 
 
 def wide_table(cases) -> str:
-    """Markdown: per (design, m, d, dv), cycles per 64-key tile, the useful MMA share (the five GEMMs
-    once over the bounding resource's time), the bound, the accumulator registers against
+    """Markdown: per (design, m, d, dv), cycles per tile (m x n, n = WIDE_KEYS or 64), the useful MMA
+    share (the five GEMMs once over the bounding resource's time), the bounding cycles per 1024
+    key-query pairs (the designs' common unit), the accumulator registers against
     WIDE_REGISTER_BUDGET, and the Q / dO stages that fit 227 KB of SMEM."""
-    lines = ["| design | m x 64, d/dv | MMA | SMEM | exp | bound | useful MMA | acc regs/thread | Q/dO stages |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| design | m x n, d/dv | MMA | SMEM | exp | bound | useful MMA | cycles / 1k pairs | acc regs/thread "
+             "| Q/dO stages |", "|---|---|---|---|---|---|---|---|---|---|"]
     for design, m, d, dv in cases:
-        c = wide_tile_cycles(design, m, d, dv)
-        useful = 2 * m * 64 * (2 * d + 2 * dv + d) / H100.mma_flops_per_clock  # S, dP, dV, dK, dQ once
-        regs = wide_registers(design, m, d, dv)["total"]
-        stages = max((s for s in (1, 2) if wide_smem_kb(m, d, dv, s) <= 227), default=0)
-        lines.append(f"| {design} | {m} x 64, {d}/{dv} | {c.mma:.0f} | {c.smem:.0f} | {c.exp:.0f} | {c.bound} | "
-                     f"{useful / max(c.mma, c.smem, c.exp):.2f} | {regs:.0f}"
+        n = WIDE_KEYS.get(design, 64)
+        c = wide_tile_cycles(design, m, d, dv, n)
+        useful = 2 * m * n * (2 * d + 2 * dv + d) / H100.mma_flops_per_clock  # S, dP, dV, dK, dQ once
+        bound = max(c.mma, c.smem, c.exp)
+        regs = wide_registers(design, m, d, dv, n)["total"]
+        stages = max((s for s in (1, 2) if wide_smem_kb(m, d, dv, s, n) <= 227), default=0)
+        lines.append(f"| {design} | {m} x {n}, {d}/{dv} | {c.mma:.0f} | {c.smem:.0f} | {c.exp:.0f} | {c.bound} | "
+                     f"{useful / bound:.2f} | {bound * 1024 / (m * n):.0f} | {regs:.0f}"
                      f"{' (over)' if regs > WIDE_REGISTER_BUDGET else ''} | {stages or 'none'} |")
     return "\n".join(lines)
 
 
-WIDE_CASES = [(dsg, m, d, dv) for d, dv in ((192, 128), (256, 256)) for dsg in WIDE_DESIGNS for m in (64, 128)]
+WIDE_CASES = [(dsg, m, d, dv) for d, dv in ((192, 128), (256, 256)) for dsg in WIDE_DESIGNS for m in (64, 128)
+              if dsg != "swap_keys" or m == 64]
 
 
 def paper_table() -> str:

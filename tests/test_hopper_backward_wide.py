@@ -1,11 +1,13 @@
-"""Stage 4, the production Hopper backward at the wide head dims (192, 128) and (256, 256)
-(``stage4_bwd_kernel/hopper/wide.py``): both consumer warpgroups on the same 64 keys, S^T / dP^T split
-by queries, P^T / dS^T through SMEM, dV / dK split by columns.
+"""Stage 4, the production Hopper backward at the wide head dims (192, 128) and (256, 256): both consumer
+warpgroups on the same keys. (192, 128): 96 keys a CTA, S / dP split by keys, dK^T / dV^T with the head
+dim as M (``stage4_bwd_kernel/hopper/wide_swap.py``); 256: 64 keys, S^T / dP^T split by queries, dV / dK
+split by columns (``wide.py``, also built at (192, 128) by the ``kv_swap=False`` override). Both pass P
+and dS through SMEM.
 
 cpu tier: the design and SMEM plan each pair gets; other pairs refused by name.
 compile tier (sm_90a, fake tensors): no spills or local memory, no serialized wgmma, five SS GEMMs
 per tile body (no register-sourced A), one bulk dQ reduce per share (256 in the default mode: 16-byte
-reds from the consumers), the semaphores only in deterministic mode.
+reds from the consumers), the semaphores only in deterministic mode; both designs at (192, 128).
 gpu tier (H100/H200): dq / dk / dv under FA4's rule against fp32 autograd over odd seqlens, causal,
 GQA 1 / 2 / 6, fp16, varlen with empty sequences and seqused_k, window and softcap; deterministic
 mode bitwise equal over 100 runs with GQA and causal; outputs NaN-poisoned.
@@ -36,15 +38,21 @@ def test_wide_pairs_take_the_wide_design():
     from stage4_bwd_kernel.hopper.options import smem_need
 
     mod = _mod()
-    for d, dv in WIDE:
+    for (d, dv), keys, swap in zip(WIDE, (96, 64), (True, False)):
         k = mod.make_kernel(None, d, dv, True, False)
-        assert (k.tile_m, k.tile_n, k.wide, k.dq_swap_ab, k.dq_split_m) == (64, 64, True, False, False)
+        assert (k.tile_m, k.tile_n, k.wide, k.kv_swap, k.dq_swap_ab, k.dq_split_m) == (64, keys, True, swap, False, False)
+        assert mod.default_tiles(d, dv) == (64, keys)
         assert not (k.stats_shuffle or k.mask_offsets or k.q_shift or k.kv_with_first or k.key_select)
-        need = smem_need(64, 64, d, dv, k.ds_buffers, 0 if k.dq_atomic else k.dq_buffers, k.num_stages, pt_buffers=1)
+        need = smem_need(64, keys, d, dv, k.ds_buffers, 0 if k.dq_atomic else k.dq_buffers, k.num_stages, pt_buffers=1)
         assert need <= SMEM_BUDGET and k.num_stages == 2
         # dQ from registers only where a dQ buffer would cost the second Q / dO stage
-        assert k.dq_atomic == (smem_need(64, 64, d, dv, 1, 1, 2, 1) > SMEM_BUDGET)
-        assert k.dq_atomic or k.dq_buffers == 2 or smem_need(64, 64, d, dv, 1, 2, 2, 1) > SMEM_BUDGET
+        assert k.dq_atomic == (smem_need(64, keys, d, dv, 1, 1, 2, 1) > SMEM_BUDGET)
+        assert k.dq_atomic or k.dq_buffers == 2 or smem_need(64, keys, d, dv, 1, 2, 2, 1) > SMEM_BUDGET
+    # the 64-key design stays buildable at (192, 128), for comparison; the 96-key one is (192, 128)'s only
+    k64 = mod.make_kernel(None, 192, 128, False, False, kv_swap=False)
+    assert (k64.tile_n, k64.kv_swap, k64.num_stages, k64.dq_atomic) == (64, False, 2, False)
+    with pytest.raises(ValueError, match="kv_swap"):
+        mod.make_kernel(None, 256, 256, False, True, kv_swap=True)
     # deterministic mode keeps the writer warp (it orders the adds): one stage at 256
     det = [mod.make_kernel(None, d, dv, True, True) for d, dv in WIDE]
     assert [(k.num_stages, k.dq_atomic) for k in det] == [(2, False), (1, False)]
@@ -86,28 +94,34 @@ def test_every_head_dim_is_served_by_the_production_kernel(monkeypatch):
 
 
 # ================================================================================== compile tier
-COMPILE_CASES = [("bf16", 192, 128, False, False, False), ("bf16", 192, 128, True, True, False),
-                 ("fp16", 192, 128, True, False, True), ("bf16", 256, 256, False, False, False),
-                 ("bf16", 256, 256, True, True, False), ("bf16", 256, 256, True, False, True)]
+COMPILE_CASES = [("bf16", 192, 128, False, False, False, True), ("bf16", 192, 128, True, True, False, True),
+                 ("fp16", 192, 128, True, False, True, True), ("bf16", 192, 128, True, False, False, False),
+                 ("bf16", 256, 256, False, False, False, False), ("bf16", 256, 256, True, True, False, False),
+                 ("bf16", 256, 256, True, False, True, False)]
 COMPILE_IDS = [f"{dt}-d{d}x{dv}-{'causal' if c else 'full'}-{'det' if det else 'default'}{'-varlen' if vl else ''}"
-               for dt, d, dv, c, det, vl in COMPILE_CASES]
+               f"{'' if swap or d == 256 else '-64keys'}" for dt, d, dv, c, det, vl, swap in COMPILE_CASES]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("dtype,d,dv,causal,det,varlen", COMPILE_CASES, ids=COMPILE_IDS)
-def test_wide_compiles_sm90a(dtype, d, dv, causal, det, varlen):
+@pytest.mark.parametrize("dtype,d,dv,causal,det,varlen,swap", COMPILE_CASES, ids=COMPILE_IDS)
+def test_wide_compiles_sm90a(dtype, d, dv, causal, det, varlen, swap):
     mod = _mod()
+    design = {} if swap or d == 256 else dict(kv_swap=False)
     comp = mod.compile_only(dtype=dtype, head_dim=d, head_dim_v=dv, causal=causal, deterministic=det, varlen=varlen,
-                            has_seqused_k=varlen)
+                            has_seqused_k=varlen, **design)
     rep, sass, ptx = comp.report, comp.sass, comp.ptx
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["LDL/STL"] == 0, rep
     assert rep["registers"] <= 168 and rep["smem_bytes"] <= 227 * 1024
     assert rep["wgmma_serialized"] == [], rep["ptxas_log"]
-    # per tile body and warpgroup: S^T (d / 16 k-steps), dP^T (dv / 16), dV, dQ, dK (64 / 16 each);
-    # three bodies (masked, unmasked, masked); every A from SMEM
-    assert rep["HGMMA"] == 3 * (d // 16 + dv // 16 + 3 * 64 // 16)
+    # per tile body and warpgroup, three bodies (masked, unmasked, masked), every A from SMEM. 64 keys:
+    # S^T (d / 16 k-steps), dP^T (dv / 16), dV, dQ, dK (64 / 16 each); 96 keys: S, dP as before, dV^T and
+    # dK^T (dv / 64 and d / 64 M-atoms x 64 / 16), dQ (96 / 16)
+    if swap:
+        assert rep["HGMMA"] == 3 * (d // 16 + dv // 16 + (dv // 64 + d // 64) * (64 // 16) + 96 // 16)
+    else:
+        assert rep["HGMMA"] == 3 * (d // 16 + dv // 16 + 3 * 64 // 16)
     assert not re.search(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass), "a register-sourced wgmma"
-    kernel = mod.make_kernel(None, d, dv, causal, det)
+    kernel = mod.make_kernel(None, d, dv, causal, det, **design)
     if kernel.dq_atomic:  # 256, default mode: 16-byte reds from the consumers, no bulk reduce
         assert len(re.findall(r"red\.global\.add\.v4\.f32", ptx)) == 3 * 64 * d // 2 // 128 // 4
         assert not re.search(r"\bUBLKRED\b", sass)

@@ -78,7 +78,15 @@ def test_wide_head_dim_designs():
     assert r.wide_registers("split_queries", 64, 256, 256)["total"] > r.WIDE_REGISTER_BUDGET
     assert r.wide_registers("exchange_dims", 128, 256, 256)["total"] <= r.WIDE_REGISTER_BUDGET
     assert r.wide_smem_kb(128, 256, 256, 2) > 227 >= r.wide_smem_kb(64, 256, 256, 2)
+    # swap_keys: 96 keys, the same five GEMMs once; dK^T 72 + dV^T 48 + max(S 24 + dP 24, dQ 48) = 168 registers,
+    # and per key-query pair less SMEM than exchange_dims (the dQ tile's staging is paid per 96 keys, not 64)
+    once96 = 2 * m * 96 * (2 * d + 2 * dv + d) / r.H100.mma_flops_per_clock
+    assert r.wide_tile_cycles("swap_keys", m, d, dv, 96).mma == pytest.approx(once96)
+    assert r.wide_registers("swap_keys", 64, 192, 128, 96)["total"] == 168
+    assert r.wide_registers("swap_keys", 64, 256, 256, 96)["total"] > r.WIDE_REGISTER_BUDGET
+    per_pair = {dsg: r.wide_tile_cycles(dsg, m, d, dv, n).smem / n for dsg, n in (("swap_keys", 96), ("exchange_dims", 64))}
+    assert per_pair["swap_keys"] < 0.9 * per_pair["exchange_dims"]
     table = r.wide_table(r.WIDE_CASES)
-    assert table.count("\n") == len(r.WIDE_CASES) + 1 and "(over)" in table
+    assert table.count("\n") == len(r.WIDE_CASES) + 1 and "(over)" in table and "| swap_keys | 64 x 96, 192/128 |" in table
     with pytest.raises(ValueError, match="design"):
         r.wide_design("nope", 64, 192, 128)

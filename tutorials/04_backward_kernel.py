@@ -43,7 +43,8 @@
 # (`spt_bwd`, `dq_rank`).
 #
 # **Status**: the Hopper lessons and the production backward (`stage4_bwd_kernel.hopper`: its
-# composed kernel serves every head dim, (192, 128) and 256 on its wide design, `hopper/wide.py`) pass
+# composed kernel serves every head dim, (192, 128) and 256 on its wide designs, `hopper/wide_swap.py`
+# and `hopper/wide.py`) pass
 # their GPU tests on Hopper, the deterministic mode included; their speed is read below from
 # committed H100 results. On a CPU-only machine the notebook compiles them for `sm_90a`. The Blackwell
 # backward kernels are compiled for `sm_100a` in the tests and have **never run on hardware**: the
@@ -533,7 +534,7 @@ for prev, name in zip([None] + BWD_LADDER, BWD_LADDER):
 # %% [markdown]
 # ## The production backward, compiled here (and run, on a GPU)
 # `stage4_bwd_kernel.hopper` is the stable entry point that `fa4` calls; `step_for` says which kernel
-# serves a configuration: the composed kernel for every head dim, on its wide design at (192, 128) and
+# serves a configuration: the composed kernel for every head dim, on its wide designs at (192, 128) and
 # 256, whose dK / dV would not fit a warpgroup's registers. It is composed from named components and
 # carries the production work the lessons leave out (the sections below read some of it from the
 # SASS). Compiled for `sm_90a` with fake tensors, with and without the deterministic mode: the dQ
@@ -594,24 +595,30 @@ else:
 # ## Wide head dims: when dK and dV do not fit the registers
 # The production kernel keeps each consumer warpgroup's 64 keys of dK and dV in registers for the whole
 # walk: `64 d / 128 + 64 dv / 128` floats a thread, beside S^T, dP^T and the 16-bit P^T. At (192, 128)
-# and 256 that no longer fits the 240 registers `setmaxnreg` gives a consumer, so those dims run a
-# second design (`stage4_bwd_kernel/hopper/wide.py`): both warpgroups on the *same* 64 keys, S^T /
-# dP^T split by queries, P^T / dS^T through shared memory, dV / dK split by columns. The cell counts
-# the registers of both designs, then the shared memory that decided the 256 plan: a 64 KB fp32 dQ
-# buffer leaves room for one Q / dO stage only, so at 256 the consumers add dQ themselves
-# (16-byte `red.global.add.v4.f32`) and keep two stages -- measured 1.08-1.15x of the official
-# kernel on an H200, against 0.75-0.81x with the buffer and one stage (`docs/measurements.md`).
+# and 256 that no longer fits the 240 registers `setmaxnreg` gives a consumer, so those dims share
+# keys between the two warpgroups. At 256 (`stage4_bwd_kernel/hopper/wide.py`): both on the *same* 64
+# keys, S^T / dP^T split by queries, P^T / dS^T through shared memory, dV / dK split by columns. At
+# (192, 128) (`hopper/wide_swap.py`): 96 keys a CTA -- no wgmma M, so the keys go on N -- with S / dP
+# split by keys (48 each), P / dS through shared memory and dK^T / dV^T holding the head dim as M;
+# each Q / dO load and each dQ tile's trip through shared memory then serves 1.5x the work, which
+# measured 1.15x faster on an H200. The cell counts the registers of the designs, then the shared
+# memory that decided the 256 plan: a 64 KB fp32 dQ buffer leaves room for one Q / dO stage only, so
+# at 256 the consumers add dQ themselves (16-byte `red.global.add.v4.f32`) and keep two stages --
+# measured 1.08-1.15x of the official kernel on an H200, against 0.75-0.81x with the buffer and one
+# stage (`docs/measurements.md`).
 
 # %%
 from stage3_fwd_kernel.host_io import SMEM_BUDGET
 from stage4_bwd_kernel.hopper.options import BackwardOptions, smem_need
 
-print(f"{'head dims':>11} | {'register-sourced (regs)':>23} | {'wide (regs)':>11}")
+print(f"{'head dims':>11} | {'register-sourced (regs)':>23} | {'64 keys (regs)':>14} | {'96 keys (regs)':>14}")
 for d, dv in ((128, 128), (192, 128), (256, 256)):
     rs = 64 * d // 128 + 64 * dv // 128 + 32 + 32 + 16        # dK + dV + S^T + dP^T + 16-bit P^T
     wide = s4_roofline.wide_registers("exchange_dims", 64, d, dv)["total"]
-    print(f"{str((d, dv)):>11} | {rs:>23} | {wide:>11.0f}")
+    swap = s4_roofline.wide_registers("swap_keys", 64, d, dv, 96)["total"]
+    print(f"{str((d, dv)):>11} | {rs:>23} | {wide:>14.0f} | {swap:>14.0f}")
 assert 64 * 192 // 128 + 64 * 128 // 128 + 80 == 240  # (192, 128): every register, before addresses
+assert s4_roofline.wide_registers("swap_keys", 64, 192, 128, 96)["total"] == 168  # dK^T 72 + dV^T 48 + 48
 
 kb = lambda b: f"{b / 1024:.0f} KB"  # noqa: E731
 for stages, dq in ((1, 1), (2, 1), (2, 0)):

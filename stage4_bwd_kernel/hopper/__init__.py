@@ -19,8 +19,8 @@ additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed o
 
 Which kernel serves a call: the composed production kernel of this package (``backward.py``,
 ``kernel.py`` and its components) for every head-dim pair in every mode: 64, 96, 128 and (128, 64) with
-dV / dK sourced from registers, (192, 128) and (256, 256) on the wide design (``wide.py``), whose
-accumulators would not fit those registers. Measured: docs/measurements.md.
+dV / dK sourced from registers, (192, 128) and (256, 256) on the wide designs (``wide_swap.py``: 96 keys
+a CTA, dK^T / dV^T; ``wide.py``: 64 keys), whose accumulators would not fit those registers. Measured: docs/measurements.md.
 """
 from __future__ import annotations
 

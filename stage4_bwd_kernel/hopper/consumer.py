@@ -148,7 +148,10 @@ class Consumer:
         only with dq_atomic (wide.py)."""
         tm, tn = self.tile_m, self.tile_n
         trace.cta_stamp("start")
-        o = self.operands(ctidx, storage, mmas, layouts)
+        if const_expr(self.kv_swap):
+            o = self.operands_swap(ctidx, storage, mmas, layouts)
+        else:
+            o = self.operands(ctidx, storage, mmas, layouts)
         o.mdQacc = mdQacc
 
         # The epilogue's key offset and row count wait in SMEM rather than in registers live across the
@@ -185,6 +188,8 @@ class Consumer:
                 for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
                     t = head_in_group * n_m + m_block - walk.m_block_min
                     tile_body = self.consume_tile_wide if const_expr(self.wide) else self.consume_tile
+                    if const_expr(self.kv_swap):
+                        tile_body = self.consume_tile_swap
                     tile_body(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, masked, score_scale)
 
         trace.cta_stamp("walked")

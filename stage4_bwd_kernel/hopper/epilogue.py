@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS
 from stage4_bwd_kernel.hopper.scores import thread_idx_fresh
@@ -28,23 +28,31 @@ class Epilogue:
         o.acc_dK.store(o.acc_dK.load() * softmax_scale)
         offset_k, k_rows_left = sOffsets[0], sOffsets[1]
         ctidx = thread_idx_fresh() - 128  # re-read: values derived from it, kept across the walk, spilled
-        self.store_tile(o.acc_dK, mmas.dK, o.sK, gmem_stores[0], ctidx,
+        # kv_swap holds dK^T / dV^T: they land in sK / sV through transposed views (wide_swap.py)
+        sK_acc, sV_acc = o.sK, o.sV
+        if const_expr(self.kv_swap):
+            sK_acc = cute.composition(o.sK, cute.make_ordered_layout((d, tn), order=(1, 0)))
+            sV_acc = cute.composition(o.sV, cute.make_ordered_layout((dv, tn), order=(1, 0)))
+        self.store_tile(o.acc_dK, mmas.dK, o.sK, sK_acc, gmem_stores[0], ctidx,
                         cute.local_tile(cute.domain_offset((offset_k, 0), mdK[walk.bidx, None, walk.head_kv, None]),
                                         (tn, d), (walk.n_block, 0)), (tn, d), k_rows_left)
-        self.store_tile(o.acc_dV, mmas.dV, o.sV, gmem_stores[1], ctidx,
+        self.store_tile(o.acc_dV, mmas.dV, o.sV, sV_acc, gmem_stores[1], ctidx,
                         cute.local_tile(cute.domain_offset((offset_k, 0), mdV[walk.bidx, None, walk.head_kv, None]),
                                         (tn, dv), (walk.n_block, 0)), (tn, dv), k_rows_left)
 
     @cute.jit
-    def store_tile(self, acc: cute.Tensor, tiled_mma: cute.TiledMma, sX: cute.Tensor, gmem_copy: cute.TiledCopy,
-                   ctidx: Int32, gX: cute.Tensor, shape: cutlass.Constexpr, rows_left: Int32):
-        """fp32 accumulator -> dtype -> smem -> row-guarded 16-byte stores (consumer threads only)."""
+    def store_tile(self, acc: cute.Tensor, tiled_mma: cute.TiledMma, sX: cute.Tensor, sX_acc: cute.Tensor,
+                   gmem_copy: cute.TiledCopy, ctidx: Int32, gX: cute.Tensor, shape: cutlass.Constexpr, rows_left: Int32):
+        """fp32 accumulator -> dtype -> smem (sX_acc: sX as the accumulator's (M, N) sees it) -> row-guarded
+        16-byte stores (consumer threads only). A transposed view takes one element per store: the
+        accumulator's adjacent pair is two rows of sX then."""
         rX = cute.make_rmem_tensor_like(acc, self.dtype)
         rX.store(acc.load().to(self.dtype))
+        bits = 16 if const_expr(self.kv_swap) else 32
         smem_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma)
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=bits), tiled_mma)
         thr_smem = smem_copy.get_slice(ctidx)
-        cute.copy(smem_copy, thr_smem.retile(rX), thr_smem.partition_D(sX))
+        cute.copy(smem_copy, thr_smem.retile(rX), thr_smem.partition_D(sX_acc))
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
         thr_copy = gmem_copy.get_slice(ctidx)
         tXsX, tXgX = thr_copy.partition_S(sX), thr_copy.partition_D(gX)

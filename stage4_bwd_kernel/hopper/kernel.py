@@ -11,7 +11,8 @@ configuration (``options.py``):
     dq_writer.py  dQ -> dQaccum by the TMA unit, semaphores       DqWriter
     scores.py     row statistics, the mask, P^T = exp2(...)      Scores
     consumer.py   S^T, dP^T, dV, dS^T, dQ, dK per Q tile          Consumer
-    wide.py       the same at (192, 128) and 256, keys shared     WideConsumer
+    wide.py       the same at 256, 64 keys shared                 WideConsumer
+    wide_swap.py  (192, 128): 96 keys, dK^T / dV^T                WideSwapConsumer
     epilogue.py   dK, dV -> global memory                         Epilogue
 
 ``q_shift`` (causal d = 128, dense, outside deterministic mode): the 80-row Q tiles are counted from
@@ -44,15 +45,18 @@ from stage4_bwd_kernel.hopper.dq_writer import DqWriter
 from stage4_bwd_kernel.hopper.epilogue import Epilogue
 from stage4_bwd_kernel.hopper.layouts import LayoutPlan, Mmas
 from stage4_bwd_kernel.hopper.options import (DQ_FULL_BARRIER, DQ_WRITER_WARP, NUM_THREADS, NUM_WG_MMA,
-                                              REGS_CONSUMER, REGS_PRODUCER, BackwardOptions, default_tiles,
-                                              dq_empty_barrier, is_banded, is_wide, num_barriers, smem_need)
+                                              REGS_CONSUMER, REGS_PRODUCER, SWAP_HEAD_DIMS, SWAP_TILE_N, WIDE_TILE_N,
+                                              BackwardOptions, default_tiles, dq_empty_barrier, is_banded, is_wide,
+                                              num_barriers, smem_need)
 from stage4_bwd_kernel.hopper.producer import Producer, SmemLayouts, TmaLoads
 from stage4_bwd_kernel.hopper.scores import Scores
 from stage4_bwd_kernel.hopper.walk import WalkPlan
 from stage4_bwd_kernel.hopper.wide import WideConsumer
+from stage4_bwd_kernel.hopper.wide_swap import WideSwapConsumer
 
 
-class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Scores, Consumer, WideConsumer, Epilogue):
+class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Scores, Consumer, WideConsumer,
+                                 WideSwapConsumer, Epilogue):
     """The production Hopper backward for one configuration: construct, then call (traced once)."""
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
@@ -78,9 +82,14 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.options = options or BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen,
                                                              self.banded)
         self.options.check(varlen, wide=self.wide, deterministic=deterministic, banded=self.banded)
+        if self.options.kv_swap and (head_dim, head_dim_v) not in SWAP_HEAD_DIMS:
+            raise ValueError(f"kv_swap: the 96-key design (wide_swap.py) is built for head dims {SWAP_HEAD_DIMS}, "
+                             f"got {(head_dim, head_dim_v)}")
         for field in dataclasses.fields(self.options):  # the device code reads them as attributes
             setattr(self, field.name, getattr(self.options, field.name))
         self.num_stages = self.options.stages
+        if self.wide:  # the design's keys a CTA (an override may pick the other wide design)
+            self.tile_n = SWAP_TILE_N if self.kv_swap else WIDE_TILE_N
         need = self._smem_need(self.ds_buffers, self.dq_buffers)
         if need > SMEM_BUDGET:
             raise ValueError(f"options: {self.options} need {need} bytes of shared memory, more than the "
@@ -118,8 +127,11 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         sdO_layout = self._smem_layout(tm, dv, do_swz, stages)
         sK_layout = self._smem_layout(tn, d, k_swz)
         sV_layout = self._smem_layout(tn, dv, v_swz)
-        # dS^T: (keys, queries, buffers); wide: one more slot, P^T, after the dS^T buffers
+        # dS^T: (keys, queries, buffers); wide: one more slot, P^T, after the dS^T buffers; kv_swap: dS and P
+        # as (queries, keys), swizzled for a warpgroup's keys (the MN-major B of dV^T / dK^T)
         sdSt_layout = self._smem_layout(tn, tm, tm, self.ds_buffers + int(self.wide))
+        if const_expr(self.kv_swap):
+            sdSt_layout = self._smem_layout(tm, tn, tn // 2, self.ds_buffers + 1)
         sdQ_layout = self._sdq_frag_layout() if const_expr(self.dq_frag) else self._sdq_layout()
         tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ = self.make_mmas()
 

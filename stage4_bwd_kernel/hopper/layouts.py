@@ -55,6 +55,8 @@ class LayoutPlan:
         dV, whose N is d / dv whole (one warpgroup; wide: split in two), K the MN-major B of dQ with N
         split (d / 2); each also serves as a K-major operand of S^T / dP^T, which any swizzle does."""
         d, dv, wgs = self.head_dim, self.head_dim_v, NUM_WG_MMA
+        if self.kv_swap:  # Q / dO: the MN-major A of dK^T / dV^T, whole; K: dQ's B, split (wide_swap.py)
+            return d, dv, d // wgs, dv
         if self.wide:
             return d // wgs, dv // wgs, d // wgs, dv // wgs
         return d, dv, d // wgs, dv // wgs
@@ -65,6 +67,8 @@ class LayoutPlan:
         queries, dV / dK by columns with A (P^T / dS^T) from SMEM (wide.py)."""
         k_major, mn_major = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tm, d, dv, wgs = self.tile_m, self.head_dim, self.head_dim_v, NUM_WG_MMA
+        if self.kv_swap:
+            return self.make_mmas_swap()
         if self.wide:
             split, sdp_n, dv_n, dk_n, a_source = (1, wgs, 1), tm // wgs, dv // wgs, d // wgs, warpgroup.OperandSource.SMEM
         else:
@@ -147,6 +151,7 @@ class LayoutPlan:
         the query rows (dq_split_m) or the d columns; dq_swap_ab: dQ^T (d x tm) = K^T dS^T, the
         warpgroups split d (M) and tm is the N, so tm need not be a multiple of 64."""
         mn = cute.nvgpu.OperandMajorMode.MN
+        a_major = cute.nvgpu.OperandMajorMode.K if self.kv_swap else mn  # kv_swap: dS is stored (queries, keys)
         wg_m, wg_n = (NUM_WG_MMA, 1, 1), (1, NUM_WG_MMA, 1)
         if self.dq_split_m:
             dq_split, dq_tile = wg_m, (64, self.head_dim)
@@ -154,7 +159,7 @@ class LayoutPlan:
             dq_split, dq_tile = wg_n, (64, self.head_dim // NUM_WG_MMA)
         if const_expr(self.dq_swap_ab):
             dq_split, dq_tile = wg_m, (64, self.tile_m)
-        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, mn, mn, Float32, dq_split, dq_tile)
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, a_major, mn, Float32, dq_split, dq_tile)
 
     def _sdq_tile_view(self) -> cute.Layout:
         """(tm, d, buffers) -> index into the shares of _sdq_layout: the dQ tiles as the consumers' MMA

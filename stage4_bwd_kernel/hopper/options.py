@@ -5,7 +5,8 @@ tests read the same numbers.
 Roles (384 threads): warpgroup 0 is the producer (warp 0 issues the TMA loads, warps 1 .. dq_writers
 reduce dQ; with ``dq_atomic`` the consumers add dQ themselves and those warps idle), warpgroups 1 and 2
 are the consumers: keys [64 w, 64 w + 64) of the K/V tile each, or at the wide head dims
-(``WIDE_HEAD_DIMS``, ``wide.py``) the same 64 keys, split by queries and by columns.
+(``WIDE_HEAD_DIMS``) the same keys: at 256 64 of them split by queries and by columns (``wide.py``), at
+(192, 128) 96 split by keys for S / dP and dK^T / dV^T (``wide_swap.py``, ``kv_swap``).
 
 Named barriers (0 is __syncthreads, used only before the role split; ids 2 and 3 are not used):
     1               the 256 consumers: "dS^T stored" (B2) once per tile, and the epilogue
@@ -38,6 +39,10 @@ MAX_DQ_BUFFERS = 2
 RS_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64))
 # dK + dV of 64 keys do not fit one warpgroup's registers: the warpgroups share the keys (wide.py)
 WIDE_HEAD_DIMS = ((192, 128), (256, 256))
+# the 96-key design (wide_swap.py): S = Q K^T split by keys, dK^T / dV^T with the head dim as wgmma M
+SWAP_HEAD_DIMS = ((192, 128),)
+SWAP_TILE_N = 96
+WIDE_TILE_N = 64  # wide.py's keys a CTA
 REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the launch registers
 
 
@@ -62,10 +67,13 @@ def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     after dS and dQ split by query rows keep it in 240 registers), 64 at d = 96, 80 at d = 128
     (dQ^T = K^T dS^T, since 80 is no wgmma M, and one dQ buffer); (128, 64) keeps d = 128's 80 x 128
     (measured faster than 64 x 128 in the non-causal backward, equal causal: docs/measurements.md).
-    The wide head dims: 64 x 64, both warpgroups on the same keys (wide.py)."""
+    The wide head dims: 64 x 96 at (192, 128) (wide_swap.py), 64 x 64 at 256, both warpgroups on the same
+    keys (wide.py)."""
     check_product_head_dims(head_dim, head_dim_v)
+    if (head_dim, head_dim_v) in SWAP_HEAD_DIMS:
+        return 64, SWAP_TILE_N
     if is_wide(head_dim, head_dim_v):
-        return 64, 64
+        return 64, WIDE_TILE_N
     return {(64, 64): (128, 128), (128, 128): (80, 128), (128, 64): (80, 128)}.get((head_dim, head_dim_v), (64, 128))
 
 
@@ -106,6 +114,7 @@ class BackwardOptions:
     dq_writers: int        # dQ writer warps (dq_writer.py)
     stages: int = NUM_STAGES  # Q / dO ring (producer.py)
     dq_atomic: bool = False   # wide: the consumers add dQ with 16-byte reds, no sdQ nor writer (wide.py)
+    kv_swap: bool = False     # wide: 96 keys a CTA, S by keys, dK^T / dV^T with the head dim as M (wide_swap.py)
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
@@ -142,13 +151,16 @@ class BackwardOptions:
         )
 
     @classmethod
-    def for_wide(cls, head_dim: int, head_dim_v: int, deterministic: bool, banded: bool = False) -> "BackwardOptions":
+    def for_wide(cls, head_dim: int, head_dim_v: int, deterministic: bool, banded: bool = False,
+                 kv_swap: bool = True) -> "BackwardOptions":
         """The wide design (wide.py): no register-sourced dV / dK, statistics from SMEM (the query
         split moves the columns the shuffle assumes), one dS^T and one P^T buffer, two Q / dO stages;
         a dQ buffer (two where they fit) for the writer warp, or at 256 in the default mode, where no
         buffer fits beside the two stages, dQ added by the consumers (dq_atomic). banded: the plain masked
         test instead of column_limit (one key edge per column)."""
-        tm, tn = default_tiles(head_dim, head_dim_v)
+        tm, _ = default_tiles(head_dim, head_dim_v)
+        kv_swap = kv_swap and (head_dim, head_dim_v) in SWAP_HEAD_DIMS
+        tn = SWAP_TILE_N if kv_swap else WIDE_TILE_N
 
         def fits(stages, dq_buffers):
             return smem_need(tm, tn, head_dim, head_dim_v, 1, dq_buffers, stages, 1) <= SMEM_BUDGET
@@ -161,7 +173,7 @@ class BackwardOptions:
         return cls(late_dv=False, stats_shuffle=False, dq_frag=True, q_shift=False, key_select=False,
                    column_limit=not banded, mask_offsets=False, kv_with_first=False, ds_buffers=1,
                    dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages,
-                   dq_atomic=dq_atomic)
+                   dq_atomic=dq_atomic, kv_swap=kv_swap)
 
     def check(self, varlen: bool, wide: bool = False, deterministic: bool = False, banded: bool = False):
         """ValueError for a combination the kernel cannot build (only overrides can produce one).
@@ -188,6 +200,9 @@ class BackwardOptions:
         if self.dq_writers not in (1, 2) or self.dq_buffers % self.dq_writers:
             raise ValueError(f"dq_writers: expected 1 or 2 dividing dq_buffers ({self.dq_buffers}), "
                              f"got {self.dq_writers!r}")
+        if self.kv_swap and (not wide or self.dq_atomic or not self.dq_frag):
+            raise ValueError("kv_swap: the 96-key design of the wide head dims (wide_swap.py), with dQ through the "
+                             "writer warp in fragment order")
         if self.dq_atomic and not self.dq_frag:
             raise ValueError("dq_atomic: adds dQ in fragment order, which needs dq_frag")
         if self.stages not in (1, 2):

@@ -1,5 +1,5 @@
-"""The wide head dims of the production Hopper backward, (192, 128) and (256, 256): both consumer
-warpgroups on the same 64 keys.
+"""The wide head dims of the production Hopper backward, 256 (and (192, 128) with ``kv_swap=False``;
+its default is the 96-key design, wide_swap.py): both consumer warpgroups on the same 64 keys.
 
 Why. The register-sourced design (consumer.py) gives each warpgroup 64 keys of its own and keeps their
 dK and dV in registers: d / 2 + dv / 2 per thread, 160 at (192, 128) and 256 at 256, beside S^T, dP^T
