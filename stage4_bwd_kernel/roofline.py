@@ -183,7 +183,7 @@ def hopper_smem_bytes(m: int, n: int, d: int, d_v: int | None = None, bytes_per_
 # wide head dims on Hopper: designs that keep dK and dV in registers at (192, 128) and 256
 # ------------------------------------------------------------------------------------------------
 WIDE_DESIGNS = {
-    # name: (how the two consumer warpgroups share a CTA's 64 keys, what each computes)
+    # name: (how the two consumer warpgroups share a CTA's keys -- 64, or WIDE_KEYS -- what each computes)
     "split_queries": "each warpgroup takes half of the Q tile's queries: S^T / dP^T of 64 keys x m/2 "
                      "queries, dV and dK over its queries (RS: P^T / dS^T from registers), partial dK / dV "
                      "summed through SMEM once per CTA; dQ^T = K^T dS^T for its queries",
@@ -325,5 +325,5 @@ if __name__ == "__main__":
     print(paper_table())
     print("\nHopper, hopper_step1's tiles (and the RS alternative at d = 128):")
     print(hopper_table(STEP1_TILES + [("step1_ss", 64, 64, 128, 128), ("fa3_rs", 64, 128, 128, 128)]))
-    print("\nHopper, wide head dims: designs with dK / dV in registers (per 64-key tile):")
+    print("\nHopper, wide head dims: designs with dK / dV in registers (per tile of 64 or WIDE_KEYS keys):")
     print(wide_table(WIDE_CASES))

@@ -262,8 +262,8 @@ class KVAscendingSectionsOrder(_LaunchSections, KVAscendingOrder):
 
 
 class KVAscendingLongSectionsOrder(KVAscendingSectionsOrder):
-    """Sections only for chains of at least 32 K/V tiles (4k keys at tile_n = 128), blockIdx order
-    below: the causal default-mode order (``default_dq_order``), one kernel for every length."""
+    """Sections only for chains of at least 32 K/V tiles (4k keys at tile_n = 128, 3k at (192, 128)'s 96),
+    blockIdx order below: the causal default-mode order (``default_dq_order``), one kernel for every length."""
 
     name = "kv_ascending_sections_from32"
     min_blocks = 32

@@ -53,6 +53,12 @@ def test_wide_pairs_take_the_wide_design():
     assert (k64.tile_n, k64.kv_swap, k64.num_stages, k64.dq_atomic) == (64, False, 2, False)
     with pytest.raises(ValueError, match="kv_swap"):
         mod.make_kernel(None, 256, 256, False, True, kv_swap=True)
+    # a caller's tiles are held to the design the options build
+    assert mod.make_kernel(None, 192, 128, False, False, tiles=(64, 64), kv_swap=False).tile_n == 64
+    with pytest.raises(ValueError, match="tiles"):
+        mod.make_kernel(None, 192, 128, False, False, tiles=(64, 96), kv_swap=False)
+    with pytest.raises(ValueError, match="tiles"):
+        mod.make_kernel(None, 192, 128, False, False, tiles=(64, 64))
     # deterministic mode keeps the writer warp (it orders the adds): one stage at 256
     det = [mod.make_kernel(None, d, dv, True, True) for d, dv in WIDE]
     assert [(k.num_stages, k.dq_atomic) for k in det] == [(2, False), (1, False)]

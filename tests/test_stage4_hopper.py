@@ -98,7 +98,7 @@ def test_tile_walk_model_varlen_and_seqused(rng, causal):
 
 @pytest.mark.cpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("tiles", [(64, 128), (128, 128), (64, 64)], ids=["64x128", "128x128", "64x64"])
+@pytest.mark.parametrize("tiles", [(64, 128), (128, 128), (64, 64), (64, 96)], ids=["64x128", "128x128", "64x64", "64x96"])
 @pytest.mark.parametrize("order_name", ["kv_ascending", "kv_descending", "kv_ascending_sections",
                                         "kv_ascending_sections256", "kv_descending_sections"])
 def test_semaphore_orders_never_deadlock_and_serialize(causal, tiles, order_name):
@@ -316,7 +316,7 @@ def test_unmasked_m_range_is_exactly_the_tiles_without_a_masked_element(causal):
     loop is shorter than it could be); the segments must cover the walk in order."""
     from stage4_bwd_kernel import schedule
 
-    for tm, tn in ((64, 128), (128, 128), (64, 64)):
+    for tm, tn in ((64, 128), (128, 128), (64, 64), (64, 96)):  # 64 x 96: the (192, 128) backward's tile
         for sq, sk in ((1, 1), (64, 128), (128, 64), (113, 203), (1000, 100), (100, 1000), (513, 513), (640, 768)):
             for n in range(-(-sk // tn)):
                 m_min, m_max = schedule.m_block_range(n, tm, tn, sq, sk, causal)

@@ -24,7 +24,7 @@ WINDOWS = [(False, 0, 0), (False, 5, None), (False, None, 7), (False, 40, 3), (T
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("tiles", [(64, 128), (80, 128)], ids=["64x128", "80x128"])
+@pytest.mark.parametrize("tiles", [(64, 128), (80, 128), (64, 96)], ids=["64x128", "80x128", "64x96"])
 @pytest.mark.parametrize("causal,left,right", WINDOWS)
 @pytest.mark.parametrize("softcap", [0.0, 3.0])
 @pytest.mark.parametrize("sq,sk", [(1, 1), (113, 203), (300, 70), (260, 260)])
@@ -47,7 +47,7 @@ def test_tile_walk_model_with_window_and_softcap_matches_oracle(rng, tiles, caus
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("tm,tn", [(64, 128), (128, 128), (80, 128), (64, 64)])
+@pytest.mark.parametrize("tm,tn", [(64, 128), (128, 128), (80, 128), (64, 64), (64, 96)])
 def test_walk_bounds_agree_with_the_ranks(tm, tn):
     """A Q tile m is in K/V tile n's walk exactly when first(m) <= n <= last(m): the walk bounds
     and the deterministic ranks must agree, or a semaphore waits forever. Also: the walk holds every

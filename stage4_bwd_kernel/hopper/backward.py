@@ -30,9 +30,6 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
     """The kernel object of one configuration. overrides: BackwardOptions fields that replace the
     configuration's defaults (to compare a build with the default one; production passes none).
     tiles: None or the default tiles (the tile follows from the head dims)."""
-    if tiles is not None and tuple(tiles) != default_tiles(head_dim, head_dim_v):
-        raise ValueError(f"tiles: the Hopper backward runs {default_tiles(head_dim, head_dim_v)} at head dims "
-                         f"{(head_dim, head_dim_v)}, got {tuple(tiles)}")
     options = None
     if overrides:
         names = {f.name for f in dataclasses.fields(BackwardOptions)}
@@ -42,9 +39,13 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
         defaults = BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen,
                                               is_banded(window, causal))
         options = dataclasses.replace(defaults, **overrides)
-    return FlashAttentionBackwardSm90(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
-                                      has_seqused_k=has_seqused_k, dq_order=dq_order, options=options,
-                                      window=window, softcap=softcap)
+    kernel = FlashAttentionBackwardSm90(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
+                                        has_seqused_k=has_seqused_k, dq_order=dq_order, options=options,
+                                        window=window, softcap=softcap)
+    if tiles is not None and tuple(tiles) != (kernel.tile_m, kernel.tile_n):  # the design's tile (kv_swap: 64 x 96)
+        raise ValueError(f"tiles: the Hopper backward runs {(kernel.tile_m, kernel.tile_n)} at head dims "
+                         f"{(head_dim, head_dim_v)} with these options, got {tuple(tiles)}")
+    return kernel
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,

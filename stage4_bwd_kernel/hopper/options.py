@@ -86,7 +86,8 @@ def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffe
         d = 64  (128 x 128): 16 + 16 + 2 * 32 + 1 * 32 + 2 * 32 = 192 KB
         d = 96  (64 x 128):  24 + 24 + 2 * 24 + 2 * 16 + 2 * 24 = 176 KB
         d = 128 (80 x 128):  32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB  (two dQ buffers: 264)
-        (192, 128) (64 x 64): 24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 184 KB  (two dQ buffers: 232)
+        (192, 128) (64 x 96): 36 + 24 + 2 * 40 + 12 + 12 + 1 * 48 = 212 KB  (the 64-key design, 64 x 64:
+                              24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 184 KB, two dQ buffers 232)
         (256, 256) (64 x 64): 32 + 32 + 2 * 64 + 8 + 8 + 0 = 208 KB  (dQ from registers; deterministic:
                               one Q / dO stage and one dQ buffer, 32 + 32 + 64 + 16 + 64 = 208 KB)
     """
