@@ -80,6 +80,13 @@ class WideConsumer:
         gemm_issue(mmas.dQ, acc_dQ, o.tdQrA[None, None, None, ds_slot], o.tdQrB, zero_init=True)
         gemm_issue(mmas.dK, o.acc_dK, o.tdKrdSt[None, None, None, ds_slot], o.tdKrQt[None, None, None, st.index],
                    zero_init=False)
+        self.finish_wide_tile(o, walk, pipes, st, acc_dQ, t, m_block, n_tiles)
+
+    @cute.jit
+    def finish_wide_tile(self, o, walk, pipes, st, acc_dQ: cute.Tensor, t: Int32, m_block: Int32, n_tiles: Int32):
+        """The wide tiles' end (both designs), their dV, dQ and dK wgmmas issued in that order: dQ
+        handed on once dV and dQ are done, the Q / dO stages released, the other warpgroup told that
+        this one has read the P / dS slots."""
         warpgroup.wait_group(1)  # dV and dQ done, dK may run
         pipes.do.consumer_release(st)
         if const_expr(self.dq_atomic):

@@ -30,7 +30,6 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.hopper.fragments import acc_rowcol
 from stage4_bwd_kernel import schedule
 from stage4_bwd_kernel.hopper.consumer import ConsumerOperands, gemm_issue
@@ -152,15 +151,7 @@ class WideSwapConsumer:
         gemm_issue(mmas.dQ, acc_dQ, o.tdQrA[None, None, None, DS_SLOT], o.tdQrB, zero_init=True)
         gemm_issue(mmas.dK, o.acc_dK, o.tdKrQt[None, None, None, st.index], o.tdKrdS[None, None, None, DS_SLOT],
                    zero_init=False)
-        warpgroup.wait_group(1)  # dV^T and dQ done, dK^T may run
-        pipes.do.consumer_release(st)
-        self.hand_off_dq(o, acc_dQ, t)
-        warpgroup.wait_group(0)
-        pipes.q.consumer_release(st)
-        if t + 1 < n_tiles:  # this warpgroup has read the slots: the other may overwrite them
-            cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
-                                     number_of_threads=NUM_CONSUMER_THREADS)
-        trace.stamp(t, "end")
+        self.finish_wide_tile(o, walk, pipes, st, acc_dQ, t, m_block, n_tiles)  # wide.py
 
     @cute.jit
     def exp_rows(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, sLSE2: cute.Tensor, softmax_scale_log2: Float32,
