@@ -601,7 +601,7 @@ else:
 # (192, 128) (`hopper/wide_swap.py`): 96 keys a CTA -- no wgmma M, so the keys go on N -- with S / dP
 # split by keys (48 each), P / dS through shared memory and dK^T / dV^T holding the head dim as M;
 # each Q / dO load and each dQ tile's trip through shared memory then serves 1.5x the work, which
-# measured 1.15x faster on an H200. The cell counts the registers of the designs, then the shared
+# measured 1.12-1.19x faster on an H200. The cell counts the registers of the designs, then the shared
 # memory that decided the 256 plan: a 64 KB fp32 dQ buffer leaves room for one Q / dO stage only, so
 # at 256 the consumers add dQ themselves (16-byte `red.global.add.v4.f32`) and keep two stages --
 # measured 1.08-1.15x of the official kernel on an H200, against 0.75-0.81x with the buffer and one
@@ -634,7 +634,7 @@ assert BackwardOptions.for_config(256, 256, True, True, False).stages == 1  # de
 # through it is counted (8 m d bytes a tile: written by the consumers, read by the writer warp's bulk
 # reduce), and that trip costs the same whatever the tile's keys. The model's cycles per 1024
 # key-query pairs put the designs on one scale: 96 keys pay 0.87x of what 64 keys pay, and the kernel
-# measured 1.15x faster on an H200 (the stage 4 README has the whole table and the runs).
+# measured 1.12-1.19x faster on an H200 (the stage 4 README has the whole table and the runs).
 
 # %%
 for design, keys in (("exchange_dims", 64), ("swap_keys", 96)):
