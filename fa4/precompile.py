@@ -753,8 +753,8 @@ def _parse_head_dims(text: str) -> list:
         dims = [int(x) if "/" not in x else tuple(int(y) for y in x.split("/")) for x in text.split(",")]
     except ValueError:
         raise bad from None
-    if any(len(d) != 2 if isinstance(d, tuple) else False for d in dims) or \
-            any(v < 1 for d in dims for v in (d if isinstance(d, tuple) else (d,))):
+    flat = [d if isinstance(d, tuple) else (d,) for d in dims]
+    if any(isinstance(d, tuple) and len(d) != 2 for d in dims) or any(v < 1 for f in flat for v in f):
         raise bad
     return dims
 

@@ -148,10 +148,13 @@ class Consumer:
         only with dq_atomic (wide.py)."""
         tm, tn = self.tile_m, self.tile_n
         trace.cta_stamp("start")
+        # the design's operands and tile body, picked once (wide.py / wide_swap.py at the wide head dims)
+        operands, tile_body = self.operands, self.consume_tile
+        if const_expr(self.wide):
+            operands, tile_body = self.operands, self.consume_tile_wide
         if const_expr(self.kv_swap):
-            o = self.operands_swap(ctidx, storage, mmas, layouts)
-        else:
-            o = self.operands(ctidx, storage, mmas, layouts)
+            operands, tile_body = self.operands_swap, self.consume_tile_swap
+        o = operands(ctidx, storage, mmas, layouts)
         o.mdQacc = mdQacc
 
         # The epilogue's key offset and row count wait in SMEM rather than in registers live across the
@@ -187,9 +190,6 @@ class Consumer:
                 seg_lo, seg_hi, masked = segments[seg]
                 for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
                     t = head_in_group * n_m + m_block - walk.m_block_min
-                    tile_body = self.consume_tile_wide if const_expr(self.wide) else self.consume_tile
-                    if const_expr(self.kv_swap):
-                        tile_body = self.consume_tile_swap
                     tile_body(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, masked, score_scale)
 
         trace.cta_stamp("walked")

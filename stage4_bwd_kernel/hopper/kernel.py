@@ -45,9 +45,9 @@ from stage4_bwd_kernel.hopper.dq_writer import DqWriter
 from stage4_bwd_kernel.hopper.epilogue import Epilogue
 from stage4_bwd_kernel.hopper.layouts import LayoutPlan, Mmas
 from stage4_bwd_kernel.hopper.options import (DQ_FULL_BARRIER, DQ_WRITER_WARP, NUM_THREADS, NUM_WG_MMA,
-                                              REGS_CONSUMER, REGS_PRODUCER, SWAP_HEAD_DIMS, SWAP_TILE_N, WIDE_TILE_N,
-                                              BackwardOptions, default_tiles, dq_empty_barrier, is_banded, is_wide,
-                                              num_barriers, smem_need)
+                                              REGS_CONSUMER, REGS_PRODUCER, SWAP_HEAD_DIMS, BackwardOptions,
+                                              default_tiles, dq_empty_barrier, is_banded, is_wide, num_barriers,
+                                              smem_need, wide_tile_n)
 from stage4_bwd_kernel.hopper.producer import Producer, SmemLayouts, TmaLoads
 from stage4_bwd_kernel.hopper.scores import Scores
 from stage4_bwd_kernel.hopper.walk import WalkPlan
@@ -89,7 +89,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
             setattr(self, field.name, getattr(self.options, field.name))
         self.num_stages = self.options.stages
         if self.wide:  # the design's keys a CTA (an override may pick the other wide design)
-            self.tile_n = SWAP_TILE_N if self.kv_swap else WIDE_TILE_N
+            self.tile_n = wide_tile_n(self.kv_swap)
         need = self._smem_need(self.ds_buffers, self.dq_buffers)
         if need > SMEM_BUDGET:
             raise ValueError(f"options: {self.options} need {need} bytes of shared memory, more than the "

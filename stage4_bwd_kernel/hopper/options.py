@@ -43,6 +43,13 @@ WIDE_HEAD_DIMS = ((192, 128), (256, 256))
 SWAP_HEAD_DIMS = ((192, 128),)
 SWAP_TILE_N = 96
 WIDE_TILE_N = 64  # wide.py's keys a CTA
+
+
+def wide_tile_n(kv_swap: bool) -> int:
+    """Keys a CTA of the wide designs: 96 (wide_swap.py) or 64 (wide.py)."""
+    return SWAP_TILE_N if kv_swap else WIDE_TILE_N
+
+
 REGS_PRODUCER, REGS_CONSUMER = 24, 240  # sums to 3 x 168: setmaxnreg only redistributes the launch registers
 
 
@@ -70,10 +77,8 @@ def default_tiles(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     The wide head dims: 64 x 96 at (192, 128) (wide_swap.py), 64 x 64 at 256, both warpgroups on the same
     keys (wide.py)."""
     check_product_head_dims(head_dim, head_dim_v)
-    if (head_dim, head_dim_v) in SWAP_HEAD_DIMS:
-        return 64, SWAP_TILE_N
     if is_wide(head_dim, head_dim_v):
-        return 64, WIDE_TILE_N
+        return 64, wide_tile_n((head_dim, head_dim_v) in SWAP_HEAD_DIMS)
     return {(64, 64): (128, 128), (128, 128): (80, 128), (128, 64): (80, 128)}.get((head_dim, head_dim_v), (64, 128))
 
 
@@ -161,7 +166,7 @@ class BackwardOptions:
         test instead of column_limit (one key edge per column)."""
         tm, _ = default_tiles(head_dim, head_dim_v)
         kv_swap = kv_swap and (head_dim, head_dim_v) in SWAP_HEAD_DIMS
-        tn = SWAP_TILE_N if kv_swap else WIDE_TILE_N
+        tn = wide_tile_n(kv_swap)
 
         def fits(stages, dq_buffers):
             return smem_need(tm, tn, head_dim, head_dim_v, 1, dq_buffers, stages, 1) <= SMEM_BUDGET
