@@ -69,7 +69,6 @@ ARCHS: dict[str, ArchInfo] = {
         key="sm_100", gpus="Blackwell: B200, GB200", capabilities=((10, 0),), cute_arch="sm_100a",
         hardware_status="unverified",
         head_dims=((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
-        backward_head_dims=((64, 64), (96, 96), (128, 128)),
         forward_module="stage3_fwd_kernel.blackwell_fwd",
         backward_module="stage4_bwd_kernel.blackwell",
         # sm_100a code uses arch-specific instructions (tcgen05, TMEM): it runs on compute
@@ -93,7 +92,7 @@ FEATURES: dict[str, tuple[bool, str]] = {
                             "its cu_seqlens None, in any combination with seqused_q / seqused_k (sm_100: no "
                             "seqused_k)"),
     "any_head_dim": (True, "qk and v head dims: any multiples of 8 up to 256; a pair without a kernel of its own "
-                           "runs on the cheapest native pair that covers it, zero-padded (sm_100: forward up to 256, backward up to 128)"),
+                           "runs on the cheapest native pair that covers it, zero-padded"),
     "return_lse": (True, "natural-log logsumexp of the scaled scores, fp32, (B, H, Sq) / (H, total_q)"),
     "lse_gradient": (True, "dlse enters the backward as a D-term correction: dS += P * dlse"),
     "deterministic_backward": (True, "deterministic=True, forwarded to the backward kernel"),

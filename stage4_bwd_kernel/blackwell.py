@@ -9,8 +9,10 @@ Same conventions as ``stage4_bwd_kernel.hopper`` (docs/ARCHITECTURE.md): varlen 
 int32 cu_seqlens (batch + 1,) and lse (Hq, total_q); optional seqused_k (batch,). UNVERIFIED: no
 Blackwell GPU is reachable from this project, so the kernel behind these functions (``blackwell_bwd``,
 the 1-CTA backward) has only been compiled for sm_100a and checked structurally, never run
-(tests/test_stage4_blackwell.py, tests/test_stage4_blackwell_varlen.py). Supported there: dense
-(B, S, H, D) and packed varlen inputs (+ seqused_k), head dims (64, 64), (96, 96) and (128, 128), causal,
+(tests/test_stage4_blackwell.py, tests/test_stage4_blackwell_varlen.py; at (192, 128) and 256 the wide
+kernel ``blackwell_bwd_wide``, tests/test_stage4_blackwell_wide.py). Supported there: dense
+(B, S, H, D) and packed varlen inputs (+ seqused_k), head dims (64, 64), (96, 96), (128, 128), (192, 128)
+and (256, 256), causal,
 GQA/MQA, deterministic=True (varlen too: one semaphore per sequence, head and Q tile), and the
 forward's variants window_size=(left, right) and softcap (dense and varlen, default and deterministic;
 compiled and checked structurally, never run).
@@ -87,7 +89,8 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
                  has_seqused_k=False, window_size=(None, None), softcap=0.0):
-    """Compile the 1-CTA backward for sm_100a without a GPU (resource report in .report); varlen=True
+    """Compile the backward for sm_100a without a GPU (resource report in .report; the wide kernel at
+    (192, 128) and 256); varlen=True
     builds the packed kernel (cu_seqlens_q / cu_seqlens_k; has_seqused_k: + seqused_k); window_size /
     softcap the variant builds."""
     from stage4_bwd_kernel import blackwell_bwd

@@ -56,8 +56,8 @@ walk is schedule.py's band (``_m_range``; varlen ``WalkPlan.make_walk``) with th
 deterministic ranks schedule.py's (``_dq_rank``), the masks and softcap's tanh / derivative in WG 0
 (blackwell_elementwise.py); the 2-CTA kernel refuses both.
 
-Not implemented here (see the Blackwell section of README.md): head dims other than 64, 96
-and 128. The 2-CTA kernel (blackwell_bwd_2cta.py)
+Head dims (192, 128) and 256 do not fit this kernel's TMEM plan: ``make_kernel`` / ``compile_only``
+route them to the wide kernel (blackwell_bwd_wide.py, a subclass). The 2-CTA kernel (blackwell_bwd_2cta.py)
 subclasses this one and reuses its elementwise helpers (_row_copies, _p_phase, _stage_stats, _exp_row,
 _store16, _store_dkdv, in blackwell_elementwise.py) and gemm.
 """
@@ -111,6 +111,8 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         self.split_do = self.do_stages != self.stages
         self.dq_tma = config.dq_tma
         self.tmem = config.tmem
+        # the dK / dV (and dQ) columns this CTA owns: all of them here; the wide kernel's head-dim split halves them
+        self.dk_cols, self.dv_cols = self.d, self.dv
         self.num_threads = config.num_threads
         self.dq_order = dq_order or common.default_dq_order(config.causal, config.deterministic, sections=False)
         if has_seqused_k and not varlen:
@@ -250,10 +252,8 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         # varlen: one grid z per sequence; the kernel takes the index tensors (dense: None, no parameter)
         seq_args = (None, None, None)
         if const_expr(self.varlen):
-            grid = (num_n_blocks, mK.shape[2], mCuSeqlensQ.shape[0] - 1)
             seq_args = (mCuSeqlensQ, mCuSeqlensK, mSeqUsedK if const_expr(self.has_seqused_k) else None)
-        else:
-            grid = (num_n_blocks, mK.shape[2], mK.shape[0])
+        grid = self._grid(num_n_blocks, mK, mCuSeqlensQ)
         self.kernel(tma_K, tma_V, tma_Q, tma_dO, tma_atom_K, tma_atom_V, tma_atom_Q, tma_atom_dO,
                     mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, num_n_blocks, mQ.shape[1], mK.shape[1],
                     mQ.shape[2] // mK.shape[2], softmax_scale_log2, softmax_scale,
@@ -261,6 +261,12 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
                     sK_layout, sV_layout, sQ_layout, sdO_layout, sQt_layout, sdOt_layout, sKt_layout,
                     sdS_layout, tP_layout, tdS_layout, *seq_args, sdQ_layout, tma_atom_dQ, tma_dQ,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def _grid(self, num_n_blocks, mK, mCuSeqlensQ) -> tuple:
+        """(K/V tiles, KV heads, batch or sequences): one CTA per K/V tile of a head."""
+        if const_expr(self.varlen):
+            return (num_n_blocks, mK.shape[2], mCuSeqlensQ.shape[0] - 1)
+        return (num_n_blocks, mK.shape[2], mK.shape[0])
 
     # ------------------------------------------------------------------ device side
     def _bar(self, mbar, name, i=0):
@@ -273,6 +279,13 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         if name == "do_empty":
             return mbar + len(BARRIERS) + 2 * self.stages + self.do_stages + i
         return mbar + BARRIERS.index(name)
+
+    def _set_registers(self, count: int):
+        """setmaxnreg for a warpgroup: an increase above the launch's per-thread cap, else a decrease."""
+        if count > self.cfg.regs.launch_cap:
+            cute.arch.setmaxregister_increase(count)
+        else:
+            cute.arch.setmaxregister_decrease(count)
 
     @cute.kernel
     def kernel(self, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_Q: cute.Tensor, tma_dO: cute.Tensor,
@@ -350,7 +363,7 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
                 tcgen05_fence_after_sync()
                 tmem.free(tmem_ptr)
         elif wg_idx == 2:
-            cute.arch.setmaxregister_decrease(self.cfg.regs.dq)
+            self._set_registers(self.cfg.regs.dq)
             n_block, head_kv, batch, m_min, n_m, n_iter, seq = self._work(num_n_blocks, seqlen_q, seqlen_k,
                                                                        qhead_per_kvhead, mCuSeqlensQ,
                                                                        mCuSeqlensK, mSeqUsedK)
@@ -361,7 +374,7 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
             tcgen05_fence_before_sync()
             cute.arch.mbarrier_arrive(self._bar(mbar, "tmem_dealloc"))
         else:
-            cute.arch.setmaxregister_increase(self.cfg.regs.elementwise)
+            self._set_registers(self.cfg.regs.elementwise)
             n_block, head_kv, batch, m_min, n_m, n_iter, seq = self._work(num_n_blocks, seqlen_q, seqlen_k,
                                                                        qhead_per_kvhead, mCuSeqlensQ,
                                                                        mCuSeqlensK, mSeqUsedK)
@@ -658,11 +671,25 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
                 dq_order=None, tiles=None, window: Window = NO_WINDOW, softcap: float = 0.0):
     """host.py's make_kernel interface: dense, or varlen (+ seqused_k), default or deterministic;
     window (a Window beyond causal, host.variant_of) and softcap when host.backward passes a variant.
-    dQ by TMA reduce when the plan's default says so (DQ_TMA_DEFAULT), never for varlen builds."""
+    dQ by TMA reduce when the plan's default says so (DQ_TMA_DEFAULT), never for varlen builds.
+    Head dims (192, 128) and 256 build the wide kernel (blackwell_bwd_wide.py)."""
+    if _is_wide(head_dim, head_dim_v):
+        from stage4_bwd_kernel import blackwell_bwd_wide
+
+        return blackwell_bwd_wide.make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
+                                              has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles,
+                                              window=window, softcap=softcap)
     config_fn = functools.partial(make_config, dq_tma=False) if varlen else make_config
     return make_dense_kernel(FlashAttentionBackwardSm100, config_fn, "1-CTA", dtype, head_dim, head_dim_v, causal,
                              deterministic, varlen=varlen, has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles,
                              supports_varlen=True, window=window, softcap=softcap)
+
+
+def _is_wide(head_dim, head_dim_v) -> bool:
+    """The pairs the wide kernel serves (TMEM cannot hold the 1-CTA kernel's 128 x 128 tile there)."""
+    from stage4_bwd_kernel.blackwell_config import SUPPORTED_HEAD_DIMS_WIDE
+
+    return (head_dim, head_dim if head_dim_v is None else head_dim_v) in SUPPORTED_HEAD_DIMS_WIDE
 
 
 def make_dense_kernel(kernel_cls, make_config_fn, label, dtype, head_dim, head_dim_v, causal, deterministic, *,
@@ -750,9 +777,16 @@ def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, e
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, *, varlen=False,
                  has_seqused_k=False, window_size=(None, None), softcap=0.0, **kw):
     """Compile the 1-CTA backward for sm_100a (dense, or varlen with cu_seqlens [+ seqused_k]);
-    window_size / softcap: the variant builds (compiled and checked structurally, never run)."""
+    window_size / softcap: the variant builds (compiled and checked structurally, never run).
+    Head dims (192, 128) and 256: the wide kernel (blackwell_bwd_wide.compile_only)."""
     if has_seqused_k and not varlen:
         raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
+    if _is_wide(head_dim, head_dim_v):
+        from stage4_bwd_kernel import blackwell_bwd_wide
+
+        return blackwell_bwd_wide.compile_only(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
+                                               has_seqused_k=has_seqused_k, window_size=window_size,
+                                               softcap=softcap, **kw)
     if varlen:
         kw.setdefault("dq_tma", False)  # packed rows keep the per-row atomics (see __init__)
     cfg = make_config(dtype, head_dim, head_dim_v, causal, deterministic, window_size=window_size, softcap=softcap,

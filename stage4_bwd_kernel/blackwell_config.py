@@ -73,7 +73,8 @@ from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
 __all__ = ["SMEM_CAPACITY", "TMEM_COLUMNS", "SUPPORTED_HEAD_DIMS", "mask_col_min", "mask_col_max",
            "BwdTmemPlan", "BwdSmemPlan",
            "BwdRegisterPlan", "BlackwellBwdConfig", "blackwell_bwd_config", "Bwd2CtaTmemPlan", "Bwd2CtaSmemPlan",
-           "blackwell_bwd_2cta_config", "DQ_STAGE_COLS", "DQ_STAGE_BUFS", "DQ_TMA_DEFAULT"]
+           "blackwell_bwd_2cta_config", "blackwell_bwd_wide_config", "BwdWideTmemPlan",
+           "SUPPORTED_HEAD_DIMS_WIDE", "WIDE_TILE_M", "dq_windows", "head_splits", "DQ_STAGE_COLS", "DQ_STAGE_BUFS", "DQ_TMA_DEFAULT"]
 
 SMEM_CAPACITY = 232448
 TMEM_COLUMNS = 512
@@ -210,6 +211,8 @@ class BlackwellBwdConfig:
     softcap: float = 0.0
     # dQ leaves by TMA reduce-add from sdQ (WG 2 stages it) instead of per-row red.global.add.v2.f32
     dq_tma: bool = False
+    # the wide plan: CTAs sharing one K/V tile's head dim (each owns 1/head_splits of dK, dV, dQ's columns)
+    head_splits: int = 1
 
     @property
     def split_do(self) -> bool:
@@ -230,12 +233,15 @@ class BlackwellBwdConfig:
         # plain builds keep their keys (and any stored compile) unchanged
         if self.dq_tma:
             base += ("dq_tma", self.smem.dO_stages)
+        if self.head_splits > 1:
+            base += ("head_splits", self.head_splits)
         return base if self.plain else base + ("variant",) + tuple(self.window) + (self.softcap,)
 
     def summary(self) -> str:
         stages = (f"{self.qdo_stages} Q / {self.smem.dO_stages} dO stages" if self.split_do
                   else f"{self.qdo_stages} Q/dO stages")
         dq = ", dQ by TMA reduce" if self.dq_tma else ""
+        dq += f", head dim split over {self.head_splits} CTAs" if self.head_splits > 1 else ""
         variant = "" if self.plain else f", window {tuple(self.window)}, softcap {self.softcap:g}"
         return (f"Blackwell bwd {self.dtype} d={self.head_dim}/{self.head_dim_v} causal={self.causal} "
                 f"deterministic={self.deterministic}: {self.cta_group}-CTA, tiles {self.tile_m} x {self.tile_n}, "
@@ -395,6 +401,131 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
         raise ValueError(f"qdo_stages: blackwell_bwd.py uses at most {MAX_QDO_STAGES}, got {qdo_stages}")
     return cfg
 
+
+
+
+# ------------------------------------------------------------------------------------------------
+# The wide 1-CTA kernel (blackwell_bwd_wide.py): head dims (192, 128) and 256
+# ------------------------------------------------------------------------------------------------
+# At d = 192 the 1-CTA plan needs S 128 + dV 128 + dP/dQ 192 + dK 192 = 640 columns. This plan halves
+# the Q tile to tile_m = 64 queries (S^T and dP^T take 64 columns each, P^T / dS^T 32) and computes
+# dQ transposed, dQ^T = K^T dS^T: M = 128 head-dim rows (lane = head-dim column of dQ), N = 64 queries.
+# A head-dim width that is not a multiple of 128 is covered by 128-row windows that overlap (192: rows
+# [0, 128) and [64, 192); the drain keeps each row once). The dQ^T windows lie over S^T and dP^T, so
+# the schedule is serial: S(j + 1) waits until WG 2 has drained dQ^T(j).
+# At d = 256, dK and dV alone take 512 columns, so a pair of CTAs splits the head dim: CTA h of the pair
+# (blockIdx.x % 2) accumulates dK, dV and dQ for columns [128h, 128h + 128) and recomputes S^T and dP^T
+# (the reductions over the whole head dim) -- 1.4x the MMA work of an unsplit tile, the price of fitting.
+#
+#     (192, 128):  dV 128 + dK 192 + S^T 64 + dP^T 64 = 448 -> 512;  dQ^T 2 x 64 over S^T, dP^T
+#     256 / 2:     dV 128 + dK 128 + S^T 64 + dP^T 64 = 384 -> 512;  dQ^T 1 x 64 over S^T
+#
+# SMEM (tile_m = 64): header + sK + sV + stages x (sQ + sdO) + sdS (64 x 128) + sLSE/sD
+#     (192, 128): 1024 + 49152 + 32768 + 2 x (24576 + 16384) + 16384 + 512 = 181760   (2 stages)
+#     256:        1024 + 65536 + 65536 + 1 x (32768 + 32768) + 16384 + 512 = 214528   (2 stages do not fit)
+WIDE_TILE_M = 64
+# setmaxnreg per warpgroup (elementwise, dQ drain, MMA + load), found by compiling every build for no spills
+# (each sums to 504 = 3 x 168, the launch's all). (192, 128): WG 2 holds two 64-query dQ^T windows (128
+# fp32) to hand the columns back before its atomics, and ptxas computes the 64 row addresses of a window
+# ahead -- at 168 it spilled 84-560 bytes, at 200 none; a 64-query P^T row leaves WG 0 enough at 208.
+# 256: one window, but the MMA warp keeps the descriptors of S and dP's 16 K-steps each -- at 96 it spilled.
+REGS_WIDE = {(192, 128): BwdRegisterPlan(elementwise=208, dq=200, other=96),
+             (256, 256): BwdRegisterPlan(elementwise=240, dq=136, other=128)}
+DQT_WINDOW = 128              # M of the dQ^T MMA: head-dim rows per window
+SUPPORTED_HEAD_DIMS_WIDE = ((192, 128), (256, 256))
+
+
+@dataclass(frozen=True)
+class BwdWideTmemPlan:
+    dv: int
+    dk: int
+    s: int
+    p: int        # P^T (16-bit) in the upper half of S^T's columns
+    dp: int
+    ds: int       # dS^T (16-bit) over the lower half of dP^T's columns
+    dq: int       # the dQ^T windows, tile_m columns each, from here on (over S^T and dP^T)
+    dv_cols: int
+    dk_cols: int
+    s_cols: int
+    p_cols: int
+    dp_cols: int
+    dq_cols: int  # all windows together
+    dq_windows: tuple   # first head-dim row (within this CTA's columns) of each 128-row window
+    used: int
+    alloc: int
+
+    def table(self) -> str:
+        rows = [("dV (fp32 acc)", self.dv, self.dv_cols), ("dK (fp32 acc)", self.dk, self.dk_cols),
+                ("S^T (fp32)", self.s, self.s_cols), ("  P^T (16-bit, over S^T)", self.p, self.p_cols),
+                ("dP^T (fp32)", self.dp, self.dp_cols), ("  dS^T (16-bit, over dP^T)", self.ds, self.p_cols),
+                (f"dQ^T (fp32, {len(self.dq_windows)} window(s), over S^T / dP^T)", self.dq, self.dq_cols)]
+        return _tmem_table(rows, self.used, self.alloc, " per CTA")
+
+
+def dq_windows(cols: int) -> tuple:
+    """First rows of the 128-row dQ^T windows covering `cols` head-dim rows (the last one overlaps)."""
+    if cols < DQT_WINDOW:
+        raise ValueError(f"head_dim: the dQ^T windows need at least {DQT_WINDOW} columns per CTA, got {cols}")
+    n = -(-cols // DQT_WINDOW)
+    return tuple(min(DQT_WINDOW * w, cols - DQT_WINDOW) for w in range(n))
+
+
+def _tmem_plan_wide(tile_m, dk_cols, dv_cols) -> BwdWideTmemPlan:
+    s = dv_cols + dk_cols
+    dp = s + tile_m
+    windows = dq_windows(dk_cols)
+    used = max(dp + tile_m, s + tile_m * len(windows))
+    return BwdWideTmemPlan(dv=0, dk=dv_cols, s=s, p=s + tile_m // 2, dp=dp, ds=dp, dq=s, dv_cols=dv_cols,
+                           dk_cols=dk_cols, s_cols=tile_m, p_cols=tile_m // 2, dp_cols=tile_m,
+                           dq_cols=tile_m * len(windows), dq_windows=windows, used=used,
+                           alloc=max(TMEM_MIN_ALLOC, _pow2_at_least(used)))
+
+
+def head_splits(head_dim: int, head_dim_v: int, tile_m: int = WIDE_TILE_M) -> int:
+    """CTAs that share one K/V tile's head dim (1 or 2): the fewest whose dK + dV + S^T + dP^T fit TMEM."""
+    for splits in (1, 2):
+        if head_dim % splits or head_dim_v % splits:
+            continue
+        if head_dim_v // splits + head_dim // splits + 2 * tile_m <= TMEM_COLUMNS:
+            return splits
+    raise ValueError(f"TMEM does not fit: dK {head_dim} + dV {head_dim_v} + S^T / dP^T {2 * tile_m} columns even "
+                     f"split across 2 CTAs (head_dim={head_dim}, head_dim_v={head_dim_v})")
+
+
+def blackwell_bwd_wide_config(head_dim: int, head_dim_v: int | None, dtype, *, causal: bool,
+                              deterministic: bool = False, qdo_stages: int | None = None,
+                              check_kernel_support: bool = True, window_size=(None, None),
+                              softcap: float = 0.0, dq_tma: bool | None = None) -> BlackwellBwdConfig:
+    """Plan the wide 1-CTA backward (tile_m = 64, dQ^T windows, serial schedule; a head-dim split
+    across 2 CTAs where dK + dV alone fill TMEM). ValueError names the budget or argument that fails."""
+    window, softcap = _variants(causal, window_size, softcap)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    dt = _dtype_name(dtype)
+    for name, v in (("head_dim", head_dim), ("head_dim_v", dv)):
+        if not (isinstance(v, int) and 16 <= v <= 256 and v % 16 == 0):
+            raise ValueError(f"{name}: expected a multiple of 16 in [16, 256], got {v!r}")
+    if dq_tma:
+        raise ValueError("dq_tma: the wide Blackwell backward adds dQ^T with coalesced per-column atomics "
+                         "(no SMEM is left for the staging buffers at d = 256)")
+    tile_m, tile_n = WIDE_TILE_M, 128
+    splits = head_splits(head_dim, dv, tile_m)
+    tmem = _tmem_plan_wide(tile_m, head_dim // splits, dv // splits)
+    if tmem.used > TMEM_COLUMNS:
+        raise ValueError(f"TMEM does not fit: {tmem.used} columns > {TMEM_COLUMNS}")
+    stages, _ = _stages(tile_m, tile_n, head_dim, dv, qdo_stages, None, False)
+    smem = _smem_plan(tile_m, tile_n, head_dim, dv, stages)
+    if smem.total > SMEM_CAPACITY:
+        raise ValueError(f"SMEM does not fit: {smem.describe()}")
+    if splits > 1 and stages > 1:
+        raise ValueError(f"qdo_stages: the head-dim split reads Q / dO halves of a 1-stage ring, got {stages}")
+    regs = REGS_WIDE.get((head_dim, dv), BwdRegisterPlan(dq=REGS_DQ_1CTA))
+    cfg = BlackwellBwdConfig(head_dim=head_dim, head_dim_v=dv, dtype=dt, causal=bool(causal),
+                             deterministic=bool(deterministic), tile_m=tile_m, tile_n=tile_n, qdo_stages=stages,
+                             tmem=tmem, smem=smem, regs=regs, window=window, softcap=softcap, head_splits=splits)
+    if check_kernel_support and (head_dim, dv) not in SUPPORTED_HEAD_DIMS_WIDE:
+        raise ValueError(f"the configuration fits TMEM/SMEM/registers, but blackwell_bwd_wide.py supports only head "
+                         f"dims {SUPPORTED_HEAD_DIMS_WIDE}, got ({head_dim}, {dv})")
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------

@@ -44,6 +44,18 @@ class ElementwiseRoles:
         K/V tile reads the next sequence's keys, or TMA's zeros, and must not write over them)."""
         return key_g < seqlen_k
 
+    def _dkdv_chunk0(self, width: int):
+        """The first 32-column chunk of dK / dV (width columns a CTA) this CTA stores: 0 when it owns the
+        whole head dim (a Python int: no code); the wide kernel's head-dim split overrides it."""
+        return 0
+
+    def _ds_smem_chunk(self, sdS: cute.Tensor, key, c: int) -> cute.Tensor:
+        """The 32 16-bit SMEM elements dS[32c : 32c + 32, key] of the dQ MMA's dS operand (thread = key):
+        here the A operand of dQ = dS K, MN-major (queries contiguous)."""
+        col = sdS[((None, None), key % 16), 0, key // 16, 0]       # dS[:, key]: (64, 2) of 16-bit
+        ch = 32
+        return cute.local_tile(col[None, (c * ch) // 64], (ch,), ((c * ch % 64) // ch,))
+
     def _dkdv_dst(self, mOut, batch, key_g, head_kv, c, offset_k):
         """The 32 global elements chunk c of key key_g's dK / dV row is stored to (key_g counted in the
         sequence; varlen: packed row offset_k + key_g). Plain Python: the layout check evaluates it."""
@@ -69,13 +81,22 @@ class ElementwiseRoles:
         """lse2 / D of this Q tile -> SMEM (rows past the sequence: lse2 = +inf -> P = 0, D = 0).
         stats_row0 (varlen): the sequence's first row in the preprocess's lse2 / D rows."""
         cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+        if const_expr(self.tm < 128):
+            if tidx < self.tm:  # a 64-query tile (the wide kernel): half the warpgroup stages it
+                self._stage_stats_row(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD, stats_row0)
+        else:
+            self._stage_stats_row(tidx, batch, head, m_block, seqlen_q, mLSE2, mD, sLSE, sD, stats_row0)
+        cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
+
+    @cute.jit
+    def _stage_stats_row(self, tidx: Int32, batch: Int32, head: Int32, m_block: Int32, seqlen_q: Int32,
+                         mLSE2: cute.Tensor, mD: cute.Tensor, sLSE: cute.Tensor, sD: cute.Tensor, stats_row0):
         row = m_block * self.tm + tidx
         lse2, dsum = Float32.inf, Float32(0.0)
         if row < seqlen_q:
             srow = self._packed_row(row, stats_row0)
             lse2, dsum = mLSE2[batch, head, srow], mD[batch, head, srow]
         sLSE[tidx], sD[tidx] = lse2, dsum
-        cute.arch.barrier(barrier_id=BAR_STATS, number_of_threads=128)
 
     @cute.jit
     def _tmem_load_row(self, dst: cute.Tensor, chunk, ld: cute.TiledCopy, thr_ld, r_shape: cutlass.Constexpr,
@@ -135,7 +156,7 @@ class ElementwiseRoles:
         chunks >= k already read, and the row is never live as S, tanh and P at once (the whole-row
         load spilled 88 words at d = 128)."""
         tm, ch, T = self.tm, 32, self.tmem
-        if const_expr(T.p - T.s < self.tn // 2):
+        if const_expr(T.p - T.s < tm // 2):
             raise ValueError("softcap: the chunked P^T store needs P^T in the upper half of the S^T columns")
         tanh_scale = softcap_scale * (1.0 / self.score_mod.cap)   # Softcap.kernel_scales' score_scale
         pair = cute.make_rmem_tensor((2,), Float32)
@@ -196,8 +217,9 @@ class ElementwiseRoles:
         T, ch = self.tmem, 32
         key_g = n_block * self.tn + key
         for which in cutlass.range_constexpr(2):
-            width = self.dv if const_expr(which == 0) else self.d
+            width = self.dv_cols if const_expr(which == 0) else self.dk_cols
             col0 = T.dv if const_expr(which == 0) else T.dk
+            chunk0 = self._dkdv_chunk0(width)   # this CTA's first 32-column chunk of the head dim
             scale = Float32(1.0) if const_expr(which == 0) else softmax_scale
             mOut = mdV if const_expr(which == 0) else mdK
             acc = cute.make_tensor(tmem_ptr + col0, accS.layout)
@@ -212,7 +234,7 @@ class ElementwiseRoles:
                         v = Float32(0.0)
                     out[j] = v.to(self.dtype)
                 if self._dkdv_keeps(key_g, seqlen_k):
-                    cute.autovec_copy(out, self._dkdv_dst(mOut, batch, key_g, head_kv, c, offset_k))
+                    cute.autovec_copy(out, self._dkdv_dst(mOut, batch, key_g, head_kv, chunk0 + c, offset_k))
 
     @cute.jit
     def elementwise(self, n_block: Int32, seq, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
@@ -259,7 +281,6 @@ class ElementwiseRoles:
                 cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), (it - 1) % 2)
             tcgen05_fence_after_sync()
             accdP = cute.make_tensor(tmem_ptr + T.dp, accS.layout)
-            sdS_col = sdS[((None, None), key % 16), 0, key // 16, 0]       # dS[:, key]: (64, 2) of 16-bit
             for c in cutlass.range_constexpr(n_chunks):
                 r = cute.make_rmem_tensor(r_shape, Float32)
                 cute.copy(ld, thr_ld.partition_S(sub(accdP, c * ch, ch)), r)
@@ -267,9 +288,8 @@ class ElementwiseRoles:
                 for j in cutlass.range_constexpr(ch):
                     rP[c * ch + j] = rP[c * ch + j] * (r[j] - sD[c * ch + j])
                 r16 = self._store16(rP, c * ch, ch, st16, thr_st, sub(accS, T.ds - T.s + c * ch // 2, ch // 2), r16_shape)
-                dst = cute.local_tile(sdS_col[None, (c * ch) // 64], (ch,), ((c * ch % 64) // ch,))
                 cute.autovec_copy(cute.make_tensor(cute.recast_ptr(r16.iterator, dtype=self.dtype),
-                                                   cute.make_layout(ch)), dst)
+                                                   cute.make_layout(ch)), self._ds_smem_chunk(sdS, key, c))
             cute.arch.fence_view_async_tmem_store()
             cute.arch.fence_view_async_shared()  # generic-proxy dS stores -> visible to the MMA
             tcgen05_fence_before_sync()

@@ -6,6 +6,7 @@ CHECKED ONLY: these kernels have never run on hardware.
     python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd --blocks 4        # the 1-CTA backward
     python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd-dqtma --blocks 4  # dQ by TMA reduce-add
     python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd2cta --blocks 4    # the 2-CTA backward
+    python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd-wide --blocks 4   # (192, 128): the serial schedule
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import functools
 
 from stage3_fwd_kernel.blackwell_protocol import KernelSpec, Program, RegionPtr, Result, Role, bar_names, explore, \
     extract, run_and_report, smem, tmem
-from stage4_bwd_kernel import blackwell_bwd, blackwell_bwd_2cta
+from stage4_bwd_kernel import blackwell_bwd, blackwell_bwd_2cta, blackwell_bwd_wide
 
 
 def _bwd_tmem(t, d):
@@ -22,6 +23,38 @@ def _bwd_tmem(t, d):
     return {"accS": span(t.s, t.s_cols), "accdP": span(t.dp, t.dp_cols), "accdV": span(t.dv, t.dv_cols),
             "accdK": span(t.dk, t.dk_cols), "accdQ": span(t.dq, getattr(t, "dq_cols", d)),
             "tP": span(t.p, t.p_cols), "tdSt": span(t.ds, t.s_cols // 2)}
+
+
+def _one_cta_names(T) -> dict:
+    """The buffer names shared by the 1-CTA and the wide kernel (load / MMA fragments, WG 0's views)."""
+    names = {"tmem_ptr": RegionPtr(tmem(0, 512)), "sdS": smem("sdS"),
+             "load:tKsK": smem("sK"), "load:tVsV": smem("sV"), "load:tQsQ": smem("sQ"), "load:tOsO": smem("sdO"),
+             "mma:tK": smem("sK"), "mma:tQ": smem("sQ"), "mma:tV": smem("sV"), "mma:tdO": smem("sdO"),
+             "mma:tdOt": smem("sdO"), "mma:tQt": smem("sQ"), "mma:tdS": smem("sdS"), "mma:tKt": smem("sK"),
+             "elementwise:accS": T["accS"], "elementwise:accdP": T["accdP"], "dq_drain:accdQ": T["accdQ"],
+             "_store_dkdv:acc": lambda env: tmem(env["col0"], env["col0"] + env["width"])}
+    names.update({f"mma:{n}": r for n, r in T.items()})
+    return names
+
+
+def wide_spec(blocks: int = 4, head_dim: int = 192) -> KernelSpec:
+    """stage4_bwd_kernel/blackwell_bwd_wide.py: the serial schedule whose dQ^T windows lie over S^T and
+    dP^T; (192, 128) (two windows) or 256 (one CTA of the head-dim split; the other runs the same program
+    on its own SMEM / TMEM)."""
+    wide = blackwell_bwd_wide
+    cfg = wide.make_config("bf16", head_dim, None, False)
+    k = wide.FlashAttentionBackwardSm100Wide(cfg)
+    T = _bwd_tmem(cfg.tmem, head_dim)
+    roles = [Role("elementwise", 0, 128), Role("mma", blackwell_bwd.MMA_WARP, 32),
+             Role("load", blackwell_bwd.LOAD_WARP, 32), Role("idle6", 6, 32), Role("idle7", 7, 32),
+             Role("dq_drain", 8, 128)]
+    names = _one_cta_names(T)
+    names.update({"mma:tdSt_b": smem("sdS"), "mma:tKw": smem("sK"), "mma:accQ": T["accdQ"],
+                  "dq_drain:acc": T["accdQ"]})
+    rings = [("qdo_full", k.stages), ("qdo_empty", k.stages)]
+    bars = bar_names(k, [(n, 1) for n in blackwell_bwd.BARRIERS] + rings)
+    return KernelSpec("bwd-wide", k, roles, {"n_iter": blocks, "n_m": blocks}, names, {}, cfg.num_threads,
+                      bar_names=bars)
 
 
 def backward_spec(blocks: int = 4, head_dim: int = 128, dq_tma: bool = False) -> KernelSpec:
@@ -36,13 +69,7 @@ def backward_spec(blocks: int = 4, head_dim: int = 128, dq_tma: bool = False) ->
     T = _bwd_tmem(cfg.tmem, head_dim)
     roles = [Role("elementwise", 0, 128), Role("mma", bwd.MMA_WARP, 32), Role("load", bwd.LOAD_WARP, 32),
              Role("idle6", 6, 32), Role("idle7", 7, 32), Role("dq_drain", 8, 128)]
-    names = {"tmem_ptr": RegionPtr(tmem(0, 512)), "sdS": smem("sdS"),
-             "load:tKsK": smem("sK"), "load:tVsV": smem("sV"), "load:tQsQ": smem("sQ"), "load:tOsO": smem("sdO"),
-             "mma:tK": smem("sK"), "mma:tQ": smem("sQ"), "mma:tV": smem("sV"), "mma:tdO": smem("sdO"),
-             "mma:tdOt": smem("sdO"), "mma:tQt": smem("sQ"), "mma:tdS": smem("sdS"), "mma:tKt": smem("sK"),
-             "elementwise:accS": T["accS"], "elementwise:accdP": T["accdP"], "dq_drain:accdQ": T["accdQ"],
-             "_store_dkdv:acc": lambda env: tmem(env["col0"], env["col0"] + env["width"])}
-    names.update({f"mma:{n}": r for n, r in T.items()})
+    names = _one_cta_names(T)
     rings = [("qdo_full", k.stages), ("qdo_empty", k.stages)]
     if k.split_do:
         rings += [("do_full", k.do_stages), ("do_empty", k.do_stages)]
@@ -83,11 +110,11 @@ def backward_2cta_spec(blocks: int = 4, head_dim: int = 128) -> KernelSpec:
 
 
 SPECS = {"bwd": backward_spec, "bwd-dqtma": functools.partial(backward_spec, dq_tma=True),
-         "bwd2cta": backward_2cta_spec}
+         "bwd2cta": backward_2cta_spec, "bwd-wide": wide_spec, "bwd-wide256": functools.partial(wide_spec, head_dim=256)}
 
 
 def build(kernel: str, blocks: int = 4) -> Program:
-    """The extracted Program of `kernel` ("bwd", "bwd-dqtma", "bwd2cta") for `blocks` Q tiles."""
+    """The extracted Program of `kernel` (a key of SPECS) for `blocks` Q tiles."""
     if kernel not in SPECS:
         raise ValueError(f"kernel: expected one of {sorted(SPECS)}, got {kernel!r}")
     return extract(SPECS[kernel](blocks))

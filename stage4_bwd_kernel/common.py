@@ -55,6 +55,23 @@ def _red_add_f32_vector(ptr: cute.Pointer, values, loc, ip) -> None:
 
 
 @dsl_user_op
+def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """x through a volatile ``mov``: the compiler cannot hoist what is computed from it out of the loop
+    that calls this (the wide Blackwell dQ^T drain: 64 row offsets hoisted out of the walk spilled)."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def red_add_f32(ptr: cute.Pointer, a: Float32, *, loc=None, ip=None) -> None:
+    """*ptr += a: one 4-byte ``red.global.add.f32``; a warp adding 32 consecutive floats this way makes
+    one coalesced 128-byte reduction (the wide Blackwell backward's dQ^T drain, thread = head-dim column)."""
+    addr = ptr.toint(loc=loc, ip=ip).ir_value()
+    llvm.inline_asm(None, [addr, Float32(a).ir_value(loc=loc, ip=ip)], "red.global.add.f32 [$0], $1;", "l,f",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
     """*ptr += (a, b): one 8-byte ``red.global.add.v2.f32`` (sm_90+; SASS ``REDG.E.ADD.F32x2``-like)."""
     _red_add_f32_vector(ptr, (a, b), loc, ip)

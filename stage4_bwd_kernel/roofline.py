@@ -97,6 +97,46 @@ def backward_tile_cycles(m: int, n: int, d: int, hw: Hardware = B200, d_v: int |
     )
 
 
+def blackwell_wide_tile_cycles(d: int, d_v: int, hw: Hardware = B200, m: int = 64, n: int = 128,
+                               bytes_per_el: int = 2) -> tuple:
+    """The wide Blackwell backward (blackwell_bwd_wide.py), per CTA and per 64-query x 128-key tile:
+    (BwdTileCycles, CTAs a tile). Each of `splits` CTAs computes S^T and dP^T whole and its part of dV,
+    dK and the dQ^T windows (128 head-dim rows each; at (192, 128) two, overlapping by 64):
+        S^T: K n d + Q m d;  dP^T: V n dv + dO m dv;  dV: dO m dv/s;  dK: Q m d/s  (A from TMEM)
+        dQ^T = K^T dS^T:  per window K 128 n + dS m n  (both from SMEM)
+    No dQ staging (per-column atomics); dS is written once."""
+    from stage4_bwd_kernel.blackwell_config import dq_windows, head_splits
+
+    s = head_splits(d, d_v, m)
+    windows = len(dq_windows(d // s))
+    flops = 2 * m * n * (d + d_v + d_v // s + d // s + windows * 128)
+    ss = n * d + m * d + n * d_v + m * d_v + windows * (128 * n + m * n)
+    ts = m * d_v // s + m * d // s
+    cycles = BwdTileCycles(mma=flops / hw.mma_flops_per_clock, smem_operands=(ss + ts) * bytes_per_el /
+                           hw.smem_bytes_per_clock, smem_ds_write=m * n * bytes_per_el / hw.smem_bytes_per_clock,
+                           smem_ds_exchange=0.0, smem_dq=0.0, exp=m * n / hw.exp_per_clock)
+    return cycles, s
+
+
+def blackwell_wide_table() -> str:
+    """Markdown: SM cycles per 1k key-query pairs (a tile's cycles x its CTAs / its pairs) of the wide
+    design at (192, 128) and 256 beside the 1-CTA kernel's 128 x 128 tile at d = 128. The serial schedule
+    overlaps the exp with dP^T at most: its estimate charges max(MMA, SMEM) + exp (the MMAs read their
+    operands from SMEM as they run), an upper bound."""
+    lines = ["| B200, per 1k key-query pairs | tile (CTAs) | MMA | SMEM | exp | serial estimate |",
+             "|---|---|---|---|---|---|"]
+    one = backward_tile_cycles(128, 128, 128, B200)
+    per = 1024 / (128 * 128)
+    lines.append(f"| 1-CTA d = 128 (pipelined) | 128 x 128 (1) | {one.mma * per:.0f} | {one.smem * per:.0f} | "
+                 f"{one.exp * per:.0f} | - |")
+    for d, dv in ((192, 128), (256, 256)):
+        c, s = blackwell_wide_tile_cycles(d, dv)
+        per = 1024 * s / (64 * 128)
+        lines.append(f"| wide ({d}, {dv}) | 64 x 128 ({s}) | {c.mma * per:.0f} | {c.smem * per:.0f} | "
+                     f"{c.exp * per:.0f} | {(max(c.mma, c.smem) + c.exp) * per:.0f} |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------
 # Hopper (wgmma): the designs of this stage
 # ------------------------------------------------------------------------------------------------
@@ -327,3 +367,5 @@ if __name__ == "__main__":
     print(hopper_table(STEP1_TILES + [("step1_ss", 64, 64, 128, 128), ("fa3_rs", 64, 128, 128, 128)]))
     print("\nHopper, wide head dims: designs with dK / dV in registers (per tile of 64 or WIDE_KEYS keys):")
     print(wide_table(WIDE_CASES))
+    print("\nBlackwell, the wide backward (blackwell_bwd_wide.py) beside the 1-CTA kernel:")
+    print(blackwell_wide_table())

@@ -5,8 +5,9 @@ reachable from this project, so every test here skips elsewhere, and none of the
 
 Under FA4's rule against the fp32 reference (stage0_reference.torch_reference.assert_fa4_close):
 * the forward through fa4 (dense, GQA, causal with the LPT order from 4096 keys, varlen, lse);
-* the 1-CTA backward (stage4_bwd_kernel.blackwell_bwd), default and deterministic (bitwise repeats),
-  and fa4's autograd on top (the 2-CTA backward has no launch path yet: compiled only);
+* the 1-CTA backward (stage4_bwd_kernel.blackwell_bwd) and, at (192, 128) / 256, the wide one
+  (blackwell_bwd_wide), default and deterministic (bitwise repeats), and fa4's autograd on top (the
+  2-CTA backward has no launch path yet: compiled only);
 * a head dim without a kernel of its own (96: zero-padded onto 128 by fa4).
 tests/test_stage3_blackwell.py's gpu tests run the forward module directly.
 """
@@ -69,17 +70,37 @@ def test_varlen_forward_on_blackwell(causal):
     assert_fa4_close("sm_100 varlen lse", lse, ref[1], base[1])
 
 
-@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
-def test_backward_kernel_on_blackwell(d, causal):
-    """The 1-CTA backward directly (the forward's out / lse from the reference), default and
-    deterministic; deterministic twice is bitwise equal."""
+WIDE_CASES = [(113, 203, 4, 2, 192, 128, True), (300, 1000, 4, 1, 256, 256, False)]
+
+
+@pytest.mark.parametrize("sq,sk,hq,hkv,d,dv,causal", WIDE_CASES, ids=[f"{c[0]}x{c[1]}-d{c[4]}-{c[5]}" for c in WIDE_CASES])
+def test_fa4_wide_head_dims_on_blackwell(sq, sk, hq, hkv, d, dv, causal):
+    """fa4.flash_attn_func at (192, 128) and 256: the forward and the wide backward (blackwell_bwd_wide)."""
+    import fa4
+    from stage0_reference.torch_reference import assert_fa4_close, grad_atol, reference_and_baseline
+
+    g = torch.Generator(device="cuda").manual_seed(sq + d)
+    q, k = _rand(g, 2, sq, hq, d).requires_grad_(), _rand(g, 2, sk, hkv, d).requires_grad_()
+    v = _rand(g, 2, sk, hkv, dv).requires_grad_()
+    out = fa4.flash_attn_func(q, k, v, causal=causal)
+    dout = _rand(g, 2, sq, hq, dv)
+    got = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    ref, base = reference_and_baseline(q, k, v, dout, causal=causal)
+    for name, a, r, b in zip(("out", "dq", "dk", "dv"), got, (ref[0], *ref[2:]), (base[0], *base[2:])):
+        assert_fa4_close(f"sm_100 wide {name}", a, r, b, atol=1e-5 if name == "out" else grad_atol(ref[2:]))
+
+
+@pytest.mark.parametrize("d,dv,causal", [(64, 64, False), (128, 128, True), (192, 128, True), (256, 256, False)])
+def test_backward_kernel_on_blackwell(d, dv, causal):
+    """The backward directly (the forward's out / lse from the reference; the 1-CTA kernel, or the
+    wide one at (192, 128) and 256), default and deterministic; deterministic twice is bitwise equal."""
     from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
     from stage4_bwd_kernel import blackwell_bwd as mod
     from stage4_bwd_kernel import host
 
     g = torch.Generator(device="cuda").manual_seed(d + causal)
-    q, k, v = _rand(g, 2, 1000, 8, d), _rand(g, 2, 1200, 2, d), _rand(g, 2, 1200, 2, d)
-    dout = _rand(g, 2, 1000, 8, d)
+    q, k, v = _rand(g, 2, 1000, 8, d), _rand(g, 2, 1200, 2, d), _rand(g, 2, 1200, 2, dv)
+    dout = _rand(g, 2, 1000, 8, dv)
     out, lse = attention_ref(q, k, v, causal=causal, upcast=True)
     out = out.to(q.dtype)
     ref, base = host.reference_grads(q, k, v, dout, causal=causal)

@@ -1,5 +1,6 @@
 """The barrier-protocol model checker (stage3_fwd_kernel/blackwell_protocol.py; the backward kernels'
-mappings in stage4_bwd_kernel/blackwell_protocol.py) on the three Blackwell kernels: each passes at 4 key blocks / Q tiles, and a bug planted in the extracted program
+mappings in stage4_bwd_kernel/blackwell_protocol.py) on the Blackwell kernels (the forward, the 1-CTA,
+2-CTA and wide backward): each passes at 4 key blocks / Q tiles, and a bug planted in the extracted program
 of each (a missing arrive, a wrong wait parity, a wrong arrival count) is caught with the expected kind
 of report. The planting edits the extracted operations, never the kernel source."""
 import pytest
@@ -46,7 +47,7 @@ def set_count(prog, bar, count):
     prog.inits[_offset(prog, bar)] = count
 
 
-@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd2cta"])
+@pytest.mark.parametrize("kernel", ["fwd", "bwd", "bwd2cta", "bwd-wide", "bwd-wide256"])
 def test_kernel_protocol_holds(kernel):
     res = bp.explore(program(kernel, 4), blocks=4, tiles=2)
     assert res.ok, res.report()
@@ -79,6 +80,11 @@ PLANTED = [
     ("bwd2cta", lambda p: drop_arrive(p, "relay.1", "xchg_peer", 0), {"deadlock"}),
     ("bwd2cta", lambda p: flip_wait(p, "dq_drain.0", "dq_full", 1), {"race", "overrun"}),
     ("bwd2cta", lambda p: set_count(p, "p_full", 1), {"race", "overrun"}),
+    # the wide kernel's serial schedule: S(j + 1) may not start before dQ^T(j), over it, is drained
+    ("bwd-wide", lambda p: drop_arrive(p, "dq_drain", "dq_empty", 0), {"deadlock"}),
+    ("bwd-wide", lambda p: flip_wait(p, "mma", "dq_empty", 0), {"race", "overrun"}),
+    ("bwd-wide", lambda p: set_count(p, "ds_full", 64), {"overflow"}),
+    ("bwd-wide256", lambda p: flip_wait(p, "elementwise", "dp_full", 1), {"race", "overrun"}),
 ]
 
 

@@ -289,18 +289,29 @@ def test_head_dim_tables_match_the_kernels():
 
     for mod, arch in ((hopper, "sm_90"), (bwd_common, "sm_90")):
         assert tuple(map(tuple, mod.SUPPORTED_HEAD_DIMS)) == _dispatch.ARCHS[arch].head_dims, mod.__name__
-    # sm_100: two Q tiles a CTA, plus d = 256 on one; its backward (1-CTA) serves up to 128
+    # sm_100: two Q tiles a CTA, plus d = 256 on one; the backward serves every forward pair: the 1-CTA
+    # kernel up to 128, the wide one (64-query tiles, dQ^T) at (192, 128) and 256, where the 1-CTA plan
+    # does not fit TMEM
     sm100 = _dispatch.ARCHS["sm_100"]
     assert blackwell_config.SUPPORTED_HEAD_DIMS + blackwell_config.ONE_Q_TILE_HEAD_DIMS == sm100.head_dims
-    from stage4_bwd_kernel.blackwell_config import blackwell_bwd_config
+    from stage4_bwd_kernel import blackwell_config as bwd_config
 
-    for d, dv in sm100.head_dims:
-        fits = (d, dv) in sm100.backward_head_dims
-        if fits:
-            blackwell_bwd_config(d, dv, "bf16", causal=False)
-        else:
-            with pytest.raises(ValueError, match="TMEM does not fit"):
-                blackwell_bwd_config(d, dv, "bf16", causal=False)
+    assert not sm100.backward_head_dims
+    assert bwd_config.SUPPORTED_HEAD_DIMS + bwd_config.SUPPORTED_HEAD_DIMS_WIDE == sm100.head_dims
+    for d, dv in bwd_config.SUPPORTED_HEAD_DIMS:
+        bwd_config.blackwell_bwd_config(d, dv, "bf16", causal=False)
+    for d, dv in bwd_config.SUPPORTED_HEAD_DIMS_WIDE:
+        with pytest.raises(ValueError, match="TMEM does not fit"):
+            bwd_config.blackwell_bwd_config(d, dv, "bf16", causal=False)
+        bwd_config.blackwell_bwd_wide_config(d, dv, "bf16", causal=False)
+
+
+def _forward_only_wide_arch():
+    """sm_100 as it was before its wide backward: (192, 128) and 256 forward only. No arch in ARCHS has
+    a forward-only pair now; the refusal is still fa4's contract for one that does."""
+    import dataclasses
+
+    return dataclasses.replace(_dispatch.ARCHS["sm_100"], backward_head_dims=((64, 64), (96, 96), (128, 128)))
 
 
 @pytest.mark.cpu
@@ -308,7 +319,8 @@ def test_head_dim_tables_match_the_kernels():
 def test_a_pair_without_a_backward_is_refused_before_the_forward_when_grads_are_needed(monkeypatch):
     from fa4 import _layouts
 
-    monkeypatch.setattr(_layouts, "arch_of", lambda device: _dispatch.ARCHS["sm_100"])
+    assert _dispatch.has_backward(_dispatch.ARCHS["sm_100"], 256, 256)
+    monkeypatch.setattr(_layouts, "arch_of", lambda device: _forward_only_wide_arch())
     q = torch.zeros(1, 4, 2, 200, dtype=torch.bfloat16, device="meta", requires_grad=True)
     with pytest.raises(ValueError, match=r"^q: head dims \(qk=200, v=200\) run on sm_100's 256/256 forward, which "
                                          r"has no backward there"):
@@ -324,7 +336,7 @@ def test_a_pair_without_a_backward_is_refused_before_the_forward_when_grads_are_
 @pytest.mark.cpu
 @pytest.mark.fa4
 def test_a_pair_without_a_backward_is_refused_before_the_backward():
-    bw = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
+    bw = _dispatch.BlackwellBackend(_forward_only_wide_arch())
     bw._mods["bwd"] = types.SimpleNamespace(attention_backward=lambda *a, **k: pytest.fail("launched"),
                                             attention_varlen_backward=lambda *a, **k: pytest.fail("launched"))
     t = torch.zeros(1, 8, 2, 256)
@@ -332,6 +344,16 @@ def test_a_pair_without_a_backward_is_refused_before_the_backward():
         bw.backward(t, t, t, t, t, t, 0.5, False, False)
     with pytest.raises(ValueError, match=r"^q: head dims"):
         bw.varlen_backward(t[0], t[0], t[0], t[0], t[0], t[0], t, t, None, 8, 8, 0.5, False, False)
+    # the real sm_100 passes (192, 128) and 256 on to its backward module (the wide kernel)
+    calls = []
+    real = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
+    real._mods["bwd"] = types.SimpleNamespace(
+        attention_backward=lambda q, k, v, *a, **kw: calls.append(q.shape[-1]) or (q, k, v))
+    for d, dv in ((192, 128), (256, 256)):
+        q = torch.zeros(1, 8, 2, d)
+        real.backward(q, q, torch.zeros(1, 8, 2, dv), torch.zeros(1, 8, 2, dv), torch.zeros(1, 8, 2, dv),
+                      torch.zeros(1, 2, 8), 0.5, False, False)
+    assert calls == [192, 256]
 
 
 @pytest.mark.cpu
@@ -678,12 +700,12 @@ def test_seqused_k_is_refused_up_front_where_the_varlen_forward_lacks_it(monkeyp
 @pytest.mark.cpu
 @pytest.mark.fa4
 def test_a_pair_without_a_backward_is_refused_before_the_page_gather_and_names_sdpa_arguments(monkeypatch):
-    """On sm_100, (192, 128) has a forward but no backward: a paged call that needs a gradient is
-    refused before the pages are copied, and SDPA's refusal names `query`, its own argument."""
+    """On an arch where (192, 128) has a forward but no backward (sm_100 before its wide backward), a paged
+    call that needs a gradient is refused before the pages are copied, and SDPA's refusal names `query`."""
     from fa4 import _layouts, _validate
 
-    monkeypatch.setattr(_layouts, "arch_of", lambda device: _dispatch.ARCHS["sm_100"])
-    monkeypatch.setattr(_validate, "arch_of", lambda device: _dispatch.ARCHS["sm_100"])
+    monkeypatch.setattr(_layouts, "arch_of", lambda device: _forward_only_wide_arch())
+    monkeypatch.setattr(_validate, "arch_of", lambda device: _forward_only_wide_arch())
     gathered = []
     monkeypatch.setattr(_validate.VarlenLayout, "unpage", staticmethod(lambda *a: gathered.append(a)))
     m = lambda *s, dt=torch.bfloat16, grad=False: torch.empty(*s, device="meta", dtype=dt, requires_grad=grad)  # noqa: E731
