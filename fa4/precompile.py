@@ -374,7 +374,7 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
                         heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, first_len), last))
         elif w.causal and longest >= LPT_MIN_SEQLEN_K and not left_window:
             add("fwd long", w, seqlen_k_first=max(w.min_seqlen, LPT_MIN_SEQLEN_K))
-        with_bwd = backward and has_backward(ARCHS[arch_key], w.head_dim, w.head_dim_v)  # sm_100: up to 128
+        with_bwd = backward and has_backward(ARCHS[arch_key], w.head_dim, w.head_dim_v)
         if with_bwd:
             add("bwd", w)
         if varlen:

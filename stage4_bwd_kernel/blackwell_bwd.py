@@ -137,14 +137,10 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         """The five tiled MMAs and the SMEM layouts of the operands, at trace time: (mmas, {name:
         layout}). The transposed views (sQt, sdOt, sKt) read the bytes of sQ, sdO, sK as the other
         major mode; ``transposed_view_mismatches`` checks that element by element."""
-        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        one = tcgen05.CtaGroup.ONE
+        MN_ = cute.nvgpu.OperandMajorMode.MN
         dt, d, dv, tm, tn = self.dtype, self.d, self.dv, self.tm, self.tn
-        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
-        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
-        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, dv), tcgen05.OperandSource.TMEM)
-        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, d), tcgen05.OperandSource.TMEM)
-        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, one, (tm, d))
+        mma_s, mma_dp, mma_dv, mma_dk = self.tile_mmas()
+        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, tcgen05.CtaGroup.ONE, (tm, d))
         tiler_s, tiler_dp = (tn, tm, d), (tn, tm, dv)
         tiler_dv, tiler_dk, tiler_dq = (tn, dv, tm), (tn, d, tm), (tm, d, tn)
 
@@ -170,6 +166,18 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
         if const_expr(self.dq_tma):
             layouts["sdQ"] = self.dq_smem_layout()
         return (mma_s, mma_dp, mma_dv, mma_dk, mma_dq), layouts
+
+    def tile_mmas(self):
+        """S^T = K Q^T, dP^T = V dO^T (SS, tn x tm) and dV, dK (TS: A from TMEM) over this CTA's
+        dv_cols / dk_cols head-dim columns."""
+        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        one, tmem_a = tcgen05.CtaGroup.ONE, tcgen05.OperandSource.TMEM
+        dt, tm, tn = self.dtype, self.tm, self.tn
+        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
+        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
+        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, self.dv_cols), tmem_a)
+        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, self.dk_cols), tmem_a)
+        return mma_s, mma_dp, mma_dv, mma_dk
 
     def dq_smem_layout(self):
         """sdQ: (tm, 32, buffers) fp32, row-major with the 128B swizzle (a row of a chunk is one

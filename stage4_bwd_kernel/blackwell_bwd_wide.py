@@ -11,13 +11,14 @@ that is 128 + 128 + 128 + 192 = 576 columns, and dQ has nowhere to go. This kern
   queries, K = 128 keys: the B operand is dS^T from SMEM with the queries contiguous -- the bytes the
   elementwise warpgroup already writes (thread = key, a 128-byte column of 64 queries) -- and A is a
   128-column window of the K tile read MN-major. At d = 192 two windows cover rows [0, 128) and
-  [64, 192); the drain keeps rows [128, 192) of the second (1/3 more dQ MMA work, 1/15 of the tile's).
+  [64, 192); the drain keeps rows [128, 192) of the second (1/3 more dQ MMA work, 1/14 of the tile's).
   Thread r of the drain owns head-dim column r, so a warp's dQ atomics hit 32 consecutive floats of one
   row: one coalesced 128-byte reduction, where the 1-CTA kernel's row-per-thread v2 adds touch 32 rows.
-* **A serial schedule.** The dQ^T windows lie over S^T and dP^T, so per Q tile j the MMA warp issues
-  S(j), dP(j), dV(j), dK(j), dQ^T(j), and S(j + 1) waits until WG 2 has drained dQ^T(j) (dq_empty). The
-  exp of tile j + 1 no longer overlaps the tensor core's dK / dQ of tile j (the 1-CTA pipeline's gain);
-  at (192, 128) nothing else fits.
+* **A serial schedule.** Per Q tile j the MMA warp issues S(j), dP(j), dV(j), dK(j), dQ^T(j). At
+  (192, 128) the dQ^T windows lie over S^T and dP^T, so S(j + 1) waits until WG 2 has drained dQ^T(j)
+  (dq_empty); at 256 the window has columns of its own and only dQ^T(j + 1) waits. The exp of tile
+  j + 1 no longer overlaps the tensor core's dK / dQ of tile j (the 1-CTA pipeline's gain): at (192, 128)
+  nothing else fits TMEM, and at 256 the one Q / dO stage cannot take Q(j + 1) before dK(j) read Q(j).
 
 At d = 256 dK and dV alone fill TMEM. A pair of CTAs then splits the head dim (``head_splits`` = 2):
 CTA h = blockIdx.x % 2 owns columns [128h, 128h + 128) of dK, dV and dQ. Both load the whole K, V, Q, dO
@@ -94,15 +95,11 @@ class FlashAttentionBackwardSm100Wide(FlashAttentionBackwardSm100):
     def mmas_and_smem_layouts(self):
         """The five tiled MMAs (dQ^T in place of dQ) and the SMEM layouts. sQt / sdOt / sKt are the
         views of this CTA's head-dim part (sKt: one 128-row dQ^T window), placed by _part_view."""
-        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        one = tcgen05.CtaGroup.ONE
+        MN_ = cute.nvgpu.OperandMajorMode.MN
         dt, d, dv, tm, tn = self.dtype, self.d, self.dv, self.tm, self.tn
         dkc, dvc = self.dk_cols, self.dv_cols
-        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
-        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, one, (tn, tm))
-        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, dvc), tcgen05.OperandSource.TMEM)
-        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, one, (tn, dkc), tcgen05.OperandSource.TMEM)
-        mma_dqt = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, one, (DQT_WINDOW, tm))
+        mma_s, mma_dp, mma_dv, mma_dk = self.tile_mmas()
+        mma_dqt = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, tcgen05.CtaGroup.ONE, (DQT_WINDOW, tm))
         tiler_s, tiler_dp = (tn, tm, d), (tn, tm, dv)
         tiler_dv, tiler_dk, tiler_dqt = (tn, dvc, tm), (tn, dkc, tm), (DQT_WINDOW, tm, tn)
         st = self.stages
@@ -155,9 +152,11 @@ class FlashAttentionBackwardSm100Wide(FlashAttentionBackwardSm100):
             sdS: cute.Tensor, tP_layout: cute.ComposedLayout, tdS_layout: cute.ComposedLayout,
             mma_s: cute.TiledMma, mma_dp: cute.TiledMma, mma_dv: cute.TiledMma, mma_dk: cute.TiledMma,
             mma_dq: cute.TiledMma):
-        """The serial schedule: per Q tile S, dP, dV, dK, the dQ^T windows; S(j + 1) and dP(j + 1) wait
-        for dq_empty(j), since the windows lie over S^T and dP^T."""
+        """The serial schedule: per Q tile S, dP, dV, dK, the dQ^T windows. Where the windows lie over
+        S^T and dP^T ((192, 128)), S(j + 1) waits for dq_empty(j); where they have columns of their own
+        (256), only dQ^T(j + 1) does. Q / dO go back to the load warp after dK, their last reader."""
         tm, tn, T = self.tm, self.tn, self.tmem
+        over = T.dq_over_scores
         part = self._head_part()
         s_, dp_, dv_, dk_, dq_ = (m.get_slice(0) for m in (mma_s, mma_dp, mma_dv, mma_dk, mma_dq))
         tK, tQ = s_.make_fragment_A(sK), s_.make_fragment_B(sQ)
@@ -176,9 +175,8 @@ class FlashAttentionBackwardSm100Wide(FlashAttentionBackwardSm100):
         for j in cutlass.range(n_iter, unroll=1):
             slot, phase = j % self.stages, (j // self.stages) % 2
             cute.arch.mbarrier_wait(self._bar(mbar, "qdo_full", slot), phase)
-            if j > 0:
-                cute.arch.mbarrier_wait(self._bar(mbar, "dq_empty"), (j - 1) % 2)   # dQ^T(j - 1) drained
-                tcgen05_fence_after_sync()
+            if const_expr(over):
+                self._wait_dq_drained(mbar, j)
             self.gemm(mma_s, accS, tK[None, None, None, 0], tQ[None, None, None, slot], False)
             with cute.arch.elect_one():
                 tcgen05.commit(self._bar(mbar, "s_full"))
@@ -189,20 +187,30 @@ class FlashAttentionBackwardSm100Wide(FlashAttentionBackwardSm100):
             cute.arch.mbarrier_wait(self._bar(mbar, "p_full"), j % 2)
             tcgen05_fence_after_sync()
             self.gemm(mma_dv, accdV, tP, tdOt[None, None, None, slot], j > 0)
-            # dK += dS^T Q  (TS), then dQ^T = K^T dS^T per window over S^T / dP^T: issued after the MMAs
-            # that read P^T and dS^T there, and MMAs of one thread run in issue order
+            # dK += dS^T Q  (TS; Q's last reader), then dQ^T = K^T dS^T per window -- at (192, 128) over
+            # S^T / dP^T: issued after the MMAs that read P^T and dS^T there, which run in issue order
             cute.arch.mbarrier_wait(self._bar(mbar, "ds_full"), j % 2)
             tcgen05_fence_after_sync()
             self.gemm(mma_dk, accdK, tdSt, tQt[None, None, None, slot], j > 0)
+            with cute.arch.elect_one():
+                tcgen05.commit(self._bar(mbar, "qdo_empty", slot))
+            if const_expr(not over):
+                self._wait_dq_drained(mbar, j)
             for w in cutlass.range_constexpr(len(self.windows)):
                 tKw = dq_.make_fragment_A(self._part_view(sKt, part, self.windows[w], self.dk_cols, tn))
                 accQ = self._tmem_acc(tmem_ptr, mma_dq, (DQT_WINDOW, tm), T.dq + w * tm)
                 self.gemm(mma_dq, accQ, tKw[None, None, None, 0], tdSt_b[None, None, None, 0], False)
             with cute.arch.elect_one():
                 tcgen05.commit(self._bar(mbar, "dq_full"))
-                tcgen05.commit(self._bar(mbar, "qdo_empty", slot))
         with cute.arch.elect_one():
             tcgen05.commit(self._bar(mbar, "dkv_full"))
+
+    @cute.jit
+    def _wait_dq_drained(self, mbar: cute.Pointer, j: Int32):
+        """Before Q tile j's first write over dQ^T(j - 1): WG 2 has it in registers (dq_empty)."""
+        if j > 0:
+            cute.arch.mbarrier_wait(self._bar(mbar, "dq_empty"), (j - 1) % 2)
+            tcgen05_fence_after_sync()
 
     # ------------------------------------------------------------------ dQ warpgroup
     def _window_keeps_from(self, w: int) -> int:

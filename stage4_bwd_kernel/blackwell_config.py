@@ -308,6 +308,21 @@ def _variants(causal, window_size, softcap) -> tuple:
     return beyond_causal(bool(causal), window_size), check_softcap(softcap)
 
 
+def _check_head_dims(head_dim, head_dim_v):
+    for name, v in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if not (isinstance(v, int) and 16 <= v <= 256 and v % 16 == 0):
+            raise ValueError(f"{name}: expected a multiple of 16 in [16, 256], got {v!r}")
+
+
+def _common_args(head_dim, head_dim_v, dtype, causal, window_size, softcap) -> tuple:
+    """(window, softcap, head_dim_v, dtype name), each checked: the variants first, then the head dims."""
+    window, softcap = _variants(causal, window_size, softcap)
+    dv = head_dim if head_dim_v is None else head_dim_v
+    dt = _dtype_name(dtype)
+    _check_head_dims(head_dim, dv)
+    return window, softcap, dv, dt
+
+
 def _dq_tma(dq_tma, deterministic, head_dim) -> bool:
     """Whether dQ leaves by TMA reduce-add; ValueError for what the kernel keeps on atomics."""
     if dq_tma is None:
@@ -351,12 +366,7 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
     fit, at most qdo_stages; fewer than qdo_stages gives dO its own barriers).
     window_size (left, right; None or -1 unlimited, causal is right = 0) and softcap (>= 0, 0 = off):
     compile-time variants, checked first (TypeError / ValueError naming the argument)."""
-    window, softcap = _variants(causal, window_size, softcap)
-    dv = head_dim if head_dim_v is None else head_dim_v
-    dt = _dtype_name(dtype)
-    for name, v in (("head_dim", head_dim), ("head_dim_v", dv)):
-        if not (isinstance(v, int) and 16 <= v <= 256 and v % 16 == 0):
-            raise ValueError(f"{name}: expected a multiple of 16 in [16, 256], got {v!r}")
+    window, softcap, dv, dt = _common_args(head_dim, head_dim_v, dtype, causal, window_size, softcap)
     if cta_group != 1:
         raise ValueError(f"cta_group: this is the 1-CTA plan; the 2-CTA kernel (cluster of 2) is planned by "
                          f"blackwell_bwd_2cta_config(), got cta_group={cta_group!r}")
@@ -412,13 +422,14 @@ def blackwell_bwd_config(head_dim: int, head_dim_v: int | None, dtype, *, causal
 # dQ transposed, dQ^T = K^T dS^T: M = 128 head-dim rows (lane = head-dim column of dQ), N = 64 queries.
 # A head-dim width that is not a multiple of 128 is covered by 128-row windows that overlap (192: rows
 # [0, 128) and [64, 192); the drain keeps each row once). The dQ^T windows lie over S^T and dP^T, so
-# the schedule is serial: S(j + 1) waits until WG 2 has drained dQ^T(j).
+# the schedule is serial: S(j + 1) waits until WG 2 has drained dQ^T(j). (At 256 the one window fits after
+# dP^T: there only the next dQ^T waits for the drain.)
 # At d = 256, dK and dV alone take 512 columns, so a pair of CTAs splits the head dim: CTA h of the pair
 # (blockIdx.x % 2) accumulates dK, dV and dQ for columns [128h, 128h + 128) and recomputes S^T and dP^T
 # (the reductions over the whole head dim) -- 1.4x the MMA work of an unsplit tile, the price of fitting.
 #
 #     (192, 128):  dV 128 + dK 192 + S^T 64 + dP^T 64 = 448 -> 512;  dQ^T 2 x 64 over S^T, dP^T
-#     256 / 2:     dV 128 + dK 128 + S^T 64 + dP^T 64 = 384 -> 512;  dQ^T 1 x 64 over S^T
+#     256 / 2:     dV 128 + dK 128 + S^T 64 + dP^T 64 + dQ^T 1 x 64 = 448 -> 512
 #
 # SMEM (tile_m = 64): header + sK + sV + stages x (sQ + sdO) + sdS (64 x 128) + sLSE/sD
 #     (192, 128): 1024 + 49152 + 32768 + 2 x (24576 + 16384) + 16384 + 512 = 181760   (2 stages)
@@ -443,7 +454,7 @@ class BwdWideTmemPlan:
     p: int        # P^T (16-bit) in the upper half of S^T's columns
     dp: int
     ds: int       # dS^T (16-bit) over the lower half of dP^T's columns
-    dq: int       # the dQ^T windows, tile_m columns each, from here on (over S^T and dP^T)
+    dq: int       # the dQ^T windows, tile_m columns each, from here on (over S^T / dP^T, or after them)
     dv_cols: int
     dk_cols: int
     s_cols: int
@@ -454,11 +465,17 @@ class BwdWideTmemPlan:
     used: int
     alloc: int
 
+    @property
+    def dq_over_scores(self) -> bool:
+        """The dQ^T windows share columns with S^T / dP^T: the next S^T waits until they are drained."""
+        return self.dq < self.dp + self.dp_cols
+
     def table(self) -> str:
         rows = [("dV (fp32 acc)", self.dv, self.dv_cols), ("dK (fp32 acc)", self.dk, self.dk_cols),
                 ("S^T (fp32)", self.s, self.s_cols), ("  P^T (16-bit, over S^T)", self.p, self.p_cols),
                 ("dP^T (fp32)", self.dp, self.dp_cols), ("  dS^T (16-bit, over dP^T)", self.ds, self.p_cols),
-                (f"dQ^T (fp32, {len(self.dq_windows)} window(s), over S^T / dP^T)", self.dq, self.dq_cols)]
+                (f"dQ^T (fp32, {len(self.dq_windows)} window(s)" + (", over S^T / dP^T)" if self.dq_over_scores
+                                                                     else ")"), self.dq, self.dq_cols)]
         return _tmem_table(rows, self.used, self.alloc, " per CTA")
 
 
@@ -471,11 +488,14 @@ def dq_windows(cols: int) -> tuple:
 
 
 def _tmem_plan_wide(tile_m, dk_cols, dv_cols) -> BwdWideTmemPlan:
+    """The dQ^T windows get columns of their own after dP^T where they fit (256: the next S^T then need
+    not wait for the drain), else they lie over S^T and dP^T ((192, 128))."""
     s = dv_cols + dk_cols
     dp = s + tile_m
     windows = dq_windows(dk_cols)
-    used = max(dp + tile_m, s + tile_m * len(windows))
-    return BwdWideTmemPlan(dv=0, dk=dv_cols, s=s, p=s + tile_m // 2, dp=dp, ds=dp, dq=s, dv_cols=dv_cols,
+    dq = dp + tile_m if dp + tile_m + tile_m * len(windows) <= TMEM_COLUMNS else s
+    used = max(dp + tile_m, dq + tile_m * len(windows))
+    return BwdWideTmemPlan(dv=0, dk=dv_cols, s=s, p=s + tile_m // 2, dp=dp, ds=dp, dq=dq, dv_cols=dv_cols,
                            dk_cols=dk_cols, s_cols=tile_m, p_cols=tile_m // 2, dp_cols=tile_m,
                            dq_cols=tile_m * len(windows), dq_windows=windows, used=used,
                            alloc=max(TMEM_MIN_ALLOC, _pow2_at_least(used)))
@@ -498,12 +518,7 @@ def blackwell_bwd_wide_config(head_dim: int, head_dim_v: int | None, dtype, *, c
                               softcap: float = 0.0, dq_tma: bool | None = None) -> BlackwellBwdConfig:
     """Plan the wide 1-CTA backward (tile_m = 64, dQ^T windows, serial schedule; a head-dim split
     across 2 CTAs where dK + dV alone fill TMEM). ValueError names the budget or argument that fails."""
-    window, softcap = _variants(causal, window_size, softcap)
-    dv = head_dim if head_dim_v is None else head_dim_v
-    dt = _dtype_name(dtype)
-    for name, v in (("head_dim", head_dim), ("head_dim_v", dv)):
-        if not (isinstance(v, int) and 16 <= v <= 256 and v % 16 == 0):
-            raise ValueError(f"{name}: expected a multiple of 16 in [16, 256], got {v!r}")
+    window, softcap, dv, dt = _common_args(head_dim, head_dim_v, dtype, causal, window_size, softcap)
     if dq_tma:
         raise ValueError("dq_tma: the wide Blackwell backward adds dQ^T with coalesced per-column atomics "
                          "(no SMEM is left for the staging buffers at d = 256)")
@@ -663,9 +678,7 @@ def blackwell_bwd_2cta_config(head_dim: int, head_dim_v: int | None, dtype, *, c
     dv = head_dim if head_dim_v is None else head_dim_v
     dt = _dtype_name(dtype)
     tile_m = tile_n = 128
-    for name, v in (("head_dim", head_dim), ("head_dim_v", dv)):
-        if not (isinstance(v, int) and 16 <= v <= 256 and v % 16 == 0):
-            raise ValueError(f"{name}: expected a multiple of 16 in [16, 256], got {v!r}")
+    _check_head_dims(head_dim, dv)
     tmem = _tmem_plan_2cta(tile_m, tile_n, head_dim, dv)
     if tmem.used > TMEM_COLUMNS:
         raise ValueError(f"TMEM does not fit: S/P/dQ {tile_m} + dV {dv} + dP/dS {tile_m} + dK {head_dim} = "

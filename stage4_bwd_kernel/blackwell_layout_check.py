@@ -109,22 +109,12 @@ def transposed_view_mismatches(kernel, transpose: bool = True) -> dict:
     stage), or -1 where the swizzles differ. transpose=False compares element (r, c) of one view
     with (r, c) of the other instead of (c, r): a deliberately wrong mapping, for the tests."""
     sizes = {"tm": kernel.tm, "tn": kernel.tn, "d": kernel.d, "dv": kernel.dv}
-    static = {}
-
-    @cute.jit
-    def probe():  # the layouts as the kernel builds them, read back as static (shape, stride, swizzle)
-        _, layouts = kernel.mmas_and_smem_layouts()
-        for name, layout in layouts.items():
-            static[name] = (layout.outer.shape, layout.outer.stride, str(layout.inner))
-
-    cute.compile(probe, options=f"--gpu-arch {TARGET_ARCH}")  # builds nothing: only the trace matters
+    static = _static_layouts(kernel)
     result = {}
     for a_name, b_name, rows_name, cols_name in PAIRS:
         (sa, da, swa), (sb, db, swb) = static[a_name], static[b_name]
         rows, cols = sizes[rows_name], sizes[cols_name]
-        stages = 1
-        for extent, _ in _leaves(sa[3], da[3]):
-            stages *= extent
+        stages = _stages(sa, da)
         bad = 0
         for s in range(stages):
             for r in range(rows):

@@ -7,6 +7,7 @@ CHECKED ONLY: these kernels have never run on hardware.
     python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd-dqtma --blocks 4  # dQ by TMA reduce-add
     python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd2cta --blocks 4    # the 2-CTA backward
     python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd-wide --blocks 4   # (192, 128): the serial schedule
+    python -m stage4_bwd_kernel.blackwell_protocol --kernel bwd-wide256 --blocks 4   # 256: one CTA of the split
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def wide_spec(blocks: int = 4, head_dim: int = 192) -> KernelSpec:
                   "dq_drain:acc": T["accdQ"]})
     rings = [("qdo_full", k.stages), ("qdo_empty", k.stages)]
     bars = bar_names(k, [(n, 1) for n in blackwell_bwd.BARRIERS] + rings)
-    return KernelSpec("bwd-wide", k, roles, {"n_iter": blocks, "n_m": blocks}, names, {}, cfg.num_threads,
+    return KernelSpec("bwd-wide256" if head_dim == 256 else "bwd-wide", k, roles, {"n_iter": blocks, "n_m": blocks}, names, {}, cfg.num_threads,
                       bar_names=bars)
 
 

@@ -41,6 +41,7 @@ def test_192_plan_by_hand():
     assert (t.p, t.p_cols, t.ds) == (352, 32, 384)     # P^T in S^T's upper half, dS^T in dP^T's lower
     # two 128-row dQ^T windows, rows [0, 128) and [64, 192), 64 query columns each, over S^T and dP^T
     assert t.dq_windows == (0, 64) and (t.dq, t.dq_cols) == (320, 128) and t.dq + t.dq_cols == t.dp + 64
+    assert t.dq_over_scores      # 448 + 128 > 512: the next S^T waits for the drain
     # 1 KB header + K 48 KB + V 32 KB + 2 x (Q 24 KB + dO 16 KB) + dS 16 KB + lse2 / D 512 B
     assert c.qdo_stages == 2
     assert c.smem.total == KB + 48 * KB + 32 * KB + 2 * (24 + 16) * KB + 16 * KB + 512 == 181760
@@ -54,8 +55,9 @@ def test_256_plan_splits_the_head_dim():
     t = c.tmem
     # unsplit, dK + dV alone are 512 columns; each CTA of the pair owns 128 of each
     assert head_splits(256, 256) == 2 and c.head_splits == 2
-    assert (t.dv_cols, t.dk_cols, t.s, t.dp) == (128, 128, 256, 320) and t.used == 384
-    assert t.dq_windows == (0,) and (t.dq, t.dq_cols) == (256, 64)
+    # the one dQ^T window fits after dP^T: 128 + 128 + 64 + 64 + 64 = 448
+    assert (t.dv_cols, t.dk_cols, t.s, t.dp) == (128, 128, 256, 320) and t.used == 448
+    assert t.dq_windows == (0,) and (t.dq, t.dq_cols) == (384, 64) and not t.dq_over_scores
     # both CTAs load whole tiles: 1 KB + K 64 KB + V 64 KB + 1 x (Q 32 KB + dO 32 KB) + dS 16 KB + 512 B
     assert c.qdo_stages == 1
     assert c.smem.total == KB + 64 * KB + 64 * KB + 64 * KB + 16 * KB + 512 == 214528 <= SMEM_CAPACITY
