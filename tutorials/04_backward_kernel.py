@@ -38,8 +38,9 @@
 # `stage1_online_softmax/flash.py` (`flash_backward`, tiled), `stage4_bwd_kernel/` — `roofline.py`,
 # `schedule.py` + `model.py` (the kernel's walk and semaphores, replayed on the CPU), the Hopper
 # lessons `hopper_step1.py` → `hopper_step2_warpspec.py` → `hopper_step3_rs.py`, the production
-# kernel `stage4_bwd_kernel.hopper`, and the Blackwell kernels `blackwell_bwd.py` (1-CTA) and
-# `blackwell_bwd_2cta.py` (2-CTA) with their plan in `blackwell_config.py`; `stage5_scheduling/orders.py`
+# kernel `stage4_bwd_kernel.hopper`, and the Blackwell kernels `blackwell_bwd.py` (1-CTA),
+# `blackwell_bwd_wide.py` ((192, 128) and 256) and `blackwell_bwd_2cta.py` (2-CTA) with their plan in
+# `blackwell_config.py`; `stage5_scheduling/orders.py`
 # (`spt_bwd`, `dq_rank`).
 #
 # **Status**: the Hopper lessons and the production backward (`stage4_bwd_kernel.hopper`: its
@@ -261,6 +262,28 @@ plt.show()
 for d in (64, 128):
     for label, (clk, tc) in steady[d].items():
         print(f"d={d:3}  {label:42} {clk:5.0f} clk / Q tile, tensor cores busy {tc:.0%}")
+
+# %% [markdown]
+# ## Blackwell at (192, 128) and 256: when the tile does not fit tensor memory
+# The plan above fills all 512 columns at d = 128. At (192, 128) the same 128 x 128 tile needs
+# S 128 + dV 128 + dP 128 + dK 192 = 576 columns before dQ has anywhere to go, and at 256 dK and dV alone
+# take 512. `blackwell_bwd_wide.py` (compiled for sm_100a, never run) makes three changes: a 64-query
+# tile (S^T and dP^T shrink to 64 columns), dQ computed transposed, `dQ^T = K^T dS^T`, so the drain's
+# thread r owns head-dim column r (128-row windows of the K tile, overlapping at 192), and at 256 two
+# CTAs per K/V tile, each owning half of dK, dV and dQ's columns. The price is the pipeline: the cell
+# prints the plans and the roofline's estimate (B200 cycles per 1k key-query pairs).
+
+# %%
+try:
+    bw_cfg.blackwell_bwd_config(192, 128, "bf16", causal=False)
+except ValueError as e:
+    print("1-CTA plan at (192, 128):", str(e).split(";")[0])
+for d, dv in bw_cfg.SUPPORTED_HEAD_DIMS_WIDE:
+    wide = bw_cfg.blackwell_bwd_wide_config(d, dv, "bf16", causal=False)
+    print(f"\n{wide.summary()}\n{wide.tmem.table()}")
+from stage4_bwd_kernel import roofline as bwd_roofline  # noqa: E402
+
+print("\n" + bwd_roofline.blackwell_wide_table())
 
 # %% [markdown]
 # ## 2-CTA: exchanging half of dS (schematic)
