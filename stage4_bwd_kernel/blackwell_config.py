@@ -438,7 +438,7 @@ WIDE_TILE_M = 64
 # setmaxnreg per warpgroup (elementwise, dQ drain, MMA + load), found by compiling every build for no spills
 # (each sums to 504 = 3 x 168, the launch's all). (192, 128): WG 2 holds two 64-query dQ^T windows (128
 # fp32) to hand the columns back before its atomics, and ptxas computes the 64 row addresses of a window
-# ahead -- at 168 it spilled 84-560 bytes, at 200 none; a 64-query P^T row leaves WG 0 enough at 208.
+# ahead -- at 160 / 168 it spilled 84-560 bytes, at 200 none; a 64-query P^T row leaves WG 0 enough at 208.
 # 256: one window, but the MMA warp keeps the descriptors of S and dP's 16 K-steps each -- at 96 it spilled.
 REGS_WIDE = {(192, 128): BwdRegisterPlan(elementwise=208, dq=200, other=96),
              (256, 256): BwdRegisterPlan(elementwise=240, dq=136, other=128)}

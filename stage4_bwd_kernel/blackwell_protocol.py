@@ -39,9 +39,9 @@ def _one_cta_names(T) -> dict:
 
 
 def wide_spec(blocks: int = 4, head_dim: int = 192) -> KernelSpec:
-    """stage4_bwd_kernel/blackwell_bwd_wide.py: the serial schedule whose dQ^T windows lie over S^T and
-    dP^T; (192, 128) (two windows) or 256 (one CTA of the head-dim split; the other runs the same program
-    on its own SMEM / TMEM)."""
+    """stage4_bwd_kernel/blackwell_bwd_wide.py: the serial schedule; (192, 128) (two dQ^T windows over
+    S^T and dP^T) or 256 (one window on columns of its own; one CTA of the head-dim split, the other runs
+    the same program on its own SMEM / TMEM)."""
     wide = blackwell_bwd_wide
     cfg = wide.make_config("bf16", head_dim, None, False)
     k = wide.FlashAttentionBackwardSm100Wide(cfg)

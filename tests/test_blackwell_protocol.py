@@ -85,6 +85,7 @@ PLANTED = [
     ("bwd-wide", lambda p: flip_wait(p, "mma", "dq_empty", 0), {"race", "overrun"}),
     ("bwd-wide", lambda p: set_count(p, "ds_full", 64), {"overflow"}),
     ("bwd-wide256", lambda p: flip_wait(p, "elementwise", "dp_full", 1), {"race", "overrun"}),
+    ("bwd-wide256", lambda p: flip_wait(p, "mma", "dq_empty", 0), {"race", "overrun"}),
 ]
 
 

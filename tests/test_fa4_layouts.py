@@ -141,7 +141,7 @@ def test_native_pair_is_the_cheapest_cover():
     assert _layouts.native_pair(blackwell, 96, 96) == (96, 96)
     assert _layouts.native_pair(blackwell, 80, 80) == (96, 96)
     assert _layouts.native_pair(blackwell, 128, 64) == (128, 128)
-    assert _layouts.native_pair(blackwell, 256, 256) == (256, 256)  # one Q tile a CTA (forward only)
+    assert _layouts.native_pair(blackwell, 256, 256) == (256, 256)  # one Q tile a CTA in the forward
     assert _layouts.native_pair(blackwell, 200, 136) == (256, 256)
     for pair in HOPPER.head_dims:
         assert _layouts.native_pair(HOPPER, *pair) == pair

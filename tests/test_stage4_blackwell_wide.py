@@ -3,7 +3,8 @@
 No Blackwell GPU exists in this project; these tests are the whole verification of
 stage4_bwd_kernel/blackwell_bwd_wide.py.
 
-cpu tier: the plan (64-query tiles, dQ^T windows over S^T / dP^T, a head-dim split at 256) against
+cpu tier: the plan (64-query tiles, dQ^T windows -- over S^T / dP^T at (192, 128), on columns of their
+own at 256 --, a head-dim split at 256) against
 column and byte counts computed by hand; the refusals; the arithmetic of the windows and of the split
 on NumPy data (every dQ column added exactly once, dK / dV / dQ of both halves = the whole); the launch
 order of the split; the routing of (192, 128) / 256 to this kernel.
