@@ -47,6 +47,31 @@ def _check_variants(causal, window_size, softcap):
     check_softcap(softcap)
 
 
+def is_wide(head_dim, head_dim_v) -> bool:
+    """The pairs the wide kernel (blackwell_bwd_wide.py) serves: TMEM cannot hold the 1-CTA kernel's
+    128 x 128 tile there. Plain Python (no cutlass import)."""
+    from stage4_bwd_kernel.blackwell_config import SUPPORTED_HEAD_DIMS_WIDE
+
+    return (head_dim, head_dim if head_dim_v is None else head_dim_v) in SUPPORTED_HEAD_DIMS_WIDE
+
+
+def _kernel_maker(head_dim, head_dim_v):
+    """host.py's make_kernel for these head dims: the wide kernel's, or None (the 1-CTA module's own)."""
+    if not is_wide(head_dim, head_dim_v):
+        return None
+    from stage4_bwd_kernel import blackwell_bwd_wide
+
+    return blackwell_bwd_wide.make_kernel
+
+
+def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, **kw):
+    """host.py's make_kernel interface over both kernels: the wide one at (192, 128) and 256, else the 1-CTA one."""
+    from stage4_bwd_kernel import blackwell_bwd
+
+    maker = _kernel_maker(head_dim, head_dim_v) or blackwell_bwd.make_kernel
+    return maker(dtype, head_dim, head_dim_v, causal, deterministic, **kw)
+
+
 def _require_blackwell(what: str):
     cap = _capability()
     if cap is None or cap[0] != 10:
@@ -66,7 +91,7 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
 
     return blackwell_bwd.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
                                             deterministic=deterministic, window_size=window_size, softcap=softcap,
-                                            dq=dq, dk=dk, dv=dv)
+                                            dq=dq, dk=dk, dv=dv, kernel_maker=_kernel_maker(q.shape[-1], v.shape[-1]))
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -84,20 +109,23 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     return blackwell_bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                    max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
                                                    causal=causal, deterministic=deterministic, window_size=window_size,
-                                                   softcap=softcap, return_d=return_d, check_values=check_values)
+                                                   softcap=softcap, return_d=return_d, check_values=check_values,
+                                                   kernel_maker=_kernel_maker(q.shape[-1], v.shape[-1]))
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
                  has_seqused_k=False, window_size=(None, None), softcap=0.0):
-    """Compile the backward for sm_100a without a GPU (resource report in .report; the wide kernel at
-    (192, 128) and 256); varlen=True
+    """Compile the backward for sm_100a without a GPU (resource report in .report; the wide kernel,
+    blackwell_bwd_wide, at (192, 128) and 256); varlen=True
     builds the packed kernel (cu_seqlens_q / cu_seqlens_k; has_seqused_k: + seqused_k); window_size /
     softcap the variant builds."""
-    from stage4_bwd_kernel import blackwell_bwd
-
-    return blackwell_bwd.compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
+    if is_wide(head_dim, head_dim_v):
+        from stage4_bwd_kernel import blackwell_bwd_wide as kernel_module
+    else:
+        from stage4_bwd_kernel import blackwell_bwd as kernel_module
+    return kernel_module.compile_only(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal,
                                       deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
                                       window_size=window_size, softcap=softcap)
 
 
-__all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "BEST_STEP"]
+__all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "make_kernel", "is_wide", "BEST_STEP"]

@@ -56,8 +56,8 @@ walk is schedule.py's band (``_m_range``; varlen ``WalkPlan.make_walk``) with th
 deterministic ranks schedule.py's (``_dq_rank``), the masks and softcap's tanh / derivative in WG 0
 (blackwell_elementwise.py); the 2-CTA kernel refuses both.
 
-Head dims (192, 128) and 256 do not fit this kernel's TMEM plan: ``make_kernel`` / ``compile_only``
-route them to the wide kernel (blackwell_bwd_wide.py, a subclass). The 2-CTA kernel (blackwell_bwd_2cta.py)
+Head dims (192, 128) and 256 do not fit this kernel's TMEM plan: the wide kernel (blackwell_bwd_wide.py,
+a subclass) serves them, and stage4_bwd_kernel.blackwell (what fa4 imports) routes them there. The 2-CTA kernel (blackwell_bwd_2cta.py)
 subclasses this one and reuses its elementwise helpers (_row_copies, _p_phase, _stage_stats, _exp_row,
 _store16, _store_dkdv, in blackwell_elementwise.py) and gemm.
 """
@@ -680,24 +680,11 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
     """host.py's make_kernel interface: dense, or varlen (+ seqused_k), default or deterministic;
     window (a Window beyond causal, host.variant_of) and softcap when host.backward passes a variant.
     dQ by TMA reduce when the plan's default says so (DQ_TMA_DEFAULT), never for varlen builds.
-    Head dims (192, 128) and 256 build the wide kernel (blackwell_bwd_wide.py)."""
-    if _is_wide(head_dim, head_dim_v):
-        from stage4_bwd_kernel import blackwell_bwd_wide
-
-        return blackwell_bwd_wide.make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
-                                              has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles,
-                                              window=window, softcap=softcap)
+    Head dims (192, 128) and 256: blackwell_bwd_wide.make_kernel (stage4_bwd_kernel.blackwell routes)."""
     config_fn = functools.partial(make_config, dq_tma=False) if varlen else make_config
     return make_dense_kernel(FlashAttentionBackwardSm100, config_fn, "1-CTA", dtype, head_dim, head_dim_v, causal,
                              deterministic, varlen=varlen, has_seqused_k=has_seqused_k, dq_order=dq_order, tiles=tiles,
                              supports_varlen=True, window=window, softcap=softcap)
-
-
-def _is_wide(head_dim, head_dim_v) -> bool:
-    """The pairs the wide kernel serves (TMEM cannot hold the 1-CTA kernel's 128 x 128 tile there)."""
-    from stage4_bwd_kernel.blackwell_config import SUPPORTED_HEAD_DIMS_WIDE
-
-    return (head_dim, head_dim if head_dim_v is None else head_dim_v) in SUPPORTED_HEAD_DIMS_WIDE
 
 
 def make_dense_kernel(kernel_cls, make_config_fn, label, dtype, head_dim, head_dim_v, causal, deterministic, *,
@@ -785,16 +772,9 @@ def compile_cached(kernel_cls, cfg: BlackwellBwdConfig, dq_order, cache: dict, e
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, *, varlen=False,
                  has_seqused_k=False, window_size=(None, None), softcap=0.0, **kw):
     """Compile the 1-CTA backward for sm_100a (dense, or varlen with cu_seqlens [+ seqused_k]);
-    window_size / softcap: the variant builds (compiled and checked structurally, never run).
-    Head dims (192, 128) and 256: the wide kernel (blackwell_bwd_wide.compile_only)."""
+    window_size / softcap: the variant builds (compiled and checked structurally, never run)."""
     if has_seqused_k and not varlen:
         raise ValueError("seqused_k: only with varlen (cu_seqlens_q / cu_seqlens_k)")
-    if _is_wide(head_dim, head_dim_v):
-        from stage4_bwd_kernel import blackwell_bwd_wide
-
-        return blackwell_bwd_wide.compile_only(dtype, head_dim, head_dim_v, causal, deterministic, varlen=varlen,
-                                               has_seqused_k=has_seqused_k, window_size=window_size,
-                                               softcap=softcap, **kw)
     if varlen:
         kw.setdefault("dq_tma", False)  # packed rows keep the per-row atomics (see __init__)
     cfg = make_config(dtype, head_dim, head_dim_v, causal, deterministic, window_size=window_size, softcap=softcap,
@@ -828,23 +808,26 @@ def blackwell_gpu_available() -> bool:
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None):
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None,
+                       kernel_maker=None):
     """Gradients on a Blackwell (capability 10.x) GPU; window_size / softcap as the Hopper backward's.
-    UNVERIFIED: never run on hardware here."""
+    kernel_maker: host.py's make_kernel to build (None: this module's; the wide head dims pass
+    blackwell_bwd_wide.make_kernel, as stage4_bwd_kernel.blackwell does). UNVERIFIED: never run on hardware here."""
     from stage4_bwd_kernel import host
 
     variant = host.variant_of(causal, window_size, softcap)  # TypeError / ValueError before the GPU check
     if not blackwell_gpu_available():
         raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU; use compile_only() "
                            "elsewhere, or stage4_bwd_kernel.hopper on an H100")
-    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
-                         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, variant=variant)
+    return host.backward(STEP, kernel_maker or make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale,
+                         causal=causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order,
+                         variant=variant)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
                               window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None,
-                              return_d=False, check_values=False):
+                              return_d=False, check_values=False, kernel_maker=None):
     """Packed (T, H, D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens (batch + 1,), optional
     seqused_k (batch,) -> (dq, dk, dv) (+ D with return_d, as the Hopper one) on a Blackwell (capability 10.x) GPU, through host.backward (the
     Hopper varlen backward's preprocess / postprocess). UNVERIFIED: compiled for sm_100a and checked
@@ -855,7 +838,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     if not blackwell_gpu_available():
         raise RuntimeError("the Blackwell backward needs a capability-10.x (sm_100) GPU; use compile_only(varlen=True) "
                            "elsewhere, or stage4_bwd_kernel.hopper on an H100")
-    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
+    return host.backward(STEP, kernel_maker or make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, return_d=return_d,

@@ -95,7 +95,7 @@ def test_backward_kernel_on_blackwell(d, dv, causal):
     """The backward directly (the forward's out / lse from the reference; the 1-CTA kernel, or the
     wide one at (192, 128) and 256), default and deterministic; deterministic twice is bitwise equal."""
     from stage0_reference.torch_reference import assert_fa4_close, attention_ref, grad_atol
-    from stage4_bwd_kernel import blackwell_bwd as mod
+    from stage4_bwd_kernel import blackwell as mod   # routes (192, 128) / 256 to the wide kernel
     from stage4_bwd_kernel import host
 
     g = torch.Generator(device="cuda").manual_seed(d + causal)

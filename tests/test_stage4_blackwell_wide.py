@@ -151,17 +151,27 @@ def test_split_order_launches_the_parts_of_a_tile_together():
 @pytest.mark.cpu
 @pytest.mark.stage4
 def test_wide_head_dims_route_to_the_wide_kernel():
-    from stage4_bwd_kernel import blackwell_bwd
+    """stage4_bwd_kernel.blackwell (what fa4 imports) builds the wide kernel at (192, 128) and 256 and the
+    1-CTA one elsewhere; blackwell_bwd itself knows nothing of the wide kernel (it would import it back)."""
+    from stage4_bwd_kernel import blackwell, blackwell_bwd
 
     W = _wide_kernel_module()
     for d, dv in SUPPORTED_HEAD_DIMS_WIDE:
-        kern = blackwell_bwd.make_kernel("bf16", d, dv, True, False)
+        assert blackwell.is_wide(d, dv) and blackwell._kernel_maker(d, dv) is W.make_kernel
+        kern = blackwell.make_kernel("bf16", d, dv, True, False)
         assert isinstance(kern, W.FlashAttentionBackwardSm100Wide) and kern.tile_m == 64
-        kern = blackwell_bwd.make_kernel("bf16", d, dv, False, True, varlen=True, has_seqused_k=True)
+        kern = blackwell.make_kernel("bf16", d, dv, False, True, varlen=True, has_seqused_k=True)
         assert kern.varlen and kern.has_seqused_k
-    assert type(blackwell_bwd.make_kernel("bf16", 128, 128, True, False)) is blackwell_bwd.FlashAttentionBackwardSm100
+    assert blackwell.is_wide(256, None) and not blackwell.is_wide(192, 192) and blackwell._kernel_maker(128, 128) is None
+    assert type(blackwell.make_kernel("bf16", 128, 128, True, False)) is blackwell_bwd.FlashAttentionBackwardSm100
     with pytest.raises(ValueError, match="^tiles"):
-        blackwell_bwd.make_kernel("bf16", 192, 128, False, False, tiles=(128, 128))
+        blackwell.make_kernel("bf16", 192, 128, False, False, tiles=(128, 128))
+    # the public functions check the variants first and refuse to run without a Blackwell GPU
+    import torch
+
+    t = torch.zeros(1, 8, 2, 192)
+    with pytest.raises(RuntimeError, match="Blackwell"):
+        blackwell.attention_backward(t, t, t[..., :128], t[..., :128], t[..., :128], torch.zeros(1, 2, 8))
 
 
 # ------------------------------------------------------------------------------------ compile tier
@@ -181,10 +191,10 @@ def _id(b):
 
 @pytest.fixture(scope="module", params=BUILDS, ids=[_id(b) for b in BUILDS])
 def build(request):
-    from stage4_bwd_kernel import blackwell_bwd  # the public route: compile_only sends wide dims on
+    from stage4_bwd_kernel import blackwell  # the public route: compile_only sends wide dims on
 
     b = dict(request.param)
-    return b, blackwell_bwd.compile_only(**b)
+    return b, blackwell.compile_only(**b)
 
 
 @pytest.mark.compile
