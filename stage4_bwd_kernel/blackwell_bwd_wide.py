@@ -164,6 +164,9 @@ class FlashAttentionBackwardSm100Wide(FlashAttentionBackwardSm100):
         tdOt = dv_.make_fragment_B(self._part_view(sdOt, part, 0, self.dv_cols, tm))
         tQt = dk_.make_fragment_B(self._part_view(sQt, part, 0, self.dk_cols, tm))
         tdSt_b = dq_.make_fragment_B(sdS)
+        # each dQ^T window: its K^T view (A) and its accumulator, made once for the walk
+        tKw = [dq_.make_fragment_A(self._part_view(sKt, part, w0, self.dk_cols, tn)) for w0 in self.windows]
+        accQ = [self._tmem_acc(tmem_ptr, mma_dq, (DQT_WINDOW, tm), T.dq + w * tm) for w in range(len(self.windows))]
         accS = self._tmem_acc(tmem_ptr, mma_s, (tn, tm), T.s)
         accdP = self._tmem_acc(tmem_ptr, mma_dp, (tn, tm), T.dp)
         accdV = self._tmem_acc(tmem_ptr, mma_dv, (tn, self.dv_cols), T.dv)
@@ -197,9 +200,7 @@ class FlashAttentionBackwardSm100Wide(FlashAttentionBackwardSm100):
             if const_expr(not over):
                 self._wait_dq_drained(mbar, j)
             for w in cutlass.range_constexpr(len(self.windows)):
-                tKw = dq_.make_fragment_A(self._part_view(sKt, part, self.windows[w], self.dk_cols, tn))
-                accQ = self._tmem_acc(tmem_ptr, mma_dq, (DQT_WINDOW, tm), T.dq + w * tm)
-                self.gemm(mma_dq, accQ, tKw[None, None, None, 0], tdSt_b[None, None, None, 0], False)
+                self.gemm(mma_dq, accQ[w], tKw[w][None, None, None, 0], tdSt_b[None, None, None, 0], False)
             with cute.arch.elect_one():
                 tcgen05.commit(self._bar(mbar, "dq_full"))
         with cute.arch.elect_one():

@@ -151,7 +151,7 @@ class Consumer:
         # the design's operands and tile body, picked once (wide.py / wide_swap.py at the wide head dims)
         operands, tile_body = self.operands, self.consume_tile
         if const_expr(self.wide):
-            operands, tile_body = self.operands, self.consume_tile_wide
+            tile_body = self.consume_tile_wide
         if const_expr(self.kv_swap):
             operands, tile_body = self.operands_swap, self.consume_tile_swap
         o = operands(ctidx, storage, mmas, layouts)
