@@ -69,10 +69,6 @@ MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue,
 MAX_SPLITS = 64
 MAX_GRID_Z = 65535        # a CUDA grid's z extent: the split launch's batch x splits
 PACKED_CAUSAL_ROWS = 64   # the split launch's rows (one short-query tile, fa4._dispatch), causal ones packed
-# a split launch of 2..16 chunks and at most 16 rows a sequence merges inside its thread-block cluster
-# (stage 3's components.cluster_merge) instead of in a second kernel
-CLUSTER_MERGE_SPLITS = (2, 8)
-CLUSTER_MERGE_ROWS = 16
 # Pages the kernel does not read in place become one segment each only from this size on; smaller ones
 # are gathered into a dense copy first: a segment per page of 16 keys ran at 0.06x of a dense cache
 # on an H200 (138 GB/s at 1 x 16k), while a copy costs about two more passes over the keys.
@@ -318,8 +314,7 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     cache, or of its pages (page_table) ->
     out (B, R, H', Dv) (into `out` when given) and lse (B, H', R) fp32, merged. No segment offsets,
     no replicated queries: the kernel finds each chunk itself. n > 1: the parts go to the merge
-    kernel (PartsCombine), or, 2..16 chunks of at most 16 rows (`merges_in_cluster`), merge inside the
-    kernel's clusters; n = 1: the kernel writes the result, and its lse buffer is (B, H', R).
+    kernel (PartsCombine); n = 1: the kernel writes the result, and its lse buffer is (B, H', R).
     causal: bottom-right aligned to each sequence's end, in every chunk; rows_per_query: the packed
     GQA group, whose rows the causal mask takes by token; unpack g > 1 (n > 1): the merge writes the
     token-packed rows unpacked (merge_segments), out (B, R / g, H' g, Dv) and lse (B, H' g, R / g).
@@ -339,20 +334,9 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
               range_keys=range_keys, window_size=tuple(window), cache_rows=cache_rows)
     if n == 1:
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
-    if merges_in_cluster(n, r, unpack):
-        return mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, out=out, merge_in_cluster=True, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
     parts, _ = mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, lse=lse.permute(1, 0, 2), **kw)
     return merge_segments(parts, lse, n, kernel=True, into=out, unpack=unpack)
-
-
-def merges_in_cluster(n: int, rows: int, unpack: int = 1) -> bool:
-    """Whether a split launch of n chunks and `rows` kernel rows a sequence merges its chunks inside
-    its cluster (one kernel) rather than in PartsCombine: 2..16 chunks, at most 16 rows, and a result
-    in the kernel's packed layout (unpack 1). One token's GQA group at batch 1, 16k keys: 22.1 -> us
-    a step on an H200 (docs/measurements.md)."""
-    lo, hi = CLUSTER_MERGE_SPLITS
-    return lo <= n <= hi and rows <= CLUSTER_MERGE_ROWS and unpack == 1
 
 
 def split_chunks(s_cache: int, n: int) -> tuple[int, int]:

@@ -53,7 +53,6 @@ class KeySplit(NamedTuple):
     range_keys: Any = None  # W: the keys each sequence reads, its last W (Int32; RANGE_ALL or None: all)
     range_align: int = 1    # the range's first key rounded down to a multiple of this (paged: the key tile)
     cache_rows: Any = None  # int32 (B,) or None: sequence b's batch row of a dense K / V (None: row b)
-    merged: bool = False    # the chunks merge inside their cluster (components.cluster_merge): O / lse by b
 
 
 RANGE_ALL = 2**31 - 1  # range_keys that reads every key: max(L - RANGE_ALL, 0) = 0 for any L >= 0

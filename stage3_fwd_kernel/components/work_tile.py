@@ -73,8 +73,7 @@ def locate_tile(seq: SequenceInfo, m_block, head, batch, q_shift_tile_m=None) ->
     if const_expr(seq.key_split is not None):  # dense q, one chunk of sequence b's keys
         c = chunk_of(seq.key_split, batch, seqlen_k, seq.seqused_k)
         return AttentionTile(m_block, head, intdiv.fast_div(head, seq.qhead_per_kvhead), c.sequence, Int32(0),
-                             c.first_key, seqlen_q, c.keys_to_end, c.sequence, c.batch_kv,
-                             c.sequence if const_expr(seq.key_split.merged) else batch)
+                             c.first_key, seqlen_q, c.keys_to_end, c.sequence, c.batch_kv, batch)
     if const_expr(seq.batch_map is not None):
         batch = seq.batch_map[batch]
     offset_q, offset_k, batch_t = Int32(0), Int32(0), batch

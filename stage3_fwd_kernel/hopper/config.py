@@ -79,11 +79,10 @@ def o_fits_beside_q(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int) ->
 
 
 def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128,
-                       separate_o: bool = False, reserved: int = 0) -> int:
-    """As many K/V stages as fit next to Q (and O when it has its own buffer, and `reserved` bytes:
-    a cluster merge's slots), between 2 and 4."""
+                       separate_o: bool = False) -> int:
+    """As many K/V stages as fit next to Q (and O when it has its own buffer), between 2 and 4."""
     fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o)
-    return max(2, min(4, (SMEM_BUDGET - fixed - reserved) // stage_bytes))
+    return max(2, min(4, (SMEM_BUDGET - fixed) // stage_bytes))
 
 
 def check_persistent_smem(head_dim, head_dim_v, tile_n, tile_m, num_stages, o_direct):

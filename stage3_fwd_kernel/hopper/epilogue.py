@@ -11,8 +11,6 @@
   stages do not fit in shared memory): 4-byte stores, two adjacent columns each.
 * Split tail: a key chunk of a tail tile leaves O (over its own row sums) and lse in an fp32
   workspace that `split_combine` merges.
-* A key split merged inside its cluster (components.cluster_merge): chunks 1..n-1 send their rows
-  to chunk 0's shared memory and store nothing; chunk 0 folds them into its own and stores.
 Rows past the sequence's end (they belong to the next sequence) and q_shift's padding rows are
 never written.
 """
@@ -24,10 +22,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from stage3_fwd_kernel.components import cluster_merge
 from stage3_fwd_kernel.components.sink import finish_row
 from stage3_fwd_kernel.hopper import barriers
-from stage3_fwd_kernel.hopper.fragments import acc_rowcol, quad_allreduce, row_stored
+from stage3_fwd_kernel.hopper.fragments import quad_allreduce, row_stored
 
 
 class OutputTiles(NamedTuple):
@@ -71,8 +68,6 @@ def finish_tile(cfg, wg: Int32, ctidx: Int32, tile, row0: Int32, acc_O: cute.Ten
         whole = chunk < 0
         if not whole:
             store_split(cfg, acc_O, lse, out.mSplit, chunk, wg, ctidx, out.tiled_mma_pv, ctx.tScS_rc)
-    if const_expr(cfg.merge_splits > 0):
-        whole = merge_in_cluster(cfg, ctidx, tile, acc_O, acc_O_rc, lse, out.tiled_mma_pv, ctx.tScS_rc)
     if whole:
         store_lse(cfg, lse, out.mLSE, tile, row0, ctx.tScS_rc)
         rO = cute.make_rmem_tensor_like(acc_O, cfg.dtype)
@@ -85,21 +80,6 @@ def finish_tile(cfg, wg: Int32, ctidx: Int32, tile, row0: Int32, acc_O: cute.Ten
         else:
             store_O_via_smem(cfg, rO, out.gO, out.sO_wg, out.tiled_mma_pv, out.gmem_copy_O, ctidx,
                              tile.seqlen_q - row0, wg, rows_skip)
-
-
-@cute.jit
-def merge_in_cluster(cfg, ctidx: Int32, tile, acc_O: cute.Tensor, acc_O_rc: cute.Tensor, lse: cute.Tensor,
-                     tiled_mma_pv: cute.TiledMma, tScS_rc: cute.Tensor):
-    """A key split merged in its cluster: the leader (rank 0) folds the other chunks' rows into its
-    own and returns True (it stores them); a sender sends its rows and returns False."""
-    rank = cute.arch.block_idx_in_cluster()
-    tOcO = tiled_mma_pv.get_slice(ctidx).partition_C(cute.make_identity_tensor((cfg.wg_m, cfg.head_dim_v)))
-    leader = rank == 0
-    if leader:
-        cluster_merge.merge(cfg.merger, acc_O_rc, lse, acc_rowcol(tOcO), tile.seqlen_q)
-    else:
-        cluster_merge.send(cfg.merger, rank, acc_O, lse, tOcO, tScS_rc, tile.seqlen_q)
-    return leader
 
 
 @cute.jit

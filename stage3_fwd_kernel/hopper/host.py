@@ -9,7 +9,6 @@ from cutlass import Float32, Int32
 import cutlass.cute as cute
 
 from stage3_fwd_kernel import host_io, trace
-from stage3_fwd_kernel.components.cluster_merge import check_merge, slot_rows
 from stage3_fwd_kernel.components.key_split import RANGE_ALL
 from stage3_fwd_kernel.components.paged_kv import check_page_size, gathered
 from stage3_fwd_kernel.components.score_mod import Softcap, check_softcap
@@ -64,21 +63,20 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
                 variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
-                rows_per_query: int = 1, merge: tuple[int, int] | None = None):
+                rows_per_query: int = 1):
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window); page_size:
     built for a paged K/V cache (components.paged_kv); key_split: split-KV (components.key_split);
-    rows_per_query: q's rows are query tokens times this (packed GQA heads, a key split only); merge:
-    (splits, slot rows) of a key split merged inside its cluster (components.cluster_merge)."""
+    rows_per_query: q's rows are query tokens times this (packed GQA heads, a key split only)."""
     tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
                                      tile_m=tile_m, split_tail=split_tail, window=variant.window,
                                      softcap=variant.softcap, page_size=page_size, key_split=key_split,
-                                     rows_per_query=rows_per_query, merge=merge)
+                                     rows_per_query=rows_per_query)
 
 
 def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
          split_tail=False, variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
-         rows_per_query: int = 1, merge: tuple[int, int] | None = None):
+         rows_per_query: int = 1):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
@@ -86,7 +84,7 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
         + (("key_split",) if key_split else ()) + (("rows_per_query", rows_per_query) if rows_per_query != 1 else ()) \
-        + (() if merge is None else ("merge",) + tuple(merge)) + trace.key()
+        + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -118,16 +116,14 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
 
 
 def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False,
-             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False, rows_per_query: int = 1,
-             merge: tuple[int, int] | None = None):
+             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False, rows_per_query: int = 1):
     """The one place the kernel is compiled (against fake tensors): launchable=True builds what
     attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
     key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
-               split_tail, variant, page_size, key_split, rows_per_query, merge)
+               split_tail, variant, page_size, key_split, rows_per_query)
     return compile_cached(key, lambda: (
         make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail,
-                    variant=variant, page_size=page_size, key_split=key_split, rows_per_query=rows_per_query,
-                    merge=merge),
+                    variant=variant, page_size=page_size, key_split=key_split, rows_per_query=rows_per_query),
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False),
                    split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
@@ -376,7 +372,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                             tile_m: int | None = None, range_keys: int | None = None, window_size=(None, None),
-                            cache_rows=None, merge_in_cluster: bool = False):
+                            cache_rows=None):
     """Split-KV (components.key_split): q (B, R, Hq, D) against num_splits chunks of chunk_keys keys
     of each sequence's cache -> the parts, out (B * n, R, Hq, Dv) in q's dtype (chunk j of sequence
     b at row b * n + j, O divided by the chunk's own row sums) and lse (B * n, Hq, R) fp32 (-inf
@@ -401,10 +397,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     paged range needs a left window with left + T <= W to hide the keys before it. out / lse: where
     the parts go (any strides with a unit last one; lse may be a view of an (Hq, B * n, R) buffer,
     the layout the merge reads).
-    One CTA per tile; with g = 1 q's rows may be a strided view (one token's GQA heads packed as rows).
-    merge_in_cluster: the n CTAs of a sequence run as one cluster and merge their chunks in shared
-    memory (components.cluster_merge; 2..16 splits, at most 16 rows R): out (B, R, Hq, Dv) and lse
-    (B, Hq, R) are then the merged result, as an unsplit launch writes it."""
+    One CTA per tile; with g = 1 q's rows may be a strided view (one token's GQA heads packed as rows)."""
     import torch
 
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
@@ -470,13 +463,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     policy.check_dtype(dt)
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
-    merge = None
-    if merge_in_cluster:
-        check_merge(num_splits, r)
-        if tile_m != 64:
-            raise ValueError(f"tile_m: a merge inside the cluster runs on 64-row tiles, got {tile_m}")
-        merge = (num_splits, slot_rows(r))
-    out, lse = _outputs(out, lse, (b, r, hq, dv) if merge else (bn, r, hq, dv), (b, hq, r) if merge else (bn, hq, r), q)
+    out, lse = _outputs(out, lse, (bn, r, hq, dv), (bn, hq, r), q)
     if bn == 0 or r == 0 or hq == 0:
         return out, lse
     if cache_keys == 0:
@@ -489,7 +476,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                       page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
                       range_keys=RANGE_ALL if range_keys is None else range_keys)
     _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, (False, used is not None, rows is not None), tile_m,
-             variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query, merge=merge).fn(*args)
+             variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
     return out, lse
 
 
@@ -500,7 +487,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  persistent: bool | None = None, seqlen_k: int | None = None,
                  split_tail: bool = False, window_size=(None, None), softcap: float = 0.0,
                  learnable_sink: bool = False, page_size: int | None = None, key_split: bool = False,
-                 rows_per_query: int = 1, merge: tuple[int, int] | None = None) -> Compiled:
+                 rows_per_query: int = 1) -> Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     and persistent as in attention_forward (None = default_tile_m / default_persistent, which takes
@@ -509,8 +496,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     learnable_sink (a bool: built for a sink) select the variant as attention_forward does; page_size:
     built for a paged cache (needs varlen and seqused_k); key_split: what attention_split_forward
     launches (dense, one CTA per tile; seqused_k, page_size, rows_per_query and batch_map -- its
-    cache_rows -- as its call passes them); merge: (splits, slot rows) of a key split merged inside its
-    cluster (attention_split_forward's merge_in_cluster)."""
+    cache_rows -- as its call passes them)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     variant = Variant(beyond_causal(causal, window_size), check_softcap(softcap), bool(learnable_sink))
     split_tail = _no_split_with(variant, split_tail)
@@ -536,7 +522,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                                    windowed=variant.window.limited)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
-                    variant, page_size, key_split, rows_per_query, merge)
+                    variant, page_size, key_split, rows_per_query)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones

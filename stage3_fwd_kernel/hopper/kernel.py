@@ -39,8 +39,6 @@ from cutlass.memory.smem import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import trace
-from stage3_fwd_kernel.components.cluster_merge import ClusterMerge, check_merge, slot_bytes, slot_rows
-from stage3_fwd_kernel.components.cluster_merge import arm as arm_merge
 from stage3_fwd_kernel.components.block_range import blocks_walked, first_key_block, num_key_blocks
 from stage3_fwd_kernel.components.key_split import KeySplit, chunk_blocks, rows_by_token
 from stage3_fwd_kernel.components.mask import AttentionMask
@@ -70,7 +68,7 @@ class FlashAttentionForwardSm90:
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
                  num_stages: int | None = None, scheduler=StaticTileScheduler, split_tail: bool = False,
                  window: Window = NO_WINDOW, softcap: float = 0.0, page_size: int | None = None,
-                 key_split: bool = False, rows_per_query: int = 1, merge: tuple[int, int] | None = None):
+                 key_split: bool = False, rows_per_query: int = 1):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -126,17 +124,8 @@ class FlashAttentionForwardSm90:
         # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
         # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers
         self.o_direct = self.persistent and not o_fits_beside_q(head_dim, head_dim_v, self.tile_n, tile_m)
-        # merge = (n, slot rows): a key split whose n chunks merge inside their cluster (components.cluster_merge)
-        self.merge_splits, self.merge_rows = merge or (0, 0)
-        if merge is not None:
-            check_merge(self.merge_splits, self.merge_rows)
-            if not key_split or tile_m != 64 or self.merge_rows != slot_rows(self.merge_rows):
-                raise ValueError(f"merge: a key split on 64-row tiles with power-of-two slot rows, got key_split="
-                                 f"{key_split}, tile_m={tile_m}, merge={merge!r}")
-        reserved = slot_bytes(self.merge_splits, self.merge_rows, head_dim_v) if merge else 0
         self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m,
-                                                           separate_o=self.persistent and not self.o_direct,
-                                                           reserved=reserved)
+                                                           separate_o=self.persistent and not self.o_direct)
         self.split_tail = bool(split_tail)
         self.key_split = bool(key_split)  # batch indexes (sequence, key chunk): components.key_split
         self.scheduler = scheduler
@@ -260,7 +249,6 @@ class FlashAttentionForwardSm90:
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
         """The CTA's shared memory: barriers, the dynamic scheduler's tile ids, Q, the K/V ring, O."""
         stages = self.num_stages
-        parts = max(self.merge_splits - 1, 0)
 
         @cute.struct
         class SharedStorage:
@@ -273,10 +261,6 @@ class FlashAttentionForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[
                 self.dtype, 0 if self.o_in_q or self.o_direct else cute.cosize(sO_layout)], 1024]
-            # a merge inside the cluster: the leader's slots for the other chunks' rows
-            mbar_merge: cute.struct.MemRange[cutlass.Int64, 1 if parts else 0]
-            merge_lse: cute.struct.Align[cute.struct.MemRange[Float32, parts * self.merge_rows], 16]
-            merge_O: cute.struct.Align[cute.struct.MemRange[self.dtype, parts * self.merge_rows * self.head_dim_v], 16]
 
         return SharedStorage
 
@@ -365,8 +349,7 @@ class FlashAttentionForwardSm90:
                     *((mK, mV) if self.gather else (None, None)), num_splits, chunk_keys, range_keys,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
-                             use_pdl=self.key_split,
-                             **({"cluster": [1, 1, self.merge_splits]} if self.merge_splits else {}))
+                             use_pdl=self.key_split)
 
     # -------------------------------------------------------------- device side
     @cute.kernel
@@ -397,8 +380,7 @@ class FlashAttentionForwardSm90:
         # a paged cache's range starts on a key block (its pages are found block by block)
         # under a key split, batch_map holds each sequence's K / V cache row (components.key_split)
         split = KeySplit(num_splits, chunk_keys, self.page_size is not None, range_keys,
-                         self.tile_n if const_expr(self.page_size is not None) else 1, mBatchMap,
-                         self.merge_splits > 0) \
+                         self.tile_n if const_expr(self.page_size is not None) else 1, mBatchMap) \
             if const_expr(self.key_split) else None
         self.split = split  # read by key_range (through self, like the walk below)
         seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
@@ -467,13 +449,8 @@ class FlashAttentionForwardSm90:
 
         storage = SmemAllocator().allocate(self.shared_storage)
         pipe_Q, pipe_K, pipe_V = self._pipelines(storage)
-        if const_expr(self.merge_splits > 0):  # the leader arms its slots' mbarrier (components.cluster_merge)
-            self.merger = ClusterMerge(self, storage)  # read by the epilogue (through self, as the walk below)
-            arm_merge(self.merger, cute.arch.block_idx_in_cluster(), tile.seqlen_q)
         cute.arch.mbarrier_init_fence()  # make the barrier inits visible to the async proxy (TMA)
         cute.arch.sync_threads()         # ... and to every thread; the last CTA-wide barrier
-        if const_expr(self.merge_splits > 0):
-            cute.arch.cluster_arrive_relaxed()  # after the fence: a sender's cluster_wait sees the armed mbarrier
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, nc)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
