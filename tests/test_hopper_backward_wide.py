@@ -59,12 +59,16 @@ def test_wide_pairs_take_the_wide_design():
         mod.make_kernel(None, 192, 128, False, False, tiles=(64, 96), kv_swap=False)
     with pytest.raises(ValueError, match="tiles"):
         mod.make_kernel(None, 192, 128, False, False, tiles=(64, 64))
-    # deterministic mode keeps the writer warp (it orders the adds): one stage at 256
+    # deterministic mode as the default: the writer warp at (192, 128), the consumers' reds at 256 (in
+    # turns that the writer's warps keep), two stages both
     det = [mod.make_kernel(None, d, dv, True, True) for d, dv in WIDE]
-    assert [(k.num_stages, k.dq_atomic) for k in det] == [(2, False), (1, False)]
+    assert [(k.num_stages, k.dq_atomic) for k in det] == [(2, False), (2, True)]
     assert [mod.make_kernel(None, d, dv, False, False).dq_atomic for d, dv in WIDE] == [False, True]
     with pytest.raises(ValueError, match="dq_atomic"):
-        mod.make_kernel(None, 256, 256, False, True, dq_atomic=True)
+        mod.make_kernel(None, 128, 128, False, True, dq_atomic=True)
+    # the writer of before stays buildable at 256 (one stage), for comparison
+    old = mod.make_kernel(None, 256, 256, False, True, dq_atomic=False, stages=1, dq_buffers=1)
+    assert (old.num_stages, old.dq_atomic) == (1, False)
     assert not mod.make_kernel(None, 128, 128, False, False).wide
     with pytest.raises(ValueError, match="head_dim"):
         mod.make_kernel(None, 192, 192, False, False)
@@ -134,6 +138,8 @@ def test_wide_compiles_sm90a(dtype, d, dv, causal, det, varlen, swap):
     else:
         assert re.search(r"\bUBLKRED\b", sass) and not re.search(r"\bREDG?\.E\.ADD\.F32", sass)
     assert ("ld.global.acquire.gpu.b32" in ptx) == det
+    if det and kernel.dq_atomic:  # the turn warps: each warpgroup meets its own with 160 threads, twice a tile
+        assert len(re.findall(r"bar\.sync\s+\S+, 160;", ptx)) >= 2 and len(re.findall(r"bar\.arrive\s+\S+, 160;", ptx)) >= 2
     # "sdSt free": each warpgroup syncs its own id and arrives on the other's (256 threads)
     assert re.search(r"bar\.sync\s+\S+, 256;", ptx) and re.search(r"bar\.arrive\s+\S+, 256;", ptx)
 

@@ -80,8 +80,7 @@ class DqWriter:
                     mine = t % self.dq_writers == writer   # writer w: the tiles of its buffers
                 if mine:
                     if const_expr(self.deterministic):
-                        self.acquire_dq_tile(mSemaphore, walk.seqlen_q, walk.seqlen_k, walk.batch, head,
-                                             walk.n_block, m_block, lane)
+                        self.acquire_dq_tile(mSemaphore, walk, head, m_block, lane)
                     self.dq_full(buf, wait=True)
                     # a loop, not unrolled: each TMA tensor copy expands to one elected issue per swizzle
                     # span, and two copies' worth of them spilled the writer's 24 registers
@@ -118,18 +117,23 @@ class DqWriter:
         cute.arch.sync_warp()
 
     @cute.jit
-    def acquire_dq_tile(self, mSemaphore: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, batch: Int32, head: Int32,
-                        n_block: Int32, m_block: Int32, lane: Int32):
-        """Deterministic mode: lane 0 spins until dQ tile (batch, head, m_block)'s counter reaches this
-        CTA's rank (K/V tile n_block's) in the dQ order; the warp, and its async-proxy adds, follow."""
-        n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
-                                             imin=cutlass.min, window=self.window_or_none)
+    def dq_rank(self, walk, m_block: Int32) -> Int32:
+        """This CTA's place (K/V tile walk.n_block's) among the K/V tiles that add into dQ tile m_block,
+        in the order of ``dq_order``."""
+        n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, walk.seqlen_q, walk.seqlen_k,
+                                             self.causal, imin=cutlass.min, window=self.window_or_none)
         n_block_first = Int32(0)
         if const_expr(self.window_or_none is not None):
-            n_block_first = schedule.n_block_first(m_block, self.tile_m, self.tile_n, seqlen_q, seqlen_k, self.causal,
-                                                   imax=cutlass.max, window=self.window_or_none)
-        common.semaphore_wait(common.elem_pointer(mSemaphore, (batch, head, m_block)),
-                              self.dq_order.rank(n_block, n_block_first, n_block_last), lane)
+            n_block_first = schedule.n_block_first(m_block, self.tile_m, self.tile_n, walk.seqlen_q, walk.seqlen_k,
+                                                   self.causal, imax=cutlass.max, window=self.window_or_none)
+        return self.dq_order.rank(walk.n_block, n_block_first, n_block_last)
+
+    @cute.jit
+    def acquire_dq_tile(self, mSemaphore: cute.Tensor, walk, head: Int32, m_block: Int32, lane: Int32):
+        """Deterministic mode: lane 0 spins until dQ tile (batch, head, m_block)'s counter reaches this
+        CTA's rank (K/V tile n_block's) in the dQ order; the warp, and its async-proxy adds, follow."""
+        common.semaphore_wait(common.elem_pointer(mSemaphore, (walk.batch, head, m_block)),
+                              self.dq_rank(walk, m_block), lane)
         cute.arch.sync_warp()                  # lane 0's acquire precedes everyone
         cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
 

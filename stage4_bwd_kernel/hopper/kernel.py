@@ -256,6 +256,9 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                     if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + self.dq_writers:
                         self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout,
                                       warp_idx - DQ_WRITER_WARP)
+                elif const_expr(self.deterministic):  # ... in turns that the writer's warps keep (wide.py)
+                    if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + NUM_WG_MMA:
+                        self.pass_dq_turns(walk, mSemaphore, warp_idx - DQ_WRITER_WARP)
             else:
                 # ---------------------------------------------------------------- consumers
                 cute.arch.setmaxregister_increase(self.regs_consumer)

@@ -3,7 +3,8 @@ plan and the per-configuration options. Plain Python (no device code): the kerne
 tests read the same numbers.
 
 Roles (384 threads): warpgroup 0 is the producer (warp 0 issues the TMA loads, warps 1 .. dq_writers
-reduce dQ; with ``dq_atomic`` the consumers add dQ themselves and those warps idle), warpgroups 1 and 2
+reduce dQ; with ``dq_atomic`` the consumers add dQ themselves and those warps idle, or in deterministic
+mode warps 1 and 2 keep the consumers' turns on the dQ semaphores), warpgroups 1 and 2
 are the consumers: keys [64 w, 64 w + 64) of the K/V tile each, or at the wide head dims
 (``WIDE_HEAD_DIMS``) the same keys: at 256 64 of them split by queries and by columns (``wide.py``), at
 (192, 128) 96 split by keys for S / dP and dK^T / dV^T (``wide_swap.py``, ``kv_swap``).
@@ -16,6 +17,8 @@ Named barriers (0 is __syncthreads, used only before the role split; ids 2 and 3
     6 + B + 2 b + w "dQ empty" of buffer b, share w (B buffers): the writer's arrival + warpgroup w's
                     sync = 160. Tile t waits only when t >= B and the writer arrives only when t + B
                     < tiles, so every barrier generation completes before the CTA exits.
+    6 + w, 8 + w    deterministic dq_atomic (no writer): turn warp w -> warpgroup w "add tile t", and
+                    warpgroup w -> turn warp w "added"; 128 + 32 = 160 each, once a tile (wide.py)
 The ids are computed at run time (bar.sync takes them in a register), so ptxas reserves all 16.
 """
 from __future__ import annotations
@@ -31,6 +34,9 @@ NUM_STAGES = 2                                    # Q / dO ring
 CONSUMER_BARRIER = 1
 SDST_FREE_BARRIER = 2 + NUM_WG_MMA
 DQ_FULL_BARRIER = 2 + 2 * NUM_WG_MMA
+# deterministic dq_atomic (wide.py): a turn warp per consumer warpgroup, on the writer's ids (no writer then)
+DQ_TURN_BARRIER = DQ_FULL_BARRIER                 # turn warp w -> warpgroup w: add tile t's share
+DQ_ADDED_BARRIER = DQ_FULL_BARRIER + NUM_WG_MMA   # warpgroup w -> turn warp w: the adds are issued
 DQ_FULL_THREADS = NUM_CONSUMER_THREADS + 32       # consumers + the writer warp
 DQ_EMPTY_THREADS = 128 + 32                       # one consumer warpgroup + the writer warp
 NUM_NAMED_BARRIERS = 16
@@ -93,8 +99,8 @@ def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffe
         d = 128 (80 x 128):  32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB  (two dQ buffers: 264)
         (192, 128) (64 x 96): 36 + 24 + 2 * 40 + 12 + 12 + 1 * 48 = 212 KB  (the 64-key design, 64 x 64:
                               24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 184 KB, two dQ buffers 232)
-        (256, 256) (64 x 64): 32 + 32 + 2 * 64 + 8 + 8 + 0 = 208 KB  (dQ from registers; deterministic:
-                              one Q / dO stage and one dQ buffer, 32 + 32 + 64 + 16 + 64 = 208 KB)
+        (256, 256) (64 x 64): 32 + 32 + 2 * 64 + 8 + 8 + 0 = 208 KB  (dQ from registers, deterministic
+                              mode too; a dQ buffer would cost the second stage: 32 + 32 + 64 + 16 + 64)
     """
     tm, tn, d, dv = tile_m, tile_n, head_dim, head_dim_v
     operands = (tn * (d + dv) + stages * tm * (d + dv) + (ds_buffers + pt_buffers) * tn * tm) * 2
@@ -119,7 +125,8 @@ class BackwardOptions:
     dq_buffers: int        # fp32 dQ buffers (SMEM plan below)
     dq_writers: int        # dQ writer warps (dq_writer.py)
     stages: int = NUM_STAGES  # Q / dO ring (producer.py)
-    dq_atomic: bool = False   # wide: the consumers add dQ with 16-byte reds, no sdQ nor writer (wide.py)
+    dq_atomic: bool = False   # wide: the consumers add dQ with 16-byte reds, no sdQ nor writer (wide.py;
+                              # deterministic: in turns on the semaphores)
     kv_swap: bool = False     # wide: 96 keys a CTA, S by keys, dK^T / dV^T with the head dim as M (wide_swap.py)
 
     @classmethod
@@ -161,8 +168,8 @@ class BackwardOptions:
                  kv_swap: bool = True) -> "BackwardOptions":
         """The wide design (wide.py): no register-sourced dV / dK, statistics from SMEM (the query
         split moves the columns the shuffle assumes), one dS^T and one P^T buffer, two Q / dO stages;
-        a dQ buffer (two where they fit) for the writer warp, or at 256 in the default mode, where no
-        buffer fits beside the two stages, dQ added by the consumers (dq_atomic). banded: the plain masked
+        a dQ buffer (two where they fit) for the writer warp, or at 256, where no buffer fits beside the
+        two stages, dQ added by the consumers (dq_atomic; deterministic mode in turns). banded: the plain masked
         test instead of column_limit (one key edge per column)."""
         tm, _ = default_tiles(head_dim, head_dim_v)
         kv_swap = kv_swap and (head_dim, head_dim_v) in SWAP_HEAD_DIMS
@@ -171,9 +178,9 @@ class BackwardOptions:
         def fits(stages, dq_buffers):
             return smem_need(tm, tn, head_dim, head_dim_v, 1, dq_buffers, stages, 1) <= SMEM_BUDGET
         # two Q / dO stages first (one measured 0.55x the speed at (192, 128)); where they leave no
-        # room for a dQ buffer, dQ is added from registers -- not in deterministic mode, whose
-        # order needs the writer
-        dq_atomic = not fits(NUM_STAGES, 1) and fits(NUM_STAGES, 0) and not deterministic
+        # room for a dQ buffer, dQ is added from registers -- in deterministic mode too, each
+        # warpgroup taking its turn on the tile's semaphore (wide.py)
+        dq_atomic = not fits(NUM_STAGES, 1) and fits(NUM_STAGES, 0)
         stages = NUM_STAGES if dq_atomic or fits(NUM_STAGES, 1) else 1
         dq_buffers = MAX_DQ_BUFFERS if not dq_atomic and fits(stages, MAX_DQ_BUFFERS) else 1
         return cls(late_dv=False, stats_shuffle=False, dq_frag=True, q_shift=False, key_select=False,
@@ -196,9 +203,8 @@ class BackwardOptions:
                 name = rs_only[0] if rs_only else "ds_buffers"
                 raise ValueError(f"{name}: a choice of the register-sourced kernel (head dims 64 / 96 / 128); the "
                                  "wide head dims' body (wide.py) has no such path (one P^T / dS^T buffer)")
-        if self.dq_atomic and (deterministic or not wide):
-            raise ValueError("dq_atomic: the wide head dims' default mode only (deterministic mode orders the adds "
-                             "through the writer warp)")
+        if self.dq_atomic and not wide:
+            raise ValueError("dq_atomic: the wide head dims only (wide.py adds dQ from its warpgroups' registers)")
         if self.ds_buffers not in (1, 2):
             raise ValueError(f"ds_buffers: expected 1 or 2, got {self.ds_buffers!r}")
         if self.dq_buffers not in (1, 2):

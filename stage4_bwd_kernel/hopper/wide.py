@@ -17,8 +17,8 @@ Registers per consumer thread (128 a warpgroup): dK 64 d / 256 + dV 64 dv / 256 
 (80 at (192, 128), 128 at 256), plus S^T 16 + dP^T 16, or the dQ accumulator 64 d / 256 (48 / 64),
 which are not live at once. SMEM (``options.smem_need``): 186 KB at (192, 128) with two Q / dO stages
 and one dQ buffer. At 256 a dQ buffer (64 KB) leaves room for one stage only, which ran at 0.70x the
-speed of two with the reds (docs/measurements.md): 210 KB either way; deterministic mode, whose add
-order the writer keeps, takes the one stage.
+speed of two with the reds (docs/measurements.md): 210 KB either way; deterministic mode adds from the
+registers too, in the order of ``dq_order``, in turns kept by two otherwise idle warps (pass_dq_turns).
 
 Per tile t, in order:
     S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; ["sdSt free"] ; P^T -> SMEM ; wait dP^T ; dS^T -> SMEM
@@ -38,7 +38,8 @@ from stage3_fwd_kernel import trace
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.consumer import gemm_issue
 from stage4_bwd_kernel.hopper.scores import thread_idx_fresh
-from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
+from stage4_bwd_kernel.hopper.options import (CONSUMER_BARRIER, DQ_ADDED_BARRIER, DQ_TURN_BARRIER,
+                                              NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER)
 
 
 class WideConsumer:
@@ -90,7 +91,11 @@ class WideConsumer:
         warpgroup.wait_group(1)  # dV and dQ done, dK may run
         pipes.do.consumer_release(st)
         if const_expr(self.dq_atomic):
+            if const_expr(self.deterministic):  # this warpgroup's turn on the tile (pass_dq_turns)
+                cute.arch.barrier(barrier_id=DQ_TURN_BARRIER + o.wg, number_of_threads=128 + 32)
             self.add_dq_from_registers(o, acc_dQ, walk, t, m_block)
+            if const_expr(self.deterministic):
+                cute.arch.barrier_arrive(barrier_id=DQ_ADDED_BARRIER + o.wg, number_of_threads=128 + 32)
         else:
             self.hand_off_dq(o, acc_dQ, t)
         warpgroup.wait_group(0)
@@ -99,6 +104,28 @@ class WideConsumer:
             cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
                                      number_of_threads=NUM_CONSUMER_THREADS)
         trace.stamp(t, "end")
+
+    @cute.jit
+    def pass_dq_turns(self, walk, mSemaphore: cute.Tensor, w: Int32):
+        """Deterministic dq_atomic, turn warp w (an idle warp of the producer warpgroup, one per consumer
+        warpgroup): for every tile of the walk, in the consumers' order, wait for warpgroup w's turn on
+        the tile's semaphore, let the warpgroup add its share of dQ, and once it has issued its adds
+        pass the turn on. The counter counts warpgroups: the CTA of rank r in ``dq_order`` adds once it
+        reads >= 2 r (both warpgroups of every earlier CTA done; each share needs only its own
+        warpgroup's predecessors, so this is stronger than needed). The spin and the release's fence
+        stay off the math warps, which only meet two named barriers a tile."""
+        lane = cute.arch.lane_idx()
+        for head_in_group in cutlass.range(walk.qhead_per_kvhead, unroll=1):
+            head = walk.head_kv * walk.qhead_per_kvhead + head_in_group
+            for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
+                sem = common.elem_pointer(mSemaphore, (walk.batch, head, m_block))
+                common.semaphore_wait_at_least(sem, NUM_WG_MMA * self.dq_rank(walk, m_block), lane)
+                cute.arch.sync_warp()
+                cute.arch.barrier_arrive(barrier_id=DQ_TURN_BARRIER + w, number_of_threads=128 + 32)
+                # the warpgroup's adds are issued; the release (fence.acq_rel.gpu, cumulative through
+                # the barrier) orders them before the count the next CTA reads
+                cute.arch.barrier(barrier_id=DQ_ADDED_BARRIER + w, number_of_threads=128 + 32)
+                common.semaphore_signal(sem, lane)
 
     @cute.jit
     def add_dq_from_registers(self, o, acc_dQ: cute.Tensor, walk, t: Int32, m_block: Int32):
