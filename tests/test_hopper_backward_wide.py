@@ -6,8 +6,9 @@ and dS through SMEM.
 
 cpu tier: the design and SMEM plan each pair gets; other pairs refused by name.
 compile tier (sm_90a, fake tensors): no spills or local memory, no serialized wgmma, five SS GEMMs
-per tile body (no register-sourced A), one bulk dQ reduce per share (256 in the default mode: 16-byte
-reds from the consumers), the semaphores only in deterministic mode; both designs at (192, 128).
+per tile body (no register-sourced A), one bulk dQ reduce per share (256: 16-byte reds from the
+consumers, deterministic ones in turns on 160-thread barriers), the semaphores only in deterministic
+mode; both designs at (192, 128).
 gpu tier (H100/H200): dq / dk / dv under FA4's rule against fp32 autograd over odd seqlens, causal,
 GQA 1 / 2 / 6, fp16, varlen with empty sequences and seqused_k, window and softcap; deterministic
 mode bitwise equal over 100 runs with GQA and causal; outputs NaN-poisoned.
@@ -107,7 +108,7 @@ def test_every_head_dim_is_served_by_the_production_kernel(monkeypatch):
 COMPILE_CASES = [("bf16", 192, 128, False, False, False, True), ("bf16", 192, 128, True, True, False, True),
                  ("fp16", 192, 128, True, False, True, True), ("bf16", 192, 128, True, False, False, False),
                  ("bf16", 256, 256, False, False, False, False), ("bf16", 256, 256, True, True, False, False),
-                 ("bf16", 256, 256, True, False, True, False)]
+                 ("bf16", 256, 256, True, False, True, False), ("bf16", 256, 256, False, True, True, False)]
 COMPILE_IDS = [f"{dt}-d{d}x{dv}-{'causal' if c else 'full'}-{'det' if det else 'default'}{'-varlen' if vl else ''}"
                f"{'' if swap or d == 256 else '-64keys'}" for dt, d, dv, c, det, vl, swap in COMPILE_CASES]
 
@@ -132,7 +133,7 @@ def test_wide_compiles_sm90a(dtype, d, dv, causal, det, varlen, swap):
         assert rep["HGMMA"] == 3 * (d // 16 + dv // 16 + 3 * 64 // 16)
     assert not re.search(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass), "a register-sourced wgmma"
     kernel = mod.make_kernel(None, d, dv, causal, det, **design)
-    if kernel.dq_atomic:  # 256, default mode: 16-byte reds from the consumers, no bulk reduce
+    if kernel.dq_atomic:  # 256: 16-byte reds from the consumers (in turns when deterministic), no bulk reduce
         assert len(re.findall(r"red\.global\.add\.v4\.f32", ptx)) == 3 * 64 * d // 2 // 128 // 4
         assert not re.search(r"\bUBLKRED\b", sass)
     else:
@@ -169,10 +170,11 @@ def test_wide_long_sequence_and_fp16(d, dv):
 @pytest.mark.parametrize("d,dv", WIDE, ids=WIDE_IDS)
 @pytest.mark.parametrize("sq", [64, 128, 192, 320])
 def test_wide_walk_lengths(d, dv, sq):
-    """One CTA walks 1..5 Q tiles: the P^T / dS^T slots' "free" barriers, the single dQ buffer's
-    "empty" waits and (d = 256) the one-stage Q / dO ring all turn over."""
+    """One CTA walks 1..5 Q tiles: the P^T / dS^T slots' "free" barriers, the dQ buffer's "empty" waits
+    ((192, 128)) and, deterministic at 256, the turn warps' two barriers all turn over."""
     for causal in (False, True):
-        s4._check_dense(STEP, b=1, sq=sq, sk=64, hq=1, hkv=1, d=d, dv=dv, causal=causal)
+        for det in (False, True):
+            s4._check_dense(STEP, b=1, sq=sq, sk=64, hq=1, hkv=1, d=d, dv=dv, causal=causal, deterministic=det)
 
 
 @pytest.mark.gpu

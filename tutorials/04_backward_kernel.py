@@ -629,8 +629,8 @@ else:
 # at 256 the consumers add dQ themselves (16-byte `red.global.add.v4.f32`) and keep two stages --
 # measured 1.08-1.15x of the official kernel on an H200, against 0.75-0.81x with the buffer and one
 # stage (`docs/measurements.md`). Deterministic mode adds the same way, each CTA in its turn on the dQ
-# tile's semaphore; two idle warps keep the turns (spin, then release), so the math warps never wait
-# on a round trip to L2: 0.89-0.96x of the default's speed on an H200.
+# tile's semaphore; two idle warps keep the turns (spin, then release), so the spin and the release's
+# fence are off the math warps: 0.89-0.96x of the default's speed on an H200.
 
 # %%
 from stage3_fwd_kernel.host_io import SMEM_BUDGET

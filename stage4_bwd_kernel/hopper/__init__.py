@@ -15,7 +15,8 @@ dims (D, Dv): (64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256).
 
 ``deterministic=True`` makes dq bitwise reproducible run to run (dk/dv always are): the dQ
 additions of the K/V tiles are serialised per dQ tile by semaphores in a fixed order
-(``dq_writer.py``), and the CTAs launch in sections of chains (``schedule.py``).
+(``dq_writer.py``; at 256 the consumers' own adds, in turns kept by two idle warps, ``wide.py``), and
+the CTAs launch in sections of chains (``schedule.py``).
 
 Which kernel serves a call: the composed production kernel of this package (``backward.py``,
 ``kernel.py`` and its components) for every head-dim pair in every mode: 64, 96, 128 and (128, 64) with

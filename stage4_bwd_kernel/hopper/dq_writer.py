@@ -112,14 +112,15 @@ class DqWriter:
                             if const_expr(self.deterministic or w > 0):
                                 self.dq_empty(buf, w, wait=False)
                     if const_expr(self.deterministic):
-                        self.release_dq_tile(mSemaphore, walk.batch, head, m_block, lane)
+                        self.release_dq_tile(mSemaphore, walk, head, m_block, lane)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
 
     @cute.jit
     def dq_rank(self, walk, m_block: Int32) -> Int32:
         """This CTA's place (K/V tile walk.n_block's) among the K/V tiles that add into dQ tile m_block,
-        in the order of ``dq_order``."""
+        in the order of ``dq_order``: the writer's acquire below, and the turn warps of 256's
+        deterministic adds (wide.py, pass_dq_turns)."""
         n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, walk.seqlen_q, walk.seqlen_k,
                                              self.causal, imin=cutlass.min, window=self.window_or_none)
         n_block_first = Int32(0)
@@ -138,14 +139,14 @@ class DqWriter:
         cute.arch.fence_proxy("async.global")  # ... and the async-proxy adds below
 
     @cute.jit
-    def release_dq_tile(self, mSemaphore: cute.Tensor, batch: Int32, head: Int32, m_block: Int32, lane: Int32):
+    def release_dq_tile(self, mSemaphore: cute.Tensor, walk, head: Int32, m_block: Int32, lane: Int32):
         """Deterministic mode: once this CTA's adds into dQ tile (batch, head, m_block) have *landed*,
         lane 0 lets the next CTA in the order add (the pointer is formed again: kept from the acquire,
         it spilled in the writer's 24 registers)."""
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.fence_proxy("async.global")
         cute.arch.sync_warp()
-        common.semaphore_signal(common.elem_pointer(mSemaphore, (batch, head, m_block)), lane)
+        common.semaphore_signal(common.elem_pointer(mSemaphore, (walk.batch, head, m_block)), lane)
 
     @cute.jit
     def dq_full(self, buf: Int32, wait: cutlass.Constexpr[bool]):

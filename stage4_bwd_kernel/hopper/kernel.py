@@ -98,7 +98,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.dq_split_m = self.tile_m == 64 * NUM_WG_MMA
         self.dq_full_barrier = DQ_FULL_BARRIER
         self.dq_empty_barrier = dq_empty_barrier(self.dq_buffers)
-        self.num_barriers = num_barriers(self.dq_buffers)
+        self.num_barriers = num_barriers(self.dq_buffers, turns=self.dq_atomic and deterministic)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers,

@@ -37,6 +37,7 @@ DQ_FULL_BARRIER = 2 + 2 * NUM_WG_MMA
 # deterministic dq_atomic (wide.py): a turn warp per consumer warpgroup, on the writer's ids (no writer then)
 DQ_TURN_BARRIER = DQ_FULL_BARRIER                 # turn warp w -> warpgroup w: add tile t's share
 DQ_ADDED_BARRIER = DQ_FULL_BARRIER + NUM_WG_MMA   # warpgroup w -> turn warp w: the adds are issued
+DQ_TURN_THREADS = 128 + 32                        # one consumer warpgroup + its turn warp
 DQ_FULL_THREADS = NUM_CONSUMER_THREADS + 32       # consumers + the writer warp
 DQ_EMPTY_THREADS = 128 + 32                       # one consumer warpgroup + the writer warp
 NUM_NAMED_BARRIERS = 16
@@ -229,5 +230,6 @@ def dq_empty_barrier(dq_buffers: int) -> int:
     return DQ_FULL_BARRIER + dq_buffers
 
 
-def num_barriers(dq_buffers: int) -> int:
-    return dq_empty_barrier(dq_buffers) + dq_buffers * NUM_WG_MMA
+def num_barriers(dq_buffers: int, turns: bool = False) -> int:
+    """Named barrier ids a build uses; turns: deterministic dq_atomic (the turn barriers, no writer)."""
+    return DQ_ADDED_BARRIER + NUM_WG_MMA if turns else dq_empty_barrier(dq_buffers) + dq_buffers * NUM_WG_MMA

@@ -23,7 +23,8 @@ registers too, in the order of ``dq_order``, in turns kept by two otherwise idle
 Per tile t, in order:
     S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; ["sdSt free"] ; P^T -> SMEM ; wait dP^T ; dS^T -> SMEM
     proxy fence ; B2 ; dV += P^T dO (SS) ; dQ = dS K (SS) ; dK += dS^T Q (SS)
-    wait all but dK ; release dO_i ; dQ -> sdQ ; wait dK ; release Q_i ; arrive "sdSt free"
+    wait all but dK ; release dO_i ; dQ -> sdQ (256: ["dQ turn"] ; reds ; arrive "dQ added") ; wait dK
+    release Q_i ; arrive "sdSt free"
 Tile t + 1 overwrites P^T / dS^T only after both warpgroups' dV, dQ and dK of tile t have read them
 (one buffer each: two measured a tie on an H200, docs/measurements.md).
 """
@@ -38,7 +39,7 @@ from stage3_fwd_kernel import trace
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.consumer import gemm_issue
 from stage4_bwd_kernel.hopper.scores import thread_idx_fresh
-from stage4_bwd_kernel.hopper.options import (CONSUMER_BARRIER, DQ_ADDED_BARRIER, DQ_TURN_BARRIER,
+from stage4_bwd_kernel.hopper.options import (CONSUMER_BARRIER, DQ_ADDED_BARRIER, DQ_TURN_BARRIER, DQ_TURN_THREADS,
                                               NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER)
 
 
@@ -92,10 +93,10 @@ class WideConsumer:
         pipes.do.consumer_release(st)
         if const_expr(self.dq_atomic):
             if const_expr(self.deterministic):  # this warpgroup's turn on the tile (pass_dq_turns)
-                cute.arch.barrier(barrier_id=DQ_TURN_BARRIER + o.wg, number_of_threads=128 + 32)
+                cute.arch.barrier(barrier_id=DQ_TURN_BARRIER + o.wg, number_of_threads=DQ_TURN_THREADS)
             self.add_dq_from_registers(o, acc_dQ, walk, t, m_block)
             if const_expr(self.deterministic):
-                cute.arch.barrier_arrive(barrier_id=DQ_ADDED_BARRIER + o.wg, number_of_threads=128 + 32)
+                cute.arch.barrier_arrive(barrier_id=DQ_ADDED_BARRIER + o.wg, number_of_threads=DQ_TURN_THREADS)
         else:
             self.hand_off_dq(o, acc_dQ, t)
         warpgroup.wait_group(0)
@@ -121,10 +122,10 @@ class WideConsumer:
                 sem = common.elem_pointer(mSemaphore, (walk.batch, head, m_block))
                 common.semaphore_wait_at_least(sem, NUM_WG_MMA * self.dq_rank(walk, m_block), lane)
                 cute.arch.sync_warp()
-                cute.arch.barrier_arrive(barrier_id=DQ_TURN_BARRIER + w, number_of_threads=128 + 32)
+                cute.arch.barrier_arrive(barrier_id=DQ_TURN_BARRIER + w, number_of_threads=DQ_TURN_THREADS)
+                cute.arch.barrier(barrier_id=DQ_ADDED_BARRIER + w, number_of_threads=DQ_TURN_THREADS)
                 # the warpgroup's adds are issued; the release (fence.acq_rel.gpu, cumulative through
                 # the barrier) orders them before the count the next CTA reads
-                cute.arch.barrier(barrier_id=DQ_ADDED_BARRIER + w, number_of_threads=128 + 32)
                 common.semaphore_signal(sem, lane)
 
     @cute.jit
