@@ -129,7 +129,7 @@ class SemaphoreSim:
     steps: int                       # time steps until the last CTA finished
     stall_steps: int                 # CTA-steps spent waiting on a semaphore
     first_write_stalls: int          # CTA-steps spent waiting before a CTA's first dQ add
-    add_sequence: dict = field(default_factory=dict)  # (b, h, m) -> [n_block, ...] in add order
+    add_sequence: dict = field(default_factory=dict)  # (b, h, m[, share]) -> [n_block, ...] in add order
 
 
 def launch_tiles(order, num_n_blocks, heads_kv, batch):
@@ -153,13 +153,20 @@ def default_mode_steps(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, bat
 
 
 def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, batch=1, heads_kv=1, group=1,
-                        resident=132, seqlens=None, hop=0, window=None):
+                        resident=132, seqlens=None, hop=0, window=None, warpgroups=1, jitter=0.0, seed=0):
     """CTAs (grid (n, kv head, batch)) are dispatched in launch order (``launch_tiles``) whenever
     one of `resident` slots is free. Each step a CTA either adds into its next dQ tile (if that
     tile's counter equals its rank; the counter then increments) or stalls. `hop`: steps before an
     increment is seen (0: at once, even by a CTA later in the same step; on the GPU a hop -- the
     writer's completion wait, release and the next acquire -- is roughly a tile's time).
-    `seqlens`: optional per-batch (seqlen_q, seqlen_k) for varlen."""
+    `seqlens`: optional per-batch (seqlen_q, seqlen_k) for varlen. `warpgroups` > 1: each CTA's
+    warpgroups add their own share of every tile independently (256's deterministic turns, hopper/wide.py):
+    a warpgroup of rank r adds once the counter, which counts warpgroups, reads >= warpgroups x r; the
+    sequences are then kept per (b, h, m, share). `jitter`: each warpgroup sits out a step with this
+    probability (seeded), so that warpgroups and CTAs drift apart as on the GPU."""
+    import random
+
+    rng = random.Random(seed)
     seqlens = seqlens or [(seqlen_q, seqlen_k)] * batch
     num_n_blocks = max(-(-sk // tile_n) for _, sk in seqlens)
     ctas = []  # (work list of (b, h, m, rank))
@@ -177,7 +184,8 @@ def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, ba
         ctas.append(work)
     sem: dict = {}
     seq: dict = {}
-    pos = [0] * len(ctas)
+    wgs = warpgroups
+    pos = [[0] * wgs for _ in ctas]
     started = [False] * len(ctas)
     running: list = []
     in_flight: list = []  # (step the increment is seen, tile) with hop > 0
@@ -192,24 +200,32 @@ def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, ba
         in_flight = [(when, key) for when, key in in_flight if when > t]
         progressed = bool(in_flight)
         for i in list(running):
-            if pos[i] == len(ctas[i]):
+            if all(p == len(ctas[i]) for p in pos[i]):
                 running.remove(i)
                 progressed = True
                 continue
-            b, h, m, rank, n = ctas[i][pos[i]]
-            if sem.get((b, h, m), 0) == rank:  # ranks are unique per tile: an add in flight matches no one
-                if hop:
-                    in_flight.append((t + hop, (b, h, m)))
+            for w in range(wgs):
+                if pos[i][w] == len(ctas[i]):
+                    continue
+                if jitter and rng.random() < jitter:
+                    progressed = True  # a warpgroup sitting out a step is no deadlock
+                    continue
+                b, h, m, rank, n = ctas[i][pos[i][w]]
+                count = sem.get((b, h, m), 0)
+                # one warpgroup: ranks are unique per tile, so an add in flight matches no one
+                if count == rank if wgs == 1 else count >= wgs * rank:
+                    if hop:
+                        in_flight.append((t + hop, (b, h, m)))
+                    else:
+                        sem[(b, h, m)] = count + 1
+                    seq.setdefault((b, h, m) if wgs == 1 else (b, h, m, w), []).append(n)
+                    pos[i][w] += 1
+                    started[i] = True
+                    progressed = True
                 else:
-                    sem[(b, h, m)] = rank + 1
-                seq.setdefault((b, h, m), []).append(n)
-                pos[i] += 1
-                started[i] = True
-                progressed = True
-            else:
-                stall += 1
-                if not started[i]:
-                    first_stall += 1
+                    stall += 1
+                    if not started[i]:
+                        first_stall += 1
         t += 1
         if not progressed:
             return SemaphoreSim(False, t, stall, first_stall, seq)

@@ -123,6 +123,35 @@ def test_semaphore_orders_never_deadlock_and_serialize(causal, tiles, order_name
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("order_name", ["kv_ascending", "kv_descending", "kv_ascending_sections",
+                                        "kv_descending_sections"])
+def test_warpgroup_turns_keep_each_share_in_order(causal, order_name):
+    """256's deterministic turns (hopper/wide.py): each CTA's two warpgroups add their shares of a dQ
+    tile on their own, at their own pace (jitter), the counter counting warpgroups (rank r adds at >= 2 r).
+    Every share receives the K/V tiles in the order's sequence, and the grid finishes with few CTAs
+    resident. (Counting CTAs instead, >= r, lets a warpgroup overtake its predecessor's: this fails.)"""
+    from stage4_bwd_kernel import schedule
+    from stage4_bwd_kernel.hopper.options import NUM_WG_MMA
+    from stage4_bwd_kernel.model import simulate_semaphores
+
+    order = {o.name: o for o in (schedule.KVAscendingOrder, schedule.KVDescendingOrder, schedule.KVAscendingSectionsOrder,
+                                 schedule.KVDescendingSectionsOrder)}[order_name]
+    tm = tn = 64
+    for sq, sk, resident, hop in ((1000, 1000, 3, 0), (300, 1000, 5, 1), (1000, 300, 2, 0), (64, 64, 1, 1),
+                                  (1000, 1000, 132, 0), (700, 900, 40, 1)):
+        sim = simulate_semaphores(seqlen_q=sq, seqlen_k=sk, tile_m=tm, tile_n=tn, causal=causal, order=order,
+                                  batch=2, heads_kv=3, group=2, resident=resident, hop=hop, warpgroups=NUM_WG_MMA,
+                                  jitter=0.3, seed=sq + resident)
+        assert sim.finished, (sq, sk, resident)
+        shares = {key[3] for key in sim.add_sequence}
+        assert shares == set(range(NUM_WG_MMA))
+        for (b, h, m, w), seq in sim.add_sequence.items():
+            expect = list(range(schedule.n_block_last(m, tm, tn, sq, sk, causal) + 1))
+            assert seq == (expect if issubclass(order, schedule.KVAscendingOrder) else expect[::-1]), (b, h, m, w)
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("num_n_blocks,heads_kv,batch", [(8, 32, 32), (32, 3, 7), (5, 3, 7), (1, 1, 1), (200, 2, 1),
                                                          (17, 1, 9), (129, 4, 1), (128, 5, 3)])
 def test_launch_sections_cover_the_grid_and_keep_predecessors_first(num_n_blocks, heads_kv, batch):
