@@ -9,7 +9,8 @@ that compiles can still be wrong.
 
 ``simulate_semaphores`` plays the deterministic mode: CTAs are dispatched in launch order onto a
 limited number of SM slots, each walks its dQ tiles and may add into tile m only when the tile's
-counter equals its rank (optionally seeing increments a `hop` late, as the GPU does). It reports a
+counter equals its rank -- or, with `warpgroups` adding shares on their own, reaches warpgroups x
+rank -- (optionally seeing increments a `hop` late, as the GPU does). It reports a
 deadlock (an order that waits on a CTA not yet dispatched), checks that every tile's adds happen in
 the order's sequence, and measures how long CTAs stall (the cost the paper's SPT order, and the
 launch in sections of chains, minimise).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,8 +129,8 @@ def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None,
 class SemaphoreSim:
     finished: bool
     steps: int                       # time steps until the last CTA finished
-    stall_steps: int                 # CTA-steps spent waiting on a semaphore
-    first_write_stalls: int          # CTA-steps spent waiting before a CTA's first dQ add
+    stall_steps: int                 # CTA-steps (warpgroup-steps with warpgroups) spent waiting on a semaphore
+    first_write_stalls: int          # the same, before a CTA's first dQ add
     add_sequence: dict = field(default_factory=dict)  # (b, h, m[, share]) -> [n_block, ...] in add order
 
 
@@ -163,9 +165,9 @@ def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, ba
     warpgroups add their own share of every tile independently (256's deterministic turns, hopper/wide.py):
     a warpgroup of rank r adds once the counter, which counts warpgroups, reads >= warpgroups x r; the
     sequences are then kept per (b, h, m, share). `jitter`: each warpgroup sits out a step with this
-    probability (seeded), so that warpgroups and CTAs drift apart as on the GPU."""
-    import random
-
+    probability (seeded) when it could add, so that warpgroups and CTAs drift apart as on the GPU (the
+    model lets a CTA's warpgroups drift arbitrarily far apart, where the kernel's barriers keep them
+    within a tile: more orders than the kernel can take, which is what an order check wants)."""
     rng = random.Random(seed)
     seqlens = seqlens or [(seqlen_q, seqlen_k)] * batch
     num_n_blocks = max(-(-sk // tile_n) for _, sk in seqlens)
@@ -207,13 +209,16 @@ def simulate_semaphores(*, seqlen_q, seqlen_k, tile_m, tile_n, causal, order, ba
             for w in range(wgs):
                 if pos[i][w] == len(ctas[i]):
                     continue
-                if jitter and rng.random() < jitter:
-                    progressed = True  # a warpgroup sitting out a step is no deadlock
-                    continue
                 b, h, m, rank, n = ctas[i][pos[i][w]]
                 count = sem.get((b, h, m), 0)
                 # one warpgroup: ranks are unique per tile, so an add in flight matches no one
-                if count == rank if wgs == 1 else count >= wgs * rank:
+                ready = count == rank if wgs == 1 else count >= wgs * rank
+                if ready and jitter and rng.random() < jitter:
+                    # only a warpgroup that could add sits out: it stays ready (nobody else takes its
+                    # turn, counters only grow), so a step without progress is still a deadlock
+                    progressed = True
+                    continue
+                if ready:
                     if hop:
                         in_flight.append((t + hop, (b, h, m)))
                     else:

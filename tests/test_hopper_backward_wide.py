@@ -70,6 +70,8 @@ def test_wide_pairs_take_the_wide_design():
     # the writer of before stays buildable at 256 (one stage), for comparison
     old = mod.make_kernel(None, 256, 256, False, True, dq_atomic=False, stages=1, dq_buffers=1)
     assert (old.num_stages, old.dq_atomic) == (1, False)
+    # the turn barriers (ids 6 .. 9) are counted: 10 ids (the default 256 build counts the writer's: 9)
+    assert (det[1].num_barriers, mod.make_kernel(None, 256, 256, False, False).num_barriers) == (10, 9)
     assert not mod.make_kernel(None, 128, 128, False, False).wide
     with pytest.raises(ValueError, match="head_dim"):
         mod.make_kernel(None, 192, 192, False, False)

@@ -152,6 +152,24 @@ def test_warpgroup_turns_keep_each_share_in_order(causal, order_name):
 
 
 @pytest.mark.cpu
+def test_jitter_does_not_hide_a_deadlock():
+    """Ascending ranks launched in descending order wait on CTAs not yet dispatched: reported as a
+    deadlock with warpgroups sitting out steps at random too (a sit-out only counts as progress for a
+    warpgroup that could add)."""
+    from stage4_bwd_kernel import schedule
+    from stage4_bwd_kernel.model import simulate_semaphores
+
+    class AscendingRanksDescendingLaunch(schedule.KVAscendingOrder):
+        n_block_for_launch = staticmethod(schedule.KVDescendingOrder.n_block_for_launch)
+
+    for warpgroups in (1, 2):
+        sim = simulate_semaphores(seqlen_q=4096, seqlen_k=4096, tile_m=64, tile_n=64, causal=False,
+                                  order=AscendingRanksDescendingLaunch, batch=2, heads_kv=3, resident=40,
+                                  warpgroups=warpgroups, jitter=0.3, seed=1)
+        assert not sim.finished
+
+
+@pytest.mark.cpu
 @pytest.mark.parametrize("num_n_blocks,heads_kv,batch", [(8, 32, 32), (32, 3, 7), (5, 3, 7), (1, 1, 1), (200, 2, 1),
                                                          (17, 1, 9), (129, 4, 1), (128, 5, 3)])
 def test_launch_sections_cover_the_grid_and_keep_predecessors_first(num_n_blocks, heads_kv, batch):

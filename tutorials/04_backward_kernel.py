@@ -628,8 +628,8 @@ else:
 # memory that decided the 256 plan: a 64 KB fp32 dQ buffer leaves room for one Q / dO stage only, so
 # at 256 the consumers add dQ themselves (16-byte `red.global.add.v4.f32`) and keep two stages --
 # measured 1.08-1.15x of the official kernel on an H200, against 0.75-0.81x with the buffer and one
-# stage (`docs/measurements.md`). Deterministic mode adds the same way, each CTA in its turn on the dQ
-# tile's semaphore; two idle warps keep the turns (spin, then release), so the spin and the release's
+# stage (`docs/measurements.md`). Deterministic mode adds the same way, each CTA's warpgroups in their
+# turns on the dQ tile's semaphore; two idle warps keep the turns (spin, then release), so the spin and the release's
 # fence are off the math warps: 0.89-0.96x of the default's speed on an H200.
 
 # %%

@@ -1,5 +1,6 @@
 """The producer warp of the production Hopper backward: TMA loads of K, V and, per Q tile, Q, dO and
-their row statistics into a ring of ``options.stages`` stages (two) guarded by mbarriers.
+their row statistics into a ring of ``options.stages`` stages (two; an override may build one, as the
+tests do for comparison) guarded by mbarriers.
 
 Each Q tile's lse2 (log2-scaled lse) and D (rowsum(dO * O)) ride on its Q and dO barriers as one 1-D
 TMA box each, so the consumers never load them from global memory nor stage them through SMEM. Rows

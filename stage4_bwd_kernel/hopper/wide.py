@@ -23,8 +23,8 @@ registers too, in the order of ``dq_order``, in turns kept by two otherwise idle
 Per tile t, in order:
     S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; ["sdSt free"] ; P^T -> SMEM ; wait dP^T ; dS^T -> SMEM
     proxy fence ; B2 ; dV += P^T dO (SS) ; dQ = dS K (SS) ; dK += dS^T Q (SS)
-    wait all but dK ; release dO_i ; dQ -> sdQ (256: ["dQ turn"] ; reds ; arrive "dQ added") ; wait dK
-    release Q_i ; arrive "sdSt free"
+    wait all but dK ; release dO_i ; dQ -> sdQ, or at 256 reds (deterministic: ["dQ turn"] ; reds ;
+    arrive "dQ added") ; wait dK ; release Q_i ; arrive "sdSt free"
 Tile t + 1 overwrites P^T / dS^T only after both warpgroups' dV, dQ and dK of tile t have read them
 (one buffer each: two measured a tie on an H200, docs/measurements.md).
 """
