@@ -498,6 +498,35 @@ print("sections, first 6 launches:", [s4_schedule.KVAscendingSectionsOrder.host_
 
 
 # %% [markdown]
+# ### Two warpgroups, one counter: the turns at head dim 256
+#
+# At 256 the writer warp's 64 KB dQ buffer would cost the second Q / dO stage, so the two consumer
+# warpgroups add dQ from their own registers, each its half of the columns (a *share*). In
+# deterministic mode each share must still receive the K/V tiles in rank order, but the warpgroups run
+# apart. The tile's counter therefore counts warpgroups, not CTAs: rank r may add once it reads
+# 2 r, i.e. once *both* warpgroups of every earlier CTA are done. Counting CTAs (r) would let a
+# warpgroup overtake: with CTA 0's second warpgroup done and its first one late, the counter reads 1,
+# and CTA 1's first warpgroup would add its share before CTA 0's. In the kernel two idle warps of the
+# producer warpgroup keep these turns (spin, hand the turn over by a named barrier, release), so the
+# math warps never spin themselves. The simulator, warpgroups drifting apart at random:
+
+# %%
+def overtakes(threshold):
+    """CTA 0's warpgroup 1 has added, its warpgroup 0 is late: may CTA 1's warpgroup 0 add now?"""
+    count, rank = 1, 1
+    return count >= threshold(rank)
+
+print("counting CTAs (>= r) lets CTA 1 overtake:", overtakes(lambda r: r),
+      "| counting warpgroups (>= 2 r):", overtakes(lambda r: 2 * r))
+sim = s4_model.simulate_semaphores(seqlen_q=1000, seqlen_k=1000, tile_m=64, tile_n=64, causal=True,
+                                   order=s4_schedule.KVDescendingOrder, heads_kv=2, resident=16, warpgroups=2,
+                                   jitter=0.3, seed=0)
+in_order = all(seq == sorted(seq, reverse=True) for seq in sim.add_sequence.values())
+print(f"{len(sim.add_sequence)} (tile, share) sequences, each in the order's sequence: {in_order}")
+assert sim.finished and in_order and not overtakes(lambda r: 2 * r)
+
+
+# %% [markdown]
 # The same sections help the *default* mode too, under a causal mask, for a different reason: the
 # grid's tail. Nothing waits there, but the walks are unequal (K/V tile n visits the Q tiles from
 # its diagonal down, so n = 0 walks all of them and the last tile one or two). With
