@@ -222,17 +222,14 @@ class _LaunchSections:
 
     reverse_blocks = False
     section_ctas = SECTION_CTAS
-    min_blocks = 1  # chains of fewer K/V tiles launch one chain per section: blockIdx order
 
     @classmethod
     def host_tile(cls, linear, num_n_blocks, num_heads_kv, num_batch, imin=min, div=operator.floordiv):
         """(n_block, kv head, batch) of launch index `linear` on the grid (N, H_kv, B): sections of
-        ceil(section_ctas / N) chains, or of one chain when N < min_blocks. Traced by
-        ``tile_for_launch`` too (imin=cutlass.min, div=fast_div: its four run-time divisions were
-        ~130 of the ~300 instructions before the first TMA load), so integer arithmetic only."""
+        ceil(section_ctas / N) chains. Traced by ``tile_for_launch`` too (imin=cutlass.min,
+        div=fast_div: its run-time divisions were ~130 of the ~300 instructions before the first TMA
+        load), so integer arithmetic only."""
         chains_per_section = div(cls.section_ctas + num_n_blocks - 1, num_n_blocks)
-        if cls.min_blocks > 1:
-            chains_per_section = 1 + (chains_per_section - 1) * imin(num_n_blocks // cls.min_blocks, 1)
         n_block, chain = section_tile(linear, num_n_blocks, num_heads_kv * num_batch, chains_per_section,
                                       cls.reverse_blocks, imin, div)
         batch = div(chain, num_heads_kv)
@@ -261,14 +258,6 @@ class KVAscendingSectionsOrder(_LaunchSections, KVAscendingOrder):
     name = "kv_ascending_sections"
 
 
-class KVAscendingLongSectionsOrder(KVAscendingSectionsOrder):
-    """Sections only for chains of at least 32 K/V tiles (4k keys at tile_n = 128, 3k at (192, 128)'s 96),
-    blockIdx order below: the causal default-mode order (``default_dq_order``), one kernel for every length."""
-
-    name = "kv_ascending_sections_from32"
-    min_blocks = 32
-
-
 class KVAscendingWideSectionsOrder(KVAscendingSectionsOrder):
     """Sections of about two waves (256 CTAs): the d = 64 non-causal default. Its chains of short
     tiles ran +2..+13% faster with the wider stagger at 1k-16k, where d = 128 (twice the bytes of
@@ -293,14 +282,15 @@ def default_dq_order(causal: bool, deterministic: bool, sections: bool = True, h
     sections=False gives the plain orders (the Blackwell kernels, which read blockIdx directly);
     head_dim <= 64 widens the non-causal sections (``KVAscendingWideSectionsOrder``).
 
-    Causal runs in the default mode launch in sections too, from 32 K/V tiles a chain on, for the
-    tail, not for any wait: with blockIdx.x = n_block the last head's longest K/V tile starts only
-    N CTAs before the grid ends, while in sections of G = ceil(128 / N) heads the long tiles of the
-    last G heads start about a wave earlier. Stage 5's simulator puts that at 2-3% of the makespan
-    at 2k-8k (none at 16k, where G = 1 is the blockIdx order). Paired H100 rounds, step 3
-    (``ab_bwd_h100_run43_*`` .. ``..._run45_*``): +0.7..+5.5% at 8k, +0.2..+7.4% at 4k, but
-    -2.9..+0.8% at 1k-2k, so shorter chains keep blockIdx order (``KVAscendingLongSectionsOrder``;
-    the forward's LPT order starts at 4k keys as well, for the same kind of result).
+    Causal runs in the default mode launch in sections too, for the tail, not for any wait: with
+    blockIdx.x = n_block the last head's longest K/V tile starts only N CTAs before the grid ends,
+    while in sections of G = ceil(128 / N) heads the long tiles of the last G heads start about a
+    wave earlier. Stage 5's simulator puts that at 2-3% of the makespan at 2k-8k (none at 16k, where
+    G = 1 is the blockIdx order). Paired H100 rounds, step 3 (``ab_bwd_h100_run43_*`` ..
+    ``..._run45_*``): +0.7..+5.5% at 8k, +0.2..+7.4% at 4k. Below 4k keys the H100 rounds tied or
+    lost, and blockIdx order was kept there until the H200 (``ab_bwd_h200_causal_short_sections.json``,
+    9 rounds, the production kernel): at 2k +2.0% (d = 128) and +2.0% (d = 64) with sections, the
+    SMs' mean idle time at the grid's end 36 -> 10 us in a trace; at 1k a tie (+0.1%, +1.1%).
 
     Non-causal runs at head dim <= 64 launch in the deterministic mode's two-wave sections in the
     default mode too: 32 CTAs of one chain that start together reduce into the same dQ tile at the
@@ -310,7 +300,7 @@ def default_dq_order(causal: bool, deterministic: bool, sections: bool = True, h
     in the deterministic one d = 128 lost 7-15% at 1k-4k with two-wave sections)."""
     if not deterministic:
         if causal:
-            return KVAscendingLongSectionsOrder if sections else KVAscendingOrder
+            return KVAscendingSectionsOrder if sections else KVAscendingOrder
         wide = sections and head_dim is not None and head_dim <= 64
         return KVAscendingWideSectionsOrder if wide else KVAscendingOrder
     if causal:

@@ -546,8 +546,9 @@ for seqlen in (2048, 4096, 8192, 16384):
 
 # %% [markdown]
 # At 16k a section is one head, the blockIdx order itself. Paired rounds on an H100 favoured sections
-# from 4k keys on and not below, which this model does not explain, so the production causal order
-# (`KVAscendingLongSectionsOrder`) uses sections from 32 K/V tiles (4k keys) on and blockIdx order below.
+# from 4k keys on and not below, which this model does not explain; on an H200 they gain at 2k too
+# (+2%, and a trace shows the SMs' idle time at the grid's end falling from 36 to 10 us) and tie at 1k,
+# so the production causal order (`KVAscendingSectionsOrder`) launches in sections at every length.
 
 # %% [markdown]
 # ## The Hopper ladder: three lessons

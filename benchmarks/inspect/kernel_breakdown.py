@@ -44,7 +44,7 @@ def short(name: str, width: int = 60) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", default="production", help="our backward, a benchmarks.ab_bwd variant spec")
-    ap.add_argument("--dims", default="64")
+    ap.add_argument("--dims", default="64", help="head dims, d or dxdv (e.g. 64,192x128)")
     ap.add_argument("--seqlens", default="1024,4096")
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--calls", type=int, default=20)
@@ -55,16 +55,16 @@ def main(argv=None) -> int:
         return 2
     ours = make_variant(args.variant)
     rows = []
-    for d in (int(x) for x in args.dims.split(",")):
+    for d, dv in ((int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
-                b, h, inputs, peers = backward_case(d, d, s, causal)
+                b, h, inputs, peers = backward_case(d, dv, s, causal)
                 cases = {"ours:" + args.variant: lambda: ours(*inputs, causal), "official": peers["official"]}
                 for impl, fn in cases.items():
                     times = kernel_times(fn, args.calls)
-                    rows.append({"impl": impl, "head_dim": d, "causal": causal, "seqlen": s, "batch": b, "heads": h,
+                    rows.append({"impl": impl, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s, "batch": b, "heads": h,
                                  "total_us": sum(times.values()), "kernels_us": times})
-                    print(f"d={d} causal={causal!s:5} s={s:5} {impl:24} total {sum(times.values()):9.1f} us",
+                    print(f"d={d}x{dv} causal={causal!s:5} s={s:5} {impl:24} total {sum(times.values()):9.1f} us",
                           flush=True)
                     for name, us in times.items():
                         print(f"      {us:9.1f} us  {short(name)}")
