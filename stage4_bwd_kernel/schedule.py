@@ -285,7 +285,7 @@ def default_dq_order(causal: bool, deterministic: bool, sections: bool = True, h
     Causal runs in the default mode launch in sections too, for the tail, not for any wait: with
     blockIdx.x = n_block the last head's longest K/V tile starts only N CTAs before the grid ends,
     while in sections of G = ceil(128 / N) heads the long tiles of the last G heads start about a
-    wave earlier. Stage 5's simulator puts that at 2-3% of the makespan at 2k-8k (none at 16k, where
+    wave earlier. Stage 5's simulator puts that at 2-3% of the makespan at 1k-8k (none at 16k, where
     G = 1 is the blockIdx order). Paired H100 rounds, step 3 (``ab_bwd_h100_run43_*`` ..
     ``..._run45_*``): +0.7..+5.5% at 8k, +0.2..+7.4% at 4k. Below 4k keys the H100 rounds tied or
     lost, and blockIdx order was kept there until the H200 (``ab_bwd_h200_causal_short_sections.json``,

@@ -1,6 +1,6 @@
 """Where a backward's time goes, kernel by kernel: ours (a benchmarks.ab_bwd variant) next to the official FA4.
 
-    python -m benchmarks.inspect.kernel_breakdown --dims 64 --seqlens 1024,4096 --causal 0,1 --out breakdown.json
+    python -m benchmarks.inspect.kernel_breakdown --dims 64,192x128 --seqlens 1024,4096 --causal 0,1 --out breakdown.json
 
 Each case runs `--calls` backward calls under torch.profiler (CUDA activity only) and reports the mean device
 time per call of every kernel launched, so a gap between the totals can be pinned on the preprocess, the
@@ -55,15 +55,16 @@ def main(argv=None) -> int:
         return 2
     ours = make_variant(args.variant)
     rows = []
-    for d, dv in ((int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")):
+    head_dims = [(int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")]
+    for d, dv in head_dims:
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
                 b, h, inputs, peers = backward_case(d, dv, s, causal)
                 cases = {"ours:" + args.variant: lambda: ours(*inputs, causal), "official": peers["official"]}
                 for impl, fn in cases.items():
                     times = kernel_times(fn, args.calls)
-                    rows.append({"impl": impl, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s, "batch": b, "heads": h,
-                                 "total_us": sum(times.values()), "kernels_us": times})
+                    rows.append({"impl": impl, "head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s,
+                                 "batch": b, "heads": h, "total_us": sum(times.values()), "kernels_us": times})
                     print(f"d={d}x{dv} causal={causal!s:5} s={s:5} {impl:24} total {sum(times.values()):9.1f} us",
                           flush=True)
                     for name, us in times.items():
