@@ -22,8 +22,9 @@ instruction issued by one thread. That changes who does what (the paper, section
 * **epilogue warp**: O from SMEM to global memory (TMA store; row-guarded 16-byte stores when
   sequences are packed, so a tile never writes into the next sequence).
 
-The softmax and correction warpgroups' device code is in ``blackwell_softmax.py`` (a mixin of the
-kernel class); the tcgen05 fences around barriers are in ``blackwell_sync.py``.
+The roles' device code is in mixins of the kernel class: the load and MMA warps in
+``blackwell_load_mma.py``, the softmax and correction warpgroups in ``blackwell_softmax.py``, O's
+epilogue in ``blackwell_output.py``; the tcgen05 fences around barriers are in ``blackwell_sync.py``.
 
 The shared softmax policy (stage3_fwd_kernel/softmax_policy.py, verified on Hopper hardware) is
 used unchanged: ``rescale_vote`` (conditional rescaling, tau = 8, one warp vote) and ``exp2_row``
@@ -83,17 +84,18 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.blackwell_helpers as sm100_utils
-from cutlass import Boolean, Float32, Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.pipeline import NamedBarrier
-from cutlass.tensor_utils import LayoutEnum
 
 from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_scheduler
 from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config, q_tiles_for
+from stage3_fwd_kernel.blackwell_load_mma import LoadMmaRoles
+from stage3_fwd_kernel.blackwell_output import OutputRoles
 from stage3_fwd_kernel.blackwell_persistent import PersistentRoles, TileWalkArgs, check_persistent
 from stage3_fwd_kernel.blackwell_softmax import SoftmaxCorrectionRoles
-from stage3_fwd_kernel.blackwell_sync import opaque_i32, tcgen05_fence_after_sync, tcgen05_fence_before_sync
+from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.score_mod import Softcap
@@ -114,11 +116,13 @@ TARGET_ARCH = "sm_100a"
 BAR_TMEM_ALLOC = 1   # MMA warp + softmax WGs + correction: the TMEM address is in SMEM
 
 
-class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
+class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRoles, PersistentRoles):
     """The FA4 forward pipeline for one BlackwellFwdConfig (2 Q tiles x 128 rows, tile_n = 128; one Q
     tile at d = 256, where warpgroup 1 idles).
-    The softmax and correction warpgroups are in ``blackwell_softmax.SoftmaxCorrectionRoles``, the
-    persistent builds' tile loops in ``blackwell_persistent.PersistentRoles``."""
+    The load and MMA warps are in ``blackwell_load_mma.LoadMmaRoles``, the softmax and correction
+    warpgroups in ``blackwell_softmax.SoftmaxCorrectionRoles``, O's epilogue in
+    ``blackwell_output.OutputRoles``, the persistent builds' tile loops in
+    ``blackwell_persistent.PersistentRoles``."""
 
     # the mbarrier block, per Q tile (blackwell_config counts them; the protocol checker reads these)
     PER_Q_BARRIERS = ("q_full", "s_full", "p_full", "p_full_2", "scale_full", "final_full", "o_full", "epi_full")
@@ -265,57 +269,6 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
         mQ, mK, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=qko_modes)) for t in (mQ, mK, mO)]
         mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=v_modes))
         return mQ, mK, mV, mO
-
-    # O's way out, as methods so that blackwell_epilogue_check traces exactly these: the staging
-    # layout in SMEM, the TMA store (dense) or the 16-byte stores (varlen), and where a tile's rows go
-    def o_smem_layout(self):
-        """sO: (tm, dv, q tile), row-major with the swizzle the helper picks for dv (128B / 64B)."""
-        return sm100_utils.make_smem_layout_epi(self.dtype, LayoutEnum.ROW_MAJOR, (self.tm, self.dv), self.num_q)
-
-    def o_tma_store_atom(self, mO, sO_layout):
-        """(TMA store atom, TMA coordinate tensor) for one (tm, dv) stage of sO."""
-        return cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (self.tm, self.dv))
-
-    def o_tma_partitions(self, tma_atom_O, tma_O, sO, head, batch):
-        """(tOsO, tOgO): sO per q tile and O of (head, batch) per tm-row tile, as TMA boxes."""
-        gO = cute.local_tile(tma_O[None, None, head, batch], (self.tm, self.dv), (None, 0))
-        return cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                     cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
-
-    def o_tile_index(self, m_block, i):
-        """Q tile i of CTA m_block, counted in tm-row tiles of the sequence."""
-        return m_block * self.num_q + i
-
-    def o_tile_row0(self, m_block, i):
-        """The first row of Q tile i of CTA m_block (the row guards and the lse rows count from it)."""
-        return m_block * self.cfg.cta_tile_m + i * self.tm
-
-    def varlen_o_copy(self):
-        """16-byte stores, varlen_store_threads_per_row threads per O row, a warp covering whole rows:
-        one 8-column vector per lane and tpr x 8 columns, repeated across dv. Not dv / tpr contiguous
-        columns a lane: at dv = 96 those 24 cross sO's 32-column swizzle blocks, and the copy's view of
-        sO put 8192 of a tile's 12288 elements in the wrong place (found by blackwell_epilogue_check;
-        64 and 128 build the same copy either way)."""
-        tpr = self.varlen_store_threads_per_row
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        thr_layout = cute.make_ordered_layout((32 // tpr, tpr), order=(1, 0))
-        return cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, 8)))
-
-    def varlen_o_sequence(self, mO, head, offset_q):
-        """O rows of this sequence and head: (seqlen, dv), row 0 at cu_seqlens_q[batch]."""
-        return cute.domain_offset((offset_q, 0), mO[None, None, head])
-
-    def varlen_o_partitions(self, thr_copy, mO_cur, sO_i, tile_index):
-        """(tOsO, tOgO, tOcO): this lane's values of sO_i, of the tile's rows of O and their (row,
-        column) in the tile; mode 1 runs over the lane's rows."""
-        gO = cute.local_tile(mO_cur, (self.tm, self.dv), (tile_index, 0))
-        return (thr_copy.partition_S(sO_i), thr_copy.partition_D(gO),
-                thr_copy.partition_S(cute.make_identity_tensor((self.tm, self.dv))))
-
-    def varlen_guard_row(self, tOcO, m):
-        """The tile row of the lane's m-th store, as the guard reads it (its first value's row)."""
-        return tOcO[0, m, 0][0]
 
     def mmas_and_p_layout(self):
         """(tiled_mma_qk, tiled_mma_pv, tP_layout): S = Q K^T (SS, both K-major), O = P V (TS: A = P
@@ -581,194 +534,6 @@ class FlashAttentionForwardSm100(SoftmaxCorrectionRoles, PersistentRoles):
             tOrP = [cute.make_tensor(cute.recast_ptr(tmem_ptr + self.tmem.p[i], dtype=self.dtype), tOrP_layout)
                     for i in range(self.num_q)]
         return tStS, tOtO, tOrP
-
-    # ------------------------------------------------------------------ load warp
-    @cute.jit
-    def load(self, m_block: Int32, head: Int32, head_kv: Int32, batch: Int32, offset_q: Int32,
-             offset_k: Int32, n_blocks: Int32, mbar: cute.Pointer, tma_Q: cute.Tensor, tma_K: cute.Tensor,
-             tma_V: cute.Tensor, tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
-             tma_atom_V: cute.CopyAtom, sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-             thr_mma_qk: cute.ThrMma, thr_mma_pv: cute.ThrMma, n_block_min: Int32 | None = None,
-             blocks_done: Int32 | None = None, tiles_done: Int32 | None = None):
-        if const_expr(not self.varlen):
-            mQ_cur = tma_Q[None, None, head, batch]      # (sq, d)
-            mK_cur = tma_K[None, None, head_kv, batch]   # (sk, d)
-            mV_cur = tma_V[None, None, head_kv, batch]   # (dv, sk)
-        else:  # this sequence's rows start at its cu_seqlens offset
-            mQ_cur = cute.domain_offset((offset_q, 0), tma_Q[None, None, head])
-            mK_cur = cute.domain_offset((offset_k, 0), tma_K[None, None, head_kv])
-            mV_cur = cute.domain_offset((0, offset_k), tma_V[None, None, head_kv])
-        gQ = cute.local_tile(mQ_cur, (self.tm, self.d), (None, 0))     # (tm, d, q tiles)
-        gK = cute.local_tile(mK_cur, (self.tn, self.d), (None, 0))     # (tn, d, n blocks)
-        gV = cute.local_tile(mV_cur, (self.dv, self.tn), (0, None))    # (dv, tn, n blocks)
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 3),
-                                           cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
-                                           cute.group_modes(thr_mma_qk.partition_B(gK), 0, 3))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 3),
-                                           cute.group_modes(thr_mma_pv.partition_B(gV), 0, 3))
-        # 1. Q_0, K_0, Q_1, V_0: S_0(0) can start as soon as Q_0 and K_0 are in
-        for i in cutlass.range_constexpr(self.num_q):
-            if const_expr(self.persistent):
-                # sQ_i feeds the previous tile's S_i until the MMA warp's q_empty commit (first tile: passes)
-                cute.arch.mbarrier_wait(self._bar(mbar, "q_empty", i), self._tile_parity(tiles_done) ^ 1)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "q_full", i), self.bytes_Q)
-            cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_q + i], tQsQ[None, i],
-                      tma_bar_ptr=self._bar(mbar, "q_full", i))
-            if const_expr(i == 0):
-                self.load_kv(2 * self._walk_step(blocks_done, 0), self._key_block(n_block_min, 0), mbar,
-                             tma_atom_K, tKgK, tKsK, self.bytes_K)
-        self.load_kv(2 * self._walk_step(blocks_done, 0) + 1, self._key_block(n_block_min, 0), mbar, tma_atom_V,
-                     tVgV, tVsV, self.bytes_V)
-        # 2. K_j, V_j as ring slots free up (load j of the walk: slot and phase count from its start)
-        for j in cutlass.range(1, n_blocks, unroll=1):
-            n_block = self._key_block(n_block_min, j)
-            self.load_kv(2 * self._walk_step(blocks_done, j), n_block, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
-            self.load_kv(2 * self._walk_step(blocks_done, j) + 1, n_block, mbar, tma_atom_V, tVgV, tVsV,
-                         self.bytes_V)
-
-    @cute.jit
-    def load_kv(self, load_idx: Int32, n_block: Int32, mbar: cute.Pointer, tma_atom: cute.CopyAtom,
-                tXgX: cute.Tensor, tXsX: cute.Tensor, num_bytes: cutlass.Constexpr[int]):
-        slot, phase = self._ring(load_idx)
-        cute.arch.mbarrier_wait(self._bar(mbar, "kv_empty", slot), phase ^ 1)  # first lap: passes
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(self._bar(mbar, "kv_full", slot), num_bytes)
-        cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, slot], tma_bar_ptr=self._bar(mbar, "kv_full", slot))
-
-    # ------------------------------------------------------------------ MMA warp
-    @cute.jit
-    def mma(self, n_blocks: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, sQ: cute.Tensor,
-            sK: cute.Tensor, sV: cute.Tensor, tP_layout: cute.ComposedLayout,
-            tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, blocks_done: Int32 | None = None,
-            tiles_done: Int32 | None = None):
-        thr_mma_qk = tiled_mma_qk.get_slice(0)
-        thr_mma_pv = tiled_mma_pv.get_slice(0)
-        if const_expr(self.persistent):
-            # Q's SMEM descriptors from an address the compiler cannot hoist above the tile loop, where
-            # this warp's 56 registers cannot hold all 16 for every tile (they spilled); not marked
-            # warp-uniform: then they go back to uniform registers and spill there
-            zero = cute.assume(opaque_i32(0), divby=1024)
-            sQ = cute.make_tensor(sQ.iterator + zero, sQ.layout)
-        tSrQ = thr_mma_qk.make_fragment_A(sQ)   # SMEM descriptors (MMA, M, K, q tile)
-        tSrK = thr_mma_qk.make_fragment_B(sK)   # (MMA, N, K, slot)
-        tOrV = thr_mma_pv.make_fragment_B(sV)   # (MMA, N, K, slot)
-        tStS, tOtO, tOrP = self._tmem_tensors(tmem_ptr, thr_mma_qk, thr_mma_pv, tP_layout)
-
-        # 1. S_i(0) = Q_i K_0^T for both tiles, then K_0's slot goes back to the load warp
-        k_slot, k_phase = self._ring(2 * self._walk_step(blocks_done, 0))
-        cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", k_slot), k_phase)
-        for i in cutlass.range_constexpr(self.num_q):
-            cute.arch.mbarrier_wait(self._bar(mbar, "q_full", i), self._tile_parity(tiles_done))
-            if const_expr(self.persistent):
-                # S_i(0) overwrites the previous tile's final row statistics: the correction has read them
-                cute.arch.mbarrier_wait(self._bar(mbar, "final_empty", i), self._tile_parity(tiles_done) ^ 1)
-                tcgen05_fence_after_sync()
-            self.gemm_qk(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i], tSrK[None, None, None, k_slot])
-            with cute.arch.elect_one():
-                tcgen05.commit(self._bar(mbar, "s_full", i))
-        with cute.arch.elect_one():
-            tcgen05.commit(self._bar(mbar, "kv_empty", k_slot))
-
-        # 2. steady state: O_i += P_i(j-1) V_(j-1), then S_i(j) = Q_i K_j^T, tile 0 then tile 1
-        for j in cutlass.range(1, n_blocks, unroll=1):
-            v_slot, v_phase = self._ring(2 * self._walk_step(blocks_done, j) - 1)
-            k_slot, k_phase = self._ring(2 * self._walk_step(blocks_done, j))
-            cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", v_slot), v_phase)
-            for i in cutlass.range_constexpr(self.num_q):
-                self.gemm_pv(tiled_mma_pv, mbar, i, self._walk_step(blocks_done, j - 1), tOtO[i], tOrP[i],
-                             tOrV[None, None, None, v_slot], accumulate=j > 1)
-                if const_expr(i == 0):
-                    cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", k_slot), k_phase)
-                self.gemm_qk(tiled_mma_qk, tStS[i], tSrQ[None, None, None, i], tSrK[None, None, None, k_slot])
-                with cute.arch.elect_one():
-                    tcgen05.commit(self._bar(mbar, "s_full", i))
-            with cute.arch.elect_one():
-                tcgen05.commit(self._bar(mbar, "kv_empty", v_slot))
-                tcgen05.commit(self._bar(mbar, "kv_empty", k_slot))
-
-        if const_expr(self.persistent):
-            # every S_i of the tile is issued: sQ is free for the next tile's Q once they complete
-            with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(self.num_q):
-                    tcgen05.commit(self._bar(mbar, "q_empty", i))
-
-        # 3. the last O_i += P_i V; each commit tells the correction warpgroup O_i is final
-        v_slot, v_phase = self._ring(2 * self._walk_step(blocks_done, n_blocks) - 1)
-        cute.arch.mbarrier_wait(self._bar(mbar, "kv_full", v_slot), v_phase)
-        for i in cutlass.range_constexpr(self.num_q):
-            self.gemm_pv(tiled_mma_pv, mbar, i, self._walk_step(blocks_done, n_blocks - 1), tOtO[i], tOrP[i],
-                         tOrV[None, None, None, v_slot], accumulate=n_blocks > 1)
-            with cute.arch.elect_one():
-                tcgen05.commit(self._bar(mbar, "o_full", i))
-        with cute.arch.elect_one():
-            tcgen05.commit(self._bar(mbar, "kv_empty", v_slot))
-
-    @cute.jit
-    def gemm_qk(self, tiled_mma: cute.TiledMma, tStS: cute.Tensor, tSrQ: cute.Tensor, tSrK: cute.Tensor):
-        """S = Q K^T: d / 16 tcgen05.mma (SS), the first one overwriting S. A fresh MMA object per
-        call: we flip its ACCUMULATE field, and a field rebound inside a loop must not escape it."""
-        tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(tiled_mma.op))
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            tiled_mma.set(tcgen05.Field.ACCUMULATE, k != 0)
-            cute.gemm(tiled_mma, tStS, tSrQ[None, None, k], tSrK[None, None, k], tStS)
-
-    @cute.jit
-    def gemm_pv(self, tiled_mma: cute.TiledMma, mbar: cute.Pointer, i: cutlass.Constexpr[int], n_block: Int32,
-                tOtO: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, accumulate: Boolean):
-        """O += P V (TS: P from TMEM): wait for 3/4 of P (and for the correction warpgroup's O
-        rescale), issue 3/4 of the K = 16 steps, wait for the last quarter of P, issue the rest.
-        n_block: the walk step whose P it is (persistent: counted from the CTA's first tile)."""
-        tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(tiled_mma.op))  # see gemm_qk
-        phase = n_block % 2
-        num_k = cute.size(tOrP, mode=[2])
-        first = self.cfg.pv_k_blocks_first
-        cute.arch.mbarrier_wait(self._bar(mbar, "p_full", i), phase)
-        tcgen05_fence_after_sync()
-        for k in cutlass.range_constexpr(num_k):
-            if const_expr(k == first):
-                cute.arch.mbarrier_wait(self._bar(mbar, "p_full_2", i), phase)
-                tcgen05_fence_after_sync()
-            if const_expr(k == 0):
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, accumulate)
-            else:
-                tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
-            cute.gemm(tiled_mma, tOtO, tOrP[None, None, k], tOrV[None, None, k], tOtO)
-
-    # ------------------------------------------------------------------ epilogue warp
-    @cute.jit
-    def epilogue(self, m_block: Int32, head: Int32, batch: Int32, offset_q: Int32, seqlen_q: Int32,
-                 mbar: cute.Pointer, sO: cute.Tensor, tma_O: cute.Tensor | None,
-                 tma_atom_O: cute.CopyAtom | None, mO: cute.Tensor, tiles_done: Int32 | None = None):
-        if const_expr(not self.varlen):
-            # TMA store: out-of-range rows of the last tile are clipped by the tensor map
-            tOsO, tOgO = self.o_tma_partitions(tma_atom_O, tma_O, sO, head, batch)
-            for i in cutlass.range_constexpr(self.num_q):
-                cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), self._tile_parity(tiles_done))
-                cute.copy(tma_atom_O, tOsO[None, i], tOgO[None, self.o_tile_index(m_block, i)])
-                cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # sO must outlive the reads
-            if const_expr(self.persistent):
-                for i in cutlass.range_constexpr(self.num_q):  # the next tile's O may go to sO
-                    cute.arch.mbarrier_arrive(self._bar(mbar, "epi_empty", i))
-        else:
-            # packed sequences: 16-byte stores, rows past this sequence's end skipped
-            tiled_copy = self.varlen_o_copy()
-            thr_copy = tiled_copy.get_slice(cute.arch.lane_idx())
-            mO_cur = self.varlen_o_sequence(mO, head, offset_q)
-            for i in cutlass.range_constexpr(self.num_q):
-                cute.arch.mbarrier_wait(self._bar(mbar, "epi_full", i), self._tile_parity(tiles_done))
-                row0 = self.o_tile_row0(m_block, i)
-                tOsO, tOgO, tOcO = self.varlen_o_partitions(thr_copy, mO_cur, sO[None, None, i],
-                                                            self.o_tile_index(m_block, i))
-                for m in cutlass.range_constexpr(cute.size(tOsO, mode=[1])):
-                    if row0 + self.varlen_guard_row(tOcO, m) < seqlen_q:
-                        r = cute.make_rmem_tensor_like(tOsO[None, m, None])
-                        cute.autovec_copy(tOsO[None, m, None], r)
-                        cute.copy(tiled_copy, r, tOgO[None, m, None])
-                if const_expr(self.persistent):  # this lane has read sO_i
-                    cute.arch.mbarrier_arrive(self._bar(mbar, "epi_empty", i))
 
 
 # ------------------------------------------------------------------------------------------------

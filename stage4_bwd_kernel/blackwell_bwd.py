@@ -81,21 +81,22 @@ from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.blackwell_config import DQ_STAGE_BUFS, DQ_STAGE_COLS, BlackwellBwdConfig, blackwell_bwd_config
+from stage4_bwd_kernel.blackwell_dq import DqDrainRole
 from stage4_bwd_kernel.blackwell_elementwise import ElementwiseRoles
 from stage4_bwd_kernel.hopper.walk import SeqBounds, WalkPlan
 
 STEP = "blackwell_bwd"
 BAR_TMEM_ALLOC = 1   # MMA warp + WG 0 + WG 2
 # id 2 is BAR_STATS (WG 0: sLSE / sD written / consumed), in blackwell_elementwise.py
-BAR_DQ = 3           # WG 2: deterministic hand-over
+# id 3 is BAR_DQ (WG 2: deterministic hand-over, the dQ reduce's chunks), in blackwell_dq.py
 MMA_WARP, LOAD_WARP = 4, 5
 BARRIERS = ("kv_full", "s_full", "dp_full", "p_full", "ds_full", "dq_full", "dq_empty", "dkv_full", "tmem_dealloc")
 
 
-class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
+class FlashAttentionBackwardSm100(ElementwiseRoles, DqDrainRole, WalkPlan):
     """The 1-CTA FA4 backward for one BlackwellBwdConfig; the elementwise warpgroup (WG 0) is in
-    ``blackwell_elementwise.ElementwiseRoles``, the varlen sequence bounds in the Hopper walk's
-    ``WalkPlan`` (tile_bounds, make_walk)."""
+    ``blackwell_elementwise.ElementwiseRoles``, the dQ warpgroup (WG 2) in ``blackwell_dq.DqDrainRole``,
+    the varlen sequence bounds in the Hopper walk's ``WalkPlan`` (tile_bounds, make_walk)."""
 
     def __init__(self, config: BlackwellBwdConfig, dq_order=None, *, varlen: bool = False,
                  has_seqused_k: bool = False):
@@ -572,96 +573,6 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, WalkPlan):
                         tcgen05.commit(self._bar(mbar, "do_empty", oslot))
         with cute.arch.elect_one():
             tcgen05.commit(self._bar(mbar, "dkv_full"))
-
-    # ------------------------------------------------------------------ dQ warpgroup
-    def _dq_rank(self, n_block, m_block, seqlen_q, seqlen_k):
-        """This K/V tile's place among those adding into Q tile m_block (schedule.py's ranks, as the
-        Hopper dQ writer takes them): a window bounds both ends, else the first tile is 0."""
-        last = schedule.n_block_last(m_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal, imin=cutlass.min,
-                                     window=self.window_or_none)
-        first = Int32(0)
-        if self.window_or_none is not None:
-            first = schedule.n_block_first(m_block, self.tm, self.tn, seqlen_q, seqlen_k, self.causal,
-                                           imax=cutlass.max, window=self.window_or_none)
-        return self.dq_order.rank(n_block, first, last)
-
-    @cute.jit
-    def dq_drain(self, n_block: Int32, seq: SeqBounds, head_kv: Int32, m_min: Int32, n_m: Int32, n_iter: Int32,
-                 group: Int32, mbar: cute.Pointer, tmem_ptr: cute.Pointer, mdQacc: cute.Tensor, mSemaphore: cute.Tensor,
-                 mma_dq: cute.TiledMma, sdQ: cute.Tensor | None, tma_atom_dQ: cute.CopyAtom | None,
-                 tma_dQ: cute.Tensor | None):
-        """dQ rows of each Q tile: TMEM -> registers, then reduce-adds at the tile's rows of the sequence
-        (varlen: packed row offset_q + row; rows past the sequence's end add nothing) -- per-row atomics,
-        or (dq_tma) staged in sdQ and added by TMA (_dq_reduce_tma)."""
-        seqlen_q, seqlen_k = seq.seqlen_q, seq.seqlen_k
-        tidx = cute.arch.thread_idx()[0] % 128
-        tm, ch = self.tm, 32
-        accdQ = self._tmem_acc(tmem_ptr, mma_dq, (tm, self.d), self.tmem.dq)
-        sub = lambda t, off: cute.make_tensor(t.iterator + off, cute.composition(t.layout, cute.make_layout((tm, ch))))  # noqa: E731
-        ld = tcgen05.make_tmem_copy(cute.make_copy_atom(tcgen05.copy.Ld32x32bOp(tcgen05.copy.Repetition(ch)), Float32),
-                                    sub(accdQ, 0))
-        thr_ld = ld.get_slice(tidx)
-        r_shape = thr_ld.partition_D(cute.make_identity_tensor((tm, ch))).shape
-        for it in cutlass.range(n_iter, unroll=1):
-            head = head_kv * group + it // n_m
-            m_block = m_min + it % n_m
-            row = m_block * tm + tidx
-            cute.arch.mbarrier_wait(self._bar(mbar, "dq_full"), it % 2)
-            tcgen05_fence_after_sync()
-            # the whole dQ row -> registers, then hand the columns back at once: dP^T(it + 1) waits
-            # on dq_empty, and the atomics (and, deterministic, the semaphore) are then off its path
-            rdq = cute.make_rmem_tensor((self.d,), Float32)
-            self._tmem_load_row(rdq, lambda c: sub(accdQ, c * ch), ld, thr_ld, r_shape, self.d // ch)
-            tcgen05_fence_before_sync()
-            cute.arch.mbarrier_arrive(self._bar(mbar, "dq_empty"))
-            if const_expr(self.dq_tma):
-                self._dq_reduce_tma(rdq, it, m_block, head, seq.bidx, sdQ, tma_atom_dQ, tma_dQ, thr_ld, r_shape)
-            if const_expr(self.deterministic):
-                sem = common.elem_pointer(mSemaphore, (seq.batch, head, m_block))  # varlen: per sequence
-                common.semaphore_wait(sem, self._dq_rank(n_block, m_block, seqlen_q, seqlen_k), tidx)
-                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
-            if const_expr(not self.dq_tma):
-                if row < seqlen_q:
-                    g = mdQacc[seq.bidx, self._packed_row(row, seq.offset_q), head, None]
-                    for j in cutlass.range_constexpr(self.d // 2):
-                        common.red_add_f32x2(common.elem_pointer(g, 2 * j), rdq[2 * j], rdq[2 * j + 1])
-            if const_expr(self.deterministic):
-                cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
-                common.semaphore_signal(sem, tidx)
-        if const_expr(self.dq_tma):
-            # sdQ must outlive the last reduce's reads (the CTA's SMEM goes away when it exits)
-            if cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _dq_reduce_tma(self, rdq: cute.Tensor, it: Int32, m_block: Int32, head: Int32, batch: Int32,
-                       sdQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom, tma_dQ: cute.Tensor, thr_ld,
-                       r_shape: cutlass.Constexpr):
-        """Q tile `it`'s dQ rows (thread r: rdq = row r, d fp32) into dQaccum by TMA reduce-add, in
-        chunks of 32 columns: the warpgroup stores a chunk in sdQ (buffers alternate), fences it to
-        the async proxy, syncs, and warp 0 issues one cp.reduce.async.bulk.tensor .add per chunk and
-        commits it as a bulk group. Before that sync warp 0 waits until the previous chunk's reduce
-        has read its buffer (wait_group.read 0), which is the buffer the next chunk overwrites: one
-        reduce reads while the next chunk is stored. Rows past seqlen_q are clipped by the tensor map."""
-        nch, bufs, cols = self.d // DQ_STAGE_COLS, DQ_STAGE_BUFS, DQ_STAGE_COLS
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
-        gdQ = cute.local_tile(tma_dQ[None, None, head, batch], (self.tm, cols), (None, None))  # (tm, 32, m tiles, d/32)
-        tdQsdQ, tdQgdQ = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1), cute.group_modes(sdQ, 0, 2),
-                                               cute.group_modes(gdQ, 0, 2))  # (box, buffers), (box, m tiles, d/32)
-        for c in cutlass.range_constexpr(nch):
-            # the buffer sequence runs on across tiles; with an even chunk count it is c's parity
-            buf = c % bufs if const_expr(nch % bufs == 0) else (it * nch + c) % bufs
-            r = cute.make_rmem_tensor(r_shape, Float32)
-            for j in cutlass.range_constexpr(cols):
-                r[j] = rdq[c * cols + j]
-            cute.autovec_copy(r, thr_ld.partition_D(sdQ[None, None, buf]))  # row r, swizzled 16-byte stores
-            cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> visible to the TMA's reads
-            if warp == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=BAR_DQ, number_of_threads=128)
-            if warp == 0:
-                cute.copy(tma_atom_dQ, tdQsdQ[None, buf], tdQgdQ[None, m_block, c])
-                cute.arch.cp_async_bulk_commit_group()
 
 
 # ------------------------------------------------------------------------------------------------

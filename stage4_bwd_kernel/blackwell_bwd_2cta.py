@@ -86,7 +86,8 @@ from stage3_fwd_kernel import compile_cache
 from stage3_fwd_kernel.blackwell_fwd import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage4_bwd_kernel import blackwell_bwd as _one
 from stage4_bwd_kernel import common, schedule
-from stage4_bwd_kernel.blackwell_bwd import BAR_DQ, BAR_TMEM_ALLOC, LOAD_WARP, MMA_WARP, FlashAttentionBackwardSm100
+from stage4_bwd_kernel.blackwell_bwd import BAR_TMEM_ALLOC, LOAD_WARP, MMA_WARP, FlashAttentionBackwardSm100
+from stage4_bwd_kernel.blackwell_dq import BAR_DQ
 from stage4_bwd_kernel.blackwell_config import BlackwellBwdConfig, blackwell_bwd_2cta_config
 
 STEP = "blackwell_bwd_2cta"

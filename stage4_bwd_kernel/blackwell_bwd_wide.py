@@ -45,7 +45,8 @@ from stage3_fwd_kernel import compile_cache
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel import blackwell_bwd as _one
-from stage4_bwd_kernel.blackwell_bwd import BAR_DQ, FlashAttentionBackwardSm100
+from stage4_bwd_kernel.blackwell_bwd import FlashAttentionBackwardSm100
+from stage4_bwd_kernel.blackwell_dq import BAR_DQ
 from stage4_bwd_kernel.blackwell_config import (DQT_WINDOW, WIDE_TILE_M, BlackwellBwdConfig, BwdWideTmemPlan,
                                                 blackwell_bwd_wide_config)
 from stage4_bwd_kernel.hopper.walk import SeqBounds
