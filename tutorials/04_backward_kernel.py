@@ -547,8 +547,26 @@ for seqlen in (2048, 4096, 8192, 16384):
 # %% [markdown]
 # At 16k a section is one head, the blockIdx order itself. Paired rounds on an H100 favoured sections
 # from 4k keys on and not below, which this model does not explain; on an H200 they gain at 2k too
-# (+2%, and a trace shows the SMs' idle time at the grid's end falling from 36 to 10 us) and tie at 1k,
-# so the production causal order (`KVAscendingSectionsOrder`) launches in sections at every length.
+# (+2% in paired rounds) and tie at 1k, so the production causal order (`KVAscendingSectionsOrder`)
+# launches in sections at every length. The clock stamps behind that choice, at 2k on an H200
+# (`python -m benchmarks.inspect.trace_bwd --dim 128 --causal --seqlen 2048 --batch 16 --heads 16
+# --impls ours,stage4_bwd_kernel.hopper.backward:kv_ascending_sections,official`, run while the
+# production kernel, "ours" in the file, still launched 2k in blockIdx order): the same work in
+# every order (the sum of the CTAs' cycles), a different tail.
+
+# %%
+import json
+import pathlib
+
+trace_file = (pathlib.Path(s4_model.__file__).parents[1] / "benchmarks" / "results"
+              / "trace_bwd_h200_causal2k_d128_sections.json")
+order_names = {"ours": "blockIdx order", "stage4_bwd_kernel.hopper.backward:kv_ascending_sections": "sections",
+               "official": "official FA4"}
+traced = {order_names[r["impl"]]: r for r in json.loads(trace_file.read_text())["results"]}
+for name, r in traced.items():
+    print(f"{name:>14}: kernel {r['span_us']:6.0f} us, the SMs' idle time at the end {r['idle_at_end_us_mean']:4.1f} us "
+          f"mean ({r['idle_at_end_us_max']:4.1f} max), all CTAs {r['cta_cycles_sum'] / 1e6:4.0f} M cycles")
+assert traced["sections"]["idle_at_end_us_mean"] < traced["blockIdx order"]["idle_at_end_us_mean"] / 2
 
 # %% [markdown]
 # ## The Hopper ladder: three lessons
