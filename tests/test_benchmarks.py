@@ -650,7 +650,37 @@ def test_sass_fingerprint_normalises_names_and_addresses_and_diffs(tmp_path, cap
     finally:
         sys.argv = argv
     out = capsys.readouterr().out
-    assert "DIFFERS: k#1" in out and "1 identical, 1 different" in out
+    assert "DIFFERS: k#1" in out and "1 identical, 1 different" in out and "listing missing" in out
+
+
+def test_sass_fingerprint_diff_tells_a_changed_prologue_from_a_changed_loop(tmp_path, capsys):
+    """A kernel whose instructions before its loop changed keeps its loops; one whose loop body changed
+    does not -- whatever the label numbers."""
+    import hashlib
+
+    from benchmarks.inspect import sass_fingerprint as fp
+
+    base = "MOV R0, 1\n.L_x_3:\nFADD R1, R1, R2\nISETP.NE P0, R1, R3\n@P0 BRA `(.L_x_3)\nEXIT\n"
+    prologue = base.replace("MOV R0, 1", "MOV R0, 2\nMOV R4, 0").replace(".L_x_3", ".L_x_7")
+    body = base.replace("FADD R1, R1, R2", "FMUL R1, R1, R2")
+    assert len(fp.loop_bodies(base)) == 1 and fp.loop_bodies(base) == fp.loop_bodies(prologue)
+    assert fp.loop_bodies(base) != fp.loop_bodies(body)
+    listings = {"x": {"k#0": base, "k#1": base}, "y": {"k#0": prologue, "k#1": body}}
+    for name, texts in listings.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "hashes.json").write_text(json.dumps({k: hashlib.sha256(t.encode()).hexdigest()
+                                                                 for k, t in texts.items()}))
+        for k, t in texts.items():
+            (tmp_path / name / (k.replace("#", "__") + ".sass")).write_text(t)
+    argv = sys.argv
+    try:
+        sys.argv = ["sass_fingerprint", str(tmp_path / "x"), "--diff", str(tmp_path / "y")]
+        assert fp.main() == 1
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("DIFFERS: k#0") and "every loop the same (1)" in line for line in out)
+    assert any(line.startswith("DIFFERS: k#1") and "loops differ" in line for line in out)
 
 
 @pytest.mark.cpu

@@ -10,6 +10,9 @@ sha256 hashes. A restructuring that must not change the kernels runs it on both 
     python -m benchmarks.inspect.sass_fingerprint /tmp/fp_after           # on the new one
     python -m benchmarks.inspect.sass_fingerprint /tmp/fp_after --diff /tmp/fp_before
 
+The diff also says, for each kernel that differs, whether its loops (every backward branch's body,
+labels blanked) are the same: a change to the prologue or the epilogue only leaves them alone.
+
 About 10 minutes on 2 cores for the whole grid (`--only fwd,lpt` or `--only bwd` for half).
 `--only bw_fwd` compiles the Blackwell forward's 24 configurations for sm_100a instead (never run:
 no Blackwell GPU is reachable, so its SASS is the only evidence a change left it alone).
@@ -37,6 +40,32 @@ def normalise(sass: str) -> str:
         elif line.strip().startswith(".L_x_"):
             out.append(line.strip())
     return "\n".join(out) + "\n"
+
+
+def loop_bodies(text: str) -> list:
+    """Sorted hashes of the loops of a normalised listing: the lines from a label to a branch back to
+    it, labels blanked (their numbers move when code before them changes)."""
+    lines = text.splitlines()
+    labels, bodies = {}, []
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            labels[m.group(1)] = i
+        b = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        if b and b.group(1) in labels:
+            body = "\n".join(lines[labels[b.group(1)]:i + 1])
+            bodies.append(hashlib.sha256(re.sub(r"\.L_x_\d+", "L", body).encode()).hexdigest()[:16])
+    return sorted(bodies)
+
+
+def loops_note(dir_a: str, dir_b: str, key: str) -> str:
+    """'every loop the same (n)' / 'loops differ' for a kernel present in both directories' listings."""
+    name = key.replace("#", "__") + ".sass"
+    paths = [os.path.join(d, name) for d in (dir_a, dir_b)]
+    if not all(os.path.exists(q) for q in paths):
+        return "listing missing"
+    a, b = (loop_bodies(open(q).read()) for q in paths)
+    return f"every loop the same ({len(a)})" if a == b else "loops differ"
 
 
 def fwd_configs(quick):
@@ -108,7 +137,8 @@ def main():
                 same += 1
             else:
                 diff += 1
-                print("DIFFERS:", k, x.get(k, "missing")[:12], y.get(k, "missing")[:12])
+                print("DIFFERS:", k, x.get(k, "missing")[:12], y.get(k, "missing")[:12], "--",
+                      loops_note(a.outdir, a.diff, k))
         print(f"{same} identical, {diff} different")
         return 1 if diff else 0
     os.makedirs(a.outdir, exist_ok=True)
