@@ -427,7 +427,7 @@ class FlashAttentionForwardSm100TwoCta(FlashAttentionForwardSm100):
     @cute.jit
     def gemm_pv_pair(self, tiled_mma: cute.TiledMma, mbar: cute.Pointer, i: cutlass.Constexpr[int], step: Int32,
                      tOtO: cute.Tensor, tOrP: cute.Tensor, tOrV: cute.Tensor, accumulate: cutlass.Boolean):
-        """blackwell_fwd.gemm_pv for the pair: 3/4 of P stored (and O rescaled) in both CTAs -- this
+        """blackwell_load_mma.LoadMmaRoles.gemm_pv for the pair: 3/4 of P stored (and O rescaled) in both CTAs -- this
         CTA's barrier and the odd CTA's, relayed -- then 6 K-steps; the last quarter in both, 2 more."""
         tiled_mma = cute.make_tiled_mma(cute.make_mma_atom(tiled_mma.op))  # ACCUMULATE stays local
         phase = step % 2

@@ -761,7 +761,8 @@ def persistent_walks(blocks: int, work_tiles: int) -> list:
 
 
 def forward_spec(blocks: int = 4, tiles: int | None = None, head_dim: int = 128, persistent: int = 0) -> KernelSpec:
-    """stage3_fwd_kernel/blackwell_fwd.py (+ blackwell_softmax.py): 2 softmax WGs, correction WG,
+    """stage3_fwd_kernel/blackwell_fwd.py (+ blackwell_load_mma.py, blackwell_softmax.py,
+    blackwell_output.py): 2 softmax WGs, correction WG,
     MMA / load / epilogue / idle warps; `blocks` key blocks. The kernel's CTA holds 2 Q tiles, or 1 at
     head_dim 256 (one softmax WG; warpgroup 1 idles and is a role too); tiles None: the build's.
     persistent = N > 0: the persistent build (+ blackwell_persistent.py), N work tiles per CTA of

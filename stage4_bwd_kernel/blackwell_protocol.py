@@ -59,7 +59,7 @@ def wide_spec(blocks: int = 4, head_dim: int = 192) -> KernelSpec:
 
 
 def backward_spec(blocks: int = 4, head_dim: int = 128, dq_tma: bool = False) -> KernelSpec:
-    """stage4_bwd_kernel/blackwell_bwd.py (+ blackwell_elementwise.py): the 1-CTA backward; `blocks`
+    """stage4_bwd_kernel/blackwell_bwd.py (+ blackwell_elementwise.py, blackwell_dq.py): the 1-CTA backward; `blocks`
     Q tiles walked by the CTA's K/V tile.
     dq_tma: the build whose WG 2 stages dQ in sdQ for a TMA reduce-add; at d = 128 its dO ring has one
     stage and barriers of its own (do_full / do_empty), which this checks. sdQ itself is not named:

@@ -660,11 +660,23 @@ def test_sass_fingerprint_diff_tells_a_changed_prologue_from_a_changed_loop(tmp_
 
     from benchmarks.inspect import sass_fingerprint as fp
 
-    base = "MOV R0, 1\n.L_x_3:\nFADD R1, R1, R2\nISETP.NE P0, R1, R3\n@P0 BRA `(.L_x_3)\nEXIT\n"
-    prologue = base.replace("MOV R0, 1", "MOV R0, 2\nMOV R4, 0").replace(".L_x_3", ".L_x_7")
-    body = base.replace("FADD R1, R1, R2", "FMUL R1, R1, R2")
-    assert len(fp.loop_bodies(base)) == 1 and fp.loop_bodies(base) == fp.loop_bodies(prologue)
+    # raw disassembly, as nvdisasm writes it; a second loop closed by a uniform branch (BRA.U UP0, ...)
+    raw = ("        /*0000*/                   MOV R0, 1 ;\n"
+           ".L_x_3:\n"
+           "        /*0010*/                   FADD R1, R1, R2 ;\n"
+           "        /*0020*/                   ISETP.NE.AND P0, PT, R1, R3, PT ;\n"
+           "        /*0030*/               @P0 BRA `(.L_x_3) ;\n"
+           ".L_x_4:\n"
+           "        /*0040*/                   UIADD3 UR4, UR4, 0x1, URZ ;\n"
+           "        /*0050*/                   BRA.U UP0, `(.L_x_4) ;\n"
+           "        /*0060*/                   EXIT ;\n")
+    base = fp.normalise(raw)
+    prologue = fp.normalise(raw.replace("MOV R0, 1 ;", "MOV R0, 2 ;\n        /*0008*/   MOV R4, 0 ;")
+                            .replace(".L_x_3", ".L_x_7").replace(".L_x_4", ".L_x_8"))
+    body = fp.normalise(raw.replace("UIADD3 UR4, UR4, 0x1", "UIADD3 UR4, UR4, 0x2"))
+    assert len(fp.loop_bodies(base)) == 2 and fp.loop_bodies(base) == fp.loop_bodies(prologue)
     assert fp.loop_bodies(base) != fp.loop_bodies(body)
+    assert fp.loop_bodies(fp.normalise("        /*0000*/                   EXIT ;\n")) == []
     listings = {"x": {"k#0": base, "k#1": base}, "y": {"k#0": prologue, "k#1": body}}
     for name, texts in listings.items():
         (tmp_path / name).mkdir()
@@ -679,7 +691,7 @@ def test_sass_fingerprint_diff_tells_a_changed_prologue_from_a_changed_loop(tmp_
     finally:
         sys.argv = argv
     out = capsys.readouterr().out.splitlines()
-    assert any(line.startswith("DIFFERS: k#0") and "every loop the same (1)" in line for line in out)
+    assert any(line.startswith("DIFFERS: k#0") and "every loop the same (2)" in line for line in out)
     assert any(line.startswith("DIFFERS: k#1") and "loops differ" in line for line in out)
 
 

@@ -842,7 +842,7 @@ assert busy_share[True] > busy_share[False]
 # steps per 128 keys). The last quarter arrives on `p_full_2`, and the MMA warp issues the rest:
 
 # %%
-from stage3_fwd_kernel import blackwell_fwd
+from stage3_fwd_kernel import blackwell_load_mma  # the load and MMA warps of blackwell_fwd's kernel class
 
 
 def source_of(module, qualname):
@@ -865,7 +865,7 @@ print(f"after store {cfg.p_first_chunks}: keys [0, {first_keys}) are in TMEM -> 
       f"0..{cfg.pv_k_blocks_first - 1} of {cfg.pv_k_blocks}; after store {cfg.p_store_chunks}: keys "
       f"[{first_keys}, {cfg.tile_n}) -> K steps {cfg.pv_k_blocks_first}..{cfg.pv_k_blocks - 1}\n")
 assert cfg.pv_k_blocks_first * 16 == first_keys
-print(source_of(blackwell_fwd, "FlashAttentionForwardSm100.gemm_pv"))
+print(source_of(blackwell_load_mma, "LoadMmaRoles.gemm_pv"))
 
 # %% [markdown]
 # The softmax side is two loops in `softmax_step` (`stage3_fwd_kernel/blackwell_softmax.py`): the

@@ -558,14 +558,16 @@ for seqlen in (2048, 4096, 8192, 16384):
 import json
 import pathlib
 
-trace_file = (pathlib.Path(s4_model.__file__).parents[1] / "benchmarks" / "results"
-              / "trace_bwd_h200_causal2k_d128_sections.json")
+RESULTS = pathlib.Path(s4_model.__file__).resolve().parents[1] / "benchmarks" / "results"
+trace_file = RESULTS / "trace_bwd_h200_causal2k_d128_sections.json"
 order_names = {"ours": "blockIdx order", "stage4_bwd_kernel.hopper.backward:kv_ascending_sections": "sections",
                "official": "official FA4"}
 traced = {order_names[r["impl"]]: r for r in json.loads(trace_file.read_text())["results"]}
 for name, r in traced.items():
     print(f"{name:>14}: kernel {r['span_us']:6.0f} us, the SMs' idle time at the end {r['idle_at_end_us_mean']:4.1f} us "
-          f"mean ({r['idle_at_end_us_max']:4.1f} max), all CTAs {r['cta_cycles_sum'] / 1e6:4.0f} M cycles")
+          f"mean ({r['idle_at_end_us_max']:4.1f} max), all CTAs {r['cta_cycles_sum'] / 1e6:5.1f} M cycles")
+work = [r["cta_cycles_sum"] for r in traced.values()]
+assert max(work) < 1.01 * min(work)  # the same work, within 1%
 assert traced["sections"]["idle_at_end_us_mean"] < traced["blockIdx order"]["idle_at_end_us_mean"] / 2
 
 # %% [markdown]

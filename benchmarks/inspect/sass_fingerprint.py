@@ -14,8 +14,10 @@ The diff also says, for each kernel that differs, whether its loops (every backw
 labels blanked) are the same: a change to the prologue or the epilogue only leaves them alone.
 
 About 10 minutes on 2 cores for the whole grid (`--only fwd,lpt` or `--only bwd` for half).
-`--only bw_fwd` compiles the Blackwell forward's 24 configurations for sm_100a instead (never run:
-no Blackwell GPU is reachable, so its SASS is the only evidence a change left it alone).
+`--only bw_fwd` compiles the Blackwell forward's 32 configurations for sm_100a instead, `--only bw_bwd`
+the Blackwell backward's 1-CTA, wide and 2-CTA builds (never run: no Blackwell GPU is reachable, so
+their SASS is the only evidence a change left them alone; some of these builds' SASS differs from run
+to run on the same source -- uniform-register numbering -- so compare their loops, or run twice).
 """
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def loop_bodies(text: str) -> list:
         m = re.match(r"^(\.L_x_\d+):", line)
         if m:
             labels[m.group(1)] = i
-        b = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        b = re.search(r"\bBRA(?:\.[A-Z0-9_]+)*\s[^`]*`\((\.L_x_\d+)\)", line)  # BRA, BRA.U UP0, ...
         if b and b.group(1) in labels:
             body = "\n".join(lines[labels[b.group(1)]:i + 1])
             bodies.append(hashlib.sha256(re.sub(r"\.L_x_\d+", "L", body).encode()).hexdigest()[:16])
@@ -59,12 +61,14 @@ def loop_bodies(text: str) -> list:
 
 
 def loops_note(dir_a: str, dir_b: str, key: str) -> str:
-    """'every loop the same (n)' / 'loops differ' for a kernel present in both directories' listings."""
+    """'every loop the same (n)' / 'loops differ' / 'no loops' for a kernel in both directories' listings."""
     name = key.replace("#", "__") + ".sass"
     paths = [os.path.join(d, name) for d in (dir_a, dir_b)]
     if not all(os.path.exists(q) for q in paths):
         return "listing missing"
     a, b = (loop_bodies(open(q).read()) for q in paths)
+    if not a and not b:
+        return "no loops"
     return f"every loop the same ({len(a)})" if a == b else "loops differ"
 
 
@@ -105,7 +109,25 @@ def bw_fwd_configs():
         yield ("bw_fwd", dt, d, dv, causal, dict(varlen=True) if varlen else dict())
 
 
+def bw_bwd_configs():
+    for d in (64, 128):
+        for causal in (False, True):
+            for det in (False, True):
+                yield ("bw_bwd", "bf16", d, d, causal, dict(deterministic=True) if det else dict())
+    yield ("bw_bwd", "bf16", 128, 128, True, dict(varlen=True))
+    yield ("bw_bwd", "bf16", 128, 128, True, dict(dq_tma=True))
+    for d, dv in ((192, 128), (256, 256)):
+        for det in (False, True):
+            yield ("bw_bwd_wide", "bf16", d, dv, True, dict(deterministic=True) if det else dict())
+    for causal in (False, True):
+        yield ("bw_bwd_2cta", "bf16", 128, 128, causal, dict())
+
+
 def build(kind, dt, d, dv, causal, kw):
+    if kind.startswith("bw_bwd"):
+        from stage4_bwd_kernel import blackwell_bwd, blackwell_bwd_2cta, blackwell_bwd_wide
+        module = {"bw_bwd": blackwell_bwd, "bw_bwd_wide": blackwell_bwd_wide, "bw_bwd_2cta": blackwell_bwd_2cta}[kind]
+        return [module.compile_only(dt, d, dv, causal, **kw)]
     if kind == "bw_fwd":
         from stage3_fwd_kernel import blackwell_fwd
         return [blackwell_fwd.compile_config(blackwell_fwd.make_config(dt, d, dv, causal), **kw)]
@@ -153,6 +175,8 @@ def main():
         jobs += list(lpt_configs())
     if "bw_fwd" in only:
         jobs += list(bw_fwd_configs())
+    if "bw_bwd" in only:
+        jobs += list(bw_bwd_configs())
     for i, job in enumerate(jobs):
         t0 = time.time()
         name = label(*job)
