@@ -6,6 +6,8 @@ repository, precompile without a GPU) and the README's generated support matrix.
 
 compile tier: a real CuTe-DSL object written to and reloaded from the disk cache; the CLI
 `precompile` and `demo` compile the production forward for sm_90a.
+
+The CLI across processes (what one command leaves on disk, the next reads): tests/test_fa4_cli.py.
 """
 from __future__ import annotations
 
