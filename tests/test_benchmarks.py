@@ -630,7 +630,13 @@ def test_every_result_file_the_docs_and_notebooks_name_is_committed():
     assert not missing, f"named but not in benchmarks/results/: {missing[:20]}"
 
 
-def test_sass_fingerprint_normalises_names_and_addresses_and_diffs(tmp_path, capsys):
+def fingerprint_diff(fp, outdir, other, monkeypatch) -> int:
+    """sass_fingerprint's `OUTDIR --diff OTHER`, in this process."""
+    monkeypatch.setattr(sys, "argv", ["sass_fingerprint", str(outdir), "--diff", str(other)])
+    return fp.main()
+
+
+def test_sass_fingerprint_normalises_names_and_addresses_and_diffs(tmp_path, capsys, monkeypatch):
     """Two builds that differ only in kernel name and addresses hash alike; a changed instruction does not."""
     from benchmarks.inspect import sass_fingerprint as fp
 
@@ -643,17 +649,12 @@ def test_sass_fingerprint_normalises_names_and_addresses_and_diffs(tmp_path, cap
     for name, hashes in (("x", {"k#0": "1", "k#1": "2"}), ("y", {"k#0": "1", "k#1": "3"})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "hashes.json").write_text(json.dumps(hashes))
-    argv = sys.argv
-    try:
-        sys.argv = ["sass_fingerprint", str(tmp_path / "x"), "--diff", str(tmp_path / "y")]
-        assert fp.main() == 1
-    finally:
-        sys.argv = argv
+    assert fingerprint_diff(fp, tmp_path / "x", tmp_path / "y", monkeypatch) == 1
     out = capsys.readouterr().out
     assert "DIFFERS: k#1" in out and "1 identical, 1 different" in out and "listing missing" in out
 
 
-def test_sass_fingerprint_diff_tells_a_changed_prologue_from_a_changed_loop(tmp_path, capsys):
+def test_sass_fingerprint_diff_tells_a_changed_prologue_from_a_changed_loop(tmp_path, capsys, monkeypatch):
     """A kernel whose instructions before its loop changed keeps its loops; one whose loop body changed
     does not -- whatever the label numbers."""
     import hashlib
@@ -684,12 +685,7 @@ def test_sass_fingerprint_diff_tells_a_changed_prologue_from_a_changed_loop(tmp_
                                                                  for k, t in texts.items()}))
         for k, t in texts.items():
             (tmp_path / name / (k.replace("#", "__") + ".sass")).write_text(t)
-    argv = sys.argv
-    try:
-        sys.argv = ["sass_fingerprint", str(tmp_path / "x"), "--diff", str(tmp_path / "y")]
-        assert fp.main() == 1
-    finally:
-        sys.argv = argv
+    assert fingerprint_diff(fp, tmp_path / "x", tmp_path / "y", monkeypatch) == 1
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith("DIFFERS: k#0") and "every loop the same (2)" in line for line in out)
     assert any(line.startswith("DIFFERS: k#1") and "loops differ" in line for line in out)
