@@ -36,7 +36,6 @@ Public API:
 from __future__ import annotations
 
 import os
-import re
 import struct
 import tempfile
 
@@ -47,7 +46,7 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .sass import disassemble
+from .sass import disassemble, loop_listings, sass_opcodes  # noqa: F401 (this module's API)
 
 ARCH = os.environ["CUTE_DSL_ARCH"]  # chosen by the package before cutlass loaded (cute_arch.select)
 
@@ -341,31 +340,6 @@ def exp2_gpu(x, method: str = "emulated", degree: int = 3, coefficients=None,
 def sass_from_cubin(cubin: bytes) -> str:
     """Disassemble a cubin with nvdisasm (from PATH or the nvidia-cuda-nvdisasm wheel)."""
     return disassemble(cubin, required=True)
-
-
-def sass_opcodes(sass: str) -> list:
-    """Opcodes of an nvdisasm listing in order, predicates stripped ('@!P0 BRA' -> 'BRA')."""
-    ops = []
-    for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m:
-            ops.append(m.group(1))
-    return ops
-
-
-def loop_listings(sass: str) -> list:
-    """The text of every backward-branch loop (label .L_x_N ... BRA .L_x_N) in a SASS listing, in
-    the order their branches appear (outer loops contain inner ones)."""
-    lines = sass.splitlines()
-    labels, bodies = {}, []
-    for i, line in enumerate(lines):
-        m = re.match(r"^\s*(\.L_x_\d+):", line)
-        if m:
-            labels[m.group(1)] = i
-        b = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
-        if b and b.group(1) in labels:
-            bodies.append("\n".join(lines[labels[b.group(1)]:i + 1]))
-    return bodies
 
 
 def loop_opcodes(sass: str) -> list:

@@ -45,19 +45,12 @@ def normalise(sass: str) -> str:
 
 
 def loop_bodies(text: str) -> list:
-    """Sorted hashes of the loops of a normalised listing: the lines from a label to a branch back to
-    it, labels blanked (their numbers move when code before them changes)."""
-    lines = text.splitlines()
-    labels, bodies = {}, []
-    for i, line in enumerate(lines):
-        m = re.match(r"^(\.L_x_\d+):", line)
-        if m:
-            labels[m.group(1)] = i
-        b = re.search(r"\bBRA(?:\.[A-Z0-9_]+)*\s[^`]*`\((\.L_x_\d+)\)", line)  # BRA, BRA.U UP0, ...
-        if b and b.group(1) in labels:
-            body = "\n".join(lines[labels[b.group(1)]:i + 1])
-            bodies.append(hashlib.sha256(re.sub(r"\.L_x_\d+", "L", body).encode()).hexdigest()[:16])
-    return sorted(bodies)
+    """Sorted hashes of the loops of a normalised listing (stage 2's `loop_listings`), labels blanked:
+    their numbers move when code before them changes."""
+    from stage2_emulated_exp.sass import loop_listings
+
+    return sorted(hashlib.sha256(re.sub(r"\.L_x_\d+", "L", body).encode()).hexdigest()[:16]
+                  for body in loop_listings(text))
 
 
 def loops_note(dir_a: str, dir_b: str, key: str) -> str:
