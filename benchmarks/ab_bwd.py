@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from .ab_fwd import add_grid_args, paired_rounds, ratio_rows, write_results
+from .ab_fwd import add_grid_args, head_dims, paired_rounds, ratio_rows, write_results
 from .bench_bwd import PRODUCTION, STEPS
 from .bench_fwd import flops
 
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     variants = {s: make_variant(s) for s in specs}
     rng = random.Random(args.seed)
     rows = []
-    for d, dv in ((int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")):
+    for d, dv in head_dims(args.dims):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
                 window = parse_window(args.window, causal)

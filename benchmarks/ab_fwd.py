@@ -149,6 +149,11 @@ def write_results(path: str, module: str, rows: list, rounds: int, **fields):
                      "back-to-back calls each; ratio = official time / this time, same round")
 
 
+def head_dims(text: str) -> list:
+    """--dims "64,192x128" -> [(64, 64), (192, 128)]: d, or d x dv."""
+    return [(int(x.split("x")[0]), int(x.split("x")[-1])) for x in text.split(",")]
+
+
 def add_grid_args(ap, *, dims: str, dims_help: str, seqlens: str, rounds: int):
     """The problem grid and the rounds, shared by ab_fwd and ab_bwd."""
     ap.add_argument("--dims", default=dims, help=dims_help)
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
     impls = {n: make_impl(n) for n in names}
     rng = random.Random(args.seed)
     rows = []
-    for d, dv in ((int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")):
+    for d, dv in head_dims(args.dims):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
                 b, h = 32768 // s, 2048 // d

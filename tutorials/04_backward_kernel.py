@@ -556,8 +556,8 @@ for seqlen in (2048, 4096, 8192, 16384):
 
 # %%
 import json
-import pathlib
 
+# the committed results, found from the package's location: any working directory works
 RESULTS = pathlib.Path(s4_model.__file__).resolve().parents[1] / "benchmarks" / "results"
 trace_file = RESULTS / "trace_bwd_h200_causal2k_d128_sections.json"
 order_names = {"ours": "blockIdx order", "stage4_bwd_kernel.hopper.backward:kv_ascending_sections": "sections",
@@ -759,11 +759,6 @@ assert per_pair[0] < 0.9 * per_pair[1]
 # batch). In these files the production kernel is named after the ladder step it was built in.
 
 # %%
-import json
-
-RESULTS = S4.parent / "benchmarks" / "results"  # from the package's location: any working directory works
-
-
 def run_number(path):  # "run10" sorts after "run9"
     return int(re.search(r"_run(\d+)", path.name).group(1))
 

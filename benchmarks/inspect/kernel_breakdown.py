@@ -16,6 +16,7 @@ from collections import defaultdict
 import torch
 
 from ..ab_bwd import backward_case, make_variant
+from ..ab_fwd import head_dims
 from ..bench_fwd import write_doc
 
 
@@ -55,8 +56,7 @@ def main(argv=None) -> int:
         return 2
     ours = make_variant(args.variant)
     rows = []
-    head_dims = [(int(x.split("x")[0]), int(x.split("x")[-1])) for x in args.dims.split(",")]
-    for d, dv in head_dims:
+    for d, dv in head_dims(args.dims):
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
                 b, h, inputs, peers = backward_case(d, dv, s, causal)
