@@ -213,6 +213,11 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     num_n_blocks = common.cdiv(max_seqlen_k, tn)
     if deterministic:
         semaphores = torch.zeros((batch, hq, num_m_blocks), dtype=torch.int32, device=q.device)
+    elif getattr(kernel, "persistent", False):
+        # a persistent grid's tile counter (hopper/persistent.py): its length is the grid's width
+        from stage3_fwd_kernel.tile_scheduler import sm_count
+
+        semaphores = torch.zeros((1, 1, sm_count(q.device)), dtype=torch.int32, device=q.device)
     else:
         semaphores = pre._dummy(q.device, (1, 1, 1), "int32")  # made once, not a view per call
     dummy = pre._dummy_int32(q.device)

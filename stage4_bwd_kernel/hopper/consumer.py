@@ -146,9 +146,22 @@ class Consumer:
                 softmax_scale_log2: Float32, softmax_scale: Float32, mmas, layouts, gmem_stores, pipes):
         """The 256 consumer threads (ctidx 0..255): the walk, then the dK / dV epilogue. mdQacc: read
         only with dq_atomic (wide.py)."""
-        tm, tn = self.tile_m, self.tile_n
         trace.cta_stamp("start")
-        # the design's operands and tile body, picked once (wide.py / wide_swap.py at the wide head dims)
+        o, tile_body = self.design_operands(ctidx, storage, mmas, layouts, mdQacc)
+        sOffsets = self.save_offsets(walk, ctidx, storage)
+        # K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA); with
+        # kv_with_first they come with the first tile's Q and dO, and an empty walk loads neither
+        if const_expr(not self.kv_with_first):
+            pipes.kv.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
+        scale_log2, score_scale = self.score_scales(softmax_scale_log2, softmax_scale)
+        self.walk_tiles(o, tile_body, walk, mmas, pipes, scale_log2, score_scale)
+        trace.cta_stamp("walked")
+        self.store_dk_dv(o, walk, mdK, mdV, mmas, gmem_stores, sOffsets, softmax_scale)
+        trace.cta_stamp("end")
+
+    def design_operands(self, ctidx: Int32, storage, mmas, layouts, mdQacc: cute.Tensor):
+        """The design's operands and tile body, picked once (wide.py / wide_swap.py at the wide head
+        dims) -> (ConsumerOperands, tile body)."""
         operands, tile_body = self.operands, self.consume_tile
         if const_expr(self.wide):
             tile_body = self.consume_tile_wide
@@ -156,31 +169,43 @@ class Consumer:
             operands, tile_body = self.operands_swap, self.consume_tile_swap
         o = operands(ctidx, storage, mmas, layouts)
         o.mdQacc = mdQacc
+        return o, tile_body
 
-        # The epilogue's key offset and row count wait in SMEM rather than in registers live across the
-        # walk (the d = 64 varlen kernel spilled); read back after the walk's last consumer barrier. The
-        # third word (the statistics' first row) is read by nobody since the producer loads them; without
-        # its store ptxas schedules every build differently (690 SASS lines at d = 64 varlen), unmeasured.
+    @cute.jit
+    def save_offsets(self, walk, ctidx: Int32, storage) -> cute.Tensor:
+        """The epilogue's key offset and row count wait in SMEM rather than in registers live across the
+        walk (the d = 64 varlen kernel spilled); read back after the walk's last consumer barrier. The
+        third word (the statistics' first row) is read by nobody since the producer loads them; without
+        its store ptxas schedules every build differently (690 SASS lines at d = 64 varlen), unmeasured."""
         sOffsets = storage.sOffsets.get_tensor(cute.make_layout(3))
         if ctidx == 0:
             sOffsets[0] = walk.offset_k
-            sOffsets[1] = walk.seqlen_k_rows - walk.n_block * tn
+            sOffsets[1] = walk.seqlen_k_rows - walk.n_block * self.tile_n
             sOffsets[2] = self.stats_offset(walk.offset_q, walk.batch)
+        return sOffsets
 
-        # K_j, V_j (waited for even when the walk is empty: no TMA may outlive the CTA); with
-        # kv_with_first they come with the first tile's Q and dO, and an empty walk loads neither
-        if const_expr(not self.kv_with_first):
-            pipes.kv.consumer_wait(pipeline.PipelineState(1, Int32(0), Int32(0), Int32(0)))
-
-        # softcap: P's exponent scale is softcap * log2(e), the tanh's input scale softmax_scale / softcap
-        score_scale = None
+    def score_scales(self, softmax_scale_log2: Float32, softmax_scale: Float32):
+        """(P's exponent scale, the tanh's input scale or None): with softcap, softcap * log2(e) and
+        softmax_scale / softcap."""
         if const_expr(self.score_mod.on):
-            softmax_scale_log2 = Float32(self.score_mod.cap * LOG2_E)
-            score_scale = softmax_scale * (1.0 / self.score_mod.cap)
-        # the walk: (query head of the group) x (Q tile), in three segments (module docstring)
+            return Float32(self.score_mod.cap * LOG2_E), softmax_scale * (1.0 / self.score_mod.cap)
+        return softmax_scale_log2, None
+
+    @cute.jit
+    def walk_tiles(self, o: ConsumerOperands, tile_body, walk, mmas, pipes, softmax_scale_log2: Float32,
+                   score_scale, tiles_before=0, tiles_cap=None, dq_heads: cutlass.Constexpr[bool] = False) -> Int32:
+        """The walk: (query head of the group) x (Q tile), in three segments (module docstring) -> its
+        tile count. tiles_before: the CTA's tiles before this walk (a persistent CTA's earlier K/V tiles:
+        the ring, dS^T and dQ buffers count on); tiles_cap: the count the bodies' "a next tile follows"
+        tests compare with (persistent.py: every tile, the CTA ends the last hand-offs itself);
+        dq_heads: the tile body tells the writer warp where each dQ tile goes (persistent.py)."""
+        tm, tn = self.tile_m, self.tile_n
         n_m = walk.m_block_max - walk.m_block_min
         n_tiles = walk.qhead_per_kvhead * n_m
         trace.note(n_tiles)
+        tiles_seen = n_tiles
+        if const_expr(tiles_cap is not None):
+            tiles_seen = tiles_cap
         hot_lo, hot_hi = schedule.unmasked_m_range(walk.n_block, tm, tn, walk.seqlen_q, walk.seqlen_k, self.causal,
                                                    walk.m_block_min, walk.m_block_max, imin=cutlass.min,
                                                    imax=cutlass.max, window=self.window_or_none)
@@ -189,17 +214,20 @@ class Consumer:
             for seg in cutlass.range_constexpr(3):
                 seg_lo, seg_hi, masked = segments[seg]
                 for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
-                    t = head_in_group * n_m + m_block - walk.m_block_min
-                    tile_body(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, masked, score_scale)
-
-        trace.cta_stamp("walked")
-        self.store_dk_dv(o, walk, mdK, mdV, mmas, gmem_stores, sOffsets, softmax_scale)
-        trace.cta_stamp("end")
+                    t = tiles_before + head_in_group * n_m + m_block - walk.m_block_min
+                    if const_expr(dq_heads):
+                        tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked,
+                                  score_scale, dq_head=walk.head_kv * walk.qhead_per_kvhead + head_in_group)
+                    else:
+                        tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked,
+                                  score_scale)
+        return n_tiles
 
     @cute.jit
     def consume_tile(self, o: ConsumerOperands, walk, mmas, pipes, t: Int32, m_block: Int32, n_tiles: Int32,
-                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None):
-        """Tile t of the walk (Q tile m_block): the wgmma order of the module docstring."""
+                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None, dq_head=None):
+        """Tile t of the walk (Q tile m_block): the wgmma order of the module docstring. dq_head: the
+        query head, for a writer warp that learns each tile's place from the hand-off (persistent.py)."""
         tm, tn = self.tile_m, self.tile_n
         st = self.tile_state(t, producer=False)
         q_rows_left = walk.seqlen_q - m_block * tm
@@ -253,7 +281,7 @@ class Consumer:
                 cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
                                          number_of_threads=NUM_CONSUMER_THREADS)
         pipes.do.consumer_release(st)   # dP^T and dV have read dO_i
-        self.hand_off_dq(o, acc_dQ, t)
+        self.hand_off_dq(o, acc_dQ, t, None if const_expr(dq_head is None) else (walk, dq_head, m_block))
         warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
         pipes.q.consumer_release(st)
         trace.stamp(t, "end")  # no code unless tracing is on
@@ -325,11 +353,15 @@ class Consumer:
                 acc_dP_rc[r, c] = ds
 
     @cute.jit
-    def hand_off_dq(self, o: ConsumerOperands, acc_dQ: cute.Tensor, t: Int32):
-        """dQ_i to the writer warp: sdQ[buf] free (t >= buffers) -> store -> proxy fence -> arrive."""
+    def hand_off_dq(self, o: ConsumerOperands, acc_dQ: cute.Tensor, t: Int32, place=None):
+        """dQ_i to the writer warp: sdQ[buf] free (t >= buffers) -> store -> proxy fence -> arrive.
+        place: None, or (walk, head, m_block), which the first consumer thread writes beside the buffer
+        for a writer that follows no walk of its own (persistent.py)."""
         buf = t % self.dq_buffers
         if t >= self.dq_buffers:
             self.dq_empty(buf, o.wg, wait=True)
+        if const_expr(place is not None):
+            self.post_dq_place(o, buf, *place)
         if const_expr(self.dq_frag):
             dst = o.tQsQ_frag[None, None, buf * NUM_WG_MMA + o.wg]
             cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, dst.layout.shape), dst)

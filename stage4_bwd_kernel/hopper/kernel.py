@@ -1,6 +1,6 @@
-"""The production Hopper backward kernel, composed: one CTA per K/V tile, a producer warpgroup (TMA
-loads, dQ writer warps) and two consumer warpgroups (the five GEMMs), for (D, Dv) = 64, 96, 128,
-(128, 64) and, on the wide design, (192, 128) and (256, 256).
+"""The production Hopper backward kernel, composed: one CTA per K/V tile (or, ``persistent``, one per SM
+walking K/V tiles), a producer warpgroup (TMA loads, dQ writer warps) and two consumer warpgroups (the
+five GEMMs), for (D, Dv) = 64, 96, 128, (128, 64) and, on the wide design, (192, 128) and (256, 256).
 
 The class is assembled from the components of this package, each a set of methods over one
 configuration (``options.py``):
@@ -14,6 +14,7 @@ configuration (``options.py``):
     wide.py       the same at 256, 64 keys shared                 WideConsumer
     wide_swap.py  (192, 128): 96 keys, dK^T / dV^T                WideSwapConsumer
     epilogue.py   dK, dV -> global memory                         Epilogue
+    persistent.py one CTA per SM, K/V tiles from a counter          PersistentRoles
 
 ``q_shift`` (causal d = 128, dense, outside deterministic mode): the 80-row Q tiles are counted from
 the sequence's *end*. 128 / 80 is not whole, so one Q tile straddles each K/V tile's diagonal anyway,
@@ -44,8 +45,9 @@ from stage4_bwd_kernel.hopper.consumer import Consumer
 from stage4_bwd_kernel.hopper.dq_writer import DqWriter
 from stage4_bwd_kernel.hopper.epilogue import Epilogue
 from stage4_bwd_kernel.hopper.layouts import LayoutPlan, Mmas
+from stage4_bwd_kernel.hopper.persistent import PLACE_WORDS, ItemSpace, PersistentRoles
 from stage4_bwd_kernel.hopper.options import (DQ_FULL_BARRIER, DQ_WRITER_WARP, NUM_THREADS, NUM_WG_MMA,
-                                              REGS_CONSUMER, REGS_PRODUCER, SWAP_HEAD_DIMS, BackwardOptions,
+                                              MAX_DQ_BUFFERS, REGS_CONSUMER, REGS_PRODUCER, SWAP_HEAD_DIMS, BackwardOptions,
                                               default_tiles, dq_empty_barrier, is_banded, is_wide, num_barriers,
                                               smem_need, wide_tile_n)
 from stage4_bwd_kernel.hopper.producer import Producer, SmemLayouts, TmaLoads
@@ -56,7 +58,7 @@ from stage4_bwd_kernel.hopper.wide_swap import WideSwapConsumer
 
 
 class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Scores, Consumer, WideConsumer,
-                                 WideSwapConsumer, Epilogue):
+                                 WideSwapConsumer, Epilogue, PersistentRoles):
     """The production Hopper backward for one configuration: construct, then call (traced once)."""
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
@@ -175,6 +177,9 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
             sOffsets: cute.struct.MemRange[Int32, 3]  # consumer.py: the epilogue's key offset and rows left
+            # persistent.py: the published items (by parity) and each dQ buffer's place
+            sItems: cute.struct.MemRange[Int32, 2]
+            sDqPlace: cute.struct.MemRange[Int32, PLACE_WORDS * MAX_DQ_BUFFERS]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -188,6 +193,9 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.smem_bytes = SharedStorage.size_in_bytes()
 
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mQ.shape[0]
+        grid = (num_n_blocks, mK.shape[2], batch)
+        if const_expr(self.persistent):  # one CTA per SM (the counter's length), at most one per item
+            grid = (cutlass.min(num_n_blocks * mK.shape[2] * batch, mSemaphore.shape[2]), 1, 1)
         self.kernel(tma_Q, tma_dO, tma_K, tma_V, mQ.shape[1], mK.shape[1], mLSE2, mD, mdQacc, mdK, mdV,
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, num_n_blocks, mQ.shape[2] // mK.shape[2],
                     softmax_scale_log2, softmax_scale,
@@ -195,9 +203,9 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                     tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ,
                     sQ_layout, sdO_layout, sK_layout, sV_layout, sdSt_layout, sdQ_layout,
                     self._gmem_store(d), self._gmem_store(dv), tma_LSE2, tma_D, tma_atom_LSE2, tma_atom_D,
-                    sStat_layout,
+                    sStat_layout, batch,
                     # min_blocks_per_mp=1 caps registers at entry (65536/384), which setmaxnreg needs
-                    ).launch(grid=(num_n_blocks, mK.shape[2], batch), block=[self.num_threads, 1, 1],
+                    ).launch(grid=grid, block=[self.num_threads, 1, 1],
                              stream=stream, min_blocks_per_mp=1)
 
     # -------------------------------------------------------------- device side
@@ -215,20 +223,22 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                sV_layout: cute.ComposedLayout, sdSt_layout: cute.ComposedLayout, sdQ_layout: cute.ComposedLayout,
                gmem_store_dK: cute.TiledCopy, gmem_store_dV: cute.TiledCopy, tma_LSE2: cute.Tensor,
                tma_D: cute.Tensor, tma_atom_LSE2: cute.CopyAtom, tma_atom_D: cute.CopyAtom,
-               sStat_layout: cute.Layout):
+               sStat_layout: cute.Layout, num_batch: Int32):
         # The launch arguments stay flat (a kernel's parameters); the roles get them grouped.
         # mLSE2 / mD are read through their TMA descriptors only.
         trace.cta_stamp("entry")  # no code unless tracing is on
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-        bounds = self.tile_bounds(num_n_blocks, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
-        if const_expr(self.q_shift):
-            # virtual rows: the padding rows come first (module docstring)
-            pad = self.top_padding(bounds.seqlen_q)
-            bounds = bounds._replace(offset_q=bounds.offset_q - pad, seqlen_q=bounds.seqlen_q + pad)
+        live, bounds, space = True, None, None
+        if const_expr(self.persistent):  # every CTA lives; dead tiles are skipped inside (persistent.py)
+            space = ItemSpace(num_n_blocks, tma_K.shape[2], num_batch, total_q, total_k, mCuSeqlensQ, mCuSeqlensK,
+                              mSeqUsedK, mSemaphore, qhead_per_kvhead)
+        else:
+            bounds = self.tile_bounds(num_n_blocks, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+            live = bounds.n_block * self.tile_n < bounds.seqlen_k_rows
 
-        if bounds.n_block * self.tile_n < bounds.seqlen_k_rows:
+        if live:
             if warp_idx == 0:
                 cpasync.prefetch_descriptor(tma_atom_Q)
                 cpasync.prefetch_descriptor(tma_atom_dO)
@@ -242,7 +252,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
             smem = SmemAllocator()
             storage = smem.allocate(self.shared_storage)
             pipes = self.make_pipelines(storage)
-            walk = self.make_walk(bounds, qhead_per_kvhead)
+            walk = None if const_expr(self.persistent) else self.make_walk(bounds, qhead_per_kvhead)
             layouts = SmemLayouts(sQ_layout, sdO_layout, sK_layout, sV_layout, sdSt_layout, sdQ_layout, sStat_layout)
 
             if warp_group_idx == 0:
@@ -251,8 +261,14 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                 if warp_idx == 0:
                     loads = TmaLoads(tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
                                      tma_atom_LSE2, tma_LSE2, tma_atom_D, tma_D)
-                    self.produce(walk, storage, loads, layouts, pipes)
-                if const_expr(not self.dq_atomic):  # dq_atomic: the consumers add dQ themselves
+                    if const_expr(self.persistent):
+                        self.produce_items(space, storage, loads, layouts, pipes)
+                    else:
+                        self.produce(walk, storage, loads, layouts, pipes)
+                if const_expr(self.persistent):
+                    if warp_idx == DQ_WRITER_WARP:
+                        self.write_dq_stream(storage, mdQacc, sdQ_layout)
+                elif const_expr(not self.dq_atomic):  # dq_atomic: the consumers add dQ themselves
                     if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + self.dq_writers:
                         self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout,
                                       warp_idx - DQ_WRITER_WARP)
@@ -263,5 +279,9 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                 # ---------------------------------------------------------------- consumers
                 cute.arch.setmaxregister_increase(self.regs_consumer)
                 mmas = Mmas(tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ)
-                self.consume(walk, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale, mmas,
-                             layouts, (gmem_store_dK, gmem_store_dV), pipes)
+                if const_expr(self.persistent):
+                    self.consume_items(space, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale,
+                                       mmas, layouts, (gmem_store_dK, gmem_store_dV), pipes)
+                else:
+                        self.consume(walk, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale,
+                                 mmas, layouts, (gmem_store_dK, gmem_store_dV), pipes)

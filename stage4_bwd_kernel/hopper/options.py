@@ -129,6 +129,7 @@ class BackwardOptions:
     dq_atomic: bool = False   # wide: the consumers add dQ with 16-byte reds, no sdQ nor writer (wide.py;
                               # deterministic: in turns on the semaphores)
     kv_swap: bool = False     # wide: 96 keys a CTA, S by keys, dK^T / dV^T with the head dim as M (wide_swap.py)
+    persistent: bool = False  # one CTA per SM takes K/V tiles from a counter (persistent.py)
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
@@ -218,6 +219,9 @@ class BackwardOptions:
                              "writer warp in fragment order")
         if self.dq_atomic and not self.dq_frag:
             raise ValueError("dq_atomic: adds dQ in fragment order, which needs dq_frag")
+        if self.persistent and (wide or deterministic or self.kv_with_first or not self.dq_frag or self.dq_writers != 1):
+            raise ValueError("persistent: the register-sourced body (head dims 64 / 96 / 128) outside deterministic "
+                             "mode, with dQ in fragment order, one writer warp and K / V on their own barrier")
         if self.stages not in (1, 2):
             raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
         if self.q_shift and (varlen or not self.dq_frag):

@@ -84,9 +84,10 @@ class Producer:
         return Pipes(*pipes)
 
     @cute.jit
-    def produce(self, walk, storage, loads: TmaLoads, layouts, pipes: Pipes):
+    def produce(self, walk, storage, loads: TmaLoads, layouts, pipes: Pipes, kv_state=None, tiles_before=0):
         """Warp 0: K_j and V_j, then Q_i, dO_i (+ lse2_i, D_i) of every tile of the walk, each as soon as
-        its stage is free. layouts: the kernel's SmemLayouts."""
+        its stage is free. layouts: the kernel's SmemLayouts. A persistent CTA (persistent.py) passes the
+        K/V stage's state of this walk and the tiles its earlier walks put through the ring."""
         tm, tn, d, dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         sLSE2, sD = storage.sLSE2.get_tensor(layouts.sStat), storage.sD.get_tensor(layouts.sStat)
         sQ, sdO = swizzled(storage, "sQ", layouts), swizzled(storage, "sdO", layouts)
@@ -104,7 +105,8 @@ class Producer:
         tVsV, tVgV = cpasync.tma_partition(loads.atom_V, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
         if const_expr(not self.kv_with_first):
-            kv_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
+            if const_expr(kv_state is None):
+                kv_state = pipeline.PipelineState(1, Int32(0), Int32(0), Int32(1))
             pipes.kv.producer_acquire(kv_state)
             cute.copy(loads.atom_K, tKgK, tKsK, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
             cute.copy(loads.atom_V, tVgV, tVsV, tma_bar_ptr=pipes.kv.producer_get_barrier(kv_state))
@@ -127,7 +129,7 @@ class Producer:
                                                     (tm,), (None,)), 0, 1))
                           for atom, tma_stat, sStat in stats]               # (lse2, D): (smem, gmem)
             for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                t = head_in_group * n_m + m_block - m_block_min
+                t = tiles_before + head_in_group * n_m + m_block - m_block_min
                 st = self.tile_state(t, producer=True)
                 pipes.q.producer_acquire(st)
                 if const_expr(self.kv_with_first):

@@ -58,6 +58,13 @@ class WalkPlan:
         else:
             bx, head_kv, batch = cute.arch.block_idx()
             n_block = self.dq_order.n_block_for_launch(bx, num_n_blocks)
+        return self.sequence_bounds(n_block, head_kv, batch, total_q, total_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK)
+
+    @cute.jit
+    def sequence_bounds(self, n_block: Int32, head_kv: Int32, batch: Int32, total_q: Int32, total_k: Int32,
+                        mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor):
+        """SeqBounds of K/V tile n_block of (kv head, batch); with q_shift, the padding rows come first
+        (kernel.py's docstring)."""
         bidx = batch
         offset_q = Int32(0)
         offset_k = Int32(0)
@@ -72,6 +79,9 @@ class WalkPlan:
         seqlen_k = seqlen_k_rows
         if const_expr(self.has_seqused_k):
             seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
+        if const_expr(self.q_shift):
+            pad = self.top_padding(seqlen_q)
+            offset_q, seqlen_q = offset_q - pad, seqlen_q + pad
         return SeqBounds(n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k)
 
     @cute.jit
