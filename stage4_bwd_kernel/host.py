@@ -18,7 +18,7 @@ Scratch per call: dQaccum (4 bytes x q's elements) + 2 fp32 (B, Hq, Sq) + the se
 from __future__ import annotations
 
 import numbers
-from typing import Callable
+from typing import Callable, Optional
 
 from cutlass import Float32, Int32
 
@@ -114,7 +114,7 @@ def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_
 def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, softmax_scale=None, causal=False,
              deterministic=False, dq=None, dk=None, dv=None, dq_order=None, tiles=None, variant=None,
-             return_d: bool = False, check_values: bool = False):
+             return_d: bool = False, check_values: bool = False, persistent_ctas: Optional[int] = None):
     """Dense: (B, S, H, D) tensors, lse (B, Hq, Sq). Varlen: packed (T, H, D), lse (Hq, Tq), int32
     cu_seqlens_q / cu_seqlens_k (batch + 1,), max_seqlen_q / max_seqlen_k, optional seqused_k (batch,).
     check_values=True also reads the index tensors' values on the host and checks them (offsets from 0,
@@ -123,9 +123,14 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     capture forbids, so off by default, as in stage 3's varlen forward.
     variant: None, or (Window, softcap) from ``variant_of`` (kernels that support them). Returns
     (dq, dk, dv) in q's dtype; return_d=True adds D = rowsum(dO * O) in lse's layout, fp32 (the
-    preprocess computes it anyway; a learnable sink's gradient needs it)."""
+    preprocess computes it anyway; a learnable sink's gradient needs it). persistent_ctas: the grid of a
+    persistent kernel (hopper/persistent.py; None: one CTA per SM), e.g. a few CTAs in a test, so that
+    each walks many K/V tiles."""
     import torch
 
+    if persistent_ctas is not None and (isinstance(persistent_ctas, bool) or not isinstance(persistent_ctas, int)
+                                        or persistent_ctas < 1):
+        raise ValueError(f"persistent_ctas: expected None or an int >= 1, got {persistent_ctas!r}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     common.check_causal(causal)
     if not isinstance(deterministic, bool):
@@ -217,7 +222,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         # a persistent grid's tile counter (hopper/persistent.py): its length is the grid's width
         from stage3_fwd_kernel.tile_scheduler import sm_count
 
-        semaphores = torch.zeros((1, 1, sm_count(q.device)), dtype=torch.int32, device=q.device)
+        ctas = sm_count(q.device) if persistent_ctas is None else persistent_ctas
+        semaphores = torch.zeros((1, 1, ctas), dtype=torch.int32, device=q.device)
     else:
         semaphores = pre._dummy(q.device, (1, 1, 1), "int32")  # made once, not a view per call
     dummy = pre._dummy_int32(q.device)

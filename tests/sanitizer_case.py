@@ -22,6 +22,7 @@ CASES = {
     "bwd-d64-causal": (64, 64, True, True),
     "bwd-d128-causal": (128, 128, True, True),
     "bwd-d128-deterministic": (128, 128, True, "deterministic"),
+    "bwd-d128-persistent": (128, 128, True, "persistent"),  # options.persistent (opt-in): one CTA per SM
     "varlen-d128-causal": None,                     # one empty sequence among three
     "paged-d128-page8": 8,                          # pages read by the producer's cp.async gather
     "paged-d128-page16": 16,                        # pages read by TMA boxes, 8 a key block
@@ -54,7 +55,16 @@ def run_case(name: str):
     d, dv, causal, backward = CASES[name]
     q, k, v = bshd(2, 300, 4, d), bshd(2, 333, 2, d), bshd(2, 333, 2, dv)  # GQA 4/2
     out, lse = fwd.attention_forward(q, k, v, causal=causal)
-    if backward:
+    if backward == "persistent":  # more K/V tiles (6 x 2 x 2 = 24) than the 8 CTAs it is given
+        import functools
+
+        from stage4_bwd_kernel import host
+        from stage4_bwd_kernel.hopper import backward as product
+
+        counter_ctas = 8
+        host.backward(product.STEP + "~persistent=1", functools.partial(product.make_kernel, persistent=True),
+                      q, k, v, out, torch.randn_like(out), lse, causal=causal, persistent_ctas=counter_ctas)
+    elif backward:
         dout = torch.randn_like(out)
         bwd.attention_backward(q, k, v, out, dout, lse, causal=causal,
                                deterministic=backward == "deterministic")

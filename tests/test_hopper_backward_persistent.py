@@ -1,7 +1,7 @@
 """The persistent Hopper backward (``stage4_bwd_kernel/hopper/persistent.py``, ``options.persistent``):
 one CTA per SM takes K/V tiles from a counter.
 
-cpu tier: the option is refused where the kernel has no persistent path, naming it.
+cpu tier: no default builds it; the option is refused where the kernel has no persistent path, naming it.
 
 compile tier (sm_90a, fake tensors): d = 128, 96 and (128, 64) persistent builds (causal or not,
 varlen + seqused_k, a window with softcap) have no spills and no serialized wgmma, and the
@@ -22,31 +22,42 @@ import test_stage4_hopper as s4  # the ladder's test helpers (tests/ is on the p
 
 pytestmark = pytest.mark.stage4
 
-KEY = "hopper_bwd~persistent=1"
-
-
 def _mod():
     return s4._step("hopper.backward")
 
 
-def _run(q, k, v, out, do, lse, *, persistent, causal, window=(None, None), softcap=0.0, varlen=None):
+def _run(q, k, v, out, do, lse, *, persistent, causal, window=(None, None), softcap=0.0, varlen=None, ctas=None):
     """(dq, dk, dv) of the production backward, persistent or one CTA per K/V tile, on poisoned outputs.
     varlen: None or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)."""
     from stage4_bwd_kernel import host
 
     mod = _mod()
     dq, dk, dv = s4._poisoned(q, k, v)
-    make_kernel = functools.partial(mod.make_kernel, persistent=True) if persistent else mod.make_kernel
+    make_kernel = functools.partial(mod.make_kernel, persistent=persistent)
     extra = {}
     if varlen is not None:
         cu_q, cu_k, max_q, max_k, used = varlen
         extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, seqused_k=used)
-    host.backward(KEY if persistent else mod.STEP, make_kernel, q, k, v, out, do, lse, causal=causal, dq=dq, dk=dk,
+    if ctas is not None:
+        extra["persistent_ctas"] = ctas
+    host.backward(f"{mod.STEP}~persistent={int(persistent)}", make_kernel, q, k, v, out, do, lse, causal=causal, dq=dq, dk=dk,
                   dv=dv, variant=host.variant_of(causal, window, softcap), **extra)
     return dq, dk, dv
 
 
 # ======================================================================================== cpu tier
+@pytest.mark.cpu
+def test_persistent_is_opt_in():
+    """No configuration's default builds persistent (persistent.py says why); an override turns it on."""
+    from stage4_bwd_kernel.hopper.options import BackwardOptions
+
+    for d, dv in ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256)):
+        for causal in (False, True):
+            for det in (False, True):
+                for banded in (False, True):
+                    assert not BackwardOptions.for_config(d, dv, causal, det, False, banded).persistent
+
+
 @pytest.mark.cpu
 @pytest.mark.parametrize("d,dv,causal,det,override", [
     (128, 128, True, True, {}), (64, 64, True, False, {}), (256, 256, False, False, {}),
@@ -69,7 +80,7 @@ COMPILE_CASES = [dict(head_dim=128, causal=True), dict(head_dim=128, causal=Fals
 def test_persistent_compiles(case):
     mod = _mod()
     comp = mod.compile_only(persistent=True, **case)
-    base = mod.compile_only(**case)
+    base = mod.compile_only(persistent=False, **case)
     r = comp.report
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
     assert not r["wgmma_serialized"], r["ptxas_log"]
@@ -173,6 +184,35 @@ def test_persistent_varlen_with_empty_sequences(causal, seqused):
         assert not torch.isnan(a).any(), name
         assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
     assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", [1, 3, 7])
+def test_persistent_few_ctas_walk_many_tiles(ctas):
+    """1, 3 or 7 CTAs take all 96 K/V tiles (causal, GQA 4, varied walk lengths): the item ring, the
+    writer's record ring (4 slots) and the K/V stage wrap around many times; dk / dv stay the
+    one-per-tile kernel's bits."""
+    import torch
+
+    q, k, v, do = s4._inputs(2, 1500, 1500, 8, 4, 128, 128, seed=ctas)
+    (out, lse), ref, base = _reference(q, k, v, do, True, (None, None), 0.0)
+    got = _run(q, k, v, out, do, lse, persistent=True, causal=True, ctas=ctas)
+    plain = _run(q, k, v, out, do, lse, persistent=False, causal=True)
+    torch.cuda.synchronize()
+    _check_rule(f"{ctas} CTAs", got, ref, base, 0.0)
+    assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
+
+
+@pytest.mark.cpu
+def test_persistent_ctas_is_checked():
+    torch = pytest.importorskip("torch")
+    from stage4_bwd_kernel import host
+
+    mod = _mod()
+    t = torch.zeros(1, 4, 2, 64)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="persistent_ctas"):
+            host.backward(mod.STEP, mod.make_kernel, t, t, t, t, t, torch.zeros(1, 2, 4), persistent_ctas=bad)
 
 
 @pytest.mark.gpu

@@ -193,12 +193,11 @@ class Consumer:
 
     @cute.jit
     def walk_tiles(self, o: ConsumerOperands, tile_body, walk, mmas, pipes, softmax_scale_log2: Float32,
-                   score_scale, tiles_before=0, tiles_cap=None, dq_heads: cutlass.Constexpr[bool] = False) -> Int32:
+                   score_scale, tiles_before=0, tiles_cap=None) -> Int32:
         """The walk: (query head of the group) x (Q tile), in three segments (module docstring) -> its
         tile count. tiles_before: the CTA's tiles before this walk (a persistent CTA's earlier K/V tiles:
         the ring, dS^T and dQ buffers count on); tiles_cap: the count the bodies' "a next tile follows"
-        tests compare with (persistent.py: every tile, the CTA ends the last hand-offs itself);
-        dq_heads: the tile body tells the writer warp where each dQ tile goes (persistent.py)."""
+        tests compare with (persistent.py: every tile, the CTA ends the last hand-offs itself)."""
         tm, tn = self.tile_m, self.tile_n
         n_m = walk.m_block_max - walk.m_block_min
         n_tiles = walk.qhead_per_kvhead * n_m
@@ -215,19 +214,13 @@ class Consumer:
                 seg_lo, seg_hi, masked = segments[seg]
                 for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
                     t = tiles_before + head_in_group * n_m + m_block - walk.m_block_min
-                    if const_expr(dq_heads):
-                        tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked,
-                                  score_scale, dq_head=walk.head_kv * walk.qhead_per_kvhead + head_in_group)
-                    else:
-                        tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked,
-                                  score_scale)
+                    tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked, score_scale)
         return n_tiles
 
     @cute.jit
     def consume_tile(self, o: ConsumerOperands, walk, mmas, pipes, t: Int32, m_block: Int32, n_tiles: Int32,
-                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None, dq_head=None):
-        """Tile t of the walk (Q tile m_block): the wgmma order of the module docstring. dq_head: the
-        query head, for a writer warp that learns each tile's place from the hand-off (persistent.py)."""
+                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None):
+        """Tile t of the walk (Q tile m_block): the wgmma order of the module docstring."""
         tm, tn = self.tile_m, self.tile_n
         st = self.tile_state(t, producer=False)
         q_rows_left = walk.seqlen_q - m_block * tm
@@ -281,7 +274,7 @@ class Consumer:
                 cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
                                          number_of_threads=NUM_CONSUMER_THREADS)
         pipes.do.consumer_release(st)   # dP^T and dV have read dO_i
-        self.hand_off_dq(o, acc_dQ, t, None if const_expr(dq_head is None) else (walk, dq_head, m_block))
+        self.hand_off_dq(o, acc_dQ, t)
         warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back
         pipes.q.consumer_release(st)
         trace.stamp(t, "end")  # no code unless tracing is on
@@ -353,15 +346,11 @@ class Consumer:
                 acc_dP_rc[r, c] = ds
 
     @cute.jit
-    def hand_off_dq(self, o: ConsumerOperands, acc_dQ: cute.Tensor, t: Int32, place=None):
-        """dQ_i to the writer warp: sdQ[buf] free (t >= buffers) -> store -> proxy fence -> arrive.
-        place: None, or (walk, head, m_block), which the first consumer thread writes beside the buffer
-        for a writer that follows no walk of its own (persistent.py)."""
+    def hand_off_dq(self, o: ConsumerOperands, acc_dQ: cute.Tensor, t: Int32):
+        """dQ_i to the writer warp: sdQ[buf] free (t >= buffers) -> store -> proxy fence -> arrive."""
         buf = t % self.dq_buffers
         if t >= self.dq_buffers:
             self.dq_empty(buf, o.wg, wait=True)
-        if const_expr(place is not None):
-            self.post_dq_place(o, buf, *place)
         if const_expr(self.dq_frag):
             dst = o.tQsQ_frag[None, None, buf * NUM_WG_MMA + o.wg]
             cute.autovec_copy(cute.make_tensor(acc_dQ.iterator, dst.layout.shape), dst)

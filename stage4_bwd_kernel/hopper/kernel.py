@@ -45,9 +45,9 @@ from stage4_bwd_kernel.hopper.consumer import Consumer
 from stage4_bwd_kernel.hopper.dq_writer import DqWriter
 from stage4_bwd_kernel.hopper.epilogue import Epilogue
 from stage4_bwd_kernel.hopper.layouts import LayoutPlan, Mmas
-from stage4_bwd_kernel.hopper.persistent import PLACE_WORDS, ItemSpace, PersistentRoles
+from stage4_bwd_kernel.hopper.persistent import RECORD_WORDS, RECORDS, ItemSpace, PersistentRoles
 from stage4_bwd_kernel.hopper.options import (DQ_FULL_BARRIER, DQ_WRITER_WARP, NUM_THREADS, NUM_WG_MMA,
-                                              MAX_DQ_BUFFERS, REGS_CONSUMER, REGS_PRODUCER, SWAP_HEAD_DIMS, BackwardOptions,
+                                              REGS_CONSUMER, REGS_PRODUCER, SWAP_HEAD_DIMS, BackwardOptions,
                                               default_tiles, dq_empty_barrier, is_banded, is_wide, num_barriers,
                                               smem_need, wide_tile_n)
 from stage4_bwd_kernel.hopper.producer import Producer, SmemLayouts, TmaLoads
@@ -177,9 +177,10 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
             sOffsets: cute.struct.MemRange[Int32, 3]  # consumer.py: the epilogue's key offset and rows left
-            # persistent.py: the published items (by parity) and each dQ buffer's place
+            # persistent.py: the published items (by parity) and the walks' records for the dQ writer
             sItems: cute.struct.MemRange[Int32, 2]
-            sDqPlace: cute.struct.MemRange[Int32, PLACE_WORDS * MAX_DQ_BUFFERS]
+            sDqRecords: cute.struct.MemRange[Int32, RECORD_WORDS * RECORDS]
+            mbar_records: cute.struct.MemRange[cutlass.Int64, 2 * RECORDS + 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -251,7 +252,10 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                     cpasync.prefetch_descriptor(tma_atom_dQ)
             smem = SmemAllocator()
             storage = smem.allocate(self.shared_storage)
-            pipes = self.make_pipelines(storage)
+            if const_expr(self.persistent):
+                if tidx == 0:
+                    self.init_record_barriers(storage)
+            pipes = self.make_pipelines(storage)  # its init fence and CTA barrier cover the records' too
             walk = None if const_expr(self.persistent) else self.make_walk(bounds, qhead_per_kvhead)
             layouts = SmemLayouts(sQ_layout, sdO_layout, sK_layout, sV_layout, sdSt_layout, sdQ_layout, sStat_layout)
 

@@ -21,13 +21,27 @@ How:
   producer loads the next item's first Q / dO as soon as the consumers free their stage.
 * The epilogue stages dK, then dV, through sdSt (free once the last tile's wgmmas are done) instead of
   sK / sV, and releases K/V's stage at its start: the next item's K and V load under the epilogue.
-* The dQ writer warp follows no walk: the first consumer thread writes each dQ tile's place (batch,
-  head, first row) beside its buffer before arriving on "dQ full", and a row of -1 ends the writer.
-  The writer arrives on "dQ empty" after every tile; the consumers sync, before they exit, the
-  arrivals no tile waited for, so every named-barrier generation completes (as the one-per-tile
-  kernel's "refill" test ensures).
+* The dQ writer warp follows no walk of its own: before loading each walk with tiles, the producer
+  warp writes a record of it (batch index of dQaccum, first query head, first row, Q tiles per head,
+  tiles) into a ring of ``RECORDS`` slots, and the writer counts the walk's tiles itself; a record of
+  -1 tiles ends the writer. Each slot has a "full" and an "empty" mbarrier (the producer's lane 0
+  arrives on one, every lane of the writer on the other once it has read the record), so every access
+  to a record is ordered by a release and an acquire of the thread that made it; so is the item ring
+  ("items read": every consumer thread arrives once it has read an index, and the producer waits for
+  the slot's previous readers before storing the next). compute-sanitizer's racecheck reported
+  hazards for the orderings these replace: a record ordered by the "dQ full" named barrier (a
+  bar.arrive before the writer's bar.sync), and reads whose order came through another lane's arrival.
+  (Posted from the consumers, the records cost the 80-query tile 48 spill bytes and serialized wgmmas;
+  read by the writer's lane 0 and shuffled to the warp, the writer's 24 registers spilled.)
+  The writer arrives on "dQ empty" after every tile; before they exit the consumers sync the arrivals
+  no tile waited for, so every named-barrier generation completes (as the one-per-tile kernel's
+  "refill" test ensures).
 Outside it: deterministic mode (its semaphore order assumes launch order), the wide designs, the
-row-order dQ and ``kv_with_first``; ``options.check`` refuses them.
+row-order dQ and ``kv_with_first``; ``options.check`` refuses them. d = 64 builds spill and are not used.
+
+Status: opt-in. On an H200 it measured +1-3% at 1k-2k keys and under a 1024-key window and a tie to -1%
+on long causal walks (d = 128); the mbarrier orderings above were added after the last GPU run and
+have only been compiled (docs/measurements.md, 2026-12-01, "a persistent Hopper backward").
 """
 from __future__ import annotations
 
@@ -41,11 +55,11 @@ from stage3_fwd_kernel.components.tile_walk import TileWalk
 from stage3_fwd_kernel.intdiv import fast_div
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.dq_writer import bulk_reduce_add_f32
-from stage4_bwd_kernel.hopper.options import (CONSUMER_BARRIER, MAX_DQ_BUFFERS, NUM_CONSUMER_THREADS, NUM_WG_MMA,
-                                              SDST_FREE_BARRIER)
+from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
 from stage4_bwd_kernel.hopper.scores import thread_idx_fresh
 
-PLACE_WORDS = 3       # a dQ tile's place: (batch index of dQaccum, query head, first row)
+RECORD_WORDS = 5      # a walk's record for the writer: (dQaccum batch, first head, first row, tiles a head, tiles)
+RECORDS = 4
 TILES_CAP = 1 << 30   # "a next tile follows" always holds inside a persistent CTA's walks
 
 
@@ -107,68 +121,124 @@ class PersistentRoles:
         linear = Int32(cute.arch.block_idx()[0])
         item = Int32(0)
         tiles_before = Int32(0)
+        recorded = Int32(0)
         while linear < total:
             walk, live = self.item_walk(linear, space)
             if live:
                 # one lane stores: the elected lane that arms the barrier (lane 0 of the converged warp)
-                if cute.arch.lane_idx() == 0:
-                    items[item % 2] = linear
+                self.publish_item(storage, items, item, linear)
+                n_tiles = walk.qhead_per_kvhead * (walk.m_block_max - walk.m_block_min)
+                if n_tiles > 0:  # the dQ writer's record of the walk
+                    self.post_record(storage, recorded, walk, n_tiles)
+                    recorded += 1
                 self.produce(walk, storage, loads, layouts, pipes, kv_state=item_pipeline_state(item, True),
                              tiles_before=tiles_before)
-                tiles_before += walk.qhead_per_kvhead * (walk.m_block_max - walk.m_block_min)
+                tiles_before += n_tiles
                 item += 1
             linear = self.next_item(linear, space)
+        self.post_record(storage, recorded, None, Int32(-1))
         # no more work: an index past the end, on a K/V phase that item 0's K and V (a real load, no
         # Q tiles) complete
-        if cute.arch.lane_idx() == 0:
-            items[item % 2] = total
+        self.publish_item(storage, items, item, total)
         first, _ = self.item_walk(Int32(0), space)
         self.produce(first._replace(m_block_max=first.m_block_min), storage, loads, layouts, pipes,
                      kv_state=item_pipeline_state(item, True), tiles_before=tiles_before)
 
+    @cute.jit
+    def publish_item(self, storage, items: cute.Tensor, item: Int32, linear: Int32):
+        """(the producer warp) lane 0 stores item `item`'s index in its slot once every consumer thread
+        has read the slot's previous one (item - 2: "items read"). One lane: the one that then arms
+        K/V's barrier, whose arrival orders the store before the consumers' wait."""
+        if cute.arch.lane_idx() == 0:
+            if item >= 2:
+                cute.arch.mbarrier_wait(storage.mbar_records.data_ptr() + 2 * RECORDS, (item - 2) % 2)
+            items[item % 2] = linear
+
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
     def write_dq_stream(self, storage, mdQacc: cute.Tensor, sdQ_layout: cute.ComposedLayout):
-        """Every dQ tile the consumers hand off, at the place they wrote beside it, until a row of -1."""
-        lane = cute.arch.lane_idx()
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (share elems, shares)
-        places = storage.sDqPlace.get_tensor(cute.make_layout((PLACE_WORDS, MAX_DQ_BUFFERS)))
-        share_elems = self.dq_frag_share_elems()
+        """Every dQ tile the consumers hand off, walk by walk as their records say, until a record of -1
+        tiles."""
         g = Int32(0)
-        self.dq_full(Int32(0), wait=True)
-        row = places[2, 0]
-        while row >= 0:
-            buf = g % self.dq_buffers
-            for w in cutlass.range(NUM_WG_MMA, unroll=1):
-                if lane == 0:
-                    bulk_reduce_add_f32(common.elem_pointer(mdQacc, (places[0, buf], places[1, buf], row, 0))
-                                        + w * share_elems,
-                                        common.elem_pointer(sdQ, (0, buf * NUM_WG_MMA + w)), share_elems * 4)
-                cute.arch.cp_async_bulk_commit_group()
-            # share 0 may be refilled once it has been read, whatever share 1 is doing
-            cute.arch.cp_async_bulk_wait_group(1, read=True)
-            cute.arch.sync_warp()
-            self.dq_empty(buf, 0, wait=False)
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.sync_warp()
-            for w in cutlass.range_constexpr(1, NUM_WG_MMA):
-                self.dq_empty(buf, w, wait=False)
-            g += 1
-            following = g % self.dq_buffers
-            self.dq_full(following, wait=True)
-            row = places[2, following]
+        r = Int32(0)
+        bidx, head, row, n_m, n_tiles = self.take_record(storage, r)
+        while n_tiles >= 0:
+            m = Int32(0)
+            for t in cutlass.range(n_tiles, unroll=1):
+                self.dq_full(g % self.dq_buffers, wait=True)
+                self.reduce_dq_tile(storage, mdQacc, sdQ_layout, g % self.dq_buffers, bidx, head, row)
+                m += 1
+                row += self.tile_m
+                if m == n_m:  # the next query head of the group
+                    m = Int32(0)
+                    head += 1
+                    row -= n_m * self.tile_m
+                g += 1
+            r += 1
+            bidx, head, row, n_m, n_tiles = self.take_record(storage, r)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
 
     @cute.jit
-    def post_dq_place(self, o, buf: Int32, walk, head: Int32, m_block: Int32):
-        """(consumers, before arriving on "dQ full" of buf) the first consumer thread writes where the
-        tile goes: its writer has read the previous place of buf before arriving on "dQ empty"."""
-        places = o.dq_places
-        if thread_idx_fresh() == 128:
-            places[0, buf] = walk.bidx
-            places[1, buf] = head
-            places[2, buf] = self.dq_frag_tile_row(walk.offset_q, walk.batch, m_block)
+    def reduce_dq_tile(self, storage, mdQacc: cute.Tensor, sdQ_layout: cute.ComposedLayout, buf: Int32,
+                       bidx: Int32, head: Int32, row: Int32):
+        """One dQ tile of buffer buf into dQaccum rows [row, row + tile_m) of (bidx, head), a bulk reduce
+        per warpgroup share; each share's "dQ empty" once the TMA has read it."""
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (share elems, shares)
+        share_elems = self.dq_frag_share_elems()
+        for w in cutlass.range(NUM_WG_MMA, unroll=1):
+            if cute.arch.lane_idx() == 0:
+                bulk_reduce_add_f32(common.elem_pointer(mdQacc, (bidx, head, row, 0)) + w * share_elems,
+                                    common.elem_pointer(sdQ, (0, buf * NUM_WG_MMA + w)), share_elems * 4)
+            cute.arch.cp_async_bulk_commit_group()
+        # share 0 may be refilled once it has been read, whatever share 1 is doing
+        cute.arch.cp_async_bulk_wait_group(1, read=True)
+        cute.arch.sync_warp()
+        self.dq_empty(buf, 0, wait=False)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.sync_warp()
+        for w in cutlass.range_constexpr(1, NUM_WG_MMA):
+            self.dq_empty(buf, w, wait=False)
+
+    def init_record_barriers(self, storage):
+        """(thread 0, before the pipelines' init fence) each record slot's "full" and "empty" mbarrier, and
+        "items read" (every consumer thread arrives once it has read a published item index)."""
+        bars = storage.mbar_records.data_ptr()
+        for i in range(RECORDS):  # plain Python: unrolled as traced
+            cute.arch.mbarrier_init(bars + i, 1)             # "full": the producer's lane 0
+            cute.arch.mbarrier_init(bars + RECORDS + i, 32)  # "empty": every lane of the writer warp
+        cute.arch.mbarrier_init(bars + 2 * RECORDS, NUM_CONSUMER_THREADS)  # "items read"
+
+    @cute.jit
+    def take_record(self, storage, r: Int32):
+        """(the writer warp) record r, once published; its slot is handed back as soon as it is read."""
+        records = storage.sDqRecords.get_tensor(cute.make_layout((RECORD_WORDS, RECORDS)))
+        bars = storage.mbar_records.data_ptr()
+        slot = r % RECORDS
+        cute.arch.mbarrier_wait(bars + slot, (r // RECORDS) % 2)
+        # every lane reads and hands the slot back itself: its arrival orders its own reads before the
+        # producer's next store (lane 0 reading for the warp, then shuffling, spilled the writer)
+        words = tuple(records[i, slot] for i in range(RECORD_WORDS))
+        cute.arch.mbarrier_arrive(bars + RECORDS + slot)
+        return words
+
+    @cute.jit
+    def post_record(self, storage, r: Int32, walk, n_tiles: Int32):
+        """(the producer warp) lane 0 publishes record r: the walk's place and its tile count, or (walk
+        None) n_tiles = -1, the end. It first waits until the writer has read the slot's last record."""
+        if cute.arch.lane_idx() == 0:
+            records = storage.sDqRecords.get_tensor(cute.make_layout((RECORD_WORDS, RECORDS)))
+            bars = storage.mbar_records.data_ptr()
+            slot = r % RECORDS
+            if r >= RECORDS:
+                cute.arch.mbarrier_wait(bars + RECORDS + slot, (r // RECORDS - 1) % 2)
+            if const_expr(walk is not None):
+                records[0, slot] = walk.bidx
+                records[1, slot] = walk.head_kv * walk.qhead_per_kvhead
+                records[2, slot] = self.dq_frag_tile_row(walk.offset_q, walk.batch, walk.m_block_min)
+                records[3, slot] = walk.m_block_max - walk.m_block_min
+            records[4, slot] = n_tiles
+            cute.arch.mbarrier_arrive(bars + slot)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
@@ -178,28 +248,35 @@ class PersistentRoles:
         """The 256 consumer threads: every item the producer publishes, walk then epilogue."""
         # reached through self inside the loop: CuTe-DSL would try to carry a local Python object
         self.item_operands, self.item_body = self.design_operands(ctidx, storage, mmas, layouts, mdQacc)
-        self.item_operands.dq_places = storage.sDqPlace.get_tensor(cute.make_layout((PLACE_WORDS, MAX_DQ_BUFFERS)))
         items = storage.sItems.get_tensor(cute.make_layout(2))
+        bars = storage.mbar_records.data_ptr()
         scale_log2, score_scale = self.score_scales(softmax_scale_log2, softmax_scale)
         total = space.num_items()
         item = Int32(0)
         tiles_before = Int32(0)
         pipes.kv.consumer_wait(item_pipeline_state(item, False))
-        linear = items[0]
+        linear = self.read_item(items, bars, item)
         while linear < total:
             walk, _ = self.item_walk(linear, space)
             sOffsets = self.save_offsets(walk, ctidx, storage)
             self.item_operands.acc_dK.fill(0.0)
             self.item_operands.acc_dV.fill(0.0)
             tiles_before += self.walk_tiles(self.item_operands, self.item_body, walk, mmas, pipes, scale_log2,
-                                            score_scale, tiles_before=tiles_before, tiles_cap=Int32(TILES_CAP),
-                                            dq_heads=True)
+                                            score_scale, tiles_before=tiles_before, tiles_cap=Int32(TILES_CAP))
             self.store_dk_dv_staged(self.item_operands, walk, mdK, mdV, mmas, gmem_stores, sOffsets, softmax_scale, storage, layouts,
                                     pipes, item)
             item += 1
             pipes.kv.consumer_wait(item_pipeline_state(item, False))
-            linear = items[item % 2]
-        self.end_dq_stream(self.item_operands, tiles_before)
+            linear = self.read_item(items, bars, item)
+        self.end_dq_stream(self.item_operands.wg, tiles_before)
+
+    @cute.jit
+    def read_item(self, items: cute.Tensor, bars, item: Int32) -> Int32:
+        """(every consumer thread, after K/V's wait for item `item`) its published index; each reader then
+        arrives on "items read", which the producer waits for before it stores item + 2 in that slot."""
+        linear = items[item % 2]
+        cute.arch.mbarrier_arrive(bars + 2 * RECORDS)
+        return linear
 
     @cute.jit
     def store_dk_dv_staged(self, o, walk, mdK: cute.Tensor, mdV: cute.Tensor, mmas, gmem_stores,
@@ -226,19 +303,12 @@ class PersistentRoles:
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
 
     @cute.jit
-    def end_dq_stream(self, o, tiles: Int32):
-        """After the last walk: a place with row -1 ends the writer; then the "dQ empty" arrivals of the
-        last dq_buffers - 1 tiles (which no tile waits for) and, with one dS^T buffer, the other
-        warpgroup's last "sdSt free" arrival are synced."""
+    def end_dq_stream(self, wg: Int32, tiles: Int32):
+        """After the last walk: sync the "dQ empty" arrivals of the last dq_buffers tiles (which no tile
+        waits for) and, with one dS^T buffer, the other warpgroup's last "sdSt free" arrival, so every
+        named-barrier generation completes before the CTA exits."""
         buffers = self.dq_buffers
-        buf = tiles % buffers
-        if tiles >= buffers:
-            self.dq_empty(buf, o.wg, wait=True)
-        places, wg = o.dq_places, o.wg
-        if thread_idx_fresh() == 128:
-            places[2, buf] = Int32(-1)
-        self.dq_full(buf, wait=False)
-        for k in cutlass.range_constexpr(1, buffers):
+        for k in cutlass.range_constexpr(buffers):
             if tiles - buffers + k >= 0:
                 self.dq_empty((tiles - buffers + k) % buffers, wg, wait=True)
         if const_expr(self.ds_buffers == 1):
