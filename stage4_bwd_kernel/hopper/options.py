@@ -16,7 +16,8 @@ Named barriers (0 is __syncthreads, used only before the role split; ids 2 and 3
     6 + b           "dQ full" of dQ buffer b: 256 consumer arrivals + the writer warp's sync = 288
     6 + B + 2 b + w "dQ empty" of buffer b, share w (B buffers): the writer's arrival + warpgroup w's
                     sync = 160. Tile t waits only when t >= B and the writer arrives only when t + B
-                    < tiles, so every barrier generation completes before the CTA exits.
+                    < tiles, so every barrier generation completes before the CTA exits (persistent:
+                    the writer arrives after every tile and the consumers sync the last B at exit).
     6 + w, 8 + w    deterministic dq_atomic (no writer): turn warp w -> warpgroup w "add tile t", and
                     warpgroup w -> turn warp w "added"; 128 + 32 = 160 each, once a tile (wide.py)
 The ids are computed at run time (bar.sync takes them in a register), so ptxas reserves all 16.
@@ -190,8 +191,10 @@ class BackwardOptions:
                    dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages,
                    dq_atomic=dq_atomic, kv_swap=kv_swap)
 
-    def check(self, varlen: bool, wide: bool = False, deterministic: bool = False, banded: bool = False):
+    def check(self, varlen: bool, wide: bool = False, deterministic: bool = False, banded: bool = False,
+              tile_m: int = 0, head_dim: int = 0, head_dim_v: int = 0):
         """ValueError for a combination the kernel cannot build (only overrides can produce one).
+        tile_m, head_dim, head_dim_v: the build's, for the checks that need them (persistent's staging).
         wide: the options of the register-sourced body that the wide one (wide.py) has no path for.
         banded: a window edge beyond causal's, which the one-edge masked bodies cannot test."""
         if banded and (self.column_limit or self.mask_offsets):
@@ -222,6 +225,10 @@ class BackwardOptions:
         if self.persistent and (wide or deterministic or self.kv_with_first or not self.dq_frag or self.dq_writers != 1):
             raise ValueError("persistent: the register-sourced body (head dims 64 / 96 / 128) outside deterministic "
                              "mode, with dQ in fragment order, one writer warp and K / V on their own barrier")
+        if self.persistent and self.ds_buffers * tile_m < max(head_dim, head_dim_v):
+            raise ValueError(f"persistent: the epilogue stages a dK / dV tile in the dS^T buffers, which hold "
+                             f"{self.ds_buffers} x {tile_m} of the {max(head_dim, head_dim_v)} columns it needs "
+                             "(ds_buffers)")
         if self.stages not in (1, 2):
             raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
         if self.q_shift and (varlen or not self.dq_frag):

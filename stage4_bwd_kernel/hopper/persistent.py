@@ -13,7 +13,9 @@ How:
   them (``host_tile`` of the sectioned orders, else blockIdx order), so sections and LPT carry over.
   CTA c takes item c first, then grid width + the previous value of a global counter, so whichever CTA
   frees first takes the next item, as the hardware dispatches a grid (``TileWalk.next_linear``). The
-  counter is the semaphores argument's first int32, zeroed per call; its length is the grid's width.
+  counter is the semaphores argument's first int32, zeroed per call; its length is the most CTAs the
+  grid may have (one per SM, or ``host.backward``'s ``persistent_ctas``; the grid is never wider than
+  the items).
 * The producer warp publishes each live item's index in a two-slot SMEM ring (slot = the item's
   parity) before arming K/V's barrier for it; that arrival (a release) orders the store before the
   consumers' wait. An index past the end, on a phase completed by a real load, ends the consumers.
@@ -37,7 +39,8 @@ How:
   no tile waited for, so every named-barrier generation completes (as the one-per-tile kernel's
   "refill" test ensures).
 Outside it: deterministic mode (its semaphore order assumes launch order), the wide designs, the
-row-order dQ and ``kv_with_first``; ``options.check`` refuses them. d = 64 builds spill and are not used.
+row-order dQ, ``kv_with_first`` and dS^T buffers too small to stage a dK / dV tile; ``options.check``
+refuses them. d = 64 builds compile but spill (28 / 16 bytes), and were not timed.
 
 Status: opt-in. On an H200 it measured +1-3% at 1k-2k keys and under a 1024-key window and a tie to -1%
 on long causal walks (d = 128); the mbarrier orderings above were added after the last GPU run and
@@ -147,12 +150,16 @@ class PersistentRoles:
     @cute.jit
     def publish_item(self, storage, items: cute.Tensor, item: Int32, linear: Int32):
         """(the producer warp) lane 0 stores item `item`'s index in its slot once every consumer thread
-        has read the slot's previous one (item - 2: "items read"). One lane: the one that then arms
-        K/V's barrier, whose arrival orders the store before the consumers' wait."""
+        has read item - 1 ("items read"), hence, earlier in its program, the slot's previous index (item -
+        2). Waiting for item - 2's readers instead would hang: "items read" has completed item - 1 or item
+        phases here (K/V's acquire of item - 1 already waited for item - 2's release), and parity cannot
+        tell item - 2's completion from item's. One lane stores; the warp then syncs, so that whichever
+        lane arms K/V's barrier orders the store before the consumers' wait."""
         if cute.arch.lane_idx() == 0:
             if item >= 2:
-                cute.arch.mbarrier_wait(storage.mbar_records.data_ptr() + 2 * RECORDS, (item - 2) % 2)
+                cute.arch.mbarrier_wait(storage.mbar_records.data_ptr() + 2 * RECORDS, (item - 1) % 2)
             items[item % 2] = linear
+        cute.arch.sync_warp()
 
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit

@@ -79,7 +79,7 @@ class WalkPlan:
         seqlen_k = seqlen_k_rows
         if const_expr(self.has_seqused_k):
             seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
-        if const_expr(self.q_shift):
+        if const_expr(getattr(self, "q_shift", False)):  # the Blackwell kernels, which share this, have none
             pad = self.top_padding(seqlen_q)
             offset_q, seqlen_q = offset_q - pad, seqlen_q + pad
         return SeqBounds(n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k)
