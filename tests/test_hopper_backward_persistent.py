@@ -47,6 +47,17 @@ def _run(q, k, v, out, do, lse, *, persistent, causal, window=(None, None), soft
 
 # ======================================================================================== cpu tier
 @pytest.mark.cpu
+def test_the_protocol_model_has_the_kernels_ring():
+    """stage4_bwd_kernel/persistent_protocol.py models the kernel's record ring (tests/test_persistent_protocol.py)."""
+    from stage4_bwd_kernel import persistent_protocol
+
+    _mod()  # sets the arch before cutlass is imported
+    from stage4_bwd_kernel.hopper import persistent
+
+    assert persistent_protocol.RECORDS == persistent.RECORDS
+
+
+@pytest.mark.cpu
 def test_persistent_is_opt_in():
     """No configuration's default builds persistent (persistent.py says why); an override turns it on."""
     from stage4_bwd_kernel.hopper.options import BackwardOptions

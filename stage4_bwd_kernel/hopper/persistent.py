@@ -42,6 +42,10 @@ Outside it: deterministic mode (its semaphore order assumes launch order), the w
 row-order dQ, ``kv_with_first`` and dS^T buffers too small to stage a dK / dV tile; ``options.check``
 refuses them. d = 64 builds compile but spill (28 / 16 bytes), and were not timed.
 
+The hand-offs are modelled, with the same phases, parities and counts, in
+``stage4_bwd_kernel/persistent_protocol.py`` (``python -m stage4_bwd_kernel.persistent_protocol``: random
+item lists and schedules; it finds the hang of waiting for item i - 2's readers).
+
 Status: opt-in. On an H200 it measured +1-3% at 1k-2k keys and under a 1024-key window and a tie to -1%
 on long causal walks (d = 128); the mbarrier orderings above were added after the last GPU run and
 have only been compiled (docs/measurements.md, 2026-12-01, "a persistent Hopper backward").
