@@ -26,6 +26,23 @@ def _mod():
     return s4._step("hopper.backward")
 
 
+@pytest.fixture(autouse=True)
+def _hang_guard(request):
+    """A GPU case that hangs (a protocol bug deadlocks the kernel) ends its process after 300 s with
+    the Python stacks printed, so the rest of the tier still runs: xdist reports the crashed worker's
+    test as failed and starts another worker."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    import faulthandler
+
+    faulthandler.dump_traceback_later(300, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def _run(q, k, v, out, do, lse, *, persistent, causal, window=(None, None), softcap=0.0, varlen=None, ctas=None):
     """(dq, dk, dv) of the production backward, persistent or one CTA per K/V tile, on poisoned outputs.
     varlen: None or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)."""
