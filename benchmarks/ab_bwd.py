@@ -10,7 +10,9 @@ A variant is ``name[@MxN][:order][~keyword=int...][+det]``: a kernel of bench_bw
 ``production``, the backward fa4 runs) or a module path with ``attention_backward`` (e.g. an untracked
 copy at the repository root with its own STEP name), an optional tile override, an optional dQ order of
 ``stage4_bwd_kernel.schedule`` by its ``name``, optional integer keyword arguments of the kernel's
-``attention_backward`` (for a copy that adds one), and ``+det`` for deterministic mode. Every
+``attention_backward`` (for a copy that adds one) or, for ``production``, of its ``BackwardOptions``
+(``production~persistent=1``: the kernel built with that option, under its own compile key), and
+``+det`` for deterministic mode. Every
 variant's dq/dk/dv are checked against the first variant's before timing. ``--cudnn`` adds cuDNN
 through torch SDPA as a third peer (its autograd backward, like the official one's).
 """
@@ -68,11 +70,42 @@ def make_variant(spec: str):
     if order_name:
         options["dq_order"] = orders[order_name]
     accepted = inspect.signature(mod.attention_backward).parameters
-    refused = [k for k in options if k not in accepted]
+    kernel_options = option_fields(mod)
+    # with a kernel option, stage 4's host takes the dQ order and the tile itself
+    host_keys = {"dq_order", "tiles"} if any(k in kernel_options for k in options) else set()
+    refused = [k for k in options if k not in accepted and k not in kernel_options and k not in host_keys]
     if refused:
         raise SystemExit(f"--variants: {step}'s attention_backward takes no {', '.join(refused)} ({spec!r})")
+    built = {k: kernel_options[k](options.pop(k)) for k in list(options) if k in kernel_options and k not in accepted}
+    if built:
+        return with_kernel_options(mod, built, det, options)
     return lambda q, k, v, o, do, lse, c, **call: mod.attention_backward(q, k, v, o, do, lse, causal=c,
                                                                          deterministic=det, **options, **call)
+
+
+def option_fields(mod) -> dict:
+    """{field name: its type} of a kernel module's BackwardOptions (the production backward), else {}."""
+    import dataclasses
+
+    if not (hasattr(mod, "BackwardOptions") and hasattr(mod, "make_kernel") and hasattr(mod, "STEP")):
+        return {}
+    return {f.name: bool if f.type in (bool, "bool") else int for f in dataclasses.fields(mod.BackwardOptions)}
+
+
+def with_kernel_options(mod, built: dict, det: bool, options: dict):
+    """The production backward built with BackwardOptions fields overridden (``~persistent=1``), through
+    stage 4's host under its own compile key; options: attention_backward's other keywords (dQ order)."""
+    import functools
+
+    from stage4_bwd_kernel import host
+
+    key = mod.STEP + "".join(f"~{k}={int(v)}" for k, v in sorted(built.items()))
+    make = functools.partial(mod.make_kernel, **built)
+
+    def run(q, k, v, o, do, lse, c, window_size=(None, None), softcap=0.0, **call):
+        return host.backward(key, make, q, k, v, o, do, lse, causal=c, deterministic=det,
+                             variant=host.variant_of(c, window_size, softcap), **options, **call)
+    return run
 
 
 def parse_window(text, causal: bool):
