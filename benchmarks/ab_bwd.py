@@ -87,7 +87,7 @@ def option_fields(mod) -> dict:
     """{field name: its type} of a kernel module's BackwardOptions (the production backward), else {}."""
     import dataclasses
 
-    if not (hasattr(mod, "BackwardOptions") and hasattr(mod, "make_kernel") and hasattr(mod, "STEP")):
+    if not (hasattr(mod, "BackwardOptions") and hasattr(mod, "with_options")):
         return {}
     return {f.name: bool if f.type in (bool, "bool") else int for f in dataclasses.fields(mod.BackwardOptions)}
 
@@ -95,12 +95,9 @@ def option_fields(mod) -> dict:
 def with_kernel_options(mod, built: dict, det: bool, options: dict):
     """The production backward built with BackwardOptions fields overridden (``~persistent=1``), through
     stage 4's host under its own compile key; options: attention_backward's other keywords (dQ order)."""
-    import functools
-
     from stage4_bwd_kernel import host
 
-    key = mod.STEP + "".join(f"~{k}={int(v)}" for k, v in sorted(built.items()))
-    make = functools.partial(mod.make_kernel, **built)
+    key, make = mod.with_options(**built)
 
     def run(q, k, v, o, do, lse, c, window_size=(None, None), softcap=0.0, **call):
         return host.backward(key, make, q, k, v, o, do, lse, causal=c, deterministic=det,

@@ -56,14 +56,10 @@ def run_case(name: str):
     q, k, v = bshd(2, 300, 4, d), bshd(2, 333, 2, d), bshd(2, 333, 2, dv)  # GQA 4/2
     out, lse = fwd.attention_forward(q, k, v, causal=causal)
     if backward == "persistent":  # more K/V tiles (3 x 2 x 2 = 12) than the 5 CTAs it is given
-        import functools
-
         from stage4_bwd_kernel import host
-        from stage4_bwd_kernel.hopper import backward as product
 
-        counter_ctas = 5
-        host.backward(product.STEP + "~persistent=1", functools.partial(product.make_kernel, persistent=True),
-                      q, k, v, out, torch.randn_like(out), lse, causal=causal, persistent_ctas=counter_ctas)
+        host.backward(*bwd.with_options(persistent=True), q, k, v, out, torch.randn_like(out), lse, causal=causal,
+                      persistent_ctas=5)
     elif backward:
         dout = torch.randn_like(out)
         bwd.attention_backward(q, k, v, out, dout, lse, causal=causal,

@@ -15,10 +15,9 @@ input all give those bits (a race in the hand-offs would move them).
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
-import test_stage4_hopper as s4  # the ladder's test helpers (tests/ is on the path)
+import test_hopper_variants as tv  # the variants' reference grads and rule (tests/ is on the path)
+import test_stage4_hopper as s4  # the ladder's test helpers
 
 pytestmark = pytest.mark.stage4
 
@@ -50,14 +49,13 @@ def _run(q, k, v, out, do, lse, *, persistent, causal, window=(None, None), soft
 
     mod = _mod()
     dq, dk, dv = s4._poisoned(q, k, v)
-    make_kernel = functools.partial(mod.make_kernel, persistent=persistent)
     extra = {}
     if varlen is not None:
         cu_q, cu_k, max_q, max_k, used = varlen
         extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, seqused_k=used)
     if ctas is not None:
         extra["persistent_ctas"] = ctas
-    host.backward(f"{mod.STEP}~persistent={int(persistent)}", make_kernel, q, k, v, out, do, lse, causal=causal, dq=dq, dk=dk,
+    host.backward(*mod.with_options(persistent=persistent), q, k, v, out, do, lse, causal=causal, dq=dq, dk=dk,
                   dv=dv, variant=host.variant_of(causal, window, softcap), **extra)
     return dq, dk, dv
 
@@ -143,29 +141,13 @@ def _case_id(c):
 
 
 def _reference(q, k, v, do, causal, window, softcap):
-    """(fp32 reference grads, low-precision baseline grads) and (out, lse) of the fp32 forward."""
-    import torch
+    """(out, lse) of the fp32 forward, and test_hopper_variants' (fp32 reference, low-precision baseline)
+    grads."""
     from stage0_reference.torch_reference import attention_ref
 
     variant = dict(causal=causal, window_size=window, softcap=softcap)
-
-    def grads(dtype, upcast):
-        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-        o, _ = attention_ref(*leaves, upcast=upcast, **variant)
-        o.backward(do.to(dtype))
-        return tuple(t.grad for t in leaves)
-
     out, lse = attention_ref(q, k, v, upcast=True, **variant)
-    return (out.to(q.dtype), lse), grads(torch.float32, True), grads(q.dtype, False)
-
-
-def _check_rule(name, got, ref, base, softcap):
-    from stage0_reference.torch_reference import _max_abs_diff, grad_atol
-
-    rtol = 3.0 if softcap else 2.0
-    for part, a, r, bl in zip(("dq", "dk", "dv"), got, ref, base):
-        err, bound = _max_abs_diff(a, r), rtol * _max_abs_diff(bl, r) + grad_atol(ref)
-        assert err <= bound, f"{name} {part}: max error {err:.3e} > {bound:.3e}"
+    return (out.to(q.dtype), lse), *tv._variant_grads(q, k, v, do, variant)
 
 
 @pytest.mark.gpu
@@ -179,7 +161,7 @@ def test_persistent_matches_the_one_per_tile_kernel(case):
     got = _run(q, k, v, out, do, lse, persistent=True, causal=causal, window=window, softcap=softcap)
     plain = _run(q, k, v, out, do, lse, persistent=False, causal=causal, window=window, softcap=softcap)
     torch.cuda.synchronize()
-    _check_rule(_case_id(case), got, ref, base, softcap)
+    tv._check_grads(_case_id(case), got, ref, base, softcap)
     assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2]), "dk / dv differ from the one-per-tile kernel"
 
 
@@ -228,7 +210,7 @@ def test_persistent_few_ctas_walk_many_tiles(ctas):
     got = _run(q, k, v, out, do, lse, persistent=True, causal=True, ctas=ctas)
     plain = _run(q, k, v, out, do, lse, persistent=False, causal=True)
     torch.cuda.synchronize()
-    _check_rule(f"{ctas} CTAs", got, ref, base, 0.0)
+    tv._check_grads(f"{ctas} CTAs", got, ref, base, 0.0)
     assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
 
 
@@ -257,7 +239,7 @@ def test_persistent_repeats_its_bits(causal):
     first = _run(q, k, v, out, do, lse, persistent=True, causal=causal)
     runs = [_run(q, k, v, out, do, lse, persistent=True, causal=causal) for _ in range(19)]
     torch.cuda.synchronize()
-    _check_rule("first", first, ref, base, 0.0)
+    tv._check_grads("first", first, ref, base, 0.0)
     for i, again in enumerate(runs):
         assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2]), f"run {i + 1}: dk / dv moved"
         assert _max_abs_diff(first[0], again[0]) <= 1e-2 * float(first[0].abs().max()), f"run {i + 1}: dq moved"

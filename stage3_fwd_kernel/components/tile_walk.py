@@ -113,8 +113,16 @@ class TileWalk:
         lane 0, broadcast to the warp)."""
         nxt = linear + self.num_walkers()
         if const_expr(self.dynamic):
-            taken = Int32(0)
-            if cute.arch.lane_idx() == 0:
-                taken = cute.arch.atomic_add(space.tile_counter.iterator, Int32(1), sem="relaxed", scope="gpu")
-            nxt = cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(taken, 0)
+            nxt = next_from_counter(space.tile_counter)
         return nxt
+
+
+@cute.jit
+def next_from_counter(tile_counter: cute.Tensor) -> Int32:
+    """(one warp) a dynamic hand-out's next work item: the grid width + the count of items other CTAs
+    have taken beyond their first (one atomic add on the zeroed int32 at tile_counter's start, by lane
+    0, broadcast to the warp). The persistent Hopper backward takes its K/V tiles the same way."""
+    taken = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        taken = cute.arch.atomic_add(tile_counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+    return cute.arch.grid_dim()[0] + cute.arch.shuffle_sync(taken, 0)

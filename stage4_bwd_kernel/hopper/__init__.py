@@ -26,7 +26,7 @@ a CTA, dK^T / dV^T; ``wide.py``: 64 keys), whose accumulators would not fit thos
 from __future__ import annotations
 
 from stage4_bwd_kernel.hopper import backward as _product
-from stage4_bwd_kernel.hopper.backward import STEP, make_kernel
+from stage4_bwd_kernel.hopper.backward import STEP, make_kernel, with_options
 from stage4_bwd_kernel.hopper.kernel import FlashAttentionBackwardSm90
 from stage4_bwd_kernel.hopper.layouts import dq_frag_tiled_copy
 from stage4_bwd_kernel.hopper.options import (NUM_WG_MMA, RS_HEAD_DIMS, WIDE_HEAD_DIMS, BackwardOptions,
@@ -99,6 +99,6 @@ def run(**kwargs):
 
 
 __all__ = ["attention_backward", "attention_varlen_backward", "compile_launchable", "compile_only", "run", "step_for",
-           "BEST_STEP", "STEP", "make_kernel", "FlashAttentionBackwardSm90", "BackwardOptions", "default_tiles",
+           "BEST_STEP", "STEP", "make_kernel", "with_options", "FlashAttentionBackwardSm90", "BackwardOptions", "default_tiles",
            "check_product_head_dims", "dq_frag_tiled_copy", "stats_shuffle_source", "stats_shuffle_query", "NUM_WG_MMA",
            "RS_HEAD_DIMS", "WIDE_HEAD_DIMS"]

@@ -48,6 +48,15 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
     return kernel
 
 
+def with_options(**overrides):
+    """(compile-cache step name, make_kernel) of the kernel with BackwardOptions fields (or window /
+    softcap) overridden, e.g. ``host.backward(*with_options(persistent=True), q, k, ...)``: each override
+    set builds under its own name (``hopper_bwd~persistent=1``), never sharing a cache entry with the
+    defaults."""
+    name = STEP + "".join(f"~{k}={v if k in ('window', 'softcap') else int(v)}" for k, v in sorted(overrides.items()))
+    return name, functools.partial(make_kernel, **overrides)
+
+
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
                  has_seqused_k=False, dq_order=None, tiles=None, window_size=(None, None), softcap=0.0,
                  **overrides) -> common.Compiled:
@@ -57,8 +66,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
     variant = host.variant_of(causal, window_size, softcap)
     if variant is not None:
         overrides = dict(overrides, window=variant[0], softcap=variant[1])
-    name = STEP + "".join(f"~{k}={v if k in ('window', 'softcap') else int(v)}" for k, v in sorted(overrides.items()))
-    return host.compile_fake(name, functools.partial(make_kernel, **overrides), dtype=dtype, head_dim=head_dim,
+    name, make = with_options(**overrides)
+    return host.compile_fake(name, make, dtype=dtype, head_dim=head_dim,
                              head_dim_v=head_dim if head_dim_v is None else head_dim_v, causal=causal,
                              deterministic=deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
                              dq_order=dq_order, tiles=tiles)
@@ -105,7 +114,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=
 
 
 __all__ = ["STEP", "RS_HEAD_DIMS", "WIDE_HEAD_DIMS", "FlashAttentionBackwardSm90", "BackwardOptions", "default_tiles",
-           "check_product_head_dims", "make_kernel", "compile_only", "attention_backward", "attention_varlen_backward", "run"]
+           "check_product_head_dims", "make_kernel", "with_options", "compile_only", "attention_backward", "attention_varlen_backward", "run"]
 
 
 if __name__ == "__main__":

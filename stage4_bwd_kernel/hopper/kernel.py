@@ -288,5 +288,5 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                     self.consume_items(space, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale,
                                        mmas, layouts, (gmem_store_dK, gmem_store_dV), pipes)
                 else:
-                        self.consume(walk, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale,
+                    self.consume(walk, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale,
                                  mmas, layouts, (gmem_store_dK, gmem_store_dV), pipes)

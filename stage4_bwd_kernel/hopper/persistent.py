@@ -12,7 +12,7 @@ How:
 * Work items are the one-per-tile grid's launch indices, mapped by ``dq_order`` as that grid maps
   them (``host_tile`` of the sectioned orders, else blockIdx order), so sections and LPT carry over.
   CTA c takes item c first, then grid width + the previous value of a global counter, so whichever CTA
-  frees first takes the next item, as the hardware dispatches a grid (``TileWalk.next_linear``). The
+  frees first takes the next item, as the hardware dispatches a grid (``tile_walk.next_from_counter``). The
   counter is the semaphores argument's first int32, zeroed per call; its length is the most CTAs the
   grid may have (one per SM, or ``host.backward``'s ``persistent_ctas``; the grid is never wider than
   the items).
@@ -58,12 +58,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr, pipeline
 
-from stage3_fwd_kernel.components.tile_walk import TileWalk
+from stage3_fwd_kernel.components.tile_walk import next_from_counter
 from stage3_fwd_kernel.intdiv import fast_div
 from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.dq_writer import bulk_reduce_add_f32
-from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
-from stage4_bwd_kernel.hopper.scores import thread_idx_fresh
+from stage4_bwd_kernel.hopper.options import NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
 
 RECORD_WORDS = 5      # a walk's record for the writer: (dQaccum batch, first head, first row, tiles a head, tiles)
 RECORDS = 4
@@ -115,10 +114,6 @@ class PersistentRoles:
                                  space.cu_seqlens_k, space.seqused_k)
         return self.make_walk(b, space.qhead_per_kvhead), b.n_block * self.tile_n < b.seqlen_k_rows
 
-    def next_item(self, linear: Int32, space: ItemSpace) -> Int32:
-        """(one warp) the item after `linear`: the counter's hand-out."""
-        return TileWalk(None, dynamic=True, split_tail=False, locate=None, key_range=None).next_linear(linear, space)
-
     # ------------------------------------------------------------------ producer warp
     @cute.jit
     def produce_items(self, space: ItemSpace, storage, loads, layouts, pipes):
@@ -132,7 +127,6 @@ class PersistentRoles:
         while linear < total:
             walk, live = self.item_walk(linear, space)
             if live:
-                # one lane stores: the elected lane that arms the barrier (lane 0 of the converged warp)
                 self.publish_item(storage, items, item, linear)
                 n_tiles = walk.qhead_per_kvhead * (walk.m_block_max - walk.m_block_min)
                 if n_tiles > 0:  # the dQ writer's record of the walk
@@ -142,7 +136,7 @@ class PersistentRoles:
                              tiles_before=tiles_before)
                 tiles_before += n_tiles
                 item += 1
-            linear = self.next_item(linear, space)
+            linear = next_from_counter(space.tile_counter)
         self.post_record(storage, recorded, None, Int32(-1))
         # no more work: an index past the end, on a K/V phase that item 0's K and V (a real load, no
         # Q tiles) complete
@@ -274,8 +268,11 @@ class PersistentRoles:
             self.item_operands.acc_dV.fill(0.0)
             tiles_before += self.walk_tiles(self.item_operands, self.item_body, walk, mmas, pipes, scale_log2,
                                             score_scale, tiles_before=tiles_before, tiles_cap=Int32(TILES_CAP))
-            self.store_dk_dv_staged(self.item_operands, walk, mdK, mdV, mmas, gmem_stores, sOffsets, softmax_scale, storage, layouts,
-                                    pipes, item)
+            # staged through sdSt (free once the last wgmmas are done), K/V's stage freed first
+            self.store_dk_dv(self.item_operands, walk, mdK, mdV, mmas, gmem_stores, sOffsets, softmax_scale,
+                             staging=(storage.sdSt.get_tensor(layouts.sK.outer, swizzle=layouts.sK.inner),
+                                      storage.sdSt.get_tensor(layouts.sV.outer, swizzle=layouts.sV.inner)),
+                             release=lambda: pipes.kv.consumer_release(item_pipeline_state(item, False)))
             item += 1
             pipes.kv.consumer_wait(item_pipeline_state(item, False))
             linear = self.read_item(items, bars, item)
@@ -288,30 +285,6 @@ class PersistentRoles:
         linear = items[item % 2]
         cute.arch.mbarrier_arrive(bars + 2 * RECORDS)
         return linear
-
-    @cute.jit
-    def store_dk_dv_staged(self, o, walk, mdK: cute.Tensor, mdV: cute.Tensor, mmas, gmem_stores,
-                           sOffsets: cute.Tensor, softmax_scale: Float32, storage, layouts, pipes, item: Int32):
-        """The epilogue (epilogue.py's store_tile) staged through sdSt, K/V's stage released first."""
-        tn, d, dv = self.tile_n, self.head_dim, self.head_dim_v
-        # both warpgroups' last wgmmas (readers of sK, sV, sdSt) have completed
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-        pipes.kv.consumer_release(item_pipeline_state(item, False))
-        o.acc_dK.store(o.acc_dK.load() * softmax_scale)
-        offset_k, k_rows_left = sOffsets[0], sOffsets[1]
-        ctidx = thread_idx_fresh() - 128
-        sK_stage = storage.sdSt.get_tensor(layouts.sK.outer, swizzle=layouts.sK.inner)   # (tn, d) over sdSt
-        sV_stage = storage.sdSt.get_tensor(layouts.sV.outer, swizzle=layouts.sV.inner)   # (tn, dv) over sdSt
-        self.store_tile(o.acc_dK, mmas.dK, sK_stage, sK_stage, gmem_stores[0], ctidx,
-                        cute.local_tile(cute.domain_offset((offset_k, 0), mdK[walk.bidx, None, walk.head_kv, None]),
-                                        (tn, d), (walk.n_block, 0)), (tn, d), k_rows_left)
-        # every thread has read dK from sdSt before dV overwrites it ...
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
-        self.store_tile(o.acc_dV, mmas.dV, sV_stage, sV_stage, gmem_stores[1], ctidx,
-                        cute.local_tile(cute.domain_offset((offset_k, 0), mdV[walk.bidx, None, walk.head_kv, None]),
-                                        (tn, dv), (walk.n_block, 0)), (tn, dv), k_rows_left)
-        # ... and dV, before the next walk's dS^T does
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
 
     @cute.jit
     def end_dq_stream(self, wg: Int32, tiles: Int32):
