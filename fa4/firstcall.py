@@ -161,7 +161,8 @@ def _first_calls(cfg: dict, steps: list, probes: _Probes, backend, gpu: bool, qk
                                                     seqlen_k=cfg["seqlen"]))
     if cfg["backward"]:
         bwd = backend.backward_module()
-        phase("first backward", lambda: bwd.compile_launchable(cfg["dtype"], d, dv, causal))
+        # what a call of this length launches (the Hopper backward's main kernel depends on it)
+        phase("first backward", lambda: bwd.compile_launchable(cfg["dtype"], d, dv, causal, seqlen_k=cfg["seqlen"]))
 
 
 def child(cfg: dict, steps: list, t_start: float):

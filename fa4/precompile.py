@@ -540,7 +540,8 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}
     tasks = []  # (kind, config, call, label detail, extra row fields)
     for dt, d, dv, c in cfgs:
-        # tiny tensors: compiles are keyed by (dtype, head dims, causal), not by sizes
+        # tiny tensors: compiles are keyed by (dtype, head dims, causal), not by sizes (the backward's
+        # main kernel also by walk length: the long calls' one is built below)
         q = torch.randn(1, 128, 2, d, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
         k = torch.randn(1, 128, 2, d, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
         v = torch.randn(1, 128, 2, dv, device=dev, dtype=tdt[dt], requires_grad=has_bwd)
@@ -557,11 +558,16 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
     for b in lpt:  # built, not run: the kernels a long causal call of these heads would compile
         tasks.append(("fwd lpt", *_lpt_task(fwd_mod, b)))
     if backend.LAUNCHABLE_BUILDS:
-        # built, not run: what long non-causal calls add (the Hopper forward's split_tail kernels)
+        # built, not run: what long non-causal calls add (the Hopper forward's split_tail kernels), and
+        # every backward main kernel (the short calls above may have run the persistent one)
+        bwd_mod = backend.backward_module() if has_bwd else None
         for dt, d, dv, c in cfgs:
             if not c:
                 tasks.append(("fwd long", (dt, d, dv, c), functools.partial(
                     fwd_mod.compile_launchable, dtype=dt, head_dim=d, head_dim_v=dv, causal=False), "", {}))
+            if bwd_mod is not None and has_backward(arch, d, dv):
+                tasks.append(("bwd long", (dt, d, dv, c), functools.partial(
+                    bwd_mod.compile_launchable, dtype=dt, head_dim=d, head_dim_v=dv, causal=c), "", {}))
     prog = Progress(len(tasks), out)
     results = []
     for kind, (dt, d, dv, c), fn, prefix, extra in tasks:

@@ -7,7 +7,8 @@ count), with the same phases, parities and counts as the kernel.
 
 What a pass shows: for every item list tried (walks of 0..5 tiles, varlen-style dead items skipped by
 the producer, no items at all), dQ buffer count and schedule, no role waits forever, no named barrier
-is over-filled or left with a partial generation at exit, and no slot (the item ring, the writer's
+is over-filled or left with a partial generation at exit, no mbarrier phase goes unwaited before the
+next one's arrivals (synccheck's "Missing wait"), and no slot (the item ring, the writer's
 record ring) is stored before every reader of its previous value has read it. What it cannot show: that
 the kernel's code does what the model says (the model is written from persistent.py, not extracted
 from it), nor anything about memory ordering beyond "read before overwritten".
@@ -30,17 +31,28 @@ class ProtocolError(AssertionError):
 @dataclass
 class MBarrier:
     count: int
+    name: str = "mbarrier"
     done: int = 0        # completed phases
     pending: int = 0
+    waited: int = 0      # completed phases some wait has seen (a wait sees the latest)
+    strict: bool = True  # refuse a missing wait (off: to see a planted bug's own failure)
 
     def arrive(self):
+        """compute-sanitizer's synccheck reports "Missing wait" when a phase gets its first arrival
+        while the phase before it completed unseen by any wait; the model refuses the same."""
+        if self.strict and self.pending == 0 and self.done > self.waited:
+            raise ProtocolError(f"{self.name}: missing wait (phase {self.done - 1} completed, never waited for, "
+                                f"before phase {self.done}'s arrivals)")
         self.pending += 1
         if self.pending == self.count:
             self.done, self.pending = self.done + 1, 0
 
     def passed(self, parity: int) -> bool:
         """try_wait.parity: the phase of this parity has completed (the current one has the other)."""
-        return self.done % 2 != parity
+        if self.done % 2 != parity:
+            self.waited = self.done
+            return True
+        return False
 
 
 @dataclass
@@ -80,21 +92,28 @@ class Slot:
 
 class Model:
     def __init__(self, walks, dq_buffers: int, ds_buffers: int = 2, wait_parity_lag: int = 1,
-                 end_syncs: bool = True, record_empty_wait: bool = True, records: int = RECORDS):
+                 first_items_wait: int = 1, missing_waits: bool = False, end_syncs: bool = True, record_empty_wait: bool = True, records: int = RECORDS):
         """walks: tiles of each item the CTA takes, None for a dead item (skipped by the producer).
         The other arguments plant the kernel's bugs, or ones it could have, for the tests: wait_parity_lag,
         which item's readers the producer waits for before publishing item i (1: item i - 1, the kernel;
-        2: item i - 2, the version a review found hanging); end_syncs=False drops end_dq_stream's syncs;
+        2: item i - 2, the version a review found hanging); first_items_wait: the first item whose publish
+        waits (1, the kernel; 2 skips item 0's phase, which synccheck reported as a missing wait);
+        missing_waits=True lets such phases pass, so a planted bug shows its own failure;
+        end_syncs=False drops end_dq_stream's syncs;
         record_empty_wait=False stores a record without waiting for its slot's last reader (with the
         kernel's 4 slots that never overwrites one: the producer runs at most B + 1 <= 3 walks ahead of
         the writer; with 2 it does); records: the ring's slots."""
         self.walks, self.B, self.ds_buffers, self.lag = walks, dq_buffers, ds_buffers, wait_parity_lag
+        self.first_wait = first_items_wait
         self.end_syncs, self.record_empty_wait, self.nrec = end_syncs, record_empty_wait, records
-        mb = MBarrier
-        self.kv_full, self.kv_empty = mb(1), mb(2)
-        self.q_full, self.q_empty = [mb(1) for _ in range(STAGES)], [mb(2) for _ in range(STAGES)]
-        self.items_read = mb(2)
-        self.rec_full, self.rec_empty = [mb(1) for _ in range(records)], [mb(1) for _ in range(records)]
+        def mb(count, name):
+            return MBarrier(count, name, strict=not missing_waits)
+        self.kv_full, self.kv_empty = mb(1, "K/V full"), mb(2, "K/V empty")
+        self.q_full = [mb(1, f"Q full {i}") for i in range(STAGES)]
+        self.q_empty = [mb(2, f"Q empty {i}") for i in range(STAGES)]
+        self.items_read = mb(2, "items read")
+        self.rec_full = [mb(1, f"record full {i}") for i in range(records)]
+        self.rec_empty = [mb(1, f"record empty {i}") for i in range(records)]
         self.items = [Slot(f"items[{i}]") for i in range(2)]
         self.records = [Slot(f"records[{i}]") for i in range(records)]
         self.consumer_bar = NamedBarrier("consumer", 256)
@@ -120,7 +139,7 @@ class Model:
         for n in self.walks:
             if n is None:
                 continue
-            if item >= 2:  # publish_item
+            if item >= self.first_wait:  # publish_item
                 yield from self.wait(self.items_read, (item - self.lag) % 2)
             self.items[item % 2].store(item, ("c0", "c1"))
             if n > 0:
@@ -134,7 +153,7 @@ class Model:
             tiles += n
             item += 1
         yield from self.post_record(recorded, SENTINEL)
-        if item >= 2:
+        if item >= self.first_wait:
             yield from self.wait(self.items_read, (item - self.lag) % 2)
         self.items[item % 2].store(SENTINEL, ("c0", "c1"))
         yield from self.wait(self.kv_empty, (item % 2) ^ 1)

@@ -22,8 +22,10 @@ CASES = {
     "bwd-d64-causal": (64, 64, True, True),
     "bwd-d128-causal": (128, 128, True, True),
     "bwd-d128-deterministic": (128, 128, True, "deterministic"),
-    "bwd-d128-persistent": (128, 128, True, "persistent"),  # options.persistent (opt-in): one CTA per SM
-    "varlen-d128-causal": None,                     # one empty sequence among three
+    "bwd-d128-persistent": (128, 128, True, "persistent"),  # options.persistent: one CTA per SM (5 here)
+    "bwd-d128-per-tile": (128, 128, True, "per-tile"),      # one CTA per K/V tile (the default past 2k keys)
+    "varlen-d128-causal": None,                     # one empty sequence among three (persistent backward)
+    "varlen-d128-per-tile": None,                   # the same, one CTA per K/V tile
     "paged-d128-page8": 8,                          # pages read by the producer's cp.async gather
     "paged-d128-page16": 16,                        # pages read by TMA boxes, 8 a key block
 }
@@ -41,7 +43,7 @@ def run_case(name: str):
     if name.startswith("paged-"):
         run_paged(CASES[name])
         return
-    if name == "varlen-d128-causal":
+    if name.startswith("varlen-"):
         lens_q, lens_k = [0, 130, 257], [0, 200, 257]
         cu_q = torch.tensor([0, *lens_q], device="cuda").cumsum(0).to(torch.int32)  # (batch + 1,)
         cu_k = torch.tensor([0, *lens_k], device="cuda").cumsum(0).to(torch.int32)
@@ -50,7 +52,13 @@ def run_case(name: str):
         v = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16)
         out, lse = fwd.attention_varlen_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
         dout = torch.randn_like(out)
-        bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
+        if name == "varlen-d128-per-tile":
+            from stage4_bwd_kernel import host
+
+            host.backward(*bwd.with_options(persistent=False), q, k, v, out, dout, lse, cu_seqlens_q=cu_q,
+                          cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), causal=True)
+        else:
+            bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
         return
     d, dv, causal, backward = CASES[name]
     q, k, v = bshd(2, 300, 4, d), bshd(2, 333, 2, d), bshd(2, 333, 2, dv)  # GQA 4/2
@@ -60,6 +68,10 @@ def run_case(name: str):
 
         host.backward(*bwd.with_options(persistent=True), q, k, v, out, torch.randn_like(out), lse, causal=causal,
                       persistent_ctas=5)
+    elif backward == "per-tile":
+        from stage4_bwd_kernel import host
+
+        host.backward(*bwd.with_options(persistent=False), q, k, v, out, torch.randn_like(out), lse, causal=causal)
     elif backward:
         dout = torch.randn_like(out)
         bwd.attention_backward(q, k, v, out, dout, lse, causal=causal,

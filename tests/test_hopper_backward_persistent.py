@@ -1,7 +1,9 @@
 """The persistent Hopper backward (``stage4_bwd_kernel/hopper/persistent.py``, ``options.persistent``):
 one CTA per SM takes K/V tiles from a counter.
 
-cpu tier: no default builds it; the option is refused where the kernel has no persistent path, naming it.
+cpu tier: no configuration's options build it; attention_backward picks it per call where it measured
+faster (``persistent_pays``: d = 128 walks of at most 2k keys, (128, 64) ones of 1k); the
+option is refused where the kernel has no persistent path, naming it.
 
 compile tier (sm_90a, fake tensors): d = 128, 96 and (128, 64) persistent builds (causal or not,
 varlen + seqused_k, a window with softcap) have no spills and no serialized wgmma, and the
@@ -74,7 +76,7 @@ def test_the_protocol_model_has_the_kernels_ring():
 
 @pytest.mark.cpu
 def test_persistent_is_opt_in():
-    """No configuration's default builds persistent (persistent.py says why); an override turns it on."""
+    """No configuration's options build persistent: the call picks it (persistent_pays) or an override does."""
     from stage4_bwd_kernel.hopper.options import BackwardOptions
 
     for d, dv in ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256)):
@@ -82,6 +84,34 @@ def test_persistent_is_opt_in():
             for det in (False, True):
                 for banded in (False, True):
                     assert not BackwardOptions.for_config(d, dv, causal, det, False, banded).persistent
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("d,dv,det,sq,sk,hq,hkv,expected", [
+    (128, 128, False, 2048, 2048, 2, 2, True), (128, 128, False, 2048, 2049, 2, 2, False),
+    (128, 128, False, 2049, 2048, 2, 2, False), (128, 128, False, 1024, 1024, 6, 3, True),
+    (128, 128, False, 1024, 1024, 6, 2, False),  # a K/V tile walks 3 heads' 1024 queries
+    (128, 64, False, 1024, 1024, 2, 2, True), (128, 64, False, 2048, 2048, 2, 2, False),
+    (128, 64, False, 1, 1, 1, 1, True), (128, 128, False, 16384, 16384, 2, 2, False),
+    (128, 128, True, 1024, 1024, 2, 2, False), (96, 96, False, 1024, 1024, 2, 2, False),
+    (64, 64, False, 1024, 1024, 2, 2, False), (192, 128, False, 1024, 1024, 2, 2, False)])
+def test_the_persistent_build_is_picked_per_call(d, dv, det, sq, sk, hq, hkv, expected):
+    """The measured choice (backward.persistent_pays): d = 128 / (128, 64) outside deterministic mode,
+    keys and queries x GQA group within PERSISTENT_MAX_SEQLEN; and the build it names, dense and varlen
+    (whose max_seqlen_q / _k count, not the packed lengths)."""
+    import torch
+
+    backward = s4._step("hopper.backward")
+    assert backward.persistent_pays(d, dv, det, sq, sk, hq // hkv) is expected
+    q = torch.empty(1, sq, hq, d, device="meta")
+    k = torch.empty(1, sk, hkv, d, device="meta")
+    v = torch.empty(1, sk, hkv, dv, device="meta")
+    step, _ = backward._build_for(q, k, v, det, None)
+    assert step == (backward.with_options(persistent=True)[0] if expected else backward.STEP)
+    varlen_step, _ = backward._build_for(q[0, :1], k[0, :1], v[0, :1], det, None, sq, sk)
+    assert varlen_step == step
+    assert backward._build_for(q[0, :1], k[0, :1], v[0, :1], det, None, sq, sk + 0.5)[0] == backward.STEP
+    assert backward._build_for(q, k, v, det, "rows")[0] == backward.STEP  # an explicit dQ order
 
 
 @pytest.mark.cpu

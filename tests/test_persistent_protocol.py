@@ -1,7 +1,9 @@
 """The persistent Hopper backward's hand-offs, modelled (stage4_bwd_kernel/persistent_protocol.py): random
 item lists and schedules end without a deadlock, an over-filled or half-filled named barrier, or a slot
-stored before its readers read it; and the model catches each planted bug (among them the hang a review
-found in the kernel: the producer waiting for item i - 2's readers)."""
+stored before its readers read it, or an mbarrier phase nobody waited for (compute-sanitizer synccheck's
+"Missing wait"); and the model catches each planted bug (among them the hang a review
+found in the kernel: the producer waiting for item i - 2's readers, and the unwaited item-0 phase
+synccheck found on an H200)."""
 from __future__ import annotations
 
 import pytest
@@ -31,10 +33,12 @@ def test_no_items_and_one_item():
 
 
 @pytest.mark.parametrize("planted,match", [
-    ({"wait_parity_lag": 2}, "deadlock"),
+    ({"wait_parity_lag": 2, "missing_waits": True}, "deadlock"),
+    ({"first_items_wait": 2}, "items read: missing wait"),
     ({"end_syncs": False}, "partial generation"),
-    ({"record_empty_wait": False, "records": 2}, "stored"),
-], ids=["items-read-parity", "no-end-syncs", "record-overwrite"])
+    ({"record_empty_wait": False, "records": 2, "missing_waits": True}, "stored"),
+    ({"record_empty_wait": False, "records": 2}, "record empty .: missing wait"),
+], ids=["items-read-parity", "item-0-unwaited", "no-end-syncs", "record-overwrite", "record-unwaited"])
 def test_planted_bugs_are_caught(planted, match):
     with pytest.raises(proto.ProtocolError, match=match):
         proto.check(400, seed=3, **planted)

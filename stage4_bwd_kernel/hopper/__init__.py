@@ -77,20 +77,30 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
 
 
 def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
-                       has_seqused_k=False, window_size=(None, None), softcap=0.0) -> list:
+                       has_seqused_k=False, window_size=(None, None), softcap=0.0, seqlen_k=None) -> list:
     """What ``attention_backward`` (varlen=True: ``attention_varlen_backward``) launches for this
     configuration -- the preprocess, the main kernel, the postprocess -- compiled without a GPU under
-    the GPU path's cache keys (TVM-FFI, fake tensors). Returns their Compiled records. With fa4's disk
-    cache installed this fills it on a CPU machine (python -m fa4 precompile)."""
+    the GPU path's cache keys (TVM-FFI, fake tensors). seqlen_k: the query and key count of a call
+    without GQA, which picks the persistent main kernel or not (``persistent_pays``); None: every main
+    kernel some call picks. Returns their Compiled records: preprocess, main, postprocess, then any other main.
+    With fa4's disk cache installed this fills it on a CPU machine (python -m fa4 precompile)."""
     from stage4_bwd_kernel import common, host
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    # a length past every limit first: the one-per-tile kernel leads, as before the persistent one existed
+    lengths = [seqlen_k] if seqlen_k is not None else [1 << 30, 1]
+    builds = []
+    for length in lengths:
+        build = (with_options(persistent=True) if _product.persistent_pays(head_dim, head_dim_v, deterministic,
+                                                                           length, length) else (STEP, make_kernel))
+        if build[0] not in [b[0] for b in builds]:
+            builds.append(build)
     # the kernel's constructor checks the head dims (ValueError) before anything compiles
-    kernel, main = host.compile_main(STEP, make_kernel, common.cutlass_dtype(dtype), head_dim, head_dim_v, causal,
-                                     deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
-                                     variant=host.variant_of(causal, window_size, softcap))
-    pre, post = host.compile_pre_post(kernel, dtype, head_dim, head_dim_v, varlen)
-    return [pre, main, post]
+    mains = [host.compile_main(step, make, common.cutlass_dtype(dtype), head_dim, head_dim_v, causal,
+                               deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                               variant=host.variant_of(causal, window_size, softcap)) for step, make in builds]
+    pre, post = host.compile_pre_post(mains[0][0], dtype, head_dim, head_dim_v, varlen)
+    return [pre, mains[0][1], post, *[main for _, main in mains[1:]]]
 
 
 def run(**kwargs):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 
 from stage3_fwd_kernel.components.window import NO_WINDOW
 from stage4_bwd_kernel import common, host
@@ -73,6 +74,44 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
                              dq_order=dq_order, tiles=tiles)
 
 
+# Where the persistent build (persistent.py) measured faster than one CTA per K/V tile on an H200
+# (docs/measurements.md, "the persistent backward by default on short walks"; Sq = Sk, no GQA, 32k
+# tokens a batch): d = 128 walks of at most 2k keys (+2.8..3.5% at 1k, +0.6..1.2% at 2k) and (128, 64)
+# ones of at most 1k (+1.0..2.3%; at 2k non-causal lost 1.3%). From 3k keys on, and under a 1024-key
+# window at 8k / 16k, it tied or lost up to 1.3%; d = 96 gained only at 1k, and d = 64's build spills.
+# Unmeasured shapes are held to the measured walk: queries x GQA group and keys both within the limit.
+PERSISTENT_MAX_SEQLEN = {(128, 128): 2048, (128, 64): 1024}
+
+
+def persistent_pays(head_dim, head_dim_v, deterministic, seqlen_q, seqlen_k, group=1, dq_order=None) -> bool:
+    """Whether a call runs the persistent build: d = 128 / (128, 64) outside deterministic mode, with
+    seqlen_k keys and seqlen_q x group (a K/V tile's walk: its query rows, every head of the GQA group)
+    within PERSISTENT_MAX_SEQLEN (varlen: the max_seqlen_* bounds). Explicit dQ orders keep the
+    one-per-tile kernel they were measured on."""
+    limit = PERSISTENT_MAX_SEQLEN.get((head_dim, head_dim_v))
+    if deterministic or dq_order is not None or limit is None:
+        return False
+    return seqlen_k <= limit and seqlen_q * group <= limit
+
+
+def _build_for(q, k, v, deterministic, dq_order, max_seqlen_q=None, max_seqlen_k=None):
+    """(step, make_kernel) of a call: the persistent build where ``persistent_pays``, else the default
+    (also for malformed arguments, which host.backward then refuses by name). max_seqlen_q / _k:
+    varlen's (packed (T, H, D) tensors); None: dense (B, S, H, D) ones."""
+    varlen = max_seqlen_k is not None
+    if not all(hasattr(t, "shape") and len(t.shape) == (3 if varlen else 4) for t in (q, k, v)):
+        return STEP, make_kernel
+    seqlens = (max_seqlen_q, max_seqlen_k) if varlen else (q.shape[1], k.shape[1])
+    heads_q, heads_kv = q.shape[-2], k.shape[-2]
+    if not (all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in seqlens)
+            and isinstance(deterministic, bool) and heads_kv > 0 and heads_q % heads_kv == 0):
+        return STEP, make_kernel
+    if persistent_pays(q.shape[-1], v.shape[-1], deterministic, int(seqlens[0]), int(seqlens[1]),
+                       heads_q // heads_kv, dq_order):
+        return with_options(persistent=True)
+    return STEP, make_kernel
+
+
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
                        window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None, tiles=None,
                        return_d=False):
@@ -81,7 +120,8 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     nothing here beyond the forward's lse, which includes it. return_d=True also returns D =
     rowsum(dO * O) in lse's layout (the sink's gradient needs it)."""
     _check_dims_of(q, v)
-    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
+    step, make = _build_for(q, k, v, deterministic, dq_order)
+    return host.backward(step, make, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, tiles=tiles,
                          variant=host.variant_of(causal, window_size, softcap), return_d=return_d)
 
@@ -93,7 +133,8 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     """Packed (T,H,D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens -> (dq, dk, dv).
     check_values=True also checks the index tensors' values on the host (a device sync; host.backward)."""
     _check_dims_of(q, v)
-    return host.backward(STEP, make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
+    step, make = _build_for(q, k, v, deterministic, dq_order, max_seqlen_q, max_seqlen_k)
+    return host.backward(step, make, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq_order=dq_order, tiles=tiles,

@@ -45,7 +45,7 @@ from stage4_bwd_kernel.hopper.consumer import Consumer
 from stage4_bwd_kernel.hopper.dq_writer import DqWriter
 from stage4_bwd_kernel.hopper.epilogue import Epilogue
 from stage4_bwd_kernel.hopper.layouts import LayoutPlan, Mmas
-from stage4_bwd_kernel.hopper.persistent import RECORD_WORDS, RECORDS, ItemSpace, PersistentRoles
+from stage4_bwd_kernel.hopper.persistent import ITEM_WORDS, RECORD_STRIDE, RECORDS, ItemSpace, PersistentRoles
 from stage4_bwd_kernel.hopper.options import (DQ_FULL_BARRIER, DQ_WRITER_WARP, NUM_THREADS, NUM_WG_MMA,
                                               REGS_CONSUMER, REGS_PRODUCER, SWAP_HEAD_DIMS, BackwardOptions,
                                               default_tiles, dq_empty_barrier, is_banded, is_wide, num_barriers,
@@ -169,6 +169,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.tma_bytes_V = cute.size_in_bytes(self.dtype, sV_layout)
         self.tma_bytes_KV = self.tma_bytes_K + self.tma_bytes_V
         stats_len = cute.cosize(sStat_layout)
+        # persistent.py's item and record rings; other builds keep the small unused ones they had
+        ring_words, ring_align = ((ITEM_WORDS, RECORD_STRIDE * RECORDS), 16) if self.persistent else ((2, 20), 4)
 
         @cute.struct
         class SharedStorage:
@@ -179,8 +181,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
             sD: cute.struct.Align[cute.struct.MemRange[Float32, stats_len], 128]
             sOffsets: cute.struct.MemRange[Int32, 3]  # consumer.py: the epilogue's key offset and rows left
             # persistent.py: the published items (by parity) and the walks' records for the dQ writer
-            sItems: cute.struct.MemRange[Int32, 2]
-            sDqRecords: cute.struct.MemRange[Int32, RECORD_WORDS * RECORDS]
+            sItems: cute.struct.Align[cute.struct.MemRange[Int32, ring_words[0]], ring_align]
+            sDqRecords: cute.struct.Align[cute.struct.MemRange[Int32, ring_words[1]], ring_align]
             mbar_records: cute.struct.MemRange[cutlass.Int64, 2 * RECORDS + 1]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]

@@ -130,7 +130,8 @@ class BackwardOptions:
     dq_atomic: bool = False   # wide: the consumers add dQ with 16-byte reds, no sdQ nor writer (wide.py;
                               # deterministic: in turns on the semaphores)
     kv_swap: bool = False     # wide: 96 keys a CTA, S by keys, dK^T / dV^T with the head dim as M (wide_swap.py)
-    persistent: bool = False  # one CTA per SM takes K/V tiles from a counter (persistent.py; opt-in, see there)
+    persistent: bool = False  # one CTA per SM takes K/V tiles from a counter (persistent.py); the call picks
+                              # it (backward.persistent_pays), so no configuration's default sets it
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,

@@ -44,11 +44,13 @@ refuses them. d = 64 builds compile but spill (28 / 16 bytes), and were not time
 
 The hand-offs are modelled, with the same phases, parities and counts, in
 ``stage4_bwd_kernel/persistent_protocol.py`` (``python -m stage4_bwd_kernel.persistent_protocol``: random
-item lists and schedules; it finds the hang of waiting for item i - 2's readers).
+item lists and schedules; it finds the hang of waiting for item i - 2's readers, and the unwaited
+phase synccheck reported).
 
-Status: opt-in. On an H200 it measured +1-3% at 1k-2k keys and under a 1024-key window and a tie to -1%
-on long causal walks (d = 128); the mbarrier orderings above were added after the last GPU run and
-have only been compiled (docs/measurements.md, 2026-12-01, "a persistent Hopper backward").
+Where it runs: ``backward.persistent_pays`` -- d = 128 calls of at most 2k keys and (128, 64) ones of
+1k (queries x GQA group too), where it measured faster on an H200; longer walks keep one CTA per tile (docs/measurements.md, 2026-12-01, "the
+persistent backward by default on short walks"). compute-sanitizer's racecheck, memcheck and synccheck
+are clean on it (tests/test_sanitizers.py, ``bwd-d128-persistent``).
 """
 from __future__ import annotations
 
@@ -66,6 +68,17 @@ from stage4_bwd_kernel.hopper.options import NUM_CONSUMER_THREADS, NUM_WG_MMA, S
 
 RECORD_WORDS = 5      # a walk's record for the writer: (dQaccum batch, first head, first row, tiles a head, tiles)
 RECORDS = 4
+# A record slot's stride and the item ring's size, in words: 32 and 16 bytes, each slot in 16-byte
+# chunks of its own (the struct aligns both). The writer's read of record 0 compiled to 16-byte loads
+# over its 5 words, one word before them -- the item ring's -- included, which racecheck reported as a
+# WAR hazard against the producer's next item store; a padded slot keeps such over-reads inside it.
+RECORD_STRIDE = 8
+ITEM_WORDS = 4
+
+
+def records_layout():
+    """(RECORD_WORDS, RECORDS) words of the record ring, slot-major with a RECORD_STRIDE stride."""
+    return cute.make_layout((RECORD_WORDS, RECORDS), stride=(1, RECORD_STRIDE))
 TILES_CAP = 1 << 30   # "a next tile follows" always holds inside a persistent CTA's walks
 
 
@@ -151,10 +164,12 @@ class PersistentRoles:
         has read item - 1 ("items read"), hence, earlier in its program, the slot's previous index (item -
         2). Waiting for item - 2's readers instead would hang: "items read" has completed item - 1 or item
         phases here (K/V's acquire of item - 1 already waited for item - 2's release), and parity cannot
-        tell item - 2's completion from item's. One lane stores; the warp then syncs, so that whichever
+        tell item - 2's completion from item's. Item 1 waits too, though its slot is fresh: synccheck
+        reports a phase that no thread waited for before the next phase's arrivals ("Missing wait"), so
+        every phase but the last is waited for. One lane stores; the warp then syncs, so that whichever
         lane arms K/V's barrier orders the store before the consumers' wait."""
         if cute.arch.lane_idx() == 0:
-            if item >= 2:
+            if item >= 1:
                 cute.arch.mbarrier_wait(storage.mbar_records.data_ptr() + 2 * RECORDS, (item - 1) % 2)
             items[item % 2] = linear
         cute.arch.sync_warp()
@@ -217,7 +232,7 @@ class PersistentRoles:
     @cute.jit
     def take_record(self, storage, r: Int32):
         """(the writer warp) record r, once published; its slot is handed back as soon as it is read."""
-        records = storage.sDqRecords.get_tensor(cute.make_layout((RECORD_WORDS, RECORDS)))
+        records = storage.sDqRecords.get_tensor(records_layout())
         bars = storage.mbar_records.data_ptr()
         slot = r % RECORDS
         cute.arch.mbarrier_wait(bars + slot, (r // RECORDS) % 2)
@@ -232,7 +247,7 @@ class PersistentRoles:
         """(the producer warp) lane 0 publishes record r: the walk's place and its tile count, or (walk
         None) n_tiles = -1, the end. It first waits until the writer has read the slot's last record."""
         if cute.arch.lane_idx() == 0:
-            records = storage.sDqRecords.get_tensor(cute.make_layout((RECORD_WORDS, RECORDS)))
+            records = storage.sDqRecords.get_tensor(records_layout())
             bars = storage.mbar_records.data_ptr()
             slot = r % RECORDS
             if r >= RECORDS:
@@ -281,7 +296,8 @@ class PersistentRoles:
     @cute.jit
     def read_item(self, items: cute.Tensor, bars, item: Int32) -> Int32:
         """(every consumer thread, after K/V's wait for item `item`) its published index; each reader then
-        arrives on "items read", which the producer waits for before it stores item + 2 in that slot."""
+        arrives on "items read", which the producer waits for before it stores item + 1 (so before item + 2
+        reuses this slot)."""
         linear = items[item % 2]
         cute.arch.mbarrier_arrive(bars + 2 * RECORDS)
         return linear
