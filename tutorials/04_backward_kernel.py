@@ -695,6 +695,55 @@ else:
     print("no Hopper GPU here: compiled only; the H100 measurements are the committed JSON below.")
 
 # %% [markdown]
+# ## Persistent CTAs: four roles, two rings, and a model of their hand-offs
+# On short calls a CTA per K/V tile spends a visible share of its life starting and ending: barrier
+# set-up, the wait for its first K, V, Q and dO, and a dK / dV epilogue with nothing else in flight.
+# `stage4_bwd_kernel/hopper/persistent.py` keeps one CTA per SM instead; each takes the next K/V tile
+# (an "item") from a global counter, so the next item's loads run under the current epilogue.
+# `attention_backward` takes it for d = 128 calls of at most 2k keys and (128, 64) calls of at most 1k,
+# where it measured faster on an H200 (`backward.persistent_pays`).
+#
+# The price is the hand-offs. Four roles share the CTA: the producer warp (TMA loads), the dQ writer warp
+# and two consumer warpgroups. The producer publishes each item's index in a two-slot ring that every
+# consumer thread reads, and writes a record of each walk (where its dQ tiles go) into a four-slot ring
+# that the writer reads. Each slot is guarded by mbarriers, whose waits name a *phase parity*
+# (`try_wait.parity`), not a phase number: a wait cannot tell phase i from phase i + 2.
+#
+# `stage4_bwd_kernel/persistent_protocol.py` models the roles as Python generators over the kernel's
+# mbarriers (phases, parities, arrival counts) and named barriers (thread counts), and runs them under
+# random schedules and random item lists. It checks that nothing deadlocks, no named barrier is left
+# half-filled at exit, no slot is overwritten before its readers read it, and no mbarrier phase completes
+# without anyone waiting for it before the next one starts (compute-sanitizer's synccheck calls that a
+# "Missing wait"). Below: the kernel's protocol passes, and three bugs planted in it are caught. The
+# first two were real: a review found the producer waiting for item i - 2's readers (the parity of i - 2
+# is the parity of i: a hang), and synccheck on an H200 found item 0's phase never waited for.
+
+# %%
+from stage4_bwd_kernel import persistent_protocol as proto
+
+print(f"the kernel's hand-offs: {proto.check(200, seed=5)} random item lists x dQ buffers (1, 2) x dS^T "
+      "buffers (1, 2), each under a random schedule: no failure")
+planted = {
+    "wait for item i - 2's readers (parity aliasing)": dict(wait_parity_lag=2, missing_waits=True),
+    "item 1 published without waiting for item 0's readers": dict(first_items_wait=2),
+    "consumers' end-of-CTA dQ syncs dropped": dict(end_syncs=False),
+}
+for what, plant in planted.items():
+    try:
+        proto.check(200, seed=5, **plant)
+        raise AssertionError(f"{what}: not caught")
+    except proto.ProtocolError as err:
+        print(f"- {what}:\n    {str(err)[:110]}")
+
+# %% [markdown]
+# What the model cannot see: the compiled code. compute-sanitizer's racecheck also reported a
+# write-after-read hazard on the item ring that no schedule of the model has. The SASS explained it: the
+# writer's read of record 0 (five 32-bit words) compiled to a 16-byte `LDS.128` that started one word
+# early, on the item ring's second slot, which the producer stores when it publishes item 1. The value
+# was thrown away, but the read raced the store. The fix is in the layout, not the protocol: each ring
+# slot now owns its 16-byte chunks (a record is 8 words), so a vector load stays inside its slot.
+
+# %% [markdown]
 # ## Wide head dims: when dK and dV do not fit the registers
 # The production kernel keeps each consumer warpgroup's 64 keys of dK and dV in registers for the whole
 # walk: `64 d / 128 + 64 dv / 128` floats a thread, beside S^T, dP^T and the 16-bit P^T. At (192, 128)
