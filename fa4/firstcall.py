@@ -161,8 +161,9 @@ def _first_calls(cfg: dict, steps: list, probes: _Probes, backend, gpu: bool, qk
                                                     seqlen_k=cfg["seqlen"]))
     if cfg["backward"]:
         bwd = backend.backward_module()
-        # what a call of this length launches (the Hopper backward's main kernel depends on it)
-        phase("first backward", lambda: bwd.compile_launchable(cfg["dtype"], d, dv, causal, seqlen_k=cfg["seqlen"]))
+        # what a call of this length and GQA group launches (the Hopper backward's main kernel depends on it)
+        phase("first backward", lambda: bwd.compile_launchable(cfg["dtype"], d, dv, causal, seqlen_k=cfg["seqlen"],
+                                                               group=cfg["heads_q"] // cfg["heads_kv"]))
 
 
 def child(cfg: dict, steps: list, t_start: float):

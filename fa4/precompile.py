@@ -560,7 +560,8 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
     if backend.LAUNCHABLE_BUILDS:
         # built, not run: what long non-causal calls add (the Hopper forward's split_tail kernels), and
         # every backward main kernel (the short calls above may have run the persistent one)
-        bwd_mod = backend.backward_module() if has_bwd else None
+        bwd_mod = backend.backward_module() if has_bwd and any(has_backward(arch, d, dv) for _, d, dv, _ in cfgs) \
+            else None
         for dt, d, dv, c in cfgs:
             if not c:
                 tasks.append(("fwd long", (dt, d, dv, c), functools.partial(

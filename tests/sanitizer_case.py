@@ -20,7 +20,7 @@ CASES = {
     "fwd-d192x128-causal": (192, 128, True, False),
     "fwd-d256-causal": (256, 256, True, False),
     "bwd-d64-causal": (64, 64, True, True),
-    "bwd-d128-causal": (128, 128, True, True),
+    "bwd-d128-causal": (128, 128, True, True),      # attention_backward: persistent here (300 x 2 <= 2048)
     "bwd-d128-deterministic": (128, 128, True, "deterministic"),
     "bwd-d128-persistent": (128, 128, True, "persistent"),  # options.persistent: one CTA per SM (5 here)
     "bwd-d128-per-tile": (128, 128, True, "per-tile"),      # one CTA per K/V tile (the default past 2k keys)

@@ -2,7 +2,8 @@
 one CTA per SM takes K/V tiles from a counter.
 
 cpu tier: no configuration's options build it; attention_backward picks it per call where it measured
-faster (``persistent_pays``: d = 128 walks of at most 2k keys, (128, 64) ones of 1k); the
+faster (``persistent_pays``: d = 128 calls of at most 2k keys, (128, 64) ones of 1k, queries x GQA
+group within the same limit); the
 option is refused where the kernel has no persistent path, naming it.
 
 compile tier (sm_90a, fake tensors): d = 128, 96 and (128, 64) persistent builds (causal or not,

@@ -700,8 +700,9 @@ else:
 # set-up, the wait for its first K, V, Q and dO, and a dK / dV epilogue with nothing else in flight.
 # `stage4_bwd_kernel/hopper/persistent.py` keeps one CTA per SM instead; each takes the next K/V tile
 # (an "item") from a global counter, so the next item's loads run under the current epilogue.
-# `attention_backward` takes it for d = 128 calls of at most 2k keys and (128, 64) calls of at most 1k,
-# where it measured faster on an H200 (`backward.persistent_pays`).
+# `attention_backward` takes it for d = 128 calls of at most 2k keys and (128, 64) calls of at most 1k
+# (queries x GQA group within the same limit), where it measured faster on an H200
+# (`backward.persistent_pays`).
 #
 # The price is the hand-offs. Four roles share the CTA: the producer warp (TMA loads), the dQ writer warp
 # and two consumer warpgroups. The producer publishes each item's index in a two-slot ring that every

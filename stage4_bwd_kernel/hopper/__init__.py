@@ -77,12 +77,12 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
 
 
 def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
-                       has_seqused_k=False, window_size=(None, None), softcap=0.0, seqlen_k=None) -> list:
+                       has_seqused_k=False, window_size=(None, None), softcap=0.0, seqlen_k=None, group=1) -> list:
     """What ``attention_backward`` (varlen=True: ``attention_varlen_backward``) launches for this
     configuration -- the preprocess, the main kernel, the postprocess -- compiled without a GPU under
-    the GPU path's cache keys (TVM-FFI, fake tensors). seqlen_k: the query and key count of a call
-    without GQA, which picks the persistent main kernel or not (``persistent_pays``); None: every main
-    kernel some call picks. Returns their Compiled records: preprocess, main, postprocess, then any other main.
+    the GPU path's cache keys (TVM-FFI, fake tensors). seqlen_k: the query and key count of a call and
+    group its GQA group (query heads a KV head), which pick the persistent main kernel or not
+    (``persistent_pays``); seqlen_k None: every main kernel some call picks. Returns their Compiled records: preprocess, main, postprocess, then any other main.
     With fa4's disk cache installed this fills it on a CPU machine (python -m fa4 precompile)."""
     from stage4_bwd_kernel import common, host
 
@@ -91,8 +91,8 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     lengths = [seqlen_k] if seqlen_k is not None else [1 << 30, 1]
     builds = []
     for length in lengths:
-        build = (with_options(persistent=True) if _product.persistent_pays(head_dim, head_dim_v, deterministic,
-                                                                           length, length) else (STEP, make_kernel))
+        build = (with_options(persistent=True) if _product.persistent_pays(
+            head_dim, head_dim_v, deterministic, length, length, group) else (STEP, make_kernel))
         if build[0] not in [b[0] for b in builds]:
             builds.append(build)
     # the kernel's constructor checks the head dims (ValueError) before anything compiles
