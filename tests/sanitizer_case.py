@@ -55,7 +55,7 @@ def run_case(name: str):
         if name == "varlen-d128-per-tile":
             from stage4_bwd_kernel import host
 
-            host.backward(*bwd.with_options(persistent=False), q, k, v, out, dout, lse, cu_seqlens_q=cu_q,
+            host.backward(bwd.STEP, bwd.make_kernel, q, k, v, out, dout, lse, cu_seqlens_q=cu_q,
                           cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), causal=True)
         else:
             bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=True)
@@ -71,7 +71,7 @@ def run_case(name: str):
     elif backward == "per-tile":
         from stage4_bwd_kernel import host
 
-        host.backward(*bwd.with_options(persistent=False), q, k, v, out, torch.randn_like(out), lse, causal=causal)
+        host.backward(bwd.STEP, bwd.make_kernel, q, k, v, out, torch.randn_like(out), lse, causal=causal)
     elif backward:
         dout = torch.randn_like(out)
         bwd.attention_backward(q, k, v, out, dout, lse, causal=causal,

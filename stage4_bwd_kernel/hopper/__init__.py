@@ -25,6 +25,8 @@ a CTA, dK^T / dV^T; ``wide.py``: 64 keys), whose accumulators would not fit thos
 """
 from __future__ import annotations
 
+import functools
+
 from stage4_bwd_kernel.hopper import backward as _product
 from stage4_bwd_kernel.hopper.backward import STEP, make_kernel, with_options
 from stage4_bwd_kernel.hopper.kernel import FlashAttentionBackwardSm90
@@ -82,19 +84,17 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     configuration -- the preprocess, the main kernel, the postprocess -- compiled without a GPU under
     the GPU path's cache keys (TVM-FFI, fake tensors). seqlen_k: the query and key count of a call and
     group its GQA group (query heads a KV head), which pick the persistent main kernel or not
-    (``persistent_pays``); seqlen_k None: every main kernel some call picks. Returns their Compiled records: preprocess, main, postprocess, then any other main.
-    With fa4's disk cache installed this fills it on a CPU machine (python -m fa4 precompile)."""
+    (``persistent_pays``); seqlen_k None: every main kernel some call picks. Returns their Compiled
+    records: preprocess, main, postprocess, then any other main. With fa4's disk cache installed this
+    fills it on a CPU machine (python -m fa4 precompile)."""
     from stage4_bwd_kernel import common, host
 
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    # a length past every limit first: the one-per-tile kernel leads, as before the persistent one existed
-    lengths = [seqlen_k] if seqlen_k is not None else [1 << 30, 1]
-    builds = []
-    for length in lengths:
-        build = (with_options(persistent=True) if _product.persistent_pays(
-            head_dim, head_dim_v, deterministic, length, length, group) else (STEP, make_kernel))
-        if build[0] not in [b[0] for b in builds]:
-            builds.append(build)
+    pays = functools.partial(_product.persistent_pays, head_dim, head_dim_v, deterministic)
+    if seqlen_k is not None:
+        builds = [_product.PERSISTENT if pays(seqlen_k, seqlen_k, group) else (STEP, make_kernel)]
+    else:  # the one-per-tile kernel leads (the records' order before the persistent one existed)
+        builds = [(STEP, make_kernel)] + ([_product.PERSISTENT] if pays(1, 1) else [])
     # the kernel's constructor checks the head dims (ValueError) before anything compiles
     mains = [host.compile_main(step, make, common.cutlass_dtype(dtype), head_dim, head_dim_v, causal,
                                deterministic, varlen=varlen, has_seqused_k=has_seqused_k,

@@ -48,6 +48,8 @@ class Walk(NamedTuple):
 class WalkPlan:
     """Walk methods of the kernel class (they read tile_m, tile_n, causal, varlen, dq_order)."""
 
+    q_shift = False  # the Hopper kernel sets its option (kernel.py); the Blackwell kernels have none
+
     @cute.jit
     def tile_bounds(self, num_n_blocks: Int32, total_q: Int32, total_k: Int32, mCuSeqlensQ: cute.Tensor,
                     mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor):
@@ -79,7 +81,7 @@ class WalkPlan:
         seqlen_k = seqlen_k_rows
         if const_expr(self.has_seqused_k):
             seqlen_k = cutlass.min(mSeqUsedK[batch], seqlen_k_rows)
-        if const_expr(getattr(self, "q_shift", False)):  # the Blackwell kernels, which share this, have none
+        if const_expr(self.q_shift):
             pad = self.top_padding(seqlen_q)
             offset_q, seqlen_q = offset_q - pad, seqlen_q + pad
         return SeqBounds(n_block, head_kv, batch, bidx, offset_q, offset_k, seqlen_q, seqlen_k_rows, seqlen_k)
