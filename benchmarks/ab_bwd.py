@@ -53,7 +53,7 @@ def make_variant(spec: str):
     try:
         options = {k: int(v) for k, v in (o.split("=") for o in option_specs)}
     except ValueError:
-        raise SystemExit(f"--variants: keyword arguments in {spec!r} must read ~name=int, e.g. ~late_dv=1") from None
+        raise SystemExit(f"--variants: keyword arguments in {spec!r} must read ~name=int, e.g. ~dq_buffers=1") from None
     rest, _, order_name = rest.partition(":")
     step, _, tiles = rest.partition("@")
     module = STEPS.get(step, step if "." in step else None)  # a name of STEPS, or a module path (e.g. a copy)

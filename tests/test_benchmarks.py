@@ -137,15 +137,15 @@ def test_ab_bwd_variant_specs_parse_and_bad_ones_name_what_is_expected():
     with pytest.raises(SystemExit, match="unknown dQ order 'sideways'.*kv_ascending"):
         ab_bwd.make_variant("step1:sideways")
     with pytest.raises(SystemExit, match="must read ~name=int"):
-        ab_bwd.make_variant("step1~late_dv")
-    with pytest.raises(SystemExit, match="step1's attention_backward takes no late_dv"):
-        ab_bwd.make_variant("step1~late_dv=1")
+        ab_bwd.make_variant("step1~key_select")
+    with pytest.raises(SystemExit, match="step1's attention_backward takes no key_select"):
+        ab_bwd.make_variant("step1~key_select=1")
     with pytest.raises(SystemExit, match="production's attention_backward takes no tiles"):
         ab_bwd.make_variant("production@64x128")
     # the production kernel's BackwardOptions, built under their own compile key
     assert ab_bwd.option_fields(ab_bwd.importlib.import_module("stage4_bwd_kernel.hopper"))["persistent"] is bool
     assert callable(ab_bwd.make_variant("production~persistent=1"))
-    assert callable(ab_bwd.make_variant("production:kv_ascending~late_dv=0+det"))
+    assert callable(ab_bwd.make_variant("production:kv_ascending~key_select=0+det"))
     with pytest.raises(SystemExit, match="production's attention_backward takes no no_such"):
         ab_bwd.make_variant("production~no_such=1")
 

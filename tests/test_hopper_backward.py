@@ -44,15 +44,16 @@ def test_tiles_follow_the_head_dims():
     assert mod.default_tiles(64, 64) == (128, 128)
     assert mod.default_tiles(128, 64) == (80, 128)  # d = 128's tile: dV's 32 registers fewer leave room
     k64, k96 = mod.make_kernel(None, 64, 64, False, False), mod.make_kernel(None, 96, 96, False, False)
-    assert (k64.late_dv, k64.dq_split_m, k64.dq_swap_ab) == (True, True, False)
-    assert (k96.late_dv, k96.dq_split_m, k96.dq_swap_ab, k96.dq_buffers) == (False, False, False, 2)
-    # 80 x 128 (d = 128): dQ^T = K^T dS^T, dV after dS, one dQ buffer (two would need 264 KB of SMEM)
+    assert (k64.dq_split_m, k64.dq_swap_ab) == (True, False)
+    assert (k96.dq_split_m, k96.dq_swap_ab, k96.dq_buffers) == (False, False, 1)  # one dQ buffer measured faster
+    # 80 x 128 (d = 128): dQ^T = K^T dS^T, one dQ buffer (two would need 264 KB of SMEM)
     k80 = mod.make_kernel(None, 128, 128, False, False, tiles=(80, 128))
-    assert (k80.tile_m, k80.dq_swap_ab, k80.late_dv, k80.dq_buffers) == (80, True, True, 1)
+    assert (k80.tile_m, k80.dq_swap_ab, k80.dq_buffers) == (80, True, 1)
     with pytest.raises(ValueError, match="tiles: the Hopper backward runs"):
         mod.make_kernel(None, 128, 128, False, False, tiles=(64, 128))
-    with pytest.raises(TypeError, match="decoupled: not an option"):  # options measured and not kept are gone
-        mod.make_kernel(None, 128, 128, False, False, decoupled=False)
+    for gone in ("decoupled", "late_dv"):  # options measured and not kept are gone
+        with pytest.raises(TypeError, match=f"{gone}: not an option"):
+            mod.make_kernel(None, 128, 128, False, False, **{gone: False})
 
 
 @pytest.mark.cpu
@@ -144,17 +145,16 @@ def test_a_build_with_serialized_wgmmas_warns():
 @pytest.mark.cpu
 def test_buffer_defaults_fit_shared_memory():
     """Two dS^T buffers below the 128-query tile (then the "sdSt free" barriers go),
-    dQ buffers from what is left of the 227 KB; options that cannot work are refused."""
+    dQ buffers from what is left of the 227 KB (d = 96: one, measured faster, two in deterministic mode for
+    its two writer warps); options that cannot work are refused."""
     mod = _mod()
-    expect = {(64, 64): (1, 2), (96, 96): (2, 2), (128, 128): (2, 1)}  # (dS^T buffers, dQ buffers)
+    expect = {(64, 64): (1, 2), (96, 96): (2, 1), (128, 128): (2, 1)}  # (dS^T buffers, dQ buffers)
     for (d, dv), (ds, dq) in expect.items():
         kernel = mod.make_kernel(None, d, dv, False, False)
         assert (kernel.ds_buffers, kernel.dq_buffers) == (ds, dq), (d, kernel.ds_buffers)
         assert kernel._smem_need(kernel.ds_buffers, kernel.dq_buffers) <= 227 * 1024
     assert mod.make_kernel(None, 128, 128, False, False, ds_buffers=1).dq_buffers == 1
-    # dV issued after dS^T: always on the 80- and 128-query tiles (registers), causal only at 64 (measured)
-    assert [mod.make_kernel(None, 96, 96, c, False).late_dv for c in (False, True)] == [False, True]
-    assert mod.make_kernel(None, 128, 128, False, False).late_dv and mod.make_kernel(None, 64, 64, False, False).late_dv
+    assert mod.make_kernel(None, 96, 96, True, True).dq_buffers == 2  # deterministic: a buffer per writer warp
     with pytest.raises(ValueError, match="ds_buffers: expected 1 or 2"):
         mod.make_kernel(None, 128, 128, False, False, ds_buffers=3)
     with pytest.raises(ValueError, match="dq_writers: expected 1 or 2"):
@@ -246,7 +246,7 @@ def _tile_bodies(sass, hgmma_per_tile):
 @pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_dv_is_issued_ahead_of_the_ds_fence(causal):
-    """late_dv, read in the SASS of the d = 64 hot loop: after the dP^T wait, the dV wgmma's 8 HGMMAs
+    """dV after dS^T, read in the SASS of the d = 64 hot loop: after the dP^T wait, the dV wgmma's 8 HGMMAs
     come before the proxy fence that publishes dS^T (MEMBAR), as in the official kernel's loop, so dV
     does not wait for the 32 dS^T stores to land."""
     from stage4_bwd_kernel import common
@@ -395,8 +395,8 @@ def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert "C7508" not in log and "C7510" not in log, log
     assert rep["wgmma_serialized"] == [], log  # any wgmma serialization (C7510, C7520, ...), wrapped or not
     kernel = mod.make_kernel(None, d, dv, causal, det)
-    # one full wait per body (dK, at the end); with dV issued after dS (late_dv) also the wait for dP^T
-    full_waits = BODY_COPIES * (2 if kernel.late_dv else 1)
+    # two full waits per body: dP^T (dV is issued after dS^T) and dK, at the end
+    full_waits = BODY_COPIES * 2
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= full_waits, "a wgmma waited right after issue"
     assert rep["threads"] == 384 and rep["UTMALDG"] and rep["LDGSTS"] == 0
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx

@@ -118,7 +118,7 @@ def test_the_persistent_build_is_picked_per_call(d, dv, det, sq, sk, hq, hkv, ex
 @pytest.mark.cpu
 @pytest.mark.parametrize("d,dv,causal,det,override", [
     (128, 128, True, True, {}), (64, 64, True, False, {}), (256, 256, False, False, {}),
-    (128, 128, False, False, {"dq_frag": False}), (96, 96, False, False, {"dq_writers": 2}),
+    (128, 128, False, False, {"dq_frag": False}), (96, 96, False, False, {"dq_writers": 2, "dq_buffers": 2}),
     (128, 128, False, False, {"ds_buffers": 1})],
     ids=["deterministic", "kv_with_first", "wide", "row-order-dq", "two-writers", "staging-too-small"])
 def test_persistent_is_refused_where_it_has_no_path(d, dv, causal, det, override):

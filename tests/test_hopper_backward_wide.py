@@ -78,7 +78,7 @@ def test_wide_pairs_take_the_wide_design():
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("override,name", [(dict(stats_shuffle=True), "stats_shuffle"), (dict(late_dv=True), "late_dv"),
+@pytest.mark.parametrize("override,name", [(dict(stats_shuffle=True), "stats_shuffle"), (dict(q_shift=True), "q_shift"),
                                            (dict(ds_buffers=2), "ds_buffers"), (dict(kv_with_first=True), "kv_with_first"),
                                            (dict(dq_atomic=False), "shared memory")])
 def test_options_the_wide_body_has_no_path_for_are_refused(override, name):

@@ -12,13 +12,14 @@ SMEM: 3328). Registers per consumer thread: dK d/2 + dV dv/2 + S^T 32 + dP^T 32 
 that is 208 of the 240 ``setmaxnreg`` gives a consumer.
 
 Per tile t, wgmma groups committed in this order:
-    S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; [dV += P^T dO (RS)] ; wait dP^T ; dS^T
-    dS^T -> sdSt ; (dV, late_dv) ; proxy fence ; B2 ; dQ = dS K (SS) ; dK += dS^T Q (RS)
+    S^T (SS) ; dP^T (SS) ; wait S^T ; P^T ; wait dP^T ; dS^T
+    dS^T -> sdSt ; dV += P^T dO (RS) ; proxy fence ; B2 ; dQ = dS K (SS) ; dK += dS^T Q (RS)
     wait all but dK ; release dO_i ; dQ -> sdQ[t % buffers] ; arrive "dQ full" ; wait dK ; release Q_i
 
-* ``late_dv`` (the 80- and 128-query tiles, and causal at 64): dV is issued after dS^T is formed, so the
-  fp32 P^T, its 16-bit copy and dP^T are never all live (the register peak), and before the proxy fence
-  that publishes the dS^T stores: dV reads registers and dO, only the dQ wgmma after B2 reads sdSt.
+* dV is issued after dS^T is formed, so the fp32 P^T, its 16-bit copy and dP^T are never all live (the
+  register peak), and before the proxy fence that publishes the dS^T stores: dV reads registers and dO,
+  only the dQ wgmma after B2 reads sdSt. (dV issued right after P^T, overlapping dS^T, measured 4-7%
+  slower at d = 96 on an H200, the last tile that used it: log 2026-12-01.)
 * dQ goes before dK so that its hand-off to the writer warp runs under dK's wgmma; dO_i's stage is
   released as soon as dP^T and dV have read it.
 * dS^T buffers (``ds_buffers``): with two, a warpgroup stores tile t's dS^T after B2 of tile t - 1, which
@@ -234,16 +235,12 @@ class Consumer:
         warpgroup.wait_group(1)
         acc_S_rc, tanh_from_p = self.tile_exp(o, acc_S, walk, m_block, q_rows_left, sLSE2_t, lse2_quad,
                                               softmax_scale_log2, masked, score_scale)
-        # P^T -> 16-bit A fragment of dV (the accumulator's register order), dV += P^T dO
+        # P^T's 16-bit A fragment of dV (the accumulator's register order), packed in form_ds
         tdVrPt = cute.make_rmem_tensor(o.thr_dV.partition_shape_A((tn, tm)), self.dtype)
         tdVrPt_acc = cute.make_tensor(tdVrPt.iterator, cute.make_layout(acc_S.shape))
-        if const_expr(not self.late_dv):
-            tdVrPt_acc.store(acc_S.load().to(self.dtype))
-            warpgroup.fence()
-            gemm_issue(mmas.dV, o.acc_dV, tdVrPt, o.tdVrdOt[None, None, None, st.index], zero_init=False)
 
         # dS^T = P^T * (dP^T - D) -> 16-bit A fragment of dK, and -> sdSt for dQ
-        warpgroup.wait_group(0 if const_expr(self.late_dv) else 1)  # dP^T (an early dV may still run)
+        warpgroup.wait_group(0)  # dP^T
         tdKrdSt = self.form_ds(o, acc_S, acc_S_rc, acc_dP, sD_t, tdVrPt_acc, tanh_from_p)
         ds_buf = t % self.ds_buffers
         if const_expr(self.ds_buffers == 1):
@@ -252,12 +249,9 @@ class Consumer:
                 cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
         tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
         cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(tdSrdS), o.tdSsdSt[None, None, None, ds_buf])
-        if const_expr(not self.late_dv):
-            cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
-        if const_expr(self.late_dv):
-            warpgroup.fence()
-            gemm_issue(mmas.dV, o.acc_dV, tdVrPt, o.tdVrdOt[None, None, None, st.index], zero_init=False)
-            cute.arch.fence_proxy("async.shared", space="cta")
+        warpgroup.fence()
+        gemm_issue(mmas.dV, o.acc_dV, tdVrPt, o.tdVrdOt[None, None, None, st.index], zero_init=False)  # dV += P^T dO
+        cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)  # B2
 
         # dQ_i = dS K_j (this warpgroup's share), then dK += dS^T Q_i
@@ -312,11 +306,10 @@ class Consumer:
     def form_ds(self, o: ConsumerOperands, acc_S: cute.Tensor, acc_S_rc: cute.Tensor, acc_dP: cute.Tensor,
                 sD_t: cute.Tensor, tdVrPt_acc: cute.Tensor, tanh_from_p=None):
         """dS^T = P^T * (dP^T - D) in acc_dP (softcap: times the tanh's derivative, from P^T), then its
-        16-bit copy (the A fragment of dK, returned); with late_dv, P^T is packed for dV only now."""
+        16-bit copy (the A fragment of dK, returned); P^T is packed for dV only now."""
         self.ds_in_place(o, acc_S_rc, acc_dP, sD_t, tanh_from_p)
-        if const_expr(self.late_dv):
-            # P^T packed only now: the fp32 P^T, the 16-bit copy and dP^T are never all live
-            tdVrPt_acc.store(acc_S.load().to(self.dtype))
+        # P^T packed only now: the fp32 P^T, the 16-bit copy and dP^T are never all live
+        tdVrPt_acc.store(acc_S.load().to(self.dtype))
         tdKrdSt = cute.make_rmem_tensor(o.thr_dK.partition_shape_A((self.tile_n, self.tile_m)), self.dtype)
         tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
         tdSrdS.store(acc_dP.load().to(self.dtype))
