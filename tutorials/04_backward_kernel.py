@@ -932,6 +932,36 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## One schedule, two GPUs: where dV goes
+# The tile body has a choice about dV += P^T dO. Issued right after P^T is formed, the dV wgmma
+# overlaps the dS^T arithmetic; issued after dS^T, the fp32 P^T, its 16-bit copy and dP^T are never
+# all live, so the register peak is lower. The 80- and 128-query tiles need the lower peak (their
+# accumulators leave no room), so only d = 96's 64-query tile had a real choice, and on an H100 the
+# early dV won (the later order lost 2-6% non-causal). Re-timed on an H200 with today's kernel, the
+# order reverses at every length, in deterministic mode too; the early order is gone from the code.
+# The JSON is the paired-rounds run the decision rests on (official time / ours per round, median):
+
+# %%
+dv_doc = json.loads((RESULTS / "ab_bwd_h200_d96_late_dv_noncausal.json").read_text())
+dv_rows = {(r["impl"], r["seqlen"]): r["ratio_median"] for r in dv_doc["results"]}
+dv_lens = sorted({s for _, s in dv_rows})
+dv_builds = {"production": "dV right after P^T", "production~late_dv=1": "dV after dS^T",
+             "production+det": "deterministic, dV right after P^T", "production~late_dv=1+det": "deterministic, dV after dS^T"}
+fig, ax = plt.subplots(figsize=(7, 3.2))
+for impl, name in dv_builds.items():
+    ax.plot(dv_lens, [dv_rows[(impl, s)] for s in dv_lens], "o-" if "det" not in impl else "s--", label=name, ms=4)
+ax.axhline(1.0, color="k", lw=0.8)
+ax.set_xscale("log", base=2)
+ax.set_xticks(dv_lens, [f"{s // 1024}k" for s in dv_lens])
+ax.set(xlabel="sequence length (32k tokens a batch)", ylabel="official time / ours",
+       title=f"d = 96, non-causal, {dv_doc['device']}")
+ax.legend(fontsize=8)
+plt.tight_layout()
+plt.show()
+gain = [dv_rows[("production~late_dv=1", s)] / dv_rows[("production", s)] - 1 for s in dv_lens]
+print("dV after dS^T against dV right after P^T: " + ", ".join(f"{s // 1024}k {g:+.1%}" for s, g in zip(dv_lens, gain)))
+
+# %% [markdown]
 # ## Exercise
 # Use the paper's 1-CTA model at head dim `d = 64` (M = N = 128): predict the MMA cycles, the four
 # shared-memory terms and their total, and whether the backward is more or less SMEM-bound than at
