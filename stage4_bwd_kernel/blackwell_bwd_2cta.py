@@ -100,7 +100,45 @@ STAGED = ("q_full", "q_empty", "do_full", "do_empty", "qt_full", "qt_empty", "do
 CLUSTER_SCOPE = nvvm.MemScopeKind.CLUSTER
 
 
-class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
+class PairGeometry:
+    """Where a CTA's share of the pair's operands lies: the five CTA-pair tiled MMAs, the dQ MMA's dS
+    operand and its columns, the exchange's landing offset, and the dQ drain's rows and columns (host
+    and device code of the 2-CTA kernel read them; blackwell_2cta_check rebuilds the MMAs)."""
+
+    def pair_mmas(self):
+        """The five CTA-pair tiled MMAs: S^T, dP^T, dV, dK, dQ (blackwell_2cta_check rebuilds them)."""
+        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        two, dt, m2 = tcgen05.CtaGroup.TWO, self.dtype, PAIR * self.tn
+        d, dv, tm = self.d, self.dv, self.tm
+        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, two, (m2, tm))
+        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, two, (m2, tm))
+        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, two, (m2, dv), tcgen05.OperandSource.TMEM)
+        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, two, (m2, d), tcgen05.OperandSource.TMEM)
+        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, two, (tm, d))
+        return mma_s, mma_dp, mma_dv, mma_dk, mma_dq
+
+    def sds_layout(self, mma_dq):
+        """sdS, the dQ MMA's A operand in one CTA: 64 query rows x the pair's 256 keys."""
+        return sm100_utils.make_smem_layout_a(mma_dq, (self.tm, self.d, PAIR * self.tn), self.dtype, 1)
+
+    def ds_column(self, t, key):
+        """Column `key` (0..255) of an sdS-shaped tensor: the 64 query rows of one key."""
+        return t[((None, key % 16), 0, key // 16, 0)]
+
+    def xchg_dst_offset(self, rank):
+        """Where CTA `rank`'s sXchg lands in the peer's sdS: key column 128 x rank, in elements."""
+        return rank * (self.xchg_bytes // 2)
+
+    def dq_row(self, rank, tidx, m_block):
+        """Global query row that dQ drain thread `tidx` (TMEM lane tidx) of CTA `rank` adds."""
+        return m_block * self.tm + rank * (self.tm // 2) + tidx % (self.tm // 2)
+
+    def dq_col0(self, tidx):
+        """First head-dim column of drain thread `tidx` (lanes 64..127 hold the upper half)."""
+        return (tidx // (self.tm // 2)) * (self.d // 2)
+
+
+class FlashAttentionBackwardSm100TwoCta(PairGeometry, FlashAttentionBackwardSm100):
     """The 2-CTA backward for one 2-CTA BlackwellBwdConfig (blackwell_bwd_2cta_config). Reuses the
     1-CTA kernel's elementwise helpers (stats, exp2 row, 16-bit TMEM stores, dK/dV epilogue) and gemm."""
 
@@ -199,38 +237,6 @@ class FlashAttentionBackwardSm100TwoCta(FlashAttentionBackwardSm100):
                     sdS_layout, tP_layout, tdS_layout,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], cluster=(PAIR, 1, 1), stream=stream,
                              min_blocks_per_mp=1)
-
-    def pair_mmas(self):
-        """The five CTA-pair tiled MMAs: S^T, dP^T, dV, dK, dQ (blackwell_2cta_check rebuilds them)."""
-        K_, MN_ = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        two, dt, m2 = tcgen05.CtaGroup.TWO, self.dtype, PAIR * self.tn
-        d, dv, tm = self.d, self.dv, self.tm
-        mma_s = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, two, (m2, tm))
-        mma_dp = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, K_, Float32, two, (m2, tm))
-        mma_dv = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, two, (m2, dv), tcgen05.OperandSource.TMEM)
-        mma_dk = sm100_utils.make_trivial_tiled_mma(dt, dt, K_, MN_, Float32, two, (m2, d), tcgen05.OperandSource.TMEM)
-        mma_dq = sm100_utils.make_trivial_tiled_mma(dt, dt, MN_, MN_, Float32, two, (tm, d))
-        return mma_s, mma_dp, mma_dv, mma_dk, mma_dq
-
-    def sds_layout(self, mma_dq):
-        """sdS, the dQ MMA's A operand in one CTA: 64 query rows x the pair's 256 keys."""
-        return sm100_utils.make_smem_layout_a(mma_dq, (self.tm, self.d, PAIR * self.tn), self.dtype, 1)
-
-    def ds_column(self, t, key):
-        """Column `key` (0..255) of an sdS-shaped tensor: the 64 query rows of one key."""
-        return t[((None, key % 16), 0, key // 16, 0)]
-
-    def xchg_dst_offset(self, rank):
-        """Where CTA `rank`'s sXchg lands in the peer's sdS: key column 128 x rank, in elements."""
-        return rank * (self.xchg_bytes // 2)
-
-    def dq_row(self, rank, tidx, m_block):
-        """Global query row that dQ drain thread `tidx` (TMEM lane tidx) of CTA `rank` adds."""
-        return m_block * self.tm + rank * (self.tm // 2) + tidx % (self.tm // 2)
-
-    def dq_col0(self, tidx):
-        """First head-dim column of drain thread `tidx` (lanes 64..127 hold the upper half)."""
-        return (tidx // (self.tm // 2)) * (self.d // 2)
 
     # ------------------------------------------------------------------ device side
     def _bar(self, mbar, name, i=0):
