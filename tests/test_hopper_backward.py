@@ -244,15 +244,18 @@ def _tile_bodies(sass, hgmma_per_tile):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_dv_is_issued_ahead_of_the_ds_fence(causal):
-    """dV after dS^T, read in the SASS of the d = 64 hot loop: after the dP^T wait, the dV wgmma's 8 HGMMAs
-    come before the proxy fence that publishes dS^T (MEMBAR), as in the official kernel's loop, so dV
-    does not wait for the 32 dS^T stores to land."""
+@pytest.mark.parametrize("d,causal,hgmma,dv_hgmma", [(64, False, 32, 8), (64, True, 32, 8), (96, False, 28, 4)],
+                         ids=["d64-full", "d64-causal", "d96-full"])
+def test_dv_is_issued_ahead_of_the_ds_fence(d, causal, hgmma, dv_hgmma):
+    """dV after dS^T, read in the SASS of the hot loop: after the dP^T wait, the dV wgmma's HGMMAs come
+    before the proxy fence that publishes dS^T (MEMBAR), as in the official kernel's loop, so dV does
+    not wait for the dS^T stores to land -- in every tile body, d = 96's 64-query tile included (it
+    issued dV right after P^T until 2026-12-01)."""
     from stage4_bwd_kernel import common
 
-    comp = _mod().compile_only(head_dim=64, causal=causal)
-    assert common.wgmmas_before_fence(_tile_bodies(comp.sass, 32)[0]) == 8
+    comp = _mod().compile_only(head_dim=d, causal=causal)
+    bodies = _tile_bodies(comp.sass, hgmma)
+    assert len(bodies) == 3 and all(common.wgmmas_before_fence(b) == dv_hgmma for b in bodies)
     assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == []
 
 
@@ -369,9 +372,9 @@ def _expected_hgmma(d, dv, tm, tn, dq_split_m=False, dq_swap_ab=False):
     return d // 16 + dv // 16 + 2 * (tm // 16) + (dq_rows // 64) * (tn // 16)
 
 
-# (dtype, d, dv, causal, deterministic, varlen, seqused_k): 10 compiles, ~2-4 s each on 2 cores
+# (dtype, d, dv, causal, deterministic, varlen, seqused_k): 11 compiles, ~2-4 s each on 2 cores
 COMPILE_CASES = [("bf16", 64, 64, False, False, False, False), ("bf16", 64, 64, True, False, False, False),
-                 ("fp16", 64, 64, True, True, False, False),
+                 ("fp16", 64, 64, True, True, False, False), ("bf16", 96, 96, False, False, False, False),
                  ("bf16", 96, 96, True, False, False, False), ("fp16", 96, 96, False, True, False, False),
                  ("bf16", 128, 128, False, False, False, False), ("bf16", 128, 128, True, False, False, False),
                  ("bf16", 128, 128, True, True, False, False),

@@ -97,7 +97,7 @@ def smem_need(tile_m: int, tile_n: int, head_dim: int, head_dim_v: int, ds_buffe
     buffers, + 2 KB for the mbarriers and the row statistics' ring.
 
         d = 64  (128 x 128): 16 + 16 + 2 * 32 + 1 * 32 + 2 * 32 = 192 KB
-        d = 96  (64 x 128):  24 + 24 + 2 * 24 + 2 * 16 + 2 * 24 = 176 KB
+        d = 96  (64 x 128):  24 + 24 + 2 * 24 + 2 * 16 + 1 * 24 = 152 KB  (deterministic, two dQ buffers: 176)
         d = 128 (80 x 128):  32 + 32 + 2 * 40 + 2 * 20 + 1 * 40 = 224 KB  (two dQ buffers: 264)
         (192, 128) (64 x 96): 36 + 24 + 2 * 40 + 12 + 12 + 1 * 48 = 212 KB  (the 64-key design, 64 x 64:
                               24 + 16 + 2 * 40 + 8 + 8 + 1 * 48 = 184 KB, two dQ buffers 232)
@@ -148,7 +148,9 @@ class BackwardOptions:
         dq_buffers = MAX_DQ_BUFFERS
         if smem_need(tm, tn, head_dim, head_dim_v, ds_buffers, MAX_DQ_BUFFERS) > SMEM_BUDGET:
             dq_buffers = 1
-        if tm == 64 and not deterministic:  # d = 96: one buffer measured 0-2% faster on an H200 (log 2026-12-01)
+        # d = 96: one buffer on an H200 (log 2026-12-01) non-causal +0.1..+1.4%, a (1024, 1024) band +1.7..+2.6%,
+        # causal a tie (mean +0.7%); deterministic mode keeps a buffer per writer warp
+        if tm == 64 and not deterministic:
             dq_buffers = 1
         # the TMA tensor reduce measured faster only for the 80-query tile in causal deterministic mode
         dq_frag = not (causal and deterministic and tm == 80)
