@@ -110,14 +110,15 @@ def _issue(acc: cute.Tensor, n: int, ptx_type: str, operands: list, operand_cons
 
 @dsl_user_op
 def wgmma_ss(acc: cute.Tensor, a_desc: Int64, b_desc: Int64, accumulate: bool, n: int, ptx_type: str,
-             *, loc=None, ip=None) -> None:
-    """acc (+)= A B for one k-step of 16, both operands K-major in shared memory (64-bit descriptors);
-    acc the warpgroup's (64, n) fp32 accumulator fragment (n / 2 registers per thread, in the
-    instruction's register order). Issue it between ``warpgroup.fence()`` and ``commit_group()``."""
+             trans_b: bool = False, *, loc=None, ip=None) -> None:
+    """acc (+)= A B for one k-step of 16, both operands in shared memory (64-bit descriptors), A K-major
+    and B K-major (or MN-major with trans_b, as V in P V); acc the warpgroup's (64, n) fp32 accumulator
+    fragment (n / 2 registers per thread, in the instruction's register order). Issue it between
+    ``warpgroup.fence()`` and ``commit_group()``."""
     c = n // 2
     ops = [Int64(a_desc).ir_value(loc=loc, ip=ip), Int64(b_desc).ir_value(loc=loc, ip=ip),
            Int32(1 if accumulate else 0).ir_value(loc=loc, ip=ip)]
-    _issue(acc, n, ptx_type, ops, ["l", "l", "r"], f"${c}, ${c + 1}, p, 1, 1, 0, 0", loc, ip)  # no transposes
+    _issue(acc, n, ptx_type, ops, ["l", "l", "r"], f"${c}, ${c + 1}, p, 1, 1, 0, {int(trans_b)}", loc, ip)
 
 
 @dsl_user_op
@@ -192,11 +193,14 @@ class QKOperands(_Carried):
 class PVOperands(_Carried):
     """O += P V's B operand as a descriptor: V (tn, dv, stages) is read MN-major (contiguous along dv),
     stage 0's descriptor computed once, `stage * stage_step` added per call. The leading byte offset
-    is the distance between dv-chunks of one swizzle width (1 when dv is a single chunk)."""
+    is the distance between dv-chunks of one swizzle width (1 when dv is a single chunk).
+    sP: None (P from registers, the A fragment `gemm` is given) or the warpgroup's (rows, tn) P slab in
+    shared memory, K-major with the swizzle `swizzle_bytes(tn)`: then A is a descriptor too, one per
+    k-step computed once, as Q's in QKOperands."""
 
     _carried = ("v",)
 
-    def __init__(self, sV: cute.Tensor, dtype, dv: int, tn: int):
+    def __init__(self, sV: cute.Tensor, dtype, dv: int, tn: int, sP: cute.Tensor | None = None):
         width = dtype.width
         hi = cute.arch.make_warp_uniform(Int32(desc_hi(swizzle_bytes(dv, width))))
         lo = cute.arch.make_warp_uniform(desc_lo(sV.iterator.toint(), leading_offset(dv, tn, width, True)))
@@ -206,14 +210,25 @@ class PVOperands(_Carried):
         self.ptx_type = ab_type(dtype)
         self.k_off = [desc_offset(sV.layout, (16 * k, 0), width) for k in range(self.k_steps)]
         self.stage_step = desc_offset(sV.layout, (0, 0, 1), width)
+        self.p_smem = sP is not None
+        if self.p_smem:
+            self._carried = ("v", "p")
+            p_lo = desc_lo(sP.iterator.toint())
+            p_hi = cute.arch.make_warp_uniform(Int32(desc_hi(swizzle_bytes(tn, width))))
+            self.p = [desc64(cute.arch.make_warp_uniform(p_lo + desc_offset(sP.layout, (0, 16 * k), width)), p_hi)
+                      for k in range(self.k_steps)]
 
     def gemm(self, acc: cute.Tensor, tOrP: cute.Tensor, stage: Int32) -> None:
         """acc += P V_stage, issued (fence, k-steps, commit); not waited for. tOrP: the 16-bit A fragment
-        ((2, 2, 2), 1, tn / 16)."""
-        p32 = cute.recast_tensor(tOrP, Int32)  # ((1, 2, 2), 1, tn / 16): 4 registers per k-step
+        ((2, 2, 2), 1, tn / 16); unused when P is read from shared memory (sP)."""
         v_desc = self.v + Int64(Uint32(stage * self.stage_step))
         warpgroup.fence()
-        for k in range(self.k_steps):
-            a = p32[None, 0, k]
-            wgmma_rs(acc, [a[i] for i in range(4)], v_desc + self.k_off[k], self.n, self.ptx_type)
+        if self.p_smem:
+            for k in range(self.k_steps):
+                wgmma_ss(acc, self.p[k], v_desc + self.k_off[k], True, self.n, self.ptx_type, trans_b=True)
+        else:
+            p32 = cute.recast_tensor(tOrP, Int32)  # ((1, 2, 2), 1, tn / 16): 4 registers per k-step
+            for k in range(self.k_steps):
+                a = p32[None, 0, k]
+                wgmma_rs(acc, [a[i] for i in range(4)], v_desc + self.k_off[k], self.n, self.ptx_type)
         warpgroup.commit_group()

@@ -235,7 +235,8 @@ def test_narrow_windows_take_128_row_tiles_at_d64():
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_tile_m_defaults_and_validation():
-    """192 rows (three consumer warpgroups) at d = 64, 128 elsewhere; 192 refused above d = 64."""
+    """192 rows (three consumer warpgroups) at d = 64, 128 elsewhere; 192 taken up to d = 96 (P through
+    shared memory above d = 64, config.p_through_smem) and refused above."""
     import cutlass
 
     mod = _mod()
@@ -245,10 +246,16 @@ def test_tile_m_defaults_and_validation():
     for bad in (32, 256, True, 192.0, "192"):
         with pytest.raises(ValueError, match="tile_m"):
             mod._check_tile_m(bad, 64, 64)
-    with pytest.raises(ValueError, match="tile_m"):
+    with pytest.raises(ValueError, match="tile_m: 192 needs head dims <= 96"):
         mod._check_tile_m(192, 128, 128)
     with pytest.raises(ValueError, match="tile_m"):
-        mod.compile_only("bf16", 96, tile_m=192)  # refused before anything is traced
+        mod.compile_only("bf16", 128, tile_m=192)  # refused before anything is traced
+    assert mod._check_tile_m(192, 96, 96) == 192
+    assert [mod.p_through_smem(tm, d, d) for tm, d in ((192, 96), (192, 64), (128, 96))] == [True, False, False]
+    k96 = mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192)
+    assert k96.p_smem and (k96.regs_producer, k96.regs_consumer) == (32, 160)
+    with pytest.raises(ValueError, match="stages P in shared memory"):
+        mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192, key_split=True)
     with pytest.raises(ValueError, match="tile_m"):
         mod.FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, False, tile_m=256)
     for tm, nc, regs in ((128, 2, (24, 240)), (192, 3, (32, 160))):
@@ -342,7 +349,12 @@ COMPILE_CASES = [
     ("bf16", 128, 64, True, (), 8.0, 0.0, None),
     # one consumer warpgroup (short queries, decode): no tensor-core turn
     ("bf16", 128, 128, False, ("varlen", "seqused_k"), 8.0, 0.0, 64),
+    # three consumers at d = 96: P through shared memory (config.p_through_smem)
+    ("bf16", 96, 96, False, (), 8.0, 0.0, 192),
+    ("bf16", 96, 96, True, (), 8.0, 0.0, 192),
+    ("fp16", 96, 96, False, ("varlen", "seqused_k"), 8.0, 0.0, 192),
 ]
+P_SMEM_CASES = [c for c in COMPILE_CASES if c[7] == 192 and c[1] > 64]
 THREE_CONSUMER_CASES = [c for c in COMPILE_CASES if c[7] == 192]
 
 
@@ -404,7 +416,7 @@ def test_compiles_sm90a(compiled, case):
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", THREE_CONSUMER_CASES, ids=[_case_id(c) for c in THREE_CONSUMER_CASES])
 def test_three_consumer_kernel_sm90a(compiled, case):
-    """tile_m = 192 at d = 64: 512 threads, setmaxnreg 32/160 without spills, one Q slab load per
+    """tile_m = 192 at d = 64 (and 96): 512 threads, setmaxnreg 32/160 without spills, one Q slab load per
     consumer, and the select-based mask (the per-element `if` lowers to ~2100 FSEL and spills here)."""
     import re
 
@@ -418,11 +430,36 @@ def test_three_consumer_kernel_sm90a(compiled, case):
     # three 64-row Q slabs, K, V; the persistent build (the default without a key count) issues a
     # tile's first K/V block before its Q, a second copy of those two loads, and (causal: dynamic)
     # a last Q load that carries the "no more tiles" id, a second copy of the three Q slabs
-    persistent = _mod().default_persistent(64, 64, case[3], varlen="varlen" in case[4])
+    # (at d = 96 the 192-byte rows take the 64-byte swizzle: each load is 3 boxes of 32 columns, and
+    # causal calls walk one CTA per tile: scheduling._resolve_scheduler)
+    from stage3_fwd_kernel.wgmma_desc import swizzle_bytes
+
+    boxes = case[1] * 2 // swizzle_bytes(case[1], 16)
+    persistent = _mod().default_persistent(case[1], case[2], case[3], varlen="varlen" in case[4]) and \
+        not (case[3] and case[1] > 64)
     dynamic = persistent and case[3]
-    assert rep["UTMALDG"] == 3 * (2 if dynamic else 1) + 2 * (2 if persistent else 1)
+    assert rep["UTMALDG"] == boxes * (3 * (2 if dynamic else 1) + 2 * (2 if persistent else 1))
     # 2 masked softmax sites (first block, masked loop) x 64 scores per thread = 128 selects, + a few
     assert len(re.findall(r"\bFSEL\b", comp.sass)) < 2 * 64 + 64
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", P_SMEM_CASES, ids=[_case_id(c) for c in P_SMEM_CASES])
+def test_p_through_shared_memory_sm90a(compiled, case):
+    """192 rows at d = 96: every P V wgmma (m64n96k16) reads both operands from shared memory (two
+    descriptors, V transposed: "p, 1, 1, 0, 1"), none from registers; each warpgroup stores its P
+    slab (64 x 128, 16 KB) once per key block before its barrier, within 160 registers and no spill."""
+    import re
+
+    comp = compiled(case)
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n96k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*([^;]*);",
+                    comp.ptx)
+    assert pv and all(re.fullmatch(r"%rd\d+,\s*%rd\d+,\s*p,\s*1,\s*1,\s*0,\s*1", ops.strip()) for ops in pv), pv[:3]
+    rep = comp.report
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["LDL/STL"] == 0 and not rep["wgmma_serialized"]
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
+    assert comp.report["smem_bytes"] >= 3 * 64 * 128 * 2  # the three P slabs
 
 
 @pytest.mark.compile
@@ -723,6 +760,37 @@ def test_d64_tile_m_matches_reference(tile_m, causal, sq, sk):
     ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
     q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, 64, 64, seed=sq + sk + tile_m)
     _dense(q, k, v, causal=causal, tile_m=tile_m)
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", TILE_M_SEQLENS, ids=[f"{a}x{b}" for a, b in TILE_M_SEQLENS])
+def test_d96_192_rows_p_through_smem_matches_reference(causal, sq, sk):
+    """tile_m = 192 at d = 96: P V reads P from each warpgroup's shared-memory slab (config.p_through_smem;
+    compiled and checked on the CPU, first run on the GPU by this test). Non-causal calls walk persistent
+    CTAs, causal ones one CTA per tile; fp16 and a varlen batch with an empty sequence in the big case."""
+    big = sq * sk > 2_000_000
+    heads = 2 if big else 8
+    ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
+    q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, 96, 96, seed=sq + sk + 96,
+                         dtype="fp16" if sq == 799 else "bf16")
+    _dense(q, k, v, causal=causal, tile_m=192)
+    if sq * sk >= 1024 * 1024:  # a varlen batch: a long sequence, an empty one, a short one
+        import torch
+
+        from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+        lens = [sq, 0, 77]
+        g = torch.Generator(device="cuda").manual_seed(sq + 961)
+        qp, kp, vp = (torch.randn(sum(lens), h, 96, device="cuda", dtype=torch.bfloat16, generator=g)
+                      for h in (8, 4, 4))
+        cu = torch.tensor([0, lens[0], lens[0], sum(lens)], dtype=torch.int32, device="cuda")
+        out, _ = _mod().attention_varlen_forward(qp, kp, vp, cu, cu, max(lens), max(lens), causal=causal, tile_m=192)
+        for b0, b1 in ((0, lens[0]), (lens[0], sum(lens))):
+            args = (qp[None, b0:b1], kp[None, b0:b1], vp[None, b0:b1])
+            assert_fa4_close(f"varlen [{b0}, {b1})", out[None, b0:b1], attention_ref(*args, causal=causal)[0],
+                             attention_ref(*args, causal=causal, upcast=False)[0])
 
 
 SHORT_QUERY_CASES = [(1, 1, 128, 128, False), (1, 8192, 128, 128, False), (4, 4096, 128, 128, True),

@@ -64,30 +64,34 @@ def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=
     return 128 if keys is not None and keys <= NARROW_WINDOW_KEYS else 192
 
 
-def _smem_plan(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int, separate_o: bool) -> tuple[int, int]:
-    """(bytes outside the K/V ring: Q, O when it has its own buffer, 2 KB for barriers and
-    alignment; bytes per K/V stage), 2 bytes/element."""
+def _smem_plan(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int, separate_o: bool,
+               p_smem: bool = False) -> tuple[int, int]:
+    """(bytes outside the K/V ring: Q, O when it has its own buffer, P when it goes through shared
+    memory (p_smem), 2 KB for barriers and alignment; bytes per K/V stage), 2 bytes/element."""
     fixed = tile_m * head_dim * 2 + (tile_m * head_dim_v * 2 if separate_o else 0) + 2048
+    fixed += tile_m * tile_n * 2 if p_smem else 0
     return fixed, tile_n * (head_dim + head_dim_v) * 2
 
 
-def o_fits_beside_q(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int) -> bool:
+def o_fits_beside_q(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int, p_smem: bool = False) -> bool:
     """Whether Q, an O buffer of its own and two K/V stages fit in shared memory: true up to head dim
     128; at (192, 128) and 256 a persistent CTA stores O from registers instead (`o_direct`)."""
-    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o=True)
+    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o=True, p_smem=p_smem)
     return fixed + 2 * stage_bytes <= SMEM_BUDGET
 
 
 def default_num_stages(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int = 128,
-                       separate_o: bool = False) -> int:
-    """As many K/V stages as fit next to Q (and O when it has its own buffer), between 2 and 4."""
-    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o)
+                       separate_o: bool = False, p_smem: bool = False) -> int:
+    """As many K/V stages as fit next to Q (and O when it has its own buffer, P with p_smem), between 2
+    and 4."""
+    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o, p_smem)
     return max(2, min(4, (SMEM_BUDGET - fixed) // stage_bytes))
 
 
-def check_persistent_smem(head_dim, head_dim_v, tile_n, tile_m, num_stages, o_direct):
-    """ValueError when a persistent CTA's buffers (Q, O unless o_direct, the K/V ring) do not fit."""
-    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o=not o_direct)
+def check_persistent_smem(head_dim, head_dim_v, tile_n, tile_m, num_stages, o_direct, p_smem=False):
+    """ValueError when a persistent CTA's buffers (Q, O unless o_direct, P with p_smem, the K/V ring) do
+    not fit."""
+    fixed, stage_bytes = _smem_plan(head_dim, head_dim_v, tile_n, tile_m, separate_o=not o_direct, p_smem=p_smem)
     need = fixed - 2048 + num_stages * stage_bytes
     if need + 2048 > SMEM_BUDGET:
         raise ValueError(f"num_stages: a persistent CTA at head dims ({head_dim}, {head_dim_v}) with "
@@ -108,15 +112,26 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
     return SoftmaxPolicy(rescale_threshold=rescale_threshold, emulation_fraction=emulation_fraction)
 
 
+def p_through_smem(tile_m: int, head_dim: int, head_dim_v: int) -> bool:
+    """Whether O += P V reads P from shared memory instead of registers: a 192-row tile above head dim 64.
+    Three consumers get 160 registers a thread; S (64) + P (32) + O (dv / 2) fit that only up to d = 64,
+    while P stored to shared memory frees its registers right after, so S + O fit up to d = 96 (the
+    official kernel's d = 96 tile is 192 rows with P in shared memory)."""
+    return tile_m == 192 and max(head_dim, head_dim_v) > 64
+
+
+MAX_HEAD_DIM_192 = 96  # the widest head dims a 192-row tile holds (P through shared memory above 64)
+
+
 def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None) -> int:
     """tile_m of a call: the default of its head dims and window (default_tile_m) when None, else one
-    of TILE_MS (192: d, dv <= 64)."""
+    of TILE_MS (192: d, dv <= 96)."""
     if tile_m is None:
         return default_tile_m(d, dv, causal, window)
     if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
         raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
-    if tile_m == 192 and max(d, dv) > 64:
-        raise ValueError(f"tile_m: 192 needs head dims <= 64, got ({d}, {dv})")
+    if tile_m == 192 and max(d, dv) > MAX_HEAD_DIM_192:
+        raise ValueError(f"tile_m: 192 needs head dims <= {MAX_HEAD_DIM_192}, got ({d}, {dv})")
     return tile_m
 
 

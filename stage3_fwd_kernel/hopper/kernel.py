@@ -50,8 +50,8 @@ from stage3_fwd_kernel.components.work_tile import SequenceInfo, empty_tile, loc
 from stage3_fwd_kernel.hopper import barriers
 from stage3_fwd_kernel.hopper.gather import gather_unroll
 from stage3_fwd_kernel.hopper.config import (
-    DEFAULT_POLICY, Q_SHIFT_TILE_MS, TILE_MS, check_persistent_smem, default_num_stages, default_tile_n,
-    o_fits_beside_q)
+    DEFAULT_POLICY, MAX_HEAD_DIM_192, Q_SHIFT_TILE_MS, TILE_MS, check_persistent_smem, default_num_stages,
+    default_tile_n, o_fits_beside_q, p_through_smem)
 from stage3_fwd_kernel.hopper.mainloop import ConsumerArgs, consume
 from stage3_fwd_kernel.hopper.producer import SmemBuffers, TmaLoads, produce
 from stage3_fwd_kernel.hopper.split_tail import SPLIT_TAIL_UNSUPPORTED, split_tail_supported
@@ -80,10 +80,10 @@ class FlashAttentionForwardSm90:
             raise TypeError("scheduler: a persistent scheduler needs tile_at(linear, M, H, B)")
         if tile_m not in TILE_MS:
             raise ValueError(f"tile_m: expected one of {TILE_MS} (64 query rows per consumer warpgroup), got {tile_m}")
-        if tile_m == 192 and max(head_dim, head_dim_v) > 64:
-            # S (64) + P (32) + O (dv / 2) registers per thread no longer fit 160: ptxas spills
-            raise ValueError(f"tile_m: 192 needs head dims <= 64 (160 registers per consumer thread), "
-                             f"got ({head_dim}, {head_dim_v})")
+        if tile_m == 192 and max(head_dim, head_dim_v) > MAX_HEAD_DIM_192:
+            # S + O registers per thread no longer fit 160 (config.p_through_smem): ptxas spills
+            raise ValueError(f"tile_m: 192 needs head dims <= {MAX_HEAD_DIM_192} (160 registers per consumer "
+                             f"thread), got ({head_dim}, {head_dim_v})")
         if split_tail and not split_tail_supported(scheduler, causal or window.limited):
             raise ValueError(SPLIT_TAIL_UNSUPPORTED)
         if rows_per_query != 1 and not (key_split and isinstance(rows_per_query, int) and rows_per_query > 1
@@ -100,6 +100,14 @@ class FlashAttentionForwardSm90:
         self.causal = causal
         self.tile_m = tile_m
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
+        # P V's A operand: registers, or (192 rows above d = 64) P stored to shared memory (config.p_through_smem)
+        self.p_smem = p_through_smem(tile_m, head_dim, head_dim_v)
+        if self.p_smem and (key_split or page_size is not None or split_tail):
+            raise ValueError(f"tile_m: 192 at head dims ({head_dim}, {head_dim_v}) stages P in shared memory, "
+                             "which the key split, paged and split-tail builds do not take; use 128")
+        if self.p_smem and self.dynamic:
+            raise ValueError(f"scheduler: 192 rows at head dims ({head_dim}, {head_dim_v}) with the dynamic "
+                             "hand-out spill registers; walk one CTA per tile (persistent=False) or use tile_m 128")
         # a paged K/V cache (components.paged_kv): K/V loads go through the page table
         self.page_size = None if page_size is None else check_page_size(page_size, self.tile_n)
         self.blocks_per_page = 1 if page_size is None else max(1, page_size // self.tile_n)
@@ -123,9 +131,11 @@ class FlashAttentionForwardSm90:
         self.score_mod = Softcap(softcap)
         # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
         # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers
-        self.o_direct = self.persistent and not o_fits_beside_q(head_dim, head_dim_v, self.tile_n, tile_m)
+        self.o_direct = self.persistent and not o_fits_beside_q(head_dim, head_dim_v, self.tile_n, tile_m,
+                                                                self.p_smem)
         self.num_stages = num_stages or default_num_stages(head_dim, head_dim_v, self.tile_n, tile_m,
-                                                           separate_o=self.persistent and not self.o_direct)
+                                                           separate_o=self.persistent and not self.o_direct,
+                                                           p_smem=self.p_smem)
         self.split_tail = bool(split_tail)
         self.key_split = bool(key_split)  # batch indexes (sequence, key chunk): components.key_split
         self.scheduler = scheduler
@@ -138,7 +148,8 @@ class FlashAttentionForwardSm90:
             self.regs_producer, self.regs_consumer = 40, 232
         self.gather_unroll = gather_unroll(self.regs_producer)
         if self.persistent:
-            check_persistent_smem(head_dim, head_dim_v, self.tile_n, tile_m, self.num_stages, self.o_direct)
+            check_persistent_smem(head_dim, head_dim_v, self.tile_n, tile_m, self.num_stages, self.o_direct,
+                                  self.p_smem)
         self.smem_bytes = None
 
     # -------------------------------------------------------------- configuration queries
@@ -246,8 +257,9 @@ class FlashAttentionForwardSm90:
         elif mSeqUsedK is not None and mCuSeqlensK is None:
             raise ValueError("seqused_k: needs cu_seqlens_k")
 
-    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
-        """The CTA's shared memory: barriers, the dynamic scheduler's tile ids, Q, the K/V ring, O."""
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout):
+        """The CTA's shared memory: barriers, the dynamic scheduler's tile ids, Q, the K/V ring, O, and
+        (p_smem) P."""
         stages = self.num_stages
 
         @cute.struct
@@ -261,6 +273,7 @@ class FlashAttentionForwardSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[
                 self.dtype, 0 if self.o_in_q or self.o_direct else cute.cosize(sO_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout) if self.p_smem else 0], 1024]
 
         return SharedStorage
 
@@ -304,6 +317,7 @@ class FlashAttentionForwardSm90:
         sK_layout = self._smem_layout(tn, d, stages)
         sV_layout = self._smem_layout(tn, dv, stages)
         sO_layout = self._smem_layout(tm, dv, nc)
+        sP_layout = self._smem_layout(tm, tn, nc)  # p_smem: each consumer's P, K-major (keys contiguous)
         tiled_mma_qk = self._tiled_mma_qk()
         tiled_mma_pv = self._tiled_mma_pv()
 
@@ -328,7 +342,7 @@ class FlashAttentionForwardSm90:
         # start of its own Q slab (never over another consumer's slab, which may still be in use)
         self.o_in_q = not self.persistent and cute.cosize(cute.slice_(sO_layout, (None, None, 0))) <= cute.cosize(
             cute.slice_(sQ_layout, (None, None, 0)))
-        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout)
+        self.shared_storage = self._shared_storage(sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout)
         self.smem_bytes = self.shared_storage.size_in_bytes()
 
         # dense: max_seqlen_q = Sq; varlen: the longest sequence (CTAs past a shorter one exit)
@@ -344,7 +358,7 @@ class FlashAttentionForwardSm90:
                     cute.size(mQ, mode=[1]), mK.shape[1], mQ.shape[2] // mK.shape[2],
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
-                    tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout,
+                    tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout,
                     self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
                     *((mK, mV) if self.gather else (None, None)), num_splits, chunk_keys, range_keys,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
@@ -362,7 +376,7 @@ class FlashAttentionForwardSm90:
                tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, sP_layout: cute.ComposedLayout,
                gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
                mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
                mPageTable: Optional[cute.Tensor], mK_flat: Optional[cute.Tensor], mV_flat: Optional[cute.Tensor],
@@ -388,7 +402,7 @@ class FlashAttentionForwardSm90:
         tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable, mK_flat, mV_flat)
         args = ConsumerArgs(softmax_scale_log2, softmax_scale, mSink, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout,
                             gmem_copy_O)
-        layouts = (sQ_layout, sK_layout, sV_layout)
+        layouts = (sQ_layout, sK_layout, sV_layout, sP_layout)
         if const_expr(self.persistent):
             # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
             space = TileSpace(num_m_blocks, num_heads, num_batch, mTileCounter, mSplit, split_chunks)
@@ -437,7 +451,7 @@ class FlashAttentionForwardSm90:
     def attend(self, tile, seq: SequenceInfo, space, tma: TmaLoads, args: ConsumerArgs, layouts):
         """The CTA: barriers and shared memory once, then the producer warp and the consumer
         warpgroups on one tile (`tile`), or -- persistent -- on every work item of `space`."""
-        sQ_layout, sK_layout, sV_layout = layouts
+        sQ_layout, sK_layout, sV_layout, sP_layout = layouts
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -455,7 +469,10 @@ class FlashAttentionForwardSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (64, d, nc)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)  # (tn, d, stages)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)  # (tn, dv, stages)
-        smem = SmemBuffers(storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V)
+        sP = None
+        if const_expr(self.p_smem):
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)  # (64, tn, nc)
+        smem = SmemBuffers(storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V, sP)
         tile_ids = storage.tile_ids.get_tensor(cute.make_layout(2))  # (2,) int32, by Q phase
         # the walk is reached through self inside the loops: CuTe-DSL would try to carry a local
         # object whose methods a dynamic loop calls

@@ -37,14 +37,23 @@ from stage3_fwd_kernel.hopper.producer import SmemBuffers, kv_state, seq_view
 from stage3_fwd_kernel.hopper.softmax import RowState, ScoreContext, online_softmax
 
 
+class PStore(NamedTuple):
+    """P's way to shared memory (kernel.p_smem): 4-byte stores in the S accumulator's order."""
+
+    copy: Any        # the tiled copy over the S MMA's accumulator layout
+    thr: Any         # this thread's slice of it
+    dst: Any         # this thread's destinations in the warpgroup's (64, tn) P slab
+
+
 class TileOperands(NamedTuple):
     """A consumer's MMA operands and accumulators for one tile."""
 
     qk: Any          # wgmma_desc.QKOperands: S = Q K^T from shared memory
-    pv: Any          # wgmma_desc.PVOperands: O += P V, P from registers
+    pv: Any          # wgmma_desc.PVOperands: O += P V, P from registers (or shared memory: p_store)
     thr_mma_qk: Any  # this thread's slice of the S MMA (accumulator shapes)
     acc_O: Any       # fp32 O accumulator
     tOrP: Any        # P in the input dtype, the A operand of P V
+    p_store: Any = None  # PStore when P V reads P from shared memory (kernel.p_smem), else None
 
 
 class ConsumerArgs(NamedTuple):
@@ -62,10 +71,12 @@ class ConsumerArgs(NamedTuple):
 
 
 class Turns(NamedTuple):
-    """The named barriers of this consumer's tensor-core turn (barriers.turn / next_turn)."""
+    """The named barriers of this consumer's tensor-core turn (barriers.turn / next_turn), and its
+    own 128-thread one (barriers.own: P's stores before its P V reads them, kernel.p_smem)."""
 
     mine: Any
     successor: Any
+    own: Any = None
 
 
 @cute.jit
@@ -88,7 +99,7 @@ def consume(cfg, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int
     tm, tn, dv = cfg.wg_m, cfg.tile_n, cfg.head_dim_v
     nc = cfg.num_consumers
     row0 = tile.m_block * cfg.tile_m + wg * tm  # first query row of this warpgroup
-    turns = Turns(barriers.turn(wg), barriers.next_turn(wg, nc))
+    turns = Turns(barriers.turn(wg), barriers.next_turn(wg, nc), barriers.own(wg, nc))
 
     sQ_wg = smem.sQ[None, None, wg]                                          # (64, d)
     sO_wg = epilogue.o_staging(cfg, smem.storage, sQ_wg, args.sO_layout, wg)      # (64, dv) or None
@@ -99,7 +110,14 @@ def consume(cfg, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int
     thr_mma_qk = tiled_mma_qk.get_slice(ctidx)
     thr_mma_pv = tiled_mma_pv.get_slice(ctidx)
     qk = wgmma_desc.QKOperands(sQ_wg, smem.sK, cfg.dtype, cfg.head_dim, tn)
-    pv = wgmma_desc.PVOperands(smem.sV, cfg.dtype, dv, tn)
+    sP_wg = smem.sP[None, None, wg] if const_expr(cfg.p_smem) else None        # (64, tn) or None
+    pv = wgmma_desc.PVOperands(smem.sV, cfg.dtype, dv, tn, sP=sP_wg)
+    p_store = None
+    if const_expr(cfg.p_smem):
+        copy_P = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cfg.dtype, num_bits_per_copy=32), tiled_mma_qk)
+        thr_copy_P = copy_P.get_slice(ctidx)
+        p_store = PStore(copy_P, thr_copy_P, thr_copy_P.partition_D(sP_wg))
     acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((tm, dv)), Float32)
     acc_O.fill(0.0)
     acc_O_rc = acc_rowcol(acc_O)
@@ -136,7 +154,7 @@ def consume(cfg, wg: Int32, ctidx: Int32, tile, n_block_max: Int32, kv_base: Int
     rows = RowState(row_max, row_max_new, row_sum, row_scale, row_limit, row_bias)
     ctx = ScoreContext(row0, query_len, tile.seqlen_k, softmax_scale_log2, args.score_scale, rescale_margin,
                        tScS_rc, tScS0_rc)
-    ops = TileOperands(qk, pv, thr_mma_qk, acc_O, tOrP)
+    ops = TileOperands(qk, pv, thr_mma_qk, acc_O, tOrP, p_store)
     if n_blocks > 0:
         walk_key_blocks(cfg, wg, ctidx, kv_base, n_block_max, n_blocks, n_masked, n_left, rows, ctx, ops, smem,
                         turns, q_state, args.gmem_copy_O)
@@ -183,7 +201,7 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
     warpgroup.wait_group(0)
     smem.pipe_K.consumer_release(st0)
     online_softmax(acc_S0, n_block_max - 1, True, rows, ctx, cfg.mask, cfg.policy, cfg.score_mod)
-    store_P(acc_S0, ops.tOrP, cfg.bf16)
+    publish_P(cfg, turns, acc_S0, ops)
 
     # 2. steady state: masked blocks first, then the hot loop; the ring slot is carried
     st_prev = st0
@@ -241,10 +259,24 @@ def overlapped_step(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineS
     warpgroup.wait_group(0)  # P_{i-1} V_{i-1} landed: O and tOrP are ours again
     trace.stamp(n_block, "pv_landed")
     smem.pipe_V.consumer_release(st_prev)
-    store_P(acc_S, ops.tOrP, cfg.bf16)
+    publish_P(cfg, turns, acc_S, ops)
     if rescale_O:
         scale_O_rows(ops.acc_O, rows.row_scale)
     trace.stamp(n_block, "end")
+
+
+@cute.jit
+def publish_P(cfg, turns: Turns, acc_S: cute.Tensor, ops: TileOperands):
+    """P (in place of S after the softmax) packed to the input dtype as P V's A operand: in registers,
+    or (kernel.p_smem) stored on to the warpgroup's P slab and made visible to its wgmma -- the async
+    proxy fence, then its 128 threads' barrier, since the wgmma reads every thread's stores. The slab
+    is free: the caller has waited for the previous P V."""
+    store_P(acc_S, ops.tOrP, cfg.bf16)
+    if const_expr(cfg.p_smem):
+        rP = cute.make_tensor(ops.tOrP.iterator, cute.make_layout(acc_S.shape))  # the accumulator's order
+        cute.copy(ops.p_store.copy, ops.p_store.thr.retile(rP), ops.p_store.dst)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=turns.own, number_of_threads=barriers.WARPGROUP_THREADS)
 
 
 @cute.jit

@@ -50,6 +50,7 @@ class SmemBuffers(NamedTuple):
     pipe_Q: Any
     pipe_K: Any
     pipe_V: Any
+    sP: Any = None  # (64, tn, nc): P staged for P V (kernel.p_smem), else None
 
 
 def kv_state(i: Int32, stages: int, producer: bool) -> pipeline.PipelineState:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-from stage3_fwd_kernel.hopper.config import default_tile_m
+from stage3_fwd_kernel.hopper.config import default_tile_m, p_through_smem
 from stage3_fwd_kernel.tile_scheduler import PersistentScheduler, StaticTileScheduler
 
 PERSISTENT_MAX_HEAD_DIM = 128
@@ -53,11 +53,14 @@ def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varl
             raise ValueError("persistent: False contradicts the persistent scheduler passed; pass its order "
                              "(scheduler.order) for one CTA per tile")
         return scheduler
+    dynamic = (causal or varlen or windowed) and not gathered_pages
     if persistent is None:
         persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m, left_window)
+        # P through shared memory (192 rows above d = 64) spills with the dynamic hand-out's registers
+        persistent = persistent and not (dynamic and p_through_smem(tile_m or 0, head_dim, head_dim_v))
     if persistent:
         # tiles of different lengths need the dynamic hand-out
-        scheduler = _persistent_over(scheduler, (causal or varlen or windowed) and not gathered_pages)
+        scheduler = _persistent_over(scheduler, dynamic)
     return scheduler
 
 
