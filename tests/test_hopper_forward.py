@@ -256,6 +256,19 @@ def test_tile_m_defaults_and_validation():
     assert k96.p_smem and (k96.regs_producer, k96.regs_consumer) == (32, 160)
     with pytest.raises(ValueError, match="stages P in shared memory"):
         mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192, key_split=True)
+    # a dense call's default split tail (None) is off there, an explicit one refused by name; a shape
+    # whose last wave the default would split (1 x 11520 x 16 heads, 60 key blocks: split_tail_plan)
+    from stage3_fwd_kernel.hopper import host
+    from stage3_fwd_kernel.hopper.host import PLAIN
+
+    assert host._split_tail_for(PLAIN, None, 192, 96, 96) is False
+    assert host._split_tail_for(PLAIN, None, 192, 64, 64) is None and host._split_tail_for(PLAIN, None, 128, 96, 96) is None
+    with pytest.raises(ValueError, match="split_tail: not with tile_m=192"):
+        host._split_tail_for(PLAIN, True, 192, 96, 96)
+    static = mod._resolve_scheduler(None, None, 96, 96, False, seqlen_k=11520, tile_m=192)
+    assert mod.split_tail_plan(None, static, False, 1, 11520, 16, 11520, 192, 128, 132) is not None
+    assert mod.split_tail_plan(host._split_tail_for(PLAIN, None, 192, 96, 96), static, False, 1, 11520, 16,
+                               11520, 192, 128, 132) is None
     with pytest.raises(ValueError, match="tile_m"):
         mod.FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, False, tile_m=256)
     for tm, nc, regs in ((128, 2, (24, 240)), (192, 3, (32, 160))):
@@ -459,7 +472,15 @@ def test_p_through_shared_memory_sm90a(compiled, case):
     rep = comp.report
     assert rep["spill_stores"] == rep["spill_loads"] == rep["LDL/STL"] == 0 and not rep["wgmma_serialized"]
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
-    assert comp.report["smem_bytes"] >= 3 * 64 * 128 * 2  # the three P slabs
+    # the hot loop publishes P: 32 four-byte stores a thread (64 x 128 x 2 B over 128 threads), then the
+    # async-proxy fence and a barrier before the next P V reads the slab
+    from stage3_fwd_kernel.sass_report import key_block_loop
+
+    hot = key_block_loop(comp.sass)
+    assert sum(o.startswith("STS") for o in hot) == 32
+    tail = hot[max(i for i, o in enumerate(hot) if o.startswith("STS")):]
+    fence = tail.index("FENCE.VIEW.ASYNC.S")
+    assert any(o.startswith("BAR.SYNC") for o in tail[fence:]), tail
 
 
 @pytest.mark.compile
@@ -771,9 +792,10 @@ def test_d96_192_rows_p_through_smem_matches_reference(causal, sq, sk):
     compiled and checked on the CPU, first run on the GPU by this test). Non-causal calls walk persistent
     CTAs, causal ones one CTA per tile; fp16 and a varlen batch with an empty sequence in the big case."""
     big = sq * sk > 2_000_000
-    heads = 2 if big else 8
+    # the big case: 4 x 16 heads of 22 tiles, several tiles per persistent CTA (the slab reused across tiles)
+    batch, heads = (4, 16) if big else (3, 8)
     ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
-    q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, 96, 96, seed=sq + sk + 96,
+    q, k, v = _randn_qkv(batch, sq, sk, heads, heads // ratio, 96, 96, seed=sq + sk + 96,
                          dtype="fp16" if sq == 799 else "bf16")
     _dense(q, k, v, causal=causal, tile_m=192)
     if sq * sk >= 1024 * 1024:  # a varlen batch: a long sequence, an empty one, a short one
@@ -786,11 +808,16 @@ def test_d96_192_rows_p_through_smem_matches_reference(causal, sq, sk):
         qp, kp, vp = (torch.randn(sum(lens), h, 96, device="cuda", dtype=torch.bfloat16, generator=g)
                       for h in (8, 4, 4))
         cu = torch.tensor([0, lens[0], lens[0], sum(lens)], dtype=torch.int32, device="cuda")
-        out, _ = _mod().attention_varlen_forward(qp, kp, vp, cu, cu, max(lens), max(lens), causal=causal, tile_m=192)
+        out = torch.full_like(qp, float("nan"))
+        lse = torch.full((8, sum(lens)), float("nan"), device="cuda", dtype=torch.float32)
+        _mod().attention_varlen_forward(qp, kp, vp, cu, cu, max(lens), max(lens), causal=causal, tile_m=192,
+                                        out=out, lse=lse)
+        torch.cuda.synchronize()
         for b0, b1 in ((0, lens[0]), (lens[0], sum(lens))):
             args = (qp[None, b0:b1], kp[None, b0:b1], vp[None, b0:b1])
-            assert_fa4_close(f"varlen [{b0}, {b1})", out[None, b0:b1], attention_ref(*args, causal=causal)[0],
-                             attention_ref(*args, causal=causal, upcast=False)[0])
+            ref, base = attention_ref(*args, causal=causal), attention_ref(*args, causal=causal, upcast=False)
+            assert_fa4_close(f"varlen out [{b0}, {b1})", out[None, b0:b1], ref[0], base[0])
+            assert_fa4_close(f"varlen lse [{b0}, {b1})", lse[None, :, b0:b1], ref[1], base[1])
 
 
 SHORT_QUERY_CASES = [(1, 1, 128, 128, False), (1, 8192, 128, 128, False), (4, 4096, 128, 128, True),
