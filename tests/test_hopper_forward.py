@@ -250,25 +250,7 @@ def test_tile_m_defaults_and_validation():
         mod._check_tile_m(192, 128, 128)
     with pytest.raises(ValueError, match="tile_m"):
         mod.compile_only("bf16", 128, tile_m=192)  # refused before anything is traced
-    assert mod._check_tile_m(192, 96, 96) == 192
-    assert [mod.p_through_smem(tm, d, d) for tm, d in ((192, 96), (192, 64), (128, 96))] == [True, False, False]
-    k96 = mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192)
-    assert k96.p_smem and (k96.regs_producer, k96.regs_consumer) == (32, 160)
-    with pytest.raises(ValueError, match="stages P in shared memory"):
-        mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192, key_split=True)
-    # a dense call's default split tail (None) is off there, an explicit one refused by name; a shape
-    # whose last wave the default would split (1 x 11520 x 16 heads, 60 key blocks: split_tail_plan)
-    from stage3_fwd_kernel.hopper import host
-    from stage3_fwd_kernel.hopper.host import PLAIN
-
-    assert host._split_tail_for(PLAIN, None, 192, 96, 96) is False
-    assert host._split_tail_for(PLAIN, None, 192, 64, 64) is None and host._split_tail_for(PLAIN, None, 128, 96, 96) is None
-    with pytest.raises(ValueError, match="split_tail: not with tile_m=192"):
-        host._split_tail_for(PLAIN, True, 192, 96, 96)
-    static = mod._resolve_scheduler(None, None, 96, 96, False, seqlen_k=11520, tile_m=192)
-    assert mod.split_tail_plan(None, static, False, 1, 11520, 16, 11520, 192, 128, 132) is not None
-    assert mod.split_tail_plan(host._split_tail_for(PLAIN, None, 192, 96, 96), static, False, 1, 11520, 16,
-                               11520, 192, 128, 132) is None
+    assert mod._check_tile_m(192, 96, 96) == 192  # P through shared memory: test_hopper_forward_p_smem.py
     with pytest.raises(ValueError, match="tile_m"):
         mod.FlashAttentionForwardSm90(cutlass.BFloat16, 64, 64, False, tile_m=256)
     for tm, nc, regs in ((128, 2, (24, 240)), (192, 3, (32, 160))):
@@ -362,12 +344,12 @@ COMPILE_CASES = [
     ("bf16", 128, 64, True, (), 8.0, 0.0, None),
     # one consumer warpgroup (short queries, decode): no tensor-core turn
     ("bf16", 128, 128, False, ("varlen", "seqused_k"), 8.0, 0.0, 64),
-    # three consumers at d = 96: P through shared memory (config.p_through_smem)
+    # three consumers at d = 96: P through shared memory (config.p_through_smem;
+    # test_hopper_forward_p_smem.py reads the P stores and the P V wgmmas)
     ("bf16", 96, 96, False, (), 8.0, 0.0, 192),
     ("bf16", 96, 96, True, (), 8.0, 0.0, 192),
     ("fp16", 96, 96, False, ("varlen", "seqused_k"), 8.0, 0.0, 192),
 ]
-P_SMEM_CASES = [c for c in COMPILE_CASES if c[7] == 192 and c[1] > 64]
 THREE_CONSUMER_CASES = [c for c in COMPILE_CASES if c[7] == 192]
 
 
@@ -454,33 +436,6 @@ def test_three_consumer_kernel_sm90a(compiled, case):
     assert rep["UTMALDG"] == boxes * (3 * (2 if dynamic else 1) + 2 * (2 if persistent else 1))
     # 2 masked softmax sites (first block, masked loop) x 64 scores per thread = 128 selects, + a few
     assert len(re.findall(r"\bFSEL\b", comp.sass)) < 2 * 64 + 64
-
-
-@pytest.mark.compile
-@pytest.mark.stage3
-@pytest.mark.parametrize("case", P_SMEM_CASES, ids=[_case_id(c) for c in P_SMEM_CASES])
-def test_p_through_shared_memory_sm90a(compiled, case):
-    """192 rows at d = 96: every P V wgmma (m64n96k16) reads both operands from shared memory (two
-    descriptors, V transposed: "p, 1, 1, 0, 1"), none from registers; each warpgroup stores its P
-    slab (64 x 128, 16 KB) once per key block before its barrier, within 160 registers and no spill."""
-    import re
-
-    comp = compiled(case)
-    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n96k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*([^;]*);",
-                    comp.ptx)
-    assert pv and all(re.fullmatch(r"%rd\d+,\s*%rd\d+,\s*p,\s*1,\s*1,\s*0,\s*1", ops.strip()) for ops in pv), pv[:3]
-    rep = comp.report
-    assert rep["spill_stores"] == rep["spill_loads"] == rep["LDL/STL"] == 0 and not rep["wgmma_serialized"]
-    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
-    # the hot loop publishes P: 32 four-byte stores a thread (64 x 128 x 2 B over 128 threads), then the
-    # async-proxy fence and a barrier before the next P V reads the slab
-    from stage3_fwd_kernel.sass_report import key_block_loop
-
-    hot = key_block_loop(comp.sass)
-    assert sum(o.startswith("STS") for o in hot) == 32
-    tail = hot[max(i for i, o in enumerate(hot) if o.startswith("STS")):]
-    fence = tail.index("FENCE.VIEW.ASYNC.S")
-    assert any(o.startswith("BAR.SYNC") for o in tail[fence:]), tail
 
 
 @pytest.mark.compile
@@ -781,43 +736,6 @@ def test_d64_tile_m_matches_reference(tile_m, causal, sq, sk):
     ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
     q, k, v = _randn_qkv(1 if big else 3, sq, sk, heads, heads // ratio, 64, 64, seed=sq + sk + tile_m)
     _dense(q, k, v, causal=causal, tile_m=tile_m)
-
-
-@pytest.mark.gpu
-@pytest.mark.stage3
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("sq,sk", TILE_M_SEQLENS, ids=[f"{a}x{b}" for a, b in TILE_M_SEQLENS])
-def test_d96_192_rows_p_through_smem_matches_reference(causal, sq, sk):
-    """tile_m = 192 at d = 96: P V reads P from each warpgroup's shared-memory slab (config.p_through_smem;
-    compiled and checked on the CPU, first run on the GPU by this test). Non-causal calls walk persistent
-    CTAs, causal ones one CTA per tile; fp16 and a varlen batch with an empty sequence in the big case."""
-    big = sq * sk > 2_000_000
-    # the big case: 4 x 16 heads of 22 tiles, several tiles per persistent CTA (the slab reused across tiles)
-    batch, heads = (4, 16) if big else (3, 8)
-    ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
-    q, k, v = _randn_qkv(batch, sq, sk, heads, heads // ratio, 96, 96, seed=sq + sk + 96,
-                         dtype="fp16" if sq == 799 else "bf16")
-    _dense(q, k, v, causal=causal, tile_m=192)
-    if sq * sk >= 1024 * 1024:  # a varlen batch: a long sequence, an empty one, a short one
-        import torch
-
-        from stage0_reference.torch_reference import assert_fa4_close, attention_ref
-
-        lens = [sq, 0, 77]
-        g = torch.Generator(device="cuda").manual_seed(sq + 961)
-        qp, kp, vp = (torch.randn(sum(lens), h, 96, device="cuda", dtype=torch.bfloat16, generator=g)
-                      for h in (8, 4, 4))
-        cu = torch.tensor([0, lens[0], lens[0], sum(lens)], dtype=torch.int32, device="cuda")
-        out = torch.full_like(qp, float("nan"))
-        lse = torch.full((8, sum(lens)), float("nan"), device="cuda", dtype=torch.float32)
-        _mod().attention_varlen_forward(qp, kp, vp, cu, cu, max(lens), max(lens), causal=causal, tile_m=192,
-                                        out=out, lse=lse)
-        torch.cuda.synchronize()
-        for b0, b1 in ((0, lens[0]), (lens[0], sum(lens))):
-            args = (qp[None, b0:b1], kp[None, b0:b1], vp[None, b0:b1])
-            ref, base = attention_ref(*args, causal=causal), attention_ref(*args, causal=causal, upcast=False)
-            assert_fa4_close(f"varlen out [{b0}, {b1})", out[None, b0:b1], ref[0], base[0])
-            assert_fa4_close(f"varlen lse [{b0}, {b1})", lse[None, :, b0:b1], ref[1], base[1])
 
 
 SHORT_QUERY_CASES = [(1, 1, 128, 128, False), (1, 8192, 128, 128, False), (4, 4096, 128, 128, True),

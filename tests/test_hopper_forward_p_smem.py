@@ -1,0 +1,122 @@
+"""The Hopper forward's 192-row tile at head dim 96 (`tile_m=192`): P V reads P from each consumer's
+shared-memory slab, since 160 registers a thread hold S and O there but not P too
+(`stage3_fwd_kernel/hopper/config.py: p_through_smem`). An opt-in, not the default.
+
+compile tier (sm_90a): every P V wgmma takes both operands by descriptor (V transposed), the hot loop
+publishes P with 32 four-byte stores a thread, the async-proxy fence and a barrier, without spills
+(the other compile checks of these builds: test_hopper_forward.py's COMPILE_CASES).
+
+gpu tier (H100/H200): out and lse under FA4's rule on the shapes of the d = 64 tile tests, causal or
+not, GQA 1 / 2 / 8, fp16 once, several tiles per persistent CTA, and a varlen batch with an empty
+sequence on poisoned outputs.
+"""
+from __future__ import annotations
+
+import pytest
+import test_hopper_forward as hf  # the forward tests' helpers and compile cases (tests/ is on the path)
+
+P_SMEM_CASES = [c for c in hf.COMPILE_CASES if c[7] == 192 and c[1] > 64]
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_where_p_goes_through_shared_memory():
+    """Only 192 rows above d = 64 (up to 96) take it; three consumers at 32 / 160 registers; the key split,
+    paged and split-tail builds and the dynamic hand-out refuse it by name, and a dense call's default
+    split tail is off there (at 1 x 11520 x 16 heads the default would split the last wave)."""
+    import cutlass
+
+    mod = hf._mod()
+    from stage3_fwd_kernel.hopper import host
+    from stage3_fwd_kernel.hopper.host import PLAIN
+
+    assert [mod.p_through_smem(tm, d, d) for tm, d in ((192, 96), (192, 64), (128, 96))] == [True, False, False]
+    k96 = mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192)
+    assert k96.p_smem and (k96.regs_producer, k96.regs_consumer) == (32, 160)
+    assert not mod.make_kernel(cutlass.BFloat16, 64, 64, False, tile_m=192).p_smem
+    with pytest.raises(ValueError, match="stages P in shared memory"):
+        mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192, key_split=True)
+    with pytest.raises(ValueError, match="scheduler: 192 rows"):
+        mod.make_kernel(cutlass.BFloat16, 96, 96, True, tile_m=192,
+                        scheduler=mod._resolve_scheduler(None, True, 96, 96, True, tile_m=192))
+    assert not getattr(mod._resolve_scheduler(None, None, 96, 96, True, seqlen_k=1024, tile_m=192), "persistent", False)
+    assert host._split_tail_for(PLAIN, None, 192, 96, 96) is False
+    assert host._split_tail_for(PLAIN, None, 192, 64, 64) is None and host._split_tail_for(PLAIN, None, 128, 96, 96) is None
+    with pytest.raises(ValueError, match="split_tail: not with tile_m=192"):
+        host._split_tail_for(PLAIN, True, 192, 96, 96)
+    static = mod._resolve_scheduler(None, None, 96, 96, False, seqlen_k=11520, tile_m=192)
+    assert mod.split_tail_plan(None, static, False, 1, 11520, 16, 11520, 192, 128, 132) is not None
+    assert mod.split_tail_plan(host._split_tail_for(PLAIN, None, 192, 96, 96), static, False, 1, 11520, 16,
+                               11520, 192, 128, 132) is None
+
+
+def _compiled(case):
+    dt, d, dv, causal, flags, tau, frac, tile_m = case
+    return hf._mod().compile_only(dt, d, dv, causal, varlen="varlen" in flags, seqused_k="seqused_k" in flags,
+                                  batch_map="batch_map" in flags, rescale_threshold=tau, emulation_fraction=frac,
+                                  tile_m=tile_m)
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("case", P_SMEM_CASES, ids=[hf._case_id(c) for c in P_SMEM_CASES])
+def test_p_through_shared_memory_sm90a(case):
+    """192 rows at d = 96: every P V wgmma (m64n96k16) reads both operands from shared memory (two
+    descriptors, V transposed: "p, 1, 1, 0, 1"), none from registers; each warpgroup stores its P
+    slab (64 x 128, 16 KB) once per key block before its barrier, within 160 registers and no spill."""
+    import re
+
+    comp = _compiled(case)
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n96k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*([^;]*);",
+                    comp.ptx)
+    assert pv and all(re.fullmatch(r"%rd\d+,\s*%rd\d+,\s*p,\s*1,\s*1,\s*0,\s*1", ops.strip()) for ops in pv), pv[:3]
+    rep = comp.report
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["LDL/STL"] == 0 and not rep["wgmma_serialized"]
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
+    # the hot loop publishes P: 32 four-byte stores a thread (64 x 128 x 2 B over 128 threads), then the
+    # async-proxy fence and a barrier before the next P V reads the slab
+    from stage3_fwd_kernel.sass_report import key_block_loop
+
+    hot = key_block_loop(comp.sass)
+    assert sum(o.startswith("STS") for o in hot) == 32
+    tail = hot[max(i for i, o in enumerate(hot) if o.startswith("STS")):]
+    fence = tail.index("FENCE.VIEW.ASYNC.S")
+    assert any(o.startswith("BAR.SYNC") for o in tail[fence:]), tail
+
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", hf.TILE_M_SEQLENS, ids=[f"{a}x{b}" for a, b in hf.TILE_M_SEQLENS])
+def test_d96_192_rows_p_through_smem_matches_reference(causal, sq, sk):
+    """tile_m = 192 at d = 96: P V reads P from each warpgroup's shared-memory slab (config.p_through_smem;
+    compiled and checked on the CPU, first run on the GPU by this test). Non-causal calls walk persistent
+    CTAs, causal ones one CTA per tile; fp16 and a varlen batch with an empty sequence in the big case."""
+    big = sq * sk > 2_000_000
+    # the big case: 4 x 16 heads of 22 tiles, several tiles per persistent CTA (the slab reused across tiles)
+    batch, heads = (4, 16) if big else (3, 8)
+    ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
+    q, k, v = hf._randn_qkv(batch, sq, sk, heads, heads // ratio, 96, 96, seed=sq + sk + 96,
+                         dtype="fp16" if sq == 799 else "bf16")
+    hf._dense(q, k, v, causal=causal, tile_m=192)
+    if sq * sk >= 1024 * 1024:  # a varlen batch: a long sequence, an empty one, a short one
+        import torch
+
+        from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+        lens = [sq, 0, 77]
+        g = torch.Generator(device="cuda").manual_seed(sq + 961)
+        qp, kp, vp = (torch.randn(sum(lens), h, 96, device="cuda", dtype=torch.bfloat16, generator=g)
+                      for h in (8, 4, 4))
+        cu = torch.tensor([0, lens[0], lens[0], sum(lens)], dtype=torch.int32, device="cuda")
+        out = torch.full_like(qp, float("nan"))
+        lse = torch.full((8, sum(lens)), float("nan"), device="cuda", dtype=torch.float32)
+        hf._mod().attention_varlen_forward(qp, kp, vp, cu, cu, max(lens), max(lens), causal=causal, tile_m=192,
+                                        out=out, lse=lse)
+        torch.cuda.synchronize()
+        for b0, b1 in ((0, lens[0]), (lens[0], sum(lens))):
+            args = (qp[None, b0:b1], kp[None, b0:b1], vp[None, b0:b1])
+            ref, base = attention_ref(*args, causal=causal), attention_ref(*args, causal=causal, upcast=False)
+            assert_fa4_close(f"varlen out [{b0}, {b1})", out[None, b0:b1], ref[0], base[0])
+            assert_fa4_close(f"varlen lse [{b0}, {b1})", lse[None, :, b0:b1], ref[1], base[1])
