@@ -132,6 +132,15 @@ def wgmma_rs(acc: cute.Tensor, a_regs: list, b_desc: Int64, n: int, ptx_type: st
            loc, ip)
 
 
+def kstep_descs(t: cute.Tensor, width: int, k_steps: int, hi) -> list:
+    """A fixed K-major operand's descriptors, one per k-step of 16 (its columns 16 k ..), each made
+    warp-uniform: a value ptxas cannot re-derive inside the key-block loop (module docstring). hi: the
+    upper half (desc_hi of the operand's swizzle), warp-uniform."""
+    lo = desc_lo(t.iterator.toint())
+    return [desc64(cute.arch.make_warp_uniform(lo + desc_offset(t.layout, (0, 16 * k), width)), hi)
+            for k in range(k_steps)]
+
+
 class _Carried:
     """The DSL's protocol for a Python object carried through a kernel's `if`s and loops as run-time
     values: the attributes named in `_carried` (an Int64 or a list of them) are its values."""
@@ -173,10 +182,7 @@ class QKOperands(_Carried):
         self.ptx_type = ab_type(dtype)
         # Q's halves each through a shuffle, which ptxas cannot re-derive inside the loop (module
         # docstring); K's upper half may stay a constant: the per-block stage add is 64-bit anyway
-        q_lo = desc_lo(sQ.iterator.toint())
-        hi = cute.arch.make_warp_uniform(Int32(self.hi))
-        self.q = [desc64(cute.arch.make_warp_uniform(q_lo + desc_offset(sQ.layout, (0, 16 * k), width)), hi)
-                  for k in range(self.k_steps)]
+        self.q = kstep_descs(sQ, width, self.k_steps, cute.arch.make_warp_uniform(Int32(self.hi)))
         self.k = desc64(cute.arch.make_warp_uniform(desc_lo(sK.iterator.toint())), self.hi)
         self.k_off = [desc_offset(sK.layout, (0, 16 * k), width) for k in range(self.k_steps)]
         self.stage_step = desc_offset(sK.layout, (0, 0, 1), width)
@@ -213,10 +219,8 @@ class PVOperands(_Carried):
         self.p_smem = sP is not None
         if self.p_smem:
             self._carried = ("v", "p")
-            p_lo = desc_lo(sP.iterator.toint())
-            p_hi = cute.arch.make_warp_uniform(Int32(desc_hi(swizzle_bytes(tn, width))))
-            self.p = [desc64(cute.arch.make_warp_uniform(p_lo + desc_offset(sP.layout, (0, 16 * k), width)), p_hi)
-                      for k in range(self.k_steps)]
+            self.p = kstep_descs(sP, width, self.k_steps,
+                                 cute.arch.make_warp_uniform(Int32(desc_hi(swizzle_bytes(tn, width)))))
 
     def gemm(self, acc: cute.Tensor, tOrP: cute.Tensor, stage: Int32) -> None:
         """acc += P V_stage, issued (fence, k-steps, commit); not waited for. tOrP: the 16-bit A fragment

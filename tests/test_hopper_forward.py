@@ -430,9 +430,9 @@ def test_three_consumer_kernel_sm90a(compiled, case):
     from stage3_fwd_kernel.wgmma_desc import swizzle_bytes
 
     boxes = case[1] * 2 // swizzle_bytes(case[1], 16)
-    persistent = _mod().default_persistent(case[1], case[2], case[3], varlen="varlen" in case[4]) and \
-        not (case[3] and case[1] > 64)
-    dynamic = persistent and case[3]
+    scheduler = _mod()._resolve_scheduler(None, None, case[1], case[2], case[3], varlen="varlen" in case[4],
+                                          tile_m=192)
+    persistent, dynamic = (getattr(scheduler, name, False) for name in ("persistent", "dynamic"))
     assert rep["UTMALDG"] == boxes * (3 * (2 if dynamic else 1) + 2 * (2 if persistent else 1))
     # 2 masked softmax sites (first block, masked loop) x 64 scores per thread = 128 selects, + a few
     assert len(re.findall(r"\bFSEL\b", comp.sass)) < 2 * 64 + 64

@@ -21,33 +21,36 @@ P_SMEM_CASES = [c for c in hf.COMPILE_CASES if c[7] == 192 and c[1] > 64]
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_where_p_goes_through_shared_memory():
-    """Only 192 rows above d = 64 (up to 96) take it; three consumers at 32 / 160 registers; the key split,
-    paged and split-tail builds and the dynamic hand-out refuse it by name, and a dense call's default
-    split tail is off there (at 1 x 11520 x 16 heads the default would split the last wave)."""
+    """Only 192 rows above d = 64 (up to 96) take it; three consumers at 32 / 160 registers; causal calls
+    walk it one CTA per tile by default (their dynamic persistent build spilled 20 bytes), non-causal
+    dense ones keep the persistent default."""
     import cutlass
 
     mod = hf._mod()
-    from stage3_fwd_kernel.hopper import host
-    from stage3_fwd_kernel.hopper.host import PLAIN
-
     assert [mod.p_through_smem(tm, d, d) for tm, d in ((192, 96), (192, 64), (128, 96))] == [True, False, False]
     k96 = mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192)
     assert k96.p_smem and (k96.regs_producer, k96.regs_consumer) == (32, 160)
     assert not mod.make_kernel(cutlass.BFloat16, 64, 64, False, tile_m=192).p_smem
-    with pytest.raises(ValueError, match="stages P in shared memory"):
-        mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192, key_split=True)
-    with pytest.raises(ValueError, match="scheduler: 192 rows"):
-        mod.make_kernel(cutlass.BFloat16, 96, 96, True, tile_m=192,
-                        scheduler=mod._resolve_scheduler(None, True, 96, 96, True, tile_m=192))
     assert not getattr(mod._resolve_scheduler(None, None, 96, 96, True, seqlen_k=1024, tile_m=192), "persistent", False)
-    assert host._split_tail_for(PLAIN, None, 192, 96, 96) is False
-    assert host._split_tail_for(PLAIN, None, 192, 64, 64) is None and host._split_tail_for(PLAIN, None, 128, 96, 96) is None
-    with pytest.raises(ValueError, match="split_tail: not with tile_m=192"):
-        host._split_tail_for(PLAIN, True, 192, 96, 96)
-    static = mod._resolve_scheduler(None, None, 96, 96, False, seqlen_k=11520, tile_m=192)
-    assert mod.split_tail_plan(None, static, False, 1, 11520, 16, 11520, 192, 128, 132) is not None
-    assert mod.split_tail_plan(host._split_tail_for(PLAIN, None, 192, 96, 96), static, False, 1, 11520, 16,
-                               11520, 192, 128, 132) is None
+    assert getattr(mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=1024, tile_m=192), "persistent", False)
+    assert getattr(mod._resolve_scheduler(None, None, 96, 96, False, seqlen_k=8192, tile_m=192), "persistent", False)
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("build", [dict(split_tail=True), dict(page_size=16, varlen=True, seqused_k=True),
+                                   dict(key_split=True, batch_map=True)], ids=["split-tail", "paged16", "key-split"])
+def test_p_through_shared_memory_in_the_other_builds(build):
+    """The split tail (its epilogue), paged K / V (its producer) and the key split (both) leave the main
+    loop as it is, so P goes through shared memory there too: no spills, no serialized wgmma, and every
+    P V wgmma reads both operands by descriptor."""
+    import re
+
+    comp = hf._mod().compile_only("bf16", 96, 96, False, tile_m=192, **build)
+    rep = comp.report
+    assert rep["spill_stores"] == rep["spill_loads"] == 0 and not rep["wgmma_serialized"], rep["ptxas_log"]
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n96k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*([^;]*);", comp.ptx)
+    assert pv and all(ops.strip().endswith("p, 1, 1, 0, 1") and not ops.lstrip().startswith("{") for ops in pv)
 
 
 def _compiled(case):

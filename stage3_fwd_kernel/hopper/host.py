@@ -16,7 +16,7 @@ from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
 from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, _check_head_dims, _check_scale, _check_tile_m,
-    default_tile_n, make_policy, p_through_smem)
+    default_tile_n, make_policy)
 from stage3_fwd_kernel.hopper.kernel import FlashAttentionForwardSm90
 from stage3_fwd_kernel.hopper.scheduling import (
     _launch_ctas, _resolve_scheduler, _tile_counter, default_persistent)
@@ -160,18 +160,6 @@ def _no_split_with(variant: Variant, split_tail):
     return False
 
 
-def _split_tail_for(variant: Variant, split_tail, tile_m: int, d: int, dv: int):
-    """split_tail for a dense call (None: split_tail_plan decides): refused, or off, where the split-tail
-    build has no path -- the variants (_no_split_with) and P through shared memory (192 rows above
-    d = 64, config.p_through_smem)."""
-    split_tail = _no_split_with(variant, split_tail)
-    if p_through_smem(tile_m, d, dv):
-        if split_tail:
-            raise ValueError(f"split_tail: not with tile_m=192 at head dims ({d}, {dv}) (P through shared memory)")
-        return False
-    return split_tail
-
-
 def _nothing_visible(out, lse, sink, head_dim: int):
     """No key anywhere: O = 0 and lse = -inf, or the head's sink (lse's head mode is head_dim)."""
     out.zero_()
@@ -218,7 +206,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
     tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant.window)
     policy.check_dtype(dt)
-    split_tail = _split_tail_for(variant, split_tail, tile_m, d, dv)
+    split_tail = _no_split_with(variant, split_tail)
     if b > 65535 or hq > 65535:
         raise ValueError(f"batch ({b}) and heads ({hq}) must be <= 65535 (grid y / z limit)")
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, seqlen_k=k.shape[1], tile_m=tile_m,

@@ -102,12 +102,6 @@ class FlashAttentionForwardSm90:
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
         # P V's A operand: registers, or (192 rows above d = 64) P stored to shared memory (config.p_through_smem)
         self.p_smem = p_through_smem(tile_m, head_dim, head_dim_v)
-        if self.p_smem and (key_split or page_size is not None or split_tail):
-            raise ValueError(f"tile_m: 192 at head dims ({head_dim}, {head_dim_v}) stages P in shared memory, "
-                             "which the key split, paged and split-tail builds do not take; use 128")
-        if self.p_smem and self.dynamic:
-            raise ValueError(f"scheduler: 192 rows at head dims ({head_dim}, {head_dim_v}) with the dynamic "
-                             "hand-out spill registers; walk one CTA per tile (persistent=False) or use tile_m 128")
         # a paged K/V cache (components.paged_kv): K/V loads go through the page table
         self.page_size = None if page_size is None else check_page_size(page_size, self.tile_n)
         self.blocks_per_page = 1 if page_size is None else max(1, page_size // self.tile_n)

@@ -74,12 +74,12 @@ RECORDS = 4
 # WAR hazard against the producer's next item store; a padded slot keeps such over-reads inside it.
 RECORD_STRIDE = 8
 ITEM_WORDS = 4
+TILES_CAP = 1 << 30   # "a next tile follows" always holds inside a persistent CTA's walks
 
 
 def records_layout():
     """(RECORD_WORDS, RECORDS) words of the record ring, slot-major with a RECORD_STRIDE stride."""
     return cute.make_layout((RECORD_WORDS, RECORDS), stride=(1, RECORD_STRIDE))
-TILES_CAP = 1 << 30   # "a next tile follows" always holds inside a persistent CTA's walks
 
 
 class ItemSpace(NamedTuple):
