@@ -235,12 +235,14 @@ def test_narrow_windows_take_128_row_tiles_at_d64():
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_tile_m_defaults_and_validation():
-    """192 rows (three consumer warpgroups) at d = 64, 128 elsewhere; 192 taken up to d = 96 (P through
-    shared memory above d = 64, config.p_through_smem) and refused above."""
+    """192 rows (three consumer warpgroups) at d = 64 and at d = 96 non-causal (P through shared memory
+    above d = 64, config.p_through_smem), 128 elsewhere; 192 taken up to d = 96 and refused above."""
     import cutlass
 
     mod = _mod()
-    assert [mod.default_tile_m(d, dv) for d, dv in HEAD_DIMS] == [192, 128, 128, 128, 128, 128]
+    assert [mod.default_tile_m(d, dv) for d, dv in HEAD_DIMS] == [192, 192, 128, 128, 128, 128]
+    assert [mod.default_tile_m(d, dv, True) for d, dv in HEAD_DIMS] == [192, 128, 128, 128, 128, 128]
+    assert mod.default_tile_m(96, 96, gathered=True) == 128  # the page gather's build spilled at 192
     assert mod._check_tile_m(None, 64, 64) == 192 and mod._check_tile_m(128, 64, 64) == 128
     assert mod._check_tile_m(64, 256, 256) == 64  # one consumer warpgroup: any head dims
     for bad in (32, 256, True, 192.0, "192"):
@@ -513,7 +515,7 @@ def test_descriptors_outside_key_block_loop(compiled, case):
     assert len(hot) > 100, "no key-block loop found"
     assert "USHF.R.U32.HI" not in hot, "a descriptor rebuilt from the shared-memory base in the key-block loop"
     hgmma = sum(o.startswith("HGMMA") for o in hot)
-    assert hgmma == d // 16 + default_tile_n(d, dv) // 16, f"{hgmma} HGMMA in the key-block loop"
+    assert hgmma == d // 16 + default_tile_n(d, dv, tile_m, plain=not causal) // 16, f"{hgmma} HGMMA in the loop"
 
 
 @pytest.mark.compile

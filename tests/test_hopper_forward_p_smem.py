@@ -1,6 +1,7 @@
 """The Hopper forward's 192-row tile at head dim 96 (`tile_m=192`): P V reads P from each consumer's
 shared-memory slab, since 160 registers a thread hold S and O there but not P too
-(`stage3_fwd_kernel/hopper/config.py: p_through_smem`). An opt-in, not the default.
+(`stage3_fwd_kernel/hopper/config.py: p_through_smem`), with 144-key tiles (`default_tile_n`). The default
+of non-causal calls without a window at d = 96, one CTA per tile; causal and windowed ones keep 128 rows.
 
 compile tier (sm_90a): every P V wgmma takes both operands by descriptor (V transposed), the hot loop
 publishes P with 32 four-byte stores a thread, the async-proxy fence and a barrier, without spills
@@ -21,9 +22,12 @@ P_SMEM_CASES = [c for c in hf.COMPILE_CASES if c[7] == 192 and c[1] > 64]
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_where_p_goes_through_shared_memory():
-    """Only 192 rows above d = 64 (up to 96) take it; three consumers at 32 / 160 registers; causal calls
-    walk it one CTA per tile by default (their dynamic persistent build spilled 20 bytes), non-causal
-    dense ones keep the persistent default."""
+    """Only 192 rows above d = 64 (up to 96) take it, with 144-key tiles one CTA per tile with plain scores
+    outside a cache (persistent, causal, softcap, paged and key-split builds keep 128); 32 / 160 registers;
+    the default for non-causal calls without a window, walked one CTA per tile (O through Q's buffer)."""
+    from stage3_fwd_kernel.components.window import Window
+    from stage3_fwd_kernel.tile_scheduler import PersistentScheduler
+
     import cutlass
 
     mod = hf._mod()
@@ -33,12 +37,22 @@ def test_where_p_goes_through_shared_memory():
     assert not mod.make_kernel(cutlass.BFloat16, 64, 64, False, tile_m=192).p_smem
     assert not getattr(mod._resolve_scheduler(None, None, 96, 96, True, seqlen_k=1024, tile_m=192), "persistent", False)
     assert getattr(mod._resolve_scheduler(None, None, 64, 64, True, seqlen_k=1024, tile_m=192), "persistent", False)
-    assert getattr(mod._resolve_scheduler(None, None, 96, 96, False, seqlen_k=8192, tile_m=192), "persistent", False)
+    walks = [getattr(mod._resolve_scheduler(None, None, 96, 96, False, seqlen_k=8192, tile_m=tm), "persistent", False)
+             for tm in (192, 128)]
+    assert walks == [False, True]
+    narrow = [mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192, **kw).tile_n
+              for kw in (dict(page_size=16), dict(key_split=True), dict(scheduler=PersistentScheduler()))]
+    narrow += [mod.make_kernel(cutlass.BFloat16, 96, 96, True, tile_m=192).tile_n,
+               mod.FlashAttentionForwardSm90(cutlass.BFloat16, 96, 96, False, tile_m=192, softcap=30.0).tile_n]
+    assert k96.tile_n == 144 and narrow == [128] * 5
+    assert [mod.default_tile_m(96, 96, causal) for causal in (False, True)] == [192, 128]
+    assert mod.default_tile_m(96, 96, False, Window(512, 512)) == mod.default_tile_m(128, 128) == 128
 
 
 @pytest.mark.compile
 @pytest.mark.stage3
-@pytest.mark.parametrize("build", [dict(split_tail=True), dict(page_size=16, varlen=True, seqused_k=True),
+@pytest.mark.parametrize("build", [dict(split_tail=True, persistent=True),
+                                   dict(page_size=16, varlen=True, seqused_k=True),
                                    dict(key_split=True, batch_map=True)], ids=["split-tail", "paged16", "key-split"])
 def test_p_through_shared_memory_in_the_other_builds(build):
     """The split tail (its epilogue), paged K / V (its producer) and the key split (both) leave the main
@@ -66,7 +80,8 @@ def _compiled(case):
 def test_p_through_shared_memory_sm90a(case):
     """192 rows at d = 96: every P V wgmma (m64n96k16) reads both operands from shared memory (two
     descriptors, V transposed: "p, 1, 1, 0, 1"), none from registers; each warpgroup stores its P
-    slab (64 x 128, 16 KB) once per key block before its barrier, within 160 registers and no spill."""
+    slab (64 x 144, or 64 x 128 causal) once per key block before its barrier, within 160 registers and
+    no spill."""
     import re
 
     comp = _compiled(case)
@@ -76,12 +91,14 @@ def test_p_through_shared_memory_sm90a(case):
     rep = comp.report
     assert rep["spill_stores"] == rep["spill_loads"] == rep["LDL/STL"] == 0 and not rep["wgmma_serialized"]
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
-    # the hot loop publishes P: 32 four-byte stores a thread (64 x 128 x 2 B over 128 threads), then the
-    # async-proxy fence and a barrier before the next P V reads the slab
+    # the hot loop publishes P: 36 four-byte stores a thread (64 x 144 x 2 B over 128 threads; 32 with the
+    # causal build's 128 keys), then the async-proxy fence and a barrier before the next P V reads the slab
     from stage3_fwd_kernel.sass_report import key_block_loop
 
     hot = key_block_loop(comp.sass)
-    assert sum(o.startswith("STS") for o in hot) == 32
+    dt, d, dv, causal, *_ = case
+    tn = hf._mod().default_tile_n(d, dv, 192, plain=not causal)
+    assert sum(o.startswith("STS") for o in hot) == 64 * tn * 2 // 512
     tail = hot[max(i for i, o in enumerate(hot) if o.startswith("STS")):]
     fence = tail.index("FENCE.VIEW.ASYNC.S")
     assert any(o.startswith("BAR.SYNC") for o in tail[fence:]), tail

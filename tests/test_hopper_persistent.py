@@ -127,8 +127,9 @@ def test_persistent_matches_static(d, dv, causal, sq, sk):
     """Persistent CTAs compute each tile with the same operations as one CTA per tile: FA4's rule
     and bitwise the static kernel's result, with 5 CTAs (each walks many tiles: the ring position
     and Q's phase carry across tiles, including tiles without a visible key, 300 x 70 causal) and
-    with one CTA per SM. Above head dim 128 O goes from registers to global memory (o_direct): the
-    same values, other stores, rows past seqlen_q skipped."""
+    with one CTA per SM (bitwise where both walk the same key tiles, _same_key_tiles). Above head dim
+    128 O goes from registers to global memory (o_direct): the same values, other stores, rows past
+    seqlen_q skipped."""
     import torch
 
     from stage3_fwd_kernel import tile_scheduler
@@ -143,7 +144,16 @@ def test_persistent_matches_static(d, dv, causal, sq, sk):
     # (split_tail off: a split tail is the same result up to the order of additions, test_split_tail_*)
     for sched in (P(num_ctas=5), P(num_ctas=5, dynamic=True), None):
         out, lse = hf._dense(q, k, v, causal=causal, scheduler=sched, persistent=True, split_tail=False)
-        assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+        assert not _same_key_tiles(d, dv, causal) or (torch.equal(out, static[0]) and torch.equal(lse, static[1]))
+
+
+def _same_key_tiles(d, dv, causal):
+    """Whether one CTA per tile and persistent CTAs walk the same key tiles, so that their sums agree
+    bitwise: not at d = 96 non-causal (144 keys one CTA per tile, 128 persistent: config.default_tile_n),
+    where each result is held to FA4's rule alone."""
+    mod = hf._mod()
+    tile_m = mod.default_tile_m(d, dv, causal)
+    return len({mod.default_tile_n(d, dv, tile_m, plain=not causal, persistent=p) for p in (False, True)}) == 1
 
 
 @pytest.mark.cpu
@@ -400,12 +410,13 @@ def test_persistent_lpt_order_and_repeats(d):
 @pytest.mark.gpu
 @pytest.mark.stage3
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,ratio,seqused", [(128, 2, True), (64, 8, True), (96, 1, False)],
-                         ids=["d128-gqa2-seqused", "d64-gqa8-seqused", "d96-mha"])
+@pytest.mark.parametrize("d,ratio,seqused", [(128, 2, True), (64, 8, True), (96, 1, True)],
+                         ids=["d128-gqa2-seqused", "d64-gqa8-seqused", "d96-mha-seqused"])
 def test_persistent_varlen(causal, d, ratio, seqused):
     """Packed batches with q-empty and k-empty sequences, NaN cache slots past seqused_k and a
     reversed batch_map, walked by 3 persistent CTAs, striding and dynamic (the tiles past a
-    sequence's end are skipped inside the loop): FA4's rule and bitwise the static kernel."""
+    sequence's end are skipped inside the loop): FA4's rule and bitwise the static kernel (where both
+    walk the same key tiles, _same_key_tiles)."""
     import torch
 
     from stage3_fwd_kernel import tile_scheduler
@@ -417,6 +428,6 @@ def test_persistent_varlen(causal, d, ratio, seqused):
     P = tile_scheduler.PersistentScheduler
     for sched in (P(num_ctas=3), P(num_ctas=3, dynamic=True)):
         out, lse = hf._varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm, scheduler=sched)
-        assert torch.equal(out, static[0]) and torch.equal(lse, static[1])
+        assert not _same_key_tiles(d, d, causal) or (torch.equal(out, static[0]) and torch.equal(lse, static[1]))
     q0, q1 = int(cu_q[1]), int(cu_q[2])  # the k-empty sequence: exactly 0 / -inf
     assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))

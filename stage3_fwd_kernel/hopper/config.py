@@ -26,8 +26,30 @@ Q_SHIFT_TILE_MS = (192,)
 # this scale up (fa4's validation uses the same bound). Real scales are ~1/sqrt(d).
 
 
-def default_tile_n(head_dim: int, head_dim_v: int) -> int:
-    """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S."""
+def p_through_smem(tile_m: int, head_dim: int, head_dim_v: int) -> bool:
+    """Whether O += P V reads P from shared memory instead of registers: a 192-row tile above head dim 64.
+    Three consumers get 160 registers a thread; S (64) + P (32) + O (dv / 2) fit that only up to d = 64,
+    while P stored to shared memory frees its registers right after, so S + O fit up to d = 96 (the
+    official kernel's d = 96 tile is 192 rows with P in shared memory)."""
+    return tile_m == 192 and max(head_dim, head_dim_v) > 64
+
+
+MAX_HEAD_DIM_192 = 96  # the widest head dims a 192-row tile holds (P through shared memory above 64)
+
+
+def default_tile_n(head_dim: int, head_dim_v: int, tile_m: int = 128, *, plain: bool = False,
+                   persistent: bool = False, cache: bool = False) -> int:
+    """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S; 144 for
+    the 192-row tile at d = 96 (P through shared memory; S's 72 registers a thread still fit beside O's
+    48) with plain scores (no causal mask, window or softcap), walked one CTA per tile, outside a cache.
+    The mask's or the softcap's registers spill there (causal 8 bytes, softcap 4, varlen softcap 64); a
+    persistent CTA keeps O apart from Q, and 144-key stages beside it leave O to registers (o_direct:
+    8 spilled bytes, 28 with the split tail); paged and key-split builds count pages and chunks in
+    128-key blocks. On an H200 (d = 96, non-causal, 1k-16k) 144 keys ran 1.03-1.05x of the official
+    kernel one CTA per tile, against 1.02-1.09x at 1k-4k and 0.98x at 8k / 16k with 128
+    (docs/measurements.md, 2026-12-01 "the d = 96 forward's 192 x 144 tile")."""
+    if p_through_smem(tile_m, head_dim, head_dim_v) and plain and not (persistent or cache):
+        return 144
     return 64 if max(head_dim, head_dim_v) > 192 else 128
 
 
@@ -48,18 +70,24 @@ def window_keys(causal: bool, window) -> int | None:
     return window.left + (0 if causal else window.right)
 
 
-def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=None) -> int:
+def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=None,
+                   gathered: bool = False) -> int:
     """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128;
-    128 at d <= 64 too under a window of at most NARROW_WINDOW_KEYS keys (above).
+    128 at d <= 64 too under a window of at most NARROW_WINDOW_KEYS keys (above). At d = 96, 192 for
+    non-causal calls without a window (P through shared memory, p_through_smem) unless the producer
+    gathers K / V pages (`gathered`: that build spilled 28 bytes); causal ones keep 128 (on an H200
+    1.08-1.34x of the official kernel at 1k-4k against 192 x 144's 1.03-1.06x; 192 x 144 led at 8k /
+    16k, 1.04 / 1.03x against 0.99 / 0.96x).
 
     At d = 64 a tile's MMAs are half of d = 128's, so the per-tile softmax and issue overheads
     weigh twice as much; 192 rows amortize every K/V load over 1.5x the rows and give the tensor
     cores three warpgroups to rotate. It costs registers: 160 per consumer thread instead of 240
     (128 x (32 + 3 x 160) = 65536, the whole register file), which fits d = 64 without spills
-    (S 64 + P 32 + O 32 + softmax state) and nothing larger.
+    (S 64 + P 32 + O 32 + softmax state) with P in registers, and d = 96 with P through shared memory.
     measured: docs/measurements.md"""
     if max(head_dim, head_dim_v) > 64:
-        return 128
+        windowed = window is not None and window.limited
+        return 192 if max(head_dim, head_dim_v) <= MAX_HEAD_DIM_192 and not (causal or windowed or gathered) else 128
     keys = window_keys(causal, window)
     return 128 if keys is not None and keys <= NARROW_WINDOW_KEYS else 192
 
@@ -112,22 +140,13 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
     return SoftmaxPolicy(rescale_threshold=rescale_threshold, emulation_fraction=emulation_fraction)
 
 
-def p_through_smem(tile_m: int, head_dim: int, head_dim_v: int) -> bool:
-    """Whether O += P V reads P from shared memory instead of registers: a 192-row tile above head dim 64.
-    Three consumers get 160 registers a thread; S (64) + P (32) + O (dv / 2) fit that only up to d = 64,
-    while P stored to shared memory frees its registers right after, so S + O fit up to d = 96 (the
-    official kernel's d = 96 tile is 192 rows with P in shared memory)."""
-    return tile_m == 192 and max(head_dim, head_dim_v) > 64
 
 
-MAX_HEAD_DIM_192 = 96  # the widest head dims a 192-row tile holds (P through shared memory above 64)
-
-
-def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None) -> int:
-    """tile_m of a call: the default of its head dims and window (default_tile_m) when None, else one
-    of TILE_MS (192: d, dv <= 96)."""
+def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None, gathered: bool = False) -> int:
+    """tile_m of a call: the default of its head dims, window and page gather (default_tile_m) when None,
+    else one of TILE_MS (192: d, dv <= 96)."""
     if tile_m is None:
-        return default_tile_m(d, dv, causal, window)
+        return default_tile_m(d, dv, causal, window, gathered)
     if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
         raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
     if tile_m == 192 and max(d, dv) > MAX_HEAD_DIM_192:

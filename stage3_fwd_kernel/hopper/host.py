@@ -128,10 +128,10 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
                    split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
 
-def _check_call(q, d, dv, tile_m, softmax_scale, causal, window):
+def _check_call(q, d, dv, tile_m, softmax_scale, causal, window, gathered: bool = False):
     """(tile_m, cutlass dtype, softmax_scale) of a call whose head dims are checked, checked (window:
-    the call's beyond_causal)."""
-    tile_m = _check_tile_m(tile_m, d, dv, causal, window)
+    the call's beyond_causal; gathered: pages the producer gathers, components.paged_kv.gathered)."""
+    tile_m = _check_tile_m(tile_m, d, dv, causal, window, gathered)
     return tile_m, host_io.cutlass_dtype(q.dtype), _check_scale(softmax_scale, d)
 
 
@@ -331,10 +331,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dv = v.shape[-1]
     _check_head_dims(d, dv)
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant.window)
+    gather = gathered(page_size, default_tile_n(d, dv))
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant.window, gather)
     policy.check_dtype(dt)
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m,
-                                   gathered_pages=gathered(page_size, default_tile_n(d, dv)))
+                                   gathered_pages=gather)
     check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
     out, lse = _outputs(out, lse, (tq, hq, dv), (hq, tq), q)
     if check_values and page_table is not None:
@@ -459,7 +460,8 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     if k.shape[-1] != d or k.shape[2] == 0 or hq % k.shape[2]:
         raise ValueError(f"k: head dim {k.shape[-1]} and {k.shape[2]} heads do not match q's {d} and {hq}")
     variant = Variant(window, check_softcap(softcap), False)
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, window)
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, window,
+                                            gathered(page_size, tile_n))
     policy.check_dtype(dt)
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
@@ -502,7 +504,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
-    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
+    gather = gathered(page_size, default_tile_n(head_dim, head_dim_v))
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window, gather)
     if key_split and (varlen or learnable_sink or split_tail or (batch_map and page_size is not None)):
         raise ValueError("key_split: a dense build (batch_map: each sequence's cache row, not with page_size) without "
                          "a sink or a split tail")
@@ -517,8 +520,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     if key_split:
         persistent = False
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m,
-                                   variant.window.left is not None,
-                                   gathered_pages=gathered(page_size, default_tile_n(head_dim, head_dim_v)),
+                                   variant.window.left is not None, gathered_pages=gather,
                                    windowed=variant.window.limited)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,

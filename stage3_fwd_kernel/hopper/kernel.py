@@ -99,7 +99,9 @@ class FlashAttentionForwardSm90:
         self.head_dim_v = head_dim_v
         self.causal = causal
         self.tile_m = tile_m
-        self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v)
+        plain = not (causal or window.limited or softcap)
+        self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v, tile_m, plain=plain, persistent=self.persistent,
+                                               cache=page_size is not None or key_split)
         # P V's A operand: registers, or (192 rows above d = 64) P stored to shared memory (config.p_through_smem)
         self.p_smem = p_through_smem(tile_m, head_dim, head_dim_v)
         # a paged K/V cache (components.paged_kv): K/V loads go through the page table
@@ -217,14 +219,23 @@ class FlashAttentionForwardSm90:
             return slot
         return cute.composition(slot, cute.make_layout((rows, cols), stride=(1, self.tile_n)))
 
-    def _gmem_copy_O(self, cols: int):
-        """128 threads, 16 bytes each, a row of the swizzle atom per group of threads."""
-        elems = 128 // self.dtype.width
+    def _gmem_copy_O(self, cols: int, bits: int = 128):
+        """128 threads, `bits` each (16 bytes: O's stores), a row of the swizzle atom per group of threads."""
+        elems = bits // self.dtype.width
         atom_cols = 64 if cols % 64 == 0 else (32 if cols % 32 == 0 else 16)
         threads_per_row = atom_cols // elems
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=bits)
         thr = cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0))  # one warpgroup
         return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+    def zero_copy_V(self, copy_16B):
+        """The tiled copy that zeroes a V stage's tail rows (mainloop.zero_rows): O's 16-byte one where its
+        pass of rows (16 or 32) divides tile_n; else (144 keys at dv = 96: 32-row passes) 8-byte stores,
+        16 rows a pass."""
+        rows_per_pass = cute.size(copy_16B.tiler_mn[0])
+        if self.tile_n % rows_per_pass == 0:
+            return copy_16B
+        return self._gmem_copy_O(self.head_dim_v, bits=64)
 
     def _check_call(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
                     mPageTable):

@@ -290,13 +290,14 @@ def wait_kv(cfg, pipe, st: pipeline.PipelineState):
 
 @cute.jit
 def zero_rows(cfg, sV_stage: cute.Tensor, first_row: Int32, ctidx: Int32, copy_16B: cute.TiledCopy):
-    """sV_stage[first_row:, :] = 0 with the epilogue's 128-thread, 16-byte tiled copy (it tiles any
-    (rows, dv) tile): a zero fragment, row-predicated; tile_n * dv / 1024 stores a thread."""
-    thr = copy_16B.get_slice(ctidx)
+    """sV_stage[first_row:, :] = 0 with the epilogue's 128-thread, 16-byte tiled copy, or an 8-byte one
+    where its passes do not tile tile_n (kernel.zero_copy_V): a zero fragment, row-predicated."""
+    copy = cfg.zero_copy_V(copy_16B)
+    thr = copy.get_slice(ctidx)
     tZsV = thr.partition_D(sV_stage)
     tZcV = thr.partition_D(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim_v)))
     tZrZ = cute.make_rmem_tensor_like(tZsV, cfg.dtype)
     tZrZ.fill(0.0)
     for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
         if tZcV[0, m, 0][0] >= first_row:
-            cute.copy(copy_16B, tZrZ[None, m, None], tZsV[None, m, None])
+            cute.copy(copy, tZrZ[None, m, None], tZsV[None, m, None])

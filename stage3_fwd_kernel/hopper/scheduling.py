@@ -6,11 +6,12 @@ per SM instead of once per tile. Causal and windowed calls need the dynamic hand
 counter): their tiles differ in length (a window's are short near the sequence's ends), and with fixed
 striding the CTAs that drew long ones finish late -- worst when the SM count is a multiple of the
 tiles per head, so that every CTA keeps drawing the same query tile of each head.
-Two exceptions, where persistent CTAs tied or lost: long causal calls at d = 64 (three consumer
+Three exceptions, where persistent CTAs tied or lost: long causal calls at d = 64 (three consumer
 warpgroups, from PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K keys on, unless a left window keeps every
-tile short), and head dims above 128,
-where O would go from registers (`o_direct`; available with persistent=True). Varlen batches stay
-one CTA per tile unless asked.
+tile short), head dims above 128, where O would go from registers (`o_direct`; available with
+persistent=True), and the 192 x 144 tile at d = 96 (P through shared memory): its O would go from
+registers too, and on an H200 it ran 0.97-0.99x of the official kernel persistent against 1.03-1.05x
+one CTA per tile (non-causal, 1k-16k). Varlen batches stay one CTA per tile unless asked.
 measured: docs/measurements.md
 """
 from __future__ import annotations
@@ -31,9 +32,10 @@ def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: boo
     the window's ~10 key blocks, so a CTA that stays resident hides each tile's start and epilogue
     behind the next tile's loads, whatever the sequence length (d = 64, window 1024 at 8k / 16k on
     an H200: 0.91 / 0.92x of the official kernel on one CTA per tile, 0.97 / 0.99x persistent)."""
-    if varlen or max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM:
+    tile_m = tile_m or default_tile_m(head_dim, head_dim_v, causal)
+    if varlen or max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM or p_through_smem(tile_m, head_dim, head_dim_v):
         return False
-    if causal and not left_window and (tile_m or default_tile_m(head_dim, head_dim_v)) == 192:
+    if causal and not left_window and tile_m == 192:
         return seqlen_k is None or seqlen_k < PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K
     return True
 
@@ -56,8 +58,6 @@ def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varl
     dynamic = (causal or varlen or windowed) and not gathered_pages
     if persistent is None:
         persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m, left_window)
-        # P through shared memory (192 rows above d = 64) spills with the dynamic hand-out's registers
-        persistent = persistent and not (dynamic and p_through_smem(tile_m or 0, head_dim, head_dim_v))
     if persistent:
         # tiles of different lengths need the dynamic hand-out
         scheduler = _persistent_over(scheduler, dynamic)
