@@ -22,7 +22,8 @@
 # - the paper's roofline (tensor cores, shared memory, exponential unit per tile), and why on
 #   Hopper the exponential unit matters at small head dims (`exp / MMA = 64 / d`);
 # - what the production kernel adds around the lessons' tile loop: persistent CTAs, a split last
-#   wave, wgmma descriptors built once, and P packed between the exponentials;
+#   wave, P through shared memory when registers run out (d = 96), wgmma descriptors built once, and
+#   P packed between the exponentials;
 # - how the Blackwell kernel spends its 512 columns of tensor memory, why a correction warpgroup
 #   takes the O rescale off the softmax's path, and why P is stored in two stages.
 #
@@ -547,6 +548,61 @@ for row in tail_runs["results"]:
 # %% [markdown]
 # The measured lines (`benchmarks/inspect/wave_tail.py`: each length timed next to a shape that fills
 # whole waves) show both kernels losing about what an idle last wave predicts at 8k and 16k.
+#
+# ## d = 96: when P no longer fits in registers, it goes through shared memory
+# Three consumer warpgroups (192 query rows) pay off at small head dims, but the register file is
+# 65536 registers: with a 128-thread producer at 32 registers, each consumer thread gets 160. A
+# consumer's 64 x `tn` tile holds S in fp32 (`tn / 2` registers a thread), P packed to 16 bits
+# (`tn / 4`) and O in fp32 (`dv / 2`), plus the softmax's row state and addresses (about 30). At
+# d = 64 that fits; at d = 96 it does not. Storing P to a shared-memory slab right after the
+# exponentials frees its registers (P V then reads P by descriptor, like K and V), at the price of
+# shared memory, a fence and a 128-thread barrier every key block. With P out of registers, 144 keys
+# fit too: the official kernel's d = 96 tile. The arithmetic:
+
+# %%
+def consumer_registers(d, tn, p_in_registers):
+    s, p, o = tn // 2, tn // 4 if p_in_registers else 0, d // 2
+    return s, p, o, s + p + o + 30  # ~30: row max / sum, the rescale vote, addresses
+
+
+for d, tn, p_reg in ((64, 128, True), (96, 128, True), (96, 128, False), (96, 144, False), (96, 144, True)):
+    s, p, o, total = consumer_registers(d, tn, p_reg)
+    print(f"d = {d}, {tn} keys, P in {'registers    ' if p_reg else 'shared memory'}: S {s} + P {p:>2} + O {o} "
+          f"+ ~30 = {total:>3} of 160 {'fits' if total <= 160 else 'spills'}")
+KIB = 1024
+q_b, p_b, kv_stage = 192 * 96 * 2, 192 * 144 * 2, 144 * (96 + 96) * 2   # bytes: Q, P slabs, one K+V stage
+print(f"shared memory, 192 x 144: Q {q_b // KIB} + P {p_b // KIB} + 2 K/V stages {2 * kv_stage // KIB} = "
+      f"{(q_b + p_b + 2 * kv_stage) // KIB} KiB of 227 (O reuses Q's buffer); a persistent CTA's own O "
+      f"buffer would add {q_b // KIB}")
+
+# %% [markdown]
+# That last line is why this tile runs one CTA per tile: a persistent CTA stages O apart from Q so the
+# next tile's Q can load during the epilogue, and beside 144-key stages O would have to go from
+# registers. The measurement (an H200, paired rounds against the official kernel, non-causal d = 96):
+
+# %%
+tile_runs = json.loads((RESULTS / "ab_fwd_h200_d96_tile192_tn144.json").read_text())
+names = {"fa4": "128 x 128, persistent (the old default)",
+         "stage3_fwd_kernel.hopper~tile_m=192": "192 x 128, persistent",
+         "stage3_fwd_kernel.hopper~tile_m=192~persistent=False": "192 x 128, one CTA per tile",
+         "probe_tn~tile_m=192": "192 x 144, persistent",
+         "probe_tn~tile_m=192~persistent=False": "192 x 144, one CTA per tile (the default now)"}
+fig, ax = plt.subplots(figsize=(8, 3.2))
+for impl, label in names.items():
+    rows = sorted((r for r in tile_runs["results"] if r["impl"] == impl), key=lambda r: r["seqlen"])
+    ax.plot([r["seqlen"] // 1024 for r in rows], [r["ratio_median"] for r in rows], marker="o", label=label)
+ax.axhline(1.0, color="grey", lw=0.8)
+ax.set(xscale="log", xticks=[1, 2, 4, 8, 16], xticklabels=["1k", "2k", "4k", "8k", "16k"], xlabel="keys",
+       ylabel="official time / ours", title=f"d = 96 forward tiles, non-causal ({tile_runs['device']})")
+ax.legend(fontsize=7)
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Causal calls keep 128 x 128: the mask's registers spill the 144-key build, and at 1k-4k the smaller
+# tile leads (docs/measurements.md, 2026-12-01, "the d = 96 forward's 192 x 144 tile"). Code:
+# `stage3_fwd_kernel/hopper/config.py` (`p_through_smem`, `default_tile_m`, `default_tile_n`) and
+# `hopper/mainloop.py` (`publish_P`).
 #
 # ## Reading the hot loop: bookkeeping is instructions too
 # Once the math is right, the key-block loop still holds instructions that are neither MMA nor

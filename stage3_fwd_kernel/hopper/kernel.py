@@ -52,7 +52,7 @@ from stage3_fwd_kernel.hopper.gather import gather_unroll
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_POLICY, MAX_HEAD_DIM_192, Q_SHIFT_TILE_MS, TILE_MS, check_persistent_smem, default_num_stages,
     default_tile_n, o_fits_beside_q, p_through_smem)
-from stage3_fwd_kernel.hopper.mainloop import ConsumerArgs, consume
+from stage3_fwd_kernel.hopper.mainloop import ConsumerArgs, consume, row_copy
 from stage3_fwd_kernel.hopper.producer import SmemBuffers, TmaLoads, produce
 from stage3_fwd_kernel.hopper.split_tail import SPLIT_TAIL_UNSUPPORTED, split_tail_supported
 from stage3_fwd_kernel.host_io import assume_strides_16B, top_padding
@@ -219,24 +219,6 @@ class FlashAttentionForwardSm90:
             return slot
         return cute.composition(slot, cute.make_layout((rows, cols), stride=(1, self.tile_n)))
 
-    def _gmem_copy_O(self, cols: int, bits: int = 128):
-        """128 threads, `bits` each (16 bytes: O's stores), a row of the swizzle atom per group of threads."""
-        elems = bits // self.dtype.width
-        atom_cols = 64 if cols % 64 == 0 else (32 if cols % 32 == 0 else 16)
-        threads_per_row = atom_cols // elems
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=bits)
-        thr = cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0))  # one warpgroup
-        return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
-
-    def zero_copy_V(self, copy_16B):
-        """The tiled copy that zeroes a V stage's tail rows (mainloop.zero_rows): O's 16-byte one where its
-        pass of rows (16 or 32) divides tile_n; else (144 keys at dv = 96: 32-row passes) 8-byte stores,
-        16 rows a pass."""
-        rows_per_pass = cute.size(copy_16B.tiler_mn[0])
-        if self.tile_n % rows_per_pass == 0:
-            return copy_16B
-        return self._gmem_copy_O(self.head_dim_v, bits=64)
-
     def _check_call(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
                     mPageTable):
         if (mPageTable is not None) != (self.page_size is not None):
@@ -364,7 +346,7 @@ class FlashAttentionForwardSm90:
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
                     tma_atom_Q, tma_atom_K, tma_atom_V,
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout,
-                    self._gmem_copy_O(dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
+                    row_copy(self.dtype, dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
                     *((mK, mV) if self.gather else (None, None)), num_splits, chunk_keys, range_keys,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,

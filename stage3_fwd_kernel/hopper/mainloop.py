@@ -288,11 +288,29 @@ def wait_kv(cfg, pipe, st: pipeline.PipelineState):
         cute.arch.fence_view_async_shared()
 
 
+def row_copy(dtype, cols: int, bits: int = 128) -> cute.TiledCopy:
+    """128 threads, `bits` each (16 bytes: O's stores), a row of the swizzle atom per group of threads."""
+    elems = bits // dtype.width
+    atom_cols = 64 if cols % 64 == 0 else (32 if cols % 32 == 0 else 16)
+    threads_per_row = atom_cols // elems
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=bits)
+    thr = cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0))  # one warpgroup
+    return cute.make_tiled_copy_tv(atom, thr, cute.make_layout((1, elems)))
+
+
+def zero_copy_V(cfg, copy_16B: cute.TiledCopy) -> cute.TiledCopy:
+    """The tiled copy that zeroes a V stage's tail rows: O's 16-byte one where its pass of rows (16 or 32)
+    divides tile_n; else (144 keys at dv = 96: 32-row passes) 8-byte stores, 16 rows a pass."""
+    if cfg.tile_n % cute.size(copy_16B.tiler_mn[0]) == 0:
+        return copy_16B
+    return row_copy(cfg.dtype, cfg.head_dim_v, bits=64)
+
+
 @cute.jit
 def zero_rows(cfg, sV_stage: cute.Tensor, first_row: Int32, ctidx: Int32, copy_16B: cute.TiledCopy):
     """sV_stage[first_row:, :] = 0 with the epilogue's 128-thread, 16-byte tiled copy, or an 8-byte one
-    where its passes do not tile tile_n (kernel.zero_copy_V): a zero fragment, row-predicated."""
-    copy = cfg.zero_copy_V(copy_16B)
+    where its passes do not tile tile_n (zero_copy_V): a zero fragment, row-predicated."""
+    copy = zero_copy_V(cfg, copy_16B)
     thr = copy.get_slice(ctidx)
     tZsV = thr.partition_D(sV_stage)
     tZcV = thr.partition_D(cute.make_identity_tensor((cfg.tile_n, cfg.head_dim_v)))
