@@ -229,7 +229,7 @@ class VarlenSchedule:
 
     ``step4_kwargs()`` = ``batch_map`` + an ``LPTCausalScheduler`` for the Hopper forward's padded grid (the
     real tiles then run in ``orders.lpt_varlen`` order). ``tile_m`` should be the kernel's
-    (``stage3_fwd_kernel.hopper.default_tile_m(d, dv)``: 192 at d = 64); another value still gives correct results,
+    (``stage3_fwd_kernel.hopper.default_tile_m(d, dv, causal=True)``: 192 at d = 64); another value still gives correct results,
     only a sort by the wrong tile sizes. ``varlen_scheduler`` is the compact-grid
     ``VarlenLPTScheduler`` for a kernel that passes ``cu_tiles`` to its scheduler.
     ``heads_per_section`` defaults to ``orders.heads_per_section`` (power of two, whole KV

@@ -242,7 +242,8 @@ def test_tile_m_defaults_and_validation():
     mod = _mod()
     assert [mod.default_tile_m(d, dv) for d, dv in HEAD_DIMS] == [192, 192, 128, 128, 128, 128]
     assert [mod.default_tile_m(d, dv, True) for d, dv in HEAD_DIMS] == [192, 128, 128, 128, 128, 128]
-    assert mod.default_tile_m(96, 96, gathered=True) == 128  # the page gather's build spilled at 192
+    # 192 x 144 only: a softcap spills at 144 keys, a cache counts 128-key blocks (a page gather spilled at 192)
+    assert mod.default_tile_m(96, 96, softcap=True) == mod.default_tile_m(96, 96, cache=True) == 128
     assert mod._check_tile_m(None, 64, 64) == 192 and mod._check_tile_m(128, 64, 64) == 128
     assert mod._check_tile_m(64, 256, 256) == 64  # one consumer warpgroup: any head dims
     for bad in (32, 256, True, 192.0, "192"):
@@ -468,7 +469,7 @@ def test_softmax_policy_in_sass(compiled, case):
 
     dt, d, dv, causal, flags, tau, frac, tile_m = case
     rep = compiled(case).report
-    per_thread = 2 * default_tile_n(d, dv) // 4  # 2 rows x tile_n / 4 scores per consumer thread
+    per_thread = 2 * default_tile_n(d, dv, tile_m, plain=not causal) // 4  # 2 rows x tile_n / 4 scores a thread
     emulated = int(per_thread * frac)
     # one FADD.RM per emulated value (the floor step of stage 2's sequence), none when fraction = 0, in
     # each of the softmax's three instances (first block, masked blocks, unmasked hot loop)
@@ -615,7 +616,7 @@ def test_pv_wait_placement(compiled, case):
     from stage3_fwd_kernel.hopper import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m = case
-    per_thread = 2 * default_tile_n(d, dv) // 4
+    per_thread = 2 * default_tile_n(d, dv, tile_m, plain=not causal) // 4
     counts = _exps_before_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
     assert all(0 < c < per_thread for c in counts), counts
@@ -650,7 +651,7 @@ def test_P_packed_before_rescale_branch(compiled, case):
     dt, d, dv, causal, flags, tau, frac, tile_m = case
     counts = _packs_after_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
-    assert counts == [default_tile_n(d, dv) // 4] * len(counts), counts
+    assert counts == [default_tile_n(d, dv, tile_m, plain=not causal) // 4] * len(counts), counts
 
 
 @pytest.mark.compile

@@ -1,15 +1,16 @@
 """The Hopper forward's 192-row tile at head dim 96 (`tile_m=192`): P V reads P from each consumer's
 shared-memory slab, since 160 registers a thread hold S and O there but not P too
-(`stage3_fwd_kernel/hopper/config.py: p_through_smem`), with 144-key tiles (`default_tile_n`). The default
-of non-causal calls without a window at d = 96, one CTA per tile; causal and windowed ones keep 128 rows.
+(`stage3_fwd_kernel/hopper/config.py: p_through_smem`), with 144-key tiles where it walks one CTA per tile
+with plain scores (`default_tile_n`). The default of d = 96 calls without a causal mask, window, softcap
+or cache; the others keep 128 rows unless asked.
 
 compile tier (sm_90a): every P V wgmma takes both operands by descriptor (V transposed), the hot loop
-publishes P with 32 four-byte stores a thread, the async-proxy fence and a barrier, without spills
-(the other compile checks of these builds: test_hopper_forward.py's COMPILE_CASES).
+publishes P with 36 four-byte stores a thread (144 keys), the async-proxy fence and a barrier, without
+spills (the other compile checks of these builds: test_hopper_forward.py's COMPILE_CASES).
 
 gpu tier (H100/H200): out and lse under FA4's rule on the shapes of the d = 64 tile tests, causal or
-not, GQA 1 / 2 / 8, fp16 once, several tiles per persistent CTA, and a varlen batch with an empty
-sequence on poisoned outputs.
+not, GQA 1 / 2 / 8, fp16 once, one CTA per tile and (the big case) several tiles per persistent CTA on
+128-key tiles, a varlen batch with an empty sequence on poisoned outputs, and a learnable sink.
 """
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def test_where_p_goes_through_shared_memory():
 @pytest.mark.stage3
 @pytest.mark.parametrize("build", [dict(split_tail=True, persistent=True),
                                    dict(page_size=16, varlen=True, seqused_k=True),
-                                   dict(key_split=True, batch_map=True)], ids=["split-tail", "paged16", "key-split"])
+                                   dict(key_split=True, batch_map=True), dict(learnable_sink=True),
+                                   dict(learnable_sink=True, varlen=True, seqused_k=True)],
+                         ids=["split-tail", "paged16", "key-split", "sink", "sink-varlen"])
 def test_p_through_shared_memory_in_the_other_builds(build):
     """The split tail (its epilogue), paged K / V (its producer) and the key split (both) leave the main
     loop as it is, so P goes through shared memory there too: no spills, no serialized wgmma, and every
@@ -110,16 +113,19 @@ def test_p_through_shared_memory_sm90a(case):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", hf.TILE_M_SEQLENS, ids=[f"{a}x{b}" for a, b in hf.TILE_M_SEQLENS])
 def test_d96_192_rows_p_through_smem_matches_reference(causal, sq, sk):
-    """tile_m = 192 at d = 96: P V reads P from each warpgroup's shared-memory slab (config.p_through_smem;
-    compiled and checked on the CPU, first run on the GPU by this test). Non-causal calls walk persistent
-    CTAs, causal ones one CTA per tile; fp16 and a varlen batch with an empty sequence in the big case."""
+    """tile_m = 192 at d = 96: P V reads P from each warpgroup's shared-memory slab (config.p_through_smem).
+    One CTA per tile (144 keys non-causal, 128 causal); in the big case also persistent CTAs on 128-key
+    tiles, several tiles each (the slab reused across tiles); fp16 once and a varlen batch with an empty
+    sequence."""
     big = sq * sk > 2_000_000
-    # the big case: 4 x 16 heads of 22 tiles, several tiles per persistent CTA (the slab reused across tiles)
+    # the big case: 4 x 16 heads of 22 tiles
     batch, heads = (4, 16) if big else (3, 8)
     ratio = 2 if big else [1, 2, 8][(sq + sk) % 3]
     q, k, v = hf._randn_qkv(batch, sq, sk, heads, heads // ratio, 96, 96, seed=sq + sk + 96,
                          dtype="fp16" if sq == 799 else "bf16")
     hf._dense(q, k, v, causal=causal, tile_m=192)
+    if big:
+        hf._dense(q, k, v, causal=causal, tile_m=192, persistent=True)
     if sq * sk >= 1024 * 1024:  # a varlen batch: a long sequence, an empty one, a short one
         import torch
 
@@ -140,3 +146,17 @@ def test_d96_192_rows_p_through_smem_matches_reference(causal, sq, sk):
             ref, base = attention_ref(*args, causal=causal), attention_ref(*args, causal=causal, upcast=False)
             assert_fa4_close(f"varlen out [{b0}, {b1})", out[None, b0:b1], ref[0], base[0])
             assert_fa4_close(f"varlen lse [{b0}, {b1})", lse[None, :, b0:b1], ref[1], base[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("sq,sk,hq,hkv", [(113, 203, 4, 2), (1023, 1024, 6, 2)], ids=["113x203", "1023x1024"])
+def test_learnable_sink_on_the_d96_default_tile(sq, sk, hq, hkv):
+    """A sink changes only the softmax's denominator, so d = 96 non-causal calls with one keep the
+    192 x 144 tile (default_tile_m): out and lse under FA4's rule on poisoned outputs."""
+    import test_hopper_variants as hv
+
+    assert hf._mod().default_tile_m(96, 96) == 192
+    q, k, v = hv._qkv(2, sq, sk, hq, hkv, 96, 96, "bf16", sq + sk)
+    hv.run_dense(q, k, v, causal=False, window_size=(None, None), softcap=0.0, sink=hv._sink(hq, sq + sk))
+

@@ -572,8 +572,8 @@ for d, tn, p_reg in ((64, 128, True), (96, 128, True), (96, 128, False), (96, 14
 KIB = 1024
 q_b, p_b, kv_stage = 192 * 96 * 2, 192 * 144 * 2, 144 * (96 + 96) * 2   # bytes: Q, P slabs, one K+V stage
 print(f"shared memory, 192 x 144: Q {q_b // KIB} + P {p_b // KIB} + 2 K/V stages {2 * kv_stage // KIB} = "
-      f"{(q_b + p_b + 2 * kv_stage) // KIB} KiB of 227 (O reuses Q's buffer); a persistent CTA's own O "
-      f"buffer would add {q_b // KIB}")
+      f"{(q_b + p_b + 2 * kv_stage) // KIB} KiB of 227, 199 with barriers and alignment (O reuses Q's buffer); "
+      f"a persistent CTA's own O buffer would add {q_b // KIB}")
 
 # %% [markdown]
 # That last line is why this tile runs one CTA per tile: a persistent CTA stages O apart from Q so the

@@ -46,7 +46,7 @@ def default_tile_n(head_dim: int, head_dim_v: int, tile_m: int = 128, *, plain: 
     persistent CTA keeps O apart from Q, and 144-key stages beside it leave O to registers (o_direct:
     8 spilled bytes, 28 with the split tail); paged and key-split builds count pages and chunks in
     128-key blocks. On an H200 (d = 96, non-causal, 1k-16k) 144 keys ran 1.03-1.05x of the official
-    kernel one CTA per tile, against 1.02-1.09x at 1k-4k and 0.98x at 8k / 16k with 128
+    kernel one CTA per tile, against 1.00-1.09x at 1k-4k and 0.98x at 8k / 16k with 128
     (docs/measurements.md, 2026-12-01 "the d = 96 forward's 192 x 144 tile")."""
     if p_through_smem(tile_m, head_dim, head_dim_v) and plain and not (persistent or cache):
         return 144
@@ -70,14 +70,16 @@ def window_keys(causal: bool, window) -> int | None:
     return window.left + (0 if causal else window.right)
 
 
-def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=None,
-                   gathered: bool = False) -> int:
+def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=None, *,
+                   softcap: bool = False, cache: bool = False) -> int:
     """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128;
-    128 at d <= 64 too under a window of at most NARROW_WINDOW_KEYS keys (above). At d = 96, 192 for
-    non-causal calls without a window (P through shared memory, p_through_smem) unless the producer
-    gathers K / V pages (`gathered`: that build spilled 28 bytes); causal ones keep 128 (on an H200
-    1.08-1.34x of the official kernel at 1k-4k against 192 x 144's 1.03-1.06x; 192 x 144 led at 8k /
-    16k, 1.04 / 1.03x against 0.99 / 0.96x).
+    128 at d <= 64 too under a window of at most NARROW_WINDOW_KEYS keys (above). At d = 96, 192 where
+    the tile is 192 x 144 (P through shared memory, p_through_smem; default_tile_n): non-causal, no
+    window, no softcap, keys not from a cache (paged or key-split: `cache`; a page-gathering build
+    spilled 28 bytes at 192 rows). The rest keep the 128 x 128 tile the 192-row ones were not timed
+    against; causal calls ran 1.08-1.34x of the official kernel at 1k-4k on it against 192 x 144's
+    1.03-1.06x on an H200 (192 x 144 led at 8k / 16k, 1.04 / 1.03x against 0.99 / 0.96x, but its causal
+    build spills: docs/measurements.md, 2026-12-01, "the d = 96 forward's 192 x 144 tile").
 
     At d = 64 a tile's MMAs are half of d = 128's, so the per-tile softmax and issue overheads
     weigh twice as much; 192 rows amortize every K/V load over 1.5x the rows and give the tensor
@@ -87,7 +89,8 @@ def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=
     measured: docs/measurements.md"""
     if max(head_dim, head_dim_v) > 64:
         windowed = window is not None and window.limited
-        return 192 if max(head_dim, head_dim_v) <= MAX_HEAD_DIM_192 and not (causal or windowed or gathered) else 128
+        plain = not (causal or windowed or softcap or cache)
+        return 192 if max(head_dim, head_dim_v) <= MAX_HEAD_DIM_192 and plain else 128
     keys = window_keys(causal, window)
     return 128 if keys is not None and keys <= NARROW_WINDOW_KEYS else 192
 
@@ -142,11 +145,12 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
 
 
 
-def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None, gathered: bool = False) -> int:
-    """tile_m of a call: the default of its head dims, window and page gather (default_tile_m) when None,
-    else one of TILE_MS (192: d, dv <= 96)."""
+def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None, *, softcap: bool = False,
+                  cache: bool = False) -> int:
+    """tile_m of a call: the default of its head dims and variant (default_tile_m) when None, else one
+    of TILE_MS (192: d, dv <= 96)."""
     if tile_m is None:
-        return default_tile_m(d, dv, causal, window, gathered)
+        return default_tile_m(d, dv, causal, window, softcap=softcap, cache=cache)
     if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
         raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
     if tile_m == 192 and max(d, dv) > MAX_HEAD_DIM_192:

@@ -67,7 +67,8 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = 
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window); page_size:
     built for a paged K/V cache (components.paged_kv); key_split: split-KV (components.key_split);
     rows_per_query: q's rows are query tokens times this (packed GQA heads, a key split only)."""
-    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window)
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window, softcap=bool(variant.softcap),
+                           cache=page_size is not None or key_split)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
                                      tile_m=tile_m, split_tail=split_tail, window=variant.window,
                                      softcap=variant.softcap, page_size=page_size, key_split=key_split,
@@ -80,7 +81,8 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
-    tile_m = _check_tile_m(tile_m, d, dv, causal, variant.window)
+    tile_m = _check_tile_m(tile_m, d, dv, causal, variant.window, softcap=bool(variant.softcap),
+                           cache=page_size is not None or key_split)
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
         + (("key_split",) if key_split else ()) + (("rows_per_query", rows_per_query) if rows_per_query != 1 else ()) \
@@ -128,10 +130,10 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
                    split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
 
-def _check_call(q, d, dv, tile_m, softmax_scale, causal, window, gathered: bool = False):
-    """(tile_m, cutlass dtype, softmax_scale) of a call whose head dims are checked, checked (window:
-    the call's beyond_causal; gathered: pages the producer gathers, components.paged_kv.gathered)."""
-    tile_m = _check_tile_m(tile_m, d, dv, causal, window, gathered)
+def _check_call(q, d, dv, tile_m, softmax_scale, causal, variant: Variant, cache: bool = False):
+    """(tile_m, cutlass dtype, softmax_scale) of a call whose head dims are checked, checked (variant:
+    the call's window -- its beyond_causal -- and softcap; cache: keys from a paged cache or a key split)."""
+    tile_m = _check_tile_m(tile_m, d, dv, causal, variant.window, softcap=bool(variant.softcap), cache=cache)
     return tile_m, host_io.cutlass_dtype(q.dtype), _check_scale(softmax_scale, d)
 
 
@@ -204,7 +206,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     dv = v.shape[-1]
     _check_head_dims(d, dv)
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant.window)
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant)
     policy.check_dtype(dt)
     split_tail = _no_split_with(variant, split_tail)
     if b > 65535 or hq > 65535:
@@ -331,11 +333,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     dv = v.shape[-1]
     _check_head_dims(d, dv)
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
-    gather = gathered(page_size, default_tile_n(d, dv))
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant.window, gather)
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant,
+                                            cache=page_size is not None)
     policy.check_dtype(dt)
     scheduler = _resolve_scheduler(scheduler, persistent, d, dv, causal, varlen=True, tile_m=tile_m,
-                                   gathered_pages=gather)
+                                   gathered_pages=gathered(page_size, default_tile_n(d, dv)))
     check_grid(scheduler, -(-int(max_seqlen_q) // tile_m), hq, len(cu_seqlens_q) - 1)
     out, lse = _outputs(out, lse, (tq, hq, dv), (hq, tq), q)
     if check_values and page_table is not None:
@@ -460,8 +462,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     if k.shape[-1] != d or k.shape[2] == 0 or hq % k.shape[2]:
         raise ValueError(f"k: head dim {k.shape[-1]} and {k.shape[2]} heads do not match q's {d} and {hq}")
     variant = Variant(window, check_softcap(softcap), False)
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, window,
-                                            gathered(page_size, tile_n))
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant, cache=True)
     policy.check_dtype(dt)
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
@@ -504,8 +505,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
-    gather = gathered(page_size, default_tile_n(head_dim, head_dim_v))
-    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window, gather)
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window, softcap=bool(variant.softcap),
+                           cache=page_size is not None or key_split)
     if key_split and (varlen or learnable_sink or split_tail or (batch_map and page_size is not None)):
         raise ValueError("key_split: a dense build (batch_map: each sequence's cache row, not with page_size) without "
                          "a sink or a split tail")
@@ -520,7 +521,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     if key_split:
         persistent = False
     scheduler = _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, bool(varlen), seqlen_k, tile_m,
-                                   variant.window.left is not None, gathered_pages=gather,
+                                   variant.window.left is not None,
+                                   gathered_pages=gathered(page_size, default_tile_n(head_dim, head_dim_v)),
                                    windowed=variant.window.limited)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,

@@ -17,14 +17,15 @@ the producer to the consumers inside the CTA's pool: 128 * (p + nc * c) = 65536,
 two consumers ((40, 232) in a gathered build), (32, 160) with three.
 
 Persistent CTAs (`tile_scheduler.PersistentScheduler`, the default for dense calls at head dims
-<= 128, see `scheduling.default_persistent`): one CTA per SM walks the tiles (components.tile_walk),
+<= 128 but the 192-row d = 96 tile, see `scheduling.default_persistent`): one CTA per SM walks the
+tiles (components.tile_walk),
 so the per-CTA fixed cost -- launch, barrier set-up, the first Q and K loads, the O store, about
 2-3 key-block steps of a tile -- is paid once per SM. The producer carries the K/V ring position
 (`kv_base`) and Q's phase across tiles; consumers release Q after their last S, and O gets its own
 buffer (or, `o_direct`, goes from registers to global memory). Causal calls take the next tile
 from an atomic counter (dynamic): the producer publishes each tile id in shared memory before
 arming that tile's Q barrier, and the consumers read it once Q has landed. Bitwise the results of
-one CTA per tile.
+one CTA per tile on the same key tiles (a persistent 192-row d = 96 CTA walks 128 keys, not 144).
 measured: docs/measurements.md
 """
 

@@ -9,9 +9,10 @@ tiles per head, so that every CTA keeps drawing the same query tile of each head
 Three exceptions, where persistent CTAs tied or lost: long causal calls at d = 64 (three consumer
 warpgroups, from PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K keys on, unless a left window keeps every
 tile short), head dims above 128, where O would go from registers (`o_direct`; available with
-persistent=True), and the 192 x 144 tile at d = 96 (P through shared memory): its O would go from
-registers too, and on an H200 it ran 0.97-0.99x of the official kernel persistent against 1.03-1.05x
-one CTA per tile (non-causal, 1k-16k). Varlen batches stay one CTA per tile unless asked.
+persistent=True), and 192-row tiles above d = 64 (P through shared memory): beside the 144-key tile
+they take one CTA per tile, O has no room of its own (a persistent CTA walks 128-key tiles instead:
+on an H200 192 x 128 persistent ran 0.96-0.97x of the official kernel at 8k / 16k, 192 x 144 one CTA
+per tile 1.03-1.05x, non-causal). Varlen batches stay one CTA per tile unless asked.
 measured: docs/measurements.md
 """
 from __future__ import annotations
@@ -31,7 +32,9 @@ def default_persistent(head_dim: int, head_dim_v: int, causal: bool, varlen: boo
     short-call choice (what a build without a length compiles). left_window: the tiles walk only
     the window's ~10 key blocks, so a CTA that stays resident hides each tile's start and epilogue
     behind the next tile's loads, whatever the sequence length (d = 64, window 1024 at 8k / 16k on
-    an H200: 0.91 / 0.92x of the official kernel on one CTA per tile, 0.97 / 0.99x persistent)."""
+    an H200: 0.91 / 0.92x of the official kernel on one CTA per tile, 0.97 / 0.99x persistent).
+    tile_m: the call's resolved tile (the host's entry points pass it); None takes default_tile_m's
+    choice for a call without a window, softcap or cache."""
     tile_m = tile_m or default_tile_m(head_dim, head_dim_v, causal)
     if varlen or max(head_dim, head_dim_v) > PERSISTENT_MAX_HEAD_DIM or p_through_smem(tile_m, head_dim, head_dim_v):
         return False
