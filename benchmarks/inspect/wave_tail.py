@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from stage3_fwd_kernel.hopper.config import default_tile_m
+
 from ..ab_fwd import make_impl, paired_rounds, write_results
 
 
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     rows = []
     for d in (int(x) for x in args.dims.split(",")):
-        tile_m = 192 if d <= 64 else 128  # both kernels' non-causal tile at these head dims
+        tile_m = default_tile_m(d, d)  # both kernels' non-causal tile at these head dims
         for s in (int(x) for x in args.seqlens.split(",")):
             per_head = -(-s // tile_m)
             base = (32768 // s, 2048 // d)
