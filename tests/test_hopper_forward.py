@@ -362,6 +362,13 @@ def _case_id(c):
             f"-f{frac:g}" + ("" if tile_m is None else f"-m{tile_m}"))
 
 
+def _key_tile(d, dv, causal, tile_m):
+    """The key tile a COMPILE_CASES build walks (its tile_m resolved first; no window, softcap or cache)."""
+    from stage3_fwd_kernel.hopper import _check_tile_m, default_tile_n
+
+    return default_tile_n(d, dv, _check_tile_m(tile_m, d, dv, causal), plain=not causal)
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """Compile each case once per module (the compile cache is per process anyway)."""
@@ -469,7 +476,7 @@ def test_softmax_policy_in_sass(compiled, case):
 
     dt, d, dv, causal, flags, tau, frac, tile_m = case
     rep = compiled(case).report
-    per_thread = 2 * default_tile_n(d, dv, tile_m, plain=not causal) // 4  # 2 rows x tile_n / 4 scores a thread
+    per_thread = 2 * _key_tile(d, dv, causal, tile_m) // 4  # 2 rows x tile_n / 4 scores a thread
     emulated = int(per_thread * frac)
     # one FADD.RM per emulated value (the floor step of stage 2's sequence), none when fraction = 0, in
     # each of the softmax's three instances (first block, masked blocks, unmasked hot loop)
@@ -516,7 +523,7 @@ def test_descriptors_outside_key_block_loop(compiled, case):
     assert len(hot) > 100, "no key-block loop found"
     assert "USHF.R.U32.HI" not in hot, "a descriptor rebuilt from the shared-memory base in the key-block loop"
     hgmma = sum(o.startswith("HGMMA") for o in hot)
-    assert hgmma == d // 16 + default_tile_n(d, dv, tile_m, plain=not causal) // 16, f"{hgmma} HGMMA in the loop"
+    assert hgmma == d // 16 + _key_tile(d, dv, causal, tile_m) // 16, f"{hgmma} HGMMA in the loop"
 
 
 @pytest.mark.compile
@@ -616,7 +623,7 @@ def test_pv_wait_placement(compiled, case):
     from stage3_fwd_kernel.hopper import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m = case
-    per_thread = 2 * default_tile_n(d, dv, tile_m, plain=not causal) // 4
+    per_thread = 2 * _key_tile(d, dv, causal, tile_m) // 4
     counts = _exps_before_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
     assert all(0 < c < per_thread for c in counts), counts
@@ -651,7 +658,7 @@ def test_P_packed_before_rescale_branch(compiled, case):
     dt, d, dv, causal, flags, tau, frac, tile_m = case
     counts = _packs_after_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
-    assert counts == [default_tile_n(d, dv, tile_m, plain=not causal) // 4] * len(counts), counts
+    assert counts == [_key_tile(d, dv, causal, tile_m) // 4] * len(counts), counts
 
 
 @pytest.mark.compile

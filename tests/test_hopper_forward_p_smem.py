@@ -46,6 +46,9 @@ def test_where_p_goes_through_shared_memory():
     narrow += [mod.make_kernel(cutlass.BFloat16, 96, 96, True, tile_m=192).tile_n,
                mod.FlashAttentionForwardSm90(cutlass.BFloat16, 96, 96, False, tile_m=192, softcap=30.0).tile_n]
     assert k96.tile_n == 144 and narrow == [128] * 5
+    # a sink changes only the denominator: its default d = 96 kernel is the 192 x 144 one
+    sink = mod.make_kernel(cutlass.BFloat16, 96, 96, False, variant=mod.host.Variant(sink=True))
+    assert (sink.tile_m, sink.tile_n) == (192, 144)
     assert [mod.default_tile_m(96, 96, causal) for causal in (False, True)] == [192, 128]
     assert mod.default_tile_m(96, 96, False, Window(512, 512)) == mod.default_tile_m(128, 128) == 128
 

@@ -237,7 +237,7 @@ def run_impl(name: str, args, events: tuple):
     finally:
         trace.disable()
     records = buf.view(n_ctas, 4, trace.RECORD).cpu().numpy()
-    return ms, records, tile_m
+    return ms, records, tile_m, tile_n
 
 
 def time_then_trace(call, buf) -> float:
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     rows, tables = [], {}
     for name in impls:
         print(f"{name}: compiling the traced build and running ...", flush=True)
-        ms, records, tile_m = run_impl(name, args, events)
+        ms, records, tile_m, tile_n = run_impl(name, args, events)
         t = cta_table(records)
         if not len(t["cta"]):  # a kernel without stage3_fwd_kernel.trace's stamps (e.g. a lesson)
             rows.append({"impl": name, "error": "no CTA recorded an end stamp: this kernel has no trace stamps"})

@@ -9,10 +9,11 @@ tiles per head, so that every CTA keeps drawing the same query tile of each head
 Three exceptions, where persistent CTAs tied or lost: long causal calls at d = 64 (three consumer
 warpgroups, from PERSISTENT_CAUSAL_TILE_M192_MAX_SEQLEN_K keys on, unless a left window keeps every
 tile short), head dims above 128, where O would go from registers (`o_direct`; available with
-persistent=True), and 192-row tiles above d = 64 (P through shared memory): beside the 144-key tile
-they take one CTA per tile, O has no room of its own (a persistent CTA walks 128-key tiles instead:
-on an H200 192 x 128 persistent ran 0.96-0.97x of the official kernel at 8k / 16k, 192 x 144 one CTA
-per tile 1.03-1.05x, non-causal). Varlen batches stay one CTA per tile unless asked.
+persistent=True), and 192-row tiles above d = 64 (P through shared memory): one CTA per tile reuses Q's
+buffer for O and takes 144 keys where the scores are plain, a persistent CTA keeps O apart and so walks
+128-key tiles, and on an H200 that ran slower (non-causal, 8k / 16k: 192 x 128 persistent 0.96-0.97x of
+the official kernel, 192 x 144 one CTA per tile 1.03-1.05x). Varlen batches stay one CTA per tile
+unless asked.
 measured: docs/measurements.md
 """
 from __future__ import annotations
