@@ -103,7 +103,7 @@ def test_p_through_shared_memory_sm90a(case):
 
     hot = key_block_loop(comp.sass)
     dt, d, dv, causal, *_ = case
-    tn = hf._mod().default_tile_n(d, dv, 192, plain=not causal)
+    tn = hf._key_tile(d, dv, causal, 192)
     assert sum(o.startswith("STS") for o in hot) == 64 * tn * 2 // 512
     tail = hot[max(i for i, o in enumerate(hot) if o.startswith("STS")):]
     fence = tail.index("FENCE.VIEW.ASYNC.S")

@@ -37,6 +37,12 @@ def p_through_smem(tile_m: int, head_dim: int, head_dim_v: int) -> bool:
 MAX_HEAD_DIM_192 = 96  # the widest head dims a 192-row tile holds (P through shared memory above 64)
 
 
+def plain_scores(causal: bool, window, softcap) -> bool:
+    """No causal mask, window (a components.window.Window, None: none) or softcap: the scores whose
+    registers the 192 x 144 d = 96 tile holds without spilling (default_tile_n)."""
+    return not (causal or (window is not None and window.limited) or softcap)
+
+
 def default_tile_n(head_dim: int, head_dim_v: int, tile_m: int = 128, *, plain: bool = False,
                    persistent: bool = False, cache: bool = False) -> int:
     """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S; 144 for
@@ -88,8 +94,7 @@ def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=
     (S 64 + P 32 + O 32 + softmax state) with P in registers, and d = 96 with P through shared memory.
     measured: docs/measurements.md"""
     if max(head_dim, head_dim_v) > 64:
-        windowed = window is not None and window.limited
-        plain = not (causal or windowed or softcap or cache)
+        plain = plain_scores(causal, window, softcap) and not cache
         return 192 if max(head_dim, head_dim_v) <= MAX_HEAD_DIM_192 and plain else 128
     keys = window_keys(causal, window)
     return 128 if keys is not None and keys <= NARROW_WINDOW_KEYS else 192
@@ -141,8 +146,6 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
             type(rescale_threshold) is type(emulation_fraction) is float:
         return DEFAULT_POLICY  # the common call: skip re-validating the defaults (host time per call)
     return SoftmaxPolicy(rescale_threshold=rescale_threshold, emulation_fraction=emulation_fraction)
-
-
 
 
 def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None, *, softcap: bool = False,

@@ -60,6 +60,12 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
     return Variant(window, check_softcap(softcap), learnable_sink is not None), learnable_sink
 
 
+def _build_tile_m(tile_m, d, dv, causal, variant: Variant, cache: bool) -> int:
+    """tile_m of a build: `tile_m` checked, or (None) config.default_tile_m of its head dims, variant and
+    key source (cache: a paged cache or a key split)."""
+    return _check_tile_m(tile_m, d, dv, causal, variant.window, softcap=bool(variant.softcap), cache=cache)
+
+
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
                 variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
@@ -67,8 +73,7 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = 
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window); page_size:
     built for a paged K/V cache (components.paged_kv); key_split: split-KV (components.key_split);
     rows_per_query: q's rows are query tokens times this (packed GQA heads, a key split only)."""
-    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window, softcap=bool(variant.softcap),
-                           cache=page_size is not None or key_split)
+    tile_m = _build_tile_m(tile_m, head_dim, head_dim_v, causal, variant, page_size is not None or key_split)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
                                      tile_m=tile_m, split_tail=split_tail, window=variant.window,
                                      softcap=variant.softcap, page_size=page_size, key_split=key_split,
@@ -81,8 +86,7 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
-    tile_m = _check_tile_m(tile_m, d, dv, causal, variant.window, softcap=bool(variant.softcap),
-                           cache=page_size is not None or key_split)
+    tile_m = _build_tile_m(tile_m, d, dv, causal, variant, page_size is not None or key_split)
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
         + (("key_split",) if key_split else ()) + (("rows_per_query", rows_per_query) if rows_per_query != 1 else ()) \
@@ -133,8 +137,8 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
 def _check_call(q, d, dv, tile_m, softmax_scale, causal, variant: Variant, cache: bool = False):
     """(tile_m, cutlass dtype, softmax_scale) of a call whose head dims are checked, checked (variant:
     the call's window -- its beyond_causal -- and softcap; cache: keys from a paged cache or a key split)."""
-    tile_m = _check_tile_m(tile_m, d, dv, causal, variant.window, softcap=bool(variant.softcap), cache=cache)
-    return tile_m, host_io.cutlass_dtype(q.dtype), _check_scale(softmax_scale, d)
+    return _build_tile_m(tile_m, d, dv, causal, variant, cache), host_io.cutlass_dtype(q.dtype), \
+        _check_scale(softmax_scale, d)
 
 
 def _outputs(out, lse, out_shape, lse_shape, q):
@@ -505,8 +509,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
-    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, variant.window, softcap=bool(variant.softcap),
-                           cache=page_size is not None or key_split)
+    tile_m = _build_tile_m(tile_m, head_dim, head_dim_v, causal, variant, page_size is not None or key_split)
     if key_split and (varlen or learnable_sink or split_tail or (batch_map and page_size is not None)):
         raise ValueError("key_split: a dense build (batch_map: each sequence's cache row, not with page_size) without "
                          "a sink or a split tail")

@@ -52,7 +52,7 @@ from stage3_fwd_kernel.hopper import barriers
 from stage3_fwd_kernel.hopper.gather import gather_unroll
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_POLICY, MAX_HEAD_DIM_192, Q_SHIFT_TILE_MS, TILE_MS, check_persistent_smem, default_num_stages,
-    default_tile_n, o_fits_beside_q, p_through_smem)
+    default_tile_n, o_fits_beside_q, p_through_smem, plain_scores)
 from stage3_fwd_kernel.hopper.mainloop import ConsumerArgs, consume, row_copy
 from stage3_fwd_kernel.hopper.producer import SmemBuffers, TmaLoads, produce
 from stage3_fwd_kernel.hopper.split_tail import SPLIT_TAIL_UNSUPPORTED, split_tail_supported
@@ -100,7 +100,7 @@ class FlashAttentionForwardSm90:
         self.head_dim_v = head_dim_v
         self.causal = causal
         self.tile_m = tile_m
-        plain = not (causal or window.limited or softcap)
+        plain = plain_scores(causal, window, softcap)
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v, tile_m, plain=plain, persistent=self.persistent,
                                                cache=page_size is not None or key_split)
         # P V's A operand: registers, or (192 rows above d = 64) P stored to shared memory (config.p_through_smem)

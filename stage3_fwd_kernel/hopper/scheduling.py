@@ -59,12 +59,11 @@ def _resolve_scheduler(scheduler, persistent, head_dim, head_dim_v, causal, varl
             raise ValueError("persistent: False contradicts the persistent scheduler passed; pass its order "
                              "(scheduler.order) for one CTA per tile")
         return scheduler
-    dynamic = (causal or varlen or windowed) and not gathered_pages
     if persistent is None:
         persistent = default_persistent(head_dim, head_dim_v, causal, varlen, seqlen_k, tile_m, left_window)
     if persistent:
         # tiles of different lengths need the dynamic hand-out
-        scheduler = _persistent_over(scheduler, dynamic)
+        scheduler = _persistent_over(scheduler, (causal or varlen or windowed) and not gathered_pages)
     return scheduler
 
 
