@@ -334,8 +334,6 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
               range_keys=range_keys, window_size=tuple(window), cache_rows=cache_rows)
     if n == 1:
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
-    if v_cache.shape[-1] % 32 == 0:  # the kernel's last chunk of each tile merges them (no merge kernel)
-        return mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, out=out, merge=True, unpack=unpack, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
     parts, _ = mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, lse=lse.permute(1, 0, 2), **kw)
     return merge_segments(parts, lse, n, kernel=True, into=out, unpack=unpack)

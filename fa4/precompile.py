@@ -623,10 +623,8 @@ def derived_task(fwd_mod, bwd_mod, build: dict):
                                                            token_rows=token_rows) for token_rows in (False, True)], ""
     if kind == "kvcache split":
         rows = build["rows_per_query"]
-        # one split (the kernel's result is final), and several merged by their last chunk
         return label + (f" rows/query={rows}" if rows > 1 else ""), lambda: [fwd_mod.compile_only(
-            seqused_k=True, key_split=True, tile_m=build["tile_m"], rows_per_query=rows, launchable=True,
-            merge_chunks=merge, **kw) for merge in (False, True)], ""
+            seqused_k=True, key_split=True, tile_m=build["tile_m"], rows_per_query=rows, launchable=True, **kw)], ""
     extra, prefix = {}, ""
     if build.get("tile_m"):
         extra["tile_m"] = build["tile_m"]

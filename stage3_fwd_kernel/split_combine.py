@@ -38,8 +38,7 @@ def merge_row(lse_parts: cute.Tensor, out_parts: cute.Tensor, first: Int32, coun
     out_parts (rows x >= dv, fp32 or 16-bit); lane keeps columns lane + 32 c in acc (dv / 32 fp32 values,
     zeroed here). Returns the row's lse (-inf when no part saw a key: then acc stays 0, no NaN).
     The row's maximum and sum take the parts 32 at a time, one per lane, and two warp reductions:
-    a serial walk over the parts cost a dependent load each (12 us for 32 parts on an H200). The
-    weights too: lane j's part's, shuffled to the warp, so the O loads wait on no lse load."""
+    a serial walk over the parts cost a dependent load each (12 us for 32 parts on an H200)."""
     top = -Float32.inf
     for j in cutlass.range(lane, count, 32, unroll=1):
         top = cute.arch.fmax(top, lse_parts[first + j])
@@ -54,30 +53,11 @@ def merge_row(lse_parts: cute.Tensor, out_parts: cute.Tensor, first: Int32, coun
         lse = top_safe + cute.math.log2(total, fastmath=True) / LOG2_E
     acc.fill(0.0)
     if total > 0.0:
-        for base in cutlass.range(0, count, 32, unroll=1):
-            mine = Float32(0.0)  # the weight of part base + lane, computed once and shuffled to the warp
-            if base + lane < count:
-                mine = cute.math.exp2((lse_parts[first + base + lane] - lse) * LOG2_E, fastmath=True)
-            # no load in this loop waits on another: 16 parts' columns in flight at once
-            for j in cutlass.range(cutlass.min(count - base, 32), unroll=16):
-                weight = cute.arch.shuffle_sync(mine, j)
-                for c in cutlass.range_constexpr(cute.size(acc)):
-                    acc[c] += weight * Float32(out_parts[first + base + j, lane + 32 * c])
+        for j in cutlass.range(count, unroll=4):
+            weight = cute.math.exp2((lse_parts[first + j] - lse) * LOG2_E, fastmath=True)
+            for c in cutlass.range_constexpr(cute.size(acc)):
+                acc[c] += weight * Float32(out_parts[first + j, lane + 32 * c])
     return lse
-
-
-@cute.jit
-def merge_row_into(lse_parts: cute.Tensor, out_parts: cute.Tensor, first: Int32, count: Int32, lane: Int32,
-                   mO: cute.Tensor, mLSE: cute.Tensor, batch: Int32, row: Int32, head: Int32, dtype: cutlass.Constexpr):
-    """`merge_row`, then the merged row stored: mO[batch, row, head, :] in `dtype` (lane's columns lane + 32 c)
-    and, by lane 0, mLSE[batch, head, row]. One warp; mO's last mode is dv (a multiple of 32)."""
-    dv = cute.size(mO, mode=[3])
-    acc = cute.make_rmem_tensor((dv // 32,), Float32)
-    lse = merge_row(lse_parts, out_parts, first, count, lane, acc)
-    for c in cutlass.range_constexpr(dv // 32):
-        mO[batch, row, head, lane + 32 * c] = acc[c].to(dtype)
-    if lane == 0:
-        mLSE[batch, head, row] = lse
 
 
 class _RowMerges:
@@ -117,8 +97,13 @@ class SplitTailCombine(_RowMerges):
             # the tail tile's place in the static order: linear index tiles - R + r
             m_block, head, batch = StaticTileScheduler.tile_at(
                 tiles - mSplit.shape[0] // chunks + r, num_m_blocks, mO.shape[2], None)
-            merge_row_into(mSplit[(None, m, dv)], mSplit[(None, m, None)], r * chunks, chunks, lane, mO, mLSE,
-                           batch, m_block * tile_m + m, head, self.dtype)
+            row = m_block * tile_m + m
+            acc = cute.make_rmem_tensor((dv // 32,), Float32)
+            lse = merge_row(mSplit[(None, m, dv)], mSplit[(None, m, None)], r * chunks, chunks, lane, acc)
+            for c in cutlass.range_constexpr(dv // 32):
+                mO[batch, row, head, lane + 32 * c] = acc[c].to(self.dtype)
+            if lane == 0:
+                mLSE[batch, head, row] = lse
 
 
 def _fake_args(dtype, head_dim_v: int, *, launchable: bool = False):
@@ -196,8 +181,13 @@ class PartsCombine(_RowMerges):
             head = w % heads
             row = (w // heads) % rows
             batch = w // (heads * rows)
-            merge_row_into(mLseParts[(head, None, row)], mParts[(None, row, head, None)], batch * parts, parts,
-                           lane, mO, mLSE, batch, row, head, self.dtype)
+            acc = cute.make_rmem_tensor((self.head_dim_v // 32,), Float32)
+            lse = merge_row(mLseParts[(head, None, row)], mParts[(None, row, head, None)], batch * parts, parts,
+                            lane, acc)
+            for c in cutlass.range_constexpr(self.head_dim_v // 32):
+                mO[batch, row, head, lane + 32 * c] = acc[c].to(self.dtype)
+            if lane == 0:
+                mLSE[batch, head, row] = lse
 
 
 @cute.jit
@@ -211,7 +201,7 @@ def token_rows_views(mO: cute.Tensor, mLSE: cute.Tensor):
     return rows_by_token(mO), lse
 
 
-def fake_token_rows(dt, head_dim_v: int):
+def _fake_token_rows(dt, head_dim_v: int):
     """A (B, T, H, g, dv) out and a (B, H, g, T) lse, contiguous in their last mode."""
     i32, i64 = cute.sym_int32, cute.sym_int64
     out = cute.runtime.make_fake_tensor(dt, (i32(), i32(), i32(), i32(), head_dim_v),
@@ -230,35 +220,12 @@ def compile_parts(dtype="bf16", head_dim_v: int = 128, *, launchable: bool = Fal
     key = (PARTS_STEP, "gpu" if launchable else "fake", str(dt), head_dim_v) + (("token_rows",) if token_rows else ())
 
     def build():  # only on a miss: the fake tensors cost ~35 us of host time per call (a decode step's)
-        merged = fake_token_rows(dt, head_dim_v) if token_rows else (host_io.fake_bshd(dt, head_dim_v),
+        merged = _fake_token_rows(dt, head_dim_v) if token_rows else (host_io.fake_bshd(dt, head_dim_v),
                                                                       host_io.fake_lse())
         args = (host_io.fake_bshd(dt, head_dim_v), host_io.fake_lse(), *merged, Int32(1),
                 host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
         return PartsCombine(dt, head_dim_v, token_rows), args
     return compile_cached(key, build)
-
-
-_ARRIVALS: dict = {}  # (device, stream) -> int32 counters, zero between launches (hopper.chunk_merge)
-_ARRIVALS_KEPT: list = []  # replaced buffers: a captured CUDA graph may still point at one
-
-
-def arrival_counters(device, slots: int):
-    """At least `slots` int32 counters, zero, for a split launch that merges its chunks
-    (hopper.chunk_merge), which leaves them zero. One buffer per (device, stream): launches on one
-    stream never overlap, on two streams they could. Allocated (zeroed) on the first call and when a
-    launch needs more; inside a CUDA graph's capture the zeroing is captured too, so the graph's
-    replays start from zero as well. Buffers it replaces stay allocated (a graph may hold one)."""
-    import torch
-
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    buf = _ARRIVALS.get(key)
-    if buf is None or buf.numel() < slots:
-        if buf is not None:
-            _ARRIVALS_KEPT.append(buf)
-        buf = torch.zeros(max(slots, 2 * (0 if buf is None else buf.numel()), 1024), device=device,
-                          dtype=torch.int32)
-        _ARRIVALS[key] = buf
-    return buf
 
 
 def combine_parts(out_parts, lse_parts, parts: int, out=None, rows_per_query: int = 1):

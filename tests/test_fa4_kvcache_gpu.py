@@ -146,49 +146,6 @@ def test_split_launch_cache_rows_equal_the_gathered_cache(sq, causal, window, sp
            f"cache rows sq={sq} splits={splits}")
 
 
-@pytest.mark.parametrize("sq, hq, causal, window, n, unpack", [
-    (1, 8, False, (None, None), 5, 1),     # one row per head
-    (1, 32, False, (None, None), 16, 1),   # a token's GQA group packed as rows (the caller's view)
-    (4, 32, True, (None, 0), 3, 4),        # causal tokens read by token, merged unpacked
-    (3, 16, True, (700, 0), 7, 2),         # a window
-    (2, 8, False, (None, None), 2, 1)])
-def test_split_launch_merges_in_the_kernel_as_the_merge_kernel(sq, hq, causal, window, n, unpack):
-    """merge=True: the last chunk of each tile merges the parts (hopper.chunk_merge) with the merge
-    kernel's arithmetic in its order, so the same bits as the parts merged by split_combine -- over
-    sequences of 0, 1, 3 and more keys (rows no chunk sees: lse -inf, O 0), poisoned outputs, 20
-    launches in a row (a counter left behind would merge early: different bits), and the counters
-    all back at zero after each."""
-    from stage3_fwd_kernel import split_combine
-    from stage3_fwd_kernel.hopper import attention_split_forward
-
-    b, hkv = 6, 8
-    g = hq // hkv
-    k, v = _cache(b, 2000, hkv, 128, 23)
-    lens = torch.tensor([2000, 0, 1, 3, 1290, 640], dtype=torch.int32, device="cuda")
-    q = torch.randn(b, sq, hq, 128, device="cuda").to(BF16)
-    if unpack > 1:
-        rows, kw = q, dict(rows_per_query=g)                         # the kernel reads the groups by token
-    elif g > 1:
-        rows, kw = q.view(b, hkv, g, 128).transpose(1, 2), {}        # one token: its group as g rows
-    else:
-        rows, kw = q, {}
-    kw.update(seqused_k=lens, causal=causal, window_size=window)
-    chunk = (-(-2000 // n) + 127) // 128 * 128                          # ceil(2000 / n), up to the key tile
-    parts, lse_parts = attention_split_forward(rows, k, v, n, chunk, **kw)
-    want = split_combine.combine_parts(parts, lse_parts.permute(1, 0, 2).contiguous(), n, rows_per_query=unpack)
-    out = torch.empty_like(want[0])
-    lse = torch.empty_like(want[1])
-    counters = split_combine.arrival_counters(q.device, 1)
-    for _ in range(20):
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        got = attention_split_forward(rows, k, v, n, chunk, merge=True, unpack=unpack, out=out, lse=lse, **kw)
-        assert got[0] is out and got[1] is lse
-        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-        assert not counters.any(), "the counters are zero after a launch"
-    assert torch.isinf(lse[1]).all() and not out[1].any()                # no key: lse -inf, O 0
-
-
 def test_split_launch_errors_name_the_argument():
     from stage3_fwd_kernel.hopper import attention_split_forward
 

@@ -315,10 +315,12 @@ def test_split_combine_kernel_matches_torch(dtype, dv):
 
 @pytest.mark.gpu
 @pytest.mark.stage3
-@pytest.mark.parametrize("dtype,dv,parts", [("bf16", 128, 5), ("fp16", 64, 2), ("bf16", 256, 1), ("bf16", 96, 9)])
+@pytest.mark.parametrize("dtype,dv,parts", [("bf16", 128, 5), ("fp16", 64, 2), ("bf16", 256, 1), ("bf16", 96, 9),
+                                             ("bf16", 128, 33), ("fp16", 64, 70)])
 def test_parts_combine_kernel_matches_torch(dtype, dv, parts):
     """split_combine.PartsCombine (flash_attn_with_kvcache's split-KV merge) against fa4._lse_merge's
-    torch formula: parts that saw nothing (lse -inf) weigh 0, a row no part saw gets O = 0, lse = -inf."""
+    torch formula: parts that saw nothing (lse -inf) weigh 0, a row no part saw gets O = 0, lse = -inf.
+    33 and 70 parts: the row's maximum and sum take 32 parts (a warp's lanes) at a time (merge_row)."""
     import torch
 
     from fa4._lse_merge import merge_parts
@@ -378,7 +380,7 @@ def test_parts_combine_unpacks_token_rows(g, tokens, parts):
 def test_parts_combine_compiles():
     from stage3_fwd_kernel import split_combine
 
-    for dt, dv in (("bf16", 128), ("fp16", 64)):
+    for dt, dv in (("bf16", 128), ("fp16", 64), ("bf16", 256)):
         for token_rows in (False, True):
             rep = split_combine.compile_parts(dt, dv, token_rows=token_rows).report
             assert rep["spill_stores"] == 0 and rep["registers"] <= 64, rep

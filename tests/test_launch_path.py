@@ -182,7 +182,7 @@ def test_parts_merge_memory_hit_builds_no_fake_tensors(monkeypatch, token_rows):
         raise AssertionError("a fake tensor was built for a kernel already in memory")
     for name in ("fake_bshd", "fake_lse"):
         monkeypatch.setattr(host_io, name, no_fakes)
-    monkeypatch.setattr(split_combine, "fake_token_rows", no_fakes)
+    monkeypatch.setattr(split_combine, "_fake_token_rows", no_fakes)
     assert split_combine.compile_parts(dt, 128, launchable=True, token_rows=token_rows) is sentinel
     with pytest.raises(AssertionError, match="fake tensor"):  # a miss still builds them
         split_combine.compile_parts(dt, 64, launchable=True, token_rows=token_rows)

@@ -13,7 +13,6 @@ than the query. The compile tier checks what the builds contain (no spills, the 
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pytest
@@ -242,9 +241,7 @@ def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_
     (griddepcontrol.launch_dependents: PREEXIT) and waits for the kernel before it (griddepcontrol.wait:
     ACQBULK) before any global access; a plain build does neither; both merges (packed rows, rows by
     token) wait before their first access and signal the next step's split launch. cache_rows: the
-    build that reads each sequence's cache row (its batch_map slot). The build that merges its own
-    chunks (merge_chunks, hopper.chunk_merge) too, with its one GPU-scope atomic between a GPU-wide
-    fence (the release) and an L1 invalidation (the acquire)."""
+    build that reads each sequence's cache row (its batch_map slot)."""
     import cutlass
 
     from stage3_fwd_kernel import split_combine
@@ -254,16 +251,12 @@ def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_
 
     from stage3_fwd_kernel.hopper.host import Variant
 
-    for merge in (False, True):
-        comp = _compile(False, cutlass.BFloat16, 128, 128, causal, DEFAULT_POLICY, StaticTileScheduler,
-                        (False, True, cache_rows), 64, page_size=page_size, key_split=True,
-                        rows_per_query=rows_per_query, variant=Variant(Window(left, None)), merge_chunks=merge)
-        assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
-        assert not comp.report["wgmma_serialized"]
-        assert "PREEXIT" in comp.sass and _waits_before_global_memory(comp.sass)
-        atomics = re.findall(r"MEMBAR\.ALL\.GPU ;\s*\n.*ERRBAR.*\n.*CGAERRBAR.*\n.*ATOMG\.E\.ADD\.STRONG\.GPU.*\n.*"
-                             r"CCTL\.IVALL", comp.sass)
-        assert len(atomics) == merge and len(re.findall(r"\bATOMG\b", comp.sass)) == merge
+    comp = _compile(False, cutlass.BFloat16, 128, 128, causal, DEFAULT_POLICY, StaticTileScheduler,
+                    (False, True, cache_rows), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query,
+                    variant=Variant(Window(left, None)))
+    assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
+    assert not comp.report["wgmma_serialized"]
+    assert "PREEXIT" in comp.sass and _waits_before_global_memory(comp.sass)
     plain = compile_only("bf16", 128, 128, causal, tile_m=64, varlen=True, seqused_k=True)
     assert "PREEXIT" not in plain.sass and "ACQBULK" not in plain.sass
     for token_rows in (False, True):
@@ -311,10 +304,6 @@ def test_split_launch_refuses_bad_arguments_before_any_launch(monkeypatch):
          r"^cache_rows: expected dtype int32"),
         (dict(num_splits=2, chunk_keys=128, cache_rows=torch.zeros(3, dtype=torch.int32)),
          r"^cache_rows: expected shape \(2,\)"),
-        (dict(num_splits=2, chunk_keys=128, merge=1), r"^merge: expected a bool"),
-        (dict(num_splits=2, chunk_keys=128, unpack=2), r"^unpack: only a merging launch of several splits"),
-        (dict(num_splits=2, chunk_keys=128, merge=True, unpack=3), r"^unpack: expected an int >= 1 dividing the "
-                                                                     r"kernel's 4 rows"),
     ]
     for kw, message in cases:
         with pytest.raises((ValueError, TypeError), match=message):

@@ -8,7 +8,7 @@ from typing import NamedTuple
 from cutlass import Float32, Int32
 import cutlass.cute as cute
 
-from stage3_fwd_kernel import host_io, split_combine, trace
+from stage3_fwd_kernel import host_io, trace
 from stage3_fwd_kernel.components.key_split import RANGE_ALL
 from stage3_fwd_kernel.components.paged_kv import check_page_size, gathered
 from stage3_fwd_kernel.components.score_mod import Softcap, check_softcap
@@ -69,21 +69,20 @@ def _build_tile_m(tile_m, d, dv, causal, variant: Variant, cache: bool) -> int:
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
                 scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
                 variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
-                rows_per_query: int = 1, merge_chunks: bool = False):
+                rows_per_query: int = 1):
     """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window); page_size:
     built for a paged K/V cache (components.paged_kv); key_split: split-KV (components.key_split);
-    rows_per_query: q's rows are query tokens times this (packed GQA heads, a key split only);
-    merge_chunks: a key split whose last chunk merges them (hopper.chunk_merge)."""
+    rows_per_query: q's rows are query tokens times this (packed GQA heads, a key split only)."""
     tile_m = _build_tile_m(tile_m, head_dim, head_dim_v, causal, variant, page_size is not None or key_split)
     return FlashAttentionForwardSm90(dtype, head_dim, head_dim_v, causal, policy=policy, scheduler=scheduler,
                                      tile_m=tile_m, split_tail=split_tail, window=variant.window,
                                      softcap=variant.softcap, page_size=page_size, key_split=key_split,
-                                     rows_per_query=rows_per_query, merge_chunks=merge_chunks)
+                                     rows_per_query=rows_per_query)
 
 
 def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, False, False), tile_m=None,
          split_tail=False, variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
-         rows_per_query: int = 1, merge_chunks: bool = False):
+         rows_per_query: int = 1):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
     tile_m enters resolved, so a default and its explicit value share one kernel."""
@@ -91,30 +90,26 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
         + (("key_split",) if key_split else ()) + (("rows_per_query", rows_per_query) if rows_per_query != 1 else ()) \
-        + (("merge_chunks",) if merge_chunks else ()) + trace.key()
+        + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,
                seqused_k=None, batch_map=None, max_ctas=1, tile_counter=None, split=None, split_chunks=1,
-               softcap=0.0, sink=None, page_table=None, num_splits=1, chunk_keys=0, range_keys=RANGE_ALL,
-               merged=(None, None, None)):
+               softcap=0.0, sink=None, page_table=None, num_splits=1, chunk_keys=0, range_keys=RANGE_ALL):
     """The launch's arguments, in ``__call__`` order without the stream, from torch tensors (dense
     (B, S, H, D) or packed viewed as (1, T, H, D)): TVM-FFI takes them as they are (see
-    host_io.launch_stream). merged: (out (B, T, H', g, dv), lse (B, H', g, T), int32 counters) of a
-    merge_chunks build."""
+    host_io.launch_stream)."""
     opt = host_io.launch_view
     scale_log2, score_scale = Softcap(softcap).kernel_scales(softmax_scale)
     return (opt(q4), opt(k4), opt(v4), opt(out4), opt(lse3), scale_log2,
             score_scale, opt(cu_seqlens_q), opt(cu_seqlens_k), opt(seqused_k), opt(batch_map), tile_counter,
-            max_seqlen_q, max_ctas, split, split_chunks, sink, opt(page_table), num_splits, chunk_keys, range_keys,
-            *(opt(t) for t in merged))
+            max_seqlen_q, max_ctas, split, split_chunks, sink, opt(page_table), num_splits, chunk_keys, range_keys)
 
 
 def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic: bool = False,
-               split_tail: bool = False, sink: bool = False, paged: bool = False, merged: bool = False):
+               split_tail: bool = False, sink: bool = False, paged: bool = False):
     """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs;
-    dynamic: the scheduler takes a tile counter; split_tail: the split workspace; paged: a page table;
-    merged: a merge_chunks build's merged out, lse and counters."""
+    dynamic: the scheduler takes a tile counter; split_tail: the split workspace; paged: a page table."""
     varlen, has_used, has_map = varlen_flags
     i32 = host_io.fake_i32_vector
     return (host_io.fake_bshd(dtype, d), host_io.fake_bshd(dtype, d), host_io.fake_bshd(dtype, dv),
@@ -123,23 +118,20 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
             i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
             host_io.fake_lse() if split_tail else None, Int32(1), host_io.fake_f32_vector() if sink else None,
             host_io.fake_i32_matrix() if paged else None, Int32(1), Int32(1), Int32(1),
-            *(split_combine.fake_token_rows(dtype, dv) + (i32(),) if merged else (None, None, None)),
             host_io.launch_stream() if launchable else cute.runtime.make_fake_stream())
 
 
 def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False,
-             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False, rows_per_query: int = 1,
-             merge_chunks: bool = False):
+             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False, rows_per_query: int = 1):
     """The one place the kernel is compiled (against fake tensors): launchable=True builds what
     attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
     key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
-               split_tail, variant, page_size, key_split, rows_per_query, merge_chunks)
+               split_tail, variant, page_size, key_split, rows_per_query)
     return compile_cached(key, lambda: (
         make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail,
-                    variant=variant, page_size=page_size, key_split=key_split, rows_per_query=rows_per_query,
-                    merge_chunks=merge_chunks),
+                    variant=variant, page_size=page_size, key_split=key_split, rows_per_query=rows_per_query),
         _fake_args(dt, d, dv, varlen_flags, launchable=launchable, dynamic=getattr(scheduler, "dynamic", False),
-                   split_tail=split_tail, sink=variant.sink, paged=page_size is not None, merged=merge_chunks)))
+                   split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
 
 def _check_call(q, d, dv, tile_m, softmax_scale, causal, variant: Variant, cache: bool = False):
@@ -387,7 +379,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                             tile_m: int | None = None, range_keys: int | None = None, window_size=(None, None),
-                            cache_rows=None, merge: bool = False, unpack: int = 1):
+                            cache_rows=None):
     """Split-KV (components.key_split): q (B, R, Hq, D) against num_splits chunks of chunk_keys keys
     of each sequence's cache -> the parts, out (B * n, R, Hq, Dv) in q's dtype (chunk j of sequence
     b at row b * n + j, O divided by the chunk's own row sums) and lse (B * n, Hq, R) fp32 (-inf
@@ -412,11 +404,6 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     paged range needs a left window with left + T <= W to hide the keys before it. out / lse: where
     the parts go (any strides with a unit last one; lse may be a view of an (Hq, B * n, R) buffer,
     the layout the merge reads).
-    merge=True (num_splits > 1): the kernel merges the chunks itself (the last of a tile's chunks to finish,
-    hopper.chunk_merge) and returns the merged out (B, R, H', Dv) and lse (B, H', R) -- out / lse are
-    then where those go (lse: None allocates) -- or, unpack g > 1, the rows unpacked by token as
-    split_combine.combine_parts' rows_per_query: (B, R / g, H' g, Dv) and (B, H' g, R / g). Needs Dv a
-    multiple of 32; the parts are a workspace then. With one split the kernel's result is already merged.
     One CTA per tile; with g = 1 q's rows may be a strided view (one token's GQA heads packed as rows)."""
     import torch
 
@@ -483,52 +470,21 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     policy.check_dtype(dt)
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
-    merge = _check_merge(merge, unpack, num_splits, r, dv)
-    final = None
-    if merge:  # out / lse take the merged rows; the parts are a workspace
-        final = _outputs(out, lse, (b, r // unpack, hq * unpack, dv), (b, hq * unpack, r // unpack), q)
-        out, lse = None, None
     out, lse = _outputs(out, lse, (bn, r, hq, dv), (bn, hq, r), q)
     if bn == 0 or r == 0 or hq == 0:
-        return out, lse if final is None else final
+        return out, lse
     if cache_keys == 0:
-        return _nothing_visible(*(final or (out, lse)), None, head_dim=1)
+        return _nothing_visible(out, lse, None, head_dim=1)
     q, k, v = host_io.align_16B(q), host_io.align_16B(k), host_io.align_16B(v)
     used = None if seqused_k is None else seqused_k.contiguous()
     rows = None if cache_rows is None else cache_rows.contiguous()
     # the kernel's batch_map slot carries the cache rows under a key split (components.key_split)
     args = _call_args(q, k, v, out, lse, softmax_scale, r, seqused_k=used, batch_map=rows, softcap=variant.softcap,
                       page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
-                      range_keys=RANGE_ALL if range_keys is None else range_keys,
-                      merged=_merge_args(final, b, hq, unpack, -(-r // tile_m) * (tile_m // 64)))
+                      range_keys=RANGE_ALL if range_keys is None else range_keys)
     _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, (False, used is not None, rows is not None), tile_m,
-             variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query,
-             merge_chunks=merge).fn(*args)
-    return (out, lse) if final is None else final
-
-
-def _check_merge(merge, unpack, num_splits: int, rows: int, dv: int) -> bool:
-    """Whether a split launch merges in the kernel (merge, and more than one split), its arguments checked."""
-    if not isinstance(merge, bool):
-        raise TypeError(f"merge: expected a bool, got {type(merge).__name__}")
-    if isinstance(unpack, bool) or not isinstance(unpack, int) or unpack < 1 or rows % unpack:
-        raise ValueError(f"unpack: expected an int >= 1 dividing the kernel's {rows} rows, got {unpack!r}")
-    if unpack > 1 and not (merge and num_splits > 1):
-        raise ValueError("unpack: only a merging launch of several splits unpacks its rows (merge=True)")
-    if merge and dv % 32:
-        raise ValueError(f"merge: the kernel's merge takes head_dim_v in multiples of 32 (a lane per 32 columns), "
-                         f"got {dv}; merge the parts with split_combine")
-    return merge and num_splits > 1
-
-
-def _merge_args(final, b: int, heads: int, g: int, warpgroups: int):
-    """The kernel's merged out (B, T, H', g, Dv), lse (B, H', g, T) and counters (one per sequence, head and
-    consumer warpgroup of the query tiles), or Nones."""
-    if final is None:
-        return None, None, None
-    out, lse = final
-    return (out.unflatten(2, (heads, g)), lse.unflatten(1, (heads, g)),
-            split_combine.arrival_counters(out.device, b * heads * warpgroups))
+             variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
+    return out, lse
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False, seqused_k=False,
@@ -538,7 +494,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  persistent: bool | None = None, seqlen_k: int | None = None,
                  split_tail: bool = False, window_size=(None, None), softcap: float = 0.0,
                  learnable_sink: bool = False, page_size: int | None = None, key_split: bool = False,
-                 rows_per_query: int = 1, merge_chunks: bool = False) -> Compiled:
+                 rows_per_query: int = 1) -> Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     and persistent as in attention_forward (None = default_tile_m / default_persistent, which takes
@@ -547,7 +503,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     learnable_sink (a bool: built for a sink) select the variant as attention_forward does; page_size:
     built for a paged cache (needs varlen and seqused_k); key_split: what attention_split_forward
     launches (dense, one CTA per tile; seqused_k, page_size, rows_per_query and batch_map -- its
-    cache_rows -- as its call passes them); merge_chunks: its build that merges the chunks (merge=True)."""
+    cache_rows -- as its call passes them)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     variant = Variant(beyond_causal(causal, window_size), check_softcap(softcap), bool(learnable_sink))
     split_tail = _no_split_with(variant, split_tail)
@@ -559,8 +515,6 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                          "a sink or a split tail")
     if key_split and persistent:
         raise ValueError("persistent: a key split runs one CTA per tile")
-    if merge_chunks and not key_split:
-        raise ValueError("merge_chunks: a key split build's option (key_split=True)")
     if (seqused_k or batch_map) and not (varlen or key_split):
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     if page_size is not None and not ((varlen or key_split) and seqused_k):
@@ -575,7 +529,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                                    windowed=variant.window.limited)
     flags = (bool(varlen), bool(seqused_k), bool(batch_map))
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
-                    variant, page_size, key_split, rows_per_query, merge_chunks)
+                    variant, page_size, key_split, rows_per_query)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
     comp.report.setdefault("VOTE.ANY", len(re.findall(r"\bVOTE\.ANY\b", comp.sass)) if comp.sass else None)
     # the mask's selects: FSEL in bf16 builds, integer SEL on the same registers in fp16 ones

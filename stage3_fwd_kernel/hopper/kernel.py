@@ -49,7 +49,6 @@ from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage3_fwd_kernel.components.tile_walk import TileSpace, TileWalk
 from stage3_fwd_kernel.components.work_tile import SequenceInfo, empty_tile, locate_tile
 from stage3_fwd_kernel.hopper import barriers
-from stage3_fwd_kernel.hopper.chunk_merge import ChunkMerge, merge_if_last
 from stage3_fwd_kernel.hopper.gather import gather_unroll
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_POLICY, MAX_HEAD_DIM_192, Q_SHIFT_TILE_MS, TILE_MS, check_persistent_smem, default_num_stages,
@@ -58,7 +57,6 @@ from stage3_fwd_kernel.hopper.mainloop import ConsumerArgs, consume, row_copy
 from stage3_fwd_kernel.hopper.producer import SmemBuffers, TmaLoads, produce
 from stage3_fwd_kernel.hopper.split_tail import SPLIT_TAIL_UNSUPPORTED, split_tail_supported
 from stage3_fwd_kernel.host_io import assume_strides_16B, top_padding
-from stage3_fwd_kernel.split_combine import token_rows_views
 from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
 from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
 
@@ -71,7 +69,7 @@ class FlashAttentionForwardSm90:
                  policy: SoftmaxPolicy = DEFAULT_POLICY, tile_m: int = 128, tile_n: int | None = None,
                  num_stages: int | None = None, scheduler=StaticTileScheduler, split_tail: bool = False,
                  window: Window = NO_WINDOW, softcap: float = 0.0, page_size: int | None = None,
-                 key_split: bool = False, rows_per_query: int = 1, merge_chunks: bool = False):
+                 key_split: bool = False, rows_per_query: int = 1):
         if head_dim % 16 or head_dim_v % 16 or not (16 <= head_dim <= 256 and 16 <= head_dim_v <= 256):
             raise ValueError(f"head_dim: expected multiples of 16 in [16, 256], got ({head_dim}, {head_dim_v})")
         if not isinstance(policy, SoftmaxPolicy):
@@ -95,9 +93,6 @@ class FlashAttentionForwardSm90:
                              f"tile_m ({tile_m}) above 1, got {rows_per_query!r}")
         if key_split and self.persistent:
             raise ValueError("scheduler: a key split runs one CTA per tile (components.key_split), not persistent CTAs")
-        if merge_chunks and not (key_split and head_dim_v % 32 == 0):
-            raise ValueError(f"merge_chunks: the chunks of a key split build merge in the kernel (hopper.chunk_merge), "
-                             f"one lane per 32 columns of dv; got key_split={key_split}, head_dim_v={head_dim_v}")
         self.policy = policy
         self.dtype = dtype
         self.bf16 = dtype == cutlass.BFloat16
@@ -140,7 +135,6 @@ class FlashAttentionForwardSm90:
                                                            p_smem=self.p_smem)
         self.split_tail = bool(split_tail)
         self.key_split = bool(key_split)  # batch indexes (sequence, key chunk): components.key_split
-        self.merge_chunks = bool(merge_chunks)  # the last chunk of a tile merges them (hopper.chunk_merge)
         self.scheduler = scheduler
         self.num_consumers = tile_m // 64          # consumer warpgroups, one wgmma M = 64 row block each
         self.wg_m = tile_m // self.num_consumers   # 64 query rows per consumer
@@ -226,6 +220,31 @@ class FlashAttentionForwardSm90:
             return slot
         return cute.composition(slot, cute.make_layout((rows, cols), stride=(1, self.tile_n)))
 
+    def _check_call(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
+                    mPageTable):
+        if (mPageTable is not None) != (self.page_size is not None):
+            raise ValueError("page_table: pass one exactly when the kernel is built with a page_size")
+        if mPageTable is not None and mSeqUsedK is None:
+            raise ValueError("page_table: needs seqused_k (the keys each sequence uses)")
+        if (mSplit is not None) != self.split_tail:
+            raise ValueError("split workspace: pass one exactly when the kernel is built with split_tail")
+        if (mTileCounter is not None) != self.dynamic:
+            raise ValueError("tile_counter: pass one exactly when the scheduler is dynamic")
+        if not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype):
+            raise TypeError("q, k, v, out must share the kernel's dtype")
+        if (mCuSeqlensQ is None) != (mCuSeqlensK is None):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k: pass both or neither")
+        if self.key_split:
+            if mCuSeqlensQ is not None:
+                raise ValueError("key_split: a dense call (no cu_seqlens); seqused_k gives the keys of each sequence")
+            if mBatchMap is not None and mPageTable is not None:
+                raise ValueError("batch_map: a key split reads it as each sequence's row of a dense cache; a paged "
+                                 "cache's rows are its page table's")
+        elif mPageTable is not None and mCuSeqlensK is None:
+            raise ValueError("page_table: needs cu_seqlens_k (each sequence's first logical key)")
+        elif mSeqUsedK is not None and mCuSeqlensK is None:
+            raise ValueError("seqused_k: needs cu_seqlens_k")
+
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout):
         """The CTA's shared memory: barriers, the dynamic scheduler's tile ids, Q, the K/V ring, O, and
         (p_smem) P."""
@@ -237,7 +256,6 @@ class FlashAttentionForwardSm90:
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             tile_ids: cute.struct.MemRange[Int32, 2]  # dynamic: the tile of each Q phase, from the producer
-            merge_seen: cute.struct.MemRange[Int32, self.num_consumers if self.merge_chunks else 0]  # chunk_merge
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
@@ -255,7 +273,6 @@ class FlashAttentionForwardSm90:
                  mTileCounter: Optional[cute.Tensor], max_seqlen_q: Int32, max_ctas: Int32,
                  mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
                  mPageTable: Optional[cute.Tensor], num_splits: Int32, chunk_keys: Int32, range_keys: Int32,
-                 mMergedO: Optional[cute.Tensor], mMergedLSE: Optional[cute.Tensor], mArrivals: Optional[cute.Tensor],
                  stream):
         # dense:  mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         #         mLSE (B, Hq, Sq); the four optional tensors are None.
@@ -272,11 +289,8 @@ class FlashAttentionForwardSm90:
         # paged cache, mO (B * num_splits, R, Hq, dv) and mLSE (B * num_splits, Hq, R) the parts, mSeqUsedK
         # (B,) or None; chunk_keys keys a chunk; range_keys the keys each sequence reads from its end
         # (key_split.RANGE_ALL: all). Other builds ignore num_splits, chunk_keys and range_keys.
-        # merge_chunks build (hopper.chunk_merge): mMergedO (B, T, H', g, dv) and mMergedLSE (B, H', g, T)
-        # take the merged rows, row t g + j at (b, t, h, j) (g = 1: the parts' rows); mArrivals int32
-        # (>= B H' M nc,) zeros, left zero. Other builds take None.
-        check_launch_tensors(self, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter,
-                             mSplit, mPageTable, mMergedO)
+        self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
+                         mPageTable)
         self.varlen = mCuSeqlensQ is not None
         self.q_shift = self.q_shift_for(self.varlen)
         tm, tn, d, dv, stages = self.wg_m, self.tile_n, self.head_dim, self.head_dim_v, self.num_stages
@@ -285,8 +299,6 @@ class FlashAttentionForwardSm90:
         mV, mO = assume_strides_16B(mV, dv), assume_strides_16B(mO, dv)
         if const_expr(self.rows_per_query > 1):
             mQ = rows_by_token(mQ, self.rows_per_query)   # no copy packs q (components.key_split)
-        if const_expr(self.merge_chunks):
-            mMergedO, mMergedLSE = token_rows_views(mMergedO, mMergedLSE)  # (B, R, H', dv), (B, H', R)
 
         # Q and O: one 64-row slab per consumer warpgroup (a trailing mode of size nc)
         sQ_layout = self._smem_layout(tm, d, nc)
@@ -337,7 +349,6 @@ class FlashAttentionForwardSm90:
                     tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sV_layout, sO_layout, sP_layout,
                     row_copy(self.dtype, dv), num_m_blocks, mQ.shape[2], batch, mSplit, split_chunks, mSink, mPageTable,
                     *((mK, mV) if self.gather else (None, None)), num_splits, chunk_keys, range_keys,
-                    mMergedO, mMergedLSE, mArrivals,
                     # min_blocks_per_mp=1 caps registers at entry (65536/threads), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                              use_pdl=self.key_split)
@@ -357,8 +368,7 @@ class FlashAttentionForwardSm90:
                gmem_copy_O: cute.TiledCopy, num_m_blocks: Int32, num_heads: Int32, num_batch: Int32,
                mSplit: Optional[cute.Tensor], split_chunks: Int32, mSink: Optional[cute.Tensor],
                mPageTable: Optional[cute.Tensor], mK_flat: Optional[cute.Tensor], mV_flat: Optional[cute.Tensor],
-               num_splits: Int32, chunk_keys: Int32, range_keys: Int32, mMergedO: Optional[cute.Tensor],
-               mMergedLSE: Optional[cute.Tensor], mArrivals: Optional[cute.Tensor]):
+               num_splits: Int32, chunk_keys: Int32, range_keys: Int32):
         if const_expr(self.key_split):
             # the merge kernel that follows is a programmatic dependent (split_combine.PartsCombine):
             # its CTAs may take the SMs this launch leaves free and wait there for it to finish
@@ -380,9 +390,6 @@ class FlashAttentionForwardSm90:
         tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable, mK_flat, mV_flat)
         args = ConsumerArgs(softmax_scale_log2, softmax_scale, mSink, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout,
                             gmem_copy_O)
-        # the merge's results and counters; its smem count comes with the storage (attend)
-        self.chunk_merge = ChunkMerge(mMergedO, mMergedLSE, mArrivals, None, num_splits, num_heads, num_m_blocks) \
-            if const_expr(self.merge_chunks) else None
         layouts = (sQ_layout, sK_layout, sV_layout, sP_layout)
         if const_expr(self.persistent):
             # every CTA lives to the end: the tiles past a sequence's end are skipped inside the loop
@@ -454,9 +461,6 @@ class FlashAttentionForwardSm90:
         if const_expr(self.p_smem):
             sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)  # (64, tn, nc)
         smem = SmemBuffers(storage, sQ, sK, sV, pipe_Q, pipe_K, pipe_V, sP)
-        if const_expr(self.merge_chunks):
-            self.chunk_merge = self.chunk_merge._replace(
-                seen=storage.merge_seen.get_tensor(cute.make_layout(self.num_consumers)))  # (nc,) int32
         tile_ids = storage.tile_ids.get_tensor(cute.make_layout(2))  # (2,) int32, by Q phase
         # the walk is reached through self inside the loops: CuTe-DSL would try to carry a local
         # object whose methods a dynamic loop calls
@@ -543,36 +547,3 @@ class FlashAttentionForwardSm90:
         else:
             n_block_min, n_block_max = self.key_range(tile)
             consume(self, wg, tidx % 128, tile, n_block_max, Int32(0), Int32(0), args, smem, n_block_min=n_block_min)
-            if const_expr(self.merge_chunks):  # the last of a tile's chunks merges them (hopper.chunk_merge)
-                merge_if_last(self.chunk_merge, args.mO, args.mLSE, tile, wg, tidx % 128,
-                              tile.m_block * self.tile_m + wg * self.wg_m, self.wg_m, self.num_consumers, self.dtype)
-
-
-def check_launch_tensors(cfg, mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
-                         mPageTable, mMergedO):
-    """The launch's optional tensors against what the kernel `cfg` is built for (traced once per build)."""
-    if (mMergedO is not None) != cfg.merge_chunks:
-        raise ValueError("merged out: pass one (with its lse and counters) exactly when the kernel is built with "
-                         "merge_chunks")
-    if (mPageTable is not None) != (cfg.page_size is not None):
-        raise ValueError("page_table: pass one exactly when the kernel is built with a page_size")
-    if mPageTable is not None and mSeqUsedK is None:
-        raise ValueError("page_table: needs seqused_k (the keys each sequence uses)")
-    if (mSplit is not None) != cfg.split_tail:
-        raise ValueError("split workspace: pass one exactly when the kernel is built with split_tail")
-    if (mTileCounter is not None) != cfg.dynamic:
-        raise ValueError("tile_counter: pass one exactly when the scheduler is dynamic")
-    if not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == cfg.dtype):
-        raise TypeError("q, k, v, out must share the kernel's dtype")
-    if (mCuSeqlensQ is None) != (mCuSeqlensK is None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k: pass both or neither")
-    if cfg.key_split:
-        if mCuSeqlensQ is not None:
-            raise ValueError("key_split: a dense call (no cu_seqlens); seqused_k gives the keys of each sequence")
-        if mBatchMap is not None and mPageTable is not None:
-            raise ValueError("batch_map: a key split reads it as each sequence's row of a dense cache; a paged "
-                             "cache's rows are its page table's")
-    elif mPageTable is not None and mCuSeqlensK is None:
-        raise ValueError("page_table: needs cu_seqlens_k (each sequence's first logical key)")
-    elif mSeqUsedK is not None and mCuSeqlensK is None:
-        raise ValueError("seqused_k: needs cu_seqlens_k")
