@@ -74,7 +74,6 @@ ARCHS: dict[str, ArchInfo] = {
         # sm_100a code uses arch-specific instructions (tcgen05, TMEM): it runs on compute
         # capability 10.0 only, not on 10.3 (B300) or 12.x (RTX 50xx), hence no wider match.
         note="compiled for sm_100a in CI and checked structurally; no Blackwell GPU is reachable here",
-        lacks=("seqused_k",),  # the varlen forward has no seqused_k (its backward has)
     ),
 }
 
@@ -89,8 +88,7 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "seqused_q": (True, "varlen only: use the first seqused_q[b] query rows (later rows: out 0, lse -inf, no "
                         "gradient); run as 2 x batch sequences, the unused rows against no keys (fa4/_layouts.py)"),
     "padded_varlen": (True, "flash_attn_varlen_func takes either side padded, (batch, seqlen, heads, head_dim) with "
-                            "its cu_seqlens None, in any combination with seqused_q / seqused_k (sm_100: no "
-                            "seqused_k)"),
+                            "its cu_seqlens None, in any combination with seqused_q / seqused_k"),
     "any_head_dim": (True, "qk and v head dims: any multiples of 8 up to 256; a pair without a kernel of its own "
                            "runs on the cheapest native pair that covers it, zero-padded"),
     "return_lse": (True, "natural-log logsumexp of the scaled scores, fp32, (B, H, Sq) / (H, total_q)"),
@@ -111,8 +109,7 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
                              "any other page size by a cp.async gather up to 64 query rows (decode); longer queries "
                              "over those pages, and page_table on other arches, use a dense copy of the pages "
-                             "(flash_attn_with_kvcache: sm_90 only; sm_100 has no seqused_k, so each sequence uses "
-                             "all of its pages' keys)"),
+                             "(flash_attn_with_kvcache: sm_90 only)"),
     "fp8": (False, "not supported"),
 }
 
@@ -597,7 +594,7 @@ class BlackwellBackend(Backend):
     """sm_100: `stage3_fwd_kernel.blackwell_fwd` and `stage4_bwd_kernel.blackwell`. Long causal dense
     forwards without a window take stage 5's LPT order (sized by the device's L2), non-causal dense ones
     without a window run on persistent CTAs where that build exists, others the static grid; no route
-    switches; its varlen grid is sized from max_seqlen_q alone and it has no seqused_k.
+    switches; its varlen grid is sized from max_seqlen_q alone.
     The variants (window, softcap, sink) reach the kernels as on Hopper; the sink's D comes from
     sink_grad's torch ops (the dense backward does not return it)."""
 
@@ -638,7 +635,7 @@ class BlackwellBackend(Backend):
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):
-        return mod.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        return mod.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k=seqused_k,
                                             softmax_scale=softmax_scale, causal=causal, **variants)
 
 

@@ -633,9 +633,8 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         # meta tensors trace shapes only: no device to ask, so they are held to the Hopper kernels' rules
         backend = _dispatch.backend_for(q.device) if q.device.type != "meta" else \
             _dispatch.make_backend(_dispatch.ARCHS["sm_90"])
-        if backend.arch.key != "sm_90":  # the segments need the varlen forward's seqused_k
-            raise ValueError(f"q: flash_attn_with_kvcache runs on sm_90 (Hopper) only; the {backend.arch.key} "
-                             "varlen forward has no seqused_k yet")
+        if backend.arch.key != "sm_90":  # its split launch and in-place pages are the Hopper forward's
+            raise ValueError(f"q: flash_attn_with_kvcache runs on sm_90 (Hopper) only, not on {backend.arch.key}")
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         if q.shape[0] > MAX_GRID_Z or q.shape[2] > MAX_GRID_Z:  # every route's grid (y, z): before the append

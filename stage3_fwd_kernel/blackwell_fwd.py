@@ -160,6 +160,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         self.p_chunk_cols = self.tmem.p_cols // config.p_store_chunks  # fp32 columns per P store
         self.s_chunk = self.tn // config.p_store_chunks                 # S values per P store
         self.smem_bytes = None
+        self.seqused_k = None  # the launch's seqused_k tensor, set while the kernel is traced
 
     # ------------------------------------------------------------------ host side (traced once)
     @cute.jit
@@ -167,19 +168,23 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                  mLSE: cute.Tensor, softmax_scale_log2: Float32,
                  mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  max_seqlen_q: Int32 | None, score_scale: Float32 | None, mSink: cute.Tensor | None, stream,
-                 max_ctas: Int32 | None = None):
+                 max_ctas: Int32 | None = None, mSeqUsedK: cute.Tensor | None = None):
         """Dense: mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         mLSE (B, Hq, Sq). Varlen: mQ (Tq, Hq, d), mK / mV (Tk, Hkv, *), mO (Tq, Hq, dv),
-        mLSE (Hq, Tq), cu_seqlens int32 (B + 1,), max_seqlen_q a runtime int. Variants: score_scale
-        the softcap's tanh input scale (Softcap.kernel_scales; softmax_scale_log2 is then softcap *
-        log2 e), None without softcap; mSink fp32 (Hq,) sink logits, None without a sink.
-        max_ctas: persistent builds only, the grid's width (the device's SMs); None otherwise."""
+        mLSE (Hq, Tq), cu_seqlens int32 (B + 1,), max_seqlen_q a runtime int; mSeqUsedK int32 (B,) or
+        None: sequence b attends to the first mSeqUsedK[b] of its keys (components.work_tile).
+        Variants: score_scale the softcap's tanh input scale (Softcap.kernel_scales;
+        softmax_scale_log2 is then softcap * log2 e), None without softcap; mSink fp32 (Hq,) sink
+        logits, None without a sink. max_ctas: persistent builds only, the grid's width (the
+        device's SMs); None otherwise."""
         if const_expr(self.persistent != (max_ctas is not None)):
             raise TypeError("max_ctas: persistent kernels take the grid width (the SM count), others None")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must share the kernel's dtype")
         if const_expr(self.varlen != (mCuSeqlensQ is not None)):
             raise TypeError("varlen kernels take cu_seqlens_q / cu_seqlens_k, dense ones None")
+        if const_expr(mSeqUsedK is not None and not self.varlen):
+            raise TypeError("seqused_k: varlen kernels only (a dense call's keys are all used)")
         if const_expr(self.score_mod.on != (score_scale is not None)):
             raise TypeError("score_scale: softcap kernels take the tanh's input scale, others None")
         if const_expr(self.sink != (mSink is not None)):
@@ -254,7 +259,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         self.kernel(tma_Q, tma_K, tma_V, tma_O, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale_log2,
                     mQ.shape[0], mK.shape[0], mQ.shape[2] // mK.shape[2],
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, score_scale, mSink, *extents,
+                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, score_scale, mSink, mSeqUsedK, *extents,
                     ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def gmem_views(self, mQ, mK, mV, mO):
@@ -302,8 +307,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                tma_atom_O: cute.CopyAtom | None, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                tP_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, score_scale: Float32 | None,
-               mSink: cute.Tensor | None, num_m_blocks: Int32 | None, num_heads: Int32 | None,
-               num_batch: Int32 | None):
+               mSink: cute.Tensor | None, mSeqUsedK: cute.Tensor | None, num_m_blocks: Int32 | None,
+               num_heads: Int32 | None, num_batch: Int32 | None):
         # the last three: a persistent grid's tile space (None in one-tile-per-CTA builds)
         roles, nq = self.roles, self.num_q
         tidx, _, _ = cute.arch.thread_idx()
@@ -357,11 +362,12 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                              arch="sm_100")
         if const_expr(self.persistent):
             walk = TileWalkArgs(mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static, qhead_per_kvhead,
-                                num_m_blocks, num_heads, num_batch)
+                                num_m_blocks, num_heads, num_batch, mSeqUsedK)
             self.persistent_roles(walk, wg_idx, warp_idx, tmem, mbar, tma_Q, tma_K, tma_V, tma_O, mO, mLSE,
                                   softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                   tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, tP_layout, score_scale, mSink)
         else:
+            self.seqused_k = mSeqUsedK  # read by _tile_info in every role (like the walk's extents above)
             self.one_tile_roles(mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static, qhead_per_kvhead,
                                 wg_idx, warp_idx, tmem, mbar, tma_Q, tma_K, tma_V, tma_O, mO, mLSE,
                                 softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
@@ -469,7 +475,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         arithmetic in every role (they must agree on the walk, or a barrier phase goes out of step)."""
         work = self.scheduler.initial_work()
         seq = SequenceInfo(seqlen_q_static, seqlen_k_static, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK,
-                           None, None)
+                           self.seqused_k, None)
         tile = locate_tile(seq, work.m_block, work.head, work.batch)
         tile_valid = tile.m_block * self.cfg.cta_tile_m < tile.seqlen_q  # varlen: the sequence may be shorter
         n_block_min, n_blocks = self._key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k)
@@ -600,17 +606,22 @@ def compile_sm100(kernel, args) -> tuple:
 
 
 def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None,
-                   scheduler=tile_scheduler.StaticTileScheduler) -> compile_cache.Compiled:
+                   scheduler=tile_scheduler.StaticTileScheduler, seqused_k: bool = False) -> compile_cache.Compiled:
     """Compile for sm_100a with fake tensors unless `args` are given; `scheduler` is the tile order
     (the StaticTileScheduler interface: stage 5's LPT order for long causal calls), or a persistent
-    grid over one (tile_scheduler.PersistentScheduler(order): blackwell_persistent.py).
+    grid over one (tile_scheduler.PersistentScheduler(order): blackwell_persistent.py); seqused_k: a
+    varlen build that takes the keys each sequence uses.
     Returns compile_cache.Compiled (fn, report, sass, ptx)."""
-    key = (cfg.key(), varlen, "fake" if args is None else "real", scheduler)
+    if seqused_k and not varlen:
+        raise ValueError("seqused_k: a varlen build's option (varlen=True)")
+    key = (cfg.key(), varlen, "fake" if args is None else "real", scheduler) + (("seqused_k",) if seqused_k else ())
     if key in _CACHE:
         return _CACHE[key]
     kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler)
     if args is None:  # a persistent build also takes the grid's width (any value: it is a runtime argument)
-        args = fake_args(cfg, varlen) + ((Int32(1),) if kernel.persistent else ())
+        args = _launch_tail(fake_args(cfg, varlen), Int32(1) if kernel.persistent else None,
+                            cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
+                            if seqused_k else None)
     fn, report, sass, ptx = compile_sm100(kernel, args)
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
@@ -726,11 +737,19 @@ def _persistent_scheduler(scheduler, persistent: bool):
     return scheduler
 
 
-def _with_grid_width(args, scheduler, device):
-    """A persistent build's launch also takes its grid's width: the device's SMs (or num_ctas)."""
-    if not getattr(scheduler, "persistent", False):
-        return args
-    return args + (Int32(scheduler.launch_ctas(device)),)
+def _launch_tail(args, grid_width, seqused_k):
+    """`args` (through the stream) and the launch's optional trailing arguments: a persistent build's grid
+    width, a seqused_k build's tensor (after the width's None in a one-tile-per-CTA build)."""
+    if seqused_k is not None:
+        return args + (grid_width, seqused_k)
+    return args if grid_width is None else args + (grid_width,)
+
+
+def _with_grid_width(args, scheduler, device, seqused_k=None):
+    """A persistent build's launch also takes its grid's width: the device's SMs (or num_ctas); a
+    varlen launch with seqused_k (torch int32 (B,)) takes that tensor last."""
+    width = Int32(scheduler.launch_ctas(device)) if getattr(scheduler, "persistent", False) else None
+    return _launch_tail(args, width, None if seqused_k is None else host_io.to_cute(seqused_k, assumed_align=4))
 
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
@@ -766,16 +785,24 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     return out, lse
 
 
-def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, softmax_scale=None,
-                             causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None,
-                             out=None, lse=None, scheduler=None, persistent: bool = False, **cfg_kw):
+def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, seqused_k=None,
+                             softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
+                             learnable_sink=None, out=None, lse=None, scheduler=None, persistent: bool = False,
+                             **cfg_kw):
     """Packed q (Tq,Hq,D), k/v (Tk,Hkv,*), int32 cu_seqlens (B+1,) -> (out (Tq,Hq,Dv), lse (Hq,Tq)).
-    Variants, scheduler and persistent as attention_forward's (the grid's tiles run over
-    max_seqlen_q; tiles past a shorter sequence are skipped). UNVERIFIED: never run on hardware here."""
+    seqused_k: int32 (B,) on q's device, or None: sequence b attends to the first seqused_k[b] keys
+    from cu_seqlens_k[b] (at most its cu_seqlens_k length: the caller's contract, not checked here,
+    which would synchronize). Variants, scheduler and persistent as attention_forward's (the grid's
+    tiles run over max_seqlen_q; tiles past a shorter sequence are skipped). UNVERIFIED: never run on
+    hardware here."""
     import torch
 
     variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)  # before the GPU check
     scheduler = _persistent_scheduler(scheduler, persistent)
+    if seqused_k is not None:
+        host_io._check_i32_vector("seqused_k", seqused_k, getattr(cu_seqlens_q, "shape", (1,))[0] - 1)
+        if seqused_k.device != q.device:
+            raise ValueError(f"seqused_k: expected a tensor on {q.device}, got {seqused_k.device}")
     if not blackwell_gpu_available():
         raise RuntimeError("attention_varlen_forward needs a Blackwell (sm_100) GPU")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
@@ -798,8 +825,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return _nothing_visible(out, lse, sink, head_dim=0)
     args = _launch_args(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale,
                         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softcap=cfg.softcap, sink=sink)
-    args = _with_grid_width(args, scheduler, q.device)
-    compile_config(cfg, True, args, scheduler=scheduler).fn(*args)
+    args = _with_grid_width(args, scheduler, q.device, None if seqused_k is None else seqused_k.contiguous())
+    compile_config(cfg, True, args, scheduler=scheduler, seqused_k=seqused_k is not None).fn(*args)
     return out, lse
 
 

@@ -88,6 +88,7 @@ class TileWalkArgs(NamedTuple):
     num_m_blocks: Any      # Int32: CTA tiles (256 query rows) per head
     num_heads: Any         # Int32
     num_batch: Any         # Int32
+    seqused_k: Any = None  # int32 (batch,) or None: the keys each sequence uses (varlen)
 
 
 class PersistentRoles:
@@ -111,7 +112,7 @@ class PersistentRoles:
                                               opaque_i32(walk.num_batch))
         m_block, head, batch = self.scheduler.tile_at(linear, num_m_blocks, num_heads, num_batch)
         seq = SequenceInfo(opaque_i32(walk.seqlen_q), opaque_i32(walk.seqlen_k), opaque_i32(walk.qhead_per_kvhead),
-                           walk.cu_seqlens_q, walk.cu_seqlens_k, None, None)
+                           walk.cu_seqlens_q, walk.cu_seqlens_k, walk.seqused_k, None)
         tile = locate_tile(seq, m_block, head, batch)
         tile_valid = tile.m_block * self.cfg.cta_tile_m < tile.seqlen_q  # varlen: the sequence may be shorter
         n_block_min, n_blocks = self._key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k)

@@ -20,6 +20,8 @@ import types
 import warnings
 
 import numpy as np
+import dataclasses
+
 import pytest
 import torch
 
@@ -634,8 +636,7 @@ def test_backend_emulates_dlse_with_one_more_backward_call():
 @pytest.mark.fa4
 def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
     """The Hopper module takes (max_seqlen_q, max_seqlen_k, seqused_k=); the Blackwell one takes
-    max_seqlen_q only and no seqused_k: each backend passes what its module accepts and refuses what
-    it cannot."""
+    max_seqlen_q and seqused_k=: each backend passes what its module accepts."""
     calls = []
 
     def hopper_like(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None, softmax_scale=None,
@@ -643,8 +644,9 @@ def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
         calls.append(("hopper", max_seqlen_q, max_seqlen_k, seqused_k, softmax_scale, causal, tile_m))
         return "out", "lse"
 
-    def blackwell_like(q, k, v, cu_q, cu_k, max_seqlen_q, *, softmax_scale=None, causal=False, out=None, lse=None):
-        calls.append(("blackwell", max_seqlen_q, softmax_scale, causal))
+    def blackwell_like(q, k, v, cu_q, cu_k, max_seqlen_q, *, seqused_k=None, softmax_scale=None, causal=False,
+                       out=None, lse=None):
+        calls.append(("blackwell", max_seqlen_q, seqused_k, softmax_scale, causal))
         return "out", "lse"
 
     t = torch.zeros(1)
@@ -656,10 +658,13 @@ def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
     monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", True)
     bw._mods["fwd"] = types.SimpleNamespace(attention_varlen_forward=blackwell_like, __name__="bw_like")
     bw.varlen_forward(t, t, t, t, t, None, 7, 9, 0.5, False)
+    bw.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, False)
     assert calls == [("hopper", 7, 9, "used", 0.5, True, 64), ("hopper", 65, 9, "used", 0.5, True, None),
-                     ("blackwell", 7, 0.5, False)]
+                     ("blackwell", 7, None, 0.5, False), ("blackwell", 7, "used", 0.5, False)]
+    # an arch whose varlen forward lacks seqused_k (none today) is refused before its module's import
+    bare = _dispatch.BlackwellBackend(dataclasses.replace(_dispatch.ARCHS["sm_100"], lacks=("seqused_k",)))
     with pytest.raises(ValueError, match=r"^seqused_k: not implemented by the sm_100 varlen forward \(stage3_fwd_kernel"):
-        bw.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, False)
+        bare.varlen_forward(t, t, t, t, t, "used", 7, 9, 0.5, False)
     seen = []
 
     def varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, *, seqused_k, softmax_scale, causal,
@@ -675,11 +680,13 @@ def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
 @pytest.mark.cpu
 @pytest.mark.fa4
 def test_seqused_k_is_refused_up_front_where_the_varlen_forward_lacks_it(monkeypatch):
-    """On sm_100 (no seqused_k in its varlen forward) the public call names seqused_k in a ValueError
-    before a page gather or a kernel module import -- dense and paged k / v alike."""
+    """On an arch whose varlen forward has no seqused_k (none today: sm_100 as it was before its forward
+    took it) the public call names seqused_k in a ValueError before a page gather or a kernel module
+    import -- dense and paged k / v alike."""
     from fa4 import _validate
 
-    monkeypatch.setattr(_validate, "arch_of", lambda device: _dispatch.ARCHS["sm_100"])
+    lacking = dataclasses.replace(_dispatch.ARCHS["sm_100"], lacks=("seqused_k",))
+    monkeypatch.setattr(_validate, "arch_of", lambda device: lacking)
     gathered = []
     monkeypatch.setattr(_validate.VarlenLayout, "unpage", staticmethod(lambda *a: gathered.append(a)))
     m = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731

@@ -263,7 +263,7 @@ def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
     bw.forward(q, q, q, 0.5, False, window=(None, 8))
     assert "persistent" not in calls[-1][2]
     bw.varlen_forward(q, q, q, q, q, None, 7, 9, 0.5, False, window=(None, 3), softcap=2.0)
-    assert calls[-1] == ("varlen_fwd", None, {"window_size": (None, 3), "softcap": 2.0})
+    assert calls[-1] == ("varlen_fwd", None, {"seqused_k": None, "window_size": (None, 3), "softcap": 2.0})
     t = torch.zeros(1, 8, 2, 64)
     dout, out = torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64)
     grads = bw.backward(dout, t, t, t, out, t, 0.5, False, False, window=(4, 4), softcap=5.0, want_d=True)
@@ -274,8 +274,9 @@ def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
     sink = torch.randn(2)
     torch.testing.assert_close(_ops._dsink(out, dout, lse, None, sink, *grads[3:]),
                                _dispatch.sink_grad(out, dout, lse, sink, d=d))
-    with pytest.raises(ValueError, match=r"^seqused_k"):  # its varlen forward has none
-        bw.varlen_forward(q, q, q, q, q, torch.zeros(1), 7, 9, 0.5, False)
+    used = torch.zeros(1, dtype=torch.int32)
+    bw.varlen_forward(q, q, q, q, q, used, 7, 9, 0.5, False)  # its varlen forward takes seqused_k
+    assert calls[-1][2]["seqused_k"] is used
 
 
 # ================================================================================ supported()
@@ -287,7 +288,7 @@ def test_supported_reports_the_variants_per_arch():
         assert rep["archs"]["sm_90"]["features"][name] is True
         assert rep["archs"]["sm_100"]["features"][name] is True
         assert f"| {name} | yes | yes |" in _dispatch.support_markdown()
-    assert rep["features"]["seqused_k"]["archs"] == {"sm_90": True, "sm_100": False}  # Blackwell varlen has none
+    assert rep["features"]["seqused_k"]["archs"] == {"sm_90": True, "sm_100": True}
     assert rep["features"]["fp8"]["archs"] == {"sm_90": False, "sm_100": False}
 
 

@@ -311,6 +311,69 @@ def test_varlen_matches_reference_on_blackwell(causal):
            varlen=True, check=True, verbose=False)
 
 
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("dt, d, causal, window", [("bf16", 128, True, None), ("fp16", 64, False, (96, 32))])
+def test_varlen_seqused_k_compiles_sm100a(dt, d, causal, window):
+    """The varlen forward with seqused_k (sequence b attends to its first seqused_k[b] keys): the same
+    plan as the build without it -- no local memory, the same MMAs, TMEM and shared memory -- and
+    different code (the key count comes from seqused_k[b], not from cu_seqlens_k)."""
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    cfg = bw.make_config(dt, d, d, causal, window_size=window or (None, None))
+    plain, used = bw.compile_config(cfg, True), bw.compile_config(cfg, True, seqused_k=True)
+    rep = used.report
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0
+    for key in ("UTCHMMA.SS", "UTCHMMA.TS", "UTMALDG", "smem_bytes", "tmem_cols_alloc", "ptx_setmaxnreg"):
+        assert rep[key] == plain.report[key], key
+    assert used.sass != plain.sass
+    with pytest.raises(ValueError, match=r"^seqused_k: a varlen build"):
+        bw.compile_config(cfg, False, seqused_k=True)
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_varlen_seqused_k_is_checked_before_the_gpu():
+    import torch
+
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"^seqused_k: expected dtype int32"):
+        bw.attention_varlen_forward(q, q, q, cu, cu, 5, seqused_k=torch.ones(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^seqused_k: expected shape \(2,\)"):
+        bw.attention_varlen_forward(q, q, q, cu, cu, 5, seqused_k=torch.ones(3, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_seqused_k_matches_reference_on_blackwell(causal):
+    """Each sequence against the first seqused_k[b] of its keys (0, 1, all and some), under FA4's rule
+    against the reference on those keys alone."""
+    _skip_unless_blackwell()
+    import torch
+
+    from stage0_reference.torch_reference import assert_fa4_close, attention_varlen_ref
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    lq, lk, used = [37, 300, 5, 128], [500, 64, 3, 200], [0, 64, 1, 137]
+    cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lq), 4, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lk), 2, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lk), 2, 128, device="cuda", dtype=torch.bfloat16)
+    out, lse = bw.attention_varlen_forward(q, k, v, cu_q, cu_k, max(lq), causal=causal,
+                                           seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"))
+    keep = torch.cat([torch.arange(int(cu_k[b]), int(cu_k[b]) + used[b]) for b in range(len(lk))]).cuda()
+    cu_used = torch.tensor([0] + list(torch.tensor(used).cumsum(0)), dtype=torch.int32, device="cuda")
+    (ref_o, ref_lse), (base_o, base_lse) = (attention_varlen_ref(q, k[keep], v[keep], cu_q, cu_used, causal=causal,
+                                                                 upcast=up) for up in (True, False))
+    assert_fa4_close("seqused_k out", out, ref_o, base_o)
+    assert_fa4_close("seqused_k lse", lse, ref_lse, base_lse)
+
+
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_packed_emulation_takes_adjacent_pairs():
