@@ -620,8 +620,7 @@ def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None,
     kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler)
     if args is None:  # a persistent build also takes the grid's width (any value: it is a runtime argument)
         args = _launch_tail(fake_args(cfg, varlen), Int32(1) if kernel.persistent else None,
-                            cute.runtime.make_fake_tensor(Int32, (cute.sym_int32(),), stride=(1,), assumed_align=4)
-                            if seqused_k else None)
+                            host_io.fake_i32_vector() if seqused_k else None)
     fn, report, sass, ptx = compile_sm100(kernel, args)
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
