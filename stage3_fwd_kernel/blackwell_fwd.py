@@ -160,7 +160,6 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         self.p_chunk_cols = self.tmem.p_cols // config.p_store_chunks  # fp32 columns per P store
         self.s_chunk = self.tn // config.p_store_chunks                 # S values per P store
         self.smem_bytes = None
-        self.seqused_k = None  # the launch's seqused_k tensor, set while the kernel is traced
 
     # ------------------------------------------------------------------ host side (traced once)
     @cute.jit
@@ -367,14 +366,14 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                                   softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                   tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, tP_layout, score_scale, mSink)
         else:
-            self.seqused_k = mSeqUsedK  # read by _tile_info in every role (like the walk's extents above)
-            self.one_tile_roles(mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static, qhead_per_kvhead,
+            self.one_tile_roles(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, seqlen_q_static, seqlen_k_static, qhead_per_kvhead,
                                 wg_idx, warp_idx, tmem, mbar, tma_Q, tma_K, tma_V, tma_O, mO, mLSE,
                                 softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
                                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, tP_layout, score_scale, mSink)
 
     @cute.jit
     def one_tile_roles(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
+                       mSeqUsedK: cute.Tensor | None,
                        seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32,
                        wg_idx: Int32, warp_idx: Int32, tmem: TmemAllocator, mbar: cute.Pointer,
                        tma_Q: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor, tma_O: cute.Tensor | None,
@@ -389,7 +388,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         thr_mma_pv = tiled_mma_pv.get_slice(0)
         # which tile / sequence: every role computes it after its setmaxnreg (values computed
         # before it would have to fit the smallest register budget, cfg.regs.other)
-        tile = functools.partial(self._tile_info, mCuSeqlensQ, mCuSeqlensK, seqlen_q_static, seqlen_k_static,
+        tile = functools.partial(self._tile_info, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, seqlen_q_static, seqlen_k_static,
                                  qhead_per_kvhead)
 
         if wg_idx == roles.other_wg:
@@ -469,13 +468,14 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
 
     @cute.jit
     def _tile_info(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
-                   seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32):
+                   mSeqUsedK: cute.Tensor | None, seqlen_q_static: Int32, seqlen_k_static: Int32,
+                   qhead_per_kvhead: Int32):
         """This CTA's AttentionTile (components.work_tile), the first key block it walks (None
         without a left window: block 0), how many it walks, and whether it has rows at all: the same
         arithmetic in every role (they must agree on the walk, or a barrier phase goes out of step)."""
         work = self.scheduler.initial_work()
         seq = SequenceInfo(seqlen_q_static, seqlen_k_static, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK,
-                           self.seqused_k, None)
+                           mSeqUsedK, None)
         tile = locate_tile(seq, work.m_block, work.head, work.batch)
         tile_valid = tile.m_block * self.cfg.cta_tile_m < tile.seqlen_q  # varlen: the sequence may be shorter
         n_block_min, n_blocks = self._key_blocks(tile.m_block, tile.seqlen_q, tile.seqlen_k)
@@ -798,8 +798,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
     variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)  # before the GPU check
     scheduler = _persistent_scheduler(scheduler, persistent)
-    if seqused_k is not None:
-        host_io._check_i32_vector("seqused_k", seqused_k, getattr(cu_seqlens_q, "shape", (1,))[0] - 1)
+    if seqused_k is not None:  # (before the GPU check, like the variants)
+        host_io._check_i32_vector("seqused_k", seqused_k,
+                                  cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None)
         if seqused_k.device != q.device:
             raise ValueError(f"seqused_k: expected a tensor on {q.device}, got {seqused_k.device}")
     if not blackwell_gpu_available():

@@ -472,8 +472,6 @@ SOFTMAX_SITES = 3  # the walk traces the softmax for the first block, the masked
 @pytest.mark.stage3
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_softmax_policy_in_sass(compiled, case):
-    from stage3_fwd_kernel.hopper import default_tile_n
-
     dt, d, dv, causal, flags, tau, frac, tile_m = case
     rep = compiled(case).report
     per_thread = 2 * _key_tile(d, dv, causal, tile_m) // 4  # 2 rows x tile_n / 4 scores a thread
@@ -514,7 +512,6 @@ def test_descriptors_outside_key_block_loop(compiled, case):
     >> 4). The loop still issues one HGMMA per k-step of S and of P V, and ptxas does not serialize
     the inline-PTX wgmmas."""
     from stage3_fwd_kernel.sass_report import key_block_loop
-    from stage3_fwd_kernel.hopper import default_tile_n
 
     dt, d, dv, causal, flags, tau, frac, tile_m = case
     comp = compiled(case)
@@ -620,8 +617,6 @@ def test_pv_wait_placement(compiled, case):
     among a thread's exponentials: some come before it, the rest after it, interleaved with the packs of P
     (test_P_packed_before_rescale_branch). This order measured faster than the wait below all of them
     (docs/measurements.md)."""
-    from stage3_fwd_kernel.hopper import default_tile_n
-
     dt, d, dv, causal, flags, tau, frac, tile_m = case
     per_thread = 2 * _key_tile(d, dv, causal, tile_m) // 4
     counts = _exps_before_pv_wait(compiled(case).sass)
@@ -653,8 +648,6 @@ def test_P_packed_before_rescale_branch(compiled, case):
     """store_P packs P with volatile cvts, so all of a step's packs (one per exp2 pair) stay between the
     wait for P V and the O rescale's branch, among the exponentials still in flight. Plain conversions
     sink past the branch to the next P V: 0 of 32 there at d = 64 bf16."""
-    from stage3_fwd_kernel.hopper import default_tile_n
-
     dt, d, dv, causal, flags, tau, frac, tile_m = case
     counts = _packs_after_pv_wait(compiled(case).sass)
     assert len(counts) >= 2, counts  # the masked and the mask-free steady-state loops
