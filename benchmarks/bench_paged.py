@@ -23,7 +23,10 @@ Decode (one query token per sequence, every sequence's cache filled to the same 
 * official_paged: flash_attn.cute.interface.flash_attn_varlen_func(q, k_pages, v_pages,
   page_table=..., seqused_k=...), q (B, 1, 32, 128), where flash_attn.cute imports (its default
   num_splits = 1: SM 9.0 has no split-KV there); a page size it refuses is recorded as an error;
-* copy_k: a device copy of the dense K (reads and writes K), the bandwidth yardstick.
+* copy_k: a device copy of the dense K (reads and writes K), the bandwidth yardstick;
+* flashinfer_cc / flashinfer_tc: FlashInfer's BatchDecodeWithPagedKVCacheWrapper on the same pages, its
+  CUDA-core and tensor-core kernels, where flashinfer-python imports (benchmarks/flashinfer_peer.py);
+  `fa4 / FlashInfer` = the median over rounds of the faster FlashInfer time / fa4_paged's time.
 
 --window LEFT: every decode peer with window_size=(LEFT, 0), causal (a sliding-window layer); the
 bytes are then the keys in the window, and copy_k copies that slice of K. --query-len N > 1: N causal
@@ -62,13 +65,14 @@ from .ab_fwd import paired_rounds
 from .bench_decode import copy_peer
 from .bench_decode import CALLS_PER_GRAPH, _graphed, check_decode_flags, keys_read
 from .bench_fwd import write_doc
+from . import flashinfer_peer
 
 HQ, HKV, D = 32, 8, 128
 PAGE_SLACK = 1.25             # pages allocated / pages the sequences need
 PREFILL_TOKENS = 32768        # batch * seqlen of every prefill point
 DECODE_TOLERANCE = 2e-2       # max |out - fa4_dense|
 PREFILL_TOLERANCE = 5e-2
-DECODE_PEERS = ("fa4_paged", "fa4_dense", "official_paged", "copy_k")
+DECODE_PEERS = ("fa4_paged", "fa4_dense", "official_paged", "flashinfer_cc", "flashinfer_tc", "copy_k")
 PREFILL_PEERS = ("fa4_paged", "fa4_dense", "official_paged", "official_dense")
 
 
@@ -162,6 +166,15 @@ def paged_vs_dense(times: dict, paged: str, dense: str):
     return statistics.median(d / p for p, d in zip(times[paged], times[dense]))
 
 
+def versus_best(times: dict, ours: str, peers: tuple):
+    """The median over rounds of (the fastest of `peers` in that round) / `ours`: above 1, ours is
+    faster; None where ours or every peer is missing."""
+    present = [times[p] for p in peers if p in times]
+    if ours not in times or not present:
+        return None
+    return statistics.median(min(ts) / t for t, *ts in zip(times[ours], *present))
+
+
 class DecodeCall(NamedTuple):
     """What a decode step looks like beyond its batch and cache: heads, query tokens, window."""
 
@@ -186,7 +199,7 @@ def decode_inputs(batch: int, cache: int, page_size: int, k, v, generator, call:
             "seqlens": torch.full((batch,), cache, dtype=torch.int32, device=k.device)}
 
 
-def decode_peers(t: dict, official, call: DecodeCall = DecodeCall()) -> dict:
+def decode_peers(t: dict, official, call: DecodeCall = DecodeCall(), flashinfer=None) -> dict:
     import fa4
 
     var, read = call.variant(), call.keys_read(t["k"].shape[1])   # the copy peer copies the keys read
@@ -199,6 +212,9 @@ def decode_peers(t: dict, official, call: DecodeCall = DecodeCall()) -> dict:
     if official is not None:
         peers["official_paged"] = lambda: official(t["q"], t["k_pages"], t["v_pages"], page_table=t["table"],
                                                    seqused_k=t["seqlens"], **var)
+    if flashinfer is not None:
+        peers |= flashinfer_peer.decode_peers(flashinfer, t, t["k"].shape[1], t["k_pages"].shape[1],
+                                              call.query_len, call.window)
     return peers
 
 
@@ -221,14 +237,14 @@ def capture_peers(peers: dict, label: str):
 
 
 def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng, official,
-                 call: DecodeCall = DecodeCall()) -> dict:
+                 call: DecodeCall = DecodeCall(), flashinfer=None) -> dict:
     label = f"decode {batch} x {cache} page {page_size}"
     generator = torch.Generator(device="cuda").manual_seed(batch * 7 + cache + page_size)
     inputs = decode_inputs(batch, cache, page_size, k, v, generator, call)   # alive while the graphs are
     graphs, errors = {}, {}
     try:
         with torch.no_grad():
-            graphs, errors = capture_peers(decode_peers(inputs, official, call), label)
+            graphs, errors = capture_peers(decode_peers(inputs, official, call, flashinfer), label)
             diffs = check_outputs({n: out for n, (_, out) in graphs.items()}, DECODE_TOLERANCE, label)
             times = paired_rounds({n: gr[0].replay for n, gr in graphs.items()}, rounds, rng)
     finally:
@@ -238,7 +254,8 @@ def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng,
     row = {"section": "decode", "batch": batch, "cache": cache, "page_size": page_size, **call._asdict(),
            "num_pages": inputs["k_pages"].shape[0], "bytes": q_bytes + kv_bytes,
            "max_abs_diff_vs_fa4_dense": diffs, "errors": errors, "peers": {},
-           "paged_vs_dense": paged_vs_dense(times, "fa4_paged", "fa4_dense")}
+           "paged_vs_dense": paged_vs_dense(times, "fa4_paged", "fa4_dense"),
+           "fa4_vs_flashinfer": versus_best(times, "fa4_paged", tuple(flashinfer_peer.VARIANTS))}
     for name, ts in times.items():
         per_call = [t / CALLS_PER_GRAPH for t in ts]
         moved = kv_bytes if name == "copy_k" else q_bytes + kv_bytes   # copy_k reads and writes K
@@ -249,14 +266,15 @@ def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng,
     return row
 
 
-def run_decode(shapes, page_sizes, rounds: int, rng, official, call: DecodeCall = DecodeCall()) -> list:
+def run_decode(shapes, page_sizes, rounds: int, rng, official, call: DecodeCall = DecodeCall(),
+               flashinfer=None) -> list:
     rows = []
     for batch, cache in shapes:
         generator = torch.Generator(device="cuda").manual_seed(batch * 7 + cache)
         k = torch.randn(batch, cache, call.heads_kv, D, device="cuda", generator=generator, dtype=torch.bfloat16)
         v = torch.randn(batch, cache, call.heads_kv, D, device="cuda", generator=generator, dtype=torch.bfloat16)
         for page_size in page_sizes:
-            rows.append(decode_point(batch, cache, page_size, k, v, rounds, rng, official, call))
+            rows.append(decode_point(batch, cache, page_size, k, v, rounds, rng, official, call, flashinfer))
             torch.cuda.empty_cache()
         del k, v
         torch.cuda.empty_cache()
@@ -373,7 +391,8 @@ def _table(rows: list, peers: tuple, metric: str, shape_key: str, shape_label: s
 
 def decode_table(rows: list) -> str:
     """Achieved GB/s per peer (median of the rounds), one line per (batch x cache, page size)."""
-    return _table(rows, DECODE_PEERS, "gb_per_s", "cache", "batch x cache", {"fa4 paged/dense": "paged_vs_dense"})
+    return _table(rows, DECODE_PEERS, "gb_per_s", "cache", "batch x cache",
+                  {"fa4 paged/dense": "paged_vs_dense", "fa4 / FlashInfer": "fa4_vs_flashinfer"})
 
 
 def prefill_table(rows: list) -> str:
@@ -405,6 +424,7 @@ def parse_args(argv):
     ap.add_argument("--window", type=int, default=None, help="decode with window_size=(LEFT, 0), causal")
     ap.add_argument("--query-len", type=int, default=1, help="decode query tokens per sequence (> 1: causal)")
     ap.add_argument("--decode-heads", default=f"{HQ}/{HKV}", help="decode query heads / KV heads")
+    ap.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer out of the decode peers")
     ap.add_argument("--table", metavar="RESULT.json", default=None,
                     help="print the markdown tables of a result file and exit (no GPU needed)")
     args = ap.parse_args(argv)
@@ -437,7 +457,8 @@ def main(argv=None) -> int:
         return 2
     rng, official, rows = random.Random(0), official_varlen(), []
     if args.only in (None, "decode"):
-        rows += run_decode(args.decode_shapes, args.page_sizes, args.rounds, rng, official, args.call)
+        flashinfer = None if args.no_flashinfer else flashinfer_peer.load()
+        rows += run_decode(args.decode_shapes, args.page_sizes, args.rounds, rng, official, args.call, flashinfer)
     if args.only in (None, "prefill"):
         rows += run_prefill(args.prefill_seqlens, args.page_sizes, args.rounds, rng, official)
     print(markdown_tables({"results": rows}))

@@ -1,11 +1,13 @@
 """benchmarks.bench_paged on CPU: the paged cache it builds (build_paged), its checks, its tables and its CLI."""
 import json
 import math
+import sys
+import types
 
 import pytest
 import torch
 
-from benchmarks import bench_paged
+from benchmarks import bench_paged, flashinfer_peer
 from test_fa4_kvcache import stand_in  # the varlen kernel's contract in float64 (tests/ is on the path)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
@@ -247,3 +249,85 @@ def test_prefill_peers_call_fa4_so_paged_and_dense_agree(fa4_on_cpu):
     assert outs["fa4_paged"].shape == inputs["q"].shape
     diffs = bench_paged.check_outputs(outs, bench_paged.PREFILL_TOLERANCE, "prefill cpu")
     assert diffs["fa4_paged"] <= 1e-2
+
+
+def test_csr_pages_hold_the_dense_cache_rows():
+    """FlashInfer's (indptr, indices, last page length) taken from build_paged's table address the
+    same rows as the dense cache."""
+    g = torch.Generator().manual_seed(6)
+    batch, cache, heads, dim, page = 3, 37, 2, 8, 16
+    k = torch.randn(batch, cache, heads, dim, generator=g)
+    k_pages, _, table = bench_paged.build_paged(k, k.clone(), [cache] * batch, page, g)
+    indptr, indices, last = flashinfer_peer.csr_pages(table, cache, page)
+    assert indptr.tolist() == [0, 3, 6, 9] and last.tolist() == [5, 5, 5]
+    for b in range(batch):
+        pages = indices[indptr[b]:indptr[b + 1]].long()
+        rows = k_pages[pages].reshape(-1, heads, dim)[: (len(pages) - 1) * page + int(last[b])]
+        torch.testing.assert_close(rows, k[b])
+    _, _, last = flashinfer_peer.csr_pages(table, 32, page)   # a full last page
+    assert last.tolist() == [16, 16, 16]
+    with pytest.raises(ValueError, match="cache"):
+        flashinfer_peer.csr_pages(table, 0, page)
+    with pytest.raises(ValueError, match="table"):
+        flashinfer_peer.csr_pages(table, 49, page)
+
+
+class _FakeDecodeWrapper:
+    """The part of flashinfer.BatchDecodeWithPagedKVCacheWrapper the peer calls, recording it."""
+
+    made = []
+
+    def __init__(self, workspace, layout, **kwargs):
+        self.layout, self.kwargs, self.plans = layout, kwargs, []
+        _FakeDecodeWrapper.made.append(self)
+
+    def plan(self, indptr, indices, last, heads_q, heads_kv, dim, page_size, **kwargs):
+        self.plans.append((indptr.tolist(), indices.tolist(), last.tolist(), heads_q, heads_kv, dim, page_size,
+                           kwargs))
+
+    def run(self, q, kv):
+        return torch.zeros(q.shape[0], q.shape[1], kv[1].shape[-1])
+
+
+def test_flashinfer_peers_plan_once_and_answer_like_fa4(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    assert flashinfer_peer.load() is None and "flashinfer: not available" in capsys.readouterr().err
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeDecodeWrapper)
+    monkeypatch.setattr(flashinfer_peer, "WORKSPACE_BYTES", 64)
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(2, 40, 2, 8, generator=g)
+    k_pages, v_pages, table = bench_paged.build_paged(k, k.clone(), [40, 40], 16, g)
+    for query_len, window, names in ((1, None, ["flashinfer_cc", "flashinfer_tc"]), (4, 100, ["flashinfer_tc"])):
+        _FakeDecodeWrapper.made.clear()
+        inputs = {"q": torch.randn(2, query_len, 8, 8), "k_pages": k_pages, "v_pages": v_pages, "table": table}
+        peers = flashinfer_peer.decode_peers(fake, inputs, 40, 16, query_len, window)
+        assert list(peers) == names
+        for step in peers.values():
+            assert step().shape == (2, query_len, 8, 8) and step().shape == (2, query_len, 8, 8)
+        assert [w.kwargs["use_tensor_cores"] for w in _FakeDecodeWrapper.made] == [n.endswith("tc") for n in names]
+        for wrapper in _FakeDecodeWrapper.made:
+            assert wrapper.layout == "NHD" and wrapper.kwargs["use_cuda_graph"] and len(wrapper.plans) == 1
+            indptr, indices, last, heads_q, heads_kv, dim, page, kw = wrapper.plans[0]
+            assert (indptr, last, heads_q, heads_kv, dim, page) == ([0, 3, 6], [8, 8], 8, 2, 8, 16)
+            assert indices == table[:, :3].reshape(-1).tolist()
+            assert kw["window_left"] == (-1 if window is None else window)
+            assert kw.get("q_len_per_req", 1) == query_len
+        assert len(inputs["keep_alive"]) == len(names)   # the wrappers live as long as the inputs
+
+
+def test_versus_best_takes_the_fastest_peer_of_each_round():
+    times = {"fa4_paged": [1.0, 2.0, 1.0], "flashinfer_cc": [3.0, 1.0, 2.0], "flashinfer_tc": [0.5, 4.0, 1.5]}
+    assert bench_paged.versus_best(times, "fa4_paged", ("flashinfer_cc", "flashinfer_tc")) == 0.5
+    assert bench_paged.versus_best(times, "fa4_paged", ("absent",)) is None
+    assert bench_paged.versus_best({}, "fa4_paged", ("flashinfer_cc",)) is None
+
+
+def test_decode_table_shows_flashinfer_and_the_ratio():
+    row = {"section": "decode", "batch": 8, "cache": 32768, "page_size": 64, "paged_vs_dense": 0.97,
+           "fa4_vs_flashinfer": 1.013, "errors": {},
+           "peers": {"fa4_paged": {"gb_per_s": 4332.0}, "flashinfer_tc": {"gb_per_s": 4270.0},
+                     "copy_k": {"gb_per_s": 4241.0}}}
+    text = bench_paged.markdown_tables({"results": [row]})
+    assert "| batch x cache | page | fa4_paged | flashinfer_tc | copy_k | fa4 paged/dense | fa4 / FlashInfer |" in text
+    assert "| 8 x 32k | 64 | 4332 | 4270 | 4241 | 0.97x | 1.01x |" in text
+    assert bench_paged.parse_args(["--no-flashinfer"]).no_flashinfer
