@@ -1,6 +1,7 @@
 """The attention variants against the official FlashAttention-4: sliding window, softcap, learnable sink.
 
     python -m benchmarks.bench_variants [--dims 128] [--seqlen 8192] [--rounds 5] [--out variants.json]
+    python -m benchmarks.bench_variants --table A.json [B.json ...]   # the markdown table, no GPU
 
 Both sides go through their public functions (`fa4.flash_attn_func`, `flash_attn.cute.interface.
 flash_attn_func`) with the same arguments, forward and backward (the backward timed on a retained
@@ -16,6 +17,7 @@ a case is reported, not timed.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -24,6 +26,9 @@ import torch
 
 from .ab_fwd import paired_rounds, write_results
 
+CASE_LABELS = {"causal": "causal (no variant)", "causal+window1024": "causal + window (1024, 0)",
+               "band1024": "window (1024, 1024), not causal", "softcap30": "softcap 30, not causal",
+               "causal+sink": "causal + learnable sink"}
 CASES = {  # name -> (causal, fa4 / official keyword arguments)
     "causal": (True, {}),
     "causal+window1024": (True, dict(window_size=(1024, 0))),
@@ -121,6 +126,26 @@ def window_cost(d, seqlen, window, rounds, rng):
     return rows
 
 
+def markdown_table(docs: list) -> str:
+    """Official time / fa4 time (median of the rounds) per case, one column per (head dim, direction),
+    the values of the result files `docs` joined by " / " in their order ("-" where one lacks the point)."""
+    ratio = {(r["case"], r["head_dim"], r["direction"], i): r["ratio_median"]
+             for i, doc in enumerate(docs) for r in doc["results"] if "ratio_median" in r}
+    dims = sorted({key[1] for key in ratio}, reverse=True)
+    cases = [c for c in CASES if any(key[0] == c for key in ratio)]
+    columns = [(d, direction) for d in dims for direction in ("fwd", "bwd")]
+    names = {"fwd": "forward", "bwd": "backward"}
+    lines = ["| case | " + " | ".join(f"d = {d} {names[w]}" for d, w in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for case in cases:
+        cells = []
+        for d, direction in columns:
+            values = [ratio.get((case, d, direction, i)) for i in range(len(docs))]
+            cells.append(" / ".join("-" if x is None else f"{x:.2f}" for x in values) + "x")
+        lines.append(f"| {CASE_LABELS[case]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dims", default="128")
@@ -130,7 +155,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", nargs="+", metavar="RESULT.json", default=None,
+                    help="print the markdown table of these result files (values joined in this order) and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        docs = []
+        for path in args.table:
+            with open(path) as f:
+                docs.append(json.load(f))
+        print(markdown_table(docs))
+        return 0
     if not torch.cuda.is_available():
         print("bench_variants needs a CUDA GPU")
         return 2
