@@ -127,7 +127,7 @@ def implementations(steps, variants=()):
 def versions():
     v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
          "cudnn": torch.backends.cudnn.version()}
-    for pkg in ("nvidia-cutlass-dsl", "flash-attn-4", "triton"):
+    for pkg in ("nvidia-cutlass-dsl", "flash-attn-4", "triton", "flashinfer-python"):
         try:
             from importlib.metadata import version
 

@@ -244,7 +244,8 @@ def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng,
     graphs, errors = {}, {}
     try:
         with torch.no_grad():
-            graphs, errors = capture_peers(decode_peers(inputs, official, call, flashinfer), label)
+            peers = decode_peers(inputs, official, call, flashinfer)
+            graphs, errors = capture_peers(peers, label)
             diffs = check_outputs({n: out for n, (_, out) in graphs.items()}, DECODE_TOLERANCE, label)
             times = paired_rounds({n: gr[0].replay for n, gr in graphs.items()}, rounds, rng)
     finally:
@@ -254,8 +255,10 @@ def decode_point(batch: int, cache: int, page_size: int, k, v, rounds: int, rng,
     row = {"section": "decode", "batch": batch, "cache": cache, "page_size": page_size, **call._asdict(),
            "num_pages": inputs["k_pages"].shape[0], "bytes": q_bytes + kv_bytes,
            "max_abs_diff_vs_fa4_dense": diffs, "errors": errors, "peers": {},
-           "paged_vs_dense": paged_vs_dense(times, "fa4_paged", "fa4_dense"),
-           "fa4_vs_flashinfer": versus_best(times, "fa4_paged", tuple(flashinfer_peer.VARIANTS))}
+           "paged_vs_dense": paged_vs_dense(times, "fa4_paged", "fa4_dense")}
+    if flashinfer is not None:
+        row["fa4_vs_flashinfer"] = versus_best(times, "fa4_paged", tuple(flashinfer_peer.VARIANTS))
+        row["flashinfer_backends"] = {n: peers[n].backend for n in flashinfer_peer.VARIANTS if n in peers}
     for name, ts in times.items():
         per_call = [t / CALLS_PER_GRAPH for t in ts]
         moved = kv_bytes if name == "copy_k" else q_bytes + kv_bytes   # copy_k reads and writes K
@@ -381,6 +384,7 @@ def _table(rows: list, peers: tuple, metric: str, shape_key: str, shape_label: s
     """One line per (batch x length, page size): each peer's median `metric`, then the `ratios`
     (column title -> row key) as multipliers."""
     names = [n for n in peers if any(n in r["peers"] or n in r.get("errors", {}) for r in rows)]
+    ratios = {title: key for title, key in ratios.items() if any(key in r for r in rows)}
     lines = [f"| {shape_label} | page | " + " | ".join(names + list(ratios)) + " |",
              "|---" * (len(names) + len(ratios) + 2) + "|"]
     for r in rows:
@@ -464,9 +468,10 @@ def main(argv=None) -> int:
     print(markdown_tables({"results": rows}))
     if args.out:
         write_doc(args.out, "benchmarks.bench_paged", argv, rows,
-                  shapes=f"bf16, GQA {HQ}/{HKV}, d={D}; paged cache (num_pages, page_size, {HKV}, {D}), "
-                         f"{PAGE_SLACK}x the pages needed, shuffled; prefill {PREFILL_TOKENS} tokens, causal"
-                         + f"; decode {args.call}" + ("" if args.window is None else ", bytes of the keys read"),
+                  shapes=f"bf16, d={D}; paged caches (num_pages, page_size, heads_kv, {D}), {PAGE_SLACK}x the "
+                         f"pages needed, shuffled; decode GQA {args.call.heads_q}/{args.call.heads_kv}, {args.call}"
+                         + ("" if args.window is None else ", bytes of the keys read")
+                         + f"; prefill GQA {HQ}/{HKV}, {PREFILL_TOKENS} tokens, causal",
                   method=f"decode: CUDA graphs of {CALLS_PER_GRAPH} calls; prefill: CUDA events around ~40 ms of "
                          f"calls; {args.rounds} paired rounds (random order); decode GB/s = bytes of Q + K, V rows "
                          "used / time (copy_k: 2 x bytes of K); prefill TFLOP/s with causal FLOPs")

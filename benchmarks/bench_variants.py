@@ -135,14 +135,16 @@ def markdown_table(docs: list) -> str:
     cases = [c for c in CASES if any(key[0] == c for key in ratio)]
     columns = [(d, direction) for d in dims for direction in ("fwd", "bwd")]
     names = {"fwd": "forward", "bwd": "backward"}
-    lines = ["| case | " + " | ".join(f"d = {d} {names[w]}" for d, w in columns) + " |",
+    lengths = [next((f"{r['seqlen'] // 1024}k" for r in doc["results"] if "ratio_median" in r), "-") for doc in docs]
+    lines = [f"| case ({' / '.join(lengths)}) | " + " | ".join(f"d = {d} {names[w]}" for d, w in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]
     for case in cases:
         cells = []
         for d, direction in columns:
             values = [ratio.get((case, d, direction, i)) for i in range(len(docs))]
-            cells.append(" / ".join("-" if x is None else f"{x:.2f}" for x in values) + "x")
-        lines.append(f"| {CASE_LABELS[case]} | " + " | ".join(cells) + " |")
+            cells.append("-" if all(x is None for x in values)
+                         else " / ".join("-" if x is None else f"{x:.2f}" for x in values) + "x")
+        lines.append(f"| {CASE_LABELS.get(case, case)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -273,52 +273,96 @@ def test_csr_pages_hold_the_dense_cache_rows():
 
 
 class _FakeDecodeWrapper:
-    """The part of flashinfer.BatchDecodeWithPagedKVCacheWrapper the peer calls, recording it."""
+    """flashinfer.BatchDecodeWithPagedKVCacheWrapper's contract as the peer uses it (its argument order,
+    the CUDA-graph buffers' sizes, the CSR page table), answering with float attention over the pages
+    the plan names, so a wrong table, head order or causal flag gives a wrong answer."""
 
     made = []
 
-    def __init__(self, workspace, layout, **kwargs):
-        self.layout, self.kwargs, self.plans = layout, kwargs, []
+    def __init__(self, workspace, layout, use_cuda_graph=False, use_tensor_cores=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+        buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        assert layout == "NHD" and workspace.dtype == torch.uint8
+        assert not use_cuda_graph or all(b is not None for b in buffers), "CUDA-graph mode needs its buffers"
+        self.use_cuda_graph, self.use_tensor_cores, self.buffers, self.plans = use_cuda_graph, use_tensor_cores, buffers, []
         _FakeDecodeWrapper.made.append(self)
 
-    def plan(self, indptr, indices, last, heads_q, heads_kv, dim, page_size, **kwargs):
-        self.plans.append((indptr.tolist(), indices.tolist(), last.tolist(), heads_q, heads_kv, dim, page_size,
-                           kwargs))
+    def plan(self, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, *, window_left=-1,
+             q_data_type=None, kv_data_type=None, q_len_per_req=1):
+        indptr_buf, indices_buf, last_buf = self.buffers
+        assert indptr.dtype == indices.dtype == last.dtype == torch.int32
+        assert len(indptr_buf) == len(indptr) == len(last) + 1 == len(last_buf) + 1 and len(indices_buf) >= len(indices)
+        assert num_qo_heads % num_kv_heads == 0 and bool((last >= 1).all() and (last <= page_size).all())
+        assert q_len_per_req == 1 or self.use_tensor_cores, "several tokens need the tensor-core kernel"
+        indptr_buf.copy_(indptr), indices_buf[:len(indices)].copy_(indices), last_buf.copy_(last)
+        self.plans.append(dict(heads=(num_qo_heads, num_kv_heads), dim=head_dim, page_size=page_size,
+                               window_left=window_left, q_len=q_len_per_req, dtypes=(q_data_type, kv_data_type)))
 
     def run(self, q, kv):
-        return torch.zeros(q.shape[0], q.shape[1], kv[1].shape[-1])
+        indptr, indices, last = self.buffers
+        plan, (k_pages, v_pages) = self.plans[-1], kv
+        q_len, outs = plan["q_len"], []
+        for b in range(len(last)):
+            pages = indices[int(indptr[b]):int(indptr[b + 1])].long()
+            keys = (len(pages) - 1) * plan["page_size"] + int(last[b])
+            k = k_pages[pages].flatten(0, 1)[None, :keys]
+            v = v_pages[pages].flatten(0, 1)[None, :keys]
+            outs.append(flashinfer_peer.reference(q[b * q_len:(b + 1) * q_len][None], k, v, causal=q_len > 1)[0])
+        return torch.cat(outs).to(q.dtype)
 
 
-def test_flashinfer_peers_plan_once_and_answer_like_fa4(monkeypatch, capsys):
+def test_flashinfer_peers_plan_once_and_answer_like_attention(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     assert flashinfer_peer.load() is None and "flashinfer: not available" in capsys.readouterr().err
     fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeDecodeWrapper)
     monkeypatch.setattr(flashinfer_peer, "WORKSPACE_BYTES", 64)
     g = torch.Generator().manual_seed(7)
-    k = torch.randn(2, 40, 2, 8, generator=g)
-    k_pages, v_pages, table = bench_paged.build_paged(k, k.clone(), [40, 40], 16, g)
+    k, v = torch.randn(2, 40, 2, 8, generator=g), torch.randn(2, 40, 2, 8, generator=g)
+    k_pages, v_pages, table = bench_paged.build_paged(k, v, [40, 40], 16, g)
     for query_len, window, names in ((1, None, ["flashinfer_cc", "flashinfer_tc"]), (4, 100, ["flashinfer_tc"])):
         _FakeDecodeWrapper.made.clear()
-        inputs = {"q": torch.randn(2, query_len, 8, 8), "k_pages": k_pages, "v_pages": v_pages, "table": table}
+        q = torch.randn(2, query_len, 8, 8, generator=g)
+        inputs = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "table": table}
         peers = flashinfer_peer.decode_peers(fake, inputs, 40, 16, query_len, window)
         assert list(peers) == names
+        want = flashinfer_peer.reference(q, k, v, causal=query_len > 1)
         for step in peers.values():
-            assert step().shape == (2, query_len, 8, 8) and step().shape == (2, query_len, 8, 8)
-        assert [w.kwargs["use_tensor_cores"] for w in _FakeDecodeWrapper.made] == [n.endswith("tc") for n in names]
+            assert step.backend is None
+            torch.testing.assert_close(step(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(step(), want, rtol=1e-5, atol=1e-5)
+        assert [w.use_tensor_cores for w in _FakeDecodeWrapper.made] == [n.endswith("tc") for n in names]
         for wrapper in _FakeDecodeWrapper.made:
-            assert wrapper.layout == "NHD" and wrapper.kwargs["use_cuda_graph"] and len(wrapper.plans) == 1
-            indptr, indices, last, heads_q, heads_kv, dim, page, kw = wrapper.plans[0]
-            assert (indptr, last, heads_q, heads_kv, dim, page) == ([0, 3, 6], [8, 8], 8, 2, 8, 16)
-            assert indices == table[:, :3].reshape(-1).tolist()
-            assert kw["window_left"] == (-1 if window is None else window)
-            assert kw.get("q_len_per_req", 1) == query_len
+            assert wrapper.use_cuda_graph and len(wrapper.plans) == 1   # planned once, at the first call
+            plan = wrapper.plans[0]
+            assert plan["heads"] == (8, 2) and plan["dim"] == 8 and plan["page_size"] == 16
+            assert plan["window_left"] == (-1 if window is None else window) and plan["q_len"] == query_len
+            assert plan["dtypes"] == (torch.float32, torch.float32)
         assert len(inputs["keep_alive"]) == len(names)   # the wrappers live as long as the inputs
+
+
+def test_bench_paged_hands_flashinfer_the_cache_and_page_size(monkeypatch):
+    """bench_paged.decode_peers: the FlashInfer peers get the point's cache length and page size (the
+    fa4 and copy peers are built, not run)."""
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeDecodeWrapper)
+    monkeypatch.setattr(flashinfer_peer, "WORKSPACE_BYTES", 64)
+    g = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(1, 70, 2, bench_paged.D, generator=g) for _ in range(2))   # decode_inputs' head dim
+    inputs = bench_paged.decode_inputs(1, 70, 32, k, v, g, bench_paged.DecodeCall(8, 2))
+    peers = bench_paged.decode_peers(inputs, None, bench_paged.DecodeCall(8, 2), fake)
+    assert {"fa4_paged", "fa4_dense", "copy_k", "flashinfer_cc", "flashinfer_tc"} == set(peers)
+    _FakeDecodeWrapper.made.clear()
+    torch.testing.assert_close(peers["flashinfer_tc"](), flashinfer_peer.reference(inputs["q"], k, v, False),
+                               rtol=1e-5, atol=1e-5)
+    plan = _FakeDecodeWrapper.made[0].plans[0]
+    assert plan["page_size"] == 32 and plan["heads"] == (8, 2)
+    assert _FakeDecodeWrapper.made[0].buffers[2].tolist() == [70 - 2 * 32]
 
 
 def test_versus_best_takes_the_fastest_peer_of_each_round():
     times = {"fa4_paged": [1.0, 2.0, 1.0], "flashinfer_cc": [3.0, 1.0, 2.0], "flashinfer_tc": [0.5, 4.0, 1.5]}
     assert bench_paged.versus_best(times, "fa4_paged", ("flashinfer_cc", "flashinfer_tc")) == 0.5
     assert bench_paged.versus_best(times, "fa4_paged", ("absent",)) is None
+    assert bench_paged.versus_best(times, "fa4_paged", ("flashinfer_tc", "absent")) == 1.5   # one peer present
     assert bench_paged.versus_best({}, "fa4_paged", ("flashinfer_cc",)) is None
 
 
@@ -331,3 +375,5 @@ def test_decode_table_shows_flashinfer_and_the_ratio():
     assert "| batch x cache | page | fa4_paged | flashinfer_tc | copy_k | fa4 paged/dense | fa4 / FlashInfer |" in text
     assert "| 8 x 32k | 64 | 4332 | 4270 | 4241 | 0.97x | 1.01x |" in text
     assert bench_paged.parse_args(["--no-flashinfer"]).no_flashinfer
+    del row["fa4_vs_flashinfer"]   # a file from before the FlashInfer peer: no ratio column for it
+    assert "FlashInfer" not in bench_paged.markdown_tables({"results": [row]})

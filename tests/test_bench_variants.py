@@ -7,23 +7,24 @@ import pytest
 from benchmarks import bench_variants
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = [ROOT / "benchmarks" / "results" / f"variants_{n}_h200.json" for n in ("4k", "8k", "16k")]
+RESULTS = [ROOT / "benchmarks" / "results" / f"variants_{n}_9655851_h200.json" for n in ("4k", "8k", "16k")]
 
 pytestmark = [pytest.mark.cpu, pytest.mark.stage3]
 
 
 def _row(case, d, direction, ratio):
-    return {"case": case, "head_dim": d, "direction": direction, "ratio_median": ratio}
+    return {"case": case, "head_dim": d, "direction": direction, "seqlen": 4096, "ratio_median": ratio}
 
 
 def test_table_joins_the_files_in_order_and_marks_missing_points():
     first = {"results": [_row("causal", 128, "fwd", 1.104), _row("causal", 128, "bwd", 0.951),
                          _row("softcap30", 128, "fwd", 2.0), {"case": "window1024_cost", "head_dim": 128}]}
     second = {"results": [_row("causal", 128, "fwd", 1.066), _row("causal", 64, "bwd", 0.98)]}
+    second["results"][0]["seqlen"] = 16384
     lines = bench_variants.markdown_table([first, second]).splitlines()
-    assert lines[0] == ("| case | d = 128 forward | d = 128 backward | d = 64 forward | d = 64 backward |")
-    assert lines[2] == "| causal (no variant) | 1.10 / 1.07x | 0.95 / -x | - / -x | - / 0.98x |"
-    assert lines[3].startswith("| softcap 30, not causal | 2.00 / -x |")
+    assert lines[0] == ("| case (4k / 16k) | d = 128 forward | d = 128 backward | d = 64 forward | d = 64 backward |")
+    assert lines[2] == "| causal (no variant) | 1.10 / 1.07x | 0.95 / -x | - | - / 0.98x |"
+    assert lines[3].startswith("| softcap 30, not causal | 2.00 / -x | - |")
     assert len(lines) == 4 and len({line.count("|") for line in lines}) == 1
 
 
