@@ -326,6 +326,36 @@ assert math.ceil(hkv * 32 / sms) == 2 and _kvcache.split_chunks(16384, 32) == (5
 print("CTAs", ctas, "| keys a CTA", keys, "| KiB of K and V a CTA", keys * d * 2 * 2 // 1024)
 
 # %% [markdown]
+# ## Paged caches, next to FlashInfer
+# `python -m benchmarks.bench_paged --only decode --page-sizes 16,64` times the same steps over shuffled
+# pages of 16 and 64 keys, beside FlashInfer's paged decode (its CUDA-core kernel `flashinfer_cc` and its
+# tensor-core kernel `flashinfer_tc`) and the official paged path. Where one sequence cannot fill the
+# SMs (1 x 16k), the split launch is what puts fa4 ahead; from 1 x 128k on, fa4 and FlashInfer's
+# tensor-core kernel both read at the bandwidth limit, and the ratio is within about a percent of 1.
+
+# %%
+path = RESULTS / "bench_paged_decode_flashinfer_r2_h200.json"
+if path.exists():
+    doc = json.loads(path.read_text())
+    rows = doc["results"]
+    peers = ["fa4_paged", "flashinfer_tc", "flashinfer_cc", "official_paged", "copy_k"]
+    labels = [f"{r['batch']}x{r['cache'] // 1024}k p{r['page_size']}" for r in rows]
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    for i, p in enumerate(peers):
+        ax.bar(x + (i - 2) * 0.16, [r["peers"][p]["gb_per_s"] for r in rows], 0.16, label=p)
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"paged decode on an {doc['device']}")
+    ax.legend(ncol=5, fontsize=8)
+    plt.tight_layout()
+    plt.show()
+    for label, r in zip(labels, rows):
+        print(f"{label:>12}: fa4 / FlashInfer {r['fa4_vs_flashinfer']:.3f}, fa4 paged / dense {r['paged_vs_dense']:.2f}")
+else:
+    print("no committed measurement at", path)
+
+# %% [markdown]
 # **Next**: `fa4/README.md`, *Decoding with a KV cache*, for `flash_attn_with_kvcache` (paged caches,
 # appends with rotary embedding, the splits heuristic) and its measured tables; or back to
 # [06 · using fa4](06_using_fa4.ipynb).
