@@ -737,3 +737,10 @@ def test_kernel_breakdown_calls_the_backward_case_as_ab_bwd_defines_it(monkeypat
     monkeypatch.setattr(kb, "kernel_times", lambda fn, n: (fn(), {"main": 1.0})[1])
     assert kb.main(["--dims", "64", "--causal", "1", "--seqlens", "128"]) == 0
     assert calls == ["ours", "official"]
+
+
+def test_every_benchmark_module_is_in_the_readme_table():
+    readme = (ROOT / "benchmarks" / "README.md").read_text()
+    modules = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+    missing = [m for m in modules if f"| `{m}` |" not in readme]
+    assert not missing, f"benchmarks/README.md's table lacks {missing}"
