@@ -124,6 +124,11 @@ def implementations(steps, variants=()):
     return impls
 
 
+def tokens(n: int) -> str:
+    """A sequence length as the tables write it: 4096 -> "4k", 1000 -> "1000"."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
 def versions():
     v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
          "cudnn": torch.backends.cudnn.version()}

@@ -64,7 +64,7 @@ import torch
 from .ab_fwd import paired_rounds
 from .bench_decode import copy_peer
 from .bench_decode import CALLS_PER_GRAPH, _graphed, check_decode_flags, keys_read
-from .bench_fwd import write_doc
+from .bench_fwd import tokens, write_doc
 from . import flashinfer_peer
 
 HQ, HKV, D = 32, 8, 128
@@ -161,9 +161,7 @@ def check_outputs(outs: dict, tolerance: float, label: str, skip=("copy_k",)) ->
 
 def paged_vs_dense(times: dict, paged: str, dense: str):
     """Median over rounds of dense time / paged time of the same round (> 1: paging is faster); None if absent."""
-    if paged not in times or dense not in times:
-        return None
-    return statistics.median(d / p for p, d in zip(times[paged], times[dense]))
+    return versus_best(times, paged, (dense,))
 
 
 def versus_best(times: dict, ours: str, peers: tuple):
@@ -376,10 +374,6 @@ def _ratio(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _tokens(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
 def _table(rows: list, peers: tuple, metric: str, shape_key: str, shape_label: str, ratios: dict) -> str:
     """One line per (batch x length, page size): each peer's median `metric`, then the `ratios`
     (column title -> row key) as multipliers."""
@@ -389,7 +383,7 @@ def _table(rows: list, peers: tuple, metric: str, shape_key: str, shape_label: s
              "|---" * (len(names) + len(ratios) + 2) + "|"]
     for r in rows:
         cells = [_cell(r, n, metric) for n in names] + [_ratio(r.get(key)) for key in ratios.values()]
-        lines.append(f"| {r['batch']} x {_tokens(r[shape_key])} | {r['page_size']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['batch']} x {tokens(r[shape_key])} | {r['page_size']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

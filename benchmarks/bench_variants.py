@@ -25,6 +25,7 @@ import sys
 import torch
 
 from .ab_fwd import paired_rounds, write_results
+from .bench_fwd import tokens
 
 CASE_LABELS = {"causal": "causal (no variant)", "causal+window1024": "causal + window (1024, 0)",
                "band1024": "window (1024, 1024), not causal", "softcap30": "softcap 30, not causal",
@@ -126,10 +127,6 @@ def window_cost(d, seqlen, window, rounds, rng):
     return rows
 
 
-def _tokens(n: int) -> str:
-    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
-
-
 def markdown_table(docs: list) -> str:
     """Official time / fa4 time (median of the rounds) per case, one column per (head dim, direction),
     the values of the result files `docs` joined by " / " in their order ("-" where one lacks the point)."""
@@ -139,7 +136,7 @@ def markdown_table(docs: list) -> str:
     cases = [c for c in CASES if any(key[0] == c for key in ratio)]
     columns = [(d, direction) for d in dims for direction in ("fwd", "bwd")]
     names = {"fwd": "forward", "bwd": "backward"}
-    lengths = [next((_tokens(r["seqlen"]) for r in doc["results"] if "ratio_median" in r), "-") for doc in docs]
+    lengths = [next((tokens(r["seqlen"]) for r in doc["results"] if "ratio_median" in r), "-") for doc in docs]
     lines = [f"| case ({' / '.join(lengths)}) | " + " | ".join(f"d = {d} {names[w]}" for d, w in columns) + " |",
              "|---" * (len(columns) + 1) + "|"]
     for case in cases:

@@ -100,23 +100,12 @@ def decode_peers(flashinfer, inputs: dict, cache: int, page_size: int, query_len
             for name, kw in VARIANTS.items() if kw["use_tensor_cores"] or query_len == 1}
 
 
-def reference(q, k, v, causal: bool):
-    """fp32 attention of q (B, Sq, Hq, D) over a dense cache k / v (B, S, Hkv, D), GQA by repeating
-    KV heads; causal: the queries are the cache's last Sq positions."""
-    group = q.shape[2] // k.shape[2]
-    keys = k.float().repeat_interleave(group, 2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), keys) / math.sqrt(q.shape[-1])
-    if causal:
-        seen = torch.arange(k.shape[1], device=q.device) <= torch.arange(k.shape[1] - q.shape[1], k.shape[1],
-                                                                         device=q.device)[:, None]
-        scores = scores.masked_fill(~seen, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float().repeat_interleave(group, 2))
-
-
 def check(batch: int = 2, cache: int = 1000, page_size: int = 16, heads=(32, 8), dim: int = 128) -> int:
     """Build both variants on shuffled pages (bench_paged.build_paged), run them for one and four
     causal query tokens, and compare with the fp32 reference; prints one line per case. Returns the
     number of cases past CHECK_TOLERANCE or failing."""
+    from stage0_reference.torch_reference import attention_ref
+
     from .bench_paged import build_paged
 
     flashinfer = load()
@@ -131,7 +120,7 @@ def check(batch: int = 2, cache: int = 1000, page_size: int = 16, heads=(32, 8),
     for query_len in (1, 4):
         q = torch.randn(batch, query_len, heads[0], dim, device="cuda", dtype=torch.bfloat16, generator=g)
         inputs = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "table": table}
-        ref = reference(q, k, v, causal=query_len > 1)
+        ref, _ = attention_ref(q.float(), k.float(), v.float(), causal=query_len > 1)   # fp32, bottom-right
         for name, step in decode_peers(flashinfer, inputs, cache, page_size, query_len, None).items():
             start = time.time()
             try:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import bench_paged, flashinfer_peer
+from stage0_reference.torch_reference import attention_ref
 from test_fa4_kvcache import stand_in  # the varlen kernel's contract in float64 (tests/ is on the path)
 
 pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
@@ -307,7 +308,7 @@ class _FakeDecodeWrapper:
             keys = (len(pages) - 1) * plan["page_size"] + int(last[b])
             k = k_pages[pages].flatten(0, 1)[None, :keys]
             v = v_pages[pages].flatten(0, 1)[None, :keys]
-            outs.append(flashinfer_peer.reference(q[b * q_len:(b + 1) * q_len][None], k, v, causal=q_len > 1)[0])
+            outs.append(attention_ref(q[b * q_len:(b + 1) * q_len][None], k, v, causal=q_len > 1)[0][0])
         return torch.cat(outs).to(q.dtype)
 
 
@@ -325,7 +326,7 @@ def test_flashinfer_peers_plan_once_and_answer_like_attention(monkeypatch, capsy
         inputs = {"q": q, "k_pages": k_pages, "v_pages": v_pages, "table": table}
         peers = flashinfer_peer.decode_peers(fake, inputs, 40, 16, query_len, window)
         assert list(peers) == names
-        want = flashinfer_peer.reference(q, k, v, causal=query_len > 1)
+        want, _ = attention_ref(q, k, v, causal=query_len > 1)
         for step in peers.values():
             assert step.backend is None
             torch.testing.assert_close(step(), want, rtol=1e-5, atol=1e-5)
@@ -351,7 +352,7 @@ def test_bench_paged_hands_flashinfer_the_cache_and_page_size(monkeypatch):
     peers = bench_paged.decode_peers(inputs, None, bench_paged.DecodeCall(8, 2), fake)
     assert {"fa4_paged", "fa4_dense", "copy_k", "flashinfer_cc", "flashinfer_tc"} == set(peers)
     _FakeDecodeWrapper.made.clear()
-    torch.testing.assert_close(peers["flashinfer_tc"](), flashinfer_peer.reference(inputs["q"], k, v, False),
+    torch.testing.assert_close(peers["flashinfer_tc"](), attention_ref(inputs["q"], k, v)[0],
                                rtol=1e-5, atol=1e-5)
     plan = _FakeDecodeWrapper.made[0].plans[0]
     assert plan["page_size"] == 32 and plan["heads"] == (8, 2)
