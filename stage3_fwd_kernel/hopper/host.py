@@ -17,7 +17,6 @@ from stage3_fwd_kernel.compile_cache import Compiled, compile_cached
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, _check_head_dims, _check_scale, _check_tile_m,
     default_tile_n, make_policy)
-from stage3_fwd_kernel.hopper import kernel as _kernel_mod
 from stage3_fwd_kernel.hopper.kernel import FlashAttentionForwardSm90
 from stage3_fwd_kernel.hopper.scheduling import (
     _launch_ctas, _resolve_scheduler, _tile_counter, default_persistent)
@@ -91,7 +90,7 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
         + (("key_split",) if key_split else ()) + (("rows_per_query", rows_per_query) if rows_per_query != 1 else ()) \
-        + trace.key() + ((("l2_prefetch", _kernel_mod.L2_PREFETCH_BLOCKS),) if key_split else ())
+        + trace.key()
 
 
 def _call_args(q4, k4, v4, out4, lse3, softmax_scale, max_seqlen_q, cu_seqlens_q=None, cu_seqlens_k=None,

@@ -61,9 +61,6 @@ from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
 from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
 
 
-L2_PREFETCH_BLOCKS = 0
-
-
 class FlashAttentionForwardSm90:
     """Producer warp + tile_m / 64 consumer warpgroups (tile_m = 128 or 192), ping-pong on the
     tensor cores, TMA K/V ring, FA4's softmax, varlen, persistent CTAs and the split tail."""
@@ -137,9 +134,7 @@ class FlashAttentionForwardSm90:
                                                            separate_o=self.persistent and not self.o_direct,
                                                            p_smem=self.p_smem)
         self.split_tail = bool(split_tail)
-        self.key_split = bool(key_split)
-        # probe: key blocks a key split's producer prefetches into L2 ahead of its loads
-        self.l2_prefetch_blocks = L2_PREFETCH_BLOCKS if key_split and not self.gather else 0  # batch indexes (sequence, key chunk): components.key_split
+        self.key_split = bool(key_split)  # batch indexes (sequence, key chunk): components.key_split
         self.scheduler = scheduler
         self.num_consumers = tile_m // 64          # consumer warpgroups, one wgmma M = 64 row block each
         self.wg_m = tile_m // self.num_consumers   # 64 query rows per consumer

@@ -133,23 +133,6 @@ def load_block(cfg, i: Int32, tile, n_block: Int32, smem: SmemBuffers, tma: TmaL
 
 
 @cute.jit
-def prefetch_block(cfg, tile, n_block: Int32, tma: TmaLoads, tKgK: cute.Tensor, tVgV: cute.Tensor):
-    """An L2 prefetch of key block n_block's K and V (the boxes load_block will read), no barrier:
-    DRAM requests in flight beyond what the shared-memory ring holds."""
-    if const_expr(cfg.boxes_per_block > 1):
-        page = block_pages(tma.page_table, tile, logical_block(tile, cfg.tile_n, n_block), cfg.boxes_per_block,
-                           cfg.box_rows)
-        for j in cutlass.range_constexpr(cfg.boxes_per_block):
-            box = cute.arch.shuffle_sync(page, j)
-            cute.prefetch(tma.atom_K, tKgK[None, box])
-            cute.prefetch(tma.atom_V, tVgV[None, box])
-    else:
-        block = key_block(tma.page_table, cfg.blocks_per_page, cfg.tile_n, tile, n_block)
-        cute.prefetch(tma.atom_K, tKgK[None, block])
-        cute.prefetch(tma.atom_V, tVgV[None, block])
-
-
-@cute.jit
 def kv_partitions(cfg, tma: TmaLoads, smem: SmemBuffers, mK_s: cute.Tensor, mV_s: cute.Tensor):
     """(tKsK, tKgK, tVsV, tVgV): the TMA views of the K/V ring and of the keys, in boxes of
     cfg.box_rows rows (a key tile, or a page smaller than one: then the ring slots are divided into
@@ -213,9 +196,5 @@ def produce(cfg, tile, n_block_max: Int32, kv_base: Int32, q_phase: Int32, tma: 
             load_q(cfg, tile, q_phase, tma, smem, tQgQ, tQsQ)
     else:
         load_q(cfg, tile, q_phase, tma, smem, tQgQ, tQsQ)
-    ahead = cfg.l2_prefetch_blocks
     for i in cutlass.range(first_kv, n_blocks, unroll=1):
         load_block(cfg, kv_base + i, tile, n_block_max - 1 - i, smem, tma, tKgK, tKsK, tVgV, tVsV)
-        if const_expr(ahead > 0):
-            if i + ahead < n_blocks:
-                prefetch_block(cfg, tile, n_block_max - 1 - i - ahead, tma, tKgK, tVgV)
