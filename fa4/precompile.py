@@ -80,7 +80,9 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
 def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seqlen: int, arch_key: str) -> list[dict]:
     """The LPT-ordered forward kernels that causal calls of these head counts with up to max_seqlen
     keys launch (fa4._dispatch.causal_forward_scheduler), one per distinct (dtype, head dims,
-    scheduler): head counts that share a section size share the kernel."""
+    scheduler): head counts that share a section size share the kernel. Where the LPT ranges end
+    before max_seqlen (stage 3 walks d = 96's tile from 8192 keys in the grid's order), one more build
+    with scheduler None serves the rest."""
     from ._dispatch import lpt_forward_schedulers
 
     builds, seen = [], set()
@@ -88,7 +90,10 @@ def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seql
         if not causal:
             continue
         for hq, hkv in heads:
-            for first, last, sched in lpt_forward_schedulers(arch_key, d, dv, hq, hkv, max_seqlen):
+            ranges = lpt_forward_schedulers(arch_key, d, dv, hq, hkv, max_seqlen)
+            if ranges and ranges[-1][1] < max_seqlen:
+                ranges.append((ranges[-1][1] + 1, max_seqlen, None))
+            for first, last, sched in ranges:
                 if (dt, d, dv, sched) not in seen:
                     seen.add((dt, d, dv, sched))
                     builds.append({"dtype": dt, "head_dim": d, "head_dim_v": dv, "heads": f"{hq}/{hkv}",
@@ -108,16 +113,18 @@ def _lpt_hint(cfgs, arch_key: str) -> Optional[str]:
 
 
 def _lpt_task(mod, build: dict) -> tuple:
-    """(config, what to build, label detail, extra row fields) of one LPT kernel, for either path.
-    `mod` is the Hopper forward (the only one with scheduled builds); the key count picks
-    persistent CTAs or not, so the range's first length goes in."""
+    """(config, what to build, label detail, extra row fields) of one LPT kernel (or, scheduler None,
+    the grid-order build past the LPT ranges), for either path. `mod` is the Hopper forward (the only
+    one with scheduled builds); the key count picks the tile and persistent CTAs or not, so the
+    range's first length goes in."""
     first, last = build["seqlen_k"]
-    sections = build["scheduler"].heads_per_section
+    sched = build["scheduler"]
+    sections = None if sched is None else sched.heads_per_section
     compile_it = functools.partial(mod.compile_launchable, dtype=build["dtype"], head_dim=build["head_dim"],
-                                   head_dim_v=build["head_dim_v"], causal=True, scheduler=build["scheduler"],
-                                   seqlen_k=first)
+                                   head_dim_v=build["head_dim_v"], causal=True, scheduler=sched, seqlen_k=first)
+    order = "grid order" if sched is None else f"{sections} heads/section"
     return ((build["dtype"], build["head_dim"], build["head_dim_v"], True), compile_it,
-            f"{sections} heads/section, keys {first}-{last}, heads {build['heads']}: ",
+            f"{order}, keys {first}-{last}, heads {build['heads']}: ",
             {"heads": build["heads"], "seqlen_k": [first, last], "heads_per_section": sections})
 
 
@@ -365,15 +372,19 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
         if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal or left_window:
             add("fwd", w)
         lpt = w.causal and w.window is None and arch_key == "sm_90"
+        long_first = max(w.min_seqlen, LPT_MIN_SEQLEN_K)
+        served = 0   # the longest key count an LPT build serves
         if lpt and longest >= LPT_MIN_SEQLEN_K:
-            first_len = max(w.min_seqlen, LPT_MIN_SEQLEN_K)
             for first, last, sched in lpt_forward_schedulers(arch_key, w.head_dim, w.head_dim_v, w.heads_q,
-                                                             w.heads_kv, longest):
-                if last >= first_len:
-                    add("fwd lpt", w, scheduler=sched, seqlen_k_first=max(first, first_len),
-                        heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, first_len), last))
-        elif w.causal and longest >= LPT_MIN_SEQLEN_K and not left_window:
-            add("fwd long", w, seqlen_k_first=max(w.min_seqlen, LPT_MIN_SEQLEN_K))
+                                                             w.heads_kv, longest, softcap=bool(w.softcap)):
+                served = last
+                if last >= long_first:
+                    add("fwd lpt", w, scheduler=sched, seqlen_k_first=max(first, long_first),
+                        heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, long_first), last))
+        # beyond the LPT ranges (stage 3 walks d = 96's tile from 8192 keys in the grid's order) or without them
+        long_first = max(long_first, served + 1)
+        if w.causal and not left_window and longest >= long_first:
+            add("fwd long", w, seqlen_k_first=long_first)
         with_bwd = backward and has_backward(ARCHS[arch_key], w.head_dim, w.head_dim_v)
         if with_bwd:
             add("bwd", w)

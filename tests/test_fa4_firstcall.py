@@ -90,6 +90,20 @@ def test_model_config_derivation():
     assert [b["kind"] for b in precompile.derive_builds(precompile.workloads_from_config(llama, max_seqlen=2048))] \
         == ["fwd", "bwd"]
 
+    # Phi-3-mini-like (d = 96): the LPT order serves 4096-8191 keys, the 192 x 144 tile in the grid's order
+    # from 8192 (stage3 config.grid_order_causal): one "fwd long" build from there, also with --heads
+    phi = dict(model_type="phi3", hidden_size=3072, num_attention_heads=32, num_key_value_heads=32,
+               max_position_embeddings=16384, torch_dtype="bfloat16")
+    builds = precompile.derive_builds(precompile.workloads_from_config(phi), backward=False)
+    lpt96 = _dispatch.lpt_forward_schedulers("sm_90", 96, 96, 32, 32, 16384)
+    assert lpt96 and lpt96[-1][1] == 8191 and all(s is not None for *_, s in lpt96)
+    assert [b["kind"] for b in builds] == ["fwd"] + ["fwd lpt"] * len(lpt96) + ["fwd long"]
+    assert builds[-1]["seqlen_k"] == 8192
+    tail = precompile.lpt_builds([("bf16", 96, 96, True)], [(32, 32)], 16384, "sm_90")
+    assert [(b["seqlen_k"], b["scheduler"]) for b in tail][-1] == ((8192, 16384), None)
+    assert all(b["scheduler"] is not None for b in precompile.lpt_builds([("bf16", 128, 128, True)], [(32, 32)],
+                                                                         16384, "sm_90"))
+
     # Mistral: every layer sliding (4096 keys); calls up to 4096 keys are plain, longer ones windowed
     mistral = dict(model_type="mistral", hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
                    sliding_window=4096, max_position_embeddings=32768, torch_dtype="float16")
@@ -190,6 +204,7 @@ WORKLOADS = [  # (shape spec, key lengths of the launches)
     ("d=96,heads=16/16,causal,seqlen=1024", (1024,)),                       # the first call
     ("d=128,heads=32/8,causal,seqlen=8192", (512, 4096, 8192)),              # LPT, GQA
     ("d=64,heads=16,causal,seqlen=8192", (1024, 8192)),                      # d = 64: long calls not persistent
+    ("d=96,heads=8/2,causal,seqlen=16384", (1000, 4096, 8191, 8192, 16384)),  # d = 96: 192 x 144 from 8192
     ("d=128,heads=16,noncausal,seqlen=8192", (256, 8192)),                   # split tail on long ones
     ("d=192/128,heads=8/2,causal", (640,)),
     ("d=64,heads=8,noncausal,dtype=fp16", (300,)),

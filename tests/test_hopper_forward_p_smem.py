@@ -1,16 +1,18 @@
 """The Hopper forward's 192-row tile at head dim 96 (`tile_m=192`): P V reads P from each consumer's
 shared-memory slab, since 160 registers a thread hold S and O there but not P too
 (`stage3_fwd_kernel/hopper/config.py: p_through_smem`), with 144-key tiles where it walks one CTA per tile
-with plain scores (`default_tile_n`). The default of d = 96 calls without a causal mask, window, softcap
-or cache; the others keep 128 rows unless asked.
+without a window or softcap (`default_tile_n`). The default of d = 96 calls without a window, softcap or
+cache that are not causal or causal with >= 8192 keys; the others keep 128 rows unless asked.
 
 compile tier (sm_90a): every P V wgmma takes both operands by descriptor (V transposed), the hot loop
 publishes P with 36 four-byte stores a thread (144 keys), the async-proxy fence and a barrier, without
-spills (the other compile checks of these builds: test_hopper_forward.py's COMPILE_CASES).
+spills but the causal build's 8 bytes outside the key-block loop (the other compile checks of these
+builds: test_hopper_forward.py's COMPILE_CASES).
 
 gpu tier (H100/H200): out and lse under FA4's rule on the shapes of the d = 64 tile tests, causal or
 not, GQA 1 / 2 / 8, fp16 once, one CTA per tile and (the big case) several tiles per persistent CTA on
-128-key tiles, a varlen batch with an empty sequence on poisoned outputs, and a learnable sink.
+128-key tiles, a varlen batch with an empty sequence on poisoned outputs, a learnable sink, and long
+causal calls on the default tile through fa4.
 """
 from __future__ import annotations
 
@@ -23,9 +25,10 @@ P_SMEM_CASES = [c for c in hf.COMPILE_CASES if c[7] == 192 and c[1] > 64]
 @pytest.mark.cpu
 @pytest.mark.stage3
 def test_where_p_goes_through_shared_memory():
-    """Only 192 rows above d = 64 (up to 96) take it, with 144-key tiles one CTA per tile with plain scores
-    outside a cache (persistent, causal, softcap, paged and key-split builds keep 128); 32 / 160 registers;
-    the default for non-causal calls without a window, walked one CTA per tile (O through Q's buffer)."""
+    """Only 192 rows above d = 64 (up to 96) take it, with 144-key tiles one CTA per tile without a window
+    or softcap outside a cache (persistent, softcap, paged and key-split builds keep 128); 32 / 160
+    registers; the default for non-causal calls without a window and causal ones of >= 8192 keys, walked
+    one CTA per tile (O through Q's buffer)."""
     from stage3_fwd_kernel.components.window import Window
     from stage3_fwd_kernel.tile_scheduler import PersistentScheduler
 
@@ -43,13 +46,14 @@ def test_where_p_goes_through_shared_memory():
     assert walks == [False, True]
     narrow = [mod.make_kernel(cutlass.BFloat16, 96, 96, False, tile_m=192, **kw).tile_n
               for kw in (dict(page_size=16), dict(key_split=True), dict(scheduler=PersistentScheduler()))]
-    narrow += [mod.make_kernel(cutlass.BFloat16, 96, 96, True, tile_m=192).tile_n,
-               mod.FlashAttentionForwardSm90(cutlass.BFloat16, 96, 96, False, tile_m=192, softcap=30.0).tile_n]
-    assert k96.tile_n == 144 and narrow == [128] * 5
+    narrow += [mod.FlashAttentionForwardSm90(cutlass.BFloat16, 96, 96, False, tile_m=192, softcap=30.0).tile_n]
+    assert k96.tile_n == 144 and narrow == [128] * 4
+    assert mod.make_kernel(cutlass.BFloat16, 96, 96, True, tile_m=192).tile_n == 144   # a causal mask fits
     # a sink changes only the denominator: its default d = 96 kernel is the 192 x 144 one
     sink = mod.make_kernel(cutlass.BFloat16, 96, 96, False, variant=mod.host.Variant(sink=True))
     assert (sink.tile_m, sink.tile_n) == (192, 144)
     assert [mod.default_tile_m(96, 96, causal) for causal in (False, True)] == [192, 128]
+    assert mod.default_tile_m(96, 96, True, seqlen_k=8192) == 192   # long causal calls (config.D96_CAUSAL_...)
     assert mod.default_tile_m(96, 96, False, Window(512, 512)) == mod.default_tile_m(128, 128) == 128
 
 
@@ -86,8 +90,8 @@ def _compiled(case):
 def test_p_through_shared_memory_sm90a(case):
     """192 rows at d = 96: every P V wgmma (m64n96k16) reads both operands from shared memory (two
     descriptors, V transposed: "p, 1, 1, 0, 1"), none from registers; each warpgroup stores its P
-    slab (64 x 144, or 64 x 128 causal) once per key block before its barrier, within 160 registers and
-    no spill."""
+    slab (64 x 144) once per key block before its barrier, within 160 registers and no spill (the
+    causal build: 8 bytes outside the key-block loop, none in it)."""
     import re
 
     comp = _compiled(case)
@@ -95,10 +99,10 @@ def test_p_through_shared_memory_sm90a(case):
                     comp.ptx)
     assert pv and all(re.fullmatch(r"%rd\d+,\s*%rd\d+,\s*p,\s*1,\s*1,\s*0,\s*1", ops.strip()) for ops in pv), pv[:3]
     rep = comp.report
-    assert rep["spill_stores"] == rep["spill_loads"] == rep["LDL/STL"] == 0 and not rep["wgmma_serialized"]
+    hf._check_spills(case, comp)
+    assert not rep["wgmma_serialized"]
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
-    # the hot loop publishes P: 36 four-byte stores a thread (64 x 144 x 2 B over 128 threads; 32 with the
-    # causal build's 128 keys), then the async-proxy fence and a barrier before the next P V reads the slab
+    # the hot loop publishes P: 36 four-byte stores a thread (64 x 144 x 2 B over 128 threads), then the async-proxy fence and a barrier before the next P V reads the slab
     from stage3_fwd_kernel.sass_report import key_block_loop
 
     hot = key_block_loop(comp.sass)
@@ -163,3 +167,26 @@ def test_learnable_sink_on_the_d96_default_tile(sq, sk, hq, hkv):
     q, k, v = hv._qkv(2, sq, sk, hq, hkv, 96, 96, "bf16", sq + sk)
     hv.run_dense(q, k, v, causal=False, window_size=(None, None), softcap=0.0, sink=hv._sink(hq, sq + sk))
 
+
+
+@pytest.mark.gpu
+@pytest.mark.stage3
+@pytest.mark.parametrize("b,sq,sk,hq,hkv", [(1, 8320, 8320, 4, 2), (2, 250, 9000, 6, 2)], ids=["8320", "250x9000"])
+def test_long_causal_d96_default_tile(b, sq, sk, hq, hkv):
+    """Causal d = 96 calls with >= 8192 keys default to the 192 x 144 tile in the grid's order (not
+    stage 5's LPT order, whose build spills in the key-block loop): out and lse under FA4's rule on
+    poisoned outputs (8320 rows: the last tile is partial, counted from the sequence's end), and
+    fa4.flash_attn_func launches that same kernel (bitwise the same result)."""
+    import torch
+
+    import fa4
+    from fa4 import _dispatch
+
+    mod = hf._mod()
+    assert mod.default_tile_m(96, 96, True, seqlen_k=sk) == 192 and mod.grid_order_causal(96, 96, sk)
+    assert _dispatch.causal_forward_scheduler("sm_90", True, sk, 96, 96, hq, hkv) is None
+    q, k, v = hf._randn_qkv(b, sq, sk, hq, hkv, 96, 96, seed=sq + sk)
+    out, lse = hf._dense(q, k, v, causal=True)
+    out_api, lse_api = fa4.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out_api, out) and torch.equal(lse_api, lse)

@@ -35,8 +35,8 @@ from .config import DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, SUPPORTED_
 # Beyond __all__: the tuning defaults, checks and cache plumbing that tests, tutorials, benchmarks
 # and stage 5 read, one import path for all of them.
 from .config import (  # noqa: F401
-    MIN_SOFTMAX_SCALE, TILE_MS, _check_head_dims, _check_scale, _check_tile_m, default_num_stages, default_tile_m,
-    default_tile_n, make_policy, o_fits_beside_q, p_through_smem)
+    MIN_SOFTMAX_SCALE, TILE_MS, _check_head_dims, _check_scale, _check_tile_m, default_num_stages,
+    default_tile_m, default_tile_n, grid_order_causal, make_policy, o_fits_beside_q, p_through_smem)
 from .fragments import mask_shift_holds  # noqa: F401
 from .host import _call_args, _compile, _fake_args, _key  # noqa: F401
 from .scheduling import _launch_ctas, _resolve_scheduler, default_persistent  # noqa: F401

@@ -38,8 +38,9 @@ MAX_HEAD_DIM_192 = 96  # the widest head dims a 192-row tile holds (P through sh
 
 
 def plain_scores(causal: bool, window, softcap) -> bool:
-    """No causal mask, window (a components.window.Window, None: none) or softcap: the scores whose
-    registers the 192 x 144 d = 96 tile holds without spilling (default_tile_n)."""
+    """No causal mask, window (a components.window.Window, None: none) or softcap: the scores the
+    192 x 144 d = 96 tile is the default for at every length (default_tile_m; default_tile_n takes
+    causal ones too)."""
     return not (causal or (window is not None and window.limited) or softcap)
 
 
@@ -47,12 +48,13 @@ def default_tile_n(head_dim: int, head_dim_v: int, tile_m: int = 128, *, plain: 
                    persistent: bool = False, cache: bool = False) -> int:
     """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S; 144 for
     the 192-row tile at d = 96 (P through shared memory; S's 72 registers a thread still fit beside O's
-    48) with plain scores (no causal mask, window or softcap), walked one CTA per tile, outside a cache.
-    The mask's or the softcap's registers spill there (causal 8 bytes, softcap 4, varlen softcap 64); a
-    persistent CTA keeps O apart from Q, and 144-key stages beside it leave O to registers (o_direct:
+    48) with plain scores (no window or softcap; `plain`, plain_scores(False, ...): a causal mask is
+    allowed), walked one CTA per tile, outside a cache. The causal build spills 8 bytes (two values of
+    the kernel's entry, reloaded outside the key-block loop, never in it), the softcap's 4 (varlen 64);
+    a persistent CTA keeps O apart from Q, and 144-key stages beside it leave O to registers (o_direct:
     8 spilled bytes, 28 with the split tail); paged and key-split builds count pages and chunks in
-    128-key blocks. On an H200 (d = 96, non-causal, 1k-16k) 144 keys ran 1.03-1.05x of the official
-    kernel one CTA per tile, against 1.00-1.09x at 1k-4k and 0.98x at 8k / 16k with 128
+    128-key blocks. On an H200 (d = 96, 1k-16k, one CTA per tile) 192 x 144 ran 1.03-1.05x of the
+    official kernel non-causal and 1.03-1.06x causal, against 192 x 128's 0.95-1.09x and 0.97-1.09x
     (docs/measurements.md, 2026-12-01 "the d = 96 forward's 192 x 144 tile")."""
     if p_through_smem(tile_m, head_dim, head_dim_v) and plain and not (persistent or cache):
         return 144
@@ -77,15 +79,13 @@ def window_keys(causal: bool, window) -> int | None:
 
 
 def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=None, *,
-                   softcap: bool = False, cache: bool = False) -> int:
+                   softcap: bool = False, cache: bool = False, seqlen_k: int | None = None) -> int:
     """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128;
     128 at d <= 64 too under a window of at most NARROW_WINDOW_KEYS keys (above). At d = 96, 192 where
-    the tile is 192 x 144 (P through shared memory, p_through_smem; default_tile_n): non-causal, no
-    window, no softcap, keys not from a cache (paged or key-split: `cache`; a page-gathering build
-    spilled 28 bytes at 192 rows). The rest keep the 128 x 128 tile the 192-row ones were not timed
-    against; causal calls ran 1.08-1.34x of the official kernel at 1k-4k on it against 192 x 144's
-    1.03-1.06x on an H200 (192 x 144 led at 8k / 16k, 1.04 / 1.03x against 0.99 / 0.96x, but its causal
-    build spills: docs/measurements.md, 2026-12-01, "the d = 96 forward's 192 x 144 tile").
+    the tile is 192 x 144 (P through shared memory, p_through_smem; default_tile_n): no window or
+    softcap, keys not from a cache (paged or key-split: `cache`; a page-gathering build spilled 28
+    bytes at 192 rows), and either not causal or causal with at least D96_CAUSAL_TILE192_MIN_KEYS keys
+    (`seqlen_k`; None: a short call). Shorter causal calls keep 128 x 128 (below).
 
     At d = 64 a tile's MMAs are half of d = 128's, so the per-tile softmax and issue overheads
     weigh twice as much; 192 rows amortize every K/V load over 1.5x the rows and give the tensor
@@ -94,10 +94,26 @@ def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=
     (S 64 + P 32 + O 32 + softmax state) with P in registers, and d = 96 with P through shared memory.
     measured: docs/measurements.md"""
     if max(head_dim, head_dim_v) > 64:
-        plain = plain_scores(causal, window, softcap) and not cache
+        long_causal = causal and seqlen_k is not None and seqlen_k >= D96_CAUSAL_TILE192_MIN_KEYS
+        plain = plain_scores(causal and not long_causal, window, softcap) and not cache
         return 192 if max(head_dim, head_dim_v) <= MAX_HEAD_DIM_192 and plain else 128
     keys = window_keys(causal, window)
     return 128 if keys is not None and keys <= NARROW_WINDOW_KEYS else 192
+
+
+# Causal d = 96 calls take the 192 x 144 tile from this many keys on. On an H200 (one CTA per tile,
+# docs/measurements.md 2026-12-01 "the d = 96 forward's 192 x 144 tile"), official time / ours: 128 x 128
+# 1.34 / 1.09 / 1.08 / 0.99 / 0.96x at 1k / 2k / 4k / 8k / 16k, 192 x 144 1.06 / 1.03 / 1.05 / 1.04 / 1.03x.
+D96_CAUSAL_TILE192_MIN_KEYS = 8192
+
+
+def grid_order_causal(head_dim: int, head_dim_v: int, seqlen_k: int, softcap: bool = False) -> bool:
+    """Whether a dense causal call (no window) of seqlen_k keys should walk its tiles in the
+    grid's order rather than stage 5's LPT order: on the 192 x 144 d = 96 tile (default_tile_m), whose
+    LPT build spills 48 bytes, with loads and stores in the key-block loop; its grid-order build
+    spills 8, none in the loop (`compile_only(..., causal=True, seqlen_k=8192)`)."""
+    tile_m = default_tile_m(head_dim, head_dim_v, True, softcap=softcap, seqlen_k=seqlen_k)
+    return p_through_smem(tile_m, head_dim, head_dim_v)
 
 
 def _smem_plan(head_dim: int, head_dim_v: int, tile_n: int, tile_m: int, separate_o: bool,
@@ -149,11 +165,11 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
 
 
 def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None, *, softcap: bool = False,
-                  cache: bool = False) -> int:
+                  cache: bool = False, seqlen_k: int | None = None) -> int:
     """tile_m of a call: the default of its head dims and variant (default_tile_m) when None, else one
     of TILE_MS (192: d, dv <= 96)."""
     if tile_m is None:
-        return default_tile_m(d, dv, causal, window, softcap=softcap, cache=cache)
+        return default_tile_m(d, dv, causal, window, softcap=softcap, cache=cache, seqlen_k=seqlen_k)
     if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
         raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
     if tile_m == 192 and max(d, dv) > MAX_HEAD_DIM_192:

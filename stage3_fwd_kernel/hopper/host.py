@@ -60,10 +60,11 @@ def make_variant(causal, window_size, softcap, learnable_sink, heads_q: int, dev
     return Variant(window, check_softcap(softcap), learnable_sink is not None), learnable_sink
 
 
-def _build_tile_m(tile_m, d, dv, causal, variant: Variant, cache: bool) -> int:
-    """tile_m of a build: `tile_m` checked, or (None) config.default_tile_m of its head dims, variant and
-    key source (cache: a paged cache or a key split)."""
-    return _check_tile_m(tile_m, d, dv, causal, variant.window, softcap=bool(variant.softcap), cache=cache)
+def _build_tile_m(tile_m, d, dv, causal, variant: Variant, cache: bool, seqlen_k: int | None = None) -> int:
+    """tile_m of a build: `tile_m` checked, or (None) config.default_tile_m of its head dims, variant,
+    key source (cache: a paged cache or a key split) and key count (seqlen_k of a dense call; None: short)."""
+    return _check_tile_m(tile_m, d, dv, causal, variant.window, softcap=bool(variant.softcap), cache=cache,
+                         seqlen_k=seqlen_k)
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
@@ -134,10 +135,11 @@ def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flag
                    split_tail=split_tail, sink=variant.sink, paged=page_size is not None)))
 
 
-def _check_call(q, d, dv, tile_m, softmax_scale, causal, variant: Variant, cache: bool = False):
+def _check_call(q, d, dv, tile_m, softmax_scale, causal, variant: Variant, cache: bool = False,
+                seqlen_k: int | None = None):
     """(tile_m, cutlass dtype, softmax_scale) of a call whose head dims are checked, checked (variant:
     the call's window -- its beyond_causal -- and softcap; cache: keys from a paged cache or a key split)."""
-    return _build_tile_m(tile_m, d, dv, causal, variant, cache), host_io.cutlass_dtype(q.dtype), \
+    return _build_tile_m(tile_m, d, dv, causal, variant, cache, seqlen_k), host_io.cutlass_dtype(q.dtype), \
         _check_scale(softmax_scale, d)
 
 
@@ -210,7 +212,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     dv = v.shape[-1]
     _check_head_dims(d, dv)
     variant, sink = make_variant(causal, window_size, softcap, learnable_sink, hq, q.device)
-    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant)
+    tile_m, dt, softmax_scale = _check_call(q, d, dv, tile_m, softmax_scale, causal, variant, seqlen_k=k.shape[1])
     policy.check_dtype(dt)
     split_tail = _no_split_with(variant, split_tail)
     if b > 65535 or hq > 65535:
@@ -509,7 +511,9 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     split_tail = _no_split_with(variant, split_tail)
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     _check_head_dims(head_dim, head_dim_v)
-    tile_m = _build_tile_m(tile_m, head_dim, head_dim_v, causal, variant, page_size is not None or key_split)
+    # a dense build's tile may depend on the key count (config.default_tile_m); a varlen one's does not
+    tile_m = _build_tile_m(tile_m, head_dim, head_dim_v, causal, variant, page_size is not None or key_split,
+                           None if varlen else seqlen_k)
     if key_split and (varlen or learnable_sink or split_tail or (batch_map and page_size is not None)):
         raise ValueError("key_split: a dense build (batch_map: each sequence's cache row, not with page_size) without "
                          "a sink or a split tail")
