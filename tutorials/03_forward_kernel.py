@@ -599,10 +599,13 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Causal calls keep 128 x 128: the mask's registers spill the 144-key build, and at 1k-4k the smaller
-# tile leads (docs/measurements.md, 2026-12-01, "the d = 96 forward's 192 x 144 tile"). Code:
-# `stage3_fwd_kernel/hopper/config.py` (`p_through_smem`, `default_tile_m`, `default_tile_n`) and
-# `hopper/mainloop.py` (`publish_P`).
+# Causal calls keep 128 x 128 below 8192 keys, where the smaller tile leads. From 8192 keys they take
+# 192 x 144 too: the mask's registers spill 8 bytes of the kernel's entry, reloaded outside the key-block
+# loop, and the tiles run in the grid's order (the LPT order's build spills inside the loop). On an H200,
+# official time / ours at 8k / 16k: 1.03 / 1.04x, from 1.00 / 0.97x (docs/measurements.md, 2026-12-02,
+# "long causal d = 96 calls on the 192 x 144 tile"). Code: `stage3_fwd_kernel/hopper/config.py`
+# (`p_through_smem`, `default_tile_m`, `default_tile_n`, `grid_order_causal`) and `hopper/mainloop.py`
+# (`publish_P`).
 #
 # ## Reading the hot loop: bookkeeping is instructions too
 # Once the math is right, the key-block loop still holds instructions that are neither MMA nor
