@@ -213,8 +213,8 @@ def run_impl(name: str, args, events: tuple):
     from stage3_fwd_kernel.hopper.config import default_tile_m, default_tile_n
 
     # our tile with no scheduler given (the official kernel's too, but d = 96 causal: 192 x 128 there)
-    tile_m = default_tile_m(d, dv, args.causal)
-    tile_n = default_tile_n(d, dv, tile_m, plain=not args.causal)
+    tile_m = default_tile_m(d, dv, args.causal, seqlen_k=args.seqlen)
+    tile_n = default_tile_n(d, dv, tile_m, plain=True)
     n_ctas = (-(-args.seqlen // 128)) * args.heads * args.batch  # both kernels' tiles have >= 128 rows
     buf = torch.zeros(trace.buffer_elems(n_ctas), dtype=torch.int64, device="cuda")
     trace.enable(buf.data_ptr(), events)
