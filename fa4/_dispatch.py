@@ -286,12 +286,13 @@ FORWARD_PERSISTENT = None
 
 @functools.lru_cache(maxsize=256)
 def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_dim: int, head_dim_v: int,
-                             heads_q: int, heads_kv: int, l2_bytes: Optional[int] = None, softcap: bool = False):
+                             heads_q: int, heads_kv: int, l2_bytes: Optional[int] = None, softcap: bool = False,
+                             sink: bool = False):
     """The tile scheduler of a dense forward: None (the kernel's static grid) or stage 5's
     `LPTCausalScheduler.from_problem` (sections of heads whose K/V fit in L2, longest tiles first).
     Its section size is a compile-time constant, so each size class is its own kernel (compiled on
     first use, then served by the disk cache). None also where stage 3 walks the call's tile in the
-    grid's order (`grid_order_causal`; softcap: the call has one). Measured on sm_90 (sections sized for an H100's
+    grid's order (`grid_order_causal`; softcap / sink: the call has one). Measured on sm_90 (sections sized for an H100's
     50 MiB L2); on sm_100 (never run here) sized by the device's own L2 (`l2_bytes`), as the official
     kernel orders its causal tiles longest first there too."""
     if arch_key not in ("sm_90", "sm_100") or not causal or seqlen_k < LPT_MIN_SEQLEN_K:
@@ -299,7 +300,7 @@ def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_di
     if arch_key == "sm_90":
         from stage3_fwd_kernel.hopper.config import grid_order_causal
 
-        if grid_order_causal(head_dim, head_dim_v, seqlen_k, softcap):  # d = 96 from 8192 keys: LPT spills
+        if grid_order_causal(head_dim, head_dim_v, seqlen_k, softcap, sink):  # d = 96 from 8192 keys: LPT spills
             return None
     from stage5_scheduling import orders
     from stage5_scheduling.device import LPTCausalScheduler  # imports cutlass: after the arch is set
@@ -325,7 +326,7 @@ def lpt_for_grid(sched, seqlen_q: int, heads_q: int, batch: int):
 
 
 def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int,
-                           max_seqlen_k: int, softcap: bool = False) -> list:
+                           max_seqlen_k: int, softcap: bool = False, sink: bool = False) -> list:
     """Every scheduler `causal_forward_scheduler` picks for a causal call of these heads with
     LPT_MIN_SEQLEN_K..max_seqlen_k keys, as (first_seqlen_k, last_seqlen_k, scheduler), shortest
     first: the LPT kernels `python -m fa4 precompile --heads` builds. The section size falls
@@ -336,13 +337,13 @@ def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_
     ranges = []
     first = LPT_MIN_SEQLEN_K
     while first <= max_seqlen_k:
-        sched = pick(arch_key, True, first, head_dim, head_dim_v, heads_q, heads_kv, softcap=softcap)
+        sched = pick(arch_key, True, first, head_dim, head_dim_v, heads_q, heads_kv, softcap=softcap, sink=sink)
         if sched is None:
             break
         lo, hi = first, max_seqlen_k  # invariant: pick(lo) == sched
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if pick(arch_key, True, mid, head_dim, head_dim_v, heads_q, heads_kv, softcap=softcap) == sched:
+            if pick(arch_key, True, mid, head_dim, head_dim_v, heads_q, heads_kv, softcap=softcap, sink=sink) == sched:
                 lo = mid
             else:
                 hi = mid - 1
@@ -562,7 +563,8 @@ class HopperBackend(Backend):
         # query has one tile per head: static grid
         lpt = causal and "window_size" not in variants and tile_m is None
         sched = causal_forward_scheduler(self.arch.key, lpt, k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
-                                         k.shape[2], softcap=bool(variants.get("softcap")))
+                                         k.shape[2], softcap=bool(variants.get("softcap")),
+                                         sink=variants.get("learnable_sink") is not None)
         sched = lpt_for_grid(sched, q.shape[1], q.shape[2], q.shape[0])
         if tile_m is not None:
             kw["tile_m"] = tile_m

@@ -376,7 +376,8 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
         served = 0   # the longest key count an LPT build serves
         if lpt and longest >= LPT_MIN_SEQLEN_K:
             for first, last, sched in lpt_forward_schedulers(arch_key, w.head_dim, w.head_dim_v, w.heads_q,
-                                                             w.heads_kv, longest, softcap=bool(w.softcap)):
+                                                             w.heads_kv, longest, softcap=bool(w.softcap),
+                                                             sink=bool(w.sink)):
                 served = last
                 if last >= long_first:
                     add("fwd lpt", w, scheduler=sched, seqlen_k_first=max(first, long_first),

@@ -205,6 +205,7 @@ WORKLOADS = [  # (shape spec, key lengths of the launches)
     ("d=128,heads=32/8,causal,seqlen=8192", (512, 4096, 8192)),              # LPT, GQA
     ("d=64,heads=16,causal,seqlen=8192", (1024, 8192)),                      # d = 64: long calls not persistent
     ("d=96,heads=8/2,causal,seqlen=16384", (1000, 4096, 8191, 8192, 16384)),  # d = 96: 192 x 144 from 8192
+    ("d=96,heads=8/2,causal,sink,seqlen=16384", (4096, 8192)),                 # ... but not with a sink
     ("d=128,heads=16,noncausal,seqlen=8192", (256, 8192)),                   # split tail on long ones
     ("d=192/128,heads=8/2,causal", (640,)),
     ("d=64,heads=8,noncausal,dtype=fp16", (300,)),

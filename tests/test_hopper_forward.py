@@ -253,10 +253,12 @@ def test_tile_m_defaults_and_validation():
     assert [mod.default_tile_m(96, 96, True, seqlen_k=s) for s in (None, 1, n - 1, n, 4 * n)] == [128] * 3 + [192] * 2
     assert [mod.default_tile_m(d, dv, True, seqlen_k=n) for d, dv in HEAD_DIMS] == [192, 192, 128, 128, 128, 128]
     assert mod.default_tile_m(96, 96, True, softcap=True, seqlen_k=n) == 128
+    assert mod.default_tile_m(96, 96, True, seqlen_k=n, sink=True) == 128   # that build spills in its loop
     assert mod.default_tile_m(96, 96, True, Window(1024, None), seqlen_k=n) == 128
     assert mod.default_tile_m(96, 96, True, cache=True, seqlen_k=n) == 128
     assert [mod.grid_order_causal(96, 96, s) for s in (n - 1, n)] == [False, True]
     assert not mod.grid_order_causal(96, 96, n, softcap=True) and not mod.grid_order_causal(128, 128, n)
+    assert not mod.grid_order_causal(96, 96, n, sink=True)
     assert mod._check_tile_m(None, 64, 64) == 192 and mod._check_tile_m(128, 64, 64) == 128
     assert mod._check_tile_m(64, 256, 256) == 64  # one consumer warpgroup: any head dims
     for bad in (32, 256, True, 192.0, "192"):

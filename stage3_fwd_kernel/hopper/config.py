@@ -79,13 +79,14 @@ def window_keys(causal: bool, window) -> int | None:
 
 
 def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=None, *,
-                   softcap: bool = False, cache: bool = False, seqlen_k: int | None = None) -> int:
+                   softcap: bool = False, cache: bool = False, seqlen_k: int | None = None, sink: bool = False) -> int:
     """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128;
     128 at d <= 64 too under a window of at most NARROW_WINDOW_KEYS keys (above). At d = 96, 192 where
     the tile is 192 x 144 (P through shared memory, p_through_smem; default_tile_n): no window or
     softcap, keys not from a cache (paged or key-split: `cache`; a page-gathering build spilled 28
     bytes at 192 rows), and either not causal or causal with at least D96_CAUSAL_TILE192_MIN_KEYS keys
-    (`seqlen_k`; None: a short call). Shorter causal calls keep 128 x 128 (below).
+    (`seqlen_k`; None: a short call) and no learnable sink (`sink`: that causal build spills in its
+    key-block loop). Shorter causal calls keep 128 x 128 (below).
 
     At d = 64 a tile's MMAs are half of d = 128's, so the per-tile softmax and issue overheads
     weigh twice as much; 192 rows amortize every K/V load over 1.5x the rows and give the tensor
@@ -94,7 +95,7 @@ def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=
     (S 64 + P 32 + O 32 + softmax state) with P in registers, and d = 96 with P through shared memory.
     measured: docs/measurements.md"""
     if max(head_dim, head_dim_v) > 64:
-        long_causal = causal and seqlen_k is not None and seqlen_k >= D96_CAUSAL_TILE192_MIN_KEYS
+        long_causal = causal and not sink and seqlen_k is not None and seqlen_k >= D96_CAUSAL_TILE192_MIN_KEYS
         plain = plain_scores(causal and not long_causal, window, softcap) and not cache
         return 192 if max(head_dim, head_dim_v) <= MAX_HEAD_DIM_192 and plain else 128
     keys = window_keys(causal, window)
@@ -107,12 +108,12 @@ def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=
 D96_CAUSAL_TILE192_MIN_KEYS = 8192
 
 
-def grid_order_causal(head_dim: int, head_dim_v: int, seqlen_k: int, softcap: bool = False) -> bool:
+def grid_order_causal(head_dim: int, head_dim_v: int, seqlen_k: int, softcap: bool = False, sink: bool = False) -> bool:
     """Whether a dense causal call (no window) of seqlen_k keys should walk its tiles in the
     grid's order rather than stage 5's LPT order: on the 192 x 144 d = 96 tile (default_tile_m), whose
     LPT build spills 48 bytes, with loads and stores in the key-block loop; its grid-order build
     spills 8, none in the loop (`compile_only(..., causal=True, seqlen_k=8192)`)."""
-    tile_m = default_tile_m(head_dim, head_dim_v, True, softcap=softcap, seqlen_k=seqlen_k)
+    tile_m = default_tile_m(head_dim, head_dim_v, True, softcap=softcap, seqlen_k=seqlen_k, sink=sink)
     return p_through_smem(tile_m, head_dim, head_dim_v)
 
 
@@ -165,11 +166,11 @@ def make_policy(rescale_threshold=DEFAULT_RESCALE_THRESHOLD, emulation_fraction=
 
 
 def _check_tile_m(tile_m, d, dv, causal: bool = False, window=None, *, softcap: bool = False,
-                  cache: bool = False, seqlen_k: int | None = None) -> int:
+                  cache: bool = False, seqlen_k: int | None = None, sink: bool = False) -> int:
     """tile_m of a call: the default of its head dims and variant (default_tile_m) when None, else one
     of TILE_MS (192: d, dv <= 96)."""
     if tile_m is None:
-        return default_tile_m(d, dv, causal, window, softcap=softcap, cache=cache, seqlen_k=seqlen_k)
+        return default_tile_m(d, dv, causal, window, softcap=softcap, cache=cache, seqlen_k=seqlen_k, sink=sink)
     if isinstance(tile_m, bool) or not isinstance(tile_m, int) or tile_m not in TILE_MS:
         raise ValueError(f"tile_m: expected None or one of {TILE_MS}, got {tile_m!r}")
     if tile_m == 192 and max(d, dv) > MAX_HEAD_DIM_192:

@@ -64,7 +64,7 @@ def _build_tile_m(tile_m, d, dv, causal, variant: Variant, cache: bool, seqlen_k
     """tile_m of a build: `tile_m` checked, or (None) config.default_tile_m of its head dims, variant,
     key source (cache: a paged cache or a key split) and key count (seqlen_k of a dense call; None: short)."""
     return _check_tile_m(tile_m, d, dv, causal, variant.window, softcap=bool(variant.softcap), cache=cache,
-                         seqlen_k=seqlen_k)
+                         seqlen_k=seqlen_k, sink=variant.sink)
 
 
 def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = DEFAULT_POLICY,
