@@ -342,8 +342,9 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
     """The kernels these workloads launch, each once: per (dtype, head dims, causal, variant) the
     forward of short calls (compile_launchable; non-causal plain ones add the long calls' split-tail
     build), the forward of long calls where the key count changes the build (a causal call without
-    LPT order from LPT_MIN_SEQLEN_K keys: persistent or not), the LPT-ordered forwards of causal calls
-    with >= LPT_MIN_SEQLEN_K keys (one per section size, as `lpt_builds`), the backward (preprocess,
+    LPT order from LPT_MIN_SEQLEN_K keys: persistent or not; past the LPT ranges, d = 96's 192 x 144
+    tile from 8192 keys), the LPT-ordered forwards of causal calls with >= LPT_MIN_SEQLEN_K keys (one
+    per section size, as `lpt_builds`), the backward (preprocess,
     main, postprocess) unless backward=False, and the varlen forward / backward when varlen=True.
     Each build is a dict: kind, dtype, head_dim, head_dim_v, causal, variant (compile_launchable
     keywords), seqlen_k, and for LPT builds scheduler / heads."""
@@ -357,7 +358,7 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
         b = dict(kind=kind, dtype=w.dtype, head_dim=w.head_dim, head_dim_v=w.head_dim_v, causal=w.causal,
                  variant=variant, seqlen_k=None, **extra)
         # one kernel per signature: the key length only matters as >= LPT_MIN_SEQLEN_K or not (the
-        # persistent switch), and every long build's first length is >= it
+        # persistent switch), and every long build's first length is >= it (d = 96's: >= 8192, its tile's switch)
         sig = repr({k: v for k, v in b.items() if k not in ("heads", "seqlen_range", "seqlen_k_first")})
         if sig not in seen:
             seen.add(sig)

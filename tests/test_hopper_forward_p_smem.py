@@ -1,8 +1,9 @@
 """The Hopper forward's 192-row tile at head dim 96 (`tile_m=192`): P V reads P from each consumer's
 shared-memory slab, since 160 registers a thread hold S and O there but not P too
 (`stage3_fwd_kernel/hopper/config.py: p_through_smem`), with 144-key tiles where it walks one CTA per tile
-without a window or softcap (`default_tile_n`). The default of d = 96 calls without a window, softcap or
-cache that are not causal or causal with >= 8192 keys; the others keep 128 rows unless asked.
+without a window or softcap (`default_tile_n`; causal ones in the grid's order). The default of d = 96
+calls without a window, softcap or cache that are not causal, or causal with >= 8192 keys and no sink; the
+others keep 128 rows unless asked.
 
 compile tier (sm_90a): every P V wgmma takes both operands by descriptor (V transposed), the hot loop
 publishes P with 36 four-byte stores a thread (144 keys), the async-proxy fence and a barrier, without
@@ -49,6 +50,10 @@ def test_where_p_goes_through_shared_memory():
     narrow += [mod.FlashAttentionForwardSm90(cutlass.BFloat16, 96, 96, False, tile_m=192, softcap=30.0).tile_n]
     assert k96.tile_n == 144 and narrow == [128] * 4
     assert mod.make_kernel(cutlass.BFloat16, 96, 96, True, tile_m=192).tile_n == 144   # a causal mask fits
+    from fa4 import _dispatch   # ... in the grid's order: an LPT order's causal build spills in its loop
+
+    lpt = _dispatch.causal_forward_scheduler.__wrapped__("sm_90", True, 4096, 96, 96, 16, 16)
+    assert lpt is not None and mod.make_kernel(cutlass.BFloat16, 96, 96, True, tile_m=192, scheduler=lpt).tile_n == 128
     # a sink changes only the denominator: its default d = 96 kernel is the 192 x 144 one
     sink = mod.make_kernel(cutlass.BFloat16, 96, 96, False, variant=mod.host.Variant(sink=True))
     assert (sink.tile_m, sink.tile_n) == (192, 144)
@@ -121,7 +126,7 @@ def test_p_through_shared_memory_sm90a(case):
 @pytest.mark.parametrize("sq,sk", hf.TILE_M_SEQLENS, ids=[f"{a}x{b}" for a, b in hf.TILE_M_SEQLENS])
 def test_d96_192_rows_p_through_smem_matches_reference(causal, sq, sk):
     """tile_m = 192 at d = 96: P V reads P from each warpgroup's shared-memory slab (config.p_through_smem).
-    One CTA per tile (144 keys non-causal, 128 causal); in the big case also persistent CTAs on 128-key
+    One CTA per tile (144 keys); in the big case also persistent CTAs on 128-key
     tiles, several tiles each (the slab reused across tiles); fp16 once and a varlen batch with an empty
     sequence."""
     big = sq * sk > 2_000_000

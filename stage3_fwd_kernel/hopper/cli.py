@@ -70,7 +70,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
     for sm_90a and print the resource report. varlen=True runs a random packed batch of `batch`
     sequences with lengths up to seqlen_q / seqlen_k (empty ones included)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal)
+    tile_m = _check_tile_m(tile_m, head_dim, head_dim_v, causal, seqlen_k=None if varlen else seqlen_k)
     heads_kv = heads if heads_kv is None else heads_kv
     policy = make_policy(rescale_threshold, emulation_fraction)
     tag = (f"{STEP} [{host_io.ARCH}, {dtype}, d={head_dim}/{head_dim_v}, causal={causal}, varlen={varlen}, "

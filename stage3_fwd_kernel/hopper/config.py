@@ -48,9 +48,10 @@ def default_tile_n(head_dim: int, head_dim_v: int, tile_m: int = 128, *, plain: 
                    persistent: bool = False, cache: bool = False) -> int:
     """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S; 144 for
     the 192-row tile at d = 96 (P through shared memory; S's 72 registers a thread still fit beside O's
-    48) with plain scores (no window or softcap; `plain`, plain_scores(False, ...): a causal mask is
-    allowed), walked one CTA per tile, outside a cache. The causal build spills 8 bytes (two values of
-    the kernel's entry, reloaded outside the key-block loop, never in it), the softcap's 4 (varlen 64);
+    48) with plain scores (no window or softcap; `plain`: the kernel allows a causal mask where it
+    walks the grid's order), one CTA per tile, outside a cache. The causal build spills 8 bytes (12
+    varlen: values of the kernel's entry, reloaded outside the key-block loop, never in it; in an LPT
+    order 48, some in the loop), the softcap's 4 (varlen 64);
     a persistent CTA keeps O apart from Q, and 144-key stages beside it leave O to registers (o_direct:
     8 spilled bytes, 28 with the split tail); paged and key-split builds count pages and chunks in
     128-key blocks. On an H200 (d = 96, 1k-16k, one CTA per tile) 192 x 144 ran 1.03-1.05x of the
@@ -78,6 +79,12 @@ def window_keys(causal: bool, window) -> int | None:
     return window.left + (0 if causal else window.right)
 
 
+# Causal d = 96 calls take the 192 x 144 tile from this many keys on. On an H200 (one CTA per tile,
+# docs/measurements.md 2026-12-01 "the d = 96 forward's 192 x 144 tile"), official time / ours: 128 x 128
+# 1.34 / 1.09 / 1.08 / 0.99 / 0.96x at 1k / 2k / 4k / 8k / 16k, 192 x 144 1.06 / 1.03 / 1.05 / 1.04 / 1.03x.
+D96_CAUSAL_TILE192_MIN_KEYS = 8192
+
+
 def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=None, *,
                    softcap: bool = False, cache: bool = False, seqlen_k: int | None = None, sink: bool = False) -> int:
     """Query rows per CTA: 192 (three consumer warpgroups) when both head dims are <= 64, else 128;
@@ -102,17 +109,13 @@ def default_tile_m(head_dim: int, head_dim_v: int, causal: bool = False, window=
     return 128 if keys is not None and keys <= NARROW_WINDOW_KEYS else 192
 
 
-# Causal d = 96 calls take the 192 x 144 tile from this many keys on. On an H200 (one CTA per tile,
-# docs/measurements.md 2026-12-01 "the d = 96 forward's 192 x 144 tile"), official time / ours: 128 x 128
-# 1.34 / 1.09 / 1.08 / 0.99 / 0.96x at 1k / 2k / 4k / 8k / 16k, 192 x 144 1.06 / 1.03 / 1.05 / 1.04 / 1.03x.
-D96_CAUSAL_TILE192_MIN_KEYS = 8192
-
-
-def grid_order_causal(head_dim: int, head_dim_v: int, seqlen_k: int, softcap: bool = False, sink: bool = False) -> bool:
-    """Whether a dense causal call (no window) of seqlen_k keys should walk its tiles in the
-    grid's order rather than stage 5's LPT order: on the 192 x 144 d = 96 tile (default_tile_m), whose
-    LPT build spills 48 bytes, with loads and stores in the key-block loop; its grid-order build
-    spills 8, none in the loop (`compile_only(..., causal=True, seqlen_k=8192)`)."""
+def grid_order_causal(head_dim: int, head_dim_v: int, seqlen_k: int, softcap: bool = False,
+                      sink: bool = False) -> bool:
+    """Whether a dense causal call of seqlen_k keys should walk its tiles in the grid's order rather than
+    stage 5's LPT order (the caller has ruled out windows and caches, which take no LPT order): on the
+    192 x 144 d = 96 tile (default_tile_m), whose LPT build spills 48 bytes, with loads and stores in
+    the key-block loop; its grid-order build spills 8, none in the loop (`compile_only(...,
+    causal=True, seqlen_k=8192)`)."""
     tile_m = default_tile_m(head_dim, head_dim_v, True, softcap=softcap, seqlen_k=seqlen_k, sink=sink)
     return p_through_smem(tile_m, head_dim, head_dim_v)
 

@@ -71,7 +71,8 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, *, policy: SoftmaxPolicy = 
                 scheduler=StaticTileScheduler, tile_m: int | None = None, split_tail: bool = False,
                 variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
                 rows_per_query: int = 1):
-    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window); page_size:
+    """The kernel object; tile_m None = default_tile_m(head_dim, head_dim_v, causal, window) of a short call
+    (the entry points resolve a long call's tile from its key count first); page_size:
     built for a paged K/V cache (components.paged_kv); key_split: split-KV (components.key_split);
     rows_per_query: q's rows are query tokens times this (packed GQA heads, a key split only)."""
     tile_m = _build_tile_m(tile_m, head_dim, head_dim_v, causal, variant, page_size is not None or key_split)
@@ -86,7 +87,8 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
          rows_per_query: int = 1):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
     (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
-    tile_m enters resolved, so a default and its explicit value share one kernel."""
+    tile_m enters resolved (None: a short call's default; the entry points resolve a long call's from
+    its key count first), so a default and its explicit value share one kernel."""
     tile_m = _build_tile_m(tile_m, d, dv, causal, variant, page_size is not None or key_split)
     return (STEP, mode, str(dtype), d, dv, bool(causal), policy, scheduler, tuple(varlen_flags), tile_m) + \
         (("split_tail",) if split_tail else ()) + variant.key() + (() if page_size is None else ("paged", page_size)) \
@@ -190,7 +192,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     rescale_threshold (tau, log2 units) and emulation_fraction pick the softmax policy (compile-time:
     each distinct pair is its own kernel); `policy` overrides both. `scheduler` (default
     StaticTileScheduler) is a tile order with the StaticTileScheduler interface. tile_m: query rows
-    per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv, causal, window).
+    per CTA, 128 or 192 (2 or 3 consumer warpgroups); None = default_tile_m(D, Dv, causal, window, ...,
+    seqlen_k=Sk).
     persistent: one CTA per SM walks the scheduler's tile order (causal and windowed calls take their
     tiles from an atomic counter; above head dim 128 O goes from registers to global memory); None =
     default_persistent(D, Dv, causal, seqlen_k=Sk, tile_m=tile_m, left_window=...). split_tail: the last partial wave

@@ -100,7 +100,8 @@ class FlashAttentionForwardSm90:
         self.head_dim_v = head_dim_v
         self.causal = causal
         self.tile_m = tile_m
-        plain = plain_scores(False, window, softcap)   # the 144-key d = 96 tile takes a causal mask
+        # the 144-key d = 96 tile takes a causal mask in the grid's order (an LPT order's build spills in its loop)
+        plain = plain_scores(causal and scheduler is not StaticTileScheduler, window, softcap)
         self.tile_n = tile_n or default_tile_n(head_dim, head_dim_v, tile_m, plain=plain, persistent=self.persistent,
                                                cache=page_size is not None or key_split)
         # P V's A operand: registers, or (192 rows above d = 64) P stored to shared memory (config.p_through_smem)
