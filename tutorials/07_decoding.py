@@ -357,5 +357,6 @@ else:
 
 # %% [markdown]
 # **Next**: `fa4/README.md`, *Decoding with a KV cache*, for `flash_attn_with_kvcache` (paged caches,
-# appends with rotary embedding, the splits heuristic) and its measured tables; or back to
+# appends with rotary embedding, the splits heuristic) and its measured tables; [08 · context
+# parallelism](08_context_parallel.ipynb), the same merge between GPUs; or back to
 # [06 · using fa4](06_using_fa4.ipynb).
