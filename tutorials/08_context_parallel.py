@@ -112,9 +112,11 @@ print({layout: counts for layout, counts in work.items()},
 # At step `s`, rank `r` holds the keys and values of rank `src = (r - s) mod P`. What part of that
 # block its queries see follows from the positions, and under zigzag it is always a whole block or
 # exactly half of one (`_plan.step_work`): its own slice is a plain causal triangle (its two chunks are
-# in position order); an earlier rank's slice is seen by all local queries up to that slice's front
-# chunk; a later rank's slice is seen, whole, by the local back chunk only. No step needs a mask
-# other than the kernel's own causal one, so each step is one ordinary `flash_attn_func` call.
+# in position order); of an earlier rank's slice, all local queries see its front chunk and none its
+# back chunk; a later rank's slice is seen, whole, by the local back chunk only. No step needs a mask
+# other than the kernel's own causal one, so each step is one ordinary attention call (the kernels
+# behind `flash_attn_func`, without their autograd). The panels are ordered by `src`; rank `r` meets
+# them in the ring's order, its own first.
 
 # %%
 local = S // P
@@ -141,11 +143,13 @@ plt.show()
 # Each step gives a partial result normalised by its own row sums, with its log-sum-exp. Folding it
 # into the running pair is stage 1's rescale (`fa4/_lse_merge.py`):
 #
-# $$\text{lse} \leftarrow \log(e^{\text{lse}} + e^{\text{lse}_s}),\qquad
-# \text{out} \leftarrow \text{out}\, e^{\text{lse}_\text{old} - \text{lse}} + \text{out}_s\, e^{\text{lse}_s - \text{lse}}$$
+# $$\text{lse} \leftarrow \log(e^{\text{lse}} + e^{\text{lse}_s})$$
+# $$\text{out} \leftarrow \text{out}\, e^{\text{lse}_\text{old} - \text{lse}}
+#   + \text{out}_s\, e^{\text{lse}_s - \text{lse}}$$
 #
-# A step that saw nothing has `lse_s = -inf` and weighs 0. Below, every rank's ring runs in one
-# process, in float64, step by step as `_ring.py` orders them, and the result is compared with causal
+# The running pair starts at `(0, -inf)`, which the first fold replaces whole (a row that saw nothing
+# has `lse = -inf` and weighs 0; the ring skips steps with nothing visible). Below, every rank's ring
+# runs in one process, in float64, step by step as `_ring.py` orders them, and the result is compared with causal
 # attention over the whole sequence.
 
 # %%
@@ -191,7 +195,9 @@ for layout in _plan.LAYOUTS:
 # The script below is what a user runs under `torchrun` (here on the CPU's gloo backend, with
 # `ReferenceKernels`, the ring with torch math in place of the kernels). Each rank takes its zigzag
 # shard, runs forward and backward, and compares its rows and gradients with dense attention on the
-# whole sequence, computed by torch autograd.
+# whole sequence, computed by torch autograd. Each rank backpropagates only its own rows' loss, yet
+# its dK / dV are the whole gradient's share: the ring adds every rank's contribution to the slice it
+# carries, and the ranks' losses sum to the whole sequence's.
 
 # %%
 WORKER = textwrap.dedent('''
@@ -233,13 +239,16 @@ for r, e in enumerate(results):
 
 # %% [markdown]
 # Float64 agrees to the last digits: the ring is exact arithmetic rearranged, not an approximation.
-# On GPUs the same call with the default kernels runs fa4's `flash_attn_func` for every step, in bf16.
+# On GPUs the same call with the default kernels runs fa4's kernels for every step, in bf16 or fp16.
 #
 # ## 5. Measured on 2 H200s
 # bf16, batch 1, d = 128, GQA 32 / 8, forward + backward, 3 paired rounds (`torchrun
 # --nproc-per-node 2 -m benchmarks.bench_distributed`). Scaling efficiency is the one-GPU time over
 # `P` times the ring's time; torch's context parallelism (`context_parallel` around SDPA, its faster
-# backend) ran in the same rounds.
+# backend, cuDNN; it all-gathers K and V rather than passing them around, with head-tail load balance
+# when causal) ran in the same rounds. The exposed communication is the ring's time minus the same
+# ring with the transfers left out, divided by the `3P - 2` transfers of a forward + backward (K / V
+# forward, K / V and the dK / dV accumulators backward).
 
 # %%
 cases = []
@@ -254,10 +263,11 @@ for causal, marker in ((True, "o"), (False, "s")):
     axes[1].plot(ks, [c["summary"]["torch_cp_sdpa_over_fa4_ring"]["median"] for c in rows], marker=marker,
                  label=label)
 axes[0].axhline(1.0, color="grey", lw=0.8)
-axes[0].set(xlabel="tokens", ylabel="1-GPU time / (2 x ring time)", title="scaling efficiency, 2 GPUs", ylim=(0.8, 1.05))
+axes[0].set(xlabel="tokens", ylabel="1-GPU time / (2 x ring time)", title="scaling efficiency, 2 GPUs",
+            ylim=(0.8, 1.05))
 axes[1].axhline(1.0, color="grey", lw=0.8)
-axes[1].set(xlabel="tokens", ylabel="torch CP time / fa4 ring time", title="against torch context parallelism (SDPA)",
-            ylim=(0.9, 1.25))
+axes[1].set(xlabel="tokens", ylabel="torch CP time / fa4 ring time",
+            title="against torch context parallelism (SDPA)", ylim=(0.9, 1.25))
 for ax in axes:
     ax.set_xscale("log", base=2)
     ax.minorticks_off()
@@ -266,15 +276,17 @@ for ax in axes:
 plt.tight_layout()
 plt.show()
 for c in sorted(cases, key=lambda c: (c["seqlen"], not c["causal"])):
-    e = c["summary"]["exposed_comm"]["per_step_ms"]["median"]
-    print(f"{c['seqlen'] // 1024:4}k {'causal' if c['causal'] else 'full  '}: ring {c['summary']['ms_median']['fa4_ring']:7.1f} ms, "
-          f"communication exposed per ring step {e:5.1f} ms")
+    summary = c["summary"]
+    exposed, ring = summary["exposed_comm"], summary["ms_median"]["fa4_ring"]
+    print(f"{c['seqlen'] // 1024:4}k {'causal' if c['causal'] else 'full  '}: ring {ring:7.1f} ms, exposed "
+          f"{exposed['total_ms']['median']:5.1f} ms ({exposed['fraction_of_ring']['median']:+.1%}), "
+          f"{exposed['per_step_ms']['median']:5.1f} ms per transfer")
 
 # %% [markdown]
-# The exposed communication is the ring's time minus the same ring with the transfers left out; its
-# small (and at 64k causal, negative) values are within the rounds' spread. The timeline of one 64k
-# causal call on rank 0 shows where the NCCL kernels run: mostly under the attention kernels, except
-# the hand-over between steps and the last dK / dV hop home, which has nothing left to hide under.
+# The transfers expose 1-3% of the ring's time, but at 64k causal, whose negative median is inside the
+# rounds' spread. The timeline of one 64k causal call on rank 0
+# shows where the NCCL kernels run: 55% of their time under the attention kernels; the rest is the
+# hand-over between steps and the last dK / dV hop home, which has nothing left to hide under.
 
 # %%
 img = plt.imread(RESULTS / "ring_trace_h200x2.png")
@@ -285,8 +297,8 @@ plt.show()
 
 # %% [markdown]
 # **What is left.** Four GPUs have not been measured. The ring is 1.07-1.15x torch's context
-# parallelism; it costs 1-3% over the same kernels without transfers, so that margin is the kernels'
-# (fa4 against cuDNN), not the ring's. A window would let whole ring
+# parallelism, and the transfers cost it at most 3% of its time; the margin over torch comes mostly from
+# the kernels (fa4 against cuDNN; not timed on one GPU in these runs). A window would let whole ring
 # steps be skipped; `ring_attention_varlen` takes causal windows but gathers K and V instead of
 # passing them around.
 #
