@@ -292,8 +292,8 @@ def causal_forward_scheduler(arch_key: str, causal: bool, seqlen_k: int, head_di
     `LPTCausalScheduler.from_problem` (sections of heads whose K/V fit in L2, longest tiles first).
     Its section size is a compile-time constant, so each size class is its own kernel (compiled on
     first use, then served by the disk cache). None also where stage 3 walks the call's tile in the
-    grid's order (`grid_order_causal`; softcap / sink: the call has one). Measured on sm_90 (sections sized for an H100's
-    50 MiB L2); on sm_100 (never run here) sized by the device's own L2 (`l2_bytes`), as the official
+    grid's order (`grid_order_causal`; softcap / sink: the call has one). Measured on sm_90 (sections
+    sized for an H100's 50 MiB L2); on sm_100 (never run here) sized by the device's own L2 (`l2_bytes`), as the official
     kernel orders its causal tiles longest first there too."""
     if arch_key not in ("sm_90", "sm_100") or not causal or seqlen_k < LPT_MIN_SEQLEN_K:
         return None

@@ -96,7 +96,7 @@ def test_p_through_shared_memory_sm90a(case):
     """192 rows at d = 96: every P V wgmma (m64n96k16) reads both operands from shared memory (two
     descriptors, V transposed: "p, 1, 1, 0, 1"), none from registers; each warpgroup stores its P
     slab (64 x 144) once per key block before its barrier, within 160 registers and no spill (the
-    causal build: 8 bytes outside the key-block loop, none in it)."""
+    causal build: 8 bytes outside the key-block loop, 12 varlen, none in it)."""
     import re
 
     comp = _compiled(case)
@@ -107,7 +107,8 @@ def test_p_through_shared_memory_sm90a(case):
     hf._check_spills(case, comp)
     assert not rep["wgmma_serialized"]
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", comp.sass)) + 1 <= 160
-    # the hot loop publishes P: 36 four-byte stores a thread (64 x 144 x 2 B over 128 threads), then the async-proxy fence and a barrier before the next P V reads the slab
+    # the hot loop publishes P: 36 four-byte stores a thread (64 x 144 x 2 B over 128 threads), then
+    # the async-proxy fence and a barrier before the next P V reads the slab
     from stage3_fwd_kernel.sass_report import key_block_loop
 
     hot = key_block_loop(comp.sass)
