@@ -17,6 +17,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -101,6 +102,10 @@ def test_model_config_derivation():
     assert builds[-1]["seqlen_k"] == 8192
     tail = precompile.lpt_builds([("bf16", 96, 96, True)], [(32, 32)], 16384, "sm_90")
     assert [(b["seqlen_k"], b["scheduler"]) for b in tail][-1] == ((8192, 16384), None)
+    cfg, build, label, row = precompile._lpt_task(types.SimpleNamespace(compile_launchable=dict), tail[-1])
+    assert cfg == ("bf16", 96, 96, True) and label.startswith("grid order, keys 8192-16384")
+    assert build() == dict(dtype="bf16", head_dim=96, head_dim_v=96, causal=True, scheduler=None, seqlen_k=8192)
+    assert row["heads_per_section"] is None
     assert all(b["scheduler"] is not None for b in precompile.lpt_builds([("bf16", 128, 128, True)], [(32, 32)],
                                                                          16384, "sm_90"))
 
