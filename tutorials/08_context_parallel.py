@@ -58,6 +58,7 @@ import torch
 import fa4
 from fa4._lse_merge import merge_into
 from fa4.distributed import _plan
+from stage0_reference.torch_reference import attention_ref
 
 ROOT = pathlib.Path(fa4.__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -149,19 +150,15 @@ plt.show()
 #
 # The running pair starts at `(0, -inf)`, which the first fold replaces whole (a row that saw nothing
 # has `lse = -inf` and weighs 0; the ring skips steps with nothing visible). Below, every rank's ring
-# runs in one process, in float64, step by step as `_ring.py` orders them, and the result is compared with causal
-# attention over the whole sequence.
+# runs in one process, in float64, step by step as `_ring.py` orders them, each block by stage 0's torch
+# reference, and the result is compared with causal attention over the whole sequence.
 
 # %%
 def block_attention(q, k, v, causal):
-    """(out, lse) of q (Sq, H, D) against k, v (Sk, H, D), bottom-right causal, float64."""
-    s = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
-    if causal:
-        sq, sk = q.shape[0], k.shape[0]
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq).logical_not(), float("-inf"))
-    lse = torch.logsumexp(s, -1)                                             # (H, Sq)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.einsum("hqk,khd->qhd", p, v), lse.transpose(0, 1)          # (Sq, H, D), (Sq, H)
+    """(out (Sq, H, D), lse (Sq, H)) of q (Sq, H, D) against k, v (Sk, H, D): stage 0's torch reference
+    (bottom-right causal, float64 kept)."""
+    out, lse = attention_ref(q[None], k[None], v[None], causal=causal)   # (1, Sq, H, D), (1, H, Sq)
+    return out[0], lse[0].transpose(0, 1)
 
 
 H, D = 2, 8
@@ -195,7 +192,7 @@ for layout in _plan.LAYOUTS:
 # The script below is what a user runs under `torchrun` (here on the CPU's gloo backend, with
 # `ReferenceKernels`, the ring with torch math in place of the kernels). Each rank takes its zigzag
 # shard, runs forward and backward, and compares its rows and gradients with dense attention on the
-# whole sequence, computed by torch autograd. Each rank backpropagates only its own rows' loss, yet
+# whole sequence (stage 0's torch reference, differentiated by autograd). Each rank backpropagates only its own rows' loss, yet
 # its dK / dV are the whole gradient's share: the ring adds every rank's contribution to the slice it
 # carries, and the ranks' losses sum to the whole sequence's.
 
@@ -203,6 +200,7 @@ for layout in _plan.LAYOUTS:
 WORKER = textwrap.dedent('''
     import json, os, torch, torch.distributed as dist
     import fa4.distributed as cp
+    from stage0_reference.torch_reference import attention_ref
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -214,9 +212,7 @@ WORKER = textwrap.dedent('''
     out.square().sum().backward()
 
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    s = torch.einsum("bqhd,bkhd->bhqk", full[0], full[1].repeat_interleave(2, 2)) / 4.0
-    s = s.masked_fill(torch.ones(64, 64, dtype=torch.bool).tril().logical_not(), float("-inf"))
-    want = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), full[2].repeat_interleave(2, 2))
+    want, _ = attention_ref(*full, causal=True)                # the whole sequence, on every rank
     want.square().sum().backward()
     errs = [(out - cp.shard(want, dim=1)).abs().max().item()]
     errs += [(t.grad - cp.shard(f.grad, dim=1)).abs().max().item() for t, f in zip(mine, full)]
