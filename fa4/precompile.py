@@ -77,23 +77,30 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def lpt_ranges(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int, max_seqlen: int,
+               **variant) -> list:
+    """`lpt_forward_schedulers`' (first, last, scheduler) ranges, and where they end before max_seqlen
+    (stage 3 walks d = 96's tile from 8192 keys in the grid's order) one more, (first, max_seqlen, None),
+    for the grid-order build of the lengths past them. variant: softcap / sink, as the dispatch takes them."""
+    from ._dispatch import lpt_forward_schedulers
+
+    ranges = lpt_forward_schedulers(arch_key, head_dim, head_dim_v, heads_q, heads_kv, max_seqlen, **variant)
+    if ranges and ranges[-1][1] < max_seqlen:
+        ranges.append((ranges[-1][1] + 1, max_seqlen, None))
+    return ranges
+
+
 def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seqlen: int, arch_key: str) -> list[dict]:
     """The LPT-ordered forward kernels that causal calls of these head counts with up to max_seqlen
     keys launch (fa4._dispatch.causal_forward_scheduler), one per distinct (dtype, head dims,
-    scheduler): head counts that share a section size share the kernel. Where the LPT ranges end
-    before max_seqlen (stage 3 walks d = 96's tile from 8192 keys in the grid's order), one more build
-    with scheduler None serves the rest."""
-    from ._dispatch import lpt_forward_schedulers
-
+    scheduler): head counts that share a section size share the kernel; and past the LPT ranges the
+    grid-order build (scheduler None, `lpt_ranges`)."""
     builds, seen = [], set()
     for dt, d, dv, causal in cfgs:
         if not causal:
             continue
         for hq, hkv in heads:
-            ranges = lpt_forward_schedulers(arch_key, d, dv, hq, hkv, max_seqlen)
-            if ranges and ranges[-1][1] < max_seqlen:
-                ranges.append((ranges[-1][1] + 1, max_seqlen, None))
-            for first, last, sched in ranges:
+            for first, last, sched in lpt_ranges(arch_key, d, dv, hq, hkv, max_seqlen):
                 if (dt, d, dv, sched) not in seen:
                     seen.add((dt, d, dv, sched))
                     builds.append({"dtype": dt, "head_dim": d, "head_dim_v": dv, "heads": f"{hq}/{hkv}",
@@ -348,7 +355,7 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
     main, postprocess) unless backward=False, and the varlen forward / backward when varlen=True.
     Each build is a dict: kind, dtype, head_dim, head_dim_v, causal, variant (compile_launchable
     keywords), seqlen_k, and for LPT builds scheduler / heads."""
-    from ._dispatch import ARCHS, LPT_MIN_SEQLEN_K, has_backward, lpt_forward_schedulers
+    from ._dispatch import ARCHS, LPT_MIN_SEQLEN_K, has_backward
 
     builds, seen = [], set()
 
@@ -373,20 +380,19 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
         if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal or left_window:
             add("fwd", w)
         lpt = w.causal and w.window is None and arch_key == "sm_90"
-        long_first = max(w.min_seqlen, LPT_MIN_SEQLEN_K)
-        served = 0   # the longest key count an LPT build serves
+        first_len = max(w.min_seqlen, LPT_MIN_SEQLEN_K)
         if lpt and longest >= LPT_MIN_SEQLEN_K:
-            for first, last, sched in lpt_forward_schedulers(arch_key, w.head_dim, w.head_dim_v, w.heads_q,
-                                                             w.heads_kv, longest, softcap=bool(w.softcap),
-                                                             sink=bool(w.sink)):
-                served = last
-                if last >= long_first:
-                    add("fwd lpt", w, scheduler=sched, seqlen_k_first=max(first, long_first),
-                        heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, long_first), last))
-        # beyond the LPT ranges (stage 3 walks d = 96's tile from 8192 keys in the grid's order) or without them
-        long_first = max(long_first, served + 1)
-        if w.causal and not left_window and longest >= long_first:
-            add("fwd long", w, seqlen_k_first=long_first)
+            for first, last, sched in lpt_ranges(arch_key, w.head_dim, w.head_dim_v, w.heads_q, w.heads_kv, longest,
+                                                 softcap=bool(w.softcap), sink=bool(w.sink)):
+                if last < first_len:
+                    continue
+                if sched is None:   # past the LPT ranges: the grid-order build
+                    add("fwd long", w, seqlen_k_first=max(first, first_len))
+                else:
+                    add("fwd lpt", w, scheduler=sched, seqlen_k_first=max(first, first_len),
+                        heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, first_len), last))
+        elif w.causal and longest >= LPT_MIN_SEQLEN_K and not left_window:
+            add("fwd long", w, seqlen_k_first=first_len)
         with_bwd = backward and has_backward(ARCHS[arch_key], w.head_dim, w.head_dim_v)
         if with_bwd:
             add("bwd", w)
