@@ -47,26 +47,36 @@ def compile_key(step, dtype, d, dv, causal, deterministic, varlen, has_seqused_k
             getattr(dq_order, "name", repr(dq_order)), tiles) + trace.key()  # a traced build: never shared
 
 
-def fake_main_args(dt, d, dv, *, launchable: bool = False):
+def fake_main_args(dt, d, dv, *, launchable: bool = False, arrivals: bool = False):
     """Arguments a compile traces a main kernel with (same order as ``main_args``, plus the
-    stream); launchable=True for a kernel ``main_args`` runs (TVM-FFI, see common.launch_stream)."""
+    stream); launchable=True for a kernel ``main_args`` runs (TVM-FFI, see common.launch_stream);
+    arrivals=True for a kernel that takes the dQ tiles' arrival counters (``takes_dq_arrivals``)."""
     F = common.fake_tensor
+    counters = (F(Int32, 3, align=4),) if arrivals else ()
     return (F(dt, 4, d), F(dt, 4, d), F(dt, 4, dv), F(dt, 4, dv),
             F(Float32, 3), F(Float32, 3), F(Float32, 4, d), F(dt, 4, d), F(dt, 4, dv),
-            F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 3, align=4),
+            F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 3, align=4), *counters,
             Int32(1), Float32(1.0), Float32(1.0), common.launch_stream() if launchable else common.fake_stream())
 
 
 def main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, *, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k,
-              semaphores, num_n_blocks, softmax_scale):
+              semaphores, num_n_blocks, softmax_scale, arrivals=None):
     """The main kernel's launch arguments from torch tensors, in ``__call__`` order without the
     stream. Varlen tensors are packed (T, H, D) / (H, T) and become a batch of one; the int32
-    tensors a launch does not read are 1-element stand-ins."""
+    tensors a launch does not read are 1-element stand-ins. arrivals: the dQ tiles' int32 arrival
+    counters (3-D) of a kernel that takes them, else None."""
     tensors = (q, k, v, dout, lse2, dpsum, dq_accum, dk, dv)
     if varlen:
         tensors = tuple(t.unsqueeze(0) for t in tensors)
-    return (*(common.launch_view(t) for t in tensors), cu_seqlens_q, cu_seqlens_k, seqused_k, semaphores,
+    counters = () if arrivals is None else (arrivals,)
+    return (*(common.launch_view(t) for t in tensors), cu_seqlens_q, cu_seqlens_k, seqused_k, semaphores, *counters,
             num_n_blocks, softmax_scale * common.LOG2_E, softmax_scale)
+
+
+def takes_dq_arrivals(kernel) -> bool:
+    """Whether a main kernel's launch takes the dQ tiles' arrival counters (the production kernel's
+    does, whether or not its build uses them: ``dq_first_store``)."""
+    return getattr(kernel, "takes_dq_arrivals", False)
 
 
 def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, deterministic, *, varlen=False,
@@ -84,7 +94,8 @@ def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, determinis
                                                            has_seqused_k, dq_order, tiles)
     if variant is not None:
         key += ("variant",) + tuple(variant[0]) + (variant[1],)
-    return kernel, common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, dv, launchable=launchable)))
+    return kernel, common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, dv, launchable=launchable,
+                                                                               arrivals=takes_dq_arrivals(kernel))))
 
 
 def uses_dq_frag(kernel) -> bool:
@@ -200,17 +211,24 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     if hasattr(kernel.dq_order, "check_grid"):  # before the first launch (the preprocess)
         kernel.dq_order.check_grid(common.cdiv(max_seqlen_k, kernel.tile_n), k.shape[-2], batch)
 
-    # 1. preprocess: lse2, D, the zeroed dQ accumulator (fragment order, see postprocess_frag: zeroed as
-    # one flat buffer)
+    # 1. preprocess: lse2, D, and zeroes: the dQ accumulator (fragment order, see postprocess_frag: as one
+    # flat buffer), or with first stores (hopper/dq_writer.py) only its tiles' arrival counters
+    arrivals, to_zero = None, None
     if dq_frag:
         from stage4_bwd_kernel import postprocess_frag as post_frag
 
         rows = kernel.dq_frag_accum_rows(q.shape[0] if varlen else max_seqlen_q, batch)
         dq_accum = torch.empty((*q.shape[:-3], hq, rows, d), dtype=torch.float32, device=q.device)
+        to_zero = dq_accum
+        if getattr(kernel, "dq_first_store", False):
+            arrivals, to_zero = dq_arrivals(1 if varlen else batch, hq, rows // kernel.tile_m, q.device)
     else:
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum, head_dim=d, cu_seqlens_q=cu_q if varlen else None,
-                                 max_seqlen_q=max_seqlen_q, dq_zeroing="flat" if dq_frag else "rows")
+    if arrivals is None and takes_dq_arrivals(kernel):
+        arrivals = pre._dummy(q.device, (1, 1, 1), "int32")
+    lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum if to_zero is None else to_zero, head_dim=d,
+                                 cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q,
+                                 dq_zeroing="flat" if dq_frag else "rows")
 
     # 2. main kernel
     tm, tn = kernel.tile_m, kernel.tile_n
@@ -230,18 +248,29 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     comp.fn(*main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, varlen=varlen,
                        cu_seqlens_q=cu_q if varlen else dummy, cu_seqlens_k=cu_k if varlen else dummy,
                        seqused_k=seqused_k if seqused_k is not None else dummy, semaphores=semaphores,
-                       num_n_blocks=num_n_blocks, softmax_scale=softmax_scale))
+                       num_n_blocks=num_n_blocks, softmax_scale=softmax_scale, arrivals=arrivals))
 
-    # 3. postprocess: dq = scale * dQaccum in q's dtype
+    # 3. postprocess: dq = scale * dQaccum in q's dtype (first stores: zeros where no K/V tile arrived)
     if dq_frag:
         post_frag.postprocess(kernel, dq_accum.unsqueeze(0) if varlen else dq_accum, dq, softmax_scale,
-                              cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q)
+                              cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q, arrivals=arrivals)
     else:
         post.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q=cu_q if varlen else None,
                          max_seqlen_q=max_seqlen_q)
     if return_d:
         return dq, dk, dv, _d_in_lse_layout(dpsum, lse, cu_q if varlen else None)
     return dq, dk, dv
+
+
+def dq_arrivals(batch: int, heads: int, tiles: int, device) -> tuple:
+    """(counters, flat): the dQ accumulator's per-tile int32 arrival counters (batch, heads, tiles) for
+    first stores, and the same memory as a flat fp32 buffer of a multiple of 4 elements, which the
+    preprocess zeroes (its "flat" zeroing)."""
+    import torch
+
+    n = batch * heads * tiles
+    flat = torch.empty(common.cdiv(max(n, 1), 4) * 4, dtype=torch.int32, device=device)
+    return flat[:n].view(batch, heads, tiles), flat.view(torch.float32)
 
 
 def _check_varlen_values(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, seqused_k):

@@ -9,8 +9,10 @@ pattern (the main kernel's ``dq_frag_tiled_copy``), asks the main kernel's own d
 register belongs (its partition of an identity tensor), scales and rounds it into an SMEM tile, and
 writes the rows that exist with 16-byte stores. dQaccum is (B, H, rows, d) fp32 with rows =
 num_m_blocks * tile_m (dense) or, varlen, a batch of one; the main kernel's ``dq_frag_tile_row`` says
-where each tile starts. Everything it needs of the main kernel comes from the kernel object passed in,
-so this module imports no kernel module.
+where each tile starts. With first stores (``dq_first_store``, hopper/dq_writer.py) nobody zeroed
+dQaccum: a tile whose arrival counter is 0 was reached by no K/V tile (e.g. causal rows above the
+keys), and its rows are written as zeros. Everything it needs of the main kernel comes from the kernel
+object passed in, so this module imports no kernel module.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.memory.smem import SmemAllocator
 
 from stage4_bwd_kernel import common
-from stage4_bwd_kernel.postprocess import _fake_args, block_rows  # the same launch signature
-from stage4_bwd_kernel.preprocess import _dummy_int32
+from stage4_bwd_kernel.postprocess import block_rows
+from stage4_bwd_kernel.preprocess import _dummy, _dummy_int32
 
 STEP = "bwd_postprocess_frag"
 NUM_THREADS = 256  # the main kernel's two consumer warpgroups
@@ -50,9 +52,10 @@ class BackwardPostprocessFrag:
         store_threads_per_row(self.tile_m, self.head_dim, 128 // self.dtype.width)  # ValueError before any trace
 
     @cute.jit
-    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,
+    def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, mDqArrivals: cute.Tensor,
                  softmax_scale: Float32, num_m_blocks: Int32, stream):
-        # mdQacc (B, H, rows, d) fp32 -> mdQ (B, Sq, H, d) dtype; varlen: B = 1, rows of cu_seqlens_q
+        # mdQacc (B, H, rows, d) fp32 -> mdQ (B, Sq, H, d) dtype; varlen: B = 1, rows of cu_seqlens_q;
+        # mDqArrivals (B, H, rows / tile_m) int32 (first stores; else a stand-in, not read)
         if const_expr(mdQ.element_type != self.dtype):
             raise TypeError("dq must have the main kernel's dtype")
         mdQacc = common.assume_aligned(mdQacc, self.head_dim)
@@ -72,13 +75,13 @@ class BackwardPostprocessFrag:
 
         self.shared_storage = SharedStorage
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mdQ.shape[0]
-        self.kernel(mdQacc, mdQ, mCuSeqlensQ, softmax_scale, self.main.make_tiled_mma_dQ(), store,
+        self.kernel(mdQacc, mdQ, mCuSeqlensQ, mDqArrivals, softmax_scale, self.main.make_tiled_mma_dQ(), store,
                     sTile_layout).launch(grid=(num_m_blocks, mdQ.shape[2], batch), block=[NUM_THREADS, 1, 1],
                                          smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
-    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, softmax_scale: Float32,
-               tiled_mma_dQ: cute.TiledMma, store: cute.TiledCopy, sTile_layout: cute.Layout):
+    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, mDqArrivals: cute.Tensor,
+               softmax_scale: Float32, tiled_mma_dQ: cute.TiledMma, store: cute.TiledCopy, sTile_layout: cute.Layout):
         tm, d = self.tile_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, bidx, batch, offset, rows_left = block_rows(mdQ, mCuSeqlensQ, tm, self.varlen)
@@ -91,12 +94,18 @@ class BackwardPostprocessFrag:
             sTile = smem.allocate(self.shared_storage).sTile.get_tensor(sTile_layout)   # (tm, d)
             # 1. this thread's registers of the tile, as the main kernel's thread tidx held them
             share_elems = self.main.dq_frag_share_elems()
-            row0 = self.main.dq_frag_tile_row(offset, batch, m_block)
-            share_ptr = common.elem_pointer(mdQacc, (bidx, head, row0, 0)) + (tidx // 128) * share_elems
+            tile = self.main.dq_frag_tile(offset, batch, m_block)
+            share_ptr = (common.elem_pointer(mdQacc, (bidx, head, tile * tm, 0))
+                         + (tidx // 128) * share_elems)
             gShare = cute.make_tensor(share_ptr.align(16), cute.make_layout(share_elems))
             tGg = self.main.dq_frag_tiled_copy().get_slice(tidx % 128).partition_S(gShare)         # (4, chunks)
             rAcc = cute.make_rmem_tensor_like(tGg, Float32)
-            cute.autovec_copy(tGg, rAcc)
+            if const_expr(self.main.dq_first_store):
+                rAcc.fill(0.0)
+                if mDqArrivals[bidx, head, tile] != 0:  # else no K/V tile added into it: dQ = 0
+                    cute.autovec_copy(tGg, rAcc)
+            else:
+                cute.autovec_copy(tGg, rAcc)
             # 2. where each belongs: the dQ MMA's partition of (row, col) -- (col, row) for dQ^T
             dq_shape = (d, tm) if const_expr(self.main.dq_swap_ab) else (tm, d)
             coords = tiled_mma_dQ.get_slice(tidx).partition_C(cute.make_identity_tensor(dq_shape))
@@ -124,10 +133,16 @@ class BackwardPostprocessFrag:
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
+def _fake_args(dt, head_dim, *, launchable: bool = False):
+    F = common.fake_tensor
+    return (F(Float32, 4, head_dim), F(dt, 4, head_dim), F(Int32, 1, align=4), F(Int32, 3, align=4), Float32(1.0),
+            Int32(1), common.launch_stream() if launchable else common.fake_stream())
+
+
 def _compile(launchable: bool, main_kernel, varlen: bool) -> common.Compiled:
     mk = main_kernel
     key = (STEP, "gpu" if launchable else "fake", str(mk.dtype), mk.tile_m, mk.head_dim, mk.dq_split_m,
-           mk.dq_swap_ab, varlen, mk.q_shift)
+           mk.dq_swap_ab, varlen, mk.q_shift) + (("first-store",) if mk.dq_first_store else ())
     return common.compile_cached(key, lambda: (BackwardPostprocessFrag(mk, varlen),
                                                _fake_args(mk.dtype, mk.head_dim, launchable=launchable)))
 
@@ -142,9 +157,11 @@ def compile_launchable(main_kernel, varlen=False) -> common.Compiled:
     return _compile(True, main_kernel, bool(varlen))
 
 
-def postprocess(main_kernel, dq_accum, dq, softmax_scale: float, *, cu_seqlens_q=None, max_seqlen_q=None):
+def postprocess(main_kernel, dq_accum, dq, softmax_scale: float, *, cu_seqlens_q=None, max_seqlen_q=None,
+                arrivals=None):
     """(GPU) dq = softmax_scale * (dq_accum put back in place), in dq's dtype; dq (B, Sq, H, d) or
-    varlen (T, H, d); dq_accum (B, H, rows, d) fp32 with the main kernel's ``dq_frag_accum_rows`` (varlen: B = 1)."""
+    varlen (T, H, d); dq_accum (B, H, rows, d) fp32 with the main kernel's ``dq_frag_accum_rows`` (varlen: B = 1);
+    arrivals: the main kernel's (B, H, rows / tile_m) int32 arrival counters, required with its first stores."""
     varlen = cu_seqlens_q is not None
     if varlen:
         dq4, cu, rows, batch = dq.unsqueeze(0), cu_seqlens_q, max_seqlen_q, cu_seqlens_q.shape[0] - 1
@@ -152,6 +169,10 @@ def postprocess(main_kernel, dq_accum, dq, softmax_scale: float, *, cu_seqlens_q
         dq4, cu, rows, batch = dq, _dummy_int32(dq.device), dq.shape[1], dq.shape[0]
     if batch == 0 or rows == 0 or dq.shape[-2] == 0:
         return dq
+    if main_kernel.dq_first_store and arrivals is None:
+        raise ValueError("arrivals: required for a main kernel with first stores (dq_first_store)")
+    if arrivals is None:
+        arrivals = _dummy(dq.device, (1, 1, 1), "int32")
     comp = _compile(True, main_kernel, varlen)
-    comp.fn(dq_accum, common.launch_view(dq4), cu, softmax_scale, common.cdiv(rows, main_kernel.tile_m))
+    comp.fn(dq_accum, common.launch_view(dq4), cu, arrivals, softmax_scale, common.cdiv(rows, main_kernel.tile_m))
     return dq

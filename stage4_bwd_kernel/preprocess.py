@@ -23,7 +23,9 @@ zeroes its own 64 rows; "flat", the fragment-order accumulator of the production
 hold their elements in MMA-fragment order (and varlen adds padding tiles), so no CTA's rows map onto a
 range of it: the buffer is zeroed as one flat array, each CTA a contiguous share in 16-byte stores.
 Zeroing it here rather than with a separate memset saves a kernel launch (host time) on every
-backward; the bytes written are the same.
+backward; the bytes written are the same. With first stores (hopper/dq_writer.py) the production
+backward hands the "flat" zeroing its dQ tiles' arrival counters instead, and the accumulator is never
+zeroed.
 """
 from __future__ import annotations
 

@@ -39,10 +39,13 @@ def _bwd_main(d):
 
     dt = common.cutlass_dtype("bf16")
     step = bwd.step_for(d, True, True)
+
+    def make():
+        return step.make_kernel(dt, d, d, True, True, varlen=False, has_seqused_k=False,
+                                dq_order=common.default_dq_order(True, True), tiles=None)
+    arrivals = host.takes_dq_arrivals(make())
     return _launchable_and_plain(
-        ("bwd", d), lambda: step.make_kernel(dt, d, d, True, True, varlen=False, has_seqused_k=False,
-                                             dq_order=common.default_dq_order(True, True), tiles=None),
-        lambda launchable: host.fake_main_args(dt, d, d, launchable=launchable))
+        ("bwd", d), make, lambda launchable: host.fake_main_args(dt, d, d, launchable=launchable, arrivals=arrivals))
 
 
 def _bwd_pre(d):
@@ -139,11 +142,12 @@ def test_backward_launch_arguments_match_the_compiled_signature(varlen):
         cu_q = cu_k = used = torch.zeros(1, dtype=torch.int32)
         sem = torch.zeros(B, H, 2, dtype=torch.int32)
     acc = torch.zeros(q.shape)
-    real = host.main_args(q, k, k.clone(), q.clone(), lse, lse.clone(), acc, k.clone(), k.clone(), varlen=varlen,
-                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, semaphores=sem, num_n_blocks=2,
-                          softmax_scale=0.1)
     dt = common.cutlass_dtype("bf16")
-    _same_kinds(real, host.fake_main_args(dt, D, D, launchable=True))
+    for arrivals in (None, sem.clone()):  # the lessons' kernels, and the production kernel's arrival counters
+        real = host.main_args(q, k, k.clone(), q.clone(), lse, lse.clone(), acc, k.clone(), k.clone(), varlen=varlen,
+                              cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, semaphores=sem, num_n_blocks=2,
+                              softmax_scale=0.1, arrivals=arrivals)
+        _same_kinds(real, host.fake_main_args(dt, D, D, launchable=True, arrivals=arrivals is not None))
     up = (lambda t: t.unsqueeze(0)) if varlen else (lambda t: t)
     _same_kinds(preprocess.preprocess_args(up(q), up(q), up(lse), up(lse), up(lse), up(acc), cu_q, 2),
                 preprocess._fake_args(dt, D, D, launchable=True))

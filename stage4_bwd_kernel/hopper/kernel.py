@@ -61,6 +61,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                                  WideSwapConsumer, Epilogue, PersistentRoles):
     """The production Hopper backward for one configuration: construct, then call (traced once)."""
 
+    takes_dq_arrivals = True  # its launch takes the dQ tiles' arrival counters (host.main_args)
+
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool = False, *,
                  varlen: bool = False, has_seqused_k: bool = False, dq_order=None,
                  options: BackwardOptions | None = None, window: Window = NO_WINDOW, softcap: float = 0.0):
@@ -112,10 +114,11 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                  mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, mSeqUsedK: cute.Tensor,
-                 mSemaphore: cute.Tensor, num_n_blocks: Int32, softmax_scale_log2: Float32,
+                 mSemaphore: cute.Tensor, mDqArrivals: cute.Tensor, num_n_blocks: Int32, softmax_scale_log2: Float32,
                  softmax_scale: Float32, stream):
         # mQ, mK, mdK (B, S, H, d); mV, mdO, mdV (B, S, H, dv); mLSE2, mD (B, Hq, rows) fp32; mdQacc
-        # (B, Hq, rows, d) fp32 in fragment order, else like mQ; varlen: B = 1, rows from cu_seqlens
+        # (B, Hq, rows, d) fp32 in fragment order, else like mQ; varlen: B = 1, rows from cu_seqlens;
+        # mDqArrivals (B, Hq, rows / tile_m) int32, zeroed: dq_first_store's counter per dQaccum tile
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
                            == mdK.element_type == mdV.element_type == self.dtype)):
             raise TypeError("q, k, v, dout, dk, dv must share the kernel's dtype")
@@ -201,7 +204,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         if const_expr(self.persistent):  # one CTA per SM (the counter's length), at most one per item
             grid = (cutlass.min(num_n_blocks * mK.shape[2] * batch, mSemaphore.shape[2]), 1, 1)
         self.kernel(tma_Q, tma_dO, tma_K, tma_V, mQ.shape[1], mK.shape[1], mLSE2, mD, mdQacc, mdK, mdV,
-                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, num_n_blocks, mQ.shape[2] // mK.shape[2],
+                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mSemaphore, mDqArrivals, num_n_blocks,
+                    mQ.shape[2] // mK.shape[2],
                     softmax_scale_log2, softmax_scale,
                     tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_dQ, tma_atom_dQ,
                     tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ,
@@ -217,7 +221,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
     def kernel(self, tma_Q: cute.Tensor, tma_dO: cute.Tensor, tma_K: cute.Tensor, tma_V: cute.Tensor,
                total_q: Int32, total_k: Int32, mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor,
                mdK: cute.Tensor, mdV: cute.Tensor, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor,
-               mSeqUsedK: cute.Tensor, mSemaphore: cute.Tensor, num_n_blocks: Int32, qhead_per_kvhead: Int32,
+               mSeqUsedK: cute.Tensor, mSemaphore: cute.Tensor, mDqArrivals: cute.Tensor, num_n_blocks: Int32,
+               qhead_per_kvhead: Int32,
                softmax_scale_log2: Float32, softmax_scale: Float32,
                tma_atom_Q: cute.CopyAtom, tma_atom_dO: cute.CopyAtom, tma_atom_K: cute.CopyAtom,
                tma_atom_V: cute.CopyAtom, tma_dQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom,
@@ -274,10 +279,10 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                         self.produce(walk, storage, loads, layouts, pipes)
                 if const_expr(self.persistent):
                     if warp_idx == DQ_WRITER_WARP:
-                        self.write_dq_stream(storage, mdQacc, sdQ_layout)
+                        self.write_dq_stream(storage, mdQacc, mDqArrivals, sdQ_layout)
                 elif const_expr(not self.dq_atomic):  # dq_atomic: the consumers add dQ themselves
                     if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + self.dq_writers:
-                        self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, sdQ_layout,
+                        self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, mDqArrivals, sdQ_layout,
                                       warp_idx - DQ_WRITER_WARP)
                 elif const_expr(self.deterministic):  # ... in turns that the writer's warps keep (wide.py)
                     if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + NUM_WG_MMA:

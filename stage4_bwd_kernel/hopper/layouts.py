@@ -134,12 +134,17 @@ class LayoutPlan:
         start 16-byte aligned). Python ints or traced Int32."""
         return top_padding(seqlen_q, self.tile_m, multiple=4)
 
-    def dq_frag_tile_row(self, offset_q, batch, m_block):
-        """dq_frag: first row of dQ tile m_block of sequence `batch` in the (B, H, rows, d) dQaccum.
-        A varlen sequence's first tile is (offset_q + batch * tile_m) // tile_m, so each sequence owns
-        whole tiles and none overlaps the next (dense: tile m_block)."""
+    def dq_frag_tile(self, offset_q, batch, m_block):
+        """dq_frag: index of dQ tile m_block of sequence `batch` among the (B, H, rows, d) dQaccum's tiles
+        of tile_m rows. A varlen sequence's first tile is (offset_q + batch * tile_m) // tile_m, so each
+        sequence owns whole tiles and none overlaps the next (dense: tile m_block). It also indexes the
+        tiles' arrival counters (dq_writer.py)."""
         first = (offset_q + batch * self.tile_m) // self.tile_m if const_expr(self.varlen) else 0
-        return (first + m_block) * self.tile_m
+        return first + m_block
+
+    def dq_frag_tile_row(self, offset_q, batch, m_block):
+        """dq_frag: first row of dQ tile m_block of sequence `batch` in the (B, H, rows, d) dQaccum."""
+        return self.dq_frag_tile(offset_q, batch, m_block) * self.tile_m
 
     def dq_frag_accum_rows(self, rows_q: int, batch: int) -> int:
         """Host: rows of the (B, H, rows, d) dQaccum for seqlen_q (dense) or total_q (varlen) rows."""

@@ -131,6 +131,7 @@ class BackwardOptions:
     kv_swap: bool = False     # wide: 96 keys a CTA, S by keys, dK^T / dV^T with the head dim as M (wide_swap.py)
     persistent: bool = False  # one CTA per SM takes K/V tiles from a counter (persistent.py); the call picks
                               # it (backward.persistent_pays), so no configuration's default sets it
+    dq_first_store: bool = False  # each dQ tile's first arrival stores, the rest reduce: no zeroing (dq_writer.py)
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
@@ -167,6 +168,7 @@ class BackwardOptions:
             ds_buffers=ds_buffers,
             dq_buffers=dq_buffers,
             dq_writers=dq_buffers if deterministic else 1,
+            dq_first_store=dq_frag and not deterministic,
         )
 
     @classmethod
@@ -192,7 +194,7 @@ class BackwardOptions:
         return cls(stats_shuffle=False, dq_frag=True, q_shift=False, key_select=False,
                    column_limit=not banded, mask_offsets=False, kv_with_first=False, ds_buffers=1,
                    dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages,
-                   dq_atomic=dq_atomic, kv_swap=kv_swap)
+                   dq_atomic=dq_atomic, kv_swap=kv_swap, dq_first_store=not dq_atomic and not deterministic)
 
     def check(self, varlen: bool, wide: bool = False, deterministic: bool = False, banded: bool = False,
               tile_m: int = 0, head_dim: int = 0, head_dim_v: int = 0):
@@ -232,6 +234,9 @@ class BackwardOptions:
             raise ValueError(f"persistent: the epilogue stages a dK / dV tile in the dS^T buffers, which hold "
                              f"{self.ds_buffers} x {tile_m} of the {max(head_dim, head_dim_v)} columns it needs "
                              "(ds_buffers)")
+        if self.dq_first_store and (deterministic or self.dq_atomic or not self.dq_frag):
+            raise ValueError("dq_first_store: the dQ writer warp's fragment-order adds outside deterministic mode "
+                             "(deterministic adds keep their fixed order into a zeroed accumulator)")
         if self.stages not in (1, 2):
             raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
         if self.q_shift and (varlen or not self.dq_frag):

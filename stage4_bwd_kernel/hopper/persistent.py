@@ -63,7 +63,6 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from stage3_fwd_kernel.components.tile_walk import next_from_counter
 from stage3_fwd_kernel.intdiv import fast_div
 from stage4_bwd_kernel import common
-from stage4_bwd_kernel.hopper.dq_writer import bulk_reduce_add_f32
 from stage4_bwd_kernel.hopper.options import NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
 
 RECORD_WORDS = 5      # a walk's record for the writer: (dQaccum batch, first head, first row, tiles a head, tiles)
@@ -176,7 +175,7 @@ class PersistentRoles:
 
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
-    def write_dq_stream(self, storage, mdQacc: cute.Tensor, sdQ_layout: cute.ComposedLayout):
+    def write_dq_stream(self, storage, mdQacc: cute.Tensor, mDqArrivals: cute.Tensor, sdQ_layout: cute.ComposedLayout):
         """Every dQ tile the consumers hand off, walk by walk as their records say, until a record of -1
         tiles."""
         g = Int32(0)
@@ -186,7 +185,7 @@ class PersistentRoles:
             m = Int32(0)
             for t in cutlass.range(n_tiles, unroll=1):
                 self.dq_full(g % self.dq_buffers, wait=True)
-                self.reduce_dq_tile(storage, mdQacc, sdQ_layout, g % self.dq_buffers, bidx, head, row)
+                self.reduce_dq_tile(storage, mdQacc, mDqArrivals, sdQ_layout, g % self.dq_buffers, bidx, head, row)
                 m += 1
                 row += self.tile_m
                 if m == n_m:  # the next query head of the group
@@ -200,16 +199,21 @@ class PersistentRoles:
         cute.arch.sync_warp()
 
     @cute.jit
-    def reduce_dq_tile(self, storage, mdQacc: cute.Tensor, sdQ_layout: cute.ComposedLayout, buf: Int32,
-                       bidx: Int32, head: Int32, row: Int32):
+    def reduce_dq_tile(self, storage, mdQacc: cute.Tensor, mDqArrivals: cute.Tensor,
+                       sdQ_layout: cute.ComposedLayout, buf: Int32, bidx: Int32, head: Int32, row: Int32):
         """One dQ tile of buffer buf into dQaccum rows [row, row + tile_m) of (bidx, head), a bulk reduce
-        per warpgroup share; each share's "dQ empty" once the TMA has read it."""
+        (or, claimed first, a store: dq_writer.py) per warpgroup share; each share's "dQ empty" once the
+        TMA has read it."""
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (share elems, shares)
         share_elems = self.dq_frag_share_elems()
+        lane = cute.arch.lane_idx()
+        first = False
+        if const_expr(self.dq_first_store):
+            first = self.claim_dq_tile(common.elem_pointer(mDqArrivals, (bidx, head, row // self.tile_m)), lane)
         for w in cutlass.range(NUM_WG_MMA, unroll=1):
-            if cute.arch.lane_idx() == 0:
-                bulk_reduce_add_f32(common.elem_pointer(mdQacc, (bidx, head, row, 0)) + w * share_elems,
-                                    common.elem_pointer(sdQ, (0, buf * NUM_WG_MMA + w)), share_elems * 4)
+            if lane == 0:
+                self.add_dq_share(common.elem_pointer(mdQacc, (bidx, head, row, 0)) + w * share_elems,
+                                  common.elem_pointer(sdQ, (0, buf * NUM_WG_MMA + w)), first)
             cute.arch.cp_async_bulk_commit_group()
         # share 0 may be refilled once it has been read, whatever share 1 is doing
         cute.arch.cp_async_bulk_wait_group(1, read=True)
@@ -219,6 +223,9 @@ class PersistentRoles:
         cute.arch.sync_warp()
         for w in cutlass.range_constexpr(1, NUM_WG_MMA):
             self.dq_empty(buf, w, wait=False)
+        if const_expr(self.dq_first_store):
+            if first:
+                self.publish_dq_tile(common.elem_pointer(mDqArrivals, (bidx, head, row // self.tile_m)), lane)
 
     def init_record_barriers(self, storage):
         """(thread 0, before the pipelines' init fence) each record slot's "full" and "empty" mbarrier, and

@@ -1,0 +1,248 @@
+"""First stores into the dQ accumulator (``options.dq_first_store``, stage4_bwd_kernel/hopper/dq_writer.py):
+the first K/V tile to reach a dQ tile stores it, the others reduce into it once that store has landed,
+and nobody zeroes the accumulator; the postprocess writes zeros where no K/V tile arrived.
+
+cpu tier: which configurations use it (every fragment-order build with a dQ writer, outside
+deterministic mode), the combinations it is refused in, naming it, and the host's counter buffer.
+
+compile tier (sm_90a, fake tensors): the builds store (UBLKCP) and count arrivals (ATOMG) next to their
+reduces, without spills; the build with the option off has neither.
+
+gpu tier (H100/H200): with the allocator's free memory filled with NaN before each call (the accumulator
+is never zeroed, so stale bytes would show), dq, dk and dv pass FA4's rule against fp32 autograd; query
+rows that no key reaches (causal with more queries than keys, windows, varlen sequences without keys)
+get dq = 0 exactly; and repeated non-causal calls, where every K/V tile's CTA reaches the same dQ tile at
+about the same time, stay within the rule every time.
+"""
+from __future__ import annotations
+
+import pytest
+import test_hopper_variants as tv  # the variants' reference grads and rule (tests/ is on the path)
+import test_stage4_hopper as s4  # the ladder's test helpers
+
+pytestmark = pytest.mark.stage4
+
+
+def _mod():
+    return s4._step("hopper.backward")
+
+
+# ======================================================================================== cpu tier
+@pytest.mark.cpu
+def test_first_stores_are_the_default_of_every_writer_build_outside_deterministic_mode():
+    from stage4_bwd_kernel.hopper.options import BackwardOptions
+
+    _mod()
+    for d, dv in ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256)):
+        for causal in (False, True):
+            for det in (False, True):
+                for varlen in (False, True):
+                    o = BackwardOptions.for_config(d, dv, causal, det, varlen)
+                    assert o.dq_first_store == (o.dq_frag and not o.dq_atomic and not det), (d, dv, causal, det)
+    assert BackwardOptions.for_config(128, 128, True, False, False).dq_first_store
+    assert not BackwardOptions.for_config(256, 256, False, False, False).dq_first_store  # dQ from registers
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("d,dv,causal,det,override", [
+    (128, 128, False, True, {}), (256, 256, False, False, {}), (128, 128, False, False, {"dq_frag": False})],
+    ids=["deterministic", "dq-from-registers", "row-order-dq"])
+def test_first_stores_are_refused_where_the_adds_are_not_the_writers(d, dv, causal, det, override):
+    with pytest.raises(ValueError, match="dq_first_store"):
+        _mod().make_kernel(None, d, dv, causal, det, dq_first_store=True, **override)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("batch,heads,tiles", [(2, 3, 5), (1, 1, 1), (1, 4, 0)])
+def test_the_counters_and_the_buffer_the_preprocess_zeroes_share_memory(batch, heads, tiles):
+    import torch
+    from stage4_bwd_kernel import host
+
+    counters, flat = host.dq_arrivals(batch, heads, tiles, "cpu")
+    assert counters.shape == (batch, heads, tiles) and counters.dtype == torch.int32
+    assert flat.dtype == torch.float32 and flat.numel() % 4 == 0 and flat.numel() >= max(counters.numel(), 1)
+    flat.fill_(0.0)
+    assert counters.eq(0).all()  # 0.0 and int 0 are the same bits
+    flat.view(torch.int32)[:counters.numel()] = 7
+    assert counters.eq(7).all()
+
+
+@pytest.mark.cpu
+def test_a_first_store_postprocess_needs_the_counters():
+    import torch
+    from stage4_bwd_kernel import postprocess_frag
+
+    kernel = _mod().make_kernel(None, 128, 128, True, False)
+    assert kernel.dq_first_store
+    dq = torch.empty(1, 64, 2, 128, device="meta")
+    with pytest.raises(ValueError, match="arrivals"):
+        postprocess_frag.postprocess(kernel, None, dq, 1.0)
+
+
+# ==================================================================================== compile tier
+COMPILE_CASES = [dict(head_dim=128, causal=True), dict(head_dim=64, causal=False),
+                 dict(head_dim=192, head_dim_v=128, causal=True), dict(head_dim=96, causal=False, varlen=True),
+                 dict(head_dim=128, causal=True, persistent=True)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_first_store_builds_store_and_count(case):
+    comp = _mod().compile_only(**case)
+    r = comp.report
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and not r["wgmma_serialized"], r
+    assert "UBLKCP" in comp.sass and "UBLKRED" in comp.sass  # a tile's first share stored, later ones reduced
+    assert "atom.acquire.gpu.global.add.s32" in comp.ptx
+
+
+@pytest.mark.compile
+def test_without_first_stores_the_writer_only_reduces():
+    comp = _mod().compile_only(head_dim=128, causal=True, dq_first_store=False)
+    assert "UBLKRED" in comp.sass and "UBLKCP" not in comp.sass and "ATOMG" not in comp.sass
+
+
+@pytest.mark.compile
+def test_the_first_store_postprocess_reads_the_counters():
+    from stage4_bwd_kernel import postprocess_frag
+
+    from stage4_bwd_kernel import common
+
+    bf16 = common.cutlass_dtype("bf16")
+    kernel = _mod().make_kernel(bf16, 128, 128, True, False)
+    off = _mod().make_kernel(bf16, 128, 128, True, False, dq_first_store=False)
+    with_counters = postprocess_frag.compile_only(kernel)
+    without = postprocess_frag.compile_only(off)
+    assert with_counters.report["spill_stores"] == 0
+    # one more global load (the tile's counter) ahead of the accumulator's
+    assert with_counters.sass.count("LDG") > without.sass.count("LDG")
+
+
+# ======================================================================================== gpu tier
+def _nan_filled_allocator(nbytes: int = 256 << 20):
+    """Leave a NaN-filled block of `nbytes` free in the caching allocator: the next torch.empty calls (the
+    accumulator among them, all far smaller) are carved from it, so a tile that nobody stored into would
+    bring NaN into dq. The same block is reused call after call, so the process's memory does not grow."""
+    import torch
+
+    junk = torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device="cuda")
+    del junk
+
+
+def _reference(q, k, v, do, causal, window):
+    from stage0_reference.torch_reference import attention_ref
+
+    variant = dict(causal=causal, window_size=window, softcap=0.0)
+    out, lse = attention_ref(q, k, v, upcast=True, **variant)
+    return (out.to(q.dtype), lse), *tv._variant_grads(q, k, v, do, variant)
+
+
+# (b, sq, sk, hq, hkv, d, dv, causal, window): rows no key reaches, GQA, the persistent build's range
+CASES = [
+    (2, 600, 50, 4, 2, 128, 128, True, (None, None)),    # rows < 550 see no key; persistent build
+    (2, 3000, 200, 4, 1, 128, 128, True, (None, None)),  # the one-CTA-per-tile build
+    (2, 700, 90, 6, 3, 64, 64, True, (None, None)),
+    (1, 900, 333, 2, 2, 96, 96, True, (None, None)),
+    (2, 1023, 1024, 4, 2, 192, 128, True, (None, None)),
+    (2, 2500, 1000, 2, 2, 128, 64, False, (10, 5)),      # rows < 1495 see no key
+    (2, 1500, 1500, 4, 4, 64, 64, False, (64, 64)),
+]
+
+
+def _case_id(c):
+    b, sq, sk, hq, hkv, d, dv, causal, window = c
+    return f"b{b}-{sq}x{sk}-h{hq}/{hkv}-d{d}x{dv}-{'causal' if causal else 'full'}-w{window[0]},{window[1]}"
+
+
+def _sees_no_key(sq, sk, causal, window):
+    """(sq,) bool: query rows whose window (bottom-right aligned, as the kernels') holds no key."""
+    import torch
+
+    i = torch.arange(sq, device="cuda") + (sk - sq)  # the diagonal's key for each row
+    left, right = window
+    right = 0 if causal else right
+    lo = torch.zeros_like(i) if left is None else (i - left).clamp(min=0)
+    hi = torch.full_like(i, sk - 1) if right is None else (i + right).clamp(max=sk - 1)
+    return hi < lo
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_first_stores_on_stale_memory(case):
+    import torch
+    from stage4_bwd_kernel import host
+
+    b, sq, sk, hq, hkv, d, dv, causal, window = case
+    q, k, v, do = s4._inputs(b, sq, sk, hq, hkv, d, dv, seed=sq + 3 * sk)
+    (out, lse), ref, base = _reference(q, k, v, do, causal, window)
+    dq, dk, dv_ = s4._poisoned(q, k, v)
+    _nan_filled_allocator()
+    mod = _mod()
+    step, make = mod._build_for(q, k, v, False, None)
+    host.backward(step, make, q, k, v, out, do, lse, causal=causal, dq=dq, dk=dk, dv=dv_,
+                  variant=host.variant_of(causal, window, 0.0))
+    torch.cuda.synchronize()
+    tv._check_grads(_case_id(case), (dq, dk, dv_), ref, base, 0.0)
+    empty = _sees_no_key(sq, sk, causal, window)
+    assert empty.any() or sq <= sk, "the case should have rows that see no key"
+    assert dq[:, empty].eq(0).all(), "rows that no key reaches must get dq = 0"
+
+
+@pytest.mark.gpu
+def test_varlen_sequences_without_keys_get_zero_dq():
+    import torch
+    from stage4_bwd_kernel import host
+
+    torch.manual_seed(3)
+    lens_q, lens_k = [300, 0, 257, 129, 64], [0, 40, 400, 129, 1]
+    hq, hkv, d = 4, 2, 128
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tk, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tk, hkv, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(tq, hq, d, device="cuda", dtype=torch.bfloat16)
+    from stage0_reference.torch_reference import attention_ref
+
+    outs, lses = [], []
+    for b in range(len(lens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lens_k[b] == 0:  # no keys: out = 0, lse = -inf (the forward's convention)
+            outs.append(torch.zeros(lens_q[b], hq, d, device="cuda", dtype=q.dtype))
+            lses.append(torch.full((hq, lens_q[b]), float("-inf"), device="cuda"))
+            continue
+        o, l = attention_ref(q[None, qs], k[None, ks], v[None, ks], causal=True, upcast=True)
+        outs.append(o[0].to(q.dtype))
+        lses.append(l[0])
+    out, lse = torch.cat(outs), torch.cat(lses, dim=-1)
+    _nan_filled_allocator()  # the outputs come from the allocator too
+    dq, dk, dv = _mod().attention_varlen_backward(q, k, v, out, do, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                   causal=True)
+    torch.cuda.synchronize()
+    ref, base = host.reference_varlen_grads(q, k, v, do, cu_q, cu_k, causal=True)
+    from stage0_reference.torch_reference import assert_fa4_close, grad_atol
+
+    for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
+        assert not torch.isnan(a).any(), name
+        assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
+    assert dq[:lens_q[0]].eq(0).all()  # sequence 0 has no keys
+    # sequence 2's first 257 - 400 < 0 rows: all see keys; sequence 4 (64 queries, 1 key): rows < 63 see none
+    start4 = sum(lens_q[:4])
+    assert dq[start4:start4 + 63].eq(0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_concurrent_arrivals_stay_within_the_rule(d):
+    """Non-causal: every K/V tile's CTA walks the Q tiles in the same order, so they reach each dQ tile
+    together and most of them wait for its first store. Ten calls on stale memory, each within the rule."""
+    import torch
+
+    q, k, v, do = s4._inputs(1, 4224, 4224, 2, 1, d, d, seed=11 + d)
+    (out, lse), ref, base = _reference(q, k, v, do, False, (None, None))
+    for i in range(10):
+        dq, dk, dv = s4._poisoned(q, k, v)
+        _nan_filled_allocator()
+        _mod().attention_backward(q, k, v, out, do, lse, dq=dq, dk=dk, dv=dv)
+        torch.cuda.synchronize()
+        tv._check_grads(f"call {i}", (dq, dk, dv), ref, base, 0.0)
