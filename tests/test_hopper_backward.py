@@ -292,7 +292,10 @@ def test_mask_offsets_shortens_the_masked_bodies(d, hgmma):
         if name != "column_limit" or d != 64:  # column_limit spills at d = 64 (why it is off there)
             assert comp.report["spill_stores"] == 0 and comp.report["wgmma_serialized"] == [], name
         bodies[name] = _tile_bodies(comp.sass, hgmma)
-    assert len(bodies["mask_offsets"][0]) == len(bodies["old"][0])
+    # the unmasked loop keeps its length (its vector instructions: ptxas moves uniform-datapath moves
+    # between builds whatever the masked bodies do)
+    vector = {k: [op for op in b[0] if not op.startswith("U")] for k, b in bodies.items()}
+    assert len(vector["mask_offsets"]) == len(vector["old"])
     for i in (1, 2):
         assert len(bodies["mask_offsets"][i]) < min(len(bodies["old"][i]), len(bodies["column_limit"][i]))
 
@@ -449,10 +452,14 @@ def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert not re.search(r"bar\.sync\s+%r\d+, 128;", ptx)
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", ptx)) >= 2
 
-    # deterministic: the semaphore protocol (in the writer warp), nothing of it otherwise
+    # deterministic: the semaphore protocol (in the writer warp); otherwise first stores (dq_first_store):
+    # the same acquire spin and release on the tiles' arrival counters, counted in by an acquire atomic
+    first_store = mod.make_kernel(None, d, dv, causal, det, varlen=varlen, has_seqused_k=seqused).dq_first_store
+    assert first_store == (not det)
     has_sem = ("ld.global.acquire.gpu.b32" in ptx, "fence.acq_rel.gpu" in ptx,
                "red.relaxed.gpu.global.add.s32" in ptx)
-    assert has_sem == (det, det, det)
+    assert has_sem == (True, True, True)
+    assert ("atom.acquire.gpu.global.add.s32" in ptx) == first_store
     if det:
         assert re.search(r"\bREDG?\.E\.ADD\.S32\.STRONG\.GPU\b", sass), "no semaphore increment in SASS"
         assert s4._has_spin_loop(sass), "no spin loop around the acquire load"
