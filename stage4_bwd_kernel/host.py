@@ -10,10 +10,14 @@ object``; everything else is shared:
     dq               = postprocess(dQaccum)              softmax_scale * dQaccum -> q.dtype
 
 A kernel with ``dq_frag`` keeps dQaccum in its fragment order: the preprocess zeroes it as one flat buffer and
-``postprocess_frag`` (which reads the layout from the kernel object) writes dq. This module imports no
-kernel module: the kernel's own entry points pass ``make_kernel`` in.
+``postprocess_frag`` (which reads the layout from the kernel object) writes dq. With first stores
+(``dq_first_store``, hopper/dq_writer.py) the preprocess zeroes the tiles' int32 arrival counters instead
+(``dq_arrivals``), the main kernel's first arrival at a tile stores it, and ``postprocess_frag`` writes
+zeros for a tile nobody reached. This module imports no kernel module: the kernel's own entry points
+pass ``make_kernel`` in.
 
-Scratch per call: dQaccum (4 bytes x q's elements) + 2 fp32 (B, Hq, Sq) + the semaphores.
+Scratch per call: dQaccum (4 bytes x q's elements, fragment order: whole tiles) + 2 fp32 (B, Hq, Sq) + the
+semaphores or the arrival counters (one int32 per dQ tile and head).
 """
 from __future__ import annotations
 
@@ -47,12 +51,12 @@ def compile_key(step, dtype, d, dv, causal, deterministic, varlen, has_seqused_k
             getattr(dq_order, "name", repr(dq_order)), tiles) + trace.key()  # a traced build: never shared
 
 
-def fake_main_args(dt, d, dv, *, launchable: bool = False, arrivals: bool = False):
+def fake_main_args(dt, d, dv, *, launchable: bool = False, with_arrivals: bool = False):
     """Arguments a compile traces a main kernel with (same order as ``main_args``, plus the
     stream); launchable=True for a kernel ``main_args`` runs (TVM-FFI, see common.launch_stream);
-    arrivals=True for a kernel that takes the dQ tiles' arrival counters (``takes_dq_arrivals``)."""
+    with_arrivals=True for a kernel that takes the dQ tiles' arrival counters (``takes_dq_arrivals``)."""
     F = common.fake_tensor
-    counters = (F(Int32, 3, align=4),) if arrivals else ()
+    counters = (F(Int32, 3, align=4),) if with_arrivals else ()
     return (F(dt, 4, d), F(dt, 4, d), F(dt, 4, dv), F(dt, 4, dv),
             F(Float32, 3), F(Float32, 3), F(Float32, 4, d), F(dt, 4, d), F(dt, 4, dv),
             F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 1, align=4), F(Int32, 3, align=4), *counters,
@@ -95,12 +99,13 @@ def compile_main(step: str, make_kernel: Callable, dt, d, dv, causal, determinis
     if variant is not None:
         key += ("variant",) + tuple(variant[0]) + (variant[1],)
     return kernel, common.compile_cached(key, lambda: (kernel, fake_main_args(dt, d, dv, launchable=launchable,
-                                                                               arrivals=takes_dq_arrivals(kernel))))
+                                                                               with_arrivals=takes_dq_arrivals(kernel))))
 
 
 def uses_dq_frag(kernel) -> bool:
-    """A fragment-order dQ accumulator (``dq_frag``): zeroed by the preprocess as one flat buffer, and
-    turned into dq by ``postprocess_frag`` instead of ``postprocess``."""
+    """A fragment-order dQ accumulator (``dq_frag``): zeroed by the preprocess as one flat buffer (with
+    first stores, its arrival counters instead), and turned into dq by ``postprocess_frag`` instead of
+    ``postprocess``."""
     return getattr(kernel, "dq_frag", False)
 
 

@@ -45,7 +45,8 @@ def _bwd_main(d):
                                 dq_order=common.default_dq_order(True, True), tiles=None)
     arrivals = host.takes_dq_arrivals(make())
     return _launchable_and_plain(
-        ("bwd", d), make, lambda launchable: host.fake_main_args(dt, d, d, launchable=launchable, arrivals=arrivals))
+        ("bwd", d), make, lambda launchable: host.fake_main_args(dt, d, d, launchable=launchable,
+                                                                       with_arrivals=arrivals))
 
 
 def _bwd_pre(d):
@@ -147,7 +148,7 @@ def test_backward_launch_arguments_match_the_compiled_signature(varlen):
         real = host.main_args(q, k, k.clone(), q.clone(), lse, lse.clone(), acc, k.clone(), k.clone(), varlen=varlen,
                               cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, semaphores=sem, num_n_blocks=2,
                               softmax_scale=0.1, arrivals=arrivals)
-        _same_kinds(real, host.fake_main_args(dt, D, D, launchable=True, arrivals=arrivals is not None))
+        _same_kinds(real, host.fake_main_args(dt, D, D, launchable=True, with_arrivals=arrivals is not None))
     up = (lambda t: t.unsqueeze(0)) if varlen else (lambda t: t)
     _same_kinds(preprocess.preprocess_args(up(q), up(q), up(lse), up(lse), up(lse), up(acc), cu_q, 2),
                 preprocess._fake_args(dt, D, D, launchable=True))

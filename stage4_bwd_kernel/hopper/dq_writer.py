@@ -79,7 +79,7 @@ class DqWriter:
 
     @cute.jit
     def write_dq(self, walk, storage, mdQacc: cute.Tensor, tma_dQ: cute.Tensor, tma_atom_dQ: cute.CopyAtom,
-                 mSemaphore: cute.Tensor, mArrivals: cute.Tensor, sdQ_layout: cute.ComposedLayout, writer: Int32):
+                 mSemaphore: cute.Tensor, mDqArrivals: cute.Tensor, sdQ_layout: cute.ComposedLayout, writer: Int32):
         """Every dQ tile of the walk whose buffer belongs to writer warp `writer` -> dQaccum: (acquire,)
         wait for the tile, (claim it,) reduce or store its shares, free the buffer share by share
         (release, or publish a first store)."""
@@ -88,7 +88,6 @@ class DqWriter:
         share = self._dq_share()
         n_m = walk.m_block_max - walk.m_block_min
         n_tiles = walk.qhead_per_kvhead * n_m
-        share_elems = self.dq_frag_share_elems()
         for head_in_group in cutlass.range(walk.qhead_per_kvhead, unroll=1):
             head = walk.head_kv * walk.qhead_per_kvhead + head_in_group
             tDsD, tDgD = None, None
@@ -109,7 +108,7 @@ class DqWriter:
                     self.dq_full(buf, wait=True)
                     first = False
                     if const_expr(self.dq_first_store):
-                        first = self.claim_dq_tile(self.dq_arrival(mArrivals, walk, head, m_block), lane)
+                        first = self.claim_dq_tile(self.dq_arrival_counter(mDqArrivals, walk, head, m_block), lane)
                     # a loop, not unrolled: each TMA tensor copy expands to one elected issue per swizzle
                     # span, and two copies' worth of them spilled the writer's 24 registers
                     for w in cutlass.range(NUM_WG_MMA, unroll=1):
@@ -142,7 +141,7 @@ class DqWriter:
                         self.release_dq_tile(mSemaphore, walk, head, m_block, lane)
                     if const_expr(self.dq_first_store):
                         if first:
-                            self.publish_dq_tile(self.dq_arrival(mArrivals, walk, head, m_block), lane)
+                            self.publish_dq_tile(self.dq_arrival_counter(mDqArrivals, walk, head, m_block), lane)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
 
@@ -159,9 +158,9 @@ class DqWriter:
         else:
             bulk_reduce_add_f32(gmem_ptr, smem_ptr, num_bytes)
 
-    def dq_arrival(self, mArrivals: cute.Tensor, walk, head, m_block) -> cute.Pointer:
+    def dq_arrival_counter(self, mDqArrivals: cute.Tensor, walk, head, m_block) -> cute.Pointer:
         """The arrival counter of dQ tile m_block of this walk's sequence and query head (first stores)."""
-        return common.elem_pointer(mArrivals, (walk.bidx, head, self.dq_frag_tile(walk.offset_q, walk.batch, m_block)))
+        return common.elem_pointer(mDqArrivals, (walk.bidx, head, self.dq_frag_tile(walk.offset_q, walk.batch, m_block)))
 
     @cute.jit
     def claim_dq_tile(self, arrival: cute.Pointer, lane: Int32):

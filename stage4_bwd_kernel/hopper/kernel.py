@@ -118,7 +118,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                  softmax_scale: Float32, stream):
         # mQ, mK, mdK (B, S, H, d); mV, mdO, mdV (B, S, H, dv); mLSE2, mD (B, Hq, rows) fp32; mdQacc
         # (B, Hq, rows, d) fp32 in fragment order, else like mQ; varlen: B = 1, rows from cu_seqlens;
-        # mDqArrivals (B, Hq, rows / tile_m) int32, zeroed: dq_first_store's counter per dQaccum tile
+        # mDqArrivals (B, Hq, rows / tile_m) int32, zeroed: dq_first_store's counter per dQaccum tile (other
+        # builds get a stand-in they do not read)
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
                            == mdK.element_type == mdV.element_type == self.dtype)):
             raise TypeError("q, k, v, dout, dk, dv must share the kernel's dtype")
