@@ -455,10 +455,10 @@ def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     # deterministic: the semaphore protocol (in the writer warp); otherwise first stores (dq_first_store):
     # the same acquire spin and release on the tiles' arrival counters, counted in by an acquire atomic
     first_store = mod.make_kernel(None, d, dv, causal, det, varlen=varlen, has_seqused_k=seqused).dq_first_store
-    assert first_store == (not det)
+    assert first_store == (not det and causal and d != 96)
     has_sem = ("ld.global.acquire.gpu.b32" in ptx, "fence.acq_rel.gpu" in ptx,
                "red.relaxed.gpu.global.add.s32" in ptx)
-    assert has_sem == (True, True, True)
+    assert has_sem == (det or first_store,) * 3
     assert ("atom.acquire.gpu.global.add.s32" in ptx) == first_store
     if det:
         assert re.search(r"\bREDG?\.E\.ADD\.S32\.STRONG\.GPU\b", sass), "no semaphore increment in SASS"

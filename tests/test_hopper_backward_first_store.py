@@ -2,8 +2,8 @@
 the first K/V tile to reach a dQ tile stores it, the others reduce into it once that store has landed,
 and nobody zeroes the accumulator; the postprocess writes zeros where no K/V tile arrived.
 
-cpu tier: which configurations use it (every fragment-order build with a dQ writer, outside
-deterministic mode), the combinations it is refused in, naming it, and the host's counter buffer.
+cpu tier: which configurations use it (causal or banded walks with a dQ writer outside deterministic
+mode, but d = 96), the combinations it is refused in, naming it, and the host's counter buffer.
 
 compile tier (sm_90a, fake tensors): the builds store (UBLKCP) and count arrivals (ATOMG) next to their
 reduces, without spills; the build with the option off has neither.
@@ -11,8 +11,8 @@ reduces, without spills; the build with the option off has neither.
 gpu tier (H100/H200): with the allocator's free memory filled with NaN before each call (the accumulator
 is never zeroed, so stale bytes would show), dq, dk and dv pass FA4's rule against fp32 autograd; query
 rows that no key reaches (causal with more queries than keys, windows, varlen sequences without keys)
-get dq = 0 exactly; and repeated non-causal calls, where every K/V tile's CTA reaches the same dQ tile at
-about the same time, stay within the rule every time.
+get dq = 0 exactly; and repeated non-causal calls with first stores forced on, where every K/V tile's CTA
+reaches the same dQ tile at about the same time, stay within the rule every time.
 """
 from __future__ import annotations
 
@@ -29,18 +29,20 @@ def _mod():
 
 # ======================================================================================== cpu tier
 @pytest.mark.cpu
-def test_first_stores_are_the_default_of_every_writer_build_outside_deterministic_mode():
+@pytest.mark.parametrize("d,dv,causal,banded,expected", [
+    (128, 128, True, False, True), (64, 64, True, False, True), (128, 64, True, False, True),
+    (192, 128, True, False, True), (64, 64, False, True, True), (128, 128, False, True, True),
+    (128, 128, False, False, False), (64, 64, False, False, False), (192, 128, False, False, False),
+    (96, 96, True, False, False), (96, 96, False, True, False), (256, 256, True, False, False)])
+def test_first_stores_are_the_default_where_they_measured_faster(d, dv, causal, banded, expected):
+    """Causal or banded walks outside deterministic mode, but d = 96 and 256 (dQ from registers); a plain
+    non-causal walk keeps the zeroed accumulator (its K/V tiles reach each dQ tile together)."""
     from stage4_bwd_kernel.hopper.options import BackwardOptions
 
     _mod()
-    for d, dv in ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256)):
-        for causal in (False, True):
-            for det in (False, True):
-                for varlen in (False, True):
-                    o = BackwardOptions.for_config(d, dv, causal, det, varlen)
-                    assert o.dq_first_store == (o.dq_frag and not o.dq_atomic and not det), (d, dv, causal, det)
-    assert BackwardOptions.for_config(128, 128, True, False, False).dq_first_store
-    assert not BackwardOptions.for_config(256, 256, False, False, False).dq_first_store  # dQ from registers
+    for varlen in (False, True):
+        assert BackwardOptions.for_config(d, dv, causal, False, varlen, banded).dq_first_store is expected
+        assert not BackwardOptions.for_config(d, dv, causal, True, varlen, banded).dq_first_store
 
 
 @pytest.mark.cpu
@@ -80,8 +82,9 @@ def test_a_first_store_postprocess_needs_the_counters():
 
 
 # ==================================================================================== compile tier
-COMPILE_CASES = [dict(head_dim=128, causal=True), dict(head_dim=64, causal=False),
-                 dict(head_dim=192, head_dim_v=128, causal=True), dict(head_dim=96, causal=False, varlen=True),
+COMPILE_CASES = [dict(head_dim=128, causal=True), dict(head_dim=64, causal=False, dq_first_store=True),
+                 dict(head_dim=192, head_dim_v=128, causal=True),
+                 dict(head_dim=96, causal=False, varlen=True, dq_first_store=True),
                  dict(head_dim=128, causal=True, persistent=True)]
 
 
@@ -240,15 +243,17 @@ def test_varlen_sequences_without_keys_get_zero_dq(lens_q, lens_k, hq, hkv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_concurrent_arrivals_stay_within_the_rule(d):
-    """Non-causal: every K/V tile's CTA walks the Q tiles in the same order, so they reach each dQ tile
-    together and most of them wait for its first store. Ten calls on stale memory, each within the rule."""
+    """Non-causal with first stores forced on (the default keeps the zeroing there): every K/V tile's CTA
+    walks the Q tiles in the same order, so they reach each dQ tile together and most of them wait for its
+    first store. Ten calls on stale memory, each within the rule."""
     import torch
+    from stage4_bwd_kernel import host
 
     q, k, v, do = s4._inputs(1, 4224, 4224, 2, 1, d, d, seed=11 + d)
     (out, lse), ref, base = _reference(q, k, v, do, False, (None, None))
     for i in range(10):
         dq, dk, dv = s4._poisoned(q, k, v)
         _nan_filled_allocator()
-        _mod().attention_backward(q, k, v, out, do, lse, dq=dq, dk=dk, dv=dv)
+        host.backward(*_mod().with_options(dq_first_store=True), q, k, v, out, do, lse, dq=dq, dk=dk, dv=dv)
         torch.cuda.synchronize()
         tv._check_grads(f"call {i}", (dq, dk, dv), ref, base, 0.0)

@@ -140,7 +140,7 @@ class BackwardOptions:
         beyond causal's (``is_banded``), so the walk has masked tiles at both ends."""
         tm, tn = default_tiles(head_dim, head_dim_v)
         if is_wide(head_dim, head_dim_v):
-            return cls.for_wide(head_dim, head_dim_v, deterministic, banded)
+            return cls.for_wide(head_dim, head_dim_v, deterministic, banded, causal=causal)
         # dS^T double-buffered below the 128-query tile where it fits beside one dQ buffer; the
         # 128 x 128 tile measured a tie and keeps one (two fill the 227 KB exactly)
         ds_buffers = 1
@@ -168,12 +168,12 @@ class BackwardOptions:
             ds_buffers=ds_buffers,
             dq_buffers=dq_buffers,
             dq_writers=dq_buffers if deterministic else 1,
-            dq_first_store=dq_frag and not deterministic,
+            dq_first_store=dq_frag and not deterministic and first_stores_pay(head_dim, causal, banded),
         )
 
     @classmethod
     def for_wide(cls, head_dim: int, head_dim_v: int, deterministic: bool, banded: bool = False,
-                 kv_swap: bool = True) -> "BackwardOptions":
+                 kv_swap: bool = True, causal: bool = False) -> "BackwardOptions":
         """The wide design (wide.py): no register-sourced dV / dK, statistics from SMEM (the query
         split moves the columns the shuffle assumes), one dS^T and one P^T buffer, two Q / dO stages;
         a dQ buffer (two where they fit) for the writer warp, or at 256, where no buffer fits beside the
@@ -194,7 +194,8 @@ class BackwardOptions:
         return cls(stats_shuffle=False, dq_frag=True, q_shift=False, key_select=False,
                    column_limit=not banded, mask_offsets=False, kv_with_first=False, ds_buffers=1,
                    dq_buffers=dq_buffers, dq_writers=dq_buffers if deterministic else 1, stages=stages,
-                   dq_atomic=dq_atomic, kv_swap=kv_swap, dq_first_store=not dq_atomic and not deterministic)
+                   dq_atomic=dq_atomic, kv_swap=kv_swap,
+                   dq_first_store=not dq_atomic and not deterministic and first_stores_pay(head_dim, causal, banded))
 
     def check(self, varlen: bool, wide: bool = False, deterministic: bool = False, banded: bool = False,
               tile_m: int = 0, head_dim: int = 0, head_dim_v: int = 0):
@@ -242,6 +243,15 @@ class BackwardOptions:
         if self.q_shift and (varlen or not self.dq_frag):
             raise ValueError("q_shift: needs a dense (not varlen) kernel with dq_frag (the padding rows are "
                              "loaded past the tensor's start, as zeros)")
+
+
+def first_stores_pay(head_dim: int, causal: bool, banded: bool) -> bool:
+    """Where first stores into dQ (dq_writer.py) measured at or above the zeroed accumulator on an H200
+    (docs/measurements.md, 2026-12-02, "first stores into the dQ accumulator"): causal or banded walks,
+    whose K/V tiles reach a dQ tile at different times. In a plain non-causal walk every CTA reaches each
+    dQ tile together and all but the first wait for its store: -15% / -17% at 2k for d = 96 / (192, 128)
+    (64-query tiles). d = 96 causal tied or lost (-1.5% at 8k), so it keeps the zeroing too."""
+    return (causal or banded) and head_dim != 96
 
 
 def dq_empty_barrier(dq_buffers: int) -> int:
