@@ -642,8 +642,11 @@ for prev, name in zip([None] + BWD_LADDER, BWD_LADDER):
 # carries the production work the lessons leave out (the sections below read some of it from the
 # SASS). Compiled for `sm_90a` with fake tensors, with and without the deterministic mode: the dQ
 # partial sums leave each tile through reduce-adds of the TMA unit into an fp32 buffer (`UBLKRED`, or
-# `UTMAREDG` for a tensor tile), and only the deterministic kernel has the semaphore: an acquire load to spin on
-# (`LDG.E.STRONG.GPU`), a GPU-wide fence (`MEMBAR.ALL.GPU`) and the release add (`REDG.E.ADD.S32`).
+# `UTMAREDG` for a tensor tile). The deterministic kernel adds in a fixed order on a semaphore per tile: an
+# acquire load to spin on (`LDG.E.STRONG.GPU`), a GPU-wide fence (`MEMBAR.ALL.GPU`) and the release add
+# (`REDG.E.ADD.S32`). The default causal kernel uses the same three for *first stores*: nobody zeroes the
+# buffer; each tile's first arriving K/V tile, counted by an atomic (`ATOMG`), stores its share (`UBLKCP`)
+# and the others wait for that store to land before they reduce (`stage4_bwd_kernel/hopper/dq_writer.py`).
 # On a Hopper GPU the cell also checks the gradients against fp32 autograd with FA4's rule.
 
 # %%
@@ -659,7 +662,8 @@ def sass_counts(sass):
     ops = Counter(m.group(1) for m in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", sass))
     pick = {"dQ bulk reduce (UBLKRED / UTMAREDG)": ("UBLKRED", "UTMAREDG"), "dQ atomics (REDG.F32)": "REDG.E.ADD.F32",
             "semaphore spin (LDG.STRONG.GPU)": "LDG.E.STRONG.GPU", "fence (MEMBAR.ALL.GPU)": "MEMBAR.ALL.GPU",
-            "release (REDG.S32)": "REDG.E.ADD.S32"}
+            "release (REDG.S32)": "REDG.E.ADD.S32", "arrival count (ATOMG)": "ATOMG",
+            "first store (UBLKCP)": "UBLKCP"}
     return {label: sum(n for op, n in ops.items() if op.startswith(prefix)) for label, prefix in pick.items()}
 
 
@@ -672,8 +676,9 @@ for det in (False, True):
           f"{rep['spill_stores']}, SMEM {rep['smem_bytes']} B, HGMMA {rep['HGMMA']}, MUFU.EX2 {rep['MUFU.EX2']}")
     print("      " + ", ".join(f"{k} {v}" for k, v in sass_counts(builds[det].sass).items()))
     assert rep["spill_stores"] == 0
-assert sass_counts(builds[True].sass)["semaphore spin (LDG.STRONG.GPU)"] > 0
-assert sass_counts(builds[False].sass)["semaphore spin (LDG.STRONG.GPU)"] == 0
+counts = {det: sass_counts(builds[det].sass) for det in builds}
+assert counts[True]["semaphore spin (LDG.STRONG.GPU)"] > 0 and counts[True]["first store (UBLKCP)"] == 0
+assert counts[False]["first store (UBLKCP)"] > 0 and counts[False]["arrival count (ATOMG)"] > 0
 
 if runner.hopper_gpu_available():
     import torch
