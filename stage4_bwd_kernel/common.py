@@ -9,8 +9,7 @@ What lives here, and why it is not in the kernel files:
   one 8-byte atomic add, an sm_90 PTX feature), and the semaphore pair ``semaphore_wait`` /
   ``semaphore_signal`` (``ld.acquire.gpu`` spin, ``fence.acq_rel.gpu`` + ``red.gpu.add``) that
   the deterministic mode uses to serialise the dQ reductions; ``semaphore_wait_at_least`` for the
-  2-CTA kernel (two CTAs of a pair add disjoint rows under one rank), ``fetch_add_acquire_gpu`` (the
-  dQ tiles' arrival counters, hopper/dq_writer.py), and ``bulk_copy_to_peer``
+  2-CTA kernel (two CTAs of a pair add disjoint rows under one rank), and ``bulk_copy_to_peer``
   (mapa + ``cp.async.bulk.shared::cluster``), its DSMEM exchange of dS.
 * (re-exported from ``schedule.py``) the dQ reduction **orders**: a small interface
   (``n_block_for_launch``, ``rank``) so that stage 5 can plug in another order (SPT with head
@@ -103,17 +102,6 @@ def release_add_gpu(ptr: cute.Pointer, val: cutlass.Constexpr[int], *, loc=None,
     llvm.inline_asm(None, [addr, Int32(val).ir_value(loc=loc, ip=ip)],
                     "fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [$0], $1;", "l,r",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def fetch_add_acquire_gpu(ptr: cute.Pointer, val: cutlass.Constexpr[int], *, loc=None, ip=None) -> Int32:
-    """old = *ptr; *ptr += val, one GPU-scope ``atom.acquire`` (SASS ATOMG): if `old` shows a value
-    another thread released, this thread's later operations are ordered after what that release covered."""
-    addr = ptr.toint(loc=loc, ip=ip).ir_value()
-    old = llvm.inline_asm(T.i32(), [addr, Int32(val).ir_value(loc=loc, ip=ip)],
-                          "atom.acquire.gpu.global.add.s32 $0, [$1], $2;", "=r,l,r",
-                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return Int32(old)
 
 
 @cute.jit

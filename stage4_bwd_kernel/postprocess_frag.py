@@ -22,6 +22,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.memory.smem import SmemAllocator
 
 from stage4_bwd_kernel import common
+from stage4_bwd_kernel import postprocess as post
 from stage4_bwd_kernel.postprocess import block_rows
 from stage4_bwd_kernel.preprocess import _dummy, _dummy_int32
 
@@ -134,9 +135,9 @@ class BackwardPostprocessFrag:
 # Host side
 # ------------------------------------------------------------------------------------------------
 def _fake_args(dt, head_dim, *, launchable: bool = False):
-    F = common.fake_tensor
-    return (F(Float32, 4, head_dim), F(dt, 4, head_dim), F(Int32, 1, align=4), F(Int32, 3, align=4), Float32(1.0),
-            Int32(1), common.launch_stream() if launchable else common.fake_stream())
+    """postprocess.py's launch arguments with the arrival counters after cu_seqlens_q."""
+    args = post._fake_args(dt, head_dim, launchable=launchable)
+    return args[:3] + (common.fake_tensor(Int32, 3, align=4),) + args[3:]
 
 
 def _compile(launchable: bool, main_kernel, varlen: bool) -> common.Compiled:

@@ -168,7 +168,7 @@ class DqWriter:
         A later arrival waits until the first one's stores have landed (DQ_STORED) before it reduces."""
         seen = Int32(0)
         if lane == 0:
-            seen = common.fetch_add_acquire_gpu(arrival, 1)
+            seen = cute.arch.atomic_add(arrival, Int32(1), sem="acquire", scope="gpu")  # the old count
             if seen != 0 and seen < DQ_STORED:
                 common.semaphore_wait_at_least(arrival, DQ_STORED, lane)
         seen = cute.arch.shuffle_sync(seen, 0)  # the warp follows lane 0's acquire
