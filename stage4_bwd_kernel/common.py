@@ -133,6 +133,35 @@ def semaphore_wait_at_least(sem_ptr: cute.Pointer, value: Int32, tidx: Int32):
             seen = ld_acquire_gpu(sem_ptr)
 
 
+# The production Hopper backward's dQ tile counters (hopper/dq_writer.py, postprocess_frag.py, host.dq_counters):
+# (B, H, tiles) int32 arrival counters, then as many done words, then one exit counter, in one buffer.
+# DQ_COMPLETE is added to a done word by the CTA whose adds completed the tile (early postprocess).
+DQ_COMPLETE = 1 << 30
+
+
+def dq_done_word(mDqArrivals: cute.Tensor, arrival: cute.Pointer) -> cute.Pointer:
+    """The done word of the dQ tile whose arrival counter is at `arrival`."""
+    return arrival + cute.size(mDqArrivals)
+
+
+def dq_exit_counter(mDqArrivals: cute.Tensor) -> cute.Pointer:
+    """The count of main-kernel CTAs that have left, after the done words."""
+    return mDqArrivals.iterator + 2 * cute.size(mDqArrivals)
+
+
+@cute.jit
+def wait_dq_tile_complete(mDqArrivals: cute.Tensor, arrival: cute.Pointer, main_ctas: Int32):
+    """(one thread) Spins until the dQ tile whose arrival counter is at `arrival` is complete, or until all
+    main_ctas CTAs of the main kernel have left (a tile that no K/V tile reaches is never marked). The
+    caller follows with a CTA barrier."""
+    done, gone = dq_done_word(mDqArrivals, arrival), dq_exit_counter(mDqArrivals)
+    seen = ld_acquire_gpu(done)
+    left = ld_acquire_gpu(gone)
+    while (seen < DQ_COMPLETE) & (left < main_ctas):
+        seen = ld_acquire_gpu(done)
+        left = ld_acquire_gpu(gone)
+
+
 @dsl_user_op
 def bulk_copy_to_peer(dst: cute.Pointer, src: cute.Pointer, mbar: cute.Pointer, nbytes: cutlass.Constexpr[int],
                       peer: Int32, *, loc=None, ip=None) -> None:
