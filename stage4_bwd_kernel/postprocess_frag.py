@@ -54,7 +54,8 @@ class BackwardPostprocessFrag:
         self.dtype = main_kernel.dtype
         self.tile_m, self.head_dim = main_kernel.tile_m, main_kernel.head_dim
         self.varlen = varlen
-        self.early = getattr(main_kernel, "early_postprocess", False)
+        # diagnostic: early_postprocess=2 keeps the main kernel's signals but launches this kernel plainly
+        self.early = getattr(main_kernel, "early_postprocess", 0) == 1
         self.num_threads = NUM_THREADS
         store_threads_per_row(self.tile_m, self.head_dim, 128 // self.dtype.width)  # ValueError before any trace
 
@@ -165,7 +166,7 @@ def _compile(launchable: bool, main_kernel, varlen: bool) -> common.Compiled:
     mk = main_kernel
     key = (STEP, "gpu" if launchable else "fake", str(mk.dtype), mk.tile_m, mk.head_dim, mk.dq_split_m,
            mk.dq_swap_ab, varlen, mk.q_shift) + (("first-store",) if mk.dq_first_store else ()) + (
-               ("early",) if getattr(mk, "early_postprocess", False) else ())
+               ("early", int(getattr(mk, "early_postprocess", 0))) if getattr(mk, "early_postprocess", 0) else ())
     return common.compile_cached(key, lambda: (BackwardPostprocessFrag(mk, varlen),
                                                _fake_args(mk.dtype, mk.head_dim, launchable=launchable)))
 

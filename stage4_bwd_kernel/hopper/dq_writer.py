@@ -34,11 +34,11 @@ barriers still see one writer warp.
 
 Early postprocess (``early_postprocess``): the postprocess is launched as a programmatic dependent and
 converts each dQ tile as soon as it is complete, on the SMs the main kernel's last wave leaves idle. Once a
-tile's adds have landed (checked one tile late, so the wait costs nothing), the writer adds 1 to the tile's
-*done* word with an acq_rel atomic; the CTA that brings it to the number of K/V tiles reaching the tile
-(``dq_contributors``, the count deterministic mode's ranks rely on) adds ``common.DQ_COMPLETE``. At its
-end the writer adds 1 to the launch's exit counter, and so does a CTA with no work, so a tile that no K/V
-tile reaches is converted once every CTA has left. The done words and the exit counter follow the arrival
+tile's adds have landed (checked one tile late, so the wait costs nothing), the writer release-adds its
+share to the tile's *done* word: 1, or for the first of the K/V tiles reaching the tile (the range
+deterministic mode's ranks rely on) ``common.DQ_COMPLETE`` minus the others' count, so the word reaches
+DQ_COMPLETE exactly when all have added. At its end the writer adds 1 to the launch's exit counter, and so
+does a CTA with no work, so a tile that no K/V tile reaches is converted once every CTA has left. The done words and the exit counter follow the arrival
 counters in memory (``host.dq_counters``).
 """
 from __future__ import annotations
@@ -133,10 +133,6 @@ class DqWriter:
                         else:
                             cute.copy(tma_atom_dQ, tDsD[None, buf * NUM_WG_MMA + w], tDgD[None, g_m, g_n])
                         cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(self.early_postprocess):
-                        if t > 0:  # all but this tile's groups: the previous tile's adds have landed
-                            cute.arch.cp_async_bulk_wait_group(NUM_WG_MMA, read=False)
-                            self.finish_dq_tile(mDqArrivals, walk, t - 1, n_m, lane)
                     refill = t + self.dq_buffers < n_tiles  # a tile t + buffers will wait for this buffer
                     if const_expr(not self.deterministic):
                         # share 0 may be refilled once it has been read, whatever share 1 is doing
@@ -156,6 +152,10 @@ class DqWriter:
                         if first:
                             self.publish_dq_tile(self.dq_arrival_counter(mDqArrivals, walk, head, m_block), lane)
                     if const_expr(self.early_postprocess):
+                        # after the buffers are free, so the atomic's round trip overlaps the consumers' next tile
+                        if t > 0:  # all but this tile's groups: the previous tile's adds have landed
+                            cute.arch.cp_async_bulk_wait_group(NUM_WG_MMA, read=False)
+                            self.finish_dq_tile(mDqArrivals, walk, t - 1, n_m, lane)
                         if t + 1 == n_tiles:  # the walk's last tile: no later one to count it
                             cute.arch.cp_async_bulk_wait_group(0, read=False)
                             self.finish_dq_tile(mDqArrivals, walk, t, n_m, lane)
@@ -167,17 +167,20 @@ class DqWriter:
 
     @cute.jit
     def finish_dq_tile(self, mDqArrivals: cute.Tensor, walk, t: Int32, n_m: Int32, lane: Int32):
-        """Early postprocess: tile t of the walk has landed (the caller waited); count it on the tile's done
-        word, and mark the tile complete if this CTA was the last of its K/V tiles to add into it."""
+        """Early postprocess: tile t of the walk has landed (the caller waited); release it on the tile's done
+        word. Each of the tile's K/V tiles adds 1 but the first, which adds DQ_COMPLETE - (count - 1): the word
+        reaches DQ_COMPLETE exactly when all have added, in any order, and no atomic's result is awaited."""
         head = walk.head_kv * walk.qhead_per_kvhead + t // n_m
         m_block = walk.m_block_min + t % n_m
         cute.arch.fence_proxy("async.global")  # the landed async-proxy adds, before the release below
         cute.arch.sync_warp()
         if lane == 0:
-            done = common.dq_done_word(mDqArrivals, self.dq_arrival_counter(mDqArrivals, walk, head, m_block))
-            before = cute.arch.atomic_add(done, Int32(1), sem="acq_rel", scope="gpu")
-            if before + 1 == self.dq_contributors(walk, m_block):
-                common.release_add_gpu(done, common.DQ_COMPLETE)
+            n_block_first, n_block_last = self.dq_tile_sources(walk, m_block)
+            share = Int32(1)
+            if walk.n_block == n_block_first:
+                share = common.DQ_COMPLETE - (n_block_last - n_block_first)
+            common.release_add_gpu(common.dq_done_word(mDqArrivals, self.dq_arrival_counter(mDqArrivals, walk, head,
+                                                                                            m_block)), share)
 
     @cute.jit
     def add_dq_share(self, gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, first):
@@ -236,12 +239,6 @@ class DqWriter:
         deterministic adds (wide.py, pass_dq_turns)."""
         n_block_first, n_block_last = self.dq_tile_sources(walk, m_block)
         return self.dq_order.rank(walk.n_block, n_block_first, n_block_last)
-
-    @cute.jit
-    def dq_contributors(self, walk, m_block: Int32) -> Int32:
-        """How many K/V tiles add into dQ tile m_block (a CTA each, walking every query head of the group)."""
-        n_block_first, n_block_last = self.dq_tile_sources(walk, m_block)
-        return n_block_last - n_block_first + 1
 
     @cute.jit
     def acquire_dq_tile(self, mSemaphore: cute.Tensor, walk, head: Int32, m_block: Int32, lane: Int32):

@@ -132,7 +132,7 @@ class BackwardOptions:
     persistent: bool = False  # one CTA per SM takes K/V tiles from a counter (persistent.py); the call picks
                               # it (backward.persistent_pays), so no configuration's default sets it
     dq_first_store: bool = False  # each dQ tile's first arrival stores, the rest reduce: no zeroing (dq_writer.py)
-    early_postprocess: bool = False  # the postprocess starts during the main kernel, a tile once complete
+    early_postprocess: int = 0  # the postprocess starts during the main kernel, a tile once complete
                                      # (dq_writer.py, postprocess_frag.py)
 
     @classmethod
