@@ -94,7 +94,7 @@ def ld_acquire_gpu(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def release_add_gpu(ptr: cute.Pointer, val, *, loc=None, ip=None) -> None:
+def release_add_gpu(ptr: cute.Pointer, val: cutlass.Constexpr[int], *, loc=None, ip=None) -> None:
     """fence.acq_rel.gpu, then a relaxed GPU-scope atomic add: together a release. The fence is
     cumulative, so writes of other threads of the CTA that a preceding barrier ordered before it
     are released too (the CUTLASS semaphore idiom)."""
@@ -131,44 +131,6 @@ def semaphore_wait_at_least(sem_ptr: cute.Pointer, value: Int32, tidx: Int32):
         seen = ld_acquire_gpu(sem_ptr)
         while seen < value:
             seen = ld_acquire_gpu(sem_ptr)
-
-
-# The production Hopper backward's dQ tile counters (hopper/dq_writer.py, postprocess_frag.py, host.dq_counters):
-# (B, H, tiles) int32 arrival counters, then as many done words, then one exit counter, in one buffer.
-# A done word reaches DQ_COMPLETE exactly when every K/V tile reaching its dQ tile has added (early postprocess).
-DQ_COMPLETE = 1 << 30
-
-
-def dq_done_word(mDqArrivals: cute.Tensor, arrival: cute.Pointer) -> cute.Pointer:
-    """The done word of the dQ tile whose arrival counter is at `arrival`."""
-    return arrival + cute.size(mDqArrivals)
-
-
-def dq_exit_counter(mDqArrivals: cute.Tensor) -> cute.Pointer:
-    """The count of main-kernel CTAs that have left, after the done words."""
-    return mDqArrivals.iterator + 2 * cute.size(mDqArrivals)
-
-
-@dsl_user_op
-def nanosleep(ns: cutlass.Constexpr[int], *, loc=None, ip=None) -> None:
-    """Suspends the thread for about ns nanoseconds (a spin's back-off)."""
-    llvm.inline_asm(None, [], f"nanosleep.u32 {ns};", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@cute.jit
-def wait_dq_tile_complete(mDqArrivals: cute.Tensor, arrival: cute.Pointer, main_ctas: Int32):
-    """(one thread) Spins until the dQ tile whose arrival counter is at `arrival` is complete, or until all
-    main_ctas CTAs of the main kernel have left (a tile that no K/V tile reaches is never marked). The
-    caller follows with a CTA barrier."""
-    done, gone = dq_done_word(mDqArrivals, arrival), dq_exit_counter(mDqArrivals)
-    seen = ld_acquire_gpu(done)
-    left = ld_acquire_gpu(gone)
-    while (seen < DQ_COMPLETE) & (left < main_ctas):
-        # hundreds of CTAs may wait at once, all polling the exit counter's one L2 line: back off
-        nanosleep(2000)
-        seen = ld_acquire_gpu(done)
-        left = ld_acquire_gpu(gone)
 
 
 @dsl_user_op

@@ -12,13 +12,12 @@ object``; everything else is shared:
 A kernel with ``dq_frag`` keeps dQaccum in its fragment order: the preprocess zeroes it as one flat buffer and
 ``postprocess_frag`` (which reads the layout from the kernel object) writes dq. With first stores
 (``dq_first_store``, hopper/dq_writer.py) the preprocess zeroes the tiles' int32 arrival counters instead
-(``dq_counters``), the main kernel's first arrival at a tile stores it, and ``postprocess_frag`` writes
-zeros for a tile nobody reached. With an early postprocess (``early_postprocess``) the postprocess is a
-programmatic dependent of the main kernel that converts each tile once the counters say it is complete.
-This module imports no kernel module: the kernel's own entry points pass ``make_kernel`` in.
+(``dq_arrivals``), the main kernel's first arrival at a tile stores it, and ``postprocess_frag`` writes
+zeros for a tile nobody reached. This module imports no kernel module: the kernel's own entry points
+pass ``make_kernel`` in.
 
 Scratch per call: dQaccum (4 bytes x q's elements, fragment order: whole tiles) + 2 fp32 (B, Hq, Sq) + the
-semaphores or the tile counters (two int32 per dQ tile and head, and one).
+semaphores or the arrival counters (one int32 per dQ tile and head).
 """
 from __future__ import annotations
 
@@ -220,18 +219,14 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     # 1. preprocess: lse2, D, and zeroes: the dQ accumulator (fragment order, see postprocess_frag: as one
     # flat buffer), or with first stores (hopper/dq_writer.py) only its tiles' arrival counters
     arrivals, to_zero = None, None
-    early = getattr(kernel, "early_postprocess", False)
     if dq_frag:
         from stage4_bwd_kernel import postprocess_frag as post_frag
 
         rows = kernel.dq_frag_accum_rows(q.shape[0] if varlen else max_seqlen_q, batch)
-        accum_shape = (*q.shape[:-3], hq, rows, d)
-        first_store = getattr(kernel, "dq_first_store", False)
-        if first_store or early:
-            dq_accum, arrivals, to_zero = dq_counters(accum_shape, 1 if varlen else batch, hq, rows // kernel.tile_m,
-                                                      q.device, zero_accum=not first_store)
-        else:
-            dq_accum = to_zero = torch.empty(accum_shape, dtype=torch.float32, device=q.device)
+        dq_accum = torch.empty((*q.shape[:-3], hq, rows, d), dtype=torch.float32, device=q.device)
+        to_zero = dq_accum
+        if getattr(kernel, "dq_first_store", False):
+            arrivals, to_zero = dq_arrivals(1 if varlen else batch, hq, rows // kernel.tile_m, q.device)
     else:
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if arrivals is None and takes_dq_arrivals(kernel):
@@ -255,7 +250,6 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     else:
         semaphores = pre._dummy(q.device, (1, 1, 1), "int32")  # made once, not a view per call
     dummy = pre._dummy_int32(q.device)
-    main_ctas = num_n_blocks * k.shape[-2] * batch  # the launch grid (early postprocess: not persistent)
     comp.fn(*main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, varlen=varlen,
                        cu_seqlens_q=cu_q if varlen else dummy, cu_seqlens_k=cu_k if varlen else dummy,
                        seqused_k=seqused_k if seqused_k is not None else dummy, semaphores=semaphores,
@@ -264,8 +258,7 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     # 3. postprocess: dq = scale * dQaccum in q's dtype (first stores: zeros where no K/V tile arrived)
     if dq_frag:
         post_frag.postprocess(kernel, dq_accum.unsqueeze(0) if varlen else dq_accum, dq, softmax_scale,
-                              cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q, arrivals=arrivals,
-                              main_ctas=main_ctas)
+                              cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q, arrivals=arrivals)
     else:
         post.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q=cu_q if varlen else None,
                          max_seqlen_q=max_seqlen_q)
@@ -274,20 +267,15 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     return dq, dk, dv
 
 
-def dq_counters(accum_shape: tuple, batch: int, heads: int, tiles: int, device, *, zero_accum: bool) -> tuple:
-    """(dq_accum, arrivals, to_zero) in one fp32 allocation: the fragment-order accumulator (accum_shape), then
-    the dQ tiles' int32 counters -- (batch, heads, tiles) arrival counters (first stores), as many done words
-    and one exit counter (early postprocess; common.dq_done_word) -- padded to a multiple of 4 words. to_zero:
-    what the preprocess zeroes (its "flat" zeroing), the counters, and with zero_accum the accumulator too."""
+def dq_arrivals(batch: int, heads: int, tiles: int, device) -> tuple:
+    """(counters, flat): the dQ accumulator's per-tile int32 arrival counters (batch, heads, tiles) for
+    first stores, and the same memory as a flat fp32 buffer of a multiple of 4 elements, which the
+    preprocess zeroes (its "flat" zeroing)."""
     import torch
 
-    accum = 1
-    for n in accum_shape:
-        accum *= n
     n = batch * heads * tiles
-    flat = torch.empty(accum + common.cdiv(2 * n + 1, 4) * 4, dtype=torch.float32, device=device)
-    arrivals = flat[accum:].view(torch.int32)[:n].view(batch, heads, tiles)
-    return flat[:accum].view(accum_shape), arrivals, flat if zero_accum else flat[accum:]
+    flat = torch.empty(common.cdiv(max(n, 1), 4) * 4, dtype=torch.int32, device=device)
+    return flat[:n].view(batch, heads, tiles), flat.view(torch.float32)
 
 
 def _check_varlen_values(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, seqused_k):

@@ -11,13 +11,8 @@ writes the rows that exist with 16-byte stores. dQaccum is (B, H, rows, d) fp32 
 num_m_blocks * tile_m (dense) or, varlen, a batch of one; the main kernel's ``dq_frag_tile_row`` says
 where each tile starts. With first stores (``dq_first_store``, hopper/dq_writer.py) nobody zeroed
 dQaccum: a tile whose arrival counter is 0 was reached by no K/V tile (e.g. causal rows above the
-keys), and its rows are written as zeros. With the early postprocess (``early_postprocess``,
-hopper/dq_writer.py) this kernel is launched as a programmatic dependent of the main kernel, which lets
-its CTAs start once every main CTA has: each waits until its tile's done word says complete (or every
-main CTA has left), so the tiles finished first are converted on the SMs the main kernel's last wave
-leaves idle. The grid's last CTA ends with griddepcontrol.wait, so this launch ends after the main kernel
-does. Everything it needs of the main kernel comes from the kernel object passed in, so this module
-imports no kernel module.
+keys), and its rows are written as zeros. Everything it needs of the main kernel comes from the kernel
+object passed in, so this module imports no kernel module.
 """
 from __future__ import annotations
 
@@ -54,17 +49,14 @@ class BackwardPostprocessFrag:
         self.dtype = main_kernel.dtype
         self.tile_m, self.head_dim = main_kernel.tile_m, main_kernel.head_dim
         self.varlen = varlen
-        # diagnostic: early_postprocess=2 keeps the main kernel's signals but launches this kernel plainly
-        self.early = getattr(main_kernel, "early_postprocess", 0) == 1
         self.num_threads = NUM_THREADS
         store_threads_per_row(self.tile_m, self.head_dim, 128 // self.dtype.width)  # ValueError before any trace
 
     @cute.jit
     def __call__(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, mDqArrivals: cute.Tensor,
-                 softmax_scale: Float32, num_m_blocks: Int32, main_ctas: Int32, stream):
+                 softmax_scale: Float32, num_m_blocks: Int32, stream):
         # mdQacc (B, H, rows, d) fp32 -> mdQ (B, Sq, H, d) dtype; varlen: B = 1, rows of cu_seqlens_q;
-        # mDqArrivals (B, H, rows / tile_m) int32 and the words after it (first stores, early postprocess; else
-        # a stand-in, not read); main_ctas: the main kernel's CTAs (early postprocess)
+        # mDqArrivals (B, H, rows / tile_m) int32 (first stores; else a stand-in, not read)
         if const_expr(mdQ.element_type != self.dtype):
             raise TypeError("dq must have the main kernel's dtype")
         mdQacc = common.assume_aligned(mdQacc, self.head_dim)
@@ -84,14 +76,13 @@ class BackwardPostprocessFrag:
 
         self.shared_storage = SharedStorage
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mdQ.shape[0]
-        self.kernel(mdQacc, mdQ, mCuSeqlensQ, mDqArrivals, softmax_scale, main_ctas, self.main.make_tiled_mma_dQ(),
-                    store, sTile_layout).launch(grid=(num_m_blocks, mdQ.shape[2], batch), block=[NUM_THREADS, 1, 1],
-                                                smem=SharedStorage.size_in_bytes(), stream=stream, use_pdl=self.early)
+        self.kernel(mdQacc, mdQ, mCuSeqlensQ, mDqArrivals, softmax_scale, self.main.make_tiled_mma_dQ(), store,
+                    sTile_layout).launch(grid=(num_m_blocks, mdQ.shape[2], batch), block=[NUM_THREADS, 1, 1],
+                                         smem=SharedStorage.size_in_bytes(), stream=stream)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, mDqArrivals: cute.Tensor,
-               softmax_scale: Float32, main_ctas: Int32, tiled_mma_dQ: cute.TiledMma, store: cute.TiledCopy,
-               sTile_layout: cute.Layout):
+               softmax_scale: Float32, tiled_mma_dQ: cute.TiledMma, store: cute.TiledCopy, sTile_layout: cute.Layout):
         tm, d = self.tile_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, bidx, batch, offset, rows_left = block_rows(mdQ, mCuSeqlensQ, tm, self.varlen)
@@ -105,11 +96,6 @@ class BackwardPostprocessFrag:
             # 1. this thread's registers of the tile, as the main kernel's thread tidx held them
             share_elems = self.main.dq_frag_share_elems()
             tile = self.main.dq_frag_tile(offset, batch, m_block)
-            if const_expr(self.early):  # the main kernel is still running: wait for this tile
-                if tidx == 0:
-                    common.wait_dq_tile_complete(mDqArrivals, common.elem_pointer(mDqArrivals, (bidx, head, tile)),
-                                                 main_ctas)
-                cute.arch.sync_threads()
             share_ptr = (common.elem_pointer(mdQacc, (bidx, head, tile * tm, 0))
                          + (tidx // 128) * share_elems)
             gShare = cute.make_tensor(share_ptr.align(16), cute.make_layout(share_elems))
@@ -143,30 +129,21 @@ class BackwardPostprocessFrag:
                     row_exists = row_exists & (tSc[0, m, 0][0] + m_block * tm >= pad)
                 if row_exists:
                     cute.copy(store, tSr[None, m, None], tSg[None, m, None])
-        if const_expr(self.early):
-            # the grid's last CTA outlasts the main kernel, so whatever follows this launch in the stream
-            # starts after both
-            bx, by, bz = cute.arch.block_idx()
-            gx, gy, gz = cute.arch.grid_dim()
-            if (bx == gx - 1) & (by == gy - 1) & (bz == gz - 1):
-                cute.arch.griddepcontrol_wait()
 
 
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
 def _fake_args(dt, head_dim, *, launchable: bool = False):
-    """postprocess.py's launch arguments with the arrival counters after cu_seqlens_q and the main kernel's
-    CTA count before the stream."""
+    """postprocess.py's launch arguments with the arrival counters after cu_seqlens_q."""
     args = post._fake_args(dt, head_dim, launchable=launchable)
-    return args[:3] + (common.fake_tensor(Int32, 3, align=4),) + args[3:-1] + (Int32(1), args[-1])
+    return args[:3] + (common.fake_tensor(Int32, 3, align=4),) + args[3:]
 
 
 def _compile(launchable: bool, main_kernel, varlen: bool) -> common.Compiled:
     mk = main_kernel
     key = (STEP, "gpu" if launchable else "fake", str(mk.dtype), mk.tile_m, mk.head_dim, mk.dq_split_m,
-           mk.dq_swap_ab, varlen, mk.q_shift) + (("first-store",) if mk.dq_first_store else ()) + (
-               ("early", int(getattr(mk, "early_postprocess", 0))) if getattr(mk, "early_postprocess", 0) else ())
+           mk.dq_swap_ab, varlen, mk.q_shift) + (("first-store",) if mk.dq_first_store else ())
     return common.compile_cached(key, lambda: (BackwardPostprocessFrag(mk, varlen),
                                                _fake_args(mk.dtype, mk.head_dim, launchable=launchable)))
 
@@ -182,12 +159,10 @@ def compile_launchable(main_kernel, varlen=False) -> common.Compiled:
 
 
 def postprocess(main_kernel, dq_accum, dq, softmax_scale: float, *, cu_seqlens_q=None, max_seqlen_q=None,
-                arrivals=None, main_ctas: int = 0):
+                arrivals=None):
     """(GPU) dq = softmax_scale * (dq_accum put back in place), in dq's dtype; dq (B, Sq, H, d) or
     varlen (T, H, d); dq_accum (B, H, rows, d) fp32 with the main kernel's ``dq_frag_accum_rows`` (varlen: B = 1);
-    arrivals: the main kernel's (B, H, rows / tile_m) int32 arrival counters (host.dq_counters), required with
-    its first stores or early postprocess; main_ctas: the CTAs of its launch (early postprocess), which this
-    launch must follow at once in the stream."""
+    arrivals: the main kernel's (B, H, rows / tile_m) int32 arrival counters, required with its first stores."""
     varlen = cu_seqlens_q is not None
     if varlen:
         dq4, cu, rows, batch = dq.unsqueeze(0), cu_seqlens_q, max_seqlen_q, cu_seqlens_q.shape[0] - 1
@@ -195,14 +170,10 @@ def postprocess(main_kernel, dq_accum, dq, softmax_scale: float, *, cu_seqlens_q
         dq4, cu, rows, batch = dq, _dummy_int32(dq.device), dq.shape[1], dq.shape[0]
     if batch == 0 or rows == 0 or dq.shape[-2] == 0:
         return dq
-    early = getattr(main_kernel, "early_postprocess", False)
-    if (main_kernel.dq_first_store or early) and arrivals is None:
-        raise ValueError("arrivals: required for a main kernel with first stores or an early postprocess")
-    if early and main_ctas < 1:
-        raise ValueError(f"main_ctas: the main kernel's CTA count, required with an early postprocess; got {main_ctas}")
+    if main_kernel.dq_first_store and arrivals is None:
+        raise ValueError("arrivals: required for a main kernel with first stores (dq_first_store)")
     if arrivals is None:
         arrivals = _dummy(dq.device, (1, 1, 1), "int32")
     comp = _compile(True, main_kernel, varlen)
-    comp.fn(dq_accum, common.launch_view(dq4), cu, arrivals, softmax_scale, common.cdiv(rows, main_kernel.tile_m),
-            main_ctas)
+    comp.fn(dq_accum, common.launch_view(dq4), cu, arrivals, softmax_scale, common.cdiv(rows, main_kernel.tile_m))
     return dq

@@ -31,15 +31,6 @@ tile, so the spin overlaps their math, frees the buffer once the TMA has read it
 semaphore once the adds have *landed*. With two dQ buffers there are two writer warps, warp 1 + w
 taking the tiles of buffer w, so two tiles' acquire / reduce / release chains overlap; each buffer's
 barriers still see one writer warp.
-
-Early postprocess (``early_postprocess``): the postprocess is launched as a programmatic dependent and
-converts each dQ tile as soon as it is complete, on the SMs the main kernel's last wave leaves idle. Once a
-tile's adds have landed (checked one tile late, so the wait costs nothing), the writer release-adds its
-share to the tile's *done* word: 1, or for the first of the K/V tiles reaching the tile (the range
-deterministic mode's ranks rely on) ``common.DQ_COMPLETE`` minus the others' count, so the word reaches
-DQ_COMPLETE exactly when all have added. At its end the writer adds 1 to the launch's exit counter, and so
-does a CTA with no work, so a tile that no K/V tile reaches is converted once every CTA has left. The done words and the exit counter follow the arrival
-counters in memory (``host.dq_counters``).
 """
 from __future__ import annotations
 
@@ -151,36 +142,8 @@ class DqWriter:
                     if const_expr(self.dq_first_store):
                         if first:
                             self.publish_dq_tile(self.dq_arrival_counter(mDqArrivals, walk, head, m_block), lane)
-                    if const_expr(self.early_postprocess):
-                        # after the buffers are free, so the atomic's round trip overlaps the consumers' next tile
-                        if t > 0:  # all but this tile's groups: the previous tile's adds have landed
-                            cute.arch.cp_async_bulk_wait_group(NUM_WG_MMA, read=False)
-                            self.finish_dq_tile(mDqArrivals, walk, t - 1, n_m, lane)
-                        if t + 1 == n_tiles:  # the walk's last tile: no later one to count it
-                            cute.arch.cp_async_bulk_wait_group(0, read=False)
-                            self.finish_dq_tile(mDqArrivals, walk, t, n_m, lane)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
-        if const_expr(self.early_postprocess):
-            if lane == 0:
-                common.release_add_gpu(common.dq_exit_counter(mDqArrivals), 1)
-
-    @cute.jit
-    def finish_dq_tile(self, mDqArrivals: cute.Tensor, walk, t: Int32, n_m: Int32, lane: Int32):
-        """Early postprocess: tile t of the walk has landed (the caller waited); release it on the tile's done
-        word. Each of the tile's K/V tiles adds 1 but the first, which adds DQ_COMPLETE - (count - 1): the word
-        reaches DQ_COMPLETE exactly when all have added, in any order, and no atomic's result is awaited."""
-        head = walk.head_kv * walk.qhead_per_kvhead + t // n_m
-        m_block = walk.m_block_min + t % n_m
-        cute.arch.fence_proxy("async.global")  # the landed async-proxy adds, before the release below
-        cute.arch.sync_warp()
-        if lane == 0:
-            n_block_first, n_block_last = self.dq_tile_sources(walk, m_block)
-            share = Int32(1)
-            if walk.n_block == n_block_first:
-                share = common.DQ_COMPLETE - (n_block_last - n_block_first)
-            common.release_add_gpu(common.dq_done_word(mDqArrivals, self.dq_arrival_counter(mDqArrivals, walk, head,
-                                                                                            m_block)), share)
 
     @cute.jit
     def add_dq_share(self, gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, first):
@@ -222,22 +185,16 @@ class DqWriter:
             common.release_add_gpu(arrival, DQ_STORED)
 
     @cute.jit
-    def dq_tile_sources(self, walk, m_block: Int32):
-        """(first, last): the K/V tiles that add into dQ tile m_block of the walk's sequence."""
+    def dq_rank(self, walk, m_block: Int32) -> Int32:
+        """This CTA's place (K/V tile walk.n_block's) among the K/V tiles that add into dQ tile m_block,
+        in the order of ``dq_order``: the writer's acquire below, and the turn warps of 256's
+        deterministic adds (wide.py, pass_dq_turns)."""
         n_block_last = schedule.n_block_last(m_block, self.tile_m, self.tile_n, walk.seqlen_q, walk.seqlen_k,
                                              self.causal, imin=cutlass.min, window=self.window_or_none)
         n_block_first = Int32(0)
         if const_expr(self.window_or_none is not None):
             n_block_first = schedule.n_block_first(m_block, self.tile_m, self.tile_n, walk.seqlen_q, walk.seqlen_k,
                                                    self.causal, imax=cutlass.max, window=self.window_or_none)
-        return n_block_first, n_block_last
-
-    @cute.jit
-    def dq_rank(self, walk, m_block: Int32) -> Int32:
-        """This CTA's place (K/V tile walk.n_block's) among the K/V tiles that add into dQ tile m_block,
-        in the order of ``dq_order``: the writer's acquire below, and the turn warps of 256's
-        deterministic adds (wide.py, pass_dq_turns)."""
-        n_block_first, n_block_last = self.dq_tile_sources(walk, m_block)
         return self.dq_order.rank(walk.n_block, n_block_first, n_block_last)
 
     @cute.jit

@@ -118,9 +118,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                  softmax_scale: Float32, stream):
         # mQ, mK, mdK (B, S, H, d); mV, mdO, mdV (B, S, H, dv); mLSE2, mD (B, Hq, rows) fp32; mdQacc
         # (B, Hq, rows, d) fp32 in fragment order, else like mQ; varlen: B = 1, rows from cu_seqlens;
-        # mDqArrivals (B, Hq, rows / tile_m) int32, zeroed: dq_first_store's counter per dQaccum tile, followed in
-        # memory by early_postprocess's done words and exit counter (host.dq_counters; other builds get a
-        # stand-in they do not read)
+        # mDqArrivals (B, Hq, rows / tile_m) int32, zeroed: dq_first_store's counter per dQaccum tile (other
+        # builds get a stand-in they do not read)
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mdO.element_type
                            == mdK.element_type == mdV.element_type == self.dtype)):
             raise TypeError("q, k, v, dout, dk, dv must share the kernel's dtype")
@@ -238,10 +237,6 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         # The launch arguments stay flat (a kernel's parameters); the roles get them grouped.
         # mLSE2 / mD are read through their TMA descriptors only.
         trace.cta_stamp("entry")  # no code unless tracing is on
-        if const_expr(self.early_postprocess):
-            # the postprocess that follows is a programmatic dependent (postprocess_frag.py): once every CTA
-            # of this launch has started, its CTAs may take the SMs this launch leaves free
-            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -303,7 +298,3 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                 else:
                     self.consume(walk, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale,
                                  mmas, layouts, (gmem_store_dK, gmem_store_dV), pipes)
-        else:
-            if const_expr(self.early_postprocess):
-                if tidx == 0:  # a CTA past the keys leaves at once; the early postprocess counts it (dq_writer.py)
-                    common.release_add_gpu(common.dq_exit_counter(mDqArrivals), 1)

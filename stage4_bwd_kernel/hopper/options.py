@@ -132,8 +132,6 @@ class BackwardOptions:
     persistent: bool = False  # one CTA per SM takes K/V tiles from a counter (persistent.py); the call picks
                               # it (backward.persistent_pays), so no configuration's default sets it
     dq_first_store: bool = False  # each dQ tile's first arrival stores, the rest reduce: no zeroing (dq_writer.py)
-    early_postprocess: int = 0  # the postprocess starts during the main kernel, a tile once complete
-                                     # (dq_writer.py, postprocess_frag.py)
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
@@ -240,9 +238,6 @@ class BackwardOptions:
         if self.dq_first_store and (deterministic or self.dq_atomic or not self.dq_frag):
             raise ValueError("dq_first_store: the dQ writer warp's fragment-order adds outside deterministic mode "
                              "(deterministic adds keep their fixed order into a zeroed accumulator)")
-        if self.early_postprocess and (deterministic or self.dq_atomic or not self.dq_frag or self.persistent):
-            raise ValueError("early_postprocess: the dQ writer warp's fragment-order adds of the one-CTA-per-tile "
-                             "kernel outside deterministic mode (its done words count the K/V tiles' adds)")
         if self.stages not in (1, 2):
             raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
         if self.q_shift and (varlen or not self.dq_frag):
