@@ -101,7 +101,7 @@ from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import Window
 from stage3_fwd_kernel.components.work_tile import SequenceInfo, locate_tile
-from stage3_fwd_kernel.hopper.host import _nothing_visible, make_variant  # the same checks and empty-key rule
+from stage3_fwd_kernel.hopper.host import _nothing_visible, _outputs, make_variant  # the same checks and rules
 from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
 
 # The process target is the package's (sm_90a without a GPU, so Hopper kernels compiled in the
@@ -759,21 +759,20 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     for one CTA per SM walking that order (blackwell_persistent.py; static striding, head dims <= 128);
     persistent=True wraps `scheduler` so. Variants as the Hopper forward's: window_size
     (left, right), softcap, learnable_sink (Hq,) floating. UNVERIFIED: never run on hardware here."""
-    import torch
-
-    variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)  # before the GPU check
+    # every argument is checked before the GPU check (errors name the argument; devices come after it)
+    variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)
     scheduler = _persistent_scheduler(scheduler, persistent)
-    if not blackwell_gpu_available():
-        raise RuntimeError("attention_forward needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
-    q, k, v = host_io.prepare_inputs(q, k, v)
+    host_io.check_dense_shapes(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
     cfg_kw.setdefault("q_tiles_per_cta", q_tiles_for(d, dv))  # one Q tile at d = 256
     cfg = make_config(str(q.dtype), d, dv, causal, **variants, **cfg_kw)  # ValueError before any compile
     tile_scheduler.check_grid(scheduler, -(-sq // cfg.cta_tile_m), hq, b)
-    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
+    softmax_scale = host_io.check_scale(softmax_scale, d)
+    out, lse = _outputs(out, lse, (b, sq, hq, dv), (b, hq, sq), q)
+    if not blackwell_gpu_available():
+        raise RuntimeError("attention_forward needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
+    q, k, v = host_io.prepare_inputs(q, k, v)
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
     if k.shape[1] == 0:
@@ -794,38 +793,27 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     which would synchronize). Variants, scheduler and persistent as attention_forward's (the grid's
     tiles run over max_seqlen_q; tiles past a shorter sequence are skipped). UNVERIFIED: never run on
     hardware here."""
-    import torch
-
-    variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)  # before the GPU check
+    # every argument is checked before the GPU check (errors name the argument; devices come after it)
+    variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)
     scheduler = _persistent_scheduler(scheduler, persistent)
-    if seqused_k is not None:  # (before the GPU check, like the variants)
-        host_io._check_i32_vector("seqused_k", seqused_k,
-                                  cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None)
-        if seqused_k.device != q.device:
-            raise ValueError(f"seqused_k: expected a tensor on {q.device}, got {seqused_k.device}")
-    if not blackwell_gpu_available():
-        raise RuntimeError("attention_varlen_forward needs a Blackwell (sm_100) GPU")
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError("varlen: q, k, v must be packed (total, heads, dim)")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"heads: heads_q ({q.shape[1]}) must be a multiple of heads_kv ({k.shape[1]})")
-    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
-        raise ValueError("cu_seqlens must be int32")
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must both have batch + 1 entries")
+    # this entry takes no max_seqlen_k (0 stands in for the shared check)
+    host_io.check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0, seqused_k=seqused_k)
     d, dv = q.shape[-1], v.shape[-1]
     cfg_kw.setdefault("q_tiles_per_cta", q_tiles_for(d, dv))  # one Q tile at d = 256
     cfg = make_config(str(q.dtype), d, dv, causal, **variants, **cfg_kw)
-    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    out = torch.empty((q.shape[0], q.shape[1], dv), dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device) if lse is None else lse
+    softmax_scale = host_io.check_scale(softmax_scale, d)
+    out, lse = _outputs(out, lse, (q.shape[0], q.shape[1], dv), (q.shape[1], q.shape[0]), q)
+    if not blackwell_gpu_available():
+        raise RuntimeError("attention_varlen_forward needs a Blackwell (sm_100) GPU")
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _ = host_io.prepare_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0, seqused_k=seqused_k)
     if q.shape[0] == 0 or max_seqlen_q == 0:
         return out, lse
     if k.shape[0] == 0:  # no sequence has a key (and a TMA map cannot have a 0 extent)
         return _nothing_visible(out, lse, sink, head_dim=0)
-    args = _launch_args(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale,
-                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softcap=cfg.softcap, sink=sink)
-    args = _with_grid_width(args, scheduler, q.device, None if seqused_k is None else seqused_k.contiguous())
+    args = _launch_args(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale, cu_seqlens_q,
+                        cu_seqlens_k, max_seqlen_q, softcap=cfg.softcap, sink=sink)
+    args = _with_grid_width(args, scheduler, q.device, seqused_k)
     compile_config(cfg, True, args, scheduler=scheduler, seqused_k=seqused_k is not None).fn(*args)
     return out, lse
 

@@ -43,7 +43,6 @@ or other schedulers, head dims other than 128 and (192, 128).
 """
 from __future__ import annotations
 
-import math
 import re
 
 import cutlass
@@ -558,19 +557,18 @@ def attention_forward_2cta(q, k, v, *, softmax_scale=None, causal=False, window_
     """blackwell_fwd.attention_forward through the 2-CTA kernel: q (B,Sq,Hq,D), k (B,Sk,Hkv,D),
     v (B,Sk,Hkv,Dv) fp16/bf16, (D, Dv) = (128, 128) or (192, 128), on a Blackwell GPU ->
     (out (B,Sq,Hq,Dv), lse (B,Hq,Sq) fp32). UNVERIFIED: never run on hardware here."""
-    import torch
-
+    # every argument is checked before the GPU check (errors name the argument; devices come after it)
     check_supported(persistent=persistent, scheduler=scheduler, window_size=window_size, softcap=softcap,
-                    learnable_sink=learnable_sink)   # before the GPU check, as the 1-CTA entry point
-    if not _one.blackwell_gpu_available():
-        raise RuntimeError("attention_forward_2cta needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
-    q, k, v = host_io.prepare_inputs(q, k, v)
+                    learnable_sink=learnable_sink)
+    host_io.check_dense_shapes(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]
     cfg = make_config(str(q.dtype), d, dv, causal, **cfg_kw)  # ValueError before any compile
-    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    out = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse is None else lse
+    softmax_scale = host_io.check_scale(softmax_scale, d)
+    out, lse = _one._outputs(out, lse, (b, sq, hq, dv), (b, hq, sq), q)
+    if not _one.blackwell_gpu_available():
+        raise RuntimeError("attention_forward_2cta needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
+    q, k, v = host_io.prepare_inputs(q, k, v)
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
     if k.shape[1] == 0:

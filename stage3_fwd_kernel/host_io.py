@@ -166,8 +166,20 @@ def check_causal(causal):
 
 def prepare_inputs(q, k, v):
     """Check the (B,S,H,D) contract and make strides 16-byte aligned (copying only if not)."""
+    check_dense_shapes(q, k, v)
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        raise ValueError("q, k, v: expected CUDA tensors")
+    return align_16B(q), align_16B(k), align_16B(v)
+
+
+def check_dense_shapes(q, k, v):
+    """The (B,S,H,D) contract's ranks, dtypes, shapes and head counts, devices aside (so a wrong call
+    fails the same way on a machine without the GPU it needs)."""
     import torch
 
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v: expected rank 4 (batch, seqlen, heads, head_dim), got {q.shape}, {k.shape}, {v.shape}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
@@ -178,10 +190,6 @@ def prepare_inputs(q, k, v):
         raise ValueError(f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)}")
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"heads: heads_q ({hq}) must be a multiple of heads_kv ({hkv}), which is >= 1")
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        raise ValueError("q, k, v: expected CUDA tensors")
-
-    return align_16B(q), align_16B(k), align_16B(v)
 
 
 def align_16B(t):
@@ -245,6 +253,22 @@ def prepare_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     them at the price of a device-to-host copy.
     Returns (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, batch_map), aligned / contiguous.
     """
+    check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                        batch_map=batch_map)
+    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+               "seqused_k": seqused_k, "batch_map": batch_map}
+    for name, t in tensors.items():
+        if t is not None and (not t.is_cuda or t.device != q.device):
+            raise ValueError(f"{name}: expected a CUDA tensor on {q.device}, got {t.device}")
+    return (align_16B(q), align_16B(k), align_16B(v), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+            None if seqused_k is None else seqused_k.contiguous(),
+            None if batch_map is None else batch_map.contiguous())
+
+
+def check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                        batch_map=None):
+    """prepare_varlen_inputs' checks without the devices: ranks, dtypes, shapes, head counts, the index
+    tensors' dtypes and lengths, the counts."""
     import torch
 
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -273,14 +297,6 @@ def prepare_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     _check_count("max_seqlen_k", max_seqlen_k)
     if batch > 65535 or q.shape[1] > 65535:
         raise ValueError(f"batch ({batch}) and heads ({q.shape[1]}) must be <= 65535 (grid y / z limit)")
-    tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-               "seqused_k": seqused_k, "batch_map": batch_map}
-    for name, t in tensors.items():
-        if t is not None and (not t.is_cuda or t.device != q.device):
-            raise ValueError(f"{name}: expected a CUDA tensor on {q.device}, got {t.device}")
-    return (align_16B(q), align_16B(k), align_16B(v), cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-            None if seqused_k is None else seqused_k.contiguous(),
-            None if batch_map is None else batch_map.contiguous())
 
 
 def check_varlen_values(total_q, total_k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, seqused_k=None,

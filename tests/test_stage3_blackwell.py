@@ -346,6 +346,52 @@ def test_varlen_seqused_k_is_checked_before_the_gpu():
         bw.attention_varlen_forward(q, q, q, cu, cu, 5, seqused_k=torch.ones(3, dtype=torch.int32))
 
 
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_arguments_are_checked_before_the_gpu():
+    """Every entry point names a bad argument before it looks for a Blackwell GPU (so a Hopper or CPU
+    machine gets the same error); good arguments then reach the GPU check."""
+    import torch
+
+    from stage3_fwd_kernel import blackwell_fwd as bw
+    from stage3_fwd_kernel import blackwell_fwd_2cta as two
+
+    q = torch.zeros(1, 8, 4, 128, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    dense = [(dict(q=q[0]), ValueError, r"^q, k, v: expected rank 4"),
+             (dict(k=kv.half()), TypeError, r"^q, k, v: expected one dtype"),
+             (dict(k=torch.zeros(1, 8, 3, 128, dtype=torch.bfloat16)), ValueError, r"^k, v: shapes"),
+             (dict(softmax_scale=-1.0), ValueError, r"^softmax_scale"),
+             (dict(out=torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16)), ValueError, r"^out: expected shape"),
+             (dict(lse=torch.zeros(1, 4, 8, dtype=torch.float16)), TypeError, r"^lse: expected dtype")]
+    for entry in (bw.attention_forward, two.attention_forward_2cta):
+        for kw, error, match in dense:
+            args = dict(q=q, k=kv, v=kv)
+            args.update(kw)
+            with pytest.raises(error, match=match):
+                entry(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    qv, kvv = q[0], kv[0]
+    varlen = [(dict(q=q), ValueError, r"^q, k, v: expected rank 3"),
+              (dict(cu_seqlens_q=cu.long()), TypeError, r"^cu_seqlens_q: expected dtype int32"),
+              (dict(cu_seqlens_k=cu[:2]), ValueError, r"^cu_seqlens_k: expected shape \(3,\)"),
+              (dict(max_seqlen_q=5.0), TypeError, r"^max_seqlen_q: expected an int"),
+              (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale"),
+              (dict(out=torch.zeros(8, 4, 128, dtype=torch.float16)), TypeError, r"^out: expected dtype"),
+              (dict(lse=torch.zeros(8, 4)), ValueError, r"^lse: expected shape \(4, 8\)")]
+    for kw, error, match in varlen:
+        args = dict(q=qv, k=kvv, v=kvv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5)
+        args.update(kw)
+        with pytest.raises(error, match=match):
+            bw.attention_varlen_forward(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("cu_seqlens_q"),
+                                        args.pop("cu_seqlens_k"), args.pop("max_seqlen_q"), **args)
+    if not bw.blackwell_gpu_available():
+        for call in (lambda: bw.attention_forward(q, kv, kv), lambda: two.attention_forward_2cta(q, kv, kv),
+                     lambda: bw.attention_varlen_forward(qv, kvv, kvv, cu, cu, 5)):
+            with pytest.raises(RuntimeError, match="Blackwell"):
+                call()
+
+
 @pytest.mark.gpu
 @pytest.mark.stage3
 @pytest.mark.parametrize("causal", [False, True])
