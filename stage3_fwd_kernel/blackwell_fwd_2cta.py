@@ -560,6 +560,7 @@ def attention_forward_2cta(q, k, v, *, softmax_scale=None, causal=False, window_
     # every argument is checked before the GPU check (errors name the argument; devices come after it)
     check_supported(persistent=persistent, scheduler=scheduler, window_size=window_size, softcap=softcap,
                     learnable_sink=learnable_sink)
+    host_io.check_causal(causal)  # a string such as "False" would build a causal kernel
     host_io.check_dense_shapes(q, k, v)
     b, sq, hq, d = q.shape
     dv = v.shape[-1]

@@ -363,7 +363,9 @@ def test_arguments_are_checked_before_the_gpu():
              (dict(k=torch.zeros(1, 8, 3, 128, dtype=torch.bfloat16)), ValueError, r"^k, v: shapes"),
              (dict(softmax_scale=-1.0), ValueError, r"^softmax_scale"),
              (dict(out=torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16)), ValueError, r"^out: expected shape"),
-             (dict(lse=torch.zeros(1, 4, 8, dtype=torch.float16)), TypeError, r"^lse: expected dtype")]
+             (dict(lse=torch.zeros(1, 4, 8, dtype=torch.float16)), TypeError, r"^lse: expected dtype"),
+             (dict(k=[0.0]), TypeError, r"^k: expected a torch tensor"),
+             (dict(causal="False"), TypeError, r"^causal: expected a bool")]
     for entry in (bw.attention_forward, two.attention_forward_2cta):
         for kw, error, match in dense:
             args = dict(q=q, k=kv, v=kv)
