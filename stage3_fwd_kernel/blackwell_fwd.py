@@ -772,7 +772,7 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
     out, lse = _outputs(out, lse, (b, sq, hq, dv), (b, hq, sq), q)
     if not blackwell_gpu_available():
         raise RuntimeError("attention_forward needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
-    q, k, v = host_io.prepare_inputs(q, k, v)
+    q, k, v = host_io.dense_on_cuda(q, k, v)
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
     if k.shape[1] == 0:
@@ -796,7 +796,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     # every argument is checked before the GPU check (errors name the argument; devices come after it)
     variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)
     scheduler = _persistent_scheduler(scheduler, persistent)
-    # this entry takes no max_seqlen_k (0 stands in for the shared check)
+    # this entry takes no max_seqlen_k (0 stands in for the shared check's)
     host_io.check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0, seqused_k=seqused_k)
     d, dv = q.shape[-1], v.shape[-1]
     cfg_kw.setdefault("q_tiles_per_cta", q_tiles_for(d, dv))  # one Q tile at d = 256
@@ -805,8 +805,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     out, lse = _outputs(out, lse, (q.shape[0], q.shape[1], dv), (q.shape[1], q.shape[0]), q)
     if not blackwell_gpu_available():
         raise RuntimeError("attention_varlen_forward needs a Blackwell (sm_100) GPU")
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _ = host_io.prepare_varlen_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0, seqused_k=seqused_k)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, _ = host_io.varlen_on_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                                              seqused_k=seqused_k)
     if q.shape[0] == 0 or max_seqlen_q == 0:
         return out, lse
     if k.shape[0] == 0:  # no sequence has a key (and a TMA map cannot have a 0 extent)

@@ -569,7 +569,7 @@ def attention_forward_2cta(q, k, v, *, softmax_scale=None, causal=False, window_
     out, lse = _one._outputs(out, lse, (b, sq, hq, dv), (b, hq, sq), q)
     if not _one.blackwell_gpu_available():
         raise RuntimeError("attention_forward_2cta needs a Blackwell (sm_100) GPU; use compile_only() elsewhere")
-    q, k, v = host_io.prepare_inputs(q, k, v)
+    q, k, v = host_io.dense_on_cuda(q, k, v)
     if b == 0 or sq == 0 or hq == 0:
         return out, lse
     if k.shape[1] == 0:

@@ -167,6 +167,12 @@ def check_causal(causal):
 def prepare_inputs(q, k, v):
     """Check the (B,S,H,D) contract and make strides 16-byte aligned (copying only if not)."""
     check_dense_shapes(q, k, v)
+    return dense_on_cuda(q, k, v)
+
+
+def dense_on_cuda(q, k, v):
+    """prepare_inputs' second half, for a caller that ran check_dense_shapes already: the devices, then
+    16-byte aligned strides."""
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         raise ValueError("q, k, v: expected CUDA tensors")
     return align_16B(q), align_16B(k), align_16B(v)
@@ -255,6 +261,12 @@ def prepare_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     """
     check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                         batch_map=batch_map)
+    return varlen_on_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k=seqused_k, batch_map=batch_map)
+
+
+def varlen_on_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, *, seqused_k=None, batch_map=None):
+    """prepare_varlen_inputs' second half, for a caller that ran check_varlen_shapes already: every tensor
+    on q's CUDA device, then aligned / contiguous (the same return)."""
     tensors = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                "seqused_k": seqused_k, "batch_map": batch_map}
     for name, t in tensors.items():
