@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import test_hopper_forward as hf  # the forward tests' helpers (pytest puts tests/ on the path)
+import test_hopper_forward_varlen as hfv  # ... and its varlen batches
 
 
 # ---- persistent CTAs (tile_scheduler.PersistentScheduler) -------------------------------------------------
@@ -424,12 +425,12 @@ def test_persistent_varlen(causal, d, ratio, seqused):
 
     from stage3_fwd_kernel import tile_scheduler
 
-    used = hf.USED_K if seqused else None
-    q, k, v, cu_q, cu_k, su = hf._varlen_batch(hf.LENS_Q, hf.LENS_K, used, 8, 8 // ratio, d, d, seed=d + ratio + 9)
-    perm = torch.arange(len(hf.LENS_Q) - 1, -1, -1, dtype=torch.int32, device="cuda")
-    static = hf._varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm)
+    used = hfv.USED_K if seqused else None
+    q, k, v, cu_q, cu_k, su = hfv._varlen_batch(hfv.LENS_Q, hfv.LENS_K, used, 8, 8 // ratio, d, d, seed=d + ratio + 9)
+    perm = torch.arange(len(hfv.LENS_Q) - 1, -1, -1, dtype=torch.int32, device="cuda")
+    static = hfv._varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm)
     P = tile_scheduler.PersistentScheduler
-    runs = [hf._varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm, scheduler=sched)
+    runs = [hfv._varlen(q, k, v, cu_q, cu_k, su, causal=causal, batch_map=perm, scheduler=sched)
             for sched in (P(num_ctas=3), P(num_ctas=3, dynamic=True))]
     want = static if _same_key_tiles(d, d, causal) else runs[0]
     assert all(torch.equal(o, want[0]) and torch.equal(s, want[1]) for o, s in runs)
