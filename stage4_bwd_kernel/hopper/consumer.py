@@ -195,9 +195,10 @@ class Consumer:
     @cute.jit
     def walk_tiles(self, o: ConsumerOperands, tile_body, walk, mmas, pipes, softmax_scale_log2: Float32,
                    score_scale, tiles_before=0, tiles_cap=None) -> Int32:
-        """The walk: (query head of the group) x (Q tile), in three segments (module docstring) -> its
-        tile count. tiles_before: the CTA's tiles before this walk (a persistent CTA's earlier K/V tiles:
-        the ring, dS^T and dQ buffers count on); tiles_cap: the count the bodies' "a next tile follows"
+        """The walk: (query head of the group) x (Q tile), in three segments (module docstring), each
+        cut in two by a rotated walk's wrap (walk.py) -> its tile count. tiles_before: the CTA's tiles
+        before this walk (a persistent CTA's earlier K/V tiles: the ring, dS^T and dQ buffers count
+        on); tiles_cap: the count the bodies' "a next tile follows"
         tests compare with (persistent.py: every tile, the CTA ends the last hand-offs itself)."""
         tm, tn = self.tile_m, self.tile_n
         n_m = walk.m_block_max - walk.m_block_min
@@ -210,12 +211,25 @@ class Consumer:
                                                    walk.m_block_min, walk.m_block_max, imin=cutlass.min,
                                                    imax=cutlass.max, window=self.window_or_none)
         segments = ((walk.m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, walk.m_block_max, True))
+        # (Q tiles, position of the first - its Q tile): the walk in order, or rotated (walk.py) its two runs
+        runs = ((walk.m_block_min, walk.m_block_max, 0),)
+        if const_expr(self.rotate_walk):
+            start = walk.m_block_min + walk.m_rot
+            runs = ((start, walk.m_block_max, -walk.m_rot), (walk.m_block_min, start, n_m - walk.m_rot))
         for head_in_group in cutlass.range(walk.qhead_per_kvhead, unroll=1):
-            for seg in cutlass.range_constexpr(3):
-                seg_lo, seg_hi, masked = segments[seg]
-                for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
-                    t = tiles_before + head_in_group * n_m + m_block - walk.m_block_min
-                    tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked, score_scale)
+            for run in cutlass.range_constexpr(len(runs)):
+                run_lo, run_hi, shift = runs[run]
+                for seg in cutlass.range_constexpr(3):
+                    seg_lo, seg_hi, masked = segments[seg]
+                    if const_expr(self.rotate_walk):  # the segment's part inside the run
+                        seg_lo = cutlass.max(seg_lo, run_lo)
+                        seg_hi = cutlass.max(cutlass.min(seg_hi, run_hi), seg_lo)
+                    for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
+                        t = tiles_before + head_in_group * n_m + m_block - walk.m_block_min
+                        if const_expr(self.rotate_walk):
+                            t = t + shift  # the tile's walk position
+                        tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked,
+                                  score_scale)
         return n_tiles
 
     @cute.jit

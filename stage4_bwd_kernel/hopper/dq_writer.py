@@ -96,8 +96,9 @@ class DqWriter:
                                       share, (None, None))                      # (rows, cols, m, n)
                 tDsD, tDgD = cpasync.tma_partition(tma_atom_dQ, 0, cute.make_layout(1),
                                                    cute.group_modes(sdQ, 0, 2), cute.group_modes(gdQ, 0, 2))
-            for m_block in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
-                t = head_in_group * n_m + m_block - walk.m_block_min
+            for m_pos in cutlass.range(walk.m_block_min, walk.m_block_max, unroll=1):
+                t = head_in_group * n_m + m_pos - walk.m_block_min
+                m_block = self.m_at(walk, m_pos)  # walk.py
                 buf = t % self.dq_buffers
                 mine = True
                 if const_expr(self.dq_writers > 1):

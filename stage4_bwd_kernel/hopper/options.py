@@ -132,6 +132,7 @@ class BackwardOptions:
     persistent: bool = False  # one CTA per SM takes K/V tiles from a counter (persistent.py); the call picks
                               # it (backward.persistent_pays), so no configuration's default sets it
     dq_first_store: bool = False  # each dQ tile's first arrival stores, the rest reduce: no zeroing (dq_writer.py)
+    rotate_walk: bool = False     # each K/V tile starts its walk at its own Q tile and wraps (walk.py)
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
@@ -238,6 +239,9 @@ class BackwardOptions:
         if self.dq_first_store and (deterministic or self.dq_atomic or not self.dq_frag):
             raise ValueError("dq_first_store: the dQ writer warp's fragment-order adds outside deterministic mode "
                              "(deterministic adds keep their fixed order into a zeroed accumulator)")
+        if self.rotate_walk and deterministic:
+            raise ValueError("rotate_walk: deterministic mode adds into each dQ tile in the dq_order's fixed order, "
+                             "which a rotated walk would serialize")
         if self.stages not in (1, 2):
             raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
         if self.q_shift and (varlen or not self.dq_frag):

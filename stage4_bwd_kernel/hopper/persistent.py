@@ -66,6 +66,8 @@ from stage4_bwd_kernel import common
 from stage4_bwd_kernel.hopper.options import NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
 
 RECORD_WORDS = 5      # a walk's record for the writer: (dQaccum batch, first head, first row, tiles a head, tiles)
+# a rotated walk's record (walk.py) adds the tiles of a head before its wrap; its first row is the first tile's
+ROTATED_RECORD_WORDS = RECORD_WORDS + 1
 RECORDS = 4
 # A record slot's stride and the item ring's size, in words: 32 and 16 bytes, each slot in 16-byte
 # chunks of its own (the struct aligns both). The writer's read of record 0 compiled to 16-byte loads
@@ -76,9 +78,9 @@ ITEM_WORDS = 4
 TILES_CAP = 1 << 30   # "a next tile follows" always holds inside a persistent CTA's walks
 
 
-def records_layout():
-    """(RECORD_WORDS, RECORDS) words of the record ring, slot-major with a RECORD_STRIDE stride."""
-    return cute.make_layout((RECORD_WORDS, RECORDS), stride=(1, RECORD_STRIDE))
+def records_layout(words: int = RECORD_WORDS):
+    """(words, RECORDS) words of the record ring, slot-major with a RECORD_STRIDE stride."""
+    return cute.make_layout((words, RECORDS), stride=(1, RECORD_STRIDE))
 
 
 class ItemSpace(NamedTuple):
@@ -180,7 +182,7 @@ class PersistentRoles:
         tiles."""
         g = Int32(0)
         r = Int32(0)
-        bidx, head, row, n_m, n_tiles = self.take_record(storage, r)
+        bidx, head, row, n_m, n_tiles, wrap_at = self.take_record(storage, r)
         while n_tiles >= 0:
             m = Int32(0)
             for t in cutlass.range(n_tiles, unroll=1):
@@ -188,13 +190,20 @@ class PersistentRoles:
                 self.reduce_dq_tile(storage, mdQacc, mDqArrivals, sdQ_layout, g % self.dq_buffers, bidx, head, row)
                 m += 1
                 row += self.tile_m
-                if m == n_m:  # the next query head of the group
-                    m = Int32(0)
-                    head += 1
-                    row -= n_m * self.tile_m
+                if const_expr(self.rotate_walk):
+                    if m == wrap_at:  # past the last Q tile: on from the first (walk.py)
+                        row -= n_m * self.tile_m
+                    if m == n_m:      # the next query head of the group, from the same Q tile
+                        m = Int32(0)
+                        head += 1
+                else:
+                    if m == n_m:  # the next query head of the group
+                        m = Int32(0)
+                        head += 1
+                        row -= n_m * self.tile_m
                 g += 1
             r += 1
-            bidx, head, row, n_m, n_tiles = self.take_record(storage, r)
+            bidx, head, row, n_m, n_tiles, wrap_at = self.take_record(storage, r)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
 
@@ -239,14 +248,17 @@ class PersistentRoles:
     @cute.jit
     def take_record(self, storage, r: Int32):
         """(the writer warp) record r, once published; its slot is handed back as soon as it is read."""
-        records = storage.sDqRecords.get_tensor(records_layout())
+        words = ROTATED_RECORD_WORDS if const_expr(self.rotate_walk) else RECORD_WORDS
+        records = storage.sDqRecords.get_tensor(records_layout(words))
         bars = storage.mbar_records.data_ptr()
         slot = r % RECORDS
         cute.arch.mbarrier_wait(bars + slot, (r // RECORDS) % 2)
         # every lane reads and hands the slot back itself: its arrival orders its own reads before the
         # producer's next store (lane 0 reading for the warp, then shuffling, spilled the writer)
-        words = tuple(records[i, slot] for i in range(RECORD_WORDS))
+        words = tuple(records[i, slot] for i in range(words))
         cute.arch.mbarrier_arrive(bars + RECORDS + slot)
+        if const_expr(not self.rotate_walk):
+            words = words + (words[3],)  # in order: a head's tiles all come before the wrap
         return words
 
     @cute.jit
@@ -254,7 +266,8 @@ class PersistentRoles:
         """(the producer warp) lane 0 publishes record r: the walk's place and its tile count, or (walk
         None) n_tiles = -1, the end. It first waits until the writer has read the slot's last record."""
         if cute.arch.lane_idx() == 0:
-            records = storage.sDqRecords.get_tensor(records_layout())
+            words = ROTATED_RECORD_WORDS if const_expr(self.rotate_walk) else RECORD_WORDS
+            records = storage.sDqRecords.get_tensor(records_layout(words))
             bars = storage.mbar_records.data_ptr()
             slot = r % RECORDS
             if r >= RECORDS:
@@ -262,7 +275,11 @@ class PersistentRoles:
             if const_expr(walk is not None):
                 records[0, slot] = walk.bidx
                 records[1, slot] = walk.head_kv * walk.qhead_per_kvhead
-                records[2, slot] = self.dq_frag_tile_row(walk.offset_q, walk.batch, walk.m_block_min)
+                first_m = walk.m_block_min
+                if const_expr(self.rotate_walk):
+                    first_m = first_m + walk.m_rot
+                    records[5, slot] = walk.m_block_max - first_m  # tiles of a head before the wrap
+                records[2, slot] = self.dq_frag_tile_row(walk.offset_q, walk.batch, first_m)
                 records[3, slot] = walk.m_block_max - walk.m_block_min
             records[4, slot] = n_tiles
             cute.arch.mbarrier_arrive(bars + slot)

@@ -128,8 +128,9 @@ class Producer:
                                                     (self.stats_offset(offset_q, batch),), tma_stat[None, head, bidx]),
                                                     (tm,), (None,)), 0, 1))
                           for atom, tma_stat, sStat in stats]               # (lse2, D): (smem, gmem)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                t = tiles_before + head_in_group * n_m + m_block - m_block_min
+            for m_pos in cutlass.range(m_block_min, m_block_max, unroll=1):
+                t = tiles_before + head_in_group * n_m + m_pos - m_block_min
+                m_block = self.m_at(walk, m_pos)  # walk.py: m_pos itself unless the walk is rotated
                 st = self.tile_state(t, producer=True)
                 pipes.q.producer_acquire(st)
                 if const_expr(self.kv_with_first):

@@ -4,6 +4,12 @@ A CTA owns K/V tile n_block of one (kv head, batch) and walks, for each query he
 Q tiles [m_block_min, m_block_max) that see those keys (``schedule.m_block_range``; causal skips the
 tiles above the diagonal, a K/V tile past seqused_k walks none). Varlen is a batch of one whose rows
 come from cu_seqlens (offset_q / offset_k into the packed tensors).
+
+A rotated walk (``options.rotate_walk``) visits the same tiles starting at m_block_min + m_rot and
+wrapping at m_block_max, with m_rot = n_block x (Q tiles) / (K/V tiles): the K/V tiles of one head
+start spread over its Q tiles instead of all at the first, so they reach each dQ tile one after
+another, as causal walks do, rather than together. Every role maps a walk position to its Q tile
+with ``m_at``; the tile counter t (ring stages, dS^T / dQ buffers) counts positions.
 """
 from __future__ import annotations
 
@@ -43,12 +49,14 @@ class Walk(NamedTuple):
     m_block_min: Int32
     m_block_max: Int32
     qhead_per_kvhead: Int32
+    m_rot: Int32 = 0       # rotate_walk: the first Q tile is m_block_min + m_rot (0: in order)
 
 
 class WalkPlan:
     """Walk methods of the kernel class (they read tile_m, tile_n, causal, varlen, dq_order)."""
 
-    q_shift = False  # the Hopper kernel sets its option (kernel.py); the Blackwell kernels have none
+    q_shift = False  # the Hopper kernel sets its options (kernel.py); the Blackwell kernels have none
+    rotate_walk = False
 
     @cute.jit
     def tile_bounds(self, num_n_blocks: Int32, total_q: Int32, total_k: Int32, mCuSeqlensQ: cute.Tensor,
@@ -96,5 +104,20 @@ class WalkPlan:
         m_block_min = Int32(m_block_min)
         if b.n_block * self.tile_n >= b.seqlen_k:
             m_block_max = m_block_min
+        m_rot = 0
+        if const_expr(self.rotate_walk):
+            # spread the K/V tiles' first Q tiles evenly over the walk (n_block < K/V tiles when it has any)
+            num_n = cutlass.max((b.seqlen_k + self.tile_n - 1) // self.tile_n, 1)
+            m_rot = b.n_block * (m_block_max - m_block_min) // num_n
         return Walk(b.seqlen_q, b.seqlen_k, b.seqlen_k_rows, b.offset_q, b.offset_k, b.bidx, b.batch, b.head_kv,
-                    b.n_block, m_block_min, m_block_max, qhead_per_kvhead)
+                    b.n_block, m_block_min, m_block_max, qhead_per_kvhead, m_rot)
+
+    @cute.jit
+    def m_at(self, walk, m_pos: Int32) -> Int32:
+        """The Q tile at walk position m_pos (counted from m_block_min, as the Q tile of an unrotated walk)."""
+        if const_expr(not self.rotate_walk):
+            return m_pos
+        m_block = m_pos + walk.m_rot
+        if m_block >= walk.m_block_max:
+            m_block = m_block - (walk.m_block_max - walk.m_block_min)
+        return m_block

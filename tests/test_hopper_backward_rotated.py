@@ -1,0 +1,125 @@
+"""Rotated walks (``options.rotate_walk``, stage4_bwd_kernel/hopper/walk.py): each K/V tile's CTA starts its
+walk at its own Q tile, spread over the walk, and wraps; every role (producer, consumers, dQ writer, the
+persistent build's record ring) visits the same tiles in the same rotated order.
+
+cpu tier: the option is refused in deterministic mode, naming it.
+
+compile tier (sm_90a, fake tensors): the rotated builds compile without spills or serialized wgmmas, with
+the consumers' loop bodies twice over (each segment cut at the wrap); the unrotated default is unchanged.
+
+gpu tier (H100/H200): with first stores on (nobody zeroes dQaccum) and the allocator's free memory filled
+with NaN, dq, dk and dv pass FA4's rule against fp32 autograd -- odd shapes, GQA, both wide and narrow head
+dims, a band, a causal walk, the persistent build with more items than SMs, and varlen batches with
+sequences without queries or keys.
+"""
+from __future__ import annotations
+
+import pytest
+import test_hopper_backward_first_store as tfs  # the NaN-filled allocator
+import test_hopper_backward_persistent as tp  # its fp32 forward + grads reference (tests/ is on the path)
+import test_hopper_variants as tv  # the variants' rule
+import test_stage4_hopper as s4  # the ladder's test helpers
+
+pytestmark = pytest.mark.stage4
+
+
+def _mod():
+    return s4._step("hopper.backward")
+
+
+# ======================================================================================== cpu tier
+@pytest.mark.cpu
+def test_rotated_walks_are_refused_in_deterministic_mode():
+    with pytest.raises(ValueError, match="rotate_walk"):
+        _mod().make_kernel(None, 128, 128, False, True, rotate_walk=True)
+
+
+# ==================================================================================== compile tier
+COMPILE_CASES = [dict(head_dim=128), dict(head_dim=64), dict(head_dim=192, head_dim_v=128),
+                 dict(head_dim=128, persistent=True), dict(head_dim=96, varlen=True, has_seqused_k=True)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_rotated_builds_compile(case):
+    mod = _mod()
+    comp = mod.compile_only(rotate_walk=True, dq_first_store=True, **case)
+    base = mod.compile_only(**case)
+    r = comp.report
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+    assert not r["wgmma_serialized"], r["ptxas_log"]
+    assert r["smem_bytes"] == base.report["smem_bytes"]
+    assert r["HGMMA"] == 2 * base.report["HGMMA"]  # the consumers' bodies before and after the wrap
+
+
+# ======================================================================================== gpu tier
+# (b, sq, sk, hq, hkv, d, dv, causal, window, persistent)
+CASES = [
+    (2, 1, 1, 2, 1, 128, 128, False, (None, None), False),
+    (2, 113, 203, 6, 1, 128, 128, False, (None, None), True),
+    (2, 799, 3, 6, 6, 64, 64, False, (None, None), False),
+    (1, 4224, 4224, 2, 1, 128, 128, False, (None, None), False),
+    (1, 4224, 4224, 2, 2, 64, 64, False, (None, None), False),
+    (2, 1023, 1024, 4, 2, 192, 128, False, (None, None), False),
+    (2, 2048, 2048, 8, 4, 128, 128, False, (None, None), True),   # more K/V tiles than SMs
+    (2, 3000, 1000, 4, 2, 96, 96, False, (None, None), False),
+    (2, 1500, 1500, 4, 4, 64, 64, False, (64, 64), False),        # a band: masked tiles on both sides
+    (2, 1000, 700, 4, 2, 128, 64, True, (None, None), False),     # causal: rows that see no key
+]
+
+
+def _case_id(c):
+    b, sq, sk, hq, hkv, d, dv, causal, window, persistent = c
+    return (f"b{b}-{sq}x{sk}-h{hq}/{hkv}-d{d}x{dv}-{'causal' if causal else 'full'}-w{window[0]},{window[1]}"
+            f"{'-persistent' if persistent else ''}")
+
+
+def _run(q, k, v, out, do, lse, *, causal, window=(None, None), persistent=False, varlen=None):
+    """(dq, dk, dv) of the rotated build with first stores, on poisoned outputs and NaN-filled free memory.
+    varlen: None or (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+    from stage4_bwd_kernel import host
+
+    dq, dk, dv = s4._poisoned(q, k, v)
+    extra = {}
+    if varlen is not None:
+        extra = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"), varlen))
+    tfs._nan_filled_allocator()
+    host.backward(*_mod().with_options(rotate_walk=True, dq_first_store=True, persistent=persistent), q, k, v, out,
+                  do, lse, causal=causal, dq=dq, dk=dk, dv=dv, variant=host.variant_of(causal, window, 0.0), **extra)
+    return dq, dk, dv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_rotated_walks_within_the_rule(case):
+    import torch
+
+    b, sq, sk, hq, hkv, d, dv, causal, window, persistent = case
+    q, k, v, do = s4._inputs(b, sq, sk, hq, hkv, d, dv, seed=7 * sq + sk)
+    (out, lse), ref, base = tp._reference(q, k, v, do, causal, window, 0.0)
+    for call in range(2):  # a second call on the first one's stale accumulator
+        got = _run(q, k, v, out, do, lse, causal=causal, window=window, persistent=persistent)
+        torch.cuda.synchronize()
+        tv._check_grads(f"{_case_id(case)} call {call}", got, ref, base, 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+def test_rotated_varlen_with_empty_sequences(persistent):
+    import torch
+    from stage0_reference.torch_reference import assert_fa4_close, attention_varlen_ref, grad_atol
+    from stage4_bwd_kernel import host
+
+    lens_q = [0, 5, 130, 64, 1, 0, 700, 333, 0, 2000]
+    lens_k = [3, 0, 200, 64, 7, 0, 650, 1000, 5, 1900]
+    q, k, v, do, cu_q, cu_k = s4._varlen_inputs(lens_q, lens_k, 8, 2, 128)
+    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=False, upcast=True)
+    got = _run(q, k, v, out.to(q.dtype), do, lse, causal=False, persistent=persistent,
+               varlen=(cu_q, cu_k, max(lens_q), max(lens_k)))
+    torch.cuda.synchronize()
+    ref, base = host.reference_varlen_grads(q, k, v, do, cu_q, cu_k, causal=False)
+    for name, a, r, bl in zip(("dq", "dk", "dv"), got, ref, base):
+        assert not torch.isnan(a).any(), name
+        assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
+    empty = torch.cat([torch.full((n,), m == 0, device="cuda") for n, m in zip(lens_q, lens_k)])
+    assert empty.any() and got[0][empty].eq(0).all(), "rows of a sequence without keys must get dq = 0"
