@@ -113,6 +113,36 @@ def unmasked_m_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, 
     return lo, hi
 
 
+def walk_rotation(n_block, tile_n, seqlen_k, m_block_min, m_block_max, imax=max):
+    """A rotated walk's offset (options.rotate_walk, hopper/walk.py): K/V tile n_block of the sequence's
+    ceil(seqlen_k / tile_n) starts at Q tile m_block_min + this, so the K/V tiles' first Q tiles spread
+    evenly over the walk; 0 for an empty walk."""
+    num_n = imax((seqlen_k + tile_n - 1) // tile_n, 1)
+    return n_block * (m_block_max - m_block_min) // num_n
+
+
+def rotated_runs(m_block_min, m_block_max, m_rot):
+    """A rotated walk as two runs of Q tiles, (first tile, end, position of a tile - the tile): positions
+    0 .. n - m_rot - 1 are tiles m_block_min + m_rot .., then the rest are m_block_min .. (n: the walk's
+    tiles). The producer and the dQ writer step through positions (``rotated_m``); the consumers loop
+    over these runs, cut by their masked / unmasked segments."""
+    start = m_block_min + m_rot
+    n_m = m_block_max - m_block_min
+    return (start, m_block_max, -m_rot), (m_block_min, start, n_m - m_rot)
+
+
+def run_segment(seg_lo, seg_hi, run_lo, run_hi, imin=min, imax=max):
+    """[lo, hi): the Q tiles of segment [seg_lo, seg_hi) inside run [run_lo, run_hi) (lo <= hi always)."""
+    lo = imax(seg_lo, run_lo)
+    return lo, imax(imin(seg_hi, run_hi), lo)
+
+
+def rotated_m(m_pos, m_block_min, m_block_max, m_rot):
+    """The Q tile at walk position m_pos - m_block_min (what hopper/walk.py's m_at computes on the device)."""
+    m = m_pos + m_rot
+    return m - (m_block_max - m_block_min) if m >= m_block_max else m
+
+
 def is_masked(r, c, key_limit, diag, causal: bool, window=None):
     left, right = _edges(causal, window)
     masked = r >= key_limit

@@ -123,3 +123,41 @@ def test_rotated_varlen_with_empty_sequences(persistent):
         assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
     empty = torch.cat([torch.full((n,), m == 0, device="cuda") for n, m in zip(lens_q, lens_k)])
     assert empty.any() and got[0][empty].eq(0).all(), "rows of a sequence without keys must get dq = 0"
+
+
+@pytest.mark.cpu
+def test_every_role_walks_the_same_rotated_order():
+    """The consumers' loops (rotated runs cut by the masked / unmasked segments, consumer.py) and the
+    producer's and dQ writer's position loop (schedule.rotated_m, walk.py's m_at) give every Q tile of a
+    walk the same position, each tile once; and a head's K/V tiles start at distinct Q tiles where the walk
+    has at least as many Q tiles as there are K/V tiles."""
+    import random
+
+    from stage3_fwd_kernel.components.window import Window
+    from stage4_bwd_kernel import schedule
+
+    rng = random.Random(5)
+    for _ in range(400):
+        tm, tn = rng.choice([(128, 128), (80, 128), (64, 128), (64, 96), (64, 64)])
+        sq, sk = rng.randint(1, 3000), rng.randint(1, 3000)
+        causal = rng.random() < 0.3
+        window = None
+        if rng.random() < 0.3:
+            window = Window(rng.choice([None, rng.randint(0, 700)]), 0 if causal else rng.randint(0, 700))
+        firsts = []
+        for n in range((sk + tn - 1) // tn):
+            lo_m, hi_m = schedule.m_block_range(n, tm, tn, sq, sk, causal, window=window)
+            rot = schedule.walk_rotation(n, tn, sk, lo_m, hi_m)
+            producer = [(p - lo_m, schedule.rotated_m(p, lo_m, hi_m, rot)) for p in range(lo_m, hi_m)]
+            hot_lo, hot_hi = schedule.unmasked_m_range(n, tm, tn, sq, sk, causal, lo_m, hi_m, window=window)
+            consumer = []
+            for run_lo, run_hi, shift in schedule.rotated_runs(lo_m, hi_m, rot):
+                for seg_lo, seg_hi in ((lo_m, hot_lo), (hot_lo, hot_hi), (hot_hi, hi_m)):
+                    a, b = schedule.run_segment(seg_lo, seg_hi, run_lo, run_hi)
+                    consumer += [(m - lo_m + shift, m) for m in range(a, b)]
+            assert sorted(consumer) == producer, (tm, tn, sq, sk, causal, window, n)
+            assert sorted(m for _, m in producer) == list(range(lo_m, hi_m))
+            if producer:
+                firsts.append(producer[0][1])
+        if not causal and window is None and (sq + tm - 1) // tm >= len(firsts):
+            assert len(set(firsts)) == len(firsts), (tm, tn, sq, sk)

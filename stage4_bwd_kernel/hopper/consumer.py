@@ -214,16 +214,15 @@ class Consumer:
         # (Q tiles, position of the first - its Q tile): the walk in order, or rotated (walk.py) its two runs
         runs = ((walk.m_block_min, walk.m_block_max, 0),)
         if const_expr(self.rotate_walk):
-            start = walk.m_block_min + walk.m_rot
-            runs = ((start, walk.m_block_max, -walk.m_rot), (walk.m_block_min, start, n_m - walk.m_rot))
+            runs = schedule.rotated_runs(walk.m_block_min, walk.m_block_max, walk.m_rot)
         for head_in_group in cutlass.range(walk.qhead_per_kvhead, unroll=1):
             for run in cutlass.range_constexpr(len(runs)):
                 run_lo, run_hi, shift = runs[run]
                 for seg in cutlass.range_constexpr(3):
                     seg_lo, seg_hi, masked = segments[seg]
                     if const_expr(self.rotate_walk):  # the segment's part inside the run
-                        seg_lo = cutlass.max(seg_lo, run_lo)
-                        seg_hi = cutlass.max(cutlass.min(seg_hi, run_hi), seg_lo)
+                        seg_lo, seg_hi = schedule.run_segment(seg_lo, seg_hi, run_lo, run_hi, imin=cutlass.min,
+                                                              imax=cutlass.max)
                     for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
                         t = tiles_before + head_in_group * n_m + m_block - walk.m_block_min
                         if const_expr(self.rotate_walk):

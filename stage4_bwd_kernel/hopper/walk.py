@@ -106,15 +106,14 @@ class WalkPlan:
             m_block_max = m_block_min
         m_rot = 0
         if const_expr(self.rotate_walk):
-            # spread the K/V tiles' first Q tiles evenly over the walk (n_block < K/V tiles when it has any)
-            num_n = cutlass.max((b.seqlen_k + self.tile_n - 1) // self.tile_n, 1)
-            m_rot = b.n_block * (m_block_max - m_block_min) // num_n
+            m_rot = schedule.walk_rotation(b.n_block, self.tile_n, b.seqlen_k, m_block_min, m_block_max,
+                                           imax=cutlass.max)
         return Walk(b.seqlen_q, b.seqlen_k, b.seqlen_k_rows, b.offset_q, b.offset_k, b.bidx, b.batch, b.head_kv,
                     b.n_block, m_block_min, m_block_max, qhead_per_kvhead, m_rot)
 
     @cute.jit
     def m_at(self, walk, m_pos: Int32) -> Int32:
-        """The Q tile at walk position m_pos (counted from m_block_min, as the Q tile of an unrotated walk)."""
+        """The Q tile at walk position m_pos - m_block_min (schedule.rotated_m, with a traced branch)."""
         if const_expr(not self.rotate_walk):
             return m_pos
         m_block = m_pos + walk.m_rot
