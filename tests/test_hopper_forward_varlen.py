@@ -80,6 +80,20 @@ def _varlen(q, k, v, cu_q, cu_k, seqused, *, causal, max_seqlen_q=None, batch_ma
     return out, lse
 
 
+def _check_k_empty_and_finite(d, dv, ratio, seqused, causal, seed, **policy):
+    """The LENS_Q / LENS_K batch (8 query heads, GQA ratio, USED_K keys if seqused) against the reference
+    (`_varlen` checks it); its k-empty sequence (b = 1) gets exactly 0 / -inf, and everything else is finite
+    despite the NaN cache slots."""
+    import torch
+
+    used = USED_K if seqused else None
+    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, d, dv, seed=seed)
+    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, **policy)
+    q0, q1 = int(cu_q[1]), int(cu_q[2])
+    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
+    assert torch.all(torch.isfinite(out))
+
+
 # lengths: a q-empty sequence (0 queries), a k-empty one (queries, no keys), tiles that straddle
 # 128-row and 64-row boundaries, one longer than several key tiles, len_q > len_k (masked rows)
 LENS_Q = [0, 37, 1, 300, 128, 65, 513, 200]
@@ -93,15 +107,7 @@ USED_K = [50, 0, 3, 211, 129, 1, 400, 64]  # <= LENS_K; the rest of each sequenc
 @pytest.mark.parametrize("d,dv,ratio,seqused", [(128, 128, 2, True), (64, 64, 1, False), (64, 64, 8, False)],
                          ids=["d128-gqa2-seqused", "d64-mha", "d64-gqa8"])
 def test_varlen_matches_reference(causal, d, dv, ratio, seqused):
-    import torch
-
-    used = USED_K if seqused else None
-    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, d, dv, seed=d + ratio)
-    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal)
-    # the k-empty sequence (b = 1): exactly 0 / -inf; everything else finite despite the NaN slots
-    q0, q1 = int(cu_q[1]), int(cu_q[2])
-    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
-    assert torch.all(torch.isfinite(out))
+    _check_k_empty_and_finite(d, dv, ratio, seqused, causal, seed=d + ratio)
 
 
 @pytest.mark.gpu
@@ -113,14 +119,7 @@ def test_varlen_d64_tile_m(tile_m, causal, ratio, seqused):
     """d = 64 varlen with both CTA heights: q-empty and k-empty sequences, sequences that end inside
     the second or third consumer's rows (37, 65, 200, 300, 513), NaN cache slots past seqused_k (the
     V tail every consumer zeroes)."""
-    import torch
-
-    used = USED_K if seqused else None
-    q, k, v, cu_q, cu_k, su = _varlen_batch(LENS_Q, LENS_K, used, 8, 8 // ratio, 64, 64, seed=tile_m + ratio)
-    out, lse = _varlen(q, k, v, cu_q, cu_k, su, causal=causal, tile_m=tile_m)
-    q0, q1 = int(cu_q[1]), int(cu_q[2])
-    assert torch.all(out[q0:q1] == 0) and torch.all(torch.isneginf(lse[:, q0:q1]))
-    assert torch.all(torch.isfinite(out))
+    _check_k_empty_and_finite(64, 64, ratio, seqused, causal, seed=tile_m + ratio, tile_m=tile_m)
 
 
 @pytest.mark.gpu
