@@ -463,7 +463,7 @@ def test_variant_kernels_construct_across_the_support_matrix():
         banded = is_banded(window, causal)
         for det, varlen in itertools.product((False, True), (False, True)):
             options = BackwardOptions.for_config(d, dv, causal, det, varlen, banded)
-            options.check(varlen, wide=is_wide(d, dv), deterministic=det, banded=banded)
+            options.check(varlen, wide=is_wide(d, dv), deterministic=det, banded=banded, causal=causal)
             kernel = bwd.make_kernel(None, d, dv, causal, det, varlen=varlen, window=window, softcap=softcap)
             assert kernel.column_limit == options.column_limit and not (banded and kernel.column_limit)
 

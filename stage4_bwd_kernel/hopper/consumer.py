@@ -198,8 +198,8 @@ class Consumer:
         """The walk: (query head of the group) x (Q tile), in three segments (module docstring), each
         cut in two by a rotated walk's wrap (walk.py) -> its tile count. tiles_before: the CTA's tiles
         before this walk (a persistent CTA's earlier K/V tiles: the ring, dS^T and dQ buffers count
-        on); tiles_cap: the count the bodies' "a next tile follows"
-        tests compare with (persistent.py: every tile, the CTA ends the last hand-offs itself)."""
+        on); tiles_cap: the count the bodies' "a next tile follows" tests compare with (persistent.py:
+        every tile, the CTA ends the last hand-offs itself)."""
         tm, tn = self.tile_m, self.tile_n
         n_m = walk.m_block_max - walk.m_block_min
         n_tiles = walk.qhead_per_kvhead * n_m
@@ -211,7 +211,7 @@ class Consumer:
                                                    walk.m_block_min, walk.m_block_max, imin=cutlass.min,
                                                    imax=cutlass.max, window=self.window_or_none)
         segments = ((walk.m_block_min, hot_lo, True), (hot_lo, hot_hi, False), (hot_hi, walk.m_block_max, True))
-        # (Q tiles, position of the first - its Q tile): the walk in order, or rotated (walk.py) its two runs
+        # runs of Q tiles (first, end, a tile's walk position minus its index): one in order, two rotated
         runs = ((walk.m_block_min, walk.m_block_max, 0),)
         if const_expr(self.rotate_walk):
             runs = schedule.rotated_runs(walk.m_block_min, walk.m_block_max, walk.m_rot)

@@ -86,7 +86,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.options = options or BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen,
                                                              self.banded)
         self.options.check(varlen, wide=self.wide, deterministic=deterministic, banded=self.banded,
-                           tile_m=self.tile_m, head_dim=head_dim, head_dim_v=head_dim_v)
+                           tile_m=self.tile_m, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
         if self.options.kv_swap and (head_dim, head_dim_v) not in SWAP_HEAD_DIMS:
             raise ValueError(f"kv_swap: the 96-key design (wide_swap.py) is built for head dims {SWAP_HEAD_DIMS}, "
                              f"got {(head_dim, head_dim_v)}")

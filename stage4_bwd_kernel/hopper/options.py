@@ -199,7 +199,7 @@ class BackwardOptions:
                    dq_first_store=not dq_atomic and not deterministic and first_stores_pay(head_dim, causal, banded))
 
     def check(self, varlen: bool, wide: bool = False, deterministic: bool = False, banded: bool = False,
-              tile_m: int = 0, head_dim: int = 0, head_dim_v: int = 0):
+              tile_m: int = 0, head_dim: int = 0, head_dim_v: int = 0, causal: bool = False):
         """ValueError for a combination the kernel cannot build (only overrides can produce one).
         tile_m, head_dim, head_dim_v: the build's, for the checks that need them (persistent's staging).
         wide: the options of the register-sourced body that the wide one (wide.py) has no path for.
@@ -239,9 +239,9 @@ class BackwardOptions:
         if self.dq_first_store and (deterministic or self.dq_atomic or not self.dq_frag):
             raise ValueError("dq_first_store: the dQ writer warp's fragment-order adds outside deterministic mode "
                              "(deterministic adds keep their fixed order into a zeroed accumulator)")
-        if self.rotate_walk and deterministic:
-            raise ValueError("rotate_walk: deterministic mode adds into each dQ tile in the dq_order's fixed order, "
-                             "which a rotated walk would serialize")
+        if self.rotate_walk and (deterministic or causal or banded):
+            raise ValueError("rotate_walk: plain non-causal walks outside deterministic mode (causal and banded walks "
+                             "already start at staggered Q tiles; deterministic adds keep the dq_order's fixed order)")
         if self.stages not in (1, 2):
             raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
         if self.q_shift and (varlen or not self.dq_frag):

@@ -25,7 +25,9 @@ How:
   sK / sV, and releases K/V's stage at its start: the next item's K and V load under the epilogue.
 * The dQ writer warp follows no walk of its own: before loading each walk with tiles, the producer
   warp writes a record of it (batch index of dQaccum, first query head, first row, Q tiles per head,
-  tiles) into a ring of ``RECORDS`` slots, and the writer counts the walk's tiles itself; a record of
+  tiles; a rotated walk's first row is its first tile's, and a sixth word says how many of a head's
+  tiles come before the wrap, walk.py) into a ring of ``RECORDS`` slots, and the writer counts the
+  walk's tiles itself; a record of
   -1 tiles ends the writer. Each slot has a "full" and an "empty" mbarrier (the producer's lane 0
   arrives on one, every lane of the writer on the other once it has read the record), so every access
   to a record is ordered by a release and an acquire of the thread that made it; so is the item ring
@@ -248,14 +250,14 @@ class PersistentRoles:
     @cute.jit
     def take_record(self, storage, r: Int32):
         """(the writer warp) record r, once published; its slot is handed back as soon as it is read."""
-        words = ROTATED_RECORD_WORDS if const_expr(self.rotate_walk) else RECORD_WORDS
-        records = storage.sDqRecords.get_tensor(records_layout(words))
+        num_words = ROTATED_RECORD_WORDS if const_expr(self.rotate_walk) else RECORD_WORDS
+        records = storage.sDqRecords.get_tensor(records_layout(num_words))
         bars = storage.mbar_records.data_ptr()
         slot = r % RECORDS
         cute.arch.mbarrier_wait(bars + slot, (r // RECORDS) % 2)
         # every lane reads and hands the slot back itself: its arrival orders its own reads before the
         # producer's next store (lane 0 reading for the warp, then shuffling, spilled the writer)
-        words = tuple(records[i, slot] for i in range(words))
+        words = tuple(records[i, slot] for i in range(num_words))
         cute.arch.mbarrier_arrive(bars + RECORDS + slot)
         if const_expr(not self.rotate_walk):
             words = words + (words[3],)  # in order: a head's tiles all come before the wrap
