@@ -366,6 +366,11 @@ def test_stats_shuffle_finds_every_column_statistic():
 BODY_COPIES = 3  # the walk's masked / unmasked / masked segments each compile the tile body
 
 
+def body_copies(kernel) -> int:
+    """Tile bodies in a build: each segment twice in a rotated walk (cut at the wrap: hopper/walk.py)."""
+    return BODY_COPIES * (2 if kernel.rotate_walk else 1)
+
+
 def _expected_hgmma(d, dv, tm, tn, dq_split_m=False, dq_swap_ab=False):
     """Static wgmma instructions per Q tile (per warpgroup's code): S^T and dP^T, one 64-key M block
     and K = d / dv; dV and dK, K = tm (A from registers); dQ, K = tn, with M = tm and N split, or
@@ -401,8 +406,9 @@ def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert "C7508" not in log and "C7510" not in log, log
     assert rep["wgmma_serialized"] == [], log  # any wgmma serialization (C7510, C7520, ...), wrapped or not
     kernel = mod.make_kernel(None, d, dv, causal, det)
+    copies = body_copies(kernel)
     # two full waits per body: dP^T (dV is issued after dS^T) and dK, at the end
-    full_waits = BODY_COPIES * 2
+    full_waits = copies * 2
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= full_waits, "a wgmma waited right after issue"
     assert rep["threads"] == 384 and rep["UTMALDG"] and rep["LDGSTS"] == 0
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
@@ -418,13 +424,13 @@ def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
 
     # (a) five GEMMs on wgmma; dV and dK with A from registers (HGMMA ... Rd, Ra, gdesc[..])
     tm, tn = mod.default_tiles(d, dv)
-    assert rep["HGMMA"] == BODY_COPIES * _expected_hgmma(d, dv, tm, tn, kernel.dq_split_m, kernel.dq_swap_ab)
+    assert rep["HGMMA"] == copies * _expected_hgmma(d, dv, tm, tn, kernel.dq_split_m, kernel.dq_swap_ab)
     rs = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass)
-    assert len(rs) == BODY_COPIES * 2 * (tm // 16), f"RS wgmmas: {len(rs)}"
+    assert len(rs) == copies * 2 * (tm // 16), f"RS wgmmas: {len(rs)}"
 
     # row statistics: 2 x tm / 4 shuffles per body with stats_shuffle (d = 64), none in the body otherwise
     n_shfl = sass.count("SHFL.IDX")
-    assert (n_shfl >= BODY_COPIES * tm // 2) == kernel.stats_shuffle, f"{n_shfl} SHFL.IDX"
+    assert (n_shfl >= copies * tm // 2) == kernel.stats_shuffle, f"{n_shfl} SHFL.IDX"
 
     # (b) dQ, no fp32 atomics anywhere (varlen too: see the writer's comment on partial tiles). By default
     #     (dq_frag, all but causal deterministic d = 128) one bulk reduce (UBLKRED) per warpgroup share;
@@ -455,7 +461,8 @@ def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     # deterministic: the semaphore protocol (in the writer warp); otherwise first stores (dq_first_store):
     # the same acquire spin and release on the tiles' arrival counters, counted in by an acquire atomic
     first_store = mod.make_kernel(None, d, dv, causal, det, varlen=varlen, has_seqused_k=seqused).dq_first_store
-    assert first_store == (not det and causal and d != 96)
+    # (causal walks, and at d = 64 / 128 the rotated non-causal ones: options.rotation_pays)
+    assert first_store == (not det and d != 96 and (causal or d in (64, 128)))
     has_sem = ("ld.global.acquire.gpu.b32" in ptx, "fence.acq_rel.gpu" in ptx,
                "red.relaxed.gpu.global.add.s32" in ptx)
     assert has_sem == (det or first_store,) * 3
@@ -559,12 +566,14 @@ def test_deterministic_is_bitwise_reproducible(causal, ratio):
             t.fill_(float("nan"))
         mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=True, dq=dq, dk=dk, dv=dv)
         assert torch.equal(dq, first[0]) and torch.equal(dk, first[1]) and torch.equal(dv, first[2])
-    # the default mode: within the tolerance; on the deterministic mode's Q tiles (q_shift off: causal
-    # d = 128 counts them from the sequence's end by default), dk / dv bitwise equal (no cross-CTA sums)
+    # the default mode: within the tolerance; on the deterministic mode's Q tiles in its order (q_shift off:
+    # causal d = 128 counts them from the sequence's end by default; rotate_walk off: non-causal walks start
+    # at spread tiles by default), dk / dv bitwise equal (no cross-CTA sums)
     nd = mod.attention_backward(q, k, v, out, do, lse, causal=causal, deterministic=False)
     for name, a, r, bl in zip(("dq", "dk", "dv"), nd, ref, base):
         assert_fa4_close(f"{name} (default)", a, r, bl, atol=grad_atol(ref))
-    same_tiles = host.backward(mod.STEP + "~q_shift=0", functools.partial(mod.make_kernel, q_shift=False), q, k, v,
+    same_tiles = host.backward(mod.STEP + "~q_shift=0~rotate_walk=0",
+                               functools.partial(mod.make_kernel, q_shift=False, rotate_walk=False), q, k, v,
                                out, do, lse, causal=causal)
     assert torch.equal(same_tiles[1], first[1]) and torch.equal(same_tiles[2], first[2])
 

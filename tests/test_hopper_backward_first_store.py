@@ -12,7 +12,7 @@ gpu tier (H100/H200): with the allocator's free memory filled with NaN before ea
 is never zeroed, so stale bytes would show), dq, dk and dv pass FA4's rule against fp32 autograd; query
 rows that no key reaches (causal with more queries than keys, windows, varlen sequences without keys)
 get dq = 0 exactly; and repeated non-causal calls with first stores forced on, where every K/V tile's CTA
-reaches the same dQ tile at about the same time, stay within the rule every time.
+reaches the same dQ tile at about the same time (the walk in order), stay within the rule every time.
 """
 from __future__ import annotations
 
@@ -35,11 +35,13 @@ def _mod():
 @pytest.mark.parametrize("d,dv,causal,banded,expected", [
     (128, 128, True, False, True), (64, 64, True, False, True), (128, 64, True, False, True),
     (192, 128, True, False, True), (64, 64, False, True, True), (128, 128, False, True, True),
-    (128, 128, False, False, False), (64, 64, False, False, False), (192, 128, False, False, False),
+    (128, 128, False, False, True), (64, 64, False, False, True), (128, 64, False, False, True),
+    (192, 128, False, False, False), (96, 96, False, False, False),
     (96, 96, True, False, False), (96, 96, False, True, False), (256, 256, True, False, False)])
 def test_first_stores_are_the_default_where_they_measured_faster(d, dv, causal, banded, expected):
-    """Causal or banded walks outside deterministic mode, but d = 96 and 256 (dQ from registers); a plain
-    non-causal walk keeps the zeroed accumulator (its K/V tiles reach each dQ tile together)."""
+    """Causal, banded or (d = 64 / 128) rotated non-causal walks outside deterministic mode, but d = 96
+    and 256 (dQ from registers); the other plain non-causal walks keep the zeroed accumulator (their
+    K/V tiles reach each dQ tile together)."""
     from stage4_bwd_kernel.hopper.options import BackwardOptions
 
     _mod()
@@ -214,9 +216,9 @@ def test_varlen_sequences_without_keys_get_zero_dq(lens_q, lens_k, hq, hkv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_concurrent_arrivals_stay_within_the_rule(d):
-    """Non-causal with first stores forced on (the default keeps the zeroing there): every K/V tile's CTA
-    walks the Q tiles in the same order, so they reach each dQ tile together and most of them wait for its
-    first store. Ten calls on stale memory, each within the rule."""
+    """Non-causal with first stores forced on and the walk in order (the default rotates it there): every
+    K/V tile's CTA walks the Q tiles in the same order, so they reach each dQ tile together and most of
+    them wait for its first store. Ten calls on stale memory, each within the rule."""
     import torch
     from stage4_bwd_kernel import host
 
@@ -225,6 +227,7 @@ def test_concurrent_arrivals_stay_within_the_rule(d):
     for i in range(10):
         dq, dk, dv = s4._poisoned(q, k, v)
         _nan_filled_allocator()
-        host.backward(*_mod().with_options(dq_first_store=True), q, k, v, out, do, lse, dq=dq, dk=dk, dv=dv)
+        host.backward(*_mod().with_options(dq_first_store=True, rotate_walk=False), q, k, v, out, do, lse, dq=dq,
+                      dk=dk, dv=dv)
         torch.cuda.synchronize()
         tv._check_grads(f"call {i}", (dq, dk, dv), ref, base, 0.0)

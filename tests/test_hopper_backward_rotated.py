@@ -6,7 +6,8 @@ cpu tier: every role's order replayed on random walks; the option is refused, na
 non-causal walks (causal and banded walks already start staggered) and in deterministic mode.
 
 compile tier (sm_90a, fake tensors): the rotated builds compile without spills or serialized wgmmas, with
-the consumers' loop bodies twice over (each segment cut at the wrap); the unrotated default is unchanged.
+the consumers' loop bodies twice over (each segment cut at the wrap). They are the default for plain
+non-causal walks at d = 64 and 128 / (128, 64) (``options.rotation_pays``).
 
 gpu tier (H100/H200): with first stores on (nobody zeroes dQaccum) and the allocator's free memory filled
 with NaN, dq, dk and dv pass FA4's rule against fp32 autograd -- odd shapes, GQA, both wide and narrow head
@@ -55,7 +56,7 @@ def test_rotated_builds_compile(case):
     case = dict(case)
     first_store = case.pop("dq_first_store", True)
     comp = mod.compile_only(rotate_walk=True, dq_first_store=first_store, **case)
-    base = mod.compile_only(**case)
+    base = mod.compile_only(rotate_walk=False, **case)
     r = comp.report
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
     assert not r["wgmma_serialized"], r["ptxas_log"]
@@ -138,6 +139,22 @@ def test_rotated_varlen_with_empty_sequences(persistent):
         assert_fa4_close(name, a, r, bl, atol=grad_atol(ref))
     empty = torch.cat([torch.full((n,), m == 0, device="cuda") for n, m in zip(lens_q, lens_k)])
     assert empty.any() and got[0][empty].eq(0).all(), "rows of a sequence without keys must get dq = 0"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("d,dv,causal,banded,det,expected", [
+    (128, 128, False, False, False, True), (64, 64, False, False, False, True), (128, 64, False, False, False, True),
+    (96, 96, False, False, False, False), (192, 128, False, False, False, False), (256, 256, False, False, False, False),
+    (128, 128, True, False, False, False), (64, 64, False, True, False, False), (128, 128, False, False, True, False)])
+def test_rotated_walks_are_the_default_where_they_measured_faster(d, dv, causal, banded, det, expected):
+    from stage4_bwd_kernel.hopper.options import BackwardOptions
+
+    _mod()
+    for varlen in (False, True):
+        options = BackwardOptions.for_config(d, dv, causal, det, varlen, banded)
+        assert options.rotate_walk is expected
+        assert not expected or options.dq_first_store  # a rotated walk's K/V tiles arrive one after another
+        assert not BackwardOptions.for_config(d, dv, causal, det, varlen, banded, softcap=True).rotate_walk
 
 
 @pytest.mark.cpu

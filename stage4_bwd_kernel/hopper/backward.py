@@ -38,7 +38,7 @@ def make_kernel(dtype, head_dim, head_dim_v, causal, deterministic, *, varlen=Fa
         if unknown:
             raise TypeError(f"{unknown[0]}: not an option of the Hopper backward (options: {sorted(names)})")
         defaults = BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen,
-                                              is_banded(window, causal))
+                                              is_banded(window, causal), softcap=softcap > 0)
         if "dq_first_store" not in overrides:  # it follows the dQ path an override picks (dq_writer.py)
             frag, atomic = overrides.get("dq_frag", defaults.dq_frag), overrides.get("dq_atomic", defaults.dq_atomic)
             overrides = dict(overrides, dq_first_store=defaults.dq_first_store and frag and not atomic)

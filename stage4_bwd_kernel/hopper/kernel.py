@@ -84,7 +84,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.window_or_none = self.window if self.banded else None
         self.score_mod = Softcap(softcap)
         self.options = options or BackwardOptions.for_config(head_dim, head_dim_v, causal, deterministic, varlen,
-                                                             self.banded)
+                                                             self.banded, softcap=self.score_mod.on)
         self.options.check(varlen, wide=self.wide, deterministic=deterministic, banded=self.banded,
                            tile_m=self.tile_m, head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
         if self.options.kv_swap and (head_dim, head_dim_v) not in SWAP_HEAD_DIMS:

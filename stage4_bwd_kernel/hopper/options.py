@@ -136,9 +136,10 @@ class BackwardOptions:
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
-                   varlen: bool, banded: bool = False) -> "BackwardOptions":
+                   varlen: bool, banded: bool = False, softcap: bool = False) -> "BackwardOptions":
         """The measured default of a configuration (docs/measurements.md). banded: a window edge
-        beyond causal's (``is_banded``), so the walk has masked tiles at both ends."""
+        beyond causal's (``is_banded``), so the walk has masked tiles at both ends; softcap: scores
+        capped (its builds keep the walk in order, ``rotation_pays``)."""
         tm, tn = default_tiles(head_dim, head_dim_v)
         if is_wide(head_dim, head_dim_v):
             return cls.for_wide(head_dim, head_dim_v, deterministic, banded, causal=causal)
@@ -156,6 +157,7 @@ class BackwardOptions:
             dq_buffers = 1
         # the TMA tensor reduce measured faster only for the 80-query tile in causal deterministic mode
         dq_frag = not (causal and deterministic and tm == 80)
+        rotate_walk = rotation_pays(head_dim, causal, banded, deterministic, softcap)
         return cls(
             # off where ptxas would serialize the wgmmas (C7512): d = 64 causal or banded, default mode
             stats_shuffle=tm == 128 and not (dq_frag and (causal or banded) and not deterministic),
@@ -169,7 +171,9 @@ class BackwardOptions:
             ds_buffers=ds_buffers,
             dq_buffers=dq_buffers,
             dq_writers=dq_buffers if deterministic else 1,
-            dq_first_store=dq_frag and not deterministic and first_stores_pay(head_dim, causal, banded),
+            dq_first_store=dq_frag and not deterministic and first_stores_pay(head_dim, causal, banded,
+                                                                              rotate_walk),
+            rotate_walk=rotate_walk,
         )
 
     @classmethod
@@ -249,13 +253,24 @@ class BackwardOptions:
                              "loaded past the tensor's start, as zeros)")
 
 
-def first_stores_pay(head_dim: int, causal: bool, banded: bool) -> bool:
+def first_stores_pay(head_dim: int, causal: bool, banded: bool, rotated: bool = False) -> bool:
     """Where first stores into dQ (dq_writer.py) measured at or above the zeroed accumulator on an H200
-    (docs/measurements.md, 2026-12-02, "first stores into the dQ accumulator"): causal or banded walks,
-    whose K/V tiles reach a dQ tile at different times. In a plain non-causal walk every CTA reaches each
-    dQ tile together and all but the first wait for its store: -15% / -17% at 2k for d = 96 / (192, 128)
-    (64-query tiles). d = 96 causal tied or lost (-1.5% at 8k), so it keeps the zeroing too."""
-    return (causal or banded) and head_dim != 96
+    (docs/measurements.md, 2026-12-02, "first stores into the dQ accumulator"): causal, banded or rotated
+    walks, whose K/V tiles reach a dQ tile at different times. In a plain non-causal walk in order every
+    CTA reaches each dQ tile together and all but the first wait for its store: -15% / -17% at 2k for
+    d = 96 / (192, 128) (64-query tiles). d = 96 causal tied or lost (-1.5% at 8k), so it keeps the
+    zeroing too."""
+    return (causal or banded or rotated) and head_dim != 96
+
+
+def rotation_pays(head_dim: int, causal: bool, banded: bool, deterministic: bool, softcap: bool = False) -> bool:
+    """Where rotated walks (walk.py) with first stores measured at or above the walk in order with a zeroed
+    accumulator on an H200 (docs/measurements.md, 2026-12-02, "rotated non-causal walks"): plain non-causal
+    walks at d = 64 and 128 / (128, 64), +2.2..5.2% at 1k-2k for d = 128 and a tie from 4k on. d = 96 and
+    (192, 128) (64-query tiles) lost 0.4-1.3%; causal and banded walks are staggered already. Softcap
+    builds (not timed) keep the order: the d = 64 one, which spills 116 bytes in order, spilled 240
+    with the consumers' bodies twice over."""
+    return not (causal or banded or deterministic or softcap) and head_dim in (64, 128)
 
 
 def dq_empty_barrier(dq_buffers: int) -> int:
