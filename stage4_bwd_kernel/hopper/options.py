@@ -266,7 +266,7 @@ def first_stores_pay(head_dim: int, causal: bool, banded: bool, rotated: bool = 
 def rotation_pays(head_dim: int, causal: bool, banded: bool, deterministic: bool, softcap: bool = False) -> bool:
     """Where rotated walks (walk.py) with first stores measured at or above the walk in order with a zeroed
     accumulator on an H200 (docs/measurements.md, 2026-12-02, "rotated non-causal walks"): plain non-causal
-    walks at d = 64 and 128 / (128, 64), +2.2..5.2% at 1k-2k for d = 128 and a tie from 4k on. d = 96 and
+    walks at d = 64 and 128 / (128, 64), +2.2..5.1% at 1k-2k for d = 128 and a tie from 4k on. d = 96 and
     (192, 128) (64-query tiles) lost 0.4-1.3%; causal and banded walks are staggered already. Softcap
     builds (not timed) keep the order: the d = 64 one, which spills 116 bytes in order, spilled 240
     with the consumers' bodies twice over."""
