@@ -144,7 +144,8 @@ def test_rotated_varlen_with_empty_sequences(persistent):
 @pytest.mark.cpu
 @pytest.mark.parametrize("d,dv,causal,banded,det,expected", [
     (128, 128, False, False, False, True), (64, 64, False, False, False, True), (128, 64, False, False, False, True),
-    (96, 96, False, False, False, False), (192, 128, False, False, False, False), (256, 256, False, False, False, False),
+    (96, 96, False, False, False, False), (192, 128, False, False, False, False),
+    (256, 256, False, False, False, False),
     (128, 128, True, False, False, False), (64, 64, False, True, False, False), (128, 128, False, False, True, False)])
 def test_rotated_walks_are_the_default_where_they_measured_faster(d, dv, causal, banded, det, expected):
     from stage4_bwd_kernel.hopper.options import BackwardOptions

@@ -27,10 +27,10 @@ How:
   warp writes a record of it (batch index of dQaccum, first query head, first row, Q tiles per head,
   tiles; a rotated walk's first row is its first tile's, and a sixth word says how many of a head's
   tiles come before the wrap, walk.py) into a ring of ``RECORDS`` slots, and the writer counts the
-  walk's tiles itself; a record of
-  -1 tiles ends the writer. Each slot has a "full" and an "empty" mbarrier (the producer's lane 0
-  arrives on one, every lane of the writer on the other once it has read the record), so every access
-  to a record is ordered by a release and an acquire of the thread that made it; so is the item ring
+  walk's tiles itself; a record of -1 tiles ends the writer. Each slot has a "full" and an "empty"
+  mbarrier (the producer's lane 0 arrives on one, every lane of the writer on the other once it has
+  read the record), so every access to a record is ordered by a release and an acquire of the thread
+  that made it; so is the item ring
   ("items read": every consumer thread arrives once it has read an index, and the producer waits for
   the slot's previous readers before storing the next). compute-sanitizer's racecheck reported
   hazards for the orderings these replace: a record ordered by the "dQ full" named barrier (a
