@@ -108,8 +108,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "paged_kv_cache": (True, "block_table / page_table: read in place by the sm_90 forward when nothing needs a "
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
                              "any other page size by a cp.async gather up to 64 query rows (decode); longer queries "
-                             "over those pages, and page_table on other arches, use a dense copy of the pages "
-                             "(flash_attn_with_kvcache: sm_90 only)"),
+                             "over those pages, queries of 4096 rows or more over pages of 16, and page_table on other "
+                             "arches use a dense copy of the pages (flash_attn_with_kvcache: sm_90 only)"),
     "fp8": (False, "not supported"),
 }
 
@@ -538,6 +538,16 @@ class Backend:
 # where a tile's MMAs still take less time than its K/V block's gather.
 GATHER_MAX_QUERY_ROWS = 64
 
+# Pages read by TMA as this many boxes per key block or more (pages of 16 keys at the 128-key tile) are
+# read in place only below SMALL_PAGE_COPY_QUERY_ROWS kernel rows per sequence; longer queries run on a
+# dense copy of the pages (the copy costs per key, the attention per key and query row). On an H200
+# (GQA 32/8, d = 128, causal prefill, batch x seqlen = 32k, shuffled pages; docs/measurements.md,
+# 2026-12-02 "paged prefill over pages of 16"), time against a dense cache: pages of 16 in place
+# 0.91-0.95x at 4k-16k keys (a K block is 8 pages, 16 TMA copies of 2 KB), through the copy 0.94 / 0.96 /
+# 0.97x at 4k / 8k / 16k; pages of 32 (4 pages a block) in place 0.96-0.98x. Shorter queries: not measured.
+SMALL_PAGE_BOXES = 8
+SMALL_PAGE_COPY_QUERY_ROWS = 4096
+
 
 class HopperBackend(Backend):
     """sm_90: the production kernels behind `stage3_fwd_kernel.hopper` and `stage4_bwd_kernel.hopper`.
@@ -575,16 +585,20 @@ class HopperBackend(Backend):
         return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
 
     def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None) -> bool:
-        """Pages TMA boxes read: always. Pages the producer gathers with cp.async (1-8 rows, 24, ...):
-        only for short queries (GATHER_MAX_QUERY_ROWS), where the kernel waits on memory;
-        a long prefill is compute-bound and runs faster on a dense copy."""
-        from stage3_fwd_kernel.components.paged_kv import gathered, page_size_ok
+        """Pages TMA boxes read: always, but for pages of SMALL_PAGE_BOXES boxes a block or more under
+        queries of SMALL_PAGE_COPY_QUERY_ROWS rows or more. Pages the producer gathers with cp.async
+        (1-8 rows, 24, ...): only for short queries (GATHER_MAX_QUERY_ROWS), where the kernel waits on
+        memory. A long prefill is compute-bound and runs faster on a dense copy than on small pieces."""
+        from stage3_fwd_kernel.components.paged_kv import box_rows, gathered, page_size_ok
         from stage3_fwd_kernel.hopper.config import default_tile_n
 
         tile_n = default_tile_n(head_dim, head_dim_v)
         if not page_size_ok(page_size, tile_n):
             return False
-        return not gathered(page_size, tile_n) or (query_rows is not None and query_rows <= GATHER_MAX_QUERY_ROWS)
+        if gathered(page_size, tile_n):
+            return query_rows is not None and query_rows <= GATHER_MAX_QUERY_ROWS
+        small = tile_n // box_rows(page_size, tile_n) >= SMALL_PAGE_BOXES
+        return not (small and query_rows is not None and query_rows >= SMALL_PAGE_COPY_QUERY_ROWS)
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):

@@ -10,9 +10,10 @@ that index the cache in place, with no copy:
   small batch runs n x as many CTAs; the partial (out, lse) pairs are merged through their
   log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
 * paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq) read in place
-  (fa4._paged: TMA boxes for multiples and 16-row divisors of the key tile at any query length, a
-  cp.async row gather for the other page sizes up to fa4._dispatch.GATHER_MAX_QUERY_ROWS kernel
-  rows -- query tokens times the group when GQA heads are packed): it is cut into chunks exactly
+  (fa4._paged: TMA boxes for multiples and 16-row divisors of the key tile -- pages of 8 boxes a
+  block or more below fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS kernel rows, the others at any query
+  length --, a cp.async row gather for the other page sizes up to fa4._dispatch.GATHER_MAX_QUERY_ROWS
+  kernel rows -- query tokens times the group when GQA heads are packed): it is cut into chunks exactly
   like a dense cache, only the chunks' first keys are logical positions and each segment gets its
   sequence's page-table row;
 * a paged cache the kernel does not read in place (longer queries over gathered page sizes, head

@@ -6,12 +6,14 @@ Hopper varlen forward as it is: the kernel's producer looks up the page of every
 size: multiples of the forward's key tile (128 rows; 64 at head dim 256) and its divisors of 16
 rows or more are read by TMA boxes, the others (1 to 8 rows, 24, 160, ...) row by row with cp.async
 (stage3_fwd_kernel.hopper.gather), which pays off for short queries only
-(fa4._dispatch.GATHER_MAX_QUERY_ROWS). A forward only: the backward reads dense K / V.
+(fa4._dispatch.GATHER_MAX_QUERY_ROWS). Pages of 16 keys are 8 TMA boxes a key block, slower than a
+dense copy once queries are long (fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS). A forward only: the
+backward reads dense K / V.
 
 Every other paged call -- inputs that need a gradient, seqused_q, head-dim pairs that run padded,
-an arch without the paged forward, long queries over pages TMA cannot read -- keeps the gather
-(fa4._layouts.VarlenLayout.unpage):
-a copy of each sequence's pages, then the dense varlen call. `in_place` makes that choice.
+an arch without the paged forward, long queries over pages TMA cannot read or over pages of 16 --
+keeps the gather (fa4._layouts.VarlenLayout.unpage): a copy of each sequence's pages, then the
+dense varlen call. `in_place` makes that choice.
 """
 from __future__ import annotations
 

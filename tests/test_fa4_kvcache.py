@@ -176,7 +176,21 @@ def test_gathered_page_sizes_in_place_only_for_short_queries():
     assert [be.paged_in_place(128, 128, p, short) for p in (1, 8, 24, 160)] == [True] * 4
     assert [be.paged_in_place(128, 128, p, long) for p in (1, 8, 24, 160)] == [False] * 4
     assert not be.paged_in_place(128, 128, 8, None) and be.paged_in_place(128, 128, 16, None)
-    assert all(be.paged_in_place(d, dv, p, 4096) for d, dv in ((128, 128), (64, 64), (256, 256)) for p in (16, 128, 256))
+    assert all(be.paged_in_place(d, dv, p, 4096) for d, dv in ((128, 128), (64, 64), (256, 256)) for p in (32, 128, 256))
+
+
+def test_small_pages_in_place_below_long_queries():
+    """Pages of SMALL_PAGE_BOXES TMA boxes a key block or more (16 keys at the 128-key tile): in place up
+    to SMALL_PAGE_COPY_QUERY_ROWS - 1 query rows and for an unknown length, a dense copy from there on;
+    wider pages, and 16-key pages at the 64-key tile (d = 256: 4 boxes), stay in place."""
+    from fa4 import _dispatch
+
+    be = _dispatch.HopperBackend(_dispatch.ARCHS["sm_90"])
+    rows = _dispatch.SMALL_PAGE_COPY_QUERY_ROWS
+    for d, dv in ((128, 128), (64, 64), (128, 64)):
+        assert [be.paged_in_place(d, dv, 16, r) for r in (None, 1, rows - 1, rows, 4 * rows)] == [True] * 3 + [False] * 2
+        assert all(be.paged_in_place(d, dv, p, 4 * rows) for p in (32, 64, 128, 384))
+    assert all(be.paged_in_place(256, 256, p, 4 * rows) for p in (16, 32, 64))
 
 
 def test_query_rows_read_from_shapes_only():

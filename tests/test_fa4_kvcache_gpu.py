@@ -11,7 +11,6 @@ import torch
 
 import fa4
 from fa4 import _kvcache as kv
-from fa4._layouts import gather_pages
 from stage0_reference.torch_reference import attention_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fa4]
@@ -325,8 +324,11 @@ def gather_any_length(monkeypatch):
     monkeypatch.setattr(fa4._dispatch, "GATHER_MAX_QUERY_ROWS", 1 << 30)
 
 
-# the truth's dense copy of a paged cache (no_gather patches the names the call paths use, not this one)
-_unpage = gather_pages
+def _unpage(cache, table):
+    """The truth's dense copy of a paged cache: plain indexing, apart from fa4's own page gather
+    (which no_gather patches where the call paths reach it)."""
+    b, p = table.shape
+    return cache[table.clamp(0, cache.shape[0] - 1).long()].reshape(b, p * cache.shape[1], *cache.shape[2:])
 
 
 @pytest.mark.parametrize("page, splits", [(128, 0), (256, 1), (256, 7), (512, 16), (16, 0), (64, 3), (32, 1),
@@ -504,6 +506,27 @@ def test_long_queries_over_gathered_pages_take_the_copy(monkeypatch):
     out, lse = fa4.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, causal=True, return_lse=True)
     assert copies, "a long query over gathered pages should take the dense copy"
     _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), used, causal=True), "copy")
+
+
+@pytest.mark.parametrize("page, copied", [(16, True), (32, False)])
+def test_long_queries_over_pages_of_16_take_the_copy(monkeypatch, page, copied):
+    """A causal prefill of SMALL_PAGE_COPY_QUERY_ROWS + 5 queries (a partial last page, GQA 4): over
+    pages of 16 (8 TMA boxes a key block) fa4 copies the pages into a dense cache; over pages of 32
+    it reads them in place. Both follow the rule, and the copy equals plain indexing of the pages."""
+    copies = []
+    monkeypatch.setattr(fa4._layouts.VarlenLayout, "unpage",
+                        staticmethod(lambda *a, _f=fa4._layouts.VarlenLayout.unpage: copies.append(_f(*a)) or copies[-1]))
+    n = fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS + 5
+    b, pages = 1, -(-n // page)
+    kp, vp, table = _paged(b, pages, page, 2, 128, 23)
+    q = torch.randn(b, n, 8, 128, device="cuda").to(BF16)
+    used = torch.tensor([n], dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, causal=True, return_lse=True)
+    assert bool(copies) == copied, f"page {page}: copied {bool(copies)}"
+    keys, values = _unpage(kp, table), _unpage(vp, table)
+    if copied:
+        assert torch.equal(copies[0][0], keys) and torch.equal(copies[0][1], values)
+    _check(out, lse, *_truth_and_baseline(q, keys, values, used, causal=True), f"page {page}, {n} queries")
 
 
 def test_varlen_page_table_with_grad_gathers_and_differentiates():
