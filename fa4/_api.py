@@ -159,8 +159,10 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     page_table[b, 0], page_table[b, 1], ... (seqused_k[b] keys, default all). On sm_90, with a page
     size that is a multiple of the forward's key tile (128; 64 at head dim 256) or divides it and is
     a multiple of 16, a native head-dim pair, no seqused_q and nothing that needs a gradient, the
-    kernel reads the pages in place (fa4/_paged.py); otherwise fa4 gathers them into a padded copy
-    first (a copy per call; fa4/_layouts.VarlenLayout.unpage).
+    kernel reads the pages in place (fa4/_paged.py) -- pages of 16 at the 128-key tile only below
+    4096 query rows a sequence (as max_seqlen_q or a padded q tells; without either, every packed
+    row counts); otherwise fa4 gathers them into a padded copy first (a copy per call;
+    fa4/_layouts.VarlenLayout.unpage).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for
     CUDA graphs); None means a padded side's seqlen, or, as in the official, a packed side's token
     total: no host sync, but the grid is sized from the bound, so a batch of many short sequences

@@ -16,8 +16,8 @@ that index the cache in place, with no copy:
   kernel rows -- query tokens times the group when GQA heads are packed): it is cut into chunks exactly
   like a dense cache, only the chunks' first keys are logical positions and each segment gets its
   sequence's page-table row;
-* a paged cache the kernel does not read in place (longer queries over gathered page sizes, head
-  dims that run padded, an arch without the paged forward): one segment per page, merged the same
+* a paged cache the kernel does not read in place (longer queries over gathered page sizes or over
+  pages of 16, head dims that run padded, an arch without the paged forward): one segment per page, merged the same
   way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy first (many tiny
   segments cost far more).
 

@@ -166,7 +166,8 @@ def test_page_sizes_read_in_place():
 
 
 def test_gathered_page_sizes_in_place_only_for_short_queries():
-    """Pages TMA reads: in place at any query length; pages the kernel gathers with cp.async: only up
+    """Pages TMA reads: in place at any query length below SMALL_PAGE_COPY_QUERY_ROWS (at every length but
+    for pages of 16, the next test); pages the kernel gathers with cp.async: only up
     to GATHER_MAX_QUERY_ROWS query rows (a long prefill runs faster on a dense copy), never when the
     length is unknown."""
     from fa4 import _dispatch
@@ -176,7 +177,8 @@ def test_gathered_page_sizes_in_place_only_for_short_queries():
     assert [be.paged_in_place(128, 128, p, short) for p in (1, 8, 24, 160)] == [True] * 4
     assert [be.paged_in_place(128, 128, p, long) for p in (1, 8, 24, 160)] == [False] * 4
     assert not be.paged_in_place(128, 128, 8, None) and be.paged_in_place(128, 128, 16, None)
-    assert all(be.paged_in_place(d, dv, p, 4096) for d, dv in ((128, 128), (64, 64), (256, 256)) for p in (32, 128, 256))
+    assert all(be.paged_in_place(d, dv, p, 4096)
+               for d, dv in ((128, 128), (64, 64), (256, 256)) for p in (32, 128, 256))
 
 
 def test_small_pages_in_place_below_long_queries():
@@ -188,7 +190,8 @@ def test_small_pages_in_place_below_long_queries():
     be = _dispatch.HopperBackend(_dispatch.ARCHS["sm_90"])
     rows = _dispatch.SMALL_PAGE_COPY_QUERY_ROWS
     for d, dv in ((128, 128), (64, 64), (128, 64)):
-        assert [be.paged_in_place(d, dv, 16, r) for r in (None, 1, rows - 1, rows, 4 * rows)] == [True] * 3 + [False] * 2
+        in_place = [be.paged_in_place(d, dv, 16, r) for r in (None, 1, rows - 1, rows, 4 * rows)]
+        assert in_place == [True] * 3 + [False] * 2
         assert all(be.paged_in_place(d, dv, p, 4 * rows) for p in (32, 64, 128, 384))
     assert all(be.paged_in_place(256, 256, p, 4 * rows) for p in (16, 32, 64))
 

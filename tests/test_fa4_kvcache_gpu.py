@@ -513,9 +513,9 @@ def test_long_queries_over_pages_of_16_take_the_copy(monkeypatch, page, copied):
     """A causal prefill of SMALL_PAGE_COPY_QUERY_ROWS + 5 queries (a partial last page, GQA 4): over
     pages of 16 (8 TMA boxes a key block) fa4 copies the pages into a dense cache; over pages of 32
     it reads them in place. Both follow the rule, and the copy equals plain indexing of the pages."""
-    copies = []
+    copies, unpage = [], fa4._layouts.VarlenLayout.unpage
     monkeypatch.setattr(fa4._layouts.VarlenLayout, "unpage",
-                        staticmethod(lambda *a, _f=fa4._layouts.VarlenLayout.unpage: copies.append(_f(*a)) or copies[-1]))
+                        staticmethod(lambda *a: copies.append(unpage(*a)) or copies[-1]))
     n = fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS + 5
     b, pages = 1, -(-n // page)
     kp, vp, table = _paged(b, pages, page, 2, 128, 23)
