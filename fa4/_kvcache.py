@@ -10,16 +10,15 @@ that index the cache in place, with no copy:
   small batch runs n x as many CTAs; the partial (out, lse) pairs are merged through their
   log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
 * paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq) read in place
-  (fa4._paged: TMA boxes for multiples and 16-row divisors of the key tile -- pages of 8 boxes a
-  block or more below fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS kernel rows, the others at any query
-  length --, a cp.async row gather for the other page sizes up to fa4._dispatch.GATHER_MAX_QUERY_ROWS
-  kernel rows -- query tokens times the group when GQA heads are packed): it is cut into chunks exactly
-  like a dense cache, only the chunks' first keys are logical positions and each segment gets its
-  sequence's page-table row;
+  (fa4._paged: TMA boxes for multiples and 16-row divisors of the key tile, pages of 16 keys only
+  below fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS kernel rows; a cp.async row gather for the other
+  page sizes up to fa4._dispatch.GATHER_MAX_QUERY_ROWS kernel rows -- query tokens times the group
+  when GQA heads are packed): it is cut into chunks exactly like a dense cache, only the chunks'
+  first keys are logical positions and each segment gets its sequence's page-table row;
 * a paged cache the kernel does not read in place (longer queries over gathered page sizes or over
-  pages of 16, head dims that run padded, an arch without the paged forward): one segment per page, merged the same
-  way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy first (many tiny
-  segments cost far more).
+  pages of 16, head dims that run padded, an arch without the paged forward): one segment per page,
+  merged the same way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy
+  first (many tiny segments cost far more).
 
 Where a call has at most 64 kernel rows (decode) over a dense cache (sequence b in cache row b,
 or cache_batch_idx[b]) or pages read in place, an eager call on the device skips the segments: the

@@ -166,8 +166,8 @@ def test_page_sizes_read_in_place():
 
 
 def test_gathered_page_sizes_in_place_only_for_short_queries():
-    """Pages TMA reads: in place at any query length below SMALL_PAGE_COPY_QUERY_ROWS (at every length but
-    for pages of 16, the next test); pages the kernel gathers with cp.async: only up
+    """Pages TMA reads: in place at any query length (pages of 16: the next test); pages the kernel
+    gathers with cp.async: only up
     to GATHER_MAX_QUERY_ROWS query rows (a long prefill runs faster on a dense copy), never when the
     length is unknown."""
     from fa4 import _dispatch
