@@ -544,8 +544,9 @@ GATHER_MAX_QUERY_ROWS = 64
 # (GQA 32/8, d = 128, causal prefill, batch x seqlen = 32k, shuffled pages; docs/measurements.md,
 # 2026-12-02 "paged prefill over pages of 16"), time against a dense cache: pages of 16 in place
 # 0.91-0.95x at 4k-16k keys (a K block is 8 pages, 16 TMA copies of 2 KB); through the copy, in paired
-# probes 0.94 / 0.96 / 0.97x at 4k / 8k / 16k and in bench_paged 0.92 / 0.95 / 0.97x; pages of 32 (4
-# pages a block) in place 0.96-0.98x. Shorter queries: not measured. query_rows may overstate the
+# probes 0.94 / 0.96 / 0.97x at 4k / 8k / 16k and in bench_paged 0.92 / 0.95 / 0.97x with torch's indexing
+# as the copy, 0.97 / 0.98 / 0.98x in bench_paged with the page-gather kernel (2026-12-02, "a page-gather
+# kernel"); pages of 32 (4 pages a block) in place 0.96-0.98x. Shorter queries: not measured. query_rows may overstate the
 # rows (a packed q without max_seqlen_q counts every row), and then a call copies where it need not.
 SMALL_PAGE_BOXES = 8
 SMALL_PAGE_COPY_QUERY_ROWS = 4096

@@ -60,7 +60,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _paged
-from ._layouts import gather_pages
+from ._layouts import gather_kv_pages
 from ._lse_merge import add_sink, merge_parts
 
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
@@ -400,7 +400,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
                                                            or b * block_table.shape[1] > MAX_GRID_Z):
         # page segments would misalign the mask, or not start at the window, or be too short, or outnumber
         # a grid's z extent (one per page): a dense copy
-        k_cache, v_cache = gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
+        k_cache, v_cache = gather_kv_pages(k_cache, v_cache, block_table)
         cache_rows, block_table = None, None  # the copy holds sequence b at row b
     heads = hkv if pack else hq
     r = sq * (hq // hkv) if pack else sq                                                  # rows per segment

@@ -1,5 +1,6 @@
 """What the public functions do to a call before the kernels see it, and undo after: two layout
-components, both plain torch ops (differentiable, traceable by torch.compile, no host sync).
+components, both plain torch ops (differentiable, traceable by torch.compile, no host sync) but for one
+kernel: an eager paged call's page gather (`gather_kv_pages`).
 
 1. Head dims (`pad_head_dims`). The kernels exist for a few (qk, v) head-dim pairs per arch
    (fa4._dispatch.ARCHS). Any other pair of multiples of 8 up to 256 runs on the cheapest native
@@ -32,6 +33,7 @@ components, both plain torch ops (differentiable, traceable by torch.compile, no
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _dispatch
 
@@ -71,6 +73,23 @@ def gather_pages(cache, block_table):
     b, p = block_table.shape
     pages = block_table.clamp(0, cache.shape[0] - 1).to(torch.int64)                       # (B, P)
     return cache[pages].reshape(b, p * cache.shape[1], *cache.shape[2:])
+
+
+def gather_kv_pages(k_cache, v_cache, block_table):
+    """(k, v): gather_pages of both caches. An eager call on Hopper with nothing needing a gradient
+    takes one page-gather kernel for K and V (stage3_fwd_kernel.page_gather: contiguous pages at
+    near-copy bandwidth, where torch's indexing is an offset per element); autograd, torch.compile
+    tracing and other archs keep the torch indexing."""
+    grad = torch.is_grad_enabled() and (k_cache.requires_grad or v_cache.requires_grad)
+    if not grad and all(type(t) is torch.Tensor and t.is_cuda for t in (k_cache, v_cache, block_table)) \
+            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None \
+            and arch_of(k_cache.device).key == "sm_90":
+        from stage3_fwd_kernel import page_gather
+
+        pair = page_gather.gather_pages(k_cache, v_cache, block_table)
+        if pair is not None:
+            return pair
+    return gather_pages(k_cache, block_table), gather_pages(v_cache, block_table)
 
 
 def _pad_last(t, size):
@@ -147,7 +166,7 @@ class VarlenLayout:
         (flash_attn_with_kvcache's page gather); entries past a sequence's keys are clamped to a
         valid page, whatever they held (gather_pages). A copy per call: the path for page sizes and
         calls the kernel cannot read in place (fa4/_paged.py)."""
-        return gather_pages(k, page_table), gather_pages(v, page_table)
+        return gather_kv_pages(k, v, page_table)
 
     @classmethod
     def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q, sink=None):

@@ -14,6 +14,7 @@ import torch
 
 import fa4
 from fa4 import _kvcache as kv
+from fa4._layouts import gather_pages
 from stage0_reference.torch_reference import attention_ref
 
 pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
@@ -124,7 +125,7 @@ def test_paged_decode_matches_dense_cache(ps):
         assert seen[0] == b * pages        # one segment per page
     else:
         assert seen[0] < b * pages         # a dense copy, split like any dense cache
-    dense_k, dense_v = kv.gather_pages(kp, table), kv.gather_pages(vp, table)
+    dense_k, dense_v = gather_pages(kp, table), gather_pages(vp, table)
     _check(out, lse, q, dense_k, dense_v, lens, softcap=3.0, sink=sink)
 
 
@@ -148,7 +149,7 @@ def test_paged_in_place_decode_chunks_like_a_dense_cache(splits, page_size):
 
     out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=splits, varlen=spy,
                                sm_count=16, return_softmax_lse=True, paged_in_place=True)
-    dense_k, dense_v = kv.gather_pages(kp, table), kv.gather_pages(vp, table)
+    dense_k, dense_v = gather_pages(kp, table), gather_pages(vp, table)
     _check(out, lse, q, dense_k, dense_v, lens)
     n = seen[0].shape[0] // b
     assert seen[0].shape == (b * n, pages) and torch.equal(seen[0][::n], table)
@@ -214,7 +215,7 @@ def test_paged_in_place_prefill_causal_and_window_need_no_gather():
     vp = torch.randn(b * pages + 2, ps, hkv, d, generator=g, dtype=torch.float64)
     table = torch.randperm(b * pages + 2, generator=g)[:b * pages].view(b, pages).to(torch.int32)
     lens = torch.tensor([300, 129], dtype=torch.int32)
-    dense_k, dense_v = kv.gather_pages(kp, table), kv.gather_pages(vp, table)
+    dense_k, dense_v = gather_pages(kp, table), gather_pages(vp, table)
     for window in ((None, None), (40, 0)):
         out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, causal=True, window_size=window,
                                    varlen=stand_in, sm_count=16, return_softmax_lse=True, paged_in_place=True)
@@ -390,7 +391,7 @@ def test_split_launch_paged_in_place(page_size):
     q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
     out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=2, varlen=_no_varlen,
                                split=split_stand_in, sm_count=16, return_softmax_lse=True, paged_in_place=True)
-    _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens)
+    _check(out, lse, q, gather_pages(kp, table), gather_pages(vp, table), lens)
 
 
 @pytest.mark.parametrize("splits", [1, 4, 0])
@@ -598,7 +599,7 @@ def test_paged_decode_window_splits_from_the_key_tile_below_it(page):
     out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=2, causal=True,
                                window_size=(left, 0), varlen=_no_varlen, split=spy, sm_count=16,
                                return_softmax_lse=True, paged_in_place=True)
-    _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens, causal=True,
+    _check(out, lse, q, gather_pages(kp, table), gather_pages(vp, table), lens, causal=True,
            window=(left, 0))
     n = kv.split_chunks(min(pages * page, left + 1 + 127), 2)[1]
     eff = min(left, pages * page)  # a window past the cache's rows is clamped to them (it sees all of it)
@@ -746,7 +747,7 @@ def test_paged_in_place_split_of_a_short_table_keeps_tile_aligned_starts():
     q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
     out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, num_splits=2, varlen=stand_in,
                                sm_count=16, return_softmax_lse=True, paged_in_place=True)
-    _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens)
+    _check(out, lse, q, gather_pages(kp, table), gather_pages(vp, table), lens)
 
 
 def test_padded_block_table_entries_past_the_keys_are_never_indexed():
@@ -760,7 +761,7 @@ def test_padded_block_table_entries_past_the_keys_are_never_indexed():
     lens = torch.tensor([13, 30], dtype=torch.int32)
     q = torch.randn(b, 1, hq, d, generator=g, dtype=torch.float64)
     out, lse = call(q, kp, vp, cache_seqlens=lens, block_table=table)
-    _check(out, lse, q, kv.gather_pages(kp, table.clamp(0, 9)), kv.gather_pages(vp, table.clamp(0, 9)), lens)
+    _check(out, lse, q, gather_pages(kp, table.clamp(0, 9)), gather_pages(vp, table.clamp(0, 9)), lens)
 
 
 def test_stage3_paged_value_checks_name_the_argument():
@@ -938,7 +939,7 @@ def test_segments_never_outnumber_a_grid(monkeypatch):
     out, lse = kv.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, varlen=counting, sm_count=16,
                                return_softmax_lse=True)
     assert seen and max(seen) <= 8, seen
-    _check(out, lse, q, kv.gather_pages(kp, table), kv.gather_pages(vp, table), lens)
+    _check(out, lse, q, gather_pages(kp, table), gather_pages(vp, table), lens)
     seen.clear()
     q, kc, vc = _tokens_and_cache(41, 3, 1, hq, hkv, d, 1024)
     out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=16, varlen=counting, sm_count=16,

@@ -313,7 +313,7 @@ def no_gather(monkeypatch):
     """Fails a test whose paged call copies its pages (the in-place route was not taken)."""
     def refuse(*_):
         raise AssertionError("the pages were gathered into a copy")
-    monkeypatch.setattr(kv, "gather_pages", refuse)
+    monkeypatch.setattr(kv, "gather_kv_pages", refuse)
     monkeypatch.setattr(fa4._layouts.VarlenLayout, "unpage", staticmethod(refuse))
 
 
