@@ -107,9 +107,10 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "denominator (gpt-oss); differentiable, lse includes it"),
     "paged_kv_cache": (True, "block_table / page_table: read in place by the sm_90 forward when nothing needs a "
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
-                             "any other page size by a cp.async gather up to 64 query rows (decode); longer queries "
-                             "over those pages, queries of 4096 rows or more over pages of 16, and page_table on other "
-                             "arches use a dense copy of the pages (flash_attn_with_kvcache: sm_90 only)"),
+                             "any other page size by a cp.async gather up to 256 query rows (decode, short chunks); "
+                             "longer queries over those pages, queries over pages of 16 with 6144 or more query-head "
+                             "rows a key and KV head, and page_table on other arches use a dense copy of the pages "
+                             "(flash_attn_with_kvcache: sm_90 only)"),
     "fp8": (False, "not supported"),
 }
 
@@ -471,10 +472,12 @@ class Backend:
         return self._call_varlen_forward(mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
                                          max_seqlen_k, softmax_scale, causal, **kw)
 
-    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None) -> bool:
+    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None,
+                       head_rows=None) -> bool:
         """Whether this arch's varlen forward reads a paged cache of page_size in place (else fa4
-        gathers the pages into a dense copy first); query_rows: the longest sequence's query rows
-        (None: unknown)."""
+        gathers the pages into a dense copy first); query_rows: the kernel's rows for the longest
+        sequence; head_rows: query-head rows per KV head attending an average key (fa4._paged.head_rows).
+        None: unknown."""
         return False
 
     # -- backward -----------------------------------------------------------------------------
@@ -531,25 +534,25 @@ class Backend:
 
 # Page sizes the kernel gathers row by row (cp.async) are read in place only up to this many kernel rows
 # per sequence (query tokens, times the group where flash_attn_with_kvcache packs GQA heads). On an
-# H200 (GQA 32/8, d = 128, pages of 1 / 8 / 24; docs/measurements.md, 2026-11-29) a decode step (1
-# token, 4 packed rows) ran at 0.84-0.96x of a dense cache in place against 0.30-0.40x through a dense
-# copy, while a causal prefill (4k-8k queries, 128-row tiles) ran at 0.62-0.68x in place against 0.95x
-# through the copy. Lengths between are not measured; 64 is one short-query tile (SHORT_QUERY_TILE_M),
-# where a tile's MMAs still take less time than its K/V block's gather.
-GATHER_MAX_QUERY_ROWS = 64
+# H200 (GQA 32/8, d = 128, causal; docs/measurements.md, 2026-11-29 and 2026-12-03 "when a paged
+# call copies") a decode step (1 token, 4 packed rows) ran at 0.84-0.96x of a dense cache in place
+# against 0.30-0.40x through a dense copy; chunks of 32-256 queries at the end of 8k keys over pages
+# of 8 at 0.57-0.61x in place against 0.42-0.47x, 512 queries at 0.59x against 0.80x; a causal prefill
+# of 4k-8k queries at 0.62-0.68x against 0.95x.
+GATHER_MAX_QUERY_ROWS = 256
 
 # Pages read by TMA as this many boxes per key block or more (pages of 16 keys at the 128-key tile) are
-# read in place only below SMALL_PAGE_COPY_QUERY_ROWS kernel rows per sequence; longer queries run on a
-# dense copy of the pages (the copy costs per key, the attention per key and query row). On an H200
-# (GQA 32/8, d = 128, causal prefill, batch x seqlen = 32k, shuffled pages; docs/measurements.md,
-# 2026-12-02 "paged prefill over pages of 16"), time against a dense cache: pages of 16 in place
-# 0.91-0.95x at 4k-16k keys (a K block is 8 pages, 16 TMA copies of 2 KB); through the copy, in paired
-# probes 0.94 / 0.96 / 0.97x at 4k / 8k / 16k and in bench_paged 0.92 / 0.95 / 0.97x with torch's indexing
-# as the copy, 0.97 / 0.98 / 0.98x in bench_paged with the page-gather kernel (2026-12-02, "a page-gather
-# kernel"); pages of 32 (4 pages a block) in place 0.96-0.98x. Shorter queries: not measured. query_rows may overstate the
-# rows (a packed q without max_seqlen_q counts every row), and then a call copies where it need not.
+# read in place only while fewer than SMALL_PAGE_COPY_HEAD_ROWS query-head rows per KV head attend an
+# average key (fa4._paged.head_rows); past that a dense copy of the pages pays: the copy costs per key
+# and KV head, the in-place reads' extra TMA copies a share of the attention's time, which grows with
+# the rows attending each key. On an H200 (GQA 32/8, d = 128, causal, shuffled pages of 16; 2026-12-03
+# "when a paged call copies"), dense time / time, in place against through the copy: chunks of 1024 /
+# 2048 / 4096 queries at the end of 16k keys (about 4000 / 7700 / 14300 head rows) 0.887 / 0.889,
+# 0.908 / 0.932, 0.900 / 0.961; square prefills of 1024 / 2048 queries (about 2000 / 4100) 0.938 /
+# 0.870, 0.937 / 0.924. Pages of 32 (4 boxes) in place 0.965 / 0.977 at 4k / 16k square, through the
+# copy 0.958 / 0.976: they stay in place. Only the group of 4 was timed; the rule scales with it.
 SMALL_PAGE_BOXES = 8
-SMALL_PAGE_COPY_QUERY_ROWS = 4096
+SMALL_PAGE_COPY_HEAD_ROWS = 6144
 
 
 class HopperBackend(Backend):
@@ -587,9 +590,10 @@ class HopperBackend(Backend):
             kw["persistent"] = FORWARD_PERSISTENT
         return mod.attention_forward(q, k, v, softmax_scale=softmax_scale, causal=causal, **kw)
 
-    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None) -> bool:
-        """Pages TMA boxes read: always, but for pages of SMALL_PAGE_BOXES boxes a block or more under
-        queries of SMALL_PAGE_COPY_QUERY_ROWS rows or more. Pages the producer gathers with cp.async
+    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None,
+                       head_rows=None) -> bool:
+        """Pages TMA boxes read: always, but for pages of SMALL_PAGE_BOXES boxes a block or more once
+        SMALL_PAGE_COPY_HEAD_ROWS head rows attend each key. Pages the producer gathers with cp.async
         (1-8 rows, 24, ...): only for short queries (GATHER_MAX_QUERY_ROWS), where the kernel waits on
         memory. A long prefill is compute-bound and runs faster on a dense copy than on small pieces."""
         from stage3_fwd_kernel.components.paged_kv import box_rows, gathered, page_size_ok
@@ -601,7 +605,7 @@ class HopperBackend(Backend):
         if gathered(page_size, tile_n):
             return query_rows is not None and query_rows <= GATHER_MAX_QUERY_ROWS
         small = tile_n // box_rows(page_size, tile_n) >= SMALL_PAGE_BOXES
-        return not (small and query_rows is not None and query_rows >= SMALL_PAGE_COPY_QUERY_ROWS)
+        return not (small and head_rows is not None and head_rows >= SMALL_PAGE_COPY_HEAD_ROWS)
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):

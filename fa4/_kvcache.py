@@ -11,10 +11,11 @@ that index the cache in place, with no copy:
   log-sum-exp (stage 1's rescale) by one small kernel (stage 3's split_combine.PartsCombine);
 * paged cache (num_pages, page_size, Hkv, D) with block_table (B, pages_per_seq) read in place
   (fa4._paged: TMA boxes for multiples and 16-row divisors of the key tile, pages of 16 keys only
-  below fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS kernel rows; a cp.async row gather for the other
-  page sizes up to fa4._dispatch.GATHER_MAX_QUERY_ROWS kernel rows -- query tokens times the group
-  when GQA heads are packed): it is cut into chunks exactly like a dense cache, only the chunks'
-  first keys are logical positions and each segment gets its sequence's page-table row;
+  below fa4._dispatch.SMALL_PAGE_COPY_HEAD_ROWS query-head rows attending each key; a cp.async row
+  gather for the other page sizes up to fa4._dispatch.GATHER_MAX_QUERY_ROWS kernel rows -- query
+  tokens times the group when GQA heads are packed): it is cut into chunks exactly like a dense
+  cache, only the chunks' first keys are logical positions and each segment gets its sequence's
+  page-table row;
 * a paged cache the kernel does not read in place (longer queries over gathered page sizes or over
   pages of 16, head dims that run padded, an arch without the paged forward): one segment per page,
   merged the same way, from MIN_SEGMENT_PAGE keys up; smaller pages are gathered into a dense copy
@@ -705,14 +706,15 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool
 # ---------------------------------------------------------------------------------------------
 def _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa) -> tuple:
     """(SM count, the split launch, pages read in place) of an eager call on the device -- with_kvcache's
-    and kvcache_attention's. A paged cache is read in place (fa4._paged) for the kernel's rows per
-    sequence: the query tokens, times the group where the heads are packed."""
+    and kvcache_attention's. Whether a paged cache is read in place (fa4._paged) follows the kernel's
+    rows per sequence (the query tokens, times the group where the heads are packed) and the query-head
+    rows attending each key of the table's span."""
     in_place = False
     if block_table is not None:
         _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, window, pack_gqa,
                                  token_rows=True)
-        rows = q.shape[1] * (q.shape[2] // k_cache.shape[2] if pack else 1)
-        in_place = _paged.in_place(q, k_cache, v_cache, rows)
+        in_place = _paged.in_place(q, k_cache, v_cache, q.shape[1], keys=block_table.shape[1] * k_cache.shape[1],
+                                   causal=causal, window=window, packed=bool(pack))
     return _sm_count(q.device), fa4_split, in_place
 
 

@@ -7,8 +7,8 @@ size: multiples of the forward's key tile (128 rows; 64 at head dim 256) and its
 rows or more are read by TMA boxes, the others (1 to 8 rows, 24, 160, ...) row by row with cp.async
 (stage3_fwd_kernel.hopper.gather), which pays off for short queries only
 (fa4._dispatch.GATHER_MAX_QUERY_ROWS). Pages of 16 keys are 8 TMA boxes a key block, slower than a
-dense copy once queries are long (fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS). A forward only: the
-backward reads dense K / V.
+dense copy once many query rows attend each key (fa4._dispatch.SMALL_PAGE_COPY_HEAD_ROWS,
+`head_rows`). A forward only: the backward reads dense K / V.
 
 Every other paged call -- inputs that need a gradient, seqused_q, head-dim pairs that run padded,
 an arch without the paged forward, long queries over pages TMA cannot read or over pages of 16 --
@@ -20,9 +20,12 @@ from __future__ import annotations
 import torch
 
 
-def in_place(q, k_pages, v_pages, query_rows=None) -> bool:
-    """Whether this paged call can be read in place (see the module docstring). query_rows: the
-    longest sequence's query rows (None: unknown). Only shapes are read: no device values."""
+def in_place(q, k_pages, v_pages, tokens=None, *, keys=None, causal=False, window=(None, None), packed=False) -> bool:
+    """Whether this paged call can be read in place (see the module docstring). tokens: the longest
+    sequence's query rows (None: unknown); keys: its keys (None: the table's span is not known, so
+    every query row counts as attending every key); causal / window as the call gives them; packed:
+    the kernel holds a GQA group's heads as rows of one tile (flash_attn_with_kvcache's decode), so
+    its rows are tokens x group. Only shapes are read: no device values."""
     from . import _dispatch
 
     if not all(isinstance(t, torch.Tensor) for t in (q, k_pages, v_pages)) or q.device.type != "cuda" \
@@ -30,11 +33,35 @@ def in_place(q, k_pages, v_pages, query_rows=None) -> bool:
         return False
     backend = _dispatch.backend_for(q.device)
     d, dv = q.shape[-1], v_pages.shape[-1]
-    # int(): a symbolic size under torch.compile's dynamic shapes is guarded to its value; query_rows
+    # int(): a symbolic size under torch.compile's dynamic shapes is guarded to its value; a length
     # that is not an int (a tensor, say) counts as unknown, so no device value is read
-    rows = int(query_rows) if isinstance(query_rows, (int, torch.SymInt)) and not isinstance(query_rows, bool) \
-        else None
-    return (d, dv) in backend.arch.head_dims and backend.paged_in_place(int(d), int(dv), int(k_pages.shape[1]), rows)
+    tokens, keys = (int(n) if isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) else None
+                    for n in (tokens, keys))
+    group = max(1, int(q.shape[-2]) // max(1, int(k_pages.shape[-2])))
+    rows = None if tokens is None else tokens * (group if packed else 1)
+    per_key = None if tokens is None else head_rows(tokens, keys, group, causal, window)
+    return (d, dv) in backend.arch.head_dims and backend.paged_in_place(int(d), int(dv), int(k_pages.shape[1]), rows,
+                                                                        per_key)
+
+
+def head_rows(tokens: int, keys, group: int, causal: bool, window=(None, None)) -> float:
+    """Query-head rows per KV head that attend an average key: the attention's work per key of the
+    cache, which a dense copy of the pages (a cost per key and KV head) is weighed against. The
+    queries sit at the end of the keys (bottom-right, as fa4's causal mask and window); keys None:
+    each row attends every key (an upper bound). A window edge of None or below 0 is unlimited."""
+    if keys is None:
+        return float(tokens * group)
+    if keys <= 0 or tokens <= 0:
+        return 0.0
+    pairs = tokens * keys                                       # (query row, key) pairs attended
+    if causal:   # row i sees keys up to keys - tokens + i; rows past the keys' start see none
+        seen = min(tokens, keys)
+        pairs = seen * (seen + 1) // 2 + seen * (keys - seen)
+    left, right = (None if e is None or e < 0 else int(e) for e in window)
+    if left is not None:
+        reach = left + 1 + (0 if causal else (keys if right is None else right))
+        pairs = min(pairs, tokens * min(reach, keys))
+    return group * pairs / keys
 
 
 def needs_grad(*tensors) -> bool:

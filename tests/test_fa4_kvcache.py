@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -168,9 +169,8 @@ def test_page_sizes_read_in_place():
 
 def test_gathered_page_sizes_in_place_only_for_short_queries():
     """Pages TMA reads: in place at any query length (pages of 16: the next test); pages the kernel
-    gathers with cp.async: only up
-    to GATHER_MAX_QUERY_ROWS query rows (a long prefill runs faster on a dense copy), never when the
-    length is unknown."""
+    gathers with cp.async: only up to GATHER_MAX_QUERY_ROWS query rows (a long prefill runs faster on a
+    dense copy), never when the length is unknown."""
     from fa4 import _dispatch
 
     be = _dispatch.HopperBackend(_dispatch.ARCHS["sm_90"])
@@ -182,19 +182,52 @@ def test_gathered_page_sizes_in_place_only_for_short_queries():
                for d, dv in ((128, 128), (64, 64), (256, 256)) for p in (32, 128, 256))
 
 
-def test_small_pages_in_place_below_long_queries():
-    """Pages of SMALL_PAGE_BOXES TMA boxes a key block or more (16 keys at the 128-key tile): in place up
-    to SMALL_PAGE_COPY_QUERY_ROWS - 1 query rows and for an unknown length, a dense copy from there on;
-    wider pages, and 16-key pages at the 64-key tile (d = 256: 4 boxes), stay in place."""
+def test_small_pages_in_place_below_many_head_rows():
+    """Pages of SMALL_PAGE_BOXES TMA boxes a key block or more (16 keys at the 128-key tile): in place while
+    fewer than SMALL_PAGE_COPY_HEAD_ROWS query-head rows attend each key and when that is unknown, a
+    dense copy from there on; wider pages, and 16-key pages at the 64-key tile (d = 256: 4 boxes), stay
+    in place."""
     from fa4 import _dispatch
 
     be = _dispatch.HopperBackend(_dispatch.ARCHS["sm_90"])
-    rows = _dispatch.SMALL_PAGE_COPY_QUERY_ROWS
+    rows = _dispatch.SMALL_PAGE_COPY_HEAD_ROWS
     for d, dv in ((128, 128), (64, 64), (128, 64)):
-        in_place = [be.paged_in_place(d, dv, 16, r) for r in (None, 1, rows - 1, rows, 4 * rows)]
+        in_place = [be.paged_in_place(d, dv, 16, 1, r) for r in (None, 1, rows - 1, rows, 4 * rows)]
         assert in_place == [True] * 3 + [False] * 2
-        assert all(be.paged_in_place(d, dv, p, 4 * rows) for p in (32, 64, 128, 384))
-    assert all(be.paged_in_place(256, 256, p, 4 * rows) for p in (16, 32, 64))
+        assert all(be.paged_in_place(d, dv, p, 4 * rows, 4 * rows) for p in (32, 64, 128, 384))
+    assert all(be.paged_in_place(256, 256, p, 4 * rows, 4 * rows) for p in (16, 32, 64))
+
+
+@pytest.mark.parametrize("tokens, keys, causal, window", [
+    (1, 1, True, (None, None)), (3, 3, False, (None, None)), (113, 203, True, (None, None)),
+    (203, 113, True, (None, None)), (64, 1000, True, (40, None)), (64, 1000, False, (40, 7)),
+    (799, 3, False, (None, None)), (300, 900, False, (-1, 5)), (50, 2000, True, (-1, -1))])
+def test_head_rows_counts_the_attended_pairs(tokens, keys, causal, window):
+    """fa4._paged.head_rows: group x (query row, key) pairs the mask lets through / keys, against the
+    pairs counted from stage 0's bottom-right mask (a window bounds them from above, the rule's upper
+    bound); unknown keys count every row."""
+    from fa4._paged import head_rows
+
+    i = np.arange(tokens)[:, None] + keys - tokens
+    j = np.arange(keys)[None, :]
+    seen = np.ones((tokens, keys), bool)
+    if causal:
+        seen &= j <= i
+    left, right = (None if e is None or e < 0 else e for e in window)
+    if left is not None:
+        seen &= j >= i - left
+    if right is not None and not causal:
+        seen &= j <= i + right
+    exact = 3 * seen.sum() / keys
+    got = head_rows(tokens, keys, 3, causal, window)
+    if left is None and (right is None or causal):
+        assert got == pytest.approx(exact)
+    else:   # an upper bound, at most a row's reach
+        assert exact <= got + 1e-9
+        if left is not None:
+            assert got <= 3 * tokens * (left + 1 + (right or 0)) / keys + 1e-9
+    assert head_rows(tokens, None, 3, causal, window) == 3 * tokens
+    assert head_rows(0, keys, 3, causal, window) == 0 and head_rows(tokens, 0, 3, causal, window) == 0
 
 
 def test_query_rows_read_from_shapes_only():

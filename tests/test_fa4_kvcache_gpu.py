@@ -508,25 +508,29 @@ def test_long_queries_over_gathered_pages_take_the_copy(monkeypatch):
     _check(out, lse, *_truth_and_baseline(q, _unpage(kp, table), _unpage(vp, table), used, causal=True), "copy")
 
 
-@pytest.mark.parametrize("page, copied", [(16, True), (32, False)])
-def test_long_queries_over_pages_of_16_take_the_copy(monkeypatch, page, copied):
-    """A causal prefill of SMALL_PAGE_COPY_QUERY_ROWS + 5 queries (a partial last page, GQA 4): over
-    pages of 16 (8 TMA boxes a key block) fa4 copies the pages into a dense cache; over pages of 32
-    it reads them in place. Both follow the rule, and the copy equals plain indexing of the pages."""
+@pytest.mark.parametrize("page, n_q, n_k, copied", [(16, 4101, 4101, True), (32, 4101, 4101, False),
+                                                   (16, 2053, 2053, False), (16, 1900, 6003, True)])
+def test_many_head_rows_over_pages_of_16_take_the_copy(monkeypatch, page, n_q, n_k, copied):
+    """A causal prefill or chunk (GQA 4, a partial last page) past SMALL_PAGE_COPY_HEAD_ROWS query-head
+    rows a key (4101 queries: about 8200; a chunk of 1900 at the end of 6003 keys: about 6400) over
+    pages of 16 (8 TMA boxes a key block): fa4 copies the pages into a dense cache; below it (2053
+    queries: about 4100), and over pages of 32, it reads them in place. Every route follows the rule,
+    and the copy equals plain indexing of the pages."""
     copies, unpage = [], fa4._layouts.VarlenLayout.unpage
     monkeypatch.setattr(fa4._layouts.VarlenLayout, "unpage",
                         staticmethod(lambda *a: copies.append(unpage(*a)) or copies[-1]))
-    n = fa4._dispatch.SMALL_PAGE_COPY_QUERY_ROWS + 5
-    b, pages = 1, -(-n // page)
+    assert (fa4._paged.head_rows(n_q, n_k, 4, True) >= fa4._dispatch.SMALL_PAGE_COPY_HEAD_ROWS) == (copied or page == 32)
+    b, pages = 1, -(-n_k // page)
     kp, vp, table = _paged(b, pages, page, 2, 128, 23)
-    q = torch.randn(b, n, 8, 128, device="cuda").to(BF16)
-    used = torch.tensor([n], dtype=torch.int32, device="cuda")
-    out, lse = fa4.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, causal=True, return_lse=True)
+    q = torch.randn(b, n_q, 8, 128, device="cuda").to(BF16)
+    used = torch.tensor([n_k], dtype=torch.int32, device="cuda")
+    out, lse = fa4.flash_attn_varlen_func(q, kp, vp, seqused_k=used, page_table=table, causal=True,
+                                          max_seqlen_k=n_k, return_lse=True)
     assert bool(copies) == copied, f"page {page}: copied {bool(copies)}"
     keys, values = _unpage(kp, table), _unpage(vp, table)
     if copied:
         assert torch.equal(copies[0][0], keys) and torch.equal(copies[0][1], values)
-    _check(out, lse, *_truth_and_baseline(q, keys, values, used, causal=True), f"page {page}, {n} queries")
+    _check(out, lse, *_truth_and_baseline(q, keys, values, used, causal=True), f"page {page}, {n_q} x {n_k}")
 
 
 def test_varlen_page_table_with_grad_gathers_and_differentiates():

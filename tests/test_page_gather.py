@@ -126,8 +126,9 @@ def test_gather_equals_torch_indexing(dtype, page, hkv, d, dv):
 @pytest.mark.gpu
 @pytest.mark.fa4
 def test_fa4_paged_prefill_takes_the_kernel(monkeypatch):
-    """A long causal prefill over pages of 16 (fa4 copies those pages) and flash_attn_with_kvcache's
-    copy both run the gather kernel, and give what the dense call gives; an empty table copies nothing."""
+    """A long causal prefill over pages of 16 (GQA 4: about 8400 query-head rows a key, so fa4 copies
+    those pages) and flash_attn_with_kvcache's copy both run the gather kernel, and give what the dense
+    call gives; an empty table copies nothing."""
     _cuda()
     import fa4
     from stage3_fwd_kernel import page_gather as pg
@@ -137,7 +138,7 @@ def test_fa4_paged_prefill_takes_the_kernel(monkeypatch):
     monkeypatch.setattr(pg, "gather_pages", lambda *a: calls.append(a[2].shape) or real(*a))
     g = torch.Generator(device="cuda").manual_seed(5)
     s, page, hkv = 4224, 16, 2
-    q = torch.randn(1, s, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(1, s, 4 * hkv, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(s, hkv, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(s, hkv, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     perm = torch.randperm(s // page + 3, device="cuda", generator=g)[:s // page]
@@ -169,7 +170,7 @@ def test_gathered_call_replays_in_a_cuda_graph():
 
     g = torch.Generator(device="cuda").manual_seed(9)
     s, page, hkv, n = 4224, 16, 2, 4224 // 16 + 5
-    q = torch.randn(1, s, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(1, s, 4 * hkv, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     kp, vp = (torch.randn(n, page, hkv, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     table = torch.randperm(n, device="cuda", generator=g)[:s // page].to(torch.int32).view(1, -1)
     lens = torch.tensor([s], dtype=torch.int32, device="cuda")
