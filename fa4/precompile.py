@@ -322,9 +322,10 @@ def add_decode(add, w: Workload, longest: int):
     flash_attn_with_kvcache launches -- the varlen forward with seqused_k (causal as asked, and not
     causal: one query token drops it, and its window too: a key range), the split launch (one token,
     its window a key range too; causal or windowed tokens with the GQA group packed as rows where it
-    divides the tile, and not packed), and the merges of split-KV parts (packed rows of several
-    tokens unpacked by the merge too). (A paged cache's split launch is a build per page size, and one
-    over cache_batch_idx rows a build of its own: neither is derived here.)"""
+    divides the tile, and not packed), the merges of split-KV parts (packed rows of several
+    tokens unpacked by the merge too), and the page gather that copies a paged cache fa4 does not
+    read in place (one build for every dtype and shape). (A paged cache's split launch is a build per
+    page size, and one over cache_batch_idx rows a build of its own: neither is derived here.)"""
     from ._dispatch import LPT_MIN_SEQLEN_K, SHORT_QUERY_TILE_M
 
     add("fwd short", w, tile_m=SHORT_QUERY_TILE_M)
@@ -342,6 +343,7 @@ def add_decode(add, w: Workload, longest: int):
         for rows in sorted({1, packed}):
             add("kvcache split", replace(w, sink=False), tile_m=SHORT_QUERY_TILE_M, rows_per_query=rows)
     add("combine", replace(w, causal=False, window=None, softcap=0.0, sink=False))
+    add("page gather", Workload(dtype="bf16", head_dim=0, head_dim_v=0, causal=False))  # one for all
 
 
 def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, backward: bool = True,
@@ -634,6 +636,10 @@ def derived_task(fwd_mod, bwd_mod, build: dict):
     label += _variant_text(build["variant"])
     if kind.startswith("bwd"):
         return label, functools.partial(bwd_mod.compile_launchable, varlen=kind == "bwd varlen", **kw), ""
+    if kind == "page gather":
+        from stage3_fwd_kernel import page_gather
+
+        return "page gather (K and V, any dtype)", lambda: [page_gather.compile_gather(launchable=True)], ""
     if kind == "combine":
         from stage3_fwd_kernel import split_combine
 
@@ -906,7 +912,8 @@ def add_arguments(p):
                         "CuTe-DSL for exactly these calls")
     p.add_argument("--decode", action="store_true",
                    help="with --shapes / --model-config: also what decoding launches (<= 64 query rows: "
-                        "flash_attn_func, and flash_attn_with_kvcache's forward and split-KV merge)")
+                        "flash_attn_func, and flash_attn_with_kvcache's forward and split-KV merge; the page "
+                        "gather of paged caches that are copied)")
 
 
 def _positive_int(text: str) -> int:

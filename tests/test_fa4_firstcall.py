@@ -385,7 +385,8 @@ def test_bytecode_hint_names_an_uncompiled_package(tmp_path, monkeypatch):
 def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch):
     """`decode` in a --shapes spec builds what decoding launches: flash_attn_func with one query row
     (64-row tiles, short and long keys) and flash_attn_with_kvcache's varlen forward with seqused_k
-    (split-KV segments), its split launch (one token; 4 causal tokens) and its merge kernel."""
+    (split-KV segments), its split launch (one token; 4 causal tokens), its merge kernel and the page
+    gather of a paged cache that is copied."""
     from fa4 import _kvcache
 
     be, rec = recorder
@@ -427,6 +428,12 @@ def test_decode_launch_keys_are_the_precompiled_keys(recorder, spec, monkeypatch
     launched = set(rec.keys)
     if w.causal and w.heads_q > w.heads_kv:  # the merge that unpacks several tokens' packed rows
         assert any(k[0] == "fwd_parts_combine" and "token_rows" in k for k in launched)
+    from stage3_fwd_kernel import page_gather
+
+    pages = torch.randn(6, 16, w.heads_kv, w.head_dim, dtype=dt)
+    assert page_gather.gather_pages(pages, pages, torch.tensor([[4, 1, 0]], dtype=torch.int32)) is not None
+    launched = set(rec.keys)
+    assert ("page_gather", "gpu") in launched
     assert launched and launched <= built, sorted(map(repr, launched - built))
     assert any(k[:2] == ("hopper_forward", "gpu") and 64 in k for k in launched)
     assert sum("key_split" in k for k in launched) == (2 if w.causal else 1)
