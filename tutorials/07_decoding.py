@@ -51,7 +51,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import fa4
-from fa4 import _kvcache
+from fa4 import _dispatch, _kvcache
+from fa4._paged import head_rows
 from stage0_reference import attention_forward
 from stage3_fwd_kernel.components.key_split import KeySplit, chunk_blocks, chunk_of
 
@@ -352,6 +353,49 @@ if path.exists():
     plt.show()
     for label, r in zip(labels, rows):
         print(f"{label:>12}: fa4 / FlashInfer {r['fa4_vs_flashinfer']:.3f}, fa4 paged / dense {r['paged_vs_dense']:.2f}")
+else:
+    print("no committed measurement at", path)
+
+# %% [markdown]
+# ## Prefill over pages: read in place, or copy first?
+# A decode step waits on memory, so reading 16-key pages in place costs it little. A prefill, or a
+# chunk of a long prompt appended to a cache (chunked prefill), is compute-bound, and there pages of
+# 16 cost the kernel 5-10%: each 128-key block is 16 TMA copies of 2 KB instead of 2. The other route
+# is to gather the pages into a dense K and V first (`stage3_fwd_kernel/page_gather.py`, about
+# 70 us for 32k tokens of 8 KV heads at d = 128 on an H200) and run the dense kernel.
+#
+# The copy costs per key and KV head. The in-place penalty is a share of the attention, which per key
+# is the number of query-head rows that attend it: the group times the (query, key) pairs the mask
+# lets through, divided by the keys (`fa4._paged.head_rows`). fa4 copies once that reaches
+# `SMALL_PAGE_COPY_HEAD_ROWS`. A square causal prefill attends half its pairs; a chunk at the end
+# of a long cache attends nearly all of them, so the same 2048 queries copy as a chunk and stay in
+# place as a square prefill. In the plot below (an H200, `docs/measurements.md`, 2026-12-03), the two
+# routes cross between about 4100 and 7700 head rows; the lowest points, a chunk of 512 queries, are
+# short calls where the host's work per call (the copy's launch and checks) shows.
+
+# %%
+threshold = _dispatch.SMALL_PAGE_COPY_HEAD_ROWS
+for tokens, keys in ((2048, 2048), (2048, 16384), (4096, 4096), (512, 16384)):
+    rows = head_rows(tokens, keys, group=4, causal=True)
+    print(f"{tokens:5d} queries over {keys:5d} keys, GQA 4: {rows:7.0f} head rows a key -> "
+          f"{'copy' if rows >= threshold else 'in place'}")
+assert head_rows(2048, 16384, 4, True) >= threshold > head_rows(2048, 2048, 4, True)
+
+path = RESULTS / "probe_paged_copy_threshold_h200.json"
+if path.exists():
+    pts = [r for r in json.loads(path.read_text())["results"] if r["page_size"] == 16]
+    xs = [head_rows(r["sq"], r["sk"], 4, True) for r in pts]
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    ax.scatter(xs, [r["in_place_vs_dense"] for r in pts], label="in place")
+    ax.scatter(xs, [r["copy_vs_dense"] for r in pts], marker="s", label="through the copy")
+    ax.axvline(threshold, color="gray", ls="--", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("query-head rows attending a key (GQA 4)")
+    ax.set_ylabel("dense time / time")
+    ax.set_title("pages of 16, causal, H200")
+    ax.legend(fontsize=8)
+    plt.tight_layout()
+    plt.show()
 else:
     print("no committed measurement at", path)
 
