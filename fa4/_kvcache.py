@@ -58,10 +58,9 @@ import math
 from typing import NamedTuple, Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _paged
-from ._layouts import gather_kv_pages
+from ._layouts import gather_kv_pages, shape_constant
 from ._lse_merge import add_sink, merge_parts
 
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
@@ -102,33 +101,9 @@ def choose_num_splits(batch: int, head_tiles: int, max_keys: int, sm_count: int)
     return max(1, min(want, math.ceil(max_keys / MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
 
-_CONSTANTS: dict = {}   # (what, device, sizes...) -> a small int32 tensor that depends on sizes only
-MAX_CONSTANTS = 256     # then new ones are made per call: a kept one is never dropped (a graph may read it)
-
-
-def _constant(key: tuple, make):
-    """The tensor `make()` builds for `key`, built once per process: a decode step's segment offsets
-    depend on the shapes alone, and each one made afresh is a tiny kernel on the step's path (1-2 us
-    apiece; 7 of a 1 x 128k step's 14 kernels on an H200 were such). One made while a CUDA graph is
-    captured is not kept (its kernel runs only at replay: the tensor holds no values yet), nor one
-    made while traced or under a dispatch mode (a user's FakeTensorMode: its tensors are fake, and a kept
-    real one would not mix with them); a graph captured after an eager call uses the kept one. Kept ones
-    are never dropped: a captured graph reads them without holding a reference."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return make()
-    t = _CONSTANTS.get(key)
-    if t is not None:
-        return t
-    device = key[1]
-    if len(_CONSTANTS) >= MAX_CONSTANTS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return make()
-    t = _CONSTANTS[key] = make()
-    return t
-
-
 def identity_rows(b: int, device):
     """Cache row b for sequence b (no cache_batch_idx): (B,) int32."""
-    return _constant(("rows", device, b), lambda: torch.arange(b, device=device, dtype=torch.int32))
+    return shape_constant(("rows", device, b), lambda: torch.arange(b, device=device, dtype=torch.int32))
 
 
 class Segments(NamedTuple):
@@ -157,7 +132,7 @@ def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int, left: int | None
     chunk, n = _chunks(s_cache, n)
     starts, used = _chunk_keys(seqlens_k, n, chunk)
     if cache_rows is None:
-        cu_k = _constant(("dense_cu_k", dev, b, n, chunk, s_cache),
+        cu_k = shape_constant(("dense_cu_k", dev, b, n, chunk, s_cache),
                          lambda: _pad_one(identity_rows(b, dev).view(-1, 1) * s_cache + starts))  # (B n + 1,)
         return Segments(cu_k, used.reshape(-1), n, chunk)
     first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
@@ -168,7 +143,7 @@ def _chunk_keys(seqlens_k, n: int, chunk: int):
     """Chunk j of every sequence starts at key j * chunk: (starts (n,), a constant of the shapes; the
     keys each chunk uses (B, n), clamped to [0, chunk])."""
     dev = seqlens_k.device
-    starts = _constant(("starts", dev, n, chunk),
+    starts = shape_constant(("starts", dev, n, chunk),
                        lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))  # (n,)
     return starts, (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)
 
@@ -188,7 +163,7 @@ def paged_chunks(seqlens_k, block_table, page_size: int, n: int) -> tuple[Segmen
     b, p = block_table.shape
     chunk, n = split_chunks(p * page_size, n)
     starts, used = _chunk_keys(seqlens_k, n, chunk)
-    cu_k = _constant(("paged_cu_k", seqlens_k.device, b, n, chunk),
+    cu_k = shape_constant(("paged_cu_k", seqlens_k.device, b, n, chunk),
                      lambda: _pad_one(starts.expand(b, n)))                                        # (B n + 1,)
     table = block_table if n == 1 else block_table.repeat_interleave(n, dim=0)                    # (B n, P)
     return Segments(cu_k, used.reshape(-1), n, chunk), table
@@ -449,7 +424,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         # (B, R, H', Dv), (B, H', R); unpacked: (B, Sq, Hq, Dv), (B, Hq, Sq)
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
-        cu_q = _constant(("cu_q", q.device, b * n, r),
+        cu_q = shape_constant(("cu_q", q.device, b * n, r),
                          lambda: torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32))
         keys, values = (k_cache, v_cache) if table is not None else (k_cache.reshape(-1, hkv, d),
                                                                      v_cache.reshape(-1, hkv, dv))
@@ -550,7 +525,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     if new > capacity:
         raise ValueError(f"k: {new} new tokens do not fit a cache of {capacity} rows per sequence")
     if cache_seqlens is None:
-        seqlens = _constant(("full", q.device, b, capacity - new),
+        seqlens = shape_constant(("full", q.device, b, capacity - new),
                             lambda: torch.full((b,), capacity - new, dtype=torch.int32, device=q.device))
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity - new:

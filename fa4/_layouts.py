@@ -136,6 +136,33 @@ def _identity(out):
     return out
 
 
+_SHAPE_CONSTANTS: dict = {}   # (what, device, sizes...) -> a small int32 tensor that depends on sizes only
+MAX_SHAPE_CONSTANTS = 256     # then new ones are made per call: a kept one is never dropped (a graph may read it)
+
+
+def shape_constant(key: tuple, make):
+    """The tensor `make()` builds for `key` (whose second item is the device), built once per process:
+    offsets that depend on shapes alone (a decode step's segments, a padded side's cu_seqlens), each
+    made afresh a tiny kernel on the call's path (1-2 us apiece; 7 of a 1 x 128k decode step's 14
+    kernels on an H200 were such). One made while a CUDA graph is captured is not kept (its kernel runs
+    only at replay: the tensor holds no values yet), nor one made while traced or under a dispatch mode
+    (a user's FakeTensorMode: its tensors are fake, and a kept real one would not mix with them); a
+    graph captured after an eager call uses the kept one. Kept ones are made outside inference mode (a
+    later training call may save them for its backward) and never dropped: a captured graph reads them
+    without holding a reference."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return make()
+    t = _SHAPE_CONSTANTS.get(key)
+    if t is not None:
+        return t
+    device = key[1]
+    if len(_SHAPE_CONSTANTS) >= MAX_SHAPE_CONSTANTS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return make()
+    with torch.inference_mode(False):
+        t = _SHAPE_CONSTANTS[key] = make()
+    return t
+
+
 class VarlenLayout:
     """A flash_attn_varlen_func call turned into the kernels' packed form, and back.
 
@@ -157,7 +184,11 @@ class VarlenLayout:
         if cu is not None:
             return t, cu, None
         b, s = t.shape[0], t.shape[1]
-        cu = torch.arange(0, b + 1, dtype=torch.int32, device=t.device) * s
+        if isinstance(b, int) and isinstance(s, int):   # plain sizes: kept per shape (no kernel a call)
+            cu = shape_constant(("padded_cu", t.device, b, s),
+                                lambda: torch.arange(0, b + 1, dtype=torch.int32, device=t.device) * s)
+        else:
+            cu = torch.arange(0, b + 1, dtype=torch.int32, device=t.device) * s
         return t.reshape(b * s, *t.shape[2:]), cu, s
 
     @staticmethod

@@ -15,6 +15,7 @@ import torch
 
 import fa4
 from fa4 import _kvcache as kv
+from fa4 import _layouts
 from fa4._layouts import gather_pages
 from stage0_reference.torch_reference import attention_ref
 
@@ -704,16 +705,16 @@ def test_plan_and_heuristic(monkeypatch):
     assert seg.used.tolist() == [384, 384, 232, 5, 0, 0]
     assert seg.cu_k[:-1].tolist() == [0, 384, 768, 1024, 1408, 1792]
     # sequence b in cache row b: the same offsets, built once per shape and then reused (no kernel a call)
-    kv._CONSTANTS.clear()
+    _layouts._SHAPE_CONSTANTS.clear()
     ident = kv.dense_segments(torch.tensor([1000, 5], dtype=torch.int32), None, 1024, 3)
     assert ident.cu_k.tolist() == seg.cu_k.tolist() and ident.used.tolist() == seg.used.tolist()
     again = kv.dense_segments(torch.tensor([7, 900], dtype=torch.int32), None, 1024, 3)
     assert again.cu_k is ident.cu_k and again.used.tolist() == [7, 0, 0, 384, 384, 132]
     # a full table makes new ones per call and never drops a kept one (a captured graph may read it)
-    kept = dict(kv._CONSTANTS)
-    monkeypatch.setattr(kv, "MAX_CONSTANTS", len(kept))
+    kept = dict(_layouts._SHAPE_CONSTANTS)
+    monkeypatch.setattr(_layouts, "MAX_SHAPE_CONSTANTS", len(kept))
     other = kv.dense_segments(torch.tensor([5], dtype=torch.int32), None, 512, 2)
-    assert kv._CONSTANTS == kept and other.cu_k.tolist() == [0, 256, 0]
+    assert _layouts._SHAPE_CONSTANTS == kept and other.cu_k.tolist() == [0, 256, 0]
     assert kv.dense_segments(torch.tensor([7, 900], dtype=torch.int32), None, 1024, 3).cu_k is ident.cu_k
 
 
@@ -937,18 +938,18 @@ def test_constants_made_under_a_fake_tensor_mode_are_not_kept():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     key = ("test-constant", torch.device("cpu"), 5)
-    kv._CONSTANTS.pop(key, None)
+    _layouts._SHAPE_CONSTANTS.pop(key, None)
     try:
         with FakeTensorMode():
-            fake = kv._constant(key, lambda: torch.arange(5, dtype=torch.int32))
-        assert isinstance(fake, FakeTensor) and key not in kv._CONSTANTS
-        real = kv._constant(key, lambda: torch.arange(5, dtype=torch.int32))
-        assert type(real) is torch.Tensor and kv._CONSTANTS[key] is real
+            fake = _layouts.shape_constant(key, lambda: torch.arange(5, dtype=torch.int32))
+        assert isinstance(fake, FakeTensor) and key not in _layouts._SHAPE_CONSTANTS
+        real = _layouts.shape_constant(key, lambda: torch.arange(5, dtype=torch.int32))
+        assert type(real) is torch.Tensor and _layouts._SHAPE_CONSTANTS[key] is real
         with FakeTensorMode():
-            again = kv._constant(key, lambda: torch.arange(5, dtype=torch.int32))
+            again = _layouts.shape_constant(key, lambda: torch.arange(5, dtype=torch.int32))
         assert isinstance(again, FakeTensor)
     finally:
-        kv._CONSTANTS.pop(key, None)
+        _layouts._SHAPE_CONSTANTS.pop(key, None)
 
 
 def test_segments_never_outnumber_a_grid(monkeypatch):

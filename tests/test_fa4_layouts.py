@@ -386,6 +386,28 @@ def test_a_sink_gradient_under_a_used_length_bound(stand_in, monkeypatch):
     torch.testing.assert_close(grads[0][0], grads[1][0])
 
 
+def test_padded_sides_keep_their_cu_seqlens_per_shape():
+    """A padded side's cu_seqlens (seqlen x arange) is made once per (device, batch, seqlen) and then
+    reused, so a call makes no tensor for it; one first made under inference mode is a normal tensor (a
+    later training call saves it for its backward)."""
+    keys = [("padded_cu", torch.device("cpu"), b, 5) for b in (3, 2)]
+    for key in keys:
+        _layouts._SHAPE_CONSTANTS.pop(key, None)
+    try:
+        with torch.inference_mode():
+            packed, cu, s = _layouts.VarlenLayout.pack(torch.zeros(3, 5, 2, 8), None)
+        assert packed.shape == (15, 2, 8) and s == 5 and cu.tolist() == [0, 5, 10, 15]
+        assert cu.dtype == torch.int32 and not cu.is_inference()
+        assert _layouts.VarlenLayout.pack(torch.ones(3, 5, 4, 16), None)[1] is cu
+        other = _layouts.VarlenLayout.pack(torch.zeros(2, 5, 2, 8), None)[1]
+        assert other is not cu and other.tolist() == [0, 5, 10]
+        given = torch.tensor([0, 7], dtype=torch.int32)
+        assert _layouts.VarlenLayout.pack(torch.zeros(7, 2, 8), given)[1] is given
+    finally:
+        for key in keys:
+            _layouts._SHAPE_CONSTANTS.pop(key, None)
+
+
 def test_split_unused_rows_builds_the_kernel_sequences():
     cu_q = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
     cu_k = torch.tensor([0, 2, 7, 7], dtype=torch.int32)
