@@ -72,11 +72,9 @@ def _query_rows(q, max_seqlen_q):
     return q.shape[0] if isinstance(q, torch.Tensor) else None
 
 
-def _paged_keys(k_pages, page_table, max_seqlen_k):
-    """The longest sequence's keys in a paged call as far as the shapes tell: max_seqlen_k, else the
-    table's span (pages per sequence x page size); None where neither is a plain size."""
-    if isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool):
-        return max_seqlen_k
+def _paged_span(k_pages, page_table):
+    """The keys a dense copy of a paged call holds per sequence (the table's width x page size), or
+    None where the shapes do not tell (the checks then refuse the call)."""
     if isinstance(page_table, torch.Tensor) and page_table.dim() == 2 and isinstance(k_pages, torch.Tensor) \
             and k_pages.dim() == 4:
         return page_table.shape[1] * k_pages.shape[1]
@@ -91,7 +89,7 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     check_unservable(num_splits, pack_gqa, dropout_p)
     check_varlen_arch(q, seqused_k)
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
-            _paged.in_place(q, k, v, _query_rows(q, max_seqlen_q), keys=_paged_keys(k, page_table, max_seqlen_k),
+            _paged.in_place(q, k, v, _query_rows(q, max_seqlen_q), keys=max_seqlen_k, span=_paged_span(k, page_table),
                             causal=causal, window=window_size):
         return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   seqused_k, softmax_scale, causal, window_size, learnable_sink, softcap, deterministic,
@@ -174,7 +172,8 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     kernel reads the pages in place (fa4/_paged.py) -- pages of 16 at the 128-key tile only below
     fa4._dispatch.SMALL_PAGE_COPY_HEAD_ROWS query-head rows attending a key per KV head (from the
     query rows as max_seqlen_q or a padded q tells, else every packed row; the keys as max_seqlen_k
-    or the table's span tells; causal, window), other sizes it can read up to 256 query rows;
+    tells, else the queries' own; over the keys a copy would hold, the table's width x page size;
+    causal, window), other sizes it can read up to 256 query rows;
     otherwise fa4 gathers them into a padded copy first (a copy per call;
     fa4/_layouts.VarlenLayout.unpage).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for

@@ -543,7 +543,7 @@ GATHER_MAX_QUERY_ROWS = 256
 
 # Pages read by TMA as this many boxes per key block or more (pages of 16 keys at the 128-key tile) are
 # read in place only while fewer than SMALL_PAGE_COPY_HEAD_ROWS query-head rows per KV head attend an
-# average key (fa4._paged.head_rows); past that a dense copy of the pages pays: the copy costs per key
+# average key the copy would move (fa4._paged.head_rows); past that a dense copy of the pages pays: the copy costs per key
 # and KV head, the in-place reads' extra TMA copies a share of the attention's time, which grows with
 # the rows attending each key. On an H200 (GQA 32/8, d = 128, causal, shuffled pages of 16; 2026-12-03
 # "when a paged call copies"), dense time / time, in place against through the copy: chunks of 1024 /

@@ -683,12 +683,13 @@ def _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa) ->
     """(SM count, the split launch, pages read in place) of an eager call on the device -- with_kvcache's
     and kvcache_attention's. Whether a paged cache is read in place (fa4._paged) follows the kernel's
     rows per sequence (the query tokens, times the group where the heads are packed) and the query-head
-    rows attending each key of the table's span."""
+    rows attending each key of the table's span (fa4._paged.head_rows)."""
     in_place = False
     if block_table is not None:
         _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, window, pack_gqa,
                                  token_rows=True)
-        in_place = _paged.in_place(q, k_cache, v_cache, q.shape[1], keys=block_table.shape[1] * k_cache.shape[1],
+        # the cache's lengths are device values: the keys count as the queries' own (fa4._paged.head_rows)
+        in_place = _paged.in_place(q, k_cache, v_cache, q.shape[1], span=block_table.shape[1] * k_cache.shape[1],
                                    causal=causal, window=window, packed=bool(pack))
     return _sm_count(q.device), fa4_split, in_place
 

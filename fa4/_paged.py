@@ -20,12 +20,14 @@ from __future__ import annotations
 import torch
 
 
-def in_place(q, k_pages, v_pages, tokens=None, *, keys=None, causal=False, window=(None, None), packed=False) -> bool:
+def in_place(q, k_pages, v_pages, tokens=None, *, keys=None, span=None, causal=False, window=(None, None),
+             packed=False) -> bool:
     """Whether this paged call can be read in place (see the module docstring). tokens: the longest
-    sequence's query rows (None: unknown); keys: its keys (None: the table's span is not known, so
-    every query row counts as attending every key); causal / window as the call gives them; packed:
-    the kernel holds a GQA group's heads as rows of one tile (flash_attn_with_kvcache's decode), so
-    its rows are tokens x group. Only shapes are read: no device values."""
+    sequence's query rows (None: unknown); keys: its keys where the call says (max_seqlen_k), else
+    None; span: the keys a dense copy would hold per sequence (pages per sequence x page size);
+    causal / window as the call gives them (unchecked: a form the checks refuse counts as no
+    window); packed: the kernel holds a GQA group's heads as rows of one tile (flash_attn_with_kvcache's
+    decode), so its rows are tokens x group. Only shapes are read: no device values."""
     from . import _dispatch
 
     if not all(isinstance(t, torch.Tensor) for t in (q, k_pages, v_pages)) or q.device.type != "cuda" \
@@ -35,33 +37,42 @@ def in_place(q, k_pages, v_pages, tokens=None, *, keys=None, causal=False, windo
     d, dv = q.shape[-1], v_pages.shape[-1]
     # int(): a symbolic size under torch.compile's dynamic shapes is guarded to its value; a length
     # that is not an int (a tensor, say) counts as unknown, so no device value is read
-    tokens, keys = (int(n) if isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) else None
-                    for n in (tokens, keys))
+    tokens, keys, span = (int(n) if isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) else None
+                          for n in (tokens, keys, span))
     group = max(1, int(q.shape[-2]) // max(1, int(k_pages.shape[-2])))
     rows = None if tokens is None else tokens * (group if packed else 1)
-    per_key = None if tokens is None else head_rows(tokens, keys, group, causal, window)
+    per_key = None if tokens is None else head_rows(tokens, keys, group, causal, window, span)
     return (d, dv) in backend.arch.head_dims and backend.paged_in_place(int(d), int(dv), int(k_pages.shape[1]), rows,
                                                                         per_key)
 
 
-def head_rows(tokens: int, keys, group: int, causal: bool, window=(None, None)) -> float:
-    """Query-head rows per KV head that attend an average key: the attention's work per key of the
-    cache, which a dense copy of the pages (a cost per key and KV head) is weighed against. The
-    queries sit at the end of the keys (bottom-right, as fa4's causal mask and window); keys None:
-    each row attends every key (an upper bound). A window edge of None or below 0 is unlimited."""
-    if keys is None:
-        return float(tokens * group)
-    if keys <= 0 or tokens <= 0:
+def _edge(e):
+    """A window edge as a count of keys, or None: unlimited (None, -1, or any form the checks refuse)."""
+    return int(e) if isinstance(e, (int, torch.SymInt)) and not isinstance(e, bool) and e >= 0 else None
+
+
+def head_rows(tokens: int, keys, group: int, causal: bool, window=(None, None), span=None) -> float:
+    """Query-head rows per KV head that attend an average key of the copy: the attention's work per key
+    that a dense copy of the pages would move (a cost per key and KV head), which that copy is weighed
+    against. The queries sit at the end of the keys (bottom-right, as fa4's causal mask and window); a
+    window bounds the pairs from above. keys None (not known from the shapes): the queries' own count,
+    the fewest a prefill has, so an unknown length leans to reading in place. span: the copy's keys per
+    sequence (the page table's width; None: the keys); it bounds the keys."""
+    keys = tokens if keys is None else keys
+    span = keys if span is None else span
+    keys = min(keys, span)
+    if keys <= 0 or tokens <= 0 or span <= 0:
         return 0.0
     pairs = tokens * keys                                       # (query row, key) pairs attended
     if causal:   # row i sees keys up to keys - tokens + i; rows past the keys' start see none
         seen = min(tokens, keys)
         pairs = seen * (seen + 1) // 2 + seen * (keys - seen)
-    left, right = (None if e is None or e < 0 else int(e) for e in window)
+    left, right = (_edge(e) for e in window) if isinstance(window, (tuple, list)) and len(window) == 2 \
+        else (None, None)
     if left is not None:
         reach = left + 1 + (0 if causal else (keys if right is None else right))
         pairs = min(pairs, tokens * min(reach, keys))
-    return group * pairs / keys
+    return group * pairs / span
 
 
 def needs_grad(*tensors) -> bool:

@@ -316,6 +316,9 @@ def on_native_head_dims(w: Workload, arch_key: str) -> Workload:
     return replace(w, head_dim=pair[0], head_dim_v=pair[1])
 
 
+PAGE_GATHER = Workload(dtype="bf16", head_dim=0, head_dim_v=0, causal=False)  # one build for every call
+
+
 def add_decode(add, w: Workload, longest: int):
     """The builds of short-query calls (fa4._dispatch.short_query_tile): the dense forward (decode
     through flash_attn_func; short and long key counts differ where persistence does), and what
@@ -343,7 +346,7 @@ def add_decode(add, w: Workload, longest: int):
         for rows in sorted({1, packed}):
             add("kvcache split", replace(w, sink=False), tile_m=SHORT_QUERY_TILE_M, rows_per_query=rows)
     add("combine", replace(w, causal=False, window=None, softcap=0.0, sink=False))
-    add("page gather", Workload(dtype="bf16", head_dim=0, head_dim_v=0, causal=False))  # one for all
+    add("page gather", PAGE_GATHER)
 
 
 def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, backward: bool = True,
@@ -402,6 +405,8 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
             add("varlen", w)
             if with_bwd:
                 add("bwd varlen", w)
+            if arch_key == "sm_90":  # a paged cache that varlen calls copy (fa4._paged)
+                add("page gather", PAGE_GATHER)
         if w.decode and arch_key == "sm_90":
             add_decode(add, w, longest)
     for b in builds:
@@ -905,7 +910,8 @@ def add_arguments(p):
                         "causal, sliding_window / layer_types, attn_logit_softcapping, gpt-oss sinks, LPT kernels "
                         "up to --max-seqlen or max_position_embeddings)")
     p.add_argument("--varlen", action="store_true",
-                   help="with --shapes / --model-config: also the varlen forward (and backward) kernels")
+                   help="with --shapes / --model-config: also the varlen forward (and backward) kernels and the "
+                        "page gather of paged caches that are copied")
     p.add_argument("--plans", type=_batch_list, default=None, metavar="B[,B...]",
                    help="with --shapes on a GPU: also run each call (these batch sizes, the item's seqlen as its "
                         "length) twice so fa4 records its launch plans: a later process then skips importing "

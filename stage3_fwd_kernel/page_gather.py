@@ -1,17 +1,19 @@
 """The page gather: a paged KV cache copied into the dense (batch, pages * page_size, H, D) form.
 
-Where the forward cannot read a paged cache in place (fa4/_paged.py: inputs that need a gradient,
-long queries over pages of 16, page sizes TMA cannot read), each call first copies every sequence's
-pages into a dense K and V. That copy is pure bandwidth: at a 32k-token prefill, GQA 32 / 8, d = 128,
+Where the forward does not read a paged cache in place (fa4/_paged.py: long queries over page sizes
+TMA cannot read, many query rows a key over pages of 16), each eager call with nothing that needs a
+gradient first copies every sequence's pages into a dense K and V with this kernel (autograd keeps
+torch's indexing, fa4/_layouts.gather_kv_pages). That copy is pure bandwidth: at a 32k-token prefill, GQA 32 / 8, d = 128,
 bf16, K and V are 64 MiB each, read once and written once (256 MiB of traffic), against a 1.85 ms
 attention call on an H200.
 
 Why a kernel of its own: torch's `cache[pages]` indexing computes an offset per element and moved
 those bytes at about 2.7 TB/s on an H200, where a device copy reaches about 4 TB/s. A page, though,
 is one contiguous run of page_size * H * D elements (32 KB at page 16, 8 heads, d = 128, bf16), so the
-gather is a list of contiguous copies. Here each CTA copies a 16 KB share of one destination page for
-K or V (grid z): 128 threads, each issuing 8 independent 16-byte loads before its 8 stores, so that a
-full SM keeps ~256 KB of loads in flight, enough to cover HBM latency. The bytes are moved as int32
+gather is a list of contiguous copies. Here each CTA copies a 16 KB share of the destination, 1024
+consecutive 16-byte words of K or V (grid z) whatever pages they fall in: 128 threads, each issuing 8
+independent 16-byte loads before its 8 stores, so that a full SM keeps ~256 KB of loads in flight,
+enough to cover HBM latency. The bytes are moved as int32
 words, so one build serves every cache dtype.
 
 The page table comes as the caller's (batch, pages) int32 and entries are clamped to a valid page in
@@ -127,7 +129,7 @@ def words_view(t, rows: int):
 def gather_pages(k_cache, v_cache, block_table):
     """(k, v): dense (B, P * page_size, H, D) copies of a paged cache (num_pages, page_size, H, D) for
     block_table (B, P) int32, by one kernel on the current stream; None where the caches are not
-    contiguous 16-byte words or the copy has 2**31 words or more (the caller falls back to torch
+    contiguous 16-byte words or the copy has 2**31 - 1024 words or more (the caller falls back to torch
     indexing)."""
     import torch
 
@@ -140,7 +142,9 @@ def gather_pages(k_cache, v_cache, block_table):
     if b * p == 0:
         return k, v
     src_k, src_v = words_view(k_cache, n), words_view(v_cache, n)
-    if src_k is None or src_v is None or max(k.numel() * k.element_size(), v.numel() * v.element_size()) >= 16 << 31:
+    # a thread's word index (start + tidx + 128 i) stays below 2**31
+    if src_k is None or src_v is None or \
+            max(k.numel() * k.element_size(), v.numel() * v.element_size()) >= (16 << 31) - 16 * WORDS_PER_CTA:
         return None
     compile_gather(launchable=True).fn(src_k, k.view(-1).view(torch.int32).view(-1, 4), src_v,
                                        v.view(-1).view(torch.int32).view(-1, 4), block_table.reshape(-1))

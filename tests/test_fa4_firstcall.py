@@ -86,7 +86,7 @@ def test_model_config_derivation():
     assert [b["scheduler"] for b in builds if b["kind"] == "fwd lpt"] == [s for *_, s in lpt]
     assert [b["seqlen_k"] for b in builds if b["kind"] == "fwd lpt"] == [f for f, *_ in lpt]
     assert [b["kind"] for b in precompile.derive_builds([w], backward=False, varlen=True)] == \
-        ["fwd"] + ["fwd lpt"] * len(lpt) + ["varlen"]
+        ["fwd"] + ["fwd lpt"] * len(lpt) + ["varlen", "page gather"]
     # --max-seqlen below the LPT threshold: no LPT kernel
     assert [b["kind"] for b in precompile.derive_builds(precompile.workloads_from_config(llama, max_seqlen=2048))] \
         == ["fwd", "bwd"]

@@ -227,8 +227,42 @@ def test_head_rows_counts_the_attended_pairs(tokens, keys, causal, window):
         assert exact <= got + 1e-9
         if left is not None:
             assert got <= 3 * tokens * (left + 1 + (right or 0)) / keys + 1e-9
-    assert head_rows(tokens, None, 3, causal, window) == 3 * tokens
+    # unknown keys: the queries' own count; a span wider than the keys spreads the pairs over it (the
+    # copy moves the whole span), a narrower one bounds the keys
+    assert head_rows(tokens, None, 3, causal, window) == head_rows(tokens, tokens, 3, causal, window)
+    assert head_rows(tokens, keys, 3, causal, window, span=2 * keys) == pytest.approx(got / 2)
+    assert head_rows(tokens, 2 * keys, 3, causal, window, span=keys) == pytest.approx(got)
     assert head_rows(0, keys, 3, causal, window) == 0 and head_rows(tokens, 0, 3, causal, window) == 0
+
+
+def test_in_place_decisions_for_pages_of_16(monkeypatch):
+    """fa4._paged.in_place on fake CUDA tensors (GQA 4, pages of 16, causal): a square prefill of 4101
+    queries and a 1900-query chunk at the end of 6003 keys copy; a square 2053-query prefill, and a
+    2048-query call whose keys the shapes do not tell over a table 32k keys wide, read in place; an
+    unchecked window of None is no window."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fa4 import _dispatch, _paged
+
+    be = _dispatch.HopperBackend(_dispatch.ARCHS["sm_90"])
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: be)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+        pages = torch.empty(4, 16, 2, 128, device="cuda", dtype=torch.bfloat16)
+        cases = [(4101, 4101, 4112, None, False), (1900, 6003, 6016, (-1, -1), False),
+                 (2053, 2053, 2064, (None, None), True), (2048, None, 32768, (None, None), True)]
+        for tokens, keys, span, window, expected in cases:
+            got = _paged.in_place(q, pages, pages, tokens, keys=keys, span=span, causal=True, window=window)
+            assert got == expected, (tokens, keys, span)
+
+
+@pytest.mark.parametrize("window", [None, (1, 2, 3), "wide", (True, None), (40.5, None)])
+def test_head_rows_takes_an_unchecked_window_as_none(window):
+    """fa4._paged.in_place runs before the call's checks: a window form they refuse (or None, which
+    they take) counts as no window here, and the checks name it afterwards."""
+    from fa4._paged import head_rows
+
+    assert head_rows(100, 300, 4, True, window) == head_rows(100, 300, 4, True, (None, None))
 
 
 def test_query_rows_read_from_shapes_only():

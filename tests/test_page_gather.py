@@ -62,8 +62,8 @@ def test_share_indices_match_divmod():
 @pytest.mark.fa4
 def test_host_refuses_what_the_kernel_cannot_copy():
     """words_view: None for a cache that is not contiguous, not whole 16-byte words a page, or misaligned;
-    gather_pages: None for an int64 table. fa4's gather_kv_pages then takes torch indexing, as it does
-    on the CPU and for caches that need a gradient."""
+    gather_pages: None for an int64 table or a copy of 2**31 - 1024 words or more. fa4's gather_kv_pages
+    then takes torch indexing, as it does on the CPU and for caches that need a gradient."""
     from fa4._layouts import gather_kv_pages, gather_pages
     from stage3_fwd_kernel import page_gather as pg
 
@@ -74,6 +74,9 @@ def test_host_refuses_what_the_kernel_cannot_copy():
     shifted = torch.zeros(cache.numel() + 4, dtype=torch.bfloat16)[4:].view(cache.shape)
     assert pg.words_view(shifted, 6) is None                           # starts 8 bytes off
     assert pg.gather_pages(cache, cache, torch.zeros(2, 3, dtype=torch.int64)) is None
+    # a copy whose last CTA's word indices would pass 2**31: pages of 16 KiB, 2**21 - 1 of them (meta: no memory)
+    huge = torch.empty(4, 8, 8, 128, dtype=torch.bfloat16, device="meta")
+    assert pg.gather_pages(huge, huge, torch.empty(1, (1 << 21) - 1, dtype=torch.int32, device="meta")) is None
     table = torch.tensor([[5, 0, -1], [2, 9, 3]], dtype=torch.int32)
     k, v = gather_kv_pages(cache, cache.flip(0), table)
     assert torch.equal(k, gather_pages(cache, table)) and torch.equal(v, gather_pages(cache.flip(0), table))
