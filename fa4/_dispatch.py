@@ -543,14 +543,15 @@ GATHER_MAX_QUERY_ROWS = 256
 
 # Pages read by TMA as this many boxes per key block or more (pages of 16 keys at the 128-key tile) are
 # read in place only while fewer than SMALL_PAGE_COPY_HEAD_ROWS query-head rows per KV head attend an
-# average key the copy would move (fa4._paged.head_rows); past that a dense copy of the pages pays: the copy costs per key
-# and KV head, the in-place reads' extra TMA copies a share of the attention's time, which grows with
-# the rows attending each key. On an H200 (GQA 32/8, d = 128, causal, shuffled pages of 16; 2026-12-03
-# "when a paged call copies"), dense time / time, in place against through the copy: chunks of 1024 /
-# 2048 / 4096 queries at the end of 16k keys (about 4000 / 7700 / 14300 head rows) 0.887 / 0.889,
-# 0.908 / 0.932, 0.900 / 0.961; square prefills of 1024 / 2048 queries (about 2000 / 4100) 0.938 /
-# 0.870, 0.937 / 0.924. Pages of 32 (4 boxes) in place 0.965 / 0.977 at 4k / 16k square, through the
-# copy 0.958 / 0.976: they stay in place. Only the group of 4 was timed; the rule scales with it.
+# average key the copy would move (fa4._paged.head_rows); past that a dense copy of the pages pays: the
+# copy costs per key and KV head, the in-place reads' extra TMA copies a share of the attention's time,
+# which grows with the rows attending each key. On an H200 (GQA 32/8, d = 128, causal, shuffled pages
+# of 16; 2026-12-03 "when a paged call copies"), dense time / time, in place against through the copy:
+# chunks of 1024 / 2048 / 4096 queries at the end of 16k keys (about 4000 / 7700 / 14300 head rows)
+# 0.887 / 0.889, 0.908 / 0.932, 0.900 / 0.961; square prefills of 1024 / 2048 queries (about 2000 /
+# 4100) 0.938 / 0.870, 0.937 / 0.924. Pages of 32 (4 boxes) in place 0.965 / 0.977 at 4k / 16k square,
+# through the copy 0.958 / 0.976: they stay in place. Only the group of 4 was timed; the rule scales
+# with it.
 SMALL_PAGE_BOXES = 8
 SMALL_PAGE_COPY_HEAD_ROWS = 6144
 

@@ -133,7 +133,7 @@ def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int, left: int | None
     starts, used = _chunk_keys(seqlens_k, n, chunk)
     if cache_rows is None:
         cu_k = shape_constant(("dense_cu_k", dev, b, n, chunk, s_cache),
-                         lambda: _pad_one(identity_rows(b, dev).view(-1, 1) * s_cache + starts))  # (B n + 1,)
+                              lambda: _pad_one(identity_rows(b, dev).view(-1, 1) * s_cache + starts))  # (B n + 1,)
         return Segments(cu_k, used.reshape(-1), n, chunk)
     first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
     return _pack(first, used, n, chunk)
@@ -144,7 +144,7 @@ def _chunk_keys(seqlens_k, n: int, chunk: int):
     keys each chunk uses (B, n), clamped to [0, chunk])."""
     dev = seqlens_k.device
     starts = shape_constant(("starts", dev, n, chunk),
-                       lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))  # (n,)
+                            lambda: torch.arange(0, n * chunk, chunk, device=dev, dtype=torch.int32))  # (n,)
     return starts, (seqlens_k.view(-1, 1) - starts).clamp_(0, chunk)
 
 
@@ -164,7 +164,7 @@ def paged_chunks(seqlens_k, block_table, page_size: int, n: int) -> tuple[Segmen
     chunk, n = split_chunks(p * page_size, n)
     starts, used = _chunk_keys(seqlens_k, n, chunk)
     cu_k = shape_constant(("paged_cu_k", seqlens_k.device, b, n, chunk),
-                     lambda: _pad_one(starts.expand(b, n)))                                        # (B n + 1,)
+                          lambda: _pad_one(starts.expand(b, n)))                                        # (B n + 1,)
     table = block_table if n == 1 else block_table.repeat_interleave(n, dim=0)                    # (B n, P)
     return Segments(cu_k, used.reshape(-1), n, chunk), table
 
@@ -425,7 +425,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
         cu_q = shape_constant(("cu_q", q.device, b * n, r),
-                         lambda: torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32))
+                              lambda: torch.arange(0, (b * n + 1) * r, r, device=q.device, dtype=torch.int32))
         keys, values = (k_cache, v_cache) if table is not None else (k_cache.reshape(-1, hkv, d),
                                                                      v_cache.reshape(-1, hkv, dv))
         out, lse = varlen(q_seg, keys, values, cu_q, seg.cu_k, seg.used, r, seg.max_keys, scale, causal, window,
@@ -526,7 +526,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         raise ValueError(f"k: {new} new tokens do not fit a cache of {capacity} rows per sequence")
     if cache_seqlens is None:
         seqlens = shape_constant(("full", q.device, b, capacity - new),
-                            lambda: torch.full((b,), capacity - new, dtype=torch.int32, device=q.device))
+                                 lambda: torch.full((b,), capacity - new, dtype=torch.int32, device=q.device))
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity - new:
             raise ValueError(f"cache_seqlens: {cache_seqlens} keys plus {new} new ones do not fit a cache of "

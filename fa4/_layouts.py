@@ -156,7 +156,8 @@ def shape_constant(key: tuple, make):
     if t is not None:
         return t
     device = key[1]
-    if len(_SHAPE_CONSTANTS) >= MAX_SHAPE_CONSTANTS or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if len(_SHAPE_CONSTANTS) >= MAX_SHAPE_CONSTANTS or capturing:
         return make()
     with torch.inference_mode(False):
         t = _SHAPE_CONSTANTS[key] = make()
