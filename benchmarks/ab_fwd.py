@@ -28,6 +28,7 @@ import importlib
 import random
 import statistics
 import sys
+import time
 
 import torch
 
@@ -112,19 +113,24 @@ def time_ms(fn, target_ms: float = 40.0) -> float:
     return start.elapsed_time(end) / calls
 
 
-def paired_rounds(fns: dict, rounds: int, rng: random.Random, warmup: int = 1) -> dict:
+def paired_rounds(fns: dict, rounds: int, rng: random.Random, warmup: int = 1, spans: list | None = None) -> dict:
     """name -> per-round times (ms): every round times every fn once, in a fresh random order, after
     `warmup` rounds that are timed the same way and dropped (a first round ran up to 3x slower while
-    clocks and caches settled, which the min / max spread of the rounds then carried)."""
+    clocks and caches settled, which the min / max spread of the rounds then carried). spans: a list
+    that gets (name, round, start, end) in `time.time()` seconds per timed measure (for
+    benchmarks.sm_clock)."""
     for _ in range(warmup):
         for fn in fns.values():
             time_ms(fn)
     times = {n: [] for n in fns}
-    for _ in range(rounds):
+    for r in range(rounds):
         order = list(fns)
         rng.shuffle(order)
         for n in order:
+            start = time.time()
             times[n].append(time_ms(fns[n]))
+            if spans is not None:
+                spans.append((n, r, start, time.time()))
     return times
 
 

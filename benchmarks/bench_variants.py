@@ -10,7 +10,9 @@ both in a fresh random order, the ratio is official time / fa4 time of that roun
 causal (the reference), causal with a 1024-token window, a band of 1024 keys each side (not causal),
 softcap 30, causal with a sink. Then the window's cost at --window-seqlen (default 16k): fa4's
 1024-window causal call against its causal and its non-causal call, next to window / seqlen (the
-ratio to expect against the non-causal call when the cost follows the keys walked). Each case is
+ratio to expect against the non-causal call when the cost follows the keys walked), in time and in SM
+cycles (the clock sampled while each call is timed: benchmarks.sm_clock); `--cases ""` runs that part
+alone. Each case is
 compiled and checked against the official output once before timing; an implementation that refuses
 a case is reported, not timed.
 """
@@ -104,8 +106,12 @@ def run_case(name, d, seqlen, rounds, rng, impls):
 def window_cost(d, seqlen, window, rounds, rng):
     """fa4 at one seqlen: causal + (window, 0) against causal and against non-causal attention; the
     keys a row walks are ~window, ~seqlen / 2 and seqlen, so the time ratios to expect are about
-    2 window / seqlen and window / seqlen."""
+    2 window / seqlen and window / seqlen. The SM clock is sampled while each call is timed
+    (benchmarks.sm_clock): a long non-causal call and a short windowed one do not run at the same
+    clock, so the ratios are also given in cycles (time x the span's mean clock), per round."""
     import fa4
+
+    from .sm_clock import ClockLog
 
     b, h = max(1, 32768 // seqlen), 2048 // d
     g = torch.Generator(device="cuda").manual_seed(seqlen)
@@ -116,14 +122,25 @@ def window_cost(d, seqlen, window, rounds, rng):
              "causal": fwd_bwd_calls(fa4.flash_attn_func, q, k, v, True, {}),
              "window": fwd_bwd_calls(fa4.flash_attn_func, q, k, v, True, dict(window_size=(window, 0)))}
     for direction, i in (("fwd", 0), ("bwd", 1)):
-        times = paired_rounds({n: c[i] for n, c in calls.items()}, rounds, rng)
-        vs_causal = statistics.median(w / c for w, c in zip(times["window"], times["causal"]))
-        vs_full = statistics.median(w / f for w, f in zip(times["window"], times["full"]))
-        rows.append({"case": f"window{window}_cost", "direction": direction, "head_dim": d, "seqlen": seqlen,
-                     "window": window, "ms_rounds": times, "window_over_causal": vs_causal,
-                     "window_over_full": vs_full, "window_over_seqlen": window / seqlen})
-        print(f"window {window} at {seqlen} d={d} {direction}: {vs_causal:.3f} of the causal time, {vs_full:.3f} "
-              f"of the non-causal time (window / seqlen = {window / seqlen:.3f})", flush=True)
+        spans = []
+        with ClockLog(q.device.index or 0) as clocks:
+            times = paired_rounds({n: c[i] for n, c in calls.items()}, rounds, rng, spans=spans)
+        mhz = {n: [None] * rounds for n in calls}
+        for n, r, t0, t1 in spans:
+            mhz[n][r] = clocks.mean_mhz(t0, t1)
+        row = {"case": f"window{window}_cost", "direction": direction, "head_dim": d, "seqlen": seqlen,
+               "window": window, "ms_rounds": times, "mhz_rounds": mhz, "window_over_seqlen": window / seqlen}
+        for peer in ("causal", "full"):
+            row[f"window_over_{peer}"] = statistics.median(w / c for w, c in zip(times["window"], times[peer]))
+            cycles = [(w * wm) / (c * cm) for w, c, wm, cm in zip(times["window"], times[peer], mhz["window"],
+                                                                  mhz[peer]) if wm and cm]
+            row[f"window_over_{peer}_cycles"] = statistics.median(cycles) if cycles else None
+        rows.append(row)
+        in_cycles = row["window_over_full_cycles"]
+        print(f"window {window} at {seqlen} d={d} {direction}: {row['window_over_causal']:.3f} of the causal time, "
+              f"{row['window_over_full']:.3f} of the non-causal time"
+              + (f" ({in_cycles:.3f} in SM cycles)" if in_cycles else " (no SM clock samples)")
+              + f" (window / seqlen = {window / seqlen:.4f})", flush=True)
     return rows
 
 
@@ -168,6 +185,9 @@ def main(argv=None) -> int:
                 docs.append(json.load(f))
         print(markdown_table(docs))
         return 0
+    unknown = [c for c in filter(None, args.cases.split(",")) if c not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases: unknown {', '.join(unknown)}; the cases are {', '.join(CASES)} (or \"\": none)")
     if not torch.cuda.is_available():
         print("bench_variants needs a CUDA GPU")
         return 2
@@ -175,7 +195,7 @@ def main(argv=None) -> int:
     impls = _impls()
     rows = []
     for d in (int(x) for x in args.dims.split(",")):
-        for name in args.cases.split(","):
+        for name in filter(None, args.cases.split(",")):
             rows += run_case(name, d, args.seqlen, args.rounds, rng, impls)
             if args.out:  # after every case: a long run that is cut short keeps what it measured
                 write_results(args.out, "benchmarks.bench_variants", rows, args.rounds)

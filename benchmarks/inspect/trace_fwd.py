@@ -1,7 +1,7 @@
 """Timelines from inside the forward kernels: the production forward against the official FA4, same shape.
 
     python -m benchmarks.inspect.trace_fwd --dim 192 --dim_v 128 --causal --seqlen 8192 --batch 4 --heads 10 \
-        --out trace.json --plot trace.png [--events all] [--impls ours,official]
+        --out trace.json --plot trace.png [--events all] [--impls ours,official] [--window 1024]
 
 Both kernels are compiled with the same clock stamps (``stage3_fwd_kernel.trace``): per CTA the SM,
 ``%globaltimer`` and ``clock64`` at the kernel's entry and at the consumers' start and end; with
@@ -15,6 +15,9 @@ What it prints per kernel:
   entry (launch) and its consumers' start (prologue: barriers, tile order, setmaxnreg);
 * CTA cycles: causal with equal 128-row and 128-key tiles, a fit ``cycles = fixed + per_block x
   blocks`` over the CTAs sorted by length (tile m visits m + 1 blocks); otherwise the median;
+  ``--window LEFT`` (causal, window (LEFT, 0), every key block a tile walks: pass the same
+  ``--seqlen``'s non-causal run's per-block cycles to split its time into blocks and the rest) the
+  median over the tiles that walk the most blocks, and that count;
 * with ``--events``: the median cycles between consecutive events in the steady state.
 
 ``ours:<module>`` traces an untracked copy of the production forward instead (its own ``STEP``, as
@@ -147,12 +150,25 @@ def sm_timeline(t: dict) -> dict:
             "prologue_cycles_median": float(np.nanmedian(t["start_clk"] - t["entry_clk"]))}
 
 
-def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int) -> dict:
+def window_blocks(m_block: int, tile_m: int, tile_n: int, left: int) -> int:
+    """Key blocks a causal tile walks under window (left, 0) with equal query and key lengths: from the
+    block of its first row's left edge to the block of its last row's diagonal."""
+    first = max(m_block * tile_m - left, 0) // tile_n
+    return ((m_block + 1) * tile_m - 1) // tile_n + 1 - first
+
+
+def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int, window: int | None = None) -> dict:
     """The per-SM and per-CTA numbers of the module docstring (times in us, cycles as counted)."""
     cycles = t["end_clk"] - t["start_clk"]
     res = {**sm_timeline(t), "cta_cycles_median": float(np.median(cycles))}
     n_blocks = -(-seqlen // tile_n)
-    if causal and tile_m == tile_n and seqlen % tile_m == 0:
+    if window is not None:
+        walks = [window_blocks(m, tile_m, tile_n, window) for m in range(-(-seqlen // tile_m))]
+        most = max(walks)
+        # CTAs in order of their cycles; the share of tiles with the longest walk are the longest CTAs
+        longest = np.sort(cycles)[-max(1, len(cycles) * walks.count(most) // len(walks)):]
+        res.update(window_blocks_walked=most, window_cta_cycles_median=float(np.median(longest)))
+    elif causal and tile_m == tile_n and seqlen % tile_m == 0:
         srt = np.sort(cycles)
         per = len(srt) // n_blocks
         med = np.array([np.median(srt[k * per:(k + 1) * per]) for k in range(n_blocks)])
@@ -210,11 +226,14 @@ def run_impl(name: str, args, events: tuple):
     q, k = (torch.randn(args.batch, args.seqlen, args.heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
             for _ in range(2))
     v = torch.randn(args.batch, args.seqlen, args.heads, dv, device="cuda", dtype=torch.bfloat16, generator=gen)
+    from stage3_fwd_kernel.components.window import Window
     from stage3_fwd_kernel.hopper.config import default_tile_m, default_tile_n
 
     # our tile with no scheduler given (the official kernel's too, but d = 96 causal: 192 x 128 there)
-    tile_m = default_tile_m(d, dv, args.causal, seqlen_k=args.seqlen)
-    tile_n = default_tile_n(d, dv, tile_m, plain=True)
+    window = None if args.window is None else Window(args.window, 0)
+    tile_m = default_tile_m(d, dv, args.causal, window, seqlen_k=args.seqlen)
+    tile_n = default_tile_n(d, dv, tile_m, plain=window is None)
+    kw = {} if args.window is None else {"window_size": (args.window, 0)}
     n_ctas = (-(-args.seqlen // 128)) * args.heads * args.batch  # both kernels' tiles have >= 128 rows
     buf = torch.zeros(trace.buffer_elems(n_ctas), dtype=torch.int64, device="cuda")
     trace.enable(buf.data_ptr(), events)
@@ -223,16 +242,18 @@ def run_impl(name: str, args, events: tuple):
             from fa4._dispatch import causal_forward_scheduler
             ours = importlib.import_module(name.partition(":")[2] or PRODUCTION)
 
-            sched = causal_forward_scheduler("sm_90", args.causal, args.seqlen, d, dv, args.heads, args.heads)
+            # fa4's order for the call: LPT for long causal calls, none under a window (its tiles are equal)
+            sched = causal_forward_scheduler("sm_90", args.causal and window is None, args.seqlen, d, dv, args.heads,
+                                             args.heads)
 
             def call():
-                return ours.attention_forward(q, k, v, causal=args.causal, persistent=False, scheduler=sched)
+                return ours.attention_forward(q, k, v, causal=args.causal, persistent=False, scheduler=sched, **kw)
         else:
             patch_official()
             from flash_attn.cute.interface import flash_attn_func
 
             def call():
-                return flash_attn_func(q, k, v, causal=args.causal)
+                return flash_attn_func(q, k, v, causal=args.causal, **kw)
         ms = time_then_trace(call, buf)
     finally:
         trace.disable()
@@ -291,9 +312,14 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="ours,official",
                     help="ours, official, and ours:<module> for an untracked copy of the production forward")
     ap.add_argument("--events", default="", help="per-block events: 'all', or names from trace.EVENTS, comma-separated")
+    ap.add_argument("--window", type=int, default=None, metavar="LEFT",
+                    help="causal with window_size (LEFT, 0) (needs --causal)")
     ap.add_argument("--out", default=None, help="results JSON")
     ap.add_argument("--plot", default=None, help="per-SM timeline PNG")
     args = ap.parse_args(argv)
+    if args.window is not None and (args.window < 0 or not args.causal):
+        raise SystemExit(f"--window: a left window of >= 0 keys with --causal, got {args.window} "
+                         f"({'causal' if args.causal else 'not causal'})")
     impls = [x for x in args.impls.split(",") if x]
     if any(x != "official" and x.partition(":")[0] != "ours" for x in impls):
         raise SystemExit(f"--impls: expected ours, ours:<module> (a copy) and/or official, got {args.impls!r}")
@@ -315,7 +341,8 @@ def main(argv=None) -> int:
             print(f"{name}: {rows[-1]['error']}")
             continue
         tables[name] = t
-        row = {"impl": name, "ms_per_call_traced": ms, **summarize(t, args.causal, args.seqlen, tile_m, tile_n)}
+        row = {"impl": name, "ms_per_call_traced": ms,
+               **summarize(t, args.causal, args.seqlen, tile_m, tile_n, args.window)}
         if events:
             row["block_events_median_cycles"] = block_events(records, events)
         rows.append(row)
@@ -324,7 +351,10 @@ def main(argv=None) -> int:
               f"(max {row['idle_at_end_us_max']:.1f}); between CTAs: launch {row['gap_launch_us_median']:.2f} us, "
               f"prologue {row['gap_prologue_us_median']:.2f} us")
         print(f"  prologue (entry -> consumers' start) {row['prologue_cycles_median']:.0f} cycles (median)")
-        if "cycles_per_block" in row:
+        if "window_blocks_walked" in row:
+            print(f"  CTA cycles, median of the tiles walking {row['window_blocks_walked']} key blocks: "
+                  f"{row['window_cta_cycles_median']:.0f}")
+        elif "cycles_per_block" in row:
             print(f"  CTA cycles = {row['cycles_fixed']:.0f} + {row['cycles_per_block']:.0f} x key blocks")
         else:
             print(f"  CTA cycles, median {row['cta_cycles_median']:.0f}")
@@ -334,7 +364,8 @@ def main(argv=None) -> int:
         from ..bench_fwd import write_doc
 
         write_doc(args.out, "benchmarks.inspect.trace_fwd", argv, rows, shape=dict(dim=args.dim, dim_v=args.dim_v or args.dim,
-                  causal=args.causal, seqlen=args.seqlen, batch=args.batch, heads=args.heads), events=list(events))
+                  causal=args.causal, seqlen=args.seqlen, batch=args.batch, heads=args.heads, window=args.window),
+                  events=list(events))
     if args.plot and tables:
         plot_timelines(tables, args.plot)
     return 0
