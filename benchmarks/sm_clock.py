@@ -103,6 +103,3 @@ class ClockLog:
 
     def mean_mhz(self, t0: float, t1: float) -> float | None:
         return mean_in(self.samples, t0, t1)
-
-    def mean_watts(self, t0: float, t1: float) -> float | None:
-        return mean_in(self.samples, t0, t1, column=2)

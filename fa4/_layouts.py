@@ -185,11 +185,9 @@ class VarlenLayout:
         if cu is not None:
             return t, cu, None
         b, s = t.shape[0], t.shape[1]
-        if isinstance(b, int) and isinstance(s, int):   # plain sizes: kept per shape (no kernel a call)
-            cu = shape_constant(("padded_cu", t.device, b, s),
-                                lambda: torch.arange(0, b + 1, dtype=torch.int32, device=t.device) * s)
-        else:
-            cu = torch.arange(0, b + 1, dtype=torch.int32, device=t.device) * s
+        # kept per shape (no kernel a call); symbolic sizes only occur while traced, where it makes one
+        cu = shape_constant(("padded_cu", t.device, b, s),
+                            lambda: torch.arange(0, b + 1, dtype=torch.int32, device=t.device) * s)
         return t.reshape(b * s, *t.shape[2:]), cu, s
 
     @staticmethod

@@ -319,6 +319,22 @@ def test_trace_fwd_analysis_on_synthetic_records():
     assert ev == {f"{a}->{b}": 10.0 for a, b in zip(trace.EVENTS[:-1], trace.EVENTS[1:])} | {"period": 100.0}
 
 
+def test_trace_fwd_window_walks_and_summary():
+    """--window: the blocks a causal (left, 0) tile walks (the first tiles shorter, then window / tile_n
+    + 1 for aligned 128-row tiles; 192-row tiles straddle one more), and the summary's median over the
+    CTAs of the longest walks, taken as the longest CTAs."""
+    from benchmarks.inspect import trace_fwd
+
+    assert [trace_fwd.window_blocks(m, 4096, 128, 128, 1024) for m in range(11)] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9]
+    assert [trace_fwd.window_blocks(m, 4096, 192, 128, 1024) for m in range(8)] == [2, 3, 5, 6, 8, 9, 10, 10]
+    assert trace_fwd.window_blocks(0, 100, 128, 128, 0) == 1  # a partial single tile
+    cycles = np.array([1000.0 * trace_fwd.window_blocks(m, 2048, 128, 128, 512) for m in range(16)])
+    t = {"start_clk": np.zeros(16), "end_clk": cycles}
+    t.update(sm=np.arange(16) % 4, start=np.zeros(16), end=cycles, entry=np.zeros(16), entry_clk=np.zeros(16))
+    res = trace_fwd.summarize(t, causal=True, seqlen=2048, tile_m=128, tile_n=128, window=512)
+    assert res["window_blocks_walked"] == 5 and res["window_cta_cycles_median"] == pytest.approx(5000)
+
+
 def test_trace_bwd_analysis_on_synthetic_records():
     """trace_bwd's fits from hand-made records: CTAs walking 2..9 Q tiles at 500 cycles a tile, a
     700-cycle start before the walk and a 300-cycle epilogue after it, the walk length in the NOTE slot."""

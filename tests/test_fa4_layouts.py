@@ -549,3 +549,25 @@ def test_page_table_errors_name_the_argument():
         fa4.flash_attn_varlen_func(q, m(8, 2, 64), m(8, 2, 64), page_table=table)
     out = fa4.flash_attn_varlen_func(q, pool, pool, page_table=table)
     assert out.shape == (2, 4, 2, 64)
+
+
+def test_padded_cu_seqlens_with_symbolic_sizes_are_made_not_kept():
+    """VarlenLayout.pack keeps a padded side's cu_seqlens per shape; a side with symbolic sizes (only
+    while traced: a FakeTensorMode with a ShapeEnv, as torch.compile's dynamic shapes) gets one made
+    for the trace, and nothing keyed by a symbol is kept."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from fa4 import _layouts
+
+    before = dict(_layouts._SHAPE_CONSTANTS)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 4)
+    t = mode.from_tensor(torch.zeros(3, 7, 2, 8), symbolic_context=dynamic)       # (s0, s1, s2, s3)
+    with mode:
+        assert isinstance(t.shape[0], torch.SymInt)
+        packed, cu, s = _layouts.VarlenLayout.pack(t, None)
+        assert tuple(cu.shape) == (4,) and packed.shape[0] == 21 and s == 7
+    assert _layouts._SHAPE_CONSTANTS == before
+    real, cu_real, _ = _layouts.VarlenLayout.pack(torch.zeros(3, 7, 2, 8), None)
+    assert cu_real.tolist() == [0, 7, 14, 21] and real.shape == (21, 2, 8)

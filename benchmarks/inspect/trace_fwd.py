@@ -150,11 +150,13 @@ def sm_timeline(t: dict) -> dict:
             "prologue_cycles_median": float(np.nanmedian(t["start_clk"] - t["entry_clk"]))}
 
 
-def window_blocks(m_block: int, tile_m: int, tile_n: int, left: int) -> int:
-    """Key blocks a causal tile walks under window (left, 0) with equal query and key lengths: from the
-    block of its first row's left edge to the block of its last row's diagonal."""
-    first = max(m_block * tile_m - left, 0) // tile_n
-    return ((m_block + 1) * tile_m - 1) // tile_n + 1 - first
+def window_blocks(m_block: int, seqlen: int, tile_m: int, tile_n: int, left: int) -> int:
+    """Key blocks a causal tile walks under window (left, 0) with equal query and key lengths: the
+    causal walk (stage5_scheduling.orders) less the blocks left of its first row's left edge."""
+    from stage5_scheduling.orders import kv_blocks_visited
+
+    causal = int(kv_blocks_visited(m_block, seqlen, seqlen, tile_m, tile_n, True))
+    return causal - max(m_block * tile_m - left, 0) // tile_n
 
 
 def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int, window: int | None = None) -> dict:
@@ -163,7 +165,7 @@ def summarize(t: dict, causal: bool, seqlen: int, tile_m: int, tile_n: int, wind
     res = {**sm_timeline(t), "cta_cycles_median": float(np.median(cycles))}
     n_blocks = -(-seqlen // tile_n)
     if window is not None:
-        walks = [window_blocks(m, tile_m, tile_n, window) for m in range(-(-seqlen // tile_m))]
+        walks = [window_blocks(m, seqlen, tile_m, tile_n, window) for m in range(-(-seqlen // tile_m))]
         most = max(walks)
         # CTAs in order of their cycles; the share of tiles with the longest walk are the longest CTAs
         longest = np.sort(cycles)[-max(1, len(cycles) * walks.count(most) // len(walks)):]
