@@ -90,12 +90,14 @@ def ab_type(dtype) -> str:
 
 
 def _issue(acc: cute.Tensor, n: int, ptx_type: str, operands: list, operand_constraints: list, operand_text: str,
-           loc, ip):
+           loc, ip, first: int = 0):
     """One ``wgmma.mma_async.m64n{n}k16.f32`` as inline PTX, the instruction cute.gemm emits: acc's n / 2
-    fp32 registers are its D (written back in place, tied to their inputs), `operands` follow as $c..
-    ($c = n / 2), the last one the scale-d flag; `operand_text` is the text after D, p for scale-d."""
+    fp32 registers from `first` on are its D (written back in place, tied to their inputs), `operands`
+    follow as $c.. ($c = n / 2), the last one the scale-d flag; `operand_text` is the text after D, p
+    for scale-d. The registers of columns 8 j .. 8 j + 7 are 4 j .. 4 j + 3 at every n, so an n-column
+    wgmma from `first` = 4 j computes columns 8 j .. of a wider accumulator."""
     count = n // 2
-    ins = operands + [Float32(acc[i]).ir_value(loc=loc, ip=ip) for i in range(count)]
+    ins = operands + [Float32(acc[first + i]).ir_value(loc=loc, ip=ip) for i in range(count)]
     regs = ", ".join(f"${i}" for i in range(count))
     flag = count + len(operands) - 1
     instr = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type}"
@@ -105,20 +107,20 @@ def _issue(acc: cute.Tensor, n: int, ptx_type: str, operands: list, operand_cons
                           has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                           loc=loc, ip=ip)
     for i in range(count):
-        acc[i] = Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip))
+        acc[first + i] = Float32(llvm.extractvalue(T.f32(), out, [i], loc=loc, ip=ip))
 
 
 @dsl_user_op
 def wgmma_ss(acc: cute.Tensor, a_desc: Int64, b_desc: Int64, accumulate: bool, n: int, ptx_type: str,
-             trans_b: bool = False, *, loc=None, ip=None) -> None:
+             trans_b: bool = False, first: int = 0, *, loc=None, ip=None) -> None:
     """acc (+)= A B for one k-step of 16, both operands in shared memory (64-bit descriptors), A K-major
     and B K-major (or MN-major with trans_b, as V in P V); acc the warpgroup's (64, n) fp32 accumulator
-    fragment (n / 2 registers per thread, in the instruction's register order). Issue it between
-    ``warpgroup.fence()`` and ``commit_group()``."""
+    fragment (n / 2 registers per thread, in the instruction's register order), or its registers from
+    `first` on in a wider one. Issue it between ``warpgroup.fence()`` and ``commit_group()``."""
     c = n // 2
     ops = [Int64(a_desc).ir_value(loc=loc, ip=ip), Int64(b_desc).ir_value(loc=loc, ip=ip),
            Int32(1 if accumulate else 0).ir_value(loc=loc, ip=ip)]
-    _issue(acc, n, ptx_type, ops, ["l", "l", "r"], f"${c}, ${c + 1}, p, 1, 1, 0, {int(trans_b)}", loc, ip)
+    _issue(acc, n, ptx_type, ops, ["l", "l", "r"], f"${c}, ${c + 1}, p, 1, 1, 0, {int(trans_b)}", loc, ip, first)
 
 
 @dsl_user_op
@@ -186,13 +188,23 @@ class QKOperands(_Carried):
         self.k = desc64(cute.arch.make_warp_uniform(desc_lo(sK.iterator.toint())), self.hi)
         self.k_off = [desc_offset(sK.layout, (0, 16 * k), width) for k in range(self.k_steps)]
         self.stage_step = desc_offset(sK.layout, (0, 0, 1), width)
+        # the second half of the key rows (gemm's half=1): whole 8-row swizzle groups where tn % 32 == 0
+        self.half_off = desc_offset(sK.layout, (tn // 2, 0), width) if tn % 32 == 0 else None
 
-    def gemm(self, acc: cute.Tensor, stage: Int32) -> None:
-        """acc = Q K_stage^T, issued (fence, k-steps, commit); not waited for."""
+    def gemm(self, acc: cute.Tensor, stage: Int32, half: int | None = None) -> None:
+        """acc = Q K_stage^T, issued (fence, k-steps, commit); not waited for. half = 0 / 1: only the
+        first / second tn / 2 keys (columns) of the block, m64n(tn/2) wgmmas into that half of acc's
+        registers (`_issue`); the other half is left as it was."""
         k_desc = self.k + Int64(Uint32(stage * self.stage_step))
+        n, first = self.n, 0
+        if half is not None:
+            n = self.n // 2
+            first = half * n // 2
+            if half == 1:
+                k_desc = k_desc + self.half_off
         warpgroup.fence()
         for k in range(self.k_steps):
-            wgmma_ss(acc, self.q[k], k_desc + self.k_off[k], k > 0, self.n, self.ptx_type)
+            wgmma_ss(acc, self.q[k], k_desc + self.k_off[k], k > 0, n, self.ptx_type, first=first)
         warpgroup.commit_group()
 
 
@@ -222,17 +234,21 @@ class PVOperands(_Carried):
             self.p = kstep_descs(sP, width, self.k_steps,
                                  cute.arch.make_warp_uniform(Int32(desc_hi(swizzle_bytes(tn, width)))))
 
-    def gemm(self, acc: cute.Tensor, tOrP: cute.Tensor, stage: Int32) -> None:
+    def gemm(self, acc: cute.Tensor, tOrP: cute.Tensor, stage: Int32, half: int | None = None) -> None:
         """acc += P V_stage, issued (fence, k-steps, commit); not waited for. tOrP: the 16-bit A fragment
-        ((2, 2, 2), 1, tn / 16); unused when P is read from shared memory (sP)."""
+        ((2, 2, 2), 1, tn / 16); unused when P is read from shared memory (sP). half = 0 / 1: only the
+        k-steps of the first / second tn / 2 keys (P is 0 on the others: adding nothing, the same sum)."""
         v_desc = self.v + Int64(Uint32(stage * self.stage_step))
+        steps = range(self.k_steps)
+        if half is not None:
+            steps = range(half * self.k_steps // 2, (half + 1) * self.k_steps // 2)
         warpgroup.fence()
         if self.p_smem:
-            for k in range(self.k_steps):
+            for k in steps:
                 wgmma_ss(acc, self.p[k], v_desc + self.k_off[k], True, self.n, self.ptx_type, trans_b=True)
         else:
             p32 = cute.recast_tensor(tOrP, Int32)  # ((1, 2, 2), 1, tn / 16): 4 registers per k-step
-            for k in range(self.k_steps):
+            for k in steps:
                 a = p32[None, 0, k]
                 wgmma_rs(acc, [a[i] for i in range(4)], v_desc + self.k_off[k], self.n, self.ptx_type)
         warpgroup.commit_group()

@@ -71,6 +71,12 @@ def num_left_masked_blocks(m_block, seqlen_q, seqlen_k, n_block_min, n_blocks, *
     return cutlass.min(cutlass.max(n_left, 0), n_blocks)
 
 
+def hot_loop_end(n_blocks, n_masked, n_left):
+    """Walk index where the unmasked blocks end: the first block is always masked (the walk's
+    prologue), blocks before n_masked on the right, the last n_left (not those) on the left."""
+    return cutlass.max(n_blocks - n_left, cutlass.max(n_masked, 1))
+
+
 @cute.jit
 def chunk_block_range(chunk: Int32, chunks: Int32, n_block_max: Int32):
     """A split-tail work item's key blocks: chunk c = j + S r of tail tile r walks blocks

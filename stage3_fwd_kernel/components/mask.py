@@ -22,14 +22,44 @@ from cutlass import Float32, Int32, Int64, const_expr
 from stage3_fwd_kernel.components.window import Window
 
 
-class AttentionMask:
-    """Masking of the scores of one tile_n-wide key block for a Window (causal is right = 0)."""
+# The edges a masked block's compares test (`AttentionMask.apply`'s side): the right edge and the
+# sequence's end, the left edge, or both.
+RIGHT, LEFT, BOTH = "right", "left", "both"
 
-    def __init__(self, window: Window, tile_n: int, rows_per_query: int = 1):
+
+class AttentionMask:
+    """Masking of the scores of one tile_n-wide key block for a Window (causal is right = 0).
+
+    Which edges a block needs. A walk masks its first blocks on the right (`block_range.num_masked_blocks`)
+    and, with a left window, its last blocks on the left. The left ones lie before
+    `num_unmasked_blocks`: full of keys and left of every row's right edge, so they test the left
+    edge alone. The right ones start at or after the last row's left edge -- so test the right edge
+    alone -- when the window reaches at least tile_m + tile_n keys left (a block right of
+    row0 + off + right - tile_n, or of the sequence's last whole block, starts past
+    row0 + tile_m - 1 + off - left: left >= tile_m + tile_n covers the tile rows past the sequence
+    too). Narrower windows test both there. tile_m: query tokens of a tile (None: always both)."""
+
+    def __init__(self, window: Window, tile_n: int, rows_per_query: int = 1, tile_m: int | None = None):
         self.window = window
         self.tile_n = tile_n
         # GQA heads packed as rows (row t g + j is query token t): rows of one token share its edges
         self.rows_per_query = rows_per_query
+        self.sides_apart = (tile_m is not None and window.left is not None
+                            and window.left >= tile_m + tile_n)
+
+    def right_blocks_side(self) -> str:
+        """The edges the blocks masked on the right test (class docstring)."""
+        return RIGHT if self.sides_apart else BOTH
+
+    def right_half_hidden(self, row_last, n_block, seqlen_q, seqlen_k):
+        """Whether no row up to `row_last` sees the second tile_n / 2 keys of block n_block (its
+        right edge or the sequence's end comes first): the warpgroup's S and P V may skip them."""
+        return self.key_limit(self.query_of(row_last), n_block, seqlen_q, seqlen_k) <= self.tile_n // 2
+
+    def left_half_hidden(self, row_first, n_block, seqlen_q, seqlen_k):
+        """Whether no row from `row_first` on sees the first tile_n / 2 keys of block n_block (left
+        window: its left edge lies past them)."""
+        return self.key_start(self.query_of(row_first), n_block, seqlen_q, seqlen_k) >= self.tile_n // 2
 
     def query_of(self, row):
         """The query token of a tile row: the row itself, or with packed GQA heads (row t g + j) t."""
@@ -54,18 +84,24 @@ class AttentionMask:
 
     @cute.jit
     def apply(self, acc_S_rc: cute.Tensor, tScS_rc: cute.Tensor, tScS0_rc: cute.Tensor, n_block: Int32,
-              row0: Int32, seqlen_q: Int32, seqlen_k: Int32):
+              row0: Int32, seqlen_q: Int32, seqlen_k: Int32, side: cutlass.Constexpr[str] = BOTH):
         """A fragment of several rows (wgmma): acc_S_rc is this thread's scores as (rows, cols);
         tScS_rc / tScS0_rc the (row, col) of each element for this thread / for thread 0
-        (compile-time); row0 the fragment's first query row in the sequence."""
+        (compile-time); row0 the fragment's first query row in the sequence; side: the edges tested
+        (RIGHT, LEFT or BOTH; without a left window both is the right edge)."""
         shift = tScS_rc[0, 0][1]  # into thread 0's column coordinates (a select each)
         for r in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[0])):
             row = self.query_of(row0 + tScS_rc[r, 0][0])
-            col_limit = self.key_limit(row, n_block, seqlen_q, seqlen_k) - shift
-            if const_expr(self.window.left is None):
+            if const_expr(side == LEFT):
+                col_start = self.key_start(row, n_block, seqlen_q, seqlen_k) - shift
+                for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
+                    acc_S_rc[r, c] = -Float32.inf if tScS0_rc[r, c][1] < col_start else acc_S_rc[r, c]
+            elif const_expr(self.window.left is None or side == RIGHT):
+                col_limit = self.key_limit(row, n_block, seqlen_q, seqlen_k) - shift
                 for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
                     acc_S_rc[r, c] = -Float32.inf if tScS0_rc[r, c][1] >= col_limit else acc_S_rc[r, c]
             else:
+                col_limit = self.key_limit(row, n_block, seqlen_q, seqlen_k) - shift
                 col_start = self.key_start(row, n_block, seqlen_q, seqlen_k) - shift
                 for c in cutlass.range_constexpr(cute.size(acc_S_rc, mode=[1])):
                     col = tScS0_rc[r, c][1]

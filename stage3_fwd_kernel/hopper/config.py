@@ -44,6 +44,18 @@ def plain_scores(causal: bool, window, softcap) -> bool:
     return not (causal or (window is not None and window.limited) or softcap)
 
 
+def half_blocks(tile_m: int, tile_n: int, window) -> bool:
+    """Whether a consumer warpgroup computes only the half of a masked key block its 64 rows see
+    (hopper/mainloop.py, "Half blocks"; 16-key k-steps on both sides of the middle: tile_n % 32 == 0).
+    With a left window, and causal on tiles of more than 128 rows. On an H200 (docs/measurements.md,
+    2026-12-04 "masked-block halves"): window (1024, 0) at 16k 1.06x faster at d = 128 and 1.19x at d =
+    64, causal on 192 x 128 tiles (d = 64) 1.03-1.05x, but causal 128 x 128 (d = 128), where only the
+    diagonal block can skip, 0.985-1.0x: not there. window: the kernel's (causal is right = 0)."""
+    if tile_n % 32:
+        return False
+    return window.left is not None or (window.right is not None and tile_m > 128)
+
+
 def default_tile_n(head_dim: int, head_dim_v: int, tile_m: int = 128, *, plain: bool = False,
                    persistent: bool = False, cache: bool = False) -> int:
     """Key-tile rows: 128, or 64 when O (dv/2 registers) would leave a consumer too few for S; 144 for

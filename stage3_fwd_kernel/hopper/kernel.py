@@ -52,7 +52,7 @@ from stage3_fwd_kernel.hopper import barriers
 from stage3_fwd_kernel.hopper.gather import gather_unroll
 from stage3_fwd_kernel.hopper.config import (
     DEFAULT_POLICY, MAX_HEAD_DIM_192, Q_SHIFT_TILE_MS, TILE_MS, check_persistent_smem, default_num_stages,
-    default_tile_n, o_fits_beside_q, p_through_smem, plain_scores)
+    default_tile_n, half_blocks, o_fits_beside_q, p_through_smem, plain_scores)
 from stage3_fwd_kernel.hopper.mainloop import ConsumerArgs, consume, row_copy
 from stage3_fwd_kernel.hopper.producer import SmemBuffers, TmaLoads, produce
 from stage3_fwd_kernel.hopper.split_tail import SPLIT_TAIL_UNSUPPORTED, split_tail_supported
@@ -125,7 +125,8 @@ class FlashAttentionForwardSm90:
         # range count tokens (query_tile_m tokens a tile), the stores rows
         self.rows_per_query = rows_per_query
         self.query_tile_m = tile_m // rows_per_query
-        self.mask = AttentionMask(self.window, self.tile_n, rows_per_query)
+        self.mask = AttentionMask(self.window, self.tile_n, rows_per_query, tile_m=self.query_tile_m)
+        self.half_blocks = half_blocks(tile_m, self.tile_n, self.window)  # mainloop: "Half blocks"
         self.score_mod = Softcap(softcap)
         # a persistent CTA stages O apart from Q (the next tile's Q loads during the epilogue); where
         # Q + O + two K/V stages do not fit (head dims > 128) it stores O straight from registers

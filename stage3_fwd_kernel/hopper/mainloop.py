@@ -13,6 +13,14 @@ P V, so it no longer delays S_i. The wait for P_{i-1} V_{i-1} is written after t
 hoists a `wgmma.wait_group` to the top of its basic block, so it lands after the first few
 exponentials, and P is packed right after it (fragments.store_P), before the O rescale's branch.
 
+Half blocks. A masked block is often half invisible to a warpgroup's 64 rows: on a 128 x 128 causal
+tile the diagonal block's second 64 keys lie right of every row of the first warpgroup, and a left
+window's last block hides its first half from the second. That warpgroup then issues S as m64n64
+wgmmas over the half its rows see (the other half -inf), and -- for the last block, in the drain --
+P V over that half's k-steps alone. A step that skips a half is a whole copy of the step: a branch
+around the wgmmas alone, merging two register sets, made ptxas serialize them. The masks test only
+the edges a block can cross (components.mask: RIGHT, LEFT or BOTH).
+
 Descriptors built once: the wgmma operands are descriptors this function builds per tile
 (`wgmma_desc`: Q's for every k-step, K's and V's for stage 0 plus `stage * stage_step` per block).
 Through `cute.gemm` ptxas re-derived all three from the shared-memory base in every key block,
@@ -29,8 +37,9 @@ from cutlass import Float32, Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import warpgroup
 
 from stage3_fwd_kernel import trace, wgmma_desc
+from stage3_fwd_kernel.components.mask import BOTH, LEFT
 from stage3_fwd_kernel.components.score_mod import LOG2_E
-from stage3_fwd_kernel.components.block_range import num_left_masked_blocks, num_masked_blocks
+from stage3_fwd_kernel.components.block_range import hot_loop_end, num_left_masked_blocks, num_masked_blocks
 from stage3_fwd_kernel.hopper import barriers, epilogue
 from stage3_fwd_kernel.hopper.fragments import acc_rowcol, scale_O_rows, store_P
 from stage3_fwd_kernel.hopper.producer import SmemBuffers, kv_state, seq_view
@@ -178,13 +187,114 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
                     smem: SmemBuffers, turns: Turns, q_state: pipeline.PipelineState, gmem_copy_O: cute.TiledCopy):
     """The tile's key blocks n_block_max - 1 down to n_block_max - n_blocks: the first alone, the
     masked ones, the hot loop, (left window) the last n_left blocks masked again, then the last P V."""
-    tm, tn, nc = cfg.wg_m, cfg.tile_n, cfg.num_consumers
     # 1. prologue: S_0 alone (O is still 0: nothing to rescale)
     st0 = kv_state(kv_base, cfg.num_stages, producer=False)
     wait_kv(cfg, smem.pipe_K, st0)
+    # a key split's chunk may end inside the left window: its first block is masked on both sides
+    side0 = BOTH if cfg.key_split else cfg.mask.right_blocks_side()
+    hidden = hidden_half(cfg, side0, n_block_max - 1, ctx)
+    if const_expr(hidden is None):
+        first_block(cfg, wg, ctidx, st0, n_block_max, side0, None, rows, ctx, ops, smem, turns, gmem_copy_O)
+    else:
+        if hidden.hidden:
+            first_block(cfg, wg, ctidx, st0, n_block_max, side0, 1 - hidden.half, rows, ctx, ops, smem, turns,
+                        gmem_copy_O)
+        else:
+            first_block(cfg, wg, ctidx, st0, n_block_max, side0, None, rows, ctx, ops, smem, turns, gmem_copy_O)
+
+    # 2. steady state: masked blocks first, then the hot loop; the ring slot is carried. Blocks masked
+    # on the right test the right edge (and the left one where the window is narrow); the left-masked
+    # blocks at the end the left edge alone (components.mask)
+    st_prev = st0
+    right_side = cfg.mask.right_blocks_side()
+    for i in cutlass.range(1, n_masked, unroll=1):
+        st = next_kv_state(st_prev)
+        overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, right_side, rows, ctx, ops, smem, turns)
+        st_prev = st
+    hot_end = n_blocks
+    if const_expr(cfg.window.left is not None):
+        hot_end = hot_loop_end(n_blocks, n_masked, n_left)
+    for i in cutlass.range(cutlass.max(n_masked, 1), hot_end, unroll=1):
+        st = next_kv_state(st_prev)
+        overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, None, rows, ctx, ops, smem, turns)
+        st_prev = st
+    if const_expr(cfg.window.left is not None):
+        for i in cutlass.range(hot_end, n_blocks, unroll=1):
+            st = next_kv_state(st_prev)
+            overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, LEFT, rows, ctx, ops, smem, turns)
+            st_prev = st
+
+    if const_expr(cfg.persistent):
+        smem.pipe_Q.consumer_release(q_state)  # every S of the tile has landed: the next Q may load
+    # 3. drain: the last P V
+    st_last = st_prev
+    wait_kv(cfg, smem.pipe_V, st_last)
+    # (left window) the last block walked, masked on the left, may hide its first half from these rows
+    hidden = hidden_half(cfg, LEFT, n_block_max - n_blocks, ctx)
+    barriers.take_turn(turns.mine, cfg.num_consumers)
+    gemm_PV(cfg, ops, st_last.index, hidden)
+    barriers.hand_turn(turns.successor, cfg.num_consumers)
+    warpgroup.wait_group(0)
+    smem.pipe_V.consumer_release(st_last)
+
+
+class HiddenHalf(NamedTuple):
+    """Which half of a masked key block no row of the warpgroup sees: `hidden` (a run-time Boolean)
+    tells whether `half` (0: the first tile_n / 2 keys, 1: the second) is hidden; S and P V then
+    compute the other half alone (gemm_S, gemm_PV)."""
+
+    hidden: Any
+    half: int
+
+
+@cute.jit
+def hidden_half(cfg, side, n_block: Int32, ctx: ScoreContext):
+    """The HiddenHalf of block n_block under a mask testing `side` (a right side: the second half,
+    past the last row's right edge or the sequence's end; LEFT: the first, before the first row's
+    left edge), or None where the kernel cannot split its blocks or the block is not masked."""
+    if const_expr(side is None or not cfg.half_blocks or (side == LEFT and cfg.window.left is None)):
+        return None
+    if const_expr(side == LEFT):
+        return HiddenHalf(cfg.mask.left_half_hidden(ctx.row0, n_block, ctx.seqlen_q, ctx.seqlen_k), 0)
+    return HiddenHalf(cfg.mask.right_half_hidden(ctx.row0 + cfg.wg_m - 1, n_block, ctx.seqlen_q, ctx.seqlen_k), 1)
+
+
+@cute.jit
+def gemm_S(ops: TileOperands, acc_S: cute.Tensor, stage: Int32, half: cutlass.Constexpr):
+    """S = Q K_stage^T issued: whole (half None), or only keys of `half` (0 / 1), the other half's
+    scores -inf (the mask would set them too; this leaves no value undefined)."""
+    if const_expr(half is None):
+        ops.qk.gemm(acc_S, stage)
+    else:
+        n_half = cute.size(acc_S) // 2
+        for i in cutlass.range_constexpr(n_half):
+            acc_S[(1 - half) * n_half + i] = -Float32.inf
+        ops.qk.gemm(acc_S, stage, half=half)
+
+
+@cute.jit
+def gemm_PV(cfg, ops: TileOperands, stage: Int32, hidden):
+    """O += P V_stage issued: whole, or (hidden: a HiddenHalf whose half is hidden, so P is 0 there)
+    over the other half's keys alone."""
+    if const_expr(hidden is None):
+        ops.pv.gemm(ops.acc_O, ops.tOrP, stage)
+    else:
+        if hidden.hidden:
+            ops.pv.gemm(ops.acc_O, ops.tOrP, stage, half=1 - hidden.half)
+        else:
+            ops.pv.gemm(ops.acc_O, ops.tOrP, stage)
+
+
+@cute.jit
+def first_block(cfg, wg: Int32, ctidx: Int32, st0: pipeline.PipelineState, n_block_max: Int32,
+                side: cutlass.Constexpr, s_half: cutlass.Constexpr, rows: RowState, ctx: ScoreContext,
+                ops: TileOperands, smem: SmemBuffers, turns: Turns, gmem_copy_O: cute.TiledCopy):
+    """The first key block walked (n_block_max - 1, ring slot st0, K waited for): S alone (O is
+    still 0: nothing to rescale), masked on `side`; s_half: gemm_S's half, None whole."""
+    tm, tn, nc = cfg.wg_m, cfg.tile_n, cfg.num_consumers
     acc_S0 = cute.make_rmem_tensor(ops.thr_mma_qk.partition_shape_C((tm, tn)), Float32)
     barriers.take_turn(turns.mine, cfg.num_consumers)
-    ops.qk.gemm(acc_S0, st0.index)
+    gemm_S(ops, acc_S0, st0.index, s_half)
     barriers.hand_turn(turns.successor, cfg.num_consumers)
     pipe_V = smem.pipe_V  # a local: CuTe-DSL would carry `smem` through the `if` that calls it
     if const_expr(cfg.varlen or cfg.key_split):
@@ -200,53 +310,41 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
             barriers.sync_own(wg, nc)
     warpgroup.wait_group(0)
     smem.pipe_K.consumer_release(st0)
-    online_softmax(acc_S0, n_block_max - 1, True, rows, ctx, cfg.mask, cfg.policy, cfg.score_mod)
+    online_softmax(acc_S0, n_block_max - 1, side, rows, ctx, cfg.mask, cfg.policy, cfg.score_mod)
     publish_P(cfg, turns, acc_S0, ops)
-
-    # 2. steady state: masked blocks first, then the hot loop; the ring slot is carried
-    st_prev = st0
-    for i in cutlass.range(1, n_masked, unroll=1):
-        st = next_kv_state(st_prev)
-        overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, True, rows, ctx, ops, smem, turns)
-        st_prev = st
-    hot_end = n_blocks
-    if const_expr(cfg.window.left is not None):
-        hot_end = cutlass.max(n_blocks - n_left, cutlass.max(n_masked, 1))
-    for i in cutlass.range(cutlass.max(n_masked, 1), hot_end, unroll=1):
-        st = next_kv_state(st_prev)
-        overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, False, rows, ctx, ops, smem, turns)
-        st_prev = st
-    if const_expr(cfg.window.left is not None):
-        for i in cutlass.range(hot_end, n_blocks, unroll=1):
-            st = next_kv_state(st_prev)
-            overlapped_step(cfg, st, st_prev, n_block_max - 1 - i, True, rows, ctx, ops, smem, turns)
-            st_prev = st
-
-    if const_expr(cfg.persistent):
-        smem.pipe_Q.consumer_release(q_state)  # every S of the tile has landed: the next Q may load
-    # 3. drain: the last P V
-    st_last = st_prev
-    wait_kv(cfg, smem.pipe_V, st_last)
-    barriers.take_turn(turns.mine, cfg.num_consumers)
-    ops.pv.gemm(ops.acc_O, ops.tOrP, st_last.index)
-    barriers.hand_turn(turns.successor, cfg.num_consumers)
-    warpgroup.wait_group(0)
-    smem.pipe_V.consumer_release(st_last)
 
 
 @cute.jit
 def overlapped_step(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineState, n_block: Int32,
-                    masked: cutlass.Constexpr[bool], rows: RowState, ctx: ScoreContext, ops: TileOperands,
+                    side: cutlass.Constexpr, rows: RowState, ctx: ScoreContext, ops: TileOperands,
                     smem: SmemBuffers, turns: Turns):
     """The i-th key block walked (block n_block, ring slot st; st_prev the (i-1)-th's): one turn
-    issues S_i and O += P_{i-1} V_{i-1}."""
-    tm, tn = cfg.wg_m, cfg.tile_n
+    issues S_i and O += P_{i-1} V_{i-1}. side: the mask's edges (components.mask), None unmasked.
+    A masked block whose half no row of the warpgroup sees runs a copy of the step that computes
+    S over the other half: one code path per accumulator shape (a branch around the wgmmas alone,
+    merging two register sets, made ptxas serialize them)."""
     trace.stamp(n_block, "top")
     wait_kv(cfg, smem.pipe_K, st)
+    hidden = hidden_half(cfg, side, n_block, ctx)
+    if const_expr(hidden is None):
+        step_body(cfg, st, st_prev, n_block, side, None, rows, ctx, ops, smem, turns)
+    else:
+        if hidden.hidden:
+            step_body(cfg, st, st_prev, n_block, side, 1 - hidden.half, rows, ctx, ops, smem, turns)
+        else:
+            step_body(cfg, st, st_prev, n_block, side, None, rows, ctx, ops, smem, turns)
+
+
+@cute.jit
+def step_body(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineState, n_block: Int32,
+              side: cutlass.Constexpr, s_half: cutlass.Constexpr, rows: RowState, ctx: ScoreContext,
+              ops: TileOperands, smem: SmemBuffers, turns: Turns):
+    """overlapped_step once K_i has landed; s_half: gemm_S's half, None whole."""
+    tm, tn = cfg.wg_m, cfg.tile_n
     acc_S = cute.make_rmem_tensor(ops.thr_mma_qk.partition_shape_C((tm, tn)), Float32)
     barriers.take_turn(turns.mine, cfg.num_consumers)
     trace.stamp(n_block, "turn")
-    ops.qk.gemm(acc_S, st.index)
+    gemm_S(ops, acc_S, st.index, s_half)
     wait_kv(cfg, smem.pipe_V, st_prev)  # only now, with S_i issued: the wait no longer delays it
     ops.pv.gemm(ops.acc_O, ops.tOrP, st_prev.index)
     barriers.hand_turn(turns.successor, cfg.num_consumers)
@@ -254,7 +352,7 @@ def overlapped_step(cfg, st: pipeline.PipelineState, st_prev: pipeline.PipelineS
     warpgroup.wait_group(1)  # S_i has landed (P_{i-1} V_{i-1} may still run)
     trace.stamp(n_block, "s_landed")
     smem.pipe_K.consumer_release(st)
-    rescale_O = online_softmax(acc_S, n_block, masked, rows, ctx, cfg.mask, cfg.policy, cfg.score_mod)
+    rescale_O = online_softmax(acc_S, n_block, side, rows, ctx, cfg.mask, cfg.policy, cfg.score_mod)
     trace.stamp(n_block, "softmax")
     warpgroup.wait_group(0)  # P_{i-1} V_{i-1} landed: O and tOrP are ours again
     trace.stamp(n_block, "pv_landed")

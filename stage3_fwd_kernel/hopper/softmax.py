@@ -54,17 +54,17 @@ class ScoreContext(NamedTuple):
 
 
 @cute.jit
-def online_softmax(acc_S: cute.Tensor, n_block, masked: cutlass.Constexpr[bool], rows: RowState,
+def online_softmax(acc_S: cute.Tensor, n_block, side: cutlass.Constexpr, rows: RowState,
                    ctx: ScoreContext, mask, policy: cutlass.Constexpr, score_mod):
     """S (accumulator) -> P = 2^(S * scale - m * scale) in place, with the score transform
     (components.score_mod), the mask, the running max and sum. Returns the warp's vote: True when O
-    must be multiplied by row_scale. masked=False: a block every row sees whole (no mask code is
-    generated)."""
+    must be multiplied by row_scale. side: the edges the mask tests (components.mask's RIGHT, LEFT,
+    BOTH), or None: a block every row sees whole (no mask code is generated)."""
     score_mod.apply(acc_S, ctx.score_scale)
     acc_S_rc = acc_rowcol(acc_S)
     num_rows = cute.size(rows.row_max)
-    if const_expr(masked):
-        mask.apply(acc_S_rc, ctx.tScS_rc, ctx.tScS0_rc, n_block, ctx.row0, ctx.seqlen_q, ctx.seqlen_k)
+    if const_expr(side is not None):
+        mask.apply(acc_S_rc, ctx.tScS_rc, ctx.tScS0_rc, n_block, ctx.row0, ctx.seqlen_q, ctx.seqlen_k, side)
     # this block's row maxima, one row pair per thread (quad-reduced)
     for r in cutlass.range_constexpr(num_rows):
         m_tile = acc_S_rc[r, 0]
