@@ -52,7 +52,8 @@ def kernel_hides(mask, side, rows, block, sq, sk):
 
 
 def walk(sq, sk, window, tile_m, tile_n, wg_m=64):
-    """Yield (rows of a consumer, block, side, hidden half or None) for every block a consumer walks."""
+    """Yield (mask, rows of a consumer, block, side, the half S skips or None, the half P V skips or None)
+    for every block a consumer walks."""
     mask = AttentionMask(window, tile_n, tile_m=tile_m)
     for m_block in range(math.ceil(sq / tile_m)):
         n_max = int(num_key_blocks(m_block, sq, sk, tile_m=tile_m, tile_n=tile_n, window=window))
@@ -76,20 +77,24 @@ def walk(sq, sk, window, tile_m, tile_n, wg_m=64):
                 elif i >= hot_end:
                     side = LEFT
                     hidden = 0 if mask.left_half_hidden(row0, block, sq, sk) else None
-                yield mask, rows, block, side, hidden
+                # the drain's last P V asks the left rule of the last block walked, whatever its side
+                pv_hidden = None
+                if i == n_blocks - 1 and window.left is not None:
+                    pv_hidden = 0 if mask.left_half_hidden(row0, block, sq, sk) else None
+                yield mask, rows, block, side, hidden, pv_hidden
 
 
 def check_walk(sq, sk, window, tile_m, tile_n):
     halves = 0
-    for mask, rows, block, side, hidden in walk(sq, sk, window, tile_m, tile_n):
+    for mask, rows, block, side, hidden, pv_hidden in walk(sq, sk, window, tile_m, tile_n):
         rows = np.arange(rows.start, rows.stop)
         seen = visible(rows, block * tile_n + np.arange(tile_n), sq, sk, window)
         wrong = np.argwhere(seen == kernel_hides(mask, side, rows, block, sq, sk))
         assert wrong.size == 0, (f"row {rows[wrong[0][0]]} key {block * tile_n + wrong[0][1]}: side {side} "
                                  f"({sq}x{sk}, {window}, {tile_m}x{tile_n})")
-        if hidden is not None:
-            half = seen[:, tile_n // 2:] if hidden == 1 else seen[:, :tile_n // 2]
-            assert not half.any(), f"rows {rows[0]}.. see keys of the hidden half {hidden} of block {block}"
+        for skipped in {hidden, pv_hidden} - {None}:
+            half = seen[:, tile_n // 2:] if skipped == 1 else seen[:, :tile_n // 2]
+            assert not half.any(), f"rows {rows[0]}.. see keys of the hidden half {skipped} of block {block}"
         halves += hidden is not None
     return halves
 
@@ -118,6 +123,6 @@ def test_sides_apart_only_for_wide_left_windows():
 
 def test_causal_diagonal_hides_half_a_block_from_the_first_warpgroup():
     # 128 x 128 causal tiles on an aligned sequence: rows 0-63 see keys 0-63 of their diagonal block
-    hidden = [(rows[0], block, h) for _, rows, block, _, h in walk(512, 512, Window(None, 0), 128, 128)
+    hidden = [(rows[0], block, h) for _, rows, block, _, h, _ in walk(512, 512, Window(None, 0), 128, 128)
               if h is not None]
     assert hidden == [(r, r // 128, 1) for r in range(0, 512, 128)]

@@ -232,7 +232,7 @@ def walk_key_blocks(cfg, wg: Int32, ctidx: Int32, kv_base: Int32, n_block_max: I
     # (left window) the last block walked, masked on the left, may hide its first half from these rows
     hidden = hidden_half(cfg, LEFT, n_block_max - n_blocks, ctx)
     barriers.take_turn(turns.mine, cfg.num_consumers)
-    gemm_PV(cfg, ops, st_last.index, hidden)
+    gemm_PV(ops, st_last.index, hidden)
     barriers.hand_turn(turns.successor, cfg.num_consumers)
     warpgroup.wait_group(0)
     smem.pipe_V.consumer_release(st_last)
@@ -273,7 +273,7 @@ def gemm_S(ops: TileOperands, acc_S: cute.Tensor, stage: Int32, half: cutlass.Co
 
 
 @cute.jit
-def gemm_PV(cfg, ops: TileOperands, stage: Int32, hidden):
+def gemm_PV(ops: TileOperands, stage: Int32, hidden):
     """O += P V_stage issued: whole, or (hidden: a HiddenHalf whose half is hidden, so P is 0 there)
     over the other half's keys alone."""
     if const_expr(hidden is None):
