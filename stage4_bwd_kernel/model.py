@@ -42,12 +42,30 @@ def _seqs(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k):
     return out
 
 
+def _idle_keys(key_limit, diag, tile_m, tile_n, causal, window) -> np.ndarray:
+    """(tile_n,) bool: the keys of a masked tile's idle warpgroup (consumer.edge_tile): the last 64
+    where they lie past the right edge or the keys' end, the first 64 where they lie before the left edge."""
+    idle = np.zeros(tile_n, dtype=bool)
+    if not schedule.tile_needs_mask(key_limit, diag, tile_n, causal, window=window, tile_m=tile_m):
+        return idle
+    left, _ = schedule.band_edges(causal, window)
+    if schedule.keys_hidden(64, 64, key_limit, diag, tile_m, causal, window, "right"):
+        idle[64:] = True
+    if left is not None and schedule.keys_hidden(0, 64, key_limit, diag, tile_m, causal, window, "left"):
+        idle[:64] = True
+    return idle
+
+
 def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None, tile_m=64, tile_n=128,
-                   order=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, window=None, softcap=0.0):
+                   order=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, window=None, softcap=0.0,
+                   half_tiles=True):
     """Dense (B,S,H,D) or packed varlen (T,H,D) NumPy inputs -> (dq, dk, dv) float64, computed the
     way the kernel computes them (lse (B,Hq,Sq) dense or (Hq,Tq) varlen, natural log). window: a
     stage3_fwd_kernel.components.window.Window (its right edge 0 for causal) or None; softcap > 0:
-    the scores are softcap * tanh(s / softcap) and dS carries the tanh's derivative."""
+    the scores are softcap * tanh(s / softcap) and dS carries the tanh's derivative. half_tiles (a
+    128-key tile, two warpgroups of 64 keys): a masked tile's warpgroup whose keys
+    ``schedule.keys_hidden`` says no query sees contributes nothing, as in the kernel (consumer.edge_tile),
+    so a wrong rule shows in the gradients."""
     varlen = cu_seqlens_q is not None
     q, k, v, out, dout, lse = (np.asarray(a, dtype=np.float64) for a in (q, k, v, out, dout, lse))
     if varlen:  # the kernel views packed tensors as a batch of one
@@ -109,6 +127,9 @@ def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None,
                             Pt = np.exp2(St * scale_log2 - L2[None, :])
                         dPt = V @ dO.T
                         dSt = Pt * (dPt - Dv[None, :]) * dtanh
+                        if half_tiles and tn == 128:
+                            idle = _idle_keys(key_limit, diag, tm, tn, causal, window)
+                            Pt, dSt = np.where(idle[:, None], 0.0, Pt), np.where(idle[:, None], 0.0, dSt)
                         acc_dV += Pt @ dO
                         acc_dK += dSt @ Q
                         dQ = dSt.T @ K                                 # (tm, d) = dS K

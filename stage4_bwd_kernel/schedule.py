@@ -19,7 +19,7 @@ import operator
 from stage3_fwd_kernel.intdiv import check_fast_div_grid, fast_div
 
 
-def _edges(causal: bool, window):
+def band_edges(causal: bool, window):
     """(left, right) of the visible band (stage3_fwd_kernel.components.window): window when given
     (its right already 0 for causal), else causal's (None, 0) or no edge at all."""
     if window is not None:
@@ -39,7 +39,7 @@ def m_block_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, ima
     difference. A left edge: the tile's last key (n+1)*tn - 1 is last visible from query
     (n+1)*tn - 1 + Sq - Sk + left, so the walk ends at that row's tile. A K/V tile past the keys in use
     (n*tn >= seqlen_k, possible with seqused_k) adds into nothing (the caller checks)."""
-    left, right = _edges(causal, window)
+    left, right = band_edges(causal, window)
     m_block_max = (seqlen_q + tile_m - 1) // tile_m
     m_block_min = 0
     if right is not None:
@@ -54,7 +54,7 @@ def m_block_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, ima
 def n_block_first(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imax=max, window=None):
     """The first K/V tile that adds into Q tile m_block: 0, or (a left edge) the tile of its first
     row's left edge."""
-    left, _ = _edges(causal, window)
+    left, _ = band_edges(causal, window)
     if left is None:
         return 0
     return imax(m_block * tile_m + seqlen_k - seqlen_q - left, 0) // tile_n
@@ -63,7 +63,7 @@ def n_block_first(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, ima
 def n_block_last(m_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, imin=min, window=None):
     """The last K/V tile that adds into Q tile m_block. Only meaningful for a Q tile that some K/V
     tile visits (then the right-edge numerator is >= 0)."""
-    _, right = _edges(causal, window)
+    _, right = band_edges(causal, window)
     last = (seqlen_k + tile_n - 1) // tile_n - 1
     if right is not None:
         last = imin(last, _plus((m_block + 1) * tile_m - 1 + seqlen_k - seqlen_q, right) // tile_n)
@@ -81,7 +81,7 @@ def mask_bounds(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k):
 
 def tile_needs_mask(key_limit, diag, tile_n, causal: bool, window=None, tile_m=None):
     """Whether any element of the tile is masked (so unmasked tiles skip the per-element test)."""
-    left, right = _edges(causal, window)
+    left, right = band_edges(causal, window)
     needs = key_limit < tile_n
     if right is not None:
         needs = needs | (tile_n - 1 > _plus(diag, right))  # `|`, not `or`: works on DSL booleans too
@@ -97,7 +97,7 @@ def unmasked_m_range(n_block, tile_m, tile_n, seqlen_q, seqlen_k, causal: bool, 
     to its last one (a left edge). The tiles before lo and from hi on need the per-element mask;
     lo <= hi always. Integer arithmetic only (min / max for the conditions), so DSL values trace
     without branches."""
-    left, right = _edges(causal, window)
+    left, right = band_edges(causal, window)
     lo = m_block_min
     if right is not None:
         # diag(m) + right >= tile_n - 1  <=>  m * tile_m >= tile_n - 1 + n_block * tile_n + seqlen_q - seqlen_k - right
@@ -144,13 +144,35 @@ def rotated_m(m_pos, m_block_min, m_block_max, m_rot):
 
 
 def is_masked(r, c, key_limit, diag, causal: bool, window=None):
-    left, right = _edges(causal, window)
+    left, right = band_edges(causal, window)
     masked = r >= key_limit
     if right is not None:
         masked = masked | (r > _plus(c + diag, right))
     if left is not None:
         masked = masked | (r < c + diag - left)
     return masked
+
+
+def keys_hidden(first_key, num_keys, key_limit, diag, tile_m, causal: bool, window=None, edge="any"):
+    """Whether local key rows [first_key, first_key + num_keys) of a (tile_n x tile_m) S^T tile are
+    masked for every query column 0 .. tile_m - 1 (padding rows included), by the keys' end or by
+    the band's `edge`: "right" tests the right edge and the keys' end, "left" the left edge only
+    ("any": both). A consumer warpgroup whose 64 keys are hidden skips the tile's products
+    (hopper/consumer.py, half tiles). `&` / `|` keep DSL booleans branch-free."""
+    left, right = band_edges(causal, window)
+    terms = []
+    if edge in ("right", "any"):
+        terms.append(first_key >= key_limit)
+        if right is not None:  # the last column sees keys r <= tile_m - 1 + diag + right
+            terms.append(first_key > _plus(tile_m - 1 + diag, right))
+    if edge in ("left", "any") and left is not None:  # column 0 sees keys r >= diag - left
+        terms.append(first_key + num_keys - 1 < diag - left)
+    if not terms:
+        raise ValueError(f"edge: {edge!r} tests nothing here (no left edge)")
+    hidden = terms[0]
+    for term in terms[1:]:
+        hidden = hidden | term
+    return hidden
 
 
 def column_key_limit(c, key_limit, diag, causal: bool, imin=min):

@@ -367,8 +367,14 @@ BODY_COPIES = 3  # the walk's masked / unmasked / masked segments each compile t
 
 
 def body_copies(kernel) -> int:
-    """Tile bodies in a build: each segment twice in a rotated walk (cut at the wrap: hopper/walk.py)."""
-    return BODY_COPIES * (2 if kernel.rotate_walk else 1)
+    """Tile bodies in a build: each segment twice in a rotated walk (cut at the wrap: hopper/walk.py),
+    and one more per walk end with half tiles (consumer.edge_tile: the visible warpgroup's body)."""
+    return BODY_COPIES * (2 if kernel.rotate_walk else 1) + half_tile_ends(kernel)
+
+
+def half_tile_ends(kernel) -> int:
+    """Walk ends whose masked tiles may idle a warpgroup (a causal / right edge, a left edge)."""
+    return sum(edge is not None for edge in kernel.half_tile_edges)
 
 
 def _expected_hgmma(d, dv, tm, tn, dq_split_m=False, dq_swap_ab=False):
@@ -406,9 +412,11 @@ def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert "C7508" not in log and "C7510" not in log, log
     assert rep["wgmma_serialized"] == [], log  # any wgmma serialization (C7510, C7520, ...), wrapped or not
     kernel = mod.make_kernel(None, d, dv, causal, det)
-    copies = body_copies(kernel)
-    # two full waits per body: dP^T (dV is issued after dS^T) and dK, at the end
-    full_waits = copies * 2
+    tm, tn = mod.default_tiles(d, dv)
+    copies, idle = body_copies(kernel), half_tile_ends(kernel)
+    assert idle == int(tm < 128 and causal)  # causal: the first tiles' last 64 keys
+    # two full waits per body: dP^T (dV is issued after dS^T) and dK, at the end; an idle warpgroup's dQ: one
+    full_waits = copies * 2 + idle
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") <= full_waits, "a wgmma waited right after issue"
     assert rep["threads"] == 384 and rep["UTMALDG"] and rep["LDGSTS"] == 0
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
@@ -423,7 +431,7 @@ def test_compiles_sm90a(dtype, d, dv, causal, det, varlen, seqused):
     assert used == kernel.num_barriers or (used == 16 and kernel.num_barriers <= 16), (used, kernel.num_barriers)
 
     # (a) five GEMMs on wgmma; dV and dK with A from registers (HGMMA ... Rd, Ra, gdesc[..])
-    tm, tn = mod.default_tiles(d, dv)
+    # a half tile's dQ runs half its k-steps in the visible warpgroup's body and half in the idle one's
     assert rep["HGMMA"] == copies * _expected_hgmma(d, dv, tm, tn, kernel.dq_split_m, kernel.dq_swap_ab)
     rs = re.findall(r"\bHGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", sass)
     assert len(rs) == copies * 2 * (tm // 16), f"RS wgmmas: {len(rs)}"

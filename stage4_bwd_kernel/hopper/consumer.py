@@ -33,6 +33,9 @@ Per tile t, wgmma groups committed in this order:
 * The walk is cut into three segments, masked / mask-free / masked (``schedule.unmasked_m_range``),
   each a copy of the tile body compiled with or without the mask test: no branch inside a body (a
   uniform ``if`` there made ptxas serialize every wgmma at d = 64).
+* Half tiles (``half_tiles``, ``edge_tile``): a masked segment's tile whose queries see none of one
+  warpgroup's 64 keys (``schedule.keys_hidden``) runs a third body copy: that warpgroup only takes the
+  barriers and its dQ share (``idle_tile``), and both dQ wgmmas read the other 64 keys.
 Measured: docs/measurements.md.
 """
 from __future__ import annotations
@@ -54,12 +57,16 @@ from stage4_bwd_kernel.hopper.scores import TanhFromP
 
 @cute.jit
 def gemm_issue(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor,
-               zero_init: cutlass.Constexpr[bool]):
+               zero_init: cutlass.Constexpr[bool], k_half: cutlass.Constexpr = None):
     """Issue acc (+)= A B over all k-blocks as one wgmma group (the caller fences before the first
-    group and waits after the last)."""
+    group and waits after the last); k_half 0 / 1: over the first / second half of them only."""
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
+    k_blocks = cute.size(tA.shape[2])
+    k_lo, k_hi = 0, k_blocks
+    if const_expr(k_half is not None):
+        k_lo, k_hi = k_half * k_blocks // 2, (k_half + 1) * k_blocks // 2
+    for k in cutlass.range_constexpr(k_lo, k_hi):
         cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
@@ -223,18 +230,79 @@ class Consumer:
                     if const_expr(self.rotate_walk):  # the segment's part inside the run
                         seg_lo, seg_hi = schedule.run_segment(seg_lo, seg_hi, run_lo, run_hi, imin=cutlass.min,
                                                               imax=cutlass.max)
+                    edge = self.half_tile_edges[seg]
                     for m_block in cutlass.range(seg_lo, seg_hi, unroll=1):
                         t = tiles_before + head_in_group * n_m + m_block - walk.m_block_min
                         if const_expr(self.rotate_walk):
                             t = t + shift  # the tile's walk position
-                        tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked,
-                                  score_scale)
+                        if const_expr(edge is None):
+                            tile_body(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2, masked,
+                                      score_scale)
+                        else:
+                            self.edge_tile(o, walk, mmas, pipes, t, m_block, tiles_seen, softmax_scale_log2,
+                                           score_scale, edge)
         return n_tiles
 
     @cute.jit
+    def edge_tile(self, o: ConsumerOperands, walk, mmas, pipes, t: Int32, m_block: Int32, n_tiles: Int32,
+                  softmax_scale_log2: Float32, score_scale, edge: cutlass.Constexpr[str]):
+        """A masked tile at the walk's `edge` end: the masked body, or, where no query of the tile sees
+        the 64 keys past that edge (the last ones past a right edge, the first ones before a left
+        edge: ``schedule.keys_hidden``), the half-tile body. Two whole body copies behind one branch:
+        a branch around the wgmmas inside a body makes ptxas serialize them."""
+        hidden_wg = 1 if edge == "right" else 0
+        key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, self.tile_m, self.tile_n, walk.seqlen_q,
+                                               walk.seqlen_k)
+        if schedule.keys_hidden(64 * hidden_wg, 64, key_limit, diag, self.tile_m, self.causal, self.window_or_none,
+                                edge):
+            if o.wg == hidden_wg:
+                self.idle_tile(o, mmas, pipes, t, n_tiles, dq_keys=1 - hidden_wg)
+            else:
+                self.consume_tile(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, True, score_scale,
+                                  dq_keys=1 - hidden_wg)
+        else:
+            self.consume_tile(o, walk, mmas, pipes, t, m_block, n_tiles, softmax_scale_log2, True, score_scale)
+
+    @cute.jit
+    def idle_tile(self, o: ConsumerOperands, mmas, pipes, t: Int32, n_tiles: Int32, dq_keys: cutlass.Constexpr[int]):
+        """Tile t for the warpgroup whose keys no query of the tile sees: no S^T, dP^T, dV or dK, only
+        its share of dQ over the other warpgroup's keys (their dS^T in sdSt), and every barrier
+        consume_tile takes, so that both warpgroups stay in step."""
+        st = self.tile_state(t, producer=False)
+        pipes.q.consumer_wait(st)
+        pipes.do.consumer_wait(st)
+        if const_expr(self.ds_buffers == 1):
+            if t > 0:
+                cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)  # B2
+        acc_dQ = self.issue_dq(o, mmas, t % self.ds_buffers, dq_keys)
+        warpgroup.wait_group(0)
+        if const_expr(self.ds_buffers == 1):
+            if t + 1 < n_tiles:
+                cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
+                                         number_of_threads=NUM_CONSUMER_THREADS)
+        pipes.do.consumer_release(st)
+        self.hand_off_dq(o, acc_dQ, t)
+        pipes.q.consumer_release(st)
+        trace.stamp(t, "end")
+
+    def issue_dq(self, o: ConsumerOperands, mmas, ds_buf: Int32, dq_keys=None) -> cute.Tensor:
+        """This warpgroup's share of dQ_i = dS K_j as one wgmma group (fenced, not waited for); dq_keys
+        0 / 1: over the first / second 64 keys only (half tiles) -> the accumulator."""
+        acc_dQ = cute.make_rmem_tensor(o.thr_dQ.partition_shape_C(o.dq_shape), Float32)
+        warpgroup.fence()
+        if const_expr(self.dq_swap_ab):
+            gemm_issue(mmas.dQ, acc_dQ, o.tdQrA, o.tdQrB[None, None, None, ds_buf], zero_init=True, k_half=dq_keys)
+        else:
+            gemm_issue(mmas.dQ, acc_dQ, o.tdQrA[None, None, None, ds_buf], o.tdQrB, zero_init=True, k_half=dq_keys)
+        return acc_dQ
+
+    @cute.jit
     def consume_tile(self, o: ConsumerOperands, walk, mmas, pipes, t: Int32, m_block: Int32, n_tiles: Int32,
-                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None):
-        """Tile t of the walk (Q tile m_block): the wgmma order of the module docstring."""
+                     softmax_scale_log2: Float32, masked: cutlass.Constexpr[bool], score_scale=None,
+                     dq_keys: cutlass.Constexpr = None):
+        """Tile t of the walk (Q tile m_block): the wgmma order of the module docstring. dq_keys 0 / 1
+        (half tiles, edge_tile): dQ over those 64 keys only, the others' dS^T being 0."""
         tm, tn = self.tile_m, self.tile_n
         st = self.tile_state(t, producer=False)
         q_rows_left = walk.seqlen_q - m_block * tm
@@ -268,12 +336,7 @@ class Consumer:
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)  # B2
 
         # dQ_i = dS K_j (this warpgroup's share), then dK += dS^T Q_i
-        acc_dQ = cute.make_rmem_tensor(o.thr_dQ.partition_shape_C(o.dq_shape), Float32)
-        warpgroup.fence()
-        if const_expr(self.dq_swap_ab):
-            gemm_issue(mmas.dQ, acc_dQ, o.tdQrA, o.tdQrB[None, None, None, ds_buf], zero_init=True)
-        else:
-            gemm_issue(mmas.dQ, acc_dQ, o.tdQrA[None, None, None, ds_buf], o.tdQrB, zero_init=True)
+        acc_dQ = self.issue_dq(o, mmas, ds_buf, dq_keys)
         gemm_issue(mmas.dK, o.acc_dK, tdKrdSt, o.tdKrQt[None, None, None, st.index], zero_init=False)
         warpgroup.wait_group(1)  # dV and dQ done, dK may run
         if const_expr(self.ds_buffers == 1):

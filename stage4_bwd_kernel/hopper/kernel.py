@@ -40,7 +40,7 @@ from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window
 from stage3_fwd_kernel.host_io import SMEM_BUDGET
-from stage4_bwd_kernel import common
+from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.hopper.consumer import Consumer
 from stage4_bwd_kernel.hopper.dq_writer import DqWriter
 from stage4_bwd_kernel.hopper.epilogue import Epilogue
@@ -104,6 +104,12 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.dq_full_barrier = DQ_FULL_BARRIER
         self.dq_empty_barrier = dq_empty_barrier(self.dq_buffers)
         self.num_barriers = num_barriers(self.dq_buffers, turns=self.dq_atomic and deterministic)
+        # per walk segment (masked first tiles, unmasked, masked last tiles): the edge whose half tiles
+        # the consumers look for (consumer.edge_tile), or None
+        left, right = schedule.band_edges(causal, self.window_or_none)
+        halves = self.half_tiles and not self.wide
+        self.half_tile_edges = ("right" if halves and right is not None else None, None,
+                                "left" if halves and left is not None else None)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers,

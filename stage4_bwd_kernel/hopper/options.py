@@ -133,6 +133,7 @@ class BackwardOptions:
                               # it (backward.persistent_pays), so no configuration's default sets it
     dq_first_store: bool = False  # each dQ tile's first arrival stores, the rest reduce: no zeroing (dq_writer.py)
     rotate_walk: bool = False     # each K/V tile starts its walk at its own Q tile and wraps (walk.py)
+    half_tiles: bool = False      # a warpgroup whose 64 keys a masked edge tile hides idles there (consumer.py)
 
     @classmethod
     def for_config(cls, head_dim: int, head_dim_v: int, causal: bool, deterministic: bool,
@@ -174,6 +175,7 @@ class BackwardOptions:
             dq_first_store=dq_frag and not deterministic and first_stores_pay(head_dim, causal, banded,
                                                                               rotate_walk),
             rotate_walk=rotate_walk,
+            half_tiles=tm < 128,
         )
 
     @classmethod
@@ -248,6 +250,9 @@ class BackwardOptions:
                              "already start at staggered Q tiles; deterministic adds keep the dq_order's fixed order)")
         if self.stages not in (1, 2):
             raise ValueError(f"stages: expected 1 or 2, got {self.stages!r}")
+        if self.half_tiles and wide:
+            raise ValueError("half_tiles: the register-sourced body, whose warpgroups own 64 keys each; the wide "
+                             "head dims' warpgroups share their keys (wide.py)")
         if self.q_shift and (varlen or not self.dq_frag):
             raise ValueError("q_shift: needs a dense (not varlen) kernel with dq_frag (the padding rows are "
                              "loaded past the tensor's start, as zeros)")
