@@ -63,6 +63,18 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def barrier_sync_divergent(barrier_id: int, number_of_threads: int, *, loc=None, ip=None) -> None:
+    """Named barrier `barrier_id` for `number_of_threads` threads, its non-aligned form (``barrier.sync``):
+    the warps may reach it from different instructions. ``bar.sync`` is ``barrier.sync.aligned``, which
+    requires every thread to execute the same instruction (compute-sanitizer's synccheck reports
+    "Divergent thread(s) in block" otherwise): the half tiles' two bodies meet at it
+    (hopper/consumer.py)."""
+    llvm.inline_asm(None, [Int32(barrier_id).ir_value(loc=loc, ip=ip), Int32(number_of_threads).ir_value(loc=loc, ip=ip)],
+                    "barrier.sync $0, $1;", "r,r", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def red_add_f32(ptr: cute.Pointer, a: Float32, *, loc=None, ip=None) -> None:
     """*ptr += a: one 4-byte ``red.global.add.f32``; a warp adding 32 consecutive floats this way makes
     one coalesced 128-byte reduction (the wide Blackwell backward's dQ^T drain, thread = head-dim column)."""

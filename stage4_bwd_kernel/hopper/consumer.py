@@ -48,7 +48,7 @@ from cutlass.cute.nvgpu import warpgroup
 from stage3_fwd_kernel import trace
 from stage3_fwd_kernel.components.score_mod import LOG2_E
 from stage3_fwd_kernel.hopper.fragments import acc_rowcol
-from stage4_bwd_kernel import schedule
+from stage4_bwd_kernel import common, schedule
 from stage4_bwd_kernel.hopper.layouts import dq_frag_tiled_copy
 from stage4_bwd_kernel.hopper.options import CONSUMER_BARRIER, NUM_CONSUMER_THREADS, NUM_WG_MMA, SDST_FREE_BARRIER
 from stage4_bwd_kernel.hopper.producer import swizzled
@@ -274,7 +274,7 @@ class Consumer:
         if const_expr(self.ds_buffers == 1):
             if t > 0:
                 cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)  # B2
+        self.consumers_meet(divergent=True)  # B2
         acc_dQ = self.issue_dq(o, mmas, t % self.ds_buffers, dq_keys)
         warpgroup.wait_group(0)
         if const_expr(self.ds_buffers == 1):
@@ -285,6 +285,14 @@ class Consumer:
         self.hand_off_dq(o, acc_dQ, t)
         pipes.q.consumer_release(st)
         trace.stamp(t, "end")
+
+    def consumers_meet(self, divergent: bool):
+        """B2, both consumer warpgroups: the non-aligned barrier where a half tile's two bodies meet at it
+        from different instructions (common.barrier_sync_divergent), bar.sync elsewhere."""
+        if const_expr(divergent):
+            common.barrier_sync_divergent(CONSUMER_BARRIER, NUM_CONSUMER_THREADS)
+        else:
+            cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)
 
     def issue_dq(self, o: ConsumerOperands, mmas, ds_buf: Int32, dq_keys=None) -> cute.Tensor:
         """This warpgroup's share of dQ_i = dS K_j as one wgmma group (fenced, not waited for); dq_keys
@@ -333,7 +341,7 @@ class Consumer:
         warpgroup.fence()
         gemm_issue(mmas.dV, o.acc_dV, tdVrPt, o.tdVrdOt[None, None, None, st.index], zero_init=False)  # dV += P^T dO
         cute.arch.fence_proxy("async.shared", space="cta")  # st.shared -> wgmma reads
-        cute.arch.barrier(barrier_id=CONSUMER_BARRIER, number_of_threads=NUM_CONSUMER_THREADS)  # B2
+        self.consumers_meet(divergent=dq_keys is not None)  # B2
 
         # dQ_i = dS K_j (this warpgroup's share), then dK += dS^T Q_i
         acc_dQ = self.issue_dq(o, mmas, ds_buf, dq_keys)
