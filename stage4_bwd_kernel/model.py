@@ -42,30 +42,32 @@ def _seqs(batch, seqlen_q, seqlen_k, cu_seqlens_q, cu_seqlens_k, seqused_k):
     return out
 
 
-def _idle_keys(key_limit, diag, tile_m, tile_n, causal, window) -> np.ndarray:
-    """(tile_n,) bool: the keys of a masked tile's idle warpgroup (consumer.edge_tile): the last 64
-    where they lie past the right edge or the keys' end, the first 64 where they lie before the left edge."""
+def _idle_keys(key_limit, diag, tile_m, tile_n, causal, window, segment) -> np.ndarray:
+    """(tile_n,) bool: the keys of a masked tile's idle warpgroup, dispatched as consumer.walk_tiles /
+    edge_tile do: in the walk's first masked segment (segment 0), with a right edge, the last 64 where
+    they lie past it or past the keys' end; in its last (segment 2), with a left edge, the first 64
+    where they lie before it."""
     idle = np.zeros(tile_n, dtype=bool)
-    if not schedule.tile_needs_mask(key_limit, diag, tile_n, causal, window=window, tile_m=tile_m):
-        return idle
-    left, _ = schedule.band_edges(causal, window)
-    if schedule.keys_hidden(64, 64, key_limit, diag, tile_m, causal, window, "right"):
+    left, right = schedule.band_edges(causal, window)
+    if segment == 0 and right is not None and schedule.keys_hidden(64, 64, key_limit, diag, tile_m, causal, window,
+                                                                    "right"):
         idle[64:] = True
-    if left is not None and schedule.keys_hidden(0, 64, key_limit, diag, tile_m, causal, window, "left"):
+    if segment == 2 and left is not None and schedule.keys_hidden(0, 64, key_limit, diag, tile_m, causal, window,
+                                                                   "left"):
         idle[:64] = True
     return idle
 
 
 def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None, tile_m=64, tile_n=128,
                    order=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, window=None, softcap=0.0,
-                   half_tiles=True):
+                   half_tiles=None):
     """Dense (B,S,H,D) or packed varlen (T,H,D) NumPy inputs -> (dq, dk, dv) float64, computed the
     way the kernel computes them (lse (B,Hq,Sq) dense or (Hq,Tq) varlen, natural log). window: a
     stage3_fwd_kernel.components.window.Window (its right edge 0 for causal) or None; softcap > 0:
     the scores are softcap * tanh(s / softcap) and dS carries the tanh's derivative. half_tiles (a
-    128-key tile, two warpgroups of 64 keys): a masked tile's warpgroup whose keys
-    ``schedule.keys_hidden`` says no query sees contributes nothing, as in the kernel (consumer.edge_tile),
-    so a wrong rule shows in the gradients."""
+    128-key tile, two warpgroups of 64 keys; None: the kernel's default, fewer than 128 query rows): a
+    masked tile's warpgroup whose keys ``schedule.keys_hidden`` says no query sees contributes nothing,
+    as in the kernel (consumer.edge_tile), so a wrong rule or dispatch shows in the gradients."""
     varlen = cu_seqlens_q is not None
     q, k, v, out, dout, lse = (np.asarray(a, dtype=np.float64) for a in (q, k, v, out, dout, lse))
     if varlen:  # the kernel views packed tensors as a batch of one
@@ -77,6 +79,7 @@ def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None,
     scale_log2 = (softcap if softcap else scale) * LOG2E  # P's exponent scale (softcap: folded, score_mod)
     order = order or schedule.default_dq_order(causal, True)
     tm, tn = tile_m, tile_n
+    halves = tn == 128 and (tm < 128 if half_tiles is None else half_tiles)
 
     # preprocess
     with np.errstate(invalid="ignore"):
@@ -104,6 +107,8 @@ def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None,
                 m_min, m_max = schedule.m_block_range(n_block, tm, tn, sq, sk, causal, window=window)
                 if n_block * tn >= sk:
                     m_max = m_min
+                hot_lo, hot_hi = schedule.unmasked_m_range(n_block, tm, tn, sq, sk, causal, m_min, m_max,
+                                                           window=window)
                 for hi in range(group):
                     head = head_kv * group + hi
                     for m_block in range(m_min, m_max):
@@ -127,8 +132,9 @@ def backward_model(q, k, v, out, dout, lse, *, causal=False, softmax_scale=None,
                             Pt = np.exp2(St * scale_log2 - L2[None, :])
                         dPt = V @ dO.T
                         dSt = Pt * (dPt - Dv[None, :]) * dtanh
-                        if half_tiles and tn == 128:
-                            idle = _idle_keys(key_limit, diag, tm, tn, causal, window)
+                        if halves:
+                            segment = 0 if m_block < hot_lo else (2 if m_block >= hot_hi else 1)
+                            idle = _idle_keys(key_limit, diag, tm, tn, causal, window, segment)
                             Pt, dSt = np.where(idle[:, None], 0.0, Pt), np.where(idle[:, None], 0.0, dSt)
                         acc_dV += Pt @ dO
                         acc_dK += dSt @ Q

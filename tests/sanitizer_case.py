@@ -24,6 +24,7 @@ CASES = {
     "bwd-d128-deterministic": (128, 128, True, "deterministic"),
     "bwd-d128-persistent": (128, 128, True, "persistent"),  # options.persistent: one CTA per SM (5 here)
     "bwd-d128-per-tile": (128, 128, True, "per-tile"),      # one CTA per K/V tile (the default past 2k keys)
+    "bwd-d128-window": (128, 128, True, "window"),  # window (100, 0): half tiles at both walk ends
     "varlen-d128-causal": None,                     # one empty sequence among three (persistent backward)
     "varlen-d128-per-tile": None,                   # the same, one CTA per K/V tile
     "paged-d128-page8": 8,                          # pages read by the producer's cp.async gather
@@ -62,7 +63,8 @@ def run_case(name: str):
         return
     d, dv, causal, backward = CASES[name]
     q, k, v = bshd(2, 300, 4, d), bshd(2, 333, 2, d), bshd(2, 333, 2, dv)  # GQA 4/2
-    out, lse = fwd.attention_forward(q, k, v, causal=causal)
+    window = (100, 0) if backward == "window" else (None, None)
+    out, lse = fwd.attention_forward(q, k, v, causal=causal, window_size=window)
     if backward == "persistent":  # more K/V tiles (3 x 2 x 2 = 12) than the 5 CTAs it is given
         from stage4_bwd_kernel import host
 
@@ -74,7 +76,7 @@ def run_case(name: str):
         host.backward(bwd.STEP, bwd.make_kernel, q, k, v, out, torch.randn_like(out), lse, causal=causal)
     elif backward:
         dout = torch.randn_like(out)
-        bwd.attention_backward(q, k, v, out, dout, lse, causal=causal,
+        bwd.attention_backward(q, k, v, out, dout, lse, causal=causal, window_size=window,
                                deterministic=backward == "deterministic")
 
 

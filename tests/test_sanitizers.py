@@ -31,7 +31,8 @@ def _case_names() -> list:
 pytestmark = [pytest.mark.gpu, pytest.mark.stage3]
 
 RACE_CASES = _case_names()
-MEM_CASES = ["fwd-d128-causal", "bwd-d128-causal", "bwd-d128-persistent", "bwd-d128-per-tile", "varlen-d128-causal",
+MEM_CASES = ["fwd-d128-causal", "bwd-d128-causal", "bwd-d128-persistent", "bwd-d128-per-tile", "bwd-d128-window",
+             "varlen-d128-causal",
              "varlen-d128-per-tile", "paged-d128-page8"]
 
 

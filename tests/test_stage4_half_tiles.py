@@ -22,13 +22,16 @@ def _window(causal, left, right):
 
 
 def _masked_tiles(sq, sk, tm, causal, window):
-    """(key_limit, diag) of every masked tile of every K/V tile's walk."""
+    """(n, m, key_limit, diag, walk segment) of every masked tile of every K/V tile's walk (segments as
+    consumer.walk_tiles cuts them: 0 before the unmasked run, 2 from its end)."""
     for n in range(-(-sk // TILE_N)):
         lo, hi = schedule.m_block_range(n, tm, TILE_N, sq, sk, causal, window=window)
+        hot_lo, hot_hi = schedule.unmasked_m_range(n, tm, TILE_N, sq, sk, causal, lo, hi, window=window)
         for m in range(lo, hi):
             key_limit, diag = schedule.mask_bounds(m, n, tm, TILE_N, sq, sk)
             if schedule.tile_needs_mask(key_limit, diag, TILE_N, causal, window=window, tile_m=tm):
-                yield n, m, key_limit, diag
+                assert not hot_lo <= m < hot_hi  # the unmasked segment holds no masked tile
+                yield n, m, key_limit, diag, (0 if m < hot_lo else 2)
 
 
 CASES = [(2048, 2048, True, None, None), (1000, 1000, True, None, None), (2048, 2048, True, 1024, None),
@@ -45,7 +48,7 @@ def test_keys_hidden_is_exactly_the_mask(tm, sq, sk, causal, left, right):
     window = _window(causal, left, right)
     r, c = np.arange(TILE_N)[:, None], np.arange(tm)[None, :]
     seen = 0
-    for n, m, key_limit, diag in _masked_tiles(sq, sk, tm, causal, window):
+    for n, m, key_limit, diag, _ in _masked_tiles(sq, sk, tm, causal, window):
         masked = schedule.is_masked(r, c, key_limit, diag, causal, window)       # (tn, tm)
         for wg in (0, 1):
             truth = bool(masked[64 * wg:64 * wg + 64].all())
@@ -61,20 +64,21 @@ def test_keys_hidden_is_exactly_the_mask(tm, sq, sk, causal, left, right):
         assert seen > 0  # the cases with equal lengths and 64 / 80-row tiles have half tiles
 
 
-def test_half_tiles_of_a_causal_walk_at_80_rows():
-    """Causal, 80-row tiles, equal lengths: the first tile of K/V tile n leaves the last 64 keys unseen
-    unless 128 n is a multiple of 80 (then its rows start at the tile's first key, and its last row
-    sees key 64): four K/V tiles in five."""
+@pytest.mark.parametrize("tm", [80, 64])
+def test_half_tiles_of_a_causal_walk(tm):
+    """Causal, equal lengths: with 80-row tiles the first tile of K/V tile n leaves its last 64 keys
+    unseen unless 128 n is a multiple of 80 (then its rows start at the tile's first key and its last
+    row sees key 64): four K/V tiles in five. With 64-row tiles every first tile does."""
     sq = sk = 80 * 128
     window = _window(True, None, None)
     halves = 0
     for n in range(sk // TILE_N):
-        lo, _ = schedule.m_block_range(n, 80, TILE_N, sq, sk, True, window=window)
-        key_limit, diag = schedule.mask_bounds(lo, n, 80, TILE_N, sq, sk)
-        hidden = schedule.keys_hidden(64, 64, key_limit, diag, 80, True, window, "right")
-        assert hidden == ((128 * n) % 80 != 0), n
+        lo, _ = schedule.m_block_range(n, tm, TILE_N, sq, sk, True, window=window)
+        key_limit, diag = schedule.mask_bounds(lo, n, tm, TILE_N, sq, sk)
+        hidden = schedule.keys_hidden(64, 64, key_limit, diag, tm, True, window, "right")
+        assert hidden == (tm == 64 or (128 * n) % 80 != 0), n
         halves += hidden
-    assert halves == 4 * (sk // TILE_N) // 5
+    assert halves == (4 * (sk // TILE_N) // 5 if tm == 80 else sk // TILE_N)
 
 
 def test_edge_without_a_left_edge_is_refused():
@@ -98,8 +102,8 @@ def _halves(sq, sk, tm, causal, window):
     """{(n, m): idle keys} of the masked tiles with an idle warpgroup."""
     from stage4_bwd_kernel import model
 
-    idle = {(n, m): model._idle_keys(kl, dg, tm, TILE_N, causal, window)
-            for n, m, kl, dg in _masked_tiles(sq, sk, tm, causal, window)}
+    idle = {(n, m): model._idle_keys(kl, dg, tm, TILE_N, causal, window, seg)
+            for n, m, kl, dg, seg in _masked_tiles(sq, sk, tm, causal, window)}
     return {key: keys for key, keys in idle.items() if keys.any()}
 
 
