@@ -49,12 +49,11 @@ def _idle_keys(key_limit, diag, tile_m, tile_n, causal, window, segment) -> np.n
     where they lie before it."""
     idle = np.zeros(tile_n, dtype=bool)
     left, right = schedule.band_edges(causal, window)
-    if segment == 0 and right is not None and schedule.keys_hidden(64, 64, key_limit, diag, tile_m, causal, window,
-                                                                    "right"):
-        idle[64:] = True
-    if segment == 2 and left is not None and schedule.keys_hidden(0, 64, key_limit, diag, tile_m, causal, window,
-                                                                   "left"):
-        idle[:64] = True
+    edge = {0: "right" if right is not None else None, 2: "left" if left is not None else None}.get(segment)
+    if edge is not None:
+        first = schedule.IDLE_WARPGROUP[edge] * schedule.WARPGROUP_KEYS
+        if schedule.keys_hidden(first, schedule.WARPGROUP_KEYS, key_limit, diag, tile_m, causal, window, edge):
+            idle[first:first + schedule.WARPGROUP_KEYS] = True
     return idle
 
 

@@ -153,6 +153,12 @@ def is_masked(r, c, key_limit, diag, causal: bool, window=None):
     return masked
 
 
+# The consumer warpgroup whose 64 keys (of a 128-key K/V tile) an edge hides first: the last keys lie past
+# a right edge (or the keys' end), the first before a left edge (hopper/consumer.py, half tiles)
+IDLE_WARPGROUP = {"right": 1, "left": 0}
+WARPGROUP_KEYS = 64
+
+
 def keys_hidden(first_key, num_keys, key_limit, diag, tile_m, causal: bool, window=None, edge="any"):
     """Whether local key rows [first_key, first_key + num_keys) of a (tile_n x tile_m) S^T tile are
     masked for every query column 0 .. tile_m - 1 (padding rows included), by the keys' end or by

@@ -250,11 +250,11 @@ class Consumer:
         the 64 keys past that edge (the last ones past a right edge, the first ones before a left
         edge: ``schedule.keys_hidden``), the half-tile body. Two whole body copies behind one branch:
         a branch around the wgmmas inside a body makes ptxas serialize them."""
-        hidden_wg = 1 if edge == "right" else 0
+        hidden_wg = schedule.IDLE_WARPGROUP[edge]
         key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, self.tile_m, self.tile_n, walk.seqlen_q,
                                                walk.seqlen_k)
-        if schedule.keys_hidden(64 * hidden_wg, 64, key_limit, diag, self.tile_m, self.causal, self.window_or_none,
-                                edge):
+        if schedule.keys_hidden(hidden_wg * schedule.WARPGROUP_KEYS, schedule.WARPGROUP_KEYS, key_limit, diag,
+                                self.tile_m, self.causal, self.window_or_none, edge):
             if o.wg == hidden_wg:
                 self.idle_tile(o, mmas, pipes, t, n_tiles, dq_keys=1 - hidden_wg)
             else:
@@ -271,20 +271,31 @@ class Consumer:
         st = self.tile_state(t, producer=False)
         pipes.q.consumer_wait(st)
         pipes.do.consumer_wait(st)
-        if const_expr(self.ds_buffers == 1):
-            if t > 0:
-                cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
+        self.sdst_free_wait(o, t)
         self.consumers_meet(divergent=True)  # B2
         acc_dQ = self.issue_dq(o, mmas, t % self.ds_buffers, dq_keys)
         warpgroup.wait_group(0)
-        if const_expr(self.ds_buffers == 1):
-            if t + 1 < n_tiles:
-                cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
-                                         number_of_threads=NUM_CONSUMER_THREADS)
+        self.sdst_free_arrive(o, t, n_tiles)
         pipes.do.consumer_release(st)
         self.hand_off_dq(o, acc_dQ, t)
         pipes.q.consumer_release(st)
         trace.stamp(t, "end")
+
+    @cute.jit
+    def sdst_free_wait(self, o: ConsumerOperands, t: Int32):
+        """One dS^T buffer: wait until the other warpgroup's dQ wgmma of tile t - 1 has read sdSt."""
+        if const_expr(self.ds_buffers == 1):
+            if t > 0:
+                cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
+
+    @cute.jit
+    def sdst_free_arrive(self, o: ConsumerOperands, t: Int32, n_tiles: Int32):
+        """One dS^T buffer: this warpgroup's dQ wgmma has read sdSt, the other may overwrite it (a next
+        tile follows)."""
+        if const_expr(self.ds_buffers == 1):
+            if t + 1 < n_tiles:
+                cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
+                                         number_of_threads=NUM_CONSUMER_THREADS)
 
     def consumers_meet(self, divergent: bool):
         """B2, both consumer warpgroups: the non-aligned barrier where a half tile's two bodies meet at it
@@ -332,10 +343,7 @@ class Consumer:
         warpgroup.wait_group(0)  # dP^T
         tdKrdSt = self.form_ds(o, acc_S, acc_S_rc, acc_dP, sD_t, tdVrPt_acc, tanh_from_p)
         ds_buf = t % self.ds_buffers
-        if const_expr(self.ds_buffers == 1):
-            # the other warpgroup's dQ wgmma of the previous tile has read sdSt
-            if t > 0:
-                cute.arch.barrier(barrier_id=SDST_FREE_BARRIER + o.wg, number_of_threads=NUM_CONSUMER_THREADS)
+        self.sdst_free_wait(o, t)
         tdSrdS = cute.make_tensor(tdKrdSt.iterator, cute.make_layout(acc_dP.shape))
         cute.copy(o.smem_copy_dS, o.thr_smem_dS.retile(tdSrdS), o.tdSsdSt[None, None, None, ds_buf])
         warpgroup.fence()
@@ -347,10 +355,7 @@ class Consumer:
         acc_dQ = self.issue_dq(o, mmas, ds_buf, dq_keys)
         gemm_issue(mmas.dK, o.acc_dK, tdKrdSt, o.tdKrQt[None, None, None, st.index], zero_init=False)
         warpgroup.wait_group(1)  # dV and dQ done, dK may run
-        if const_expr(self.ds_buffers == 1):
-            if t + 1 < n_tiles:  # this warpgroup's dQ has read sdSt: the other may overwrite it
-                cute.arch.barrier_arrive(barrier_id=SDST_FREE_BARRIER + NUM_WG_MMA - 1 - o.wg,
-                                         number_of_threads=NUM_CONSUMER_THREADS)
+        self.sdst_free_arrive(o, t, n_tiles)
         pipes.do.consumer_release(st)   # dP^T and dV have read dO_i
         self.hand_off_dq(o, acc_dQ, t)
         warpgroup.wait_group(0)  # dK has read Q_i: the Q/dO stage goes back

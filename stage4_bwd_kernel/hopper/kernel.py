@@ -107,9 +107,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         # per walk segment (masked first tiles, unmasked, masked last tiles): the edge whose half tiles
         # the consumers look for (consumer.edge_tile), or None
         left, right = schedule.band_edges(causal, self.window_or_none)
-        halves = self.half_tiles and not self.wide
-        self.half_tile_edges = ("right" if halves and right is not None else None, None,
-                                "left" if halves and left is not None else None)
+        self.half_tile_edges = ("right" if self.half_tiles and right is not None else None, None,
+                                "left" if self.half_tiles and left is not None else None)
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers,
