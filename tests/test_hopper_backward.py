@@ -634,6 +634,11 @@ def _option_case(d, sq, sk, ratio, causal, seed):
 def _run_with_option(case, option, value, *, causal, deterministic=False):
     """The kernel built with one option overridden (under its own compile key) on poisoned outputs;
     dq, dk and dv must pass the rule. Returns them."""
+    return _run_with_options(case, {option: value}, causal=causal, deterministic=deterministic)
+
+
+def _run_with_options(case, options: dict, *, causal, deterministic=False):
+    """_run_with_option with several options overridden at once."""
     import functools
 
     from stage0_reference.torch_reference import assert_fa4_close, grad_atol
@@ -642,10 +647,11 @@ def _run_with_option(case, option, value, *, causal, deterministic=False):
     mod = _mod()
     (q, k, v, out, do, lse), (ref, base) = case
     dq, dk, dv = s4._poisoned(q, k, v)
-    host.backward(f"{mod.STEP}~{option}={int(value)}", functools.partial(mod.make_kernel, **{option: value}),
+    key = mod.STEP + "".join(f"~{name}={int(value)}" for name, value in sorted(options.items()))
+    host.backward(key, functools.partial(mod.make_kernel, **options),
                   q, k, v, out, do, lse, causal=causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
     for name, a, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
-        assert_fa4_close(f"{name} ({option}={value}, deterministic={deterministic})", a, r, bl, atol=grad_atol(ref))
+        assert_fa4_close(f"{name} ({options}, deterministic={deterministic})", a, r, bl, atol=grad_atol(ref))
     return dq, dk, dv
 
 
@@ -706,6 +712,40 @@ def test_dq_frag_either_way(d, causal, sq, sk, ratio):
     det_grads = [_run_with_option(case, "dq_frag", frag, causal=causal, deterministic=True) for frag in (True, False)]
     for a, b in zip(*det_grads):
         assert torch.equal(a, b)
+
+
+# half tiles over one dS^T buffer (no default build has both): the idle warpgroup still takes the
+# "sdSt free" barriers the full body takes. (d, sq, sk, GQA ratio), causal
+ONE_DS_BUFFER_CASES = [(128, 333, 1000, 4), (128, 700, 517, 2), (96, 251, 389, 2), (96, 1, 1, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,sq,sk,ratio", ONE_DS_BUFFER_CASES,
+                         ids=[f"d{d}-{a}x{b}-gqa{r}" for d, a, b, r in ONE_DS_BUFFER_CASES])
+def test_half_tiles_with_one_ds_buffer(d, sq, sk, ratio):
+    """Causal walks on one dS^T buffer with half tiles pass the rule in both modes, and in deterministic
+    mode give the bits of the same build without half tiles (an idle warpgroup's keys add exact zeros
+    there)."""
+    import torch
+
+    case = _option_case(d, sq, sk, ratio, True, seed=29)
+    _run_with_options(case, {"ds_buffers": 1, "half_tiles": True}, causal=True)
+    det_grads = [_run_with_options(case, {"ds_buffers": 1, "half_tiles": half}, causal=True, deterministic=True)
+                 for half in (True, False)]
+    for a, b in zip(*det_grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("d", [96])
+def test_half_tiles_with_one_ds_buffer_compile(d):
+    """The one-buffer half-tile build: no spills, no serialized wgmma, an idle body at the causal edge.
+    (d = 128 on one dS^T buffer serializes its wgmmas, C7512, with half tiles or without.)"""
+    mod = _mod()
+    rep = mod.compile_only(head_dim=d, causal=True, ds_buffers=1, half_tiles=True).report
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["wgmma_serialized"] == [], rep
+    kernel = mod.make_kernel(None, d, d, True, False, ds_buffers=1, half_tiles=True)
+    assert kernel.ds_buffers == 1 and half_tile_ends(kernel) == 1
 
 
 FRAG_COMPILE_CASES = [(64, False, False, False), (64, False, True, True), (128, False, False, False),
