@@ -7,7 +7,7 @@ import pytest
 from benchmarks import bench_variants
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = [ROOT / "benchmarks" / "results" / f"variants_{n}_9655851_h200.json" for n in ("4k", "8k", "16k")]
+RESULTS = [ROOT / "benchmarks" / "results" / f"variants_{n}_0c3e279_h200.json" for n in ("4k", "8k", "16k")]
 
 pytestmark = [pytest.mark.cpu, pytest.mark.stage3]
 
