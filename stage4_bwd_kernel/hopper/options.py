@@ -160,7 +160,9 @@ class BackwardOptions:
         dq_frag = not (causal and deterministic and tm == 80)
         rotate_walk = rotation_pays(head_dim, causal, banded, deterministic, softcap)
         return cls(
-            # off where ptxas would serialize the wgmmas (C7512): d = 64 causal or banded, default mode
+            # off at d = 64 causal or banded, default mode: ptxas serialized those builds' wgmmas (C7512)
+            # before first stores; since them it does not, and on an H200 the shuffle tied causal
+            # (+0.3..0.7%) and lost 2.4-3.3% under a (1024, 0) window (log 2026-12-04, "variants re-timed")
             stats_shuffle=tm == 128 and not (dq_frag and (causal or banded) and not deterministic),
             dq_frag=dq_frag,
             q_shift=causal and not varlen and not deterministic and dq_frag and tn % tm != 0,
