@@ -118,24 +118,26 @@ def parse_window(text, causal: bool):
     return edges[0], edges[1] if len(edges) == 2 else (0 if causal else edges[0])
 
 
-def window_call(window) -> dict:
-    """The keyword arguments a call takes for `parse_window`'s result (none without a window)."""
-    return {} if window is None else {"window_size": window}
+def window_call(window, softcap: float = 0.0) -> dict:
+    """The keyword arguments a call takes for `parse_window`'s result and a softcap (none without them)."""
+    call = {} if window is None else {"window_size": window}
+    return dict(call, softcap=softcap) if softcap else call
 
 
-def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, window=None):
+def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, window=None, softcap: float = 0.0):
     """One grid point of the benchmarks (bf16, 32k tokens per batch, hidden 2048) -> (batch, heads,
     (q, k, v, out, dout, lse) from our forward, the peers' backwards as no-argument calls: the
     official FA4's, and cuDNN's through SDPA when asked). The peers run through ``autograd.grad``:
     ``.backward`` would also add into ``.grad`` on every call (see benchmarks.bench_bwd). window:
-    None or (left, right) for our forward and the official call (cuDNN through SDPA has none)."""
+    None or (left, right) for our forward and the official call (cuDNN through SDPA has none); softcap
+    likewise."""
     from flash_attn.cute.interface import flash_attn_func
     from stage3_fwd_kernel.hopper import attention_forward
 
     b, h = 32768 // s, 2048 // d
     q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    call = window_call(window)
+    call = window_call(window, softcap)
     out, lse = attention_forward(q, k, v, causal=causal, **call)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     o = flash_attn_func(qg, kg, vg, causal=causal, **call)
@@ -159,9 +161,12 @@ def main(argv=None) -> int:
     ap.add_argument("--window", default=None, metavar="LEFT[,RIGHT]",
                     help="a sliding window for every kernel: (LEFT, RIGHT), RIGHT defaulting to 0 when causal, else "
                          "LEFT (the FLOP rate counts the (query, key) pairs the window sees)")
+    ap.add_argument("--softcap", type=float, default=0.0, help="softcap > 0 for every kernel (0: none)")
     args = ap.parse_args(argv)
     if args.window is not None and args.cudnn:
         raise SystemExit("--cudnn: torch SDPA has no sliding window; leave out --cudnn or --window")
+    if args.softcap < 0 or (args.softcap and args.cudnn):
+        raise SystemExit("--softcap: expected a value >= 0, and no --cudnn with it (torch SDPA has no softcap)")
     if not torch.cuda.is_available():
         print("ab_bwd needs a CUDA GPU")
         return 2
@@ -173,8 +178,8 @@ def main(argv=None) -> int:
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
                 window = parse_window(args.window, causal)
-                b, h, inputs, peers = backward_case(d, dv, s, causal, args.cudnn, window)
-                call = window_call(window)
+                b, h, inputs, peers = backward_case(d, dv, s, causal, args.cudnn, window, args.softcap)
+                call = window_call(window, args.softcap)
                 fns = dict(peers)
                 ref = None
                 for n in specs:
@@ -187,7 +192,8 @@ def main(argv=None) -> int:
                         raise SystemExit(f"{n}: max |grad - {specs[0]}'s| = {err} at d={d} s={s} causal={causal}")
                 times = paired_rounds(fns, args.rounds, rng)
                 rows += ratio_rows(times, BWD_FLOPS_PER_FWD * flops(b, h, s, d, dv, causal, window),
-                                   {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s, "window": window},
+                                   {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s, "window": window,
+                                    "softcap": args.softcap},
                                    f"d={d}x{dv} causal={causal!s:5} s={s:5}")
                 del inputs, peers, fns
     if args.out:

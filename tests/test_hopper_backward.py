@@ -357,9 +357,12 @@ def test_stats_shuffle_finds_every_column_statistic():
                 assert 0 <= reg < 4 and stats_shuffle_query(src, reg) == query, (tm, lane, c)
     assert mod.make_kernel(None, 64, 64, False, False).stats_shuffle
     assert mod.make_kernel(None, 64, 64, True, True).stats_shuffle
-    # d = 64 causal default mode takes dq_frag, where the shuffle would serialize the wgmmas (C7512)
+    # d = 64 causal default mode: off (it serialized the wgmmas before first stores, and ties since)
     assert not mod.make_kernel(None, 64, 64, True, False).stats_shuffle
     assert not mod.make_kernel(None, 128, 128, False, False).stats_shuffle
+    # softcap on a plain walk, default mode: off (the lanes' statistics spilled there); deterministic: on
+    assert not mod.make_kernel(None, 64, 64, False, False, softcap=30.0).stats_shuffle
+    assert mod.make_kernel(None, 64, 64, False, True, softcap=30.0).stats_shuffle
 
 
 # ============================================================================== compile tier

@@ -285,6 +285,8 @@ BWD_CASES = [
     (1000, 1500, 4, 4, 128, False, (None, None), 50.0),
     (4224, 4224, 2, 1, 128, True, (1024, None), 0.0),
     (1500, 700, 4, 2, 64, False, (64, 64), 0.0),
+    # softcap on a plain walk at d = 64: row statistics from SMEM (options.for_config)
+    (700, 517, 4, 2, 64, False, (None, None), 30.0),
     # softcap through the causal mask_offsets bodies (d <= 96), whose columns past the queries get lse2 = +inf
     (1023, 1024, 2, 2, 64, True, (None, None), 30.0),
     (300, 300, 4, 1, 96, True, (None, None), 5.0),
@@ -500,12 +502,13 @@ def test_softcap_tanh_recovered_from_p(cap):
 
 
 # spill bytes a consumer thread of the softcap backward may store (ptxas), the measured values plus a
-# few: d = 128 causal 0, deterministic 60, window 0, d = 64 causal 48, non-causal 116, d = 96 and
-# (192, 128) 0, since dS^T recovers the tanh from P^T; keeping 1 - tanh^2 in registers spilled 648 /
-# 684 / 648 / 864 / 76 / 0 / 0 (stage4_bwd_kernel/hopper/scores.py, TanhFromP)
+# few: d = 128 causal 0, deterministic 60, window 0, d = 64 causal 48, non-causal 36 (116 with the row
+# statistics by shuffle, which its deterministic build keeps: options.for_config), d = 96 and (192, 128) 0,
+# since dS^T recovers the tanh from P^T; keeping 1 - tanh^2 in registers spilled 648 / 684 / 648 / 864 / 76
+# / 0 / 0 (stage4_bwd_kernel/hopper/scores.py, TanhFromP)
 SOFTCAP_BWD_SPILL_BOUND = {(128, 128, True, ""): 8, (128, 128, True, "det"): 64, (128, 128, True, "window"): 8,
-                           (64, 64, True, ""): 56, (64, 64, False, ""): 120, (96, 96, True, ""): 0,
-                           (192, 128, True, ""): 0}
+                           (64, 64, True, ""): 56, (64, 64, False, ""): 40, (64, 64, False, "det"): 120,
+                           (96, 96, True, ""): 0, (192, 128, True, ""): 0}
 
 
 @pytest.mark.compile

@@ -162,8 +162,12 @@ class BackwardOptions:
         return cls(
             # off at d = 64 causal or banded, default mode: ptxas serialized those builds' wgmmas (C7512)
             # before first stores; since them it does not, and on an H200 the shuffle tied causal
-            # (+0.3..0.7%) and lost 2.4-3.3% under a (1024, 0) window (log 2026-12-04, "variants re-timed")
-            stats_shuffle=tm == 128 and not (dq_frag and (causal or banded) and not deterministic),
+            # (+0.3..0.7%) and lost 2.4-3.3% under a (1024, 0) window (log 2026-12-04, "variants re-timed").
+            # Off with softcap on plain walks in the default mode: there the lanes' statistics spilled (116
+            # bytes a thread, 36 without) and the softcap 30 backward ran 1.20x faster without them (same
+            # entry); deterministic mode (the same spills) was not timed and keeps them
+            stats_shuffle=tm == 128 and not (dq_frag and (causal or banded) and not deterministic)
+            and not (softcap and not (causal or banded or deterministic)),
             dq_frag=dq_frag,
             q_shift=causal and not varlen and not deterministic and dq_frag and tn % tm != 0,
             key_select=tm == 80 and not deterministic,
