@@ -1,7 +1,7 @@
 """Paired A/B of backward kernels: interleaved rounds, each timed against the official FA4 in the same round.
 
     python -m benchmarks.ab_bwd --variants production,step3_rs,step3_rs@64x128:kv_descending \\
-        [--dims 64,192x128] [--seqlens 8192,16384] [--causal 0,1] [--rounds 7] [--cudnn] [--out ab.json]
+        [--dims 64,192x128] [--seqlens 8192,16384] [--causal 0,1] [--rounds 7] [--cudnn] [--window L[,R]] [--softcap C] [--out ab.json]
 
 The method of benchmarks.ab_fwd (why: see there), for the backward kernels alone (preprocess + main
 + postprocess from a fixed forward) against the official kernel's autograd backward.
