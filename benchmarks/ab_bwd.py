@@ -118,8 +118,8 @@ def parse_window(text, causal: bool):
     return edges[0], edges[1] if len(edges) == 2 else (0 if causal else edges[0])
 
 
-def window_call(window, softcap: float = 0.0) -> dict:
-    """The keyword arguments a call takes for `parse_window`'s result and a softcap (none without them)."""
+def variant_call(window, softcap: float = 0.0) -> dict:
+    """The keyword arguments a call takes for a variant: `parse_window`'s result and a softcap (none without them)."""
     call = {} if window is None else {"window_size": window}
     return dict(call, softcap=softcap) if softcap else call
 
@@ -137,7 +137,7 @@ def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, wi
     b, h = 32768 // s, 2048 // d
     q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    call = window_call(window, softcap)
+    call = variant_call(window, softcap)
     out, lse = attention_forward(q, k, v, causal=causal, **call)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     o = flash_attn_func(qg, kg, vg, causal=causal, **call)
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
             for s in (int(x) for x in args.seqlens.split(",")):
                 window = parse_window(args.window, causal)
                 b, h, inputs, peers = backward_case(d, dv, s, causal, args.cudnn, window, args.softcap)
-                call = window_call(window, args.softcap)
+                call = variant_call(window, args.softcap)
                 fns = dict(peers)
                 ref = None
                 for n in specs:

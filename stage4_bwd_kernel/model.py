@@ -48,12 +48,10 @@ def _idle_keys(key_limit, diag, tile_m, tile_n, causal, window, segment) -> np.n
     they lie past it or past the keys' end; in its last (segment 2), with a left edge, the first 64
     where they lie before it."""
     idle = np.zeros(tile_n, dtype=bool)
-    left, right = schedule.band_edges(causal, window)
-    edge = {0: "right" if right is not None else None, 2: "left" if left is not None else None}.get(segment)
-    if edge is not None:
+    edge = schedule.half_tile_edges(causal, window)[segment]
+    if edge is not None and schedule.idle_warpgroup_hidden(edge, key_limit, diag, tile_m, causal, window):
         first = schedule.IDLE_WARPGROUP[edge] * schedule.WARPGROUP_KEYS
-        if schedule.keys_hidden(first, schedule.WARPGROUP_KEYS, key_limit, diag, tile_m, causal, window, edge):
-            idle[first:first + schedule.WARPGROUP_KEYS] = True
+        idle[first:first + schedule.WARPGROUP_KEYS] = True
     return idle
 
 

@@ -159,6 +159,20 @@ IDLE_WARPGROUP = {"right": 1, "left": 0}
 WARPGROUP_KEYS = 64
 
 
+def half_tile_edges(causal: bool, window=None) -> tuple:
+    """Per walk segment (masked first tiles, unmasked tiles, masked last tiles): the edge whose hidden keys
+    a half tile looks for there ("right": a causal or right window edge, "left": a left window edge), or
+    None."""
+    left, right = band_edges(causal, window)
+    return ("right" if right is not None else None, None, "left" if left is not None else None)
+
+
+def idle_warpgroup_hidden(edge: str, key_limit, diag, tile_m, causal: bool, window=None):
+    """Whether no query of the tile sees the 64 keys of the warpgroup that `edge` idles (IDLE_WARPGROUP)."""
+    first = IDLE_WARPGROUP[edge] * WARPGROUP_KEYS
+    return keys_hidden(first, WARPGROUP_KEYS, key_limit, diag, tile_m, causal, window, edge)
+
+
 def keys_hidden(first_key, num_keys, key_limit, diag, tile_m, causal: bool, window=None, edge="any"):
     """Whether local key rows [first_key, first_key + num_keys) of a (tile_n x tile_m) S^T tile are
     masked for every query column 0 .. tile_m - 1 (padding rows included), by the keys' end or by

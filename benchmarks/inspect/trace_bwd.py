@@ -31,7 +31,7 @@ import sys
 
 import numpy as np
 
-from ..ab_bwd import parse_window, window_call
+from ..ab_bwd import parse_window, variant_call
 from .trace_fwd import block_clocks, cta_table, patch_methods, plot_timelines, sm_timeline, time_then_trace
 
 
@@ -128,7 +128,7 @@ def run_impl(name: str, args):
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(args.batch, args.seqlen, args.heads, d, device="cuda", dtype=torch.bfloat16,
                                generator=gen) for _ in range(4))
-    window = window_call(args.window)
+    window = variant_call(args.window)
     n_ctas = (-(-args.seqlen // 64)) * args.heads * args.batch  # both kernels' K/V tiles have >= 64 rows
     buf = torch.zeros(trace.buffer_elems(n_ctas), dtype=torch.int64, device="cuda")
     trace.enable(buf.data_ptr(), events=("end",) if args.tile_stamps else ())

@@ -253,8 +253,7 @@ class Consumer:
         hidden_wg = schedule.IDLE_WARPGROUP[edge]
         key_limit, diag = schedule.mask_bounds(m_block, walk.n_block, self.tile_m, self.tile_n, walk.seqlen_q,
                                                walk.seqlen_k)
-        if schedule.keys_hidden(hidden_wg * schedule.WARPGROUP_KEYS, schedule.WARPGROUP_KEYS, key_limit, diag,
-                                self.tile_m, self.causal, self.window_or_none, edge):
+        if schedule.idle_warpgroup_hidden(edge, key_limit, diag, self.tile_m, self.causal, self.window_or_none):
             if o.wg == hidden_wg:
                 self.idle_tile(o, mmas, pipes, t, n_tiles, dq_keys=1 - hidden_wg)
             else:

@@ -106,9 +106,8 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         self.num_barriers = num_barriers(self.dq_buffers, turns=self.dq_atomic and deterministic)
         # per walk segment (masked first tiles, unmasked, masked last tiles): the edge whose half tiles
         # the consumers look for (consumer.edge_tile), or None
-        left, right = schedule.band_edges(causal, self.window_or_none)
-        self.half_tile_edges = ("right" if self.half_tiles and right is not None else None, None,
-                                "left" if self.half_tiles and left is not None else None)
+        self.half_tile_edges = (schedule.half_tile_edges(causal, self.window_or_none) if self.half_tiles
+                                else (None, None, None))
 
     def _smem_need(self, ds_buffers: int, dq_buffers: int) -> int:
         return smem_need(self.tile_m, self.tile_n, self.head_dim, self.head_dim_v, ds_buffers,

@@ -160,14 +160,12 @@ class BackwardOptions:
         dq_frag = not (causal and deterministic and tm == 80)
         rotate_walk = rotation_pays(head_dim, causal, banded, deterministic, softcap)
         return cls(
-            # off at d = 64 causal or banded, default mode: ptxas serialized those builds' wgmmas (C7512)
-            # before first stores; since them it does not, and on an H200 the shuffle tied causal
-            # (+0.3..0.7%) and lost 2.4-3.3% under a (1024, 0) window (log 2026-12-04, "variants re-timed").
-            # Off with softcap on plain walks in the default mode: there the lanes' statistics spilled (116
-            # bytes a thread, 36 without) and the softcap 30 backward ran 1.20x faster without them (same
-            # entry); deterministic mode (the same spills) was not timed and keeps them
-            stats_shuffle=tm == 128 and not (dq_frag and (causal or banded) and not deterministic)
-            and not (softcap and not (causal or banded or deterministic)),
+            # d = 64, default mode: off on causal or banded walks (ptxas serialized their wgmmas, C7512,
+            # before first stores; since them the shuffle tied causal, +0.3..0.7%, and lost 2.4-3.3% under
+            # a (1024, 0) window) and with softcap (on a plain walk the lanes' statistics spilled 116 bytes
+            # a thread, 36 without, and the backward ran 1.20x faster without them): log 2026-12-04,
+            # "variants re-timed" and "the d = 64 softcap backward". Deterministic mode was not re-timed.
+            stats_shuffle=tm == 128 and (deterministic or not (causal or banded or softcap)),
             dq_frag=dq_frag,
             q_shift=causal and not varlen and not deterministic and dq_frag and tn % tm != 0,
             key_select=tm == 80 and not deterministic,
