@@ -159,13 +159,16 @@ class BackwardOptions:
         # the TMA tensor reduce measured faster only for the 80-query tile in causal deterministic mode
         dq_frag = not (causal and deterministic and tm == 80)
         rotate_walk = rotation_pays(head_dim, causal, banded, deterministic, softcap)
+        plain_walk = not (causal or banded)
         return cls(
-            # d = 64, default mode: off on causal or banded walks (ptxas serialized their wgmmas, C7512,
-            # before first stores; since them the shuffle tied causal, +0.3..0.7%, and lost 2.4-3.3% under
-            # a (1024, 0) window) and with softcap (on a plain walk the lanes' statistics spilled 116 bytes
-            # a thread, 36 without, and the backward ran 1.20x faster without them): log 2026-12-04,
-            # "variants re-timed" and "the d = 64 softcap backward". Deterministic mode was not re-timed.
-            stats_shuffle=tm == 128 and (deterministic or not (causal or banded or softcap)),
+            # d = 64: on a plain walk without softcap; in deterministic mode also on causal or banded
+            # walks. Default mode turns it off there (ptxas serialized their wgmmas, C7512, before first
+            # stores; since them the shuffle tied causal, +0.3..0.7%, and lost 2.4-3.3% under a (1024, 0)
+            # window). Softcap on a plain walk turns it off in both modes: the lanes' statistics spilled
+            # 116 bytes a thread, 36 without, and the backward ran 1.20x faster without them (log
+            # 2026-12-04, "variants re-timed" and "the d = 64 softcap backward"); deterministic causal or
+            # banded softcap builds spill less with it (40 bytes, 60 without) and keep it, untimed.
+            stats_shuffle=tm == 128 and (plain_walk and not softcap or deterministic and not plain_walk),
             dq_frag=dq_frag,
             q_shift=causal and not varlen and not deterministic and dq_frag and tn % tm != 0,
             key_select=tm == 80 and not deterministic,
