@@ -1,7 +1,8 @@
 """Paired A/B of backward kernels: interleaved rounds, each timed against the official FA4 in the same round.
 
     python -m benchmarks.ab_bwd --variants production,step3_rs,step3_rs@64x128:kv_descending \\
-        [--dims 64,192x128] [--seqlens 8192,16384] [--causal 0,1] [--rounds 7] [--cudnn] [--window L[,R]] [--softcap C] [--out ab.json]
+        [--dims 64,192x128] [--seqlens 8192,16384] [--causal 0,1] [--rounds 7] [--cudnn] [--window L[,R]] [--softcap C]
+        [--varlen] [--out ab.json]
 
 The method of benchmarks.ab_fwd (why: see there), for the backward kernels alone (preprocess + main
 + postprocess from a fixed forward) against the official kernel's autograd backward.
@@ -14,7 +15,8 @@ copy at the repository root with its own STEP name), an optional tile override, 
 (``production~persistent=1``: the kernel built with that option, under its own compile key), and
 ``+det`` for deterministic mode. Every
 variant's dq/dk/dv are checked against the first variant's before timing. ``--cudnn`` adds cuDNN
-through torch SDPA as a third peer (its autograd backward, like the official one's).
+through torch SDPA as a third peer (its autograd backward, like the official one's). ``--varlen``
+packs the batch's equal-length sequences into one varlen call (cu_seqlens) for every kernel.
 """
 from __future__ import annotations
 
@@ -79,8 +81,13 @@ def make_variant(spec: str):
     built = {k: kernel_options[k](options.pop(k)) for k in list(options) if k in kernel_options and k not in accepted}
     if built:
         return with_kernel_options(mod, built, det, options)
-    return lambda q, k, v, o, do, lse, c, **call: mod.attention_backward(q, k, v, o, do, lse, causal=c,
-                                                                         deterministic=det, **options, **call)
+    def run(q, k, v, o, do, lse, c, **call):
+        if "cu_seqlens_q" in call:  # --varlen: packed (T, H, D) tensors
+            packed = [call.pop(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
+            return mod.attention_varlen_backward(q, k, v, o, do, lse, *packed, causal=c, deterministic=det,
+                                                 **options, **call)
+        return mod.attention_backward(q, k, v, o, do, lse, causal=c, deterministic=det, **options, **call)
+    return run
 
 
 def option_fields(mod) -> dict:
@@ -124,23 +131,31 @@ def variant_call(window, softcap: float = 0.0) -> dict:
     return dict(call, softcap=softcap) if softcap else call
 
 
-def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, window=None, softcap: float = 0.0):
+def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, window=None, softcap: float = 0.0,
+                  varlen: bool = False):
     """One grid point of the benchmarks (bf16, 32k tokens per batch, hidden 2048) -> (batch, heads,
     (q, k, v, out, dout, lse) from our forward, the peers' backwards as no-argument calls: the
     official FA4's, and cuDNN's through SDPA when asked). The peers run through ``autograd.grad``:
     ``.backward`` would also add into ``.grad`` on every call (see benchmarks.bench_bwd). window:
     None or (left, right) for our forward and the official call (cuDNN through SDPA has none); softcap
-    likewise."""
-    from flash_attn.cute.interface import flash_attn_func
-    from stage3_fwd_kernel.hopper import attention_forward
+    likewise. varlen: the b sequences packed as (b s, h, d) tensors; the returned calls' keywords then
+    come from ``varlen_call``."""
+    from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
+    from stage3_fwd_kernel.hopper import attention_forward, attention_varlen_forward
 
     b, h = 32768 // s, 2048 // d
-    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    v, do = (torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    shape = (b * s,) if varlen else (b, s)
+    q, k = (torch.randn(*shape, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(*shape, h, dv, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     call = variant_call(window, softcap)
-    out, lse = attention_forward(q, k, v, causal=causal, **call)
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = flash_attn_func(qg, kg, vg, causal=causal, **call)
+    if varlen:
+        packed = varlen_call(b, s)
+        out, lse = attention_varlen_forward(q, k, v, *packed.values(), causal=causal, **call)
+        o = flash_attn_varlen_func(qg, kg, vg, **packed, causal=causal, **call)
+    else:
+        out, lse = attention_forward(q, k, v, causal=causal, **call)
+        o = flash_attn_func(qg, kg, vg, causal=causal, **call)
     o = o[0] if isinstance(o, tuple) else o
     peers = {"official": lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)}
     if cudnn:
@@ -153,6 +168,12 @@ def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, wi
     return b, h, (q, k, v, out, do, lse), peers
 
 
+def varlen_call(batch: int, seqlen: int) -> dict:
+    """The varlen keywords of ``batch`` packed sequences of ``seqlen`` tokens each."""
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device="cuda", dtype=torch.int32)
+    return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", required=True, help="comma-separated step[@MxN][:order][~option=int][+det]")
@@ -162,11 +183,15 @@ def main(argv=None) -> int:
                     help="a sliding window for every kernel: (LEFT, RIGHT), RIGHT defaulting to 0 when causal, else "
                          "LEFT (the FLOP rate counts the (query, key) pairs the window sees)")
     ap.add_argument("--softcap", type=float, default=0.0, help="softcap > 0 for every kernel (0: none)")
+    ap.add_argument("--varlen", action="store_true",
+                    help="pack the batch's sequences into one varlen call (cu_seqlens) for every kernel")
     args = ap.parse_args(argv)
     if args.window is not None and args.cudnn:
         raise SystemExit("--cudnn: torch SDPA has no sliding window; leave out --cudnn or --window")
     if args.softcap < 0 or (args.softcap and args.cudnn):
         raise SystemExit("--softcap: expected a value >= 0, and no --cudnn with it (torch SDPA has no softcap)")
+    if args.varlen and args.cudnn:
+        raise SystemExit("--varlen: torch SDPA takes no cu_seqlens; leave out --cudnn or --varlen")
     if not torch.cuda.is_available():
         print("ab_bwd needs a CUDA GPU")
         return 2
@@ -178,8 +203,8 @@ def main(argv=None) -> int:
         for causal in (bool(int(x)) for x in args.causal.split(",")):
             for s in (int(x) for x in args.seqlens.split(",")):
                 window = parse_window(args.window, causal)
-                b, h, inputs, peers = backward_case(d, dv, s, causal, args.cudnn, window, args.softcap)
-                call = variant_call(window, args.softcap)
+                b, h, inputs, peers = backward_case(d, dv, s, causal, args.cudnn, window, args.softcap, args.varlen)
+                call = dict(variant_call(window, args.softcap), **(varlen_call(b, s) if args.varlen else {}))
                 fns = dict(peers)
                 ref = None
                 for n in specs:
@@ -193,7 +218,7 @@ def main(argv=None) -> int:
                 times = paired_rounds(fns, args.rounds, rng)
                 rows += ratio_rows(times, BWD_FLOPS_PER_FWD * flops(b, h, s, d, dv, causal, window),
                                    {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s, "window": window,
-                                    "softcap": args.softcap},
+                                    "softcap": args.softcap, "varlen": args.varlen},
                                    f"d={d}x{dv} causal={causal!s:5} s={s:5}")
                 del inputs, peers, fns
     if args.out:

@@ -148,6 +148,9 @@ def test_ab_bwd_variant_specs_parse_and_bad_ones_name_what_is_expected():
     assert callable(ab_bwd.make_variant("production:kv_ascending~key_select=0+det"))
     with pytest.raises(SystemExit, match="production's attention_backward takes no no_such"):
         ab_bwd.make_variant("production~no_such=1")
+    # --varlen with cuDNN, which takes no cu_seqlens: refused by name before anything runs
+    with pytest.raises(SystemExit, match="--varlen: torch SDPA takes no cu_seqlens"):
+        ab_bwd.main(["--variants", "production", "--varlen", "--cudnn"])
 
 
 def test_ab_fwd_impl_specs_parse_keyword_arguments_and_bad_ones_name_what_is_expected():

@@ -153,7 +153,8 @@ def test_rotated_walks_are_the_default_where_they_measured_faster(d, dv, causal,
     _mod()
     for varlen in (False, True):
         options = BackwardOptions.for_config(d, dv, causal, det, varlen, banded)
-        assert options.rotate_walk is expected
+        # d = 64 varlen walks in order (the rotated build spilled there), with first stores
+        assert options.rotate_walk is (expected and not (varlen and d == 64))
         assert not expected or options.dq_first_store  # a rotated walk's K/V tiles arrive one after another
         assert not BackwardOptions.for_config(d, dv, causal, det, varlen, banded, softcap=True).rotate_walk
 

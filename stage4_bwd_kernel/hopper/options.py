@@ -158,7 +158,7 @@ class BackwardOptions:
             dq_buffers = 1
         # the TMA tensor reduce measured faster only for the 80-query tile in causal deterministic mode
         dq_frag = not (causal and deterministic and tm == 80)
-        rotate_walk = rotation_pays(head_dim, causal, banded, deterministic, softcap)
+        rotate_walk = rotation_pays(head_dim, causal, banded, deterministic, softcap, varlen)
         plain_walk = not (causal or banded)
         return cls(
             # d = 64: on a plain walk without softcap; in deterministic mode also on causal or banded
@@ -168,7 +168,10 @@ class BackwardOptions:
             # 116 bytes a thread, 36 without, and the backward ran 1.20x faster without them (log
             # 2026-12-04, "variants re-timed" and "the d = 64 softcap backward"); deterministic causal or
             # banded softcap builds spill less with it (40 bytes, 60 without) and keep it, untimed.
-            stats_shuffle=tm == 128 and (plain_walk and not softcap or deterministic and not plain_walk),
+            # Varlen causal walks (no window, no softcap) take it in the default mode too: 1.08-1.09x there
+            # (with softcap 0.93x; 2026-12-04, "the d = 64 varlen backward").
+            stats_shuffle=tm == 128 and (plain_walk and not softcap
+                                         or (deterministic or varlen and not (banded or softcap)) and not plain_walk),
             dq_frag=dq_frag,
             q_shift=causal and not varlen and not deterministic and dq_frag and tn % tm != 0,
             key_select=tm == 80 and not deterministic,
@@ -180,7 +183,7 @@ class BackwardOptions:
             dq_buffers=dq_buffers,
             dq_writers=dq_buffers if deterministic else 1,
             dq_first_store=dq_frag and not deterministic and first_stores_pay(head_dim, causal, banded,
-                                                                              rotate_walk),
+                                                                              rotate_walk, varlen),
             rotate_walk=rotate_walk,
             # not with softcap in deterministic mode: d = 128 causal spilled 84 bytes with them (60 without)
             half_tiles=tm < 128 and not (softcap and deterministic),
@@ -266,24 +269,28 @@ class BackwardOptions:
                              "loaded past the tensor's start, as zeros)")
 
 
-def first_stores_pay(head_dim: int, causal: bool, banded: bool, rotated: bool = False) -> bool:
+def first_stores_pay(head_dim: int, causal: bool, banded: bool, rotated: bool = False, varlen: bool = False) -> bool:
     """Where first stores into dQ (dq_writer.py) measured at or above the zeroed accumulator on an H200
     (docs/measurements.md, 2026-12-02, "first stores into the dQ accumulator"): causal, banded or rotated
     walks, whose K/V tiles reach a dQ tile at different times. In a plain non-causal walk in order every
     CTA reaches each dQ tile together and all but the first wait for its store: -15% / -17% at 2k for
     d = 96 / (192, 128) (64-query tiles). d = 96 causal tied or lost (-1.5% at 8k), so it keeps the
-    zeroing too."""
-    return (causal or banded or rotated) and head_dim != 96
+    zeroing too. d = 64 varlen walks in order (``rotation_pays``) take them: 0.99-1.01x of the official
+    kernel at 1k-16k against 0.95-0.96x zeroed (2026-12-04, "the d = 64 varlen backward")."""
+    return (causal or banded or rotated or (varlen and head_dim == 64)) and head_dim != 96
 
 
-def rotation_pays(head_dim: int, causal: bool, banded: bool, deterministic: bool, softcap: bool = False) -> bool:
+def rotation_pays(head_dim: int, causal: bool, banded: bool, deterministic: bool, softcap: bool = False,
+                  varlen: bool = False) -> bool:
     """Where rotated walks (walk.py) with first stores measured at or above the walk in order with a zeroed
     accumulator on an H200 (docs/measurements.md, 2026-12-02, "rotated non-causal walks"): plain non-causal
     walks at d = 64 and 128 / (128, 64), +2.2..5.1% at 1k-2k for d = 128 and a tie from 4k on. d = 96 and
     (192, 128) (64-query tiles) lost 0.4-1.3%; causal and banded walks are staggered already. Softcap
     builds (not timed) keep the order: the d = 64 one, which spills 116 bytes in order, spilled 240
-    with the consumers' bodies twice over."""
-    return not (causal or banded or deterministic or softcap) and head_dim in (64, 128)
+    with the consumers' bodies twice over. The d = 64 varlen build spilled 32 bytes rotated (0 in order) and
+    ran at 0.87-0.90x of the official kernel against 0.99-1.01x in order with first stores (2026-12-04,
+    "the d = 64 varlen backward"); d = 128 varlen, which does not spill, keeps the rotation."""
+    return not (causal or banded or deterministic or softcap) and (head_dim == 128 or head_dim == 64 and not varlen)
 
 
 def dq_empty_barrier(dq_buffers: int) -> int:
