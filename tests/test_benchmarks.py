@@ -763,3 +763,44 @@ def test_every_benchmark_module_is_in_the_readme_table():
     modules = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
     missing = [m for m in modules if f"| `{m}` |" not in readme]
     assert not missing, f"benchmarks/README.md's table lacks {missing}"
+
+
+def test_resource_scan_grid_and_its_report_lines():
+    """benchmarks.inspect.resource_scan: the grid covers every mode of each pass once, bad arguments are
+    refused by name, and a flagged row names what was found."""
+    from benchmarks.inspect import resource_scan as rs
+
+    cases = rs.grid(["fwd", "bwd"], rs.parse_dims("64,192x128"), list(rs.WALKS))
+    assert len(cases) == 2 * 2 * 4 * 2 * 4  # passes x dims x walks x softcaps x (2 modes x 2 layouts / lengths)
+    bwd = [c for c in cases if c["pass"] == "bwd"]
+    assert {(c["deterministic"], c["varlen"]) for c in bwd} == {(a, b) for a in (False, True) for b in (False, True)}
+    assert {c["seqlen_k"] for c in cases if c["pass"] == "fwd"} == {None, 16384}
+    assert {(c["head_dim"], c["head_dim_v"]) for c in cases} == {(64, 64), (192, 128)}
+    assert {c["window_size"] for c in cases if c["walk"] == "band"} == {(1024, 1024)}
+    row = dict(bwd[0], registers=168, spill_stores=32, spill_loads=56, wgmma_serialized=[], smem_bytes=1)
+    assert rs.flagged(row) and "spill 32 / 56 B" in rs.describe(row)
+    assert not rs.flagged(dict(row, spill_stores=0, spill_loads=0))
+    assert rs.flagged(dict(bwd[0], error="ValueError: x")) and "ValueError: x" in rs.describe(dict(bwd[0], error="ValueError: x"))
+    with pytest.raises(SystemExit, match="--dims"):
+        rs.parse_dims("64,abc")
+    with pytest.raises(SystemExit, match="--part"):
+        rs.main(["--part", "2/2"])
+    with pytest.raises(SystemExit, match="--walks"):
+        rs.main(["--walks", "diagonal"])
+
+
+def test_resource_scan_merges_parts_of_one_source(tmp_path):
+    from benchmarks.inspect import resource_scan as rs
+
+    row = {"pass": "bwd", "walk": "nc", "head_dim": 64, "head_dim_v": 64, "softcap": 0.0, "varlen": True,
+           "deterministic": False, "registers": 168, "spill_stores": 0, "spill_loads": 0, "wgmma_serialized": []}
+    paths = []
+    for i, digest in enumerate(("abc", "abc", "def")):
+        paths.append(tmp_path / f"p{i}.json")
+        paths[-1].write_text(json.dumps({"source_digest": digest, "command": f"part {i}",
+                                         "results": [dict(row, spill_stores=i)]}))
+    assert rs.main(["--merge", str(paths[0]), str(paths[1]), "--out", str(tmp_path / "all.json")]) == 0
+    doc = json.loads((tmp_path / "all.json").read_text())
+    assert [r["spill_stores"] for r in doc["results"]] == [0, 1] and doc["command"] == "part 0 && part 1"
+    with pytest.raises(SystemExit, match="different sources"):
+        rs.main(["--merge", str(paths[0]), str(paths[2]), "--out", str(tmp_path / "x.json")])
