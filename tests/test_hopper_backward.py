@@ -358,7 +358,7 @@ def test_stats_shuffle_finds_every_column_statistic():
     assert mod.make_kernel(None, 64, 64, False, False).stats_shuffle
     assert mod.make_kernel(None, 64, 64, True, True).stats_shuffle
     # d = 64 causal default mode: off (it serialized the wgmmas before first stores, and ties since), but on
-    # in varlen without softcap (measured 1.08-1.09x there)
+    # in varlen without softcap (measured 1.07-1.09x there)
     assert not mod.make_kernel(None, 64, 64, True, False).stats_shuffle
     assert mod.make_kernel(None, 64, 64, True, False, varlen=True).stats_shuffle
     assert not mod.make_kernel(None, 64, 64, True, False, varlen=True, softcap=30.0).stats_shuffle

@@ -168,7 +168,7 @@ class BackwardOptions:
             # 116 bytes a thread, 36 without, and the backward ran 1.20x faster without them (log
             # 2026-12-04, "variants re-timed" and "the d = 64 softcap backward"); deterministic causal or
             # banded softcap builds spill less with it (40 bytes, 60 without) and keep it, untimed.
-            # Varlen causal walks (no window, no softcap) take it in the default mode too: 1.08-1.09x there
+            # Varlen causal walks (no window, no softcap) take it in the default mode too: 1.07-1.09x there
             # (with softcap 0.93x; 2026-12-04, "the d = 64 varlen backward").
             stats_shuffle=tm == 128 and (plain_walk and not softcap
                                          or (deterministic or varlen and not (banded or softcap)) and not plain_walk),
@@ -275,7 +275,7 @@ def first_stores_pay(head_dim: int, causal: bool, banded: bool, rotated: bool = 
     walks, whose K/V tiles reach a dQ tile at different times. In a plain non-causal walk in order every
     CTA reaches each dQ tile together and all but the first wait for its store: -15% / -17% at 2k for
     d = 96 / (192, 128) (64-query tiles). d = 96 causal tied or lost (-1.5% at 8k), so it keeps the
-    zeroing too. d = 64 varlen walks in order (``rotation_pays``) take them: 0.99-1.01x of the official
+    zeroing too. d = 64 varlen walks in order (``rotation_pays``) take them: 0.97-1.01x of the official
     kernel at 1k-16k against 0.95-0.96x zeroed (2026-12-04, "the d = 64 varlen backward")."""
     return (causal or banded or rotated or (varlen and head_dim == 64)) and head_dim != 96
 
@@ -288,7 +288,7 @@ def rotation_pays(head_dim: int, causal: bool, banded: bool, deterministic: bool
     (192, 128) (64-query tiles) lost 0.4-1.3%; causal and banded walks are staggered already. Softcap
     builds (not timed) keep the order: the d = 64 one, which spills 116 bytes in order, spilled 240
     with the consumers' bodies twice over. The d = 64 varlen build spilled 32 bytes rotated (0 in order) and
-    ran at 0.87-0.90x of the official kernel against 0.99-1.01x in order with first stores (2026-12-04,
+    ran at 0.86-0.92x of the official kernel against 0.97-1.01x in order with first stores (2026-12-04,
     "the d = 64 varlen backward"); d = 128 varlen, which does not spill, keeps the rotation."""
     return not (causal or banded or deterministic or softcap) and (head_dim == 128 or head_dim == 64 and not varlen)
 
