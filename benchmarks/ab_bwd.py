@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from .ab_fwd import add_grid_args, head_dims, paired_rounds, ratio_rows, write_results
+from .ab_fwd import add_grid_args, head_dims, paired_rounds, ratio_rows, varlen_call, write_results
 from .bench_bwd import PRODUCTION, STEPS
 from .bench_fwd import flops
 
@@ -166,12 +166,6 @@ def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, wi
             oc = torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, is_causal=causal)
         peers["cuDNN (SDPA)"] = lambda: torch.autograd.grad(oc, (qc, kc, vc), do.transpose(1, 2), retain_graph=True)
     return b, h, (q, k, v, out, do, lse), peers
-
-
-def varlen_call(batch: int, seqlen: int) -> dict:
-    """The varlen keywords of ``batch`` packed sequences of ``seqlen`` tokens each."""
-    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device="cuda", dtype=torch.int32)
-    return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
 
 
 def main(argv=None) -> int:

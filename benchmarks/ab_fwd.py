@@ -1,7 +1,7 @@
 """Paired A/B of forward kernels: interleaved rounds, each timed against the official FA4 in the same round.
 
     python -m benchmarks.ab_fwd --impls fa4,stage3_fwd_kernel.hopper,my_copy \\
-        [--dims 64,128,192x128] [--seqlens 4096,16384] [--causal 0,1] [--rounds 9] [--out ab.json]
+        [--dims 64,128,192x128] [--seqlens 4096,16384] [--causal 0,1] [--rounds 9] [--varlen] [--out ab.json]
 
 Why not bench_fwd: it times each implementation once, one after the other, and the same kernel
 moves by 5-10% between two such passes (clock and temperature drift, and an effect of the
@@ -19,7 +19,9 @@ words, True / False as bools; each distinct set is its own compiled kernel). `fa
 switches (FA4_SWITCHES: `fa4~persistent=False`, `fa4~lpt_min=0`,
 `fa4~lpt_flat=False`, `fa4~lpt_safety=1.0`), each setting one attribute of `fa4._dispatch` for the call
 only. Each implementation's output is checked against the official one before timing (`--no-check`
-skips it, for a build that computes something else on purpose).
+skips it, for a build that computes something else on purpose). `--varlen` packs the batch's
+equal-length sequences into one call with cu_seqlens: `flash_attn_varlen_func` for `official` and `fa4`,
+`attention_varlen_forward` for a module.
 """
 from __future__ import annotations
 
@@ -70,8 +72,11 @@ def make_impl(spec: str):
     if module == "official":
         from flash_attn.cute.interface import flash_attn_func
 
-        def official(q, k, v, c):
-            out = flash_attn_func(q, k, v, causal=c)
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        def official(q, k, v, c, varlen=None):
+            out = flash_attn_func(q, k, v, causal=c) if varlen is None else \
+                flash_attn_varlen_func(q, k, v, **varlen, causal=c)
             return out[0] if isinstance(out, tuple) else out
         return official
     if module == "fa4":
@@ -82,7 +87,7 @@ def make_impl(spec: str):
         if missing:
             raise SystemExit(f"--impls: {spec!r}: fa4._dispatch has no {', '.join(missing)}")
 
-        def route(q, k, v, c):  # the route's switches (FA4_SWITCHES), for this call only
+        def route(q, k, v, c, varlen=None):  # the route's switches (FA4_SWITCHES), for this call only
             saved = {FA4_SWITCHES[name]: getattr(_dispatch, FA4_SWITCHES[name]) for name in kwargs}
             for name, value in kwargs.items():
                 setattr(_dispatch, FA4_SWITCHES[name], value)
@@ -90,6 +95,8 @@ def make_impl(spec: str):
             if lpt_changed:
                 _dispatch.causal_forward_scheduler.cache_clear()
             try:
+                if varlen is not None:
+                    return fa4.flash_attn_varlen_func(q, k, v, **varlen, causal=c)
                 return fa4.flash_attn_func(q, k, v, causal=c)
             finally:
                 for attr, value in saved.items():
@@ -98,7 +105,19 @@ def make_impl(spec: str):
                     _dispatch.causal_forward_scheduler.cache_clear()
         return route
     mod = importlib.import_module(module)
-    return lambda q, k, v, c: mod.attention_forward(q, k, v, causal=c, **kwargs)[0]
+
+    def kernel(q, k, v, c, varlen=None):
+        if varlen is None:
+            return mod.attention_forward(q, k, v, causal=c, **kwargs)[0]
+        return mod.attention_varlen_forward(q, k, v, *varlen.values(), causal=c, **kwargs)[0]
+    return kernel
+
+
+def varlen_call(batch: int, seqlen: int) -> dict:
+    """The varlen keywords of ``batch`` packed sequences of ``seqlen`` tokens each (cu_seqlens_q / _k,
+    max_seqlen_q / _k, in attention_varlen_forward's positional order)."""
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device="cuda", dtype=torch.int32)
+    return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
 
 
 def time_ms(fn, target_ms: float = 40.0) -> float:
@@ -178,6 +197,8 @@ def main(argv=None) -> int:
                     help="skip the output check: for a build that computes something else on purpose (timing only)")
     ap.add_argument("--gqa", type=int, default=1,
                     help="query heads per KV head (2048 / d query heads)")
+    ap.add_argument("--varlen", action="store_true",
+                    help="pack the batch's sequences into one varlen call (cu_seqlens) for every implementation")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("ab_fwd needs a CUDA GPU")
@@ -192,19 +213,23 @@ def main(argv=None) -> int:
                 b, h = 32768 // s, 2048 // d
                 if h % args.gqa:
                     raise SystemExit(f"--gqa: {args.gqa} does not divide the {h} query heads at d={d}")
-                q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-                k = torch.randn(b, s, h // args.gqa, d, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn(b, s, h // args.gqa, dv, device="cuda", dtype=torch.bfloat16)
-                ref = impls["official"](q, k, v, causal).float()
+                shape = (b * s,) if args.varlen else (b, s)
+                q = torch.randn(*shape, h, d, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(*shape, h // args.gqa, d, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(*shape, h // args.gqa, dv, device="cuda", dtype=torch.bfloat16)
+                packed = varlen_call(b, s) if args.varlen else None
+                ref = impls["official"](q, k, v, causal, packed).float()
                 checked = {} if args.no_check else impls
                 for n, fn in checked.items():
-                    err = (fn(q, k, v, causal).float() - ref).abs().max().item()
+                    err = (fn(q, k, v, causal, packed).float() - ref).abs().max().item()
                     if not err < 0.05:
                         raise SystemExit(f"{n}: max |out - official| = {err} at d={d} s={s} causal={causal}")
-                times = paired_rounds({n: (lambda n=n: impls[n](q, k, v, causal)) for n in names}, args.rounds, rng)
+                times = paired_rounds({n: (lambda n=n: impls[n](q, k, v, causal, packed)) for n in names},
+                                      args.rounds, rng)
                 rows += ratio_rows(times, flops(b, h, s, d, dv, causal),
                                    {"head_dim": d, "head_dim_v": dv, "causal": causal, "seqlen": s,
-                                    **({"gqa": args.gqa} if args.gqa > 1 else {})},
+                                    **({"gqa": args.gqa} if args.gqa > 1 else {}),
+                                    **({"varlen": True} if args.varlen else {})},
                                    f"d={d}/{dv} causal={causal!s:5} s={s:5}")
                 del q, k, v, ref
     if args.out:

@@ -244,6 +244,10 @@ def test_ab_fwd_fa4_route_switches_hold_for_the_call_only(monkeypatch):
         route(None, None, None, True)
     assert seen[0] == seen[1] == {switches[k]: v for k, v in values.items()}
     assert {attr: getattr(_dispatch, attr) for attr in switches.values()} == before
+    # --varlen: the packed call goes to flash_attn_varlen_func with the cu_seqlens keywords
+    monkeypatch.setattr(fa4, "flash_attn_varlen_func", lambda q, k, v, causal, **packed: ("varlen", causal, packed))
+    packed = {"cu_seqlens_q": "cu", "cu_seqlens_k": "cu", "max_seqlen_q": 8, "max_seqlen_k": 8}
+    assert route(None, None, None, False, packed) == ("varlen", False, packed)
 
 
 def test_backward_benchmarks_time_peers_without_grad_accumulation():
