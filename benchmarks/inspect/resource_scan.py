@@ -81,6 +81,14 @@ def parse_dims(text: str) -> list[tuple[int, int]]:
         raise SystemExit(f"--dims: expected d or dxdv, comma-separated (e.g. 64,192x128), got {text!r}") from None
 
 
+def write_json(path: str, doc: dict) -> None:
+    """The header indented, then one line per build (a 384-build scan: about 110 KB)."""
+    head = json.dumps({k: v for k, v in doc.items() if k != "results"}, indent=1)[:-2]
+    rows = ",\n".join("  " + json.dumps(r) for r in doc["results"])
+    with open(path, "w") as f:
+        f.write(f'{head},\n "results": [\n{rows}\n ]\n}}\n')
+
+
 def merge(paths, out) -> int:
     """One results file from the files of --part runs (their headers must name the same sources)."""
     if not out:
@@ -90,8 +98,7 @@ def merge(paths, out) -> int:
         raise SystemExit(f"--merge: {', '.join(paths)} come from different sources (source_digest differs)")
     doc = dict(docs[0], command=" && ".join(d["command"] for d in docs),
                results=[r for d in docs for r in d["results"]])
-    with open(out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(out, doc)
     bad = [r for r in doc["results"] if flagged(r)]
     print(f"{out}: {len(doc['results'])} builds, {len(bad)} spill, serialize or fail")
     return 0
@@ -135,8 +142,7 @@ def main(argv=None) -> int:
                "git_commit": source_commit(), "source_digest": source_digest(),
                "command": "python -m benchmarks.inspect.resource_scan " + " ".join(sys.argv[1:] if argv is None else argv),
                "results": rows}
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.out, doc)
     return 0
 
 
