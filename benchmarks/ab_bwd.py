@@ -82,11 +82,9 @@ def make_variant(spec: str):
     if built:
         return with_kernel_options(mod, built, det, options)
     def run(q, k, v, o, do, lse, c, **call):
-        if "cu_seqlens_q" in call:  # --varlen: packed (T, H, D) tensors
-            packed = [call.pop(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")]
-            return mod.attention_varlen_backward(q, k, v, o, do, lse, *packed, causal=c, deterministic=det,
-                                                 **options, **call)
-        return mod.attention_backward(q, k, v, o, do, lse, causal=c, deterministic=det, **options, **call)
+        # --varlen: packed (T, H, D) tensors, call holding varlen_call's keywords
+        entry = mod.attention_varlen_backward if "cu_seqlens_q" in call else mod.attention_backward
+        return entry(q, k, v, o, do, lse, causal=c, deterministic=det, **options, **call)
     return run
 
 
@@ -151,7 +149,7 @@ def backward_case(d: int, dv: int, s: int, causal: bool, cudnn: bool = False, wi
     qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
     if varlen:
         packed = varlen_call(b, s)
-        out, lse = attention_varlen_forward(q, k, v, *packed.values(), causal=causal, **call)
+        out, lse = attention_varlen_forward(q, k, v, **packed, causal=causal, **call)
         o = flash_attn_varlen_func(qg, kg, vg, **packed, causal=causal, **call)
     else:
         out, lse = attention_forward(q, k, v, causal=causal, **call)

@@ -109,13 +109,14 @@ def make_impl(spec: str):
     def kernel(q, k, v, c, varlen=None):
         if varlen is None:
             return mod.attention_forward(q, k, v, causal=c, **kwargs)[0]
-        return mod.attention_varlen_forward(q, k, v, *varlen.values(), causal=c, **kwargs)[0]
+        return mod.attention_varlen_forward(q, k, v, **varlen, causal=c, **kwargs)[0]
     return kernel
 
 
 def varlen_call(batch: int, seqlen: int) -> dict:
-    """The varlen keywords of ``batch`` packed sequences of ``seqlen`` tokens each (cu_seqlens_q / _k,
-    max_seqlen_q / _k, in attention_varlen_forward's positional order)."""
+    """The varlen keywords (cu_seqlens_q / _k, max_seqlen_q / _k) of ``batch`` packed sequences of
+    ``seqlen`` tokens each, as the official and fa4 varlen functions and stage 3 / 4's varlen entry points
+    take them."""
     cu = torch.arange(0, (batch + 1) * seqlen, seqlen, device="cuda", dtype=torch.int32)
     return dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
 

@@ -13,7 +13,9 @@ short / 16k keys (the tile choice depends on the key count). One line per build 
 spilled bytes, serialized wgmmas, shared memory), then the builds that spill or serialize.
 
 Why: a spill that only one configuration has is easy to miss in the per-feature compile tests, and
-such a build can run 10-20% slow (the d = 64 varlen backward, log 2026-12-04). ``--part i/n`` runs
+such a build can run 10-20% slow (the d = 64 varlen backward, log 2026-12-04). The stages' own
+``compile_all`` modules list the lessons' builds (dense, no variants, both dtypes); this scan covers the
+product's defaults over the variants and varlen. ``--part i/n`` runs
 every n-th build from the i-th, so that n processes share the grid.
 """
 from __future__ import annotations

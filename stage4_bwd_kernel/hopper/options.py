@@ -159,19 +159,8 @@ class BackwardOptions:
         # the TMA tensor reduce measured faster only for the 80-query tile in causal deterministic mode
         dq_frag = not (causal and deterministic and tm == 80)
         rotate_walk = rotation_pays(head_dim, causal, banded, deterministic, softcap, varlen)
-        plain_walk = not (causal or banded)
         return cls(
-            # d = 64: on a plain walk without softcap; in deterministic mode also on causal or banded
-            # walks. Default mode turns it off there (ptxas serialized their wgmmas, C7512, before first
-            # stores; since them the shuffle tied causal, +0.3..0.7%, and lost 2.4-3.3% under a (1024, 0)
-            # window). Softcap on a plain walk turns it off in both modes: the lanes' statistics spilled
-            # 116 bytes a thread, 36 without, and the backward ran 1.20x faster without them (log
-            # 2026-12-04, "variants re-timed" and "the d = 64 softcap backward"); deterministic causal or
-            # banded softcap builds spill less with it (40 bytes, 60 without) and keep it, untimed.
-            # Varlen causal walks (no window, no softcap) take it in the default mode too: 1.07-1.09x there
-            # (with softcap 0.93x; 2026-12-04, "the d = 64 varlen backward").
-            stats_shuffle=tm == 128 and (plain_walk and not softcap
-                                         or (deterministic or varlen and not (banded or softcap)) and not plain_walk),
+            stats_shuffle=tm == 128 and stats_shuffle_pays(causal, banded, deterministic, softcap, varlen),
             dq_frag=dq_frag,
             q_shift=causal and not varlen and not deterministic and dq_frag and tn % tm != 0,
             key_select=tm == 80 and not deterministic,
@@ -267,6 +256,20 @@ class BackwardOptions:
         if self.q_shift and (varlen or not self.dq_frag):
             raise ValueError("q_shift: needs a dense (not varlen) kernel with dq_frag (the padding rows are "
                              "loaded past the tensor's start, as zeros)")
+
+
+def stats_shuffle_pays(causal: bool, banded: bool, deterministic: bool, softcap: bool, varlen: bool) -> bool:
+    """Where the 128-query tile (d = 64) keeps each lane's row statistics in registers (scores.py) rather
+    than reading them from SMEM, as measured on an H200. Plain walks: without softcap (with it the lanes'
+    statistics spilled 116 bytes a thread, 36 without, and the backward ran 1.20x faster without them, in
+    both modes; log 2026-12-04, "the d = 64 softcap backward"). Causal or banded walks: in deterministic
+    mode (the softcap builds spill 40 bytes with them, 60 without; untimed), and in the default mode only on
+    varlen causal walks without softcap, 1.07-1.09x faster (0.93x with softcap; 2026-12-04, "the d = 64
+    varlen backward"). Dense causal ones tied (+0.3..0.7%) and a (1024, 0) window lost 2.4-3.3% (2026-12-04,
+    "variants re-timed"); before first stores ptxas serialized those builds' wgmmas (C7512)."""
+    if not (causal or banded):
+        return not softcap
+    return deterministic or (varlen and not banded and not softcap)
 
 
 def first_stores_pay(head_dim: int, causal: bool, banded: bool, rotated: bool = False, varlen: bool = False) -> bool:
