@@ -486,8 +486,8 @@ class Backend:
 
     def backward(self, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse=None,
                  window=(None, None), softcap: float = 0.0, want_d: bool = False):
-        """dlse (the gradient flowing in through lse) enters as one more backward call with
-        chosen inputs (`add_lse_grad`): the kernels take no dlse themselves. A learnable sink
+        """dlse (the gradient flowing in through lse) goes to the kernel module, whose host code
+        subtracts it from the preprocess's D (dS = P (dP - (D - dlse)); stage4_bwd_kernel.host). A learnable sink
         needs nothing here: the saved lse includes it, which is all the kernel needs for P (its
         own gradient is `sink_grad`). want_d: also return D = rowsum(dout * out) in lse's layout, which
         the kernel's preprocess computes (the sink's gradient needs it; where the kernel cannot hand it
@@ -506,9 +506,8 @@ class Backend:
         kw = dict(softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
                   **variant_kwargs(window, softcap))
         with _plans.recording(sig, self.arch.cute_arch, inputs) as record:
-            dq, dk, dv, *d = fn(q, k, v, out, dout, lse, **kw, **({"return_d": True} if want_d else {}))
-            if dlse is not None:
-                dq, dk = add_lse_grad(lambda *a: fn(*a, **kw), q, k, v, out, lse, dlse, dq, dk, varlen=False)
+            dq, dk, dv, *d = fn(q, k, v, out, dout, lse, **kw, **({"return_d": True} if want_d else {}),
+                                **({} if dlse is None else {"dlse": dlse}))
             record((dq, dk, dv, *d))
         return (dq, dk, dv, *d)
 
@@ -526,9 +525,8 @@ class Backend:
             return fn(q_, k_, v_, out_, dout_, lse_, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw,
                       **extra)
 
-        dq, dk, dv, *d = call(q, k, v, out, dout, lse, **({"return_d": True} if want_d else {}))
-        if dlse is not None:
-            dq, dk = add_lse_grad(call, q, k, v, out, lse, dlse, dq, dk, varlen=True)
+        dq, dk, dv, *d = call(q, k, v, out, dout, lse, **({"return_d": True} if want_d else {}),
+                              **({} if dlse is None else {"dlse": dlse}))
         return (dq, dk, dv, *d)
 
 
@@ -737,57 +735,6 @@ def sink_grad(out, dout, lse, sink, dlse=None, d=None):
     p = torch.where(lse == float("-inf"), 0.0, torch.exp(s - lse.to(acc)))
     dims = (0, 2) if lse.dim() == 3 else (1,)
     return (-(p * d)).sum(dims).to(sink.dtype)
-
-
-def add_lse_grad(bwd, q, k, v, out, lse, dlse, dq, dk, *, varlen: bool):
-    """Add the gradient that flows in through `lse`, using only a standard backward kernel.
-
-    Derivation. With s_ij the scaled scores of row i, lse_i = log sum_j exp(s_ij), so
-    d lse_i / d s_ij = exp(s_ij - lse_i) = P_ij. A loss L(O, lse) therefore has
-
-        dS_ij = P_ij (dP_ij - D_i) + P_ij dlse_i = P_ij (dP_ij - (D_i - dlse_i)),
-
-    with dP = dO V^T and D_i = rowsum(dO_i * O_i): the lse gradient is a correction of the
-    D term only (dV = P^T dO is unchanged). A kernel that accepts `dlse` subtracts it from D
-    in its preprocess. For a kernel that does not (today's), the extra term
-    P * dlse is linear, so one more call with inputs chosen to make everything else vanish
-    computes exactly that term:
-
-        v' = 0            ->  dP' = dO' v'^T = 0
-        out', dout'       ->  D'_i = rowsum(dout'_i * out'_i) = -dlse_i
-        dS'_ij = P_ij (0 - D'_i) = P_ij dlse_i,   dq' = scale dS' K,   dk' = scale dS'^T Q
-
-    (P is recomputed from q, k and the saved lse, so it is the same P.) -dlse is written into
-    out' as a hi + lo pair of the input dtype (columns 0 and 1, with dout' = 1 there), so the
-    fp32 D the kernel forms carries dlse to ~2^-16 relative error instead of bf16's 2^-8. In fp16
-    (max 65504) a row's -dlse is first divided by a power of two 2^e <= 2^15 that dout' carries.
-    The extra call costs one backward pass, paid only when the lse really receives a gradient.
-
-    `lse` is (B, H, Sq) fixed-length or (H, total_q) varlen; q/out are (B, Sq, H, *) or (total_q, H, *).
-    """
-    import torch
-
-    neg = -dlse.to(torch.promote_types(dlse.dtype, torch.float32))  # fp32 (fp64 in the CPU tests)
-    neg = neg.permute(0, 2, 1) if not varlen else neg.transpose(0, 1)   # -> (B, Sq, H) / (Tq, H)
-    scale = None
-    if out.dtype == torch.float16:
-        # fp16 stops at 65504, and under a GradScaler (2^16) |dlse| passes it: a power of two per row,
-        # 2^e with -dlse / 2^e <= 2^14, rides in dout' (D' = 2^e (hi + lo), formed in fp32)
-        scale = torch.exp2(torch.ceil(torch.log2(neg.abs() / 2.0**14)).clamp(0, 15))
-        neg = neg / scale
-    hi = neg.to(out.dtype)
-    lo = (neg - hi.to(neg.dtype)).to(out.dtype)
-    out_c = torch.zeros_like(out)
-    dout_c = torch.zeros_like(out)
-    out_c[..., 0] = hi
-    out_c[..., 1] = lo
-    if scale is None:
-        dout_c[..., :2] = 1
-    else:
-        dout_c[..., 0] = scale
-        dout_c[..., 1] = scale
-    dq_c, dk_c, _ = bwd(q, k, torch.zeros_like(v), out_c, dout_c, lse)
-    return dq + dq_c, dk + dk_c
 
 
 _BACKENDS: dict = {}

@@ -36,7 +36,7 @@ a short call.
 
 `deterministic` and `return_lse` ride along in fwd only so that the backward can see them:
 return_lse=False means the caller never saw lse, so its gradient is known to be zero and the
-backward skips the dlse correction (which would otherwise cost an extra kernel call whenever
+backward skips the dlse correction (which would otherwise cost a D-row update whenever
 torch materialises a zero gradient, as AOTAutograd does).
 """
 from __future__ import annotations

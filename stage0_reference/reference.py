@@ -126,12 +126,14 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, window_size=(None, None),
-                       softcap=0.0, learnable_sink=None):
+                       softcap=0.0, learnable_sink=None, dlse=None):
     """Gradients of attention_forward's out w.r.t. q, k, v, given dout: (dq, dk, dv).
 
     out and lse are the forward's results (recomputing P from lse is what every
     FlashAttention backward does, so the oracle does it too). With learnable_sink the
     result is (dq, dk, dv, dsink), dsink (Hq,) summed over batch and rows.
+    dlse (B, Hq, Sq): a gradient flowing in through lse too. d lse_i / d s_ij = P_ij, so it adds
+    P * dlse to dS: D becomes D - dlse (rows with lse = -inf take none).
     """
     q, k, v = check_dense(q, k, v)
     window, softcap, sink = _variant_args(q.shape[2], causal, window_size, softcap, learnable_sink)
@@ -156,6 +158,11 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     dv = np.einsum("bhqk,bqhd->bkhd", p, dout)  # dV = P^T dO
     dp = np.einsum("bqhd,bkhd->bhqk", dout, vx)  # dP = dO V^T
     delta = np.einsum("bqhd,bqhd->bhq", dout, out)[..., None]  # D = rowsum(dO * O)
+    if dlse is not None:
+        dlse = np.asarray(dlse, dtype=np.float64)
+        if dlse.shape != lse.shape:
+            raise ValueError(f"dlse: expected shape {lse.shape} like lse, got {dlse.shape}")
+        delta = delta - np.where(np.isfinite(lse), dlse, 0.0)[..., None]
     ds = p * (dp - delta)  # dS = P * (dP - D): the softmax Jacobian, applied row by row
     if softcap > 0:
         ds = ds * (1.0 - (s / softcap) ** 2)  # d(c tanh(x / c))/dx = 1 - tanh^2, and tanh = s / c
@@ -164,7 +171,7 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     grads = dq, _reduce_kv(dk, heads_kv), _reduce_kv(dv, heads_kv)
     if sink is None:
         return grads
-    # the sink is a logit with value 0: dsink = P_sink * (0 - D), summed over every row it joined
+    # the sink is a logit with value 0: dsink = P_sink * (0 - D) (D less dlse), summed over every row it joined
     dsink = -(_sink_share(sink[:, None], lse) * delta[..., 0]).sum(axis=(0, 2))
     return grads + (dsink,)
 
@@ -196,13 +203,17 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *, softmax_sca
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *, softmax_scale=None,
-                              causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None):
+                              causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None, dlse=None):
     """Backward of attention_varlen_forward: dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv),
-    and dsink (Hq,) summed over all tokens when learnable_sink is given."""
+    and dsink (Hq,) summed over all tokens when learnable_sink is given; dlse (Hq, Tq) as
+    attention_backward's."""
     q, k, v, cu_q, cu_k = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     window, softcap, sink = _variant_args(q.shape[1], causal, window_size, softcap, learnable_sink)
     scale = default_softmax_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, dout, lse = (np.asarray(a, dtype=np.float64) for a in (out, dout, lse))
+    dlse = None if dlse is None else np.asarray(dlse, dtype=np.float64)
+    if dlse is not None and dlse.shape != lse.shape:
+        raise ValueError(f"dlse: expected shape {lse.shape} like lse, got {dlse.shape}")
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     for (q0, q1), (k0, k1) in zip(_segments(cu_q), _segments(cu_k)):
         if q1 == q0 or k1 == k0:
@@ -210,10 +221,13 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
         # P comes from lse, which already holds the sink: dq/dk/dv need no sink argument
         g = attention_backward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                                dout[None, q0:q1], lse[None, :, q0:q1], softmax_scale=scale, causal=causal,
-                               window_size=window, softcap=softcap)
+                               window_size=window, softcap=softcap,
+                               dlse=None if dlse is None else dlse[None, :, q0:q1])
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = (x[0] for x in g)
     if sink is None:
         return dq, dk, dv
     delta = np.einsum("thd,thd->ht", dout, out)  # (Hq, Tq): D_i = rowsum(dO_i * O_i)
+    if dlse is not None:
+        delta = delta - np.where(np.isfinite(lse), dlse, 0.0)
     dsink = -(_sink_share(sink[:, None], lse) * delta).sum(axis=1)
     return dq, dk, dv, dsink

@@ -82,25 +82,26 @@ def _require_blackwell(what: str):
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None):
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dlse=None):
     """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv) (dense inputs, as in hopper.py);
-    window_size / softcap as the Hopper backward's."""
+    window_size / softcap / dlse as the Hopper backward's."""
     _check_variants(causal, window_size, softcap)
     _require_blackwell("attention_backward")
     from stage4_bwd_kernel import blackwell_bwd
 
     return blackwell_bwd.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
                                             deterministic=deterministic, window_size=window_size, softcap=softcap,
-                                            dq=dq, dk=dk, dv=dv, kernel_maker=_kernel_maker(q.shape[-1], v.shape[-1]))
+                                            dq=dq, dk=dk, dv=dv, kernel_maker=_kernel_maker(q.shape[-1], v.shape[-1]),
+                                            dlse=dlse)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
-                              window_size=(None, None), softcap=0.0, return_d=False, check_values=False):
+                              window_size=(None, None), softcap=0.0, return_d=False, check_values=False, dlse=None):
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)), as the Hopper one
     (seqused_k: only the first seqused_k[b] keys of sequence b are attended to, the others get zero
     gradient; return_d adds D = rowsum(dO * O) in lse's layout). Compiled for sm_100a and checked
-    structurally, never run. window_size / softcap / check_values as the Hopper backward's. RuntimeError on
+    structurally, never run. window_size / softcap / check_values / dlse as the Hopper backward's. RuntimeError on
     anything but a capability-10.x GPU (after the variants' checks)."""
     _check_variants(causal, window_size, softcap)
     _require_blackwell("attention_varlen_backward")
@@ -110,7 +111,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
                                                    max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
                                                    causal=causal, deterministic=deterministic, window_size=window_size,
                                                    softcap=softcap, return_d=return_d, check_values=check_values,
-                                                   kernel_maker=_kernel_maker(q.shape[-1], v.shape[-1]))
+                                                   kernel_maker=_kernel_maker(q.shape[-1], v.shape[-1]), dlse=dlse)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,

@@ -720,8 +720,8 @@ def blackwell_gpu_available() -> bool:
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
                        window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None,
-                       kernel_maker=None):
-    """Gradients on a Blackwell (capability 10.x) GPU; window_size / softcap as the Hopper backward's.
+                       kernel_maker=None, dlse=None):
+    """Gradients on a Blackwell (capability 10.x) GPU; window_size / softcap / dlse as the Hopper backward's.
     kernel_maker: host.py's make_kernel to build (None: this module's; the wide head dims pass
     blackwell_bwd_wide.make_kernel, as stage4_bwd_kernel.blackwell does). UNVERIFIED: never run on hardware here."""
     from stage4_bwd_kernel import host
@@ -732,17 +732,17 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
                            "elsewhere, or stage4_bwd_kernel.hopper on an H100")
     return host.backward(STEP, kernel_maker or make_kernel, q, k, v, out, dout, lse, softmax_scale=softmax_scale,
                          causal=causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order,
-                         variant=variant)
+                         variant=variant, dlse=dlse)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
                               window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None,
-                              return_d=False, check_values=False, kernel_maker=None):
+                              return_d=False, check_values=False, kernel_maker=None, dlse=None):
     """Packed (T, H, D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens (batch + 1,), optional
     seqused_k (batch,) -> (dq, dk, dv) (+ D with return_d, as the Hopper one) on a Blackwell (capability 10.x) GPU, through host.backward (the
     Hopper varlen backward's preprocess / postprocess). UNVERIFIED: compiled for sm_100a and checked
-    structurally, never run. window_size / softcap as the Hopper backward's."""
+    structurally, never run. window_size / softcap / dlse as the Hopper backward's."""
     from stage4_bwd_kernel import host
 
     variant = host.variant_of(causal, window_size, softcap)  # TypeError / ValueError before the GPU check
@@ -753,7 +753,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, return_d=return_d,
-                         variant=variant, check_values=check_values)
+                         variant=variant, check_values=check_values, dlse=dlse)
 
 
 if __name__ == "__main__":

@@ -130,7 +130,8 @@ def compile_fake(step: str, make_kernel: Callable, *, dtype, head_dim, head_dim_
 def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, softmax_scale=None, causal=False,
              deterministic=False, dq=None, dk=None, dv=None, dq_order=None, tiles=None, variant=None,
-             return_d: bool = False, check_values: bool = False, persistent_ctas: Optional[int] = None):
+             return_d: bool = False, check_values: bool = False, persistent_ctas: Optional[int] = None,
+             dlse=None):
     """Dense: (B, S, H, D) tensors, lse (B, Hq, Sq). Varlen: packed (T, H, D), lse (Hq, Tq), int32
     cu_seqlens_q / cu_seqlens_k (batch + 1,), max_seqlen_q / max_seqlen_k, optional seqused_k (batch,).
     check_values=True also reads the index tensors' values on the host and checks them (offsets from 0,
@@ -141,7 +142,9 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     (dq, dk, dv) in q's dtype; return_d=True adds D = rowsum(dO * O) in lse's layout, fp32 (the
     preprocess computes it anyway; a learnable sink's gradient needs it). persistent_ctas: the grid of a
     persistent kernel (hopper/persistent.py; None: one CTA per SM), e.g. a few CTAs in a test, so that
-    each walks many K/V tiles."""
+    each walks many K/V tiles. dlse: the gradient flowing in through lse (lse's shape, fp32), or None;
+    since d lse_i / d S_ij = P_ij it adds P * dlse to dS, i.e. the main kernel's D becomes D - dlse
+    (``subtract_dlse``); return_d still returns D itself."""
     import torch
 
     if persistent_ctas is not None and (isinstance(persistent_ctas, bool) or not isinstance(persistent_ctas, int)
@@ -152,6 +155,12 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
     q, k, v, out, dout, lse = common.check_backward_inputs(q, k, v, out, dout, lse, varlen=varlen)
+    if dlse is not None:
+        if not isinstance(dlse, torch.Tensor):
+            raise TypeError(f"dlse: expected a torch.Tensor or None, got {type(dlse).__name__}")
+        if tuple(dlse.shape) != tuple(lse.shape) or dlse.device != lse.device or not dlse.is_floating_point():
+            raise ValueError(f"dlse: expected a floating tensor shaped like lse {tuple(lse.shape)} on {lse.device}, "
+                             f"got {tuple(dlse.shape)} {dlse.dtype} on {dlse.device}")
     softmax_scale = common.default_scale(softmax_scale, q.shape[-1])
     if varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:
@@ -234,6 +243,11 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum if to_zero is None else to_zero, head_dim=d,
                                  cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q,
                                  dq_zeroing="flat" if dq_frag else "rows")
+    d_rows = _d_in_lse_layout(dpsum, lse, cu_q if varlen else None) if return_d else None
+    if dlse is not None:
+        if d_rows is not None and not varlen:
+            d_rows = d_rows.clone()  # a view of dpsum, which subtract_dlse changes
+        subtract_dlse(dpsum, dlse, lse, cu_q if varlen else None)
 
     # 2. main kernel
     tm, tn = kernel.tile_m, kernel.tile_n
@@ -263,7 +277,7 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         post.postprocess(dq_accum, dq, softmax_scale, cu_seqlens_q=cu_q if varlen else None,
                          max_seqlen_q=max_seqlen_q)
     if return_d:
-        return dq, dk, dv, _d_in_lse_layout(dpsum, lse, cu_q if varlen else None)
+        return dq, dk, dv, d_rows
     return dq, dk, dv
 
 
@@ -293,19 +307,37 @@ def _check_varlen_values(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, sequs
             raise ValueError(f"seqused_k: expected 0 <= seqused_k[b] <= seqlen_k[b], got {used} for {lens_k}")
 
 
+def subtract_dlse(dpsum, dlse, lse, cu_seqlens_q):
+    """D -= dlse in place, in the preprocess's padded D rows (dense: a slice; varlen: token t of
+    sequence b at row stats_offset(cu_seqlens_q[b], b) + t - cu_seqlens_q[b]). Rows with lse = -inf
+    (no visible key) have P = 0 and take nothing, so a non-finite dlse there cannot reach dS as 0 * inf."""
+    import torch
+
+    dlse = torch.where(lse == float("-inf"), 0.0, dlse.to(torch.float32))
+    if cu_seqlens_q is None:
+        dpsum[..., :lse.shape[-1]].sub_(dlse)
+    else:
+        rows = _varlen_d_rows(lse, cu_seqlens_q)
+        dpsum[:, rows] -= dlse
+
+
+def _varlen_d_rows(lse, cu_seqlens_q):
+    """Varlen: the preprocess's D row of each packed token (common.stats_offset), int64 (Tq,)."""
+    import torch
+
+    tokens = torch.arange(lse.shape[-1], device=lse.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)         # sequence of each token
+    start = cu_seqlens_q[seq]
+    return (common.stats_offset(start, seq) + tokens - start).long()
+
+
 def _d_in_lse_layout(dpsum, lse, cu_seqlens_q):
     """The preprocess's D rows (16-byte padded per sequence, common.stats_offset) in lse's layout:
     dense (B, Hq, Sq) a slice; varlen (Hq, Tq) a gather of token t of sequence b from row
     stats_offset(cu_seqlens_q[b], b) + t - cu_seqlens_q[b]."""
-    import torch
-
     if cu_seqlens_q is None:
         return dpsum[..., :lse.shape[-1]]
-    tokens = torch.arange(lse.shape[-1], device=lse.device, dtype=torch.int32)
-    seq = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)         # sequence of each token
-    start = cu_seqlens_q[seq]
-    rows = common.stats_offset(start, seq) + tokens - start
-    return dpsum[:, rows.long()]
+    return dpsum[:, _varlen_d_rows(lse, cu_seqlens_q)]
 
 
 # ------------------------------------------------------------------------------------------------

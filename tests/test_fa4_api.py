@@ -531,22 +531,23 @@ def test_cute_arch_mismatch_is_reported(monkeypatch):
 
 
 # ================================================================================ lse gradient algebra
-def _np_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False):
+def _np_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False, dlse=None):
     """The stage-0 float64 backward as a stand-in kernel: like a kernel, it forms D from the `out`
-    it is given (D = rowsum(dO * O)), which is what the dlse emulation relies on."""
+    it is given (D = rowsum(dO * O)), less dlse when one is given."""
     from stage0_reference import attention_backward
 
     grads = attention_backward(*(t.numpy() for t in (q, k, v, out, dout, lse)), softmax_scale=softmax_scale,
-                               causal=causal)
+                               causal=causal, dlse=None if dlse is None else dlse.numpy())
     return tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grads)
 
 
 def _np_varlen_backward(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, *, seqused_k=None, softmax_scale=None,
-                        causal=False, deterministic=False):
+                        causal=False, deterministic=False, dlse=None):
     from stage0_reference import attention_varlen_backward
 
     grads = attention_varlen_backward(*(t.numpy() for t in (q, k, v, out, dout, lse)), cu_q.numpy(), cu_k.numpy(),
-                                      softmax_scale=softmax_scale, causal=causal)
+                                      softmax_scale=softmax_scale, causal=causal,
+                                      dlse=None if dlse is None else dlse.numpy())
     return tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grads)
 
 
@@ -560,8 +561,9 @@ def _fixed_problem(seed, b=2, sq=13, sk=17, hq=4, hkv=2, d=8):
 @pytest.mark.fa4
 @pytest.mark.parametrize("causal", [False, True])
 def test_lse_gradient_is_a_d_term_correction(causal):
-    """dS += P * dlse, computed with one extra standard backward (v = 0, D' = -dlse), equals torch
-    autograd of the reference with a loss that uses both out and lse (float64)."""
+    """dS += P * dlse, i.e. D - dlse in place of D (stage 0's backward with dlse, as the kernels'
+    host code forms it), equals torch autograd of the reference with a loss that uses both out and
+    lse (float64)."""
     from stage0_reference.torch_reference import attention_ref
 
     q, k, v, dout, dlse = _fixed_problem(1)
@@ -573,8 +575,8 @@ def test_lse_gradient_is_a_d_term_correction(causal):
     ref = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), (qr, kr, vr))
     out, lse = out.detach(), lse.detach()
     dq, dk, dv = _np_backward(q, k, v, out, dout, lse, causal=causal)
-    dq2, dk2 = _dispatch.add_lse_grad(lambda *a: _np_backward(*a, causal=causal), q, k, v, out, lse, dlse, dq, dk,
-                                      varlen=False)
+    dq2, dk2, dv2 = _np_backward(q, k, v, out, dout, lse, causal=causal, dlse=dlse)
+    assert torch.equal(dv2, dv)  # dV = P^T dO: no lse term
     for got, want in zip((dq2, dk2, dv), ref):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     # without dlse the correction would be missing: the test can tell the difference
@@ -603,33 +605,33 @@ def test_lse_gradient_varlen():
     finite = torch.isfinite(lse)
     ref = torch.autograd.grad((out * dout).sum() + (torch.where(finite, lse, 0) * dlse).sum(), (qr, kr, vr))
     out, lse = out.detach(), lse.detach()
-    call = lambda *a: _np_varlen_backward(*a, cu_q, cu_k, 11, 9, causal=True)  # noqa: E731
-    dq, dk, dv = call(q, k, v, out, dout, lse)
-    dq2, dk2 = _dispatch.add_lse_grad(call, q, k, v, out, lse, dlse, dq, dk, varlen=True)
+    call = lambda *a, **kw: _np_varlen_backward(*a, cu_q, cu_k, 11, 9, causal=True, **kw)  # noqa: E731
+    dq2, dk2, dv = call(q, k, v, out, dout, lse, dlse=dlse)
     for got, want in zip((dq2, dk2, dv), ref):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_backend_emulates_dlse_with_one_more_backward_call():
-    """Backend.backward adds the lse gradient with a second kernel call (add_lse_grad), only when
-    the lse receives one."""
+def test_backend_hands_dlse_to_the_kernel_in_one_call():
+    """Backend.backward passes the lse gradient to the kernel module (one call, which shifts D),
+    and no dlse keyword at all when the lse receives none."""
     calls = []
 
-    def kernel(q, k, v, out, dout, lse, *, softmax_scale, causal, deterministic):
-        calls.append("plain")
-        return _np_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal)
+    def kernel(q, k, v, out, dout, lse, *, softmax_scale, causal, deterministic, **extra):
+        calls.append(sorted(extra))
+        return _np_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal, **extra)
 
     q, k, v, dout, dlse = _fixed_problem(3)
     out, lse = torch.zeros_like(dout), torch.zeros(dlse.shape, dtype=torch.float64)
     be = _dispatch.HopperBackend(_fake_arch())
     be._mods["bwd"] = types.SimpleNamespace(attention_backward=kernel, __name__="fake_bwd")
-    be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=dlse)
-    assert calls == ["plain", "plain"]
+    with_dlse = be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=dlse)
+    assert calls == [["dlse"]]
     calls.clear()
-    be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=None)
-    assert calls == ["plain"]
+    without = be.backward(dout, q, k, v, out, lse, 0.3, False, False, dlse=None)
+    assert calls == [[]]
+    assert not torch.allclose(with_dlse[0], without[0])  # the dlse term reached dq
 
 
 @pytest.mark.cpu
@@ -895,10 +897,7 @@ def cpu_reference_kernels():
     def bwd_cpu(dout, q, k, v, out, lse, dlse, softmax_scale, causal, deterministic, *variants):
         seen.append(dlse is not None)
         kw = dict(softmax_scale=softmax_scale, causal=causal)
-        dq, dk, dv = _np_backward(q, k, v, out, dout, lse, **kw)
-        if dlse is not None:
-            dq, dk = _dispatch.add_lse_grad(lambda *a: _np_backward(*a, **kw), q, k, v, out, lse, dlse, dq, dk,
-                                            varlen=False)
+        dq, dk, dv = _np_backward(q, k, v, out, dout, lse, dlse=dlse, **kw)
         return dq, dk, dv, q.new_empty((0,))  # dsink: no sink
 
     torch.library.register_kernel("fa4::fwd", "cpu", fwd_cpu, lib=lib)

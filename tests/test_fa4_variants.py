@@ -612,24 +612,37 @@ def test_double_backward_is_refused_on_both_paths(reference_ops, path):
         torch.autograd.grad(dq.pow(2).sum(), qa, allow_unused=True)
 
 
-def test_lse_gradient_past_fp16_range_reaches_the_kernel_finite():
-    """add_lse_grad writes -dlse into out' (fp16 here): |dlse| past 65504 (a GradScaler's 2^16 gets there)
-    is carried by a power of two in dout', so the D' the kernel forms in fp32 is -dlse, not inf - inf."""
+def test_subtract_dlse_shifts_the_padded_d_rows():
+    """host.subtract_dlse: D - dlse in the preprocess's padded rows (dense: a slice; varlen: each
+    sequence from its 16-byte-aligned start), fp32 even for |dlse| past fp16's range, and nothing
+    for rows with lse = -inf (P = 0 there, so an inf dlse must not reach dS as 0 * inf)."""
+    from stage4_bwd_kernel import common, host
+
     g = torch.Generator().manual_seed(0)
-    b, sq, h, d = 2, 5, 3, 16
-    q, k, v, out = (torch.randn(b, sq, h, d, generator=g).half() for _ in range(4))
-    dlse = torch.randn(b, h, sq, generator=g) * torch.tensor([1e-3, 1.0, 7e4, 3e6, 0.0]).view(1, 1, sq)
-    seen = []
+    lse = torch.randn(2, 3, 5, generator=g)
+    lse[0, 1, 2] = -math.inf
+    dlse = torch.randn(2, 3, 5, generator=g) * torch.tensor([1e-3, 1.0, 7e4, 3e6, 0.0])
+    dlse[0, 1, 2] = math.inf
+    padded = torch.randn(2, 3, 8, generator=g)
+    dpsum = padded[..., :5]
+    want = dpsum - torch.where(lse == -math.inf, 0.0, dlse)
+    tail = padded[..., 5:].clone()
+    host.subtract_dlse(dpsum, dlse, lse, None)
+    assert torch.equal(padded[..., :5], want) and torch.equal(padded[..., 5:], tail)
 
-    def bwd(q_, k_, v_, out_c, dout_c, lse_):
-        seen.append((dout_c.float() * out_c.float()).sum(-1))  # D' as the kernel's preprocess forms it
-        return torch.zeros_like(q_), torch.zeros_like(k_), torch.zeros_like(v_)
-
-    _dispatch.add_lse_grad(bwd, q, k, v, out, torch.zeros(b, h, sq), dlse, torch.zeros_like(q), torch.zeros_like(k),
-                           varlen=False)
-    d_prime = seen[0].permute(0, 2, 1)                                    # (B, H, Sq) like dlse
-    assert torch.isfinite(d_prime).all()
-    torch.testing.assert_close(d_prime, -dlse, rtol=1e-5, atol=1e-7)  # fp16 lo parts of |dlse| ~ 1e-3 are subnormal
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    lse_v, dlse_v = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
+    rows = common.stats_offset(7, 3)
+    d_v = torch.randn(2, rows, generator=g)
+    before = d_v.clone()
+    host.subtract_dlse(d_v, dlse_v, lse_v, cu)
+    for b, (t0, t1) in enumerate([(0, 3), (3, 3), (3, 7)]):
+        r0 = common.stats_offset(t0, b)
+        torch.testing.assert_close(d_v[:, r0:r0 + t1 - t0], before[:, r0:r0 + t1 - t0] - dlse_v[:, t0:t1])
+    touched = torch.zeros(rows, dtype=torch.bool)
+    for b, (t0, t1) in enumerate([(0, 3), (3, 3), (3, 7)]):
+        touched[common.stats_offset(t0, b):common.stats_offset(t0, b) + t1 - t0] = True
+    assert torch.equal(d_v[:, ~touched], before[:, ~touched])  # the padding rows stay
 
 
 def test_add_sink_keeps_empty_rows_zero_with_a_minus_inf_sink():

@@ -46,30 +46,33 @@ def step_for(head_dim: int, causal: bool, deterministic: bool):
 
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
-                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, return_d=False):
+                       window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, return_d=False, dlse=None):
     """Gradients of attention w.r.t. q, k, v -> (dq, dk, dv), each like its input.
 
     dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v).
     window_size / softcap: the forward's variant. return_d: also return D =
-    rowsum(dO * O) in lse's layout, fp32."""
+    rowsum(dO * O) in lse's layout, fp32. dlse: a gradient flowing in through lse (lse's shape),
+    which shifts D to D - dlse (one pass either way)."""
     return _product.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
                                        deterministic=deterministic, window_size=window_size, softcap=softcap,
-                                       dq=dq, dk=dk, dv=dv, return_d=return_d)
+                                       dq=dq, dk=dk, dv=dv, return_d=return_d, dlse=dlse)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
-                              window_size=(None, None), softcap=0.0, return_d=False, check_values=False):
+                              window_size=(None, None), softcap=0.0, return_d=False, check_values=False, dlse=None):
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)).
 
     seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
     attended to (causal alignment uses that length); the others get zero gradient.
     check_values=True also checks cu_seqlens / seqused_k / max_seqlen_* against the values on the
-    host (a device sync, so off by default: no sync per call, capturable in a CUDA graph)."""
+    host (a device sync, so off by default: no sync per call, capturable in a CUDA graph). dlse: (Hq, Tq),
+    as attention_backward's."""
     return _product.attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k, seqused_k=seqused_k, softmax_scale=softmax_scale,
                                               causal=causal, deterministic=deterministic, window_size=window_size,
-                                              softcap=softcap, return_d=return_d, check_values=check_values)
+                                              softcap=softcap, return_d=return_d, check_values=check_values,
+                                              dlse=dlse)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False):

@@ -118,24 +118,26 @@ def _build_for(q, k, v, deterministic, dq_order, max_seqlen_q=None, max_seqlen_k
 
 def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=False, deterministic=False,
                        window_size=(None, None), softcap=0.0, dq=None, dk=None, dv=None, dq_order=None, tiles=None,
-                       return_d=False):
+                       return_d=False, dlse=None):
     """(B,S,H,D) CUDA fp16/bf16 q, k, v, out, dout and lse (B,Hq,Sq) fp32 -> (dq, dk, dv).
     window_size / softcap: as the forward's (stage3_fwd_kernel.components); a learnable sink needs
     nothing here beyond the forward's lse, which includes it. return_d=True also returns D =
-    rowsum(dO * O) in lse's layout (the sink's gradient needs it)."""
+    rowsum(dO * O) in lse's layout (the sink's gradient needs it). dlse: the gradient flowing in
+    through lse, (B,Hq,Sq), or None (host.backward: it shifts D)."""
     _check_dims_of(q, v)
     step, make = _build_for(q, k, v, deterministic, dq_order)
     return host.backward(step, make, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq=dq, dk=dk, dv=dv, dq_order=dq_order, tiles=tiles,
-                         variant=host.variant_of(causal, window_size, softcap), return_d=return_d)
+                         variant=host.variant_of(causal, window_size, softcap), return_d=return_d, dlse=dlse)
 
 
 def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               seqused_k=None, softmax_scale=None, causal=False, deterministic=False,
                               window_size=(None, None), softcap=0.0, dq_order=None, tiles=None, return_d=False,
-                              check_values=False):
+                              check_values=False, dlse=None):
     """Packed (T,H,D) q, k, v, out, dout, lse (Hq, Tq) fp32, int32 cu_seqlens -> (dq, dk, dv).
-    check_values=True also checks the index tensors' values on the host (a device sync; host.backward)."""
+    check_values=True also checks the index tensors' values on the host (a device sync; host.backward);
+    dlse (Hq, Tq) as attention_backward's."""
     _check_dims_of(q, v)
     step, make = _build_for(q, k, v, deterministic, dq_order, max_seqlen_q, max_seqlen_k)
     return host.backward(step, make, q, k, v, out, dout, lse, cu_seqlens_q=cu_seqlens_q,
@@ -143,7 +145,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
                          seqused_k=seqused_k, softmax_scale=softmax_scale, causal=causal,
                          deterministic=deterministic, dq_order=dq_order, tiles=tiles,
                          variant=host.variant_of(causal, window_size, softcap), return_d=return_d,
-                         check_values=check_values)
+                         check_values=check_values, dlse=dlse)
 
 
 def run(batch=2, seqlen_q=1024, seqlen_k=None, heads=8, heads_kv=None, head_dim=128, head_dim_v=None,
