@@ -732,9 +732,10 @@ def sink_grad(out, dout, lse, sink, dlse=None, d=None):
     if dlse is not None:
         d = d - dlse.to(acc)
     s = sink.to(acc).view(-1, 1)                                       # (H, 1): broadcasts over rows
-    p = torch.where(lse == float("-inf"), 0.0, torch.exp(s - lse.to(acc)))
+    empty = lse == float("-inf")
+    p = torch.where(empty, 0.0, torch.exp(s - lse.to(acc)))
     dims = (0, 2) if lse.dim() == 3 else (1,)
-    return (-(p * d)).sum(dims).to(sink.dtype)
+    return (-torch.where(empty, 0.0, p * d)).sum(dims).to(sink.dtype)  # an empty row's dlse may be inf
 
 
 _BACKENDS: dict = {}

@@ -670,13 +670,14 @@ def test_varlen_plumbing_adapts_to_each_kernel_module(monkeypatch):
     seen = []
 
     def varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, *, seqused_k, softmax_scale, causal,
-                   deterministic):
-        seen.append((max_q, max_k, seqused_k, deterministic))
+                   deterministic, dlse=None):
+        seen.append((max_q, max_k, seqused_k, deterministic, dlse))
         return q, k, v
 
     be._mods["bwd"] = types.SimpleNamespace(attention_varlen_backward=varlen_bwd, __name__="bwd_like")
     assert be.varlen_backward(t, t, t, t, t, t, t, t, None, 7, 9, 0.5, True, True) == (t, t, t)
-    assert seen == [(7, 9, None, True)]
+    assert be.varlen_backward(t, t, t, t, t, t, t, t, None, 7, 9, 0.5, True, True, dlse="dlse") == (t, t, t)
+    assert seen == [(7, 9, None, True, None), (7, 9, None, True, "dlse")]  # the lse gradient reaches the module
 
 
 @pytest.mark.cpu

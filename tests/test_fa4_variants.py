@@ -475,6 +475,10 @@ def test_sink_grad_dtypes_and_empty_rows():
         torch.testing.assert_close(got.float(), want, rtol=1e-2 if dtype == BF16 else 1e-6, atol=1e-5)
     lse[:, :, 0] = -math.inf
     assert torch.isfinite(_dispatch.sink_grad(out, dout, lse, torch.zeros(3))).all()
+    dlse = torch.randn(2, 3, 5)
+    base = _dispatch.sink_grad(out, dout, lse, torch.zeros(3), dlse)
+    dlse[:, :, 0] = math.inf  # an empty row's lse gradient cannot reach dsink (p = 0 there)
+    torch.testing.assert_close(_dispatch.sink_grad(out, dout, lse, torch.zeros(3), dlse), base)
 
 
 def ref_backward(q, k, v, out, dout, lse, scale, causal, window=NO_WINDOW, softcap=0.0, dlse=None):
