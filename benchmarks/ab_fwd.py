@@ -70,9 +70,7 @@ def parse_impl(spec: str) -> tuple[str, dict]:
 def make_impl(spec: str):
     module, kwargs = parse_impl(spec)
     if module == "official":
-        from flash_attn.cute.interface import flash_attn_func
-
-        from flash_attn.cute.interface import flash_attn_varlen_func
+        from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
 
         def official(q, k, v, c, varlen=None):
             out = flash_attn_func(q, k, v, causal=c) if varlen is None else \

@@ -211,25 +211,18 @@ def test_the_cases_cover_every_feature():
     assert {c["dtype"] for c in CASES} == {"bf16", "fp16"}
 
 
-def _flash_backward_fp32(q, k, v, out, dout, lse, group):
-    """FlashAttention's backward in fp32 for an unmasked dense problem: D = rowsum(dO * out) from the
-    out it is handed; P from the forward's lse (the sink is in lse). Gradients in bf16, as stored."""
-    qf, kf, vf, of, dof = (t.float() for t in (q, k, v, out, dout))
-    kf, vf = kf.repeat_interleave(group, dim=2), vf.repeat_interleave(group, dim=2)
-    scale = q.shape[-1] ** -0.5
-    p = torch.exp(torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale - lse[..., None])  # (B, H, Sq, Sk)
-    dp = torch.einsum("bqhd,bkhd->bhqk", dof, vf)
-    ds = p * (dp - (dof * of).sum(-1).permute(0, 2, 1)[..., None])
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kf) * scale
-    fold = lambda t: t.unflatten(2, (-1, group)).sum(3)  # noqa: E731  (B, Sk, Hq, D) -> (B, Sk, Hkv, D)
-    dk = fold(torch.einsum("bhqk,bqhd->bkhd", ds, qf) * scale)
-    dv = fold(torch.einsum("bhqk,bqhd->bkhd", p, dof))
-    return [t.to(torch.bfloat16) for t in (dq, dk, dv)]
+def _flash_backward(q, k, v, out, dout, lse):
+    """FlashAttention's backward in exact arithmetic: stage 0's float64 oracle, which forms D from the
+    out it is handed (here the stored 16-bit one), gradients rounded to bf16 as a kernel stores them."""
+    from stage0_reference import attention_backward
+
+    grads = attention_backward(*(t.double().numpy() for t in (q, k, v, out, dout, lse)))
+    return [torch.from_numpy(g).to(torch.bfloat16) for g in grads]
 
 
 @pytest.mark.cpu
 def test_the_reference_takes_the_calls_own_out():
-    """Why _reference takes out_given, on the CPU: FlashAttention's backward in exact fp32 arithmetic
+    """Why _reference takes out_given, on the CPU: FlashAttention's backward in exact arithmetic
     (D from the bf16-rounded out, gradients rounded to bf16) meets the rule against the reference fed
     that out in every draw, but not against the plain fp32 reference: with a sink and one key the
     baseline's fp32 softmax leaves it too little room."""
@@ -245,7 +238,7 @@ def test_the_reference_takes_the_calls_own_out():
         sink = torch.randn(6, generator=g) * 2
         exact = _reference(c, q, k, v, sink, dout, None, variant, upcast=True)
         out_b = exact[0].to(torch.bfloat16)                                  # the stored 16-bit out
-        flash = _flash_backward_fp32(q, k, v, out_b, dout, exact[1], group=6)
+        flash = _flash_backward(q, k, v, out_b, dout, exact[1])
         given = _reference(c, q, k, v, sink, dout, None, variant, upcast=True, out_given=out_b)
         base = _reference(c, q, k, v, sink, dout, None, variant, upcast=False)
         for i, got in enumerate(flash):
