@@ -119,8 +119,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
     softmax_scale: default 1/sqrt(D). causal: bottom-right aligned. deterministic: the backward
     accumulates dq in a fixed order (bitwise reproducible, a little slower).
     Returns out (B, Sq, Hq, Dv), or (out, lse) with lse (B, Hq, Sq) fp32 if return_lse. Both are
-    differentiable (the lse gradient enters the backward as a D-term correction, D - dlse; see
-    stage4_bwd_kernel.host.subtract_dlse). fa4.compat.flash_attn_func returns the
+    differentiable (the lse gradient enters the backward as a D-term correction, D - dlse, which the
+    backward's preprocess stores; see stage4_bwd_kernel/preprocess.py). fa4.compat.flash_attn_func returns the
     official's (out, lse) tuple instead.
 
     Variants (sm_90; passed to the sm_100 kernels too, which are compiled but never run here):

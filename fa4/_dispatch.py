@@ -364,8 +364,8 @@ class Backend:
     # the modules offer compile_launchable(...): what the GPU path launches, built without a GPU
     # under its cache keys (fa4.precompile); the forward's also takes a tile scheduler
     LAUNCHABLE_BUILDS = False
-    # the dense backward hands back D = rowsum(dout * out) (`return_d`) from its preprocess; else
-    # sink_grad computes it with torch
+    # the dense backward hands back D = rowsum(dout * out) - dlse (`return_d`) from its preprocess;
+    # else sink_grad computes it with torch
     DENSE_BACKWARD_RETURNS_D = True
 
     def _module(self, role: str) -> Any:
@@ -486,11 +486,11 @@ class Backend:
 
     def backward(self, dout, q, k, v, out, lse, softmax_scale, causal, deterministic, dlse=None,
                  window=(None, None), softcap: float = 0.0, want_d: bool = False):
-        """dlse (the gradient flowing in through lse) goes to the kernel module, whose host code
-        subtracts it from the preprocess's D (dS = P (dP - (D - dlse)); stage4_bwd_kernel.host). A learnable sink
+        """dlse (the gradient flowing in through lse) goes to the kernel module, whose preprocess
+        subtracts it from D (dS = P (dP - (D - dlse)); stage4_bwd_kernel/preprocess.py). A learnable sink
         needs nothing here: the saved lse includes it, which is all the kernel needs for P (its
-        own gradient is `sink_grad`). want_d: also return D = rowsum(dout * out) in lse's layout, which
-        the kernel's preprocess computes (the sink's gradient needs it; where the kernel cannot hand it
+        own gradient is `sink_grad`). want_d: also return D = rowsum(dout * out) - dlse in lse's layout,
+        which the kernel's preprocess computes (the sink's gradient needs it; where the kernel cannot hand it
         back, DENSE_BACKWARD_RETURNS_D, none is returned and sink_grad forms it)."""
         self.check_variants(window, softcap)
         self.check_backward_head_dims(q.shape[-1], v.shape[-1])
@@ -717,13 +717,16 @@ def sink_grad(out, dout, lse, sink, dlse=None, d=None):
 
         dsink_h = sum over batch and rows i of p_i (dlse_i - D_i),   D_i = rowsum(dout_i * out_i)
 
-    (the same D term the backward kernel forms -- pass it as `d`, in lse's layout, to skip recomputing
-    it; dlse = 0 when lse gets no gradient). `lse` is the
+    (dlse = 0 when lse gets no gradient). `d`: the backward kernel's D rows, in lse's layout, which
+    already hold D_i - dlse_i (its preprocess forms them) -- pass them to skip the pass over out and
+    dout, and then no dlse (it would be subtracted twice: a ValueError). `lse` is the
     forward's (sink included). Dense: out/dout (B, Sq, H, Dv), lse/dlse (B, H, Sq); varlen:
     (Tq, H, Dv) and (H, Tq). A row with lse = -inf contributes 0. Computed in fp32 (fp64 for
     fp64 inputs); returned in the sink's dtype."""
     import torch
 
+    if d is not None and dlse is not None:
+        raise ValueError("dlse: not with d, whose rows already hold D - dlse")
     acc = torch.promote_types(lse.dtype, torch.float32)
     if d is None:
         d = (dout.to(acc) * out).sum(-1)                                   # (B, Sq, H) / (Tq, H)

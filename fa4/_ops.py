@@ -88,11 +88,11 @@ def _empty_lse(q, shape, learnable_sink, head_dim):
 
 
 def _dsink(out, dout, lse, dlse, learnable_sink, d=None):
-    """The sink's gradient (fa4._dispatch.sink_grad; d: the backward's D rows when it returned them),
-    or an empty fp32 tensor when there is no sink."""
+    """The sink's gradient (fa4._dispatch.sink_grad; d: the backward's D rows when it returned them,
+    already D - dlse), or an empty fp32 tensor when there is no sink."""
     if learnable_sink is None:
         return lse.new_empty((0,), dtype=torch.float32)
-    return _dispatch.sink_grad(out, dout, lse, learnable_sink, dlse, d=d).contiguous()
+    return _dispatch.sink_grad(out, dout, lse, learnable_sink, dlse if d is None else None, d=d).contiguous()
 
 
 def _fake_dsink(q, learnable_sink):

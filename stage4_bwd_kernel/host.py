@@ -139,12 +139,13 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     seqused_k[b] <= its length): a device sync, which a training step pays on every layer and CUDA-graph
     capture forbids, so off by default, as in stage 3's varlen forward.
     variant: None, or (Window, softcap) from ``variant_of`` (kernels that support them). Returns
-    (dq, dk, dv) in q's dtype; return_d=True adds D = rowsum(dO * O) in lse's layout, fp32 (the
-    preprocess computes it anyway; a learnable sink's gradient needs it). persistent_ctas: the grid of a
+    (dq, dk, dv) in q's dtype; return_d=True adds D = rowsum(dO * O) (minus dlse, below) in lse's layout,
+    fp32 (the preprocess computes it anyway; a learnable sink's gradient needs it). persistent_ctas: the grid of a
     persistent kernel (hopper/persistent.py; None: one CTA per SM), e.g. a few CTAs in a test, so that
     each walks many K/V tiles. dlse: the gradient flowing in through lse (lse's shape, fp32), or None;
-    since d lse_i / d S_ij = P_ij it adds P * dlse to dS, i.e. the main kernel's D becomes D - dlse
-    (``subtract_dlse``); return_d still returns D itself."""
+    since d lse_i / d S_ij = P_ij it adds P * dlse to dS, i.e. the main kernel's D becomes D - dlse,
+    which the preprocess stores (rows with lse = -inf keep D); return_d returns those D rows, the ones
+    the main kernel used."""
     import torch
 
     if persistent_ctas is not None and (isinstance(persistent_ctas, bool) or not isinstance(persistent_ctas, int)
@@ -210,7 +211,10 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         dk.zero_()
         dv.zero_()
         if return_d:
-            return dq, dk, dv, (dout.float() * out).sum(-1).movedim(-1, -2 if varlen else 1).contiguous()
+            d_rows = (dout.float() * out).sum(-1).movedim(-1, -2 if varlen else 1)
+            if dlse is not None:  # as the preprocess would: D - dlse where a row sees a key
+                d_rows = d_rows - torch.where(lse == float("-inf"), 0.0, dlse.float())
+            return dq, dk, dv, d_rows.contiguous()
         return dq, dk, dv
 
     dt = common.cutlass_dtype(q.dtype)
@@ -242,12 +246,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         arrivals = pre._dummy(q.device, (1, 1, 1), "int32")
     lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum if to_zero is None else to_zero, head_dim=d,
                                  cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q,
-                                 dq_zeroing="flat" if dq_frag else "rows")
+                                 dq_zeroing="flat" if dq_frag else "rows", dlse=dlse)
     d_rows = _d_in_lse_layout(dpsum, lse, cu_q if varlen else None) if return_d else None
-    if dlse is not None:
-        if d_rows is not None and not varlen:
-            d_rows = d_rows.clone()  # a view of dpsum, which subtract_dlse changes
-        subtract_dlse(dpsum, dlse, lse, cu_q if varlen else None)
 
     # 2. main kernel
     tm, tn = kernel.tile_m, kernel.tile_n
@@ -307,28 +307,16 @@ def _check_varlen_values(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, sequs
             raise ValueError(f"seqused_k: expected 0 <= seqused_k[b] <= seqlen_k[b], got {used} for {lens_k}")
 
 
-def subtract_dlse(dpsum, dlse, lse, cu_seqlens_q):
-    """D -= dlse in place, in the preprocess's padded D rows (dense: a slice; varlen: token t of
-    sequence b at row stats_offset(cu_seqlens_q[b], b) + t - cu_seqlens_q[b]). Rows with lse = -inf
-    (no visible key) have P = 0 and take nothing, so a non-finite dlse there cannot reach dS as 0 * inf."""
-    import torch
-
-    dlse = torch.where(lse == float("-inf"), 0.0, dlse.to(torch.float32))
-    if cu_seqlens_q is None:
-        dpsum[..., :lse.shape[-1]].sub_(dlse)
-    else:
-        rows = _varlen_d_rows(lse, cu_seqlens_q)
-        dpsum[:, rows] -= dlse
-
-
-def _varlen_d_rows(lse, cu_seqlens_q):
-    """Varlen: the preprocess's D row of each packed token (common.stats_offset), int64 (Tq,)."""
+def _varlen_d_rows(lse, cu_seqlens_q, num_rows: int):
+    """Varlen: the preprocess's D row of each packed token (common.stats_offset), int64 (Tq,). A token
+    past cu_seqlens_q[-1] (unchecked without check_values) is in no sequence; its row, clamped to the
+    last of `num_rows`, lies past every sequence's rows, so it reads a padding row and cannot fault."""
     import torch
 
     tokens = torch.arange(lse.shape[-1], device=lse.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_seqlens_q[1:], tokens, right=True)         # sequence of each token
     start = cu_seqlens_q[seq]
-    return (common.stats_offset(start, seq) + tokens - start).long()
+    return (common.stats_offset(start, seq) + tokens - start).long().clamp_(max=num_rows - 1)
 
 
 def _d_in_lse_layout(dpsum, lse, cu_seqlens_q):
@@ -337,7 +325,7 @@ def _d_in_lse_layout(dpsum, lse, cu_seqlens_q):
     stats_offset(cu_seqlens_q[b], b) + t - cu_seqlens_q[b]."""
     if cu_seqlens_q is None:
         return dpsum[..., :lse.shape[-1]]
-    return dpsum[:, _varlen_d_rows(lse, cu_seqlens_q)]
+    return dpsum[:, _varlen_d_rows(lse, cu_seqlens_q, dpsum.shape[-1])]
 
 
 # ------------------------------------------------------------------------------------------------

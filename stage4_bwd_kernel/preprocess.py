@@ -10,6 +10,13 @@ handles 64 rows of one (batch, head): it reads 64 * dv elements of O and of dO w
 (2 * 64 * 128 * 2 B = 32 KB at dv = 128), so the kernel is a pure bandwidth pass -- at 3.35 TB/s
 the whole of (B, S, H, dv) = (2, 8k, 16, 128) bf16 costs ~40 us, ~2% of the main kernel.
 
+A gradient flowing in through lse (``dlse``, lse's shape) joins here too: d lse_i / d S_ij = P_ij, so
+it adds P_ij dlse_i to dS_ij = P_ij (dP_ij - D_i), which is the same formula with D_i - dlse_i. The
+kernel stores that shifted D (the main loop never sees dlse): the thread that reads a row's lse also
+reads its dlse and rewrites its D (12 bytes a row, against the row's 2 * dv * 2 bytes of O and dO). A runtime flag turns it on, so the one
+build serves calls with and without an lse gradient. A row with lse = -inf keeps D: its P is
+0, and a non-finite dlse there must not reach dS as 0 * inf.
+
 Rows with lse = -inf (no visible key: out = 0) get lse2 = +inf, so that
 exp2(S*scale_log2 - (+inf)) = 0 and their P, dS and gradient contributions vanish without a branch
 (-inf would give exp2(+inf) = inf instead; the stage-1 NumPy model does the same).
@@ -69,11 +76,12 @@ class BackwardPreprocess:
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-                 mD: cute.Tensor, mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor, num_m_blocks: Int32,
-                 stream):
+                 mD: cute.Tensor, mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor, mdLSE: cute.Tensor,
+                 with_dlse: Int32, num_m_blocks: Int32, stream):
         # mO, mdO (B, Sq, H, dv); mLSE, mLSE2, mD (B, H, Sq) fp32; mdQacc (B, Sq, H, d) fp32, or
         # "flat": (N,) fp32, N a multiple of 4; varlen: B = 1, Sq = total_q, and mCuSeqlensQ
-        # (batch + 1,) int32 gives the sequences
+        # (batch + 1,) int32 gives the sequences; mdLSE shaped like mLSE, read only when with_dlse != 0
+        # (a runtime flag, not a second build: one build serves both, and precompiling it covers both)
         if const_expr(not (mO.element_type == mdO.element_type == self.dtype)):
             raise TypeError("out, dout must share the kernel's dtype")
         mO = common.assume_aligned(mO, self.head_dim_v)
@@ -84,13 +92,13 @@ class BackwardPreprocess:
         copy_dQ, _ = gmem_tiled_copy(Float32, self.head_dim, self.num_threads)
         self.tpr_O = tpr_O
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mO.shape[0]
-        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQacc, mCuSeqlensQ, copy_O, copy_dQ).launch(
+        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQacc, mCuSeqlensQ, mdLSE, with_dlse, copy_O, copy_dQ).launch(
             grid=(num_m_blocks, mO.shape[2], batch), block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-               mD: cute.Tensor, mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor,
-               copy_O: cute.TiledCopy, copy_dQ: cute.TiledCopy):
+               mD: cute.Tensor, mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor, mdLSE: cute.Tensor,
+               with_dlse: Int32, copy_O: cute.TiledCopy, copy_dQ: cute.TiledCopy):
         tm, d, dv = TILE_M, self.head_dim, self.head_dim_v
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -140,12 +148,20 @@ class BackwardPreprocess:
                 if tOcO[0, m, 0][1] == 0 and row < rows_left:
                     mD[bidx, head, stats_offset + m_block * tm + row] = acc
 
-            # 2. lse in log2 units; an empty row (-inf) becomes +inf so that P = exp2(.. - inf) = 0
+            # 2. lse in log2 units; an empty row (-inf) becomes +inf so that P = exp2(.. - inf) = 0.
+            # with_dlse: D - dlse where the row sees a key, by the thread that reads its lse (after a
+            # barrier makes step 1's D stores visible; in step 1 the extra loads cost d = 64 spills)
+            if with_dlse != 0:
+                cute.arch.sync_threads()
             if tidx < tm:
                 if tidx < rows_left:
                     lse = mLSE[bidx, head, offset + m_block * tm + tidx]
                     mLSE2[bidx, head, stats_offset + m_block * tm + tidx] = (
                         Float32.inf if lse == -Float32.inf else lse * math.log2(math.e))
+                    if with_dlse != 0:
+                        if lse != -Float32.inf:
+                            d_at = (bidx, head, stats_offset + m_block * tm + tidx)
+                            mD[d_at] = mD[d_at] - mdLSE[bidx, head, offset + m_block * tm + tidx]
 
             # 3. zero this tile of the fp32 dQ accumulator
             if const_expr(self.dq_zeroing == "rows"):
@@ -190,7 +206,7 @@ def _fake_args(dt, head_dim, head_dim_v, *, launchable: bool = False, dq_zeroing
     # flat: (N / 4, 4), 16-byte rows with a 64-bit row stride (N may pass 2^31)
     acc = F(Float32, 2, 4) if dq_zeroing == "flat" else F(Float32, 4, head_dim)
     return (F(dt, 4, head_dim_v), F(dt, 4, head_dim_v), F(Float32, 3, align=4), F(Float32, 3, align=4),
-            F(Float32, 3, align=4), acc, F(Int32, 1, align=4), Int32(1),
+            F(Float32, 3, align=4), acc, F(Int32, 1, align=4), F(Float32, 3, align=4), Int32(0), Int32(1),
             common.launch_stream() if launchable else common.fake_stream())
 
 
@@ -210,20 +226,25 @@ def _compile(launchable: bool, dt, d: int, dv: int, varlen: bool, dq_zeroing: st
                                                _fake_args(dt, d, dv, launchable=launchable, dq_zeroing=dq_zeroing)))
 
 
-def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks):
+def preprocess_args(out4, dout4, lse3, lse2_3, dpsum3, dq_accum4, cu_seqlens_q, dlse3, num_m_blocks):
     """Launch arguments from (batch-of-one views of) torch tensors, in ``__call__`` order without
-    the stream (TVM-FFI, see common.launch_stream)."""
+    the stream (TVM-FFI, see common.launch_stream); dlse3 None: no lse gradient (a stand-in is passed
+    and the kernel's with_dlse flag is 0)."""
     view = common.launch_view
-    return (view(out4), view(dout4), view(lse3), lse2_3, dpsum3, dq_accum4, cu_seqlens_q, num_m_blocks)
+    dlse_arg = _dummy(out4.device, (1, 1, 1), "float32") if dlse3 is None else view(dlse3)
+    return (view(out4), view(dout4), view(lse3), lse2_3, dpsum3, dq_accum4, cu_seqlens_q, dlse_arg,
+            int(dlse3 is not None), num_m_blocks)
 
 
 def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, max_seqlen_q=None,
-               dq_zeroing="rows"):
+               dq_zeroing="rows", dlse=None):
     """(GPU) -> (lse_log2, dpsum) fp32, and dq_accum zeroed: "rows", shaped like q, fp32; "flat", a
     contiguous fp32 tensor of any shape, a multiple of 4 elements (the fragment-order accumulator;
     head_dim, q's, is then required). Dense: out/dout (B, Sq, H, dv), lse (B, H, Sq), and lse_log2 /
     dpsum shaped like lse. Varlen: (T, H, dv), lse (H, T), int32 cu_seqlens_q; lse_log2 / dpsum (H,
-    common.stats_offset(T, batch)), sequence b's rows from common.stats_offset(cu_seqlens_q[b], b)."""
+    common.stats_offset(T, batch)), sequence b's rows from common.stats_offset(cu_seqlens_q[b], b).
+    dlse (lse's shape, any float dtype) or None: dpsum is then D - dlse on the rows with lse > -inf
+    (module docstring); a token past cu_seqlens_q[-1] belongs to no sequence and is not read."""
     import torch
 
     if dq_zeroing not in DQ_ZEROING:
@@ -236,6 +257,9 @@ def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, ma
             raise ValueError("dq_accum: a flat accumulator must be contiguous, 16-byte aligned and a multiple of "
                              f"4 elements, got {tuple(dq_accum.shape)}")
     varlen = cu_seqlens_q is not None
+    if dlse is not None and (tuple(dlse.shape) != tuple(lse.shape) or not dlse.is_floating_point()):
+        raise ValueError(f"dlse: expected a floating tensor shaped like lse {tuple(lse.shape)}, got "
+                         f"{tuple(dlse.shape)} {dlse.dtype}")
     # Rows of 16-byte multiples (step 3's producer loads them with TMA): the stats_offset of one more
     # sequence (dense: of sequence 0 past the end), which also bounds the varlen rows' padding. Varlen
     # gaps are zeroed, since a tile that runs past its sequence loads them (masked there, but a NaN
@@ -250,11 +274,12 @@ def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, ma
     if varlen:
         o4, do4, acc4 = out.unsqueeze(0), dout.unsqueeze(0), acc if flat else acc.unsqueeze(0)
         l3, l23, d3 = lse.unsqueeze(0), lse2.unsqueeze(0), dpsum.unsqueeze(0)
+        dl3 = None if dlse is None else dlse.unsqueeze(0)
         cu = cu_seqlens_q
         rows = max_seqlen_q
         batch = cu.shape[0] - 1
     else:
-        o4, do4, acc4, l3, l23, d3 = out, dout, acc, lse, lse2, dpsum
+        o4, do4, acc4, l3, l23, d3, dl3 = out, dout, acc, lse, lse2, dpsum, dlse
         cu = _dummy_int32(out.device)
         rows = out.shape[1]
         batch = out.shape[0]
@@ -265,7 +290,8 @@ def preprocess(out, dout, lse, dq_accum, *, head_dim=None, cu_seqlens_q=None, ma
     comp = _compile(True, common.cutlass_dtype(out.dtype), head_dim if flat else dq_accum.shape[-1], out.shape[-1],
                     varlen, dq_zeroing)
     num_m = common.cdiv(rows, TILE_M)
-    comp.fn(*preprocess_args(o4, do4, l3, l23, d3, acc4, cu, num_m))
+    dl3 = None if dl3 is None else dl3.to(torch.float32).contiguous()
+    comp.fn(*preprocess_args(o4, do4, l3, l23, d3, acc4, cu, dl3, num_m))
     return lse2, dpsum
 
 

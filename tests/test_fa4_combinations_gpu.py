@@ -203,7 +203,7 @@ def test_the_cases_cover_every_feature():
     assert any(c["varlen"] and c["window"] != (None, None) for c in CASES)
     assert any(c["deterministic"] and c["sink"] for c in CASES) and any(c["deterministic"] and c["dlse"] for c in CASES)
     assert any(c["dlse"] and c["varlen"] for c in CASES) and any(c["dlse"] and c["sink"] for c in CASES)
-    # a dense lse gradient whose D rows are padded (Sq not a multiple of 4): subtract_dlse's slice
+    # a dense lse gradient whose D rows are padded (Sq not a multiple of 4): the preprocess shifts a slice
     assert any(c["dlse"] and not c["varlen"] and c["shape"][0] % 4 for c in CASES)
     assert {c["hq"] // c["hkv"] for c in CASES} == {1, 2, 6}
     assert any(c["window"][0] is not None and c["window"][1] not in (None, 0) for c in CASES)  # both sides

@@ -536,8 +536,9 @@ class _ReferenceBackend:
                  softcap=0.0, want_d=False):
         self.calls.append(("bwd", window, softcap, dlse is not None))
         grads = ref_backward(q, k, v, out, dout, lse, softmax_scale, causal, window, softcap, dlse)
-        if want_d:  # the kernel's D rows, in lse's layout (B, H, Sq), as the Hopper backend returns them
-            return (*grads, (dout.to(torch.float64) * out).sum(-1).permute(0, 2, 1))
+        if want_d:  # the kernel's D rows, D - dlse in lse's layout (B, H, Sq), as the Hopper backend returns them
+            d = (dout.to(torch.float64) * out).sum(-1).permute(0, 2, 1)
+            return (*grads, d if dlse is None else d - torch.where(lse == -math.inf, 0.0, dlse))
         return grads
 
 
@@ -616,37 +617,35 @@ def test_double_backward_is_refused_on_both_paths(reference_ops, path):
         torch.autograd.grad(dq.pow(2).sum(), qa, allow_unused=True)
 
 
-def test_subtract_dlse_shifts_the_padded_d_rows():
-    """host.subtract_dlse: D - dlse in the preprocess's padded rows (dense: a slice; varlen: each
-    sequence from its 16-byte-aligned start), fp32 even for |dlse| past fp16's range, and nothing
-    for rows with lse = -inf (P = 0 there, so an inf dlse must not reach dS as 0 * inf)."""
+def test_varlen_d_rows_stay_inside_the_buffer_for_tokens_past_the_last_offset():
+    """host._varlen_d_rows: token t of sequence b reads row stats_offset(cu[b], b) + t - cu[b]; a token
+    past cu_seqlens_q[-1] (a last offset below the packed length, unchecked without check_values) maps
+    to the buffer's last row, which no sequence owns, instead of an index past the buffer (a device-side
+    assert on a GPU)."""
     from stage4_bwd_kernel import common, host
 
-    g = torch.Generator().manual_seed(0)
-    lse = torch.randn(2, 3, 5, generator=g)
-    lse[0, 1, 2] = -math.inf
-    dlse = torch.randn(2, 3, 5, generator=g) * torch.tensor([1e-3, 1.0, 7e4, 3e6, 0.0])
-    dlse[0, 1, 2] = math.inf
-    padded = torch.randn(2, 3, 8, generator=g)
-    dpsum = padded[..., :5]
-    want = dpsum - torch.where(lse == -math.inf, 0.0, dlse)
-    tail = padded[..., 5:].clone()
-    host.subtract_dlse(dpsum, dlse, lse, None)
-    assert torch.equal(padded[..., :5], want) and torch.equal(padded[..., 5:], tail)
+    for cu_list, total in (([0, 3, 3, 7], 7), ([0, 5], 6), ([0, 1], 4), ([0, 4, 8], 11), ([0, 0], 3)):
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+        b = len(cu_list) - 1
+        rows = common.stats_offset(total, b)
+        got = host._varlen_d_rows(torch.zeros(2, total), cu, rows)
+        owned = set()
+        for s, (t0, t1) in enumerate(zip(cu_list, cu_list[1:])):
+            r0 = common.stats_offset(t0, s)
+            assert got[t0:t1].tolist() == list(range(r0, r0 + t1 - t0))
+            owned |= set(range(r0, r0 + t1 - t0))
+        tail = got[cu_list[-1]:]
+        assert ((tail >= 0) & (tail < rows)).all() and not owned & set(tail.tolist()), (cu_list, got)
 
-    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
-    lse_v, dlse_v = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
-    rows = common.stats_offset(7, 3)
-    d_v = torch.randn(2, rows, generator=g)
-    before = d_v.clone()
-    host.subtract_dlse(d_v, dlse_v, lse_v, cu)
-    for b, (t0, t1) in enumerate([(0, 3), (3, 3), (3, 7)]):
-        r0 = common.stats_offset(t0, b)
-        torch.testing.assert_close(d_v[:, r0:r0 + t1 - t0], before[:, r0:r0 + t1 - t0] - dlse_v[:, t0:t1])
-    touched = torch.zeros(rows, dtype=torch.bool)
-    for b, (t0, t1) in enumerate([(0, 3), (3, 3), (3, 7)]):
-        touched[common.stats_offset(t0, b):common.stats_offset(t0, b) + t1 - t0] = True
-    assert torch.equal(d_v[:, ~touched], before[:, ~touched])  # the padding rows stay
+
+def test_sink_grad_refuses_dlse_with_d_rows_that_hold_it():
+    out, dout, lse = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4)
+    d = torch.einsum("bshd,bshd->bhs", dout, out)
+    with pytest.raises(ValueError, match="dlse"):
+        _dispatch.sink_grad(out, dout, lse, torch.zeros(2), torch.ones(1, 2, 4), d=d)
+    dlse = torch.randn(1, 2, 4)
+    torch.testing.assert_close(_dispatch.sink_grad(out, dout, lse, torch.zeros(2), d=d - dlse),
+                               _dispatch.sink_grad(out, dout, lse, torch.zeros(2), dlse))
 
 
 def test_add_sink_keeps_empty_rows_zero_with_a_minus_inf_sink():

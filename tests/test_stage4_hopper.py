@@ -531,6 +531,23 @@ def test_pre_and_postprocess_compile(varlen):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_preprocess_build_also_shifts_d_by_dlse(varlen):
+    """The one preprocess build also shifts D by a gradient through lse (its runtime with_dlse flag):
+    a barrier after the D stores, then the thread that reads a row's lse reads that row's D and dlse
+    (three 4-byte loads, plus varlen's two cu_seqlens_q loads), and nothing spills."""
+    pytest.importorskip("stage4_bwd_kernel.common")
+    from stage4_bwd_kernel import preprocess
+
+    for d in (64, 128, 256):
+        for zeroing in ("rows", "flat"):
+            comp = preprocess.compile_only("bf16", d, varlen=varlen, dq_zeroing=zeroing)
+            assert comp.report["spill_stores"] == 0 and comp.report["LDL/STL"] == 0, (d, comp.report)
+            scalar_loads = len(re.findall(r"\bLDG\.E(?:\.CONSTANT)?\s", comp.sass))
+            assert scalar_loads == 3 + 2 * varlen and re.search(r"\bBAR\.SYNC", comp.sass), (d, scalar_loads)
+
+
+@pytest.mark.compile
 def test_descending_order_compiles_without_semaphores_when_not_deterministic():
     s1 = _step("hopper_step1")
     from stage4_bwd_kernel import schedule
@@ -840,6 +857,48 @@ def test_preprocess_varlen_rows_at_their_aligned_offsets():
         torch.testing.assert_close(dpsum[:, s:s + n], ref_d[:, a:a + n], rtol=1e-5, atol=1e-4)
         seen[s:s + n] = True
     assert torch.all(lse2[:, ~seen] == 0) and torch.all(dpsum[:, ~seen] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [None, [0, 5, 130, 1, 0, 70]], ids=["dense", "varlen"])
+def test_preprocess_stores_d_minus_dlse_where_a_row_sees_a_key(lens):
+    """preprocess(dlse=...): D - dlse in fp32 (bitwise what torch subtracts from the plain build's D)
+    on rows with lse > -inf, D itself on rows with lse = -inf even where dlse is inf, any dlse dtype
+    and strides. Varlen: the padding rows stay 0, and tokens past cu_seqlens_q[-1] are neither read
+    nor mapped outside the buffer by the gather that hands D back (host._d_in_lse_layout)."""
+    import torch
+    from stage4_bwd_kernel import host, preprocess
+
+    heads, d = 3, 64
+    if lens is None:
+        out, dout = (torch.randn(2, 77, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lse, kw = torch.randn(2, heads, 77, device="cuda"), {}
+        acc = lambda: torch.empty(2, 77, heads, d, device="cuda")  # noqa: E731
+    else:
+        total = sum(lens) + 3  # three tokens past the last offset
+        out, dout = (torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        lse = torch.randn(heads, total, device="cuda")
+        kw = dict(cu_seqlens_q=torch.tensor(np.cumsum([0] + lens), dtype=torch.int32, device="cuda"),
+                  max_seqlen_q=max(lens))
+        acc = lambda: torch.empty(total, heads, d, device="cuda")  # noqa: E731
+    lse[..., ::7] = float("-inf")
+    scale = torch.tensor([1e-3, 1.0, 7e4, 3e6], device="cuda").repeat(lse.shape[-1] // 4 + 1)[:lse.shape[-1]]
+    dlse32 = torch.randn_like(lse) * scale
+    dlse32[..., ::7] = float("inf")                    # rows with no key: must not reach D
+    _, plain = preprocess.preprocess(out, dout, lse, acc(), **kw)
+    for dlse in (dlse32, dlse32.transpose(-1, -2).contiguous().transpose(-1, -2), dlse32.to(torch.bfloat16)):
+        _, got = preprocess.preprocess(out, dout, lse, acc(), dlse=dlse, **kw)
+        shift = torch.where(torch.isneginf(lse), 0.0, dlse.float())
+        if lens is None:
+            assert torch.equal(got, plain - shift)
+            continue
+        valid = sum(lens)
+        at = host._varlen_d_rows(lse[:, :valid], kw["cu_seqlens_q"], plain.shape[-1])
+        want = plain.clone()
+        want[:, at] -= shift[:, :valid]
+        assert torch.equal(got, want)                                   # padding rows too (0 in both)
+        gathered = host._d_in_lse_layout(got, lse, kw["cu_seqlens_q"])   # tokens past the end: no fault
+        assert torch.equal(gathered[:, :valid], want[:, at])
 
 
 @pytest.mark.gpu

@@ -52,7 +52,7 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     dq / dk / dv: optional preallocated outputs (same shape, dtype, device as q / k / v).
     window_size / softcap: the forward's variant. return_d: also return D =
     rowsum(dO * O) in lse's layout, fp32. dlse: a gradient flowing in through lse (lse's shape),
-    which shifts D to D - dlse (one pass either way)."""
+    which the preprocess subtracts from D (one pass either way; return_d then returns D - dlse)."""
     return _product.attention_backward(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
                                        deterministic=deterministic, window_size=window_size, softcap=softcap,
                                        dq=dq, dk=dk, dv=dv, return_d=return_d, dlse=dlse)

@@ -123,7 +123,7 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     window_size / softcap: as the forward's (stage3_fwd_kernel.components); a learnable sink needs
     nothing here beyond the forward's lse, which includes it. return_d=True also returns D =
     rowsum(dO * O) in lse's layout (the sink's gradient needs it). dlse: the gradient flowing in
-    through lse, (B,Hq,Sq), or None (host.backward: it shifts D)."""
+    through lse, (B,Hq,Sq), or None (host.backward: the preprocess shifts D to D - dlse)."""
     _check_dims_of(q, v)
     step, make = _build_for(q, k, v, deterministic, dq_order)
     return host.backward(step, make, q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal,
