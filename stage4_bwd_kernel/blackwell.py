@@ -100,7 +100,7 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
                               window_size=(None, None), softcap=0.0, return_d=False, check_values=False, dlse=None):
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)), as the Hopper one
     (seqused_k: only the first seqused_k[b] keys of sequence b are attended to, the others get zero
-    gradient; return_d adds D = rowsum(dO * O) in lse's layout). Compiled for sm_100a and checked
+    gradient; return_d adds D = rowsum(dO * O) - dlse in lse's layout). Compiled for sm_100a and checked
     structurally, never run. window_size / softcap / check_values / dlse as the Hopper backward's. RuntimeError on
     anything but a capability-10.x GPU (after the variants' checks)."""
     _check_variants(causal, window_size, softcap)

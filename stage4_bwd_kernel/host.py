@@ -4,7 +4,7 @@ Every main kernel (the ladder steps, the production kernel of ``stage4_bwd_kerne
 through ``make_kernel(dtype, d, dv, causal, deterministic, varlen, has_seqused_k, dq_order) -> kernel
 object``; everything else is shared:
 
-    lse2, D, dQaccum = preprocess(out, dout, lse)        D = rowsum(dO * O), lse * log2(e), dQaccum = 0
+    lse2, D, dQaccum = preprocess(out, dout, lse, dlse)  D = rowsum(dO * O) (- dlse), lse * log2(e), dQaccum = 0
     semaphores       = zeros(B, Hq, m_blocks) int32      deterministic only
     main kernel                                          dK, dV written; dQaccum += dS K
     dq               = postprocess(dQaccum)              softmax_scale * dQaccum -> q.dtype

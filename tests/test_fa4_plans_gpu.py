@@ -30,16 +30,25 @@ for call in range(cfg["calls"]):
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=g)
     q, k, v = make(b, s, hq, d), make(b, s, hkv, d), make(b, s, hkv, dv)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = fa4.flash_attn_func(q, k, v, causal=cfg["causal"], deterministic=True)
-    out.backward(make(b, s, hq, dv))
-    results.append([t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)])
+    leaves, kw = [q, k, v], {}
+    if cfg.get("sink"):
+        leaves.append(torch.randn(hq, device="cuda", generator=g).requires_grad_())
+        kw["learnable_sink"] = leaves[-1]
+    if cfg.get("lse_grad"):  # a loss on lse too: the backward's preprocess shifts D by dlse
+        out, lse = fa4.flash_attn_func(q, k, v, causal=cfg["causal"], deterministic=True, return_lse=True, **kw)
+        torch.autograd.backward((out, lse), (make(b, s, hq, dv), torch.randn(b, hq, s, device="cuda", generator=g)))
+    else:
+        out = fa4.flash_attn_func(q, k, v, causal=cfg["causal"], deterministic=True, **kw)
+        out.backward(make(b, s, hq, dv))
+    results.append([t.detach().cpu() for t in [out] + [x.grad for x in leaves]])
 torch.cuda.synchronize()
 torch.save(results, cfg["out"])
 cutlass = any(m == "cutlass" or m.startswith("cutlass.") for m in sys.modules)
 print("PLANS " + json.dumps({"stats": _plans.stats(), "cutlass": cutlass}))
 """
 
-CASES = [((2, 300, 4, 2, 64, 64), True), ((1, 257, 6, 6, 192, 128), False)]
+CASES = [((2, 300, 4, 2, 64, 64), True, {}), ((1, 257, 6, 6, 192, 128), False, {}),
+         ((2, 131, 4, 2, 128, 128), True, {"lse_grad": True, "sink": True})]
 
 
 def _run(cfg: dict, cache: pathlib.Path) -> dict:
@@ -57,21 +66,25 @@ def _run_child(child: str, cfg: dict, cache: pathlib.Path) -> dict:
     return json.loads(line.split(" ", 1)[1])
 
 
-@pytest.mark.parametrize("shape,causal", CASES, ids=["d64-gqa-causal", "d192x128-full"])
-def test_a_fresh_process_replays_bitwise_without_the_dsl(tmp_path, shape, causal):
+@pytest.mark.parametrize("shape,causal,extra", CASES, ids=["d64-gqa-causal", "d192x128-full", "d128-lse-grad-sink"])
+def test_a_fresh_process_replays_bitwise_without_the_dsl(tmp_path, shape, causal, extra):
+    """extra: a loss on lse as well (dlse reaches the recorded preprocess) and a learnable sink (whose
+    gradient takes the D rows the replayed backward hands back)."""
     import torch
 
     cache = tmp_path / "cache"
-    first = _run(dict(shape=shape, causal=causal, calls=3, out=str(tmp_path / "a.pt")), cache)
+    first = _run(dict(shape=shape, causal=causal, calls=3, out=str(tmp_path / "a.pt"), **extra), cache)
     assert first["stats"]["recorded"] == 2, first          # the forward's and the backward's plan
     assert first["stats"]["replays"] == 2 and first["cutlass"], first
     assert len(list(cache.rglob("plans/*.json"))) == 2 and list(cache.rglob("*.so"))
-    second = _run(dict(shape=shape, causal=causal, calls=2, out=str(tmp_path / "b.pt")), cache)
+    second = _run(dict(shape=shape, causal=causal, calls=2, out=str(tmp_path / "b.pt"), **extra), cache)
     assert second["stats"] == dict(replays=4, recorded=0, unrecordable=0, discarded=0), second
     assert not second["cutlass"], "a replayed call imported CuTe-DSL"
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    names = ("out", "dq", "dk", "dv", "dsink")
     for call in range(2):
-        for name, x, y in zip(("out", "dq", "dk", "dv"), a[call], b[call]):
+        assert len(a[call]) == len(b[call]) == 4 + bool(extra.get("sink"))
+        for name, x, y in zip(names, a[call], b[call]):
             assert torch.equal(x, y), f"call {call}: {name} differs between the normal path and the replay"
 
 

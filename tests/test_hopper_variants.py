@@ -534,7 +534,8 @@ def test_backward_softcap_spills_bounded(d, dv, causal, mode):
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_backward_returns_the_preprocess_d_rows(varlen):
     """return_d: D = rowsum(dO * O) from the backward's preprocess, in lse's layout (varlen: gathered
-    from the per-sequence padded rows), equal to torch's within fp32 rounding."""
+    from the per-sequence padded rows), equal to torch's within fp32 rounding; with dlse, D - dlse
+    where lse > -inf, on the launch path and on the no-key early return (max_seqlen_k = 0)."""
     import torch
     from stage4_bwd_kernel import hopper as bwd
 
@@ -545,13 +546,23 @@ def test_backward_returns_the_preprocess_d_rows(varlen):
         q, k, v, out, dout = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
                               for _ in range(5))
         lse = torch.randn(4, sum(lens), device="cuda", generator=g)
-        *_, d = bwd.attention_varlen_backward(q, k, v, out, dout, lse, cu, cu, max(lens), max(lens), return_d=True)
+        call = lambda max_k, **kw: bwd.attention_varlen_backward(  # noqa: E731
+            q, k, v, out, dout, lse, cu, cu if max_k else torch.zeros_like(cu), max(lens), max_k, return_d=True, **kw)
         expect = (dout.float() * out.float()).sum(-1).t()
     else:
         q, k, v, out, dout = (torch.randn(2, 333, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
                               for _ in range(5))
         lse = torch.randn(2, 4, 333, device="cuda", generator=g)
-        *_, d = bwd.attention_backward(q, k, v, out, dout, lse, return_d=True)
+        call = lambda max_k, **kw: bwd.attention_backward(q, k if max_k else k[:, :0], v if max_k else v[:, :0],  # noqa: E731
+                                                          out, dout, lse, return_d=True, **kw)
         expect = (dout.float() * out.float()).sum(-1).permute(0, 2, 1)
+    *_, d = call(max(lens) if varlen else 333)
     assert d.shape == lse.shape
     torch.testing.assert_close(d, expect, rtol=1e-4, atol=1e-3)
+    lse[..., ::5] = float("-inf")
+    dlse = torch.randn(lse.shape, device="cuda", generator=g) * 100
+    dlse[..., ::5] = float("inf")
+    shifted = expect - torch.where(torch.isneginf(lse), 0.0, dlse)
+    for max_k in ((max(lens) if varlen else 333), 0):
+        *_, d = call(max_k, dlse=dlse)
+        torch.testing.assert_close(d, shifted, rtol=1e-4, atol=1e-3, msg=f"max_seqlen_k {max_k}")

@@ -150,8 +150,9 @@ def test_backward_launch_arguments_match_the_compiled_signature(varlen):
                               softmax_scale=0.1, arrivals=arrivals)
         _same_kinds(real, host.fake_main_args(dt, D, D, launchable=True, with_arrivals=arrivals is not None))
     up = (lambda t: t.unsqueeze(0)) if varlen else (lambda t: t)
-    _same_kinds(preprocess.preprocess_args(up(q), up(q), up(lse), up(lse), up(lse), up(acc), cu_q, up(lse), 2),
-                preprocess._fake_args(dt, D, D, launchable=True))
+    for dlse in (up(lse), None):  # None: the 1-element stand-in and the flag 0
+        _same_kinds(preprocess.preprocess_args(up(q), up(q), up(lse), up(lse), up(lse), up(acc), cu_q, dlse, 2),
+                    preprocess._fake_args(dt, D, D, launchable=True))
     _same_kinds(postprocess.postprocess_args(up(acc), up(q), cu_q, 0.1, 2), postprocess._fake_args(dt, D, launchable=True))
 
 

@@ -122,7 +122,7 @@ def attention_backward(q, k, v, out, dout, lse, *, softmax_scale=None, causal=Fa
     """(B,S,H,D) CUDA fp16/bf16 q, k, v, out, dout and lse (B,Hq,Sq) fp32 -> (dq, dk, dv).
     window_size / softcap: as the forward's (stage3_fwd_kernel.components); a learnable sink needs
     nothing here beyond the forward's lse, which includes it. return_d=True also returns D =
-    rowsum(dO * O) in lse's layout (the sink's gradient needs it). dlse: the gradient flowing in
+    rowsum(dO * O) in lse's layout, minus dlse when given (the sink's gradient needs it). dlse: the gradient flowing in
     through lse, (B,Hq,Sq), or None (host.backward: the preprocess shifts D to D - dlse)."""
     _check_dims_of(q, v)
     step, make = _build_for(q, k, v, deterministic, dq_order)
