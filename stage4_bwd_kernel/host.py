@@ -210,12 +210,7 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         dq.zero_()
         dk.zero_()
         dv.zero_()
-        if return_d:
-            d_rows = (dout.float() * out).sum(-1).movedim(-1, -2 if varlen else 1)
-            if dlse is not None:  # as the preprocess would: D - dlse where a row sees a key
-                d_rows = d_rows - torch.where(lse == float("-inf"), 0.0, dlse.float())
-            return dq, dk, dv, d_rows.contiguous()
-        return dq, dk, dv
+        return (dq, dk, dv, _d_rows_with_torch(out, dout, lse, dlse, varlen)) if return_d else (dq, dk, dv)
 
     dt = common.cutlass_dtype(q.dtype)
     if dq_order is None and common.cdiv(max_seqlen_k, 64) * k.shape[-2] * batch >= FAST_DIV_MAX:
@@ -305,6 +300,17 @@ def _check_varlen_values(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, sequs
         used = seqused_k.tolist()
         if any(u < 0 or u > n for u, n in zip(used, lens_k)):
             raise ValueError(f"seqused_k: expected 0 <= seqused_k[b] <= seqlen_k[b], got {used} for {lens_k}")
+
+
+def _d_rows_with_torch(out, dout, lse, dlse, varlen: bool):
+    """What return_d hands back when nothing launches: D = rowsum(dO * O) in lse's layout, minus dlse
+    where the row's lse > -inf (as the preprocess stores it)."""
+    import torch
+
+    d_rows = (dout.float() * out).sum(-1).movedim(-1, -2 if varlen else 1)
+    if dlse is not None:
+        d_rows = d_rows - torch.where(lse == float("-inf"), 0.0, dlse.float())
+    return d_rows.contiguous()
 
 
 def _varlen_d_rows(lse, cu_seqlens_q, num_rows: int):
