@@ -18,7 +18,7 @@
 #
 # **What you will learn**
 # - the five matrix multiplies of the attention backward and why P is *recomputed* from `lse`
-#   instead of stored;
+#   instead of stored, and how a gradient through `lse` enters as a shifted D;
 # - the paper's backward roofline: why shared memory, not the tensor cores, bounds it, and how
 #   the 2-CTA mode (two SMs sharing one MMA) relieves it by exchanging half of dS through
 #   distributed shared memory, down to the instruction that does it;
@@ -104,6 +104,38 @@ for name, mine, ref in (("dq", dQ, dq_ref), ("dk", dK, dk_ref), ("dv", dV, dv_re
     assert err < 1e-12
 flops = [2 * M * N * d] * 5
 print(f"FLOPs per tile: 5 x 2MNd = {sum(flops)} = 10 M N d (the forward: 4 M N d)")
+
+# %% [markdown]
+# ### A gradient through `lse`: one more term in D
+# A model may use `lse` itself (context-parallel attention merges partial results through it), so
+# a loss can reach it too. Since `lse_i = log sum_j exp(scale S_ij)`, its derivative is
+# `d lse_i / d (scale S_ij) = P_ij`, and a gradient `dlse_i` adds `P_ij dlse_i` to dS:
+# `dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse))`. So it costs no sixth MMA, only a shifted
+# D: the product backward's preprocess stores `D - dlse` (`stage4_bwd_kernel/preprocess.py`).
+# Below, the shifted D against stage 0 and against a finite difference of the loss
+# `sum(out * dout) + sum(lse * dlse)`.
+
+# %%
+dlse = rng.standard_normal(M)                     # (M,): one value per query row
+dq_ref, dk_ref, dv_ref = attention_backward(q, k, v, out, dout, lse, dlse=dlse[None, None, :])
+dS_lse = P * (dP - (D - dlse[:, None]))           # the only change: D - dlse
+for name, mine, ref in (("dq", scale * dS_lse @ K, dq_ref), ("dk", scale * dS_lse.T @ Q, dk_ref), ("dv", dV, dv_ref)):
+    err = np.abs(mine - ref[0, :, 0]).max()
+    print(f"{name} with dlse: max |shifted D - stage 0| = {err:.1e}")
+    assert err < 1e-12
+
+
+def loss_of(q_):
+    o, l = attention_forward(q_, k, v)
+    return (o * dout).sum() + (l[0, 0] * dlse).sum()
+
+
+step = 1e-6
+bump = np.zeros_like(q)
+bump[0, 3, 0, 5] = step
+finite_difference = (loss_of(q + bump) - loss_of(q - bump)) / (2 * step)
+print(f"dq[3, 5]: shifted D {scale * (dS_lse @ K)[3, 5]:+.8f}, finite difference {finite_difference:+.8f}")
+assert abs(scale * (dS_lse @ K)[3, 5] - finite_difference) < 1e-6
 
 # %% [markdown]
 # ### The same, tiled, and as the kernel walks it
