@@ -13,9 +13,9 @@ the whole of (B, S, H, dv) = (2, 8k, 16, 128) bf16 costs ~40 us, ~2% of the main
 A gradient flowing in through lse (``dlse``, lse's shape) joins here too: d lse_i / d S_ij = P_ij, so
 it adds P_ij dlse_i to dS_ij = P_ij (dP_ij - D_i), which is the same formula with D_i - dlse_i. The
 kernel stores that shifted D (the main loop never sees dlse): the thread that reads a row's lse also
-reads its dlse and rewrites its D (12 bytes a row, against the row's 2 * dv * 2 bytes of O and dO). A runtime flag turns it on, so the one
-build serves calls with and without an lse gradient. A row with lse = -inf keeps D: its P is
-0, and a non-finite dlse there must not reach dS as 0 * inf.
+reads its dlse and rewrites its D (12 bytes a row, against the row's 2 * dv * 2 bytes of O and dO).
+A runtime flag turns it on, so the one build serves calls with and without an lse gradient. A row
+with lse = -inf keeps D: its P is 0, and a non-finite dlse there must not reach dS as 0 * inf.
 
 Rows with lse = -inf (no visible key: out = 0) get lse2 = +inf, so that
 exp2(S*scale_log2 - (+inf)) = 0 and their P, dS and gradient contributions vanish without a branch

@@ -553,8 +553,8 @@ def test_backward_returns_the_preprocess_d_rows(varlen):
         q, k, v, out, dout = (torch.randn(2, 333, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
                               for _ in range(5))
         lse = torch.randn(2, 4, 333, device="cuda", generator=g)
-        call = lambda max_k, **kw: bwd.attention_backward(q, k if max_k else k[:, :0], v if max_k else v[:, :0],  # noqa: E731
-                                                          out, dout, lse, return_d=True, **kw)
+        call = lambda max_k, **kw: bwd.attention_backward(  # noqa: E731
+            q, k if max_k else k[:, :0], v if max_k else v[:, :0], out, dout, lse, return_d=True, **kw)
         expect = (dout.float() * out.float()).sum(-1).permute(0, 2, 1)
     *_, d = call(max(lens) if varlen else 333)
     assert d.shape == lse.shape
