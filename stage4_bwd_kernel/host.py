@@ -239,12 +239,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if arrivals is None and takes_dq_arrivals(kernel):
         arrivals = pre._dummy(q.device, (1, 1, 1), "int32")
-    lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum if to_zero is None else to_zero, head_dim=d,
-                                 cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q,
-                                 dq_zeroing="flat" if dq_frag else "rows", dlse=dlse)
-    d_rows = _d_in_lse_layout(dpsum, lse, cu_q if varlen else None) if return_d else None
-
-    # 2. main kernel
+    # the main kernel's semaphores, zeroed before the preprocess: the main kernel follows the preprocess
+    # directly, as its programmatic dependent (PDL)
     tm, tn = kernel.tile_m, kernel.tile_n
     num_m_blocks = common.cdiv(max_seqlen_q, tm)
     num_n_blocks = common.cdiv(max_seqlen_k, tn)
@@ -258,6 +254,12 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         semaphores = torch.zeros((1, 1, ctas), dtype=torch.int32, device=q.device)
     else:
         semaphores = pre._dummy(q.device, (1, 1, 1), "int32")  # made once, not a view per call
+    lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum if to_zero is None else to_zero, head_dim=d,
+                                 cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q,
+                                 dq_zeroing="flat" if dq_frag else "rows", dlse=dlse)
+    d_rows = _d_in_lse_layout(dpsum, lse, cu_q if varlen else None) if return_d else None
+
+    # 2. main kernel
     dummy = pre._dummy_int32(q.device)
     comp.fn(*main_args(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, varlen=varlen,
                        cu_seqlens_q=cu_q if varlen else dummy, cu_seqlens_k=cu_k if varlen else dummy,

@@ -78,11 +78,12 @@ class BackwardPostprocessFrag:
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mdQ.shape[0]
         self.kernel(mdQacc, mdQ, mCuSeqlensQ, mDqArrivals, softmax_scale, self.main.make_tiled_mma_dQ(), store,
                     sTile_layout).launch(grid=(num_m_blocks, mdQ.shape[2], batch), block=[NUM_THREADS, 1, 1],
-                                         smem=SharedStorage.size_in_bytes(), stream=stream)
+                                         smem=SharedStorage.size_in_bytes(), stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, mDqArrivals: cute.Tensor,
                softmax_scale: Float32, tiled_mma_dQ: cute.TiledMma, store: cute.TiledCopy, sTile_layout: cute.Layout):
+        cute.arch.griddepcontrol_wait()  # a PDL launch: the main kernel's dQ adds and arrivals have all landed
         tm, d = self.tile_m, self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, bidx, batch, offset, rows_left = block_rows(mdQ, mCuSeqlensQ, tm, self.varlen)

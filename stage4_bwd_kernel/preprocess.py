@@ -93,12 +93,16 @@ class BackwardPreprocess:
         self.tpr_O = tpr_O
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mO.shape[0]
         self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQacc, mCuSeqlensQ, mdLSE, with_dlse, copy_O, copy_dQ).launch(
-            grid=(num_m_blocks, mO.shape[2], batch), block=[self.num_threads, 1, 1], stream=stream)
+            grid=(num_m_blocks, mO.shape[2], batch), block=[self.num_threads, 1, 1], stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
                mD: cute.Tensor, mdQacc: cute.Tensor, mCuSeqlensQ: cute.Tensor, mdLSE: cute.Tensor,
                with_dlse: Int32, copy_O: cute.TiledCopy, copy_dQ: cute.TiledCopy):
+        # a programmatic dependent launch (PDL): wait for the kernel before (out, dout, lse are its
+        # outputs), then let the main kernel's CTAs take the SMs this launch frees (it waits for D)
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
         tm, d, dv = TILE_M, self.head_dim, self.head_dim_v
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()

@@ -219,7 +219,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                     sStat_layout, batch,
                     # min_blocks_per_mp=1 caps registers at entry (65536/384), which setmaxnreg needs
                     ).launch(grid=grid, block=[self.num_threads, 1, 1],
-                             stream=stream, min_blocks_per_mp=1)
+                             stream=stream, min_blocks_per_mp=1, use_pdl=True)
 
     # -------------------------------------------------------------- device side
     @cute.kernel
@@ -241,6 +241,10 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
         # The launch arguments stay flat (a kernel's parameters); the roles get them grouped.
         # mLSE2 / mD are read through their TMA descriptors only.
         trace.cta_stamp("entry")  # no code unless tracing is on
+        # PDL both ways: the postprocess may start its CTAs (they wait for this grid) on the SMs this
+        # launch leaves free; and this launch follows the preprocess, whose outputs (lse2, D, the zeroed
+        # dQ accumulator or arrival counters) each role reads only after its griddepcontrol.wait
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -284,17 +288,21 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                         self.produce(walk, storage, loads, layouts, pipes)
                 if const_expr(self.persistent):
                     if warp_idx == DQ_WRITER_WARP:
+                        cute.arch.griddepcontrol_wait()
                         self.write_dq_stream(storage, mdQacc, mDqArrivals, sdQ_layout)
                 elif const_expr(not self.dq_atomic):  # dq_atomic: the consumers add dQ themselves
                     if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + self.dq_writers:
+                        cute.arch.griddepcontrol_wait()
                         self.write_dq(walk, storage, mdQacc, tma_dQ, tma_atom_dQ, mSemaphore, mDqArrivals, sdQ_layout,
                                       warp_idx - DQ_WRITER_WARP)
                 elif const_expr(self.deterministic):  # ... in turns that the writer's warps keep (wide.py)
                     if warp_idx >= DQ_WRITER_WARP and warp_idx < DQ_WRITER_WARP + NUM_WG_MMA:
+                        cute.arch.griddepcontrol_wait()
                         self.pass_dq_turns(walk, mSemaphore, warp_idx - DQ_WRITER_WARP)
             else:
                 # ---------------------------------------------------------------- consumers
                 cute.arch.setmaxregister_increase(self.regs_consumer)
+                cute.arch.griddepcontrol_wait()  # before any global access (dQ adds, dK / dV stores)
                 mmas = Mmas(tiled_mma_SdP, tiled_mma_dV, tiled_mma_dK, tiled_mma_dQ)
                 if const_expr(self.persistent):
                     self.consume_items(space, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale,

@@ -138,6 +138,8 @@ class Producer:
                         self.load_with(loads.atom_K, tKgK, tKsK, pipes.q.producer_get_barrier(st), self.tma_bytes_K)
                 cute.copy(loads.atom_Q, tQgQ[None, m_block], tQsQ[None, st.index],
                           tma_bar_ptr=pipes.q.producer_get_barrier(st))
+                if t == 0:  # K, V and Q are the call's inputs; lse2 and D come from the preprocess (PDL)
+                    cute.arch.griddepcontrol_wait()
                 cute.copy(stats[0][0], stat_parts[0][1][None, m_block], stat_parts[0][0][None, st.index],
                           tma_bar_ptr=pipes.q.producer_get_barrier(st))
                 pipes.do.producer_acquire(st)
