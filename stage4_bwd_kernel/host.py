@@ -5,7 +5,7 @@ through ``make_kernel(dtype, d, dv, causal, deterministic, varlen, has_seqused_k
 object``; everything else is shared:
 
     lse2, D, dQaccum = preprocess(out, dout, lse, dlse)  D = rowsum(dO * O) (- dlse), lse * log2(e), dQaccum = 0
-    semaphores       = zeros(B, Hq, m_blocks) int32      deterministic only
+    semaphores       = zeros(B, Hq, m_blocks) int32      deterministic only (a persistent build: its tile counter)
     main kernel                                          dK, dV written; dQaccum += dS K
     dq               = postprocess(dQaccum)              softmax_scale * dQaccum -> q.dtype
 
@@ -13,7 +13,8 @@ A kernel with ``dq_frag`` keeps dQaccum in its fragment order: the preprocess ze
 ``postprocess_frag`` (which reads the layout from the kernel object) writes dq. With first stores
 (``dq_first_store``, hopper/dq_writer.py) the preprocess zeroes the tiles' int32 arrival counters instead
 (``dq_arrivals``), the main kernel's first arrival at a tile stores it, and ``postprocess_frag`` writes
-zeros for a tile nobody reached. This module imports no kernel module: the kernel's own entry points
+zeros for a tile nobody reached; a persistent build's tile counter then shares that buffer (``zeroed_words``),
+so the preprocess zeroes it too and no fill kernel runs before the main kernel. This module imports no kernel module: the kernel's own entry points
 pass ``make_kernel`` in.
 
 Scratch per call: dQaccum (4 bytes x q's elements, fragment order: whole tiles) + 2 fp32 (B, Hq, Sq) + the
@@ -21,6 +22,7 @@ semaphores or the arrival counters (one int32 per dQ tile and head).
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Callable, Optional
 
@@ -226,7 +228,12 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
 
     # 1. preprocess: lse2, D, and zeroes: the dQ accumulator (fragment order, see postprocess_frag: as one
     # flat buffer), or with first stores (hopper/dq_writer.py) only its tiles' arrival counters
-    arrivals, to_zero = None, None
+    arrivals, to_zero, tile_counter = None, None, None
+    persistent = getattr(kernel, "persistent", False)
+    if persistent:
+        from stage3_fwd_kernel.tile_scheduler import sm_count
+
+        ctas = sm_count(q.device) if persistent_ctas is None else persistent_ctas
     if dq_frag:
         from stage4_bwd_kernel import postprocess_frag as post_frag
 
@@ -234,24 +241,25 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
         dq_accum = torch.empty((*q.shape[:-3], hq, rows, d), dtype=torch.float32, device=q.device)
         to_zero = dq_accum
         if getattr(kernel, "dq_first_store", False):
-            arrivals, to_zero = dq_arrivals(1 if varlen else batch, hq, rows // kernel.tile_m, q.device)
+            counters = (1 if varlen else batch, hq, rows // kernel.tile_m)
+            if persistent:  # its tile counter zeroed by the same pass: one kernel less a call
+                arrivals, tile_counter, to_zero = zeroed_words(q.device, counters, (1, 1, ctas))
+            else:
+                arrivals, to_zero = dq_arrivals(*counters, q.device)
     else:
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if arrivals is None and takes_dq_arrivals(kernel):
         arrivals = pre._dummy(q.device, (1, 1, 1), "int32")
-    # the main kernel's semaphores, zeroed before the preprocess: the main kernel follows the preprocess
-    # directly, as its programmatic dependent (PDL)
+    # the main kernel's semaphores, zeroed before the preprocess (or by it): the main kernel follows the
+    # preprocess directly, as its programmatic dependent (PDL)
     tm, tn = kernel.tile_m, kernel.tile_n
     num_m_blocks = common.cdiv(max_seqlen_q, tm)
     num_n_blocks = common.cdiv(max_seqlen_k, tn)
     if deterministic:
         semaphores = torch.zeros((batch, hq, num_m_blocks), dtype=torch.int32, device=q.device)
-    elif getattr(kernel, "persistent", False):
-        # a persistent grid's tile counter (hopper/persistent.py): its length is the grid's width
-        from stage3_fwd_kernel.tile_scheduler import sm_count
-
-        ctas = sm_count(q.device) if persistent_ctas is None else persistent_ctas
-        semaphores = torch.zeros((1, 1, ctas), dtype=torch.int32, device=q.device)
+    elif persistent:  # a persistent grid's tile counter (hopper/persistent.py): its length is the grid's width
+        semaphores = tile_counter if tile_counter is not None else \
+            torch.zeros((1, 1, ctas), dtype=torch.int32, device=q.device)
     else:
         semaphores = pre._dummy(q.device, (1, 1, 1), "int32")  # made once, not a view per call
     lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum if to_zero is None else to_zero, head_dim=d,
@@ -282,11 +290,21 @@ def dq_arrivals(batch: int, heads: int, tiles: int, device) -> tuple:
     """(counters, flat): the dQ accumulator's per-tile int32 arrival counters (batch, heads, tiles) for
     first stores, and the same memory as a flat fp32 buffer of a multiple of 4 elements, which the
     preprocess zeroes (its "flat" zeroing)."""
+    return zeroed_words(device, (batch, heads, tiles))
+
+
+def zeroed_words(device, *shapes) -> tuple:
+    """(one int32 tensor per shape, flat): the tensors carved one after another from one buffer, each
+    starting on a 16-byte boundary, and the whole buffer as flat fp32 of a multiple of 4 elements: what the
+    preprocess's "flat" zeroing clears, all of them in its one pass."""
     import torch
 
-    n = batch * heads * tiles
-    flat = torch.empty(common.cdiv(max(n, 1), 4) * 4, dtype=torch.int32, device=device)
-    return flat[:n].view(batch, heads, tiles), flat.view(torch.float32)
+    sizes = [math.prod(shape) for shape in shapes]
+    starts = [sum(common.cdiv(n, 4) * 4 for n in sizes[:i]) for i in range(len(sizes))]
+    total = starts[-1] + common.cdiv(sizes[-1], 4) * 4 if sizes else 0
+    flat = torch.empty(max(total, 4), dtype=torch.int32, device=device)
+    views = [flat[start:start + n].view(shape) for start, n, shape in zip(starts, sizes, shapes)]
+    return (*views, flat.view(torch.float32))
 
 
 def _check_varlen_values(cu_q, cu_k, max_seqlen_q: int, max_seqlen_k: int, seqused_k):

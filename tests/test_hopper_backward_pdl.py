@@ -50,20 +50,24 @@ def test_both_postprocesses_wait_before_reading_the_accumulator():
         assert _first(WAIT, sass) < _first(r"\bLDG\b", sass)
 
 
-# (head dims, causal, deterministic, roles that wait: producer, consumers, and the dQ writer where it has one)
-MAIN_BUILDS = [((128, 128), True, False, 3), ((64, 64), False, False, 3), ((128, 128), True, True, 3),
-               ((192, 128), True, False, 3), ((256, 256), False, False, 2)]
+# (head dims, causal, deterministic, persistent, waits): the producer, the consumers, the dQ writer where it
+# has one, and a persistent producer's wait before each tile hand-out (its counter is zeroed by the preprocess)
+MAIN_BUILDS = [((128, 128), True, False, False, 3), ((64, 64), False, False, False, 3),
+               ((128, 128), True, True, False, 3), ((192, 128), True, False, False, 3),
+               ((256, 256), False, False, False, 2), ((128, 128), True, False, True, 4)]
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("dims,causal,det,waits", MAIN_BUILDS,
-                         ids=[f"d{d}x{dv}-{'causal' if c else 'full'}{'-det' if det else ''}"
-                              for (d, dv), c, det, _ in MAIN_BUILDS])
-def test_every_role_of_the_main_kernel_waits_and_the_producer_before_lse2(dims, causal, det, waits):
+@pytest.mark.parametrize("dims,causal,det,persistent,waits", MAIN_BUILDS,
+                         ids=[f"d{d}x{dv}-{'causal' if c else 'full'}{'-det' if det else ''}{'-persistent' if p else ''}"
+                              for (d, dv), c, det, p, _ in MAIN_BUILDS])
+def test_every_role_of_the_main_kernel_waits_and_the_producer_before_lse2(dims, causal, det, persistent, waits):
     """256 adds dQ from the consumers' registers: no writer warp, one wait fewer. lse2 and D are the
     only 3-D TMA loads (a (rows, head, batch) box); Q, dO, K and V are 4-D."""
     d, dv = dims
-    comp = s4._step("hopper.backward").compile_only(head_dim=d, head_dim_v=dv, causal=causal, deterministic=det)
+    extra = {"persistent": True} if persistent else {}
+    comp = s4._step("hopper.backward").compile_only(head_dim=d, head_dim_v=dv, causal=causal, deterministic=det,
+                                                    **extra)
     sass = comp.sass
     assert comp.report["spill_stores"] == 0
     assert len(re.findall(SIGNAL, sass)) == 1 and len(re.findall(WAIT, sass)) == waits
@@ -138,3 +142,29 @@ def test_backwards_back_to_back_in_a_graph_match_eager_calls(case):
             else:  # the same sums in another order: a few bf16 units in the last place of the largest value
                 tol = eq.float().abs().max().item() * 2.0 ** -6
                 assert (dq.float() - eq.float()).abs().max().item() <= tol, f"{where}: dq differs from the eager call"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("shapes", [((2, 3, 5), (1, 1, 132)), ((1, 1, 0), (1, 1, 7)), ((1, 4, 3),)])
+def test_zeroed_words_carve_one_buffer_the_preprocess_clears(shapes):
+    """A persistent first-store build's arrival counters and tile counter share one buffer, so the
+    preprocess's one flat pass zeroes both and no fill kernel runs between it and the main kernel."""
+    import math
+
+    import torch
+    from stage4_bwd_kernel import host
+
+    *views, flat = host.zeroed_words("cpu", *shapes)
+    assert flat.dtype == torch.float32 and flat.numel() % 4 == 0
+    assert [tuple(v.shape) for v in views] == [tuple(s) for s in shapes]
+    base = flat.data_ptr()
+    for v in views:
+        assert v.dtype == torch.int32 and v.is_contiguous() and (v.data_ptr() - base) % 16 == 0
+        assert v.data_ptr() + v.numel() * 4 <= base + flat.numel() * 4
+    flat.fill_(-1.0)
+    for i, v in enumerate(views):  # disjoint: writing one leaves the others alone
+        v.fill_(i + 1)
+    assert all(v.eq(i + 1).all() for i, v in enumerate(views))
+    assert sum(v.numel() for v in views) <= flat.numel() <= sum(math.ceil(max(v.numel(), 1) / 4) * 4 for v in views)
+    flat.fill_(0.0)
+    assert all(v.eq(0).all() for v in views)  # 0.0 and int 0 are the same bits

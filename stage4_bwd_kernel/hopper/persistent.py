@@ -152,6 +152,9 @@ class PersistentRoles:
                              tiles_before=tiles_before)
                 tiles_before += n_tiles
                 item += 1
+            # the counter may be zeroed by the preprocess (host.zeroed_words): wait for it (PDL) before the
+            # first hand-out, which an item without Q tiles reaches before any produce() has waited
+            cute.arch.griddepcontrol_wait()
             linear = next_from_counter(space.tile_counter)
         self.post_record(storage, recorded, None, Int32(-1))
         # no more work: an index past the end, on a K/V phase that item 0's K and V (a real load, no
