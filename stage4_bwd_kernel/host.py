@@ -13,9 +13,9 @@ A kernel with ``dq_frag`` keeps dQaccum in its fragment order: the preprocess ze
 ``postprocess_frag`` (which reads the layout from the kernel object) writes dq. With first stores
 (``dq_first_store``, hopper/dq_writer.py) the preprocess zeroes the tiles' int32 arrival counters instead
 (``dq_arrivals``), the main kernel's first arrival at a tile stores it, and ``postprocess_frag`` writes
-zeros for a tile nobody reached; a persistent build's tile counter then shares that buffer (``zeroed_words``),
-so the preprocess zeroes it too and no fill kernel runs before the main kernel. This module imports no kernel module: the kernel's own entry points
-pass ``make_kernel`` in.
+zeros for a tile nobody reached; a persistent build's tile counter then shares that buffer
+(``zeroed_words``), so the preprocess zeroes it too and no fill kernel runs before the main kernel. This
+module imports no kernel module: the kernel's own entry points pass ``make_kernel`` in.
 
 Scratch per call: dQaccum (4 bytes x q's elements, fragment order: whole tiles) + 2 fp32 (B, Hq, Sq) + the
 semaphores or the arrival counters (one int32 per dQ tile and head).

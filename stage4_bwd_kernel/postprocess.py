@@ -69,7 +69,8 @@ class BackwardPostprocess:
         store = _tiled_copy(self.dtype, self.head_dim, 4, self.num_threads)  # 8-byte stores
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(self.varlen) else mdQ.shape[0]
         self.kernel(mdQacc, mdQ, mCuSeqlensQ, softmax_scale, load, store).launch(
-            grid=(num_m_blocks, mdQ.shape[2], batch), block=[self.num_threads, 1, 1], stream=stream, use_pdl=True)
+            grid=(num_m_blocks, mdQ.shape[2], batch), block=[self.num_threads, 1, 1], stream=stream,
+            use_pdl=True)
 
     @cute.kernel
     def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor,

@@ -59,8 +59,8 @@ MAIN_BUILDS = [((128, 128), True, False, False, 3), ((64, 64), False, False, Fal
 
 @pytest.mark.compile
 @pytest.mark.parametrize("dims,causal,det,persistent,waits", MAIN_BUILDS,
-                         ids=[f"d{d}x{dv}-{'causal' if c else 'full'}{'-det' if det else ''}{'-persistent' if p else ''}"
-                              for (d, dv), c, det, p, _ in MAIN_BUILDS])
+                         ids=[f"d{d}x{dv}-{'causal' if c else 'full'}{'-det' if det else ''}"
+                              f"{'-persistent' if p else ''}" for (d, dv), c, det, p, _ in MAIN_BUILDS])
 def test_every_role_of_the_main_kernel_waits_and_the_producer_before_lse2(dims, causal, det, persistent, waits):
     """256 adds dQ from the consumers' registers: no writer warp, one wait fewer. lse2 and D are the
     only 3-D TMA loads (a (rows, head, batch) box); Q, dO, K and V are 4-D."""
