@@ -3,7 +3,8 @@ kernel and the dQ postprocess each launch with the programmatic-serialization at
 CTAs may start while the kernel before it still runs. Each then waits (griddepcontrol.wait, SASS
 ACQBULK) before it reads what that kernel writes: the preprocess before out / dout / lse, the main
 kernel's producer after its K, V and Q loads but before lse2 and D, its dQ writer and its consumers
-before their first global access, the postprocess before the accumulator. The preprocess and the main
+before their first global access, a CTA without keys before it exits (so the main grid never ends before
+the preprocess), the postprocess before the accumulator. The preprocess and the main
 kernel signal their dependents (griddepcontrol.launch_dependents, SASS PREEXIT).
 
 compile tier (sm_90a, fake tensors): those waits and signals are in the SASS, the producer's in front
@@ -51,10 +52,11 @@ def test_both_postprocesses_wait_before_reading_the_accumulator():
 
 
 # (head dims, causal, deterministic, persistent, waits): the producer, the consumers, the dQ writer where it
-# has one, and a persistent producer's wait before each tile hand-out (its counter is zeroed by the preprocess)
-MAIN_BUILDS = [((128, 128), True, False, False, 3), ((64, 64), False, False, False, 3),
-               ((128, 128), True, True, False, 3), ((192, 128), True, False, False, 3),
-               ((256, 256), False, False, False, 2), ((128, 128), True, False, True, 4)]
+# has one, a CTA without keys (one CTA per tile), and a persistent producer's wait before each tile hand-out
+# (its counter is zeroed by the preprocess)
+MAIN_BUILDS = [((128, 128), True, False, False, 4), ((64, 64), False, False, False, 4),
+               ((128, 128), True, True, False, 4), ((192, 128), True, False, False, 4),
+               ((256, 256), False, False, False, 3), ((128, 128), True, False, True, 4)]
 
 
 @pytest.mark.compile

@@ -310,3 +310,7 @@ class FlashAttentionBackwardSm90(LayoutPlan, WalkPlan, Producer, DqWriter, Score
                 else:
                     self.consume(walk, tidx - 128, storage, mdK, mdV, mdQacc, softmax_scale_log2, softmax_scale,
                                  mmas, layouts, (gmem_store_dK, gmem_store_dV), pipes)
+        else:
+            # a CTA with no keys waits too: the grid then ends only after the preprocess has, so the
+            # postprocess (which waits for this grid alone) never reads what the preprocess still zeroes
+            cute.arch.griddepcontrol_wait()
