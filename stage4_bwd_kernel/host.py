@@ -299,11 +299,12 @@ def zeroed_words(device, *shapes) -> tuple:
     preprocess's "flat" zeroing clears, all of them in its one pass."""
     import torch
 
-    sizes = [math.prod(shape) for shape in shapes]
-    starts = [sum(common.cdiv(n, 4) * 4 for n in sizes[:i]) for i in range(len(sizes))]
-    total = starts[-1] + common.cdiv(sizes[-1], 4) * 4 if sizes else 0
-    flat = torch.empty(max(total, 4), dtype=torch.int32, device=device)
-    views = [flat[start:start + n].view(shape) for start, n, shape in zip(starts, sizes, shapes)]
+    spans, end = [], 0
+    for shape in shapes:  # (start, words): each tensor starts on a 4-word (16-byte) boundary
+        spans.append((end, math.prod(shape)))
+        end += common.cdiv(spans[-1][1], 4) * 4
+    flat = torch.empty(max(end, 4), dtype=torch.int32, device=device)
+    views = [flat[start:start + n].view(shape) for (start, n), shape in zip(spans, shapes)]
     return (*views, flat.view(torch.float32))
 
 
