@@ -109,8 +109,10 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
                              "any other page size by a cp.async gather up to 256 query rows (decode, short chunks); "
                              "longer queries over those pages, queries over pages of 16 with 6144 or more query-head "
-                             "rows a key and KV head, and page_table on other arches use a dense copy of the pages "
-                             "(flash_attn_with_kvcache: sm_90 only)"),
+                             "rows a key and KV head, and page_table on other arches use a dense copy of the pages"),
+    "kv_cache": (True, "flash_attn_with_kvcache: dense or paged cache, in-place append with rotary embedding, split-KV "
+                       "decode merged through the lse -- on sm_90 by its split launch (each CTA finds its key chunk), "
+                       "on other arches by key segments of the varlen forward (fa4/_kvcache.py)"),
     "fp8": (False, "not supported"),
 }
 
@@ -367,6 +369,10 @@ class Backend:
     # the dense backward hands back D = rowsum(dout * out) - dlse (`return_d`) from its preprocess;
     # else sink_grad computes it with torch
     DENSE_BACKWARD_RETURNS_D = True
+    # the forward module has attention_split_forward: a split-KV launch whose CTAs find their key chunk
+    # themselves (flash_attn_with_kvcache's decode); else the cache is cut into key segments of the
+    # varlen forward (fa4._kvcache)
+    SPLIT_KV_LAUNCH = False
 
     def _module(self, role: str) -> Any:
         if role not in self._mods:
@@ -560,6 +566,7 @@ class HopperBackend(Backend):
     keyword arguments when set."""
 
     LAUNCHABLE_BUILDS = True
+    SPLIT_KV_LAUNCH = True
 
     def import_forward(self):
         from stage3_fwd_kernel import hopper

@@ -47,6 +47,10 @@ causal or windowed tokens the split launch reads them as rows by token from q it
 
 The learnable sink joins the denominator once, after the merge (so it is not counted per segment).
 
+Blackwell (sm_100) has no split launch (`Backend.SPLIT_KV_LAUNCH`) and reads no pages in place, so
+its calls take the segments above through its own varlen forward (seqused_k) and the merge kernel,
+and paged caches the copy or a segment per page. Compiled for sm_100a only, never run on hardware.
+
 An eager step on the device, once checked, replays a launch plan (fa4._plans) from its third call with
 the same shapes: the same torch functions and kernels without this module's host logic (a one-token
 decode step's host time on an H200: 127-146 us, was 222-405; docs/measurements.md).
@@ -609,8 +613,6 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         # meta tensors trace shapes only: no device to ask, so they are held to the Hopper kernels' rules
         backend = _dispatch.backend_for(q.device) if q.device.type != "meta" else \
             _dispatch.make_backend(_dispatch.ARCHS["sm_90"])
-        if backend.arch.key != "sm_90":  # its split launch and in-place pages are the Hopper forward's
-            raise ValueError(f"q: flash_attn_with_kvcache runs on sm_90 (Hopper) only, not on {backend.arch.key}")
         backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         if q.shape[0] > MAX_GRID_Z or q.shape[2] > MAX_GRID_Z:  # every route's grid (y, z): before the append
@@ -625,7 +627,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     if pack_gqa:  # what attention_with_cache would refuse (plan_layout), refused before anything is appended
         plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal,
                     key_range_window(q.shape[1], (left, right), paged_in_place and block_table is not None)[0],
-                    pack_gqa, token_rows=traced or split is not None)
+                    pack_gqa, token_rows=split is not None or (traced and backend.SPLIT_KV_LAUNCH))
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
@@ -680,18 +682,24 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool
 # traced calls: the attention over the cache as one custom op
 # ---------------------------------------------------------------------------------------------
 def _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa) -> tuple:
-    """(SM count, the split launch, pages read in place) of an eager call on the device -- with_kvcache's
-    and kvcache_attention's. Whether a paged cache is read in place (fa4._paged) follows the kernel's
+    """(SM count, the split launch or None, pages read in place) of an eager call on the device --
+    with_kvcache's and kvcache_attention's. Whether a paged cache is read in place (fa4._paged) follows the kernel's
     rows per sequence (the query tokens, times the group where the heads are packed) and the query-head
     rows attending each key of the table's span (fa4._paged.head_rows)."""
+    from . import _dispatch
+
+    backend = _dispatch.backend_for(q.device)
+    # an arch without the split launch (sm_100) runs key segments of its varlen forward, whose pages it
+    # does not read in place (Backend.paged_in_place: a dense copy, or a segment per page)
+    split = fa4_split if backend.SPLIT_KV_LAUNCH else None
     in_place = False
     if block_table is not None:
         _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, window, pack_gqa,
-                                 token_rows=True)
+                                 token_rows=split is not None)
         # the cache's lengths are device values: the keys count as the queries' own (fa4._paged.head_rows)
         in_place = _paged.in_place(q, k_cache, v_cache, q.shape[1], span=block_table.shape[1] * k_cache.shape[1],
                                    causal=causal, window=window, packed=bool(pack))
-    return _sm_count(q.device), fa4_split, in_place
+    return _sm_count(q.device), split, in_place
 
 
 @torch.library.custom_op("fa4::kvcache_attention", mutates_args=(), device_types="cuda")
