@@ -165,37 +165,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
             raise ValueError(f"dlse: expected a floating tensor shaped like lse {tuple(lse.shape)} on {lse.device}, "
                              f"got {tuple(dlse.shape)} {dlse.dtype} on {dlse.device}")
     softmax_scale = common.default_scale(softmax_scale, q.shape[-1])
-    if varlen:
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            raise ValueError("cu_seqlens_q, cu_seqlens_k: varlen needs both")
-        cu_q = common.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], check_values)
-        cu_k = common.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], check_values)
-        if cu_q.shape != cu_k.shape:
-            raise ValueError(f"cu_seqlens_k: expected length {cu_q.shape[0]} like cu_seqlens_q, got {cu_k.shape[0]}")
-        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if not isinstance(given, numbers.Integral) or isinstance(given, bool):
-                raise TypeError(f"{name}: expected an int, got {type(given).__name__}")
-            if given < 0:
-                raise ValueError(f"{name}: expected an int >= 0, got {given!r}")
-        max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
-        batch = cu_q.shape[0] - 1
-        if seqused_k is not None:
-            if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32:
-                raise TypeError("seqused_k: expected an int32 torch.Tensor")
-            if tuple(seqused_k.shape) != (batch,) or not seqused_k.is_cuda:
-                raise ValueError(f"seqused_k: expected a CUDA tensor of shape ({batch},), got {tuple(seqused_k.shape)}")
-            seqused_k = seqused_k.contiguous()
-        if check_values:
-            _check_varlen_values(cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k)
-    else:
-        for name, given in (("seqused_k", seqused_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-            if given is not None:
-                raise ValueError(f"{name}: only with varlen (cu_seqlens_q / cu_seqlens_k); a dense call's lengths "
-                                 "are its tensors'")
-        if check_values:
-            raise ValueError("check_values: only with varlen (a dense call has no index tensors to check)")
-        batch = q.shape[0]
-        max_seqlen_q, max_seqlen_k = q.shape[1], k.shape[1]
+    cu_q, cu_k, seqused_k, batch, max_seqlen_q, max_seqlen_k = _check_lengths(
+        q, k, varlen, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, check_values)
     if batch > 65535 or q.shape[-2] > 65535:  # the launches' grid y / z: (blocks, heads, sequences)
         raise ValueError(f"batch ({batch}) and heads ({q.shape[-2]}) must be <= 65535 (grid y / z limit)")
     dq = common.check_grad_out("dq", dq, q)
@@ -226,45 +197,14 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     if hasattr(kernel.dq_order, "check_grid"):  # before the first launch (the preprocess)
         kernel.dq_order.check_grid(common.cdiv(max_seqlen_k, kernel.tile_n), k.shape[-2], batch)
 
-    # 1. preprocess: lse2, D, and zeroes: the dQ accumulator (fragment order, see postprocess_frag: as one
-    # flat buffer), or with first stores (hopper/dq_writer.py) only its tiles' arrival counters
-    arrivals, to_zero, tile_counter = None, None, None
-    persistent = getattr(kernel, "persistent", False)
-    if persistent:
-        from stage3_fwd_kernel.tile_scheduler import sm_count
-
-        ctas = sm_count(q.device) if persistent_ctas is None else persistent_ctas
-    if dq_frag:
-        from stage4_bwd_kernel import postprocess_frag as post_frag
-
-        rows = kernel.dq_frag_accum_rows(q.shape[0] if varlen else max_seqlen_q, batch)
-        dq_accum = torch.empty((*q.shape[:-3], hq, rows, d), dtype=torch.float32, device=q.device)
-        to_zero = dq_accum
-        if getattr(kernel, "dq_first_store", False):
-            counters = (1 if varlen else batch, hq, rows // kernel.tile_m)
-            if persistent:  # its tile counter zeroed by the same pass: one kernel less a call
-                arrivals, tile_counter, to_zero = zeroed_words(q.device, counters, (1, 1, ctas))
-            else:
-                arrivals, to_zero = dq_arrivals(*counters, q.device)
-    else:
-        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    if arrivals is None and takes_dq_arrivals(kernel):
-        arrivals = pre._dummy(q.device, (1, 1, 1), "int32")
-    # the main kernel's semaphores, zeroed before the preprocess (or by it): the main kernel follows the
-    # preprocess directly, as its programmatic dependent (PDL)
-    tm, tn = kernel.tile_m, kernel.tile_n
-    num_m_blocks = common.cdiv(max_seqlen_q, tm)
-    num_n_blocks = common.cdiv(max_seqlen_k, tn)
-    if deterministic:
-        semaphores = torch.zeros((batch, hq, num_m_blocks), dtype=torch.int32, device=q.device)
-    elif persistent:  # a persistent grid's tile counter (hopper/persistent.py): its length is the grid's width
-        semaphores = tile_counter if tile_counter is not None else \
-            torch.zeros((1, 1, ctas), dtype=torch.int32, device=q.device)
-    else:
-        semaphores = pre._dummy(q.device, (1, 1, 1), "int32")  # made once, not a view per call
-    lse2, dpsum = pre.preprocess(out, dout, lse, dq_accum if to_zero is None else to_zero, head_dim=d,
+    # 1. preprocess: lse2, D, and zeroes (the dQ accumulator, or its tiles' arrival counters, and the
+    # main kernel's semaphores where they need it)
+    dq_accum, to_zero, arrivals, semaphores = _scratch(kernel, q, varlen, deterministic, batch, max_seqlen_q,
+                                                       persistent_ctas)
+    lse2, dpsum = pre.preprocess(out, dout, lse, to_zero, head_dim=d,
                                  cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q,
                                  dq_zeroing="flat" if dq_frag else "rows", dlse=dlse)
+    num_n_blocks = common.cdiv(max_seqlen_k, kernel.tile_n)
     d_rows = _d_in_lse_layout(dpsum, lse, cu_q if varlen else None) if return_d else None
 
     # 2. main kernel
@@ -276,6 +216,8 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
 
     # 3. postprocess: dq = scale * dQaccum in q's dtype (first stores: zeros where no K/V tile arrived)
     if dq_frag:
+        from stage4_bwd_kernel import postprocess_frag as post_frag
+
         post_frag.postprocess(kernel, dq_accum.unsqueeze(0) if varlen else dq_accum, dq, softmax_scale,
                               cu_seqlens_q=cu_q if varlen else None, max_seqlen_q=max_seqlen_q, arrivals=arrivals)
     else:
@@ -284,6 +226,84 @@ def backward(step: str, make_kernel: Callable, q, k, v, out, dout, lse, *, cu_se
     if return_d:
         return dq, dk, dv, d_rows
     return dq, dk, dv
+
+
+def _check_lengths(q, k, varlen: bool, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                   check_values: bool) -> tuple:
+    """backward's sequence arguments, checked: (cu_q, cu_k, seqused_k, batch, max_seqlen_q, max_seqlen_k);
+    a dense call's come from its tensors (cu_q, cu_k None)."""
+    import torch
+
+    if not varlen:
+        for name, given in (("seqused_k", seqused_k), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if given is not None:
+                raise ValueError(f"{name}: only with varlen (cu_seqlens_q / cu_seqlens_k); a dense call's lengths "
+                                 "are its tensors'")
+        if check_values:
+            raise ValueError("check_values: only with varlen (a dense call has no index tensors to check)")
+        return None, None, None, q.shape[0], q.shape[1], k.shape[1]
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_q, cu_seqlens_k: varlen needs both")
+    cu_q = common.check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], check_values)
+    cu_k = common.check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], check_values)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_k: expected length {cu_q.shape[0]} like cu_seqlens_q, got {cu_k.shape[0]}")
+    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(given, numbers.Integral) or isinstance(given, bool):
+            raise TypeError(f"{name}: expected an int, got {type(given).__name__}")
+        if given < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {given!r}")
+    max_seqlen_q, max_seqlen_k = int(max_seqlen_q), int(max_seqlen_k)
+    batch = cu_q.shape[0] - 1
+    if seqused_k is not None:
+        if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32:
+            raise TypeError("seqused_k: expected an int32 torch.Tensor")
+        if tuple(seqused_k.shape) != (batch,) or not seqused_k.is_cuda:
+            raise ValueError(f"seqused_k: expected a CUDA tensor of shape ({batch},), got {tuple(seqused_k.shape)}")
+        seqused_k = seqused_k.contiguous()
+    if check_values:
+        _check_varlen_values(cu_q, cu_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    return cu_q, cu_k, seqused_k, batch, max_seqlen_q, max_seqlen_k
+
+
+def _scratch(kernel, q, varlen: bool, deterministic: bool, batch: int, max_seqlen_q: int, persistent_ctas) -> tuple:
+    """(dq_accum, what the preprocess zeroes, arrivals, semaphores) of one backward. The dQ accumulator
+    is in fragment order (postprocess_frag: one flat buffer, zeroed whole) or, with first stores
+    (hopper/dq_writer.py), not zeroed: only its tiles' arrival counters are. The main kernel's
+    semaphores are zeroed before the preprocess (or by it: a persistent grid's tile counter), since the
+    main kernel follows the preprocess directly as its programmatic dependent (PDL)."""
+    import torch
+
+    hq, d = q.shape[-2], q.shape[-1]
+    arrivals, to_zero, tile_counter = None, None, None
+    persistent = getattr(kernel, "persistent", False)
+    if persistent:
+        from stage3_fwd_kernel.tile_scheduler import sm_count
+
+        ctas = sm_count(q.device) if persistent_ctas is None else persistent_ctas
+    if uses_dq_frag(kernel):
+        rows = kernel.dq_frag_accum_rows(q.shape[0] if varlen else max_seqlen_q, batch)
+        dq_accum = torch.empty((*q.shape[:-3], hq, rows, d), dtype=torch.float32, device=q.device)
+        to_zero = dq_accum
+        if getattr(kernel, "dq_first_store", False):
+            counters = (1 if varlen else batch, hq, rows // kernel.tile_m)
+            if persistent:  # its tile counter zeroed by the same pass: one kernel less a call
+                arrivals, tile_counter, to_zero = zeroed_words(q.device, counters, (1, 1, ctas))
+            else:
+                arrivals, to_zero = dq_arrivals(*counters, q.device)
+    else:
+        dq_accum = to_zero = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    if arrivals is None and takes_dq_arrivals(kernel):
+        arrivals = pre._dummy(q.device, (1, 1, 1), "int32")
+    if deterministic:
+        semaphores = torch.zeros((batch, hq, common.cdiv(max_seqlen_q, kernel.tile_m)), dtype=torch.int32,
+                                 device=q.device)
+    elif persistent:  # a persistent grid's tile counter (hopper/persistent.py): its length is the grid's width
+        semaphores = tile_counter if tile_counter is not None else \
+            torch.zeros((1, 1, ctas), dtype=torch.int32, device=q.device)
+    else:
+        semaphores = pre._dummy(q.device, (1, 1, 1), "int32")  # made once, not a view per call
+    return dq_accum, to_zero, arrivals, semaphores
 
 
 def dq_arrivals(batch: int, heads: int, tiles: int, device) -> tuple:
