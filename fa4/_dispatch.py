@@ -68,7 +68,7 @@ ARCHS: dict[str, ArchInfo] = {
     "sm_100": ArchInfo(
         key="sm_100", gpus="Blackwell: B200, GB200", capabilities=((10, 0),), cute_arch="sm_100a",
         hardware_status="unverified",
-        head_dims=((64, 64), (96, 96), (128, 128), (192, 128), (256, 256)),
+        head_dims=((64, 64), (96, 96), (128, 128), (128, 64), (192, 128), (256, 256)),
         forward_module="stage3_fwd_kernel.blackwell_fwd",
         backward_module="stage4_bwd_kernel.blackwell",
         # sm_100a code uses arch-specific instructions (tcgen05, TMEM): it runs on compute

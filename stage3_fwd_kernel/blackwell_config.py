@@ -93,7 +93,7 @@ TMEM_COLUMNS = 512         # 128 lanes x 512 columns x 32 bit per SM
 TMEM_MIN_ALLOC = 32        # tcgen05.alloc: a power of two >= 32 columns
 REGISTERS_PER_SM = 65536
 MAX_KV_STAGES = 4          # more ring slots stop paying once the loads are ahead of the MMAs
-SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128))  # two Q tiles per CTA
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64), (192, 128))  # two Q tiles per CTA
 ONE_Q_TILE_HEAD_DIMS = ((256, 256),)  # one Q tile per CTA: two do not fit TMEM (q_tiles_for)
 DTYPES = ("bf16", "fp16")
 HEADER_ALIGN = 1024        # 128B-swizzled tiles start on 1024-byte boundaries

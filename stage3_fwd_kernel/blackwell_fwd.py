@@ -90,7 +90,8 @@ from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.pipeline import NamedBarrier
 
 from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_scheduler
-from stage3_fwd_kernel.blackwell_config import BlackwellFwdConfig, blackwell_fwd_config, q_tiles_for
+from stage3_fwd_kernel.blackwell_config import (SUPPORTED_HEAD_DIMS, BlackwellFwdConfig, blackwell_fwd_config,
+                                               q_tiles_for)
 from stage3_fwd_kernel.blackwell_load_mma import LoadMmaRoles
 from stage3_fwd_kernel.blackwell_output import OutputRoles
 from stage3_fwd_kernel.blackwell_persistent import PersistentRoles, TileWalkArgs, check_persistent
@@ -878,7 +879,7 @@ def run(batch=2, seqlen_q=1024, seqlen_k=1024, heads=8, heads_kv=None, head_dim=
 
 
 MATRIX = [(dt, d, dv, causal, varlen) for varlen in (False, True) for dt in ("bf16", "fp16")
-          for d, dv in ((64, 64), (96, 96), (128, 128), (192, 128)) for causal in (False, True)]
+          for d, dv in SUPPORTED_HEAD_DIMS for causal in (False, True)]
 
 
 # d = 256: one Q tile per CTA (blackwell_config.ONE_Q_TILE_HEAD_DIMS)

@@ -88,7 +88,7 @@ MAX_QDO_STAGES = 2
 DQ_STAGE_COLS = 32
 DQ_STAGE_BUFS = 2
 DQ_TMA_DEFAULT = False
-SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128))
+SUPPORTED_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (128, 64))
 DTYPES = ("bf16", "fp16")
 NUM_WARPS = 12            # WG0 elementwise, WG1 = MMA warp + load warp + 2 idle, WG2 dQ drain
 

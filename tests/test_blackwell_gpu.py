@@ -70,12 +70,13 @@ def test_varlen_forward_on_blackwell(causal):
     assert_fa4_close("sm_100 varlen lse", lse, ref[1], base[1])
 
 
-WIDE_CASES = [(113, 203, 4, 2, 192, 128, True), (300, 1000, 4, 1, 256, 256, False)]
+WIDE_CASES = [(113, 203, 4, 2, 192, 128, True), (300, 1000, 4, 1, 256, 256, False), (255, 256, 6, 1, 128, 64, True)]
 
 
 @pytest.mark.parametrize("sq,sk,hq,hkv,d,dv,causal", WIDE_CASES, ids=[f"{c[0]}x{c[1]}-d{c[4]}-{c[5]}" for c in WIDE_CASES])
 def test_fa4_wide_head_dims_on_blackwell(sq, sk, hq, hkv, d, dv, causal):
-    """fa4.flash_attn_func at (192, 128) and 256: the forward and the wide backward (blackwell_bwd_wide)."""
+    """fa4.flash_attn_func at (192, 128) and 256 (the forward and the wide backward, blackwell_bwd_wide),
+    and at (128, 64) (the 1-CTA backward with dv != d)."""
     import fa4
     from stage0_reference.torch_reference import assert_fa4_close, grad_atol, reference_and_baseline
 
@@ -90,7 +91,8 @@ def test_fa4_wide_head_dims_on_blackwell(sq, sk, hq, hkv, d, dv, causal):
         assert_fa4_close(f"sm_100 wide {name}", a, r, b, atol=1e-5 if name == "out" else grad_atol(ref[2:]))
 
 
-@pytest.mark.parametrize("d,dv,causal", [(64, 64, False), (128, 128, True), (192, 128, True), (256, 256, False)])
+@pytest.mark.parametrize("d,dv,causal", [(64, 64, False), (128, 128, True), (128, 64, False), (192, 128, True),
+                                         (256, 256, False)])
 def test_backward_kernel_on_blackwell(d, dv, causal):
     """The backward directly (the forward's out / lse from the reference; the 1-CTA kernel, or the
     wide one at (192, 128) and 256), default and deterministic; deterministic twice is bitwise equal."""
@@ -110,3 +112,35 @@ def test_backward_kernel_on_blackwell(d, dv, causal):
             assert_fa4_close(f"blackwell_bwd {name} det={det}", a, r, b, atol=grad_atol(ref))
     again = mod.attention_backward(q, k, v, out, dout, lse, causal=causal, deterministic=True)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_decode_on_blackwell(paged):
+    """fa4.flash_attn_with_kvcache on sm_100: key segments of the varlen forward and the merge kernel;
+    one appended token a step, GQA 8 / 2, a dense cache or shuffled pages of 128 (a segment a page)."""
+    import fa4
+    from stage0_reference.torch_reference import assert_fa4_close, attention_ref
+
+    g = torch.Generator(device="cuda").manual_seed(11 + paged)
+    b, s_cache, hkv, d = 3, 1024, 2, 128
+    lens = torch.tensor([0, 1, 700], dtype=torch.int32, device="cuda")
+    k, v = _rand(g, b, s_cache, hkv, d), _rand(g, b, s_cache, hkv, d)
+    q, k_new, v_new = _rand(g, b, 1, 8, d), _rand(g, b, 1, hkv, d), _rand(g, b, 1, hkv, d)
+    kw = {}
+    kc, vc = k.clone(), v.clone()
+    if paged:
+        pages = s_cache // 128
+        perm = torch.randperm(b * pages, device="cuda", generator=g)
+        kc, vc = torch.empty_like(k).view(-1, 128, hkv, d), torch.empty_like(v).view(-1, 128, hkv, d)
+        kc[perm], vc[perm] = k.view(-1, 128, hkv, d), v.view(-1, 128, hkv, d)
+        kw["block_table"] = perm.view(b, pages).to(torch.int32)
+    out, lse = fa4.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, num_splits=0,
+                                           return_softmax_lse=True, **kw)
+    for i in range(b):
+        n = int(lens[i])
+        keys = torch.cat([k[i:i + 1, :n], k_new[i:i + 1]], 1)
+        values = torch.cat([v[i:i + 1, :n], v_new[i:i + 1]], 1)
+        ref = attention_ref(q[i:i + 1], keys, values, upcast=True)
+        base = attention_ref(q[i:i + 1], keys, values, upcast=False)
+        assert_fa4_close(f"sm_100 kvcache out b={i}", out[i:i + 1], ref[0], base[0])
+        assert_fa4_close(f"sm_100 kvcache lse b={i}", lse[i:i + 1], ref[1], base[1])

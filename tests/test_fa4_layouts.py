@@ -140,7 +140,8 @@ def test_native_pair_is_the_cheapest_cover():
         assert _layouts.native_pair(HOPPER, d, dv) == want, (d, dv)
     assert _layouts.native_pair(blackwell, 96, 96) == (96, 96)
     assert _layouts.native_pair(blackwell, 80, 80) == (96, 96)
-    assert _layouts.native_pair(blackwell, 128, 64) == (128, 128)
+    assert _layouts.native_pair(blackwell, 128, 64) == (128, 64)  # native on both arches
+    assert _layouts.native_pair(blackwell, 120, 48) == (128, 64)
     assert _layouts.native_pair(blackwell, 256, 256) == (256, 256)  # one Q tile a CTA in the forward
     assert _layouts.native_pair(blackwell, 200, 136) == (256, 256)
     for pair in HOPPER.head_dims:

@@ -62,6 +62,7 @@ def test_paper_plan_d128_fills_tmem():
 @pytest.mark.parametrize("d,dv,used,stages,overlap,total", [
     (64, 64, 2 * 128 + 2 * 64, 4, False, 1 * KB + 32 * KB + 4 * 16 * KB + 32 * KB),
     (96, 96, 2 * 128 + 2 * 96, 4, False, 1 * KB + 48 * KB + 4 * 24 * KB + 48 * KB),
+    (128, 64, 2 * 128 + 2 * 64, 4, False, 1 * KB + 64 * KB + 4 * 32 * KB + 32 * KB),  # a slot fits K
     (192, 128, 2 * 128 + 2 * 128, 2, True, 1 * KB + 96 * KB + 2 * 48 * KB),  # sO over sQ
 ])
 def test_plans_other_head_dims(d, dv, used, stages, overlap, total):
@@ -141,6 +142,8 @@ CI_CASES = [  # (dtype, d, dv, causal, varlen): every head dim in both dtypes, b
     ("fp16", 64, 64, False, True),
     ("bf16", 96, 96, True, False),
     ("fp16", 96, 96, False, True),  # varlen epilogue: 4 threads x 24 values a row
+    ("bf16", 128, 64, True, False),
+    ("fp16", 128, 64, False, True),
 ]
 
 

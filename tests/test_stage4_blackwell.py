@@ -59,6 +59,18 @@ def test_d64_plan():
 
 @pytest.mark.cpu
 @pytest.mark.stage4
+def test_d128_dv64_plan():
+    """qk 128, v 64: dV and the V / dO tiles take dv columns; dK, dQ and the Q / K tiles take d."""
+    c = blackwell_bwd_config(128, 64, "bf16", causal=True)
+    assert c.tmem.used == 128 + 64 + 128 + 128 == 448 and c.tmem.alloc == 512
+    assert (c.tmem.dv, c.tmem.dp, c.tmem.dk) == (128, 192, 320) and c.tmem.dq == c.tmem.dp
+    # 1 KB header + K 32 KB + V 16 KB + 2 x (Q 32 KB + dO 16 KB) + dS 32 KB + lse2/D 1 KB
+    assert c.qdo_stages == 2
+    assert c.smem.total == KB + 32 * KB + 16 * KB + 2 * 48 * KB + 32 * KB + KB == 182272
+
+
+@pytest.mark.cpu
+@pytest.mark.stage4
 def test_d256_refused_by_tmem():
     with pytest.raises(ValueError, match=r"TMEM does not fit"):
         blackwell_bwd_config(256, 256, "bf16", causal=False)
@@ -99,25 +111,26 @@ def test_public_alias_refuses_without_blackwell():
 
 
 # ------------------------------------------------------------------------------------ compile tier
-def _compile(dtype, d, causal, deterministic):
+def _compile(dtype, d, causal, deterministic, dv=None):
     from stage4_bwd_kernel import blackwell_bwd
 
-    return blackwell_bwd.compile_only(dtype, d, causal=causal, deterministic=deterministic)
+    return blackwell_bwd.compile_only(dtype, d, dv, causal=causal, deterministic=deterministic)
 
 
-CASES = [("bf16", 128, False, False), ("bf16", 128, True, True), ("fp16", 64, True, False), ("bf16", 96, True, False)]
+CASES = [("bf16", 128, 128, False, False), ("bf16", 128, 128, True, True), ("fp16", 64, 64, True, False),
+         ("bf16", 96, 96, True, False), ("bf16", 128, 64, True, False), ("fp16", 128, 64, False, True)]
 
 
 @pytest.mark.compile
 @pytest.mark.stage4
-@pytest.mark.parametrize("dtype,d,causal,deterministic", CASES)
-def test_compiles_for_sm100a(dtype, d, causal, deterministic):
-    comp = _compile(dtype, d, causal, deterministic)
+@pytest.mark.parametrize("dtype,d,dv,causal,deterministic", CASES)
+def test_compiles_for_sm100a(dtype, d, dv, causal, deterministic):
+    comp = _compile(dtype, d, causal, deterministic, dv)
     r = comp.report
     assert r["ptx_target"] == "sm_100a"
-    # five MMAs per Q tile: S^T, dP^T (K = d / 16 steps each), dQ (K = tile_n / 16) in SMEM-SMEM
-    # form; dV and dK (K = tile_m / 16 each) with A from TMEM
-    assert r["UTCHMMA.SS"] == 2 * (d // 16) + 128 // 16
+    # five MMAs per Q tile: S^T (K = d / 16 steps), dP^T (K = dv / 16), dQ (K = tile_n / 16) in
+    # SMEM-SMEM form; dV and dK (K = tile_m / 16 each) with A from TMEM
+    assert r["UTCHMMA.SS"] == d // 16 + dv // 16 + 128 // 16
     assert r["UTCHMMA.TS"] == 2 * (128 // 16)
     assert r["ptx_tcgen05.alloc"] == 1 and r["ptx_tcgen05.dealloc"] == 1
     assert r["UTCATOMSWS"] and r["UTCBAR"]
@@ -125,7 +138,7 @@ def test_compiles_for_sm100a(dtype, d, causal, deterministic):
     assert r["ptx_red_v2"] == d // 2
     assert len(re.findall(r"\bREDG\.E\.ADD\.F32x2\b", comp.sass)) == d // 2
     # TMEM traffic: S^T, dP^T, dQ, dV, dK loads; P^T and dS^T stores
-    assert r["LDTM"] == 4 + 4 + d // 32 + 2 * (d // 32)
+    assert r["LDTM"] == 4 + 4 + d // 32 + dv // 32 + d // 32
     assert r["STTM"] == 8
     # no local memory anywhere
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0
@@ -134,14 +147,14 @@ def test_compiles_for_sm100a(dtype, d, causal, deterministic):
     assert sorted(r["ptx_setmaxnreg"]) == [("dec", "160"), ("dec", "96"), ("inc", "240")]
 
 
-def _model_mma_runs(d: int) -> list:
+def _model_mma_runs(d: int, dv: int) -> list:
     """The MMA issue order of the protocol model (blackwell_pipeline, "paper"), as the runs of
     SMEM-A (SS) and TMEM-A (TS) UTCHMMAs the kernel's loop body should compile to, with K-steps."""
     from stage4_bwd_kernel import blackwell_pipeline as bp
 
-    names = [op.name for op in bp.mma_program(1, "paper", d, d) if isinstance(op, bp.Mma)]
+    names = [op.name for op in bp.mma_program(1, "paper", d, dv) if isinstance(op, bp.Mma)]
     kind = {"S": "SS", "dP": "SS", "dQ": "SS", "dV": "TS", "dK": "TS"}
-    ksteps = {"S": d // 16, "dP": d // 16, "dQ": 128 // 16, "dV": 128 // 16, "dK": 128 // 16}
+    ksteps = {"S": d // 16, "dP": dv // 16, "dQ": 128 // 16, "dV": 128 // 16, "dK": 128 // 16}
     # walk of one tile: S(0), dP(0), dV(0) in turn 0, then dK(0), dQ(0) in turn 1 -> reorder to the loop body
     body = [names[0]] + names[3:] + names[1:3]
     assert body == ["S", "dK", "dQ", "dP", "dV"]
@@ -156,31 +169,31 @@ def _model_mma_runs(d: int) -> list:
 
 @pytest.mark.compile
 @pytest.mark.stage4
-@pytest.mark.parametrize("dtype,d,causal,deterministic", CASES)
-def test_mma_issue_order_is_the_papers_pipeline(dtype, d, causal, deterministic):
+@pytest.mark.parametrize("dtype,d,dv,causal,deterministic", CASES)
+def test_mma_issue_order_is_the_papers_pipeline(dtype, d, dv, causal, deterministic):
     """The MMA warp's loop issues S(j), dK(j-1), dQ(j-1), dP(j), dV(j) -- the order the protocol
     model checks -- read back from the SASS as runs of SMEM-SMEM (gdesc A) and TMEM-A UTCHMMAs.
     The previous order, S, dP, dV, dK, dQ, gives runs SS, TS, SS and fails this."""
-    sass = _compile(dtype, d, causal, deterministic).sass
+    sass = _compile(dtype, d, causal, deterministic, dv).sass
     kinds = ["TS" if re.search(r"\bUTCHMMA\s+tmem\[", line) else "SS"
              for line in sass.splitlines() if re.search(r"\bUTCHMMA\b", line)]
     runs = [(k, len(list(g))) for k, g in itertools.groupby(kinds)]
-    assert runs == _model_mma_runs(d) == [("SS", d // 16), ("TS", 8), ("SS", 8 + d // 16), ("TS", 8)]
+    assert runs == _model_mma_runs(d, dv) == [("SS", d // 16), ("TS", 8), ("SS", 8 + dv // 16), ("TS", 8)]
 
 
 # ------------------------------------------------------------------ the protocol model (cpu tier)
 @pytest.mark.cpu
 @pytest.mark.stage4
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (128, 64)])
 @pytest.mark.parametrize("order,early", [("paper", True), ("paper", False), ("serial", False)])
-def test_protocol_model_is_deadlock_and_hazard_free(d, order, early):
+def test_protocol_model_is_deadlock_and_hazard_free(d, dv, order, early):
     """Random interleavings of the five roles, walks of 0..6 Q tiles: no deadlock, no parity alias,
     every TMEM column / SMEM buffer read holds the tile the reader expects, five MMAs per tile."""
     from stage4_bwd_kernel import blackwell_pipeline as bp
 
     for n in range(7):
         for seed in range(40):
-            assert bp.check(n, order, d, seed=seed, early_release=early) == 5 * n
+            assert bp.check(n, order, d, dv, seed=seed, early_release=early) == 5 * n
 
 
 DROPS = ["s_full", "p_full", "dp_full", "ds_full", "dq_full", "dq_empty", ("qdo_empty", 0)]
@@ -300,15 +313,15 @@ def test_natural_offset_follows_cute_semantics():
 
 @pytest.mark.compile
 @pytest.mark.stage4
-@pytest.mark.parametrize("d", [64, 96, 128])
-def test_transposed_smem_views_coincide(d):
+@pytest.mark.parametrize("d,dv", [(64, 64), (96, 96), (128, 128), (128, 64)])
+def test_transposed_smem_views_coincide(d, dv):
     """sQ / sQt, sdO / sdOt and sK / sKt put every element of every stage at the same byte (the MMAs
     that read a tile in the other major mode read the same tile); a deliberately wrong mapping is
     caught, so the check can fail."""
     from stage4_bwd_kernel import blackwell_bwd
     from stage4_bwd_kernel.blackwell_layout_check import transposed_view_mismatches
 
-    kernel = blackwell_bwd.make_kernel("bf16", d, d, False, False)
+    kernel = blackwell_bwd.make_kernel("bf16", d, dv, False, False)
     assert transposed_view_mismatches(kernel) == {"sQ/sQt": 0, "sdO/sdOt": 0, "sK/sKt": 0}
     wrong = transposed_view_mismatches(kernel, transpose=False)
     assert all(n > 0 for n in wrong.values()), wrong

@@ -206,3 +206,21 @@ def test_dkdv_store_stays_inside_each_sequence():
     assert bad["outside"] > 0, bad
     dense_rows = dkdv_store_mismatches(bb.FlashAttentionBackwardSm100(cfg))
     assert dense_rows["outside"] > 0 and dense_rows["missing"] > 0, dense_rows
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_d128_dv64_varlen_and_variant_builds(causal):
+    """qk 128 / v 64 (compiled only): the varlen build with seqused_k and a softcap + window build in
+    deterministic mode, without spills and with the dense build's MMAs -- dP^T's K steps and dV's
+    columns follow dv, S^T's and dK's d."""
+    bb = _bwd()
+    dense = bb.compile_only("bf16", 128, 64, causal=causal).report
+    varlen = bb.compile_only("bf16", 128, 64, causal=causal, varlen=True, has_seqused_k=True).report
+    window = (256, 0 if causal else 64)
+    variant = bb.compile_only("bf16", 128, 64, causal=causal, deterministic=True, window_size=window,
+                              softcap=30.0).report
+    assert dense["UTCHMMA.SS"] == 128 // 16 + 64 // 16 + 128 // 16 and dense["UTCHMMA.TS"] == 2 * (128 // 16)
+    for rep in (varlen, variant):
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["LDL/STL"] == 0, rep
+        for k in ("UTCHMMA.SS", "UTCHMMA.TS", "LDTM", "STTM"):
+            assert rep[k] == dense[k], (k, rep[k], dense[k])
