@@ -96,8 +96,7 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "deterministic_backward": (True, "deterministic=True, forwarded to the backward kernel"),
     "torch_compile": (True, "torch.library custom ops fa4::fwd / fa4::bwd (+ varlen): fullgraph, no graph break"),
     "cuda_graphs": (True, "capture after one warm-up call (kernels compile on first use)"),
-    "disk_compile_cache": (True, "compiled kernels persisted per config (FA4_CACHE_DIR); see fa4/README.md (sm_100: "
-                                 "the backward; its forward is cached in memory only)"),
+    "disk_compile_cache": (True, "compiled kernels persisted per config (FA4_CACHE_DIR); see fa4/README.md"),
     "attn_mask": (False, "arbitrary masks are not supported: use causal or varlen (padding)"),
     "dropout": (False, "attention dropout is not supported"),
     "sliding_window": (True, "window_size=(left, right): row i sees keys i + off - left ..= i + off + right, "

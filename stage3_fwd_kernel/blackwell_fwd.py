@@ -128,6 +128,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
     # the mbarrier block, per Q tile (blackwell_config counts them; the protocol checker reads these)
     PER_Q_BARRIERS = ("q_full", "s_full", "p_full", "p_full_2", "scale_full", "final_full", "o_full", "epi_full")
     PERSISTENT_BARRIERS = ("q_empty", "final_empty", "epi_empty")  # after the plan's, persistent builds only
+    gpu_arch = TARGET_ARCH  # compile_cache compiles launchable builds for it whatever the process targets
 
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
                  scheduler=tile_scheduler.StaticTileScheduler):
@@ -606,22 +607,22 @@ def compile_sm100(kernel, args) -> tuple:
     return fn, resource_report(log, sass, ptx, cubin), sass, ptx
 
 
-def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None,
+def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False,
                    scheduler=tile_scheduler.StaticTileScheduler, seqused_k: bool = False) -> compile_cache.Compiled:
-    """Compile for sm_100a with fake tensors unless `args` are given; `scheduler` is the tile order
-    (the StaticTileScheduler interface: stage 5's LPT order for long causal calls), or a persistent
-    grid over one (tile_scheduler.PersistentScheduler(order): blackwell_persistent.py); seqused_k: a
-    varlen build that takes the keys each sequence uses.
-    Returns compile_cache.Compiled (fn, report, sass, ptx)."""
+    """Compile for sm_100a with fake tensors, for inspection (the resource report below); `scheduler`
+    is the tile order (the StaticTileScheduler interface: stage 5's LPT order for long causal calls),
+    or a persistent grid over one (tile_scheduler.PersistentScheduler(order): blackwell_persistent.py);
+    seqused_k: a varlen build that takes the keys each sequence uses. The launches build the same
+    kernel through `compile_launchable_config`. Returns compile_cache.Compiled (fn, report, sass, ptx)."""
     if seqused_k and not varlen:
         raise ValueError("seqused_k: a varlen build's option (varlen=True)")
-    key = (cfg.key(), varlen, "fake" if args is None else "real", scheduler) + (("seqused_k",) if seqused_k else ())
+    key = (cfg.key(), varlen, "fake", scheduler) + (("seqused_k",) if seqused_k else ())
     if key in _CACHE:
         return _CACHE[key]
     kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler)
-    if args is None:  # a persistent build also takes the grid's width (any value: it is a runtime argument)
-        args = _launch_tail(fake_args(cfg, varlen), Int32(1) if kernel.persistent else None,
-                            host_io.fake_i32_vector() if seqused_k else None)
+    # a persistent build also takes the grid's width (any value: it is a runtime argument)
+    args = _launch_tail(fake_args(cfg, varlen), Int32(1) if kernel.persistent else None,
+                        host_io.fake_i32_vector() if seqused_k else None)
     fn, report, sass, ptx = compile_sm100(kernel, args)
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
@@ -629,6 +630,38 @@ def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False, args=None,
     out = compile_cache.Compiled(fn, report, sass, ptx)
     _CACHE[key] = out
     return out
+
+
+def compile_launchable_config(cfg: BlackwellFwdConfig, varlen: bool = False,
+                              scheduler=tile_scheduler.StaticTileScheduler,
+                              seqused_k: bool = False) -> compile_cache.Compiled:
+    """What attention_forward / attention_varlen_forward launch: the kernel compile_config builds,
+    compiled with TVM-FFI (`host_io.launch_stream`) through stage 3's compile cache, so the call
+    passes torch tensors and Python numbers (`_call_args`) and a store set there (fa4's disk cache)
+    keeps the build across processes, as the Hopper forward's. For sm_100a whatever the process
+    targets (the kernel's `gpu_arch`)."""
+    if seqused_k and not varlen:
+        raise ValueError("seqused_k: a varlen build's option (varlen=True)")
+    key = (STEP, "gpu", cfg.key(), varlen, scheduler) + (("seqused_k",) if seqused_k else ())
+
+    def build():  # only on a miss
+        kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler)
+        args = fake_args(cfg, varlen)[:-1] + (host_io.launch_stream(),)  # the stream: torch's current one
+        return kernel, _launch_tail(args, Int32(1) if kernel.persistent else None,
+                                    host_io.fake_i32_vector() if seqused_k else None)
+    return compile_cache.compile_cached(key, build)
+
+
+def _call_args(cfg: BlackwellFwdConfig, q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seqlen_q=None,
+               sink=None, max_ctas=None, seqused_k=None) -> tuple:
+    """A launchable build's arguments, in ``__call__`` order without the stream, from torch tensors:
+    None where its fake argument was None (no cu_seqlens in a dense build, no score scale without a
+    softcap), and the persistent grid's width and seqused_k last as `_launch_tail` put them."""
+    opt = host_io.launch_view
+    scale_log2, score_scale = Softcap(cfg.softcap).kernel_scales(softmax_scale)
+    args = (opt(q), opt(k), opt(v), out, lse, scale_log2, cu_q, cu_k, max_seqlen_q,
+            score_scale if cfg.softcap else None, sink)
+    return _launch_tail(args, max_ctas, seqused_k)
 
 
 def resource_report(ptxas_log: str, sass: str, ptx: str, cubin) -> dict:
@@ -745,11 +778,10 @@ def _launch_tail(args, grid_width, seqused_k):
     return args if grid_width is None else args + (grid_width,)
 
 
-def _with_grid_width(args, scheduler, device, seqused_k=None):
-    """A persistent build's launch also takes its grid's width: the device's SMs (or num_ctas); a
-    varlen launch with seqused_k (torch int32 (B,)) takes that tensor last."""
-    width = Int32(scheduler.launch_ctas(device)) if getattr(scheduler, "persistent", False) else None
-    return _launch_tail(args, width, None if seqused_k is None else host_io.to_cute(seqused_k, assumed_align=4))
+def _grid_width(scheduler, device):
+    """A persistent build's launch also takes its grid's width: the device's SMs (or num_ctas); None
+    for a grid of one CTA a tile."""
+    return int(scheduler.launch_ctas(device)) if getattr(scheduler, "persistent", False) else None
 
 
 def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
@@ -778,9 +810,8 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
         return out, lse
     if k.shape[1] == 0:
         return _nothing_visible(out, lse, sink, head_dim=1)
-    args = _with_grid_width(_launch_args(q, k, v, out, lse, softmax_scale, softcap=cfg.softcap, sink=sink),
-                            scheduler, q.device)
-    compile_config(cfg, False, args, scheduler=scheduler).fn(*args)
+    comp = compile_launchable_config(cfg, False, scheduler)
+    comp.fn(*_call_args(cfg, q, k, v, out, lse, softmax_scale, sink=sink, max_ctas=_grid_width(scheduler, q.device)))
     return out, lse
 
 
@@ -812,10 +843,10 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return out, lse
     if k.shape[0] == 0:  # no sequence has a key (and a TMA map cannot have a 0 extent)
         return _nothing_visible(out, lse, sink, head_dim=0)
-    args = _launch_args(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale, cu_seqlens_q,
-                        cu_seqlens_k, max_seqlen_q, softcap=cfg.softcap, sink=sink)
-    args = _with_grid_width(args, scheduler, q.device, seqused_k)
-    compile_config(cfg, True, args, scheduler=scheduler, seqused_k=seqused_k is not None).fn(*args)
+    comp = compile_launchable_config(cfg, True, scheduler, seqused_k is not None)
+    comp.fn(*_call_args(cfg, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale, cu_seqlens_q,
+                        cu_seqlens_k, max_seqlen_q, sink=sink, max_ctas=_grid_width(scheduler, q.device),
+                        seqused_k=seqused_k))
     return out, lse
 
 

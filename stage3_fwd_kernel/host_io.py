@@ -103,7 +103,7 @@ def fake_i32_matrix():
 
 def to_cute(t, assumed_align=16):
     """A torch CUDA tensor -> a CuTe tensor with dynamic shape and strides (last mode stride 1).
-    Only for kernels launched the classic way (the stage-5 probes, Blackwell); launchable
+    Only for kernels launched the classic way (the stage-5 probes, the 2-CTA Blackwell forward); launchable
     compiles take torch tensors directly (see `launch_stream`)."""
     from cutlass.cute.runtime import from_dlpack
 

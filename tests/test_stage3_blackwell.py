@@ -445,3 +445,68 @@ def test_packed_emulation_takes_adjacent_pairs():
     assert SoftmaxPolicy(emulation_fraction=0.0).row_pair_pattern(128) == (False,) * 64
     assert SoftmaxPolicy(emulation_fraction=3 / 16).row_pair_pattern(128) is None
     assert policy.row_pair_pattern(24) is None  # not whole periods
+
+
+# ------------------------------------------------------------------------------- the launchable build
+def _sass_without_names(sass: str) -> str:
+    return re.sub(r"\bFunction : \S+", "Function", re.sub(r"kernel_cutlass_\S+", "K", sass))
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_launchable_build_is_the_inspected_kernel():
+    """attention_forward / attention_varlen_forward launch compile_launchable_config's TVM-FFI build:
+    in this sm_90a process it still targets sm_100a (the kernel's gpu_arch), and its SASS is the
+    inspected compile_config build's, kernel names aside (dense causal, varlen + seqused_k with a window,
+    persistent at (128, 64), d = 256)."""
+    from stage3_fwd_kernel import blackwell_fwd as bw
+    from stage3_fwd_kernel import tile_scheduler as ts
+
+    cases = [(bw.make_config("bf16", 128, 128, True), False, ts.StaticTileScheduler, False),
+             (bw.make_config("fp16", 64, 64, False, window_size=(96, 32)), True, ts.StaticTileScheduler, True),
+             (bw.make_config("bf16", 128, 64, False), False, ts.PersistentScheduler(ts.StaticTileScheduler), False),
+             (bw.make_config("bf16", 256, 256, True, q_tiles_per_cta=1), True, ts.StaticTileScheduler, False)]
+    for cfg, varlen, sched, used in cases:
+        inspected = bw.compile_config(cfg, varlen, scheduler=sched, seqused_k=used)
+        launched = bw.compile_launchable_config(cfg, varlen, sched, used)
+        assert "TVMFFI" in type(launched.fn).__name__
+        assert re.search(r"^\.target\s+sm_100a", launched.ptx, re.M)
+        assert launched.report["spill_stores"] == 0 and launched.report["smem_bytes"] == cfg.smem.total
+        assert _sass_without_names(launched.sass) == _sass_without_names(inspected.sass), cfg.summary()
+    with pytest.raises(ValueError, match=r"^seqused_k: a varlen build"):
+        bw.compile_launchable_config(cases[0][0], False, seqused_k=True)
+
+
+DISK_ROUNDTRIP = """
+import json, time
+from fa4 import _dispatch
+from stage3_fwd_kernel import blackwell_fwd as bw
+_dispatch._install_disk_cache()
+t = time.time()
+comp = bw.compile_launchable_config(bw.make_config("bf16", 128, 128, True), False)
+print(json.dumps({"loaded": bool(comp.report.get("loaded_from")), "seconds": time.time() - t}))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_launchable_build_reloads_from_fa4s_disk_cache(tmp_path):
+    """Two processes targeting sm_100a with one FA4_CACHE_DIR: the first compiles the forward and writes
+    it, the second loads it (no compile). Nothing is launched: loading is what a B200 process would do."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a", PYTHONPATH=str(root), FA4_CACHE_DIR=str(tmp_path))
+    env.pop("FA4_CACHE", None)
+    runs = []
+    for _ in range(2):
+        res = subprocess.run([sys.executable, "-c", DISK_ROUNDTRIP], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert [r["loaded"] for r in runs] == [False, True], runs
+    assert len(list(tmp_path.rglob("*.o"))) == 1

@@ -70,10 +70,18 @@ def test_launch_passes_the_sm_count(monkeypatch):
     from stage3_fwd_kernel import tile_scheduler as ts
 
     monkeypatch.setattr(ts, "sm_count", lambda device=None: SM_COUNT)
-    args = bw._with_grid_width(("q",), ts.PersistentScheduler(), "cuda:0")
-    assert args[0] == "q" and int(args[1]) == SM_COUNT
-    assert int(bw._with_grid_width((), ts.PersistentScheduler(num_ctas=7), None)[0]) == 7
-    assert bw._with_grid_width(("q",), ts.StaticTileScheduler, None) == ("q",)
+    assert bw._grid_width(ts.PersistentScheduler(), "cuda:0") == SM_COUNT
+    assert bw._grid_width(ts.PersistentScheduler(num_ctas=7), None) == 7
+    assert bw._grid_width(ts.StaticTileScheduler, None) is None
+    # the launch's arguments end with the width (and seqused_k after it where the build takes one)
+    import torch
+
+    cfg, t = bw.make_config("bf16", 128, 128, False), torch.zeros(1)
+    used = torch.zeros(2, dtype=torch.int32)
+    assert bw._call_args(cfg, t, t, t, t, t, 0.125, max_ctas=7)[-1] == 7
+    tail = bw._call_args(cfg, t, t, t, t, t, 0.125, seqused_k=used)[-2:]
+    assert tail[0] is None and tail[1] is used
+    assert len(bw._call_args(cfg, t, t, t, t, t, 0.125)) == 11
     assert bw._persistent_scheduler(None, True) == ts.PersistentScheduler(ts.StaticTileScheduler)
     assert bw._persistent_scheduler(None, False) is ts.StaticTileScheduler
 
