@@ -173,7 +173,8 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     fa4._dispatch.SMALL_PAGE_COPY_HEAD_ROWS query-head rows attending a key per KV head (from the
     query rows as max_seqlen_q or a padded q tells, else every packed row; the keys as max_seqlen_k
     tells, else the queries' own; over the keys a copy would hold, the table's width x page size;
-    causal, window), other sizes it can read up to 256 query rows;
+    causal, window), other sizes it can read up to 256 query rows; on sm_100 (compiled, never run)
+    pages of a multiple of 128 keys are read in place;
     otherwise fa4 gathers them into a padded copy first (a copy per call;
     fa4/_layouts.VarlenLayout.unpage).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for

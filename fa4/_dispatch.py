@@ -108,7 +108,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
                              "any other page size by a cp.async gather up to 256 query rows (decode, short chunks); "
                              "longer queries over those pages, queries over pages of 16 with 6144 or more query-head "
-                             "rows a key and KV head, and page_table on other arches use a dense copy of the pages"),
+                             "rows a key and KV head use a dense copy of the pages; on sm_100 pages of a multiple of "
+                             "128 keys are read in place (one TMA box a key block), others copied"),
     "kv_cache": (True, "flash_attn_with_kvcache: dense or paged cache, in-place append with rotary embedding, split-KV "
                        "decode merged through the lse -- on sm_90 by its split launch (each CTA finds its key chunk), "
                        "on other arches by key segments of the varlen forward (fa4/_kvcache.py)"),
@@ -672,6 +673,14 @@ class BlackwellBackend(Backend):
                              softmax_scale, causal, **variants):
         return mod.attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k=seqused_k,
                                             softmax_scale=softmax_scale, causal=causal, **variants)
+
+    def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None,
+                       head_rows=None) -> bool:
+        """Pages of whole key blocks (a multiple of 128 keys): one TMA box a block at its page
+        (stage3_fwd_kernel.blackwell_config.pages_in_place); smaller pages are copied. Compiled only."""
+        from stage3_fwd_kernel.blackwell_config import pages_in_place
+
+        return pages_in_place(page_size)
 
 
 BACKEND_TYPES = {"sm_90": HopperBackend, "sm_100": BlackwellBackend}

@@ -86,6 +86,9 @@ __all__ = [
     "RegisterPlan",
     "BlackwellFwdConfig",
     "blackwell_fwd_config",
+    "TILE_N",
+    "pages_in_place",
+    "check_page_size",
 ]
 
 SMEM_CAPACITY = 232448     # 227 KB: the opt-in maximum dynamic shared memory per CTA on sm_100
@@ -369,6 +372,30 @@ def _tmem_plan(q_tiles, tile_n, dv) -> TmemPlan:
     return TmemPlan(s=s, o=o, p=tuple(x + tile_n - p_cols for x in s), scale=s,
                     final=tuple(x + 2 for x in s), s_cols=tile_n, o_cols=dv, p_cols=p_cols,
                     used=used, alloc=max(TMEM_MIN_ALLOC, _pow2_at_least(used)))
+
+
+TILE_N = 128  # the key block of every build (blackwell_fwd_config's default tile_n)
+
+
+def pages_in_place(page_size, tile_n: int = TILE_N) -> bool:
+    """Whether the forward reads a paged cache of page_size in place: pages of whole key blocks (one
+    TMA box a block, at the block's page). Smaller pages would need boxes of a page each in the K
+    and V tiles, which this kernel does not build; fa4 copies those pages into a dense cache."""
+    return not isinstance(page_size, bool) and isinstance(page_size, int) and page_size > 0 \
+        and page_size % tile_n == 0
+
+
+def check_page_size(page_size, tile_n: int, varlen: bool, persistent: bool):
+    """The page size a kernel is built for (None: no paged cache), else a ValueError naming it."""
+    if page_size is None:
+        return None
+    if not pages_in_place(page_size, tile_n):
+        raise ValueError(f"page_size: the Blackwell forward reads pages of a multiple of {tile_n} keys in place, "
+                         f"got {page_size!r} (gather smaller pages into a dense cache first)")
+    if not varlen or persistent:
+        raise ValueError("page_size: a paged cache is read by the varlen build with one CTA a tile (varlen=True, "
+                         "no persistent scheduler)")
+    return page_size
 
 
 def q_tiles_for(head_dim: int, head_dim_v: int | None = None) -> int:

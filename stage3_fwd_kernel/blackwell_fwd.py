@@ -92,6 +92,8 @@ from cutlass.pipeline import NamedBarrier
 from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_scheduler
 from stage3_fwd_kernel.blackwell_config import (SUPPORTED_HEAD_DIMS, BlackwellFwdConfig, blackwell_fwd_config,
                                                q_tiles_for)
+from stage3_fwd_kernel.blackwell_config import TILE_N
+from stage3_fwd_kernel.blackwell_config import check_page_size as check_blackwell_page_size
 from stage3_fwd_kernel.blackwell_load_mma import LoadMmaRoles
 from stage3_fwd_kernel.blackwell_output import OutputRoles
 from stage3_fwd_kernel.blackwell_persistent import PersistentRoles, TileWalkArgs, check_persistent
@@ -102,7 +104,8 @@ from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import Window
 from stage3_fwd_kernel.components.work_tile import SequenceInfo, locate_tile
-from stage3_fwd_kernel.hopper.host import _nothing_visible, _outputs, make_variant  # the same checks and rules
+from stage3_fwd_kernel.hopper.host import (_nothing_visible, _outputs, make_variant,  # the same checks and rules
+                                           paged_cache_inputs)
 from stage3_fwd_kernel.softmax_policy import SoftmaxPolicy
 
 # The process target is the package's (sm_90a without a GPU, so Hopper kernels compiled in the
@@ -131,11 +134,13 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
     gpu_arch = TARGET_ARCH  # compile_cache compiles launchable builds for it whatever the process targets
 
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
-                 scheduler=tile_scheduler.StaticTileScheduler):
+                 scheduler=tile_scheduler.StaticTileScheduler, page_size: int | None = None):
         # a plain bool (the protocol checker reads it): one CTA per SM walking tiles, phases carried
         self.persistent = check_persistent(scheduler, config)
         self.cfg = config
         self.varlen = varlen
+        # a paged K/V cache read in place (components.paged_kv): pages of whole key blocks only
+        self.page_size = check_blackwell_page_size(page_size, config.tile_n, varlen, self.persistent)
         self.scheduler = scheduler
         self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v
@@ -169,7 +174,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                  mLSE: cute.Tensor, softmax_scale_log2: Float32,
                  mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
                  max_seqlen_q: Int32 | None, score_scale: Float32 | None, mSink: cute.Tensor | None, stream,
-                 max_ctas: Int32 | None = None, mSeqUsedK: cute.Tensor | None = None):
+                 max_ctas: Int32 | None = None, mSeqUsedK: cute.Tensor | None = None,
+                 mPageTable: cute.Tensor | None = None):
         """Dense: mQ (B, Sq, Hq, d), mK (B, Sk, Hkv, d), mV (B, Sk, Hkv, dv), mO (B, Sq, Hq, dv),
         mLSE (B, Hq, Sq). Varlen: mQ (Tq, Hq, d), mK / mV (Tk, Hkv, *), mO (Tq, Hq, dv),
         mLSE (Hq, Tq), cu_seqlens int32 (B + 1,), max_seqlen_q a runtime int; mSeqUsedK int32 (B,) or
@@ -177,7 +183,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         Variants: score_scale the softcap's tanh input scale (Softcap.kernel_scales;
         softmax_scale_log2 is then softcap * log2 e), None without softcap; mSink fp32 (Hq,) sink
         logits, None without a sink. max_ctas: persistent builds only, the grid's width (the
-        device's SMs); None otherwise."""
+        device's SMs); None otherwise. mPageTable int32 (B, pages) in a paged build (with mSeqUsedK):
+        mK / mV are then the flat cache (pages x page_size, Hkv, *) and cu_seqlens_k logical first keys."""
         if const_expr(self.persistent != (max_ctas is not None)):
             raise TypeError("max_ctas: persistent kernels take the grid width (the SM count), others None")
         if const_expr(not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype)):
@@ -190,6 +197,9 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
             raise TypeError("score_scale: softcap kernels take the tanh's input scale, others None")
         if const_expr(self.sink != (mSink is not None)):
             raise TypeError("learnable_sink: sink kernels take an fp32 (Hq,) tensor, others None")
+        if const_expr((self.page_size is not None) != (mPageTable is not None) or
+                      (mPageTable is not None and mSeqUsedK is None)):
+            raise TypeError("page_table: paged builds take one and seqused_k, others None")
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
         # 1. views the TMA and MMA want
         mQ, mK, mV, mO = self.gmem_views(mQ, mK, mV, mO)
@@ -260,8 +270,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         self.kernel(tma_Q, tma_K, tma_V, tma_O, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, softmax_scale_log2,
                     mQ.shape[0], mK.shape[0], mQ.shape[2] // mK.shape[2],
                     tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O, tiled_mma_qk, tiled_mma_pv,
-                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, score_scale, mSink, mSeqUsedK, *extents,
-                    ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+                    sQ_layout, sK_layout, sV_layout, tP_layout, sO_layout, score_scale, mSink, mSeqUsedK, mPageTable,
+                    *extents).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def gmem_views(self, mQ, mK, mV, mO):
         """(seq, dim, head[, batch]) for Q / K / O, (dim, seq, ...) for V (the B operand of O += P V is
@@ -308,8 +318,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                tma_atom_O: cute.CopyAtom | None, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                tP_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout, score_scale: Float32 | None,
-               mSink: cute.Tensor | None, mSeqUsedK: cute.Tensor | None, num_m_blocks: Int32 | None,
-               num_heads: Int32 | None, num_batch: Int32 | None):
+               mSink: cute.Tensor | None, mSeqUsedK: cute.Tensor | None, mPageTable: cute.Tensor | None,
+               num_m_blocks: Int32 | None, num_heads: Int32 | None, num_batch: Int32 | None):
         # the last three: a persistent grid's tile space (None in one-tile-per-CTA builds)
         roles, nq = self.roles, self.num_q
         tidx, _, _ = cute.arch.thread_idx()
@@ -371,7 +381,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
             self.one_tile_roles(mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, seqlen_q_static, seqlen_k_static, qhead_per_kvhead,
                                 wg_idx, warp_idx, tmem, mbar, tma_Q, tma_K, tma_V, tma_O, mO, mLSE,
                                 softmax_scale_log2, tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O,
-                                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, tP_layout, score_scale, mSink)
+                                tiled_mma_qk, tiled_mma_pv, sQ, sK, sV, sO, tP_layout, score_scale, mSink,
+                                mPageTable)
 
     @cute.jit
     def one_tile_roles(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
@@ -383,7 +394,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                        tma_atom_Q: cute.CopyAtom, tma_atom_K: cute.CopyAtom, tma_atom_V: cute.CopyAtom,
                        tma_atom_O: cute.CopyAtom | None, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                        sQ: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sO: cute.Tensor,
-                       tP_layout: cute.ComposedLayout, score_scale: Float32 | None, mSink: cute.Tensor | None):
+                       tP_layout: cute.ComposedLayout, score_scale: Float32 | None, mSink: cute.Tensor | None,
+                       mPageTable: cute.Tensor | None = None):
         """The warp roles of a CTA that computes one tile (the default, StaticTileScheduler interface)."""
         roles = self.roles
         thr_mma_qk = tiled_mma_qk.get_slice(0)
@@ -401,7 +413,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                 if tile_valid:
                     self.load(t.m_block, t.head, t.head_kv, t.batch, t.offset_q, t.offset_k, n_blocks, mbar,
                               tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV,
-                              thr_mma_qk, thr_mma_pv, n_block_min=n_block_min)
+                              thr_mma_qk, thr_mma_pv, n_block_min=n_block_min, page_table=mPageTable, tile=t)
             if warp_idx == roles.mma:
                 tmem.allocate(self.tmem.alloc)
                 tmem.relinquish_alloc_permit()
@@ -608,21 +620,20 @@ def compile_sm100(kernel, args) -> tuple:
 
 
 def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False,
-                   scheduler=tile_scheduler.StaticTileScheduler, seqused_k: bool = False) -> compile_cache.Compiled:
+                   scheduler=tile_scheduler.StaticTileScheduler, seqused_k: bool = False,
+                   page_size: int | None = None) -> compile_cache.Compiled:
     """Compile for sm_100a with fake tensors, for inspection (the resource report below); `scheduler`
     is the tile order (the StaticTileScheduler interface: stage 5's LPT order for long causal calls),
     or a persistent grid over one (tile_scheduler.PersistentScheduler(order): blackwell_persistent.py);
-    seqused_k: a varlen build that takes the keys each sequence uses. The launches build the same
-    kernel through `compile_launchable_config`. Returns compile_cache.Compiled (fn, report, sass, ptx)."""
-    if seqused_k and not varlen:
-        raise ValueError("seqused_k: a varlen build's option (varlen=True)")
-    key = (cfg.key(), varlen, "fake", scheduler) + (("seqused_k",) if seqused_k else ())
+    seqused_k: a varlen build that takes the keys each sequence uses; page_size: a varlen build that
+    reads a paged cache in place (with seqused_k). The launches build the same kernel through
+    `compile_launchable_config`. Returns compile_cache.Compiled (fn, report, sass, ptx)."""
+    seqused_k = _check_build(varlen, seqused_k, page_size)
+    key = (cfg.key(), varlen, "fake", scheduler) + (("seqused_k",) if seqused_k else ()) + _paged_key(page_size)
     if key in _CACHE:
         return _CACHE[key]
-    kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler)
-    # a persistent build also takes the grid's width (any value: it is a runtime argument)
-    args = _launch_tail(fake_args(cfg, varlen), Int32(1) if kernel.persistent else None,
-                        host_io.fake_i32_vector() if seqused_k else None)
+    kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler, page_size=page_size)
+    args = _fake_launch_args(kernel, fake_args(cfg, varlen), seqused_k)
     fn, report, sass, ptx = compile_sm100(kernel, args)
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
@@ -634,34 +645,50 @@ def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False,
 
 def compile_launchable_config(cfg: BlackwellFwdConfig, varlen: bool = False,
                               scheduler=tile_scheduler.StaticTileScheduler,
-                              seqused_k: bool = False) -> compile_cache.Compiled:
+                              seqused_k: bool = False, page_size: int | None = None) -> compile_cache.Compiled:
     """What attention_forward / attention_varlen_forward launch: the kernel compile_config builds,
     compiled with TVM-FFI (`host_io.launch_stream`) through stage 3's compile cache, so the call
     passes torch tensors and Python numbers (`_call_args`) and a store set there (fa4's disk cache)
     keeps the build across processes, as the Hopper forward's. For sm_100a whatever the process
     targets (the kernel's `gpu_arch`)."""
-    if seqused_k and not varlen:
-        raise ValueError("seqused_k: a varlen build's option (varlen=True)")
-    key = (STEP, "gpu", cfg.key(), varlen, scheduler) + (("seqused_k",) if seqused_k else ())
+    seqused_k = _check_build(varlen, seqused_k, page_size)
+    key = (STEP, "gpu", cfg.key(), varlen, scheduler) + (("seqused_k",) if seqused_k else ()) + _paged_key(page_size)
 
     def build():  # only on a miss
-        kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler)
+        kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler, page_size=page_size)
         args = fake_args(cfg, varlen)[:-1] + (host_io.launch_stream(),)  # the stream: torch's current one
-        return kernel, _launch_tail(args, Int32(1) if kernel.persistent else None,
-                                    host_io.fake_i32_vector() if seqused_k else None)
+        return kernel, _fake_launch_args(kernel, args, seqused_k)
     return compile_cache.compile_cached(key, build)
 
 
+def _check_build(varlen: bool, seqused_k: bool, page_size) -> bool:
+    """seqused_k of a build (a paged one always takes it), its options checked."""
+    if (seqused_k or page_size is not None) and not varlen:
+        raise ValueError(f"{'seqused_k' if seqused_k else 'page_size'}: a varlen build's option (varlen=True)")
+    return seqused_k or page_size is not None
+
+
+def _paged_key(page_size) -> tuple:
+    return () if page_size is None else ("paged", page_size)
+
+
+def _fake_launch_args(kernel, args: tuple, seqused_k: bool) -> tuple:
+    """`args` (through the stream) and the optional tail the build takes: a persistent grid's width
+    (any value: it is a runtime argument), seqused_k, a paged build's table."""
+    return _launch_tail(args, Int32(1) if kernel.persistent else None, host_io.fake_i32_vector() if seqused_k else None,
+                        host_io.fake_i32_matrix() if kernel.page_size is not None else None)
+
+
 def _call_args(cfg: BlackwellFwdConfig, q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seqlen_q=None,
-               sink=None, max_ctas=None, seqused_k=None) -> tuple:
+               sink=None, max_ctas=None, seqused_k=None, page_table=None) -> tuple:
     """A launchable build's arguments, in ``__call__`` order without the stream, from torch tensors:
     None where its fake argument was None (no cu_seqlens in a dense build, no score scale without a
-    softcap), and the persistent grid's width and seqused_k last as `_launch_tail` put them."""
+    softcap), and the persistent grid's width, seqused_k and the page table last as `_launch_tail` put them."""
     opt = host_io.launch_view
     scale_log2, score_scale = Softcap(cfg.softcap).kernel_scales(softmax_scale)
     args = (opt(q), opt(k), opt(v), out, lse, scale_log2, cu_q, cu_k, max_seqlen_q,
             score_scale if cfg.softcap else None, sink)
-    return _launch_tail(args, max_ctas, seqused_k)
+    return _launch_tail(args, max_ctas, seqused_k, page_table)
 
 
 def resource_report(ptxas_log: str, sass: str, ptx: str, cubin) -> dict:
@@ -770,12 +797,14 @@ def _persistent_scheduler(scheduler, persistent: bool):
     return scheduler
 
 
-def _launch_tail(args, grid_width, seqused_k):
-    """`args` (through the stream) and the launch's optional trailing arguments: a persistent build's grid
-    width, a seqused_k build's tensor (after the width's None in a one-tile-per-CTA build)."""
-    if seqused_k is not None:
-        return args + (grid_width, seqused_k)
-    return args if grid_width is None else args + (grid_width,)
+def _launch_tail(args, grid_width, seqused_k, page_table=None):
+    """`args` (through the stream) and the launch's optional trailing arguments, ``__call__``'s last three:
+    a persistent build's grid width, a seqused_k build's tensor, a paged build's table -- up to the last
+    one the build takes (a None before it stands for an absent one)."""
+    tail = [grid_width, seqused_k, page_table]
+    while tail and tail[-1] is None:
+        tail.pop()
+    return args + tuple(tail)
 
 
 def _grid_width(scheduler, device):
@@ -818,16 +847,23 @@ def attention_forward(q, k, v, *, softmax_scale=None, causal=False, window_size=
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, seqused_k=None,
                              softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0,
                              learnable_sink=None, out=None, lse=None, scheduler=None, persistent: bool = False,
-                             **cfg_kw):
+                             page_table=None, **cfg_kw):
     """Packed q (Tq,Hq,D), k/v (Tk,Hkv,*), int32 cu_seqlens (B+1,) -> (out (Tq,Hq,Dv), lse (Hq,Tq)).
     seqused_k: int32 (B,) on q's device, or None: sequence b attends to the first seqused_k[b] keys
     from cu_seqlens_k[b] (at most its cu_seqlens_k length: the caller's contract, not checked here,
     which would synchronize). Variants, scheduler and persistent as attention_forward's (the grid's
-    tiles run over max_seqlen_q; tiles past a shorter sequence are skipped). UNVERIFIED: never run on
-    hardware here."""
+    tiles run over max_seqlen_q; tiles past a shorter sequence are skipped). page_table int32 (B, pages):
+    k / v are a paged cache (num_pages, page_size, Hkv, *) read in place, page_size a multiple of 128
+    (components.paged_kv); seqused_k is then required and cu_seqlens_k holds each sequence's first
+    logical key, a multiple of 128 (None: 0). UNVERIFIED: never run on hardware here."""
     # every argument is checked before the GPU check (errors name the argument; devices come after it)
     variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)
     scheduler = _persistent_scheduler(scheduler, persistent)
+    page_size = None
+    if page_table is not None:  # the cache's shapes and the table checked, then the page size
+        k, v, cu_seqlens_k, page_size, page_table = paged_cache_inputs(k, v, page_table, cu_seqlens_q, cu_seqlens_k,
+                                                                       seqused_k, TILE_N)
+        check_blackwell_page_size(page_size, TILE_N, True, getattr(scheduler, "persistent", False))
     # this entry takes no max_seqlen_k (0 stands in for the shared check's)
     host_io.check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0, seqused_k=seqused_k)
     d, dv = q.shape[-1], v.shape[-1]
@@ -843,10 +879,10 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         return out, lse
     if k.shape[0] == 0:  # no sequence has a key (and a TMA map cannot have a 0 extent)
         return _nothing_visible(out, lse, sink, head_dim=0)
-    comp = compile_launchable_config(cfg, True, scheduler, seqused_k is not None)
+    comp = compile_launchable_config(cfg, True, scheduler, seqused_k is not None, page_size)
     comp.fn(*_call_args(cfg, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, softmax_scale, cu_seqlens_q,
                         cu_seqlens_k, max_seqlen_q, sink=sink, max_ctas=_grid_width(scheduler, q.device),
-                        seqused_k=seqused_k))
+                        seqused_k=seqused_k, page_table=page_table))
     return out, lse
 
 

@@ -41,13 +41,15 @@ class _SegmentsOnlyBackend:
         return None  # plans off: the call runs the host logic every time
 
     def paged_in_place(self, *args, **kwargs):
-        return False
+        return self.real.paged_in_place(*args, **kwargs)
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window=(None, None),
-                       softcap=0.0, learnable_sink=None):
+                       softcap=0.0, learnable_sink=None, page_table=None):
         assert used is not None and learnable_sink is None  # segments always name their keys; the sink joins later
-        self.calls.append(dict(segments=int(used.shape[0]), rows=max_q, window=tuple(window), causal=causal))
-        out, lse = tk.stand_in(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap)
+        self.calls.append(dict(segments=int(used.shape[0]), rows=max_q, window=tuple(window), causal=causal,
+                               paged=page_table is not None))
+        out, lse = tk.stand_in(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, softcap,
+                               page_table=page_table)
         return out.to(q.dtype), lse.float()
 
 
@@ -60,6 +62,9 @@ def sm100(fa4_ops_on_cpu, monkeypatch):
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device: 148)
     real_merge = _kvcache.merge_segments
     monkeypatch.setattr(_kvcache, "merge_segments", lambda *a, kernel=False, **kw: real_merge(*a, kernel=False, **kw))
+    # fa4._paged asks the backend only for CUDA tensors: the same question for these CPU ones
+    monkeypatch.setattr(_kvcache._paged, "in_place", lambda q, k, v, *a, **kw: backend.paged_in_place(
+        q.shape[-1], v.shape[-1], int(k.shape[1])))
     return backend
 
 
@@ -97,10 +102,11 @@ def test_sm100_decode_runs_key_segments(sm100, splits):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("page_size", [16, 128])
-def test_sm100_paged_decode_copies_or_cuts_pages(sm100, page_size):
-    """Shuffled pages: pages of 16 are gathered into a dense copy (n segments), pages of 128 are one
-    segment each (no copy); both agree with the dense cache."""
+@pytest.mark.parametrize("page_size", [16, 128, 256])
+def test_sm100_paged_decode_in_place_or_copied(sm100, page_size):
+    """Shuffled pages, unused ones in between: pages of 128 and 256 keys are read in place through the
+    table (chunks of the logical keys, the table row repeated a chunk), pages of 16 are gathered into a
+    dense copy first; every layout agrees with the dense cache."""
     b, s_cache, hkv = 2, 512, 2
     q, kc, vc = _bf16_cache(2, b, 1, 4, hkv, 64, s_cache)
     lens = torch.tensor([200, 512], dtype=torch.int32)
@@ -113,10 +119,9 @@ def test_sm100_paged_decode_copies_or_cuts_pages(sm100, page_size):
     vp[perm.long()] = vc.reshape(b * pages, page_size, hkv, 64)
     out, lse = _kvcache.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, return_softmax_lse=True)
     _check_bf16(out, lse, q, kc, vc, lens)
-    if page_size == 128:
-        assert _segments(sm100) == [b * pages]
-    else:
-        assert _segments(sm100)[0] % b == 0 and _segments(sm100)[0] // b <= _kvcache.MAX_SPLITS
+    (call,) = sm100.calls
+    assert call["paged"] == (page_size >= 128) and call["segments"] % b == 0
+    assert call["segments"] // b <= _kvcache.MAX_SPLITS
 
 
 @pytest.mark.cpu
@@ -146,7 +151,7 @@ def test_sm100_windowed_decode_and_causal_prefill_with_append(sm100):
         n = int(lens[b]) + 5
         want, _ = tk.dense(q5[b], kc[b][:n], vc[b][:n], 64 ** -0.5, True)
         torch.testing.assert_close(out[b].double(), want, rtol=2 ** -7, atol=2 ** -8)
-    assert sm100.calls == [dict(segments=2, rows=5, window=(None, None), causal=True)]
+    assert sm100.calls == [dict(segments=2, rows=5, window=(None, None), causal=True, paged=False)]
 
 
 @pytest.mark.cpu
@@ -160,6 +165,13 @@ def test_sm100_refuses_packed_causal_tokens_before_the_append(sm100):
     with pytest.raises(ValueError, match=r"^pack_gqa: packing the query heads"):
         _kvcache.with_kvcache(q, kc, vc, new, new, cache_seqlens=lens, causal=True, pack_gqa=True)
     assert torch.equal(kc, before) and not sm100.calls
+
+
+@pytest.mark.cpu
+def test_blackwell_reads_pages_of_whole_key_blocks_in_place():
+    backend = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
+    assert [backend.paged_in_place(128, 128, p) for p in (128, 256, 1024)] == [True] * 3
+    assert [backend.paged_in_place(128, 128, p, query_rows=4) for p in (1, 16, 64, 100, 192)] == [False] * 5
 
 
 @pytest.mark.cpu

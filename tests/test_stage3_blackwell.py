@@ -510,3 +510,57 @@ def test_launchable_build_reloads_from_fa4s_disk_cache(tmp_path):
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
     assert [r["loaded"] for r in runs] == [False, True], runs
     assert len(list(tmp_path.rglob("*.o"))) == 1
+
+
+# ------------------------------------------------------------------------------- a paged K/V cache
+PAGED = [("bf16", 128, 128, True, {}, 128), ("fp16", 64, 64, False, dict(window_size=(96, 32)), 256),
+         ("bf16", 128, 64, True, {}, 128), ("bf16", 256, 256, False, dict(q_tiles_per_cta=1), 128)]
+
+
+def _entry_params(ptx: str) -> int:
+    return max(int(n) for n in re.findall(r"_param_(\d+)\b", ptx)) + 1
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("dt,d,dv,causal,kw,page", PAGED, ids=[f"d{c[1]}x{c[2]}-p{c[5]}" for c in PAGED])
+def test_paged_builds_compile_sm100a(dt, d, dv, causal, kw, page):
+    """A varlen build reading a paged cache in place (pages of whole key blocks): the seqused_k build's
+    plan, MMAs and TMA loads, one more kernel parameter (the table) and two more global loads (the load
+    warp's table reads: the first block, then one a block in its loop); no local memory."""
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    cfg = bw.make_config(dt, d, dv, causal, **kw)
+    used, paged = bw.compile_config(cfg, True, seqused_k=True), bw.compile_config(cfg, True, page_size=page)
+    rep = paged.report
+    assert rep["spill_stores"] == rep["spill_loads"] == rep["LDL/STL"] == 0
+    for key in ("UTCHMMA.SS", "UTCHMMA.TS", "UTMALDG", "smem_bytes", "tmem_cols_alloc", "ptx_setmaxnreg"):
+        assert rep[key] == used.report[key], key
+    assert _entry_params(paged.ptx) == _entry_params(used.ptx) + 1
+    assert paged.ptx.count("ld.global") == used.ptx.count("ld.global") + 2
+
+
+@pytest.mark.cpu
+@pytest.mark.stage3
+def test_paged_builds_are_refused_where_they_do_not_exist():
+    import torch
+
+    from stage3_fwd_kernel import blackwell_fwd as bw
+    from stage3_fwd_kernel import tile_scheduler as ts
+    from stage3_fwd_kernel.blackwell_config import pages_in_place
+
+    assert [pages_in_place(p) for p in (128, 256, 384, 64, 16, 0, True, 128.0)] == [True] * 3 + [False] * 5
+    cfg = bw.make_config("bf16", 128, 128, False)
+    for kw, match in ((dict(varlen=True, page_size=64), r"^page_size: .* multiple of 128 keys"),
+                      (dict(varlen=False, page_size=128), r"^page_size: a paged cache is read by the varlen build"),
+                      (dict(varlen=True, page_size=128, scheduler=ts.PersistentScheduler(ts.StaticTileScheduler)),
+                       r"^page_size: a paged cache is read by the varlen build")):
+        with pytest.raises(ValueError, match=match):
+            bw.FlashAttentionForwardSm100(cfg, **kw)
+    q = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
+    cu, used = torch.tensor([0, 8], dtype=torch.int32), torch.tensor([100], dtype=torch.int32)
+    pages, table = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^page_size: .* got 64"):  # before the GPU check
+        bw.attention_varlen_forward(q, pages, pages, cu, None, 8, seqused_k=used, page_table=table)
+    with pytest.raises(ValueError, match=r"^seqused_k: required with page_table"):
+        bw.attention_varlen_forward(q, pages, pages, cu, None, 8, page_table=table)
