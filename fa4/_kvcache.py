@@ -47,9 +47,10 @@ causal or windowed tokens the split launch reads them as rows by token from q it
 
 The learnable sink joins the denominator once, after the merge (so it is not counted per segment).
 
-Blackwell (sm_100) has no split launch (`Backend.SPLIT_KV_LAUNCH`) and reads no pages in place, so
-its calls take the segments above through its own varlen forward (seqused_k) and the merge kernel,
-and paged caches the copy or a segment per page. Compiled for sm_100a only, never run on hardware.
+Blackwell (sm_100) has no split launch (`Backend.SPLIT_KV_LAUNCH`), so its calls take the segments
+above through its own varlen forward (seqused_k) and the merge kernel; it reads pages of a multiple of
+128 keys in place (chunked like a dense cache) and copies smaller ones. Compiled for sm_100a only,
+never run on hardware.
 
 An eager step on the device, once checked, replays a launch plan (fa4._plans) from its third call with
 the same shapes: the same torch functions and kernels without this module's host logic (a one-token
@@ -689,16 +690,23 @@ def _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa) ->
     from . import _dispatch
 
     backend = _dispatch.backend_for(q.device)
-    # an arch without the split launch (sm_100) runs key segments of its varlen forward, whose pages it
-    # does not read in place (Backend.paged_in_place: a dense copy, or a segment per page)
+    # an arch without the split launch (sm_100) runs key segments of its varlen forward
     split = fa4_split if backend.SPLIT_KV_LAUNCH else None
     in_place = False
     if block_table is not None:
-        _, _, pack = plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, window, pack_gqa,
-                                 token_rows=split is not None)
+        sq, group = q.shape[1], q.shape[2] // k_cache.shape[2]
+        # segments see one token's window as a key range on a copy of the pages (key_range_window); the
+        # split launch masks packed rows by token either way
+        seen = window if split is not None else key_range_window(sq, window, False)[0]
+        _, _, pack = plan_layout(sq, group, causal, seen, pack_gqa, token_rows=split is not None)
         # the cache's lengths are device values: the keys count as the queries' own (fa4._paged.head_rows)
-        in_place = _paged.in_place(q, k_cache, v_cache, q.shape[1], span=block_table.shape[1] * k_cache.shape[1],
+        in_place = _paged.in_place(q, k_cache, v_cache, sq, span=block_table.shape[1] * k_cache.shape[1],
                                    causal=causal, window=window, packed=bool(pack))
+        if in_place and split is None and pack_gqa:
+            # pages read in place keep one token's window as a mask (chunks start on a key block), which
+            # packed segments cannot take: such a call reads a copy of the pages instead
+            _, free, _ = plan_layout(sq, group, causal, key_range_window(sq, window, True)[0], None)
+            in_place = free
     return _sm_count(q.device), split, in_place
 
 

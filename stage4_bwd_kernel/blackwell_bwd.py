@@ -701,15 +701,16 @@ def format_report(name, rep):
     return f"{name}: " + ", ".join(f"{k}={rep.get(k)}" for k in REPORT_KEYS)
 
 
-def compile_pre_post_sm100(dtype="bf16", head_dim=128):
+def compile_pre_post_sm100(dtype="bf16", head_dim=128, head_dim_v=None):
     """The arch-neutral preprocess / postprocess kernels (plain SIMT loads, stores, shuffles),
-    compiled unchanged for sm_100a. Returns the two compiled functions."""
+    compiled unchanged for sm_100a (the preprocess reads dO and O at head_dim_v, default head_dim).
+    Returns the two compiled functions."""
     from stage4_bwd_kernel import postprocess as post
     from stage4_bwd_kernel import preprocess as pre
 
     dt = common.cutlass_dtype(dtype)
-    f1 = _fwd.compile_sm100(pre.BackwardPreprocess(dt, head_dim, head_dim, False),
-                            pre._fake_args(dt, head_dim, head_dim))[0]
+    dv = head_dim if head_dim_v is None else head_dim_v
+    f1 = _fwd.compile_sm100(pre.BackwardPreprocess(dt, head_dim, dv, False), pre._fake_args(dt, head_dim, dv))[0]
     f2 = _fwd.compile_sm100(post.BackwardPostprocess(dt, head_dim, False), post._fake_args(dt, head_dim))[0]
     return f1, f2
 

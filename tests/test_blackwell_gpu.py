@@ -117,7 +117,7 @@ def test_backward_kernel_on_blackwell(d, dv, causal):
 @pytest.mark.parametrize("paged", [False, True])
 def test_kvcache_decode_on_blackwell(paged):
     """fa4.flash_attn_with_kvcache on sm_100: key segments of the varlen forward and the merge kernel;
-    one appended token a step, GQA 8 / 2, a dense cache or shuffled pages of 128 (a segment a page)."""
+    one appended token a step, GQA 8 / 2, a dense cache or shuffled pages of 128 (read in place)."""
     import fa4
     from stage0_reference.torch_reference import assert_fa4_close, attention_ref
 

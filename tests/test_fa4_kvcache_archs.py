@@ -1,15 +1,18 @@
 """fa4.flash_attn_with_kvcache on an arch without the Hopper split launch (sm_100), on CPU.
 
-Blackwell's forward has no `attention_split_forward` (`Backend.SPLIT_KV_LAUNCH` is False) and reads
-no pages in place, so a call there runs the key segments of fa4._kvcache through the arch's varlen
-forward and merges them. These tests drive `with_kvcache` down its device branch (the one a real
-GPU call takes: the backend's checks, `_device_route`, the launch-plan hooks) with a stand-in
+Blackwell's forward has no `attention_split_forward` (`Backend.SPLIT_KV_LAUNCH` is False), so a call
+there runs the key segments of fa4._kvcache through the arch's varlen forward (pages of a multiple of
+128 keys read in place, smaller ones copied) and merges them. These tests drive `with_kvcache` down
+its device branch (the one a real GPU call takes: the backend's checks, `_device_route`, the
+launch-plan hooks) with a stand-in
 backend whose arch is sm_100 and whose varlen forward is float64 torch attention under the kernel's
 contract (`test_fa4_kvcache.stand_in`). The Blackwell kernels themselves are compiled in the compile
 tier (the varlen forward with seqused_k in test_stage3_blackwell.py, the merge kernel below); none
 of this has run on a Blackwell GPU.
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -176,16 +179,46 @@ def test_blackwell_reads_pages_of_whole_key_blocks_in_place():
 
 @pytest.mark.cpu
 def test_device_route_by_arch(monkeypatch):
-    """_device_route: the split launch where the backend has one (sm_90), segments elsewhere (sm_100)."""
+    """_device_route: the split launch where the backend has one (sm_90), segments elsewhere (sm_100);
+    pages of 128 read in place on both, but on sm_100 not for a one-token windowed step with
+    pack_gqa=True (its window must become a key range, which only a copy of the pages gives)."""
     monkeypatch.setattr(_kvcache, "_sm_count", lambda device: 7)
-    q, kc, vc = (torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16) for _ in range(3))
-    table = torch.zeros(1, 1, dtype=torch.int32)
+    q = torch.zeros(1, 1, 4, 64, dtype=torch.bfloat16)
+    pages = torch.zeros(3, 128, 1, 64, dtype=torch.bfloat16)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    window = (100, 0)
     for key, split in (("sm_90", _kvcache.fa4_split), ("sm_100", None)):
         backend = _dispatch.make_backend(_dispatch.ARCHS[key])
         monkeypatch.setattr(_dispatch, "backend_for", lambda device, b=backend: b)
+        monkeypatch.setattr(_kvcache._paged, "in_place", lambda q, k, v, *a, b=backend, **kw: b.paged_in_place(
+            q.shape[-1], v.shape[-1], int(k.shape[1]), 4))
         assert backend.SPLIT_KV_LAUNCH == (key == "sm_90")
-        for block_table in (None, table):
-            assert _kvcache._device_route(q, kc, vc, block_table, False, (None, None), None) == (7, split, False)
+        route = functools.partial(_kvcache._device_route, q, pages, pages)
+        assert route(None, False, (None, None), None) == (7, split, False)
+        assert route(table, False, (None, None), None) == (7, split, True)
+        assert route(table, True, window, None) == (7, split, True)
+        assert route(table, True, window, True) == (7, split, key == "sm_90")
+
+
+@pytest.mark.cpu
+def test_sm100_windowed_packed_decode_over_pages(sm100):
+    """One token, a left window, pack_gqa=True, pages of 128 (read in place otherwise): served through a
+    copy of the pages with the window as a key range, packed; the dense cache gives the same."""
+    b, s_cache, hkv = 2, 512, 2
+    q, kc, vc = _bf16_cache(9, b, 1, 8, hkv, 64, s_cache)
+    lens = torch.tensor([450, 37], dtype=torch.int32)
+    perm = torch.randperm(b * 4, generator=tk._gen(3))
+    kp = torch.empty(b * 4, 128, hkv, 64, dtype=torch.bfloat16)
+    vp = torch.empty_like(kp)
+    kp[perm], vp[perm] = kc.reshape(-1, 128, hkv, 64), vc.reshape(-1, 128, hkv, 64)
+    kw = dict(cache_seqlens=lens, window_size=(100, 0), causal=True, pack_gqa=True, return_softmax_lse=True)
+    out, lse = _kvcache.with_kvcache(q, kp, vp, block_table=perm.view(b, 4).to(torch.int32), **kw)
+    for i in range(b):
+        first, n = max(int(lens[i]) - 101, 0), int(lens[i])
+        want, wl = tk.dense(q[i], kc[i][first:n], vc[i][first:n], 64 ** -0.5, False)
+        torch.testing.assert_close(out[i].double(), want, rtol=2 ** -7, atol=2 ** -8)
+        torch.testing.assert_close(lse[i].double(), wl, rtol=1e-5, atol=1e-5)
+    assert [c["paged"] for c in sm100.calls] == [False] and sm100.calls[0]["rows"] == 4  # copied, packed
 
 
 MERGE_FOR_SM100A = """

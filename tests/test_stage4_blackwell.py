@@ -251,10 +251,11 @@ def test_deterministic_semaphore_loop():
 
 @pytest.mark.compile
 @pytest.mark.stage4
-def test_preprocess_postprocess_compile_for_sm100a():
+@pytest.mark.parametrize("dv", [128, 64])
+def test_preprocess_postprocess_compile_for_sm100a(dv):
     from stage4_bwd_kernel import blackwell_bwd
 
-    pre, post = blackwell_bwd.compile_pre_post_sm100("bf16", 128)
+    pre, post = blackwell_bwd.compile_pre_post_sm100("bf16", 128, dv)
     for fn in (pre, post):
         assert re.search(r"^\.target\s+sm_100a", fn.__ptx__, re.M)
         assert fn.__cubin__
