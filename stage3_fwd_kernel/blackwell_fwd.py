@@ -141,6 +141,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         self.varlen = varlen
         # a paged K/V cache read in place (components.paged_kv): pages of whole key blocks only
         self.page_size = check_blackwell_page_size(page_size, config.tile_n, varlen, self.persistent)
+        self.blocks_per_page = 1 if page_size is None else page_size // config.tile_n
         self.scheduler = scheduler
         self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v
@@ -628,12 +629,10 @@ def compile_config(cfg: BlackwellFwdConfig, varlen: bool = False,
     seqused_k: a varlen build that takes the keys each sequence uses; page_size: a varlen build that
     reads a paged cache in place (with seqused_k). The launches build the same kernel through
     `compile_launchable_config`. Returns compile_cache.Compiled (fn, report, sass, ptx)."""
-    seqused_k = _check_build(varlen, seqused_k, page_size)
-    key = (cfg.key(), varlen, "fake", scheduler) + (("seqused_k",) if seqused_k else ()) + _paged_key(page_size)
+    key, build = _build(cfg, varlen, scheduler, seqused_k, page_size, launchable=False)
     if key in _CACHE:
         return _CACHE[key]
-    kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler, page_size=page_size)
-    args = _fake_launch_args(kernel, fake_args(cfg, varlen), seqused_k)
+    kernel, args = build()
     fn, report, sass, ptx = compile_sm100(kernel, args)
     report.update(smem_bytes=kernel.smem_bytes, threads=kernel.num_threads,
                   tmem_cols_used=cfg.tmem.used, tmem_cols_alloc=cfg.tmem.alloc,
@@ -651,32 +650,29 @@ def compile_launchable_config(cfg: BlackwellFwdConfig, varlen: bool = False,
     passes torch tensors and Python numbers (`_call_args`) and a store set there (fa4's disk cache)
     keeps the build across processes, as the Hopper forward's. For sm_100a whatever the process
     targets (the kernel's `gpu_arch`)."""
-    seqused_k = _check_build(varlen, seqused_k, page_size)
-    key = (STEP, "gpu", cfg.key(), varlen, scheduler) + (("seqused_k",) if seqused_k else ()) + _paged_key(page_size)
+    return compile_cache.compile_cached(*_build(cfg, varlen, scheduler, seqused_k, page_size, launchable=True))
+
+
+def _build(cfg: BlackwellFwdConfig, varlen: bool, scheduler, seqused_k: bool, page_size, launchable: bool):
+    """(cache key, build) of one configuration: build() -> (kernel, fake arguments), the stream TVM-FFI's
+    environment stream when launchable (torch's current one at the call), and the optional tail the
+    build takes -- a persistent grid's width (any value: a runtime argument), seqused_k (a paged
+    build always takes it), a paged build's table."""
+    if (seqused_k or page_size is not None) and not varlen:
+        raise ValueError(f"{'seqused_k' if seqused_k else 'page_size'}: a varlen build's option (varlen=True)")
+    seqused_k = seqused_k or page_size is not None
+    key = ((STEP, "gpu") if launchable else ("fake",)) + (cfg.key(), varlen, scheduler) \
+        + (("seqused_k",) if seqused_k else ()) + (() if page_size is None else ("paged", page_size))
 
     def build():  # only on a miss
         kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler, page_size=page_size)
-        args = fake_args(cfg, varlen)[:-1] + (host_io.launch_stream(),)  # the stream: torch's current one
-        return kernel, _fake_launch_args(kernel, args, seqused_k)
-    return compile_cache.compile_cached(key, build)
-
-
-def _check_build(varlen: bool, seqused_k: bool, page_size) -> bool:
-    """seqused_k of a build (a paged one always takes it), its options checked."""
-    if (seqused_k or page_size is not None) and not varlen:
-        raise ValueError(f"{'seqused_k' if seqused_k else 'page_size'}: a varlen build's option (varlen=True)")
-    return seqused_k or page_size is not None
-
-
-def _paged_key(page_size) -> tuple:
-    return () if page_size is None else ("paged", page_size)
-
-
-def _fake_launch_args(kernel, args: tuple, seqused_k: bool) -> tuple:
-    """`args` (through the stream) and the optional tail the build takes: a persistent grid's width
-    (any value: it is a runtime argument), seqused_k, a paged build's table."""
-    return _launch_tail(args, Int32(1) if kernel.persistent else None, host_io.fake_i32_vector() if seqused_k else None,
-                        host_io.fake_i32_matrix() if kernel.page_size is not None else None)
+        args = fake_args(cfg, varlen)
+        if launchable:
+            args = args[:-1] + (host_io.launch_stream(),)
+        return kernel, _launch_tail(args, Int32(1) if kernel.persistent else None,
+                                    host_io.fake_i32_vector() if seqused_k else None,
+                                    host_io.fake_i32_matrix() if page_size is not None else None)
+    return key, build
 
 
 def _call_args(cfg: BlackwellFwdConfig, q, k, v, out, lse, softmax_scale, cu_q=None, cu_k=None, max_seqlen_q=None,

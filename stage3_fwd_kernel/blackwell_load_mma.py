@@ -36,14 +36,13 @@ class LoadMmaRoles:
             mQ_cur = tma_Q[None, None, head, batch]      # (sq, d)
             mK_cur = tma_K[None, None, head_kv, batch]   # (sk, d)
             mV_cur = tma_V[None, None, head_kv, batch]   # (dv, sk)
-        elif const_expr(page_table is None):  # this sequence's rows start at its cu_seqlens offset
+        else:  # this sequence's rows start at its cu_seqlens offset
             mQ_cur = cute.domain_offset((offset_q, 0), tma_Q[None, None, head])
-            mK_cur = cute.domain_offset((offset_k, 0), tma_K[None, None, head_kv])
-            mV_cur = cute.domain_offset((0, offset_k), tma_V[None, None, head_kv])
-        else:  # offset_k is a logical key: key_block adds it before the table lookup
-            mQ_cur = cute.domain_offset((offset_q, 0), tma_Q[None, None, head])
-            mK_cur = tma_K[None, None, head_kv]          # (pages x page_size, d)
-            mV_cur = tma_V[None, None, head_kv]          # (dv, pages x page_size)
+            mK_cur = tma_K[None, None, head_kv]          # (rows, d); paged: (pages x page_size, d)
+            mV_cur = tma_V[None, None, head_kv]          # (dv, rows)
+            if const_expr(page_table is None):  # paged: offset_k is a logical key, which key_block adds
+                mK_cur = cute.domain_offset((offset_k, 0), mK_cur)
+                mV_cur = cute.domain_offset((0, offset_k), mV_cur)
         gQ = cute.local_tile(mQ_cur, (self.tm, self.d), (None, 0))     # (tm, d, q tiles)
         gK = cute.local_tile(mK_cur, (self.tn, self.d), (None, 0))     # (tn, d, n blocks)
         gV = cute.local_tile(mV_cur, (self.dv, self.tn), (0, None))    # (dv, tn, n blocks)
@@ -63,24 +62,15 @@ class LoadMmaRoles:
             cute.copy(tma_atom_Q, tQgQ[None, m_block * self.num_q + i], tQsQ[None, i],
                       tma_bar_ptr=self._bar(mbar, "q_full", i))
             if const_expr(i == 0):
-                first = self._cache_block(page_table, tile, self._key_block(n_block_min, 0))
+                first = key_block(page_table, self.blocks_per_page, self.tn, tile, self._key_block(n_block_min, 0))
                 self.load_kv(2 * self._walk_step(blocks_done, 0), first, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
         self.load_kv(2 * self._walk_step(blocks_done, 0) + 1, first, mbar, tma_atom_V, tVgV, tVsV, self.bytes_V)
         # 2. K_j, V_j as ring slots free up (load j of the walk: slot and phase count from its start)
         for j in cutlass.range(1, n_blocks, unroll=1):
-            n_block = self._cache_block(page_table, tile, self._key_block(n_block_min, j))
+            n_block = key_block(page_table, self.blocks_per_page, self.tn, tile, self._key_block(n_block_min, j))
             self.load_kv(2 * self._walk_step(blocks_done, j), n_block, mbar, tma_atom_K, tKgK, tKsK, self.bytes_K)
             self.load_kv(2 * self._walk_step(blocks_done, j) + 1, n_block, mbar, tma_atom_V, tVgV, tVsV,
                          self.bytes_V)
-
-    @cute.jit
-    def _cache_block(self, page_table: cute.Tensor | None, tile, n_block: Int32) -> Int32:
-        """Key block n_block of the walk as a block of the K / V tensors: itself, or (a paged build)
-        block page * blocks_per_page + the block within the page, one table read a block."""
-        block = n_block
-        if const_expr(page_table is not None):
-            block = key_block(page_table, self.page_size // self.tn, self.tn, tile, n_block)
-        return block
 
     @cute.jit
     def load_kv(self, load_idx: Int32, n_block: Int32, mbar: cute.Pointer, tma_atom: cute.CopyAtom,
