@@ -366,6 +366,10 @@ class Backend:
     # the modules offer compile_launchable(...): what the GPU path launches, built without a GPU
     # under its cache keys (fa4.precompile); the forward's also takes a tile scheduler
     LAUNCHABLE_BUILDS = False
+    # precompile also builds what long calls launch: the LPT-ordered causal forwards (--heads; their
+    # section size is sized for an H100's L2), the split-tail forward, the persistent backward. sm_100's
+    # LPT sections follow the device's own L2, so its long causal calls compile on first use
+    AHEAD_LONG_BUILDS = False
     # the dense backward hands back D = rowsum(dout * out) - dlse (`return_d`) from its preprocess;
     # else sink_grad computes it with torch
     DENSE_BACKWARD_RETURNS_D = True
@@ -566,6 +570,7 @@ class HopperBackend(Backend):
     keyword arguments when set."""
 
     LAUNCHABLE_BUILDS = True
+    AHEAD_LONG_BUILDS = True
     SPLIT_KV_LAUNCH = True
 
     def import_forward(self):
@@ -635,6 +640,7 @@ class BlackwellBackend(Backend):
     sink_grad's torch ops (the dense backward does not return it)."""
 
     DENSE_BACKWARD_RETURNS_D = False
+    LAUNCHABLE_BUILDS = True  # compile_launchable in blackwell_fwd and stage4_bwd_kernel.blackwell
 
     def import_forward(self):
         from stage3_fwd_kernel import blackwell_fwd
@@ -661,13 +667,11 @@ class BlackwellBackend(Backend):
 
     @staticmethod
     def _persistent(mod, q, v, causal: bool, variants: dict) -> bool:
-        """One CTA per SM walking the tiles (blackwell_persistent.py) where the official sm100 forward
-        runs its static persistent schedule: dense calls with neither causal nor a window -- and only
-        where the build exists (head dims <= 128; not a sink at dv = 128)."""
-        if causal or "window_size" in variants:
-            return False
-        kw = dict(softcap=variants.get("softcap", 0.0), learnable_sink="learnable_sink" in variants)
-        return mod.persistent_available(str(q.dtype), q.shape[-1], v.shape[-1], False, **kw)
+        """One CTA per SM walking the tiles (blackwell_persistent.py) where the stage module's
+        `default_persistent` says so: dense calls with neither causal nor a window, where the build exists."""
+        return mod.default_persistent(str(q.dtype), q.shape[-1], v.shape[-1], causal,
+                                      window_size=variants.get("window_size", (None, None)),
+                                      softcap=variants.get("softcap", 0.0), learnable_sink="learnable_sink" in variants)
 
     def _call_varlen_forward(self, mod, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                              softmax_scale, causal, **variants):

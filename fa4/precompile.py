@@ -7,15 +7,16 @@ compiling for seconds. Each line says whether the kernel was compiled or loaded 
 
 Without a GPU it compiles the same kernels for sm_90a (or --arch sm_100a) with fake tensors and
 prints the time and resource report of each (registers, shared memory, spills). Modules with a
-`compile_launchable` (the Hopper forward and backward) build exactly what their GPU path launches
--- TVM-FFI functions under the GPU path's cache keys -- so these land in the disk cache too: a CPU
-build machine can fill a cache that GPU machines then load, provided both run the same CuTe-DSL,
-apache-tvm-ffi and Python minor version (the cache fingerprint). Modules without one (the
-Blackwell forward) get their compile-only build: a resource check, nothing written.
+`compile_launchable` (the Hopper and the Blackwell forward and backward) build exactly what their
+GPU path launches -- TVM-FFI functions under the GPU path's cache keys -- so these land in the disk
+cache too: a CPU build machine can fill a cache that GPU machines then load, provided both run the
+same CuTe-DSL, apache-tvm-ffi and Python minor version (the cache fingerprint). The Blackwell
+kernels are compiled only: no Blackwell GPU has loaded them.
 
 Causal Hopper forwards with >= 4096 keys launch stage 5's LPT tile order, whose section size (a
 compile-time constant) depends on the head counts and the key length. `--heads HQ[/HKV]` adds
 those kernels for every length up to `--max-seqlen` (one kernel per section size, usually 2-6).
+On sm_100 the section size follows the device's own L2, so those kernels compile on first use.
 
 `--shapes` / `--model-config` build exactly what a model's calls launch instead (head dims, GQA,
 causal, sliding window, softcap, sink, LPT range; `derive_builds`), through compile_launchable on
@@ -108,13 +109,27 @@ def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seql
     return builds
 
 
-def _lpt_hint(cfgs, arch_key: str) -> Optional[str]:
-    """A line for runs without --heads whose causal configs would also launch LPT kernels."""
+# why an arch without AHEAD_LONG_BUILDS skips the LPT kernels ({} = the forward module)
+_NO_AHEAD_LPT = "{}'s LPT sections are sized by the device's L2, so long causal calls compile them on first use"
+
+
+def _no_ahead_lpt_note(arch_key: str) -> str:
+    from ._dispatch import ARCHS, LPT_MIN_SEQLEN_K
+
+    module = ARCHS[arch_key].forward_module
+    return f"note: causal calls with >= {LPT_MIN_SEQLEN_K} keys: " + _NO_AHEAD_LPT.format(module)
+
+
+def _lpt_hint(cfgs, arch_key: str, ahead: bool = True) -> Optional[str]:
+    """A line for runs without --heads whose causal configs would also launch LPT kernels (ahead:
+    whether precompile can build them, `Backend.AHEAD_LONG_BUILDS`)."""
     from ._dispatch import LPT_MIN_SEQLEN_K, causal_forward_scheduler
 
     lpt_here = causal_forward_scheduler(arch_key, True, LPT_MIN_SEQLEN_K, 128, 128, 1, 1) is not None
     if not any(c[3] for c in cfgs) or not lpt_here:
         return None
+    if not ahead:
+        return _no_ahead_lpt_note(arch_key)
     return (f"note: causal calls with >= {LPT_MIN_SEQLEN_K} keys launch LPT-ordered kernels that depend on the head "
             "counts and the length; add --heads HQ[/HKV] (and --max-seqlen) to build those too")
 
@@ -353,11 +368,11 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
                   varlen: bool = False) -> list[dict]:
     """The kernels these workloads launch, each once: per (dtype, head dims, causal, variant) the
     forward of short calls (compile_launchable; non-causal plain ones add the long calls' split-tail
-    build), the forward of long calls where the key count changes the build (a causal call without
-    LPT order from LPT_MIN_SEQLEN_K keys: persistent or not; past the LPT ranges, d = 96's 192 x 144
-    tile from 8192 keys), the LPT-ordered forwards of causal calls with >= LPT_MIN_SEQLEN_K keys (one
-    per section size, as `lpt_builds`), the backward (preprocess,
-    main, postprocess) unless backward=False, and the varlen forward / backward when varlen=True.
+    build), the forward of long calls where the key count changes the build (past the LPT ranges,
+    d = 96's 192 x 144 tile from 8192 keys), the LPT-ordered forwards of causal calls with >=
+    LPT_MIN_SEQLEN_K keys (one per section size, as `lpt_builds`; sm_90 only, see `arch_notes`),
+    the backward (preprocess, main, postprocess) unless backward=False, and the varlen forward /
+    backward when varlen=True.
     Each build is a dict: kind, dtype, head_dim, head_dim_v, causal, variant (compile_launchable
     keywords), seqlen_k, and for LPT builds scheduler / heads."""
     from ._dispatch import ARCHS, LPT_MIN_SEQLEN_K, has_backward
@@ -384,6 +399,8 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
         # default_persistent), so it is the only windowed forward
         if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal or left_window:
             add("fwd", w)
+        # sm_100's long causal calls take LPT kernels sized by the device's L2: built on first use
+        # (`arch_notes`); no other build of its forward depends on the key count
         lpt = w.causal and w.window is None and arch_key == "sm_90"
         first_len = max(w.min_seqlen, LPT_MIN_SEQLEN_K)
         if lpt and longest >= LPT_MIN_SEQLEN_K:
@@ -396,8 +413,6 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
                 else:
                     add("fwd lpt", w, scheduler=sched, seqlen_k_first=max(first, first_len),
                         heads=f"{w.heads_q}/{w.heads_kv}", seqlen_range=(max(first, first_len), last))
-        elif w.causal and longest >= LPT_MIN_SEQLEN_K and not left_window:
-            add("fwd long", w, seqlen_k_first=first_len)
         with_bwd = backward and has_backward(ARCHS[arch_key], w.head_dim, w.head_dim_v)
         if with_bwd:
             add("bwd", w)
@@ -488,13 +503,13 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
     tasks = [(kind, name, cfg, functools.partial(build, *cfg), launchable, "", {})
              for kind, name, build, launchable in jobs for cfg in cfgs
              if kind != "bwd" or has_backward(info, cfg[1], cfg[2])]
-    if heads and launchable:
+    if heads and backend.AHEAD_LONG_BUILDS:
         for b in lpt_builds(cfgs, heads, max_seqlen, info.key):
             cfg, compile_it, prefix, extra = _lpt_task(fwd_mod, b)
             tasks.append(("fwd lpt", fwd_name, cfg, compile_it, True, prefix, extra))
     elif heads:
-        print(f"--heads: {fwd_name} builds no scheduled kernels; LPT kernels skipped", file=out)
-    elif hint := _lpt_hint(cfgs, info.key):
+        print(f"--heads: {_NO_AHEAD_LPT.format(fwd_name)}; LPT kernels skipped", file=out)
+    elif hint := _lpt_hint(cfgs, info.key, backend.AHEAD_LONG_BUILDS):
         print(hint, file=out)
     persist = _cache.enabled() and any(t[4] for t in tasks)
     if persist:
@@ -534,6 +549,24 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
     return results
 
 
+def arch_notes(workloads: Iterable[Workload], arch_key: str) -> list[str]:
+    """Lines for what `derive_builds` leaves out of these workloads on an arch without
+    `Backend.AHEAD_LONG_BUILDS` (sm_100): the LPT kernels of long causal calls, and decoding's kernels
+    (key segments of the varlen forward and the merge: their builds follow each call). Empty elsewhere."""
+    from ._dispatch import BACKEND_TYPES, LPT_MIN_SEQLEN_K
+
+    if BACKEND_TYPES[arch_key].AHEAD_LONG_BUILDS:
+        return []
+    workloads = list(workloads)
+    notes = []
+    if any(w.causal and w.window is None and (w.max_seqlen or 0) >= LPT_MIN_SEQLEN_K for w in workloads):
+        notes.append(_no_ahead_lpt_note(arch_key))
+    if any(w.decode for w in workloads):
+        notes.append(f"note: decode on {arch_key}: flash_attn_with_kvcache's key segments and merge compile on "
+                     "first use (derived for sm_90 only)")
+    return notes
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: build through the public API, which fills the memory and disk caches
 # ---------------------------------------------------------------------------------------------
@@ -553,15 +586,15 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
     cfgs = [c for c in cfgs if (c[1], c[2]) in arch.head_dims]
     kinds = ["fwd"] + (["bwd"] if has_bwd else []) + (["varlen"] if has_varlen else [])
     fwd_mod = backend.forward_module()  # imported with the disk cache installed
-    scheduled = backend.LAUNCHABLE_BUILDS  # the Hopper forward builds LPT-ordered kernels ahead of time
+    scheduled = backend.AHEAD_LONG_BUILDS  # the Hopper forward builds LPT-ordered kernels ahead of time
     lpt = lpt_builds(cfgs, heads, max_seqlen, arch.key) if heads and scheduled else []
     print(f"precompile on {torch.cuda.get_device_name(dev)} ({arch.key}): {len(cfgs)} configs x {', '.join(kinds)}"
           + (f" + {len(lpt)} LPT forward kernel(s)" if heads else "")
           + f"; disk cache: {_cache.cache_dir() if _cache.enabled() else 'disabled (FA4_CACHE=0)'}",
           file=out, flush=True)
     if heads and not scheduled:
-        print(f"--heads: {fwd_mod.__name__} builds no scheduled kernels; LPT kernels skipped", file=out)
-    elif not heads and (hint := _lpt_hint(cfgs, arch.key)):
+        print(f"--heads: {_NO_AHEAD_LPT.format(fwd_mod.__name__)}; LPT kernels skipped", file=out)
+    elif not heads and (hint := _lpt_hint(cfgs, arch.key, scheduled)):
         print(hint, file=out)
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}
     tasks = []  # (kind, config, call, label detail, extra row fields)
@@ -583,7 +616,7 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
                 max_seqlen_k=64, causal=c), "", {}))
     for b in lpt:  # built, not run: the kernels a long causal call of these heads would compile
         tasks.append(("fwd lpt", *_lpt_task(fwd_mod, b)))
-    if backend.LAUNCHABLE_BUILDS:
+    if backend.AHEAD_LONG_BUILDS:
         # built, not run: what long non-causal calls add (the Hopper forward's split_tail kernels), and
         # every backward main kernel (the short calls above may have run the persistent one)
         bwd_mod = backend.backward_module() if has_bwd and any(has_backward(arch, d, dv) for _, d, dv, _ in cfgs) \
@@ -852,6 +885,8 @@ def main(args) -> int:
         except ValueError as exc:
             print(f"--shapes / --model-config: {exc}", file=sys.stderr)
             return 2
+        for note in arch_notes(workloads, arch_key):
+            print(note)
         rows = build_derived(builds, arch_key=arch_key, gpu=gpu and not args.arch)
         if plans:
             try:

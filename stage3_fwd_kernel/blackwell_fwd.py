@@ -102,7 +102,7 @@ from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_f
 from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.components.mask import AttentionMask
 from stage3_fwd_kernel.components.score_mod import Softcap
-from stage3_fwd_kernel.components.window import Window
+from stage3_fwd_kernel.components.window import NO_WINDOW, Window, make_window
 from stage3_fwd_kernel.components.work_tile import SequenceInfo, locate_tile
 from stage3_fwd_kernel.hopper.host import (_nothing_visible, _outputs, make_variant,  # the same checks and rules
                                            paged_cache_inputs)
@@ -780,6 +780,42 @@ def persistent_available(dtype="bf16", head_dim=128, head_dim_v=None, causal=Fal
     variant_kw: make_config's (window_size, softcap, learnable_sink as a bool)."""
     variant_kw.setdefault("q_tiles_per_cta", q_tiles_for(head_dim, head_dim_v))
     return make_config(dtype, head_dim, head_dim_v, causal, **variant_kw).persistent_supported is None
+
+
+def default_persistent(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, window_size=(None, None),
+                       softcap: float = 0.0, learnable_sink: bool = False) -> bool:
+    """Whether a dense call of this configuration runs on persistent CTAs by default: where the official
+    sm100 forward runs its static persistent schedule -- neither causal nor a window -- and only where the
+    build exists (`persistent_available`). fa4's route and `compile_launchable` both ask here."""
+    if causal or make_window(False, window_size) != NO_WINDOW:  # (-1, -1) is no window too
+        return False
+    return persistent_available(dtype, head_dim, head_dim_v, False, softcap=softcap,
+                                learnable_sink=bool(learnable_sink))
+
+
+def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False,
+                       seqused_k=False, scheduler=None, seqlen_k=None, window_size=(None, None),
+                       softcap: float = 0.0, learnable_sink: bool = False, tile_m=None) -> list:
+    """What attention_forward (varlen=True: attention_varlen_forward) launches for this configuration
+    under fa4's route, compiled without a GPU under the launch's cache key (TVM-FFI, fake tensors, for
+    sm_100a whatever the process targets): a list of one Compiled. Dense calls: `scheduler` if given
+    (fa4's LPT order for long causal calls), else persistent CTAs where `default_persistent` says so,
+    else the static grid; varlen calls the static grid. seqlen_k: accepted for the Hopper module's
+    signature -- no Blackwell build depends on the key count but through `scheduler`. tile_m: the tile
+    is fixed here, so only None. With fa4's disk cache installed this fills it on a CPU machine
+    (python -m fa4 precompile --arch sm_100a)."""
+    if tile_m is not None:
+        raise ValueError(f"tile_m: the Blackwell forward's query tile is fixed (128 rows a tile), got {tile_m}")
+    if seqused_k and not varlen:
+        raise ValueError("seqused_k: a varlen build's option (varlen=True)")
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    variant = dict(window_size=tuple(window_size), softcap=softcap, learnable_sink=bool(learnable_sink))
+    cfg = make_config(dtype, head_dim, head_dim_v, causal, q_tiles_per_cta=q_tiles_for(head_dim, head_dim_v),
+                      **variant)
+    persistent = not varlen and scheduler is None and default_persistent(dtype, head_dim, head_dim_v, causal,
+                                                                         **variant)
+    sched = _persistent_scheduler(None if varlen else scheduler, persistent)
+    return [compile_launchable_config(cfg, varlen, sched, seqused_k)]
 
 
 def _persistent_scheduler(scheduler, persistent: bool):

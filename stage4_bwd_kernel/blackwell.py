@@ -129,4 +129,27 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, dete
                                       window_size=window_size, softcap=softcap)
 
 
-__all__ = ["attention_backward", "attention_varlen_backward", "compile_only", "make_kernel", "is_wide", "BEST_STEP"]
+def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, deterministic=False, varlen=False,
+                       has_seqused_k=False, window_size=(None, None), softcap=0.0, seqlen_k=None, group=1) -> list:
+    """What attention_backward (varlen=True: attention_varlen_backward) launches for this configuration --
+    the preprocess, the main kernel, the postprocess -- compiled without a GPU under the launch's cache
+    keys (TVM-FFI, fake tensors): their Compiled records in that order. The main kernel targets sm_100a
+    whatever the process does (its `gpu_arch`); the preprocess and postprocess (plain SIMT code, shared
+    with Hopper) compile for the process's target, so a cache for a B200 is filled in a process that
+    targets sm_100a (python -m fa4 precompile --arch sm_100a). seqlen_k / group: the Hopper module's
+    signature; one main kernel serves every length here. Compiled only, never run (no Blackwell GPU)."""
+    _check_variants(causal, window_size, softcap)
+    from stage4_bwd_kernel import blackwell_bwd, common, host
+
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    maker = _kernel_maker(head_dim, head_dim_v) or blackwell_bwd.make_kernel
+    # the launch's own compile (blackwell_bwd.attention_backward -> host.backward): same step, maker and variant
+    kernel, main = host.compile_main(blackwell_bwd.STEP, maker, common.cutlass_dtype(dtype), head_dim, head_dim_v,
+                                     causal, deterministic, varlen=varlen, has_seqused_k=has_seqused_k,
+                                     variant=host.variant_of(causal, window_size, softcap))
+    pre, post = host.compile_pre_post(kernel, dtype, head_dim, head_dim_v, varlen)
+    return [pre, main, post]
+
+
+__all__ = ["attention_backward", "attention_varlen_backward", "compile_launchable", "compile_only", "make_kernel",
+           "is_wide", "BEST_STEP"]

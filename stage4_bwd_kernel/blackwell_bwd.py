@@ -98,6 +98,8 @@ class FlashAttentionBackwardSm100(ElementwiseRoles, DqDrainRole, WalkPlan):
     ``blackwell_elementwise.ElementwiseRoles``, the dQ warpgroup (WG 2) in ``blackwell_dq.DqDrainRole``,
     the varlen sequence bounds in the Hopper walk's ``WalkPlan`` (tile_bounds, make_walk)."""
 
+    gpu_arch = _fwd.TARGET_ARCH  # compile_cache compiles launchable builds for it whatever the process targets
+
     def __init__(self, config: BlackwellBwdConfig, dq_order=None, *, varlen: bool = False,
                  has_seqused_k: bool = False):
         self.cfg = config

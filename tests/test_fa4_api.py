@@ -492,7 +492,7 @@ def test_blackwell_long_causal_forward_gets_lpt_sized_by_its_l2(monkeypatch):
     assert pick("sm_100", False, 16384, 128, 128, 16, 16, 64 << 20) is None
     calls = []
     mod = types.SimpleNamespace(attention_forward=lambda q, k, v, softmax_scale, causal, scheduler=None:
-                                calls.append(scheduler))
+                                calls.append(scheduler), default_persistent=lambda *a, **kw: False)
     be = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
     monkeypatch.setattr(be, "forward_module", lambda: mod)
     monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", True)

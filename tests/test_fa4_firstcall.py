@@ -245,6 +245,104 @@ def test_launch_keys_are_the_precompiled_keys(recorder, spec, lengths, varlen):
     assert sum(1 for k in launched if k[0] != "hopper_forward") >= 3  # preprocess, main, postprocess
 
 
+@pytest.fixture
+def blackwell_recorder(monkeypatch, recorder):
+    """(sm_100 backend, recorder): the Blackwell modules put in place without retargeting this sm_90a
+    process (nothing compiles: the recorder answers), their GPU checks told a B200 is here."""
+    from stage3_fwd_kernel import blackwell_fwd
+    from stage4_bwd_kernel import blackwell
+
+    _, rec = recorder
+    be = _dispatch.make_backend(_dispatch.ARCHS["sm_100"])
+    be._mods.update(fwd=blackwell_fwd, bwd=blackwell)
+    monkeypatch.setattr(blackwell_fwd, "blackwell_gpu_available", lambda: True)
+    monkeypatch.setattr(blackwell, "_capability", lambda: (10, 0))
+    monkeypatch.setattr(_dispatch, "_BLACKWELL_WARNED", True)
+    monkeypatch.setattr(_dispatch, "_l2_bytes", lambda device: 126 << 20)
+    return be, rec
+
+
+BLACKWELL_WORKLOADS = [  # (shape spec, key lengths of the launches): causal calls below the LPT lengths
+    ("d=128,heads=32/8,causal,seqlen=2048", (300, 2048)),
+    ("d=64,heads=8,noncausal,seqlen=16384", (256, 16384)),                   # persistent CTAs
+    ("d=128/64,heads=8/2,noncausal,seqlen=1024", (1024,)),
+    ("d=192/128,heads=8/2,causal", (640,)),                                  # the wide backward
+    ("d=256,heads=4,noncausal,dtype=fp16", (300,)),                          # one Q tile, not persistent
+    ("d=128,heads=8/2,causal,window=255,softcap=30,sink,seqlen=4096", (1000, 4096)),
+    ("d=64,heads=4,noncausal,window=100/20,seqlen=512", (512,)),
+    ("d=128,heads=4,noncausal,sink", (384,)),                                # a sink at dv = 128: the static grid
+]
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("spec,lengths", BLACKWELL_WORKLOADS, ids=[w[0] for w in BLACKWELL_WORKLOADS])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_blackwell_launch_keys_are_the_precompiled_keys(blackwell_recorder, spec, lengths, varlen):
+    """sm_100 (never run here): every key fa4's Blackwell dispatch asks the compile cache for, forward
+    and backward, is one `precompile --arch sm_100a --shapes SPEC` builds."""
+    be, rec = blackwell_recorder
+    (w,) = precompile.parse_shapes(spec)
+    builds = precompile.derive_builds([w], "sm_100", varlen=varlen)
+    assert {b["kind"] for b in builds} <= {"fwd", "bwd", "varlen", "bwd varlen"}, builds
+    for b in builds:
+        precompile.derived_task(be.forward_module(), be.backward_module(), b)[1]()
+    built = set(rec.keys)
+    assert built and all(_cache.persistable(k) for k in built)
+    rec.keys.clear()
+    for n in lengths:
+        _launch(be, w, n, varlen=varlen)
+    launched = set(rec.keys)
+    assert launched and launched <= built, sorted(map(repr, launched - built))
+    assert any(k[:2] == ("blackwell_fwd", "gpu") for k in launched)  # the forward was reached
+    assert any(k[0] == "gpu" and k[1] == "blackwell_bwd" for k in launched)  # and the backward's main kernel
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_blackwell_long_causal_calls_compile_their_lpt_kernel_on_first_use(blackwell_recorder, capsys):
+    """sm_100's long causal forwards take LPT sections sized by the device's L2: precompile leaves them
+    out and says so; the only key such a launch adds is that LPT forward."""
+    from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
+
+    be, rec = blackwell_recorder
+    (w,) = precompile.parse_shapes("d=128,heads=16,causal,seqlen=8192")
+    builds = precompile.derive_builds([w], "sm_100")
+    assert [b["kind"] for b in builds] == ["fwd", "bwd"]  # the short calls' forward (static grid), the backward
+    (note,) = precompile.arch_notes([w], "sm_100")
+    assert "compile them on first use" in note and precompile.arch_notes([w], "sm_90") == []
+    decode = precompile.parse_shapes("d=128,heads=32/8,causal,seqlen=1024,decode")
+    assert [b["kind"] for b in precompile.derive_builds(decode, "sm_100")] == ["fwd", "bwd"]
+    assert ["decode on sm_100" in n for n in precompile.arch_notes(decode, "sm_100")] == [True]
+    for b in builds:
+        precompile.derived_task(be.forward_module(), be.backward_module(), b)[1]()
+    built = set(rec.keys)
+    rec.keys.clear()
+    _launch(be, w, 8192)
+    (missing,) = set(rec.keys) - built
+    assert missing[:2] == ("blackwell_fwd", "gpu") and missing[4] is not StaticTileScheduler
+    assert missing[4].heads_per_section >= 1  # stage 5's LPT order
+
+
+@pytest.mark.compile
+@pytest.mark.fa4
+@pytest.mark.slow
+def test_precompile_for_sm100a_writes_launchable_kernels(tmp_path):
+    """`precompile --arch sm_100a` on a CPU machine: the forward, the backward's three kernels and the
+    varlen forward are written to the disk cache (compiled only: no Blackwell GPU loads them here), and a
+    second run finds every one of them there."""
+    env = {"FA4_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    args = ("precompile", "--arch", "sm_100a", "--head-dims", "64", "--causal", "yes")
+    first = run_cli(*args, env=env, timeout=1200)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.count("written to disk") == 3 and "not runnable" not in first.stdout, first.stdout
+    assert "compile them on first use" in first.stdout  # causal: the LPT kernels' note
+    objects = list(tmp_path.rglob("*.o"))
+    assert len(objects) == 5, objects  # forward, preprocess, main, postprocess, varlen forward
+    second = run_cli(*args, env=env, timeout=600)
+    assert second.returncode == 0 and second.stdout.count("already on disk") == 3, second.stdout + second.stderr
+
+
 @pytest.mark.cpu
 @pytest.mark.fa4
 def test_firstcall_table_and_help():

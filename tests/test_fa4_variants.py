@@ -243,12 +243,15 @@ def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
         calls.append(("bwd", None, kw))
         return q, k, v
 
-    def persistent_available(dtype, d, dv, causal, *, softcap=0.0, learnable_sink=False):
-        return not learnable_sink  # stands in for "no build" (the real one: a sink at dv = 128)
+    def default_persistent(dtype, d, dv, causal, *, window_size=(None, None), softcap=0.0, learnable_sink=False):
+        asked.append((causal, tuple(window_size), softcap, learnable_sink))
+        # the module's rule, with a sink standing in for "no build" (the real one: a sink at dv = 128)
+        return not (causal or tuple(window_size) != (None, None) or learnable_sink)
 
+    asked = []
     bw = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
     bw._mods["fwd"] = types.SimpleNamespace(attention_forward=fwd, attention_varlen_forward=varlen_fwd,
-                                            persistent_available=persistent_available)
+                                            default_persistent=default_persistent)
     bw._mods["bwd"] = types.SimpleNamespace(attention_backward=bwd)
     sink = torch.zeros(2)
     q = torch.zeros(1, _dispatch.LPT_MIN_SEQLEN_K, 2, 64)
@@ -262,6 +265,9 @@ def test_blackwell_passes_the_variants_and_computes_the_sinks_d():
     assert calls[-1][2] == {"learnable_sink": sink}
     bw.forward(q, q, q, 0.5, False, window=(None, 8))
     assert "persistent" not in calls[-1][2]
+    # the module is asked with the call's variants as they reach it
+    assert asked[-3:] == [(False, (None, None), 5.0, False), (False, (None, None), 0.0, True),
+                          (False, (None, 8), 0.0, False)]
     bw.varlen_forward(q, q, q, q, q, None, 7, 9, 0.5, False, window=(None, 3), softcap=2.0)
     assert calls[-1] == ("varlen_fwd", None, {"seqused_k": None, "window_size": (None, 3), "softcap": 2.0})
     t = torch.zeros(1, 8, 2, 64)

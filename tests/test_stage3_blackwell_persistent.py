@@ -60,6 +60,12 @@ def test_refusals():
 
     assert persistent_available("bf16", 128, causal=True) and persistent_available("fp16", 64, learnable_sink=True)
     assert not persistent_available("bf16", 192, 128) and not persistent_available("bf16", 128, learnable_sink=True)
+    # what a dense call runs by default (fa4's route and compile_launchable): neither causal nor a window
+    from stage3_fwd_kernel.blackwell_fwd import default_persistent
+
+    assert default_persistent("bf16", 128) and default_persistent("fp16", 64, softcap=30.0, learnable_sink=True)
+    assert not default_persistent("bf16", 128, causal=True) and not default_persistent("bf16", 64, window_size=(8, 8))
+    assert not default_persistent("bf16", 128, learnable_sink=True) and not default_persistent("bf16", 256, 256)
 
 
 @pytest.mark.cpu
