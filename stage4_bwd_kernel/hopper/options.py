@@ -263,13 +263,14 @@ def stats_shuffle_pays(causal: bool, banded: bool, deterministic: bool, softcap:
     than reading them from SMEM, as measured on an H200. Plain walks: without softcap (with it the lanes'
     statistics spilled 116 bytes a thread, 36 without, and the backward ran 1.20x faster without them, in
     both modes; log 2026-12-04, "the d = 64 softcap backward"). Causal or banded walks: in deterministic
-    mode (the softcap builds spill 40 bytes with them, 60 without; untimed), and in the default mode only on
-    varlen causal walks without softcap, 1.07-1.09x faster (0.93x with softcap; 2026-12-04, "the d = 64
-    varlen backward"). Dense causal ones tied (+0.3..0.7%) and a (1024, 0) window lost 2.4-3.3% (2026-12-04,
-    "variants re-timed"); before first stores ptxas serialized those builds' wgmmas (C7512)."""
+    mode (the softcap builds spill 40 bytes with them, 60 without; untimed), and in the default mode on
+    causal walks without a window or softcap: varlen 1.07-1.09x faster (0.93x with softcap; 2026-12-04, "the
+    d = 64 varlen backward"), dense +0.3..0.7% (2026-12-04, "variants re-timed") and +0.3..2.5% (2026-12-05,
+    "row statistics by shuffle"). A (1024, 0) window lost 2.4-3.3%; before first stores ptxas serialized
+    those builds' wgmmas (C7512)."""
     if not (causal or banded):
         return not softcap
-    return deterministic or (varlen and not banded and not softcap)
+    return deterministic or not (banded or softcap)
 
 
 def first_stores_pay(head_dim: int, causal: bool, banded: bool, rotated: bool = False, varlen: bool = False) -> bool:
