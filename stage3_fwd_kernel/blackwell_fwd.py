@@ -800,22 +800,19 @@ def compile_launchable(dtype="bf16", head_dim=128, head_dim_v=None, causal=False
     under fa4's route, compiled without a GPU under the launch's cache key (TVM-FFI, fake tensors, for
     sm_100a whatever the process targets): a list of one Compiled. Dense calls: `scheduler` if given
     (fa4's LPT order for long causal calls), else persistent CTAs where `default_persistent` says so,
-    else the static grid; varlen calls the static grid. seqlen_k: accepted for the Hopper module's
+    else the static grid; varlen calls `scheduler` or the static grid. seqlen_k: accepted for the Hopper module's
     signature -- no Blackwell build depends on the key count but through `scheduler`. tile_m: the tile
     is fixed here, so only None. With fa4's disk cache installed this fills it on a CPU machine
     (python -m fa4 precompile --arch sm_100a)."""
     if tile_m is not None:
         raise ValueError(f"tile_m: the Blackwell forward's query tile is fixed (128 rows a tile), got {tile_m}")
-    if seqused_k and not varlen:
-        raise ValueError("seqused_k: a varlen build's option (varlen=True)")
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     variant = dict(window_size=tuple(window_size), softcap=softcap, learnable_sink=bool(learnable_sink))
     cfg = make_config(dtype, head_dim, head_dim_v, causal, q_tiles_per_cta=q_tiles_for(head_dim, head_dim_v),
                       **variant)
     persistent = not varlen and scheduler is None and default_persistent(dtype, head_dim, head_dim_v, causal,
                                                                          **variant)
-    sched = _persistent_scheduler(None if varlen else scheduler, persistent)
-    return [compile_launchable_config(cfg, varlen, sched, seqused_k)]
+    return [compile_launchable_config(cfg, varlen, _persistent_scheduler(scheduler, persistent), seqused_k)]
 
 
 def _persistent_scheduler(scheduler, persistent: bool):

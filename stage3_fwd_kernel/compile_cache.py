@@ -186,7 +186,7 @@ def _compile(key, build, detach: bool = False) -> tuple[Compiled, bool]:
     TVM-FFI links; 0.2-0.5 s each on a cold call) when a store will export and load its own object."""
     kernel, args = build()
     opts = f"--keep-ptx --keep-cubin --dump-dir {dump_dir()} remarks{{ptx}}"
-    # a kernel for another arch than the process's (the Blackwell forward in an sm_90a process) names it
+    # a kernel for another arch than the process's (the Blackwell forward or backward in an sm_90a process) names it
     gpu_arch = getattr(kernel, "gpu_arch", None)
     if gpu_arch:
         opts = f"--gpu-arch {gpu_arch} " + opts
