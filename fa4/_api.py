@@ -174,7 +174,7 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     query rows as max_seqlen_q or a padded q tells, else every packed row; the keys as max_seqlen_k
     tells, else the queries' own; over the keys a copy would hold, the table's width x page size;
     causal, window), other sizes it can read up to 256 query rows; on sm_100 (compiled, never run)
-    pages of a multiple of 128 keys are read in place;
+    pages of 16, 32, 64 (not at head dims (192, 128)) or a multiple of 128 keys are read in place;
     otherwise fa4 gathers them into a padded copy first (a copy per call;
     fa4/_layouts.VarlenLayout.unpage).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for

@@ -108,8 +108,9 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
                              "any other page size by a cp.async gather up to 256 query rows (decode, short chunks); "
                              "longer queries over those pages, queries over pages of 16 with 6144 or more query-head "
-                             "rows a key and KV head use a dense copy of the pages; on sm_100 pages of a multiple of "
-                             "128 keys are read in place (one TMA box a key block), others copied"),
+                             "rows a key and KV head use a dense copy of the pages; on sm_100 pages of 16, 32, 64 or a "
+                             "multiple of 128 keys are read in place by TMA (not 16-64 at head dims 192/128; pages "
+                             "of 16 by the same head-row rule), others copied"),
     "kv_cache": (True, "flash_attn_with_kvcache: dense or paged cache, in-place append with rotary embedding, split-KV "
                        "decode merged through the lse -- on sm_90 by its split launch (each CTA finds its key chunk), "
                        "on other arches by key segments of the varlen forward (fa4/_kvcache.py)"),
@@ -680,11 +681,17 @@ class BlackwellBackend(Backend):
 
     def paged_in_place(self, head_dim: int, head_dim_v: int, page_size: int, query_rows=None,
                        head_rows=None) -> bool:
-        """Pages of whole key blocks (a multiple of 128 keys): one TMA box a block at its page
-        (stage3_fwd_kernel.blackwell_config.pages_in_place); smaller pages are copied. Compiled only."""
-        from stage3_fwd_kernel.blackwell_config import pages_in_place
+        """Pages of whole key blocks (a multiple of 128 keys: one TMA box a block at its page) and pages
+        of 16 / 32 / 64 keys (one box a page; not at (192, 128)), by
+        stage3_fwd_kernel.blackwell_config.pages_in_place; other sizes are copied. Pages of 16 follow
+        the Hopper rule measured on an H200 (SMALL_PAGE_COPY_HEAD_ROWS): the same TMA boxes a block.
+        Compiled only."""
+        from stage3_fwd_kernel.blackwell_config import TILE_N, pages_in_place
 
-        return pages_in_place(page_size)
+        if not pages_in_place(page_size, TILE_N, (head_dim, head_dim_v)):
+            return False
+        small = page_size < TILE_N and TILE_N // page_size >= SMALL_PAGE_BOXES
+        return not (small and head_rows is not None and head_rows >= SMALL_PAGE_COPY_HEAD_ROWS)
 
 
 BACKEND_TYPES = {"sm_90": HopperBackend, "sm_100": BlackwellBackend}

@@ -8,8 +8,9 @@ rows or more are read by TMA boxes, the others (1 to 8 rows, 24, 160, ...) row b
 (stage3_fwd_kernel.hopper.gather), which pays off for short queries only
 (fa4._dispatch.GATHER_MAX_QUERY_ROWS). Pages of 16 keys are 8 TMA boxes a key block, slower than a
 dense copy once many query rows attend each key (fa4._dispatch.SMALL_PAGE_COPY_HEAD_ROWS,
-`head_rows`). The Blackwell varlen forward reads pages of a multiple of 128 keys in place the same
-way, one box a key block (compiled for sm_100a, never run). A forward only: the backward reads dense
+`head_rows`). The Blackwell varlen forward reads pages of 16, 32, 64 (not at head dims (192, 128))
+or a multiple of 128 keys in place the same way, by TMA boxes, with the same rule for pages of 16;
+it has no cp.async gather (compiled for sm_100a, never run). A forward only: the backward reads dense
 K / V.
 
 Every other paged call -- inputs that need a gradient, seqused_q, head-dim pairs that run padded,

@@ -71,6 +71,7 @@ import math
 from dataclasses import dataclass, field
 
 from stage0_reference.validation import check_softcap
+from stage3_fwd_kernel.components.page_sizes import MIN_BOX_ROWS, tma_pages
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window, beyond_causal
 
 __all__ = [
@@ -88,6 +89,7 @@ __all__ = [
     "blackwell_fwd_config",
     "TILE_N",
     "pages_in_place",
+    "NO_PAGE_BOX_HEAD_DIMS",
     "check_page_size",
 ]
 
@@ -377,21 +379,35 @@ def _tmem_plan(q_tiles, tile_n, dv) -> TmemPlan:
 TILE_N = 128  # the key block of every build (blackwell_fwd_config's default tile_n)
 
 
-def pages_in_place(page_size, tile_n: int = TILE_N) -> bool:
+# Head dims whose builds read no pages smaller than a key block in place: at (192, 128) the boxes'
+# load code pushed the MMA warp (56 registers, 12 K-steps of S = Q K^T a tile) to spill 200-240 bytes
+# (`bw.compile_config(make_config("bf16", 192, 128, True), True, page_size=16).report`), so fa4 copies
+# those pages into a dense cache there.
+NO_PAGE_BOX_HEAD_DIMS = ((192, 128),)
+
+
+def pages_in_place(page_size, tile_n: int = TILE_N, head_dims: tuple | None = None) -> bool:
     """Whether the forward reads a paged cache of page_size in place: pages of whole key blocks (one
-    TMA box a block, at the block's page). Smaller pages would need boxes of a page each in the K
-    and V tiles, which this kernel does not build; fa4 copies those pages into a dense cache."""
-    return not isinstance(page_size, bool) and isinstance(page_size, int) and page_size > 0 \
-        and page_size % tile_n == 0
+    TMA box a block, at the block's page), or pages of 16, 32 or 64 keys (components.page_sizes'
+    tma_pages: tile_n / page_size boxes a block, one a page; not at NO_PAGE_BOX_HEAD_DIMS). Other
+    sizes are copied into a dense cache by fa4: this kernel has no cp.async gather."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
+        return False
+    if page_size % tile_n == 0:
+        return True
+    return tma_pages(page_size, tile_n) and tuple(head_dims or ()) not in NO_PAGE_BOX_HEAD_DIMS
 
 
-def check_page_size(page_size, tile_n: int, varlen: bool, persistent: bool):
+def check_page_size(page_size, tile_n: int, varlen: bool, persistent: bool, head_dims: tuple | None = None):
     """The page size a kernel is built for (None: no paged cache), else a ValueError naming it."""
     if page_size is None:
         return None
-    if not pages_in_place(page_size, tile_n):
-        raise ValueError(f"page_size: the Blackwell forward reads pages of a multiple of {tile_n} keys in place, "
-                         f"got {page_size!r} (gather smaller pages into a dense cache first)")
+    if not pages_in_place(page_size, tile_n, head_dims):
+        boxes = "" if tuple(head_dims or ()) in NO_PAGE_BOX_HEAD_DIMS else \
+            f", or of a divisor of {tile_n} that is a multiple of {MIN_BOX_ROWS},"
+        raise ValueError(f"page_size: the Blackwell forward at head dims {head_dims} reads pages of a multiple of "
+                         f"{tile_n} keys{boxes} in place, got {page_size!r} (gather other pages into a dense "
+                         f"cache first)")
     if not varlen or persistent:
         raise ValueError("page_size: a paged cache is read by the varlen build with one CTA a tile (varlen=True, "
                          "no persistent scheduler)")

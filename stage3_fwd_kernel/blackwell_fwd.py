@@ -64,6 +64,8 @@ Synchronisation (all mbarriers in SMEM; "count" = arrivals per phase):
     o_full[i]     MMA (commit after the last O_i += P V) -> correction             1
     epi_full[i]   correction (O_i in SMEM) -> epilogue warp                        128
     tmem_dealloc  softmax WGs + correction done with TMEM -> MMA warp frees it     384 (one Q tile: 256)
+  seqused_k and paged builds only (their last V's rows past the keys used are zeroed):
+    v_tail        TMA -> load warp (it zeroes those rows, then arrives on kv_full)  1 (+ tx bytes)
   persistent builds only (blackwell_persistent.py):
     q_empty[i]    MMA (commit after the tile's last S_i) -> TMA: sQ_i free         1
     final_empty[i] correction (final row stats read) -> MMA: S_i may be rewritten  128
@@ -89,7 +91,7 @@ from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.pipeline import NamedBarrier
 
-from stage3_fwd_kernel import compile_cache, host_io, runner, sass_report, tile_scheduler
+from stage3_fwd_kernel import blackwell_paged, compile_cache, host_io, runner, sass_report, tile_scheduler
 from stage3_fwd_kernel.blackwell_config import (SUPPORTED_HEAD_DIMS, BlackwellFwdConfig, blackwell_fwd_config,
                                                q_tiles_for)
 from stage3_fwd_kernel.blackwell_config import TILE_N
@@ -101,6 +103,7 @@ from stage3_fwd_kernel.blackwell_softmax import SoftmaxCorrectionRoles
 from stage3_fwd_kernel.blackwell_sync import tcgen05_fence_after_sync, tcgen05_fence_before_sync
 from stage3_fwd_kernel.components import block_range
 from stage3_fwd_kernel.components.mask import AttentionMask
+from stage3_fwd_kernel.components.page_sizes import box_rows
 from stage3_fwd_kernel.components.score_mod import Softcap
 from stage3_fwd_kernel.components.window import NO_WINDOW, Window, make_window
 from stage3_fwd_kernel.components.work_tile import SequenceInfo, locate_tile
@@ -134,14 +137,26 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
     gpu_arch = TARGET_ARCH  # compile_cache compiles launchable builds for it whatever the process targets
 
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
-                 scheduler=tile_scheduler.StaticTileScheduler, page_size: int | None = None):
+                 scheduler=tile_scheduler.StaticTileScheduler, page_size: int | None = None,
+                 seqused_k: bool = False):
         # a plain bool (the protocol checker reads it): one CTA per SM walking tiles, phases carried
         self.persistent = check_persistent(scheduler, config)
         self.cfg = config
         self.varlen = varlen
-        # a paged K/V cache read in place (components.paged_kv): pages of whole key blocks only
-        self.page_size = check_blackwell_page_size(page_size, config.tile_n, varlen, self.persistent)
-        self.blocks_per_page = 1 if page_size is None else page_size // config.tile_n
+        # a paged K/V cache read in place (components.paged_kv): pages of whole key blocks, one TMA
+        # box a block, or pages of 16 / 32 / 64 keys, boxes_per_block boxes a block (blackwell_paged)
+        self.page_size = check_blackwell_page_size(page_size, config.tile_n, varlen, self.persistent,
+                                                   (config.head_dim, config.head_dim_v))
+        self.blocks_per_page = 1 if page_size is None else max(page_size // config.tile_n, 1)
+        self.box_rows = box_rows(page_size, config.tile_n)
+        self.boxes_per_block = config.tile_n // self.box_rows
+        # keys past a sequence's used ones (seqused_k; a paged cache's unused rows) may hold NaN, which
+        # P = 0 does not cancel: the load warp zeroes those V rows (blackwell_paged.zero_key_rows)
+        if seqused_k and not varlen:
+            raise ValueError("seqused_k: a varlen build's option (varlen=True)")
+        self.zero_v_tail = bool(seqused_k or page_size is not None)
+        if self.zero_v_tail and 8 * (self._barriers_before_tail() + 1) + 4 > config.smem.header:
+            raise ValueError("seqused_k: the V tail's barrier does not fit the SMEM header at these head dims")
         self.scheduler = scheduler
         self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v
@@ -201,6 +216,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         if const_expr((self.page_size is not None) != (mPageTable is not None) or
                       (mPageTable is not None and mSeqUsedK is None)):
             raise TypeError("page_table: paged builds take one and seqused_k, others None")
+        if const_expr(self.zero_v_tail != (mSeqUsedK is not None)):
+            raise TypeError("seqused_k: builds made with seqused_k=True (or a page_size) take it, others None")
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
         # 1. views the TMA and MMA want
         mQ, mK, mV, mO = self.gmem_views(mQ, mK, mV, mO)
@@ -223,10 +240,15 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         tma_load = cpasync.CopyBulkTensorTileG2SOp(cta_group)
         tma_atom_Q, tma_Q = cute.nvgpu.make_tiled_tma_atom_A(
             tma_load, mQ, cute.select(sQ_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster_vmnk)
-        tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster_vmnk)
-        tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
-            tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv, cluster_vmnk)
+        if const_expr(self.boxes_per_block > 1):  # pages smaller than a key block: one box a page
+            tma_atom_K, tma_K, tma_atom_V, tma_V = blackwell_paged.box_tma_atoms(
+                tma_load, mK, mV, sK_layout, sV_layout, tiled_mma_pv, self.dtype, tm, self.box_rows, d, dv,
+                cluster_vmnk)
+        else:
+            tma_atom_K, tma_K = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, mK, cute.select(sK_layout, mode=[0, 1, 2]), mma_tiler_qk, tiled_mma_qk, cluster_vmnk)
+            tma_atom_V, tma_V = cute.nvgpu.make_tiled_tma_atom_B(
+                tma_load, mV, cute.select(sV_layout, mode=[0, 1, 2]), mma_tiler_pv, tiled_mma_pv, cluster_vmnk)
         self.bytes_Q = cute.size_in_bytes(self.dtype, cute.select(sQ_layout, mode=[0, 1, 2]))
         self.bytes_K = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1, 2]))
         self.bytes_V = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1, 2]))
@@ -238,7 +260,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         st = self.stages
         slot_elems = self.cfg.smem.kv_slot // 2
         o_elems = 0 if self.cfg.smem.o_overlaps_q else cute.cosize(sO_layout)
-        num_barriers = self.cfg.persistent_barriers if self.persistent else self.cfg.smem.num_barriers
+        num_barriers = self._barriers_before_tail() + (1 if self.zero_v_tail else 0)
 
         @cute.struct
         class SharedStorage:
@@ -356,6 +378,8 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
                         cute.arch.mbarrier_init(self._bar(mbar, "q_empty", i), 1)
                         cute.arch.mbarrier_init(self._bar(mbar, "final_empty", i), 128)
                         cute.arch.mbarrier_init(self._bar(mbar, "epi_empty", i), 32)
+                if const_expr(self.zero_v_tail):
+                    cute.arch.mbarrier_init(self._bar(mbar, "v_tail", 0), 1)
         cute.arch.mbarrier_init_fence()  # inits visible to the async proxy (TMA, tcgen05.commit)
         cute.arch.sync_threads()         # ... and to every thread
 
@@ -478,8 +502,13 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
             return mbar + base + st + i
         if name == "tmem_dealloc":
             return mbar + base + 2 * st
+        if name == "v_tail":  # builds that zero V's tail rows (zero_v_tail): after all the others
+            return mbar + self._barriers_before_tail()
         # persistent builds only (cfg.persistent_barriers): after the plan's barriers
         return mbar + base + 2 * st + 1 + self.PERSISTENT_BARRIERS.index(name) * nq + i
+
+    def _barriers_before_tail(self) -> int:
+        return self.cfg.persistent_barriers if self.persistent else self.cfg.smem.num_barriers
 
     @cute.jit
     def _tile_info(self, mCuSeqlensQ: cute.Tensor | None, mCuSeqlensK: cute.Tensor | None,
@@ -665,7 +694,8 @@ def _build(cfg: BlackwellFwdConfig, varlen: bool, scheduler, seqused_k: bool, pa
         + (("seqused_k",) if seqused_k else ()) + (() if page_size is None else ("paged", page_size))
 
     def build():  # only on a miss
-        kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler, page_size=page_size)
+        kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler, page_size=page_size,
+                                            seqused_k=seqused_k)
         args = fake_args(cfg, varlen)
         if launchable:
             args = args[:-1] + (host_io.launch_stream(),)
@@ -882,9 +912,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     from cu_seqlens_k[b] (at most its cu_seqlens_k length: the caller's contract, not checked here,
     which would synchronize). Variants, scheduler and persistent as attention_forward's (the grid's
     tiles run over max_seqlen_q; tiles past a shorter sequence are skipped). page_table int32 (B, pages):
-    k / v are a paged cache (num_pages, page_size, Hkv, *) read in place, page_size a multiple of 128
-    (components.paged_kv); seqused_k is then required and cu_seqlens_k holds each sequence's first
-    logical key, a multiple of 128 (None: 0). UNVERIFIED: never run on hardware here."""
+    k / v are a paged cache (num_pages, page_size, Hkv, *) read in place, page_size a multiple of 128 or
+    16, 32, 64 (blackwell_config.pages_in_place); seqused_k is then required and cu_seqlens_k holds
+    each sequence's first logical key, a multiple of 128 (None: 0). UNVERIFIED: never run on hardware here."""
     # every argument is checked before the GPU check (errors name the argument; devices come after it)
     variants, sink = _check_variants(q, causal, window_size, softcap, learnable_sink)
     scheduler = _persistent_scheduler(scheduler, persistent)
@@ -892,7 +922,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if page_table is not None:  # the cache's shapes and the table checked, then the page size
         k, v, cu_seqlens_k, page_size, page_table = paged_cache_inputs(k, v, page_table, cu_seqlens_q, cu_seqlens_k,
                                                                        seqused_k, TILE_N)
-        check_blackwell_page_size(page_size, TILE_N, True, getattr(scheduler, "persistent", False))
+        check_blackwell_page_size(page_size, TILE_N, True, getattr(scheduler, "persistent", False),
+                                  (q.shape[-1], v.shape[-1]))
     # this entry takes no max_seqlen_k (0 stands in for the shared check's)
     host_io.check_varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 0, seqused_k=seqused_k)
     d, dv = q.shape[-1], v.shape[-1]

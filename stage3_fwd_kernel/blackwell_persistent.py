@@ -181,7 +181,7 @@ class PersistentRoles:
                 self.load(t.m_block, t.head, t.head_kv, t.batch, t.offset_q, t.offset_k, n_blocks, mbar,
                           tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, sQ, sK, sV,
                           thr_mma_qk, thr_mma_pv, n_block_min=n_block_min, blocks_done=blocks_done,
-                          tiles_done=tiles_done)
+                          tiles_done=tiles_done, tile=t)
                 blocks_done += n_blocks
                 tiles_done += 1
             linear += stride

@@ -105,11 +105,11 @@ def test_sm100_decode_runs_key_segments(sm100, splits):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("page_size", [16, 128, 256])
+@pytest.mark.parametrize("page_size", [8, 16, 64, 128, 256])
 def test_sm100_paged_decode_in_place_or_copied(sm100, page_size):
-    """Shuffled pages, unused ones in between: pages of 128 and 256 keys are read in place through the
-    table (chunks of the logical keys, the table row repeated a chunk), pages of 16 are gathered into a
-    dense copy first; every layout agrees with the dense cache."""
+    """Shuffled pages, unused ones in between: pages of 16, 64, 128 and 256 keys are read in place
+    through the table (chunks of the logical keys, the table row repeated a chunk), pages of 8 are
+    gathered into a dense copy first; every layout agrees with the dense cache."""
     b, s_cache, hkv = 2, 512, 2
     q, kc, vc = _bf16_cache(2, b, 1, 4, hkv, 64, s_cache)
     lens = torch.tensor([200, 512], dtype=torch.int32)
@@ -123,7 +123,7 @@ def test_sm100_paged_decode_in_place_or_copied(sm100, page_size):
     out, lse = _kvcache.with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, return_softmax_lse=True)
     _check_bf16(out, lse, q, kc, vc, lens)
     (call,) = sm100.calls
-    assert call["paged"] == (page_size >= 128) and call["segments"] % b == 0
+    assert call["paged"] == (page_size >= 16) and call["segments"] % b == 0
     assert call["segments"] // b <= _kvcache.MAX_SPLITS
 
 
@@ -171,10 +171,16 @@ def test_sm100_refuses_packed_causal_tokens_before_the_append(sm100):
 
 
 @pytest.mark.cpu
-def test_blackwell_reads_pages_of_whole_key_blocks_in_place():
+def test_blackwell_reads_pages_of_whole_key_blocks_or_of_16_32_64_keys_in_place():
+    """Whole key blocks and 16 / 32 / 64 keys in place, other sizes copied; pages smaller than a block not
+    at (192, 128), and pages of 16 copied from SMALL_PAGE_COPY_HEAD_ROWS head rows a key (Hopper's rule)."""
     backend = _dispatch.BlackwellBackend(_dispatch.ARCHS["sm_100"])
-    assert [backend.paged_in_place(128, 128, p) for p in (128, 256, 1024)] == [True] * 3
-    assert [backend.paged_in_place(128, 128, p, query_rows=4) for p in (1, 16, 64, 100, 192)] == [False] * 5
+    assert [backend.paged_in_place(128, 128, p) for p in (128, 256, 1024, 16, 32, 64)] == [True] * 6
+    assert [backend.paged_in_place(128, 128, p, query_rows=4) for p in (1, 8, 24, 100, 192)] == [False] * 5
+    assert [backend.paged_in_place(192, 128, p) for p in (16, 64, 128)] == [False, False, True]
+    rows = _dispatch.SMALL_PAGE_COPY_HEAD_ROWS
+    assert [backend.paged_in_place(64, 64, 16, head_rows=r) for r in (None, rows - 1, rows)] == [True, True, False]
+    assert backend.paged_in_place(64, 64, 32, head_rows=4 * rows)
 
 
 @pytest.mark.cpu

@@ -320,15 +320,17 @@ def test_varlen_matches_reference_on_blackwell(causal):
 def test_varlen_seqused_k_compiles_sm100a(dt, d, causal, window):
     """The varlen forward with seqused_k (sequence b attends to its first seqused_k[b] keys): the same
     plan as the build without it -- no local memory, the same MMAs, TMEM and shared memory -- and
-    different code (the key count comes from seqused_k[b], not from cu_seqlens_k)."""
+    different code (the key count comes from seqused_k[b], not from cu_seqlens_k; the last V's TMA
+    copies at the two call sites of its tail path, one per 64-column slab, which zeroes the unused rows)."""
     from stage3_fwd_kernel import blackwell_fwd as bw
 
     cfg = bw.make_config(dt, d, d, causal, window_size=window or (None, None))
     plain, used = bw.compile_config(cfg, True), bw.compile_config(cfg, True, seqused_k=True)
     rep = used.report
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0
-    for key in ("UTCHMMA.SS", "UTCHMMA.TS", "UTMALDG", "smem_bytes", "tmem_cols_alloc", "ptx_setmaxnreg"):
+    for key in ("UTCHMMA.SS", "UTCHMMA.TS", "smem_bytes", "tmem_cols_alloc", "ptx_setmaxnreg"):
         assert rep[key] == plain.report[key], key
+    assert rep["UTMALDG"] == plain.report["UTMALDG"] + 2 * (d // 64)
     assert used.sass != plain.sass
     with pytest.raises(ValueError, match=r"^seqused_k: a varlen build"):
         bw.compile_config(cfg, False, seqused_k=True)
@@ -535,13 +537,19 @@ def _entry_params(ptx: str) -> int:
     return max(int(n) for n in re.findall(r"_param_(\d+)\b", ptx)) + 1
 
 
+# pages smaller than a key block (one TMA box a page, blackwell_paged.py) from the fifth case on
+PAGED += [("bf16", 128, 128, True, {}, 16), ("fp16", 64, 64, False, dict(window_size=(96, 32)), 32),
+          ("bf16", 256, 256, False, dict(q_tiles_per_cta=1), 64), ("bf16", 96, 96, True, {}, 16)]
+
+
 @pytest.mark.compile
 @pytest.mark.stage3
 @pytest.mark.parametrize("dt,d,dv,causal,kw,page", PAGED, ids=[f"d{c[1]}x{c[2]}-p{c[5]}" for c in PAGED])
 def test_paged_builds_compile_sm100a(dt, d, dv, causal, kw, page):
-    """A varlen build reading a paged cache in place (pages of whole key blocks): the seqused_k build's
-    plan, MMAs and TMA loads, one more kernel parameter (the table) and two more global loads (the load
-    warp's table reads: the first block, then one a block in its loop); no local memory."""
+    """A varlen build reading a paged cache in place: the seqused_k build's plan, MMAs and TMA loads (in
+    the SASS; pages smaller than a block issue their boxes in a loop), one more kernel parameter (the
+    table) and two more global loads (the load warp's table reads: the first block, then one a block in
+    its loop; with boxes each lane reads one page) and, with boxes, a shuffle a box; no local memory."""
     from stage3_fwd_kernel import blackwell_fwd as bw
 
     cfg = bw.make_config(dt, d, dv, causal, **kw)
@@ -552,6 +560,89 @@ def test_paged_builds_compile_sm100a(dt, d, dv, causal, kw, page):
         assert rep[key] == used.report[key], key
     assert _entry_params(paged.ptx) == _entry_params(used.ptx) + 1
     assert paged.ptx.count("ld.global") == used.ptx.count("ld.global") + 2
+    shuffles = paged.ptx.count("shfl.sync.idx") - used.ptx.count("shfl.sync.idx")
+    assert (shuffles > 0) == (page < cfg.tile_n)
+
+
+BOX_LAYOUT_CASES = [(128, 128, 16), (128, 128, 64), (64, 64, 32), (96, 96, 16), (256, 256, 16), (128, 64, 32)]
+
+
+def _box_cells(found: list):
+    """Plain Python run inside a trace (a jit function's own loops and ifs would be staged): per case, K
+    and V, each stage end, every key and some columns, (slot index, box index); and each box's TMA
+    layout next to the boxed ring's first modes."""
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+
+    from stage3_fwd_kernel import blackwell_fwd as bw
+    from stage3_fwd_kernel import blackwell_paged as bp
+
+    for d, dv, page in BOX_LAYOUT_CASES:
+        k = bw.FlashAttentionForwardSm100(bw.make_config("bf16", d, dv, False, q_tiles_per_cta=1 if d == 256 else 2),
+                                          varlen=True, page_size=page)
+        qk, pv, _ = k.mmas_and_p_layout()
+        rings = (k._restage(sm100_utils.make_smem_layout_b(qk, (k.tm, k.tn, d), k.dtype, 1)),
+                 k._restage(sm100_utils.make_smem_layout_b(pv, (k.tm, dv, k.tn), k.dtype, 1)))
+        for is_v, (ring, cols) in enumerate(zip(rings, (d, dv))):
+            boxed = bp.boxed_ring_layout(ring.outer, page, k.boxes_per_block, bool(is_v))
+            one = bp.box_smem_layout(ring, page, bool(is_v)).outer
+            found.append(("tma box", str(one), str(cute.select(boxed, mode=[0, 1, 2]))))
+            for st in (0, k.stages - 1):
+                for key in range(k.tn):
+                    j, r = divmod(key, page)
+                    for c in sorted({0, 7, 8, 15, 16, 31, 32, 63, 64, cols - 1} & set(range(cols))):
+                        if is_v:
+                            slot, box = ((c, key % 16), 0, key // 16, st), ((c, r % 16), 0, r // 16, j, st)
+                        else:
+                            slot, box = ((key, c % 16), 0, c // 16, st), ((r, c % 16), 0, c // 16, j, st)
+                        found.append(("cell", (d, dv, page, is_v, st, key, c),
+                                      cute.crd2idx(slot, ring.outer), cute.crd2idx(box, boxed)))
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+def test_page_boxes_are_the_rows_of_the_ring_slot():
+    """Box j of a K / V ring slot (blackwell_paged.boxed_ring_layout) addresses exactly the slot's rows
+    j * page .. (j + 1) * page - 1, column by column, in every stage (outer layouts before the swizzle,
+    whose period the box stride keeps); and one box's TMA layout (box_smem_layout) is the boxed ring's
+    (MMA, N, K) part. Traced at compile time: every coordinate is static."""
+    import cutlass.cute as cute
+
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    found = []
+
+    @cute.jit
+    def trace():
+        _box_cells(found)
+
+    cute.compile(trace, options=f"--gpu-arch {bw.TARGET_ARCH}")  # builds nothing: only the trace matters
+    boxes = [f for f in found if f[0] == "tma box"]
+    cells = [f for f in found if f[0] == "cell"]
+    assert len(boxes) == 2 * len(BOX_LAYOUT_CASES) and all(a == b for _, a, b in boxes), boxes
+    assert len(cells) > 10000
+    wrong = [c for c in cells if c[2] != c[3]]
+    assert not wrong, wrong[:5]
+
+
+@pytest.mark.compile
+@pytest.mark.stage3
+@pytest.mark.parametrize("d", [64, 128])
+def test_seqused_k_builds_zero_the_last_v_rows(d):
+    """A seqused_k build's load warp zeroes V's unused rows of the walk's last block (blackwell_load_mma
+    load_v_tail): against the plain varlen build, one more mbarrier (v_tail), 16-byte zero stores (a V
+    row's dv / 8 at each of two call sites), a proxy fence before its plain kv_full arrive; same SMEM, no
+    spills."""
+    from stage3_fwd_kernel import blackwell_fwd as bw
+
+    cfg = bw.make_config("bf16", d, d, True)
+    plain, used = bw.compile_config(cfg, True), bw.compile_config(cfg, True, seqused_k=True)
+    assert used.report["spill_stores"] == used.report["LDL/STL"] == 0
+    assert used.report["smem_bytes"] == plain.report["smem_bytes"]
+    assert used.ptx.count("mbarrier.init") == plain.ptx.count("mbarrier.init") + 1
+    zero_stores = used.ptx.count("st.shared.v4.b32") - plain.ptx.count("st.shared.v4.b32")
+    assert zero_stores == 2 * (d // 8)  # one V row in 16-byte stores, at the two call sites of load_v_tail
+    assert used.ptx.count("fence.proxy.async.shared::cta") > plain.ptx.count("fence.proxy.async.shared::cta")
 
 
 @pytest.mark.cpu
@@ -563,9 +654,14 @@ def test_paged_builds_are_refused_where_they_do_not_exist():
     from stage3_fwd_kernel import tile_scheduler as ts
     from stage3_fwd_kernel.blackwell_config import pages_in_place
 
-    assert [pages_in_place(p) for p in (128, 256, 384, 64, 16, 0, True, 128.0)] == [True] * 3 + [False] * 5
+    assert [pages_in_place(p) for p in (128, 256, 384, 64, 32, 16)] == [True] * 6
+    assert [pages_in_place(p) for p in (8, 24, 48, 0, True, 128.0)] == [False] * 6
+    assert [pages_in_place(p, 128, (192, 128)) for p in (16, 64, 128)] == [False, False, True]
     cfg = bw.make_config("bf16", 128, 128, False)
-    for kw, match in ((dict(varlen=True, page_size=64), r"^page_size: .* multiple of 128 keys"),
+    with pytest.raises(ValueError, match=r"^page_size: .* at head dims \(192, 128\) reads pages of a multiple of "
+                                         r"128 keys in place, got 64"):
+        bw.FlashAttentionForwardSm100(bw.make_config("bf16", 192, 128, False), varlen=True, page_size=64)
+    for kw, match in ((dict(varlen=True, page_size=48), r"^page_size: .* multiple of 128 keys, or of a divisor"),
                       (dict(varlen=False, page_size=128), r"^page_size: a paged cache is read by the varlen build"),
                       (dict(varlen=True, page_size=128, scheduler=ts.PersistentScheduler(ts.StaticTileScheduler)),
                        r"^page_size: a paged cache is read by the varlen build")):
@@ -574,7 +670,10 @@ def test_paged_builds_are_refused_where_they_do_not_exist():
     q = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
     cu, used = torch.tensor([0, 8], dtype=torch.int32), torch.tensor([100], dtype=torch.int32)
     pages, table = torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"^page_size: .* got 64"):  # before the GPU check
-        bw.attention_varlen_forward(q, pages, pages, cu, None, 8, seqused_k=used, page_table=table)
+    odd = torch.zeros(6, 24, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^page_size: .* got 24"):  # before the GPU check
+        bw.attention_varlen_forward(q, odd, odd, cu, None, 8, seqused_k=used, page_table=table)
+    with pytest.raises(ValueError, match=r"^seqused_k: a varlen build's option"):
+        bw.FlashAttentionForwardSm100(cfg, seqused_k=True)
     with pytest.raises(ValueError, match=r"^seqused_k: required with page_table"):
         bw.attention_varlen_forward(q, pages, pages, cu, None, 8, page_table=table)

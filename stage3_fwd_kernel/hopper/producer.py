@@ -22,7 +22,7 @@ from cutlass import Int32, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from stage3_fwd_kernel import intdiv
-from stage3_fwd_kernel.components.paged_kv import key_block, logical_block
+from stage3_fwd_kernel.components.paged_kv import block_pages, key_block, logical_block
 from stage3_fwd_kernel.hopper.gather import gather_kv
 
 
@@ -81,21 +81,6 @@ def load_kv(i: Int32, n_block: Int32, stages: cutlass.Constexpr[int], smem: Smem
     cute.copy(tma.atom_K, tKgK[None, n_block], tKsK[None, st.index], tma_bar_ptr=smem.pipe_K.producer_get_barrier(st))
     smem.pipe_V.producer_acquire(st)
     cute.copy(tma.atom_V, tVgV[None, n_block], tVsV[None, st.index], tma_bar_ptr=smem.pipe_V.producer_get_barrier(st))
-
-
-@cute.jit
-def block_pages(page_table: cute.Tensor, tile, block: Int32, boxes: cutlass.Constexpr[int],
-                page_size: cutlass.Constexpr[int]) -> Int32:
-    """Lane j < boxes of the producer warp: the page of box j of logical key block `block` (one
-    table read per lane, in parallel; the issuing lane takes them by shuffle). A box past the
-    segment's last key reads no table entry (the row may end there): page 0, whose rows the mask
-    and the V zeroing discard."""
-    lane = cute.arch.lane_idx()
-    entry = block * boxes + lane
-    page = Int32(0)
-    if lane < boxes and entry * page_size < tile.offset_k + tile.seqlen_k:
-        page = page_table[tile.sequence, entry]
-    return page
 
 
 @cute.jit
