@@ -337,22 +337,17 @@ PAGE_GATHER = Workload(dtype="bf16", head_dim=0, head_dim_v=0, causal=False)  # 
 def add_decode(add, w: Workload, longest: int):
     """The builds of short-query calls (fa4._dispatch.short_query_tile): the dense forward (decode
     through flash_attn_func; short and long key counts differ where persistence does), and what
-    flash_attn_with_kvcache launches -- the varlen forward with seqused_k (causal as asked, and not
-    causal: one query token drops it, and its window too: a key range), the split launch (one token,
-    its window a key range too; causal or windowed tokens with the GQA group packed as rows where it
-    divides the tile, and not packed), the merges of split-KV parts (packed rows of several
-    tokens unpacked by the merge too), and the page gather that copies a paged cache fa4 does not
-    read in place (one build for every dtype and shape). (A paged cache's split launch is a build per
-    page size, and one over cache_batch_idx rows a build of its own: neither is derived here.)"""
+    flash_attn_with_kvcache launches -- its key segments and their merges (`add_kvcache_segments`), the
+    split launch (one token, its window a key range; causal or windowed tokens with the GQA group packed
+    as rows where it divides the tile, and not packed), and the page gather that copies a paged cache
+    fa4 does not read in place (one build for every dtype and shape). (A paged cache's split launch is a
+    build per page size, and one over cache_batch_idx rows a build of its own: neither is derived here.)"""
     from ._dispatch import LPT_MIN_SEQLEN_K, SHORT_QUERY_TILE_M
 
     add("fwd short", w, tile_m=SHORT_QUERY_TILE_M)
     if longest >= LPT_MIN_SEQLEN_K:
         add("fwd short", w, tile_m=SHORT_QUERY_TILE_M, seqlen_k_first=longest)
-    for causal in {w.causal, False}:
-        add("kvcache", replace(w, causal=causal, sink=False), tile_m=SHORT_QUERY_TILE_M)
-    if w.window is not None:  # one token's window is a key range: the free mask's build (traced calls)
-        add("kvcache", replace(w, causal=False, window=None, sink=False), tile_m=SHORT_QUERY_TILE_M)
+    add_kvcache_segments(add, w, tile_m=SHORT_QUERY_TILE_M)
     add("kvcache split", replace(w, causal=False, window=None, sink=False), tile_m=SHORT_QUERY_TILE_M,
         rows_per_query=1)
     g = w.heads_q // w.heads_kv
@@ -360,8 +355,20 @@ def add_decode(add, w: Workload, longest: int):
     if w.causal or w.window is not None:  # rows masked by token: causal tokens, a window (pages, tokens)
         for rows in sorted({1, packed}):
             add("kvcache split", replace(w, sink=False), tile_m=SHORT_QUERY_TILE_M, rows_per_query=rows)
-    add("combine", replace(w, causal=False, window=None, softcap=0.0, sink=False))
     add("page gather", PAGE_GATHER)
+
+
+def add_kvcache_segments(add, w: Workload, **tile):
+    """flash_attn_with_kvcache's key segments: the varlen forward with seqused_k (causal as asked, and
+    not causal: one query token drops it, and its window too: a key range; the sink is added by torch),
+    and the merges of split-KV parts (rows as the parts hold them, and packed rows of several tokens
+    unpacked by the merge). On sm_100, which has no split launch, this is all decoding launches beyond
+    the dense forward (pages read in place are a build per page size: not derived)."""
+    for causal in {w.causal, False}:
+        add("kvcache", replace(w, causal=causal, sink=False), **tile)
+    if w.window is not None:  # one token's window is a key range: the free mask's build (traced calls)
+        add("kvcache", replace(w, causal=False, window=None, sink=False), **tile)
+    add("combine", replace(w, causal=False, window=None, softcap=0.0, sink=False))
 
 
 def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, backward: bool = True,
@@ -424,6 +431,8 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
                 add("page gather", PAGE_GATHER)
         if w.decode and arch_key == "sm_90":
             add_decode(add, w, longest)
+        elif w.decode:  # no split launch: key segments of the varlen forward, merged
+            add_kvcache_segments(add, w)
     for b in builds:
         b["seqlen_k"] = b.pop("seqlen_k_first", None)
     return builds
@@ -551,8 +560,7 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
 
 def arch_notes(workloads: Iterable[Workload], arch_key: str) -> list[str]:
     """Lines for what `derive_builds` leaves out of these workloads on an arch without
-    `Backend.AHEAD_LONG_BUILDS` (sm_100): the LPT kernels of long causal calls, and decoding's kernels
-    (key segments of the varlen forward and the merge: their builds follow each call). Empty elsewhere."""
+    `Backend.AHEAD_LONG_BUILDS` (sm_100): the LPT kernels of long causal calls. Empty elsewhere."""
     from ._dispatch import BACKEND_TYPES, LPT_MIN_SEQLEN_K
 
     if BACKEND_TYPES[arch_key].AHEAD_LONG_BUILDS:
@@ -561,9 +569,6 @@ def arch_notes(workloads: Iterable[Workload], arch_key: str) -> list[str]:
     notes = []
     if any(w.causal and w.window is None and (w.max_seqlen or 0) >= LPT_MIN_SEQLEN_K for w in workloads):
         notes.append(_no_ahead_lpt_note(arch_key))
-    if any(w.decode for w in workloads):
-        notes.append(f"note: decode on {arch_key}: flash_attn_with_kvcache's key segments and merge compile on "
-                     "first use (derived for sm_90 only)")
     return notes
 
 

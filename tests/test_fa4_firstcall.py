@@ -312,8 +312,9 @@ def test_blackwell_long_causal_calls_compile_their_lpt_kernel_on_first_use(black
     (note,) = precompile.arch_notes([w], "sm_100")
     assert "compile them on first use" in note and precompile.arch_notes([w], "sm_90") == []
     decode = precompile.parse_shapes("d=128,heads=32/8,causal,seqlen=1024,decode")
-    assert [b["kind"] for b in precompile.derive_builds(decode, "sm_100")] == ["fwd", "bwd"]
-    assert ["decode on sm_100" in n for n in precompile.arch_notes(decode, "sm_100")] == [True]
+    kinds = [b["kind"] for b in precompile.derive_builds(decode, "sm_100")]
+    assert kinds == ["fwd", "bwd", "kvcache", "kvcache", "combine"]  # decoding's segments: derived too
+    assert precompile.arch_notes(decode, "sm_100") == []
     for b in builds:
         precompile.derived_task(be.forward_module(), be.backward_module(), b)[1]()
     built = set(rec.keys)
@@ -322,6 +323,65 @@ def test_blackwell_long_causal_calls_compile_their_lpt_kernel_on_first_use(black
     (missing,) = set(rec.keys) - built
     assert missing[:2] == ("blackwell_fwd", "gpu") and missing[4] is not StaticTileScheduler
     assert missing[4].heads_per_section >= 1  # stage 5's LPT order
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("spec", ["d=128,heads=32/8,causal,seqlen=8192,decode",
+                                  "d=64,heads=8/8,noncausal,softcap=30,window=256,seqlen=2048,decode"])
+def test_blackwell_decode_launch_keys_are_the_precompiled_keys(blackwell_recorder, spec):
+    """sm_100 has no split launch: flash_attn_with_kvcache runs key segments of the varlen forward with
+    seqused_k and merges them. With `decode`, `precompile --arch sm_100a` builds every key those launches
+    and flash_attn_func's one-row calls ask for: the segments one token reads (no causal mask, a window
+    as a key range), several causal tokens' (the group packed by token, unpacked by the merge), and both
+    merges."""
+    from fa4 import _kvcache
+
+    be, rec = blackwell_recorder
+    (w,) = precompile.parse_shapes(spec)
+    for b in precompile.derive_builds([w], "sm_100", backward=False):
+        precompile.derived_task(be.forward_module(), be.backward_module(), b)[1]()
+    built = set(rec.keys)
+    assert sum(k[0] == "fwd_parts_combine" for k in built) == 2
+    rec.keys.clear()
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[w.dtype]
+    g, scale = w.heads_q // w.heads_kv, w.head_dim ** -0.5
+    for sk in (300, w.max_seqlen):
+        k = torch.randn(2, sk, w.heads_kv, w.head_dim, dtype=dt)
+        full = (None, None) if w.window is None else (w.window[0], None if w.causal else w.window[1])
+        be.forward(torch.randn(2, 1, w.heads_q, w.head_dim, dtype=dt), k, k, scale, w.causal, window=full,
+                   softcap=w.softcap)
+        kf = k.reshape(-1, w.heads_kv, w.head_dim)
+        lens = torch.tensor([sk, sk // 2], dtype=torch.int32)
+        for tokens in [1] + ([4] if w.causal else []):
+            # one token: a free mask, its window a key range (segments from the window's first key);
+            # several causal tokens: one segment a sequence, causal and windowed, the group packed by token
+            window, left = _kvcache.key_range_window(tokens, w.window or (None, None), False)
+            causal = w.causal and tokens > 1
+            n = 3 if tokens == 1 else 1
+            seg = _kvcache.dense_segments(lens, torch.arange(2, dtype=torch.int32), sk, n, left)
+            rows = tokens * g
+            cu_q = torch.arange(0, (2 * seg.n + 1) * rows, rows, dtype=torch.int32)
+            out, lse = be.varlen_forward(torch.randn(2 * seg.n * rows, w.heads_kv, w.head_dim, dtype=dt), kf, kf,
+                                         cu_q, seg.cu_k, seg.used, rows, seg.max_keys, scale, causal, window=window,
+                                         softcap=w.softcap)
+            _kvcache.merge_segments(out.view(2 * seg.n, rows, w.heads_kv, -1), lse.view(w.heads_kv, 2 * seg.n, rows),
+                                    seg.n, kernel=True, unpack=g if tokens > 1 and seg.n > 1 else 1)
+        # several tokens split into segments too (a non-causal call), merged unpacked
+        seg = _kvcache.dense_segments(lens, torch.arange(2, dtype=torch.int32), sk, 3)
+        cu_q = torch.arange(0, (2 * seg.n + 1) * 2 * g, 2 * g, dtype=torch.int32)
+        out, lse = be.varlen_forward(torch.randn(2 * seg.n * 2 * g, w.heads_kv, w.head_dim, dtype=dt), kf, kf, cu_q,
+                                     seg.cu_k, seg.used, 2 * g, seg.max_keys, scale, False, softcap=w.softcap)
+        _kvcache.merge_segments(out.view(2 * seg.n, 2 * g, w.heads_kv, -1), lse.view(w.heads_kv, 2 * seg.n, 2 * g),
+                                seg.n, kernel=True, unpack=g)
+    launched = set(rec.keys)
+    # a long causal flash_attn_func call takes an LPT kernel sized by the device's L2, compiled on first
+    # use (arch_notes); everything else was built
+    lpt = {k for k in launched - built if hasattr(k[4], "heads_per_section")}
+    assert launched and launched - lpt <= built, sorted(map(repr, launched - built))
+    assert bool(lpt) == w.causal and len(precompile.arch_notes([w], "sm_100")) == int(w.causal)
+    assert sum(k[0] == "fwd_parts_combine" for k in launched) == (2 if g > 1 else 1)  # unpacking needs a group
+    assert any(k[:2] == ("blackwell_fwd", "gpu") and "seqused_k" in k for k in launched)
 
 
 @pytest.mark.compile
