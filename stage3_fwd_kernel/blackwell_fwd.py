@@ -64,7 +64,7 @@ Synchronisation (all mbarriers in SMEM; "count" = arrivals per phase):
     o_full[i]     MMA (commit after the last O_i += P V) -> correction             1
     epi_full[i]   correction (O_i in SMEM) -> epilogue warp                        128
     tmem_dealloc  softmax WGs + correction done with TMEM -> MMA warp frees it     384 (one Q tile: 256)
-  seqused_k and paged builds only (their last V's rows past the keys used are zeroed):
+  varlen builds only (their last V's rows past the sequence's keys are zeroed):
     v_tail        TMA -> load warp (it zeroes those rows, then arrives on kv_full)  1 (+ tx bytes)
   persistent builds only (blackwell_persistent.py):
     q_empty[i]    MMA (commit after the tile's last S_i) -> TMA: sQ_i free         1
@@ -137,8 +137,7 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
     gpu_arch = TARGET_ARCH  # compile_cache compiles launchable builds for it whatever the process targets
 
     def __init__(self, config: BlackwellFwdConfig, *, varlen: bool = False,
-                 scheduler=tile_scheduler.StaticTileScheduler, page_size: int | None = None,
-                 seqused_k: bool = False):
+                 scheduler=tile_scheduler.StaticTileScheduler, page_size: int | None = None):
         # a plain bool (the protocol checker reads it): one CTA per SM walking tiles, phases carried
         self.persistent = check_persistent(scheduler, config)
         self.cfg = config
@@ -150,13 +149,12 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         self.blocks_per_page = 1 if page_size is None else max(page_size // config.tile_n, 1)
         self.box_rows = box_rows(page_size, config.tile_n)
         self.boxes_per_block = config.tile_n // self.box_rows
-        # keys past a sequence's used ones (seqused_k; a paged cache's unused rows) may hold NaN, which
-        # P = 0 does not cancel: the load warp zeroes those V rows (blackwell_paged.zero_key_rows)
-        if seqused_k and not varlen:
-            raise ValueError("seqused_k: a varlen build's option (varlen=True)")
-        self.zero_v_tail = bool(seqused_k or page_size is not None)
+        # varlen: rows past a sequence's keys (unused cache slots past seqused_k, a paged cache's unused
+        # rows, a buffer's end) may hold NaN, which P = 0 does not cancel: the load warp zeroes those V
+        # rows of the walk's last block (LoadMmaRoles.load_v_tail), as the Hopper consumers do
+        self.zero_v_tail = bool(varlen)
         if self.zero_v_tail and 8 * (self._barriers_before_tail() + 1) + 4 > config.smem.header:
-            raise ValueError("seqused_k: the V tail's barrier does not fit the SMEM header at these head dims")
+            raise ValueError("varlen: the V tail's barrier does not fit the SMEM header at these head dims")
         self.scheduler = scheduler
         self.dtype = host_io.cutlass_dtype(config.dtype)
         self.d, self.dv = config.head_dim, config.head_dim_v
@@ -216,8 +214,6 @@ class FlashAttentionForwardSm100(LoadMmaRoles, SoftmaxCorrectionRoles, OutputRol
         if const_expr((self.page_size is not None) != (mPageTable is not None) or
                       (mPageTable is not None and mSeqUsedK is None)):
             raise TypeError("page_table: paged builds take one and seqused_k, others None")
-        if const_expr(self.zero_v_tail != (mSeqUsedK is not None)):
-            raise TypeError("seqused_k: builds made with seqused_k=True (or a page_size) take it, others None")
         d, dv, tm, tn = self.d, self.dv, self.tm, self.tn
         # 1. views the TMA and MMA want
         mQ, mK, mV, mO = self.gmem_views(mQ, mK, mV, mO)
@@ -694,8 +690,7 @@ def _build(cfg: BlackwellFwdConfig, varlen: bool, scheduler, seqused_k: bool, pa
         + (("seqused_k",) if seqused_k else ()) + (() if page_size is None else ("paged", page_size))
 
     def build():  # only on a miss
-        kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler, page_size=page_size,
-                                            seqused_k=seqused_k)
+        kernel = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=scheduler, page_size=page_size)
         args = fake_args(cfg, varlen)
         if launchable:
             args = args[:-1] + (host_io.launch_stream(),)

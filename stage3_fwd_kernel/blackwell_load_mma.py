@@ -33,7 +33,7 @@ class LoadMmaRoles:
              page_table: cute.Tensor | None = None, tile=None):
         """page_table (a paged build): K and V are the flat cache of pages, and key block n of the walk
         is found through the table (components.paged_kv; pages smaller than a block: blackwell_paged).
-        tile: the AttentionTile (paged and seqused_k builds read its sequence, offset_k and seqlen_k)."""
+        tile: the AttentionTile (paged and varlen builds read its sequence, offset_k and seqlen_k)."""
         if const_expr(not self.varlen):
             mQ_cur = tma_Q[None, None, head, batch]      # (sq, d)
             mK_cur = tma_K[None, None, head_kv, batch]   # (sk, d)
@@ -50,7 +50,7 @@ class LoadMmaRoles:
                                            cute.group_modes(thr_mma_qk.partition_A(gQ), 0, 3))
         tKsK, tKgK, tVsV, tVgV = self.kv_partitions(mK_cur, mV_cur, sK, sV, tma_atom_K, tma_atom_V, thr_mma_qk,
                                                     thr_mma_pv)
-        # the first row of the walk's last V block that no key uses (seqused_k builds zero it onwards)
+        # the first row of the walk's last V block past the sequence's keys (varlen builds zero it onwards)
         tail_row = None
         if const_expr(self.zero_v_tail):
             tail_row = tile.seqlen_k - self._key_block(n_block_min, n_blocks - 1) * self.tn
@@ -117,7 +117,7 @@ class LoadMmaRoles:
     def load_v(self, load_idx: Int32, source: Int32, last: Boolean, mbar: cute.Pointer, tma_atom: cute.CopyAtom,
                tVgV: cute.Tensor, tVsV: cute.Tensor, sV: cute.Tensor, tail_row: Int32 | None,
                tiles_done: Int32 | None):
-        """V of one walk step; a seqused_k build's last one by way of its tail zeroing (blackwell_paged)."""
+        """V of one walk step; a varlen build's last one by way of its tail zeroing (blackwell_paged)."""
         if const_expr(self.zero_v_tail):
             if last:
                 self.load_v_tail(load_idx, source, mbar, tma_atom, tVgV, tVsV, sV, tail_row, tiles_done)

@@ -16,9 +16,9 @@ moved j pages on. TMA fills it from the page's rows of the flat cache (one box =
 of page x cols); the slot's barrier still expects the whole block's bytes. The TMA atoms are built for
 one box (the QK^T MMA's B partition with N = page rows); the ring views add a box mode before the stage.
 
-V's tail (blackwell_load_mma's load_v_tail). In a seqused_k build (and so a paged one), keys past a
-sequence's used ones are rows of the cache that may hold anything, NaN included, and 0 * NaN is not 0:
-the scores are masked, but O += P V would still read those V rows. So the walk's last V goes to a
+V's tail (blackwell_load_mma's load_v_tail). In a varlen build, rows past a sequence's keys are unused
+cache slots (seqused_k), a paged cache's unused rows or a buffer's end, which may hold anything, NaN
+included, and 0 * NaN is not 0: the scores are masked, but O += P V would still read those V rows. So the walk's last V goes to a
 barrier of the load warp's own (`v_tail`); the warp waits for it, zeroes the rows from the first unused
 key to the end of the slot (each lane whole rows, 16-byte stores through the slot's swizzled layout),
 fences the generic-proxy stores for the tensor core and only then arrives on the slot's kv_full, which

@@ -761,14 +761,14 @@ def persistent_walks(blocks: int, work_tiles: int) -> list:
 
 
 def forward_spec(blocks: int = 4, tiles: int | None = None, head_dim: int = 128, persistent: int = 0,
-                 seqused_k: bool = False) -> KernelSpec:
+                 varlen: bool = False) -> KernelSpec:
     """stage3_fwd_kernel/blackwell_fwd.py (+ blackwell_load_mma.py, blackwell_softmax.py,
     blackwell_output.py): 2 softmax WGs, correction WG,
     MMA / load / epilogue / idle warps; `blocks` key blocks. The kernel's CTA holds 2 Q tiles, or 1 at
     head_dim 256 (one softmax WG; warpgroup 1 idles and is a role too); tiles None: the build's.
     persistent = N > 0: the persistent build (+ blackwell_persistent.py), N work tiles per CTA of
-    persistent_walks(blocks, N) key blocks. seqused_k: the varlen seqused_k build, whose load warp
-    zeroes the last V's unused rows between its own v_tail barrier and kv_full (blackwell_paged.py)."""
+    persistent_walks(blocks, N) key blocks. varlen: the varlen build, whose load warp zeroes the last
+    V's rows past the sequence's keys between its own v_tail barrier and kv_full (blackwell_paged.py)."""
     from stage3_fwd_kernel import tile_scheduler
     from stage3_fwd_kernel.blackwell_config import q_tiles_for
     from stage3_fwd_kernel.blackwell_fwd import FlashAttentionForwardSm100, make_config
@@ -778,7 +778,7 @@ def forward_spec(blocks: int = 4, tiles: int | None = None, head_dim: int = 128,
     if tiles != cfg.q_tiles_per_cta:
         raise ValueError(f"the forward CTA holds {cfg.q_tiles_per_cta} Q tiles (one per softmax warpgroup)")
     sched = tile_scheduler.PersistentScheduler() if persistent else tile_scheduler.StaticTileScheduler
-    k = FlashAttentionForwardSm100(cfg, varlen=seqused_k, scheduler=sched, seqused_k=seqused_k)
+    k = FlashAttentionForwardSm100(cfg, varlen=varlen, scheduler=sched)
     t, r = cfg.tmem, cfg.roles
     S = [tmem(t.s[i], t.s[i] + t.s_cols) for i in range(k.num_q)]
     O = [tmem(t.o[i], t.o[i] + t.o_cols) for i in range(k.num_q)]
@@ -796,14 +796,14 @@ def forward_spec(blocks: int = 4, tiles: int | None = None, head_dim: int = 128,
         "softmax:tStS": lambda env: S[env["stage"]],
         "correction:tStS": S, "correction:tOtO": O, "epilogue:tOsO": smem("sO"),
     }
-    if seqused_k:  # the varlen epilogue's tOsO is tile i's slice of sO (made by varlen_o_partitions)
+    if varlen:  # the varlen epilogue's tOsO is tile i's slice of sO (made by varlen_o_partitions)
         names["epilogue:tOsO"] = lambda env: smem("sO", env["i"])
     per_q = k.PER_Q_BARRIERS + (k.PERSISTENT_BARRIERS if persistent else ())
     bars = bar_names(k, [(n, k.num_q) for n in per_q] + [("kv_full", k.stages), ("kv_empty", k.stages),
                                                           ("tmem_dealloc", 1)]
-                     + ([("v_tail", 1)] if seqused_k else []))
+                     + ([("v_tail", 1)] if varlen else []))
     trips = [{"n_blocks": n, "n_unmasked": n} for n in persistent_walks(blocks, persistent)]
-    return KernelSpec(("fwd" if not persistent else "fwd-persistent") + ("-seqused" if seqused_k else ""), k, roles,
+    return KernelSpec(("fwd" if not persistent else "fwd-persistent") + ("-varlen" if varlen else ""), k, roles,
                       {"n_blocks": blocks, "tile_valid": True, "n_unmasked": blocks, "num_k": cfg.tile_n // 16},
                       names, {"tStP_r2t": cfg.p_store_chunks, "tOrP": cfg.tile_n // 16}, cfg.num_threads,
                       smem_alias={"sO": "sQ"} if cfg.smem.o_overlaps_q else {}, bar_names=bars, tile_loop=trips)

@@ -99,10 +99,10 @@ def test_planted_bug_is_caught(kernel, plant, kinds):
     assert res.trace and res.message
 
 
-def _seqused_program(blocks, persistent=0):
-    key = ("fwd-seqused", blocks, persistent)
+def _varlen_program(blocks, persistent=0):
+    key = ("fwd-varlen", blocks, persistent)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = bp.extract(bp.forward_spec(blocks, persistent=persistent, seqused_k=True))
+        _PROGRAMS[key] = bp.extract(bp.forward_spec(blocks, persistent=persistent, varlen=True))
     return _PROGRAMS[key].copy()
 
 
@@ -113,12 +113,12 @@ def _drop_tail_arrive(prog):
 
 
 @pytest.mark.parametrize("blocks,persistent", [(1, 0), (3, 0), (2, 2)])
-def test_seqused_k_build_zeroes_the_last_v_between_its_tma_and_the_mma(blocks, persistent):
-    """The seqused_k build's load warp writes the last V slot (its unused rows) after waiting for that
+def test_varlen_build_zeroes_the_last_v_between_its_tma_and_the_mma(blocks, persistent):
+    """The varlen build's load warp writes the last V slot (rows past the keys) after waiting for that
     slot's TMA on v_tail and before arriving on kv_full: the protocol holds, a zeroing per tile is
     extracted, and without the v_tail wait (a write under a landing copy), without the kv_full arrive
     (the MMA warp never starts the last P V) or with v_tail's second-tile parity flipped it fails."""
-    prog = _seqused_program(blocks, persistent)
+    prog = _varlen_program(blocks, persistent)
     assert bp.explore(prog, blocks=blocks, tiles=2).ok
     zeroing = [op for op in prog.ops["load"] if op[0] == "access" and "zero_v_rows" in op[-1]]
     assert len(zeroing) == max(persistent, 1)
@@ -126,7 +126,7 @@ def test_seqused_k_build_zeroes_the_last_v_between_its_tma_and_the_mma(blocks, p
     if persistent:
         plants.append((lambda p: flip_wait(p, "load", "v_tail", 1), {"race", "overrun", "deadlock"}))
     for plant, kinds in plants:
-        bad = _seqused_program(blocks, persistent)
+        bad = _varlen_program(blocks, persistent)
         plant(bad)
         res = bp.explore(bad, blocks=blocks, tiles=2)
         assert not res.ok and res.kind in kinds, res.report()

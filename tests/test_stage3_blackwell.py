@@ -319,18 +319,16 @@ def test_varlen_matches_reference_on_blackwell(causal):
 @pytest.mark.parametrize("dt, d, causal, window", [("bf16", 128, True, None), ("fp16", 64, False, (96, 32))])
 def test_varlen_seqused_k_compiles_sm100a(dt, d, causal, window):
     """The varlen forward with seqused_k (sequence b attends to its first seqused_k[b] keys): the same
-    plan as the build without it -- no local memory, the same MMAs, TMEM and shared memory -- and
-    different code (the key count comes from seqused_k[b], not from cu_seqlens_k; the last V's TMA
-    copies at the two call sites of its tail path, one per 64-column slab, which zeroes the unused rows)."""
+    plan as the build without it -- no local memory, the same MMAs, TMA loads, TMEM and shared memory --
+    and different code (the key count comes from seqused_k[b], not from cu_seqlens_k)."""
     from stage3_fwd_kernel import blackwell_fwd as bw
 
     cfg = bw.make_config(dt, d, d, causal, window_size=window or (None, None))
     plain, used = bw.compile_config(cfg, True), bw.compile_config(cfg, True, seqused_k=True)
     rep = used.report
     assert rep["spill_stores"] == rep["spill_loads"] == rep["stack_frame"] == rep["LDL/STL"] == 0
-    for key in ("UTCHMMA.SS", "UTCHMMA.TS", "smem_bytes", "tmem_cols_alloc", "ptx_setmaxnreg"):
+    for key in ("UTCHMMA.SS", "UTCHMMA.TS", "UTMALDG", "smem_bytes", "tmem_cols_alloc", "ptx_setmaxnreg"):
         assert rep[key] == plain.report[key], key
-    assert rep["UTMALDG"] == plain.report["UTMALDG"] + 2 * (d // 64)
     assert used.sass != plain.sass
     with pytest.raises(ValueError, match=r"^seqused_k: a varlen build"):
         bw.compile_config(cfg, False, seqused_k=True)
@@ -597,6 +595,12 @@ def _box_cells(found: list):
                             slot, box = ((key, c % 16), 0, c // 16, st), ((r, c % 16), 0, c // 16, j, st)
                         found.append(("cell", (d, dv, page, is_v, st, key, c),
                                       cute.crd2idx(slot, ring.outer), cute.crd2idx(box, boxed)))
+                        # keys are rows of `width` elements in column slabs of tile_n rows: a page's rows are
+                        # an aligned range of every slab, whatever the swizzle does within a row
+                        width = 64 if cols % 64 == 0 else 32
+                        row_model = st * ring.outer.stride[3] + (c // width) * k.tn * width + key * width + c % width
+                        found.append(("row", (d, dv, page, is_v, st, key, c), cute.crd2idx(slot, ring.outer),
+                                      row_model))
 
 
 @pytest.mark.compile
@@ -604,8 +608,10 @@ def _box_cells(found: list):
 def test_page_boxes_are_the_rows_of_the_ring_slot():
     """Box j of a K / V ring slot (blackwell_paged.boxed_ring_layout) addresses exactly the slot's rows
     j * page .. (j + 1) * page - 1, column by column, in every stage (outer layouts before the swizzle,
-    whose period the box stride keeps); and one box's TMA layout (box_smem_layout) is the boxed ring's
-    (MMA, N, K) part. Traced at compile time: every coordinate is static."""
+    whose period the box stride keeps); one box's TMA layout (box_smem_layout) is the boxed ring's
+    (MMA, N, K) part; and the slot is what blackwell_paged's docstring and the V-tail zeroing assume:
+    key r is row r (64 or 32 elements) of each column slab of tile_n rows. Traced at compile time:
+    every coordinate is static."""
     import cutlass.cute as cute
 
     from stage3_fwd_kernel import blackwell_fwd as bw
@@ -623,26 +629,30 @@ def test_page_boxes_are_the_rows_of_the_ring_slot():
     assert len(cells) > 10000
     wrong = [c for c in cells if c[2] != c[3]]
     assert not wrong, wrong[:5]
+    rows = [f for f in found if f[0] == "row"]
+    assert len(rows) == len(cells) and not [r for r in rows if r[2] != r[3]], [r for r in rows if r[2] != r[3]][:5]
 
 
 @pytest.mark.compile
 @pytest.mark.stage3
 @pytest.mark.parametrize("d", [64, 128])
-def test_seqused_k_builds_zero_the_last_v_rows(d):
-    """A seqused_k build's load warp zeroes V's unused rows of the walk's last block (blackwell_load_mma
-    load_v_tail): against the plain varlen build, one more mbarrier (v_tail), 16-byte zero stores (a V
-    row's dv / 8 at each of two call sites), a proxy fence before its plain kv_full arrive; same SMEM, no
-    spills."""
+def test_varlen_builds_zero_the_last_v_rows(d):
+    """A varlen build's load warp zeroes the V rows past the sequence's keys in the walk's last block
+    (blackwell_load_mma load_v_tail): against the dense build of the same plan, one more mbarrier (v_tail),
+    16-byte zero stores (a V row's dv / 8 at each of the two call sites), the last V's TMA copies twice
+    more (one per 64-column slab at each call site), a proxy fence before its plain kv_full arrive; same
+    SMEM, no spills."""
     from stage3_fwd_kernel import blackwell_fwd as bw
 
     cfg = bw.make_config("bf16", d, d, True)
-    plain, used = bw.compile_config(cfg, True), bw.compile_config(cfg, True, seqused_k=True)
-    assert used.report["spill_stores"] == used.report["LDL/STL"] == 0
-    assert used.report["smem_bytes"] == plain.report["smem_bytes"]
-    assert used.ptx.count("mbarrier.init") == plain.ptx.count("mbarrier.init") + 1
-    zero_stores = used.ptx.count("st.shared.v4.b32") - plain.ptx.count("st.shared.v4.b32")
+    dense, varlen = bw.compile_config(cfg, False), bw.compile_config(cfg, True)
+    assert varlen.report["spill_stores"] == varlen.report["LDL/STL"] == 0
+    assert varlen.report["smem_bytes"] == dense.report["smem_bytes"]
+    assert varlen.ptx.count("mbarrier.init") == dense.ptx.count("mbarrier.init") + 1
+    assert varlen.report["UTMALDG"] == dense.report["UTMALDG"] + 2 * (d // 64)
+    zero_stores = varlen.ptx.count("st.shared.v4.b32") - dense.ptx.count("st.shared.v4.b32")
     assert zero_stores == 2 * (d // 8)  # one V row in 16-byte stores, at the two call sites of load_v_tail
-    assert used.ptx.count("fence.proxy.async.shared::cta") > plain.ptx.count("fence.proxy.async.shared::cta")
+    assert varlen.ptx.count("fence.proxy.async.shared::cta") > dense.ptx.count("fence.proxy.async.shared::cta")
 
 
 @pytest.mark.cpu
@@ -673,7 +683,5 @@ def test_paged_builds_are_refused_where_they_do_not_exist():
     odd = torch.zeros(6, 24, 2, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"^page_size: .* got 24"):  # before the GPU check
         bw.attention_varlen_forward(q, odd, odd, cu, None, 8, seqused_k=used, page_table=table)
-    with pytest.raises(ValueError, match=r"^seqused_k: a varlen build's option"):
-        bw.FlashAttentionForwardSm100(cfg, seqused_k=True)
     with pytest.raises(ValueError, match=r"^seqused_k: required with page_table"):
         bw.attention_varlen_forward(q, pages, pages, cu, None, 8, page_table=table)
