@@ -31,13 +31,13 @@ from stage0_reference.torch_reference import attention_ref, attention_varlen_ref
 BF16 = torch.bfloat16
 
 
-def truth(q, k, v, scale, causal, softcap=0.0, sink=None, docs=None, upcast=True):
+def truth(q, k, v, scale, causal, softcap=0.0, sink=None, docs=None, upcast=True, window=(None, None)):
     """Dense attention with autograd (stage 0's torch reference): (out, lse); docs = global
     cu_seqlens (each document attends within itself). Pass fp32 tensors for an fp32 out; upcast=False
     with bf16 tensors is PyTorch in the input precision (the rule's baseline)."""
     if docs is None:
         return attention_ref(q, k, v, softmax_scale=scale, causal=causal, softcap=softcap, learnable_sink=sink,
-                             upcast=upcast)
+                             upcast=upcast, window_size=window)
     cu = docs.to(q.device)
     out, lse = attention_varlen_ref(q[0], k[0], v[0], cu, cu, softmax_scale=scale, causal=causal, upcast=upcast)
     return out[None], lse[None]
@@ -61,21 +61,21 @@ def check(name, got, base, want, rank):
         for n, a, b, w in zip(names, got, base, want)), flush=True)
 
 
-def fixed_case(rank, world, s, hq, hkv, d, causal, layout, softcap=0.0, sink=False):
+def fixed_case(rank, world, s, hq, hkv, d, causal, layout, softcap=0.0, sink=False, window=(None, None)):
     gen = torch.Generator(device="cuda").manual_seed(s + hq + d)
     q, k, v, dout = (torch.randn(1, s, h, d, device="cuda", generator=gen).to(BF16) for h in (hq, hkv, hkv, hq))
     dlse = torch.randn(1, hq, s, device="cuda", generator=gen)
     sink_t = torch.linspace(-1, 1, hq, device="cuda") if sink else None
     leaves = [q, k, v] + ([sink_t] if sink else [])
     scale = d ** -0.5
-    kw = dict(causal=causal, softcap=softcap)
-    want = grads_of(lambda *t: truth(*t[:3], scale, causal, softcap, t[3] if sink else None),
+    kw = dict(causal=causal, softcap=softcap, window_size=window)
+    want = grads_of(lambda *t: truth(*t[:3], scale, causal, softcap, t[3] if sink else None, window=window),
                     [t.float() for t in leaves], dout, dlse)
     base = grads_of(lambda *t: fa4.flash_attn_func(*t[:3], return_lse=True, learnable_sink=t[3] if sink else None,
                                                    **kw), leaves, dout, dlse)
-    torch_bf16 = grads_of(lambda *t: truth(*t[:3], scale, causal, softcap, t[3] if sink else None, upcast=False),
-                          leaves, dout, dlse)
-    check(f"single-GPU fa4 s={s} h={hq}/{hkv} d={d} causal={causal} softcap={softcap} sink={sink}",
+    torch_bf16 = grads_of(lambda *t: truth(*t[:3], scale, causal, softcap, t[3] if sink else None, upcast=False,
+                                           window=window), leaves, dout, dlse)
+    check(f"single-GPU fa4 s={s} h={hq}/{hkv} d={d} causal={causal} softcap={softcap} sink={sink} window={window}",
           base, torch_bf16, want, rank)
     sh = lambda t, dim=1: cp.shard(t, dim=dim, layout=layout)  # noqa: E731
     got = grads_of(lambda *t: cp.ring_attention(*t[:3], layout=layout, return_lse=True,
@@ -85,7 +85,7 @@ def fixed_case(rank, world, s, hq, hkv, d, causal, layout, softcap=0.0, sink=Fal
         dist.all_reduce(got[5])  # each rank's share of the replicated sink's gradient
     rows = [sh(want[0]), sh(want[1], 2)] + [sh(t) for t in want[2:5]] + want[5:]
     base_rows = [sh(base[0]), sh(base[1], 2)] + [sh(t) for t in base[2:5]] + base[5:]
-    check(f"s={s} h={hq}/{hkv} d={d} causal={causal} {layout} softcap={softcap} sink={sink}",
+    check(f"s={s} h={hq}/{hkv} d={d} causal={causal} {layout} softcap={softcap} sink={sink} window={window}",
           got, base_rows, rows, rank)
 
 
@@ -137,6 +137,8 @@ def main():
             fixed_case(rank, world, 2048, 8, 2, 128, causal, layout)
         fixed_case(rank, world, 1024 * world, 4, 4, 64, True, "zigzag")
         fixed_case(rank, world, 1024, 8, 1, 96, True, "zigzag", softcap=20.0, sink=True)
+        fixed_case(rank, world, 2048, 8, 2, 128, True, "zigzag", window=(300, None))      # a sliding window
+        fixed_case(rank, world, 2048, 8, 2, 128, False, "contiguous", window=(700, 200))
         varlen_case(rank, world, 1024, 8, 2, 128, causal=True)
         varlen_case(rank, world, 1024, 8, 2, 128, causal=False)
         deterministic_case(rank, world)

@@ -60,6 +60,63 @@ def test_ring_steps_cover_the_causal_mask_exactly_once(world, layout):
         assert per_rank[-1] > per_rank[0]
 
 
+def _block_pairs(blk, q_pos, k_pos):
+    """The global (query, key) pairs one BlockWork computes, by fa4's bottom-right mask on its rows."""
+    rows, cols = q_pos[blk.q_rows], k_pos[blk.kv_rows]
+    off = len(cols) - len(rows)
+    wl, wr = blk.window
+    wr = 0 if blk.causal else wr
+    return [(i, j) for a, i in enumerate(rows) for b, j in enumerate(cols)
+            if (wl is None or a + off - wl <= b) and (wr is None or b <= a + off + wr)]
+
+
+def test_band_block_is_the_band():
+    """band_block on random placements, sizes and windows: exactly the band's (query, key) pairs, on a
+    sub-block whose window sides are >= 0 (what fa4 takes); None exactly when the band misses the block."""
+    rng = torch.Generator().manual_seed(4)
+    pick = lambda n: int(torch.randint(0, n, (1,), generator=rng))  # noqa: E731
+    blocks = 0
+    for _ in range(4000):
+        lq, lk, qs, ks = 1 + pick(9), 1 + pick(9), pick(31), pick(31)
+        left, right = (None if pick(5) == 0 else pick(15) for _ in range(2))
+        want = {(qs + r, ks + c) for r in range(lq) for c in range(lk)
+                if (left is None or qs + r - left <= ks + c) and (right is None or ks + c <= qs + r + right)}
+        blk = _plan.band_block(qs, lq, ks, lk, left, right)
+        assert (blk is None) == (not want)
+        if blk is not None:
+            blocks += 1
+            assert all(w is None or w >= 0 for w in blk.window), blk
+            assert set(_block_pairs(blk, list(range(qs, qs + lq)), list(range(ks, ks + lk)))) == want
+    assert blocks > 1000
+
+
+@pytest.mark.parametrize("layout", _plan.LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_windowed_ring_steps_cover_the_band_exactly_once(world, layout):
+    """With a sliding window (causal or not, narrower and wider than a chunk, one-sided), every
+    (query, key) pair of the global band is computed by exactly one block of one step of one rank,
+    and nothing else is."""
+    seqlen = 8 * world
+    local = seqlen // world
+    pos = [_plan.local_positions(r, world, seqlen, layout) for r in range(world)]
+    for causal, window in ((True, (3, None)), (True, (9, None)), (True, (0, None)), (False, (2, 5)),
+                           (False, (None, 4)), (False, (11, 0)), (False, (6, None))):
+        hits = torch.zeros(seqlen, seqlen, dtype=torch.int64)
+        for rank in range(world):
+            for src in range(world):
+                for blk in _plan.step_blocks(rank, src, world, local, causal, layout, window):
+                    for i, j in _block_pairs(blk, pos[rank], pos[src]):
+                        hits[i, j] += 1
+        i, j = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]
+        left, right = window[0], 0 if causal else window[1]
+        band = torch.ones(seqlen, seqlen, dtype=torch.bool)
+        if left is not None:
+            band &= j >= i - left
+        if right is not None:
+            band &= j <= i + right
+        assert torch.equal(hits, band.to(torch.int64)), (causal, window)
+
+
 def test_merge_of_blocks_is_the_softmax_of_their_union():
     torch.manual_seed(0)
     s = torch.randn(2, 3, 5, 12, dtype=torch.float64)          # (B, H, Sq, Sk)
@@ -102,11 +159,11 @@ def test_errors_before_any_process_group():
 
 
 # ------------------------------------------------------------------------------ dense autograd truth
-def dense(q, k, v, scale, causal=False, softcap=0.0, sink=None, left=None):
+def dense(q, k, v, scale, causal=False, softcap=0.0, sink=None, left=None, window=None):
     """(B, S, H, D) attention with torch autograd over the whole sequence (stage 0's torch reference,
-    float64 in, float64 out): (out, lse)."""
-    return attention_ref(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, None), softcap=softcap,
-                         learnable_sink=sink)
+    float64 in, float64 out): (out, lse). window (left, right) replaces `left` when given."""
+    return attention_ref(q, k, v, softmax_scale=scale, causal=causal, window_size=window or (left, None),
+                         softcap=softcap, learnable_sink=sink)
 
 
 def _inputs(b, s, hq, hkv, d, seed):
@@ -114,12 +171,12 @@ def _inputs(b, s, hq, hkv, d, seed):
     return [torch.randn(b, s, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv, hq)]
 
 
-def _fixed_case(rank, world, layout, causal, softcap=0.0, sink=False, gqa=True, lse_grad=True):
+def _fixed_case(rank, world, layout, causal, softcap=0.0, sink=False, gqa=True, lse_grad=True, window=(None, None)):
     b, s, hq, hkv, d = 2, 8 * world, 4, (2 if gqa else 4), 16
     q, k, v, dout = _inputs(b, s, hq, hkv, d, seed=world * 100 + 7)
     sink_t = torch.linspace(-1.0, 1.0, hq, dtype=torch.float64) if sink else None
     leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([sink_t.clone().requires_grad_()] if sink else [])
-    out, lse = dense(*leaves[:3], 0.3, causal, softcap, leaves[3] if sink else None)
+    out, lse = dense(*leaves[:3], 0.3, causal, softcap, leaves[3] if sink else None, window=window)
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     ((out * dout).sum() + ((lse * dlse).sum() if lse_grad else 0)).backward()
     want = [out, lse] + [t.grad for t in leaves]
@@ -127,12 +184,13 @@ def _fixed_case(rank, world, layout, causal, softcap=0.0, sink=False, gqa=True, 
     mine = [cp.shard(t, dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
     sink_mine = sink_t.clone().requires_grad_() if sink else None
     o, l = cp.ring_attention(*mine, causal=causal, softmax_scale=0.3, layout=layout, softcap=softcap,
-                             learnable_sink=sink_mine, return_lse=True, kernels=cp.ReferenceKernels())
+                             learnable_sink=sink_mine, return_lse=True, kernels=cp.ReferenceKernels(),
+                             window_size=window)
     loss = (o * cp.shard(dout, dim=1, layout=layout)).sum()
     if lse_grad:
         loss = loss + (l * cp.shard(dlse, dim=2, layout=layout)).sum()
     loss.backward()
-    what = f"rank {rank}/{world} {layout} causal={causal} softcap={softcap} sink={sink}"
+    what = f"rank {rank}/{world} {layout} causal={causal} softcap={softcap} sink={sink} window={window}"
     close = lambda a, b, n: torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what} {n}: {m}")  # noqa: E731,E501
     close(o, cp.shard(want[0], dim=1, layout=layout), "out")
     close(l, cp.shard(want[1], dim=2, layout=layout), "lse")
@@ -218,6 +276,9 @@ def _worker(rank, world, init_file, quick):
             _fixed_case(rank, world, layout, causal=False, gqa=False, lse_grad=False)
         if not quick:
             _fixed_case(rank, world, "zigzag", causal=True, softcap=0.7, sink=True)
+            for layout in _plan.LAYOUTS:  # sliding windows: narrower and wider than a chunk (4 tokens)
+                _fixed_case(rank, world, layout, causal=True, window=(5, None))
+                _fixed_case(rank, world, layout, causal=False, window=(3, 6), sink=True)
             _deterministic_case(rank, world)
             for causal, left in ((True, None), (False, None), (True, 3)):
                 _varlen_case(rank, world, causal, left)
@@ -229,8 +290,9 @@ def _worker(rank, world, init_file, quick):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ring_on_gloo_matches_dense_autograd(world):
     """Whole runs in `world` processes: forward, lse, backward with an lse gradient, GQA, both
-    layouts, causal and not; softcap + sink, deterministic reruns and packed documents crossing
-    ranks (with an empty one, and a sliding window) at 1, 2 and 4 processes."""
+    layouts, causal and not; softcap + sink, sliding windows in both layouts (causal, and two-sided
+    with a sink), deterministic reruns and packed documents crossing ranks (with an empty one, and a
+    sliding window) at 1, 2 and 4 processes."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), world == 3), nprocs=world, join=True)
 
@@ -279,6 +341,10 @@ def test_argument_errors_in_a_group_of_one():
             cp.unshard(q[:, :3], dim=1)
         with pytest.raises(ValueError, match=r"^softcap: must be finite and >= 0"):
             cp.ring_attention(q, q, q, softcap=float("nan"), kernels=ref)
+        with pytest.raises(ValueError, match=r"^window_size: left must be >= 0, -1 or None"):
+            cp.ring_attention(q, q, q, window_size=(-3, None), kernels=ref)
+        with pytest.raises(ValueError, match=r"^window_size: causal=True means a right window of 0"):
+            cp.ring_attention(q, q, q, causal=True, window_size=(2, 5), kernels=ref)
         with pytest.raises(ValueError, match=r"^k: heads_kv \(3\) must divide"):
             cp.ring_attention(q, torch.zeros(1, 6, 3, 8), torch.zeros(1, 6, 3, 8), kernels=ref)
         assert cp.positions(8, layout="zigzag").tolist() == list(range(8))

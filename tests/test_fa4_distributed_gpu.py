@@ -3,7 +3,7 @@
 Each rank checks its rows of out, lse, dq, dk, dv (and the sink's gradient) against dense fp32
 attention on the whole sequence, with single-GPU fa4 on the whole sequence as the baseline of
 FA4's rule; causal (zigzag and contiguous), non-causal, GQA, d = 64 / 96 / 128, softcap + sink,
-packed documents crossing ranks, and bitwise-equal deterministic reruns. A world of 1 runs on any
+sliding windows, packed documents crossing ranks, and bitwise-equal deterministic reruns. A world of 1 runs on any
 GPU (the ring degenerates to one local step); 2 and 4 need that many GPUs on the machine.
 """
 from __future__ import annotations

@@ -38,8 +38,9 @@ __all__ = ["ring_attention", "ring_attention_varlen", "shard", "unshard", "posit
            "ReferenceKernels", "LAYOUTS"]
 
 
-def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, layout="zigzag", softcap=0.0,
-                   learnable_sink=None, deterministic=False, return_lse=False, kernels=None):
+def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, layout="zigzag",
+                   window_size=(None, None), softcap=0.0, learnable_sink=None, deterministic=False, return_lse=False,
+                   kernels=None):
     """Attention of this rank's queries over the whole sharded sequence.
 
     q (B, S/P, Hq, D), k (B, S/P, Hkv, D), v (B, S/P, Hkv, Dv): this rank's slice of a sequence of
@@ -52,8 +53,11 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
     rank's share (sum it over the group with the other replicated parameters' gradients). Head dims
     as in fa4.flash_attn_func: pairs without a kernel of their own are zero-padded onto a native one
     (`_checks.pad_for`).
-    deterministic=True gives bitwise-reproducible gradients. window_size is not served here (the
-    ring's key slices are not in position order under zigzag): use ring_attention_varlen.
+    window_size (left, right): fa4.flash_attn_func's sliding window over the global positions
+    (query i sees keys i - left ..= i + right; None or -1 unlimited; causal is right = 0). Each ring
+    step then runs one call per pair of a local chunk and a received one that the band reaches, with
+    the window re-expressed on that sub-block (fa4/distributed/_plan.py), in either layout.
+    deterministic=True gives bitwise-reproducible gradients.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 4)
@@ -64,11 +68,12 @@ def ring_attention(q, k, v, *, group=None, causal=False, softmax_scale=None, lay
         raise ValueError(f"k: holds {k.shape[1]} tokens but q holds {q.shape[1]}; a sharded sequence has the "
                          "same slice of queries and keys on each rank")
     check_divisible("q", q.shape[1], world, layout, local=True)  # whole chunks (unshard needs them too)
-    from .._validate import check_learnable_sink, check_softcap
+    from .._validate import check_learnable_sink, check_softcap, check_window
 
+    left, right, causal = check_window(window_size, causal)
     softcap = check_softcap(softcap)
     learnable_sink = check_learnable_sink(learnable_sink, q)
-    call = RingCall(Ring(group), kernels, scale, causal, layout, softcap, deterministic, return_lse)
+    call = RingCall(Ring(group), kernels, scale, causal, layout, softcap, deterministic, return_lse, (left, right))
     q, k, v, unpad = pad_for(kernels, q, k, v)
     out, lse = RingAttention.apply(q, k, v, learnable_sink, call)
     out = unpad(out)

@@ -8,7 +8,8 @@ probability, D_i = rowsum(dout_i * out_i) uses the final out, so dS = P (dP - D 
 blocks is the whole gradient.
 
 Shapes: q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), out (B, Sq, Hq, Dv), lse (B, Hq, Sq);
-causal is bottom-right aligned (fa4's convention).
+causal and window (left, right) are bottom-right aligned (fa4's convention; a window as fa4's
+checks leave it: sides >= 0 or None, a right side of 0 spelled causal).
 """
 from __future__ import annotations
 
@@ -26,16 +27,16 @@ class Fa4Kernels:
     needs_cuda = True
     native_head_dims = True  # kernels exist for a few (qk, v) pairs: the ring pads the others onto them
 
-    def forward(self, q, k, v, scale, causal, softcap):
+    def forward(self, q, k, v, scale, causal, softcap, window=(None, None)):
         from .. import _ops
 
-        return _ops._fwd_impl(_c(q), _c(k), _c(v), scale, causal, False, True, None, None, softcap, None)
+        return _ops._fwd_impl(_c(q), _c(k), _c(v), scale, causal, False, True, *window, softcap, None)
 
-    def backward(self, dout, q, k, v, out, lse, dlse, scale, causal, softcap, deterministic):
+    def backward(self, dout, q, k, v, out, lse, dlse, scale, causal, softcap, deterministic, window=(None, None)):
         from .. import _ops
 
         dq, dk, dv, _ = _ops._bwd_impl(_c(dout), _c(q), _c(k), _c(v), _c(out), _c(lse), _c(dlse), scale, causal,
-                                       deterministic, None, None, softcap, None)
+                                       deterministic, *window, softcap, None)
         return dq, dk, dv
 
     def varlen_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, softcap):

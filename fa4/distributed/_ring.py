@@ -8,7 +8,9 @@ stage 1's online-softmax rescale), one block at a time:
 
     lse = log(exp(lse) + exp(lse_s)),   out = out * exp(lse_old - lse) + out_s * exp(lse_s - lse)
 
-in fp32. P-1 transfers of K and V in all.
+in fp32. P-1 transfers of K and V in all. Under a sliding window a step is up to one call per pair
+of a local chunk and a received one (`RingCall.blocks`, fa4/distributed/_plan.py), merged in order;
+the slices still go all the way round, even past the steps the window leaves empty.
 
 Backward: the same tour. dq stays home (fp32, added in ring order). The dK / dV partials of a slice
 travel *with* it: the rank holding slice src adds its block's dk, dv into the slice's fp32
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._lse_merge import add_sink, merge_into
-from ._plan import step_work
+from ._plan import step_blocks
 
 NEG_INF = float("-inf")
 
@@ -73,6 +75,11 @@ class RingCall:
     softcap: float
     deterministic: bool
     return_lse: bool
+    window: tuple = (None, None)  # (left, right) over the global sequence, right None when causal
+
+    def blocks(self, src: int, local_len: int):
+        """The kernel calls against the slice from rank `src` (fa4/distributed/_plan.py)."""
+        return step_blocks(self.ring.rank, src, self.ring.world, local_len, self.causal, self.layout, self.window)
 
 
 def _acc_dtype(t):
@@ -100,11 +107,11 @@ def ring_forward(call: RingCall, q, k, v):
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming = ring.shift(kv) if step + 1 < ring.world else None
-        work = step_work(ring.rank, src, ring.world, sl, call.causal, call.layout)
-        if work is not None:
-            qr, kr = work.q_rows, work.kv_rows
+        for blk in call.blocks(src, sl):
+            qr, kr = blk.q_rows, blk.kv_rows
             try:
-                o, l = kern.forward(q[:, qr], kv[0][:, kr], kv[1][:, kr], call.scale, work.causal, call.softcap)
+                o, l = kern.forward(q[:, qr], kv[0][:, kr], kv[1][:, kr], call.scale, blk.causal, call.softcap,
+                                    blk.window)
             except BaseException:
                 _drain(incoming)
                 raise
@@ -124,23 +131,23 @@ def ring_backward(call: RingCall, dout, q, k, v, out, lse, dlse):
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         incoming = ring.shift(kv) if step + 1 < ring.world else None
-        work = step_work(ring.rank, src, ring.world, sl, call.causal, call.layout)
-        grads = None
-        if work is not None:
-            qr, kr = work.q_rows, work.kv_rows
+        grads = []
+        for blk in call.blocks(src, sl):
+            qr, kr = blk.q_rows, blk.kv_rows
             try:
-                grads = kern.backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr], lse[:, :, qr],
-                                      None if dlse is None else dlse[:, :, qr], call.scale, work.causal,
-                                      call.softcap, call.deterministic)
+                g = kern.backward(dout[:, qr], q[:, qr], kv[0][:, kr], kv[1][:, kr], out[:, qr], lse[:, :, qr],
+                                  None if dlse is None else dlse[:, :, qr], call.scale, blk.causal, call.softcap,
+                                  call.deterministic, blk.window)
             except BaseException:
                 _drain(incoming, dkv_incoming)
                 raise
-            dq[:, qr] += grads[0]
+            dq[:, qr] += g[0]
+            grads.append((kr, g[1], g[2]))
         if dkv_incoming is not None:
             dkv = dkv_incoming.wait()
-        if grads is not None:
-            dkv[0][:, kr] += grads[1]
-            dkv[1][:, kr] += grads[2]
+        for kr, dk_blk, dv_blk in grads:  # in the blocks' fixed order: deterministic sums
+            dkv[0][:, kr] += dk_blk
+            dkv[1][:, kr] += dv_blk
         dkv_incoming = ring.shift(dkv)  # toward the slice's next holder; after the last step, its owner
         if incoming is not None:
             kv = incoming.wait()
