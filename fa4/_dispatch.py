@@ -330,14 +330,17 @@ def lpt_for_grid(sched, seqlen_q: int, heads_q: int, batch: int):
 
 
 def lpt_forward_schedulers(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int,
-                           max_seqlen_k: int, softcap: bool = False, sink: bool = False) -> list:
+                           max_seqlen_k: int, softcap: bool = False, sink: bool = False,
+                           l2_bytes: Optional[int] = None) -> list:
     """Every scheduler `causal_forward_scheduler` picks for a causal call of these heads with
     LPT_MIN_SEQLEN_K..max_seqlen_k keys, as (first_seqlen_k, last_seqlen_k, scheduler), shortest
     first: the LPT kernels `python -m fa4 precompile --heads` builds. The section size falls
     monotonically with the key count, so each scheduler owns one contiguous range; bisection finds
     its end (about 17 picks per range instead of one per length). The ranges stop where the pick
-    turns None (lengths whose tile stage 3 walks in the grid's order, `grid_order_causal`)."""
-    pick = causal_forward_scheduler.__wrapped__  # uncached: the probes below would flood the cache
+    turns None (lengths whose tile stage 3 walks in the grid's order, `grid_order_causal`). l2_bytes:
+    sm_100's sections follow the device's L2 (`causal_forward_scheduler`); sm_90 ignores it."""
+    pick = functools.partial(causal_forward_scheduler.__wrapped__,  # uncached: the probes would flood the cache
+                             l2_bytes=l2_bytes)
     ranges = []
     first = LPT_MIN_SEQLEN_K
     while first <= max_seqlen_k:

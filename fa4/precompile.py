@@ -16,7 +16,9 @@ kernels are compiled only: no Blackwell GPU has loaded them.
 Causal Hopper forwards with >= 4096 keys launch stage 5's LPT tile order, whose section size (a
 compile-time constant) depends on the head counts and the key length. `--heads HQ[/HKV]` adds
 those kernels for every length up to `--max-seqlen` (one kernel per section size, usually 2-6).
-On sm_100 the section size follows the device's own L2, so those kernels compile on first use.
+On sm_100 the section size follows the device's own L2: on a Blackwell GPU precompile reads it, and
+on a CPU `--arch sm_100a --l2-bytes N` takes it (the device's `L2_cache_size`); without either, those
+kernels compile on first use.
 
 `--shapes` / `--model-config` build exactly what a model's calls launch instead (head dims, GQA,
 causal, sliding window, softcap, sink, LPT range; `derive_builds`), through compile_launchable on
@@ -79,19 +81,22 @@ def parse_heads(text: str) -> list[tuple[int, int]]:
 
 
 def lpt_ranges(arch_key: str, head_dim: int, head_dim_v: int, heads_q: int, heads_kv: int, max_seqlen: int,
-               **variant) -> list:
+               l2_bytes: Optional[int] = None, **variant) -> list:
     """`lpt_forward_schedulers`' (first, last, scheduler) ranges, and where they end before max_seqlen
     (stage 3 walks d = 96's tile from 8192 keys in the grid's order) one more, (first, max_seqlen, None),
-    for the grid-order build of the lengths past them. variant: softcap / sink, as the dispatch takes them."""
+    for the grid-order build of the lengths past them. variant: softcap / sink, as the dispatch takes them;
+    l2_bytes: the sm_100 device's L2 (`--l2-bytes`)."""
     from ._dispatch import lpt_forward_schedulers
 
-    ranges = lpt_forward_schedulers(arch_key, head_dim, head_dim_v, heads_q, heads_kv, max_seqlen, **variant)
+    ranges = lpt_forward_schedulers(arch_key, head_dim, head_dim_v, heads_q, heads_kv, max_seqlen, l2_bytes=l2_bytes,
+                                    **variant)
     if ranges and ranges[-1][1] < max_seqlen:
         ranges.append((ranges[-1][1] + 1, max_seqlen, None))
     return ranges
 
 
-def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seqlen: int, arch_key: str) -> list[dict]:
+def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seqlen: int, arch_key: str,
+               l2_bytes: Optional[int] = None) -> list[dict]:
     """The LPT-ordered forward kernels that causal calls of these head counts with up to max_seqlen
     keys launch (fa4._dispatch.causal_forward_scheduler), one per distinct (dtype, head dims,
     scheduler): head counts that share a section size share the kernel; and past the LPT ranges the
@@ -101,7 +106,7 @@ def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seql
         if not causal:
             continue
         for hq, hkv in heads:
-            for first, last, sched in lpt_ranges(arch_key, d, dv, hq, hkv, max_seqlen):
+            for first, last, sched in lpt_ranges(arch_key, d, dv, hq, hkv, max_seqlen, l2_bytes):
                 if (dt, d, dv, sched) not in seen:
                     seen.add((dt, d, dv, sched))
                     builds.append({"dtype": dt, "head_dim": d, "head_dim_v": dv, "heads": f"{hq}/{hkv}",
@@ -110,7 +115,8 @@ def lpt_builds(cfgs: Iterable[tuple], heads: Iterable[tuple[int, int]], max_seql
 
 
 # why an arch without AHEAD_LONG_BUILDS skips the LPT kernels ({} = the forward module)
-_NO_AHEAD_LPT = "{}'s LPT sections are sized by the device's L2, so long causal calls compile them on first use"
+_NO_AHEAD_LPT = ("{}'s LPT sections are sized by the device's L2, so long causal calls compile them on first use "
+                 "(pass --l2-bytes with the device's L2 size to build them here)")
 
 
 def _no_ahead_lpt_note(arch_key: str) -> str:
@@ -372,12 +378,13 @@ def add_kvcache_segments(add, w: Workload, **tile):
 
 
 def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, backward: bool = True,
-                  varlen: bool = False) -> list[dict]:
+                  varlen: bool = False, l2_bytes: Optional[int] = None) -> list[dict]:
     """The kernels these workloads launch, each once: per (dtype, head dims, causal, variant) the
     forward of short calls (compile_launchable; non-causal plain ones add the long calls' split-tail
     build), the forward of long calls where the key count changes the build (past the LPT ranges,
     d = 96's 192 x 144 tile from 8192 keys), the LPT-ordered forwards of causal calls with >=
-    LPT_MIN_SEQLEN_K keys (one per section size, as `lpt_builds`; sm_90 only, see `arch_notes`),
+    LPT_MIN_SEQLEN_K keys (one per section size, as `lpt_builds`; on sm_100 only given the device's
+    L2 size, l2_bytes, see `arch_notes`),
     the backward (preprocess, main, postprocess) unless backward=False, and the varlen forward /
     backward when varlen=True.
     Each build is a dict: kind, dtype, head_dim, head_dim_v, causal, variant (compile_launchable
@@ -406,13 +413,13 @@ def derive_builds(workloads: Iterable[Workload], arch_key: str = "sm_90", *, bac
         # default_persistent), so it is the only windowed forward
         if w.min_seqlen < LPT_MIN_SEQLEN_K or not w.causal or left_window:
             add("fwd", w)
-        # sm_100's long causal calls take LPT kernels sized by the device's L2: built on first use
-        # (`arch_notes`); no other build of its forward depends on the key count
-        lpt = w.causal and w.window is None and arch_key == "sm_90"
+        # sm_100's long causal calls take LPT kernels sized by the device's L2: built here given its size,
+        # else on first use (`arch_notes`); no other build of its forward depends on the key count
+        lpt = w.causal and w.window is None and (arch_key == "sm_90" or l2_bytes is not None)
         first_len = max(w.min_seqlen, LPT_MIN_SEQLEN_K)
         if lpt and longest >= LPT_MIN_SEQLEN_K:
             for first, last, sched in lpt_ranges(arch_key, w.head_dim, w.head_dim_v, w.heads_q, w.heads_kv, longest,
-                                                 softcap=bool(w.softcap), sink=bool(w.sink)):
+                                                 l2_bytes, softcap=bool(w.softcap), sink=bool(w.sink)):
                 if last < first_len:
                     continue
                 if sched is None:   # past the LPT ranges: the grid-order build
@@ -486,7 +493,8 @@ def _builder(mod, launchable: bool, varlen: bool = False):
 
 
 def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, varlen=True, out=None,
-                 heads: Optional[list] = None, max_seqlen: int = DEFAULT_MAX_SEQLEN) -> list[dict]:
+                 heads: Optional[list] = None, max_seqlen: int = DEFAULT_MAX_SEQLEN,
+                 l2_bytes: Optional[int] = None) -> list[dict]:
     from . import _cache
     from ._dispatch import ARCHS, _install_disk_cache, has_backward, make_backend
 
@@ -512,13 +520,14 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
     tasks = [(kind, name, cfg, functools.partial(build, *cfg), launchable, "", {})
              for kind, name, build, launchable in jobs for cfg in cfgs
              if kind != "bwd" or has_backward(info, cfg[1], cfg[2])]
-    if heads and backend.AHEAD_LONG_BUILDS:
-        for b in lpt_builds(cfgs, heads, max_seqlen, info.key):
+    ahead = backend.AHEAD_LONG_BUILDS or l2_bytes is not None  # sm_100: given the device's L2 size
+    if heads and ahead:
+        for b in lpt_builds(cfgs, heads, max_seqlen, info.key, l2_bytes):
             cfg, compile_it, prefix, extra = _lpt_task(fwd_mod, b)
             tasks.append(("fwd lpt", fwd_name, cfg, compile_it, True, prefix, extra))
     elif heads:
         print(f"--heads: {_NO_AHEAD_LPT.format(fwd_name)}; LPT kernels skipped", file=out)
-    elif hint := _lpt_hint(cfgs, info.key, backend.AHEAD_LONG_BUILDS):
+    elif hint := _lpt_hint(cfgs, info.key, ahead):
         print(hint, file=out)
     persist = _cache.enabled() and any(t[4] for t in tasks)
     if persist:
@@ -558,12 +567,13 @@ def compile_only(cfgs: Iterable[tuple], *, arch: str = "sm_90a", backward=True, 
     return results
 
 
-def arch_notes(workloads: Iterable[Workload], arch_key: str) -> list[str]:
+def arch_notes(workloads: Iterable[Workload], arch_key: str, l2_bytes: Optional[int] = None) -> list[str]:
     """Lines for what `derive_builds` leaves out of these workloads on an arch without
-    `Backend.AHEAD_LONG_BUILDS` (sm_100): the LPT kernels of long causal calls. Empty elsewhere."""
+    `Backend.AHEAD_LONG_BUILDS` (sm_100) when the device's L2 size is not given: the LPT kernels of
+    long causal calls. Empty elsewhere."""
     from ._dispatch import BACKEND_TYPES, LPT_MIN_SEQLEN_K
 
-    if BACKEND_TYPES[arch_key].AHEAD_LONG_BUILDS:
+    if BACKEND_TYPES[arch_key].AHEAD_LONG_BUILDS or l2_bytes is not None:
         return []
     workloads = list(workloads)
     notes = []
@@ -581,18 +591,19 @@ def on_gpu(cfgs: Iterable[tuple], *, backward=True, varlen=True, out=None, heads
 
     from . import _cache
     from ._api import flash_attn_func, flash_attn_varlen_func
-    from ._dispatch import backend_for, has_backward
+    from ._dispatch import _l2_bytes, backend_for, has_backward
 
     out = out or sys.stdout
     dev = torch.device("cuda", torch.cuda.current_device())
     backend = backend_for(dev)
+    l2 = None if backend.AHEAD_LONG_BUILDS else _l2_bytes(dev)  # sm_100's LPT sections: this device's L2
     arch = backend.arch
     has_bwd, has_varlen = backward, varlen
     cfgs = [c for c in cfgs if (c[1], c[2]) in arch.head_dims]
     kinds = ["fwd"] + (["bwd"] if has_bwd else []) + (["varlen"] if has_varlen else [])
     fwd_mod = backend.forward_module()  # imported with the disk cache installed
-    scheduled = backend.AHEAD_LONG_BUILDS  # the Hopper forward builds LPT-ordered kernels ahead of time
-    lpt = lpt_builds(cfgs, heads, max_seqlen, arch.key) if heads and scheduled else []
+    scheduled = backend.AHEAD_LONG_BUILDS or l2 is not None  # LPT-ordered kernels can be built ahead of time
+    lpt = lpt_builds(cfgs, heads, max_seqlen, arch.key, l2) if heads and scheduled else []
     print(f"precompile on {torch.cuda.get_device_name(dev)} ({arch.key}): {len(cfgs)} configs x {', '.join(kinds)}"
           + (f" + {len(lpt)} LPT forward kernel(s)" if heads else "")
           + f"; disk cache: {_cache.cache_dir() if _cache.enabled() else 'disabled (FA4_CACHE=0)'}",
@@ -852,6 +863,15 @@ def main(args) -> int:
                   "--arch sm_100a.", file=sys.stderr)
             return 2
     arch_key = arch_key or "sm_90"
+    l2_bytes = getattr(args, "l2_bytes", None)
+    if l2_bytes is not None and args.arch != "sm_100a":
+        print("--l2-bytes: only with --arch sm_100a (sm_90's LPT sections are sized for an H100's L2; on a GPU "
+              "without --arch the device's own L2 is used)", file=sys.stderr)
+        return 2
+    if gpu and not args.arch and arch_key == "sm_100":
+        from ._dispatch import _l2_bytes
+
+        l2_bytes = _l2_bytes(torch.device("cuda", torch.cuda.current_device()))
     if getattr(args, "shapes", None) is not None and not any(getattr(args, "shapes")):
         print("--shapes: the spec is empty (an unset shell variable?); give at least one workload", file=sys.stderr)
         return 2
@@ -884,13 +904,17 @@ def main(args) -> int:
             print("--plans: give each --shapes item its length (seqlen=N): the recorded call is that long",
                   file=sys.stderr)
             return 2
+        if args.arch:  # deriving LPT builds imports cutlass (stage 5's scheduler): the target first
+            from ._dispatch import ARCHS
+
+            _ensure_arch(ARCHS[arch_key].cute_arch)
         try:
             builds = derive_builds(workloads, arch_key, backward=not args.no_backward,
-                                   varlen=getattr(args, "varlen", False))
+                                   varlen=getattr(args, "varlen", False), l2_bytes=l2_bytes)
         except ValueError as exc:
             print(f"--shapes / --model-config: {exc}", file=sys.stderr)
             return 2
-        for note in arch_notes(workloads, arch_key):
+        for note in arch_notes(workloads, arch_key, l2_bytes):
             print(note)
         rows = build_derived(builds, arch_key=arch_key, gpu=gpu and not args.arch)
         if plans:
@@ -923,7 +947,7 @@ def main(args) -> int:
         from ._dispatch import ARCHS
 
         rows = compile_only(cfgs, arch=ARCHS[arch_key].cute_arch, backward=not args.no_backward, heads=heads,
-                            max_seqlen=max_seqlen)
+                            max_seqlen=max_seqlen, l2_bytes=l2_bytes)
     return 1 if any("error" in r for r in rows) else 0
 
 
@@ -935,6 +959,9 @@ def add_arguments(p):
     p.add_argument("--arch", default=None, choices=["sm_90a", "sm_100a"],
                    help="compile-only for this arch with fake tensors (the default without a GPU: sm_90a)")
     p.add_argument("--no-backward", action="store_true", help="forward kernels only")
+    p.add_argument("--l2-bytes", type=_positive_int, default=None, metavar="BYTES",
+                   help="with --arch sm_100a: the target GPU's L2 size (torch.cuda.get_device_properties(0)"
+                        ".L2_cache_size), so the LPT-ordered causal forwards, whose sections follow it, are built too")
     p.add_argument("--heads", type=parse_heads, default=None, metavar="HQ[/HKV],...",
                    help="also build the LPT-ordered causal forwards these head counts launch with >= 4096 keys, "
                         "e.g. 32/8,16")

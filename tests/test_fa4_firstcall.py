@@ -327,6 +327,41 @@ def test_blackwell_long_causal_calls_compile_their_lpt_kernel_on_first_use(black
 
 @pytest.mark.cpu
 @pytest.mark.fa4
+def test_blackwell_lpt_kernels_are_precompiled_given_the_l2_size(blackwell_recorder, capsys):
+    """`--arch sm_100a --l2-bytes N` (the fixture's device reports 126 MiB): the LPT sections of long
+    causal calls follow that L2, so precompile builds them and every key the launches ask for was built
+    (no note); a different L2 gives other sections, whose keys a launch on this device would miss."""
+    be, rec = blackwell_recorder
+    (w,) = precompile.parse_shapes("d=128,heads=16,causal,seqlen=16384")
+    l2 = _dispatch._l2_bytes(None)
+    builds = precompile.derive_builds([w], "sm_100", l2_bytes=l2)
+    assert [b["kind"] for b in builds].count("fwd lpt") >= 2 and precompile.arch_notes([w], "sm_100", l2) == []
+    for b in builds:
+        precompile.derived_task(be.forward_module(), be.backward_module(), b)[1]()
+    built = set(rec.keys)
+    rec.keys.clear()
+    for n in (2048, 8192, 16384):
+        _launch(be, w, n)
+    launched = set(rec.keys)
+    assert launched <= built, sorted(map(repr, launched - built))
+    assert sum(hasattr(k[4], "heads_per_section") for k in launched if k[:2] == ("blackwell_fwd", "gpu")) >= 2
+    other = {b["scheduler"] for b in precompile.derive_builds([w], "sm_100", l2_bytes=l2 // 4, backward=False)
+             if b["kind"] == "fwd lpt"}
+    assert other and not other <= {k[4] for k in launched if k[:2] == ("blackwell_fwd", "gpu")}
+    assert precompile.main(precompile_args(["--arch", "sm_90a", "--l2-bytes", "1000"])) == 2
+    assert "--l2-bytes: only with --arch sm_100a" in capsys.readouterr().err
+
+
+def precompile_args(argv):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    precompile.add_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
 @pytest.mark.parametrize("spec", ["d=128,heads=32/8,causal,seqlen=8192,decode",
                                   "d=64,heads=8/8,noncausal,softcap=30,window=256,seqlen=2048,decode"])
 def test_blackwell_decode_launch_keys_are_the_precompiled_keys(blackwell_recorder, spec):
