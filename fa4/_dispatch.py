@@ -372,7 +372,8 @@ class Backend:
     LAUNCHABLE_BUILDS = False
     # precompile also builds what long calls launch: the LPT-ordered causal forwards (--heads; their
     # section size is sized for an H100's L2), the split-tail forward, the persistent backward. sm_100's
-    # LPT sections follow the device's own L2, so its long causal calls compile on first use
+    # LPT sections follow the device's own L2: precompile builds them only given it (--l2-bytes, or on
+    # a Blackwell GPU), else its long causal calls compile on first use
     AHEAD_LONG_BUILDS = False
     # the dense backward hands back D = rowsum(dout * out) - dlse (`return_d`) from its preprocess;
     # else sink_grad computes it with torch
