@@ -23,7 +23,7 @@
 #   softmax (notebook 01) and the split-KV decode (notebook 07), now between GPUs;
 # - why a causal mask makes a plain split unfair (the last rank does `2P - 1` times the first one's
 #   work) and how the zigzag layout evens it out, so that every step is a whole block or half of one,
-#   never a mask the kernel would have to cut;
+#   never a mask the kernel would have to cut -- and how a sliding window still fits the kernel's mask;
 # - how the backward sends the dK / dV partials around with their slice;
 # - what two H200s measure against one, and against torch's own context parallelism.
 #
@@ -181,6 +181,64 @@ for layout in _plan.LAYOUTS:
             merge_into(out[w.q_rows], lse[w.q_rows], *block_attention(q, k, v, w.causal))
         worst = max(worst, (out - want[mine]).abs().max().item())
     print(f"{layout:10}: every rank's rows against whole-sequence causal attention, max |diff| = {worst:.1e}")
+
+# %% [markdown]
+# ### A sliding window
+# A window (query `i` sees keys `i - left ..= i`, Mistral-style) is a band of the global grid, and
+# under zigzag a received slice is no longer simply "whole or half". The plan then goes chunk pair by
+# chunk pair (`_plan.step_blocks`): a local chunk against a received one is skipped, computed whole, or
+# cut to the rows and keys the band reaches, with the window re-expressed on that sub-block in fa4's
+# bottom-right convention (`_plan.band_block`). The band's edges run parallel to the diagonal, so on
+# each sub-block both window sides come out >= 0 -- a mask the kernel takes as it is. Below: rank 1's
+# steps with `left = 5` (each slice is two chunks of `S / 2P` tokens), and the same one-process ring
+# as above, now windowed, against windowed attention over the whole sequence.
+
+# %%
+left = 5
+fig, axes = plt.subplots(1, P, figsize=(12, 3))
+for src, ax in enumerate(axes):
+    grid = np.zeros((local, local))
+    blocks = _plan.step_blocks(rank, src, P, local, True, "zigzag", (left, None))
+    for blk in blocks:
+        rows, cols = blk.q_rows.stop - blk.q_rows.start, blk.kv_rows.stop - blk.kv_rows.start
+        wl, wr = blk.window[0], 0 if blk.causal else blk.window[1]
+        r, c = np.arange(rows)[:, None], np.arange(cols)[None, :]
+        off = cols - rows                                    # fa4's bottom-right alignment
+        seen = np.ones((rows, cols), dtype=bool)
+        if wl is not None:
+            seen &= c >= r + off - wl
+        if wr is not None:
+            seen &= c <= r + off + wr
+        grid[blk.q_rows, blk.kv_rows] = seen
+    ax.imshow(grid, cmap="Greys", vmin=0, vmax=1)
+    ax.set(title=f"keys of rank {src}\n{len(blocks)} call(s)", xticks=[], yticks=[])
+fig.suptitle(f"zigzag, rank {rank} of {P}, causal window left = {left}: each step's calls")
+plt.tight_layout()
+plt.show()
+
+
+def windowed_block_attention(q, k, v, causal, window):
+    out, lse = attention_ref(q[None], k[None], v[None], causal=causal, window_size=window)
+    return out[0], lse[0].transpose(0, 1)
+
+
+want_w, _ = windowed_block_attention(q_all, k_all, v_all, True, (left, None))
+for layout in _plan.LAYOUTS:
+    worst = 0.0
+    for r in range(P):
+        mine = _plan.local_positions(r, P, S, layout)
+        out = torch.zeros(local, H, D, dtype=torch.float64)
+        lse = torch.full((local, H), float("-inf"), dtype=torch.float64)
+        for step in range(P):
+            src = (r - step) % P
+            theirs = _plan.local_positions(src, P, S, layout)
+            for blk in _plan.step_blocks(r, src, P, local, True, layout, (left, None)):
+                q = q_all[mine][blk.q_rows]
+                k, v = k_all[theirs][blk.kv_rows], v_all[theirs][blk.kv_rows]
+                merge_into(out[blk.q_rows], lse[blk.q_rows],
+                           *windowed_block_attention(q, k, v, blk.causal, blk.window))
+        worst = max(worst, (out - want_w[mine]).abs().max().item())
+    print(f"{layout:10}: windowed ring against whole-sequence windowed attention, max |diff| = {worst:.1e}")
 
 # %% [markdown]
 # ## 4. The real ring, on two processes
