@@ -26,9 +26,11 @@ kernel: an eager paged call's page gather (`gather_kv_pages`).
        length. The cost is a grid of 2 x batch sequences, half of them without keys.
      * max_seqlen_q / max_seqlen_k may be the longest *used* length (the official bound): the kernels'
        grids then need not reach every row past seqused_*. So the rows past seqused_q are set to out
-       0, lse -inf after the kernel (whatever it wrote there, with or without a sink), and where a
-       grid may stop short, dq (rows past seqused_q) and dk / dv (keys past seqused_k) are zeroed by
-       the autograd graph (`RowsWithoutGradient`), not left to the kernels.
+       0, lse -inf after the kernel (whatever it wrote there, with or without a sink).
+     * when a backward may follow, the kernels get copies of q / k / v whose rows past seqused_q /
+       seqused_k are zeros (`zero_rows_past_used`): a backward tile straddling a used length reads
+       those rows, which hold the caller's padding (NaN in it would reach the used rows' gradients).
+       The copies' autograd also gives those rows dq = 0 / dk = dv = 0 where a grid stops short.
 """
 from __future__ import annotations
 
@@ -201,21 +203,17 @@ class VarlenLayout:
     @classmethod
     def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q, sink=None):
         """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None.
-        q, k, v that require grad come back behind `RowsWithoutGradient` where a kernel grid bounded by
-        max_seqlen_* may not reach the rows past seqused_* (module docstring). So would the gradient of
-        a learnable sink, which the op forms from every row's out and lse as the kernel left them: there
-        the op gets the sink detached and `restore` attaches its gradient over the used rows."""
+        When a backward may follow, the rows past seqused_q in q and past seqused_k in k / v are
+        replaced by zeros (`zero_rows_past_used`); a learnable sink's gradient, which the op forms
+        from every row's out and lse as the kernel left them, is formed by `restore` over the used
+        rows where a grid bounded by max_seqlen_q may not reach the others (the op gets it detached)."""
         longest_q = q.shape[0] if padded_q is None else padded_q[1]  # no sequence is longer
         rows_past_q, short_q = None, False
         if seqused_q is not None:
             rows_past_q = rows_past_used(cu_q, seqused_q, q.shape[0])
             short_q = _may_stop_short(max_q, longest_q)
-            if q.requires_grad and short_q:
-                q = RowsWithoutGradient.apply(q, rows_past_q)
-        # (a padded k's bound covers its rows already, fa4._validate._padded_bound: the guard is then a no-op)
-        if seqused_k is not None and (k.requires_grad or v.requires_grad) and _may_stop_short(max_k, k.shape[0]):
-            rows_past_k = rows_past_used(cu_k, seqused_k, k.shape[0])
-            k, v = (RowsWithoutGradient.apply(t, rows_past_k) if t.requires_grad else t for t in (k, v))
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)):
+            q, k, v = zero_rows_past_used(q, k, v, cu_k, rows_past_q, seqused_k)
         if seqused_q is not None:
             cu_q, cu_k, seqused_k = split_unused_rows(cu_q, cu_k, seqused_q, seqused_k)
         sink_here = sink if short_q and sink is not None and sink.requires_grad and torch.is_grad_enabled() else None
@@ -265,19 +263,21 @@ def rows_past_used(cu, used, total):
     return rows - cu.to(torch.int64)[seq] >= used.to(torch.int64)[seq]
 
 
-class RowsWithoutGradient(torch.autograd.Function):
-    """Identity forward; the backward zeroes the gradient of the given rows (dim 0), whatever the
-    kernels left there -- rows a bounded grid never reached hold uninitialized memory."""
-
-    @staticmethod
-    def forward(ctx, t, rows):
-        ctx.save_for_backward(rows)
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        return grad.masked_fill(rows.view(-1, *([1] * (grad.dim() - 1))), 0), None
+def zero_rows_past_used(q, k, v, cu_k, rows_past_q, seqused_k):
+    """q with the rows past seqused_q (rows_past_q, bool (total_q,) or None) and k / v with the keys
+    past seqused_k as zeros, for a call a backward may follow. A backward tile that straddles a used
+    length loads those rows with the rest (TMA reads whole tiles), and what they hold is the caller's
+    padding: P and dS are 0 there, but dK += dS^T Q and dQ = dS K multiply them, and 0 * NaN is NaN.
+    (The forward zeroes V's tail itself and masks K's; it needs no copy.) masked_fill's gradient is 0
+    on the filled rows, which is also what they must get where a grid bounded by max_seqlen_* never
+    reaches them (there the kernels leave uninitialized memory). Cost: a copy of each side with a
+    used length (memory-bound, small next to the attention)."""
+    if rows_past_q is not None:
+        q = q.masked_fill(rows_past_q.view(-1, 1, 1), 0)                      # (total_q, Hq, D)
+    if seqused_k is not None:
+        rows_past_k = rows_past_used(cu_k, seqused_k, k.shape[0]).view(-1, 1, 1)
+        k, v = k.masked_fill(rows_past_k, 0), v.masked_fill(rows_past_k, 0)  # (total_k, Hkv, D / Dv)
+    return q, k, v
 
 
 def restore_padded_q(out, lse, padded_q):

@@ -93,11 +93,27 @@ class _Backend:
             grads[0][qa:qb] += g[0][0]
             grads[1][ka:kb] += g[1][0]
             grads[2][ka:kb] += g[2][0]
+            self._straddling_tiles(grads, dout, q, k, v, qa, qb, ka, kb)
         for i in range(cu_q.shape[0] - 1):  # the postprocess's dq grid, the main kernel's key tiles
             grads[0][_past_grid(int(cu_q[i]), int(cu_q[i + 1]), max_q)] = math.nan
             for g in grads[1:]:
                 g[_past_grid(int(cu_k[i]), int(cu_k[i + 1]), max_k)] = math.nan
         return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+    @staticmethod
+    def _straddling_tiles(grads, dout, q, k, v, qa, qb, ka, kb):
+        """Like the kernels' backward, which loads whole tiles: a non-finite value in the rows the last
+        tile of a sequence reads past its end reaches the sequence's gradients (0 * NaN in the MMAs):
+        keys / values there reach dq (dQ = dS K, dS = P (dP - D) with dP = dO V^T); queries dk
+        (dK += dS^T Q); dO rows dv (dV += P^T dO)."""
+        tail = lambda t, a, b: t[b:min(a + -(-(b - a) // GRID_TILE) * GRID_TILE, t.shape[0])]  # noqa: E731
+        finite = lambda *ts: all(bool(torch.isfinite(t).all()) for t in ts)  # noqa: E731
+        if not finite(tail(k, ka, kb), tail(v, ka, kb)):
+            grads[0][qa:qb] = math.nan
+        if not finite(tail(q, qa, qb)):
+            grads[1][ka:kb] = math.nan
+        if not finite(tail(dout, qa, qb)):
+            grads[2][ka:kb] = math.nan
 
     def forward(self, q, k, v, scale, causal, window=(None, None), softcap=0.0, learnable_sink=None):
         b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
@@ -293,15 +309,21 @@ def test_four_layouts_with_seqused(stand_in, padded_q, padded_k, use_q, use_k):
         assert torch.all(grad_k == 0)
 
 
-def test_padded_sides_with_seqused_and_the_used_lengths_as_bounds(stand_in):
+@pytest.mark.parametrize("padding", ["random", "nan"])
+def test_padded_sides_with_seqused_and_the_used_lengths_as_bounds(stand_in, padding):
     """Padded q and k with seqused_* and max_seqlen_* = the longest *used* length (the official bound, a
     server's call): the kernels still cover every padded row -- rows past seqused_q out 0, lse -inf, dq 0;
-    keys past seqused_k dk = dv = 0 (the stand-in refuses a sequence longer than its max_seqlen)."""
+    keys past seqused_k dk = dv = 0 (the stand-in refuses a sequence longer than its max_seqlen). Also
+    with NaN in those rows of q, k, v and dout (padding from torch.empty), which the stand-in, like the
+    kernels' tiles, lets reach the used rows' gradients if the kernels get them."""
     g = torch.Generator().manual_seed(5)
     batch, sq, sk, hq, hkv, d = 3, 12, 10, 4, 2, 32
     used_q, used_k = torch.tensor([5, 0, 7]), torch.tensor([3, 10, 6])
     q, dout = _randn(g, batch, sq, hq, d), _randn(g, batch, sq, hq, d)
     k, v = _randn(g, batch, sk, hkv, d), _randn(g, batch, sk, hkv, d)
+    for b in range(batch if padding == "nan" else 0):
+        q[b, int(used_q[b]):], dout[b, int(used_q[b]):] = math.nan, math.nan
+        k[b, int(used_k[b]):], v[b, int(used_k[b]):] = math.nan, math.nan
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = fa4.flash_attn_varlen_func(*leaves, seqused_q=used_q.to(torch.int32), seqused_k=used_k.to(torch.int32),
                                           max_seqlen_q=int(used_q.max()), max_seqlen_k=int(used_k.max()), causal=True,

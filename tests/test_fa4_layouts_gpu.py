@@ -219,3 +219,49 @@ def test_sink_gradient_with_seqused_q(bound):
         assert_fa4_close(f"out seq {b}", rows[b][:used[b]], ref_out[i], base_out[i], atol=1e-5)
         assert_fa4_close(f"dq seq {b}", dq_rows[b][:used[b]], ref_g[i], base_g[i], atol=1e-4)
     assert_fa4_close("dsink", dsink, ref_g[-1], base_g[-1], atol=1e-4)
+
+
+NAN_DIMS = [(64, 64), (128, 128), (128, 64), (192, 128), (256, 256)]
+
+
+@pytest.mark.parametrize("padded_q,padded_k,heads", LAYOUTS, ids=["packQ-packK", "padQ-packK", "packQ-padK", "padQ-padK"])
+@pytest.mark.parametrize("d,dv", NAN_DIMS, ids=[f"d{d}x{dv}" for d, dv in NAN_DIMS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nan_past_seqused_stays_out_of_the_used_rows(padded_q, padded_k, heads, d, dv, causal):
+    """Rows past seqused_q (q and dout) and keys past seqused_k (k and v) hold NaN, as padding from
+    torch.empty may: out, lse and every gradient of the used rows stay under the rule, and the unused
+    rows get out 0 / dq = dk = dv = 0. A tile that straddles the used length loads those rows."""
+    g = torch.Generator(device="cuda").manual_seed(d + dv + 2 * padded_q + padded_k + 7 * causal)
+    hq, hkv = heads[0] * heads[1], heads[1]
+    lens_q = [203] * 3 if padded_q else [203, 64, 150]
+    lens_k = [260] * 3 if padded_k else [260, 128, 77]
+    used_q, used_k = [113, 1, 150], [203, 100, 77]   # straddle a tile, or use all rows of a packed sequence
+    qs, ks, vs = ([_rand(g, n, h, e) for n in lens] for lens, h, e in ((lens_q, hq, d), (lens_k, hkv, d),
+                                                                         (lens_k, hkv, dv)))
+    douts = [_rand(g, n, hq, dv) for n in lens_q]
+    for b in range(3):
+        qs[b][used_q[b]:], douts[b][used_q[b]:] = float("nan"), float("nan")
+        ks[b][used_k[b]:], vs[b][used_k[b]:] = float("nan"), float("nan")
+    side = lambda ts, padded: torch.stack(ts) if padded else torch.cat(ts)  # noqa: E731
+    leaves = [side(qs, padded_q).requires_grad_(), side(ks, padded_k).requires_grad_(),
+              side(vs, padded_k).requires_grad_()]
+    kw = dict(cu_seqlens_q=None if padded_q else _cu(lens_q), cu_seqlens_k=None if padded_k else _cu(lens_k),
+              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+              seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
+              seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
+    out, lse = fa4.flash_attn_varlen_func(*leaves, causal=causal, return_lse=True, **kw)
+    dq, dk, dv_ = torch.autograd.grad(out, leaves, side(douts, padded_q))
+    per_seq = lambda t, padded, lens: [t[b] for b in range(3)] if padded else list(torch.split(t, lens))  # noqa: E731
+    outs, dqs = per_seq(out, padded_q, lens_q), per_seq(dq, padded_q, lens_q)
+    dks, dvs = per_seq(dk, padded_k, lens_k), per_seq(dv_, padded_k, lens_k)
+    lses = [lse[b] for b in range(3)] if padded_q else list(torch.split(lse, lens_q, dim=1))
+    for b in range(3):
+        nq, nk = used_q[b], used_k[b]
+        assert torch.all(outs[b][nq:] == 0) and torch.all(dqs[b][nq:] == 0), f"rows past seqused_q, seq {b}"
+        assert torch.all(dks[b][nk:] == 0) and torch.all(dvs[b][nk:] == 0), f"keys past seqused_k, seq {b}"
+        ref, base = reference_and_baseline(qs[b][None, :nq], ks[b][None, :nk], vs[b][None, :nk],
+                                           douts[b][None, :nq], causal=causal)
+        atol = grad_atol(ref[2:])
+        got = (outs[b][None, :nq], lses[b][None, :, :nq], dqs[b][None, :nq], dks[b][None, :nk], dvs[b][None, :nk])
+        for name, a, r, bl in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
+            assert_fa4_close(f"seq {b} {name}", a, r, bl, atol=1e-5 if name in ("out", "lse") else atol)
