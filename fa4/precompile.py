@@ -865,8 +865,8 @@ def main(args) -> int:
     arch_key = arch_key or "sm_90"
     l2_bytes = getattr(args, "l2_bytes", None)
     if l2_bytes is not None and args.arch != "sm_100a":
-        print("--l2-bytes: only with --arch sm_100a (sm_90's LPT sections are sized for an H100's L2; on a GPU "
-              "without --arch the device's own L2 is used)", file=sys.stderr)
+        print("--l2-bytes: only with --arch sm_100a (sm_90's LPT sections are sized for an H100's L2; on a "
+              "Blackwell GPU without --arch, its own L2 is used)", file=sys.stderr)
         return 2
     if gpu and not args.arch and arch_key == "sm_100":
         from ._dispatch import _l2_bytes

@@ -65,6 +65,7 @@ def _block_pairs(blk, q_pos, k_pos):
     rows, cols = q_pos[blk.q_rows], k_pos[blk.kv_rows]
     off = len(cols) - len(rows)
     wl, wr = blk.window
+    assert not (blk.causal and wr is not None), "a causal block's right side is the diagonal (None)"
     wr = 0 if blk.causal else wr
     return [(i, j) for a, i in enumerate(rows) for b, j in enumerate(cols)
             if (wl is None or a + off - wl <= b) and (wr is None or b <= a + off + wr)]

@@ -352,9 +352,9 @@ plt.show()
 # %% [markdown]
 # **What is left.** Four GPUs have not been measured. The ring is 1.07-1.15x torch's context
 # parallelism, and the transfers cost it at most 3% of its time; the margin over torch comes mostly from
-# the kernels (fa4 against cuDNN; not timed on one GPU in these runs). A window would let whole ring
-# steps be skipped; `ring_attention_varlen` takes causal windows but gathers K and V instead of
-# passing them around.
+# the kernels (fa4 against cuDNN; not timed on one GPU in these runs). `ring_attention` takes windows
+# (above) but still sends every slice round the ring, though a narrow window leaves most steps with
+# nothing to compute; `ring_attention_varlen` takes causal windows and gathers K and V instead.
 #
 # **Next**: `fa4/README.md`, *Context parallelism*, for the whole API (`ring_attention_varlen` for packed
 # documents, `positions` for rotary embeddings, deterministic mode) and `examples/cp_llama.py`, a small
