@@ -96,11 +96,22 @@ def test_varlen_layouts_with_seqused(padded_q, padded_k, heads, variant, bound):
     _poison_allocator()
     dq, dk, dv = torch.autograd.grad(out, leaves, dout)
     douts = [dout[b] for b in range(5)] if padded_q else list(torch.split(dout, lens_q))
-    per_seq = lambda t, padded, lens: [t[b] for b in range(5)] if padded else list(torch.split(t, lens))  # noqa: E731
+    _check_used_rows((out, lse, dq, dk, dv), (padded_q, padded_k), (lens_q, lens_k), (used_q, used_k),
+                     (qs, ks, vs, douts), causal=causal, window=window)
+
+
+def _check_used_rows(results, padded, lens, used, inputs, causal, window=(None, None)):
+    """A varlen call's (out, lse, dq, dk, dv), per sequence b: rows past used_q[b] out 0, lse -inf, dq 0;
+    keys past used_k[b] dk = dv = 0; the used rows under the rule against that sequence's inputs
+    (qs, ks, vs, douts: one tensor a sequence)."""
+    (out, lse, dq, dk, dv), (padded_q, padded_k), (lens_q, lens_k), (used_q, used_k) = results, padded, lens, used
+    qs, ks, vs, douts = inputs
+    batch = len(lens_q)
+    per_seq = lambda t, pad, ls: [t[b] for b in range(batch)] if pad else list(torch.split(t, ls))  # noqa: E731
     outs, dqs = per_seq(out, padded_q, lens_q), per_seq(dq, padded_q, lens_q)
     dks, dvs = per_seq(dk, padded_k, lens_k), per_seq(dv, padded_k, lens_k)
-    lses = [lse[b] for b in range(5)] if padded_q else list(torch.split(lse, lens_q, dim=1))
-    for b in range(5):
+    lses = [lse[b] for b in range(batch)] if padded_q else list(torch.split(lse, lens_q, dim=1))
+    for b in range(batch):
         nq, nk = used_q[b], used_k[b]
         assert torch.all(outs[b][nq:] == 0) and torch.all(dqs[b][nq:] == 0), f"rows past seqused_q, seq {b}"
         assert torch.all(lses[b][:, nq:] == float("-inf")), f"lse past seqused_q, seq {b}"
@@ -250,18 +261,6 @@ def test_nan_past_seqused_stays_out_of_the_used_rows(padded_q, padded_k, heads, 
               seqused_q=torch.tensor(used_q, dtype=torch.int32, device="cuda"),
               seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"))
     out, lse = fa4.flash_attn_varlen_func(*leaves, causal=causal, return_lse=True, **kw)
-    dq, dk, dv_ = torch.autograd.grad(out, leaves, side(douts, padded_q))
-    per_seq = lambda t, padded, lens: [t[b] for b in range(3)] if padded else list(torch.split(t, lens))  # noqa: E731
-    outs, dqs = per_seq(out, padded_q, lens_q), per_seq(dq, padded_q, lens_q)
-    dks, dvs = per_seq(dk, padded_k, lens_k), per_seq(dv_, padded_k, lens_k)
-    lses = [lse[b] for b in range(3)] if padded_q else list(torch.split(lse, lens_q, dim=1))
-    for b in range(3):
-        nq, nk = used_q[b], used_k[b]
-        assert torch.all(outs[b][nq:] == 0) and torch.all(dqs[b][nq:] == 0), f"rows past seqused_q, seq {b}"
-        assert torch.all(dks[b][nk:] == 0) and torch.all(dvs[b][nk:] == 0), f"keys past seqused_k, seq {b}"
-        ref, base = reference_and_baseline(qs[b][None, :nq], ks[b][None, :nk], vs[b][None, :nk],
-                                           douts[b][None, :nq], causal=causal)
-        atol = grad_atol(ref[2:])
-        got = (outs[b][None, :nq], lses[b][None, :, :nq], dqs[b][None, :nq], dks[b][None, :nk], dvs[b][None, :nk])
-        for name, a, r, bl in zip(("out", "lse", "dq", "dk", "dv"), got, ref, base):
-            assert_fa4_close(f"seq {b} {name}", a, r, bl, atol=1e-5 if name in ("out", "lse") else atol)
+    grads = torch.autograd.grad(out, leaves, side(douts, padded_q))
+    _check_used_rows((out, lse, *grads), (padded_q, padded_k), (lens_q, lens_k), (used_q, used_k),
+                     (qs, ks, vs, douts), causal=causal)

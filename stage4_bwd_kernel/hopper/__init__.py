@@ -64,7 +64,10 @@ def attention_varlen_backward(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_
     """Packed variable-length backward -> (dq (Tq,Hq,D), dk (Tk,Hkv,D), dv (Tk,Hkv,Dv)).
 
     seqused_k: optional int32 (batch,): only the first seqused_k[b] keys of sequence b are
-    attended to (causal alignment uses that length); the others get zero gradient.
+    attended to (causal alignment uses that length); the others get zero gradient. They must hold
+    finite values (zeros, say), as must the q and dout rows just past each sequence: a tile that
+    straddles a sequence's end loads them, and 0 * NaN in the MMAs would reach the sequence's dq
+    (keys) or dk / dv (queries). fa4's varlen call hands the kernels zeros there.
     check_values=True also checks cu_seqlens / seqused_k / max_seqlen_* against the values on the
     host (a device sync, so off by default: no sync per call, capturable in a CUDA graph). dlse: (Hq, Tq),
     as attention_backward's."""
