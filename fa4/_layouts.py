@@ -270,8 +270,10 @@ def zero_rows_past_used(q, k, v, cu_k, rows_past_q, seqused_k):
     padding: P and dS are 0 there, but dK += dS^T Q and dQ = dS K multiply them, and 0 * NaN is NaN.
     (The forward zeroes V's tail itself and masks K's; it needs no copy.) masked_fill's gradient is 0
     on the filled rows, which is also what they must get where a grid bounded by max_seqlen_* never
-    reaches them (there the kernels leave uninitialized memory). Cost: a copy of each side with a
-    used length (memory-bound, small next to the attention)."""
+    reaches them (there the kernels leave uninitialized memory). Cost, by arithmetic (not timed): one
+    more read and write of each side with a used length in the forward, and of its gradient in the
+    backward. With both used lengths at 32 x 1024 tokens, 32 / 8 heads, d = 128: 1.6 GB, ~0.4 ms at
+    4 TB/s, next to ~2 ms of causal forward + backward; the share falls as 1 / seqlen."""
     if rows_past_q is not None:
         q = q.masked_fill(rows_past_q.view(-1, 1, 1), 0)                      # (total_q, Hq, D)
     if seqused_k is not None:
