@@ -27,10 +27,10 @@ kernel: an eager paged call's page gather (`gather_kv_pages`).
      * max_seqlen_q / max_seqlen_k may be the longest *used* length (the official bound): the kernels'
        grids then need not reach every row past seqused_*. So the rows past seqused_q are set to out
        0, lse -inf after the kernel (whatever it wrote there, with or without a sink).
-     * when a backward may follow, the kernels get copies of q / k / v whose rows past seqused_q /
-       seqused_k are zeros (`zero_rows_past_used`): a backward tile straddling a used length reads
-       those rows, which hold the caller's padding (NaN in it would reach the used rows' gradients).
-       The copies' autograd also gives those rows dq = 0 / dk = dv = 0 where a grid stops short.
+     * when a backward may follow, the kernels get copies of q / k / v whose rows just past seqused_q /
+       seqused_k are zeros (`ZeroedTail`): a backward tile straddling a used length reads those rows,
+       which hold the caller's padding (NaN in it would reach the used rows' gradients). Where a grid
+       may stop short, the copies' backward gives the rows past them dq = 0 / dk = dv = 0.
 """
 from __future__ import annotations
 
@@ -203,8 +203,8 @@ class VarlenLayout:
     @classmethod
     def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q, sink=None):
         """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None.
-        When a backward may follow, the rows past seqused_q in q and past seqused_k in k / v are
-        replaced by zeros (`zero_rows_past_used`); a learnable sink's gradient, which the op forms
+        When a backward may follow, the rows just past seqused_q in q and past seqused_k in k / v are
+        zeros in the copies the kernels get (`ZeroedTail`); a learnable sink's gradient, which the op forms
         from every row's out and lse as the kernel left them, is formed by `restore` over the used
         rows where a grid bounded by max_seqlen_q may not reach the others (the op gets it detached)."""
         longest_q = q.shape[0] if padded_q is None else padded_q[1]  # no sequence is longer
@@ -213,7 +213,13 @@ class VarlenLayout:
             rows_past_q = rows_past_used(cu_q, seqused_q, q.shape[0])
             short_q = _may_stop_short(max_q, longest_q)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)):
-            q, k, v = zero_rows_past_used(q, k, v, cu_k, rows_past_q, seqused_k)
+            if seqused_q is not None:
+                q = ZeroedTail.apply(q, tail_rows(cu_q, seqused_q, q.shape[0]), rows_past_q, short_q)
+            if seqused_k is not None:
+                tail_k = tail_rows(cu_k, seqused_k, k.shape[0])
+                short_k = _may_stop_short(max_k, k.shape[0])
+                rows_past_k = rows_past_used(cu_k, seqused_k, k.shape[0]) if short_k else None
+                k, v = (ZeroedTail.apply(t, tail_k, rows_past_k, short_k) for t in (k, v))
         if seqused_q is not None:
             cu_q, cu_k, seqused_k = split_unused_rows(cu_q, cu_k, seqused_q, seqused_k)
         sink_here = sink if short_q and sink is not None and sink.requires_grad and torch.is_grad_enabled() else None
@@ -263,23 +269,48 @@ def rows_past_used(cu, used, total):
     return rows - cu.to(torch.int64)[seq] >= used.to(torch.int64)[seq]
 
 
-def zero_rows_past_used(q, k, v, cu_k, rows_past_q, seqused_k):
-    """q with the rows past seqused_q (rows_past_q, bool (total_q,) or None) and k / v with the keys
-    past seqused_k as zeros, for a call a backward may follow. A backward tile that straddles a used
-    length loads those rows with the rest (TMA reads whole tiles), and what they hold is the caller's
-    padding: P and dS are 0 there, but dK += dS^T Q and dQ = dS K multiply them, and 0 * NaN is NaN.
-    (The forward zeroes V's tail itself and masks K's; it needs no copy.) masked_fill's gradient is 0
-    on the filled rows, which is also what they must get where a grid bounded by max_seqlen_* never
-    reaches them (there the kernels leave uninitialized memory). Cost, by arithmetic (not timed): one
-    more read and write of each side with a used length in the forward, and of its gradient in the
-    backward. With both used lengths at 32 x 1024 tokens, 32 / 8 heads, d = 128: 1.6 GB, ~0.4 ms at
-    4 TB/s, next to ~2 ms of causal forward + backward; the share falls as 1 / seqlen."""
-    if rows_past_q is not None:
-        q = q.masked_fill(rows_past_q.view(-1, 1, 1), 0)                      # (total_q, Hq, D)
-    if seqused_k is not None:
-        rows_past_k = rows_past_used(cu_k, seqused_k, k.shape[0]).view(-1, 1, 1)
-        k, v = k.masked_fill(rows_past_k, 0), v.masked_fill(rows_past_k, 0)  # (total_k, Hkv, D / Dv)
-    return q, k, v
+# rows past a used length that a backward tile may load: its tiles are at most 128 rows (Hopper and
+# Blackwell, queries and keys); twice that leaves room for a larger tile
+TAIL_ROWS = 256
+
+
+def tail_rows(cu, used, total):
+    """int64 (batch * TAIL_ROWS,): for sequence b, the rows cu[b] + used[b] + j (j < TAIL_ROWS) that lie
+    before its end, and `total` (one scratch row past the tensor) for the others. A fixed size, computed
+    on the device: no host sync, capturable."""
+    j = torch.arange(TAIL_ROWS, device=cu.device, dtype=torch.int64)
+    start = cu[:-1].to(torch.int64) + used.to(torch.int64)                  # (batch,)
+    rows = start[:, None] + j[None, :]                                       # (batch, TAIL_ROWS)
+    return torch.where(rows < cu[1:].to(torch.int64)[:, None], rows, total).flatten()
+
+
+class ZeroedTail(torch.autograd.Function):
+    """A copy of t (rows, ...) whose rows past a used length that a backward tile may load hold zeros,
+    for a call a backward may follow. Such a tile loads them with the rest (TMA reads whole tiles), and
+    they hold the caller's padding: P and dS are 0 there, but dK += dS^T Q and dQ = dS K multiply them,
+    and 0 * NaN is NaN (the forward zeroes V's tail itself and masks K's by select: forward-only calls
+    get no copy). The copy is one pass over t (a plain copy into a buffer one scratch row longer, then
+    zeros into at most TAIL_ROWS rows a sequence). The backward passes the gradient through, or, where
+    a grid bounded by max_seqlen may stop short of those rows (`short`), zeroes the rows past the used
+    lengths (`rows_past`, bool (rows,)): the kernels leave them unwritten there. Measured:
+    docs/measurements.md, "NaN past seqused_q / seqused_k"."""
+
+    @staticmethod
+    def forward(ctx, t, tail, rows_past, short):
+        ctx.short = short
+        if short:
+            ctx.save_for_backward(rows_past)
+        buf = t.new_empty((t.shape[0] + 1, *t.shape[1:]))                     # (rows + 1, H, D)
+        buf[:-1].copy_(t)
+        buf.index_fill_(0, tail, 0)
+        return buf[:-1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.short:
+            (rows_past,) = ctx.saved_tensors
+            grad = grad.masked_fill(rows_past.view(-1, *([1] * (grad.dim() - 1))), 0)
+        return grad, None, None, None
 
 
 def restore_padded_q(out, lse, padded_q):
