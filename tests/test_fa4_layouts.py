@@ -594,3 +594,25 @@ def test_padded_cu_seqlens_with_symbolic_sizes_are_made_not_kept():
     assert _layouts._SHAPE_CONSTANTS == before
     real, cu_real, _ = _layouts.VarlenLayout.pack(torch.zeros(3, 7, 2, 8), None)
     assert cu_real.tolist() == [0, 7, 14, 21] and real.shape == (21, 2, 8)
+
+
+def test_zeroed_tail_zeroes_the_rows_a_straddling_tile_reads_and_nothing_else():
+    """ZeroedTail on packed rows: rows cu[b] + used[b] .. + TAIL_ROWS (within sequence b) are 0, every
+    other row is the input's; a full sequence (used = len) and an empty one keep all their rows; the
+    gradient passes through, or is zeroed past the used lengths where a grid may stop short."""
+    lens, used = [300, 5, 0, 40], [10, 5, 0, 0]
+    cu = torch.tensor([0, 300, 305, 305, 345])
+    total = cu[-1].item()
+    t = torch.randn(total, 2, 8, dtype=F64).requires_grad_()
+    tail = _layouts.tail_rows(cu, torch.tensor(used), total)
+    assert tail.shape == (len(lens) * _layouts.TAIL_ROWS,)
+    past = _layouts.rows_past_used(cu, torch.tensor(used), total)
+    for short in (False, True):
+        out = _layouts.ZeroedTail.apply(t, tail, past, short)
+        zero = torch.zeros(total, dtype=torch.bool)
+        zero[10:10 + _layouts.TAIL_ROWS] = True   # sequence 0: rows 10..265
+        zero[305:345] = True                      # sequence 3: all 40 rows are within the tail
+        assert torch.all(out[zero] == 0) and torch.equal(out[~zero], t[~zero])
+        (grad,) = torch.autograd.grad(out, t, torch.ones_like(out))
+        assert torch.equal(grad[~past], torch.ones_like(grad[~past]))
+        assert torch.all(grad[past] == (0 if short else 1))
