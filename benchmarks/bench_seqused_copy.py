@@ -18,6 +18,7 @@ import torch
 
 import fa4
 from fa4 import _layouts
+from fa4.bench import time_ms
 
 SHAPES = ((32, 1024), (8, 4096), (2, 16384))
 
@@ -29,16 +30,6 @@ class _Identity:
 def _step(q, k, v, dout, used):
     out = fa4.flash_attn_varlen_func(q, k, v, seqused_q=used, seqused_k=used, causal=True)
     torch.autograd.grad(out, (q, k, v), dout)
-
-
-def _timed(fn, iters=20):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main(argv=None) -> int:
@@ -60,7 +51,7 @@ def main(argv=None) -> int:
             for r in range(-1, args.rounds):  # round -1 warms up (compiles)
                 for name in (("copy", "no_copy") if r % 2 == 0 else ("no_copy", "copy")):
                     _layouts.ZeroedTail = builds[name]
-                    ms = _timed(lambda: _step(q, k, v, dout, used))
+                    ms = time_ms(lambda: _step(q, k, v, dout, used), 20)
                     if r >= 0:
                         times[name].append(ms)
             ratio = statistics.median(c / n for c, n in zip(times["copy"], times["no_copy"]))
