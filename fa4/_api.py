@@ -94,14 +94,14 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
         return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   seqused_k, softmax_scale, causal, window_size, learnable_sink, softcap, deterministic,
                                   return_lse)
-    q, k, v, cu_q, cu_k, max_q, max_k, padded_q = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    q, k, v, cu_q, cu_k, max_q, max_k, padded_q, seqlen_k = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                      max_seqlen_q, max_seqlen_k, page_table,
                                                                      seqused_q, seqused_k, learnable_sink)
     q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, deterministic, return_lse, seqused_k, seqused_q)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
     q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
-    lay = VarlenLayout.of(q, k, v, cu_q, cu_k, seqused_q, used, max_q, max_k, padded_q, sink)
+    lay = VarlenLayout.of(q, k, v, cu_q, cu_k, seqused_q, used, max_q, max_k, padded_q, sink, seqlen_k)
     out, lse = _ops.varlen_attention(lay.q, lay.k, lay.v, lay.cu_q, lay.cu_k, lay.seqused_k, lay.max_q, lay.max_k,
                                      scale, causal, deterministic, return_lse, (left, right), softcap,
                                      lay.kernel_sink(sink))

@@ -201,8 +201,9 @@ class VarlenLayout:
         return gather_kv_pages(k, v, page_table)
 
     @classmethod
-    def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q, sink=None):
-        """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None.
+    def of(cls, q, k, v, cu_q, cu_k, seqused_q, seqused_k, max_q, max_k, padded_q, sink=None, seqlen_k=None):
+        """q / k / v / cu_* already packed (see `pack`), validated; seqused_q (batch,) int32 or None;
+        seqlen_k: a padded k's seqlen (no sequence is longer), None for a packed k.
         When a backward may follow, the rows just past seqused_q in q and past seqused_k in k / v are
         zeros in the copies the kernels get (`ZeroedTail`); a learnable sink's gradient, which the op forms
         from every row's out and lse as the kernel left them, is formed by `restore` over the used
@@ -214,12 +215,12 @@ class VarlenLayout:
             short_q = _may_stop_short(max_q, longest_q)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sink)):
             if seqused_q is not None:
-                q = ZeroedTail.apply(q, tail_rows(cu_q, seqused_q, q.shape[0]), rows_past_q, short_q)
+                q = ZeroedTail.apply(q, tail_rows(cu_q, seqused_q, q.shape[0]), rows_past_q if short_q else None)
             if seqused_k is not None:
                 tail_k = tail_rows(cu_k, seqused_k, k.shape[0])
-                short_k = _may_stop_short(max_k, k.shape[0])
+                short_k = _may_stop_short(max_k, k.shape[0] if seqlen_k is None else seqlen_k)
                 rows_past_k = rows_past_used(cu_k, seqused_k, k.shape[0]) if short_k else None
-                k, v = (ZeroedTail.apply(t, tail_k, rows_past_k, short_k) for t in (k, v))
+                k, v = (ZeroedTail.apply(t, tail_k, rows_past_k) for t in (k, v))
         if seqused_q is not None:
             cu_q, cu_k, seqused_k = split_unused_rows(cu_q, cu_k, seqused_q, seqused_k)
         sink_here = sink if short_q and sink is not None and sink.requires_grad and torch.is_grad_enabled() else None
@@ -290,15 +291,15 @@ class ZeroedTail(torch.autograd.Function):
     they hold the caller's padding: P and dS are 0 there, but dK += dS^T Q and dQ = dS K multiply them,
     and 0 * NaN is NaN (the forward zeroes V's tail itself and masks K's by select: forward-only calls
     get no copy). The copy is one pass over t (a plain copy into a buffer one scratch row longer, then
-    zeros into at most TAIL_ROWS rows a sequence). The backward passes the gradient through, or, where
-    a grid bounded by max_seqlen may stop short of those rows (`short`), zeroes the rows past the used
-    lengths (`rows_past`, bool (rows,)): the kernels leave them unwritten there. Measured:
+    zeros into at most TAIL_ROWS rows a sequence). The backward passes the gradient through, or, given
+    `rows_past` (bool (rows,): the rows past the used lengths, where a grid bounded by max_seqlen may
+    stop short of them and the kernels leave them unwritten), zeroes those rows. Measured:
     docs/measurements.md, "NaN past seqused_q / seqused_k"."""
 
     @staticmethod
-    def forward(ctx, t, tail, rows_past, short):
-        ctx.short = short
-        if short:
+    def forward(ctx, t, tail, rows_past):
+        ctx.zero_rows_past = rows_past is not None
+        if ctx.zero_rows_past:
             ctx.save_for_backward(rows_past)
         buf = t.new_empty((t.shape[0] + 1, *t.shape[1:]))                     # (rows + 1, H, D)
         buf[:-1].copy_(t)
@@ -307,10 +308,10 @@ class ZeroedTail(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.short:
+        if ctx.zero_rows_past:
             (rows_past,) = ctx.saved_tensors
             grad = grad.masked_fill(rows_past.view(-1, *([1] * (grad.dim() - 1))), 0)
-        return grad, None, None, None
+        return grad, None, None
 
 
 def restore_padded_q(out, lse, padded_q):

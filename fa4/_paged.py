@@ -101,7 +101,7 @@ def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max
     max_k = pages * k_pages.shape[1]
     k_shape, v_shape = (t.as_strided((batch, max_k) + tuple(t.shape[2:]), (0, 0) + tuple(t.stride()[2:]))
                         for t in (k_pages, v_pages))
-    q, k_flat, v_flat, cu_q, cu_k, max_q, given_k, padded_q = check_varlen_sides(
+    q, k_flat, v_flat, cu_q, cu_k, max_q, given_k, padded_q, _ = check_varlen_sides(
         q, k_shape, v_shape, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k)
     q, _, _, cu_q, _, used, max_q, _, scale = check_varlen(q, k_flat, v_flat, cu_q, cu_k, max_q, given_k, softmax_scale,
                                                            causal, deterministic, return_lse, seqused_k, None)

@@ -285,8 +285,9 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     """The two sides of a flash_attn_varlen_func call, each packed ((total, H, D) with its cu_seqlens)
     or padded ((batch, seqlen, H, D) with cu_seqlens None), checked and brought to the packed form.
     A paged k / v (page_table) is gathered into the padded form first (`VarlenLayout.unpage`).
-    Returns (q, k, v, cu_q, cu_k, max_q, max_k, padded_q): a padded side's max_seqlen defaults to its
-    seqlen, and padded_q is (batch, seqlen_q) when q came padded, else None."""
+    Returns (q, k, v, cu_q, cu_k, max_q, max_k, padded_q, seqlen_k): a padded side's max_seqlen defaults
+    to its seqlen, padded_q is (batch, seqlen_q) when q came padded, seqlen_k k's seqlen when k came
+    padded; else None."""
     names = ("q", "k", "v")
     _check_dtypes_devices(names, (q, k, v))
     if page_table is not None:
@@ -313,7 +314,7 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     k, cu_k, sk = VarlenLayout.pack(k, cu_seqlens_k)
     v, _, _ = VarlenLayout.pack(v, cu_seqlens_k)
     return q, k, v, cu_q, cu_k, _padded_bound("max_seqlen_q", max_seqlen_q, sq, seqused_q), \
-        _padded_bound("max_seqlen_k", max_seqlen_k, sk, seqused_k), padded_q
+        _padded_bound("max_seqlen_k", max_seqlen_k, sk, seqused_k), padded_q, sk
 
 
 def _padded_bound(name, given, padded, used):

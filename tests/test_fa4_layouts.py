@@ -608,7 +608,7 @@ def test_zeroed_tail_zeroes_the_rows_a_straddling_tile_reads_and_nothing_else():
     assert tail.shape == (len(lens) * _layouts.TAIL_ROWS,)
     past = _layouts.rows_past_used(cu, torch.tensor(used), total)
     for short in (False, True):
-        out = _layouts.ZeroedTail.apply(t, tail, past, short)
+        out = _layouts.ZeroedTail.apply(t, tail, past if short else None)
         zero = torch.zeros(total, dtype=torch.bool)
         zero[10:10 + _layouts.TAIL_ROWS] = True   # sequence 0: rows 10..265
         zero[305:345] = True                      # sequence 3: all 40 rows are within the tail
