@@ -13,7 +13,11 @@ in the same run. Peers:
 
 * fa4_kvcache: fa4.flash_attn_with_kvcache (split-KV chosen from batch, heads, length and SMs; GQA
   heads packed into one tile);
-* fa4_func: fa4.flash_attn_func on the same tensors (no split, no packing: the path decode had before);
+* fa4_func: fa4.flash_attn_func on the same tensors: under no_grad a decode-shaped call takes the split
+  launch too (fa4/_decode_route.py);
+* fa4_func_unrouted: the same call with that route off (fa4._dispatch.DECODE_ROUTE_MAX_QUERY = None at
+  capture): the attention kernel's own grid, no split, no packing -- the path a call that needs a
+  gradient takes;
 * official: flash_attn.cute.interface.flash_attn_func (flash-attn-4), where installed;
 * sdpa_cudnn: torch SDPA on (B, H, N, D) with enable_gqa, cuDNN backend (N > 1: the lower-right
   causal bias, torch.nn.attention.bias.causal_lower_right; recorded as failed where cuDNN refuses it);
@@ -71,6 +75,17 @@ def copy_peer(src):
     return lambda: torch.add(src, 0, out=buf)
 
 
+def unrouted(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with fa4's decode route off (a graph captured in here replays that path)."""
+    from fa4 import _dispatch
+
+    saved, _dispatch.DECODE_ROUTE_MAX_QUERY = _dispatch.DECODE_ROUTE_MAX_QUERY, None
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _dispatch.DECODE_ROUTE_MAX_QUERY = saved
+
+
 def _peers(q, k, v, window=None, cache_rows=False):
     import fa4
 
@@ -80,6 +95,7 @@ def _peers(q, k, v, window=None, cache_rows=False):
     peers = {
         "fa4_kvcache": lambda: fa4.flash_attn_with_kvcache(q, k, v, causal=causal, window_size=win),
         "fa4_func": lambda: fa4.flash_attn_func(q, k, v, causal=causal, window_size=win),
+        "fa4_func_unrouted": lambda: unrouted(fa4.flash_attn_func, q, k, v, causal=causal, window_size=win),
         "sdpa_cudnn": None,
         "copy_k": copy_peer(k[:, k.shape[1] - read:]),
     }
@@ -178,7 +194,7 @@ def run_shape(batch, cache, rounds, rng, profile=False, query_len=1, heads=(HQ, 
 
 def markdown_table(doc) -> str:
     """fa4/README.md's decode table from a results file: achieved GB/s per peer, median of the rounds."""
-    names = [n for n in ("fa4_kvcache", "fa4_func", "official", "sdpa_cudnn", "copy_k")
+    names = [n for n in ("fa4_kvcache", "fa4_func", "fa4_func_unrouted", "official", "sdpa_cudnn", "copy_k")
              if any(n in r["peers"] for r in doc["results"])]
     lines = ["| batch x cache | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for r in doc["results"]:

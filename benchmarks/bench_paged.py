@@ -20,6 +20,8 @@ Decode (one query token per sequence, every sequence's cache filled to the same 
 
 * fa4_paged: fa4.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=..., block_table=...);
 * fa4_dense: the same call on the dense (B, S, 8, 128) cache, no pages (what paging costs);
+* fa4_varlen_paged: fa4.flash_attn_varlen_func(q, k_pages, v_pages, page_table=..., seqused_k=...), the
+  official interface's paged decode (the same split launch: fa4/_decode_route.py);
 * official_paged: flash_attn.cute.interface.flash_attn_varlen_func(q, k_pages, v_pages,
   page_table=..., seqused_k=...), q (B, 1, 32, 128), where flash_attn.cute imports (its default
   num_splits = 1: SM 9.0 has no split-KV there); a page size it refuses is recorded as an error;
@@ -72,7 +74,8 @@ PAGE_SLACK = 1.25             # pages allocated / pages the sequences need
 PREFILL_TOKENS = 32768        # batch * seqlen of every prefill point
 DECODE_TOLERANCE = 2e-2       # max |out - fa4_dense|
 PREFILL_TOLERANCE = 5e-2
-DECODE_PEERS = ("fa4_paged", "fa4_dense", "official_paged", "flashinfer_cc", "flashinfer_tc", "copy_k")
+DECODE_PEERS = ("fa4_paged", "fa4_varlen_paged", "fa4_dense", "official_paged", "flashinfer_cc", "flashinfer_tc",
+                "copy_k")
 PREFILL_PEERS = ("fa4_paged", "fa4_dense", "official_paged", "official_dense")
 
 
@@ -205,6 +208,8 @@ def decode_peers(t: dict, official, call: DecodeCall = DecodeCall(), flashinfer=
         "fa4_paged": lambda: fa4.flash_attn_with_kvcache(t["q"], t["k_pages"], t["v_pages"],
                                                          cache_seqlens=t["seqlens"], block_table=t["table"], **var),
         "fa4_dense": lambda: fa4.flash_attn_with_kvcache(t["q"], t["k"], t["v"], cache_seqlens=t["seqlens"], **var),
+        "fa4_varlen_paged": lambda: fa4.flash_attn_varlen_func(t["q"], t["k_pages"], t["v_pages"],
+                                                               page_table=t["table"], seqused_k=t["seqlens"], **var),
         "copy_k": copy_peer(t["k"][:, t["k"].shape[1] - read:]),
     }
     if official is not None:

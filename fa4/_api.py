@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from . import _kvcache, _ops, _paged  # _kvcache registers fa4::kvcache_attention
+from . import _decode_route, _kvcache, _ops, _paged  # _kvcache registers fa4::kvcache_attention
 from ._layouts import VarlenLayout, pad_head_dims, refuse_pair_without_backward
 from ._validate import (check_fixed, check_unservable, check_variants, check_varlen, check_varlen_arch,
                         check_varlen_sides)
@@ -57,6 +57,8 @@ def attention_pair(q, k, v, softmax_scale=None, causal=False, window_size=(None,
     check_unservable(num_splits, pack_gqa, dropout_p)
     q, k, v, scale = check_fixed(q, k, v, softmax_scale, causal, deterministic, return_lse)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    if _decode_route.takes(q, k, v, sink, q.shape[1], k.shape[1], q.shape[0]):  # decode-shaped, no gradient
+        return _decode_route.attend(q, k, v, scale, causal, left, right, softcap, sink)
     q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
     out, lse = _ops.attention(q, k, v, scale, causal, deterministic, return_lse, (left, right), softcap, sink)
     return unpad(out), lse
@@ -88,6 +90,12 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     """flash_attn_varlen_func's work; returns (out, lse) like attention_pair."""
     check_unservable(num_splits, pack_gqa, dropout_p)
     check_varlen_arch(q, seqused_k)
+    if page_table is not None and seqused_q is None:
+        routed = _decode_route.paged_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, seqused_k, softmax_scale, causal, window_size,
+                                          learnable_sink, softcap, deterministic, return_lse)
+        if routed is not None:  # a decode-shaped call with no gradient: the split launch
+            return routed
     if page_table is not None and seqused_q is None and not _paged.needs_grad(q, k, v, learnable_sink) and \
             _paged.in_place(q, k, v, _query_rows(q, max_seqlen_q), keys=max_seqlen_k, span=_paged_span(k, page_table),
                             causal=causal, window=window_size):
@@ -100,6 +108,11 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, deterministic, return_lse, seqused_k, seqused_q)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    if padded_q is not None and seqlen_k is not None and seqused_q is None and \
+            _decode_route.takes(q, k, v, sink, padded_q[1], seqlen_k, padded_q[0]):  # both sides padded: a cache
+        return _decode_route.attend(q.unflatten(0, padded_q), k.unflatten(0, (padded_q[0], seqlen_k)),
+                                    v.unflatten(0, (padded_q[0], seqlen_k)), scale, causal, left, right, softcap, sink,
+                                    seqlens=used)
     q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
     lay = VarlenLayout.of(q, k, v, cu_q, cu_k, seqused_q, used, max_q, max_k, padded_q, sink, seqlen_k)
     out, lse = _ops.varlen_attention(lay.q, lay.k, lay.v, lay.cu_q, lay.cu_k, lay.seqused_k, lay.max_q, lay.max_k,
@@ -137,6 +150,10 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(N
     (fa4.supported()["archs"][...]["head_dims"]) run as they are; any other pair runs on the
     cheapest native pair that covers it, zero-padded (a copy of the padded inputs and of out; see
     fa4/_layouts.py). softmax_scale's default is 1/sqrt(D) of the caller's D either way.
+
+    Decode: a call of at most fa4._dispatch.DECODE_ROUTE_MAX_QUERY (64) query tokens that needs no
+    gradient runs on sm_90 as flash_attn_with_kvcache over k / v (split-KV, GQA heads packed;
+    fa4/_decode_route.py): the same attention, not the same bits as the forward a training call runs.
 
     Taken at their no-op values only (anything else is a ValueError naming it): num_splits 1, or
     <= 0 (the official's automatic choice; fa4 splits keys itself where that pays -- the split tail, and
@@ -176,7 +193,9 @@ def flash_attn_varlen_func(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max
     causal, window), other sizes it can read up to 256 query rows; on sm_100 (compiled, never run)
     pages of 16, 32, 64 (not at head dims (192, 128)) or a multiple of 128 keys are read in place;
     otherwise fa4 gathers them into a padded copy first (a copy per call;
-    fa4/_layouts.VarlenLayout.unpage).
+    fa4/_layouts.VarlenLayout.unpage). Decode (no gradient wanted, sm_90): with page_table and q padded
+    (at most 64 tokens) or packed one token a sequence (max_seqlen_q=1, total_q = batch), or with q and
+    k / v both padded, the call runs as flash_attn_with_kvcache (split-KV; fa4/_decode_route.py).
     max_seqlen_* are upper bounds of the per-sequence lengths (a static bound is fine, e.g. for
     CUDA graphs); None means a padded side's seqlen, or, as in the official, a packed side's token
     total: no host sync, but the grid is sized from the bound, so a batch of many short sequences

@@ -274,6 +274,12 @@ FORWARD_LPT_L2_SAFETY = 0.5
 # short chunks, where a 128-row tile computes mostly padding. None = the head dims' default tile.
 SHORT_QUERY_TILE_M = 64
 
+# flash_attn_func / flash_attn_varlen_func calls of at most this many query tokens a sequence that need no
+# gradient run on flash_attn_with_kvcache's split launch (fa4/_decode_route.py): decode steps. None = off
+# (every call on the forward above; the decode benchmark's `fa4_func_unrouted` peer). 64: the split
+# launch's one short-query tile (fa4._kvcache.PACKED_CAUSAL_ROWS).
+DECODE_ROUTE_MAX_QUERY = 64
+
 
 def short_query_tile(max_rows: int) -> Optional[int]:
     """tile_m for a forward whose sequences have at most max_rows query rows (None: the default)."""

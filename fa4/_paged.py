@@ -83,17 +83,12 @@ def needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-                softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse):
-    """flash_attn_varlen_func over a paged cache read in place (the caller checked `in_place`). The
-    checks are flash_attn_varlen_func's own, run on zero-stride (batch, pages * page_size) stand-ins
-    for the gathered keys (shapes only, no copy; max_seqlen_k is checked there, the kernel taking the
-    table's span); seqused_k None: every sequence uses all its pages. A
-    learnable sink joins each row's denominator after the kernel (fa4._lse_merge.add_sink).
-    Returns (out (total, Hq, Dv) or (B, Sq, Hq, Dv) for a padded q, lse (Hq, total) / (B, Hq, Sq))."""
-    from . import _ops
-    from ._layouts import restore_padded_q
-    from ._lse_merge import add_sink
+def check_call(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+               softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse):
+    """flash_attn_varlen_func's checks of a paged call, run on zero-stride (batch, pages * page_size)
+    stand-ins for the gathered keys (shapes only, no copy; max_seqlen_k is checked there, the kernel
+    taking the table's span). Returns (q packed, cu_q, used (B,) int32 or None: every key of the
+    pages, max_q, scale, (left, right, causal, softcap, sink), padded_q)."""
     from ._validate import check_page_table, check_variants, check_varlen, check_varlen_sides
 
     check_page_table(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k)
@@ -105,7 +100,25 @@ def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max
         q, k_shape, v_shape, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k)
     q, _, _, cu_q, _, used, max_q, _, scale = check_varlen(q, k_flat, v_flat, cu_q, cu_k, max_q, given_k, softmax_scale,
                                                            causal, deterministic, return_lse, seqused_k, None)
-    left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    variants = check_variants(q, causal, window_size, softcap, learnable_sink)
+    return q, cu_q, used, max_q, scale, variants, padded_q
+
+
+def varlen_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse):
+    """flash_attn_varlen_func over a paged cache read in place (the caller checked `in_place`; the
+    checks are `check_call`'s). A learnable sink joins each row's denominator after the kernel
+    (fa4._lse_merge.add_sink).
+    Returns (out (total, Hq, Dv) or (B, Sq, Hq, Dv) for a padded q, lse (Hq, total) / (B, Hq, Sq))."""
+    from . import _ops
+    from ._layouts import restore_padded_q
+    from ._lse_merge import add_sink
+
+    q, cu_q, used, max_q, scale, (left, right, causal, softcap, sink), padded_q = check_call(
+        q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+        softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse)
+    batch, pages = page_table.shape
+    max_k = pages * k_pages.shape[1]
     if used is None:
         used = torch.full((batch,), max_k, dtype=torch.int32, device=q.device)
     first_keys = torch.zeros_like(cu_q)                                                 # (batch + 1,)

@@ -219,24 +219,27 @@ def fa4_on_cpu(fa4_ops_on_cpu, monkeypatch):
 
 
 def test_decode_peers_call_fa4_so_paged_and_dense_agree(fa4_on_cpu):
-    """The benchmark's own decode calls (fa4_paged, fa4_dense, copy_k) on CPU bf16: same answer, one check."""
+    """The benchmark's own decode calls (fa4_paged, fa4_varlen_paged, fa4_dense, copy_k) on CPU bf16: same
+    answer, one check (on the CPU the varlen call gathers its pages: the split launch is the GPU's)."""
     g = torch.Generator().manual_seed(6)
     batch, cache = 2, 40
     k, v = (torch.randn(batch, cache, bench_paged.HKV, bench_paged.D, generator=g, dtype=torch.bfloat16)
             for _ in range(2))
     inputs = bench_paged.decode_inputs(batch, cache, 16, k, v, g)
     outs = {name: fn() for name, fn in bench_paged.decode_peers(inputs, official=None).items()}
-    assert set(outs) == {"fa4_paged", "fa4_dense", "copy_k"} and fa4_on_cpu.calls == 2
-    assert outs["fa4_paged"].shape == (batch, 1, bench_paged.HQ, bench_paged.D)
+    assert set(outs) == {"fa4_paged", "fa4_varlen_paged", "fa4_dense", "copy_k"} and fa4_on_cpu.calls == 3
+    assert outs["fa4_paged"].shape == outs["fa4_varlen_paged"].shape == (batch, 1, bench_paged.HQ, bench_paged.D)
     diffs = bench_paged.check_outputs(outs, bench_paged.DECODE_TOLERANCE, "decode cpu")
-    assert diffs["fa4_paged"] <= 1e-2 and float(outs["fa4_dense"].float().abs().max()) > 0
+    assert diffs["fa4_paged"] <= 1e-2 and diffs["fa4_varlen_paged"] <= 1e-2
+    assert float(outs["fa4_dense"].float().abs().max()) > 0
     # --decode-heads 16/4 --query-len 3: causal tokens (this CPU stand-in has no window)
     call = bench_paged.DecodeCall(16, 4, 3)
     k, v = (torch.randn(batch, cache, 4, bench_paged.D, generator=g, dtype=torch.bfloat16) for _ in range(2))
     inputs = bench_paged.decode_inputs(batch, cache, 16, k, v, g, call)
     outs = {name: fn() for name, fn in bench_paged.decode_peers(inputs, None, call).items()}
     assert outs["fa4_paged"].shape == (batch, 3, 16, bench_paged.D) and outs["copy_k"].shape == k.shape
-    assert bench_paged.check_outputs(outs, bench_paged.DECODE_TOLERANCE, "decode cpu tokens")["fa4_paged"] <= 1e-2
+    diffs = bench_paged.check_outputs(outs, bench_paged.DECODE_TOLERANCE, "decode cpu tokens")
+    assert diffs["fa4_paged"] <= 1e-2 and diffs["fa4_varlen_paged"] <= 1e-2
     window = bench_paged.DecodeCall(16, 4, 3, 10)   # --window 10: 13 keys read
     assert window.variant() == {"causal": True, "window_size": (10, 0)} and window.keys_read(cache) == 13
 
@@ -350,7 +353,7 @@ def test_bench_paged_hands_flashinfer_the_cache_and_page_size(monkeypatch):
     k, v = (torch.randn(1, 70, 2, bench_paged.D, generator=g) for _ in range(2))   # decode_inputs' head dim
     inputs = bench_paged.decode_inputs(1, 70, 32, k, v, g, bench_paged.DecodeCall(8, 2))
     peers = bench_paged.decode_peers(inputs, None, bench_paged.DecodeCall(8, 2), fake)
-    assert {"fa4_paged", "fa4_dense", "copy_k", "flashinfer_cc", "flashinfer_tc"} == set(peers)
+    assert {"fa4_paged", "fa4_varlen_paged", "fa4_dense", "copy_k", "flashinfer_cc", "flashinfer_tc"} == set(peers)
     _FakeDecodeWrapper.made.clear()
     torch.testing.assert_close(peers["flashinfer_tc"](), attention_ref(inputs["q"], k, v)[0],
                                rtol=1e-5, atol=1e-5)

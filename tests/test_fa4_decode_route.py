@@ -1,0 +1,71 @@
+"""fa4/_decode_route.py on the CPU: which calls take the split launch (shapes, the switch, the arch, a
+gradient), a packed varlen q of one token a sequence seen as (B, 1, H, D), and the results put back in
+the varlen layouts. The GPU tier runs the route (tests/test_fa4_decode_route_gpu.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fa4 import _decode_route as route
+from fa4 import _dispatch
+
+pytestmark = [pytest.mark.cpu, pytest.mark.fa4]
+
+
+def _cuda_like(*shape):
+    """Shapes on a 'cuda' device, without one: what `takes` reads."""
+    return SimpleNamespace(device=torch.device("cuda"), shape=shape, requires_grad=False)
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: SimpleNamespace(SPLIT_KV_LAUNCH=True))
+
+
+@pytest.mark.parametrize("tokens, keys, batch, taken", [(1, 8192, 1, True), (64, 100, 3, True), (65, 8192, 1, False),
+                                                        (0, 10, 1, False), (1, 0, 1, False), (1, 10, 0, False),
+                                                        (1, 10, 65536, False)])
+def test_takes_by_shape(hopper, tokens, keys, batch, taken):
+    q, k = _cuda_like(batch, tokens, 32, 128), _cuda_like(batch, keys, 8, 128)
+    assert route.takes(q, k, k, None, tokens, keys, batch) is taken
+
+
+def test_takes_switch_arch_and_device(hopper, monkeypatch):
+    q, k = _cuda_like(1, 1, 32, 128), _cuda_like(1, 4096, 8, 128)
+    assert route.takes(q, k, k, None, 1, 4096, 1)
+    monkeypatch.setattr(_dispatch, "DECODE_ROUTE_MAX_QUERY", 4)
+    assert route.takes(q, k, k, None, 4, 4096, 1) and not route.takes(q, k, k, None, 5, 4096, 1)
+    monkeypatch.setattr(_dispatch, "DECODE_ROUTE_MAX_QUERY", None)
+    assert not route.takes(q, k, k, None, 1, 4096, 1)
+    monkeypatch.setattr(_dispatch, "DECODE_ROUTE_MAX_QUERY", 64)
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: SimpleNamespace(SPLIT_KV_LAUNCH=False))
+    assert not route.takes(q, k, k, None, 1, 4096, 1)       # sm_100: no split launch
+    cpu = torch.zeros(1, 1, 32, 128)
+    assert not route.takes(cpu, cpu, cpu, None, 1, 4096, 1)
+
+
+def test_takes_refuses_calls_that_need_a_gradient(hopper):
+    # a real tensor that requires grad (its device is not read before the gradient test)
+    q, k = torch.zeros(1, 1, 32, 128, requires_grad=True), _cuda_like(1, 4096, 8, 128)
+    assert not route.takes(q, k, k, None, 1, 4096, 1)
+    sink = torch.zeros(32, requires_grad=True)
+    assert not route.takes(_cuda_like(1, 1, 32, 128), k, k, sink, 1, 4096, 1)
+    with torch.no_grad():
+        assert route.takes(_cuda_like(1, 1, 32, 128), k, k, sink, 1, 4096, 1)
+
+
+def test_paged_tokens_and_packed_result():
+    padded, packed = torch.randn(3, 2, 8, 64), torch.randn(3, 8, 64)
+    assert route.paged_tokens(padded, None, None, 3) is padded
+    one = route.paged_tokens(packed, torch.arange(4, dtype=torch.int32), 1, 3)
+    assert one.shape == (3, 1, 8, 64) and torch.equal(one[:, 0], packed)
+    assert route.paged_tokens(packed, torch.arange(4, dtype=torch.int32), 2, 3) is None  # tokens per sequence unknown
+    assert route.paged_tokens(packed, torch.arange(4, dtype=torch.int32), None, 3) is None
+    assert route.paged_tokens(torch.randn(4, 8, 64), torch.arange(4, dtype=torch.int32), 1, 3) is None
+    out, lse = torch.randn(3, 1, 8, 32), torch.randn(3, 8, 1)
+    o, l_ = route.packed_result(out, lse, packed=True)
+    assert o.shape == (3, 8, 32) and l_.shape == (8, 3) and torch.equal(l_, lse[:, :, 0].t())
+    assert route.packed_result(out, lse, packed=False) == (out, lse)
