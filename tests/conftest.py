@@ -42,6 +42,39 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError("tests with missing markers:\n  " + "\n  ".join(errors))
 
 
+GPU_MEMORY_HOG_BYTES = 44 * 2**30   # the 2^31-element backward's peak (q, k, v, out, grads, the fp32 dQ sum)
+
+
+@pytest.fixture
+def gpu_memory_hog():
+    """For a test that needs about half of an 80 GB GPU (the 2^31-element backward): runs it alone among
+    the tests that take this fixture, across pytest-xdist workers (a lock file, one per machine), and
+    then waits up to two minutes for GPU_MEMORY_HOG_BYTES to be free, skipping with the reason if the
+    other workers' tests keep holding it. Under `-n 16` on an H100 the two such tests ran out of
+    memory together, and once alone it still found 3.8 GiB free (the other workers held ~46 GiB)."""
+    import fcntl
+    import tempfile
+    import time
+
+    import torch
+
+    with open(os.path.join(tempfile.gettempdir(), "fa4-tests-gpu-memory-hog.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            deadline = time.monotonic() + 120
+            while torch.cuda.mem_get_info()[0] < GPU_MEMORY_HOG_BYTES and time.monotonic() < deadline:
+                torch.cuda.empty_cache()
+                time.sleep(2)
+            free = torch.cuda.mem_get_info()[0]
+            if free < GPU_MEMORY_HOG_BYTES:
+                pytest.skip(f"needs {GPU_MEMORY_HOG_BYTES / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.1f} "
+                            "free after two minutes (other test processes hold the rest): run it alone")
+            yield
+        finally:
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture
 def rng(request):
     """A fresh, reproducible generator per test (seeded from the test's name)."""

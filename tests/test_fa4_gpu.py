@@ -172,6 +172,7 @@ def test_backward(case):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.usefixtures("gpu_memory_hog")
 def test_backward_whose_dq_accumulator_passes_2_pow_31_elements(causal):
     """2048 x 128 tokens x 64 heads x 128: q holds 2^31 elements (4 GiB in bf16) and the fp32 dQ
     accumulator at least as many, past every 32-bit index. Forward and backward run, and the first
