@@ -65,6 +65,7 @@ FUNC_CASES = {  # b, sq, (hq, hkv), sk, (d, dv), variants
     "d256": (2, 1, (8, 2), 2500, (256, 256), {}),
     "d128x64": (2, 1, (8, 2), 999, (128, 64), {}),
     "d72-padded": (2, 1, (8, 2), 517, (72, 72), {}),
+    "fp16-causal": (2, 4, (32, 8), 3000, (128, 128), dict(causal=True, dtype=torch.float16)),
 }
 
 
@@ -72,14 +73,15 @@ FUNC_CASES = {  # b, sq, (hq, hkv), sk, (d, dv), variants
 def test_flash_attn_func_decode_routed(name, routed):
     b, sq, (hq, hkv), sk, (d, dv), kw = FUNC_CASES[name]
     kw = dict(kw)
-    q, k = _rand(b, sq, hq, d, seed=1), _rand(b, sk, hkv, d, seed=2)
-    v = _rand(b, sk, hkv, dv, seed=3)
+    dt = kw.pop("dtype", BF16)
+    q, k = _rand(b, sq, hq, d, seed=1, dtype=dt), _rand(b, sk, hkv, d, seed=2, dtype=dt)
+    v = _rand(b, sk, hkv, dv, seed=3, dtype=dt)
     if kw.pop("sink", False):
         kw["learnable_sink"] = _rand(hq, seed=4, dtype=torch.float32)
     with torch.no_grad():
         out, lse = fa4.flash_attn_func(q, k, v, return_lse=True, **kw)
     assert len(routed) == 1, f"{name}: the call did not take the split launch"
-    assert out.shape == (b, sq, hq, dv) and lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    assert out.shape == (b, sq, hq, dv) and out.dtype == dt and lse.shape == (b, hq, sq) and lse.dtype == torch.float32
     _check(out, lse, q, k, v, [sk] * b, name, **kw)
 
 
