@@ -12,7 +12,8 @@ is the same computation, so it takes the same route:
   cache whose every key is used;
 - flash_attn_varlen_func with page_table (the official interface's paged decode): q padded (B, Sq, ...)
   or packed with one token a sequence (max_seqlen_q = 1 and total_q = batch), seqused_k the cache
-  lengths (None: every key of the table's pages);
+  lengths (None: every key of the table's pages), at a native head-dim pair (padding the head dims
+  would copy the whole page pool; the gathering route pads only the pages used);
 - flash_attn_varlen_func with q and k / v padded: the same, seqused_k the lengths.
 
 Causal masks and windows are bottom-right aligned to each sequence's keys in both functions, as in
@@ -31,8 +32,9 @@ from ._paged import needs_grad
 
 
 def _size(n):
-    """An int size (a symbolic one while traced is guarded to its value), else None."""
-    return int(n) if isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) else None
+    """An int or symbolic size as it is, else None. Only comparisons are made of it, so a traced call
+    guards on those, not on its value (a growing cache under torch.compile keeps one graph)."""
+    return n if isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) else None
 
 
 def takes(q, k, v, sink, tokens, keys, batch) -> bool:
@@ -46,11 +48,12 @@ def takes(q, k, v, sink, tokens, keys, batch) -> bool:
         return False  # (fake CUDA tensors on a machine without one: no arch to ask, the op's own fake serves)
     if not _dispatch.backend_for(q.device).SPLIT_KV_LAUNCH:
         return False
-    tokens, keys, batch, heads = (_size(n) for n in (tokens, keys, batch, q.shape[-2]))
-    if None in (tokens, keys, batch, heads):
+    sizes = tokens, keys, batch, heads, heads_kv = [_size(n) for n in (tokens, keys, batch, q.shape[-2], k.shape[-2])]
+    if any(n is None for n in sizes):
         return False
     grid_ok = batch <= _kvcache.MAX_GRID_Z and heads <= _kvcache.MAX_GRID_Z
-    return 1 <= tokens <= limit and keys >= 1 and batch >= 1 and grid_ok and k.shape[0] * k.shape[1] < 2 ** 31
+    return (1 <= tokens <= limit and keys >= 1 and batch >= 1 and heads_kv >= 1 and heads >= 1 and grid_ok
+            and k.shape[0] * k.shape[1] < 2 ** 31)
 
 
 def attend(q, k, v, scale, causal, left, right, softcap, sink, seqlens=None, page_table=None):
@@ -100,6 +103,10 @@ def paged_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_
     span = page_table.shape[1] * k_pages.shape[1]
     if tokens is None or not takes(q, k_pages, v_pages, learnable_sink, tokens.shape[1], span, page_table.shape[0]):
         return None
+    from . import _dispatch
+
+    if (q.shape[-1], v_pages.shape[-1]) not in _dispatch.backend_for(q.device).arch.head_dims:
+        return None  # padding the head dims would copy the whole page pool: the gathering route pads the pages used
     _, _, used, _, scale, (left, right, causal, softcap, sink), _ = _paged.check_call(
         q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
         softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse)

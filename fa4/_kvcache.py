@@ -599,8 +599,11 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     seqlens, rows, capacity = check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                cache_batch_idx, block_table, cuda=varlen is fa4_varlen,
                                                q_positions_step=causal or (left, right) != (None, None))
-    # a window past the cache's rows sees all of it: clamped, so no key offset overflows int32
-    left, right = (None if e is None else min(e, capacity) for e in (left, right))
+    # a window past the cache's rows sees all of it: clamped, so no key offset overflows int32 (the right
+    # edge to the rows plus the queries: query row 0 sits Sq - 1 rows before the last key, so a right edge
+    # up to capacity + Sq still decides what it sees when the queries outnumber the keys)
+    left = None if left is None else min(left, capacity)
+    right = None if right is None else min(right, capacity + q.shape[1])
     softcap = check_softcap(softcap)
     sink = check_learnable_sink(learnable_sink, q)
     if sink is not None and sink.requires_grad and torch.is_grad_enabled():

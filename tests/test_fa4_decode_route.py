@@ -69,3 +69,23 @@ def test_paged_tokens_and_packed_result():
     o, l_ = route.packed_result(out, lse, packed=True)
     assert o.shape == (3, 8, 32) and l_.shape == (8, 3) and torch.equal(l_, lse[:, :, 0].t())
     assert route.packed_result(out, lse, packed=False) == (out, lse)
+
+
+def test_takes_refuses_zero_heads(hopper):
+    """Zero query heads are empty calls that the forward serves (check_fixed takes 0 % Hkv == 0); the
+    split launch's packing would divide by them."""
+    k = _cuda_like(1, 4096, 2, 128)
+    assert not route.takes(_cuda_like(1, 1, 0, 128), k, k, None, 1, 4096, 1)
+    none = _cuda_like(1, 4096, 0, 128)
+    assert not route.takes(_cuda_like(1, 1, 0, 128), none, none, None, 1, 4096, 1)
+
+
+def test_paged_pair_leaves_padded_head_dims_to_the_gathering_route(monkeypatch):
+    """Padding a paged call's head dims would pad the whole page pool: such calls are not routed."""
+    monkeypatch.setattr(route, "takes", lambda *args: True)
+    monkeypatch.setattr(_dispatch, "backend_for",
+                        lambda device: SimpleNamespace(arch=SimpleNamespace(head_dims=((128, 128),))))
+    q, pages = torch.randn(2, 1, 8, 80), torch.randn(10, 16, 2, 80)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    assert route.paged_pair(q, pages, pages, table, None, None, None, None, None, None, False, (None, None), None,
+                            0.0, False, False) is None

@@ -65,6 +65,7 @@ FUNC_CASES = {  # b, sq, (hq, hkv), sk, (d, dv), variants
     "d256": (2, 1, (8, 2), 2500, (256, 256), {}),
     "d128x64": (2, 1, (8, 2), 999, (128, 64), {}),
     "d72-padded": (2, 1, (8, 2), 517, (72, 72), {}),
+    "right-window-more-queries": (2, 8, (8, 2), 4, (128, 128), dict(window_size=(None, 6))),
     "fp16-causal": (2, 4, (32, 8), 3000, (128, 128), dict(causal=True, dtype=torch.float16)),
 }
 

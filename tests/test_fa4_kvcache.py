@@ -1087,3 +1087,14 @@ def test_a_window_past_the_cache_sees_all_of_it(split):
                               return_softmax_lse=True, **({"varlen": stand_in} | kw))
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [(None, 6), (2, 9), (None, 3), (50, 50)])
+def test_right_window_past_the_cache_with_more_queries_than_keys(window):
+    """The window's edges are clamped (int32 key offsets), the right one to the cache's rows plus the
+    queries: 8 queries over 4 keys with right = 6 leave row 0 keys 0-2 (4 - 8 + 6 = 2), which a clamp to
+    the 4 rows alone cut to key 0. Also the route flash_attn_func's decode calls take (fa4/_decode_route.py)."""
+    q, kc, vc = _tokens_and_cache(5, 2, 8, 4, 2, 16, 4)
+    out, lse = kv.with_kvcache(q, kc, vc, window_size=window, varlen=_no_varlen, split=split_stand_in, sm_count=16,
+                               return_softmax_lse=True)
+    _check(out, lse, q, kc, vc, [4, 4], window=window)
