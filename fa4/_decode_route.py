@@ -19,9 +19,10 @@ is the same computation, so it takes the same route:
 Causal masks and windows are bottom-right aligned to each sequence's keys in both functions, as in
 flash_attn_with_kvcache, so the route changes no semantics. It changes bits: the split launch sums a
 row's keys chunk by chunk, so the two routes agree under the FA4 rule, not bit for bit. A call that
-needs a gradient (grad mode on and an input or the sink requiring it) keeps the forward whose
-backward it needs; so does every call off sm_90 (the split launch is Hopper's), with no keys, or with
-seqused_q. fa4._dispatch.DECODE_ROUTE_MAX_QUERY = None turns the route off (the benchmarks' old path).
+needs a gradient (grad mode on and an input or the sink requiring it, or inside a forward-mode AD
+level) keeps the forward whose backward it needs; so does every call off sm_90 (the split launch is
+Hopper's), with no keys or no heads, or with seqused_q. fa4._dispatch.DECODE_ROUTE_MAX_QUERY = None
+turns the route off (the benchmarks' old path).
 """
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def _size(n):
     return n if isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) else None
 
 
+def _forward_ad_active() -> bool:
+    """Inside a forward-mode AD level (torch.autograd.forward_ad.dual_level) inputs may carry tangents,
+    which the split launch would drop without a word; the forward's op refuses them instead."""
+    from torch.autograd import forward_ad
+
+    return getattr(forward_ad, "_current_level", -1) >= 0
+
+
 def takes(q, k, v, sink, tokens, keys, batch) -> bool:
     """Whether a call of `batch` sequences with at most `tokens` query tokens and `keys` cache rows
     each runs on the split launch: no gradient wanted, sm_90, 1 <= tokens <= DECODE_ROUTE_MAX_QUERY,
@@ -44,7 +53,9 @@ def takes(q, k, v, sink, tokens, keys, batch) -> bool:
     from . import _dispatch
 
     limit = _dispatch.DECODE_ROUTE_MAX_QUERY
-    if limit is None or needs_grad(q, k, v, sink) or q.device.type != "cuda" or not torch.cuda.is_available():
+    if limit is None or needs_grad(q, k, v, sink) or _forward_ad_active():
+        return False
+    if q.device.type != "cuda" or not torch.cuda.is_available():
         return False  # (fake CUDA tensors on a machine without one: no arch to ask, the op's own fake serves)
     if not _dispatch.backend_for(q.device).SPLIT_KV_LAUNCH:
         return False

@@ -89,3 +89,12 @@ def test_paged_pair_leaves_padded_head_dims_to_the_gathering_route(monkeypatch):
     table = torch.zeros(2, 3, dtype=torch.int32)
     assert route.paged_pair(q, pages, pages, table, None, None, None, None, None, None, False, (None, None), None,
                             0.0, False, False) is None
+
+
+def test_takes_refuses_calls_inside_a_forward_ad_level(hopper):
+    import torch.autograd.forward_ad as fwad
+
+    q, k = _cuda_like(1, 1, 32, 128), _cuda_like(1, 4096, 8, 128)
+    assert route.takes(q, k, k, None, 1, 4096, 1)
+    with fwad.dual_level():
+        assert not route.takes(q, k, k, None, 1, 4096, 1)
