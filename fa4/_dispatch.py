@@ -113,7 +113,9 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "of 16 by the same head-row rule), others copied"),
     "kv_cache": (True, "flash_attn_with_kvcache: dense or paged cache, in-place append with rotary embedding, split-KV "
                        "decode merged through the lse -- on sm_90 by its split launch (each CTA finds its key chunk), "
-                       "on other arches by key segments of the varlen forward (fa4/_kvcache.py)"),
+                       "on other arches by key segments of the varlen forward (fa4/_kvcache.py); on sm_90 "
+                       "flash_attn_func / flash_attn_varlen_func calls of at most 64 query tokens a sequence that "
+                       "need no gradient take the same split launch (fa4/_decode_route.py)"),
     "fp8": (False, "not supported"),
 }
 
