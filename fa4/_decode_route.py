@@ -73,8 +73,9 @@ def attend(q, k, v, scale, causal, left, right, softcap, sink, seqlens=None, pag
     were checked by the caller; head dims that run padded are padded here. Returns (out (B, Sq, Hq,
     Dv), lse (B, Hq, Sq) fp32)."""
     from ._layouts import pad_head_dims
+    from ._validate import _last_dim_contiguous
 
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))  # (a paged call's pages: its checks saw stand-ins)
     q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
     out, lse = _kvcache.with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=page_table, softmax_scale=scale,
                                      causal=causal, window_size=(left, right), softcap=softcap,

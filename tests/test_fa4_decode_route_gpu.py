@@ -10,7 +10,7 @@ import torch
 
 import fa4
 from fa4 import _dispatch, _kvcache
-from stage0_reference.torch_reference import attention_ref
+import test_fa4_kvcache_gpu as tk  # its per-sequence fp32 truth, bf16 baseline and rule (tests/ is on the path)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.fa4]
 
@@ -36,20 +36,10 @@ def _rand(*shape, seed, dtype=BF16):
     return torch.randn(*shape, device="cuda", generator=g).to(dtype)
 
 
-def _check(out, lse, q, k, v, lens, what, **kw):
-    """out (B, Sq, Hq, Dv) / lse (B, Hq, Sq) against sequence b's first lens[b] keys."""
-    kw = dict(softmax_scale=q.shape[-1] ** -0.5, **kw)
-    for b in range(q.shape[0]):
-        n = int(lens[b])
-        args = (q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
-        t_out, t_lse = attention_ref(*(t.float() for t in args), **kw)
-        base = attention_ref(*args, upcast=False, **kw)[0].float()
-        err, ref = (out[b:b + 1].float() - t_out).abs().max().item(), (base - t_out).abs().max().item()
-        assert err <= 2 * ref + 1e-5, f"{what} b={b}: out error {err:.3e} > 2 x {ref:.3e} + 1e-5"
-        fin = torch.isfinite(t_lse[0])
-        assert torch.equal(torch.isfinite(lse[b]), fin), f"{what} b={b}: lse -inf rows differ"
-        if fin.any():
-            assert (lse[b][fin] - t_lse[0][fin]).abs().max().item() <= 1e-3, f"{what} b={b}: lse"
+def _check(out, lse, q, k, v, lens, what, causal=False, window_size=(None, None), softcap=0.0, learnable_sink=None):
+    """out (B, Sq, Hq, Dv) / lse (B, Hq, Sq) against sequence b's first lens[b] keys: the kvcache tests' rule."""
+    truth = tk._truth_and_baseline(q, k, v, lens, causal, window_size, softcap, learnable_sink)
+    tk._check(out, lse, *truth, what)
 
 
 FUNC_CASES = {  # b, sq, (hq, hkv), sk, (d, dv), variants

@@ -46,7 +46,8 @@ def _check(out, lse, truth, tlse, base, what):
         assert err <= 2 * ref + 1e-5, f"{what} b={b}: out error {err:.3e} > 2 x {ref:.3e} + 1e-5"
         fin = torch.isfinite(tl)
         assert torch.equal(torch.isfinite(lse[b]), fin), f"{what} b={b}: lse -inf rows differ"
-        assert (lse[b][fin] - tl[fin]).abs().max().item() <= 1e-3, f"{what} b={b}: lse"
+        if fin.any():  # (a sequence with no keys has only -inf rows)
+            assert (lse[b][fin] - tl[fin]).abs().max().item() <= 1e-3, f"{what} b={b}: lse"
 
 
 def _cache(b, s, hkv, d, seed):
