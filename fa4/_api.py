@@ -279,6 +279,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
     all of q at cache_seqlens (FlashAttention-2's rule); seqlen_ro >= the cache's rows, and past q's
     last position when q has more tokens than k (ValueError); rotary_interleaved pairs dims (0, 1), ...
     instead of (i, i + rotary_dim / 2). cache_batch_idx (B,): which cache row each sequence uses.
+    cache_leftpad (B,) int32 (a dense cache): sequence b's keys start at row cache_leftpad[b] (a
+    left-padded batch): it attends to rows [cache_leftpad[b], cache_seqlens[b] + Sn); the new keys are
+    still written at cache_seqlens[b] and rotary positions stay row indices (FlashAttention-2's rules).
     causal / window_size / softcap / learnable_sink / softmax_scale as in flash_attn_func (causal
     bottom-right: the last query is the last key). num_splits: split-KV count, 0 = choose from
     (batch, heads, cache length, SM count); used where the mask allows (fa4/_kvcache.py). pack_gqa:

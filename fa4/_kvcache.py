@@ -119,28 +119,33 @@ class Segments(NamedTuple):
     max_keys: int
 
 
-def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int, left: int | None = None) -> Segments:
+def dense_segments(seqlens_k, cache_rows, s_cache: int, n: int, left: int | None = None,
+                   key_starts=None) -> Segments:
     """n chunks of each sequence's keys in a dense cache viewed as (B_cache * S_cache, Hkv, D).
     Chunks are rounded up to 128 keys (the kernel's key block) so only the last one is partial.
     int32 throughout (the kernel's offsets are int32). cache_rows None: sequence b in cache row b, so
     the first rows are a constant of the shapes and only the keys used are computed per call.
     left: only the last left + 1 keys of each sequence (one query token's window): the chunks start
-    at key max(L_b - 1 - left, 0), computed on the device (no host sync)."""
+    at key max(L_b - 1 - left, 0), computed on the device (no host sync). key_starts p (B,) int32
+    (cache_leftpad): sequence b's keys are [p_b, L_b), chunked from p_b (every mask counts from the end)."""
     dev, b = seqlens_k.device, seqlens_k.shape[0]
+    if key_starts is not None:   # the keys past p_b, counted from there; p_b joins each first row below
+        seqlens_k = (seqlens_k - key_starts).clamp_(min=0)
+    shift = 0 if key_starts is None else key_starts.view(-1, 1)                           # (B, 1)
+    rows = identity_rows(b, dev) if cache_rows is None else cache_rows
     if left is not None:
         chunk, n = _chunks(min(s_cache, left + 1), n)
         starts = _chunk_keys(seqlens_k, n, chunk)[0]
         first_key = (seqlens_k.view(-1, 1) - 1 - left).clamp_(min=0) + starts            # (B, n)
         used = (seqlens_k.view(-1, 1) - first_key).clamp_(0, chunk)
-        rows = identity_rows(b, dev) if cache_rows is None else cache_rows
-        return _pack(rows.view(-1, 1) * s_cache + first_key, used, n, chunk)
+        return _pack(rows.view(-1, 1) * s_cache + shift + first_key, used, n, chunk)
     chunk, n = _chunks(s_cache, n)
     starts, used = _chunk_keys(seqlens_k, n, chunk)
-    if cache_rows is None:
+    if cache_rows is None and key_starts is None:
         cu_k = shape_constant(("dense_cu_k", dev, b, n, chunk, s_cache),
                               lambda: _pad_one(identity_rows(b, dev).view(-1, 1) * s_cache + starts))  # (B n + 1,)
         return Segments(cu_k, used.reshape(-1), n, chunk)
-    first = cache_rows.view(-1, 1) * s_cache + starts                                      # (B, n)
+    first = rows.view(-1, 1) * s_cache + shift + starts                                    # (B, n)
     return _pack(first, used, n, chunk)
 
 
@@ -288,7 +293,8 @@ def fa4_varlen(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, s
 
 
 def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, softcap, page_table=None, out=None,
-              causal=False, rows_per_query=1, unpack=1, range_keys=None, window=(None, None), cache_rows=None):
+              causal=False, rows_per_query=1, unpack=1, range_keys=None, window=(None, None), cache_rows=None,
+              key_starts=None):
     """The Hopper forward's split-KV launch (stage3 hopper.attention_split_forward): rows (B, R, H', D)
     -- or, rows_per_query g > 1, q itself (B, Sq, Hq, D), whose GQA groups the kernel reads as
     R = Sq g rows of H' = Hq / g heads -- against n chunks of `chunk` keys of each sequence's dense
@@ -302,7 +308,8 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     window: (left, right) as the kernel's, aligned to each sequence's end like causal; range_keys W:
     each sequence reads its last W keys, the chunks counted from key max(L_b - W, 0) (rounded down to
     the key tile with pages, where the window must hide the keys before it). cache_rows (int32 (B,)):
-    sequence b's row of a dense cache (cache_batch_idx; None: row b)."""
+    sequence b's row of a dense cache (cache_batch_idx; None: row b); key_starts (int32 (B,)): its first
+    key (cache_leftpad; None: 0), the chunks counted from max(that, the range's first key)."""
     from . import _dispatch
 
     b, r, h, _ = rows.shape
@@ -312,7 +319,7 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     mod = _dispatch.backend_for(rows.device).forward_module()
     kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, causal=causal,
               rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r),
-              range_keys=range_keys, window_size=tuple(window), cache_rows=cache_rows)
+              range_keys=range_keys, window_size=tuple(window), cache_rows=cache_rows, key_starts=key_starts)
     if n == 1:
         return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
@@ -362,8 +369,10 @@ def key_range_window(sq: int, window, paged_in_place: bool):
 
 
 def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, scale, causal, window, softcap,
-                         sink, num_splits, pack_gqa, sm_count, varlen=fa4_varlen, paged_in_place=False, split=None):
-    """q (B, Sq, Hq, D) against the first seqlens_k[b] keys of each sequence's cache.
+                         sink, num_splits, pack_gqa, sm_count, varlen=fa4_varlen, paged_in_place=False, split=None,
+                         key_starts=None):
+    """q (B, Sq, Hq, D) against the first seqlens_k[b] keys of each sequence's cache -- from key
+    key_starts[b] on where given (cache_leftpad, a dense cache: the masks still count from the end).
     paged_in_place: the kernel reads the pages through the table (fa4._paged), so a paged cache is
     chunked like a dense one (logical chunks, any mask) instead of one segment per page.
     split: a split-KV launch with its merge (`fa4_split`'s contract), taken by calls of at most
@@ -404,7 +413,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         if use_split:
             chunk, n = split_chunks(span, n)
         elif block_table is None:
-            seg = dense_segments(seqlens_k, cache_rows, s_cache, n, left)
+            seg = dense_segments(seqlens_k, cache_rows, s_cache, n, left, key_starts)
         else:
             seg, table = paged_chunks(seqlens_k, block_table, k_cache.shape[1], n)
             kw = {"page_table": table}
@@ -425,7 +434,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
                          block_table if paged_in_place else None, out=into, causal=causal,
                          rows_per_query=g if by_token else 1, unpack=unpack,
-                         range_keys=range_keys, window=window, cache_rows=cache_rows)
+                         range_keys=range_keys, window=window, cache_rows=cache_rows, key_starts=key_starts)
         # (B, R, H', Dv), (B, H', R); unpacked: (B, Sq, Hq, Dv), (B, Hq, Sq)
     else:
         q_seg = rows.unsqueeze(1).expand(b, n, r, heads, d).reshape(b * n * r, heads, d)    # (B n R, H', D)
@@ -464,6 +473,26 @@ def _int_vector(name, t, length, device):
     if t.device != device:
         raise ValueError(f"{name}: is on {t.device} but q is on {device}")
     return t
+
+
+def check_leftpad(cache_leftpad, q, block_table, seqlens):
+    """cache_leftpad (B,) int32 / int64 or None -> each sequence's first key, int32 (B,) or None. Its
+    values are read only under FA4_VALIDATE=1 (one sync): 0 <= cache_leftpad[b] <= cache_seqlens[b]."""
+    from ._validate import values_check_enabled
+
+    if cache_leftpad is None:
+        return None
+    if block_table is not None:
+        raise ValueError("cache_leftpad: not with block_table (as in FlashAttention-2: a paged sequence starts on "
+                         "its first page); pass None")
+    starts = _int_vector("cache_leftpad", cache_leftpad, q.shape[0], q.device).to(torch.int32)
+    if q.shape[0] and values_check_enabled():
+        bad = (starts < 0) | (starts > seqlens)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"cache_leftpad: [{i}] = {int(starts[i])} is outside [0, cache_seqlens[{i}] = "
+                             f"{int(seqlens[i])}]")
+    return starts
 
 
 def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -589,8 +618,6 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     for name, flag in (("causal", causal), ("rotary_interleaved", rotary_interleaved),
                        ("return_softmax_lse", return_softmax_lse)):
         _check_flag(name, flag)
-    if cache_leftpad is not None:
-        raise ValueError("cache_leftpad: not supported (None only); store each sequence from cache row 0")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
@@ -599,6 +626,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     seqlens, rows, capacity = check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                cache_batch_idx, block_table, cuda=varlen is fa4_varlen,
                                                q_positions_step=causal or (left, right) != (None, None))
+    starts = check_leftpad(cache_leftpad, q, block_table, seqlens)
     # a window past the cache's rows sees all of it: clamped, so no key offset overflows int32 (the right
     # edge to the rows plus the queries: query row 0 sits Sq - 1 rows before the last key, so a right edge
     # up to capacity + Sq still decides what it sees when the queries outnumber the keys)
@@ -636,7 +664,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
         return (out, lse) if return_softmax_lse else out
-    step = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink)
+    step = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink, starts)
     flags = (scale, causal, (left, right), softcap, rotary_interleaved, num_splits, pack_gqa, return_softmax_lse,
              paged_in_place)
     if traced or varlen is not fa4_varlen:  # traced, or the CPU tests' stand-ins
@@ -658,7 +686,7 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool
     """with_kvcache after its checks: the append (rotary first), then attention over the cache. Every
     decision in here follows from the tensors' shapes, strides and dtypes and from `flags`, the
     signature of a launch plan (with_kvcache). traced: the attention as the kvcache_attention op."""
-    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink = step
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink, starts = step
     scale, causal, (left, right), softcap, rotary_interleaved, num_splits, pack_gqa, return_softmax_lse, \
         paged_in_place = flags
     if k is not None:
@@ -674,11 +702,11 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool
         seqlens = seqlens + k.shape[1]
     if traced:
         out, lse = kvcache_attention(q, k_cache, v_cache, seqlens, rows, block_table, sink, scale, causal, left, right,
-                                     softcap, num_splits, pack_gqa)
+                                     softcap, num_splits, pack_gqa, starts)
         return (out, lse) if return_softmax_lse else out
     out, lse = attention_with_cache(q, k_cache, v_cache, seqlens, rows, block_table, scale, causal, (left, right),
                                     softcap, sink, num_splits, pack_gqa, sm_count or 132, varlen, paged_in_place,
-                                    split)
+                                    split, starts)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -718,7 +746,8 @@ def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       cache_rows: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
                       sink: Optional[torch.Tensor], scale: float, causal: bool, window_left: Optional[int],
                       window_right: Optional[int], softcap: float, num_splits: int,
-                      pack_gqa: Optional[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+                      pack_gqa: Optional[bool], key_starts: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache's attention (after the append) as torch.compile sees it: one opaque op,
     out (B, Sq, Hq, Dv) and lse (B, Hq, Sq), run by the eager path (the split launch where it applies),
     so a compiled decode step has no graph break and launches the kernels an eager one does. The checks
@@ -726,13 +755,14 @@ def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     window = (window_left, window_right)
     sm_count, split, in_place = _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa)
     out, lse = attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, scale, causal, window,
-                                    softcap, sink, num_splits, pack_gqa, sm_count, fa4_varlen, in_place, split)
+                                    softcap, sink, num_splits, pack_gqa, sm_count, fa4_varlen, in_place, split,
+                                    key_starts)
     return out.contiguous(), lse.contiguous()  # the strides the fake below promises
 
 
 @kvcache_attention.register_fake
 def _(q, k_cache, v_cache, seqlens_k, cache_rows, block_table, sink, scale, causal, window_left, window_right,
-      softcap, num_splits, pack_gqa):
+      softcap, num_splits, pack_gqa, key_starts=None):
     b, sq, hq, _ = q.shape
     return q.new_empty(b, sq, hq, v_cache.shape[-1]), q.new_empty(b, hq, sq, dtype=torch.float32)
 

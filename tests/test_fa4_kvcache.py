@@ -347,7 +347,8 @@ def _rotary_by_complex(x, angles, pos, interleaved):
 
 
 def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=None, out=None, causal=False,
-                   rows_per_query=1, unpack=1, range_keys=None, window=(None, None), cache_rows=None):
+                   rows_per_query=1, unpack=1, range_keys=None, window=(None, None), cache_rows=None,
+                   key_starts=None):
     """The split-KV launch's contract in float64 (stage3 hopper.attention_split_forward with its
     merge, through fa4._kvcache.fa4_split; rows_per_query g > 1: `rows` is q (B, T, Hq, D), read as
     T g rows of Hq / g heads): chunk j of sequence b, keys [j chunk, j chunk + used)
@@ -358,7 +359,8 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
     (left, right): token t sees keys L - T + t - left ..= L - T + t + right (causal: right 0).
     range_keys W: the chunks count from key max(seqlens[b] - W, 0) (with pages rounded down to a
     multiple of 128, and then a left window must hide the keys before it) and cover those keys.
-    cache_rows: sequence b reads cache row cache_rows[b] (None: row b)."""
+    cache_rows: sequence b reads cache row cache_rows[b] (None: row b); key_starts: its keys start there
+    (cache_leftpad: the chunks count from max(key_starts[b], the range's first key))."""
     if rows_per_query > 1:   # q as the call holds it: its groups are the kernel's rows, by token
         b, t, hq, d = rows.shape
         rows = rows.view(b, t, hq // rows_per_query, rows_per_query, d).transpose(2, 3).reshape(b, -1, hq //
@@ -378,6 +380,9 @@ def split_stand_in(rows, k, v, seqlens, n, chunk, scale, softcap, page_table=Non
             idx = (page_table[i].long()[:, None] * ps + torch.arange(ps)).reshape(-1)
             keys, values = k.reshape(-1, *k.shape[2:])[idx], v.reshape(-1, *v.shape[2:])[idx]
         start = 0 if range_keys is None else max(int(seqlens[i]) - range_keys, 0)
+        if key_starts is not None:
+            assert page_table is None, "first keys of a dense cache only"
+            start = max(start, int(key_starts[i]))
         if page_table is not None and range_keys is not None:
             assert left is not None and left + tokens <= range_keys, "a paged range needs the window to hide its start"
             start -= start % 128
@@ -762,8 +767,13 @@ def test_errors_before_the_cache_is_touched():
         call(q.clone().requires_grad_(), kc, kc)
     with pytest.raises(ValueError, match=r"^k, v: pass both"):
         call(q, kc, kc, k1, None)
-    with pytest.raises(ValueError, match=r"^cache_leftpad: "):
-        call(q, kc, kc, cache_leftpad=torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^cache_leftpad: not with block_table"):
+        call(q, kc, kc, cache_leftpad=torch.zeros(1, dtype=torch.int32),
+             block_table=torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^cache_leftpad: expected an int32 / int64 vector of length 1"):
+        call(q, kc, kc, cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"^cache_leftpad: expected a torch.Tensor"):
+        call(q, kc, kc, cache_leftpad=[0])
     with pytest.raises(ValueError, match=r"^block_table: expected int32"):
         call(q, kc, kc, block_table=torch.zeros(1, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"^rotary_cos: rotary embedding .* needs k and v"):
@@ -1098,3 +1108,66 @@ def test_right_window_past_the_cache_with_more_queries_than_keys(window):
     out, lse = kv.with_kvcache(q, kc, vc, window_size=window, varlen=_no_varlen, split=split_stand_in, sm_count=16,
                                return_softmax_lse=True)
     _check(out, lse, q, kc, vc, [4, 4], window=window)
+
+
+@pytest.mark.parametrize("route", ["split", "segments"])
+def test_cache_leftpad_starts_each_sequence_at_its_row(route):
+    """cache_leftpad (FlashAttention-2's): sequence b attends to cache rows [leftpad[b], cache_seqlens[b] + new)
+    -- a left-padded batch served in place -- with the new keys written at cache_seqlens[b], rotary positions the
+    row indices, and the masks counted from the sequence's end: one token, causal tokens with a window, and a
+    causal prefill longer than the split launch takes, over the split launch and over the varlen segments;
+    cache_batch_idx and a padding that covers every key included."""
+    g = _gen(41)
+    hq, hkv, d, s_cache = 8, 2, 16, 640
+    lens = torch.tensor([600, 250, 90, 7], dtype=torch.int32)
+    pad = torch.tensor([3, 129, 0, 7], dtype=torch.int32)          # off the key tile, past a chunk, none, all
+    b = lens.shape[0]
+    cases = [dict(q_len=1), dict(q_len=1, causal=True, window_size=(60, 0), rows=[4, 0, 2, 1]),
+             dict(q_len=3, causal=True, window_size=(100, 0), softcap=2.0),
+             dict(q_len=3, causal=True, new=2, rotary=True), dict(q_len=80, causal=True)]
+    for case in cases:
+        kc = torch.randn(b + 1, s_cache, hkv, d, generator=g, dtype=torch.float64)
+        vc = torch.randn(b + 1, s_cache, hkv, d, generator=g, dtype=torch.float64)
+        q = torch.randn(b, case["q_len"], hq, d, generator=g, dtype=torch.float64)
+        rows = None if "rows" not in case else torch.tensor(case["rows"], dtype=torch.int32)
+        kw = dict(causal=case.get("causal", False), window_size=case.get("window_size", (None, None)),
+                  softcap=case.get("softcap", 0.0), cache_batch_idx=rows)
+        new = case.get("new", 0)
+        extra, want_q = {}, q
+        r = torch.arange(b) if rows is None else rows.long()
+        keys, values = kc[r].clone(), vc[r].clone()
+        if new:
+            k1 = torch.randn(b, new, hkv, d, generator=g, dtype=torch.float64)
+            v1 = torch.randn(b, new, hkv, d, generator=g, dtype=torch.float64)
+            cos, sin = torch.cos(torch.rand(s_cache + 8, 4, generator=g, dtype=torch.float64)), \
+                torch.sin(torch.rand(s_cache + 8, 4, generator=g, dtype=torch.float64))
+            extra = dict(k=k1, v=v1, rotary_cos=cos, rotary_sin=sin)
+            pos = lens.long()[:, None] + torch.arange(max(new, q.shape[1]))
+            want_q = kv.apply_rotary(q, cos, sin, pos[:, :q.shape[1]], True)
+            k_rot = kv.apply_rotary(k1, cos, sin, pos[:, :new], True)
+            for i in range(b):
+                keys[i, lens[i]:lens[i] + new], values[i, lens[i]:lens[i] + new] = k_rot[i], v1[i]
+        seen = []
+
+        def spy(*args, **kw_):
+            seen.append(kw_["key_starts"])
+            return split_stand_in(*args, **kw_)
+
+        split_kw = dict(split=spy, varlen=_no_varlen) if route == "split" and case["q_len"] * 4 <= 64 else \
+            dict(varlen=stand_in)
+        out, lse = kv.with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=pad, num_splits=2, sm_count=16,
+                                   return_softmax_lse=True, **extra, **kw, **split_kw)
+        if "split" in split_kw:
+            assert len(seen) == 1 and torch.equal(seen[0], pad)
+        if new:  # written at cache_seqlens, not after the padding
+            torch.testing.assert_close(kc[r][torch.arange(b)[:, None], lens.long()[:, None] + torch.arange(new)],
+                                       keys[torch.arange(b)[:, None], lens.long()[:, None] + torch.arange(new)])
+        for i in range(b):
+            first, last = int(pad[i]), int(lens[i]) + new
+            want, wl = dense(want_q[i], keys[i, first:last], values[i, first:last], d ** -0.5, kw["causal"],
+                             kw["window_size"], kw["softcap"])
+            seen_keys = torch.isfinite(wl)
+            torch.testing.assert_close(lse[i][seen_keys].double(), wl[seen_keys], rtol=1e-9, atol=1e-9)
+            assert torch.all(lse[i][~seen_keys] == float("-inf")), f"rows without keys, sequence {i}, {case}"
+            torch.testing.assert_close(out[i].double().permute(1, 0, 2)[seen_keys], want.permute(1, 0, 2)[seen_keys],
+                                       rtol=1e-9, atol=1e-9, msg=lambda m: f"sequence {i}, {case}: {m}")

@@ -146,6 +146,69 @@ def test_split_launch_cache_rows_equal_the_gathered_cache(sq, causal, window, sp
            f"cache rows sq={sq} splits={splits}")
 
 
+def _shifted(cache, lens, pad):
+    """Each sequence's keys [pad[b], lens[b]) moved to rows [0, lens[b] - pad[b]) of a NaN cache."""
+    out = torch.full_like(cache, float("nan"))
+    for b, (n, p) in enumerate(zip(lens.tolist(), pad.tolist())):
+        out[b, :n - p] = cache[b, p:n]
+    return out
+
+
+@pytest.mark.parametrize("sq, causal, window, splits, dtype", [
+    (1, False, (None, None), 0, BF16), (1, False, (None, None), 5, torch.float16), (4, True, (None, 0), 3, BF16),
+    (3, True, (500, 0), 1, BF16), (1, True, (300, 0), 4, torch.float16)], ids=str)
+def test_cache_leftpad_split_launch_equals_the_shifted_cache(sq, causal, window, splits, dtype):
+    """key_starts (cache_leftpad): the split launch reads sequence b's keys from row pad[b] on. Against the
+    same launch on those keys moved to row 0 (the same chunks of the same keys, the masks counted from the
+    end): the same bits; the padding rows hold NaN, which a read would carry into O. Then through fa4
+    (GQA 32 / 8) under the FA4 rule; a sequence padded over all its keys gets 0 and -inf."""
+    from stage3_fwd_kernel.hopper import attention_split_forward
+
+    k, v = (t.to(dtype) for t in _cache(3, 3000, 8, 128, 23))
+    lens = torch.tensor([3000, 1290, 40], dtype=torch.int32, device="cuda")
+    pad = torch.tensor([1, 700, 40], dtype=torch.int32, device="cuda")
+    for b, p in enumerate(pad.tolist()):
+        k[b, :p], v[b, :p] = float("nan"), float("nan")
+    q = torch.randn(3, sq, 8, 128, device="cuda").to(dtype)
+    n = max(splits, 1)
+    chunk = -(-(-(-3000 // n)) // 128) * 128 if n > 1 else 3000     # ceil(3000 / n), up to the key tile
+    kw = dict(causal=causal, window_size=window)
+    got = attention_split_forward(q, k, v, n, chunk, seqused_k=lens, key_starts=pad, **kw)
+    ks, vs, used = _shifted(k, lens, pad), _shifted(v, lens, pad), lens - pad
+    want = attention_split_forward(q, ks, vs, n, chunk, seqused_k=used, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    q = torch.randn(3, sq, 32, 128, device="cuda").to(dtype)
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, cache_leftpad=pad, num_splits=splits,
+                                           causal=causal, window_size=window, return_softmax_lse=True)
+    assert torch.isfinite(out).all() and torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
+    _check(out, lse, *_truth_and_baseline(q, ks.nan_to_num(), vs.nan_to_num(), used, causal=causal, window=window),
+           f"leftpad sq={sq} splits={splits}")
+
+
+def test_cache_leftpad_prefill_appends_after_the_cache():
+    """A left-padded causal prefill (the varlen segments: too many rows for the split launch) with rotated
+    new keys: they go to rows cache_seqlens[b] .. (rotated at those positions), and the queries attend to
+    rows [pad[b], cache_seqlens[b] + 300)."""
+    k, v = _cache(2, 2048, 4, 128, 29)
+    q = torch.randn(2, 300, 16, 128, device="cuda").to(BF16)
+    k_new, v_new = (torch.randn(2, 300, 4, 128, device="cuda").to(BF16) for _ in range(2))
+    angles = torch.rand(4096, 32, device="cuda") * 6
+    lens = torch.tensor([37, 1500], dtype=torch.int32, device="cuda")
+    pad = torch.tensor([37, 333], dtype=torch.int32, device="cuda")
+    for b, p in enumerate(pad.tolist()):
+        k[b, :p], v[b, :p] = float("nan"), float("nan")
+    out, lse = fa4.flash_attn_with_kvcache(q, k, v, k_new, v_new, rotary_cos=angles.cos(), rotary_sin=angles.sin(),
+                                           cache_seqlens=lens, cache_leftpad=pad, causal=True, return_softmax_lse=True)
+    pos = lens.long().view(-1, 1) + torch.arange(300, device="cuda")
+    q_rot = kv.apply_rotary(q, angles.cos(), angles.sin(), pos, True)
+    k_rot = kv.apply_rotary(k_new, angles.cos(), angles.sin(), pos, True)
+    for b in range(2):
+        assert torch.equal(k[b, lens[b]:lens[b] + 300], k_rot[b]) and torch.equal(v[b, lens[b]:lens[b] + 300], v_new[b])
+    assert torch.isfinite(out).all()
+    ks, vs = _shifted(k, lens + 300, pad).nan_to_num(), _shifted(v, lens + 300, pad).nan_to_num()
+    _check(out, lse, *_truth_and_baseline(q_rot, ks, vs, lens + 300 - pad, causal=True), "leftpad prefill")
+
+
 def test_split_launch_errors_name_the_argument():
     from stage3_fwd_kernel.hopper import attention_split_forward
 
@@ -161,6 +224,12 @@ def test_split_launch_errors_name_the_argument():
         attention_split_forward(q, k, v, 0, 128)
     with pytest.raises(TypeError, match=r"^cache_rows: expected dtype int32"):
         attention_split_forward(q, k, v, 2, 128, cache_rows=torch.zeros(2, dtype=torch.int64, device="cuda"))
+    with pytest.raises(TypeError, match=r"^key_starts: expected dtype int32"):
+        attention_split_forward(q, k, v, 2, 128, key_starts=torch.zeros(2, dtype=torch.int64, device="cuda"))
+    with pytest.raises(ValueError, match=r"^key_starts: a dense cache's first keys"):
+        attention_split_forward(q, k, v, 2, 128, key_starts=torch.zeros(2, dtype=torch.int32, device="cuda"),
+                                page_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda"),
+                                seqused_k=torch.ones(2, dtype=torch.int32, device="cuda"))
     with pytest.raises(ValueError, match=r"^cache_rows: a paged cache"):
         attention_split_forward(q, k, v, 2, 128, cache_rows=torch.zeros(2, dtype=torch.int32, device="cuda"),
                                 page_table=torch.zeros(2, 1, dtype=torch.int32, device="cuda"),
@@ -257,6 +326,7 @@ COMPILED_CASES = {  # name -> (batch, cache, query tokens, call kwargs, paged pa
     "one-token-split": (3, 8192, 1, dict(), 0),
     "append-rotary-causal": (2, 4096, 3, dict(causal=True, rotary=True), 0),
     "paged-window-append": (2, 4096, 2, dict(causal=True, window_size=(300, 0), append=True), 64),
+    "leftpad-append-causal": (3, 4096, 2, dict(causal=True, append=True, leftpad=True), 0),
 }
 
 
@@ -267,11 +337,13 @@ def test_compiled_decode_step_equals_eager(name):
     the eager call's on copies of the same inputs."""
     b, s, sq, kw, page = COMPILED_CASES[name]
     kw = dict(kw)
-    rotary, append = kw.pop("rotary", False), kw.pop("append", False)
+    rotary, append, leftpad = kw.pop("rotary", False), kw.pop("append", False), kw.pop("leftpad", False)
     g = torch.Generator(device="cuda").manual_seed(31)
     q = torch.randn(b, sq, 32, 128, device="cuda", generator=g).to(BF16)
     lens = torch.randint(0, s - sq, (b,), device="cuda", generator=g, dtype=torch.int32)
     extra = dict(cache_seqlens=lens)
+    if leftpad:
+        extra["cache_leftpad"] = (torch.rand(b, device="cuda", generator=g) * lens).to(torch.int32)
     if page:
         k_cache, v_cache, extra["block_table"] = _paged(b, s // page, page, 8, 128, 32)
     else:

@@ -40,14 +40,16 @@ def split_kernel(causal, g, tile_m=64, window=None):
     return kernel
 
 
-def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64, range_keys=None, window=None, range_align=1):
+def simulate(q, k, v, lens, n, chunk, causal, g, tile_m=64, range_keys=None, window=None, range_align=1,
+             key_starts=None):
     """q (B, R, H, D) with R = tokens * g rows (row t g + j: token t of group head j when g > 1, H then
     the KV heads), k / v (B, S, Hkv, *) -> parts out (B n, R, H, Dv), lse (B n, H, R). range_keys W:
-    each sequence's last W keys only (the first rounded down to range_align); window: a Window."""
+    each sequence's last W keys only (the first rounded down to range_align); window: a Window;
+    key_starts: each sequence's first key (cache_leftpad)."""
     b, r, h, _ = q.shape
     kernel = split_kernel(causal, g, tile_m, window)
     tn, mask = kernel.tile_n, kernel.mask
-    kernel.split = KeySplit(n, chunk, False, range_keys, range_align)
+    kernel.split = KeySplit(n, chunk, False, range_keys, range_align, key_starts=key_starts)
     seq = SequenceInfo(r, k.shape[1], h // k.shape[2], None, None, list(lens), None, kernel.split)
     out = np.zeros((b * n, r, h, v.shape[-1]))
     lse = np.full((b * n, h, r), -np.inf)
@@ -192,6 +194,40 @@ def test_split_walk_with_a_window_matches_sliding_window_attention(g, tokens, le
 
 
 @pytest.mark.cpu
+@pytest.mark.parametrize("g", [1, 4])
+@pytest.mark.parametrize("tokens, causal, left, range_keys", [(1, False, None, None), (3, True, None, None),
+                                                             (2, True, 150, 152), (1, False, 300, 301)])
+def test_split_walk_with_key_starts_matches_attention_from_them(g, tokens, causal, left, range_keys):
+    """key_starts (cache_leftpad): sequence b reads keys [p_b, L_b) only -- a left-padded batch -- while a
+    causal diagonal and a window stay counted from the sequence's end; with a key range, from
+    max(L_b - W, p_b). Starts off the key tile, past a chunk edge, at 0, equal to the length (no keys)."""
+    rng = np.random.default_rng(17 + g + tokens + (left or 0))
+    b, hkv, d, s_cache = 5, 2, 16, 768
+    lens, starts = [768, 600, 333, 40, 90], [5, 300, 0, 40, 89]
+    hq = hkv * g if g > 1 else 4
+    q = rng.standard_normal((b, tokens, hq, d))
+    k = rng.standard_normal((b, s_cache, hkv, d))
+    v = rng.standard_normal((b, s_cache, hkv, d))
+    rows = q.reshape(b, tokens, hkv, g, d).transpose(0, 1, 3, 2, 4).reshape(b, tokens * g, hkv, d) if g > 1 else q
+    n, chunk = (3, 256) if range_keys is None else (2, 256)
+    window = None if left is None else Window(left, None if causal else 0)
+    out, lse = merge(*simulate(rows, k, v, lens, n, chunk, causal, g, range_keys=range_keys, window=window,
+                               key_starts=starts), n)
+    for i, (n_keys, first) in enumerate(zip(lens, starts)):
+        got, got_lse = out[i], lse[i]
+        if g > 1:
+            got = got.reshape(tokens, g, hkv, -1).transpose(0, 2, 1, 3).reshape(tokens, hq, -1)
+            got_lse = got_lse.reshape(hkv, tokens, g).transpose(0, 2, 1).reshape(hq, tokens)
+        want, want_lse = attention_forward(q[i:i + 1], k[i:i + 1, first:n_keys], v[i:i + 1, first:n_keys],
+                                           causal=causal, window_size=(left, 0 if left is not None else None))
+        fin = np.isfinite(want_lse[0])
+        np.testing.assert_array_equal(np.isfinite(got_lse), fin, err_msg=f"rows that see keys, sequence {i}")
+        np.testing.assert_allclose(got[fin.T], want[0][fin.T], rtol=1e-10, atol=1e-12, err_msg=f"out, sequence {i}")
+        np.testing.assert_allclose(got_lse[fin], want_lse[0][fin], rtol=1e-10, err_msg=f"lse, sequence {i}")
+        assert np.all(got[~fin.T] == 0), f"rows without keys, sequence {i}"
+
+
+@pytest.mark.cpu
 def test_chunk_of_counts_keys_to_the_end():
     split = KeySplit(4, 256, False)
     got = [chunk_of(split, v, 2000, [1000, 300]) for v in range(8)]
@@ -210,6 +246,11 @@ def test_chunk_of_counts_keys_to_the_end():
     rows = [chunk_of(KeySplit(2, 256, False, cache_rows=[5, 2]), v, 2000, [1000, 300]) for v in range(4)]
     assert [(c.sequence, int(c.first_key), int(c.keys_to_end), c.batch_kv) for c in rows] == [
         (0, 0, 1000, 5), (0, 256, 744, 5), (1, 0, 300, 2), (1, 256, 44, 2)]
+    # key_starts (cache_leftpad): the chunks start at each sequence's first key; a key range never before it
+    lp = [chunk_of(KeySplit(2, 256, False, key_starts=[100, 300]), v, 2000, [1000, 300]) for v in range(4)]
+    assert [(int(c.first_key), int(c.keys_to_end)) for c in lp] == [(100, 900), (356, 644), (300, 0), (556, 0)]
+    lp = [chunk_of(KeySplit(1, 256, False, 200, key_starts=[900, 10]), v, 2000, [1000, 300]) for v in range(2)]
+    assert [(int(c.first_key), int(c.keys_to_end)) for c in lp] == [(900, 100), (100, 200)]
 
 
 @pytest.mark.cpu

@@ -32,6 +32,11 @@ the merged row once, after the merge, never a chunk's.
 A dense cache need not hold sequence b in row b: `cache_rows` (int32 (B,), FlashAttention-2's
 cache_batch_idx) names each sequence's row of K and V, one load per CTA before its first K/V copy.
 q, seqused_k and the parts stay indexed by b.
+
+Nor need a sequence start at key 0: `key_starts` p_b (int32 (B,), FlashAttention-2's cache_leftpad: a
+left-padded batch) moves the chunks' origin to max(s_b, p_b), so the keys read are [p_b, L_b). The
+mask still counts from the sequence's end, so a causal diagonal or a window is where it is without
+the padding; only the first keys change. Dense caches only (a paged range is rounded to its pages).
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ class KeySplit(NamedTuple):
     range_keys: Any = None  # W: the keys each sequence reads, its last W (Int32; RANGE_ALL or None: all)
     range_align: int = 1    # the range's first key rounded down to a multiple of this (paged: the key tile)
     cache_rows: Any = None  # int32 (B,) or None: sequence b's batch row of a dense K / V (None: row b)
+    key_starts: Any = None  # int32 (B,) or None: sequence b's first key p_b (a dense cache; None: key 0)
 
 
 RANGE_ALL = 2**31 - 1  # range_keys that reads every key: max(L - RANGE_ALL, 0) = 0 for any L >= 0
@@ -62,7 +68,7 @@ class KeyChunk(NamedTuple):
     """Where virtual sequence v's CTAs read and write."""
 
     sequence: Any     # b: the batch row of q (and the page-table row of a paged cache)
-    first_key: Any    # s_b + j c: the chunk's first key within sequence b (s_b = 0 without a key range)
+    first_key: Any    # s_b + j c: the chunk's first key within sequence b (s_b = 0 without a key range or key starts)
     keys_to_end: Any  # max(L_b - j c, 0): the keys from the chunk's start to the sequence's end (the
                       # mask's seqlen_k); the walk stops at the chunk's end (`chunk_blocks`)
     batch_kv: Any     # batch index of the K / V tensors: b (cache_rows[b] when given), or 0 for the flat paged cache
@@ -80,7 +86,11 @@ def chunk_of(split: KeySplit, virtual, seqlen_k, seqused_k) -> KeyChunk:
         start = cutlass.max(total - split.range_keys, Int32(0))
         if cutlass.const_expr(split.range_align > 1):
             start = start // split.range_align * split.range_align   # start >= 0: a mask for a power of two
+        if cutlass.const_expr(split.key_starts is not None):
+            start = cutlass.max(start, split.key_starts[b])
         first = first + start
+    elif cutlass.const_expr(split.key_starts is not None):
+        first = first + split.key_starts[b]
     batch_kv = b
     if cutlass.const_expr(split.paged):
         batch_kv = Int32(0)

@@ -86,7 +86,8 @@ def _key(mode, dtype, d, dv, causal, policy, scheduler, varlen_flags=(False, Fal
          split_tail=False, variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False,
          rows_per_query: int = 1):
     """Compile-cache key: everything that is a compile-time constant of the kernel. varlen_flags =
-    (varlen, has seqused_k, has batch_map): each present/absent optional tensor is its own kernel.
+    (varlen, has seqused_k, has batch_map[, a key split's has key_starts]): each present/absent optional
+    tensor is its own kernel.
     tile_m enters resolved (None: a short call's default; the entry points resolve a long call's from
     its key count first), so a default and its explicit value share one kernel."""
     tile_m = _build_tile_m(tile_m, d, dv, causal, variant, page_size is not None or key_split)
@@ -113,11 +114,11 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
                split_tail: bool = False, sink: bool = False, paged: bool = False):
     """``__call__``'s arguments for cute.compile; launchable=True for a kernel `_call_args` runs;
     dynamic: the scheduler takes a tile counter; split_tail: the split workspace; paged: a page table."""
-    varlen, has_used, has_map = varlen_flags
+    varlen, has_used, has_map, *key_starts = varlen_flags   # a key split's 4th flag: first keys in cu_seqlens_k
     i32 = host_io.fake_i32_vector
     return (host_io.fake_bshd(dtype, d), host_io.fake_bshd(dtype, d), host_io.fake_bshd(dtype, dv),
             host_io.fake_bshd(dtype, dv), host_io.fake_lse(), Float32(1.0), Float32(1.0),
-            i32() if varlen else None, i32() if varlen else None, i32() if has_used else None,
+            i32() if varlen else None, i32() if varlen or any(key_starts) else None, i32() if has_used else None,
             i32() if has_map else None, i32() if dynamic else None, Int32(1), Int32(1),
             host_io.fake_lse() if split_tail else None, Int32(1), host_io.fake_f32_vector() if sink else None,
             host_io.fake_i32_matrix() if paged else None, Int32(1), Int32(1), Int32(1),
@@ -379,12 +380,20 @@ def _check_per_sequence(name, t, batch: int, device):
         raise ValueError(f"{name}: expected a CUDA tensor on {device}, got {t.device}")
 
 
+def split_flags(seqused_k, cache_rows, key_starts) -> tuple:
+    """A key split build's optional tensors (the compile key's varlen_flags): (False, seqused_k,
+    cache_rows in batch_map), and a 4th, key_starts in cu_seqlens_k, only when present (so the builds
+    without first keys keep their keys)."""
+    flags = (False, seqused_k is not None, cache_rows is not None)
+    return flags if key_starts is None else flags + (True,)
+
+
 def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, seqused_k=None, page_table=None,
                             softmax_scale=None, causal=False, rows_per_query=1, softcap=0.0, out=None, lse=None,
                             rescale_threshold=DEFAULT_RESCALE_THRESHOLD,
                             emulation_fraction=DEFAULT_EMULATION_FRACTION, policy: SoftmaxPolicy | None = None,
                             tile_m: int | None = None, range_keys: int | None = None, window_size=(None, None),
-                            cache_rows=None):
+                            cache_rows=None, key_starts=None):
     """Split-KV (components.key_split): q (B, R, Hq, D) against num_splits chunks of chunk_keys keys
     of each sequence's cache -> the parts, out (B * n, R, Hq, Dv) in q's dtype (chunk j of sequence
     b at row b * n + j, O divided by the chunk's own row sums) and lse (B * n, Hq, R) fp32 (-inf
@@ -395,6 +404,8 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     host, which would synchronize) -- or with page_table (int32 (B, pages)) a paged one
     (num_pages, page_size, Hkv, *) read in place (components.paged_kv). seqused_k (int32
     (B,)): the keys sequence b uses, from its first (None: all S; required with page_table).
+    key_starts (int32 (B,), a dense cache): sequence b's first key (FlashAttention-2's cache_leftpad),
+    so it reads keys [key_starts[b], seqused_k[b]); the masks still count from the sequence's end.
     chunk_keys: a multiple of the key tile when num_splits > 1, and num_splits * chunk_keys must
     cover the keys a sequence reads (S, or pages * page_size; min(S, range_keys)). causal:
     bottom-right aligned to each sequence's end (row i of R sees its first L_b - R + 1 + i keys), in
@@ -433,6 +444,10 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         if page_table is not None:
             raise ValueError("cache_rows: a paged cache's rows are its page table's; pass one of the two")
         _check_per_sequence("cache_rows", cache_rows, b, q.device)
+    if key_starts is not None:
+        if page_table is not None:
+            raise ValueError("key_starts: a dense cache's first keys; a paged range starts on its pages")
+        _check_per_sequence("key_starts", key_starts, b, q.device)
     if page_table is not None:
         k, v, page_size, page_table = flat_paged_cache(k, v, page_table, b, seqused_k, tile_n)
         k, v, cache_keys = k.unsqueeze(0), v.unsqueeze(0), page_table.shape[1] * page_size
@@ -483,11 +498,13 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     q, k, v = host_io.align_16B(q), host_io.align_16B(k), host_io.align_16B(v)
     used = None if seqused_k is None else seqused_k.contiguous()
     rows = None if cache_rows is None else cache_rows.contiguous()
-    # the kernel's batch_map slot carries the cache rows under a key split (components.key_split)
-    args = _call_args(q, k, v, out, lse, softmax_scale, r, seqused_k=used, batch_map=rows, softcap=variant.softcap,
-                      page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
+    starts = None if key_starts is None else key_starts.contiguous()
+    # the kernel's batch_map and cu_seqlens_k slots carry the cache rows and first keys under a key split
+    # (components.key_split)
+    args = _call_args(q, k, v, out, lse, softmax_scale, r, cu_seqlens_k=starts, seqused_k=used, batch_map=rows,
+                      softcap=variant.softcap, page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
                       range_keys=RANGE_ALL if range_keys is None else range_keys)
-    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, (False, used is not None, rows is not None), tile_m,
+    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, split_flags(used, rows, starts), tile_m,
              variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
     return out, lse
 
@@ -499,7 +516,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                  persistent: bool | None = None, seqlen_k: int | None = None,
                  split_tail: bool = False, window_size=(None, None), softcap: float = 0.0,
                  learnable_sink: bool = False, page_size: int | None = None, key_split: bool = False,
-                 rows_per_query: int = 1) -> Compiled:
+                 rows_per_query: int = 1, key_starts: bool = False) -> Compiled:
     """Compile for sm_90a with fake tensors (no GPU needed); returns the compiled kernel + report.
     varlen / seqused_k / batch_map select which optional tensors the kernel is built for; tile_m
     and persistent as in attention_forward (None = default_tile_m / default_persistent, which takes
@@ -507,8 +524,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
     what attention_forward launches (TVM-FFI, the same cache key). window_size / softcap /
     learnable_sink (a bool: built for a sink) select the variant as attention_forward does; page_size:
     built for a paged cache (needs varlen and seqused_k); key_split: what attention_split_forward
-    launches (dense, one CTA per tile; seqused_k, page_size, rows_per_query and batch_map -- its
-    cache_rows -- as its call passes them)."""
+    launches (dense, one CTA per tile; seqused_k, page_size, rows_per_query, batch_map -- its
+    cache_rows -- and key_starts as its call passes them)."""
     policy = make_policy(rescale_threshold, emulation_fraction, policy)
     variant = Variant(beyond_causal(causal, window_size), check_softcap(softcap), bool(learnable_sink))
     split_tail = _no_split_with(variant, split_tail)
@@ -522,6 +539,8 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                          "a sink or a split tail")
     if key_split and persistent:
         raise ValueError("persistent: a key split runs one CTA per tile")
+    if key_starts and (not key_split or page_size is not None):
+        raise ValueError("key_starts: a key split's first keys of a dense cache (key_split=True, no page_size)")
     if (seqused_k or batch_map) and not (varlen or key_split):
         raise ValueError("seqused_k / batch_map: only with varlen=True")
     if page_size is not None and not ((varlen or key_split) and seqused_k):
@@ -534,7 +553,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                                    variant.window.left is not None,
                                    gathered_pages=gathered(page_size, default_tile_n(head_dim, head_dim_v)),
                                    windowed=variant.window.limited)
-    flags = (bool(varlen), bool(seqused_k), bool(batch_map))
+    flags = (bool(varlen), bool(seqused_k), bool(batch_map)) + ((True,) if key_starts else ())
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
                     variant, page_size, key_split, rows_per_query)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)

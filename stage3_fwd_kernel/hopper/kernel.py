@@ -234,14 +234,14 @@ class FlashAttentionForwardSm90:
             raise ValueError("tile_counter: pass one exactly when the scheduler is dynamic")
         if not (mQ.element_type == mK.element_type == mV.element_type == mO.element_type == self.dtype):
             raise TypeError("q, k, v, out must share the kernel's dtype")
-        if (mCuSeqlensQ is None) != (mCuSeqlensK is None):
-            raise ValueError("cu_seqlens_q and cu_seqlens_k: pass both or neither")
         if self.key_split:
             if mCuSeqlensQ is not None:
-                raise ValueError("key_split: a dense call (no cu_seqlens); seqused_k gives the keys of each sequence")
-            if mBatchMap is not None and mPageTable is not None:
-                raise ValueError("batch_map: a key split reads it as each sequence's row of a dense cache; a paged "
-                                 "cache's rows are its page table's")
+                raise ValueError("key_split: a dense call (no cu_seqlens_q); seqused_k gives the keys of each sequence")
+            if mPageTable is not None and (mBatchMap is not None or mCuSeqlensK is not None):
+                raise ValueError("batch_map / cu_seqlens_k: a key split reads them as each sequence's row and first "
+                                 "key of a dense cache; a paged cache's rows are its page table's")
+        elif (mCuSeqlensQ is None) != (mCuSeqlensK is None):
+            raise ValueError("cu_seqlens_q and cu_seqlens_k: pass both or neither")
         elif mPageTable is not None and mCuSeqlensK is None:
             raise ValueError("page_table: needs cu_seqlens_k (each sequence's first logical key)")
         elif mSeqUsedK is not None and mCuSeqlensK is None:
@@ -290,7 +290,8 @@ class FlashAttentionForwardSm90:
         # key_split build (components.key_split): mQ (B, R, Hq, d), mK / mV (B, S, Hkv, *) or the flat
         # paged cache, mO (B * num_splits, R, Hq, dv) and mLSE (B * num_splits, Hq, R) the parts, mSeqUsedK
         # (B,) or None; chunk_keys keys a chunk; range_keys the keys each sequence reads from its end
-        # (key_split.RANGE_ALL: all). Other builds ignore num_splits, chunk_keys and range_keys.
+        # (key_split.RANGE_ALL: all); mBatchMap / mCuSeqlensK (B,) or None: each sequence's dense cache row
+        # and first key. Other builds ignore num_splits, chunk_keys and range_keys.
         self._check_call(mQ, mK, mV, mO, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK, mBatchMap, mTileCounter, mSplit,
                          mPageTable)
         self.varlen = mCuSeqlensQ is not None
@@ -382,12 +383,14 @@ class FlashAttentionForwardSm90:
         # before it could race the kernel before, e.g. the trace buffer's zeroing)
         trace.cta_stamp("entry")
         # a paged cache's range starts on a key block (its pages are found block by block)
-        # under a key split, batch_map holds each sequence's K / V cache row (components.key_split)
+        # under a key split, batch_map holds each sequence's K / V cache row and cu_seqlens_k its first key
+        # (cache_leftpad; components.key_split)
         split = KeySplit(num_splits, chunk_keys, self.page_size is not None, range_keys,
-                         self.tile_n if const_expr(self.page_size is not None) else 1, mBatchMap) \
+                         self.tile_n if const_expr(self.page_size is not None) else 1, mBatchMap, mCuSeqlensK) \
             if const_expr(self.key_split) else None
         self.split = split  # read by key_range (through self, like the walk below)
-        seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ, mCuSeqlensK, mSeqUsedK,
+        seq = SequenceInfo(seqlen_q, seqlen_k, qhead_per_kvhead, mCuSeqlensQ,
+                           None if const_expr(self.key_split) else mCuSeqlensK, mSeqUsedK,
                            None if const_expr(self.key_split) else mBatchMap, split)
         tma = TmaLoads(tma_Q, tma_K, tma_V, tma_atom_Q, tma_atom_K, tma_atom_V, mPageTable, mK_flat, mV_flat)
         args = ConsumerArgs(softmax_scale_log2, softmax_scale, mSink, mO, mLSE, tiled_mma_qk, tiled_mma_pv, sO_layout,
