@@ -84,6 +84,17 @@ class ReferenceFA4:
         _validate.check_varlen_values(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
         return attention_varlen_ref(q, k, v, cu_q, cu_k, **self._oracle_kwargs(kw))[0]
 
+    def kvcache(self, q, k_cache, v_cache, **kw):
+        """flash_attn_with_kvcache's contract where the integration calls it: sequence b attends to cache
+        rows [cache_leftpad[b], cache_seqlens[b])."""
+        inspect.signature(fa4.flash_attn_with_kvcache).bind(q, k_cache, v_cache, **kw)
+        lens, first = kw["cache_seqlens"], kw["cache_leftpad"]
+        assert lens.dtype == first.dtype == torch.int32 and lens.shape == first.shape == q.shape[:1]
+        self.calls.append(("kvcache", kw))
+        return torch.cat([attention_ref(q[b:b + 1], k_cache[b:b + 1, first[b]:lens[b]],
+                                        v_cache[b:b + 1, first[b]:lens[b]], **self._oracle_kwargs(kw))[0]
+                          for b in range(q.shape[0])])
+
     def kinds(self):
         return [c[0] for c in self.calls]
 
@@ -93,6 +104,7 @@ def ref_fa4(monkeypatch):
     ref = ReferenceFA4()  # opaque to torch.compile, as a kernel is
     monkeypatch.setattr(integ, "flash_attn_func", torch.compiler.disable(ref.dense))
     monkeypatch.setattr(integ, "flash_attn_varlen_func", torch.compiler.disable(ref.varlen))
+    monkeypatch.setattr(integ, "flash_attn_with_kvcache", torch.compiler.disable(ref.kvcache))
     monkeypatch.setattr(integ, "_LAST_POSITIONS", [None])
     return ref
 
@@ -409,6 +421,62 @@ def test_patterns_fa4_cannot_serve_raise(ref_fa4):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
+def test_left_padded_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind):
+    """generate() from a left-padded batch where the split launch takes decode steps (as on sm_90; CPU
+    tensors here, so its gate is opened): fa4_mask marks the left-padded mask, and every call of at most
+    64 query tokens -- the 7-token prefill and each one-token step -- is flash_attn_with_kvcache on the
+    cache as transformers holds it, each row from its first valid key (cache_leftpad); tokens and scores
+    as eager's, sliding windows, softcap and sinks included. A right-padded batch keeps the varlen path."""
+    gate = []
+    monkeypatch.setattr(integ, "_split_launch_takes",
+                        lambda q, k, v, sink, tokens, keys: gate.append(tokens) or tokens <= 64)
+    model = build(kind)
+    ids = torch.randint(1, BASE["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :6] = 0
+    out = {}
+    for impl in ("fa4", "eager"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                       output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert torch.equal(out["fa4"].sequences, out["eager"].sequences)
+    for step, (a, b) in enumerate(zip(out["fa4"].logits, out["eager"].logits)):
+        close(a, b, f"{kind} generation step {step}")
+    layers = BASE["num_hidden_layers"]
+    assert ref_fa4.kinds() == ["kvcache"] * (4 * layers) and sorted(set(gate)) == [1, 7]
+    for i, (_, kw) in enumerate(ref_fa4.calls):  # forward i // layers sees 7 + i // layers tokens
+        cols, keys = 7 + i // layers, int(kw["cache_seqlens"][0])       # a sliding layer's cache: its last keys
+        assert kw["cache_leftpad"].tolist() == [max(p - (cols - keys), 0) for p in (0, 3, 6)], (i, keys)
+    right = torch.ones_like(ids)
+    right[1, -2:] = 0
+    ref_fa4.calls.clear()
+    logits(model, "fa4", input_ids=ids, attention_mask=right)
+    assert ref_fa4.kinds() == ["varlen"] * layers
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_mask_function_marks_left_padding_only():
+    """fa4_mask marks a mask whose rows hold their tokens at the end (first valid key, kv_len per row);
+    right padding, padding inside a row and a traced or fake mask are left unmarked."""
+    left = torch.ones(3, 9, dtype=torch.long)
+    left[0, :4] = 0
+    left[2, :] = 0
+    got = integ.fa4_mask(3, 1, 9, attention_mask=left)
+    first, lengths = getattr(got, integ._LEFT_PADDING)
+    assert first.tolist() == [4, 0, 9] and lengths.tolist() == [9, 9, 9] and first.dtype == torch.int32
+    assert not hasattr(left, integ._LEFT_PADDING)  # the caller's tensor is not touched
+    for row in ([1, 1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 0]):
+        other = left.clone()
+        other[1] = torch.tensor(row)
+        assert not hasattr(integ.fa4_mask(3, 1, 9, attention_mask=other), integ._LEFT_PADDING)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
 def test_mask_function_values():
     """What fa4_mask returns for each pattern transformers builds."""
     none_cases = [mu.causal_mask_function, mu.bidirectional_mask_function, mu.sliding_window_causal_mask_function(4),
@@ -688,3 +756,67 @@ def test_models_train_on_gpu_like_eager(kind):
         e_ours = (grads["ours"][k] - gr).norm().item() / norm
         e_base = (grads["base"][k] - gr).norm().item() / norm
         assert e_ours <= 2 * e_base + 1e-3, f"{kind} {k}: gradient error {e_ours:.3e} vs bf16 eager {e_base:.3e}"
+
+
+def _decode_logits(model, impl, ids, mask, new_ids):
+    """Teacher-forced decoding: a prefill with the cache, then one step per column of new_ids (the mask
+    grown by one valid key a step) -> the steps' logits (B, steps, vocab) fp32."""
+    model.set_attn_implementation(impl)
+    steps = []
+    with torch.no_grad():
+        cache = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        for t in range(new_ids.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=new_ids[:, t:t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits[:, -1].float())
+    return torch.stack(steps, dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("kind", ["llama"] + list(GPU_CONFIGS))
+def test_left_padded_decode_steps_on_gpu_read_the_cache_in_place(kind, monkeypatch):
+    """Decode steps of a left-padded batch: every layer's step is one flash_attn_with_kvcache call on the
+    cache transformers holds (cache_leftpad from the mask: no gather of the keys), and the steps' logits
+    are within FA4's rule of fp32 eager, with bf16 eager as the baseline; windows, softcap and sinks
+    included (the 300-token prefill takes the general padded path)."""
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    if kind == "llama":
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_BASE)).cuda().eval()
+        base = copy.deepcopy(ref).to(torch.bfloat16)
+        ours = copy.deepcopy(base)
+    else:
+        ref, base, ours = _gpu_models(kind)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 300), device="cuda", generator=g)
+    new_ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 5), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    mask[2, :250] = 0
+    calls = []
+    real = integ.flash_attn_with_kvcache
+    monkeypatch.setattr(integ, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    got = _decode_logits(ours, "fa4", ids, mask, new_ids)
+    assert len(calls) == new_ids.shape[1] * GPU_BASE["num_hidden_layers"]
+    assert all(c["cache_leftpad"][0] == 0 for c in calls)
+    truth, baseline = (_decode_logits(m, "eager", ids, mask, new_ids) for m in (ref, base))
+    err, bound = assert_fa4_close(f"{kind} left-padded decode logits", got, truth, baseline)
+    print(f"\n{kind} left-padded decode: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_readme_left_padded_decode_table_is_generated_from_the_committed_results():
+    import json
+    import pathlib
+
+    from benchmarks import bench_hf_decode
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    doc = json.loads((root / "benchmarks/results/bench_hf_decode_h100.json").read_text())
+    block = (root / "fa4/README.md").read_text().split("<!-- hf-decode-table:start -->\n")[1].split(
+        "\n<!-- hf-decode-table:end -->")[0]
+    assert block == bench_hf_decode.markdown_table(doc) and "| 8 x 16k |" in block

@@ -25,7 +25,11 @@ would silently ignore padding and packing. So registration also installs `fa4_ma
 base, sliding-window overlay, packed-sequence overlay) and returns what fa4 serves exactly:
   * None: causal or bidirectional attention with nothing padded (flash_attn_func; the kernel does
     causal itself, bottom-right aligned, which is what decoding with a KV cache needs);
-  * the boolean (batch, kv_len) padding mask (flash_attn_varlen_func over a sync-free layout);
+  * the boolean (batch, kv_len) padding mask (flash_attn_varlen_func over a sync-free layout); when
+    every row's padding is at its start (left padding, as generation pads), marked with each row's
+    first valid key, so a call of a few query tokens that needs no gradient (a decode step) runs
+    flash_attn_with_kvcache with cache_leftpad on the cache as it is, where the general padded path
+    would gather every valid key and value into a packed copy each step;
   * a `PackedSequences` (position_ids restarting inside a row, no attention_mask, no cache:
     transformers' padding-free training format; one varlen call over the documents);
   * for a static cache with nothing padded (its buffer's slots past the tokens so far hold nothing;
@@ -53,9 +57,10 @@ Packed sequences, in the order fa4_attention_forward looks for them (the first f
 
 Host syncs and tracing. Varlen needs sequence boundaries and a max length as host integers, and
 deciding "padded or not" / "packed or not" reads data; each of those is done at most once per
-model forward, never per layer: fa4_mask's all-ones check (as transformers' own sdpa and flash
-masks do) or a static cache's q_offset, a PackedSequences' boundaries (computed on first use, then kept), the position_ids
-check (remembered for the same, unmodified position_ids tensor). The padded path itself never
+model forward, never per layer: fa4_mask's all-ones and left-padding check (one sync, as
+transformers' own sdpa and flash masks do) or a static cache's q_offset, a PackedSequences'
+boundaries (computed on first use, then kept), the position_ids check (remembered for the same,
+unmodified position_ids tensor). The padded path itself never
 syncs. On tensors without data (meta, FakeTensor) nothing is read: the checks are skipped and
 the boundaries take an exact fixed-shape form (every token may start a sequence; the max length
 is the row length), so shape inference, meta-device models and FakeTensor tracing run.
@@ -72,7 +77,8 @@ from typing import Optional
 
 import torch
 
-from .._api import flash_attn_func, flash_attn_varlen_func
+from .. import _decode_route
+from .._api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 _I32 = torch.int32
 
@@ -304,10 +310,11 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
     padded); ValueError for a pattern fa4 cannot serve exactly. mask_function None means causal
     (transformers' default).
 
-    Reads no tensor value except one all-ones check of a real, eager padding mask per model
-    forward (what transformers' sdpa and flash masks do too): it spares every layer the varlen
-    layout when nothing is padded; with a sliding window, whether each row's valid tokens form one
-    run; and a static cache's tensor q_offset, once per mask built. Skipped on meta / fake tensors
+    Reads no tensor value except one check of a real, eager padding mask per model forward (one
+    sync; transformers' sdpa and flash masks read it too): all ones spares every layer the varlen
+    layout; left padding marks the mask for in-place decode steps (_left_padded_decode); with a
+    sliding window, whether each row's valid tokens form one run. And a static cache's tensor
+    q_offset, once per mask built. Skipped on meta / fake tensors
     and under torch.compile, where the mask is returned as is (the padded path is exact for an
     all-ones mask as well)."""
     pattern = _parse_mask_function(mask_function)
@@ -324,19 +331,31 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
     if pattern["seq_ids"] is not None:
         raise ValueError("attention_mask: fa4 cannot serve a padding mask and packed sequences together")
     mask = attention_mask[:, -kv_length:].to(torch.bool)
-    readable = not _no_data(mask) and not torch.compiler.is_compiling()
-    if mask.shape[1] == kv_length and readable and bool(mask.all()):
+    if _no_data(mask) or torch.compiler.is_compiling():
+        return mask
+    all_ones, left_padded, one_run = _mask_facts(mask)  # one sync
+    if mask.shape[1] == kv_length and all_ones:
         return None
-    if pattern["window"] and readable and mask.shape[1] > 1:
+    if pattern["window"] and not one_run:
         # the padded path packs each row's valid keys together, so a window would count valid tokens,
         # not positions: exact only when they form one run (left or right padding)
-        m = mask.to(torch.int8)
-        runs = m[:, 0] + (m[:, 1:] > m[:, :-1]).sum(dim=1)
-        if bool((runs > 1).any()):
-            raise ValueError("attention_mask: padding inside a row (not only at its ends) with a sliding window: "
-                             "fa4's padded path would count the window over the valid tokens, not their "
-                             "positions; use attn_implementation='sdpa' or 'eager' for such masks")
+        raise ValueError("attention_mask: padding inside a row (not only at its ends) with a sliding window: "
+                         "fa4's padded path would count the window over the valid tokens, not their "
+                         "positions; use attn_implementation='sdpa' or 'eager' for such masks")
+    if left_padded:  # every row's tokens at its end: its layers' decode steps read the cache in place
+        setattr(mask, _LEFT_PADDING, (mask.shape[1] - mask.sum(dim=1, dtype=_I32),
+                                      torch.full((mask.shape[0],), mask.shape[1], dtype=_I32, device=mask.device)))
     return mask
+
+
+def _mask_facts(mask: torch.Tensor) -> tuple[bool, bool, bool]:
+    """(every key valid, each row's valid keys at its end (left padding), each row's valid keys one run)
+    of a boolean (batch, kv_len) mask, read with one sync."""
+    m = mask.to(torch.int8)
+    rises = (m[:, 1:] > m[:, :-1]).sum(dim=1)
+    falls = (m[:, 1:] < m[:, :-1]).sum(dim=1)
+    facts = torch.stack([m.all(), (falls == 0).all(), (m[:, 0] + rises <= 1).all()])
+    return tuple(bool(x) for x in facts.tolist())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,6 +435,9 @@ def _padded_call(q, k, v, mask, common):
     order (so the bottom-right causal alignment lines the valid queries up with the valid keys;
     padding queries see no key, or are discarded), and row b's valid keys; sequences B..2B-1 hold
     each row's padding keys and no query. Every length is <= the row's, so max_seqlen is static."""
+    served = _left_padded_decode(q, k, v, mask, common)
+    if served is not None:
+        return served
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask hold nothing yet (as transformers does)
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
@@ -442,6 +464,30 @@ def _padded_call(q, k, v, mask, common):
                                  max_seqlen_q=sq, max_seqlen_k=sk, **common)  # (B*Sq, Hq, Dv), layout order
     out = torch.empty_like(out).index_copy(0, order_q, out).view(b, sq, *out.shape[1:])
     return torch.where(mask_q[:, :, None, None], out, out.new_zeros(()))  # padding queries: 0
+
+
+# the attribute fa4_mask sets on a left-padded mask it returns: (first valid key, kv_len) int32 (batch,) each
+_LEFT_PADDING = "_fa4_left_padding"
+
+
+def _split_launch_takes(q, k, v, sink, tokens: int, keys: int) -> bool:
+    """Whether flash_attn_with_kvcache serves the call on its split launch (fa4._decode_route.takes:
+    a few query tokens, no gradient, sm_90)."""
+    return _decode_route.takes(q, k, v, sink, tokens, keys, q.shape[0])
+
+
+def _left_padded_decode(q, k, v, mask, common):
+    """A decode step (a few query tokens, no gradient) of a left-padded batch, which fa4_mask marked:
+    flash_attn_with_kvcache on the cache as it is, row b's keys from its first valid one (cache_leftpad),
+    with no copy (the general padded path gathers every key and value of the cache each step). Causal
+    queries are the row's last tokens, as there. None where it does not apply: the general path runs."""
+    marks = None if torch.compiler.is_compiling() else getattr(mask, _LEFT_PADDING, None)
+    sq, cols = q.shape[1], mask.shape[1]
+    if marks is None or k.shape[1] < cols or (common["causal"] and sq > cols) or \
+            not _split_launch_takes(q, k, v, common["learnable_sink"], sq, cols):
+        return None
+    first, lengths = marks
+    return flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, cache_leftpad=first, **common)
 
 
 def _prefix_call(q, k, v, length, common):
