@@ -203,6 +203,17 @@ def markdown_table(doc) -> str:
     return "\n".join(lines)
 
 
+def parse_shapes(flag: str, text: str) -> list:
+    """'BATCHxCACHE,...' -> [(batch, cache), ...] (SystemExit naming the flag)."""
+    try:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(t) != 2 or min(t) < 1 for t in shapes):
+        raise SystemExit(f"{flag}: expected BATCHxCACHE,... got {text!r}")
+    return shapes
+
+
 def check_decode_flags(heads_flag: str, heads: str, query_len: int, window) -> tuple:
     """(HQ, HKV) from 'HQ/HKV', after checking it and --query-len / --window (SystemExit naming the flag)."""
     try:
@@ -236,10 +247,7 @@ def main(argv=None) -> int:
                     help="also time fa4_kvcache_rows: the same call through cache_batch_idx (sequence b in row B - b)")
     args = ap.parse_args(argv)
     heads = check_decode_flags("--heads", args.heads, args.query_len, args.window)
-    try:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    except ValueError:
-        raise SystemExit(f"--shapes: expected BATCHxCACHE,... got {args.shapes!r}")
+    shapes = parse_shapes("--shapes", args.shapes)
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU")
         return 2

@@ -32,7 +32,7 @@ import sys
 import torch
 
 from .ab_fwd import paired_rounds
-from .bench_decode import CALLS_PER_GRAPH, _graphed, copy_peer
+from .bench_decode import CALLS_PER_GRAPH, _graphed, copy_peer, parse_shapes
 from .bench_fwd import write_doc
 
 HQ, HKV, D = 32, 8, 128
@@ -117,10 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    try:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    except ValueError:
-        raise SystemExit(f"--shapes: expected BATCHxCACHE,... got {args.shapes!r}")
+    shapes = parse_shapes("--shapes", args.shapes)
     if not torch.cuda.is_available():
         print("bench_hf_decode needs a CUDA GPU")
         return 2

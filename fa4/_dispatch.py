@@ -111,7 +111,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "rows a key and KV head use a dense copy of the pages; on sm_100 pages of 16, 32, 64 or a "
                              "multiple of 128 keys are read in place by TMA (not 16-64 at head dims 192/128; pages "
                              "of 16 by the same head-row rule), others copied"),
-    "kv_cache": (True, "flash_attn_with_kvcache: dense or paged cache, in-place append with rotary embedding, split-KV "
+    "kv_cache": (True, "flash_attn_with_kvcache: dense or paged cache, in-place append with rotary embedding, "
+                       "cache_batch_idx, cache_leftpad (dense caches: each sequence's keys from its own row), split-KV "
                        "decode merged through the lse -- on sm_90 by its split launch (each CTA finds its key chunk), "
                        "on other arches by key segments of the varlen forward (fa4/_kvcache.py); on sm_90 "
                        "flash_attn_func / flash_attn_varlen_func calls of at most 64 query tokens a sequence that "

@@ -258,10 +258,17 @@ def test_flattening_collator_kwargs(ref_fa4, use_cache):
 def test_greedy_generation_from_left_padding(ref_fa4):
     """generate() with a KV cache: prefill through the padded path, then one query per step
     against the cache (the mask grows each step); scores and tokens as eager's."""
-    model = build("llama")
-    ids = torch.randint(1, BASE["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(3))
+    generate_like_eager(build("llama"), seed=3, pads=(0, 3), what="llama")
+    assert "varlen" in ref_fa4.kinds()
+
+
+def generate_like_eager(model, seed, pads, what):
+    """Greedy generate() of 4 tokens from a batch of 7-token prompts, row b left-padded by pads[b]:
+    fa4's tokens equal eager's and its scores are within ATOL at every step."""
+    ids = torch.randint(1, BASE["vocab_size"], (len(pads), 7), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
     out = {}
     for impl in ("fa4", "eager"):
         model.set_attn_implementation(impl)
@@ -270,8 +277,8 @@ def test_greedy_generation_from_left_padding(ref_fa4):
                                        output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     assert torch.equal(out["fa4"].sequences, out["eager"].sequences)
     for step, (a, b) in enumerate(zip(out["fa4"].logits, out["eager"].logits)):
-        close(a, b, f"generation step {step}")
-    assert "varlen" in ref_fa4.kinds()
+        close(a, b, f"{what} generation step {step}")
+    return ids
 
 
 @pytest.mark.cpu
@@ -432,19 +439,7 @@ def test_left_padded_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind)
     monkeypatch.setattr(integ, "_split_launch_takes",
                         lambda q, k, v, sink, tokens, keys: gate.append(tokens) or tokens <= 64)
     model = build(kind)
-    ids = torch.randint(1, BASE["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    mask[2, :6] = 0
-    out = {}
-    for impl in ("fa4", "eager"):
-        model.set_attn_implementation(impl)
-        with torch.no_grad():
-            out[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                       output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    assert torch.equal(out["fa4"].sequences, out["eager"].sequences)
-    for step, (a, b) in enumerate(zip(out["fa4"].logits, out["eager"].logits)):
-        close(a, b, f"{kind} generation step {step}")
+    ids = generate_like_eager(model, seed=5, pads=(0, 3, 6), what=kind)
     layers = BASE["num_hidden_layers"]
     assert ref_fa4.kinds() == ["kvcache"] * (4 * layers) and sorted(set(gate)) == [1, 7]
     for i, (_, kw) in enumerate(ref_fa4.calls):  # forward i // layers sees 7 + i // layers tokens

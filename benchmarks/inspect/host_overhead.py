@@ -11,7 +11,8 @@ the loop measures what Python and the launch path cost.
 Rows: fa4 forward, the production kernel's own entry point (``stage3_fwd_kernel.hopper``, fa4's
 wrapper excluded), the official flash-attn-4 forward, and forward + backward of fa4, the official
 kernel and torch SDPA; the decode step through fa4.flash_attn_with_kvcache, fa4.flash_attn_func and
-the official flash_attn_func. The fa4 README's "Host overhead" numbers come from this script.
+the official flash_attn_func, and with launch plans off (FA4_PLANS=0: what a cache growing every step
+gets, its shapes new each call), and through the transformers integration's left-padded path. The fa4 README's "Host overhead" numbers come from this script.
 """
 from __future__ import annotations
 
@@ -45,6 +46,40 @@ def decode_problem():
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return q, k, v, torch.full((b,), s, dtype=torch.int32, device="cuda")
+
+
+def without_plans(fn):
+    """fn with fa4's launch plans off (FA4_PLANS=0, read per call): what a call whose shapes are new each
+    time gets -- a decode step over a cache that grows every step."""
+    import os
+
+    def run():
+        saved = os.environ.get("FA4_PLANS")
+        os.environ["FA4_PLANS"] = "0"
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                del os.environ["FA4_PLANS"]
+            else:
+                os.environ["FA4_PLANS"] = saved
+    return run
+
+
+def hf_left_padded_decode(q, k, v):
+    """One layer's decode step through the transformers integration (fa4_attention_forward): the decode
+    problem's tensors as transformers' (B, H, S, D) views and a left-padded mask (a quarter of each row's
+    keys padding) that fa4_mask marked, so the step is flash_attn_with_kvcache with cache_leftpad."""
+    import torch
+
+    from fa4.integrations.transformers import fa4_attention_forward, fa4_mask
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    b, s = k.shape[0], k.shape[1]
+    mask = fa4_mask(b, 1, s, attention_mask=(torch.arange(s, device=q.device) >= s // 4).expand(b, s).long())
+    module = torch.nn.Module()
+    module.is_causal = True
+    return lambda: fa4_attention_forward(module, qt, kt, vt, mask, scaling=q.shape[-1] ** -0.5)
 
 
 def gpu_time_us(fn, replays: int = 200):
@@ -117,7 +152,11 @@ def main(argv=None) -> int:
              ("torch SDPA forward + backward", sdpa),
              ("fa4 decode with_kvcache", lambda: fa4.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=dlens)),
              ("fa4 decode flash_attn_func", lambda: fa4.flash_attn_func(dq, dk, dv)),
-             ("official decode flash_attn_func", lambda: official(dq, dk, dv))]
+             ("official decode flash_attn_func", lambda: official(dq, dk, dv)),
+             ("fa4 decode with_kvcache, no plans", without_plans(
+                 lambda: fa4.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=dlens))),
+             ("transformers left-padded decode", hf_left_padded_decode(dq, dk, dv)),
+             ("transformers left-padded, no plans", without_plans(hf_left_padded_decode(dq, dk, dv)))]
     print(f"device {torch.cuda.get_device_name()}, {b}x{s}x{h}x{d} bf16 causal, {args.rounds} rounds of "
           f"{args.calls} calls per case, cases in a fresh random order each round")
     for _, fn in cases:  # compile + warm up

@@ -5,6 +5,9 @@
 The 1 x 128 x 4 x 128 causal bf16 problem of host_overhead (its tiny_problem; kernel time negligible) and its
 decode step (decode_problem, through flash_attn_with_kvcache); prints the
 functions with the largest cumulative time, so a change to the launch path can be aimed.
+decode-no-plan: the same step with launch plans off (FA4_PLANS=0), what a cache that grows every step
+gets (its shapes are new each call, so no plan replays); hf-left-padded: that step through the
+transformers integration's left-padded path (fa4_attention_forward, a marked mask), plans off too.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--cases", default="forward,forward+backward,decode",
-                    help="comma-separated: forward, forward+backward, decode (flash_attn_with_kvcache, one token)")
+                    help="comma-separated: forward, forward+backward, decode (flash_attn_with_kvcache, one token), "
+                         "decode-no-plan, hf-left-padded")
     ap.add_argument("--sort", default="cumulative", help="pstats sort keys, comma-separated (e.g. cumulative,tottime)")
     args = ap.parse_args(argv)
     import torch
@@ -28,7 +32,7 @@ def main(argv=None) -> int:
         print("profile_host needs a CUDA GPU")
         return 2
     import fa4
-    from .host_overhead import decode_problem, tiny_problem
+    from .host_overhead import decode_problem, hf_left_padded_decode, tiny_problem, without_plans
 
     q, k, v, g = tiny_problem()
     dq, dk, dv, dlens = decode_problem()
@@ -42,7 +46,8 @@ def main(argv=None) -> int:
     def decode():
         fa4.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=dlens)
 
-    known = {"forward": fwd, "forward+backward": fwd_bwd, "decode": decode}
+    known = {"forward": fwd, "forward+backward": fwd_bwd, "decode": decode, "decode-no-plan": without_plans(decode),
+             "hf-left-padded": without_plans(hf_left_padded_decode(dq, dk, dv))}
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in names if c not in known]
     if unknown:
