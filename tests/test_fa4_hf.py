@@ -262,7 +262,7 @@ def test_greedy_generation_from_left_padding(ref_fa4):
     assert "varlen" in ref_fa4.kinds()
 
 
-def generate_like_eager(model, seed, pads, what):
+def generate_like_eager(model, seed, pads, what, **generate_kw):
     """Greedy generate() of 4 tokens from a batch of 7-token prompts, row b left-padded by pads[b]:
     fa4's tokens equal eager's and its scores are within ATOL at every step."""
     ids = torch.randint(1, BASE["vocab_size"], (len(pads), 7), generator=torch.Generator().manual_seed(seed))
@@ -274,7 +274,8 @@ def generate_like_eager(model, seed, pads, what):
         model.set_attn_implementation(impl)
         with torch.no_grad():
             out[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                       output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+                                       output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                       **generate_kw)
     assert torch.equal(out["fa4"].sequences, out["eager"].sequences)
     for step, (a, b) in enumerate(zip(out["fa4"].logits, out["eager"].logits)):
         close(a, b, f"{what} generation step {step}")
@@ -450,6 +451,21 @@ def test_left_padded_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind)
     ref_fa4.calls.clear()
     logits(model, "fa4", input_ids=ids, attention_mask=right)
     assert ref_fa4.kinds() == ["varlen"] * layers
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_left_padded_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind):
+    """generate(cache_implementation="static") from a left-padded batch: the buffer's slots past the mask
+    hold nothing yet, so each step reads slots [first valid key, mask columns) of the buffer in place.
+    (Gemma 2's sliding layers hold fewer keys than the mask has columns, or none padded: the general
+    paths.)"""
+    monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
+    generate_like_eager(build(kind), seed=9, pads=(2, 0, 5), what=f"{kind} static", cache_implementation="static")
+    kinds = ref_fa4.kinds()
+    assert set(kinds) == {"kvcache"} if kind == "llama" else kinds[1::2] == ["kvcache"] * 4
+    assert any(c[1]["cache_seqlens"][0] < 16 for c in ref_fa4.calls)  # a buffer longer than the tokens so far
 
 
 @pytest.mark.cpu
