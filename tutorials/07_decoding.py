@@ -185,6 +185,20 @@ for virtual in range(4):
           f"{int(c.keys_to_end)} keys to the end")
 
 # %% [markdown]
+# A batch padded on the left (prompts of different lengths, their padding first, as generation pads
+# them) stores sequence `b`'s keys from row `p_b` of its cache row. `key_starts` (FlashAttention-2's
+# `cache_leftpad`) moves the chunks' origin there: the chunks cover keys `[p_b, L)` and the padding is
+# never read. The masks need nothing new: they count from the sequence's end, which did not move. The
+# same two sequences with 100 and 300 keys of padding (the second is all padding):
+
+# %%
+padded = KeySplit(num_splits=2, chunk_keys=512, paged=False, key_starts=[100, 300])
+for virtual in range(4):
+    c = chunk_of(padded, virtual, 1024, [1000, 300])
+    print(f"v {virtual}: sequence {int(c.sequence)}, first key {int(c.first_key)}, "
+          f"{int(c.keys_to_end)} keys to the end")
+
+# %% [markdown]
 # Several tokens (or pages, whose blocks the kernel finds one at a time, so a paged range starts on
 # the key block below `L - W`) keep the window's mask. That needs nothing new from the walk: the
 # window's edges, like the causal diagonal, are measured from the sequence's end (`keys to the end`),
