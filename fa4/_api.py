@@ -282,6 +282,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
     cache_leftpad (B,) int32 (a dense cache): sequence b's keys start at row cache_leftpad[b] (a
     left-padded batch): it attends to rows [cache_leftpad[b], cache_seqlens[b] + Sn); the new keys are
     still written at cache_seqlens[b] and rotary positions stay row indices (FlashAttention-2's rules).
+    Its values, like cache_seqlens' and cache_batch_idx's, are read only under FA4_VALIDATE=1 (0 <=
+    cache_leftpad[b] <= cache_seqlens[b]); a value outside that reads rows outside the sequence.
     causal / window_size / softcap / learnable_sink / softmax_scale as in flash_attn_func (causal
     bottom-right: the last query is the last key). num_splits: split-KV count, 0 = choose from
     (batch, heads, cache length, SM count); used where the mask allows (fa4/_kvcache.py). pack_gqa:

@@ -90,7 +90,7 @@ class ReferenceFA4:
         inspect.signature(fa4.flash_attn_with_kvcache).bind(q, k_cache, v_cache, **kw)
         lens, first = kw["cache_seqlens"], kw["cache_leftpad"]
         assert lens.dtype == first.dtype == torch.int32 and lens.shape == first.shape == q.shape[:1]
-        self.calls.append(("kvcache", kw))
+        self.calls.append(("kvcache", dict(kw, slots=k_cache.shape[1])))   # slots: the buffer's rows
         return torch.cat([attention_ref(q[b:b + 1], k_cache[b:b + 1, first[b]:lens[b]],
                                         v_cache[b:b + 1, first[b]:lens[b]], **self._oracle_kwargs(kw))[0]
                           for b in range(q.shape[0])])
@@ -459,13 +459,27 @@ def test_left_padded_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind)
 def test_left_padded_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind):
     """generate(cache_implementation="static") from a left-padded batch: the buffer's slots past the mask
     hold nothing yet, so each step reads slots [first valid key, mask columns) of the buffer in place.
-    (Gemma 2's sliding layers hold fewer keys than the mask has columns, or none padded: the general
-    paths.)"""
+    (Gemma 2's sliding layers get another mask tensor than the one fa4_mask marked, or none padded: the
+    general paths.)"""
     monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
     generate_like_eager(build(kind), seed=9, pads=(2, 0, 5), what=f"{kind} static", cache_implementation="static")
     kinds = ref_fa4.kinds()
     assert set(kinds) == {"kvcache"} if kind == "llama" else kinds[1::2] == ["kvcache"] * 4
-    assert any(c[1]["cache_seqlens"][0] < 16 for c in ref_fa4.calls)  # a buffer longer than the tokens so far
+    assert any(c[1]["cache_seqlens"][0] < c[1]["slots"] for c in ref_fa4.calls)  # a buffer longer than the mask
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_left_padded_path_takes_only_the_kernels_head_dims(monkeypatch):
+    """Head dims fa4 runs padded (80: Phi-2; 16) keep the general path: padding them would copy the whole
+    cache. The kernels' own pairs take the in-place path (sm_90's backend, the split launch's gate open)."""
+    from fa4 import _dispatch
+
+    monkeypatch.setattr(integ._decode_route, "takes", lambda *args: True)
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: _dispatch.make_backend(_dispatch.ARCHS["sm_90"]))
+    for d, dv, taken in ((128, 128, True), (64, 64, True), (192, 128, True), (80, 80, False), (16, 16, False)):
+        q, k, v = torch.zeros(2, 1, 8, d), torch.zeros(2, 64, 2, d), torch.zeros(2, 64, 2, dv)
+        assert integ._split_launch_takes(q, k, v, None, 1, 64) is taken, (d, dv)
 
 
 @pytest.mark.cpu
@@ -484,6 +498,8 @@ def test_mask_function_marks_left_padding_only():
         other = left.clone()
         other[1] = torch.tensor(row)
         assert not hasattr(integ.fa4_mask(3, 1, 9, attention_mask=other), integ._LEFT_PADDING)
+    empty = integ.fa4_mask(3, 1, 4, attention_mask=torch.ones(3, 0, dtype=torch.long))   # no columns: no mark
+    assert empty.shape == (3, 0) and not hasattr(empty, integ._LEFT_PADDING)
 
 
 @pytest.mark.cpu
@@ -811,8 +827,11 @@ def test_left_padded_decode_steps_on_gpu_read_the_cache_in_place(kind, monkeypat
     real = integ.flash_attn_with_kvcache
     monkeypatch.setattr(integ, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     got = _decode_logits(ours, "fa4", ids, mask, new_ids)
-    assert len(calls) == new_ids.shape[1] * GPU_BASE["num_hidden_layers"]
-    assert all(c["cache_leftpad"][0] == 0 for c in calls)
+    layers = GPU_BASE["num_hidden_layers"]
+    assert len(calls) == new_ids.shape[1] * layers
+    for i, c in enumerate(calls):  # step i // layers: 301 + i // layers mask columns; a sliding cache its last keys
+        cols, keys = 301 + i // layers, int(c["cache_seqlens"][0])
+        assert c["cache_leftpad"].tolist() == [max(p - (cols - keys), 0) for p in (0, 37, 250)], (i, keys)
     truth, baseline = (_decode_logits(m, "eager", ids, mask, new_ids) for m in (ref, base))
     err, bound = assert_fa4_close(f"{kind} left-padded decode logits", got, truth, baseline)
     print(f"\n{kind} left-padded decode: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")

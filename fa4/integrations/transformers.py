@@ -342,7 +342,9 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
         raise ValueError("attention_mask: padding inside a row (not only at its ends) with a sliding window: "
                          "fa4's padded path would count the window over the valid tokens, not their "
                          "positions; use attn_implementation='sdpa' or 'eager' for such masks")
-    if left_padded:  # every row's tokens at its end: its layers' decode steps read the cache in place
+    # every row's tokens at its end: its layers' decode steps read the cache in place. The mark is an attribute
+    # of this tensor; where transformers hands a layer another tensor (a copy, a move) it takes the general path
+    if left_padded:
         setattr(mask, _LEFT_PADDING, (mask.shape[1] - mask.sum(dim=1, dtype=_I32),
                                       torch.full((mask.shape[0],), mask.shape[1], dtype=_I32, device=mask.device)))
     return mask
@@ -350,7 +352,9 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
 
 def _mask_facts(mask: torch.Tensor) -> tuple[bool, bool, bool]:
     """(every key valid, each row's valid keys at its end (left padding), each row's valid keys one run)
-    of a boolean (batch, kv_len) mask, read with one sync."""
+    of a boolean (batch, kv_len) mask, read with one sync. No columns: nothing to mark."""
+    if mask.shape[1] == 0:
+        return True, False, True
     m = mask.to(torch.int8)
     rises = (m[:, 1:] > m[:, :-1]).sum(dim=1)
     falls = (m[:, 1:] < m[:, :-1]).sum(dim=1)
@@ -472,8 +476,13 @@ _LEFT_PADDING = "_fa4_left_padding"
 
 def _split_launch_takes(q, k, v, sink, tokens: int, keys: int) -> bool:
     """Whether flash_attn_with_kvcache serves the call on its split launch (fa4._decode_route.takes:
-    a few query tokens, no gradient, sm_90)."""
-    return _decode_route.takes(q, k, v, sink, tokens, keys, q.shape[0])
+    a few query tokens, no gradient, sm_90) at a head-dim pair the kernels have (the others run padded,
+    and padding would copy the whole cache: the general path pads only what it gathers)."""
+    if not _decode_route.takes(q, k, v, sink, tokens, keys, q.shape[0]):
+        return False
+    from .._dispatch import backend_for
+
+    return (q.shape[-1], v.shape[-1]) in backend_for(q.device).arch.head_dims
 
 
 def _left_padded_decode(q, k, v, mask, common):
