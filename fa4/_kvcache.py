@@ -41,6 +41,10 @@ sees the last left + 1 keys of its sequence: that is a key range, not a mask, so
 (`key_range_window`; dense caches, and paged ones gathered). Otherwise (a causal prefill) a cache runs
 unsplit, and a paged one with another page size is gathered into a dense copy first.
 
+cache_leftpad (a dense cache, FlashAttention-2's): sequence b's keys start at its row p_b, a left-padded
+batch. The split launch starts its chunks there (components.key_split's key_starts) and the segments
+add p_b to their first rows; the masks count from the sequence's end, so they do not change.
+
 GQA packing (decode): with one query token, the g = Hq / Hkv query heads of a group become g rows
 attending to their KV head, so each KV head is read once per segment instead of g times; with a few
 causal or windowed tokens the split launch reads them as rows by token from q itself.
