@@ -27,6 +27,7 @@ turns the route off (the benchmarks' old path).
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _kvcache, _paged
 from ._paged import needs_grad
@@ -41,8 +42,6 @@ def _size(n):
 def _forward_ad_active() -> bool:
     """Inside a forward-mode AD level (torch.autograd.forward_ad.dual_level) inputs may carry tangents,
     which the split launch would drop without a word; the forward's op refuses them instead."""
-    from torch.autograd import forward_ad
-
     return getattr(forward_ad, "_current_level", -1) >= 0
 
 
@@ -65,6 +64,14 @@ def takes(q, k, v, sink, tokens, keys, batch) -> bool:
     grid_ok = batch <= _kvcache.MAX_GRID_Z and heads <= _kvcache.MAX_GRID_Z
     return (1 <= tokens <= limit and keys >= 1 and batch >= 1 and heads_kv >= 1 and heads >= 1 and grid_ok
             and k.shape[0] * k.shape[1] < 2 ** 31)
+
+
+def native_head_dims(q, v) -> bool:
+    """Whether (q's, v's) head dims are a pair the device's kernels have. The others run padded, and
+    padding a cache's head dim copies the whole cache (the gathering routes pad only what they read)."""
+    from . import _dispatch
+
+    return (q.shape[-1], v.shape[-1]) in _dispatch.backend_for(q.device).arch.head_dims
 
 
 def attend(q, k, v, scale, causal, left, right, softcap, sink, seqlens=None, page_table=None):
@@ -115,9 +122,7 @@ def paged_pair(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_
     span = page_table.shape[1] * k_pages.shape[1]
     if tokens is None or not takes(q, k_pages, v_pages, learnable_sink, tokens.shape[1], span, page_table.shape[0]):
         return None
-    from . import _dispatch
-
-    if (q.shape[-1], v_pages.shape[-1]) not in _dispatch.backend_for(q.device).arch.head_dims:
+    if not native_head_dims(q, v_pages):
         return None  # padding the head dims would copy the whole page pool: the gathering route pads the pages used
     _, _, used, _, scale, (left, right, causal, softcap, sink), _ = _paged.check_call(
         q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,

@@ -478,11 +478,7 @@ def _split_launch_takes(q, k, v, sink, tokens: int, keys: int) -> bool:
     """Whether flash_attn_with_kvcache serves the call on its split launch (fa4._decode_route.takes:
     a few query tokens, no gradient, sm_90) at a head-dim pair the kernels have (the others run padded,
     and padding would copy the whole cache: the general path pads only what it gathers)."""
-    if not _decode_route.takes(q, k, v, sink, tokens, keys, q.shape[0]):
-        return False
-    from .._dispatch import backend_for
-
-    return (q.shape[-1], v.shape[-1]) in backend_for(q.device).arch.head_dims
+    return _decode_route.takes(q, k, v, sink, tokens, keys, q.shape[0]) and _decode_route.native_head_dims(q, v)
 
 
 def _left_padded_decode(q, k, v, mask, common):
