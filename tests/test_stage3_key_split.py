@@ -274,26 +274,29 @@ def test_kernel_refuses_what_a_key_split_cannot_serve():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("causal, rows_per_query, page_size, left, cache_rows",
-                         [(False, 1, None, None, False), (True, 4, None, None, False), (True, 1, 64, None, False),
-                          (True, 4, 64, 1024, False), (False, 1, None, None, True), (True, 4, None, 700, True)])
-def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_size, left, cache_rows):
+@pytest.mark.parametrize("causal, rows_per_query, page_size, left, cache_rows, key_starts",
+                         [(False, 1, None, None, False, False), (True, 4, None, None, False, False),
+                          (True, 1, 64, None, False, False), (True, 4, 64, 1024, False, False),
+                          (False, 1, None, None, True, False), (True, 4, None, 700, True, False),
+                          (False, 4, None, None, False, True), (True, 4, None, 700, True, True)])
+def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_size, left, cache_rows, key_starts):
     """The split launch compiles without spills or serialized wgmmas, signals its dependents
     (griddepcontrol.launch_dependents: PREEXIT) and waits for the kernel before it (griddepcontrol.wait:
     ACQBULK) before any global access; a plain build does neither; both merges (packed rows, rows by
     token) wait before their first access and signal the next step's split launch. cache_rows: the
-    build that reads each sequence's cache row (its batch_map slot)."""
+    build that reads each sequence's cache row (its batch_map slot); key_starts: each sequence's first
+    key (cache_leftpad, its cu_seqlens_k slot)."""
     import cutlass
 
     from stage3_fwd_kernel import split_combine
     from stage3_fwd_kernel.hopper.config import DEFAULT_POLICY
-    from stage3_fwd_kernel.hopper.host import _compile, compile_only
+    from stage3_fwd_kernel.hopper.host import _compile, compile_only, varlen_flags
     from stage3_fwd_kernel.tile_scheduler import StaticTileScheduler
 
     from stage3_fwd_kernel.hopper.host import Variant
 
     comp = _compile(False, cutlass.BFloat16, 128, 128, causal, DEFAULT_POLICY, StaticTileScheduler,
-                    (False, True, cache_rows), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query,
+                    varlen_flags(False, True, cache_rows, key_starts), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query,
                     variant=Variant(Window(left, None)))
     assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
     assert not comp.report["wgmma_serialized"]

@@ -380,12 +380,11 @@ def _check_per_sequence(name, t, batch: int, device):
         raise ValueError(f"{name}: expected a CUDA tensor on {device}, got {t.device}")
 
 
-def split_flags(seqused_k, cache_rows, key_starts) -> tuple:
-    """A key split build's optional tensors (the compile key's varlen_flags): (False, seqused_k,
-    cache_rows in batch_map), and a 4th, key_starts in cu_seqlens_k, only when present (so the builds
-    without first keys keep their keys)."""
-    flags = (False, seqused_k is not None, cache_rows is not None)
-    return flags if key_starts is None else flags + (True,)
+def varlen_flags(varlen: bool, seqused_k: bool, batch_map: bool, key_starts: bool = False) -> tuple:
+    """The compile key's optional-tensor flags (_key): (varlen, seqused_k, batch_map), and a 4th -- a key
+    split's first keys in its cu_seqlens_k slot -- only when present, so the builds without it keep
+    their keys."""
+    return (bool(varlen), bool(seqused_k), bool(batch_map)) + ((True,) if key_starts else ())
 
 
 def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, seqused_k=None, page_table=None,
@@ -504,7 +503,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     args = _call_args(q, k, v, out, lse, softmax_scale, r, cu_seqlens_k=starts, seqused_k=used, batch_map=rows,
                       softcap=variant.softcap, page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
                       range_keys=RANGE_ALL if range_keys is None else range_keys)
-    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, split_flags(used, rows, starts), tile_m,
+    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, varlen_flags(False, used is not None, rows is not None, starts is not None), tile_m,
              variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
     return out, lse
 
@@ -553,7 +552,7 @@ def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, v
                                    variant.window.left is not None,
                                    gathered_pages=gathered(page_size, default_tile_n(head_dim, head_dim_v)),
                                    windowed=variant.window.limited)
-    flags = (bool(varlen), bool(seqused_k), bool(batch_map)) + ((True,) if key_starts else ())
+    flags = varlen_flags(varlen, seqused_k, batch_map, key_starts)
     comp = _compile(launchable, dt, head_dim, head_dim_v, causal, policy, scheduler, flags, tile_m, split_tail,
                     variant, page_size, key_split, rows_per_query)
     comp.report.setdefault("FADD.RM", len(re.findall(r"\bFADD(?:\.\w+)*\.RM\b", comp.sass)) if comp.sass else None)
