@@ -229,11 +229,18 @@ def check_decode_flags(heads_flag: str, heads: str, query_len: int, window) -> t
     return pair
 
 
+def printed_table(argv, table) -> bool:
+    """`--table RESULT.json` as the whole command line: print table(the results file) and say so."""
+    if argv[:1] != ["--table"]:
+        return False
+    with open(argv[1]) as f:
+        print(table(json.load(f)))
+    return True
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--table"]:  # python -m benchmarks.bench_decode --table RESULT.json
-        with open(argv[1]) as f:
-            print(markdown_table(json.load(f)))
+    if printed_table(argv, markdown_table):  # python -m benchmarks.bench_decode --table RESULT.json
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="1x8192,1x131072,8x32768,64x8192,64x32768", help="BATCHxCACHE,...")

@@ -24,7 +24,6 @@ peer's output is checked against in_place's first.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -32,7 +31,7 @@ import sys
 import torch
 
 from .ab_fwd import paired_rounds
-from .bench_decode import CALLS_PER_GRAPH, _graphed, copy_peer, parse_shapes
+from .bench_decode import CALLS_PER_GRAPH, _graphed, copy_peer, parse_shapes, printed_table
 from .bench_fwd import write_doc
 
 HQ, HKV, D = 32, 8, 128
@@ -108,9 +107,7 @@ def markdown_table(doc) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--table"]:
-        with open(argv[1]) as f:
-            print(markdown_table(json.load(f)))
+    if printed_table(argv, markdown_table):
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="8x4096,8x16384,32x4096", help="BATCHxCACHE,...")

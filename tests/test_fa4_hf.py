@@ -836,17 +836,3 @@ def test_left_padded_decode_steps_on_gpu_read_the_cache_in_place(kind, monkeypat
     err, bound = assert_fa4_close(f"{kind} left-padded decode logits", got, truth, baseline)
     print(f"\n{kind} left-padded decode: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")
 
-
-@pytest.mark.cpu
-@pytest.mark.fa4
-def test_readme_left_padded_decode_table_is_generated_from_the_committed_results():
-    import json
-    import pathlib
-
-    from benchmarks import bench_hf_decode
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    doc = json.loads((root / "benchmarks/results/bench_hf_decode_h100.json").read_text())
-    block = (root / "fa4/README.md").read_text().split("<!-- hf-decode-table:start -->\n")[1].split(
-        "\n<!-- hf-decode-table:end -->")[0]
-    assert block == bench_hf_decode.markdown_table(doc) and "| 8 x 16k |" in block

@@ -800,17 +800,20 @@ def test_errors_before_the_cache_is_touched():
     assert out.shape == (0, 1, 4, 16) and lse.shape == (0, 4, 1)
 
 
-def test_readme_decode_table_is_generated_from_the_committed_results():
+@pytest.mark.parametrize("bench, results, marker, row", [
+    ("bench_decode", "bench_decode_h200.json", "decode-table", "| 1 x 128k |"),
+    ("bench_hf_decode", "bench_hf_decode_h100.json", "hf-decode-table", "| 8 x 16k |")])
+def test_readme_decode_tables_are_generated_from_the_committed_results(bench, results, marker, row):
+    import importlib
     import json
     import pathlib
 
-    from benchmarks import bench_decode
-
+    table = importlib.import_module(f"benchmarks.{bench}").markdown_table
     root = pathlib.Path(__file__).resolve().parents[1]
-    doc = json.loads((root / "benchmarks/results/bench_decode_h200.json").read_text())
-    block = (root / "fa4/README.md").read_text().split("<!-- decode-table:start -->\n")[1].split(
-        "\n<!-- decode-table:end -->")[0]
-    assert block == bench_decode.markdown_table(doc) and "| 1 x 128k |" in block
+    doc = json.loads((root / "benchmarks/results" / results).read_text())
+    block = (root / "fa4/README.md").read_text().split(f"<!-- {marker}:start -->\n")[1].split(
+        f"\n<!-- {marker}:end -->")[0]
+    assert block == table(doc) and row in block
 
 
 def test_paged_in_place_split_of_a_short_table_keeps_tile_aligned_starts():
