@@ -23,6 +23,14 @@ When: a plan is recorded on the second call of a signature in a process (the fir
 training repeats its shapes), written only if the whole call was recordable, and used by later
 processes -- and by this one -- whenever the signature matches exactly.
 
+Bounds: a cache that grows every step (transformers' DynamicCache) is a new signature each step, so a
+long generation would otherwise leave a plan file and a decoded plan per step. A process keeps at most
+MEMORY_SIGNATURES signatures' worth of plans, counts and hashes (the oldest go first; a dropped plan
+loads again from disk), and a plan directory keeps at most FA4_PLANS_MAX plans (2048 by default): past
+that, a write deletes the least recently used quarter (by modification time, which loading a plan
+refreshes). A plan a CUDA graph was captured over keeps its constants for good (the graph reads them by
+address); other plans' constants go with the plan.
+
 The signature is everything the host code decides on: the role ("fwd" / "bwd" / "kvcache"), every tensor's
 shape, strides, dtype, device and 16-byte alignment, every scalar argument, the device (name, SMs,
 L2), fa4's routing switches, and the sources of fa4 and of the kernel packages (the cache fingerprint
@@ -57,6 +65,9 @@ from . import _cache
 
 FORMAT = 1
 MAX_CONSTANT_ELEMENTS = 4096
+MEMORY_SIGNATURES = 1024       # per table below: a growing cache adds one signature a step
+DEFAULT_MAX_ON_DISK = 2048     # plans a directory keeps (FA4_PLANS_MAX); about 3 KB each
+PRUNE_EVERY = 64               # writes between two counts of the directory (and the process's first)
 
 _LOCK = threading.Lock()
 _PLANS: dict = {}        # signature hash -> _Replay, or None (no plan on disk / not plannable)
@@ -64,9 +75,19 @@ _SEEN: dict = {}         # signature hash -> calls that took the normal path in 
 _STATS = {"replays": 0, "recorded": 0, "unrecordable": 0, "discarded": 0}
 _NAMES: dict = {}        # a signature's facts -> its hash (the plan's file name)
 _LAST_REFUSAL: dict = {}  # signature hash -> why the recording gave up (for tests and `fa4 info`)
-# every plan constant ever made: a CUDA graph captured over a replay reads them by address, so they
-# outlive a plan that is dropped or forgotten (as fa4._kvcache keeps its own constants)
+# the constants of every plan replayed under CUDA graph capture: the graph reads them by address, so
+# they outlive a plan that is dropped or forgotten (as fa4._kvcache keeps its own constants)
 _KEPT_CONSTANTS: list = []
+_ENTRIES: dict = {}      # (cache dir, kernel hash) -> its library's entry in a plan (hashing it costs ms)
+_WRITES = {"since_prune": None}  # None: this process has not counted the directory yet
+
+
+def _remember(table: dict, key, value) -> None:
+    """table[key] = value, dropping the oldest entries past MEMORY_SIGNATURES (call under _LOCK)."""
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > MEMORY_SIGNATURES:
+        del table[next(iter(table))]
 
 
 class Unrecordable(Exception):
@@ -125,8 +146,9 @@ def signature(role: str, arch: str, tensors: tuple, scalars: tuple, switches: tu
     facts = (role, arch, tuple(_tensor_facts(t) for t in tensors), same, scalars, switches, _device_facts(device))
     name = _NAMES.get(facts)
     if name is None:  # hashed once per signature and process: this runs on every dense call
-        name = _NAMES[facts] = hashlib.sha256(
-            repr((FORMAT, facts, _host_sources(), _cache.build_id())).encode()).hexdigest()[:32]
+        name = hashlib.sha256(repr((FORMAT, facts, _host_sources(), _cache.build_id())).encode()).hexdigest()[:32]
+        with _LOCK:
+            _remember(_NAMES, facts, name)
     return name
 
 
@@ -366,15 +388,24 @@ def _link(obj: pathlib.Path) -> pathlib.Path:
 
 
 def _kernel_entry(key, cute_arch: str) -> dict:
+    """The plan's record of a kernel: its library, the library's hash, its symbol. Once per kernel and
+    process (verifying the object and hashing the library read both files), while the library is there."""
     khash = _cache.key_hash(key) if _cache.persistable(key) else None
     if khash is None:
         raise Unrecordable(f"kernel {key[:3]!r}... is not kept on disk")
-    obj = _cache.DiskCache(_cache.cache_dir(cute_arch)).read_verified(khash)
+    directory = _cache.cache_dir(cute_arch)
+    known = _ENTRIES.get((str(directory), khash))
+    if known is not None and (directory / known["lib"]).exists():
+        return known
+    obj = _cache.DiskCache(directory).read_verified(khash)
     if obj is None:
         raise Unrecordable(f"kernel {khash} is not in the disk cache")
     lib = _link(obj)
-    return {"lib": lib.name, "sha": hashlib.sha256(lib.read_bytes()).hexdigest()[:16],
-            "symbol": _cache.DiskCache.symbol(khash)}
+    entry = {"lib": lib.name, "sha": hashlib.sha256(lib.read_bytes()).hexdigest()[:16],
+             "symbol": _cache.DiskCache.symbol(khash)}
+    with _LOCK:
+        _ENTRIES[(str(directory), khash)] = entry
+    return entry
 
 
 def _encode_outputs(result, recorder: _Recorder):
@@ -393,6 +424,7 @@ def _write(sig: str, cute_arch: str, recorder: _Recorder, result) -> pathlib.Pat
             "constants": recorder.constants, "steps": recorder.steps,
             "kernels": [_kernel_entry(k, cute_arch) for k in recorder.kernels],
             "outputs": _encode_outputs(result, recorder)}
+    keep = max_on_disk()  # a bad FA4_PLANS_MAX refuses the write (a warning), not the call
     directory = plan_dir(cute_arch)
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{sig}.", suffix=".tmp")
@@ -403,7 +435,55 @@ def _write(sig: str, cute_arch: str, recorder: _Recorder, result) -> pathlib.Pat
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    with _LOCK:
+        since = _WRITES["since_prune"]
+        due = since is None or since + 1 >= PRUNE_EVERY
+        _WRITES["since_prune"] = 0 if due else since + 1
+    if due:
+        prune(directory, keep)
     return directory / f"{sig}.json"
+
+
+def max_on_disk() -> int:
+    """FA4_PLANS_MAX: the plans a plan directory keeps (a whole number >= 1; 2048 by default)."""
+    raw = os.environ.get("FA4_PLANS_MAX", "").strip()
+    if not raw:
+        return DEFAULT_MAX_ON_DISK
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"FA4_PLANS_MAX: expected a whole number >= 1, got {raw!r}")
+    return value
+
+
+def prune(directory: pathlib.Path, keep: Optional[int] = None) -> int:
+    """Past `keep` plans (default max_on_disk()) in `directory`, delete the least recently used ones
+    (oldest modification time) down to three quarters of it. Returns how many were deleted. Their
+    kernels' libraries stay: they are per kernel, as bounded as the kernel cache, and shared."""
+    keep = max_on_disk() if keep is None else keep
+    try:
+        plans = [p for p in directory.iterdir() if p.suffix == ".json"]
+    except OSError:
+        return 0
+    if len(plans) <= keep:
+        return 0
+    aged = []
+    for path in plans:
+        try:
+            aged.append((path.stat().st_mtime, path.name, path))
+        except OSError:  # deleted meanwhile (another process pruning)
+            pass
+    aged.sort()
+    deleted = 0
+    for _, _, path in aged[:max(0, len(aged) - keep * 3 // 4)]:
+        try:
+            path.unlink()
+            deleted += 1
+        except OSError:
+            pass
+    return deleted
 
 
 def _capturing() -> bool:
@@ -417,8 +497,8 @@ def recording(sig: Optional[str], cute_arch: str, inputs: tuple):
     everything was recordable. Recording problems never fail the call: they only mean no plan."""
     with _LOCK:
         seen = _SEEN.get(sig, 0) if sig else 0
-        if sig:
-            _SEEN[sig] = seen + 1
+        if sig and seen < 2:  # later counts change nothing; a hot signature is not re-inserted per call
+            _remember(_SEEN, sig, seen + 1)
     want = sig is not None and seen == 1 and sig not in _LAST_REFUSAL and not _capturing()
     if not want:
         yield lambda result: None
@@ -441,10 +521,10 @@ def recording(sig: Optional[str], cute_arch: str, inputs: tuple):
     except Unrecordable as exc:
         with _LOCK:
             _STATS["unrecordable"] += 1
-            _LAST_REFUSAL[sig] = str(exc)
+            _remember(_LAST_REFUSAL, sig, str(exc))
     except Exception as exc:  # never the user's call's failure: its result is already computed
         with _LOCK:
-            _LAST_REFUSAL[sig] = f"{type(exc).__name__}: {exc}"
+            _remember(_LAST_REFUSAL, sig, f"{type(exc).__name__}: {exc}")
         warnings.warn(f"fa4 plans: could not write a launch plan: {type(exc).__name__}: {str(exc)[:200]}",
                       RuntimeWarning, stacklevel=3)
 
@@ -512,6 +592,7 @@ class _Replay:
         self.constants = plan["constants"]
         self._materialized: Optional[list] = None
         self.warm = False  # replayed once in this process: its kernels are loaded, its constants made
+        self.kept = False  # its constants are in _KEPT_CONSTANTS (replayed under capture)
         self._static: list = []  # the decoded tensor-free arguments, slots num_slots.. of every replay
         self.steps = []
         for step in plan["steps"]:
@@ -581,9 +662,16 @@ class _Replay:
                         for c in self.constants]
                 for slot, t in made:
                     self._template[slot] = t
-                _KEPT_CONSTANTS.extend(t for _, t in made)
                 self._materialized = made  # last: a replay that sees it finds the template filled
         return self._materialized
+
+    def keep_constants(self) -> None:
+        """A CUDA graph is being captured over this plan: its constants must outlive the plan."""
+        if not self.kept:
+            made = self._constants()  # takes _LOCK itself
+            with _LOCK:
+                _KEPT_CONSTANTS.extend(t for _, t in made)
+            self.kept = True
 
     def __call__(self, inputs: tuple):
         if len(inputs) != self.num_inputs:
@@ -619,13 +707,20 @@ def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
         try:
             plan = json.loads(path.read_text())
             replay = _Replay(plan, path.parent)
+        except FileNotFoundError:  # pruned by another process since: no plan
+            replay = None
         except Exception as exc:
             kernels = plan.get("kernels", []) if isinstance(plan, dict) else []
             libs = [k.get("lib") for k in kernels if isinstance(k, dict)]
             discard(sig, cute_arch, f"{type(exc).__name__}: {str(exc)[:200]}", libs)
             return None
+        if replay is not None:
+            try:
+                os.utime(path)  # used: the directory's pruning keeps the recently used plans
+            except OSError:
+                pass
     with _LOCK:
-        _PLANS[sig] = replay
+        _remember(_PLANS, sig, replay)
     return replay
 
 
@@ -634,7 +729,7 @@ def discard(sig: str, cute_arch: str, why: str, libs=()):
     plans of calls that launch the same kernel share its library."""
     with _LOCK:
         _STATS["discarded"] += 1
-        _PLANS[sig] = None
+        _remember(_PLANS, sig, None)
     warnings.warn(f"fa4 plans: discarding launch plan {sig[:12]}: {why}", RuntimeWarning, stacklevel=3)
     directory = plan_dir(cute_arch)
     paths = [directory / f"{sig}.json"]
@@ -694,6 +789,7 @@ def replay(sig: Optional[str], cute_arch: str, inputs: tuple):
         plan = _PLANS.get(sig)
         if plan is None or not plan.warm:
             return None
+        plan.keep_constants()
     else:
         plan = lookup(sig, cute_arch)
         if plan is None:
@@ -702,8 +798,8 @@ def replay(sig: Optional[str], cute_arch: str, inputs: tuple):
         result = plan(inputs)
     except Exception as exc:
         with _LOCK:
-            _PLANS[sig] = None
-            _LAST_REFUSAL[sig] = f"replay failed: {type(exc).__name__}"  # the normal path records it no more
+            _remember(_PLANS, sig, None)
+            _remember(_LAST_REFUSAL, sig, f"replay failed: {type(exc).__name__}")  # not recorded again here
         warnings.warn(f"fa4 plans: launch plan {sig[:12]} failed ({type(exc).__name__}: {str(exc)[:200]}); "
                       "this process takes the normal path for it", RuntimeWarning, stacklevel=3)
         return None
@@ -720,10 +816,13 @@ def forget() -> None:
         _SEEN.clear()
         _LAST_REFUSAL.clear()
         _KERNELS.clear()
+        _ENTRIES.clear()
+        _WRITES["since_prune"] = None
 
 
 def refusal(sig: str) -> Optional[str]:
     return _LAST_REFUSAL.get(sig)
 
 
-__all__ = ["enabled", "forget", "lookup", "recording", "replay", "signature", "stats", "Unrecordable"]
+__all__ = ["enabled", "forget", "lookup", "max_on_disk", "prune", "recording", "replay", "signature", "stats",
+           "Unrecordable"]

@@ -259,7 +259,8 @@ def test_a_replay_that_raises_keeps_the_plan_and_falls_back(plans, tmp_path, mon
 
 
 @pytest.mark.cpu
-def test_a_failed_replay_keeps_its_constants_and_the_signature_stays_on_the_normal_path(plans, tmp_path):
+def test_a_failed_replay_keeps_its_constants_and_the_signature_stays_on_the_normal_path(plans, tmp_path,
+                                                                                         monkeypatch):
     """A CUDA graph captured over a replay reads the plan's constants by address: a later failed
     replay (which drops the plan) must not free them. The signature then takes the normal path for
     the rest of the process, without recording the plan again."""
@@ -270,6 +271,9 @@ def test_a_failed_replay_keeps_its_constants_and_the_signature_stays_on_the_norm
     sig, _ = _recorded(_plans, tmp_path, "constants")
     _plans.forget()
     assert _call(_plans, sig, _inputs(2))[1]                     # a fresh process replays
+    monkeypatch.setattr(_plans, "_capturing", lambda: True)
+    assert _call(_plans, sig, _inputs(2))[1]                     # and a graph is captured over it
+    monkeypatch.setattr(_plans, "_capturing", lambda: False)
     constant = weakref.ref(_plans._PLANS[sig]._materialized[0][1])
     FAILURES["left"] = 1
     with pytest.warns(RuntimeWarning, match="takes the normal path"):
@@ -386,3 +390,125 @@ def test_discarding_a_plan_keeps_the_libraries_other_plans_name(plans, tmp_path)
     assert not (directory / f"{bad}.json").exists() and not (directory.parent / "bad_only.so").exists()
     assert (directory.parent / "shared.so").exists() and (directory.parent / "good_only.so").exists()
     assert (directory / f"{good}.json").exists() and loads == []
+
+
+def _record_many(_plans, tags, seeds=(0, 1)):
+    """Two calls (the recording ones) of one signature per tag; returns the signatures."""
+    sigs = []
+    for tag in tags:
+        sig = _plans.signature("kvcache", "sm_90", _inputs(0), (tag,), ())
+        for seed in seeds:
+            _call(_plans, sig, _inputs(seed))
+        sigs.append(sig)
+    return sigs
+
+
+@pytest.mark.cpu
+def test_a_plan_directory_keeps_the_recently_used_plans(plans, tmp_path, monkeypatch):
+    """A growing cache is a new signature every step: past FA4_PLANS_MAX plans, a write deletes the
+    least recently used ones (down to three quarters), and loading a plan counts as a use."""
+    _plans, _ = plans
+    monkeypatch.setenv("FA4_PLANS_MAX", "8")
+    monkeypatch.setattr(_plans, "PRUNE_EVERY", 1)
+    first = _record_many(_plans, range(4))
+    directory = next(tmp_path.rglob("plans"))
+    for age, sig in enumerate(first):                            # written long ago, oldest first
+        os.utime(directory / f"{sig}.json", (1e9 + age, 1e9 + age))
+    _plans.forget()
+    assert _call(_plans, first[0], _inputs(3))[1]                # loaded: the oldest becomes the newest
+    later = _record_many(_plans, range(100, 105))                # the 9th plan's write prunes to 6
+    names = {p.stem for p in directory.glob("*.json")}
+    assert len(names) == 6, names
+    assert first[0] in names and not names & set(first[1:4])     # the three unused old ones went
+    assert set(later) <= names | {later[0]}
+    _plans.forget()
+    assert _call(_plans, later[-1], _inputs(4))[1]               # what is kept still replays
+    assert not _call(_plans, first[2], _inputs(4))[1]            # a pruned one takes the normal path
+
+
+@pytest.mark.cpu
+def test_prune_deletes_only_plans(tmp_path):
+    from fa4 import _plans
+
+    for i in range(10):
+        (tmp_path / f"{i:02d}.json").write_text("{}")
+        os.utime(tmp_path / f"{i:02d}.json", (1e9 + i, 1e9 + i))
+    (tmp_path / ".05.json.tmp").write_text("")
+    (tmp_path / "kernel.so").write_text("")
+    assert _plans.prune(tmp_path, keep=10) == 0
+    assert _plans.prune(tmp_path, keep=8) == 4                  # down to 6, the oldest first
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".05.json.tmp", "04.json", "05.json", "06.json",
+                                                            "07.json", "08.json", "09.json", "kernel.so"]
+    assert _plans.prune(tmp_path / "missing", keep=1) == 0
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("raw", ["0", "-3", "many", "1.5"])
+def test_a_bad_plan_limit_refuses_the_write_not_the_call(plans, tmp_path, monkeypatch, raw):
+    _plans, _ = plans
+    monkeypatch.setenv("FA4_PLANS_MAX", raw)
+    sig = _plans.signature("fwd", "sm_90", _inputs(0), ("limit",), ())
+    _call(_plans, sig, _inputs(0))
+    with pytest.warns(RuntimeWarning, match="FA4_PLANS_MAX"):
+        result, replayed = _call(_plans, sig, _inputs(1))
+    assert not replayed and torch.equal(result[0], _host(*_inputs(1))[0])
+    assert not list(tmp_path.rglob("plans/*.json"))
+    with pytest.raises(ValueError, match="FA4_PLANS_MAX"):
+        _plans.max_on_disk()
+
+
+@pytest.mark.cpu
+def test_a_process_keeps_a_bounded_number_of_signatures(plans, tmp_path, monkeypatch):
+    """The process's tables drop their oldest signatures past MEMORY_SIGNATURES; a dropped plan loads
+    again from disk, and a plan no graph was captured over frees its constants with it."""
+    import gc
+    import weakref
+
+    _plans, _ = plans
+    monkeypatch.setattr(_plans, "MEMORY_SIGNATURES", 6)
+    sigs = _record_many(_plans, range(3))
+    assert _call(_plans, sigs[0], _inputs(5))[1]
+    constant = weakref.ref(_plans._PLANS[sigs[0]]._materialized[0][1])
+    more = _record_many(_plans, range(10, 30), seeds=(0, 1, 2))  # the third call of each replays
+    for table in (_plans._PLANS, _plans._SEEN, _plans._NAMES):
+        assert 0 < len(table) <= 6
+    assert sigs[0] not in _plans._PLANS and more[-1] in _plans._PLANS
+    gc.collect()
+    assert constant() is None
+    assert _call(_plans, sigs[0], _inputs(6))[1]                 # back from disk
+    assert len(list(tmp_path.rglob("plans/*.json"))) == 23
+
+
+@pytest.mark.cpu
+def test_a_kernels_plan_entry_is_made_once_while_its_library_exists(tmp_path, monkeypatch):
+    """Verifying the kernel object and hashing its library cost milliseconds: once per process,
+    unless the library has gone (a cleared cache), when it is linked and hashed again."""
+    from fa4 import _cache, _plans
+
+    monkeypatch.setenv("FA4_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FA4_CACHE", raising=False)
+    _plans.forget()
+    directory = _cache.cache_dir("sm_90a")
+    directory.mkdir(parents=True, exist_ok=True)
+    reads = []
+
+    def read_verified(self, khash):
+        reads.append(khash)
+        obj = directory / f"{khash}.o"
+        obj.write_bytes(b"object")
+        return obj
+
+    def link(obj):
+        lib = obj.with_name(f"{obj.stem}-env.so")
+        lib.write_bytes(b"library")
+        return lib
+    monkeypatch.setattr(_cache, "persistable", lambda key: True)
+    monkeypatch.setattr(_cache, "key_hash", lambda key: "k" + str(key[0]))
+    monkeypatch.setattr(_cache.DiskCache, "read_verified", read_verified)
+    monkeypatch.setattr(_plans, "_link", link)
+    entry = _plans._kernel_entry((1,), "sm_90a")
+    assert _plans._kernel_entry((1,), "sm_90a") == entry and reads == ["k1"]
+    assert _plans._kernel_entry((2,), "sm_90a")["lib"] == "k2-env.so" and reads == ["k1", "k2"]
+    (directory / entry["lib"]).unlink()
+    assert _plans._kernel_entry((1,), "sm_90a") == entry and reads == ["k1", "k2", "k1"]
+    _plans.forget()
