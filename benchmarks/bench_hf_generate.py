@@ -1,0 +1,123 @@
+"""Greedy generation from a left-padded batch through transformers: ms per new token, fa4 against torch SDPA.
+
+    python -m benchmarks.bench_hf_generate [--batch 8] [--prompt 4096] [--new 64] [--layers 4] [--rounds 3]
+                                           [--out benchmarks/results/bench_hf_generate_h100.json]
+
+A Llama of random weights (hidden 4096, 32 query / 8 KV heads of 128, `--layers` layers, bf16, a
+DynamicCache: the cache grows every step) generates `--new` tokens greedily from `--batch` prompts of
+`--prompt` tokens, row b left-padded by a random 0 to prompt / 2 tokens. Peers, as attn_implementation:
+
+* fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad);
+* fa4_no_plans: the same with launch plans off (FA4_PLANS=0): what the plans save, recording included
+  (the growing cache makes each step a new signature: its second layer records it, the later ones replay);
+* fa4_gathered: the same with that path closed (`_split_launch_takes` False): every step gathers the
+  cache's valid keys and values into a packed copy (the path before the left-padding mark);
+* sdpa: torch SDPA with transformers' own mask.
+
+ms per new token = (time of generate(new + 1 tokens) - time of generate(1 token)) / new, so the prefill
+cancels; CUDA-synchronized wall clock, eager (no CUDA graphs: what a plain generate() loop does, host
+time included), in paired rounds (every round times every peer once, in a fresh random order).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from .bench_fwd import write_doc
+
+
+def _model(layers: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=65536)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).eval()
+
+
+def _generate_s(model, impl, ids, mask, tokens) -> float:
+    model.set_attn_implementation(impl)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                       do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    for flag, value in (("--batch", args.batch), ("--prompt", args.prompt), ("--new", args.new),
+                        ("--layers", args.layers), ("--rounds", args.rounds)):
+        if value < 1:
+            raise SystemExit(f"{flag}: expected >= 1, got {value}")
+    if not torch.cuda.is_available():
+        print("bench_hf_generate needs a CUDA GPU")
+        return 2
+    from fa4.integrations import transformers as integ
+
+    integ.register_fa4_attention()
+    model = _model(args.layers)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(1, 32000, (args.batch, args.prompt), device="cuda", generator=g)
+    pad = torch.randint(0, args.prompt // 2 + 1, (args.batch,), device="cuda", generator=g)
+    mask = (torch.arange(args.prompt, device="cuda")[None, :] >= pad[:, None]).long()
+    takes = integ._split_launch_takes
+    peers = {"fa4": ("fa4", takes, "1"), "fa4_no_plans": ("fa4", takes, "0"),
+             "fa4_gathered": ("fa4", lambda *a: False, "1"), "sdpa": ("sdpa", takes, "1")}
+    saved = os.environ.get("FA4_PLANS")
+
+    def per_token(name):
+        impl, gate, plans = peers[name]
+        integ._split_launch_takes = gate
+        os.environ["FA4_PLANS"] = plans  # read per call
+        try:
+            return 1e3 * (_generate_s(model, impl, ids, mask, args.new + 1) - _generate_s(model, impl, ids, mask, 1)) \
+                / args.new
+        finally:
+            integ._split_launch_takes = takes
+            if saved is None:
+                del os.environ["FA4_PLANS"]
+            else:
+                os.environ["FA4_PLANS"] = saved
+
+    for name in peers:  # warm-up: compiles, allocator, launch plans
+        per_token(name)
+    rng, times = random.Random(0), {n: [] for n in peers}
+    for _ in range(args.rounds):
+        for name in rng.sample(list(peers), len(peers)):
+            times[name].append(per_token(name))
+    rows = [{"peer": n, "ms_per_token": statistics.median(ts), "rounds_ms": ts,
+             "over_fa4": statistics.median(t / f for t, f in zip(ts, times["fa4"]))} for n, ts in times.items()]
+    for r in rows:
+        print(f"{r['peer']:13} {r['ms_per_token']:8.2f} ms / token  ({r['over_fa4']:.2f}x fa4's)", flush=True)
+    from fa4 import _plans
+
+    plan_files = sorted(_plans.plan_dir("sm_90a").glob("*.json")) if torch.cuda.get_device_capability()[0] == 9 else []
+    plans = dict(_plans.stats(), on_disk=len(plan_files), limit=_plans.max_on_disk())
+    print(f"fa4 launch plans: {plans}")
+    if args.out:
+        write_doc(args.out, "benchmarks.bench_hf_generate", argv, rows,
+                  shapes=f"Llama hidden 4096, {args.layers} layers, GQA 32/8, d=128, bf16, batch {args.batch}, "
+                         f"prompt {args.prompt} left-padded by 0..{args.prompt // 2}, {args.new} new tokens",
+                  method=f"eager generate(), (t(new + 1) - t(1)) / new, {args.rounds} paired rounds",
+                  plans=plans)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
