@@ -8,8 +8,9 @@ DynamicCache: the cache grows every step) generates `--new` tokens greedily from
 `--prompt` tokens, row b left-padded by a random 0 to prompt / 2 tokens. Peers, as attn_implementation:
 
 * fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad);
-* fa4_no_plans: the same with launch plans off (FA4_PLANS=0): what the plans save, recording included
-  (the growing cache makes each step a new signature: its second layer records it, the later ones replay);
+* fa4_no_plans: the same with launch plans off (FA4_PLANS=0). Every round generates from the same prompts,
+  so its cache lengths repeat: the fa4 rounds replay the plans the warm-up recorded (a generation over new
+  lengths records one a step as well: benchmarks.inspect.growing_cache_host times that);
 * fa4_gathered: the same with that path closed (`_split_launch_takes` False): every step gathers the
   cache's valid keys and values into a packed copy (the path before the left-padding mark);
 * sdpa: torch SDPA with transformers' own mask.

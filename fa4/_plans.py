@@ -26,9 +26,10 @@ processes -- and by this one -- whenever the signature matches exactly.
 Bounds: a cache that grows every step (transformers' DynamicCache) is a new signature each step, so a
 long generation would otherwise leave a plan file and a decoded plan per step. A process keeps at most
 MEMORY_SIGNATURES signatures' worth of plans, counts and hashes (the oldest go first; a dropped plan
-loads again from disk), and a plan directory keeps at most FA4_PLANS_MAX plans (2048 by default): past
-that, a write deletes the least recently used quarter (by modification time, which loading a plan
-refreshes). A plan a CUDA graph was captured over keeps its constants for good (the graph reads them by
+loads again from disk), and a plan directory keeps about FA4_PLANS_MAX plans (2048 by default): a write
+that would pass it deletes the least recently used quarter (by modification time, which loading a plan
+refreshes). A process counts the directory on its first write and then adds its own writes, so several
+processes writing at once can pass the limit until their next count. A plan a CUDA graph was captured over keeps its constants for good (the graph reads them by
 address); other plans' constants go with the plan.
 
 The signature is everything the host code decides on: the role ("fwd" / "bwd" / "kvcache"), every tensor's
@@ -67,7 +68,6 @@ FORMAT = 1
 MAX_CONSTANT_ELEMENTS = 4096
 MEMORY_SIGNATURES = 1024       # per table below: a growing cache adds one signature a step
 DEFAULT_MAX_ON_DISK = 2048     # plans a directory keeps (FA4_PLANS_MAX); about 3 KB each
-PRUNE_EVERY = 64               # writes between two counts of the directory (and the process's first)
 
 _LOCK = threading.Lock()
 _PLANS: dict = {}        # signature hash -> _Replay, or None (no plan on disk / not plannable)
@@ -79,7 +79,7 @@ _LAST_REFUSAL: dict = {}  # signature hash -> why the recording gave up (for tes
 # they outlive a plan that is dropped or forgotten (as fa4._kvcache keeps its own constants)
 _KEPT_CONSTANTS: list = []
 _ENTRIES: dict = {}      # (cache dir, kernel hash) -> its library's entry in a plan (hashing it costs ms)
-_WRITES = {"since_prune": None}  # None: this process has not counted the directory yet
+_WRITES = {"on_disk": None}  # the plans this process takes the directory to hold (None: not counted yet)
 
 
 def _remember(table: dict, key, value) -> None:
@@ -436,11 +436,14 @@ def _write(sig: str, cute_arch: str, recorder: _Recorder, result) -> pathlib.Pat
         if os.path.exists(tmp):
             os.unlink(tmp)
     with _LOCK:
-        since = _WRITES["since_prune"]
-        due = since is None or since + 1 >= PRUNE_EVERY
-        _WRITES["since_prune"] = 0 if due else since + 1
-    if due:
-        prune(directory, keep)
+        known = _WRITES["on_disk"]
+        due = known is None or known + 1 > keep
+        if not due:
+            _WRITES["on_disk"] = known + 1
+    if due:  # counted on the first write and when the count says the limit is reached, not per write
+        _, left = _prune(directory, keep, spare=f"{sig}.json")
+        with _LOCK:
+            _WRITES["on_disk"] = left
     return directory / f"{sig}.json"
 
 
@@ -460,30 +463,36 @@ def max_on_disk() -> int:
 
 def prune(directory: pathlib.Path, keep: Optional[int] = None) -> int:
     """Past `keep` plans (default max_on_disk()) in `directory`, delete the least recently used ones
-    (oldest modification time) down to three quarters of it. Returns how many were deleted. Their
-    kernels' libraries stay: they are per kernel, as bounded as the kernel cache, and shared."""
-    keep = max_on_disk() if keep is None else keep
+    (oldest modification time) down to three quarters of it (at least one kept). Returns how many were
+    deleted. Their kernels' libraries stay: they are per kernel, as bounded as the kernel cache, and shared."""
+    return _prune(directory, max_on_disk() if keep is None else keep)[0]
+
+
+def _prune(directory: pathlib.Path, keep: int, spare: Optional[str] = None) -> tuple:
+    """prune's work: (deleted, plans left). `spare`: a plan just written, never deleted here."""
     try:
         plans = [p for p in directory.iterdir() if p.suffix == ".json"]
     except OSError:
-        return 0
+        return 0, 0
     if len(plans) <= keep:
-        return 0
+        return 0, len(plans)
     aged = []
     for path in plans:
+        if path.name == spare:
+            continue
         try:
             aged.append((path.stat().st_mtime, path.name, path))
         except OSError:  # deleted meanwhile (another process pruning)
             pass
     aged.sort()
     deleted = 0
-    for _, _, path in aged[:max(0, len(aged) - keep * 3 // 4)]:
+    for _, _, path in aged[:max(0, len(plans) - max(1, keep * 3 // 4))]:
         try:
             path.unlink()
             deleted += 1
         except OSError:
             pass
-    return deleted
+    return deleted, len(plans) - deleted
 
 
 def _capturing() -> bool:
@@ -695,6 +704,10 @@ def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
     may record it again)."""
     known = _PLANS.get(sig, _MISSING)
     if known is not _MISSING:
+        if known is not None:  # in use: the memory's oldest entries are dropped first, so it moves last
+            with _LOCK:
+                if _PLANS.get(sig) is known:
+                    _remember(_PLANS, sig, known)
         return known
     path = plan_dir(cute_arch) / f"{sig}.json"
     replay = None
@@ -705,10 +718,15 @@ def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
     if on_disk:
         plan = None
         try:
-            plan = json.loads(path.read_text())
-            replay = _Replay(plan, path.parent)
+            text = path.read_text()
         except FileNotFoundError:  # pruned by another process since: no plan
-            replay = None
+            text = None
+        except OSError:
+            text = ""  # unreadable: discarded below, as a torn plan is
+        try:
+            if text is not None:
+                plan = json.loads(text)
+                replay = _Replay(plan, path.parent)
         except Exception as exc:
             kernels = plan.get("kernels", []) if isinstance(plan, dict) else []
             libs = [k.get("lib") for k in kernels if isinstance(k, dict)]
@@ -817,7 +835,7 @@ def forget() -> None:
         _LAST_REFUSAL.clear()
         _KERNELS.clear()
         _ENTRIES.clear()
-        _WRITES["since_prune"] = None
+        _WRITES["on_disk"] = None
 
 
 def refusal(sig: str) -> Optional[str]:

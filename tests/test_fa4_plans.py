@@ -405,11 +405,10 @@ def _record_many(_plans, tags, seeds=(0, 1)):
 
 @pytest.mark.cpu
 def test_a_plan_directory_keeps_the_recently_used_plans(plans, tmp_path, monkeypatch):
-    """A growing cache is a new signature every step: past FA4_PLANS_MAX plans, a write deletes the
-    least recently used ones (down to three quarters), and loading a plan counts as a use."""
+    """A growing cache is a new signature every step: a write that would pass FA4_PLANS_MAX plans deletes
+    the least recently used ones (down to three quarters), and loading a plan counts as a use."""
     _plans, _ = plans
     monkeypatch.setenv("FA4_PLANS_MAX", "8")
-    monkeypatch.setattr(_plans, "PRUNE_EVERY", 1)
     first = _record_many(_plans, range(4))
     directory = next(tmp_path.rglob("plans"))
     for age, sig in enumerate(first):                            # written long ago, oldest first
@@ -512,3 +511,41 @@ def test_a_kernels_plan_entry_is_made_once_while_its_library_exists(tmp_path, mo
     (directory / entry["lib"]).unlink()
     assert _plans._kernel_entry((1,), "sm_90a") == entry and reads == ["k1", "k2", "k1"]
     _plans.forget()
+
+
+@pytest.mark.cpu
+def test_a_limit_of_one_plan_keeps_the_plan_just_written(plans, tmp_path, monkeypatch):
+    _plans, _ = plans
+    monkeypatch.setenv("FA4_PLANS_MAX", "1")
+    sigs = _record_many(_plans, range(3))
+    assert [p.stem for p in tmp_path.rglob("plans/*.json")] == [sigs[-1]]
+    assert _call(_plans, sigs[-1], _inputs(4))[1]
+
+
+@pytest.mark.cpu
+def test_a_plan_whose_library_is_gone_is_discarded_with_a_warning(plans, tmp_path, monkeypatch):
+    _plans, _ = plans
+    sig, path = _recorded(_plans, tmp_path, "library gone")
+    _plans.forget()
+
+    def gone(path, sha, symbol):
+        raise FileNotFoundError(path)
+    monkeypatch.setattr(_plans, "_load_kernel", gone)
+    with pytest.warns(RuntimeWarning, match="discarding launch plan"):
+        result, replayed = _call(_plans, sig, _inputs(2))
+    assert not replayed and torch.equal(result[0], _host(*_inputs(2))[0]) and not path.exists()
+
+
+@pytest.mark.cpu
+def test_a_plan_in_use_stays_in_memory_while_new_signatures_pass(plans, monkeypatch):
+    """The process's tables drop their least recently used plans: one replayed every step is never
+    dropped (and reloaded from disk) however many signatures come and go around it."""
+    _plans, _ = plans
+    monkeypatch.setattr(_plans, "MEMORY_SIGNATURES", 6)
+    hot, = _record_many(_plans, ["hot"])
+    assert _call(_plans, hot, _inputs(3))[1]
+    plan = _plans._PLANS[hot]
+    for tag in range(20):
+        _record_many(_plans, [tag])
+        assert _call(_plans, hot, _inputs(4))[1] and _plans._PLANS[hot] is plan
+    assert len(_plans._PLANS) <= 6

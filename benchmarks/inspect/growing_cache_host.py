@@ -18,7 +18,8 @@ order per round, each round on lengths no variant has seen):
 * no plans: FA4_PLANS=0.
 
 Reported per variant: us per step (median of rounds) and per layer, the recording call's time (layer 2),
-and the plan directory's size after the run under FA4_PLANS_MAX = `--keep` (pruning at work).
+and the plan directory's size after the run (`--keep N` runs it under FA4_PLANS_MAX = N, which prunes the
+real plan directory: point FA4_CACHE_DIR at a copy to keep yours).
 """
 from __future__ import annotations
 
@@ -73,11 +74,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--keep", type=int, default=128, help="FA4_PLANS_MAX for the run (the pruning shown)")
+    ap.add_argument("--keep", type=int, default=None,
+                    help="FA4_PLANS_MAX for the run, to see the pruning (it prunes the real plan directory)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for flag, value in (("--steps", args.steps), ("--layers", args.layers), ("--rounds", args.rounds),
-                        ("--keep", args.keep)):
+                        ("--keep", 1 if args.keep is None else args.keep)):
         if value < (2 if flag == "--layers" else 1):
             raise SystemExit(f"{flag}: expected >= {2 if flag == '--layers' else 1}, got {value}")
     import torch
@@ -87,7 +89,8 @@ def main(argv=None) -> int:
         return 2
     from fa4 import _plans
 
-    os.environ["FA4_PLANS_MAX"] = str(args.keep)
+    if args.keep is not None:
+        os.environ["FA4_PLANS_MAX"] = str(args.keep)
     variants = ["plans", "plans, kernel entries re-hashed", "no plans"]
     total = START + (args.rounds * len(variants) + 1) * args.steps + 1
     q = torch.randn(1, 1, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -112,14 +115,14 @@ def main(argv=None) -> int:
                      "second_call_us": rec, "rounds": times[variant]})
         print(f"{variant:32} {step:9.0f} us / step  {step / args.layers:6.1f} us / layer  "
               f"second call {rec:7.0f} us")
-    print(f"plans on disk after the run: {on_disk} (FA4_PLANS_MAX={args.keep}); stats {_plans.stats()}")
+    print(f"plans on disk after the run: {on_disk} (FA4_PLANS_MAX={_plans.max_on_disk()}); stats {_plans.stats()}")
     if args.out:
         from ..bench_fwd import write_doc
 
         write_doc(args.out, "benchmarks.inspect.growing_cache_host", argv, rows,
                   shapes=f"batch 1, {START}+ keys growing 1 a step, GQA {HEADS}/{KV_HEADS}, d={HEAD_DIM}, bf16, "
                          f"{args.layers} calls a step, {args.steps} steps a round",
-                  plans_on_disk=on_disk, plans_max=args.keep, plan_stats=_plans.stats())
+                  plans_on_disk=on_disk, plans_max=_plans.max_on_disk(), plan_stats=_plans.stats())
     return 0
 
 
