@@ -22,7 +22,6 @@ time included), in paired rounds (every round times every peer once, in a fresh 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -31,6 +30,7 @@ import time
 import torch
 
 from .bench_fwd import write_doc
+from .inspect.host_overhead import plans_setting
 
 
 def _model(layers: int):
@@ -80,21 +80,16 @@ def main(argv=None) -> int:
     takes = integ._split_launch_takes
     peers = {"fa4": ("fa4", takes, "1"), "fa4_no_plans": ("fa4", takes, "0"),
              "fa4_gathered": ("fa4", lambda *a: False, "1"), "sdpa": ("sdpa", takes, "1")}
-    saved = os.environ.get("FA4_PLANS")
 
     def per_token(name):
         impl, gate, plans = peers[name]
         integ._split_launch_takes = gate
-        os.environ["FA4_PLANS"] = plans  # read per call
         try:
-            return 1e3 * (_generate_s(model, impl, ids, mask, args.new + 1) - _generate_s(model, impl, ids, mask, 1)) \
-                / args.new
+            with plans_setting(plans):
+                return 1e3 * (_generate_s(model, impl, ids, mask, args.new + 1)
+                              - _generate_s(model, impl, ids, mask, 1)) / args.new
         finally:
             integ._split_launch_takes = takes
-            if saved is None:
-                del os.environ["FA4_PLANS"]
-            else:
-                os.environ["FA4_PLANS"] = saved
 
     for name in peers:  # warm-up: compiles, allocator, launch plans
         per_token(name)

@@ -25,12 +25,13 @@ processes -- and by this one -- whenever the signature matches exactly.
 
 Bounds: a cache that grows every step (transformers' DynamicCache) is a new signature each step, so a
 long generation would otherwise leave a plan file and a decoded plan per step. A process keeps at most
-MEMORY_SIGNATURES signatures' worth of plans, counts and hashes (the oldest go first; a dropped plan
-loads again from disk), and a plan directory keeps about FA4_PLANS_MAX plans (2048 by default): a write
-that would pass it deletes the least recently used quarter (by modification time, which loading a plan
-refreshes). A process counts the directory on its first write and then adds its own writes, so several
-processes writing at once can pass the limit until their next count. A plan a CUDA graph was captured over keeps its constants for good (the graph reads them by
-address); other plans' constants go with the plan.
+MEMORY_SIGNATURES signatures' worth of plans, counts and hashes (the least recently used plans go first,
+the oldest counts and hashes; a dropped plan loads again from disk), and a plan directory keeps about
+FA4_PLANS_MAX plans (2048 by default): a write that would pass it deletes the least recently used
+quarter (by modification time, which loading a plan refreshes). A process counts the directory on its
+first write and then adds its own writes, so several processes writing at once can pass the limit until
+their next count. A plan a CUDA graph was captured over keeps its constants for good (the graph reads
+them by address); other plans' constants go with the plan.
 
 The signature is everything the host code decides on: the role ("fwd" / "bwd" / "kvcache"), every tensor's
 shape, strides, dtype, device and 16-byte alignment, every scalar argument, the device (name, SMs,
@@ -40,7 +41,8 @@ directory). A call that differs in any of them takes the normal path.
 Never recorded (the recording gives up, and the call runs normally): a call whose host code reads a
 tensor's values (``.item()``, ``.tolist()``: varlen's cu_seqlens), a tensor made by a function the
 replay cannot look up by name, an external tensor over 4096 elements or not contiguous, a kernel
-that is not on disk, no C compiler to link a kernel, CUDA graph capture. FA4_PLANS=0 turns plans off (FA4_CACHE=0 does too).
+that is not on disk, no C compiler to link a kernel, CUDA graph capture. FA4_PLANS=0 turns plans off
+(FA4_CACHE=0 does too).
 """
 from __future__ import annotations
 

@@ -296,8 +296,8 @@ def test_split_builds_signal_their_dependent_merge(causal, rows_per_query, page_
     from stage3_fwd_kernel.hopper.host import Variant
 
     comp = _compile(False, cutlass.BFloat16, 128, 128, causal, DEFAULT_POLICY, StaticTileScheduler,
-                    varlen_flags(False, True, cache_rows, key_starts), 64, page_size=page_size, key_split=True, rows_per_query=rows_per_query,
-                    variant=Variant(Window(left, None)))
+                    varlen_flags(False, True, cache_rows, key_starts), 64, page_size=page_size, key_split=True,
+                    rows_per_query=rows_per_query, variant=Variant(Window(left, None)))
     assert comp.report["spill_stores"] == 0 and comp.report["spill_loads"] == 0
     assert not comp.report["wgmma_serialized"]
     assert "PREEXIT" in comp.sass and _waits_before_global_memory(comp.sass)

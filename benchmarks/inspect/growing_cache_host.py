@@ -24,12 +24,13 @@ real plan directory: point FA4_CACHE_DIR at a copy to keep yours).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
 import time
+
+from .host_overhead import plans_setting
 
 HEADS, KV_HEADS, HEAD_DIM, START = 32, 8, 128, 4096
 
@@ -43,9 +44,7 @@ def _steps(buffers, q, first_len, steps, layers, variant):
 
     k_buf, v_buf = buffers
     per_step, recording = [], []
-    saved = os.environ.get("FA4_PLANS")
-    os.environ["FA4_PLANS"] = "0" if variant == "no plans" else "1"
-    try:
+    with plans_setting("0" if variant == "no plans" else "1"):
         for t in range(steps):
             n = first_len + t
             k, v = k_buf[:, :n], v_buf[:, :n]
@@ -61,11 +60,6 @@ def _steps(buffers, q, first_len, steps, layers, variant):
                     recording.append(1e6 * (time.perf_counter() - t1))
             torch.cuda.synchronize()
             per_step.append(1e6 * (time.perf_counter() - t0))
-    finally:
-        if saved is None:
-            del os.environ["FA4_PLANS"]
-        else:
-            os.environ["FA4_PLANS"] = saved
     return statistics.median(per_step), statistics.median(recording)
 
 

@@ -17,7 +17,9 @@ gets, its shapes new each call), and through the transformers integration's left
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -48,21 +50,26 @@ def decode_problem():
     return q, k, v, torch.full((b,), s, dtype=torch.int32, device="cuda")
 
 
-def without_plans(fn):
-    """fn with fa4's launch plans off (FA4_PLANS=0, read per call): what a call whose shapes are new each
-    time gets -- a decode step over a cache that grows every step."""
-    import os
+@contextlib.contextmanager
+def plans_setting(value: str):
+    """FA4_PLANS set to `value` ("0" off, "1" on) inside the block (fa4 reads it per call), restored after."""
+    saved = os.environ.get("FA4_PLANS")
+    os.environ["FA4_PLANS"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["FA4_PLANS"]
+        else:
+            os.environ["FA4_PLANS"] = saved
 
+
+def without_plans(fn):
+    """fn with fa4's launch plans off (FA4_PLANS=0): what a call whose shapes are new each time gets --
+    a decode step over a cache that grows every step."""
     def run():
-        saved = os.environ.get("FA4_PLANS")
-        os.environ["FA4_PLANS"] = "0"
-        try:
+        with plans_setting("0"):
             return fn()
-        finally:
-            if saved is None:
-                del os.environ["FA4_PLANS"]
-            else:
-                os.environ["FA4_PLANS"] = saved
     return run
 
 

@@ -503,7 +503,8 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     args = _call_args(q, k, v, out, lse, softmax_scale, r, cu_seqlens_k=starts, seqused_k=used, batch_map=rows,
                       softcap=variant.softcap, page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
                       range_keys=RANGE_ALL if range_keys is None else range_keys)
-    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, varlen_flags(False, used is not None, rows is not None, starts is not None), tile_m,
+    flags = varlen_flags(False, used is not None, rows is not None, starts is not None)
+    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, flags, tile_m,
              variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
     return out, lse
 
