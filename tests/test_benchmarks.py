@@ -808,3 +808,30 @@ def test_resource_scan_merges_parts_of_one_source(tmp_path):
     assert [r["spill_stores"] for r in doc["results"]] == [0, 1] and doc["command"] == "part 0 && part 1"
     with pytest.raises(SystemExit, match="different sources"):
         rs.main(["--merge", str(paths[0]), str(paths[2]), "--out", str(tmp_path / "x.json")])
+
+
+@pytest.mark.parametrize("argv, word", [(["--new", "0"], "--new: expected >= 1"), (["--peers", " , "], "--peers")])
+def test_profile_generate_refuses_bad_arguments_before_touching_a_gpu(argv, word, capsys):
+    from benchmarks.inspect import profile_generate
+
+    with pytest.raises(SystemExit):
+        profile_generate.main(argv)
+    assert word in capsys.readouterr().err
+
+
+def test_profile_generate_says_it_needs_a_gpu_and_times_the_garbage_collector(capsys, monkeypatch):
+    import gc
+
+    import torch
+
+    from benchmarks.inspect import profile_generate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert profile_generate.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    hooks = list(gc.callbacks)
+    ms, collections = profile_generate._gc_ms(lambda tokens: [gc.collect() for _ in range(tokens)], 3)
+    assert collections == 3 and ms > 0
+    ms, collections = profile_generate._gc_ms(lambda tokens: None, 3)
+    assert (ms, collections) == (0.0, 0)
+    assert gc.callbacks == hooks  # the hook is removed again

@@ -1,0 +1,144 @@
+"""Where a left-padded generate() step's time goes, fa4 against torch SDPA: device kernels and host functions.
+
+    python -m benchmarks.inspect.profile_generate [--batch 8] [--prompt 4096] [--new 16] [--layers 4]
+                                                  [--peers fa4,sdpa] [--top 25]
+
+The model and prompts of benchmarks.bench_hf_generate. For each peer (an attn_implementation), after a
+warm-up: the wall time per new token (the median of 3); the device time per new token, per kernel, from
+torch.profiler over generate(new + 1) minus generate(1); the host-device syncs (cudaStreamSynchronize,
+cudaMemcpy) per token; the garbage collector's time; and cProfile of the host functions over
+generate(new + 1). A step whose wall time is far above its device time is host-bound, so the host tables
+say where to look.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import pstats
+import statistics
+import sys
+import time
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaEventSynchronize")
+
+
+def _generate(model, impl, ids, mask, tokens):
+    import torch
+
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                       do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+
+
+def _device_profile(run, tokens):
+    """({kernel: device us}, {sync event: count}) over run(tokens): the device-side events only, so an op and
+    the kernels it launched are not both counted."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(tokens)
+    kernels, syncs = {}, {}
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA:
+            kernels[e.key] = kernels.get(e.key, 0.0) + e.self_device_time_total
+        elif e.key in SYNC_EVENTS:
+            syncs[e.key] = e.count
+    return kernels, syncs
+
+
+def _gc_ms(run, tokens) -> tuple[float, int]:
+    """(ms spent in the garbage collector, collections) over run(tokens)."""
+    spent, starts = [0.0, 0], []
+
+    def hook(phase, info):
+        if phase == "start":
+            starts.append(time.perf_counter())
+        elif starts:
+            spent[0] += time.perf_counter() - starts.pop()
+            spent[1] += 1
+
+    gc.callbacks.append(hook)
+    try:
+        run(tokens)
+    finally:
+        gc.callbacks.remove(hook)
+    return 1e3 * spent[0], spent[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--peers", default="fa4,sdpa")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    for flag, value in (("--batch", args.batch), ("--prompt", args.prompt), ("--new", args.new),
+                        ("--layers", args.layers), ("--top", args.top)):
+        if value < 1:
+            ap.error(f"{flag}: expected >= 1, got {value}")
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    if not peers:
+        ap.error("--peers: name at least one attn_implementation (fa4, sdpa, eager, ...)")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("profile_generate needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from fa4.integrations import transformers as integ
+
+    from ..bench_hf_generate import _model
+
+    integ.register_fa4_attention()
+    model = _model(args.layers)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(1, 32000, (args.batch, args.prompt), device="cuda", generator=g)
+    pad = torch.randint(0, args.prompt // 2 + 1, (args.batch,), device="cuda", generator=g)
+    mask = (torch.arange(args.prompt, device="cuda")[None, :] >= pad[:, None]).long()
+    summary = []
+    for impl in peers:
+        def run(tokens, impl=impl):
+            _generate(model, impl, ids, mask, tokens)
+
+        run(args.new + 1)  # warm-up: compiles, allocator, launch plans
+        walls = []
+        for _ in range(3):
+            start = time.perf_counter()
+            run(args.new + 1)
+            mid = time.perf_counter()
+            run(1)
+            walls.append(1e3 * ((mid - start) - (time.perf_counter() - mid)) / args.new)
+        wall_ms = statistics.median(walls)
+        full, syncs_full = _device_profile(run, args.new + 1)
+        one, syncs_one = _device_profile(run, 1)
+        per_token = {k: (us - one.get(k, 0.0)) / args.new for k, us in full.items()}
+        device_ms = 1e-3 * sum(per_token.values())
+        syncs = {k: (syncs_full.get(k, 0) - syncs_one.get(k, 0)) / args.new for k in syncs_full}
+        gc_ms, collections = _gc_ms(run, args.new + 1)
+        summary.append((impl, wall_ms, device_ms, syncs, gc_ms, collections))
+        print(f"==== {impl}: wall {wall_ms:.2f} ms / token, device {device_ms:.2f} ms / token, "
+              f"syncs per token {syncs}, garbage collector {gc_ms:.1f} ms in {collections} collections over "
+              f"generate({args.new + 1})", flush=True)
+        print("---- kernels per new token, device us")
+        for name, us in sorted(per_token.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"{us:10.1f}  {name[:110]}")
+        prof = cProfile.Profile()
+        prof.enable()
+        run(args.new + 1)
+        prof.disable()
+        for key in ("tottime", "cumulative"):
+            print(f"---- host functions over generate({args.new + 1}), sorted by {key}")
+            pstats.Stats(prof).sort_stats(key).print_stats(args.top)
+    for impl, wall_ms, device_ms, syncs, gc_ms, collections in summary:
+        print(f"{impl:8} wall {wall_ms:7.2f} ms / token  device {device_ms:6.2f} ms / token  syncs {syncs}  "
+              f"gc {gc_ms:.1f} ms ({collections})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
