@@ -132,7 +132,7 @@ def tokens(n: int) -> str:
 def versions():
     v = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
          "cudnn": torch.backends.cudnn.version()}
-    for pkg in ("nvidia-cutlass-dsl", "flash-attn-4", "triton", "flashinfer-python"):
+    for pkg in ("nvidia-cutlass-dsl", "flash-attn-4", "triton", "flashinfer-python", "transformers"):
         try:
             from importlib.metadata import version
 
