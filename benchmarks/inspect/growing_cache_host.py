@@ -19,7 +19,8 @@ order per round, each round on lengths no variant has seen):
 
 Reported per variant: us per step (median of rounds) and per layer, the recording call's time (layer 2),
 and the plan directory's size after the run (`--keep N` runs it under FA4_PLANS_MAX = N, which prunes the
-real plan directory: point FA4_CACHE_DIR at a copy to keep yours).
+real plan directory: point FA4_CACHE_DIR at a copy to keep yours). `--profile TOP` then profiles the
+recording calls of one more round of steps (cProfile, the TOP functions).
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ from .host_overhead import plans_setting
 HEADS, KV_HEADS, HEAD_DIM, START = 32, 8, 128, 4096
 
 
-def _steps(buffers, q, first_len, steps, layers, variant):
-    """(us per step, us of each step's second call) over `steps` steps from first_len keys."""
+def _steps(buffers, q, first_len, steps, layers, variant, profiler=None):
+    """(us per step, us of each step's second call) over `steps` steps from first_len keys; a cProfile
+    `profiler` is enabled around each step's second call (the recording one) only."""
     import torch
 
     import fa4
@@ -54,8 +56,12 @@ def _steps(buffers, q, first_len, steps, layers, variant):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for layer in range(layers):
+                if profiler is not None and layer == 1:
+                    profiler.enable()
                 t1 = time.perf_counter()
                 fa4.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+                if profiler is not None and layer == 1:
+                    profiler.disable()
                 if layer == 1:
                     recording.append(1e6 * (time.perf_counter() - t1))
             torch.cuda.synchronize()
@@ -71,11 +77,16 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", type=int, default=None,
                     help="FA4_PLANS_MAX for the run, to see the pruning (it prunes the real plan directory)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="TOP",
+                    help="after the rounds, cProfile the recording calls of --steps more steps (plans on) and "
+                         "print the TOP functions by own and by cumulative time")
     args = ap.parse_args(argv)
     for flag, value in (("--steps", args.steps), ("--layers", args.layers), ("--rounds", args.rounds),
                         ("--keep", 1 if args.keep is None else args.keep)):
         if value < (2 if flag == "--layers" else 1):
             raise SystemExit(f"{flag}: expected >= {2 if flag == '--layers' else 1}, got {value}")
+    if args.profile < 0:
+        raise SystemExit(f"--profile: expected >= 0 (0: no profile), got {args.profile}")
     import torch
 
     if not torch.cuda.is_available():
@@ -86,7 +97,7 @@ def main(argv=None) -> int:
     if args.keep is not None:
         os.environ["FA4_PLANS_MAX"] = str(args.keep)
     variants = ["plans", "plans, kernel entries re-hashed", "no plans"]
-    total = START + (args.rounds * len(variants) + 1) * args.steps + 1
+    total = START + (args.rounds * len(variants) + 2) * args.steps + 1
     q = torch.randn(1, 1, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     buffers = tuple(torch.randn(1, total, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     next_len = START
@@ -100,6 +111,15 @@ def main(argv=None) -> int:
             next_len += args.steps
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{v} {times[v][-1][0]:.0f} us" for v in variants),
               flush=True)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        _steps(buffers, q, next_len, args.steps, args.layers, "plans", profiler)
+        for key in ("tottime", "cumulative"):
+            print(f"---- the recording calls of {args.steps} steps, sorted by {key}")
+            pstats.Stats(profiler).sort_stats(key).print_stats(args.profile)
     on_disk = len(list(_plans.plan_dir("sm_90a").glob("*.json")))
     rows = []
     for variant in variants:
