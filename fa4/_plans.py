@@ -432,7 +432,7 @@ def _write(sig: str, cute_arch: str, recorder: _Recorder, result) -> pathlib.Pat
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{sig}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(plan, f)
+            f.write(json.dumps(plan))  # one string: json.dump streams through the pure-Python encoder
         os.replace(tmp, directory / f"{sig}.json")
     finally:
         if os.path.exists(tmp):
