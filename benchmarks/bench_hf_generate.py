@@ -42,6 +42,20 @@ def _model(layers: int):
     return AutoModelForCausalLM.from_config(cfg).to("cuda", torch.bfloat16).eval()
 
 
+def model_and_prompts(layers: int, batch: int, prompt: int):
+    """(the model, prompt ids (batch, prompt), attention mask (batch, prompt)) with fa4 registered in
+    transformers: row b left-padded by a random 0 to prompt / 2 tokens (a fixed seed)."""
+    from fa4.integrations import transformers as integ
+
+    integ.register_fa4_attention()
+    model = _model(layers)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(1, 32000, (batch, prompt), device="cuda", generator=g)
+    pad = torch.randint(0, prompt // 2 + 1, (batch,), device="cuda", generator=g)
+    mask = (torch.arange(prompt, device="cuda")[None, :] >= pad[:, None]).long()
+    return model, ids, mask
+
+
 def _generate_s(model, impl, ids, mask, tokens) -> float:
     model.set_attn_implementation(impl)
     torch.cuda.synchronize()
@@ -71,12 +85,7 @@ def main(argv=None) -> int:
         return 2
     from fa4.integrations import transformers as integ
 
-    integ.register_fa4_attention()
-    model = _model(args.layers)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    ids = torch.randint(1, 32000, (args.batch, args.prompt), device="cuda", generator=g)
-    pad = torch.randint(0, args.prompt // 2 + 1, (args.batch,), device="cuda", generator=g)
-    mask = (torch.arange(args.prompt, device="cuda")[None, :] >= pad[:, None]).long()
+    model, ids, mask = model_and_prompts(args.layers, args.batch, args.prompt)
     takes = integ._split_launch_takes
     peers = {"fa4": ("fa4", takes, "1"), "fa4_no_plans": ("fa4", takes, "0"),
              "fa4_gathered": ("fa4", lambda *a: False, "1"), "sdpa": ("sdpa", takes, "1")}

@@ -829,8 +829,13 @@ def test_profile_generate_says_it_needs_a_gpu_and_times_the_garbage_collector(ca
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert profile_generate.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
-    hooks = list(gc.callbacks)
-    ms, collections = profile_generate._gc_ms(lambda tokens: [gc.collect() for _ in range(tokens)], 3)
+    hooks, automatic = list(gc.callbacks), gc.isenabled()
+    gc.disable()  # only the explicit collections below
+    try:
+        ms, collections = profile_generate._gc_ms(lambda tokens: [gc.collect() for _ in range(tokens)], 3)
+    finally:
+        if automatic:
+            gc.enable()
     assert collections == 3 and ms > 0
     ms, collections = profile_generate._gc_ms(lambda tokens: None, 3)
     assert (ms, collections) == (0.0, 0)

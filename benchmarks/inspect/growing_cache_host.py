@@ -111,6 +111,17 @@ def main(argv=None) -> int:
             next_len += args.steps
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{v} {times[v][-1][0]:.0f} us" for v in variants),
               flush=True)
+    on_disk = len(list(_plans.plan_dir("sm_90a").glob("*.json")))
+    plan_stats = _plans.stats()  # before the profile's round, which records plans of its own
+    rows = []
+    for variant in variants:
+        step = statistics.median(s for s, _ in times[variant])
+        rec = statistics.median(c for _, c in times[variant])
+        rows.append({"variant": variant, "us_per_step": step, "us_per_layer": step / args.layers,
+                     "second_call_us": rec, "rounds": times[variant]})
+        print(f"{variant:32} {step:9.0f} us / step  {step / args.layers:6.1f} us / layer  "
+              f"second call {rec:7.0f} us")
+    print(f"plans on disk after the run: {on_disk} (FA4_PLANS_MAX={_plans.max_on_disk()}); stats {plan_stats}")
     if args.profile:
         import cProfile
         import pstats
@@ -120,23 +131,13 @@ def main(argv=None) -> int:
         for key in ("tottime", "cumulative"):
             print(f"---- the recording calls of {args.steps} steps, sorted by {key}")
             pstats.Stats(profiler).sort_stats(key).print_stats(args.profile)
-    on_disk = len(list(_plans.plan_dir("sm_90a").glob("*.json")))
-    rows = []
-    for variant in variants:
-        step = statistics.median(s for s, _ in times[variant])
-        rec = statistics.median(c for _, c in times[variant])
-        rows.append({"variant": variant, "us_per_step": step, "us_per_layer": step / args.layers,
-                     "second_call_us": rec, "rounds": times[variant]})
-        print(f"{variant:32} {step:9.0f} us / step  {step / args.layers:6.1f} us / layer  "
-              f"second call {rec:7.0f} us")
-    print(f"plans on disk after the run: {on_disk} (FA4_PLANS_MAX={_plans.max_on_disk()}); stats {_plans.stats()}")
     if args.out:
         from ..bench_fwd import write_doc
 
         write_doc(args.out, "benchmarks.inspect.growing_cache_host", argv, rows,
                   shapes=f"batch 1, {START}+ keys growing 1 a step, GQA {HEADS}/{KV_HEADS}, d={HEAD_DIM}, bf16, "
                          f"{args.layers} calls a step, {args.steps} steps a round",
-                  plans_on_disk=on_disk, plans_max=_plans.max_on_disk(), plan_stats=_plans.stats())
+                  plans_on_disk=on_disk, plans_max=_plans.max_on_disk(), plan_stats=plan_stats)
     return 0
 
 
