@@ -7,10 +7,11 @@ A Llama of random weights (hidden 4096, 32 query / 8 KV heads of 128, `--layers`
 DynamicCache: the cache grows every step) generates `--new` tokens greedily from `--batch` prompts of
 `--prompt` tokens, row b left-padded by a random 0 to prompt / 2 tokens. Peers, as attn_implementation:
 
-* fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad);
-* fa4_no_plans: the same with launch plans off (FA4_PLANS=0). Every round generates from the same prompts,
-  so its cache lengths repeat: the fa4 rounds replay the plans the warm-up recorded (a generation over new
-  lengths records one a step as well: benchmarks.inspect.growing_cache_host times that);
+* fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad), without
+  launch plans, since the cache grows every step (the integration's `_cache_grew`);
+* fa4_plans: the same with launch plans (`_cache_grew` False). Every round generates from the same
+  prompts, so its cache lengths repeat: its rounds replay the plans the warm-up recorded, where a generation
+  over new lengths records one a step (benchmarks.inspect.growing_cache_host times that);
 * fa4_gathered: the same with that path closed (`_split_launch_takes` False): every step gathers the
   cache's valid keys and values into a packed copy (the path before the left-padding mark);
 * sdpa: torch SDPA with transformers' own mask.
@@ -86,19 +87,18 @@ def main(argv=None) -> int:
     from fa4.integrations import transformers as integ
 
     model, ids, mask = model_and_prompts(args.layers, args.batch, args.prompt)
-    takes = integ._split_launch_takes
-    peers = {"fa4": ("fa4", takes, "1"), "fa4_no_plans": ("fa4", takes, "0"),
-             "fa4_gathered": ("fa4", lambda *a: False, "1"), "sdpa": ("sdpa", takes, "1")}
+    takes, grew = integ._split_launch_takes, integ._cache_grew
+    peers = {"fa4": ("fa4", takes, grew), "fa4_plans": ("fa4", takes, lambda module, keys: False),
+             "fa4_gathered": ("fa4", lambda *a: False, grew), "sdpa": ("sdpa", takes, grew)}
 
     def per_token(name):
-        impl, gate, plans = peers[name]
-        integ._split_launch_takes = gate
+        impl, integ._split_launch_takes, integ._cache_grew = peers[name]
         try:
-            with plans_setting(plans):
+            with plans_setting("1"):
                 return 1e3 * (_generate_s(model, impl, ids, mask, args.new + 1)
                               - _generate_s(model, impl, ids, mask, 1)) / args.new
         finally:
-            integ._split_launch_takes = takes
+            integ._split_launch_takes, integ._cache_grew = takes, grew
 
     for name in peers:  # warm-up: compiles, allocator, launch plans
         per_token(name)

@@ -24,7 +24,8 @@ training repeats its shapes), written only if the whole call was recordable, and
 processes -- and by this one -- whenever the signature matches exactly.
 
 Bounds: a cache that grows every step (transformers' DynamicCache) is a new signature each step, so a
-long generation would otherwise leave a plan file and a decoded plan per step. A process keeps at most
+long generation would otherwise leave a plan file and a decoded plan per step (the transformers
+integration runs such steps without plans: `call_without_plans`). A process keeps at most
 MEMORY_SIGNATURES signatures' worth of plans, counts and hashes (the least recently used plans go first,
 the oldest counts and hashes; a dropped plan loads again from disk), and a plan directory keeps about
 FA4_PLANS_MAX plans (2048 by default): a write that would pass it deletes the least recently used
@@ -47,6 +48,7 @@ that is not on disk, no C compiler to link a kernel, CUDA graph capture. FA4_PLA
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -96,8 +98,24 @@ class Unrecordable(Exception):
     """The call's host side does something a plan cannot replay."""
 
 
+# set while a caller runs calls it knows to have new shapes each time (call_without_plans)
+_SUSPENDED = contextvars.ContextVar("fa4_plans_suspended", default=False)
+
+
 def enabled() -> bool:
-    return _cache.enabled() and os.environ.get("FA4_PLANS", "1") not in ("0", "false", "False", "off")
+    return (not _SUSPENDED.get() and _cache.enabled()
+            and os.environ.get("FA4_PLANS", "1") not in ("0", "false", "False", "off"))
+
+
+def call_without_plans(fn, *args, **kwargs):
+    """fn(*args, **kwargs) with no plan replayed or recorded inside it (this thread / task only): for
+    a caller that knows its calls' shapes are new each time, whose plans would be recorded and then
+    replayed at most a few times (a cache growing a key a step; benchmarks.inspect.growing_cache_host)."""
+    token = _SUSPENDED.set(True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _SUSPENDED.reset(token)
 
 
 def stats() -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 
 import pytest
 import torch
@@ -466,6 +467,51 @@ def test_left_padded_static_cache_decode_reads_the_cache_in_place(ref_fa4, monke
     kinds = ref_fa4.kinds()
     assert set(kinds) == {"kvcache"} if kind == "llama" else kinds[1::2] == ["kvcache"] * 4
     assert any(c[1]["cache_seqlens"][0] < c[1]["slots"] for c in ref_fa4.calls)  # a buffer longer than the mask
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_left_padded_decode_skips_launch_plans_while_the_cache_grows(ref_fa4, monkeypatch, cache):
+    """A DynamicCache grows a key a step, so every in-place step of every layer runs without launch plans
+    (a plan would be recorded per step); a static cache's buffer keeps its rows, so after each layer's
+    first step its steps use plans. Plans are on again after each call."""
+    from fa4 import _plans
+
+    monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
+    kvcache, plans_on = integ.flash_attn_with_kvcache, []
+
+    def watched(*args, **kw):
+        plans_on.append(_plans.enabled())
+        return kvcache(*args, **kw)
+
+    monkeypatch.setattr(integ, "flash_attn_with_kvcache", watched)
+    monkeypatch.delenv("FA4_PLANS", raising=False)
+    monkeypatch.delenv("FA4_CACHE", raising=False)
+    model = build("llama")
+    kw = {} if cache == "dynamic" else {"cache_implementation": "static"}
+    generate_like_eager(model, seed=5, pads=(0, 3, 6), what=f"llama {cache}", **kw)
+    layers = BASE["num_hidden_layers"]
+    assert len(plans_on) == 4 * layers and _plans.enabled()  # the prefill and 3 steps, each layer once
+    assert plans_on == ([False] * (4 * layers) if cache == "dynamic" else [False] * layers + [True] * (3 * layers))
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_calls_without_plans_leave_other_calls_their_plans(monkeypatch):
+    from fa4 import _plans
+
+    monkeypatch.delenv("FA4_PLANS", raising=False)
+    monkeypatch.delenv("FA4_CACHE", raising=False)
+    seen = []
+    assert _plans.enabled()
+    assert _plans.call_without_plans(lambda x, y=0: seen.append(_plans.enabled()) or x + y, 2, y=3) == 5
+    with pytest.raises(RuntimeError, match="inner"):
+        _plans.call_without_plans(lambda: (_ for _ in ()).throw(RuntimeError("inner")))
+    other = []
+    thread = threading.Thread(target=lambda: other.append(_plans.enabled()))
+    _plans.call_without_plans(lambda: (thread.start(), thread.join()))
+    assert seen == [False] and other == [True] and _plans.enabled()
 
 
 @pytest.mark.cpu

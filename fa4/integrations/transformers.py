@@ -77,7 +77,7 @@ from typing import Optional
 
 import torch
 
-from .. import _decode_route
+from .. import _decode_route, _plans
 from .._api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 _I32 = torch.int32
@@ -433,13 +433,13 @@ def _packed_call(q, k, v, varlen, common):
     return out.view(q.shape[0], q.shape[1], *out.shape[1:])
 
 
-def _padded_call(q, k, v, mask, common):
+def _padded_call(q, k, v, mask, common, module=None):
     """Padding mask (B, >= Sk or fewer columns for a static cache) -> one varlen call, no sync.
     Layout: sequence b holds row b's queries, its padding first and then its valid queries in
     order (so the bottom-right causal alignment lines the valid queries up with the valid keys;
     padding queries see no key, or are discarded), and row b's valid keys; sequences B..2B-1 hold
     each row's padding keys and no query. Every length is <= the row's, so max_seqlen is static."""
-    served = _left_padded_decode(q, k, v, mask, common)
+    served = _left_padded_decode(q, k, v, mask, common, module)
     if served is not None:
         return served
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask hold nothing yet (as transformers does)
@@ -481,17 +481,38 @@ def _split_launch_takes(q, k, v, sink, tokens: int, keys: int) -> bool:
     return _decode_route.takes(q, k, v, sink, tokens, keys, q.shape[0]) and _decode_route.native_head_dims(q, v)
 
 
-def _left_padded_decode(q, k, v, mask, common):
+# a layer module's __dict__ entry: the cache rows of its last in-place decode step
+_LAST_KEYS = "_fa4_decode_keys"
+
+
+def _cache_grew(module, keys: int) -> bool:
+    """Whether this layer's cache has another number of rows than at its last in-place decode step: a
+    DynamicCache grows one a step, so each step's shapes are new and a launch plan would be recorded
+    a step and replayed only by that step's later layers, which costs more than it saves
+    (benchmarks.inspect.growing_cache_host). A static or full sliding cache keeps its rows: plans serve it."""
+    state = getattr(module, "__dict__", None)
+    if state is None:
+        return False
+    last = state.get(_LAST_KEYS)
+    state[_LAST_KEYS] = keys
+    return last != keys
+
+
+def _left_padded_decode(q, k, v, mask, common, module=None):
     """A decode step (a few query tokens, no gradient) of a left-padded batch, which fa4_mask marked:
     flash_attn_with_kvcache on the cache as it is, row b's keys from its first valid one (cache_leftpad),
     with no copy (the general padded path gathers every key and value of the cache each step). Causal
-    queries are the row's last tokens, as there. None where it does not apply: the general path runs."""
+    queries are the row's last tokens, as there. None where it does not apply: the general path runs.
+    A layer whose cache grew since its last step runs without launch plans (_cache_grew)."""
     marks = None if torch.compiler.is_compiling() else getattr(mask, _LEFT_PADDING, None)
     sq, cols = q.shape[1], mask.shape[1]
     if marks is None or k.shape[1] < cols or (common["causal"] and sq > cols) or \
             not _split_launch_takes(q, k, v, common["learnable_sink"], sq, cols):
         return None
     first, lengths = marks
+    if _cache_grew(module, k.shape[1]):
+        return _plans.call_without_plans(flash_attn_with_kvcache, q, k, v, cache_seqlens=lengths,
+                                         cache_leftpad=first, **common)
     return flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, cache_leftpad=first, **common)
 
 
@@ -553,7 +574,7 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if varlen is not None:
         return _packed_call(q, k, v, varlen, common), None
     if is_padding:
-        return _padded_call(q, k, v, attention_mask, common), None
+        return _padded_call(q, k, v, attention_mask, common, module), None
     return flash_attn_func(q, k, v, **common), None
 
 
