@@ -1,7 +1,7 @@
 """Greedy generation from a left-padded batch through transformers: ms per new token, fa4 against torch SDPA.
 
     python -m benchmarks.bench_hf_generate [--batch 8] [--prompt 4096] [--new 64] [--layers 4] [--rounds 3]
-                                           [--out benchmarks/results/bench_hf_generate_h100.json]
+                                           [--fresh-lengths] [--out benchmarks/results/bench_hf_generate_h100.json]
 
 A Llama of random weights (hidden 4096, 32 query / 8 KV heads of 128, `--layers` layers, bf16, a
 DynamicCache: the cache grows every step) generates `--new` tokens greedily from `--batch` prompts of
@@ -10,8 +10,9 @@ DynamicCache: the cache grows every step) generates `--new` tokens greedily from
 * fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad), without
   launch plans, since the cache grows every step (the integration's `_cache_grew`);
 * fa4_plans: the same with launch plans (`_cache_grew` False). Every round generates from the same
-  prompts, so its cache lengths repeat: its rounds replay the plans the warm-up recorded, where a generation
-  over new lengths records one a step (benchmarks.inspect.growing_cache_host times that);
+  prompts, so its cache lengths repeat: its rounds replay the plans the warm-up recorded. With
+  `--fresh-lengths`, round r drops the prompts' first r columns, so no round repeats the cache lengths of
+  another or of the warm-up and fa4_plans records a plan a step, as a generation over new lengths does;
 * fa4_gathered: the same with that path closed (`_split_launch_takes` False): every step gathers the
   cache's valid keys and values into a packed copy (the path before the left-padding mark);
 * sdpa: torch SDPA with transformers' own mask.
@@ -75,12 +76,16 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--fresh-lengths", action="store_true",
+                    help="round r drops the prompts' first r columns: no round repeats another's cache lengths")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for flag, value in (("--batch", args.batch), ("--prompt", args.prompt), ("--new", args.new),
                         ("--layers", args.layers), ("--rounds", args.rounds)):
         if value < 1:
             raise SystemExit(f"{flag}: expected >= 1, got {value}")
+    if args.fresh_lengths and args.prompt <= args.rounds:
+        raise SystemExit(f"--fresh-lengths: --prompt ({args.prompt}) must exceed --rounds ({args.rounds})")
     if not torch.cuda.is_available():
         print("bench_hf_generate needs a CUDA GPU")
         return 2
@@ -91,21 +96,21 @@ def main(argv=None) -> int:
     peers = {"fa4": ("fa4", takes, grew), "fa4_plans": ("fa4", takes, lambda module, keys: False),
              "fa4_gathered": ("fa4", lambda *a: False, grew), "sdpa": ("sdpa", takes, grew)}
 
-    def per_token(name):
+    def per_token(name, drop=0):
         impl, integ._split_launch_takes, integ._cache_grew = peers[name]
         try:
             with plans_setting("1"):
-                return 1e3 * (_generate_s(model, impl, ids, mask, args.new + 1)
-                              - _generate_s(model, impl, ids, mask, 1)) / args.new
+                return 1e3 * (_generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
+                              - _generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
         finally:
             integ._split_launch_takes, integ._cache_grew = takes, grew
 
     for name in peers:  # warm-up: compiles, allocator, launch plans
         per_token(name)
     rng, times = random.Random(0), {n: [] for n in peers}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for name in rng.sample(list(peers), len(peers)):
-            times[name].append(per_token(name))
+            times[name].append(per_token(name, r + 1 if args.fresh_lengths else 0))
     rows = [{"peer": n, "ms_per_token": statistics.median(ts), "rounds_ms": ts,
              "over_fa4": statistics.median(t / f for t, f in zip(ts, times["fa4"]))} for n, ts in times.items()]
     for r in rows:
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
         write_doc(args.out, "benchmarks.bench_hf_generate", argv, rows,
                   shapes=f"Llama hidden 4096, {args.layers} layers, GQA 32/8, d=128, bf16, batch {args.batch}, "
                          f"prompt {args.prompt} left-padded by 0..{args.prompt // 2}, {args.new} new tokens",
-                  method=f"eager generate(), (t(new + 1) - t(1)) / new, {args.rounds} paired rounds",
+                  method=f"eager generate(), (t(new + 1) - t(1)) / new, {args.rounds} paired rounds"
+                         + (", round r without the prompts' first r columns" if args.fresh_lengths else ""),
                   plans=plans)
     return 0
 

@@ -108,7 +108,7 @@ def enabled() -> bool:
 
 
 def call_without_plans(fn, *args, **kwargs):
-    """fn(*args, **kwargs) with no plan replayed or recorded inside it (this thread / task only): for
+    """fn(*args, **kwargs) with no plan replayed or recorded inside it (in its context only): for
     a caller that knows its calls' shapes are new each time, whose plans would be recorded and then
     replayed at most a few times (a cache growing a key a step; benchmarks.inspect.growing_cache_host)."""
     token = _SUSPENDED.set(True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 import threading
 
 import pytest
@@ -511,7 +512,19 @@ def test_calls_without_plans_leave_other_calls_their_plans(monkeypatch):
     other = []
     thread = threading.Thread(target=lambda: other.append(_plans.enabled()))
     _plans.call_without_plans(lambda: (thread.start(), thread.join()))
-    assert seen == [False] and other == [True] and _plans.enabled()
+    inherits = bool(getattr(sys.flags, "thread_inherit_context", 0))  # free-threaded Python: a thread shares it
+    assert seen == [False] and other == [inherits is False] and _plans.enabled()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_a_cache_grows_when_its_row_count_is_new_to_the_layer():
+    module, stateless = torch.nn.Module(), torch.nn.Module
+    assert [integ._cache_grew(module, n) for n in (7, 8, 9, 9, 9)] == [True, True, True, False, False]
+    assert [integ._cache_grew(module, n) for n in (20, 30, 20, 30)] == [True, True, False, False]  # two caches
+    assert [integ._cache_grew(module, n) for n in range(40, 40 + 2 * integ.RECENT_KEY_COUNTS)] == \
+        [True] * (2 * integ.RECENT_KEY_COUNTS)
+    assert integ._cache_grew(stateless, 5) is False and integ._cache_grew(None, 5) is False
 
 
 @pytest.mark.cpu

@@ -481,21 +481,25 @@ def _split_launch_takes(q, k, v, sink, tokens: int, keys: int) -> bool:
     return _decode_route.takes(q, k, v, sink, tokens, keys, q.shape[0]) and _decode_route.native_head_dims(q, v)
 
 
-# a layer module's __dict__ entry: the cache rows of its last in-place decode step
-_LAST_KEYS = "_fa4_decode_keys"
+# a layer module's __dict__ entry: the cache rows of its last few in-place decode steps
+_RECENT_KEYS = "_fa4_decode_keys"
+RECENT_KEY_COUNTS = 4
 
 
 def _cache_grew(module, keys: int) -> bool:
-    """Whether this layer's cache has another number of rows than at its last in-place decode step: a
-    DynamicCache grows one a step, so each step's shapes are new and a launch plan would be recorded
-    a step and replayed only by that step's later layers, which costs more than it saves
-    (benchmarks.inspect.growing_cache_host). A static or full sliding cache keeps its rows: plans serve it."""
+    """Whether this layer's cache has a number of rows none of its last few in-place decode steps had: a
+    DynamicCache grows one a step, so each step's shapes are new and a launch plan would be recorded a
+    step and replayed only by that step's later layers, which costs more than it saves up to about 60
+    layers (benchmarks.inspect.growing_cache_host, fa4/README.md). A static cache keeps its rows (two
+    caches taking turns too): plans serve it after its first step."""
     state = getattr(module, "__dict__", None)
-    if state is None:
+    if not isinstance(state, dict):  # no per-instance state (a class, a slotted object): plans as usual
         return False
-    last = state.get(_LAST_KEYS)
-    state[_LAST_KEYS] = keys
-    return last != keys
+    recent = state.get(_RECENT_KEYS, ())
+    if keys in recent:
+        return False
+    state[_RECENT_KEYS] = (keys,) + recent[:RECENT_KEY_COUNTS - 1]
+    return True
 
 
 def _left_padded_decode(q, k, v, mask, common, module=None):
