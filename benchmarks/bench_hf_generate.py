@@ -58,7 +58,23 @@ def model_and_prompts(layers: int, batch: int, prompt: int):
     return model, ids, mask
 
 
-def _generate_s(model, impl, ids, mask, tokens) -> float:
+def add_model_arguments(ap, new: int) -> None:
+    """The model and prompt options this benchmark and benchmarks.inspect.profile_generate share."""
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--new", type=int, default=new)
+    ap.add_argument("--layers", type=int, default=4)
+
+
+def check_counts(ap, args, *names) -> None:
+    """argparse error unless the model options and each of `names` (dests) are >= 1."""
+    for name in ("batch", "prompt", "new", "layers") + names:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name}: expected >= 1, got {getattr(args, name)}")
+
+
+def generate_s(model, impl, ids, mask, tokens) -> float:
+    """Seconds of one greedy generate() of `tokens` new tokens through attn_implementation `impl`."""
     model.set_attn_implementation(impl)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -71,21 +87,15 @@ def _generate_s(model, impl, ids, mask, tokens) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=4096)
-    ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=4)
+    add_model_arguments(ap, new=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fresh-lengths", action="store_true",
                     help="round r drops the prompts' first r columns: no round repeats another's cache lengths")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    for flag, value in (("--batch", args.batch), ("--prompt", args.prompt), ("--new", args.new),
-                        ("--layers", args.layers), ("--rounds", args.rounds)):
-        if value < 1:
-            raise SystemExit(f"{flag}: expected >= 1, got {value}")
+    check_counts(ap, args, "rounds")
     if args.fresh_lengths and args.prompt <= args.rounds:
-        raise SystemExit(f"--fresh-lengths: --prompt ({args.prompt}) must exceed --rounds ({args.rounds})")
+        ap.error(f"--fresh-lengths: --prompt ({args.prompt}) must exceed --rounds ({args.rounds})")
     if not torch.cuda.is_available():
         print("bench_hf_generate needs a CUDA GPU")
         return 2
@@ -100,8 +110,8 @@ def main(argv=None) -> int:
         impl, integ._split_launch_takes, integ._cache_grew = peers[name]
         try:
             with plans_setting("1"):
-                return 1e3 * (_generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
-                              - _generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
+                return 1e3 * (generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
+                              - generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
         finally:
             integ._split_launch_takes, integ._cache_grew = takes, grew
 

@@ -24,16 +24,6 @@ import time
 HOST_DEVICE_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
 
 
-def _generate(model, impl, ids, mask, tokens):
-    import torch
-
-    model.set_attn_implementation(impl)
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                       do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
-
-
 def _device_profile(run, tokens):
     """({kernel: device us}, {host-device call: count}) over run(tokens): the device-side events only, so an op and
     the kernels it launched are not both counted."""
@@ -71,19 +61,15 @@ def _gc_ms(run, tokens) -> tuple[float, int]:
 
 
 def main(argv=None) -> int:
+    from ..bench_hf_generate import add_model_arguments, check_counts, generate_s, model_and_prompts
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt", type=int, default=4096)
-    ap.add_argument("--new", type=int, default=16)
-    ap.add_argument("--layers", type=int, default=4)
+    add_model_arguments(ap, new=16)
     ap.add_argument("--peers", default="fa4,sdpa")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None, help="a results JSON: each peer's times, calls and top kernels")
     args = ap.parse_args(argv)
-    for flag, value in (("--batch", args.batch), ("--prompt", args.prompt), ("--new", args.new),
-                        ("--layers", args.layers), ("--top", args.top)):
-        if value < 1:
-            ap.error(f"{flag}: expected >= 1, got {value}")
+    check_counts(ap, args, "top")
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     if not peers:
         ap.error("--peers: name at least one attn_implementation (fa4, sdpa, eager, ...)")
@@ -92,22 +78,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_generate needs a CUDA GPU", file=sys.stderr)
         return 2
-    from ..bench_hf_generate import model_and_prompts
-
     model, ids, mask = model_and_prompts(args.layers, args.batch, args.prompt)
     summary = []
     for impl in peers:
         def run(tokens, impl=impl):
-            _generate(model, impl, ids, mask, tokens)
+            return generate_s(model, impl, ids, mask, tokens)
 
         run(args.new + 1)  # warm-up: compiles, allocator, launch plans
-        walls = []
-        for _ in range(3):
-            start = time.perf_counter()
-            run(args.new + 1)
-            mid = time.perf_counter()
-            run(1)
-            walls.append(1e3 * ((mid - start) - (time.perf_counter() - mid)) / args.new)
+        walls = [1e3 * (run(args.new + 1) - run(1)) / args.new for _ in range(3)]
         wall_ms = statistics.median(walls)
         full, syncs_full = _device_profile(run, args.new + 1)
         one, syncs_one = _device_profile(run, 1)

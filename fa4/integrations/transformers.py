@@ -514,10 +514,10 @@ def _left_padded_decode(q, k, v, mask, common, module=None):
             not _split_launch_takes(q, k, v, common["learnable_sink"], sq, cols):
         return None
     first, lengths = marks
+    step = dict(cache_seqlens=lengths, cache_leftpad=first, **common)
     if _cache_grew(module, k.shape[1]):
-        return _plans.call_without_plans(flash_attn_with_kvcache, q, k, v, cache_seqlens=lengths,
-                                         cache_leftpad=first, **common)
-    return flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, cache_leftpad=first, **common)
+        return _plans.call_without_plans(flash_attn_with_kvcache, q, k, v, **step)
+    return flash_attn_with_kvcache(q, k, v, **step)
 
 
 def _prefix_call(q, k, v, length, common):
