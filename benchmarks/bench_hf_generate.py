@@ -1,18 +1,22 @@
 """Greedy generation from a left-padded batch through transformers: ms per new token, fa4 against torch SDPA.
 
     python -m benchmarks.bench_hf_generate [--batch 8] [--prompt 4096] [--new 64] [--layers 4] [--rounds 3]
-                                           [--fresh-lengths] [--out benchmarks/results/bench_hf_generate_h100.json]
+                                           [--fresh-lengths] [--peers fa4,fa4_plans]
+                                           [--out benchmarks/results/bench_hf_generate_h100.json]
 
 A Llama of random weights (hidden 4096, 32 query / 8 KV heads of 128, `--layers` layers, bf16, a
 DynamicCache: the cache grows every step) generates `--new` tokens greedily from `--batch` prompts of
 `--prompt` tokens, row b left-padded by a random 0 to prompt / 2 tokens. Peers, as attn_implementation:
 
-* fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad), without
-  launch plans, since the cache grows every step (the integration's `_cache_grew`);
-* fa4_plans: the same with launch plans (`_cache_grew` False). Every round generates from the same
-  prompts, so its cache lengths repeat: its rounds replay the plans the warm-up recorded. With
-  `--fresh-lengths`, round r drops the prompts' first r columns, so no round repeats the cache lengths of
-  another or of the warm-up and fa4_plans records a plan a step, as a generation over new lengths does;
+* fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad); below 16
+  layers without launch plans, since the cache grows every step (the integration's `_skips_plans`);
+* fa4_plans: the same with launch plans at any depth (`_skips_plans` False). Every round generates from the same
+  prompts, so its cache lengths repeat: its rounds replay the plans the warm-up recorded (as a server
+  does once its requests have passed every cache length: plans stay on disk). With `--fresh-lengths`,
+  round r drops the prompts' first (r + 1) (new + 1) columns, so no decode step of a round has the
+  cache length of another round's or the warm-up's, and fa4_plans records a plan a step, as a first
+  generation over new lengths does. The plans each peer recorded and replayed are reported per round
+  (a plan directory that already holds these lengths, from an earlier run, shows as replays);
 * fa4_gathered: the same with that path closed (`_split_launch_takes` False): every step gathers the
   cache's valid keys and values into a packed copy (the path before the left-padding mark);
 * sdpa: torch SDPA with transformers' own mask.
@@ -85,47 +89,68 @@ def generate_s(model, impl, ids, mask, tokens) -> float:
     return time.perf_counter() - start
 
 
+PEERS = ("fa4", "fa4_plans", "fa4_gathered", "sdpa")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(ap, new=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fresh-lengths", action="store_true",
-                    help="round r drops the prompts' first r columns: no round repeats another's cache lengths")
+                    help="round r drops the prompts' first (r + 1) (new + 1) columns: no round repeats another's "
+                         "cache lengths")
+    ap.add_argument("--peers", default=",".join(PEERS),
+                    help=f"a comma list from {', '.join(PEERS)}; fa4 (the ratios' base) always runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     check_counts(ap, args, "rounds")
-    if args.fresh_lengths and args.prompt <= args.rounds:
-        ap.error(f"--fresh-lengths: --prompt ({args.prompt}) must exceed --rounds ({args.rounds})")
+    chosen = [p.strip() for p in args.peers.split(",") if p.strip()]
+    unknown = sorted(set(chosen) - set(PEERS))
+    if unknown:
+        ap.error(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    if args.fresh_lengths and args.prompt <= args.rounds * (args.new + 1):
+        ap.error(f"--fresh-lengths: --prompt ({args.prompt}) must exceed --rounds x (--new + 1) "
+                 f"({args.rounds * (args.new + 1)})")
     if not torch.cuda.is_available():
         print("bench_hf_generate needs a CUDA GPU")
         return 2
     from fa4.integrations import transformers as integ
 
     model, ids, mask = model_and_prompts(args.layers, args.batch, args.prompt)
-    takes, grew = integ._split_launch_takes, integ._cache_grew
-    peers = {"fa4": ("fa4", takes, grew), "fa4_plans": ("fa4", takes, lambda module, keys: False),
-             "fa4_gathered": ("fa4", lambda *a: False, grew), "sdpa": ("sdpa", takes, grew)}
+    takes, skips = integ._split_launch_takes, integ._skips_plans
+    peers = {"fa4": ("fa4", takes, skips), "fa4_plans": ("fa4", takes, lambda module, keys: False),
+             "fa4_gathered": ("fa4", lambda *a: False, skips), "sdpa": ("sdpa", takes, skips)}
+    peers = {name: peers[name] for name in PEERS if name == "fa4" or name in chosen}
+
+    from fa4 import _plans
 
     def per_token(name, drop=0):
-        impl, integ._split_launch_takes, integ._cache_grew = peers[name]
+        impl, integ._split_launch_takes, integ._skips_plans = peers[name]
+        before = _plans.stats()
         try:
             with plans_setting("1"):
-                return 1e3 * (generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
-                              - generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
+                ms = 1e3 * (generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
+                            - generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
         finally:
-            integ._split_launch_takes, integ._cache_grew = takes, grew
+            integ._split_launch_takes, integ._skips_plans = takes, skips
+        after = _plans.stats()
+        return ms, {k: after.get(k, 0) - before.get(k, 0) for k in ("recorded", "replays")}
 
     for name in peers:  # warm-up: compiles, allocator, launch plans
         per_token(name)
-    rng, times = random.Random(0), {n: [] for n in peers}
+    rng, times, plan_use = random.Random(0), {n: [] for n in peers}, {n: [] for n in peers}
     for r in range(args.rounds):
         for name in rng.sample(list(peers), len(peers)):
-            times[name].append(per_token(name, r + 1 if args.fresh_lengths else 0))
-    rows = [{"peer": n, "ms_per_token": statistics.median(ts), "rounds_ms": ts,
+            ms, used = per_token(name, (r + 1) * (args.new + 1) if args.fresh_lengths else 0)
+            times[name].append(ms)
+            plan_use[name].append(used)
+    rows = [{"peer": n, "ms_per_token": statistics.median(ts), "rounds_ms": ts, "rounds_plans": plan_use[n],
              "over_fa4": statistics.median(t / f for t, f in zip(ts, times["fa4"]))} for n, ts in times.items()]
     for r in rows:
-        print(f"{r['peer']:13} {r['ms_per_token']:8.2f} ms / token  ({r['over_fa4']:.2f}x fa4's)", flush=True)
-    from fa4 import _plans
+        recorded = sum(u["recorded"] for u in r["rounds_plans"])
+        replays = sum(u["replays"] for u in r["rounds_plans"])
+        print(f"{r['peer']:13} {r['ms_per_token']:8.2f} ms / token  ({r['over_fa4']:.2f}x fa4's)  "
+              f"plans over the rounds: {recorded} recorded, {replays} replayed", flush=True)
 
     plan_files = sorted(_plans.plan_dir("sm_90a").glob("*.json")) if torch.cuda.get_device_capability()[0] == 9 else []
     plans = dict(_plans.stats(), on_disk=len(plan_files), limit=_plans.max_on_disk())
@@ -135,7 +160,8 @@ def main(argv=None) -> int:
                   shapes=f"Llama hidden 4096, {args.layers} layers, GQA 32/8, d=128, bf16, batch {args.batch}, "
                          f"prompt {args.prompt} left-padded by 0..{args.prompt // 2}, {args.new} new tokens",
                   method=f"eager generate(), (t(new + 1) - t(1)) / new, {args.rounds} paired rounds"
-                         + (", round r without the prompts' first r columns" if args.fresh_lengths else ""),
+                         + (", round r without the prompts' first (r + 1) (new + 1) columns" if args.fresh_lengths
+                            else ""),
                   plans=plans)
     return 0
 

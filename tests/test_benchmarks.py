@@ -810,6 +810,21 @@ def test_resource_scan_merges_parts_of_one_source(tmp_path):
         rs.main(["--merge", str(paths[0]), str(paths[2]), "--out", str(tmp_path / "x.json")])
 
 
+@pytest.mark.parametrize("argv, word", [
+    (["--rounds", "0"], "--rounds: expected >= 1"),
+    # fresh lengths drop (r + 1) (new + 1) columns in round r: 3 rounds of 64 + 1 need more than 195
+    (["--fresh-lengths", "--prompt", "195", "--new", "64", "--rounds", "3"],
+     "must exceed --rounds x (--new + 1) (195)"),
+    (["--peers", "fa4_plans,flash"], "--peers: unknown flash"),
+])
+def test_bench_hf_generate_refuses_bad_arguments_before_touching_a_gpu(argv, word, capsys):
+    from benchmarks import bench_hf_generate
+
+    with pytest.raises(SystemExit):
+        bench_hf_generate.main(argv)
+    assert word in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, word", [(["--new", "0"], "--new: expected >= 1"), (["--peers", " , "], "--peers")])
 def test_profile_generate_refuses_bad_arguments_before_touching_a_gpu(argv, word, capsys):
     from benchmarks.inspect import profile_generate
