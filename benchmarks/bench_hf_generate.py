@@ -8,9 +8,9 @@ A Llama of random weights (hidden 4096, 32 query / 8 KV heads of 128, `--layers`
 DynamicCache: the cache grows every step) generates `--new` tokens greedily from `--batch` prompts of
 `--prompt` tokens, row b left-padded by a random 0 to prompt / 2 tokens. Peers, as attn_implementation:
 
-* fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad); below 16
-  layers without launch plans, since the cache grows every step (the integration's `_skips_plans`);
-* fa4_plans: the same with launch plans at any depth (`_skips_plans` False). Every round generates from the same
+* fa4: the decode steps read the cache in place (flash_attn_with_kvcache with cache_leftpad), without
+  launch plans, since the cache grows every step (the integration's `_cache_grew`);
+* fa4_plans: the same with launch plans (`_cache_grew` False). Every round generates from the same
   prompts, so its cache lengths repeat: its rounds replay the plans the warm-up recorded (as a server
   does once its requests have passed every cache length: plans stay on disk). With `--fresh-lengths`,
   round r drops the prompts' first (r + 1) (new + 1) columns, so no decode step of a round has the
@@ -117,22 +117,22 @@ def main(argv=None) -> int:
     from fa4.integrations import transformers as integ
 
     model, ids, mask = model_and_prompts(args.layers, args.batch, args.prompt)
-    takes, skips = integ._split_launch_takes, integ._skips_plans
-    peers = {"fa4": ("fa4", takes, skips), "fa4_plans": ("fa4", takes, lambda module, keys: False),
-             "fa4_gathered": ("fa4", lambda *a: False, skips), "sdpa": ("sdpa", takes, skips)}
+    takes, grew = integ._split_launch_takes, integ._cache_grew
+    peers = {"fa4": ("fa4", takes, grew), "fa4_plans": ("fa4", takes, lambda module, keys: False),
+             "fa4_gathered": ("fa4", lambda *a: False, grew), "sdpa": ("sdpa", takes, grew)}
     peers = {name: peers[name] for name in PEERS if name == "fa4" or name in chosen}
 
     from fa4 import _plans
 
     def per_token(name, drop=0):
-        impl, integ._split_launch_takes, integ._skips_plans = peers[name]
+        impl, integ._split_launch_takes, integ._cache_grew = peers[name]
         before = _plans.stats()
         try:
             with plans_setting("1"):
                 ms = 1e3 * (generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
                             - generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
         finally:
-            integ._split_launch_takes, integ._skips_plans = takes, skips
+            integ._split_launch_takes, integ._cache_grew = takes, grew
         after = _plans.stats()
         return ms, {k: after.get(k, 0) - before.get(k, 0) for k in ("recorded", "replays")}
 

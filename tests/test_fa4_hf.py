@@ -472,12 +472,11 @@ def test_left_padded_static_cache_decode_reads_the_cache_in_place(ref_fa4, monke
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-@pytest.mark.parametrize("cache", ["dynamic", "static", "dynamic, deep model"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_left_padded_decode_skips_launch_plans_while_the_cache_grows(ref_fa4, monkeypatch, cache):
-    """A DynamicCache grows a key a step, so every in-place step of every layer of a shallow model runs
-    without launch plans (a plan would be recorded per step and replayed by few layers); a static cache's
-    buffer keeps its rows, so after each layer's first step its steps use plans; a model of
-    PLANS_FROM_LAYERS layers or more uses them on a growing cache too. Plans are on again after each call."""
+    """A DynamicCache grows a key a step, so every in-place step of every layer runs without launch plans
+    (a plan would be recorded per step); a static cache's buffer keeps its rows, so after each layer's
+    first step its steps use plans. Plans are on again after each call."""
     from fa4 import _plans
 
     monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
@@ -490,14 +489,12 @@ def test_left_padded_decode_skips_launch_plans_while_the_cache_grows(ref_fa4, mo
     monkeypatch.setattr(integ, "flash_attn_with_kvcache", watched)
     monkeypatch.delenv("FA4_PLANS", raising=False)
     monkeypatch.delenv("FA4_CACHE", raising=False)
-    model, layers = build("llama"), BASE["num_hidden_layers"]
-    monkeypatch.setattr(integ, "PLANS_FROM_LAYERS", layers if cache.endswith("deep model") else layers + 1)
-    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    model = build("llama")
+    kw = {} if cache == "dynamic" else {"cache_implementation": "static"}
     generate_like_eager(model, seed=5, pads=(0, 3, 6), what=f"llama {cache}", **kw)
+    layers = BASE["num_hidden_layers"]
     assert len(plans_on) == 4 * layers and _plans.enabled()  # the prefill and 3 steps, each layer once
-    expected = {"dynamic": [False] * (4 * layers), "static": [False] * layers + [True] * (3 * layers),
-                "dynamic, deep model": [True] * (4 * layers)}
-    assert plans_on == expected[cache]
+    assert plans_on == ([False] * (4 * layers) if cache == "dynamic" else [False] * layers + [True] * (3 * layers))
 
 
 @pytest.mark.cpu
@@ -528,22 +525,6 @@ def test_a_cache_grows_when_its_row_count_is_new_to_the_layer():
     assert [integ._cache_grew(module, n) for n in range(40, 40 + 2 * integ.RECENT_KEY_COUNTS)] == \
         [True] * (2 * integ.RECENT_KEY_COUNTS)
     assert integ._cache_grew(stateless, 5) is False and integ._cache_grew(None, 5) is False
-
-
-@pytest.mark.cpu
-@pytest.mark.fa4
-@pytest.mark.parametrize("layers, skips", [(None, True), (True, True), (0, True), ("32", True), (3, True),
-                                           ("deep", False)])
-def test_only_a_shallow_or_unknown_depth_model_skips_plans_on_a_growing_cache(layers, skips):
-    """_skips_plans: a growing cache skips plans unless the module's config says the model has at least
-    PLANS_FROM_LAYERS layers (a missing, non-integer or bool count is an unknown depth)."""
-    import types
-
-    module = torch.nn.Module()
-    if layers is not None:
-        count = integ.PLANS_FROM_LAYERS if layers == "deep" else layers
-        module.config = types.SimpleNamespace(num_hidden_layers=count)
-    assert [integ._skips_plans(module, n) for n in (10, 11, 11)] == [skips, skips, False]
 
 
 @pytest.mark.cpu

@@ -488,8 +488,12 @@ RECENT_KEY_COUNTS = 4
 
 def _cache_grew(module, keys: int) -> bool:
     """Whether this layer's cache has a number of rows none of its last few in-place decode steps had: a
-    DynamicCache grows one a step, so each step's shapes are new. A static cache keeps its rows (two
-    caches taking turns too)."""
+    DynamicCache grows one a step, so each step's shapes are new and a launch plan would be recorded (and
+    a plan file written) a step, replayed only by that step's later layers. On an H100, eager generate()
+    over cache lengths no plan had seen ran 1.39x slower with plans at 4 layers and 1.09x at 8 (medians);
+    at 16 and 32 layers its rounds ranged 0.90-1.21x and 0.75-1.07x, no steady gain (bench_hf_generate
+    --fresh-lengths, bench_hf_generate_plans_depth_l*_h100.json; fa4/README.md). A static cache keeps its
+    rows (two caches taking turns too): plans serve it after its first step."""
     state = getattr(module, "__dict__", None)
     if not isinstance(state, dict):  # no per-instance state (a class, a slotted object): plans as usual
         return False
@@ -500,35 +504,12 @@ def _cache_grew(module, keys: int) -> bool:
     return True
 
 
-# A growing cache's step records a launch plan (at its second layer) that only the step's later layers
-# replay. On an H100, eager generate() over cache lengths no plan had seen ran 1.35-1.64x slower with
-# plans at 4 layers, 1.00-1.35x at 8, even at 16 (0.90-1.21x) and 0.75-1.07x at 32 (medians 1.39 / 1.09 /
-# 1.01 / 0.90; bench_hf_generate --fresh-lengths, bench_hf_generate_plans_depth_l*_h100.json).
-PLANS_FROM_LAYERS = 16
-
-
-def _model_layers(module):
-    """The model's layer count from the attention module's config (num_hidden_layers), else None."""
-    layers = getattr(getattr(module, "config", None), "num_hidden_layers", None)
-    return layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
-
-
-def _skips_plans(module, keys: int) -> bool:
-    """Whether this decode step runs without launch plans: its cache grew since the layer's last step
-    (_cache_grew) in a model of fewer than PLANS_FROM_LAYERS layers, or of a depth the module does not
-    tell. A static cache, or a deep model's growing one, uses plans."""
-    layers = _model_layers(module)
-    if layers is not None and layers >= PLANS_FROM_LAYERS:
-        return False
-    return _cache_grew(module, keys)
-
-
 def _left_padded_decode(q, k, v, mask, common, module=None):
     """A decode step (a few query tokens, no gradient) of a left-padded batch, which fa4_mask marked:
     flash_attn_with_kvcache on the cache as it is, row b's keys from its first valid one (cache_leftpad),
     with no copy (the general padded path gathers every key and value of the cache each step). Causal
     queries are the row's last tokens, as there. None where it does not apply: the general path runs.
-    A shallow model's layer whose cache grew since its last step runs without launch plans (_skips_plans)."""
+    A layer whose cache grew since its last step runs without launch plans (_cache_grew)."""
     marks = None if torch.compiler.is_compiling() else getattr(mask, _LEFT_PADDING, None)
     sq, cols = q.shape[1], mask.shape[1]
     if marks is None or k.shape[1] < cols or (common["causal"] and sq > cols) or \
@@ -536,7 +517,7 @@ def _left_padded_decode(q, k, v, mask, common, module=None):
         return None
     first, lengths = marks
     step = dict(cache_seqlens=lengths, cache_leftpad=first, **common)
-    if _skips_plans(module, k.shape[1]):
+    if _cache_grew(module, k.shape[1]):
         return _plans.call_without_plans(flash_attn_with_kvcache, q, k, v, **step)
     return flash_attn_with_kvcache(q, k, v, **step)
 
