@@ -16,7 +16,8 @@ DynamicCache: the cache grows every step) generates `--new` tokens greedily from
   round r drops the prompts' first (r + 1) (new + 1) columns, so no decode step of a round has the
   cache length of another round's or the warm-up's, and fa4_plans records a plan a step, as a first
   generation over new lengths does. The plans each peer recorded and replayed are reported per round
-  (a plan directory that already holds these lengths, from an earlier run, shows as replays);
+  (a plan directory that already holds these lengths, from an earlier run, shows as replays), with the
+  garbage collector's time in each round's generate(new + 1);
 * fa4_gathered: the same with that path closed (`_split_launch_takes` False): every step gathers the
   cache's valid keys and values into a packed copy (the path before the left-padding mark);
 * sdpa: torch SDPA with transformers' own mask.
@@ -28,6 +29,8 @@ time included), in paired rounds (every round times every peer once, in a fresh 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import random
 import statistics
 import sys
@@ -75,6 +78,25 @@ def check_counts(ap, args, *names) -> None:
     for name in ("batch", "prompt", "new", "layers") + names:
         if getattr(args, name) < 1:
             ap.error(f"--{name}: expected >= 1, got {getattr(args, name)}")
+
+
+@contextlib.contextmanager
+def collector_time():
+    """Yields [ms spent in Python's garbage collector, collections], filled in while the block runs."""
+    spent, starts = [0.0, 0], []
+
+    def hook(phase, info):
+        if phase == "start":
+            starts.append(time.perf_counter())
+        elif starts:
+            spent[0] += 1e3 * (time.perf_counter() - starts.pop())
+            spent[1] += 1
+
+    gc.callbacks.append(hook)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(hook)
 
 
 def generate_s(model, impl, ids, mask, tokens) -> float:
@@ -129,12 +151,14 @@ def main(argv=None) -> int:
         before = _plans.stats()
         try:
             with plans_setting("1"):
-                ms = 1e3 * (generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
-                            - generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
+                with collector_time() as collector:
+                    long_s = generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
+                ms = 1e3 * (long_s - generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
         finally:
             integ._split_launch_takes, integ._cache_grew = takes, grew
         after = _plans.stats()
-        return ms, {k: after.get(k, 0) - before.get(k, 0) for k in ("recorded", "replays")}
+        used = {k: after.get(k, 0) - before.get(k, 0) for k in ("recorded", "replays")}
+        return ms, dict(used, gc_ms=round(collector[0], 3), gc_collections=collector[1])
 
     for name in peers:  # warm-up: compiles, allocator, launch plans
         per_token(name)
@@ -149,8 +173,10 @@ def main(argv=None) -> int:
     for r in rows:
         recorded = sum(u["recorded"] for u in r["rounds_plans"])
         replays = sum(u["replays"] for u in r["rounds_plans"])
+        collected = sum(u["gc_ms"] for u in r["rounds_plans"])
         print(f"{r['peer']:13} {r['ms_per_token']:8.2f} ms / token  ({r['over_fa4']:.2f}x fa4's)  "
-              f"plans over the rounds: {recorded} recorded, {replays} replayed", flush=True)
+              f"plans over the rounds: {recorded} recorded, {replays} replayed; garbage collector "
+              f"{collected:.1f} ms in the generate(new + 1) calls", flush=True)
 
     plan_files = sorted(_plans.plan_dir("sm_90a").glob("*.json")) if torch.cuda.get_device_capability()[0] == 9 else []
     plans = dict(_plans.stats(), on_disk=len(plan_files), limit=_plans.max_on_disk())

@@ -825,6 +825,46 @@ def test_bench_hf_generate_refuses_bad_arguments_before_touching_a_gpu(argv, wor
     assert word in capsys.readouterr().err
 
 
+def test_bench_hf_generate_rounds_never_repeat_a_cache_length_and_report_each_peer(tmp_path, monkeypatch, capsys):
+    """--fresh-lengths: round r generates from the prompts without their first (r + 1) (new + 1) columns,
+    so the decode steps' cache widths (width + 1 .. width + new) of two rounds or of the warm-up never meet;
+    each peer runs once a round; the result rows carry per-round times, plan counts and collector time."""
+    import torch
+
+    from benchmarks import bench_hf_generate as bench
+
+    prompt, new, rounds = 400, 7, 3
+    calls = []
+
+    def fake_generate(model, impl, ids, mask, tokens):
+        calls.append((impl, ids.shape[1], tokens))
+        return 0.001 * tokens * (2 if impl == "sdpa" else 1)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a stand-in")
+    monkeypatch.setattr(bench, "model_and_prompts", lambda layers, batch, p: (
+        None, torch.ones(batch, p, dtype=torch.long), torch.ones(batch, p, dtype=torch.long)))
+    monkeypatch.setattr(bench, "generate_s", fake_generate)
+    out = tmp_path / "g.json"
+    argv = ["--prompt", str(prompt), "--new", str(new), "--rounds", str(rounds), "--fresh-lengths",
+            "--peers", "fa4_plans,sdpa", "--out", str(out)]
+    assert bench.main(argv) == 0
+    widths = {}
+    for impl, width, tokens in calls:
+        if tokens == new + 1:
+            widths.setdefault(width, []).append(impl)
+    assert sorted(widths) == sorted([prompt - (r + 1) * (new + 1) for r in range(rounds)] + [prompt])
+    steps = [set(range(w + 1, w + new + 1)) for w in widths]
+    assert all(a.isdisjoint(b) for i, a in enumerate(steps) for b in steps[i + 1:])
+    assert all(sorted(impls) == ["fa4", "fa4", "sdpa"] for impls in widths.values())  # fa4 + fa4_plans: "fa4"
+    rows = {r["peer"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"fa4", "fa4_plans", "sdpa"} and rows["sdpa"]["over_fa4"] == pytest.approx(2.0)
+    assert all(len(r["rounds_ms"]) == rounds and {"recorded", "replays", "gc_ms", "gc_collections"}
+               <= set(r["rounds_plans"][0]) for r in rows.values())
+    assert "fa4_gathered" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, word", [(["--new", "0"], "--new: expected >= 1"), (["--peers", " , "], "--peers")])
 def test_profile_generate_refuses_bad_arguments_before_touching_a_gpu(argv, word, capsys):
     from benchmarks.inspect import profile_generate

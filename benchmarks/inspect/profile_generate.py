@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import pstats
 import statistics
 import sys
-import time
 
 # the host waiting on the device, and cudaMemcpyAsync apart (a read of a value makes one and a wait)
 HOST_DEVICE_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
@@ -43,21 +41,11 @@ def _device_profile(run, tokens):
 
 def _gc_ms(run, tokens) -> tuple[float, int]:
     """(ms spent in the garbage collector, collections) over run(tokens)."""
-    spent, starts = [0.0, 0], []
+    from ..bench_hf_generate import collector_time
 
-    def hook(phase, info):
-        if phase == "start":
-            starts.append(time.perf_counter())
-        elif starts:
-            spent[0] += time.perf_counter() - starts.pop()
-            spent[1] += 1
-
-    gc.callbacks.append(hook)
-    try:
+    with collector_time() as spent:
         run(tokens)
-    finally:
-        gc.callbacks.remove(hook)
-    return 1e3 * spent[0], spent[1]
+    return spent[0], spent[1]
 
 
 def main(argv=None) -> int:
