@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -25,7 +25,8 @@
 #   that saw no key weighs 0;
 # - how the query heads of a GQA group become the rows of one tile, and how a few causal query
 #   tokens (speculative decoding) keep their diagonal across chunks;
-# - how `fa4` picks the number of splits, and what an H200 measures.
+# - how `fa4` picks the number of splits, and what an H200 measures;
+# - what a Hugging Face model's `generate()` calls, step by step: a left-padded cache read in place.
 #
 # **The idea**: the paper's forward gives each CTA one tile of queries and walks every key block.
 # In decode there is one query row per head, so a tile is mostly empty and the work is reading K
@@ -412,6 +413,125 @@ if path.exists():
     plt.show()
 else:
     print("no committed measurement at", path)
+
+# %% [markdown]
+# ## A model's generate(), call by call
+# Through transformers (`register_fa4_attention()`, then `attn_implementation="fa4"`), a batch of
+# prompts of different lengths arrives left-padded: row b's first `pad_b` columns hold no token. A
+# prefill of more than 64 tokens (the whole prompt at once) runs `flash_attn_varlen_func` on the valid
+# tokens. Each later step has one query token a row, and the KV cache transformers holds is the padded
+# `(batch, columns, Hkv, d)` buffer. Gathering each row's valid keys into a packed copy every step would read and write the whole
+# cache once more than the attention reads it; instead the step calls `flash_attn_with_kvcache` on the
+# buffer as it is, with `cache_leftpad[b] = pad_b` and `cache_seqlens[b] =` the columns so far: row b's
+# split chunks start at its first valid key. (`fa4_mask`, the mask function the registration installs,
+# reads once per forward whether each row's padding is all at its start, and marks the mask with the
+# two vectors.)
+#
+# Below, a tiny random Llama generates on the CPU. The three fa4 functions the integration calls are
+# replaced by float64 references that record their arguments, and the integration is told the split
+# launch takes the step, as on an H100 or H200. fa4's tokens must equal transformers' eager attention.
+# The last column says whether launch plans were on: transformers' DynamicCache grows by a key a step,
+# so every step is a new signature and a plan would be recorded for it and replayed by that step's
+# later layers only; the integration runs such steps without plans (`fa4/README.md`, the
+# *Hugging Face transformers* section, has the measurements).
+
+# %%
+try:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+except ImportError:  # the tutorials install does not need transformers
+    torch = None
+    print("transformers is not installed: `pip install transformers` to run this section")
+
+if torch is not None:
+    from fa4 import _plans
+    from fa4.integrations import transformers as integ
+    from stage0_reference.torch_reference import attention_ref, attention_varlen_ref
+
+    calls = []
+
+    def varlen_on_cpu(q, k, v, *, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False, **rest):
+        calls.append(("varlen", q.shape[0], None, None, _plans.enabled()))   # q.shape[0]: packed query rows
+        out = attention_varlen_ref(q.double(), k.double(), v.double(), cu_seqlens_q, cu_seqlens_k,
+                                   softmax_scale=softmax_scale, causal=causal)[0]
+        return out.to(q.dtype)                                                  # (total_q, Hq, Dv)
+
+    def kvcache_on_cpu(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad, softmax_scale=None,
+                       causal=False, **rest):
+        """Row b attends to cache rows [cache_leftpad[b], cache_seqlens[b]) of the buffer, read in place."""
+        first, lens = cache_leftpad.tolist(), cache_seqlens.tolist()
+        calls.append(("kvcache", k_cache.shape[1], first, lens, _plans.enabled()))
+        rows = [attention_ref(q[b:b + 1].double(), k_cache[b:b + 1, f:n].double(),
+                              v_cache[b:b + 1, f:n].double(), softmax_scale=softmax_scale, causal=causal)[0]
+                for b, (f, n) in enumerate(zip(first, lens))]
+        return torch.cat(rows).to(q.dtype)                                      # (B, Sq, Hq, Dv)
+
+    saved = (integ.flash_attn_varlen_func, integ.flash_attn_with_kvcache, integ._split_launch_takes)
+    integ.flash_attn_varlen_func, integ.flash_attn_with_kvcache = varlen_on_cpu, kvcache_on_cpu
+    integ._split_launch_takes = lambda q, k, v, sink, tokens, keys: tokens <= 64  # as on sm_90
+    try:
+        integ.register_fa4_attention()
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        ids = torch.randint(1, 97, (3, 70), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        for row, pad in enumerate((0, 2, 5)):   # left padding: row b's first pad_b columns are empty
+            mask[row, :pad] = 0
+        tokens = {}
+        for impl in ("fa4", "eager"):
+            model.set_attn_implementation(impl)
+            with torch.no_grad():
+                tokens[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
+                                              do_sample=False, pad_token_id=0)
+    finally:
+        integ.flash_attn_varlen_func, integ.flash_attn_with_kvcache, integ._split_launch_takes = saved
+
+    assert torch.equal(tokens["fa4"], tokens["eager"]), "fa4's tokens differ from eager attention's"
+    print("generated tokens equal eager attention's:", tokens["fa4"][:, 70:].tolist())
+    print(f"{'layer call':>10} {'function':>8} {'cache columns':>13}  {'cache_leftpad':>13}  "
+          f"{'cache_seqlens':>13}  plans")
+    for i, (kind, rows, first, lens, plans_on) in enumerate(calls):
+        where = f"{rows:13d}" if kind == "kvcache" else f"{'(' + str(rows) + ' packed)':>13}"
+        print(f"{i:10d} {kind:>8} {where}  {str(first):>13}  {str(lens):>13}  {'on' if plans_on else 'off'}")
+    steps = [c for c in calls if c[0] == "kvcache"]
+    assert calls[0][0] == "varlen" and len(steps) == 3 * config.num_hidden_layers  # a prefill, then 3 steps
+    assert [c[3] for c in steps[::2]] == [[71] * 3, [72] * 3, [73] * 3] and not any(c[4] for c in steps)
+
+# %% [markdown]
+# Row 2's five padding columns are never read: its chunks start at column 5. Every step reads one more
+# column (`cache_seqlens` 71, 72, 73: the buffer grows with the cache), and no step runs with plans. (A
+# prompt of at most 64 tokens takes the in-place call for its prefill too.) What
+# those plans would cost, by the number of layers (an H100, `python -m benchmarks.bench_hf_generate
+# --layers L --rounds 5 --fresh-lengths --peers fa4,fa4_plans`, each round on cache lengths no plan had
+# seen). At 32 layers the rounds without plans slowed during the run (cause not found), and the two
+# rounds before that had plans slower; no depth gained in every round.
+
+# %%
+depths = []
+for layers in (4, 8, 16, 32):
+    path = RESULTS / f"bench_hf_generate_plans_depth_l{layers}_h100.json"
+    if path.exists():
+        rows = {r["peer"]: r for r in json.loads(path.read_text())["results"]}
+        ratios = [p / f for p, f in zip(rows["fa4_plans"]["rounds_ms"], rows["fa4"]["rounds_ms"])]
+        depths.append((layers, rows["fa4_plans"]["over_fa4"], min(ratios), max(ratios)))
+if depths:
+    fig, ax = plt.subplots(figsize=(5.5, 3))
+    x = np.arange(len(depths))
+    med = np.array([d[1] for d in depths])
+    err = np.array([[d[1] - d[2] for d in depths], [d[3] - d[1] for d in depths]])
+    ax.bar(x, med, yerr=err, capsize=4)
+    ax.axhline(1.0, color="gray", ls="--", lw=1)
+    ax.set_xticks(x, [f"{d[0]} layers" for d in depths])
+    ax.set_ylabel("time with plans / without")
+    ax.set_title("growing cache, unseen lengths (median, range of 5 rounds)", fontsize=9)
+    plt.tight_layout()
+    plt.show()
+    for layers, m, lo, hi in depths:
+        print(f"{layers:2d} layers: plans / no plans {m:.2f} (rounds {lo:.2f}-{hi:.2f})")
+else:
+    print("no committed measurement under", RESULTS)
 
 # %% [markdown]
 # **Next**: `fa4/README.md`, *Decoding with a KV cache*, for `flash_attn_with_kvcache` (paged caches,
