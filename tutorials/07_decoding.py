@@ -418,18 +418,20 @@ else:
 # ## A model's generate(), call by call
 # Through transformers (`register_fa4_attention()`, then `attn_implementation="fa4"`), a batch of
 # prompts of different lengths arrives left-padded: row b's first `pad_b` columns hold no token. A
-# prefill of more than 64 tokens (the whole prompt at once) runs `flash_attn_varlen_func` on the valid
-# tokens. Each later step has one query token a row, and the KV cache transformers holds is the padded
-# `(batch, columns, Hkv, d)` buffer. Gathering each row's valid keys into a packed copy every step would read and write the whole
-# cache once more than the attention reads it; instead the step calls `flash_attn_with_kvcache` on the
-# buffer as it is, with `cache_leftpad[b] = pad_b` and `cache_seqlens[b] =` the columns so far: row b's
-# split chunks start at its first valid key. (`fa4_mask`, the mask function the registration installs,
-# reads once per forward whether each row's padding is all at its start, and marks the mask with the
-# two vectors.)
+# prefill of more than 64 tokens (the whole prompt at once) runs `flash_attn_varlen_func` on a layout of
+# fixed shape: every row's queries (padding queries see no key) against the row's valid keys. Each later
+# step has one query token a row, and the KV cache transformers holds is the padded `(batch, columns,
+# Hkv, d)` buffer. Gathering each row's valid keys into a packed copy every step would read and write
+# the whole cache once more than the attention reads it; instead the step calls
+# `flash_attn_with_kvcache` on the buffer as it is, with `cache_leftpad[b] = pad_b` and
+# `cache_seqlens[b] =` the columns so far: row b's split chunks start at its first valid key.
+# (`fa4_mask`, the mask function the registration installs, reads once per forward whether each row's
+# padding is all at its start, and marks the mask with the two vectors.)
 #
-# Below, a tiny random Llama generates on the CPU. The three fa4 functions the integration calls are
-# replaced by float64 references that record their arguments, and the integration is told the split
-# launch takes the step, as on an H100 or H200. fa4's tokens must equal transformers' eager attention.
+# Below, a tiny random Llama (head dim 64, one the Hopper kernels have) generates on the CPU. The two
+# fa4 functions the integration calls here are replaced by float64 references that record their
+# arguments, and the integration is told the split launch takes the step, as it does on an H100 or
+# H200. fa4's tokens must equal transformers' eager attention.
 # The last column says whether launch plans were on: transformers' DynamicCache grows by a key a step,
 # so every step is a new signature and a plan would be recorded for it and replayed by that step's
 # later layers only; the integration runs such steps without plans (`fa4/README.md`, the
@@ -439,7 +441,7 @@ else:
 try:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
-except ImportError:  # the tutorials install does not need transformers
+except ImportError:  # the tutorials install has it; a bare fa4 install does not
     torch = None
     print("transformers is not installed: `pip install transformers` to run this section")
 
@@ -468,12 +470,12 @@ if torch is not None:
 
     saved = (integ.flash_attn_varlen_func, integ.flash_attn_with_kvcache, integ._split_launch_takes)
     integ.flash_attn_varlen_func, integ.flash_attn_with_kvcache = varlen_on_cpu, kvcache_on_cpu
-    integ._split_launch_takes = lambda q, k, v, sink, tokens, keys: tokens <= 64  # as on sm_90
+    integ._split_launch_takes = lambda q, k, v, sink, tokens, keys: tokens <= 64  # sm_90, head dim 64
     try:
         integ.register_fa4_attention()
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        config = LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
         model = AutoModelForCausalLM.from_config(config).eval()
         ids = torch.randint(1, 97, (3, 70), generator=torch.Generator().manual_seed(1))
         mask = torch.ones_like(ids)
@@ -484,12 +486,16 @@ if torch is not None:
             model.set_attn_implementation(impl)
             with torch.no_grad():
                 tokens[impl] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4,
-                                              do_sample=False, pad_token_id=0)
+                                              do_sample=False, pad_token_id=0, output_logits=True,
+                                              return_dict_in_generate=True)
     finally:
         integ.flash_attn_varlen_func, integ.flash_attn_with_kvcache, integ._split_launch_takes = saved
 
-    assert torch.equal(tokens["fa4"], tokens["eager"]), "fa4's tokens differ from eager attention's"
-    print("generated tokens equal eager attention's:", tokens["fa4"][:, 70:].tolist())
+    assert torch.equal(tokens["fa4"].sequences, tokens["eager"].sequences), "fa4's tokens differ from eager's"
+    gap = max((a - b).abs().max().item() for a, b in zip(tokens["fa4"].logits, tokens["eager"].logits))
+    assert gap < 1e-4, f"fa4's scores differ from eager attention's by {gap:.2e}"
+    print("generated tokens equal eager attention's:", tokens["fa4"].sequences[:, 70:].tolist(),
+          f"| largest score difference {gap:.1e}")
     print(f"{'layer call':>10} {'function':>8} {'cache columns':>13}  {'cache_leftpad':>13}  "
           f"{'cache_seqlens':>13}  plans")
     for i, (kind, rows, first, lens, plans_on) in enumerate(calls):
@@ -498,6 +504,7 @@ if torch is not None:
     steps = [c for c in calls if c[0] == "kvcache"]
     assert calls[0][0] == "varlen" and len(steps) == 3 * config.num_hidden_layers  # a prefill, then 3 steps
     assert [c[3] for c in steps[::2]] == [[71] * 3, [72] * 3, [73] * 3] and not any(c[4] for c in steps)
+    assert all(c[2] == [0, 2, 5] for c in steps)  # each row's keys start past its padding
 
 # %% [markdown]
 # Row 2's five padding columns are never read: its chunks start at column 5. Every step reads one more
