@@ -455,6 +455,35 @@ def test_left_padded_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind)
     assert ref_fa4.kinds() == ["varlen"] * layers
 
 
+# architectures with attention modules of their own (q / k norms, sliding and full layers in one model,
+# experts, a fused qkv projection), by config class name: their keyword arguments beyond BASE
+MORE_ARCHITECTURES = {
+    "Qwen3Config": {},
+    "Gemma3TextConfig": dict(sliding_window=5, query_pre_attn_scalar=16),
+    "Phi3Config": dict(pad_token_id=0),
+    "MixtralConfig": dict(num_local_experts=2, num_experts_per_tok=1),
+    "Cohere2Config": dict(sliding_window=5),
+}
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("config_name", sorted(MORE_ARCHITECTURES))
+def test_more_architectures_generate_like_eager_reading_the_cache_in_place(ref_fa4, monkeypatch, config_name):
+    """A left-padded generate() through fa4 gives eager's tokens and scores, and every call (the short
+    prefill and each step) reads the cache in place, for models beyond the four of CONFIGS."""
+    import transformers
+
+    config_class = getattr(transformers, config_name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_class(**BASE, **MORE_ARCHITECTURES[config_name])).eval()
+    generate_like_eager(model, seed=5, pads=(0, 3, 6), what=config_name)
+    assert ref_fa4.kinds() and set(ref_fa4.kinds()) == {"kvcache"}
+
+
 @pytest.mark.cpu
 @pytest.mark.fa4
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
