@@ -456,13 +456,18 @@ def test_left_padded_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind)
 
 
 # architectures with attention modules of their own (q / k norms, sliding and full layers in one model,
-# experts, a fused qkv projection), by config class name: their keyword arguments beyond BASE
+# experts, a fused qkv projection, latent attention), by config class name: their keyword arguments over BASE
 MORE_ARCHITECTURES = {
     "Qwen3Config": {},
     "Gemma3TextConfig": dict(sliding_window=5, query_pre_attn_scalar=16),
     "Phi3Config": dict(pad_token_id=0),
     "MixtralConfig": dict(num_local_experts=2, num_experts_per_tok=1),
     "Cohere2Config": dict(sliding_window=5),
+    # multi-head latent attention: queries and keys of 16 + 8 (rotary) dims, values of 16
+    "DeepseekV3Config": dict(num_key_value_heads=4, head_dim=8, q_lora_rank=None, kv_lora_rank=32,
+                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=2,
+                             num_experts_per_tok=1, first_k_dense_replace=2, moe_intermediate_size=32, n_group=1,
+                             topk_group=1),
 }
 
 
@@ -479,7 +484,7 @@ def test_more_architectures_generate_like_eager_reading_the_cache_in_place(ref_f
         pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
     monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_class(**BASE, **MORE_ARCHITECTURES[config_name])).eval()
+    model = AutoModelForCausalLM.from_config(config_class(**{**BASE, **MORE_ARCHITECTURES[config_name]})).eval()
     generate_like_eager(model, seed=5, pads=(0, 3, 6), what=config_name)
     assert ref_fa4.kinds() and set(ref_fa4.kinds()) == {"kvcache"}
 
