@@ -73,6 +73,12 @@ def add_model_arguments(ap, new: int) -> None:
     ap.add_argument("--layers", type=int, default=4)
 
 
+def model_shapes(args) -> str:
+    """The results file's description of the model and prompts the options chose."""
+    return (f"Llama hidden 4096, {args.layers} layers, GQA 32/8, d=128, bf16, batch {args.batch}, "
+            f"prompt {args.prompt} left-padded by 0..{args.prompt // 2}, {args.new} new tokens")
+
+
 def check_counts(ap, args, *names) -> None:
     """argparse error unless the model options and each of `names` (dests) are >= 1."""
     for name in ("batch", "prompt", "new", "layers") + names:
@@ -158,33 +164,35 @@ def main(argv=None) -> int:
             integ._split_launch_takes, integ._cache_grew = takes, grew
         after = _plans.stats()
         used = {k: after.get(k, 0) - before.get(k, 0) for k in ("recorded", "replays")}
-        return ms, dict(used, gc_ms=round(collector[0], 3), gc_collections=collector[1])
+        return ms, used, {"ms": round(collector[0], 3), "collections": collector[1]}
 
     for name in peers:  # warm-up: compiles, allocator, launch plans
         per_token(name)
-    rng, times, plan_use = random.Random(0), {n: [] for n in peers}, {n: [] for n in peers}
+    rng = random.Random(0)
+    times, plan_use, collected = ({n: [] for n in peers} for _ in range(3))
     for r in range(args.rounds):
         for name in rng.sample(list(peers), len(peers)):
-            ms, used = per_token(name, (r + 1) * (args.new + 1) if args.fresh_lengths else 0)
+            ms, used, gc_spent = per_token(name, (r + 1) * (args.new + 1) if args.fresh_lengths else 0)
             times[name].append(ms)
             plan_use[name].append(used)
+            collected[name].append(gc_spent)
     rows = [{"peer": n, "ms_per_token": statistics.median(ts), "rounds_ms": ts, "rounds_plans": plan_use[n],
+             "rounds_gc": collected[n],
              "over_fa4": statistics.median(t / f for t, f in zip(ts, times["fa4"]))} for n, ts in times.items()]
     for r in rows:
         recorded = sum(u["recorded"] for u in r["rounds_plans"])
         replays = sum(u["replays"] for u in r["rounds_plans"])
-        collected = sum(u["gc_ms"] for u in r["rounds_plans"])
+        gc_ms = sum(g["ms"] for g in r["rounds_gc"])
         print(f"{r['peer']:13} {r['ms_per_token']:8.2f} ms / token  ({r['over_fa4']:.2f}x fa4's)  "
               f"plans over the rounds: {recorded} recorded, {replays} replayed; garbage collector "
-              f"{collected:.1f} ms in the generate(new + 1) calls", flush=True)
+              f"{gc_ms:.1f} ms in the generate(new + 1) calls", flush=True)
 
     plan_files = sorted(_plans.plan_dir("sm_90a").glob("*.json")) if torch.cuda.get_device_capability()[0] == 9 else []
     plans = dict(_plans.stats(), on_disk=len(plan_files), limit=_plans.max_on_disk())
     print(f"fa4 launch plans: {plans}")
     if args.out:
         write_doc(args.out, "benchmarks.bench_hf_generate", argv, rows,
-                  shapes=f"Llama hidden 4096, {args.layers} layers, GQA 32/8, d=128, bf16, batch {args.batch}, "
-                         f"prompt {args.prompt} left-padded by 0..{args.prompt // 2}, {args.new} new tokens",
+                  shapes=model_shapes(args),
                   method=f"eager generate(), (t(new + 1) - t(1)) / new, {args.rounds} paired rounds"
                          + (", round r without the prompts' first (r + 1) (new + 1) columns" if args.fresh_lengths
                             else ""),

@@ -860,8 +860,9 @@ def test_bench_hf_generate_rounds_never_repeat_a_cache_length_and_report_each_pe
     assert all(sorted(impls) == ["fa4", "fa4", "sdpa"] for impls in widths.values())  # fa4 + fa4_plans: "fa4"
     rows = {r["peer"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"fa4", "fa4_plans", "sdpa"} and rows["sdpa"]["over_fa4"] == pytest.approx(2.0)
-    assert all(len(r["rounds_ms"]) == rounds and {"recorded", "replays", "gc_ms", "gc_collections"}
-               <= set(r["rounds_plans"][0]) for r in rows.values())
+    assert all(len(r["rounds_ms"]) == len(r["rounds_plans"]) == len(r["rounds_gc"]) == rounds
+               and {"recorded", "replays"} <= set(r["rounds_plans"][0]) and {"ms", "collections"} <= set(r["rounds_gc"][0])
+               for r in rows.values())
     assert "fa4_gathered" not in capsys.readouterr().out
 
 

@@ -49,7 +49,7 @@ def _gc_ms(run, tokens) -> tuple[float, int]:
 
 
 def main(argv=None) -> int:
-    from ..bench_hf_generate import add_model_arguments, check_counts, generate_s, model_and_prompts
+    from ..bench_hf_generate import add_model_arguments, check_counts, generate_s, model_and_prompts, model_shapes
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(ap, new=16)
@@ -107,8 +107,7 @@ def main(argv=None) -> int:
         from ..bench_fwd import write_doc
 
         write_doc(args.out, "benchmarks.inspect.profile_generate", argv, summary,
-                  shapes=f"Llama hidden 4096, {args.layers} layers, GQA 32/8, d=128, bf16, batch {args.batch}, "
-                         f"prompt {args.prompt} left-padded by 0..{args.prompt // 2}, {args.new} new tokens",
+                  shapes=model_shapes(args),
                   method="wall: median of 3 (t(new + 1) - t(1)) / new; device: torch.profiler kernels over "
                          "generate(new + 1) minus generate(1), per new token")
     return 0

@@ -489,11 +489,9 @@ RECENT_KEY_COUNTS = 4
 def _cache_grew(module, keys: int) -> bool:
     """Whether this layer's cache has a number of rows none of its last few in-place decode steps had: a
     DynamicCache grows one a step, so each step's shapes are new and a launch plan would be recorded (and
-    a plan file written) a step, replayed only by that step's later layers. On an H100, eager generate()
-    over cache lengths no plan had seen ran 1.39x slower with plans at 4 layers and 1.09x at 8 (medians);
-    at 16 and 32 layers its rounds ranged 0.90-1.21x and 0.75-1.07x, no steady gain (bench_hf_generate
-    --fresh-lengths, bench_hf_generate_plans_depth_l*_h100.json; fa4/README.md). A static cache keeps its
-    rows (two caches taking turns too): plans serve it after its first step."""
+    a plan file written) a step, replayed only by that step's later layers: measured no faster at 4-32
+    layers (fa4/README.md, "Hugging Face transformers"). A static cache keeps its rows (two caches taking
+    turns too): plans serve it after its first step."""
     state = getattr(module, "__dict__", None)
     if not isinstance(state, dict):  # no per-instance state (a class, a slotted object): plans as usual
         return False
