@@ -1,7 +1,7 @@
 """Greedy generation from a left-padded batch through transformers: ms per new token, fa4 against torch SDPA.
 
     python -m benchmarks.bench_hf_generate [--batch 8] [--prompt 4096] [--new 64] [--layers 4] [--rounds 3]
-                                           [--fresh-lengths] [--peers fa4,fa4_plans]
+                                           [--fresh-lengths] [--peers fa4,fa4_plans] [--cache static]
                                            [--out benchmarks/results/bench_hf_generate_h100.json]
 
 A Llama of random weights (hidden 4096, 32 query / 8 KV heads of 128, `--layers` layers, bf16, a
@@ -21,6 +21,13 @@ DynamicCache: the cache grows every step) generates `--new` tokens greedily from
 * fa4_gathered: the same with that path closed (`_split_launch_takes` False): every step gathers the
   cache's valid keys and values into a packed copy (the path before the left-padding mark);
 * sdpa: torch SDPA with transformers' own mask.
+
+`--cache static` runs generate(cache_implementation="static") instead: a StaticCache, whose decode steps
+transformers compiles (torch.compile, mode "reduce-overhead": CUDA graphs) after an eager prefill,
+building each step's mask eagerly first. Peers: fa4 (compiled; its steps read the cache in place through
+fa4_mask's LeftPadding), fa4_eager (the same cache, generate(disable_compile=True)) and sdpa (compiled).
+The first generate() of each peer compiles (the warm-up); the largest cache comes first, so later calls
+reuse it and its compiled graph.
 
 ms per new token = (time of generate(new + 1 tokens) - time of generate(1 token)) / new, so the prefill
 cancels; CUDA-synchronized wall clock, eager (no CUDA graphs: what a plain generate() loop does, host
@@ -105,19 +112,20 @@ def collector_time():
         gc.callbacks.remove(hook)
 
 
-def generate_s(model, impl, ids, mask, tokens) -> float:
+def generate_s(model, impl, ids, mask, tokens, **generate_kw) -> float:
     """Seconds of one greedy generate() of `tokens` new tokens through attn_implementation `impl`."""
     model.set_attn_implementation(impl)
     torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
-                       do_sample=False, pad_token_id=0)
+                       do_sample=False, pad_token_id=0, **generate_kw)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 PEERS = ("fa4", "fa4_plans", "fa4_gathered", "sdpa")
+STATIC_PEERS = ("fa4", "fa4_eager", "sdpa")
 
 
 def main(argv=None) -> int:
@@ -127,15 +135,19 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh-lengths", action="store_true",
                     help="round r drops the prompts' first (r + 1) (new + 1) columns: no round repeats another's "
                          "cache lengths")
-    ap.add_argument("--peers", default=",".join(PEERS),
-                    help=f"a comma list from {', '.join(PEERS)}; fa4 (the ratios' base) always runs")
+    ap.add_argument("--peers", default=None,
+                    help=f"a comma list from {', '.join(PEERS)} ({', '.join(STATIC_PEERS)} with --cache static); "
+                         "fa4 (the ratios' base) always runs; default: all")
+    ap.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                    help="static: a StaticCache, whose decode steps transformers compiles")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     check_counts(ap, args, "rounds")
-    chosen = [p.strip() for p in args.peers.split(",") if p.strip()]
-    unknown = sorted(set(chosen) - set(PEERS))
+    offered = STATIC_PEERS if args.cache == "static" else PEERS
+    chosen = [p.strip() for p in (args.peers or ",".join(offered)).split(",") if p.strip()]
+    unknown = sorted(set(chosen) - set(offered))
     if unknown:
-        ap.error(f"--peers: unknown {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+        ap.error(f"--peers: unknown {', '.join(unknown)} with --cache {args.cache}; choose from {', '.join(offered)}")
     if args.fresh_lengths and args.prompt <= args.rounds * (args.new + 1):
         ap.error(f"--fresh-lengths: --prompt ({args.prompt}) must exceed --rounds x (--new + 1) "
                  f"({args.rounds * (args.new + 1)})")
@@ -146,27 +158,31 @@ def main(argv=None) -> int:
 
     model, ids, mask = model_and_prompts(args.layers, args.batch, args.prompt)
     takes, grew = integ._split_launch_takes, integ._cache_grew
-    peers = {"fa4": ("fa4", takes, grew), "fa4_plans": ("fa4", takes, lambda module, keys: False),
-             "fa4_gathered": ("fa4", lambda *a: False, grew), "sdpa": ("sdpa", takes, grew)}
-    peers = {name: peers[name] for name in PEERS if name == "fa4" or name in chosen}
+    static = dict(cache_implementation="static") if args.cache == "static" else {}
+    peers = {"fa4": ("fa4", takes, grew, static), "fa4_plans": ("fa4", takes, lambda module, keys: False, {}),
+             "fa4_gathered": ("fa4", lambda *a: False, grew, {}), "sdpa": ("sdpa", takes, grew, static),
+             "fa4_eager": ("fa4", takes, grew, dict(static, disable_compile=True))}
+    peers = {name: peers[name] for name in offered if name == "fa4" or name in chosen}
 
     from fa4 import _plans
 
     def per_token(name, drop=0):
-        impl, integ._split_launch_takes, integ._cache_grew = peers[name]
+        impl, integ._split_launch_takes, integ._cache_grew, generate_kw = peers[name]
         before = _plans.stats()
         try:
             with plans_setting("1"):
                 with collector_time() as collector:
-                    long_s = generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1)
-                ms = 1e3 * (long_s - generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1)) / args.new
+                    long_s = generate_s(model, impl, ids[:, drop:], mask[:, drop:], args.new + 1, **generate_kw)
+                short_s = generate_s(model, impl, ids[:, drop:], mask[:, drop:], 1, **generate_kw)
+                ms = 1e3 * (long_s - short_s) / args.new
         finally:
             integ._split_launch_takes, integ._cache_grew = takes, grew
         after = _plans.stats()
         used = {k: after.get(k, 0) - before.get(k, 0) for k in ("recorded", "replays")}
         return ms, used, {"ms": round(collector[0], 3), "collections": collector[1]}
 
-    for name in peers:  # warm-up: compiles, allocator, launch plans
+    for name in peers:  # warm-up: compiles (kernels; a static cache's decode graph), allocator, launch plans
+        print(f"warm-up: {name}", flush=True)
         per_token(name)
     rng = random.Random(0)
     times, plan_use, collected = ({n: [] for n in peers} for _ in range(3))
@@ -192,8 +208,8 @@ def main(argv=None) -> int:
     print(f"fa4 launch plans: {plans}")
     if args.out:
         write_doc(args.out, "benchmarks.bench_hf_generate", argv, rows,
-                  shapes=model_shapes(args),
-                  method=f"eager generate(), (t(new + 1) - t(1)) / new, {args.rounds} paired rounds"
+                  shapes=model_shapes(args) + (", a StaticCache (compiled decode steps)" if static else ""),
+                  method=f"{'' if static else 'eager '}generate(), (t(new + 1) - t(1)) / new, {args.rounds} paired rounds"
                          + (", round r without the prompts' first (r + 1) (new + 1) columns" if args.fresh_lengths
                             else ""),
                   plans=plans)

@@ -816,6 +816,7 @@ def test_resource_scan_merges_parts_of_one_source(tmp_path):
     (["--fresh-lengths", "--prompt", "195", "--new", "64", "--rounds", "3"],
      "must exceed --rounds x (--new + 1) (195)"),
     (["--peers", "fa4_plans,flash"], "--peers: unknown flash"),
+    (["--cache", "static", "--peers", "fa4_plans"], "--peers: unknown fa4_plans with --cache static"),
 ])
 def test_bench_hf_generate_refuses_bad_arguments_before_touching_a_gpu(argv, word, capsys):
     from benchmarks import bench_hf_generate
@@ -864,6 +865,35 @@ def test_bench_hf_generate_rounds_never_repeat_a_cache_length_and_report_each_pe
                and {"recorded", "replays"} <= set(r["rounds_plans"][0]) and {"ms", "collections"} <= set(r["rounds_gc"][0])
                for r in rows.values())
     assert "fa4_gathered" not in capsys.readouterr().out
+
+
+def test_bench_hf_generate_static_cache_peers_compile_but_fa4_eager(tmp_path, monkeypatch):
+    """--cache static: every peer generates with a StaticCache; fa4_eager alone turns transformers'
+    compile of the decode steps off; each peer's first, warm-up generate() is its largest."""
+    import torch
+
+    from benchmarks import bench_hf_generate as bench
+
+    calls = []
+
+    def fake_generate(model, impl, ids, mask, tokens, **kw):
+        calls.append((impl, tokens, kw))
+        return 0.001 * tokens
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a stand-in")
+    monkeypatch.setattr(bench, "model_and_prompts", lambda layers, batch, p: (
+        None, torch.ones(batch, p, dtype=torch.long), torch.ones(batch, p, dtype=torch.long)))
+    monkeypatch.setattr(bench, "generate_s", fake_generate)
+    out = tmp_path / "s.json"
+    assert bench.main(["--cache", "static", "--new", "7", "--rounds", "2", "--out", str(out)]) == 0
+    assert all(kw["cache_implementation"] == "static" for _, _, kw in calls)
+    assert {impl for impl, _, kw in calls if kw.get("disable_compile")} == {"fa4"}
+    assert sum(1 for _, _, kw in calls if kw.get("disable_compile")) == 2 * 3  # fa4_eager: warm-up + 2 rounds
+    assert [t for _, t, _ in calls[:2]] == [8, 1]
+    doc = json.loads(out.read_text())
+    assert {r["peer"] for r in doc["results"]} == set(bench.STATIC_PEERS) and "StaticCache" in doc["shapes"]
 
 
 @pytest.mark.parametrize("argv, word", [(["--new", "0"], "--new: expected >= 1"), (["--peers", " , "], "--peers")])

@@ -506,6 +506,39 @@ def test_left_padded_static_cache_decode_reads_the_cache_in_place(ref_fa4, monke
 
 @pytest.mark.cpu
 @pytest.mark.fa4
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_compiled_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind):
+    """generate(cache_implementation="static") compiles its decode steps (transformers does so on a GPU;
+    compile_config asks for it here, dynamo's eager backend). It builds each step's mask eagerly, before
+    the compiled forward: fa4_mask makes it a LeftPadding, which reaches the compiled layers, so their steps
+    read the cache in place (they gathered a copy before). Tokens and scores as eager's."""
+    from transformers import CompileConfig
+
+    monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
+    graphs = []
+
+    def backend(gm, example_inputs, **options):  # dynamo's graphs, run as they are (options: the mode)
+        graphs.append(gm)
+        return gm.forward
+
+    config = CompileConfig(backend=backend)
+    config._compile_all_devices = True  # transformers compiles on accelerators only
+    torch._dynamo.reset()
+    try:
+        generate_like_eager(build(kind), seed=9, pads=(2, 0, 5), what=f"{kind} compiled static",
+                            cache_implementation="static", compile_config=config)
+    finally:
+        torch._dynamo.reset()
+    assert graphs
+    layers = BASE["num_hidden_layers"]
+    steps = ref_fa4.calls[layers:4 * layers]  # fa4's three decode forwards (eager's calls come after)
+    full = steps if kind == "llama" else steps[1::2]  # Gemma 2's sliding layers: a cache of their own
+    assert [c[0] for c in full] == ["kvcache"] * len(full)
+    assert all(c[1]["cache_leftpad"].tolist() == [2, 0, 5] for c in full)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_left_padded_decode_skips_launch_plans_while_the_cache_grows(ref_fa4, monkeypatch, cache):
     """A DynamicCache grows a key a step, so every in-place step of every layer runs without launch plans
@@ -593,6 +626,29 @@ def test_mask_function_marks_left_padding_only():
         assert not hasattr(integ.fa4_mask(3, 1, 9, attention_mask=other), integ._LEFT_PADDING)
     empty = integ.fa4_mask(3, 1, 4, attention_mask=torch.ones(3, 0, dtype=torch.long))   # no columns: no mark
     assert empty.shape == (3, 0) and not hasattr(empty, integ._LEFT_PADDING)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_mask_function_hands_a_static_cache_a_left_padding():
+    """On a static cache's layer (q_offset a tensor) a left-padded mask becomes a LeftPadding: the mask and
+    its marks, returned as it is when transformers hands it back for a layer of the same size, opened again
+    for one of another size (a sliding cache's), moved whole by to(); other masks stay tensors."""
+    left = torch.ones(3, 9, dtype=torch.long)
+    left[0, :6] = 0
+    got = integ.fa4_mask(3, 1, 16, q_offset=torch.tensor(8), attention_mask=left)
+    assert isinstance(got, integ.LeftPadding) and got.kv_length == 16 and torch.equal(got.mask, left.bool())
+    assert got.first.tolist() == [6, 0, 0] and got.lengths.tolist() == [9, 9, 9]
+    assert integ.fa4_mask(3, 1, 16, q_offset=torch.tensor(8), attention_mask=got) is got
+    sliding = integ.fa4_mask(3, 1, 5, q_offset=torch.tensor(8), attention_mask=got)  # its last 5 columns
+    assert isinstance(sliding, integ.LeftPadding) and sliding.first.tolist() == [2, 0, 0]
+    assert got.to("cpu") is got and got.to(dtype=torch.bool) is got
+    moved = got.to("meta")
+    assert isinstance(moved, integ.LeftPadding) and {t.device.type for t in (moved.mask, moved.first,
+                                                                             moved.lengths)} == {"meta"}
+    right = left.flip(1)
+    assert isinstance(integ.fa4_mask(3, 1, 16, q_offset=torch.tensor(8), attention_mask=right), torch.Tensor)
+    assert isinstance(integ.fa4_mask(3, 1, 16, q_offset=8, attention_mask=left), torch.Tensor)  # a dynamic cache
 
 
 @pytest.mark.cpu
@@ -929,3 +985,69 @@ def test_left_padded_decode_steps_on_gpu_read_the_cache_in_place(kind, monkeypat
     err, bound = assert_fa4_close(f"{kind} left-padded decode logits", got, truth, baseline)
     print(f"\n{kind} left-padded decode: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")
 
+
+
+def _static_decode_logits(model, impl, ids, mask, new_ids, compile_with=None):
+    """Teacher-forced decoding over a StaticCache, as generate() runs it: an eager prefill, then per step
+    the mask built eagerly (create_masks_for_generate) and the forward, compiled with `compile_with`
+    (torch.compile's keyword arguments, fullgraph) when given -> the steps' logits (B, steps, vocab) fp32."""
+    from transformers import StaticCache
+    from transformers.masking_utils import create_masks_for_generate
+
+    model.set_attn_implementation(impl)
+    b, s = ids.shape
+    cache = StaticCache(config=model.config, max_cache_len=s + new_ids.shape[1] + 5)
+    forward = model.forward if compile_with is None else torch.compile(model.forward, fullgraph=True, **compile_with)
+    steps = []
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, cache_position=torch.arange(s, device="cuda"))
+        for t in range(new_ids.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            # positional: the cache's keyword is past_key_values before transformers 5.2x, cache after
+            step_mask = create_masks_for_generate(model.config, torch.empty(b, 1, 0, dtype=model.dtype, device="cuda"),
+                                                  mask, cache)
+            out = forward(input_ids=new_ids[:, t:t + 1], attention_mask=step_mask, past_key_values=cache,
+                          cache_position=torch.tensor([s + t], device="cuda"))
+            steps.append(out.logits[:, -1].float().clone())  # a CUDA graph's output is overwritten by its next replay
+    return torch.stack(steps, dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.fa4
+def test_compiled_static_cache_decode_on_gpu_reads_the_cache_in_place():
+    """A left-padded batch's decode steps over a StaticCache, compiled as generate() compiles them (the
+    step's mask built eagerly, the forward through inductor, fullgraph; then with CUDA graphs,
+    mode="reduce-overhead"): the graph holds fa4's in-place decode op and no varlen (gathering) op, one
+    graph serves every step as the mask grows, and the logits are within FA4's rule of fp32 eager."""
+    from torch._inductor.compile_fx import compile_fx
+    from stage0_reference.torch_reference import assert_fa4_close
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_BASE)).cuda().eval()
+    base = copy.deepcopy(ref).to(torch.bfloat16)
+    ours = copy.deepcopy(base)
+    g = torch.Generator(device="cuda").manual_seed(13)
+    ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 300), device="cuda", generator=g)
+    new_ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 5), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    mask[2, :250] = 0
+    graphs = []
+
+    def inductor(gm, example_inputs):
+        graphs.append(gm.code)
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    try:
+        compiled = _static_decode_logits(ours, "fa4", ids, mask, new_ids, dict(backend=inductor))
+        assert len(graphs) == 1, f"{len(graphs)} graphs for {new_ids.shape[1]} steps"
+        assert "kvcache_attention" in graphs[0] and "varlen" not in graphs[0]
+        torch._dynamo.reset()
+        graphed = _static_decode_logits(ours, "fa4", ids, mask, new_ids, dict(mode="reduce-overhead"))
+    finally:
+        torch._dynamo.reset()
+    truth, baseline = (_static_decode_logits(m, "eager", ids, mask, new_ids) for m in (ref, base))
+    for what, got in (("compiled", compiled), ("CUDA graphs", graphed)):
+        err, bound = assert_fa4_close(f"{what} static-cache decode logits", got, truth, baseline)
+        print(f"\n{what} static-cache decode: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")

@@ -286,6 +286,36 @@ class KeyPrefix:
         return f"KeyPrefix(length={tuple(self.length.shape)})"
 
 
+class LeftPadding:
+    """fa4_mask's value for a left-padded batch on a static KV cache's layer (transformers hands its
+    q_offset as a tensor): the boolean (batch, cols) padding mask `mask` (cols <= the buffer's
+    `kv_length` slots, at least the queries), with each row's first valid key `first` and `lengths`
+    (cols), int32 (batch,) each. generate() builds a static cache's mask eagerly, before each
+    compiled forward, and passes it in, where transformers hands it back to the mask builder: this
+    object reaches the compiled layers, so their decode steps read the cache in place (an attribute
+    on a 2-D mask tensor would not survive the `.to()` transformers applies to one). A decode step
+    reads only first and lengths, whose shapes stay fixed as the mask grows, so the compiled step is
+    one graph. `ndim` as KeyPrefix's; `to()` moves the tensors (a model split over devices)."""
+
+    ndim = 1
+
+    def __init__(self, mask: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor, kv_length: int):
+        self.mask, self.first, self.lengths, self.kv_length = mask, first, lengths, kv_length
+
+    @property
+    def shape(self):
+        return self.mask.shape
+
+    def to(self, *args, **kwargs):
+        mask = self.mask.to(*args, **kwargs)
+        if mask is self.mask:
+            return self
+        return LeftPadding(mask, self.first.to(mask.device), self.lengths.to(mask.device), self.kv_length)
+
+    def __repr__(self):
+        return f"LeftPadding(mask={tuple(self.mask.shape)})"
+
+
 def _key_prefix(batch_size, q_length, kv_length, q_offset, kv_offset, device):
     """A static cache with nothing padded: None when every key slot holds a token (q_offset + q_length
     >= kv_length); else an all-True (batch, q_offset + q_length) padding mask -- the padded path then
@@ -325,6 +355,10 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
         return _key_prefix(batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
     if isinstance(attention_mask, KeyPrefix):  # made by this function, handed back by transformers
         return attention_mask
+    if isinstance(attention_mask, LeftPadding):
+        if attention_mask.kv_length == kv_length:
+            return attention_mask
+        attention_mask = attention_mask.mask  # a layer of another size (a sliding cache): its own columns
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
         raise ValueError(f"attention_mask: fa4_mask takes a 2-D (batch, kv_len) padding mask, got {shape}")
@@ -345,8 +379,11 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
     # every row's tokens at its end: its layers' decode steps read the cache in place. The mark is an attribute
     # of this tensor; where transformers hands a layer another tensor (a copy, a move) it takes the general path
     if left_padded:
-        setattr(mask, _LEFT_PADDING, (mask.shape[1] - mask.sum(dim=1, dtype=_I32),
-                                      torch.full((mask.shape[0],), mask.shape[1], dtype=_I32, device=mask.device)))
+        marks = (mask.shape[1] - mask.sum(dim=1, dtype=_I32),
+                 torch.full((mask.shape[0],), mask.shape[1], dtype=_I32, device=mask.device))
+        if isinstance(q_offset, torch.Tensor) and q_length <= mask.shape[1]:
+            return LeftPadding(mask, *marks, kv_length)
+        setattr(mask, _LEFT_PADDING, marks)
     return mask
 
 
@@ -434,12 +471,14 @@ def _packed_call(q, k, v, varlen, common):
 
 
 def _padded_call(q, k, v, mask, common, module=None):
-    """Padding mask (B, >= Sk or fewer columns for a static cache) -> one varlen call, no sync.
+    """Padding mask (B, >= Sk or fewer columns for a static cache) -> one varlen call, no sync; a
+    decode step of a mask fa4_mask marked left-padded (eager) reads the cache in place instead.
     Layout: sequence b holds row b's queries, its padding first and then its valid queries in
     order (so the bottom-right causal alignment lines the valid queries up with the valid keys;
     padding queries see no key, or are discarded), and row b's valid keys; sequences B..2B-1 hold
     each row's padding keys and no query. Every length is <= the row's, so max_seqlen is static."""
-    served = _left_padded_decode(q, k, v, mask, common, module)
+    marks = None if torch.compiler.is_compiling() else getattr(mask, _LEFT_PADDING, None)
+    served = None if marks is None else _left_padded_decode(q, k, v, mask.shape[1], marks, common, module)
     if served is not None:
         return served
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask hold nothing yet (as transformers does)
@@ -502,20 +541,21 @@ def _cache_grew(module, keys: int) -> bool:
     return True
 
 
-def _left_padded_decode(q, k, v, mask, common, module=None):
-    """A decode step (a few query tokens, no gradient) of a left-padded batch, which fa4_mask marked:
+def _left_padded_decode(q, k, v, cols, marks, common, module=None):
+    """A decode step (a few query tokens, no gradient) of a left-padded batch of `cols` mask columns (a
+    LeftPadding's: the buffer's rows, which hold its columns), which fa4_mask marked (first, lengths):
     flash_attn_with_kvcache on the cache as it is, row b's keys from its first valid one (cache_leftpad),
     with no copy (the general padded path gathers every key and value of the cache each step). Causal
     queries are the row's last tokens, as there. None where it does not apply: the general path runs.
-    A layer whose cache grew since its last step runs without launch plans (_cache_grew)."""
-    marks = None if torch.compiler.is_compiling() else getattr(mask, _LEFT_PADDING, None)
-    sq, cols = q.shape[1], mask.shape[1]
-    if marks is None or k.shape[1] < cols or (common["causal"] and sq > cols) or \
+    A layer whose cache grew since its last step runs without launch plans (_cache_grew); in a compiled
+    forward (a static cache's LeftPadding) the graph holds the launch."""
+    sq = q.shape[1]
+    if k.shape[1] < cols or (common["causal"] and sq > cols) or \
             not _split_launch_takes(q, k, v, common["learnable_sink"], sq, cols):
         return None
     first, lengths = marks
     step = dict(cache_seqlens=lengths, cache_leftpad=first, **common)
-    if _cache_grew(module, k.shape[1]):
+    if not torch.compiler.is_compiling() and _cache_grew(module, k.shape[1]):
         return _plans.call_without_plans(flash_attn_with_kvcache, q, k, v, **step)
     return flash_attn_with_kvcache(q, k, v, **step)
 
@@ -556,6 +596,12 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     # (B, H, S, D) -> (B, S, H, D): views, last dim stays contiguous
     q, k, v = (_cast_for_kernel(t).transpose(1, 2) for t in (query, key, value))
     common = dict(softmax_scale=scaling, causal=is_causal, **_variants(kwargs, is_causal, q, k.shape[1]))
+    if isinstance(attention_mask, LeftPadding):
+        marks = (attention_mask.first, attention_mask.lengths)
+        served = _left_padded_decode(q, k, v, k.shape[1], marks, common, module)
+        if served is not None:
+            return served, None
+        attention_mask = attention_mask.mask
     is_padding = isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
     if isinstance(attention_mask, KeyPrefix):
         return _prefix_call(q, k, v, attention_mask.length, common), None
