@@ -29,7 +29,8 @@ base, sliding-window overlay, packed-sequence overlay) and returns what fa4 serv
     every row's padding is at its start (left padding, as generation pads), marked with each row's
     first valid key, so a call of a few query tokens that needs no gradient (a decode step) runs
     flash_attn_with_kvcache with cache_leftpad on the cache as it is, where the general padded path
-    would gather every valid key and value into a packed copy each step;
+    would gather every valid key and value into a packed copy each step; on a static cache's layer a
+    `LeftPadding` instead (the mask and those marks), which reaches generate()'s compiled steps;
   * a `PackedSequences` (position_ids restarting inside a row, no attention_mask, no cache:
     transformers' padding-free training format; one varlen call over the documents);
   * for a static cache with nothing padded (its buffer's slots past the tokens so far hold nothing;
@@ -68,7 +69,9 @@ Under torch.compile, opening a composed mask (sliding windows, the packed patter
 read a closure's cells) and every data-dependent step on real tensors are graph breaks, as in
 transformers' own flash path; and while tracing, transformers cannot tell a packed batch from an
 unpacked one, so without an attention_mask and a cache it always hands the packed pattern over.
-Causal / bidirectional layers given an attention_mask trace with no break (fullgraph).
+Causal / bidirectional layers given an attention_mask trace with no break (fullgraph). A mask
+fa4_mask gets inside a compiled forward is not read, so it is never marked left-padded there; a
+LeftPadding built eagerly (generate() does so for a static cache each step) is handed on as it is.
 """
 from __future__ import annotations
 
