@@ -8,9 +8,9 @@ One layer's attention of a decode step as transformers calls it (`fa4_attention_
 (B, 32, 1, 128), key / value (B, 8, S, 128) as its cache holds them, bf16, causal, and the step's 2-D
 padding mask with each row's first pad_b keys padding (pad_b drawn from [0, S / 2)). Peers:
 
-* in_place: the mask as fa4_mask returns it for left padding (marked), so the call is
+* in_place: the mask as fa4_mask returns it for left padding (a LeftPadding), so the call is
   flash_attn_with_kvcache with cache_leftpad on the cache as it is (the split launch);
-* gather: the same mask unmarked (what right padding or padding inside a row gets): the general padded
+* gather: the same mask as a plain tensor (what right padding or padding inside a row gets): the general padded
   path, which gathers every valid key and value into a packed copy and runs flash_attn_varlen_func;
 * sdpa: torch SDPA on the same tensors with the boolean mask broadcast to (B, 1, 1, S) and enable_gqa
   (what attn_implementation="sdpa" runs; the backend is torch's choice);
@@ -47,11 +47,11 @@ def _layer_call(q, k, v, mask):
 
 
 def _peers(q, k, v, mask):
-    from fa4.integrations.transformers import _LEFT_PADDING, fa4_mask
+    from fa4.integrations.transformers import LeftPadding, fa4_mask
 
     marked = fa4_mask(q.shape[0], 1, k.shape[2], attention_mask=mask)
-    assert hasattr(marked, _LEFT_PADDING), "fa4_mask did not mark a left-padded mask"
-    unmarked = marked.clone()                       # the same values without the mark
+    assert isinstance(marked, LeftPadding), "fa4_mask did not take the mask for left padding"
+    unmarked = marked.mask                          # the same values as a plain padding mask
     sdpa_mask = mask.bool()[:, None, None, :]       # (B, 1, 1, S)
     return {
         "in_place": _layer_call(q, k, v, marked),

@@ -30,8 +30,9 @@ The first generate() of each peer compiles (the warm-up); the largest cache come
 reuse it and its compiled graph.
 
 ms per new token = (time of generate(new + 1 tokens) - time of generate(1 token)) / new, so the prefill
-cancels; CUDA-synchronized wall clock, eager (no CUDA graphs: what a plain generate() loop does, host
-time included), in paired rounds (every round times every peer once, in a fresh random order).
+cancels; CUDA-synchronized wall clock, host time included (eager with the default dynamic cache: no CUDA
+graphs, what a plain generate() loop does), in paired rounds (every round times every peer once, in a
+fresh random order).
 """
 from __future__ import annotations
 

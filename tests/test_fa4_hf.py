@@ -495,12 +495,13 @@ def test_more_architectures_generate_like_eager_reading_the_cache_in_place(ref_f
 def test_left_padded_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind):
     """generate(cache_implementation="static") from a left-padded batch: the buffer's slots past the mask
     hold nothing yet, so each step reads slots [first valid key, mask columns) of the buffer in place.
-    (Gemma 2's sliding layers get another mask tensor than the one fa4_mask marked, or none padded: the
-    general paths.)"""
+    Gemma 2's sliding layers (a buffer of their own) too, until their window holds no padding: then their
+    mask is None and the call flash_attn_func."""
     monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
     generate_like_eager(build(kind), seed=9, pads=(2, 0, 5), what=f"{kind} static", cache_implementation="static")
     kinds = ref_fa4.kinds()
-    assert set(kinds) == {"kvcache"} if kind == "llama" else kinds[1::2] == ["kvcache"] * 4
+    assert set(kinds) == {"kvcache"} if kind == "llama" else (kinds[1::2] == ["kvcache"] * 4 and
+                                                               kinds[0::2] == ["kvcache"] * 3 + ["dense"])
     assert any(c[1]["cache_seqlens"][0] < c[1]["slots"] for c in ref_fa4.calls)  # a buffer longer than the mask
 
 
@@ -515,6 +516,13 @@ def test_compiled_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypa
     from transformers import CompileConfig
 
     monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
+    traced, in_place = [], integ._left_padded_decode
+
+    def watched(*args, **kw):  # dynamo replays the append with the value it traced: True in a compiled step
+        traced.append(torch.compiler.is_compiling())
+        return in_place(*args, **kw)
+
+    monkeypatch.setattr(integ, "_left_padded_decode", watched)
     graphs = []
 
     def backend(gm, example_inputs, **options):  # dynamo's graphs, run as they are (options: the mode)
@@ -529,12 +537,14 @@ def test_compiled_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypa
                             cache_implementation="static", compile_config=config)
     finally:
         torch._dynamo.reset()
-    assert graphs
     layers = BASE["num_hidden_layers"]
     steps = ref_fa4.calls[layers:4 * layers]  # fa4's three decode forwards (eager's calls come after)
     full = steps if kind == "llama" else steps[1::2]  # Gemma 2's sliding layers: a cache of their own
-    assert [c[0] for c in full] == ["kvcache"] * len(full)
+    assert graphs and [c[0] for c in full] == ["kvcache"] * len(full)
     assert all(c[1]["cache_leftpad"].tolist() == [2, 0, 5] for c in full)
+    assert "varlen" not in [c[0] for c in steps]
+    in_place_steps = [c for c in steps if c[0] == "kvcache"]
+    assert traced == [False] * layers + [True] * len(in_place_steps)  # an eager prefill, then compiled steps
 
 
 @pytest.mark.cpu
@@ -610,30 +620,31 @@ def test_left_padded_path_takes_only_the_kernels_head_dims(monkeypatch):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_mask_function_marks_left_padding_only():
-    """fa4_mask marks a mask whose rows hold their tokens at the end (first valid key, kv_len per row);
-    right padding, padding inside a row and a traced or fake mask are left unmarked."""
+def test_mask_function_takes_left_padding_only():
+    """fa4_mask makes a LeftPadding of a mask whose rows hold their tokens at the end (first valid key,
+    kv_len per row); right padding, padding inside a row, more queries than columns and no columns stay
+    plain tensors."""
     left = torch.ones(3, 9, dtype=torch.long)
     left[0, :4] = 0
     left[2, :] = 0
     got = integ.fa4_mask(3, 1, 9, attention_mask=left)
-    first, lengths = getattr(got, integ._LEFT_PADDING)
-    assert first.tolist() == [4, 0, 9] and lengths.tolist() == [9, 9, 9] and first.dtype == torch.int32
-    assert not hasattr(left, integ._LEFT_PADDING)  # the caller's tensor is not touched
+    assert isinstance(got, integ.LeftPadding) and torch.equal(got.mask, left.bool()) and got.kv_length == 9
+    assert got.first.tolist() == [4, 0, 9] and got.lengths.tolist() == [9, 9, 9] and got.first.dtype == torch.int32
     for row in ([1, 1, 0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 0]):
         other = left.clone()
         other[1] = torch.tensor(row)
-        assert not hasattr(integ.fa4_mask(3, 1, 9, attention_mask=other), integ._LEFT_PADDING)
-    empty = integ.fa4_mask(3, 1, 4, attention_mask=torch.ones(3, 0, dtype=torch.long))   # no columns: no mark
-    assert empty.shape == (3, 0) and not hasattr(empty, integ._LEFT_PADDING)
+        assert isinstance(integ.fa4_mask(3, 1, 9, attention_mask=other), torch.Tensor)
+    assert isinstance(integ.fa4_mask(3, 10, 12, attention_mask=left), torch.Tensor)  # 10 queries, 9 columns
+    empty = integ.fa4_mask(3, 1, 4, attention_mask=torch.ones(3, 0, dtype=torch.long))
+    assert isinstance(empty, torch.Tensor) and empty.shape == (3, 0)
 
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-def test_mask_function_hands_a_static_cache_a_left_padding():
-    """On a static cache's layer (q_offset a tensor) a left-padded mask becomes a LeftPadding: the mask and
-    its marks, returned as it is when transformers hands it back for a layer of the same size, opened again
-    for one of another size (a sliding cache's), moved whole by to(); other masks stay tensors."""
+def test_a_left_padding_handed_back_to_the_mask_function():
+    """A LeftPadding over a static cache's buffer (16 slots, 9 columns so far) comes back as it is when
+    transformers hands it to fa4_mask again for a layer of the same size, is opened again for one of
+    another size (a sliding cache's last 5 columns), and moves whole with to()."""
     left = torch.ones(3, 9, dtype=torch.long)
     left[0, :6] = 0
     got = integ.fa4_mask(3, 1, 16, q_offset=torch.tensor(8), attention_mask=left)
@@ -646,9 +657,6 @@ def test_mask_function_hands_a_static_cache_a_left_padding():
     moved = got.to("meta")
     assert isinstance(moved, integ.LeftPadding) and {t.device.type for t in (moved.mask, moved.first,
                                                                              moved.lengths)} == {"meta"}
-    right = left.flip(1)
-    assert isinstance(integ.fa4_mask(3, 1, 16, q_offset=torch.tensor(8), attention_mask=right), torch.Tensor)
-    assert isinstance(integ.fa4_mask(3, 1, 16, q_offset=8, attention_mask=left), torch.Tensor)  # a dynamic cache
 
 
 @pytest.mark.cpu
@@ -663,7 +671,7 @@ def test_mask_function_values():
     padded = torch.ones(2, 10, dtype=torch.bool)
     padded[1, :4] = False
     got = integ.fa4_mask(2, 8, 8, mask_function=mu.sliding_window_causal_mask_function(4), attention_mask=padded)
-    assert torch.equal(got, padded[:, -8:])  # sliced to the keys from the right, as transformers' flash mask
+    assert torch.equal(got.mask, padded[:, -8:])  # sliced to the keys from the right, as transformers' flash mask
     cfg = LlamaConfig(**BASE)
     cfg._attn_implementation = "fa4"
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
@@ -986,7 +994,6 @@ def test_left_padded_decode_steps_on_gpu_read_the_cache_in_place(kind, monkeypat
     print(f"\n{kind} left-padded decode: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")
 
 
-
 def _static_decode_logits(model, impl, ids, mask, new_ids, compile_with=None):
     """Teacher-forced decoding over a StaticCache, as generate() runs it: an eager prefill, then per step
     the mask built eagerly (create_masks_for_generate) and the forward, compiled with `compile_with`
@@ -999,33 +1006,49 @@ def _static_decode_logits(model, impl, ids, mask, new_ids, compile_with=None):
     cache = StaticCache(config=model.config, max_cache_len=s + new_ids.shape[1] + 5)
     forward = model.forward if compile_with is None else torch.compile(model.forward, fullgraph=True, **compile_with)
     steps = []
+
+    def positions(mask):  # generate()'s: each row's tokens count from 0 (its padding: 1)
+        return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, cache_position=torch.arange(s, device="cuda"))
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, position_ids=positions(mask),
+              cache_position=torch.arange(s, device="cuda"))
         for t in range(new_ids.shape[1]):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             # positional: the cache's keyword is past_key_values before transformers 5.2x, cache after
             step_mask = create_masks_for_generate(model.config, torch.empty(b, 1, 0, dtype=model.dtype, device="cuda"),
                                                   mask, cache)
             out = forward(input_ids=new_ids[:, t:t + 1], attention_mask=step_mask, past_key_values=cache,
-                          cache_position=torch.tensor([s + t], device="cuda"))
+                          position_ids=positions(mask)[:, -1:].contiguous(), cache_position=torch.tensor([s + t], device="cuda"))
             steps.append(out.logits[:, -1].float().clone())  # a CUDA graph's output is overwritten by its next replay
     return torch.stack(steps, dim=1)
 
 
+# compiled graphs a static cache's decode steps take: Gemma 2's sliding cache layers keep their length as a
+# Python int, which transformers' is_full test makes dynamo specialize on the first step (one recompile)
+GRAPHS = {"llama": 1, "gemma2": 2}
+
+
 @pytest.mark.gpu
 @pytest.mark.fa4
-def test_compiled_static_cache_decode_on_gpu_reads_the_cache_in_place():
+@pytest.mark.parametrize("kind", list(GRAPHS))
+def test_compiled_static_cache_decode_on_gpu_reads_the_cache_in_place(kind):
     """A left-padded batch's decode steps over a StaticCache, compiled as generate() compiles them (the
     step's mask built eagerly, the forward through inductor, fullgraph; then with CUDA graphs,
-    mode="reduce-overhead"): the graph holds fa4's in-place decode op and no varlen (gathering) op, one
-    graph serves every step as the mask grows, and the logits are within FA4's rule of fp32 eager."""
+    mode="reduce-overhead"): the graphs hold fa4's in-place decode op and no varlen (gathering) op, one
+    graph (GRAPHS) serves every step as the mask grows, and the logits are within FA4's rule of fp32 eager.
+    Gemma 2: sliding layers (a 128-key window, padding inside it throughout) and softcap."""
+    from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
     from stage0_reference.torch_reference import assert_fa4_close
 
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_BASE)).cuda().eval()
-    base = copy.deepcopy(ref).to(torch.bfloat16)
-    ours = copy.deepcopy(base)
+    if kind == "llama":
+        torch.manual_seed(0)
+        ref = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_BASE)).cuda().eval()
+        base = copy.deepcopy(ref).to(torch.bfloat16)
+        ours = copy.deepcopy(base)
+    else:
+        ref, base, ours = _gpu_models(kind)
     g = torch.Generator(device="cuda").manual_seed(13)
     ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 300), device="cuda", generator=g)
     new_ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 5), device="cuda", generator=g)
@@ -1041,13 +1064,15 @@ def test_compiled_static_cache_decode_on_gpu_reads_the_cache_in_place():
     torch._dynamo.reset()
     try:
         compiled = _static_decode_logits(ours, "fa4", ids, mask, new_ids, dict(backend=inductor))
-        assert len(graphs) == 1, f"{len(graphs)} graphs for {new_ids.shape[1]} steps"
-        assert "kvcache_attention" in graphs[0] and "varlen" not in graphs[0]
+        assert len(graphs) == GRAPHS[kind], f"{len(graphs)} graphs for {new_ids.shape[1]} steps"
+        assert all("kvcache_attention" in g and "varlen" not in g for g in graphs)
         torch._dynamo.reset()
+        counters.clear()
         graphed = _static_decode_logits(ours, "fa4", ids, mask, new_ids, dict(mode="reduce-overhead"))
+        assert counters["stats"]["unique_graphs"] == GRAPHS[kind], dict(counters["stats"])
     finally:
         torch._dynamo.reset()
     truth, baseline = (_static_decode_logits(m, "eager", ids, mask, new_ids) for m in (ref, base))
     for what, got in (("compiled", compiled), ("CUDA graphs", graphed)):
-        err, bound = assert_fa4_close(f"{what} static-cache decode logits", got, truth, baseline)
-        print(f"\n{what} static-cache decode: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")
+        err, bound = assert_fa4_close(f"{kind} {what} static-cache decode logits", got, truth, baseline)
+        print(f"\n{kind} {what} static-cache decode: fa4 max err {err:.3e} <= FA4 bound {bound:.3e}")

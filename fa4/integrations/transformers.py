@@ -25,12 +25,12 @@ would silently ignore padding and packing. So registration also installs `fa4_ma
 base, sliding-window overlay, packed-sequence overlay) and returns what fa4 serves exactly:
   * None: causal or bidirectional attention with nothing padded (flash_attn_func; the kernel does
     causal itself, bottom-right aligned, which is what decoding with a KV cache needs);
-  * the boolean (batch, kv_len) padding mask (flash_attn_varlen_func over a sync-free layout); when
-    every row's padding is at its start (left padding, as generation pads), marked with each row's
-    first valid key, so a call of a few query tokens that needs no gradient (a decode step) runs
-    flash_attn_with_kvcache with cache_leftpad on the cache as it is, where the general padded path
-    would gather every valid key and value into a packed copy each step; on a static cache's layer a
-    `LeftPadding` instead (the mask and those marks), which reaches generate()'s compiled steps;
+  * the boolean (batch, kv_len) padding mask (flash_attn_varlen_func over a sync-free layout);
+  * a `LeftPadding` when every row's padding is at its start (left padding, as generation pads): the
+    mask with each row's first valid key, so a call of a few query tokens that needs no gradient (a
+    decode step) runs flash_attn_with_kvcache with cache_leftpad on the cache as it is, where the
+    general padded path would gather every valid key and value into a packed copy each step. It
+    also reaches generate()'s compiled steps over a static cache (LeftPadding says how);
   * a `PackedSequences` (position_ids restarting inside a row, no attention_mask, no cache:
     transformers' padding-free training format; one varlen call over the documents);
   * for a static cache with nothing padded (its buffer's slots past the tokens so far hold nothing;
@@ -70,8 +70,8 @@ read a closure's cells) and every data-dependent step on real tensors are graph 
 transformers' own flash path; and while tracing, transformers cannot tell a packed batch from an
 unpacked one, so without an attention_mask and a cache it always hands the packed pattern over.
 Causal / bidirectional layers given an attention_mask trace with no break (fullgraph). A mask
-fa4_mask gets inside a compiled forward is not read, so it is never marked left-padded there; a
-LeftPadding built eagerly (generate() does so for a static cache each step) is handed on as it is.
+fa4_mask gets inside a compiled forward is not read, so it never becomes a LeftPadding there; one
+built eagerly (generate() builds a static cache's step mask so) is handed on as it is.
 """
 from __future__ import annotations
 
@@ -290,24 +290,19 @@ class KeyPrefix:
 
 
 class LeftPadding:
-    """fa4_mask's value for a left-padded batch on a static KV cache's layer (transformers hands its
-    q_offset as a tensor): the boolean (batch, cols) padding mask `mask` (cols <= the buffer's
-    `kv_length` slots, at least the queries), with each row's first valid key `first` and `lengths`
-    (cols), int32 (batch,) each. generate() builds a static cache's mask eagerly, before each
-    compiled forward, and passes it in, where transformers hands it back to the mask builder: this
-    object reaches the compiled layers, so their decode steps read the cache in place (an attribute
-    on a 2-D mask tensor would not survive the `.to()` transformers applies to one). A decode step
-    reads only first and lengths, whose shapes stay fixed as the mask grows, so the compiled step is
-    one graph. `ndim` as KeyPrefix's; `to()` moves the tensors (a model split over devices)."""
+    """fa4_mask's value for a left-padded batch: the boolean (batch, cols) padding mask `mask` (cols
+    <= the layer's `kv_length` keys, at least the queries: the queries are each row's last tokens),
+    with each row's first valid key `first` and `lengths` (cols), int32 (batch,) each. An object, not
+    a marked tensor, for generate() over a static cache: it builds each step's mask eagerly and passes
+    it to the compiled forward, where transformers hands it back to the mask builder, and dynamo
+    drops a tensor's attributes through the `.to()` transformers applies to a 2-D mask. A decode step
+    reads only first and lengths, whose shapes stay fixed as the mask grows, so a compiled step is one
+    graph. `ndim` as KeyPrefix's; `to()` moves the tensors (a model split over devices)."""
 
     ndim = 1
 
     def __init__(self, mask: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor, kv_length: int):
         self.mask, self.first, self.lengths, self.kv_length = mask, first, lengths, kv_length
-
-    @property
-    def shape(self):
-        return self.mask.shape
 
     def to(self, *args, **kwargs):
         mask = self.mask.to(*args, **kwargs)
@@ -339,13 +334,13 @@ def _key_prefix(batch_size, q_length, kv_length, q_offset, kv_offset, device):
 def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
              mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
     """transformers AttentionMaskInterface function: None (nothing padded, not packed), the boolean
-    (batch, kv_length) padding mask, a PackedSequences, or a KeyPrefix (a static cache with nothing
-    padded); ValueError for a pattern fa4 cannot serve exactly. mask_function None means causal
-    (transformers' default).
+    (batch, kv_length) padding mask, a LeftPadding (that mask, left-padded), a PackedSequences, or a
+    KeyPrefix (a static cache with nothing padded); ValueError for a pattern fa4 cannot serve exactly.
+    mask_function None means causal (transformers' default).
 
     Reads no tensor value except one check of a real, eager padding mask per model forward (one
     sync; transformers' sdpa and flash masks read it too): all ones spares every layer the varlen
-    layout; left padding marks the mask for in-place decode steps (_left_padded_decode); with a
+    layout; left padding makes a LeftPadding, for in-place decode steps (_left_padded_decode); with a
     sliding window, whether each row's valid tokens form one run. And a static cache's tensor
     q_offset, once per mask built. Skipped on meta / fake tensors
     and under torch.compile, where the mask is returned as is (the padded path is exact for an
@@ -358,7 +353,7 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
         return _key_prefix(batch_size, q_length, kv_length, q_offset, kv_offset, kwargs.get("device"))
     if isinstance(attention_mask, KeyPrefix):  # made by this function, handed back by transformers
         return attention_mask
-    if isinstance(attention_mask, LeftPadding):
+    if isinstance(attention_mask, LeftPadding):  # made by this function, handed back by transformers
         if attention_mask.kv_length == kv_length:
             return attention_mask
         attention_mask = attention_mask.mask  # a layer of another size (a sliding cache): its own columns
@@ -379,14 +374,12 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
         raise ValueError("attention_mask: padding inside a row (not only at its ends) with a sliding window: "
                          "fa4's padded path would count the window over the valid tokens, not their "
                          "positions; use attn_implementation='sdpa' or 'eager' for such masks")
-    # every row's tokens at its end: its layers' decode steps read the cache in place. The mark is an attribute
-    # of this tensor; where transformers hands a layer another tensor (a copy, a move) it takes the general path
-    if left_padded:
-        marks = (mask.shape[1] - mask.sum(dim=1, dtype=_I32),
-                 torch.full((mask.shape[0],), mask.shape[1], dtype=_I32, device=mask.device))
-        if isinstance(q_offset, torch.Tensor) and q_length <= mask.shape[1]:
-            return LeftPadding(mask, *marks, kv_length)
-        setattr(mask, _LEFT_PADDING, marks)
+    # every row's tokens at its end: its layers' decode steps read the cache in place. More queries than
+    # columns (they could not all be the rows' last tokens) keep the general path, which refuses them
+    if left_padded and q_length <= mask.shape[1]:
+        first = mask.shape[1] - mask.sum(dim=1, dtype=_I32)                                      # (batch,)
+        cols = torch.full((mask.shape[0],), mask.shape[1], dtype=_I32, device=mask.device)
+        return LeftPadding(mask, first, cols, kv_length)
     return mask
 
 
@@ -473,17 +466,12 @@ def _packed_call(q, k, v, varlen, common):
     return out.view(q.shape[0], q.shape[1], *out.shape[1:])
 
 
-def _padded_call(q, k, v, mask, common, module=None):
-    """Padding mask (B, >= Sk or fewer columns for a static cache) -> one varlen call, no sync; a
-    decode step of a mask fa4_mask marked left-padded (eager) reads the cache in place instead.
+def _padded_call(q, k, v, mask, common):
+    """Padding mask (B, >= Sk or fewer columns for a static cache) -> one varlen call, no sync.
     Layout: sequence b holds row b's queries, its padding first and then its valid queries in
     order (so the bottom-right causal alignment lines the valid queries up with the valid keys;
     padding queries see no key, or are discarded), and row b's valid keys; sequences B..2B-1 hold
     each row's padding keys and no query. Every length is <= the row's, so max_seqlen is static."""
-    marks = None if torch.compiler.is_compiling() else getattr(mask, _LEFT_PADDING, None)
-    served = None if marks is None else _left_padded_decode(q, k, v, mask.shape[1], marks, common, module)
-    if served is not None:
-        return served
     if k.shape[1] > mask.shape[1]:  # static cache: slots past the mask hold nothing yet (as transformers does)
         k, v = k[:, :mask.shape[1]], v[:, :mask.shape[1]]
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
@@ -511,9 +499,6 @@ def _padded_call(q, k, v, mask, common, module=None):
     out = torch.empty_like(out).index_copy(0, order_q, out).view(b, sq, *out.shape[1:])
     return torch.where(mask_q[:, :, None, None], out, out.new_zeros(()))  # padding queries: 0
 
-
-# the attribute fa4_mask sets on a left-padded mask it returns: (first valid key, kv_len) int32 (batch,) each
-_LEFT_PADDING = "_fa4_left_padding"
 
 
 def _split_launch_takes(q, k, v, sink, tokens: int, keys: int) -> bool:
@@ -544,20 +529,18 @@ def _cache_grew(module, keys: int) -> bool:
     return True
 
 
-def _left_padded_decode(q, k, v, cols, marks, common, module=None):
-    """A decode step (a few query tokens, no gradient) of a left-padded batch of `cols` mask columns (a
-    LeftPadding's: the buffer's rows, which hold its columns), which fa4_mask marked (first, lengths):
+def _left_padded_decode(q, k, v, left, common, module=None):
+    """A decode step (a few query tokens, no gradient) of a left-padded batch (left: fa4_mask's
+    LeftPadding for this layer's keys; its queries are the rows' last tokens, its columns fit k):
     flash_attn_with_kvcache on the cache as it is, row b's keys from its first valid one (cache_leftpad),
     with no copy (the general padded path gathers every key and value of the cache each step). Causal
     queries are the row's last tokens, as there. None where it does not apply: the general path runs.
     A layer whose cache grew since its last step runs without launch plans (_cache_grew); in a compiled
-    forward (a static cache's LeftPadding) the graph holds the launch."""
-    sq = q.shape[1]
-    if k.shape[1] < cols or (common["causal"] and sq > cols) or \
-            not _split_launch_takes(q, k, v, common["learnable_sink"], sq, cols):
+    forward the graph holds the launch. Reads no mask shape: a compiled step is one graph as it grows."""
+    if k.shape[1] != left.kv_length or not _split_launch_takes(q, k, v, common["learnable_sink"], q.shape[1],
+                                                               k.shape[1]):
         return None
-    first, lengths = marks
-    step = dict(cache_seqlens=lengths, cache_leftpad=first, **common)
+    step = dict(cache_seqlens=left.lengths, cache_leftpad=left.first, **common)
     if not torch.compiler.is_compiling() and _cache_grew(module, k.shape[1]):
         return _plans.call_without_plans(flash_attn_with_kvcache, q, k, v, **step)
     return flash_attn_with_kvcache(q, k, v, **step)
@@ -585,11 +568,14 @@ def _refuse_unknown_tensors(kwargs):
                              "the attention); use attn_implementation='sdpa' or 'eager' for this model")
 
 
+_KWARGS_AND_MASK = "cu_seq_lens_q: fa4 takes packed-sequence kwargs or a padding attention_mask, not both"
+
+
 def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask, scaling: Optional[float] = None, dropout: float = 0.0, **kwargs):
     """transformers AttentionInterface function. query (B, Hq, Sq, D), key/value (B, Hkv, Sk, *)
-    -> (out (B, Sq, Hq, Dv), None). attention_mask: None, a 2-D padding mask or a PackedSequences
-    (fa4_mask's values); packed batches are also taken from cu_seq_lens_q/k + max_length_q/k or
+    -> (out (B, Sq, Hq, Dv), None). attention_mask: None, a 2-D padding mask, a LeftPadding, a KeyPrefix
+    or a PackedSequences (fa4_mask's values); packed batches are also taken from cu_seq_lens_q/k + max_length_q/k or
     position_ids (see the module docstring)."""
     _refuse_unsupported(dropout)
     _refuse_unknown_tensors(kwargs)
@@ -599,9 +585,12 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     # (B, H, S, D) -> (B, S, H, D): views, last dim stays contiguous
     q, k, v = (_cast_for_kernel(t).transpose(1, 2) for t in (query, key, value))
     common = dict(softmax_scale=scaling, causal=is_causal, **_variants(kwargs, is_causal, q, k.shape[1]))
+    varlen = _varlen_from_kwargs(kwargs, q, k)
     if isinstance(attention_mask, LeftPadding):
-        marks = (attention_mask.first, attention_mask.lengths)
-        served = _left_padded_decode(q, k, v, k.shape[1], marks, common, module)
+        if varlen is not None:
+            raise ValueError(_KWARGS_AND_MASK)
+        # before its mask is touched: a compiled step that reads only the marks is one graph as the mask grows
+        served = _left_padded_decode(q, k, v, attention_mask, common, module)
         if served is not None:
             return served, None
         attention_mask = attention_mask.mask
@@ -613,9 +602,8 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         raise ValueError(f"attention_mask: fa4 takes None or a 2-D (batch, kv_len) padding mask (or fa4_mask's "
                          f"PackedSequences), got {shape}; register the fa4 mask function with "
                          "register_fa4_attention()")
-    varlen = _varlen_from_kwargs(kwargs, q, k)
     if varlen is not None and is_padding:
-        raise ValueError("cu_seq_lens_q: fa4 takes packed-sequence kwargs or a padding attention_mask, not both")
+        raise ValueError(_KWARGS_AND_MASK)
     if varlen is None and isinstance(attention_mask, PackedSequences):
         if tuple(attention_mask.shape) != (q.shape[0], q.shape[1]) or k.shape[1] != q.shape[1]:
             raise ValueError(f"attention_mask: PackedSequences of shape {tuple(attention_mask.shape)} for queries "
@@ -627,7 +615,7 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
     if varlen is not None:
         return _packed_call(q, k, v, varlen, common), None
     if is_padding:
-        return _padded_call(q, k, v, attention_mask, common, module), None
+        return _padded_call(q, k, v, attention_mask, common), None
     return flash_attn_func(q, k, v, **common), None
 
 
