@@ -426,7 +426,7 @@ else:
 # `flash_attn_with_kvcache` on the buffer as it is, with `cache_leftpad[b] = pad_b` and
 # `cache_seqlens[b] =` the columns so far: row b's split chunks start at its first valid key.
 # (`fa4_mask`, the mask function the registration installs, reads once per forward whether each row's
-# padding is all at its start, and marks the mask with the two vectors.)
+# padding is all at its start, and hands the layers a `LeftPadding`: the mask with the two vectors.)
 #
 # Below, a tiny random Llama (head dim 64, one the Hopper kernels have) generates on the CPU. The two
 # fa4 functions the integration calls here are replaced by float64 references that record their

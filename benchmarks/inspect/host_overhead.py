@@ -76,7 +76,7 @@ def without_plans(fn):
 def hf_left_padded_decode(q, k, v):
     """One layer's decode step through the transformers integration (fa4_attention_forward): the decode
     problem's tensors as transformers' (B, H, S, D) views and a left-padded mask (a quarter of each row's
-    keys padding) that fa4_mask marked, so the step is flash_attn_with_kvcache with cache_leftpad."""
+    keys padding) that fa4_mask made a LeftPadding, so the step is flash_attn_with_kvcache with cache_leftpad."""
     import torch
 
     from fa4.integrations.transformers import fa4_attention_forward, fa4_mask

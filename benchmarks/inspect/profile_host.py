@@ -7,7 +7,7 @@ decode step (decode_problem, through flash_attn_with_kvcache); prints the
 functions with the largest cumulative time, so a change to the launch path can be aimed.
 decode-no-plan: the same step with launch plans off (FA4_PLANS=0), what a cache that grows every step
 gets (its shapes are new each call, so no plan replays); hf-left-padded: that step through the
-transformers integration's left-padded path (fa4_attention_forward, a marked mask), plans off too.
+transformers integration's left-padded path (fa4_attention_forward, a LeftPadding), plans off too.
 """
 from __future__ import annotations
 
