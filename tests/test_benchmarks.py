@@ -826,12 +826,22 @@ def test_bench_hf_generate_refuses_bad_arguments_before_touching_a_gpu(argv, wor
     assert word in capsys.readouterr().err
 
 
+def _stand_in_generation(monkeypatch, bench, generate_s):
+    """bench_hf_generate on the CPU: a GPU that answers, no model, all-ones prompts, `generate_s` timing."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a stand-in")
+    monkeypatch.setattr(bench, "model_and_prompts", lambda layers, batch, p: (
+        None, torch.ones(batch, p, dtype=torch.long), torch.ones(batch, p, dtype=torch.long)))
+    monkeypatch.setattr(bench, "generate_s", generate_s)
+
+
 def test_bench_hf_generate_rounds_never_repeat_a_cache_length_and_report_each_peer(tmp_path, monkeypatch, capsys):
     """--fresh-lengths: round r generates from the prompts without their first (r + 1) (new + 1) columns,
     so the decode steps' cache widths (width + 1 .. width + new) of two rounds or of the warm-up never meet;
     each peer runs once a round; the result rows carry per-round times, plan counts and collector time."""
-    import torch
-
     from benchmarks import bench_hf_generate as bench
 
     prompt, new, rounds = 400, 7, 3
@@ -841,12 +851,7 @@ def test_bench_hf_generate_rounds_never_repeat_a_cache_length_and_report_each_pe
         calls.append((impl, ids.shape[1], tokens))
         return 0.001 * tokens * (2 if impl == "sdpa" else 1)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a stand-in")
-    monkeypatch.setattr(bench, "model_and_prompts", lambda layers, batch, p: (
-        None, torch.ones(batch, p, dtype=torch.long), torch.ones(batch, p, dtype=torch.long)))
-    monkeypatch.setattr(bench, "generate_s", fake_generate)
+    _stand_in_generation(monkeypatch, bench, fake_generate)
     out = tmp_path / "g.json"
     argv = ["--prompt", str(prompt), "--new", str(new), "--rounds", str(rounds), "--fresh-lengths",
             "--peers", "fa4_plans,sdpa", "--out", str(out)]
@@ -870,8 +875,6 @@ def test_bench_hf_generate_rounds_never_repeat_a_cache_length_and_report_each_pe
 def test_bench_hf_generate_static_cache_peers_compile_but_fa4_eager(tmp_path, monkeypatch):
     """--cache static: every peer generates with a StaticCache; fa4_eager alone turns transformers'
     compile of the decode steps off; each peer's first, warm-up generate() is its largest."""
-    import torch
-
     from benchmarks import bench_hf_generate as bench
 
     calls = []
@@ -880,12 +883,7 @@ def test_bench_hf_generate_static_cache_peers_compile_but_fa4_eager(tmp_path, mo
         calls.append((impl, tokens, kw))
         return 0.001 * tokens
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a stand-in")
-    monkeypatch.setattr(bench, "model_and_prompts", lambda layers, batch, p: (
-        None, torch.ones(batch, p, dtype=torch.long), torch.ones(batch, p, dtype=torch.long)))
-    monkeypatch.setattr(bench, "generate_s", fake_generate)
+    _stand_in_generation(monkeypatch, bench, fake_generate)
     out = tmp_path / "s.json"
     assert bench.main(["--cache", "static", "--new", "7", "--rounds", "2", "--out", str(out)]) == 0
     assert all(kw["cache_implementation"] == "static" for _, _, kw in calls)

@@ -942,6 +942,27 @@ def test_models_train_on_gpu_like_eager(kind):
         assert e_ours <= 2 * e_base + 1e-3, f"{kind} {k}: gradient error {e_ours:.3e} vs bf16 eager {e_base:.3e}"
 
 
+def _decode_models(kind):
+    """_gpu_models' three for a kind of GPU_CONFIGS or "llama" (GPU_BASE as is)."""
+    if kind != "llama":
+        return _gpu_models(kind)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_BASE)).cuda().eval()
+    base = copy.deepcopy(ref).to(torch.bfloat16)
+    return ref, base, copy.deepcopy(base)
+
+
+def _left_padded_batch(seed):
+    """(prompt ids (3, 300), their mask: rows left-padded by 0 / 37 / 250, 5 new ids a row) on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 300), device="cuda", generator=g)
+    new_ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 5), device="cuda", generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    mask[2, :250] = 0
+    return ids, mask, new_ids
+
+
 def _decode_logits(model, impl, ids, mask, new_ids):
     """Teacher-forced decoding: a prefill with the cache, then one step per column of new_ids (the mask
     grown by one valid key a step) -> the steps' logits (B, steps, vocab) fp32."""
@@ -967,19 +988,8 @@ def test_left_padded_decode_steps_on_gpu_read_the_cache_in_place(kind, monkeypat
     included (the 300-token prefill takes the general padded path)."""
     from stage0_reference.torch_reference import assert_fa4_close
 
-    if kind == "llama":
-        torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_BASE)).cuda().eval()
-        base = copy.deepcopy(ref).to(torch.bfloat16)
-        ours = copy.deepcopy(base)
-    else:
-        ref, base, ours = _gpu_models(kind)
-    g = torch.Generator(device="cuda").manual_seed(11)
-    ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 300), device="cuda", generator=g)
-    new_ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 5), device="cuda", generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :37] = 0
-    mask[2, :250] = 0
+    ref, base, ours = _decode_models(kind)
+    ids, mask, new_ids = _left_padded_batch(seed=11)
     calls = []
     real = integ.flash_attn_with_kvcache
     monkeypatch.setattr(integ, "flash_attn_with_kvcache", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
@@ -1042,19 +1052,8 @@ def test_compiled_static_cache_decode_on_gpu_reads_the_cache_in_place(kind):
     from torch._inductor.compile_fx import compile_fx
     from stage0_reference.torch_reference import assert_fa4_close
 
-    if kind == "llama":
-        torch.manual_seed(0)
-        ref = AutoModelForCausalLM.from_config(LlamaConfig(**GPU_BASE)).cuda().eval()
-        base = copy.deepcopy(ref).to(torch.bfloat16)
-        ours = copy.deepcopy(base)
-    else:
-        ref, base, ours = _gpu_models(kind)
-    g = torch.Generator(device="cuda").manual_seed(13)
-    ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 300), device="cuda", generator=g)
-    new_ids = torch.randint(0, GPU_BASE["vocab_size"], (3, 5), device="cuda", generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :37] = 0
-    mask[2, :250] = 0
+    ref, base, ours = _decode_models(kind)
+    ids, mask, new_ids = _left_padded_batch(seed=13)
     graphs = []
 
     def inductor(gm, example_inputs):
