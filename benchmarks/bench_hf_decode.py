@@ -49,13 +49,13 @@ def _layer_call(q, k, v, mask):
 def _peers(q, k, v, mask):
     from fa4.integrations.transformers import LeftPadding, fa4_mask
 
-    marked = fa4_mask(q.shape[0], 1, k.shape[2], attention_mask=mask)
-    assert isinstance(marked, LeftPadding), "fa4_mask did not take the mask for left padding"
-    unmarked = marked.mask                          # the same values as a plain padding mask
+    left = fa4_mask(q.shape[0], 1, k.shape[2], attention_mask=mask)
+    assert isinstance(left, LeftPadding), "fa4_mask did not take the mask for left padding"
+    plain = left.mask                               # the same values as a plain padding mask
     sdpa_mask = mask.bool()[:, None, None, :]       # (B, 1, 1, S)
     return {
-        "in_place": _layer_call(q, k, v, marked),
-        "gather": _layer_call(q, k, v, unmarked),
+        "in_place": _layer_call(q, k, v, left),
+        "gather": _layer_call(q, k, v, plain),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=sdpa_mask, enable_gqa=True, scale=D ** -0.5).transpose(1, 2),
         "copy_k": copy_peer(k),

@@ -19,7 +19,7 @@ DynamicCache: the cache grows every step) generates `--new` tokens greedily from
   (a plan directory that already holds these lengths, from an earlier run, shows as replays), with the
   garbage collector's time in each round's generate(new + 1);
 * fa4_gathered: the same with that path closed (`_split_launch_takes` False): every step gathers the
-  cache's valid keys and values into a packed copy (the path before the left-padding mark);
+  cache's valid keys and values into a packed copy (what right padding gets);
 * sdpa: torch SDPA with transformers' own mask.
 
 `--cache static` runs generate(cache_implementation="static") instead: a StaticCache, whose decode steps
@@ -210,7 +210,8 @@ def main(argv=None) -> int:
     if args.out:
         write_doc(args.out, "benchmarks.bench_hf_generate", argv, rows,
                   shapes=model_shapes(args) + (", a StaticCache (compiled decode steps)" if static else ""),
-                  method=f"{'' if static else 'eager '}generate(), (t(new + 1) - t(1)) / new, {args.rounds} paired rounds"
+                  method=f"{'' if static else 'eager '}generate(), (t(new + 1) - t(1)) / new, "
+                         f"{args.rounds} paired rounds"
                          + (", round r without the prompts' first (r + 1) (new + 1) columns" if args.fresh_lengths
                             else ""),
                   plans=plans)

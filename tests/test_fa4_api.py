@@ -1020,8 +1020,9 @@ def test_transformers_attention_function_contract():
     assert fa4_mask(2, 16, 16, attention_mask=ones) is None  # nothing padded: the kernels do causal
     padded = ones.clone()
     padded[0, :6] = 0
-    m = fa4_mask(2, 16, 16, attention_mask=padded)
-    assert m.dtype == torch.bool and m.shape == (2, 16) and not m[0, 0] and m[1].all()
+    m = fa4_mask(2, 16, 16, attention_mask=padded)  # left padding: a LeftPadding, its mask the last 16 columns
+    assert m.mask.dtype == torch.bool and m.mask.shape == (2, 16) and not m.mask[0, 0] and m.mask[1].all()
+    assert m.first.tolist() == [2, 0]
 
 
 @pytest.mark.cpu

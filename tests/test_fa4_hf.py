@@ -78,6 +78,11 @@ class ReferenceFA4:
 
     def varlen(self, q, k, v, **kw):
         inspect.signature(fa4.flash_attn_varlen_func).bind(q, k, v, **kw)
+        if kw.get("cu_seqlens_q") is None:  # padded q / k / v (a KeyPrefix): row b's keys [0, seqused_k[b])
+            self.calls.append(("varlen", kw))
+            used = kw["seqused_k"]
+            return torch.cat([attention_ref(q[b:b + 1], k[b:b + 1, :used[b]], v[b:b + 1, :used[b]],
+                                            **self._oracle_kwargs(kw))[0] for b in range(q.shape[0])])
         cu_q, cu_k, max_q, max_k = (kw[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
         assert cu_q.dtype == cu_k.dtype == torch.int32 and type(max_q) is int and type(max_k) is int
         self.calls.append(("varlen", kw))
@@ -434,7 +439,7 @@ def test_patterns_fa4_cannot_serve_raise(ref_fa4):
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
 def test_left_padded_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind):
     """generate() from a left-padded batch where the split launch takes decode steps (as on sm_90; CPU
-    tensors here, so its gate is opened): fa4_mask marks the left-padded mask, and every call of at most
+    tensors here, so its gate is opened): fa4_mask makes the mask a LeftPadding, and every call of at most
     64 query tokens -- the 7-token prefill and each one-token step -- is flash_attn_with_kvcache on the
     cache as transformers holds it, each row from its first valid key (cache_leftpad); tokens and scores
     as eager's, sliding windows, softcap and sinks included. A right-padded batch keeps the varlen path."""
@@ -507,12 +512,27 @@ def test_left_padded_static_cache_decode_reads_the_cache_in_place(ref_fa4, monke
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])
-def test_compiled_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind):
+def test_static_cache_generate_of_a_model_that_reshapes_the_mask(ref_fa4):
+    """GPT-2's forward views the mask generate() hands it as (batch, -1) before building its own: a
+    LeftPadding answers with its mask (a plain tensor), so the steps take the padded path, as eager's."""
+    from transformers import GPT2Config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4,
+                                                        n_positions=64)).eval()
+    generate_like_eager(model, seed=9, pads=(2, 0, 5), what="gpt2 static", cache_implementation="static")
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("kind, pads", [("llama", (2, 0, 5)), ("gemma2", (2, 0, 5)), ("llama", (0, 0, 0))])
+def test_compiled_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypatch, kind, pads):
     """generate(cache_implementation="static") compiles its decode steps (transformers does so on a GPU;
     compile_config asks for it here, dynamo's eager backend). It builds each step's mask eagerly, before
     the compiled forward: fa4_mask makes it a LeftPadding, which reaches the compiled layers, so their steps
-    read the cache in place (they gathered a copy before). Tokens and scores as eager's."""
+    read the cache in place (they gathered a copy before). Tokens and scores as eager's. With nothing padded
+    generate() passes no mask: the filled slots make the LeftPadding, until the last step fills the buffer
+    (then a KeyPrefix: flash_attn_varlen_func with seqused_k, which a GPU runs in place too)."""
     from transformers import CompileConfig
 
     monkeypatch.setattr(integ, "_split_launch_takes", lambda q, k, v, sink, tokens, keys: tokens <= 64)
@@ -533,16 +553,20 @@ def test_compiled_static_cache_decode_reads_the_cache_in_place(ref_fa4, monkeypa
     config._compile_all_devices = True  # transformers compiles on accelerators only
     torch._dynamo.reset()
     try:
-        generate_like_eager(build(kind), seed=9, pads=(2, 0, 5), what=f"{kind} compiled static",
+        generate_like_eager(build(kind), seed=9, pads=pads, what=f"{kind} compiled static",
                             cache_implementation="static", compile_config=config)
     finally:
         torch._dynamo.reset()
     layers = BASE["num_hidden_layers"]
     steps = ref_fa4.calls[layers:4 * layers]  # fa4's three decode forwards (eager's calls come after)
     full = steps if kind == "llama" else steps[1::2]  # Gemma 2's sliding layers: a cache of their own
+    if not any(pads):
+        full, last = steps[:-layers], steps[-layers:]
+        assert [c[0] for c in last] == ["varlen"] * layers and all("seqused_k" in c[1] for c in last)
+    else:
+        assert "varlen" not in [c[0] for c in steps]
     assert graphs and [c[0] for c in full] == ["kvcache"] * len(full)
-    assert all(c[1]["cache_leftpad"].tolist() == [2, 0, 5] for c in full)
-    assert "varlen" not in [c[0] for c in steps]
+    assert all(c[1]["cache_leftpad"].tolist() == list(pads) for c in full)
     in_place_steps = [c for c in steps if c[0] == "kvcache"]
     assert traced == [False] * layers + [True] * len(in_place_steps)  # an eager prefill, then compiled steps
 
@@ -1020,23 +1044,28 @@ def _static_decode_logits(model, impl, ids, mask, new_ids, compile_with=None):
     def positions(mask):  # generate()'s: each row's tokens count from 0 (its padding: 1)
         return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
+    given = not bool(mask.all())  # generate() drops an all-ones mask
+
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache, position_ids=positions(mask),
-              cache_position=torch.arange(s, device="cuda"))
+        model(input_ids=ids, attention_mask=mask if given else None, past_key_values=cache,
+              position_ids=positions(mask), cache_position=torch.arange(s, device="cuda"))
         for t in range(new_ids.shape[1]):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             # positional: the cache's keyword is past_key_values before transformers 5.2x, cache after
             step_mask = create_masks_for_generate(model.config, torch.empty(b, 1, 0, dtype=model.dtype, device="cuda"),
-                                                  mask, cache)
+                                                  mask if given else None, cache)
+            # past_key_values: transformers 5.17's name for the cache (5.2x's `cache` takes it as an alias)
             out = forward(input_ids=new_ids[:, t:t + 1], attention_mask=step_mask, past_key_values=cache,
-                          position_ids=positions(mask)[:, -1:].contiguous(), cache_position=torch.tensor([s + t], device="cuda"))
+                          position_ids=positions(mask)[:, -1:].contiguous(),
+                          cache_position=torch.tensor([s + t], device="cuda"))
             steps.append(out.logits[:, -1].float().clone())  # a CUDA graph's output is overwritten by its next replay
     return torch.stack(steps, dim=1)
 
 
 # compiled graphs a static cache's decode steps take: Gemma 2's sliding cache layers keep their length as a
-# Python int, which transformers' is_full test makes dynamo specialize on the first step (one recompile)
-GRAPHS = {"llama": 1, "gemma2": 2}
+# Python int, which transformers' is_full test makes dynamo specialize on the first step (one recompile);
+# llama-unpadded: a batch with no padding (no mask), whose steps read the filled slots
+GRAPHS = {"llama": 1, "gemma2": 2, "llama-unpadded": 1}
 
 
 @pytest.mark.gpu
@@ -1052,8 +1081,10 @@ def test_compiled_static_cache_decode_on_gpu_reads_the_cache_in_place(kind):
     from torch._inductor.compile_fx import compile_fx
     from stage0_reference.torch_reference import assert_fa4_close
 
-    ref, base, ours = _decode_models(kind)
+    ref, base, ours = _decode_models(kind.split("-")[0])
     ids, mask, new_ids = _left_padded_batch(seed=13)
+    if kind.endswith("unpadded"):
+        mask = torch.ones_like(mask)
     graphs = []
 
     def inductor(gm, example_inputs):

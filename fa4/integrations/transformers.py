@@ -297,7 +297,9 @@ class LeftPadding:
     it to the compiled forward, where transformers hands it back to the mask builder, and dynamo
     drops a tensor's attributes through the `.to()` transformers applies to a 2-D mask. A decode step
     reads only first and lengths, whose shapes stay fixed as the mask grows, so a compiled step is one
-    graph. `ndim` as KeyPrefix's; `to()` moves the tensors (a model split over devices)."""
+    graph. `ndim` as KeyPrefix's; `to()` moves the tensors (a model split over devices). Any other
+    attribute is the mask's: a model forward that reshapes the mask generate() hands it (GPT-2 views
+    it as (batch, -1)) gets a plain tensor, whose steps take the general path."""
 
     ndim = 1
 
@@ -309,6 +311,11 @@ class LeftPadding:
         if mask is self.mask:
             return self
         return LeftPadding(mask, self.first.to(mask.device), self.lengths.to(mask.device), self.kv_length)
+
+    def __getattr__(self, name):  # only for names the object lacks
+        if name == "mask":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.mask, name)
 
     def __repr__(self):
         return f"LeftPadding(mask={tuple(self.mask.shape)})"
@@ -326,7 +333,11 @@ def _key_prefix(batch_size, q_length, kv_length, q_offset, kv_offset, device):
         q_offset = int(q_offset)
     if isinstance(q_offset, int):
         valid = q_offset + q_length
-        return None if valid >= kv_length else torch.ones(batch_size, valid, dtype=torch.bool, device=device)
+        if valid >= kv_length:
+            return None
+        return LeftPadding(torch.ones(batch_size, valid, dtype=torch.bool, device=device),
+                           torch.zeros(batch_size, dtype=_I32, device=device),
+                           torch.full((batch_size,), valid, dtype=_I32, device=device), kv_length)
     used = (q_offset.reshape(-1)[:1] + q_length).to(device=device, dtype=_I32)
     return KeyPrefix(used.expand(batch_size))
 
@@ -385,7 +396,7 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
 
 def _mask_facts(mask: torch.Tensor) -> tuple[bool, bool, bool]:
     """(every key valid, each row's valid keys at its end (left padding), each row's valid keys one run)
-    of a boolean (batch, kv_len) mask, read with one sync. No columns: nothing to mark."""
+    of a boolean (batch, kv_len) mask, read with one sync. No columns: not left-padded (nothing to read)."""
     if mask.shape[1] == 0:
         return True, False, True
     m = mask.to(torch.int8)
