@@ -34,8 +34,8 @@ base, sliding-window overlay, packed-sequence overlay) and returns what fa4 serv
   * a `PackedSequences` (position_ids restarting inside a row, no attention_mask, no cache:
     transformers' padding-free training format; one varlen call over the documents);
   * for a static cache with nothing padded (its buffer's slots past the tokens so far hold nothing;
-    generate() drops an all-ones mask): an all-True padding mask over the filled slots, or, while
-    tracing (q_offset a tensor that cannot be read), a `KeyPrefix` served with seqused_k;
+    generate() drops an all-ones mask): a LeftPadding of nothing padded over the filled slots, or,
+    while tracing (q_offset a tensor that cannot be read), a `KeyPrefix` served with seqused_k;
 or raises ValueError for a pattern it cannot serve (custom or_mask / and_mask functions, chunked
 attention, block-wise overlays, ...), instead of dropping it.
 Sliding windows (`sliding_window`: at most that many keys back, the current one included, as the
@@ -306,6 +306,13 @@ class LeftPadding:
     def __init__(self, mask: torch.Tensor, first: torch.Tensor, lengths: torch.Tensor, kv_length: int):
         self.mask, self.first, self.lengths, self.kv_length = mask, first, lengths, kv_length
 
+    @classmethod
+    def of(cls, mask: torch.Tensor, kv_length: int) -> "LeftPadding":
+        """A left-padded boolean (batch, cols) mask's LeftPadding, its marks computed without a sync."""
+        batch, cols = mask.shape
+        first = cols - mask.sum(dim=1, dtype=_I32)                                                # (batch,)
+        return cls(mask, first, torch.full((batch,), cols, dtype=_I32, device=mask.device), kv_length)
+
     def to(self, *args, **kwargs):
         mask = self.mask.to(*args, **kwargs)
         if mask is self.mask:
@@ -335,9 +342,7 @@ def _key_prefix(batch_size, q_length, kv_length, q_offset, kv_offset, device):
         valid = q_offset + q_length
         if valid >= kv_length:
             return None
-        return LeftPadding(torch.ones(batch_size, valid, dtype=torch.bool, device=device),
-                           torch.zeros(batch_size, dtype=_I32, device=device),
-                           torch.full((batch_size,), valid, dtype=_I32, device=device), kv_length)
+        return LeftPadding.of(torch.ones(batch_size, valid, dtype=torch.bool, device=device), kv_length)
     used = (q_offset.reshape(-1)[:1] + q_length).to(device=device, dtype=_I32)
     return KeyPrefix(used.expand(batch_size))
 
@@ -387,11 +392,7 @@ def fa4_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, 
                          "positions; use attn_implementation='sdpa' or 'eager' for such masks")
     # every row's tokens at its end: its layers' decode steps read the cache in place. More queries than
     # columns (they could not all be the rows' last tokens) keep the general path, which refuses them
-    if left_padded and q_length <= mask.shape[1]:
-        first = mask.shape[1] - mask.sum(dim=1, dtype=_I32)                                      # (batch,)
-        cols = torch.full((mask.shape[0],), mask.shape[1], dtype=_I32, device=mask.device)
-        return LeftPadding(mask, first, cols, kv_length)
-    return mask
+    return LeftPadding.of(mask, kv_length) if left_padded and q_length <= mask.shape[1] else mask
 
 
 def _mask_facts(mask: torch.Tensor) -> tuple[bool, bool, bool]:
@@ -511,7 +512,6 @@ def _padded_call(q, k, v, mask, common):
     return torch.where(mask_q[:, :, None, None], out, out.new_zeros(()))  # padding queries: 0
 
 
-
 def _split_launch_takes(q, k, v, sink, tokens: int, keys: int) -> bool:
     """Whether flash_attn_with_kvcache serves the call on its split launch (fa4._decode_route.takes:
     a few query tokens, no gradient, sm_90) at a head-dim pair the kernels have (the others run padded,
@@ -586,8 +586,8 @@ def fa4_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
                           attention_mask, scaling: Optional[float] = None, dropout: float = 0.0, **kwargs):
     """transformers AttentionInterface function. query (B, Hq, Sq, D), key/value (B, Hkv, Sk, *)
     -> (out (B, Sq, Hq, Dv), None). attention_mask: None, a 2-D padding mask, a LeftPadding, a KeyPrefix
-    or a PackedSequences (fa4_mask's values); packed batches are also taken from cu_seq_lens_q/k + max_length_q/k or
-    position_ids (see the module docstring)."""
+    or a PackedSequences (fa4_mask's values); packed batches are also taken from cu_seq_lens_q/k +
+    max_length_q/k or position_ids (see the module docstring)."""
     _refuse_unsupported(dropout)
     _refuse_unknown_tensors(kwargs)
     is_causal = kwargs.get("is_causal")
