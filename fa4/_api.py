@@ -22,7 +22,7 @@ import torch
 
 from . import _decode_route, _kvcache, _ops, _paged  # _kvcache registers fa4::kvcache_attention
 from ._layouts import VarlenLayout, pad_head_dims, refuse_pair_without_backward
-from ._validate import (check_fixed, check_unservable, check_variants, check_varlen, check_varlen_arch,
+from ._validate import (check_fixed, check_grid, check_unservable, check_variants, check_varlen, check_varlen_arch,
                         check_varlen_sides)
 
 # What a positional argument after q, k, v meant elsewhere, for the keyword-only TypeError.
@@ -102,12 +102,20 @@ def varlen_attention_pair(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
         return _paged.varlen_pair(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   seqused_k, softmax_scale, causal, window_size, learnable_sink, softcap, deterministic,
                                   return_lse)
+    if page_table is not None:  # every check, on stand-ins of the gathered keys, before the pages are copied
+        _paged.check_call(q, k, v, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                          softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse,
+                          seqused_q)
     q, k, v, cu_q, cu_k, max_q, max_k, padded_q, seqlen_k = check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                      max_seqlen_q, max_seqlen_k, page_table,
                                                                      seqused_q, seqused_k, learnable_sink)
     q, k, v, cu_q, cu_k, used, max_q, max_k, scale = check_varlen(
         q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, deterministic, return_lse, seqused_k, seqused_q)
     left, right, causal, softcap, sink = check_variants(q, causal, window_size, softcap, learnable_sink)
+    # seqused_q runs each sequence's unused rows as a sequence of their own (fa4._layouts.split_unused_rows)
+    split_rows = seqused_q is not None
+    check_grid("q" if padded_q is not None else "cu_seqlens_q", (cu_q.shape[0] - 1) * (2 if split_rows else 1),
+               q.shape[1], "sequences x 2 (seqused_q)" if split_rows else "sequences")
     if padded_q is not None and seqlen_k is not None and seqused_q is None and \
             _decode_route.takes(q, k, v, sink, padded_q[1], seqlen_k, padded_q[0]):  # both sides padded: a cache
         return _decode_route.attend(q.unflatten(0, padded_q), k.unflatten(0, (padded_q[0], seqlen_k)),
@@ -285,11 +293,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=N
     Its values, like cache_seqlens' and cache_batch_idx's, are read only under FA4_VALIDATE=1 (0 <=
     cache_leftpad[b] <= cache_seqlens[b]); a value outside that reads rows outside the sequence.
     causal / window_size / softcap / learnable_sink / softmax_scale as in flash_attn_func (causal
-    bottom-right: the last query is the last key). num_splits: split-KV count, 0 = choose from
+    bottom-right: the last query is the last key). Head dims: the kernels' native pairs only (the cache is
+    read in place; flash_attn_func pads the others). num_splits: split-KV count, 0 or less = choose from
     (batch, heads, cache length, SM count); used where the mask allows (fa4/_kvcache.py). pack_gqa:
     None = pack a GQA group's query heads into one tile where the mask allows, False = never.
     Returns out (B, Sq, Hq, Dv), or (out, lse (B, Hq, Sq) fp32) with return_softmax_lse (a row with
-    no key: out 0, lse -inf, where FlashAttention-2 writes +inf). No host sync: works under
+    no key: out 0, lse -inf, where FlashAttention-2 writes +inf; with a learnable sink, its logit). No
+    host sync: works under
     CUDA-graph capture (FA4_VALIDATE=1 adds a synchronising range check of cache_seqlens). A tensor
     that requires grad is refused.
     """

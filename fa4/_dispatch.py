@@ -90,7 +90,9 @@ FEATURES: dict[str, tuple[bool, str]] = {
     "padded_varlen": (True, "flash_attn_varlen_func takes either side padded, (batch, seqlen, heads, head_dim) with "
                             "its cu_seqlens None, in any combination with seqused_q / seqused_k"),
     "any_head_dim": (True, "qk and v head dims: any multiples of 8 up to 256; a pair without a kernel of its own "
-                           "runs on the cheapest native pair that covers it, zero-padded"),
+                           "runs on the cheapest native pair that covers it, zero-padded (flash_attn_func, "
+                           "flash_attn_varlen_func; flash_attn_with_kvcache reads the cache in place and takes only "
+                           "the native pairs)"),
     "return_lse": (True, "natural-log logsumexp of the scaled scores, fp32, (B, H, Sq) / (H, total_q)"),
     "lse_gradient": (True, "dlse enters the backward as a D-term correction: dS += P * dlse"),
     "deterministic_backward": (True, "deterministic=True, forwarded to the backward kernel"),
@@ -115,8 +117,9 @@ FEATURES: dict[str, tuple[bool, str]] = {
                        "cache_batch_idx, cache_leftpad (dense caches: each sequence's keys from its own row), split-KV "
                        "decode merged through the lse -- on sm_90 by its split launch (each CTA finds its key chunk), "
                        "on other arches by key segments of the varlen forward (fa4/_kvcache.py); on sm_90 "
-                       "flash_attn_func / flash_attn_varlen_func calls of at most 64 query tokens a sequence that "
-                       "need no gradient take the same split launch (fa4/_decode_route.py)"),
+                       "calls of at most 64 query tokens a sequence that need no gradient take the same split "
+                       "launch: flash_attn_func, and flash_attn_varlen_func with page_table or with q, k and v "
+                       "padded, without seqused_q (fa4/_decode_route.py)"),
     "fp8": (False, "not supported"),
 }
 

@@ -53,7 +53,8 @@ The learnable sink joins the denominator once, after the merge (so it is not cou
 
 Blackwell (sm_100) has no split launch (`Backend.SPLIT_KV_LAUNCH`), so its calls take the segments
 above through its own varlen forward (seqused_k) and the merge kernel; it reads pages of a multiple of
-128 keys in place (chunked like a dense cache) and copies smaller ones. Compiled for sm_100a only,
+128 keys, and of 16, 32 or 64 keys outside head dims (192, 128), in place (chunked like a dense cache;
+fa4._dispatch.BlackwellBackend.paged_in_place) and copies the others. Compiled for sm_100a only,
 never run on hardware.
 
 An eager step on the device, once checked, replays a launch plan (fa4._plans) from its third call with
@@ -471,7 +472,10 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
 def _int_vector(name, t, length, device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int32, torch.int64) or t.dim() != 1 or t.shape[0] != length:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected an int32 / int64 vector of length {length}, got {t.dtype} "
+                        f"{tuple(t.shape)}")
+    if t.dim() != 1 or t.shape[0] != length:
         raise ValueError(f"{name}: expected an int32 / int64 vector of length {length}, got {t.dtype} "
                          f"{tuple(t.shape)}")
     if t.device != device:
@@ -499,11 +503,31 @@ def check_leftpad(cache_leftpad, q, block_table, seqlens):
     return starts
 
 
+def check_native_head_dims(backend, d: int, dv: int):
+    """flash_attn_with_kvcache reads the cache in place, so it takes only the kernels' own head-dim pairs
+    (padding them would copy the whole cache each call): a ValueError naming the tensor at fault."""
+    native = backend.arch.head_dims
+    if (d, dv) in native:
+        return
+    name = "v_cache" if any(qk == d for qk, _ in native) else "q"
+    pairs = ", ".join(f"{a}" if a == b else f"({a}, {b})" for a, b in native)
+    raise ValueError(f"{name}: head dims (qk={d}, v={dv}) have no kernel of their own on {backend.arch.key}; "
+                     f"flash_attn_with_kvcache reads the cache in place and takes only the native pairs ({pairs}). "
+                     "flash_attn_func / flash_attn_varlen_func run other pairs zero-padded")
+
+
+def rotary_q_steps(causal: bool, window, capacity: int) -> bool:
+    """Whether q's rotary positions run from cache_seqlens up, one per token, rather than all sitting at
+    cache_seqlens: FlashAttention-2's rule, causal or local, where a window side of at least the cache's
+    rows per sequence (`capacity`) masks nothing and counts as unlimited."""
+    return causal or any(side is not None and side < capacity for side in window)
+
+
 def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                     block_table, cuda=True, q_positions_step=False):
+                     block_table, cuda=True, causal=False, window=(None, None)):
     """Shapes, dtypes, devices; returns (seqlens_k before the append (B,) int32, cache_rows (B,) or None:
-    sequence b in cache row b, the cache's rows per sequence). q_positions_step: q's rotary positions
-    run from cache_seqlens up (causal or windowed), so rotary_cos must reach the last of them too.
+    sequence b in cache row b, the cache's rows per sequence). causal / window: where q's rotary positions
+    step with its tokens (rotary_q_steps), rotary_cos must reach the last of them too.
     cuda: fa4's dtype / device rules (False: any float dtype on one device, for the CPU stand-in)."""
     from ._validate import _check_dtypes_devices, check_pages_used, values_check_enabled
 
@@ -516,9 +540,12 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise ValueError(f"{name}: expected 4 dimensions, got shape {tuple(t.shape)}")
     b, sq, hq, d = q.shape
     slots, per_slot, hkv, dk = k_cache.shape
-    if dk != d or v_cache.shape[:3] != k_cache.shape[:3]:
-        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)} / "
-                         f"q {tuple(q.shape)}")
+    if dk != d:
+        raise ValueError(f"k_cache: head_dim {dk} differs from q's head_dim {d} (k_cache {tuple(k_cache.shape)}, "
+                         f"q {tuple(q.shape)})")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)} in "
+                         "its first three dims")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"k_cache: heads_kv ({hkv}) must divide q's heads ({hq})")
     if sq == 0:
@@ -535,8 +562,10 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     if block_table is not None:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx: not with block_table (the table already maps each sequence)")
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2 \
-                or block_table.shape[0] != b:
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            raise TypeError(f"block_table: expected an int32 tensor (batch={b}, pages per sequence), got "
+                            f"{getattr(block_table, 'dtype', type(block_table).__name__)}")
+        if block_table.dim() != 2 or block_table.shape[0] != b:
             got = f"{getattr(block_table, 'dtype', type(block_table))} {tuple(getattr(block_table, 'shape', ()))}"
             raise ValueError(f"block_table: expected int32 (batch={b}, pages per sequence), got {got}")
         if block_table.device != q.device:
@@ -579,7 +608,9 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                                  f"{capacity} rows per sequence")
     if k is not None:
         for name, t, want in (("k", k, (b, None, hkv, d)), ("v", v, (b, None, hkv, v_cache.shape[-1]))):
-            if t.dtype != q.dtype or t.device != q.device or t.dim() != 4 or \
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name}: expected q's dtype {q.dtype}, got {t.dtype}")
+            if t.device != q.device or t.dim() != 4 or \
                     any(w is not None and w != s for w, s in zip(want, t.shape)) or t.shape[1] != k.shape[1]:
                 raise ValueError(f"{name}: expected {q.dtype} on {q.device} shaped (batch={b}, new tokens, {hkv}, "
                                  f"{want[3]}), got {t.dtype} on {t.device} {tuple(t.shape)}")
@@ -594,7 +625,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         # the positions rotated: the new keys' up to the cache's end; q's past them when it has more tokens
         # (exact for an int cache_seqlens, else a full cache's worst case)
         reach = capacity
-        if q_positions_step and q.shape[1] > new:
+        if rotary_q_steps(causal, window, capacity) and q.shape[1] > new:
             exact = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
             reach = max(reach, (cache_seqlens if exact else capacity - new) + q.shape[1])
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
@@ -617,19 +648,22 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     the SM count and whether pages are read in place; the CPU tests pass torch stand-ins). On the
     device, eager calls take the split-KV launch where it applies (`attention_with_cache`); traced
     ones (torch.compile, fake or meta tensors) the same path as one custom op (`kvcache_attention`)."""
-    from ._validate import _check_flag, check_learnable_sink, check_softcap, check_softmax_scale, check_window
+    from ._validate import (_check_flag, check_grid, check_learnable_sink, check_softcap, check_softmax_scale,
+                            check_window)
 
     for name, flag in (("causal", causal), ("rotary_interleaved", rotary_interleaved),
                        ("return_softmax_lse", return_softmax_lse)):
         _check_flag(name, flag)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0 = automatic), got {num_splits!r}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits: expected an int (0 or less = automatic), got {type(num_splits).__name__} "
+                        f"{num_splits!r}")
+    num_splits = max(num_splits, 0)  # FlashAttention-2 takes any value below 1 as its heuristic
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
         raise TypeError(f"pack_gqa: expected None or a bool, got {type(pack_gqa).__name__} {pack_gqa!r}")
     left, right, causal = check_window(window_size, causal)
     seqlens, rows, capacity = check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                                cache_batch_idx, block_table, cuda=varlen is fa4_varlen,
-                                               q_positions_step=causal or (left, right) != (None, None))
+                                               causal=causal, window=(left, right))
     starts = check_leftpad(cache_leftpad, q, block_table, seqlens)
     # a window past the cache's rows sees all of it: clamped, so no key offset overflows int32 (the right
     # edge to the rows plus the queries: query row 0 sits Sq - 1 rows before the last key, so a right edge
@@ -649,11 +683,9 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         # meta tensors trace shapes only: no device to ask, so they are held to the Hopper kernels' rules
         backend = _dispatch.backend_for(q.device) if q.device.type != "meta" else \
             _dispatch.make_backend(_dispatch.ARCHS["sm_90"])
-        backend.check_head_dims(q.shape[-1], v_cache.shape[-1])
+        check_native_head_dims(backend, q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
-        if q.shape[0] > MAX_GRID_Z or q.shape[2] > MAX_GRID_Z:  # every route's grid (y, z): before the append
-            raise ValueError(f"q: batch ({q.shape[0]}) and heads ({q.shape[2]}) must be <= {MAX_GRID_Z} (the "
-                             "kernels' grid y / z limit); split the batch into calls of fewer sequences")
+        check_grid("q", q.shape[0], q.shape[2])  # every route's grid (y, z): before the append
         # torch.compile, fake or meta tensors: the attention is one custom op (kvcache_attention), whose
         # implementation is the eager path below
         traced = not _ops.eager_ok(q, k_cache, v_cache, block_table)
@@ -661,9 +693,12 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
             sm_count, split, paged_in_place = _device_route(q, k_cache, v_cache, block_table, causal, (left, right),
                                                             pack_gqa)
     if pack_gqa:  # what attention_with_cache would refuse (plan_layout), refused before anything is appended
-        plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal,
-                    key_range_window(q.shape[1], (left, right), paged_in_place and block_table is not None)[0],
-                    pack_gqa, token_rows=split is not None or (traced and backend.SPLIT_KV_LAUNCH))
+        if traced and block_table is not None and backend.SPLIT_KV_LAUNCH:
+            seen = (left, right)  # what _device_route will check inside the op, after the append
+        else:
+            seen = key_range_window(q.shape[1], (left, right), paged_in_place and block_table is not None)[0]
+        plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, seen, pack_gqa,
+                    token_rows=split is not None or (traced and backend.SPLIT_KV_LAUNCH))
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
@@ -697,8 +732,9 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool
         if rotary_cos is not None:
             sn = k.shape[1]
             new_pos = seqlens.to(torch.int64).view(-1, 1) + torch.arange(sn, device=q.device)
+            capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
             q_pos = (seqlens.to(torch.int64).view(-1, 1) + torch.arange(q.shape[1], device=q.device)
-                     if causal or (left, right) != (None, None) else seqlens.to(torch.int64).view(-1, 1).expand(
+                     if rotary_q_steps(causal, (left, right), capacity) else seqlens.to(torch.int64).view(-1, 1).expand(
                          -1, q.shape[1]))
             q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
             k = apply_rotary(k, rotary_cos, rotary_sin, new_pos, rotary_interleaved)

@@ -84,11 +84,12 @@ def needs_grad(*tensors) -> bool:
 
 
 def check_call(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
-               softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse):
+               softmax_scale, causal, window_size, learnable_sink, softcap, deterministic, return_lse, seqused_q=None):
     """flash_attn_varlen_func's checks of a paged call, run on zero-stride (batch, pages * page_size)
     stand-ins for the gathered keys (shapes only, no copy; max_seqlen_k is checked there, the kernel
     taking the table's span). Returns (q packed, cu_q, used (B,) int32 or None: every key of the
-    pages, max_q, scale, (left, right, causal, softcap, sink), padded_q)."""
+    pages, max_q, scale, (left, right, causal, softcap, sink), padded_q). seqused_q: checked only (the
+    routes that read pages in place take none; the gathered copy's route checks with it before copying)."""
     from ._validate import check_page_table, check_variants, check_varlen, check_varlen_sides
 
     check_page_table(q, k_pages, v_pages, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k)
@@ -97,9 +98,9 @@ def check_call(q, k_pages, v_pages, page_table, cu_seqlens_q, cu_seqlens_k, max_
     k_shape, v_shape = (t.as_strided((batch, max_k) + tuple(t.shape[2:]), (0, 0) + tuple(t.stride()[2:]))
                         for t in (k_pages, v_pages))
     q, k_flat, v_flat, cu_q, cu_k, max_q, given_k, padded_q, _ = check_varlen_sides(
-        q, k_shape, v_shape, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k)
+        q, k_shape, v_shape, cu_seqlens_q, None, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k)
     q, _, _, cu_q, _, used, max_q, _, scale = check_varlen(q, k_flat, v_flat, cu_q, cu_k, max_q, given_k, softmax_scale,
-                                                           causal, deterministic, return_lse, seqused_k, None)
+                                                           causal, deterministic, return_lse, seqused_k, seqused_q)
     variants = check_variants(q, causal, window_size, softcap, learnable_sink)
     return q, cu_q, used, max_q, scale, variants, padded_q
 

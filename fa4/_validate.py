@@ -30,6 +30,7 @@ from ._dispatch import all_head_dims, supported_devices_text
 from ._layouts import HEAD_DIM_STEP, MAX_HEAD_DIM, VarlenLayout, arch_of, head_dim_ok, refuse_pair_without_backward
 
 _DTYPES = (torch.float16, torch.bfloat16)
+MAX_GRID_YZ = 65535  # a CUDA grid's y / z extent: the kernels put heads and sequences there
 
 
 def values_check_enabled() -> bool:
@@ -125,6 +126,14 @@ def _last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def check_grid(name: str, sequences: int, heads: int, what: str = "batch"):
+    """Before any copy or launch: the kernels' grids take the sequences and the query heads on their y / z
+    axes, each at most MAX_GRID_YZ. `what` says how `sequences` came from the caller's arguments."""
+    if sequences > MAX_GRID_YZ or heads > MAX_GRID_YZ:
+        raise ValueError(f"{name}: {what} ({sequences}) and heads ({heads}) must be <= {MAX_GRID_YZ} (the kernels' "
+                         "grid y / z limit); split the batch into calls of fewer sequences")
+
+
 def check_fixed(q, k, v, softmax_scale, causal, deterministic=False, return_lse=False,
                 names=("q", "k", "v"), scale_name="softmax_scale"):
     """(B, S, H, D) inputs of flash_attn_func. Returns (q, k, v, scale) ready for the op."""
@@ -143,6 +152,7 @@ def check_fixed(q, k, v, softmax_scale, causal, deterministic=False, return_lse=
                          "in (batch, seqlen, heads)")
     _check_heads(names, hq, hkv)
     _check_head_dims(names, d, v.shape[3])
+    check_grid(names[0], b, hq)
     _check_flag("causal", causal)
     _check_flag("deterministic", deterministic)
     _check_flag("return_lse", return_lse)
@@ -307,14 +317,35 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                              f"{tuple(t.shape)}")
     if cu_seqlens_k is None and tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (batch, seqlen, heads)")
-    if cu_seqlens_q is None and cu_seqlens_k is None and k.shape[0] != q.shape[0]:
-        raise ValueError(f"k: batch {k.shape[0]} differs from q's batch {q.shape[0]}")
+    _check_side_batches(q, k, cu_seqlens_q, cu_seqlens_k, paged=page_table is not None)
     padded_q = None if cu_seqlens_q is not None else (q.shape[0], q.shape[1])
     q, cu_q, sq = VarlenLayout.pack(q, cu_seqlens_q)
     k, cu_k, sk = VarlenLayout.pack(k, cu_seqlens_k)
     v, _, _ = VarlenLayout.pack(v, cu_seqlens_k)
     return q, k, v, cu_q, cu_k, _padded_bound("max_seqlen_q", max_seqlen_q, sq, seqused_q), \
         _padded_bound("max_seqlen_k", max_seqlen_k, sk, seqused_k), padded_q, sk
+
+
+def _side_batch(t, cu, name: str, cu_name: str):
+    """(sequences, what names them) of one varlen side: a padded side's batch, a packed side's
+    len(cu_seqlens) - 1; None where cu is not a 1-D tensor (its own check refuses it later)."""
+    if cu is None:
+        return t.shape[0], f"{name}'s padded batch"
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.shape[0] >= 1:
+        return cu.shape[0] - 1, f"{cu_name}'s {cu.shape[0]} entries"
+    return None
+
+
+def _check_side_batches(q, k, cu_seqlens_q, cu_seqlens_k, paged: bool = False):
+    """The two sides describe the same number of sequences; the message names the arguments that
+    set each count (a padded side's batch, or a packed side's cu_seqlens)."""
+    side_q = _side_batch(q, cu_seqlens_q, "q", "cu_seqlens_q")
+    side_k = _side_batch(k, cu_seqlens_k, "k", "cu_seqlens_k")
+    if side_q is None or side_k is None or side_q[0] == side_k[0]:
+        return
+    name = "k" if cu_seqlens_k is None else "cu_seqlens_k"
+    origin = "the page table's rows" if paged else side_k[1]
+    raise ValueError(f"{name}: {side_k[0]} sequences ({origin}) but q describes {side_q[0]} ({side_q[1]})")
 
 
 def _padded_bound(name, given, padded, used):
@@ -351,6 +382,10 @@ def check_page_table(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, seqused_k=
         raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (num_pages, page_size, heads)")
     if cu_seqlens_q is not None:
         _is_tensor("cu_seqlens_q", cu_seqlens_q)
+    elif q.dim() != 4:  # the batch below would be q's token count
+        raise ValueError(f"q: expected rank 4 (batch, seqlen, heads, head_dim) with cu_seqlens_q=None (a padded "
+                         f"batch), or rank 3 (total_tokens, heads, head_dim) with cu_seqlens_q; got shape "
+                         f"{tuple(q.shape)}")
     batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1  # its values: checked later
     if page_table.shape[0] != batch:
         raise ValueError(f"page_table: {page_table.shape[0]} rows != batch = {batch}")

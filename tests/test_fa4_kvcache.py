@@ -772,14 +772,25 @@ def test_errors_before_the_cache_is_touched():
              block_table=torch.zeros(1, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^cache_leftpad: expected an int32 / int64 vector of length 1"):
         call(q, kc, kc, cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"^cache_leftpad: expected an int32 / int64 vector"):
+        call(q, kc, kc, cache_leftpad=torch.zeros(1, dtype=torch.float32))
     with pytest.raises(TypeError, match=r"^cache_leftpad: expected a torch.Tensor"):
         call(q, kc, kc, cache_leftpad=[0])
-    with pytest.raises(ValueError, match=r"^block_table: expected int32"):
+    with pytest.raises(TypeError, match=r"^block_table: expected an int32 tensor"):
         call(q, kc, kc, block_table=torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^block_table: expected int32 \(batch=1, pages per sequence\)"):
+        call(q, kc, kc, block_table=torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^rotary_cos: rotary embedding .* needs k and v"):
         call(q, kc, kc, rotary_cos=torch.zeros(8, 4), rotary_sin=torch.zeros(8, 4))
-    with pytest.raises(ValueError, match=r"^num_splits: "):
-        call(q, kc, kc, num_splits=-1)
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(TypeError, match=r"^num_splits: expected an int"):
+            call(q, kc, kc, num_splits=bad)
+    with pytest.raises(TypeError, match=r"^k: expected q's dtype torch.float64, got torch.float32"):
+        call(q, kc, kc, k1.float(), k1.float(), cache_seqlens=2)
+    with pytest.raises(ValueError, match=r"^k_cache: head_dim 8 differs from q's head_dim 16"):
+        call(q, kc[..., :8], kc[..., :8])
+    with pytest.raises(ValueError, match=r"^v_cache: shape \(1, 4, 2, 16\) does not match k_cache"):
+        call(q, kc, kc[:, :4])
     with pytest.raises(ValueError, match=r"^cache_seqlens: expected an int32 / int64 vector of length 1"):
         call(q, kc, kc, cache_seqlens=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"^cache_seqlens: 8 keys plus 1 new ones do not fit a cache of 8"):
@@ -965,7 +976,9 @@ def _refusal_cases():
         ("page-size-0", (q, m(16, 0, 2, 128), m(16, 0, 2, 128)), dict(block_table=table), ValueError,
          r"^k_cache: a paged cache needs at least one page of at least one row"),
         ("head-dim-meta", (m(2, 1, 8, 100), m(2, 256, 2, 100), m(2, 256, 2, 100)), {}, ValueError,
-         r"^q: head dims \(qk=100, v=100\) are not supported on sm_90"),
+         r"^q: head dims \(qk=100, v=100\) have no kernel of their own on sm_90; flash_attn_with_kvcache reads "),
+        ("v-head-dim-meta", (m(2, 1, 8, 128), m(2, 256, 2, 128), m(2, 256, 2, 72)), {}, ValueError,
+         r"^v_cache: head dims \(qk=128, v=72\) have no kernel of their own on sm_90"),
     ]
 
 
@@ -1075,6 +1088,65 @@ def test_unservable_calls_are_refused_before_anything_is_appended(monkeypatch):
             call(q2, kc3, vc3, kc3[:2, :1].clone(), vc3[:2, :1].clone(), cache_seqlens=torch.tensor([2, 3], dtype=torch.int32),
                  cache_batch_idx=torch.tensor(idx, dtype=torch.int32))
     assert torch.equal(kc, before) and torch.equal(kc3, before3)
+
+
+def test_num_splits_below_one_is_the_automatic_choice():
+    """FlashAttention-2 takes any num_splits < 1 as its heuristic: -1 gives num_splits=0's segments."""
+    q, kc, vc = _tokens_and_cache(41, 2, 1, 4, 2, 16, 1024)
+    lens = torch.tensor([900, 1000], dtype=torch.int32)
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(tuple(args[3].shape))  # cu_seqlens_k: one entry per segment, plus one
+        return stand_in(*args, **kwargs)
+
+    outs = [kv.with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=n, varlen=spy, sm_count=16,
+                            return_softmax_lse=True) for n in (0, -1, -7)]
+    assert len(set(seen)) == 1 and seen[0][0] > 3  # the same split segments, more than one per sequence
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+@pytest.mark.parametrize("window", [(10 ** 6, None), (-1, 10 ** 6), (32, None), (8, None), (None, 8)])
+def test_rotary_positions_of_a_window_that_masks_nothing(window):
+    """FlashAttention-2 rotates q token by token (cache_seqlens + i) only when the call is causal or local,
+    and a window side of at least the cache's rows is no window: such a call rotates all of q at
+    cache_seqlens, as a call without a window does (it used to step them). A side below the rows steps."""
+    q, kc, vc = _tokens_and_cache(43, 1, 3, 2, 1, 16, 32)
+    g = _gen(44)
+    kn, vn = (torch.randn(1, 3, 1, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    angles = torch.rand(64, 4, generator=g, dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+
+    def step(window_size):
+        k_cache, v_cache = kc.clone(), vc.clone()
+        return call(q, k_cache, v_cache, kn, vn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=10,
+                    window_size=window_size)[0]
+
+    plain = step((None, None))
+    masks_nothing = all(side is None or side < 0 or side >= 32 for side in window)  # the cache: 32 rows
+    if masks_nothing:  # the same keys, maybe cut into other segments: equal to float64 rounding
+        torch.testing.assert_close(step(window), plain, rtol=1e-12, atol=1e-12)
+    else:
+        windowed = step(window)
+        assert windowed.shape == plain.shape and not torch.allclose(windowed, plain)
+
+
+def test_a_traced_paged_call_refuses_pack_gqa_before_the_append():
+    """Traced (torch.compile, fake or meta tensors), a paged call's route is decided inside the
+    kvcache_attention op, after the append; on sm_90 that route checks the token's window as a mask, so
+    packing a group that does not divide the 64-row tile is refused there. The up-front check now makes
+    the same decision, before the new token is written (it used to pass, and the op failed on the GPU)."""
+    m = lambda *s: torch.empty(*s, device="meta", dtype=torch.bfloat16)  # noqa: E731
+    table = torch.zeros(2, 4, dtype=torch.int32, device="meta")
+    args = (m(2, 1, 6, 64), m(16, 64, 2, 64), m(16, 64, 2, 64))
+    new_kv = dict(k=m(2, 1, 2, 64), v=m(2, 1, 2, 64), cache_seqlens=3, block_table=table)
+    with pytest.raises(ValueError, match=r"^pack_gqa: packing the query heads needs"):
+        fa4.flash_attn_with_kvcache(*args, window_size=(8, None), pack_gqa=True, **new_kv)
+    out = fa4.flash_attn_with_kvcache(*args, window_size=(8, None), **new_kv)  # pack_gqa None: not packed
+    assert out.shape == (2, 1, 6, 64)
+    out = fa4.flash_attn_with_kvcache(*args, pack_gqa=True, **new_kv)  # no window: the group packs
+    assert out.shape == (2, 1, 6, 64)
 
 
 def test_a_batch_past_the_grid_limit_is_refused_before_the_append():

@@ -449,8 +449,16 @@ def test_layout_errors_name_the_argument():
         fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(8, 2, 64), m(8, 2, 64), cu_seqlens_q=cu, cu_seqlens_k=cu)
     with pytest.raises(ValueError, match=r"^k: expected rank 4 .* with cu_seqlens_k=None"):
         fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(8, 2, 64), m(8, 2, 64))
-    with pytest.raises(ValueError, match=r"^k: batch 3 differs from q's batch 2"):
+    with pytest.raises(ValueError, match=r"^k: 3 sequences \(k's padded batch\) but q describes 2 "
+                                         r"\(q's padded batch\)"):
         fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(3, 4, 2, 64), m(3, 4, 2, 64))
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: 2 sequences \(cu_seqlens_k's 3 entries\) but q describes 3 "
+                                         r"\(cu_seqlens_q's 4 entries\)"):
+        fa4.flash_attn_varlen_func(m(8, 2, 64), m(8, 2, 64), m(8, 2, 64), cu_seqlens_q=torch.zeros(
+            4, dtype=torch.int32, device="meta"), cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match=r"^k: 2 sequences \(k's padded batch\) but q describes 3 \(cu_seqlens_q's "):
+        fa4.flash_attn_varlen_func(m(8, 2, 64), m(2, 4, 2, 64), m(2, 4, 2, 64), cu_seqlens_q=torch.zeros(
+            4, dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match=r"^v: shape"):
         fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(2, 4, 2, 64), m(2, 5, 2, 64))
     with pytest.raises(ValueError, match=r"^seqused_q: length 3 != batch = 2"):
@@ -460,7 +468,8 @@ def test_layout_errors_name_the_argument():
         fa4.flash_attn_varlen_func(m(2, 4, 2, 64), m(2, 4, 2, 64), m(2, 4, 2, 64),
                                    seqused_q=torch.zeros(2, dtype=torch.int64, device="meta"))
     # padded q + packed k: the batch comes from q, cu_seqlens_k must have batch + 1 entries
-    with pytest.raises(ValueError, match=r"^cu_seqlens_k: length 3"):
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: 2 sequences \(cu_seqlens_k's 3 entries\) but q describes 3 "
+                                         r"\(q's padded batch\)"):
         fa4.flash_attn_varlen_func(m(3, 4, 2, 64), m(8, 2, 64), m(8, 2, 64), cu_seqlens_k=cu)
 
 
@@ -570,8 +579,51 @@ def test_page_table_errors_name_the_argument():
                                    cu_seqlens_k=torch.zeros(3, dtype=torch.int32, device="meta"))
     with pytest.raises(ValueError, match=r"^k: expected \(num_pages, page_size, heads, head_dim\) with page_table"):
         fa4.flash_attn_varlen_func(q, m(8, 2, 64), m(8, 2, 64), page_table=table)
+    with pytest.raises(ValueError, match=r"^q: expected rank 4 .* with cu_seqlens_q=None"):  # not "page_table"
+        fa4.flash_attn_varlen_func(m(100, 2, 64), pool, pool, page_table=table)
     out = fa4.flash_attn_varlen_func(q, pool, pool, page_table=table)
     assert out.shape == (2, 4, 2, 64)
+
+
+@pytest.mark.parametrize("bad", ["softcap", "window", "scale", "seqused_k", "sink"])
+def test_a_paged_call_is_refused_before_its_pages_are_copied(bad, monkeypatch):
+    """The route that gathers a paged cache into a dense copy (here: seqused_q, which no in-place route
+    takes) checks every argument on stand-ins first: a refused call copies nothing (it used to gather
+    B x pages x page_size rows of k and v, then refuse)."""
+    m = lambda *s: torch.empty(*s, device="meta", dtype=BF16)  # noqa: E731
+    gathered = []
+    real = _layouts.VarlenLayout.unpage
+    monkeypatch.setattr(_layouts.VarlenLayout, "unpage", staticmethod(lambda *a: gathered.append(1) or real(*a)))
+    q, pool = m(2, 40, 8, 128), m(64, 256, 2, 128)
+    table = torch.zeros(2, 32, dtype=torch.int32, device="meta")
+    kw = dict(page_table=table, seqused_q=torch.zeros(2, dtype=torch.int32, device="meta"))
+    kw.update({"softcap": dict(softcap=-1.0), "window": dict(window_size=(-5, None)),
+               "scale": dict(softmax_scale=float("nan")),
+               "seqused_k": dict(seqused_k=torch.zeros(2, dtype=torch.int64, device="meta")),
+               "sink": dict(learnable_sink=torch.zeros(7, dtype=torch.float32, device="meta"))}[bad])
+    name = {"window": "window_size", "scale": "softmax_scale", "sink": "learnable_sink"}.get(bad, bad)
+    with pytest.raises((ValueError, TypeError), match=rf"^{name}: "):
+        fa4.flash_attn_varlen_func(q, pool, pool, **kw)
+    assert not gathered
+    fa4.flash_attn_varlen_func(q, pool, pool, page_table=table, seqused_q=kw["seqused_q"])
+    assert gathered  # the valid call does take the copy
+
+
+def test_the_grid_limit_names_the_sequences_of_a_varlen_call():
+    """65535 sequences fit the kernels' grid; with seqused_q each sequence's unused rows run as one more,
+    so 40000 do not: refused naming the argument (it used to fail inside the kernel's host code naming
+    80000, a count the caller never passed). A dense batch past the limit is refused naming q."""
+    m = lambda *s: torch.empty(*s, device="meta", dtype=BF16)  # noqa: E731
+    q = m(40000, 2, 2, 64)
+    used = torch.zeros(40000, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"^q: sequences x 2 \(seqused_q\) \(80000\) and heads \(2\) must be <= 65535"):
+        fa4.flash_attn_varlen_func(q, q, q, seqused_q=used)
+    assert fa4.flash_attn_varlen_func(q, q, q).shape == q.shape
+    cu = torch.zeros(70001, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: sequences \(70000\) and heads \(2\) must be <= 65535"):
+        fa4.flash_attn_varlen_func(m(10, 2, 64), m(10, 2, 64), m(10, 2, 64), cu_seqlens_q=cu, cu_seqlens_k=cu)
+    with pytest.raises(ValueError, match=r"^q: batch \(70000\) and heads \(2\) must be <= 65535"):
+        fa4.flash_attn_func(m(70000, 1, 2, 64), m(70000, 1, 2, 64), m(70000, 1, 2, 64))
 
 
 def test_padded_cu_seqlens_with_symbolic_sizes_are_made_not_kept():
