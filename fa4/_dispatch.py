@@ -110,7 +110,8 @@ FEATURES: dict[str, tuple[bool, str]] = {
                              "gradient -- pages of 16, 32, 64 or a multiple of 128 keys (64 at head dim 256) by TMA, "
                              "any other page size by a cp.async gather up to 256 query rows (decode, short chunks); "
                              "longer queries over those pages, queries over pages of 16 with 6144 or more query-head "
-                             "rows a key and KV head use a dense copy of the pages; on sm_100 pages of 16, 32, 64 or a "
+                             "rows a key and KV head (head dims up to 192; at 256 the 64-key tile holds 4 such "
+                             "pages, which stay in place) use a dense copy of the pages; on sm_100 pages of 16, 32, 64 or a "
                              "multiple of 128 keys are read in place by TMA (not 16-64 at head dims 192/128; pages "
                              "of 16 by the same head-row rule), others copied"),
     "kv_cache": (True, "flash_attn_with_kvcache: dense or paged cache, in-place append with rotary embedding, "
