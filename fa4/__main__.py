@@ -117,8 +117,11 @@ def _print_cache(ci: dict):
         print(f"    {gen['arch'] or 'other arch':<10} {name}  {gen['entries']} kernels, {gen['plans']} launch plans, "
               f"{_human(gen['bytes'])}")
     stale = len(ci["stale"])
+    old = ci.get("old_formats") or {}
     print(f"  all directories: {len(ci['generations'])} ({ci['entries']} kernels, {_human(ci['bytes'])}), "
-          f"{stale} of other builds" + ("; `python -m fa4 cache clear --stale` removes those" if stale else ""))
+          f"{stale} of other builds" + (f"; earlier cache formats: {', '.join(old)} ({_human(sum(old.values()))})"
+                                         if old else "")
+          + ("; `python -m fa4 cache clear --stale` removes those" if stale or old else ""))
 
 
 def _update_readme(block: str) -> int:
@@ -138,6 +141,10 @@ def _update_readme(block: str) -> int:
 def _cache_cmd(args) -> int:
     from . import _cache
 
+    if args.action == "info" and args.stale:
+        print("--stale: only with `cache clear` (`cache info` lists the stale directories under \"stale\")",
+              file=sys.stderr)
+        return 2
     if args.action == "clear":
         n, failed = _cache.clear(stale_only=args.stale)
         print(f"removed {n} cache director{'y' if n == 1 else 'ies'} (one per build and arch) under "

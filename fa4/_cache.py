@@ -72,19 +72,70 @@ from typing import Any, Callable, Iterable, Optional
 FORMAT = "kernels-v2"  # bump when the file layout or the object format changes (v2: TVM-FFI objects)
 KERNEL_PACKAGES = ("stage2_emulated_exp", "stage3_fwd_kernel", "stage4_bwd_kernel", "stage5_scheduling")
 
-_STATS = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "store_errors": 0}
+_STATS = {"memory_hits": 0, "disk_hits": 0, "misses": 0, "stores": 0, "corrupt": 0, "store_errors": 0,
+          "unreadable": 0}
 _LOCK = threading.Lock()
 
 
+OFF_VALUES = ("0", "false", "off", "no")  # FA4_CACHE / FA4_PLANS values that turn them off, any case
+
+
+def switched_off(name: str) -> bool:
+    """Whether the environment variable `name` turns its feature off (0 / false / off / no)."""
+    return os.environ.get(name, "1").strip().lower() in OFF_VALUES
+
+
 def enabled() -> bool:
-    return os.environ.get("FA4_CACHE", "1") not in ("0", "false", "False", "off")
+    return not switched_off("FA4_CACHE")
+
+
+_UNREADABLE_WARNED: set = set()
+
+
+def _warn_unreadable(path: pathlib.Path, exc: OSError):
+    """Once per directory: an entry this process may not read is compiled again here (and its new file
+    replaces the unreadable one where the directory allows)."""
+    with _LOCK:
+        _STATS["unreadable"] += 1
+        if path.parent in _UNREADABLE_WARNED:
+            return
+        _UNREADABLE_WARNED.add(path.parent)
+    warnings.warn(f"fa4 cache: cannot read {path} ({exc.strerror}); its kernel is compiled in this process. "
+                  "Entries another user wrote must be readable to you (chmod -R a+r the cache)", RuntimeWarning,
+                  stacklevel=4)
+
+
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once at import: setting it back and forth races other threads' file creation
+
+
+def share_file(target, executable: bool = False):
+    """Give a file made by tempfile.mkstemp (always 0600) the mode open() would have given it under the
+    umask, so a cache directory others can read serves them too (a cache built by one user and used by
+    another). target: an open file descriptor or a path. Best effort."""
+    mode = (0o777 if executable else 0o666) & ~_UMASK
+    try:
+        if isinstance(target, int):
+            os.fchmod(target, mode)
+        else:
+            os.chmod(target, mode)
+    except OSError:
+        pass
 
 
 def root_dir() -> pathlib.Path:
     """The cache root (FA4_CACHE_DIR, else the XDG cache dir); nothing is created here."""
     env = os.environ.get("FA4_CACHE_DIR")
     if env:
-        return pathlib.Path(env).expanduser()
+        try:
+            return pathlib.Path(env).expanduser()
+        except RuntimeError:  # "~user/..." of no such user: the path as written (a cache there fails to write)
+            return pathlib.Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "fa4"
 
@@ -143,11 +194,31 @@ def _tvm_ffi_version() -> str:
 
 BUILD_DIGITS = 12  # of the 16-digit fingerprint: the build id; the rest is the arch tag
 
+# CuTe-DSL settings (CUTE_DSL_<name>) that change only logs, dumps or the DSL's own caching, per its
+# env_manager's affects_compile flags (4.8.1); the arch has its own tag. Every other CUTE_DSL_ variable
+# (LINEINFO, DEBUG, COMPILER_OPT, ENABLE_ASSERTIONS, ...) is part of the build id: an unknown one costs
+# a separate directory, never a kernel built under other settings.
+DSL_NEUTRAL_SETTINGS = frozenset((
+    "ARCH", "CACHE_DIR", "DISABLE_FILE_CACHING", "DUMP_DIR", "ENABLE_OPTIMIZATION_WARNINGS", "FILTER_STACKTRACE",
+    "JIT_CACHE_MAX_ELEMS", "JIT_TIME_PROFILING", "LOG_LEVEL", "LOG_TO_CONSOLE", "LOG_TO_FILE", "NO_CACHE",
+    "PRINT_AFTER_PREPROCESSOR", "PRINT_IR", "SHOW_STACKTRACE", "WARNINGS_IGNORE", "KEEP"))
+
+
+def dsl_settings() -> str:
+    """The CUTE_DSL_ variables set in this process that can change generated code ('' when none)."""
+    prefix = "CUTE_DSL_"
+    return ";".join(f"{name}={value}" for name, value in sorted(os.environ.items())
+                    if name.startswith(prefix) and name[len(prefix):] not in DSL_NEUTRAL_SETTINGS
+                    and not name[len(prefix):].startswith("KEEP_"))
+
 
 def build_id() -> str:
     """This build's generation: a hash of everything but the arch that changes generated code."""
     parts = [FORMAT, f"dsl={_dsl_version()}", f"tvm_ffi={_tvm_ffi_version()}",
              f"py={sys.version_info[0]}.{sys.version_info[1]}", f"src={_sources_digest()}"]
+    settings = dsl_settings()
+    if settings:  # absent by default, so the usual build id does not depend on this addition
+        parts.append(f"dsl_env={settings}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:BUILD_DIGITS]
 
 
@@ -223,6 +294,9 @@ class DiskCache:
         for i, path in enumerate(entries):
             try:
                 data = path.read_bytes()
+            except PermissionError as exc:  # another user's entry (made before entries followed the umask)
+                _warn_unreadable(path, exc)
+                continue
             except OSError:
                 continue  # removed by another process in between: try the next
             want = path.stem.split("-", 1)[1]
@@ -254,6 +328,7 @@ class DiskCache:
             self.dir.mkdir(parents=True, exist_ok=True)
             final = self.dir / f"{khash}-{hashlib.sha256(data).hexdigest()[:16]}.o"
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{khash}.", suffix=".tmp")
+            share_file(fd)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -297,6 +372,7 @@ class DiskCache:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{khash}.", suffix=".tmp")
+            share_file(fd)
             with os.fdopen(fd, "w") as f:
                 json.dump(clean, f)
             os.replace(tmp, self.dir / f"{khash}.report.json")
@@ -525,12 +601,22 @@ def _readable_dir(path: pathlib.Path) -> bool:
         return False
 
 
+def old_formats() -> list:
+    """Directories of earlier cache formats beside this one's (kernels-v1, ...): never read, only removed
+    by `clear` (with or without stale_only)."""
+    base = root_dir()
+    try:
+        return sorted(p for p in base.iterdir() if p.is_dir() and p.name.startswith("kernels-v") and p.name != FORMAT)
+    except OSError:
+        return []
+
+
 def info(archs: Iterable[str] = ()) -> dict:
     """Where the cache is and what it holds (for `python -m fa4 info` and `cache info`).
     current: this build's generation directories on disk, name -> arch (the one of `archs` or this
     process's CUTE_DSL_ARCH whose tag it carries; None if neither), dir, entries (kernels), plans
     (fa4/_plans.py), bytes; current_entries / current_plans / current_bytes: their totals; stale:
-    the other directories' names."""
+    the other directories' names; old_formats: earlier formats' directories, name -> bytes."""
     root = root_dir() / FORMAT
     files, _, size = _tree_size(root)
     gens = sorted(p.name for p in root.iterdir() if p.is_dir()) if _readable_dir(root) else []
@@ -545,23 +631,23 @@ def info(archs: Iterable[str] = ()) -> dict:
             "current": current, "current_entries": sum(c["entries"] for c in current.values()),
             "current_plans": sum(c["plans"] for c in current.values()),
             "current_bytes": sum(c["bytes"] for c in current.values()), "entries": files, "bytes": size,
-            "generations": gens, "stale": [g for g in gens if not is_current(g)], "stats": stats()}
+            "generations": gens, "stale": [g for g in gens if not is_current(g)],
+            "old_formats": {p.name: _tree_size(p)[2] for p in old_formats()}, "stats": stats()}
 
 
 def clear(stale_only: bool = False) -> tuple:
     """Delete cached kernels: every generation directory, or with stale_only those of other builds
     (this build's are kept for every arch: `is_current`). Returns (directories removed, [directories
-    that could not be removed, with the first error])."""
+    that could not be removed, with the first error]). Earlier formats' directories (old_formats) go
+    either way, each counted as one."""
     root = root_dir() / FORMAT
     try:
-        if not root.is_dir():
-            return 0, []
-        children = list(root.iterdir())
+        children = list(root.iterdir()) if root.is_dir() else []
     except OSError as exc:  # exists but cannot be read: nothing removed, and said so
         return 0, [f"{root} ({exc})"]
     n, failed = 0, []
-    for p in children:
-        if p.is_dir() and not (stale_only and is_current(p.name)):
+    for p in children + old_formats():
+        if p.is_dir() and not (stale_only and p.parent == root and is_current(p.name)):
             errors: list = []
 
             def note(fn, path, exc, errors=errors):  # exc: an exception (onexc) or exc_info (onerror)

@@ -103,8 +103,7 @@ _SUSPENDED = contextvars.ContextVar("fa4_plans_suspended", default=False)
 
 
 def enabled() -> bool:
-    return (not _SUSPENDED.get() and _cache.enabled()
-            and os.environ.get("FA4_PLANS", "1") not in ("0", "false", "False", "off"))
+    return not _SUSPENDED.get() and _cache.enabled() and not _cache.switched_off("FA4_PLANS")
 
 
 def call_without_plans(fn, *args, **kwargs):
@@ -400,6 +399,7 @@ def _link(obj: pathlib.Path) -> pathlib.Path:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise Unrecordable(f"linking {obj.name} failed: {res.stderr.strip()[:300]}")
+        _cache.share_file(tmp, executable=True)
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -448,6 +448,7 @@ def _write(sig: str, cute_arch: str, recorder: _Recorder, result) -> pathlib.Pat
     directory = plan_dir(cute_arch)
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{sig}.", suffix=".tmp")
+    _cache.share_file(fd)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(plan))  # one string: json.dump streams through the pure-Python encoder
@@ -739,7 +740,7 @@ def lookup(sig: str, cute_arch: str) -> Optional[_Replay]:
         plan = None
         try:
             text = path.read_text()
-        except FileNotFoundError:  # pruned by another process since: no plan
+        except (FileNotFoundError, PermissionError):  # pruned by another process since, or another user's: no plan
             text = None
         except OSError:
             text = ""  # unreadable: discarded below, as a torn plan is

@@ -217,6 +217,10 @@ def child(cfg: dict, steps: list, t_start: float):
                                                          for p, rows in probes.acc.items()}}), flush=True)
 
 
+class MeasureFailed(RuntimeError):
+    """A measured or precompiling child process failed; the message holds its output's tail."""
+
+
 def run_child(cfg: dict, cache_dir: pathlib.Path, timeout: int = 900) -> dict:
     """One fresh process with FA4_CACHE_DIR=cache_dir; its measurements plus its wall time."""
     env = dict(os.environ, FA4_CACHE_DIR=str(cache_dir))
@@ -227,7 +231,7 @@ def run_child(cfg: dict, cache_dir: pathlib.Path, timeout: int = 900) -> dict:
     wall = time.perf_counter() - t0
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("FA4_FIRSTCALL ")), None)
     if res.returncode != 0 or line is None:
-        raise RuntimeError(f"the measured process failed (exit {res.returncode}):\n{res.stdout[-2000:]}"
+        raise MeasureFailed(f"the measured process failed (exit {res.returncode}):\n{res.stdout[-2000:]}"
                            f"\n{res.stderr[-4000:]}")
     data = json.loads(line.split(" ", 1)[1])
     data["process_s"] = wall
@@ -255,7 +259,8 @@ def precompile(cfg: dict, cache_dir: pathlib.Path, timeout: int = 1800, plans: b
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                          cwd=str(pathlib.Path(__file__).resolve().parent.parent))
     if res.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+        raise MeasureFailed(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stdout[-2000:]}\n"
+                            f"{res.stderr[-2000:]}")
     return time.perf_counter() - t0
 
 
@@ -382,6 +387,9 @@ def main(args) -> int:
                                                           indent=1))
             print(f"wrote {args.json}")
         return 0 if warm["stats"]["misses"] == 0 else 1
+    except (MeasureFailed, subprocess.TimeoutExpired) as exc:  # said in a line or two, not as a traceback
+        print(f"firstcall: {exc}", file=sys.stderr)
+        return 1
     finally:
         if args.keep:
             print(f"kept {root}")

@@ -1002,7 +1002,12 @@ def _positive_int(text: str) -> int:
 
 
 def _batch_list(text: str) -> list[int]:
-    return [_positive_int(x) for x in str(text).split(",") if x.strip()]
+    sizes = [_positive_int(x) for x in str(text).split(",") if x.strip()]
+    if not sizes:  # "" or "," (an unset shell variable?) would otherwise read as no --plans at all
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected batch sizes B[,B...], got {text!r}")
+    return sizes
 
 
 def run(argv: Optional[list] = None) -> int:

@@ -236,6 +236,75 @@ def test_cache_info_and_clear(cache_dir):
     assert _cache.clear() == (1, []) and _cache.info()["entries"] == 0
 
 
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cache_files_follow_the_umask(cache_dir):
+    """tempfile.mkstemp makes 0600 files: an entry, its report and a plan get the mode open() would give
+    under the umask instead, so a cache one user builds serves another who can read the directory."""
+    want = 0o666 & ~_cache._UMASK
+    dc = _cache.DiskCache(cache_dir / "gen")
+    entry = dc.write("e" * 32, b"kernel")
+    dc.write_report("e" * 32, {"registers": 128})
+    for path in (entry, cache_dir / "gen" / f"{'e' * 32}.report.json"):
+        assert path.stat().st_mode & 0o777 == want, oct(path.stat().st_mode)
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_build_id_holds_the_dsl_settings_that_change_code(monkeypatch):
+    """CUTE_DSL_LINEINFO (profiling builds) and the other settings the DSL keys its own JIT cache on change
+    the generated objects, so they name a build of their own; logging, dumps and the DSL's caching do not."""
+    for name in [n for n in os.environ if n.startswith("CUTE_DSL_") and n != "CUTE_DSL_ARCH"]:
+        monkeypatch.delenv(name)
+    plain = _cache.build_id()
+    for neutral in ("CUTE_DSL_LOG_LEVEL", "CUTE_DSL_KEEP", "CUTE_DSL_KEEP_PTX", "CUTE_DSL_DUMP_DIR", "CUTE_DSL_NO_CACHE"):
+        monkeypatch.setenv(neutral, "1")
+    assert _cache.build_id() == plain
+    ids = set()
+    for setting in ("CUTE_DSL_LINEINFO", "CUTE_DSL_DEBUG", "CUTE_DSL_COMPILER_OPT", "CUTE_DSL_ENABLE_ASSERTIONS"):
+        monkeypatch.setenv(setting, "1")
+        ids.add(_cache.build_id())
+        monkeypatch.delenv(setting)
+    assert len(ids) == 4 and plain not in ids
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_earlier_cache_formats_are_shown_and_cleared(cache_dir):
+    old = cache_dir / "kernels-v1" / "0123456789abcdef"
+    old.mkdir(parents=True)
+    (old / "x.o").write_bytes(b"z" * 1000)
+    _cache.DiskCache(_cache.cache_dir()).write("a" * 32, b"x" * 10)
+    info = _cache.info()
+    assert info["old_formats"] == {"kernels-v1": 1000} and info["current_entries"] == 1
+    assert _cache.clear(stale_only=True) == (1, []) and not (cache_dir / "kernels-v1").exists()
+    assert _cache.info()["current_entries"] == 1  # this build's kept
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_switches_and_a_cache_dir_of_no_such_user(cache_dir, monkeypatch):
+    """FA4_CACHE / FA4_PLANS turn off for 0 / false / off / no in any case and spacing; a FA4_CACHE_DIR
+    of ~user where no such user exists is taken as written (a cache that fails to write), not an error."""
+    from fa4 import _plans
+
+    for value in ("OFF", " no", "FALSE ", "0 "):
+        monkeypatch.setenv("FA4_CACHE", value)
+        assert not _cache.enabled() and not _plans.enabled()
+    monkeypatch.setenv("FA4_CACHE", "1")
+    monkeypatch.setenv("FA4_PLANS", "No")
+    assert _cache.enabled() and not _plans.enabled()
+    monkeypatch.setenv("FA4_CACHE_DIR", "~no_such_user_fa4/cache")
+    assert _cache.root_dir() == pathlib.Path("~no_such_user_fa4/cache")
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cache_info_refuses_stale():
+    res = run_cli("cache", "info", "--stale")
+    assert res.returncode == 2 and "--stale: only with `cache clear`" in res.stderr
+
+
 @pytest.mark.compile
 @pytest.mark.fa4
 def test_disk_cache_roundtrip_real_cute_object(cache_dir):

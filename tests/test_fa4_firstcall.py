@@ -64,6 +64,10 @@ def test_precompile_plans_needs_shapes_and_a_gpu(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         precompile.run(["--shapes", "d=64,seqlen=128", "--plans", "0"])
     assert "--plans: expected an integer >= 1, got '0'" in capsys.readouterr().err
+    for empty in (",", ""):  # an unset shell variable: refused, not read as "no --plans"
+        with pytest.raises(SystemExit):
+            precompile.run(["--shapes", "d=64,seqlen=128", "--plans", empty])
+        assert "--plans: expected batch sizes B[,B...]" in capsys.readouterr().err
 
 
 def _kinds(builds):
@@ -550,6 +554,21 @@ def test_firstcall_json_path_is_checked_before_any_run(tmp_path, capsys, monkeyp
     monkeypatch.setattr(firstcall, "run_child", lambda *a, **k: (_ for _ in ()).throw(Started()))
     with pytest.raises(Started):
         firstcall.run(["--head-dim", "64", "--json", str(tmp_path / "fc.json")])
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_firstcall_says_a_failed_child_in_a_line(capsys, monkeypatch):
+    """A measuring or precompiling process that fails ends firstcall with exit status 1 and its output's
+    tail on stderr, not a traceback of the parent."""
+    def fail(*a, **k):
+        raise firstcall.MeasureFailed("the measured process failed (exit 1):\nchild said no")
+
+    monkeypatch.setattr(firstcall, "run_child", fail)
+    assert firstcall.run(["--head-dim", "64"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("firstcall: the measured process failed (exit 1)") and "child said no" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.cpu

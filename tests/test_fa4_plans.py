@@ -11,6 +11,7 @@ gpu tier: tests/test_fa4_plans_gpu.py.
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -140,6 +141,29 @@ def test_a_corrupt_plan_is_discarded_and_the_call_runs_normally(plans, tmp_path)
     with pytest.warns(RuntimeWarning, match="discarding launch plan"):
         result, replayed = _call(_plans, sig, _inputs(5))
     assert not replayed and torch.equal(result[0], _host(*_inputs(5))[0]) and not path.exists()
+
+
+@pytest.mark.cpu
+def test_a_plan_this_process_may_not_read_is_kept(plans, tmp_path, monkeypatch):
+    """A plan is written with the umask's mode (another user of the cache reads it); one this process may
+    not read (another user's, written before that) is no plan here, and is left on disk for its owner,
+    where it used to be deleted as torn."""
+    from fa4 import _cache
+
+    _plans, _ = plans
+    sig, path = _recorded(_plans, tmp_path, "not-mine")
+    assert path.stat().st_mode & 0o777 == 0o666 & ~_cache._UMASK
+    _plans.forget()
+    real = pathlib.Path.read_text
+
+    def denied(self, *a, **k):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    result, replayed = _call(_plans, sig, _inputs(6))
+    assert not replayed and torch.equal(result[0], _host(*_inputs(6))[0]) and path.exists()
 
 
 @pytest.mark.cpu
