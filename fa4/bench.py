@@ -152,6 +152,14 @@ def main(argv=None) -> int:
     if bad:
         print(f"bench: --seqlens must divide {TOKENS}, got {bad}", file=sys.stderr)
         return 2
+    if args.json:  # written after every point: a path that cannot take it fails now, not after minutes
+        from .firstcall import check_output_path
+
+        try:
+            check_output_path("--json", args.json)
+        except ValueError as exc:
+            print(f"bench: {exc}", file=sys.stderr)
+            return 2
     import torch
 
     if not torch.cuda.is_available():

@@ -330,14 +330,20 @@ def _check_args(args):
         raise ValueError(f"--head-dim / --head-dim-v: {dims} has no kernel of its own; native pairs: "
                          f"{sorted(all_head_dims())}")
     if args.json:  # written after the runs: a path that cannot take it fails now, not minutes later
-        path = pathlib.Path(args.json)
-        parent = path.parent
-        if not parent.is_dir():
-            raise ValueError(f"--json: {parent} " + ("is not a directory" if parent.exists() else "does not exist"))
-        if path.is_dir():
-            raise ValueError(f"--json: {path} is a directory")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise ValueError(f"--json: {parent} is not writable")
+        check_output_path("--json", args.json)
+
+
+def check_output_path(flag: str, where: str):
+    """ValueError naming `flag` when a file cannot be written at `where` (its folder missing, not a folder
+    or not writable, or the path a folder): for outputs written only after minutes of work."""
+    path = pathlib.Path(where)
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag}: {parent} " + ("is not a directory" if parent.exists() else "does not exist"))
+    if path.is_dir():
+        raise ValueError(f"{flag}: {path} is a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag}: {parent} is not writable")
 
 
 def main(args) -> int:

@@ -368,6 +368,8 @@ def test_cli_bench_works_outside_the_repository(tmp_path):
     assert res.returncode == 2 and "--seqlens must divide 32768" in res.stderr, res.stderr
     res = run_cli("bench", "--head-dims", "x", cwd=tmp_path, timeout=120)
     assert res.returncode == 2 and "--head-dims" in res.stderr, res.stderr
+    res = run_cli("bench", "--json", str(tmp_path / "missing" / "b.json"), cwd=tmp_path, timeout=120)
+    assert res.returncode == 2 and "bench: --json:" in res.stderr and "does not exist" in res.stderr, res.stderr
     if not torch.cuda.is_available():
         res = run_cli("bench", "--head-dims", "64", cwd=tmp_path, timeout=120)
         assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr, res.stderr
