@@ -32,11 +32,12 @@ thread holds 2 rows x tile_n / 4 = 64 scores and 2 rows x dv / 4 values of O):
   What the vote skips. A rescale costs dv multiplies per row: 128 x dv = 16384 FMUL per block at
   dv = 128, 64 per thread, as many as its exponentials (plus 2 MUFU for the factors and 2 FMUL for
   l). With random inputs (q, k ~ N(0, 1), 4096 keys in 128-key blocks walked last first), a 16-row
-  warp at tau = 0 finds a row whose max grew in 65% of its blocks (5109 of 7936 warp-blocks at
+  warp at tau = 0 finds a row whose max grew in 64% of its blocks (5109 of 7936 warp-blocks at
   d = 128). At tau = 8 a row's max would have to jump 8 / log2(e) = 5.5 standard deviations of the
   scores past everything it has seen: 0 of 7936. Only a tile's first block moves m (from -inf), and
-  there O is still 0. On an H100 the kernel with tau = 8 ran 5-12% faster than with tau = 0 at
-  d = 128 (docs/measurements.md, "The ladder, steps 1-4").
+  there O is still 0. On an H100, in paired rounds, the kernel with tau = 8 ran 3.8 / 5.0% faster
+  than a branch-free tau = 0 build at d = 128 non-causal 4k / 16k and 0.2 / 1.9% causal, and tied at
+  d = 64 (docs/measurements.md, runs 59 and 61).
 
   Where emulation would pay. A block's 128 x 128 = 16384 exponentials keep MUFU busy for 1024
   clk; its two GEMMs, 4 x 128 x 128 x d FLOP at ~4096 dense bf16 FLOP per clk, take 16 d clk:

@@ -73,7 +73,7 @@ __all__ = [
     "scale_row_packed",
 ]
 
-DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 2^8
+DEFAULT_RESCALE_THRESHOLD = 8.0   # tau, log2 units: rescale only when the max grows by > 8 (a factor 2^8)
 DEFAULT_EMULATION_FRACTION = 0.25  # of each thread's exp2s on the FMA pipe (the paper's 10-25%)
 # Measured inside the Hopper forward on an H100, paired rounds against the official FA4
 # (docs/measurements.md): 1, 2 and 3 of every 16 exp2 emulated cost about -2%, -4..-5% and -6..-9%
