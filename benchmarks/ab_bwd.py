@@ -34,10 +34,11 @@ from .bench_fwd import flops
 
 
 # FlashAttention's convention: a backward does 2.5x the forward's FLOPs (five GEMMs against two; exact
-# at d = dv, 4% under the exact 2 (3 d + 2 dv) per pair at (192, 128)).
+# at d = dv, under the exact 2 (3 d + 2 dv) per pair by 4% at (192, 128) and 6.25% at (128, 64)).
 BWD_FLOPS_PER_FWD = 2.5
-FLOPS_NOTE = ("tflops_median: 2.5x the forward's FLOPs (FlashAttention's convention; at (192, 128) 4% under the "
-              "exact count), the causal half or a window's visible pairs (benchmarks.bench_fwd.flops)")
+FLOPS_NOTE = ("tflops_median: 2.5x the forward's FLOPs (FlashAttention's convention; under the exact count by "
+              "4% at (192, 128), 6.25% at (128, 64)), the causal half or a window's visible pairs "
+              "(benchmarks.bench_fwd.flops)")
 
 
 def dq_orders() -> dict:

@@ -651,7 +651,7 @@ def write_json(path, doc) -> None:
 
 
 def markdown_table(docs) -> str:
-    """The README's table from result files: one row per (seqlen, mask), ratios from the medians."""
+    """The README's table from result files: one row per (seqlen, mask), ratios the medians of per-round ones."""
     rows = ["| GPUs | tokens | mask | 1 GPU (ms) | fa4 ring (ms) | scaling efficiency | exposed comm (ms, per step) "
             "| torch CP SDPA (ms, backend) | torch CP / fa4 ring |", "|---" * 9 + "|"]
     for doc in docs:

@@ -39,3 +39,23 @@ def test_192_128_uses_both_head_dims():
 def test_table_renders_rows():
     t = roofline_table([(128, 128, 128)], B200)
     assert "| 128 x 128 x 128 | 1024 | 768 | 1024 | MMA+exp |" in t
+
+
+def test_causal_flops_count_the_pairs_a_bottom_right_mask_keeps():
+    """The kernels' CLIs print TFLOP/s from runner.attention_flops: causal halves only when sq = sk; with
+    sq != sk it counts the kept pairs (it used to halve there too: 0.53x the work at sq = 1k, sk = 8k)."""
+    import random
+
+    from stage3_fwd_kernel.runner import attention_flops, causal_pairs
+
+    def brute(sq, sk):
+        return sum(min(max(sk - sq + 1 + i, 0), sk) for i in range(sq))
+
+    rng = random.Random(3)
+    for sq, sk in [(0, 5), (5, 0), (1, 1), (3, 3), (64, 1), (1, 64), (113, 203), (799, 3)] + \
+            [(rng.randrange(300), rng.randrange(300)) for _ in range(200)]:
+        assert causal_pairs(sq, sk) == brute(sq, sk), (sq, sk)
+    per_pair = 2.0 * 2 * 4 * (128 + 64)
+    assert attention_flops(2, 1024, 8192, 4, 128, 64, True) == per_pair * brute(1024, 8192)
+    assert attention_flops(2, 4096, 4096, 4, 128, 64, True) == per_pair * 4096 * 4096 / 2
+    assert attention_flops(2, 1024, 8192, 4, 128, 64, False) == per_pair * 1024 * 8192
