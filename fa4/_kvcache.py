@@ -72,12 +72,13 @@ import torch
 from . import _paged
 from ._layouts import gather_kv_pages, shape_constant
 from ._lse_merge import add_sink, merge_parts
+from ._validate import MAX_GRID_YZ
 
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
 KEY_TILE = 128            # the Hopper forward's widest key block: chunks are its multiples, paged ranges start on one
 MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost (prologue, epilogue, merge) dominates
 MAX_SPLITS = 64
-MAX_GRID_Z = 65535        # a CUDA grid's z extent: the split launch's batch x splits
+MAX_GRID_Z = MAX_GRID_YZ  # a CUDA grid's z extent: the split launch's batch x splits
 PACKED_CAUSAL_ROWS = 64   # the split launch's rows (one short-query tile, fa4._dispatch), causal ones packed
 # Pages the kernel does not read in place become one segment each only from this size on; smaller ones
 # are gathered into a dense copy first: a segment per page of 16 keys ran at 0.06x of a dense cache
@@ -410,7 +411,7 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     if block_table is not None and not paged_in_place:
         seg = paged_segments(seqlens_k, block_table, k_cache.shape[1])
     else:
-        s_cache = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        s_cache = cache_capacity(k_cache, block_table)
         span = s_cache if range_keys is None else min(s_cache, range_keys + (KEY_TILE - 1 if paged_in_place else 0))
         n = 1 if not (free or use_split) else (num_splits if num_splits > 0 else
                                                choose_num_splits(b, heads * math.ceil(r / TILE_M), span, sm_count))
@@ -516,6 +517,11 @@ def check_native_head_dims(backend, d: int, dv: int):
                      "flash_attn_func / flash_attn_varlen_func run other pairs zero-padded")
 
 
+def cache_capacity(k_cache, block_table) -> int:
+    """Rows a sequence's cache holds: a dense cache's rows, or a paged one's pages per sequence x page size."""
+    return k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+
+
 def rotary_q_steps(causal: bool, window, capacity: int) -> bool:
     """Whether q's rotary positions run from cache_seqlens up, one per token, rather than all sitting at
     cache_seqlens: FlashAttention-2's rule, causal or local, where a window side of at least the cache's
@@ -573,7 +579,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
         if slots == 0 or per_slot == 0:
             raise ValueError(f"k_cache: a paged cache needs at least one page of at least one row, got "
                              f"{tuple(k_cache.shape)}")
-        capacity, rows = block_table.shape[1] * per_slot, None
+        capacity, rows = cache_capacity(k_cache, block_table), None
     else:
         capacity = per_slot
         rows = None if cache_batch_idx is None else \
@@ -693,12 +699,13 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
             sm_count, split, paged_in_place = _device_route(q, k_cache, v_cache, block_table, causal, (left, right),
                                                             pack_gqa)
     if pack_gqa:  # what attention_with_cache would refuse (plan_layout), refused before anything is appended
-        if traced and block_table is not None and backend.SPLIT_KV_LAUNCH:
-            seen = (left, right)  # what _device_route will check inside the op, after the append
+        group = q.shape[2] // k_cache.shape[2]
+        if traced and block_table is not None:  # the op routes it after the append: _device_route's check, now
+            paged_packing(q.shape[1], group, causal, (left, right), pack_gqa, split_launch=backend.SPLIT_KV_LAUNCH)
         else:
-            seen = key_range_window(q.shape[1], (left, right), paged_in_place and block_table is not None)[0]
-        plan_layout(q.shape[1], q.shape[2] // k_cache.shape[2], causal, seen, pack_gqa,
-                    token_rows=split is not None or (traced and backend.SPLIT_KV_LAUNCH))
+            plan_layout(q.shape[1], group, causal,
+                        key_range_window(q.shape[1], (left, right), paged_in_place and block_table is not None)[0],
+                        pack_gqa, token_rows=split is not None or (traced and backend.SPLIT_KV_LAUNCH))
     if q.shape[0] == 0:  # nothing to append or attend
         out = q.new_empty(*q.shape[:3], v_cache.shape[-1])
         lse = q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
@@ -732,10 +739,9 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool
         if rotary_cos is not None:
             sn = k.shape[1]
             new_pos = seqlens.to(torch.int64).view(-1, 1) + torch.arange(sn, device=q.device)
-            capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-            q_pos = (seqlens.to(torch.int64).view(-1, 1) + torch.arange(q.shape[1], device=q.device)
-                     if rotary_q_steps(causal, (left, right), capacity) else seqlens.to(torch.int64).view(-1, 1).expand(
-                         -1, q.shape[1]))
+            steps = rotary_q_steps(causal, (left, right), cache_capacity(k_cache, block_table))
+            q_pos = (seqlens.to(torch.int64).view(-1, 1) + torch.arange(q.shape[1], device=q.device) if steps
+                     else seqlens.to(torch.int64).view(-1, 1).expand(-1, q.shape[1]))
             q = apply_rotary(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
             k = apply_rotary(k, rotary_cos, rotary_sin, new_pos, rotary_interleaved)
         append_to_cache(k_cache, v_cache, k, v, rows, seqlens, block_table)
@@ -753,6 +759,14 @@ def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool
 # ---------------------------------------------------------------------------------------------
 # traced calls: the attention over the cache as one custom op
 # ---------------------------------------------------------------------------------------------
+def paged_packing(sq: int, group: int, causal: bool, window, pack_gqa, split_launch: bool) -> bool:
+    """Whether a paged call's GQA heads are packed into rows (plan_layout; a ValueError for a pack_gqa it
+    cannot serve), decided from shapes alone: the split launch masks packed rows by token and keeps the
+    window as a mask; key segments see one token's window as a key range on a copy of the pages."""
+    seen = window if split_launch else key_range_window(sq, window, False)[0]
+    return plan_layout(sq, group, causal, seen, pack_gqa, token_rows=split_launch)[2]
+
+
 def _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa) -> tuple:
     """(SM count, the split launch or None, pages read in place) of an eager call on the device --
     with_kvcache's and kvcache_attention's. Whether a paged cache is read in place (fa4._paged) follows the kernel's
@@ -766,12 +780,9 @@ def _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa) ->
     in_place = False
     if block_table is not None:
         sq, group = q.shape[1], q.shape[2] // k_cache.shape[2]
-        # segments see one token's window as a key range on a copy of the pages (key_range_window); the
-        # split launch masks packed rows by token either way
-        seen = window if split is not None else key_range_window(sq, window, False)[0]
-        _, _, pack = plan_layout(sq, group, causal, seen, pack_gqa, token_rows=split is not None)
+        pack = paged_packing(sq, group, causal, window, pack_gqa, split_launch=split is not None)
         # the cache's lengths are device values: the keys count as the queries' own (fa4._paged.head_rows)
-        in_place = _paged.in_place(q, k_cache, v_cache, sq, span=block_table.shape[1] * k_cache.shape[1],
+        in_place = _paged.in_place(q, k_cache, v_cache, sq, span=cache_capacity(k_cache, block_table),
                                    causal=causal, window=window, packed=bool(pack))
         if in_place and split is None and pack_gqa:
             # pages read in place keep one token's window as a mask (chunks start on a key block), which

@@ -317,7 +317,7 @@ def check_varlen_sides(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                              f"{tuple(t.shape)}")
     if cu_seqlens_k is None and tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"v: shape {tuple(v.shape)} must match k {tuple(k.shape)} in (batch, seqlen, heads)")
-    _check_side_batches(q, k, cu_seqlens_q, cu_seqlens_k, paged=page_table is not None)
+    _check_side_batches(q, k, cu_seqlens_q, cu_seqlens_k)
     padded_q = None if cu_seqlens_q is not None else (q.shape[0], q.shape[1])
     q, cu_q, sq = VarlenLayout.pack(q, cu_seqlens_q)
     k, cu_k, sk = VarlenLayout.pack(k, cu_seqlens_k)
@@ -336,16 +336,15 @@ def _side_batch(t, cu, name: str, cu_name: str):
     return None
 
 
-def _check_side_batches(q, k, cu_seqlens_q, cu_seqlens_k, paged: bool = False):
+def _check_side_batches(q, k, cu_seqlens_q, cu_seqlens_k):
     """The two sides describe the same number of sequences; the message names the arguments that
     set each count (a padded side's batch, or a packed side's cu_seqlens)."""
     side_q = _side_batch(q, cu_seqlens_q, "q", "cu_seqlens_q")
     side_k = _side_batch(k, cu_seqlens_k, "k", "cu_seqlens_k")
     if side_q is None or side_k is None or side_q[0] == side_k[0]:
         return
-    name = "k" if cu_seqlens_k is None else "cu_seqlens_k"
-    origin = "the page table's rows" if paged else side_k[1]
-    raise ValueError(f"{name}: {side_k[0]} sequences ({origin}) but q describes {side_q[0]} ({side_q[1]})")
+    name = "k" if cu_seqlens_k is None else "cu_seqlens_k"  # (a page table's rows: check_page_table's)
+    raise ValueError(f"{name}: {side_k[0]} sequences ({side_k[1]}) but q describes {side_q[0]} ({side_q[1]})")
 
 
 def _padded_bound(name, given, padded, used):
