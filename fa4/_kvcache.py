@@ -59,7 +59,9 @@ never run on hardware.
 
 An eager step on the device, once checked, replays a launch plan (fa4._plans) from its third call with
 the same shapes: the same torch functions and kernels without this module's host logic (a one-token
-decode step's host time on an H200: 127-146 us, was 222-405; docs/measurements.md).
+decode step's host time on an H200: 127-146 us, was 222-405; docs/measurements.md). Without a plan
+(a cache growing every step) the split launch and its merge take stage 3's unchecked launches, whose
+checks this module's imply (`fa4_split`).
 """
 from __future__ import annotations
 
@@ -229,6 +231,17 @@ def merge_segments(out, lse, n: int, kernel: bool = False, into=None, unpack: in
     return (out if into is None else into.copy_(out)), lse
 
 
+def packed_rows(x, hkv: int):
+    """x (B, Sq, Hq, D) as (B, Sq g, Hkv, D) rows, g = Hq / Hkv: row t g + j of KV head kv is token t of
+    query head kv g + j. One token: a single strided view (no copy); more: a copy."""
+    b, sq, hq, d = x.shape
+    g = hq // hkv
+    if sq == 1:
+        s_b, _, s_h, s_d = x.stride()
+        return x.as_strided((b, g, hkv, d), (s_b, s_h, g * s_h, s_d))
+    return x.view(b, sq, hkv, g, d).transpose(2, 3).reshape(b, sq * g, hkv, d)
+
+
 def unpack_out(out, g: int):
     """Packed rows (row t g + j of head h: token t of GQA head h g + j) -> the call's layout:
     (B, R, H, Dv) -> (B, R / g, H g, Dv)."""
@@ -320,17 +333,39 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
 
     b, r, h, _ = rows.shape
     r, h = r * rows_per_query, h // rows_per_query                                      # the kernel's rows, heads
+    dv = v_cache.shape[-1]
     if n == 1 and unpack > 1:
         raise ValueError("unpack: an unsplit launch writes the packed rows (the caller unpacks them)")
     mod = _dispatch.backend_for(rows.device).forward_module()
-    kw = dict(seqused_k=seqlens_k, page_table=page_table, softmax_scale=scale, causal=causal,
-              rows_per_query=rows_per_query, softcap=softcap, tile_m=_dispatch.short_query_tile(r),
-              range_keys=range_keys, window_size=tuple(window), cache_rows=cache_rows, key_starts=key_starts)
+    # with_kvcache's checks imply the split launch's own (stage 3's attention_split_forward): its unchecked
+    # launch spares a decode step their host time
+    kw = dict(softmax_scale=scale, causal=causal, window=_kernel_window(causal, tuple(window)), softcap=softcap,
+              rows_per_query=rows_per_query, tile_m=_dispatch.short_query_tile(r), seqused_k=seqlens_k,
+              page_table=page_table, cache_rows=cache_rows, key_starts=key_starts, range_keys=range_keys)
     if n == 1:
-        return mod.attention_split_forward(rows, k_cache, v_cache, 1, chunk, out=out, **kw)
+        out = torch.empty(b, r, h, dv, device=rows.device, dtype=rows.dtype) if out is None else out
+        lse = torch.empty(b, h, r, device=rows.device, dtype=torch.float32)
+        return mod.split_launch(rows, k_cache, v_cache, out, lse, 1, chunk, **kw)
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
-    parts, _ = mod.attention_split_forward(rows, k_cache, v_cache, n, chunk, lse=lse.permute(1, 0, 2), **kw)
-    return merge_segments(parts, lse, n, kernel=True, into=out, unpack=unpack)
+    parts = torch.empty(b * n, r, h, dv, device=rows.device, dtype=rows.dtype)
+    mod.split_launch(rows, k_cache, v_cache, parts, lse.permute(1, 0, 2), n, chunk, **kw)
+    if dv % 32:
+        return merge_segments(parts, lse, n, kernel=True, into=out, unpack=unpack)
+    from stage3_fwd_kernel import split_combine
+
+    g = unpack
+    if out is None:
+        out = torch.empty(b, r // g, h * g, dv, device=rows.device, dtype=rows.dtype)
+    merged_lse = torch.empty(b, h * g, r // g, device=rows.device, dtype=torch.float32)
+    return split_combine.merge_launch(parts, lse, n, out, merged_lse, g)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_window(causal: bool, window: tuple):
+    """The split launch's window (stage 3's components.window.beyond_causal) of fa4's (left, right)."""
+    from stage3_fwd_kernel.components.window import beyond_causal
+
+    return beyond_causal(causal, window)
 
 
 def split_chunks(s_cache: int, n: int) -> tuple[int, int]:
@@ -428,14 +463,14 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
     # the split launch reads a causal or windowed call's GQA groups as rows by token from q itself;
     # otherwise packed rows: row t * g + j is query token t of head kv * g + j (a view for one token)
     by_token = use_split and pack and (causal or tuple(window) != (None, None))
-    rows = q if by_token or not pack else q.view(b, sq, hkv, g, d).transpose(2, 3).reshape(b, -1, hkv, d)
+    rows = q if by_token or not pack else packed_rows(q, hkv)
     # several packed tokens, split: the merge writes the call's layouts itself (no copies after it)
     unpack = g if pack and sq > 1 and n > 1 else 1
     if pack and sq == 1 and ((n > 1 and varlen is fa4_varlen) or use_split):
         # the merge (a split launch: its kernel) writes the packed rows straight into the (B, 1, Hq, Dv)
         # result: row j of KV head kv is query head kv * g + j, so no transpose copy follows
         final = q.new_empty(b, 1, hq, dv)
-        into = final.view(b, hkv, g, dv).transpose(1, 2)                                # (B, g, Hkv, Dv)
+        into = packed_rows(final, hkv)                                                  # (B, g, Hkv, Dv)
     if use_split:
         out, lse = split(rows, k_cache, v_cache, seqlens_k, n, chunk, scale, softcap,
                          block_table if paged_in_place else None, out=into, causal=causal,
@@ -471,6 +506,8 @@ def attention_with_cache(q, k_cache, v_cache, seqlens_k, cache_rows, block_table
 # validation (before anything is written to the cache or launched)
 # ---------------------------------------------------------------------------------------------
 def _int_vector(name, t, length, device):
+    """t checked as an int32 / int64 (length,) vector on `device`, as int32 (itself where it is one: a
+    conversion call is host time on every decode step)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int32, torch.int64):
@@ -481,7 +518,7 @@ def _int_vector(name, t, length, device):
                          f"{tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name}: is on {t.device} but q is on {device}")
-    return t
+    return t if t.dtype == torch.int32 else t.to(torch.int32)
 
 
 def check_leftpad(cache_leftpad, q, block_table, seqlens):
@@ -494,7 +531,7 @@ def check_leftpad(cache_leftpad, q, block_table, seqlens):
     if block_table is not None:
         raise ValueError("cache_leftpad: not with block_table (as in FlashAttention-2: a paged sequence starts on "
                          "its first page); pass None")
-    starts = _int_vector("cache_leftpad", cache_leftpad, q.shape[0], q.device).to(torch.int32)
+    starts = _int_vector("cache_leftpad", cache_leftpad, q.shape[0], q.device)
     if q.shape[0] and values_check_enabled():
         bad = (starts < 0) | (starts > seqlens)
         if bool(bad.any()):
@@ -583,7 +620,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     else:
         capacity = per_slot
         rows = None if cache_batch_idx is None else \
-            _int_vector("cache_batch_idx", cache_batch_idx, b, q.device).to(torch.int32)
+            _int_vector("cache_batch_idx", cache_batch_idx, b, q.device)
         if rows is not None and b and values_check_enabled():  # FA4_VALIDATE=1: one host sync
             lo, hi = int(rows.min()), int(rows.max())
             if lo < 0 or hi >= slots:
@@ -606,7 +643,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
                              f"{capacity} per sequence")
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
-        seqlens = _int_vector("cache_seqlens", cache_seqlens, b, q.device).to(torch.int32)
+        seqlens = _int_vector("cache_seqlens", cache_seqlens, b, q.device)
         if values_check_enabled():  # FA4_VALIDATE=1: one host sync
             lo, hi = int(seqlens.min()) if b else 0, int(seqlens.max()) if b else 0
             if lo < 0 or hi + new > capacity:
@@ -719,6 +756,8 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     from . import _plans
 
     sig = backend._plan_signature("kvcache", step, flags)
+    if sig is None:  # plans off: no replay, nothing to record
+        return _cache_step(step, flags, sm_count, varlen, split)
     done = _plans.replay(sig, backend.arch.cute_arch, step)
     if done is not None:
         return done

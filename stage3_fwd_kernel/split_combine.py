@@ -256,12 +256,22 @@ def combine_parts(out_parts, lse_parts, parts: int, out=None, rows_per_query: in
         raise ValueError(f"out: expected {out_parts.dtype} {want} on {out_parts.device} with a unit last stride, "
                          f"the others multiples of 8 and a 16-byte aligned start; got {out.dtype} "
                          f"{tuple(out.shape)} strides {out.stride()}")
-    if g > 1:
-        lse = torch.empty(bn // parts, h * g, r // g, device=out_parts.device, dtype=torch.float32)
-        comp = compile_parts(host_io.cutlass_dtype(out_parts.dtype), dv, launchable=True, token_rows=True)
-        comp.fn(out_parts, lse_parts, out.unflatten(2, (h, g)), lse.unflatten(1, (h, g)), parts)
+    lse_shape = (bn // parts, h * g, r // g) if g > 1 else (bn // parts, h, r)
+    lse = torch.empty(lse_shape, device=out_parts.device, dtype=torch.float32)
+    return merge_launch(out_parts, lse_parts, parts, out, lse, g)
+
+
+def merge_launch(out_parts, lse_parts, parts: int, out, lse, rows_per_query: int = 1):
+    """combine_parts' launch, after its checks, into outputs the caller made (out and lse as
+    combine_parts returns them). Nothing is checked -- each check is host time on every decode
+    step -- so the caller's own construction must imply combine_parts' checks (fa4's split launch)."""
+    dv = out_parts.shape[-1]
+    dt = host_io.cutlass_dtype(out_parts.dtype)
+    if rows_per_query > 1:
+        h = out_parts.shape[2]
+        comp = compile_parts(dt, dv, launchable=True, token_rows=True)
+        comp.fn(out_parts, lse_parts, out.unflatten(2, (h, rows_per_query)), lse.unflatten(1, (h, rows_per_query)),
+                parts)
         return out, lse
-    lse = torch.empty(bn // parts, h, r, device=out_parts.device, dtype=torch.float32)
-    comp = compile_parts(host_io.cutlass_dtype(out_parts.dtype), dv, launchable=True)
-    comp.fn(out_parts, lse_parts, out, lse, parts)
+    compile_parts(dt, dv, launchable=True).fn(out_parts, lse_parts, out, lse, parts)
     return out, lse

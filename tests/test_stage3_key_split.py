@@ -13,6 +13,7 @@ than the query. The compile tier checks what the builds contain (no spills, the 
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -364,3 +365,108 @@ def test_split_launch_refuses_bad_arguments_before_any_launch(monkeypatch):
             attention_split_forward(q, pages, pages, 2, 128, page_table=torch.zeros(2, 2, dtype=torch.int32),
                                     seqused_k=torch.ones(2, dtype=torch.int32), range_keys=100, causal=True,
                                     window_size=window)
+
+
+def _launch_record(value):
+    """A launch argument as comparable data: a tensor by (address, shape, strides, dtype), else itself."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), tuple(value.shape), value.stride(), value.dtype)
+    return value
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+@pytest.mark.parametrize("case", ["dense", "rows-and-starts", "paged-window-range", "tokens-by-group", "softcap-pages"])
+def test_unchecked_split_launch_equals_the_checked_one(case, monkeypatch):
+    """fa4 launches the split kernel through `split_launch` and merges through `merge_launch`, which check
+    nothing (flash_attn_with_kvcache's own checks imply theirs). Its step (fa4_split) must hand the kernels
+    the compile keys and the arguments that the checked entry points (attention_split_forward,
+    combine_parts) hand them for the same call (CPU tensors seen as CUDA ones; a store answers every
+    kernel lookup with a recorder)."""
+    import torch
+
+    from fa4 import _kvcache
+    from stage3_fwd_kernel import compile_cache, split_combine
+    from stage3_fwd_kernel.compile_cache import Compiled
+    from stage3_fwd_kernel.hopper import attention_split_forward, split_launch
+    from stage3_fwd_kernel.components.window import beyond_causal
+
+    launches = []
+
+    class Store:
+        def memory_hit(self, key):
+            pass
+
+        def load(self, key, rebuild):
+            return Compiled(lambda *a: launches.append((key, tuple(_launch_record(x) for x in a))), {}, "", "")
+
+        def offer(self, key, compiled):
+            pass
+
+    monkeypatch.setattr(compile_cache, "_CACHE", {})
+    monkeypatch.setattr(compile_cache, "_STORE", Store())
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
+    b, d, hkv = 2, 128, 2
+    kw = dict(causal=False, window_size=(None, None), softcap=0.0, rows_per_query=1, range_keys=None,
+              cache_rows=None, key_starts=None, page_table=None)
+    rows = torch.randn(b, 4, hkv, d, dtype=torch.bfloat16)                     # a packed group of 4 heads
+    k = torch.randn(b + 1, 512, hkv, d, dtype=torch.bfloat16)
+    n, chunk = 2, 256
+    lens = torch.tensor([512, 37], dtype=torch.int32)
+    if case == "rows-and-starts":
+        kw.update(cache_rows=torch.tensor([2, 0], dtype=torch.int32),
+                  key_starts=torch.tensor([5, 0], dtype=torch.int32))
+    elif case in ("paged-window-range", "softcap-pages"):
+        k = k.reshape(-1, 64, hkv, d)                                              # pages of 64 keys
+        kw["page_table"] = torch.tensor([[3, 0, 7, 1, 2, 4, 5, 6], [8, 9, 10, 11, 12, 13, 14, 15]], dtype=torch.int32)
+        if case == "softcap-pages":
+            kw["softcap"] = 30.0
+        else:
+            rows = torch.randn(b, 3, 8, d, dtype=torch.bfloat16)                   # 3 causal tokens, group 4 by token
+            kw.update(causal=True, window_size=(100, None), range_keys=103, rows_per_query=4)
+            n, chunk = 2, 128
+    elif case == "tokens-by-group":
+        rows = torch.randn(b, 4, 8, d, dtype=torch.bfloat16)
+        kw.update(causal=True, rows_per_query=4)
+    g = kw["rows_per_query"]
+    r, h = rows.shape[1] * g, rows.shape[2] // g
+    scale = d ** -0.5
+    out = torch.empty(b * n, r, h, d, dtype=torch.bfloat16)
+    lse_buf = torch.empty(h, b * n, r, dtype=torch.float32)
+    attention_split_forward(rows, k, k, n, chunk, seqused_k=lens, softmax_scale=scale, tile_m=64, out=out,
+                            lse=lse_buf.permute(1, 0, 2), **kw)
+    window = beyond_causal(kw["causal"], kw.pop("window_size"))
+    split_launch(rows, k, k, out, lse_buf.permute(1, 0, 2), n, chunk, seqused_k=lens, softmax_scale=scale, tile_m=64,
+                 window=window, **kw)
+    assert len(launches) == 2 and launches[0] == launches[1]
+    split_key, split_args = launches[0]
+    # the merge: combine_parts and merge_launch into the same outputs
+    merged = torch.empty(b, r // g, h * g, d, dtype=torch.bfloat16)
+    merged_lse = torch.empty(b, h * g, r // g, dtype=torch.float32)
+    launches.clear()
+    split_combine.combine_parts(out, lse_buf, n, out=merged, rows_per_query=g)
+    split_combine.merge_launch(out, lse_buf, n, merged, merged_lse, g)
+    (merge_key, args_a), (key_b, args_b) = launches
+    assert merge_key == key_b and args_a[:3] == args_b[:3] and args_a[4:] == args_b[4:]   # its own lse aside
+    # fa4's step: the same two kernels, the split one with the checked launch's arguments but its own outputs
+    be = _dispatch_sm90()
+    monkeypatch.setattr(sys.modules["fa4._dispatch"], "backend_for", lambda device: be)
+    launches.clear()
+    _kvcache.fa4_split(rows, k, k, lens, n, chunk, scale, kw["softcap"], page_table=kw["page_table"],
+                       causal=kw["causal"], rows_per_query=g, unpack=g, range_keys=kw["range_keys"],
+                       window=(100, None) if case == "paged-window-range" else (None, None),
+                       cache_rows=kw["cache_rows"], key_starts=kw["key_starts"])
+    (key_c, args_c), (key_m, _) = launches
+    assert key_c == split_key and key_m == merge_key
+
+    def without_outputs(args):
+        return args[:3] + args[5:]
+    assert without_outputs(args_c) == without_outputs(split_args)
+
+
+def _dispatch_sm90():
+    from fa4 import _dispatch
+
+    return _dispatch.make_backend(_dispatch.ARCHS["sm_90"])

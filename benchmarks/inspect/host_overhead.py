@@ -1,6 +1,7 @@
 """Host (CPU) time per call of fa4 and its peers, on a problem too small for the GPU to matter.
 
     python -m benchmarks.inspect.host_overhead [--out benchmarks/results/host_overhead_h200.json]
+                                               [--only decode] [--decode-batch 8] [--decode-keys 4096]
 
 A 1 x 128 x 4 x 128 causal bf16 problem (and a decode step: one token, GQA 32 / 8, d = 128, a
 16k-key dense cache, DECODE_SHAPE); per case, 200 calls back to back timed on the host clock,
@@ -12,7 +13,10 @@ Rows: fa4 forward, the production kernel's own entry point (``stage3_fwd_kernel.
 wrapper excluded), the official flash-attn-4 forward, and forward + backward of fa4, the official
 kernel and torch SDPA; the decode step through fa4.flash_attn_with_kvcache, fa4.flash_attn_func and
 the official flash_attn_func, and with launch plans off (FA4_PLANS=0: what a cache growing every step
-gets, its shapes new each call), and through the transformers integration's left-padded path. The fa4 README's "Host overhead" numbers come from this script.
+gets, its shapes new each call), through the transformers integration's left-padded path, and torch
+SDPA's decode (`enable_gqa`, no mask). `--decode-batch` / `--decode-keys` change the decode cases' problem,
+`--only TEXT` keeps the cases whose name contains TEXT. The fa4 README's "Host overhead" numbers come from
+this script.
 """
 from __future__ import annotations
 
@@ -40,11 +44,13 @@ def tiny_problem():
 DECODE_SHAPE = (1, 16384, 32, 8, 128)  # batch, cache keys, query heads, KV heads, head dim: one token
 
 
-def decode_problem():
-    """q (B, 1, Hq, D), a full dense cache k / v (B, S, Hkv, D) and cache_seqlens (B,) int32, bf16."""
+def decode_problem(batch: int | None = None, keys: int | None = None):
+    """q (B, 1, Hq, D), a full dense cache k / v (B, S, Hkv, D) and cache_seqlens (B,) int32, bf16: DECODE_SHAPE,
+    or its batch / cache keys replaced by `batch` / `keys`."""
     import torch
 
     b, s, hq, hkv, d = DECODE_SHAPE
+    b, s = batch or b, keys or s
     q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     return q, k, v, torch.full((b,), s, dtype=torch.int32, device="cuda")
@@ -123,6 +129,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--calls", type=int, default=200, help="calls per case and round")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--decode-batch", type=int, default=None,
+                    help=f"the decode cases' batch (default {DECODE_SHAPE[0]})")
+    ap.add_argument("--decode-keys", type=int, default=None,
+                    help=f"the decode cases' cache keys (default {DECODE_SHAPE[1]})")
+    ap.add_argument("--only", default=None, help="run the cases whose name contains this text (e.g. decode)")
     args = ap.parse_args(argv)
     import torch
 
@@ -149,7 +160,13 @@ def main(argv=None) -> int:
                                                              is_causal=True)
         torch.autograd.grad(o, (q, k, v), g.transpose(1, 2))
 
-    dq, dk, dv, dlens = decode_problem()
+    dq, dk, dv, dlens = decode_problem(args.decode_batch, args.decode_keys)
+
+    def sdpa_decode():
+        # the cache is full, so no mask: one token sees every key
+        return torch.nn.functional.scaled_dot_product_attention(dq.transpose(1, 2), dk.transpose(1, 2),
+                                                                dv.transpose(1, 2), enable_gqa=True)
+
     cases = [("fa4 forward", lambda: fa4.flash_attn_func(q, k, v, causal=True)),
              ("stage3 attention_forward", lambda: stage3.attention_forward(q.detach(), k.detach(), v.detach(),
                                                                           causal=True)),
@@ -163,8 +180,14 @@ def main(argv=None) -> int:
              ("fa4 decode with_kvcache, no plans", without_plans(
                  lambda: fa4.flash_attn_with_kvcache(dq, dk, dv, cache_seqlens=dlens))),
              ("transformers left-padded decode", hf_left_padded_decode(dq, dk, dv)),
-             ("transformers left-padded, no plans", without_plans(hf_left_padded_decode(dq, dk, dv)))]
-    print(f"device {torch.cuda.get_device_name()}, {b}x{s}x{h}x{d} bf16 causal, {args.rounds} rounds of "
+             ("transformers left-padded, no plans", without_plans(hf_left_padded_decode(dq, dk, dv))),
+             ("torch SDPA decode", sdpa_decode)]
+    if args.only:
+        cases = [c for c in cases if args.only in c[0]]
+        if not cases:
+            ap.error(f"--only: no case name contains {args.only!r}")
+    print(f"device {torch.cuda.get_device_name()}, {b}x{s}x{h}x{d} bf16 causal, decode {tuple(dq.shape)} q against "
+          f"{tuple(dk.shape)} caches, {args.rounds} rounds of "
           f"{args.calls} calls per case, cases in a fresh random order each round")
     for _, fn in cases:  # compile + warm up
         for _ in range(20):
@@ -192,6 +215,7 @@ def main(argv=None) -> int:
         from ..bench_fwd import source_commit, source_digest, versions
 
         doc = {"device": torch.cuda.get_device_name(), "problem": f"{b}x{s}x{h}x{d} bf16 causal",
+               "decode_q": list(dq.shape), "decode_cache": list(dk.shape),
                "calls": args.calls, "rounds": args.rounds, "versions": versions(), "git_commit": source_commit(),
                "source_digest": source_digest(),
                "command": "python -m benchmarks.inspect.host_overhead " + " ".join(argv if argv is not None else sys.argv[1:]),

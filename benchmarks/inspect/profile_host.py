@@ -25,6 +25,8 @@ def main(argv=None) -> int:
                     help="comma-separated: forward, forward+backward, decode (flash_attn_with_kvcache, one token), "
                          "decode-no-plan, hf-left-padded")
     ap.add_argument("--sort", default="cumulative", help="pstats sort keys, comma-separated (e.g. cumulative,tottime)")
+    ap.add_argument("--decode-batch", type=int, default=None, help="the decode cases' batch (host_overhead's default)")
+    ap.add_argument("--decode-keys", type=int, default=None, help="the decode cases' cache keys")
     args = ap.parse_args(argv)
     import torch
 
@@ -35,7 +37,7 @@ def main(argv=None) -> int:
     from .host_overhead import decode_problem, hf_left_padded_decode, tiny_problem, without_plans
 
     q, k, v, g = tiny_problem()
-    dq, dk, dv, dlens = decode_problem()
+    dq, dk, dv, dlens = decode_problem(args.decode_batch, args.decode_keys)
 
     def fwd():
         fa4.flash_attn_func(q, k, v, causal=True)

@@ -7,7 +7,7 @@
 Modules (the ladder, hopper_step1..4, teaches the same techniques one at a time):
 
   host.py ........ attention_forward, attention_varlen_forward, attention_split_forward (split-KV
-                   decode), compile_only, compile_launchable
+                   decode; split_launch: its launch after the checks), compile_only, compile_launchable
   config.py ...... tile sizes, shared-memory plan, argument checks, the default softmax policy
   scheduling.py .. persistent CTAs or one CTA per tile (default_persistent)
   split_tail.py .. the last partial wave cut along the keys
@@ -28,7 +28,8 @@ from stage3_fwd_kernel.softmax_policy import DEFAULT_POLY_DEGREE, DEFAULT_RESCAL
 
 from .cli import run
 from .host import (
-    attention_forward, attention_split_forward, attention_varlen_forward, compile_launchable, compile_only, make_kernel)
+    attention_forward, attention_split_forward, attention_varlen_forward, compile_launchable, compile_only, make_kernel,
+    split_launch)
 from .kernel import FlashAttentionForwardSm90
 from .config import DEFAULT_EMULATION_FRACTION, DEFAULT_POLICY, STEP, SUPPORTED_HEAD_DIMS
 
@@ -58,5 +59,6 @@ __all__ = [
     "attention_varlen_forward",
     "compile_only",
     "make_kernel",
+    "split_launch",
     "run",
 ]

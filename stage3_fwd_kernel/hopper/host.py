@@ -2,6 +2,7 @@
 fake tensors, and the launches (dense and varlen)."""
 from __future__ import annotations
 
+import functools
 import re
 from typing import NamedTuple
 
@@ -126,10 +127,12 @@ def _fake_args(dtype, d, dv, varlen_flags, *, launchable: bool = False, dynamic:
 
 
 def _compile(launchable: bool, dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m, split_tail=False,
-             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False, rows_per_query: int = 1):
+             variant: Variant = PLAIN, page_size: int | None = None, key_split: bool = False, rows_per_query: int = 1,
+             key: tuple | None = None):
     """The one place the kernel is compiled (against fake tensors): launchable=True builds what
-    attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake")."""
-    key = _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
+    attention_forward launches (TVM-FFI, key "gpu"), False a compile-only build (key "fake"). key: the
+    arguments' _key where the caller has it already."""
+    key = key or _key("gpu" if launchable else "fake", dt, d, dv, causal, policy, scheduler, varlen_flags, tile_m,
                split_tail, variant, page_size, key_split, rows_per_query)
     return compile_cached(key, lambda: (
         make_kernel(dt, d, dv, causal, policy=policy, scheduler=scheduler, tile_m=tile_m, split_tail=split_tail,
@@ -447,6 +450,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         if page_table is not None:
             raise ValueError("key_starts: a dense cache's first keys; a paged range starts on its pages")
         _check_per_sequence("key_starts", key_starts, b, q.device)
+    k_in, v_in = k, v
     if page_table is not None:
         k, v, page_size, page_table = flat_paged_cache(k, v, page_table, b, seqused_k, tile_n)
         k, v, cache_keys = k.unsqueeze(0), v.unsqueeze(0), page_table.shape[1] * page_size
@@ -490,8 +494,37 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
     out, lse = _outputs(out, lse, (bn, r, hq, dv), (bn, hq, r), q)
-    if bn == 0 or r == 0 or hq == 0:
+    return split_launch(q, k_in, v_in, out, lse, num_splits, chunk_keys, softmax_scale=softmax_scale, causal=causal,
+                        window=window, softcap=variant.softcap, rows_per_query=rows_per_query, tile_m=tile_m,
+                        seqused_k=seqused_k, page_table=page_table, cache_rows=cache_rows, key_starts=key_starts,
+                        range_keys=range_keys, policy=policy)
+
+
+def split_launch(q, k, v, out, lse, num_splits: int, chunk_keys: int, *, softmax_scale: float, causal=False,
+                 window: Window = NO_WINDOW, softcap: float = 0.0, rows_per_query: int = 1, tile_m: int | None = None,
+                 seqused_k=None, page_table=None, cache_rows=None, key_starts=None, range_keys: int | None = None,
+                 policy: SoftmaxPolicy = DEFAULT_POLICY):
+    """attention_split_forward's launch, after its checks, into outputs the caller made: out
+    (B n, R, Hq', Dv) and lse (B n, Hq', R) as there. No argument is checked -- each check is host
+    time on every decode step -- so the caller's own checks must imply attention_split_forward's
+    (fa4 calls this after flash_attn_with_kvcache's). The arguments are attention_split_forward's,
+    resolved: softmax_scale a float, window the kernel's (components.window.beyond_causal of the
+    window_size), tile_m None for the short-query default; k / v as the caller holds them (with
+    page_table: the pages)."""
+    b, r, hq, d = q.shape
+    dv = v.shape[-1]
+    r, hq = r * rows_per_query, hq // rows_per_query                                      # the kernel's rows, heads
+    if b == 0 or r == 0 or hq == 0:
         return out, lse
+    page_size = None
+    if page_table is not None:
+        page_size = k.shape[1]
+        cache_keys = page_table.shape[1] * page_size
+        k = k.reshape(1, -1, k.shape[2], k.shape[3])                                    # (1, pages * page_size, Hkv, D)
+        v = v.reshape(1, -1, v.shape[2], v.shape[3])
+        page_table = page_table.contiguous()
+    else:
+        cache_keys = k.shape[1]
     if cache_keys == 0:
         return _nothing_visible(out, lse, None, head_dim=1)
     q, k, v = host_io.align_16B(q), host_io.align_16B(k), host_io.align_16B(v)
@@ -501,12 +534,23 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     # the kernel's batch_map and cu_seqlens_k slots carry the cache rows and first keys under a key split
     # (components.key_split)
     args = _call_args(q, k, v, out, lse, softmax_scale, r, cu_seqlens_k=starts, seqused_k=used, batch_map=rows,
-                      softcap=variant.softcap, page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
+                      softcap=softcap, page_table=page_table, num_splits=num_splits, chunk_keys=chunk_keys,
                       range_keys=RANGE_ALL if range_keys is None else range_keys)
     flags = varlen_flags(False, used is not None, rows is not None, starts is not None)
-    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, flags, tile_m,
-             variant=variant, page_size=page_size, key_split=True, rows_per_query=rows_per_query).fn(*args)
+    dt = host_io.cutlass_dtype(q.dtype)
+    variant = Variant(window, softcap, False)
+    key = _split_key(dt, d, dv, bool(causal), policy, flags, tile_m, variant, page_size, rows_per_query, trace.key())
+    _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, flags, tile_m, variant=variant,
+             page_size=page_size, key_split=True, rows_per_query=rows_per_query, key=key).fn(*args)
     return out, lse
+
+
+@functools.lru_cache(maxsize=256)
+def _split_key(dt, d, dv, causal, policy, flags, tile_m, variant, page_size, rows_per_query, traced) -> tuple:
+    """A split launch's compile key (_key), memoized: building it resolves the tile and reads the
+    trace switch (`traced`, trace.key(), is part of the memo's key for that reason)."""
+    return _key("gpu", dt, d, dv, causal, policy, StaticTileScheduler, flags, tile_m, variant=variant,
+                page_size=page_size, key_split=True, rows_per_query=rows_per_query)
 
 
 def compile_only(dtype="bf16", head_dim=128, head_dim_v=None, causal=False, *, varlen=False, seqused_k=False,
