@@ -31,7 +31,8 @@ Concurrency and corruption: an entry is written to a temporary file in the same 
 renamed into place (atomic on POSIX), so readers see a complete file or none; two processes
 compiling the same key both write a valid file. Writers never delete; a reader uses the newest
 verified entry and prunes the older ones, so a race always leaves at least one complete file
-(no lock files needed). The content hash in the file name is checked before loading, so a
+(no lock files needed); a reader whose verified entry another reader pruned before it was linked
+looks again and finds the newer one. The content hash in the file name is checked before loading, so a
 truncated or edited file is detected, removed and rebuilt, never fatal. A file that passes the
 hash but fails to load or to run on its first call is also removed and the kernel recompiled.
 
@@ -351,15 +352,22 @@ class DiskCache:
     # -- CuTe-DSL objects -------------------------------------------------------------------------
     def load(self, key) -> Optional[tuple[Any, pathlib.Path]]:
         khash = key_hash(key)
-        path = self.read_verified(khash) if khash else None
-        if path is None:
+        if not khash:
             return None
-        try:
-            fn = load_object(path, self.symbol(khash))
-        except Exception as exc:  # e.g. an object from another DSL build: rebuild it
-            self._discard(path, f"load failed: {type(exc).__name__}: {str(exc)[:200]}")
-            return None
-        return fn, path
+        # Another reader that saw a newer entry may prune this one between its check and its link: the
+        # newer entry then exists, so look again (once) instead of discarding and recompiling.
+        for attempt in range(2):
+            path = self.read_verified(khash)
+            if path is None:
+                return None
+            try:
+                return load_object(path, self.symbol(khash)), path
+            except Exception as exc:  # e.g. an object from another DSL build: rebuild it
+                if attempt == 0 and not path.exists():
+                    continue
+                self._discard(path, f"load failed: {type(exc).__name__}: {str(exc)[:200]}")
+                return None
+        return None
 
     def write_report(self, khash: str, report: Optional[dict]):
         """Keep the compile's resource report (registers, smem, SASS counts) next to the object,
@@ -616,7 +624,10 @@ def info(archs: Iterable[str] = ()) -> dict:
     current: this build's generation directories on disk, name -> arch (the one of `archs` or this
     process's CUTE_DSL_ARCH whose tag it carries; None if neither), dir, entries (kernels), plans
     (fa4/_plans.py), bytes; current_entries / current_plans / current_bytes: their totals; stale:
-    the other directories' names; old_formats: earlier formats' directories, name -> bytes."""
+    the other directories' names; old_formats: earlier formats' directories, name -> bytes; arch_dirs: the
+    directory each of `archs` (and this process's CUTE_DSL_ARCH) writes to, arch -> path, on disk or
+    not; process_dir: this process's, or None where CUTE_DSL_ARCH is unset (fa4 sets it from the
+    device before it compiles anything: a process that has not yet run a kernel has no directory)."""
     root = root_dir() / FORMAT
     files, _, size = _tree_size(root)
     gens = sorted(p.name for p in root.iterdir() if p.is_dir()) if _readable_dir(root) else []
@@ -627,7 +638,9 @@ def info(archs: Iterable[str] = ()) -> dict:
         n, plans, b = _tree_size(root / name)
         current[name] = {"arch": labels.get(name[BUILD_DIGITS:]), "dir": str(root / name), "entries": n,
                          "plans": plans, "bytes": b}
-    return {"enabled": enabled(), "root": str(root), "build": build_id(), "process_dir": str(cache_dir()),
+    arch_dirs = {a: str(cache_dir(a)) for a in dict.fromkeys((*archs, *([own] if own != "auto" else [])))}
+    return {"enabled": enabled(), "root": str(root), "build": build_id(),
+            "process_dir": str(cache_dir()) if own != "auto" else None, "arch_dirs": arch_dirs,
             "current": current, "current_entries": sum(c["entries"] for c in current.values()),
             "current_plans": sum(c["plans"] for c in current.values()),
             "current_bytes": sum(c["bytes"] for c in current.values()), "entries": files, "bytes": size,

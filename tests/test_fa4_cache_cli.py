@@ -76,6 +76,39 @@ def test_disk_cache_atomic_write_and_corruption(cache_dir):
     assert not p2.exists()  # removed, so the next run rebuilds it
 
 
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_a_reader_whose_entry_another_reader_pruned_takes_the_newer(cache_dir, monkeypatch):
+    """Reader A verifies the only entry of a key; before A links it, reader B -- which saw a newer entry
+    that a third process wrote -- prunes it. A must link the newer entry, without a warning or a
+    recompile (it used to discard the vanished file as a failed load)."""
+    import warnings
+
+    dc = _cache.DiskCache(cache_dir / "gen")
+    older = dc.write("k" * 32, b"first")
+    os.utime(older, (1e9, 1e9))
+    linked = []
+
+    def load_object(path, symbol):
+        if not linked:  # meanwhile: the newer entry appears and another reader prunes this one
+            linked.append(dc.write("k" * 32, b"second"))
+            path.unlink()
+            raise OSError(f"cannot open {path}")
+        linked.append(path)
+        return "kernel"
+    monkeypatch.setattr(_cache, "load_object", load_object)
+    monkeypatch.setattr(_cache, "key_hash", lambda key: "k" * 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dc.load("key") == ("kernel", linked[0])
+    assert linked == [linked[0], linked[0]] and linked[0].exists() and not older.exists()
+    # a file that is still there but does not link is discarded, as before
+    monkeypatch.setattr(_cache, "load_object", lambda path, symbol: (_ for _ in ()).throw(OSError("bad object")))
+    with pytest.warns(RuntimeWarning, match="load failed: OSError: bad object"):
+        assert dc.load("key") is None
+    assert not linked[0].exists()
+
+
 _WRITER = """
 import sys
 from fa4._cache import DiskCache
@@ -234,6 +267,21 @@ def test_cache_info_and_clear(cache_dir):
     assert info["entries"] == 2 and info["bytes"] == 15 and info["current_entries"] == 1
     assert _cache.clear(stale_only=True) == (1, []) and _cache.info()["entries"] == 1
     assert _cache.clear() == (1, []) and _cache.info()["entries"] == 0
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_cache_info_names_the_directories_kernel_processes_use(cache_dir, monkeypatch):
+    """`cache info` runs without CUTE_DSL_ARCH (fa4 sets it from the device before compiling), so it has
+    no directory of its own: it used to print the "auto" arch's, which no kernel process writes. It
+    lists each target arch's instead, the one a process with that CUTE_DSL_ARCH uses."""
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    info = _cache.info(["sm_90a", "sm_100a"])
+    assert info["process_dir"] is None
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    hopper = str(_cache.cache_dir())
+    assert info["arch_dirs"] == {"sm_90a": hopper, "sm_100a": str(_cache.cache_dir("sm_100a"))}
+    assert _cache.info(["sm_100a"])["process_dir"] == hopper == _cache.info(["sm_100a"])["arch_dirs"]["sm_90a"]
 
 
 @pytest.mark.cpu
