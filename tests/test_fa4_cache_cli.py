@@ -305,7 +305,8 @@ def test_build_id_holds_the_dsl_settings_that_change_code(monkeypatch):
     for name in [n for n in os.environ if n.startswith("CUTE_DSL_") and n != "CUTE_DSL_ARCH"]:
         monkeypatch.delenv(name)
     plain = _cache.build_id()
-    for neutral in ("CUTE_DSL_LOG_LEVEL", "CUTE_DSL_KEEP", "CUTE_DSL_KEEP_PTX", "CUTE_DSL_DUMP_DIR", "CUTE_DSL_NO_CACHE"):
+    for neutral in ("CUTE_DSL_LOG_LEVEL", "CUTE_DSL_KEEP", "CUTE_DSL_KEEP_PTX", "CUTE_DSL_DUMP_DIR",
+                    "CUTE_DSL_NO_CACHE"):
         monkeypatch.setenv(neutral, "1")
     assert _cache.build_id() == plain
     ids = set()
