@@ -617,8 +617,15 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise ValueError(f"k_cache: a paged cache needs at least one page of at least one row, got "
                              f"{tuple(k_cache.shape)}")
         capacity, rows = cache_capacity(k_cache, block_table), None
+        if slots * per_slot >= 2 ** 31:
+            raise ValueError(f"k_cache: {slots} pages x {per_slot} rows exceed the kernel's int32 row offsets")
+        if capacity >= 2 ** 31:  # the split launch's key range and chunk offsets are int32 too
+            raise ValueError(f"block_table: {block_table.shape[1]} pages of {per_slot} rows a sequence ({capacity} "
+                             "keys) exceed the kernel's int32 key offsets")
     else:
         capacity = per_slot
+        if cache_batch_idx is not None and b and slots == 0:
+            raise ValueError(f"k_cache: cache_batch_idx names rows of a cache that has none ({tuple(k_cache.shape)})")
         rows = None if cache_batch_idx is None else \
             _int_vector("cache_batch_idx", cache_batch_idx, b, q.device)
         if rows is not None and b and values_check_enabled():  # FA4_VALIDATE=1: one host sync

@@ -378,7 +378,8 @@ def _launch_record(value):
 
 @pytest.mark.cpu
 @pytest.mark.fa4
-@pytest.mark.parametrize("case", ["dense", "rows-and-starts", "paged-window-range", "tokens-by-group", "softcap-pages"])
+@pytest.mark.parametrize("case", ["dense", "one-split", "rows-and-starts", "paged-window-range", "tokens-by-group",
+                                  "softcap-pages"])
 def test_unchecked_split_launch_equals_the_checked_one(case, monkeypatch):
     """fa4 launches the split kernel through `split_launch` and merges through `merge_launch`, which check
     nothing (flash_attn_with_kvcache's own checks imply theirs). Its step (fa4_split) must hand the kernels
@@ -430,6 +431,8 @@ def test_unchecked_split_launch_equals_the_checked_one(case, monkeypatch):
     elif case == "tokens-by-group":
         rows = torch.randn(b, 4, 8, d, dtype=torch.bfloat16)
         kw.update(causal=True, rows_per_query=4)
+    elif case == "one-split":
+        n, chunk = 1, 512
     g = kw["rows_per_query"]
     r, h = rows.shape[1] * g, rows.shape[2] // g
     scale = d ** -0.5
@@ -450,20 +453,57 @@ def test_unchecked_split_launch_equals_the_checked_one(case, monkeypatch):
     split_combine.merge_launch(out, lse_buf, n, merged, merged_lse, g)
     (merge_key, args_a), (key_b, args_b) = launches
     assert merge_key == key_b and args_a[:3] == args_b[:3] and args_a[4:] == args_b[4:]   # its own lse aside
-    # fa4's step: the same two kernels, the split one with the checked launch's arguments but its own outputs
+    # fa4's step: the same kernels, the split one with the checked launch's arguments but its own outputs,
+    # and (n > 1) the merge's outputs shaped and strided as combine_parts makes them
     be = _dispatch_sm90()
     monkeypatch.setattr(sys.modules["fa4._dispatch"], "backend_for", lambda device: be)
     launches.clear()
-    _kvcache.fa4_split(rows, k, k, lens, n, chunk, scale, kw["softcap"], page_table=kw["page_table"],
-                       causal=kw["causal"], rows_per_query=g, unpack=g, range_keys=kw["range_keys"],
-                       window=(100, None) if case == "paged-window-range" else (None, None),
-                       cache_rows=kw["cache_rows"], key_starts=kw["key_starts"])
-    (key_c, args_c), (key_m, _) = launches
-    assert key_c == split_key and key_m == merge_key
+    result = _kvcache.fa4_split(rows, k, k, lens, n, chunk, scale, kw["softcap"], page_table=kw["page_table"],
+                                causal=kw["causal"], rows_per_query=g, unpack=g if n > 1 else 1,
+                                range_keys=kw["range_keys"],
+                                window=(100, None) if case == "paged-window-range" else (None, None),
+                                cache_rows=kw["cache_rows"], key_starts=kw["key_starts"])
+    assert len(launches) == (2 if n > 1 else 1)
+    key_c, args_c = launches[0]
+    assert key_c == split_key
 
     def without_outputs(args):
         return args[:3] + args[5:]
     assert without_outputs(args_c) == without_outputs(split_args)
+
+    def layouts(args):  # the merge's tensors without their addresses (fa4's parts are its own)
+        return tuple(a[2:] if isinstance(a, tuple) and a[:1] == ("tensor",) else a for a in args)
+    if n > 1:
+        assert launches[1][0] == merge_key and layouts(launches[1][1]) == layouts(args_a)
+    else:  # the kernel writes the result itself: out (B, R, H', Dv), lse (B, H', R)
+        assert [tuple(t.shape) for t in result] == [(b, r, h, d), (b, h, r)]
+        assert args_c[3][1] == result[0].data_ptr() and args_c[4][1] == result[1].data_ptr()
+
+
+@pytest.mark.cpu
+@pytest.mark.fa4
+def test_packed_rows_is_the_view_chain_it_replaces():
+    """fa4._kvcache.packed_rows reads q (B, Sq, Hq, D) as (B, Sq g, Hkv, D) rows, row t g + j of KV head kv
+    being token t of query head kv g + j: one as_strided view for one token (the step's host time), the
+    same elements as view / transpose / reshape, also on strided and offset q."""
+    import torch
+
+    from fa4._kvcache import packed_rows
+
+    base = torch.randn(3, 5, 40, 72)
+    cases = [base[:, :1, :32, :64],                                  # a slice: offset, padded strides
+             base[1:2, 2:3, 8:32, 8:40],                             # batch 1, an offset start
+             base[:, :1, :8, :64].transpose(0, 0),                   # hkv == hq below (g = 1)
+             torch.randn(2, 32, 1, 64).transpose(1, 2),              # heads strided past the tokens (an HF view)
+             base[:, :3, :32, :64]]                                  # three tokens: the copy
+    for x, hkv in zip(cases, (8, 6, 8, 4, 8)):
+        b, sq, hq, d = x.shape
+        g = hq // hkv
+        want = x.reshape(b, sq, hkv, g, d).transpose(2, 3).reshape(b, sq * g, hkv, d)
+        got = packed_rows(x, hkv)
+        assert tuple(got.shape) == (b, sq * g, hkv, d) and torch.equal(got, want)
+        if sq == 1:
+            assert got.data_ptr() == x.data_ptr()                    # a view, no copy
 
 
 def _dispatch_sm90():

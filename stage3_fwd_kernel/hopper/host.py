@@ -538,7 +538,7 @@ def split_launch(q, k, v, out, lse, num_splits: int, chunk_keys: int, *, softmax
                       range_keys=RANGE_ALL if range_keys is None else range_keys)
     flags = varlen_flags(False, used is not None, rows is not None, starts is not None)
     dt = host_io.cutlass_dtype(q.dtype)
-    variant = Variant(window, softcap, False)
+    variant = Variant(window, float(softcap), False)  # (an int softcap would name another disk entry)
     key = _split_key(dt, d, dv, bool(causal), policy, flags, tile_m, variant, page_size, rows_per_query, trace.key())
     _compile(True, dt, d, dv, causal, policy, StaticTileScheduler, flags, tile_m, variant=variant,
              page_size=page_size, key_split=True, rows_per_query=rows_per_query, key=key).fn(*args)
