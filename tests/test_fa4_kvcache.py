@@ -41,7 +41,7 @@ def stand_in(q, k, v, cu_q, cu_k, used, max_q, max_k, scale, causal, window, sof
             idx = rows[i].reshape(-1)[ka:ka + n]
             out[qa:qb], lse[:, qa:qb] = dense(q[qa:qb], k_seg[idx], v_seg[idx], scale, causal, window, softcap)
         return out, lse
-    hq, hkv = q.shape[1], k.shape[1]
+    hq = q.shape[1]
     out = torch.zeros(q.shape[0], hq, v.shape[-1], dtype=torch.float64)
     lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float64)
     assert int(used.max()) <= max_k and int((cu_q[1:] - cu_q[:-1]).max()) <= max_q
@@ -846,7 +846,7 @@ def test_padded_block_table_entries_past_the_keys_are_never_indexed():
     """A server pads its tables with any value: the dense-copy fallback (pages < 128 keys the kernel
     cannot read in place) must not index with entries past a sequence's keys."""
     g = _gen(22)
-    b, hq, hkv, d, ps, pages = 2, 4, 2, 16, 8, 4
+    b, hq, hkv, d, ps = 2, 4, 2, 16, 8
     kp = torch.randn(10, ps, hkv, d, generator=g, dtype=torch.float64)
     vp = torch.randn(10, ps, hkv, d, generator=g, dtype=torch.float64)
     table = torch.tensor([[3, 7, 1_000_000, -5], [0, 9, 2, 4]], dtype=torch.int32)
@@ -1093,7 +1093,8 @@ def test_unservable_calls_are_refused_before_anything_is_appended(monkeypatch):
     before3 = kc3.clone()
     for idx in ([0, 5], [-1, 0]):
         with pytest.raises(ValueError, match="cache_batch_idx"):
-            call(q2, kc3, vc3, kc3[:2, :1].clone(), vc3[:2, :1].clone(), cache_seqlens=torch.tensor([2, 3], dtype=torch.int32),
+            call(q2, kc3, vc3, kc3[:2, :1].clone(), vc3[:2, :1].clone(),
+                 cache_seqlens=torch.tensor([2, 3], dtype=torch.int32),
                  cache_batch_idx=torch.tensor(idx, dtype=torch.int32))
     assert torch.equal(kc, before) and torch.equal(kc3, before3)
 
