@@ -26,6 +26,7 @@ import traceback
 import torch
 
 import stage3_fwd_kernel  # noqa: F401  (picks the DSL's target before a peer's import brings in cutlass)
+from stage3_fwd_kernel.runner import visible_pairs
 
 # the lessons, then the kernel fa4 runs (its stable entry module); every one has attention_forward
 LADDER = {
@@ -47,18 +48,6 @@ def flops(batch, heads, seqlen, d, dv, causal, window=None):
         return 2.0 * batch * heads * visible_pairs(seqlen, seqlen, *window, causal) * (d + dv)
     f = 2.0 * batch * heads * seqlen * seqlen * (d + dv)
     return f / 2 if causal else f
-
-
-def visible_pairs(seqlen_q: int, seqlen_k: int, left, right, causal: bool) -> int:
-    """(query, key) pairs one sequence computes with window (left, right) (None: unbounded; causal:
-    right 0), bottom-right aligned (query i's diagonal key is i + seqlen_k - seqlen_q), row by row."""
-    import numpy as np
-
-    diag = np.arange(seqlen_q, dtype=np.int64) + (seqlen_k - seqlen_q)
-    lo = np.zeros_like(diag) if left is None else np.maximum(diag - left, 0)
-    right = 0 if causal else right
-    hi = np.full_like(diag, seqlen_k - 1) if right is None else np.minimum(diag + right, seqlen_k - 1)
-    return int(np.maximum(hi - lo + 1, 0).sum())
 
 
 def timer():

@@ -18,25 +18,27 @@ def hopper_gpu_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
-    """(query, key) pairs a bottom-right causal mask keeps: row i sees its first sk - sq + 1 + i keys,
-    clamped to [0, sk]."""
-    first = seqlen_k - seqlen_q + 1                       # keys row 0 sees, before clamping
-    full = max(0, min(seqlen_q, seqlen_q - (seqlen_k - first)))  # rows from this one on see every key
-    rows = range(max(0, 1 - first), seqlen_q - full)      # rows that see some keys but not all
-    seen = (first + rows.start + first + rows.stop - 1) * len(rows) // 2 if len(rows) else 0
-    return seen + full * seqlen_k
+def visible_pairs(seqlen_q: int, seqlen_k: int, left, right, causal: bool) -> int:
+    """(query, key) pairs one sequence computes with window (left, right) (None: unbounded; causal:
+    right 0), bottom-right aligned (query i's diagonal key is i + seqlen_k - seqlen_q), row by row."""
+    import numpy as np
+
+    diag = np.arange(seqlen_q, dtype=np.int64) + (seqlen_k - seqlen_q)
+    lo = np.zeros_like(diag) if left is None else np.maximum(diag - left, 0)
+    right = 0 if causal else right
+    hi = np.full_like(diag, seqlen_k - 1) if right is None else np.minimum(diag + right, seqlen_k - 1)
+    return int(np.maximum(hi - lo + 1, 0).sum())
 
 
 def attention_flops(batch, seqlen_q, seqlen_k, heads, head_dim, head_dim_v, causal) -> float:
     """4*b*h*sq*sk*d (2 for QK^T, 2 for PV, with d the mean of the two head dims). Causal: halved when
-    sq = sk (the usual convention), else the pairs a bottom-right mask keeps (causal_pairs)."""
+    sq = sk (the usual convention), else the pairs a bottom-right mask keeps (visible_pairs)."""
     per_pair = 2.0 * batch * heads * (head_dim + head_dim_v)
     if not causal:
         return per_pair * seqlen_q * seqlen_k
     if seqlen_q == seqlen_k:
         return per_pair * seqlen_q * seqlen_k / 2
-    return per_pair * causal_pairs(seqlen_q, seqlen_k)
+    return per_pair * visible_pairs(seqlen_q, seqlen_k, None, None, True)
 
 
 def benchmark_ms(fn, warmup=5, iters=20) -> float:
