@@ -367,7 +367,6 @@ class DiskCache:
                     continue
                 self._discard(path, f"load failed: {type(exc).__name__}: {str(exc)[:200]}")
                 return None
-        return None
 
     def write_report(self, khash: str, report: Optional[dict]):
         """Keep the compile's resource report (registers, smem, SASS counts) next to the object,

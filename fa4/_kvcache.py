@@ -223,7 +223,12 @@ def merge_segments(out, lse, n: int, kernel: bool = False, into=None, unpack: in
     if kernel and dv % 32 == 0:
         from stage3_fwd_kernel import split_combine
 
-        return split_combine.combine_parts(out, lse, n, out=into, rows_per_query=unpack)
+        # the layouts are this module's own (the varlen kernel's or the split launch's parts): combine_parts'
+        # checks would hold, so its unchecked launch spares a decode step their host time
+        g = unpack
+        into = out.new_empty(bn // n, r // g, h * g, dv) if into is None else into
+        merged_lse = torch.empty(bn // n, h * g, r // g, device=out.device, dtype=torch.float32)
+        return split_combine.merge_launch(out, lse, n, into, merged_lse, g)
     out, lse = merge_parts(out.view(bn // n, n, r, h, dv), lse.permute(1, 2, 0).reshape(bn // n, n, r, h), dim=1)
     lse = lse.transpose(1, 2)                                                               # (B, H, R)
     if unpack > 1:
@@ -349,15 +354,7 @@ def fa4_split(rows, k_cache, v_cache, seqlens_k, n: int, chunk: int, scale, soft
     lse = torch.empty(h, b * n, r, device=rows.device, dtype=torch.float32)                # the merge's layout
     parts = torch.empty(b * n, r, h, dv, device=rows.device, dtype=rows.dtype)
     mod.split_launch(rows, k_cache, v_cache, parts, lse.permute(1, 0, 2), n, chunk, **kw)
-    if dv % 32:
-        return merge_segments(parts, lse, n, kernel=True, into=out, unpack=unpack)
-    from stage3_fwd_kernel import split_combine
-
-    g = unpack
-    if out is None:
-        out = torch.empty(b, r // g, h * g, dv, device=rows.device, dtype=rows.dtype)
-    merged_lse = torch.empty(b, h * g, r // g, device=rows.device, dtype=torch.float32)
-    return split_combine.merge_launch(parts, lse, n, out, merged_lse, g)
+    return merge_segments(parts, lse, n, kernel=True, into=out, unpack=unpack)
 
 
 @functools.lru_cache(maxsize=64)
@@ -602,6 +599,8 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             if t is not None and t.requires_grad:
                 raise ValueError(f"{name}: flash_attn_with_kvcache is forward only (inference); it requires grad -- "
                                  "use torch.no_grad() / inference_mode(), or fa4.flash_attn_func for training")
+    if slots * per_slot >= 2 ** 31:  # dense rows or pages x page size: the kernel's row offsets are int32
+        raise ValueError(f"k_cache: {slots} x {per_slot} rows exceed the kernel's int32 row offsets")
     if block_table is not None:
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx: not with block_table (the table already maps each sequence)")
@@ -617,8 +616,6 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             raise ValueError(f"k_cache: a paged cache needs at least one page of at least one row, got "
                              f"{tuple(k_cache.shape)}")
         capacity, rows = cache_capacity(k_cache, block_table), None
-        if slots * per_slot >= 2 ** 31:
-            raise ValueError(f"k_cache: {slots} pages x {per_slot} rows exceed the kernel's int32 row offsets")
         if capacity >= 2 ** 31:  # the split launch's key range and chunk offsets are int32 too
             raise ValueError(f"block_table: {block_table.shape[1]} pages of {per_slot} rows a sequence ({capacity} "
                              "keys) exceed the kernel's int32 key offsets")
@@ -632,8 +629,6 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
             lo, hi = int(rows.min()), int(rows.max())
             if lo < 0 or hi >= slots:
                 raise ValueError(f"cache_batch_idx: values in [{lo}, {hi}] name rows outside the cache's {slots}")
-        if slots * per_slot >= 2 ** 31:
-            raise ValueError(f"k_cache: {slots} x {per_slot} rows exceed the kernel's int32 row offsets")
         if cache_batch_idx is None and slots < b:
             raise ValueError(f"k_cache: holds {slots} sequences but q has batch {b} (pass cache_batch_idx)")
     if (k is None) != (v is None):

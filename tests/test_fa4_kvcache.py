@@ -979,7 +979,7 @@ def _refusal_cases():
          dict(block_table=torch.zeros(2, 32768, dtype=torch.int32, device="meta")), ValueError,
          r"^block_table: 32768 pages of 65536 rows a sequence \(2147483648 keys\) exceed the kernel's int32"),
         ("page-pool-past-int32", (q, m(32768, 65536, 2, 128), m(32768, 65536, 2, 128)), dict(block_table=table),
-         ValueError, r"^k_cache: 32768 pages x 65536 rows exceed the kernel's int32 row offsets"),
+         ValueError, r"^k_cache: 32768 x 65536 rows exceed the kernel's int32 row offsets"),
         ("batch-idx-into-no-rows", (q, m(0, 256, 2, 128), m(0, 256, 2, 128)),
          dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32, device="meta")), ValueError,
          r"^k_cache: cache_batch_idx names rows of a cache that has none"),

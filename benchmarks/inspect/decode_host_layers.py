@@ -43,13 +43,11 @@ def main(argv=None) -> int:
     from stage3_fwd_kernel import split_combine
     from stage3_fwd_kernel.hopper import host
 
-    from .host_overhead import plans_setting
+    from .host_overhead import decode_problem, plans_setting
 
-    b, s, hq, hkv, d = args.batch, args.keys, 32, 8, 128
+    q, k, v, lens = decode_problem(args.batch, args.keys)  # (B, 1, Hq, D), (B, S, Hkv, D) x 2, (B,) int32
+    (b, _, hq, d), s, hkv = q.shape, k.shape[1], k.shape[2]
     g = hq // hkv
-    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
     scale = d ** -0.5
     sm = _kvcache._sm_count(q.device)
     n = _kvcache.choose_num_splits(b, hkv * 1, s, sm)
