@@ -450,10 +450,9 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
         if page_table is not None:
             raise ValueError("key_starts: a dense cache's first keys; a paged range starts on its pages")
         _check_per_sequence("key_starts", key_starts, b, q.device)
-    k_in, v_in = k, v
-    if page_table is not None:
-        k, v, page_size, page_table = flat_paged_cache(k, v, page_table, b, seqused_k, tile_n)
-        k, v, cache_keys = k.unsqueeze(0), v.unsqueeze(0), page_table.shape[1] * page_size
+    if page_table is not None:  # (the checks: split_launch flattens the pages itself)
+        _, _, page_size, page_table = flat_paged_cache(k, v, page_table, b, seqused_k, tile_n)
+        cache_keys = page_table.shape[1] * page_size
     elif k.shape[0] < (b if cache_rows is None else min(b, 1)) or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"k, v: expected (>= B={b}, S, Hkv, *) caches (sequence b in row b; any rows with "
                          f"cache_rows), got {tuple(k.shape)}, {tuple(v.shape)}")
@@ -494,7 +493,7 @@ def attention_split_forward(q, k, v, num_splits: int, chunk_keys: int, *, sequse
     bn = b * num_splits
     check_grid(StaticTileScheduler, -(-r // tile_m), hq, bn)
     out, lse = _outputs(out, lse, (bn, r, hq, dv), (bn, hq, r), q)
-    return split_launch(q, k_in, v_in, out, lse, num_splits, chunk_keys, softmax_scale=softmax_scale, causal=causal,
+    return split_launch(q, k, v, out, lse, num_splits, chunk_keys, softmax_scale=softmax_scale, causal=causal,
                         window=window, softcap=variant.softcap, rows_per_query=rows_per_query, tile_m=tile_m,
                         seqused_k=seqused_k, page_table=page_table, cache_rows=cache_rows, key_starts=key_starts,
                         range_keys=range_keys, policy=policy)
