@@ -77,12 +77,18 @@ def native_head_dims(q, v) -> bool:
 def attend(q, k, v, scale, causal, left, right, softcap, sink, seqlens=None, page_table=None):
     """q (B, Sq, Hq, D) against a dense cache k / v (B, Sk, Hkv, *) or pages with page_table, the first
     seqlens[b] keys of each sequence (None: all): flash_attn_with_kvcache's attention. The arguments
-    were checked by the caller; head dims that run padded are padded here. Returns (out (B, Sq, Hq,
-    Dv), lse (B, Hq, Sq) fp32)."""
+    were checked by the caller, and `takes` said yes; head dims that run padded are padded here. A
+    dense call skips flash_attn_with_kvcache's checks (_kvcache.dense_decode: flash_attn_func's imply
+    them); a paged one keeps them (its own checks saw stand-ins for the pages). Returns (out (B, Sq,
+    Hq, Dv), lse (B, Hq, Sq) fp32)."""
     from ._layouts import pad_head_dims
     from ._validate import _last_dim_contiguous
 
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))  # (a paged call's pages: its checks saw stand-ins)
+    if page_table is None and seqlens is None:
+        q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
+        out, lse = _kvcache.dense_decode(q, k, v, scale, causal, left, right, softcap, sink)
+        return unpad(out), lse
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     q, k, v, unpad = pad_head_dims(q, k, v, sink=sink)
     out, lse = _kvcache.with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=page_table, softmax_scale=scale,
                                      causal=causal, window_size=(left, right), softcap=softcap,

@@ -71,10 +71,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _paged
+from . import _dispatch, _ops, _paged, _plans
 from ._layouts import gather_kv_pages, shape_constant
 from ._lse_merge import add_sink, merge_parts
-from ._validate import MAX_GRID_YZ
+from ._validate import (MAX_GRID_YZ, _check_flag, check_grid, check_learnable_sink, check_softcap, check_softmax_scale,
+                        check_window)
 
 TILE_M = 128              # query rows of one CTA tile in the Hopper forward
 KEY_TILE = 128            # the Hopper forward's widest key block: chunks are its multiples, paged ranges start on one
@@ -693,9 +694,6 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     the SM count and whether pages are read in place; the CPU tests pass torch stand-ins). On the
     device, eager calls take the split-KV launch where it applies (`attention_with_cache`); traced
     ones (torch.compile, fake or meta tensors) the same path as one custom op (`kvcache_attention`)."""
-    from ._validate import (_check_flag, check_grid, check_learnable_sink, check_softcap, check_softmax_scale,
-                            check_window)
-
     for name, flag in (("causal", causal), ("rotary_interleaved", rotary_interleaved),
                        ("return_softmax_lse", return_softmax_lse)):
         _check_flag(name, flag)
@@ -721,22 +719,16 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         raise ValueError("learnable_sink: flash_attn_with_kvcache is forward only (inference); it requires grad -- "
                          "use torch.no_grad() / inference_mode(), or fa4.flash_attn_func for training")
     scale = check_softmax_scale("softmax_scale", softmax_scale, q.shape[-1])
-    traced = False
+    traced, backend = False, None
     if varlen is fa4_varlen:  # refuse what the device cannot run before writing to the cache
-        from . import _dispatch, _ops
-
         # meta tensors trace shapes only: no device to ask, so they are held to the Hopper kernels' rules
         backend = _dispatch.backend_for(q.device) if q.device.type != "meta" else \
             _dispatch.make_backend(_dispatch.ARCHS["sm_90"])
         check_native_head_dims(backend, q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         check_grid("q", q.shape[0], q.shape[2])  # every route's grid (y, z): before the append
-        # torch.compile, fake or meta tensors: the attention is one custom op (kvcache_attention), whose
-        # implementation is the eager path below
-        traced = not _ops.eager_ok(q, k_cache, v_cache, block_table)
-        if not traced:
-            sm_count, split, paged_in_place = _device_route(q, k_cache, v_cache, block_table, causal, (left, right),
-                                                            pack_gqa)
+        traced, sm_count, split, paged_in_place = _route(backend, q, k_cache, v_cache, block_table, causal,
+                                                         (left, right), pack_gqa)
     if pack_gqa:  # what attention_with_cache would refuse (plan_layout), refused before anything is appended
         group = q.shape[2] // k_cache.shape[2]
         if traced and block_table is not None:  # the op routes it after the append: _device_route's check, now
@@ -752,21 +744,56 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     step = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, rows, block_table, sink, starts)
     flags = (scale, causal, (left, right), softcap, rotary_interleaved, num_splits, pack_gqa, return_softmax_lse,
              paged_in_place)
-    if traced or varlen is not fa4_varlen:  # traced, or the CPU tests' stand-ins
-        return _cache_step(step, flags, sm_count, varlen, split, traced)
-    # eager on the device: a launch plan (fa4._plans) replays the step's torch functions and kernels
-    from . import _plans
+    if varlen is not fa4_varlen:  # the CPU tests' stand-ins
+        return _cache_step(step, flags, sm_count, varlen, split)
+    return _run_step(backend, step, flags, traced, sm_count, split)
 
+
+def _route(backend, q, k_cache, v_cache, block_table, causal: bool, window, pack_gqa) -> tuple:
+    """(traced, SM count, the split launch, pages read in place) of a call on the device: torch.compile,
+    fake or meta tensors are traced (the attention is one custom op, kvcache_attention, whose
+    implementation is the eager path), eager calls take _device_route's answer."""
+    if not _ops.eager_ok(q, k_cache, v_cache, block_table):
+        return True, None, None, False
+    return (False,) + _device_route(q, k_cache, v_cache, block_table, causal, window, pack_gqa)
+
+
+def _run_step(backend, step: tuple, flags: tuple, traced: bool, sm_count, split):
+    """A checked call on the device (with_kvcache, dense_decode): traced, the custom op; eager, a launch
+    plan (fa4._plans) replaying the step's torch functions and kernels, or the step itself."""
+    if traced:
+        return _cache_step(step, flags, sm_count, fa4_varlen, split, traced)
     sig = backend._plan_signature("kvcache", step, flags)
     if sig is None:  # plans off: no replay, nothing to record
-        return _cache_step(step, flags, sm_count, varlen, split)
+        return _cache_step(step, flags, sm_count, fa4_varlen, split)
     done = _plans.replay(sig, backend.arch.cute_arch, step)
     if done is not None:
         return done
     with _plans.recording(sig, backend.arch.cute_arch, step) as record:
-        result = _cache_step(step, flags, sm_count, varlen, split)
+        result = _cache_step(step, flags, sm_count, fa4_varlen, split)
         record(result)
     return result
+
+
+def dense_decode(q, k, v, scale: float, causal: bool, left, right, softcap: float, sink):
+    """flash_attn_func's decode route (fa4._decode_route): q (B, Sq, Hq, D) against every key of a dense
+    k / v (B, Sk, Hkv, *), as flash_attn_with_kvcache(q, k, v, softmax_scale=scale, causal=causal,
+    window_size=(left, right), softcap=softcap, learnable_sink=sink, return_softmax_lse=True) computes
+    it, without that function's checks: flash_attn_func's (check_fixed, check_variants) and the route's
+    (_decode_route.takes: sm_90, no gradient, 1 <= Sq, int32 row offsets) imply them, and the head dims
+    are a native pair (the route pads them first). Each check would be host time on every step.
+    Returns (out (B, Sq, Hq, Dv), lse (B, Hq, Sq) fp32)."""
+    b, sq = q.shape[:2]
+    capacity = k.shape[1]
+    seqlens = shape_constant(("full", q.device, b, capacity),
+                             lambda: torch.full((b,), capacity, dtype=torch.int32, device=q.device))
+    # with_kvcache's clamps: a window past the cache sees all of it
+    window = (None if left is None else min(left, capacity), None if right is None else min(right, capacity + sq))
+    backend = _dispatch.backend_for(q.device)
+    traced, sm_count, split, in_place = _route(backend, q, k, v, None, causal, window, None)
+    step = (q, k, v, None, None, None, None, seqlens, None, None, sink, None)
+    flags = (scale, causal, window, softcap, True, 0, None, True, in_place)
+    return _run_step(backend, step, flags, traced, sm_count, split)
 
 
 def _cache_step(step: tuple, flags: tuple, sm_count, varlen, split, traced: bool = False):

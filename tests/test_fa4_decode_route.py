@@ -98,3 +98,47 @@ def test_takes_refuses_calls_inside_a_forward_ad_level(hopper):
     assert route.takes(q, k, k, None, 1, 4096, 1)
     with fwad.dual_level():
         assert not route.takes(q, k, k, None, 1, 4096, 1)
+
+
+DENSE_CASES = {  # sq, hq, hkv, sk, d, causal, window_size, softcap, sink
+    "one-token": (1, 32, 8, 1000, 128, False, (None, None), 0.0, False),
+    "causal-window": (3, 16, 2, 700, 128, True, (100, 0), 0.0, False),
+    "two-sided-window": (5, 8, 8, 300, 64, False, (64, 2), 0.0, False),
+    "window-past-the-cache": (2, 8, 2, 50, 128, False, (5000, 6000), 0.0, False),
+    "softcap-sink": (1, 32, 8, 999, 128, True, (-1, -1), 30.0, True),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE_CASES))
+def test_dense_decode_runs_the_step_with_kvcache_would(monkeypatch, name):
+    """flash_attn_func's decode route skips flash_attn_with_kvcache's checks (_kvcache.dense_decode): the step it
+    hands the launch path -- tensors, cache lengths, flags, route -- is the one with_kvcache builds from the same
+    call. Fails if dense_decode drops with_kvcache's window clamp, its cache lengths or a flag."""
+    from fa4 import _kvcache, _ops, _validate
+
+    sq, hq, hkv, sk, d, causal, window, softcap, with_sink = DENSE_CASES[name]
+    backend = SimpleNamespace(arch=SimpleNamespace(head_dims=((64, 64), (128, 128)), key="sm_90"),
+                              SPLIT_KV_LAUNCH=True, check_variants=lambda *args: None)
+    routes, steps = [], []
+    monkeypatch.setattr(_validate, "_check_dtypes_devices", lambda names, tensors: None)  # CPU tensors stand in
+    monkeypatch.setattr(_dispatch, "backend_for", lambda device: backend)
+    monkeypatch.setattr(_ops, "eager_ok", lambda *tensors: True)
+    monkeypatch.setattr(_kvcache, "_device_route", lambda *args: routes.append(args) or (132, "split", False))
+    monkeypatch.setattr(_kvcache, "_run_step", lambda *args: steps.append(args) or (None, None))
+    q, k, v = torch.randn(2, sq, hq, d), torch.randn(2, sk, hkv, d), torch.randn(2, sk, hkv, d)
+    sink = torch.randn(hq) if with_sink else None
+    scale = d ** -0.5
+    _kvcache.with_kvcache(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                          learnable_sink=sink, return_softmax_lse=True)
+    left, right, causal_v, softcap_v, sink_v = _validate.check_variants(q, causal, window, softcap, sink)
+    _kvcache.dense_decode(q, k, v, scale, causal_v, left, right, softcap_v, sink_v)
+    assert len(steps) == 2 and len(routes) == 2
+    (b0, step0, flags0, *route0), (b1, step1, flags1, *route1) = steps
+    assert b0 is b1 and flags0 == flags1 and route0 == route1, (flags0, flags1, route0, route1)
+    assert len(step0) == len(step1)
+    for i, (x, y) in enumerate(zip(step0, step1)):
+        if isinstance(x, torch.Tensor) and i == 7:  # the cache lengths: equal values (one shape constant each)
+            assert torch.equal(x, y)
+        else:
+            assert x is y, f"step item {i} differs"
+    assert routes[0][1:] == routes[1][1:] and all(a is b for a, b in zip(routes[0][:3], routes[1][:3]))

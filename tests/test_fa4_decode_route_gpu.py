@@ -19,15 +19,16 @@ BF16 = torch.bfloat16   # (the conftest skips the gpu tier where no CUDA device 
 
 @pytest.fixture
 def routed(monkeypatch):
-    """Counts the calls that reach flash_attn_with_kvcache's implementation."""
+    """Counts the calls that reach flash_attn_with_kvcache's launch path (`_run_step`: with_kvcache's after its
+    checks, and dense_decode's, which flash_attn_func's dense decode calls take without them)."""
     calls = []
-    real = _kvcache.with_kvcache
+    real = _kvcache._run_step
 
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
+    def spy(backend, step, *args):
+        calls.append(step[0].shape)
+        return real(backend, step, *args)
 
-    monkeypatch.setattr(_kvcache, "with_kvcache", spy)
+    monkeypatch.setattr(_kvcache, "_run_step", spy)
     return calls
 
 
