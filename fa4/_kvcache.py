@@ -727,8 +727,8 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
         check_native_head_dims(backend, q.shape[-1], v_cache.shape[-1])
         backend.check_variants((left, right), softcap, None)
         check_grid("q", q.shape[0], q.shape[2])  # every route's grid (y, z): before the append
-        traced, sm_count, split, paged_in_place = _route(backend, q, k_cache, v_cache, block_table, causal,
-                                                         (left, right), pack_gqa)
+        traced, sm_count, split, paged_in_place = _route(q, k_cache, v_cache, block_table, causal, (left, right),
+                                                         pack_gqa)
     if pack_gqa:  # what attention_with_cache would refuse (plan_layout), refused before anything is appended
         group = q.shape[2] // k_cache.shape[2]
         if traced and block_table is not None:  # the op routes it after the append: _device_route's check, now
@@ -749,7 +749,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
     return _run_step(backend, step, flags, traced, sm_count, split)
 
 
-def _route(backend, q, k_cache, v_cache, block_table, causal: bool, window, pack_gqa) -> tuple:
+def _route(q, k_cache, v_cache, block_table, causal: bool, window, pack_gqa) -> tuple:
     """(traced, SM count, the split launch, pages read in place) of a call on the device: torch.compile,
     fake or meta tensors are traced (the attention is one custom op, kvcache_attention, whose
     implementation is the eager path), eager calls take _device_route's answer."""
@@ -790,7 +790,7 @@ def dense_decode(q, k, v, scale: float, causal: bool, left, right, softcap: floa
     # with_kvcache's clamps: a window past the cache sees all of it
     window = (None if left is None else min(left, capacity), None if right is None else min(right, capacity + sq))
     backend = _dispatch.backend_for(q.device)
-    traced, sm_count, split, in_place = _route(backend, q, k, v, None, causal, window, None)
+    traced, sm_count, split, in_place = _route(q, k, v, None, causal, window, None)
     step = (q, k, v, None, None, None, None, seqlens, None, None, sink, None)
     flags = (scale, causal, window, softcap, True, 0, None, True, in_place)
     return _run_step(backend, step, flags, traced, sm_count, split)

@@ -170,6 +170,18 @@ def test_varlen_padded_dense_decode_routed(routed):
     _check(out, lse, q, k, v, lens.tolist(), "padded dense", causal=True)
 
 
+def test_varlen_padded_dense_decode_every_key_routed(routed):
+    """Both sides padded, no seqused_k: every key is used, so the call takes flash_attn_func's dense route
+    (_kvcache.dense_decode), a window and a softcap included."""
+    b, hq, hkv, s = 2, 16, 4, 1500
+    q, k, v = _rand(b, 3, hq, 128, seed=23), _rand(b, s, hkv, 128, seed=24), _rand(b, s, hkv, 128, seed=25)
+    with torch.no_grad():
+        out, lse = fa4.flash_attn_varlen_func(q, k, v, causal=True, window_size=(200, 0), softcap=20.0,
+                                              return_lse=True)
+    assert len(routed) == 1
+    _check(out, lse, q, k, v, [s] * b, "padded dense, every key", causal=True, window_size=(200, 0), softcap=20.0)
+
+
 def test_decode_route_graph_and_compile(routed):
     q, k, v = _rand(2, 1, 32, 128, seed=20), _rand(2, 5000, 8, 128, seed=21), _rand(2, 5000, 8, 128, seed=22)
     with torch.no_grad():
