@@ -103,6 +103,16 @@ def run_case(name, d, seqlen, rounds, rng, impls):
     return rows
 
 
+def window_pair_shares(seqlen: int, window: int) -> dict:
+    """The (query, key) pairs of causal + (window, 0) attention at seqlen as a share of causal's and of
+    non-causal attention's pairs: the time ratios a kernel would show if every pair cost the same in all
+    three calls. {"causal": ~2 window / seqlen, "full": ~window / seqlen}."""
+    from stage3_fwd_kernel.runner import visible_pairs
+
+    pairs = visible_pairs(seqlen, seqlen, window, 0, True)
+    return {"causal": pairs / visible_pairs(seqlen, seqlen, None, None, True), "full": pairs / (seqlen * seqlen)}
+
+
 def window_cost(d, seqlen, window, rounds, rng):
     """fa4 at one seqlen: causal + (window, 0) against causal and against non-causal attention; the
     keys a row walks are ~window, ~seqlen / 2 and seqlen, so the time ratios to expect are about
@@ -128,8 +138,10 @@ def window_cost(d, seqlen, window, rounds, rng):
         mhz = {n: [None] * rounds for n in calls}
         for n, r, t0, t1 in spans:
             mhz[n][r] = clocks.mean_mhz(t0, t1)
+        shares = window_pair_shares(seqlen, window)
         row = {"case": f"window{window}_cost", "direction": direction, "head_dim": d, "seqlen": seqlen,
-               "window": window, "ms_rounds": times, "mhz_rounds": mhz, "window_over_seqlen": window / seqlen}
+               "window": window, "ms_rounds": times, "mhz_rounds": mhz, "window_over_seqlen": window / seqlen,
+               "pair_share_causal": shares["causal"], "pair_share_full": shares["full"]}
         for peer in ("causal", "full"):
             row[f"window_over_{peer}"] = statistics.median(w / c for w, c in zip(times["window"], times[peer]))
             cycles = [(w * wm) / (c * cm) for w, c, wm, cm in zip(times["window"], times[peer], mhz["window"],
@@ -140,7 +152,8 @@ def window_cost(d, seqlen, window, rounds, rng):
         print(f"window {window} at {seqlen} d={d} {direction}: {row['window_over_causal']:.3f} of the causal time, "
               f"{row['window_over_full']:.3f} of the non-causal time"
               + (f" ({in_cycles:.3f} in SM cycles)" if in_cycles else " (no SM clock samples)")
-              + f" (window / seqlen = {window / seqlen:.4f})", flush=True)
+              + f" (window / seqlen = {window / seqlen:.4f}; its pairs are {shares['causal']:.4f} of causal's, "
+              f"{shares['full']:.4f} of non-causal's)", flush=True)
     return rows
 
 

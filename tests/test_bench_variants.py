@@ -36,3 +36,23 @@ def test_stage3_readme_holds_the_table_of_the_committed_results(capsys):
     assert table in block, "run: python -m benchmarks.bench_variants --table " + " ".join(p.name for p in RESULTS)
     docs = [json.loads(p.read_text()) for p in RESULTS]
     assert [d["results"][0]["seqlen"] for d in docs] == [4096, 8192, 16384]
+
+
+@pytest.mark.parametrize("seqlen, window", [(16384, 1024), (4096, 1024), (2000, 37), (8, 100)])
+def test_window_pair_shares_count_the_pairs_row_by_row(seqlen, window):
+    """Row i of causal + (window, 0) sees keys [max(i - window, 0), i]: min(i, window) + 1 pairs."""
+    pairs = sum(min(i, window) + 1 for i in range(seqlen))
+    shares = bench_variants.window_pair_shares(seqlen, window)
+    assert shares["causal"] == pytest.approx(pairs / (seqlen * (seqlen + 1) // 2), rel=1e-12)
+    assert shares["full"] == pytest.approx(pairs / seqlen ** 2, rel=1e-12)
+
+
+def test_the_window_cost_files_record_time_above_the_pair_shares():
+    """The committed 16k window runs against the pairs: no call ran faster than its share of the work, so the
+    1.3 x window / seqlen x causal time line (0.081 of causal's time) sits below a (1024, 0) window's share of
+    causal's pairs (0.121)."""
+    doc = json.loads((ROOT / "benchmarks" / "results" / "variants_window_cost_0c3e279_h200.json").read_text())
+    shares = bench_variants.window_pair_shares(16384, 1024)
+    assert 1.3 * 1024 / 16384 < shares["causal"]
+    for row in doc["results"]:
+        assert row["window_over_causal"] > shares["causal"] and row["window_over_full"] > shares["full"]
