@@ -564,6 +564,20 @@ def rotary_q_steps(causal: bool, window, capacity: int) -> bool:
     return causal or any(side is not None and side < capacity for side in window)
 
 
+def full_lengths(device, b: int, keys: int):
+    """Cache lengths (B,) int32 all `keys`, one shape constant per (device, B, keys): no tensor made a call."""
+    return shape_constant(("full", device, b, keys),
+                          lambda: torch.full((b,), keys, dtype=torch.int32, device=device))
+
+
+def clamped_window(left, right, capacity: int, sq: int) -> tuple:
+    """(left, right) with a side past the cache's rows clamped, so no key offset overflows int32: it sees
+    all of the cache anyway. The right edge goes to the rows plus the queries: query row 0 sits Sq - 1 rows
+    before the last key, so a right edge up to capacity + Sq still decides what it sees when the queries
+    outnumber the keys."""
+    return (None if left is None else min(left, capacity), None if right is None else min(right, capacity + sq))
+
+
 def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                      block_table, cuda=True, causal=False, window=(None, None)):
     """Shapes, dtypes, devices; returns (seqlens_k before the append (B,) int32, cache_rows (B,) or None:
@@ -638,8 +652,7 @@ def check_cache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_se
     if new > capacity:
         raise ValueError(f"k: {new} new tokens do not fit a cache of {capacity} rows per sequence")
     if cache_seqlens is None:
-        seqlens = shape_constant(("full", q.device, b, capacity - new),
-                                 lambda: torch.full((b,), capacity - new, dtype=torch.int32, device=q.device))
+        seqlens = full_lengths(q.device, b, capacity - new)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity - new:
             raise ValueError(f"cache_seqlens: {cache_seqlens} keys plus {new} new ones do not fit a cache of "
@@ -708,11 +721,7 @@ def with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary
                                                cache_batch_idx, block_table, cuda=varlen is fa4_varlen,
                                                causal=causal, window=(left, right))
     starts = check_leftpad(cache_leftpad, q, block_table, seqlens)
-    # a window past the cache's rows sees all of it: clamped, so no key offset overflows int32 (the right
-    # edge to the rows plus the queries: query row 0 sits Sq - 1 rows before the last key, so a right edge
-    # up to capacity + Sq still decides what it sees when the queries outnumber the keys)
-    left = None if left is None else min(left, capacity)
-    right = None if right is None else min(right, capacity + q.shape[1])
+    left, right = clamped_window(left, right, capacity, q.shape[1])
     softcap = check_softcap(softcap)
     sink = check_learnable_sink(learnable_sink, q)
     if sink is not None and sink.requires_grad and torch.is_grad_enabled():
@@ -785,10 +794,8 @@ def dense_decode(q, k, v, scale: float, causal: bool, left, right, softcap: floa
     Returns (out (B, Sq, Hq, Dv), lse (B, Hq, Sq) fp32)."""
     b, sq = q.shape[:2]
     capacity = k.shape[1]
-    seqlens = shape_constant(("full", q.device, b, capacity),
-                             lambda: torch.full((b,), capacity, dtype=torch.int32, device=q.device))
-    # with_kvcache's clamps: a window past the cache sees all of it
-    window = (None if left is None else min(left, capacity), None if right is None else min(right, capacity + sq))
+    seqlens = full_lengths(q.device, b, capacity)
+    window = clamped_window(left, right, capacity, sq)
     backend = _dispatch.backend_for(q.device)
     traced, sm_count, split, in_place = _route(q, k, v, None, causal, window, None)
     step = (q, k, v, None, None, None, None, seqlens, None, None, sink, None)
