@@ -57,10 +57,34 @@ def test_paired_backward_table_takes_the_newest_run_with_both_masks(tmp_path, mo
     write(9, [row("step3_rs", 64, c, 8192, 1.2) for c in (False, True)])          # one seqlen
     write(10, [row("step3_rs~x=1", 64, c, s, 1.2) for c in (False, True) for s in (4096, 16384)])  # a variant
     monkeypatch.setattr(ladder, "RESULTS", tmp_path)
+    monkeypatch.setattr(ladder, "BWD_TARGETS", {128: 1.00, 64: 1.00})
     rows = [line for line in ladder.render_paired_bwd().splitlines() if line.startswith("| d = ")]
     assert len(rows) == 1 and "run7" in rows[0] and "(c7, 5 rounds)" in rows[0]  # no d = 128 run: no row
     assert "| 1.020 / 0.980 | - | 1.020 / 0.980 |" in rows[0]
     assert rows[0].endswith("| >= 1.00x (now 0.98-1.02) | non-causal only |")
+
+
+def test_paired_backward_table_judges_every_length_from_2k_against_the_backward_target(tmp_path, monkeypatch):
+    """The backward's row has a 2k column and its 2k ratios count: 1.06x at 4k-16k with 1.03x at 2k
+    misses a 1.05x target; 1k is shown nowhere and does not count."""
+    results = [{"impl": "production", "head_dim": 64, "causal": c, "seqlen": s, "ratio_median": r}
+               for c in (False, True) for s, r in ((1024, 0.5), (2048, 1.03), (4096, 1.06), (16384, 1.07))]
+    doc = {"device": "NVIDIA H100 80GB HBM3", "git_commit": "c1", "method": "5 interleaved rounds",
+           "production_variant": "production", "results": results}
+    (tmp_path / "ab_bwd_h100_run1_x.json").write_text(json.dumps(doc))
+    monkeypatch.setattr(ladder, "RESULTS", tmp_path)
+    monkeypatch.setattr(ladder, "BWD_TARGETS", {64: 1.05})
+    table = ladder.render_paired_bwd().splitlines()
+    assert table[0].startswith("| head dim | run (commit) | 2k | 4k | 8k | 16k | target at 2k-16k |")
+    assert table[1].count("|") == table[0].count("|")
+    assert table[2].endswith("| 1.030 / 1.030 | 1.060 / 1.060 | - | 1.070 / 1.070 | >= 1.05x (now 1.03-1.07) | no |")
+    monkeypatch.setattr(ladder, "BWD_TARGETS", {64: 1.03})
+    assert ladder.render_paired_bwd().splitlines()[2].endswith("| >= 1.03x (now 1.03-1.07) | yes |")
+    doc["git_commit"], doc["device"] = "c2", "NVIDIA H200"
+    for r in doc["results"]:
+        r["ratio_median"] = 1.04
+    (tmp_path / "ab_bwd_h200_run2_x.json").write_text(json.dumps(doc))  # a later run on an H200 is the newest
+    assert "`ab_bwd_h200_run2_x.json` (c2," in ladder.render_paired_bwd().splitlines()[2]
 
 
 def test_paired_backward_table_counts_later_rounds_of_the_same_kernel(tmp_path, monkeypatch):
@@ -76,6 +100,7 @@ def test_paired_backward_table_counts_later_rounds_of_the_same_kernel(tmp_path, 
     write(8, "abc+docs", [("step3_rs", True, 16384, 0.99)])
     write(9, "def", [("step3_rs", True, 4096, 0.90)])
     monkeypatch.setattr(ladder, "RESULTS", tmp_path)
+    monkeypatch.setattr(ladder, "BWD_TARGETS", {128: 1.00, 64: 1.00})
     rows = [line for line in ladder.render_paired_bwd().splitlines() if line.startswith("| d = ")]
     assert len(rows) == 1 and "run7" in rows[0] and "also `ab_bwd_h100_run8_x.json` (7 rounds, causal: 16k 0.990)" in rows[0]
     assert "run9" not in rows[0]
