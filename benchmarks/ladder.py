@@ -225,8 +225,8 @@ def render_paired() -> str:
 
 
 def _against_target(long: dict, target: float) -> str:
-    """The last two cells of a paired table's row: the target with the 4k-16k range measured, and
-    which masks meet it (long: causal -> the ratios at 4k-16k)."""
+    """The last two cells of a paired table's row: the target with the range measured at the lengths
+    judged (4k-16k forward, BWD_SEQLENS backward), and which masks meet it (long: causal -> those ratios)."""
     nc, ca = (bool(long[c]) and min(long[c]) >= target for c in (False, True))
     verdict = "yes" if nc and ca else "non-causal only" if nc else "causal only" if ca else "no"
     both = long[False] + long[True]
@@ -256,13 +256,14 @@ def render_paired_bwd() -> str:
             doc = json.loads(path.read_text())
             ratio = defaults(doc, d)
             seqlens = {s for _, s in ratio}
-            if len(seqlens) >= 2 and all((c, s) in ratio for c in (False, True) for s in seqlens):
+            if (len(seqlens) >= 2 and seqlens & set(BWD_SEQLENS)
+                    and all((c, s) in ratio for c in (False, True) for s in seqlens)):
                 break
         else:
             continue
         cells = [" / ".join(f"{ratio[(c, s)]:.3f}" for c in (False, True)) if s in seqlens else "-"
                  for s in BWD_SEQLENS]
-        long = {c: [ratio[(c, s)] for s in seqlens if s >= BWD_SEQLENS[0]] for c in (False, True)}
+        long = {c: [ratio[(c, s)] for s in seqlens if s in BWD_SEQLENS] for c in (False, True)}
         rounds = doc["method"].split(" ", 1)[0]
         run_cell = f"`{path.name}` ({doc['git_commit']}, {rounds} rounds)"
         kernel = doc["git_commit"].split("+")[0]
@@ -270,7 +271,7 @@ def render_paired_bwd() -> str:
             later = json.loads(later_path.read_text())
             extra = defaults(later, d) if later["git_commit"].split("+")[0] == kernel else {}
             for (c, s), value in extra.items():
-                if s >= BWD_SEQLENS[0]:
+                if s in BWD_SEQLENS:
                     long[c].append(value)
             if extra:
                 masks = "/".join(sorted({"causal" if c else "non-causal" for c, _ in extra}))

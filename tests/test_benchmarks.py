@@ -66,12 +66,16 @@ def test_paired_backward_table_takes_the_newest_run_with_both_masks(tmp_path, mo
 
 def test_paired_backward_table_judges_every_length_from_2k_against_the_backward_target(tmp_path, monkeypatch):
     """The backward's row has a 2k column and its 2k ratios count: 1.06x at 4k-16k with 1.03x at 2k
-    misses a 1.05x target; 1k is shown nowhere and does not count."""
+    misses a 1.05x target; 1k and 32k are shown nowhere and do not count; a newer run at lengths outside
+    the table only is passed over."""
     results = [{"impl": "production", "head_dim": 64, "causal": c, "seqlen": s, "ratio_median": r}
-               for c in (False, True) for s, r in ((1024, 0.5), (2048, 1.03), (4096, 1.06), (16384, 1.07))]
+               for c in (False, True) for s, r in ((1024, 0.5), (2048, 1.03), (4096, 1.06), (16384, 1.07),
+                                                   (32768, 1.5))]
     doc = {"device": "NVIDIA H100 80GB HBM3", "git_commit": "c1", "method": "5 interleaved rounds",
            "production_variant": "production", "results": results}
     (tmp_path / "ab_bwd_h100_run1_x.json").write_text(json.dumps(doc))
+    short = dict(doc, git_commit="c0", results=[dict(r, seqlen=s) for r in results[::5] for s in (512, 1024)])
+    (tmp_path / "ab_bwd_h100_run3_short.json").write_text(json.dumps(short))
     monkeypatch.setattr(ladder, "RESULTS", tmp_path)
     monkeypatch.setattr(ladder, "BWD_TARGETS", {64: 1.05})
     table = ladder.render_paired_bwd().splitlines()
